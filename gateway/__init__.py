@@ -1,0 +1,1 @@
+"""The gRPC front of kvstore: servicers, request validation, the server process."""

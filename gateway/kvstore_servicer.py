@@ -1,0 +1,122 @@
+"""The KVStore gRPC service: wire messages in, validated calls to the NVMe tier, wire messages out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway import validate
+from gateway.status import streaming, unary
+from gateway.validate import Layout
+from kvstore import __version__
+from kvstore.errors import InvalidArgument
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+
+#: Blocks read per executor call in a Get: enough to amortise the hop to the
+#: LMDB thread, small enough that the first block goes out quickly.
+GET_CHUNK_BLOCKS = 16
+
+_STATUS = {
+    ReadStatus.FOUND: pb.BLOCK_STATUS_FOUND,
+    ReadStatus.MISSING: pb.BLOCK_STATUS_MISSING,
+    ReadStatus.CORRUPT: pb.BLOCK_STATUS_CORRUPT,
+}
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """Serves global-KV blocks of the registered geometries from one NVMe tier.
+
+    Args:
+        tier: the LMDB tier (owns the executor for blocking work).
+        layouts: served geometries by name, the default first.
+        max_message_bytes: the server's message limit, reported to clients.
+    """
+
+    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], max_message_bytes: int) -> None:
+        self.tier = tier
+        self.layouts = layouts
+        self.max_message_bytes = max_message_bytes
+        self.settings = tier.settings
+
+    @unary
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
+        return pb.GetInfoResponse(
+            block_tokens=self.settings.block_tokens,
+            geometries=[
+                pb.GeometryInfo(name=name, fingerprint=lay.geometry.fingerprint, block_bytes=lay.block_bytes,
+                                bytes_per_token=lay.geometry.bytes_per_token)
+                for name, lay in self.layouts.items()
+            ],
+            max_batch_blocks=self.settings.max_batch_blocks,
+            max_message_bytes=self.max_message_bytes,
+            retention_hours=self.settings.retention_hours,
+            max_lease_ms=self.settings.max_lease_ms,
+            version=__version__,
+        )
+
+    @unary
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        hashes = validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
+        lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
+        # A binary search of ~14 index reads: cheaper inline than a hop to the executor.
+        found, lease = self.tier.lookup(scope, hashes, lease_ms / 1000.0)
+        return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
+                                 lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
+
+    @unary
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        if not request.lease_id:
+            raise InvalidArgument("lease_id is empty")
+        return pb.ReleaseResponse(released=self.tier.leases.release(request.lease_id))
+
+    @unary
+    async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        blocks = list(request.blocks)
+        plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
+                                 extra_keys=list(request.extra_keys), blocks=blocks,
+                                 limit=self.settings.max_batch_blocks)
+        result = await self.tier.call(self.tier.put, scope, plan.parent, plan.hashes, blocks, plan.is_root)
+        return pb.PutResponse(block_hashes=plan.hashes, written_blocks=result.written_blocks,
+                              existing_blocks=result.existing_blocks)
+
+    @streaming
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        hashes = validate.hashes(request.block_hashes, limit=self.settings.max_batch_blocks)
+        keys = [scope.key(h) for h in hashes]
+        found: list[bytes] = []
+        try:
+            for start in range(0, len(keys), GET_CHUNK_BLOCKS):
+                chunk = keys[start:start + GET_CHUNK_BLOCKS]
+                results = await self.tier.call(self.tier.read, chunk)
+                for offset, (status, data) in enumerate(results):
+                    if status is ReadStatus.FOUND:
+                        found.append(chunk[offset])
+                    yield pb.GetResponse(index=start + offset, status=_STATUS[status], data=data or b"")
+        finally:
+            self.tier.count_get(len(keys), len(found))
+        if found:
+            # Durable before the stream ends OK: a read the client saw complete
+            # restarts the blocks' retention clocks even across a crash.
+            await self.tier.call(self.tier.touch, found)
+
+    @unary
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        s = self.tier.stats()
+        c = s.counters
+        return pb.StatsResponse(
+            lookups=c.lookups, lookup_tokens_asked=c.lookup_tokens_asked,
+            lookup_tokens_found=c.lookup_tokens_found, gets=c.gets, get_tokens_asked=c.get_tokens_asked,
+            get_tokens_returned=c.get_tokens_returned, puts=c.puts, blocks_written=c.blocks_written,
+            bytes_written=c.bytes_written, rejected_puts=c.rejected_puts, evictions=c.evictions,
+            evicted_bytes=c.evicted_bytes, corrupt_blocks=c.corrupt_blocks, blocks_stored=s.blocks_stored,
+            bytes_stored=s.bytes_stored, capacity_bytes=s.capacity_bytes, bytes_free=s.bytes_free,
+            write_rate_bytes_per_s=s.write_rate_bytes_per_s, headroom_hours=s.headroom_hours,
+            retention_hours=s.retention_hours, active_leases=s.active_leases,
+            uptime_s=s.uptime_s,
+        )

@@ -1,0 +1,95 @@
+"""The kvstore server process: one grpc.aio server with the KVStore service,
+the standard health service and server reflection on one port."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from gateway.kvstore_servicer import KVStoreServicer
+from gateway.validate import Layout
+from kvstore import geometry
+from kvstore.clock import Clock
+from kvstore.config import Settings
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tiers.lmdb_tier import LmdbBlockTier
+
+log = logging.getLogger("kvstore.server")
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+
+
+@dataclass
+class RunningServer:
+    """A started server: its port, its gRPC server and the tier it owns."""
+
+    port: int
+    server: grpc.aio.Server
+    tier: LmdbBlockTier
+    health: health_aio.HealthServicer
+
+    @property
+    def target(self) -> str:
+        """Where clients on this host reach it."""
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop taking calls, let in-flight ones finish for `grace_s`, then close the tier.
+
+        Every Put acknowledged before this returns was committed (fsync) before
+        its answer went out, so nothing acknowledged is lost.
+        """
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        self.tier.close()
+
+
+async def start(settings: Settings, *, clock: Clock | None = None) -> RunningServer:
+    """Open the store and start serving on `settings.server.host:port`."""
+    tier = LmdbBlockTier(settings.store, clock=clock)
+    layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
+    limit = settings.server.max_message_bytes
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.so_reuseport", 0),
+    ])
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
+    if port == 0:
+        tier.close()
+        raise OSError(f"cannot listen on {settings.server.host}:{settings.server.port}")
+    await server.start()
+    return RunningServer(port=port, server=server, tier=tier, health=health)
+
+
+async def serve(settings: Settings) -> None:
+    """Run until SIGTERM or SIGINT, then shut down cleanly."""
+    running = await start(settings)
+    print(f"kvstore listening on {settings.server.host}:{running.port}", flush=True)
+    print(f"kvstore data in {settings.store.data_dir.resolve()} "
+          f"(capacity {settings.store.capacity_bytes / 2**30:.1f} GiB, "
+          f"retention {settings.store.retention_hours:g} h, {settings.store.block_tokens}-token blocks)",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("kvstore shutting down", file=sys.stderr, flush=True)
+    await running.stop(settings.server.grace_s)
+    print("kvstore stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,101 @@
+"""Checks on what arrives over the wire, before anything is stored.
+
+Each check raises InvalidArgument with a message that names the field and what
+was expected, so a caller can fix the request; nothing here touches storage.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore import geometry as geometries
+from kvstore.errors import InvalidArgument
+from kvstore.geometry import ModelGeometry
+from kvstore.prefix import HASH_BYTES, BlockScope, chain_hashes, root_hash
+
+_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """A geometry as this server serves it: with the block size and chain root."""
+
+    geometry: ModelGeometry
+    block_tokens: int
+    block_bytes: int
+    root: bytes
+
+    @classmethod
+    def of(cls, geometry: ModelGeometry, block_tokens: int) -> Layout:
+        """The layout of `geometry` in blocks of `block_tokens`."""
+        return cls(geometry=geometry, block_tokens=block_tokens,
+                   block_bytes=geometry.block_bytes(block_tokens),
+                   root=root_hash(geometry.fingerprint, block_tokens))
+
+
+def namespace(name: str) -> str:
+    """The tenant a request names ('' means the default tenant)."""
+    if not name:
+        return DEFAULT_NAMESPACE
+    if not _NAMESPACE.match(name):
+        raise InvalidArgument(f"namespace {name!r} is not 1-128 of [A-Za-z0-9._-] starting alphanumeric")
+    return name
+
+
+def scope(layouts: dict[str, Layout], geometry: str, tenant: str) -> tuple[Layout, BlockScope]:
+    """The layout and the storage scope of a request."""
+    layout = layouts.get(geometry or geometries.V4_1_FLASH.name)
+    if layout is None:
+        raise InvalidArgument(f"unknown geometry {geometry!r}; this server serves: {', '.join(layouts)}")
+    return layout, BlockScope(layout.geometry.fingerprint, namespace(tenant))
+
+
+def hashes(values: Sequence[bytes], *, limit: int, field: str = "block_hashes") -> list[bytes]:
+    """A non-empty batch of 32-byte hashes, at most `limit` long."""
+    if not values:
+        raise InvalidArgument(f"{field} is empty: send at least one block hash")
+    if len(values) > limit:
+        raise InvalidArgument(f"{field} has {len(values)} entries; at most {limit} per call")
+    out = list(values)
+    for i, h in enumerate(out):
+        if len(h) != HASH_BYTES:
+            raise InvalidArgument(f"{field}[{i}] is {len(h)} bytes; a block hash is {HASH_BYTES} bytes")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutPlan:
+    """A validated Put: where the chain starts, its hashes, and its blocks."""
+
+    parent: bytes
+    is_root: bool
+    hashes: list[bytes]
+
+
+def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence[bytes],
+             blocks: Sequence[bytes], limit: int) -> PutPlan:
+    """Check a Put's shape and hash its tokens into the chain it extends."""
+    if not blocks:
+        raise InvalidArgument("blocks is empty: a Put stores at least one block")
+    if len(blocks) > limit:
+        raise InvalidArgument(f"a Put holds at most {limit} blocks; got {len(blocks)}")
+    full = len(token_ids) // layout.block_tokens
+    if full != len(blocks):
+        raise InvalidArgument(
+            f"{len(token_ids)} token ids make {full} full blocks of {layout.block_tokens}, "
+            f"but {len(blocks)} blocks were sent"
+        )
+    for i, block in enumerate(blocks):
+        if len(block) != layout.block_bytes:
+            raise InvalidArgument(
+                f"block {i} is {len(block)} bytes; {layout.geometry.name} blocks of "
+                f"{layout.block_tokens} tokens are {layout.block_bytes} bytes"
+            )
+    if parent_hash and len(parent_hash) != HASH_BYTES:
+        raise InvalidArgument(f"parent_hash is {len(parent_hash)} bytes; a block hash is {HASH_BYTES} bytes")
+    parent = parent_hash or layout.root
+    chain = chain_hashes(token_ids, block_tokens=layout.block_tokens, parent=parent, extra_keys=extra_keys)
+    return PutPlan(parent=parent, is_root=parent == layout.root, hashes=chain)

@@ -1,0 +1,14 @@
+"""Benchmarks, one module per capability, run by `kvstore bench NAME`.
+
+Each module defines `add_arguments(parser)` and `run(args, progress) -> Report`.
+Modules are imported only when chosen, so one benchmark's heavy imports (torch,
+redis) do not slow another.
+"""
+
+from __future__ import annotations
+
+#: Benchmark name -> module path. A module is imported only when it runs.
+BENCHES: dict[str, str] = {
+    "store": "kvstore.bench.store",
+    "codec": "kvstore.bench.codec",
+}

@@ -1,0 +1,168 @@
+"""The `kvstore` command: serve, stats, bench.
+
+This module is the composition root: it alone imports across the layers
+(gateway, tiers, benchmarks), and only inside the command that needs them, so
+`kvstore stats` never loads LMDB and `kvstore serve` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+
+from kvstore.errors import KVStoreError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve
+    from kvstore.config import load_settings
+
+    settings = load_settings(args.config, overrides={
+        "server": {"port": args.port, "host": args.host},
+        "store": {"data_dir": args.data_dir},
+    })
+    try:
+        asyncio.run(serve(settings))
+    except OSError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rate(found: int, asked: int) -> float | None:
+    return found / asked if asked else None
+
+
+def stats_dict(reply: object) -> dict[str, object]:
+    """A StatsResponse as a flat dict with the two hit rates added."""
+    from google.protobuf.json_format import MessageToDict
+
+    out: dict[str, object] = MessageToDict(reply, always_print_fields_with_no_presence=True,  # type: ignore[arg-type]
+                                           preserving_proto_field_name=True)
+    for key, value in list(out.items()):
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            out[key] = int(value)
+        elif value in ("Infinity", float("inf")):
+            out[key] = None  # headroom with no recent writes: unbounded, null in JSON
+    out["lookup_hit_rate"] = _rate(int(out["lookup_tokens_found"]), int(out["lookup_tokens_asked"]))  # type: ignore[call-overload]
+    out["retrieve_hit_rate"] = _rate(int(out["get_tokens_returned"]), int(out["get_tokens_asked"]))  # type: ignore[call-overload]
+    return out
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:,.3f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+STATS_ROWS = (
+    ("Lookups", "lookups"), ("Lookup hit rate (tokens found / asked)", "lookup_hit_rate"),
+    ("Retrieve hit rate (tokens returned / asked)", "retrieve_hit_rate"),
+    ("Gets", "gets"), ("Puts", "puts"), ("Blocks written", "blocks_written"),
+    ("Blocks stored", "blocks_stored"), ("Bytes stored", "bytes_stored"), ("Capacity bytes", "capacity_bytes"),
+    ("Bytes free", "bytes_free"), ("Write rate (B/s, recent)", "write_rate_bytes_per_s"),
+    ("Headroom (hours at that rate)", "headroom_hours"), ("Retention (hours)", "retention_hours"),
+    ("Evictions", "evictions"), ("Rejected puts (store full)", "rejected_puts"),
+    ("Corrupt blocks", "corrupt_blocks"), ("Active leases", "active_leases"), ("Uptime (s)", "uptime_s"),
+)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from kvstore.client import Client
+
+    with Client(args.target, timeout_s=args.timeout) as client:
+        data = stats_dict(client.stats())
+    if args.json:
+        print(json.dumps(data))
+        return 0
+    width = max(len(label) for label, _ in STATS_ROWS)
+    print(f"kvstore at {args.target}")
+    for label, key in STATS_ROWS:
+        value = data.get(key)
+        if key.endswith("hit_rate") and value is not None:
+            print(f"  {label:<{width}}  {value:.1%}")
+        elif key == "headroom_hours" and value is None:
+            print(f"  {label:<{width}}  unbounded (no writes in the window)")
+        else:
+            print(f"  {label:<{width}}  {_fmt(value)}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvstore.bench.report import Progress
+
+    report = args.bench_module.run(args, Progress(enabled=not args.json and not args.no_progress))
+    print(report.to_json() if args.json else report.to_table())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    from kvstore.bench import BENCHES
+
+    parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache storage and transfer service.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the storage service",
+                           description="Run the kvstore service (KVStore, health and reflection on one port). "
+                           "Settings: defaults < TOML (--config or KVSTORE_CONFIG) < KVSTORE_<SECTION>_<FIELD> "
+                           "environment variables < these flags.")
+    serve.add_argument("--port", type=int, help="TCP port (default 50051; 0 picks a free one)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--data-dir", type=Path, help="folder for the LMDB store (default ./kvstore-data)")
+    serve.add_argument("--config", type=Path, help="TOML config file")
+    serve.set_defaults(func=_serve)
+
+    stats = sub.add_parser("stats", help="show counters, hit rates and retention headroom",
+                           description="Show a server's lookup and retrieve hit rates, storage use, evictions "
+                           "and retention headroom.")
+    stats.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+    stats.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    stats.set_defaults(func=_stats)
+
+    bench = sub.add_parser("bench", help="run a benchmark against its baseline",
+                           description="Benchmarks print each figure beside a baseline measured in the same run.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, module_path in BENCHES.items():
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError:
+            continue
+        p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
+                                 description=module.__doc__)
+        p.add_argument("--json", action="store_true", help="print one JSON object with a figures list")
+        p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        module.add_arguments(p)
+        p.set_defaults(func=_bench, bench_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kvstore` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except KVStoreError as exc:
+        print(f"kvstore: {type(exc).__name__}: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""),
+              file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

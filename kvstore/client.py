@@ -1,0 +1,266 @@
+"""The worker-side client: lookup, put and get global-KV blocks by token ids.
+
+Hashes are computed here with `kvstore.prefix`, so a Lookup of a 1M-token prompt
+sends 15,625 hashes rather than a million token ids. Large calls are split into
+batches the server accepts; every gRPC failure surfaces as a `KVStoreError`
+subclass (`kvstore.errors`), never as a raw `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvstore.errors import InvalidArgument, KVStoreError, from_status
+from kvstore.prefix import ExtraKey, chain_hashes, root_hash
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+Buffer = bytes | bytearray | memoryview
+#: Room left in a message for everything that is not block bytes.
+_ENVELOPE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookupResult:
+    """How much of a prompt is loadable now."""
+
+    found_blocks: int
+    found_tokens: int
+    lease_id: str | None
+    block_hashes: list[bytes] = field(repr=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutResult:
+    """What a put stored."""
+
+    block_hashes: list[bytes] = field(repr=False)
+    written_blocks: int
+    existing_blocks: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetResult:
+    """Blocks fetched, in request order; None where missing or corrupt."""
+
+    blocks: list[bytes | None] = field(repr=False)
+    statuses: list[str]
+
+    @property
+    def found_prefix_blocks(self) -> int:
+        """Leading blocks that came back (what a worker can load contiguously)."""
+        n = 0
+        for block in self.blocks:
+            if block is None:
+                break
+            n += 1
+        return n
+
+
+def _encode_extra(extra_keys: Sequence[ExtraKey]) -> list[bytes]:
+    return [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
+
+
+class Client:
+    """A connection to a kvstore server for one tenant and one geometry.
+
+    Args:
+        target: "host:port" of the server (or the gateway).
+        namespace: the tenant; blocks of two tenants never mix.
+        geometry: profile name; '' means the server's default.
+        timeout_s: deadline of each call.
+    """
+
+    def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
+                 timeout_s: float = 120.0) -> None:
+        self.target = target
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+        ])
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        info = self._call(self._stub.GetInfo, pb.GetInfoRequest())
+        served = {g.name: g for g in info.geometries}
+        chosen = served.get(geometry) if geometry else info.geometries[0]
+        if chosen is None:
+            self.close()
+            raise InvalidArgument(f"server does not serve geometry {geometry!r}; it serves {sorted(served)}")
+        self.geometry: str = chosen.name
+        self.fingerprint: bytes = chosen.fingerprint
+        self.block_tokens: int = info.block_tokens
+        self.block_bytes: int = chosen.block_bytes
+        self.max_batch_blocks: int = info.max_batch_blocks
+        self.max_message_bytes: int = info.max_message_bytes
+        self.max_lease_ms: int = info.max_lease_ms
+        self.root: bytes = root_hash(self.fingerprint, self.block_tokens)
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise from_status(exc.code(), exc.details()) from None
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- addressing --------------------------------------------------------
+
+    def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+        """Chain hashes of every full block of `tokens`, from the prompt start."""
+        return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
+
+    def _batch_blocks(self) -> int:
+        by_bytes = max((self.max_message_bytes - _ENVELOPE_BYTES) // self.block_bytes, 1)
+        return min(self.max_batch_blocks, by_bytes)
+
+    # -- calls -------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
+               lease_ms: int = 0) -> LookupResult:
+        """How many leading tokens of `tokens` are loadable now.
+
+        Args:
+            tokens: the prompt's token ids.
+            extra_keys: the keys the blocks were stored with.
+            lease_ms: hold the found blocks against eviction this long (0: no lease).
+        """
+        hashes = self.hashes(tokens, extra_keys=extra_keys)
+        if not hashes:
+            return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
+        reply = self._call(self._stub.Lookup, pb.LookupRequest(
+            geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms))
+        return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
+                            lease_id=reply.lease_id or None, block_hashes=hashes)
+
+    def release(self, lease_id: str) -> bool:
+        """Drop a lease; False when it had already expired."""
+        return bool(self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
+
+    def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
+            extra_keys: Sequence[ExtraKey] = (), first_block: int = 0) -> PutResult:
+        """Store the blocks of `tokens` from block `first_block` on.
+
+        Args:
+            tokens: the whole prompt's token ids (the prefix before `first_block`
+                is hashed locally to find the parent).
+            blocks: one block per full block of `tokens` from `first_block`: bytes
+                objects, or a uint8 tensor of shape [n, block_bytes].
+            extra_keys: keys mixed into every block's hash.
+            first_block: index of the first block sent; earlier blocks must be stored.
+
+        Raises:
+            InvalidArgument: wrong block count or size (nothing stored).
+            FailedPrecondition: the block before `first_block` is not stored.
+            ResourceExhausted: the store is full of protected blocks.
+        """
+        payload = _as_buffers(blocks)
+        total = len(tokens) // self.block_tokens - first_block
+        if total != len(payload):
+            raise InvalidArgument(f"{len(payload)} blocks given for {total} full blocks of tokens "
+                                  f"from block {first_block}")
+        parent = self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""]
+        extra = _encode_extra(extra_keys)
+        hashes: list[bytes] = []
+        written = existing = 0
+        step = self._batch_blocks()
+        for start in range(0, len(payload), step):
+            lo = (first_block + start) * self.block_tokens
+            batch = payload[start:start + step]
+            reply = self._call(self._stub.Put, pb.PutRequest(
+                geometry=self.geometry, namespace=self.namespace, parent_hash=parent[-1],
+                token_ids=tokens[lo: lo + len(batch) * self.block_tokens], extra_keys=extra, blocks=batch))
+            hashes.extend(reply.block_hashes)
+            parent = [reply.block_hashes[-1]]
+            written += reply.written_blocks
+            existing += reply.existing_blocks
+        return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing)
+
+    def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
+            first_block: int = 0, num_blocks: int | None = None) -> GetResult:
+        """Fetch blocks of `tokens` (from `first_block`, `num_blocks` of them or all)."""
+        hashes = self.hashes(tokens, extra_keys=extra_keys)[first_block:]
+        return self.get_hashes(hashes[:num_blocks] if num_blocks is not None else hashes)
+
+    def get_hashes(self, hashes: Sequence[bytes]) -> GetResult:
+        """Fetch blocks by chain hash, in order."""
+        blocks: list[bytes | None] = []
+        statuses: list[str] = []
+        for _, status, data in self._stream(hashes):
+            blocks.append(data if status == pb.BLOCK_STATUS_FOUND else None)
+            statuses.append(pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower())
+        return GetResult(blocks=blocks, statuses=statuses)
+
+    def get_tensor(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+        """Fetch the prompt's blocks into a uint8 tensor [n, block_bytes].
+
+        Returns:
+            The tensor (`out` if given) and how many leading blocks were filled;
+            rows after the first missing block are left as they were.
+        """
+        import torch
+
+        hashes = self.hashes(tokens, extra_keys=extra_keys)
+        if out is None:
+            out = torch.empty((len(hashes), self.block_bytes), dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or tuple(out.shape) != (len(hashes), self.block_bytes):
+            raise InvalidArgument(f"out must be uint8 of shape ({len(hashes)}, {self.block_bytes}), "
+                                  f"got {out.dtype} {tuple(out.shape)}")
+        filled = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # frombuffer on read-only bytes; we only read
+            for index, status, data in self._stream(hashes):
+                if status != pb.BLOCK_STATUS_FOUND or index != filled:
+                    break
+                out[filled].copy_(torch.frombuffer(data, dtype=torch.uint8))
+                filled += 1
+        return out, filled
+
+    def _stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
+        """(index, status, data) per block, in order, across as many Gets as needed."""
+        step = self._batch_blocks()
+        for start in range(0, len(hashes), step):
+            request = pb.GetRequest(geometry=self.geometry, namespace=self.namespace,
+                                    block_hashes=hashes[start:start + step])
+            try:
+                for reply in self._stub.Get(request, timeout=self.timeout_s):
+                    yield start + reply.index, reply.status, reply.data
+            except grpc.RpcError as exc:
+                raise from_status(exc.code(), exc.details()) from None
+
+    def stats(self) -> pb.StatsResponse:
+        """The server's counters, hit rates and headroom."""
+        return self._call(self._stub.Stats, pb.StatsRequest())
+
+
+def _as_buffers(blocks: Sequence[Buffer] | Any) -> list[Buffer]:
+    """Blocks as a list of buffers; a 2-D uint8 tensor becomes one buffer per row."""
+    if hasattr(blocks, "dim"):  # a torch tensor, without importing torch here
+        if blocks.dim() != 2 or str(blocks.dtype) != "torch.uint8":
+            raise InvalidArgument(f"block tensor must be uint8 [n, block_bytes], got {blocks.dtype} "
+                                  f"{tuple(blocks.shape)}")
+        rows = blocks.contiguous().cpu().numpy()
+        return [row.tobytes() for row in rows]
+    return list(blocks)
+
+
+__all__ = ["Client", "GetResult", "KVStoreError", "LookupResult", "PutResult"]

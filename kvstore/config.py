@@ -1,0 +1,152 @@
+"""One settings object for the whole service, loaded from TOML and the environment.
+
+Precedence, lowest first: the defaults below, the TOML file (`--config` or
+KVSTORE_CONFIG), environment variables `KVSTORE_<SECTION>_<FIELD>` (for example
+KVSTORE_STORE_CAPACITY_BYTES=2e9), then command-line flags given to the entry
+point. Only entry points read the environment; components receive their section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.errors import ConfigError
+
+GiB = 1 << 30
+
+#: The operator's floor: no block is evicted sooner after its last use.
+RETENTION_FLOOR_HOURS = 72.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """Where and how the gRPC service listens."""
+
+    #: Address to bind. Loopback by default; set 0.0.0.0 to serve other hosts.
+    host: str = "127.0.0.1"
+    #: TCP port; 0 picks a free one (printed at start).
+    port: int = 50051
+    #: Largest gRPC message in either direction.
+    max_message_bytes: int = 128 * 1024 * 1024
+    #: Seconds in-flight calls get to finish on SIGTERM.
+    grace_s: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSettings:
+    """The NVMe (LMDB) tier of global-KV blocks."""
+
+    #: Folder holding the LMDB files.
+    data_dir: Path = Path("kvstore-data")
+    #: Bytes of block data the store may hold.
+    capacity_bytes: int = 16 * GiB
+    #: Hours a block is kept after its last write or read, at least.
+    retention_hours: float = RETENTION_FLOOR_HOURS
+    #: Tokens per block (a multiple of the geometry's alignment; see docs/BLOCK_SIZE.md).
+    block_tokens: int = 64
+    #: Most blocks in one Put, Get or Lookup.
+    max_batch_blocks: int = 1024
+    #: Most hashes in one Lookup (a 1M-token prompt is 15,625 blocks of 64).
+    max_lookup_blocks: int = 65536
+    #: Longest lease a Lookup may take, in milliseconds.
+    max_lease_ms: int = 60_000
+    #: Threads of the tier's executor for blocking LMDB work.
+    io_threads: int = 4
+    #: Window over which the recent write rate is measured, in seconds.
+    write_rate_window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.retention_hours < RETENTION_FLOOR_HOURS:
+            raise ConfigError(
+                f"store.retention_hours={self.retention_hours} is below the {RETENTION_FLOOR_HOURS:g}-hour "
+                "guarantee; it may only be raised"
+            )
+        if self.capacity_bytes <= 0:
+            raise ConfigError("store.capacity_bytes must be positive")
+        if self.block_tokens <= 0 or self.block_tokens % 8:
+            raise ConfigError("store.block_tokens must be a positive multiple of 8")
+        if not 1 <= self.max_batch_blocks <= 1 << 20:
+            raise ConfigError("store.max_batch_blocks must be in [1, 1048576]")
+
+    @property
+    def retention_s(self) -> float:
+        """Retention in seconds."""
+        return self.retention_hours * 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Every section of the service's configuration."""
+
+    server: ServerSettings = field(default_factory=ServerSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
+
+
+def _coerce(value: Any, target: type | str, name: str) -> Any:
+    kind = target if isinstance(target, str) else target.__name__
+    try:
+        if "Path" in kind:
+            return Path(value)
+        if kind == "int":
+            return int(float(value)) if isinstance(value, str) else int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            return value if isinstance(value, bool) else str(value).lower() in {"1", "true", "yes", "on"}
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {value!r} as {kind}") from None
+
+
+def _section(cls: type, name: str, values: Mapping[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(values) - set(fields)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in [{name}]: {', '.join(sorted(unknown))}")
+    kwargs = {k: _coerce(v, fields[k].type, f"{name}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def load_settings(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Settings:
+    """Build the settings from defaults, a TOML file, the environment and overrides.
+
+    Args:
+        path: a TOML file; None reads KVSTORE_CONFIG if set.
+        environ: the environment (defaults to os.environ).
+        overrides: {section: {field: value}} from command-line flags; None values are ignored.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type, a value out of range.
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(Settings)}
+    path = path or (Path(environ["KVSTORE_CONFIG"]) if environ.get("KVSTORE_CONFIG") else None)
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        for section, values in data.items():
+            if section not in merged or not isinstance(values, dict):
+                raise ConfigError(f"unknown config section [{section}] in {path}")
+            merged[section].update(values)
+    for section in merged:
+        prefix = f"KVSTORE_{section.upper()}_"
+        for key, value in environ.items():
+            if key.startswith(prefix):
+                merged[section][key[len(prefix):].lower()] = value
+    for section, values in (overrides or {}).items():
+        merged[section].update({k: v for k, v in values.items() if v is not None})
+    types = {f.name: f.default_factory for f in dataclasses.fields(Settings)}  # type: ignore[misc]
+    return Settings(**{s: _section(type(types[s]()), s, v) for s, v in merged.items()})

@@ -1,0 +1,109 @@
+"""The error hierarchy of kvstore, and the one table that maps it to gRPC status.
+
+Every error carries whether a retry can help and a hint for the caller. The
+server turns an error into a status with `to_status`; the client turns a status
+back into the same class with `from_status`, so both ends speak one vocabulary.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVStoreError(Exception):
+    """Root of every error kvstore raises on purpose.
+
+    Attributes:
+        retryable: whether the same call may succeed later unchanged.
+        hint: what the caller can do about it.
+    """
+
+    retryable: bool = False
+    hint: str = ""
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        if hint:
+            self.hint = hint
+
+
+class InvalidArgument(KVStoreError):
+    """The request is malformed: wrong size, unknown geometry, bad hash, bad batch."""
+
+    hint = "fix the request; nothing was stored"
+
+
+class NotFound(KVStoreError):
+    """A named thing (lease, region, snapshot) does not exist."""
+
+
+class FailedPrecondition(KVStoreError):
+    """The request is well formed but the store is not in a state to take it."""
+
+
+class ResourceExhausted(KVStoreError):
+    """No room: the store is full of blocks still under their retention guarantee."""
+
+    retryable = True
+    hint = "retry later, add capacity, or shorten retention policies"
+
+
+class Unauthenticated(KVStoreError):
+    """No valid credentials were presented."""
+
+
+class PermissionDenied(KVStoreError):
+    """The caller may not touch this tenant or region."""
+
+
+class Unavailable(KVStoreError):
+    """The service or a backend cannot be reached now."""
+
+    retryable = True
+    hint = "retry with backoff"
+
+
+class DeadlineExceeded(KVStoreError):
+    """The call ran out of time."""
+
+    retryable = True
+
+
+class Internal(KVStoreError):
+    """A bug or an unexpected failure inside the service."""
+
+
+class ConfigError(KVStoreError):
+    """A configuration value is missing or out of range (raised at start-up)."""
+
+
+STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Internal: grpc.StatusCode.INTERNAL,
+    ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {}
+for _cls, _code in STATUS_CODES.items():
+    _BY_CODE.setdefault(_code, _cls)
+
+
+def to_status(error: KVStoreError) -> grpc.StatusCode:
+    """The gRPC status code for `error` (its nearest mapped ancestor)."""
+    for cls in type(error).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+def from_status(code: grpc.StatusCode, message: str) -> KVStoreError:
+    """The kvstore error a client raises for a gRPC status `code`."""
+    return _BY_CODE.get(code, Internal)(message or code.name)

@@ -1,0 +1,126 @@
+"""Prefix addressing: token blocks hashed as a chain, the same on every machine.
+
+A block's hash covers its parent's hash, its token ids and the request's extra
+keys (multimodal input hashes, an adapter id, a salt), as canonical bytes fed to
+SHA-256. The chain starts from a root that covers the geometry fingerprint and
+the block size, so two layouts never share a hash. Tenants are kept apart one
+level down, in the storage key (`storage_key`). Never Python's `hash()`: it is
+salted per process.
+
+Canonical bytes of a block (all integers unsigned little-endian):
+    parent (32 B) | u32 token count | u32 token id ... | u32 extra-key count |
+    for each extra key: u32 length | bytes (UTF-8 for text)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+
+from kvstore.errors import InvalidArgument
+
+HASH_BYTES = 32
+FINGERPRINT_BYTES = 8
+NAMESPACE_ID_BYTES = 8
+KEY_BYTES = FINGERPRINT_BYTES + NAMESPACE_ID_BYTES + HASH_BYTES
+MAX_TOKEN_ID = 2**32 - 1
+
+ExtraKey = str | bytes
+
+
+def root_hash(fingerprint: bytes, block_tokens: int) -> bytes:
+    """The parent hash of a chain's first block, for one layout and block size."""
+    if len(fingerprint) != FINGERPRINT_BYTES:
+        raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    return hashlib.sha256(b"kvstore.prefix.v1/root\0" + fingerprint + struct.pack("<I", block_tokens)).digest()
+
+
+def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """Canonical bytes of the extra keys, appended to every block's input."""
+    parts = [struct.pack("<I", len(extra_keys))]
+    for key in extra_keys:
+        raw = key.encode() if isinstance(key, str) else bytes(key)
+        parts.append(struct.pack("<I", len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
+    """Token ids as little-endian uint32.
+
+    Raises:
+        InvalidArgument: a token id is negative or does not fit 32 bits.
+    """
+    try:
+        arr = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: {exc}") from None
+    if arr.itemsize != 4:  # pragma: no cover - no such platform in use
+        raise InvalidArgument("this platform has no 4-byte unsigned int array")
+    if sys.byteorder == "big":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def chain_hashes(
+    tokens: Sequence[int],
+    *,
+    block_tokens: int,
+    parent: bytes,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> list[bytes]:
+    """Hashes of every full block of `tokens`, chained from `parent`.
+
+    A trailing partial block has no hash: only full blocks are addressable.
+
+    Args:
+        tokens: the token ids, from the block after `parent`.
+        block_tokens: tokens per block.
+        parent: the hash before the first block (`root_hash` at a prompt start).
+        extra_keys: keys mixed into every block (image hashes, adapter, salt).
+
+    Returns:
+        One 32-byte hash per full block, in order.
+    """
+    if len(parent) != HASH_BYTES:
+        raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    raw = token_bytes(tokens)
+    head = struct.pack("<I", block_tokens)
+    tail = encode_extra_keys(extra_keys)
+    step = 4 * block_tokens
+    hashes: list[bytes] = []
+    for start in range(0, len(raw) - step + 1, step):
+        parent = hashlib.sha256(parent + head + raw[start : start + step] + tail).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def namespace_id(namespace: str) -> bytes:
+    """8 bytes naming a tenant inside storage keys."""
+    return hashlib.sha256(b"kvstore.namespace.v1\0" + namespace.encode()).digest()[:NAMESPACE_ID_BYTES]
+
+
+
+class BlockScope:
+    """Where a request's blocks live: one layout (geometry fingerprint) and one tenant.
+
+    Two scopes never produce the same storage key, whatever the hashes.
+    """
+
+    __slots__ = ("fingerprint", "namespace", "prefix")
+
+    def __init__(self, fingerprint: bytes, namespace: str) -> None:
+        if len(fingerprint) != FINGERPRINT_BYTES:
+            raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes")
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+        self.prefix = fingerprint + namespace_id(namespace)
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The storage key of `block_hash` in this scope."""
+        if len(block_hash) != HASH_BYTES:
+            raise InvalidArgument(f"block hash must be {HASH_BYTES} bytes, got {len(block_hash)}")
+        return self.prefix + block_hash

@@ -1,0 +1,187 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_STATUS_UNSPECIFIED: _ClassVar[BlockStatus]
+    BLOCK_STATUS_FOUND: _ClassVar[BlockStatus]
+    BLOCK_STATUS_MISSING: _ClassVar[BlockStatus]
+    BLOCK_STATUS_CORRUPT: _ClassVar[BlockStatus]
+BLOCK_STATUS_UNSPECIFIED: BlockStatus
+BLOCK_STATUS_FOUND: BlockStatus
+BLOCK_STATUS_MISSING: BlockStatus
+BLOCK_STATUS_CORRUPT: BlockStatus
+
+class GeometryInfo(_message.Message):
+    __slots__ = ("name", "fingerprint", "block_bytes", "bytes_per_token")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: bytes
+    block_bytes: int
+    bytes_per_token: float
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version")
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    block_tokens: int
+    geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
+    max_batch_blocks: int
+    max_message_bytes: int
+    retention_hours: float
+    max_lease_ms: int
+    version: str
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ms: int
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms")
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    found_blocks: int
+    found_tokens: int
+    lease_id: str
+    lease_ms: int
+    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    blocks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("block_hashes", "written_blocks", "existing_blocks")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    written_blocks: int
+    existing_blocks: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "block_hashes")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("index", "status", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    status: BlockStatus
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[BlockStatus, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    GET_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    GET_TOKENS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_PUTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_RATE_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_HOURS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    lookup_tokens_asked: int
+    lookup_tokens_found: int
+    gets: int
+    get_tokens_asked: int
+    get_tokens_returned: int
+    puts: int
+    blocks_written: int
+    bytes_written: int
+    rejected_puts: int
+    evictions: int
+    evicted_bytes: int
+    corrupt_blocks: int
+    blocks_stored: int
+    bytes_stored: int
+    capacity_bytes: int
+    bytes_free: int
+    write_rate_bytes_per_s: float
+    headroom_hours: float
+    retention_hours: float
+    active_leases: int
+    uptime_s: float
+    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,74 @@
+"""Short leases that pin blocks between a Lookup and the Get that follows it.
+
+A lease pins one key: the deepest block the Lookup found. Eviction only takes
+blocks with no stored descendants, so pinning the tail protects the whole
+prefix. Leases live in memory: they last seconds and need not survive a restart.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+from kvstore.clock import Clock
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Lease:
+    """One pinned key and when the pin lapses."""
+
+    lease_id: str
+    key: bytes
+    expires_s: float
+
+
+class LeaseTable:
+    """Active leases and the keys they pin; thread-safe."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self._pins: Counter[bytes] = Counter()
+
+    def grant(self, key: bytes, duration_s: float) -> Lease:
+        """Pin `key` for `duration_s` seconds."""
+        lease = Lease(lease_id=uuid.uuid4().hex, key=key, expires_s=self._clock.now() + duration_s)
+        with self._lock:
+            self._expire_locked()
+            self._leases[lease.lease_id] = lease
+            self._pins[key] += 1
+        return lease
+
+    def release(self, lease_id: str) -> bool:
+        """Drop a lease; False when it was unknown or had already expired."""
+        with self._lock:
+            self._expire_locked()
+            lease = self._leases.pop(lease_id, None)
+            if lease is not None:
+                self._unpin_locked(lease.key)
+            return lease is not None
+
+    def pinned(self) -> frozenset[bytes]:
+        """Keys pinned by a lease that has not expired."""
+        with self._lock:
+            self._expire_locked()
+            return frozenset(self._pins)
+
+    def active(self) -> int:
+        """Number of live leases."""
+        with self._lock:
+            self._expire_locked()
+            return len(self._leases)
+
+    def _expire_locked(self) -> None:
+        now = self._clock.now()
+        for lease_id in [i for i, le in self._leases.items() if le.expires_s <= now]:
+            self._unpin_locked(self._leases.pop(lease_id).key)
+
+    def _unpin_locked(self, key: bytes) -> None:
+        self._pins[key] -= 1
+        if self._pins[key] <= 0:
+            del self._pins[key]

@@ -1,0 +1,436 @@
+"""The NVMe tier: global-KV blocks in LMDB, with the 72-hour retention guarantee.
+
+Storage rules (docs/RETENTION.md numbers them; tests are named after them):
+- A Put commits, fsync included, before it returns; one transaction per batch.
+- A block is stored only when its parent is stored (or is the chain root), and
+  eviction takes only blocks with no stored child, so a chain's stored blocks
+  always form a prefix: no cached prefix loses a middle block, and Lookup can
+  binary-search.
+- A block becomes evictable `retention_s` after its last write or read. Its
+  ancestors cannot go before it does (they have a stored child), so a read or
+  write of a block protects its whole prefix.
+- When space is needed, evictable leaves go least recently used first; when
+  none is left, the Put fails with ResourceExhausted and stores nothing.
+
+All methods here block; the service runs them on `executor`, the tier's one
+bounded pool, through `call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import lmdb
+import xxhash
+
+from kvstore.clock import Clock, SystemClock
+from kvstore.config import GiB, StoreSettings
+from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.prefix import BlockScope
+from tiers.leases import Lease, LeaseTable
+from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
+
+T = TypeVar("T")
+_USAGE = struct.Struct("<QQ")
+Buffer = bytes | bytearray | memoryview
+
+
+class ReadStatus(enum.Enum):
+    """Outcome of reading one block."""
+
+    FOUND = 1
+    MISSING = 2
+    CORRUPT = 3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PutResult:
+    """What one Put batch did."""
+
+    written_blocks: int
+    existing_blocks: int
+    written_bytes: int
+
+
+@dataclass(kw_only=True)
+class Counters:
+    """Running totals since the store was created (persisted with each write)."""
+
+    lookups: int = 0
+    lookup_tokens_asked: int = 0
+    lookup_tokens_found: int = 0
+    gets: int = 0
+    get_tokens_asked: int = 0
+    get_tokens_returned: int = 0
+    puts: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    rejected_puts: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    corrupt_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierStats:
+    """A snapshot of the tier's counters, usage and headroom."""
+
+    counters: Counters
+    blocks_stored: int
+    bytes_stored: int
+    capacity_bytes: int
+    bytes_free: int
+    write_rate_bytes_per_s: float
+    headroom_hours: float
+    retention_hours: float
+    active_leases: int
+    uptime_s: float
+
+
+class LmdbBlockTier:
+    """Global-KV blocks on NVMe through LMDB.
+
+    Args:
+        settings: the store section of the configuration.
+        clock: time source for retention and leases (inject a ManualClock in tests).
+    """
+
+    def __init__(self, settings: StoreSettings, *, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        self.leases = LeaseTable(self.clock)
+        self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="lmdb")
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        # Room for B-tree pages and overflow-page rounding beyond the data itself.
+        map_size = int(settings.capacity_bytes * 1.25) + GiB
+        self.env = lmdb.open(str(settings.data_dir), map_size=map_size, max_dbs=8, sync=True,
+                             metasync=True, readahead=False, max_readers=512)
+        self._blocks = self.env.open_db(b"blocks")
+        self._meta = self.env.open_db(b"meta")
+        self._lru = self.env.open_db(b"lru")
+        self._children = self.env.open_db(b"children")
+        self._state = self.env.open_db(b"state")
+        self._lock = threading.Lock()
+        self._writes: deque[tuple[float, int]] = deque()
+        self._started_s = self.clock.now()
+        with self.env.begin() as txn:
+            raw = txn.get(b"usage", db=self._state)
+            self._blocks_stored, self._bytes_stored = _USAGE.unpack(raw) if raw else (0, 0)
+            saved = txn.get(b"counters", db=self._state)
+            self.counters = Counters(**json.loads(saved)) if saved else Counters()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking tier work on the tier's executor."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        """Persist the counters, finish queued work and close LMDB."""
+        self.executor.shutdown(wait=True)
+        with self.env.begin(write=True) as txn:
+            self._save_state(txn)
+        self.env.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        """A write transaction that commits with the usage and counters, or undoes
+        the in-memory usage when it aborts."""
+        usage = self._blocks_stored, self._bytes_stored
+        try:
+            with self.env.begin(write=True) as txn:
+                yield txn
+                self._save_state(txn)
+        except BaseException:
+            self._blocks_stored, self._bytes_stored = usage
+            raise
+
+    # -- lookup and leases -------------------------------------------------
+
+    def lookup(self, scope: BlockScope, hashes: Sequence[bytes], lease_s: float = 0.0) -> tuple[int, Lease | None]:
+        """How many leading blocks of `hashes` are stored, and a lease on them if asked.
+
+        Stored blocks of a chain always form a prefix, so this is a binary search:
+        a 1M-token prompt costs about 14 index reads.
+        """
+        with self.env.begin() as txn:
+            lo, hi = 0, len(hashes)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if txn.get(scope.key(hashes[mid - 1]), db=self._meta) is not None:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            lease = self.leases.grant(scope.key(hashes[lo - 1]), lease_s) if lo and lease_s > 0 else None
+        tokens = self.settings.block_tokens
+        with self._lock:
+            self.counters.lookups += 1
+            self.counters.lookup_tokens_asked += len(hashes) * tokens
+            self.counters.lookup_tokens_found += lo * tokens
+        return lo, lease
+
+    # -- writes ------------------------------------------------------------
+
+    def put(self, scope: BlockScope, parent_hash: bytes, hashes: Sequence[bytes],
+            blocks: Sequence[Buffer], is_root: bool) -> PutResult:
+        """Store consecutive blocks of one chain, durably, in one transaction.
+
+        Args:
+            scope: layout and tenant.
+            parent_hash: hash before the first block.
+            hashes: chain hashes of the blocks, in order.
+            blocks: the blocks' bytes (sizes are checked by the caller).
+            is_root: whether `parent_hash` is the chain root (no stored parent needed).
+
+        Raises:
+            FailedPrecondition: the parent block is not stored.
+            ResourceExhausted: no room without evicting a protected block.
+        """
+        now = self.clock.now()
+        try:
+            with self._write() as txn:
+                parent_depth = self._parent_depth(txn, scope, parent_hash, is_root)
+                keys = [scope.key(h) for h in hashes]
+                fresh = [txn.get(k, db=self._meta) is None for k in keys]
+                need = sum(len(b) for b, f in zip(blocks, fresh, strict=True) if f)
+                self._make_room(txn, need, now)
+                parent = parent_hash
+                for i, (key, data) in enumerate(zip(keys, blocks, strict=True)):
+                    depth = parent_depth + i + 1
+                    if fresh[i]:
+                        self._insert(txn, key, parent, depth, data, now, is_root and i == 0)
+                    else:
+                        self._touch(txn, key, now)
+                    parent = hashes[i]
+                written = sum(fresh)
+                with self._lock:
+                    self.counters.puts += 1
+                    self.counters.blocks_written += written
+                    self.counters.bytes_written += need
+                    self._note_write(now, need)
+        except lmdb.MapFullError:
+            self._count_rejected()
+            raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
+        except ResourceExhausted:
+            self._count_rejected()
+            raise
+        return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need)
+
+    def _parent_depth(self, txn: lmdb.Transaction, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
+        if is_root:
+            return 0
+        raw = txn.get(scope.key(parent_hash), db=self._meta)
+        if raw is None:
+            raise FailedPrecondition(
+                f"parent block {parent_hash.hex()[:16]}... is not stored; put the prefix first"
+            )
+        return BlockMeta.unpack(raw).depth
+
+    def _insert(self, txn: lmdb.Transaction, key: bytes, parent_hash: bytes, depth: int,
+                data: Buffer, now: float, is_first: bool) -> None:
+        meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
+                         checksum=xxhash.xxh3_64_intdigest(data), created_s=now, last_access_s=now)
+        txn.put(key, data, db=self._blocks)
+        txn.put(key, meta.pack(), db=self._meta)
+        txn.put(lru_key(now, depth, key), b"", db=self._lru)
+        if not is_first:
+            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=self._children)
+        self._blocks_stored += 1
+        self._bytes_stored += len(data)
+
+    def _touch(self, txn: lmdb.Transaction, key: bytes, now: float) -> None:
+        raw = txn.get(key, db=self._meta)
+        if raw is None:
+            return
+        meta = BlockMeta.unpack(raw)
+        if meta.last_access_s >= now:
+            return
+        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
+        txn.put(lru_key(now, meta.depth, key), b"", db=self._lru)
+        txn.put(key, BlockMeta(**{**_fields(meta), "last_access_s": now}).pack(), db=self._meta)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record a read of `keys` now: the retention clock of each restarts."""
+        now = self.clock.now()
+        with self._write() as txn:
+            for key in keys:
+                self._touch(txn, key, now)
+
+    # -- eviction ----------------------------------------------------------
+
+    def _make_room(self, txn: lmdb.Transaction, need: int, now: float) -> None:
+        """Evict expired leaves, LRU first, until `need` more bytes fit."""
+        excess = self._bytes_stored + need - self.settings.capacity_bytes
+        if excess <= 0:
+            return
+        cutoff = now - self.settings.retention_s
+        pinned = self.leases.pinned()
+        freed = 0
+        while freed < excess:
+            victims = list(self._evictable(txn, cutoff, pinned, excess - freed))
+            if not victims:
+                raise ResourceExhausted(
+                    f"store full: {need} bytes needed, {self.settings.capacity_bytes - self._bytes_stored} "
+                    f"free, and every other block is within its {self.settings.retention_hours:g}-hour "
+                    "retention or leased"
+                )
+            for key in victims:
+                freed += self._delete(txn, key, propagate_access=True)
+                with self._lock:
+                    self.counters.evictions += 1
+        with self._lock:
+            self.counters.evicted_bytes += freed
+
+    def _evictable(self, txn: lmdb.Transaction, cutoff: float, pinned: frozenset[bytes],
+                   want: int) -> Iterator[bytes]:
+        """Leaves past retention, oldest first, until `want` bytes are found."""
+        found = 0
+        cursor = txn.cursor(db=self._lru)
+        for raw in cursor.iternext(keys=True, values=False):
+            access_s, key = lru_entry(raw)
+            if access_s >= cutoff or found >= want:
+                return
+            if key in pinned or self._has_children(txn, key):
+                continue
+            found += BlockMeta.unpack(txn.get(key, db=self._meta)).size_bytes
+            yield key
+
+    def _has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        cursor = txn.cursor(db=self._children)
+        return cursor.set_range(key) and bytes(cursor.key()).startswith(key)
+
+    def _delete(self, txn: lmdb.Transaction, key: bytes, *, propagate_access: bool) -> int:
+        """Remove one block and its index entries; return its size."""
+        meta = BlockMeta.unpack(txn.get(key, db=self._meta))
+        txn.delete(key, db=self._blocks)
+        txn.delete(key, db=self._meta)
+        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
+        parent = parent_key_of(key, meta.parent_hash)
+        txn.delete(child_key(parent, key[-32:]), db=self._children)
+        if propagate_access:
+            # The parent was in use whenever this child was: carry the child's
+            # time up so the parent's LRU position is not older than its subtree's.
+            raw = txn.get(parent, db=self._meta)
+            if raw is not None and BlockMeta.unpack(raw).last_access_s < meta.last_access_s:
+                self._touch(txn, parent, meta.last_access_s)
+        self._blocks_stored -= 1
+        self._bytes_stored -= meta.size_bytes
+        return meta.size_bytes
+
+    # -- reads -------------------------------------------------------------
+
+    def read(self, keys: Sequence[bytes]) -> list[tuple[ReadStatus, bytes | None]]:
+        """Read blocks, each verified against its checksum.
+
+        A corrupt block is never returned: it is reported CORRUPT, counted, and
+        removed with its descendants (which could no longer be reached as a prefix).
+        """
+        out: list[tuple[ReadStatus, bytes | None]] = []
+        corrupt: list[bytes] = []
+        with self.env.begin(buffers=True) as txn:
+            for key in keys:
+                status, view = self._verified(txn, key)
+                out.append((status, bytes(view) if view is not None else None))
+                if status is ReadStatus.CORRUPT:
+                    corrupt.append(key)
+        if corrupt:
+            self.drop_corrupt(corrupt)
+        return out
+
+    def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
+        """The block's bytes as a view valid until `txn` ends, if intact."""
+        raw_meta = txn.get(key, db=self._meta)
+        if raw_meta is None:
+            return ReadStatus.MISSING, None
+        meta = BlockMeta.unpack(raw_meta)
+        data = txn.get(key, db=self._blocks)
+        if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+            return ReadStatus.CORRUPT, None
+        return ReadStatus.FOUND, data
+
+    def drop_corrupt(self, keys: Sequence[bytes]) -> None:
+        """Remove corrupt blocks and their descendants; count them."""
+        with self._write() as txn:
+            for key in keys:
+                if txn.get(key, db=self._meta) is None:
+                    continue
+                for victim in reversed(list(self._subtree(txn, key))):
+                    self._delete(txn, victim, propagate_access=False)
+                with self._lock:
+                    self.counters.corrupt_blocks += 1
+
+    def _subtree(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
+        """`key` and every stored descendant, parents before children."""
+        todo = [key]
+        while todo:
+            node = todo.pop()
+            yield node
+            cursor = txn.cursor(db=self._children)
+            if cursor.set_range(node):
+                for child in cursor.iternext(keys=True, values=False):
+                    if not bytes(child).startswith(node):
+                        break
+                    todo.append(node[:-32] + bytes(child)[len(node):])
+
+    def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
+        """Count one Get: blocks asked for and blocks actually returned."""
+        tokens = self.settings.block_tokens
+        with self._lock:
+            self.counters.gets += 1
+            self.counters.get_tokens_asked += asked_blocks * tokens
+            self.counters.get_tokens_returned += returned_blocks * tokens
+
+    # -- accounting --------------------------------------------------------
+
+    def stats(self) -> TierStats:
+        """Counters, usage and retention headroom now."""
+        now = self.clock.now()
+        with self._lock:
+            self._note_write(now, 0)
+            window = min(self.settings.write_rate_window_s, max(now - self._started_s, 1.0))
+            rate = sum(n for _, n in self._writes) / window
+            counters = Counters(**asdict(self.counters))
+            blocks, used = self._blocks_stored, self._bytes_stored
+        free = max(self.settings.capacity_bytes - used, 0)
+        return TierStats(
+            counters=counters, blocks_stored=blocks, bytes_stored=used,
+            capacity_bytes=self.settings.capacity_bytes, bytes_free=free,
+            write_rate_bytes_per_s=rate,
+            headroom_hours=free / rate / 3600.0 if rate > 0 else float("inf"),
+            retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
+            uptime_s=now - self._started_s,
+        )
+
+    def _note_write(self, now: float, nbytes: int) -> None:
+        if nbytes:
+            self._writes.append((now, nbytes))
+        horizon = now - self.settings.write_rate_window_s
+        while self._writes and self._writes[0][0] < horizon:
+            self._writes.popleft()
+
+    def _count_rejected(self) -> None:
+        with self._lock:
+            self.counters.rejected_puts += 1
+
+    def _save_state(self, txn: lmdb.Transaction) -> None:
+        with self._lock:
+            counters = json.dumps(asdict(self.counters)).encode()
+        txn.put(b"usage", _USAGE.pack(self._blocks_stored, self._bytes_stored), db=self._state)
+        txn.put(b"counters", counters, db=self._state)
+
+    def __repr__(self) -> str:
+        return f"LmdbBlockTier({self.settings.data_dir})"
+
+
+def _fields(meta: BlockMeta) -> dict[str, Any]:
+    return {f: getattr(meta, f) for f in BlockMeta.__slots__}

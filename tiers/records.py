@@ -1,0 +1,75 @@
+"""Fixed-size binary records the LMDB tier keeps beside each block.
+
+Kept as struct layouts rather than pickles or protobuf so a record can be read
+without allocation-heavy decoding on the hot path, and so the on-disk format is
+written down in one place.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from kvstore.prefix import HASH_BYTES, KEY_BYTES
+
+_META = struct.Struct("<32sIIQdd")
+_LRU_HEAD = struct.Struct(">QI")
+_DEPTH_MAX = 0xFFFFFFFF
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BlockMeta:
+    """What the tier knows about one stored block.
+
+    Attributes:
+        parent_hash: chain hash of the block before it (a root hash for the first).
+        depth: 1 for a chain's first block, parent depth + 1 after.
+        size_bytes: length of the block's data.
+        checksum: xxh3-64 of the data, verified on every read.
+        created_s: time of the first write.
+        last_access_s: time of the last write or read (the retention clock).
+    """
+
+    parent_hash: bytes
+    depth: int
+    size_bytes: int
+    checksum: int
+    created_s: float
+    last_access_s: float
+
+    def pack(self) -> bytes:
+        """The record's bytes."""
+        return _META.pack(self.parent_hash, self.depth, self.size_bytes, self.checksum,
+                          self.created_s, self.last_access_s)
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> BlockMeta:
+        """Parse a record."""
+        parent, depth, size, checksum, created, last = _META.unpack(raw)
+        return cls(parent_hash=parent, depth=depth, size_bytes=size, checksum=checksum,
+                   created_s=created, last_access_s=last)
+
+
+def lru_key(last_access_s: float, depth: int, key: bytes) -> bytes:
+    """Index key ordering blocks by last access, deepest first among equals.
+
+    Deepest first makes a chain written or read in one call give up its tail
+    before its prefix, the order eviction must follow.
+    """
+    return _LRU_HEAD.pack(int(last_access_s * 1e6), _DEPTH_MAX - depth) + key
+
+
+def lru_entry(raw: bytes | memoryview) -> tuple[float, bytes]:
+    """(last access in seconds, block key) of an LRU index key."""
+    micros, _ = _LRU_HEAD.unpack_from(raw)
+    return micros / 1e6, bytes(raw[_LRU_HEAD.size:])
+
+
+def child_key(parent_key: bytes, child_hash: bytes) -> bytes:
+    """Index key recording that `child_hash` extends the block at `parent_key`."""
+    return parent_key + child_hash
+
+
+def parent_key_of(key: bytes, parent_hash: bytes) -> bytes:
+    """The storage key of a block's parent: same layout and tenant, the parent's hash."""
+    return key[: KEY_BYTES - HASH_BYTES] + parent_hash
