@@ -4,10 +4,13 @@ the standard health service and server reflection on one port."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,6 +37,9 @@ class RunningServer:
     server: grpc.aio.Server
     tier: LmdbBlockTier
     health: health_aio.HealthServicer
+    #: Called after the gRPC server stops, last first: each service's clean-up.
+    closers: list[Callable[[], Any]] = field(default_factory=list)
+    stopped: bool = False
 
     @property
     def target(self) -> str:
@@ -46,8 +52,15 @@ class RunningServer:
         Every Put acknowledged before this returns was committed (fsync) before
         its answer went out, so nothing acknowledged is lost.
         """
+        if self.stopped:
+            return
+        self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        for close in reversed(self.closers):
+            result = close()
+            if inspect.isawaitable(result):
+                await result
         self.tier.close()
 
 
@@ -62,19 +75,28 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         ("grpc.so_reuseport", 0),
     ])
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit), server)
+    services = [SERVICE_NAME]
+    closers: list[Callable[[], Any]] = []
+    # Further services (SWA pool, transfer) register here: add the servicer to
+    # `server`, its full name to `services`, its clean-up to `closers`.
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    for name in services:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
     port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
     if port == 0:
+        for close in reversed(closers):
+            result = close()
+            if inspect.isawaitable(result):
+                await result
         tier.close()
         raise OSError(f"cannot listen on {settings.server.host}:{settings.server.port}")
     await server.start()
-    return RunningServer(port=port, server=server, tier=tier, health=health)
+    return RunningServer(port=port, server=server, tier=tier, health=health, closers=closers)
 
 
 async def serve(settings: Settings) -> None:

@@ -295,19 +295,30 @@ class LmdbBlockTier:
                    want: int) -> Iterator[bytes]:
         """Leaves past retention, oldest first, until `want` bytes are found."""
         found = 0
+        chosen: set[bytes] = set()
         cursor = txn.cursor(db=self._lru)
         for raw in cursor.iternext(keys=True, values=False):
             access_s, key = lru_entry(raw)
             if access_s >= cutoff or found >= want:
                 return
-            if key in pinned or self._has_children(txn, key):
+            # A parent whose children are all chosen already is a leaf by the
+            # time it is deleted: the whole chain goes, tail first.
+            if key in pinned or any(c not in chosen for c in self._children_of(txn, key)):
                 continue
+            chosen.add(key)
             found += BlockMeta.unpack(txn.get(key, db=self._meta)).size_bytes
             yield key
 
-    def _has_children(self, txn: lmdb.Transaction, key: bytes) -> bool:
+    def _children_of(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
+        """Storage keys of the stored children of `key`."""
         cursor = txn.cursor(db=self._children)
-        return cursor.set_range(key) and bytes(cursor.key()).startswith(key)
+        if not cursor.set_range(key):
+            return
+        for raw in cursor.iternext(keys=True, values=False):
+            raw = bytes(raw)
+            if not raw.startswith(key):
+                return
+            yield key[:-32] + raw[len(key):]
 
     def _delete(self, txn: lmdb.Transaction, key: bytes, *, propagate_access: bool) -> int:
         """Remove one block and its index entries; return its size."""
@@ -375,12 +386,7 @@ class LmdbBlockTier:
         while todo:
             node = todo.pop()
             yield node
-            cursor = txn.cursor(db=self._children)
-            if cursor.set_range(node):
-                for child in cursor.iternext(keys=True, values=False):
-                    if not bytes(child).startswith(node):
-                        break
-                    todo.append(node[:-32] + bytes(child)[len(node):])
+            todo.extend(self._children_of(txn, node))
 
     def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
         """Count one Get: blocks asked for and blocks actually returned."""

@@ -1,0 +1,200 @@
+"""The KVStore service end to end: a real gRPC server on loopback over a real LMDB."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvstore.client import Client
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.prefix import root_hash
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+def blocks_for(client: Client, n: int) -> list[bytes]:
+    return [os.urandom(client.block_bytes) for _ in range(n)]
+
+
+def raw_stub(server: Any) -> pb_grpc.KVStoreStub:
+    return pb_grpc.KVStoreStub(grpc.insecure_channel(server.target, options=[
+        ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]))
+
+
+def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, (bytes, str)):
+            list(result)
+    return info.value.code(), info.value.details()
+
+
+def test_put_lookup_get_round_trip(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 5 + 3))  # 5 full blocks and a partial one
+    blocks = blocks_for(client, 5)
+    assert client.lookup(tokens).found_tokens == 0
+    put = client.put(tokens, blocks)
+    assert put.written_blocks == 5 and put.block_hashes == client.hashes(tokens)
+    assert client.lookup(tokens).found_tokens == 5 * client.block_tokens
+    got = client.get(tokens)
+    assert got.blocks == blocks and got.statuses == ["found"] * 5
+
+
+def test_put_in_parts_extends_the_chain(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 6))
+    blocks = blocks_for(client, 6)
+    client.put(tokens[: client.block_tokens * 2], blocks[:2])
+    client.put(tokens, blocks[2:], first_block=2)
+    assert client.lookup(tokens).found_blocks == 6
+    assert client.get(tokens).blocks == blocks
+
+
+def test_get_reports_missing_blocks_per_block(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 4))
+    blocks = blocks_for(client, 2)
+    client.put(tokens[: client.block_tokens * 2], blocks)
+    got = client.get(tokens)
+    assert got.statuses == ["found", "found", "missing", "missing"]
+    assert got.found_prefix_blocks == 2
+    assert got.blocks[:2] == blocks
+
+
+def test_torch_tensors_in_and_out(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 3))
+    tensor = torch.randint(0, 256, (3, client.block_bytes), dtype=torch.uint8)
+    client.put(tokens, tensor)
+    out, filled = client.get_tensor(tokens)
+    assert filled == 3 and torch.equal(out, tensor)
+
+
+def test_extra_keys_and_tenants_separate_blocks(server: Any, client: Client) -> None:
+    tokens = list(range(client.block_tokens * 2))
+    client.put(tokens, blocks_for(client, 2), extra_keys=["adapter:a"])
+    assert client.lookup(tokens).found_blocks == 0
+    assert client.lookup(tokens, extra_keys=["adapter:a"]).found_blocks == 2
+    with Client(server.target, namespace="tenant-b") as other:
+        assert other.lookup(tokens, extra_keys=["adapter:a"]).found_blocks == 0
+        assert other.get(tokens, extra_keys=["adapter:a"]).statuses == ["missing"] * 2
+
+
+def test_lookup_lease_and_release(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 2))
+    client.put(tokens, blocks_for(client, 2))
+    result = client.lookup(tokens, lease_ms=5000)
+    assert result.lease_id
+    assert client.stats().active_leases == 1
+    assert client.release(result.lease_id) is True
+    assert client.release(result.lease_id) is False
+    assert client.stats().active_leases == 0
+
+
+def test_lease_expires_with_the_clock(client: Client, clock: Any) -> None:
+    tokens = list(range(client.block_tokens * 2))
+    client.put(tokens, blocks_for(client, 2))
+    client.lookup(tokens, lease_ms=2000)
+    assert client.stats().active_leases == 1
+    clock.advance(2.5)
+    assert client.stats().active_leases == 0
+
+
+def test_stats_keep_lookup_and_retrieve_hit_rates_apart(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 4))
+    client.put(tokens[: client.block_tokens * 2], blocks_for(client, 2))
+    client.lookup(tokens)           # 2 of 4 blocks found
+    client.get(tokens[: client.block_tokens * 2])  # 2 of 2 returned
+    s = client.stats()
+    bt = client.block_tokens
+    assert (s.lookup_tokens_asked, s.lookup_tokens_found) == (4 * bt, 2 * bt)
+    assert (s.get_tokens_asked, s.get_tokens_returned) == (2 * bt, 2 * bt)
+    assert s.blocks_stored == 2 and s.bytes_stored == 2 * client.block_bytes
+    assert s.puts == 1 and s.blocks_written == 2
+
+
+# -- bad input: a clear status, nothing stored ---------------------------------
+
+def assert_nothing_stored(client: Client) -> None:
+    assert client.stats().blocks_stored == 0
+
+
+def test_block_of_wrong_size_is_invalid(client: Client) -> None:
+    tokens = list(range(client.block_tokens))
+    with pytest.raises(InvalidArgument, match=f"block 0 is 10 bytes.*{client.block_bytes}"):
+        client.put(tokens, [b"x" * 10])
+    assert_nothing_stored(client)
+
+
+def test_unknown_geometry_is_invalid(server: Any, client: Client) -> None:
+    stub = raw_stub(server)
+    code, details = status_of(lambda: stub.Lookup(pb.LookupRequest(geometry="llama-7b", block_hashes=[b"h" * 32])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown geometry 'llama-7b'" in details
+    with pytest.raises(InvalidArgument, match="does not serve geometry"):
+        Client(server.target, geometry="llama-7b")
+
+
+def test_malformed_hash_is_invalid(server: Any) -> None:
+    stub = raw_stub(server)
+    code, details = status_of(lambda: stub.Get(pb.GetRequest(block_hashes=[b"short"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "block_hashes[0] is 5 bytes" in details
+    code, details = status_of(lambda: stub.Put(pb.PutRequest(parent_hash=b"abc", token_ids=[1] * 16,
+                                                             blocks=[b"x"])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_empty_and_oversized_batches_are_invalid(server: Any, client: Client) -> None:
+    stub = raw_stub(server)
+    code, details = status_of(lambda: stub.Lookup(pb.LookupRequest()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty" in details
+    code, details = status_of(lambda: stub.Put(pb.PutRequest()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "empty" in details
+    limit = client.max_batch_blocks
+    code, details = status_of(lambda: stub.Get(pb.GetRequest(block_hashes=[b"h" * 32] * (limit + 1))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"at most {limit}" in details
+    assert_nothing_stored(client)
+
+
+def test_block_count_must_match_full_blocks(server: Any, client: Client) -> None:
+    stub = raw_stub(server)
+    bt = client.block_tokens
+    request = pb.PutRequest(token_ids=list(range(bt * 3 + 1)), blocks=blocks_for(client, 2))
+    code, details = status_of(lambda: stub.Put(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{bt * 3 + 1} token ids make 3 full blocks" in details and "2 blocks were sent" in details
+    assert_nothing_stored(client)
+
+
+def test_missing_parent_is_failed_precondition(client: Client) -> None:
+    tokens = list(range(client.block_tokens * 3))
+    with pytest.raises(FailedPrecondition, match="put the prefix first"):
+        client.put(tokens, blocks_for(client, 1), first_block=2)
+    assert_nothing_stored(client)
+
+
+def test_bad_namespace_is_invalid(server: Any) -> None:
+    with Client(server.target, namespace="no spaces/allowed") as bad, \
+            pytest.raises(InvalidArgument, match="namespace"):
+        bad.lookup(list(range(64)))
+
+
+def test_server_speaks_health_and_reflection(server: Any) -> None:
+    channel = grpc.insecure_channel(server.target)
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore")).status == \
+        health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    replies = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"kvstore.v1.KVStore", "grpc.health.v1.Health"} <= names
+
+
+def test_info_describes_the_layout(client: Client) -> None:
+    from kvstore.geometry import V4_1_FLASH
+
+    assert client.block_bytes == V4_1_FLASH.block_bytes(client.block_tokens)
+    assert client.fingerprint == V4_1_FLASH.fingerprint
+    assert client.root == root_hash(V4_1_FLASH.fingerprint, client.block_tokens)

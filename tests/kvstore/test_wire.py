@@ -1,0 +1,49 @@
+"""The wire contract: generated code is fresh, and layers import in one direction."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_code_is_not_stale(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools")
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fresh = {p.name: p.read_bytes() for p in gen.generate(tmp_path)}
+    committed = {p.name: p.read_bytes() for p in (ROOT / "kvstore" / "v1").iterdir() if p.is_file()}
+    assert fresh.keys() == committed.keys(), "run: python scripts/gen_proto.py"
+    for name, data in fresh.items():
+        assert committed[name] == data, f"kvstore/v1/{name} is stale: run python scripts/gen_proto.py"
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_core_does_not_import_outer_layers() -> None:
+    # cli.py and bench/ are the composition root: they may import anything, lazily.
+    core = [p for p in (ROOT / "kvstore").rglob("*.py")
+            if "bench" not in p.parts and p.name != "cli.py" and "v1" not in p.parts]
+    offenders = {str(p.relative_to(ROOT)): sorted(_imports(p) & {"tiers", "gateway", "replay"}) for p in core}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_storage_server_path_does_not_import_torch() -> None:
+    for folder in ("tiers", "gateway"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert "torch" not in _imports(path), f"{path} imports torch"
