@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -75,11 +76,40 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        return await self._put(request, None)
+
+    @streaming
+    async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
+        # Two batches in flight: batch k commits (fsync) on the tier's executor
+        # while batch k+1 is received and validated. Each commit waits for the
+        # one before it, so a batch's parent is always stored when it commits.
+        previous: asyncio.Future[pb.PutResponse] | None = None
+        in_flight: list[asyncio.Future[pb.PutResponse]] = []
+        try:
+            async for request in requests:
+                current = asyncio.ensure_future(self._put(request, previous))
+                in_flight.append(current)
+                if previous is not None:
+                    yield await previous
+                previous = current
+            if previous is not None:
+                yield await previous
+        finally:
+            for task in in_flight:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved: a failure already ended the call
+
+    async def _put(self, request: pb.PutRequest, after: asyncio.Future[pb.PutResponse] | None) -> pb.PutResponse:
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         blocks = list(request.blocks)
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=blocks,
                                  limit=self.settings.max_batch_blocks)
+        if after is not None:
+            await after  # the previous batch of the stream, committed or failed
         result = await self.tier.call(self.tier.put, scope, plan.parent, plan.hashes, blocks, plan.is_root)
         return pb.PutResponse(block_hashes=plan.hashes, written_blocks=result.written_blocks,
                               existing_blocks=result.existing_blocks)

@@ -9,7 +9,7 @@ subclass (`kvstore.errors`), never as a raw `grpc.RpcError`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     import torch
 
 Buffer = bytes | bytearray | memoryview
+#: Bytes of blocks per Put batch by default: big enough to amortise a call,
+#: small enough that the next batch's transfer overlaps this one's fsync.
+_PUT_BATCH_BYTES = 4 << 20
 #: Room left in a message for everything that is not block bytes.
 _ENVELOPE_BYTES = 1 << 20
 
@@ -143,7 +146,10 @@ class Client:
             extra_keys: the keys the blocks were stored with.
             lease_ms: hold the found blocks against eviction this long (0: no lease).
         """
-        hashes = self.hashes(tokens, extra_keys=extra_keys)
+        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms)
+
+    def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0) -> LookupResult:
+        """`lookup` for a prompt whose chain hashes the caller already has."""
         if not hashes:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
@@ -156,7 +162,8 @@ class Client:
         return bool(self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
 
     def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
-            extra_keys: Sequence[ExtraKey] = (), first_block: int = 0) -> PutResult:
+            extra_keys: Sequence[ExtraKey] = (), first_block: int = 0, parent: bytes | None = None,
+            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None) -> PutResult:
         """Store the blocks of `tokens` from block `first_block` on.
 
         Args:
@@ -166,6 +173,12 @@ class Client:
                 objects, or a uint8 tensor of shape [n, block_bytes].
             extra_keys: keys mixed into every block's hash.
             first_block: index of the first block sent; earlier blocks must be stored.
+            parent: the hash of block `first_block - 1` when the caller has it
+                (a previous put's last hash), which saves re-hashing the prefix.
+            batch_blocks: blocks per request (default: about 4 MiB worth). Longer
+                puts stream their batches so transfer overlaps the server's fsync;
+                they stop at the first failed batch, and the batches before it stay stored.
+            on_batch: called with the number of blocks of each acknowledged batch.
 
         Raises:
             InvalidArgument: wrong block count or size (nothing stored).
@@ -177,22 +190,48 @@ class Client:
         if total != len(payload):
             raise InvalidArgument(f"{len(payload)} blocks given for {total} full blocks of tokens "
                                   f"from block {first_block}")
-        parent = self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""]
+        if parent is None:
+            parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
         extra = _encode_extra(extra_keys)
-        hashes: list[bytes] = []
-        written = existing = 0
-        step = self._batch_blocks()
-        for start in range(0, len(payload), step):
-            lo = (first_block + start) * self.block_tokens
-            batch = payload[start:start + step]
-            reply = self._call(self._stub.Put, pb.PutRequest(
-                geometry=self.geometry, namespace=self.namespace, parent_hash=parent[-1],
-                token_ids=tokens[lo: lo + len(batch) * self.block_tokens], extra_keys=extra, blocks=batch))
-            hashes.extend(reply.block_hashes)
-            parent = [reply.block_hashes[-1]]
-            written += reply.written_blocks
-            existing += reply.existing_blocks
+        step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self._batch_blocks())
+        if len(payload) <= step:
+            replies = [self._call(self._stub.Put, self._put_request(tokens, payload, first_block, parent, extra))]
+        else:
+            replies = self._put_stream(tokens, payload, first_block, parent, extra, extra_keys, step, on_batch)
+        hashes = [h for r in replies for h in r.block_hashes]
+        written = sum(r.written_blocks for r in replies)
+        existing = sum(r.existing_blocks for r in replies)
         return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing)
+
+    def _put_request(self, tokens: Sequence[int], blocks: list[Buffer], first_block: int, parent: bytes,
+                     extra: list[bytes]) -> pb.PutRequest:
+        lo = first_block * self.block_tokens
+        return pb.PutRequest(geometry=self.geometry, namespace=self.namespace, parent_hash=parent,
+                             token_ids=tokens[lo: lo + len(blocks) * self.block_tokens], extra_keys=extra,
+                             blocks=blocks)
+
+    def _put_stream(self, tokens: Sequence[int], payload: list[Buffer], first_block: int, parent: bytes,
+                    extra: list[bytes], extra_keys: Sequence[ExtraKey], step: int,
+                    on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
+        """Send a long chain as a PutStream; batches are chained by locally computed hashes."""
+        lo = first_block * self.block_tokens
+        chain = chain_hashes(tokens[lo: lo + len(payload) * self.block_tokens], block_tokens=self.block_tokens,
+                             parent=parent or self.root, extra_keys=extra_keys)
+
+        def requests() -> Iterator[pb.PutRequest]:
+            for start in range(0, len(payload), step):
+                before = parent if start == 0 else chain[start - 1]
+                yield self._put_request(tokens, payload[start:start + step], first_block + start, before, extra)
+
+        replies: list[pb.PutResponse] = []
+        try:
+            for reply in self._stub.PutStream(requests(), timeout=self.timeout_s):
+                replies.append(reply)
+                if on_batch is not None:
+                    on_batch(len(reply.block_hashes))
+            return replies
+        except grpc.RpcError as exc:
+            raise from_status(exc.code(), exc.details()) from None
 
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:
@@ -204,7 +243,7 @@ class Client:
         """Fetch blocks by chain hash, in order."""
         blocks: list[bytes | None] = []
         statuses: list[str] = []
-        for _, status, data in self._stream(hashes):
+        for _, status, data in self.stream(hashes):
             blocks.append(data if status == pb.BLOCK_STATUS_FOUND else None)
             statuses.append(pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower())
         return GetResult(blocks=blocks, statuses=statuses)
@@ -228,15 +267,17 @@ class Client:
         filled = 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # frombuffer on read-only bytes; we only read
-            for index, status, data in self._stream(hashes):
+            for index, status, data in self.stream(hashes):
                 if status != pb.BLOCK_STATUS_FOUND or index != filled:
                     break
                 out[filled].copy_(torch.frombuffer(data, dtype=torch.uint8))
                 filled += 1
         return out, filled
 
-    def _stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block, in order, across as many Gets as needed."""
+    def stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
+        """Fetch blocks by hash as they arrive: (index, status, data) per block, in
+        order, across as many Get calls as the batch limit needs. `status` is a
+        `kvstore.v1.kvstore_pb2.BlockStatus`; `data` is empty unless found."""
         step = self._batch_blocks()
         for start in range(0, len(hashes), step):
             request = pb.GetRequest(geometry=self.geometry, namespace=self.namespace,

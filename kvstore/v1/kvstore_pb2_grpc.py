@@ -54,6 +54,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutStream = channel.stream_stream(
+                '/kvstore.v1.KVStore/PutStream',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.KVStore/Get',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetRequest.SerializeToString,
@@ -97,6 +102,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutStream(self, request_iterator, context):
+        """Stores a long chain as a stream of Put batches, each acknowledged after its
+        commit; the next batch travels while the previous one is being synced.
+        Each batch's parent_hash must be the previous batch's last block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Get(self, request, context):
         """Streams a batch of blocks back in request order, one message per block.
         """
@@ -131,6 +145,11 @@ def add_KVStoreServicer_to_server(servicer, server):
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'PutStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutStream,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
@@ -251,6 +270,33 @@ class KVStore:
             request,
             target,
             '/kvstore.v1.KVStore/Put',
+            kvstore_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvstore.v1.KVStore/PutStream',
             kvstore_dot_v1_dot_kvstore__pb2.PutRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
             options,

@@ -198,3 +198,26 @@ def test_info_describes_the_layout(client: Client) -> None:
     assert client.block_bytes == V4_1_FLASH.block_bytes(client.block_tokens)
     assert client.fingerprint == V4_1_FLASH.fingerprint
     assert client.root == root_hash(V4_1_FLASH.fingerprint, client.block_tokens)
+
+
+def test_long_put_streams_batches(client: Client) -> None:
+    bt = client.block_tokens
+    tokens = list(range(bt * 9))
+    blocks = blocks_for(client, 9)
+    seen: list[int] = []
+    result = client.put(tokens, blocks, batch_blocks=2, on_batch=seen.append)
+    assert seen == [2, 2, 2, 2, 1] and result.written_blocks == 9
+    assert result.block_hashes == client.hashes(tokens)
+    assert client.get(tokens).blocks == blocks
+    assert client.stats().puts == 5
+
+
+def test_put_stream_stops_at_first_bad_batch_keeping_earlier_ones(client: Client) -> None:
+    bt = client.block_tokens
+    tokens = list(range(bt * 6))
+    blocks = blocks_for(client, 6)
+    blocks[4] = b"short"
+    with pytest.raises(InvalidArgument, match="block 0 is 5 bytes"):
+        client.put(tokens, blocks, batch_blocks=2)
+    assert client.lookup(tokens).found_blocks == 4  # batches 1 and 2 were acknowledged or committed
+    assert client.stats().blocks_stored == 4

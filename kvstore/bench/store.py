@@ -1,0 +1,220 @@
+"""Put, get and lookup of V4.1-Flash blocks through the service, against raw LMDB and raw gRPC.
+
+In one run: a `kvstore serve` process takes >= 1 GiB of blocks as one long chain
+(Put) and streams them back (Get); the same bytes go through raw LMDB with the
+same durability (one fsync'd transaction per batch) and through a raw gRPC
+stream with no kvstore logic (a generic handler sending the same block-sized
+messages). Then a Lookup of a 1M-token prompt: all its block hashes, timed at
+the server (the tier's lookup over the stored chain) and over the wire.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.bench.report import Figure, Progress, Report
+from kvstore.geometry import V4_1_FLASH
+
+GiB = 1 << 30
+_RAW_METHOD = "/bench.Raw/Stream"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvstore bench store`."""
+    parser.add_argument("--gib", type=float, default=1.0, help="GiB of blocks to put and get (default 1)")
+    parser.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
+    parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per Put/transaction (default 64)")
+    parser.add_argument("--lookup-tokens", type=int, default=1_000_000, help="prompt length for the lookup figure")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="scratch folder on the disk under test (default: a temp folder, removed after)")
+
+
+def run(args: argparse.Namespace, progress: Progress) -> Report:
+    """Run the benchmark; see the module docstring."""
+    block_bytes = V4_1_FLASH.block_bytes(args.block_tokens)
+    n_blocks = max(int(args.gib * GiB) // block_bytes, 1)
+    lookup_blocks = min(args.lookup_tokens // args.block_tokens, n_blocks)
+    report = Report(bench="store")
+    report.notes.update(blocks=n_blocks, block_bytes=block_bytes, total_bytes=n_blocks * block_bytes,
+                        batch_blocks=args.batch_blocks, cpus=os.cpu_count())
+    pool = np.random.default_rng(0).integers(0, 256, size=n_blocks * block_bytes, dtype=np.uint8).tobytes()
+    blocks = [pool[i * block_bytes:(i + 1) * block_bytes] for i in range(n_blocks)]
+    tokens = list(range(n_blocks * args.block_tokens))
+    with _scratch(args.dir) as scratch:
+        raw_put = _raw_lmdb_put(scratch / "raw-lmdb", blocks, args.batch_blocks, progress)
+        shutil.rmtree(scratch / "raw-lmdb")
+        with _serve(scratch / "store", n_blocks * block_bytes, args.block_tokens) as target:
+            put_s, get_s, hashes, wire_lookup_s = _service(target, tokens, blocks, args, lookup_blocks, progress)
+        server_lookup_s, raw_scan_s = _server_lookup(scratch / "store", args.block_tokens, n_blocks * block_bytes,
+                                                      hashes[:lookup_blocks])
+        raw_get = _raw_grpc_get(blocks, args.batch_blocks, progress)
+    total = n_blocks * block_bytes / 1e9
+    report.add(Figure.against("put", total / put_s, "GB/s", "raw LMDB put, fsync per batch", total / raw_put))
+    report.add(Figure.against("get", total / get_s, "GB/s", "raw gRPC stream, same messages", total / raw_get))
+    label = f"lookup {lookup_blocks * args.block_tokens:,} tokens"
+    report.add(Figure.against(f"{label} at server", server_lookup_s * 1e3, "ms",
+                              f"raw LMDB get of all {lookup_blocks:,} hashes", raw_scan_s * 1e3))
+    report.add(Figure(name=f"{label} over gRPC", value=wire_lookup_s * 1e3, unit="ms"))
+    return report
+
+
+@contextmanager
+def _scratch(folder: Path | None) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=folder))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _raw_lmdb_put(path: Path, blocks: list[bytes], batch: int, progress: Progress) -> float:
+    """Seconds to write the blocks with plain LMDB: same sync settings, one txn per batch."""
+    import lmdb
+
+    env = lmdb.open(str(path), map_size=len(blocks) * len(blocks[0]) * 2 + GiB, sync=True, metasync=True,
+                    readahead=False, max_dbs=8)
+    db = env.open_db(b"blocks")
+    keys = [i.to_bytes(48, "big") for i in range(len(blocks))]
+    with progress.bar("raw LMDB put", len(blocks) * len(blocks[0])) as bar:
+        start = time.perf_counter()
+        for lo in range(0, len(blocks), batch):
+            with env.begin(write=True) as txn:
+                for key, block in zip(keys[lo:lo + batch], blocks[lo:lo + batch], strict=True):
+                    txn.put(key, block, db=db)
+            bar.update(sum(len(b) for b in blocks[lo:lo + batch]))
+        elapsed = time.perf_counter() - start
+    env.close()
+    return elapsed
+
+
+@contextmanager
+def _serve(data_dir: Path, data_bytes: int, block_tokens: int) -> Iterator[str]:
+    """A `kvstore serve` child process sized for the run."""
+    env = {**os.environ, "KVSTORE_STORE_CAPACITY_BYTES": str(int(data_bytes * 1.2) + GiB),
+           "KVSTORE_STORE_BLOCK_TOKENS": str(block_tokens)}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
+                             str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
+    try:
+        assert proc.stdout is not None
+        match = re.search(r":(\d+)$", proc.stdout.readline().strip())
+        if not match:
+            raise RuntimeError("kvstore serve did not start")
+        yield f"127.0.0.1:{match.group(1)}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def _service(target: str, tokens: list[int], blocks: list[bytes], args: argparse.Namespace, lookup_blocks: int,
+             progress: Progress) -> tuple[float, float, list[bytes], float]:
+    from kvstore.client import Client
+
+    batch = args.batch_blocks
+    with Client(target) as client:
+        with progress.bar("kvstore put", len(blocks) * client.block_bytes) as bar:
+            start = time.perf_counter()
+            hashes = client.put(tokens, blocks, batch_blocks=batch,
+                                on_batch=lambda n: bar.update(n * client.block_bytes)).block_hashes
+            put_s = time.perf_counter() - start
+        with progress.bar("kvstore get", len(blocks) * client.block_bytes) as bar:
+            start = time.perf_counter()
+            got = 0
+            for _, _, data in client.stream(hashes):
+                got += len(data)
+                bar.update(len(data))
+            get_s = time.perf_counter() - start
+        if got != len(blocks) * client.block_bytes:
+            raise RuntimeError(f"get returned {got} bytes, expected {len(blocks) * client.block_bytes}")
+        wire_lookup_s = min(_timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
+    return put_s, get_s, hashes, wire_lookup_s
+
+
+def _server_lookup(data_dir: Path, block_tokens: int, capacity: int, hashes: list[bytes]) -> tuple[float, float]:
+    """(tier lookup, raw per-hash LMDB scan) seconds over the stored chain, best of 5."""
+    from kvstore.config import StoreSettings
+    from kvstore.prefix import BlockScope
+    from tiers.lmdb_tier import LmdbBlockTier
+
+    tier = LmdbBlockTier(StoreSettings(data_dir=data_dir, capacity_bytes=int(capacity * 1.2) + GiB,
+                                       block_tokens=block_tokens))
+    try:
+        scope = BlockScope(V4_1_FLASH.fingerprint, "default")
+        found = tier.lookup(scope, hashes)[0]
+        if found != len(hashes):
+            raise RuntimeError(f"lookup found {found} of {len(hashes)} blocks")
+        lookup_s = min(_timed(lambda: tier.lookup(scope, hashes)) for _ in range(5))
+
+        def scan() -> None:
+            with tier.env.begin() as txn:
+                for h in hashes:
+                    txn.get(scope.key(h), db=tier._meta)
+
+        scan_s = min(_timed(scan) for _ in range(5))
+    finally:
+        tier.close()
+    return lookup_s, scan_s
+
+
+def _raw_grpc_get(blocks: list[bytes], batch: int, progress: Progress) -> float:
+    """Seconds to stream the same block-sized messages from a bare gRPC server in another process."""
+    import grpc
+
+    code = (
+        "import grpc, sys, numpy as np\n"
+        "from concurrent import futures\n"
+        f"n, size = {len(blocks)}, {len(blocks[0])}\n"
+        "pool = np.random.default_rng(0).integers(0, 256, size=n*size, dtype=np.uint8).tobytes()\n"
+        "def stream(req, ctx):\n"
+        "    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')\n"
+        "    for i in range(lo, hi):\n"
+        "        yield pool[i*size:(i+1)*size]\n"
+        "import grpc.aio, asyncio\n"
+        "async def main():\n"
+        "    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])\n"
+        "    h = grpc.method_handlers_generic_handler('bench.Raw', {'Stream': grpc.unary_stream_rpc_method_handler(\n"
+        "        stream)})\n"
+        "    server.add_generic_rpc_handlers((h,))\n"
+        "    port = server.add_insecure_port('127.0.0.1:0')\n"
+        "    await server.start()\n"
+        "    print(port, flush=True)\n"
+        "    await server.wait_for_termination()\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
+        call = channel.unary_stream(_RAW_METHOD)
+        step = 1024  # the same per-call batch the kvstore client uses
+        with progress.bar("raw gRPC stream", len(blocks) * len(blocks[0])) as bar:
+            start = time.perf_counter()
+            for lo in range(0, len(blocks), step):
+                hi = min(lo + step, len(blocks))
+                for msg in call(lo.to_bytes(8, "big") + hi.to_bytes(8, "big")):
+                    bar.update(len(msg))
+            elapsed = time.perf_counter() - start
+        channel.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return elapsed
