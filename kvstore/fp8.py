@@ -1,0 +1,167 @@
+"""FP8 (OCP E4M3) codec for SWA state: the last n_win tokens of KV in every SWA layer.
+
+Scaling: one power-of-two float32 scale per token per layer, the smallest power
+of two p with amax/p <= 464 (amax of the token's vector; 464 is the largest
+value that still rounds to E4M3's 448, so amax/p lands in (232, 464] and is
+stored as 240..448). Why this choice
+(docs/CODEC.md has the measured errors):
+
+- FP8 is a floating-point format, so any scale changes only range, not relative
+  precision; a power of two changes nothing else. x/p is then exact in float32,
+  the only rounding is the cast to E4M3, and the codes are the same on every
+  device and compiler.
+- Per token, so one outlier token cannot push a quiet one into E4M3's
+  subnormals (below 2^-6, where relative precision falls off), and nothing
+  can overflow 448.
+- The cost is 4 bytes per token per layer against 512 of codes: 0.8%.
+- Bound 464 rather than 448 makes the codec idempotent: a decoded token's amax
+  is >= 240p, so it gets the same p back and encodes to the same bytes (with
+  448, amax/p in (224, 232) would decode to 224p and come back with p/2).
+
+A snapshot is the codes `[layers, window_tokens, channels]` (geometry.
+swa_snapshot_bytes) followed by the scales `[layers, window_tokens]` as
+little-endian float32: `snapshot_bytes(geometry)` in all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstore.block_codec import as_uint8
+from kvstore.errors import InvalidArgument
+from kvstore.fp4 import FusedKernel, check_finite, check_input
+from kvstore.geometry import ModelGeometry
+
+#: amax/scale never exceeds this: the largest value that rounds to 448 (ties to even).
+SCALE_BOUND = 464.0
+#: Bytes of one per-token scale.
+SCALE_BYTES = 4
+
+_EXPONENT_MASK = 0x7F800000
+_MANTISSA_MASK = 0x007FFFFF
+_MIN_SCALE = 2.0**-126
+_MAX_SCALE = 2.0**126
+
+
+def snapshot_bytes(geometry: ModelGeometry) -> int:
+    """Bytes of one encoded SWA snapshot: FP8 codes plus one float32 scale per token per layer."""
+    return geometry.swa_snapshot_bytes + geometry.swa_layers * geometry.swa_window_tokens * SCALE_BYTES
+
+
+def _power_of_two_at_least(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two p in [2^-126, 2^126] with 464*p >= amax (1 for amax 0)."""
+    v = torch.clamp(amax / SCALE_BOUND, min=_MIN_SCALE, max=_MAX_SCALE)
+    bits = v.view(torch.int32)
+    # 2^ceil(log2 v): keep the exponent, and go one up if any mantissa bit is set.
+    up = (bits & _MANTISSA_MASK) != 0
+    p = ((bits & _EXPONENT_MASK) + up.to(torch.int32) * (1 << 23)).view(torch.float32)
+    # amax/464 is rounded (approximate in a fused kernel); 464*p is exact.
+    p = torch.where(SCALE_BOUND * p < amax, p * 2.0, p)
+    p = torch.where((p > _MIN_SCALE) & (SCALE_BOUND * p * 0.5 >= amax), p * 0.5, p)
+    return torch.where(amax > 0, p, 1.0)
+
+
+@FusedKernel
+def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    v = x.float()
+    amax = v.abs().amax(dim=-1, keepdim=True)
+    scale = _power_of_two_at_least(amax)
+    # 1/p is an exact power of two, so the product is x/p exactly.
+    codes = (v * (1.0 / scale)).to(torch.float8_e4m3fn)
+    return codes, scale, amax
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize to FP8 E4M3 with one power-of-two float32 scale per vector (last dim).
+
+    Args:
+        x: float32, bfloat16 or float16 tensor `[..., C]`, on any device.
+
+    Returns:
+        `(codes, scales)`: codes float8_e4m3fn `[..., C]`, the round-to-nearest-
+        even E4M3 value of x/scale; scales float32 `[..., 1]`, powers of two.
+
+    Raises:
+        InvalidArgument: wrong type, dtype or shape; NaN or Inf in x.
+    """
+    check_input(x, what="fp8.quantize", multiple=1)
+    codes, scales, amax = _quantize_tokens(x)
+    check_finite(amax, what="fp8.quantize")
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode FP8 codes and their per-vector scales (exact in float32).
+
+    Raises:
+        InvalidArgument: dtypes or shapes that do not fit together.
+    """
+    if codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        raise InvalidArgument(f"fp8.dequantize: expected float8_e4m3fn codes and float32 scales, "
+                              f"got {codes.dtype} and {scales.dtype}")
+    if tuple(scales.shape) != (*codes.shape[:-1], 1):
+        raise InvalidArgument(f"fp8.dequantize: codes {tuple(codes.shape)} need scales of shape "
+                              f"{(*codes.shape[:-1], 1)}, got {tuple(scales.shape)}")
+    return (codes.float() * scales).to(dtype)
+
+
+def _snapshot_shape(geometry: ModelGeometry) -> tuple[int, int, int]:
+    return (geometry.swa_layers, geometry.swa_window_tokens, geometry.swa_channels)
+
+
+def encode_snapshot(geometry: ModelGeometry, window: torch.Tensor) -> torch.Tensor:
+    """Encode one SWA snapshot.
+
+    Args:
+        geometry: sizes the snapshot.
+        window: float tensor `[swa_layers, swa_window_tokens, swa_channels]`
+            ([40, 128, 512] for V4.1-Flash), on any device.
+
+    Returns:
+        uint8 tensor of `snapshot_bytes(geometry)` on window's device: codes, then scales.
+
+    Raises:
+        InvalidArgument: wrong shape or dtype; NaN or Inf.
+    """
+    expected = _snapshot_shape(geometry)
+    if not isinstance(window, torch.Tensor) or tuple(window.shape) != expected:
+        got = tuple(window.shape) if isinstance(window, torch.Tensor) else type(window).__name__
+        raise InvalidArgument(f"fp8.encode_snapshot: expected a tensor of shape {expected} "
+                              f"[layers, window_tokens, channels] for geometry {geometry.name!r}, got {got}")
+    codes, scales = quantize(window)
+    return torch.cat((codes.view(torch.uint8).reshape(-1), scales.view(torch.uint8).reshape(-1)))
+
+
+def view_snapshot(geometry: ModelGeometry, data: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of an encoded snapshot, as views of `data` (no copy).
+
+    Args:
+        geometry: sizes the snapshot.
+        data: bytes, bytearray, memoryview or a 1-D contiguous uint8 tensor of
+            `snapshot_bytes(geometry)`.
+
+    Returns:
+        `(codes, scales)`: float8_e4m3fn `[layers, window_tokens, channels]` and
+        float32 `[layers, window_tokens, 1]`. They alias `data`: valid while
+        `data` is alive and unchanged (for a buffer lent by LMDB or Redis, only
+        until that transaction or reply is released), and not to be written to
+        when `data` is read-only.
+
+    Raises:
+        InvalidArgument: wrong type or length.
+    """
+    buf = as_uint8(data, expected_bytes=snapshot_bytes(geometry), what="fp8 snapshot")
+    shape = _snapshot_shape(geometry)
+    n = geometry.swa_snapshot_bytes
+    codes = buf[:n].view(torch.float8_e4m3fn).view(shape)
+    scales = buf[n:].view(torch.float32).view(*shape[:2], 1)
+    return codes, scales
+
+
+def decode_snapshot(geometry: ModelGeometry, data: object, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode an encoded snapshot to `[layers, window_tokens, channels]` of `dtype`.
+
+    Raises:
+        InvalidArgument: wrong type or length.
+    """
+    return dequantize(*view_snapshot(geometry, data), dtype=dtype)
