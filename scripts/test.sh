@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite on a fresh machine (the README's second
+# command; .ci/run calls exactly this). Installs what the tests need: a venv
+# with the CPU build of torch, the project, its test tools, and redis-server
+# (tests start their own redis-server processes on free loopback ports and stop
+# them; nothing listens beyond 127.0.0.1).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+    echo "== installing redis-server"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    # The package may start a system instance on port 6379; the tests do not use it.
+    (service redis-server stop || pkill -x redis-server || true) >/dev/null 2>&1
+fi
+
+echo "== python environment"
+[ -d .venv ] || python3 -m venv .venv
+. .venv/bin/activate
+pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+
+echo "== lint and types"
+ruff check .
+mypy kvstore tiers gateway replay scripts
+
+echo "== tests"
+python -m pytest -q "$@"
