@@ -12,13 +12,18 @@ from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.errors import InvalidArgument
+from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
 #: LMDB thread, small enough that the first block goes out quickly.
 GET_CHUNK_BLOCKS = 16
+
+#: Put batches a stream may have received ahead of the one being committed.
+PUT_STREAM_DEPTH = 4
 
 _STATUS = {
     ReadStatus.FOUND: pb.BLOCK_STATUS_FOUND,
@@ -34,10 +39,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         tier: the LMDB tier (owns the executor for blocking work).
         layouts: served geometries by name, the default first.
         max_message_bytes: the server's message limit, reported to clients.
+        swa: the SWA pool, asked by Lookup for snapshot candidates (None: no SWA pool).
     """
 
-    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], max_message_bytes: int) -> None:
+    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], max_message_bytes: int,
+                 swa: SwaCache | None = None) -> None:
         self.tier = tier
+        self.swa = swa
         self.layouts = layouts
         self.max_message_bytes = max_message_bytes
         self.settings = tier.settings
@@ -61,12 +69,36 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
-        hashes = validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
+        # A prompt shorter than a block has no hashes but may still have an SWA snapshot.
+        only_swa = not request.block_hashes and bool(request.swa_keys)
+        hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         # A binary search of ~14 index reads: cheaper inline than a hop to the executor.
-        found, lease = self.tier.lookup(scope, hashes, lease_ms / 1000.0)
+        found, lease = self.tier.lookup(scope, hashes, lease_ms / 1000.0) if hashes else (0, None)
+        swa_position = await self._swa_position(request, scope, found * self.settings.block_tokens)
         return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
-                                 lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
+                                 lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0,
+                                 swa_found=swa_position is not None, swa_position=swa_position or 0)
+
+    async def _swa_position(self, request: pb.LookupRequest, scope: BlockScope, found_tokens: int) -> int | None:
+        """The greatest candidate position with a live snapshot that the found blocks make usable.
+
+        Only full blocks are stored, so a snapshot inside the block after the
+        found ones is usable (the worker recomputes under a block of tokens);
+        one further on is not.
+        """
+        if not request.swa_keys and not request.swa_positions:
+            return None
+        if len(request.swa_keys) != len(request.swa_positions):
+            raise InvalidArgument(f"swa_keys has {len(request.swa_keys)} entries but swa_positions has "
+                                  f"{len(request.swa_positions)}: send one position per key")
+        keys = validate.hashes(request.swa_keys, limit=self.settings.max_lookup_blocks, field="swa_keys")
+        usable = sorted(((p, k) for p, k in zip(request.swa_positions, keys, strict=True)
+                         if p < found_tokens + self.settings.block_tokens), reverse=True)
+        if self.swa is None or not usable:
+            return None
+        live = await self.swa.exists_many([scope.key(k) for _, k in usable])
+        return next((p for (p, _), ok in zip(usable, live, strict=True) if ok), None)
 
     @unary
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
@@ -76,40 +108,35 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        return await self._put(request, None)
+        return await self._put(request)
 
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
-        # Two batches in flight: batch k commits (fsync) on the tier's executor
-        # while batch k+1 is received and validated. Each commit waits for the
-        # one before it, so a batch's parent is always stored when it commits.
-        previous: asyncio.Future[pb.PutResponse] | None = None
-        in_flight: list[asyncio.Future[pb.PutResponse]] = []
-        try:
-            async for request in requests:
-                current = asyncio.ensure_future(self._put(request, previous))
-                in_flight.append(current)
-                if previous is not None:
-                    yield await previous
-                previous = current
-            if previous is not None:
-                yield await previous
-        finally:
-            for task in in_flight:
-                if not task.done():
-                    task.cancel()
-                elif not task.cancelled():
-                    task.exception()  # retrieved: a failure already ended the call
+        # A reader keeps up to PUT_STREAM_DEPTH batches received ahead while the
+        # committer syncs one at a time, in order: transfer overlaps fsync, and a
+        # batch's parent is always committed before the batch itself.
+        queue: asyncio.Queue[pb.PutRequest | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
-    async def _put(self, request: pb.PutRequest, after: asyncio.Future[pb.PutResponse] | None) -> pb.PutResponse:
+        async def read_ahead() -> None:
+            async for request in requests:
+                await queue.put(request)
+            await queue.put(None)
+
+        reader = asyncio.ensure_future(read_ahead())
+        try:
+            while (request := await queue.get()) is not None:
+                yield await self._put(request)
+            await reader
+        finally:
+            reader.cancel()
+
+    async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         blocks = list(request.blocks)
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=blocks,
                                  limit=self.settings.max_batch_blocks)
-        if after is not None:
-            await after  # the previous batch of the stream, committed or failed
         result = await self.tier.call(self.tier.put, scope, plan.parent, plan.hashes, blocks, plan.is_root)
         return pb.PutResponse(block_hashes=plan.hashes, written_blocks=result.written_blocks,
                               existing_blocks=result.existing_blocks)

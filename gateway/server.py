@@ -18,15 +18,20 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gateway.kvstore_servicer import KVStoreServicer
+from gateway.swa_servicer import SwaPoolServicer
+from gateway.transfer_servicer import TransferServicer
 from gateway.validate import Layout
 from kvstore import geometry
-from kvstore.clock import Clock
+from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from tiers.lmdb_tier import LmdbBlockTier
+from tiers.swa_cache import SwaCache
+from tiers.swa_pool import open_pool
 
 log = logging.getLogger("kvstore.server")
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
+SWA_SERVICE_NAME = swa_pb2.DESCRIPTOR.services_by_name["SwaPool"].full_name
 
 
 @dataclass
@@ -74,11 +79,20 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
     ])
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit), server)
+    swa = SwaCache(open_pool(settings.swa, clock=clock or SystemClock()), ttl_s=settings.swa.ttl_s)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
     services = [SERVICE_NAME]
     closers: list[Callable[[], Any]] = []
+    swa_pb2_grpc.add_SwaPoolServicer_to_server(
+        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
+    services.append(SWA_SERVICE_NAME)
+    closers.append(swa.close)
     # Further services (SWA pool, transfer) register here: add the servicer to
     # `server`, its full name to `services`, its clean-up to `closers`.
+    transfer = TransferServicer(tier, layouts, settings.transfer)
+    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
+    services.append(transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name)
+    closers.append(transfer.table.close_all)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in services:

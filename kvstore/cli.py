@@ -84,6 +84,7 @@ def _stats(args: argparse.Namespace) -> int:
 
     with Client(args.target, timeout_s=args.timeout) as client:
         data = stats_dict(client.stats())
+        data["swa"] = swa_stats_dict(client)
     if args.json:
         print(json.dumps(data))
         return 0
@@ -97,7 +98,49 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"  {label:<{width}}  unbounded (no writes in the window)")
         else:
             print(f"  {label:<{width}}  {_fmt(value)}")
+    _print_swa(data["swa"])  # type: ignore[arg-type]
     return 0
+
+
+def swa_stats_dict(client: object) -> dict[str, object] | None:
+    """The SWA pool's SwaStatsResponse as a flat dict with its hit rate; None if the server has no pool."""
+    from google.protobuf.json_format import MessageToDict
+
+    from kvstore.errors import Internal
+
+    try:
+        reply = client.swa.stats()  # type: ignore[attr-defined]
+    except Internal:  # UNIMPLEMENTED: a server without the SwaPool service
+        return None
+    out: dict[str, object] = MessageToDict(reply, always_print_fields_with_no_presence=True,
+                                           preserving_proto_field_name=True)
+    for key, value in list(out.items()):
+        if isinstance(value, str) and value.isdigit():
+            out[key] = int(value)
+    out["hit_rate"] = _rate(int(out["hits"]), int(out["snapshots_asked"]))  # type: ignore[call-overload]
+    return out
+
+
+SWA_ROWS = (
+    ("Backend", "backend"), ("Backend reachable", "backend_up"), ("TTL (s)", "ttl_s"),
+    ("Hit rate (snapshots returned / asked)", "hit_rate"), ("Puts (calls)", "puts"),
+    ("Snapshots put", "snapshots_put"), ("Snapshots lost (backend down)", "failed_puts"),
+    ("Expirations", "expirations"), ("Evictions", "evictions"), ("Items", "items"),
+    ("Bytes in use", "bytes_used"), ("Cap bytes", "cap_bytes"), ("Corrupt (missed)", "corrupt"),
+    ("Backend errors", "backend_errors"),
+)
+
+
+def _print_swa(swa: dict[str, object] | None) -> None:
+    if swa is None:
+        print("SWA pool: not served")
+        return
+    width = max(len(label) for label, _ in SWA_ROWS)
+    print("SWA pool")
+    for label, key in SWA_ROWS:
+        value = swa.get(key)
+        shown = f"{value:.1%}" if key == "hit_rate" and isinstance(value, float) else _fmt(value)
+        print(f"  {label:<{width}}  {shown}")
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -108,8 +151,17 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line interface."""
+def _chosen_bench(argv: list[str] | None) -> str | None:
+    """The benchmark named on the command line, if any (so only its module is imported)."""
+    args = sys.argv[1:] if argv is None else argv
+    if "bench" in args:
+        rest = [a for a in args[args.index("bench") + 1:] if not a.startswith("-")]
+        return rest[0] if rest else None
+    return "" if args else None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command-line interface; `argv` lets it import only the benchmark that runs."""
     from kvstore.bench import BENCHES
 
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache storage and transfer service.")
@@ -135,13 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_stats)
 
     bench = sub.add_parser("bench", help="run a benchmark against its baseline",
-                           description="Benchmarks print each figure beside a baseline measured in the same run.")
+                           description="Benchmarks print each figure beside a baseline measured in the same run "
+                           "(ratio > 1: better than the baseline). Names: " + ", ".join(BENCHES))
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    chosen = _chosen_bench(argv)
     for name, module_path in BENCHES.items():
-        try:
-            module = importlib.import_module(module_path)
-        except ImportError:
+        if chosen is not None and name != chosen:
+            bench_sub.add_parser(name)  # listed; its module is imported only when it runs
             continue
+        module = importlib.import_module(module_path)
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
                                  description=module.__doc__)
         p.add_argument("--json", action="store_true", help="print one JSON object with a figures list")
@@ -153,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvstore` command."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -22,6 +23,9 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     import torch
+
+    from kvstore.swa_client import SwaClient
+    from kvstore.transfer_client import TransferSession
 
 Buffer = bytes | bytearray | memoryview
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
@@ -39,6 +43,8 @@ class LookupResult:
     found_tokens: int
     lease_id: str | None
     block_hashes: list[bytes] = field(repr=False)
+    #: Greatest asked position with a usable SWA snapshot (`lookup(swa_positions=...)`), else None.
+    swa_position: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,24 +144,39 @@ class Client:
     # -- calls -------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
-               lease_ms: int = 0) -> LookupResult:
-        """How many leading tokens of `tokens` are loadable now.
+               lease_ms: int = 0, swa_positions: Sequence[int] = ()) -> LookupResult:
+        """How many leading tokens of `tokens` are loadable now, and from where SWA state is.
 
         Args:
             tokens: the prompt's token ids.
             extra_keys: the keys the blocks were stored with.
             lease_ms: hold the found blocks against eviction this long (0: no lease).
+            swa_positions: snapshot points to ask the SWA pool about (for example
+                each block boundary and the prompt end); the result's
+                `swa_position` is the greatest one with a usable snapshot.
         """
-        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms)
+        swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
+        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms,
+                                  swa_keys=swa_keys, swa_positions=swa_positions)
 
-    def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0) -> LookupResult:
-        """`lookup` for a prompt whose chain hashes the caller already has."""
-        if not hashes:
+    def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
+                      swa_positions: Sequence[int] = ()) -> LookupResult:
+        """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
+        if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
-            geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms))
+            geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms,
+            swa_keys=swa_keys, swa_positions=swa_positions))
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
-                            lease_id=reply.lease_id or None, block_hashes=hashes)
+                            lease_id=reply.lease_id or None, block_hashes=hashes,
+                            swa_position=reply.swa_position if reply.swa_found else None)
+
+    @cached_property
+    def swa(self) -> SwaClient:
+        """The SWA pool of this server, on the same channel, tenant and geometry."""
+        from kvstore.swa_client import SwaClient
+
+        return SwaClient(self)
 
     def release(self, lease_id: str) -> bool:
         """Drop a lease; False when it had already expired."""
@@ -208,7 +229,7 @@ class Client:
         lo = first_block * self.block_tokens
         return pb.PutRequest(geometry=self.geometry, namespace=self.namespace, parent_hash=parent,
                              token_ids=tokens[lo: lo + len(blocks) * self.block_tokens], extra_keys=extra,
-                             blocks=blocks)
+                             blocks=blocks)  # type: ignore[arg-type]  # protobuf takes any buffer
 
     def _put_stream(self, tokens: Sequence[int], payload: list[Buffer], first_block: int, parent: bytes,
                     extra: list[bytes], extra_keys: Sequence[ExtraKey], step: int,
@@ -288,12 +309,23 @@ class Client:
             except grpc.RpcError as exc:
                 raise from_status(exc.code(), exc.details()) from None
 
+    def transfer(self, *, path: str = "auto") -> TransferSession:
+        """A batched-transfer session on this connection (`kvstore.transfer_client`).
+
+        Args:
+            path: "auto" (shared memory when the server can map this host's
+                regions, else streamed), "shm" or "stream" to force one.
+        """
+        from kvstore.transfer_client import TransferSession
+
+        return TransferSession(self, path=path)
+
     def stats(self) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom."""
         return self._call(self._stub.Stats, pb.StatsRequest())
 
 
-def _as_buffers(blocks: Sequence[Buffer] | Any) -> list[Buffer]:
+def _as_buffers(blocks: Any) -> list[Buffer]:
     """Blocks as a list of buffers; a 2-D uint8 tensor becomes one buffer per row."""
     if hasattr(blocks, "dim"):  # a torch tensor, without importing torch here
         if blocks.dim() != 2 or str(blocks.dtype) != "torch.uint8":

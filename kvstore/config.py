@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,11 +82,76 @@ class StoreSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SwaSettings:
+    """The time-bounded DRAM pool of SWA snapshots (docs/SWA_POOL.md)."""
+
+    #: Pool backend: "memory" (in-process, the embedded default), "redis" or "redis-cluster".
+    backend: str = "memory"
+    #: Seconds a snapshot lives after its put; a Put may ask for less, never more.
+    ttl_s: float = 300.0
+    #: Share of this node's DRAM (MemTotal in /proc/meminfo) the pool may use, when cap_bytes is 0.
+    memory_fraction: float = 0.10
+    #: Byte cap of the pool (per Redis node for the Redis backends); 0 derives it from memory_fraction.
+    cap_bytes: int = 0
+    #: The single Redis of backend "redis".
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Startup nodes of backend "redis-cluster", comma-separated host:port.
+    cluster_nodes: str = "127.0.0.1:7000"
+    #: Set maxmemory and maxmemory-policy on each Redis at connect (CONFIG SET); off for managed Redis.
+    configure_redis: bool = True
+    #: The Redis eviction policy set at connect (every pool key has a TTL, so volatile-* policies apply).
+    eviction_policy: str = "volatile-lru"
+    #: Prefix of every pool key in Redis, so a shared Redis can tell them apart.
+    key_prefix: str = "kvstore:swa:"
+    #: Seconds a Redis command may take before the pool counts an error and answers a miss.
+    socket_timeout_s: float = 1.0
+    #: Most snapshots in one Put, Get or Delete.
+    max_batch_snapshots: int = 64
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0:
+            raise ConfigError("swa.ttl_s must be positive")
+        if not 0 < self.memory_fraction <= 1:
+            raise ConfigError("swa.memory_fraction must be in (0, 1]")
+        if self.cap_bytes < 0:
+            raise ConfigError("swa.cap_bytes must be >= 0 (0 derives it from memory_fraction)")
+        if self.max_batch_snapshots <= 0:
+            raise ConfigError("swa.max_batch_snapshots must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferSettings:
+    """Batched transfers into client-registered memory regions (docs/TRANSFER.md)."""
+
+    #: Folder where clients create shared-memory segments (same host only).
+    shm_dir: Path = Path("/dev/shm")
+    #: Most descriptors in one batch.
+    max_descriptors: int = 4096
+    #: Largest region a client may register.
+    max_region_bytes: int = 64 * GiB
+    #: Most regions one session may hold at once.
+    max_regions: int = 64
+    #: Finished batches a session remembers for GetTransfer (oldest dropped first).
+    keep_finished: int = 1024
+    #: Descriptors copied per executor call: small enough for progress to show in
+    #: GetTransfer, large enough to amortise the hop to the LMDB thread.
+    chunk_descriptors: int = 128
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_descriptors <= 1 << 20:
+            raise ConfigError("transfer.max_descriptors must be in [1, 1048576]")
+        if self.max_region_bytes <= 0 or self.max_regions <= 0 or self.chunk_descriptors <= 0:
+            raise ConfigError("transfer.max_region_bytes, max_regions and chunk_descriptors must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """Every section of the service's configuration."""
 
     server: ServerSettings = field(default_factory=ServerSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    swa: SwaSettings = field(default_factory=SwaSettings)
 
 
 def _coerce(value: Any, target: type | str, name: str) -> Any:
@@ -148,5 +214,5 @@ def load_settings(
                 merged[section][key[len(prefix):].lower()] = value
     for section, values in (overrides or {}).items():
         merged[section].update({k: v for k, v in values.items() if v is not None})
-    types = {f.name: f.default_factory for f in dataclasses.fields(Settings)}  # type: ignore[misc]
-    return Settings(**{s: _section(type(types[s]()), s, v) for s, v in merged.items()})
+    sections = typing.get_type_hints(Settings)
+    return Settings(**{s: _section(sections[s], s, v) for s, v in merged.items()})

@@ -87,3 +87,47 @@ def client(server: Any) -> Iterator[Any]:
 
     with Client(server.target) as c:
         yield c
+
+
+# -- Redis: real redis-server processes on loopback (the SWA pool's backends) --
+
+
+def _need_redis() -> None:
+    """Skip without redis-server, except in CI (CI=true), where its absence is a failure."""
+    import os
+
+    from kvstore.bench.redis_server import redis_server_path
+
+    if redis_server_path() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is not on PATH and CI=true: install redis-server")
+        pytest.skip("redis-server is not on PATH")
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Any]:
+    """A fresh redis-server on a free loopback port (a `RedisServer`: url, stop(), start())."""
+    from kvstore.bench.redis_server import RedisServer
+
+    _need_redis()
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Redis Cluster of 3 masters, created once per session."""
+    from kvstore.bench.redis_server import RedisClusterProcesses
+
+    _need_redis()
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_session: Any) -> Any:
+    """The session's Redis Cluster, emptied (keys and counters) for this test."""
+    redis_cluster_session.flush()
+    return redis_cluster_session

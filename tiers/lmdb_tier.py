@@ -306,8 +306,14 @@ class LmdbBlockTier:
             if key in pinned or any(c not in chosen for c in self._children_of(txn, key)):
                 continue
             chosen.add(key)
-            found += BlockMeta.unpack(txn.get(key, db=self._meta)).size_bytes
+            found += self._meta_of(txn, key).size_bytes
             yield key
+
+    def _meta_of(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta:
+        raw = txn.get(key, db=self._meta)
+        if raw is None:
+            raise KeyError(f"no meta for block {key.hex()}")  # an index entry without its block: a bug
+        return BlockMeta.unpack(raw)
 
     def _children_of(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
         """Storage keys of the stored children of `key`."""
@@ -322,7 +328,7 @@ class LmdbBlockTier:
 
     def _delete(self, txn: lmdb.Transaction, key: bytes, *, propagate_access: bool) -> int:
         """Remove one block and its index entries; return its size."""
-        meta = BlockMeta.unpack(txn.get(key, db=self._meta))
+        meta = self._meta_of(txn, key)
         txn.delete(key, db=self._blocks)
         txn.delete(key, db=self._meta)
         txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
@@ -358,6 +364,44 @@ class LmdbBlockTier:
             self.drop_corrupt(corrupt)
         return out
 
+    def read_into(self, keys: Sequence[bytes], dests: Sequence[memoryview | None],
+                  stop_at_missing: bool = False) -> list[ReadStatus | None]:
+        """Copy blocks straight from LMDB's map into caller memory, in one read txn.
+
+        Each block is checksum-verified in the map before it is copied, so a
+        corrupt block never reaches `dests` (it is reported, counted and dropped
+        as `read` does). The only copy is map -> destination.
+
+        Args:
+            keys: storage keys, in order.
+            dests: one writable view per key, each exactly the block's size; None
+                skips that key (its result is None).
+            stop_at_missing: stop at the first block not FOUND; later results are None.
+
+        Returns:
+            A status per key; None where the key was skipped or not reached.
+
+        Raises:
+            ValueError: a destination's size differs from the stored block's.
+        """
+        out: list[ReadStatus | None] = [None] * len(keys)
+        corrupt: list[bytes] = []
+        with self.env.begin(buffers=True) as txn:
+            for i, (key, dest) in enumerate(zip(keys, dests, strict=True)):
+                if dest is None:
+                    continue
+                status, view = self._verified(txn, key)
+                if view is not None:
+                    dest[:] = view  # ValueError when sizes differ; nothing partial is written
+                out[i] = status
+                if status is ReadStatus.CORRUPT:
+                    corrupt.append(key)
+                if stop_at_missing and status is not ReadStatus.FOUND:
+                    break
+        if corrupt:
+            self.drop_corrupt(corrupt)
+        return out
+
     def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
         """The block's bytes as a view valid until `txn` ends, if intact."""
         raw_meta = txn.get(key, db=self._meta)
@@ -367,7 +411,7 @@ class LmdbBlockTier:
         data = txn.get(key, db=self._blocks)
         if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
             return ReadStatus.CORRUPT, None
-        return ReadStatus.FOUND, data
+        return ReadStatus.FOUND, memoryview(data)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Remove corrupt blocks and their descendants; count them."""

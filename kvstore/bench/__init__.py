@@ -11,4 +11,6 @@ from __future__ import annotations
 BENCHES: dict[str, str] = {
     "store": "kvstore.bench.store",
     "codec": "kvstore.bench.codec",
+    "transfer": "kvstore.bench.transfer",
+    "swa": "kvstore.bench.swa",
 }

@@ -1,0 +1,98 @@
+"""The SwaPool gRPC service: wire messages in, checked snapshots to the SWA cache, wire messages out."""
+
+from __future__ import annotations
+
+import grpc
+
+from gateway import validate
+from gateway.status import unary
+from gateway.validate import Layout
+from kvstore.errors import InvalidArgument
+from kvstore.prefix import BlockScope
+from kvstore.swa_snapshot import checksum, snapshot_bytes
+from kvstore.v1 import swa_pb2 as pb
+from kvstore.v1 import swa_pb2_grpc as pb_grpc
+from tiers.swa_cache import SwaCache
+
+
+def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[bytes]:
+    """A non-empty batch of 32-byte snapshot keys, at most `limit` long."""
+    return validate.hashes(keys, limit=limit, field=field)
+
+
+def check_snapshot(index: int, snap: pb.SwaSnapshot, layout: Layout) -> None:
+    """Raise InvalidArgument unless `snap` has a valid key, the geometry's size and a matching checksum."""
+    geometry = layout.geometry
+    expected = snapshot_bytes(geometry)
+    if len(snap.data) != expected:
+        raise InvalidArgument(
+            f"snapshots[{index}] is {len(snap.data)} bytes; a {geometry.name} SWA snapshot is {expected} bytes "
+            f"({geometry.swa_layers} layers x {geometry.swa_window_tokens} tokens x {geometry.swa_channels} "
+            "FP8 channels + per-token scales, kvstore.swa_snapshot.snapshot_bytes)")
+    if checksum(snap.data) != snap.checksum:
+        raise InvalidArgument(f"snapshots[{index}] checksum {snap.checksum:#x} does not match its data "
+                              "(xxh3-64): corrupted in transit or computed over other bytes")
+
+
+class SwaPoolServicer(pb_grpc.SwaPoolServicer):
+    """Serves SWA snapshots of the registered geometries from one SWA cache.
+
+    Args:
+        cache: the checked, counted cache over the configured pool backend.
+        layouts: served geometries by name, the default first.
+        max_batch_snapshots: most snapshots in one call.
+    """
+
+    def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int) -> None:
+        self.cache = cache
+        self.layouts = layouts
+        self.max_batch = max_batch_snapshots
+
+    def _scope(self, geometry: str, namespace: str) -> tuple[Layout, BlockScope]:
+        return validate.scope(self.layouts, geometry, namespace)
+
+    @unary
+    async def Put(self, request: pb.SwaPutRequest, context: grpc.aio.ServicerContext) -> pb.SwaPutResponse:
+        layout, scope = self._scope(request.geometry, request.namespace)
+        snaps = list(request.snapshots)
+        if not snaps:
+            raise InvalidArgument("snapshots is empty: a Put stores at least one snapshot")
+        check_keys([s.key for s in snaps], limit=self.max_batch, field="snapshots.key")
+        for i, snap in enumerate(snaps):
+            check_snapshot(i, snap, layout)
+        ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        stored = await self.cache.put_many(scope.fingerprint, [(scope.key(s.key), s.data, s.checksum) for s in snaps],
+                                           ttl_s)
+        applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
+        return pb.SwaPutResponse(stored=len(snaps) if stored else 0, failed=0 if stored else len(snaps),
+                                 ttl_ms=int(applied_s * 1000))
+
+    @unary
+    async def Get(self, request: pb.SwaGetRequest, context: grpc.aio.ServicerContext) -> pb.SwaGetResponse:
+        layout, scope = self._scope(request.geometry, request.namespace)
+        keys = check_keys(list(request.keys), limit=self.max_batch)
+        size = snapshot_bytes(layout.geometry)
+        found = await self.cache.get_many(scope.fingerprint, [scope.key(k) for k in keys], size)
+        return pb.SwaGetResponse(results=[
+            pb.SwaResult(status=pb.SWA_STATUS_FOUND, data=f.data, checksum=f.checksum) if f
+            else pb.SwaResult(status=pb.SWA_STATUS_MISSING)
+            for f in found
+        ])
+
+    @unary
+    async def Delete(self, request: pb.SwaDeleteRequest, context: grpc.aio.ServicerContext) -> pb.SwaDeleteResponse:
+        _, scope = self._scope(request.geometry, request.namespace)
+        keys = check_keys(list(request.keys), limit=self.max_batch)
+        return pb.SwaDeleteResponse(deleted=await self.cache.delete_many([scope.key(k) for k in keys]))
+
+    @unary
+    async def Stats(self, request: pb.SwaStatsRequest, context: grpc.aio.ServicerContext) -> pb.SwaStatsResponse:
+        s = await self.cache.stats()
+        c, u = s.counters, s.usage
+        return pb.SwaStatsResponse(
+            backend=s.backend, backend_up=u is not None, ttl_s=s.ttl_s, puts=c.puts, snapshots_put=c.snapshots_put,
+            bytes_put=c.bytes_put, failed_puts=c.failed_puts, gets=c.gets, snapshots_asked=c.snapshots_asked,
+            hits=c.hits, corrupt=c.corrupt, backend_errors=c.backend_errors,
+            expirations=u.expirations if u else 0, evictions=u.evictions if u else 0, items=u.items if u else 0,
+            bytes_used=u.bytes_used if u else 0, cap_bytes=u.cap_bytes if u else 0,
+            max_batch_snapshots=self.max_batch)

@@ -1,0 +1,164 @@
+"""The Transfer gRPC service: sessions, regions and descriptor batches, translated
+to and from the wire; the work is in `transfer_sessions` and `transfer_engine`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway import validate
+from gateway.status import streaming, unary
+from gateway.transfer_engine import ReadBatch, resolve_spans, run_read, run_write
+from gateway.transfer_sessions import Session, SessionTable, Transfer
+from gateway.validate import Layout
+from kvstore.config import TransferSettings
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.prefix import HASH_BYTES
+from kvstore.transfer import Descriptor, DescriptorResult, Status
+from kvstore.v1 import transfer_pb2 as pb
+from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+from tiers.lmdb_tier import LmdbBlockTier
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
+
+_STATUS = {
+    Status.PENDING: pb.DESCRIPTOR_STATUS_PENDING,
+    Status.DONE: pb.DESCRIPTOR_STATUS_DONE,
+    Status.MISSING: pb.DESCRIPTOR_STATUS_MISSING,
+    Status.SKIPPED: pb.DESCRIPTOR_STATUS_SKIPPED,
+    Status.FAILED: pb.DESCRIPTOR_STATUS_FAILED,
+}
+
+
+def _state(transfer: Transfer) -> pb.TransferState:
+    return pb.TransferState(
+        transfer_id=transfer.transfer_id, done=transfer.done.is_set(), bytes_moved=transfer.bytes_moved,
+        results=[pb.DescriptorResult(status=_STATUS[r.status], code=r.code, reason=r.reason,
+                                     bytes_moved=r.bytes_moved, block_hash=r.block_hash)
+                 for r in transfer.results])
+
+
+class TransferServicer(pb_grpc.TransferServicer):
+    """Batched one-sided transfers between the NVMe tier and client regions on this host.
+
+    Args:
+        tier: the LMDB tier (owns the executor for blocking work).
+        layouts: served geometries by name, the default first.
+        settings: the transfer section of the configuration.
+    """
+
+    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings) -> None:
+        self.tier = tier
+        self.layouts = layouts
+        self.settings = settings
+        self.table = SessionTable(settings)
+
+    @streaming
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
+        layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        session = self.table.open(context.peer(), layout.geometry.name, scope)
+        try:
+            yield pb.SessionEvent(session_id=session.session_id, max_descriptors=self.settings.max_descriptors,
+                                  max_region_bytes=self.settings.max_region_bytes,
+                                  max_regions=self.settings.max_regions)
+            # The session lives as long as this stream: the client cancelling it,
+            # its connection dropping or its process dying all end the wait.
+            await asyncio.Event().wait()
+        finally:
+            await self.table.close(session)
+
+    @unary
+    async def RegisterRegion(self, request: pb.RegisterRegionRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
+        session = self.table.get(request.session_id, context.peer())
+        try:
+            region = self.table.register(session, request.shm_name, request.size_bytes, request.nonce)
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+            # Not an error: the client is on another host (or another /dev/shm) and streams instead.
+            return pb.RegisterRegionResponse(shared=False, reason=f"cannot map {request.shm_name} here: "
+                                             f"{exc.strerror or exc}")
+        except KVStoreError:
+            raise
+        except OSError as exc:
+            raise InvalidArgument(f"cannot map {request.shm_name}: {exc}") from None
+        return pb.RegisterRegionResponse(region_id=region.region_id, shared=True)
+
+    @unary
+    async def DeregisterRegion(self, request: pb.DeregisterRegionRequest,
+                               context: grpc.aio.ServicerContext) -> pb.DeregisterRegionResponse:
+        session = self.table.get(request.session_id, context.peer())
+        self.table.deregister(session, request.region_id)
+        return pb.DeregisterRegionResponse()
+
+    @unary
+    async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
+        session = self.table.get(request.session_id, context.peer())
+        n = len(request.descriptors)
+        if not 1 <= n <= self.settings.max_descriptors:
+            raise InvalidArgument(f"a batch holds 1 to {self.settings.max_descriptors} descriptors; got {n}")
+        descriptors = [Descriptor(block_hash=d.block_hash, region_id=d.region_id, offset_bytes=d.offset_bytes,
+                                  length_bytes=d.length_bytes) for d in request.descriptors]
+        layout = self.layouts[session.geometry]
+        if request.op == pb.TRANSFER_OP_READ:
+            transfer = self._start_read(session, layout, descriptors, request.prefix_only)
+        elif request.op == pb.TRANSFER_OP_WRITE:
+            transfer = self._start_write(session, layout, descriptors, request)
+        else:
+            raise InvalidArgument("op must be TRANSFER_OP_READ or TRANSFER_OP_WRITE")
+        if not request.wait:
+            return pb.SubmitResponse(transfer_id=transfer.transfer_id)
+        await transfer.done.wait()
+        return pb.SubmitResponse(transfer_id=transfer.transfer_id, state=_state(transfer))
+
+    @unary
+    async def GetTransfer(self, request: pb.GetTransferRequest,
+                          context: grpc.aio.ServicerContext) -> pb.TransferState:
+        session = self.table.get(request.session_id, context.peer())
+        transfer = session.transfer(request.transfer_id)
+        if request.wait_ms and not transfer.done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(transfer.done.wait()), request.wait_ms / 1000.0)
+        return _state(transfer)
+
+    # -- batches -------------------------------------------------------------
+
+    def _start_read(self, session: Session, layout: Layout, descriptors: list[Descriptor],
+                    prefix_only: bool) -> Transfer:
+        transfer = session.new_transfer(frozenset(d.region_id for d in descriptors), len(descriptors))
+        results = transfer.results
+        spans = resolve_spans(self.table, session, descriptors, layout.block_bytes, results)
+        keys: list[bytes | None] = []
+        for i, d in enumerate(descriptors):
+            if len(d.block_hash) != HASH_BYTES and spans[i] is not None:
+                results[i] = _bad(f"descriptor {i} block_hash is {len(d.block_hash)} bytes; "
+                                  f"a block hash is {HASH_BYTES} bytes")
+                spans[i] = None
+            keys.append(session.scope.key(d.block_hash) if spans[i] is not None else None)
+        batch = ReadBatch(keys=keys, spans=spans, prefix_only=prefix_only)
+        transfer.task = asyncio.create_task(
+            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors))
+        return transfer
+
+    def _start_write(self, session: Session, layout: Layout, descriptors: list[Descriptor],
+                     request: pb.SubmitRequest) -> Transfer:
+        # The chain's shape is the batch's, checked whole before anything runs.
+        # Block sizes are checked per descriptor (resolve_spans), so one shared
+        # block-sized stand-in lets put_plan check the counts without copying.
+        stand_in = bytes(layout.block_bytes)
+        plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
+                                 extra_keys=list(request.extra_keys), blocks=[stand_in] * len(descriptors),
+                                 limit=self.settings.max_descriptors)
+        transfer = session.new_transfer(frozenset(d.region_id for d in descriptors), len(descriptors))
+        results = transfer.results
+        spans = resolve_spans(self.table, session, descriptors, layout.block_bytes, results)
+        transfer.task = asyncio.create_task(
+            run_write(self.tier, session, transfer, plan, spans, self.tier.settings.max_batch_blocks))
+        return transfer
+
+
+def _bad(message: str) -> DescriptorResult:
+    return DescriptorResult(status=Status.FAILED, code="INVALID_ARGUMENT", reason=message)

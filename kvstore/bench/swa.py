@@ -1,0 +1,156 @@
+"""SWA snapshot put/get through the kvstore service against raw redis-py SET/GET of the same bytes.
+
+Both sides talk to the same Redis in one run: the service path (client -> gRPC
+-> SwaPool servicer -> checksum and seal -> redis.asyncio pipeline) and the
+baseline (redis-py pipelined SET PX / GET of the same snapshots, in the same
+batch size). A ratio below 1 is what the service costs over talking to Redis
+directly. Starts its own redis-server (loopback, free port, temp dir) unless
+--redis-url is given, and an in-process kvstore server on port 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvstore.bench.report import Figure, Progress, Report
+
+BASELINE = "redis-py pipelined SET/GET, same bytes, same Redis"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvstore bench swa`."""
+    parser.add_argument("--redis-url", help="an existing Redis to use (default: start a throwaway redis-server)")
+    parser.add_argument("--snapshots", type=int, default=48, help="snapshots per round (default 48)")
+    parser.add_argument("--batch", type=int, default=8, help="snapshots per call on both sides (default 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the best is reported (default 3)")
+
+
+@contextmanager
+def _redis(url: str | None) -> Iterator[str]:
+    if url:
+        yield url
+        return
+    from kvstore.bench.redis_server import RedisServer
+
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-redis-") as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@contextmanager
+def _kvstore(redis_url: str, *, own_redis: bool) -> Iterator[str]:
+    """An in-process kvstore server on a background event loop; yields its target."""
+    from gateway.server import start
+    from kvstore.config import ServerSettings, Settings, StoreSettings, SwaSettings
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-swa-") as tmp:
+        settings = Settings(
+            server=ServerSettings(port=0),
+            store=StoreSettings(data_dir=Path(tmp) / "store", capacity_bytes=1 << 30),
+            # A Redis we started is ours to configure; someone else's keeps its own limits.
+            swa=SwaSettings(backend="redis", redis_url=redis_url, cap_bytes=4 << 30, configure_redis=own_redis,
+                            socket_timeout_s=30.0))
+        running = asyncio.run_coroutine_threadsafe(start(settings), loop).result(60)
+        try:
+            yield running.target
+        finally:
+            asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(60)
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
+            loop.close()
+
+
+def _best(rounds: int, fn: Callable[[], None]) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run(args: argparse.Namespace, progress: Progress) -> Report:
+    """Measure put and get of SWA snapshots both ways; report rates and ratios."""
+    import redis
+
+    from kvstore.client import Client
+
+    report = Report(bench="swa")
+    with _redis(args.redis_url) as url, _kvstore(url, own_redis=args.redis_url is None) as target, \
+            Client(target) as client, redis.Redis.from_url(url) as raw:
+        swa = client.swa
+        size = swa.snapshot_bytes
+        n, batch = args.snapshots, args.batch
+        payload = [os.urandom(size) for _ in range(n)]
+        keys = [swa.key(list(range(i + 1))) for i in range(n)]
+        raw_keys = [b"kvstore-bench:raw:" + k for k in keys]
+        batches = [(start, start + batch) for start in range(0, n, batch)]
+        total = n * size * args.rounds
+
+        def service_put(bar: Any) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    swa.put_many(list(zip(keys[lo:hi], payload[lo:hi], strict=True)))
+                    bar.update((hi - lo) * size)
+            return go
+
+        def service_get(bar: Any) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    got = swa.get_many(keys[lo:hi])
+                    assert all(g is not None for g in got), "snapshot missing during the benchmark"
+                    bar.update((hi - lo) * size)
+            return go
+
+        def raw_put(bar: Any) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    pipe = raw.pipeline(transaction=False)
+                    for k, d in zip(raw_keys[lo:hi], payload[lo:hi], strict=True):
+                        pipe.set(k, d, px=300_000)
+                    pipe.execute()
+                    bar.update((hi - lo) * size)
+            return go
+
+        def raw_get(bar: Any) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    pipe = raw.pipeline(transaction=False)
+                    for k in raw_keys[lo:hi]:
+                        pipe.get(k)
+                    assert all(g is not None for g in pipe.execute())
+                    bar.update((hi - lo) * size)
+            return go
+
+        seconds: dict[str, float] = {}
+        for name, make in (("service put", service_put), ("raw put", raw_put),
+                           ("service get", service_get), ("raw get", raw_get)):
+            with progress.bar(name, total) as bar:
+                seconds[name] = _best(args.rounds, make(bar))
+        raw.delete(*raw_keys)
+        swa.delete_many(keys)
+
+    for op in ("put", "get"):
+        ours, base = seconds[f"service {op}"], seconds[f"raw {op}"]
+        report.add(Figure.against(f"{op} throughput", n * size / ours / 1e9, "GB/s", BASELINE, n * size / base / 1e9))
+        report.add(Figure.against(f"{op} snapshots per second", n / ours, "snap/s", BASELINE, n / base))
+        report.add(Figure.against(f"{op} latency per batch", ours / len(batches) * 1e3, "ms", BASELINE,
+                                  base / len(batches) * 1e3))
+    report.notes.update(snapshot_bytes=size, snapshots=n, batch=batch, rounds=args.rounds,
+                        redis="given" if args.redis_url else "started by the bench", cpus=os.cpu_count())
+    return report

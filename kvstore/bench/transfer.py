@@ -1,0 +1,213 @@
+"""Batched fetch of a 1M-token prompt's blocks into a registered region, per path.
+
+In one run: a `kvstore serve` process holds the prompt's blocks (890 MB at full
+size); a client fetches them into a registered region over the shared-memory
+path (the server copies from LMDB's map into the client's /dev/shm pages) and
+over the streamed gRPC path, with a sweep of descriptors per batch. Baselines,
+measured in the same run on the same bytes: a plain memcpy into a pre-faulted
+buffer (for the shm path) and a bare gRPC stream of block-sized messages copied
+into a region, with no kvstore logic (for the stream path). With CUDA: copying
+the pinned region to the GPU against a pinned torch buffer of the same size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.bench.report import Figure, Progress, Report
+from kvstore.bench.store import _scratch, _serve
+from kvstore.geometry import V4_1_FLASH
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+
+_RAW_METHOD = "/bench.RawTransfer/Stream"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvstore bench transfer`."""
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="prompt length (default 1M: 890 MB)")
+    parser.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
+    parser.add_argument("--batches", default="1,8,64,512", help="descriptors per batch to sweep (default 1,8,64,512)")
+    parser.add_argument("--small-batch-blocks", type=int, default=256,
+                        help="blocks fetched per descriptor of batch size (caps the slow small-batch points)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept (default 3)")
+    parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
+                        help="region -> GPU copy figure (auto: when CUDA is available)")
+
+
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def run(args: argparse.Namespace, progress: Progress) -> Report:
+    """Run the benchmark; see the module docstring."""
+    from kvstore.client import Client
+
+    block_bytes = V4_1_FLASH.block_bytes(args.block_tokens)
+    n = max(args.tokens // args.block_tokens, 1)
+    total = n * block_bytes
+    batches = [int(b) for b in args.batches.split(",")]
+    report = Report(bench="transfer")
+    report.notes.update(blocks=n, block_bytes=block_bytes, total_bytes=total, cpus=os.cpu_count(),
+                        repeat=args.repeat)
+    source = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
+    memcpy_s = _memcpy(source, args.repeat)
+    gb = total / 1e9
+    with _scratch(None) as scratch, _serve(scratch / "store", total, args.block_tokens) as target:
+        with Client(target) as client:
+            tokens = list(range(n * args.block_tokens))
+            with progress.bar("put", total) as bar:
+                step = 1024
+                for lo in range(0, n, step):
+                    hi = min(lo + step, n)
+                    client.put(tokens[: hi * args.block_tokens],
+                               [source[i * block_bytes:(i + 1) * block_bytes].tobytes() for i in range(lo, hi)],
+                               first_block=lo)
+                    bar.update((hi - lo) * block_bytes)
+            hashes = client.hashes(tokens)
+            for path in ("shm", "stream"):
+                _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
+        raw_s = _raw_grpc(n, block_bytes, args.repeat, progress)
+    stream_full = next(f for f in report.figures if f.name == f"grpc fetch batch={max(batches)}")
+    report.add(Figure.against(f"grpc fetch batch={max(batches)} vs raw gRPC", stream_full.value, "GB/s",
+                              "raw gRPC stream, same bytes, copied into a region", gb / raw_s))
+    if args.gpu == "on" or (args.gpu == "auto" and _cuda()):
+        _gpu(report, total, args.repeat)
+    return report
+
+
+def _memcpy(source: np.ndarray, repeat: int) -> float:
+    dest = np.ones_like(source)  # pre-faulted, like the region
+    return _best(lambda: np.copyto(dest, source), repeat)
+
+
+def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], batches: list[int],
+                args: argparse.Namespace, source: np.ndarray, memcpy_s: float, progress: Progress) -> None:
+    block_bytes = client.block_bytes
+    name = "shm" if path == "shm" else "grpc"
+    with client.transfer(path=path) as session:
+        region = session.register(len(hashes) * block_bytes)
+        region.tensor().fill_(1)  # pre-fault the pages, as the memcpy baseline's are
+        for batch in batches:
+            count = min(len(hashes), batch * args.small_batch_blocks)
+            nbytes = count * block_bytes
+            with progress.bar(f"{name} fetch batch={batch}", nbytes * args.repeat) as bar:
+                def fetch(count: int = count, batch: int = batch) -> None:
+                    state = session.fetch(hashes[:count], region, batch_descriptors=batch)
+                    if state.done_prefix != count:
+                        raise RuntimeError(f"{path} fetch loaded {state.done_prefix} of {count} blocks")
+                    bar.update(state.bytes_moved)
+                seconds = _best(fetch, args.repeat)
+            if count == len(hashes):
+                view = np.frombuffer(region.view, dtype=np.uint8)
+                if not np.array_equal(view, source):
+                    raise RuntimeError(f"{path} fetch landed the wrong bytes")
+                del view
+            label = f"{name} fetch batch={batch}" + ("" if count == len(hashes) else f" ({count} blocks)")
+            rate = nbytes / seconds / 1e9
+            if path == "shm":
+                # memcpy's rate does not depend on the size past a few MB: one baseline for every point.
+                report.add(Figure.against(label, rate, "GB/s", "memcpy of the same bytes",
+                                          source.nbytes / memcpy_s / 1e9))
+            else:
+                report.add(Figure(name=label, value=rate, unit="GB/s"))
+
+
+def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:
+    """Best seconds to stream n block-sized messages from a bare gRPC server and copy them into a region."""
+    import grpc
+
+    from kvstore.region import Region
+
+    code = (
+        "import asyncio, grpc, os\n"
+        f"n, size = {n}, {size}\n"
+        "pool = [os.urandom(size) for _ in range(64)]\n"
+        "def stream(req, ctx):\n"
+        "    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')\n"
+        "    for i in range(lo, hi):\n"
+        "        yield pool[i % 64]\n"
+        "async def main():\n"
+        "    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])\n"
+        "    h = grpc.method_handlers_generic_handler('bench.RawTransfer', {'Stream': "
+        "grpc.unary_stream_rpc_method_handler(stream)})\n"
+        "    server.add_generic_rpc_handlers((h,))\n"
+        "    port = server.add_insecure_port('127.0.0.1:0')\n"
+        "    await server.start()\n"
+        "    print(port, flush=True)\n"
+        "    await server.wait_for_termination()\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
+        call = channel.unary_stream(_RAW_METHOD)
+        with Region(n * size) as region:
+            view = region.view
+            view[:] = b"\1" * len(view)
+
+            def fetch() -> None:
+                for lo in range(0, n, 512):  # the same per-call batch as the kvstore figure
+                    hi = min(lo + 512, n)
+                    for i, msg in enumerate(call(lo.to_bytes(8, "big") + hi.to_bytes(8, "big")), lo):
+                        view[i * size:(i + 1) * size] = msg
+
+            with progress.bar("raw gRPC stream", n * size):
+                seconds = _best(fetch, repeat)
+            view.release()
+        channel.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return seconds
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _gpu(report: Report, total: int, repeat: int) -> None:
+    """Copy a pinned region to the GPU against a pinned torch buffer of the same size."""
+    import torch
+
+    from kvstore.region import Region
+
+    device = torch.empty(total, dtype=torch.uint8, device="cuda")
+    pinned = torch.ones(total, dtype=torch.uint8).pin_memory()
+
+    def copy(src: torch.Tensor) -> None:
+        device.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    with Region(total) as region:
+        pages = region.tensor()
+        pages.fill_(1)
+        if not region.pin():
+            return
+        copy(pages)
+        copy(pinned)
+        region_s = _best(lambda: copy(pages), repeat)
+        pinned_s = _best(lambda: copy(pinned), repeat)
+        report.add(Figure.against("shm region -> gpu copy", total / region_s / 1e9, "GB/s",
+                                  "pinned torch buffer -> gpu copy", total / pinned_s / 1e9))
+    report.notes["gpu"] = torch.cuda.get_device_name()

@@ -1,0 +1,124 @@
+"""The worker-side client of the SWA pool, reached as `Client.swa` on the client's channel.
+
+Snapshot keys are computed here (kvstore.swa_snapshot), so a worker names a
+snapshot by its tokens and position. Batches are split to fit the server's
+message limit; a miss (never stored, expired, evicted, corrupt, backend down)
+comes back as None, never as an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore import geometry as geometries
+from kvstore.errors import InvalidArgument
+from kvstore.prefix import ExtraKey
+from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_keys
+from kvstore.v1 import swa_pb2 as pb
+from kvstore.v1 import swa_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+
+Buffer = bytes | bytearray | memoryview
+#: Room left in a message for everything that is not snapshot bytes.
+_ENVELOPE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwaPutResult:
+    """What a put stored: `failed` snapshots were lost to an unreachable backend."""
+
+    stored: int
+    failed: int
+    ttl_ms: int
+
+
+class SwaClient:
+    """SWA snapshots of one tenant and geometry, over a `Client`'s channel.
+
+    Args:
+        client: the connected client (its channel, tenant, geometry and chain root).
+    """
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self._stub = pb_grpc.SwaPoolStub(client._channel)
+        #: Bytes of one snapshot of the client's geometry.
+        self.snapshot_bytes: int = snapshot_bytes(geometries.resolve(client.geometry))
+        self._batch_size: int | None = None
+
+    @property
+    def _batch(self) -> int:
+        """Snapshots per call: what fits a message, and no more than the server takes (asked once)."""
+        if self._batch_size is None:
+            by_bytes = max((self._client.max_message_bytes - _ENVELOPE_BYTES) // self.snapshot_bytes, 1)
+            self._batch_size = min(by_bytes, self.stats().max_batch_snapshots or by_bytes)
+        return self._batch_size
+
+    def keys(self, tokens: Sequence[int], positions: Sequence[int], *,
+             extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+        """Snapshot keys of `tokens` at each position (tokens before the snapshot point)."""
+        c = self._client
+        return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root, extra_keys=extra_keys)
+
+    def key(self, tokens: Sequence[int], position: int | None = None, *,
+            extra_keys: Sequence[ExtraKey] = ()) -> bytes:
+        """The key of one snapshot; `position` defaults to the end of `tokens`."""
+        return self.keys(tokens, [len(tokens) if position is None else position], extra_keys=extra_keys)[0]
+
+    def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> SwaPutResult:
+        """Store (key, snapshot bytes) pairs; each lives `ttl_s` (default and most: the server's TTL).
+
+        Raises:
+            InvalidArgument: a snapshot of the wrong size or a bad key (nothing in that batch stored).
+        """
+        stored = failed = ttl_ms = 0
+        ttl = int(ttl_s * 1000) if ttl_s else 0
+        for start in range(0, len(items), self._batch):
+            snaps = [pb.SwaSnapshot(key=k, data=bytes(d), checksum=checksum(d))
+                     for k, d in items[start:start + self._batch]]
+            reply = self._client._call(self._stub.Put, pb.SwaPutRequest(
+                geometry=self._client.geometry, namespace=self._client.namespace, snapshots=snaps, ttl_ms=ttl))
+            stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
+        return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
+
+    def put(self, tokens: Sequence[int], data: Buffer, *, position: int | None = None,
+            extra_keys: Sequence[ExtraKey] = (), ttl_s: float | None = None) -> SwaPutResult:
+        """Store the snapshot of `tokens` at `position` (default: their end)."""
+        return self.put_many([(self.key(tokens, position, extra_keys=extra_keys), data)], ttl_s=ttl_s)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Snapshots by key, in order; None where missing (checksums verified on both ends)."""
+        out: list[bytes | None] = []
+        for start in range(0, len(keys), self._batch):
+            reply = self._client._call(self._stub.Get, pb.SwaGetRequest(
+                geometry=self._client.geometry, namespace=self._client.namespace,
+                keys=keys[start:start + self._batch]))
+            for r in reply.results:
+                ok = r.status == pb.SWA_STATUS_FOUND and checksum(r.data) == r.checksum
+                out.append(r.data if ok else None)
+        return out
+
+    def get(self, tokens: Sequence[int], position: int | None = None, *,
+            extra_keys: Sequence[ExtraKey] = ()) -> bytes | None:
+        """The snapshot of `tokens` at `position` (default: their end), or None."""
+        return self.get_many([self.key(tokens, position, extra_keys=extra_keys)])[0]
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Drop snapshots by key; how many existed."""
+        if not keys:
+            raise InvalidArgument("keys is empty")
+        deleted = 0
+        for start in range(0, len(keys), self._batch):
+            reply = self._client._call(self._stub.Delete, pb.SwaDeleteRequest(
+                geometry=self._client.geometry, namespace=self._client.namespace,
+                keys=keys[start:start + self._batch]))
+            deleted += reply.deleted
+        return deleted
+
+    def stats(self) -> pb.SwaStatsResponse:
+        """The pool's counters, hit rate inputs and usage against its cap."""
+        return self._client._call(self._stub.Stats, pb.SwaStatsRequest())

@@ -1,0 +1,422 @@
+"""The worker side of batched transfers: regions, descriptor batches, two paths.
+
+    with client.transfer() as session:                  # path="auto"
+        region = session.register(n * client.block_bytes)
+        region.pin()                                    # page-lock for CUDA, if present
+        state = session.fetch(hashes, region)           # lands the blocks in the region
+        gpu = region.blocks(client.block_bytes, state.done_prefix).cuda(non_blocking=True)
+
+Paths (one ABC, picked from `PATHS`):
+- "shm": the server maps the region (a /dev/shm segment) and copies blocks
+  between LMDB's map and it; only descriptors and results cross the channel.
+- "stream": blocks come over the KVStore Get stream (and go out by Put) and are
+  copied into or out of the region here: the path across hosts.
+"auto" registers each region with the server, which proves it can see the
+segment by reading a nonce from it; a region the server cannot map is served
+by "stream". The caller's code is the same on every path.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import time
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, from_status, to_status
+from kvstore.prefix import ExtraKey
+from kvstore.region import DEFAULT_SHM_DIR, Region
+from kvstore.transfer import Descriptor, DescriptorResult, Status, TransferState, check_span
+from kvstore.v1 import kvstore_pb2
+from kvstore.v1 import transfer_pb2 as pb
+from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvstore.client import Client
+
+_STATUS = {
+    pb.DESCRIPTOR_STATUS_PENDING: Status.PENDING,
+    pb.DESCRIPTOR_STATUS_DONE: Status.DONE,
+    pb.DESCRIPTOR_STATUS_MISSING: Status.MISSING,
+    pb.DESCRIPTOR_STATUS_SKIPPED: Status.SKIPPED,
+    pb.DESCRIPTOR_STATUS_FAILED: Status.FAILED,
+}
+#: Region ids of stream-path regions: far above any id a server hands out.
+_LOCAL_IDS = itertools.count(1 << 62)
+
+
+class Transfer(abc.ABC):
+    """A submitted batch: poll it with `status`, block on it with `wait`."""
+
+    transfer_id: int
+
+    @abc.abstractmethod
+    def status(self) -> TransferState:
+        """The batch's results so far."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        """The batch's results once done (or as they stand at the timeout)."""
+
+
+class TransferPath(abc.ABC):
+    """How a session's batches move block bytes.
+
+    Args:
+        session: the session whose regions and channel the path uses.
+    """
+
+    @abc.abstractmethod
+    def __init__(self, session: TransferSession) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
+        """Start a batch that fetches blocks into regions."""
+
+    @abc.abstractmethod
+    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+              extra_keys: Sequence[bytes]) -> Transfer:
+        """Start a batch that stores blocks from regions."""
+
+    def close(self) -> None:  # noqa: B027 - most paths hold nothing to release
+        """Release what the path holds (threads)."""
+
+
+def _state(reply: pb.TransferState) -> TransferState:
+    return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
+                         results=[DescriptorResult(status=_STATUS[r.status], code=r.code, reason=r.reason,
+                                                   bytes_moved=r.bytes_moved, block_hash=r.block_hash)
+                                  for r in reply.results])
+
+
+class _ShmTransfer(Transfer):
+    def __init__(self, path: ShmPath, transfer_id: int, state: TransferState | None) -> None:
+        self.path = path
+        self.transfer_id = transfer_id
+        self._final = state if state is not None and state.done else None
+
+    def status(self) -> TransferState:
+        return self._final or self._get(0)
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._final is None:
+            left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
+            state = self._get(min(left_ms, 10_000))
+            if state.done:
+                self._final = state
+            elif left_ms == 0:
+                return state
+        return self._final
+
+    def _get(self, wait_ms: int) -> TransferState:
+        return _state(self.path.call(self.path.stub.GetTransfer, pb.GetTransferRequest(
+            session_id=self.path.session_id, transfer_id=self.transfer_id, wait_ms=wait_ms)))
+
+
+class ShmPath(TransferPath):
+    """One-sided copies by the server, between LMDB's map and regions it mapped."""
+
+    def __init__(self, session: TransferSession) -> None:
+        self.stub = session.stub
+        self.call = session.call
+        self.session_id = session.session_id
+
+    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
+        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only,
+                                             descriptors=_wire(descriptors)))
+
+    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+              extra_keys: Sequence[bytes]) -> Transfer:
+        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_WRITE, descriptors=_wire(descriptors),
+                                             parent_hash=parent_hash, token_ids=token_ids, extra_keys=extra_keys))
+
+    def _submit(self, request: pb.SubmitRequest) -> Transfer:
+        request.session_id = self.session_id
+        reply = self.call(self.stub.Submit, request)
+        return _ShmTransfer(self, reply.transfer_id, None)
+
+
+def _wire(descriptors: Sequence[Descriptor]) -> list[pb.Descriptor]:
+    return [pb.Descriptor(block_hash=d.block_hash, region_id=d.region_id, offset_bytes=d.offset_bytes,
+                          length_bytes=d.length_bytes) for d in descriptors]
+
+
+class _LocalTransfer(Transfer):
+    """A batch run by a thread of this process (the stream path)."""
+
+    def __init__(self, transfer_id: int, results: list[DescriptorResult], future: Future[None]) -> None:
+        self.transfer_id = transfer_id
+        self._results = results
+        self._future = future
+
+    def status(self) -> TransferState:
+        done = self._future.done()
+        if done and self._future.exception() is not None:
+            raise self._future.exception()  # type: ignore[misc]
+        return TransferState(transfer_id=self.transfer_id, done=done, results=list(self._results),
+                             bytes_moved=sum(r.bytes_moved for r in self._results))
+
+    def wait(self, timeout_s: float | None = None) -> TransferState:
+        with contextlib.suppress(TimeoutError):
+            self._future.result(timeout_s)
+        return self.status()
+
+
+class StreamPath(TransferPath):
+    """Blocks over the KVStore Get stream and Put, copied into or out of regions here."""
+
+    def __init__(self, session: TransferSession) -> None:
+        self.session = session
+        self.client = session.client
+        self._ids = itertools.count(1)
+        # Two threads: one batch streams while the next one starts.
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-stream")
+
+    def close(self) -> None:
+        """Finish running batches and stop the threads."""
+        self._pool.shutdown(wait=True)
+
+    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
+        results, spans = self._spans(descriptors)
+        future = self._pool.submit(self._read, descriptors, spans, results, prefix_only)
+        return _LocalTransfer(next(self._ids), results, future)
+
+    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+              extra_keys: Sequence[bytes]) -> Transfer:
+        results, spans = self._spans(descriptors)
+        future = self._pool.submit(self._write, spans, results, parent_hash, token_ids, extra_keys)
+        return _LocalTransfer(next(self._ids), results, future)
+
+    def _spans(self, descriptors: Sequence[Descriptor]) -> tuple[list[DescriptorResult], list[memoryview | None]]:
+        """The same checks the server makes, so a descriptor fails the same way on either path."""
+        results = [DescriptorResult(status=Status.PENDING)] * len(descriptors)
+        spans: list[memoryview | None] = []
+        for i, d in enumerate(descriptors):
+            try:
+                if d.length_bytes != self.client.block_bytes:
+                    raise InvalidArgument(f"descriptor {i} length_bytes is {d.length_bytes}; blocks of this "
+                                          f"geometry are {self.client.block_bytes} bytes")
+                region = self.session.region(d.region_id)
+                check_span(region.size_bytes, d.offset_bytes, d.length_bytes, region_id=d.region_id)
+                spans.append(region.view[d.offset_bytes: d.offset_bytes + d.length_bytes])
+            except KVStoreError as exc:
+                results[i] = DescriptorResult(status=Status.FAILED, code=to_status(exc).name, reason=exc.message)
+                spans.append(None)
+        return results, spans
+
+    def _read(self, descriptors: Sequence[Descriptor], spans: list[memoryview | None],
+              results: list[DescriptorResult], prefix_only: bool) -> None:
+        end = next((i for i, s in enumerate(spans) if s is None), len(spans)) if prefix_only else len(spans)
+        wanted = [i for i in range(end) if spans[i] is not None]
+        stream = cast(Generator[tuple[int, int, bytes], None, None],
+                      self.client.stream([descriptors[i].block_hash for i in wanted]))
+        for index, status, data in stream:
+            i = wanted[index]
+            if status == kvstore_pb2.BLOCK_STATUS_FOUND:
+                spans[i][:] = data  # type: ignore[index]
+                results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(data))
+                continue
+            results[i] = (DescriptorResult(status=Status.MISSING) if status == kvstore_pb2.BLOCK_STATUS_MISSING
+                          else DescriptorResult(status=Status.FAILED, code="DATA_LOSS",
+                                                reason="the stored block failed its checksum and was dropped"))
+            if prefix_only:
+                stream.close()  # cancels the Get: the rest of the batch is not wanted
+                break
+        for i, r in enumerate(results):
+            if r.status is Status.PENDING:
+                results[i] = DescriptorResult(status=Status.SKIPPED, reason="after the first block not loaded")
+
+    def _write(self, spans: list[memoryview | None], results: list[DescriptorResult], parent_hash: bytes,
+               token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> None:
+        end = next((i for i, s in enumerate(spans) if s is None), len(spans))
+        bt = self.client.block_tokens
+        step = self.client._batch_blocks()
+        parent = parent_hash
+        for start in range(0, end, step):
+            stop = min(start + step, end)
+            blocks = [bytes(s) for s in spans[start:stop] if s is not None]
+            try:
+                reply = self.client._call(self.client._stub.Put, kvstore_pb2.PutRequest(
+                    geometry=self.client.geometry, namespace=self.client.namespace, parent_hash=parent,
+                    token_ids=token_ids[start * bt: stop * bt], extra_keys=extra_keys, blocks=blocks))
+            except KVStoreError as exc:
+                for i in range(start, len(results)):
+                    if results[i].status is Status.PENDING:
+                        results[i] = DescriptorResult(status=Status.FAILED, code=to_status(exc).name,
+                                                      reason=exc.message)
+                return
+            for i, h in zip(range(start, stop), reply.block_hashes, strict=True):
+                results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(blocks[i - start]), block_hash=h)
+            parent = reply.block_hashes[-1]
+        for i in range(end, len(results)):
+            if results[i].status is Status.PENDING:
+                results[i] = DescriptorResult(status=Status.FAILED, code="FAILED_PRECONDITION",
+                                              reason=f"not stored: descriptor {end} before it failed, "
+                                              "so its parent block is missing")
+
+
+#: Path name -> implementation; "auto" picks per region (see the module doc).
+PATHS: dict[str, type[TransferPath]] = {"shm": ShmPath, "stream": StreamPath}
+
+
+class TransferSession:
+    """A transfer session with the server: regions registered in it die with it.
+
+    Args:
+        client: the connection (its tenant and geometry are the session's).
+        path: "auto", "shm" (fail if the server cannot map a region) or "stream".
+        shm_dir: where regions are created.
+    """
+
+    def __init__(self, client: Client, *, path: str = "auto", shm_dir: Path | None = None) -> None:
+        if path not in (*PATHS, "auto"):
+            raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+        self.client = client
+        self.path = path
+        self.shm_dir = shm_dir or DEFAULT_SHM_DIR
+        self.stub = pb_grpc.TransferStub(client._channel)
+        self.regions: dict[int, Region] = {}
+        self.session_id = ""
+        self._events: Any = None
+        if path != "stream":
+            self._events = self.stub.OpenSession(pb.OpenSessionRequest(
+                geometry=client.geometry, namespace=client.namespace))
+            try:
+                first = next(self._events)
+            except grpc.RpcError as exc:
+                raise from_status(exc.code(), exc.details()) from None
+            self.session_id = first.session_id
+            self.max_descriptors = first.max_descriptors
+        else:
+            self.max_descriptors = client.max_batch_blocks
+        self._paths = {name: cls(self) for name, cls in PATHS.items()}
+
+    def call(self, method: Any, request: Any) -> Any:
+        """One unary call, its failure raised as a KVStoreError."""
+        return self.client._call(method, request)
+
+    # -- regions -----------------------------------------------------------
+
+    def register(self, size_bytes: int) -> Region:
+        """Create a region of `size_bytes` and register it; on "auto" and "shm" the server maps it.
+
+        Raises:
+            FailedPrecondition: path "shm" and the server cannot map the segment.
+        """
+        region = Region(size_bytes, shm_dir=self.shm_dir)
+        try:
+            if self.path != "stream":
+                nonce = region.write_nonce()
+                reply = self.call(self.stub.RegisterRegion, pb.RegisterRegionRequest(
+                    session_id=self.session_id, shm_name=region.name, size_bytes=size_bytes, nonce=nonce))
+                region.view[: len(nonce)] = bytes(len(nonce))
+                if reply.shared:
+                    region.region_id, region.shared = reply.region_id, True
+                elif self.path == "shm":
+                    raise FailedPrecondition(f"the server cannot map this host's regions: {reply.reason}",
+                                             hint='use path="auto" or "stream" across hosts')
+            if not region.shared:
+                region.region_id = next(_LOCAL_IDS)
+        except BaseException:
+            region.close()
+            raise
+        # Mapped by both ends (or by this one only): the name has done its job.
+        region.unlink()
+        self.regions[region.region_id] = region
+        return region
+
+    def region(self, region_id: int) -> Region:
+        """A region of this session by id."""
+        try:
+            return self.regions[region_id]
+        except KeyError:
+            raise NotFound(f"region {region_id} is not registered in this session") from None
+
+    def deregister(self, region: Region) -> None:
+        """Unregister and close a region (the server unmaps it first)."""
+        if region.shared:
+            self.call(self.stub.DeregisterRegion, pb.DeregisterRegionRequest(
+                session_id=self.session_id, region_id=region.region_id))
+        self.regions.pop(region.region_id, None)
+        region.close()
+
+    # -- batches -----------------------------------------------------------
+
+    def _path_for(self, descriptors: Sequence[Descriptor]) -> TransferPath:
+        regions = [self.regions.get(d.region_id) for d in descriptors]
+        shared = all(r is not None and r.shared for r in regions)
+        return self._paths["shm" if shared else "stream"]
+
+    def read(self, descriptors: Sequence[Descriptor], *, prefix_only: bool = False) -> Transfer:
+        """Start fetching blocks into regions; returns at once.
+
+        Args:
+            descriptors: block hash -> region, offset, length (one block each).
+            prefix_only: stop at the first block not found; the rest come back SKIPPED.
+        """
+        return self._path_for(descriptors).read(descriptors, prefix_only)
+
+    def write(self, tokens: Sequence[int], descriptors: Sequence[Descriptor], *, first_block: int = 0,
+              extra_keys: Sequence[ExtraKey] = ()) -> Transfer:
+        """Start storing blocks from regions; returns at once. Same checks and durability as `Client.put`.
+
+        Args:
+            tokens: the prompt's token ids (blocks before `first_block` must be stored).
+            descriptors: one per full block of `tokens` from `first_block`, in order.
+            first_block: index of the first block written.
+            extra_keys: keys mixed into every block's hash.
+        """
+        bt = self.client.block_tokens
+        parent = self.client.hashes(tokens[: first_block * bt], extra_keys=extra_keys)[-1:] or [b""]
+        ids = tokens[first_block * bt: (first_block + len(descriptors)) * bt]
+        extra = [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
+        return self._path_for(descriptors).write(descriptors, parent[0], ids, extra)
+
+    def fetch(self, hashes: Sequence[bytes], region: Region, *, offset_bytes: int = 0,
+              batch_descriptors: int = 512, prefix_only: bool = True) -> TransferState:
+        """Fetch blocks into consecutive slots of `region` and wait: the common case.
+
+        Batches are submitted back to back, then awaited, so they overlap.
+        With `prefix_only`, each batch stops at its first block not found; a later
+        batch may already have loaded blocks past it, so load `done_prefix` blocks.
+        """
+        size = self.client.block_bytes
+        step = max(1, min(batch_descriptors, self.max_descriptors))
+        transfers = []
+        for start in range(0, len(hashes), step):
+            chunk = hashes[start:start + step]
+            transfers.append(self.read([
+                Descriptor(block_hash=h, region_id=region.region_id,
+                           offset_bytes=offset_bytes + (start + i) * size, length_bytes=size)
+                for i, h in enumerate(chunk)], prefix_only=prefix_only))
+        results: list[DescriptorResult] = []
+        for t in transfers:
+            results.extend(t.wait().results)
+        return TransferState(transfer_id=0, done=True, results=results,
+                             bytes_moved=sum(r.bytes_moved for r in results))
+
+    # -- lifetime ----------------------------------------------------------
+
+    def close(self) -> None:
+        """End the session: the server unmaps every region; the regions are closed here."""
+        for path in self._paths.values():
+            path.close()
+        if self._events is not None:
+            self._events.cancel()
+            self._events = None
+        for region in list(self.regions.values()):
+            region.close()
+        self.regions.clear()
+
+    def __enter__(self) -> TransferSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

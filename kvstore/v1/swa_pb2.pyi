@@ -1,0 +1,135 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SwaStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWA_STATUS_UNSPECIFIED: _ClassVar[SwaStatus]
+    SWA_STATUS_FOUND: _ClassVar[SwaStatus]
+    SWA_STATUS_MISSING: _ClassVar[SwaStatus]
+SWA_STATUS_UNSPECIFIED: SwaStatus
+SWA_STATUS_FOUND: SwaStatus
+SWA_STATUS_MISSING: SwaStatus
+
+class SwaSnapshot(_message.Message):
+    __slots__ = ("key", "data", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    data: bytes
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class SwaPutRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "snapshots", "ttl_ms")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    snapshots: _containers.RepeatedCompositeFieldContainer[SwaSnapshot]
+    ttl_ms: int
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., snapshots: _Optional[_Iterable[_Union[SwaSnapshot, _Mapping]]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class SwaPutResponse(_message.Message):
+    __slots__ = ("stored", "failed", "ttl_ms")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    failed: int
+    ttl_ms: int
+    def __init__(self, stored: _Optional[int] = ..., failed: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class SwaGetRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "keys")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SwaResult(_message.Message):
+    __slots__ = ("status", "data", "checksum")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    status: SwaStatus
+    data: bytes
+    checksum: int
+    def __init__(self, status: _Optional[_Union[SwaStatus, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class SwaGetResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SwaResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SwaResult, _Mapping]]] = ...) -> None: ...
+
+class SwaDeleteRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "keys")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class SwaDeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class SwaStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SwaStatsResponse(_message.Message):
+    __slots__ = ("backend", "backend_up", "ttl_s", "puts", "snapshots_put", "bytes_put", "failed_puts", "gets", "snapshots_asked", "hits", "corrupt", "backend_errors", "expirations", "evictions", "items", "bytes_used", "cap_bytes", "max_batch_snapshots")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_UP_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_PUT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PUTS_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    CAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    backend_up: bool
+    ttl_s: float
+    puts: int
+    snapshots_put: int
+    bytes_put: int
+    failed_puts: int
+    gets: int
+    snapshots_asked: int
+    hits: int
+    corrupt: int
+    backend_errors: int
+    expirations: int
+    evictions: int
+    items: int
+    bytes_used: int
+    cap_bytes: int
+    max_batch_snapshots: int
+    def __init__(self, backend: _Optional[str] = ..., backend_up: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ..., failed_puts: _Optional[int] = ..., gets: _Optional[int] = ..., snapshots_asked: _Optional[int] = ..., hits: _Optional[int] = ..., corrupt: _Optional[int] = ..., backend_errors: _Optional[int] = ..., expirations: _Optional[int] = ..., evictions: _Optional[int] = ..., items: _Optional[int] = ..., bytes_used: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., max_batch_snapshots: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,160 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TransferOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSFER_OP_UNSPECIFIED: _ClassVar[TransferOp]
+    TRANSFER_OP_READ: _ClassVar[TransferOp]
+    TRANSFER_OP_WRITE: _ClassVar[TransferOp]
+
+class DescriptorStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DESCRIPTOR_STATUS_PENDING: _ClassVar[DescriptorStatus]
+    DESCRIPTOR_STATUS_DONE: _ClassVar[DescriptorStatus]
+    DESCRIPTOR_STATUS_MISSING: _ClassVar[DescriptorStatus]
+    DESCRIPTOR_STATUS_SKIPPED: _ClassVar[DescriptorStatus]
+    DESCRIPTOR_STATUS_FAILED: _ClassVar[DescriptorStatus]
+TRANSFER_OP_UNSPECIFIED: TransferOp
+TRANSFER_OP_READ: TransferOp
+TRANSFER_OP_WRITE: TransferOp
+DESCRIPTOR_STATUS_PENDING: DescriptorStatus
+DESCRIPTOR_STATUS_DONE: DescriptorStatus
+DESCRIPTOR_STATUS_MISSING: DescriptorStatus
+DESCRIPTOR_STATUS_SKIPPED: DescriptorStatus
+DESCRIPTOR_STATUS_FAILED: DescriptorStatus
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("geometry", "namespace")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    max_descriptors: int
+    max_region_bytes: int
+    max_regions: int
+    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("session_id", "shm_name", "size_bytes", "nonce")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shm_name: str
+    size_bytes: int
+    nonce: bytes
+    def __init__(self, session_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ("region_id", "shared", "reason")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    region_id: int
+    shared: bool
+    reason: str
+    def __init__(self, region_id: _Optional[int] = ..., shared: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeregisterRegionRequest(_message.Message):
+    __slots__ = ("session_id", "region_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    region_id: int
+    def __init__(self, session_id: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
+
+class DeregisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Descriptor(_message.Message):
+    __slots__ = ("block_hash", "region_id", "offset_bytes", "length_bytes")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    region_id: int
+    offset_bytes: int
+    length_bytes: int
+    def __init__(self, block_hash: _Optional[bytes] = ..., region_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("session_id", "op", "descriptors", "prefix_only", "wait", "parent_hash", "token_ids", "extra_keys")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    op: TransferOp
+    descriptors: _containers.RepeatedCompositeFieldContainer[Descriptor]
+    prefix_only: bool
+    wait: bool
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[TransferOp, str]] = ..., descriptors: _Optional[_Iterable[_Union[Descriptor, _Mapping]]] = ..., prefix_only: _Optional[bool] = ..., wait: _Optional[bool] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DescriptorResult(_message.Message):
+    __slots__ = ("status", "code", "reason", "bytes_moved", "block_hash")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    status: DescriptorStatus
+    code: str
+    reason: str
+    bytes_moved: int
+    block_hash: bytes
+    def __init__(self, status: _Optional[_Union[DescriptorStatus, str]] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+
+class TransferState(_message.Message):
+    __slots__ = ("transfer_id", "done", "results", "bytes_moved")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    done: bool
+    results: _containers.RepeatedCompositeFieldContainer[DescriptorResult]
+    bytes_moved: int
+    def __init__(self, transfer_id: _Optional[int] = ..., done: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[DescriptorResult, _Mapping]]] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("transfer_id", "state")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    state: TransferState
+    def __init__(self, transfer_id: _Optional[int] = ..., state: _Optional[_Union[TransferState, _Mapping]] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("session_id", "transfer_id", "wait_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    transfer_id: int
+    wait_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...

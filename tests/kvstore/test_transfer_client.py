@@ -1,0 +1,161 @@
+"""Batched transfers end to end: a real server on loopback, real LMDB, real /dev/shm
+regions; each behaviour checked on both paths (shared memory and streamed)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.transfer import Descriptor, Status
+from kvstore.transfer_client import TransferSession
+
+PATHS = ["shm", "stream"]
+
+
+def stored(client: Client, n: int) -> tuple[list[int], list[bytes]]:
+    """A prompt of `n` full blocks, stored."""
+    tokens = list(range(1000, 1000 + n * client.block_tokens))
+    blocks = [os.urandom(client.block_bytes) for _ in range(n)]
+    client.put(tokens, blocks)
+    return tokens, blocks
+
+
+@pytest.fixture(params=PATHS)
+def session(request: Any, client: Client) -> Any:
+    with client.transfer(path=request.param) as s:
+        yield s
+
+
+def test_auto_path_maps_regions_on_the_same_host(client: Client) -> None:
+    with client.transfer() as s:
+        region = s.register(4096)
+        assert region.shared and region.region_id > 0
+        assert not region.path.exists(), "the segment's name is removed once both ends map it"
+
+
+def test_fetch_lands_blocks_in_the_region(session: TransferSession, client: Client) -> None:
+    tokens, blocks = stored(client, 5)
+    region = session.register(5 * client.block_bytes)
+    state = session.fetch(client.hashes(tokens), region, batch_descriptors=2)
+    assert state.done and state.done_prefix == 5 and state.bytes_moved == 5 * client.block_bytes
+    assert bytes(region.view) == b"".join(blocks)
+    assert region.blocks(client.block_bytes).shape == (5, client.block_bytes)
+
+
+def test_submit_returns_at_once_and_wait_reports_per_descriptor(session: TransferSession, client: Client) -> None:
+    tokens, blocks = stored(client, 2)
+    hashes = [*client.hashes(tokens), b"\x07" * 32]
+    region = session.register(3 * client.block_bytes)
+    size = client.block_bytes
+    transfer = session.read([Descriptor(block_hash=h, region_id=region.region_id, offset_bytes=i * size,
+                                        length_bytes=size) for i, h in enumerate(hashes)])
+    assert transfer.status().transfer_id == transfer.transfer_id
+    state = transfer.wait(timeout_s=10)
+    assert [r.status for r in state.results] == [Status.DONE, Status.DONE, Status.MISSING]
+    assert bytes(region.view[: 2 * size]) == b"".join(blocks)
+
+
+def test_prefix_only_loads_the_contiguous_found_prefix(session: TransferSession, client: Client) -> None:
+    tokens, _ = stored(client, 2)
+    hashes = client.hashes(tokens)
+    wanted = [hashes[0], b"\x01" * 32, hashes[1]]
+    region = session.register(3 * client.block_bytes)
+    size = client.block_bytes
+    state = session.read([Descriptor(block_hash=h, region_id=region.region_id, offset_bytes=i * size,
+                                     length_bytes=size) for i, h in enumerate(wanted)], prefix_only=True).wait()
+    assert [r.status for r in state.results] == [Status.DONE, Status.MISSING, Status.SKIPPED]
+    assert bytes(region.view[2 * size:]) == bytes(size), "nothing loaded past the prefix"
+
+
+def test_a_bad_descriptor_fails_alone(session: TransferSession, client: Client) -> None:
+    tokens, blocks = stored(client, 3)
+    hashes = client.hashes(tokens)
+    region = session.register(3 * client.block_bytes)
+    size = client.block_bytes
+    descs = [
+        Descriptor(block_hash=hashes[0], region_id=region.region_id, offset_bytes=0, length_bytes=size),
+        Descriptor(block_hash=hashes[1], region_id=region.region_id, offset_bytes=3 * size, length_bytes=size),
+        Descriptor(block_hash=hashes[1], region_id=region.region_id, offset_bytes=0, length_bytes=size - 1),
+        Descriptor(block_hash=hashes[2], region_id=region.region_id, offset_bytes=2 * size, length_bytes=size),
+    ]
+    state = session.read(descs).wait()
+    assert [r.status for r in state.results] == [Status.DONE, Status.FAILED, Status.FAILED, Status.DONE]
+    assert state.results[1].code == "INVALID_ARGUMENT" and "outside region" in state.results[1].reason
+    assert "length_bytes" in state.results[2].reason
+    assert bytes(region.view[2 * size:]) == blocks[2]
+
+
+def test_write_stores_blocks_from_the_region(session: TransferSession, client: Client) -> None:
+    size = client.block_bytes
+    tokens = list(range(7, 7 + 4 * client.block_tokens))
+    data = [os.urandom(size) for _ in range(4)]
+    region = session.register(4 * size)
+    region.view[:] = b"".join(data)
+    descs = [Descriptor(region_id=region.region_id, offset_bytes=i * size, length_bytes=size) for i in range(2)]
+    state = session.write(tokens, descs).wait()
+    assert [r.status for r in state.results] == [Status.DONE] * 2
+    assert [r.block_hash for r in state.results] == client.hashes(tokens)[:2]
+    rest = [Descriptor(region_id=region.region_id, offset_bytes=i * size, length_bytes=size) for i in (2, 3)]
+    assert session.write(tokens, rest, first_block=2).wait().count(Status.DONE) == 2
+    assert client.get(tokens).blocks == data
+
+
+def test_write_without_stored_parent_fails_every_descriptor(session: TransferSession, client: Client) -> None:
+    size = client.block_bytes
+    tokens = list(range(3 * client.block_tokens))
+    region = session.register(size)
+    state = session.write(tokens, [Descriptor(region_id=region.region_id, offset_bytes=0, length_bytes=size)],
+                          first_block=2).wait()
+    assert state.results[0].status is Status.FAILED and state.results[0].code == "FAILED_PRECONDITION"
+
+
+def test_write_stops_the_chain_at_a_bad_descriptor(session: TransferSession, client: Client) -> None:
+    size = client.block_bytes
+    tokens = list(range(3 * client.block_tokens))
+    region = session.register(2 * size)
+    descs = [Descriptor(region_id=region.region_id, offset_bytes=0, length_bytes=size),
+             Descriptor(region_id=region.region_id, offset_bytes=2 * size, length_bytes=size),
+             Descriptor(region_id=region.region_id, offset_bytes=size, length_bytes=size)]
+    state = session.write(tokens, descs).wait()
+    assert [r.status for r in state.results] == [Status.DONE, Status.FAILED, Status.FAILED]
+    assert "parent block is missing" in state.results[2].reason
+    assert client.lookup(tokens).found_blocks == 1
+
+
+def test_forced_shm_path_refuses_a_region_the_server_cannot_map(client: Client, tmp_path: Any) -> None:
+    # A folder that is not the server's /dev/shm: the server cannot see the segment.
+    with TransferSession(client, path="shm", shm_dir=tmp_path) as s, \
+            pytest.raises(FailedPrecondition, match="cannot map"):
+        s.register(4096)
+    with TransferSession(client, path="auto", shm_dir=tmp_path) as s:
+        region = s.register(4096)
+        assert not region.shared, "auto falls back to the stream path"
+
+
+def test_unknown_path_is_refused(client: Client) -> None:
+    with pytest.raises(InvalidArgument, match="path must be"):
+        client.transfer(path="rdma")
+
+
+def test_region_tensor_is_a_view_not_a_copy(session: TransferSession) -> None:
+    region = session.register(64)
+    t = region.tensor()
+    t[3] = 9
+    assert region.view[3] == 9
+
+
+@pytest.mark.gpu
+def test_region_pins_for_cuda_and_copies_to_the_gpu(session: TransferSession) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    region = session.register(1 << 20)
+    region.tensor()[:] = 5
+    assert region.pin() and region.pinned
+    gpu = region.tensor().cuda(non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(gpu.sum()) == 5 * (1 << 20)

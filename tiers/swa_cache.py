@@ -1,0 +1,139 @@
+"""SWA snapshots over a pool: sealed with their geometry and checksum, counted, and never an error on a miss.
+
+The pool below may expire, evict or lose records, or be unreachable; every one
+of those reaches the caller as a miss. Unreachable backends and records that
+fail their checks are counted, so an operator sees them in `kvstore stats`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import Unavailable
+from kvstore.swa_snapshot import seal, unseal
+from tiers.swa_pool import PoolUsage, SwaPool
+
+
+@dataclass(kw_only=True)
+class SwaCounters:
+    """Running totals since the server started."""
+
+    puts: int = 0
+    snapshots_put: int = 0
+    bytes_put: int = 0
+    failed_puts: int = 0
+    gets: int = 0
+    snapshots_asked: int = 0
+    hits: int = 0
+    corrupt: int = 0
+    deletes: int = 0
+    lookups: int = 0
+    backend_errors: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwaStats:
+    """Counters plus what the backend holds; `usage` is None while it is unreachable."""
+
+    counters: SwaCounters
+    usage: PoolUsage | None
+    backend: str
+    ttl_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Found:
+    """A snapshot read back and verified."""
+
+    data: bytes
+    checksum: int
+
+
+class SwaCache:
+    """Snapshots of checked size and checksum over one `SwaPool`.
+
+    Args:
+        pool: the backend.
+        ttl_s: the operator's TTL: the longest any snapshot lives.
+    """
+
+    def __init__(self, pool: SwaPool, *, ttl_s: float) -> None:
+        self.pool = pool
+        self.ttl_s = ttl_s
+        self.counters = SwaCounters()
+        self._lock = threading.Lock()  # counters are read by Stats while calls run
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    async def put_many(self, fingerprint: bytes, items: Sequence[tuple[bytes, bytes, int]],
+                       ttl_s: float | None = None) -> bool:
+        """Store (storage key, data, checksum) triples; False when the backend was unreachable.
+
+        The caller has checked sizes and checksums; a put the backend could not
+        take is counted and answered, never raised: the SWA state is a cache.
+        """
+        ttl = min(ttl_s, self.ttl_s) if ttl_s else self.ttl_s
+        records = [(key, seal(fingerprint, data, crc)) for key, data, crc in items]
+        try:
+            await self.pool.put_many(records, ttl)
+        except Unavailable:
+            self._count(puts=1, failed_puts=len(items), backend_errors=1)
+            return False
+        self._count(puts=1, snapshots_put=len(items), bytes_put=sum(len(d) for _, d, _ in items))
+        return True
+
+    async def get_many(self, fingerprint: bytes, keys: Sequence[bytes], size_bytes: int) -> list[Found | None]:
+        """Verified snapshots in key order; None where missing, expired, evicted, corrupt or unreachable."""
+        try:
+            records = await self.pool.get_many(keys)
+        except Unavailable:
+            self._count(gets=1, snapshots_asked=len(keys), backend_errors=1)
+            return [None] * len(keys)
+        out: list[Found | None] = []
+        corrupt = 0
+        for record in records:
+            opened = unseal(record, fingerprint=fingerprint, size_bytes=size_bytes) if record is not None else None
+            corrupt += record is not None and opened is None
+            out.append(Found(data=opened[0], checksum=opened[1]) if opened else None)
+        self._count(gets=1, snapshots_asked=len(keys), hits=sum(f is not None for f in out), corrupt=corrupt)
+        return out
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key holds a live snapshot; all False when the backend is unreachable."""
+        try:
+            found = await self.pool.exists_many(keys)
+        except Unavailable:
+            self._count(lookups=1, backend_errors=1)
+            return [False] * len(keys)
+        self._count(lookups=1)
+        return found
+
+    async def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Drop snapshots; how many existed (0 when the backend is unreachable, counted)."""
+        try:
+            gone = await self.pool.delete_many(keys)
+        except Unavailable:
+            self._count(deletes=1, backend_errors=1)
+            return 0
+        self._count(deletes=1)
+        return gone
+
+    async def stats(self) -> SwaStats:
+        """Counters and the backend's usage (None when it cannot be reached)."""
+        try:
+            usage: PoolUsage | None = await self.pool.usage()
+        except Unavailable:
+            self._count(backend_errors=1)
+            usage = None
+        with self._lock:
+            counters = SwaCounters(**vars(self.counters))
+        return SwaStats(counters=counters, usage=usage, backend=self.pool.name, ttl_s=self.ttl_s)
+
+    async def close(self) -> None:
+        """Close the backend's connections."""
+        await self.pool.close()
