@@ -160,7 +160,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if found:
             # Durable before the stream ends OK: a read the client saw complete
             # restarts the blocks' retention clocks even across a crash.
-            await self.tier.call(self.tier.touch, found)
+            await asyncio.wrap_future(self.tier.touch_soon(found))
 
     @unary
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

@@ -9,6 +9,7 @@ durability. No block byte crosses the gRPC channel.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,7 +89,7 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
         # clock's durable restart (one fsync) need not delay the worker.
         transfer.done.set()
         if found:
-            await tier.call(tier.touch, found)
+            await asyncio.wrap_future(tier.touch_soon(found))
 
 
 async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, plan: validate.PutPlan,

@@ -24,8 +24,8 @@ import json
 import struct
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
@@ -41,6 +41,11 @@ from tiers.leases import Lease, LeaseTable
 from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
 
 T = TypeVar("T")
+
+#: A read within this many seconds of a block's recorded access is not recorded
+#: again: hot blocks would otherwise cost a write per read. Eviction waits this
+#: much longer than the retention, so the guarantee holds for the true last read.
+TOUCH_GRANULARITY_S = 60.0
 _USAGE = struct.Struct("<QQ")
 Buffer = bytes | bytearray | memoryview
 
@@ -121,6 +126,10 @@ class LmdbBlockTier:
         self._children = self.env.open_db(b"children")
         self._state = self.env.open_db(b"state")
         self._lock = threading.Lock()
+        self._touch_lock = threading.Lock()
+        self._touch_pending: set[bytes] = set()
+        self._touch_future: Future[None] = Future()
+        self._touch_scheduled = False
         self._writes: deque[tuple[float, int]] = deque()
         self._started_s = self.clock.now()
         with self.env.begin() as txn:
@@ -259,12 +268,50 @@ class LmdbBlockTier:
         txn.put(lru_key(now, meta.depth, key), b"", db=self._lru)
         txn.put(key, BlockMeta(**{**_fields(meta), "last_access_s": now}).pack(), db=self._meta)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Record a read of `keys` now: the retention clock of each restarts."""
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Record a read of `keys` now: the retention clock of each restarts (one fsync'd commit).
+
+        Blocks recorded less than TOUCH_GRANULARITY_S ago are skipped, and when
+        all are, nothing is written.
+        """
         now = self.clock.now()
-        with self._write() as txn:
-            for key in keys:
-                self._touch(txn, key, now)
+        with self.env.begin() as txn:
+            stale = [k for k in keys if self._stale(txn, k, now)]
+        if stale:
+            with self._write() as txn:
+                for key in stale:
+                    self._touch(txn, key, now)
+
+    def _stale(self, txn: lmdb.Transaction, key: bytes, now: float) -> bool:
+        raw = txn.get(key, db=self._meta)
+        return raw is not None and BlockMeta.unpack(raw).last_access_s < now - TOUCH_GRANULARITY_S
+
+    def touch_soon(self, keys: Sequence[bytes]) -> Future[None]:
+        """Queue a read of `keys` for the next group commit; the future resolves once it is durable.
+
+        Reads come in many small batches; one fsync'd write transaction per batch
+        would queue them all behind LMDB's single writer. Touches that arrive while
+        a commit runs are merged into the next one.
+        """
+        with self._touch_lock:
+            self._touch_pending.update(keys)
+            future = self._touch_future
+            if not self._touch_scheduled:
+                self._touch_scheduled = True
+                self.executor.submit(self._flush_touches)
+        return future
+
+    def _flush_touches(self) -> None:
+        with self._touch_lock:
+            keys, self._touch_pending = self._touch_pending, set()
+            future, self._touch_future = self._touch_future, Future()
+            self._touch_scheduled = False
+        try:
+            self.touch(keys)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
 
     # -- eviction ----------------------------------------------------------
 
@@ -273,7 +320,7 @@ class LmdbBlockTier:
         excess = self._bytes_stored + need - self.settings.capacity_bytes
         if excess <= 0:
             return
-        cutoff = now - self.settings.retention_s
+        cutoff = now - self.settings.retention_s - TOUCH_GRANULARITY_S
         pinned = self.leases.pinned()
         freed = 0
         while freed < excess:

@@ -17,7 +17,7 @@ from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
-from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
 
 HOUR = 3600.0
 BLOCK = 1024  # the tier stores opaque bytes; sizes are checked at the gateway
@@ -119,7 +119,10 @@ def test_r4_no_eviction_within_retention(tier: LmdbBlockTier, clock: ManualClock
 def test_r4_eviction_allowed_after_retention(tier: LmdbBlockTier, clock: ManualClock) -> None:
     old = chain(0, 10)
     put_chain(tier, old)
-    clock.advance(72 * HOUR + 1)
+    clock.advance(72 * HOUR + TOUCH_GRANULARITY_S - 1)
+    with pytest.raises(ResourceExhausted):  # within the touch granularity: still protected
+        put_chain(tier, chain(1000, 2))
+    clock.advance(2)
     put_chain(tier, chain(1000, 2))
     assert stored(tier, old) == [True] * 8 + [False] * 2  # the tail went, the prefix stayed
     assert tier.stats().counters.evictions == 2
@@ -227,6 +230,32 @@ def test_r10_corrupt_block_removed_with_descendants(tier: LmdbBlockTier) -> None
     assert tier.stats().blocks_stored == 2
     put_chain(tier, hashes, start=2)  # the prefix can be completed again
     assert tier.lookup(SCOPE, hashes)[0] == 5
+
+
+def test_r5_reads_within_a_minute_are_not_rewritten(tier: LmdbBlockTier, clock: ManualClock) -> None:
+    hashes = chain(0, 2)
+    put_chain(tier, hashes)
+    keys = [SCOPE.key(h) for h in hashes]
+    before = tier.env.info()["last_txnid"]
+    clock.advance(TOUCH_GRANULARITY_S - 1)
+    tier.touch(keys)
+    assert tier.env.info()["last_txnid"] == before  # nothing written
+    clock.advance(2)
+    tier.touch(keys)
+    assert tier.env.info()["last_txnid"] == before + 1
+
+
+def test_r5_touch_soon_groups_reads_into_one_commit(tier: LmdbBlockTier, clock: ManualClock) -> None:
+    a, b = chain(0, 2), chain(1000, 2)
+    put_chain(tier, a)
+    put_chain(tier, b)
+    clock.advance(HOUR)
+    futures = [tier.touch_soon([SCOPE.key(h) for h in c]) for c in (a, b)]
+    for f in futures:
+        f.result(timeout=10)
+    with tier.env.begin() as txn:
+        times = {tier._meta_of(txn, SCOPE.key(h)).last_access_s for h in a + b}
+    assert times == {clock.now()}
 
 
 def test_r11_stats_report_headroom(tier: LmdbBlockTier, clock: ManualClock) -> None:
