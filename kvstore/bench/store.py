@@ -110,10 +110,11 @@ class _RawLmdb:
 
 
 @contextmanager
-def _serve(data_dir: Path, data_bytes: int, block_tokens: int) -> Iterator[str]:
-    """A `kvstore serve` child process sized for the run."""
+def _serve(data_dir: Path, data_bytes: int, block_tokens: int, extra_env: dict[str, str] | None = None
+           ) -> Iterator[str]:
+    """A `kvstore serve` child process sized for the run (its own process: no GIL shared with the client)."""
     env = {**os.environ, "KVSTORE_STORE_CAPACITY_BYTES": str(int(data_bytes * 1.2) + GiB),
-           "KVSTORE_STORE_BLOCK_TOKENS": str(block_tokens)}
+           "KVSTORE_STORE_BLOCK_TOKENS": str(block_tokens), **(extra_env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
                              str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=env)

@@ -11,10 +11,8 @@ directly. Starts its own redis-server (loopback, free port, temp dir) unless
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,28 +49,16 @@ def _redis(url: str | None) -> Iterator[str]:
 
 @contextmanager
 def _kvstore(redis_url: str, *, own_redis: bool) -> Iterator[str]:
-    """An in-process kvstore server on a background event loop; yields its target."""
-    from gateway.server import start
-    from kvstore.config import ServerSettings, Settings, StoreSettings, SwaSettings
+    """A `kvstore serve` process using `redis_url` as its SWA pool; yields its target."""
+    from kvstore.bench.store import _serve
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    with tempfile.TemporaryDirectory(prefix="kvstore-bench-swa-") as tmp:
-        settings = Settings(
-            server=ServerSettings(port=0),
-            store=StoreSettings(data_dir=Path(tmp) / "store", capacity_bytes=1 << 30),
-            # A Redis we started is ours to configure; someone else's keeps its own limits.
-            swa=SwaSettings(backend="redis", redis_url=redis_url, cap_bytes=4 << 30, configure_redis=own_redis,
-                            socket_timeout_s=30.0))
-        running = asyncio.run_coroutine_threadsafe(start(settings), loop).result(60)
-        try:
-            yield running.target
-        finally:
-            asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(60)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            loop.close()
+    env = {"KVSTORE_SWA_BACKEND": "redis", "KVSTORE_SWA_REDIS_URL": redis_url,
+           "KVSTORE_SWA_CAP_BYTES": str(4 << 30), "KVSTORE_SWA_SOCKET_TIMEOUT_S": "30",
+           # A Redis we started is ours to configure; someone else's keeps its own limits.
+           "KVSTORE_SWA_CONFIGURE_REDIS": "true" if own_redis else "false"}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-swa-") as tmp, \
+            _serve(Path(tmp) / "store", 1 << 28, 64, env) as target:
+        yield target
 
 
 def _best(rounds: int, fn: Callable[[], None]) -> float:
