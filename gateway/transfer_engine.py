@@ -5,6 +5,10 @@ Reads copy each block from the map into the region after checking its checksum
 region's bytes (so a client scribbling on them mid-write cannot break the
 checksum) and store them with `LmdbBlockTier.put`, with Put's checks and
 durability. No block byte crosses the gRPC channel.
+
+A batch is worked on as columns (`kvstore.transfer`): groups are checked whole
+(one vectorized span check per group) and results are a status byte per
+descriptor, so the event loop's work per descriptor stays a few slices.
 """
 
 from __future__ import annotations
@@ -13,83 +17,100 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from gateway import validate
 from gateway.transfer_sessions import Session, SessionTable, Transfer
-from kvstore.errors import InvalidArgument, KVStoreError, to_status
-from kvstore.transfer import Descriptor, DescriptorResult, Status
+from kvstore.errors import KVStoreError, to_status
+from kvstore.prefix import HASH_BYTES
+from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, cut_spans
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
 
+#: Status code of each `read_into` outcome; None (not read) leaves a descriptor as it stood.
+_CODES = {ReadStatus.FOUND: DONE, ReadStatus.MISSING: MISSING, ReadStatus.CORRUPT: FAILED, None: 0}
+_CORRUPT = ("DATA_LOSS", "the stored block failed its checksum and was dropped")
 
-def failed(error: KVStoreError) -> DescriptorResult:
-    """The result of a descriptor that failed with `error`."""
-    return DescriptorResult(status=Status.FAILED, code=to_status(error).name, reason=error.message)
 
-
-def resolve_spans(table: SessionTable, session: Session, descriptors: Sequence[Descriptor], block_bytes: int,
-                  results: list[DescriptorResult]) -> list[memoryview | None]:
-    """Each descriptor's bytes in its region, or None with its failure recorded (rule 4)."""
-    spans: list[memoryview | None] = []
-    for i, d in enumerate(descriptors):
-        try:
-            if d.length_bytes != block_bytes:
-                raise InvalidArgument(
-                    f"descriptor {i} length_bytes is {d.length_bytes}; blocks of this geometry are {block_bytes} bytes")
-            spans.append(table.span(session, d.region_id, d.offset_bytes, d.length_bytes))
-        except KVStoreError as exc:
-            results[i] = failed(exc)
-            spans.append(None)
-    return spans
+def resolve_spans(table: SessionTable, session: Session, groups: Sequence[DescriptorGroup], op: Op,
+                  block_bytes: int, results: BatchResults) -> list[memoryview | None]:
+    """Each descriptor's bytes in a region of `session`, or None with its failure recorded (rules 2, 4)."""
+    return cut_spans(groups, op, block_bytes, results, lambda region_id: table.region(session, region_id).view)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReadBatch:
-    """A validated read batch: storage keys (None where the hash is bad) and spans."""
+    """A validated read batch: storage keys and spans (None where the descriptor failed)."""
 
-    keys: list[bytes | None]
+    keys: list[bytes]
     spans: list[memoryview | None]
+    block_bytes: int
     prefix_only: bool
 
 
+def read_batch(table: SessionTable, session: Session, groups: Sequence[DescriptorGroup], block_bytes: int,
+               results: BatchResults, prefix_only: bool) -> ReadBatch:
+    """Check a read batch and cut its keys and spans."""
+    spans = resolve_spans(table, session, groups, Op.READ, block_bytes, results)
+    prefix = session.scope.prefix
+    # A group with hashes of the wrong size has no spans: its keys are never read.
+    keys = [prefix + g.block_hashes[j: j + HASH_BYTES] for g in groups for j in range(0, len(g) * HASH_BYTES,
+                                                                                         HASH_BYTES)]
+    return ReadBatch(keys=keys, spans=spans, block_bytes=block_bytes, prefix_only=prefix_only)
+
+
+def _copy(tier: LmdbBlockTier, keys: list[bytes], spans: list[memoryview | None],
+          stop_at_missing: bool) -> tuple[bytes, list[bytes]]:
+    """On the tier's executor: one chunk's copies as status codes, and the keys due a touch."""
+    due: list[bytes] = []
+    out = tier.read_into(keys, spans, stop_at_missing, touch_due=due)
+    return bytes([_CODES[s] for s in out]), due
+
+
 async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, batch: ReadBatch,
-                   chunk: int) -> None:
+                   chunk: int, copying: asyncio.Semaphore) -> None:
     """Copy a read batch's blocks into their regions, chunk by chunk, then restart their retention clocks."""
     results = transfer.results
     keys, spans = batch.keys, list(batch.spans)
     end = len(keys)
-    if batch.prefix_only:
+    if batch.prefix_only and None in spans:
         # The contiguous prefix ends at the first descriptor that cannot be loaded.
-        end = next((i for i, s in enumerate(spans) if s is None), end)
-    found: list[bytes] = []
+        end = spans.index(None)
+    found = 0
+    due: list[bytes] = []
+    statuses = np.frombuffer(results.statuses, dtype=np.uint8)
     try:
         start = 0
         while start < end:
             if session.closed:
                 break
             stop = min(start + chunk, end)
-            statuses = await tier.call(tier.read_into, keys[start:stop], spans[start:stop], batch.prefix_only)
-            for i, status in enumerate(statuses, start):
-                key = keys[i]
-                if status is ReadStatus.FOUND and key is not None:
-                    results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(spans[i] or b""))
-                    found.append(key)
-                elif status is ReadStatus.MISSING:
-                    results[i] = DescriptorResult(status=Status.MISSING)
-                elif status is ReadStatus.CORRUPT:
-                    results[i] = DescriptorResult(status=Status.FAILED, code="DATA_LOSS",
-                                                  reason="the stored block failed its checksum and was dropped")
-            if batch.prefix_only and any(s is not ReadStatus.FOUND for s in statuses):
-                end = start + next(j for j, s in enumerate(statuses) if s is not ReadStatus.FOUND) + 1
+            async with copying:
+                codes, chunk_due = await tier.call(_copy, tier, keys[start:stop], spans[start:stop],
+                                                   batch.prefix_only)
+            got = np.frombuffer(codes, dtype=np.uint8)
+            reached = got != 0  # the rest are failed already or not reached
+            statuses[start:stop][reached] = got[reached]
+            for j in np.flatnonzero(got == FAILED).tolist():
+                results.failures[start + j] = _CORRUPT
+            hits = codes.count(DONE)
+            results.bytes_moved += hits * batch.block_bytes
+            found += hits
+            due.extend(chunk_due)
+            loaded = len(codes) - len(codes.lstrip(bytes([DONE])))
+            if batch.prefix_only and loaded < len(codes):
+                end = start + loaded + 1
                 break
             start = stop
     finally:
-        del spans  # drop the views of the client's pages before the batch counts as done
+        del spans, statuses  # drop the views of the client's pages before the batch counts as done
         _finish(results, end, batch.prefix_only, session.closed)
-        tier.count_get(len(keys), len(found))
+        tier.count_get(len(keys), found)
         # Done before the touch: the bytes are in the region, and the retention
-        # clock's durable restart (one fsync) need not delay the worker.
+        # clock's durable restart (one fsync) need not delay the worker. Blocks
+        # touched within the tier's granularity are skipped (touch would skip them).
         transfer.done.set()
-        if found:
-            await asyncio.wrap_future(tier.touch_soon(found))
+        if due:
+            await asyncio.wrap_future(tier.touch_soon(due))
 
 
 async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, plan: validate.PutPlan,
@@ -100,7 +121,8 @@ async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, p
     parent would be missing, so those fail too, naming the one that broke the chain.
     """
     results = transfer.results
-    end = next((i for i, s in enumerate(spans) if s is None), len(spans))
+    n = len(spans)
+    end = spans.index(None) if None in spans else n
     parent = plan.parent
     try:
         for start in range(0, end, max_put_blocks):
@@ -112,34 +134,30 @@ async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, p
             try:
                 await tier.call(tier.put, session.scope, parent, hashes, blocks, plan.is_root and start == 0)
             except KVStoreError as exc:
-                for i in range(start, len(spans)):
-                    if results[i].status is Status.PENDING:
-                        results[i] = failed(exc)
+                results.fail_pending(range(start, n), to_status(exc).name, exc.message)
                 return
-            for i in range(start, stop):
-                results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(blocks[i - start]),
-                                              block_hash=plan.hashes[i])
+            results.statuses[start:stop] = bytes([DONE]) * (stop - start)
+            results.block_hashes[start * HASH_BYTES: stop * HASH_BYTES] = b"".join(hashes)
+            results.bytes_moved += sum(len(b) for b in blocks)
             parent = hashes[-1]
     finally:
         spans.clear()
-        if end < len(results):
-            for i in range(end, len(results)):
-                if results[i].status is Status.PENDING:
-                    results[i] = DescriptorResult(status=Status.FAILED, code="FAILED_PRECONDITION",
-                                                  reason=f"not stored: descriptor {end} before it failed, "
-                                                  "so its parent block is missing")
-        _finish(results, len(results), False, session.closed)
+        results.fail_pending(range(end, n), "FAILED_PRECONDITION",
+                             f"not stored: descriptor {end} before it failed, so its parent block is missing")
+        _finish(results, n, False, session.closed)
         transfer.done.set()
 
 
-def _finish(results: list[DescriptorResult], end: int, prefix_only: bool, closed: bool) -> None:
+def _finish(results: BatchResults, end: int, prefix_only: bool, closed: bool) -> None:
     """Settle every descriptor still PENDING: skipped after a prefix ended, else failed."""
-    for i, r in enumerate(results):
-        if r.status is not Status.PENDING:
-            continue
-        if closed:
-            results[i] = DescriptorResult(status=Status.FAILED, code="CANCELLED", reason="the session ended")
-        elif prefix_only and i >= end:
-            results[i] = DescriptorResult(status=Status.SKIPPED, reason="after the first block not loaded")
-        else:  # pragma: no cover - every reached descriptor has a result
-            results[i] = DescriptorResult(status=Status.FAILED, code="INTERNAL", reason="not reached")
+    pending = results.pending()
+    if closed:
+        results.fail_pending(pending.tolist(), "CANCELLED", "the session ended")
+        return
+    if prefix_only:
+        statuses = np.frombuffer(results.statuses, dtype=np.uint8)
+        statuses[pending[pending >= end]] = SKIPPED
+        del statuses
+        pending = pending[pending < end]
+    # Every reached descriptor has a result: nothing is left here unless the engine has a bug.
+    results.fail_pending(pending.tolist(), "INTERNAL", "not reached")

@@ -8,37 +8,36 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from gateway import validate
 from gateway.status import streaming, unary
-from gateway.transfer_engine import ReadBatch, resolve_spans, run_read, run_write
+from gateway.transfer_engine import read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from gateway.validate import Layout
 from kvstore.config import TransferSettings
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.prefix import HASH_BYTES
-from kvstore.transfer import Descriptor, DescriptorResult, Status
+from kvstore.transfer import DescriptorGroup, Op
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tiers.lmdb_tier import LmdbBlockTier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
 
-_STATUS = {
-    Status.PENDING: pb.DESCRIPTOR_STATUS_PENDING,
-    Status.DONE: pb.DESCRIPTOR_STATUS_DONE,
-    Status.MISSING: pb.DESCRIPTOR_STATUS_MISSING,
-    Status.SKIPPED: pb.DESCRIPTOR_STATUS_SKIPPED,
-    Status.FAILED: pb.DESCRIPTOR_STATUS_FAILED,
-}
+
+def _groups(request: pb.SubmitRequest) -> list[DescriptorGroup]:
+    return [DescriptorGroup(region_id=g.region_id, length_bytes=g.length_bytes, block_hashes=g.block_hashes,
+                            offsets_bytes=np.array(g.offsets_bytes, dtype=np.uint64)) for g in request.groups]
 
 
 def _state(transfer: Transfer) -> pb.TransferState:
+    # The columns go out as they are: no message per descriptor, only per failure.
+    r = transfer.results
     return pb.TransferState(
-        transfer_id=transfer.transfer_id, done=transfer.done.is_set(), bytes_moved=transfer.bytes_moved,
-        results=[pb.DescriptorResult(status=_STATUS[r.status], code=r.code, reason=r.reason,
-                                     bytes_moved=r.bytes_moved, block_hash=r.block_hash)
-                 for r in transfer.results])
+        transfer_id=transfer.transfer_id, done=transfer.done.is_set(), bytes_moved=r.bytes_moved,
+        statuses=bytes(r.statuses), block_hashes=bytes(r.block_hashes),
+        failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
+                  for i, (code, reason) in sorted(r.failures.items())])
 
 
 class TransferServicer(pb_grpc.TransferServicer):
@@ -55,6 +54,9 @@ class TransferServicer(pb_grpc.TransferServicer):
         self.layouts = layouts
         self.settings = settings
         self.table = SessionTable(settings)
+        # Read chunks are copied one at a time: the copy holds the GIL, and
+        # executor threads copying at once only convoy on it (fetches ran a third slower).
+        self.copying = asyncio.Semaphore(1)
 
     @streaming
     async def OpenSession(self, request: pb.OpenSessionRequest,
@@ -97,16 +99,15 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer())
-        n = len(request.descriptors)
+        n = sum(len(g.offsets_bytes) for g in request.groups)
         if not 1 <= n <= self.settings.max_descriptors:
             raise InvalidArgument(f"a batch holds 1 to {self.settings.max_descriptors} descriptors; got {n}")
-        descriptors = [Descriptor(block_hash=d.block_hash, region_id=d.region_id, offset_bytes=d.offset_bytes,
-                                  length_bytes=d.length_bytes) for d in request.descriptors]
+        groups = _groups(request)
         layout = self.layouts[session.geometry]
         if request.op == pb.TRANSFER_OP_READ:
-            transfer = self._start_read(session, layout, descriptors, request.prefix_only)
+            transfer = self._start_read(session, layout, groups, n, request.prefix_only)
         elif request.op == pb.TRANSFER_OP_WRITE:
-            transfer = self._start_write(session, layout, descriptors, request)
+            transfer = self._start_write(session, layout, groups, n, request)
         else:
             raise InvalidArgument("op must be TRANSFER_OP_READ or TRANSFER_OP_WRITE")
         if not request.wait:
@@ -126,39 +127,25 @@ class TransferServicer(pb_grpc.TransferServicer):
 
     # -- batches -------------------------------------------------------------
 
-    def _start_read(self, session: Session, layout: Layout, descriptors: list[Descriptor],
+    def _start_read(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
                     prefix_only: bool) -> Transfer:
-        transfer = session.new_transfer(frozenset(d.region_id for d in descriptors), len(descriptors))
-        results = transfer.results
-        spans = resolve_spans(self.table, session, descriptors, layout.block_bytes, results)
-        keys: list[bytes | None] = []
-        for i, d in enumerate(descriptors):
-            if len(d.block_hash) != HASH_BYTES and spans[i] is not None:
-                results[i] = _bad(f"descriptor {i} block_hash is {len(d.block_hash)} bytes; "
-                                  f"a block hash is {HASH_BYTES} bytes")
-                spans[i] = None
-            keys.append(session.scope.key(d.block_hash) if spans[i] is not None else None)
-        batch = ReadBatch(keys=keys, spans=spans, prefix_only=prefix_only)
+        transfer = session.new_transfer(frozenset(g.region_id for g in groups), n)
+        batch = read_batch(self.table, session, groups, layout.block_bytes, transfer.results, prefix_only)
         transfer.task = asyncio.create_task(
-            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors))
+            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copying))
         return transfer
 
-    def _start_write(self, session: Session, layout: Layout, descriptors: list[Descriptor],
+    def _start_write(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
                      request: pb.SubmitRequest) -> Transfer:
         # The chain's shape is the batch's, checked whole before anything runs.
-        # Block sizes are checked per descriptor (resolve_spans), so one shared
+        # Block sizes are checked per group (resolve_spans), so one shared
         # block-sized stand-in lets put_plan check the counts without copying.
         stand_in = bytes(layout.block_bytes)
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
-                                 extra_keys=list(request.extra_keys), blocks=[stand_in] * len(descriptors),
+                                 extra_keys=list(request.extra_keys), blocks=[stand_in] * n,
                                  limit=self.settings.max_descriptors)
-        transfer = session.new_transfer(frozenset(d.region_id for d in descriptors), len(descriptors))
-        results = transfer.results
-        spans = resolve_spans(self.table, session, descriptors, layout.block_bytes, results)
+        transfer = session.new_transfer(frozenset(g.region_id for g in groups), n, writes=True)
+        spans = resolve_spans(self.table, session, groups, Op.WRITE, layout.block_bytes, transfer.results)
         transfer.task = asyncio.create_task(
             run_write(self.tier, session, transfer, plan, spans, self.tier.settings.max_batch_blocks))
         return transfer
-
-
-def _bad(message: str) -> DescriptorResult:
-    return DescriptorResult(status=Status.FAILED, code="INVALID_ARGUMENT", reason=message)

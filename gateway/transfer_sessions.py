@@ -29,7 +29,7 @@ from pathlib import Path
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvstore.prefix import BlockScope
-from kvstore.transfer import DescriptorResult, Status, check_span
+from kvstore.transfer import BatchResults
 
 log = logging.getLogger("kvstore.transfer")
 _SHM_NAME = re.compile(r"^kvstore-[0-9a-f]{32}$")
@@ -38,9 +38,11 @@ _SHM_NAME = re.compile(r"^kvstore-[0-9a-f]{32}$")
 class MappedRegion:
     """A client's shared-memory segment, mapped into the server.
 
-    Zero-copy contract: `span` returns a view of the client's pages, valid until
-    `close`; the engine drops its spans before a transfer finishes, and a region
-    is closed only when no transfer on it is in flight.
+    Zero-copy contract: `view` (and every slice of it) shows the client's pages
+    and is valid until `close`; the engine drops its slices before a transfer
+    finishes, and a region is closed only when no transfer on it is in flight.
+    Spans are checked against `size_bytes` before they are cut
+    (`kvstore.transfer.group_failures`).
     """
 
     def __init__(self, region_id: int, path: Path, size_bytes: int, nonce: bytes) -> None:
@@ -66,11 +68,6 @@ class MappedRegion:
         path.unlink(missing_ok=True)
         self.view = memoryview(self._mmap)
 
-    def span(self, offset_bytes: int, length_bytes: int) -> memoryview:
-        """The bytes [offset, offset + length) of the region, checked against its size."""
-        check_span(self.size_bytes, offset_bytes, length_bytes, region_id=self.region_id)
-        return self.view[offset_bytes: offset_bytes + length_bytes]
-
     def close(self) -> None:
         """Unmap the segment."""
         self.view.release()
@@ -86,14 +83,9 @@ class Transfer:
 
     transfer_id: int
     region_ids: frozenset[int]
-    results: list[DescriptorResult]
+    results: BatchResults
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-
-    @property
-    def bytes_moved(self) -> int:
-        """Bytes copied so far."""
-        return sum(r.bytes_moved for r in self.results)
 
 
 class Session:
@@ -111,14 +103,14 @@ class Session:
         self.closed = False
         self._next_transfer = 0
 
-    def new_transfer(self, region_ids: frozenset[int], size: int) -> Transfer:
+    def new_transfer(self, region_ids: frozenset[int], size: int, *, writes: bool = False) -> Transfer:
         """Record a new batch of `size` descriptors, forgetting the oldest finished ones."""
         self._next_transfer += 1
         finished = [t for t, x in self.transfers.items() if x.done.is_set()]
         for tid in finished[: max(len(finished) - self.settings.keep_finished + 1, 0)]:
             del self.transfers[tid]
         transfer = Transfer(transfer_id=self._next_transfer, region_ids=region_ids,
-                            results=[DescriptorResult(status=Status.PENDING)] * size)
+                            results=BatchResults(size, writes=writes))
         self.transfers[transfer.transfer_id] = transfer
         return transfer
 
@@ -212,14 +204,19 @@ class SessionTable:
         self._owner[region_id] = session.session_id
         return region
 
-    def span(self, session: Session, region_id: int, offset_bytes: int, length_bytes: int) -> memoryview:
-        """A descriptor's bytes in a region of `session` (rule 2)."""
+    def region(self, session: Session, region_id: int) -> MappedRegion:
+        """A region of `session` that descriptors may name (rule 2; spans are checked by the caller).
+
+        Raises:
+            PermissionDenied: the region belongs to another session.
+            NotFound: no such region.
+        """
         region = session.regions.get(region_id)
         if region is None:
             if region_id in self._owner:
                 raise PermissionDenied(f"region {region_id} belongs to another session")
             raise NotFound(f"region {region_id} is not registered in this session")
-        return region.span(offset_bytes, length_bytes)
+        return region
 
     def deregister(self, session: Session, region_id: int) -> None:
         """Unmap one region (rule 3)."""

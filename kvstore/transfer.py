@@ -1,18 +1,31 @@
-"""Batched transfers: descriptors, their per-descriptor results, and the span rule.
+"""Batched transfers: descriptors, their groups, per-descriptor results, and the span rule.
 
 A transfer is one batch of descriptors with one operation (read: store ->
 region, write: region -> store), as in NIXL's transfer requests. Each
-descriptor names a block and where its bytes sit in a registered region. The
-values here are shared by the client and the server; neither torch nor gRPC
-is imported.
+descriptor names a block and where its bytes sit in a registered region.
+
+Callers hand over `Descriptor` lists and read `TransferState.results`, but a
+batch travels and is worked on as columns: consecutive descriptors that share a
+region and a length form one `DescriptorGroup` (packed hashes, an array of
+offsets), and results are one status byte per descriptor (`BatchResults`) plus
+entries for the failed ones only. Per-descriptor objects are built only when a
+caller asks for `results`. Checks run per group, vectorized over its offsets.
+The values here are shared by the client and the server; neither torch nor
+gRPC is imported.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from kvstore.errors import InvalidArgument
+import numpy as np
+
+from kvstore.errors import KVStoreError, to_status
+from kvstore.prefix import HASH_BYTES
 
 
 class Op(str, enum.Enum):
@@ -32,6 +45,15 @@ class Status(str, enum.Enum):
     FAILED = "failed"     # see the result's code and reason
 
 
+#: Status by its one-byte code in `BatchResults.statuses` (the wire's DescriptorStatus values).
+STATUSES: tuple[Status, ...] = (Status.PENDING, Status.DONE, Status.MISSING, Status.SKIPPED, Status.FAILED)
+#: One-byte code of each status.
+CODES: dict[Status, int] = {s: i for i, s in enumerate(STATUSES)}
+DONE, MISSING, SKIPPED, FAILED = (CODES[s] for s in (Status.DONE, Status.MISSING, Status.SKIPPED, Status.FAILED))
+#: Why a SKIPPED descriptor was not read (the same for all, so it is not sent).
+SKIPPED_REASON = "after the first block not loaded"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Descriptor:
     """One block and where its bytes sit in a registered region.
@@ -47,6 +69,123 @@ class Descriptor:
     region_id: int
     offset_bytes: int
     length_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DescriptorGroup:
+    """Consecutive descriptors of a batch sharing a region and a length: how a batch travels.
+
+    Attributes:
+        region_id: the region every descriptor of the group names.
+        length_bytes: every descriptor's length.
+        offsets_bytes: one offset per descriptor (int64 or uint64; not copied).
+        block_hashes: reads: the chain hashes, `HASH_BYTES` each, concatenated; writes: empty.
+    """
+
+    region_id: int
+    length_bytes: int
+    offsets_bytes: np.ndarray
+    block_hashes: bytes = b""
+
+    def __len__(self) -> int:
+        return len(self.offsets_bytes)
+
+    def hash(self, i: int) -> bytes:
+        """Descriptor i's block hash."""
+        return self.block_hashes[i * HASH_BYTES: (i + 1) * HASH_BYTES]
+
+    @classmethod
+    def slots(cls, hashes: Sequence[bytes], *, region_id: int, offset_bytes: int, length_bytes: int
+              ) -> DescriptorGroup:
+        """Blocks into consecutive slots of one region, starting at `offset_bytes` (a fetch)."""
+        return cls(region_id=region_id, length_bytes=length_bytes, block_hashes=b"".join(hashes),
+                   offsets_bytes=offset_bytes + length_bytes * np.arange(len(hashes), dtype=np.int64))
+
+
+def group(descriptors: Sequence[Descriptor], op: Op) -> list[DescriptorGroup]:
+    """`descriptors` as groups of consecutive ones sharing a region and a length.
+
+    A read descriptor whose hash is not `HASH_BYTES` long forms a group of its
+    own, so the check that fails it fails nothing else.
+    """
+    def key(d: Descriptor) -> tuple[int, int, bool | int]:
+        ok = op is Op.WRITE or len(d.block_hash) == HASH_BYTES
+        return d.region_id, d.length_bytes, ok or id(d)
+
+    groups = []
+    for (region_id, length_bytes, _), run in itertools.groupby(descriptors, key):
+        members = list(run)
+        groups.append(DescriptorGroup(
+            region_id=region_id, length_bytes=length_bytes,
+            offsets_bytes=np.array([d.offset_bytes for d in members], dtype=np.int64),
+            block_hashes=b"" if op is Op.WRITE else b"".join(d.block_hash for d in members)))
+    return groups
+
+
+def group_failures(g: DescriptorGroup, first: int, *, region_bytes: int, block_bytes: int, op: Op
+                   ) -> dict[int, str]:
+    """Why descriptors of `g` break the size, hash or span rules, by batch index (`first` is g's first).
+
+    All of them are INVALID_ARGUMENT; an empty dict when the whole group is good.
+    The span check is one vectorized comparison over the group's offsets.
+    """
+    n = len(g)
+    if g.length_bytes != block_bytes:
+        return {i: f"descriptor {i} length_bytes is {g.length_bytes}; blocks of this geometry are "
+                   f"{block_bytes} bytes" for i in range(first, first + n)}
+    if op is Op.READ and len(g.block_hashes) != n * HASH_BYTES:
+        size = len(g.block_hashes) if n == 1 else f"{len(g.block_hashes) / n:g} on average"
+        return {i: f"descriptor {i} block_hash is {size} bytes; a block hash is {HASH_BYTES} bytes"
+                for i in range(first, first + n)}
+    limit = region_bytes - g.length_bytes  # an offset past this runs over the end
+    offsets = g.offsets_bytes
+    bad = np.arange(n) if limit < 0 else np.flatnonzero((offsets < 0) | (offsets > limit))
+    return {first + int(j): f"descriptor {first + int(j)} span [{int(offsets[j])}, "
+                            f"{int(offsets[j]) + g.length_bytes}) runs outside region {g.region_id} of "
+                            f"{region_bytes} bytes" for j in bad}
+
+
+def cut_spans(groups: Sequence[DescriptorGroup], op: Op, block_bytes: int, results: BatchResults,
+              region_view: Callable[[int], memoryview]) -> list[memoryview | None]:
+    """Each descriptor's bytes in its region, or None with its failure recorded in `results`.
+
+    Both paths make these checks, so a descriptor fails the same way on either.
+    A region the caller may not use (`region_view` raises) fails its whole group;
+    a bad length, hash or span fails only the descriptors that have it (rule 4).
+
+    Args:
+        groups: the batch.
+        op: what the batch does (reads need a hash per descriptor).
+        block_bytes: the geometry's block size.
+        results: where failures go.
+        region_view: a region's whole view by id; raises KVStoreError when it may not be used.
+
+    Returns:
+        One view per descriptor, valid as long as its region's view.
+    """
+    spans: list[memoryview | None] = []
+    first = 0
+    for g in groups:
+        n = len(g)
+        try:
+            view = region_view(g.region_id)
+        except KVStoreError as exc:
+            results.fail_all(dict.fromkeys(range(first, first + n), exc.message), to_status(exc).name)
+            spans.extend([None] * n)
+            first += n
+            continue
+        bad = group_failures(g, first, region_bytes=len(view), block_bytes=block_bytes, op=op)
+        if len(bad) == n:
+            part: list[memoryview | None] = [None] * n
+        else:
+            length = g.length_bytes
+            part = [view[o: o + length] for o in g.offsets_bytes.tolist()]
+            for i in bad:
+                part[i - first] = None
+        results.fail_all(bad)
+        spans.extend(part)
+        first += n
+    return spans
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,40 +207,113 @@ class DescriptorResult:
     block_hash: bytes = b""
 
 
+class BatchResults:
+    """A batch's results as it runs, in columns: filled by whoever runs the batch.
+
+    Args:
+        size: descriptors in the batch (all PENDING at first).
+        writes: keep a chain hash per descriptor.
+
+    Attributes:
+        statuses: one `CODES` byte per descriptor.
+        failures: (code, reason) of each FAILED descriptor, by index.
+        bytes_moved: bytes copied so far.
+        block_hashes: writes: `HASH_BYTES` per descriptor, the hash a DONE block was stored under.
+    """
+
+    def __init__(self, size: int, *, writes: bool = False) -> None:
+        self.statuses = bytearray(size)
+        self.failures: dict[int, tuple[str, str]] = {}
+        self.bytes_moved = 0
+        self.block_hashes = bytearray(size * HASH_BYTES if writes else 0)
+
+    def __len__(self) -> int:
+        return len(self.statuses)
+
+    def fail(self, index: int, code: str, reason: str) -> None:
+        """Descriptor `index` failed with gRPC status name `code`."""
+        self.failures[index] = (code, reason)  # first: a snapshot taken between the two stays whole
+        self.statuses[index] = FAILED
+
+    def fail_all(self, reasons: Mapping[int, str], code: str = "INVALID_ARGUMENT") -> None:
+        """Fail every descriptor in `reasons` (index -> reason)."""
+        for i, reason in reasons.items():
+            self.fail(i, code, reason)
+
+    def fail_pending(self, indices: Iterable[int], code: str, reason: str) -> None:
+        """Fail those of `indices` still PENDING."""
+        for i in indices:
+            if self.statuses[i] == 0:
+                self.fail(i, code, reason)
+
+    def pending(self) -> np.ndarray:
+        """Indices still PENDING."""
+        return np.flatnonzero(np.frombuffer(self.statuses, dtype=np.uint8) == 0)
+
+    def state(self, transfer_id: int, done: bool, block_bytes: int) -> TransferState:
+        """A snapshot (copies the columns: safe while the batch goes on)."""
+        return TransferState(transfer_id=transfer_id, done=done, statuses=bytes(self.statuses),
+                             failures=dict(self.failures), bytes_moved=self.bytes_moved,
+                             block_bytes=block_bytes, block_hashes=bytes(self.block_hashes))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransferState:
-    """A batch's results so far, in descriptor order."""
+    """A batch's results so far, in descriptor order.
+
+    Attributes:
+        transfer_id: the batch.
+        done: whether every descriptor is settled.
+        statuses: one `CODES` byte per descriptor.
+        bytes_moved: bytes copied in all.
+        block_bytes: bytes each DONE descriptor moved (the geometry's block size).
+        failures: (code, reason) of each FAILED descriptor, by index.
+        block_hashes: writes: `HASH_BYTES` per descriptor, the chain hash of a DONE block.
+    """
 
     transfer_id: int
     done: bool
-    results: list[DescriptorResult] = field(repr=False)
+    statuses: bytes = field(repr=False)
     bytes_moved: int
+    block_bytes: int
+    failures: Mapping[int, tuple[str, str]] = field(default_factory=dict, repr=False)
+    block_hashes: bytes = field(default=b"", repr=False)
+
+    @cached_property
+    def results(self) -> list[DescriptorResult]:
+        """One result per descriptor, built on first use (a batch is kept as columns until then)."""
+        shared = {CODES[Status.PENDING]: DescriptorResult(status=Status.PENDING),
+                  DONE: DescriptorResult(status=Status.DONE, bytes_moved=self.block_bytes),
+                  MISSING: DescriptorResult(status=Status.MISSING),
+                  SKIPPED: DescriptorResult(status=Status.SKIPPED, reason=SKIPPED_REASON)}
+        out = [shared.get(c) for c in self.statuses]
+        for i, (code, reason) in self.failures.items():
+            out[i] = DescriptorResult(status=Status.FAILED, code=code, reason=reason)
+        if self.block_hashes:
+            for i in np.flatnonzero(np.frombuffer(self.statuses, dtype=np.uint8) == DONE).tolist():
+                h = self.block_hashes[i * HASH_BYTES: (i + 1) * HASH_BYTES]
+                out[i] = DescriptorResult(status=Status.DONE, bytes_moved=self.block_bytes, block_hash=h)
+        return out  # type: ignore[return-value]  # every code is in `shared` or `failures`
 
     def count(self, status: Status) -> int:
         """How many descriptors stand at `status`."""
-        return sum(r.status is status for r in self.results)
+        return self.statuses.count(CODES[status])
 
     @property
     def done_prefix(self) -> int:
         """Leading descriptors that are DONE (what a worker can load contiguously)."""
-        n = 0
-        for r in self.results:
-            if r.status is not Status.DONE:
-                break
-            n += 1
-        return n
+        return len(self.statuses) - len(self.statuses.lstrip(bytes([DONE])))
 
-
-def check_span(region_bytes: int, offset_bytes: int, length_bytes: int, *, region_id: int) -> None:
-    """The span rule: a descriptor's bytes lie wholly inside its region.
-
-    Raises:
-        InvalidArgument: the span is empty or runs past the region's end.
-    """
-    if length_bytes <= 0:
-        raise InvalidArgument(f"descriptor length_bytes is {length_bytes}; it must be positive")
-    if offset_bytes < 0 or offset_bytes + length_bytes > region_bytes:
-        raise InvalidArgument(
-            f"descriptor span [{offset_bytes}, {offset_bytes + length_bytes}) runs outside region "
-            f"{region_id} of {region_bytes} bytes"
-        )
+    @classmethod
+    def concat(cls, states: Sequence[TransferState], *, transfer_id: int = 0) -> TransferState:
+        """Consecutive batches' states as one (a fetch's), their descriptors numbered across them."""
+        failures: dict[int, tuple[str, str]] = {}
+        base = 0
+        for s in states:
+            failures.update((base + i, f) for i, f in s.failures.items())
+            base += len(s.statuses)
+        hashes = b"".join(s.block_hashes for s in states) if any(s.block_hashes for s in states) else b""
+        return cls(transfer_id=transfer_id, done=all(s.done for s in states),
+                   statuses=b"".join(s.statuses for s in states), failures=failures,
+                   bytes_moved=sum(s.bytes_moved for s in states),
+                   block_bytes=states[0].block_bytes if states else 0, block_hashes=hashes)

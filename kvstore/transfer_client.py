@@ -30,9 +30,20 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, from_status, to_status
-from kvstore.prefix import ExtraKey
+from kvstore.prefix import HASH_BYTES, ExtraKey
 from kvstore.region import DEFAULT_SHM_DIR, Region
-from kvstore.transfer import Descriptor, DescriptorResult, Status, TransferState, check_span
+from kvstore.transfer import (
+    DONE,
+    MISSING,
+    SKIPPED,
+    BatchResults,
+    Descriptor,
+    DescriptorGroup,
+    Op,
+    TransferState,
+    cut_spans,
+    group,
+)
 from kvstore.v1 import kvstore_pb2
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
@@ -40,13 +51,6 @@ from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from kvstore.client import Client
 
-_STATUS = {
-    pb.DESCRIPTOR_STATUS_PENDING: Status.PENDING,
-    pb.DESCRIPTOR_STATUS_DONE: Status.DONE,
-    pb.DESCRIPTOR_STATUS_MISSING: Status.MISSING,
-    pb.DESCRIPTOR_STATUS_SKIPPED: Status.SKIPPED,
-    pb.DESCRIPTOR_STATUS_FAILED: Status.FAILED,
-}
 #: Region ids of stream-path regions: far above any id a server hands out.
 _LOCAL_IDS = itertools.count(1 << 62)
 
@@ -76,11 +80,11 @@ class TransferPath(abc.ABC):
     def __init__(self, session: TransferSession) -> None: ...
 
     @abc.abstractmethod
-    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
+    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
         """Start a batch that fetches blocks into regions."""
 
     @abc.abstractmethod
-    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
               extra_keys: Sequence[bytes]) -> Transfer:
         """Start a batch that stores blocks from regions."""
 
@@ -88,18 +92,18 @@ class TransferPath(abc.ABC):
         """Release what the path holds (threads)."""
 
 
-def _state(reply: pb.TransferState) -> TransferState:
+def _state(reply: pb.TransferState, block_bytes: int) -> TransferState:
+    # Kept as columns: per-descriptor results are built only if the caller asks.
     return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
-                         results=[DescriptorResult(status=_STATUS[r.status], code=r.code, reason=r.reason,
-                                                   bytes_moved=r.bytes_moved, block_hash=r.block_hash)
-                                  for r in reply.results])
+                         statuses=reply.statuses, block_bytes=block_bytes, block_hashes=reply.block_hashes,
+                         failures={f.index: (f.code, f.reason) for f in reply.failures})
 
 
 class _ShmTransfer(Transfer):
-    def __init__(self, path: ShmPath, transfer_id: int, state: TransferState | None) -> None:
+    def __init__(self, path: ShmPath, transfer_id: int) -> None:
         self.path = path
         self.transfer_id = transfer_id
-        self._final = state if state is not None and state.done else None
+        self._final: TransferState | None = None
 
     def status(self) -> TransferState:
         return self._final or self._get(0)
@@ -117,7 +121,7 @@ class _ShmTransfer(Transfer):
 
     def _get(self, wait_ms: int) -> TransferState:
         return _state(self.path.call(self.path.stub.GetTransfer, pb.GetTransferRequest(
-            session_id=self.path.session_id, transfer_id=self.transfer_id, wait_ms=wait_ms)))
+            session_id=self.path.session_id, transfer_id=self.transfer_id, wait_ms=wait_ms)), self.path.block_bytes)
 
 
 class ShmPath(TransferPath):
@@ -127,41 +131,41 @@ class ShmPath(TransferPath):
         self.stub = session.stub
         self.call = session.call
         self.session_id = session.session_id
+        self.block_bytes = session.client.block_bytes
 
-    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
-        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only,
-                                             descriptors=_wire(descriptors)))
+    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
+        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only, groups=_wire(groups)))
 
-    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
               extra_keys: Sequence[bytes]) -> Transfer:
-        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_WRITE, descriptors=_wire(descriptors),
+        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_WRITE, groups=_wire(groups),
                                              parent_hash=parent_hash, token_ids=token_ids, extra_keys=extra_keys))
 
     def _submit(self, request: pb.SubmitRequest) -> Transfer:
         request.session_id = self.session_id
         reply = self.call(self.stub.Submit, request)
-        return _ShmTransfer(self, reply.transfer_id, None)
+        return _ShmTransfer(self, reply.transfer_id)
 
 
-def _wire(descriptors: Sequence[Descriptor]) -> list[pb.Descriptor]:
-    return [pb.Descriptor(block_hash=d.block_hash, region_id=d.region_id, offset_bytes=d.offset_bytes,
-                          length_bytes=d.length_bytes) for d in descriptors]
+def _wire(groups: Sequence[DescriptorGroup]) -> list[pb.DescriptorGroup]:
+    return [pb.DescriptorGroup(region_id=g.region_id, length_bytes=g.length_bytes, block_hashes=g.block_hashes,
+                               offsets_bytes=g.offsets_bytes.tolist()) for g in groups]
 
 
 class _LocalTransfer(Transfer):
     """A batch run by a thread of this process (the stream path)."""
 
-    def __init__(self, transfer_id: int, results: list[DescriptorResult], future: Future[None]) -> None:
+    def __init__(self, transfer_id: int, results: BatchResults, block_bytes: int, future: Future[None]) -> None:
         self.transfer_id = transfer_id
         self._results = results
+        self._block_bytes = block_bytes
         self._future = future
 
     def status(self) -> TransferState:
         done = self._future.done()
         if done and self._future.exception() is not None:
             raise self._future.exception()  # type: ignore[misc]
-        return TransferState(transfer_id=self.transfer_id, done=done, results=list(self._results),
-                             bytes_moved=sum(r.bytes_moved for r in self._results))
+        return self._results.state(self.transfer_id, done, self._block_bytes)
 
     def wait(self, timeout_s: float | None = None) -> TransferState:
         with contextlib.suppress(TimeoutError):
@@ -183,59 +187,52 @@ class StreamPath(TransferPath):
         """Finish running batches and stop the threads."""
         self._pool.shutdown(wait=True)
 
-    def read(self, descriptors: Sequence[Descriptor], prefix_only: bool) -> Transfer:
-        results, spans = self._spans(descriptors)
-        future = self._pool.submit(self._read, descriptors, spans, results, prefix_only)
-        return _LocalTransfer(next(self._ids), results, future)
+    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
+        results, spans = self._spans(groups, Op.READ)
+        hashes = [g.hash(i) for g in groups for i in range(len(g))]
+        return self._start(results, self._read, hashes, spans, results, prefix_only)
 
-    def write(self, descriptors: Sequence[Descriptor], parent_hash: bytes, token_ids: Sequence[int],
+    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
               extra_keys: Sequence[bytes]) -> Transfer:
-        results, spans = self._spans(descriptors)
-        future = self._pool.submit(self._write, spans, results, parent_hash, token_ids, extra_keys)
-        return _LocalTransfer(next(self._ids), results, future)
+        results, spans = self._spans(groups, Op.WRITE)
+        return self._start(results, self._write, spans, results, parent_hash, token_ids, extra_keys)
 
-    def _spans(self, descriptors: Sequence[Descriptor]) -> tuple[list[DescriptorResult], list[memoryview | None]]:
-        """The same checks the server makes, so a descriptor fails the same way on either path."""
-        results = [DescriptorResult(status=Status.PENDING)] * len(descriptors)
-        spans: list[memoryview | None] = []
-        for i, d in enumerate(descriptors):
-            try:
-                if d.length_bytes != self.client.block_bytes:
-                    raise InvalidArgument(f"descriptor {i} length_bytes is {d.length_bytes}; blocks of this "
-                                          f"geometry are {self.client.block_bytes} bytes")
-                region = self.session.region(d.region_id)
-                check_span(region.size_bytes, d.offset_bytes, d.length_bytes, region_id=d.region_id)
-                spans.append(region.view[d.offset_bytes: d.offset_bytes + d.length_bytes])
-            except KVStoreError as exc:
-                results[i] = DescriptorResult(status=Status.FAILED, code=to_status(exc).name, reason=exc.message)
-                spans.append(None)
+    def _start(self, results: BatchResults, fn: Any, *args: Any) -> Transfer:
+        return _LocalTransfer(next(self._ids), results, self.client.block_bytes, self._pool.submit(fn, *args))
+
+    def _spans(self, groups: Sequence[DescriptorGroup], op: Op) -> tuple[BatchResults, list[memoryview | None]]:
+        """The same checks the server makes (`cut_spans`), so a descriptor fails the same way on either path."""
+        results = BatchResults(sum(len(g) for g in groups), writes=op is Op.WRITE)
+        spans = cut_spans(groups, op, self.client.block_bytes, results, lambda rid: self.session.region(rid).view)
         return results, spans
 
-    def _read(self, descriptors: Sequence[Descriptor], spans: list[memoryview | None],
-              results: list[DescriptorResult], prefix_only: bool) -> None:
-        end = next((i for i, s in enumerate(spans) if s is None), len(spans)) if prefix_only else len(spans)
+    def _read(self, hashes: list[bytes], spans: list[memoryview | None], results: BatchResults,
+              prefix_only: bool) -> None:
+        end = spans.index(None) if prefix_only and None in spans else len(spans)
         wanted = [i for i in range(end) if spans[i] is not None]
         stream = cast(Generator[tuple[int, int, bytes], None, None],
-                      self.client.stream([descriptors[i].block_hash for i in wanted]))
+                      self.client.stream([hashes[i] for i in wanted]))
         for index, status, data in stream:
             i = wanted[index]
             if status == kvstore_pb2.BLOCK_STATUS_FOUND:
                 spans[i][:] = data  # type: ignore[index]
-                results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(data))
+                results.statuses[i] = DONE
+                results.bytes_moved += len(data)
                 continue
-            results[i] = (DescriptorResult(status=Status.MISSING) if status == kvstore_pb2.BLOCK_STATUS_MISSING
-                          else DescriptorResult(status=Status.FAILED, code="DATA_LOSS",
-                                                reason="the stored block failed its checksum and was dropped"))
+            if status == kvstore_pb2.BLOCK_STATUS_MISSING:
+                results.statuses[i] = MISSING
+            else:
+                results.fail(i, "DATA_LOSS", "the stored block failed its checksum and was dropped")
             if prefix_only:
                 stream.close()  # cancels the Get: the rest of the batch is not wanted
                 break
-        for i, r in enumerate(results):
-            if r.status is Status.PENDING:
-                results[i] = DescriptorResult(status=Status.SKIPPED, reason="after the first block not loaded")
+        for i in results.pending().tolist():
+            results.statuses[i] = SKIPPED
 
-    def _write(self, spans: list[memoryview | None], results: list[DescriptorResult], parent_hash: bytes,
+    def _write(self, spans: list[memoryview | None], results: BatchResults, parent_hash: bytes,
                token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> None:
-        end = next((i for i, s in enumerate(spans) if s is None), len(spans))
+        n = len(spans)
+        end = spans.index(None) if None in spans else n
         bt = self.client.block_tokens
         step = self.client._batch_blocks()
         parent = parent_hash
@@ -247,19 +244,14 @@ class StreamPath(TransferPath):
                     geometry=self.client.geometry, namespace=self.client.namespace, parent_hash=parent,
                     token_ids=token_ids[start * bt: stop * bt], extra_keys=extra_keys, blocks=blocks))
             except KVStoreError as exc:
-                for i in range(start, len(results)):
-                    if results[i].status is Status.PENDING:
-                        results[i] = DescriptorResult(status=Status.FAILED, code=to_status(exc).name,
-                                                      reason=exc.message)
+                results.fail_pending(range(start, n), to_status(exc).name, exc.message)
                 return
-            for i, h in zip(range(start, stop), reply.block_hashes, strict=True):
-                results[i] = DescriptorResult(status=Status.DONE, bytes_moved=len(blocks[i - start]), block_hash=h)
+            results.statuses[start:stop] = bytes([DONE]) * (stop - start)
+            results.block_hashes[start * HASH_BYTES: stop * HASH_BYTES] = b"".join(reply.block_hashes)
+            results.bytes_moved += sum(len(b) for b in blocks)
             parent = reply.block_hashes[-1]
-        for i in range(end, len(results)):
-            if results[i].status is Status.PENDING:
-                results[i] = DescriptorResult(status=Status.FAILED, code="FAILED_PRECONDITION",
-                                              reason=f"not stored: descriptor {end} before it failed, "
-                                              "so its parent block is missing")
+        results.fail_pending(range(end, n), "FAILED_PRECONDITION",
+                             f"not stored: descriptor {end} before it failed, so its parent block is missing")
 
 
 #: Path name -> implementation; "auto" picks per region (see the module doc).
@@ -349,8 +341,8 @@ class TransferSession:
 
     # -- batches -----------------------------------------------------------
 
-    def _path_for(self, descriptors: Sequence[Descriptor]) -> TransferPath:
-        regions = [self.regions.get(d.region_id) for d in descriptors]
+    def _path_for(self, groups: Sequence[DescriptorGroup]) -> TransferPath:
+        regions = [self.regions.get(g.region_id) for g in groups]
         shared = all(r is not None and r.shared for r in regions)
         return self._paths["shm" if shared else "stream"]
 
@@ -361,7 +353,8 @@ class TransferSession:
             descriptors: block hash -> region, offset, length (one block each).
             prefix_only: stop at the first block not found; the rest come back SKIPPED.
         """
-        return self._path_for(descriptors).read(descriptors, prefix_only)
+        groups = group(descriptors, Op.READ)
+        return self._path_for(groups).read(groups, prefix_only)
 
     def write(self, tokens: Sequence[int], descriptors: Sequence[Descriptor], *, first_block: int = 0,
               extra_keys: Sequence[ExtraKey] = ()) -> Transfer:
@@ -377,30 +370,32 @@ class TransferSession:
         parent = self.client.hashes(tokens[: first_block * bt], extra_keys=extra_keys)[-1:] or [b""]
         ids = tokens[first_block * bt: (first_block + len(descriptors)) * bt]
         extra = [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
-        return self._path_for(descriptors).write(descriptors, parent[0], ids, extra)
+        groups = group(descriptors, Op.WRITE)
+        return self._path_for(groups).write(groups, parent[0], ids, extra)
 
     def fetch(self, hashes: Sequence[bytes], region: Region, *, offset_bytes: int = 0,
               batch_descriptors: int = 512, prefix_only: bool = True) -> TransferState:
         """Fetch blocks into consecutive slots of `region` and wait: the common case.
 
-        Batches are submitted back to back, then awaited, so they overlap.
-        With `prefix_only`, each batch stops at its first block not found; a later
-        batch may already have loaded blocks past it, so load `done_prefix` blocks.
+        Batches are submitted back to back, then awaited, so they overlap; each is
+        one descriptor group. With `prefix_only`, each batch stops at its first
+        block not found; a later batch may already have loaded blocks past it, so
+        load `done_prefix` blocks.
         """
         size = self.client.block_bytes
         step = max(1, min(batch_descriptors, self.max_descriptors))
         transfers = []
         for start in range(0, len(hashes), step):
             chunk = hashes[start:start + step]
-            transfers.append(self.read([
-                Descriptor(block_hash=h, region_id=region.region_id,
-                           offset_bytes=offset_bytes + (start + i) * size, length_bytes=size)
-                for i, h in enumerate(chunk)], prefix_only=prefix_only))
-        results: list[DescriptorResult] = []
-        for t in transfers:
-            results.extend(t.wait().results)
-        return TransferState(transfer_id=0, done=True, results=results,
-                             bytes_moved=sum(r.bytes_moved for r in results))
+            if any(len(h) != HASH_BYTES for h in chunk):
+                groups = group([Descriptor(block_hash=h, region_id=region.region_id, length_bytes=size,
+                                           offset_bytes=offset_bytes + (start + i) * size)
+                                for i, h in enumerate(chunk)], Op.READ)
+            else:
+                groups = [DescriptorGroup.slots(chunk, region_id=region.region_id, length_bytes=size,
+                                                offset_bytes=offset_bytes + start * size)]
+            transfers.append(self._path_for(groups).read(groups, prefix_only))
+        return TransferState.concat([t.wait() for t in transfers])
 
     # -- lifetime ----------------------------------------------------------
 

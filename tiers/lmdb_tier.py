@@ -38,6 +38,7 @@ from kvstore.config import GiB, StoreSettings
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
 from tiers.leases import Lease, LeaseTable
+from tiers.records import _META as META_RECORD  # read_into parses records in place
 from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
 
 T = TypeVar("T")
@@ -412,18 +413,24 @@ class LmdbBlockTier:
         return out
 
     def read_into(self, keys: Sequence[bytes], dests: Sequence[memoryview | None],
-                  stop_at_missing: bool = False) -> list[ReadStatus | None]:
+                  stop_at_missing: bool = False, *, touch_due: list[bytes] | None = None
+                  ) -> list[ReadStatus | None]:
         """Copy blocks straight from LMDB's map into caller memory, in one read txn.
 
         Each block is checksum-verified in the map before it is copied, so a
         corrupt block never reaches `dests` (it is reported, counted and dropped
-        as `read` does). The only copy is map -> destination.
+        as `read` does). The only copy is map -> destination. This is the
+        transfer path's inner loop: it reads the meta record's fields in place
+        rather than through `BlockMeta` (a dataclass per block cost a tenth of it).
 
         Args:
             keys: storage keys, in order.
             dests: one writable view per key, each exactly the block's size; None
                 skips that key (its result is None).
             stop_at_missing: stop at the first block not FOUND; later results are None.
+            touch_due: if given, the keys of FOUND blocks whose retention clock is
+                due a restart (those `touch` would write) are appended to it, so the
+                caller touches only those without reading their records again.
 
         Returns:
             A status per key; None where the key was skipped or not reached.
@@ -433,16 +440,28 @@ class LmdbBlockTier:
         """
         out: list[ReadStatus | None] = [None] * len(keys)
         corrupt: list[bytes] = []
+        due_before = self.clock.now() - TOUCH_GRANULARITY_S
+        meta_db, blocks_db, unpack, digest = self._meta, self._blocks, META_RECORD.unpack, xxhash.xxh3_64_intdigest
         with self.env.begin(buffers=True) as txn:
+            get = txn.get
             for i, (key, dest) in enumerate(zip(keys, dests, strict=True)):
                 if dest is None:
                     continue
-                status, view = self._verified(txn, key)
-                if view is not None:
-                    dest[:] = view  # ValueError when sizes differ; nothing partial is written
+                raw = get(key, db=meta_db)
+                if raw is None:
+                    status = ReadStatus.MISSING
+                else:
+                    _parent, _depth, size, checksum, _created, last_access_s = unpack(raw)
+                    data = get(key, db=blocks_db)
+                    if data is None or len(data) != size or digest(data) != checksum:
+                        status = ReadStatus.CORRUPT
+                        corrupt.append(key)
+                    else:
+                        dest[:] = data  # ValueError when sizes differ; nothing partial is written
+                        status = ReadStatus.FOUND
+                        if touch_due is not None and last_access_s < due_before:
+                            touch_due.append(key)
                 out[i] = status
-                if status is ReadStatus.CORRUPT:
-                    corrupt.append(key)
                 if stop_at_missing and status is not ReadStatus.FOUND:
                     break
         if corrupt:

@@ -83,23 +83,23 @@ class DeregisterRegionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class Descriptor(_message.Message):
-    __slots__ = ("block_hash", "region_id", "offset_bytes", "length_bytes")
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+class DescriptorGroup(_message.Message):
+    __slots__ = ("region_id", "length_bytes", "block_hashes", "offsets_bytes")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
-    block_hash: bytes
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_BYTES_FIELD_NUMBER: _ClassVar[int]
     region_id: int
-    offset_bytes: int
     length_bytes: int
-    def __init__(self, block_hash: _Optional[bytes] = ..., region_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
+    block_hashes: bytes
+    offsets_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[int] = ..., length_bytes: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., offsets_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("session_id", "op", "descriptors", "prefix_only", "wait", "parent_hash", "token_ids", "extra_keys")
+    __slots__ = ("session_id", "op", "groups", "prefix_only", "wait", "parent_hash", "token_ids", "extra_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
-    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -107,39 +107,39 @@ class SubmitRequest(_message.Message):
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     op: TransferOp
-    descriptors: _containers.RepeatedCompositeFieldContainer[Descriptor]
+    groups: _containers.RepeatedCompositeFieldContainer[DescriptorGroup]
     prefix_only: bool
     wait: bool
     parent_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[TransferOp, str]] = ..., descriptors: _Optional[_Iterable[_Union[Descriptor, _Mapping]]] = ..., prefix_only: _Optional[bool] = ..., wait: _Optional[bool] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[TransferOp, str]] = ..., groups: _Optional[_Iterable[_Union[DescriptorGroup, _Mapping]]] = ..., prefix_only: _Optional[bool] = ..., wait: _Optional[bool] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
-class DescriptorResult(_message.Message):
-    __slots__ = ("status", "code", "reason", "bytes_moved", "block_hash")
-    STATUS_FIELD_NUMBER: _ClassVar[int]
+class DescriptorFailure(_message.Message):
+    __slots__ = ("index", "code", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
-    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
-    status: DescriptorStatus
+    index: int
     code: str
     reason: str
-    bytes_moved: int
-    block_hash: bytes
-    def __init__(self, status: _Optional[_Union[DescriptorStatus, str]] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ..., bytes_moved: _Optional[int] = ..., block_hash: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, index: _Optional[int] = ..., code: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TransferState(_message.Message):
-    __slots__ = ("transfer_id", "done", "results", "bytes_moved")
+    __slots__ = ("transfer_id", "done", "bytes_moved", "statuses", "failures", "block_hashes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     done: bool
-    results: _containers.RepeatedCompositeFieldContainer[DescriptorResult]
     bytes_moved: int
-    def __init__(self, transfer_id: _Optional[int] = ..., done: _Optional[bool] = ..., results: _Optional[_Iterable[_Union[DescriptorResult, _Mapping]]] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+    statuses: bytes
+    failures: _containers.RepeatedCompositeFieldContainer[DescriptorFailure]
+    block_hashes: bytes
+    def __init__(self, transfer_id: _Optional[int] = ..., done: _Optional[bool] = ..., bytes_moved: _Optional[int] = ..., statuses: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[DescriptorFailure, _Mapping]]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("transfer_id", "state")

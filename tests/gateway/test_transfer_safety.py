@@ -19,7 +19,7 @@ from gateway.transfer_sessions import SessionTable
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition
 from kvstore.region import Region
-from kvstore.transfer import Descriptor, Status
+from kvstore.transfer import Descriptor, Op, Status, group
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 
@@ -52,7 +52,8 @@ def test_rule_1_a_session_belongs_to_its_connection(server: Any) -> None:
         stub = pb_grpc.TransferStub(other)
         with pytest.raises(grpc.RpcError) as info:
             stub.Submit(pb.SubmitRequest(session_id=session.session_id, op=pb.TRANSFER_OP_READ,
-                                         descriptors=[pb.Descriptor(region_id=1, length_bytes=1)]))
+                                         groups=[pb.DescriptorGroup(region_id=1, length_bytes=1,
+                                                                    offsets_bytes=[0])]))
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert "another connection" in (info.value.details() or "")
 
@@ -62,11 +63,11 @@ def test_rule_2_a_region_belongs_to_its_session(server: Any) -> None:
         theirs = sa.register(a.block_bytes)
         mine = sb.register(b.block_bytes)
         size = b.block_bytes
-        state = sb._paths["shm"].read([
+        state = sb._paths["shm"].read(group([
             Descriptor(block_hash=b"\0" * 32, region_id=theirs.region_id, offset_bytes=0, length_bytes=size),
             Descriptor(block_hash=b"\0" * 32, region_id=mine.region_id, offset_bytes=0, length_bytes=size),
             Descriptor(block_hash=b"\0" * 32, region_id=987654, offset_bytes=0, length_bytes=size),
-        ], False).wait()
+        ], Op.READ), False).wait()
         assert [r.code for r in state.results] == ["PERMISSION_DENIED", "", "NOT_FOUND"]
         assert [r.status for r in state.results] == [Status.FAILED, Status.MISSING, Status.FAILED]
 
@@ -158,3 +159,18 @@ def test_rule_4_batch_limits_fail_the_call_not_the_server(server: Any, client: C
         assert s.read([Descriptor(block_hash=b"short", region_id=region.region_id, offset_bytes=0,
                                   length_bytes=client.block_bytes)]).wait().results[0].code == "INVALID_ARGUMENT"
         assert client.stats().blocks_stored == 0  # the server still answers
+
+
+def test_rule_4_spans_are_checked_whole_groups_at_a_time(server: Any, client: Client) -> None:
+    # One group on the wire; offsets near 2**64 must not wrap around the bounds check.
+    with client.transfer() as s:
+        size = client.block_bytes
+        region = s.register(2 * size)
+        group_pb = pb.DescriptorGroup(region_id=region.region_id, length_bytes=size, block_hashes=b"\0" * 96,
+                                      offsets_bytes=[0, 2**64 - 1, size])
+        reply = s.stub.Submit(pb.SubmitRequest(session_id=s.session_id, op=pb.TRANSFER_OP_READ, groups=[group_pb],
+                                               wait=True))
+        assert list(reply.state.statuses) == [pb.DESCRIPTOR_STATUS_MISSING, pb.DESCRIPTOR_STATUS_FAILED,
+                                              pb.DESCRIPTOR_STATUS_MISSING]
+        assert [(f.index, f.code) for f in reply.state.failures] == [(1, "INVALID_ARGUMENT")]
+        assert "outside region" in reply.state.failures[0].reason

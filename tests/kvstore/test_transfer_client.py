@@ -159,3 +159,33 @@ def test_region_pins_for_cuda_and_copies_to_the_gpu(session: TransferSession) ->
     gpu = region.tensor().cuda(non_blocking=True)
     torch.cuda.synchronize()
     assert int(gpu.sum()) == 5 * (1 << 20)
+
+
+def test_status_codes_are_the_wire_values() -> None:
+    from kvstore.transfer import STATUSES
+    from kvstore.v1 import transfer_pb2 as pb
+
+    assert [pb.DescriptorStatus.Value(f"DESCRIPTOR_STATUS_{s.name}") for s in STATUSES] == list(range(len(STATUSES)))
+
+
+def test_descriptors_group_by_region_and_length_and_a_bad_hash_stands_alone() -> None:
+    from kvstore.transfer import Op, group
+
+    h = b"\x01" * 32
+    descs = [Descriptor(block_hash=h, region_id=1, offset_bytes=0, length_bytes=8),
+             Descriptor(block_hash=h, region_id=1, offset_bytes=8, length_bytes=8),
+             Descriptor(block_hash=b"short", region_id=1, offset_bytes=16, length_bytes=8),
+             Descriptor(block_hash=h, region_id=1, offset_bytes=24, length_bytes=8),
+             Descriptor(block_hash=h, region_id=2, offset_bytes=0, length_bytes=8)]
+    assert [len(g) for g in group(descs, Op.READ)] == [2, 1, 1, 1]
+    assert [len(g) for g in group(descs, Op.WRITE)] == [4, 1]
+
+
+def test_fetch_with_a_short_hash_fails_that_descriptor_alone(session: TransferSession, client: Client) -> None:
+    tokens, _ = stored(client, 2)
+    hashes = client.hashes(tokens)
+    region = session.register(3 * client.block_bytes)
+    state = session.fetch([hashes[0], b"short", hashes[1]], region, prefix_only=False)
+    assert [r.status for r in state.results] == [Status.DONE, Status.FAILED, Status.DONE]
+    assert state.results[1].code == "INVALID_ARGUMENT" and "block_hash" in state.results[1].reason
+    assert state.count(Status.DONE) == 2 and state.done_prefix == 1

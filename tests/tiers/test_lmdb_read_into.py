@@ -7,7 +7,7 @@ import os
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
-from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
 
 FP = b"\x01" * 8
 
@@ -50,4 +50,17 @@ def test_read_into_never_copies_a_corrupt_block(store_settings: StoreSettings) -
     out = tier.read_into(keys, [dest[:256], dest[256:]])
     assert out == [ReadStatus.FOUND, ReadStatus.CORRUPT]
     assert bytes(dest[256:]) == bytes(256) and tier.counters.corrupt_blocks == 1
+    tier.close()
+
+
+def test_read_into_reports_blocks_due_a_touch(store_settings: StoreSettings) -> None:
+    tier, keys, _ = filled(store_settings, 2)
+    dest = memoryview(bytearray(2 * 256))
+    due: list[bytes] = []
+    tier.read_into(keys, [dest[:256], dest[256:]], touch_due=due)
+    assert due == [], "just written: the retention clock is fresh"
+    assert isinstance(tier.clock, ManualClock)
+    tier.clock.advance(TOUCH_GRANULARITY_S + 1)
+    tier.read_into(keys, [dest[:256], None], touch_due=due)
+    assert due == [keys[0]]
     tier.close()
