@@ -13,23 +13,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+from kvstore.bench.harness import GiB, raw_stream_server, scratch, serve_process, timed
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
-
-GiB = 1 << 30
-_RAW_METHOD = "/bench.Raw/Stream"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,13 +44,13 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     pool = np.random.default_rng(0).integers(0, 256, size=n_blocks * block_bytes, dtype=np.uint8).tobytes()
     blocks = [pool[i * block_bytes:(i + 1) * block_bytes] for i in range(n_blocks)]
     tokens = list(range(n_blocks * args.block_tokens))
-    with _scratch(args.dir) as scratch:
-        with _serve(scratch / "store", n_blocks * block_bytes, args.block_tokens) as target:
-            raw_put, put_s, get_s, hashes, wire_lookup_s = _service(target, scratch, tokens, blocks, args,
+    with scratch(args.dir) as folder:
+        with serve_process(folder / "store", n_blocks * block_bytes, args.block_tokens) as target:
+            raw_put, put_s, get_s, hashes, wire_lookup_s = _service(target, folder, tokens, blocks, args,
                                                                     lookup_blocks, progress)
-        server_lookup_s, raw_scan_s = _server_lookup(scratch / "store", args.block_tokens, n_blocks * block_bytes,
+        server_lookup_s, raw_scan_s = _server_lookup(folder / "store", args.block_tokens, n_blocks * block_bytes,
                                                       hashes[:lookup_blocks])
-        raw_get = _raw_grpc_get(blocks, args.batch_blocks, progress)
+        raw_get = _raw_grpc_get(n_blocks, block_bytes, progress)
     total = n_blocks * block_bytes / 1e9
     report.add(Figure.against("put", total / put_s, "GB/s", "raw LMDB put, fsync per batch", total / raw_put))
     report.add(Figure.against("get", total / get_s, "GB/s", "raw gRPC stream, same messages", total / raw_get))
@@ -70,19 +61,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     return report
 
 
-@contextmanager
-def _scratch(folder: Path | None) -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=folder))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 class _RawLmdb:
@@ -109,24 +89,6 @@ class _RawLmdb:
         self.env.close()
 
 
-@contextmanager
-def _serve(data_dir: Path, data_bytes: int, block_tokens: int, extra_env: dict[str, str] | None = None
-           ) -> Iterator[str]:
-    """A `kvstore serve` child process sized for the run (its own process: no GIL shared with the client)."""
-    env = {**os.environ, "KVSTORE_STORE_CAPACITY_BYTES": str(int(data_bytes * 1.2) + GiB),
-           "KVSTORE_STORE_BLOCK_TOKENS": str(block_tokens), **(extra_env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
-                             str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)
-    try:
-        assert proc.stdout is not None
-        match = re.search(r":(\d+)$", proc.stdout.readline().strip())
-        if not match:
-            raise RuntimeError("kvstore serve did not start")
-        yield f"127.0.0.1:{match.group(1)}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes], args: argparse.Namespace,
@@ -145,7 +107,7 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
         with progress.bar("put: raw LMDB and kvstore", 2 * len(blocks) * len(blocks[0])) as bar:
             for lo in range(0, len(blocks), step):
                 part = blocks[lo:lo + step]
-                raw_s += _timed(lambda part=part: raw.put(part, batch))  # type: ignore[misc]
+                raw_s += timed(lambda part=part: raw.put(part, batch))  # type: ignore[misc]
                 bar.update(len(part) * len(part[0]))
                 start = time.perf_counter()
                 result = client.put(tokens[: (lo + len(part)) * args.block_tokens], part, first_block=lo,
@@ -163,7 +125,7 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
             get_s = time.perf_counter() - start
         if got != len(blocks) * client.block_bytes:
             raise RuntimeError(f"get returned {got} bytes, expected {len(blocks) * client.block_bytes}")
-        wire_lookup_s = min(_timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
+        wire_lookup_s = min(timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
     return raw_s, put_s, get_s, hashes, wire_lookup_s
 
 
@@ -180,60 +142,25 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int, hashes: lis
         found = tier.lookup(scope, hashes)[0]
         if found != len(hashes):
             raise RuntimeError(f"lookup found {found} of {len(hashes)} blocks")
-        lookup_s = min(_timed(lambda: tier.lookup(scope, hashes)) for _ in range(5))
+        lookup_s = min(timed(lambda: tier.lookup(scope, hashes)) for _ in range(5))
 
         def scan() -> None:
             with tier.env.begin() as txn:
                 for h in hashes:
                     txn.get(scope.key(h), db=tier._meta)
 
-        scan_s = min(_timed(scan) for _ in range(5))
+        scan_s = min(timed(scan) for _ in range(5))
     finally:
         tier.close()
     return lookup_s, scan_s
 
 
-def _raw_grpc_get(blocks: list[bytes], batch: int, progress: Progress) -> float:
-    """Seconds to stream the same block-sized messages from a bare gRPC server in another process."""
-    import grpc
-
-    code = (
-        "import grpc, sys, numpy as np\n"
-        "from concurrent import futures\n"
-        f"n, size = {len(blocks)}, {len(blocks[0])}\n"
-        "pool = np.random.default_rng(0).integers(0, 256, size=n*size, dtype=np.uint8).tobytes()\n"
-        "def stream(req, ctx):\n"
-        "    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')\n"
-        "    for i in range(lo, hi):\n"
-        "        yield pool[i*size:(i+1)*size]\n"
-        "import grpc.aio, asyncio\n"
-        "async def main():\n"
-        "    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])\n"
-        "    h = grpc.method_handlers_generic_handler('bench.Raw', {'Stream': grpc.unary_stream_rpc_method_handler(\n"
-        "        stream)})\n"
-        "    server.add_generic_rpc_handlers((h,))\n"
-        "    port = server.add_insecure_port('127.0.0.1:0')\n"
-        "    await server.start()\n"
-        "    print(port, flush=True)\n"
-        "    await server.wait_for_termination()\n"
-        "asyncio.run(main())\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
-        call = channel.unary_stream(_RAW_METHOD)
-        step = 1024  # the same per-call batch the kvstore client uses
-        with progress.bar("raw gRPC stream", len(blocks) * len(blocks[0])) as bar:
-            start = time.perf_counter()
-            for lo in range(0, len(blocks), step):
-                hi = min(lo + step, len(blocks))
-                for msg in call(lo.to_bytes(8, "big") + hi.to_bytes(8, "big")):
-                    bar.update(len(msg))
-            elapsed = time.perf_counter() - start
-        channel.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    return elapsed
+def _raw_grpc_get(n: int, size: int, progress: Progress) -> float:
+    """Seconds to stream n block-sized messages from a bare gRPC server in another process."""
+    step = 1024  # the same per-call batch the kvstore client uses
+    with raw_stream_server(n, size) as stream, progress.bar("raw gRPC stream", n * size) as bar:
+        start = time.perf_counter()
+        for lo in range(0, n, step):
+            for msg in stream(lo, min(lo + step, n)):
+                bar.update(len(msg))
+        return time.perf_counter() - start

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvstore.bench.harness import best_of, serve_process
 from kvstore.bench.report import Figure, Progress, Report
 
 BASELINE = "redis-py pipelined SET/GET, same bytes, same Redis"
@@ -50,24 +50,15 @@ def _redis(url: str | None) -> Iterator[str]:
 @contextmanager
 def _kvstore(redis_url: str, *, own_redis: bool) -> Iterator[str]:
     """A `kvstore serve` process using `redis_url` as its SWA pool; yields its target."""
-    from kvstore.bench.store import _serve
 
     env = {"KVSTORE_SWA_BACKEND": "redis", "KVSTORE_SWA_REDIS_URL": redis_url,
            "KVSTORE_SWA_CAP_BYTES": str(4 << 30), "KVSTORE_SWA_SOCKET_TIMEOUT_S": "30",
            # A Redis we started is ours to configure; someone else's keeps its own limits.
            "KVSTORE_SWA_CONFIGURE_REDIS": "true" if own_redis else "false"}
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-swa-") as tmp, \
-            _serve(Path(tmp) / "store", 1 << 28, 64, env) as target:
+            serve_process(Path(tmp) / "store", 1 << 28, 64, env) as target:
         yield target
 
-
-def _best(rounds: int, fn: Callable[[], None]) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -127,7 +118,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         for name, make in (("service put", service_put), ("raw put", raw_put),
                            ("service get", service_get), ("raw get", raw_get)):
             with progress.bar(name, total) as bar:
-                seconds[name] = _best(args.rounds, make(bar))
+                seconds[name] = best_of(make(bar), args.rounds)
         raw.delete(*raw_keys)
         swa.delete_many(keys)
 

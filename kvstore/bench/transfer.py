@@ -14,22 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
-from kvstore.bench.store import _scratch, _serve
 from kvstore.geometry import V4_1_FLASH
 
 if TYPE_CHECKING:
     from kvstore.client import Client
 
-_RAW_METHOD = "/bench.RawTransfer/Stream"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,14 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
                         help="region -> GPU copy figure (auto: when CUDA is available)")
 
-
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -67,7 +54,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     source = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
     memcpy_s = _memcpy(source, args.repeat)
     gb = total / 1e9
-    with _scratch(None) as scratch, _serve(scratch / "store", total, args.block_tokens) as target:
+    with scratch() as folder, serve_process(folder / "store", total, args.block_tokens) as target:
         with Client(target) as client:
             tokens = list(range(n * args.block_tokens))
             with progress.bar("put", total) as bar:
@@ -92,7 +79,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
 
 def _memcpy(source: np.ndarray, repeat: int) -> float:
     dest = np.ones_like(source)  # pre-faulted, like the region
-    return _best(lambda: np.copyto(dest, source), repeat)
+    return best_of(lambda: np.copyto(dest, source), repeat)
 
 
 def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], batches: list[int],
@@ -111,7 +98,7 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
                     if state.done_prefix != count:
                         raise RuntimeError(f"{path} fetch loaded {state.done_prefix} of {count} blocks")
                     bar.update(state.bytes_moved)
-                seconds = _best(fetch, args.repeat)
+                seconds = best_of(fetch, args.repeat)
             if count == len(hashes):
                 view = np.frombuffer(region.view, dtype=np.uint8)
                 if not np.array_equal(view, source):
@@ -129,52 +116,20 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:
     """Best seconds to stream n block-sized messages from a bare gRPC server and copy them into a region."""
-    import grpc
-
     from kvstore.region import Region
 
-    code = (
-        "import asyncio, grpc, os\n"
-        f"n, size = {n}, {size}\n"
-        "pool = [os.urandom(size) for _ in range(64)]\n"
-        "def stream(req, ctx):\n"
-        "    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')\n"
-        "    for i in range(lo, hi):\n"
-        "        yield pool[i % 64]\n"
-        "async def main():\n"
-        "    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])\n"
-        "    h = grpc.method_handlers_generic_handler('bench.RawTransfer', {'Stream': "
-        "grpc.unary_stream_rpc_method_handler(stream)})\n"
-        "    server.add_generic_rpc_handlers((h,))\n"
-        "    port = server.add_insecure_port('127.0.0.1:0')\n"
-        "    await server.start()\n"
-        "    print(port, flush=True)\n"
-        "    await server.wait_for_termination()\n"
-        "asyncio.run(main())\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
-        call = channel.unary_stream(_RAW_METHOD)
-        with Region(n * size) as region:
-            view = region.view
-            view[:] = b"\1" * len(view)
+    with raw_stream_server(n, size) as stream, Region(n * size) as region:
+        view = region.view
+        view[:] = b"\1" * len(view)
 
-            def fetch() -> None:
-                for lo in range(0, n, 512):  # the same per-call batch as the kvstore figure
-                    hi = min(lo + 512, n)
-                    for i, msg in enumerate(call(lo.to_bytes(8, "big") + hi.to_bytes(8, "big")), lo):
-                        view[i * size:(i + 1) * size] = msg
+        def fetch() -> None:
+            for lo in range(0, n, 512):  # the same per-call batch as the kvstore figure
+                for i, msg in enumerate(stream(lo, min(lo + 512, n)), lo):
+                    view[i * size:(i + 1) * size] = msg
 
-            with progress.bar("raw gRPC stream", n * size):
-                seconds = _best(fetch, repeat)
-            view.release()
-        channel.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        with progress.bar("raw gRPC stream", n * size):
+            seconds = best_of(fetch, repeat)
+        view.release()
     return seconds
 
 
@@ -206,8 +161,8 @@ def _gpu(report: Report, total: int, repeat: int) -> None:
             return
         copy(pages)
         copy(pinned)
-        region_s = _best(lambda: copy(pages), repeat)
-        pinned_s = _best(lambda: copy(pinned), repeat)
+        region_s = best_of(lambda: copy(pages), repeat)
+        pinned_s = best_of(lambda: copy(pinned), repeat)
         report.add(Figure.against("shm region -> gpu copy", total / region_s / 1e9, "GB/s",
                                   "pinned torch buffer -> gpu copy", total / pinned_s / 1e9))
     report.notes["gpu"] = torch.cuda.get_device_name()

@@ -1,0 +1,110 @@
+"""What every benchmark needs around its figures: scratch space, a `kvstore serve`
+process, a bare gRPC streaming server as the baseline, and timers.
+
+Servers run in their own processes, as in production: a server sharing the
+benchmark's interpreter would share its GIL and understate both sides.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+GiB = 1 << 30
+RAW_METHOD = "/bench.Raw/Stream"
+
+# A generic handler with no protobuf and no logic: it streams `n` messages of
+# `size` bytes cut from an in-memory pool, for the range of indices asked.
+_RAW_SERVER = """
+import asyncio, os, sys
+import grpc
+n, size = int(sys.argv[1]), int(sys.argv[2])
+pool = [os.urandom(size) for _ in range(64)]
+def stream(req, ctx):
+    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')
+    for i in range(lo, hi):
+        yield pool[i % 64]
+async def main():
+    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])
+    handler = grpc.method_handlers_generic_handler(
+        'bench.Raw', {'Stream': grpc.unary_stream_rpc_method_handler(stream)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port('127.0.0.1:0')
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    """The fastest of `repeat` calls, in seconds (the least disturbed by other work)."""
+    return min(timed(fn) for _ in range(max(repeat, 1)))
+
+
+@contextmanager
+def scratch(folder: Path | None = None) -> Iterator[Path]:
+    """A temporary folder (on the disk under test when `folder` is given), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="kvstore-bench-", dir=folder))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def serve_process(data_dir: Path, data_bytes: int, block_tokens: int,
+                  extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """A `kvstore serve` child process sized for `data_bytes`; yields its target."""
+    env = {**os.environ, "KVSTORE_STORE_CAPACITY_BYTES": str(int(data_bytes * 1.2) + GiB),
+           "KVSTORE_STORE_BLOCK_TOKENS": str(block_tokens), **(extra_env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
+                             str(data_dir)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        match = re.search(r":(\d+)$", proc.stdout.readline().strip())
+        if not match:
+            raise RuntimeError("kvstore serve did not start")
+        yield f"127.0.0.1:{match.group(1)}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@contextmanager
+def raw_stream_server(n: int, size: int) -> Iterator[Callable[[int, int], Iterator[bytes]]]:
+    """A bare gRPC server in its own process; yields `stream(lo, hi)`, the messages lo..hi-1."""
+    import grpc
+
+    proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, str(n), str(size)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", -1)])
+        call = channel.unary_stream(RAW_METHOD)
+
+        def stream(lo: int, hi: int) -> Iterator[bytes]:
+            return iter(call(lo.to_bytes(8, "big") + hi.to_bytes(8, "big")))
+
+        try:
+            yield stream
+        finally:
+            channel.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
