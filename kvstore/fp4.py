@@ -33,12 +33,17 @@ Rules (docs/CODEC.md states them with the measured errors):
 Rounding is done by comparing |x| with thresholds m*s that are exact in float32
 instead of dividing: the result is then the same on every device and under any
 compiler (a fused GPU kernel may approximate division, never an exact product).
+
+On CUDA the work runs in the fused Triton kernels of kvstore/fp4_triton.py (one
+pass each way), imported on first use; without Triton, through torch.compile.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,7 +113,7 @@ class FusedKernel:
         self.name = fn.__name__
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: torch.Tensor) -> Any:
+    def __call__(self, *args: Any) -> Any:
         if not args[0].is_cuda or self.mode.startswith("eager (compile failed"):
             return self._fn(*args)
         if self._compiled is None:
@@ -120,6 +125,48 @@ class FusedKernel:
             logger.warning("torch.compile of %s failed, using eager torch: %s", self._fn.__name__, e)
             return self._fn(*args)
         self.mode = "compiled"
+        return out
+
+
+class CudaKernel:
+    """A codec step that runs a fused Triton kernel on CUDA tensors and `fallback` otherwise.
+
+    The kernel is `name` in `kvstore.<module>`, imported on the first CUDA call so
+    that CPU-only machines never import triton. It returns what `fallback` returns,
+    bit for bit (tests/kvstore/test_codec_gpu.py), or None for an input it does not
+    handle. `fallback` runs on other devices, for declined inputs, when triton
+    cannot be imported, and after the kernel has raised once (logged): its results
+    are the same, only slower. `mode` names the path of the last CUDA call.
+    """
+
+    def __init__(self, module: str, name: str, fallback: Callable[..., Any]) -> None:
+        self._module = module
+        self._attr = name
+        self.name = f"{module}.{name}"
+        self._fallback = fallback
+        self._kernel: Callable[..., Any] | None = None
+        self._failed = ""
+        self.mode = "not run"
+
+    def __call__(self, *args: Any) -> Any:
+        if not args[0].is_cuda:
+            return self._fallback(*args)
+        if not self._failed:
+            try:
+                if self._kernel is None:
+                    self._kernel = getattr(importlib.import_module(f"kvstore.{self._module}"), self._attr)
+                out = self._kernel(*args)
+            except torch.cuda.OutOfMemoryError:
+                raise  # the fallback needs more memory, not less
+            except Exception as e:  # no triton, or one that cannot build the kernel: the fallback still works
+                self._failed = f" (triton failed: {type(e).__name__})"
+                logger.warning("Triton kernel %s failed, using the slower path: %s", self.name, e)
+                out = None
+            if out is not None:
+                self.mode = "triton"
+                return out
+        out = self._fallback(*args)
+        self.mode = getattr(self._fallback, "mode", "eager") + self._failed
         return out
 
 
@@ -143,7 +190,8 @@ def check_input(x: torch.Tensor, *, what: str, multiple: int) -> None:
 
 def check_finite(amax: torch.Tensor, *, what: str) -> None:
     """Raise InvalidArgument if a vector maximum is NaN or infinite (so its input was)."""
-    if not bool(torch.isfinite(amax).all()):
+    finite = math.isfinite(amax.item()) if amax.numel() == 1 else bool(torch.isfinite(amax).all())
+    if not finite:
         raise InvalidArgument(f"{what}: input contains NaN or Inf; the cache cannot store it")
 
 
@@ -200,7 +248,7 @@ def _f32_round_up(amax: torch.Tensor) -> torch.Tensor:
 
 
 @FusedKernel
-def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_groups_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = x.float().unflatten(-1, (-1, GROUP_CHANNELS))
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = _e4m3_nearest(amax)
@@ -210,6 +258,10 @@ def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     # amax is returned (16x smaller than x) rather than counts: a whole-tensor
     # reduction here would split the fused kernel and re-read x.
     return _pack_nibbles(codes), stored.squeeze(-1), amax.squeeze(-1)
+
+
+# Each returns (values, scales, t), t an amax or a flag that is non-finite where x was.
+_quantize_groups = CudaKernel("fp4_triton", "quantize_groups", _quantize_groups_torch)
 
 
 def _clip_counts(x: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
@@ -222,12 +274,15 @@ def _clip_counts(x: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:
 
 
 @FusedKernel
-def _quantize_vectors(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_vectors_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     v = x.float()
     amax = v.abs().amax(dim=-1, keepdim=True)
     scale = _f32_round_up(amax)
     stored = torch.where(amax > _MIDPOINTS[0] * scale, scale, 0.0)
     return _pack_nibbles(_e2m1_codes(v, scale)), stored, amax
+
+
+_quantize_vectors = CudaKernel("fp4_triton", "quantize_vectors", _quantize_vectors_torch)
 
 
 def quantize_with_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, QuantStats]:
@@ -290,18 +345,23 @@ def _e2m1_decode(values: torch.Tensor) -> torch.Tensor:
     # Codes 2-7 are normal: exponent mag>>1 (bias 1), mantissa mag&1; build the float32 bits.
     normal = ((((mag >> 1) + 126) << 23) | ((mag & 1) << 22)).view(torch.float32)
     value = torch.where(mag < 2, mag.float() * 0.5, normal)
-    return torch.where((codes & 8) != 0, -value, value)
+    # The sign goes in as a bit: compiled, `-value` becomes 0 - value and would lose -0.0 (code 8).
+    return (value.view(torch.int32) | ((codes & 8) << 28)).view(torch.float32)
 
 
 @FusedKernel
-def _dequantize_groups(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _dequantize_groups_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     decoded = _e2m1_decode(values).unflatten(-1, (-1, GROUP_CHANNELS))
-    return (decoded * scales.float().unsqueeze(-1)).flatten(-2)
+    return (decoded * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 @FusedKernel
-def _dequantize_vectors(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return _e2m1_decode(values) * scales
+def _dequantize_vectors_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (_e2m1_decode(values) * scales).to(dtype)
+
+
+_dequantize_groups = CudaKernel("fp4_triton", "dequantize_groups", _dequantize_groups_torch)
+_dequantize_vectors = CudaKernel("fp4_triton", "dequantize_vectors", _dequantize_vectors_torch)
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -328,13 +388,11 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype
         if half * 2 % GROUP_CHANNELS or tuple(scales.shape) != expected:
             raise InvalidArgument(f"fp4.dequantize: values {tuple(values.shape)} need float8_e4m3fn "
                                   f"scales of shape {expected}, got {tuple(scales.shape)}")
-        out = _dequantize_groups(values, scales)
-    elif scales.dtype == torch.float32:
+        return _dequantize_groups(values, scales, dtype)
+    if scales.dtype == torch.float32:
         if tuple(scales.shape) != (*lead, 1):
             raise InvalidArgument(f"fp4.dequantize: values {tuple(values.shape)} need float32 "
                                   f"scales of shape {(*lead, 1)}, got {tuple(scales.shape)}")
-        out = _dequantize_vectors(values, scales)
-    else:
-        raise InvalidArgument(f"fp4.dequantize: expected scales of dtype float8_e4m3fn or float32, "
-                              f"got {scales.dtype}")
-    return out if dtype == torch.float32 else out.to(dtype)
+        return _dequantize_vectors(values, scales, dtype)
+    raise InvalidArgument(f"fp4.dequantize: expected scales of dtype float8_e4m3fn or float32, "
+                          f"got {scales.dtype}")

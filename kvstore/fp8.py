@@ -29,7 +29,7 @@ import torch
 
 from kvstore.block_codec import as_uint8
 from kvstore.errors import InvalidArgument
-from kvstore.fp4 import FusedKernel, check_finite, check_input
+from kvstore.fp4 import CudaKernel, FusedKernel, check_finite, check_input
 from kvstore.geometry import ModelGeometry
 
 #: amax/scale never exceeds this: the largest value that rounds to 448 (ties to even).
@@ -62,13 +62,22 @@ def _power_of_two_at_least(amax: torch.Tensor) -> torch.Tensor:
 
 
 @FusedKernel
-def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_tokens_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     v = x.float()
     amax = v.abs().amax(dim=-1, keepdim=True)
     scale = _power_of_two_at_least(amax)
     # 1/p is an exact power of two, so the product is x/p exactly.
     codes = (v * (1.0 / scale)).to(torch.float8_e4m3fn)
     return codes, scale, amax
+
+
+def _dequantize_tokens_torch(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scales).to(dtype)
+
+
+# On CUDA, fused Triton kernels (kvstore/fp8_triton.py) with the same bytes; see fp4.CudaKernel.
+_quantize_tokens = CudaKernel("fp8_triton", "quantize_tokens", _quantize_tokens_torch)
+_dequantize_tokens = CudaKernel("fp8_triton", "dequantize_tokens", _dequantize_tokens_torch)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +111,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype 
     if tuple(scales.shape) != (*codes.shape[:-1], 1):
         raise InvalidArgument(f"fp8.dequantize: codes {tuple(codes.shape)} need scales of shape "
                               f"{(*codes.shape[:-1], 1)}, got {tuple(scales.shape)}")
-    return (codes.float() * scales).to(dtype)
+    return _dequantize_tokens(codes, scales, dtype)
 
 
 def _snapshot_shape(geometry: ModelGeometry) -> tuple[int, int, int]:

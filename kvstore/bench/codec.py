@@ -5,6 +5,8 @@ RoPE on the last 64 channels, largest element about 10) and on adversarial
 ones (outlier channels, tiny values, all-equal groups). Speed is GB/s of the
 unquantized bf16 tensor (read by quantize, written by dequantize) against a
 plain copy of a tensor of the same size, in the same run on the same device.
+The report notes which implementation ran (`codec_paths`: Triton kernels or the
+torch.compile fallback on CUDA).
 """
 
 from __future__ import annotations
@@ -104,11 +106,15 @@ def measure_speed(report: Report, device: str, mib: int, repeat: int, progress: 
     vectors = mib * (1 << 20) // (512 * 2)
     x = torch.randn(vectors, 512, device=device).bfloat16()
     gb = x.numel() * 2 / 1e9
+    keys = x.view(-1, 128)  # the indexer's vectors: same bytes, one float32 scale per 128
     values, scales = fp4.quantize(x)
+    key_values, key_scales = fp4.quantize_per_vector(keys)
     codes, pow2 = fp8.quantize(x)
     cases: dict[str, Callable[[], object]] = {
         "fp4 quantize (main_kv)": lambda: fp4.quantize(x),
         "fp4 dequantize to bf16 (main_kv)": lambda: fp4.dequantize(values, scales, dtype=torch.bfloat16),
+        "fp4 quantize (indexer)": lambda: fp4.quantize_per_vector(keys),
+        "fp4 dequantize to bf16 (indexer)": lambda: fp4.dequantize(key_values, key_scales, dtype=torch.bfloat16),
         "fp8 quantize (swa)": lambda: fp8.quantize(x),
         "fp8 dequantize to bf16 (swa)": lambda: fp8.dequantize(codes, pow2, dtype=torch.bfloat16),
     }
@@ -132,6 +138,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     repeat = args.repeat or (20 if device == "cuda" else 5)
     measure_speed(report, device, mib, repeat, progress)
     report.notes["speed_input_mib"] = mib
-    report.notes["fused_kernels"] = {k.name: k.mode for k in (
-        fp4._quantize_groups, fp4._dequantize_groups, fp8._quantize_tokens)}
+    # Which implementation the timed calls ran: "triton" (fused kernels), else the fallback's
+    # "compiled"/"eager" (on CPU every step is eager torch).
+    report.notes["codec_paths"] = {k.name: k.mode if device == "cuda" else "eager" for k in (
+        fp4._quantize_groups, fp4._dequantize_groups, fp4._quantize_vectors, fp4._dequantize_vectors,
+        fp8._quantize_tokens, fp8._dequantize_tokens)}
     return report

@@ -104,7 +104,9 @@ def test_rule_2_and_3_cap_evicts_instead_of_refusing(make_case: Callable[..., Ca
         case.run(case.pool.put_many([(k, os.urandom(MiB))], 60))
     got = case.run(case.pool.get_many(ks))
     usage = case.run(case.pool.usage())
-    assert got[-1] is not None  # the newest record made room for itself
+    # Redis's LRU is approximate with a one-second clock: among records written in
+    # the same second it may evict the newest, so only the in-process pool is exact.
+    assert got[-1] is not None if case.pool.name == "memory" else any(g is not None for g in got)
     assert sum(g is not None for g in got) < len(ks)
     assert usage.evictions > 0
     assert usage.cap_bytes >= 8 * MiB  # per node in a cluster
