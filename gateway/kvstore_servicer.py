@@ -11,11 +11,11 @@ from gateway import validate
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.lmdb_tier import LmdbBlockTier, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
@@ -24,6 +24,11 @@ GET_CHUNK_BLOCKS = 16
 
 #: Put batches a stream may have received ahead of the one being committed.
 PUT_STREAM_DEPTH = 4
+
+def _put_response(batch: PutBatch, result: PutResult) -> pb.PutResponse:
+    return pb.PutResponse(block_hashes=batch.hashes, written_blocks=result.written_blocks,
+                          existing_blocks=result.existing_blocks)
+
 
 _STATUS = {
     ReadStatus.FOUND: pb.BLOCK_STATUS_FOUND,
@@ -114,8 +119,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
         # A reader keeps up to PUT_STREAM_DEPTH batches received ahead while the
-        # committer syncs one at a time, in order: transfer overlaps fsync, and a
-        # batch's parent is always committed before the batch itself.
+        # committer syncs, in order: transfer overlaps fsync, and a batch's parent
+        # is always committed before (or with) the batch itself. Batches already
+        # waiting when a commit ends share the next one (group commit): one fsync
+        # for several, each acknowledged only after it.
         queue: asyncio.Queue[pb.PutRequest | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
         async def read_ahead() -> None:
@@ -125,21 +132,47 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         reader = asyncio.ensure_future(read_ahead())
         try:
-            while (request := await queue.get()) is not None:
-                yield await self._put(request)
+            ended = False
+            while not ended and (request := await queue.get()) is not None:
+                group = [request]
+                while not queue.empty():
+                    more = queue.get_nowait()
+                    if more is None:
+                        ended = True
+                        break
+                    group.append(more)
+                batches: list[PutBatch] = []
+                failure: KVStoreError | None = None
+                for item in group:
+                    try:
+                        batches.append(self._plan(item))
+                    except KVStoreError as exc:  # commit what came before it, then fail the stream
+                        failure = exc
+                        break
+                if batches:
+                    results = await self.tier.call(self.tier.put_many, batches)
+                    for batch, result in zip(batches, results, strict=True):
+                        yield _put_response(batch, result)
+                if failure is not None:
+                    raise failure
             await reader
         finally:
             reader.cancel()
 
-    async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
+    def _plan(self, request: pb.PutRequest) -> PutBatch:
+        """A validated Put batch, its tokens hashed into the chain it extends."""
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         blocks = list(request.blocks)
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=blocks,
                                  limit=self.settings.max_batch_blocks)
-        result = await self.tier.call(self.tier.put, scope, plan.parent, plan.hashes, blocks, plan.is_root)
-        return pb.PutResponse(block_hashes=plan.hashes, written_blocks=result.written_blocks,
-                              existing_blocks=result.existing_blocks)
+        return PutBatch(scope=scope, parent_hash=plan.parent, hashes=plan.hashes, blocks=blocks,
+                        is_root=plan.is_root)
+
+    async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
+        batch = self._plan(request)
+        result = await self.tier.call(self.tier.put_many, [batch])
+        return _put_response(batch, result[0])
 
     @streaming
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:

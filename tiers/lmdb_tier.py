@@ -68,6 +68,17 @@ class PutResult:
     written_bytes: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PutBatch:
+    """Consecutive blocks of one chain to store (validated by the caller)."""
+
+    scope: BlockScope
+    parent_hash: bytes
+    hashes: Sequence[bytes]
+    blocks: Sequence[Buffer]
+    is_root: bool
+
+
 @dataclass(kw_only=True)
 class Counters:
     """Running totals since the store was created (persisted with each write)."""
@@ -206,34 +217,47 @@ class LmdbBlockTier:
             FailedPrecondition: the parent block is not stored.
             ResourceExhausted: no room without evicting a protected block.
         """
+        batch = PutBatch(scope=scope, parent_hash=parent_hash, hashes=hashes, blocks=blocks, is_root=is_root)
+        return self.put_many([batch])[0]
+
+    def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
+        """Store several Put batches in one transaction (group commit): all or none.
+
+        Batches are applied in order, so a batch may extend the chain of the one
+        before it. One fsync serves them all; each counts as its own put.
+        """
         now = self.clock.now()
         try:
             with self._write() as txn:
-                parent_depth = self._parent_depth(txn, scope, parent_hash, is_root)
-                keys = [scope.key(h) for h in hashes]
-                fresh = [txn.get(k, db=self._meta) is None for k in keys]
-                need = sum(len(b) for b, f in zip(blocks, fresh, strict=True) if f)
-                self._make_room(txn, need, now)
-                parent = parent_hash
-                for i, (key, data) in enumerate(zip(keys, blocks, strict=True)):
-                    depth = parent_depth + i + 1
-                    if fresh[i]:
-                        self._insert(txn, key, parent, depth, data, now, is_root and i == 0)
-                    else:
-                        self._touch(txn, key, now)
-                    parent = hashes[i]
-                written = sum(fresh)
-                with self._lock:
-                    self.counters.puts += 1
-                    self.counters.blocks_written += written
-                    self.counters.bytes_written += need
-                    self._note_write(now, need)
+                results = [self._put_in(txn, b, now) for b in batches]
         except lmdb.MapFullError:
             self._count_rejected()
             raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
         except ResourceExhausted:
             self._count_rejected()
             raise
+        with self._lock:
+            for r in results:
+                self.counters.puts += 1
+                self.counters.blocks_written += r.written_blocks
+                self.counters.bytes_written += r.written_bytes
+                self._note_write(now, r.written_bytes)
+        return results
+
+    def _put_in(self, txn: lmdb.Transaction, batch: PutBatch, now: float) -> PutResult:
+        parent_depth = self._parent_depth(txn, batch.scope, batch.parent_hash, batch.is_root)
+        keys = [batch.scope.key(h) for h in batch.hashes]
+        fresh = [txn.get(k, db=self._meta) is None for k in keys]
+        need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
+        self._make_room(txn, need, now)
+        parent = batch.parent_hash
+        for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
+            if fresh[i]:
+                self._insert(txn, key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0)
+            else:
+                self._touch(txn, key, now)
+            parent = batch.hashes[i]
+        written = sum(fresh)
         return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need)
 
     def _parent_depth(self, txn: lmdb.Transaction, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
