@@ -293,3 +293,18 @@ def test_lookup_counts_contiguous_prefix(tier: LmdbBlockTier, settings: StoreSet
     c = tier.stats().counters
     assert (c.lookup_tokens_asked, c.lookup_tokens_found) == (12 * 16, 6 * 16)
 
+
+
+def test_r1_group_commit_is_all_or_nothing(tier: LmdbBlockTier) -> None:
+    from tiers.lmdb_tier import PutBatch
+
+    good, other = chain(0, 2), chain(1000, 2)
+    batches = [PutBatch(scope=SCOPE, parent_hash=ROOT, hashes=good, blocks=[data(0), data(1)], is_root=True),
+               PutBatch(scope=SCOPE, parent_hash=other[0], hashes=other[1:], blocks=[data(2)], is_root=False)]
+    with pytest.raises(FailedPrecondition):
+        tier.put_many(batches)  # the second batch's parent is missing: neither is stored
+    assert tier.lookup(SCOPE, good)[0] == 0 and tier.stats().blocks_stored == 0
+    extend = PutBatch(scope=SCOPE, parent_hash=good[1], hashes=chain(0, 3)[2:], blocks=[data(2)], is_root=False)
+    results = tier.put_many([batches[0], extend])
+    assert [r.written_blocks for r in results] == [2, 1]
+    assert tier.lookup(SCOPE, chain(0, 3))[0] == 3 and tier.stats().counters.puts == 2
