@@ -120,7 +120,8 @@ def test_rule_3_a_killed_client_leaves_no_mapping_or_segment(server: Any) -> Non
         time.sleep(600)
     """)
     child = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     try:
         assert child.stdout is not None
         name = child.stdout.readline().strip()
