@@ -325,14 +325,25 @@ class Client:
         return self._call(self._stub.Stats, pb.StatsRequest())
 
 
+def _is_tensor(obj: Any) -> bool:
+    return hasattr(obj, "dim") and hasattr(obj, "dtype")  # torch, without importing it here
+
+
+def as_buffer(data: Any) -> Buffer:
+    """Bytes of a buffer or of a uint8 tensor (any shape, any device; copied to host bytes)."""
+    if _is_tensor(data):
+        if str(data.dtype) != "torch.uint8":
+            raise InvalidArgument(f"tensor data must be uint8 (packed codes), got {data.dtype}")
+        return bytes(data.contiguous().cpu().numpy().tobytes())
+    return data  # type: ignore[no-any-return]
+
+
 def _as_buffers(blocks: Any) -> list[Buffer]:
     """Blocks as a list of buffers; a 2-D uint8 tensor becomes one buffer per row."""
-    if hasattr(blocks, "dim"):  # a torch tensor, without importing torch here
-        if blocks.dim() != 2 or str(blocks.dtype) != "torch.uint8":
-            raise InvalidArgument(f"block tensor must be uint8 [n, block_bytes], got {blocks.dtype} "
-                                  f"{tuple(blocks.shape)}")
-        rows = blocks.contiguous().cpu().numpy()
-        return [row.tobytes() for row in rows]
+    if _is_tensor(blocks):
+        if blocks.dim() != 2:
+            raise InvalidArgument(f"block tensor must be uint8 [n, block_bytes], got {tuple(blocks.shape)}")
+        return [as_buffer(row) for row in blocks]
     return list(blocks)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore import geometry as geometries
+from kvstore.client import as_buffer
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_keys
@@ -20,6 +21,8 @@ from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    import torch
+
     from kvstore.client import Client
 
 Buffer = bytes | bytearray | memoryview
@@ -69,8 +72,11 @@ class SwaClient:
         """The key of one snapshot; `position` defaults to the end of `tokens`."""
         return self.keys(tokens, [len(tokens) if position is None else position], extra_keys=extra_keys)[0]
 
-    def put_many(self, items: Sequence[tuple[bytes, Buffer]], *, ttl_s: float | None = None) -> SwaPutResult:
-        """Store (key, snapshot bytes) pairs; each lives `ttl_s` (default and most: the server's TTL).
+    def put_many(self, items: Sequence[tuple[bytes, Buffer | torch.Tensor]], *,
+                 ttl_s: float | None = None) -> SwaPutResult:
+        """Store (key, snapshot) pairs; each lives `ttl_s` (default and most: the server's TTL).
+
+        A snapshot is bytes, or the uint8 tensor `kvstore.fp8.encode_snapshot` returns.
 
         Raises:
             InvalidArgument: a snapshot of the wrong size or a bad key (nothing in that batch stored).
@@ -78,14 +84,14 @@ class SwaClient:
         stored = failed = ttl_ms = 0
         ttl = int(ttl_s * 1000) if ttl_s else 0
         for start in range(0, len(items), self._batch):
-            snaps = [pb.SwaSnapshot(key=k, data=bytes(d), checksum=checksum(d))
-                     for k, d in items[start:start + self._batch]]
+            datas = [(k, as_buffer(d)) for k, d in items[start:start + self._batch]]
+            snaps = [pb.SwaSnapshot(key=k, data=bytes(d), checksum=checksum(d)) for k, d in datas]
             reply = self._client._call(self._stub.Put, pb.SwaPutRequest(
                 geometry=self._client.geometry, namespace=self._client.namespace, snapshots=snaps, ttl_ms=ttl))
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
 
-    def put(self, tokens: Sequence[int], data: Buffer, *, position: int | None = None,
+    def put(self, tokens: Sequence[int], data: Buffer | torch.Tensor, *, position: int | None = None,
             extra_keys: Sequence[ExtraKey] = (), ttl_s: float | None = None) -> SwaPutResult:
         """Store the snapshot of `tokens` at `position` (default: their end)."""
         return self.put_many([(self.key(tokens, position, extra_keys=extra_keys), data)], ttl_s=ttl_s)

@@ -209,3 +209,18 @@ def test_stats_cli_shows_the_swa_section(client: Client, capsys: pytest.CaptureF
     assert main(["stats", "--target", client.target]) == 0
     table = capsys.readouterr().out
     assert "SWA pool" in table and "50.0%" in table
+
+
+def test_fp8_snapshot_tensor_round_trips_through_the_pool(client: Client) -> None:
+    import torch
+
+    from kvstore import fp8
+    from kvstore.geometry import V4_1_FLASH
+
+    tokens = list(range(2 * client.block_tokens + 5))
+    window = torch.randn(V4_1_FLASH.swa_layers, V4_1_FLASH.swa_window_tokens, V4_1_FLASH.swa_channels) * 4
+    encoded = fp8.encode_snapshot(V4_1_FLASH, window)
+    assert client.swa.put(tokens, encoded).stored == 1
+    back = client.swa.get(tokens)
+    assert back is not None and back == encoded.numpy().tobytes()
+    assert torch.equal(fp8.decode_snapshot(V4_1_FLASH, back), fp8.decode_snapshot(V4_1_FLASH, encoded))
