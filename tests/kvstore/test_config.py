@@ -43,3 +43,10 @@ def test_bad_values_are_named(tmp_path: Path, text: str, match: str) -> None:
     cfg.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_settings(cfg, environ={})
+
+
+@pytest.mark.parametrize("name", ["kvstore.toml", "kvstore-redis-cluster.toml"])
+def test_deploy_configs_load(name: str) -> None:
+    path = Path(__file__).resolve().parents[2] / "deploy" / name
+    s = load_settings(path, environ={})
+    assert s.server.host == "0.0.0.0" and s.store.retention_hours >= 72
