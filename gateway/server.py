@@ -62,16 +62,38 @@ class RunningServer:
         self.stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
-        for close in reversed(self.closers):
-            result = close()
-            if inspect.isawaitable(result):
-                await result
+        await _close(self.closers)
         self.tier.close()
 
 
 async def start(settings: Settings, *, clock: Clock | None = None) -> RunningServer:
-    """Open the store and start serving on `settings.server.host:port`."""
+    """Open the store, the SWA pool and the transfer sessions, and serve on `settings.server.host:port`.
+
+    Raises:
+        OSError: the address cannot be bound (everything opened so far is closed).
+    """
     tier = LmdbBlockTier(settings.store, clock=clock)
+    closers: list[Callable[[], Any]] = []
+    try:
+        server, health = await _assemble(settings, tier, closers, clock or SystemClock())
+        address = f"{settings.server.host}:{settings.server.port}"
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # newer grpcio raises instead of returning 0
+            raise OSError(f"cannot listen on {address}: {exc}") from None
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+    except BaseException:
+        await _close(closers)
+        tier.close()
+        raise
+    return RunningServer(port=port, server=server, tier=tier, health=health, closers=closers)
+
+
+async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
+                    clock: Clock) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
     server = grpc.aio.server(options=[
@@ -79,20 +101,14 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
     ])
-    swa = SwaCache(open_pool(settings.swa, clock=clock or SystemClock()), ttl_s=settings.swa.ttl_s)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
-    services = [SERVICE_NAME]
-    closers: list[Callable[[], Any]] = []
-    swa_pb2_grpc.add_SwaPoolServicer_to_server(
-        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
-    services.append(SWA_SERVICE_NAME)
+    swa = SwaCache(open_pool(settings.swa, clock=clock), ttl_s=settings.swa.ttl_s)
     closers.append(swa.close)
-    # Further services (SWA pool, transfer) register here: add the servicer to
-    # `server`, its full name to `services`, its clean-up to `closers`.
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
+    swa_pb2_grpc.add_SwaPoolServicer_to_server(SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
     transfer = TransferServicer(tier, layouts, settings.transfer)
-    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
-    services.append(transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name)
     closers.append(transfer.table.close_all)
+    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
+    services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in services:
@@ -101,16 +117,15 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(f"{settings.server.host}:{settings.server.port}")
-    if port == 0:
-        for close in reversed(closers):
-            result = close()
-            if inspect.isawaitable(result):
-                await result
-        tier.close()
-        raise OSError(f"cannot listen on {settings.server.host}:{settings.server.port}")
-    await server.start()
-    return RunningServer(port=port, server=server, tier=tier, health=health, closers=closers)
+    return server, health
+
+
+async def _close(closers: list[Callable[[], Any]]) -> None:
+    """Run clean-ups, last registered first; a clean-up may be a coroutine function."""
+    for close in reversed(closers):
+        result = close()
+        if inspect.isawaitable(result):
+            await result
 
 
 async def serve(settings: Settings) -> None:

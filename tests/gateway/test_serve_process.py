@@ -102,3 +102,13 @@ def test_kill_9_loses_nothing_acknowledged(serve: list[ServeProcess], data_dir: 
         got = client.get(last_tokens)
         assert got.blocks[: len(acked)] == [block for _, block in acked]
         assert client.stats().corrupt_blocks == 0
+
+
+def test_port_in_use_is_a_clear_error(serve: list[ServeProcess], data_dir: Path, tmp_path: Path) -> None:
+    s = ServeProcess(data_dir)
+    serve.append(s)
+    port = s.target.rsplit(":", 1)[1]
+    other = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--port", port, "--data-dir",
+                            str(tmp_path / "other")], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in other.stderr
