@@ -23,7 +23,6 @@ import enum
 import json
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -37,9 +36,9 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
+from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.leases import Lease, LeaseTable
-from tiers.records import _META as META_RECORD  # read_into parses records in place
-from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
+from tiers.records import META_STRUCT, BlockMeta, child_key, lru_entry, lru_key, parent_key_of
 
 T = TypeVar("T")
 
@@ -79,41 +78,6 @@ class PutBatch:
     is_root: bool
 
 
-@dataclass(kw_only=True)
-class Counters:
-    """Running totals since the store was created (persisted with each write)."""
-
-    lookups: int = 0
-    lookup_tokens_asked: int = 0
-    lookup_tokens_found: int = 0
-    gets: int = 0
-    get_tokens_asked: int = 0
-    get_tokens_returned: int = 0
-    puts: int = 0
-    blocks_written: int = 0
-    bytes_written: int = 0
-    rejected_puts: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    corrupt_blocks: int = 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class TierStats:
-    """A snapshot of the tier's counters, usage and headroom."""
-
-    counters: Counters
-    blocks_stored: int
-    bytes_stored: int
-    capacity_bytes: int
-    bytes_free: int
-    write_rate_bytes_per_s: float
-    headroom_hours: float
-    retention_hours: float
-    active_leases: int
-    uptime_s: float
-
-
 class LmdbBlockTier:
     """Global-KV blocks on NVMe through LMDB.
 
@@ -142,8 +106,8 @@ class LmdbBlockTier:
         self._touch_pending: set[bytes] = set()
         self._touch_future: Future[None] = Future()
         self._touch_scheduled = False
-        self._writes: deque[tuple[float, int]] = deque()
         self._started_s = self.clock.now()
+        self._write_rate = WriteRate(settings.write_rate_window_s, self._started_s)
         with self.env.begin() as txn:
             raw = txn.get(b"usage", db=self._state)
             self._blocks_stored, self._bytes_stored = _USAGE.unpack(raw) if raw else (0, 0)
@@ -241,7 +205,7 @@ class LmdbBlockTier:
                 self.counters.puts += 1
                 self.counters.blocks_written += r.written_blocks
                 self.counters.bytes_written += r.written_bytes
-                self._note_write(now, r.written_bytes)
+                self._write_rate.note(now, r.written_bytes)
         return results
 
     def _put_in(self, txn: lmdb.Transaction, batch: PutBatch, now: float) -> PutResult:
@@ -465,7 +429,7 @@ class LmdbBlockTier:
         out: list[ReadStatus | None] = [None] * len(keys)
         corrupt: list[bytes] = []
         due_before = self.clock.now() - TOUCH_GRANULARITY_S
-        meta_db, blocks_db, unpack, digest = self._meta, self._blocks, META_RECORD.unpack, xxhash.xxh3_64_intdigest
+        meta_db, blocks_db, unpack, digest = self._meta, self._blocks, META_STRUCT.unpack, xxhash.xxh3_64_intdigest
         with self.env.begin(buffers=True) as txn:
             get = txn.get
             for i, (key, dest) in enumerate(zip(keys, dests, strict=True)):
@@ -536,9 +500,7 @@ class LmdbBlockTier:
         """Counters, usage and retention headroom now."""
         now = self.clock.now()
         with self._lock:
-            self._note_write(now, 0)
-            window = min(self.settings.write_rate_window_s, max(now - self._started_s, 1.0))
-            rate = sum(n for _, n in self._writes) / window
+            rate = self._write_rate.per_second(now)
             counters = Counters(**asdict(self.counters))
             blocks, used = self._blocks_stored, self._bytes_stored
         free = max(self.settings.capacity_bytes - used, 0)
@@ -551,12 +513,6 @@ class LmdbBlockTier:
             uptime_s=now - self._started_s,
         )
 
-    def _note_write(self, now: float, nbytes: int) -> None:
-        if nbytes:
-            self._writes.append((now, nbytes))
-        horizon = now - self.settings.write_rate_window_s
-        while self._writes and self._writes[0][0] < horizon:
-            self._writes.popleft()
 
     def _count_rejected(self) -> None:
         with self._lock:

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 
-_META = struct.Struct("<32sIIQdd")
+#: parent hash, depth, size, checksum, created, last access. Public so hot loops can
+#: unpack a record in place without building a BlockMeta.
+META_STRUCT = struct.Struct("<32sIIQdd")
 _LRU_HEAD = struct.Struct(">QI")
 _DEPTH_MAX = 0xFFFFFFFF
 
@@ -39,13 +41,13 @@ class BlockMeta:
 
     def pack(self) -> bytes:
         """The record's bytes."""
-        return _META.pack(self.parent_hash, self.depth, self.size_bytes, self.checksum,
+        return META_STRUCT.pack(self.parent_hash, self.depth, self.size_bytes, self.checksum,
                           self.created_s, self.last_access_s)
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> BlockMeta:
         """Parse a record."""
-        parent, depth, size, checksum, created, last = _META.unpack(raw)
+        parent, depth, size, checksum, created, last = META_STRUCT.unpack(raw)
         return cls(parent_hash=parent, depth=depth, size_bytes=size, checksum=checksum,
                    created_s=created, last_access_s=last)
 

@@ -1,0 +1,74 @@
+"""The NVMe tier's accounting: running counters, the recent write rate, the stats snapshot."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class Counters:
+    """Running totals since the store was created (persisted with each write)."""
+
+    lookups: int = 0
+    lookup_tokens_asked: int = 0
+    lookup_tokens_found: int = 0
+    gets: int = 0
+    get_tokens_asked: int = 0
+    get_tokens_returned: int = 0
+    puts: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    rejected_puts: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    corrupt_blocks: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierStats:
+    """A snapshot of the tier's counters, usage and headroom."""
+
+    counters: Counters
+    blocks_stored: int
+    bytes_stored: int
+    capacity_bytes: int
+    bytes_free: int
+    write_rate_bytes_per_s: float
+    headroom_hours: float
+    retention_hours: float
+    active_leases: int
+    uptime_s: float
+
+
+class WriteRate:
+    """Bytes written per second over a sliding window (the headroom's denominator).
+
+    Not thread-safe: the tier calls it under its lock.
+
+    Args:
+        window_s: how far back writes count.
+        started_s: when counting began; a younger store divides by its age.
+    """
+
+    def __init__(self, window_s: float, started_s: float) -> None:
+        self.window_s = window_s
+        self.started_s = started_s
+        self._writes: deque[tuple[float, int]] = deque()
+
+    def note(self, now: float, nbytes: int) -> None:
+        """Record `nbytes` written at `now`."""
+        if nbytes:
+            self._writes.append((now, nbytes))
+        self._expire(now)
+
+    def per_second(self, now: float) -> float:
+        """Bytes per second over the window ending `now`."""
+        self._expire(now)
+        window = min(self.window_s, max(now - self.started_s, 1.0))
+        return sum(n for _, n in self._writes) / window
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_s
+        while self._writes and self._writes[0][0] < horizon:
+            self._writes.popleft()
