@@ -136,6 +136,7 @@ async def serve(settings: Settings) -> None:
           f"(capacity {settings.store.capacity_bytes / 2**30:.1f} GiB, "
           f"retention {settings.store.retention_hours:g} h, {settings.store.block_tokens}-token blocks)",
           flush=True)
+    print(f"kvstore SWA pool: {settings.swa.backend} (snapshots live {settings.swa.ttl_s:g} s)", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
