@@ -1,7 +1,8 @@
 """The NVMe tier: global-KV blocks in LMDB, with the 72-hour retention guarantee.
 
 Storage rules (docs/RETENTION.md numbers them; tests are named after them):
-- A Put commits, fsync included, before it returns; one transaction per batch.
+- A Put commits, fsync included, before it returns; one transaction per batch
+  (or per group of batches, all or none, with `put_many`).
 - A block is stored only when its parent is stored (or is the chain root), and
   eviction takes only blocks with no stored child, so a chain's stored blocks
   always form a prefix: no cached prefix loses a middle block, and Lookup can
