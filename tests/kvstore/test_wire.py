@@ -47,3 +47,12 @@ def test_storage_server_path_does_not_import_torch() -> None:
     for folder in ("tiers", "gateway"):
         for path in (ROOT / folder).rglob("*.py"):
             assert "torch" not in _imports(path), f"{path} imports torch"
+
+
+def test_server_process_never_loads_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, gateway.server; print(sorted(m for m in ('torch', 'triton', 'redis') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"  # torch and triton stay on the worker side; redis loads only for its backends
