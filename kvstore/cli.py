@@ -41,8 +41,8 @@ def _rate(found: int, asked: int) -> float | None:
     return found / asked if asked else None
 
 
-def stats_dict(reply: object) -> dict[str, object]:
-    """A StatsResponse as a flat dict with the two hit rates added."""
+def message_dict(reply: object) -> dict[str, object]:
+    """A stats message as a flat dict: 64-bit counters as ints, infinities as None (null in JSON)."""
     from google.protobuf.json_format import MessageToDict
 
     out: dict[str, object] = MessageToDict(reply, always_print_fields_with_no_presence=True,  # type: ignore[arg-type]
@@ -51,7 +51,13 @@ def stats_dict(reply: object) -> dict[str, object]:
         if isinstance(value, str) and value.lstrip("-").isdigit():
             out[key] = int(value)
         elif value in ("Infinity", float("inf")):
-            out[key] = None  # headroom with no recent writes: unbounded, null in JSON
+            out[key] = None  # headroom with no recent writes: unbounded
+    return out
+
+
+def stats_dict(reply: object) -> dict[str, object]:
+    """A StatsResponse as a flat dict with the two hit rates added."""
+    out = message_dict(reply)
     out["lookup_hit_rate"] = _rate(int(out["lookup_tokens_found"]), int(out["lookup_tokens_asked"]))  # type: ignore[call-overload]
     out["retrieve_hit_rate"] = _rate(int(out["get_tokens_returned"]), int(out["get_tokens_asked"]))  # type: ignore[call-overload]
     return out
@@ -104,19 +110,13 @@ def _stats(args: argparse.Namespace) -> int:
 
 def swa_stats_dict(client: object) -> dict[str, object] | None:
     """The SWA pool's SwaStatsResponse as a flat dict with its hit rate; None if the server has no pool."""
-    from google.protobuf.json_format import MessageToDict
-
     from kvstore.errors import Internal
 
     try:
         reply = client.swa.stats()  # type: ignore[attr-defined]
     except Internal:  # UNIMPLEMENTED: a server without the SwaPool service
         return None
-    out: dict[str, object] = MessageToDict(reply, always_print_fields_with_no_presence=True,
-                                           preserving_proto_field_name=True)
-    for key, value in list(out.items()):
-        if isinstance(value, str) and value.isdigit():
-            out[key] = int(value)
+    out = message_dict(reply)
     out["hit_rate"] = _rate(int(out["hits"]), int(out["snapshots_asked"]))  # type: ignore[call-overload]
     return out
 

@@ -20,6 +20,7 @@ bounded pool, through `call`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import json
 import struct
@@ -256,7 +257,7 @@ class LmdbBlockTier:
             return
         txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
         txn.put(lru_key(now, meta.depth, key), b"", db=self._lru)
-        txn.put(key, BlockMeta(**{**_fields(meta), "last_access_s": now}).pack(), db=self._meta)
+        txn.put(key, dataclasses.replace(meta, last_access_s=now).pack(), db=self._meta)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Record a read of `keys` now: the retention clock of each restarts (one fsync'd commit).
@@ -528,6 +529,3 @@ class LmdbBlockTier:
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
 
-
-def _fields(meta: BlockMeta) -> dict[str, Any]:
-    return {f: getattr(meta, f) for f in BlockMeta.__slots__}
