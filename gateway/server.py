@@ -106,7 +106,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
     swa_pb2_grpc.add_SwaPoolServicer_to_server(SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
     transfer = TransferServicer(tier, layouts, settings.transfer)
-    closers.append(transfer.table.close_all)
+    closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     health = health_aio.HealthServicer()

@@ -12,7 +12,7 @@ import numpy as np
 
 from gateway import validate
 from gateway.status import streaming, unary
-from gateway.transfer_engine import read_batch, resolve_spans, run_read, run_write
+from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from gateway.validate import Layout
 from kvstore.config import TransferSettings
@@ -20,6 +20,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.transfer import DescriptorGroup, Op
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
@@ -54,9 +55,16 @@ class TransferServicer(pb_grpc.TransferServicer):
         self.layouts = layouts
         self.settings = settings
         self.table = SessionTable(settings)
-        # Read chunks are copied one at a time: the copy holds the GIL, and
-        # executor threads copying at once only convoy on it (fetches ran a third slower).
-        self.copying = asyncio.Semaphore(1)
+        # Copies get their own threads so a long fetch never queues Puts behind it.
+        # The Python copy loop holds the GIL: threads running it at once only
+        # convoy on it (fetches ran a third slower), so it gets one.
+        threads = settings.copy_threads if blockcopy.NATIVE else 1
+        self.copier = Copier(tier, threads)
+
+    async def close(self) -> None:
+        """End every session (their batches finish their current chunk), then stop the copy threads."""
+        await self.table.close_all()
+        self.copier.close()
 
     @streaming
     async def OpenSession(self, request: pb.OpenSessionRequest,
@@ -132,7 +140,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n)
         batch = read_batch(self.table, session, groups, layout.block_bytes, transfer.results, prefix_only)
         transfer.task = asyncio.create_task(
-            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copying))
+            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copier))
         return transfer
 
     def _start_write(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,

@@ -22,7 +22,7 @@ import re
 import secrets
 import stat
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,17 +102,23 @@ class Session:
         self.transfers: OrderedDict[int, Transfer] = OrderedDict()
         self.closed = False
         self._next_transfer = 0
+        # Finished batch ids, oldest first: forgetting one costs no scan of `transfers`.
+        self._finished: deque[int] = deque()
 
     def new_transfer(self, region_ids: frozenset[int], size: int, *, writes: bool = False) -> Transfer:
         """Record a new batch of `size` descriptors, forgetting the oldest finished ones."""
         self._next_transfer += 1
-        finished = [t for t, x in self.transfers.items() if x.done.is_set()]
-        for tid in finished[: max(len(finished) - self.settings.keep_finished + 1, 0)]:
-            del self.transfers[tid]
+        while len(self._finished) >= self.settings.keep_finished:
+            self.transfers.pop(self._finished.popleft(), None)
         transfer = Transfer(transfer_id=self._next_transfer, region_ids=region_ids,
                             results=BatchResults(size, writes=writes))
         self.transfers[transfer.transfer_id] = transfer
         return transfer
+
+    def finish(self, transfer: Transfer) -> None:
+        """Mark a batch done; it is remembered until `keep_finished` later ones have finished."""
+        transfer.done.set()
+        self._finished.append(transfer.transfer_id)
 
     def transfer(self, transfer_id: int) -> Transfer:
         """A batch of this session by id."""

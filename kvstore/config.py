@@ -136,12 +136,17 @@ class TransferSettings:
     #: Descriptors copied per executor call: small enough for progress to show in
     #: GetTransfer, large enough to amortise the hop to the LMDB thread.
     chunk_descriptors: int = 128
+    #: Threads copying read chunks into regions at once. The native copy loop
+    #: (tiers/_blockcopy.c) releases the GIL, so they copy in parallel; where it
+    #: is not built, copies hold the GIL and one thread is used whatever this says.
+    copy_threads: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_descriptors <= 1 << 20:
             raise ConfigError("transfer.max_descriptors must be in [1, 1048576]")
-        if self.max_region_bytes <= 0 or self.max_regions <= 0 or self.chunk_descriptors <= 0:
-            raise ConfigError("transfer.max_region_bytes, max_regions and chunk_descriptors must be positive")
+        if min(self.max_region_bytes, self.max_regions, self.chunk_descriptors, self.copy_threads) <= 0:
+            raise ConfigError(
+                "transfer.max_region_bytes, max_regions, chunk_descriptors and copy_threads must be positive")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,9 +38,10 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
+from tiers import blockcopy
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.leases import Lease, LeaseTable
-from tiers.records import META_STRUCT, BlockMeta, child_key, lru_entry, lru_key, parent_key_of
+from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
 
 T = TypeVar("T")
 
@@ -58,6 +59,10 @@ class ReadStatus(enum.Enum):
     FOUND = 1
     MISSING = 2
     CORRUPT = 3
+
+
+#: `blockcopy` result code -> status (NOT_REACHED -> None).
+_READ_STATUS: dict[int, ReadStatus | None] = {blockcopy.NOT_REACHED: None, **{s.value: s for s in ReadStatus}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -409,9 +414,9 @@ class LmdbBlockTier:
 
         Each block is checksum-verified in the map before it is copied, so a
         corrupt block never reaches `dests` (it is reported, counted and dropped
-        as `read` does). The only copy is map -> destination. This is the
-        transfer path's inner loop: it reads the meta record's fields in place
-        rather than through `BlockMeta` (a dataclass per block cost a tenth of it).
+        as `read` does). The only copy is map -> destination. This is
+        `stage_reads` then `StagedReads.copy` on one thread; the transfer path
+        runs the two halves on different threads.
 
         Args:
             keys: storage keys, in order.
@@ -428,35 +433,24 @@ class LmdbBlockTier:
         Raises:
             ValueError: a destination's size differs from the stored block's.
         """
-        out: list[ReadStatus | None] = [None] * len(keys)
-        corrupt: list[bytes] = []
-        due_before = self.clock.now() - TOUCH_GRANULARITY_S
-        meta_db, blocks_db, unpack, digest = self._meta, self._blocks, META_STRUCT.unpack, xxhash.xxh3_64_intdigest
-        with self.env.begin(buffers=True) as txn:
-            get = txn.get
-            for i, (key, dest) in enumerate(zip(keys, dests, strict=True)):
-                if dest is None:
-                    continue
-                raw = get(key, db=meta_db)
-                if raw is None:
-                    status = ReadStatus.MISSING
-                else:
-                    _parent, _depth, size, checksum, _created, last_access_s = unpack(raw)
-                    data = get(key, db=blocks_db)
-                    if data is None or len(data) != size or digest(data) != checksum:
-                        status = ReadStatus.CORRUPT
-                        corrupt.append(key)
-                    else:
-                        dest[:] = data  # ValueError when sizes differ; nothing partial is written
-                        status = ReadStatus.FOUND
-                        if touch_due is not None and last_access_s < due_before:
-                            touch_due.append(key)
-                out[i] = status
-                if stop_at_missing and status is not ReadStatus.FOUND:
-                    break
-        if corrupt:
-            self.drop_corrupt(corrupt)
-        return out
+        codes = self.stage_reads(keys, dests).copy(stop_at_missing, touch_due=touch_due)
+        return [_READ_STATUS[c] for c in codes]
+
+    def stage_reads(self, keys: Sequence[bytes], dests: Sequence[memoryview | None]) -> StagedReads:
+        """Look blocks up for `read_into`, leaving their read txn open for the copy.
+
+        The lookups hold the GIL between gets; the copy (`StagedReads.copy`)
+        need not, so a caller can look up on one thread and copy on others.
+        """
+        txn = self.env.begin(buffers=True)
+        try:
+            get, meta_db, blocks_db = txn.get, self._meta, self._blocks
+            metas = [None if d is None else get(k, None, meta_db) for k, d in zip(keys, dests, strict=True)]
+            datas = [None if m is None else get(k, None, blocks_db) for k, m in zip(keys, metas, strict=True)]
+        except BaseException:
+            txn.abort()
+            raise
+        return StagedReads(self, txn, list(keys), metas, datas, list(dests))
 
     def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
         """The block's bytes as a view valid until `txn` ends, if intact."""
@@ -529,3 +523,51 @@ class LmdbBlockTier:
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
 
+
+class StagedReads:
+    """Blocks looked up for a copy (`LmdbBlockTier.stage_reads`): views into LMDB's
+    map, valid while the read txn they came from is open.
+
+    The txn is not tied to the thread that began it (py-lmdb opens every
+    environment with MDB_NOTLS), so `copy` may run on another thread; it ends
+    the txn. Use it once.
+    """
+
+    def __init__(self, tier: LmdbBlockTier, txn: lmdb.Transaction, keys: list[bytes], metas: list[Any],
+                 datas: list[Any], dests: list[memoryview | None]) -> None:
+        self._tier = tier
+        self._txn: lmdb.Transaction | None = txn
+        self._keys = keys
+        self._metas = metas
+        self._datas = datas
+        self._dests = dests
+
+    def copy(self, stop_at_missing: bool = False, *, touch_due: list[bytes] | None = None) -> bytes:
+        """Verify and copy each block into its dest, then end the txn: see `LmdbBlockTier.read_into`.
+
+        Returns:
+            A `blockcopy` result code per key (`ReadStatus` values; 0 where not reached).
+        """
+        if self._txn is None:
+            raise RuntimeError("these reads were copied or closed already")
+        tier, keys = self._tier, self._keys
+        try:
+            due_before = tier.clock.now() - TOUCH_GRANULARITY_S
+            codes, due = blockcopy.verify_copy(self._metas, self._datas, self._dests, due_before, stop_at_missing)
+        finally:
+            self.close()
+        if blockcopy.WRONG_SIZE in codes:
+            raise ValueError(f"destination {codes.index(blockcopy.WRONG_SIZE)}'s size differs from the stored block's")
+        if touch_due is not None:
+            touch_due.extend(keys[i] for i in due)
+        if blockcopy.CORRUPT in codes:
+            tier.drop_corrupt([k for k, c in zip(keys, codes, strict=True) if c == blockcopy.CORRUPT])
+        return codes
+
+    def close(self) -> None:
+        """Drop the views and end the txn (a no-op once done)."""
+        self._metas = self._datas = []
+        self._dests = []
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None

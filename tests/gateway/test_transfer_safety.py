@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def session_table(server: Any) -> SessionTable:
     """The running server's session table (the transfer service registers its closer)."""
-    return next(c.__self__ for c in server.closers if isinstance(getattr(c, "__self__", None), SessionTable))
+    return next(c.__self__.table for c in server.closers
+                if isinstance(getattr(getattr(c, "__self__", None), "table", None), SessionTable))
 
 
 def mapped(name: str, pid: int | str = "self") -> bool:
