@@ -25,7 +25,7 @@ from gateway import validate
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from kvstore.errors import KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
-from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, cut_spans
+from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier, StagedReads
 
@@ -36,30 +36,40 @@ _CORRUPT = ("DATA_LOSS", "the stored block failed its checksum and was dropped")
 
 
 def resolve_spans(table: SessionTable, session: Session, groups: Sequence[DescriptorGroup], op: Op,
-                  block_bytes: int, results: BatchResults) -> list[memoryview | None]:
-    """Each descriptor's bytes in a region of `session`, or None with its failure recorded (rules 2, 4)."""
-    return cut_spans(groups, op, block_bytes, results, lambda region_id: table.region(session, region_id).view)
+                  block_bytes: int, results: BatchResults) -> Spans:
+    """Check each descriptor's span in a region of `session`, recording failures (rules 2, 4)."""
+    return check_spans(groups, op, block_bytes, results, lambda region_id: table.region(session, region_id).view)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReadBatch:
-    """A validated read batch: storage keys and spans (None where the descriptor failed)."""
+    """A checked read batch; its keys and views are cut per chunk by the threads that use them."""
 
-    keys: list[bytes]
-    spans: list[memoryview | None]
+    spans: Spans
+    key_prefix: bytes
     block_bytes: int
     prefix_only: bool
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def keys(self, lo: int, hi: int) -> list[bytes | None]:
+        """Storage keys of descriptors [lo, hi); None where one failed its checks."""
+        out: list[bytes | None] = []
+        prefix, ok = self.key_prefix, self.spans.ok
+        for k, g, a, b in self.spans.pieces(lo, hi):
+            base, hashes = self.spans.starts[k], g.block_hashes
+            flags = ok[base + a: base + b].tolist()
+            out.extend(prefix + hashes[j * HASH_BYTES:(j + 1) * HASH_BYTES] if good else None
+                       for j, good in zip(range(a, b), flags, strict=True))
+        return out
 
 
 def read_batch(table: SessionTable, session: Session, groups: Sequence[DescriptorGroup], block_bytes: int,
                results: BatchResults, prefix_only: bool) -> ReadBatch:
-    """Check a read batch and cut its keys and spans."""
+    """Check a read batch."""
     spans = resolve_spans(table, session, groups, Op.READ, block_bytes, results)
-    prefix = session.scope.prefix
-    # A group with hashes of the wrong size has no spans: its keys are never read.
-    keys = [prefix + g.block_hashes[j: j + HASH_BYTES] for g in groups for j in range(0, len(g) * HASH_BYTES,
-                                                                                         HASH_BYTES)]
-    return ReadBatch(keys=keys, spans=spans, block_bytes=block_bytes, prefix_only=prefix_only)
+    return ReadBatch(spans=spans, key_prefix=session.scope.prefix, block_bytes=block_bytes, prefix_only=prefix_only)
 
 
 class Copier:
@@ -77,14 +87,13 @@ class Copier:
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="lookup")
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="copy")
 
-    def copy(self, keys: list[bytes], spans: list[memoryview | None],
-             stop_at_missing: bool) -> Future[tuple[bytes, list[bytes]]]:
-        """Start one chunk; its future holds the transfer status codes and the keys due a touch."""
+    def copy(self, batch: ReadBatch, lo: int, hi: int) -> Future[tuple[bytes, list[bytes]]]:
+        """Start descriptors [lo, hi) of `batch`; the future holds their status codes and the keys due a touch."""
         out: Future[tuple[bytes, list[bytes]]] = Future()
 
         def look_up() -> None:
             try:
-                staged = self.tier.stage_reads(keys, spans)
+                staged = self.tier.stage_reads(batch.keys(lo, hi))
             except BaseException as exc:
                 out.set_exception(exc)
                 return
@@ -97,7 +106,7 @@ class Copier:
         def run_copy(staged: StagedReads) -> None:
             try:
                 due: list[bytes] = []
-                codes = staged.copy(stop_at_missing, touch_due=due)
+                codes = staged.copy(batch.spans.cut(lo, hi), batch.prefix_only, touch_due=due)
                 out.set_result((codes.translate(_CODES), due))
             except BaseException as exc:
                 out.set_exception(exc)
@@ -119,11 +128,11 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
     chunks of batches submitted together run at once, on `copier`'s threads.
     """
     results = transfer.results
-    keys, spans = batch.keys, list(batch.spans)
-    end = len(keys)
-    if batch.prefix_only and None in spans:
+    end = n = len(batch)
+    failed = batch.spans.first_failed()
+    if batch.prefix_only and failed is not None:
         # The contiguous prefix ends at the first descriptor that cannot be loaded.
-        end = spans.index(None)
+        end = failed
     found = 0
     due: list[bytes] = []
     statuses = np.frombuffer(results.statuses, dtype=np.uint8)
@@ -133,14 +142,8 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
             if session.closed:
                 break
             stop = min(start + chunk, end)
-            codes, chunk_due = await asyncio.wrap_future(
-                copier.copy(keys[start:stop], spans[start:stop], batch.prefix_only))
-            got = np.frombuffer(codes, dtype=np.uint8)
-            reached = got != 0  # the rest are failed already or not reached
-            statuses[start:stop][reached] = got[reached]
-            for j in np.flatnonzero(got == FAILED).tolist():
-                results.failures[start + j] = _CORRUPT
-            hits = codes.count(DONE)
+            codes, chunk_due = await asyncio.wrap_future(copier.copy(batch, start, stop))
+            hits = _record(results, statuses, start, codes)
             results.bytes_moved += hits * batch.block_bytes
             found += hits
             due.extend(chunk_due)
@@ -150,9 +153,9 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
                 break
             start = stop
     finally:
-        del spans, statuses  # drop the views of the client's pages before the batch counts as done
+        del statuses
         _finish(results, end, batch.prefix_only, session.closed)
-        tier.count_get(len(keys), found)
+        tier.count_get(n, found)
         # Done before the touch: the bytes are in the region, and the retention
         # clock's durable restart (one fsync) need not delay the worker. Blocks
         # touched within the tier's granularity are skipped (touch would skip them).
@@ -194,6 +197,20 @@ async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, p
                              f"not stored: descriptor {end} before it failed, so its parent block is missing")
         _finish(results, n, False, session.closed)
         session.finish(transfer)
+
+
+def _record(results: BatchResults, statuses: np.ndarray, start: int, codes: bytes) -> int:
+    """Write one chunk's status codes into the batch's results; how many blocks it loaded."""
+    hits = codes.count(DONE)
+    if hits == len(codes):  # the common case, kept to one slice: every block loaded
+        results.statuses[start:start + hits] = codes
+        return hits
+    got = np.frombuffer(codes, dtype=np.uint8)
+    reached = got != 0  # the rest are failed already or not reached
+    statuses[start:start + len(codes)][reached] = got[reached]
+    for j in np.flatnonzero(got == FAILED).tolist():
+        results.failures[start + j] = _CORRUPT
+    return hits
 
 
 def _finish(results: BatchResults, end: int, prefix_only: bool, closed: bool) -> None:

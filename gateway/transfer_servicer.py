@@ -74,7 +74,8 @@ class TransferServicer(pb_grpc.TransferServicer):
         try:
             yield pb.SessionEvent(session_id=session.session_id, max_descriptors=self.settings.max_descriptors,
                                   max_region_bytes=self.settings.max_region_bytes,
-                                  max_regions=self.settings.max_regions)
+                                  max_regions=self.settings.max_regions,
+                                  keep_finished=self.settings.keep_finished)
             # The session lives as long as this stream: the client cancelling it,
             # its connection dropping or its process dying all end the wait.
             await asyncio.Event().wait()
@@ -133,6 +134,20 @@ class TransferServicer(pb_grpc.TransferServicer):
                 await asyncio.wait_for(asyncio.shield(transfer.done.wait()), request.wait_ms / 1000.0)
         return _state(transfer)
 
+    @unary
+    async def GetTransfers(self, request: pb.GetTransfersRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetTransfersResponse:
+        session = self.table.get(request.session_id, context.peer())
+        ids = list(request.transfer_ids)
+        if not 1 <= len(ids) <= self.settings.keep_finished:
+            raise InvalidArgument(f"name 1 to {self.settings.keep_finished} transfer ids; got {len(ids)}")
+        transfers = [session.transfer(t) for t in ids]
+        pending = [t.done for t in transfers if not t.done.is_set()]
+        if request.wait_ms and pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(done.wait() for done in pending)), request.wait_ms / 1000.0)
+        return pb.GetTransfersResponse(states=[_state(t) for t in transfers])
+
     # -- batches -------------------------------------------------------------
 
     def _start_read(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
@@ -153,7 +168,8 @@ class TransferServicer(pb_grpc.TransferServicer):
                                  extra_keys=list(request.extra_keys), blocks=[stand_in] * n,
                                  limit=self.settings.max_descriptors)
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n, writes=True)
-        spans = resolve_spans(self.table, session, groups, Op.WRITE, layout.block_bytes, transfer.results)
+        checked = resolve_spans(self.table, session, groups, Op.WRITE, layout.block_bytes, transfer.results)
+        spans = checked.cut(0, len(checked))
         transfer.task = asyncio.create_task(
             run_write(self.tier, session, transfer, plan, spans, self.tier.settings.max_batch_blocks))
         return transfer

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -145,9 +145,59 @@ def group_failures(g: DescriptorGroup, first: int, *, region_bytes: int, block_b
                             f"{region_bytes} bytes" for j in bad}
 
 
-def cut_spans(groups: Sequence[DescriptorGroup], op: Op, block_bytes: int, results: BatchResults,
-              region_view: Callable[[int], memoryview]) -> list[memoryview | None]:
-    """Each descriptor's bytes in its region, or None with its failure recorded in `results`.
+@dataclass(frozen=True, kw_only=True)
+class Spans:
+    """A checked batch's descriptor spans, cut into views only when asked.
+
+    One region view per group (None where the group failed whole) and one
+    ok-flag per descriptor: checking a batch costs a few vectorized steps, and
+    the threads that copy cut the views of the chunk they copy (`cut`) rather
+    than the event loop cutting one per descriptor up front.
+    """
+
+    groups: Sequence[DescriptorGroup]
+    views: list[memoryview | None]
+    #: Index of each group's first descriptor, and the batch's size last.
+    starts: list[int]
+    #: Per descriptor: False where it failed a check.
+    ok: np.ndarray
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def first_failed(self) -> int | None:
+        """Index of the first descriptor that failed a check, if any."""
+        bad = np.flatnonzero(~self.ok)
+        return int(bad[0]) if len(bad) else None
+
+    def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, DescriptorGroup, int, int]]:
+        """(group index, group, first, end) of each group's part of descriptors [lo, hi), both in the group."""
+        for k, g in enumerate(self.groups):
+            start = self.starts[k]
+            a, b = max(lo, start), min(hi, self.starts[k + 1])
+            if a < b:
+                yield k, g, a - start, b - start
+
+    def cut(self, lo: int, hi: int) -> list[memoryview | None]:
+        """Views of descriptors [lo, hi), None where one failed."""
+        out: list[memoryview | None] = []
+        for k, g, a, b in self.pieces(lo, hi):
+            view, length = self.views[k], g.length_bytes
+            if view is None:
+                out.extend([None] * (b - a))
+                continue
+            part: list[memoryview | None] = [view[o: o + length] for o in g.offsets_bytes[a:b].tolist()]
+            ok = self.ok[self.starts[k] + a: self.starts[k] + b]
+            if not ok.all():
+                for j in np.flatnonzero(~ok).tolist():
+                    part[j] = None
+            out.extend(part)
+        return out
+
+
+def check_spans(groups: Sequence[DescriptorGroup], op: Op, block_bytes: int, results: BatchResults,
+                region_view: Callable[[int], memoryview]) -> Spans:
+    """Check each descriptor's span in its region, recording failures in `results`.
 
     Both paths make these checks, so a descriptor fails the same way on either.
     A region the caller may not use (`region_view` raises) fails its whole group;
@@ -161,31 +211,32 @@ def cut_spans(groups: Sequence[DescriptorGroup], op: Op, block_bytes: int, resul
         region_view: a region's whole view by id; raises KVStoreError when it may not be used.
 
     Returns:
-        One view per descriptor, valid as long as its region's view.
+        The spans; their views are valid as long as their regions' views.
     """
-    spans: list[memoryview | None] = []
-    first = 0
-    for g in groups:
-        n = len(g)
+    starts = [0, *itertools.accumulate(len(g) for g in groups)]
+    ok = np.ones(starts[-1], dtype=bool)
+    views: list[memoryview | None] = []
+    for k, g in enumerate(groups):
+        first, n = starts[k], len(g)
         try:
             view = region_view(g.region_id)
         except KVStoreError as exc:
             results.fail_all(dict.fromkeys(range(first, first + n), exc.message), to_status(exc).name)
-            spans.extend([None] * n)
-            first += n
+            ok[first: first + n] = False
+            views.append(None)
             continue
         bad = group_failures(g, first, region_bytes=len(view), block_bytes=block_bytes, op=op)
-        if len(bad) == n:
-            part: list[memoryview | None] = [None] * n
-        else:
-            length = g.length_bytes
-            part = [view[o: o + length] for o in g.offsets_bytes.tolist()]
-            for i in bad:
-                part[i - first] = None
+        ok[list(bad)] = False
         results.fail_all(bad)
-        spans.extend(part)
-        first += n
-    return spans
+        views.append(view)
+    return Spans(groups=groups, views=views, starts=starts, ok=ok)
+
+
+def cut_spans(groups: Sequence[DescriptorGroup], op: Op, block_bytes: int, results: BatchResults,
+              region_view: Callable[[int], memoryview]) -> list[memoryview | None]:
+    """Each descriptor's bytes in its region, or None with its failure recorded: `check_spans`, all cut."""
+    spans = check_spans(groups, op, block_bytes, results, region_view)
+    return spans.cut(0, len(spans))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

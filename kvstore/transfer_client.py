@@ -88,6 +88,13 @@ class TransferPath(abc.ABC):
               extra_keys: Sequence[bytes]) -> Transfer:
         """Start a batch that stores blocks from regions."""
 
+    def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
+        """Start several read batches, one after another."""
+        return [self.read(groups, prefix_only) for groups in batches]
+
+    def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:  # noqa: B027
+        """Wait for several of this path's batches (their own `wait` then answers at once)."""
+
     def close(self) -> None:  # noqa: B027 - most paths hold nothing to release
         """Release what the path holds (threads)."""
 
@@ -132,9 +139,44 @@ class ShmPath(TransferPath):
         self.call = session.call
         self.session_id = session.session_id
         self.block_bytes = session.client.block_bytes
+        self.timeout_s = session.client.timeout_s
+        self.keep_finished = session.keep_finished
 
     def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
-        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only, groups=_wire(groups)))
+        return self._submit(self._read_request(groups, prefix_only))
+
+    def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
+        """Start several read batches with their Submits in flight together, not one round trip each."""
+        calls = [self.stub.Submit.future(self._read_request(groups, prefix_only), timeout=self.timeout_s)
+                 for groups in batches]
+        try:
+            return [_ShmTransfer(self, call.result().transfer_id) for call in calls]
+        except grpc.RpcError as exc:
+            raise from_status(exc.code(), exc.details()) from None
+
+    def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:
+        """Wait with one GetTransfers per `keep_finished` batches rather than a call per batch."""
+        waiting = [t for t in transfers if isinstance(t, _ShmTransfer) and t.path is self and t._final is None]
+        if not self.keep_finished:
+            return  # a server without GetTransfers: each batch waits on its own
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while waiting:
+            left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
+            for start in range(0, len(waiting), self.keep_finished):
+                part = waiting[start:start + self.keep_finished]
+                reply = self.call(self.stub.GetTransfers, pb.GetTransfersRequest(
+                    session_id=self.session_id, transfer_ids=[t.transfer_id for t in part],
+                    wait_ms=min(left_ms, 10_000)))
+                for transfer, state in zip(part, reply.states, strict=True):
+                    if state.done:
+                        transfer._final = _state(state, self.block_bytes)
+            waiting = [t for t in waiting if t._final is None]
+            if left_ms == 0:
+                return
+
+    def _read_request(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> pb.SubmitRequest:
+        return pb.SubmitRequest(session_id=self.session_id, op=pb.TRANSFER_OP_READ, prefix_only=prefix_only,
+                                groups=_wire(groups))
 
     def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
               extra_keys: Sequence[bytes]) -> Transfer:
@@ -286,8 +328,10 @@ class TransferSession:
                 raise from_status(exc.code(), exc.details()) from None
             self.session_id = first.session_id
             self.max_descriptors = first.max_descriptors
+            self.keep_finished = first.keep_finished
         else:
             self.max_descriptors = client.max_batch_blocks
+            self.keep_finished = 0
         self._paths = {name: cls(self) for name, cls in PATHS.items()}
 
     def call(self, method: Any, request: Any) -> Any:
@@ -384,18 +428,32 @@ class TransferSession:
         """
         size = self.client.block_bytes
         step = max(1, min(batch_descriptors, self.max_descriptors))
-        transfers = []
+        batches = []
         for start in range(0, len(hashes), step):
             chunk = hashes[start:start + step]
             if any(len(h) != HASH_BYTES for h in chunk):
-                groups = group([Descriptor(block_hash=h, region_id=region.region_id, length_bytes=size,
-                                           offset_bytes=offset_bytes + (start + i) * size)
-                                for i, h in enumerate(chunk)], Op.READ)
+                batches.append(group([Descriptor(block_hash=h, region_id=region.region_id, length_bytes=size,
+                                                 offset_bytes=offset_bytes + (start + i) * size)
+                                      for i, h in enumerate(chunk)], Op.READ))
             else:
-                groups = [DescriptorGroup.slots(chunk, region_id=region.region_id, length_bytes=size,
-                                                offset_bytes=offset_bytes + start * size)]
-            transfers.append(self._path_for(groups).read(groups, prefix_only))
-        return TransferState.concat([t.wait() for t in transfers])
+                batches.append([DescriptorGroup.slots(chunk, region_id=region.region_id, length_bytes=size,
+                                                      offset_bytes=offset_bytes + start * size)])
+        if not batches:
+            return TransferState.concat([])
+        # Every batch names the one region, so they all take the same path.
+        transfers = self._path_for(batches[0]).read_many(batches, prefix_only)
+        return TransferState.concat(self.wait_all(transfers))
+
+    def wait_all(self, transfers: Sequence[Transfer], timeout_s: float | None = None) -> list[TransferState]:
+        """Wait for several batches, in as few calls as their paths allow; their states, in order."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def left() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        for path in self._paths.values():
+            path.wait_many(transfers, left())
+        return [t.wait(left()) for t in transfers]
 
     # -- lifetime ----------------------------------------------------------
 

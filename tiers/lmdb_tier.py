@@ -433,11 +433,12 @@ class LmdbBlockTier:
         Raises:
             ValueError: a destination's size differs from the stored block's.
         """
-        codes = self.stage_reads(keys, dests).copy(stop_at_missing, touch_due=touch_due)
+        wanted = [None if d is None else k for k, d in zip(keys, dests, strict=True)]
+        codes = self.stage_reads(wanted).copy(dests, stop_at_missing, touch_due=touch_due)
         return [_READ_STATUS[c] for c in codes]
 
-    def stage_reads(self, keys: Sequence[bytes], dests: Sequence[memoryview | None]) -> StagedReads:
-        """Look blocks up for `read_into`, leaving their read txn open for the copy.
+    def stage_reads(self, keys: Sequence[bytes | None]) -> StagedReads:
+        """Look blocks up for `read_into` (None: skip that one), leaving their read txn open for the copy.
 
         The lookups hold the GIL between gets; the copy (`StagedReads.copy`)
         need not, so a caller can look up on one thread and copy on others.
@@ -445,12 +446,14 @@ class LmdbBlockTier:
         txn = self.env.begin(buffers=True)
         try:
             get, meta_db, blocks_db = txn.get, self._meta, self._blocks
-            metas = [None if d is None else get(k, None, meta_db) for k, d in zip(keys, dests, strict=True)]
-            datas = [None if m is None else get(k, None, blocks_db) for k, m in zip(keys, metas, strict=True)]
+            metas = [None if k is None else get(k, None, meta_db) for k in keys]
+            # A key with a meta record is not None.
+            datas = [None if m is None else get(k, None, blocks_db)  # type: ignore[arg-type]
+                     for k, m in zip(keys, metas, strict=True)]
         except BaseException:
             txn.abort()
             raise
-        return StagedReads(self, txn, list(keys), metas, datas, list(dests))
+        return StagedReads(self, txn, list(keys), metas, datas)
 
     def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
         """The block's bytes as a view valid until `txn` ends, if intact."""
@@ -533,17 +536,19 @@ class StagedReads:
     the txn. Use it once.
     """
 
-    def __init__(self, tier: LmdbBlockTier, txn: lmdb.Transaction, keys: list[bytes], metas: list[Any],
-                 datas: list[Any], dests: list[memoryview | None]) -> None:
+    def __init__(self, tier: LmdbBlockTier, txn: lmdb.Transaction, keys: list[bytes | None], metas: list[Any],
+                 datas: list[Any]) -> None:
         self._tier = tier
         self._txn: lmdb.Transaction | None = txn
         self._keys = keys
         self._metas = metas
         self._datas = datas
-        self._dests = dests
 
-    def copy(self, stop_at_missing: bool = False, *, touch_due: list[bytes] | None = None) -> bytes:
+    def copy(self, dests: Sequence[memoryview | None], stop_at_missing: bool = False, *,
+             touch_due: list[bytes] | None = None) -> bytes:
         """Verify and copy each block into its dest, then end the txn: see `LmdbBlockTier.read_into`.
+
+        A block whose key was None is skipped, so is one whose dest is None.
 
         Returns:
             A `blockcopy` result code per key (`ReadStatus` values; 0 where not reached).
@@ -553,21 +558,23 @@ class StagedReads:
         tier, keys = self._tier, self._keys
         try:
             due_before = tier.clock.now() - TOUCH_GRANULARITY_S
-            codes, due = blockcopy.verify_copy(self._metas, self._datas, self._dests, due_before, stop_at_missing)
+            if len(dests) != len(keys):
+                raise ValueError(f"{len(dests)} dests for {len(keys)} keys")
+            wanted = [None if k is None else d for k, d in zip(keys, dests, strict=True)]
+            codes, due = blockcopy.verify_copy(self._metas, self._datas, wanted, due_before, stop_at_missing)
         finally:
             self.close()
         if blockcopy.WRONG_SIZE in codes:
             raise ValueError(f"destination {codes.index(blockcopy.WRONG_SIZE)}'s size differs from the stored block's")
         if touch_due is not None:
-            touch_due.extend(keys[i] for i in due)
+            touch_due.extend(keys[i] for i in due)  # type: ignore[misc]  # FOUND blocks have keys
         if blockcopy.CORRUPT in codes:
-            tier.drop_corrupt([k for k, c in zip(keys, codes, strict=True) if c == blockcopy.CORRUPT])
+            tier.drop_corrupt([k for k, c in zip(keys, codes, strict=True) if c == blockcopy.CORRUPT and k])
         return codes
 
     def close(self) -> None:
         """Drop the views and end the txn (a no-op once done)."""
         self._metas = self._datas = []
-        self._dests = []
         if self._txn is not None:
             self._txn.abort()
             self._txn = None

@@ -38,16 +38,18 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions")
+    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions", "keep_finished")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     MAX_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FINISHED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_descriptors: int
     max_region_bytes: int
     max_regions: int
-    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ...) -> None: ...
+    keep_finished: int
+    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("session_id", "shm_name", "size_bytes", "nonce")
@@ -158,3 +160,19 @@ class GetTransferRequest(_message.Message):
     transfer_id: int
     wait_ms: int
     def __init__(self, session_id: _Optional[str] = ..., transfer_id: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetTransfersRequest(_message.Message):
+    __slots__ = ("session_id", "transfer_ids", "wait_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    wait_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., transfer_ids: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class GetTransfersResponse(_message.Message):
+    __slots__ = ("states",)
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedCompositeFieldContainer[TransferState]
+    def __init__(self, states: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...

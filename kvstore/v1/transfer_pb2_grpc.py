@@ -59,6 +59,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransferRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.TransferState.FromString,
                 _registered_method=True)
+        self.GetTransfers = channel.unary_unary(
+                '/kvstore.v1.Transfer/GetTransfers',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
+                _registered_method=True)
 
 
 class TransferServicer:
@@ -100,6 +105,14 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTransfers(self, request, context):
+        """Several batches' results in one call (at most keep_finished ids); waits up
+        to wait_ms for all of them to finish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.GetTransfer,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransferRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferState.SerializeToString,
+            ),
+            'GetTransfers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTransfers,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Transfer:
             '/kvstore.v1.Transfer/GetTransfer',
             kvstore_dot_v1_dot_transfer__pb2.GetTransferRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.TransferState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTransfers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/GetTransfers',
+            kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
             options,
             channel_credentials,
             insecure,
