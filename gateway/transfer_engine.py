@@ -84,6 +84,7 @@ class Copier:
 
     def __init__(self, tier: LmdbBlockTier, threads: int) -> None:
         self.tier = tier
+        self.threads = threads
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="lookup")
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="copy")
 

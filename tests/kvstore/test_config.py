@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kvstore.config import load_settings
 from kvstore.errors import ConfigError
+
+
+def test_copy_threads_default_follows_the_cpu_count() -> None:
+    assert load_settings(environ={}).transfer.copy_threads == min(8, os.cpu_count() or 1)
 
 
 def test_defaults_need_nothing() -> None:
@@ -37,6 +42,7 @@ def test_config_file_from_environment(tmp_path: Path) -> None:
     ("[cache]\nx = 1\n", "unknown config section"),
     ("[server]\nport = 'abc'\n", "cannot read 'abc'"),
     ("[store]\nblock_tokens = 60\n", "multiple of 8"),
+    ("[transfer]\ncopy_threads = 0\n", "copy_threads must be positive"),
 ])
 def test_bad_values_are_named(tmp_path: Path, text: str, match: str) -> None:
     cfg = tmp_path / "bad.toml"

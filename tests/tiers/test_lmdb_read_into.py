@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
@@ -64,3 +66,38 @@ def test_read_into_reports_blocks_due_a_touch(store_settings: StoreSettings) -> 
     tier.read_into(keys, [dest[:256], None], touch_due=due)
     assert due == [keys[0]]
     tier.close()
+
+
+def test_lookups_on_one_thread_and_the_copy_on_another(store_settings: StoreSettings) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    tier, keys, blocks = filled(store_settings, 4)
+    dest = memoryview(bytearray(4 * 256))
+    with ThreadPoolExecutor(1) as lookups, ThreadPoolExecutor(1) as copies:
+        staged = lookups.submit(tier.stage_reads, [keys[0], None, keys[2], keys[3]]).result()
+        codes = copies.submit(staged.copy, [dest[i * 256:(i + 1) * 256] for i in range(4)]).result()
+    assert list(codes) == [ReadStatus.FOUND.value, 0, ReadStatus.FOUND.value, ReadStatus.FOUND.value]
+    assert bytes(dest[:256]) == blocks[0] and bytes(dest[256:512]) == bytes(256), "a None key is skipped"
+    assert bytes(dest[512:]) == blocks[2] + blocks[3]
+    assert active_readers(tier) == 0, "the copy ended the read txn"
+    tier.close()
+
+
+def test_staged_reads_are_copied_once(store_settings: StoreSettings) -> None:
+    tier, keys, _ = filled(store_settings, 1)
+    staged = tier.stage_reads(keys)
+    staged.copy([memoryview(bytearray(256))])
+    with pytest.raises(RuntimeError, match="already"):
+        staged.copy([memoryview(bytearray(256))])
+    unused = tier.stage_reads(keys)
+    assert active_readers(tier) == 1
+    unused.close()  # ends the txn without copying
+    unused.close()
+    assert active_readers(tier) == 0
+    tier.close()
+
+
+def active_readers(tier: LmdbBlockTier) -> int:
+    """Read txns open now (LMDB lists an idle reader slot with txnid '-')."""
+    lines = tier.env.readers().splitlines()[1:]
+    return sum(1 for line in lines if line.split()[-1] != "-")

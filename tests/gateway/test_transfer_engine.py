@@ -1,0 +1,130 @@
+"""The transfer engine (gateway/transfer_engine.py) and batch bookkeeping: chunks cut
+across groups, prefix reads across chunks, the Python copy loop standing in for
+the native one, GetTransfers, and forgetting finished batches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.transfer_servicer import TransferServicer
+from kvstore.client import Client
+from kvstore.config import StoreSettings, TransferSettings
+from kvstore.transfer import Descriptor, Status
+from kvstore.v1 import transfer_pb2 as pb
+from tiers import blockcopy
+
+
+def stored(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
+    """The hashes and bytes of a stored prompt of `n` full blocks."""
+    tokens = list(range(7, 7 + n * client.block_tokens))
+    blocks = [os.urandom(client.block_bytes) for _ in range(n)]
+    client.put(tokens, blocks)
+    return client.hashes(tokens), blocks
+
+
+def servicer(server: Any) -> TransferServicer:
+    return next(c.__self__ for c in server.closers if isinstance(getattr(c, "__self__", None), TransferServicer))
+
+
+@pytest.fixture
+def small_chunks(start_server: Callable[..., Any], store_settings: StoreSettings) -> Any:
+    """A server copying 3 descriptors per chunk, on 2 copy threads."""
+    return start_server(store_settings, transfer=TransferSettings(chunk_descriptors=3, copy_threads=2))
+
+
+def test_chunks_cut_across_groups_land_every_block(small_chunks: Any) -> None:
+    with Client(small_chunks.target) as client, client.transfer(path="shm") as session:
+        hashes, blocks = stored(client, 9)
+        size = client.block_bytes
+        first, second = session.register(4 * size), session.register(5 * size)
+        # Two groups (one per region), so chunks of 3 straddle the boundary between them.
+        descriptors = [Descriptor(block_hash=h, region_id=first.region_id, offset_bytes=i * size, length_bytes=size)
+                       for i, h in enumerate(hashes[:4])]
+        descriptors += [Descriptor(block_hash=h, region_id=second.region_id, offset_bytes=(4 - i) * size,
+                                   length_bytes=size) for i, h in enumerate(hashes[4:])]
+        state = session.read(descriptors).wait(timeout_s=10)
+        assert [r.status for r in state.results] == [Status.DONE] * 9
+        assert bytes(first.view) == b"".join(blocks[:4])
+        assert bytes(second.view) == b"".join(reversed(blocks[4:])), "each block at its own offset"
+
+
+def test_prefix_read_stops_at_a_gap_in_a_later_chunk(small_chunks: Any) -> None:
+    with Client(small_chunks.target) as client, client.transfer(path="shm") as session:
+        hashes, blocks = stored(client, 9)
+        hashes[7] = b"\x05" * 32  # not stored
+        region = session.register(9 * client.block_bytes)
+        state = session.fetch(hashes, region)
+        assert state.done_prefix == 7
+        assert [r.status for r in state.results][6:] == [Status.DONE, Status.MISSING, Status.SKIPPED]
+        assert bytes(region.view[: 7 * client.block_bytes]) == b"".join(blocks[:7])
+        assert bytes(region.view[7 * client.block_bytes:]) == bytes(2 * client.block_bytes)
+
+
+def test_the_python_copy_loop_stands_in_on_one_thread(monkeypatch: pytest.MonkeyPatch,
+                                                      start_server: Callable[..., Any],
+                                                      store_settings: StoreSettings) -> None:
+    monkeypatch.setattr(blockcopy, "NATIVE", False)
+    monkeypatch.setattr(blockcopy, "verify_copy", blockcopy.verify_copy_python)
+    server = start_server(store_settings, transfer=TransferSettings(chunk_descriptors=2, copy_threads=4))
+    assert servicer(server).copier.threads == 1, "the Python loop holds the GIL: more threads only convoy"
+    with Client(server.target) as client, client.transfer(path="shm") as session:
+        hashes, blocks = stored(client, 5)
+        region = session.register(5 * client.block_bytes)
+        assert session.fetch(hashes, region).done_prefix == 5
+        assert bytes(region.view) == b"".join(blocks)
+
+
+def test_get_transfers_answers_for_several_batches_in_order(client: Client) -> None:
+    with client.transfer(path="shm") as session:
+        hashes, _ = stored(client, 4)
+        region = session.register(4 * client.block_bytes)
+        size = client.block_bytes
+        transfers = [session.read([Descriptor(block_hash=h, region_id=region.region_id, offset_bytes=i * size,
+                                              length_bytes=size)]) for i, h in enumerate([*hashes[:3], b"\1" * 32])]
+        reply = session.stub.GetTransfers(pb.GetTransfersRequest(
+            session_id=session.session_id, transfer_ids=[t.transfer_id for t in reversed(transfers)], wait_ms=10_000))
+        assert [s.transfer_id for s in reply.states] == [t.transfer_id for t in reversed(transfers)]
+        assert all(s.done for s in reply.states)
+        assert [bytes(s.statuses) for s in reply.states] == [bytes([pb.DESCRIPTOR_STATUS_MISSING])] + [
+            bytes([pb.DESCRIPTOR_STATUS_DONE])] * 3
+        states = session.wait_all(transfers)
+        assert [s.transfer_id for s in states] == [t.transfer_id for t in transfers]
+
+
+@pytest.mark.parametrize(("ids", "code", "words"), [
+    ([], grpc.StatusCode.INVALID_ARGUMENT, "1 to 1024 transfer ids"),
+    (list(range(1, 1026)), grpc.StatusCode.INVALID_ARGUMENT, "got 1025"),
+    ([424242], grpc.StatusCode.NOT_FOUND, "no transfer 424242"),
+])
+def test_get_transfers_refuses_bad_ids(client: Client, ids: list[int], code: grpc.StatusCode, words: str) -> None:
+    with client.transfer(path="shm") as session:
+        with pytest.raises(grpc.RpcError) as info:
+            session.stub.GetTransfers(pb.GetTransfersRequest(session_id=session.session_id, transfer_ids=ids))
+        assert info.value.code() == code and words in (info.value.details() or "")
+
+
+def test_the_oldest_finished_batches_are_forgotten(start_server: Callable[..., Any],
+                                                   store_settings: StoreSettings) -> None:
+    server = start_server(store_settings, transfer=TransferSettings(keep_finished=2))
+    with Client(server.target) as client, client.transfer(path="shm") as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        descriptor = Descriptor(block_hash=hashes[0], region_id=region.region_id, offset_bytes=0,
+                                length_bytes=client.block_bytes)
+        ids = []
+        for _ in range(3):
+            transfer = session.read([descriptor])
+            transfer.wait(timeout_s=10)
+            ids.append(transfer.transfer_id)
+        session.read([descriptor]).wait(timeout_s=10)  # the 4th: two finished are kept, so the first two go
+        for gone in ids[:2]:
+            with pytest.raises(grpc.RpcError) as info:
+                session.stub.GetTransfer(pb.GetTransferRequest(session_id=session.session_id, transfer_id=gone))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        kept = session.stub.GetTransfer(pb.GetTransferRequest(session_id=session.session_id, transfer_id=ids[2]))
+        assert kept.done
