@@ -25,6 +25,7 @@ from kvstore import geometry
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
 from tiers.swa_pool import open_pool
@@ -137,6 +138,11 @@ async def serve(settings: Settings) -> None:
           f"retention {settings.store.retention_hours:g} h, {settings.store.block_tokens}-token blocks)",
           flush=True)
     print(f"kvstore SWA pool: {settings.swa.backend} (snapshots live {settings.swa.ttl_s:g} s)", flush=True)
+    if blockcopy.NATIVE:
+        print(f"kvstore transfer copies: native, {settings.transfer.copy_threads} threads", flush=True)
+    else:
+        print("kvstore transfer copies: Python loop, 1 thread (tiers._blockcopy was not built: reinstall with "
+              "a C compiler for parallel copies)", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -27,7 +27,13 @@ pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING:
 
 # The build of the native module is optional for users (a Python loop stands
 # in); here it must have been built, so its tests run rather than skip.
-python -c "import tiers.blockcopy as b, sys; sys.exit(0 if b.NATIVE else 'tiers._blockcopy was not built')"
+native() { python -c "import tiers.blockcopy as b, sys; sys.exit(0 if b.NATIVE else 1)"; }
+if ! native; then
+    echo "== tiers._blockcopy was not built: installing Python's headers and building again"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev >/dev/null
+    pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+    native || { echo "tiers._blockcopy did not build (see: pip install -v -e .)" >&2; exit 1; }
+fi
 
 echo "== lint and types"
 ruff check .
