@@ -15,6 +15,7 @@ descriptor, so the event loop's work per descriptor stays a few slices.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,11 +81,17 @@ class Copier:
     times slower than one on the H200 host). The native copy loop runs without
     the GIL, so copies scale with threads (eight copied 890 MB in a third of
     memcpy's time there). One lookup thread feeding the copy threads gets both.
+
+    A looked-up chunk holds an LMDB reader slot until it is copied, so the
+    lookups run at most `2 * threads` chunks ahead of the copies: however many
+    batches are in flight, the slots (512) are never exhausted.
     """
 
     def __init__(self, tier: LmdbBlockTier, threads: int) -> None:
         self.tier = tier
         self.threads = threads
+        self.staged_limit = 2 * threads
+        self._staged = threading.BoundedSemaphore(self.staged_limit)
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="lookup")
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="copy")
 
@@ -93,15 +100,18 @@ class Copier:
         out: Future[tuple[bytes, list[bytes]]] = Future()
 
         def look_up() -> None:
+            self._staged.acquire()  # released once the chunk is copied (or fails)
             try:
                 staged = self.tier.stage_reads(batch.keys(lo, hi))
             except BaseException as exc:
+                self._staged.release()
                 out.set_exception(exc)
                 return
             try:
                 self._copies.submit(run_copy, staged)
             except BaseException as exc:  # shut down between the two stages
                 staged.close()
+                self._staged.release()
                 out.set_exception(exc)
 
         def run_copy(staged: StagedReads) -> None:
@@ -111,6 +121,9 @@ class Copier:
                 out.set_result((codes.translate(_CODES), due))
             except BaseException as exc:
                 out.set_exception(exc)
+            finally:
+                staged.close()  # a no-op after copy; ends the txn if cutting the views failed
+                self._staged.release()
 
         self._lookups.submit(look_up)
         return out

@@ -1,22 +1,28 @@
 """The transfer engine (gateway/transfer_engine.py) and batch bookkeeping: chunks cut
 across groups, prefix reads across chunks, the Python copy loop standing in for
-the native one, GetTransfers, and forgetting finished batches."""
+the native one, GetTransfers, forgetting finished batches, and lookups bounded
+ahead of copies."""
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import pytest
 
+from gateway.transfer_engine import Copier, ReadBatch
 from gateway.transfer_servicer import TransferServicer
 from kvstore.client import Client
 from kvstore.config import StoreSettings, TransferSettings
-from kvstore.transfer import Descriptor, Status
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope, chain_hashes, root_hash
+from kvstore.transfer import BatchResults, Descriptor, DescriptorGroup, Op, Status, check_spans
 from kvstore.v1 import transfer_pb2 as pb
 from tiers import blockcopy
+from tiers.lmdb_tier import LmdbBlockTier, StagedReads
 
 
 def stored(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
@@ -128,3 +134,35 @@ def test_the_oldest_finished_batches_are_forgotten(start_server: Callable[..., A
             assert info.value.code() == grpc.StatusCode.NOT_FOUND
         kept = session.stub.GetTransfer(pb.GetTransferRequest(session_id=session.session_id, transfer_id=ids[2]))
         assert kept.done
+
+
+def test_lookups_run_at_most_two_chunks_per_copy_thread_ahead(monkeypatch: pytest.MonkeyPatch,
+                                                               store_settings: StoreSettings) -> None:
+    # Each looked-up chunk holds an LMDB reader slot until copied: many batches in
+    # flight must not run the lookups far ahead of slow copies.
+    tier = LmdbBlockTier(store_settings)
+    scope = BlockScope(V4_1_FLASH.fingerprint, "default")
+    root = root_hash(V4_1_FLASH.fingerprint, store_settings.block_tokens)
+    hashes = chain_hashes(list(range(12 * store_settings.block_tokens)), block_tokens=store_settings.block_tokens,
+                          parent=root)
+    size = V4_1_FLASH.block_bytes(store_settings.block_tokens)
+    tier.put(scope, root, hashes, [os.urandom(size) for _ in hashes], True)
+    region = memoryview(bytearray(12 * size))
+    group = DescriptorGroup.slots(hashes, region_id=1, offset_bytes=0, length_bytes=size)
+    spans = check_spans([group], Op.READ, size, BatchResults(12), lambda _: region)
+    batch = ReadBatch(spans=spans, key_prefix=scope.prefix, block_bytes=size, prefix_only=False)
+    open_at_copy: list[int] = []
+    copy = StagedReads.copy
+
+    def slow_copy(self: StagedReads, *args: Any, **kwargs: Any) -> bytes:
+        time.sleep(0.02)  # lets the lookup thread run ahead, if nothing holds it back
+        open_at_copy.append(sum(1 for line in tier.env.readers().splitlines()[1:] if line.split()[-1] != "-"))
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(StagedReads, "copy", slow_copy)
+    copier = Copier(tier, threads=1)
+    futures = [copier.copy(batch, i, i + 1) for i in range(12)]
+    assert [f.result(timeout=10)[0] for f in futures] == [bytes([pb.DESCRIPTOR_STATUS_DONE])] * 12
+    copier.close()
+    tier.close()
+    assert max(open_at_copy) == copier.staged_limit == 2
