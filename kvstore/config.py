@@ -136,11 +136,12 @@ class TransferSettings:
     #: Descriptors copied per executor call: small enough for progress to show in
     #: GetTransfer, large enough to amortise the hop to the LMDB thread.
     chunk_descriptors: int = 128
-    #: Threads copying read chunks into regions at once (default: the CPU count,
-    #: at most 8). The native copy loop (tiers/_blockcopy.c) releases the GIL, so
-    #: they copy in parallel; where it is not built, copies hold the GIL and one
-    #: thread is used whatever this says.
-    copy_threads: int = field(default_factory=lambda: min(8, os.cpu_count() or 1))
+    #: Threads copying read chunks into regions at once (default: one per CPU but
+    #: one, left to the lookups and the event loop; at least 1, at most 8). The
+    #: native copy loop (tiers/_blockcopy.c) releases the GIL, so they copy in
+    #: parallel; where it is not built, copies hold the GIL and one thread is
+    #: used whatever this says.
+    copy_threads: int = field(default_factory=lambda: min(8, max(1, (os.cpu_count() or 1) - 1)))
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_descriptors <= 1 << 20:

@@ -12,7 +12,7 @@ from kvstore.errors import ConfigError
 
 
 def test_copy_threads_default_follows_the_cpu_count() -> None:
-    assert load_settings(environ={}).transfer.copy_threads == min(8, os.cpu_count() or 1)
+    assert load_settings(environ={}).transfer.copy_threads == min(8, max(1, (os.cpu_count() or 1) - 1))
 
 
 def test_defaults_need_nothing() -> None:
