@@ -175,7 +175,7 @@ def test_redis_down_gives_misses_and_kv_keeps_serving_then_recovers(
             assert raw.config_get("maxmemory")["maxmemory"] == str(256 << 20)  # applied again
 
 
-def test_redis_cluster_node_down_gives_misses_not_errors(
+def test_redis_cluster_node_down_gives_misses_not_errors_then_recovers(
         request: pytest.FixtureRequest, start_server: Callable[..., Any], store_settings: StoreSettings,
         redis_cluster: Any) -> None:
     server = start_server(store_settings, swa=swa_settings(request, "redis-cluster", socket_timeout_s=0.5))
@@ -192,7 +192,10 @@ def test_redis_cluster_node_down_gives_misses_not_errors(
             assert client.put(list(range(client.block_tokens)), [os.urandom(client.block_bytes)]).written_blocks == 1
         finally:
             node.start()
-            redis_cluster.flush()
+            redis_cluster.wait_ok()
+        # The node is back, empty (no persistence): every slot serves again.
+        assert client.swa.put_many([(k, data) for k in keys]).stored == len(keys)
+        assert client.swa.get_many(keys) == [data] * len(keys)
 
 
 def test_stats_cli_shows_the_swa_section(client: Client, capsys: pytest.CaptureFixture[str]) -> None:
