@@ -15,6 +15,7 @@ descriptor, so the event loop's work per descriptor stays a few slices.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,8 +97,12 @@ class Copier:
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="copy")
 
     def copy(self, batch: ReadBatch, lo: int, hi: int) -> Future[tuple[bytes, list[bytes]]]:
-        """Start descriptors [lo, hi) of `batch`; the future holds their status codes and the keys due a touch."""
+        """Start descriptors [lo, hi) of `batch`; the future holds their status codes and the keys due a touch.
+
+        The future cannot be cancelled: once started, a chunk is copied to its end.
+        """
         out: Future[tuple[bytes, list[bytes]]] = Future()
+        out.set_running_or_notify_cancel()
 
         def look_up() -> None:
             self._staged.acquire()  # released once the chunk is copied (or fails)
@@ -156,7 +161,7 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
             if session.closed:
                 break
             stop = min(start + chunk, end)
-            codes, chunk_due = await asyncio.wrap_future(copier.copy(batch, start, stop))
+            codes, chunk_due = await _chunk(copier.copy(batch, start, stop))
             hits = _record(results, statuses, start, codes)
             results.bytes_moved += hits * batch.block_bytes
             found += hits
@@ -211,6 +216,18 @@ async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, p
                              f"not stored: descriptor {end} before it failed, so its parent block is missing")
         _finish(results, n, False, session.closed)
         session.finish(transfer)
+
+
+async def _chunk(pending: Future[tuple[bytes, list[bytes]]]) -> tuple[bytes, list[bytes]]:
+    """A chunk's result. If the batch is cancelled meanwhile, it still waits for the
+    copy to stop: a copy thread must never write into a region the batch's end lets
+    the session unmap."""
+    try:
+        return await asyncio.shield(asyncio.wrap_future(pending))
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.wrap_future(pending)
+        raise
 
 
 def _record(results: BatchResults, statuses: np.ndarray, start: int, codes: bytes) -> int:

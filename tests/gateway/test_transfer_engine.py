@@ -5,6 +5,7 @@ ahead of copies."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -13,8 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.transfer_engine import Copier, ReadBatch
+from gateway.transfer_engine import Copier, ReadBatch, run_read
 from gateway.transfer_servicer import TransferServicer
+from gateway.transfer_sessions import Session
 from kvstore.client import Client
 from kvstore.config import StoreSettings, TransferSettings
 from kvstore.geometry import V4_1_FLASH
@@ -136,21 +138,26 @@ def test_the_oldest_finished_batches_are_forgotten(start_server: Callable[..., A
         assert kept.done
 
 
+def read_batch_of(store_settings: StoreSettings, n: int) -> tuple[LmdbBlockTier, ReadBatch, BlockScope]:
+    """A real tier holding `n` blocks, and a checked read batch of all of them into a plain buffer."""
+    tier = LmdbBlockTier(store_settings)
+    scope = BlockScope(V4_1_FLASH.fingerprint, "default")
+    root = root_hash(V4_1_FLASH.fingerprint, store_settings.block_tokens)
+    hashes = chain_hashes(list(range(n * store_settings.block_tokens)), block_tokens=store_settings.block_tokens,
+                          parent=root)
+    size = V4_1_FLASH.block_bytes(store_settings.block_tokens)
+    tier.put(scope, root, hashes, [os.urandom(size) for _ in hashes], True)
+    region = memoryview(bytearray(n * size))
+    group = DescriptorGroup.slots(hashes, region_id=1, offset_bytes=0, length_bytes=size)
+    spans = check_spans([group], Op.READ, size, BatchResults(n), lambda _: region)
+    return tier, ReadBatch(spans=spans, key_prefix=scope.prefix, block_bytes=size, prefix_only=False), scope
+
+
 def test_lookups_run_at_most_two_chunks_per_copy_thread_ahead(monkeypatch: pytest.MonkeyPatch,
                                                                store_settings: StoreSettings) -> None:
     # Each looked-up chunk holds an LMDB reader slot until copied: many batches in
     # flight must not run the lookups far ahead of slow copies.
-    tier = LmdbBlockTier(store_settings)
-    scope = BlockScope(V4_1_FLASH.fingerprint, "default")
-    root = root_hash(V4_1_FLASH.fingerprint, store_settings.block_tokens)
-    hashes = chain_hashes(list(range(12 * store_settings.block_tokens)), block_tokens=store_settings.block_tokens,
-                          parent=root)
-    size = V4_1_FLASH.block_bytes(store_settings.block_tokens)
-    tier.put(scope, root, hashes, [os.urandom(size) for _ in hashes], True)
-    region = memoryview(bytearray(12 * size))
-    group = DescriptorGroup.slots(hashes, region_id=1, offset_bytes=0, length_bytes=size)
-    spans = check_spans([group], Op.READ, size, BatchResults(12), lambda _: region)
-    batch = ReadBatch(spans=spans, key_prefix=scope.prefix, block_bytes=size, prefix_only=False)
+    tier, batch, _ = read_batch_of(store_settings, 12)
     open_at_copy: list[int] = []
     copy = StagedReads.copy
 
@@ -166,3 +173,35 @@ def test_lookups_run_at_most_two_chunks_per_copy_thread_ahead(monkeypatch: pytes
     copier.close()
     tier.close()
     assert max(open_at_copy) == copier.staged_limit == 2
+
+
+def test_a_cancelled_batch_ends_only_after_its_copy_stops(monkeypatch: pytest.MonkeyPatch,
+                                                          store_settings: StoreSettings) -> None:
+    # Once a batch ends, its session may unmap the region: no copy may still be writing into it.
+    tier, batch, scope = read_batch_of(store_settings, 4)
+    copied_at: list[float] = []
+    copy = StagedReads.copy
+
+    def slow_copy(self: StagedReads, *args: Any, **kwargs: Any) -> bytes:
+        time.sleep(0.3)
+        out = copy(self, *args, **kwargs)
+        copied_at.append(time.monotonic())
+        return out
+
+    monkeypatch.setattr(StagedReads, "copy", slow_copy)
+    copier = Copier(tier, threads=1)
+    session = Session("s", "peer", V4_1_FLASH.name, scope, TransferSettings())
+    transfer = session.new_transfer(frozenset({1}), len(batch))
+
+    async def cancel_mid_copy() -> float:
+        task = asyncio.create_task(run_read(tier, session, transfer, batch, 4, copier))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic()
+
+    ended_at = asyncio.run(cancel_mid_copy())
+    assert copied_at and copied_at[0] <= ended_at
+    copier.close()
+    tier.close()
