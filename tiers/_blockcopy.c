@@ -35,7 +35,12 @@
 /* Result codes: the values of tiers.lmdb_tier.ReadStatus, plus two of our own. */
 enum { NOT_REACHED = 0, FOUND = 1, MISSING = 2, CORRUPT = 3, WRONG_SIZE = 4 };
 
-/* tiers.records.META_STRUCT, "<32sIIQdd": the offsets of the fields read here. */
+/* tiers.records.META_STRUCT, "<32sIIQdd": the offsets of the fields read here.
+ * The fields are little-endian and read in place, so a big-endian build stops
+ * here (the install goes on, and the Python loop stands in). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "tiers._blockcopy reads little-endian records in place"
+#endif
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
 
 typedef struct {
