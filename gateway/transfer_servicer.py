@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -108,21 +108,25 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer())
-        n = sum(len(g.offsets_bytes) for g in request.groups)
-        if not 1 <= n <= self.settings.max_descriptors:
-            raise InvalidArgument(f"a batch holds 1 to {self.settings.max_descriptors} descriptors; got {n}")
-        groups = _groups(request)
-        layout = self.layouts[session.geometry]
-        if request.op == pb.TRANSFER_OP_READ:
-            transfer = self._start_read(session, layout, groups, n, request.prefix_only)
-        elif request.op == pb.TRANSFER_OP_WRITE:
-            transfer = self._start_write(session, layout, groups, n, request)
-        else:
-            raise InvalidArgument("op must be TRANSFER_OP_READ or TRANSFER_OP_WRITE")
+        transfer = self._checked(session, request)()
         if not request.wait:
             return pb.SubmitResponse(transfer_id=transfer.transfer_id)
         await transfer.done.wait()
         return pb.SubmitResponse(transfer_id=transfer.transfer_id, state=_state(transfer))
+
+    @unary
+    async def SubmitMany(self, request: pb.SubmitManyRequest,
+                         context: grpc.aio.ServicerContext) -> pb.SubmitManyResponse:
+        session = self.table.get(request.session_id, context.peer())
+        if not 1 <= len(request.batches) <= self.settings.keep_finished:
+            raise InvalidArgument(f"send 1 to {self.settings.keep_finished} batches; got {len(request.batches)}")
+        starts = []
+        for i, batch in enumerate(request.batches):
+            try:
+                starts.append(self._checked(session, batch))
+            except KVStoreError as exc:
+                raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
+        return pb.SubmitManyResponse(transfer_ids=[start().transfer_id for start in starts])
 
     @unary
     async def GetTransfer(self, request: pb.GetTransferRequest,
@@ -150,6 +154,26 @@ class TransferServicer(pb_grpc.TransferServicer):
 
     # -- batches -------------------------------------------------------------
 
+    def _checked(self, session: Session, request: pb.SubmitRequest) -> Callable[[], Transfer]:
+        """Check a batch as a whole and return what starts it.
+
+        Raises:
+            InvalidArgument: a bad descriptor count, op or (writes) chain. A bad
+                descriptor does not raise: it fails alone once the batch runs.
+        """
+        n = sum(len(g.offsets_bytes) for g in request.groups)
+        if not 1 <= n <= self.settings.max_descriptors:
+            raise InvalidArgument(f"a batch holds 1 to {self.settings.max_descriptors} descriptors; got {n}")
+        layout = self.layouts[session.geometry]
+        if request.op == pb.TRANSFER_OP_READ:
+            groups = _groups(request)
+            return lambda: self._start_read(session, layout, groups, n, request.prefix_only)
+        if request.op == pb.TRANSFER_OP_WRITE:
+            groups = _groups(request)
+            plan = self._write_plan(layout, n, request)
+            return lambda: self._start_write(session, layout, groups, n, plan)
+        raise InvalidArgument("op must be TRANSFER_OP_READ or TRANSFER_OP_WRITE")
+
     def _start_read(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
                     prefix_only: bool) -> Transfer:
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n)
@@ -158,15 +182,17 @@ class TransferServicer(pb_grpc.TransferServicer):
             run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copier))
         return transfer
 
-    def _start_write(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
-                     request: pb.SubmitRequest) -> Transfer:
+    def _write_plan(self, layout: Layout, n: int, request: pb.SubmitRequest) -> validate.PutPlan:
         # The chain's shape is the batch's, checked whole before anything runs.
         # Block sizes are checked per group (resolve_spans), so one shared
         # block-sized stand-in lets put_plan check the counts without copying.
         stand_in = bytes(layout.block_bytes)
-        plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
+        return validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=[stand_in] * n,
                                  limit=self.settings.max_descriptors)
+
+    def _start_write(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
+                     plan: validate.PutPlan) -> Transfer:
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n, writes=True)
         checked = resolve_spans(self.table, session, groups, Op.WRITE, layout.block_bytes, transfer.results)
         spans = checked.cut(0, len(checked))

@@ -146,13 +146,20 @@ class ShmPath(TransferPath):
         return self._submit(self._read_request(groups, prefix_only))
 
     def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
-        """Start several read batches with their Submits in flight together, not one round trip each."""
-        calls = [self.stub.Submit.future(self._read_request(groups, prefix_only), timeout=self.timeout_s)
-                 for groups in batches]
-        try:
-            return [_ShmTransfer(self, call.result().transfer_id) for call in calls]
-        except grpc.RpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
+        """Start several read batches with one SubmitMany per `keep_finished` of them."""
+        requests = [self._read_request(groups, prefix_only) for groups in batches]
+        if not self.keep_finished:  # a server without SubmitMany: their Submits in flight together
+            calls = [self.stub.Submit.future(r, timeout=self.timeout_s) for r in requests]
+            try:
+                return [_ShmTransfer(self, call.result().transfer_id) for call in calls]
+            except grpc.RpcError as exc:
+                raise from_status(exc.code(), exc.details()) from None
+        out: list[Transfer] = []
+        for start in range(0, len(requests), self.keep_finished):
+            reply = self.call(self.stub.SubmitMany, pb.SubmitManyRequest(
+                session_id=self.session_id, batches=requests[start:start + self.keep_finished]))
+            out.extend(_ShmTransfer(self, tid) for tid in reply.transfer_ids)
+        return out
 
     def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:
         """Wait with one GetTransfers per `keep_finished` batches rather than a call per batch."""
@@ -421,10 +428,11 @@ class TransferSession:
               batch_descriptors: int = 512, prefix_only: bool = True) -> TransferState:
         """Fetch blocks into consecutive slots of `region` and wait: the common case.
 
-        Batches are submitted back to back, then awaited, so they overlap; each is
-        one descriptor group. With `prefix_only`, each batch stops at its first
-        block not found; a later batch may already have loaded blocks past it, so
-        load `done_prefix` blocks.
+        Each batch is one descriptor group. They go out together (on the shm path,
+        one SubmitMany call for up to `keep_finished` of them) and are awaited
+        together (one GetTransfers), so they overlap. With `prefix_only`, each
+        batch stops at its first block not found; a later batch may already have
+        loaded blocks past it, so load `done_prefix` blocks.
         """
         size = self.client.block_bytes
         step = max(1, min(batch_descriptors, self.max_descriptors))
@@ -440,12 +448,22 @@ class TransferSession:
                                                       offset_bytes=offset_bytes + start * size)])
         if not batches:
             return TransferState.concat([])
-        # Every batch names the one region, so they all take the same path.
-        transfers = self._path_for(batches[0]).read_many(batches, prefix_only)
-        return TransferState.concat(self.wait_all(transfers))
+        # Every batch names the one region, so they all take the same path. The
+        # server remembers `keep_finished` finished batches: more are sent only
+        # once those have been collected, so none is forgotten before it is read.
+        path = self._path_for(batches[0])
+        window = self.keep_finished or len(batches)
+        states: list[TransferState] = []
+        for start in range(0, len(batches), window):
+            states.extend(self.wait_all(path.read_many(batches[start:start + window], prefix_only)))
+        return TransferState.concat(states)
 
     def wait_all(self, transfers: Sequence[Transfer], timeout_s: float | None = None) -> list[TransferState]:
-        """Wait for several batches, in as few calls as their paths allow; their states, in order."""
+        """Wait for several batches, in as few calls as their paths allow; their states, in order.
+
+        The server remembers a session's last `keep_finished` finished batches:
+        wait for at most that many at a time.
+        """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def left() -> float | None:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstore/v1/transfer.proto\x12\nkvstore.v1\"9\n\x12OpenSessionRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"\x81\x01\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_descriptors\x18\x02 \x01(\r\x12\x18\n\x10max_region_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bmax_regions\x18\x04 \x01(\r\x12\x15\n\rkeep_finished\x18\x05 \x01(\r\"`\n\x15RegisterRegionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"K\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"@\n\x17\x44\x65registerRegionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\x04\"\x1a\n\x18\x44\x65registerRegionResponse\"g\n\x0f\x44\x65scriptorGroup\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x15\n\roffsets_bytes\x18\x04 \x03(\x04\"\xd9\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x02op\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.TransferOp\x12+\n\x06groups\x18\t \x03(\x0b\x32\x1b.kvstore.v1.DescriptorGroup\x12\x13\n\x0bprefix_only\x18\x04 \x01(\x08\x12\x0c\n\x04wait\x18\x05 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x06 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nextra_keys\x18\x08 \x03(\x0cJ\x04\x08\x03\x10\x04\"@\n\x11\x44\x65scriptorFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa6\x01\n\rTransferState\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12\x10\n\x08statuses\x18\x05 \x01(\x0c\x12/\n\x08\x66\x61ilures\x18\x06 \x03(\x0b\x32\x1d.kvstore.v1.DescriptorFailure\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x01(\x0cJ\x04\x08\x03\x10\x04\"O\n\x0eSubmitResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12(\n\x05state\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.TransferState\"N\n\x12GetTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"P\n\x13GetTransfersRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"A\n\x14GetTransfersResponse\x12)\n\x06states\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.TransferState*V\n\nTransferOp\x12\x1b\n\x17TRANSFER_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10TRANSFER_OP_READ\x10\x01\x12\x15\n\x11TRANSFER_OP_WRITE\x10\x02*\xa9\x01\n\x10\x44\x65scriptorStatus\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_PENDING\x10\x00\x12\x1a\n\x16\x44\x45SCRIPTOR_STATUS_DONE\x10\x01\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_MISSING\x10\x02\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_SKIPPED\x10\x03\x12\x1c\n\x18\x44\x45SCRIPTOR_STATUS_FAILED\x10\x04\x32\xeb\x03\n\x08Transfer\x12I\n\x0bOpenSession\x12\x1e.kvstore.v1.OpenSessionRequest\x1a\x18.kvstore.v1.SessionEvent0\x01\x12W\n\x0eRegisterRegion\x12!.kvstore.v1.RegisterRegionRequest\x1a\".kvstore.v1.RegisterRegionResponse\x12]\n\x10\x44\x65registerRegion\x12#.kvstore.v1.DeregisterRegionRequest\x1a$.kvstore.v1.DeregisterRegionResponse\x12?\n\x06Submit\x12\x19.kvstore.v1.SubmitRequest\x1a\x1a.kvstore.v1.SubmitResponse\x12H\n\x0bGetTransfer\x12\x1e.kvstore.v1.GetTransferRequest\x1a\x19.kvstore.v1.TransferState\x12Q\n\x0cGetTransfers\x12\x1f.kvstore.v1.GetTransfersRequest\x1a .kvstore.v1.GetTransfersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvstore/v1/transfer.proto\x12\nkvstore.v1\"9\n\x12OpenSessionRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\"\x81\x01\n\x0cSessionEvent\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\x0fmax_descriptors\x18\x02 \x01(\r\x12\x18\n\x10max_region_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bmax_regions\x18\x04 \x01(\r\x12\x15\n\rkeep_finished\x18\x05 \x01(\r\"`\n\x15RegisterRegionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\r\n\x05nonce\x18\x04 \x01(\x0c\"K\n\x16RegisterRegionResponse\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x0e\n\x06shared\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"@\n\x17\x44\x65registerRegionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tregion_id\x18\x02 \x01(\x04\"\x1a\n\x18\x44\x65registerRegionResponse\"g\n\x0f\x44\x65scriptorGroup\x12\x11\n\tregion_id\x18\x01 \x01(\x04\x12\x14\n\x0clength_bytes\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x15\n\roffsets_bytes\x18\x04 \x03(\x04\"\xd9\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\"\n\x02op\x18\x02 \x01(\x0e\x32\x16.kvstore.v1.TransferOp\x12+\n\x06groups\x18\t \x03(\x0b\x32\x1b.kvstore.v1.DescriptorGroup\x12\x13\n\x0bprefix_only\x18\x04 \x01(\x08\x12\x0c\n\x04wait\x18\x05 \x01(\x08\x12\x13\n\x0bparent_hash\x18\x06 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x07 \x03(\r\x12\x12\n\nextra_keys\x18\x08 \x03(\x0cJ\x04\x08\x03\x10\x04\"@\n\x11\x44\x65scriptorFailure\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xa6\x01\n\rTransferState\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\x12\x13\n\x0b\x62ytes_moved\x18\x04 \x01(\x04\x12\x10\n\x08statuses\x18\x05 \x01(\x0c\x12/\n\x08\x66\x61ilures\x18\x06 \x03(\x0b\x32\x1d.kvstore.v1.DescriptorFailure\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x01(\x0cJ\x04\x08\x03\x10\x04\"S\n\x11SubmitManyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12*\n\x07\x62\x61tches\x18\x02 \x03(\x0b\x32\x19.kvstore.v1.SubmitRequest\"*\n\x12SubmitManyResponse\x12\x14\n\x0ctransfer_ids\x18\x01 \x03(\x04\"O\n\x0eSubmitResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\x04\x12(\n\x05state\x18\x02 \x01(\x0b\x32\x19.kvstore.v1.TransferState\"N\n\x12GetTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"P\n\x13GetTransfersRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0ctransfer_ids\x18\x02 \x03(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"A\n\x14GetTransfersResponse\x12)\n\x06states\x18\x01 \x03(\x0b\x32\x19.kvstore.v1.TransferState*V\n\nTransferOp\x12\x1b\n\x17TRANSFER_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10TRANSFER_OP_READ\x10\x01\x12\x15\n\x11TRANSFER_OP_WRITE\x10\x02*\xa9\x01\n\x10\x44\x65scriptorStatus\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_PENDING\x10\x00\x12\x1a\n\x16\x44\x45SCRIPTOR_STATUS_DONE\x10\x01\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_MISSING\x10\x02\x12\x1d\n\x19\x44\x45SCRIPTOR_STATUS_SKIPPED\x10\x03\x12\x1c\n\x18\x44\x45SCRIPTOR_STATUS_FAILED\x10\x04\x32\xb8\x04\n\x08Transfer\x12I\n\x0bOpenSession\x12\x1e.kvstore.v1.OpenSessionRequest\x1a\x18.kvstore.v1.SessionEvent0\x01\x12W\n\x0eRegisterRegion\x12!.kvstore.v1.RegisterRegionRequest\x1a\".kvstore.v1.RegisterRegionResponse\x12]\n\x10\x44\x65registerRegion\x12#.kvstore.v1.DeregisterRegionRequest\x1a$.kvstore.v1.DeregisterRegionResponse\x12?\n\x06Submit\x12\x19.kvstore.v1.SubmitRequest\x1a\x1a.kvstore.v1.SubmitResponse\x12K\n\nSubmitMany\x12\x1d.kvstore.v1.SubmitManyRequest\x1a\x1e.kvstore.v1.SubmitManyResponse\x12H\n\x0bGetTransfer\x12\x1e.kvstore.v1.GetTransferRequest\x1a\x19.kvstore.v1.TransferState\x12Q\n\x0cGetTransfers\x12\x1f.kvstore.v1.GetTransfersRequest\x1a .kvstore.v1.GetTransfersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFEROP']._serialized_start=1371
-  _globals['_TRANSFEROP']._serialized_end=1457
-  _globals['_DESCRIPTORSTATUS']._serialized_start=1460
-  _globals['_DESCRIPTORSTATUS']._serialized_end=1629
+  _globals['_TRANSFEROP']._serialized_start=1500
+  _globals['_TRANSFEROP']._serialized_end=1586
+  _globals['_DESCRIPTORSTATUS']._serialized_start=1589
+  _globals['_DESCRIPTORSTATUS']._serialized_end=1758
   _globals['_OPENSESSIONREQUEST']._serialized_start=41
   _globals['_OPENSESSIONREQUEST']._serialized_end=98
   _globals['_SESSIONEVENT']._serialized_start=101
@@ -55,14 +55,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIPTORFAILURE']._serialized_end=890
   _globals['_TRANSFERSTATE']._serialized_start=893
   _globals['_TRANSFERSTATE']._serialized_end=1059
-  _globals['_SUBMITRESPONSE']._serialized_start=1061
-  _globals['_SUBMITRESPONSE']._serialized_end=1140
-  _globals['_GETTRANSFERREQUEST']._serialized_start=1142
-  _globals['_GETTRANSFERREQUEST']._serialized_end=1220
-  _globals['_GETTRANSFERSREQUEST']._serialized_start=1222
-  _globals['_GETTRANSFERSREQUEST']._serialized_end=1302
-  _globals['_GETTRANSFERSRESPONSE']._serialized_start=1304
-  _globals['_GETTRANSFERSRESPONSE']._serialized_end=1369
-  _globals['_TRANSFER']._serialized_start=1632
-  _globals['_TRANSFER']._serialized_end=2123
+  _globals['_SUBMITMANYREQUEST']._serialized_start=1061
+  _globals['_SUBMITMANYREQUEST']._serialized_end=1144
+  _globals['_SUBMITMANYRESPONSE']._serialized_start=1146
+  _globals['_SUBMITMANYRESPONSE']._serialized_end=1188
+  _globals['_SUBMITRESPONSE']._serialized_start=1190
+  _globals['_SUBMITRESPONSE']._serialized_end=1269
+  _globals['_GETTRANSFERREQUEST']._serialized_start=1271
+  _globals['_GETTRANSFERREQUEST']._serialized_end=1349
+  _globals['_GETTRANSFERSREQUEST']._serialized_start=1351
+  _globals['_GETTRANSFERSREQUEST']._serialized_end=1431
+  _globals['_GETTRANSFERSRESPONSE']._serialized_start=1433
+  _globals['_GETTRANSFERSRESPONSE']._serialized_end=1498
+  _globals['_TRANSFER']._serialized_start=1761
+  _globals['_TRANSFER']._serialized_end=2329
 # @@protoc_insertion_point(module_scope)

@@ -143,6 +143,20 @@ class TransferState(_message.Message):
     block_hashes: bytes
     def __init__(self, transfer_id: _Optional[int] = ..., done: _Optional[bool] = ..., bytes_moved: _Optional[int] = ..., statuses: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[DescriptorFailure, _Mapping]]] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
 
+class SubmitManyRequest(_message.Message):
+    __slots__ = ("session_id", "batches")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    batches: _containers.RepeatedCompositeFieldContainer[SubmitRequest]
+    def __init__(self, session_id: _Optional[str] = ..., batches: _Optional[_Iterable[_Union[SubmitRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitManyResponse(_message.Message):
+    __slots__ = ("transfer_ids",)
+    TRANSFER_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SubmitResponse(_message.Message):
     __slots__ = ("transfer_id", "state")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitMany = channel.unary_unary(
+                '/kvstore.v1.Transfer/SubmitMany',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.SubmitManyRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.SubmitManyResponse.FromString,
+                _registered_method=True)
         self.GetTransfer = channel.unary_unary(
                 '/kvstore.v1.Transfer/GetTransfer',
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransferRequest.SerializeToString,
@@ -98,6 +103,14 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitMany(self, request, context):
+        """Starts several batches in one call (at most keep_finished). Every batch is
+        checked first: if one is refused, the call fails naming it and none starts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetTransfer(self, request, context):
         """A batch's per-descriptor results; waits up to wait_ms for it to finish.
         """
@@ -135,6 +148,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.SubmitRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitMany,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.SubmitManyRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.SubmitManyResponse.SerializeToString,
             ),
             'GetTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTransfer,
@@ -255,6 +273,33 @@ class Transfer:
             '/kvstore.v1.Transfer/Submit',
             kvstore_dot_v1_dot_transfer__pb2.SubmitRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/SubmitMany',
+            kvstore_dot_v1_dot_transfer__pb2.SubmitManyRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.SubmitManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -205,3 +205,51 @@ def test_a_cancelled_batch_ends_only_after_its_copy_stops(monkeypatch: pytest.Mo
     assert copied_at and copied_at[0] <= ended_at
     copier.close()
     tier.close()
+
+
+def test_submit_many_starts_every_batch_and_answers_their_ids_in_order(client: Client) -> None:
+    with client.transfer(path="shm") as session:
+        hashes, blocks = stored(client, 3)
+        size = client.block_bytes
+        region = session.register(3 * size)
+        requests = [pb.SubmitRequest(op=pb.TRANSFER_OP_READ, groups=[pb.DescriptorGroup(
+            region_id=region.region_id, length_bytes=size, block_hashes=h, offsets_bytes=[i * size])])
+            for i, h in enumerate(hashes)]
+        reply = session.stub.SubmitMany(pb.SubmitManyRequest(session_id=session.session_id, batches=requests))
+        assert len(reply.transfer_ids) == 3 and list(reply.transfer_ids) == sorted(reply.transfer_ids)
+        states = session.stub.GetTransfers(pb.GetTransfersRequest(
+            session_id=session.session_id, transfer_ids=reply.transfer_ids, wait_ms=10_000)).states
+        assert [bytes(s.statuses) for s in states] == [bytes([pb.DESCRIPTOR_STATUS_DONE])] * 3
+        assert bytes(region.view) == b"".join(blocks)
+
+
+def test_submit_many_refuses_the_whole_call_naming_the_bad_batch(server: Any, client: Client) -> None:
+    with client.transfer(path="shm") as session:
+        hashes, _ = stored(client, 1)
+        size = client.block_bytes
+        region = session.register(size)
+        good = pb.SubmitRequest(op=pb.TRANSFER_OP_READ, groups=[pb.DescriptorGroup(
+            region_id=region.region_id, length_bytes=size, block_hashes=hashes[0], offsets_bytes=[0])])
+        empty = pb.SubmitRequest(op=pb.TRANSFER_OP_READ)
+        with pytest.raises(grpc.RpcError) as info:
+            session.stub.SubmitMany(pb.SubmitManyRequest(session_id=session.session_id, batches=[good, empty, good]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch 1: a batch holds 1 to" in (info.value.details() or "")
+        assert "no batch was started" in (info.value.details() or "")
+        table = servicer(server).table
+        assert not table.sessions[session.session_id].transfers, "nothing started"
+        with pytest.raises(grpc.RpcError) as info:
+            session.stub.SubmitMany(pb.SubmitManyRequest(session_id=session.session_id))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "got 0" in (info.value.details() or "")
+
+
+def test_fetch_of_more_batches_than_the_server_remembers(start_server: Callable[..., Any],
+                                                         store_settings: StoreSettings) -> None:
+    # keep_finished=2: a fetch of 7 one-descriptor batches goes out 2 at a time,
+    # each pair collected before the next, so no batch is forgotten unread.
+    server = start_server(store_settings, transfer=TransferSettings(keep_finished=2))
+    with Client(server.target) as client, client.transfer(path="shm") as session:
+        hashes, blocks = stored(client, 7)
+        region = session.register(7 * client.block_bytes)
+        state = session.fetch(hashes, region, batch_descriptors=1)
+        assert state.done_prefix == 7 and bytes(region.view) == b"".join(blocks)
