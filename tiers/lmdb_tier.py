@@ -36,12 +36,23 @@ import xxhash
 
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import GiB, StoreSettings
-from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
 from tiers import blockcopy
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.leases import Lease, LeaseTable
-from tiers.records import BlockMeta, child_key, lru_entry, lru_key, parent_key_of
+from tiers.records import (
+    DATA_TAG,
+    META_TAG,
+    BlockMeta,
+    child_key,
+    children_prefix,
+    data_key,
+    lru_entry,
+    lru_key,
+    meta_key,
+    parent_key_of,
+)
 
 T = TypeVar("T")
 
@@ -103,10 +114,14 @@ class LmdbBlockTier:
         map_size = int(settings.capacity_bytes * 1.25) + GiB
         self.env = lmdb.open(str(settings.data_dir), map_size=map_size, max_dbs=8, sync=True,
                              metasync=True, readahead=False, max_readers=512)
-        self._blocks = self.env.open_db(b"blocks")
-        self._meta = self.env.open_db(b"meta")
+        try:
+            _refuse_old_layout(self.env, settings)
+        except ConfigError:
+            self.env.close()
+            raise
+        # Data, meta and child entries of each block, side by side (tiers/records.py).
+        self._records = self.env.open_db(b"records")
         self._lru = self.env.open_db(b"lru")
-        self._children = self.env.open_db(b"children")
         self._state = self.env.open_db(b"state")
         self._lock = threading.Lock()
         self._touch_lock = threading.Lock()
@@ -159,7 +174,7 @@ class LmdbBlockTier:
             lo, hi = 0, len(hashes)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if txn.get(scope.key(hashes[mid - 1]), db=self._meta) is not None:
+                if txn.get(meta_key(scope.key(hashes[mid - 1])), db=self._records) is not None:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -218,7 +233,7 @@ class LmdbBlockTier:
     def _put_in(self, txn: lmdb.Transaction, batch: PutBatch, now: float) -> PutResult:
         parent_depth = self._parent_depth(txn, batch.scope, batch.parent_hash, batch.is_root)
         keys = [batch.scope.key(h) for h in batch.hashes]
-        fresh = [txn.get(k, db=self._meta) is None for k in keys]
+        fresh = [txn.get(meta_key(k), db=self._records) is None for k in keys]
         need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
         self._make_room(txn, need, now)
         parent = batch.parent_hash
@@ -234,7 +249,7 @@ class LmdbBlockTier:
     def _parent_depth(self, txn: lmdb.Transaction, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
         if is_root:
             return 0
-        raw = txn.get(scope.key(parent_hash), db=self._meta)
+        raw = txn.get(meta_key(scope.key(parent_hash)), db=self._records)
         if raw is None:
             raise FailedPrecondition(
                 f"parent block {parent_hash.hex()[:16]}... is not stored; put the prefix first"
@@ -245,16 +260,16 @@ class LmdbBlockTier:
                 data: Buffer, now: float, is_first: bool) -> None:
         meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
                          checksum=xxhash.xxh3_64_intdigest(data), created_s=now, last_access_s=now)
-        txn.put(key, data, db=self._blocks)
-        txn.put(key, meta.pack(), db=self._meta)
+        txn.put(data_key(key), data, db=self._records)
+        txn.put(meta_key(key), meta.pack(), db=self._records)
         txn.put(lru_key(now, depth, key), b"", db=self._lru)
         if not is_first:
-            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=self._children)
+            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=self._records)
         self._blocks_stored += 1
         self._bytes_stored += len(data)
 
     def _touch(self, txn: lmdb.Transaction, key: bytes, now: float) -> None:
-        raw = txn.get(key, db=self._meta)
+        raw = txn.get(meta_key(key), db=self._records)
         if raw is None:
             return
         meta = BlockMeta.unpack(raw)
@@ -262,7 +277,7 @@ class LmdbBlockTier:
             return
         txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
         txn.put(lru_key(now, meta.depth, key), b"", db=self._lru)
-        txn.put(key, dataclasses.replace(meta, last_access_s=now).pack(), db=self._meta)
+        txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now).pack(), db=self._records)
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Record a read of `keys` now: the retention clock of each restarts (one fsync'd commit).
@@ -279,7 +294,7 @@ class LmdbBlockTier:
                     self._touch(txn, key, now)
 
     def _stale(self, txn: lmdb.Transaction, key: bytes, now: float) -> bool:
-        raw = txn.get(key, db=self._meta)
+        raw = txn.get(meta_key(key), db=self._records)
         return raw is not None and BlockMeta.unpack(raw).last_access_s < now - TOUCH_GRANULARITY_S
 
     def touch_soon(self, keys: Sequence[bytes]) -> Future[None]:
@@ -353,34 +368,35 @@ class LmdbBlockTier:
             yield key
 
     def _meta_of(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta:
-        raw = txn.get(key, db=self._meta)
+        raw = txn.get(meta_key(key), db=self._records)
         if raw is None:
             raise KeyError(f"no meta for block {key.hex()}")  # an index entry without its block: a bug
         return BlockMeta.unpack(raw)
 
     def _children_of(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
         """Storage keys of the stored children of `key`."""
-        cursor = txn.cursor(db=self._children)
-        if not cursor.set_range(key):
+        prefix = children_prefix(key)
+        cursor = txn.cursor(db=self._records)
+        if not cursor.set_range(prefix):
             return
         for raw in cursor.iternext(keys=True, values=False):
             raw = bytes(raw)
-            if not raw.startswith(key):
+            if not raw.startswith(prefix):
                 return
-            yield key[:-32] + raw[len(key):]
+            yield key[:-32] + raw[len(prefix):]
 
     def _delete(self, txn: lmdb.Transaction, key: bytes, *, propagate_access: bool) -> int:
         """Remove one block and its index entries; return its size."""
         meta = self._meta_of(txn, key)
-        txn.delete(key, db=self._blocks)
-        txn.delete(key, db=self._meta)
+        txn.delete(data_key(key), db=self._records)
+        txn.delete(meta_key(key), db=self._records)
         txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
         parent = parent_key_of(key, meta.parent_hash)
-        txn.delete(child_key(parent, key[-32:]), db=self._children)
+        txn.delete(child_key(parent, key[-32:]), db=self._records)
         if propagate_access:
             # The parent was in use whenever this child was: carry the child's
             # time up so the parent's LRU position is not older than its subtree's.
-            raw = txn.get(parent, db=self._meta)
+            raw = txn.get(meta_key(parent), db=self._records)
             if raw is not None and BlockMeta.unpack(raw).last_access_s < meta.last_access_s:
                 self._touch(txn, parent, meta.last_access_s)
         self._blocks_stored -= 1
@@ -445,10 +461,10 @@ class LmdbBlockTier:
         """
         txn = self.env.begin(buffers=True)
         try:
-            get, meta_db, blocks_db = txn.get, self._meta, self._blocks
-            metas = [None if k is None else get(k, None, meta_db) for k in keys]
+            get, db, meta_tag, data_tag = txn.get, self._records, META_TAG, DATA_TAG
+            metas = [None if k is None else get(k + meta_tag, None, db) for k in keys]
             # A key with a meta record is not None.
-            datas = [None if m is None else get(k, None, blocks_db)  # type: ignore[arg-type]
+            datas = [None if m is None else get(k + data_tag, None, db)  # type: ignore[operator]
                      for k, m in zip(keys, metas, strict=True)]
         except BaseException:
             txn.abort()
@@ -457,11 +473,11 @@ class LmdbBlockTier:
 
     def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
         """The block's bytes as a view valid until `txn` ends, if intact."""
-        raw_meta = txn.get(key, db=self._meta)
+        raw_meta = txn.get(meta_key(key), db=self._records)
         if raw_meta is None:
             return ReadStatus.MISSING, None
         meta = BlockMeta.unpack(raw_meta)
-        data = txn.get(key, db=self._blocks)
+        data = txn.get(data_key(key), db=self._records)
         if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
             return ReadStatus.CORRUPT, None
         return ReadStatus.FOUND, memoryview(data)
@@ -470,7 +486,7 @@ class LmdbBlockTier:
         """Remove corrupt blocks and their descendants; count them."""
         with self._write() as txn:
             for key in keys:
-                if txn.get(key, db=self._meta) is None:
+                if txn.get(meta_key(key), db=self._records) is None:
                     continue
                 for victim in reversed(list(self._subtree(txn, key))):
                     self._delete(txn, victim, propagate_access=False)
@@ -525,6 +541,22 @@ class LmdbBlockTier:
 
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
+
+
+def _refuse_old_layout(env: lmdb.Environment, settings: StoreSettings) -> None:
+    """Stop at a store written with one database per record kind (before 2026-11-29).
+
+    Its blocks would be invisible to this layout while its usage counters still
+    counted them, so it is refused rather than served half-empty.
+    """
+    with env.begin() as txn:
+        try:
+            env.open_db(b"meta", txn=txn, create=False)
+        except lmdb.NotFoundError:
+            return
+    raise ConfigError(f"{settings.data_dir} holds a store in an older on-disk layout (one LMDB database per "
+                      "record kind); this version keeps a block's records together. Start with an empty "
+                      "store.data_dir (the cache refills from recomputation)")
 
 
 class StagedReads:

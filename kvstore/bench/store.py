@@ -134,6 +134,7 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int, hashes: lis
     from kvstore.config import StoreSettings
     from kvstore.prefix import BlockScope
     from tiers.lmdb_tier import LmdbBlockTier
+    from tiers.records import meta_key
 
     tier = LmdbBlockTier(StoreSettings(data_dir=data_dir, capacity_bytes=int(capacity * 1.2) + GiB,
                                        block_tokens=block_tokens))
@@ -147,7 +148,7 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int, hashes: lis
         def scan() -> None:
             with tier.env.begin() as txn:
                 for h in hashes:
-                    txn.get(scope.key(h), db=tier._meta)
+                    txn.get(meta_key(scope.key(h)), db=tier._records)
 
         scan_s = min(timed(scan) for _ in range(5))
     finally:

@@ -10,6 +10,7 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
+from tiers.records import data_key
 
 FP = b"\x01" * 8
 
@@ -47,7 +48,7 @@ def test_read_into_skips_none_and_stops_at_missing(store_settings: StoreSettings
 def test_read_into_never_copies_a_corrupt_block(store_settings: StoreSettings) -> None:
     tier, keys, _ = filled(store_settings, 2)
     with tier.env.begin(write=True) as txn:
-        txn.put(keys[1], b"\xff" * 256, db=tier._blocks)
+        txn.put(data_key(keys[1]), b"\xff" * 256, db=tier._records)
     dest = memoryview(bytearray(2 * 256))
     out = tier.read_into(keys, [dest[:256], dest[256:]])
     assert out == [ReadStatus.FOUND, ReadStatus.CORRUPT]

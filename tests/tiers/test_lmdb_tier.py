@@ -18,6 +18,7 @@ from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
+from tiers.records import data_key
 
 HOUR = 3600.0
 BLOCK = 1024  # the tier stores opaque bytes; sizes are checked at the gateway
@@ -66,11 +67,11 @@ def test_r1_put_is_durable_when_acknowledged(tier: LmdbBlockTier, settings: Stor
         "import lmdb, sys\n"
         f"env = lmdb.open({str(settings.data_dir)!r}, readonly=True, lock=False, max_dbs=8)\n"
         "with env.begin() as txn:\n"
-        "    db = env.open_db(b'blocks', txn=txn, create=False)\n"
+        "    db = env.open_db(b'records', txn=txn, create=False)\n"
         "    for key in sys.argv[1:]:\n"
         "        print(len(txn.get(bytes.fromhex(key), db=db) or b''))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, *(SCOPE.key(h).hex() for h in hashes)],
+    out = subprocess.run([sys.executable, "-c", script, *(data_key(SCOPE.key(h)).hex() for h in hashes)],
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(BLOCK)] * 3
 
@@ -79,7 +80,7 @@ def test_r2_checksum_verified_on_every_read(tier: LmdbBlockTier) -> None:
     hashes = chain(0, 3)
     put_chain(tier, hashes)
     with tier.env.begin(write=True) as txn:
-        txn.put(SCOPE.key(hashes[1]), b"\xff" + data(1)[1:], db=tier._blocks)
+        txn.put(data_key(SCOPE.key(hashes[1])), b"\xff" + data(1)[1:], db=tier._records)
     results = tier.read([SCOPE.key(h) for h in hashes])
     assert [s for s, _ in results] == [ReadStatus.FOUND, ReadStatus.CORRUPT, ReadStatus.FOUND]
     assert results[1][1] is None
@@ -224,7 +225,7 @@ def test_r10_corrupt_block_removed_with_descendants(tier: LmdbBlockTier) -> None
     hashes = chain(0, 5)
     put_chain(tier, hashes)
     with tier.env.begin(write=True) as txn:
-        txn.put(SCOPE.key(hashes[2]), data(99), db=tier._blocks)
+        txn.put(data_key(SCOPE.key(hashes[2])), data(99), db=tier._records)
     assert tier.read([SCOPE.key(hashes[2])])[0][0] is ReadStatus.CORRUPT
     assert tier.lookup(SCOPE, hashes)[0] == 2
     assert tier.stats().blocks_stored == 2
@@ -308,3 +309,29 @@ def test_r1_group_commit_is_all_or_nothing(tier: LmdbBlockTier) -> None:
     results = tier.put_many([batches[0], extend])
     assert [r.written_blocks for r in results] == [2, 1]
     assert tier.lookup(SCOPE, chain(0, 3))[0] == 3 and tier.stats().counters.puts == 2
+
+
+def test_a_blocks_records_sit_together(tier: LmdbBlockTier) -> None:
+    # Data, meta and child entries of a block sort side by side (one leaf page per
+    # stored block rather than one in each of three trees): tiers/records.py.
+    hashes = chain(0, 3)
+    put_chain(tier, hashes)
+    with tier.env.begin() as txn:
+        keys = [bytes(k) for k in txn.cursor(db=tier._records).iternext(values=False)]
+    middle = SCOPE.key(hashes[1])
+    owned = [i for i, k in enumerate(keys) if k.startswith(middle)]
+    assert [keys[i][len(middle):] for i in owned] == [b"c" + hashes[2], b"d", b"m"]
+    assert owned == list(range(owned[0], owned[0] + 3)), "contiguous"
+
+
+def test_a_store_in_the_older_layout_is_refused(settings: StoreSettings) -> None:
+    import lmdb
+
+    from kvstore.errors import ConfigError
+
+    settings.data_dir.mkdir(parents=True)
+    env = lmdb.open(str(settings.data_dir), max_dbs=8)
+    env.open_db(b"meta")
+    env.close()
+    with pytest.raises(ConfigError, match="older on-disk layout"):
+        LmdbBlockTier(settings)
