@@ -152,6 +152,17 @@ class TransferServicer(pb_grpc.TransferServicer):
                 await asyncio.wait_for(asyncio.gather(*(done.wait() for done in pending)), request.wait_ms / 1000.0)
         return pb.GetTransfersResponse(states=[_state(t) for t in transfers])
 
+    @unary
+    async def Stats(self, request: pb.TransferStatsRequest,
+                    context: grpc.aio.ServicerContext) -> pb.TransferStatsResponse:
+        c = self.table.counters
+        return pb.TransferStatsResponse(
+            copy_loop="native" if blockcopy.NATIVE else "python", copy_threads=self.copier.threads,
+            sessions=len(self.table.sessions), regions=self.table.mapped_regions(),
+            mapped_bytes=self.table.mapped_bytes(), read_batches=c.read_batches, write_batches=c.write_batches,
+            descriptors_done=c.descriptors_done, descriptors_missing=c.descriptors_missing,
+            descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved)
+
     # -- batches -------------------------------------------------------------
 
     def _checked(self, session: Session, request: pb.SubmitRequest) -> Callable[[], Transfer]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvstore.prefix import BlockScope
-from kvstore.transfer import BatchResults
+from kvstore.transfer import DONE, FAILED, MISSING, BatchResults
 
 log = logging.getLogger("kvstore.transfer")
 _SHM_NAME = re.compile(r"^kvstore-[0-9a-f]{32}$")
@@ -88,11 +88,34 @@ class Transfer:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass
+class TransferCounters:
+    """Finished batches and their descriptors, since the server started (event loop only)."""
+
+    read_batches: int = 0
+    write_batches: int = 0
+    descriptors_done: int = 0
+    descriptors_missing: int = 0
+    descriptors_failed: int = 0
+    bytes_moved: int = 0
+
+    def count(self, results: BatchResults) -> None:
+        """Add one finished batch."""
+        if results.writes:
+            self.write_batches += 1
+        else:
+            self.read_batches += 1
+        self.descriptors_done += results.statuses.count(DONE)
+        self.descriptors_missing += results.statuses.count(MISSING)
+        self.descriptors_failed += results.statuses.count(FAILED)
+        self.bytes_moved += results.bytes_moved
+
+
 class Session:
     """One client's regions and batches, for one tenant and geometry."""
 
     def __init__(self, session_id: str, peer: str, geometry: str, scope: BlockScope,
-                 settings: TransferSettings) -> None:
+                 settings: TransferSettings, counters: TransferCounters | None = None) -> None:
         self.session_id = session_id
         self.peer = peer
         self.geometry = geometry
@@ -104,6 +127,7 @@ class Session:
         self._next_transfer = 0
         # Finished batch ids, oldest first: forgetting one costs no scan of `transfers`.
         self._finished: deque[int] = deque()
+        self._counters = counters or TransferCounters()
 
     def new_transfer(self, region_ids: frozenset[int], size: int, *, writes: bool = False) -> Transfer:
         """Record a new batch of `size` descriptors, forgetting the oldest finished ones."""
@@ -119,6 +143,7 @@ class Session:
         """Mark a batch done; it is remembered until `keep_finished` later ones have finished."""
         transfer.done.set()
         self._finished.append(transfer.transfer_id)
+        self._counters.count(transfer.results)
 
     def transfer(self, transfer_id: int) -> Transfer:
         """A batch of this session by id."""
@@ -162,6 +187,7 @@ class SessionTable:
 
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings
+        self.counters = TransferCounters()
         self.sessions: dict[str, Session] = {}
         self._owner: dict[int, str] = {}
         self._next_region = 0
@@ -169,7 +195,7 @@ class SessionTable:
 
     def open(self, peer: str, geometry: str, scope: BlockScope) -> Session:
         """A new session bound to `peer`."""
-        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings)
+        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters)
         self.sessions[session.session_id] = session
         return session
 
@@ -244,3 +270,7 @@ class SessionTable:
     def mapped_regions(self) -> int:
         """Regions mapped now, across sessions."""
         return sum(len(s.regions) for s in self.sessions.values())
+
+    def mapped_bytes(self) -> int:
+        """Total size of the regions mapped now."""
+        return sum(r.size_bytes for s in self.sessions.values() for r in s.regions.values())

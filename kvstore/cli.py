@@ -91,6 +91,7 @@ def _stats(args: argparse.Namespace) -> int:
     with Client(args.target, timeout_s=args.timeout) as client:
         data = stats_dict(client.stats())
         data["swa"] = swa_stats_dict(client)
+        data["transfer"] = transfer_stats_dict(client)
     if args.json:
         print(json.dumps(data))
         return 0
@@ -104,7 +105,8 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"  {label:<{width}}  unbounded (no writes in the window)")
         else:
             print(f"  {label:<{width}}  {_fmt(value)}")
-    _print_swa(data["swa"])  # type: ignore[arg-type]
+    _print_section("SWA pool", data["swa"], SWA_ROWS)  # type: ignore[arg-type]
+    _print_section("Transfer", data["transfer"], TRANSFER_ROWS)  # type: ignore[arg-type]
     return 0
 
 
@@ -131,15 +133,34 @@ SWA_ROWS = (
 )
 
 
-def _print_swa(swa: dict[str, object] | None) -> None:
-    if swa is None:
-        print("SWA pool: not served")
+def transfer_stats_dict(client: object) -> dict[str, object] | None:
+    """The transfer service's TransferStatsResponse as a flat dict; None if the server predates it."""
+    from kvstore.errors import Internal
+
+    try:
+        return message_dict(client.transfer_stats())  # type: ignore[attr-defined]
+    except Internal:  # UNIMPLEMENTED: a server without Transfer.Stats
+        return None
+
+
+TRANSFER_ROWS = (
+    ("Copy loop", "copy_loop"), ("Copy threads", "copy_threads"), ("Sessions open", "sessions"),
+    ("Regions mapped", "regions"), ("Bytes mapped", "mapped_bytes"), ("Read batches", "read_batches"),
+    ("Write batches", "write_batches"), ("Descriptors done", "descriptors_done"),
+    ("Descriptors missing", "descriptors_missing"), ("Descriptors failed", "descriptors_failed"),
+    ("Bytes moved", "bytes_moved"),
+)
+
+
+def _print_section(title: str, data: dict[str, object] | None, rows: tuple[tuple[str, str], ...]) -> None:
+    if data is None:
+        print(f"{title}: not served")
         return
-    width = max(len(label) for label, _ in SWA_ROWS)
-    print("SWA pool")
-    for label, key in SWA_ROWS:
-        value = swa.get(key)
-        shown = f"{value:.1%}" if key == "hit_rate" and isinstance(value, float) else _fmt(value)
+    width = max(len(label) for label, _ in rows)
+    print(title)
+    for label, key in rows:
+        value = data.get(key)
+        shown = f"{value:.1%}" if key.endswith("hit_rate") and isinstance(value, float) else _fmt(value)
         print(f"  {label:<{width}}  {shown}")
 
 

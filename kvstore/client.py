@@ -20,6 +20,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
@@ -323,6 +324,11 @@ class Client:
     def stats(self) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom."""
         return self._call(self._stub.Stats, pb.StatsRequest())
+
+    def transfer_stats(self) -> transfer_pb2.TransferStatsResponse:
+        """The transfer service's counters: its copy loop, sessions, mapped regions, batches, bytes moved."""
+        stub = transfer_pb2_grpc.TransferStub(self._channel)
+        return self._call(stub.Stats, transfer_pb2.TransferStatsRequest())
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -273,6 +273,7 @@ class BatchResults:
     """
 
     def __init__(self, size: int, *, writes: bool = False) -> None:
+        self.writes = writes
         self.statuses = bytearray(size)
         self.failures: dict[int, tuple[str, str]] = {}
         self.bytes_moved = 0

@@ -190,3 +190,33 @@ class GetTransfersResponse(_message.Message):
     STATES_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedCompositeFieldContainer[TransferState]
     def __init__(self, states: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
+
+class TransferStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferStatsResponse(_message.Message):
+    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved")
+    COPY_LOOP_FIELD_NUMBER: _ClassVar[int]
+    COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    READ_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_DONE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_MISSING_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    copy_loop: str
+    copy_threads: int
+    sessions: int
+    regions: int
+    mapped_bytes: int
+    read_batches: int
+    write_batches: int
+    descriptors_done: int
+    descriptors_missing: int
+    descriptors_failed: int
+    bytes_moved: int
+    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
                 _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/kvstore.v1.Transfer/Stats',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsResponse.FromString,
+                _registered_method=True)
 
 
 class TransferServicer:
@@ -126,6 +131,13 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stats(self, request, context):
+        """The service's counters and what it holds now (`kvstore stats` shows them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -163,6 +175,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.GetTransfers,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +371,33 @@ class Transfer:
             '/kvstore.v1.Transfer/GetTransfers',
             kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/Stats',
+            kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.TransferStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,26 @@ def test_stats_table_and_json(server: Any, client: Any, capsys: pytest.CaptureFi
     assert data["bytes_free"] == data["capacity_bytes"] - 2 * client.block_bytes
 
 
+def test_stats_show_the_transfer_service(server: Any, client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from tiers import blockcopy
+
+    tokens = list(range(client.block_tokens * 2))
+    blocks = [os.urandom(client.block_bytes) for _ in range(2)]
+    client.put(tokens, blocks)
+    with client.transfer(path="shm") as session:
+        region = session.register(3 * client.block_bytes)
+        session.fetch([*client.hashes(tokens), b"\x09" * 32], region)
+        assert main(["stats", "--target", server.target, "--json"]) == 0
+        transfer = json.loads(capsys.readouterr().out)["transfer"]
+        assert transfer["copy_loop"] == ("native" if blockcopy.NATIVE else "python")
+        assert (transfer["sessions"], transfer["regions"], transfer["mapped_bytes"]) == (1, 1, 3 * client.block_bytes)
+        assert (transfer["read_batches"], transfer["descriptors_done"], transfer["descriptors_missing"]) == (1, 2, 1)
+        assert transfer["bytes_moved"] == 2 * client.block_bytes and transfer["descriptors_failed"] == 0
+    assert main(["stats", "--target", server.target]) == 0
+    table = capsys.readouterr().out
+    assert "\nTransfer\n" in table and "Sessions open" in table and "Descriptors done     2" in table
+
+
 def test_stats_on_an_empty_store_has_no_rates(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stats", "--target", server.target, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
