@@ -20,16 +20,17 @@ def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[by
     return validate.hashes(keys, limit=limit, field=field)
 
 
-def check_snapshot(index: int, snap: pb.SwaSnapshot, layout: Layout) -> None:
-    """Raise InvalidArgument unless `snap` has a valid key, the geometry's size and a matching checksum."""
+def check_snapshot(index: int, snap: pb.SwaSnapshot, data: bytes, layout: Layout) -> None:
+    """Raise InvalidArgument unless `snap` (whose `data` the caller read once) has the
+    geometry's size and a matching checksum."""
     geometry = layout.geometry
     expected = snapshot_bytes(geometry)
-    if len(snap.data) != expected:
+    if len(data) != expected:
         raise InvalidArgument(
-            f"snapshots[{index}] is {len(snap.data)} bytes; a {geometry.name} SWA snapshot is {expected} bytes "
+            f"snapshots[{index}] is {len(data)} bytes; a {geometry.name} SWA snapshot is {expected} bytes "
             f"({geometry.swa_layers} layers x {geometry.swa_window_tokens} tokens x {geometry.swa_channels} "
             "FP8 channels + per-token scales, kvstore.swa_snapshot.snapshot_bytes)")
-    if checksum(snap.data) != snap.checksum:
+    if checksum(data) != snap.checksum:
         raise InvalidArgument(f"snapshots[{index}] checksum {snap.checksum:#x} does not match its data "
                               "(xxh3-64): corrupted in transit or computed over other bytes")
 
@@ -58,11 +59,13 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         if not snaps:
             raise InvalidArgument("snapshots is empty: a Put stores at least one snapshot")
         check_keys([s.key for s in snaps], limit=self.max_batch, field="snapshots.key")
-        for i, snap in enumerate(snaps):
-            check_snapshot(i, snap, layout)
+        # Each read of a bytes field copies it out of the message: read each once.
+        datas = [s.data for s in snaps]
+        for i, (snap, data) in enumerate(zip(snaps, datas, strict=True)):
+            check_snapshot(i, snap, data, layout)
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
-        stored = await self.cache.put_many(scope.fingerprint, [(scope.key(s.key), s.data, s.checksum) for s in snaps],
-                                           ttl_s)
+        stored = await self.cache.put_many(
+            scope.fingerprint, [(scope.key(s.key), d, s.checksum) for s, d in zip(snaps, datas, strict=True)], ttl_s)
         applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
         return pb.SwaPutResponse(stored=len(snaps) if stored else 0, failed=0 if stored else len(snaps),
                                  ttl_ms=int(applied_s * 1000))

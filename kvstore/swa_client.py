@@ -104,8 +104,8 @@ class SwaClient:
                 geometry=self._client.geometry, namespace=self._client.namespace,
                 keys=keys[start:start + self._batch]))
             for r in reply.results:
-                ok = r.status == pb.SWA_STATUS_FOUND and checksum(r.data) == r.checksum
-                out.append(r.data if ok else None)
+                data = r.data if r.status == pb.SWA_STATUS_FOUND else None  # each read of the field copies it
+                out.append(data if data is not None and checksum(data) == r.checksum else None)
         return out
 
     def get(self, tokens: Sequence[int], position: int | None = None, *,
