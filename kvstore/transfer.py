@@ -16,6 +16,7 @@ gRPC is imported.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -172,11 +173,13 @@ class Spans:
 
     def pieces(self, lo: int, hi: int) -> Iterator[tuple[int, DescriptorGroup, int, int]]:
         """(group index, group, first, end) of each group's part of descriptors [lo, hi), both in the group."""
-        for k, g in enumerate(self.groups):
+        k = max(bisect.bisect_right(self.starts, lo) - 1, 0)  # a batch may hold a group per descriptor
+        while k < len(self.groups) and self.starts[k] < hi:
             start = self.starts[k]
             a, b = max(lo, start), min(hi, self.starts[k + 1])
             if a < b:
-                yield k, g, a - start, b - start
+                yield k, self.groups[k], a - start, b - start
+            k += 1
 
     def cut(self, lo: int, hi: int) -> list[memoryview | None]:
         """Views of descriptors [lo, hi), None where one failed."""

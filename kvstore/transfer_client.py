@@ -163,9 +163,9 @@ class ShmPath(TransferPath):
 
     def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:
         """Wait with one GetTransfers per `keep_finished` batches rather than a call per batch."""
-        waiting = [t for t in transfers if isinstance(t, _ShmTransfer) and t.path is self and t._final is None]
         if not self.keep_finished:
             return  # a server without GetTransfers: each batch waits on its own
+        waiting = [t for t in transfers if isinstance(t, _ShmTransfer) and t.path is self and t._final is None]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
             left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
