@@ -108,7 +108,9 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer())
-        transfer = self._checked(session, request)()
+        start = self._checked(session, request)
+        session.make_room(1)
+        transfer = start()
         if not request.wait:
             return pb.SubmitResponse(transfer_id=transfer.transfer_id)
         await transfer.done.wait()
@@ -126,6 +128,7 @@ class TransferServicer(pb_grpc.TransferServicer):
                 starts.append(self._checked(session, batch))
             except KVStoreError as exc:
                 raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
+        session.make_room(len(starts))
         return pb.SubmitManyResponse(transfer_ids=[start().transfer_id for start in starts])
 
     @unary

@@ -157,6 +157,22 @@ class Session:
         """Batches not finished yet."""
         return [t for t in self.transfers.values() if not t.done.is_set()]
 
+    def make_room(self, batches: int) -> None:
+        """Check that `batches` more may start: a session runs at most `keep_finished` at once.
+
+        Without a bound, a client could queue batches (and their tasks) without
+        end; this one also keeps every batch readable once it finishes.
+
+        Raises:
+            ResourceExhausted: that many more would pass the bound.
+        """
+        running = len(self.transfers) - len(self._finished)
+        if running + batches > self.settings.keep_finished:
+            raise ResourceExhausted(
+                f"{running} batches of this session are running; {batches} more would pass the "
+                f"{self.settings.keep_finished} a session may run at once",
+                hint="wait for running batches (GetTransfers) before submitting more")
+
     def drop_region(self, region_id: int) -> None:
         """Unmap one region of this session.
 

@@ -131,7 +131,8 @@ class TransferSettings:
     max_region_bytes: int = 64 * GiB
     #: Most regions one session may hold at once.
     max_regions: int = 64
-    #: Finished batches a session remembers for GetTransfer (oldest dropped first).
+    #: Finished batches a session remembers for GetTransfer(s) (oldest dropped
+    #: first); also the most batches a session may run at once.
     keep_finished: int = 1024
     #: Descriptors copied per executor call: small enough for progress to show in
     #: GetTransfer, large enough to amortise the hop to the LMDB thread.

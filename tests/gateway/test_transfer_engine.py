@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ from gateway.transfer_servicer import TransferServicer
 from gateway.transfer_sessions import Session
 from kvstore.client import Client
 from kvstore.config import StoreSettings, TransferSettings
+from kvstore.errors import ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from kvstore.transfer import BatchResults, Descriptor, DescriptorGroup, Op, Status, check_spans
@@ -253,3 +255,33 @@ def test_fetch_of_more_batches_than_the_server_remembers(start_server: Callable[
         region = session.register(7 * client.block_bytes)
         state = session.fetch(hashes, region, batch_descriptors=1)
         assert state.done_prefix == 7 and bytes(region.view) == b"".join(blocks)
+
+
+def test_a_session_runs_at_most_keep_finished_batches_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                               start_server: Callable[..., Any],
+                                                               store_settings: StoreSettings) -> None:
+    release = threading.Event()
+    copy = StagedReads.copy
+
+    def held_copy(self: StagedReads, *args: Any, **kwargs: Any) -> bytes:
+        release.wait(10)  # batches stay running until the test lets them go
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(StagedReads, "copy", held_copy)
+    server = start_server(store_settings, transfer=TransferSettings(keep_finished=2, copy_threads=1))
+    with Client(server.target) as client, client.transfer(path="shm") as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        descriptor = Descriptor(block_hash=hashes[0], region_id=region.region_id, offset_bytes=0,
+                                length_bytes=client.block_bytes)
+        running = [session.read([descriptor]), session.read([descriptor])]
+        with pytest.raises(ResourceExhausted, match="2 batches of this session are running"):
+            session.read([descriptor])
+        request = pb.SubmitRequest(op=pb.TRANSFER_OP_READ, groups=[pb.DescriptorGroup(
+            region_id=region.region_id, length_bytes=client.block_bytes, block_hashes=hashes[0], offsets_bytes=[0])])
+        with pytest.raises(grpc.RpcError) as info:
+            session.stub.SubmitMany(pb.SubmitManyRequest(session_id=session.session_id, batches=[request]))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        release.set()
+        assert all(s.done for s in session.wait_all(running))
+        assert session.read([descriptor]).wait(timeout_s=10).done, "room again once they finished"
