@@ -76,11 +76,15 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         keys = check_keys(list(request.keys), limit=self.max_batch)
         size = snapshot_bytes(layout.geometry)
         found = await self.cache.get_many(scope.fingerprint, [scope.key(k) for k in keys], size)
-        return pb.SwaGetResponse(results=[
-            pb.SwaResult(status=pb.SWA_STATUS_FOUND, data=f.data, checksum=f.checksum) if f
-            else pb.SwaResult(status=pb.SWA_STATUS_MISSING)
-            for f in found
-        ])
+        reply = pb.SwaGetResponse()
+        for f in found:
+            # Filled in place: a result built apart is copied again into the reply.
+            result = reply.results.add()
+            if f is None:
+                result.status = pb.SWA_STATUS_MISSING
+            else:
+                result.status, result.data, result.checksum = pb.SWA_STATUS_FOUND, f.data, f.checksum
+        return reply
 
     @unary
     async def Delete(self, request: pb.SwaDeleteRequest, context: grpc.aio.ServicerContext) -> pb.SwaDeleteResponse:

@@ -84,10 +84,13 @@ class SwaClient:
         stored = failed = ttl_ms = 0
         ttl = int(ttl_s * 1000) if ttl_s else 0
         for start in range(0, len(items), self._batch):
-            datas = [(k, as_buffer(d)) for k, d in items[start:start + self._batch]]
-            snaps = [pb.SwaSnapshot(key=k, data=bytes(d), checksum=checksum(d)) for k, d in datas]
-            reply = self._client._call(self._stub.Put, pb.SwaPutRequest(
-                geometry=self._client.geometry, namespace=self._client.namespace, snapshots=snaps, ttl_ms=ttl))
+            request = pb.SwaPutRequest(geometry=self._client.geometry, namespace=self._client.namespace, ttl_ms=ttl)
+            for key, data in items[start:start + self._batch]:
+                buffer = as_buffer(data)
+                # Filled in place: a snapshot built apart is copied again into its request.
+                snap = request.snapshots.add()
+                snap.key, snap.data, snap.checksum = key, bytes(buffer), checksum(buffer)
+            reply = self._client._call(self._stub.Put, request)
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
 
