@@ -12,6 +12,7 @@ setup(
             "tiers._blockcopy",
             sources=["tiers/_blockcopy.c"],
             include_dirs=["third_party/xxhash"],
+            depends=["third_party/xxhash/xxhash.h"],
             extra_compile_args=["-O3"],
             py_limited_api=True,
             optional=True,
