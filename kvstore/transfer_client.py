@@ -148,23 +148,18 @@ class ShmPath(TransferPath):
     def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
         """Start several read batches with one SubmitMany per `keep_finished` of them."""
         requests = [self._read_request(groups, prefix_only) for groups in batches]
-        if not self.keep_finished:  # a server without SubmitMany: their Submits in flight together
-            calls = [self.stub.Submit.future(r, timeout=self.timeout_s) for r in requests]
-            try:
-                return [_ShmTransfer(self, call.result().transfer_id) for call in calls]
-            except grpc.RpcError as exc:
-                raise from_status(exc.code(), exc.details()) from None
+        step = self.keep_finished or len(requests)
         out: list[Transfer] = []
-        for start in range(0, len(requests), self.keep_finished):
+        for start in range(0, len(requests), step):
             reply = self.call(self.stub.SubmitMany, pb.SubmitManyRequest(
-                session_id=self.session_id, batches=requests[start:start + self.keep_finished]))
+                session_id=self.session_id, batches=requests[start:start + step]))
             out.extend(_ShmTransfer(self, tid) for tid in reply.transfer_ids)
         return out
 
     def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:
         """Wait with one GetTransfers per `keep_finished` batches rather than a call per batch."""
         if not self.keep_finished:
-            return  # a server without GetTransfers: each batch waits on its own
+            return  # not a shared-memory session: nothing of this path to wait for
         waiting = [t for t in transfers if isinstance(t, _ShmTransfer) and t.path is self and t._final is None]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while waiting:
