@@ -35,11 +35,12 @@ import lmdb
 import xxhash
 
 from kvstore.clock import Clock, SystemClock
-from kvstore.config import GiB, StoreSettings
-from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
+from kvstore.config import StoreSettings
+from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
 from tiers import blockcopy
 from tiers.accounting import Counters, TierStats, WriteRate
+from tiers.datadir import open_environment
 from tiers.leases import Lease, LeaseTable
 from tiers.records import (
     DATA_TAG,
@@ -109,16 +110,8 @@ class LmdbBlockTier:
         self.clock: Clock = clock or SystemClock()
         self.leases = LeaseTable(self.clock)
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="lmdb")
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
-        # Room for B-tree pages and overflow-page rounding beyond the data itself.
-        map_size = int(settings.capacity_bytes * 1.25) + GiB
-        self.env = lmdb.open(str(settings.data_dir), map_size=map_size, max_dbs=8, sync=True,
-                             metasync=True, readahead=False, max_readers=512)
-        try:
-            _refuse_old_layout(self.env, settings)
-        except ConfigError:
-            self.env.close()
-            raise
+        # Checks, locks and opens the data dir (docs/OPERATIONS.md); close() releases the lock.
+        self.env, self._dir_lock = open_environment(settings)
         # Data, meta and child entries of each block, side by side (tiers/records.py).
         self._records = self.env.open_db(b"records")
         self._lru = self.env.open_db(b"lru")
@@ -148,6 +141,7 @@ class LmdbBlockTier:
         with self.env.begin(write=True) as txn:
             self._save_state(txn)
         self.env.close()
+        self._dir_lock.release()
 
     @contextmanager
     def _write(self) -> Iterator[lmdb.Transaction]:
@@ -541,22 +535,6 @@ class LmdbBlockTier:
 
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
-
-
-def _refuse_old_layout(env: lmdb.Environment, settings: StoreSettings) -> None:
-    """Stop at a store written with one database per record kind (before 2026-11-29).
-
-    Its blocks would be invisible to this layout while its usage counters still
-    counted them, so it is refused rather than served half-empty.
-    """
-    with env.begin() as txn:
-        try:
-            env.open_db(b"meta", txn=txn, create=False)
-        except lmdb.NotFoundError:
-            return
-    raise ConfigError(f"{settings.data_dir} holds a store in an older on-disk layout (one LMDB database per "
-                      "record kind); this version keeps a block's records together. Start with an empty "
-                      "store.data_dir (the cache refills from recomputation)")
 
 
 class StagedReads:
