@@ -9,13 +9,14 @@ point. Only entry points read the environment; components receive their section.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvstore.errors import ConfigError
 
@@ -23,6 +24,53 @@ GiB = 1 << 30
 
 #: The operator's floor: no block is evicted sooner after its last use.
 RETENTION_FLOOR_HOURS = 72.0
+#: Largest value of a uint32 wire field (milliseconds of leases and TTLs).
+UINT32_MAX = 2**32 - 1
+#: Largest byte size any setting may name (LMDB map sizes and mmap lengths stay far below it).
+MAX_BYTES = 1 << 60
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take: finite, between `lo` and `hi` (inclusive unless open)."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    #: Said after the range when a value is refused (why the bound is there).
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        """Whether `value` is finite and inside the range."""
+        above = value > self.lo if self.lo_open else value >= self.lo
+        return math.isfinite(value) and above and value <= self.hi
+
+    def __str__(self) -> str:
+        def show(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else repr(x)
+
+        return f"{'(' if self.lo_open else '['}{show(self.lo)}, {show(self.hi)}]"
+
+
+#: Range of a numeric field no section lists: finite and not negative.
+NON_NEGATIVE = Range(0, float(MAX_BYTES))
+
+
+def check_ranges(settings: Any, section: str) -> None:
+    """Refuse a numeric field that is NaN, infinite or outside its section's `RANGES`.
+
+    Raises:
+        ConfigError: naming the setting, the value and the allowed range.
+    """
+    ranges: dict[str, Range] = getattr(settings, "RANGES", {})
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        allowed = ranges.get(f.name, NON_NEGATIVE)
+        if not allowed.holds(value):
+            why = f"; {allowed.why}" if allowed.why else ""
+            raise ConfigError(f"{section}.{f.name} = {value!r} is out of range: allowed {allowed}{why}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +85,15 @@ class ServerSettings:
     max_message_bytes: int = 128 * 1024 * 1024
     #: Seconds in-flight calls get to finish on SIGTERM.
     grace_s: float = 10.0
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "port": Range(0, 65535),
+        "max_message_bytes": Range(1 << 20, 2**31 - 1),  # gRPC lengths are int32
+        "grace_s": Range(0, 86400),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "server")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,18 +119,22 @@ class StoreSettings:
     #: Window over which the recent write rate is measured, in seconds.
     write_rate_window_s: float = 3600.0
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "capacity_bytes": Range(1, MAX_BYTES),
+        "retention_hours": Range(RETENTION_FLOOR_HOURS, 100 * 365 * 24.0,
+                                 why=f"the {RETENTION_FLOOR_HOURS:g}-hour guarantee may only be raised"),
+        "block_tokens": Range(8, 1 << 16),
+        "max_batch_blocks": Range(1, 1 << 20),
+        "max_lookup_blocks": Range(1, 1 << 24),
+        "max_lease_ms": Range(0, UINT32_MAX),
+        "io_threads": Range(1, 1024),
+        "write_rate_window_s": Range(0, 366 * 86400.0, lo_open=True),
+    }
+
     def __post_init__(self) -> None:
-        if self.retention_hours < RETENTION_FLOOR_HOURS:
-            raise ConfigError(
-                f"store.retention_hours={self.retention_hours} is below the {RETENTION_FLOOR_HOURS:g}-hour "
-                "guarantee; it may only be raised"
-            )
-        if self.capacity_bytes <= 0:
-            raise ConfigError("store.capacity_bytes must be positive")
-        if self.block_tokens <= 0 or self.block_tokens % 8:
-            raise ConfigError("store.block_tokens must be a positive multiple of 8")
-        if not 1 <= self.max_batch_blocks <= 1 << 20:
-            raise ConfigError("store.max_batch_blocks must be in [1, 1048576]")
+        check_ranges(self, "store")
+        if self.block_tokens % 8:
+            raise ConfigError(f"store.block_tokens = {self.block_tokens} is not a multiple of 8")
 
     @property
     def retention_s(self) -> float:
@@ -108,15 +169,16 @@ class SwaSettings:
     #: Most snapshots in one Put, Get or Delete.
     max_batch_snapshots: int = 64
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "ttl_s": Range(0, UINT32_MAX / 1000, lo_open=True),  # sent as uint32 milliseconds
+        "memory_fraction": Range(0, 1, lo_open=True),
+        "cap_bytes": Range(0, MAX_BYTES),  # 0 derives it from memory_fraction
+        "socket_timeout_s": Range(0, 3600, lo_open=True),
+        "max_batch_snapshots": Range(1, 1 << 16),
+    }
+
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0:
-            raise ConfigError("swa.ttl_s must be positive")
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError("swa.memory_fraction must be in (0, 1]")
-        if self.cap_bytes < 0:
-            raise ConfigError("swa.cap_bytes must be >= 0 (0 derives it from memory_fraction)")
-        if self.max_batch_snapshots <= 0:
-            raise ConfigError("swa.max_batch_snapshots must be positive")
+        check_ranges(self, "swa")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,12 +206,17 @@ class TransferSettings:
     #: used whatever this says.
     copy_threads: int = field(default_factory=lambda: min(8, max(1, (os.cpu_count() or 1) - 1)))
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        "max_descriptors": Range(1, 1 << 20),
+        "max_region_bytes": Range(1, MAX_BYTES),
+        "max_regions": Range(1, 1 << 16),
+        "keep_finished": Range(1, 1 << 20),
+        "chunk_descriptors": Range(1, 1 << 20),
+        "copy_threads": Range(1, 256),
+    }
+
     def __post_init__(self) -> None:
-        if not 1 <= self.max_descriptors <= 1 << 20:
-            raise ConfigError("transfer.max_descriptors must be in [1, 1048576]")
-        if min(self.max_region_bytes, self.max_regions, self.chunk_descriptors, self.copy_threads) <= 0:
-            raise ConfigError(
-                "transfer.max_region_bytes, max_regions, chunk_descriptors and copy_threads must be positive")
+        check_ranges(self, "transfer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,17 +229,29 @@ class Settings:
     swa: SwaSettings = field(default_factory=SwaSettings)
 
 
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
 def _coerce(value: Any, target: type | str, name: str) -> Any:
     kind = target if isinstance(target, str) else target.__name__
     try:
         if "Path" in kind:
             return Path(value)
+        if kind in ("int", "float") and isinstance(value, bool):
+            raise ValueError("a boolean is not a number")
         if kind == "int":
-            return int(float(value)) if isinstance(value, str) else int(value)
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError("not a whole number")  # int() would truncate it, and fails on nan/inf
+            return int(number)
         if kind == "float":
             return float(value)
         if kind == "bool":
-            return value if isinstance(value, bool) else str(value).lower() in {"1", "true", "yes", "on"}
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() not in _TRUE | _FALSE:
+                raise ValueError("not a boolean")
+            return str(value).lower() in _TRUE
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name}: cannot read {value!r} as {kind}") from None

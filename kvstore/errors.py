@@ -43,10 +43,33 @@ class FailedPrecondition(KVStoreError):
 
 
 class ResourceExhausted(KVStoreError):
-    """No room: the store is full of blocks still under their retention guarantee."""
+    """No room: the store is full of blocks still under their retention guarantee, or a limit was reached."""
 
     retryable = True
-    hint = "retry later, add capacity, or shorten retention policies"
+    hint = ("raise store.capacity_bytes (with the disk space for it), release leases you hold, "
+            "or retry once stored blocks pass their retention")
+
+
+class StoreFull(ResourceExhausted):
+    """The store has no room without evicting a block inside its retention window or leased.
+
+    Retention is a floor the operator promised, so the hint names what can be done
+    instead: more capacity, fewer leases, or waiting until the soonest block may go.
+
+    Args:
+        message: what was asked and what is free.
+        soonest_evictable_s: seconds until the first unleased block passes its
+            retention (None when unknown or when every block is leased).
+    """
+
+    def __init__(self, message: str, *, soonest_evictable_s: float | None = None) -> None:
+        if soonest_evictable_s is None:
+            wait = "retry once stored blocks pass their retention"
+        else:
+            hours = max(soonest_evictable_s, 0.0) / 3600.0
+            wait = f"retry in {hours:.1f} h, when the first stored block passes its retention"
+        super().__init__(message, hint=("raise store.capacity_bytes (with the disk space for it), "
+                                        f"release leases you hold, or {wait}"))
 
 
 class Unauthenticated(KVStoreError):
@@ -74,6 +97,12 @@ class Internal(KVStoreError):
     """A bug or an unexpected failure inside the service."""
 
 
+class DataLoss(KVStoreError):
+    """Stored data was found damaged (a bad page or checksum); what it held was dropped, not returned."""
+
+    hint = "the damaged blocks were dropped: recompute them and put them again; run `kvstore check` on the data dir"
+
+
 class ConfigError(KVStoreError):
     """A configuration value is missing or out of range (raised at start-up)."""
 
@@ -88,6 +117,7 @@ STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     Internal: grpc.StatusCode.INTERNAL,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
     ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
