@@ -1,0 +1,286 @@
+"""The fault matrix's scaffolding: real `kvstore serve` processes, killed and restarted.
+
+Each server is a child process on a free loopback port (`--port 0`, read back
+from the line it prints) over a data dir the test owns, with its stdout and
+stderr in files beside it, so a failing test shows the server's own log. Tests
+start servers with the `serve` fixture; every one still running at the end is
+killed. Nothing here waits on time to decide an outcome: waits are bounded by a
+deadline only so that a hung child fails the test instead of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client
+
+#: Tokens per block for every fault-matrix server: 16 keeps a block at 14 KiB,
+#: so a test stores thousands of blocks in a few seconds.
+BLOCK_TOKENS = 16
+#: Longest wait for a child to print where it listens, or to exit.
+START_DEADLINE_S = 60.0
+
+#: Runs `kvstore serve` on a clock the test moves: kvstore.clock.SystemClock (the
+#: clock the server's tier and leases read) adds the seconds written in the file
+#: KVSTORE_FAULTS_CLOCK_FILE to both its wall and its monotonic time, so writing
+#: a larger number there is time passing for that server (`ServerClock.advance`),
+#: as ManualClock.advance is in-process. Nothing else in the process is skewed.
+_SKEWED_CLOCK = """
+import os, sys, time
+import kvstore.clock
+
+_file = os.environ["KVSTORE_FAULTS_CLOCK_FILE"]
+
+def _skew():
+    try:
+        with open(_file) as f:
+            return float(f.read() or 0)
+    except (OSError, ValueError):
+        return 0.0
+
+kvstore.clock.SystemClock.now = lambda self: time.time() + _skew()
+kvstore.clock.SystemClock.monotonic = lambda self: time.monotonic() + _skew()
+from kvstore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+class ServerClock:
+    """Time for the servers a test starts with it: `advance` is time passing for them (see _SKEWED_CLOCK)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.skew_s = 0.0
+        path.write_text("0")
+
+    def advance(self, seconds: float) -> None:
+        """Let `seconds` pass for every server on this clock, at once (their next reading sees it)."""
+        self.skew_s += seconds
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(repr(self.skew_s))
+        os.replace(tmp, self.path)  # atomic: a reader sees the old or the new number, never half
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "faults: the fault matrix (real processes killed and restarted)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/faults/" in item.nodeid.replace(os.sep, "/"):
+            item.add_marker(pytest.mark.faults)
+
+
+class ServeProcess:
+    """One `kvstore serve` child process.
+
+    Args:
+        data_dir: its store.
+        logdir: where its stdout and stderr go (one pair of files per start).
+        config: a TOML config file, or None.
+        clock: a clock the test moves, or None for the real one.
+        preexec_fn: run in the child before exec (resource limits).
+    """
+
+    def __init__(self, data_dir: Path, logdir: Path, *, config: Path | None = None, clock: ServerClock | None = None,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
+        self.data_dir = data_dir
+        logdir.mkdir(parents=True, exist_ok=True)
+        n = len(list(logdir.glob("serve-*.out")))
+        self.out_path = logdir / f"serve-{n}.out"
+        self.err_path = logdir / f"serve-{n}.err"
+        args = ["serve", "--port", "0", "--host", "127.0.0.1", "--data-dir", str(data_dir)]
+        if config is not None:
+            args += ["--config", str(config)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        if clock is not None:
+            env["KVSTORE_FAULTS_CLOCK_FILE"] = str(clock.path)
+            cmd = [sys.executable, "-c", _SKEWED_CLOCK, *args]
+        else:
+            cmd = [sys.executable, "-m", "kvstore.cli", *args]
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                         preexec_fn=preexec_fn)
+        self.target = f"127.0.0.1:{self._wait_for_port()}"
+
+    def _wait_for_port(self) -> int:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while True:
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.out_path.read_text())
+            if match:
+                return int(match.group(1))
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"kvstore serve did not start (exit {self.proc.returncode}):\n{self.log()}")
+            time.sleep(0.02)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the process is still running."""
+        return self.proc.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL it (no clean-up of any kind runs) and reap it."""
+        self.proc.kill()
+        assert self.proc.wait(timeout=START_DEADLINE_S) == -signal.SIGKILL
+
+    def stop(self) -> int:
+        """SIGTERM it, as an operator would, and return its exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=START_DEADLINE_S)
+
+    def client(self, **kwargs: Any) -> Client:
+        """A client of this server (default tenant and geometry)."""
+        return Client(self.target, **kwargs)
+
+    def log(self) -> str:
+        """Its stdout and stderr so far."""
+        return (f"--- stdout ({self.out_path})\n{self.out_path.read_text(errors='replace')}"
+                f"--- stderr ({self.err_path})\n{self.err_path.read_text(errors='replace')}")
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """Start `kvstore serve` children: `serve(data_dir, config=..., clock=..., preexec_fn=...)`.
+
+    Every child still running at the end is killed.
+    """
+    started: list[ServeProcess] = []
+
+    def _serve(data_dir: Path, **kwargs: Any) -> ServeProcess:
+        s = ServeProcess(data_dir, tmp_path / "logs", **kwargs)
+        started.append(s)
+        return s
+
+    yield _serve
+    for s in started:
+        if s.alive:
+            s.proc.kill()
+            s.proc.wait()
+
+
+def write_config(path: Path, sections: dict[str, dict[str, object]]) -> Path:
+    """Write a small TOML config ({section: {key: value}}; values are str, int, float or bool)."""
+    lines: list[str] = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                text = repr(value)
+            else:
+                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            lines.append(f"{key} = {text}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Callable[..., Path]:
+    """`config(**sections)`: a TOML file with 16-token blocks plus the sections given."""
+    made = [0]
+
+    def _config(**sections: dict[str, object]) -> Path:
+        merged: dict[str, dict[str, object]] = {"store": {"block_tokens": BLOCK_TOKENS}}
+        for name, values in sections.items():
+            merged.setdefault(name, {}).update(values)
+        made[0] += 1
+        return write_config(tmp_path / f"kvstore-{made[0]}.toml", merged)
+
+    return _config
+
+
+@dataclass
+class Chain:
+    """One prompt's blocks as the test sent them; `acked` counts those a reply confirmed stored.
+
+    Block contents are a pure function of (seed, index), so any block can be
+    compared with what was sent without keeping it.
+    """
+
+    seed: int
+    blocks: int
+    block_tokens: int
+    block_bytes: int
+    acked: int = 0
+    tokens: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        base = self.seed * 1_000_000  # token ids stay 32-bit for seeds < 4,000
+        self.tokens = list(range(base, base + self.blocks * self.block_tokens))
+
+    def block(self, i: int) -> bytes:
+        """The bytes sent as block `i`."""
+        return random.Random(self.seed * 1_000_003 + i).randbytes(self.block_bytes)
+
+    def payload(self, start: int = 0, stop: int | None = None) -> list[bytes]:
+        """Blocks `start` to `stop` (default: the end)."""
+        return [self.block(i) for i in range(start, self.blocks if stop is None else stop)]
+
+
+def make_chains(client: Client, count: int, blocks: int, *, first_seed: int = 1) -> list[Chain]:
+    """`count` distinct chains of `blocks` blocks in the client's geometry."""
+    return [Chain(seed=first_seed + i, blocks=blocks, block_tokens=client.block_tokens,
+                  block_bytes=client.block_bytes) for i in range(count)]
+
+
+def census(client: Client, chains: Sequence[Chain]) -> int:
+    """Check what each chain holds after a fault and return the blocks readable in all.
+
+    For every chain: Lookup and Get agree (no hole: what Lookup calls found is
+    readable, nothing past it is), every acknowledged block is there, and every
+    readable block is bit-identical to the one sent at its position (acknowledged
+    or not: a batch committed just before a kill may not have been answered).
+    """
+    total = 0
+    for chain in chains:
+        found = client.lookup(chain.tokens).found_blocks
+        got = client.get(chain.tokens)
+        readable = [i for i, b in enumerate(got.blocks) if b is not None]
+        assert readable == list(range(found)), (
+            f"chain {chain.seed}: Lookup finds {found} blocks but Get returns blocks {readable[:5]}... "
+            f"({len(readable)} in all; statuses {sorted(set(got.statuses))})")
+        assert found >= chain.acked, f"chain {chain.seed}: {chain.acked} blocks acknowledged, {found} readable"
+        for i in range(found):
+            assert got.blocks[i] == chain.block(i), f"chain {chain.seed} block {i} differs from what was sent"
+        total += found
+    return total
+
+
+def assert_usage_matches(client: Client, readable_blocks: int) -> None:
+    """The server's usage totals count exactly the blocks a client can read, and nothing is corrupt."""
+    stats = client.stats()
+    assert (stats.blocks_stored, stats.bytes_stored) == (readable_blocks, readable_blocks * client.block_bytes), (
+        f"usage says {stats.blocks_stored} blocks / {stats.bytes_stored} bytes; "
+        f"{readable_blocks} blocks of {client.block_bytes} bytes are readable")
+    assert stats.corrupt_blocks == 0
+
+
+@pytest.fixture
+def server_clock(tmp_path: Path) -> ServerClock:
+    """A clock for this test's servers, at the real time until the test advances it."""
+    return ServerClock(tmp_path / "clock-skew")
+
+
+@pytest.fixture
+def kit() -> SimpleNamespace:
+    """This folder's helpers, for test modules (with --import-mode=importlib they cannot import conftest)."""
+    return SimpleNamespace(Chain=Chain, make_chains=make_chains, census=census,
+                           assert_usage_matches=assert_usage_matches, write_config=write_config,
+                           BLOCK_TOKENS=BLOCK_TOKENS)
