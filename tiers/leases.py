@@ -2,7 +2,9 @@
 
 A lease pins one key: the deepest block the Lookup found. Eviction only takes
 blocks with no stored descendants, so pinning the tail protects the whole
-prefix. Leases live in memory: they last seconds and need not survive a restart.
+prefix. Leases live in memory: they last seconds and need not survive a restart,
+so they run on the monotonic clock: setting the wall clock forward cannot end a
+lease early.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from kvstore.clock import Clock
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Lease:
-    """One pinned key and when the pin lapses."""
+    """One pinned key and when the pin lapses (on the clock's monotonic face)."""
 
     lease_id: str
     key: bytes
@@ -35,7 +37,7 @@ class LeaseTable:
 
     def grant(self, key: bytes, duration_s: float) -> Lease:
         """Pin `key` for `duration_s` seconds."""
-        lease = Lease(lease_id=uuid.uuid4().hex, key=key, expires_s=self._clock.now() + duration_s)
+        lease = Lease(lease_id=uuid.uuid4().hex, key=key, expires_s=self._clock.monotonic() + duration_s)
         with self._lock:
             self._expire_locked()
             self._leases[lease.lease_id] = lease
@@ -64,7 +66,7 @@ class LeaseTable:
             return len(self._leases)
 
     def _expire_locked(self) -> None:
-        now = self._clock.now()
+        now = self._clock.monotonic()
         for lease_id in [i for i, le in self._leases.items() if le.expires_s <= now]:
             self._unpin_locked(self._leases.pop(lease_id).key)
 

@@ -1,17 +1,17 @@
 """The NVMe tier: global-KV blocks in LMDB, with the 72-hour retention guarantee.
 
-Storage rules (docs/RETENTION.md numbers them; tests are named after them):
-- A Put commits, fsync included, before it returns; one transaction per batch
-  (or per group of batches, all or none, with `put_many`).
-- A block is stored only when its parent is stored (or is the chain root), and
-  eviction takes only blocks with no stored child, so a chain's stored blocks
-  always form a prefix: no cached prefix loses a middle block, and Lookup can
-  binary-search.
-- A block becomes evictable `retention_s` after its last write or read. Its
-  ancestors cannot go before it does (they have a stored child), so a read or
-  write of a block protects its whole prefix.
-- When space is needed, evictable leaves go least recently used first; when
-  none is left, the Put fails with ResourceExhausted and stores nothing.
+This module is the tier's front: it opens the store and runs each call in a
+transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
+
+- `tiers/retention.py`: the retention rule, what may be evicted and when, and
+  the guarded retention clock.
+- `tiers/eviction.py`: making room, least recently used first.
+- `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
+- `tiers/usage.py`: the usage totals, kept inside write transactions.
+- `tiers/reads.py`: verified reads and staged zero-copy reads.
+- `tiers/refresh.py`: group commit of retention refreshes.
+- `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk
+  records, leases, counters; `tiers/datadir.py`: opening the data dir.
 
 All methods here block; the service runs them on `executor`, the tier's one
 bounded pool, through `call`.
@@ -20,9 +20,8 @@ bounded pool, through `call`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 import json
+import logging
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,49 +31,31 @@ from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import lmdb
-import xxhash
 
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
-from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
-from tiers import blockcopy
+from tiers import reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
+from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
 from tiers.datadir import open_environment
+from tiers.eviction import Evicted, make_room
 from tiers.leases import Lease, LeaseTable
-from tiers.records import (
-    DATA_TAG,
-    META_TAG,
-    BlockMeta,
-    child_key,
-    children_prefix,
-    data_key,
-    lru_entry,
-    lru_key,
-    meta_key,
-    parent_key_of,
-)
+from tiers.reads import READ_STATUS, ReadStatus, StagedReads
+from tiers.records import META_STRUCT, META_TAG, lru_entry
+from tiers.refresh import RefreshBatcher
+from tiers.retention import HIGH_WATER, HIGH_WATER_KEY, TOUCH_GRANULARITY_S, Retention, RetentionClock
 
+__all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: A read within this many seconds of a block's recorded access is not recorded
-#: again: hot blocks would otherwise cost a write per read. Eviction waits this
-#: much longer than the retention, so the guarantee holds for the true last read.
-TOUCH_GRANULARITY_S = 60.0
-_USAGE = struct.Struct("<QQ")
-Buffer = bytes | bytearray | memoryview
-
-
-class ReadStatus(enum.Enum):
-    """Outcome of reading one block."""
-
-    FOUND = 1
-    MISSING = 2
-    CORRUPT = 3
-
-
-#: `blockcopy` result code -> status (NOT_REACHED -> None).
-_READ_STATUS: dict[int, ReadStatus | None] = {blockcopy.NOT_REACHED: None, **{s.value: s for s in ReadStatus}}
+#: Parent hash and depth at the head of a meta record (`META_STRUCT`), for Lookup's chain check.
+_PARENT_DEPTH = struct.Struct("<32sI")
+#: A call that meets more damaged blocks than this gives up with DataLoss.
+_MAX_DAMAGED_PER_CALL = 64
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,21 +94,20 @@ class LmdbBlockTier:
         # Checks, locks and opens the data dir (docs/OPERATIONS.md); close() releases the lock.
         self.env, self._dir_lock = open_environment(settings)
         # Data, meta and child entries of each block, side by side (tiers/records.py).
-        self._records = self.env.open_db(b"records")
-        self._lru = self.env.open_db(b"lru")
-        self._state = self.env.open_db(b"state")
+        self._dbs = BlockDbs.open(self.env)
+        self._records, self._lru, self._state = self._dbs.records, self._dbs.lru, self._dbs.state
+        self.rule = Retention(retention_s=settings.retention_s)
         self._lock = threading.Lock()
-        self._touch_lock = threading.Lock()
-        self._touch_pending: set[bytes] = set()
-        self._touch_future: Future[None] = Future()
-        self._touch_scheduled = False
-        self._started_s = self.clock.now()
-        self._write_rate = WriteRate(settings.write_rate_window_s, self._started_s)
+        self._damaged: set[bytes] = set()  # keys whose records sit on a damaged page
+        self._usage = usage.check_and_repair(self.env, self._records, self._state)
+        self._usage_txn = 0  # id of the commit `_usage` comes from
         with self.env.begin() as txn:
-            raw = txn.get(b"usage", db=self._state)
-            self._blocks_stored, self._bytes_stored = _USAGE.unpack(raw) if raw else (0, 0)
             saved = txn.get(b"counters", db=self._state)
             self.counters = Counters(**json.loads(saved)) if saved else Counters()
+            high_water = _high_water(txn, self._dbs)
+        self.retention_clock = RetentionClock(self.clock, high_water)
+        self._refresh = RefreshBatcher(self.executor, self.touch)
+        self._write_rate = WriteRate(settings.write_rate_window_s, self.retention_clock.now())
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -136,49 +116,70 @@ class LmdbBlockTier:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     def close(self) -> None:
-        """Persist the counters, finish queued work and close LMDB."""
+        """Persist the counters and the retention clock, finish queued work and close LMDB."""
         self.executor.shutdown(wait=True)
-        with self.env.begin(write=True) as txn:
-            self._save_state(txn)
+        with self._write():
+            pass
         self.env.close()
         self._dir_lock.release()
 
     @contextmanager
-    def _write(self) -> Iterator[lmdb.Transaction]:
-        """A write transaction that commits with the usage and counters, or undoes
-        the in-memory usage when it aborts."""
-        usage = self._blocks_stored, self._bytes_stored
-        try:
-            with self.env.begin(write=True) as txn:
-                yield txn
-                self._save_state(txn)
-        except BaseException:
-            self._blocks_stored, self._bytes_stored = usage
-            raise
+    def _write(self) -> Iterator[BlockTxn]:
+        """A write transaction that commits with the usage totals, counters and retention clock.
+
+        The totals are read inside the transaction (after LMDB's writer lock is
+        held) and written back by it, so an abort changes nothing (R14); the
+        in-memory copy is replaced after the commit, by the newest commit only.
+        """
+        with self.env.begin(write=True) as txn:
+            w = BlockTxn(txn, self._dbs)
+            yield w
+            usage.write_usage(txn, self._state, w.usage)
+            self._save_state(txn)
+            txn_id = txn.id()
+        with self._lock:
+            if txn_id > self._usage_txn:
+                self._usage_txn, self._usage = txn_id, w.usage
 
     # -- lookup and leases -------------------------------------------------
 
     def lookup(self, scope: BlockScope, hashes: Sequence[bytes], lease_s: float = 0.0) -> tuple[int, Lease | None]:
-        """How many leading blocks of `hashes` are stored, and a lease on them if asked.
+        """How many leading blocks of `hashes` are stored as one chain, and a lease on them if asked.
 
-        Stored blocks of a chain always form a prefix, so this is a binary search:
-        a 1M-token prompt costs about 14 index reads.
+        Block i counts only when it is stored with depth i + 1 and, after the
+        first, with hashes[i - 1] as its parent (R15): hashes that are not a
+        chain (a repeated hash, a stored block after an absent one) find no more
+        than Get would. One index read per found block: a 1M-token prompt
+        (15,625 blocks) is one tight loop.
         """
-        with self.env.begin() as txn:
-            lo, hi = 0, len(hashes)
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if txn.get(meta_key(scope.key(hashes[mid - 1])), db=self._records) is not None:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            lease = self.leases.grant(scope.key(hashes[lo - 1]), lease_s) if lo and lease_s > 0 else None
+        found = self._chain_prefix(scope, hashes)
+        lease = self.leases.grant(scope.key(hashes[found - 1]), lease_s) if found and lease_s > 0 else None
         tokens = self.settings.block_tokens
         with self._lock:
             self.counters.lookups += 1
             self.counters.lookup_tokens_asked += len(hashes) * tokens
-            self.counters.lookup_tokens_found += lo * tokens
-        return lo, lease
+            self.counters.lookup_tokens_found += found * tokens
+        return found, lease
+
+    def _chain_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> int:
+        prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
+        i = 0
+        try:
+            with self.env.begin(buffers=True) as txn:
+                get, db = txn.get, self._records
+                previous = b""
+                for i, h in enumerate(hashes):
+                    raw = get(prefix + h + tag, None, db)
+                    if raw is None or len(raw) != size:
+                        return i
+                    parent, depth = unpack(raw)
+                    if depth != i + 1 or (i and parent != previous):
+                        return i
+                    previous = h
+        except lmdb.Error as exc:  # a damaged page: the chain ends before it
+            self._note_damage(prefix + hashes[i], exc)
+            return i
+        return len(hashes)
 
     # -- writes ------------------------------------------------------------
 
@@ -196,6 +197,7 @@ class LmdbBlockTier:
         Raises:
             FailedPrecondition: the parent block is not stored.
             ResourceExhausted: no room without evicting a protected block.
+            DataLoss: the records the Put needs are on a damaged page.
         """
         batch = PutBatch(scope=scope, parent_hash=parent_hash, hashes=hashes, blocks=blocks, is_root=is_root)
         return self.put_many([batch])[0]
@@ -204,12 +206,13 @@ class LmdbBlockTier:
         """Store several Put batches in one transaction (group commit): all or none.
 
         Batches are applied in order, so a batch may extend the chain of the one
-        before it. One fsync serves them all; each counts as its own put.
+        before it. One fsync serves them all; each counts as its own put. Every
+        block they name and every parent they extend is protected while room is
+        made (R12), so what a result reports as existing is stored when it returns.
         """
-        now = self.clock.now()
+        now = self.retention_clock.now()
         try:
-            with self._write() as txn:
-                results = [self._put_in(txn, b, now) for b in batches]
+            results, evicted = self._retry_damaged(lambda: self._put_all(batches, now), "this Put")
         except lmdb.MapFullError:
             self._count_rejected()
             raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
@@ -217,6 +220,8 @@ class LmdbBlockTier:
             self._count_rejected()
             raise
         with self._lock:
+            self.counters.evictions += evicted.blocks
+            self.counters.evicted_bytes += evicted.freed_bytes
             for r in results:
                 self.counters.puts += 1
                 self.counters.blocks_written += r.written_blocks
@@ -224,195 +229,96 @@ class LmdbBlockTier:
                 self._write_rate.note(now, r.written_bytes)
         return results
 
-    def _put_in(self, txn: lmdb.Transaction, batch: PutBatch, now: float) -> PutResult:
-        parent_depth = self._parent_depth(txn, batch.scope, batch.parent_hash, batch.is_root)
+    def _put_all(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
+        protected = set(self.leases.pinned())
+        with self._lock:
+            protected |= self._damaged
+        results: list[PutResult] = []
+        blocks = freed = 0
+        with self._write() as w:
+            for batch in batches:
+                result, evicted = self._put_in(w, batch, now, protected)
+                results.append(result)
+                blocks, freed = blocks + evicted.blocks, freed + evicted.freed_bytes
+        return results, Evicted(blocks=blocks, freed_bytes=freed)
+
+    def _put_in(self, w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes]) -> tuple[PutResult, Evicted]:
+        parent_depth = self._parent_depth(w, batch.scope, batch.parent_hash, batch.is_root)
         keys = [batch.scope.key(h) for h in batch.hashes]
-        fresh = [txn.get(meta_key(k), db=self._records) is None for k in keys]
+        # R12: nothing this Put names, nor the parent it extends (and so, by R6, no
+        # block above it), may go to make room for it.
+        protected.update(keys)
+        if not batch.is_root:
+            protected.add(batch.scope.key(batch.parent_hash))
+        fresh = [w.meta(k) is None for k in keys]
         need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
-        self._make_room(txn, need, now)
+        evicted = make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
+                            protected=protected)
         parent = batch.parent_hash
         for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
             if fresh[i]:
-                self._insert(txn, key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0)
+                w.insert(key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0)
             else:
-                self._touch(txn, key, now)
+                w.touch(key, now)  # R5: putting a stored block again is a use of it
             parent = batch.hashes[i]
         written = sum(fresh)
-        return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need)
+        return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need), evicted
 
-    def _parent_depth(self, txn: lmdb.Transaction, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
+    @staticmethod
+    def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
         if is_root:
             return 0
-        raw = txn.get(meta_key(scope.key(parent_hash)), db=self._records)
-        if raw is None:
+        meta = w.meta(scope.key(parent_hash))
+        if meta is None:
             raise FailedPrecondition(
                 f"parent block {parent_hash.hex()[:16]}... is not stored; put the prefix first"
             )
-        return BlockMeta.unpack(raw).depth
+        return meta.depth
 
-    def _insert(self, txn: lmdb.Transaction, key: bytes, parent_hash: bytes, depth: int,
-                data: Buffer, now: float, is_first: bool) -> None:
-        meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
-                         checksum=xxhash.xxh3_64_intdigest(data), created_s=now, last_access_s=now)
-        txn.put(data_key(key), data, db=self._records)
-        txn.put(meta_key(key), meta.pack(), db=self._records)
-        txn.put(lru_key(now, depth, key), b"", db=self._lru)
-        if not is_first:
-            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=self._records)
-        self._blocks_stored += 1
-        self._bytes_stored += len(data)
-
-    def _touch(self, txn: lmdb.Transaction, key: bytes, now: float) -> None:
-        raw = txn.get(meta_key(key), db=self._records)
-        if raw is None:
-            return
-        meta = BlockMeta.unpack(raw)
-        if meta.last_access_s >= now:
-            return
-        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
-        txn.put(lru_key(now, meta.depth, key), b"", db=self._lru)
-        txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now).pack(), db=self._records)
+    # -- refreshes ---------------------------------------------------------
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        """Record a read of `keys` now: the retention clock of each restarts (one fsync'd commit).
+        """Record a use of `keys` now: the retention clock of each restarts (one fsync'd commit).
 
         Blocks recorded less than TOUCH_GRANULARITY_S ago are skipped, and when
-        all are, nothing is written.
+        all are, nothing is written. A block on a damaged page is skipped.
         """
-        now = self.clock.now()
-        with self.env.begin() as txn:
-            stale = [k for k in keys if self._stale(txn, k, now)]
+        now = self.retention_clock.now()
+        keys = list(keys)
+        metas = self._read_each(keys, lambda txn, key: read_meta(txn, self._dbs, key))
+        stale = [k for k, m in zip(keys, metas, strict=True)
+                 if m is not None and self.rule.touch_due(m.last_access_s, now)]
         if stale:
-            with self._write() as txn:
-                for key in stale:
-                    self._touch(txn, key, now)
+            self._retry_damaged(lambda: self._touch_all(stale, now), "a refresh")
 
-    def _stale(self, txn: lmdb.Transaction, key: bytes, now: float) -> bool:
-        raw = txn.get(meta_key(key), db=self._records)
-        return raw is not None and BlockMeta.unpack(raw).last_access_s < now - TOUCH_GRANULARITY_S
+    def _touch_all(self, keys: list[bytes], now: float) -> None:
+        with self._lock:
+            damaged = set(self._damaged)
+        with self._write() as w:
+            for key in keys:
+                if key not in damaged:
+                    w.touch(key, now)
 
     def touch_soon(self, keys: Sequence[bytes]) -> Future[None]:
-        """Queue a read of `keys` for the next group commit; the future resolves once it is durable.
+        """Queue a use of `keys` for the next group commit; the future resolves once it is durable.
 
         Reads come in many small batches; one fsync'd write transaction per batch
         would queue them all behind LMDB's single writer. Touches that arrive while
-        a commit runs are merged into the next one.
+        a commit runs are merged into the next one (`tiers/refresh.py`).
         """
-        with self._touch_lock:
-            self._touch_pending.update(keys)
-            future = self._touch_future
-            if not self._touch_scheduled:
-                self._touch_scheduled = True
-                self.executor.submit(self._flush_touches)
-        return future
-
-    def _flush_touches(self) -> None:
-        with self._touch_lock:
-            keys, self._touch_pending = self._touch_pending, set()
-            future, self._touch_future = self._touch_future, Future()
-            self._touch_scheduled = False
-        try:
-            self.touch(keys)
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-
-    # -- eviction ----------------------------------------------------------
-
-    def _make_room(self, txn: lmdb.Transaction, need: int, now: float) -> None:
-        """Evict expired leaves, LRU first, until `need` more bytes fit."""
-        excess = self._bytes_stored + need - self.settings.capacity_bytes
-        if excess <= 0:
-            return
-        cutoff = now - self.settings.retention_s - TOUCH_GRANULARITY_S
-        pinned = self.leases.pinned()
-        freed = 0
-        while freed < excess:
-            victims = list(self._evictable(txn, cutoff, pinned, excess - freed))
-            if not victims:
-                raise ResourceExhausted(
-                    f"store full: {need} bytes needed, {self.settings.capacity_bytes - self._bytes_stored} "
-                    f"free, and every other block is within its {self.settings.retention_hours:g}-hour "
-                    "retention or leased"
-                )
-            for key in victims:
-                freed += self._delete(txn, key, propagate_access=True)
-                with self._lock:
-                    self.counters.evictions += 1
-        with self._lock:
-            self.counters.evicted_bytes += freed
-
-    def _evictable(self, txn: lmdb.Transaction, cutoff: float, pinned: frozenset[bytes],
-                   want: int) -> Iterator[bytes]:
-        """Leaves past retention, oldest first, until `want` bytes are found."""
-        found = 0
-        chosen: set[bytes] = set()
-        cursor = txn.cursor(db=self._lru)
-        for raw in cursor.iternext(keys=True, values=False):
-            access_s, key = lru_entry(raw)
-            if access_s >= cutoff or found >= want:
-                return
-            # A parent whose children are all chosen already is a leaf by the
-            # time it is deleted: the whole chain goes, tail first.
-            if key in pinned or any(c not in chosen for c in self._children_of(txn, key)):
-                continue
-            chosen.add(key)
-            found += self._meta_of(txn, key).size_bytes
-            yield key
-
-    def _meta_of(self, txn: lmdb.Transaction, key: bytes) -> BlockMeta:
-        raw = txn.get(meta_key(key), db=self._records)
-        if raw is None:
-            raise KeyError(f"no meta for block {key.hex()}")  # an index entry without its block: a bug
-        return BlockMeta.unpack(raw)
-
-    def _children_of(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
-        """Storage keys of the stored children of `key`."""
-        prefix = children_prefix(key)
-        cursor = txn.cursor(db=self._records)
-        if not cursor.set_range(prefix):
-            return
-        for raw in cursor.iternext(keys=True, values=False):
-            raw = bytes(raw)
-            if not raw.startswith(prefix):
-                return
-            yield key[:-32] + raw[len(prefix):]
-
-    def _delete(self, txn: lmdb.Transaction, key: bytes, *, propagate_access: bool) -> int:
-        """Remove one block and its index entries; return its size."""
-        meta = self._meta_of(txn, key)
-        txn.delete(data_key(key), db=self._records)
-        txn.delete(meta_key(key), db=self._records)
-        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self._lru)
-        parent = parent_key_of(key, meta.parent_hash)
-        txn.delete(child_key(parent, key[-32:]), db=self._records)
-        if propagate_access:
-            # The parent was in use whenever this child was: carry the child's
-            # time up so the parent's LRU position is not older than its subtree's.
-            raw = txn.get(meta_key(parent), db=self._records)
-            if raw is not None and BlockMeta.unpack(raw).last_access_s < meta.last_access_s:
-                self._touch(txn, parent, meta.last_access_s)
-        self._blocks_stored -= 1
-        self._bytes_stored -= meta.size_bytes
-        return meta.size_bytes
+        return self._refresh.submit(keys)
 
     # -- reads -------------------------------------------------------------
 
     def read(self, keys: Sequence[bytes]) -> list[tuple[ReadStatus, bytes | None]]:
         """Read blocks, each verified against its checksum.
 
-        A corrupt block is never returned: it is reported CORRUPT, counted, and
-        removed with its descendants (which could no longer be reached as a prefix).
+        A corrupt block (or one on a damaged page) is never returned: it is
+        reported CORRUPT, counted, and removed with its descendants (which could
+        no longer be reached as a prefix) when the removal itself can be done.
         """
-        out: list[tuple[ReadStatus, bytes | None]] = []
-        corrupt: list[bytes] = []
-        with self.env.begin(buffers=True) as txn:
-            for key in keys:
-                status, view = self._verified(txn, key)
-                out.append((status, bytes(view) if view is not None else None))
-                if status is ReadStatus.CORRUPT:
-                    corrupt.append(key)
+        out = reads.read_copies(self.env, self._dbs, keys, self._note_damage)
+        corrupt = [k for k, (s, _) in zip(keys, out, strict=True) if s is ReadStatus.CORRUPT]
         if corrupt:
             self.drop_corrupt(corrupt)
         return out
@@ -445,7 +351,7 @@ class LmdbBlockTier:
         """
         wanted = [None if d is None else k for k, d in zip(keys, dests, strict=True)]
         codes = self.stage_reads(wanted).copy(dests, stop_at_missing, touch_due=touch_due)
-        return [_READ_STATUS[c] for c in codes]
+        return [READ_STATUS[c] for c in codes]
 
     def stage_reads(self, keys: Sequence[bytes | None]) -> StagedReads:
         """Look blocks up for `read_into` (None: skip that one), leaving their read txn open for the copy.
@@ -453,47 +359,49 @@ class LmdbBlockTier:
         The lookups hold the GIL between gets; the copy (`StagedReads.copy`)
         need not, so a caller can look up on one thread and copy on others.
         """
-        txn = self.env.begin(buffers=True)
-        try:
-            get, db, meta_tag, data_tag = txn.get, self._records, META_TAG, DATA_TAG
-            metas = [None if k is None else get(k + meta_tag, None, db) for k in keys]
-            # A key with a meta record is not None.
-            datas = [None if m is None else get(k + data_tag, None, db)  # type: ignore[operator]
-                     for k, m in zip(keys, metas, strict=True)]
-        except BaseException:
-            txn.abort()
-            raise
-        return StagedReads(self, txn, list(keys), metas, datas)
-
-    def _verified(self, txn: lmdb.Transaction, key: bytes) -> tuple[ReadStatus, memoryview | None]:
-        """The block's bytes as a view valid until `txn` ends, if intact."""
-        raw_meta = txn.get(meta_key(key), db=self._records)
-        if raw_meta is None:
-            return ReadStatus.MISSING, None
-        meta = BlockMeta.unpack(raw_meta)
-        data = txn.get(data_key(key), db=self._records)
-        if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
-            return ReadStatus.CORRUPT, None
-        return ReadStatus.FOUND, memoryview(data)
+        txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._note_damage)
+        return StagedReads(txn, list(keys), metas, datas, now=self.retention_clock.now,
+                           drop_corrupt=self.drop_corrupt)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
-        """Remove corrupt blocks and their descendants; count them."""
-        with self._write() as txn:
-            for key in keys:
-                if txn.get(meta_key(key), db=self._records) is None:
-                    continue
-                for victim in reversed(list(self._subtree(txn, key))):
-                    self._delete(txn, victim, propagate_access=False)
-                with self._lock:
-                    self.counters.corrupt_blocks += 1
+        """Remove corrupt blocks and their descendants; count them.
 
-    def _subtree(self, txn: lmdb.Transaction, key: bytes) -> Iterator[bytes]:
-        """`key` and every stored descendant, parents before children."""
-        todo = [key]
-        while todo:
-            node = todo.pop()
-            yield node
-            todo.extend(self._children_of(txn, node))
+        A block whose removal meets a damaged page stays (with its subtree, so
+        R6 holds) and is remembered as damaged: reads miss it, eviction skips it.
+        """
+        todo = list(dict.fromkeys(keys))
+        for _ in range(_MAX_DAMAGED_PER_CALL):
+            current: list[bytes] = []
+            try:
+                dropped = self._drop_all(todo, current)
+            except DamagedBlock as exc:
+                self._note_damage(exc.key, exc.cause)
+                for key in current:
+                    self._note_damage(key, exc.cause)
+                todo = [k for k in todo if k not in current]
+                continue
+            except lmdb.Error as exc:
+                log.error("could not drop corrupt blocks from %s: %s", self.settings.data_dir, exc)
+                return
+            with self._lock:
+                for key in dropped:
+                    if key in self._damaged:
+                        self._damaged.discard(key)  # counted when it was found damaged
+                    else:
+                        self.counters.corrupt_blocks += 1
+            return
+
+    def _drop_all(self, keys: list[bytes], current: list[bytes]) -> list[bytes]:
+        dropped: list[bytes] = []
+        with self._write() as w:
+            for key in keys:
+                current[:] = [key]
+                if w.meta(key) is None:
+                    continue
+                for victim in reversed(w.subtree(key)):
+                    w.delete(victim, carry_up=False)
+                dropped.append(key)
+        return dropped
 
     def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
         """Count one Get: blocks asked for and blocks actually returned."""
@@ -503,15 +411,62 @@ class LmdbBlockTier:
             self.counters.get_tokens_asked += asked_blocks * tokens
             self.counters.get_tokens_returned += returned_blocks * tokens
 
+    # -- damaged pages -----------------------------------------------------
+
+    def _note_damage(self, key: bytes, cause: BaseException) -> None:
+        """Remember a block whose records are on a damaged page; count it once (R16)."""
+        with self._lock:
+            if key in self._damaged:
+                return
+            self._damaged.add(key)
+            self.counters.corrupt_blocks += 1
+        log.error("block %s... is on a damaged page of %s (%s): served as a miss; run `kvstore check --repair`",
+                  key[-32:].hex()[:16], self.settings.data_dir, cause)
+
+    def _read_each(self, keys: Sequence[bytes], fn: Callable[[lmdb.Transaction, bytes], T]) -> list[T | None]:
+        """`fn(txn, key)` for each key in read txns; None for a key whose records are damaged."""
+        out: list[T | None] = []
+        while len(out) < len(keys):
+            try:
+                with self.env.begin(buffers=True) as txn:
+                    for key in keys[len(out):]:
+                        out.append(fn(txn, key))
+            except DamagedBlock as exc:  # the txn is unusable: go on in a fresh one
+                self._note_damage(exc.key, exc.cause)
+                out.append(None)
+        return out
+
+    def _retry_damaged(self, attempt: Callable[[], T], what: str) -> T:
+        """Run a write `attempt`, again without each damaged block it meets (noted first).
+
+        Raises:
+            DataLoss: it met a block already known damaged (the call needs it), or too many.
+        """
+        for _ in range(_MAX_DAMAGED_PER_CALL):
+            try:
+                return attempt()
+            except DamagedBlock as exc:
+                with self._lock:
+                    known = exc.key in self._damaged
+                if known:
+                    raise DataLoss(f"{what} needs block {exc.key[-32:].hex()[:16]}..., whose records are on a "
+                                   f"damaged page of {self.settings.data_dir}: {exc.cause}") from None
+                self._note_damage(exc.key, exc.cause)
+            except lmdb.MapFullError:
+                raise
+            except lmdb.Error as exc:
+                raise DataLoss(f"{what} met a damaged page of {self.settings.data_dir}: {exc}") from None
+        raise DataLoss(f"{what} met more than {_MAX_DAMAGED_PER_CALL} damaged blocks in {self.settings.data_dir}")
+
     # -- accounting --------------------------------------------------------
 
     def stats(self) -> TierStats:
         """Counters, usage and retention headroom now."""
-        now = self.clock.now()
+        now = self.retention_clock.now()
         with self._lock:
             rate = self._write_rate.per_second(now)
             counters = Counters(**asdict(self.counters))
-            blocks, used = self._blocks_stored, self._bytes_stored
+            blocks, used = self._usage.blocks, self._usage.stored_bytes
         free = max(self.settings.capacity_bytes - used, 0)
         return TierStats(
             counters=counters, blocks_stored=blocks, bytes_stored=used,
@@ -519,72 +474,31 @@ class LmdbBlockTier:
             write_rate_bytes_per_s=rate,
             headroom_hours=free / rate / 3600.0 if rate > 0 else float("inf"),
             retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
-            uptime_s=now - self._started_s,
+            uptime_s=self.retention_clock.uptime_s(),
         )
-
 
     def _count_rejected(self) -> None:
         with self._lock:
             self.counters.rejected_puts += 1
 
     def _save_state(self, txn: lmdb.Transaction) -> None:
+        """Counters and the retention clock's high-water mark, with this write (R13)."""
         with self._lock:
             counters = json.dumps(asdict(self.counters)).encode()
-        txn.put(b"usage", _USAGE.pack(self._blocks_stored, self._bytes_stored), db=self._state)
         txn.put(b"counters", counters, db=self._state)
+        txn.put(HIGH_WATER_KEY, HIGH_WATER.pack(self.retention_clock.high_water_s), db=self._state)
 
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
 
 
-class StagedReads:
-    """Blocks looked up for a copy (`LmdbBlockTier.stage_reads`): views into LMDB's
-    map, valid while the read txn they came from is open.
-
-    The txn is not tied to the thread that began it (py-lmdb opens every
-    environment with MDB_NOTLS), so `copy` may run on another thread; it ends
-    the txn. Use it once.
-    """
-
-    def __init__(self, tier: LmdbBlockTier, txn: lmdb.Transaction, keys: list[bytes | None], metas: list[Any],
-                 datas: list[Any]) -> None:
-        self._tier = tier
-        self._txn: lmdb.Transaction | None = txn
-        self._keys = keys
-        self._metas = metas
-        self._datas = datas
-
-    def copy(self, dests: Sequence[memoryview | None], stop_at_missing: bool = False, *,
-             touch_due: list[bytes] | None = None) -> bytes:
-        """Verify and copy each block into its dest, then end the txn: see `LmdbBlockTier.read_into`.
-
-        A block whose key was None is skipped, so is one whose dest is None.
-
-        Returns:
-            A `blockcopy` result code per key (`ReadStatus` values; 0 where not reached).
-        """
-        if self._txn is None:
-            raise RuntimeError("these reads were copied or closed already")
-        tier, keys = self._tier, self._keys
-        try:
-            due_before = tier.clock.now() - TOUCH_GRANULARITY_S
-            if len(dests) != len(keys):
-                raise ValueError(f"{len(dests)} dests for {len(keys)} keys")
-            wanted = [None if k is None else d for k, d in zip(keys, dests, strict=True)]
-            codes, due = blockcopy.verify_copy(self._metas, self._datas, wanted, due_before, stop_at_missing)
-        finally:
-            self.close()
-        if blockcopy.WRONG_SIZE in codes:
-            raise ValueError(f"destination {codes.index(blockcopy.WRONG_SIZE)}'s size differs from the stored block's")
-        if touch_due is not None:
-            touch_due.extend(keys[i] for i in due)  # type: ignore[misc]  # FOUND blocks have keys
-        if blockcopy.CORRUPT in codes:
-            tier.drop_corrupt([k for k, c in zip(keys, codes, strict=True) if c == blockcopy.CORRUPT and k])
-        return codes
-
-    def close(self) -> None:
-        """Drop the views and end the txn (a no-op once done)."""
-        self._metas = self._datas = []
-        if self._txn is not None:
-            self._txn.abort()
-            self._txn = None
+def _high_water(txn: lmdb.Transaction, dbs: BlockDbs) -> float | None:
+    """The persisted retention high-water mark; for a store written before it was kept
+    (or whose mark is unreadable), the newest recorded use; None for an empty store."""
+    raw = txn.get(HIGH_WATER_KEY, db=dbs.state)
+    if raw is not None and len(raw) == HIGH_WATER.size:
+        return float(HIGH_WATER.unpack(raw)[0])
+    if raw is not None:
+        log.warning("the retention clock's high-water mark is damaged; using the newest recorded use")
+    cursor = txn.cursor(db=dbs.lru)
+    return lru_entry(cursor.key())[0] if cursor.last() else None

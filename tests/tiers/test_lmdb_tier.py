@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,8 @@ from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
-from tiers.records import data_key
+from tiers.block_txn import read_meta
+from tiers.records import BlockMeta, data_key
 
 HOUR = 3600.0
 BLOCK = 1024  # the tier stores opaque bytes; sizes are checked at the gateway
@@ -53,6 +55,12 @@ def data(i: int) -> bytes:
 def put_chain(tier: LmdbBlockTier, hashes: list[bytes], start: int = 0) -> None:
     parent = ROOT if start == 0 else hashes[start - 1]
     tier.put(SCOPE, parent, hashes[start:], [data(i) for i in range(start, len(hashes))], start == 0)
+
+
+def meta_of(tier: LmdbBlockTier, txn: Any, block_hash: bytes) -> BlockMeta:
+    meta = read_meta(txn, tier._dbs, SCOPE.key(block_hash))
+    assert meta is not None
+    return meta
 
 
 def stored(tier: LmdbBlockTier, hashes: list[bytes]) -> list[bool]:
@@ -255,7 +263,7 @@ def test_r5_touch_soon_groups_reads_into_one_commit(tier: LmdbBlockTier, clock: 
     for f in futures:
         f.result(timeout=10)
     with tier.env.begin() as txn:
-        times = {tier._meta_of(txn, SCOPE.key(h)).last_access_s for h in a + b}
+        times = {meta_of(tier, txn, h).last_access_s for h in a + b}
     assert times == {clock.now()}
 
 

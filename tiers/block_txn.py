@@ -1,0 +1,155 @@
+"""A write transaction over the NVMe tier's databases: insert, refresh and delete blocks.
+
+Each block has records side by side in `records` (tiers/records.py), an entry
+in the `lru` index, and a share of the usage totals in `state`; this module is
+the one place that changes them together. `BlockTxn.usage` is the totals as
+read inside the transaction (after the writer lock is held) plus what this
+transaction changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import lmdb
+import xxhash
+
+from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
+from tiers.usage import Usage, read_usage
+
+Buffer = bytes | bytearray | memoryview
+
+
+class DamagedBlock(Exception):
+    """A block's records could not be read: the page holding them is damaged.
+
+    Internal to the tier: the caller notes `key` as damaged and retries without
+    it, or reports the block as a miss. The transaction that met it is unusable
+    (LMDB marks it failed) and must be aborted.
+    """
+
+    def __init__(self, key: bytes, cause: BaseException) -> None:
+        super().__init__(f"block {key.hex()[:24]}...'s records are unreadable: {cause}")
+        self.key = key
+        self.cause = cause
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDbs:
+    """The tier's named databases in one LMDB environment."""
+
+    records: Any
+    lru: Any
+    state: Any
+
+    @classmethod
+    def open(cls, env: lmdb.Environment) -> BlockDbs:
+        """Open (or create) the three databases."""
+        return cls(records=env.open_db(b"records"), lru=env.open_db(b"lru"), state=env.open_db(b"state"))
+
+
+def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | None:
+    """A block's meta record, None when it is not stored.
+
+    Raises:
+        DamagedBlock: the record (or the page on the way to it) is damaged.
+    """
+    try:
+        raw = txn.get(meta_key(key), db=dbs.records)
+        return None if raw is None else BlockMeta.unpack(raw)
+    except (lmdb.Error, struct.error) as exc:
+        raise DamagedBlock(key, exc) from exc
+
+
+class BlockTxn:
+    """One write transaction: block records, LRU index and usage totals changed together.
+
+    Args:
+        txn: an open write transaction (the writer lock is held).
+        dbs: the tier's databases.
+    """
+
+    def __init__(self, txn: lmdb.Transaction, dbs: BlockDbs) -> None:
+        self.txn = txn
+        self.dbs = dbs
+        self.usage: Usage = read_usage(txn, dbs.state)
+
+    def meta(self, key: bytes) -> BlockMeta | None:
+        """The block's meta record, None when not stored (raises DamagedBlock)."""
+        return read_meta(self.txn, self.dbs, key)
+
+    def insert(self, key: bytes, parent_hash: bytes, depth: int, data: Buffer, now_s: float,
+               is_first: bool) -> None:
+        """Store a new block (its parent, unless `is_first`, is stored)."""
+        meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
+                         checksum=xxhash.xxh3_64_intdigest(data), created_s=now_s, last_access_s=now_s)
+        txn, records = self.txn, self.dbs.records
+        txn.put(data_key(key), data, db=records)
+        txn.put(meta_key(key), meta.pack(), db=records)
+        txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
+        if not is_first:
+            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
+        self.usage.blocks += 1
+        self.usage.stored_bytes += len(data)
+
+    def touch(self, key: bytes, now_s: float) -> None:
+        """Record a use of the block at `now_s` (nothing if it is absent or used since)."""
+        meta = self.meta(key)
+        if meta is None or meta.last_access_s >= now_s:
+            return
+        self.txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
+        self.txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
+        self.txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now_s).pack(), db=self.dbs.records)
+
+    def delete(self, key: bytes, *, carry_up: bool) -> int:
+        """Remove one block and its index entries; return its size.
+
+        Args:
+            key: a stored block with no stored child.
+            carry_up: give the parent this block's last use when it is later:
+                the parent was in use whenever its child was, so its LRU place
+                must not be older than its subtree's.
+        """
+        meta = self.meta(key)
+        if meta is None:
+            raise KeyError(f"no meta for block {key.hex()}")  # an index entry without its block: a bug
+        txn, records = self.txn, self.dbs.records
+        txn.delete(data_key(key), db=records)
+        txn.delete(meta_key(key), db=records)
+        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
+        parent = parent_key_of(key, meta.parent_hash)
+        txn.delete(child_key(parent, key[-32:]), db=records)
+        if carry_up:
+            self.touch(parent, meta.last_access_s)
+        self.usage.blocks -= 1
+        self.usage.stored_bytes -= meta.size_bytes
+        return meta.size_bytes
+
+    def children(self, key: bytes) -> Iterator[bytes]:
+        """Storage keys of the stored children of `key`."""
+        prefix = children_prefix(key)
+        cursor = self.txn.cursor(db=self.dbs.records)
+        try:
+            if not cursor.set_range(prefix):
+                return
+            for raw in cursor.iternext(keys=True, values=False):
+                raw = bytes(raw)
+                if not raw.startswith(prefix):
+                    return
+                yield key[:-32] + raw[len(prefix):]
+        except lmdb.Error as exc:
+            raise DamagedBlock(key, exc) from exc
+
+    def subtree(self, key: bytes) -> list[bytes]:
+        """`key` and every stored descendant, parents before children."""
+        out: list[bytes] = []
+        todo = [key]
+        while todo:
+            node = todo.pop()
+            out.append(node)
+            todo.extend(self.children(node))
+        return out
