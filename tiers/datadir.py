@@ -7,7 +7,8 @@ taken for a new store. So nothing here lets LMDB touch a file before these hold:
 - the data dir is a folder this process can write (not a file, not read-only);
 - no other process serves it (`kvstore.lock`, an `flock` held while the tier is open);
 - `capacity_bytes` fits on the disk (its free space plus what the store already uses);
-- `data.mdb` is at least as long as its newer LMDB meta page says (`last_pg`);
+- `data.mdb` is at least as long as its newer LMDB meta page says (`last_pg`), and
+  the branch and leaf pages of its B-trees parse (tiers/lmdb_pages.py);
 - `data.mdb` is present and not empty when `kvstore-identity.json` says a store was
   created here;
 - once open: the layout is the current one and the state records parse.
@@ -23,32 +24,25 @@ import json
 import os
 import shutil
 import socket
-import struct
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
 
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import ConfigError
+from tiers.lmdb_pages import HeaderError, LmdbHeader, damaged_pages, read_header
 
 LOCK_NAME = "kvstore.lock"
 IDENTITY_NAME = "kvstore-identity.json"
 DATA_NAME = "data.mdb"
 #: Version of the on-disk layout written into the identity file.
 FORMAT_VERSION = 2
-#: LMDB 0.9's magic and data-format version (mdb.c: MDB_MAGIC, MDB_DATA_VERSION).
-LMDB_MAGIC = 0xBEEFC0DE
-LMDB_DATA_VERSION = 1
-# mdb.c, 64-bit: a page header (pgno u64, pad u16, flags u16, lower u16, upper u16)
-# then MDB_meta: magic u32, version u32, address u64, mapsize u64, two MDB_db of 48
-# bytes (the first one's md_pad holds the page size), last_pg u64, txnid u64.
-_PAGE_HEADER = struct.Struct("<QHHHH")
-_META = struct.Struct("<IIQQ48s48sQQ")
-_P_META = 0x08
 _USAGE_BYTES = 16
+#: The start-time page check reads at most this many tree pages (branch and leaf,
+#: not block data); a larger store is checked by `kvstore check` only.
+MAX_CHECKED_TREE_PAGES = 1 << 18
 
 
 def _repair_hint(data_dir: Path) -> str:
@@ -56,50 +50,16 @@ def _repair_hint(data_dir: Path) -> str:
             f"{data_dir} away and start with an empty one (the cache refills by recomputation)")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LmdbHeader:
-    """What the newer of `data.mdb`'s two meta pages says."""
-
-    page_size: int
-    last_page: int
-    txn_id: int
-
-    @property
-    def expected_bytes(self) -> int:
-        """The least length the file must have: every page up to the last used one."""
-        return (self.last_page + 1) * self.page_size
-
-
 def read_lmdb_header(path: Path) -> LmdbHeader:
-    """Parse both LMDB meta pages of `path` and return the newer (the one LMDB would use).
+    """The meta page LMDB would use (of the later commit).
 
     Raises:
-        ConfigError: the file is too short to hold them, or they are not LMDB meta pages.
+        ConfigError: the file is too short to hold its meta pages, or they are damaged.
     """
-    with path.open("rb") as f:
-        first = f.read(_PAGE_HEADER.size + _META.size)
-        page_size = _meta_of(path, first, 0).page_size if len(first) == _PAGE_HEADER.size + _META.size else 0
-        if not page_size:
-            raise ConfigError(f"{path} is truncated to {path.stat().st_size} bytes: too short to hold LMDB's "
-                              "header pages", hint=_repair_hint(path.parent))
-        f.seek(page_size)
-        second = f.read(_PAGE_HEADER.size + _META.size)
-    if len(second) < _PAGE_HEADER.size + _META.size:
-        raise ConfigError(f"{path} is truncated to {path.stat().st_size} bytes: too short to hold LMDB's "
-                          "header pages", hint=_repair_hint(path.parent))
-    metas = [_meta_of(path, first, 0), _meta_of(path, second, 1)]
-    return max(metas, key=lambda m: m.txn_id)  # LMDB reads the meta of the later commit
-
-
-def _meta_of(path: Path, raw: bytes, index: int) -> LmdbHeader:
-    _, _, flags, _, _ = _PAGE_HEADER.unpack_from(raw)
-    magic, version, _, _, free_db, _, last_page, txn_id = _META.unpack_from(raw, _PAGE_HEADER.size)
-    page_size = struct.unpack_from("<I", free_db)[0]
-    if not flags & _P_META or magic != LMDB_MAGIC or version != LMDB_DATA_VERSION or page_size < 512 \
-            or page_size & (page_size - 1):
-        raise ConfigError(f"{path}: LMDB header page {index} is damaged (or this is not an LMDB file)",
-                          hint=_repair_hint(path.parent))
-    return LmdbHeader(page_size=page_size, last_page=last_page, txn_id=txn_id)
+    try:
+        return read_header(path)
+    except HeaderError as exc:
+        raise ConfigError(f"{path}: {exc}", hint=_repair_hint(path.parent)) from None
 
 
 def check_length(path: Path) -> LmdbHeader:
@@ -116,6 +76,24 @@ def check_length(path: Path) -> LmdbHeader:
                           f"{header.page_size}); blocks on the missing pages are lost",
                           hint=_repair_hint(path.parent))
     return header
+
+
+def check_pages(path: Path, header: LmdbHeader) -> None:
+    """Refuse a store whose B-tree pages are damaged: LMDB aborts the process when a cursor meets one.
+
+    Raises:
+        ConfigError: naming the file, the first damaged pages and what to do.
+    """
+    damaged = damaged_pages(path, header=header, max_tree_pages=MAX_CHECKED_TREE_PAGES)
+    if damaged:
+        listed = "; ".join(d.describe() for d in damaged[:3])
+        more = f" (and {len(damaged) - 3} more)" if len(damaged) > 3 else ""
+        raise ConfigError(f"{path} has {len(damaged)} damaged page(s): {listed}{more}",
+                          hint=_repair_hint(path.parent))
+
+
+class DataDirBusy(ConfigError):
+    """Another process (or another open in this one) holds the data dir's lock."""
 
 
 class DataDirLock:
@@ -135,8 +113,8 @@ class DataDirLock:
         """Take the lock without waiting.
 
         Raises:
-            ConfigError: another process (or another open in this one) holds it, or
-                the dir is not writable.
+            DataDirBusy: another process (or another open in this one) holds it.
+            ConfigError: the dir is not writable.
         """
         path = data_dir / LOCK_NAME
         try:
@@ -148,7 +126,7 @@ class DataDirLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            raise ConfigError(f"{data_dir} is in use by another kvstore process ({holder}); two servers "
+            raise DataDirBusy(f"{data_dir} is in use by another kvstore process ({holder}); two servers "
                               "on one data dir would corrupt its totals",
                               hint=f"stop that process, or give this one another store.data_dir "
                                    f"(the lock is {path})") from None
@@ -258,7 +236,7 @@ def check_files(data_dir: Path) -> None:
                           hint=f"move {data_dir} away (or delete it) and start with an empty one; the cache "
                                "refills by recomputation")
     if size:
-        check_length(data)
+        check_pages(data, check_length(data))
 
 
 def read_identity(data_dir: Path) -> dict[str, object] | None:

@@ -1,0 +1,230 @@
+"""The data dir's lock and the checks made before LMDB maps a store (tiers/datadir.py, docs/OPERATIONS.md)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from kvstore.clock import ManualClock
+from kvstore.config import GiB, StoreSettings
+from kvstore.errors import ConfigError
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope, chain_hashes, root_hash
+from tiers import datadir
+from tiers.datadir import IDENTITY_NAME, LOCK_NAME, DataDirBusy, open_environment
+from tiers.lmdb_tier import LmdbBlockTier
+
+SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
+ROOT = root_hash(V4_1_FLASH.fingerprint, 16)
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> StoreSettings:
+    return StoreSettings(data_dir=tmp_path / "store", capacity_bytes=1 << 24, block_tokens=16)
+
+
+def filled(settings: StoreSettings, chains: int = 12, length: int = 6, size: int = 1024) -> list[list[bytes]]:
+    """A store with `chains` chains of `length` blocks, closed."""
+    tier = LmdbBlockTier(settings, clock=ManualClock())
+    out = []
+    for c in range(chains):
+        hashes = chain_hashes(list(range(c * 1000, c * 1000 + 16 * length)), block_tokens=16, parent=ROOT)
+        tier.put(SCOPE, ROOT, hashes, [os.urandom(size) for _ in hashes], True)
+        out.append(hashes)
+    tier.close()
+    return out
+
+
+def zero_leaves_holding(path: Path, needle: bytes) -> list[int]:
+    """Zero every leaf page of `path` that holds `needle` (old copies too); their numbers."""
+    raw = path.read_bytes()
+    hit = [off // 4096 for off in range(0, len(raw), 4096)
+           if raw[off + 10] & 0x02 and needle in raw[off:off + 4096]]
+    with path.open("r+b") as f:
+        for page in hit:
+            f.seek(page * 4096)
+            f.write(bytes(4096))
+    return hit
+
+
+# -- the lock (issue 9 item 7) -----------------------------------------------------------
+
+
+def test_a_second_open_in_another_process_is_refused_naming_the_holder(settings: StoreSettings) -> None:
+    env, lock = open_environment(settings)
+    try:
+        code = ("import sys; from pathlib import Path; from kvstore.config import StoreSettings; "
+                "from tiers.datadir import open_environment; from kvstore.errors import ConfigError\n"
+                f"try: open_environment(StoreSettings(data_dir=Path({str(settings.data_dir)!r}), "
+                "capacity_bytes=1 << 24))\n"
+                "except ConfigError as e: print(e.message); sys.exit(3)")
+        other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    finally:
+        env.close()
+        lock.release()
+    assert other.returncode == 3, other.stderr
+    assert str(settings.data_dir) in other.stdout
+    assert f"pid {os.getpid()}" in other.stdout
+
+
+def test_a_second_open_in_this_process_is_refused(settings: StoreSettings) -> None:
+    tier = LmdbBlockTier(settings)
+    try:
+        with pytest.raises(DataDirBusy, match=f"pid {os.getpid()}"):
+            LmdbBlockTier(settings)
+    finally:
+        tier.close()
+
+
+def test_closing_the_tier_releases_the_lock(settings: StoreSettings) -> None:
+    LmdbBlockTier(settings).close()
+    again = LmdbBlockTier(settings)  # would be refused if close() kept the lock
+    again.close()
+    assert json.loads((settings.data_dir / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+def test_a_refused_open_leaves_nothing_held(settings: StoreSettings) -> None:
+    filled(settings, chains=1)
+    data = settings.data_dir / "data.mdb"
+    os.truncate(data, 8192)
+    with pytest.raises(ConfigError):
+        open_environment(settings)
+    os.unlink(data)
+    (settings.data_dir / IDENTITY_NAME).unlink()
+    env, lock = open_environment(settings)  # the lock was released by the refusal
+    env.close()
+    lock.release()
+
+
+# -- what the data dir is (issue 9 item 17) --------------------------------------------------
+
+
+def test_a_data_dir_that_is_a_file_says_so(settings: StoreSettings) -> None:
+    settings.data_dir.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"is a file, not a folder"):
+        open_environment(settings)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any mode bits: see the EROFS test below")
+def test_a_data_dir_without_write_permission_is_refused(settings: StoreSettings) -> None:
+    settings.data_dir.mkdir()
+    settings.data_dir.chmod(0o555)
+    try:
+        with pytest.raises(ConfigError, match="not writable"):
+            open_environment(settings)
+    finally:
+        settings.data_dir.chmod(0o755)
+
+
+def test_a_read_only_file_system_is_refused(settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI runs as root, which mode bits do not stop, and may not mount: the read-only file
+    system is simulated where the store first writes, creating its lock file (EROFS)."""
+    settings.data_dir.mkdir()
+    real_open = os.open
+
+    def read_only(path: str | os.PathLike[str], flags: int, *args: int) -> int:
+        if flags & (os.O_RDWR | os.O_WRONLY | os.O_CREAT) and str(path).startswith(str(settings.data_dir)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match="read-only file system"):
+        open_environment(settings)
+
+
+def test_a_capacity_above_the_disk_is_refused_naming_both(settings: StoreSettings) -> None:
+    settings.data_dir.mkdir()
+    free = os.statvfs(settings.data_dir).f_bavail * os.statvfs(settings.data_dir).f_frsize
+    too_big = StoreSettings(data_dir=settings.data_dir, capacity_bytes=free + 64 * GiB)
+    with pytest.raises(ConfigError) as info:
+        open_environment(too_big)
+    assert str(too_big.capacity_bytes) in info.value.message and "free" in info.value.message
+    assert "lower store.capacity_bytes" in info.value.hint
+
+
+def test_the_capacity_check_counts_what_the_store_already_holds(settings: StoreSettings,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    filled(settings, chains=2)
+    used = (settings.data_dir / "data.mdb").stat().st_blocks * 512
+    full = type("Usage", (), {"free": 0})
+    monkeypatch.setattr(datadir.shutil, "disk_usage", lambda _: full)
+    env, lock = open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=used))
+    env.close()
+    lock.release()
+    with pytest.raises(ConfigError, match="0 bytes free"):
+        open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=used + 1))
+
+
+# -- a damaged data file (issue 9 item 15) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep", [0.5, 8192])
+def test_a_truncated_data_file_is_refused_before_lmdb_maps_it(settings: StoreSettings, keep: float) -> None:
+    filled(settings)
+    data = settings.data_dir / "data.mdb"
+    os.truncate(data, int(data.stat().st_size * keep) if keep < 1 else int(keep))
+    with pytest.raises(ConfigError, match="truncated") as info:
+        open_environment(settings)  # LMDB itself would die of SIGBUS on the first read past the end
+    assert str(data) in info.value.message
+    assert "kvstore check" in info.value.hint and "--repair" in info.value.hint
+
+
+@pytest.mark.parametrize("how", ["empty", "missing"])
+def test_a_data_file_emptied_or_gone_under_its_identity_is_refused(settings: StoreSettings, how: str) -> None:
+    filled(settings, chains=1)
+    data = settings.data_dir / "data.mdb"
+    if how == "empty":
+        os.truncate(data, 0)
+    else:
+        data.unlink()
+    with pytest.raises(ConfigError, match=how) as info:
+        open_environment(settings)  # LMDB would start an empty store and drop every block silently
+    assert str(data) in info.value.message and "move" in info.value.hint
+
+
+def test_the_identity_is_written_when_a_store_is_created_and_for_an_older_store(settings: StoreSettings) -> None:
+    env, lock = open_environment(settings)
+    env.close()
+    lock.release()
+    identity = json.loads((settings.data_dir / IDENTITY_NAME).read_text())
+    assert identity["format_version"] == datadir.FORMAT_VERSION and len(identity["store_id"]) == 32
+    (settings.data_dir / IDENTITY_NAME).unlink()  # a store from before the identity file
+    env, lock = open_environment(settings)
+    env.close()
+    lock.release()
+    assert (settings.data_dir / IDENTITY_NAME).exists()
+
+
+def test_damaged_header_pages_are_refused(settings: StoreSettings) -> None:
+    filled(settings, chains=1)
+    data = settings.data_dir / "data.mdb"
+    with data.open("r+b") as f:
+        f.write(bytes(64))
+    with pytest.raises(ConfigError, match="header page 0 is damaged"):
+        open_environment(settings)
+
+
+def test_a_damaged_leaf_page_is_refused_at_start(settings: StoreSettings) -> None:
+    chains = filled(settings)
+    data = settings.data_dir / "data.mdb"
+    assert zero_leaves_holding(data, SCOPE.key(chains[4][2]) + b"m")
+    with pytest.raises(ConfigError, match="damaged page") as info:
+        open_environment(settings)  # LMDB aborts the process when a cursor steps onto it
+    assert str(data) in info.value.message and "--repair" in info.value.hint
+
+
+def test_damaged_state_records_are_a_clear_error_not_a_decode_error(settings: StoreSettings) -> None:
+    filled(settings, chains=1)
+    env = lmdb.open(str(settings.data_dir), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"counters", b"\xff\xfe{garbage", db=env.open_db(b"state", txn=txn))
+    env.close()
+    with pytest.raises(ConfigError, match="state records are damaged"):
+        open_environment(settings)
