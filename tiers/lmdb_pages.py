@@ -154,6 +154,8 @@ class PageReader:
     path: Path
     header: LmdbHeader | None = None
     damaged: list[DamagedPage] = field(default_factory=list)
+    #: Leaf pages read intact so far, in the order walked.
+    leaves: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.header is None:
@@ -226,7 +228,9 @@ class PageReader:
         if reason:
             self.damaged.append(DamagedPage(tree=name, page=pgno, reason=reason, low=low, high=high))
             return
-        if level > 1:
+        if level == 1:
+            self.leaves.append(pgno)
+        else:
             for i, (key, _, _, raw) in enumerate(nodes):
                 child = _PGNO.unpack(raw)[0]
                 child_low = low if i == 0 else key
