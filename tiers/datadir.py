@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import socket
@@ -33,6 +34,8 @@ import lmdb
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import ConfigError
 from tiers.lmdb_pages import HeaderError, LmdbHeader, damaged_pages, read_header
+
+log = logging.getLogger(__name__)
 
 LOCK_NAME = "kvstore.lock"
 IDENTITY_NAME = "kvstore-identity.json"
@@ -85,7 +88,10 @@ def check_pages(path: Path, header: LmdbHeader) -> None:
         ConfigError: naming the file, the first damaged pages and what to do.
     """
     damaged = damaged_pages(path, header=header, max_tree_pages=MAX_CHECKED_TREE_PAGES)
-    if damaged:
+    if damaged is None:
+        log.warning("%s: its B-trees span more than %d pages, so their start-time page check is skipped; "
+                    "run `kvstore check --data-dir %s` now and then", path, MAX_CHECKED_TREE_PAGES, path.parent)
+    elif damaged:
         listed = "; ".join(d.describe() for d in damaged[:3])
         more = f" (and {len(damaged) - 3} more)" if len(damaged) > 3 else ""
         raise ConfigError(f"{path} has {len(damaged)} damaged page(s): {listed}{more}",
@@ -227,6 +233,8 @@ def check_files(data_dir: Path) -> None:
     """
     data = data_dir / DATA_NAME
     identity = read_identity(data_dir)
+    if data.exists() and not data.is_file():
+        raise ConfigError(f"{data} is not a file", hint=f"move it away: {data_dir} must hold LMDB's data.mdb file")
     size = data.stat().st_size if data.exists() else None
     if identity is not None and not size:
         state = "missing" if size is None else "empty (0 bytes)"
@@ -308,7 +316,10 @@ def open_environment(settings: StoreSettings) -> tuple[lmdb.Environment, DataDir
             _refuse_old_layout(env, settings)
             _check_state(env, data_dir)
             if read_identity(data_dir) is None:
-                write_identity(data_dir)
+                try:
+                    write_identity(data_dir)
+                except OSError as exc:
+                    raise _unwritable(data_dir, exc) from None
         except BaseException:
             env.close()
             raise

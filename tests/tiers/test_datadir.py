@@ -123,6 +123,30 @@ def test_a_data_dir_without_write_permission_is_refused(settings: StoreSettings)
         settings.data_dir.chmod(0o755)
 
 
+def test_a_data_dir_this_user_cannot_write_is_refused_even_with_its_files_in_place(
+        settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dir made read-only after a store was created keeps a writable lock file and data.mdb,
+    so only its own mode says the identity cannot be written (os.access, as the store's user)."""
+    filled(settings, chains=1)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == settings.data_dir
+                        else real_access(path, mode))
+    with pytest.raises(ConfigError, match="not writable by this user"):
+        open_environment(settings)
+
+
+def test_lmdb_refusing_the_dir_is_a_config_error(settings: StoreSettings) -> None:
+    (settings.data_dir / "lock.mdb").mkdir(parents=True)  # LMDB cannot open its lock file
+    with pytest.raises(ConfigError, match="LMDB cannot open"):
+        open_environment(settings)
+
+
+def test_a_data_file_that_is_a_folder_says_so(settings: StoreSettings) -> None:
+    (settings.data_dir / "data.mdb").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"data\.mdb is not a file"):
+        open_environment(settings)
+
+
 def test_a_read_only_file_system_is_refused(settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
     """CI runs as root, which mode bits do not stop, and may not mount: the read-only file
     system is simulated where the store first writes, creating its lock file (EROFS)."""
