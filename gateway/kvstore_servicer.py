@@ -123,11 +123,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # is always committed before (or with) the batch itself. Batches already
         # waiting when a commit ends share the next one (group commit): one fsync
         # for several, each acknowledged only after it.
-        queue: asyncio.Queue[pb.PutRequest | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
+        # The reader ends the queue with None, or with the error that ended the
+        # request stream (an undecodable message): the committer raises it after
+        # committing what came before, so the stream always ends with a status.
+        queue: asyncio.Queue[pb.PutRequest | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
         async def read_ahead() -> None:
-            async for request in requests:
-                await queue.put(request)
+            try:
+                async for request in requests:
+                    await queue.put(request)
+            except Exception as exc:  # handed to the committer, which raises it
+                await queue.put(exc)
+                return
             await queue.put(None)
 
         reader = asyncio.ensure_future(read_ahead())
@@ -135,20 +142,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             ended = False
             while not ended and (request := await queue.get()) is not None:
                 group = [request]
-                while not queue.empty():
+                while not ended and not queue.empty():
                     more = queue.get_nowait()
-                    if more is None:
-                        ended = True
-                        break
-                    group.append(more)
-                batches: list[PutBatch] = []
-                failure: KVStoreError | None = None
-                for item in group:
-                    try:
-                        batches.append(self._plan(item))
-                    except KVStoreError as exc:  # commit what came before it, then fail the stream
-                        failure = exc
-                        break
+                    ended = more is None or isinstance(more, Exception)
+                    if more is not None:
+                        group.append(more)
+                # Hashing and checking a group is O(its bytes): off the event loop.
+                batches, failure = await asyncio.to_thread(self._plan_group, group)
                 if batches:
                     results = await self.tier.call(self.tier.put_many, batches)
                     for batch, result in zip(batches, results, strict=True):
@@ -158,6 +158,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await reader
         finally:
             reader.cancel()
+
+    def _plan_group(self, group: list[pb.PutRequest | Exception]) -> tuple[list[PutBatch], Exception | None]:
+        """The batches of a group up to its first bad request, and the error that stopped it (if any)."""
+        batches: list[PutBatch] = []
+        for item in group:
+            if isinstance(item, Exception):
+                return batches, item
+            try:
+                batches.append(self._plan(item))
+            except KVStoreError as exc:  # commit what came before it, then fail the stream
+                return batches, exc
+        return batches, None
 
     def _plan(self, request: pb.PutRequest) -> PutBatch:
         """A validated Put batch, its tokens hashed into the chain it extends."""
@@ -170,7 +182,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         is_root=plan.is_root)
 
     async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
-        batch = self._plan(request)
+        # Checking and hashing are O(request size): a thread keeps other calls served meanwhile.
+        batch = await asyncio.to_thread(self._plan, request)
         result = await self.tier.call(self.tier.put_many, [batch])
         return _put_response(batch, result[0])
 

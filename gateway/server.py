@@ -1,5 +1,8 @@
-"""The kvstore server process: one grpc.aio server with the KVStore service,
-the standard health service and server reflection on one port."""
+"""The kvstore server process: one grpc.aio server with the KVStore, SwaPool and
+Transfer services, the standard health service and server reflection on one port.
+
+Every method of every service answers a request it cannot decode with
+INVALID_ARGUMENT (gateway.undecodable), never UNKNOWN."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.transfer_servicer import TransferServicer
+from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
 from kvstore import geometry
 from kvstore.clock import Clock, SystemClock
@@ -97,7 +101,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
-    server = grpc.aio.server(options=[
+    server = grpc.aio.server(interceptors=[UndecodableRequests()], options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 import grpc
 
 from gateway import validate
@@ -12,7 +15,7 @@ from kvstore.prefix import BlockScope
 from kvstore.swa_snapshot import checksum, snapshot_bytes
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
-from tiers.swa_cache import SwaCache
+from tiers.swa_cache import Found, SwaCache
 
 
 def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[bytes]:
@@ -35,6 +38,18 @@ def check_snapshot(index: int, snap: pb.SwaSnapshot, data: bytes, layout: Layout
                               "(xxh3-64): corrupted in transit or computed over other bytes")
 
 
+def _get_reply(found: Sequence[Found | None]) -> pb.SwaGetResponse:
+    reply = pb.SwaGetResponse()
+    for f in found:
+        # Filled in place: a result built apart is copied again into the reply.
+        result = reply.results.add()
+        if f is None:
+            result.status = pb.SWA_STATUS_MISSING
+        else:
+            result.status, result.data, result.checksum = pb.SWA_STATUS_FOUND, f.data, f.checksum
+    return reply
+
+
 class SwaPoolServicer(pb_grpc.SwaPoolServicer):
     """Serves SWA snapshots of the registered geometries from one SWA cache.
 
@@ -55,6 +70,17 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
     @unary
     async def Put(self, request: pb.SwaPutRequest, context: grpc.aio.ServicerContext) -> pb.SwaPutResponse:
         layout, scope = self._scope(request.geometry, request.namespace)
+        # Checksumming every snapshot is O(request size): a thread keeps other calls served meanwhile.
+        items = await asyncio.to_thread(self._checked_items, request, layout, scope)
+        ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        stored = await self.cache.put_many(scope.fingerprint, items, ttl_s)
+        applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
+        return pb.SwaPutResponse(stored=len(items) if stored else 0, failed=0 if stored else len(items),
+                                 ttl_ms=int(applied_s * 1000))
+
+    def _checked_items(self, request: pb.SwaPutRequest, layout: Layout,
+                       scope: BlockScope) -> list[tuple[bytes, bytes, int]]:
+        """The (storage key, data, checksum) of every snapshot of a Put, each checked first."""
         snaps = list(request.snapshots)
         if not snaps:
             raise InvalidArgument("snapshots is empty: a Put stores at least one snapshot")
@@ -63,12 +89,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         datas = [s.data for s in snaps]
         for i, (snap, data) in enumerate(zip(snaps, datas, strict=True)):
             check_snapshot(i, snap, data, layout)
-        ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
-        stored = await self.cache.put_many(
-            scope.fingerprint, [(scope.key(s.key), d, s.checksum) for s, d in zip(snaps, datas, strict=True)], ttl_s)
-        applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
-        return pb.SwaPutResponse(stored=len(snaps) if stored else 0, failed=0 if stored else len(snaps),
-                                 ttl_ms=int(applied_s * 1000))
+        return [(scope.key(s.key), d, s.checksum) for s, d in zip(snaps, datas, strict=True)]
 
     @unary
     async def Get(self, request: pb.SwaGetRequest, context: grpc.aio.ServicerContext) -> pb.SwaGetResponse:
@@ -76,15 +97,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         keys = check_keys(list(request.keys), limit=self.max_batch)
         size = snapshot_bytes(layout.geometry)
         found = await self.cache.get_many(scope.fingerprint, [scope.key(k) for k in keys], size)
-        reply = pb.SwaGetResponse()
-        for f in found:
-            # Filled in place: a result built apart is copied again into the reply.
-            result = reply.results.add()
-            if f is None:
-                result.status = pb.SWA_STATUS_MISSING
-            else:
-                result.status, result.data, result.checksum = pb.SWA_STATUS_FOUND, f.data, f.checksum
-        return reply
+        # Copying the snapshots into the reply is O(reply size): off the event loop.
+        return await asyncio.to_thread(_get_reply, found)
 
     @unary
     async def Delete(self, request: pb.SwaDeleteRequest, context: grpc.aio.ServicerContext) -> pb.SwaDeleteResponse:

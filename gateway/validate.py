@@ -15,7 +15,8 @@ from kvstore.errors import InvalidArgument
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES, BlockScope, chain_hashes, root_hash
 
-_NAMESPACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Matched in full (`fullmatch`): `$` alone would also take a name ending in a newline.
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 DEFAULT_NAMESPACE = "default"
 
 
@@ -40,7 +41,7 @@ def namespace(name: str) -> str:
     """The tenant a request names ('' means the default tenant)."""
     if not name:
         return DEFAULT_NAMESPACE
-    if not _NAMESPACE.match(name):
+    if not _NAMESPACE.fullmatch(name):
         raise InvalidArgument(f"namespace {name!r} is not 1-128 of [A-Za-z0-9._-] starting alphanumeric")
     return name
 

@@ -10,6 +10,12 @@ salted per process.
 Canonical bytes of a block (all integers unsigned little-endian):
     parent (32 B) | u32 token count | u32 token id ... | u32 extra-key count |
     for each extra key: u32 length | bytes (UTF-8 for text)
+
+The extra keys come after the parent, which differs per block, so SHA-256 cannot
+share their work between blocks: a chain encodes them once but hashes them once
+per block. Their count and size are bounded (`MAX_EXTRA_KEYS`,
+`MAX_EXTRA_KEY_BYTES`, `MAX_EXTRA_KEYS_BYTES`) so that a block's hash input stays
+a few KiB; a longer key (a whole document) is to be hashed by the caller first.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ FINGERPRINT_BYTES = 8
 NAMESPACE_ID_BYTES = 8
 KEY_BYTES = FINGERPRINT_BYTES + NAMESPACE_ID_BYTES + HASH_BYTES
 MAX_TOKEN_ID = 2**32 - 1
+#: Most extra keys one chain is hashed with (multimodal input hashes, adapter, salt).
+MAX_EXTRA_KEYS = 128
+#: Most bytes of one extra key (UTF-8 for text): an image hash, an adapter name.
+MAX_EXTRA_KEY_BYTES = 1024
+#: Most bytes of all of a chain's extra keys together: every block hashes them again.
+MAX_EXTRA_KEYS_BYTES = 8192
 
 ExtraKey = str | bytes
 
@@ -39,13 +51,43 @@ def root_hash(fingerprint: bytes, block_tokens: int) -> bytes:
 
 
 def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
-    """Canonical bytes of the extra keys, appended to every block's input."""
+    """Canonical bytes of the extra keys, appended to every block's input.
+
+    Raises:
+        InvalidArgument: more than `MAX_EXTRA_KEYS` keys, a key longer than
+            `MAX_EXTRA_KEY_BYTES`, or more than `MAX_EXTRA_KEYS_BYTES` in all.
+    """
+    if len(extra_keys) > MAX_EXTRA_KEYS:
+        raise InvalidArgument(f"extra_keys has {len(extra_keys)} keys; at most {MAX_EXTRA_KEYS} "
+                              "(kvstore.prefix.MAX_EXTRA_KEYS)")
     parts = [struct.pack("<I", len(extra_keys))]
-    for key in extra_keys:
-        raw = key.encode() if isinstance(key, str) else bytes(key)
+    total = 0
+    for i, key in enumerate(extra_keys):
+        raw = _key_bytes(i, key)
+        if len(raw) > MAX_EXTRA_KEY_BYTES:
+            raise InvalidArgument(f"extra_keys[{i}] is {len(raw)} bytes; an extra key is at most "
+                                  f"{MAX_EXTRA_KEY_BYTES} bytes (kvstore.prefix.MAX_EXTRA_KEY_BYTES)",
+                                  hint="hash a long key (a document, an image) and send its digest")
+        total += len(raw)
+        if total > MAX_EXTRA_KEYS_BYTES:
+            raise InvalidArgument(f"extra_keys hold more than {MAX_EXTRA_KEYS_BYTES} bytes in all "
+                                  f"({total} by key {i}); at most {MAX_EXTRA_KEYS_BYTES} "
+                                  "(kvstore.prefix.MAX_EXTRA_KEYS_BYTES)",
+                                  hint="hash long keys and send their digests")
         parts.append(struct.pack("<I", len(raw)))
         parts.append(raw)
     return b"".join(parts)
+
+
+def _key_bytes(index: int, key: object) -> bytes:
+    if isinstance(key, str):
+        try:
+            return key.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"extra_keys[{index}] is not valid text: {exc.reason}") from None
+    if isinstance(key, bytes | bytearray | memoryview):
+        return bytes(key)
+    raise InvalidArgument(f"extra_keys[{index}] is a {type(key).__name__}; an extra key is str or bytes")
 
 
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
@@ -84,9 +126,15 @@ def chain_hashes(
 
     Returns:
         One 32-byte hash per full block, in order.
+
+    Raises:
+        InvalidArgument: a bad parent, block size, token id or extra key
+            (`encode_extra_keys` names the limits).
     """
     if len(parent) != HASH_BYTES:
         raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
+    if not 1 <= block_tokens <= MAX_TOKEN_ID:
+        raise InvalidArgument(f"block_tokens must be in [1, {MAX_TOKEN_ID}], got {block_tokens}")
     raw = token_bytes(tokens)
     head = struct.pack("<I", block_tokens)
     tail = encode_extra_keys(extra_keys)

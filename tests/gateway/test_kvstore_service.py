@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import grpc
@@ -13,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition, InvalidArgument
-from kvstore.prefix import root_hash
+from kvstore.prefix import MAX_EXTRA_KEY_BYTES, MAX_EXTRA_KEYS, MAX_EXTRA_KEYS_BYTES, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -124,7 +125,7 @@ def assert_nothing_stored(client: Client) -> None:
 
 def test_block_of_wrong_size_is_invalid(client: Client) -> None:
     tokens = list(range(client.block_tokens))
-    with pytest.raises(InvalidArgument, match=f"block 0 is 10 bytes.*{client.block_bytes}"):
+    with pytest.raises(InvalidArgument, match=rf"(block 0|blocks\[0\]) is 10 bytes.*{client.block_bytes}"):
         client.put(tokens, [b"x" * 10])
     assert_nothing_stored(client)
 
@@ -181,6 +182,57 @@ def test_bad_namespace_is_invalid(server: Any) -> None:
         bad.lookup(list(range(64)))
 
 
+@pytest.mark.parametrize("name", ["tenant-a\n", "tenant-a\r\n", "default\n"])
+def test_namespace_must_match_in_full(server: Any, client: Client, name: str) -> None:
+    # A trailing newline passed a `^...$` pattern: it was another tenant with the same name.
+    stub = raw_stub(server)
+    tokens = list(range(client.block_tokens))
+    request = pb.PutRequest(namespace=name, token_ids=tokens, blocks=blocks_for(client, 1))
+    code, details = status_of(lambda: stub.Put(request))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in details
+    assert_nothing_stored(client)
+
+
+# -- extra keys: bounded (a huge key froze the server) ---------------------------
+
+def put_with_extra_keys(client: Client, extra_keys: list[bytes]) -> pb.PutRequest:
+    tokens = list(range(client.block_tokens * 2))
+    return pb.PutRequest(token_ids=tokens, extra_keys=extra_keys, blocks=blocks_for(client, 2))
+
+
+@pytest.mark.parametrize(("extra_keys", "message"), [
+    ([b"k"] * (MAX_EXTRA_KEYS + 1), f"extra_keys has {MAX_EXTRA_KEYS + 1} keys; at most {MAX_EXTRA_KEYS}"),
+    ([b"a", b"x" * (MAX_EXTRA_KEY_BYTES + 1)],
+     f"extra_keys\\[1\\] is {MAX_EXTRA_KEY_BYTES + 1} bytes; an extra key is at most {MAX_EXTRA_KEY_BYTES}"),
+    ([b"x" * MAX_EXTRA_KEY_BYTES] * (MAX_EXTRA_KEYS_BYTES // MAX_EXTRA_KEY_BYTES) + [b"y"],
+     f"more than {MAX_EXTRA_KEYS_BYTES} bytes in all \\({MAX_EXTRA_KEYS_BYTES + 1} by key"),
+])
+def test_extra_keys_are_bounded(server: Any, client: Client, extra_keys: list[bytes], message: str) -> None:
+    stub = raw_stub(server)
+    code, details = status_of(lambda: stub.Put(put_with_extra_keys(client, extra_keys)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(message, details), details
+    assert_nothing_stored(client)
+
+
+def test_a_huge_extra_key_is_refused_at_once(server: Any, client: Client) -> None:
+    # One 60 MB key used to be hashed once per block on the event loop (89 s for every caller).
+    stub = raw_stub(server)
+    code, details = status_of(lambda: stub.Put(put_with_extra_keys(client, [b"x" * (8 << 20)])))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"is {8 << 20} bytes" in details
+    assert_nothing_stored(client)
+
+
+def test_extra_keys_at_their_limits_are_stored_and_found(client: Client) -> None:
+    per_key = MAX_EXTRA_KEYS_BYTES // MAX_EXTRA_KEYS
+    keys = [bytes([i]) * per_key for i in range(MAX_EXTRA_KEYS)]
+    tokens = list(range(client.block_tokens * 2))
+    assert client.put(tokens, blocks_for(client, 2), extra_keys=keys).written_blocks == 2
+    assert client.lookup(tokens, extra_keys=keys).found_blocks == 2
+    big = [b"x" * MAX_EXTRA_KEY_BYTES]
+    assert client.put(tokens, blocks_for(client, 2), extra_keys=big).written_blocks == 2
+
+
 def test_server_speaks_health_and_reflection(server: Any) -> None:
     channel = grpc.insecure_channel(server.target)
     health = health_pb2_grpc.HealthStub(channel)
@@ -212,12 +264,22 @@ def test_long_put_streams_batches(client: Client) -> None:
     assert client.stats().puts == 5
 
 
-def test_put_stream_stops_at_first_bad_batch_keeping_earlier_ones(client: Client) -> None:
-    bt = client.block_tokens
-    tokens = list(range(bt * 6))
+def put_stream_batches(client: Client, tokens: list[int], blocks: list[bytes], per: int) -> list[pb.PutRequest]:
+    """The PutStream requests of a chain, `per` blocks each, as the client would chain them."""
+    bt, hashes = client.block_tokens, client.hashes(tokens)
+    return [pb.PutRequest(parent_hash=hashes[i - 1] if i else b"", token_ids=tokens[i * bt:(i + per) * bt],
+                          blocks=blocks[i:i + per]) for i in range(0, len(blocks), per)]
+
+
+def test_put_stream_stops_at_first_bad_batch_keeping_earlier_ones(server: Any, client: Client) -> None:
+    # Sent raw: the client checks block sizes itself before sending anything.
+    tokens = list(range(client.block_tokens * 6))
     blocks = blocks_for(client, 6)
     blocks[4] = b"short"
-    with pytest.raises(InvalidArgument, match="block 0 is 5 bytes"):
-        client.put(tokens, blocks, batch_blocks=2)
-    assert client.lookup(tokens).found_blocks == 4  # batches 1 and 2 were acknowledged or committed
+    replies: list[pb.PutResponse] = []
+    code, details = status_of(lambda: replies.extend(
+        raw_stub(server).PutStream(iter(put_stream_batches(client, tokens, blocks, 2)))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "block 0 is 5 bytes" in details
+    assert [r.written_blocks for r in replies] == [2, 2]  # batches 1 and 2 were committed and acknowledged
+    assert client.lookup(tokens).found_blocks == 4
     assert client.stats().blocks_stored == 4
