@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from kvstore import arguments
 from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from kvstore.transfer_client import TransferSession
 
 Buffer = bytes | bytearray | memoryview
+#: Largest value of a uint32 wire field (lease milliseconds).
+_UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
@@ -87,13 +90,18 @@ class Client:
         namespace: the tenant; blocks of two tenants never mix.
         geometry: profile name; '' means the server's default.
         timeout_s: deadline of each call.
+
+    Every method raises a `kvstore.errors` class, never a bare ValueError or
+    TypeError: `InvalidArgument` for a bad argument (nothing sent), the class
+    of the server's status otherwise.
     """
 
     def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
                  timeout_s: float = 120.0) -> None:
-        self.target = target
-        self.namespace = namespace
-        self.timeout_s = timeout_s
+        self.target = arguments.text(target, "target")
+        self.namespace = arguments.text(namespace, "namespace")
+        self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
+        geometry = arguments.text(geometry, "geometry")
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", -1),
             ("grpc.max_send_message_length", -1),
@@ -136,6 +144,7 @@ class Client:
 
     def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """Chain hashes of every full block of `tokens`, from the prompt start."""
+        extra_keys = arguments.extra_keys(extra_keys)
         return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
 
     def _batch_blocks(self) -> int:
@@ -151,11 +160,13 @@ class Client:
         Args:
             tokens: the prompt's token ids.
             extra_keys: the keys the blocks were stored with.
-            lease_ms: hold the found blocks against eviction this long (0: no lease).
+            lease_ms: hold the found blocks against eviction this long (0: no lease;
+                the server grants at most its `max_lease_ms`).
             swa_positions: snapshot points to ask the SWA pool about (for example
                 each block boundary and the prompt end); the result's
                 `swa_position` is the greatest one with a usable snapshot.
         """
+        swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
         return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms,
                                   swa_keys=swa_keys, swa_positions=swa_positions)
@@ -163,6 +174,10 @@ class Client:
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
                       swa_positions: Sequence[int] = ()) -> LookupResult:
         """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
+        hashes = arguments.hashes(hashes, "hashes")
+        swa_keys = arguments.hashes(swa_keys, "swa_keys")
+        swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
+        lease_ms = arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
@@ -181,6 +196,7 @@ class Client:
 
     def release(self, lease_id: str) -> bool:
         """Drop a lease; False when it had already expired."""
+        lease_id = arguments.text(lease_id, "lease_id")
         return bool(self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
 
     def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
@@ -191,8 +207,10 @@ class Client:
         Args:
             tokens: the whole prompt's token ids (the prefix before `first_block`
                 is hashed locally to find the parent).
-            blocks: one block per full block of `tokens` from `first_block`: bytes
-                objects, or a uint8 tensor of shape [n, block_bytes].
+            blocks: one block per full block of `tokens` from `first_block`: a
+                sequence of `block_bytes`-long buffers (bytes, bytearray,
+                memoryview, 1-D uint8 numpy arrays or tensors), or one uint8
+                tensor or numpy array of shape [n, block_bytes].
             extra_keys: keys mixed into every block's hash.
             first_block: index of the first block sent; earlier blocks must be stored.
             parent: the hash of block `first_block - 1` when the caller has it
@@ -203,11 +221,20 @@ class Client:
             on_batch: called with the number of blocks of each acknowledged batch.
 
         Raises:
-            InvalidArgument: wrong block count or size (nothing stored).
+            InvalidArgument: wrong block count, size or type, or a bad argument (nothing stored).
             FailedPrecondition: the block before `first_block` is not stored.
             ResourceExhausted: the store is full of protected blocks.
         """
-        payload = _as_buffers(blocks)
+        tokens = arguments.token_ids(tokens)
+        first_block = arguments.integer(first_block, "first_block")
+        extra_keys = arguments.extra_keys(extra_keys)
+        if batch_blocks is not None:
+            batch_blocks = arguments.integer(batch_blocks, "batch_blocks", least=1)
+        if parent is not None and parent != b"":
+            parent = arguments.one_hash(parent, "parent")
+        if on_batch is not None and not callable(on_batch):
+            raise InvalidArgument(f"on_batch must be callable, got {type(on_batch).__name__}")
+        payload = arguments.buffers(blocks, "blocks", self.block_bytes)
         total = len(tokens) // self.block_tokens - first_block
         if total != len(payload):
             raise InvalidArgument(f"{len(payload)} blocks given for {total} full blocks of tokens "
@@ -225,14 +252,14 @@ class Client:
         existing = sum(r.existing_blocks for r in replies)
         return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing)
 
-    def _put_request(self, tokens: Sequence[int], blocks: list[Buffer], first_block: int, parent: bytes,
+    def _put_request(self, tokens: Sequence[int], blocks: list[bytes], first_block: int, parent: bytes,
                      extra: list[bytes]) -> pb.PutRequest:
         lo = first_block * self.block_tokens
         return pb.PutRequest(geometry=self.geometry, namespace=self.namespace, parent_hash=parent,
                              token_ids=tokens[lo: lo + len(blocks) * self.block_tokens], extra_keys=extra,
-                             blocks=blocks)  # type: ignore[arg-type]  # protobuf takes any buffer
+                             blocks=blocks)
 
-    def _put_stream(self, tokens: Sequence[int], payload: list[Buffer], first_block: int, parent: bytes,
+    def _put_stream(self, tokens: Sequence[int], payload: list[bytes], first_block: int, parent: bytes,
                     extra: list[bytes], extra_keys: Sequence[ExtraKey], step: int,
                     on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
         """Send a long chain as a PutStream; batches are chained by locally computed hashes."""
@@ -258,6 +285,9 @@ class Client:
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:
         """Fetch blocks of `tokens` (from `first_block`, `num_blocks` of them or all)."""
+        first_block = arguments.integer(first_block, "first_block")
+        if num_blocks is not None:
+            num_blocks = arguments.integer(num_blocks, "num_blocks")
         hashes = self.hashes(tokens, extra_keys=extra_keys)[first_block:]
         return self.get_hashes(hashes[:num_blocks] if num_blocks is not None else hashes)
 
@@ -300,6 +330,7 @@ class Client:
         """Fetch blocks by hash as they arrive: (index, status, data) per block, in
         order, across as many Get calls as the batch limit needs. `status` is a
         `kvstore.v1.kvstore_pb2.BlockStatus`; `data` is empty unless found."""
+        hashes = arguments.hashes(hashes, "hashes")
         step = self._batch_blocks()
         for start in range(0, len(hashes), step):
             request = pb.GetRequest(geometry=self.geometry, namespace=self.namespace,
@@ -331,26 +362,13 @@ class Client:
         return self._call(stub.Stats, transfer_pb2.TransferStatsRequest())
 
 
-def _is_tensor(obj: Any) -> bool:
-    return hasattr(obj, "dim") and hasattr(obj, "dtype")  # torch, without importing it here
+def as_buffer(data: Any) -> bytes:
+    """Bytes of a buffer, a uint8 numpy array or a uint8 tensor (any shape, any device; copied to host bytes).
 
-
-def as_buffer(data: Any) -> Buffer:
-    """Bytes of a buffer or of a uint8 tensor (any shape, any device; copied to host bytes)."""
-    if _is_tensor(data):
-        if str(data.dtype) != "torch.uint8":
-            raise InvalidArgument(f"tensor data must be uint8 (packed codes), got {data.dtype}")
-        return bytes(data.contiguous().cpu().numpy().tobytes())
-    return data  # type: ignore[no-any-return]
-
-
-def _as_buffers(blocks: Any) -> list[Buffer]:
-    """Blocks as a list of buffers; a 2-D uint8 tensor becomes one buffer per row."""
-    if _is_tensor(blocks):
-        if blocks.dim() != 2:
-            raise InvalidArgument(f"block tensor must be uint8 [n, block_bytes], got {tuple(blocks.shape)}")
-        return [as_buffer(row) for row in blocks]
-    return list(blocks)
+    Raises:
+        InvalidArgument: anything else (named, with what is accepted).
+    """
+    return arguments.buffer(data, "data")
 
 
 __all__ = ["Client", "GetResult", "KVStoreError", "LookupResult", "PutResult"]

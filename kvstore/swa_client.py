@@ -8,12 +8,13 @@ comes back as None, never as an error.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvstore import arguments
 from kvstore import geometry as geometries
-from kvstore.client import as_buffer
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_keys
@@ -28,6 +29,15 @@ if TYPE_CHECKING:
 Buffer = bytes | bytearray | memoryview
 #: Room left in a message for everything that is not snapshot bytes.
 _ENVELOPE_BYTES = 1 << 20
+#: Longest TTL the wire carries (uint32 milliseconds); the server cuts any TTL to its own anyway.
+_MAX_TTL_MS = 2**32 - 1
+
+
+def _ttl_ms(ttl_s: Any) -> int:
+    """Milliseconds of a requested TTL (0: the server's TTL), at least 1 for any positive TTL."""
+    if ttl_s is None:
+        return 0
+    return min(max(math.ceil(arguments.seconds(ttl_s, "ttl_s") * 1000), 1), _MAX_TTL_MS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,31 +75,44 @@ class SwaClient:
              extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """Snapshot keys of `tokens` at each position (tokens before the snapshot point)."""
         c = self._client
-        return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root, extra_keys=extra_keys)
+        positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
+        return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root,
+                             extra_keys=arguments.extra_keys(extra_keys))
 
     def key(self, tokens: Sequence[int], position: int | None = None, *,
             extra_keys: Sequence[ExtraKey] = ()) -> bytes:
         """The key of one snapshot; `position` defaults to the end of `tokens`."""
-        return self.keys(tokens, [len(tokens) if position is None else position], extra_keys=extra_keys)[0]
+        if position is None:
+            position = len(tokens)
+        return self.keys(tokens, [position], extra_keys=extra_keys)[0]
 
     def put_many(self, items: Sequence[tuple[bytes, Buffer | torch.Tensor]], *,
                  ttl_s: float | None = None) -> SwaPutResult:
         """Store (key, snapshot) pairs; each lives `ttl_s` (default and most: the server's TTL).
 
-        A snapshot is bytes, or the uint8 tensor `kvstore.fp8.encode_snapshot` returns.
+        A snapshot is bytes (or another buffer, a uint8 numpy array), or the uint8
+        tensor `kvstore.fp8.encode_snapshot` returns.
 
         Raises:
-            InvalidArgument: a snapshot of the wrong size or a bad key (nothing in that batch stored).
+            InvalidArgument: a snapshot of the wrong size or type, a bad key, or a
+                ttl_s that is not a finite number of seconds above 0 (nothing stored).
         """
         stored = failed = ttl_ms = 0
-        ttl = int(ttl_s * 1000) if ttl_s else 0
-        for start in range(0, len(items), self._batch):
+        ttl = _ttl_ms(ttl_s)
+        if isinstance(items, str | bytes | bytearray | memoryview):
+            raise InvalidArgument(f"items must be a sequence of (key, snapshot) pairs, got {type(items).__name__}")
+        pairs = []
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple | list) or len(item) != 2:
+                raise InvalidArgument(f"items[{i}] must be a (key, snapshot) pair, got {type(item).__name__}")
+            key = arguments.one_hash(item[0], f"items[{i}] key")
+            pairs.append((key, arguments.buffer(item[1], f"items[{i}] snapshot")))  # its size: the server checks
+        for start in range(0, len(pairs), self._batch):
             request = pb.SwaPutRequest(geometry=self._client.geometry, namespace=self._client.namespace, ttl_ms=ttl)
-            for key, data in items[start:start + self._batch]:
-                buffer = as_buffer(data)
+            for key, buffer in pairs[start:start + self._batch]:
                 # Filled in place: a snapshot built apart is copied again into its request.
                 snap = request.snapshots.add()
-                snap.key, snap.data, snap.checksum = key, bytes(buffer), checksum(buffer)
+                snap.key, snap.data, snap.checksum = key, buffer, checksum(buffer)
             reply = self._client._call(self._stub.Put, request)
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
@@ -101,6 +124,7 @@ class SwaClient:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Snapshots by key, in order; None where missing (checksums verified on both ends)."""
+        keys = arguments.hashes(keys, "keys")
         out: list[bytes | None] = []
         for start in range(0, len(keys), self._batch):
             reply = self._client._call(self._stub.Get, pb.SwaGetRequest(
@@ -118,6 +142,7 @@ class SwaClient:
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         """Drop snapshots by key; how many existed."""
+        keys = arguments.hashes(keys, "keys")
         if not keys:
             raise InvalidArgument("keys is empty")
         deleted = 0

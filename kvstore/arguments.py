@@ -1,0 +1,141 @@
+"""Checks on what a caller hands the clients, before anything goes on the wire.
+
+Each check raises `InvalidArgument` naming the argument, what was given and what
+is accepted, so a bad call never surfaces as a bare ValueError or TypeError from
+protobuf or the hashing code. Accepted values are returned in the form the wire
+needs (protobuf bytes fields take `bytes` only, repeated uint32 fields an array).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.errors import InvalidArgument
+from kvstore.prefix import HASH_BYTES, MAX_TOKEN_ID
+
+#: What a block or a snapshot may be, said in every refusal.
+BUFFER_KINDS = "bytes, bytearray, memoryview, a 1-D uint8 numpy array or a uint8 torch tensor"
+
+
+def integer(value: Any, name: str, *, least: int = 0, most: int | None = None) -> int:
+    """`value` as an int in [least, most] (numpy integers accepted; bools and floats refused)."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+    if number < least or (most is not None and number > most):
+        upper = "" if most is None else f", at most {most}"
+        raise InvalidArgument(f"{name} = {number} is out of range: at least {least}{upper}")
+    return number
+
+
+def seconds(value: Any, name: str) -> float:
+    """`value` as a finite number of seconds above zero."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{name} must be a number of seconds, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgument(f"{name} = {value!r} must be a finite number of seconds above 0")
+    return float(value)
+
+
+def token_ids(tokens: Any, name: str = "tokens") -> array[int]:
+    """Token ids as a uint32 array (what the hashing and the wire both take)."""
+    if isinstance(tokens, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name} must be a sequence of integer token ids, got {type(tokens).__name__}")
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"{name} must be integer token ids in [0, {MAX_TOKEN_ID}]: {exc}") from None
+
+
+def text(value: Any, name: str) -> str:
+    """`value` when it is a str."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a str, got {type(value).__name__}")
+    return value
+
+
+def hashes(values: Any, name: str) -> list[bytes]:
+    """A list of 32-byte hashes (or snapshot keys) as bytes."""
+    if isinstance(values, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name} must be a sequence of {HASH_BYTES}-byte hashes, got one {type(values).__name__}")
+    return [one_hash(value, f"{name}[{i}]") for i, value in enumerate(values)]
+
+
+def one_hash(value: Any, name: str) -> bytes:
+    """A 32-byte hash (or snapshot key) as bytes."""
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name} is a {type(value).__name__}; a hash is {HASH_BYTES} bytes")
+    if len(value) != HASH_BYTES:
+        raise InvalidArgument(f"{name} is {len(value)} bytes; a hash is {HASH_BYTES} bytes")
+    return bytes(value)
+
+
+def extra_keys(keys: Any) -> list[str | bytes]:
+    """Extra keys: each a str or bytes-like (an int would hash as that many zero bytes)."""
+    if isinstance(keys, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(f"extra_keys must be a sequence of keys, got one {type(keys).__name__}")
+    out: list[str | bytes] = []
+    for i, key in enumerate(keys):
+        if isinstance(key, str | bytes):
+            out.append(key)
+        elif isinstance(key, bytearray | memoryview):
+            out.append(bytes(key))
+        else:
+            raise InvalidArgument(f"extra_keys[{i}] is a {type(key).__name__}; an extra key is str or bytes")
+    return out
+
+
+def is_tensor(obj: Any) -> bool:
+    """Whether `obj` is a torch tensor (checked without importing torch)."""
+    return hasattr(obj, "dim") and hasattr(obj, "dtype")
+
+
+def buffer(data: Any, name: str, size: int | None = None) -> bytes:
+    """The bytes of one block or snapshot, `size` long when given.
+
+    Accepts BUFFER_KINDS; tensors may live on any device (copied to host).
+    """
+    if isinstance(data, bytes):
+        raw = data
+    elif is_tensor(data):
+        if str(data.dtype) != "torch.uint8":
+            raise InvalidArgument(f"{name} must be uint8 (packed codes), got a {data.dtype} tensor")
+        raw = bytes(data.contiguous().cpu().numpy().tobytes())
+    else:
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise InvalidArgument(f"{name} is a {type(data).__name__}; accepted: {BUFFER_KINDS}") from None
+        if view.itemsize != 1:
+            raise InvalidArgument(f"{name} has {view.itemsize}-byte items (format {view.format!r}); "
+                                  "blocks and snapshots are uint8 bytes")
+        raw = view.tobytes()
+    if size is not None and len(raw) != size:
+        raise InvalidArgument(f"{name} is {len(raw)} bytes; it must be {size} bytes")
+    return raw
+
+
+def buffers(blocks: Any, name: str, size: int) -> list[bytes]:
+    """Blocks as bytes, each `size` long: a sequence of buffers, or a uint8 [n, size] tensor or array."""
+    if isinstance(blocks, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(f"{name} must be a sequence of blocks (or a uint8 [n, {size}] array), "
+                              f"got one {type(blocks).__name__}")
+    ndim = getattr(blocks, "ndim", None)
+    if ndim is not None and ndim != 2:
+        raise InvalidArgument(f"{name} as one array must be uint8 [n, {size}], got shape {tuple(blocks.shape)}")
+    if is_tensor(blocks):
+        if str(blocks.dtype) != "torch.uint8":
+            raise InvalidArgument(f"{name} must be uint8 (packed codes), got a {blocks.dtype} tensor")
+        blocks = blocks.contiguous().cpu().numpy()  # one copy to the host, not one per row
+    try:
+        items: Sequence[Any] = list(blocks)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be a sequence of blocks, got {type(blocks).__name__}") from None
+    return [buffer(block, f"{name}[{i}]", size) for i, block in enumerate(items)]
