@@ -102,26 +102,24 @@ def _start(serve: Callable[..., Any], disk: SmallDisk, cfg: Path) -> Any:
 
 
 def _fill_until_refused(client: Any, chain: Any) -> KVStoreError:
-    """Put the chain batch by batch until a Put is refused; `chain.acked` counts the blocks acknowledged."""
-    parent: bytes | None = None
-    while chain.acked < chain.blocks:
-        start, stop = chain.acked, min(chain.acked + BATCH_BLOCKS, chain.blocks)
-        try:
-            result = client.put(chain.tokens[: stop * client.block_tokens], chain.payload(start, stop),
-                                first_block=start, parent=parent)
-        except KVStoreError as exc:
-            return exc
-        parent = result.block_hashes[-1]
-        chain.acked = stop
+    """Stream the chain (a PutStream: batches commit in groups) until the server refuses a batch.
+
+    `chain.acked` counts the blocks of the batches answered before the refusal.
+    """
+    def acked(n: int) -> None:
+        chain.acked += n
+
+    try:
+        client.put(chain.tokens, chain.payload(), batch_blocks=BATCH_BLOCKS, on_batch=acked)
+    except KVStoreError as exc:
+        return exc
     pytest.fail(f"{chain.blocks} blocks fit: the disk never filled")
 
 
 def _put_more(client: Any, chain: Any, other: Any) -> list[KVStoreError]:
-    """After the first refusal: one block more on the chain, one on a new chain; what each was refused with."""
+    """After the first refusal, unary Puts: one block more on the chain, one on a new chain; the refusals."""
     refusals: list[KVStoreError] = []
     for target, n in ((chain, chain.acked), (other, 0)):
-        if n >= target.blocks:
-            continue
         try:
             client.put(target.tokens[: (n + 1) * client.block_tokens], [target.block(n)], first_block=n)
             target.acked = n + 1

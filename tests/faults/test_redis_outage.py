@@ -1,26 +1,29 @@
-"""Redis killed under a `kvstore serve` whose SWA pool lives in it, mid-traffic, then brought back.
+"""Redis lost under a `kvstore serve` whose SWA pool lives in it, mid-traffic, then brought back.
 
-Rule 4 of docs/SWA_POOL.md on real processes: while the redis-server is gone,
-SWA calls are misses and failed puts (answers, never error statuses), global
-KV Put and Get keep working and the server stays up; once a redis-server is
-back on the same port, SWA works again without restarting kvstore, with its
-limits applied again.
+Rule 4 of docs/SWA_POOL.md on real processes: while the redis-server is gone
+(killed) or hung (SIGSTOP: connections open, nothing answers), SWA calls are
+misses and failed puts (answers, never error statuses), global KV Put and Get
+keep working and the server stays up; once Redis is back (a new redis-server on
+the same port, or the hung one resumed), SWA works again without restarting
+kvstore, with its limits applied.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 
 POOL_CAP_BYTES = 256 << 20
 #: Traffic rounds that must run with Redis up, then down, then back, before each step.
-ROUNDS_PER_PHASE = 4
+ROUNDS_PER_PHASE = 3
 
 
 @dataclass
@@ -68,9 +71,25 @@ def _traffic(client: Any, chain: Any, snapshot: bytes, traffic: Traffic) -> None
         traffic.errors.append(exc)
 
 
-def test_redis_killed_mid_traffic_then_back(serve: Callable[..., Any], config: Callable[..., Path],
-                                            tmp_path: Path, kit: Any, redis_server: Any) -> None:
-    cfg = config(swa={"backend": "redis", "redis_url": redis_server.url, "socket_timeout_s": 0.5,
+def _lose(redis_server: Any, how: str) -> None:
+    if how == "killed":
+        redis_server.stop()  # SIGKILL
+    else:
+        redis_server.process.send_signal(signal.SIGSTOP)  # hung: its socket accepts, nothing answers
+
+
+def _bring_back(redis_server: Any, how: str) -> None:
+    if how == "killed":
+        redis_server.start()  # the same port, empty: no persistence, limits forgotten
+    else:
+        redis_server.process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_redis_lost_mid_traffic_then_back(how: str, serve: Callable[..., Any], config: Callable[..., Path],
+                                          tmp_path: Path, kit: Any, redis_server: Any) -> None:
+    # A short socket timeout: each SWA call to a hung Redis waits that long before it is a miss.
+    cfg = config(swa={"backend": "redis", "redis_url": redis_server.url, "socket_timeout_s": 0.2,
                       "cap_bytes": POOL_CAP_BYTES})
     server = serve(tmp_path / "data", config=cfg)
     client = server.client(timeout_s=30)
@@ -81,7 +100,7 @@ def test_redis_killed_mid_traffic_then_back(serve: Callable[..., Any], config: C
     thread.start()
     try:
         traffic.wait_rounds(ROUNDS_PER_PHASE, server)
-        redis_server.stop()  # SIGKILL, mid-traffic
+        _lose(redis_server, how)  # mid-traffic
         down_from = len(traffic.rounds) + 1  # the round running at the kill may have reached Redis in time
         traffic.wait_rounds(down_from + ROUNDS_PER_PHASE, server)
 
@@ -95,7 +114,7 @@ def test_redis_killed_mid_traffic_then_back(serve: Callable[..., Any], config: C
             stats = probe.swa.stats()
             assert not stats.backend_up and stats.backend_errors > 0 and stats.failed_puts >= ROUNDS_PER_PHASE
 
-            redis_server.start()  # the same port, empty: no persistence, limits forgotten
+            _bring_back(redis_server, how)
             back_from = len(traffic.rounds) + 1  # a round begun while Redis was down may still miss
             traffic.wait_rounds(back_from + ROUNDS_PER_PHASE, server)
             back = traffic.rounds[back_from:]
