@@ -195,7 +195,7 @@ def prepare_dir(data_dir: Path) -> None:
                           hint="point store.data_dir (--data-dir) at a folder (it is created if missing)")
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
+    except (FileExistsError, NotADirectoryError):
         raise ConfigError(f"store.data_dir {data_dir}: a part of that path is a file, not a folder",
                           hint="point store.data_dir (--data-dir) at a folder") from None
     except OSError as exc:

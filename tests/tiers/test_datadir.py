@@ -108,8 +108,16 @@ def test_a_refused_open_leaves_nothing_held(settings: StoreSettings) -> None:
 
 def test_a_data_dir_that_is_a_file_says_so(settings: StoreSettings) -> None:
     settings.data_dir.write_text("not a folder")
-    with pytest.raises(ConfigError, match=r"is a file, not a folder"):
-        open_environment(settings)
+    with pytest.raises(ConfigError) as info:
+        open_environment(settings)  # mkdir said "[Errno 17] File exists"
+    assert info.value.message == f"store.data_dir {settings.data_dir} is a file, not a folder"
+
+
+def test_a_data_dir_below_a_file_says_so(settings: StoreSettings) -> None:
+    settings.data_dir.write_text("not a folder")
+    below = StoreSettings(data_dir=settings.data_dir / "store", capacity_bytes=1 << 24)
+    with pytest.raises(ConfigError, match="a part of that path is a file"):
+        open_environment(below)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any mode bits: see the EROFS test below")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -19,6 +20,7 @@ from kvstore.errors import ConfigError
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.integrity import CheckReport, check_store
+from tiers.lmdb_pages import PageReader, read_header
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.records import BlockMeta, child_key, data_key, lru_key, meta_key
 
@@ -102,6 +104,16 @@ def test_a_block_whose_size_differs_from_its_meta_is_damaged(settings: StoreSett
     report = check_store(settings.data_dir, repair=False)
     assert report.counts["damaged-block"] == 1 and report.blocks_dropped == 1
     assert "1023 bytes, meta says 1024" in " ".join(report.lines())
+
+
+def test_a_meta_without_its_data_is_damaged(settings: StoreSettings, chains: list[list[bytes]]) -> None:
+    env, dbs = edit(settings)
+    with env.begin(write=True) as txn:
+        txn.delete(data_key(SCOPE.key(chains[0][5])), db=dbs["records"])
+    env.close()
+    report = check_store(settings.data_dir, repair=False)
+    assert report.counts == {"damaged-block": 1, "stale-child-entry": 1, "stale-index-entry": 1}
+    assert report.problems[0].detail == "meta record without data"
 
 
 def test_orphans_of_a_missing_parent_are_dropped(settings: StoreSettings, chains: list[list[bytes]]) -> None:
@@ -214,6 +226,18 @@ def test_a_damaged_page_is_stepped_over_and_the_store_rebuilt(settings: StoreSet
     assert "data.mdb.damaged" in " ".join(report.notes)
     counts = found(settings, chains)
     assert sum(counts) == kept and counts[0] == LENGTH
+
+
+def test_pages_past_the_last_used_one_are_not_read(settings: StoreSettings, chains: list[list[bytes]]) -> None:
+    """A file may run past its last used page (pages of an uncommitted write): a tree pointing
+    there points at stale bytes, however well-formed they look."""
+    header = read_header(settings.data_dir / "data.mdb")
+    with PageReader(path=settings.data_dir / "data.mdb",
+                    header=dataclasses.replace(header, last_page=header.last_page // 2)) as reader:
+        for name, tree in reader.named_trees().items():
+            for _ in reader.entries(tree, name.decode()):
+                pass
+        assert any("past the last used page" in d.reason for d in reader.damaged)
 
 
 def test_a_truncated_store_is_checked_and_salvaged(settings: StoreSettings, chains: list[list[bytes]]) -> None:
