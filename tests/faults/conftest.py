@@ -10,6 +10,7 @@ deadline only so that a hung child fails the test instead of the suite.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -272,6 +273,20 @@ def assert_usage_matches(client: Client, readable_blocks: int) -> None:
     assert stats.corrupt_blocks == 0
 
 
+def segment_lines() -> set[str]:
+    """What of this process names a transfer region: mappings and open files of `kvstore-` segments
+    (a /dev/shm file or a memfd, whichever the client uses)."""
+    maps = {line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+            if "kvstore-" in line.split(None, 5)[-1]}
+    fds: set[str] = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if "kvstore-" in target:
+                fds.add(f"fd -> {target}")
+    return maps | fds
+
+
 @pytest.fixture
 def server_clock(tmp_path: Path) -> ServerClock:
     """A clock for this test's servers, at the real time until the test advances it."""
@@ -283,4 +298,5 @@ def kit() -> SimpleNamespace:
     """This folder's helpers, for test modules (with --import-mode=importlib they cannot import conftest)."""
     return SimpleNamespace(Chain=Chain, make_chains=make_chains, census=census,
                            assert_usage_matches=assert_usage_matches, write_config=write_config,
+                           segment_lines=segment_lines,
                            BLOCK_TOKENS=BLOCK_TOKENS)

@@ -1,9 +1,11 @@
-"""kill -9 of `kvstore serve` while several PutStreams (group commit) and failing Puts run at once.
+"""kill -9 of `kvstore serve` while writes run: several PutStreams (group commit) beside failing
+Puts, and several shared-memory transfer write batches.
 
 tests/gateway/test_serve_process.py kills one client's unary Puts; here the
 writes overlap: three streams whose batches the server commits in groups,
 beside a client whose Puts abort (their parent is not stored), so commits and
-aborts interleave in LMDB's single writer when the process dies.
+aborts interleave in LMDB's single writer when the process dies; and three
+transfer sessions storing blocks straight from their regions.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvstore.errors import FailedPrecondition, KVStoreError
+from kvstore.transfer import Descriptor
 
 STREAMS = 3
 BLOCKS_PER_CHAIN = 480
@@ -136,3 +141,65 @@ def _finish(client: Any, chain: Any, errors: list[BaseException]) -> None:
         chain.acked = chain.blocks
     except BaseException as exc:  # reported by the test
         errors.append(exc)
+
+
+#: Blocks per transfer write batch.
+WRITE_BATCH_BLOCKS = 16
+
+
+def _write_by_transfer(session: Any, region: Any, chain: Any, errors: list[BaseException]) -> None:
+    """Store the chain from a registered region, one write batch after another; `acked` counts DONE blocks."""
+    client = session.client
+    bb = client.block_bytes
+    try:
+        region.view[:] = b"".join(chain.payload())
+        for start in range(0, chain.blocks, WRITE_BATCH_BLOCKS):
+            stop = min(start + WRITE_BATCH_BLOCKS, chain.blocks)
+            descs = [Descriptor(region_id=region.region_id, offset_bytes=i * bb, length_bytes=bb)
+                     for i in range(start, stop)]
+            state = session.write(chain.tokens[: stop * client.block_tokens], descs, first_block=start).wait()
+            chain.acked += state.done_prefix
+            if state.done_prefix < stop - start:
+                return  # the server died under it (or refused): nothing after a gap is acknowledged
+    except KVStoreError:
+        pass  # the server died under it
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
+def test_kill_9_during_shm_transfer_writes(serve: Callable[..., Any], config: Callable[..., Path],
+                                           tmp_path: Path, kit: Any) -> None:
+    data_dir, cfg = tmp_path / "data", config()
+    before = kit.segment_lines()
+    server = serve(data_dir, config=cfg)
+    clients = [server.client(timeout_s=60) for _ in range(STREAMS)]
+    sessions = [c.transfer(path="shm") for c in clients]
+    try:
+        try:
+            regions = [s.register(BLOCKS_PER_CHAIN * c.block_bytes) for s, c in zip(sessions, clients, strict=True)]
+        except FailedPrecondition as exc:
+            pytest.skip(f"the server cannot map this process's regions here: {exc.message}")
+        chains = kit.make_chains(clients[0], STREAMS, BLOCKS_PER_CHAIN)
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_write_by_transfer, args=(s, r, ch, errors))
+                   for s, r, ch in zip(sessions, regions, chains, strict=True)]
+        for t in threads:
+            t.start()
+        target = STREAMS * BLOCKS_PER_CHAIN // 4
+        while sum(ch.acked for ch in chains) < target and server.alive and not errors:
+            threading.Event().wait(0.002)
+        assert not errors, errors
+        assert all(ch.acked < BLOCKS_PER_CHAIN for ch in chains), "a chain was written whole before the kill"
+        server.kill9()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+    finally:
+        for s in sessions:
+            s.close()
+        for c in clients:
+            c.close()
+    assert kit.segment_lines() - before == set()  # the sessions are closed: no segment left mapped or open
+    again = serve(data_dir, config=cfg)
+    with again.client() as client:
+        kit.assert_usage_matches(client, kit.census(client, chains))

@@ -13,8 +13,6 @@ kill (71 h ago).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -125,25 +123,11 @@ def test_kill_9_during_gets_that_refresh_retention(serve: Callable[..., Any], co
     _check_after_restart(serve, data_dir, cfg, server_clock, chains, read_whole, kit)
 
 
-def _segment_lines() -> set[str]:
-    """What of this process names a transfer region: mappings and open files of `kvstore-` segments
-    (a /dev/shm file or a memfd, whichever the client uses)."""
-    maps = {line.split(None, 5)[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-            if "kvstore-" in line.split(None, 5)[-1]}
-    fds: set[str] = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if "kvstore-" in target:
-                fds.add(f"fd -> {target}")
-    return maps | fds
-
-
 def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: Callable[..., Path],
                                             server_clock: Any, tmp_path: Path, kit: Any) -> None:
     data_dir = tmp_path / "data"
     cfg = config(store={"capacity_bytes": _capacity_bytes(kit.BLOCK_TOKENS)})
-    before = _segment_lines()
+    before = kit.segment_lines()
     server = serve(data_dir, config=cfg, clock=server_clock)
     with server.client() as client, client.transfer(path="shm") as probe:
         try:
@@ -151,12 +135,12 @@ def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: C
         except FailedPrecondition as exc:
             pytest.skip(f"the server cannot map this process's regions here: {exc.message}")
     chains = _store_then_age(server, server_clock, kit)
-    sessions: list[Any] = []
+    sessions: dict[int, Any] = {}  # one per reader's client
 
     def fetch_whole(client: Any, chain: Any) -> None:
-        if not sessions or sessions[-1].client is not client:
-            sessions.append(client.transfer(path="shm"))
-        session = sessions[-1]
+        if id(client) not in sessions:
+            sessions[id(client)] = client.transfer(path="shm")
+        session = sessions[id(client)]
         region = session.register(chain.blocks * client.block_bytes)
         state = session.fetch(client.hashes(chain.tokens), region)
         assert state.done_prefix == chain.blocks
@@ -166,10 +150,10 @@ def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: C
     try:
         read_whole = _read_until_killed(server, chains, fetch_whole)
     finally:
-        for session in sessions:
+        for session in sessions.values():
             session.close()
     # The server is gone and the sessions are closed: no segment is left mapped or open here.
-    assert _segment_lines() - before == set()
+    assert kit.segment_lines() - before == set()
 
     again = _check_after_restart(serve, data_dir, cfg, server_clock, chains, read_whole, kit)
     with again.client() as client, client.transfer(path="shm") as session:
@@ -179,4 +163,4 @@ def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: C
         region = session.register(chain.blocks * client.block_bytes)
         assert session.fetch(client.hashes(chain.tokens), region).done_prefix == chain.blocks
         assert bytes(region.view) == b"".join(chain.payload())
-    assert _segment_lines() - before == set()
+    assert kit.segment_lines() - before == set()
