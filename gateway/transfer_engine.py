@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +31,8 @@ from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier, StagedReads
+
+log = logging.getLogger("kvstore.transfer")
 
 #: `blockcopy` result code -> transfer status code (0, not reached, leaves a descriptor as it stood).
 _CODES = bytes.maketrans(bytes([blockcopy.NOT_REACHED, blockcopy.FOUND, blockcopy.MISSING, blockcopy.CORRUPT]),
@@ -141,10 +144,15 @@ class Copier:
 
 async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, batch: ReadBatch,
                    chunk: int, copier: Copier) -> None:
-    """Copy a read batch's blocks into their regions, chunk by chunk, then restart their retention clocks.
+    """Copy a read batch's blocks into their regions, chunk by chunk, then restart their
+    retention clocks durably, and only then mark the batch done.
 
     Chunks of one batch run in order (a prefix read stops at its first gap);
     chunks of batches submitted together run at once, on `copier`'s threads.
+    The refresh goes through `tier.touch_soon`, so batches finishing together
+    share one fsync'd commit, as Gets do. A block whose refresh failed is not
+    kept for its retention window: its descriptor fails (with the refresh's
+    status) rather than answer DONE, and `refresh_failures` counts it.
     """
     results = transfer.results
     end = n = len(batch)
@@ -175,12 +183,33 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
         del statuses
         _finish(results, end, batch.prefix_only, session.closed)
         tier.count_get(n, found)
-        # Done before the touch: the bytes are in the region, and the retention
-        # clock's durable restart (one fsync) need not delay the worker. Blocks
-        # touched within the tier's granularity are skipped (touch would skip them).
-        session.finish(transfer)
-        if due:
-            await asyncio.wrap_future(tier.touch_soon(due))
+        try:
+            # Durable before DONE: a read the client saw complete keeps its blocks
+            # for their retention window even across a crash (docs/RETENTION.md).
+            # Blocks touched within the tier's granularity are not due (touch would skip them).
+            if due:
+                await _refresh(tier, session, batch, results, due)
+        finally:
+            session.finish(transfer)
+
+
+async def _refresh(tier: LmdbBlockTier, session: Session, batch: ReadBatch, results: BatchResults,
+                   due: list[bytes]) -> None:
+    """Restart the retention clocks of `due` (keys of DONE blocks), durably; fail their descriptors if it fails."""
+    try:
+        await asyncio.wrap_future(tier.touch_soon(due))
+    except Exception as exc:
+        error = exc if isinstance(exc, KVStoreError) else None
+        code = to_status(error).name if error is not None else "INTERNAL"
+        reason = (f"copied, but its retention refresh failed ({error.message if error else exc!r}): the block "
+                  "may be evicted before its retention window ends; do not count on it")
+        wanted = set(due)
+        keys = batch.keys(0, len(batch))
+        failed = [i for i in np.flatnonzero(np.frombuffer(results.statuses, dtype=np.uint8) == DONE).tolist()
+                  if keys[i] in wanted]
+        results.fail_all(dict.fromkeys(failed, reason), code)
+        session.counters.refresh_failures += len(failed)
+        log.warning("transfer read: the retention refresh of %d blocks failed: %r", len(failed), exc)
 
 
 async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, plan: validate.PutPlan,

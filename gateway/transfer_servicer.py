@@ -24,11 +24,20 @@ from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
+#: A repeated message field's tag and length prefix, at most.
+_FIELD_BYTES = 6
+#: Room kept in a message for what is not a batch's state (a reply's own fields, gRPC's framing).
+_ENVELOPE_BYTES = 64 << 10
 
 
 def _groups(request: pb.SubmitRequest) -> list[DescriptorGroup]:
     return [DescriptorGroup(region_id=g.region_id, length_bytes=g.length_bytes, block_hashes=g.block_hashes,
                             offsets_bytes=np.array(g.offsets_bytes, dtype=np.uint64)) for g in request.groups]
+
+
+def _count(request: pb.SubmitRequest) -> int:
+    """Descriptors in a batch, without reading them."""
+    return sum(len(g.offsets_bytes) for g in request.groups)
 
 
 def _state(transfer: Transfer) -> pb.TransferState:
@@ -48,12 +57,17 @@ class TransferServicer(pb_grpc.TransferServicer):
         tier: the LMDB tier (owns the executor for blocking work).
         layouts: served geometries by name, the default first.
         settings: the transfer section of the configuration.
+        max_message_bytes: the server's message limit; replies stay below it
+            whatever `settings.max_reply_bytes` says.
     """
 
-    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings) -> None:
+    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings,
+                 *, max_message_bytes: int | None = None) -> None:
         self.tier = tier
         self.layouts = layouts
         self.settings = settings
+        room = settings.max_reply_bytes if max_message_bytes is None else max_message_bytes - _ENVELOPE_BYTES
+        self.max_reply_bytes = min(settings.max_reply_bytes, room)
         self.table = SessionTable(settings)
         # Copies get their own threads so a long fetch never queues Puts behind it.
         # The Python copy loop holds the GIL: threads running it at once only
@@ -75,7 +89,9 @@ class TransferServicer(pb_grpc.TransferServicer):
             yield pb.SessionEvent(session_id=session.session_id, max_descriptors=self.settings.max_descriptors,
                                   max_region_bytes=self.settings.max_region_bytes,
                                   max_regions=self.settings.max_regions,
-                                  keep_finished=self.settings.keep_finished)
+                                  keep_finished=self.settings.keep_finished,
+                                  max_session_descriptors=self.settings.max_session_descriptors,
+                                  max_session_mapped_bytes=self.settings.max_session_mapped_bytes)
             # The session lives as long as this stream: the client cancelling it,
             # its connection dropping or its process dying all end the wait.
             await asyncio.Event().wait()
@@ -87,9 +103,11 @@ class TransferServicer(pb_grpc.TransferServicer):
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
         session = self.table.get(request.session_id, context.peer())
         try:
-            region = self.table.register(session, request.shm_name, request.size_bytes, request.nonce)
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as exc:
-            # Not an error: the client is on another host (or another /dev/shm) and streams instead.
+            region = self.table.register(session, request.shm_name, request.pid, request.fd, request.size_bytes,
+                                         request.nonce)
+        except (FileNotFoundError, PermissionError) as exc:
+            # Not an error: the client is on another host (or in another pid
+            # namespace, or another user's) and streams instead.
             return pb.RegisterRegionResponse(shared=False, reason=f"cannot map {request.shm_name} here: "
                                              f"{exc.strerror or exc}")
         except KVStoreError:
@@ -108,9 +126,8 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer())
-        start = self._checked(session, request)
-        session.make_room(1)
-        transfer = start()
+        session.make_room(1, _count(request))
+        transfer = self._checked(session, request)()
         if not request.wait:
             return pb.SubmitResponse(transfer_id=transfer.transfer_id)
         await transfer.done.wait()
@@ -122,13 +139,14 @@ class TransferServicer(pb_grpc.TransferServicer):
         session = self.table.get(request.session_id, context.peer())
         if not 1 <= len(request.batches) <= self.settings.keep_finished:
             raise InvalidArgument(f"send 1 to {self.settings.keep_finished} batches; got {len(request.batches)}")
+        # The bounds first: they cost a count per group, checking every batch costs far more.
+        session.make_room(len(request.batches), sum(_count(b) for b in request.batches))
         starts = []
         for i, batch in enumerate(request.batches):
             try:
                 starts.append(self._checked(session, batch))
             except KVStoreError as exc:
                 raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
-        session.make_room(len(starts))
         return pb.SubmitManyResponse(transfer_ids=[start().transfer_id for start in starts])
 
     @unary
@@ -153,7 +171,19 @@ class TransferServicer(pb_grpc.TransferServicer):
         if request.wait_ms and pending:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.gather(*(done.wait() for done in pending)), request.wait_ms / 1000.0)
-        return pb.GetTransfersResponse(states=[_state(t) for t in transfers])
+        # A batch's state is bounded (TransferSettings.TRANSFER_STATE_BYTES_PER_DESCRIPTOR
+        # each), many are not: the reply takes states in order while they fit, and
+        # says how many it left out. The first always fits (the settings check it).
+        reply = pb.GetTransfersResponse()
+        size = 0
+        for transfer in transfers:
+            state = _state(transfer)
+            size += state.ByteSize() + _FIELD_BYTES
+            if size > self.max_reply_bytes and reply.states:
+                break
+            reply.states.append(state)
+        reply.omitted = len(transfers) - len(reply.states)
+        return reply
 
     @unary
     async def Stats(self, request: pb.TransferStatsRequest,
@@ -164,7 +194,8 @@ class TransferServicer(pb_grpc.TransferServicer):
             sessions=len(self.table.sessions), regions=self.table.mapped_regions(),
             mapped_bytes=self.table.mapped_bytes(), read_batches=c.read_batches, write_batches=c.write_batches,
             descriptors_done=c.descriptors_done, descriptors_missing=c.descriptors_missing,
-            descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved)
+            descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved, refresh_failures=c.refresh_failures,
+            descriptors_in_flight=self.table.load.descriptors_in_flight)
 
     # -- batches -------------------------------------------------------------
 
@@ -175,7 +206,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             InvalidArgument: a bad descriptor count, op or (writes) chain. A bad
                 descriptor does not raise: it fails alone once the batch runs.
         """
-        n = sum(len(g.offsets_bytes) for g in request.groups)
+        n = _count(request)
         if not 1 <= n <= self.settings.max_descriptors:
             raise InvalidArgument(f"a batch holds 1 to {self.settings.max_descriptors} descriptors; got {n}")
         layout = self.layouts[session.geometry]

@@ -7,14 +7,20 @@ Safety rules (docs/TRANSFER.md numbers them; tests are named after them):
    another session's region fails with PERMISSION_DENIED, an unknown one with
    NOT_FOUND; a span outside the region with INVALID_ARGUMENT.
 3. A region is unmapped when its client deregisters it or its session ends
-   (the client closes the stream, disconnects or dies). Its /dev/shm name is
-   removed as soon as the server has mapped it, so no segment outlives both ends.
+   (the client closes the stream, disconnects or dies). A region is a memfd:
+   it has no name in any folder, so nothing of it outlives both ends.
 4. A bad descriptor fails alone; the rest of its batch goes on.
+5. A region must be sealed against shrinking (F_SEAL_SHRINK) before the server
+   maps it, so no client action can fault the server's copy loop (SIGBUS).
+6. What a session and the server hold is bounded: regions and their bytes,
+   descriptors running and remembered; past a bound, RESOURCE_EXHAUSTED names it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -24,57 +30,94 @@ import stat
 import threading
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvstore.prefix import BlockScope
+from kvstore.region import NONCE_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, BatchResults
 
 log = logging.getLogger("kvstore.transfer")
-_SHM_NAME = re.compile(r"^kvstore-[0-9a-f]{32}$")
+_SHM_NAME = re.compile(r"kvstore-[0-9a-f]{32}")
 
 
 class MappedRegion:
-    """A client's shared-memory segment, mapped into the server.
+    """A client's sealed memfd, mapped into the server.
+
+    The server opens the client's descriptor through `/proc/<pid>/fd/<fd>` only
+    after that link names the memfd the client says (`/memfd:<name> (deleted)`),
+    so it never opens a FIFO, a device or another file a client points it at;
+    it then checks what it opened, once more by its own descriptor:
+    - a regular shmem file of ordinary pages (a hugetlb memfd can run out of
+      huge pages at fault time: SIGBUS), at least `size_bytes` long;
+    - sealed against shrinking (F_SEAL_SHRINK): pages mapped here can never be
+      cut from under a copy, which would kill the server with SIGBUS.
+    It maps the file without MAP_POPULATE: no page of the region is touched
+    (or committed) before a descriptor needs it.
 
     Zero-copy contract: `view` (and every slice of it) shows the client's pages
     and is valid until `close`; the engine drops its slices before a transfer
     finishes, and a region is closed only when no transfer on it is in flight.
     Spans are checked against `size_bytes` before they are cut
     (`kvstore.transfer.group_failures`).
+
+    Raises:
+        FileNotFoundError, PermissionError: the descriptor cannot be seen from
+            here (another host, another pid namespace, another user).
+        FailedPrecondition: the memfd is not sealed against shrinking, or is not
+            a plain shmem file.
+        InvalidArgument: it is shorter than `size_bytes`.
+        PermissionDenied: it does not hold the nonce sent with it.
     """
 
-    def __init__(self, region_id: int, path: Path, size_bytes: int, nonce: bytes) -> None:
+    def __init__(self, region_id: int, name: str, pid: int, fd: int, size_bytes: int, nonce: bytes) -> None:
         self.region_id = region_id
-        self.name = path.name
+        self.name = name
         self.size_bytes = size_bytes
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        expected = f"/memfd:{name} (deleted)"
+        link = f"/proc/{pid}/fd/{fd}"
+        if os.readlink(link) != expected:
+            raise FileNotFoundError(errno.ENOENT, f"no memfd {name} at {link}")
+        handle = os.open(link, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size < size_bytes:
-                raise InvalidArgument(f"segment {path.name} is not a regular file of at least {size_bytes} bytes")
-            # Populate the page tables now: a fault per 4 KiB page on the first
-            # copy would otherwise cost more than the copy itself.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(fd, size_bytes, flags=flags)
+            # By our own descriptor this time: the client cannot swap it under the check.
+            if os.readlink(f"/proc/self/fd/{handle}") != expected:
+                raise FileNotFoundError(errno.ENOENT, f"no memfd {name} at {link}")
+            _check_sealed(handle, name, size_bytes)
+            self._mmap = mmap.mmap(handle, size_bytes, flags=mmap.MAP_SHARED)
         finally:
-            os.close(fd)
+            os.close(handle)
         if not nonce or self._mmap[: len(nonce)] != nonce:
             self._mmap.close()
-            raise PermissionDenied(f"segment {path.name} does not hold the nonce sent with it")
-        # Both ends have it mapped now: the name is no longer needed, and a
-        # segment with no name cannot outlive the two processes that map it.
-        path.unlink(missing_ok=True)
+            raise PermissionDenied(f"region {name} does not hold the nonce sent with it")
         self.view = memoryview(self._mmap)
 
     def close(self) -> None:
-        """Unmap the segment."""
+        """Unmap the region."""
         self.view.release()
         try:
             self._mmap.close()
         except BufferError:  # pragma: no cover - a span outlived its transfer: a bug
             log.error("region %s still has views; it unmaps when they are collected", self.region_id)
+
+
+def _check_sealed(handle: int, name: str, size_bytes: int) -> None:
+    """Refuse a region that could shrink (or fault) under a mapping: see `MappedRegion`."""
+    info = os.fstat(handle)
+    if not stat.S_ISREG(info.st_mode) or info.st_blksize != mmap.PAGESIZE:
+        raise FailedPrecondition(f"region {name} is not a memfd of ordinary pages",
+                                 hint="create it with memfd_create(MFD_ALLOW_SEALING), without MFD_HUGETLB")
+    try:
+        seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise FailedPrecondition(
+            f"region {name} is not sealed against shrinking (F_SEAL_SHRINK): a client could truncate it "
+            "under the server's mapping", hint="create it with memfd_create(MFD_ALLOW_SEALING) and add "
+            "F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL (fcntl F_ADD_SEALS) before registering; kvstore.region does")
+    if info.st_size < size_bytes:
+        raise InvalidArgument(f"region {name} holds {info.st_size} bytes, fewer than the {size_bytes} registered")
 
 
 @dataclass(kw_only=True)
@@ -98,6 +141,9 @@ class TransferCounters:
     descriptors_missing: int = 0
     descriptors_failed: int = 0
     bytes_moved: int = 0
+    #: Read descriptors copied whose retention refresh failed (they are FAILED, so
+    #: also counted in descriptors_failed).
+    refresh_failures: int = 0
 
     def count(self, results: BatchResults) -> None:
         """Add one finished batch."""
@@ -111,11 +157,32 @@ class TransferCounters:
         self.bytes_moved += results.bytes_moved
 
 
+@dataclass
+class Load:
+    """What every session holds now, summed (event loop only): the server-wide limits' side."""
+
+    descriptors_in_flight: int = 0
+    mapped_bytes: int = 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB"
+
+
 class Session:
-    """One client's regions and batches, for one tenant and geometry."""
+    """One client's regions and batches, for one tenant and geometry.
+
+    What it may hold is bounded (`TransferSettings`), each bound checked before
+    anything starts, so that no client can exhaust the server's memory:
+    `keep_finished` batches running, `max_session_descriptors` descriptors held
+    by its batches (running, or finished and not yet forgotten), and with every
+    other session `max_inflight_descriptors` descriptors running; its regions'
+    bytes are bounded in `SessionTable.register`.
+    """
 
     def __init__(self, session_id: str, peer: str, geometry: str, scope: BlockScope,
-                 settings: TransferSettings, counters: TransferCounters | None = None) -> None:
+                 settings: TransferSettings, counters: TransferCounters | None = None,
+                 load: Load | None = None) -> None:
         self.session_id = session_id
         self.peer = peer
         self.geometry = geometry
@@ -127,23 +194,44 @@ class Session:
         self._next_transfer = 0
         # Finished batch ids, oldest first: forgetting one costs no scan of `transfers`.
         self._finished: deque[int] = deque()
-        self._counters = counters or TransferCounters()
+        self.counters = counters or TransferCounters()
+        self._load = load or Load()
+        #: Descriptors of the batches in `transfers`, and of those still running.
+        self.held_descriptors = 0
+        self.running_descriptors = 0
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Total size of this session's regions."""
+        return sum(r.size_bytes for r in self.regions.values())
 
     def new_transfer(self, region_ids: frozenset[int], size: int, *, writes: bool = False) -> Transfer:
-        """Record a new batch of `size` descriptors, forgetting the oldest finished ones."""
+        """Record a new batch of `size` descriptors, forgetting the oldest finished ones
+        to stay within `keep_finished` batches and `max_session_descriptors` held."""
         self._next_transfer += 1
-        while len(self._finished) >= self.settings.keep_finished:
-            self.transfers.pop(self._finished.popleft(), None)
+        while self._finished and (len(self._finished) >= self.settings.keep_finished
+                                  or self.held_descriptors + size > self.settings.max_session_descriptors):
+            self._forget(self._finished.popleft())
         transfer = Transfer(transfer_id=self._next_transfer, region_ids=region_ids,
                             results=BatchResults(size, writes=writes))
         self.transfers[transfer.transfer_id] = transfer
+        self.held_descriptors += size
+        self.running_descriptors += size
+        self._load.descriptors_in_flight += size
         return transfer
 
+    def _forget(self, transfer_id: int) -> None:
+        gone = self.transfers.pop(transfer_id, None)
+        if gone is not None:
+            self.held_descriptors -= len(gone.results)
+
     def finish(self, transfer: Transfer) -> None:
-        """Mark a batch done; it is remembered until `keep_finished` later ones have finished."""
+        """Mark a batch done; it is remembered until later ones push it out (see `new_transfer`)."""
         transfer.done.set()
         self._finished.append(transfer.transfer_id)
-        self._counters.count(transfer.results)
+        self.running_descriptors -= len(transfer.results)
+        self._load.descriptors_in_flight -= len(transfer.results)
+        self.counters.count(transfer.results)
 
     def transfer(self, transfer_id: int) -> Transfer:
         """A batch of this session by id."""
@@ -151,27 +239,42 @@ class Session:
             return self.transfers[transfer_id]
         except KeyError:
             raise NotFound(f"no transfer {transfer_id} in this session (finished ones are kept "
-                           f"{self.settings.keep_finished} deep)") from None
+                           f"{self.settings.keep_finished} batches or {self.settings.max_session_descriptors} "
+                           "descriptors deep)") from None
 
     def in_flight(self) -> list[Transfer]:
         """Batches not finished yet."""
         return [t for t in self.transfers.values() if not t.done.is_set()]
 
-    def make_room(self, batches: int) -> None:
-        """Check that `batches` more may start: a session runs at most `keep_finished` at once.
+    def make_room(self, batches: int, descriptors: int) -> None:
+        """Check that `batches` more batches of `descriptors` in all may start.
 
-        Without a bound, a client could queue batches (and their tasks) without
-        end; this one also keeps every batch readable once it finishes.
+        A session runs at most `keep_finished` batches and `max_session_descriptors`
+        descriptors at once, and the server `max_inflight_descriptors` across
+        sessions. Without these bounds a client could queue batches (their
+        descriptors, tasks and results) without end; the first also keeps
+        every batch readable once it finishes.
 
         Raises:
-            ResourceExhausted: that many more would pass the bound.
+            ResourceExhausted: naming the bound they would pass.
         """
+        s = self.settings
         running = len(self.transfers) - len(self._finished)
-        if running + batches > self.settings.keep_finished:
+        if running + batches > s.keep_finished:
             raise ResourceExhausted(
                 f"{running} batches of this session are running; {batches} more would pass the "
-                f"{self.settings.keep_finished} a session may run at once",
+                f"{s.keep_finished} a session may run at once (transfer.keep_finished)",
                 hint="wait for running batches (GetTransfers) before submitting more")
+        if self.running_descriptors + descriptors > s.max_session_descriptors:
+            raise ResourceExhausted(
+                f"this session's running batches hold {self.running_descriptors} descriptors; {descriptors} more "
+                f"would pass transfer.max_session_descriptors ({s.max_session_descriptors})",
+                hint="wait for running batches (GetTransfers) before submitting more")
+        if self._load.descriptors_in_flight + descriptors > s.max_inflight_descriptors:
+            raise ResourceExhausted(
+                f"the server runs {self._load.descriptors_in_flight} descriptors for every session; {descriptors} "
+                f"more would pass transfer.max_inflight_descriptors ({s.max_inflight_descriptors})",
+                hint="retry once running batches finish")
 
     def drop_region(self, region_id: int) -> None:
         """Unmap one region of this session.
@@ -185,7 +288,9 @@ class Session:
         busy = [t.transfer_id for t in self.in_flight() if region_id in t.region_ids]
         if busy:
             raise FailedPrecondition(f"region {region_id} is in use by transfers {busy}; wait for them first")
-        self.regions.pop(region_id).close()
+        region = self.regions.pop(region_id)
+        self._load.mapped_bytes -= region.size_bytes
+        region.close()
 
     async def close(self) -> None:
         """Stop the session's batches (they end after their current chunk), then unmap every region."""
@@ -194,6 +299,7 @@ class Session:
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         for region in self.regions.values():
+            self._load.mapped_bytes -= region.size_bytes
             region.close()
         self.regions.clear()
 
@@ -204,6 +310,7 @@ class SessionTable:
     def __init__(self, settings: TransferSettings) -> None:
         self.settings = settings
         self.counters = TransferCounters()
+        self.load = Load()
         self.sessions: dict[str, Session] = {}
         self._owner: dict[int, str] = {}
         self._next_region = 0
@@ -211,7 +318,7 @@ class SessionTable:
 
     def open(self, peer: str, geometry: str, scope: BlockScope) -> Session:
         """A new session bound to `peer`."""
-        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters)
+        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters, self.load)
         self.sessions[session.session_id] = session
         return session
 
@@ -229,26 +336,46 @@ class SessionTable:
             raise PermissionDenied("this transfer session belongs to another connection")
         return session
 
-    def register(self, session: Session, shm_name: str, size_bytes: int, nonce: bytes) -> MappedRegion:
-        """Map a client's segment into `session`.
+    def register(self, session: Session, shm_name: str, pid: int, fd: int, size_bytes: int,
+                 nonce: bytes) -> MappedRegion:
+        """Map a client's sealed memfd into `session` (see `MappedRegion` for the checks).
 
         Raises:
-            InvalidArgument: a bad name or size.
-            ResourceExhausted: the session holds its most regions already.
-            OSError: the segment cannot be opened here (another host).
+            InvalidArgument: a bad name, size, pid or nonce.
+            ResourceExhausted: the session or the server would pass a bound on regions or their bytes.
+            FailedPrecondition: the memfd is not sealed against shrinking.
+            OSError: the memfd cannot be opened here (another host).
         """
-        if not _SHM_NAME.match(shm_name):
+        s = self.settings
+        if not _SHM_NAME.fullmatch(shm_name):
             raise InvalidArgument(f"shm_name {shm_name!r} is not 'kvstore-' and 32 hex digits")
-        if not 0 < size_bytes <= self.settings.max_region_bytes:
-            raise InvalidArgument(f"size_bytes {size_bytes} is not in [1, {self.settings.max_region_bytes}]")
-        if len(session.regions) >= self.settings.max_regions:
-            raise ResourceExhausted(f"a session holds at most {self.settings.max_regions} regions",
+        if not 0 < size_bytes <= s.max_region_bytes:
+            raise InvalidArgument(f"size_bytes {size_bytes} is not in [1, {s.max_region_bytes}] "
+                                  "(transfer.max_region_bytes)")
+        if pid <= 0:
+            raise InvalidArgument("pid must name the client's process (the memfd is opened as /proc/<pid>/fd/<fd>)")
+        if len(nonce) != min(NONCE_BYTES, size_bytes):
+            raise InvalidArgument(f"the nonce must be the region's first {min(NONCE_BYTES, size_bytes)} bytes; "
+                                  f"got {len(nonce)}")
+        if len(session.regions) >= s.max_regions:
+            raise ResourceExhausted(f"a session holds at most {s.max_regions} regions (transfer.max_regions)",
                                     hint="deregister a region first")
+        if session.mapped_bytes + size_bytes > s.max_session_mapped_bytes:
+            raise ResourceExhausted(
+                f"this session maps {_gib(session.mapped_bytes)}; {_gib(size_bytes)} more would pass "
+                f"transfer.max_session_mapped_bytes ({_gib(s.max_session_mapped_bytes)})",
+                hint="deregister a region first")
+        if self.load.mapped_bytes + size_bytes > s.max_mapped_bytes:
+            raise ResourceExhausted(
+                f"the server maps {_gib(self.load.mapped_bytes)} for every session; {_gib(size_bytes)} more would "
+                f"pass transfer.max_mapped_bytes ({_gib(s.max_mapped_bytes)})",
+                hint="retry once other sessions release regions, or register a smaller region")
         with self._lock:
             self._next_region += 1
             region_id = self._next_region
-        region = MappedRegion(region_id, self.settings.shm_dir / shm_name, size_bytes, nonce)
+        region = MappedRegion(region_id, shm_name, pid, fd, size_bytes, nonce)
         session.regions[region_id] = region
+        self.load.mapped_bytes += size_bytes
         self._owner[region_id] = session.session_id
         return region
 
@@ -289,4 +416,4 @@ class SessionTable:
 
     def mapped_bytes(self) -> int:
         """Total size of the regions mapped now."""
-        return sum(r.size_bytes for s in self.sessions.values() for r in s.regions.values())
+        return self.load.mapped_bytes

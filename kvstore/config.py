@@ -185,7 +185,13 @@ class SwaSettings:
 class TransferSettings:
     """Batched transfers into client-registered memory regions (docs/TRANSFER.md)."""
 
-    #: Folder where clients create shared-memory segments (same host only).
+    #: Most bytes one descriptor adds to a batch's TransferState on the wire: a
+    #: status byte, a write's 32-byte hash, and a failure whose reason the server
+    #: cuts to 256 bytes (kvstore.transfer.MAX_REASON_BYTES).
+    TRANSFER_STATE_BYTES_PER_DESCRIPTOR: ClassVar[int] = 330
+
+    #: Unused: regions are sealed memfds now, with no name in any folder (docs/TRANSFER.md).
+    #: Kept so that config files naming it still load.
     shm_dir: Path = Path("/dev/shm")
     #: Most descriptors in one batch.
     max_descriptors: int = 4096
@@ -205,8 +211,26 @@ class TransferSettings:
     #: parallel; where it is not built, copies hold the GIL and one thread is
     #: used whatever this says.
     copy_threads: int = field(default_factory=lambda: min(8, max(1, (os.cpu_count() or 1) - 1)))
+    #: Most bytes of regions one session may map at once (their sizes summed).
+    max_session_mapped_bytes: int = 64 * GiB
+    #: Most bytes of regions mapped at once across every session.
+    max_mapped_bytes: int = 256 * GiB
+    #: Most descriptors one session's batches hold at once, running or finished and
+    #: still remembered (the oldest finished are forgotten first to make room).
+    max_session_descriptors: int = 1 << 18
+    #: Most descriptors of running batches across every session.
+    max_inflight_descriptors: int = 1 << 20
+    #: Largest GetTransfers reply: the batches past it are left out (the reply says
+    #: how many) and asked for again. Must hold one whole batch's results
+    #: (TRANSFER_STATE_BYTES_PER_DESCRIPTOR each) and fit server.max_message_bytes.
+    max_reply_bytes: int = 16 << 20
 
     RANGES: ClassVar[dict[str, Range]] = {
+        "max_session_mapped_bytes": Range(1, MAX_BYTES),
+        "max_mapped_bytes": Range(1, MAX_BYTES),
+        "max_session_descriptors": Range(1, 1 << 32),
+        "max_inflight_descriptors": Range(1, 1 << 32),
+        "max_reply_bytes": Range(1 << 16, 1 << 31),
         "max_descriptors": Range(1, 1 << 20),
         "max_region_bytes": Range(1, MAX_BYTES),
         "max_regions": Range(1, 1 << 16),
@@ -217,6 +241,14 @@ class TransferSettings:
 
     def __post_init__(self) -> None:
         check_ranges(self, "transfer")
+        if not self.max_descriptors <= self.max_session_descriptors <= self.max_inflight_descriptors:
+            raise ConfigError(f"transfer: max_descriptors ({self.max_descriptors}) <= max_session_descriptors "
+                              f"({self.max_session_descriptors}) <= max_inflight_descriptors "
+                              f"({self.max_inflight_descriptors}) must hold, else a batch could never run")
+        need = self.max_descriptors * self.TRANSFER_STATE_BYTES_PER_DESCRIPTOR + (1 << 10)
+        if self.max_reply_bytes < need:
+            raise ConfigError(f"transfer.max_reply_bytes = {self.max_reply_bytes} cannot hold one batch's results: "
+                              f"max_descriptors {self.max_descriptors} needs {need}")
 
 
 @dataclass(frozen=True, kw_only=True)

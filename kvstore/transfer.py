@@ -25,7 +25,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvstore.errors import KVStoreError, to_status
+from kvstore.errors import InvalidArgument, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
 
 
@@ -53,6 +53,9 @@ CODES: dict[Status, int] = {s: i for i, s in enumerate(STATUSES)}
 DONE, MISSING, SKIPPED, FAILED = (CODES[s] for s in (Status.DONE, Status.MISSING, Status.SKIPPED, Status.FAILED))
 #: Why a SKIPPED descriptor was not read (the same for all, so it is not sent).
 SKIPPED_REASON = "after the first block not loaded"
+#: Longest failure reason kept (UTF-8 bytes): a batch's state on the wire stays within
+#: TransferSettings.TRANSFER_STATE_BYTES_PER_DESCRIPTOR per descriptor.
+MAX_REASON_BYTES = 256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,6 +73,18 @@ class Descriptor:
     region_id: int
     offset_bytes: int
     length_bytes: int
+
+    def __post_init__(self) -> None:
+        # Checked here, so a bad one never reaches numpy or protobuf (a bare
+        # OverflowError or TypeError there); a hash of the wrong length is the
+        # server's to fail, alone (rule 4).
+        if not isinstance(self.block_hash, bytes | bytearray | memoryview):
+            raise InvalidArgument(f"block_hash is a {type(self.block_hash).__name__}; a block hash is "
+                                  f"{HASH_BYTES} bytes")
+        for name, least in (("region_id", 0), ("offset_bytes", 0), ("length_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or not least <= value < 1 << 63:
+                raise InvalidArgument(f"Descriptor.{name} must be an int in [{least}, 2**63), got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -286,7 +301,9 @@ class BatchResults:
         return len(self.statuses)
 
     def fail(self, index: int, code: str, reason: str) -> None:
-        """Descriptor `index` failed with gRPC status name `code`."""
+        """Descriptor `index` failed with gRPC status name `code` (`reason` cut to MAX_REASON_BYTES)."""
+        if len(reason) > MAX_REASON_BYTES // 4:  # may be longer than its limit in UTF-8
+            reason = reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
         self.failures[index] = (code, reason)  # first: a snapshot taken between the two stays whole
         self.statuses[index] = FAILED
 

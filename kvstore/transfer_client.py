@@ -7,13 +7,16 @@
         gpu = region.blocks(client.block_bytes, state.done_prefix).cuda(non_blocking=True)
 
 Paths (one ABC, picked from `PATHS`):
-- "shm": the server maps the region (a /dev/shm segment) and copies blocks
-  between LMDB's map and it; only descriptors and results cross the channel.
+- "shm": the server maps the region (a sealed memfd, `kvstore.region`) and copies
+  blocks between LMDB's map and it; only descriptors and results cross the channel.
 - "stream": blocks come over the KVStore Get stream (and go out by Put) and are
   copied into or out of the region here: the path across hosts.
 "auto" registers each region with the server, which proves it can see the
-segment by reading a nonce from it; a region the server cannot map is served
+region by reading a nonce from it; a region the server cannot map is served
 by "stream". The caller's code is the same on every path.
+
+Every method raises a `kvstore.errors` class, never a bare ValueError or
+TypeError: `InvalidArgument` for a bad argument (nothing sent).
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ import itertools
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
+from kvstore import arguments
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, from_status, to_status
 from kvstore.prefix import HASH_BYTES, ExtraKey
-from kvstore.region import DEFAULT_SHM_DIR, Region
+from kvstore.region import Region
 from kvstore.transfer import (
     DONE,
     MISSING,
@@ -99,6 +102,27 @@ class TransferPath(abc.ABC):
         """Release what the path holds (threads)."""
 
 
+def _timeout(timeout_s: Any) -> float | None:
+    """A wait's time limit: None (no limit) or a finite number of seconds, 0 or more."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
+        raise InvalidArgument(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def _hashes(values: Any) -> list[bytes]:
+    """Block hashes as bytes (one of the wrong length fails its descriptor alone, once sent)."""
+    if isinstance(values, str | bytes | bytearray | memoryview) or not isinstance(values, Sequence):
+        raise InvalidArgument(f"hashes must be a sequence of {HASH_BYTES}-byte hashes, got {type(values).__name__}")
+    out = []
+    for i, h in enumerate(values):
+        if not isinstance(h, bytes | bytearray | memoryview):
+            raise InvalidArgument(f"hashes[{i}] is a {type(h).__name__}; a block hash is {HASH_BYTES} bytes")
+        out.append(bytes(h))
+    return out
+
+
 def _state(reply: pb.TransferState, block_bytes: int) -> TransferState:
     # Kept as columns: per-descriptor results are built only if the caller asks.
     return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
@@ -116,6 +140,7 @@ class _ShmTransfer(Transfer):
         return self._final or self._get(0)
 
     def wait(self, timeout_s: float | None = None) -> TransferState:
+        timeout_s = _timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._final is None:
             left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
@@ -169,7 +194,9 @@ class ShmPath(TransferPath):
                 reply = self.call(self.stub.GetTransfers, pb.GetTransfersRequest(
                     session_id=self.session_id, transfer_ids=[t.transfer_id for t in part],
                     wait_ms=min(left_ms, 10_000)))
-                for transfer, state in zip(part, reply.states, strict=True):
+                # The server answers the first ids whose states fit its reply limit
+                # (`omitted` says how many it left out): the rest are asked again.
+                for transfer, state in zip(part, reply.states, strict=False):
                     if state.done:
                         transfer._final = _state(state, self.block_bytes)
             waiting = [t for t in waiting if t._final is None]
@@ -213,7 +240,7 @@ class _LocalTransfer(Transfer):
 
     def wait(self, timeout_s: float | None = None) -> TransferState:
         with contextlib.suppress(TimeoutError):
-            self._future.result(timeout_s)
+            self._future.result(_timeout(timeout_s))
         return self.status()
 
 
@@ -298,6 +325,18 @@ class StreamPath(TransferPath):
                              f"not stored: descriptor {end} before it failed, so its parent block is missing")
 
 
+def _descriptors(descriptors: Any, most: int) -> list[Descriptor]:
+    """A batch's descriptors, checked to be `Descriptor`s (their fields check themselves), 1 to `most`."""
+    if not isinstance(descriptors, Sequence) or isinstance(descriptors, str | bytes):
+        raise InvalidArgument(f"descriptors must be a sequence of Descriptor, got {type(descriptors).__name__}")
+    for i, d in enumerate(descriptors):
+        if not isinstance(d, Descriptor):
+            raise InvalidArgument(f"descriptors[{i}] is a {type(d).__name__}, not a Descriptor")
+    if not 1 <= len(descriptors) <= most:
+        raise InvalidArgument(f"a batch holds 1 to {most} descriptors; got {len(descriptors)}")
+    return list(descriptors)
+
+
 #: Path name -> implementation; "auto" picks per region (see the module doc).
 PATHS: dict[str, type[TransferPath]] = {"shm": ShmPath, "stream": StreamPath}
 
@@ -308,15 +347,13 @@ class TransferSession:
     Args:
         client: the connection (its tenant and geometry are the session's).
         path: "auto", "shm" (fail if the server cannot map a region) or "stream".
-        shm_dir: where regions are created.
     """
 
-    def __init__(self, client: Client, *, path: str = "auto", shm_dir: Path | None = None) -> None:
-        if path not in (*PATHS, "auto"):
+    def __init__(self, client: Client, *, path: str = "auto") -> None:
+        if not isinstance(path, str) or path not in (*PATHS, "auto"):
             raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
         self.client = client
         self.path = path
-        self.shm_dir = shm_dir or DEFAULT_SHM_DIR
         self.stub = pb_grpc.TransferStub(client._channel)
         self.regions: dict[int, Region] = {}
         self.session_id = ""
@@ -331,9 +368,11 @@ class TransferSession:
             self.session_id = first.session_id
             self.max_descriptors = first.max_descriptors
             self.keep_finished = first.keep_finished
+            self.max_session_descriptors = first.max_session_descriptors or first.max_descriptors
         else:
             self.max_descriptors = client.max_batch_blocks
             self.keep_finished = 0
+            self.max_session_descriptors = 0
         self._paths = {name: cls(self) for name, cls in PATHS.items()}
 
     def call(self, method: Any, request: Any) -> Any:
@@ -343,17 +382,22 @@ class TransferSession:
     # -- regions -----------------------------------------------------------
 
     def register(self, size_bytes: int) -> Region:
-        """Create a region of `size_bytes` and register it; on "auto" and "shm" the server maps it.
+        """Create a region of `size_bytes` (a sealed memfd, `kvstore.region`) and register it;
+        on "auto" and "shm" the server maps it.
 
         Raises:
-            FailedPrecondition: path "shm" and the server cannot map the segment.
+            InvalidArgument: `size_bytes` is not a positive int.
+            FailedPrecondition: path "shm" and the server cannot map the region.
+            ResourceExhausted: the session or the server maps its most regions or bytes.
         """
-        region = Region(size_bytes, shm_dir=self.shm_dir)
+        region = Region(arguments.integer(size_bytes, "size_bytes", least=1))
         try:
             if self.path != "stream":
                 nonce = region.write_nonce()
+                pid, fd = region.handle
                 reply = self.call(self.stub.RegisterRegion, pb.RegisterRegionRequest(
-                    session_id=self.session_id, shm_name=region.name, size_bytes=size_bytes, nonce=nonce))
+                    session_id=self.session_id, shm_name=region.name, size_bytes=region.size_bytes, nonce=nonce,
+                    pid=pid, fd=fd))
                 region.view[: len(nonce)] = bytes(len(nonce))
                 if reply.shared:
                     region.region_id, region.shared = reply.region_id, True
@@ -365,8 +409,8 @@ class TransferSession:
         except BaseException:
             region.close()
             raise
-        # Mapped by both ends (or by this one only): the name has done its job.
-        region.unlink()
+        # Mapped by both ends (or by this one only): the descriptor has done its job.
+        region.release_fd()
         self.regions[region.region_id] = region
         return region
 
@@ -378,7 +422,12 @@ class TransferSession:
             raise NotFound(f"region {region_id} is not registered in this session") from None
 
     def deregister(self, region: Region) -> None:
-        """Unregister and close a region (the server unmaps it first)."""
+        """Unregister and close a region (the server unmaps it first).
+
+        Raises:
+            NotFound: `region` is not registered in this session.
+        """
+        self._own(region)
         if region.shared:
             self.call(self.stub.DeregisterRegion, pb.DeregisterRegionRequest(
                 session_id=self.session_id, region_id=region.region_id))
@@ -386,6 +435,14 @@ class TransferSession:
         region.close()
 
     # -- batches -----------------------------------------------------------
+
+    def _own(self, region: Any) -> Region:
+        if not isinstance(region, Region):
+            raise InvalidArgument(f"region must be a Region from this session's register(), "
+                                  f"got {type(region).__name__}")
+        if self.regions.get(region.region_id) is not region:
+            raise NotFound(f"region {region.name} is not registered in this session")
+        return region
 
     def _path_for(self, groups: Sequence[DescriptorGroup]) -> TransferPath:
         regions = [self.regions.get(g.region_id) for g in groups]
@@ -398,8 +455,11 @@ class TransferSession:
         Args:
             descriptors: block hash -> region, offset, length (one block each).
             prefix_only: stop at the first block not found; the rest come back SKIPPED.
+
+        Raises:
+            InvalidArgument: a descriptor is not a `Descriptor`, or the batch is empty or too long.
         """
-        groups = group(descriptors, Op.READ)
+        groups = group(_descriptors(descriptors, self.max_descriptors), Op.READ)
         return self._path_for(groups).read(groups, prefix_only)
 
     def write(self, tokens: Sequence[int], descriptors: Sequence[Descriptor], *, first_block: int = 0,
@@ -411,8 +471,19 @@ class TransferSession:
             descriptors: one per full block of `tokens` from `first_block`, in order.
             first_block: index of the first block written.
             extra_keys: keys mixed into every block's hash.
+
+        Raises:
+            InvalidArgument: bad tokens, extra keys, `first_block` or descriptors, or fewer
+                full blocks of tokens than descriptors.
         """
+        tokens = arguments.token_ids(tokens)
+        first_block = arguments.integer(first_block, "first_block")
+        extra_keys = arguments.extra_keys(extra_keys)
+        descriptors = _descriptors(descriptors, self.max_descriptors)
         bt = self.client.block_tokens
+        if (first_block + len(descriptors)) * bt > len(tokens):
+            raise InvalidArgument(f"{len(descriptors)} descriptors from block {first_block} need "
+                                  f"{(first_block + len(descriptors)) * bt} tokens; got {len(tokens)}")
         parent = self.client.hashes(tokens[: first_block * bt], extra_keys=extra_keys)[-1:] or [b""]
         ids = tokens[first_block * bt: (first_block + len(descriptors)) * bt]
         extra = [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
@@ -428,8 +499,21 @@ class TransferSession:
         together (one GetTransfers), so they overlap. With `prefix_only`, each
         batch stops at its first block not found; a later batch may already have
         loaded blocks past it, so load `done_prefix` blocks.
+
+        Raises:
+            InvalidArgument: bad hashes, offset or batch size, or more blocks than fit in `region`.
+            NotFound: `region` is not registered in this session.
         """
+        hashes = _hashes(hashes)
+        region = self._own(region)
+        offset_bytes = arguments.integer(offset_bytes, "offset_bytes")
+        batch_descriptors = arguments.integer(batch_descriptors, "batch_descriptors", least=1)
+        if not isinstance(prefix_only, bool):
+            raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
         size = self.client.block_bytes
+        if offset_bytes + len(hashes) * size > region.size_bytes:
+            raise InvalidArgument(f"{len(hashes)} blocks of {size} bytes from offset {offset_bytes} do not fit "
+                                  f"in region {region.name} of {region.size_bytes} bytes")
         step = max(1, min(batch_descriptors, self.max_descriptors))
         batches = []
         for start in range(0, len(hashes), step):
@@ -444,10 +528,14 @@ class TransferSession:
         if not batches:
             return TransferState.concat([])
         # Every batch names the one region, so they all take the same path. The
-        # server remembers `keep_finished` finished batches: more are sent only
-        # once those have been collected, so none is forgotten before it is read.
+        # server runs at most `keep_finished` batches and `max_session_descriptors`
+        # descriptors of a session at once, and remembers no more finished: more
+        # are sent only once those have been collected, so none is refused, nor
+        # forgotten before it is read.
         path = self._path_for(batches[0])
         window = self.keep_finished or len(batches)
+        if self.max_session_descriptors:
+            window = max(1, min(window, self.max_session_descriptors // step))
         states: list[TransferState] = []
         for start in range(0, len(batches), window):
             states.extend(self.wait_all(path.read_many(batches[start:start + window], prefix_only)))
@@ -459,6 +547,9 @@ class TransferSession:
         The server remembers a session's last `keep_finished` finished batches:
         wait for at most that many at a time.
         """
+        timeout_s = _timeout(timeout_s)
+        if not all(isinstance(t, Transfer) for t in transfers):
+            raise InvalidArgument("transfers must be Transfer objects from this session's read() or write()")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         def left() -> float | None:

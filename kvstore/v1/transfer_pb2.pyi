@@ -38,30 +38,38 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions", "keep_finished")
+    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions", "keep_finished", "max_session_descriptors", "max_session_mapped_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     MAX_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_REGIONS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FINISHED_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_descriptors: int
     max_region_bytes: int
     max_regions: int
     keep_finished: int
-    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ...) -> None: ...
+    max_session_descriptors: int
+    max_session_mapped_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ..., max_session_descriptors: _Optional[int] = ..., max_session_mapped_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("session_id", "shm_name", "size_bytes", "nonce")
+    __slots__ = ("session_id", "shm_name", "size_bytes", "nonce", "pid", "fd")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     shm_name: str
     size_bytes: int
     nonce: bytes
-    def __init__(self, session_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    fd: int
+    def __init__(self, session_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id", "shared", "reason")
@@ -186,17 +194,19 @@ class GetTransfersRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., transfer_ids: _Optional[_Iterable[int]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class GetTransfersResponse(_message.Message):
-    __slots__ = ("states",)
+    __slots__ = ("states", "omitted")
     STATES_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedCompositeFieldContainer[TransferState]
-    def __init__(self, states: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ...) -> None: ...
+    omitted: int
+    def __init__(self, states: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., omitted: _Optional[int] = ...) -> None: ...
 
 class TransferStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TransferStatsResponse(_message.Message):
-    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved")
+    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved", "refresh_failures", "descriptors_in_flight")
     COPY_LOOP_FIELD_NUMBER: _ClassVar[int]
     COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +218,8 @@ class TransferStatsResponse(_message.Message):
     DESCRIPTORS_MISSING_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FAILED_FIELD_NUMBER: _ClassVar[int]
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    REFRESH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     copy_loop: str
     copy_threads: int
     sessions: int
@@ -219,4 +231,6 @@ class TransferStatsResponse(_message.Message):
     descriptors_missing: int
     descriptors_failed: int
     bytes_moved: int
-    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ...) -> None: ...
+    refresh_failures: int
+    descriptors_in_flight: int
+    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., refresh_failures: _Optional[int] = ..., descriptors_in_flight: _Optional[int] = ...) -> None: ...

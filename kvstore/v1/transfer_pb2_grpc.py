@@ -88,7 +88,7 @@ class TransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterRegion(self, request, context):
-        """Maps a shared-memory segment the client created under /dev/shm.
+        """Maps a sealed memfd the client created (same host only).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

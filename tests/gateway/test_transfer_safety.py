@@ -81,9 +81,11 @@ def test_rule_2_bad_names_and_nonces_are_refused(server: Any, client: Client) ->
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with Region(4096) as region:
             region.write_nonce()
+            pid, fd = region.handle
             with pytest.raises(grpc.RpcError) as info:
                 s.stub.RegisterRegion(pb.RegisterRegionRequest(session_id=s.session_id, shm_name=region.name,
-                                                               size_bytes=4096, nonce=b"not-the-nonce!!!"))
+                                                               size_bytes=4096, nonce=b"not-the-nonce!!!",
+                                                               pid=pid, fd=fd))
             assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert session_table(server).mapped_regions() == 0
 

@@ -4,12 +4,16 @@ regions; each behaviour checked on both paths (shared memory and streamed)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvstore.client import Client
-from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
+from kvstore.region import Region
 from kvstore.transfer import Descriptor, Status
 from kvstore.transfer_client import TransferSession
 
@@ -34,7 +38,10 @@ def test_auto_path_maps_regions_on_the_same_host(client: Client) -> None:
     with client.transfer() as s:
         region = s.register(4096)
         assert region.shared and region.region_id > 0
-        assert not region.path.exists(), "the segment's name is removed once both ends map it"
+        assert region.name in Path("/proc/self/maps").read_text(), "the server maps the client's memfd"
+        assert not (Path("/dev/shm") / region.name).exists(), "a region has no name in any folder"
+        with pytest.raises(FailedPrecondition, match="registered already"):
+            region.handle  # noqa: B018 - the descriptor is closed once both ends map the region
 
 
 def test_fetch_lands_blocks_in_the_region(session: TransferSession, client: Client) -> None:
@@ -126,12 +133,13 @@ def test_write_stops_the_chain_at_a_bad_descriptor(session: TransferSession, cli
     assert client.lookup(tokens).found_blocks == 1
 
 
-def test_forced_shm_path_refuses_a_region_the_server_cannot_map(client: Client, tmp_path: Any) -> None:
-    # A folder that is not the server's /dev/shm: the server cannot see the segment.
-    with TransferSession(client, path="shm", shm_dir=tmp_path) as s, \
-            pytest.raises(FailedPrecondition, match="cannot map"):
+def test_forced_shm_path_refuses_a_region_the_server_cannot_map(client: Client,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process the server cannot see (as from another host): above Linux's largest pid.
+    monkeypatch.setattr(Region, "handle", property(lambda self: ((1 << 22) + 1, 3)))
+    with TransferSession(client, path="shm") as s, pytest.raises(FailedPrecondition, match="cannot map"):
         s.register(4096)
-    with TransferSession(client, path="auto", shm_dir=tmp_path) as s:
+    with TransferSession(client, path="auto") as s:
         region = s.register(4096)
         assert not region.shared, "auto falls back to the stream path"
 
@@ -189,3 +197,80 @@ def test_fetch_with_a_short_hash_fails_that_descriptor_alone(session: TransferSe
     assert [r.status for r in state.results] == [Status.DONE, Status.FAILED, Status.DONE]
     assert state.results[1].code == "INVALID_ARGUMENT" and "block_hash" in state.results[1].reason
     assert state.count(Status.DONE) == 2 and state.done_prefix == 1
+
+
+def _bad_calls(session: TransferSession, client: Client) -> list[tuple[str, Callable[[], object]]]:
+    """Calls with bad arguments, each by what is wrong with it."""
+    size = client.block_bytes
+    region = session.register(2 * size)
+    rid = region.region_id
+    ok = Descriptor(block_hash=b"\1" * 32, region_id=rid, offset_bytes=0, length_bytes=size)
+    tokens = list(range(2 * client.block_tokens))
+    transfer = session.read([ok])
+    with Region(4096) as stranger:
+        pass
+    return [
+        ("register(-5)", lambda: session.register(-5)),
+        ("register(0)", lambda: session.register(0)),
+        ("register(1.5)", lambda: session.register(1.5)),  # type: ignore[arg-type]
+        ("register('4096')", lambda: session.register("4096")),  # type: ignore[arg-type]
+        ("Descriptor offset -1", lambda: Descriptor(region_id=rid, offset_bytes=-1, length_bytes=size)),
+        ("Descriptor length 2**64", lambda: Descriptor(region_id=rid, offset_bytes=0, length_bytes=2**64)),
+        ("Descriptor length 1.0", lambda: Descriptor(region_id=rid, offset_bytes=0, length_bytes=1.0)),  # type: ignore[arg-type]
+        ("Descriptor hash str", lambda: Descriptor(block_hash="ab", region_id=rid, offset_bytes=0,  # type: ignore[arg-type]
+                                                   length_bytes=size)),
+        ("read([])", lambda: session.read([])),
+        ("read(dicts)", lambda: session.read([{"region_id": rid}])),  # type: ignore[list-item]
+        ("read(one Descriptor)", lambda: session.read(ok)),  # type: ignore[arg-type]
+        ("write tokens -5", lambda: session.write([-5] * client.block_tokens, [ok])),
+        ("write tokens 2**40", lambda: session.write([2**40] * client.block_tokens, [ok])),
+        ("write numpy float tokens", lambda: session.write(np.zeros(client.block_tokens), [ok])),  # type: ignore[arg-type]
+        ("write first_block -1", lambda: session.write(tokens, [ok], first_block=-1)),
+        ("write too few tokens", lambda: session.write(tokens[:5], [ok])),
+        ("write extra key 5", lambda: session.write(tokens, [ok], extra_keys=[5])),  # type: ignore[list-item]
+        ("fetch numpy hashes", lambda: session.fetch(np.zeros((2, 32), dtype=np.uint8), region)),  # type: ignore[arg-type]
+        ("fetch str hash", lambda: session.fetch(["ab" * 16], region)),  # type: ignore[list-item]
+        ("fetch into a numpy array", lambda: session.fetch([b"\1" * 32], np.zeros(size))),  # type: ignore[arg-type]
+        ("fetch into another region", lambda: session.fetch([b"\1" * 32], stranger)),
+        ("fetch offset -1", lambda: session.fetch([b"\1" * 32], region, offset_bytes=-1)),
+        ("fetch past the region", lambda: session.fetch([b"\1" * 32] * 3, region)),
+        ("fetch batch 0", lambda: session.fetch([b"\1" * 32], region, batch_descriptors=0)),
+        ("fetch prefix_only 'yes'", lambda: session.fetch([b"\1" * 32], region, prefix_only="yes")),  # type: ignore[arg-type]
+        ("wait(-1)", lambda: transfer.wait(timeout_s=-1)),
+        ("wait(nan)", lambda: transfer.wait(timeout_s=float("nan"))),
+        ("wait_all(objects)", lambda: session.wait_all([object()])),  # type: ignore[list-item]
+        ("deregister(str)", lambda: session.deregister("region")),  # type: ignore[arg-type]
+        ("deregister(stranger)", lambda: session.deregister(stranger)),
+        ("transfer(path=5)", lambda: client.transfer(path=5)),  # type: ignore[arg-type]
+        ("Region(-1)", lambda: Region(-1)),
+        ("blocks(0)", lambda: region.blocks(0)),
+        ("blocks count past the end", lambda: region.blocks(size, 3)),
+        ("tensor offset past the end", lambda: region.tensor(offset_bytes=3 * size)),
+    ]
+
+
+def test_every_bad_argument_raises_a_kvstore_error(session: TransferSession, client: Client) -> None:
+    pytest.importorskip("torch")
+    for what, call in _bad_calls(session, client):
+        with pytest.raises(KVStoreError) as info:
+            call()
+        assert isinstance(info.value, InvalidArgument | NotFound), f"{what}: {info.value!r}"
+    assert client.stats().blocks_stored == 0, "nothing bad reached the server"
+
+
+def test_numpy_integers_are_ints(session: TransferSession, client: Client) -> None:
+    tokens, blocks = stored(client, 2)
+    region = session.register(np.int64(2 * client.block_bytes))  # type: ignore[arg-type]
+    state = session.fetch(client.hashes(tokens), region, offset_bytes=np.uint32(0),  # type: ignore[arg-type]
+                          batch_descriptors=np.int16(1))  # type: ignore[arg-type]
+    assert state.done_prefix == 2 and bytes(region.view) == b"".join(blocks)
+
+
+def test_a_failure_reason_is_cut_to_its_limit() -> None:
+    from kvstore.transfer import MAX_REASON_BYTES, BatchResults
+
+    results = BatchResults(2)
+    results.fail(0, "INTERNAL", "é" * 1000)
+    results.fail(1, "INTERNAL", "short")
+    assert len(results.failures[0][1].encode()) <= MAX_REASON_BYTES and results.failures[0][1].startswith("éé")
+    assert results.failures[1][1] == "short"
