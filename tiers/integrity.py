@@ -10,12 +10,15 @@ so what a repair keeps is prefix-closed, as rule R6 wants. Everything else goes:
   match a kept block's meta, a record with a key of no known form.
 
 Missing child or LRU entries of kept blocks are added, and the usage totals are
-rewritten from the kept blocks. A page LMDB cannot read (lmdb.Error mid-walk) is
-stepped over: the walk seeks past it and reports the key range it lost. Without
-`repair` nothing is written, and a store a live server holds may be checked.
-A repair needs the data dir's lock (no server running) and writes in one
-transaction: in place when every page read, else into a fresh copy of the kept
-records that replaces `data.mdb` (the damaged file is kept beside it).
+rewritten from the kept blocks. The walk reads the file page by page
+(tiers/lmdb_pages.py), not through LMDB, whose cursor aborts the process on a
+damaged page: such a page is stepped over and reported with the key range it
+held, and a truncated file is read as far as it goes. Without `repair` nothing
+is written, and a store a live server holds may be checked (a read transaction
+pins the snapshot read). A repair needs the data dir's lock (no server running)
+and writes in one transaction: in place when every page read, else into a fresh
+copy of the kept records that replaces `data.mdb` (the damaged file is kept
+beside it). docs/OPERATIONS.md says what each finding means.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ from tiers.records import CHILD_TAG, DATA_TAG, META_STRUCT, META_TAG, BlockMeta,
 Progress = Callable[[int, int], None]
 
 _USAGE = struct.Struct("<QQ")
-_LRU_KEY_BYTES = 12 + KEY_BYTES
 _PREFIX_BYTES = KEY_BYTES - HASH_BYTES
 #: Problems of one kind listed in a report; the rest are counted only.
 LISTED_PER_KIND = 20
