@@ -156,9 +156,11 @@ def group_failures(g: DescriptorGroup, first: int, *, region_bytes: int, block_b
     limit = region_bytes - g.length_bytes  # an offset past this runs over the end
     offsets = g.offsets_bytes
     bad = np.arange(n) if limit < 0 else np.flatnonzero((offsets < 0) | (offsets > limit))
-    return {first + int(j): f"descriptor {first + int(j)} span [{int(offsets[j])}, "
-                            f"{int(offsets[j]) + g.length_bytes}) runs outside region {g.region_id} of "
-                            f"{region_bytes} bytes" for j in bad}
+    # Plain ints, not numpy scalars: a batch of bad spans is cut on the event loop.
+    tail = f") runs outside region {g.region_id} of {region_bytes} bytes"
+    length = g.length_bytes
+    return {first + j: f"descriptor {first + j} span [{o}, {o + length}{tail}"
+            for j, o in zip(bad.tolist(), offsets[bad].tolist(), strict=True)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,7 +304,7 @@ class BatchResults:
 
     def fail(self, index: int, code: str, reason: str) -> None:
         """Descriptor `index` failed with gRPC status name `code` (`reason` cut to MAX_REASON_BYTES)."""
-        if len(reason) > MAX_REASON_BYTES // 4:  # may be longer than its limit in UTF-8
+        if len(reason) > MAX_REASON_BYTES // 4 and (not reason.isascii() or len(reason) > MAX_REASON_BYTES):
             reason = reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
         self.failures[index] = (code, reason)  # first: a snapshot taken between the two stays whole
         self.statuses[index] = FAILED
