@@ -16,7 +16,6 @@ hold); once space is freed it must serve everything acknowledged.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import resource
 import signal
@@ -39,7 +38,13 @@ CAPACITY_BYTES = 32 * MiB
 BLOCK_BYTES = 14240  # 16-token blocks of the default geometry
 BATCH_BLOCKS = 32
 #: Blocks of the chain that fills the disk: more than fit.
-CHAIN_BLOCKS = 2 * ROOM_BYTES // BLOCK_BYTES
+CHAIN_BLOCKS = 3 * ROOM_BYTES // (2 * BLOCK_BYTES)
+#: Blocks past the found ones that a census checks are absent: more than a refused
+#: stream can have had in flight (kvstore_servicer.PUT_STREAM_DEPTH batches and the one committing).
+TAIL_BLOCKS = 8 * BATCH_BLOCKS
+#: Known bug (reported to the coordinator): a write the full disk cuts short fails LMDB's commit with EIO,
+#: which LmdbBlockTier._retry_damaged answers as DATA_LOSS ("met a damaged page ... run kvstore check").
+DISK_FULL_STATUS_BUG = "disk full is answered DATA_LOSS 'met a damaged page' (EIO from a short write)"
 
 
 @dataclass
@@ -140,13 +145,19 @@ def _run_until_full(serve: Callable[..., Any], disk: SmallDisk, cfg: Path, kit: 
     return server, [chain, other], refusals
 
 
-def test_disk_full_loses_nothing_acknowledged_and_keeps_serving(
+def _clear(refusal: KVStoreError) -> bool:
+    """Whether a refusal says what happened: no room (RESOURCE_EXHAUSTED or UNAVAILABLE), in words."""
+    return (isinstance(refusal, (ResourceExhausted, Unavailable))
+            and re.search(r"disk|space|full|file size", refusal.message, re.IGNORECASE) is not None)
+
+
+def test_disk_full_refuses_clearly_loses_nothing_acknowledged_and_keeps_serving(
         small_disk: SmallDisk, serve: Callable[..., Any], config: Callable[..., Path], kit: Any) -> None:
     cfg = config(store={"capacity_bytes": CAPACITY_BYTES})
-    server, chains, _ = _run_until_full(serve, small_disk, cfg, kit)
-    assert chains[0].acked * BLOCK_BYTES > ROOM_BYTES // 2, "refused long before the disk was full"
+    server, chains, refusals = _run_until_full(serve, small_disk, cfg, kit)
+    assert chains[0].acked * BLOCK_BYTES > ROOM_BYTES // 2, f"refused long before the disk was full: {refusals[0]!r}"
     with server.client() as client:
-        kit.assert_usage_matches(client, kit.census(client, chains))
+        kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
         assert client.lookup(chains[0].tokens).found_blocks >= chains[0].acked
     assert server.alive, server.log()
     status = server.stop()
@@ -159,29 +170,21 @@ def test_disk_full_loses_nothing_acknowledged_and_keeps_serving(
         assert "Traceback" not in str(exc) and re.search(r"capacity|space|disk", str(exc)), exc
     else:
         with full.client() as client:
-            kit.assert_usage_matches(client, kit.census(client, chains))
+            kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
         assert full.stop() == 0, full.log()
 
     small_disk.free_space()
     again = _start(serve, small_disk, cfg)
     with again.client() as client:
-        kit.assert_usage_matches(client, kit.census(client, chains))
+        kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
         # With room again, the chain goes on.
         chain = chains[0]
         n = chain.acked
         client.put(chain.tokens[: (n + 1) * client.block_tokens], [chain.block(n)], first_block=n)
         chain.acked = n + 1
-        kit.assert_usage_matches(client, kit.census(client, chains))
+        kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
 
-
-@pytest.mark.xfail(strict=False, reason="a write the full disk cuts short fails LMDB's commit with EIO, which "
-                   "LmdbBlockTier._retry_damaged reports as DATA_LOSS 'met a damaged page ... run kvstore check'")
-def test_disk_full_put_is_refused_with_a_clear_status(
-        small_disk: SmallDisk, serve: Callable[..., Any], config: Callable[..., Path], kit: Any) -> None:
-    cfg = config(store={"capacity_bytes": CAPACITY_BYTES})
-    server, _, refusals = _run_until_full(serve, small_disk, cfg, kit)
-    for exc in refusals:
-        assert isinstance(exc, (ResourceExhausted, Unavailable)), f"{type(exc).__name__}: {exc.message}"
-        assert re.search(r"disk|space|full|file size", exc.message, re.IGNORECASE), exc.message
-    with contextlib.suppress(Exception):
-        server.stop()
+    # Last, so that everything above is enforced whatever the status: each refusal names the lack of room.
+    unclear = [f"{type(r).__name__}: {r.message}" for r in refusals if not _clear(r)]
+    if unclear:
+        pytest.xfail(f"{DISK_FULL_STATUS_BUG}; got {unclear[0]}")
