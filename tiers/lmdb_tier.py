@@ -486,7 +486,7 @@ class LmdbBlockTier:
         with self._lock:
             counters = json.dumps(asdict(self.counters)).encode()
         txn.put(b"counters", counters, db=self._state)
-        txn.put(HIGH_WATER_KEY, HIGH_WATER.pack(self.retention_clock.high_water_s), db=self._state)
+        txn.put(HIGH_WATER_KEY, HIGH_WATER.pack(self.retention_clock.now()), db=self._state)
 
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"

@@ -88,8 +88,9 @@ class RetentionClock:
 
     `now()` is the wall clock clamped between the last time it returned (so it
     never goes back) and `high_water_s + monotonic time since open` (so a jump
-    forward cannot age blocks). `high_water_s` is persisted with every write, so
-    a restart never stamps a time earlier than one already stored.
+    forward cannot age blocks). The tier persists `now()` with every write, as
+    the next open's `high_water_s`: a restart never stamps a time earlier than
+    one already stored, and time while the server is down does not count.
 
     Args:
         clock: the wall and monotonic clocks.
@@ -111,12 +112,6 @@ class RetentionClock:
             t = min(self._clock.now(), ceiling)
             if t > self._last_s:
                 self._last_s = t
-            return self._last_s
-
-    @property
-    def high_water_s(self) -> float:
-        """The latest time `now` returned (what the store persists)."""
-        with self._lock:
             return self._last_s
 
     def uptime_s(self) -> float:

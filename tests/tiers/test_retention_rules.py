@@ -231,3 +231,14 @@ def test_r9_a_lease_runs_on_the_monotonic_clock(kit: Kit, clock: ManualClock) ->
     clock.advance(31)
     assert kit.tier.leases.active() == 0
     assert lease is not None and not kit.tier.leases.release(lease.lease_id)
+
+
+def test_r13_time_the_server_ran_before_a_restart_still_counts(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit()
+    old = kit.chain(0, 10)
+    kit.put(old)  # full
+    clock.advance(PAST_RETENTION)  # running, idle: no write since
+    kit.tier.close()  # persists the retention clock's high-water mark
+    kit = make_kit()
+    kit.put(kit.chain(1000, 1))  # `old` is past retention: its tail goes
+    assert kit.stored(old) == [True] * 9 + [False]

@@ -1,0 +1,185 @@
+"""Random sequences of put, get, lookup, fill, clock and restart steps on a real LMDB tier,
+checked after every step against a plain model of the rules (docs/RETENTION.md):
+
+- R6: stored blocks are prefix-closed (every stored block's parent is stored).
+- R4/R5: no block goes while it, or a descendant, was used within `retention_s`.
+- R12: a Put that succeeds leaves every block it named stored.
+- R8: a Put that is refused changes nothing.
+- R15: Lookup reports exactly the leading blocks Get finds.
+- R14: the usage totals equal the blocks stored.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvstore.clock import ManualClock
+from kvstore.config import StoreSettings
+from kvstore.errors import ResourceExhausted
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope, chain_hashes, root_hash
+from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+
+HOUR = 3600.0
+BLOCK = 1024
+TOKENS = 16
+CAPACITY_BLOCKS = 8
+SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
+ROOT = root_hash(V4_1_FLASH.fingerprint, TOKENS)
+
+
+def _chain(seed: int, n: int, parent: bytes = ROOT) -> list[bytes]:
+    return chain_hashes(list(range(seed, seed + TOKENS * n)), block_tokens=TOKENS, parent=parent)
+
+
+# Named chains the steps pick from: two trunks and a branch off trunk 0's second block.
+_TRUNK0 = _chain(0, 6)
+CHAINS: list[list[bytes]] = [_TRUNK0, _chain(1000, 5), _TRUNK0[:2] + _chain(7000, 3, parent=_TRUNK0[1])]
+
+_chain_index = st.integers(0, len(CHAINS) - 1)
+step = st.one_of(
+    st.tuples(st.just("extend"), _chain_index, st.integers(1, 6)),  # a Put after the stored prefix
+    st.tuples(st.just("reput"), _chain_index, st.integers(0, 6)),  # the stored prefix again, and more
+    st.tuples(st.just("put"), _chain_index, st.integers(0, 5), st.integers(1, 6)),  # anywhere
+    st.tuples(st.just("get"), st.integers(0, len(CHAINS) - 1), st.integers(0, 5), st.integers(1, 6)),
+    st.tuples(st.just("lookup"), st.integers(0, len(CHAINS) - 1)),
+    st.tuples(st.just("fill"), st.integers(0, 4)),  # a new chain of n blocks; 0: as many as fit
+    st.tuples(st.just("advance"), st.sampled_from([1.0, 59.0, HOUR, 40 * HOUR, 73 * HOUR, 100 * HOUR])),
+    st.tuples(st.just("restart"),),
+)
+
+
+class Model:
+    """What the rules say: each known block's parent, and its last use (raised by its descendants' uses)."""
+
+    def __init__(self, retention_s: float) -> None:
+        self.retention_s = retention_s
+        self.parent: dict[bytes, bytes | None] = {}
+        self.last_use: dict[bytes, float] = {}
+
+    def learn(self, hashes: list[bytes]) -> None:
+        for i, h in enumerate(hashes):
+            self.parent[h] = hashes[i - 1] if i else None
+
+    def use(self, h: bytes, now: float) -> None:
+        node: bytes | None = h
+        while node is not None:
+            self.last_use[node] = max(self.last_use.get(node, now), now)
+            node = self.parent[node]
+
+
+class Run:
+    """One tier under test, its clock and the model."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.clock = ManualClock()
+        self.settings = StoreSettings(data_dir=data_dir, capacity_bytes=CAPACITY_BLOCKS * BLOCK, block_tokens=TOKENS)
+        self.tier = LmdbBlockTier(self.settings, clock=self.clock)
+        self.model = Model(self.settings.retention_s)
+        self.fills = 0
+        for c in CHAINS:
+            self.model.learn(c)
+
+    def stored(self) -> set[bytes]:
+        known = list(self.model.parent)
+        found = self.tier.read([SCOPE.key(h) for h in known])
+        return {h for h, (s, _) in zip(known, found, strict=True) if s is ReadStatus.FOUND}
+
+    def now(self) -> float:
+        return self.tier.retention_clock.now()
+
+    def put(self, hashes: list[bytes], start: int) -> None:
+        parent = hashes[start - 1] if start else ROOT
+        before = self.stored()
+        try:
+            self.tier.put(SCOPE, parent, hashes[start:], [bytes([i % 256]) * BLOCK for i in range(len(hashes[start:]))],
+                          start == 0)
+        except ResourceExhausted:
+            assert self.stored() == before, "a refused Put changed the store (R8)"
+            return
+        except Exception as exc:
+            assert "put the prefix first" in str(exc) and hashes[start - 1] not in before
+            return
+        now = self.now()
+        after = self.stored()
+        assert set(hashes) <= after, "a Put left a block it named unstored (R12)"
+        for h in hashes:
+            self.model.use(h, now)
+
+    def step(self, op: tuple) -> None:  # type: ignore[type-arg]
+        kind = op[0]
+        before = self.stored()
+        if kind in ("extend", "reput"):
+            hashes = CHAINS[op[1]]
+            have = self.tier.lookup(SCOPE, hashes)[0]
+            start = 0 if kind == "reput" or have == len(hashes) else have
+            self.put(hashes[: max(min(have + op[2], len(hashes)), start + 1)], start)
+        elif kind == "put":
+            hashes = CHAINS[op[1]]
+            start = min(op[2], len(hashes) - 1)
+            self.put(hashes[: max(start + op[3], start + 1)], start)
+        elif kind == "fill":
+            self.fills += 1
+            free = CAPACITY_BLOCKS - self.tier.stats().blocks_stored
+            hashes = _chain(100_000 + 1000 * self.fills, op[1] or max(free, 1))
+            self.model.learn(hashes)
+            self.put(hashes, 0)
+        elif kind == "get":
+            hashes = CHAINS[op[1]][op[2]: op[2] + op[3]]
+            keys = [SCOPE.key(h) for h in hashes]
+            found = [k for k, (s, _) in zip(keys, self.tier.read(keys), strict=True) if s is ReadStatus.FOUND]
+            if found:
+                self.tier.touch_soon(found).result(timeout=30)  # as the Get servicer does
+                now = self.now()
+                for h, k in zip(hashes, keys, strict=True):
+                    if k in found:
+                        self.model.use(h, now)
+        elif kind == "lookup":
+            hashes = CHAINS[op[1]]
+            n = self.tier.lookup(SCOPE, hashes)[0]
+            got = self.tier.read([SCOPE.key(h) for h in hashes])
+            leading = next((i for i, (s, _) in enumerate(got) if s is not ReadStatus.FOUND), len(hashes))
+            assert n == leading, f"Lookup found {n}, Get finds {leading} leading blocks (R15)"
+            if n:
+                self.tier.touch_soon([SCOPE.key(hashes[n - 1])]).result(timeout=30)  # as the Lookup servicer does
+                self.model.use(hashes[n - 1], self.now())
+        elif kind == "advance":
+            self.clock.advance(op[1])
+        elif kind == "restart":
+            self.tier.close()
+            self.tier = LmdbBlockTier(self.settings, clock=self.clock)
+        self.check(before)
+
+    def check(self, before: set[bytes]) -> None:
+        after = self.stored()
+        for h in after:
+            parent = self.model.parent[h]
+            assert parent is None or parent in after, "a stored block's parent is gone (R6)"
+        now = self.now()
+        for h in before - after:
+            assert self.model.last_use[h] <= now - self.model.retention_s, "a block went within retention (R4, R5)"
+        stats = self.tier.stats()
+        assert (stats.blocks_stored, stats.bytes_stored) == (len(after), len(after) * BLOCK), "usage totals (R14)"
+
+
+# Issue 9's two scenarios, always run beside the random ones.
+PUT_ON_AN_OLD_PARENT = [("extend", 0, 2), ("advance", HOUR), ("fill", 0), ("advance", 100 * HOUR), ("extend", 0, 4)]
+REPUT_WITH_OLD_TAIL = [("extend", 0, 5), ("advance", HOUR), ("fill", 0), ("advance", 100 * HOUR), ("reput", 0, 1)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(step, min_size=1, max_size=30))
+@example(steps=PUT_ON_AN_OLD_PARENT)
+@example(steps=REPUT_WITH_OLD_TAIL)
+def test_r6_r4_r12_random_steps_keep_the_rules(steps: list[tuple]) -> None:  # type: ignore[type-arg]
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Run(Path(tmp) / "store")
+        try:
+            for op in steps:
+                run.step(op)
+        finally:
+            run.tier.close()

@@ -1,0 +1,109 @@
+"""R14: the usage totals (blocks and bytes stored) agree with the records, whatever aborts or races."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvstore.errors import FailedPrecondition
+from tiers import usage
+from tiers.lmdb_tier import PutBatch
+
+Kit = Any  # tests/tiers/conftest.py
+
+
+def recounted(kit: Kit) -> tuple[int, int]:
+    with kit.tier.env.begin(buffers=True) as txn:
+        counted = usage.recount(txn, kit.tier._records)
+    return counted.blocks, counted.stored_bytes
+
+
+def persisted(kit: Kit) -> tuple[int, int]:
+    with kit.tier.env.begin() as txn:
+        u = usage.read_usage(txn, kit.tier._state)
+    return u.blocks, u.stored_bytes
+
+
+def in_memory(kit: Kit) -> tuple[int, int]:
+    s = kit.tier.stats()
+    return s.blocks_stored, s.bytes_stored
+
+
+def test_r14_an_aborted_put_never_writes_back_stale_totals(make_kit: Callable[..., Kit]) -> None:
+    # Issue 9, item 2: a Put that aborts while another thread's Put commits must not
+    # restore the totals it saw before waiting for LMDB's writer lock.
+    kit = make_kit(1000)
+    for round_ in range(8):
+        good = kit.chain(10_000 * round_, 3)
+        doomed = [
+            PutBatch(scope=kit.scope, parent_hash=kit.root, hashes=kit.chain(10_000 * round_ + 5000, 2),
+                     blocks=[kit.data(0), kit.data(1)], is_root=True),
+            PutBatch(scope=kit.scope, parent_hash=b"\x09" * 32, hashes=kit.chain(99, 1), blocks=[kit.data(2)],
+                     is_root=False),  # its parent is absent: the whole group aborts
+        ]
+        errors: list[BaseException] = []
+
+        def run(fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except FailedPrecondition:
+                pass
+            except BaseException as exc:
+                errors.append(exc)
+
+        held = kit.tier.env.begin(write=True)  # both Puts queue behind the writer lock
+        threads = [threading.Thread(target=run, args=(lambda: kit.put(good),)),
+                   threading.Thread(target=run, args=(lambda: kit.tier.put_many(doomed),))]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)  # lets both reach the lock; the assertions hold whatever the order
+        held.abort()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert in_memory(kit) == persisted(kit) == recounted(kit) == (3 * (round_ + 1), 3 * 1024 * (round_ + 1))
+    kit.tier.close()
+    again = make_kit(1000)
+    assert in_memory(again) == (24, 24 * 1024)
+
+
+def test_r14_concurrent_puts_and_evictions_keep_the_totals(make_kit: Callable[..., Kit], clock: Any) -> None:
+    kit = make_kit(40)
+    for i in range(4):
+        kit.put(kit.chain(1000 * i, 10))
+    clock.advance(100 * 3600)
+
+    errors: list[BaseException] = []
+
+    def writer(base: int) -> None:
+        try:
+            for j in range(5):
+                kit.put(kit.chain(base + 100 * j, 2))  # 40 new blocks in all: every old one goes
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(100_000 * (i + 1),)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert in_memory(kit) == persisted(kit) == recounted(kit) == (40, 40 * 1024)
+
+
+def test_r14_wrong_totals_are_repaired_at_open(make_kit: Callable[..., Kit], caplog: pytest.LogCaptureFixture) -> None:
+    kit = make_kit()
+    kit.put(kit.chain(0, 3))
+    kit.tier.close()
+    with kit.tier.env.__class__(str(kit.tier.settings.data_dir), max_dbs=8) as env:
+        with env.begin(write=True) as txn:
+            usage.write_usage(txn, env.open_db(b"state", txn=txn), usage.Usage(blocks=0, stored_bytes=0))
+    with caplog.at_level(logging.WARNING, logger="tiers.usage"):
+        again = make_kit()
+    assert in_memory(again) == persisted(again) == (3, 3 * 1024)
+    assert "repaired" in caplog.text
