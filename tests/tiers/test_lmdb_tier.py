@@ -18,8 +18,8 @@ from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
-from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
 from tiers.block_txn import read_meta
+from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
 from tiers.records import BlockMeta, data_key
 
 HOUR = 3600.0

@@ -210,7 +210,8 @@ def test_r13_blocks_stamped_while_the_clock_runs_behind_keep_their_retention(kit
     assert kit.stored(new) == [True]
 
 
-def test_r13_time_while_the_server_is_down_does_not_age_blocks(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+def test_r13_time_while_the_server_is_down_does_not_age_blocks(make_kit: Callable[..., Kit],
+                                                               clock: ManualClock) -> None:
     kit = make_kit()
     kit.put(kit.chain(0, 10))  # full
     kit.tier.close()
@@ -233,7 +234,8 @@ def test_r9_a_lease_runs_on_the_monotonic_clock(kit: Kit, clock: ManualClock) ->
     assert lease is not None and not kit.tier.leases.release(lease.lease_id)
 
 
-def test_r13_time_the_server_ran_before_a_restart_still_counts(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+def test_r13_time_the_server_ran_before_a_restart_still_counts(make_kit: Callable[..., Kit],
+                                                               clock: ManualClock) -> None:
     kit = make_kit()
     old = kit.chain(0, 10)
     kit.put(old)  # full

@@ -34,6 +34,15 @@ def in_memory(kit: Kit) -> tuple[int, int]:
     return s.blocks_stored, s.bytes_stored
 
 
+def _run(fn: Callable[..., object], args: tuple[Any, ...], errors: list[BaseException]) -> None:
+    try:
+        fn(*args)
+    except FailedPrecondition:
+        pass
+    except BaseException as exc:
+        errors.append(exc)
+
+
 def test_r14_an_aborted_put_never_writes_back_stale_totals(make_kit: Callable[..., Kit]) -> None:
     # Issue 9, item 2: a Put that aborts while another thread's Put commits must not
     # restore the totals it saw before waiting for LMDB's writer lock.
@@ -46,19 +55,10 @@ def test_r14_an_aborted_put_never_writes_back_stale_totals(make_kit: Callable[..
             PutBatch(scope=kit.scope, parent_hash=b"\x09" * 32, hashes=kit.chain(99, 1), blocks=[kit.data(2)],
                      is_root=False),  # its parent is absent: the whole group aborts
         ]
-        errors: list[BaseException] = []
-
-        def run(fn: Callable[[], object]) -> None:
-            try:
-                fn()
-            except FailedPrecondition:
-                pass
-            except BaseException as exc:
-                errors.append(exc)
-
         held = kit.tier.env.begin(write=True)  # both Puts queue behind the writer lock
-        threads = [threading.Thread(target=run, args=(lambda: kit.put(good),)),
-                   threading.Thread(target=run, args=(lambda: kit.tier.put_many(doomed),))]
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_run, args=(kit.put, (good,), errors)),
+                   threading.Thread(target=_run, args=(kit.tier.put_many, (doomed,), errors))]
         for t in threads:
             t.start()
         time.sleep(0.05)  # lets both reach the lock; the assertions hold whatever the order
@@ -100,9 +100,8 @@ def test_r14_wrong_totals_are_repaired_at_open(make_kit: Callable[..., Kit], cap
     kit = make_kit()
     kit.put(kit.chain(0, 3))
     kit.tier.close()
-    with kit.tier.env.__class__(str(kit.tier.settings.data_dir), max_dbs=8) as env:
-        with env.begin(write=True) as txn:
-            usage.write_usage(txn, env.open_db(b"state", txn=txn), usage.Usage(blocks=0, stored_bytes=0))
+    with kit.tier.env.__class__(str(kit.tier.settings.data_dir), max_dbs=8) as env, env.begin(write=True) as txn:
+        usage.write_usage(txn, env.open_db(b"state", txn=txn), usage.Usage(blocks=0, stored_bytes=0))
     with caplog.at_level(logging.WARNING, logger="tiers.usage"):
         again = make_kit()
     assert in_memory(again) == persisted(again) == (3, 3 * 1024)
