@@ -1,22 +1,28 @@
-"""The `kvstore` command: serve, stats, bench.
+"""The `kvstore` command: serve, stats, check, bench.
 
 This module is the composition root: it alone imports across the layers
 (gateway, tiers, benchmarks), and only inside the command that needs them, so
 `kvstore stats` never loads LMDB and `kvstore serve` never loads torch.
+
+Errors end a command with one line on stderr (one JSON object on stdout under
+`--json`) and a non-zero exit: 2 for a kvstore error, 1 for an OS error; a
+reader that stops early (`kvstore stats | head -3`) ends it quietly.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError, to_status
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -29,12 +35,31 @@ def _serve(args: argparse.Namespace) -> int:
         "server": {"port": args.port, "host": args.host},
         "store": {"data_dir": args.data_dir},
     })
-    try:
-        asyncio.run(serve(settings))
-    except OSError as exc:
-        print(f"kvstore: {exc}", file=sys.stderr)
-        return 1
+    asyncio.run(serve(settings))  # a ConfigError or OSError at start reaches main as one line
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from kvstore.bench.report import Progress
+    from tiers.integrity import check_store
+
+    data_dir: Path = args.data_dir
+    if not data_dir.exists():
+        raise ConfigError(f"data dir {data_dir} does not exist", hint="give the folder `kvstore serve` stores in "
+                          "(--data-dir or store.data_dir)")
+    if not data_dir.is_dir():
+        raise ConfigError(f"data dir {data_dir} is not a folder")
+    with Progress(enabled=not args.json and not args.no_progress).bar("kvstore check: records", 0, "rec") as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = check_store(data_dir, repair=args.repair, progress=progress)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print("\n".join(report.lines()))
+    return 0 if report.ok or report.repaired else 1
 
 
 def _rate(found: int, asked: int) -> float | None:
@@ -207,6 +232,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     stats.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
     stats.set_defaults(func=_stats)
 
+    check = sub.add_parser("check", help="verify a stored data dir (read-only), or repair it",
+                           description="Walk every record of the store in DATA_DIR, verify sizes and checksums, "
+                           "and report what a repair would drop (a damaged block and every block below it, "
+                           "orphans, stale index entries). Read-only unless --repair; a check may run while a "
+                           "server serves the store, a repair needs it stopped. Exit 0: sound (or repaired); "
+                           "1: problems found; 2: could not check.")
+    check.add_argument("--data-dir", type=Path, required=True, help="the store's folder (store.data_dir)")
+    check.add_argument("--repair", action="store_true", help="drop and fix what the check finds")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    check.set_defaults(func=_check)
+
     bench = sub.add_parser("bench", help="run a benchmark against its baseline",
                            description="Benchmarks print each figure beside a baseline measured in the same run "
                            "(ratio > 1: better than the baseline). Names: " + ", ".join(BENCHES))
@@ -226,17 +263,51 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def error_dict(exc: BaseException) -> dict[str, object]:
+    """`{"error": {...}}` for an error ended a command: its gRPC status name (or errno name), type, message, hint."""
+    if isinstance(exc, KVStoreError):
+        return {"error": {"code": to_status(exc).name, "type": type(exc).__name__, "message": exc.message,
+                          "hint": exc.hint, "retryable": exc.retryable}}
+    code = errno.errorcode.get(getattr(exc, "errno", None) or 0, "OS_ERROR")
+    return {"error": {"code": code, "type": type(exc).__name__, "message": str(exc), "hint": "",
+                      "retryable": False}}
+
+
+def _report_error(exc: KVStoreError | OSError, as_json: bool) -> int:
+    if as_json:
+        print(json.dumps(error_dict(exc)))
+    elif isinstance(exc, KVStoreError):
+        print(f"kvstore: {type(exc).__name__}: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""),
+              file=sys.stderr)
+    else:
+        print(f"kvstore: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, KVStoreError) else 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and the flush at exit must not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `kvstore` command."""
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    as_json = bool(getattr(args, "json", False))
     try:
-        return int(args.func(args) or 0)
-    except KVStoreError as exc:
-        print(f"kvstore: {type(exc).__name__}: {exc.message}" + (f" ({exc.hint})" if exc.hint else ""),
-              file=sys.stderr)
-        return 2
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 141  # as a process killed by SIGPIPE: the reader stopped early, nothing went wrong here
+    except (KVStoreError, OSError) as exc:
+        return _report_error(exc, as_json)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

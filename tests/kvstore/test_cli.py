@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -69,3 +72,195 @@ def test_bench_lists_its_names(capsys: pytest.CaptureFixture[str]) -> None:
         main(["bench", "--help"])
     out = capsys.readouterr().out
     assert "store" in out and "codec" in out
+
+
+# -- errors, pipes and start-up failures through the real command (issue 9 item 17) ---------------
+
+
+def _kvstore(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("flags", [[], ["--json"]])
+def test_stats_into_a_closed_pipe_exits_quietly(server: Any, flags: list[str]) -> None:
+    """`kvstore stats | head -3`: the reader is gone before the table is written; no traceback.
+
+    stdout is buffered, as for a user (no PYTHONUNBUFFERED): what is printed reaches the pipe when
+    flushed, at the end of the command or at exit.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "stats", "--target", server.target, *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # as head does once it has its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141
+    assert err == ""
+
+
+def test_stats_through_head_has_no_traceback(server: Any, tmp_path: Path) -> None:
+    err = tmp_path / "err"
+    shell = f"unset PYTHONUNBUFFERED; {sys.executable} -m kvstore.cli stats --target {server.target} 2>{err} | head -3"
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=60).stdout
+    assert out.splitlines()[0] == f"kvstore at {server.target}" and len(out.splitlines()) == 3
+    assert err.read_text() == ""
+
+
+def test_stats_json_against_a_dead_server_is_one_json_error() -> None:
+    run = _kvstore("stats", "--target", f"127.0.0.1:{_free_port()}", "--timeout", "2", "--json")
+    assert run.returncode == 2
+    error = json.loads(run.stdout)["error"]
+    assert (error["code"], error["type"], error["retryable"]) == ("UNAVAILABLE", "Unavailable", True)
+    assert error["message"] and run.stderr == ""
+
+
+def test_stats_json_with_a_bad_timeout_is_one_json_error() -> None:
+    run = _kvstore("stats", "--target", "127.0.0.1:1", "--timeout", "-1", "--json")
+    assert run.returncode == 2
+    assert json.loads(run.stdout)["error"]["code"] == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(("config", "flags", "says"), [
+    ("", ["--port", "99999"], "server.port = 99999 is out of range: allowed [0, 65535]"),
+    ("[store]\nretention_hours = nan\n", [], "store.retention_hours = nan is out of range"),
+    ("[swa]\nttl_s = inf\n", [], "swa.ttl_s = inf is out of range"),
+    ("[server]\ncolour = 1\n", [], "unknown setting(s) in [server]: colour"),
+])
+def test_serve_refuses_bad_settings_in_one_line(tmp_path: Path, config: str, flags: list[str], says: str) -> None:
+    cfg = tmp_path / "kvstore.toml"
+    cfg.write_text(config)
+    run = _kvstore("serve", "--config", str(cfg), "--data-dir", str(tmp_path / "store"), *flags)
+    assert run.returncode == 2 and "listening" not in run.stdout
+    assert run.stderr.splitlines() == [run.stderr.strip()] and run.stderr.startswith("kvstore: ConfigError: ")
+    assert says in run.stderr
+
+
+def test_serve_on_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "store").write_text("not a folder")
+    run = _kvstore("serve", "--port", "0", "--data-dir", str(tmp_path / "store"))
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "listening" not in run.stdout
+    assert len(run.stderr.strip().splitlines()) == 1 and str(tmp_path / "store") in run.stderr
+
+
+def test_error_dict_names_os_errors() -> None:
+    from kvstore.cli import error_dict
+
+    err = error_dict(FileNotFoundError(2, "No such file or directory", "x"))["error"]
+    assert err["code"] == "ENOENT" and err["type"] == "FileNotFoundError"  # type: ignore[index]
+
+
+# -- kvstore check (issue 9 item 15; the walk is tiers.integrity) --------------------------------
+
+
+def _stored(start_server: Any, loop_thread: Any, store_settings: Any, blocks: int = 3) -> Path:
+    """A data dir holding one chain of `blocks`, its server stopped."""
+    from kvstore.client import Client
+
+    srv = start_server(store_settings)
+    with Client(srv.target) as c:
+        c.put(list(range(c.block_tokens * blocks)), [os.urandom(c.block_bytes) for _ in range(blocks)])
+    loop_thread.run(srv.stop(0))
+    return Path(store_settings.data_dir)
+
+
+def _drop_first_meta(data_dir: Path) -> None:
+    """Delete the meta record of the chain's first block: the blocks below it become orphans."""
+    import lmdb
+
+    from tiers.records import META_TAG
+
+    env = lmdb.open(str(data_dir), max_dbs=8)
+    try:
+        records = env.open_db(b"records", create=False)
+        with env.begin(write=True, db=records) as txn:
+            metas = [bytes(k) for k, _ in txn.cursor() if bytes(k).endswith(META_TAG) and len(k) == 49]
+            first = metas[0]
+            for key in metas:  # the chain's root: no other block lists it as a child
+                if not any(txn.get(parent[:-1] + b"c" + key[16:48]) for parent in metas):
+                    first = key
+            assert txn.delete(first)
+    finally:
+        env.close()
+
+
+def test_check_a_sound_store(start_server: Any, loop_thread: Any, store_settings: Any) -> None:
+    pytest.importorskip("tiers.integrity")
+    data_dir = _stored(start_server, loop_thread, store_settings)
+    run = _kvstore("check", "--data-dir", str(data_dir))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "OK" in run.stdout and "kvstore check: records" in run.stderr  # the progress bar
+    run = _kvstore("check", "--data-dir", str(data_dir), "--json")
+    assert run.returncode == 0 and "kvstore check" not in run.stderr
+    report = json.loads(run.stdout)
+    assert report["ok"] is True and report["blocks_checked"] == 3
+
+
+def test_check_finds_problems_and_repair_fixes_them(start_server: Any, loop_thread: Any,
+                                                    store_settings: Any) -> None:
+    pytest.importorskip("tiers.integrity")
+    data_dir = _stored(start_server, loop_thread, store_settings)
+    _drop_first_meta(data_dir)
+    run = _kvstore("check", "--data-dir", str(data_dir), "--json")
+    assert run.returncode == 1, run.stderr
+    assert json.loads(run.stdout)["ok"] is False
+    run = _kvstore("check", "--data-dir", str(data_dir))
+    assert run.returncode == 1 and "--repair" in run.stdout
+    run = _kvstore("check", "--data-dir", str(data_dir), "--repair", "--no-progress")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stderr == ""
+    assert _kvstore("check", "--data-dir", str(data_dir)).returncode == 0
+
+
+@pytest.mark.parametrize("json_flag", [False, True])
+def test_check_a_data_dir_that_does_not_exist(tmp_path: Path, json_flag: bool) -> None:
+    run = _kvstore("check", "--data-dir", str(tmp_path / "nowhere"), *(["--json"] if json_flag else []))
+    assert run.returncode == 2
+    if json_flag:
+        error = json.loads(run.stdout)["error"]
+        assert error["type"] == "ConfigError" and f"{tmp_path / 'nowhere'} does not exist" in error["message"]
+    else:
+        assert run.stderr.startswith("kvstore: ConfigError: data dir") and "does not exist" in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_check_a_file_is_not_a_data_dir(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    run = _kvstore("check", "--data-dir", str(tmp_path / "f"))
+    assert run.returncode == 2 and "is not a folder" in run.stderr
+
+
+def test_check_an_empty_folder_holds_no_store(tmp_path: Path) -> None:
+    pytest.importorskip("tiers.integrity")
+    run = _kvstore("check", "--data-dir", str(tmp_path), "--json")
+    assert run.returncode == 2 and json.loads(run.stdout)["error"]["code"] == "FAILED_PRECONDITION"
+
+
+def test_check_reports_its_progress(start_server: Any, loop_thread: Any, store_settings: Any,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk's (done, total) calls move the bar to the end (the bar itself is tqdm on stderr)."""
+    pytest.importorskip("tiers.integrity")
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from kvstore.bench import report
+
+    bars: list[SimpleNamespace] = []
+
+    @contextmanager
+    def bar(self: Any, desc: str, total: float, unit: str = "B") -> Any:
+        b = SimpleNamespace(desc=desc, total=total, n=0)
+        b.update = lambda k: setattr(b, "n", b.n + k)
+        bars.append(b)
+        yield b
+
+    monkeypatch.setattr(report.Progress, "bar", bar)
+    data_dir = _stored(start_server, loop_thread, store_settings)
+    assert main(["check", "--data-dir", str(data_dir)]) == 0
+    assert len(bars) == 1 and bars[0].total > 0 and bars[0].n == bars[0].total
