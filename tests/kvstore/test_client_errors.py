@@ -151,3 +151,25 @@ def test_a_tiny_ttl_is_not_the_servers_ttl(client: Client) -> None:
     assert reply.ttl_ms == 1
     long = client.swa.put(_tokens(client), os.urandom(client.swa.snapshot_bytes), ttl_s=10**9)
     assert 0 < long.ttl_ms <= 2**32 - 1
+
+
+def test_a_full_store_says_what_can_be_done(start_server: Callable[..., Any], store_settings: Any,
+                                            clock: Any) -> None:
+    """Issue 9 item 18: retention cannot be shortened; the hint names capacity, leases and when room comes."""
+    import dataclasses
+
+    from kvstore.errors import ResourceExhausted
+
+    probe = start_server(store_settings)
+    with Client(probe.target) as c:
+        block_bytes = c.block_bytes
+    server = start_server(dataclasses.replace(store_settings, data_dir=store_settings.data_dir.parent / "full",
+                                              capacity_bytes=3 * block_bytes))
+    with Client(server.target) as c:
+        c.put(_tokens(c, 3), [_block(c)] * 3)
+        clock.advance(10 * 3600)
+        with pytest.raises(ResourceExhausted) as info:
+            c.put([7] * c.block_tokens, [_block(c)])
+    message = info.value.message
+    assert "store full" in message and "store.capacity_bytes" in message and "release leases" in message
+    assert "retry in 62.0 h" in message and "shorten" not in message
