@@ -127,7 +127,6 @@ class CheckReport:
         if self.fatal:
             out.append(f"cannot check: {self.fatal}")
         out.append(f"blocks checked: {self.blocks_checked} ({self.bytes_checked} bytes)")
-        out.extend(f"unreadable pages: keys {r}" for r in self.unreadable)
         for kind, n in sorted(self.counts.items()):
             out.append(f"{kind}: {n}")
             out.extend(f"  {short_key(bytes.fromhex(p.key)) + ' ' if p.key else ''}{p.detail}"
@@ -300,11 +299,16 @@ def _record(walk: _Walk, report: CheckReport, key: bytes, value: bytes | None) -
         return
     block = walk.blocks.setdefault(storage, _Block())
     if tag == DATA_TAG:
-        if value is not None:  # None: its overflow pages are damaged
+        if value is None:
+            block.fault = "its data is on a damaged page"
+        else:
             block.data_size, block.data_checksum = len(value), xxhash.xxh3_64_intdigest(value)
         return
-    if value is None or len(value) != META_STRUCT.size:
-        block.fault = f"meta record is {'unreadable' if value is None else len(value)} bytes, not {META_STRUCT.size}"
+    if value is None:
+        block.fault = "its meta record is on a damaged page"
+        return
+    if len(value) != META_STRUCT.size:
+        block.fault = f"its meta record is {len(value)} bytes, not {META_STRUCT.size}"
         return
     block.meta = BlockMeta.unpack(value)
     report.blocks_checked += 1

@@ -127,6 +127,8 @@ class DamagedPage:
 
     def describe(self) -> str:
         """One line: the tree, the page, the keys lost and why."""
+        if self.high == self.low + b"\0":
+            return f"{self.tree}: page {self.page}, the value of key {short_key(self.low)}: {self.reason}"
         high = "the end" if self.high is None else short_key(self.high)
         low = short_key(self.low) if self.low else "the start"
         return f"{self.tree}: page {self.page}, keys from {low} to {high}: {self.reason}"
