@@ -78,8 +78,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         only_swa = not request.block_hashes and bool(request.swa_keys)
         hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
-        # A binary search of ~14 index reads: cheaper inline than a hop to the executor.
-        found, lease = self.tier.lookup(scope, hashes, lease_ms / 1000.0) if hashes else (0, None)
+        # One index read per found block (the chain is checked, R15): off the event loop.
+        found, lease = await self.tier.call(self.tier.lookup, scope, hashes, lease_ms / 1000.0) if hashes else (0, None)
+        if found:
+            # A hit is a use (R5): the deepest found block's refresh keeps its whole
+            # prefix (R6 and the carry-up of R7), durable before the answer, batched
+            # with other refreshes as Get's are.
+            try:
+                await asyncio.wrap_future(self.tier.touch_soon([scope.key(hashes[found - 1])]))
+            except BaseException:
+                if lease is not None:
+                    self.tier.leases.release(lease.lease_id)
+                raise
         swa_position = await self._swa_position(request, scope, found * self.settings.block_tokens)
         return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                  lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0,
