@@ -162,7 +162,10 @@ class Load:
     """What every session holds now, summed (event loop only): the server-wide limits' side."""
 
     descriptors_in_flight: int = 0
+    #: Of every session's batches, running or finished and still remembered.
+    descriptors_held: int = 0
     mapped_bytes: int = 0
+    regions: int = 0
 
 
 def _gib(n: int) -> str:
@@ -176,8 +179,8 @@ class Session:
     anything starts, so that no client can exhaust the server's memory:
     `keep_finished` batches running, `max_session_descriptors` descriptors held
     by its batches (running, or finished and not yet forgotten), and with every
-    other session `max_inflight_descriptors` descriptors running; its regions'
-    bytes are bounded in `SessionTable.register`.
+    other session `max_inflight_descriptors` descriptors running and
+    `max_held_descriptors` held; its regions are bounded in `SessionTable.register`.
     """
 
     def __init__(self, session_id: str, peer: str, geometry: str, scope: BlockScope,
@@ -206,16 +209,19 @@ class Session:
         return sum(r.size_bytes for r in self.regions.values())
 
     def new_transfer(self, region_ids: frozenset[int], size: int, *, writes: bool = False) -> Transfer:
-        """Record a new batch of `size` descriptors, forgetting the oldest finished ones
-        to stay within `keep_finished` batches and `max_session_descriptors` held."""
+        """Record a new batch of `size` descriptors, forgetting the oldest finished ones to stay
+        within `keep_finished` batches, `max_session_descriptors` and `max_held_descriptors`."""
+        s = self.settings
         self._next_transfer += 1
-        while self._finished and (len(self._finished) >= self.settings.keep_finished
-                                  or self.held_descriptors + size > self.settings.max_session_descriptors):
+        while self._finished and (len(self._finished) >= s.keep_finished
+                                  or self.held_descriptors + size > s.max_session_descriptors
+                                  or self._load.descriptors_held + size > s.max_held_descriptors):
             self._forget(self._finished.popleft())
         transfer = Transfer(transfer_id=self._next_transfer, region_ids=region_ids,
                             results=BatchResults(size, writes=writes))
         self.transfers[transfer.transfer_id] = transfer
         self.held_descriptors += size
+        self._load.descriptors_held += size
         self.running_descriptors += size
         self._load.descriptors_in_flight += size
         return transfer
@@ -224,6 +230,7 @@ class Session:
         gone = self.transfers.pop(transfer_id, None)
         if gone is not None:
             self.held_descriptors -= len(gone.results)
+            self._load.descriptors_held -= len(gone.results)
 
     def finish(self, transfer: Transfer) -> None:
         """Mark a batch done; it is remembered until later ones push it out (see `new_transfer`)."""
@@ -275,6 +282,13 @@ class Session:
                 f"the server runs {self._load.descriptors_in_flight} descriptors for every session; {descriptors} "
                 f"more would pass transfer.max_inflight_descriptors ({s.max_inflight_descriptors})",
                 hint="retry once running batches finish")
+        # This session's finished batches can be forgotten to make room; other sessions' cannot.
+        others = self._load.descriptors_held - (self.held_descriptors - self.running_descriptors)
+        if others + descriptors > s.max_held_descriptors:
+            raise ResourceExhausted(
+                f"the server holds {self._load.descriptors_held} descriptors of batches for every session; "
+                f"{descriptors} more would pass transfer.max_held_descriptors ({s.max_held_descriptors})",
+                hint="retry once other sessions collect or end their batches")
 
     def drop_region(self, region_id: int) -> None:
         """Unmap one region of this session.
@@ -290,6 +304,7 @@ class Session:
             raise FailedPrecondition(f"region {region_id} is in use by transfers {busy}; wait for them first")
         region = self.regions.pop(region_id)
         self._load.mapped_bytes -= region.size_bytes
+        self._load.regions -= 1
         region.close()
 
     async def close(self) -> None:
@@ -298,8 +313,13 @@ class Session:
         tasks = [t.task for t in self.in_flight() if t.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._load.descriptors_held -= self.held_descriptors
+        self.held_descriptors = 0
+        self.transfers.clear()
+        self._finished.clear()
         for region in self.regions.values():
             self._load.mapped_bytes -= region.size_bytes
+            self._load.regions -= 1
             region.close()
         self.regions.clear()
 
@@ -317,7 +337,14 @@ class SessionTable:
         self._lock = threading.Lock()
 
     def open(self, peer: str, geometry: str, scope: BlockScope) -> Session:
-        """A new session bound to `peer`."""
+        """A new session bound to `peer`.
+
+        Raises:
+            ResourceExhausted: the server holds `max_sessions` sessions already.
+        """
+        if len(self.sessions) >= self.settings.max_sessions:
+            raise ResourceExhausted(f"the server holds {len(self.sessions)} transfer sessions, its most "
+                                    f"(transfer.max_sessions)", hint="close a session you hold, or retry later")
         session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters, self.load)
         self.sessions[session.session_id] = session
         return session
@@ -360,6 +387,9 @@ class SessionTable:
         if len(session.regions) >= s.max_regions:
             raise ResourceExhausted(f"a session holds at most {s.max_regions} regions (transfer.max_regions)",
                                     hint="deregister a region first")
+        if self.load.regions >= s.max_mapped_regions:
+            raise ResourceExhausted(f"the server maps {self.load.regions} regions for every session, its most "
+                                    f"(transfer.max_mapped_regions)", hint="retry once other sessions release regions")
         if session.mapped_bytes + size_bytes > s.max_session_mapped_bytes:
             raise ResourceExhausted(
                 f"this session maps {_gib(session.mapped_bytes)}; {_gib(size_bytes)} more would pass "
@@ -376,6 +406,7 @@ class SessionTable:
         region = MappedRegion(region_id, shm_name, pid, fd, size_bytes, nonce)
         session.regions[region_id] = region
         self.load.mapped_bytes += size_bytes
+        self.load.regions += 1
         self._owner[region_id] = session.session_id
         return region
 
@@ -412,7 +443,7 @@ class SessionTable:
 
     def mapped_regions(self) -> int:
         """Regions mapped now, across sessions."""
-        return sum(len(s.regions) for s in self.sessions.values())
+        return self.load.regions
 
     def mapped_bytes(self) -> int:
         """Total size of the regions mapped now."""

@@ -215,11 +215,20 @@ class TransferSettings:
     max_session_mapped_bytes: int = 64 * GiB
     #: Most bytes of regions mapped at once across every session.
     max_mapped_bytes: int = 256 * GiB
+    #: Most regions mapped at once across every session: each is a mapping, and the
+    #: process's mappings (vm.max_map_count, 65530 by default) are shared with LMDB
+    #: and every thread's stack.
+    max_mapped_regions: int = 4096
+    #: Most transfer sessions open at once.
+    max_sessions: int = 256
     #: Most descriptors one session's batches hold at once, running or finished and
     #: still remembered (the oldest finished are forgotten first to make room).
     max_session_descriptors: int = 1 << 18
     #: Most descriptors of running batches across every session.
     max_inflight_descriptors: int = 1 << 20
+    #: Most descriptors of batches held across every session, running or finished
+    #: and still remembered: what bounds the memory their results take.
+    max_held_descriptors: int = 1 << 22
     #: Largest GetTransfers reply: the batches past it are left out (the reply says
     #: how many) and asked for again. Must hold one whole batch's results
     #: (TRANSFER_STATE_BYTES_PER_DESCRIPTOR each). A reply is built on the event
@@ -229,8 +238,11 @@ class TransferSettings:
     RANGES: ClassVar[dict[str, Range]] = {
         "max_session_mapped_bytes": Range(1, MAX_BYTES),
         "max_mapped_bytes": Range(1, MAX_BYTES),
+        "max_mapped_regions": Range(1, 1 << 20),
+        "max_sessions": Range(1, 1 << 20),
         "max_session_descriptors": Range(1, 1 << 32),
         "max_inflight_descriptors": Range(1, 1 << 32),
+        "max_held_descriptors": Range(1, 1 << 32),
         "max_reply_bytes": Range(1 << 16, 1 << 31),
         "max_descriptors": Range(1, 1 << 20),
         "max_region_bytes": Range(1, MAX_BYTES),
@@ -242,10 +254,12 @@ class TransferSettings:
 
     def __post_init__(self) -> None:
         check_ranges(self, "transfer")
-        if not self.max_descriptors <= self.max_session_descriptors <= self.max_inflight_descriptors:
+        if not (self.max_descriptors <= self.max_session_descriptors <= self.max_inflight_descriptors
+                <= self.max_held_descriptors):
             raise ConfigError(f"transfer: max_descriptors ({self.max_descriptors}) <= max_session_descriptors "
                               f"({self.max_session_descriptors}) <= max_inflight_descriptors "
-                              f"({self.max_inflight_descriptors}) must hold, else a batch could never run")
+                              f"({self.max_inflight_descriptors}) <= max_held_descriptors "
+                              f"({self.max_held_descriptors}) must hold, else a batch could never run")
         need = self.max_descriptors * self.TRANSFER_STATE_BYTES_PER_DESCRIPTOR + (1 << 10)
         if self.max_reply_bytes < need:
             raise ConfigError(f"transfer.max_reply_bytes = {self.max_reply_bytes} cannot hold one batch's results: "

@@ -192,6 +192,7 @@ def test_a_fetch_larger_than_the_session_bound_goes_out_in_windows(start_server:
 @pytest.mark.parametrize(("kwargs", "words"), [
     ({"max_descriptors": 8, "max_session_descriptors": 4}, "max_descriptors (8) <= max_session_descriptors (4)"),
     ({"max_session_descriptors": 1 << 21}, "<= max_inflight_descriptors"),
+    ({"max_inflight_descriptors": 1 << 23}, "<= max_held_descriptors"),
     ({"max_descriptors": 4096, "max_reply_bytes": 1 << 20}, "cannot hold one batch's results"),
     ({"max_mapped_bytes": 0}, "transfer.max_mapped_bytes = 0 is out of range"),
     ({"max_session_mapped_bytes": -1}, "transfer.max_session_mapped_bytes = -1 is out of range"),
@@ -201,3 +202,59 @@ def test_transfer_limits_are_checked_at_start(kwargs: dict[str, Any], words: str
     with pytest.raises(ConfigError) as info:
         TransferSettings(**kwargs)
     assert words in info.value.message
+
+
+def test_rule_6_the_server_maps_at_most_max_mapped_regions(start_server: Callable[..., Any],
+                                                           store_settings: StoreSettings) -> None:
+    server = start_server(store_settings, transfer=TransferSettings(max_mapped_regions=2))
+    with Client(server.target) as a, Client(server.target) as b:
+        first = a.transfer(path="shm")
+        kept = first.register(PAGE)
+        first.register(PAGE)
+        with b.transfer(path="shm") as second:
+            with pytest.raises(ResourceExhausted, match=r"maps 2 regions for every session, its most "
+                                                        r"\(transfer\.max_mapped_regions\)"):
+                second.register(PAGE)
+            first.deregister(kept)
+            second.register(PAGE)
+            first.close()
+            assert wait_until(lambda: table(server).mapped_regions() == 1)
+            second.register(PAGE)
+
+
+def test_rule_6_the_server_holds_at_most_max_sessions(start_server: Callable[..., Any],
+                                                      store_settings: StoreSettings) -> None:
+    server = start_server(store_settings, transfer=TransferSettings(max_sessions=2))
+    with Client(server.target) as client:
+        first, second = client.transfer(), client.transfer()
+        with pytest.raises(ResourceExhausted, match=r"holds 2 transfer sessions, its most \(transfer\.max_sessions\)"):
+            client.transfer()
+        first.close()
+        assert wait_until(lambda: len(table(server).sessions) == 1)
+        client.transfer().close()
+        second.close()
+
+
+def test_rule_6_the_server_holds_at_most_max_held_descriptors(start_server: Callable[..., Any],
+                                                              store_settings: StoreSettings) -> None:
+    # Finished batches are remembered (their results take memory): a bound across sessions.
+    settings = TransferSettings(max_descriptors=4, max_session_descriptors=8, max_inflight_descriptors=8,
+                                max_held_descriptors=8)
+    server = start_server(store_settings, transfer=settings)
+    with Client(server.target) as a, Client(server.target) as b, Client(server.target) as c, \
+            b.transfer(path="shm") as sb, c.transfer(path="shm") as sc:
+        hashes = stored(a, 4)
+        size = a.block_bytes
+        sa = a.transfer(path="shm")
+        ra, rb, rc = (s.register(4 * size) for s in (sa, sb, sc))
+        sa.read(reads(ra.region_id, hashes, size)).wait(timeout_s=30)
+        sc.read(reads(rc.region_id, hashes, size)).wait(timeout_s=30)
+        with pytest.raises(ResourceExhausted, match=r"the server holds 8 descriptors of batches for every session; "
+                                                    r"1 more would pass transfer\.max_held_descriptors \(8\)"):
+            sb.read(reads(rb.region_id, hashes[:1], size))
+        # A session holding some makes room by forgetting its own oldest.
+        assert sa.read(reads(ra.region_id, hashes, size)).wait(timeout_s=30).count(Status.DONE) == 4
+        assert table(server).load.descriptors_held == 8
+        sa.close()  # its batches go with it
+        assert wait_until(lambda: table(server).load.descriptors_held == 4)
+        assert sb.read(reads(rb.region_id, hashes[:1], size)).wait(timeout_s=30).count(Status.DONE) == 1
