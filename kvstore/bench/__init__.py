@@ -13,4 +13,5 @@ BENCHES: dict[str, str] = {
     "codec": "kvstore.bench.codec",
     "transfer": "kvstore.bench.transfer",
     "swa": "kvstore.bench.swa",
+    "load": "kvstore.bench.load",
 }

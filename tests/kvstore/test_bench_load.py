@@ -1,0 +1,30 @@
+"""`kvstore bench load` runs end to end in its short form and prints its figures (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_load_json_figures() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "load", "--json", "--seconds", "2",
+                          "--clients", "2", "--prompt-blocks", "4"],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["bench"] == "load"
+    figures = {f["name"]: f for f in report["figures"]}
+    rpcs = {f"{rpc} p{pct}" for rpc in ("lookup", "get", "put") for pct in (50, 99)}
+    assert {"lookup -> get -> put cycles per second", "block bytes moved (get + put)", *rpcs} <= figures.keys()
+    for name in ("lookup -> get -> put cycles per second", *rpcs):
+        f = figures[name]
+        assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+        assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"].startswith("raw gRPC echo")
+    assert figures["put p99"]["unit"] == "ms" and figures["put p99"]["value"] >= figures["put p50"]["value"]
+    p50 = figures["get p50"]
+    assert p50["ratio"] == p50["baseline_value"] / p50["value"]  # a time: above 1 is faster than the baseline
+    assert figures["server RSS before"]["unit"] == "MiB" and figures["server RSS after"]["value"] > 0
+    notes = report["notes"]
+    assert notes["clients"] == 2 and notes["cycles"] > 0 and notes["raw_cycles"] > 0
+    assert notes["errors"] == 0 and notes["lookup_misses"] == 0  # every cycle found its stored half
