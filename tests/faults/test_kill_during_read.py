@@ -32,19 +32,28 @@ HOUR_S = 3600.0
 
 
 def _capacity_bytes(block_tokens: int) -> int:
-    """Room for exactly the test's chains: one more chain must evict."""
-    return CHAINS * BLOCKS_PER_CHAIN * geometry.REGISTRY[geometry.V4_1_FLASH.name].block_bytes(block_tokens)
+    """Room for exactly the test's chains and the marker block: one more chain must evict."""
+    return (CHAINS * BLOCKS_PER_CHAIN + 1) * geometry.REGISTRY[geometry.V4_1_FLASH.name].block_bytes(block_tokens)
 
 
-def _store_then_age(server: Any, clock: Any, kit: Any) -> list[Any]:
-    """Store the chains (acknowledged), then let two hours pass: every block is due a refresh on its next read."""
+def _store_then_age(server: Any, clock: Any, kit: Any) -> tuple[list[Any], Any]:
+    """Store the chains (acknowledged), then let two hours pass: every block is due a refresh on its next read.
+
+    Returns:
+        The chains, and a one-block marker chain stored after the two hours: a write
+        then, so the store's persisted time has passed them whether or not a read's
+        refresh commits before the kill (the store's clock resumes from it at restart).
+    """
     with server.client() as client:
         chains = kit.make_chains(client, CHAINS, BLOCKS_PER_CHAIN)
         for chain in chains:
             client.put(chain.tokens, chain.payload())
             chain.acked = chain.blocks
-    clock.advance(2 * HOUR_S)
-    return chains
+        clock.advance(2 * HOUR_S)
+        marker = kit.make_chains(client, 1, 1, first_seed=CHAINS + 2)[0]
+        client.put(marker.tokens, marker.payload())
+        marker.acked = 1
+    return chains, marker
 
 
 def _read_until_killed(server: Any, chains: list[Any], read_one: Callable[[Any, Any], None]) -> list[Any]:
@@ -89,21 +98,21 @@ def _read_until_killed(server: Any, chains: list[Any], read_one: Callable[[Any, 
 
 
 def _check_after_restart(serve: Callable[..., Any], data_dir: Path, cfg: Path, clock: Any, chains: list[Any],
-                         read_whole: list[Any], kit: Any) -> Any:
+                         marker: Any, read_whole: list[Any], kit: Any) -> Any:
     """Restart; every block is counted; 71 h on, a Put that must evict spares every chain read before the kill."""
     again = serve(data_dir, config=cfg, clock=clock)
     with again.client() as client:
         # No read here: it would refresh the blocks this test needs unrefreshed.
         stats = client.stats()
-        assert (stats.blocks_stored, stats.bytes_stored) == (CHAINS * BLOCKS_PER_CHAIN,
-                                                             CHAINS * BLOCKS_PER_CHAIN * client.block_bytes)
+        stored = CHAINS * BLOCKS_PER_CHAIN + 1
+        assert (stats.blocks_stored, stats.bytes_stored) == (stored, stored * client.block_bytes)
         clock.advance(71 * HOUR_S)
         newcomer = kit.make_chains(client, 1, BLOCKS_PER_CHAIN, first_seed=CHAINS + 1)[0]
         client.put(newcomer.tokens, newcomer.payload())
         newcomer.acked = newcomer.blocks
         for chain in chains:
             chain.acked = chain.blocks if chain in read_whole else 0
-        kit.assert_usage_matches(client, kit.census(client, [*chains, newcomer]))
+        kit.assert_usage_matches(client, kit.census(client, [*chains, marker, newcomer]))
         assert client.stats().evictions >= BLOCKS_PER_CHAIN
     return again
 
@@ -113,14 +122,14 @@ def test_kill_9_during_gets_that_refresh_retention(serve: Callable[..., Any], co
     data_dir = tmp_path / "data"
     cfg = config(store={"capacity_bytes": _capacity_bytes(kit.BLOCK_TOKENS)})
     server = serve(data_dir, config=cfg, clock=server_clock)
-    chains = _store_then_age(server, server_clock, kit)
+    chains, marker = _store_then_age(server, server_clock, kit)
 
     def get_whole(client: Any, chain: Any) -> None:
         got = client.get(chain.tokens)
         assert got.blocks == chain.payload(), f"chain {chain.seed} read back wrong before the kill"
 
     read_whole = _read_until_killed(server, chains, get_whole)
-    _check_after_restart(serve, data_dir, cfg, server_clock, chains, read_whole, kit)
+    _check_after_restart(serve, data_dir, cfg, server_clock, chains, marker, read_whole, kit)
 
 
 def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: Callable[..., Path],
@@ -134,7 +143,7 @@ def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: C
             probe.deregister(probe.register(client.block_bytes))
         except FailedPrecondition as exc:
             pytest.skip(f"the server cannot map this process's regions here: {exc.message}")
-    chains = _store_then_age(server, server_clock, kit)
+    chains, marker = _store_then_age(server, server_clock, kit)
     sessions: dict[int, Any] = {}  # one per reader's client
 
     def fetch_whole(client: Any, chain: Any) -> None:
@@ -155,7 +164,7 @@ def test_kill_9_during_shm_transfer_fetches(serve: Callable[..., Any], config: C
     # The server is gone and the sessions are closed: no segment is left mapped or open here.
     assert kit.segment_lines() - before == set()
 
-    again = _check_after_restart(serve, data_dir, cfg, server_clock, chains, read_whole, kit)
+    again = _check_after_restart(serve, data_dir, cfg, server_clock, chains, marker, read_whole, kit)
     with again.client() as client, client.transfer(path="shm") as session:
         stats = client.transfer_stats()
         assert (stats.sessions, stats.regions) == (1, 0)
