@@ -34,13 +34,13 @@ BLOCK_TOKENS = 16
 #: Longest wait for a child to print where it listens, or to exit.
 START_DEADLINE_S = 60.0
 
-#: Runs `kvstore serve` on a clock the test moves: kvstore.clock.SystemClock (the
-#: clock the server's tier and leases read) adds the seconds written in the file
-#: KVSTORE_FAULTS_CLOCK_FILE to both its wall and its monotonic time, so writing
-#: a larger number there is time passing for that server (`ServerClock.advance`),
-#: as ManualClock.advance is in-process. Nothing else in the process is skewed.
+#: Child-side set-up run before `kvstore serve` when a test asks for it (python -c):
+#: kvstore.clock.SystemClock (the clock the server's tier and leases read) adds the
+#: seconds written in the file KVSTORE_FAULTS_CLOCK_FILE to both its wall and its
+#: monotonic time, so writing a larger number there is time passing for that server
+#: (`ServerClock.advance`), as ManualClock.advance is in-process. Nothing else in
+#: the process is skewed.
 _SKEWED_CLOCK = """
-import os, sys, time
 import kvstore.clock
 
 _file = os.environ["KVSTORE_FAULTS_CLOCK_FILE"]
@@ -54,9 +54,17 @@ def _skew():
 
 kvstore.clock.SystemClock.now = lambda self: time.time() + _skew()
 kvstore.clock.SystemClock.monotonic = lambda self: time.monotonic() + _skew()
-from kvstore.cli import main
-sys.exit(main(sys.argv[1:]))
 """
+#: RLIMIT_FSIZE of KVSTORE_FAULTS_FSIZE_BYTES, with SIGXFSZ ignored: a write past it fails (EFBIG)
+#: instead of killing the process. Set in the child itself, not in a preexec_fn (unsafe with threads).
+_FILE_SIZE_LIMIT = """
+import resource, signal
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+_limit = int(os.environ["KVSTORE_FAULTS_FSIZE_BYTES"])
+resource.setrlimit(resource.RLIMIT_FSIZE, (_limit, _limit))
+"""
+_PRELUDE = "import os, sys, time\n"
+_MAIN = "from kvstore.cli import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
 class ServerClock:
@@ -93,11 +101,11 @@ class ServeProcess:
         logdir: where its stdout and stderr go (one pair of files per start).
         config: a TOML config file, or None.
         clock: a clock the test moves, or None for the real one.
-        preexec_fn: run in the child before exec (resource limits).
+        file_size_limit_bytes: RLIMIT_FSIZE for the process (a disk that fills), or None.
     """
 
     def __init__(self, data_dir: Path, logdir: Path, *, config: Path | None = None, clock: ServerClock | None = None,
-                 preexec_fn: Callable[[], None] | None = None) -> None:
+                 file_size_limit_bytes: int | None = None) -> None:
         self.data_dir = data_dir
         logdir.mkdir(parents=True, exist_ok=True)
         n = len(list(logdir.glob("serve-*.out")))
@@ -107,14 +115,19 @@ class ServeProcess:
         if config is not None:
             args += ["--config", str(config)]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        prelude = ""
         if clock is not None:
             env["KVSTORE_FAULTS_CLOCK_FILE"] = str(clock.path)
-            cmd = [sys.executable, "-c", _SKEWED_CLOCK, *args]
+            prelude += _SKEWED_CLOCK
+        if file_size_limit_bytes is not None:
+            env["KVSTORE_FAULTS_FSIZE_BYTES"] = str(file_size_limit_bytes)
+            prelude += _FILE_SIZE_LIMIT
+        if prelude:
+            cmd = [sys.executable, "-c", _PRELUDE + prelude + _MAIN, *args]
         else:
             cmd = [sys.executable, "-m", "kvstore.cli", *args]
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                         preexec_fn=preexec_fn)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         self.target = f"127.0.0.1:{self._wait_for_port()}"
 
     def _wait_for_port(self) -> int:
@@ -156,7 +169,7 @@ class ServeProcess:
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
-    """Start `kvstore serve` children: `serve(data_dir, config=..., clock=..., preexec_fn=...)`.
+    """Start `kvstore serve` children: `serve(data_dir, config=..., clock=..., file_size_limit_bytes=...)`.
 
     Every child still running at the end is killed.
     """

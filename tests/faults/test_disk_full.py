@@ -17,8 +17,6 @@ hold); once space is freed it must serve everything acknowledged.
 from __future__ import annotations
 
 import re
-import resource
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,17 +51,12 @@ class SmallDisk:
 
     mode: str
     data_dir: Path
-    #: Run in the server child before exec (rlimit mode), else None.
-    preexec_fn: Callable[[], None] | None
+    #: RLIMIT_FSIZE of the server (rlimit mode), else None.
+    file_size_limit_bytes: int | None
     #: Fill the disk to ROOM_BYTES free (tmpfs mode); a no-op for rlimit.
     fill_from_outside: Callable[[], None]
     #: Give the space back (tmpfs mode: drop the ballast); a no-op for rlimit.
     free_space: Callable[[], None]
-
-
-def _limit_file_size() -> None:
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails EFBIG instead of killing
-    resource.setrlimit(resource.RLIMIT_FSIZE, (ROOM_BYTES, ROOM_BYTES))
 
 
 def _mount_tmpfs(where: Path) -> str | None:
@@ -81,7 +74,7 @@ def _mount_tmpfs(where: Path) -> str | None:
 def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SmallDisk]:
     """A data dir that runs out of space at about ROOM_BYTES."""
     if request.param == "rlimit":
-        yield SmallDisk(mode="rlimit", data_dir=tmp_path / "data", preexec_fn=_limit_file_size,
+        yield SmallDisk(mode="rlimit", data_dir=tmp_path / "data", file_size_limit_bytes=ROOM_BYTES,
                         fill_from_outside=lambda: None, free_space=lambda: None)
         return
     mnt = tmp_path / "small-fs"
@@ -95,7 +88,7 @@ def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Small
             f.write(bytes(FS_BYTES - ROOM_BYTES - MiB))  # the disk's other tenant; what is left is the room
 
     try:
-        yield SmallDisk(mode="tmpfs", data_dir=mnt / "data", preexec_fn=None, fill_from_outside=fill,
+        yield SmallDisk(mode="tmpfs", data_dir=mnt / "data", file_size_limit_bytes=None, fill_from_outside=fill,
                         free_space=lambda: ballast.unlink(missing_ok=True))
     finally:
         if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode != 0:
@@ -103,7 +96,7 @@ def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Small
 
 
 def _start(serve: Callable[..., Any], disk: SmallDisk, cfg: Path) -> Any:
-    return serve(disk.data_dir, config=cfg, preexec_fn=disk.preexec_fn)
+    return serve(disk.data_dir, config=cfg, file_size_limit_bytes=disk.file_size_limit_bytes)
 
 
 def _fill_until_refused(client: Any, chain: Any) -> KVStoreError:
