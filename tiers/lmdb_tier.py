@@ -39,7 +39,7 @@ from kvstore.prefix import BlockScope
 from tiers import reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
-from tiers.datadir import open_environment
+from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Evicted, make_room
 from tiers.leases import Lease, LeaseTable
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
@@ -99,7 +99,8 @@ class LmdbBlockTier:
         self.rule = Retention(retention_s=settings.retention_s)
         self._lock = threading.Lock()
         self._damaged: set[bytes] = set()  # keys whose records sit on a damaged page
-        self._usage = usage.check_and_repair(self.env, self._records, self._state)
+        self._usage = usage.check_and_repair(self.env, self._records, self._state,
+                                             max_tree_pages=MAX_CHECKED_TREE_PAGES)
         self._usage_txn = 0  # id of the commit `_usage` comes from
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)

@@ -67,14 +67,22 @@ def recount(txn: lmdb.Transaction, records_db: lmdb._Database) -> Usage:
     return usage
 
 
-def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db: lmdb._Database) -> Usage:
+def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db: lmdb._Database, *,
+                     max_tree_pages: int) -> Usage:
     """Recount the totals at open; rewrite the persisted ones (and warn) when they differ.
 
-    A records walk that meets a damaged page keeps the persisted totals (logged):
-    `kvstore check --repair` is the tool for a damaged file.
+    The walk is a cursor over the records, and LMDB aborts the process when a
+    cursor steps onto a damaged leaf, so it runs only on a store small enough
+    (`max_tree_pages` branch and leaf pages) for the start-time page check
+    (tiers/datadir.py) to have found none; a larger store keeps its totals
+    unchecked (logged): `kvstore check` walks it safely.
     """
     with env.begin(buffers=True) as txn:
         stored = read_usage(txn, state_db)
+        stat = txn.stat(records_db)
+        if stat["branch_pages"] + stat["leaf_pages"] > max_tree_pages:
+            log.info("usage totals not recounted at open: the records span more than %d pages", max_tree_pages)
+            return stored
         try:
             counted = recount(txn, records_db)
         except (lmdb.Error, struct.error) as exc:

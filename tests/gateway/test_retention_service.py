@@ -8,6 +8,7 @@ Get finds. Time moves on the server's ManualClock.
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.errors import ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope
 
 HOUR = 3600.0
 TOKENS = 16
@@ -98,3 +100,31 @@ def test_r15_lookup_of_hashes_that_are_not_a_chain(small_client: Client) -> None
         assert found.found_blocks == (1 if asked is repeated else 0)
         assert bool(found.lease_id) == (found.found_blocks > 0)
     assert small_client.lookup_hashes(hashes).found_blocks == CHAIN
+
+
+def test_r16_a_damaged_page_makes_its_blocks_misses_not_errors(start_server: Callable[..., Any],
+                                                                tmp_path: Path) -> None:
+    store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=1 << 30, block_tokens=TOKENS)
+    server = start_server(store)
+    with Client(server.target) as client:
+        tokens = list(range(TOKENS * 60))
+        client.put(tokens, [os.urandom(BLOCK_BYTES) for _ in range(60)])
+        hashes = client.hashes(tokens)
+        key = BlockScope(V4_1_FLASH.fingerprint, "default").key(hashes[30]) + b"m"
+        data = store.data_dir / "data.mdb"
+        raw, psize = data.read_bytes(), os.sysconf("SC_PAGE_SIZE")
+        fd = os.open(data, os.O_WRONLY)
+        try:  # zero the type flags of the leaf pages holding block 30's meta record
+            at = raw.find(key)
+            while at >= 0:
+                page = at // psize
+                if struct.unpack_from("<H", raw, page * psize + 10)[0] & 0x02:
+                    os.pwrite(fd, b"\0\0", page * psize + 10)
+                at = raw.find(key, at + 1)
+        finally:
+            os.close(fd)
+        got = client.get(tokens).statuses
+        assert got[30] == "corrupt" and set(got) <= {"found", "corrupt"}
+        assert client.lookup(tokens).found_blocks == got.index("corrupt")
+        assert client.stats().corrupt_blocks == got.count("corrupt")
+        assert client.get(tokens[: TOKENS * 2]).statuses == ["found"] * 2  # the server still serves

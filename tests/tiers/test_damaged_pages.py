@@ -1,0 +1,101 @@
+"""R16: a damaged LMDB page met at run time makes the blocks on it misses, never a failed call.
+
+The damage is real: a leaf page of the records tree is overwritten in data.mdb
+while the tier serves (LMDB's map shows the file's bytes), so LMDB's own reads
+raise CorruptedError on the blocks whose records sit there.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.errors import DataLoss
+from tiers.lmdb_tier import ReadStatus
+from tiers.records import data_key, meta_key
+
+Kit = Any  # tests/tiers/conftest.py
+BIG = 4096  # block size: the data goes to overflow pages, a leaf holds the records of ~14 blocks
+P_LEAF = 0x02
+
+
+def damage_leaf_of(tier: Any, record_key: bytes) -> set[int]:
+    """Zero the page-type flags of every leaf page of data.mdb holding `record_key`; their page numbers."""
+    path = Path(tier.settings.data_dir) / "data.mdb"
+    psize = tier.env.stat()["psize"]
+    raw = path.read_bytes()
+    pages = set()
+    start = raw.find(record_key)
+    while start >= 0:
+        page = start // psize
+        if struct.unpack_from("<H", raw, page * psize + 10)[0] & P_LEAF:
+            pages.add(page)
+        start = raw.find(record_key, start + 1)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for page in pages:
+            os.pwrite(fd, struct.pack("<H", 0), page * psize + 10)
+    finally:
+        os.close(fd)
+    return pages
+
+
+def on_pages(tier: Any, keys: list[bytes], pages: set[int]) -> list[bool]:
+    """Which blocks may have their data or meta record on one of `pages` (a page's free
+    space may still hold stale copies of other records)."""
+    raw = (Path(tier.settings.data_dir) / "data.mdb").read_bytes()
+    psize = tier.env.stat()["psize"]
+    chunks = [raw[p * psize:(p + 1) * psize] for p in pages]
+    return [any(meta_key(k) in c or data_key(k) in c for c in chunks) for k in keys]
+
+
+def damaged_store(make_kit: Callable[..., Kit]) -> tuple[Kit, list[bytes], list[bool]]:
+    kit = make_kit(1000)
+    hashes = kit.chain(0, 120)
+    kit.tier.put(kit.scope, kit.root, hashes, [bytes([i]) * BIG for i in range(120)], True)
+    keys = kit.keys(hashes)
+    pages = damage_leaf_of(kit.tier, meta_key(keys[60]))
+    assert pages
+    hit = on_pages(kit.tier, keys, pages)
+    assert hit[60] and not all(hit)
+    return kit, hashes, hit
+
+
+def test_r16_blocks_on_a_damaged_page_are_misses(make_kit: Callable[..., Kit]) -> None:
+    kit, hashes, hit = damaged_store(make_kit)
+    keys = kit.keys(hashes)
+    statuses = [s for s, _ in kit.tier.read(keys)]
+    corrupt = [s is ReadStatus.CORRUPT for s in statuses]
+    assert corrupt[60] and all(h for h, c in zip(hit, corrupt, strict=True) if c)
+    assert all(s is ReadStatus.FOUND for s, c in zip(statuses, corrupt, strict=True) if not c)
+    assert kit.found(hashes) == corrupt.index(True)
+    assert kit.tier.stats().counters.corrupt_blocks == sum(corrupt)
+    kit.tier.read(keys)  # met again: counted once
+    assert kit.tier.stats().counters.corrupt_blocks == sum(corrupt)
+
+
+def test_r16_staged_reads_and_refreshes_survive_a_damaged_page(make_kit: Callable[..., Kit]) -> None:
+    kit, hashes, hit = damaged_store(make_kit)
+    keys = kit.keys(hashes)
+    dest = memoryview(bytearray(BIG * len(keys)))
+    got = kit.tier.read_into(keys, [dest[i * BIG:(i + 1) * BIG] for i in range(len(keys))])
+    assert got[60] is ReadStatus.CORRUPT
+    assert all(s is ReadStatus.FOUND or (h and s is ReadStatus.CORRUPT) for s, h in zip(got, hit, strict=True))
+    assert bytes(dest[:BIG]) == bytes([0]) * BIG
+    kit.tier.touch_soon(keys).result(timeout=30)  # refreshes what it can
+
+
+def test_r16_other_blocks_stay_writable_and_a_put_needing_the_page_says_data_loss(
+        make_kit: Callable[..., Kit]) -> None:
+    kit, hashes, hit = damaged_store(make_kit)
+    other = kit.chain(50_000, 3)
+    assert kit.put(other) == (3, 0)
+    assert kit.found(other) == 3
+    with pytest.raises(DataLoss, match="damaged page"):
+        kit.tier.put(kit.scope, hashes[60], kit.chain(90_000, 1, parent=hashes[60]), [b"x" * BIG], False)
+    assert kit.tier.stats().blocks_stored >= 123
