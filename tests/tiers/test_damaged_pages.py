@@ -92,7 +92,7 @@ def test_r16_staged_reads_and_refreshes_survive_a_damaged_page(make_kit: Callabl
 
 def test_r16_other_blocks_stay_writable_and_a_put_needing_the_page_says_data_loss(
         make_kit: Callable[..., Kit]) -> None:
-    kit, hashes, hit = damaged_store(make_kit)
+    kit, hashes, _ = damaged_store(make_kit)
     other = kit.chain(50_000, 3)
     assert kit.put(other) == (3, 0)
     assert kit.found(other) == 3
