@@ -1,4 +1,4 @@
-"""Batched transfers end to end: a real server on loopback, real LMDB, real /dev/shm
+"""Batched transfers end to end: a real server on loopback, real LMDB, real sealed memfd
 regions; each behaviour checked on both paths (shared memory and streamed)."""
 
 from __future__ import annotations
