@@ -116,9 +116,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     with scratch() as folder:
         capacity = max(min(shutil.disk_usage(folder).free // 2, 64 * GiB), 1 << 26)
         with _kvstore_server(folder / "store", capacity, args.block_tokens) as (target, pid):
-            rss_before = _rss_mib(pid)
+            before = _memory_mib(pid)
             kv = _load("kvstore", target, args, half, block_bytes, progress)
-            rss_after = _rss_mib(pid)
+            after = _memory_mib(pid)
     with _echo_server() as target:
         raw = _load("raw", target, args, half, block_bytes, progress)
     if kv.cycles == 0 or raw.cycles == 0:
@@ -133,9 +133,11 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             ours = float(np.percentile(kv.latencies_s[rpc], pct)) * 1e3
             base = float(np.percentile(raw.latencies_s[rpc], pct)) * 1e3
             report.add(Figure.against(f"{rpc} p{pct}", ours, "ms", BASELINE, base))
-    if rss_before is not None and rss_after is not None:
-        report.add(Figure(name="server RSS before", value=rss_before, unit="MiB"))
-        report.add(Figure(name="server RSS after", value=rss_after, unit="MiB"))
+    if before.get("VmRSS") is not None and after.get("VmRSS") is not None:
+        report.add(Figure(name="server RSS before", value=before["VmRSS"], unit="MiB"))
+        report.add(Figure(name="server RSS after", value=after["VmRSS"], unit="MiB"))
+    # RssAnon is what the server holds; RssFile is mostly LMDB's map, pages the kernel may drop.
+    report.notes["server_memory_mib"] = {"before": before, "after": after}
     report.notes.update(clients=args.clients, seconds=args.seconds, prompt_blocks=2 * half, block_bytes=block_bytes,
                         cycles=kv.cycles, raw_cycles=raw.cycles, errors=kv.errors, raw_errors=raw.errors,
                         lookup_misses=kv.misses, cpus=os.cpu_count())
@@ -306,11 +308,11 @@ def _echo_server() -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def _rss_mib(pid: int) -> float | None:
-    """Resident memory of process `pid` in MiB (Linux /proc), None where unknown."""
+def _memory_mib(pid: int) -> dict[str, float]:
+    """Resident memory of process `pid` in MiB: VmRSS, RssAnon, RssFile (Linux /proc; empty elsewhere)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
-        return None
-    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
-    return int(match.group(1)) / 1024 if match else None
+        return {}
+    found = re.findall(r"^(VmRSS|RssAnon|RssFile):\s+(\d+) kB", status, re.MULTILINE)
+    return {name: round(int(kb) / 1024, 1) for name, kb in found}

@@ -28,3 +28,4 @@ def test_bench_load_json_figures() -> None:
     notes = report["notes"]
     assert notes["clients"] == 2 and notes["cycles"] > 0 and notes["raw_cycles"] > 0
     assert notes["errors"] == 0 and notes["lookup_misses"] == 0  # every cycle found its stored half
+    assert set(notes["server_memory_mib"]["after"]) == {"VmRSS", "RssAnon", "RssFile"}
