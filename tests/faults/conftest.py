@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import Client
+from kvstore.errors import FailedPrecondition
 
 #: Tokens per block for every fault-matrix server: 16 keeps a block at 14 KiB,
 #: so a test stores thousands of blocks in a few seconds.
@@ -316,5 +317,5 @@ def kit() -> SimpleNamespace:
     """This folder's helpers, for test modules (with --import-mode=importlib they cannot import conftest)."""
     return SimpleNamespace(Chain=Chain, make_chains=make_chains, census=census,
                            assert_usage_matches=assert_usage_matches, write_config=write_config,
-                           segment_lines=segment_lines,
+                           segment_lines=segment_lines, FailedPrecondition=FailedPrecondition,
                            BLOCK_TOKENS=BLOCK_TOKENS)
