@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -40,14 +41,17 @@ def _count(request: pb.SubmitRequest) -> int:
     return sum(len(g.offsets_bytes) for g in request.groups)
 
 
-def _state(transfer: Transfer) -> pb.TransferState:
+def _state_fields(transfer: Transfer) -> dict[str, Any]:
     # The columns go out as they are: no message per descriptor, only per failure.
     r = transfer.results
-    return pb.TransferState(
-        transfer_id=transfer.transfer_id, done=transfer.done.is_set(), bytes_moved=r.bytes_moved,
-        statuses=bytes(r.statuses), block_hashes=bytes(r.block_hashes),
-        failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
-                  for i, (code, reason) in sorted(r.failures.items())])
+    return {"transfer_id": transfer.transfer_id, "done": transfer.done.is_set(), "bytes_moved": r.bytes_moved,
+            "statuses": bytes(r.statuses), "block_hashes": bytes(r.block_hashes),
+            "failures": [pb.DescriptorFailure(index=i, code=code, reason=reason)
+                         for i, (code, reason) in sorted(r.failures.items())]}
+
+
+def _state(transfer: Transfer) -> pb.TransferState:
+    return pb.TransferState(**_state_fields(transfer))
 
 
 class TransferServicer(pb_grpc.TransferServicer):
@@ -177,11 +181,11 @@ class TransferServicer(pb_grpc.TransferServicer):
         reply = pb.GetTransfersResponse()
         size = 0
         for transfer in transfers:
-            state = _state(transfer)
+            state = reply.states.add(**_state_fields(transfer))  # built in place: no copy into the reply
             size += state.ByteSize() + _FIELD_BYTES
-            if size > self.max_reply_bytes and reply.states:
+            if size > self.max_reply_bytes and len(reply.states) > 1:
+                del reply.states[-1]
                 break
-            reply.states.append(state)
         reply.omitted = len(transfers) - len(reply.states)
         return reply
 
