@@ -55,8 +55,10 @@ def _orphans(client: Any, kit: Any, stop: threading.Event, refused: list[int], e
             return
 
 
-def _kill_mid_streams(serve: Callable[..., Any], cfg: Path, data_dir: Path, kit: Any) -> list[Any]:
-    """Run the streams and the refused Puts, SIGKILL the server mid-way; the chains as acknowledged."""
+def _kill_mid_streams(serve: Callable[..., Any], cfg: Path, data_dir: Path, kit: Any,
+                      end: Callable[[Any], None] = lambda server: server.kill9()) -> list[Any]:
+    """Run the streams and the refused Puts, end the server mid-way (SIGKILL unless `end` says otherwise);
+    the chains as acknowledged."""
     first = serve(data_dir, config=cfg)
     clients = [first.client(timeout_s=60) for _ in range(STREAMS + 1)]
     chains = kit.make_chains(clients[0], STREAMS, BLOCKS_PER_CHAIN)
@@ -74,7 +76,7 @@ def _kill_mid_streams(serve: Callable[..., Any], cfg: Path, data_dir: Path, kit:
         threading.Event().wait(0.002)
     assert not errors, errors
     assert all(ch.acked < BLOCKS_PER_CHAIN for ch in chains), "a stream finished before the kill"
-    first.kill9()
+    end(first)
     stop.set()
     for t in threads:
         t.join(timeout=60)
@@ -130,6 +132,21 @@ def test_kill_9_during_group_committed_streams_leaves_usage_equal_to_readable_bl
     assert again.stop() == 0, again.log()
     third = serve(data_dir, config=cfg)
     with third.client() as client:
+        kit.assert_usage_matches(client, kit.census(client, chains))
+
+
+def _sigterm(server: Any) -> None:
+    status = server.stop()
+    assert status == 0, f"SIGTERM under load exited {status}:\n{server.log()}"
+    assert "kvstore stopped" in server.err_path.read_text(), server.log()
+
+
+def test_sigterm_during_streams_stops_cleanly_and_keeps_every_acknowledged_block(
+        serve: Callable[..., Any], config: Callable[..., Path], tmp_path: Path, kit: Any) -> None:
+    data_dir, cfg = tmp_path / "data", config()
+    chains = _kill_mid_streams(serve, cfg, data_dir, kit, end=_sigterm)
+    again = serve(data_dir, config=cfg)
+    with again.client() as client:
         kit.assert_usage_matches(client, kit.census(client, chains))
 
 
