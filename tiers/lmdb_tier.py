@@ -56,6 +56,11 @@ T = TypeVar("T")
 _PARENT_DEPTH = struct.Struct("<32sI")
 #: A call that meets more damaged blocks than this gives up with DataLoss.
 _MAX_DAMAGED_PER_CALL = 64
+#: What LMDB raises for a damaged page in a write (a read contains any lmdb.Error per block).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError)
+#: How a commit that ran out of disk fails (errno text; py-lmdb has no class for it). LMDB
+#: reports a short write, the usual form of a full disk, as EIO.
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded", "Input/output error")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -217,6 +222,14 @@ class LmdbBlockTier:
         except lmdb.MapFullError:
             self._count_rejected()
             raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
+        except lmdb.Error as exc:
+            if not any(why in str(exc) for why in _NO_SPACE):
+                raise
+            self._count_rejected()
+            raise ResourceExhausted(f"the disk under {self.settings.data_dir} refused the write ({exc}): it is "
+                                    "full or failing; nothing was stored",
+                                    hint="free disk space or lower store.capacity_bytes to what the disk holds; "
+                                    "if the disk is not full, check its health") from None
         except ResourceExhausted:
             self._count_rejected()
             raise
@@ -453,9 +466,7 @@ class LmdbBlockTier:
                     raise DataLoss(f"{what} needs block {exc.key[-32:].hex()[:16]}..., whose records are on a "
                                    f"damaged page of {self.settings.data_dir}: {exc.cause}") from None
                 self._note_damage(exc.key, exc.cause)
-            except lmdb.MapFullError:
-                raise
-            except lmdb.Error as exc:
+            except _DAMAGE as exc:
                 raise DataLoss(f"{what} met a damaged page of {self.settings.data_dir}: {exc}") from None
         raise DataLoss(f"{what} met more than {_MAX_DAMAGED_PER_CALL} damaged blocks in {self.settings.data_dir}")
 
