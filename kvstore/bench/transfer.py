@@ -2,7 +2,7 @@
 
 In one run: a `kvstore serve` process holds the prompt's blocks (890 MB at full
 size); a client fetches them into a registered region over the shared-memory
-path (the server copies from LMDB's map into the client's /dev/shm pages) and
+path (the server copies from LMDB's map into the client's sealed memfd pages) and
 over the streamed gRPC path, with a sweep of descriptors per batch. Baselines,
 measured in the same run on the same bytes: a plain memcpy into a pre-faulted
 buffer (for the shm path) and a bare gRPC stream of block-sized messages copied
