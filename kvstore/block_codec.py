@@ -192,6 +192,8 @@ def as_uint8(data: object, *, expected_bytes: int, what: str) -> torch.Tensor:
             raise InvalidArgument(f"{what}: expected a contiguous buffer")
         if view.nbytes != expected_bytes:
             raise InvalidArgument(f"{what}: expected {expected_bytes} bytes, got {view.nbytes}")
+        if not view.nbytes:  # torch.frombuffer refuses an empty buffer; there is nothing to share
+            return torch.empty(0, dtype=torch.uint8)
         with warnings.catch_warnings():
             # bytes are read-only; torch warns that writing to the tensor would be
             # undefined. The contract above forbids writing instead.

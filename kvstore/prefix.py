@@ -43,10 +43,17 @@ MAX_EXTRA_KEYS_BYTES = 8192
 ExtraKey = str | bytes
 
 
+def _check_block_tokens(block_tokens: int) -> None:
+    # Hashed as a u32; 0 would make every block empty.
+    if not 1 <= block_tokens <= MAX_TOKEN_ID:
+        raise InvalidArgument(f"block_tokens must be in [1, {MAX_TOKEN_ID}], got {block_tokens}")
+
+
 def root_hash(fingerprint: bytes, block_tokens: int) -> bytes:
     """The parent hash of a chain's first block, for one layout and block size."""
     if len(fingerprint) != FINGERPRINT_BYTES:
         raise InvalidArgument(f"fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(fingerprint)}")
+    _check_block_tokens(block_tokens)
     return hashlib.sha256(b"kvstore.prefix.v1/root\0" + fingerprint + struct.pack("<I", block_tokens)).digest()
 
 
@@ -133,8 +140,7 @@ def chain_hashes(
     """
     if len(parent) != HASH_BYTES:
         raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
-    if not 1 <= block_tokens <= MAX_TOKEN_ID:
-        raise InvalidArgument(f"block_tokens must be in [1, {MAX_TOKEN_ID}], got {block_tokens}")
+    _check_block_tokens(block_tokens)
     raw = token_bytes(tokens)
     head = struct.pack("<I", block_tokens)
     tail = encode_extra_keys(extra_keys)

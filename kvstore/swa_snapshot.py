@@ -65,12 +65,13 @@ def snapshot_key(anchor: bytes, partial_tokens: Sequence[int], position: int,
         extra_keys: the keys the prefix was hashed with.
 
     Raises:
-        InvalidArgument: the anchor is not a 32-byte hash, or the position is negative.
+        InvalidArgument: the anchor is not a 32-byte hash, the position is not a u64, or a
+            token id or extra key is bad.
     """
     if len(anchor) != HASH_BYTES:
         raise InvalidArgument(f"anchor hash must be {HASH_BYTES} bytes, got {len(anchor)}")
-    if position < 0:
-        raise InvalidArgument(f"snapshot position must be >= 0, got {position}")
+    if not 0 <= position < 2**64:
+        raise InvalidArgument(f"snapshot position must be in [0, 2**64), got {position}")
     body = (b"kvstore.swa.v1\0" + anchor + struct.pack("<I", len(partial_tokens)) + token_bytes(partial_tokens)
             + encode_extra_keys(extra_keys) + struct.pack("<Q", position))
     return hashlib.sha256(body).digest()
@@ -109,7 +110,7 @@ def unseal(record: bytes, *, fingerprint: bytes, size_bytes: int) -> tuple[bytes
     A record of another geometry, another size, or whose data no longer matches
     its checksum is never returned: the caller counts it as corrupt and misses.
     """
-    if len(record) != HEADER_BYTES + size_bytes:
+    if size_bytes < 0 or len(record) != HEADER_BYTES + size_bytes:
         return None
     magic, version, stored_fp, stored_sum = _HEADER.unpack_from(record)
     if magic != _MAGIC or version != _VERSION or stored_fp != fingerprint:
