@@ -79,13 +79,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         # One index read per found block (the chain is checked, R15): off the event loop.
-        found, lease = await self.tier.call(self.tier.lookup, scope, hashes, lease_ms / 1000.0) if hashes else (0, None)
-        if found:
+        due: list[bytes] = []
+        found, lease = await self.tier.call(
+            lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
+        if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
-            # with other refreshes as Get's are.
+            # with other refreshes as Get's are. `due` is empty when it was recorded
+            # within the touch granularity.
             try:
-                await asyncio.wrap_future(self.tier.touch_soon([scope.key(hashes[found - 1])]))
+                await asyncio.wrap_future(self.tier.touch_soon(due))
             except BaseException:
                 if lease is not None:
                     self.tier.leases.release(lease.lease_id)

@@ -52,8 +52,10 @@ __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "PutBatch", "PutResult", "Rea
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Parent hash and depth at the head of a meta record (`META_STRUCT`), for Lookup's chain check.
+#: Parent hash and depth at the head of a meta record (`META_STRUCT`), for Lookup's chain check,
+#: and the last use at its end.
 _PARENT_DEPTH = struct.Struct("<32sI")
+_LAST_USE, _LAST_USE_OFFSET = struct.Struct("<d"), META_STRUCT.size - 8
 #: A call that meets more damaged blocks than this gives up with DataLoss.
 _MAX_DAMAGED_PER_CALL = 64
 #: What LMDB raises for a damaged page in a write (a read contains any lmdb.Error per block).
@@ -149,7 +151,8 @@ class LmdbBlockTier:
 
     # -- lookup and leases -------------------------------------------------
 
-    def lookup(self, scope: BlockScope, hashes: Sequence[bytes], lease_s: float = 0.0) -> tuple[int, Lease | None]:
+    def lookup(self, scope: BlockScope, hashes: Sequence[bytes], lease_s: float = 0.0, *,
+               touch_due: list[bytes] | None = None) -> tuple[int, Lease | None]:
         """How many leading blocks of `hashes` are stored as one chain, and a lease on them if asked.
 
         Block i counts only when it is stored with depth i + 1 and, after the
@@ -157,8 +160,18 @@ class LmdbBlockTier:
         chain (a repeated hash, a stored block after an absent one) find no more
         than Get would. One index read per found block: a 1M-token prompt
         (15,625 blocks) is one tight loop.
+
+        Args:
+            scope: layout and tenant.
+            hashes: the prompt's chain hashes, from its first block.
+            lease_s: pin the deepest found block (and so its prefix) this long; 0: no lease.
+            touch_due: if given, the deepest found block's key is appended to it when
+                its retention clock is due a restart (what `touch` would write), so
+                the caller refreshes it (R5) without reading it again.
         """
-        found = self._chain_prefix(scope, hashes)
+        found, last_use_s = self._chain_prefix(scope, hashes)
+        if touch_due is not None and found and self.rule.touch_due(last_use_s, self.retention_clock.now()):
+            touch_due.append(scope.key(hashes[found - 1]))
         lease = self.leases.grant(scope.key(hashes[found - 1]), lease_s) if found and lease_s > 0 else None
         tokens = self.settings.block_tokens
         with self._lock:
@@ -167,9 +180,11 @@ class LmdbBlockTier:
             self.counters.lookup_tokens_found += found * tokens
         return found, lease
 
-    def _chain_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> int:
+    def _chain_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
+        """(blocks found as a chain, the deepest one's recorded last use)."""
         prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
         i = 0
+        last_meta: Any = None
         try:
             with self.env.begin(buffers=True) as txn:
                 get, db = txn.get, self._records
@@ -177,15 +192,18 @@ class LmdbBlockTier:
                 for i, h in enumerate(hashes):
                     raw = get(prefix + h + tag, None, db)
                     if raw is None or len(raw) != size:
-                        return i
+                        break
                     parent, depth = unpack(raw)
                     if depth != i + 1 or (i and parent != previous):
-                        return i
-                    previous = h
+                        break
+                    previous, last_meta = h, raw
+                else:
+                    i = len(hashes)
+                last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
         except lmdb.Error as exc:  # a damaged page: the chain ends before it
             self._note_damage(prefix + hashes[i], exc)
-            return i
-        return len(hashes)
+            return i, 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
+        return i, last_use_s
 
     # -- writes ------------------------------------------------------------
 

@@ -140,12 +140,14 @@ class Run:
                         self.model.use(h, now)
         elif kind == "lookup":
             hashes = CHAINS[op[1]]
-            n = self.tier.lookup(SCOPE, hashes)[0]
+            due: list[bytes] = []
+            n = self.tier.lookup(SCOPE, hashes, touch_due=due)[0]
             got = self.tier.read([SCOPE.key(h) for h in hashes])
             leading = next((i for i, (s, _) in enumerate(got) if s is not ReadStatus.FOUND), len(hashes))
             assert n == leading, f"Lookup found {n}, Get finds {leading} leading blocks (R15)"
             if n:
-                self.tier.touch_soon([SCOPE.key(hashes[n - 1])]).result(timeout=30)  # as the Lookup servicer does
+                assert due in ([], [SCOPE.key(hashes[n - 1])])
+                self.tier.touch_soon(due).result(timeout=30)  # as the Lookup servicer does
                 self.model.use(hashes[n - 1], self.now())
         elif kind == "advance":
             self.clock.advance(op[1])

@@ -244,3 +244,14 @@ def test_r13_time_the_server_ran_before_a_restart_still_counts(make_kit: Callabl
     kit = make_kit()
     kit.put(kit.chain(1000, 1))  # `old` is past retention: its tail goes
     assert kit.stored(old) == [True] * 9 + [False]
+
+
+def test_r5_lookup_names_the_deepest_found_block_when_due_a_refresh(kit: Kit, clock: ManualClock) -> None:
+    a = kit.chain(0, 4)
+    kit.put(a)
+    due: list[bytes] = []
+    assert kit.tier.lookup(kit.scope, a[:3], touch_due=due)[0] == 3
+    assert due == []  # used within the touch granularity: nothing to write
+    clock.advance(TOUCH_GRANULARITY_S + 1)
+    kit.tier.lookup(kit.scope, a[:3], touch_due=due)
+    assert due == kit.keys(a[2:3])
