@@ -40,9 +40,6 @@ CHAIN_BLOCKS = 3 * ROOM_BYTES // (2 * BLOCK_BYTES)
 #: Blocks past the found ones that a census checks are absent: more than a refused
 #: stream can have had in flight (kvstore_servicer.PUT_STREAM_DEPTH batches and the one committing).
 TAIL_BLOCKS = 8 * BATCH_BLOCKS
-#: Known bug (reported to the coordinator): a write the full disk cuts short fails LMDB's commit with EIO,
-#: which LmdbBlockTier._retry_damaged answers as DATA_LOSS ("met a damaged page ... run kvstore check").
-DISK_FULL_STATUS_BUG = "disk full is answered DATA_LOSS 'met a damaged page' (EIO from a short write)"
 
 
 @dataclass
@@ -177,7 +174,6 @@ def test_disk_full_refuses_clearly_loses_nothing_acknowledged_and_keeps_serving(
         chain.acked = n + 1
         kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
 
-    # Last, so that everything above is enforced whatever the status: each refusal names the lack of room.
-    unclear = [f"{type(r).__name__}: {r.message}" for r in refusals if not _clear(r)]
-    if unclear:
-        pytest.xfail(f"{DISK_FULL_STATUS_BUG}; got {unclear[0]}")
+    # Each refusal named the lack of room (LMDB reports a write the full disk cut short as EIO:
+    # it was once answered DATA_LOSS "met a damaged page", sending operators to `kvstore check`).
+    assert [f"{type(r).__name__}: {r.message}" for r in refusals if not _clear(r)] == []
