@@ -10,6 +10,7 @@ transfer sessions storing blocks straight from their regions.
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +27,28 @@ BLOCKS_PER_CHAIN = 480
 BATCH_BLOCKS = 4
 
 
-def _stream(client: Any, chain: Any, errors: list[BaseException]) -> None:
+class KillSwitch:
+    """Sends `sig` to a server once, from the first thread to see `ready()` (in an ack callback: the
+    signal goes out while that thread's stream is mid-way, whatever the scheduler does to the others)."""
+
+    def __init__(self, server: Any, sig: int, ready: Callable[[], bool]) -> None:
+        self.server = server
+        self.sig = sig
+        self.ready = ready
+        self.fired = False
+        self._lock = threading.Lock()
+
+    def check(self) -> None:
+        with self._lock:
+            if not self.fired and self.ready():
+                self.fired = True
+                self.server.proc.send_signal(self.sig)
+
+
+def _stream(client: Any, chain: Any, switch: KillSwitch, errors: list[BaseException]) -> None:
     def acked(n: int) -> None:
         chain.acked += n
+        switch.check()
 
     try:
         client.put(chain.tokens, chain.payload(), batch_blocks=BATCH_BLOCKS, on_batch=acked)
@@ -56,32 +76,37 @@ def _orphans(client: Any, kit: Any, stop: threading.Event, refused: list[int], e
 
 
 def _kill_mid_streams(serve: Callable[..., Any], cfg: Path, data_dir: Path, kit: Any,
-                      end: Callable[[Any], None] = lambda server: server.kill9()) -> list[Any]:
-    """Run the streams and the refused Puts, end the server mid-way (SIGKILL unless `end` says otherwise);
-    the chains as acknowledged."""
+                      sig: int = signal.SIGKILL) -> list[Any]:
+    """Run the streams and the refused Puts, signal the server mid-way (SIGKILL, or SIGTERM: it must
+    then exit 0, saying it stopped); the chains as acknowledged."""
     first = serve(data_dir, config=cfg)
     clients = [first.client(timeout_s=60) for _ in range(STREAMS + 1)]
     chains = kit.make_chains(clients[0], STREAMS, BLOCKS_PER_CHAIN)
     errors: list[BaseException] = []
     refused = [0]
     stop = threading.Event()
-    threads = [threading.Thread(target=_stream, args=(c, ch, errors)) for c, ch in zip(clients, chains, strict=False)]
+    # Once a quarter of all blocks is acknowledged (and a refused Put has run beside
+    # them), every stream still has most of its chain to send: the signal lands mid-stream.
+    target = STREAMS * BLOCKS_PER_CHAIN // 4
+    switch = KillSwitch(first, sig, lambda: sum(ch.acked for ch in chains) >= target and refused[0] > 0)
+    threads = [threading.Thread(target=_stream, args=(c, ch, switch, errors))
+               for c, ch in zip(clients, chains, strict=False)]
     threads.append(threading.Thread(target=_orphans, args=(clients[-1], kit, stop, refused, errors)))
     for t in threads:
         t.start()
-    # Kill once a quarter of all blocks is acknowledged: every stream still has
-    # most of its chain to send, so the kill lands mid-stream for each of them.
-    target = STREAMS * BLOCKS_PER_CHAIN // 4
-    while sum(ch.acked for ch in chains) < target and first.alive and not errors:
-        threading.Event().wait(0.002)
-    assert not errors, errors
-    assert all(ch.acked < BLOCKS_PER_CHAIN for ch in chains), "a stream finished before the kill"
-    end(first)
+    for t in threads[:-1]:
+        t.join(timeout=120)
     stop.set()
-    for t in threads:
-        t.join(timeout=60)
+    threads[-1].join(timeout=60)
     for c in clients:
         c.close()
+    assert switch.fired, f"the streams ended before the signal: {errors}"
+    status = first.proc.wait(timeout=60)
+    if sig == signal.SIGKILL:
+        assert status == -signal.SIGKILL
+    else:
+        assert status == 0, f"signal {sig} under load: exit {status}\n{first.log()}"
+        assert "kvstore stopped" in first.err_path.read_text(), first.log()
     assert not errors, errors
     assert refused[0] > 0, "no refused Put ran beside the streams"
     return chains
@@ -135,16 +160,10 @@ def test_kill_9_during_group_committed_streams_leaves_usage_equal_to_readable_bl
         kit.assert_usage_matches(client, kit.census(client, chains))
 
 
-def _sigterm(server: Any) -> None:
-    status = server.stop()
-    assert status == 0, f"SIGTERM under load exited {status}:\n{server.log()}"
-    assert "kvstore stopped" in server.err_path.read_text(), server.log()
-
-
 def test_sigterm_during_streams_stops_cleanly_and_keeps_every_acknowledged_block(
         serve: Callable[..., Any], config: Callable[..., Path], tmp_path: Path, kit: Any) -> None:
     data_dir, cfg = tmp_path / "data", config()
-    chains = _kill_mid_streams(serve, cfg, data_dir, kit, end=_sigterm)
+    chains = _kill_mid_streams(serve, cfg, data_dir, kit, sig=signal.SIGTERM)
     again = serve(data_dir, config=cfg)
     with again.client() as client:
         kit.assert_usage_matches(client, kit.census(client, chains))
@@ -164,7 +183,7 @@ def _finish(client: Any, chain: Any, errors: list[BaseException]) -> None:
 WRITE_BATCH_BLOCKS = 16
 
 
-def _write_by_transfer(session: Any, region: Any, chain: Any, errors: list[BaseException]) -> None:
+def _write_by_transfer(session: Any, region: Any, chain: Any, switch: KillSwitch, errors: list[BaseException]) -> None:
     """Store the chain from a registered region, one write batch after another; `acked` counts DONE blocks."""
     client = session.client
     bb = client.block_bytes
@@ -176,6 +195,7 @@ def _write_by_transfer(session: Any, region: Any, chain: Any, errors: list[BaseE
                      for i in range(start, stop)]
             state = session.write(chain.tokens[: stop * client.block_tokens], descs, first_block=start).wait()
             chain.acked += state.done_prefix
+            switch.check()
             if state.done_prefix < stop - start:
                 return  # the server died under it (or refused): nothing after a gap is acknowledged
     except KVStoreError:
@@ -198,18 +218,16 @@ def test_kill_9_during_shm_transfer_writes(serve: Callable[..., Any], config: Ca
             pytest.skip(f"the server cannot map this process's regions here: {exc.message}")
         chains = kit.make_chains(clients[0], STREAMS, BLOCKS_PER_CHAIN)
         errors: list[BaseException] = []
-        threads = [threading.Thread(target=_write_by_transfer, args=(s, r, ch, errors))
+        target = STREAMS * BLOCKS_PER_CHAIN // 4
+        switch = KillSwitch(server, signal.SIGKILL, lambda: sum(ch.acked for ch in chains) >= target)
+        threads = [threading.Thread(target=_write_by_transfer, args=(s, r, ch, switch, errors))
                    for s, r, ch in zip(sessions, regions, chains, strict=True)]
         for t in threads:
             t.start()
-        target = STREAMS * BLOCKS_PER_CHAIN // 4
-        while sum(ch.acked for ch in chains) < target and server.alive and not errors:
-            threading.Event().wait(0.002)
-        assert not errors, errors
-        assert all(ch.acked < BLOCKS_PER_CHAIN for ch in chains), "a chain was written whole before the kill"
-        server.kill9()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=120)
+        assert switch.fired, f"the writes ended before the kill: {errors}"
+        server.kill9()  # reaps it: it died of the SIGKILL
         assert not errors, errors
     finally:
         for s in sessions:

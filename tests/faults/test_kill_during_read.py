@@ -57,7 +57,8 @@ def _store_then_age(server: Any, clock: Any, kit: Any) -> tuple[list[Any], Any]:
 
 
 def _read_until_killed(server: Any, chains: list[Any], read_one: Callable[[Any, Any], None]) -> list[Any]:
-    """READERS threads read chains in turn; SIGKILL once READ_BEFORE_KILL were read whole.
+    """READERS threads read chains in turn; the one that completes the READ_BEFORE_KILL-th chain SIGKILLs
+    the server at once, while the other is mid-chain.
 
     Returns:
         The chains whose read completed (answered in full) before the kill.
@@ -78,6 +79,8 @@ def _read_until_killed(server: Any, chains: list[Any], read_one: Callable[[Any, 
                     read_one(client, chain)
                     with lock:
                         done.append(chain)
+                        if len(done) == READ_BEFORE_KILL:
+                            server.proc.kill()
         except KVStoreError:
             pass  # the server died under it
         except BaseException as exc:  # reported by the test
@@ -86,15 +89,12 @@ def _read_until_killed(server: Any, chains: list[Any], read_one: Callable[[Any, 
     threads = [threading.Thread(target=reader) for _ in range(READERS)]
     for t in threads:
         t.start()
-    while len(done) < READ_BEFORE_KILL and server.alive and not errors and any(t.is_alive() for t in threads):
-        threading.Event().wait(0.002)
-    assert not errors, errors
-    server.kill9()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=120)
     assert not errors, errors
+    server.kill9()  # reaps it: it died of the SIGKILL
     assert READ_BEFORE_KILL <= len(done) < CHAINS, f"{len(done)} chains read whole: the kill did not land mid-read"
-    return done
+    return list(done)
 
 
 def _check_after_restart(serve: Callable[..., Any], data_dir: Path, cfg: Path, clock: Any, chains: list[Any],
