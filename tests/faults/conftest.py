@@ -1,5 +1,18 @@
 """The fault matrix's scaffolding: real `kvstore serve` processes, killed and restarted.
 
+The matrix (issue 9), each scenario asserting outcomes, never timings:
+- test_kill_during_put.py: kill -9 during group-committed PutStreams beside
+  refused Puts, and during shm transfer writes; SIGTERM under the same load.
+- test_kill_during_read.py: kill -9 during Gets and shm fetches that refresh
+  retention; a read seen complete keeps its blocks 71 h later.
+- test_client_killed.py: the worker killed -9 mid-transfer.
+- test_redis_outage.py: the SWA pool's Redis killed or hung, then back.
+- test_disk_full.py: the disk fills (small tmpfs, or RLIMIT_FSIZE).
+- test_damaged_files.py (H2): truncated, emptied and damaged data files.
+After each fault, `census` and `assert_usage_matches` check the store: every
+acknowledged block bit-identical, Lookup and Get agreeing (no hole), usage
+totals equal to the blocks a client can read.
+
 Each server is a child process on a free loopback port (`--port 0`, read back
 from the line it prints) over a data dir the test owns, with its stdout and
 stderr in files beside it, so a failing test shows the server's own log. Tests
@@ -7,7 +20,6 @@ start servers with the `serve` fixture; every one still running at the end is
 killed. Nothing here waits on time to decide an outcome: waits are bounded by a
 deadline only so that a hung child fails the test instead of the suite.
 """
-
 from __future__ import annotations
 
 import contextlib
