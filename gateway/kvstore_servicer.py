@@ -11,7 +11,7 @@ from gateway import validate
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -131,20 +131,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
-        # A reader keeps up to PUT_STREAM_DEPTH batches received ahead while the
-        # committer syncs, in order: transfer overlaps fsync, and a batch's parent
-        # is always committed before (or with) the batch itself. Batches already
-        # waiting when a commit ends share the next one (group commit): one fsync
-        # for several, each acknowledged only after it.
-        # The reader ends the queue with None, or with the error that ended the
-        # request stream (an undecodable message): the committer raises it after
-        # committing what came before, so the stream always ends with a status.
-        queue: asyncio.Queue[pb.PutRequest | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
+        # A reader checks and hashes each batch as it arrives (on a thread: it is
+        # O(batch bytes)) and keeps up to PUT_STREAM_DEPTH of them ahead while the
+        # committer syncs, in order: transfer and hashing overlap fsync, and a
+        # batch's parent is always committed before (or with) the batch itself.
+        # Batches already waiting when a commit ends share the next one (group
+        # commit): one fsync for several, each acknowledged only after it.
+        # The reader ends the queue with None, or with the error that ends the
+        # stream (a bad batch, an undecodable message): the committer commits
+        # what came before it, then raises it, so the stream always ends with a status.
+        queue: asyncio.Queue[PutBatch | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
         async def read_ahead() -> None:
             try:
                 async for request in requests:
-                    await queue.put(request)
+                    await queue.put(await asyncio.to_thread(self._plan, request))
             except Exception as exc:  # handed to the committer, which raises it
                 await queue.put(exc)
                 return
@@ -152,37 +153,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         reader = asyncio.ensure_future(read_ahead())
         try:
-            ended = False
-            while not ended and (request := await queue.get()) is not None:
-                group = [request]
-                while not ended and not queue.empty():
-                    more = queue.get_nowait()
-                    ended = more is None or isinstance(more, Exception)
-                    if more is not None:
-                        group.append(more)
-                # Hashing and checking a group is O(its bytes): off the event loop.
-                batches, failure = await asyncio.to_thread(self._plan_group, group)
-                if batches:
-                    results = await self.tier.call(self.tier.put_many, batches)
-                    for batch, result in zip(batches, results, strict=True):
-                        yield _put_response(batch, result)
-                if failure is not None:
-                    raise failure
+            item = await queue.get()
+            while isinstance(item, PutBatch):
+                batches = [item]
+                while isinstance(item, PutBatch) and not queue.empty():
+                    item = queue.get_nowait()
+                    if isinstance(item, PutBatch):
+                        batches.append(item)
+                results = await self.tier.call(self.tier.put_many, batches)
+                for batch, result in zip(batches, results, strict=True):
+                    yield _put_response(batch, result)
+                if isinstance(item, PutBatch):  # the queue ran dry: wait for the next
+                    item = await queue.get()
+            if item is not None:
+                raise item
             await reader
         finally:
             reader.cancel()
-
-    def _plan_group(self, group: list[pb.PutRequest | Exception]) -> tuple[list[PutBatch], Exception | None]:
-        """The batches of a group up to its first bad request, and the error that stopped it (if any)."""
-        batches: list[PutBatch] = []
-        for item in group:
-            if isinstance(item, Exception):
-                return batches, item
-            try:
-                batches.append(self._plan(item))
-            except KVStoreError as exc:  # commit what came before it, then fail the stream
-                return batches, exc
-        return batches, None
 
     def _plan(self, request: pb.PutRequest) -> PutBatch:
         """A validated Put batch, its tokens hashed into the chain it extends."""
