@@ -16,6 +16,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
+from gateway.undecodable import UndecodableRequests
 from kvstore.client import Client
 from kvstore.v1 import kvstore_pb2, swa_pb2, transfer_pb2
 
@@ -106,3 +107,34 @@ def test_server_serves_after_undecodable_requests(server: Any, channel: grpc.Cha
     block = os.urandom(client.block_bytes)
     client.put(tokens, [block])
     assert client.get(tokens).blocks == [block]
+
+
+def test_a_request_stream_read_by_a_coroutine_ends_invalid_argument(loop_thread: Any) -> None:
+    # No service here reads a stream into one answer; the guard covers that shape too.
+    async def count(requests: Any, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        async for _ in requests:
+            pass
+        return health_pb2.HealthCheckResponse()
+
+    handler = grpc.method_handlers_generic_handler("test.Counter", {"Count": grpc.stream_unary_rpc_method_handler(
+        count, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+        response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(interceptors=[UndecodableRequests()])
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(start())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            count_call = channel.stream_unary("/test.Counter/Count")
+            assert count_call(iter([b"", b""]), timeout=20) == b""
+            with pytest.raises(grpc.RpcError) as info:
+                count_call(iter([b"", GARBAGE]), timeout=20)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "could not be decoded" in info.value.details()
+    finally:
+        loop_thread.run(server.stop(0))
