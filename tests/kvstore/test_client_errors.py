@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvstore.client import Client
 from kvstore.errors import InvalidArgument
@@ -41,6 +42,7 @@ CASES: list[tuple[str, Callable[[Client], Any], str]] = [
     ("lookup: lease_ms -5", lambda c: c.lookup(_tokens(c), lease_ms=-5), "lease_ms = -5"),
     ("lookup: lease_ms 2**40", lambda c: c.lookup(_tokens(c), lease_ms=2**40), "lease_ms = 1099511627776"),
     ("lookup: lease_ms float", lambda c: c.lookup(_tokens(c), lease_ms=1.5), "lease_ms must be an integer"),
+    ("lookup: lease_ms bool", lambda c: c.lookup(_tokens(c), lease_ms=True), "lease_ms must be an integer"),
     ("lookup: swa position -1", lambda c: c.lookup(_tokens(c), swa_positions=[-1]), "swa_positions[0] = -1"),
     ("lookup_hashes: str hash", lambda c: c.lookup_hashes(["x" * 32]), "hashes[0] is a str"),
     ("lookup_hashes: short hash", lambda c: c.lookup_hashes([b"x"]), "hashes[0] is 1 bytes"),
@@ -53,6 +55,13 @@ CASES: list[tuple[str, Callable[[Client], Any], str]] = [
     # put
     ("put: token id 2**40", lambda c: c.put([2**40] * c.block_tokens, [_block(c)]), "in [0, 4294967295]"),
     ("put: token id -5", lambda c: c.put([-5] * c.block_tokens, [_block(c)]), "in [0, 4294967295]"),
+    ("put: tokens as bytes", lambda c: c.put(bytes(4 * c.block_tokens), [_block(c)]),
+     "tokens must be a sequence of integer token ids, got bytes"),
+    ("put: not a sequence", lambda c: c.put(_tokens(c), 5), "blocks must be a sequence of blocks, got int"),
+    ("put: float tensor block", lambda c: c.put(_tokens(c), [torch.zeros(c.block_bytes)]),
+     "blocks[0] must be uint8 (packed codes), got a torch.float32 tensor"),
+    ("put: float tensor blocks", lambda c: c.put(_tokens(c), torch.zeros(1, c.block_bytes)),
+     "blocks must be uint8 (packed codes), got a torch.float32 tensor"),
     ("put: str block", lambda c: c.put(_tokens(c), ["x" * c.block_bytes]), "blocks[0] is a str; accepted"),
     ("put: float numpy block", lambda c: c.put(_tokens(c), [np.zeros(c.block_bytes // 8)]), "8-byte items"),
     ("put: short block", lambda c: c.put(_tokens(c), [b"x"]), "blocks[0] is 1 bytes; it must be"),
