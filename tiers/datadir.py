@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -205,23 +206,41 @@ def prepare_dir(data_dir: Path) -> None:
         raise _unwritable(data_dir, OSError(errno.EACCES, "permission denied"))
 
 
+def _size(n: int) -> str:
+    """Bytes for people: exact count and a short unit."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n} bytes ({n / scale:.1f} {unit})"
+    return f"{n} bytes"
+
+
 def check_capacity(settings: StoreSettings) -> None:
     """Refuse a capacity the disk cannot hold: the store would fail with ENOSPC mid-Put.
 
+    A store that already holds blocks still starts (with a warning): refusing it
+    would make acknowledged blocks unreadable because something else filled the
+    disk. Its Puts answer RESOURCE_EXHAUSTED when the disk runs out.
+
     Raises:
-        ConfigError: naming the capacity, the room there is, and what to do.
+        ConfigError: a new store, naming the capacity, the room there is, and what to do.
     """
     data_dir = settings.data_dir
     free = shutil.disk_usage(data_dir).free
     data = data_dir / DATA_NAME
     used = data.stat().st_blocks * 512 if data.exists() else 0  # what the store already holds on disk
-    if settings.capacity_bytes > free + used:
-        raise ConfigError(
-            f"store.capacity_bytes={settings.capacity_bytes} ({settings.capacity_bytes / GiB:.1f} GiB) is more "
-            f"than the disk under {data_dir} can hold: {free} bytes free plus {used} already used by the store "
-            f"= {free + used} ({(free + used) / GiB:.1f} GiB)",
-            hint="lower store.capacity_bytes to at most that (leave room for LMDB's pages: about a fifth), "
-                 "free disk space, or use a larger disk")
+    if settings.capacity_bytes <= free + used:
+        return
+    message = (f"store.capacity_bytes={_size(settings.capacity_bytes)} is more than the disk under {data_dir} "
+               f"can hold: {_size(free)} free plus {_size(used)} already used by the store = {_size(free + used)}")
+    hint = ("lower store.capacity_bytes to at most that (leave room for LMDB's pages: about a fifth), "
+            "free disk space, or use a larger disk")
+    if used and read_identity(data_dir) is not None:
+        log.warning("%s; starting anyway so the stored blocks stay readable (Puts will be refused once the "
+                    "disk is full): %s", message, hint)
+        print(f"kvstore: warning: {message}; starting so the stored blocks stay readable ({hint})",
+              file=sys.stderr, flush=True)
+        return
+    raise ConfigError(message, hint=hint)
 
 
 def check_files(data_dir: Path) -> None:

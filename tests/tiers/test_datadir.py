@@ -182,7 +182,8 @@ def test_a_capacity_above_the_disk_is_refused_naming_both(settings: StoreSetting
 
 
 def test_the_capacity_check_counts_what_the_store_already_holds(settings: StoreSettings,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     filled(settings, chains=2)
     used = (settings.data_dir / "data.mdb").stat().st_blocks * 512
     full = type("Usage", (), {"free": 0})
@@ -190,8 +191,21 @@ def test_the_capacity_check_counts_what_the_store_already_holds(settings: StoreS
     env, lock = open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=used))
     env.close()
     lock.release()
+    assert "warning" not in capsys.readouterr().err
+    # Above free + used: a store holding blocks still opens (they stay readable), with a warning.
+    env, lock = open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=used + 1))
+    env.close()
+    lock.release()
+    err = capsys.readouterr().err
+    assert "0 bytes free" in err and "stay readable" in err
+
+
+def test_a_new_store_whose_disk_is_full_is_refused(settings: StoreSettings, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings.data_dir.mkdir()
+    full = type("Usage", (), {"free": 0})
+    monkeypatch.setattr(datadir.shutil, "disk_usage", lambda _: full)
     with pytest.raises(ConfigError, match="0 bytes free"):
-        open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=used + 1))
+        open_environment(StoreSettings(data_dir=settings.data_dir, capacity_bytes=1 << 20))
 
 
 # -- a damaged data file (issue 9 item 15) -------------------------------------------------------
