@@ -9,9 +9,9 @@ Two ways to run out of space, each where the host allows it:
 - `rlimit`: RLIMIT_FSIZE on the server process (SIGXFSZ ignored), so a write past
   16 MiB fails (EFBIG, or a short write); works for any user.
 
-A restart while the disk is still full may serve everything, or refuse to start
-with a clear message (the start-up check refuses a capacity the disk cannot
-hold); once space is freed it must serve everything acknowledged.
+A restart while the disk is still full serves everything (a store that holds
+blocks starts with a warning where a new one would be refused for its
+capacity); once space is freed the chain goes on.
 """
 
 from __future__ import annotations
@@ -153,15 +153,12 @@ def test_disk_full_refuses_clearly_loses_nothing_acknowledged_and_keeps_serving(
     status = server.stop()
     assert status == 0, f"a clean stop on a full disk exited {status}:\n{server.log()}"
 
-    # Restarted with the disk still full: it serves everything, or refuses clearly (exit, no traceback).
-    try:
-        full = _start(serve, small_disk, cfg)
-    except AssertionError as exc:  # it did not start: it must say why
-        assert "Traceback" not in str(exc) and re.search(r"capacity|space|disk", str(exc)), exc
-    else:
-        with full.client() as client:
-            kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
-        assert full.stop() == 0, full.log()
+    # Restarted with the disk still full: a store holding blocks starts (with a warning), so what
+    # was acknowledged stays readable.
+    full = _start(serve, small_disk, cfg)
+    with full.client() as client:
+        kit.assert_usage_matches(client, kit.census(client, chains, tail=TAIL_BLOCKS))
+    assert full.stop() == 0, full.log()
 
     small_disk.free_space()
     again = _start(serve, small_disk, cfg)
