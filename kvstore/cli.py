@@ -170,10 +170,11 @@ def transfer_stats_dict(client: object) -> dict[str, object] | None:
 
 TRANSFER_ROWS = (
     ("Copy loop", "copy_loop"), ("Copy threads", "copy_threads"), ("Sessions open", "sessions"),
-    ("Regions mapped", "regions"), ("Bytes mapped", "mapped_bytes"), ("Read batches", "read_batches"),
+    ("Regions mapped", "regions"), ("Bytes mapped", "mapped_bytes"),
+    ("Descriptors in flight", "descriptors_in_flight"), ("Read batches", "read_batches"),
     ("Write batches", "write_batches"), ("Descriptors done", "descriptors_done"),
     ("Descriptors missing", "descriptors_missing"), ("Descriptors failed", "descriptors_failed"),
-    ("Bytes moved", "bytes_moved"),
+    ("Refresh failures", "refresh_failures"), ("Bytes moved", "bytes_moved"),
 )
 
 
