@@ -59,6 +59,8 @@ def _check(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict()))
     else:
         print("\n".join(report.lines()))
+    if report.fatal:
+        return 2  # nothing could be walked: not "problems found", which a repair would fix
     return 0 if report.ok or report.repaired else 1
 
 

@@ -232,6 +232,15 @@ def test_check_a_data_dir_that_does_not_exist(tmp_path: Path, json_flag: bool) -
         assert len(run.stderr.strip().splitlines()) == 1
 
 
+def test_check_a_store_with_damaged_headers_could_not_be_checked(start_server: Any, loop_thread: Any,
+                                                                 store_settings: Any) -> None:
+    data_dir = _stored(start_server, loop_thread, store_settings)
+    with (data_dir / "data.mdb").open("r+b") as f:
+        f.write(bytes(2 * 4096))  # both LMDB meta pages
+    run = _kvstore("check", "--data-dir", str(data_dir), "--no-progress")
+    assert run.returncode == 2 and "cannot check" in run.stdout
+
+
 def test_check_a_file_is_not_a_data_dir(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     run = _kvstore("check", "--data-dir", str(tmp_path / "f"))
