@@ -37,7 +37,7 @@ METHODS = [m for s in SERVICES for m in s.methods]
 NOT_CLEAR = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE,
              grpc.StatusCode.DEADLINE_EXCEEDED}
 CALL_TIMEOUT_S = 20
-EXAMPLES = 50
+EXAMPLES = 100
 
 BLOCK_TOKENS = 16  # conftest's store_settings
 LAYOUT = Layout.of(geometry.V4_1_FLASH, BLOCK_TOKENS)
