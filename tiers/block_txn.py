@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,21 +66,37 @@ def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | N
         raise DamagedBlock(key, exc) from exc
 
 
+@contextmanager
+def _damage_names(key: bytes) -> Iterator[None]:
+    """An LMDB error while changing `key`'s records is damage on their way: say whose."""
+    try:
+        yield
+    except (lmdb.MapFullError, lmdb.TxnFullError):
+        raise
+    except lmdb.Error as exc:
+        raise DamagedBlock(key, exc) from exc
+
+
 class BlockTxn:
     """One write transaction: block records, LRU index and usage totals changed together.
 
     Args:
         txn: an open write transaction (the writer lock is held).
         dbs: the tier's databases.
+        unreadable: keys known to sit on damaged pages: never read (a failed read
+            would fail the whole transaction), never given a carried-up time.
     """
 
-    def __init__(self, txn: lmdb.Transaction, dbs: BlockDbs) -> None:
+    def __init__(self, txn: lmdb.Transaction, dbs: BlockDbs, *, unreadable: frozenset[bytes] = frozenset()) -> None:
         self.txn = txn
         self.dbs = dbs
+        self.unreadable = unreadable
         self.usage: Usage = read_usage(txn, dbs.state)
 
     def meta(self, key: bytes) -> BlockMeta | None:
         """The block's meta record, None when not stored (raises DamagedBlock)."""
+        if key in self.unreadable:
+            raise DamagedBlock(key, LookupError("found on a damaged page earlier"))
         return read_meta(self.txn, self.dbs, key)
 
     def insert(self, key: bytes, parent_hash: bytes, depth: int, data: Buffer, now_s: float,
@@ -88,11 +105,12 @@ class BlockTxn:
         meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
                          checksum=xxhash.xxh3_64_intdigest(data), created_s=now_s, last_access_s=now_s)
         txn, records = self.txn, self.dbs.records
-        txn.put(data_key(key), data, db=records)
-        txn.put(meta_key(key), meta.pack(), db=records)
-        txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
-        if not is_first:
-            txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
+        with _damage_names(key):
+            txn.put(data_key(key), data, db=records)
+            txn.put(meta_key(key), meta.pack(), db=records)
+            txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
+            if not is_first:
+                txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
         self.usage.blocks += 1
         self.usage.stored_bytes += len(data)
 
@@ -101,9 +119,10 @@ class BlockTxn:
         meta = self.meta(key)
         if meta is None or meta.last_access_s >= now_s:
             return
-        self.txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
-        self.txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
-        self.txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now_s).pack(), db=self.dbs.records)
+        with _damage_names(key):
+            self.txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
+            self.txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
+            self.txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now_s).pack(), db=self.dbs.records)
 
     def delete(self, key: bytes, *, carry_up: bool) -> int:
         """Remove one block and its index entries; return its size.
@@ -118,12 +137,13 @@ class BlockTxn:
         if meta is None:
             raise KeyError(f"no meta for block {key.hex()}")  # an index entry without its block: a bug
         txn, records = self.txn, self.dbs.records
-        txn.delete(data_key(key), db=records)
-        txn.delete(meta_key(key), db=records)
-        txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
         parent = parent_key_of(key, meta.parent_hash)
-        txn.delete(child_key(parent, key[-32:]), db=records)
-        if carry_up:
+        with _damage_names(key):
+            txn.delete(data_key(key), db=records)
+            txn.delete(meta_key(key), db=records)
+            txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
+            txn.delete(child_key(parent, key[-32:]), db=records)
+        if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
         self.usage.blocks -= 1
         self.usage.stored_bytes -= meta.size_bytes

@@ -34,11 +34,12 @@ import lmdb
 
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
-from kvstore.errors import DataLoss, FailedPrecondition, ResourceExhausted
+from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
 from tiers import reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
+from tiers.damage import MAX_DAMAGED_PER_CALL, DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Evicted, make_room
 from tiers.leases import Lease, LeaseTable
@@ -56,10 +57,6 @@ T = TypeVar("T")
 #: and the last use at its end.
 _PARENT_DEPTH = struct.Struct("<32sI")
 _LAST_USE, _LAST_USE_OFFSET = struct.Struct("<d"), META_STRUCT.size - 8
-#: A call that meets more damaged blocks than this gives up with DataLoss.
-_MAX_DAMAGED_PER_CALL = 64
-#: What LMDB raises for a damaged page in a write (a read contains any lmdb.Error per block).
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError)
 #: How a commit that ran out of disk fails (errno text; py-lmdb has no class for it). LMDB
 #: reports a short write, the usual form of a full disk, as EIO.
 _NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded", "Input/output error")
@@ -105,7 +102,7 @@ class LmdbBlockTier:
         self._records, self._lru, self._state = self._dbs.records, self._dbs.lru, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self._lock = threading.Lock()
-        self._damaged: set[bytes] = set()  # keys whose records sit on a damaged page
+        self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
         self._usage = usage.check_and_repair(self.env, self._records, self._state,
                                              max_tree_pages=MAX_CHECKED_TREE_PAGES)
         self._usage_txn = 0  # id of the commit `_usage` comes from
@@ -140,7 +137,7 @@ class LmdbBlockTier:
         in-memory copy is replaced after the commit, by the newest commit only.
         """
         with self.env.begin(write=True) as txn:
-            w = BlockTxn(txn, self._dbs)
+            w = BlockTxn(txn, self._dbs, unreadable=self._damage.snapshot())
             yield w
             usage.write_usage(txn, self._state, w.usage)
             self._save_state(txn)
@@ -201,7 +198,7 @@ class LmdbBlockTier:
                     i = len(hashes)
                 last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
         except lmdb.Error as exc:  # a damaged page: the chain ends before it
-            self._note_damage(prefix + hashes[i], exc)
+            self._damage.note(prefix + hashes[i], exc)
             return i, 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
         return i, last_use_s
 
@@ -236,7 +233,7 @@ class LmdbBlockTier:
         """
         now = self.retention_clock.now()
         try:
-            results, evicted = self._retry_damaged(lambda: self._put_all(batches, now), "this Put")
+            results, evicted = self._damage.retry(lambda: self._put_all(batches, now), "this Put")
         except lmdb.MapFullError:
             self._count_rejected()
             raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
@@ -262,9 +259,7 @@ class LmdbBlockTier:
         return results
 
     def _put_all(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
-        protected = set(self.leases.pinned())
-        with self._lock:
-            protected |= self._damaged
+        protected = set(self.leases.pinned()) | self._damage.snapshot()
         results: list[PutResult] = []
         blocks = freed = 0
         with self._write() as w:
@@ -317,18 +312,16 @@ class LmdbBlockTier:
         """
         now = self.retention_clock.now()
         keys = list(keys)
-        metas = self._read_each(keys, lambda txn, key: read_meta(txn, self._dbs, key))
+        metas = self._damage.read_each(self.env, keys, lambda txn, key: read_meta(txn, self._dbs, key))
         stale = [k for k, m in zip(keys, metas, strict=True)
                  if m is not None and self.rule.touch_due(m.last_access_s, now)]
         if stale:
-            self._retry_damaged(lambda: self._touch_all(stale, now), "a refresh")
+            self._damage.retry(lambda: self._touch_all(stale, now), "a refresh")
 
     def _touch_all(self, keys: list[bytes], now: float) -> None:
-        with self._lock:
-            damaged = set(self._damaged)
         with self._write() as w:
             for key in keys:
-                if key not in damaged:
+                if key not in w.unreadable:
                     w.touch(key, now)
 
     def touch_soon(self, keys: Sequence[bytes]) -> Future[None]:
@@ -349,7 +342,7 @@ class LmdbBlockTier:
         reported CORRUPT, counted, and removed with its descendants (which could
         no longer be reached as a prefix) when the removal itself can be done.
         """
-        out = reads.read_copies(self.env, self._dbs, keys, self._note_damage)
+        out = reads.read_copies(self.env, self._dbs, keys, self._damage.note)
         corrupt = [k for k, (s, _) in zip(keys, out, strict=True) if s is ReadStatus.CORRUPT]
         if corrupt:
             self.drop_corrupt(corrupt)
@@ -391,7 +384,7 @@ class LmdbBlockTier:
         The lookups hold the GIL between gets; the copy (`StagedReads.copy`)
         need not, so a caller can look up on one thread and copy on others.
         """
-        txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._note_damage)
+        txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._damage.note)
         return StagedReads(txn, list(keys), metas, datas, now=self.retention_clock.now,
                            drop_corrupt=self.drop_corrupt)
 
@@ -402,25 +395,22 @@ class LmdbBlockTier:
         R6 holds) and is remembered as damaged: reads miss it, eviction skips it.
         """
         todo = list(dict.fromkeys(keys))
-        for _ in range(_MAX_DAMAGED_PER_CALL):
+        for _ in range(MAX_DAMAGED_PER_CALL):
             current: list[bytes] = []
             try:
                 dropped = self._drop_all(todo, current)
             except DamagedBlock as exc:
-                self._note_damage(exc.key, exc.cause)
+                self._damage.note(exc.key, exc.cause)
                 for key in current:
-                    self._note_damage(key, exc.cause)
+                    self._damage.note(key, exc.cause)
                 todo = [k for k in todo if k not in current]
                 continue
             except lmdb.Error as exc:
                 log.error("could not drop corrupt blocks from %s: %s", self.settings.data_dir, exc)
                 return
-            with self._lock:
-                for key in dropped:
-                    if key in self._damaged:
-                        self._damaged.discard(key)  # counted when it was found damaged
-                    else:
-                        self.counters.corrupt_blocks += 1
+            for key in dropped:
+                if not self._damage.forget(key):  # else counted when it was found damaged
+                    self._count_damaged()
             return
 
     def _drop_all(self, keys: list[bytes], current: list[bytes]) -> list[bytes]:
@@ -443,51 +433,6 @@ class LmdbBlockTier:
             self.counters.get_tokens_asked += asked_blocks * tokens
             self.counters.get_tokens_returned += returned_blocks * tokens
 
-    # -- damaged pages -----------------------------------------------------
-
-    def _note_damage(self, key: bytes, cause: BaseException) -> None:
-        """Remember a block whose records are on a damaged page; count it once (R16)."""
-        with self._lock:
-            if key in self._damaged:
-                return
-            self._damaged.add(key)
-            self.counters.corrupt_blocks += 1
-        log.error("block %s... is on a damaged page of %s (%s): served as a miss; run `kvstore check --repair`",
-                  key[-32:].hex()[:16], self.settings.data_dir, cause)
-
-    def _read_each(self, keys: Sequence[bytes], fn: Callable[[lmdb.Transaction, bytes], T]) -> list[T | None]:
-        """`fn(txn, key)` for each key in read txns; None for a key whose records are damaged."""
-        out: list[T | None] = []
-        while len(out) < len(keys):
-            try:
-                with self.env.begin(buffers=True) as txn:
-                    for key in keys[len(out):]:
-                        out.append(fn(txn, key))
-            except DamagedBlock as exc:  # the txn is unusable: go on in a fresh one
-                self._note_damage(exc.key, exc.cause)
-                out.append(None)
-        return out
-
-    def _retry_damaged(self, attempt: Callable[[], T], what: str) -> T:
-        """Run a write `attempt`, again without each damaged block it meets (noted first).
-
-        Raises:
-            DataLoss: it met a block already known damaged (the call needs it), or too many.
-        """
-        for _ in range(_MAX_DAMAGED_PER_CALL):
-            try:
-                return attempt()
-            except DamagedBlock as exc:
-                with self._lock:
-                    known = exc.key in self._damaged
-                if known:
-                    raise DataLoss(f"{what} needs block {exc.key[-32:].hex()[:16]}..., whose records are on a "
-                                   f"damaged page of {self.settings.data_dir}: {exc.cause}") from None
-                self._note_damage(exc.key, exc.cause)
-            except _DAMAGE as exc:
-                raise DataLoss(f"{what} met a damaged page of {self.settings.data_dir}: {exc}") from None
-        raise DataLoss(f"{what} met more than {_MAX_DAMAGED_PER_CALL} damaged blocks in {self.settings.data_dir}")
-
     # -- accounting --------------------------------------------------------
 
     def stats(self) -> TierStats:
@@ -506,6 +451,10 @@ class LmdbBlockTier:
             retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
             uptime_s=self.retention_clock.uptime_s(),
         )
+
+    def _count_damaged(self) -> None:
+        with self._lock:
+            self.counters.corrupt_blocks += 1
 
     def _count_rejected(self) -> None:
         with self._lock:

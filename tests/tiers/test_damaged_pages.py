@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, ResourceExhausted
+from kvstore.prefix import BlockScope
 from tiers.lmdb_tier import ReadStatus
 from tiers.records import data_key, meta_key
 
@@ -54,24 +55,29 @@ def on_pages(tier: Any, keys: list[bytes], pages: set[int]) -> list[bool]:
     return [any(meta_key(k) in c or data_key(k) in c for c in chunks) for k in keys]
 
 
-def damaged_store(make_kit: Callable[..., Kit]) -> tuple[Kit, list[bytes], list[bool]]:
-    kit = make_kit(1000)
-    hashes = kit.chain(0, 120)
-    kit.tier.put(kit.scope, kit.root, hashes, [bytes([i]) * BIG for i in range(120)], True)
+def damaged_store(make_kit: Callable[..., Kit], capacity_kib: int = 1000,
+                  n: int = 120) -> tuple[Kit, list[bytes], list[bool], int]:
+    """n blocks of one chain; the leaf holding the records of the block whose key is
+    the median (a leaf inside the tenant's key range) damaged. Returns the kit, the
+    chain, which blocks may sit on the page, and the chain index of that block."""
+    kit = make_kit(capacity_kib)
+    hashes = kit.chain(0, n)
+    kit.tier.put(kit.scope, kit.root, hashes, [bytes([i % 256]) * BIG for i in range(n)], True)
     keys = kit.keys(hashes)
-    pages = damage_leaf_of(kit.tier, meta_key(keys[60]))
+    target = keys.index(sorted(keys)[n // 2])
+    pages = damage_leaf_of(kit.tier, meta_key(keys[target]))
     assert pages
     hit = on_pages(kit.tier, keys, pages)
-    assert hit[60] and not all(hit)
-    return kit, hashes, hit
+    assert hit[target] and not all(hit)
+    return kit, hashes, hit, target
 
 
 def test_r16_blocks_on_a_damaged_page_are_misses(make_kit: Callable[..., Kit]) -> None:
-    kit, hashes, hit = damaged_store(make_kit)
+    kit, hashes, hit, target = damaged_store(make_kit)
     keys = kit.keys(hashes)
     statuses = [s for s, _ in kit.tier.read(keys)]
     corrupt = [s is ReadStatus.CORRUPT for s in statuses]
-    assert corrupt[60] and all(h for h, c in zip(hit, corrupt, strict=True) if c)
+    assert corrupt[target] and all(h for h, c in zip(hit, corrupt, strict=True) if c)
     assert all(s is ReadStatus.FOUND for s, c in zip(statuses, corrupt, strict=True) if not c)
     assert kit.found(hashes) == corrupt.index(True)
     assert kit.tier.stats().counters.corrupt_blocks == sum(corrupt)
@@ -80,11 +86,11 @@ def test_r16_blocks_on_a_damaged_page_are_misses(make_kit: Callable[..., Kit]) -
 
 
 def test_r16_staged_reads_and_refreshes_survive_a_damaged_page(make_kit: Callable[..., Kit]) -> None:
-    kit, hashes, hit = damaged_store(make_kit)
+    kit, hashes, hit, target = damaged_store(make_kit)
     keys = kit.keys(hashes)
     dest = memoryview(bytearray(BIG * len(keys)))
     got = kit.tier.read_into(keys, [dest[i * BIG:(i + 1) * BIG] for i in range(len(keys))])
-    assert got[60] is ReadStatus.CORRUPT
+    assert got[target] is ReadStatus.CORRUPT
     assert all(s is ReadStatus.FOUND or (h and s is ReadStatus.CORRUPT) for s, h in zip(got, hit, strict=True))
     assert bytes(dest[:BIG]) == bytes([0]) * BIG
     kit.tier.touch_soon(keys).result(timeout=30)  # refreshes what it can
@@ -92,10 +98,33 @@ def test_r16_staged_reads_and_refreshes_survive_a_damaged_page(make_kit: Callabl
 
 def test_r16_other_blocks_stay_writable_and_a_put_needing_the_page_says_data_loss(
         make_kit: Callable[..., Kit]) -> None:
-    kit, hashes, _ = damaged_store(make_kit)
+    kit, hashes, _, target = damaged_store(make_kit)
+    other_tenant = BlockScope(kit.scope.fingerprint, "other")  # its keys sort apart from the damaged leaf
     other = kit.chain(50_000, 3)
-    assert kit.put(other) == (3, 0)
-    assert kit.found(other) == 3
+    kit.tier.put(other_tenant, kit.root, other, [b"o" * BIG] * 3, True)
+    assert kit.tier.lookup(other_tenant, other)[0] == 3
     with pytest.raises(DataLoss, match="damaged page"):
-        kit.tier.put(kit.scope, hashes[60], kit.chain(90_000, 1, parent=hashes[60]), [b"x" * BIG], False)
+        kit.tier.put(kit.scope, hashes[target], kit.chain(90_000, 1, parent=hashes[target]), [b"x" * BIG], False)
     assert kit.tier.stats().blocks_stored >= 123
+
+
+def test_r16_eviction_skips_damaged_blocks_and_makes_room_elsewhere(make_kit: Callable[..., Kit],
+                                                                      clock: Any) -> None:
+    kit, hashes, _, _ = damaged_store(make_kit, capacity_kib=4 * 150, n=150)  # full
+    corrupt = [s is ReadStatus.CORRUPT for s, _ in kit.tier.read(kit.keys(hashes))]
+    clock.advance(100 * 3600)
+    other_tenant = BlockScope(kit.scope.fingerprint, "other")  # its keys sort apart from the damaged leaf
+    made = 0
+    while True:  # one new block at a time, each evicting one old one, until only protected ones are left
+        new = kit.chain(100_000 + 1000 * made, 1)
+        try:
+            kit.tier.put(other_tenant, kit.root, new, [b"n" * BIG], True)
+        except ResourceExhausted:
+            break
+        made += 1
+        assert made < 150
+    assert made >= 1 and kit.tier.stats().counters.evictions == made
+    after = [s for s, _ in kit.tier.read(kit.keys(hashes))]
+    assert all(s is ReadStatus.CORRUPT for s, c in zip(after, corrupt, strict=True) if c)  # kept, still misses
+    first = corrupt.index(True)
+    assert [s is ReadStatus.FOUND for s in after[:first]] == [True] * first  # the prefix before the damage stays
