@@ -9,6 +9,7 @@ transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
 - `tiers/usage.py`: the usage totals, kept inside write transactions.
 - `tiers/reads.py`: verified reads and staged zero-copy reads.
+- `tiers/damage.py`: blocks on damaged pages met at run time.
 - `tiers/refresh.py`: group commit of retention refreshes.
 - `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk
   records, leases, counters; `tiers/datadir.py`: opening the data dir.
