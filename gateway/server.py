@@ -110,7 +110,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     closers.append(swa.close)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
     swa_pb2_grpc.add_SwaPoolServicer_to_server(SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
-    transfer = TransferServicer(tier, layouts, settings.transfer)
+    transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]

@@ -131,7 +131,8 @@ class TransferServicer(pb_grpc.TransferServicer):
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer())
         session.make_room(1, _count(request))
-        transfer = self._checked(session, request)()
+        # Checking hashes a write's chain (O(batch)): off the event loop, so other calls go on.
+        transfer = (await asyncio.to_thread(self._checked, session, request))()
         if not request.wait:
             return pb.SubmitResponse(transfer_id=transfer.transfer_id)
         await transfer.done.wait()
@@ -145,12 +146,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             raise InvalidArgument(f"send 1 to {self.settings.keep_finished} batches; got {len(request.batches)}")
         # The bounds first: they cost a count per group, checking every batch costs far more.
         session.make_room(len(request.batches), sum(_count(b) for b in request.batches))
-        starts = []
-        for i, batch in enumerate(request.batches):
-            try:
-                starts.append(self._checked(session, batch))
-            except KVStoreError as exc:
-                raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
+        starts = await asyncio.to_thread(self._checked_all, session, request)
         return pb.SubmitManyResponse(transfer_ids=[start().transfer_id for start in starts])
 
     @unary
@@ -202,6 +198,16 @@ class TransferServicer(pb_grpc.TransferServicer):
             descriptors_in_flight=self.table.load.descriptors_in_flight)
 
     # -- batches -------------------------------------------------------------
+
+    def _checked_all(self, session: Session, request: pb.SubmitManyRequest) -> list[Callable[[], Transfer]]:
+        """Check every batch of a SubmitMany (on a worker thread); one bad batch refuses them all."""
+        starts = []
+        for i, batch in enumerate(request.batches):
+            try:
+                starts.append(self._checked(session, batch))
+            except KVStoreError as exc:
+                raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
+        return starts
 
     def _checked(self, session: Session, request: pb.SubmitRequest) -> Callable[[], Transfer]:
         """Check a batch as a whole and return what starts it.

@@ -19,6 +19,7 @@ import pytest
 
 from gateway import swa_servicer, validate
 from kvstore.client import Client
+from kvstore.transfer import Descriptor, Status
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -95,3 +96,19 @@ def test_other_calls_are_served_while_a_swa_reply_is_filled(server: Any, client:
     client.swa.put(tokens, snap)
     entered = hold.step(swa_servicer, "_get_reply")
     assert hold.served_meanwhile(server.target, entered, lambda: client.swa.get(tokens)) == snap
+
+
+def test_other_calls_are_served_while_a_transfer_write_is_checked_and_hashed(
+        server: Any, client: Client, hold: Hold) -> None:
+
+    size = client.block_bytes
+    tokens = list(range(client.block_tokens * 2))
+    data = [os.urandom(size) for _ in range(2)]
+    with client.transfer() as session:
+        region = session.register(2 * size)
+        region.view[:] = b"".join(data)
+        descs = [Descriptor(region_id=region.region_id, offset_bytes=i * size, length_bytes=size) for i in range(2)]
+        entered = hold.step(validate, "put_plan")
+        state = hold.served_meanwhile(server.target, entered, lambda: session.write(tokens, descs).wait())
+    assert [r.status for r in state.results] == [Status.DONE] * 2
+    assert client.get(tokens).blocks == data
