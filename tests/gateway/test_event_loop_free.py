@@ -100,7 +100,6 @@ def test_other_calls_are_served_while_a_swa_reply_is_filled(server: Any, client:
 
 def test_other_calls_are_served_while_a_transfer_write_is_checked_and_hashed(
         server: Any, client: Client, hold: Hold) -> None:
-
     size = client.block_bytes
     tokens = list(range(client.block_tokens * 2))
     data = [os.urandom(size) for _ in range(2)]
