@@ -21,6 +21,7 @@ bounded pool, through `call`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import struct
@@ -98,6 +99,15 @@ class LmdbBlockTier:
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="lmdb")
         # Checks, locks and opens the data dir (docs/OPERATIONS.md); close() releases the lock.
         self.env, self._dir_lock = open_environment(settings)
+        try:
+            self._open_state(settings)
+        except BaseException:  # leave nothing open: a second try must not find the dir locked
+            self.env.close()
+            self._dir_lock.release()
+            self.executor.shutdown(wait=False)
+            raise
+
+    def _open_state(self, settings: StoreSettings) -> None:
         # Data, meta and child entries of each block, side by side (tiers/records.py).
         self._dbs = BlockDbs.open(self.env)
         self._records, self._lru, self._state = self._dbs.records, self._dbs.lru, self._dbs.state
@@ -109,7 +119,7 @@ class LmdbBlockTier:
         self._usage_txn = 0  # id of the commit `_usage` comes from
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)
-            self.counters = Counters(**json.loads(saved)) if saved else Counters()
+            self.counters = _counters(saved)
             high_water = _high_water(txn, self._dbs)
         self.retention_clock = RetentionClock(self.clock, high_water)
         self._refresh = RefreshBatcher(self.executor, self.touch)
@@ -470,6 +480,14 @@ class LmdbBlockTier:
 
     def __repr__(self) -> str:
         return f"LmdbBlockTier({self.settings.data_dir})"
+
+
+def _counters(saved: bytes | None) -> Counters:
+    """The persisted counters; names this version does not know are dropped (an older or newer store)."""
+    if not saved:
+        return Counters()
+    known = {f.name for f in dataclasses.fields(Counters)}
+    return Counters(**{k: v for k, v in json.loads(saved).items() if k in known and isinstance(v, int)})
 
 
 def _high_water(txn: lmdb.Transaction, dbs: BlockDbs) -> float | None:

@@ -274,3 +274,32 @@ def test_damaged_state_records_are_a_clear_error_not_a_decode_error(settings: St
     env.close()
     with pytest.raises(ConfigError, match="state records are damaged"):
         open_environment(settings)
+
+
+def test_a_tier_that_fails_after_opening_leaves_the_dir_unlocked(settings: StoreSettings,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiers import usage
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a failure while reading the store's state")
+
+    monkeypatch.setattr(usage, "check_and_repair", broken)
+    with pytest.raises(RuntimeError):
+        LmdbBlockTier(settings)
+    monkeypatch.undo()
+    LmdbBlockTier(settings).close()  # would be refused (DataDirBusy) had the failed open kept the lock
+
+
+def test_counters_written_by_another_version_are_read(settings: StoreSettings) -> None:
+    import lmdb
+
+    LmdbBlockTier(settings).close()
+    env = lmdb.open(str(settings.data_dir), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"state")) as txn:
+        txn.put(b"counters", json.dumps({"puts": 7, "a_future_counter": 3, "gets": "x"}).encode())
+    env.close()
+    tier = LmdbBlockTier(settings)
+    try:
+        assert tier.stats().counters.puts == 7 and tier.stats().counters.gets == 0
+    finally:
+        tier.close()
