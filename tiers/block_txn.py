@@ -19,6 +19,7 @@ from typing import Any
 import lmdb
 import xxhash
 
+from kvstore.errors import DataLoss
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
@@ -62,7 +63,7 @@ def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | N
     try:
         raw = txn.get(meta_key(key), db=dbs.records)
         return None if raw is None else BlockMeta.unpack(raw)
-    except (lmdb.Error, struct.error) as exc:
+    except (lmdb.Error, struct.error, DataLoss) as exc:
         raise DamagedBlock(key, exc) from exc
 
 

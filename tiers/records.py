@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from kvstore.errors import DataLoss
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 
 #: parent hash, depth, size, checksum, created, last access. Public so hot loops can
@@ -46,10 +47,22 @@ class BlockMeta:
 
     @classmethod
     def unpack(cls, raw: bytes | memoryview) -> BlockMeta:
-        """Parse a record."""
-        parent, depth, size, checksum, created, last = META_STRUCT.unpack(raw)
+        """Parse a record.
+
+        Raises:
+            DataLoss: the record is not a meta record's size (damaged on disk).
+        """
+        try:
+            parent, depth, size, checksum, created, last = META_STRUCT.unpack(raw)
+        except struct.error:
+            raise _damaged("meta record", raw) from None
         return cls(parent_hash=parent, depth=depth, size_bytes=size, checksum=checksum,
                    created_s=created, last_access_s=last)
+
+
+def _damaged(what: str, raw: bytes | memoryview) -> DataLoss:
+    return DataLoss(f"a damaged {what} ({len(raw)} bytes) was met in the store",
+                    hint="run `kvstore check --data-dir D` (and --repair with the server stopped)")
 
 
 def lru_key(last_access_s: float, depth: int, key: bytes) -> bytes:
@@ -62,7 +75,13 @@ def lru_key(last_access_s: float, depth: int, key: bytes) -> bytes:
 
 
 def lru_entry(raw: bytes | memoryview) -> tuple[float, bytes]:
-    """(last access in seconds, block key) of an LRU index key."""
+    """(last access in seconds, block key) of an LRU index key.
+
+    Raises:
+        DataLoss: the key is too short to be an LRU entry (damaged on disk).
+    """
+    if len(raw) <= _LRU_HEAD.size:
+        raise _damaged("LRU index entry", raw)
     micros, _ = _LRU_HEAD.unpack_from(raw)
     return micros / 1e6, bytes(raw[_LRU_HEAD.size:])
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import lmdb
 
+from kvstore.errors import DataLoss
 from kvstore.prefix import KEY_BYTES
 from tiers.records import META_TAG
 
@@ -85,7 +86,7 @@ def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db
             return stored
         try:
             counted = recount(txn, records_db)
-        except (lmdb.Error, struct.error) as exc:
+        except (lmdb.Error, struct.error, DataLoss) as exc:
             log.error("could not recount the usage totals (%s): keeping the stored ones (%d blocks, %d bytes); "
                       "run `kvstore check` on %s", exc, stored.blocks, stored.stored_bytes, env.path())
             return stored
