@@ -9,13 +9,12 @@ salted per process.
 
 Canonical bytes of a block (all integers unsigned little-endian):
     parent (32 B) | u32 token count | u32 token id ... | u32 extra-key count |
-    for each extra key: u32 length | bytes (UTF-8 for text)
-
-The extra keys come after the parent, which differs per block, so SHA-256 cannot
-share their work between blocks: a chain encodes them once but hashes them once
-per block. Their count and size are bounded (`MAX_EXTRA_KEYS`,
-`MAX_EXTRA_KEY_BYTES`, `MAX_EXTRA_KEYS_BYTES`) so that a block's hash input stays
-a few KiB; a longer key (a whole document) is to be hashed by the caller first.
+    SHA-256 of the extra keys' canonical bytes (32 B; only when the count is not 0)
+where the extra keys' canonical bytes are `u32 count | (u32 length | bytes) ...`
+(UTF-8 for text). Each extra key is so hashed once per chain, not once per block:
+a chain's blocks mix in the 32-byte digest. Their count and size are still bounded
+(`MAX_EXTRA_KEYS`, `MAX_EXTRA_KEY_BYTES`, `MAX_EXTRA_KEYS_BYTES`): they travel in
+every Put; a longer key (a whole document) is to be hashed by the caller first.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ MAX_TOKEN_ID = 2**32 - 1
 MAX_EXTRA_KEYS = 128
 #: Most bytes of one extra key (UTF-8 for text): an image hash, an adapter name.
 MAX_EXTRA_KEY_BYTES = 1024
-#: Most bytes of all of a chain's extra keys together: every block hashes them again.
+#: Most bytes of all of a chain's extra keys together (they travel with every Put).
 MAX_EXTRA_KEYS_BYTES = 8192
 
 ExtraKey = str | bytes
@@ -84,6 +83,15 @@ def encode_extra_keys(extra_keys: Sequence[ExtraKey]) -> bytes:
         parts.append(struct.pack("<I", len(raw)))
         parts.append(raw)
     return b"".join(parts)
+
+
+def extra_keys_tail(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """What every block of a chain appends for its extra keys: their count, then (if any)
+    the SHA-256 of their canonical bytes, computed once here for the whole chain."""
+    if not extra_keys:
+        return struct.pack("<I", 0)
+    encoded = encode_extra_keys(extra_keys)
+    return encoded[:4] + hashlib.sha256(encoded).digest()
 
 
 def _key_bytes(index: int, key: object) -> bytes:
@@ -143,7 +151,7 @@ def chain_hashes(
     _check_block_tokens(block_tokens)
     raw = token_bytes(tokens)
     head = struct.pack("<I", block_tokens)
-    tail = encode_extra_keys(extra_keys)
+    tail = extra_keys_tail(extra_keys)
     step = 4 * block_tokens
     hashes: list[bytes] = []
     for start in range(0, len(raw) - step + 1, step):

@@ -20,8 +20,8 @@ CHAIN_0_127 = [
     "a96b5f6a85a7af28d5e4961fb12c7634d7025b97499a49f6957a15956f0dcb43",
 ]
 CHAIN_0_127_EXTRA = [
-    "1e454c52691fc7ced7115f26cda5dd58fe2326aa0360bd72d48d155080fd43a7",
-    "292ae6415aaadec27c11dc902d7137bcb7beb605f41a12a785bfb415efd6bcba",
+    "bf04e9c3e0d3f40313db6b5b744d49458d5d1e176a2b491438bf1cdbb18dad06",
+    "5b012117dcf72202a62fd938a8228cb81d48093f6913e3b38d44faf74df23aa2",
 ]
 NAMESPACE_DEFAULT = "a72e661c53e9f74e"
 
@@ -34,6 +34,43 @@ def test_published_vectors() -> None:
     extra = chain_hashes(list(range(128)), block_tokens=64, parent=root, extra_keys=["lora:sql-adapter", b"\0\1"])
     assert [h.hex() for h in extra] == CHAIN_0_127_EXTRA
     assert namespace_id("default").hex() == NAMESPACE_DEFAULT
+
+
+def test_vectors_follow_the_published_formula() -> None:
+    """docs/PREFIX_HASHING.md's formula, transcribed with hashlib alone."""
+    import hashlib
+    import struct
+
+    root = bytes.fromhex(ROOT_64)
+    keys = [b"lora:sql-adapter", b"\0\1"]
+    encoded = struct.pack("<I", len(keys)) + b"".join(struct.pack("<I", len(k)) + k for k in keys)
+    tail = struct.pack("<I", len(keys)) + hashlib.sha256(encoded).digest()  # the keys hashed once per chain
+    parent, out = root, []
+    for start in (0, 64):
+        tokens = struct.pack("<64I", *range(start, start + 64))
+        parent = hashlib.sha256(parent + struct.pack("<I", 64) + tokens + tail).digest()
+        out.append(parent.hex())
+    assert out == CHAIN_0_127_EXTRA
+
+
+def test_extra_keys_are_hashed_once_per_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 KiB of keys on 50 blocks: the keys' bytes go through SHA-256 once; each block's input stays small."""
+    import hashlib
+
+    from kvstore import prefix
+
+    inputs: list[int] = []
+    real = hashlib.sha256
+
+    def counting_sha256(data: bytes = b"") -> object:
+        inputs.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(prefix.hashlib, "sha256", counting_sha256)
+    hashes = chain_hashes(list(range(64 * 50)), block_tokens=64, parent=bytes(32), extra_keys=["k" * 1024] * 8)
+    block_input = 32 + 4 + 4 * 64 + 4 + 32  # parent, block_tokens, token ids, key count, keys' digest
+    assert len(hashes) == 50
+    assert sorted(inputs)[:-1] == [block_input] * 50 and sum(inputs) < 50 * block_input + 9000
 
 
 def test_same_keys_in_another_process() -> None:
