@@ -41,6 +41,7 @@ from kvstore.prefix import BlockScope
 from tiers import reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
+from tiers.chain_cache import ChainCache
 from tiers.damage import MAX_DAMAGED_PER_CALL, DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Evicted, make_room
@@ -123,6 +124,7 @@ class LmdbBlockTier:
             high_water = _high_water(txn, self._dbs)
         self.retention_clock = RetentionClock(self.clock, high_water)
         self._refresh = RefreshBatcher(self.executor, self.touch)
+        self._chains = ChainCache()
         self._write_rate = WriteRate(settings.write_rate_window_s, self.retention_clock.now())
 
     # -- lifecycle ---------------------------------------------------------
@@ -190,6 +192,43 @@ class LmdbBlockTier:
 
     def _chain_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
         """(blocks found as a chain, the deepest one's recorded last use)."""
+        known = self._known_prefix(scope, hashes)
+        if known is not None:
+            return known
+        found, last_use_s = self._walk_chain(scope, hashes)
+        if found:
+            self._chains.remember(scope.key(hashes[found - 1]), hashes[:found])
+        return found, last_use_s
+
+    def _known_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float] | None:
+        """The stored prefix by binary search, if `ChainCache` vouches that it is a chain; else None.
+
+        The search assumes the hashes are a chain (stored blocks of one are a
+        prefix, R6); the memo then checks that the hashes up to the last found
+        block are exactly that block's ancestors (tiers/chain_cache.py).
+        """
+        prefix, tag, size = scope.prefix, META_TAG, META_STRUCT.size
+        try:
+            with self.env.begin(buffers=True) as txn:
+                get, db = txn.get, self._records
+                lo, hi = 0, len(hashes)
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if get(prefix + hashes[mid - 1] + tag, None, db) is not None:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                if not lo or not self._chains.knows(prefix + hashes[lo - 1], hashes[:lo]):
+                    return None
+                raw = get(prefix + hashes[lo - 1] + tag, None, db)
+                if raw is None or len(raw) != size or _PARENT_DEPTH.unpack_from(raw)[1] != lo:
+                    return None
+                return lo, _LAST_USE.unpack_from(raw, _LAST_USE_OFFSET)[0]
+        except lmdb.Error:
+            return None  # the walk meets the damage again and notes it
+
+    def _walk_chain(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
+        """(blocks found as a chain, the deepest one's last use), reading every block's record."""
         prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
         i = 0
         last_meta: Any = None
@@ -259,6 +298,9 @@ class LmdbBlockTier:
         except ResourceExhausted:
             self._count_rejected()
             raise
+        for batch in (b for b in batches if b.hashes):  # extending a known chain makes the longer one known
+            parent = None if batch.is_root else batch.scope.key(batch.parent_hash)
+            self._chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
         with self._lock:
             self.counters.evictions += evicted.blocks
             self.counters.evicted_bytes += evicted.freed_bytes
