@@ -98,3 +98,19 @@ def make_kit(open_tier: Callable[..., LmdbBlockTier], tmp_path: Path) -> Callabl
 def kit(make_kit: Callable[..., Kit]) -> Kit:
     """A Kit on a fresh 10-block tier."""
     return make_kit()
+
+
+@pytest.fixture
+def zero_leaves() -> Callable[[Path, bytes], list[int]]:
+    """Zero every leaf page of a data file that holds a byte string (old copies too); their page numbers."""
+    def zero(path: Path, needle: bytes) -> list[int]:
+        raw = path.read_bytes()
+        hit = [off // 4096 for off in range(0, len(raw), 4096)
+               if raw[off + 10] & 0x02 and needle in raw[off:off + 4096]]
+        with path.open("r+b") as f:
+            for page in hit:
+                f.seek(page * 4096)
+                f.write(bytes(4096))
+        return hit
+
+    return zero

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import pytest
@@ -40,18 +41,6 @@ def filled(settings: StoreSettings, chains: int = 12, length: int = 6, size: int
         out.append(hashes)
     tier.close()
     return out
-
-
-def zero_leaves_holding(path: Path, needle: bytes) -> list[int]:
-    """Zero every leaf page of `path` that holds `needle` (old copies too); their numbers."""
-    raw = path.read_bytes()
-    hit = [off // 4096 for off in range(0, len(raw), 4096)
-           if raw[off + 10] & 0x02 and needle in raw[off:off + 4096]]
-    with path.open("r+b") as f:
-        for page in hit:
-            f.seek(page * 4096)
-            f.write(bytes(4096))
-    return hit
 
 
 # -- the lock (issue 9 item 7) -----------------------------------------------------------
@@ -257,10 +246,10 @@ def test_damaged_header_pages_are_refused(settings: StoreSettings) -> None:
         open_environment(settings)
 
 
-def test_a_damaged_leaf_page_is_refused_at_start(settings: StoreSettings) -> None:
+def test_a_damaged_leaf_page_is_refused_at_start(settings: StoreSettings, zero_leaves: Any) -> None:
     chains = filled(settings)
     data = settings.data_dir / "data.mdb"
-    assert zero_leaves_holding(data, SCOPE.key(chains[4][2]) + b"m")
+    assert zero_leaves(data, SCOPE.key(chains[4][2]) + b"m")
     with pytest.raises(ConfigError, match="damaged page") as info:
         open_environment(settings)  # LMDB aborts the process when a cursor steps onto it
     assert str(data) in info.value.message and "--repair" in info.value.hint

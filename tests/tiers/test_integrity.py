@@ -201,22 +201,10 @@ def test_a_record_of_no_known_form_is_dropped(settings: StoreSettings, chains: l
     repaired_and_clean(settings)
 
 
-def zero_leaves_holding(path: Path, needle: bytes) -> list[int]:
-    """Zero every leaf page of `path` that holds `needle` (old copies too); their numbers."""
-    raw = path.read_bytes()
-    hit = [off // 4096 for off in range(0, len(raw), 4096)
-           if raw[off + 10] & 0x02 and needle in raw[off:off + 4096]]
-    with path.open("r+b") as f:
-        for page in hit:
-            f.seek(page * 4096)
-            f.write(bytes(4096))
-    return hit
-
-
-def test_a_damaged_page_is_stepped_over_and_the_store_rebuilt(settings: StoreSettings,
-                                                              chains: list[list[bytes]]) -> None:
+def test_a_damaged_page_is_stepped_over_and_the_store_rebuilt(settings: StoreSettings, chains: list[list[bytes]],
+                                                              zero_leaves: Any) -> None:
     data = settings.data_dir / "data.mdb"
-    assert zero_leaves_holding(data, meta_key(SCOPE.key(chains[7][3])))
+    assert zero_leaves(data, meta_key(SCOPE.key(chains[7][3])))
     report = check_store(settings.data_dir, repair=False)  # LMDB's own cursor would abort the process here
     assert report.counts["damaged-page"] >= 1 and report.unreadable
     assert "records: page" in report.unreadable[0]
