@@ -91,7 +91,7 @@ class SwaClient:
         """Store (key, snapshot) pairs; each lives `ttl_s` (default and most: the server's TTL).
 
         A snapshot is bytes (or another buffer, a uint8 numpy array), or the uint8
-        tensor `kvstore.fp8.encode_snapshot` returns.
+        tensor `kvstore.codec.fp8.encode_snapshot` returns.
 
         Raises:
             InvalidArgument: a snapshot of the wrong size or type, a bad key, or a

@@ -30,7 +30,7 @@ from kvstore.geometry import ModelGeometry
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, ExtraKey, chain_hashes, encode_extra_keys, token_bytes
 
 #: Bytes of one per-token, per-layer scale in the codec's snapshot layout
-#: (kvstore.fp8.SCALE_BYTES; a test pins the two together).
+#: (kvstore.codec.fp8.SCALE_BYTES; a test pins the two together).
 SCALE_BYTES = 4
 #: Record header: magic, format version, geometry fingerprint, xxh3-64 of the data.
 _HEADER = struct.Struct("<4sB8sQ")
@@ -42,9 +42,9 @@ HEADER_BYTES = _HEADER.size
 def snapshot_bytes(geometry: ModelGeometry) -> int:
     """Bytes of one encoded snapshot of `geometry`: the one place the expected size is computed.
 
-    The layout is kvstore.fp8's: FP8 codes [layers, window, channels] then one
+    The layout is kvstore.codec.fp8's: FP8 codes [layers, window, channels] then one
     float32 scale per token per layer (a test checks this equals
-    `kvstore.fp8.snapshot_bytes`; that module needs torch, the server must not).
+    `kvstore.codec.fp8.snapshot_bytes`; that module needs torch, the server must not).
     """
     return geometry.swa_snapshot_bytes + geometry.swa_layers * geometry.swa_window_tokens * SCALE_BYTES
 

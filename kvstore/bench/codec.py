@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from kvstore import fp4, fp8
 from kvstore.bench.report import Figure, Progress, Report
+from kvstore.codec import fp4, fp8
 
 #: Channels RoPE rotates in each vector (DeepSeek's decoupled RoPE width).
 ROPE_CHANNELS = 64

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvstore import block_codec
 from kvstore.client import Client
+from kvstore.codec import block_codec
 from kvstore.geometry import V4_1_FLASH
 
 

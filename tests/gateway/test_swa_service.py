@@ -217,7 +217,7 @@ def test_stats_cli_shows_the_swa_section(client: Client, capsys: pytest.CaptureF
 def test_fp8_snapshot_tensor_round_trips_through_the_pool(client: Client) -> None:
     import torch
 
-    from kvstore import fp8
+    from kvstore.codec import fp8
     from kvstore.geometry import V4_1_FLASH
 
     tokens = list(range(2 * client.block_tokens + 5))

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvstore import block_codec, fp4, fp8
+from kvstore.codec import block_codec, fp4, fp8
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.geometry import V4_1_FLASH, ModelGeometry
 from kvstore.prefix import BlockScope, chain_hashes, encode_extra_keys, root_hash, token_bytes

@@ -18,7 +18,7 @@ def test_size_of_v4_1_flash_is_window_of_fp8_with_token_scales() -> None:
 
 
 def test_size_matches_the_fp8_codec() -> None:
-    fp8 = pytest.importorskip("kvstore.fp8")
+    fp8 = pytest.importorskip("kvstore.codec.fp8")
     for geometry in REGISTRY.values():
         assert snapshot_bytes(geometry) == fp8.snapshot_bytes(geometry)
 

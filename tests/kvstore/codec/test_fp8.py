@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import fp8
+from kvstore.codec import fp8
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH, ModelGeometry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import block_codec, fp4
+from kvstore.codec import block_codec, fp4
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH, ModelGeometry
 

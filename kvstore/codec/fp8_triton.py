@@ -1,6 +1,6 @@
 """Fused Triton kernels for the FP8 SWA codec on CUDA: one pass over the tensor per direction.
 
-Imported only on the first CUDA call (`kvstore.fp4.CudaKernel`), never on
+Imported only on the first CUDA call (`kvstore.codec.fp4.CudaKernel`), never on
 CPU-only machines. The kernels compute what kvstore/fp8.py computes: the
 power-of-two scale from exact products, x times the exact inverse power of two,
 and the E4M3 cast done on the float32 bits as c10 does it, so the bytes equal
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvstore.fp4_triton import (
+from kvstore.codec.fp4_triton import (
     BLOCK_ELEMENTS,
     KERNEL_DTYPES,
     MAX_ROW_ELEMENTS,
@@ -35,7 +35,7 @@ _MAX_SCALE = tl.constexpr(8.507059173023462e37)  # 2^126
 
 @triton.jit
 def _power_of_two_at_least(amax):
-    """kvstore.fp8._power_of_two_at_least: smallest power of two p with 464p >= amax (1 for amax 0)."""
+    """kvstore.codec.fp8._power_of_two_at_least: smallest power of two p with 464p >= amax (1 for amax 0)."""
     v = tl.minimum(tl.maximum(amax / 464.0, _MIN_SCALE), _MAX_SCALE)
     bits = v.to(tl.int32, bitcast=True)
     up = ((bits & 0x007FFFFF) != 0).to(tl.int32)

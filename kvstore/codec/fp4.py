@@ -154,7 +154,7 @@ class CudaKernel:
         if not self._failed:
             try:
                 if self._kernel is None:
-                    self._kernel = getattr(importlib.import_module(f"kvstore.{self._module}"), self._attr)
+                    self._kernel = getattr(importlib.import_module(f"kvstore.codec.{self._module}"), self._attr)
                 out = self._kernel(*args)
             except torch.cuda.OutOfMemoryError:
                 raise  # the fallback needs more memory, not less

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from kvstore.block_codec import as_uint8
+from kvstore.codec.block_codec import as_uint8
+from kvstore.codec.fp4 import CudaKernel, FusedKernel, check_finite, check_input
 from kvstore.errors import InvalidArgument
-from kvstore.fp4 import CudaKernel, FusedKernel, check_finite, check_input
 from kvstore.geometry import ModelGeometry
 
 #: amax/scale never exceeds this: the largest value that rounds to 448 (ties to even).

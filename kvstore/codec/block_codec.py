@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstore import fp4
+from kvstore.codec import fp4
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import KVComponent, ModelGeometry, ScaleFormat
 

@@ -1,6 +1,6 @@
 """Fused Triton kernels for the FP4 codec on CUDA: one pass over the tensor per direction.
 
-Imported only on the first CUDA call (`kvstore.fp4.CudaKernel`), so CPU-only
+Imported only on the first CUDA call (`kvstore.codec.fp4.CudaKernel`), so CPU-only
 machines never import triton. Each kernel computes what kvstore/fp4.py computes,
 with the same float32 products, comparisons and bit operations, so its bytes
 equal the CPU codec's (tests/kvstore/test_codec_gpu.py). The rules are stated
@@ -93,7 +93,7 @@ def _e2m1_value(code):
 def _e2m1_codes(bits, ax, scale):
     """4-bit codes (int32) of x/scale for scale > 0, x given by its bits, ax = |x|.
 
-    The same decisions as kvstore.fp4._e2m1_codes (|x| against the exact thresholds
+    The same decisions as kvstore.codec.fp4._e2m1_codes (|x| against the exact thresholds
     m*scale, ties to even), found by a binary search over the 8 magnitudes: three
     comparisons per element instead of seven.
     """
@@ -115,7 +115,7 @@ def _packed(codes, PAIRS_SHAPE: tl.constexpr):
 
 @triton.jit
 def _e4m3_nearest(amax):
-    """kvstore.fp4._e4m3_nearest: amax/6 to the nearest E4M3 value in [2^-6, 448], ties to even."""
+    """kvstore.codec.fp4._e4m3_nearest: amax/6 to the nearest E4M3 value in [2^-6, 448], ties to even."""
     v = tl.minimum(tl.maximum(amax / 6.0, _E4M3_MIN_NORMAL), 448.0)
     bits = v.to(tl.int32, bitcast=True)
     s = ((bits + 524287 + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
@@ -135,7 +135,7 @@ def _e4m3_nearest(amax):
 
 @triton.jit
 def _f32_round_up(amax):
-    """kvstore.fp4._f32_round_up: the smallest float32 s of 21 significant bits with 6s >= amax."""
+    """kvstore.codec.fp4._f32_round_up: the smallest float32 s of 21 significant bits with 6s >= amax."""
     v = tl.maximum(amax / 6.0, _F32_MIN_NORMAL)
     s = ((v.to(tl.int32, bitcast=True) + 7) & -8).to(tl.float32, bitcast=True)
     up = (s.to(tl.int32, bitcast=True) + 8).to(tl.float32, bitcast=True)

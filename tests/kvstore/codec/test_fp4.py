@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore import fp4
+from kvstore.codec import fp4
 from kvstore.errors import InvalidArgument
 
 

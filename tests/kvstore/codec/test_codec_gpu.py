@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import block_codec, fp4, fp8
+from kvstore.codec import block_codec, fp4, fp8
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH
 
@@ -84,12 +84,12 @@ def test_non_finite_raises_on_gpu(bad: float) -> None:
 
 @pytest.fixture(scope="module")
 def fp4_triton():  # type: ignore[no-untyped-def]
-    return pytest.importorskip("kvstore.fp4_triton")
+    return pytest.importorskip("kvstore.codec.fp4_triton")
 
 
 @pytest.fixture(scope="module")
 def fp8_triton():  # type: ignore[no-untyped-def]
-    return pytest.importorskip("kvstore.fp8_triton")
+    return pytest.importorskip("kvstore.codec.fp8_triton")
 
 
 def make_adversarial(dtype: torch.dtype, channels: int = 512) -> torch.Tensor:
