@@ -37,8 +37,9 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_a_put_the_disk_cannot_take_is_refused_and_stores_nothing(tmp_path: Path) -> None:
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-c", _SCRIPT, str(tmp_path / "store")], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}, timeout=120)
+                         env={**os.environ, "PYTHONPATH": path}, timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith("refused:") and "refused the write" in lines[0], run.stdout
