@@ -195,8 +195,21 @@ def check_finite(amax: torch.Tensor, *, what: str) -> None:
         raise InvalidArgument(f"{what}: input contains NaN or Inf; the cache cannot store it")
 
 
-def _e2m1_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """4-bit codes of x/scale, round-to-nearest-even, saturating, as uint8 (one per byte)."""
+def e2m1_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes of x/scale clamped to +-6, round to nearest, ties to the even code.
+
+    Decided by comparing |x| with the midpoints times scale, exact in float32
+    for a scale of at most 4 significant bits (E4M3 or a power of two): the
+    result is that of the exact quotient, on every device. The sign bit of x is
+    kept, so a negative value (or -0.0) that rounds to 0 is code 8.
+
+    Args:
+        x: float32 tensor.
+        scale: float32 tensor broadcasting against x, > 0.
+
+    Returns:
+        uint8 tensor of x's shape, one code per element.
+    """
     ax = x.abs()
     nonzero = ax > _MIDPOINTS[0] * scale
     mag = nonzero.to(torch.uint8)
@@ -208,7 +221,7 @@ def _e2m1_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return mag | (torch.signbit(x).to(torch.uint8) << 3)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two codes per byte: element 2i in the low nibble, 2i+1 in the high nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
@@ -252,12 +265,12 @@ def _quantize_groups_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     g = x.float().unflatten(-1, (-1, GROUP_CHANNELS))
     amax = g.abs().amax(dim=-1, keepdim=True)
     scale = _e4m3_nearest(amax)
-    codes = _e2m1_codes(g, scale).flatten(-2)
+    codes = e2m1_codes(g, scale).flatten(-2)
     # A group that rounds to all zeros stores scale 0, as its decoded zeros would.
     stored = torch.where(amax > _MIDPOINTS[0] * scale, scale, 0.0)
     # amax is returned (16x smaller than x) rather than counts: a whole-tensor
     # reduction here would split the fused kernel and re-read x.
-    return _pack_nibbles(codes), stored.squeeze(-1), amax.squeeze(-1)
+    return pack_nibbles(codes), stored.squeeze(-1), amax.squeeze(-1)
 
 
 # Each returns (values, scales, t), t an amax or a flag that is non-finite where x was.
@@ -279,7 +292,7 @@ def _quantize_vectors_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     amax = v.abs().amax(dim=-1, keepdim=True)
     scale = _f32_round_up(amax)
     stored = torch.where(amax > _MIDPOINTS[0] * scale, scale, 0.0)
-    return _pack_nibbles(_e2m1_codes(v, scale)), stored, amax
+    return pack_nibbles(e2m1_codes(v, scale)), stored, amax
 
 
 _quantize_vectors = CudaKernel("fp4_triton", "quantize_vectors", _quantize_vectors_torch)
@@ -338,7 +351,7 @@ def quantize_per_vector(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values, scales
 
 
-def _e2m1_decode(values: torch.Tensor) -> torch.Tensor:
+def e2m1_values(values: torch.Tensor) -> torch.Tensor:
     """float32 value of each packed code, `[..., 2 * n]`, built from its bits (no table gather)."""
     codes = torch.stack((values & 0xF, values >> 4), dim=-1).flatten(-2).to(torch.int32)
     mag = codes & 7
@@ -351,13 +364,13 @@ def _e2m1_decode(values: torch.Tensor) -> torch.Tensor:
 
 @FusedKernel
 def _dequantize_groups_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    decoded = _e2m1_decode(values).unflatten(-1, (-1, GROUP_CHANNELS))
+    decoded = e2m1_values(values).unflatten(-1, (-1, GROUP_CHANNELS))
     return (decoded * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 @FusedKernel
 def _dequantize_vectors_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (_e2m1_decode(values) * scales).to(dtype)
+    return (e2m1_values(values) * scales).to(dtype)
 
 
 _dequantize_groups = CudaKernel("fp4_triton", "dequantize_groups", _dequantize_groups_torch)

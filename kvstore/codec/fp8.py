@@ -25,12 +25,15 @@ little-endian float32: `snapshot_bytes(geometry)` in all.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvstore.codec.block_codec import as_uint8
 from kvstore.codec.fp4 import CudaKernel, FusedKernel, check_finite, check_input
 from kvstore.errors import InvalidArgument
-from kvstore.geometry import ModelGeometry
+
+if TYPE_CHECKING:
+    from kvstore.geometry import ModelGeometry
 
 #: amax/scale never exceeds this: the largest value that rounds to 448 (ties to even).
 SCALE_BOUND = 464.0
@@ -41,6 +44,30 @@ _EXPONENT_MASK = 0x7F800000
 _MANTISSA_MASK = 0x007FFFFF
 _MIN_SCALE = 2.0**-126
 _MAX_SCALE = 2.0**126
+
+
+def ceil_power_of_two(v: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 v) for positive normal float32 v, exact: taken on the bits.
+
+    The exponent of v, plus one when any mantissa bit is set, so a power of two
+    maps to itself. No logarithm, so no rounding and the same on every device.
+    """
+    bits = v.view(torch.int32)
+    up = ((bits & _MANTISSA_MASK) != 0).to(torch.int32)
+    return ((bits & _EXPONENT_MASK) + (up << 23)).view(torch.float32)
+
+
+def ue8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 byte of each normal power-of-two float32 scale: its biased exponent, as uint8."""
+    return (scale.view(torch.int32) >> 23).to(torch.uint8)
+
+
+def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:
+    """float32 value of each UE8M0 byte: 2^(byte-127); byte 0 is 2^-127, 0xFF is NaN."""
+    b = codes.to(torch.int32)
+    value = (b << 23).view(torch.float32)
+    value = torch.where(b == 0, 2.0**-127, value)
+    return torch.where(b == 0xFF, float("nan"), value)
 
 
 def snapshot_bytes(geometry: ModelGeometry) -> int:
@@ -159,6 +186,8 @@ def view_snapshot(geometry: ModelGeometry, data: object) -> tuple[torch.Tensor, 
     Raises:
         InvalidArgument: wrong type or length.
     """
+    from kvstore.codec.block_codec import as_uint8  # here: block_codec will import this module's helpers
+
     buf = as_uint8(data, expected_bytes=snapshot_bytes(geometry), what="fp8 snapshot")
     shape = _snapshot_shape(geometry)
     n = geometry.swa_snapshot_bytes
