@@ -360,3 +360,21 @@ def test_wrong_input_names_what_was_expected(name: str) -> None:
         decode(torch.ones(2, 288))
     with pytest.raises(InvalidArgument, match="multiple of"):
         decode(torch.zeros(2, 10, dtype=torch.uint8))
+
+
+def test_codes_match_ml_dtypes_casts() -> None:
+    # A second, independent reference: ml_dtypes' own E2M1 and E4M3 conversions.
+    ml = pytest.importorskip("ml_dtypes")
+    x = cases(512)["random"]
+    kv = rows.compressed_kv_rows(x).numpy()
+    g = ref_groups(x, 16)
+    amax = np.maximum(np.abs(g).max(-1), 6 * 2.0**-9)
+    assert np.array_equal(kv[:, 256:], (amax / 6).astype(ml.float8_e4m3fn).view(np.uint8))
+    scale = kv[:, 256:].view(ml.float8_e4m3fn).astype(np.float64)[..., None]
+    codes = np.clip(g / scale, -6, 6).astype(ml.float4_e2m1fn).view(np.uint8) & 15
+    assert np.array_equal(kv[:, :256], ref_pack(codes))
+    window = rows.swa_rows(x).numpy()
+    g = ref_groups(x, 32)
+    scale = 2.0 ** (window[:, 512:].astype(np.float64) - 127)[..., None]
+    data = np.clip(g / scale, -448, 448).astype(ml.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(window[:, :512], ref_flat(data))
