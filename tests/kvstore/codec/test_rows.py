@@ -369,7 +369,7 @@ def test_codes_match_ml_dtypes_casts() -> None:
     kv = rows.compressed_kv_rows(x).numpy()
     g = ref_groups(x, 16)
     amax = np.maximum(np.abs(g).max(-1), 6 * 2.0**-9)
-    assert np.array_equal(kv[:, 256:], (amax / 6).astype(ml.float8_e4m3fn).view(np.uint8))
+    assert np.array_equal(kv[:, 256:], np.minimum(amax / 6, 448).astype(ml.float8_e4m3fn).view(np.uint8))
     scale = kv[:, 256:].view(ml.float8_e4m3fn).astype(np.float64)[..., None]
     codes = np.clip(g / scale, -6, 6).astype(ml.float4_e2m1fn).view(np.uint8) & 15
     assert np.array_equal(kv[:, :256], ref_pack(codes))
