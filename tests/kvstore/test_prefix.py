@@ -13,15 +13,15 @@ from kvstore.prefix import BlockScope, chain_hashes, namespace_id, root_hash
 
 # The vectors published in docs/PREFIX_HASHING.md. If these change, every stored
 # block becomes unreachable: treat a failure here as a wire-format break.
-FINGERPRINT = "2d76cb51b8017512"
-ROOT_64 = "82cde81d537d0fd5b51d4a146b2fa897bde5a96487f1643ee8a5fe22097f9aeb"
+FINGERPRINT = "f303fd5c6387cfaa"
+ROOT_64 = "aeb7540a3f94a79108002b2b4402455086d58d9b970818053bf64d92e6cee2dd"
 CHAIN_0_127 = [
-    "d3f61eb18edc8578b4624b112a82736b82458097d7812fb482d55b814fd2a9a4",
-    "a96b5f6a85a7af28d5e4961fb12c7634d7025b97499a49f6957a15956f0dcb43",
+    "ca29109fe22dc872cdc29e64112aeb9a088b60c3482de20786379546843aadde",
+    "8fbec87c4e55bd8e7521cd4644b84e820a0c5ead1b61f66d7f099ccc42b6dfad",
 ]
 CHAIN_0_127_EXTRA = [
-    "bf04e9c3e0d3f40313db6b5b744d49458d5d1e176a2b491438bf1cdbb18dad06",
-    "5b012117dcf72202a62fd938a8228cb81d48093f6913e3b38d44faf74df23aa2",
+    "6efb458f4601d5cf077bea70371c4c5477f01473f6f71fd206f77cc25467e47c",
+    "26ad33eb8af12627e49c507c66b5fda6d0e587d2b6126d0f39fecea51aad64fe",
 ]
 NAMESPACE_DEFAULT = "a72e661c53e9f74e"
 
