@@ -222,6 +222,17 @@ def test_indexer_scale_is_power_of_two_at_or_above_amax_times_float32_reciprocal
     assert got[:, 16].tolist() == [127, 128, 126, 1, 1]
 
 
+@pytest.mark.parametrize(("name", "fmax"), [("indexer_key", 6.0), ("swa", 448.0)])
+def test_scales_cover_amax(name: str, fmax: float) -> None:
+    # amax * float32(1/fmax) may round down, yet never to a power of two below amax/fmax,
+    # so nothing saturates (the clamp in the model's code never fires).
+    encode, _, _, _ = ROW_TYPES[name]
+    x = torch.cat((scale_edges(32), cases(32)["random"], cases(32)["huge"]))
+    amax = x.double().abs().unflatten(-1, (-1, 32)).amax(-1)
+    scale = 2.0 ** (encode(x)[:, -1:].double() - 127)
+    assert (fmax * scale >= amax).all()
+
+
 def test_swa_scale_floor_and_exact_powers() -> None:
     x = torch.zeros(4, 32)
     x[:, 0] = torch.tensor([448.0, 449.0, 0.0, 5e-5])
