@@ -12,7 +12,9 @@ from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.errors import InvalidArgument
+from kvstore.geometry import ModelGeometry
 from kvstore.prefix import BlockScope
+from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.lmdb_tier import LmdbBlockTier, PutBatch, PutResult, ReadStatus
@@ -73,8 +75,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
-        # A prompt shorter than a block has no hashes but may still have an SWA snapshot.
+        layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        # A prompt shorter than a block has no hashes; its SWA candidates are answered (none
+        # serves: a resume needs the global rows below it, and no block is found).
         only_swa = not request.block_hashes and bool(request.swa_keys)
         hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
@@ -93,17 +96,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if lease is not None:
                     self.tier.leases.release(lease.lease_id)
                 raise
-        swa_position = await self._swa_position(request, scope, found * self.settings.block_tokens)
-        return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
-                                 lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0,
-                                 swa_found=swa_position is not None, swa_position=swa_position or 0)
+        reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
+                                  lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
+        resume = await self._swa_resume(request, layout.geometry, scope, found * self.settings.block_tokens)
+        if resume is not None:
+            reply.swa_found = True
+            reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
+        return reply
 
-    async def _swa_position(self, request: pb.LookupRequest, scope: BlockScope, found_tokens: int) -> int | None:
-        """The greatest candidate position with a live snapshot that the found blocks make usable.
+    async def _swa_resume(self, request: pb.LookupRequest, geometry: ModelGeometry, scope: BlockScope,
+                          found_tokens: int) -> tuple[int, int, int] | None:
+        """(index, T, R) of the live candidate snapshot that serves the longest resume R, or None.
 
-        Only full blocks are stored, so a snapshot inside the block after the
-        found ones is usable (the worker recomputes under a block of tokens);
-        one further on is not.
+        R follows the resume rules (kvstore.swa_snapshot.resume_length) and never
+        exceeds the found tokens: a resume at R needs the compressed and indexer
+        rows of every position below R, and only found blocks hold them (the
+        worker cannot recompute a position below R from window state taken at
+        T >= R). Ties go to the shorter T (an exact hit before a T-1 resume).
         """
         if not request.swa_keys and not request.swa_positions:
             return None
@@ -111,12 +120,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument(f"swa_keys has {len(request.swa_keys)} entries but swa_positions has "
                                   f"{len(request.swa_positions)}: send one position per key")
         keys = validate.hashes(request.swa_keys, limit=self.settings.max_lookup_blocks, field="swa_keys")
-        usable = sorted(((p, k) for p, k in zip(request.swa_positions, keys, strict=True)
-                         if p < found_tokens + self.settings.block_tokens), reverse=True)
+        limit = min(found_tokens, request.swa_resume_limit or found_tokens)
+        usable = []
+        for i, (t, key) in enumerate(zip(request.swa_positions, keys, strict=True)):
+            r = resume_length(geometry, t, limit)
+            if r is not None:
+                usable.append((-r, t, i, key))
         if self.swa is None or not usable:
             return None
-        live = await self.swa.exists_many([scope.key(k) for _, k in usable])
-        return next((p for (p, _), ok in zip(usable, live, strict=True) if ok), None)
+        usable.sort()
+        live = await self.swa.exists_many([scope.key(key) for *_, key in usable])
+        return next(((i, t, -neg_r) for (neg_r, t, i, _), ok in zip(usable, live, strict=True) if ok), None)
 
     @unary
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:

@@ -12,10 +12,10 @@ from gateway.status import unary
 from gateway.validate import Layout
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import BlockScope
-from kvstore.swa_snapshot import checksum, snapshot_bytes
+from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
-from tiers.swa_cache import Found, SwaCache
+from tiers.swa_cache import Found, SnapshotItem, SwaCache
 
 
 def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[bytes]:
@@ -24,15 +24,22 @@ def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[by
 
 
 def check_snapshot(index: int, snap: pb.SwaSnapshot, data: bytes, layout: Layout) -> None:
-    """Raise InvalidArgument unless `snap` (whose `data` the caller read once) has the
-    geometry's size and a matching checksum."""
+    """Raise InvalidArgument unless `snap` (whose `data` the caller read once) has a
+    position T, the size of a snapshot at T, and a matching checksum."""
     geometry = layout.geometry
-    expected = snapshot_bytes(geometry)
+    if snap.position < 1:
+        raise InvalidArgument(f"snapshots[{index}].position is {snap.position}: send T, the prompt length "
+                              "the snapshot was taken at (at least 1)")
+    expected = snapshot_bytes(geometry, snap.position)
     if len(data) != expected:
+        shape = snapshot_shape(geometry)
+        t = snap.position
+        tail = (f" + the raw tail of {len(shape.ratio2_layers)} ratio-2 layers ({shape.tail_bytes} B, T is odd)"
+                if t % 2 else " (T is even: no tail)")
         raise InvalidArgument(
-            f"snapshots[{index}] is {len(data)} bytes; a {geometry.name} SWA snapshot is {expected} bytes "
-            f"({geometry.swa_layers} layers x {geometry.swa_window_tokens} tokens x {geometry.swa_channels} "
-            "FP8 channels + per-token scales, kvstore.swa_snapshot.snapshot_bytes)")
+            f"snapshots[{index}] is {len(data)} bytes; a {geometry.name} SWA snapshot at T = {t} is {expected} "
+            f"bytes: {shape.layers} layers x {shape.window_positions(t)} window rows of {shape.row_bytes} B"
+            f"{tail} (kvstore.swa_snapshot.snapshot_bytes)")
     if checksum(data) != snap.checksum:
         raise InvalidArgument(f"snapshots[{index}] checksum {snap.checksum:#x} does not match its data "
                               "(xxh3-64): corrupted in transit or computed over other bytes")
@@ -47,6 +54,7 @@ def _get_reply(found: Sequence[Found | None]) -> pb.SwaGetResponse:
             result.status = pb.SWA_STATUS_MISSING
         else:
             result.status, result.data, result.checksum = pb.SWA_STATUS_FOUND, f.data, f.checksum
+            result.position = f.position
     return reply
 
 
@@ -79,8 +87,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
                                  ttl_ms=int(applied_s * 1000))
 
     def _checked_items(self, request: pb.SwaPutRequest, layout: Layout,
-                       scope: BlockScope) -> list[tuple[bytes, bytes, int]]:
-        """The (storage key, data, checksum) of every snapshot of a Put, each checked first."""
+                       scope: BlockScope) -> list[SnapshotItem]:
+        """Every snapshot of a Put with its storage key, each checked first."""
         snaps = list(request.snapshots)
         if not snaps:
             raise InvalidArgument("snapshots is empty: a Put stores at least one snapshot")
@@ -89,14 +97,14 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         datas = [s.data for s in snaps]
         for i, (snap, data) in enumerate(zip(snaps, datas, strict=True)):
             check_snapshot(i, snap, data, layout)
-        return [(scope.key(s.key), d, s.checksum) for s, d in zip(snaps, datas, strict=True)]
+        return [SnapshotItem(key=scope.key(s.key), position=s.position, data=d, checksum=s.checksum)
+                for s, d in zip(snaps, datas, strict=True)]
 
     @unary
     async def Get(self, request: pb.SwaGetRequest, context: grpc.aio.ServicerContext) -> pb.SwaGetResponse:
         layout, scope = self._scope(request.geometry, request.namespace)
         keys = check_keys(list(request.keys), limit=self.max_batch)
-        size = snapshot_bytes(layout.geometry)
-        found = await self.cache.get_many(scope.fingerprint, [scope.key(k) for k in keys], size)
+        found = await self.cache.get_many(layout.geometry, [scope.key(k) for k in keys])
         # Copying the snapshots into the reply is O(reply size): off the event loop.
         return await asyncio.to_thread(_get_reply, found)
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import Unavailable
+from kvstore.geometry import ModelGeometry
 from kvstore.swa_snapshot import seal, unseal
 from tiers.swa_pool import PoolUsage, SwaPool
 
@@ -45,8 +46,19 @@ class SwaStats:
 
 @dataclass(frozen=True, kw_only=True)
 class Found:
-    """A snapshot read back and verified."""
+    """A snapshot read back and verified; `position` is its T, from its record."""
 
+    data: bytes
+    checksum: int
+    position: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotItem:
+    """A checked snapshot to store: its storage key, T, data and checksum."""
+
+    key: bytes
+    position: int
     data: bytes
     checksum: int
 
@@ -70,25 +82,27 @@ class SwaCache:
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
-    async def put_many(self, fingerprint: bytes, items: Sequence[tuple[bytes, bytes, int]],
+    async def put_many(self, fingerprint: bytes, items: Sequence[SnapshotItem],
                        ttl_s: float | None = None) -> bool:
-        """Store (storage key, data, checksum) triples; False when the backend was unreachable.
+        """Store snapshots of the geometry `fingerprint` names; False when the backend was unreachable.
 
-        The caller has checked sizes and checksums; a put the backend could not
-        take is counted and answered, never raised: the SWA state is a cache.
+        The caller has checked sizes (from each T) and checksums; a put the
+        backend could not take is counted and answered, never raised: the SWA
+        state is a cache.
         """
         ttl = min(ttl_s, self.ttl_s) if ttl_s else self.ttl_s
-        records = [(key, seal(fingerprint, data, crc)) for key, data, crc in items]
+        records = [(i.key, seal(fingerprint, i.position, i.data, i.checksum)) for i in items]
         try:
             await self.pool.put_many(records, ttl)
         except Unavailable:
             self._count(puts=1, failed_puts=len(items), backend_errors=1)
             return False
-        self._count(puts=1, snapshots_put=len(items), bytes_put=sum(len(d) for _, d, _ in items))
+        self._count(puts=1, snapshots_put=len(items), bytes_put=sum(len(i.data) for i in items))
         return True
 
-    async def get_many(self, fingerprint: bytes, keys: Sequence[bytes], size_bytes: int) -> list[Found | None]:
-        """Verified snapshots in key order; None where missing, expired, evicted, corrupt or unreachable."""
+    async def get_many(self, geometry: ModelGeometry, keys: Sequence[bytes]) -> list[Found | None]:
+        """Verified snapshots of `geometry` in key order; None where missing, expired, evicted,
+        corrupt (another geometry, a size that is not its T's, a bad checksum) or unreachable."""
         try:
             records = await self.pool.get_many(keys)
         except Unavailable:
@@ -97,9 +111,10 @@ class SwaCache:
         out: list[Found | None] = []
         corrupt = 0
         for record in records:
-            opened = unseal(record, fingerprint=fingerprint, size_bytes=size_bytes) if record is not None else None
+            opened = unseal(record, geometry) if record is not None else None
             corrupt += record is not None and opened is None
-            out.append(Found(data=opened[0], checksum=opened[1]) if opened else None)
+            out.append(Found(data=opened.data, checksum=opened.checksum, position=opened.position)
+                       if opened else None)
         self._count(gets=1, snapshots_asked=len(keys), hits=sum(f is not None for f in out), corrupt=corrupt)
         return out
 

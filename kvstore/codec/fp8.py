@@ -17,23 +17,14 @@ stored as 240..448). Why this choice
 - Bound 464 rather than 448 makes the codec idempotent: a decoded token's amax
   is >= 240p, so it gets the same p back and encodes to the same bytes (with
   448, amax/p in (224, 232) would decode to 224p and come back with p/2).
-
-A snapshot is the codes `[layers, window_tokens, channels]` (geometry.
-swa_snapshot_bytes) followed by the scales `[layers, window_tokens]` as
-little-endian float32: `snapshot_bytes(geometry)` in all.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.codec.fp4 import CudaKernel, FusedKernel, check_finite, check_input
 from kvstore.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from kvstore.geometry import ModelGeometry
 
 #: amax/scale never exceeds this: the largest value that rounds to 448 (ties to even).
 SCALE_BOUND = 464.0
@@ -68,11 +59,6 @@ def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:
     value = (b << 23).view(torch.float32)
     value = torch.where(b == 0, 2.0**-127, value)
     return torch.where(b == 0xFF, float("nan"), value)
-
-
-def snapshot_bytes(geometry: ModelGeometry) -> int:
-    """Bytes of one encoded SWA snapshot: FP8 codes plus one float32 scale per token per layer."""
-    return geometry.swa_snapshot_bytes + geometry.swa_layers * geometry.swa_window_tokens * SCALE_BYTES
 
 
 def _power_of_two_at_least(amax: torch.Tensor) -> torch.Tensor:
@@ -139,67 +125,3 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype 
         raise InvalidArgument(f"fp8.dequantize: codes {tuple(codes.shape)} need scales of shape "
                               f"{(*codes.shape[:-1], 1)}, got {tuple(scales.shape)}")
     return _dequantize_tokens(codes, scales, dtype)
-
-
-def _snapshot_shape(geometry: ModelGeometry) -> tuple[int, int, int]:
-    return (geometry.swa_layers, geometry.swa_window_tokens, geometry.swa_channels)
-
-
-def encode_snapshot(geometry: ModelGeometry, window: torch.Tensor) -> torch.Tensor:
-    """Encode one SWA snapshot.
-
-    Args:
-        geometry: sizes the snapshot.
-        window: float tensor `[swa_layers, swa_window_tokens, swa_channels]`
-            ([40, 128, 512] for V4.1-Flash), on any device.
-
-    Returns:
-        uint8 tensor of `snapshot_bytes(geometry)` on window's device: codes, then scales.
-
-    Raises:
-        InvalidArgument: wrong shape or dtype; NaN or Inf.
-    """
-    expected = _snapshot_shape(geometry)
-    if not isinstance(window, torch.Tensor) or tuple(window.shape) != expected:
-        got = tuple(window.shape) if isinstance(window, torch.Tensor) else type(window).__name__
-        raise InvalidArgument(f"fp8.encode_snapshot: expected a tensor of shape {expected} "
-                              f"[layers, window_tokens, channels] for geometry {geometry.name!r}, got {got}")
-    codes, scales = quantize(window)
-    return torch.cat((codes.view(torch.uint8).reshape(-1), scales.view(torch.uint8).reshape(-1)))
-
-
-def view_snapshot(geometry: ModelGeometry, data: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codes and scales of an encoded snapshot, as views of `data` (no copy).
-
-    Args:
-        geometry: sizes the snapshot.
-        data: bytes, bytearray, memoryview or a 1-D contiguous uint8 tensor of
-            `snapshot_bytes(geometry)`.
-
-    Returns:
-        `(codes, scales)`: float8_e4m3fn `[layers, window_tokens, channels]` and
-        float32 `[layers, window_tokens, 1]`. They alias `data`: valid while
-        `data` is alive and unchanged (for a buffer lent by LMDB or Redis, only
-        until that transaction or reply is released), and not to be written to
-        when `data` is read-only.
-
-    Raises:
-        InvalidArgument: wrong type or length.
-    """
-    from kvstore.codec.block_codec import as_uint8  # here: block_codec will import this module's helpers
-
-    buf = as_uint8(data, expected_bytes=snapshot_bytes(geometry), what="fp8 snapshot")
-    shape = _snapshot_shape(geometry)
-    n = geometry.swa_snapshot_bytes
-    codes = buf[:n].view(torch.float8_e4m3fn).view(shape)
-    scales = buf[n:].view(torch.float32).view(*shape[:2], 1)
-    return codes, scales
-
-
-def decode_snapshot(geometry: ModelGeometry, data: object, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode an encoded snapshot to `[layers, window_tokens, channels]` of `dtype`.
-
-    Raises:
-        InvalidArgument: wrong type or length.
-    """
-    return dequantize(*view_snapshot(geometry, data), dtype=dtype)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"_\n\x0cGeometryInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xca\x01\n\x0fGetInfoResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12,\n\ngeometries\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.GeometryInfo\x12\x18\n\x10max_batch_blocks\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fretention_hours\x18\x05 \x01(\x01\x12\x14\n\x0cmax_lease_ms\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\t\"\x85\x01\n\rLookupRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x10\n\x08swa_keys\x18\x05 \x03(\x0c\x12\x15\n\rswa_positions\x18\x06 \x03(\x04\"\x89\x01\n\x0eLookupResponse\x12\x14\n\x0c\x66ound_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x66ound_tokens\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x11\n\tswa_found\x18\x05 \x01(\x08\x12\x14\n\x0cswa_position\x18\x06 \x01(\x04\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"}\n\nPutRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nextra_keys\x18\x05 \x03(\x0c\x12\x0e\n\x06\x62locks\x18\x06 \x03(\x0c\"T\n\x0bPutResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0ewritten_blocks\x18\x02 \x01(\r\x12\x17\n\x0f\x65xisting_blocks\x18\x03 \x01(\r\"G\n\nGetRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"S\n\x0bGetResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.kvstore.v1.BlockStatus\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\x88\x04\n\rStatsResponse\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x1b\n\x13lookup_tokens_asked\x18\x02 \x01(\x04\x12\x1b\n\x13lookup_tokens_found\x18\x03 \x01(\x04\x12\x0c\n\x04gets\x18\x04 \x01(\x04\x12\x18\n\x10get_tokens_asked\x18\x05 \x01(\x04\x12\x1b\n\x13get_tokens_returned\x18\x06 \x01(\x04\x12\x0c\n\x04puts\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_written\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\x12\x15\n\rrejected_puts\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x15\n\revicted_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\r \x01(\x04\x12\x15\n\rblocks_stored\x18\x0e \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x0f \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x10 \x01(\x04\x12\x12\n\nbytes_free\x18\x11 \x01(\x04\x12\x1e\n\x16write_rate_bytes_per_s\x18\x12 \x01(\x01\x12\x16\n\x0eheadroom_hours\x18\x13 \x01(\x01\x12\x17\n\x0fretention_hours\x18\x14 \x01(\x01\x12\x15\n\ractive_leases\x18\x15 \x01(\r\x12\x10\n\x08uptime_s\x18\x16 \x01(\x01*w\n\x0b\x42lockStatus\x12\x1c\n\x18\x42LOCK_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_STATUS_FOUND\x10\x01\x12\x18\n\x14\x42LOCK_STATUS_MISSING\x10\x02\x12\x18\n\x14\x42LOCK_STATUS_CORRUPT\x10\x03\x32\xc4\x03\n\x07KVStore\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12@\n\tPutStream\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x30\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"_\n\x0cGeometryInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xca\x01\n\x0fGetInfoResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12,\n\ngeometries\x18\x02 \x03(\x0b\x32\x18.kvstore.v1.GeometryInfo\x12\x18\n\x10max_batch_blocks\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fretention_hours\x18\x05 \x01(\x01\x12\x14\n\x0cmax_lease_ms\x18\x06 \x01(\r\x12\x0f\n\x07version\x18\x07 \x01(\t\"\x9f\x01\n\rLookupRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x10\n\x08swa_keys\x18\x05 \x03(\x0c\x12\x15\n\rswa_positions\x18\x06 \x03(\x04\x12\x18\n\x10swa_resume_limit\x18\x07 \x01(\x04\"\xb7\x01\n\x0eLookupResponse\x12\x14\n\x0c\x66ound_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x66ound_tokens\x18\x02 \x01(\x04\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\r\x12\x11\n\tswa_found\x18\x05 \x01(\x08\x12\x14\n\x0cswa_position\x18\x06 \x01(\x04\x12\x19\n\x11swa_resume_tokens\x18\x07 \x01(\x04\x12\x11\n\tswa_index\x18\x08 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"}\n\nPutRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nextra_keys\x18\x05 \x03(\x0c\x12\x0e\n\x06\x62locks\x18\x06 \x03(\x0c\"T\n\x0bPutResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x16\n\x0ewritten_blocks\x18\x02 \x01(\r\x12\x17\n\x0f\x65xisting_blocks\x18\x03 \x01(\r\"G\n\nGetRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"S\n\x0bGetResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x06status\x18\x02 \x01(\x0e\x32\x17.kvstore.v1.BlockStatus\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\x88\x04\n\rStatsResponse\x12\x0f\n\x07lookups\x18\x01 \x01(\x04\x12\x1b\n\x13lookup_tokens_asked\x18\x02 \x01(\x04\x12\x1b\n\x13lookup_tokens_found\x18\x03 \x01(\x04\x12\x0c\n\x04gets\x18\x04 \x01(\x04\x12\x18\n\x10get_tokens_asked\x18\x05 \x01(\x04\x12\x1b\n\x13get_tokens_returned\x18\x06 \x01(\x04\x12\x0c\n\x04puts\x18\x07 \x01(\x04\x12\x16\n\x0e\x62locks_written\x18\x08 \x01(\x04\x12\x15\n\rbytes_written\x18\t \x01(\x04\x12\x15\n\rrejected_puts\x18\n \x01(\x04\x12\x11\n\tevictions\x18\x0b \x01(\x04\x12\x15\n\revicted_bytes\x18\x0c \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\r \x01(\x04\x12\x15\n\rblocks_stored\x18\x0e \x01(\x04\x12\x14\n\x0c\x62ytes_stored\x18\x0f \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x10 \x01(\x04\x12\x12\n\nbytes_free\x18\x11 \x01(\x04\x12\x1e\n\x16write_rate_bytes_per_s\x18\x12 \x01(\x01\x12\x16\n\x0eheadroom_hours\x18\x13 \x01(\x01\x12\x17\n\x0fretention_hours\x18\x14 \x01(\x01\x12\x15\n\ractive_leases\x18\x15 \x01(\r\x12\x10\n\x08uptime_s\x18\x16 \x01(\x01*w\n\x0b\x42lockStatus\x12\x1c\n\x18\x42LOCK_STATUS_UNSPECIFIED\x10\x00\x12\x16\n\x12\x42LOCK_STATUS_FOUND\x10\x01\x12\x18\n\x14\x42LOCK_STATUS_MISSING\x10\x02\x12\x18\n\x14\x42LOCK_STATUS_CORRUPT\x10\x03\x32\xc4\x03\n\x07KVStore\x12\x42\n\x07GetInfo\x12\x1a.kvstore.v1.GetInfoRequest\x1a\x1b.kvstore.v1.GetInfoResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12\x36\n\x03Put\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse\x12@\n\tPutStream\x12\x16.kvstore.v1.PutRequest\x1a\x17.kvstore.v1.PutResponse(\x01\x30\x01\x12\x38\n\x03Get\x12\x16.kvstore.v1.GetRequest\x1a\x17.kvstore.v1.GetResponse0\x01\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BLOCKSTATUS']._serialized_start=1619
-  _globals['_BLOCKSTATUS']._serialized_end=1738
+  _globals['_BLOCKSTATUS']._serialized_start=1691
+  _globals['_BLOCKSTATUS']._serialized_end=1810
   _globals['_GEOMETRYINFO']._serialized_start=40
   _globals['_GEOMETRYINFO']._serialized_end=135
   _globals['_GETINFOREQUEST']._serialized_start=137
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFORESPONSE']._serialized_start=156
   _globals['_GETINFORESPONSE']._serialized_end=358
   _globals['_LOOKUPREQUEST']._serialized_start=361
-  _globals['_LOOKUPREQUEST']._serialized_end=494
-  _globals['_LOOKUPRESPONSE']._serialized_start=497
-  _globals['_LOOKUPRESPONSE']._serialized_end=634
-  _globals['_RELEASEREQUEST']._serialized_start=636
-  _globals['_RELEASEREQUEST']._serialized_end=670
-  _globals['_RELEASERESPONSE']._serialized_start=672
-  _globals['_RELEASERESPONSE']._serialized_end=707
-  _globals['_PUTREQUEST']._serialized_start=709
-  _globals['_PUTREQUEST']._serialized_end=834
-  _globals['_PUTRESPONSE']._serialized_start=836
-  _globals['_PUTRESPONSE']._serialized_end=920
-  _globals['_GETREQUEST']._serialized_start=922
-  _globals['_GETREQUEST']._serialized_end=993
-  _globals['_GETRESPONSE']._serialized_start=995
-  _globals['_GETRESPONSE']._serialized_end=1078
-  _globals['_STATSREQUEST']._serialized_start=1080
-  _globals['_STATSREQUEST']._serialized_end=1094
-  _globals['_STATSRESPONSE']._serialized_start=1097
-  _globals['_STATSRESPONSE']._serialized_end=1617
-  _globals['_KVSTORE']._serialized_start=1741
-  _globals['_KVSTORE']._serialized_end=2193
+  _globals['_LOOKUPREQUEST']._serialized_end=520
+  _globals['_LOOKUPRESPONSE']._serialized_start=523
+  _globals['_LOOKUPRESPONSE']._serialized_end=706
+  _globals['_RELEASEREQUEST']._serialized_start=708
+  _globals['_RELEASEREQUEST']._serialized_end=742
+  _globals['_RELEASERESPONSE']._serialized_start=744
+  _globals['_RELEASERESPONSE']._serialized_end=779
+  _globals['_PUTREQUEST']._serialized_start=781
+  _globals['_PUTREQUEST']._serialized_end=906
+  _globals['_PUTRESPONSE']._serialized_start=908
+  _globals['_PUTRESPONSE']._serialized_end=992
+  _globals['_GETREQUEST']._serialized_start=994
+  _globals['_GETREQUEST']._serialized_end=1065
+  _globals['_GETRESPONSE']._serialized_start=1067
+  _globals['_GETRESPONSE']._serialized_end=1150
+  _globals['_STATSREQUEST']._serialized_start=1152
+  _globals['_STATSREQUEST']._serialized_end=1166
+  _globals['_STATSRESPONSE']._serialized_start=1169
+  _globals['_STATSRESPONSE']._serialized_end=1689
+  _globals['_KVSTORE']._serialized_start=1813
+  _globals['_KVSTORE']._serialized_end=2265
 # @@protoc_insertion_point(module_scope)

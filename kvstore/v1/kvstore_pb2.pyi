@@ -53,36 +53,42 @@ class GetInfoResponse(_message.Message):
     def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SWA_KEYS_FIELD_NUMBER: _ClassVar[int]
     SWA_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SWA_RESUME_LIMIT_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ms: int
     swa_keys: _containers.RepeatedScalarFieldContainer[bytes]
     swa_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    swa_resume_limit: int
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position")
+    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index")
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     SWA_FOUND_FIELD_NUMBER: _ClassVar[int]
     SWA_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SWA_RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SWA_INDEX_FIELD_NUMBER: _ClassVar[int]
     found_blocks: int
     found_tokens: int
     lease_id: str
     lease_ms: int
     swa_found: bool
     swa_position: int
-    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ...) -> None: ...
+    swa_resume_tokens: int
+    swa_index: int
+    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvstore/v1/swa.proto\x12\nkvstore.v1\":\n\x0bSwaSnapshot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\"p\n\rSwaPutRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\tsnapshots\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.SwaSnapshot\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"@\n\x0eSwaPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"B\n\rSwaGetRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"R\n\tSwaResult\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.SwaStatus\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\"8\n\x0eSwaGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.SwaResult\"E\n\x10SwaDeleteRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"$\n\x11SwaDeleteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x11\n\x0fSwaStatsRequest\"\xec\x02\n\x10SwaStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nbackend_up\x18\x02 \x01(\x08\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x15\n\rsnapshots_put\x18\x05 \x01(\x04\x12\x11\n\tbytes_put\x18\x06 \x01(\x04\x12\x13\n\x0b\x66\x61iled_puts\x18\x07 \x01(\x04\x12\x0c\n\x04gets\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_asked\x18\t \x01(\x04\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\x0b \x01(\x04\x12\x16\n\x0e\x62\x61\x63kend_errors\x18\x0c \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\r \x01(\x04\x12\x11\n\tevictions\x18\x0e \x01(\x04\x12\r\n\x05items\x18\x0f \x01(\x04\x12\x12\n\nbytes_used\x18\x10 \x01(\x04\x12\x11\n\tcap_bytes\x18\x11 \x01(\x04\x12\x1b\n\x13max_batch_snapshots\x18\x12 \x01(\r*U\n\tSwaStatus\x12\x1a\n\x16SWA_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SWA_STATUS_FOUND\x10\x01\x12\x16\n\x12SWA_STATUS_MISSING\x10\x02\x32\x90\x02\n\x07SwaPool\x12<\n\x03Put\x12\x19.kvstore.v1.SwaPutRequest\x1a\x1a.kvstore.v1.SwaPutResponse\x12<\n\x03Get\x12\x19.kvstore.v1.SwaGetRequest\x1a\x1a.kvstore.v1.SwaGetResponse\x12\x45\n\x06\x44\x65lete\x12\x1c.kvstore.v1.SwaDeleteRequest\x1a\x1d.kvstore.v1.SwaDeleteResponse\x12\x42\n\x05Stats\x12\x1b.kvstore.v1.SwaStatsRequest\x1a\x1c.kvstore.v1.SwaStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvstore/v1/swa.proto\x12\nkvstore.v1\"L\n\x0bSwaSnapshot\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\x12\x10\n\x08position\x18\x04 \x01(\x04\"p\n\rSwaPutRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12*\n\tsnapshots\x18\x03 \x03(\x0b\x32\x17.kvstore.v1.SwaSnapshot\x12\x0e\n\x06ttl_ms\x18\x04 \x01(\r\"@\n\x0eSwaPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\r\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"B\n\rSwaGetRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"d\n\tSwaResult\x12%\n\x06status\x18\x01 \x01(\x0e\x32\x15.kvstore.v1.SwaStatus\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x06\x12\x10\n\x08position\x18\x04 \x01(\x04\"8\n\x0eSwaGetResponse\x12&\n\x07results\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.SwaResult\"E\n\x10SwaDeleteRequest\x12\x10\n\x08geometry\x18\x01 \x01(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x03(\x0c\"$\n\x11SwaDeleteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x11\n\x0fSwaStatsRequest\"\xec\x02\n\x10SwaStatsResponse\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nbackend_up\x18\x02 \x01(\x08\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0c\n\x04puts\x18\x04 \x01(\x04\x12\x15\n\rsnapshots_put\x18\x05 \x01(\x04\x12\x11\n\tbytes_put\x18\x06 \x01(\x04\x12\x13\n\x0b\x66\x61iled_puts\x18\x07 \x01(\x04\x12\x0c\n\x04gets\x18\x08 \x01(\x04\x12\x17\n\x0fsnapshots_asked\x18\t \x01(\x04\x12\x0c\n\x04hits\x18\n \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\x0b \x01(\x04\x12\x16\n\x0e\x62\x61\x63kend_errors\x18\x0c \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\r \x01(\x04\x12\x11\n\tevictions\x18\x0e \x01(\x04\x12\r\n\x05items\x18\x0f \x01(\x04\x12\x12\n\nbytes_used\x18\x10 \x01(\x04\x12\x11\n\tcap_bytes\x18\x11 \x01(\x04\x12\x1b\n\x13max_batch_snapshots\x18\x12 \x01(\r*U\n\tSwaStatus\x12\x1a\n\x16SWA_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10SWA_STATUS_FOUND\x10\x01\x12\x16\n\x12SWA_STATUS_MISSING\x10\x02\x32\x90\x02\n\x07SwaPool\x12<\n\x03Put\x12\x19.kvstore.v1.SwaPutRequest\x1a\x1a.kvstore.v1.SwaPutResponse\x12<\n\x03Get\x12\x19.kvstore.v1.SwaGetRequest\x1a\x1a.kvstore.v1.SwaGetResponse\x12\x45\n\x06\x44\x65lete\x12\x1c.kvstore.v1.SwaDeleteRequest\x1a\x1d.kvstore.v1.SwaDeleteResponse\x12\x42\n\x05Stats\x12\x1b.kvstore.v1.SwaStatsRequest\x1a\x1c.kvstore.v1.SwaStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.swa_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SWASTATUS']._serialized_start=981
-  _globals['_SWASTATUS']._serialized_end=1066
+  _globals['_SWASTATUS']._serialized_start=1017
+  _globals['_SWASTATUS']._serialized_end=1102
   _globals['_SWASNAPSHOT']._serialized_start=36
-  _globals['_SWASNAPSHOT']._serialized_end=94
-  _globals['_SWAPUTREQUEST']._serialized_start=96
-  _globals['_SWAPUTREQUEST']._serialized_end=208
-  _globals['_SWAPUTRESPONSE']._serialized_start=210
-  _globals['_SWAPUTRESPONSE']._serialized_end=274
-  _globals['_SWAGETREQUEST']._serialized_start=276
-  _globals['_SWAGETREQUEST']._serialized_end=342
-  _globals['_SWARESULT']._serialized_start=344
-  _globals['_SWARESULT']._serialized_end=426
-  _globals['_SWAGETRESPONSE']._serialized_start=428
-  _globals['_SWAGETRESPONSE']._serialized_end=484
-  _globals['_SWADELETEREQUEST']._serialized_start=486
-  _globals['_SWADELETEREQUEST']._serialized_end=555
-  _globals['_SWADELETERESPONSE']._serialized_start=557
-  _globals['_SWADELETERESPONSE']._serialized_end=593
-  _globals['_SWASTATSREQUEST']._serialized_start=595
-  _globals['_SWASTATSREQUEST']._serialized_end=612
-  _globals['_SWASTATSRESPONSE']._serialized_start=615
-  _globals['_SWASTATSRESPONSE']._serialized_end=979
-  _globals['_SWAPOOL']._serialized_start=1069
-  _globals['_SWAPOOL']._serialized_end=1341
+  _globals['_SWASNAPSHOT']._serialized_end=112
+  _globals['_SWAPUTREQUEST']._serialized_start=114
+  _globals['_SWAPUTREQUEST']._serialized_end=226
+  _globals['_SWAPUTRESPONSE']._serialized_start=228
+  _globals['_SWAPUTRESPONSE']._serialized_end=292
+  _globals['_SWAGETREQUEST']._serialized_start=294
+  _globals['_SWAGETREQUEST']._serialized_end=360
+  _globals['_SWARESULT']._serialized_start=362
+  _globals['_SWARESULT']._serialized_end=462
+  _globals['_SWAGETRESPONSE']._serialized_start=464
+  _globals['_SWAGETRESPONSE']._serialized_end=520
+  _globals['_SWADELETEREQUEST']._serialized_start=522
+  _globals['_SWADELETEREQUEST']._serialized_end=591
+  _globals['_SWADELETERESPONSE']._serialized_start=593
+  _globals['_SWADELETERESPONSE']._serialized_end=629
+  _globals['_SWASTATSREQUEST']._serialized_start=631
+  _globals['_SWASTATSREQUEST']._serialized_end=648
+  _globals['_SWASTATSRESPONSE']._serialized_start=651
+  _globals['_SWASTATSRESPONSE']._serialized_end=1015
+  _globals['_SWAPOOL']._serialized_start=1105
+  _globals['_SWAPOOL']._serialized_end=1377
 # @@protoc_insertion_point(module_scope)

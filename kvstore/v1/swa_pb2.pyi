@@ -17,14 +17,16 @@ SWA_STATUS_FOUND: SwaStatus
 SWA_STATUS_MISSING: SwaStatus
 
 class SwaSnapshot(_message.Message):
-    __slots__ = ("key", "data", "checksum")
+    __slots__ = ("key", "data", "checksum", "position")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     data: bytes
     checksum: int
-    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    position: int
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class SwaPutRequest(_message.Message):
     __slots__ = ("geometry", "namespace", "snapshots", "ttl_ms")
@@ -59,14 +61,16 @@ class SwaGetRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class SwaResult(_message.Message):
-    __slots__ = ("status", "data", "checksum")
+    __slots__ = ("status", "data", "checksum", "position")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     status: SwaStatus
     data: bytes
     checksum: int
-    def __init__(self, status: _Optional[_Union[SwaStatus, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    position: int
+    def __init__(self, status: _Optional[_Union[SwaStatus, str]] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class SwaGetResponse(_message.Message):
     __slots__ = ("results",)

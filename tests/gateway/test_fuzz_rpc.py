@@ -149,15 +149,18 @@ def near_valid_put() -> st.SearchStrategy[Message]:
 
 
 def near_valid_swa_put() -> st.SearchStrategy[Message]:
-    """SWA Puts of snapshots of the right size, their checksums right or not, other fields at random."""
-    size = snapshot_bytes(geometry.V4_1_FLASH)
+    """SWA Puts of snapshots of the right size for their T (or for a T near it), their checksums
+    right or not, other fields at random."""
+    window = geometry.V4_1_FLASH.window
 
     @st.composite
     def build(draw: st.DrawFn) -> Message:
         snaps = []
         for _ in range(draw(st.integers(1, 2))):
-            data = os.urandom(size)
-            snaps.append(swa_pb2.SwaSnapshot(key=draw(_HASHES), data=data,
+            position = draw(st.one_of(st.integers(1, 2 * window), st.sampled_from([0, 2**64 - 1])))
+            sized_for = draw(st.one_of(st.just(max(position, 1)), st.integers(1, 2 * window)))
+            data = os.urandom(snapshot_bytes(geometry.V4_1_FLASH, sized_for))
+            snaps.append(swa_pb2.SwaSnapshot(key=draw(_HASHES), position=position, data=data,
                                              checksum=draw(st.one_of(st.just(checksum(data)), _scalar_of("fixed64")))))
         return swa_pb2.SwaPutRequest(namespace=draw(_ELEMENT_HINTS["namespace"]), snapshots=snaps,
                                      ttl_ms=draw(st.integers(0, 2**32 - 1)))

@@ -16,19 +16,19 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvstore.codec import block_codec, fp4, fp8
+from kvstore.codec.snapshot import decode_snapshot, split_snapshot
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.geometry import V4_1_FLASH, ModelGeometry
+from kvstore.geometry import TINY, V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, encode_extra_keys, root_hash, token_bytes
-from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_key, snapshot_keys, unseal
+from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_key, snapshot_keys, unseal
 
 FUZZ = settings(max_examples=60, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 BLOCK_TOKENS = 16
 BLOCK_BYTES = V4_1_FLASH.block_bytes(BLOCK_TOKENS)
-#: A small SWA geometry so that snapshots of the right size stay cheap to build.
-SMALL = ModelGeometry(name="small", num_layers=4, global_layers=V4_1_FLASH.global_layers[:0],
-                      swa_window_tokens=8, swa_layers=3, swa_channels=64)
-SNAPSHOT_BYTES = fp8.snapshot_bytes(SMALL)
+#: Snapshots of the tiny fixture geometry (5 layers, window 8) stay cheap to build.
+SNAPSHOT_T = 9
+SNAPSHOT_BYTES = snapshot_bytes(TINY, SNAPSHOT_T)
 
 #: Seeds of bytes too long for hypothesis to draw one by one (a block is 14 KiB).
 seeds = st.integers(0, 2**32)
@@ -87,15 +87,15 @@ def buffers(draw: st.DrawFn, size: int) -> Any:
 @example(data=bytes(BLOCK_BYTES), block_tokens=0)
 @example(data=bytes(BLOCK_BYTES), block_tokens=-BLOCK_TOKENS)
 def test_block_decoding_refuses_bad_input_with_a_kvstore_error(data: Any, block_tokens: int) -> None:
-    refused_or_done(block_codec.view_block, V4_1_FLASH, block_tokens, data)
-    refused_or_done(block_codec.decode_block, V4_1_FLASH, block_tokens, data)
+    refused_or_done(block_codec.split_block, V4_1_FLASH, data, block_tokens)
+    refused_or_done(block_codec.decode_block, V4_1_FLASH, data, block_tokens)
 
 
 @FUZZ
 @given(seed=seeds)
 def test_any_block_of_the_right_size_decodes(seed: int) -> None:
     data = random.Random(seed).randbytes(BLOCK_BYTES)  # any bits: NaN scales decode to NaN, they do not raise
-    decoded = block_codec.decode_block(V4_1_FLASH, BLOCK_TOKENS, data)
+    decoded = block_codec.decode_block(V4_1_FLASH, data, BLOCK_TOKENS)
     assert sorted(decoded) == [g.layer for g in V4_1_FLASH.global_layers]
 
 
@@ -107,21 +107,26 @@ def test_as_uint8_refuses_bad_buffers_with_a_kvstore_error(data: Any, expected: 
     assert out is None or (out.dtype == torch.uint8 and out.numel() == expected)
 
 
-# -- FP8 snapshots and the FP4/FP8 dequantizers --------------------------------
+# -- SWA snapshots and the FP4/FP8 dequantizers --------------------------------
 
 @FUZZ
-@given(data=buffers(SNAPSHOT_BYTES))
-def test_snapshot_decoding_refuses_bad_input_with_a_kvstore_error(data: Any) -> None:
-    refused_or_done(fp8.view_snapshot, SMALL, data)
-    out = refused_or_done(fp8.decode_snapshot, SMALL, data)
-    assert out is None or tuple(out.shape) == (SMALL.swa_layers, SMALL.swa_window_tokens, SMALL.swa_channels)
+@given(data=buffers(SNAPSHOT_BYTES), position=st.one_of(st.just(SNAPSHOT_T), ints))
+def test_snapshot_splitting_refuses_bad_input_with_a_kvstore_error(data: Any, position: int) -> None:
+    out = refused_or_done(split_snapshot, data, position, TINY)
+    assert out is None or out[0].shape == (TINY.num_layers, min(position, TINY.window), TINY.window_row_bytes)
+    decoded = refused_or_done(decode_snapshot, data, position, TINY)
+    assert decoded is None or decoded[0].shape == (TINY.num_layers, min(position, TINY.window), TINY.head_dim)
 
 
 @FUZZ
-@given(seed=seeds)
-def test_any_snapshot_of_the_right_size_decodes(seed: int) -> None:
-    out = fp8.decode_snapshot(SMALL, random.Random(seed).randbytes(SNAPSHOT_BYTES))
-    assert tuple(out.shape) == (SMALL.swa_layers, SMALL.swa_window_tokens, SMALL.swa_channels)
+@given(seed=seeds, position=st.integers(1, 3 * TINY.window))
+def test_any_snapshot_of_the_right_size_splits_and_decodes(seed: int, position: int) -> None:
+    data = random.Random(seed).randbytes(snapshot_bytes(TINY, position))
+    rows, tail = split_snapshot(data, position, TINY)
+    assert rows.shape == (TINY.num_layers, min(position, TINY.window), TINY.window_row_bytes)
+    assert (tail is None) == (position % 2 == 0)
+    values, _ = decode_snapshot(data, position, TINY)
+    assert values.shape == (TINY.num_layers, min(position, TINY.window), TINY.head_dim)
 
 
 _DTYPES = [torch.uint8, torch.int8, torch.float32, torch.float16, torch.float8_e4m3fn, torch.int64]
@@ -146,23 +151,29 @@ def test_dequantizers_refuse_mismatched_tensors_with_a_kvstore_error(codes: torc
 # -- sealed SWA records ----------------------------------------------------------
 
 @FUZZ
-@given(record=st.binary(max_size=HEADER_BYTES + 40), fingerprint=st.binary(min_size=8, max_size=8),
-       size_bytes=st.integers(-(2**40), 2**40))
-@example(record=b"abc", fingerprint=bytes(8), size_bytes=3 - HEADER_BYTES)
-def test_a_damaged_record_reads_as_none(record: bytes, fingerprint: bytes, size_bytes: int) -> None:
-    opened = unseal(record, fingerprint=fingerprint, size_bytes=size_bytes)
-    assert opened is None or (len(opened[0]) == size_bytes and checksum(opened[0]) == opened[1])
+@given(record=st.binary(max_size=HEADER_BYTES + 40), seed=seeds, position=st.integers(1, 40))
+@example(record=b"abc", seed=0, position=1)
+def test_a_damaged_record_reads_as_none(record: bytes, seed: int, position: int) -> None:
+    for candidate in (record, seal(TINY.fingerprint, position, record, checksum(record)),
+                      seal(TINY.fingerprint, position, random.Random(seed).randbytes(snapshot_bytes(TINY, position)),
+                           seed)):
+        opened = unseal(candidate, TINY)
+        assert opened is None or (len(opened.data) == snapshot_bytes(TINY, opened.position)
+                                  and checksum(opened.data) == opened.checksum)
 
 
 @FUZZ
-@given(data=st.binary(max_size=64), fingerprint=st.binary(min_size=8, max_size=8), flip=st.integers(0, 10**6))
-def test_a_sealed_record_opens_and_any_flipped_bit_is_caught(data: bytes, fingerprint: bytes, flip: int) -> None:
-    record = seal(fingerprint, data, checksum(data))
-    assert unseal(record, fingerprint=fingerprint, size_bytes=len(data)) == (data, checksum(data))
-    bit = flip % (8 * len(record))
+@given(seed=seeds, position=st.integers(1, 20), flip=st.integers(0, 10**6))
+def test_a_sealed_record_opens_and_any_flipped_bit_is_caught(seed: int, position: int, flip: int) -> None:
+    data = random.Random(seed).randbytes(snapshot_bytes(TINY, position))
+    record = seal(TINY.fingerprint, position, data, checksum(data))
+    opened = unseal(record, TINY)
+    assert opened is not None and (opened.data, opened.checksum, opened.position) == (data, checksum(data), position)
+    # Any bit, header included: the header is checked as the data is (a flipped T of the same size too).
+    bit = flip % (8 * HEADER_BYTES) if flip % 2 else flip % (8 * len(record))
     damaged = bytearray(record)
     damaged[bit // 8] ^= 1 << (bit % 8)
-    assert unseal(bytes(damaged), fingerprint=fingerprint, size_bytes=len(data)) is None
+    assert unseal(bytes(damaged), TINY) is None
 
 
 # -- prefix hashing and snapshot keys: what a client hands them -------------------
