@@ -1,22 +1,17 @@
-"""FP8 (OCP E4M3) codec for SWA state: the last n_win tokens of KV in every SWA layer.
+"""FP8 and UE8M0 pieces of the model's rows (power-of-two scales), and the old SWA codec.
 
-Scaling: one power-of-two float32 scale per token per layer, the smallest power
-of two p with amax/p <= 464 (amax of the token's vector; 464 is the largest
-value that still rounds to E4M3's 448, so amax/p lands in (232, 464] and is
-stored as 240..448). Why this choice
-(docs/CODEC.md has the measured errors):
+`kvstore.codec.rows` builds the indexer and window rows from these:
 
-- FP8 is a floating-point format, so any scale changes only range, not relative
-  precision; a power of two changes nothing else. x/p is then exact in float32,
-  the only rounding is the cast to E4M3, and the codes are the same on every
-  device and compiler.
-- Per token, so one outlier token cannot push a quiet one into E4M3's
-  subnormals (below 2^-6, where relative precision falls off), and nothing
-  can overflow 448.
-- The cost is 4 bytes per token per layer against 512 of codes: 0.8%.
-- Bound 464 rather than 448 makes the codec idempotent: a decoded token's amax
-  is >= 240p, so it gets the same p back and encodes to the same bytes (with
-  448, amax/p in (224, 232) would decode to 224p and come back with p/2).
+- `ceil_power_of_two`: 2^ceil(log2 v) of a positive float32, exact (on the bits).
+- `ue8m0_bytes`: the UE8M0 byte of a power-of-two scale (its biased exponent).
+- `ue8m0_values`: the float32 value of UE8M0 bytes, 2^(byte-127).
+
+The rest is the earlier SWA format (E4M3 codes with one float32 power-of-two
+scale per token, bound 464, and snapshots of them): nothing stores it any more.
+`quantize`, `dequantize` and the snapshot functions stay only until
+kvstore/codec/snapshot.py has replaced every use (helper H10 removes the snapshot
+functions) and tests/kvstore/test_fuzz_parsers.py fuzzes the rows decoders
+instead of `dequantize`; then they go.
 """
 
 from __future__ import annotations
