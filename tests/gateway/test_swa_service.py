@@ -77,6 +77,27 @@ def test_snapshots_of_each_length_have_their_own_size(swa_client: Client) -> Non
     assert swa.get_many([swa.key(tokens, t) for t in datas]) == list(datas.values())
 
 
+def test_batches_fit_the_message_limit_by_each_snapshots_own_size(start_server: Callable[..., Any],
+                                                                 store_settings: StoreSettings) -> None:
+    """Short snapshots share a call; full-window ones are split by bytes (8 MiB messages, 1 MiB
+    kept for the envelope: two per call), and never more than the server's max_batch_snapshots."""
+    from kvstore.config import ServerSettings
+
+    server = start_server(store_settings, server=ServerSettings(port=0, max_message_bytes=8 << 20),
+                          swa=SwaSettings(cap_bytes=256 << 20, max_batch_snapshots=5))
+    with Client(server.target) as client:
+        swa = client.swa
+        tokens = list(range(300))
+        short = [(swa.key(tokens, t), t, snapshot(client, t)) for t in range(1, 7)]  # 6 x 21-34 KB
+        full = [(swa.key(tokens, t), t, snapshot(client, t)) for t in range(200, 206)]  # 6 x 2.7 MB
+        assert swa.put_many(short).stored == 6
+        assert swa.stats().puts == 2  # 5 + 1: the server's batch limit
+        assert swa.put_many(full).stored == 6
+        assert swa.stats().puts == 2 + 3
+        assert swa.get_many([k for k, _, _ in full]) == [d for _, _, d in full]
+        assert swa.stats().gets == 3
+
+
 def lookup(client: Client, tokens: list[int], positions: list[int], limit: int = 0) -> kvpb.LookupResponse:
     """A raw Lookup with SWA candidates at `positions` and a resume limit."""
     return client._call(client._stub.Lookup, kvpb.LookupRequest(
