@@ -1,27 +1,46 @@
-"""Codec benchmark: error of the FP4/FP8 cache formats and their speed against a tensor copy.
+"""Codec benchmark: error of the model's three row formats and their speed against a tensor copy.
 
 Error is measured on realistic cache vectors (RMS-normalised, per-channel gains,
 RoPE on the last 64 channels, largest element about 10) and on adversarial
-ones (outlier channels, tiny values, all-equal groups). Speed is GB/s of the
-unquantized bf16 tensor (read by quantize, written by dequantize) against a
-plain copy of a tensor of the same size, in the same run on the same device.
-The report notes which implementation ran (`codec_paths`: Triton kernels or the
-torch.compile fallback on CUDA).
+ones (outlier channels, tiny values, all-equal groups), each row type at its
+V4.1 width: compressed KV 512 channels, indexer key 128, window KV 512.
+
+Speed: each encode (bf16 `[n, d]` -> rows) and each decode (rows -> bf16) is
+timed beside a plain device copy of a tensor of the same bytes, in the same run
+on the same device. The bytes compared are the larger side of each step, which
+for bf16 is always the unquantized tensor: encode reads it (2d bytes per row
+against d/2 + d/16, d/2 + d/32 or d + d/32 written), decode writes it. A figure
+is those bytes per second, its baseline the copy's bytes per second (a copy of
+N bytes reads N and writes N), and its ratio the copy's time over the step's.
+Targets on a GPU (issue 10): each encode >= 0.6x, each decode >= 1x.
+`codec_paths` says which implementation ran (Triton kernels or the torch code).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 
 from kvstore.bench.report import Figure, Progress, Report
-from kvstore.codec import fp4, fp8
+from kvstore.codec import rows
 
 #: Channels RoPE rotates in each vector (DeepSeek's decoupled RoPE width).
 ROPE_CHANNELS = 64
+
+#: name -> (encode, decode, V4.1 width) of each row type.
+ROW_TYPES: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[..., torch.Tensor], int]] = {
+    "compressed KV": (rows.compressed_kv_rows, rows.decode_compressed_kv_rows, 512),
+    "indexer key": (rows.indexer_key_rows, rows.decode_indexer_key_rows, 128),
+    "window KV": (rows.swa_rows, rows.decode_swa_rows, 512),
+}
+
+#: Speed targets on a GPU, as ratios against the same-size copy (issue 10).
+ENCODE_TARGET = 0.6
+DECODE_TARGET = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speed-mib", type=int, default=0,
                         help="MiB of bf16 input per speed measurement (default: 16 on cpu, 1024 on cuda)")
     parser.add_argument("--error-vectors", type=int, default=16384,
-                        help="vectors of 512 channels per error data set")
-    parser.add_argument("--repeat", type=int, default=0, help="timed runs per figure (default: 5 cpu, 20 cuda)")
+                        help="vectors per error data set")
+    parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 5 cpu, 20 cuda)")
 
 
 def realistic(vectors: int, channels: int, gen: torch.Generator) -> torch.Tensor:
@@ -69,61 +88,75 @@ def errors(x: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
             "max_abs_err": round((out - x).abs().max().item(), 5)}
 
 
-def fp8_unscaled(x: torch.Tensor) -> torch.Tensor:
-    """The alternative SWA scheme we rejected: a plain cast, saturating at 448."""
-    return x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
-
-
 def measure_errors(vectors: int, device: str) -> dict[str, dict[str, float]]:
-    """Error of each format on each data set (computed on `device`)."""
+    """Error of each row type on each data set (computed on `device`)."""
     table: dict[str, dict[str, float]] = {}
-    for name, x in data_sets(vectors, 512).items():
-        x = x.to(device)
-        table[f"fp4 main_kv e4m3/16 | {name}"] = errors(x, fp4.dequantize(*fp4.quantize(x)))
-        key = x[:, :128].contiguous()
-        table[f"fp4 indexer f32/vec | {name}"] = errors(key, fp4.dequantize(*fp4.quantize_per_vector(key)))
-        table[f"fp8 swa pow2/token | {name}"] = errors(x, fp8.dequantize(*fp8.quantize(x)))
-        table[f"fp8 swa unscaled | {name}"] = errors(x, fp8_unscaled(x))
-    return {k: {m: (v.item() if isinstance(v, torch.Tensor) else v) for m, v in e.items()} for k, e in table.items()}
+    for kind, (encode, decode, width) in ROW_TYPES.items():
+        for name, x in data_sets(vectors, width).items():
+            x = x.to(device)
+            table[f"{kind} | {name}"] = errors(x, decode(encode(x)))
+    return table
 
 
-def seconds(fn: Callable[[], object], device: str, repeat: int) -> float:
-    """Median wall time of `fn` after a warm-up (which also compiles on CUDA)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
+def seconds(fn: Callable[[], object], device: str, repeat: int, inner: int) -> float:
+    """Median time of one call of `fn`, over `repeat` samples of `inner` calls, after a warm-up."""
+    fn()  # compiles the kernel on first use
+    if device == "cuda":
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / inner)
+    else:
+        times = []
+        for _ in range(repeat):
+            start_s = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - start_s) / inner)
     return sorted(times)[len(times) // 2]
 
 
-def measure_speed(report: Report, device: str, mib: int, repeat: int, progress: Progress) -> None:
-    """GB/s of bf16 input for quantize/dequantize beside a copy of the same bytes."""
-    vectors = mib * (1 << 20) // (512 * 2)
-    x = torch.randn(vectors, 512, device=device).bfloat16()
-    gb = x.numel() * 2 / 1e9
-    keys = x.view(-1, 128)  # the indexer's vectors: same bytes, one float32 scale per 128
-    values, scales = fp4.quantize(x)
-    key_values, key_scales = fp4.quantize_per_vector(keys)
-    codes, pow2 = fp8.quantize(x)
-    cases: dict[str, Callable[[], object]] = {
-        "fp4 quantize (main_kv)": lambda: fp4.quantize(x),
-        "fp4 dequantize to bf16 (main_kv)": lambda: fp4.dequantize(values, scales, dtype=torch.bfloat16),
-        "fp4 quantize (indexer)": lambda: fp4.quantize_per_vector(keys),
-        "fp4 dequantize to bf16 (indexer)": lambda: fp4.dequantize(key_values, key_scales, dtype=torch.bfloat16),
-        "fp8 quantize (swa)": lambda: fp8.quantize(x),
-        "fp8 dequantize to bf16 (swa)": lambda: fp8.dequantize(codes, pow2, dtype=torch.bfloat16),
-    }
-    with progress.bar("codec speed", total=len(cases) + 1, unit="case") as bar:
-        copy_gbps = gb / seconds(lambda: x.clone(), device, repeat)
-        bar.update(1)
-        for name, fn in cases.items():
-            report.add(Figure.against(name, gb / seconds(fn, device, repeat), "GB/s", "tensor copy", copy_gbps))
+def measure_speed(report: Report, device: str, mib: int, repeat: int, progress: Progress) -> dict[str, object]:
+    """Each row type's encode and decode against a copy of the same bytes; returns the notes."""
+    inner = 5 if device == "cuda" else 1
+    notes: dict[str, object] = {}
+    with progress.bar("codec speed", total=3 * len(ROW_TYPES), unit="case") as bar:
+        for kind, (encode, decode, width) in ROW_TYPES.items():
+            vectors = max(1, mib * (1 << 20) // (width * 2))
+            gen = torch.Generator(device=device).manual_seed(1)
+            x = (torch.randn(vectors, width, device=device, generator=gen) * 3).bfloat16()
+            encoded = encode(x)
+            compared = max(x.nbytes, encoded.nbytes)  # bf16: the unquantized side, both ways
+            copy_s = seconds(x.clone, device, repeat, inner)
             bar.update(1)
+            encode_s = seconds(functools.partial(encode, x), device, repeat, inner)
+            bar.update(1)
+            decode_s = seconds(functools.partial(decode, encoded, torch.bfloat16), device, repeat, inner)
+            bar.update(1)
+            copy_gbps = compared / copy_s / 1e9
+            baseline = f"copy of {compared / 2**20:,.0f} MiB"
+            report.add(Figure.against(f"{kind} encode (bf16 -> rows)", compared / encode_s / 1e9, "GB/s",
+                                      baseline, copy_gbps))
+            report.add(Figure.against(f"{kind} decode (rows -> bf16)", compared / decode_s / 1e9, "GB/s",
+                                      baseline, copy_gbps))
+            notes[kind] = {"rows": vectors, "bf16_bytes": x.nbytes, "row_bytes": encoded.nbytes,
+                           "compared_bytes": compared, "copy_us": round(copy_s * 1e6, 2),
+                           "encode_us": round(encode_s * 1e6, 2), "decode_us": round(decode_s * 1e6, 2)}
+            del x, encoded
+    return notes
+
+
+def codec_paths() -> dict[str, str]:
+    """Which implementation each row function's last CUDA call ran ("triton", else the torch code's mode)."""
+    kernels = [getattr(rows, n, None) for n in ("_compressed_kv", "_indexer_key", "_swa", "_decode_compressed_kv",
+                                                "_decode_indexer_key", "_decode_swa")]
+    return {k.name: k.mode for k in kernels if k is not None}
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -136,11 +169,12 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes["errors"] = measure_errors(args.error_vectors, device)
     mib = args.speed_mib or (1024 if device == "cuda" else 16)
     repeat = args.repeat or (20 if device == "cuda" else 5)
-    measure_speed(report, device, mib, repeat, progress)
+    report.notes["speed"] = measure_speed(report, device, mib, repeat, progress)
     report.notes["speed_input_mib"] = mib
-    # Which implementation the timed calls ran: "triton" (fused kernels), else the fallback's
-    # "compiled"/"eager" (on CPU every step is eager torch).
-    report.notes["codec_paths"] = {k.name: k.mode if device == "cuda" else "eager" for k in (
-        fp4._quantize_groups, fp4._dequantize_groups, fp4._quantize_vectors, fp4._dequantize_vectors,
-        fp8._quantize_tokens, fp8._dequantize_tokens)}
+    report.notes["compared_bytes"] = ("the larger side of each step: the bf16 tensor (encode's input, "
+                                      "decode's output); baseline = device copy of that many bytes")
+    if device == "cuda":
+        report.notes["targets"] = {f.name: (f.ratio or 0) >= (ENCODE_TARGET if "encode" in f.name else DECODE_TARGET)
+                                   for f in report.figures}
+    report.notes["codec_paths"] = codec_paths() if device == "cuda" else "torch (cpu)"
     return report

@@ -1,0 +1,366 @@
+"""Fused Triton kernels for the model's cache rows on CUDA: one pass over the tensor per direction.
+
+Imported only on the first CUDA call (`kvstore.codec.fp4.CudaKernel`, wired in
+kvstore/codec/rows.py), so CPU-only machines never import triton. Each function
+returns what the torch code in rows.py returns, bit for bit
+(tests/kvstore/codec/test_codec_gpu.py); rows.py states the rules.
+
+How each rule is computed here, exactly, without a division per element:
+
+- E2M1 codes: the model rounds float32 x/scale to the E2M1 grid. For a scale of
+  at most 4 significant bits (E4M3, or a power of two) and a float32 x, that
+  rounded quotient reaches a midpoint m (0.25, 0.75, ..., 5) exactly when |x|
+  reaches m*scale, a product exact in float32: the quotients that round onto m
+  lie within half an ulp of it, and no float32 |x| lies strictly between
+  scale*(m -+ half an ulp) and m*scale. So the kernels compare |x| with m*scale,
+  ties to the even code, by a binary search (three comparisons per element).
+- Compressed-KV scale: on GPUs with E4M3 instructions (HW_FP8), the torch code's
+  own steps: amax/6 correctly rounded (`tl.div_rn`, one per 16 channels), held
+  at 448, the GPU's round-to-nearest-even cast. Otherwise amax/6 rounded once
+  to E4M3 (rows.py explains why that is the same): amax*(1/6), cast on the bits,
+  is off by at most one code; one step up or down, decided by comparing amax
+  with 6x the midpoint between neighbouring codes (a product of at most 7
+  significant bits, exact), gives the correctly rounded code, subnormals
+  included.
+- UE8M0 scales: amax*(1/6) or amax*(1/448) in float32, as the engines compute it,
+  and the power of two at or above it taken on the float32 bits. x/scale is then
+  x times the exact inverse power of two.
+- E4M3 data: the GPU's cast (HW_FP8), else the float32 -> E4M3 cast on the bits,
+  as c10 does it; x/scale is clamped to +-448 first, so saturation never acts.
+- Decoding: code times scale in float32, an exact product, then the cast to the
+  output dtype (round to nearest even, as torch's `.to()`).
+
+No expression here multiplies then adds, so fusing into FMA cannot change a result.
+
+Non-finite input does not fail inside a kernel: a group whose largest magnitude
+is inf or NaN stores it in a one-element float32 flag (no reduction across the
+program), which rows.py hands to `check_finite`.
+
+Layout: rows are contiguous; a program takes whole rows as a [rows, groups,
+group channels] block (BLOCK_ELEMENTS in all); the channel count is a
+compile-time constant (one compilation per width and dtype, none per row count).
+Speed on an H200 against a copy of the bf16 bytes: kvstore/bench/codec.py.
+"""
+
+# Triton names constexpr parameters and values in capitals (BLOCK_ROWS); kept here so kernels read like
+# any other. A constexpr `if` selects code at compile time; ternaries would hide that.
+# ruff: noqa: N803, N806, SIM108
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+#: Elements per program (rows x channels); rows of more than this take one program each.
+#: 4,096 with 4 warps was best or within noise of it for every kernel on an H200 (2048-16384, 4-8 warps tried).
+BLOCK_ELEMENTS = 4096
+#: Warps per program.
+NUM_WARPS = 4
+#: Widest row the kernels take; wider ones decline (the torch code runs).
+MAX_ROW_ELEMENTS = 16384
+#: Output dtypes the decoders write directly; others are converted from float32 afterwards.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: E4M3 conversions (window data both ways, compressed-KV scales): True uses the GPU's own
+#: float32 -> E4M3 (round to nearest even, saturating) and E4M3 -> float16 instructions,
+#: False the same conversions on the bits (any GPU), None picks True on compute capability
+#: 8.9 and later. Both give the same bytes (tests/kvstore/codec/test_codec_gpu.py).
+HW_FP8: bool | None = None
+
+# Row formats (the FORMAT constexpr).
+COMPRESSED_KV = tl.constexpr(0)
+INDEXER_KEY = tl.constexpr(1)
+WINDOW = tl.constexpr(2)
+
+
+@triton.jit
+def e4m3_code(y):
+    """E4M3 (fn) byte of float32 y, round to nearest even, as c10 converts (|y| < 464 stays finite)."""
+    bits = y.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    sign = (bits >> 24) & 0x80
+    # Normal: round the float32 mantissa to 3 bits, then rebias the exponent (127 -> 7).
+    normal = ((magnitude + 524287 + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal (below 2^-6): adding 2^14 rounds to a multiple of 2^-9, the last bits count them.
+    subnormal = (magnitude.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    code = tl.where(magnitude >= (121 << 23), normal, subnormal)
+    return code | sign
+
+
+@triton.jit
+def e4m3_value(code):
+    """float32 value of an E4M3 (fn) byte given as int32, subnormals and NaN included."""
+    exponent = (code >> 3) & 15
+    mantissa = code & 7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # m * 2^-9, exact
+    bits = tl.where(exponent == 0, subnormal, normal)
+    bits = tl.where((code & 0x7F) == 0x7F, 0x7FC00000, bits)
+    return (bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def ue8m0_value(code):
+    """float32 value 2^(code-127) of a UE8M0 byte given as int32 (0 -> 2^-127, 255 -> NaN)."""
+    bits = tl.where(code == 0, 0x00400000, code << 23)
+    return tl.where(code == 255, 0x7FC00000, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_value(code):
+    """float32 value of a 4-bit E2M1 code given as int32 (code 8 is -0.0)."""
+    magnitude = code & 7
+    normal = (((magnitude >> 1) + 126) << 23) | ((magnitude & 1) << 22)
+    bits = tl.where(magnitude < 2, magnitude * (126 << 23), normal)  # 0 -> 0.0, 1 -> 0.5
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_code(bits, ax, scale):
+    """4-bit code (int32) of x/scale, x given by its float32 bits and ax = |x|, scale > 0.
+
+    |x| against the exact thresholds m*scale (module docstring), ties to the even
+    code, by a binary search over the 8 magnitudes; the sign bit of x is kept.
+    """
+    upper = ax >= 1.75 * scale  # magnitudes 4-7; a tie goes up to the even code 4
+    threshold = tl.where(upper, 3.5 * scale, 0.75 * scale)
+    high = ax >= threshold  # 6-7 or 2-3; ties go up to the even codes 6 and 2
+    threshold = tl.where(upper, tl.where(high, 5.0 * scale, 2.5 * scale), tl.where(high, 1.25 * scale, 0.25 * scale))
+    odd = ax > threshold  # ties stay on the even code
+    magnitude = upper.to(tl.int32) * 4 + high.to(tl.int32) * 2 + odd.to(tl.int32)
+    return magnitude | ((bits >> 28) & 8)
+
+
+@triton.jit
+def kv_scale_code(amax):
+    """E4M3 code (int32) of amax/6 rounded once, ties to even, held at 448 (amax already floored)."""
+    code = e4m3_code(tl.minimum(amax * 0.16666666666666666, 448.0))
+    # amax*(1/6) is rounded twice; move one code where amax lies beyond 6x the midpoint.
+    here = e4m3_value(code)
+    up = e4m3_value(code + 1)
+    boundary = 6.0 * ((here + up) * 0.5)
+    move = (amax > boundary) | ((amax == boundary) & ((code & 1) == 1))
+    code = tl.where(move & (code < 0x7E), code + 1, code)
+    here = e4m3_value(code)
+    down = e4m3_value(code - 1)
+    boundary = 6.0 * ((here + down) * 0.5)
+    move = (amax < boundary) | ((amax == boundary) & ((code & 1) == 1))
+    return tl.where(move & (code > 1), code - 1, code)
+
+
+@triton.jit
+def ceil_power_of_two_bits(v):
+    """float32 bits of the power of two at or above positive normal float32 v."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits >> 23) + ((bits & 0x007FFFFF) != 0).to(tl.int32)) << 23
+
+
+@triton.jit
+def _flag_non_finite(flag_ptr, amax_bits):
+    """Store a group's largest magnitude in the flag where it is inf or NaN (amax_bits: |x| bits).
+
+    Only such groups store, all to the one flag: no reduction across the program.
+    """
+    tl.store(flag_ptr + tl.zeros_like(amax_bits), amax_bits.to(tl.float32, bitcast=True),
+             mask=amax_bits > 0x7F7FFFFF)
+
+
+@triton.jit
+def _fp4_scales(amax, FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
+    """(scale byte as int32, scale as float32) of each group of an FP4 row."""
+    if FORMAT == COMPRESSED_KV:
+        floored = tl.maximum(amax, 0.01171875)  # floor 6 * 2^-9
+        if HW_FP8:
+            # The torch code's steps: amax/6 correctly rounded, held at 448, the GPU's E4M3 cast (RNE).
+            scale8 = tl.minimum(tl.div_rn(floored, 6.0), 448.0).to(tl.float8e4nv)
+            code = scale8.to(tl.uint8, bitcast=True).to(tl.int32)
+            scale = scale8.to(tl.float32)
+        else:
+            code = kv_scale_code(floored)
+            scale = e4m3_value(code)
+    else:
+        bits = ceil_power_of_two_bits(tl.maximum(amax, 7.052966104933725e-38) * 0.16666666666666666)
+        code = bits >> 23  # floor 6 * 2^-126, then * (1/6)
+        scale = bits.to(tl.float32, bitcast=True)
+    return code, scale
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # one compilation whatever the row count
+def _encode_kernel(x_ptr, rows_ptr, flag_ptr, n_rows,
+                   FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                   HW_FP8: tl.constexpr):
+    GROUPS: tl.constexpr = D // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.arange(0, BLOCK_GROUPS)
+    live = (rows < n_rows)[:, None] & (group < GROUPS)[None, :]
+    out_row = rows[:, None] * ROW_BYTES
+    lane = tl.arange(0, GROUP)
+    x = tl.load(x_ptr + (rows[:, None, None] * D + group[None, :, None] * GROUP + lane[None, None, :]),
+                mask=live[:, :, None], other=0.0).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    ax_bits = bits & 0x7FFFFFFF
+    amax_bits = tl.max(ax_bits, axis=2)
+    _flag_non_finite(flag_ptr, amax_bits)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if FORMAT == WINDOW:
+        scale_bits = ceil_power_of_two_bits(tl.maximum(amax, 1e-4) * 0.002232142857142857)  # * (1/448)
+        inverse = ((254 << 23) - scale_bits).to(tl.float32, bitcast=True)  # 1/scale, exact
+        q = tl.minimum(tl.maximum(x * inverse[:, :, None], -448.0), 448.0)
+        if HW_FP8:
+            data = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite: RNE, |q| <= 448
+        else:
+            data = e4m3_code(q).to(tl.uint8)
+        tl.store(rows_ptr + (out_row[:, :, None] + group[None, :, None] * GROUP + lane[None, None, :]),
+                 data, mask=live[:, :, None])
+        tl.store(rows_ptr + (out_row + D + group[None, :]), (scale_bits >> 23).to(tl.uint8), mask=live)
+    else:
+        scale_code, scale = _fp4_scales(amax, FORMAT, HW_FP8)
+        codes = e2m1_code(bits, ax_bits.to(tl.float32, bitcast=True), scale[:, :, None])
+        # Element 2i in the low nibble of byte i, 2i+1 in the high nibble.
+        even_codes, odd_codes = tl.split(tl.reshape(codes, (BLOCK_ROWS, BLOCK_GROUPS, HALF, 2)))
+        byte = tl.arange(0, HALF)
+        tl.store(rows_ptr + (out_row[:, :, None] + group[None, :, None] * HALF + byte[None, None, :]),
+                 (even_codes | (odd_codes << 4)).to(tl.uint8), mask=live[:, :, None])
+        tl.store(rows_ptr + (out_row + D // 2 + group[None, :]), scale_code.to(tl.uint8), mask=live)
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # one compilation whatever the row count
+def _decode_kernel(rows_ptr, out_ptr, n_rows,
+                   FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
+                   HW_FP8: tl.constexpr):
+    GROUPS: tl.constexpr = D // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.arange(0, BLOCK_GROUPS)
+    live = (rows < n_rows)[:, None] & (group < GROUPS)[None, :]
+    in_row = rows[:, None] * ROW_BYTES
+    if FORMAT == WINDOW:
+        lane = tl.arange(0, GROUP)
+        codes = tl.load(rows_ptr + (in_row[:, :, None] + group[None, :, None] * GROUP + lane[None, None, :]),
+                        mask=live[:, :, None], other=0)
+        if HW_FP8:
+            values = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            values = e4m3_value(codes.to(tl.int32))
+        scale = ue8m0_value(tl.load(rows_ptr + (in_row + D + group[None, :]), mask=live, other=127).to(tl.int32))
+        out = values * scale[:, :, None]
+        # Triton's float32 -> bf16/f16 conversion rounds to nearest even, as torch's .to() does.
+        tl.store(out_ptr + (rows[:, None, None] * D + group[None, :, None] * GROUP + lane[None, None, :]),
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, :, None])
+    else:
+        scale_code = tl.load(rows_ptr + (in_row + D // 2 + group[None, :]), mask=live, other=0).to(tl.int32)
+        if FORMAT == COMPRESSED_KV:
+            scale = e4m3_value(scale_code)
+        else:
+            scale = ue8m0_value(scale_code)
+        byte = tl.arange(0, HALF)
+        packed = tl.load(rows_ptr + (in_row[:, :, None] + group[None, :, None] * HALF + byte[None, None, :]),
+                         mask=live[:, :, None], other=0).to(tl.int32)
+        lane = tl.arange(0, GROUP)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_ROWS, BLOCK_GROUPS, GROUP))
+        out = e2m1_value(codes) * scale[:, :, None]
+        tl.store(out_ptr + (rows[:, None, None] * D + group[None, :, None] * GROUP + lane[None, None, :]),
+                 out.to(out_ptr.dtype.element_ty), mask=live[:, :, None])
+
+
+# (group channels, row bytes for d channels) of each format.
+_FORMATS = {
+    0: (16, lambda d: d // 2 + d // 16),
+    1: (32, lambda d: d // 2 + d // 32),
+    2: (32, lambda d: d + d // 32),
+}
+# d from a row's bytes: d = row_bytes * numerator // denominator.
+_WIDTHS = {0: (16, 9), 1: (32, 17), 2: (32, 33)}
+
+
+def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Launch on t's GPU (Triton launches on the current one); a no-op for the CPU interpreter."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _tiling(d: int, group: int) -> tuple[int, int]:
+    """(rows per program, groups per row padded to a power of two)."""
+    block_groups = triton.next_power_of_2(d // group)
+    return max(1, BLOCK_ELEMENTS // (block_groups * group)), block_groups
+
+
+@functools.cache
+def _has_fp8_conversions(device: torch.device) -> bool:
+    """Whether the GPU converts float32 <-> E4M3 itself (compute capability 8.9 and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _hw_fp8(device: torch.device) -> bool:
+    return _has_fp8_conversions(device) if HW_FP8 is None else HW_FP8
+
+
+def _encode(x: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    group, row_bytes = _FORMATS[fmt]
+    d = x.shape[-1] if x.dim() else 0
+    if x.numel() == 0 or d % group or d > MAX_ROW_ELEMENTS or x.dtype not in KERNEL_DTYPES:
+        return None
+    x = x.contiguous()
+    n_rows = x.numel() // d
+    rows = torch.empty((*x.shape[:-1], row_bytes(d)), dtype=torch.uint8, device=x.device)
+    flag = torch.zeros(1, dtype=torch.float32, device=x.device)
+    block_rows, block_groups = _tiling(d, group)
+    with _on_device(x):
+        _encode_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, rows, flag, n_rows, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=row_bytes(d),
+            BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups, HW_FP8=_hw_fp8(x.device), num_warps=NUM_WARPS)
+    return rows, flag
+
+
+def _decode(rows: torch.Tensor, dtype: torch.dtype, fmt: int) -> torch.Tensor | None:
+    group, _ = _FORMATS[fmt]
+    numerator, denominator = _WIDTHS[fmt]
+    width = rows.shape[-1] if rows.dim() else 0
+    d = width * numerator // denominator
+    if rows.numel() == 0 or width % denominator or d > MAX_ROW_ELEMENTS or rows.dtype != torch.uint8:
+        return None
+    rows = rows.contiguous()
+    n_rows = rows.numel() // width
+    kernel_dtype = dtype if dtype in KERNEL_DTYPES else torch.float32
+    out = torch.empty((*rows.shape[:-1], d), dtype=kernel_dtype, device=rows.device)
+    block_rows, block_groups = _tiling(d, group)
+    with _on_device(rows):
+        _decode_kernel[(triton.cdiv(n_rows, block_rows),)](
+            rows, out, n_rows, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=width,
+            BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups, HW_FP8=_hw_fp8(rows.device), num_warps=NUM_WARPS)
+    return out if kernel_dtype == dtype else out.to(dtype)
+
+
+def compressed_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rows.compressed_kv_rows` in one pass: (uint8 rows [..., d/2 + d/16], non-finite flag), or None."""
+    return _encode(x, 0)
+
+
+def indexer_key_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rows.indexer_key_rows` in one pass: (uint8 rows [..., d/2 + d/32], non-finite flag), or None."""
+    return _encode(x, 1)
+
+
+def swa_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rows.swa_rows` in one pass: (uint8 rows [..., d + d/32], non-finite flag), or None."""
+    return _encode(x, 2)
+
+
+def decode_compressed_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`rows.decode_compressed_kv_rows` in one pass, written straight in `dtype`."""
+    return _decode(rows, dtype, 0)
+
+
+def decode_indexer_key_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`rows.decode_indexer_key_rows` in one pass, written straight in `dtype`."""
+    return _decode(rows, dtype, 1)
+
+
+def decode_swa_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`rows.decode_swa_rows` in one pass, written straight in `dtype`."""
+    return _decode(rows, dtype, 2)
