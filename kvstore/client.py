@@ -47,8 +47,11 @@ class LookupResult:
     found_tokens: int
     lease_id: str | None
     block_hashes: list[bytes] = field(repr=False)
-    #: Greatest asked position with a usable SWA snapshot (`lookup(swa_positions=...)`), else None.
+    #: T of the asked snapshot that serves the longest resume (`lookup(swa_positions=...)`), else None.
     swa_position: int | None = None
+    #: R, the length that snapshot resumes at (T, T - 1, or shorter below the window; at most
+    #: found_tokens), else None (docs/SWA_POOL.md "Resume rules").
+    swa_resume_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +157,7 @@ class Client:
     # -- calls -------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
-               lease_ms: int = 0, swa_positions: Sequence[int] = ()) -> LookupResult:
+               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
         """How many leading tokens of `tokens` are loadable now, and from where SWA state is.
 
         Args:
@@ -164,28 +167,33 @@ class Client:
                 the server grants at most its `max_lease_ms`).
             swa_positions: snapshot points to ask the SWA pool about (for example
                 each block boundary and the prompt end); the result's
-                `swa_position` is the greatest one with a usable snapshot.
+                `swa_position` is the live one that serves the longest resume,
+                `swa_resume_tokens` that resume's length.
+            swa_resume_limit: the longest resume wanted (0: no limit), for example
+                len(tokens) - 1 so the last token is computed for its logits.
         """
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
         return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms,
-                                  swa_keys=swa_keys, swa_positions=swa_positions)
+                                  swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
-                      swa_positions: Sequence[int] = ()) -> LookupResult:
+                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
         """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
         hashes = arguments.hashes(hashes, "hashes")
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX)
+        swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         reply = self._call(self._stub.Lookup, pb.LookupRequest(
             geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms,
-            swa_keys=swa_keys, swa_positions=swa_positions))
+            swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit))
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
                             lease_id=reply.lease_id or None, block_hashes=hashes,
-                            swa_position=reply.swa_position if reply.swa_found else None)
+                            swa_position=reply.swa_position if reply.swa_found else None,
+                            swa_resume_tokens=reply.swa_resume_tokens if reply.swa_found else None)
 
     @cached_property
     def swa(self) -> SwaClient:

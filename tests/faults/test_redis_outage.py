@@ -62,10 +62,11 @@ def _traffic(client: Any, chain: Any, snapshot: bytes, traffic: Traffic) -> None
             chain.acked = i + 1
             kv_ok = client.get(tokens, first_block=i).blocks == [chain.block(i)]
             key = client.swa.key(tokens)
-            put = client.swa.put_many([(key, snapshot)])
+            data = snapshot[: client.swa.snapshot_bytes(len(tokens))]  # a snapshot's size depends on its T
+            put = client.swa.put_many([(key, len(tokens), data)])
             got = client.swa.get_many([key])[0]
             traffic.rounds.append(Round(kv_ok=kv_ok, swa_stored=put.stored, swa_failed=put.failed,
-                                        swa_hit=got == snapshot))
+                                        swa_hit=got == data))
             i += 1
     except BaseException as exc:  # reported by the test
         traffic.errors.append(exc)
@@ -94,7 +95,7 @@ def test_redis_lost_mid_traffic_then_back(how: str, serve: Callable[..., Any], c
     server = serve(tmp_path / "data", config=cfg)
     client = server.client(timeout_s=30)
     chain = kit.make_chains(client, 1, 400)[0]
-    snapshot = os.urandom(client.swa.snapshot_bytes)
+    snapshot = os.urandom(client.swa.snapshot_bytes(2**20 + 1))  # the largest: a full window and the tail
     traffic = Traffic()
     thread = threading.Thread(target=_traffic, args=(client, chain, snapshot, traffic))
     thread.start()

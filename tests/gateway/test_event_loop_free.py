@@ -85,14 +85,14 @@ def test_other_calls_are_served_while_a_put_is_checked_and_hashed(
 def test_other_calls_are_served_while_swa_snapshots_are_checked(server: Any, client: Client, hold: Hold) -> None:
     entered = hold.step(swa_servicer, "check_snapshot")
     tokens = list(range(100))
-    snap = os.urandom(client.swa.snapshot_bytes)
+    snap = os.urandom(client.swa.snapshot_bytes(len(tokens)))
     assert hold.served_meanwhile(server.target, entered, lambda: client.swa.put(tokens, snap)).stored == 1
     assert client.swa.get(tokens) == snap
 
 
 def test_other_calls_are_served_while_a_swa_reply_is_filled(server: Any, client: Client, hold: Hold) -> None:
     tokens = list(range(100))
-    snap = os.urandom(client.swa.snapshot_bytes)
+    snap = os.urandom(client.swa.snapshot_bytes(len(tokens)))
     client.swa.put(tokens, snap)
     entered = hold.step(swa_servicer, "_get_reply")
     assert hold.served_meanwhile(server.target, entered, lambda: client.swa.get(tokens)) == snap

@@ -30,6 +30,11 @@ def _block(c: Client) -> bytes:
     return bytes(c.block_bytes)
 
 
+def _snapshot(c: Client, position: int | None = None) -> bytes:
+    """Zero bytes of a snapshot at T = `position` (default: a block, as `_tokens(c)` ends)."""
+    return bytes(c.swa.snapshot_bytes(c.block_tokens if position is None else position))
+
+
 # (what is wrong, the call, a phrase the message must hold)
 CASES: list[tuple[str, Callable[[Client], Any], str]] = [
     # hashes / lookup
@@ -85,17 +90,17 @@ CASES: list[tuple[str, Callable[[Client], Any], str]] = [
     ("get_tensor: float out", lambda c: c.get_tensor(_tokens(c), out=np.zeros(3)), "out must be uint8"),
     ("get_tensor: token id -1", lambda c: c.get_tensor([-1] * c.block_tokens), "token ids"),
     # SWA
-    ("swa.put: ttl_s -1", lambda c: c.swa.put(_tokens(c), bytes(c.swa.snapshot_bytes), ttl_s=-1), "ttl_s = -1"),
-    ("swa.put: ttl_s 0", lambda c: c.swa.put(_tokens(c), bytes(c.swa.snapshot_bytes), ttl_s=0), "ttl_s = 0"),
-    ("swa.put: ttl_s nan", lambda c: c.swa.put(_tokens(c), bytes(c.swa.snapshot_bytes), ttl_s=math.nan), "ttl_s = nan"),
-    ("swa.put: ttl_s str", lambda c: c.swa.put(_tokens(c), bytes(c.swa.snapshot_bytes), ttl_s="5"), "ttl_s must be"),
-    ("swa.put: position -1", lambda c: c.swa.put(_tokens(c), bytes(c.swa.snapshot_bytes), position=-1), "= -1"),
+    ("swa.put: ttl_s -1", lambda c: c.swa.put(_tokens(c), _snapshot(c), ttl_s=-1), "ttl_s = -1"),
+    ("swa.put: ttl_s 0", lambda c: c.swa.put(_tokens(c), _snapshot(c), ttl_s=0), "ttl_s = 0"),
+    ("swa.put: ttl_s nan", lambda c: c.swa.put(_tokens(c), _snapshot(c), ttl_s=math.nan), "ttl_s = nan"),
+    ("swa.put: ttl_s str", lambda c: c.swa.put(_tokens(c), _snapshot(c), ttl_s="5"), "ttl_s must be"),
+    ("swa.put: position -1", lambda c: c.swa.put(_tokens(c), _snapshot(c), position=-1), "= -1"),
     ("swa.put: short snapshot", lambda c: c.swa.put(_tokens(c), b"x"), "snapshots[0] is 1 bytes"),
     ("swa.put: str snapshot", lambda c: c.swa.put(_tokens(c), "x"), "snapshot is a str; accepted"),
-    ("swa.put: token id -5", lambda c: c.swa.put([-5], bytes(c.swa.snapshot_bytes)), "token ids"),
-    ("swa.put_many: str key", lambda c: c.swa.put_many([("k" * 32, bytes(c.swa.snapshot_bytes))]),
+    ("swa.put: token id -5", lambda c: c.swa.put([-5], _snapshot(c, 1)), "token ids"),
+    ("swa.put_many: str key", lambda c: c.swa.put_many([("k" * 32, 1, _snapshot(c, 1))]),
      "items[0] key is a str"),
-    ("swa.put_many: not pairs", lambda c: c.swa.put_many([H]), "items[0] must be a (key, snapshot) pair"),
+    ("swa.put_many: not pairs", lambda c: c.swa.put_many([H]), "items[0] must be a (key, position, snapshot) triple"),
     ("swa.put_many: one bytes", lambda c: c.swa.put_many(H), "items must be a sequence"),
     ("swa.keys: float position", lambda c: c.swa.keys(_tokens(c), [1.5]), "positions[0] must be an integer"),
     ("swa.keys: position past end", lambda c: c.swa.keys(_tokens(c), [10**6]), "outside the"),
@@ -149,16 +154,16 @@ def test_numpy_blocks_are_accepted(client: Client) -> None:
     client.put(tokens, [memoryview(bytearray(data[3].tobytes()))], first_block=3)
     got = client.get(tokens)
     assert got.blocks == [row.tobytes() for row in data]
-    snapshot = rng.integers(0, 256, size=client.swa.snapshot_bytes, dtype=np.uint8)
+    snapshot = rng.integers(0, 256, size=client.swa.snapshot_bytes(len(tokens)), dtype=np.uint8)
     client.swa.put(tokens, snapshot)
     assert client.swa.get(tokens) == snapshot.tobytes()
 
 
 def test_a_tiny_ttl_is_not_the_servers_ttl(client: Client) -> None:
     """0.4 ms rounds up to 1 ms: rounding down to 0 would ask for the server's full TTL instead."""
-    reply = client.swa.put(_tokens(client), os.urandom(client.swa.snapshot_bytes), ttl_s=0.0004)
+    reply = client.swa.put(_tokens(client), os.urandom(client.swa.snapshot_bytes(client.block_tokens)), ttl_s=0.0004)
     assert reply.ttl_ms == 1
-    long = client.swa.put(_tokens(client), os.urandom(client.swa.snapshot_bytes), ttl_s=10**9)
+    long = client.swa.put(_tokens(client), os.urandom(client.swa.snapshot_bytes(client.block_tokens)), ttl_s=10**9)
     assert 0 < long.ttl_ms <= 2**32 - 1
 
 
