@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from kvstore.codec import block_codec, fp4, fp8
+from kvstore.codec import block_codec, rows
 from kvstore.codec.snapshot import decode_snapshot, split_snapshot
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.geometry import TINY, V4_1_FLASH
@@ -141,11 +141,12 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
 
 
 @FUZZ
-@given(codes=tensors(), scales=tensors())
-def test_dequantizers_refuse_mismatched_tensors_with_a_kvstore_error(codes: torch.Tensor,
-                                                                    scales: torch.Tensor) -> None:
-    refused_or_done(fp8.dequantize, codes, scales)
-    refused_or_done(fp4.dequantize, codes, scales)
+@given(rows_in=tensors(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_row_decoders_take_any_tensor_or_refuse_it_with_a_kvstore_error(rows_in: torch.Tensor,
+                                                                         dtype: torch.dtype) -> None:
+    refused_or_done(rows.decode_compressed_kv_rows, rows_in, dtype)
+    refused_or_done(rows.decode_indexer_key_rows, rows_in, dtype)
+    refused_or_done(rows.decode_swa_rows, rows_in, dtype)
 
 
 # -- sealed SWA records ----------------------------------------------------------
