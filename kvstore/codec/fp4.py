@@ -14,16 +14,10 @@ Rounding compares |x| with thresholds m*scale that are exact in float32 instead
 of dividing: the result is that of the exact quotient, on every device and
 under any compiler (a fused GPU kernel may approximate division, never an exact
 product).
-
-`dequantize` is the old format's decoder (one E4M3 scale per 16 channels as a
-separate tensor, or a float32 scale per vector). Nothing stores that format any
-more; it stays only until tests/kvstore/test_fuzz_parsers.py fuzzes the rows
-decoders instead, then goes.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import math
@@ -36,8 +30,6 @@ from kvstore.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
-#: Channels sharing one E4M3 scale (old `dequantize`).
-GROUP_CHANNELS = 16
 #: Largest E2M1 magnitude.
 E2M1_MAX = 6.0
 
@@ -49,38 +41,6 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 # ties go to the even code (mantissa bit 0), i.e. up exactly when k+1 is even.
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _TIE_UP = (False, True, False, True, False, True, False)
-
-
-class FusedKernel:
-    """A pure-tensor function run through torch.compile on CUDA, eagerly elsewhere.
-
-    Eager torch runs one kernel per operator, far from memory bandwidth; the
-    compiled graph is one or two fused kernels. Every function wrapped here uses
-    only exact float32 products, comparisons and bit operations, so the compiled
-    and eager results are bit-identical. If compilation fails (no Triton, say),
-    the eager function is used and `mode` says why.
-    """
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-        self._compiled: Callable[..., Any] | None = None
-        self.mode = "eager"
-        self.name = fn.__name__
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args: Any) -> Any:
-        if not args[0].is_cuda or self.mode.startswith("eager (compile failed"):
-            return self._fn(*args)
-        if self._compiled is None:
-            self._compiled = torch.compile(self._fn, dynamic=True, fullgraph=True)
-        try:
-            out = self._compiled(*args)
-        except Exception as e:  # inductor lacking a compiler or backend; eager still works
-            self.mode = f"eager (compile failed: {type(e).__name__})"
-            logger.warning("torch.compile of %s failed, using eager torch: %s", self._fn.__name__, e)
-            return self._fn(*args)
-        self.mode = "compiled"
-        return out
 
 
 class CudaKernel:
@@ -191,52 +151,3 @@ def e2m1_values(values: torch.Tensor) -> torch.Tensor:
     """
     table = _E2M1_PAIRS if values.device == _E2M1_PAIRS.device else _E2M1_PAIRS.to(values.device)
     return torch.nn.functional.embedding(values.long(), table).flatten(-2)
-
-
-@FusedKernel
-def _dequantize_groups_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    decoded = e2m1_values(values).unflatten(-1, (-1, GROUP_CHANNELS))
-    return (decoded * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
-
-
-@FusedKernel
-def _dequantize_vectors_torch(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (e2m1_values(values) * scales).to(dtype)
-
-
-_dequantize_groups = CudaKernel("fp4_triton", "dequantize_groups", _dequantize_groups_torch)
-_dequantize_vectors = CudaKernel("fp4_triton", "dequantize_vectors", _dequantize_vectors_torch)
-
-
-def dequantize(values: torch.Tensor, scales: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode FP4 codes with either kind of scale back to floats.
-
-    Args:
-        values: uint8 `[..., C/2]` packed codes, as `quantize` returns.
-        scales: float8_e4m3fn `[..., C/16]` (per 16 elements) or float32
-            `[..., 1]` (per vector), on the same device.
-        dtype: output dtype. float32 is exact; bfloat16 is exact for E4M3
-            scales and rounds float32 per-vector scales to 8 bits.
-
-    Returns:
-        `[..., C]` tensor of `dtype` on values' device.
-
-    Raises:
-        InvalidArgument: dtypes or shapes that do not fit together.
-    """
-    if values.dtype != torch.uint8:
-        raise InvalidArgument(f"fp4.dequantize: expected values of dtype uint8, got {values.dtype}")
-    lead, half = tuple(values.shape[:-1]), values.shape[-1] if values.dim() else 0
-    if scales.dtype == torch.float8_e4m3fn:
-        expected = (*lead, half * 2 // GROUP_CHANNELS)
-        if half * 2 % GROUP_CHANNELS or tuple(scales.shape) != expected:
-            raise InvalidArgument(f"fp4.dequantize: values {tuple(values.shape)} need float8_e4m3fn "
-                                  f"scales of shape {expected}, got {tuple(scales.shape)}")
-        return _dequantize_groups(values, scales, dtype)
-    if scales.dtype == torch.float32:
-        if tuple(scales.shape) != (*lead, 1):
-            raise InvalidArgument(f"fp4.dequantize: values {tuple(values.shape)} need float32 "
-                                  f"scales of shape {(*lead, 1)}, got {tuple(scales.shape)}")
-        return _dequantize_vectors(values, scales, dtype)
-    raise InvalidArgument(f"fp4.dequantize: expected scales of dtype float8_e4m3fn or float32, "
-                          f"got {scales.dtype}")
