@@ -216,34 +216,6 @@ class ModelGeometry:
                 offset += rows * row_bytes
         return tuple(sections)
 
-    # -- window (SWA) state ---------------------------------------------------
-
-    @property
-    def window_state_bytes(self) -> int:
-        """Window rows of a full window in every layer (2,703,360 for V4.1-Flash)."""
-        return self.num_layers * self.window * self.window_row_bytes
-
-    # Earlier names, kept while the SWA snapshot code still uses them.
-    @property
-    def swa_window_tokens(self) -> int:
-        """Alias of `window` (earlier name)."""
-        return self.window
-
-    @property
-    def swa_layers(self) -> int:
-        """Layers that keep window state: every layer (earlier name)."""
-        return self.num_layers
-
-    @property
-    def swa_channels(self) -> int:
-        """Channels of a window row: `head_dim` (earlier name)."""
-        return self.head_dim
-
-    @property
-    def swa_snapshot_bytes(self) -> int:
-        """FP8 codes of a full window in every layer, without scales (the earlier snapshot's code part)."""
-        return self.swa_layers * self.swa_window_tokens * self.swa_channels
-
     # -- identity ---------------------------------------------------------------
 
     def to_config(self) -> dict[str, object]:

@@ -29,7 +29,6 @@ def test_v4_1_flash_numbers() -> None:
     assert g.block_bytes(64) == 56_960 and g.block_bytes(1_000_000) == 890_000_000
     assert [(x.layer, x.tokens_per_entry, x.entry_bytes) for x in g.global_layers] == [
         (2, 2, 356), (8, 2, 356), (14, 2, 356), (20, 1, 356)]
-    assert g.window_state_bytes == 40 * 128 * 528 == 2_703_360
 
 
 def test_tiny_fixture_numbers() -> None:
@@ -161,12 +160,6 @@ def test_fingerprint_is_stable_across_processes() -> None:
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [V4_1_FLASH.fingerprint.hex(), TINY.fingerprint.hex()]
-
-
-def test_earlier_names_stay_for_the_snapshot_code() -> None:
-    g = V4_1_FLASH
-    assert (g.swa_window_tokens, g.swa_layers, g.swa_channels) == (128, 40, 512)
-    assert g.swa_snapshot_bytes == 40 * 128 * 512
 
 
 def test_resolve_names_the_known_profiles() -> None:

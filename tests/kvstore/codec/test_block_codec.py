@@ -133,6 +133,7 @@ def test_bad_rows_raise_invalid_argument() -> None:
         ({**good, 20: (good[20][0].view(1, 1, 64, 288), good[20][1])}, "layer 20 compressed_kv: expected shape"),
         ({**good, 14: (good[14][0].numpy(), good[14][1])}, "layer 14 compressed_kv: expected a uint8 tensor"),
         ({**good, 20: (torch.cat([good[20][0]] * 2), torch.cat([good[20][1]] * 2))}, "different numbers of blocks"),
+        ({**good, 8: (good[8][0].to("meta"), good[8][1])}, r"rows are on several devices: \['cpu', 'meta'\]"),
     ]
     for layers, message in cases:
         with pytest.raises(InvalidArgument, match=message):
