@@ -235,5 +235,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             bytes_stored=s.bytes_stored, capacity_bytes=s.capacity_bytes, bytes_free=s.bytes_free,
             write_rate_bytes_per_s=s.write_rate_bytes_per_s, headroom_hours=s.headroom_hours,
             retention_hours=s.retention_hours, active_leases=s.active_leases,
-            uptime_s=s.uptime_s,
+            uptime_s=s.uptime_s, stored_by_geometry=self._by_geometry(s.by_layout),
         )
+
+    def _by_geometry(self, by_layout: dict[bytes, tuple[int, int]]) -> list[pb.GeometryUsage]:
+        """Per-layout usage, named where this server serves the fingerprint; served ones first."""
+        names = {lay.geometry.fingerprint: name for name, lay in self.layouts.items()}
+        order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
+        return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
+                                 bytes_stored=by_layout[fp][1]) for fp in order]

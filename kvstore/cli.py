@@ -87,6 +87,12 @@ def stats_dict(reply: object) -> dict[str, object]:
     out = message_dict(reply)
     out["lookup_hit_rate"] = _rate(int(out["lookup_tokens_found"]), int(out["lookup_tokens_asked"]))  # type: ignore[call-overload]
     out["retrieve_hit_rate"] = _rate(int(out["get_tokens_returned"]), int(out["get_tokens_asked"]))  # type: ignore[call-overload]
+    # Fingerprints as hex (MessageToDict gives base64), counts as ints.
+    out["stored_by_geometry"] = [
+        {"fingerprint": g.fingerprint.hex(), "name": g.name or None, "blocks_stored": g.blocks_stored,
+         "bytes_stored": g.bytes_stored}
+        for g in reply.stored_by_geometry  # type: ignore[attr-defined]
+    ]
     return out
 
 
@@ -132,9 +138,21 @@ def _stats(args: argparse.Namespace) -> int:
             print(f"  {label:<{width}}  unbounded (no writes in the window)")
         else:
             print(f"  {label:<{width}}  {_fmt(value)}")
+    _print_by_geometry(data["stored_by_geometry"])  # type: ignore[arg-type]
     _print_section("SWA pool", data["swa"], SWA_ROWS)  # type: ignore[arg-type]
     _print_section("Transfer", data["transfer"], TRANSFER_ROWS)  # type: ignore[arg-type]
     return 0
+
+
+def _print_by_geometry(rows: list[dict[str, object]]) -> None:
+    """Blocks stored per geometry; one this server does not serve (an earlier codec's) is named by fingerprint."""
+    if not rows:
+        return
+    print("\nStored by geometry")
+    labels = [str(r["name"]) if r["name"] else f"{r['fingerprint']} (not served: ages out)" for r in rows]
+    width = max(len(label) for label in labels)
+    for label, r in zip(labels, rows, strict=True):
+        print(f"  {label:<{width}}  {_fmt(r['blocks_stored'])} blocks, {_fmt(r['bytes_stored'])} bytes")
 
 
 def swa_stats_dict(client: object) -> dict[str, object] | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True)
@@ -39,6 +39,9 @@ class TierStats:
     retention_hours: float
     active_leases: int
     uptime_s: float
+    #: Blocks and bytes stored per layout (geometry fingerprint): blocks of a geometry
+    #: this server no longer serves (an earlier codec) show under their own.
+    by_layout: dict[bytes, tuple[int, int]] = field(default_factory=dict)
 
 
 class WriteRate:

@@ -20,6 +20,7 @@ import lmdb
 import xxhash
 
 from kvstore.errors import DataLoss
+from kvstore.prefix import FINGERPRINT_BYTES
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
@@ -93,6 +94,8 @@ class BlockTxn:
         self.dbs = dbs
         self.unreadable = unreadable
         self.usage: Usage = read_usage(txn, dbs.state)
+        #: Changes to the totals per layout (geometry fingerprint, the key's first 8 bytes).
+        self.layout_deltas: dict[bytes, Usage] = {}
 
     def meta(self, key: bytes) -> BlockMeta | None:
         """The block's meta record, None when not stored (raises DamagedBlock)."""
@@ -114,6 +117,9 @@ class BlockTxn:
                 txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
         self.usage.blocks += 1
         self.usage.stored_bytes += len(data)
+        delta = self.layout_deltas.setdefault(key[:FINGERPRINT_BYTES], Usage())
+        delta.blocks += 1
+        delta.stored_bytes += len(data)
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use of the block at `now_s` (nothing if it is absent or used since)."""
@@ -148,6 +154,9 @@ class BlockTxn:
             self.touch(parent, meta.last_access_s)
         self.usage.blocks -= 1
         self.usage.stored_bytes -= meta.size_bytes
+        delta = self.layout_deltas.setdefault(key[:FINGERPRINT_BYTES], Usage())
+        delta.blocks -= 1
+        delta.stored_bytes -= meta.size_bytes
         return meta.size_bytes
 
     def children(self, key: bytes) -> Iterator[bytes]:

@@ -153,6 +153,7 @@ class LmdbBlockTier:
             w = BlockTxn(txn, self._dbs, unreadable=self._damage.snapshot())
             yield w
             usage.write_usage(txn, self._state, w.usage)
+            usage.add_layout_usage(txn, self._state, w.layout_deltas)
             self._save_state(txn)
             txn_id = txn.id()
         with self._lock:
@@ -502,8 +503,18 @@ class LmdbBlockTier:
             write_rate_bytes_per_s=rate,
             headroom_hours=free / rate / 3600.0 if rate > 0 else float("inf"),
             retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
-            uptime_s=self.retention_clock.uptime_s(),
+            uptime_s=self.retention_clock.uptime_s(), by_layout=self._layout_usage(),
         )
+
+    def _layout_usage(self) -> dict[bytes, tuple[int, int]]:
+        """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""
+        try:
+            with self.env.begin() as txn:
+                layouts = usage.read_layout_usage(txn, self._state)
+        except lmdb.Error as exc:
+            log.error("cannot read the per-geometry usage totals: %s", exc)
+            return {}
+        return {fp: (u.blocks, u.stored_bytes) for fp, u in layouts.items()}
 
     def _count_damaged(self) -> None:
         with self._lock:

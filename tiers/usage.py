@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 #: State-db key of the totals: blocks, bytes (two little-endian u64).
 USAGE_KEY = b"usage"
+#: State-db keys of the totals per layout: this prefix and the layout's 8-byte
+#: geometry fingerprint (the first bytes of every storage key), same value format.
+LAYOUT_USAGE_PREFIX = b"usage/"
+_FINGERPRINT_BYTES = 8
 _USAGE = struct.Struct("<QQ")
 _META_SIZE_FIELD = struct.Struct("<I")  # size_bytes, after the 32-byte parent hash and the u32 depth
 _META_SIZE_OFFSET = 36
@@ -52,20 +56,72 @@ def write_usage(txn: lmdb.Transaction, state_db: lmdb._Database, usage: Usage) -
     txn.put(USAGE_KEY, _USAGE.pack(usage.blocks, usage.stored_bytes), db=state_db)
 
 
+def read_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database) -> dict[bytes, Usage]:
+    """The persisted totals per layout (geometry fingerprint), as this transaction sees them."""
+    out: dict[bytes, Usage] = {}
+    cursor = txn.cursor(db=state_db)
+    if not cursor.set_range(LAYOUT_USAGE_PREFIX):
+        return out
+    for key, value in cursor.iternext(keys=True, values=True):
+        key = bytes(key)
+        if not key.startswith(LAYOUT_USAGE_PREFIX):
+            break
+        if len(value) == _USAGE.size:
+            blocks, stored = _USAGE.unpack(value)
+            out[key[len(LAYOUT_USAGE_PREFIX):]] = Usage(blocks=blocks, stored_bytes=stored)
+    return out
+
+
+def add_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database, deltas: dict[bytes, Usage]) -> None:
+    """Add (blocks, bytes) deltas to the persisted totals of each layout, with this (write) transaction.
+
+    A layout whose count reaches zero loses its entry.
+    """
+    for fingerprint, delta in deltas.items():
+        if not delta.blocks and not delta.stored_bytes:
+            continue
+        key = LAYOUT_USAGE_PREFIX + fingerprint
+        raw = txn.get(key, db=state_db)
+        blocks, stored = _USAGE.unpack(raw) if raw is not None and len(raw) == _USAGE.size else (0, 0)
+        blocks, stored = max(blocks + delta.blocks, 0), max(stored + delta.stored_bytes, 0)
+        if blocks:
+            txn.put(key, _USAGE.pack(blocks, stored), db=state_db)
+        else:
+            txn.delete(key, db=state_db)
+
+
+def write_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database, layouts: dict[bytes, Usage]) -> None:
+    """Replace every persisted per-layout total with `layouts`."""
+    for fingerprint in read_layout_usage(txn, state_db):
+        txn.delete(LAYOUT_USAGE_PREFIX + fingerprint, db=state_db)
+    for fingerprint, usage in layouts.items():
+        txn.put(LAYOUT_USAGE_PREFIX + fingerprint, _USAGE.pack(usage.blocks, usage.stored_bytes), db=state_db)
+
+
 def recount(txn: lmdb.Transaction, records_db: lmdb._Database) -> Usage:
-    """Totals counted from the meta records (one pass over the records' B-tree leaves).
+    """Totals counted from the meta records (one pass over the records' B-tree leaves)."""
+    return recount_by_layout(txn, records_db)[0]
+
+
+def recount_by_layout(txn: lmdb.Transaction, records_db: lmdb._Database) -> tuple[Usage, dict[bytes, Usage]]:
+    """Totals, and totals per layout, counted from the meta records in one pass.
 
     Data values live on overflow pages that this walk never reads, so it costs
     about one leaf page per 15 blocks.
     """
     usage = Usage()
+    layouts: dict[bytes, Usage] = {}
     tag = META_TAG[0]
     unpack = _META_SIZE_FIELD.unpack_from
     for key, value in txn.cursor(db=records_db).iternext(keys=True, values=True):
         if len(key) == _META_KEY_LEN and key[KEY_BYTES] == tag:
+            size = unpack(value, _META_SIZE_OFFSET)[0]
             usage.blocks += 1
-            usage.stored_bytes += unpack(value, _META_SIZE_OFFSET)[0]
-    return usage
+            usage.stored_bytes += size
+            layout = layouts.setdefault(bytes(key[:_FINGERPRINT_BYTES]), Usage())
+            layout.blocks += 1
+            layout.stored_bytes += size
+    return usage, layouts
 
 
 def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db: lmdb._Database, *,
@@ -85,14 +141,19 @@ def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db
             log.info("usage totals not recounted at open: the records span more than %d pages", max_tree_pages)
             return stored
         try:
-            counted = recount(txn, records_db)
+            counted, layouts = recount_by_layout(txn, records_db)
         except (lmdb.Error, struct.error, DataLoss) as exc:
             log.error("could not recount the usage totals (%s): keeping the stored ones (%d blocks, %d bytes); "
                       "run `kvstore check` on %s", exc, stored.blocks, stored.stored_bytes, env.path())
             return stored
+        stored_layouts = read_layout_usage(txn, state_db)
     if counted != stored:
         log.warning("usage totals were %d blocks, %d bytes but the records hold %d blocks, %d bytes: repaired",
                     stored.blocks, stored.stored_bytes, counted.blocks, counted.stored_bytes)
+    if layouts != stored_layouts:
+        log.info("usage totals per geometry recounted from the records (%d geometries)", len(layouts))
+    if counted != stored or layouts != stored_layouts:
         with env.begin(write=True) as txn:
             write_usage(txn, state_db, counted)
+            write_layout_usage(txn, state_db, layouts)
     return counted

@@ -275,3 +275,30 @@ def test_check_reports_its_progress(start_server: Any, loop_thread: Any, store_s
     data_dir = _stored(start_server, loop_thread, store_settings)
     assert main(["check", "--data-dir", str(data_dir)]) == 0
     assert len(bars) == 1 and bars[0].total > 0 and bars[0].n == bars[0].total
+
+
+def test_stats_show_blocks_of_a_geometry_no_longer_served(start_server: Any, store_settings: Any,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Blocks an earlier codec wrote (another fingerprint) show under their own until they age out."""
+    from kvstore.client import Client
+    from kvstore.prefix import BlockScope, chain_hashes, root_hash
+    from tiers.lmdb_tier import LmdbBlockTier
+
+    old = bytes.fromhex("2d76cb51b8017512")
+    tier = LmdbBlockTier(store_settings)
+    hashes = chain_hashes(list(range(48)), block_tokens=16, parent=root_hash(old, 16))
+    tier.put(BlockScope(old, "default"), root_hash(old, 16), hashes, [b"o" * 100] * 3, True)
+    tier.close()
+    srv = start_server(store_settings)
+    with Client(srv.target) as c:
+        c.put(list(range(c.block_tokens)), [os.urandom(c.block_bytes)])
+        served = c.geometry
+    assert main(["stats", "--target", srv.target]) == 0
+    table = capsys.readouterr().out
+    assert "\nStored by geometry\n" in table
+    assert re.search(rf"  {served} +1 blocks", table)
+    assert re.search(r"  2d76cb51b8017512 \(not served: ages out\) +3 blocks, 300 bytes", table)
+    assert main(["stats", "--target", srv.target, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["stored_by_geometry"]
+    assert [(r["name"], r["blocks_stored"]) for r in rows] == [(served, 1), (None, 3)]
+    assert rows[1]["fingerprint"] == old.hex() and rows[1]["bytes_stored"] == 300
