@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,13 +40,13 @@ from kvstore.prefix import BlockScope
 from tiers import reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
-from tiers.chain_cache import ChainCache
+from tiers.chains import ChainIndex
 from tiers.damage import MAX_DAMAGED_PER_CALL, DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Evicted, make_room
 from tiers.leases import Lease, LeaseTable
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
-from tiers.records import META_STRUCT, META_TAG, lru_entry
+from tiers.records import lru_entry
 from tiers.refresh import RefreshBatcher
 from tiers.retention import HIGH_WATER, HIGH_WATER_KEY, TOUCH_GRANULARITY_S, Retention, RetentionClock
 
@@ -56,10 +55,6 @@ __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "PutBatch", "PutResult", "Rea
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Parent hash and depth at the head of a meta record (`META_STRUCT`), for Lookup's chain check,
-#: and the last use at its end.
-_PARENT_DEPTH = struct.Struct("<32sI")
-_LAST_USE, _LAST_USE_OFFSET = struct.Struct("<d"), META_STRUCT.size - 8
 #: How a commit that ran out of disk fails (errno text; py-lmdb has no class for it). LMDB
 #: reports a short write, the usual form of a full disk, as EIO.
 _NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded", "Input/output error")
@@ -124,7 +119,7 @@ class LmdbBlockTier:
             high_water = _high_water(txn, self._dbs)
         self.retention_clock = RetentionClock(self.clock, high_water)
         self._refresh = RefreshBatcher(self.executor, self.touch)
-        self._chains = ChainCache()
+        self.chains = ChainIndex(self.env, self._records, self._damage.note)
         self._write_rate = WriteRate(settings.write_rate_window_s, self.retention_clock.now())
 
     # -- lifecycle ---------------------------------------------------------
@@ -180,7 +175,7 @@ class LmdbBlockTier:
                 its retention clock is due a restart (what `touch` would write), so
                 the caller refreshes it (R5) without reading it again.
         """
-        found, last_use_s = self._chain_prefix(scope, hashes)
+        found, last_use_s = self.chains.find(scope, hashes)
         if touch_due is not None and found and self.rule.touch_due(last_use_s, self.retention_clock.now()):
             touch_due.append(scope.key(hashes[found - 1]))
         lease = self.leases.grant(scope.key(hashes[found - 1]), lease_s) if found and lease_s > 0 else None
@@ -190,68 +185,6 @@ class LmdbBlockTier:
             self.counters.lookup_tokens_asked += len(hashes) * tokens
             self.counters.lookup_tokens_found += found * tokens
         return found, lease
-
-    def _chain_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
-        """(blocks found as a chain, the deepest one's recorded last use)."""
-        known = self._known_prefix(scope, hashes)
-        if known is not None:
-            return known
-        found, last_use_s = self._walk_chain(scope, hashes)
-        if found:
-            self._chains.remember(scope.key(hashes[found - 1]), hashes[:found])
-        return found, last_use_s
-
-    def _known_prefix(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float] | None:
-        """The stored prefix by binary search, if `ChainCache` vouches that it is a chain; else None.
-
-        The search assumes the hashes are a chain (stored blocks of one are a
-        prefix, R6); the memo then checks that the hashes up to the last found
-        block are exactly that block's ancestors (tiers/chain_cache.py).
-        """
-        prefix, tag, size = scope.prefix, META_TAG, META_STRUCT.size
-        try:
-            with self.env.begin(buffers=True) as txn:
-                get, db = txn.get, self._records
-                lo, hi = 0, len(hashes)
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if get(prefix + hashes[mid - 1] + tag, None, db) is not None:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                if not lo or not self._chains.knows(prefix + hashes[lo - 1], hashes[:lo]):
-                    return None
-                raw = get(prefix + hashes[lo - 1] + tag, None, db)
-                if raw is None or len(raw) != size or _PARENT_DEPTH.unpack_from(raw)[1] != lo:
-                    return None
-                return lo, _LAST_USE.unpack_from(raw, _LAST_USE_OFFSET)[0]
-        except lmdb.Error:
-            return None  # the walk meets the damage again and notes it
-
-    def _walk_chain(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
-        """(blocks found as a chain, the deepest one's last use), reading every block's record."""
-        prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
-        i = 0
-        last_meta: Any = None
-        try:
-            with self.env.begin(buffers=True) as txn:
-                get, db = txn.get, self._records
-                previous = b""
-                for i, h in enumerate(hashes):
-                    raw = get(prefix + h + tag, None, db)
-                    if raw is None or len(raw) != size:
-                        break
-                    parent, depth = unpack(raw)
-                    if depth != i + 1 or (i and parent != previous):
-                        break
-                    previous, last_meta = h, raw
-                else:
-                    i = len(hashes)
-                last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
-        except lmdb.Error as exc:  # a damaged page: the chain ends before it
-            self._damage.note(prefix + hashes[i], exc)
-            return i, 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
-        return i, last_use_s
 
     # -- writes ------------------------------------------------------------
 
@@ -301,7 +234,7 @@ class LmdbBlockTier:
             raise
         for batch in (b for b in batches if b.hashes):  # extending a known chain makes the longer one known
             parent = None if batch.is_root else batch.scope.key(batch.parent_hash)
-            self._chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
+            self.chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
         with self._lock:
             self.counters.evictions += evicted.blocks
             self.counters.evicted_bytes += evicted.freed_bytes

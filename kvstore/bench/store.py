@@ -135,12 +135,11 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int,
                    hashes: list[bytes]) -> tuple[float, float, float]:
     """(tier lookup of a chain seen before, of one never seen, raw per-hash LMDB scan) seconds, best of 5.
 
-    A chain seen before is found by binary search (tiers/chain_cache.py); one
+    A chain seen before is found by binary search (tiers/chains.py); one
     never seen is walked record by record, as a fresh server does.
     """
     from kvstore.config import StoreSettings
     from kvstore.prefix import BlockScope
-    from tiers.chain_cache import ChainCache
     from tiers.lmdb_tier import LmdbBlockTier
     from tiers.records import meta_key
 
@@ -154,7 +153,7 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int,
         lookup_s = min(timed(lambda: tier.lookup(scope, hashes)) for _ in range(5))
 
         def first_sight() -> None:
-            tier._chains = ChainCache()
+            tier.chains.forget()
             tier.lookup(scope, hashes)
 
         cold_s = min(timed(first_sight) for _ in range(5))

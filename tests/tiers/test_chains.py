@@ -1,4 +1,4 @@
-"""R15 with the memo of verified chains (tiers/chain_cache.py): a chain already seen is found by
+"""R15 with the memo of verified chains (tiers/chains.py): a chain already seen is found by
 binary search, and the memo never vouches for hashes that are not that chain."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from tiers.chain_cache import ChainCache
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.chains import ChainCache, ChainIndex
 
 Kit = Any  # tests/tiers/conftest.py
 
@@ -18,14 +17,14 @@ def no_walk(monkeypatch: pytest.MonkeyPatch) -> None:
     def walk(*args: object) -> None:
         raise AssertionError("walked the chain")
 
-    monkeypatch.setattr(LmdbBlockTier, "_walk_chain", walk)
+    monkeypatch.setattr(ChainIndex, "_walk", walk)
 
 
 def test_r15_a_chain_looked_up_once_is_found_again_without_a_walk(kit: Kit,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     a = kit.chain(0, 6)
     kit.put(a, 0, 3)
-    kit.tier._chains = ChainCache()  # forget what the Put taught it
+    kit.tier.chains.forget()  # forget what the Put taught it
     assert kit.found(a) == 3  # walks, then remembers
     no_walk(monkeypatch)
     assert kit.found(a) == 3
