@@ -185,7 +185,7 @@ WRITE_BATCH_BLOCKS = 16
 
 def _write_by_transfer(session: Any, region: Any, chain: Any, switch: KillSwitch, errors: list[BaseException]) -> None:
     """Store the chain from a registered region, one write batch after another; `acked` counts DONE blocks."""
-    client = session.client
+    client = session.connection
     bb = client.block_bytes
     try:
         region.view[:] = b"".join(chain.payload())

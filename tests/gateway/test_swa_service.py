@@ -56,7 +56,7 @@ def test_put_get_delete_round_trip(swa_client: Client) -> None:
     assert swa.get(tokens, 60) == prompt_end  # the same point named by position
     assert swa.get(tokens) == output_end
     assert swa.get(tokens, 59) is None
-    stub = pb_grpc.SwaPoolStub(swa_client._channel)
+    stub = pb_grpc.SwaPoolStub(swa_client.connection.channel)
     reply = stub.Get(pb.SwaGetRequest(keys=[swa.key(tokens, 60), swa.key(tokens)]))
     assert [r.position for r in reply.results] == [60, 200]  # T comes back from the record
     assert swa.delete_many([swa.key(tokens)]) == 1
@@ -100,7 +100,7 @@ def test_batches_fit_the_message_limit_by_each_snapshots_own_size(start_server: 
 
 def lookup(client: Client, tokens: list[int], positions: list[int], limit: int = 0) -> kvpb.LookupResponse:
     """A raw Lookup with SWA candidates at `positions` and a resume limit."""
-    return client._call(client._stub.Lookup, kvpb.LookupRequest(
+    return client.connection.call(client.connection.kvstore.Lookup, kvpb.LookupRequest(
         block_hashes=client.hashes(tokens), swa_keys=client.swa.keys(tokens, positions),
         swa_positions=positions, swa_resume_limit=limit))
 
@@ -207,17 +207,17 @@ def test_wrong_size_position_or_checksum_is_rejected_on_put(swa_client: Client) 
         swa.put([1, 2, 3], snapshot(swa_client, 4), position=3)  # the size of another T
     with pytest.raises(InvalidArgument, match=r"at T = 200 is 2703360 bytes: 40 layers x 128 window rows"):
         swa.put(list(range(200)), snapshot(swa_client, 201))
-    stub = pb_grpc.SwaPoolStub(swa_client._channel)
+    stub = pb_grpc.SwaPoolStub(swa_client.connection.channel)
     data = snapshot(swa_client, 3)
     bad = pb.SwaPutRequest(snapshots=[pb.SwaSnapshot(key=swa.key([1, 2, 3]), position=3, data=data, checksum=1)])
     with pytest.raises(grpc.RpcError) as info:
         stub.Put(bad)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in (info.value.details() or "")
     with pytest.raises(InvalidArgument, match="unknown geometry"):
-        swa_client._call(stub.Put, pb.SwaPutRequest(geometry="other", snapshots=bad.snapshots))
+        swa_client.connection.call(stub.Put, pb.SwaPutRequest(geometry="other", snapshots=bad.snapshots))
     without_t = pb.SwaPutRequest(snapshots=[pb.SwaSnapshot(key=swa.key([1, 2, 3]), data=data)])
     with pytest.raises(InvalidArgument, match=r"snapshots\[0\].position is 0: send T"):
-        swa_client._call(stub.Put, without_t)
+        swa_client.connection.call(stub.Put, without_t)
     assert swa.get([1, 2, 3]) is None
 
 

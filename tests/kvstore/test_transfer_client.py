@@ -11,11 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.client import Client
+from kvstore.client import Client, TransferSession
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.region import Region
 from kvstore.transfer import Descriptor, Status
-from kvstore.transfer_client import TransferSession
 
 PATHS = ["shm", "stream"]
 
@@ -137,9 +136,9 @@ def test_forced_shm_path_refuses_a_region_the_server_cannot_map(client: Client,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     # A process the server cannot see (as from another host): above Linux's largest pid.
     monkeypatch.setattr(Region, "handle", property(lambda self: ((1 << 22) + 1, 3)))
-    with TransferSession(client, path="shm") as s, pytest.raises(FailedPrecondition, match="cannot map"):
+    with client.transfer(path="shm") as s, pytest.raises(FailedPrecondition, match="cannot map"):
         s.register(4096)
-    with TransferSession(client, path="auto") as s:
+    with client.transfer(path="auto") as s:
         region = s.register(4096)
         assert not region.shared, "auto falls back to the stream path"
 

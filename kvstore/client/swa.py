@@ -1,4 +1,4 @@
-"""The worker-side client of the SWA pool, reached as `Client.swa` on the client's channel.
+"""The worker-side client of the SWA pool, reached as `Client.swa` on the client's connection.
 
 Snapshot keys are computed here (kvstore.swa_snapshot), so a worker names a
 snapshot by its tokens and position T (the prompt length it was taken at; its
@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore import arguments
 from kvstore import geometry as geometries
+from kvstore.client import arguments
+from kvstore.client.connection import ENVELOPE_BYTES, Connection
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import check_position, checksum, snapshot_bytes, snapshot_keys, snapshot_shape
@@ -25,11 +26,7 @@ from kvstore.v1 import swa_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     import torch
 
-    from kvstore.client import Client
-
 Buffer = bytes | bytearray | memoryview
-#: Room left in a message for everything that is not snapshot bytes.
-_ENVELOPE_BYTES = 1 << 20
 #: Longest TTL the wire carries (uint32 milliseconds); the server cuts any TTL to its own anyway.
 _MAX_TTL_MS = 2**32 - 1
 
@@ -51,16 +48,16 @@ class SwaPutResult:
 
 
 class SwaClient:
-    """SWA snapshots of one tenant and geometry, over a `Client`'s channel.
+    """SWA snapshots of one tenant and geometry, over a client's connection.
 
     Args:
-        client: the connected client (its channel, tenant, geometry and chain root).
+        connection: the connection (its channel, tenant, geometry and chain root).
     """
 
-    def __init__(self, client: Client) -> None:
-        self._client = client
-        self._stub = pb_grpc.SwaPoolStub(client._channel)
-        self._geometry = geometries.resolve(client.geometry)
+    def __init__(self, connection: Connection) -> None:
+        self.connection = connection
+        self._stub = pb_grpc.SwaPoolStub(connection.channel)
+        self._geometry = geometries.resolve(connection.geometry)
         self._max_batch: int | None = None
 
     def snapshot_bytes(self, position: int) -> int:
@@ -77,7 +74,7 @@ class SwaClient:
 
     def _batches(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
         """[lo, hi) runs of items whose bytes fit a message, at most `_batch` items each (at least one)."""
-        room = max(self._client.max_message_bytes - _ENVELOPE_BYTES, 1)
+        room = max(self.connection.max_message_bytes - ENVELOPE_BYTES, 1)
         runs: list[tuple[int, int]] = []
         lo = used = 0
         for i, size in enumerate(sizes):
@@ -92,7 +89,7 @@ class SwaClient:
     def keys(self, tokens: Sequence[int], positions: Sequence[int], *,
              extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """Snapshot keys of `tokens` at each position (tokens before the snapshot point)."""
-        c = self._client
+        c = self.connection
         positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
         return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root,
                              extra_keys=arguments.extra_keys(extra_keys))
@@ -133,12 +130,13 @@ class SwaClient:
             # Its size: the server checks it against T.
             triples.append((key, position, arguments.buffer(item[2], f"items[{i}] snapshot")))
         for lo, hi in self._batches([len(data) for _, _, data in triples]):
-            request = pb.SwaPutRequest(geometry=self._client.geometry, namespace=self._client.namespace, ttl_ms=ttl)
+            request = pb.SwaPutRequest(geometry=self.connection.geometry, namespace=self.connection.namespace,
+                                       ttl_ms=ttl)
             for key, position, data in triples[lo:hi]:
                 # Filled in place: a snapshot built apart is copied again into its request.
                 snap = request.snapshots.add()
                 snap.key, snap.position, snap.data, snap.checksum = key, position, data, checksum(data)
-            reply = self._client._call(self._stub.Put, request)
+            reply = self.connection.call(self._stub.Put, request)
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
 
@@ -153,8 +151,8 @@ class SwaClient:
         keys = arguments.hashes(keys, "keys")
         out: list[bytes | None] = []
         for lo, hi in self._batches([self._largest] * len(keys)):
-            reply = self._client._call(self._stub.Get, pb.SwaGetRequest(
-                geometry=self._client.geometry, namespace=self._client.namespace, keys=keys[lo:hi]))
+            reply = self.connection.call(self._stub.Get, pb.SwaGetRequest(
+                geometry=self.connection.geometry, namespace=self.connection.namespace, keys=keys[lo:hi]))
             for r in reply.results:
                 data = r.data if r.status == pb.SWA_STATUS_FOUND else None  # each read of the field copies it
                 out.append(data if data is not None and checksum(data) == r.checksum else None)
@@ -178,12 +176,12 @@ class SwaClient:
             raise InvalidArgument("keys is empty")
         deleted = 0
         for start in range(0, len(keys), self._batch):
-            reply = self._client._call(self._stub.Delete, pb.SwaDeleteRequest(
-                geometry=self._client.geometry, namespace=self._client.namespace,
+            reply = self.connection.call(self._stub.Delete, pb.SwaDeleteRequest(
+                geometry=self.connection.geometry, namespace=self.connection.namespace,
                 keys=keys[start:start + self._batch]))
             deleted += reply.deleted
         return deleted
 
     def stats(self) -> pb.SwaStatsResponse:
         """The pool's counters, hit rate inputs and usage against its cap."""
-        return self._client._call(self._stub.Stats, pb.SwaStatsRequest())
+        return self.connection.call(self._stub.Stats, pb.SwaStatsRequest())

@@ -3,7 +3,8 @@
 Hashes are computed here with `kvstore.prefix`, so a Lookup of a 1M-token prompt
 sends 15,625 hashes rather than a million token ids. Large calls are split into
 batches the server accepts; every gRPC failure surfaces as a `KVStoreError`
-subclass (`kvstore.errors`), never as a raw `grpc.RpcError`.
+subclass (`kvstore.errors`), never as a raw `grpc.RpcError` (the plumbing is
+`kvstore.client.connection`, shared with the SWA and transfer clients).
 """
 
 from __future__ import annotations
@@ -14,20 +15,18 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
-from kvstore import arguments
-from kvstore.errors import InvalidArgument, KVStoreError, from_status
-from kvstore.prefix import ExtraKey, chain_hashes, root_hash
+from kvstore.client import arguments
+from kvstore.client.blocks import encode_extra_keys, stream_blocks
+from kvstore.client.connection import Connection
+from kvstore.client.swa import SwaClient
+from kvstore.client.transfer import TransferSession
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.prefix import ExtraKey, chain_hashes
 from kvstore.v1 import kvstore_pb2 as pb
-from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 
 if TYPE_CHECKING:
     import torch
-
-    from kvstore.swa_client import SwaClient
-    from kvstore.transfer_client import TransferSession
 
 Buffer = bytes | bytearray | memoryview
 #: Largest value of a uint32 wire field (lease milliseconds).
@@ -35,8 +34,6 @@ _UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
-#: Room left in a message for everything that is not block bytes.
-_ENVELOPE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,10 +78,6 @@ class GetResult:
         return n
 
 
-def _encode_extra(extra_keys: Sequence[ExtraKey]) -> list[bytes]:
-    return [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
-
-
 class Client:
     """A connection to a kvstore server for one tenant and one geometry.
 
@@ -101,41 +94,22 @@ class Client:
 
     def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
                  timeout_s: float = 120.0) -> None:
-        self.target = arguments.text(target, "target")
-        self.namespace = arguments.text(namespace, "namespace")
-        self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
-        geometry = arguments.text(geometry, "geometry")
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", -1),
-            ("grpc.max_send_message_length", -1),
-        ])
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        info = self._call(self._stub.GetInfo, pb.GetInfoRequest())
-        served = {g.name: g for g in info.geometries}
-        chosen = served.get(geometry) if geometry else info.geometries[0]
-        if chosen is None:
-            self.close()
-            raise InvalidArgument(f"server does not serve geometry {geometry!r}; it serves {sorted(served)}")
-        self.geometry: str = chosen.name
-        self.fingerprint: bytes = chosen.fingerprint
-        self.block_tokens: int = info.block_tokens
-        self.block_bytes: int = chosen.block_bytes
-        self.max_batch_blocks: int = info.max_batch_blocks
-        self.max_message_bytes: int = info.max_message_bytes
-        self.max_lease_ms: int = info.max_lease_ms
-        self.root: bytes = root_hash(self.fingerprint, self.block_tokens)
-
-    # -- plumbing ----------------------------------------------------------
-
-    def _call(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s)
-        except grpc.RpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
+        #: The channel, its call plumbing and what the server said; `swa` and `transfer()` share it.
+        self.connection = c = Connection(target, namespace=namespace, geometry=geometry, timeout_s=timeout_s)
+        # Fixed at connect: copied so the client reads as before.
+        self.target, self.namespace, self.timeout_s = c.target, c.namespace, c.timeout_s
+        self.geometry: str = c.geometry
+        self.fingerprint: bytes = c.fingerprint
+        self.block_tokens: int = c.block_tokens
+        self.block_bytes: int = c.block_bytes
+        self.max_batch_blocks: int = c.max_batch_blocks
+        self.max_message_bytes: int = c.max_message_bytes
+        self.max_lease_ms: int = c.max_lease_ms
+        self.root: bytes = c.root
 
     def close(self) -> None:
         """Close the channel."""
-        self._channel.close()
+        self.connection.close()
 
     def __enter__(self) -> Client:
         return self
@@ -147,12 +121,7 @@ class Client:
 
     def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """Chain hashes of every full block of `tokens`, from the prompt start."""
-        extra_keys = arguments.extra_keys(extra_keys)
-        return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
-
-    def _batch_blocks(self) -> int:
-        by_bytes = max((self.max_message_bytes - _ENVELOPE_BYTES) // self.block_bytes, 1)
-        return min(self.max_batch_blocks, by_bytes)
+        return self.connection.hashes(tokens, extra_keys=extra_keys)
 
     # -- calls -------------------------------------------------------------
 
@@ -187,7 +156,7 @@ class Client:
         swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
-        reply = self._call(self._stub.Lookup, pb.LookupRequest(
+        reply = self.connection.call(self.connection.kvstore.Lookup, pb.LookupRequest(
             geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms,
             swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit))
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
@@ -198,14 +167,13 @@ class Client:
     @cached_property
     def swa(self) -> SwaClient:
         """The SWA pool of this server, on the same channel, tenant and geometry."""
-        from kvstore.swa_client import SwaClient
-
-        return SwaClient(self)
+        return SwaClient(self.connection)
 
     def release(self, lease_id: str) -> bool:
         """Drop a lease; False when it had already expired."""
         lease_id = arguments.text(lease_id, "lease_id")
-        return bool(self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id)).released)
+        reply = self.connection.call(self.connection.kvstore.Release, pb.ReleaseRequest(lease_id=lease_id))
+        return bool(reply.released)
 
     def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
             extra_keys: Sequence[ExtraKey] = (), first_block: int = 0, parent: bytes | None = None,
@@ -249,10 +217,11 @@ class Client:
                                   f"from block {first_block}")
         if parent is None:
             parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
-        extra = _encode_extra(extra_keys)
-        step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self._batch_blocks())
+        extra = encode_extra_keys(extra_keys)
+        step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self.connection.batch_blocks)
         if len(payload) <= step:
-            replies = [self._call(self._stub.Put, self._put_request(tokens, payload, first_block, parent, extra))]
+            request = self._put_request(tokens, payload, first_block, parent, extra)
+            replies = [self.connection.call(self.connection.kvstore.Put, request)]
         else:
             replies = self._put_stream(tokens, payload, first_block, parent, extra, extra_keys, step, on_batch)
         hashes = [h for r in replies for h in r.block_hashes]
@@ -281,14 +250,11 @@ class Client:
                 yield self._put_request(tokens, payload[start:start + step], first_block + start, before, extra)
 
         replies: list[pb.PutResponse] = []
-        try:
-            for reply in self._stub.PutStream(requests(), timeout=self.timeout_s):
-                replies.append(reply)
-                if on_batch is not None:
-                    on_batch(len(reply.block_hashes))
-            return replies
-        except grpc.RpcError as exc:
-            raise from_status(exc.code(), exc.details()) from None
+        for reply in self.connection.stream(self.connection.kvstore.PutStream, requests()):
+            replies.append(reply)
+            if on_batch is not None:
+                on_batch(len(reply.block_hashes))
+        return replies
 
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:
@@ -338,36 +304,25 @@ class Client:
         """Fetch blocks by hash as they arrive: (index, status, data) per block, in
         order, across as many Get calls as the batch limit needs. `status` is a
         `kvstore.v1.kvstore_pb2.BlockStatus`; `data` is empty unless found."""
-        hashes = arguments.hashes(hashes, "hashes")
-        step = self._batch_blocks()
-        for start in range(0, len(hashes), step):
-            request = pb.GetRequest(geometry=self.geometry, namespace=self.namespace,
-                                    block_hashes=hashes[start:start + step])
-            try:
-                for reply in self._stub.Get(request, timeout=self.timeout_s):
-                    yield start + reply.index, reply.status, reply.data
-            except grpc.RpcError as exc:
-                raise from_status(exc.code(), exc.details()) from None
+        return stream_blocks(self.connection, hashes)
 
     def transfer(self, *, path: str = "auto") -> TransferSession:
-        """A batched-transfer session on this connection (`kvstore.transfer_client`).
+        """A batched-transfer session on this connection (`kvstore.client.transfer`).
 
         Args:
             path: "auto" (shared memory when the server can map this host's
                 regions, else streamed), "shm" or "stream" to force one.
         """
-        from kvstore.transfer_client import TransferSession
-
-        return TransferSession(self, path=path)
+        return TransferSession(self.connection, path=path)
 
     def stats(self) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom."""
-        return self._call(self._stub.Stats, pb.StatsRequest())
+        return self.connection.call(self.connection.kvstore.Stats, pb.StatsRequest())
 
     def transfer_stats(self) -> transfer_pb2.TransferStatsResponse:
         """The transfer service's counters: its copy loop, sessions, mapped regions, batches, bytes moved."""
-        stub = transfer_pb2_grpc.TransferStub(self._channel)
-        return self._call(stub.Stats, transfer_pb2.TransferStatsRequest())
+        stub = transfer_pb2_grpc.TransferStub(self.connection.channel)
+        return self.connection.call(stub.Stats, transfer_pb2.TransferStatsRequest())
 
 
 def as_buffer(data: Any) -> bytes:

@@ -27,12 +27,14 @@ import itertools
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 
-from kvstore import arguments
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, from_status, to_status
+from kvstore.client import arguments
+from kvstore.client.blocks import encode_extra_keys, stream_blocks
+from kvstore.client.connection import Connection, status_error
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, to_status
 from kvstore.prefix import HASH_BYTES, ExtraKey
 from kvstore.region import Region
 from kvstore.transfer import (
@@ -50,9 +52,6 @@ from kvstore.transfer import (
 from kvstore.v1 import kvstore_pb2
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from kvstore.client import Client
 
 #: Region ids of stream-path regions: far above any id a server hands out.
 _LOCAL_IDS = itertools.count(1 << 62)
@@ -163,8 +162,8 @@ class ShmPath(TransferPath):
         self.stub = session.stub
         self.call = session.call
         self.session_id = session.session_id
-        self.block_bytes = session.client.block_bytes
-        self.timeout_s = session.client.timeout_s
+        self.block_bytes = session.connection.block_bytes
+        self.timeout_s = session.connection.timeout_s
         self.keep_finished = session.keep_finished
 
     def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
@@ -249,7 +248,7 @@ class StreamPath(TransferPath):
 
     def __init__(self, session: TransferSession) -> None:
         self.session = session
-        self.client = session.client
+        self.connection = session.connection
         self._ids = itertools.count(1)
         # Two threads: one batch streams while the next one starts.
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-stream")
@@ -269,12 +268,12 @@ class StreamPath(TransferPath):
         return self._start(results, self._write, spans, results, parent_hash, token_ids, extra_keys)
 
     def _start(self, results: BatchResults, fn: Any, *args: Any) -> Transfer:
-        return _LocalTransfer(next(self._ids), results, self.client.block_bytes, self._pool.submit(fn, *args))
+        return _LocalTransfer(next(self._ids), results, self.connection.block_bytes, self._pool.submit(fn, *args))
 
     def _spans(self, groups: Sequence[DescriptorGroup], op: Op) -> tuple[BatchResults, list[memoryview | None]]:
         """The same checks the server makes (`cut_spans`), so a descriptor fails the same way on either path."""
         results = BatchResults(sum(len(g) for g in groups), writes=op is Op.WRITE)
-        spans = cut_spans(groups, op, self.client.block_bytes, results, lambda rid: self.session.region(rid).view)
+        spans = cut_spans(groups, op, self.connection.block_bytes, results, lambda rid: self.session.region(rid).view)
         return results, spans
 
     def _read(self, hashes: list[bytes], spans: list[memoryview | None], results: BatchResults,
@@ -282,7 +281,7 @@ class StreamPath(TransferPath):
         end = spans.index(None) if prefix_only and None in spans else len(spans)
         wanted = [i for i in range(end) if spans[i] is not None]
         stream = cast(Generator[tuple[int, int, bytes], None, None],
-                      self.client.stream([hashes[i] for i in wanted]))
+                      stream_blocks(self.connection, [hashes[i] for i in wanted]))
         for index, status, data in stream:
             i = wanted[index]
             if status == kvstore_pb2.BLOCK_STATUS_FOUND:
@@ -304,15 +303,16 @@ class StreamPath(TransferPath):
                token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> None:
         n = len(spans)
         end = spans.index(None) if None in spans else n
-        bt = self.client.block_tokens
-        step = self.client._batch_blocks()
+        c = self.connection
+        bt = c.block_tokens
+        step = c.batch_blocks
         parent = parent_hash
         for start in range(0, end, step):
             stop = min(start + step, end)
             blocks = [bytes(s) for s in spans[start:stop] if s is not None]
             try:
-                reply = self.client._call(self.client._stub.Put, kvstore_pb2.PutRequest(
-                    geometry=self.client.geometry, namespace=self.client.namespace, parent_hash=parent,
+                reply = c.call(c.kvstore.Put, kvstore_pb2.PutRequest(
+                    geometry=c.geometry, namespace=c.namespace, parent_hash=parent,
                     token_ids=token_ids[start * bt: stop * bt], extra_keys=extra_keys, blocks=blocks))
             except KVStoreError as exc:
                 results.fail_pending(range(start, n), to_status(exc).name, exc.message)
@@ -345,39 +345,39 @@ class TransferSession:
     """A transfer session with the server: regions registered in it die with it.
 
     Args:
-        client: the connection (its tenant and geometry are the session's).
+        connection: the connection (its tenant and geometry are the session's).
         path: "auto", "shm" (fail if the server cannot map a region) or "stream".
     """
 
-    def __init__(self, client: Client, *, path: str = "auto") -> None:
+    def __init__(self, connection: Connection, *, path: str = "auto") -> None:
         if not isinstance(path, str) or path not in (*PATHS, "auto"):
             raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
-        self.client = client
+        self.connection = connection
         self.path = path
-        self.stub = pb_grpc.TransferStub(client._channel)
+        self.stub = pb_grpc.TransferStub(connection.channel)
         self.regions: dict[int, Region] = {}
         self.session_id = ""
         self._events: Any = None
         if path != "stream":
             self._events = self.stub.OpenSession(pb.OpenSessionRequest(
-                geometry=client.geometry, namespace=client.namespace))
+                geometry=connection.geometry, namespace=connection.namespace))
             try:
                 first = next(self._events)
             except grpc.RpcError as exc:
-                raise from_status(exc.code(), exc.details()) from None
+                raise status_error(exc) from None
             self.session_id = first.session_id
             self.max_descriptors = first.max_descriptors
             self.keep_finished = first.keep_finished
             self.max_session_descriptors = first.max_session_descriptors or first.max_descriptors
         else:
-            self.max_descriptors = client.max_batch_blocks
+            self.max_descriptors = connection.max_batch_blocks
             self.keep_finished = 0
             self.max_session_descriptors = 0
         self._paths = {name: cls(self) for name, cls in PATHS.items()}
 
     def call(self, method: Any, request: Any) -> Any:
         """One unary call, its failure raised as a KVStoreError."""
-        return self.client._call(method, request)
+        return self.connection.call(method, request)
 
     # -- regions -----------------------------------------------------------
 
@@ -480,13 +480,13 @@ class TransferSession:
         first_block = arguments.integer(first_block, "first_block")
         extra_keys = arguments.extra_keys(extra_keys)
         descriptors = _descriptors(descriptors, self.max_descriptors)
-        bt = self.client.block_tokens
+        bt = self.connection.block_tokens
         if (first_block + len(descriptors)) * bt > len(tokens):
             raise InvalidArgument(f"{len(descriptors)} descriptors from block {first_block} need "
                                   f"{(first_block + len(descriptors)) * bt} tokens; got {len(tokens)}")
-        parent = self.client.hashes(tokens[: first_block * bt], extra_keys=extra_keys)[-1:] or [b""]
+        parent = self.connection.hashes(tokens[: first_block * bt], extra_keys=extra_keys)[-1:] or [b""]
         ids = tokens[first_block * bt: (first_block + len(descriptors)) * bt]
-        extra = [k.encode() if isinstance(k, str) else bytes(k) for k in extra_keys]
+        extra = encode_extra_keys(extra_keys)
         groups = group(descriptors, Op.WRITE)
         return self._path_for(groups).write(groups, parent[0], ids, extra)
 
@@ -510,7 +510,7 @@ class TransferSession:
         batch_descriptors = arguments.integer(batch_descriptors, "batch_descriptors", least=1)
         if not isinstance(prefix_only, bool):
             raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
-        size = self.client.block_bytes
+        size = self.connection.block_bytes
         if offset_bytes + len(hashes) * size > region.size_bytes:
             raise InvalidArgument(f"{len(hashes)} blocks of {size} bytes from offset {offset_bytes} do not fit "
                                   f"in region {region.name} of {region.size_bytes} bytes")

@@ -1,0 +1,35 @@
+"""The worker-side clients of a kvstore server, one module each, over one shared connection.
+
+- `connection`: the channel and the call plumbing (deadlines, gRPC status to
+  `kvstore.errors`, streaming calls) and what the server said at connect time.
+- `store`: `Client`, lookup, put and get of global-KV blocks (its `swa` and
+  `transfer()` hand its connection to the two clients below).
+- `swa`: `SwaClient`, SWA snapshots in the server's pool.
+- `transfer`: `TransferSession`, batched transfers through registered regions.
+- `blocks`: the KVStore block calls `store` and `transfer` both make.
+- `arguments`: the checks of what callers hand the clients.
+
+Imports point one way: store -> swa, transfer -> blocks -> connection -> arguments.
+"""
+
+from kvstore.client.connection import Connection
+from kvstore.client.store import Client, GetResult, LookupResult, PutResult, as_buffer
+from kvstore.client.swa import SwaClient, SwaPutResult
+from kvstore.client.transfer import PATHS, Transfer, TransferPath, TransferSession
+from kvstore.errors import KVStoreError
+
+__all__ = [
+    "PATHS",
+    "Client",
+    "Connection",
+    "GetResult",
+    "KVStoreError",
+    "LookupResult",
+    "PutResult",
+    "SwaClient",
+    "SwaPutResult",
+    "Transfer",
+    "TransferPath",
+    "TransferSession",
+    "as_buffer",
+]

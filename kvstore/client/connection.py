@@ -1,0 +1,106 @@
+"""One connection to a kvstore server: what the store, SWA and transfer clients share.
+
+A `Connection` owns the gRPC channel and the call plumbing, written once here:
+each call's deadline, and every gRPC failure turned into a `kvstore.errors`
+class (never a raw `grpc.RpcError`). It also keeps what the server said at
+connect time for one tenant and one geometry: the block size, the chain root
+and the server's limits. Each client takes a Connection (as redis-py's command
+classes share one connection pool); none of them imports another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvstore.client import arguments
+from kvstore.errors import InvalidArgument, KVStoreError, from_status
+from kvstore.prefix import ExtraKey, chain_hashes, root_hash
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+#: Room left in a message for everything that is not block or snapshot bytes.
+ENVELOPE_BYTES = 1 << 20
+
+
+def status_error(exc: grpc.RpcError) -> KVStoreError:
+    """The `kvstore.errors` class of a failed call's status (raise it `from None`)."""
+    return from_status(exc.code(), exc.details())
+
+
+class Connection:
+    """A channel to a kvstore server for one tenant and one geometry.
+
+    Args:
+        target: "host:port" of the server (or the gateway).
+        namespace: the tenant; blocks of two tenants never mix.
+        geometry: profile name; '' means the server's default.
+        timeout_s: deadline of each call.
+
+    Raises:
+        InvalidArgument: a bad argument, or a geometry the server does not serve.
+        KVStoreError: the server could not be asked (the class of its status).
+    """
+
+    def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
+                 timeout_s: float = 120.0) -> None:
+        self.target = arguments.text(target, "target")
+        self.namespace = arguments.text(namespace, "namespace")
+        self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
+        geometry = arguments.text(geometry, "geometry")
+        self.channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", -1),
+            ("grpc.max_send_message_length", -1),
+        ])
+        #: The KVStore service's stub (GetInfo here; blocks in the store and transfer clients).
+        self.kvstore = pb_grpc.KVStoreStub(self.channel)
+        info = self.call(self.kvstore.GetInfo, pb.GetInfoRequest())
+        served = {g.name: g for g in info.geometries}
+        chosen = served.get(geometry) if geometry else info.geometries[0]
+        if chosen is None:
+            self.close()
+            raise InvalidArgument(f"server does not serve geometry {geometry!r}; it serves {sorted(served)}")
+        self.geometry: str = chosen.name
+        self.fingerprint: bytes = chosen.fingerprint
+        self.block_tokens: int = info.block_tokens
+        self.block_bytes: int = chosen.block_bytes
+        self.max_batch_blocks: int = info.max_batch_blocks
+        self.max_message_bytes: int = info.max_message_bytes
+        self.max_lease_ms: int = info.max_lease_ms
+        self.root: bytes = root_hash(self.fingerprint, self.block_tokens)
+
+    # -- calls -------------------------------------------------------------
+
+    def call(self, method: Any, request: Any) -> Any:
+        """One unary call under the deadline, its failure raised as a KVStoreError."""
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise status_error(exc) from None
+
+    def stream(self, method: Any, request: Any) -> Iterator[Any]:
+        """The replies of a streaming call (`request` one message or an iterator of them)
+        under the deadline, as they arrive; a failure is raised as a KVStoreError."""
+        try:
+            yield from method(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise status_error(exc) from None
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    # -- what the server said ----------------------------------------------
+
+    @property
+    def batch_blocks(self) -> int:
+        """Most blocks in one request: the server's batch limit, cut to fit its message limit."""
+        by_bytes = max((self.max_message_bytes - ENVELOPE_BYTES) // self.block_bytes, 1)
+        return min(self.max_batch_blocks, by_bytes)
+
+    def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+        """Chain hashes of every full block of `tokens`, from the prompt start."""
+        extra_keys = arguments.extra_keys(extra_keys)
+        return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
