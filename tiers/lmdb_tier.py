@@ -106,7 +106,7 @@ class LmdbBlockTier:
     def _open_state(self, settings: StoreSettings) -> None:
         # Data, meta and child entries of each block, side by side (tiers/records.py).
         self._dbs = BlockDbs.open(self.env)
-        self._records, self._lru, self._state = self._dbs.records, self._dbs.lru, self._dbs.state
+        self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self._lock = threading.Lock()
         self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)

@@ -41,7 +41,7 @@ outside that band; indexer and window rows whose largest code is small (indexer
 3, window < 232) come back with half the scale and doubled codes: the same values.
 
 CUDA: on CUDA tensors each function first tries a Triton kernel of
-`kvstore.codec.rows_triton` (helper H8), through `fp4.CudaKernel`:
+`kvstore.codec.rows_triton`, through `fp4.CudaKernel`:
 
 - `rows_triton.compressed_kv_rows(x)`, `rows_triton.indexer_key_rows(x)`,
   `rows_triton.swa_rows(x)`: x as the caller passed it (float32, bfloat16 or

@@ -8,7 +8,7 @@ The matrix (issue 9), each scenario asserting outcomes, never timings:
 - test_client_killed.py: the worker killed -9 mid-transfer.
 - test_redis_outage.py: the SWA pool's Redis killed or hung, then back.
 - test_disk_full.py: the disk fills (small tmpfs, or RLIMIT_FSIZE).
-- test_damaged_files.py (H2): truncated, emptied and damaged data files.
+- test_damaged_files.py: truncated, emptied and damaged data files.
 After each fault, `census` and `assert_usage_matches` check the store: every
 acknowledged block bit-identical, Lookup and Get agreeing (no hole), usage
 totals equal to the blocks a client can read.
