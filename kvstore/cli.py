@@ -218,6 +218,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Commands whose arguments and body live in their own module, imported only when chosen
+#: (so `kvstore serve` never loads the planner or torch): name -> (module, help).
+LAZY_COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
+    "worker": ("replay.worker.command", "run the reference GPU worker (replay and prefill) as a gRPC service"),
+}
+
+
+def _lazy(args: argparse.Namespace) -> int:
+    return int(args.command_module.run(args) or 0)
+
+
+def _chosen_command(argv: list[str] | None) -> str | None:
+    """The first non-option word of the command line: the command that will run."""
+    args = sys.argv[1:] if argv is None else argv
+    words = [a for a in args if not a.startswith("-")]
+    return words[0] if words else None
+
+
 def _chosen_bench(argv: list[str] | None) -> str | None:
     """The benchmark named on the command line, if any (so only its module is imported)."""
     args = sys.argv[1:] if argv is None else argv
@@ -264,6 +283,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     check.set_defaults(func=_check)
+
+    chosen_command = _chosen_command(argv)
+    for name, (module_path, help_) in LAZY_COMMANDS.items():
+        if chosen_command != name:
+            sub.add_parser(name, help=help_)  # listed; its module is imported only when it runs
+            continue
+        module = importlib.import_module(module_path)
+        p = sub.add_parser(name, help=help_, description=module.__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(func=_lazy, command_module=module)
 
     bench = sub.add_parser("bench", help="run a benchmark against its baseline",
                            description="Benchmarks print each figure beside a baseline measured in the same run "

@@ -14,4 +14,5 @@ BENCHES: dict[str, str] = {
     "transfer": "kvstore.bench.transfer",
     "swa": "kvstore.bench.swa",
     "load": "kvstore.bench.load",
+    "replay": "kvstore.bench.replay",
 }
