@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway import validate
+from gateway.resume_counters import ResumeCounters, check_report
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
@@ -56,6 +57,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.layouts = layouts
         self.max_message_bytes = max_message_bytes
         self.settings = tier.settings
+        #: What planners reported of their plans (ReportResume): usable tokens, not raw hits.
+        self.resume = ResumeCounters()
 
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -236,7 +239,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             write_rate_bytes_per_s=s.write_rate_bytes_per_s, headroom_hours=s.headroom_hours,
             retention_hours=s.retention_hours, active_leases=s.active_leases,
             uptime_s=s.uptime_s, stored_by_geometry=self._by_geometry(s.by_layout),
+            **self.resume.stats_fields(),
         )
+
+    @unary
+    async def ReportResume(self, request: pb.ReportResumeRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ReportResumeResponse:
+        validate.scope(self.layouts, request.geometry, request.namespace)
+        # The longest prompt a Lookup covers: its most blocks, plus a partial block.
+        longest = (self.settings.max_lookup_blocks + 1) * self.settings.block_tokens - 1
+        self.resume.add(check_report(request, max_prompt_tokens=longest))
+        return pb.ReportResumeResponse()
 
     def _by_geometry(self, by_layout: dict[bytes, tuple[int, int]]) -> list[pb.GeometryUsage]:
         """Per-layout usage, named where this server serves the fingerprint; served ones first."""

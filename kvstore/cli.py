@@ -87,6 +87,9 @@ def stats_dict(reply: object) -> dict[str, object]:
     out = message_dict(reply)
     out["lookup_hit_rate"] = _rate(int(out["lookup_tokens_found"]), int(out["lookup_tokens_asked"]))  # type: ignore[call-overload]
     out["retrieve_hit_rate"] = _rate(int(out["get_tokens_returned"]), int(out["get_tokens_asked"]))  # type: ignore[call-overload]
+    # Planners' reports (ReportResume): the hit rate that counts only usable tokens.
+    out["resume_usable_hit_rate"] = _rate(int(out["resume_usable_tokens"]), int(out["resume_prompt_tokens"]))  # type: ignore[call-overload]
+    out["resume_found_hit_rate"] = _rate(int(out["resume_found_tokens"]), int(out["resume_prompt_tokens"]))  # type: ignore[call-overload]
     # Fingerprints as hex (MessageToDict gives base64), counts as ints.
     out["stored_by_geometry"] = [
         {"fingerprint": g.fingerprint.hex(), "name": g.name or None, "blocks_stored": g.blocks_stored,
@@ -139,9 +142,19 @@ def _stats(args: argparse.Namespace) -> int:
         else:
             print(f"  {label:<{width}}  {_fmt(value)}")
     _print_by_geometry(data["stored_by_geometry"])  # type: ignore[arg-type]
+    _print_section("Resume plans (planner reports)", data, RESUME_ROWS)
     _print_section("SWA pool", data["swa"], SWA_ROWS)  # type: ignore[arg-type]
     _print_section("Transfer", data["transfer"], TRANSFER_ROWS)  # type: ignore[arg-type]
     return 0
+
+
+RESUME_ROWS = (
+    ("Plans", "resume_plans"), ("Usable hit rate (usable / prompt tokens)", "resume_usable_hit_rate"),
+    ("Found hit rate (found / prompt tokens)", "resume_found_hit_rate"), ("Prompt tokens", "resume_prompt_tokens"),
+    ("Usable tokens", "resume_usable_tokens"), ("Fetch + snapshot", "resume_fetch_snapshot_plans"),
+    ("Bounded replay", "resume_bounded_replay_plans"), ("Exact replay", "resume_exact_replay_plans"),
+    ("Full prefill", "resume_full_prefill_plans"),
+)
 
 
 def _print_by_geometry(rows: list[dict[str, object]]) -> None:

@@ -1,17 +1,123 @@
-"""`kvstore plan`: the resume plan of a prompt against a running service (being built: issue 11)."""
+"""Print the resume plan of a prompt against a running kvstore service.
+
+The prompt's token ids come from a file (a JSON array, or integers separated by
+whitespace or commas; `-` reads stdin). The planner asks the service what is
+cached (found blocks, the SWA snapshot that serves the longest resume) and
+prints its decision: each line with its numbers, then a summary (`--json`: one
+object with the plan's fields). The plan is neither leased nor counted in the
+server's usable-token stats: nothing executes it.
+
+Examples:
+  kvstore plan --tokens prompt.json --target 127.0.0.1:50051
+  kvstore plan --tokens - --replay-windows exact --json < prompt.txt
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import sys
+from pathlib import Path
 
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import InvalidArgument
+from replay.cost import DEFAULT_FETCH_GBPS, DEFAULT_RECOMPUTE_TOKENS_PER_S, CostModel, parse_replay_windows
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_SEPARATORS = re.compile(r"[\s,]+")
+_TOKEN_MAX = 2**32 - 1
+
+
+def parse_tokens(text: str, source: str) -> list[int]:
+    """Token ids from `text`: a JSON array of integers, or integers separated by whitespace or commas.
+
+    Raises:
+        InvalidArgument: no tokens, or an item that is not a token id (named with its index).
+    """
+    body = text.strip()
+    if body.startswith("["):
+        try:
+            items: list[object] = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{source}: not a JSON array of token ids: {exc}") from None
+        if not isinstance(items, list):
+            raise InvalidArgument(f"{source}: not a JSON array of token ids")
+    else:
+        items = [w for w in _SEPARATORS.split(body) if w]
+    tokens: list[int] = []
+    for i, item in enumerate(items):
+        value = item
+        if isinstance(item, str):
+            try:
+                value = int(item)
+            except ValueError:
+                value = None
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _TOKEN_MAX:
+            raise InvalidArgument(f"{source}: item {i} ({item!r}) is not a token id (an integer in "
+                                  f"[0, {_TOKEN_MAX}])")
+        tokens.append(value)
+    if not tokens:
+        raise InvalidArgument(f"{source}: no token ids", hint="give a JSON array or integers separated by spaces")
+    return tokens
+
+
+def read_tokens(path: str) -> list[int]:
+    """The token ids in the file at `path` (`-`: stdin).
+
+    Raises:
+        OSError: the file cannot be read.
+        InvalidArgument: its content is not token ids.
+    """
+    if path == "-":
+        return parse_tokens(sys.stdin.read(), "stdin")
+    return parse_tokens(Path(path).read_text(), path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's arguments."""
-    parser.add_argument("--tokens", help="file of token ids")
+    parser.add_argument("--tokens", required=True, metavar="FILE",
+                        help="token ids: a JSON array or integers separated by spaces or commas; - for stdin")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
+    parser.add_argument("--namespace", default="default", help="tenant (default: default)")
+    parser.add_argument("--geometry", default="", help="geometry name (default: the server's)")
+    parser.add_argument("--extra-key", action="append", default=[], metavar="KEY",
+                        help="an extra key the blocks were stored with (repeat for several, in order)")
+    parser.add_argument("--replay-windows", default="1", metavar="N|exact",
+                        help="bounded replay length in windows (default 1), or 'exact' (layers x window only)")
+    parser.add_argument("--fetch-gbps", type=float, default=DEFAULT_FETCH_GBPS,
+                        help=f"block fetch rate, GB/s (default {DEFAULT_FETCH_GBPS:g}: kvstore bench transfer)")
+    parser.add_argument("--recompute-tps", type=float, default=DEFAULT_RECOMPUTE_TOKENS_PER_S,
+                        help=f"worker compute rate, tokens/s (default {DEFAULT_RECOMPUTE_TOKENS_PER_S:,.0f})")
+    parser.add_argument("--snapshot-probes", type=int, default=4,
+                        help="block boundaries asked about for a snapshot (default 4)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Not built yet."""
-    raise FailedPrecondition("kvstore plan is not built yet (issue 11)")
+    """Plan the prompt in `args.tokens` against `args.target` and print the plan.
+
+    Raises:
+        OSError: the token file cannot be read.
+        KVStoreError: bad input, or the server could not be asked.
+    """
+    from kvstore.client import Client
+    from replay.planner import Planner
+
+    cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,
+                     replay_windows=parse_replay_windows(args.replay_windows))
+    tokens = read_tokens(args.tokens)
+    with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout) as client:
+        with Planner(client, cost=cost, lease_ms=0, snapshot_probes=args.snapshot_probes, report=False) as planner:
+            plan = planner.plan(tokens, extra_keys=args.extra_key)
+        geometry, block_tokens = client.geometry, client.block_tokens
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "target": args.target, "namespace": args.namespace,
+                          "geometry": geometry, "block_tokens": block_tokens}))
+        return 0
+    print(f"plan for {plan.prompt_tokens:,} prompt tokens at {args.target} (namespace {args.namespace}, "
+          f"geometry {geometry}, blocks of {block_tokens})")
+    for line in plan.reasons:
+        print(f"  {line}")
+    print(plan.summary())
+    return 0

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from kvstore.client import arguments
 from kvstore.client.blocks import encode_extra_keys, stream_blocks
-from kvstore.client.connection import Connection
+from kvstore.client.connection import Connection, status_error
 from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -34,6 +37,13 @@ _UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
+#: The resume actions `report_resume` takes, by the names replay.plan.Action gives them.
+RESUME_ACTIONS: dict[str, pb.ResumeAction] = {
+    "fetch+snapshot": pb.RESUME_ACTION_FETCH_SNAPSHOT,
+    "bounded-replay": pb.RESUME_ACTION_BOUNDED_REPLAY,
+    "exact-replay": pb.RESUME_ACTION_EXACT_REPLAY,
+    "full-prefill": pb.RESUME_ACTION_FULL_PREFILL,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,6 +328,53 @@ class Client:
     def stats(self) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom."""
         return self.connection.call(self.connection.kvstore.Stats, pb.StatsRequest())
+
+    def report_resume(self, *, prompt_tokens: int, found_tokens: int, usable_tokens: int, action: str,
+                      wait: bool = True) -> Future[None]:
+        """Report one resume plan, so the server's stats count usable tokens (ReportResume).
+
+        Args:
+            prompt_tokens: the prompt's length.
+            found_tokens: the store's raw hit for it.
+            usable_tokens: the tokens the plan serves from cache (0 for a full prefill).
+            action: the plan's action: "fetch+snapshot", "bounded-replay", "exact-replay" or "full-prefill".
+            wait: wait for the answer (and raise its error); False sends it and returns at once.
+
+        Returns:
+            A future that completes when the server answered; its exception is the call's
+            KVStoreError. Without `wait`, a failure reaches the caller only through it.
+
+        Raises:
+            InvalidArgument: a bad count or an unknown action (nothing sent).
+            KVStoreError: with `wait`, the class of the server's status.
+        """
+        if action not in RESUME_ACTIONS:
+            raise InvalidArgument(f"unknown resume action {action!r}; one of {', '.join(RESUME_ACTIONS)}")
+        request = pb.ReportResumeRequest(
+            geometry=self.geometry, namespace=self.namespace, action=RESUME_ACTIONS[action],
+            prompt_tokens=arguments.integer(prompt_tokens, "prompt_tokens", most=2**64 - 1),
+            found_tokens=arguments.integer(found_tokens, "found_tokens", most=2**64 - 1),
+            usable_tokens=arguments.integer(usable_tokens, "usable_tokens", most=2**64 - 1))
+        done: Future[None] = Future()
+        try:
+            call = self.connection.kvstore.ReportResume.future(request, timeout=self.timeout_s)
+        except ValueError as exc:  # grpc refuses a call on a closed channel
+            raise InvalidArgument(f"cannot report on this client: {exc}", hint="the client is closed") from None
+
+        def finished(call: Any) -> None:
+            try:
+                call.result()
+            except grpc.RpcError as exc:
+                done.set_exception(status_error(exc))
+            except BaseException as exc:  # cancelled: still a KVStoreError for the caller
+                done.set_exception(KVStoreError(f"ReportResume did not complete: {exc!r}"))
+            else:
+                done.set_result(None)
+
+        call.add_done_callback(finished)
+        if wait:
+            done.result()
+        return done
 
     def transfer_stats(self) -> transfer_pb2.TransferStatsResponse:
         """The transfer service's counters: its copy loop, sessions, mapped regions, batches, bytes moved."""

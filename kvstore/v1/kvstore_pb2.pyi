@@ -13,10 +13,23 @@ class BlockStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_STATUS_FOUND: _ClassVar[BlockStatus]
     BLOCK_STATUS_MISSING: _ClassVar[BlockStatus]
     BLOCK_STATUS_CORRUPT: _ClassVar[BlockStatus]
+
+class ResumeAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESUME_ACTION_UNSPECIFIED: _ClassVar[ResumeAction]
+    RESUME_ACTION_FETCH_SNAPSHOT: _ClassVar[ResumeAction]
+    RESUME_ACTION_BOUNDED_REPLAY: _ClassVar[ResumeAction]
+    RESUME_ACTION_EXACT_REPLAY: _ClassVar[ResumeAction]
+    RESUME_ACTION_FULL_PREFILL: _ClassVar[ResumeAction]
 BLOCK_STATUS_UNSPECIFIED: BlockStatus
 BLOCK_STATUS_FOUND: BlockStatus
 BLOCK_STATUS_MISSING: BlockStatus
 BLOCK_STATUS_CORRUPT: BlockStatus
+RESUME_ACTION_UNSPECIFIED: ResumeAction
+RESUME_ACTION_FETCH_SNAPSHOT: ResumeAction
+RESUME_ACTION_BOUNDED_REPLAY: ResumeAction
+RESUME_ACTION_EXACT_REPLAY: ResumeAction
+RESUME_ACTION_FULL_PREFILL: ResumeAction
 
 class GeometryInfo(_message.Message):
     __slots__ = ("name", "fingerprint", "block_bytes", "bytes_per_token")
@@ -153,7 +166,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry")
+    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +190,14 @@ class StatsResponse(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     STORED_BY_GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_USABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FETCH_SNAPSHOT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BOUNDED_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EXACT_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FULL_PREFILL_PLANS_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     lookup_tokens_asked: int
     lookup_tokens_found: int
@@ -200,7 +221,15 @@ class StatsResponse(_message.Message):
     active_leases: int
     uptime_s: float
     stored_by_geometry: _containers.RepeatedCompositeFieldContainer[GeometryUsage]
-    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ...) -> None: ...
+    resume_plans: int
+    resume_prompt_tokens: int
+    resume_found_tokens: int
+    resume_usable_tokens: int
+    resume_fetch_snapshot_plans: int
+    resume_bounded_replay_plans: int
+    resume_exact_replay_plans: int
+    resume_full_prefill_plans: int
+    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ...) -> None: ...
 
 class GeometryUsage(_message.Message):
     __slots__ = ("fingerprint", "name", "blocks_stored", "bytes_stored")
@@ -213,3 +242,23 @@ class GeometryUsage(_message.Message):
     blocks_stored: int
     bytes_stored: int
     def __init__(self, fingerprint: _Optional[bytes] = ..., name: _Optional[str] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+
+class ReportResumeRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "prompt_tokens", "found_tokens", "usable_tokens", "action")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    prompt_tokens: int
+    found_tokens: int
+    usable_tokens: int
+    action: ResumeAction
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., found_tokens: _Optional[int] = ..., usable_tokens: _Optional[int] = ..., action: _Optional[_Union[ResumeAction, str]] = ...) -> None: ...
+
+class ReportResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

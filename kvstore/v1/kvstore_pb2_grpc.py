@@ -69,6 +69,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.ReportResume = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportResume',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -125,6 +130,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportResume(self, request, context):
+        """A resume planner's report of one plan (replay/planner.py): how many of the
+        prompt's tokens the plan serves from cache, so Stats counts usable hits,
+        not raw ones (a found prefix that neither a snapshot nor a replay can use
+        is no hit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
+            ),
+            'ReportResume': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportResume,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +373,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportResume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportResume',
+            kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
