@@ -1,0 +1,48 @@
+"""The worker's connections to its kvstore server, one `Client` per tenant, opened on first use."""
+
+from __future__ import annotations
+
+import threading
+
+from kvstore.client import Client
+
+
+class StoreClients:
+    """Clients of one kvstore server for one geometry, keyed by namespace.
+
+    Args:
+        target: the server's "host:port".
+        geometry: the model's geometry name (the server must serve it).
+        timeout_s: deadline of each store call.
+
+    Raises:
+        KVStoreError: the first connection (made here, for the default tenant)
+            failed: the server is down, or does not serve `geometry`.
+    """
+
+    def __init__(self, target: str, *, geometry: str, timeout_s: float = 60.0) -> None:
+        self.target = target
+        self.geometry = geometry
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._clients: dict[str, Client] = {}
+        first = self.client("default")
+        #: Tokens per block of the server (the same for every tenant).
+        self.block_tokens: int = first.block_tokens
+
+    def client(self, namespace: str) -> Client:
+        """The client of `namespace` (empty: "default"), connected on first use."""
+        namespace = namespace or "default"
+        with self._lock:
+            found = self._clients.get(namespace)
+            if found is None:
+                found = Client(self.target, namespace=namespace, geometry=self.geometry, timeout_s=self.timeout_s)
+                self._clients[namespace] = found
+            return found
+
+    def close(self) -> None:
+        """Close every connection."""
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
