@@ -19,14 +19,15 @@ Every plan is reported to the server (ReportResume, sent without waiting), so
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from kvstore import geometry as geometries
 from kvstore.client import Client, LookupResult
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 #: The cost model a planner uses unless told otherwise (the documented defaults).
 DEFAULT_COST = CostModel()
 
-#: Among options of equal cost, the more faithful first (exact state before approximate).
-_RANK = {Action.FETCH_SNAPSHOT: 0, Action.EXACT_REPLAY: 1, Action.FULL_PREFILL: 2, Action.BOUNDED_REPLAY: 3}
 
 
 def _ms(seconds: float) -> str:
@@ -90,15 +89,15 @@ class Planner:
         self.reprobe = reprobe
         #: Reports and releases that failed (logged, never raised).
         self.background_errors = 0
-        self._releaser: ThreadPoolExecutor | None = None
-        self._reports: set[Future[None]] = set()
+        self._lock = threading.Lock()
+        self._background: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         """Wait for the reports and lease releases in flight (the client stays open: it is the caller's)."""
-        wait(list(self._reports), timeout=self.client.timeout_s)
-        if self._releaser is not None:
-            self._releaser.shutdown(wait=True)
-            self._releaser = None
+        with self._lock:
+            background, self._background = self._background, None
+        if background is not None:
+            background.shutdown(wait=True)
 
     def __enter__(self) -> Planner:
         return self
@@ -135,7 +134,7 @@ class Planner:
             positions, keys = self._probes(hashes, found.found_blocks, extra_keys)
             again = self.client.lookup_hashes(hashes[:found.found_blocks], swa_keys=keys, swa_positions=positions,
                                               swa_resume_limit=n - 1)
-            if again.swa_position is not None and (again.swa_resume_tokens or 0) <= found.found_tokens:
+            if again.swa_position is not None:
                 found = LookupResult(found_blocks=found.found_blocks, found_tokens=found.found_tokens,
                                      lease_id=found.lease_id, block_hashes=hashes, swa_position=again.swa_position,
                                      swa_resume_tokens=again.swa_resume_tokens)
@@ -182,24 +181,26 @@ class Planner:
         b, h = self.client.block_tokens, found.found_tokens
         reasons = [f"found {h:,} of {n:,} prompt tokens ({found.found_blocks:,} blocks of {b}); a resume is at "
                    f"most at {n - 1:,} (the worker computes the last token for its logits)"]
-        options = [_Option(action=Action.FULL_PREFILL, estimated_s=cost.compute_s(n))]
-        if found.swa_position is not None and found.swa_resume_tokens:
+        # In order of fidelity: min() keeps the first of equal costs (exact state before approximate).
+        options: list[_Option] = []
+        if found.swa_position is not None and found.swa_resume_tokens is not None:
             options.append(self._snapshot_option(n, found.swa_position, found.swa_resume_tokens, cost, reasons))
         else:
             reasons.append("snapshot: none serves this prompt at a probed block boundary")
         replay = self._replay_option(n, h, cost, reasons)
+        options.append(_Option(action=Action.FULL_PREFILL, estimated_s=cost.compute_s(n)))
+        reasons.append(f"full prefill: compute {n:,} tokens = {_ms(options[-1].estimated_s)} "
+                       f"at {cost.recompute_tokens_per_s:,.0f} tokens/s")
         if replay is not None:
             options.append(replay)
-        reasons.append(f"full prefill: compute {n:,} tokens = {_ms(options[0].estimated_s)} "
-                       f"at {cost.recompute_tokens_per_s:,.0f} tokens/s")
-        best = min(options, key=lambda o: (o.estimated_s, _RANK[o.action]))
+        best = min(options, key=lambda o: o.estimated_s)
         others = ", ".join(f"{o.action.value} {_ms(o.estimated_s)}" for o in options if o is not best)
         reasons.append(f"chose {best.action.value}: {_ms(best.estimated_s)}"
                        + (f" (against {others})" if others else ""))
-        usable = 0 if best.action is Action.FULL_PREFILL else best.resume_tokens
         return Plan(prompt_tokens=n, action=best.action, fetch_tokens=best.fetch_tokens, fetch_bytes=best.fetch_bytes,
                     snapshot_position=best.snapshot_position, resume_tokens=best.resume_tokens,
-                    replay_start=best.replay_start, prefill_tokens=n - best.resume_tokens, usable_tokens=usable,
+                    replay_start=best.replay_start, prefill_tokens=n - best.resume_tokens,
+                    usable_tokens=best.resume_tokens,
                     found_tokens=h, lease_id=None if best.action is Action.FULL_PREFILL else found.lease_id,
                     block_hashes=found.block_hashes, estimated_s=best.estimated_s, reasons=reasons)
 
@@ -245,38 +246,37 @@ class Planner:
 
     # -- in the background --------------------------------------------------------
 
+    def _in_background(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the planner's one background thread (plan() never waits for a call)."""
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+            self._background.submit(fn)
+
     def _failed(self, what: str, exc: BaseException) -> None:
-        self.background_errors += 1
+        with self._lock:
+            self.background_errors += 1
         log.warning("planner: %s failed: %s", what, exc)
 
     def report(self, plan: Plan) -> None:
         """Report `plan` to the server's usable-token stats, without waiting; a failure is logged
         and counted (`background_errors`), never raised. A caller that plans with `report=False`
         reports what it finally ran (for example a fallback plan) with this."""
-        try:
-            done = self.client.report_resume(prompt_tokens=plan.prompt_tokens, found_tokens=plan.found_tokens,
-                                             usable_tokens=plan.usable_tokens, action=plan.action.value, wait=False)
-        except KVStoreError as exc:
-            self._failed("ReportResume", exc)
-            return
+        def send() -> None:
+            try:
+                self.client.report_resume(prompt_tokens=plan.prompt_tokens, found_tokens=plan.found_tokens,
+                                          usable_tokens=plan.usable_tokens, action=plan.action.value)
+            except Exception as exc:  # reported, never raised: a stats report must not fail a plan
+                self._failed("ReportResume", exc)
 
-        def finished(f: Future[None]) -> None:
-            self._reports.discard(f)
-            if f.exception() is not None:
-                self._failed("ReportResume", f.exception())  # type: ignore[arg-type]
-
-        self._reports.add(done)
-        done.add_done_callback(finished)
+        self._in_background(send)
 
     def release(self, lease_id: str) -> None:
         """Release a lease in the background (a failure is logged and counted, never raised)."""
-        if self._releaser is None:
-            self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner-release")
-
-        def run() -> None:
+        def send() -> None:
             try:
                 self.client.release(lease_id)
-            except KVStoreError as exc:
+            except Exception as exc:  # logged: the lease lapses on its own (lease_ms)
                 self._failed(f"release of lease {lease_id}", exc)
 
-        self._releaser.submit(run)
+        self._in_background(send)

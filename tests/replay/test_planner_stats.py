@@ -88,6 +88,15 @@ def test_the_planner_reports_each_plan_without_waiting(client: Client) -> None:
     assert planner.background_errors == 0
 
 
+def test_close_waits_for_the_reports_in_flight(server: Any, client: Client) -> None:
+    """A process that plans, closes and exits still has every plan counted."""
+    with Client(server.target) as own, Planner(own) as planner:
+        for i in range(20):
+            planner.plan(list(range(i, i + 40)))
+    s = client.stats()
+    assert (s.resume_plans, s.resume_full_prefill_plans) == (20, 20)
+
+
 def test_report_failures_are_counted_never_raised(start_server: Callable[..., Any], store_settings: Any,
                                                   loop_thread: Any, caplog: pytest.LogCaptureFixture) -> None:
     server = start_server(store_settings)
