@@ -154,6 +154,13 @@ def test_a_hit_not_above_the_window_is_not_adopted(client: Client, planner: Plan
     assert any("not adopted" in r for r in plan.reasons)
 
 
+def test_a_snapshot_serves_a_hit_not_above_the_window(client: Client, planner: Planner) -> None:
+    tokens = prompt(4, 5, client)
+    store(client, tokens, 4, [64])
+    plan = planner.plan(tokens)
+    assert plan.action is Action.FETCH_SNAPSHOT and (plan.resume_tokens, plan.usable_tokens) == (64, 64)
+
+
 def test_a_hit_reaching_the_prompt_end_replays_one_block_earlier(client: Client, planner: Planner) -> None:
     tokens = prompt(20, 0, client)
     store(client, tokens, 20)
