@@ -6,6 +6,9 @@ import threading
 
 from kvstore.client import Client
 
+#: Tenants whose connections stay open; the least recently used beyond them is closed.
+MAX_OPEN_TENANTS = 64
+
 
 class StoreClients:
     """Clients of one kvstore server for one geometry, keyed by namespace.
@@ -34,10 +37,13 @@ class StoreClients:
         """The client of `namespace` (empty: "default"), connected on first use."""
         namespace = namespace or "default"
         with self._lock:
-            found = self._clients.get(namespace)
+            found = self._clients.pop(namespace, None)
             if found is None:
                 found = Client(self.target, namespace=namespace, geometry=self.geometry, timeout_s=self.timeout_s)
-                self._clients[namespace] = found
+                if len(self._clients) >= MAX_OPEN_TENANTS:
+                    oldest = next(iter(self._clients))
+                    self._clients.pop(oldest).close()
+            self._clients[namespace] = found  # last: the most recently used
             return found
 
     def close(self) -> None:
