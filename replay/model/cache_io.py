@@ -147,8 +147,9 @@ def restore_state(geometry: ModelGeometry, blocks: Tensor | Sequence[bytes] | No
             raise InvalidArgument(f"the snapshot at T = {position} does not serve a resume at {resume}")
         rows, snap_tail = split_snapshot(snapshot, position, geometry)
         first = position - rows.shape[1]  # position of the first row
-        keep_from = max(first, resume - geometry.window)
-        cut = rows[:, keep_from - first:resume - first]
+        # Rows of [first, R): at R = T - 1 the last row goes (position T - 1 is recomputed); a window
+        # of window - 1 rows is all a query at R needs ((R - window, R]).
+        cut = rows[:, :resume - first]
         window = [cut[layer].to(dev, copy=True) for layer in range(geometry.num_layers)]
         if resume == position and snap_tail is not None:
             tail = snap_tail.to(dev, copy=True)

@@ -149,7 +149,7 @@ def index_topk(cfg: ModelConfig, w: LayerWeights, state: CacheState, source: int
     idx, ok = [], []
     for a in range(0, m, step):
         scores = ops.index_scores(q[a:a + step], weights[a:a + step], keys, invariant=inv)
-        i, v = ops.select_topk(scores, visible[a:a + step], cfg.index_topk, invariant=inv)
+        i, v = ops.select_topk(scores, visible[a:a + step], cfg.index_topk)
         idx.append(i)
         ok.append(v)
     return torch.cat(idx), torch.cat(ok)

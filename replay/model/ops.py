@@ -179,7 +179,7 @@ def index_scores(q: Tensor, w: Tensor, keys: Tensor, *, invariant: bool) -> Tens
     return torch.cat(out) if out else keys.new_zeros((0, keys.shape[0]))
 
 
-def select_topk(scores: Tensor, visible: Tensor, k: int, *, invariant: bool) -> tuple[Tensor, Tensor]:
+def select_topk(scores: Tensor, visible: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The top-k visible rows of each query, canonical: indices ascending, unused slots last.
 
     Args:
@@ -189,20 +189,26 @@ def select_topk(scores: Tensor, visible: Tensor, k: int, *, invariant: bool) -> 
 
     Returns:
         (`idx` int64 `[n, k]`, `valid` bool `[n, k]`); invalid slots hold index 0.
-        Ties go to the lower row index (a stable sort), so the choice never depends
-        on rows beyond a query's horizon.
+        Rows scoring above the k-th largest visible score are in; ties at it go to
+        the lower row indices (exact 0 scores from the relu tie often). The choice
+        depends only on the visible scores, never on rows beyond a query's horizon
+        nor on how torch.topk breaks ties (only its k-th value, exact, is used), so
+        the fast and the invariant paths choose alike.
     """
     n, r = scores.shape
     cols = torch.arange(r, device=scores.device)
-    masked = scores.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), -math.inf)
     if r <= k:
         idx = cols.unsqueeze(0).expand(n, r)
-    elif invariant:
-        idx = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
     else:
-        idx = torch.topk(masked, k, dim=-1).indices
-    ok = idx < visible.unsqueeze(1)
-    idx = torch.sort(torch.where(ok, idx, r), dim=-1).values
+        masked = scores.masked_fill(cols.unsqueeze(0) >= visible.unsqueeze(1), -math.inf)
+        kth = torch.topk(masked, k, dim=-1).values[:, -1:]
+        above = masked > kth
+        tied = masked == kth
+        need = k - above.sum(-1, keepdim=True)
+        chosen = above | (tied & (tied.cumsum(-1) <= need))
+        # exactly k chosen per row: a topk over descending keys r - col lists them by ascending column
+        idx = torch.topk(torch.where(chosen, r - cols, 0), k, dim=-1).values.neg().add(r)
+    # idx is ascending, so the rows beyond the horizon (unused slots) are already last
     ok = idx < visible.unsqueeze(1)
     idx = torch.where(ok, idx, 0)
     if idx.shape[1] < k:

@@ -99,12 +99,18 @@ def test_loaded_rows_are_never_rewritten(tiny: ReferenceModel, run: Any) -> None
     state = restore_state(G, blocks, state_snapshot(G, run.states[64]), position=64, resume=63, device="cpu")
     tiny.extend(state, run.tokens[63:70])
     assert torch.equal(state.kv_rows[1][31], altered)
+    # nothing appended twice either: rows 32..34 are the new pairs, as the cold run has them
+    assert state.kv_rows[1].shape[0] == 35 and state.index_rows[1].shape[0] == 35
+    assert torch.equal(state.kv_rows[1][32:], run.states[96].kv_rows[1][32:35])
     assert torch.equal(state.kv_rows[1][:32], restore_state(G, blocks, None, position=0, resume=64,
                                                             device="cpu").kv_rows[1])
 
     rows = restore_state(G, blocks, None, position=0, resume=64, device="cpu")
     replayed = tiny.replay(run.tokens, rows, span=16)
     assert torch.equal(replayed.kv_rows[1][31], altered)
+    for s in G.kv_source_layers:  # every source keeps exactly the loaded rows: none rewritten, none added
+        assert torch.equal(replayed.kv_rows[s], rows.kv_rows[s])
+        assert torch.equal(replayed.index_rows[s], rows.index_rows[s])
 
 
 def test_restore_refuses_what_it_cannot_serve(run: Any) -> None:

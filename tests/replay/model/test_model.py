@@ -127,6 +127,12 @@ def test_tail_prefill_cuts_the_layers_above_the_last_source(tiny: ReferenceModel
     assert not torch.equal(logits, run.logits[64 - g.window:64])
     cos = torch.nn.functional.cosine_similarity(logits, run.logits[64 - g.window:64], dim=-1)
     assert float(cos.min()) > 0.5
+    # the upper layers' window restarts at the cut: what they held before the call is not seen
+    before = run.states[49].clone()
+    tampered = run.states[49].clone()
+    tampered.window_rows[4] = torch.zeros_like(tampered.window_rows[4])
+    assert torch.equal(tiny.extend(before, run.tokens[49:64], tail_prefill=True),
+                       tiny.extend(tampered, run.tokens[49:64], tail_prefill=True))
     # a call no longer than the window computes everything: nothing is cut
     short = run.states[49].clone()
     assert torch.equal(tiny.extend(short, run.tokens[49:57], tail_prefill=True), run.logits[49:57])
