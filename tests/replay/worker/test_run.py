@@ -167,3 +167,13 @@ def test_runs_of_a_tenant_stay_in_its_namespace(workers: WorkerClient, server: A
             Client(server.target, namespace="bob", geometry=TINY.name) as bob:
         assert alice.lookup(prompt).found_tokens == 32
         assert bob.lookup(prompt).found_tokens == 0
+
+
+def test_a_store_outage_costs_the_stores_not_the_answer(workers: WorkerClient, server: Any, loop_thread: Any,
+                                                        model: Any) -> None:
+    workers.info()
+    loop_thread.run(server.stop(0))  # the kvstore server goes away; the worker's connection stays
+    prompt = tokens_of(15, 40)
+    run = workers.run(prompt, None)
+    assert torch.equal(run.logits, from_scratch(model, prompt))
+    assert run.store_error.startswith("Unavailable") and run.blocks_stored == 0 and run.snapshot_positions == []
