@@ -89,9 +89,9 @@ def stop_after(calls: int) -> Any:
 
 def test_a_run_stops_between_model_calls_once_told(worker: Any, store: Client) -> None:
     runner = worker.servicer.runner
-    prompt = list(range(40))
+    prompt = list(range(20))
     with pytest.raises(DeadlineExceeded, match="during the prefill"):
-        runner.run(RunSpec(tokens=prompt), should_stop=stop_after(3))  # start, segment [0, 32), then [32, 40)
+        runner.run(RunSpec(tokens=prompt), should_stop=stop_after(3))  # start, segment [0, 16), then [16, 20)
     with pytest.raises(DeadlineExceeded, match="during the decode, after 2 tokens"):
         runner.run(RunSpec(tokens=prompt, max_new_tokens=5), should_stop=stop_after(6))
     assert store.lookup(prompt).found_tokens == 0  # a stopped Run stores nothing
@@ -148,12 +148,7 @@ def test_kvstore_worker_command_serves_until_sigterm(server: Any, tmp_path: Path
 
 
 def test_kvstore_worker_refuses_a_store_it_cannot_reach(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "worker", "--target", "127.0.0.1:1",
-                           "--port", "0", "--store-timeout", "2", "--model", str(tmp_path / "none.json")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert done.returncode == 2
-    assert "none.json" in done.stderr
-    config = tmp_path / "config.json"
+    config = tmp_path / "config.json"  # a config.json naming the tiny geometry: the same model as --model tiny
     config.write_text(json.dumps({"name": TINY.name, **TINY.to_config()}))
     done = subprocess.run([sys.executable, "-m", "kvstore.cli", "worker", "--target", "127.0.0.1:1",
                            "--port", "0", "--store-timeout", "2", "--model", str(config)],
