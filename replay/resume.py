@@ -19,6 +19,10 @@ When the worker cannot run the plan, the result says so instead of raising
 
 With `raise_on_fallback=True` the same cases raise the cause's kvstore.errors
 class with a hint instead. A bad request (INVALID_ARGUMENT) always raises.
+
+A planner made with `report=False` reports nothing itself; the Resumer then
+reports what was finally done (the plan run, or the fallback), so the server's
+usable-token stats count a fallback as no hit.
 """
 
 from __future__ import annotations
@@ -139,7 +143,13 @@ class Resumer:
             except KVStoreError:
                 self._release(plan)
                 raise
+            self._report(plan)
             return ResumeResult(plan=plan, run=run, replanned=replanned)
+
+    def _report(self, plan: Plan) -> None:
+        """Report the plan finally done, unless the planner reported its plans itself."""
+        if not self.planner.report_plans:
+            self.planner.report(plan)
 
     def _release(self, plan: Plan) -> None:
         """The worker did not fetch (or not all): let the blocks go now instead of at the lease's end."""
@@ -154,8 +164,9 @@ class Resumer:
             raise type(exc)(f"{reason} (worker {self.worker.target}, plan {plan.action.value})",
                             hint="run the prompt as a full prefill (Resumer.resume(..., raise_on_fallback=False) "
                                  "returns that plan), or retry when the worker is back") from exc
-        return ResumeResult(plan=plan, run=None, fallback=plan.fallback(reason), reason=reason,
-                            replanned=replanned, error=exc)
+        fallback = plan.fallback(reason)
+        self._report(fallback)
+        return ResumeResult(plan=plan, run=None, fallback=fallback, reason=reason, replanned=replanned, error=exc)
 
     def _store_down_plan(self, n: int, exc: KVStoreError) -> Plan:
         """A full prefill made without the store: nothing was looked up, nothing is leased."""

@@ -115,3 +115,15 @@ def test_a_vanished_snapshot_is_planned_again(store: Client, workers: WorkerClie
 def test_a_bad_request_raises(planner: Planner, workers: WorkerClient) -> None:
     with pytest.raises(InvalidArgument):
         Resumer(planner, workers).resume([1, 2, 999])
+
+
+def test_what_was_done_is_reported_when_the_planner_does_not(store: Client, workers: WorkerClient) -> None:
+    prompt = tokens_of(7, 40)
+    with Planner(store, report=False) as planner:
+        Resumer(planner, workers).resume(prompt)  # a full prefill, run
+        Resumer(planner, workers).resume(prompt)  # a snapshot hit at 32, run
+        with WorkerClient(f"127.0.0.1:{_free_port()}", timeout_s=10) as down:
+            Resumer(planner, down).resume(prompt)  # a snapshot hit planned, fallen back: no hit
+    stats = store.stats()
+    assert (stats.resume_plans, stats.resume_fetch_snapshot_plans, stats.resume_full_prefill_plans) == (3, 1, 2)
+    assert stats.resume_usable_tokens == 32
