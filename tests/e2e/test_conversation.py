@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 
 from kvstore.client import Client
+from kvstore.errors import Unavailable
 from kvstore.geometry import TINY
 
 torch = pytest.importorskip("torch")
@@ -95,6 +96,7 @@ def assert_close(got: Any, exact: Any, what: str) -> None:
     cosine = torch.nn.functional.cosine_similarity(got.double(), exact.double(), dim=0).item()
     max_diff = (got - exact).abs().max().item()
     span = (exact.max() - exact.min()).item()
+    print(f"{what}: cosine {cosine:.6f}, max |diff| {max_diff / span:.3%} of the logit range")
     assert cosine >= MIN_COSINE and max_diff <= MAX_DIFF_OF_RANGE * span, (
         f"{what}: cosine {cosine:.5f} (>= {MIN_COSINE}), max |diff| {max_diff:.4g} = "
         f"{max_diff / span:.2%} of the range {span:.4g} (<= {MAX_DIFF_OF_RANGE:.0%})")
@@ -135,9 +137,11 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     out1 = list(r1.run.output_tokens)
     assert len(out1) == REPLY_TOKENS
     history1 = prompt1 + out1  # 51 tokens: 3 full blocks; snapshots at 32 (prompt end) and 48 (output end)
+    assert (r1.run.blocks_fetched, r1.run.blocks_stored, r1.run.snapshot_positions) == (0, 3, [32, 48])
     found = client.lookup(history1, swa_positions=[32, 48])
     assert found.found_tokens == 48
     assert found.swa_position == 48
+    assert client.lookup(history1[:33], swa_positions=[32]).swa_position == 32
 
     # Turn 2: turn 1 + its output + a new message, a full hit from the snapshot at 48.
     prompt2 = history1 + message(3, 13)
@@ -145,6 +149,8 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     assert r2.plan.action is Action.FETCH_SNAPSHOT
     assert (r2.plan.snapshot_position, r2.plan.resume_tokens, r2.plan.fetch_tokens) == (48, 48, 48)
     assert torch.equal(logits_of(r2.run), ref.from_scratch(prompt2))
+    assert r2.run.snapshot_loaded and r2.run.blocks_fetched == 3
+    assert r2.run.tokens_computed == len(prompt2) - 48 + REPLY_TOKENS  # only the new message and the reply
     out2 = list(r2.run.output_tokens)
 
     # Past the SWA TTL (minutes, not hours): the snapshots are gone, the blocks are not: bounded replay.
@@ -159,6 +165,8 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     got3 = logits_of(r3.run)
     assert torch.equal(got3, replayed3)
     assert_close(got3, ref.from_scratch(prompt3), "turn 3 (bounded replay)")
+    assert r3.run.tokens_replayed == TINY_MODEL.geometry.window and not r3.run.snapshot_loaded
+    assert hit in r3.run.snapshot_positions
     assert client.lookup(prompt3, swa_positions=[hit]).swa_position == hit  # the replay put its snapshot back
     out3 = list(r3.run.output_tokens)
     expected_out3, _ = ref.model.greedy(state3, replayed3, REPLY_TOKENS)
@@ -167,7 +175,7 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     # Turn 4: a full hit again, on state that descends from the replay.
     prompt4 = prompt3 + out3 + message(5, 9)
     r4 = turn(prompt4)
-    assert r4.plan.action is Action.FETCH_SNAPSHOT
+    assert r4.plan.action is Action.FETCH_SNAPSHOT and r4.run.snapshot_loaded and r4.run.tokens_replayed == 0
     got4 = logits_of(r4.run)
     expected4 = ref.model.extend(state3, prompt4[state3.length:])[-1]
     assert torch.equal(got4, expected4)
@@ -183,7 +191,7 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     assert client.lookup(prompt5).found_tokens == 0
     server_clock.advance(73 * 3600)  # the filler may go too, so the next turn can store
     r5 = turn(prompt5)
-    assert r5.plan.action is Action.FULL_PREFILL
+    assert r5.plan.action is Action.FULL_PREFILL and r5.run.blocks_fetched == 0
     assert torch.equal(logits_of(r5.run), ref.from_scratch(prompt5))
     out5 = list(r5.run.output_tokens)
 
@@ -196,13 +204,15 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
         gate.wait_entered(alive=lambda: worker.alive)
         worker.kill9()
         r6 = pending.result(timeout=CALL_DEADLINE_S)
-    assert r6.plan.action is Action.BOUNDED_REPLAY
+    assert r6.plan.action is Action.BOUNDED_REPLAY and r6.run is None
     assert r6.fallback is not None and r6.fallback.action is Action.FULL_PREFILL
-    assert r6.reason
+    assert r6.fallback.prompt_tokens == len(prompt6) and r6.fallback.resume_tokens == 0
+    assert r6.reason and isinstance(r6.error, Unavailable), r6.reason
     assert client.lookup(prompt6).found_tokens == r6.plan.fetch_tokens > 0
     # Asked again with the worker down: the same clean fallback.
     r7 = resumer.resume(prompt6, max_new_tokens=REPLY_TOKENS)
-    assert r7.fallback is not None and r7.fallback.action is Action.FULL_PREFILL
+    assert r7.run is None and r7.fallback is not None and r7.fallback.action is Action.FULL_PREFILL
+    assert isinstance(r7.error, Unavailable), r7.reason
     # The fallback plan, run on a new worker, is a from-scratch computation.
     with WorkerClient(start_worker(serve.target).target, timeout_s=CALL_DEADLINE_S) as fresh:
         run = fresh.run(prompt6, r6.fallback, max_new_tokens=0, store=False)
