@@ -183,7 +183,12 @@ def attention(cfg: ModelConfig, w: LayerWeights, state: CacheState, layer: int, 
         kv_values = state.kv_values(source)
         if kv_values.shape[0] == 0:  # nothing visible yet: every slot is masked, but gathers need a row
             kv_values = kv_values.new_zeros((1, hd))
-    keys_per_query = win + (cfg.index_topk if source is not None else 0)
+        if not inv:
+            # The fast path needs no fixed-length key list: drop the slots no query of this call uses
+            # (valid slots come first), which early in a sequence is most of index_topk.
+            used = max(1, int(selected[1].sum(-1).max()))
+            selected = (selected[0][:, :used], selected[1][:, :used])
+    keys_per_query = win + (selected[0].shape[1] if selected is not None and source is not None else 0)
     budget = INVARIANT_BUDGET // cfg.n_heads if inv else FAST_BUDGET
     step = max(1, budget // (keys_per_query * hd))
     out = []
