@@ -207,15 +207,15 @@ class ReferenceModel(nn.Module):
             InvalidArgument: span < 1 or fewer than H tokens.
         """
         h_len = rows.length
-        toks = self._tokens(tokens)
-        if span < 1 or toks.numel() < h_len:
+        if span < 1 or len(tokens) < h_len:
             raise InvalidArgument(f"replay needs span >= 1 and the {h_len} tokens the rows cover; "
-                                  f"got span {span} and {toks.numel()} tokens")
+                                  f"got span {span} and {len(tokens)} tokens")
         start = max(0, h_len - span)
+        toks = self._tokens(tokens[start:h_len])  # only the span: a 1M-token list is never converted whole
         empty = self.new_state()
         state = CacheState(length=start, window_rows=empty.window_rows, kv_rows=dict(rows.kv_rows),
                            index_rows=dict(rows.index_rows), tail=None, rows_floor=rows.rows_floor)
-        self.extend(state, toks[start:h_len], tail_prefill=False)
+        self.extend(state, toks, tail_prefill=False)
         return state
 
     @torch.no_grad()
