@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ class Run:
     """A cold run: its tokens, every position's logits and the state at each checkpoint."""
 
     tokens: list[int]
-    logits: torch.Tensor
+    logits: Any  # float32 [RUN_TOKENS, vocab]
     states: dict[int, CacheState]
 
 
