@@ -31,23 +31,17 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
+import torch
 
 from kvstore.client import Client
+from kvstore.client.worker import RunResult, WorkerClient
 from kvstore.errors import Unavailable
 from kvstore.geometry import TINY
-
-torch = pytest.importorskip("torch")
-
-try:
-    from kvstore.client.worker import WorkerClient
-    from replay.model import TINY_MODEL, ModelConfig, ReferenceModel
-    from replay.model.cache_io import restore_state, state_blocks
-    from replay.plan import Action
-    from replay.planner import Planner
-    from replay.resume import Resumer
-except ImportError as exc:  # the pieces of issue 11 land one by one
-    pytest.skip(f"issue 11's planner, model or worker is not in yet: {exc}", allow_module_level=True)
+from replay.model import TINY_MODEL, CacheState, ModelConfig, ReferenceModel
+from replay.model.cache_io import restore_state, state_blocks
+from replay.plan import Action, Plan
+from replay.planner import Planner
+from replay.resume import Resumer
 
 #: The fixture's pass criteria for an approximate resume (V41_FORMAT.md, "A tiny configuration").
 MIN_COSINE = 0.9975
@@ -56,8 +50,13 @@ MAX_DIFF_OF_RANGE = 0.04
 REPLY_TOKENS = 10
 #: Tenant of the conversation; the filler that fills the store is another.
 TENANT = "agent"
+#: Blocks the store holds: the conversation takes under 10, so a filler of this many must evict all of it.
+CAPACITY_BLOCKS = 64
 #: Longest wait for one worker call (a deadline, not a measurement).
 CALL_DEADLINE_S = 120.0
+#: Past the 72-hour retention (and the minute a use is rounded to).
+PAST_RETENTION_S = 73 * 3600.0
+WINDOW = TINY_MODEL.geometry.window
 
 
 def message(seed: int, n: int) -> list[int]:
@@ -70,28 +69,47 @@ def message(seed: int, n: int) -> list[int]:
 class Reference:
     """The test's own model: from-scratch runs, and the replay path the worker should take."""
 
-    model: Any
+    model: ReferenceModel
     block_tokens: int
-    cache: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
-    def from_scratch(self, tokens: Sequence[int]) -> Any:
+    def from_scratch(self, tokens: Sequence[int]) -> torch.Tensor:
         """Next-token logits after `tokens`, computed cold in one call."""
-        state = self.model.new_state()
-        return self.model.extend(state, list(tokens))[-1]
+        return self.model.extend(self.model.new_state(), list(tokens))[-1]
 
-    def replayed(self, tokens: Sequence[int], *, fetch_tokens: int, replay_start: int) -> tuple[Any, Any]:
-        """The state and last logits a bounded replay gives: exact rows of [0, fetch) from the store's
-        bytes, window empty at replay_start, [replay_start, fetch) recomputed, then [fetch, len) prefilled."""
+    def replayed(self, tokens: Sequence[int], *, fetch_tokens: int,
+                 replay_start: int) -> tuple[CacheState, torch.Tensor]:
+        """The state and last logits of a bounded replay: exact rows of [0, fetch) through the store's bytes,
+        window empty at replay_start, [replay_start, fetch) recomputed, then [fetch, len) prefilled."""
         exact = self.model.new_state()
         self.model.extend(exact, list(tokens[:fetch_tokens]))
         blocks = state_blocks(TINY, exact, self.block_tokens)
         rows = restore_state(TINY, blocks, None, position=fetch_tokens, resume=fetch_tokens, device="cpu")
         state = self.model.replay(list(tokens), rows, span=fetch_tokens - replay_start)
-        logits = self.model.extend(state, list(tokens[fetch_tokens:]))[-1]
-        return state, logits
+        return state, self.model.extend(state, list(tokens[fetch_tokens:]))[-1]
 
 
-def assert_close(got: Any, exact: Any, what: str) -> None:
+@dataclass
+class Conversation:
+    """An agent's turns: each prompt is the history so far plus a new message; the reply joins the history."""
+
+    resumer: Resumer
+    history: list[int] = field(default_factory=list)
+
+    def turn(self, new_message: list[int]) -> tuple[list[int], Plan, RunResult]:
+        """Resume history + `new_message` on the worker (REPLY_TOKENS greedy tokens); no fallback expected.
+
+        Returns:
+            (the prompt, the plan, what the worker answered).
+        """
+        prompt = self.history + new_message
+        result = self.resumer.resume(prompt, max_new_tokens=REPLY_TOKENS)
+        assert result.run is not None, f"unexpected fallback: {result.reason}"
+        assert len(result.run.output_tokens) == REPLY_TOKENS
+        self.history = prompt + result.run.output_tokens
+        return prompt, result.plan, result.run
+
+
+def assert_close(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
     """The fixture's pass criteria: cosine >= 0.9975 and max |diff| <= 4% of the exact logits' range."""
     cosine = torch.nn.functional.cosine_similarity(got.double(), exact.double(), dim=0).item()
     max_diff = (got - exact).abs().max().item()
@@ -102,118 +120,99 @@ def assert_close(got: Any, exact: Any, what: str) -> None:
         f"{max_diff / span:.2%} of the range {span:.4g} (<= {MAX_DIFF_OF_RANGE:.0%})")
 
 
-def logits_of(result: Any) -> Any:
-    """The worker's next-token logits after the prompt, as a float32 tensor."""
-    logits = result.logits
-    if isinstance(logits, bytes | bytearray | memoryview):
-        logits = torch.frombuffer(bytearray(logits), dtype=torch.float32)
-    return logits.reshape(-1)
-
-
 def test_conversation_through_service_planner_and_worker(start_serve: Callable[..., Any],
                                                           start_worker: Callable[..., Any],
                                                           server_clock: Any, e2e: SimpleNamespace) -> None:
-    capacity_blocks = 64  # the conversation takes under 10 blocks; a filler of 64 must evict it all
-    serve = start_serve(capacity_bytes=capacity_blocks * TINY.block_bytes(e2e.BLOCK_TOKENS))
+    serve = start_serve(capacity_bytes=CAPACITY_BLOCKS * TINY.block_bytes(e2e.BLOCK_TOKENS))
     gate = e2e.gate()
     worker = start_worker(serve.target, gate=gate)
-    client = Client(serve.target, namespace=TENANT, geometry=TINY.name)
-    workers = WorkerClient(worker.target, timeout_s=CALL_DEADLINE_S)
-    config = ModelConfig.from_dict(workers.info().model_config)
-    assert config == TINY_MODEL
     ref = Reference(ReferenceModel(TINY_MODEL, device="cpu"), e2e.BLOCK_TOKENS)
-    resumer = Resumer(Planner(client), workers)
+    with (Client(serve.target, namespace=TENANT, geometry=TINY.name) as client,
+          WorkerClient(worker.target, timeout_s=CALL_DEADLINE_S) as workers, Planner(client) as planner):
+        assert ModelConfig.from_dict(workers.info().model_config) == TINY_MODEL  # the test's model is the worker's
+        talk = Conversation(Resumer(planner, workers))
 
-    def turn(tokens: list[int]) -> Any:
-        result = resumer.resume(tokens, max_new_tokens=REPLY_TOKENS)
-        assert result.fallback is None, f"unexpected fallback: {result}"
-        return result
+        full_hits(talk, client, ref)
+        server_clock.advance(2 * e2e.SWA_TTL_S)  # minutes, not hours: the snapshots are gone, the blocks are not
+        bounded_replay_then_full_hit(talk, client, ref)
 
-    # Turn 1: nothing stored, a full prefill that stores blocks and snapshots.
-    prompt1 = message(1, 20) + message(2, 21)
-    r1 = turn(prompt1)
-    assert r1.plan.action is Action.FULL_PREFILL
-    assert torch.equal(logits_of(r1.run), ref.from_scratch(prompt1))
-    out1 = list(r1.run.output_tokens)
-    assert len(out1) == REPLY_TOKENS
-    history1 = prompt1 + out1  # 51 tokens: 3 full blocks; snapshots at 32 (prompt end) and 48 (output end)
-    assert (r1.run.blocks_fetched, r1.run.blocks_stored, r1.run.snapshot_positions) == (0, 3, [32, 48])
-    found = client.lookup(history1, swa_positions=[32, 48])
-    assert found.found_tokens == 48
-    assert found.swa_position == 48
-    assert client.lookup(history1[:33], swa_positions=[32]).swa_position == 32
+        server_clock.advance(PAST_RETENTION_S)
+        fill_the_store(serve.target, e2e.BLOCK_TOKENS)
+        assert client.lookup(talk.history).found_tokens == 0  # the conversation's blocks were evicted
+        server_clock.advance(PAST_RETENTION_S)  # the filler may go too, so the next turn can store
+        prompt5, plan5, run5 = talk.turn(message(6, 11))
+        assert plan5.action is Action.FULL_PREFILL and plan5.found_tokens == 0 and run5.blocks_fetched == 0
+        assert torch.equal(run5.logits, ref.from_scratch(prompt5))
 
-    # Turn 2: turn 1 + its output + a new message, a full hit from the snapshot at 48.
-    prompt2 = history1 + message(3, 13)
-    r2 = turn(prompt2)
-    assert r2.plan.action is Action.FETCH_SNAPSHOT
-    assert (r2.plan.snapshot_position, r2.plan.resume_tokens, r2.plan.fetch_tokens) == (48, 48, 48)
-    assert torch.equal(logits_of(r2.run), ref.from_scratch(prompt2))
-    assert r2.run.snapshot_loaded and r2.run.blocks_fetched == 3
-    assert r2.run.tokens_computed == len(prompt2) - 48 + REPLY_TOKENS  # only the new message and the reply
-    out2 = list(r2.run.output_tokens)
+        server_clock.advance(2 * e2e.SWA_TTL_S)
+        worker_killed_mid_replay(talk, client, ref, worker, gate, lambda: start_worker(serve.target).target)
 
-    # Past the SWA TTL (minutes, not hours): the snapshots are gone, the blocks are not: bounded replay.
-    server_clock.advance(2 * e2e.SWA_TTL_S)
-    prompt3 = prompt2 + out2 + message(4, 15)
-    r3 = turn(prompt3)
-    plan3 = r3.plan
-    assert plan3.action is Action.BOUNDED_REPLAY
+
+def full_hits(talk: Conversation, client: Client, ref: Reference) -> None:
+    """Turn 1 prefills and stores; turn 2 (turn 1, its reply, a new message) is a full hit."""
+    prompt1, plan1, run1 = talk.turn(message(1, 20) + message(2, 21))
+    assert plan1.action is Action.FULL_PREFILL
+    assert torch.equal(run1.logits, ref.from_scratch(prompt1))
+    # 51 tokens: 3 full blocks; snapshots at 32 (the prompt's last boundary) and 48 (the reply's)
+    assert (run1.blocks_fetched, run1.blocks_stored, run1.snapshot_positions) == (0, 3, [32, 48])
+    found = client.lookup(talk.history, swa_positions=[32, 48])
+    assert (found.found_tokens, found.swa_position) == (48, 48)
+    assert client.lookup(talk.history[:33], swa_positions=[32]).swa_position == 32
+
+    prompt2, plan2, run2 = talk.turn(message(3, 13))
+    assert plan2.action is Action.FETCH_SNAPSHOT
+    assert (plan2.snapshot_position, plan2.resume_tokens, plan2.fetch_tokens) == (48, 48, 48)
+    assert torch.equal(run2.logits, ref.from_scratch(prompt2))
+    assert run2.snapshot_loaded and run2.blocks_fetched == 3
+    assert run2.tokens_computed == len(prompt2) - 48 + REPLY_TOKENS  # only the new message and the reply
+
+
+def bounded_replay_then_full_hit(talk: Conversation, client: Client, ref: Reference) -> None:
+    """Past the SWA TTL, a bounded replay that puts its snapshot back; the next turn is a full hit again."""
+    prompt3, plan3, run3 = talk.turn(message(4, 15))
     hit = plan3.fetch_tokens
-    assert hit == 64 and plan3.replay_start == hit - TINY_MODEL.geometry.window
-    state3, replayed3 = ref.replayed(prompt3, fetch_tokens=hit, replay_start=plan3.replay_start)
-    got3 = logits_of(r3.run)
-    assert torch.equal(got3, replayed3)
-    assert_close(got3, ref.from_scratch(prompt3), "turn 3 (bounded replay)")
-    assert r3.run.tokens_replayed == TINY_MODEL.geometry.window and not r3.run.snapshot_loaded
-    assert hit in r3.run.snapshot_positions
-    assert client.lookup(prompt3, swa_positions=[hit]).swa_position == hit  # the replay put its snapshot back
-    out3 = list(r3.run.output_tokens)
-    expected_out3, _ = ref.model.greedy(state3, replayed3, REPLY_TOKENS)
-    assert out3 == list(expected_out3)
+    assert plan3.action is Action.BOUNDED_REPLAY and hit == 64 and plan3.replay_start == hit - WINDOW
+    state, replayed = ref.replayed(prompt3, fetch_tokens=hit, replay_start=hit - WINDOW)
+    assert torch.equal(run3.logits, replayed)  # the model's own replay, bit for bit
+    assert_close(run3.logits, ref.from_scratch(prompt3), "turn 3 (bounded replay)")
+    assert run3.tokens_replayed == WINDOW and not run3.snapshot_loaded
+    assert hit in run3.snapshot_positions
+    assert client.lookup(prompt3, swa_positions=[hit]).swa_position == hit  # the rebuilt snapshot is back
+    assert run3.output_tokens == ref.model.greedy(state, replayed, REPLY_TOKENS)[0]
 
-    # Turn 4: a full hit again, on state that descends from the replay.
-    prompt4 = prompt3 + out3 + message(5, 9)
-    r4 = turn(prompt4)
-    assert r4.plan.action is Action.FETCH_SNAPSHOT and r4.run.snapshot_loaded and r4.run.tokens_replayed == 0
-    got4 = logits_of(r4.run)
-    expected4 = ref.model.extend(state3, prompt4[state3.length:])[-1]
-    assert torch.equal(got4, expected4)
-    assert_close(got4, ref.from_scratch(prompt4), "turn 4 (full hit after a replay)")
-    out4 = list(r4.run.output_tokens)
+    prompt4, plan4, run4 = talk.turn(message(5, 9))
+    assert plan4.action is Action.FETCH_SNAPSHOT and run4.snapshot_loaded and run4.tokens_replayed == 0
+    assert torch.equal(run4.logits, ref.model.extend(state, prompt4[state.length:])[-1])
+    assert_close(run4.logits, ref.from_scratch(prompt4), "turn 4 (full hit after a replay)")
 
-    # Past the retention, newer blocks fill the store: the conversation's blocks are evicted.
-    server_clock.advance(73 * 3600)
-    with Client(serve.target, namespace="filler", geometry=TINY.name) as filler:
-        tokens = message(99, capacity_blocks * e2e.BLOCK_TOKENS)
-        filler.put(tokens, [bytes([i % 251]) * filler.block_bytes for i in range(capacity_blocks)])
-    prompt5 = prompt4 + out4 + message(6, 11)
-    assert client.lookup(prompt5).found_tokens == 0
-    server_clock.advance(73 * 3600)  # the filler may go too, so the next turn can store
-    r5 = turn(prompt5)
-    assert r5.plan.action is Action.FULL_PREFILL and r5.run.blocks_fetched == 0
-    assert torch.equal(logits_of(r5.run), ref.from_scratch(prompt5))
-    out5 = list(r5.run.output_tokens)
 
-    # The worker killed -9 inside a replay: a clean fallback, and the store still serves.
-    server_clock.advance(2 * e2e.SWA_TTL_S)
-    prompt6 = prompt5 + out5 + message(7, 12)
+def fill_the_store(target: str, block_tokens: int) -> None:
+    """Another tenant writes a full store of new blocks: everything older than the retention must go."""
+    with Client(target, namespace="filler", geometry=TINY.name) as filler:
+        tokens = message(99, CAPACITY_BLOCKS * block_tokens)
+        filler.put(tokens, [bytes([i % 251]) * filler.block_bytes for i in range(CAPACITY_BLOCKS)])
+
+
+def worker_killed_mid_replay(talk: Conversation, client: Client, ref: Reference, worker: Any, gate: Any,
+                             new_worker: Callable[[], str]) -> None:
+    """The worker killed -9 inside a replay: a clean FULL_PREFILL fallback, and the store still serves."""
+    prompt6 = talk.history + message(7, 12)
     gate.arm()
     with ThreadPoolExecutor(1) as pool:
-        pending = pool.submit(resumer.resume, prompt6, max_new_tokens=REPLY_TOKENS)
+        pending = pool.submit(talk.resumer.resume, prompt6, max_new_tokens=REPLY_TOKENS)
         gate.wait_entered(alive=lambda: worker.alive)
         worker.kill9()
         r6 = pending.result(timeout=CALL_DEADLINE_S)
     assert r6.plan.action is Action.BOUNDED_REPLAY and r6.run is None
     assert r6.fallback is not None and r6.fallback.action is Action.FULL_PREFILL
-    assert r6.fallback.prompt_tokens == len(prompt6) and r6.fallback.resume_tokens == 0
+    assert (r6.fallback.prompt_tokens, r6.fallback.resume_tokens, r6.fallback.lease_id) == (len(prompt6), 0, None)
     assert r6.reason and isinstance(r6.error, Unavailable), r6.reason
-    assert client.lookup(prompt6).found_tokens == r6.plan.fetch_tokens > 0
+    assert client.lookup(prompt6).found_tokens == r6.plan.fetch_tokens > 0  # the store still serves its blocks
     # Asked again with the worker down: the same clean fallback.
-    r7 = resumer.resume(prompt6, max_new_tokens=REPLY_TOKENS)
+    r7 = talk.resumer.resume(prompt6, max_new_tokens=REPLY_TOKENS)
     assert r7.run is None and r7.fallback is not None and r7.fallback.action is Action.FULL_PREFILL
     assert isinstance(r7.error, Unavailable), r7.reason
     # The fallback plan, run on a new worker, is a from-scratch computation.
-    with WorkerClient(start_worker(serve.target).target, timeout_s=CALL_DEADLINE_S) as fresh:
-        run = fresh.run(prompt6, r6.fallback, max_new_tokens=0, store=False)
-    assert torch.equal(logits_of(run), ref.from_scratch(prompt6))
+    with WorkerClient(new_worker(), timeout_s=CALL_DEADLINE_S) as fresh:
+        run = fresh.run(prompt6, r6.fallback, namespace=TENANT, store=False)
+    assert torch.equal(run.logits, ref.from_scratch(prompt6))
