@@ -125,6 +125,7 @@ class ReferenceModel(nn.Module):
             raise InvalidArgument(f"chunk must be positive, got {chunk}")
         toks = self._tokens(tokens)
         n = toks.numel()
+        self._check_open_pair(state)
         use_tail = self.config.tail_prefill if tail_prefill is None else tail_prefill
         cut = n - min(n, self.config.geometry.window) if use_tail else 0
         outs: list[Tensor] = []
@@ -142,6 +143,17 @@ class ReferenceModel(nn.Module):
         if not outs:
             return torch.empty((0, self.config.vocab_size), device=self.device)
         return torch.cat(outs)
+
+    def _check_open_pair(self, state: CacheState) -> None:
+        """Refuse, before touching the state, an odd length whose open pair has neither tail nor row."""
+        g = self.config.geometry
+        if state.length % 2 == 0 or state.tail is not None:
+            return
+        for s in g.ratio2_source_layers:
+            if state.kv_rows[s].shape[0] <= (state.length - 1) // 2:
+                raise InvalidArgument(f"layer {s}: the state is at odd length {state.length} with neither its raw "
+                                      f"tail nor the row of pair ({state.length - 1}, {state.length}): restore "
+                                      f"the tail (a snapshot at {state.length}) or the blocks holding that pair")
 
     def _step(self, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
         """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""

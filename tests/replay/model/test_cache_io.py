@@ -79,8 +79,10 @@ def test_odd_length_tail_round_trips_through_the_snapshot(tiny: ReferenceModel, 
     assert same_rows(state, run.states[49])
     assert torch.equal(tiny.extend(state, run.tokens[49:64]), run.logits[49:64])
     assert same_rows(state, run.states[64])
+    tailless = restored(None)
     with pytest.raises(InvalidArgument, match="raw tail"):
-        tiny.extend(restored(None), run.tokens[49:51])
+        tiny.extend(tailless, run.tokens[49:51])
+    assert same_rows(tailless, restored(None))  # refused before anything was written
     wrong = restored(torch.zeros_like(run.states[49].tail))
     tiny.extend(wrong, run.tokens[49:51])
     assert not torch.equal(wrong.kv_rows[1][24], run.states[64].kv_rows[1][24])
