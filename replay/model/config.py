@@ -167,12 +167,14 @@ def from_config(config: Mapping[str, object], **overrides: Any) -> ModelConfig:
 
     Args:
         config: the parsed config.json (fields under `text_config` win, as for the geometry).
-        **overrides: ModelConfig fields that replace what the config says (e.g. seed, dim).
+        **overrides: ModelConfig fields that replace what the config says (e.g. seed, dim);
+            `name` names the geometry when the config has neither name nor _name_or_path.
 
     Raises:
         InvalidArgument: a missing or inconsistent geometry field, or a bad value.
     """
-    geometry = overrides.pop("geometry", None) or geometry_from_config(config)
+    name = overrides.pop("name", None)
+    geometry = overrides.pop("geometry", None) or geometry_from_config(config, name=name)
     fields: Mapping[str, object] = config
     nested = config.get("text_config")
     if isinstance(nested, Mapping):

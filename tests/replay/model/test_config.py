@@ -35,6 +35,7 @@ def test_from_config_reads_config_json_fields() -> None:
     assert (c.vocab_size, c.dim, c.n_heads, c.index_layers, c.index_heads, c.index_topk) == (64, 96, 2, (1, 3), 4, 16)
     assert (c.mlp_hidden, c.rope_theta, c.compress_rope_theta, c.norm_eps, c.seed) == (128, 5e4, 1e6, 1e-5, 3)
     assert from_config({**TINY_CONFIG, "name": TINY.name}).index_layers == (1, 3)
+    assert from_config(TINY_CONFIG, name="unnamed").geometry.name == "unnamed"
 
 
 def test_json_round_trip() -> None:
