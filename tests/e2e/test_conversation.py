@@ -176,8 +176,8 @@ def bounded_replay_then_full_hit(talk: Conversation, client: Client, ref: Refere
     assert torch.equal(run3.logits, replayed)  # the model's own replay, bit for bit
     assert_close(run3.logits, ref.from_scratch(prompt3), "turn 3 (bounded replay)")
     assert run3.tokens_replayed == WINDOW and not run3.snapshot_loaded
-    assert hit in run3.snapshot_positions
     assert client.lookup(prompt3, swa_positions=[hit]).swa_position == hit  # the rebuilt snapshot is back
+    assert hit in run3.snapshot_positions
     assert run3.output_tokens == ref.model.greedy(state, replayed, REPLY_TOKENS)[0]
 
     prompt4, plan4, run4 = talk.turn(message(5, 9))
