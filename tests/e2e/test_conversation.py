@@ -35,7 +35,7 @@ import torch
 
 from kvstore.client import Client
 from kvstore.client.worker import RunResult, WorkerClient
-from kvstore.errors import Unavailable
+from kvstore.errors import Internal, Unavailable
 from kvstore.geometry import TINY
 from replay.model import TINY_MODEL, CacheState, ModelConfig, ReferenceModel
 from replay.model.cache_io import restore_state, state_blocks
@@ -94,6 +94,8 @@ class Conversation:
 
     resumer: Resumer
     history: list[int] = field(default_factory=list)
+    #: What was done for each prompt: the plan the worker ran, or the fallback (what the stats must count).
+    done: list[Plan] = field(default_factory=list)
 
     def turn(self, new_message: list[int]) -> tuple[list[int], Plan, RunResult]:
         """Resume history + `new_message` on the worker (REPLY_TOKENS greedy tokens); no fallback expected.
@@ -106,6 +108,7 @@ class Conversation:
         assert result.run is not None, f"unexpected fallback: {result.reason}"
         assert len(result.run.output_tokens) == REPLY_TOKENS
         self.history = prompt + result.run.output_tokens
+        self.done.append(result.plan)
         return prompt, result.plan, result.run
 
 
@@ -128,7 +131,8 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     worker = start_worker(serve.target, gate=gate)
     ref = Reference(ReferenceModel(TINY_MODEL, device="cpu"), e2e.BLOCK_TOKENS)
     with (Client(serve.target, namespace=TENANT, geometry=TINY.name) as client,
-          WorkerClient(worker.target, timeout_s=CALL_DEADLINE_S) as workers, Planner(client) as planner):
+          WorkerClient(worker.target, timeout_s=CALL_DEADLINE_S) as workers,
+          Planner(client, report=False) as planner):  # the Resumer reports what was done, fallbacks included
         assert ModelConfig.from_dict(workers.info().model_config) == TINY_MODEL  # the test's model is the worker's
         talk = Conversation(Resumer(planner, workers))
 
@@ -146,6 +150,8 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
 
         server_clock.advance(2 * e2e.SWA_TTL_S)
         worker_killed_mid_replay(talk, client, ref, worker, gate, lambda: start_worker(serve.target).target)
+        planner.close()  # its reports are in
+        assert_usable_stats(client, talk.done)
 
 
 def full_hits(talk: Conversation, client: Client, ref: Reference) -> None:
@@ -206,13 +212,27 @@ def worker_killed_mid_replay(talk: Conversation, client: Client, ref: Reference,
     assert r6.plan.action is Action.BOUNDED_REPLAY and r6.run is None
     assert r6.fallback is not None and r6.fallback.action is Action.FULL_PREFILL
     assert (r6.fallback.prompt_tokens, r6.fallback.resume_tokens, r6.fallback.lease_id) == (len(prompt6), 0, None)
-    assert r6.reason and isinstance(r6.error, Unavailable), r6.reason
+    assert r6.reason and isinstance(r6.error, Unavailable | Internal), r6.reason  # docs/WORKER.md: killed mid-run
     assert client.lookup(prompt6).found_tokens == r6.plan.fetch_tokens > 0  # the store still serves its blocks
     # Asked again with the worker down: the same clean fallback.
     r7 = talk.resumer.resume(prompt6, max_new_tokens=REPLY_TOKENS)
     assert r7.run is None and r7.fallback is not None and r7.fallback.action is Action.FULL_PREFILL
     assert isinstance(r7.error, Unavailable), r7.reason
+    talk.done += [r6.fallback, r7.fallback]
     # The fallback plan, run on a new worker, is a from-scratch computation.
     with WorkerClient(new_worker(), timeout_s=CALL_DEADLINE_S) as fresh:
         run = fresh.run(prompt6, r6.fallback, namespace=TENANT, store=False)
     assert torch.equal(run.logits, ref.from_scratch(prompt6))
+
+
+def assert_usable_stats(client: Client, done: list[Plan]) -> None:
+    """The server's resume counters count what was done: a fallback is a full prefill, no usable token."""
+    stats = client.stats()
+    by_action = {action: sum(p.action is action for p in done) for action in Action}
+    assert (by_action[Action.FETCH_SNAPSHOT], by_action[Action.BOUNDED_REPLAY], by_action[Action.FULL_PREFILL]) == (
+        2, 1, 4)  # turns 2 and 4; turn 3; turns 1 and 5 and the two fallbacks
+    assert (stats.resume_plans, stats.resume_fetch_snapshot_plans, stats.resume_bounded_replay_plans,
+            stats.resume_full_prefill_plans) == (len(done), 2, 1, 4)
+    assert stats.resume_prompt_tokens == sum(p.prompt_tokens for p in done)
+    assert stats.resume_usable_tokens == sum(p.usable_tokens for p in done) > 0
+    assert stats.resume_found_tokens == sum(p.found_tokens for p in done)
