@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.geometry import ModelGeometry  # noqa: E402
 from replay.model import ModelConfig, ReferenceModel  # noqa: E402
 from replay.model.cache_io import restore_state, state_blocks, state_snapshot  # noqa: E402
@@ -42,3 +43,21 @@ def test_chunking_and_an_odd_restore_are_exact(same_rows: Any) -> None:
     assert same_rows(restored, at33)
     assert torch.equal(model.extend(restored, tokens[33:]), logits[33:])
     assert same_rows(restored, one)
+
+
+def test_odd_resume_below_the_snapshot_needs_the_open_pairs_row() -> None:
+    """With only ratio-2 sources, blocks can end one pair short of an odd R = T - 1: refused (the
+    snapshot has no tail for pair (R - 1, R)); one more block and the resume continues exactly."""
+    geometry = ModelGeometry(name="pairs-only", num_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,),
+                             window=4, head_dim=32, rope_head_dim=8, index_head_dim=32)
+    model = ReferenceModel(ModelConfig(geometry=geometry, vocab_size=32, dim=32, n_heads=1, index_topk=4,
+                                       mlp_hidden=32))
+    tokens = list(range(3, 15))
+    state = model.new_state()
+    model.extend(state, tokens[:8])
+    snap = state_snapshot(geometry, state)
+    full = model.extend(state.clone(), tokens[8:])
+    with pytest.raises(InvalidArgument, match="pair"):
+        restore_state(geometry, state_blocks(geometry, state, 2)[:3], snap, position=8, resume=7, device="cpu")
+    ok = restore_state(geometry, state_blocks(geometry, state, 2), snap, position=8, resume=7, device="cpu")
+    assert torch.equal(model.extend(ok, tokens[7:])[1:], full)
