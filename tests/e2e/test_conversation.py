@@ -9,6 +9,7 @@ and seed, batch-invariant on the CPU) to check the worker's logits:
 1. turn 1 prefills and stores: its blocks and snapshots are in the store;
 2. turn 2 (turn 1 + its output + a new message) is a full hit (FETCH_SNAPSHOT):
    logits equal (torch.equal) to a from-scratch run of the whole conversation;
+   a retry of it resumes at T - 1 from the snapshot turn 2 left at its end;
 3. past the SWA TTL (well within 72 h) a bounded replay: logits bit-identical to
    the same replay done here, and within the fixture's pass criteria of the
    from-scratch logits (V41_FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the
@@ -18,7 +19,9 @@ and seed, batch-invariant on the CPU) to check the worker's logits:
    is evicted: a full recompute (FULL_PREFILL), logits equal to from scratch;
 6. the worker killed -9 inside a replay: the Resumer answers a FULL_PREFILL
    fallback with its reason (no exception), the store still serves, and the
-   fallback run on a new worker matches from scratch.
+   fallback run on a new worker matches from scratch;
+7. the server's resume counters count what was done (a fallback as a full
+   prefill with no usable token).
 
 No assertion is about time: deadlines only bound waits.
 """
@@ -155,7 +158,7 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
 
 
 def full_hits(talk: Conversation, client: Client, ref: Reference) -> None:
-    """Turn 1 prefills and stores; turn 2 (turn 1, its reply, a new message) is a full hit."""
+    """Turn 1 prefills and stores; turn 2 (turn 1, its reply, a new message) is a full hit, and so is its retry."""
     prompt1, plan1, run1 = talk.turn(message(1, 20) + message(2, 21))
     assert plan1.action is Action.FULL_PREFILL
     assert torch.equal(run1.logits, ref.from_scratch(prompt1))
@@ -171,6 +174,17 @@ def full_hits(talk: Conversation, client: Client, ref: Reference) -> None:
     assert torch.equal(run2.logits, ref.from_scratch(prompt2))
     assert run2.snapshot_loaded and run2.blocks_fetched == 3
     assert run2.tokens_computed == len(prompt2) - 48 + REPLY_TOKENS  # only the new message and the reply
+
+    # A retry of turn 2: its prompt ends on a block boundary (64) where turn 2 left a snapshot, which
+    # serves a resume at 63 (T - 1): only the last prompt token is computed again, for its logits.
+    retry = talk.resumer.resume(prompt2, max_new_tokens=REPLY_TOKENS)
+    assert retry.run is not None, retry.reason
+    talk.done.append(retry.plan)
+    assert retry.plan.action is Action.FETCH_SNAPSHOT
+    assert (retry.plan.snapshot_position, retry.plan.resume_tokens, retry.plan.fetch_tokens) == (64, 63, 64)
+    assert torch.equal(retry.run.logits, run2.logits)
+    assert retry.run.output_tokens == run2.output_tokens
+    assert retry.run.tokens_computed == 1 + REPLY_TOKENS
 
 
 def bounded_replay_then_full_hit(talk: Conversation, client: Client, ref: Reference) -> None:
@@ -230,9 +244,9 @@ def assert_usable_stats(client: Client, done: list[Plan]) -> None:
     stats = client.stats()
     by_action = {action: sum(p.action is action for p in done) for action in Action}
     assert (by_action[Action.FETCH_SNAPSHOT], by_action[Action.BOUNDED_REPLAY], by_action[Action.FULL_PREFILL]) == (
-        2, 1, 4)  # turns 2 and 4; turn 3; turns 1 and 5 and the two fallbacks
+        3, 1, 4)  # turns 2 and 4 and the retry; turn 3; turns 1 and 5 and the two fallbacks
     assert (stats.resume_plans, stats.resume_fetch_snapshot_plans, stats.resume_bounded_replay_plans,
-            stats.resume_full_prefill_plans) == (len(done), 2, 1, 4)
+            stats.resume_full_prefill_plans) == (len(done), 3, 1, 4)
     assert stats.resume_prompt_tokens == sum(p.prompt_tokens for p in done)
     assert stats.resume_usable_tokens == sum(p.usable_tokens for p in done) > 0
     assert stats.resume_found_tokens == sum(p.found_tokens for p in done)
