@@ -180,6 +180,15 @@ class Child:
                 f"--- {self.name} stderr ({self.err_path})\n{self.err_path.read_text(errors='replace')}")
 
 
+def run_kvstore(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run a one-shot `kvstore` command (KVSTORE_* of the test's own dropped) and return what it printed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=START_DEADLINE_S, check=False)
+    assert done.returncode == 0, f"kvstore {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
 def write_config(path: Path, sections: dict[str, dict[str, object]]) -> Path:
     """A small TOML config ({section: {key: value}}; values are str, int or float)."""
     lines: list[str] = []
@@ -252,7 +261,7 @@ def start_worker(tmp_path: Path, children: list[Child]) -> Callable[..., Child]:
 def e2e(tmp_path: Path) -> SimpleNamespace:
     """This folder's helpers for test modules (with --import-mode=importlib they cannot import conftest)."""
     return SimpleNamespace(WorkerGate=WorkerGate, BLOCK_TOKENS=BLOCK_TOKENS, SWA_TTL_S=SWA_TTL_S,
-                           gate=lambda name="gate": WorkerGate(tmp_path / name))
+                           gate=lambda name="gate": WorkerGate(tmp_path / name), run_kvstore=run_kvstore)
 
 
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> None:

@@ -10,7 +10,8 @@ and seed, batch-invariant on the CPU) to check the worker's logits:
 2. turn 2 (turn 1 + its output + a new message) is a full hit (FETCH_SNAPSHOT):
    logits equal (torch.equal) to a from-scratch run of the whole conversation;
    a retry of it resumes at T - 1 from the snapshot turn 2 left at its end;
-3. past the SWA TTL (well within 72 h) a bounded replay: logits bit-identical to
+3. past the SWA TTL (well within 72 h) a bounded replay (`kvstore plan` says so
+   first, from the command line): logits bit-identical to
    the same replay done here, and within the fixture's pass criteria of the
    from-scratch logits (V41_FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the
    logit range); the replay put its snapshot at H back;
@@ -27,10 +28,12 @@ No assertion is about time: deadlines only bound waits.
 """
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -128,7 +131,8 @@ def assert_close(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
 
 def test_conversation_through_service_planner_and_worker(start_serve: Callable[..., Any],
                                                           start_worker: Callable[..., Any],
-                                                          server_clock: Any, e2e: SimpleNamespace) -> None:
+                                                          server_clock: Any, e2e: SimpleNamespace,
+                                                          tmp_path: Path) -> None:
     serve = start_serve(capacity_bytes=CAPACITY_BLOCKS * TINY.block_bytes(e2e.BLOCK_TOKENS))
     gate = e2e.gate()
     worker = start_worker(serve.target, gate=gate)
@@ -141,6 +145,9 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
 
         full_hits(talk, client, ref)
         server_clock.advance(2 * e2e.SWA_TTL_S)  # minutes, not hours: the snapshots are gone, the blocks are not
+        printed = kvstore_plan(e2e, serve.target, talk.history + message(4, 15), tmp_path)  # turn 3's prompt
+        assert {k: printed[k] for k in ("action", "fetch_tokens", "replay_start", "resume_tokens")} == {
+            "action": "bounded-replay", "fetch_tokens": 64, "replay_start": 64 - WINDOW, "resume_tokens": 64}
         bounded_replay_then_full_hit(talk, client, ref)
 
         server_clock.advance(PAST_RETENTION_S)
@@ -155,6 +162,16 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
         worker_killed_mid_replay(talk, client, ref, worker, gate, lambda: start_worker(serve.target).target)
         planner.close()  # its reports are in
         assert_usable_stats(client, talk.done)
+
+
+def kvstore_plan(e2e: SimpleNamespace, target: str, tokens: list[int], folder: Path) -> dict[str, Any]:
+    """`kvstore plan --json` of a prompt against the running service (it leases and reports nothing)."""
+    path = folder / "prompt.json"
+    path.write_text(json.dumps(tokens))
+    done = e2e.run_kvstore("plan", "--tokens", str(path), "--target", target, "--namespace", TENANT,
+                           "--geometry", TINY.name, "--json")
+    printed: dict[str, Any] = json.loads(done.stdout)
+    return printed
 
 
 def full_hits(talk: Conversation, client: Client, ref: Reference) -> None:
