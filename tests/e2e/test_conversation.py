@@ -11,10 +11,10 @@ and seed, batch-invariant on the CPU) to check the worker's logits:
    logits equal (torch.equal) to a from-scratch run of the whole conversation;
    a retry of it resumes at T - 1 from the snapshot turn 2 left at its end;
 3. past the SWA TTL (well within 72 h) a bounded replay (`kvstore plan` says so
-   first, from the command line): logits bit-identical to
-   the same replay done here, and within the fixture's pass criteria of the
-   from-scratch logits (V41_FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the
-   logit range); the replay put its snapshot at H back;
+   first, from the command line): logits bit-identical to the same replay done
+   here, and within the fixture's pass criteria of the from-scratch logits
+   (V41_FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the logit range); the
+   replay put its snapshot at H back;
 4. the turn after is a full hit again;
 5. past the 72-hour retention, with the store full of newer blocks, global KV
    is evicted: a full recompute (FULL_PREFILL), logits equal to from scratch;
