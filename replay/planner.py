@@ -143,13 +143,16 @@ class Planner:
     # -- the plan ----------------------------------------------------------------
 
     def plan(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
-             cost: CostModel | None = None) -> Plan:
+             cost: CostModel | None = None, report: bool | None = None) -> Plan:
         """The plan to resume `tokens`: one leased Lookup, then the cheapest feasible action.
 
         Args:
             tokens: the whole prompt's token ids.
             extra_keys: the keys its blocks were stored with.
             cost: this request's cost model (default: the tenant's).
+            report: report the plan to the server (default: the planner's `report` setting);
+                a caller that runs the plan and may fall back (the Resumer) passes False and
+                reports what was done instead.
 
         Raises:
             InvalidArgument: no tokens, a bad token id or extra key.
@@ -157,10 +160,10 @@ class Planner:
         """
         start = time.perf_counter()
         found = self.lookup(tokens, extra_keys=extra_keys)
-        return self.plan_from_lookup(tokens, found, cost=cost, lookup_s=time.perf_counter() - start)
+        return self.plan_from_lookup(tokens, found, cost=cost, lookup_s=time.perf_counter() - start, report=report)
 
     def plan_from_lookup(self, tokens: Sequence[int], found: LookupResult, *, cost: CostModel | None = None,
-                         lookup_s: float = 0.0) -> Plan:
+                         lookup_s: float = 0.0, report: bool | None = None) -> Plan:
         """The plan of `tokens` from a Lookup already made (`lookup`): decide, release an unused
         lease, report.
 
@@ -172,7 +175,7 @@ class Planner:
         if plan.action is Action.FULL_PREFILL and found.lease_id:
             self.release(found.lease_id)
             plan.reasons.append(f"lease released: a full prefill fetches nothing (lease {found.lease_id})")
-        if self.report_plans:
+        if self.report_plans if report is None else report:
             self.report(plan)
         return replace(plan, lookup_s=lookup_s, plan_s=time.perf_counter() - start)
 

@@ -20,9 +20,9 @@ When the worker cannot run the plan, the result says so instead of raising
 With `raise_on_fallback=True` the same cases raise the cause's kvstore.errors
 class with a hint instead. A bad request (INVALID_ARGUMENT) always raises.
 
-A planner made with `report=False` reports nothing itself; the Resumer then
-reports what was finally done (the plan run, or the fallback), so the server's
-usable-token stats count a fallback as no hit.
+The Resumer plans with `report=False` and reports what was finally done (the
+plan run, or the fallback) when the planner reports plans (its `report`
+setting), so the server's usable-token stats count a fallback as no hit.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Resumer:
         """
         raising = self.raise_on_fallback if raise_on_fallback is None else raise_on_fallback
         try:
-            plan = self.planner.plan(tokens, extra_keys=extra_keys, cost=cost)
+            plan = self.planner.plan(tokens, extra_keys=extra_keys, cost=cost, report=False)
         except FALLBACK_ERRORS as exc:
             full = self._store_down_plan(len(tokens), exc)
             return self._fall_back(full, exc, "the store could not be asked", raising)
@@ -133,7 +133,7 @@ class Resumer:
                 log.info("resume: %s; planning again", exc.message)
                 replanned = True
                 try:
-                    plan = self.planner.plan(tokens, extra_keys=extra_keys, cost=cost)
+                    plan = self.planner.plan(tokens, extra_keys=extra_keys, cost=cost, report=False)
                 except FALLBACK_ERRORS as again:
                     return self._fall_back(plan, again, "the store could not be asked to plan again", raising)
                 continue
@@ -147,8 +147,8 @@ class Resumer:
             return ResumeResult(plan=plan, run=run, replanned=replanned)
 
     def _report(self, plan: Plan) -> None:
-        """Report the plan finally done, unless the planner reported its plans itself."""
-        if not self.planner.report_plans:
+        """Report the plan finally done, when the planner reports plans (it did not at plan time)."""
+        if self.planner.report_plans:
             self.planner.report(plan)
 
     def _release(self, plan: Plan) -> None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from kvstore.client import Client
@@ -129,6 +130,7 @@ def assert_close(got: torch.Tensor, exact: torch.Tensor, what: str) -> None:
         f"{max_diff / span:.2%} of the range {span:.4g} (<= {MAX_DIFF_OF_RANGE:.0%})")
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_conversation_through_service_planner_and_worker(start_serve: Callable[..., Any],
                                                           start_worker: Callable[..., Any],
                                                           server_clock: Any, e2e: SimpleNamespace,
@@ -139,7 +141,7 @@ def test_conversation_through_service_planner_and_worker(start_serve: Callable[.
     ref = Reference(ReferenceModel(TINY_MODEL, device="cpu"), e2e.BLOCK_TOKENS)
     with (Client(serve.target, namespace=TENANT, geometry=TINY.name) as client,
           WorkerClient(worker.target, timeout_s=CALL_DEADLINE_S) as workers,
-          Planner(client, report=False) as planner):  # the Resumer reports what was done, fallbacks included
+          Planner(client) as planner):  # the Resumer reports what was done, fallbacks included
         assert ModelConfig.from_dict(workers.info().model_config) == TINY_MODEL  # the test's model is the worker's
         talk = Conversation(Resumer(planner, workers))
 

@@ -117,9 +117,9 @@ def test_a_bad_request_raises(planner: Planner, workers: WorkerClient) -> None:
         Resumer(planner, workers).resume([1, 2, 999])
 
 
-def test_what_was_done_is_reported_when_the_planner_does_not(store: Client, workers: WorkerClient) -> None:
+def test_what_was_done_is_reported_not_what_was_planned(store: Client, workers: WorkerClient) -> None:
     prompt = tokens_of(7, 40)
-    with Planner(store, report=False) as planner:
+    with Planner(store) as planner:  # a reporting planner: the Resumer reports for it, after the run
         Resumer(planner, workers).resume(prompt)  # a full prefill, run
         Resumer(planner, workers).resume(prompt)  # a snapshot hit at 32, run
         with WorkerClient(f"127.0.0.1:{_free_port()}", timeout_s=10) as down:
