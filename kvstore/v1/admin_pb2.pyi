@@ -1,0 +1,163 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Policy(_message.Message):
+    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+    RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
+    SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWA_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    retention_hours: float
+    swa_ttl_s: float
+    nvme_quota_bytes: int
+    swa_quota_bytes: int
+    requests_per_s: float
+    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
+
+class TenantPolicy(_message.Message):
+    __slots__ = ("tenant", "policy", "is_default")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    policy: Policy
+    is_default: bool
+    def __init__(self, tenant: _Optional[str] = ..., policy: _Optional[_Union[Policy, _Mapping]] = ..., is_default: _Optional[bool] = ...) -> None: ...
+
+class GetPolicyRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class GetPolicyResponse(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: TenantPolicy
+    def __init__(self, policy: _Optional[_Union[TenantPolicy, _Mapping]] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
+    SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWA_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    retention_hours: float
+    swa_ttl_s: float
+    nvme_quota_bytes: int
+    swa_quota_bytes: int
+    requests_per_s: float
+    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("before", "after")
+    BEFORE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    before: TenantPolicy
+    after: TenantPolicy
+    def __init__(self, before: _Optional[_Union[TenantPolicy, _Mapping]] = ..., after: _Optional[_Union[TenantPolicy, _Mapping]] = ...) -> None: ...
+
+class ListPoliciesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoliciesResponse(_message.Message):
+    __slots__ = ("policies", "defaults")
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    policies: _containers.RepeatedCompositeFieldContainer[TenantPolicy]
+    defaults: Policy
+    def __init__(self, policies: _Optional[_Iterable[_Union[TenantPolicy, _Mapping]]] = ..., defaults: _Optional[_Union[Policy, _Mapping]] = ...) -> None: ...
+
+class PolicyLogRequest(_message.Message):
+    __slots__ = ("tenant", "limit")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    limit: int
+    def __init__(self, tenant: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class AuditEntry(_message.Message):
+    __slots__ = ("time_s", "actor", "action", "tenant", "old_json", "new_json")
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    OLD_JSON_FIELD_NUMBER: _ClassVar[int]
+    NEW_JSON_FIELD_NUMBER: _ClassVar[int]
+    time_s: float
+    actor: str
+    action: str
+    tenant: str
+    old_json: str
+    new_json: str
+    def __init__(self, time_s: _Optional[float] = ..., actor: _Optional[str] = ..., action: _Optional[str] = ..., tenant: _Optional[str] = ..., old_json: _Optional[str] = ..., new_json: _Optional[str] = ...) -> None: ...
+
+class PolicyLogResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[AuditEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[AuditEntry, _Mapping]]] = ...) -> None: ...
+
+class PurgeRequest(_message.Message):
+    __slots__ = ("tenant", "geometry", "all", "token_ids", "extra_keys", "block_hashes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    geometry: str
+    all: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, tenant: _Optional[str] = ..., geometry: _Optional[str] = ..., all: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PurgeResponse(_message.Message):
+    __slots__ = ("purged_blocks",)
+    PURGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    purged_blocks: int
+    def __init__(self, purged_blocks: _Optional[int] = ...) -> None: ...
+
+class ExportTenantRequest(_message.Message):
+    __slots__ = ("tenant", "path")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    path: str
+    def __init__(self, tenant: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ExportTenantResponse(_message.Message):
+    __slots__ = ("records", "bytes")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    records: int
+    bytes: int
+    def __init__(self, records: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ImportTenantRequest(_message.Message):
+    __slots__ = ("tenant", "path")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    path: str
+    def __init__(self, tenant: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class ImportTenantResponse(_message.Message):
+    __slots__ = ("records", "written")
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    records: int
+    written: int
+    def __init__(self, records: _Optional[int] = ..., written: _Optional[int] = ...) -> None: ...
