@@ -1,17 +1,205 @@
-"""Replay: planner overhead, bounded-replay fidelity and speed (being built: issue 11)."""
+"""Replay: planner overhead at 1M tokens, bounded-replay fidelity, replay and resume speed.
+
+Three parts, chosen with --parts (default: all; speed only where CUDA is):
+
+- overhead: a `kvstore serve` process holds a 1M-token prompt's blocks (V4.1
+  geometry, 15,625 blocks of 64 tokens, 890 MB); the planner's `plan` of that
+  prompt is timed against the client's own Lookup of it (hash + RPC) in the
+  same run: the difference is what planning costs beyond the store's lookup.
+- fidelity (replay/fidelity.py; kvstore/bench/replay_fidelity.py): bounded
+  replay at 1x, 2x and 4x the window against exact replay (num_layers x
+  window), over many prompts of held-out standard-library text and resume
+  points, with the boundary cases; the decoder-side tail prefill against a full
+  prefill. Tiny configuration, random weights unless --weights is given.
+- speed (kvstore/bench/replay_speed.py, CUDA): bounded against exact replay at
+  W = 128 on V4.1's layer pattern at reduced width; the resume of a 1M-token
+  conversation (blocks over shared memory into GPU memory, then bounded replay)
+  against a full prefill, measured at sizes that fit and extrapolated.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import time
+from pathlib import Path
 from typing import Any
 
-from kvstore.errors import FailedPrecondition
+import numpy as np
+
+from kvstore.bench.harness import scratch, serve_process
+from kvstore.bench.report import Figure, Progress, Report
+from kvstore.geometry import V4_1_FLASH
+
+PARTS = ("overhead", "fidelity", "speed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The benchmark's arguments."""
+    """Flags of `kvstore bench replay`."""
+    parser.add_argument("--parts", default="auto",
+                        help="comma-separated parts: overhead,fidelity,speed (default auto: all; speed with CUDA)")
+    parser.add_argument("--quick", action="store_true",
+                        help="CI-sized: 4,096-token overhead prompt, 2 prompts per case of at most 8 windows, "
+                             "2 continued tokens, small speed sizes")
+    parser.add_argument("--overhead-tokens", type=int, default=1_000_000, help="prompt length of the overhead part")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed runs per figure, the best kept (default 5); the overhead part pairs 4x as many")
+    parser.add_argument("--prompts", type=int, default=48, help="resume points per fidelity case (default 48)")
+    parser.add_argument("--steps", type=int, default=32, help="greedy tokens continued for the KL (default 32)")
+    parser.add_argument("--spans", default="1,2,4", help="bounded replay spans in windows (default 1,2,4)")
+    parser.add_argument("--cases", default="all",
+                        help="fidelity cases, comma-separated (default all, none for only the tail prefill; "
+                             "docs/REPLAY.md lists them)")
+    parser.add_argument("--tail-prompts", type=int, default=-1,
+                        help="prompts of the tail-prefill study (default: --prompts; 0 skips it)")
+    parser.add_argument("--model", choices=("tiny", "reduced"), default="tiny",
+                        help="fidelity model: the tiny fixture, or reduced_v41(--speed-dim) (W = 128, 40 layers)")
+    parser.add_argument("--batch-invariant", choices=("on", "off"), default="on",
+                        help="fidelity model arithmetic: on (default) makes exact replay equal the full prefill "
+                             "bit for bit, so every error measured is the approximation's; off: fast CUDA matmuls")
+    parser.add_argument("--max-windows", type=int, default=48,
+                        help="longest stored prefix of the fidelity cases, in windows (default 48)")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="tiny-model weights from scripts/train_tiny.py (default: seeded random weights)")
+    parser.add_argument("--block-tokens", type=int, default=0,
+                        help="block size of the fidelity study (default: half the window, V4.1's 64/128)")
+    parser.add_argument("--device", default="auto", help="torch device of the fidelity part (auto: cuda if any)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and resume points")
+    parser.add_argument("--speed-dim", type=int, default=512, help="hidden width of the reduced V4.1 config")
+    parser.add_argument("--prefill-sizes", default="4096,16384,65536",
+                        help="prefill lengths timed for the throughput fit (default 4096,16384,65536)")
+    parser.add_argument("--replay-at", type=int, default=8192, help="H of the bounded/exact replay timing")
+    parser.add_argument("--resume-tokens", type=int, default=1_000_000, help="conversation length resumed")
+    parser.add_argument("--speed-device", default="cuda", help="device of the speed part (cpu: a dry run)")
+    parser.add_argument("--resume-path", choices=("shm", "pinned"), default="shm",
+                        help="rows into host memory over a kvstore serve's shm path, or from a pinned buffer")
 
 
-def run(args: argparse.Namespace, progress: Any) -> Any:
-    """Not built yet."""
-    raise FailedPrecondition("kvstore bench replay is not built yet (issue 11)")
+def run(args: argparse.Namespace, progress: Progress) -> Report:
+    """Run the chosen parts; see the module docstring."""
+    if args.quick:
+        args.overhead_tokens = min(args.overhead_tokens, 4096)
+        args.prompts = min(args.prompts, 2)
+        args.steps = min(args.steps, 2)
+        args.max_windows = min(args.max_windows, 8)
+        args.replay_at = min(args.replay_at, 4096)
+        args.prefill_sizes = "1024,2048,4096"
+        args.resume_tokens = min(args.resume_tokens, 65536)
+        args.repeat = min(args.repeat, 2)
+    parts = _parts(args.parts)
+    report = ReplayReport(bench="replay")
+    report.notes.update(parts=",".join(parts), cpus=os.cpu_count())
+    if "overhead" in parts:
+        overhead(report, args, progress)
+    if "fidelity" in parts:
+        from kvstore.bench.replay_fidelity import fidelity
+
+        fidelity(report, args, progress)
+    if "speed" in parts:
+        from kvstore.bench.replay_speed import speed
+
+        speed(report, args, progress)
+    return report
+
+
+def _parts(text: str) -> list[str]:
+    if text == "auto":
+        from kvstore.bench.transfer import _cuda
+
+        return [p for p in PARTS if p != "speed" or _cuda()]
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    return parts
+
+
+class ReplayReport(Report):
+    """A report whose table also prints the fidelity tables (kept as `notes["tables"]`)."""
+
+    def to_table(self) -> str:
+        """The figures, the notes and the markdown tables."""
+        tables = self.notes.pop("tables", None)
+        try:
+            text = super().to_table()
+        finally:
+            if tables is not None:
+                self.notes["tables"] = tables
+        return text + "".join(f"\n\n{t}" for t in (tables or {}).values())  # type: ignore[attr-defined]
+
+
+def overhead(report: Report, args: argparse.Namespace, progress: Progress) -> None:
+    """Planner.plan of a long prompt against the client's own Lookup of it, same server, same run."""
+    from kvstore.client import Client
+    from replay.planner import Planner
+
+    block_tokens = 64
+    block_bytes = V4_1_FLASH.block_bytes(block_tokens)
+    n_blocks = max(args.overhead_tokens // block_tokens, 1)
+    total = n_blocks * block_bytes
+    rng = np.random.default_rng(args.seed)
+    tokens = [int(t) for t in rng.integers(0, 128, size=n_blocks * block_tokens)]
+    with scratch() as folder, serve_process(folder / "store", total, block_tokens) as target, \
+            Client(target) as client:
+        _put_random(client, tokens, n_blocks, block_bytes, rng, progress)
+        with Planner(client) as planner:
+            lookup_s, plan_s, diff_s, decide_s, plan = _time_pair(client, planner, tokens, 4 * args.repeat,
+                                                                   progress)
+    label = f"{len(tokens):,} tokens"
+    report.add(Figure.against(f"plan {label}", plan_s * 1e3, "ms", "client lookup, hash + RPC", lookup_s * 1e3))
+    report.add(Figure.against(f"planner overhead beyond the lookup (median of paired runs), {label}", diff_s * 1e3,
+                              "ms", "client lookup, hash + RPC", lookup_s * 1e3))
+    report.add(Figure(name=f"planner decision alone (plan_from_lookup), {label}", value=decide_s * 1e3, unit="ms"))
+    report.notes.update(overhead_blocks=n_blocks, overhead_bytes=total,
+                        overhead_plan={k: v for k, v in plan.to_dict().items() if k != "block_hashes"})
+
+
+def _put_random(client: Any, tokens: list[int], n_blocks: int, block_bytes: int, rng: np.random.Generator,
+                progress: Progress) -> None:
+    """Store the prompt's blocks (random bytes: the store never decodes them)."""
+    pool = rng.integers(0, 256, size=64 * block_bytes, dtype=np.uint8).tobytes()
+    step = 1024
+    with progress.bar("put blocks", n_blocks * block_bytes) as bar:
+        parent = None
+        for lo in range(0, n_blocks, step):
+            hi = min(lo + step, n_blocks)
+            blocks = [pool[(i % 64) * block_bytes:(i % 64 + 1) * block_bytes] for i in range(lo, hi)]
+            result = client.put(tokens[: hi * client.block_tokens], blocks, first_block=lo, parent=parent)
+            parent = result.block_hashes[-1]
+            bar.update((hi - lo) * block_bytes)
+
+
+def _time_pair(client: Any, planner: Any, tokens: list[int], pairs: int,
+               progress: Progress) -> tuple[float, float, float, float, Any]:
+    """Client Lookup and Planner.plan alternated `pairs` times (drift hits both alike).
+
+    Returns the best Lookup, the best plan, the median of the paired differences
+    (plan - lookup of the same round), the best decision alone (the plan's own
+    `plan_s`: deciding and reporting, after the lookup), in seconds, and the last plan.
+    """
+    lookups: list[float] = []
+    plans: list[float] = []
+    decides: list[float] = []
+    plan = None
+    with progress.bar("lookup and plan", 2 * (pairs + 1), unit="call") as bar:
+        for i in range(pairs + 1):  # the first round warms the server's chain memo and is not kept
+            start = time.perf_counter()
+            found = client.lookup(tokens, lease_ms=planner.lease_ms)
+            lookup_s = time.perf_counter() - start
+            if found.found_tokens != len(tokens) - len(tokens) % client.block_tokens:
+                raise RuntimeError(f"lookup found {found.found_tokens} of {len(tokens)} tokens")
+            if found.lease_id:
+                client.release(found.lease_id)
+            bar.update(1)
+            start = time.perf_counter()
+            plan = planner.plan(tokens)
+            plan_s = time.perf_counter() - start
+            if plan.lease_id:
+                client.release(plan.lease_id)
+            bar.update(1)
+            if i:
+                lookups.append(lookup_s)
+                plans.append(plan_s)
+                decides.append(plan.plan_s)
+    diffs = sorted(p - q for p, q in zip(plans, lookups, strict=True))
+    return min(lookups), min(plans), diffs[len(diffs) // 2], min(decides), plan
