@@ -245,16 +245,29 @@ def start_worker(tmp_path: Path, children: list[Child]) -> Callable[..., Child]:
 
     def _start(target: str, *, gate: WorkerGate | None = None, extra_args: Sequence[str] = ()) -> Child:
         args = ["worker", "--target", target, "--model", "tiny", "--port", "0", "--device", "cpu", *extra_args]
-        env: dict[str, str] = {}
+        # One torch thread: the tiny model's ops are too small to split, and two threads on a loaded
+        # 2-core machine are about ten times slower (docs/MODEL.md); results do not depend on it.
+        env: dict[str, str] = {"OMP_NUM_THREADS": "1"}
         prelude = None
         if gate is not None:
-            env = {"KVSTORE_E2E_GATE": str(gate.folder)}
+            env["KVSTORE_E2E_GATE"] = str(gate.folder)
             prelude = _REPLAY_GATE
         child = Child("worker", args, tmp_path / "logs", prelude=prelude, env=env)
         children.append(child)
         return child
 
     return _start
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """The test's own model on one thread (as the worker), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
