@@ -245,9 +245,7 @@ def start_worker(tmp_path: Path, children: list[Child]) -> Callable[..., Child]:
 
     def _start(target: str, *, gate: WorkerGate | None = None, extra_args: Sequence[str] = ()) -> Child:
         args = ["worker", "--target", target, "--model", "tiny", "--port", "0", "--device", "cpu", *extra_args]
-        # One torch thread: the tiny model's ops are too small to split, and two threads on a loaded
-        # 2-core machine are about ten times slower (docs/MODEL.md); results do not depend on it.
-        env: dict[str, str] = {"OMP_NUM_THREADS": "1"}
+        env: dict[str, str] = {}
         prelude = None
         if gate is not None:
             env["KVSTORE_E2E_GATE"] = str(gate.folder)
@@ -261,7 +259,9 @@ def start_worker(tmp_path: Path, children: list[Child]) -> Callable[..., Child]:
 
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
-    """The test's own model on one thread (as the worker), restored after."""
+    """The test's own model on one torch thread, restored after: the tiny model's ops are too small to
+    split, and two threads on a loaded 2-core machine are about ten times slower (docs/MODEL.md). The
+    worker keeps torch's default, so the test also checks that threads never change results."""
     import torch
 
     before = torch.get_num_threads()
