@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from gateway import validate
-from gateway.resume_counters import ResumeCounters, check_report
+from gateway.hit_stats import WINDOWS, HitStats, Window
+from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
@@ -48,10 +50,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         layouts: served geometries by name, the default first.
         max_message_bytes: the server's message limit, reported to clients.
         swa: the SWA pool, asked by Lookup for snapshot candidates (None: no SWA pool).
+        hits: the hit counters per tenant over time, shared with the SwaPool service
+            (None: counted in memory only, lost at stop).
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], max_message_bytes: int,
-                 swa: SwaCache | None = None) -> None:
+                 swa: SwaCache | None = None, hits: HitStats | None = None) -> None:
         self.tier = tier
         self.swa = swa
         self.layouts = layouts
@@ -59,6 +63,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.settings = tier.settings
         #: What planners reported of their plans (ReportResume): usable tokens, not raw hits.
         self.resume = ResumeCounters()
+        self.hits = hits or HitStats(None, tier.clock, block_tokens=self.settings.block_tokens)
 
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -88,6 +93,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         due: list[bytes] = []
         found, lease = await self.tier.call(
             lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
+        self.hits.record(scope.namespace, "lookup", len(hashes), found)
         if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
@@ -220,6 +226,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     yield pb.GetResponse(index=start + offset, status=_STATUS[status], data=data or b"")
         finally:
             self.tier.count_get(len(keys), len(found))
+            self.hits.record(scope.namespace, "get", len(keys), len(found))
         if found:
             # Durable before the stream ends OK: a read the client saw complete
             # restarts the blocks' retention clocks even across a crash.
@@ -229,6 +236,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         s = self.tier.stats()
         c = s.counters
+        extra: dict[str, Any] = {
+            **self.resume.stats_fields(), **self._hit_fields(request),
+            **_capacity_fields(s.capacity_bytes, s.write_rate_bytes_per_s, s.retention_hours,
+                               self.settings.write_rate_window_s)}
         return pb.StatsResponse(
             lookups=c.lookups, lookup_tokens_asked=c.lookup_tokens_asked,
             lookup_tokens_found=c.lookup_tokens_found, gets=c.gets, get_tokens_asked=c.get_tokens_asked,
@@ -239,16 +250,49 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             write_rate_bytes_per_s=s.write_rate_bytes_per_s, headroom_hours=s.headroom_hours,
             retention_hours=s.retention_hours, active_leases=s.active_leases,
             uptime_s=s.uptime_s, stored_by_geometry=self._by_geometry(s.by_layout),
-            **self.resume.stats_fields(),
+            **extra,
         )
+
+    def _hit_fields(self, request: pb.StatsRequest) -> dict[str, Any]:
+        """The windows, tenants and chart of a Stats answer, for the tenants the request names."""
+        tenant = validate.namespace(request.tenant) if request.tenant else None
+        names = list(request.windows) or list(WINDOWS)
+        unknown = [n for n in names if n not in WINDOWS]
+        if unknown:
+            raise InvalidArgument(f"windows {unknown} are not known; ask for some of {', '.join(WINDOWS)}")
+        if request.chart_points > 1440:
+            raise InvalidArgument(f"chart_points is {request.chart_points}: at most 1440 (one a minute over 24 h)")
+        tenants = [tenant] if tenant is not None else self.hits.tenants()
+        chart = self.hits.series(tenant, request.chart_points) if request.chart_points else []
+        return {
+            "windows": _windows(self.hits.windows(tenant, names)),
+            "tenants": [self._tenant_hits(t, names) for t in tenants],
+            "chart": [pb.HitPoint(start_s=p.start_s, seconds=p.seconds, counts=pb.HitCounts(**p.counts))
+                      for p in chart],
+            "run_started_at_s": self.hits.started_s, "counted_since_s": self.hits.counted_since_s,
+        }
+
+    def _tenant_hits(self, tenant: str, names: list[str]) -> pb.TenantHits:
+        reply = pb.TenantHits(tenant=tenant, windows=_windows(self.hits.windows(tenant, names)))
+        namespace_usage = getattr(self.tier, "namespace_usage", None)  # the tier's per-tenant usage, once it has it
+        if namespace_usage is not None:
+            usage = namespace_usage(tenant)
+            reply.usage_known = True
+            reply.token_hours, reply.blocks_stored = usage.token_hours, usage.blocks
+            reply.bytes_stored = usage.stored_bytes
+        return reply
 
     @unary
     async def ReportResume(self, request: pb.ReportResumeRequest,
                            context: grpc.aio.ServicerContext) -> pb.ReportResumeResponse:
-        validate.scope(self.layouts, request.geometry, request.namespace)
+        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         # The longest prompt a Lookup covers: its most blocks, plus a partial block.
         longest = (self.settings.max_lookup_blocks + 1) * self.settings.block_tokens - 1
-        self.resume.add(check_report(request, max_prompt_tokens=longest))
+        report = check_report(request, max_prompt_tokens=longest)
+        self.resume.add(report)
+        self.hits.record_resume(scope.namespace, prompt_tokens=report.prompt_tokens,
+                                found_tokens=report.found_tokens, usable_tokens=report.usable_tokens,
+                                action_field=ACTION_FIELDS[report.action])
         return pb.ReportResumeResponse()
 
     def _by_geometry(self, by_layout: dict[bytes, tuple[int, int]]) -> list[pb.GeometryUsage]:
@@ -257,3 +301,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+def _windows(windows: list[Window]) -> list[pb.HitWindow]:
+    return [pb.HitWindow(window=w.name, seconds=w.seconds, counts=pb.HitCounts(**w.counts)) for w in windows]
+
+
+def _capacity_fields(capacity_bytes: int, rate_bytes_per_s: float, retention_hours: float,
+                     rate_window_s: float) -> dict[str, Any]:
+    """How long the whole capacity lasts at the recent write rate, and whether that is less than the retention.
+
+    Blocks younger than the retention may not be evicted (R4, R8), so a store that
+    takes in more than its capacity per retention period must refuse puts once full.
+    """
+    hours = capacity_bytes / rate_bytes_per_s / 3600.0 if rate_bytes_per_s > 0 else float("inf")
+    return {"capacity_hours": hours, "headroom_warning": hours < retention_hours, "write_rate_window_s": rate_window_s}

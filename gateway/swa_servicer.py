@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import grpc
 
 from gateway import validate
+from gateway.hit_stats import HitStats
 from gateway.status import unary
 from gateway.validate import Layout
 from kvstore.errors import InvalidArgument
@@ -65,12 +66,15 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         cache: the checked, counted cache over the configured pool backend.
         layouts: served geometries by name, the default first.
         max_batch_snapshots: most snapshots in one call.
+        hits: the hit counters per tenant over time, shared with the KVStore service (None: not counted).
     """
 
-    def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int) -> None:
+    def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int,
+                 hits: HitStats | None = None) -> None:
         self.cache = cache
         self.layouts = layouts
         self.max_batch = max_batch_snapshots
+        self.hits = hits
 
     def _scope(self, geometry: str, namespace: str) -> tuple[Layout, BlockScope]:
         return validate.scope(self.layouts, geometry, namespace)
@@ -105,6 +109,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         layout, scope = self._scope(request.geometry, request.namespace)
         keys = check_keys(list(request.keys), limit=self.max_batch)
         found = await self.cache.get_many(layout.geometry, [scope.key(k) for k in keys])
+        if self.hits is not None:
+            self.hits.record(scope.namespace, "swa", len(keys), sum(f is not None for f in found))
         # Copying the snapshots into the reply is O(reply size): off the event loop.
         return await asyncio.to_thread(_get_reply, found)
 

@@ -162,11 +162,17 @@ class GetResponse(_message.Message):
     def __init__(self, index: _Optional[int] = ..., status: _Optional[_Union[BlockStatus, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tenant", "windows", "chart_points")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    CHART_POINTS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    windows: _containers.RepeatedScalarFieldContainer[str]
+    chart_points: int
+    def __init__(self, tenant: _Optional[str] = ..., windows: _Optional[_Iterable[str]] = ..., chart_points: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans")
+    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans", "windows", "tenants", "chart", "run_started_at_s", "counted_since_s", "capacity_hours", "write_rate_window_s", "headroom_warning")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +204,14 @@ class StatsResponse(_message.Message):
     RESUME_BOUNDED_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
     RESUME_EXACT_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FULL_PREFILL_PLANS_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    CHART_FIELD_NUMBER: _ClassVar[int]
+    RUN_STARTED_AT_S_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_HOURS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_RATE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
+    HEADROOM_WARNING_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     lookup_tokens_asked: int
     lookup_tokens_found: int
@@ -229,7 +243,97 @@ class StatsResponse(_message.Message):
     resume_bounded_replay_plans: int
     resume_exact_replay_plans: int
     resume_full_prefill_plans: int
-    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ...) -> None: ...
+    windows: _containers.RepeatedCompositeFieldContainer[HitWindow]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantHits]
+    chart: _containers.RepeatedCompositeFieldContainer[HitPoint]
+    run_started_at_s: float
+    counted_since_s: float
+    capacity_hours: float
+    write_rate_window_s: float
+    headroom_warning: bool
+    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantHits, _Mapping]]] = ..., chart: _Optional[_Iterable[_Union[HitPoint, _Mapping]]] = ..., run_started_at_s: _Optional[float] = ..., counted_since_s: _Optional[float] = ..., capacity_hours: _Optional[float] = ..., write_rate_window_s: _Optional[float] = ..., headroom_warning: _Optional[bool] = ...) -> None: ...
+
+class HitCounts(_message.Message):
+    __slots__ = ("lookups", "lookup_blocks_asked", "lookup_blocks_found", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_blocks_asked", "get_blocks_returned", "get_tokens_asked", "get_tokens_returned", "swa_gets", "swa_snapshots_asked", "swa_snapshots_found", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans")
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    GET_BLOCKS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    GET_BLOCKS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    GET_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    GET_TOKENS_RETURNED_FIELD_NUMBER: _ClassVar[int]
+    SWA_GETS_FIELD_NUMBER: _ClassVar[int]
+    SWA_SNAPSHOTS_ASKED_FIELD_NUMBER: _ClassVar[int]
+    SWA_SNAPSHOTS_FOUND_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_USABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FETCH_SNAPSHOT_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BOUNDED_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_EXACT_REPLAY_PLANS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FULL_PREFILL_PLANS_FIELD_NUMBER: _ClassVar[int]
+    lookups: int
+    lookup_blocks_asked: int
+    lookup_blocks_found: int
+    lookup_tokens_asked: int
+    lookup_tokens_found: int
+    gets: int
+    get_blocks_asked: int
+    get_blocks_returned: int
+    get_tokens_asked: int
+    get_tokens_returned: int
+    swa_gets: int
+    swa_snapshots_asked: int
+    swa_snapshots_found: int
+    resume_plans: int
+    resume_prompt_tokens: int
+    resume_found_tokens: int
+    resume_usable_tokens: int
+    resume_fetch_snapshot_plans: int
+    resume_bounded_replay_plans: int
+    resume_exact_replay_plans: int
+    resume_full_prefill_plans: int
+    def __init__(self, lookups: _Optional[int] = ..., lookup_blocks_asked: _Optional[int] = ..., lookup_blocks_found: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_blocks_asked: _Optional[int] = ..., get_blocks_returned: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., swa_gets: _Optional[int] = ..., swa_snapshots_asked: _Optional[int] = ..., swa_snapshots_found: _Optional[int] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ...) -> None: ...
+
+class HitWindow(_message.Message):
+    __slots__ = ("window", "seconds", "counts")
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    window: str
+    seconds: float
+    counts: HitCounts
+    def __init__(self, window: _Optional[str] = ..., seconds: _Optional[float] = ..., counts: _Optional[_Union[HitCounts, _Mapping]] = ...) -> None: ...
+
+class TenantHits(_message.Message):
+    __slots__ = ("tenant", "windows", "usage_known", "token_hours", "blocks_stored", "bytes_stored")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HOURS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    windows: _containers.RepeatedCompositeFieldContainer[HitWindow]
+    usage_known: bool
+    token_hours: float
+    blocks_stored: int
+    bytes_stored: int
+    def __init__(self, tenant: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., usage_known: _Optional[bool] = ..., token_hours: _Optional[float] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+
+class HitPoint(_message.Message):
+    __slots__ = ("start_s", "seconds", "counts")
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    start_s: float
+    seconds: float
+    counts: HitCounts
+    def __init__(self, start_s: _Optional[float] = ..., seconds: _Optional[float] = ..., counts: _Optional[_Union[HitCounts, _Mapping]] = ...) -> None: ...
 
 class GeometryUsage(_message.Message):
     __slots__ = ("fingerprint", "name", "blocks_stored", "bytes_stored")

@@ -1,0 +1,297 @@
+"""Hit counters per tenant in minute buckets, summed over time windows, kept in the data dir.
+
+The store's own counters (tiers/accounting.py) are totals since the store was
+created, all tenants together: a restart mixes the earlier runs into every
+rate, and one large miss moves the rate for good. These counters are bucketed
+by wall-clock minute per tenant, so a rate can be read over a window that ends
+now:
+
+- "5m", "1h", "24h": the last 5, 60 or 1,440 minute buckets, the current
+  (partly elapsed) minute included. Buckets are kept across restarts, so a
+  window after a restart holds the previous run's traffic inside it, and
+  nothing older; the minutes the server was down hold nothing.
+- "start": since this server process started; zero at every start.
+- "all": since the counters were first kept in this data dir (its
+  `stats/hits.json`), across every run.
+
+Counting is an in-memory increment under a lock (no I/O on the call's path).
+The file is written off the event loop by one writer thread: when the first
+call of a new minute arrives (so at most once a minute, and never while idle)
+and at `close()`; each write replaces the file atomically (temporary file,
+fsync, rename, fsync of the folder), so a crash loses at most the minute
+since the last write and never leaves a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.clock import Clock
+
+log = logging.getLogger(__name__)
+
+#: The counters of one bucket, in this order (the HitCounts message's field names).
+FIELDS: tuple[str, ...] = (
+    "lookups", "lookup_blocks_asked", "lookup_blocks_found", "lookup_tokens_asked", "lookup_tokens_found",
+    "gets", "get_blocks_asked", "get_blocks_returned", "get_tokens_asked", "get_tokens_returned",
+    "swa_gets", "swa_snapshots_asked", "swa_snapshots_found",
+    "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens",
+    "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans",
+    "resume_full_prefill_plans",
+)
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+#: Per kind of call: the fields of (calls, units asked, units found), and whether units are blocks.
+_KINDS: dict[str, tuple[str, str, str, bool]] = {
+    "lookup": ("lookups", "lookup_blocks_asked", "lookup_blocks_found", True),
+    "get": ("gets", "get_blocks_asked", "get_blocks_returned", True),
+    "swa": ("swa_gets", "swa_snapshots_asked", "swa_snapshots_found", False),
+}
+#: Windows by name: minute buckets summed (None: the run's or all-time totals).
+WINDOWS: dict[str, int | None] = {"5m": 5, "1h": 60, "24h": 1440, "start": None, "all": None}
+#: Minute buckets kept: the longest window's.
+KEPT_MINUTES = 1440
+#: Most points of a 24-hour series (one a minute).
+MAX_SERIES_POINTS = KEPT_MINUTES
+FILE_NAME = "hits.json"
+_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Window:
+    """One window's counters: `counts` by FIELDS name over `seconds` ending now."""
+
+    name: str
+    seconds: float
+    counts: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Point:
+    """One slice of a series: `counts` over [start_s, start_s + seconds)."""
+
+    start_s: float
+    seconds: float
+    counts: dict[str, int]
+
+
+def _zeros() -> list[int]:
+    return [0] * len(FIELDS)
+
+
+def _named(counts: list[int]) -> dict[str, int]:
+    return dict(zip(FIELDS, counts, strict=True))
+
+
+def _sum_into(total: list[int], counts: Iterable[list[int]]) -> list[int]:
+    for c in counts:
+        for i, v in enumerate(c):
+            total[i] += v
+    return total
+
+
+class HitStats:
+    """Hit counters per tenant: minute buckets for 24 h, this run's totals, all-time totals.
+
+    Args:
+        folder: where `hits.json` lives (`<data_dir>/stats`); None keeps nothing on disk.
+        clock: wall-clock time names the minute of each count (a ManualClock in tests).
+        block_tokens: tokens per block, to count lookups and gets in tokens too.
+    """
+
+    def __init__(self, folder: Path | None, clock: Clock, *, block_tokens: int) -> None:
+        self.folder = folder
+        self.clock = clock
+        self.block_tokens = block_tokens
+        self.started_s = clock.now()
+        self._lock = threading.Lock()
+        self._minutes: dict[str, dict[int, list[int]]] = {}
+        self._run: dict[str, list[int]] = {}
+        self._all: dict[str, list[int]] = {}
+        self.counted_since_s = self.started_s
+        self._minute = int(self.started_s // 60)
+        self._writer: ThreadPoolExecutor | None = None
+        self._write_pending = False
+        if folder is not None:
+            self._load(folder / FILE_NAME)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="hit-stats")
+
+    # -- counting (the servicers' hot path) --------------------------------
+
+    def record(self, tenant: str, kind: str, asked: int, found: int) -> None:
+        """Count one call of `kind` ("lookup", "get": blocks; "swa": snapshots) by `tenant`."""
+        calls, asked_field, found_field, in_blocks = _KINDS[kind]
+        deltas = [(_INDEX[calls], 1), (_INDEX[asked_field], asked), (_INDEX[found_field], found)]
+        if in_blocks:
+            deltas += [(_INDEX[asked_field.replace("blocks", "tokens")], asked * self.block_tokens),
+                       (_INDEX[found_field.replace("blocks", "tokens")], found * self.block_tokens)]
+        self._add(tenant, deltas)
+
+    def record_resume(self, tenant: str, *, prompt_tokens: int, found_tokens: int, usable_tokens: int,
+                      action_field: str) -> None:
+        """Count one resume plan a planner reported (ReportResume); `action_field` names its action's
+        counter (gateway.resume_counters.ACTION_FIELDS)."""
+        self._add(tenant, [(_INDEX["resume_plans"], 1), (_INDEX["resume_prompt_tokens"], prompt_tokens),
+                           (_INDEX["resume_found_tokens"], found_tokens),
+                           (_INDEX["resume_usable_tokens"], usable_tokens), (_INDEX[action_field], 1)])
+
+    def _add(self, tenant: str, deltas: list[tuple[int, int]]) -> None:
+        minute = int(self.clock.now() // 60)
+        with self._lock:
+            by_minute = self._minutes.setdefault(tenant, {})
+            bucket = by_minute.get(minute)
+            if bucket is None:
+                bucket = by_minute[minute] = _zeros()
+            run = self._run.setdefault(tenant, _zeros())
+            total = self._all.setdefault(tenant, _zeros())
+            for i, v in deltas:
+                bucket[i] += v
+                run[i] += v
+                total[i] += v
+            rolled = minute != self._minute
+            if rolled:
+                self._minute = minute
+                self._prune(minute)
+        if rolled:
+            self._write_soon()
+
+    def _prune(self, minute: int) -> None:
+        """Drop buckets past the longest window (called under the lock, once a minute at most)."""
+        oldest = minute - KEPT_MINUTES
+        for by_minute in self._minutes.values():
+            stale = [m for m in by_minute if m <= oldest]
+            for m in stale:
+                del by_minute[m]
+
+    # -- reading -----------------------------------------------------------
+
+    def tenants(self) -> list[str]:
+        """Every tenant counted since the counters began, sorted."""
+        with self._lock:
+            return sorted(self._all)
+
+    def windows(self, tenant: str | None, names: Iterable[str] = WINDOWS) -> list[Window]:
+        """`tenant`'s counters (None: every tenant's summed) over each window in `names`."""
+        now = self.clock.now()
+        minute = int(now // 60)
+        tenants = None if tenant is None else {tenant}
+        out = []
+        with self._lock:
+            for name in names:
+                span = WINDOWS[name]
+                if span is None:
+                    totals = self._run if name == "start" else self._all
+                    counts = _sum_into(_zeros(), (c for t, c in totals.items() if tenants is None or t in tenants))
+                    since = self.started_s if name == "start" else self.counted_since_s
+                    out.append(Window(name=name, seconds=max(now - since, 0.0), counts=_named(counts)))
+                    continue
+                first = minute - span + 1
+                counts = _sum_into(_zeros(), self._buckets(tenants, first, minute))
+                out.append(Window(name=name, seconds=now - first * 60, counts=_named(counts)))
+        return out
+
+    def series(self, tenant: str | None, points: int) -> list[Point]:
+        """The last 24 h in `points` equal slices (at most 1,440, the last ends with the current minute)."""
+        per = max(KEPT_MINUTES // max(min(points, MAX_SERIES_POINTS), 1), 1)
+        count = KEPT_MINUTES // per
+        last = int(self.clock.now() // 60)
+        first = last - count * per + 1
+        tenants = None if tenant is None else {tenant}
+        with self._lock:
+            slices = [_zeros() for _ in range(count)]
+            for t, by_minute in self._minutes.items():
+                if tenants is not None and t not in tenants:
+                    continue
+                for m, c in by_minute.items():
+                    if first <= m <= last:
+                        _sum_into(slices[(m - first) // per], [c])
+        return [Point(start_s=(first + i * per) * 60.0, seconds=per * 60.0, counts=_named(c))
+                for i, c in enumerate(slices)]
+
+    def _buckets(self, tenants: set[str] | None, first: int, last: int) -> Iterable[list[int]]:
+        for t, by_minute in self._minutes.items():
+            if tenants is None or t in tenants:
+                yield from (c for m, c in by_minute.items() if first <= m <= last)
+
+    # -- persistence -------------------------------------------------------
+
+    def _write_soon(self) -> None:
+        """Have the writer thread write the file, unless a write is already waiting."""
+        with self._lock:
+            if self._writer is None or self._write_pending:
+                return
+            self._write_pending = True
+        self._writer.submit(self._write_logged)
+
+    def _write_logged(self) -> None:
+        try:
+            self.write()
+        except OSError as exc:  # the next minute tries again; serving goes on
+            log.warning("could not write the hit counters to %s: %s", self.folder, exc)
+
+    def write(self) -> None:
+        """Write the counters to `<folder>/hits.json`, atomically (blocking: call off the event loop)."""
+        if self.folder is None:
+            return
+        with self._lock:
+            self._write_pending = False
+            state = {
+                "format": _FORMAT, "fields": list(FIELDS), "counted_since_s": self.counted_since_s,
+                "all": {t: list(c) for t, c in self._all.items()},
+                "minutes": {t: {str(m): list(c) for m, c in by.items()} for t, by in self._minutes.items()},
+            }
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / FILE_NAME
+        tmp = path.with_name(FILE_NAME + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename itself survives a crash
+        finally:
+            os.close(fd)
+
+    def _load(self, path: Path) -> None:
+        """Read the counters an earlier run wrote; a damaged file is set aside (logged) and counting starts anew."""
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        try:
+            state = json.loads(raw)
+            names = state["fields"]
+            at = [(_INDEX[n], j) for j, n in enumerate(names) if n in _INDEX]  # fields of another version: dropped
+
+            def counts(values: list[int]) -> list[int]:
+                out = _zeros()
+                for i, j in at:
+                    out[i] = int(values[j])
+                return out
+
+            totals = {str(t): counts(c) for t, c in state["all"].items()}
+            minutes = {str(t): {int(m): counts(c) for m, c in by.items()} for t, by in state["minutes"].items()}
+            since = float(state["counted_since_s"])
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            damaged = path.with_name(FILE_NAME + ".damaged")
+            log.warning("%s is damaged (%s): moved to %s, hit counters start from zero", path, exc, damaged)
+            os.replace(path, damaged)
+            return
+        self._all, self._minutes, self.counted_since_s = totals, minutes, since
+        self._prune(self._minute)
+
+    def close(self) -> None:
+        """Write the counters a last time and stop the writer thread (at server stop)."""
+        if self._writer is None:
+            return
+        writer, self._writer = self._writer, None
+        writer.shutdown(wait=True)
+        self._write_logged()
