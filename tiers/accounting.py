@@ -23,6 +23,8 @@ class Counters:
     evictions: int = 0
     evicted_bytes: int = 0
     corrupt_blocks: int = 0
+    purged_blocks: int = 0
+    imported_blocks: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ import xxhash
 
 from kvstore.errors import DataLoss
 from kvstore.prefix import FINGERPRINT_BYTES
+from tiers import namespaces
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
@@ -96,6 +97,39 @@ class BlockTxn:
         self.usage: Usage = read_usage(txn, dbs.state)
         #: Changes to the totals per layout (geometry fingerprint, the key's first 8 bytes).
         self.layout_deltas: dict[bytes, Usage] = {}
+        #: Changes to the totals per namespace id (the key's next 8 bytes), and names learned.
+        self.namespace_deltas: dict[bytes, Usage] = {}
+        self.namespace_names: dict[bytes, str] = {}
+        self._namespace_read: dict[bytes, namespaces.NamespaceTotals | None] = {}
+
+    def namespace(self, ns_id: bytes) -> namespaces.NamespaceTotals | None:
+        """The namespace's record as this transaction found it (read once; without this txn's changes)."""
+        if ns_id not in self._namespace_read:
+            self._namespace_read[ns_id] = namespaces.read(self.txn, self.dbs.state, ns_id)
+        return self._namespace_read[ns_id]
+
+    def namespace_bytes(self, ns_id: bytes) -> int:
+        """Bytes the namespace stores, with this transaction's changes so far."""
+        totals = self.namespace(ns_id)
+        delta = self.namespace_deltas.get(ns_id)
+        return (totals.stored_bytes if totals else 0) + (delta.stored_bytes if delta else 0)
+
+    def namespace_name(self, ns_id: bytes) -> str | None:
+        """The namespace's name, None while the store has not learned it."""
+        name = self.namespace_names.get(ns_id)
+        if name is None:
+            totals = self.namespace(ns_id)
+            name = totals.name if totals is not None else None
+        return name or None
+
+    def _count(self, key: bytes, blocks: int, nbytes: int) -> None:
+        self.usage.blocks += blocks
+        self.usage.stored_bytes += nbytes
+        for deltas, part in ((self.layout_deltas, key[:FINGERPRINT_BYTES]),
+                             (self.namespace_deltas, namespaces.id_of_key(key))):
+            delta = deltas.setdefault(part, Usage())
+            delta.blocks += blocks
+            delta.stored_bytes += nbytes
 
     def meta(self, key: bytes) -> BlockMeta | None:
         """The block's meta record, None when not stored (raises DamagedBlock)."""
@@ -115,11 +149,7 @@ class BlockTxn:
             txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
             if not is_first:
                 txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
-        self.usage.blocks += 1
-        self.usage.stored_bytes += len(data)
-        delta = self.layout_deltas.setdefault(key[:FINGERPRINT_BYTES], Usage())
-        delta.blocks += 1
-        delta.stored_bytes += len(data)
+        self._count(key, 1, len(data))
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use of the block at `now_s` (nothing if it is absent or used since)."""
@@ -152,11 +182,7 @@ class BlockTxn:
             txn.delete(child_key(parent, key[-32:]), db=records)
         if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
-        self.usage.blocks -= 1
-        self.usage.stored_bytes -= meta.size_bytes
-        delta = self.layout_deltas.setdefault(key[:FINGERPRINT_BYTES], Usage())
-        delta.blocks -= 1
-        delta.stored_bytes -= meta.size_bytes
+        self._count(key, -1, -meta.size_bytes)
         return meta.size_bytes
 
     def children(self, key: bytes) -> Iterator[bytes]:

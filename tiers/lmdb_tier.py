@@ -37,20 +37,29 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
-from tiers import reads, usage
+from tiers import namespaces, purge, reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
-from tiers.block_txn import BlockDbs, BlockTxn, Buffer, DamagedBlock, read_meta
+from tiers.block_txn import BlockDbs, BlockTxn, Buffer, read_meta
 from tiers.chains import ChainIndex
-from tiers.damage import MAX_DAMAGED_PER_CALL, DamagedBlocks
+from tiers.damage import DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
-from tiers.eviction import Evicted, make_room
+from tiers.eviction import Candidates, Evicted, make_quota_room, make_room
 from tiers.leases import Lease, LeaseTable
+from tiers.namespaces import NamespaceUsage
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
 from tiers.records import lru_entry
 from tiers.refresh import RefreshBatcher
-from tiers.retention import HIGH_WATER, HIGH_WATER_KEY, TOUCH_GRANULARITY_S, Retention, RetentionClock
+from tiers.retention import (
+    HIGH_WATER,
+    HIGH_WATER_KEY,
+    TOUCH_GRANULARITY_S,
+    NamespaceRetention,
+    Retention,
+    RetentionClock,
+)
 
-__all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
+__all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "NamespaceUsage", "PutBatch", "PutResult", "ReadStatus",
+           "StagedReads"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +87,9 @@ class PutBatch:
     hashes: Sequence[bytes]
     blocks: Sequence[Buffer]
     is_root: bool
+    #: The namespace's NVMe quota (R19): past it the Put evicts the namespace's own
+    #: blocks past retention, else is refused; None: no quota.
+    quota_bytes: int | None = None
 
 
 class LmdbBlockTier:
@@ -108,16 +120,19 @@ class LmdbBlockTier:
         self._dbs = BlockDbs.open(self.env)
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
+        self.retention = NamespaceRetention(settings.retention_s)
         self._lock = threading.Lock()
         self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
-        self._usage = usage.check_and_repair(self.env, self._records, self._state,
-                                             max_tree_pages=MAX_CHECKED_TREE_PAGES)
-        self._usage_txn = 0  # id of the commit `_usage` comes from
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)
             self.counters = _counters(saved)
             high_water = _high_water(txn, self._dbs)
         self.retention_clock = RetentionClock(self.clock, high_water)
+        self._usage, by_namespace = usage.check_and_repair(self.env, self._records, self._state,
+                                                           max_tree_pages=MAX_CHECKED_TREE_PAGES)
+        if by_namespace is not None:
+            namespaces.check_and_repair(self.env, self._state, by_namespace, self.retention_clock.now())
+        self._usage_txn = 0  # id of the commit `_usage` comes from
         self._refresh = RefreshBatcher(self.executor, self.touch)
         self.chains = ChainIndex(self.env, self._records, self._damage.note)
         self._write_rate = WriteRate(settings.write_rate_window_s, self.retention_clock.now())
@@ -149,6 +164,7 @@ class LmdbBlockTier:
             yield w
             usage.write_usage(txn, self._state, w.usage)
             usage.add_layout_usage(txn, self._state, w.layout_deltas)
+            namespaces.apply(txn, self._state, w.namespace_deltas, w.namespace_names, self.retention_clock.now())
             self._save_state(txn)
             txn_id = txn.id()
         with self._lock:
@@ -189,7 +205,7 @@ class LmdbBlockTier:
     # -- writes ------------------------------------------------------------
 
     def put(self, scope: BlockScope, parent_hash: bytes, hashes: Sequence[bytes],
-            blocks: Sequence[Buffer], is_root: bool) -> PutResult:
+            blocks: Sequence[Buffer], is_root: bool, *, quota_bytes: int | None = None) -> PutResult:
         """Store consecutive blocks of one chain, durably, in one transaction.
 
         Args:
@@ -198,13 +214,16 @@ class LmdbBlockTier:
             hashes: chain hashes of the blocks, in order.
             blocks: the blocks' bytes (sizes are checked by the caller).
             is_root: whether `parent_hash` is the chain root (no stored parent needed).
+            quota_bytes: the namespace's NVMe quota (R19); None: none.
 
         Raises:
             FailedPrecondition: the parent block is not stored.
-            ResourceExhausted: no room without evicting a protected block.
+            ResourceExhausted: no room without evicting a protected block, or the
+                namespace's quota would be passed (the message names both).
             DataLoss: the records the Put needs are on a damaged page.
         """
-        batch = PutBatch(scope=scope, parent_hash=parent_hash, hashes=hashes, blocks=blocks, is_root=is_root)
+        batch = PutBatch(scope=scope, parent_hash=parent_hash, hashes=hashes, blocks=blocks, is_root=is_root,
+                         quota_bytes=quota_bytes)
         return self.put_many([batch])[0]
 
     def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
@@ -266,8 +285,16 @@ class LmdbBlockTier:
             protected.add(batch.scope.key(batch.parent_hash))
         fresh = [w.meta(k) is None for k in keys]
         need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
-        evicted = make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
-                            protected=protected)
+        ns_id = namespaces.id_of_key(batch.scope.prefix)
+        w.namespace_names.setdefault(ns_id, batch.scope.namespace)
+        can = Candidates(rule=self.rule, now_s=now, protected=protected,
+                         retention_of=self.retention.for_keys(w.namespace_name))
+        evicted = Evicted()
+        if batch.quota_bytes is not None:
+            evicted = make_quota_room(w, ns_id, need, quota_bytes=batch.quota_bytes,
+                                      namespace=batch.scope.namespace, can=can)
+        evicted += make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
+                             protected=protected, retention_of=can.retention_of)
         parent = batch.parent_hash
         for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
             if fresh[i]:
@@ -376,41 +403,38 @@ class LmdbBlockTier:
                            drop_corrupt=self.drop_corrupt)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
-        """Remove corrupt blocks and their descendants; count them.
+        """Remove corrupt blocks and their descendants; count them (R10, `tiers/purge.py`).
 
         A block whose removal meets a damaged page stays (with its subtree, so
         R6 holds) and is remembered as damaged: reads miss it, eviction skips it.
         """
-        todo = list(dict.fromkeys(keys))
-        for _ in range(MAX_DAMAGED_PER_CALL):
-            current: list[bytes] = []
-            try:
-                dropped = self._drop_all(todo, current)
-            except DamagedBlock as exc:
-                self._damage.note(exc.key, exc.cause)
-                for key in current:
-                    self._damage.note(key, exc.cause)
-                todo = [k for k in todo if k not in current]
-                continue
-            except lmdb.Error as exc:
-                log.error("could not drop corrupt blocks from %s: %s", self.settings.data_dir, exc)
-                return
-            for key in dropped:
-                if not self._damage.forget(key):  # else counted when it was found damaged
-                    self._count_damaged()
-            return
+        purge.drop_corrupt(self._write, self._damage, keys, self._count_damaged, self.settings.data_dir)
 
-    def _drop_all(self, keys: list[bytes], current: list[bytes]) -> list[bytes]:
-        dropped: list[bytes] = []
-        with self._write() as w:
-            for key in keys:
-                current[:] = [key]
-                if w.meta(key) is None:
-                    continue
-                for victim in reversed(w.subtree(key)):
-                    w.delete(victim, carry_up=False)
-                dropped.append(key)
-        return dropped
+    def purge(self, scope: BlockScope, hashes: Sequence[bytes] | None) -> int:
+        """Remove a prompt's blocks, or a namespace's whole cache, durably (R20); how many blocks went.
+
+        Args:
+            scope: layout and tenant of the blocks (with `hashes` None only the
+                tenant counts: its blocks of every geometry go).
+            hashes: chain hashes of the blocks to remove; each stored one goes with
+                every stored block below it (R6), whatever prompt they belong to.
+                None: every block of `scope.namespace`.
+
+        Leases do not protect from a purge (an admin's deletion): a leased block
+        is removed and the lease holder's Get finds it missing. Blocks put into
+        the namespace while a whole-namespace purge runs may stay.
+
+        Raises:
+            DataLoss: a block to remove is on a damaged page.
+        """
+        if hashes is None:
+            blocks = purge.namespace_blocks(self.env, self._dbs, namespaces.id_of_key(scope.prefix))
+        else:
+            blocks = purge.subtree_blocks(self.env, self._dbs, [scope.key(h) for h in hashes])
+        removed = purge.remove_deepest_first(self._write, self._damage, blocks)
+        with self._lock:
+            self.counters.purged_blocks += removed
+        return removed
 
     def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
         """Count one Get: blocks asked for and blocks actually returned."""
@@ -438,6 +462,31 @@ class LmdbBlockTier:
             retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
             uptime_s=self.retention_clock.uptime_s(), by_layout=self._layout_usage(),
         )
+
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        """Blocks, bytes and token-hours `namespace` stores, as last committed (R17).
+
+        Args:
+            namespace: the tenant's name, as in `BlockScope.namespace`.
+
+        Returns:
+            `NamespaceUsage(blocks, stored_bytes, token_hours)`; zeros for a namespace
+            that never stored a block.
+        """
+        with self.env.begin() as txn:
+            return namespaces.usage_of(txn, self._state, namespace, now_s=self.retention_clock.now(),
+                                       block_tokens=self.settings.block_tokens)
+
+    def set_retention_provider(self, provider: Callable[[str], float] | None) -> None:
+        """Give each namespace its own retention (R18): `provider(namespace) -> seconds`.
+
+        Every eviction decision from now on asks it (once per namespace per
+        make-room pass); a value below the store's `retention_hours` counts as
+        the store's. It must answer quickly and never lower a namespace's value
+        (a block keeps the promise it was written under only because retention
+        only rises). None: every namespace gets the store's retention.
+        """
+        self.retention = NamespaceRetention(self.settings.retention_s, provider)
 
     def _layout_usage(self) -> dict[bytes, tuple[int, int]]:
         """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""

@@ -12,6 +12,8 @@ the tier asks. Rules enforced (numbered as in docs/RETENTION.md):
 - R9  Never a block a live lease pins (`protected`).
 - R12 Never a block a Put in progress names, nor the parent it extends
       (`protected`; R6 then keeps the whole chain above them).
+- R18 Each block's retention is its namespace's (`NamespaceRetention`): the
+      provider's value for the namespace, never below the store's.
 - R13 The retention clock (`RetentionClock`) never runs behind a time already
       persisted, and never ahead of the persisted high-water mark plus the
       monotonic time since the store was opened: setting the wall clock forward
@@ -22,12 +24,16 @@ the tier asks. Rules enforced (numbered as in docs/RETENTION.md):
 
 from __future__ import annotations
 
+import logging
+import math
 import struct
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from kvstore.clock import Clock
+
+log = logging.getLogger(__name__)
 
 #: A use within this many seconds of a block's recorded use is not recorded
 #: again: hot blocks would otherwise cost a write per read. Eviction waits this
@@ -49,13 +55,18 @@ class Retention:
 
     retention_s: float
 
-    def cutoff(self, now_s: float) -> float:
-        """Blocks whose recorded use is before this time are past retention (R4)."""
-        return now_s - self.retention_s - TOUCH_GRANULARITY_S
+    def cutoff(self, now_s: float, retention_s: float | None = None) -> float:
+        """Blocks whose recorded use is before this time are past retention (R4).
 
-    def evictable_in_s(self, last_use_s: float, now_s: float) -> float:
+        Args:
+            now_s: retention time now.
+            retention_s: the block's namespace's retention (R18); None: the store's.
+        """
+        return now_s - (self.retention_s if retention_s is None else retention_s) - TOUCH_GRANULARITY_S
+
+    def evictable_in_s(self, last_use_s: float, now_s: float, retention_s: float | None = None) -> float:
         """Seconds until a block last used at `last_use_s` passes its retention (<= 0: it has)."""
-        return last_use_s - self.cutoff(now_s)
+        return last_use_s - self.cutoff(now_s, retention_s)
 
     @staticmethod
     def touch_due_before(now_s: float) -> float:
@@ -81,6 +92,54 @@ class Retention:
                 asked last, as it reads the index.
         """
         return last_use_s < cutoff_s and key not in protected and not children_stay()
+
+
+class NamespaceRetention:
+    """Retention per namespace (R18): a provider's value, never below the store's floor.
+
+    Retention may only be raised (the policy service refuses a lower value), so
+    the value now is at least every value a stored block was written under: it
+    keeps every earlier promise.
+
+    Args:
+        floor_s: the store's retention (`store.retention_hours`, at least 72 h).
+        provider: namespace name -> retention seconds; None: every namespace gets `floor_s`.
+    """
+
+    def __init__(self, floor_s: float, provider: Callable[[str], float] | None = None) -> None:
+        self.floor_s = floor_s
+        self.provider = provider
+
+    def seconds(self, namespace: str | None) -> float:
+        """The namespace's retention in seconds; the floor for a namespace not known by name.
+
+        A provider that fails (or answers NaN) keeps the namespace's blocks (infinite
+        retention): refusing Puts is recoverable, a broken promise is not.
+        """
+        if namespace is None or self.provider is None:
+            return self.floor_s
+        try:
+            value = float(self.provider(namespace))
+        except Exception:
+            log.exception("the retention provider failed for namespace %r: its blocks are kept", namespace)
+            return math.inf
+        return math.inf if math.isnan(value) else max(value, self.floor_s)
+
+    def for_keys(self, name_of: Callable[[bytes], str | None]) -> Callable[[bytes], float]:
+        """storage key -> its namespace's retention seconds, asking once per namespace id.
+
+        Args:
+            name_of: namespace id (a key's bytes 8..16) -> its name, None when unknown.
+        """
+        cache: dict[bytes, float] = {}
+
+        def retention_of(key: bytes) -> float:
+            ns_id = key[8:16]
+            if ns_id not in cache:
+                cache[ns_id] = self.seconds(name_of(ns_id))
+            return cache[ns_id]
+
+        return retention_of
 
 
 class RetentionClock:

@@ -31,6 +31,9 @@ _FINGERPRINT_BYTES = 8
 _USAGE = struct.Struct("<QQ")
 _META_SIZE_FIELD = struct.Struct("<I")  # size_bytes, after the 32-byte parent hash and the u32 depth
 _META_SIZE_OFFSET = 36
+_META_CREATED = struct.Struct("<d")  # created_s, after size (u32) and checksum (u64)
+_META_CREATED_OFFSET = 48
+_NAMESPACE_END = _FINGERPRINT_BYTES + 8  # a storage key: fingerprint (8), namespace id (8), hash
 _META_KEY_LEN = KEY_BYTES + len(META_TAG)
 
 
@@ -40,6 +43,15 @@ class Usage:
 
     blocks: int = 0
     stored_bytes: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class NamespaceCount:
+    """One namespace's blocks and bytes counted from the records, and the sum of their creation times."""
+
+    blocks: int = 0
+    stored_bytes: int = 0
+    created_sum_s: float = 0.0
 
 
 def read_usage(txn: lmdb.Transaction, state_db: lmdb._Database) -> Usage:
@@ -104,15 +116,23 @@ def recount(txn: lmdb.Transaction, records_db: lmdb._Database) -> Usage:
 
 
 def recount_by_layout(txn: lmdb.Transaction, records_db: lmdb._Database) -> tuple[Usage, dict[bytes, Usage]]:
-    """Totals, and totals per layout, counted from the meta records in one pass.
+    """Totals, and totals per layout, counted from the meta records in one pass."""
+    total, layouts, _ = recount_all(txn, records_db)
+    return total, layouts
+
+
+def recount_all(txn: lmdb.Transaction, records_db: lmdb._Database
+                ) -> tuple[Usage, dict[bytes, Usage], dict[bytes, NamespaceCount]]:
+    """Totals, totals per layout and per namespace id, counted from the meta records in one pass.
 
     Data values live on overflow pages that this walk never reads, so it costs
     about one leaf page per 15 blocks.
     """
     usage = Usage()
     layouts: dict[bytes, Usage] = {}
+    namespaces: dict[bytes, NamespaceCount] = {}
     tag = META_TAG[0]
-    unpack = _META_SIZE_FIELD.unpack_from
+    unpack, created = _META_SIZE_FIELD.unpack_from, _META_CREATED.unpack_from
     for key, value in txn.cursor(db=records_db).iternext(keys=True, values=True):
         if len(key) == _META_KEY_LEN and key[KEY_BYTES] == tag:
             size = unpack(value, _META_SIZE_OFFSET)[0]
@@ -121,12 +141,19 @@ def recount_by_layout(txn: lmdb.Transaction, records_db: lmdb._Database) -> tupl
             layout = layouts.setdefault(bytes(key[:_FINGERPRINT_BYTES]), Usage())
             layout.blocks += 1
             layout.stored_bytes += size
-    return usage, layouts
+            ns = namespaces.setdefault(bytes(key[_FINGERPRINT_BYTES:_NAMESPACE_END]), NamespaceCount())
+            ns.blocks += 1
+            ns.stored_bytes += size
+            ns.created_sum_s += created(value, _META_CREATED_OFFSET)[0]
+    return usage, layouts, namespaces
 
 
 def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db: lmdb._Database, *,
-                     max_tree_pages: int) -> Usage:
+                     max_tree_pages: int) -> tuple[Usage, dict[bytes, NamespaceCount] | None]:
     """Recount the totals at open; rewrite the persisted ones (and warn) when they differ.
+
+    Returns the totals, and the counts per namespace id when the records were
+    recounted (None when they were not: `tiers/namespaces.py` repairs its own).
 
     The walk is a cursor over the records, and LMDB aborts the process when a
     cursor steps onto a damaged leaf, so it runs only on a store small enough
@@ -139,13 +166,13 @@ def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db
         stat = txn.stat(records_db)
         if stat["branch_pages"] + stat["leaf_pages"] > max_tree_pages:
             log.info("usage totals not recounted at open: the records span more than %d pages", max_tree_pages)
-            return stored
+            return stored, None
         try:
-            counted, layouts = recount_by_layout(txn, records_db)
+            counted, layouts, namespaces = recount_all(txn, records_db)
         except (lmdb.Error, struct.error, DataLoss) as exc:
             log.error("could not recount the usage totals (%s): keeping the stored ones (%d blocks, %d bytes); "
                       "run `kvstore check` on %s", exc, stored.blocks, stored.stored_bytes, env.path())
-            return stored
+            return stored, None
         stored_layouts = read_layout_usage(txn, state_db)
     if counted != stored:
         log.warning("usage totals were %d blocks, %d bytes but the records hold %d blocks, %d bytes: repaired",
@@ -156,4 +183,4 @@ def check_and_repair(env: lmdb.Environment, records_db: lmdb._Database, state_db
         with env.begin(write=True) as txn:
             write_usage(txn, state_db, counted)
             write_layout_usage(txn, state_db, layouts)
-    return counted
+    return counted, namespaces

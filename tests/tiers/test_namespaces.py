@@ -1,0 +1,178 @@
+"""R17 (usage per namespace) and R18 (retention per namespace) on a real LMDB tier.
+
+Time moves on a ManualClock; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lmdb
+import pytest
+
+from kvstore.clock import ManualClock
+from kvstore.errors import ResourceExhausted
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope
+from tiers import eviction
+from tiers.lmdb_tier import PutBatch
+from tiers.namespaces import NAMESPACE_PREFIX
+
+HOUR = 3600.0
+Kit = Any  # tests/tiers/conftest.py
+RETENTION_H = {"long": 200.0, "low": 10.0}
+
+
+def scope(namespace: str) -> BlockScope:
+    return BlockScope(V4_1_FLASH.fingerprint, namespace)
+
+
+def put(kit: Kit, namespace: str, hashes: list[bytes], **kwargs: Any) -> None:
+    kit.tier.put(scope(namespace), kit.root, hashes, [kit.data(i) for i in range(len(hashes))], True, **kwargs)
+
+
+def stored(kit: Kit, namespace: str, hashes: list[bytes]) -> int:
+    return kit.tier.lookup(scope(namespace), hashes)[0]
+
+
+def provider(namespace: str) -> float:
+    return RETENTION_H.get(namespace, 72.0) * HOUR
+
+
+# -- R17: usage per namespace ------------------------------------------------------------
+
+
+def test_r17_usage_per_namespace_follows_puts_and_evictions(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(10)
+    a, b = kit.chain(0, 3), kit.chain(1000, 2)
+    put(kit, "alice", a)
+    clock.advance(1)
+    put(kit, "bob", b)
+    clock.advance(2 * HOUR - 1)
+    alice = kit.tier.namespace_usage("alice")
+    assert (alice.blocks, alice.stored_bytes) == (3, 3 * kit.block_bytes)
+    assert alice.token_hours == pytest.approx(3 * 16 * 2)  # 3 blocks of 16 tokens for 2 hours
+    assert kit.tier.namespace_usage("bob").token_hours == pytest.approx(2 * 16 * (2 - 1 / HOUR))
+    assert kit.tier.namespace_usage("nobody") == kit.tier.namespace_usage("nobody").__class__(
+        blocks=0, stored_bytes=0, token_hours=0.0)
+    clock.advance(100 * HOUR)
+    put(kit, "carol", kit.chain(2000, 8))  # 5 free: 3 of the old blocks go, alice's first (least recently used)
+    after = [kit.tier.namespace_usage(n) for n in ("alice", "bob", "carol")]
+    assert [u.blocks for u in after] == [0, 2, 8]
+    assert sum(u.stored_bytes for u in after) == kit.tier.stats().bytes_stored
+    # Token-hours are an integral: alice's stay, and grow no more.
+    assert after[0].token_hours == pytest.approx(3 * 16 * 102)
+    clock.advance(HOUR)
+    assert kit.tier.namespace_usage("alice").token_hours == pytest.approx(3 * 16 * 102)
+
+
+def test_r17_an_aborted_put_changes_no_namespace_totals(kit: Kit) -> None:
+    put(kit, "alice", kit.chain(0, 2))
+    before = kit.tier.namespace_usage("alice")
+    doomed = [PutBatch(scope=scope("alice"), parent_hash=kit.root, hashes=kit.chain(500, 2),
+                       blocks=[kit.data(0), kit.data(1)], is_root=True),
+              PutBatch(scope=scope("alice"), parent_hash=b"\x09" * 32, hashes=kit.chain(99, 1),
+                       blocks=[kit.data(2)], is_root=False)]  # no parent: the whole group aborts
+    with pytest.raises(Exception, match="put the prefix first"):
+        kit.tier.put_many(doomed)
+    assert kit.tier.namespace_usage("alice") == before
+
+
+def test_r17_namespace_totals_are_recounted_at_open(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit()
+    put(kit, "alice", kit.chain(0, 3))
+    put(kit, "bob", kit.chain(1000, 1))
+    clock.advance(HOUR)
+    want = [kit.tier.namespace_usage(n) for n in ("alice", "bob")]
+    assert [u.token_hours for u in want] == pytest.approx([3 * 16, 16])
+    kit.tier.close()
+    again = make_kit()
+    assert [again.tier.namespace_usage(n) for n in ("alice", "bob")] == want  # kept across a restart
+    again.tier.close()
+    # A store written before these totals existed (or whose records were lost): recounted at open,
+    # token-hours from how long the stored blocks have been stored.
+    env = lmdb.open(str(kit.tier.settings.data_dir), max_dbs=8)
+    with env.begin(write=True, db=env.open_db(b"state")) as txn:
+        doomed = [bytes(k) for k, _ in txn.cursor() if bytes(k).startswith(NAMESPACE_PREFIX)]
+        assert len(doomed) == 2
+        for k in doomed:
+            txn.delete(k)
+    env.close()
+    again = make_kit()
+    got = [again.tier.namespace_usage(n) for n in ("alice", "bob")]
+    assert [(u.blocks, u.stored_bytes) for u in got] == [(u.blocks, u.stored_bytes) for u in want]
+    assert [u.token_hours for u in got] == pytest.approx([u.token_hours for u in want])
+
+
+# -- R18: retention per namespace --------------------------------------------------------
+
+
+def test_r18_eviction_skips_a_longer_retention_and_takes_other_namespaces_blocks(
+        make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    long, short = kit.chain(0, 5), kit.chain(1000, 5)
+    put(kit, "long", long)  # the least recently used
+    clock.advance(1)
+    put(kit, "short", short)
+    clock.advance(100 * HOUR)  # past 72 h, not past 200 h
+    put(kit, "new", kit.chain(2000, 5))
+    assert stored(kit, "long", long) == 5
+    assert stored(kit, "short", short) == 0
+
+
+def test_r18_when_nothing_may_go_the_put_is_refused_naming_when_room_frees(
+        make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    long = kit.chain(0, 10)
+    put(kit, "long", long)
+    clock.advance(100 * HOUR)
+    with pytest.raises(ResourceExhausted, match="namespace's retention") as exc:
+        put(kit, "new", kit.chain(2000, 1))
+    assert "retry in 100.0 h" in exc.value.hint  # 200 h + the touch minute - 100 h
+    assert stored(kit, "long", long) == 10
+
+
+def test_r18_a_retention_below_the_store_s_counts_as_the_store_s(make_kit: Callable[..., Kit],
+                                                                   clock: ManualClock) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    low = kit.chain(0, 10)
+    put(kit, "low", low)
+    clock.advance(50 * HOUR)  # past its 10 h, within the store's 72 h
+    with pytest.raises(ResourceExhausted) as exc:
+        put(kit, "new", kit.chain(2000, 1))
+    assert "retry in 22.0 h" in exc.value.hint  # the store's 72 h (+ the touch minute) - 50 h
+    assert stored(kit, "low", low) == 10
+
+
+def test_r18_a_failing_provider_keeps_the_blocks(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(10)
+
+    def broken(namespace: str) -> float:
+        raise RuntimeError("policy store unreachable")
+
+    kit.tier.set_retention_provider(broken)
+    put(kit, "alice", kit.chain(0, 10))
+    clock.advance(100 * HOUR)
+    with pytest.raises(ResourceExhausted):
+        put(kit, "new", kit.chain(2000, 1))
+    assert stored(kit, "alice", kit.chain(0, 10)) == 10
+
+
+def test_r18_the_eviction_scan_is_bounded(make_kit: Callable[..., Kit], clock: ManualClock,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    put(kit, "long", kit.chain(0, 5))  # the 5 least recently used blocks are kept by their 200 h
+    clock.advance(1)
+    put(kit, "short", kit.chain(1000, 5))
+    clock.advance(100 * HOUR)
+    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 5)
+    with pytest.raises(ResourceExhausted, match="eviction scan stopped after the 5 least recently used"):
+        put(kit, "new", kit.chain(2000, 1))
+    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 6)
+    put(kit, "new", kit.chain(2000, 1))  # one entry further: the short tenant's tail goes
+    assert stored(kit, "short", kit.chain(1000, 5)) == 4
