@@ -1,0 +1,286 @@
+"""The README's code blocks, run as written (issue 12 item 7).
+
+Every fenced block of README.md is covered, and `COVERAGE` says how: "run" blocks
+execute against real processes (`kvstore serve` and `kvstore worker` children on
+free ports, over data dirs in tmp_path); "parse" blocks (installs, the test
+script, benchmarks that take minutes) have each `kvstore` command they name
+parsed by the real `kvstore.cli.build_parser`, so a renamed flag fails here too.
+A block added to the README without an entry fails `test_every_block_is_covered`.
+
+Only what the README itself names as placeholders is substituted: the engine's
+data (`prompt_token_ids`, `kv_rows`, `index_rows`, `window_rows`, `tail`, given
+as names defined before a block runs, never by editing its text), the addresses
+`127.0.0.1:50051` / `127.0.0.1:50061` (the servers' real ports), `/tmp/` and
+`./kvstore-data` (this test's folder). Python blocks run in a fresh interpreter
+that has imported nothing the block does not import itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import build_parser
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+SERVER, WORKER = "127.0.0.1:50051", "127.0.0.1:50061"
+PLACEHOLDERS = ("prompt_token_ids", "kv_rows", "index_rows", "window_rows", "tail")
+START_DEADLINE_S = 90.0
+
+
+@dataclass(frozen=True)
+class Block:
+    heading: str
+    lang: str
+    index: int  # among the blocks of its language under its heading
+    text: str
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.heading, self.lang, self.index)
+
+
+def readme_blocks() -> list[Block]:
+    """Every fenced block of the README, with the heading it sits under."""
+    blocks: list[Block] = []
+    heading = ""
+    lines = README.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#") and not line.startswith("#!"):
+            heading = line.lstrip("#").strip()
+        elif line.startswith("```") and line[3:].strip():
+            lang, body = line[3:].strip(), []
+            i += 1
+            while not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            index = sum(1 for b in blocks if (b.heading, b.lang) == (heading, lang))
+            blocks.append(Block(heading, lang, index, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def block(heading: str, lang: str, index: int = 0) -> Block:
+    return next(b for b in readme_blocks() if b.key == (heading, lang, index))
+
+
+#: How each block is covered: "run" by the test named, "parse" by test_every_kvstore_command_parses.
+COVERAGE = {
+    ("Run it", "sh", 0): "parse",
+    ("Test it", "sh", 0): "parse",
+    ("A worker, in a few lines", "python", 0): "run: test_worker_and_swa_examples_run",
+    ("Sliding-window state and bulk transfers", "python", 0): "run: test_worker_and_swa_examples_run",
+    ("Resume a conversation: the planner and the worker", "sh", 0): "run: test_resume_section_runs",
+    ("Resume a conversation: the planner and the worker", "python", 0): "run: test_resume_section_runs",
+    ("Watch it", "sh", 0): "run (stats, check) and parse (bench): test_watch_it_runs",
+    ("Watch it", "json", 0): "run: test_the_json_error_is_what_stats_prints",
+}
+
+
+def test_every_block_is_covered() -> None:
+    assert {b.key for b in readme_blocks()} == set(COVERAGE)
+
+
+def kvstore_commands(text: str) -> list[list[str]]:
+    """The argv of every `kvstore ...` command in a shell block (comments, `&`, `&&` chains handled)."""
+    found = []
+    for line in text.splitlines():
+        for part in re.split(r"&&|;|(?<!&)&(?!&)", line.split(" #")[0]):
+            words = shlex.split(part)
+            if words and words[0] == "kvstore":
+                found.append(words[1:])
+    return found
+
+
+def test_every_kvstore_command_parses() -> None:
+    commands = [argv for b in readme_blocks() if b.lang == "sh" for argv in kvstore_commands(b.text)]
+    assert len(commands) >= 14  # every `kvstore` line was found
+    for argv in commands:
+        try:
+            build_parser(argv).parse_args(argv)
+        except SystemExit:
+            pytest.fail(f"README: `kvstore {shlex.join(argv)}` does not parse")
+    assert (README.parent / "scripts" / "test.sh").is_file()  # the "Test it" block
+
+
+# -- real processes --
+
+
+class Child:
+    """A `kvstore serve` or `kvstore worker` child that prints "listening on HOST:PORT"."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", *argv], stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_env())
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not (match := re.search(r"listening on ([\d.]+:\d+)", log.read_text())):
+            assert self.proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        self.target = match.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    started: list[Child] = []
+    yield started
+    for child in reversed(started):
+        child.stop()
+
+
+def substitute(text: str, tmp: Path, addresses: dict[str, str]) -> str:
+    """The README's own placeholders for addresses and folders, filled in."""
+    for written, real in addresses.items():
+        text = text.replace(written, real)
+    return text.replace("/tmp/", f"{tmp}/").replace("./kvstore-data", str(tmp / "kvstore-data"))
+
+
+def run_sh_line(line: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["bash", "-c", line], cwd=tmp, capture_output=True, text=True, timeout=120, env=_env())
+    assert done.returncode == 0, f"README line `{line}` failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+#: Run before a Python block, in its own namespace: the placeholders the README names, and nothing else.
+_PLACEHOLDER_DATA = """
+def _placeholders():
+    import torch
+    from kvstore.geometry import V4_1_FLASH as g
+    torch.manual_seed(0)
+    T = 256  # four 64-token blocks, an even length: the snapshot has no tail
+    rows = lambda n, width: torch.randint(0, 256, (n, width), dtype=torch.uint8)
+    return {"prompt_token_ids": list(range(1000, 1000 + T)),
+            "kv_rows": {l: rows(T // g.compress_ratios[l], 288) for l in g.kv_source_layers},
+            "index_rows": {l: rows(T // g.compress_ratios[l], 68) for l in g.kv_source_layers},
+            "window_rows": torch.randint(0, 256, (g.num_layers, min(T, g.window), g.window_row_bytes),
+                                         dtype=torch.uint8),
+            "tail": None}
+"""
+
+
+def run_python(blocks: list[str], postlude: str, tmp: Path, name: str) -> dict[str, object]:
+    """Run blocks one after another in one fresh namespace; `postlude` prints a JSON of what to check."""
+    script = tmp / f"{name}.py"
+    sources = json.dumps(json.dumps(blocks))
+    check = json.dumps("import json\n" + postlude)
+    script.write_text(f"""{_PLACEHOLDER_DATA}
+import json
+_g = {{"__name__": "__readme__", **_placeholders()}}
+for _src in json.loads({sources}):
+    exec(compile(_src, "README.md", "exec"), _g)
+exec({check}, _g)
+""")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp, capture_output=True, text=True, timeout=120,
+                          env=_env())
+    assert done.returncode == 0, f"{name}: the README's blocks failed:\n{done.stdout}\n{done.stderr}"
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["stdout"] = done.stdout
+    return result
+
+
+def test_the_readme_names_its_placeholders() -> None:
+    text = README.read_text()
+    for name in PLACEHOLDERS:
+        assert f"`{name}`" in text.split("Placeholders:", 1)[1].split("\n\n", 1)[0], name
+
+
+def test_worker_and_swa_examples_run(children: list[Child], tmp_path: Path) -> None:
+    server = Child(["serve", "--port", "0", "--data-dir", str(tmp_path / "kv")], tmp_path / "serve.log")
+    children.append(server)
+    fill = {SERVER: server.target}
+    worker = substitute(block("A worker, in a few lines", "python").text, tmp_path, fill)
+    swa = substitute(block("Sliding-window state and bulk transfers", "python").text, tmp_path, fill)
+    # The worker's block twice (a miss that stores the prompt's blocks, then a hit that loads
+    # them), then the SWA block; the postlude checks what each left behind.
+    postlude = """
+import torch
+last = max(kv_rows)
+print(json.dumps({
+    "hit_blocks": hit_after_worker.found_blocks,
+    "loaded_rows_equal": bool(torch.equal(kv.reshape(-1, 288), kv_rows[last][: kv.shape[0] * kv.shape[1]])),
+    "loaded_index_equal": bool(torch.equal(index.reshape(-1, 68), index_rows[last][: index.shape[0] * index.shape[1]])),
+    "swa_position": hit.swa_position, "window_rows_equal": bool(torch.equal(rows, window_rows)),
+    "tail": tail, "fetched_bytes": state.bytes_moved, "block_bytes": client.block_bytes}))
+"""
+    keep_hit = "hit_after_worker = hit\n"
+    got = run_python([worker, worker, keep_hit, swa], postlude, tmp_path, "worker")
+    assert got["hit_blocks"] == 4
+    assert got["loaded_rows_equal"] and got["loaded_index_equal"]
+    assert got["swa_position"] == 256 and got["window_rows_equal"] and got["tail"] is None
+    assert got["fetched_bytes"] == 4 * int(got["block_bytes"])  # type: ignore[call-overload]
+
+
+def test_resume_section_runs(children: list[Child], tmp_path: Path) -> None:
+    fill: dict[str, str] = {}
+    for line in block("Resume a conversation: the planner and the worker", "sh").text.splitlines():
+        command = line.split(" #")[0].strip()
+        if command.endswith("&"):  # a server: started on a free port instead of the written one
+            argv = shlex.split(substitute(command[:-1], tmp_path, fill))[1:]
+            written = argv[argv.index("--port") + 1]
+            argv[argv.index("--port") + 1] = "0"
+            child = Child(argv, tmp_path / f"{argv[0]}.log")
+            children.append(child)
+            fill[f"127.0.0.1:{written}"] = child.target
+        else:
+            out = run_sh_line(substitute(command, tmp_path, fill), tmp_path)
+    assert set(fill) == {SERVER, WORKER}
+    assert "chose full-prefill" in out.stdout  # the plan of a prompt never stored
+    python = substitute(block("Resume a conversation: the planner and the worker", "python").text, tmp_path, fill)
+    got = run_python([python], 'print(json.dumps({"vocab": list(logits.shape)}))', tmp_path, "resume")
+    assert str(got["stdout"]).startswith("fetch+snapshot 64 ")  # the hit the README's comment promises
+    assert got["vocab"] == [128]
+
+
+def test_watch_it_runs(children: list[Child], tmp_path: Path) -> None:
+    data = tmp_path / "kvstore-data"
+    server = Child(["serve", "--port", "0", "--data-dir", str(data)], tmp_path / "serve.log")
+    children.append(server)
+    lines = [line.split(" #")[0].strip() for line in block("Watch it", "sh").text.splitlines()]
+    checks = [line for line in lines if line.startswith("kvstore check")]
+    for line in (line for line in lines if line.startswith("kvstore stats")):
+        out = run_sh_line(substitute(line, tmp_path, {SERVER: server.target}), tmp_path).stdout
+        assert "--json" not in line or json.loads(out)["capacity_bytes"] > 0
+        assert "--json" in line or f"kvstore at {server.target}" in out
+    run_sh_line(substitute(checks[0], tmp_path, {}), tmp_path)  # read-only, beside the server
+    server.stop()
+    for line in checks[1:]:  # --repair: the server stopped, as the README says
+        run_sh_line(substitute(line, tmp_path, {}), tmp_path)
+    assert len(checks) == 2
+
+
+def test_the_json_error_is_what_stats_prints(tmp_path: Path) -> None:
+    written = json.loads(block("Watch it", "json").text)["error"]
+    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "stats", "--json", "--target", "127.0.0.1:1",
+                           "--timeout", "5"], capture_output=True, text=True, timeout=60, env=_env())
+    printed = json.loads(done.stdout)["error"]
+    assert done.returncode == 2 and set(printed) == set(written)
+    assert {k: printed[k] for k in ("code", "type", "hint", "retryable")} == \
+        {k: written[k] for k in ("code", "type", "hint", "retryable")}
+    assert printed["message"].startswith(written["message"].split("...")[0].rstrip("; "))
