@@ -176,3 +176,38 @@ def test_r18_the_eviction_scan_is_bounded(make_kit: Callable[..., Kit], clock: M
     monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 6)
     put(kit, "new", kit.chain(2000, 1))  # one entry further: the short tenant's tail goes
     assert stored(kit, "short", kit.chain(1000, 5)) == 4
+
+
+# -- R19: an NVMe quota per namespace ----------------------------------------------------
+
+
+def test_r19_a_put_past_the_quota_is_refused_naming_it_and_stores_nothing(kit: Kit) -> None:
+    quota = 3 * kit.block_bytes
+    a = kit.chain(0, 4)
+    put(kit, "alice", a[:2], quota_bytes=quota)
+    with pytest.raises(ResourceExhausted) as exc:
+        kit.tier.put(scope("alice"), a[1], a[2:], [kit.data(2), kit.data(3)], False, quota_bytes=quota)
+    assert "'alice'" in str(exc.value) and "stores 2048 bytes" in str(exc.value) and "3072 bytes" in str(exc.value)
+    assert "nvme_quota_bytes" in exc.value.hint and "retry in 72.0 h" in exc.value.hint  # its blocks are fresh
+    assert stored(kit, "alice", a) == 2 and kit.tier.namespace_usage("alice").blocks == 2
+    assert kit.tier.stats().counters.rejected_puts == 1
+    put(kit, "bob", kit.chain(1000, 4), quota_bytes=4 * kit.block_bytes)  # another namespace's own quota
+    put(kit, "alice", a[:2], quota_bytes=quota)  # blocks already stored need no room
+
+
+def test_r19_a_namespace_at_its_quota_makes_room_from_its_own_blocks_past_retention(
+        make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(20)
+    bob = kit.chain(1000, 3)
+    put(kit, "bob", bob)  # the least recently used, and past retention too
+    clock.advance(1)
+    alice = kit.chain(0, 3)
+    put(kit, "alice", alice)
+    clock.advance(100 * HOUR)
+    put(kit, "alice", kit.chain(5000, 2), quota_bytes=3 * kit.block_bytes)
+    assert stored(kit, "alice", alice) == 1  # its own tail went (the store itself had room)
+    assert stored(kit, "bob", bob) == 3
+    assert kit.tier.namespace_usage("alice").stored_bytes == 3 * kit.block_bytes
+    with pytest.raises(ResourceExhausted, match="over its NVMe quota"):  # 1 block of its 3 may go, 3 are needed
+        put(kit, "alice", kit.chain(6000, 3), quota_bytes=3 * kit.block_bytes)
+    assert stored(kit, "alice", alice) == 1
