@@ -1,0 +1,228 @@
+"""Per-tenant policies: retention, SWA TTL and quotas, persisted in the data dir.
+
+A tenant without a policy of its own is served under the defaults, taken from
+the configuration (store.retention_hours, swa.ttl_s, no quotas). A change is
+checked, written atomically (a temporary file fsync'd, renamed over
+`<data_dir>/admin/policies.json`, the folder fsync'd) and audited before it
+answers, so policies persist with the store.
+
+Retention may only be raised. That is what keeps the promise made to every
+block already written: a block written under a policy of H hours was promised
+H hours after each use, and since a tenant's retention never goes below H
+afterwards, applying the tenant's *current* retention to every one of its
+blocks (what the tier's eviction does, through `retention_s`) keeps every
+earlier promise, with no per-block record of the policy it was written under.
+For the same reason the defaults keep the highest store.retention_hours they
+were ever opened with (`retention_floor_hours` in the file): a configuration
+lowered later does not shorten what tenants on the defaults were promised.
+
+Quotas of 0 are unlimited. A quota lowered below what a tenant holds evicts
+nothing (that would break retention): new writes are refused until it fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gateway.audit import AuditLog, fsync_dir
+from gateway.validate import namespace
+from kvstore.config import MAX_BYTES, RETENTION_FLOOR_HOURS
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
+
+log = logging.getLogger("kvstore.policies")
+
+POLICIES_NAME = "policies.json"
+FORMAT_VERSION = 1
+#: Highest request rate a policy may name (a sanity bound: far above what one server answers).
+MAX_REQUESTS_PER_S = 1e7
+#: Longest retention a policy may name: 100 years, as store.retention_hours.
+MAX_RETENTION_HOURS = 100 * 365 * 24.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """What one tenant is served under."""
+
+    #: Hours a block is kept after its last use, at least; >= 72 and only raised.
+    retention_hours: float
+    #: Longest a SWA snapshot of the tenant lives, in seconds.
+    swa_ttl_s: float
+    #: Block bytes the tenant may keep on NVMe; 0: unlimited.
+    nvme_quota_bytes: int = 0
+    #: Snapshot bytes the tenant may keep in the SWA pool; 0: unlimited.
+    swa_quota_bytes: int = 0
+    #: Data RPCs per second (token bucket, one second of burst); 0: unlimited.
+    requests_per_s: float = 0.0
+
+    @property
+    def retention_s(self) -> float:
+        """Retention in seconds."""
+        return self.retention_hours * 3600.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (JSON)."""
+        return dataclasses.asdict(self)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
+
+
+class Policies:
+    """Every tenant's policy, persisted in `folder` (the data dir's admin folder).
+
+    Args:
+        folder: where `policies.json` lives (created if missing).
+        defaults: the policy of tenants without one of their own (from the configuration).
+        max_swa_ttl_s: the pool's TTL (swa.ttl_s): no snapshot lives longer.
+        audit: where every change is appended.
+
+    Raises:
+        ConfigError: the policies file cannot be read.
+    """
+
+    def __init__(self, folder: Path, *, defaults: Policy, max_swa_ttl_s: float, audit: AuditLog) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / POLICIES_NAME
+        self.max_swa_ttl_s = max_swa_ttl_s
+        self.audit = audit
+        self._lock = threading.Lock()
+        saved = self._load()
+        floor = max(defaults.retention_hours, float(saved.get("retention_floor_hours", 0.0)))
+        if floor > defaults.retention_hours:
+            log.warning("store.retention_hours is %g but this store was served with %g: tenants on the defaults "
+                        "keep %g h (retention is only raised)", defaults.retention_hours, floor, floor)
+        self.defaults = dataclasses.replace(defaults, retention_hours=floor)
+        self._own: dict[str, Policy] = {
+            name: Policy(**{**self.defaults.to_dict(), **fields}) for name, fields in saved.get("tenants", {}).items()
+        }
+        if floor != saved.get("retention_floor_hours"):
+            self._save()
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data: dict[str, Any] = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the tenant policies {self.path}: {exc}",
+                              hint="restore the file from a backup; it is rewritten whole on every change") from None
+        if data.get("version") != FORMAT_VERSION:
+            raise ConfigError(f"{self.path} has format version {data.get('version')!r}; this server reads "
+                              f"{FORMAT_VERSION}")
+        return data
+
+    def _save(self) -> None:
+        """Write the file atomically: a temporary file fsync'd, renamed over it, the folder fsync'd."""
+        data = {"version": FORMAT_VERSION, "retention_floor_hours": self.defaults.retention_hours,
+                "tenants": {name: p.to_dict() for name, p in sorted(self._own.items())}}
+        tmp = self.path.with_suffix(".json.tmp")
+        with tmp.open("w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    # -- reads (any thread; the tier's eviction calls retention_s) ------------
+
+    def policy(self, tenant: str) -> Policy:
+        """The policy `tenant` is served under (its own, or the defaults)."""
+        return self._own.get(tenant, self.defaults)
+
+    def has_own(self, tenant: str) -> bool:
+        """Whether `tenant` has a policy of its own."""
+        return tenant in self._own
+
+    def own(self) -> dict[str, Policy]:
+        """Tenants with a policy of their own, by name."""
+        return dict(sorted(self._own.items()))
+
+    def retention_s(self, tenant: str) -> float:
+        """Seconds `tenant`'s blocks are kept after their last use: the tier's retention provider."""
+        return self.policy(tenant).retention_s
+
+    # -- changes --------------------------------------------------------------
+
+    def set(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
+        """Change some fields of `tenant`'s policy, persist it and audit it; (before, after).
+
+        Blocking (fsyncs): servicers call it off the event loop. A change that
+        changes nothing is neither written nor audited.
+
+        Raises:
+            InvalidArgument: an unknown field, or a value out of its range (named).
+            FailedPrecondition: a retention lower than the tenant's current one.
+        """
+        tenant = namespace(tenant)
+        unknown = set(changes) - set(FIELDS)
+        if unknown:
+            raise InvalidArgument(f"unknown policy field(s) {sorted(unknown)}; the fields are {list(FIELDS)}")
+        with self._lock:
+            before = self.policy(tenant)
+            checked: dict[str, Any] = {k: self._checked(tenant, k, v, before) for k, v in changes.items()}
+            after = dataclasses.replace(before, **checked)
+            if after == before:
+                return before, after
+            self._own[tenant] = after
+            try:
+                self._save()
+                old = {k: getattr(before, k) for k in FIELDS if getattr(before, k) != getattr(after, k)}
+                self.audit.append(actor=actor, action="set_policy", tenant=tenant, old=old,
+                                  new={k: getattr(after, k) for k in old})
+            except BaseException:
+                self._restore(tenant, before)
+                raise
+        return before, after
+
+    def _restore(self, tenant: str, before: Policy) -> None:
+        """Undo a change that could not be written or audited (best effort on the file)."""
+        if before is self.defaults:
+            self._own.pop(tenant, None)
+        else:
+            self._own[tenant] = before
+        try:
+            self._save()
+        except OSError:
+            log.exception("could not restore %s after a failed change", self.path)
+
+    def _checked(self, tenant: str, name: str, value: float, before: Policy) -> float:
+        """`value` for field `name`, refused with the rule it breaks."""
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"{name} = {value!r} for tenant {tenant!r}: a finite value >= 0 is required")
+        if name == "retention_hours":
+            if value < RETENTION_FLOOR_HOURS:
+                raise InvalidArgument(f"retention_hours = {value:g} for tenant {tenant!r} is below the "
+                                      f"{RETENTION_FLOOR_HOURS:g}-hour floor", hint="name 72 hours or more")
+            if value < before.retention_hours:
+                raise FailedPrecondition(
+                    f"retention_hours may only be raised: tenant {tenant!r} has {before.retention_hours:g} h, "
+                    f"and its stored blocks were promised that long after their last use; {value:g} h would "
+                    "break that promise", hint=f"name {before.retention_hours:g} hours or more")
+            if value > MAX_RETENTION_HOURS:
+                raise InvalidArgument(f"retention_hours = {value:g} for tenant {tenant!r} is above "
+                                      f"{MAX_RETENTION_HOURS:g} (100 years)")
+            return float(value)
+        if name == "swa_ttl_s":
+            if not 0 < value <= self.max_swa_ttl_s:
+                raise InvalidArgument(f"swa_ttl_s = {value:g} for tenant {tenant!r} is out of range: allowed "
+                                      f"(0, {self.max_swa_ttl_s:g}], the server's swa.ttl_s (the pool is sized "
+                                      "for it)", hint="raise swa.ttl_s in the server's configuration first")
+            return float(value)
+        if name == "requests_per_s":
+            if value > MAX_REQUESTS_PER_S:
+                raise InvalidArgument(f"requests_per_s = {value:g} for tenant {tenant!r} is above "
+                                      f"{MAX_REQUESTS_PER_S:g}; 0 means unlimited")
+            return float(value)
+        if not float(value).is_integer() or value > MAX_BYTES:  # the byte quotas
+            raise InvalidArgument(f"{name} = {value!r} for tenant {tenant!r}: a whole number of bytes up to "
+                                  f"{MAX_BYTES} is required; 0 means unlimited")
+        return int(value)
