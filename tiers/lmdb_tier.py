@@ -121,6 +121,7 @@ class LmdbBlockTier:
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self.retention = NamespaceRetention(settings.retention_s)
+        self._quota_provider: Callable[[str], int] | None = None
         self._lock = threading.Lock()
         self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
         with self.env.begin() as txn:
@@ -290,9 +291,9 @@ class LmdbBlockTier:
         can = Candidates(rule=self.rule, now_s=now, protected=protected,
                          retention_of=self.retention.for_keys(w.namespace_name))
         evicted = Evicted()
-        if batch.quota_bytes is not None:
-            evicted = make_quota_room(w, ns_id, need, quota_bytes=batch.quota_bytes,
-                                      namespace=batch.scope.namespace, can=can)
+        quota = batch.quota_bytes if batch.quota_bytes is not None else self._quota_of(batch.scope.namespace)
+        if quota is not None:
+            evicted = make_quota_room(w, ns_id, need, quota_bytes=quota, namespace=batch.scope.namespace, can=can)
         evicted += make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
                              protected=protected, retention_of=can.retention_of)
         parent = batch.parent_hash
@@ -487,6 +488,18 @@ class LmdbBlockTier:
         only rises). None: every namespace gets the store's retention.
         """
         self.retention = NamespaceRetention(self.settings.retention_s, provider)
+
+    def set_quota_provider(self, provider: Callable[[str], int] | None) -> None:
+        """Give each namespace an NVMe quota (R19): `provider(namespace) -> bytes`, 0 for none.
+
+        Asked inside each Put's write transaction, for a batch without its own
+        `quota_bytes`. None: no quotas.
+        """
+        self._quota_provider = provider
+
+    def _quota_of(self, namespace: str) -> int | None:
+        quota = self._quota_provider(namespace) if self._quota_provider is not None else 0
+        return quota or None
 
     def _layout_usage(self) -> dict[bytes, tuple[int, int]]:
         """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""

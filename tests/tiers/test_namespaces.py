@@ -15,7 +15,7 @@ from kvstore.clock import ManualClock
 from kvstore.errors import ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope
-from tiers import eviction
+from tiers import eviction, purge
 from tiers.lmdb_tier import PutBatch
 from tiers.namespaces import NAMESPACE_PREFIX
 
@@ -211,3 +211,88 @@ def test_r19_a_namespace_at_its_quota_makes_room_from_its_own_blocks_past_retent
     with pytest.raises(ResourceExhausted, match="over its NVMe quota"):  # 1 block of its 3 may go, 3 are needed
         put(kit, "alice", kit.chain(6000, 3), quota_bytes=3 * kit.block_bytes)
     assert stored(kit, "alice", alice) == 1
+
+
+def test_r19_a_quota_provider_sets_each_namespace_s_quota(kit: Kit) -> None:
+    kit.tier.set_quota_provider(lambda namespace: 2 * kit.block_bytes if namespace == "alice" else 0)
+    with pytest.raises(ResourceExhausted, match="'alice' is over its NVMe quota"):
+        put(kit, "alice", kit.chain(0, 3))
+    put(kit, "bob", kit.chain(0, 3))  # 0: no quota
+    put(kit, "alice", kit.chain(0, 3), quota_bytes=3 * kit.block_bytes)  # a batch's own quota comes first
+
+
+# -- R20: purge ----------------------------------------------------------------------------
+
+
+def test_r20_purge_of_a_prompt_removes_its_blocks_and_every_block_below_them(
+        make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(20)
+    trunk = kit.chain(0, 5)
+    branch = kit.chain(7000, 3, parent=trunk[1])
+    put(kit, "alice", trunk)
+    kit.tier.put(scope("alice"), trunk[1], branch, [kit.data(i) for i in range(3)], False)
+    put(kit, "bob", trunk)  # the same hashes in another namespace
+    _, lease = kit.tier.lookup(scope("alice"), trunk, lease_s=60.0)
+    assert lease is not None  # a lease does not stop an admin's purge
+    assert kit.tier.purge(scope("alice"), trunk[3:]) == 2
+    assert stored(kit, "alice", trunk) == 3 and stored(kit, "alice", trunk[:2] + branch) == 5
+    assert kit.tier.purge(scope("alice"), [trunk[1]]) == 5  # its branch and the rest of the trunk go with it
+    assert stored(kit, "alice", trunk) == 1 and stored(kit, "alice", trunk[:2] + branch) == 1
+    assert kit.tier.purge(scope("alice"), [trunk[4], b"\x07" * 32]) == 0  # gone or never stored: nothing to do
+    assert stored(kit, "bob", trunk) == 5
+    assert kit.tier.namespace_usage("alice").blocks == 1 and kit.tier.stats().blocks_stored == 6
+    assert kit.tier.stats().counters.purged_blocks == 7
+    kit.tier.close()
+    again = make_kit(20)  # durable: a restart finds the same
+    assert stored(again, "alice", trunk) == 1 and again.tier.stats().blocks_stored == 6
+
+
+def test_r20_purge_of_a_namespace_removes_its_whole_cache_in_every_geometry(
+        kit: Kit, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(purge, "PURGE_CHUNK", 2)  # several transactions, each keeping R6
+    old = BlockScope(bytes.fromhex("2d76cb51b8017512"), "alice")  # blocks of an earlier codec
+    trunk = kit.chain(0, 4)
+    put(kit, "alice", trunk)
+    kit.tier.put(old, kit.root, trunk[:2], [kit.data(0), kit.data(1)], True)
+    put(kit, "bob", trunk[:3])
+    clock.advance(HOUR)
+    hours = kit.tier.namespace_usage("alice").token_hours
+    assert kit.tier.purge(scope("alice"), None) == 6
+    assert stored(kit, "alice", trunk) == 0 and kit.tier.lookup(old, trunk)[0] == 0
+    assert stored(kit, "bob", trunk) == 3 and kit.tier.stats().blocks_stored == 3
+    alice = kit.tier.namespace_usage("alice")
+    assert (alice.blocks, alice.stored_bytes, alice.token_hours) == (0, 0, pytest.approx(hours))  # history stays
+    assert kit.tier.purge(scope("alice"), None) == 0
+
+
+def test_r20_each_purge_transaction_keeps_r6(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    trunk = kit.chain(0, 6)
+    put(kit, "alice", trunk)
+    seen: list[int] = []
+    write = kit.tier._write
+
+    def watched() -> Any:  # after each purge commit, every stored block's parent is stored
+        seen.append(stored(kit, "alice", trunk))
+        return write()
+
+    monkeypatch.setattr(purge, "PURGE_CHUNK", 2)
+    monkeypatch.setattr(kit.tier, "_write", watched)
+    assert kit.tier.purge(scope("alice"), None) == 6
+    assert seen == [6, 4, 2]  # the deepest two went in each
+    assert stored(kit, "alice", trunk) == 0
+
+
+def test_r20_a_block_put_below_while_a_purge_runs_goes_with_it(kit: Kit, monkeypatch: pytest.MonkeyPatch) -> None:
+    trunk = kit.chain(0, 6)
+    put(kit, "alice", trunk[:5])
+    listing = purge.subtree_blocks
+
+    def then_put(*args: Any) -> list[tuple[int, bytes]]:
+        listed = listing(*args)
+        kit.tier.put(scope("alice"), trunk[4], trunk[5:], [kit.data(5)], False)  # after the listing
+        return listed
+
+    monkeypatch.setattr(purge, "subtree_blocks", then_put)
+    assert kit.tier.purge(scope("alice"), trunk[3:4]) == 3
+    found = kit.tier.read([scope("alice").key(h) for h in trunk])
+    assert [s.name for s, _ in found] == ["FOUND"] * 3 + ["MISSING"] * 3  # no block left without its parent
