@@ -5,6 +5,7 @@
 #   scripts/device_replay.sh train     # trains the tiny model; fidelity on random weights; planner overhead
 #   scripts/device_replay.sh measure   # fidelity on the trained weights (.replay-weights/tiny.pt, carried
 #                                      # back from the train run's tarball) and on reduced_v41; speed
+#   scripts/device_replay.sh speed     # speed again (with GPU kernel times), then reduced_v41 fidelity
 # Writes JSON and logs into $OUT/MODE.tar.gz (default ./out). Wheels in .whl/ are installed first.
 # Fidelity runs in three shards of cases at once (the tiny model is launch-bound: processes overlap).
 set -uo pipefail
@@ -84,6 +85,12 @@ print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 PY
   echo "profile rc=$? at $((SECONDS - t)) s"
+elif [ "$MODE" = speed ]; then
+  timeout 150 $bench --parts speed --prefill-sizes 8192,16384,32768,65536 >"$W/speed.json" 2>>"$W/errors.log"
+  echo "speed rc=$? at $((SECONDS - t)) s"
+  timeout 280 $bench --parts fidelity --model reduced --batch-invariant off --device cuda --cases random \
+     --prompts "${REDUCED_PROMPTS:-16}" --tail-prompts "${REDUCED_PROMPTS:-16}" >"$W/fidelity-reduced.json" \
+     2>>"$W/errors.log"; echo "fidelity reduced rc=$? at $((SECONDS - t)) s"
 fi
 wait
 tail -20 "$W/errors.log" 2>/dev/null

@@ -51,6 +51,22 @@ def _gpu_s(fn: Callable[..., object], setup: Callable[[], Any] | None = None, re
     return best
 
 
+def _kernel_ms(fn: Callable[[Any], object], setup: Callable[[], Any]) -> float:
+    """GPU busy time of one call (milliseconds of kernels and copies, from the profiler), setup untimed.
+
+    The wall time of a short call also holds the host launching kernels and waiting on
+    host syncs; an engine that captures the replay in a CUDA graph pays only this.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    arg = setup()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(arg)
+        _sync()
+    return sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1e3
+
+
 def speed(report: Report, args: argparse.Namespace, progress: Progress) -> None:
     """Replay and resume speed on the GPU; figures and notes into `report`."""
     import torch
@@ -88,6 +104,11 @@ def speed(report: Report, args: argparse.Namespace, progress: Progress) -> None:
             bar.update(1)
         report.add(Figure.against(f"bounded replay, {w} tokens at H={h:,}", bounded * 1e3, "ms",
                                   f"exact replay, {layers * w:,} tokens", exact * 1e3))
+        if device == "cuda":
+            bounded_k = _kernel_ms(lambda st: model.replay(tokens, st, span=w), rows)
+            exact_k = _kernel_ms(lambda st: model.replay(tokens, st, span=layers * w), rows)
+            report.add(Figure.against(f"bounded replay GPU kernel time (profiler), {w} tokens at H={h:,}", bounded_k,
+                                      "ms", f"exact replay GPU kernel time, {layers * w:,} tokens", exact_k))
         sizes, fit = _prefill(report, model, args, rng, progress)
         target = args.resume_tokens - args.resume_tokens % block_tokens
         full_s = float(np.polyval(fit, target))
