@@ -1,0 +1,273 @@
+"""What became of each RPC (method, tenant, status, message, duration), told to observers.
+
+`OutcomeInterceptor` wraps every async method the server serves and hands
+one `CallOutcome` per finished call to its observers (the
+Prometheus series of gateway.metrics, the failed-request log of
+gateway.request_log). It costs a clock read and a few attribute reads per call;
+anything heavier (the caller's metadata, redaction) is left to observers, and
+only for failed calls.
+
+The tenant is the authenticated caller's (`gateway.auth.current_caller()`)
+when gateway/auth.py is present (gateway.auth sets it before any method runs,
+so the order of the two interceptors does not matter for it; a call refused
+UNAUTHENTICATED is tenant "unauthenticated"); without gateway/auth.py, the
+namespace the request names (the first message's, for a request stream;
+"invalid" for a name gateway.validate refuses). Which error class refused a call
+reaches the observers as `reason`: gateway.status notes it (`note_error`) on
+the same task before the error becomes a status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+#: grpc.RpcMethodHandler (grpc ships no type hints for it).
+Handler = Any
+Behavior = Callable[..., Any]
+Observer = Callable[["CallOutcome"], None]
+
+#: The tenant of a call refused before anyone said who the caller is.
+UNAUTHENTICATED_TENANT = "unauthenticated"
+#: The tenant of a call that names none (gateway.validate's default namespace).
+DEFAULT_TENANT = "default"
+#: The tenant of a call naming a namespace that is not a valid name (without gateway.auth only).
+INVALID_TENANT = "invalid"
+#: gateway.validate's rule for a namespace name.
+_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+#: Default of OutcomeInterceptor's current_caller: gateway.auth's, when it exists.
+FROM_AUTH: Any = object()
+_error_class: ContextVar[str] = ContextVar("kvstore_call_error_class", default="")
+
+
+def note_error(exc: BaseException) -> None:
+    """Remember, for this call's outcome, the class of the error that refused it (gateway.status calls it)."""
+    _error_class.set(type(exc).__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallOutcome:
+    """One finished call.
+
+    Attributes:
+        method: the full method name without its leading slash ("kvstore.v1.KVStore/Get").
+        tenant: who called (see the module docstring for where it comes from).
+        code: the status the call ended with.
+        message: the status details ("" when OK).
+        reason: the error class that refused it ("" when OK or when the status was set directly).
+        duration_s: from the method's start to its last message.
+        context: the call's servicer context (for observers that need the peer or the metadata).
+    """
+
+    method: str
+    tenant: str
+    code: grpc.StatusCode
+    message: str
+    reason: str
+    duration_s: float
+    context: Any
+
+
+def _auth_current_caller() -> Callable[[], Any] | None:
+    """gateway.auth.current_caller, or None while gateway/auth.py does not exist."""
+    try:
+        module = importlib.import_module("gateway.auth")
+    except Exception:  # absent (or, in a checkout being edited, broken): the namespace stands in
+        return None
+    found = getattr(module, "current_caller", None)
+    return found if callable(found) else None
+
+
+def _namespace(message: Any) -> str:
+    """The namespace a request names, when it is a valid one; INVALID_TENANT when not."""
+    name = getattr(message, "namespace", None)
+    if not isinstance(name, str) or not name:
+        return DEFAULT_TENANT
+    # Refused by gateway.validate anyway: junk must not become a label.
+    return name if _NAMESPACE.fullmatch(name) else INVALID_TENANT
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
+    """The status the call ends with: the one set on the context, else what the exception means."""
+    code = context.code()
+    if isinstance(code, int):  # some grpc versions report the number
+        code = _CODES.get(code)
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if exc is None:
+        return grpc.StatusCode.OK
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN  # what grpc answers for an exception escaping a method
+
+
+def _details(context: Any) -> str:
+    details = context.details()
+    if isinstance(details, bytes):
+        return details.decode("utf-8", "replace")
+    return details or ""
+
+
+class _Call:
+    """The bookkeeping of one call in flight."""
+
+    __slots__ = ("caller", "done", "interceptor", "method", "namespace", "start")
+
+    def __init__(self, interceptor: OutcomeInterceptor, method: str, namespace: str) -> None:
+        self.interceptor = interceptor
+        self.method = method
+        self.namespace = namespace
+        self.caller = interceptor._caller_tenant()
+        self.done = False
+        self.start = time.perf_counter()
+        _error_class.set("")
+
+    def finish(self, context: Any, exc: BaseException | None, aborted: tuple[grpc.StatusCode, str] | None = None,
+               ) -> None:
+        """Tell the observers, once: how the call ended (`aborted`: the status an abort is about to send)."""
+        if self.done:
+            return
+        self.done = True
+        duration = time.perf_counter() - self.start
+        code, message = aborted if aborted is not None else (_code(context, exc), "")
+        if code is grpc.StatusCode.UNAUTHENTICATED:
+            tenant = UNAUTHENTICATED_TENANT
+        elif self.caller is not None:
+            tenant = self.caller
+        else:
+            tenant = self.namespace
+        ok = code is grpc.StatusCode.OK
+        outcome = CallOutcome(method=self.method, tenant=tenant, code=code,
+                              message="" if ok else message or _details(context),
+                              reason="" if ok else _error_class.get(), duration_s=duration, context=context)
+        for observe in self.interceptor.observers:
+            observe(outcome)
+
+
+class _ObservedContext:
+    """The servicer context a wrapped method sees: `abort` tells the outcome before the status goes out
+    (grpc.aio sends it inside abort), so a client that saw the status also finds its call counted."""
+
+    __slots__ = ("_call", "_context")
+
+    def __init__(self, call: _Call, context: Any) -> None:
+        self._call = call
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any) -> None:
+        self._call.finish(self._context, None, (code, details))
+        await self._context.abort(code, details, *args, **kwargs)
+
+
+class OutcomeInterceptor(grpc.aio.ServerInterceptor):
+    """Tells `observers` how every call of every async method ended; each method's handler is wrapped once.
+
+    Args:
+        observers: called on the event loop with each `CallOutcome`; they must be quick and must not raise.
+        current_caller: who is calling, inside a call: default gateway.auth.current_caller when that
+            module exists; None takes the tenant from the request's namespace field.
+    """
+
+    def __init__(self, observers: Sequence[Observer], current_caller: Callable[[], Any] | None = FROM_AUTH) -> None:
+        self.observers = tuple(observers)
+        self.current_caller = _auth_current_caller() if current_caller is FROM_AUTH else current_caller
+        self._handlers: dict[str, tuple[Handler, Handler]] = {}
+
+    def _caller_tenant(self) -> str | None:
+        if self.current_caller is None:
+            return None
+        try:
+            tenant = self.current_caller().tenant
+        except Exception:  # no caller: the namespace stands in
+            return None
+        return tenant if isinstance(tenant, str) else None
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
+        # Interceptors inside this one (auth) may answer each call with a handler of its own (a refusal):
+        # always ask them, and reuse the wrapping only while they hand back the same handler.
+        handler = await continuation(handler_call_details)
+        if handler is None:  # an unknown method: not counted (a client could grow the label set without end)
+            return None
+        method = handler_call_details.method  # type: ignore[attr-defined]
+        cached = self._handlers.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method.lstrip("/"), handler)
+        self._handlers[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: Handler) -> Handler:
+        decode, encode = handler.request_deserializer, handler.response_serializer
+        if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
+            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary, False),
+                                                       request_deserializer=decode, response_serializer=encode)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream, False),
+                                                        request_deserializer=decode, response_serializer=encode)
+        if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
+            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary, True),
+                                                        request_deserializer=decode, response_serializer=encode)
+        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
+            return grpc.stream_stream_rpc_method_handler(self._streaming(method, handler.stream_stream, True),
+                                                         request_deserializer=decode, response_serializer=encode)
+        return handler  # a sync method (none on this server) is not observed
+
+    def _begin(self, method: str, request: Any, streamed: bool) -> tuple[_Call, Any]:
+        """The call's bookkeeping, and the request (without gateway.auth, a stream is wrapped to read the
+        first message's namespace)."""
+        if self.current_caller is not None:
+            return _Call(self, method, DEFAULT_TENANT), request
+        if not streamed:
+            return _Call(self, method, _namespace(request)), request
+        call = _Call(self, method, DEFAULT_TENANT)
+        return call, _peek_namespace(call, request)
+
+    def _unary(self, method: str, behavior: Behavior, streamed: bool) -> Behavior:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            call, request = self._begin(method, request, streamed)
+            try:
+                response = await behavior(request, _ObservedContext(call, context))
+            except BaseException as exc:
+                call.finish(context, exc)
+                raise
+            call.finish(context, None)
+            return response
+        return observed
+
+    def _streaming(self, method: str, behavior: Behavior, streamed: bool) -> Behavior:
+        async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            call, request = self._begin(method, request, streamed)
+            try:
+                async for response in behavior(request, _ObservedContext(call, context)):
+                    yield response
+            except BaseException as exc:
+                call.finish(context, exc)
+                raise
+            call.finish(context, None)
+        return observed
+
+
+async def _peek_namespace(call: _Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`requests`, noting the first message's namespace on `call`."""
+    first = True
+    async for request in requests:
+        if first:
+            call.namespace, first = _namespace(request), False
+        yield request
