@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from gateway.call_outcome import note_error
 from kvstore.errors import KVStoreError, to_status
 
 log = logging.getLogger("kvstore.gateway")
@@ -34,8 +35,10 @@ def unary(fn: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
         try:
             return await fn(self, request, context)
         except KVStoreError as exc:
+            note_error(exc)
             await context.abort(to_status(exc), _message(exc))
-        except Exception:
+        except Exception as exc:
+            note_error(exc)
             log.exception("unexpected error in %s", fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}")
         raise AssertionError("unreachable")  # abort always raises
@@ -53,8 +56,10 @@ def streaming(fn: Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[R
             async for item in fn(self, request, context):
                 yield item
         except KVStoreError as exc:
+            note_error(exc)
             await context.abort(to_status(exc), _message(exc))
-        except Exception:
+        except Exception as exc:
+            note_error(exc)
             log.exception("unexpected error in %s", fn.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}")
 
