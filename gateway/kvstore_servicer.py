@@ -239,7 +239,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         extra: dict[str, Any] = {
             **self.resume.stats_fields(), **self._hit_fields(request),
             **_capacity_fields(s.capacity_bytes, s.write_rate_bytes_per_s, s.retention_hours,
-                               self.settings.write_rate_window_s)}
+                               min(self.settings.write_rate_window_s, max(s.uptime_s, 1.0)))}
         return pb.StatsResponse(
             lookups=c.lookups, lookup_tokens_asked=c.lookup_tokens_asked,
             lookup_tokens_found=c.lookup_tokens_found, gets=c.gets, get_tokens_asked=c.get_tokens_asked,
@@ -274,12 +274,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def _tenant_hits(self, tenant: str, names: list[str]) -> pb.TenantHits:
         reply = pb.TenantHits(tenant=tenant, windows=_windows(self.hits.windows(tenant, names)))
-        namespace_usage = getattr(self.tier, "namespace_usage", None)  # the tier's per-tenant usage, once it has it
-        if namespace_usage is not None:
-            usage = namespace_usage(tenant)
-            reply.usage_known = True
-            reply.token_hours, reply.blocks_stored = usage.token_hours, usage.blocks
-            reply.bytes_stored = usage.stored_bytes
+        usage = self.tier.namespace_usage(tenant)
+        reply.usage_known = True
+        reply.token_hours, reply.blocks_stored, reply.bytes_stored = usage.token_hours, usage.blocks, usage.stored_bytes
         return reply
 
     @unary

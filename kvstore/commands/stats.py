@@ -101,7 +101,8 @@ def _window_dict(windows: object) -> dict[str, dict[str, object]]:
 
 
 def hit_dict(reply: object) -> dict[str, object]:
-    """The hit windows, tenants, chart and capacity warning of a StatsResponse, as plain JSON values."""
+    """The hit windows, tenants and chart of a StatsResponse as plain JSON values (its scalar fields,
+    the capacity warning among them, are in `stats_dict`)."""
     r = reply
     tenants = {}
     for t in r.tenants:  # type: ignore[attr-defined]
@@ -109,16 +110,11 @@ def hit_dict(reply: object) -> dict[str, object]:
         entry.update({"token_hours": t.token_hours, "blocks_stored": t.blocks_stored, "bytes_stored": t.bytes_stored}
                      if t.usage_known else {"token_hours": None, "blocks_stored": None, "bytes_stored": None})
         tenants[t.tenant] = entry
-    capacity = r.capacity_hours  # type: ignore[attr-defined]
     return {
         "windows": _window_dict(r.windows),  # type: ignore[attr-defined]
         "tenants": tenants,
         "chart": [{"start_s": p.start_s, "seconds": p.seconds, **with_rates(_counts(p.counts))}
                   for p in r.chart],  # type: ignore[attr-defined]
-        "capacity_hours": None if math.isinf(capacity) else capacity,
-        "headroom_warning": bool(r.headroom_warning),  # type: ignore[attr-defined]
-        "run_started_at_s": r.run_started_at_s, "counted_since_s": r.counted_since_s,  # type: ignore[attr-defined]
-        "write_rate_window_s": r.write_rate_window_s,  # type: ignore[attr-defined]
     }
 
 
