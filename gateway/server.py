@@ -1,8 +1,12 @@
 """The kvstore server process: one grpc.aio server with the KVStore, SwaPool and
 Transfer services, the standard health service and server reflection on one port.
 
-Every method of every service answers a request it cannot decode with
-INVALID_ARGUMENT (gateway.undecodable), never UNKNOWN."""
+Interceptors, outermost first: auth (gateway.auth: the caller from its token,
+the method's right), then undecodable requests (gateway.undecodable: every
+method answers bytes it cannot decode with INVALID_ARGUMENT, never UNKNOWN).
+The port speaks TLS (mutual with `tls.client_ca_file`) when `tls.cert_file` is
+set; a bind beyond loopback without tokens and TLS is refused unless
+`auth.insecure` (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -20,14 +24,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.swa_servicer import SwaPoolServicer
+from gateway.tenants import TenantRegistry
 from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
 from kvstore import geometry
+from kvstore.api_tokens import READ, WRITE
 from kvstore.clock import Clock, SystemClock
-from kvstore.config import Settings
+from kvstore.config import Settings, TlsSettings
+from kvstore.errors import ConfigError
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
@@ -47,6 +55,8 @@ class RunningServer:
     server: grpc.aio.Server
     tier: LmdbBlockTier
     health: health_aio.HealthServicer
+    #: The tenants' tokens this server checks (`tenants.refresh()` re-reads the file now).
+    tenants: TenantRegistry
     #: Called after the gRPC server stops, last first: each service's clean-up.
     closers: list[Callable[[], Any]] = field(default_factory=list)
     stopped: bool = False
@@ -75,33 +85,65 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     """Open the store, the SWA pool and the transfer sessions, and serve on `settings.server.host:port`.
 
     Raises:
+        ConfigError: a bind beyond loopback without tokens and TLS (and not `auth.insecure`),
+            an unreadable tenants file or certificate.
         OSError: the address cannot be bound (everything opened so far is closed).
     """
+    host = settings.server.host
+    tenants = TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required)
+    check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
+    credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
+    # Without tokens, every call is the default tenant: with every right on loopback (the
+    # two-command start), without "admin" beyond it.
+    open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = []
     try:
-        server, health = await _assemble(settings, tier, closers, clock or SystemClock())
-        address = f"{settings.server.host}:{settings.server.port}"
+        server, health = await _assemble(settings, tier, closers, clock or SystemClock(),
+                                         [AuthInterceptor(tenants, open_caller), UndecodableRequests()])
+        address = f"{host}:{settings.server.port}"
         try:
-            port = server.add_insecure_port(address)
+            port = (server.add_secure_port(address, credentials) if credentials is not None
+                    else server.add_insecure_port(address))
         except RuntimeError as exc:  # newer grpcio raises instead of returning 0
             raise OSError(f"cannot listen on {address}: {exc}") from None
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         await server.start()
+        tenants.start(settings.auth.reload_s)
+        closers.append(tenants.stop)
     except BaseException:
         await _close(closers)
         tier.close()
         raise
-    return RunningServer(port=port, server=server, tier=tier, health=health, closers=closers)
+    return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, closers=closers)
+
+
+def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    """TLS credentials from the PEM files `tls` names; a client certificate is demanded with a client CA.
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    def read(name: str, path: str) -> bytes:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read tls.{name} {path}: {exc.strerror or exc}") from None
+
+    client_ca = read("client_ca_file", tls.client_ca_file) if tls.client_ca_file else None
+    return grpc.ssl_server_credentials([(read("key_file", tls.key_file), read("cert_file", tls.cert_file))],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
-                    clock: Clock) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                    clock: Clock, interceptors: list[grpc.aio.ServerInterceptor],
+                    ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
-    server = grpc.aio.server(interceptors=[UndecodableRequests()], options=[
+    server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
@@ -142,6 +184,7 @@ async def serve(settings: Settings) -> None:
           f"retention {settings.store.retention_hours:g} h, {settings.store.block_tokens}-token blocks)",
           flush=True)
     print(f"kvstore SWA pool: {settings.swa.backend} (snapshots live {settings.swa.ttl_s:g} s)", flush=True)
+    print(f"kvstore auth: {_auth_line(settings, running.tenants)}", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {settings.transfer.copy_threads} threads", flush=True)
     else:
@@ -155,3 +198,15 @@ async def serve(settings: Settings) -> None:
     print("kvstore shutting down", file=sys.stderr, flush=True)
     await running.stop(settings.server.grace_s)
     print("kvstore stopped", file=sys.stderr, flush=True)
+
+
+def _auth_line(settings: Settings, tenants: TenantRegistry) -> str:
+    """What `kvstore serve` says of tokens and TLS at start."""
+    if tenants.enabled:
+        auth = f"tokens ({len(tenants.tenants)} tenants with active tokens, {tenants.path})"
+    elif is_loopback(settings.server.host):
+        auth = f"off: loopback only, one tenant {DEFAULT_TENANT!r} without a token"
+    else:
+        auth = f"OFF (--insecure): every caller is tenant {DEFAULT_TENANT!r}"
+    tls = settings.tls
+    return f"{auth}; TLS {'mutual' if tls.client_ca_file else 'on' if tls.enabled else 'off'}"

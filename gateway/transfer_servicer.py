@@ -12,10 +12,12 @@ import grpc
 import numpy as np
 
 from gateway import validate
+from gateway.auth import current_caller, require
 from gateway.status import streaming, unary
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from gateway.validate import Layout
+from kvstore.api_tokens import WRITE
 from kvstore.config import TransferSettings
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.transfer import DescriptorGroup, Op
@@ -88,7 +90,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionEvent]:
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
-        session = self.table.open(context.peer(), layout.geometry.name, scope)
+        session = self.table.open(context.peer(), layout.geometry.name, scope, tenant=current_caller().tenant)
         try:
             yield pb.SessionEvent(session_id=session.session_id, max_descriptors=self.settings.max_descriptors,
                                   max_region_bytes=self.settings.max_region_bytes,
@@ -105,7 +107,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def RegisterRegion(self, request: pb.RegisterRegionRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         try:
             region = self.table.register(session, request.shm_name, request.pid, request.fd, request.size_bytes,
                                          request.nonce)
@@ -123,13 +125,13 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def DeregisterRegion(self, request: pb.DeregisterRegionRequest,
                                context: grpc.aio.ServicerContext) -> pb.DeregisterRegionResponse:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         self.table.deregister(session, request.region_id)
         return pb.DeregisterRegionResponse()
 
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         session.make_room(1, _count(request))
         # Checking hashes a write's chain (O(batch)): off the event loop, so other calls go on.
         transfer = (await asyncio.to_thread(self._checked, session, request))()
@@ -141,7 +143,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def SubmitMany(self, request: pb.SubmitManyRequest,
                          context: grpc.aio.ServicerContext) -> pb.SubmitManyResponse:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         if not 1 <= len(request.batches) <= self.settings.keep_finished:
             raise InvalidArgument(f"send 1 to {self.settings.keep_finished} batches; got {len(request.batches)}")
         # The bounds first: they cost a count per group, checking every batch costs far more.
@@ -152,7 +154,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def GetTransfer(self, request: pb.GetTransferRequest,
                           context: grpc.aio.ServicerContext) -> pb.TransferState:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         transfer = session.transfer(request.transfer_id)
         if request.wait_ms and not transfer.done.is_set():
             with contextlib.suppress(TimeoutError):
@@ -162,7 +164,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def GetTransfers(self, request: pb.GetTransfersRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetTransfersResponse:
-        session = self.table.get(request.session_id, context.peer())
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         ids = list(request.transfer_ids)
         if not 1 <= len(ids) <= self.settings.keep_finished:
             raise InvalidArgument(f"name 1 to {self.settings.keep_finished} transfer ids; got {len(ids)}")
@@ -213,6 +215,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         """Check a batch as a whole and return what starts it.
 
         Raises:
+            PermissionDenied: a write from a token without the "write" right.
             InvalidArgument: a bad descriptor count, op or (writes) chain. A bad
                 descriptor does not raise: it fails alone once the batch runs.
         """
@@ -224,6 +227,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             groups = _groups(request)
             return lambda: self._start_read(session, layout, groups, n, request.prefix_only)
         if request.op == pb.TRANSFER_OP_WRITE:
+            require(WRITE)  # the interceptor checked "read", what every Transfer call needs
             groups = _groups(request)
             plan = self._write_plan(layout, n, request)
             return lambda: self._start_write(session, layout, groups, n, plan)

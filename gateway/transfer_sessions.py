@@ -1,11 +1,14 @@
 """Transfer sessions on the server: the regions each client mapped, and its batches.
 
 Safety rules (docs/TRANSFER.md numbers them; tests are named after them):
-1. A session belongs to the connection that opened it: every call naming it must
-   come from the same peer, else PERMISSION_DENIED.
+1. A session belongs to the tenant and the connection that opened it: a call
+   naming it from another tenant gets NOT_FOUND, exactly as for an id that never
+   was (nothing tells it exists, docs/SECURITY.md); from another connection of
+   the same tenant, PERMISSION_DENIED.
 2. A region belongs to the session that registered it: a descriptor naming
-   another session's region fails with PERMISSION_DENIED, an unknown one with
-   NOT_FOUND; a span outside the region with INVALID_ARGUMENT.
+   another session's region of the same tenant fails with PERMISSION_DENIED, an
+   unknown one or another tenant's with NOT_FOUND; a span outside the region
+   with INVALID_ARGUMENT.
 3. A region is unmapped when its client deregisters it or its session ends
    (the client closes the stream, disconnects or dies). A region is a memfd:
    it has no name in any folder, so nothing of it outlives both ends.
@@ -185,9 +188,11 @@ class Session:
 
     def __init__(self, session_id: str, peer: str, geometry: str, scope: BlockScope,
                  settings: TransferSettings, counters: TransferCounters | None = None,
-                 load: Load | None = None) -> None:
+                 load: Load | None = None, *, tenant: str = "default") -> None:
         self.session_id = session_id
         self.peer = peer
+        #: The caller's tenant when it was opened (gateway.auth); only that tenant may name it.
+        self.tenant = tenant
         self.geometry = geometry
         self.scope = scope
         self.settings = settings
@@ -336,8 +341,8 @@ class SessionTable:
         self._next_region = 0
         self._lock = threading.Lock()
 
-    def open(self, peer: str, geometry: str, scope: BlockScope) -> Session:
-        """A new session bound to `peer`.
+    def open(self, peer: str, geometry: str, scope: BlockScope, *, tenant: str = "default") -> Session:
+        """A new session bound to `peer` and `tenant`.
 
         Raises:
             ResourceExhausted: the server holds `max_sessions` sessions already.
@@ -345,19 +350,20 @@ class SessionTable:
         if len(self.sessions) >= self.settings.max_sessions:
             raise ResourceExhausted(f"the server holds {len(self.sessions)} transfer sessions, its most "
                                     f"(transfer.max_sessions)", hint="close a session you hold, or retry later")
-        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters, self.load)
+        session = Session(secrets.token_hex(16), peer, geometry, scope, self.settings, self.counters, self.load,
+                          tenant=tenant)
         self.sessions[session.session_id] = session
         return session
 
-    def get(self, session_id: str, peer: str) -> Session:
+    def get(self, session_id: str, peer: str, tenant: str = "default") -> Session:
         """The caller's session (rule 1).
 
         Raises:
-            NotFound: no such session (it ended, or never was).
-            PermissionDenied: the session belongs to another connection.
+            NotFound: no such session (it ended, or never was), or another tenant's.
+            PermissionDenied: the session belongs to another connection of this tenant.
         """
         session = self.sessions.get(session_id)
-        if session is None or session.closed:
+        if session is None or session.closed or session.tenant != tenant:
             raise NotFound("no open transfer session with that id; open one with OpenSession")
         if session.peer != peer:
             raise PermissionDenied("this transfer session belongs to another connection")
@@ -414,12 +420,13 @@ class SessionTable:
         """A region of `session` that descriptors may name (rule 2; spans are checked by the caller).
 
         Raises:
-            PermissionDenied: the region belongs to another session.
-            NotFound: no such region.
+            PermissionDenied: the region belongs to another session of the same tenant.
+            NotFound: no such region, or another tenant's (rule 1's reason).
         """
         region = session.regions.get(region_id)
         if region is None:
-            if region_id in self._owner:
+            owner = self.sessions.get(self._owner.get(region_id, ""))
+            if owner is not None and owner.tenant == session.tenant:
                 raise PermissionDenied(f"region {region_id} belongs to another session")
             raise NotFound(f"region {region_id} is not registered in this session")
         return region

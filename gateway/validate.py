@@ -10,14 +10,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gateway.auth import current_caller
 from kvstore import geometry as geometries
-from kvstore.errors import InvalidArgument
+from kvstore.api_tokens import ADMIN
+from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES, BlockScope, chain_hashes, root_hash
 
 #: Matched in full (`fullmatch`): `$` alone would also take a name ending in a newline.
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-DEFAULT_NAMESPACE = "default"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,16 +39,26 @@ class Layout:
 
 
 def namespace(name: str) -> str:
-    """The tenant a request names ('' means the default tenant)."""
-    if not name:
-        return DEFAULT_NAMESPACE
+    """The tenant whose blocks a request touches: '' means the caller's own (gateway.auth).
+
+    Raises:
+        InvalidArgument: a malformed name.
+        PermissionDenied: another tenant's name, from a caller without "admin"
+            (refused whether or not that tenant exists).
+    """
+    caller = current_caller()
+    if not name or name == caller.tenant:
+        return caller.tenant
     if not _NAMESPACE.fullmatch(name):
         raise InvalidArgument(f"namespace {name!r} is not 1-128 of [A-Za-z0-9._-] starting alphanumeric")
+    if ADMIN not in caller.rights:
+        raise PermissionDenied(f"namespace {name!r} is not this token's tenant ({caller.tenant!r})",
+                               hint="leave namespace empty: a call works on its token's tenant")
     return name
 
 
 def scope(layouts: dict[str, Layout], geometry: str, tenant: str) -> tuple[Layout, BlockScope]:
-    """The layout and the storage scope of a request."""
+    """The layout and the storage scope of a request (`tenant`: the request's namespace field, see `namespace`)."""
     layout = layouts.get(geometry or geometries.V4_1_FLASH.name)
     if layout is None:
         raise InvalidArgument(f"unknown geometry {geometry!r}; this server serves: {', '.join(layouts)}")

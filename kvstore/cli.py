@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config, overrides={
         "server": {"port": args.port, "host": args.host},
         "store": {"data_dir": args.data_dir},
+        "auth": {"insecure": True if args.insecure else None},
+        "tls": {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca},
     })
     asyncio.run(serve(settings))  # a ConfigError or OSError at start reaches main as one line
     return 0
@@ -123,8 +125,9 @@ STATS_ROWS = (
 
 def _stats(args: argparse.Namespace) -> int:
     from kvstore.client import Client
+    from kvstore.commands import client_options
 
-    with Client(args.target, timeout_s=args.timeout) as client:
+    with Client(args.target, timeout_s=args.timeout, **client_options(args)) as client:
         data = stats_dict(client.stats())
         data["swa"] = swa_stats_dict(client)
         data["transfer"] = transfer_stats_dict(client)
@@ -236,6 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
     "worker": ("replay.worker.command", "run the reference GPU worker (replay and prefill) as a gRPC service"),
+    "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
 }
 
 
@@ -262,6 +266,7 @@ def _chosen_bench(argv: list[str] | None) -> str | None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command-line interface; `argv` lets it import only the benchmark that runs."""
     from kvstore.bench import BENCHES
+    from kvstore.commands import add_connection_arguments
 
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache storage and transfer service.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
@@ -275,6 +280,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--data-dir", type=Path, help="folder for the LMDB store (default ./kvstore-data)")
     serve.add_argument("--config", type=Path, help="TOML config file")
+    serve.add_argument("--tls-cert", help="server certificate chain, PEM (tls.cert_file; turns TLS on)")
+    serve.add_argument("--tls-key", help="server private key, PEM (tls.key_file)")
+    serve.add_argument("--tls-client-ca", help="CA (PEM) client certificates must chain to: mutual TLS "
+                       "(tls.client_ca_file)")
+    serve.add_argument("--insecure", action="store_true", help="allow a bind beyond loopback without tokens "
+                       "or TLS (auth.insecure): a trusted network only")
     serve.set_defaults(func=_serve)
 
     stats = sub.add_parser("stats", help="show counters, hit rates and retention headroom",
@@ -283,6 +294,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     stats.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    add_connection_arguments(stats)
     stats.set_defaults(func=_stats)
 
     check = sub.add_parser("check", help="verify a stored data dir (read-only), or repair it",

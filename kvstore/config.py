@@ -267,6 +267,53 @@ class TransferSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AuthSettings:
+    """Tenants and their API tokens (docs/SECURITY.md)."""
+
+    #: The tenants file (token hashes, `kvstore tenant`); '' means `<store.data_dir>/tenants.json`.
+    #: Auth is on once it exists.
+    tenants_file: str = ""
+    #: Demand a token on every call even while no tenants file exists (every call refused until one does).
+    required: bool = False
+    #: Seconds between checks of the tenants file for changes (a created or revoked token takes effect).
+    reload_s: float = 1.0
+    #: Serve beyond loopback without tokens or TLS (`kvstore serve --insecure`): a trusted network only.
+    insecure: bool = False
+
+    RANGES: ClassVar[dict[str, Range]] = {"reload_s": Range(0, 3600, lo_open=True)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "auth")
+
+    def tenants_path(self, data_dir: Path) -> Path:
+        """Where the tenants file is for a store in `data_dir`."""
+        return Path(self.tenants_file) if self.tenants_file else data_dir / "tenants.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsSettings:
+    """TLS of the gRPC port, from PEM files (off while cert_file is empty)."""
+
+    #: The server's certificate chain (PEM); setting it turns TLS on.
+    cert_file: str = ""
+    #: The server's private key (PEM).
+    key_file: str = ""
+    #: CA certificates (PEM) that client certificates must chain to; setting it demands one (mutual TLS).
+    client_ca_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("tls.cert_file and tls.key_file go together: set both or neither")
+        if self.client_ca_file and not self.cert_file:
+            raise ConfigError("tls.client_ca_file (mutual TLS) needs tls.cert_file and tls.key_file")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the port speaks TLS."""
+        return bool(self.cert_file)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """Every section of the service's configuration."""
 
@@ -274,6 +321,8 @@ class Settings:
     store: StoreSettings = field(default_factory=StoreSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
     swa: SwaSettings = field(default_factory=SwaSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -12,7 +12,7 @@
 Imports point one way: store -> swa, transfer -> blocks -> connection -> arguments.
 """
 
-from kvstore.client.connection import Connection
+from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.store import Client, GetResult, LookupResult, PutResult, as_buffer
 from kvstore.client.swa import SwaClient, SwaPutResult
 from kvstore.client.transfer import PATHS, Transfer, TransferPath, TransferSession
@@ -28,6 +28,7 @@ __all__ = [
     "PutResult",
     "SwaClient",
     "SwaPutResult",
+    "TlsOptions",
     "Transfer",
     "TransferPath",
     "TransferSession",

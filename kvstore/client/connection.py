@@ -11,6 +11,8 @@ classes share one connection pool); none of them imports another.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -30,6 +32,55 @@ def status_error(exc: grpc.RpcError) -> KVStoreError:
     return from_status(exc.code(), exc.details())
 
 
+@dataclass(frozen=True, kw_only=True)
+class TlsOptions:
+    """How a client speaks TLS to the server (PEM files; docs/SECURITY.md).
+
+    Attributes:
+        ca_file: CA certificates the server's certificate must chain to ('' : the system's roots).
+        cert_file: this client's certificate chain, for a server demanding mutual TLS.
+        key_file: this client's private key (with `cert_file`).
+        server_name: the name to check the server's certificate against, when the
+            target's host is not in it (an IP address, a load balancer).
+    """
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """The channel credentials these files make.
+
+        Raises:
+            InvalidArgument: a file cannot be read, or only one of cert_file and key_file is set.
+        """
+        if bool(self.cert_file) != bool(self.key_file):
+            raise InvalidArgument("tls: cert_file and key_file go together (mutual TLS): set both or neither")
+
+        def read(name: str, path: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise InvalidArgument(f"tls.{name} {path}: {exc.strerror or exc}",
+                                      hint="name a readable PEM file") from None
+
+        return grpc.ssl_channel_credentials(read("ca_file", self.ca_file), read("key_file", self.key_file),
+                                            read("cert_file", self.cert_file))
+
+
+def _token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that carries `token`, or None without one."""
+    if token is None:
+        return None
+    token = arguments.text(token, "token")
+    if not token or not token.isascii() or not token.isprintable() or token != token.strip():
+        raise InvalidArgument("token must be the non-empty printable ASCII string `kvstore tenant create` printed")
+    return (("authorization", f"Bearer {token}"),)
+
+
 class Connection:
     """A channel to a kvstore server for one tenant and one geometry.
 
@@ -38,25 +89,38 @@ class Connection:
         namespace: the tenant; blocks of two tenants never mix.
         geometry: profile name; '' means the server's default.
         timeout_s: deadline of each call.
+        token: the API token (`kvstore tenant create`), sent as `authorization: Bearer`
+            metadata on every call; None for a server without auth.
+        tls: speak TLS (None: plaintext).
 
     Raises:
         InvalidArgument: a bad argument, or a geometry the server does not serve.
+        Unauthenticated: the server wants a token and this one is missing, unknown or revoked.
         KVStoreError: the server could not be asked (the class of its status).
     """
 
-    def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, *, namespace: str = "", geometry: str = "",
+                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None) -> None:
         self.target = arguments.text(target, "target")
+        #: The tenant asked for: '' is the token's own (the only one a non-admin token may name).
         self.namespace = arguments.text(namespace, "namespace")
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
         geometry = arguments.text(geometry, "geometry")
-        self.channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", -1),
-            ("grpc.max_send_message_length", -1),
-        ])
+        #: Sent with every call (None: no token).
+        self.metadata = _token_metadata(token)
+        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", -1),
+                                                ("grpc.max_send_message_length", -1)]
+        if tls is not None and tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        self.channel = (grpc.secure_channel(target, tls.credentials(), options=options) if tls is not None
+                        else grpc.insecure_channel(target, options=options))
         #: The KVStore service's stub (GetInfo here; blocks in the store and transfer clients).
         self.kvstore = pb_grpc.KVStoreStub(self.channel)
-        info = self.call(self.kvstore.GetInfo, pb.GetInfoRequest())
+        try:
+            info = self.call(self.kvstore.GetInfo, pb.GetInfoRequest())
+        except KVStoreError:
+            self.close()
+            raise
         served = {g.name: g for g in info.geometries}
         chosen = served.get(geometry) if geometry else info.geometries[0]
         if chosen is None:
@@ -76,7 +140,7 @@ class Connection:
     def call(self, method: Any, request: Any) -> Any:
         """One unary call under the deadline, its failure raised as a KVStoreError."""
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise status_error(exc) from None
 
@@ -84,7 +148,7 @@ class Connection:
         """The replies of a streaming call (`request` one message or an iterator of them)
         under the deadline, as they arrive; a failure is raised as a KVStoreError."""
         try:
-            yield from method(request, timeout=self.timeout_s)
+            yield from method(request, timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as exc:
             raise status_error(exc) from None
 

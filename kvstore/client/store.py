@@ -20,7 +20,7 @@ import grpc
 
 from kvstore.client import arguments
 from kvstore.client.blocks import encode_extra_keys, stream_blocks
-from kvstore.client.connection import Connection, status_error
+from kvstore.client.connection import Connection, TlsOptions, status_error
 from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
 from kvstore.errors import InvalidArgument, KVStoreError
@@ -93,19 +93,24 @@ class Client:
 
     Args:
         target: "host:port" of the server (or the gateway).
-        namespace: the tenant; blocks of two tenants never mix.
+        namespace: the tenant; blocks of two tenants never mix. '' (the default) is the
+            token's tenant ("default" on a server without auth); only an admin token may
+            name another.
         geometry: profile name; '' means the server's default.
         timeout_s: deadline of each call.
+        token: the API token (`kvstore tenant create`); None for a server without auth.
+        tls: TLS options (`kvstore.client.TlsOptions`); None for plaintext.
 
     Every method raises a `kvstore.errors` class, never a bare ValueError or
     TypeError: `InvalidArgument` for a bad argument (nothing sent), the class
     of the server's status otherwise.
     """
 
-    def __init__(self, target: str, *, namespace: str = "default", geometry: str = "",
-                 timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, *, namespace: str = "", geometry: str = "",
+                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None) -> None:
         #: The channel, its call plumbing and what the server said; `swa` and `transfer()` share it.
-        self.connection = c = Connection(target, namespace=namespace, geometry=geometry, timeout_s=timeout_s)
+        self.connection = c = Connection(target, namespace=namespace, geometry=geometry, timeout_s=timeout_s,
+                                         token=token, tls=tls)
         # Fixed at connect: copied so the client reads as before.
         self.target, self.namespace, self.timeout_s = c.target, c.namespace, c.timeout_s
         self.geometry: str = c.geometry
@@ -359,7 +364,8 @@ class Client:
             usable_tokens=arguments.integer(usable_tokens, "usable_tokens", most=2**64 - 1))
         done: Future[None] = Future()
         try:
-            call = self.connection.kvstore.ReportResume.future(request, timeout=self.timeout_s)
+            call = self.connection.kvstore.ReportResume.future(request, timeout=self.timeout_s,
+                                                               metadata=self.connection.metadata)
         except ValueError as exc:  # grpc refuses a call on a closed channel
             raise InvalidArgument(f"cannot report on this client: {exc}", hint="the client is closed") from None
 

@@ -360,7 +360,7 @@ class TransferSession:
         self._events: Any = None
         if path != "stream":
             self._events = self.stub.OpenSession(pb.OpenSessionRequest(
-                geometry=connection.geometry, namespace=connection.namespace))
+                geometry=connection.geometry, namespace=connection.namespace), metadata=connection.metadata)
             try:
                 first = next(self._events)
             except grpc.RpcError as exc:

@@ -1,0 +1,89 @@
+"""Manage tenants and their API tokens: `kvstore tenant create|revoke|list`.
+
+Works on the tenants file directly (by default `<data dir>/tenants.json`, or
+auth.tenants_file), with or without a server running: a running server picks
+a change up within auth.reload_s seconds, without a restart. The first
+`create` turns auth on (docs/SECURITY.md); that is also how the first admin
+token is made: `kvstore tenant create ops --admin --data-dir DIR`.
+
+`create` prints the new token alone on stdout, once: it is stored only as a
+hash and cannot be shown again. Give it to the tenant's clients as --token,
+KVSTORE_TOKEN or kvstore.Client(token=...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE, create, read_records, revoke
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvstore tenant`."""
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--data-dir", type=Path, help="the store's folder (default ./kvstore-data, store.data_dir)")
+    where.add_argument("--tenants-file", type=Path, help="the tenants file itself (auth.tenants_file)")
+    where.add_argument("--config", type=Path, help="the server's TOML config, to find the file as it does")
+    where.add_argument("--json", action="store_true", help="print one JSON object")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    new = sub.add_parser("create", parents=[where], help="issue a token for a tenant (created if new)")
+    new.add_argument("tenant", help="tenant name: 1-128 of [A-Za-z0-9._-], alphanumeric first")
+    new.add_argument("--rights", default=f"{READ},{WRITE}",
+                     help=f"comma-separated, among {', '.join(RIGHTS)} (default {READ},{WRITE})")
+    new.add_argument("--admin", action="store_true", help=f"add the {ADMIN!r} right (policies, purge, any tenant)")
+    gone = sub.add_parser("revoke", parents=[where], help="revoke a tenant's tokens (or one of them)")
+    gone.add_argument("tenant")
+    gone.add_argument("--token-id", help="revoke only this token (as `list` shows it)")
+    sub.add_parser("list", parents=[where], help="list tokens: tenant, id, rights, created, revoked")
+
+
+def _path(args: argparse.Namespace) -> Path:
+    if args.tenants_file is not None:
+        return Path(args.tenants_file)
+    from kvstore.config import load_settings
+
+    settings = load_settings(args.config, overrides={"store": {"data_dir": args.data_dir}})
+    return settings.auth.tenants_path(settings.store.data_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `kvstore tenant ACTION`."""
+    path = _path(args)
+    if args.action == "create":
+        rights = {r.strip() for r in args.rights.split(",") if r.strip()} | ({ADMIN} if args.admin else set())
+        record, token = create(path, args.tenant, frozenset(rights))
+        if args.json:
+            print(json.dumps({"tenant": record.tenant, "token_id": record.token_id, "rights": list(record.rights),
+                              "token": token, "tenants_file": str(path)}))
+        else:
+            print(f"tenant {record.tenant}: token {record.token_id} ({', '.join(record.rights)}) added to {path}; "
+                  "shown once below, stored only as a hash (a running server takes it within auth.reload_s)",
+                  file=sys.stderr)
+            print(token)
+        return 0
+    if args.action == "revoke":
+        gone = revoke(path, args.tenant, args.token_id)
+        if args.json:
+            print(json.dumps({"revoked": [r.token_id for r in gone], "tenant": args.tenant}))
+        else:
+            print(f"revoked {len(gone)} token(s) of tenant {args.tenant}: {', '.join(r.token_id for r in gone)}")
+        return 0
+    found = read_records(path)
+    records = found or []
+    if args.json:
+        print(json.dumps({"tenants_file": str(path), "auth": found is not None, "tokens": [
+            {"tenant": r.tenant, "token_id": r.token_id, "rights": list(r.rights), "created_at": r.created_at,
+             "revoked_at": r.revoked_at} for r in records]}))
+        return 0
+    if found is None:
+        print(f"no tenants file at {path}: auth is off (loopback serves one tenant without a token)")
+        return 0
+    rows = [("TENANT", "TOKEN", "RIGHTS", "CREATED", "REVOKED")] + [
+        (r.tenant, r.token_id, ",".join(r.rights), r.created_at, r.revoked_at or "-") for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return 0
