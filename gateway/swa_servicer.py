@@ -8,9 +8,11 @@ from collections.abc import Sequence
 import grpc
 
 from gateway import validate
+from gateway.auth import current_caller
 from gateway.hit_stats import HitStats
 from gateway.status import unary
 from gateway.validate import Layout
+from kvstore.api_tokens import ADMIN
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import BlockScope
 from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_shape
@@ -124,6 +126,11 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
     async def Stats(self, request: pb.SwaStatsRequest, context: grpc.aio.ServicerContext) -> pb.SwaStatsResponse:
         s = await self.cache.stats()
         c, u = s.counters, s.usage
+        if ADMIN not in current_caller().rights:
+            # The pool's counters span every tenant: a tenant gets the pool's settings only
+            # (the client sizes its batches by max_batch_snapshots), never others' traffic.
+            return pb.SwaStatsResponse(backend=s.backend, backend_up=u is not None, ttl_s=s.ttl_s,
+                                       max_batch_snapshots=self.max_batch)
         return pb.SwaStatsResponse(
             backend=s.backend, backend_up=u is not None, ttl_s=s.ttl_s, puts=c.puts, snapshots_put=c.snapshots_put,
             bytes_put=c.bytes_put, failed_puts=c.failed_puts, gets=c.gets, snapshots_asked=c.snapshots_asked,
