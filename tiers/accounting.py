@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,6 +27,14 @@ class Counters:
     corrupt_blocks: int = 0
     purged_blocks: int = 0
     imported_blocks: int = 0
+
+    @classmethod
+    def load(cls, saved: bytes | None) -> Counters:
+        """The persisted counters; names this version does not know are dropped (an older or newer store)."""
+        if not saved:
+            return cls()
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in json.loads(saved).items() if k in known and isinstance(v, int)})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,12 +20,35 @@ import lmdb
 import xxhash
 
 from kvstore.errors import DataLoss
-from kvstore.prefix import FINGERPRINT_BYTES
+from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
 from tiers import namespaces
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
 Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PutResult:
+    """What one Put batch did."""
+
+    written_blocks: int
+    existing_blocks: int
+    written_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PutBatch:
+    """Consecutive blocks of one chain to store (validated by the caller)."""
+
+    scope: BlockScope
+    parent_hash: bytes
+    hashes: Sequence[bytes]
+    blocks: Sequence[Buffer]
+    is_root: bool
+    #: The namespace's NVMe quota (R19): past it the Put evicts the namespace's own
+    #: blocks past retention, else is refused; None: no quota.
+    quota_bytes: int | None = None
 
 
 class DamagedBlock(Exception):

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import lmdb
 
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, ResourceExhausted
 from tiers.block_txn import DamagedBlock
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,21 @@ T = TypeVar("T")
 MAX_DAMAGED_PER_CALL = 64
 #: What LMDB raises for a damaged page in a write (a read contains any lmdb.Error per block).
 DAMAGE_ERRORS = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.BadTxnError)
+#: How a commit that ran out of disk fails (errno text; py-lmdb has no class for it). LMDB
+#: reports a short write, the usual form of a full disk, as EIO.
+_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded", "Input/output error")
+
+
+def refused_write(exc: lmdb.Error, data_dir: Path) -> ResourceExhausted | None:
+    """What to answer a write the map or the disk had no room for (R8); None for any other LMDB error."""
+    if isinstance(exc, lmdb.MapFullError):
+        return ResourceExhausted("the LMDB map is full; raise store.capacity_bytes")
+    if not any(why in str(exc) for why in _NO_SPACE):
+        return None
+    return ResourceExhausted(f"the disk under {data_dir} refused the write ({exc}): it is full or failing; "
+                             "nothing was stored",
+                             hint="free disk space or lower store.capacity_bytes to what the disk holds; "
+                             "if the disk is not full, check its health")
 
 
 class DamagedBlocks:

@@ -11,6 +11,7 @@ transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/reads.py`: verified reads and staged zero-copy reads.
 - `tiers/damage.py`: blocks on damaged pages met at run time.
 - `tiers/refresh.py`: group commit of retention refreshes.
+- `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
 - `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk
   records, leases, counters; `tiers/datadir.py`: opening the data dir.
 
@@ -21,14 +22,13 @@ bounded pool, through `call`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import lmdb
@@ -37,17 +37,16 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
-from tiers import namespaces, purge, reads, usage
+from tiers import export, namespaces, purge, reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
-from tiers.block_txn import BlockDbs, BlockTxn, Buffer, read_meta
+from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, read_meta
 from tiers.chains import ChainIndex
-from tiers.damage import DamagedBlocks
+from tiers.damage import DamagedBlocks, refused_write
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Candidates, Evicted, make_quota_room, make_room
 from tiers.leases import Lease, LeaseTable
 from tiers.namespaces import NamespaceUsage
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
-from tiers.records import lru_entry
 from tiers.refresh import RefreshBatcher
 from tiers.retention import (
     HIGH_WATER,
@@ -56,6 +55,7 @@ from tiers.retention import (
     NamespaceRetention,
     Retention,
     RetentionClock,
+    persisted_high_water,
 )
 
 __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "NamespaceUsage", "PutBatch", "PutResult", "ReadStatus",
@@ -63,34 +63,6 @@ __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "NamespaceUsage", "PutBatch",
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: How a commit that ran out of disk fails (errno text; py-lmdb has no class for it). LMDB
-#: reports a short write, the usual form of a full disk, as EIO.
-_NO_SPACE = ("No space left on device", "File too large", "Disk quota exceeded", "Input/output error")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PutResult:
-    """What one Put batch did."""
-
-    written_blocks: int
-    existing_blocks: int
-    written_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PutBatch:
-    """Consecutive blocks of one chain to store (validated by the caller)."""
-
-    scope: BlockScope
-    parent_hash: bytes
-    hashes: Sequence[bytes]
-    blocks: Sequence[Buffer]
-    is_root: bool
-    #: The namespace's NVMe quota (R19): past it the Put evicts the namespace's own
-    #: blocks past retention, else is refused; None: no quota.
-    quota_bytes: int | None = None
-
 
 class LmdbBlockTier:
     """Global-KV blocks on NVMe through LMDB.
@@ -121,13 +93,13 @@ class LmdbBlockTier:
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self.retention = NamespaceRetention(settings.retention_s)
-        self._quota_provider: Callable[[str], int] | None = None
+        self._quota_of: Callable[[str], int] = _no_quota
         self._lock = threading.Lock()
         self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)
-            self.counters = _counters(saved)
-            high_water = _high_water(txn, self._dbs)
+            self.counters = Counters.load(saved)
+            high_water = persisted_high_water(txn, self._dbs.state, self._dbs.lru)
         self.retention_clock = RetentionClock(self.clock, high_water)
         self._usage, by_namespace = usage.check_and_repair(self.env, self._records, self._state,
                                                            max_tree_pages=MAX_CHECKED_TREE_PAGES)
@@ -236,22 +208,7 @@ class LmdbBlockTier:
         made (R12), so what a result reports as existing is stored when it returns.
         """
         now = self.retention_clock.now()
-        try:
-            results, evicted = self._damage.retry(lambda: self._put_all(batches, now), "this Put")
-        except lmdb.MapFullError:
-            self._count_rejected()
-            raise ResourceExhausted("the LMDB map is full; raise store.capacity_bytes") from None
-        except lmdb.Error as exc:
-            if not any(why in str(exc) for why in _NO_SPACE):
-                raise
-            self._count_rejected()
-            raise ResourceExhausted(f"the disk under {self.settings.data_dir} refused the write ({exc}): it is "
-                                    "full or failing; nothing was stored",
-                                    hint="free disk space or lower store.capacity_bytes to what the disk holds; "
-                                    "if the disk is not full, check its health") from None
-        except ResourceExhausted:
-            self._count_rejected()
-            raise
+        results, evicted = self._commit(batches, now)
         for batch in (b for b in batches if b.hashes):  # extending a known chain makes the longer one known
             parent = None if batch.is_root else batch.scope.key(batch.parent_hash)
             self.chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
@@ -264,6 +221,20 @@ class LmdbBlockTier:
                 self.counters.bytes_written += r.written_bytes
                 self._write_rate.note(now, r.written_bytes)
         return results
+
+    def _commit(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
+        """Apply `batches` in one durable transaction; a refusal is counted and raised as ResourceExhausted."""
+        try:
+            return self._damage.retry(lambda: self._put_all(batches, now), "this Put")
+        except lmdb.Error as exc:
+            refusal = refused_write(exc, self.settings.data_dir)
+            if refusal is None:
+                raise
+            self._count_rejected()
+            raise refusal from None
+        except ResourceExhausted:
+            self._count_rejected()
+            raise
 
     def _put_all(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
         protected = set(self.leases.pinned()) | self._damage.snapshot()
@@ -292,7 +263,7 @@ class LmdbBlockTier:
                          retention_of=self.retention.for_keys(w.namespace_name))
         evicted = Evicted()
         quota = batch.quota_bytes if batch.quota_bytes is not None else self._quota_of(batch.scope.namespace)
-        if quota is not None:
+        if quota:
             evicted = make_quota_room(w, ns_id, need, quota_bytes=quota, namespace=batch.scope.namespace, can=can)
         evicted += make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
                              protected=protected, retention_of=can.retention_of)
@@ -404,29 +375,15 @@ class LmdbBlockTier:
                            drop_corrupt=self.drop_corrupt)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
-        """Remove corrupt blocks and their descendants; count them (R10, `tiers/purge.py`).
-
-        A block whose removal meets a damaged page stays (with its subtree, so
-        R6 holds) and is remembered as damaged: reads miss it, eviction skips it.
-        """
+        """Remove corrupt blocks and their descendants; count them (R10, `tiers/purge.py`)."""
         purge.drop_corrupt(self._write, self._damage, keys, self._count_damaged, self.settings.data_dir)
 
     def purge(self, scope: BlockScope, hashes: Sequence[bytes] | None) -> int:
-        """Remove a prompt's blocks, or a namespace's whole cache, durably (R20); how many blocks went.
+        """Remove blocks durably (R20, `tiers/purge.py`); how many went.
 
-        Args:
-            scope: layout and tenant of the blocks (with `hashes` None only the
-                tenant counts: its blocks of every geometry go).
-            hashes: chain hashes of the blocks to remove; each stored one goes with
-                every stored block below it (R6), whatever prompt they belong to.
-                None: every block of `scope.namespace`.
-
-        Leases do not protect from a purge (an admin's deletion): a leased block
-        is removed and the lease holder's Get finds it missing. Blocks put into
-        the namespace while a whole-namespace purge runs may stay.
-
-        Raises:
-            DataLoss: a block to remove is on a damaged page.
+        `hashes`: each stored block named goes with every block below it (R6), whatever
+        prompt it serves. None: every block of `scope.namespace`, in every geometry.
+        A lease does not stop a purge. Raises DataLoss for a block on a damaged page.
         """
         if hashes is None:
             blocks = purge.namespace_blocks(self.env, self._dbs, namespaces.id_of_key(scope.prefix))
@@ -436,6 +393,35 @@ class LmdbBlockTier:
         with self._lock:
             self.counters.purged_blocks += removed
         return removed
+
+    def export_records(self, namespace: str) -> Iterator[export.ExportRecord]:
+        """Every block of `namespace` (every geometry) as `ExportRecord`s, parents first (R21).
+
+        Each `ExportRecord(namespace, fingerprint, block_hash, parent_hash, depth,
+        checksum, data)` is verified against its checksum; a corrupt one is left out
+        (and dropped, as a read drops it) with everything below it. `next()` reads
+        LMDB (`EXPORT_CHUNK` blocks at a time): call it on the tier's executor.
+        """
+        return export.export_records(self.env, self._dbs, namespace, self.drop_corrupt, self._damage.note)
+
+    def import_records(self, records: Iterable[export.BlockRecord], namespace: str | None = None,
+                       quota_bytes: int | None = None) -> int:
+        """Write exported records back, durably (R21, `tiers/export.py`); how many blocks were new.
+
+        `records` (parents first) need fingerprint, block_hash, parent_hash, depth, checksum
+        and data; `namespace` None puts each in its own `.namespace`; `quota_bytes` None
+        asks the quota provider. Raises DataLoss (a checksum), InvalidArgument (a malformed
+        or out-of-order record), ResourceExhausted (as a Put).
+        """
+        def commit(batches: list[PutBatch]) -> list[PutResult]:
+            results, evicted = self._commit(batches, self.retention_clock.now())
+            with self._lock:
+                self.counters.evictions += evicted.blocks
+                self.counters.evicted_bytes += evicted.freed_bytes
+                self.counters.imported_blocks += sum(r.written_blocks for r in results)
+            return results
+
+        return export.import_records(commit, records, namespace=namespace, quota_bytes=quota_bytes)
 
     def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
         """Count one Get: blocks asked for and blocks actually returned."""
@@ -465,15 +451,7 @@ class LmdbBlockTier:
         )
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
-        """Blocks, bytes and token-hours `namespace` stores, as last committed (R17).
-
-        Args:
-            namespace: the tenant's name, as in `BlockScope.namespace`.
-
-        Returns:
-            `NamespaceUsage(blocks, stored_bytes, token_hours)`; zeros for a namespace
-            that never stored a block.
-        """
+        """`NamespaceUsage(blocks, stored_bytes, token_hours)` of `namespace` as last committed (R17)."""
         with self.env.begin() as txn:
             return namespaces.usage_of(txn, self._state, namespace, now_s=self.retention_clock.now(),
                                        block_tokens=self.settings.block_tokens)
@@ -481,25 +459,18 @@ class LmdbBlockTier:
     def set_retention_provider(self, provider: Callable[[str], float] | None) -> None:
         """Give each namespace its own retention (R18): `provider(namespace) -> seconds`.
 
-        Every eviction decision from now on asks it (once per namespace per
-        make-room pass); a value below the store's `retention_hours` counts as
-        the store's. It must answer quickly and never lower a namespace's value
-        (a block keeps the promise it was written under only because retention
-        only rises). None: every namespace gets the store's retention.
+        Every eviction decision asks it (once per namespace per pass); below the
+        store's retention counts as the store's. It must be quick and never lower a
+        value (retention only rises, so old promises hold). None: the store's for all.
         """
         self.retention = NamespaceRetention(self.settings.retention_s, provider)
 
     def set_quota_provider(self, provider: Callable[[str], int] | None) -> None:
         """Give each namespace an NVMe quota (R19): `provider(namespace) -> bytes`, 0 for none.
 
-        Asked inside each Put's write transaction, for a batch without its own
-        `quota_bytes`. None: no quotas.
+        Asked in each Put's write transaction for a batch without `quota_bytes`. None: no quotas.
         """
-        self._quota_provider = provider
-
-    def _quota_of(self, namespace: str) -> int | None:
-        quota = self._quota_provider(namespace) if self._quota_provider is not None else 0
-        return quota or None
+        self._quota_of = provider or _no_quota
 
     def _layout_usage(self) -> dict[bytes, tuple[int, int]]:
         """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""
@@ -530,21 +501,5 @@ class LmdbBlockTier:
         return f"LmdbBlockTier({self.settings.data_dir})"
 
 
-def _counters(saved: bytes | None) -> Counters:
-    """The persisted counters; names this version does not know are dropped (an older or newer store)."""
-    if not saved:
-        return Counters()
-    known = {f.name for f in dataclasses.fields(Counters)}
-    return Counters(**{k: v for k, v in json.loads(saved).items() if k in known and isinstance(v, int)})
-
-
-def _high_water(txn: lmdb.Transaction, dbs: BlockDbs) -> float | None:
-    """The persisted retention high-water mark; for a store written before it was kept
-    (or whose mark is unreadable), the newest recorded use; None for an empty store."""
-    raw = txn.get(HIGH_WATER_KEY, db=dbs.state)
-    if raw is not None and len(raw) == HIGH_WATER.size:
-        return float(HIGH_WATER.unpack(raw)[0])
-    if raw is not None:
-        log.warning("the retention clock's high-water mark is damaged; using the newest recorded use")
-    cursor = txn.cursor(db=dbs.lru)
-    return lru_entry(cursor.key())[0] if cursor.last() else None
+def _no_quota(namespace: str) -> int:
+    return 0

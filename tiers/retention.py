@@ -30,8 +30,12 @@ import struct
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
+
+import lmdb
 
 from kvstore.clock import Clock
+from tiers.records import lru_entry
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,18 @@ class NamespaceRetention:
             return cache[ns_id]
 
         return retention_of
+
+
+def persisted_high_water(txn: lmdb.Transaction, state_db: Any, lru_db: Any) -> float | None:
+    """The persisted retention high-water mark; for a store written before it was kept
+    (or whose mark is unreadable), the newest recorded use; None for an empty store."""
+    raw = txn.get(HIGH_WATER_KEY, db=state_db)
+    if raw is not None and len(raw) == HIGH_WATER.size:
+        return float(HIGH_WATER.unpack(raw)[0])
+    if raw is not None:
+        log.warning("the retention clock's high-water mark is damaged; using the newest recorded use")
+    cursor = txn.cursor(db=lru_db)
+    return lru_entry(cursor.key())[0] if cursor.last() else None
 
 
 class RetentionClock:
