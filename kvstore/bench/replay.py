@@ -115,17 +115,23 @@ def _parts(text: str) -> list[str]:
 
 
 class ReplayReport(Report):
-    """A report whose table also prints the fidelity tables (kept as `notes["tables"]`)."""
+    """A report whose table also prints the fidelity tables (kept as `notes["tables"]`).
+
+    The per-setting summaries (`notes["fidelity"]`, `notes["tail_prefill"]`) go to --json only.
+    """
+
+    #: Notes the tables already show (or too long for a line): kept for --json only.
+    TABLE_ONLY = ("tables", "fidelity", "tail_prefill")
 
     def to_table(self) -> str:
-        """The figures, the notes and the markdown tables."""
-        tables = self.notes.pop("tables", None)
+        """The figures, the short notes and the markdown tables."""
+        kept = {k: self.notes.pop(k) for k in self.TABLE_ONLY if k in self.notes}
         try:
             text = super().to_table()
         finally:
-            if tables is not None:
-                self.notes["tables"] = tables
-        return text + "".join(f"\n\n{t}" for t in (tables or {}).values())  # type: ignore[attr-defined]
+            self.notes.update(kept)
+        tables = kept.get("tables") or {}
+        return text + "".join(f"\n\n{t}" for t in tables.values())  # type: ignore[attr-defined]
 
 
 def overhead(report: Report, args: argparse.Namespace, progress: Progress) -> None:

@@ -169,7 +169,7 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
             bar.update(1)
     weights = str(args.weights) if args.weights else "seeded random (no --weights given)"
     model_name = "tiny" if args.model == "tiny" else f"reduced_v41(dim={args.speed_dim})"
-    tables = _tables(results, labels, tail, f"{model_name}, {weights}", b, w, layers)
+    tables = _tables(results, labels, tail, f"{model_name}, {weights}", b, w, layers, args.steps)
     report.notes.update(fidelity_model=model_name, fidelity_weights=weights, fidelity_device=device,
                         fidelity_invariant=args.batch_invariant,
                         fidelity_block_tokens=b,
@@ -180,21 +180,21 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
     report.notes.setdefault("tables", {}).update(tables)  # type: ignore[attr-defined]
     if results:
         main = next(iter(results))
-        sanity = results[main][labels[-1]].to_dict()
+        sanity = _headline(results[main][labels[-1]].to_dict())
         for k, label in zip(spans, labels, strict=False):
-            d = results[main][label].to_dict()
-            for key, unit in (("cosine_mean", "cos"), ("kl_mean", "nats"), ("top1_agreement", "share")):
-                report.add(Figure(name=f"bounded replay {k}x window, {main}: {key}", value=_num(d[key]), unit=unit,
-                                  baseline="exact replay vs full prefill", baseline_value=_num(sanity[key])))
+            for key, (value, unit) in _headline(results[main][label].to_dict()).items():
+                report.add(Figure(name=f"bounded replay {k}x window, {main}: {key}", value=value, unit=unit,
+                                  baseline="exact replay vs full prefill", baseline_value=sanity[key][0]))
     if tail.samples:
-        t = tail.to_dict()
-        report.add(Figure(name="tail prefill vs full prefill: cosine_mean", value=_num(t["cosine_mean"]), unit="cos"))
-        report.add(Figure(name="tail prefill vs full prefill: kl_mean", value=_num(t["kl_mean"]), unit="nats"))
+        for key, (value, unit) in _headline(tail.to_dict()).items():
+            report.add(Figure(name=f"tail prefill vs full prefill: {key}", value=value, unit=unit))
 
 
-def _num(value: object) -> float:
-    assert isinstance(value, int | float)
-    return float(value)
+def _headline(d: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """The figures of one summary, scaled so a table of 3 decimals shows them: name -> (value, unit)."""
+    return {"1 - cosine, mean": ((1.0 - float(d["cosine_mean"])) * 1e6, "ppm"),
+            "KL per continued token, mean": (float(d["kl_mean"]) * 1e6, "unat"),  # micro-nats
+            "top-1 agreement": (float(d["top1_agreement"]), "share")}
 
 
 def _sample(model: Any, tokens: list[int], h: int, p: int, b: int, spans: list[int], steps: int,
@@ -234,10 +234,11 @@ def _tail_sample(model: Any, rng: np.random.Generator, text: np.ndarray, w: int,
 
 
 def _tables(results: dict[str, dict[str, Any]], labels: list[str], tail: Any, weights: str, b: int, w: int,
-            layers: int) -> dict[str, str]:
+            layers: int, steps: int) -> dict[str, str]:
     """Markdown tables: the main one (random case, every span), the boundary cases, per-layer errors."""
     head = ("| setting | n | window err at H (mean / max) | after prompt | cosine (mean / min) | "
-            "max diff / range (mean / max) | top-1 | KL 32 steps (mean / max) | continued top-1 | fastllm pass |\n"
+            f"max diff / range (mean / max) | top-1 | KL over {steps} tokens (mean / max) | continued top-1 | "
+            "fastllm pass |\n"
             "|---|---|---|---|---|---|---|---|---|---|")
 
     def row(name: str, d: dict[str, Any]) -> str:

@@ -46,7 +46,10 @@ def test_bench_replay_quick_json() -> None:
     assert bounded["window_error_max"] > 0.0 and bounded["kl_max"] > 0.0
     assert 0.9 < bounded["cosine_mean"] <= 1.0 and 0.0 <= bounded["top1_agreement"] <= 1.0
     assert len(bounded["window_error_per_layer"]) == 5
-    cos = figures["bounded replay 1x window, random: cosine_mean"]
-    assert cos["value"] == bounded["cosine_mean"] and cos["baseline_value"] == 1.0
+    cos = figures["bounded replay 1x window, random: 1 - cosine, mean"]
+    assert cos["value"] == (1.0 - bounded["cosine_mean"]) * 1e6 and cos["unit"] == "ppm"
+    assert cos["baseline_value"] == 0.0  # the sanity line's
+    kl = figures["bounded replay 1x window, random: KL per continued token, mean"]
+    assert kl["value"] == bounded["kl_mean"] * 1e6 > 0.0 and kl["unit"] == "unat" and kl["baseline_value"] == 0.0
     assert notes["tail_prefill"]["samples"] == 1
     assert set(notes["tables"]) == {"fidelity", "boundaries", "per_layer"}
