@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
+from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry
@@ -150,8 +151,11 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     ])
     swa = SwaCache(open_pool(settings.swa, clock=clock), ttl_s=settings.swa.ttl_s)
     closers.append(swa.close)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa), server)
-    swa_pb2_grpc.add_SwaPoolServicer_to_server(SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots), server)
+    hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
+    closers.append(hits.close)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa, hits=hits), server)
+    swa_pb2_grpc.add_SwaPoolServicer_to_server(
+        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits), server)
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)

@@ -1,4 +1,5 @@
-"""The `kvstore` command: serve, stats, check, bench.
+"""The `kvstore` command: serve, check, bench, and the commands of LAZY_COMMANDS (stats,
+tenant, policy, purge, export, import, health, plan, worker), each in its own module.
 
 This module is the composition root: it alone imports across the layers
 (gateway, tiers, benchmarks), and only inside the command that needs them, so
@@ -17,7 +18,6 @@ import errno
 import importlib
 import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -66,166 +66,6 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if report.ok or report.repaired else 1
 
 
-def _rate(found: int, asked: int) -> float | None:
-    return found / asked if asked else None
-
-
-def message_dict(reply: object) -> dict[str, object]:
-    """A stats message as a flat dict: 64-bit counters as ints, infinities as None (null in JSON)."""
-    from google.protobuf.json_format import MessageToDict
-
-    out: dict[str, object] = MessageToDict(reply, always_print_fields_with_no_presence=True,  # type: ignore[arg-type]
-                                           preserving_proto_field_name=True)
-    for key, value in list(out.items()):
-        if isinstance(value, str) and value.lstrip("-").isdigit():
-            out[key] = int(value)
-        elif value in ("Infinity", float("inf")):
-            out[key] = None  # headroom with no recent writes: unbounded
-    return out
-
-
-def stats_dict(reply: object) -> dict[str, object]:
-    """A StatsResponse as a flat dict with the two hit rates added."""
-    out = message_dict(reply)
-    out["lookup_hit_rate"] = _rate(int(out["lookup_tokens_found"]), int(out["lookup_tokens_asked"]))  # type: ignore[call-overload]
-    out["retrieve_hit_rate"] = _rate(int(out["get_tokens_returned"]), int(out["get_tokens_asked"]))  # type: ignore[call-overload]
-    # Planners' reports (ReportResume): the hit rate that counts only usable tokens.
-    out["resume_usable_hit_rate"] = _rate(int(out["resume_usable_tokens"]), int(out["resume_prompt_tokens"]))  # type: ignore[call-overload]
-    out["resume_found_hit_rate"] = _rate(int(out["resume_found_tokens"]), int(out["resume_prompt_tokens"]))  # type: ignore[call-overload]
-    # Fingerprints as hex (MessageToDict gives base64), counts as ints.
-    out["stored_by_geometry"] = [
-        {"fingerprint": g.fingerprint.hex(), "name": g.name or None, "blocks_stored": g.blocks_stored,
-         "bytes_stored": g.bytes_stored}
-        for g in reply.stored_by_geometry  # type: ignore[attr-defined]
-    ]
-    return out
-
-
-def _fmt(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return "inf" if math.isinf(value) else f"{value:,.3f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-STATS_ROWS = (
-    ("Lookups", "lookups"), ("Lookup hit rate (tokens found / asked)", "lookup_hit_rate"),
-    ("Retrieve hit rate (tokens returned / asked)", "retrieve_hit_rate"),
-    ("Gets", "gets"), ("Puts", "puts"), ("Blocks written", "blocks_written"),
-    ("Blocks stored", "blocks_stored"), ("Bytes stored", "bytes_stored"), ("Capacity bytes", "capacity_bytes"),
-    ("Bytes free", "bytes_free"), ("Write rate (B/s, recent)", "write_rate_bytes_per_s"),
-    ("Headroom (hours at that rate)", "headroom_hours"), ("Retention (hours)", "retention_hours"),
-    ("Evictions", "evictions"), ("Rejected puts (store full)", "rejected_puts"),
-    ("Corrupt blocks", "corrupt_blocks"), ("Active leases", "active_leases"), ("Uptime (s)", "uptime_s"),
-)
-
-
-def _stats(args: argparse.Namespace) -> int:
-    from kvstore.client import Client
-    from kvstore.commands import client_options
-
-    with Client(args.target, timeout_s=args.timeout, **client_options(args)) as client:
-        data = stats_dict(client.stats())
-        data["swa"] = swa_stats_dict(client)
-        data["transfer"] = transfer_stats_dict(client)
-    if args.json:
-        print(json.dumps(data))
-        return 0
-    width = max(len(label) for label, _ in STATS_ROWS)
-    print(f"kvstore at {args.target}")
-    for label, key in STATS_ROWS:
-        value = data.get(key)
-        if key.endswith("hit_rate") and value is not None:
-            print(f"  {label:<{width}}  {value:.1%}")
-        elif key == "headroom_hours" and value is None:
-            print(f"  {label:<{width}}  unbounded (no writes in the window)")
-        else:
-            print(f"  {label:<{width}}  {_fmt(value)}")
-    _print_by_geometry(data["stored_by_geometry"])  # type: ignore[arg-type]
-    _print_section("Resume plans (planner reports)", data, RESUME_ROWS)
-    _print_section("SWA pool", data["swa"], SWA_ROWS)  # type: ignore[arg-type]
-    _print_section("Transfer", data["transfer"], TRANSFER_ROWS)  # type: ignore[arg-type]
-    return 0
-
-
-RESUME_ROWS = (
-    ("Plans", "resume_plans"), ("Usable hit rate (usable / prompt tokens)", "resume_usable_hit_rate"),
-    ("Found hit rate (found / prompt tokens)", "resume_found_hit_rate"), ("Prompt tokens", "resume_prompt_tokens"),
-    ("Usable tokens", "resume_usable_tokens"), ("Fetch + snapshot", "resume_fetch_snapshot_plans"),
-    ("Bounded replay", "resume_bounded_replay_plans"), ("Exact replay", "resume_exact_replay_plans"),
-    ("Full prefill", "resume_full_prefill_plans"),
-)
-
-
-def _print_by_geometry(rows: list[dict[str, object]]) -> None:
-    """Blocks stored per geometry; one this server does not serve (an earlier codec's) is named by fingerprint."""
-    if not rows:
-        return
-    print("\nStored by geometry")
-    labels = [str(r["name"]) if r["name"] else f"{r['fingerprint']} (not served: ages out)" for r in rows]
-    width = max(len(label) for label in labels)
-    for label, r in zip(labels, rows, strict=True):
-        print(f"  {label:<{width}}  {_fmt(r['blocks_stored'])} blocks, {_fmt(r['bytes_stored'])} bytes")
-
-
-def swa_stats_dict(client: object) -> dict[str, object] | None:
-    """The SWA pool's SwaStatsResponse as a flat dict with its hit rate; None if the server has no pool."""
-    from kvstore.errors import Internal
-
-    try:
-        reply = client.swa.stats()  # type: ignore[attr-defined]
-    except Internal:  # UNIMPLEMENTED: a server without the SwaPool service
-        return None
-    out = message_dict(reply)
-    out["hit_rate"] = _rate(int(out["hits"]), int(out["snapshots_asked"]))  # type: ignore[call-overload]
-    return out
-
-
-SWA_ROWS = (
-    ("Backend", "backend"), ("Backend reachable", "backend_up"), ("TTL (s)", "ttl_s"),
-    ("Hit rate (snapshots returned / asked)", "hit_rate"), ("Puts (calls)", "puts"),
-    ("Snapshots put", "snapshots_put"), ("Snapshots lost (backend down)", "failed_puts"),
-    ("Expirations", "expirations"), ("Evictions", "evictions"), ("Items", "items"),
-    ("Bytes in use", "bytes_used"), ("Cap bytes", "cap_bytes"), ("Corrupt (missed)", "corrupt"),
-    ("Backend errors", "backend_errors"),
-)
-
-
-def transfer_stats_dict(client: object) -> dict[str, object] | None:
-    """The transfer service's TransferStatsResponse as a flat dict; None if the server predates it."""
-    from kvstore.errors import Internal
-
-    try:
-        return message_dict(client.transfer_stats())  # type: ignore[attr-defined]
-    except Internal:  # UNIMPLEMENTED: a server without Transfer.Stats
-        return None
-
-
-TRANSFER_ROWS = (
-    ("Copy loop", "copy_loop"), ("Copy threads", "copy_threads"), ("Sessions open", "sessions"),
-    ("Regions mapped", "regions"), ("Bytes mapped", "mapped_bytes"),
-    ("Descriptors in flight", "descriptors_in_flight"), ("Read batches", "read_batches"),
-    ("Write batches", "write_batches"), ("Descriptors done", "descriptors_done"),
-    ("Descriptors missing", "descriptors_missing"), ("Descriptors failed", "descriptors_failed"),
-    ("Refresh failures", "refresh_failures"), ("Bytes moved", "bytes_moved"),
-)
-
-
-def _print_section(title: str, data: dict[str, object] | None, rows: tuple[tuple[str, str], ...]) -> None:
-    if data is None:
-        print(f"{title}: not served")
-        return
-    width = max(len(label) for label, _ in rows)
-    print(title)
-    for label, key in rows:
-        value = data.get(key)
-        shown = f"{value:.1%}" if key.endswith("hit_rate") and isinstance(value, float) else _fmt(value)
-        print(f"  {label:<{width}}  {shown}")
-
-
 def _bench(args: argparse.Namespace) -> int:
     from kvstore.bench.report import Progress
 
@@ -240,6 +80,12 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
     "worker": ("replay.worker.command", "run the reference GPU worker (replay and prefill) as a gRPC service"),
     "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
+    "stats": ("kvstore.commands.stats", "show hit rates over time, storage use and retention headroom"),
+    "purge": ("kvstore.commands.purge", "delete a prompt's blocks or a tenant's whole cache (admin, audited)"),
+    "export": ("kvstore.commands.transfer_tenant", "export a tenant's cache to a file on the server (admin, audited)"),
+    "import": ("kvstore.commands.transfer_tenant",
+               "import an export file on the server into a tenant's cache (admin, audited)"),
+    "health": ("kvstore.commands.health", "ask the server's health service whether it serves (a container probe)"),
 }
 
 
@@ -266,7 +112,6 @@ def _chosen_bench(argv: list[str] | None) -> str | None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command-line interface; `argv` lets it import only the benchmark that runs."""
     from kvstore.bench import BENCHES
-    from kvstore.commands import add_connection_arguments
 
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache storage and transfer service.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug output")
@@ -287,15 +132,6 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--insecure", action="store_true", help="allow a bind beyond loopback without tokens "
                        "or TLS (auth.insecure): a trusted network only")
     serve.set_defaults(func=_serve)
-
-    stats = sub.add_parser("stats", help="show counters, hit rates and retention headroom",
-                           description="Show a server's lookup and retrieve hit rates, storage use, evictions "
-                           "and retention headroom.")
-    stats.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
-    stats.add_argument("--json", action="store_true", help="print one JSON object")
-    stats.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
-    add_connection_arguments(stats)
-    stats.set_defaults(func=_stats)
 
     check = sub.add_parser("check", help="verify a stored data dir (read-only), or repair it",
                            description="Walk every record of the store in DATA_DIR, verify sizes and checksums, "
