@@ -51,6 +51,8 @@ LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 #: Distinct tenants with a label of their own; later ones are counted as OTHER_TENANT.
 TENANT_LABELS_CAP = 64
 OTHER_TENANT = "other"
+#: Codes that are no refusal: success, and a call the client cancelled (closing a transfer session does).
+_NOT_REFUSED = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
 #: Labels that never count against the cap.
 _RESERVED = frozenset({DEFAULT_TENANT, UNAUTHENTICATED_TENANT, OTHER_TENANT})
 
@@ -94,7 +96,7 @@ class RpcMetrics:
                                  "RPC duration from the method's start to its last message, by method and tenant.",
                                  ["method", "tenant"], buckets=LATENCY_BUCKETS_S, registry=registry)
         self.rejections = Counter("kvstore_rpc_rejections",
-                                  "RPCs that ended with a status other than OK, by method, tenant, status code "
+                                  "RPCs refused (a status other than OK and CANCELLED), by method, tenant, status code "
                                   "and reason (the kvstore error class that refused it; 'status' when the status "
                                   "was set without one, e.g. by an interceptor or a cancelled call).",
                                   ["method", "tenant", "code", "reason"], registry=registry)
@@ -116,7 +118,7 @@ class RpcMetrics:
                                               self.latency.labels(outcome.method, tenant))
         children[0].inc()
         children[1].observe(outcome.duration_s)
-        if outcome.code is not grpc.StatusCode.OK:
+        if outcome.code not in _NOT_REFUSED:
             self.rejections.labels(outcome.method, tenant, outcome.code.name, outcome.reason or "status").inc()
 
 

@@ -11,8 +11,10 @@ every call that ended with a status other than OK, one line on the
 Never the payload: the message is the status details only, cut at
 `MESSAGE_CHARS`. Never a token: whatever the call's credential metadata held
 (`authorization`, any key naming a token) is replaced by "[redacted]" wherever
-the message repeats it, and so is any "Bearer ..." text. Cancelled calls (the
-client went away) are logged at INFO, every other failure at WARNING.
+the message repeats it, and so is any "Bearer ..." text. Every failure is
+logged at WARNING but a call the client cancelled (the client went away, or
+closed its transfer session, whose event stream it cancels): no failure of the
+server, it is logged at DEBUG only.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class RequestLog:
     def __call__(self, outcome: CallOutcome) -> None:
         if outcome.code is grpc.StatusCode.OK:
             return
-        level = logging.INFO if outcome.code is grpc.StatusCode.CANCELLED else logging.WARNING
+        level = logging.DEBUG if outcome.code is grpc.StatusCode.CANCELLED else logging.WARNING
         if log.isEnabledFor(level):
             log.log(level, json.dumps(record(outcome), ensure_ascii=False))
 

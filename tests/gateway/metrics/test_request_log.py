@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from gateway.request_log import MESSAGE_CHARS, REDACTED, redact
+from kvstore.client import Client
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -41,6 +42,18 @@ def test_a_failed_call_logs_one_json_line_with_its_fields_and_never_the_token(
         "reason": "InvalidArgument"}
     assert entry["message"].startswith(f"unknown geometry '{REDACTED}'")
     assert SECRET not in line.getMessage()
+
+
+def test_a_call_the_client_cancelled_is_no_failure(start_metered: Any, caplog: pytest.LogCaptureFixture) -> None:
+    m = start_metered()
+    caplog.set_level(logging.INFO, logger="kvstore.requests")
+    with Client(m.target) as client, client.transfer():
+        pass  # closing the session cancels its OpenSession stream
+    s = m.scrape()
+    assert s.value("kvstore_rpc_requests_total", method="kvstore.v1.Transfer/OpenSession", tenant="default",
+                   code="CANCELLED") == 1
+    assert s.where("kvstore_rpc_rejections_total") == []
+    assert _lines(caplog) == []
 
 
 def test_redaction_covers_bearer_text_and_long_messages() -> None:
