@@ -6,7 +6,9 @@ checked after every step against a plain model of the rules (docs/RETENTION.md):
 - R12: a Put that succeeds leaves every block it named stored.
 - R8: a Put that is refused changes nothing.
 - R15: Lookup reports exactly the leading blocks Get finds.
-- R14: the usage totals equal the blocks stored.
+- R14, R17: the usage totals, and each namespace's, equal the blocks stored.
+- R18: a block of the "long" namespace (200 h) stays 200 h after its last use.
+- R20: a purge removes the named block and everything below it, and nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ BLOCK = 1024
 TOKENS = 16
 CAPACITY_BLOCKS = 8
 SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
+LONG = BlockScope(V4_1_FLASH.fingerprint, "long")  # a namespace whose retention is 200 h (R18)
+LONG_RETENTION_S = 200 * HOUR
 ROOT = root_hash(V4_1_FLASH.fingerprint, TOKENS)
 
 
@@ -36,9 +40,12 @@ def _chain(seed: int, n: int, parent: bytes = ROOT) -> list[bytes]:
     return chain_hashes(list(range(seed, seed + TOKENS * n)), block_tokens=TOKENS, parent=parent)
 
 
-# Named chains the steps pick from: two trunks and a branch off trunk 0's second block.
+# Named chains the steps pick from: two trunks, a branch off trunk 0's second block, and a
+# chain of the "long" namespace.
 _TRUNK0 = _chain(0, 6)
-CHAINS: list[list[bytes]] = [_TRUNK0, _chain(1000, 5), _TRUNK0[:2] + _chain(7000, 3, parent=_TRUNK0[1])]
+CHAINS: list[list[bytes]] = [_TRUNK0, _chain(1000, 5), _TRUNK0[:2] + _chain(7000, 3, parent=_TRUNK0[1]),
+                             _chain(3000, 4)]
+SCOPES = [SCOPE, SCOPE, SCOPE, LONG]
 
 _chain_index = st.integers(0, len(CHAINS) - 1)
 step = st.one_of(
@@ -50,6 +57,7 @@ step = st.one_of(
     st.tuples(st.just("fill"), st.integers(0, 4)),  # a new chain of n blocks; 0: as many as fit
     st.tuples(st.just("advance"), st.sampled_from([1.0, 59.0, HOUR, 40 * HOUR, 73 * HOUR, 100 * HOUR])),
     st.tuples(st.just("restart"),),
+    st.tuples(st.just("purge"), _chain_index, st.integers(0, 5)),  # a block and everything below it
 )
 
 
@@ -60,10 +68,22 @@ class Model:
         self.retention_s = retention_s
         self.parent: dict[bytes, bytes | None] = {}
         self.last_use: dict[bytes, float] = {}
+        self.scope: dict[bytes, BlockScope] = {}
+        self.purged: set[bytes] = set()  # removed on purpose (R20), not evicted
 
-    def learn(self, hashes: list[bytes]) -> None:
+    def retention(self, h: bytes) -> float:
+        return LONG_RETENTION_S if self.scope[h] is LONG else self.retention_s
+
+    def learn(self, hashes: list[bytes], scope: BlockScope = SCOPE) -> None:
         for i, h in enumerate(hashes):
             self.parent[h] = hashes[i - 1] if i else None
+            self.scope[h] = scope
+
+    def descends(self, h: bytes, ancestor: bytes) -> bool:
+        node: bytes | None = h
+        while node is not None and node != ancestor:
+            node = self.parent[node]
+        return node == ancestor
 
     def use(self, h: bytes, now: float) -> None:
         node: bytes | None = h
@@ -78,15 +98,20 @@ class Run:
     def __init__(self, data_dir: Path) -> None:
         self.clock = ManualClock()
         self.settings = StoreSettings(data_dir=data_dir, capacity_bytes=CAPACITY_BLOCKS * BLOCK, block_tokens=TOKENS)
-        self.tier = LmdbBlockTier(self.settings, clock=self.clock)
+        self.tier = self.open()
         self.model = Model(self.settings.retention_s)
         self.fills = 0
-        for c in CHAINS:
-            self.model.learn(c)
+        for c, scope in zip(CHAINS, SCOPES, strict=True):
+            self.model.learn(c, scope)
+
+    def open(self) -> LmdbBlockTier:
+        tier = LmdbBlockTier(self.settings, clock=self.clock)
+        tier.set_retention_provider(lambda ns: LONG_RETENTION_S if ns == LONG.namespace else 0.0)
+        return tier
 
     def stored(self) -> set[bytes]:
         known = list(self.model.parent)
-        found = self.tier.read([SCOPE.key(h) for h in known])
+        found = self.tier.read([self.model.scope[h].key(h) for h in known])
         return {h for h, (s, _) in zip(known, found, strict=True) if s is ReadStatus.FOUND}
 
     def now(self) -> float:
@@ -96,8 +121,8 @@ class Run:
         parent = hashes[start - 1] if start else ROOT
         before = self.stored()
         try:
-            self.tier.put(SCOPE, parent, hashes[start:], [bytes([i % 256]) * BLOCK for i in range(len(hashes[start:]))],
-                          start == 0)
+            self.tier.put(self.model.scope[hashes[-1]], parent, hashes[start:],
+                          [bytes([i % 256]) * BLOCK for i in range(len(hashes[start:]))], start == 0)
         except ResourceExhausted:
             assert self.stored() == before, "a refused Put changed the store (R8)"
             return
@@ -115,7 +140,7 @@ class Run:
         before = self.stored()
         if kind in ("extend", "reput"):
             hashes = CHAINS[op[1]]
-            have = self.tier.lookup(SCOPE, hashes)[0]
+            have = self.tier.lookup(SCOPES[op[1]], hashes)[0]
             start = 0 if kind == "reput" or have == len(hashes) else have
             self.put(hashes[: max(min(have + op[2], len(hashes)), start + 1)], start)
         elif kind == "put":
@@ -130,7 +155,7 @@ class Run:
             self.put(hashes, 0)
         elif kind == "get":
             hashes = CHAINS[op[1]][op[2]: op[2] + op[3]]
-            keys = [SCOPE.key(h) for h in hashes]
+            keys = [SCOPES[op[1]].key(h) for h in hashes]
             found = [k for k, (s, _) in zip(keys, self.tier.read(keys), strict=True) if s is ReadStatus.FOUND]
             if found:
                 self.tier.touch_soon(found).result(timeout=30)  # as the Get servicer does
@@ -139,21 +164,28 @@ class Run:
                     if k in found:
                         self.model.use(h, now)
         elif kind == "lookup":
-            hashes = CHAINS[op[1]]
+            hashes, scope = CHAINS[op[1]], SCOPES[op[1]]
             due: list[bytes] = []
-            n = self.tier.lookup(SCOPE, hashes, touch_due=due)[0]
-            got = self.tier.read([SCOPE.key(h) for h in hashes])
+            n = self.tier.lookup(scope, hashes, touch_due=due)[0]
+            got = self.tier.read([scope.key(h) for h in hashes])
             leading = next((i for i, (s, _) in enumerate(got) if s is not ReadStatus.FOUND), len(hashes))
             assert n == leading, f"Lookup found {n}, Get finds {leading} leading blocks (R15)"
             if n:
-                assert due in ([], [SCOPE.key(hashes[n - 1])])
+                assert due in ([], [scope.key(hashes[n - 1])])
                 self.tier.touch_soon(due).result(timeout=30)  # as the Lookup servicer does
                 self.model.use(hashes[n - 1], self.now())
         elif kind == "advance":
             self.clock.advance(op[1])
         elif kind == "restart":
             self.tier.close()
-            self.tier = LmdbBlockTier(self.settings, clock=self.clock)
+            self.tier = self.open()
+        elif kind == "purge":
+            hashes = CHAINS[op[1]]
+            named = hashes[min(op[2], len(hashes) - 1)]
+            below = {h for h in before if self.model.descends(h, named)}
+            assert self.tier.purge(self.model.scope[named], [named]) == len(below)
+            assert not below & self.stored() and before - self.stored() == below, "purge (R20)"
+            self.model.purged |= below
         self.check(before)
 
     def check(self, before: set[bytes]) -> None:
@@ -162,10 +194,15 @@ class Run:
             parent = self.model.parent[h]
             assert parent is None or parent in after, "a stored block's parent is gone (R6)"
         now = self.now()
-        for h in before - after:
-            assert self.model.last_use[h] <= now - self.model.retention_s, "a block went within retention (R4, R5)"
+        for h in before - after - self.model.purged:
+            assert self.model.last_use[h] <= now - self.model.retention(h), "a block went within retention (R4, R18)"
+        self.model.purged.clear()
         stats = self.tier.stats()
         assert (stats.blocks_stored, stats.bytes_stored) == (len(after), len(after) * BLOCK), "usage totals (R14)"
+        for scope in (SCOPE, LONG):
+            mine = sum(self.model.scope[h] is scope for h in after)
+            usage = self.tier.namespace_usage(scope.namespace)
+            assert (usage.blocks, usage.stored_bytes) == (mine, mine * BLOCK), "usage per namespace (R17)"
 
 
 # Issue 9's two scenarios, always run beside the random ones.
