@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.audit import AuditLog, fsync_dir
-from gateway.validate import namespace
+from kvstore.api_tokens import check_tenant
 from kvstore.config import MAX_BYTES, RETENTION_FLOOR_HOURS
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
 
@@ -162,7 +162,7 @@ class Policies:
             InvalidArgument: an unknown field, or a value out of its range (named).
             FailedPrecondition: a retention lower than the tenant's current one.
         """
-        tenant = namespace(tenant)
+        tenant = check_tenant(tenant)
         unknown = set(changes) - set(FIELDS)
         if unknown:
             raise InvalidArgument(f"unknown policy field(s) {sorted(unknown)}; the fields are {list(FIELDS)}")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/admin.proto\x12\nkvstore.v1\"\x7f\n\x06Policy\x12\x17\n\x0fretention_hours\x18\x01 \x01(\x01\x12\x11\n\tswa_ttl_s\x18\x02 \x01(\x01\x12\x18\n\x10nvme_quota_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fswa_quota_bytes\x18\x04 \x01(\x04\x12\x16\n\x0erequests_per_s\x18\x05 \x01(\x01\"V\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\"\n\x06policy\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Policy\x12\x12\n\nis_default\x18\x03 \x01(\x08\"\"\n\x10GetPolicyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"=\n\x11GetPolicyResponse\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\"\x90\x02\n\x10SetPolicyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x1c\n\x0fretention_hours\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tswa_ttl_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10nvme_quota_bytes\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1c\n\x0fswa_quota_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0erequests_per_s\x18\x06 \x01(\x01H\x04\x88\x01\x01\x42\x12\n\x10_retention_hoursB\x0c\n\n_swa_ttl_sB\x13\n\x11_nvme_quota_bytesB\x12\n\x10_swa_quota_bytesB\x11\n\x0f_requests_per_s\"f\n\x11SetPolicyResponse\x12(\n\x06\x62\x65\x66ore\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\x12\'\n\x05\x61\x66ter\x18\x02 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\"\x15\n\x13ListPoliciesRequest\"h\n\x14ListPoliciesResponse\x12*\n\x08policies\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.TenantPolicy\x12$\n\x08\x64\x65\x66\x61ults\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Policy\"1\n\x10PolicyLogRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"o\n\nAuditEntry\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x10\n\x08old_json\x18\x05 \x01(\t\x12\x10\n\x08new_json\x18\x06 \x01(\t\"<\n\x11PolicyLogResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\"z\n\x0cPurgeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08geometry\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nextra_keys\x18\x05 \x03(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\"&\n\rPurgeResponse\x12\x15\n\rpurged_blocks\x18\x01 \x01(\x04\"3\n\x13\x45xportTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"6\n\x14\x45xportTenantResponse\x12\x0f\n\x07records\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"3\n\x13ImportTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"8\n\x14ImportTenantResponse\x12\x0f\n\x07records\x18\x01 \x01(\x04\x12\x0f\n\x07written\x18\x02 \x01(\x04\x32\x9c\x04\n\x05\x41\x64min\x12H\n\tGetPolicy\x12\x1c.kvstore.v1.GetPolicyRequest\x1a\x1d.kvstore.v1.GetPolicyResponse\x12H\n\tSetPolicy\x12\x1c.kvstore.v1.SetPolicyRequest\x1a\x1d.kvstore.v1.SetPolicyResponse\x12Q\n\x0cListPolicies\x12\x1f.kvstore.v1.ListPoliciesRequest\x1a .kvstore.v1.ListPoliciesResponse\x12H\n\tPolicyLog\x12\x1c.kvstore.v1.PolicyLogRequest\x1a\x1d.kvstore.v1.PolicyLogResponse\x12<\n\x05Purge\x12\x18.kvstore.v1.PurgeRequest\x1a\x19.kvstore.v1.PurgeResponse\x12Q\n\x0c\x45xportTenant\x12\x1f.kvstore.v1.ExportTenantRequest\x1a .kvstore.v1.ExportTenantResponse\x12Q\n\x0cImportTenant\x12\x1f.kvstore.v1.ImportTenantRequest\x1a .kvstore.v1.ImportTenantResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/admin.proto\x12\nkvstore.v1\"\x7f\n\x06Policy\x12\x17\n\x0fretention_hours\x18\x01 \x01(\x01\x12\x11\n\tswa_ttl_s\x18\x02 \x01(\x01\x12\x18\n\x10nvme_quota_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fswa_quota_bytes\x18\x04 \x01(\x04\x12\x16\n\x0erequests_per_s\x18\x05 \x01(\x01\"V\n\x0cTenantPolicy\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\"\n\x06policy\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Policy\x12\x12\n\nis_default\x18\x03 \x01(\x08\"\"\n\x10GetPolicyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"e\n\x11GetPolicyResponse\x12(\n\x06policy\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvstore.v1.TenantUsage\"^\n\x0bTenantUsage\x12\x12\n\nnvme_bytes\x18\x01 \x01(\x04\x12\x13\n\x0bnvme_blocks\x18\x02 \x01(\x04\x12\x13\n\x0btoken_hours\x18\x03 \x01(\x01\x12\x11\n\tswa_bytes\x18\x04 \x01(\x04\"\x90\x02\n\x10SetPolicyRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x1c\n\x0fretention_hours\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x16\n\tswa_ttl_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1d\n\x10nvme_quota_bytes\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x1c\n\x0fswa_quota_bytes\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x1b\n\x0erequests_per_s\x18\x06 \x01(\x01H\x04\x88\x01\x01\x42\x12\n\x10_retention_hoursB\x0c\n\n_swa_ttl_sB\x13\n\x11_nvme_quota_bytesB\x12\n\x10_swa_quota_bytesB\x11\n\x0f_requests_per_s\"f\n\x11SetPolicyResponse\x12(\n\x06\x62\x65\x66ore\x18\x01 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\x12\'\n\x05\x61\x66ter\x18\x02 \x01(\x0b\x32\x18.kvstore.v1.TenantPolicy\"\x15\n\x13ListPoliciesRequest\"h\n\x14ListPoliciesResponse\x12*\n\x08policies\x18\x01 \x03(\x0b\x32\x18.kvstore.v1.TenantPolicy\x12$\n\x08\x64\x65\x66\x61ults\x18\x02 \x01(\x0b\x32\x12.kvstore.v1.Policy\"1\n\x10PolicyLogRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"o\n\nAuditEntry\x12\x0e\n\x06time_s\x18\x01 \x01(\x01\x12\r\n\x05\x61\x63tor\x18\x02 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x03 \x01(\t\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x10\n\x08old_json\x18\x05 \x01(\t\x12\x10\n\x08new_json\x18\x06 \x01(\t\"<\n\x11PolicyLogResponse\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.kvstore.v1.AuditEntry\"z\n\x0cPurgeRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x10\n\x08geometry\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x12\n\nextra_keys\x18\x05 \x03(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x06 \x03(\x0c\"&\n\rPurgeResponse\x12\x15\n\rpurged_blocks\x18\x01 \x01(\x04\"3\n\x13\x45xportTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"[\n\x14\x45xportTenantResponse\x12\x0f\n\x07records\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x12\n\ndata_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07skipped\x18\x04 \x01(\x04\"3\n\x13ImportTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\"Y\n\x14ImportTenantResponse\x12\x0f\n\x07records\x18\x01 \x01(\x04\x12\x0f\n\x07written\x18\x02 \x01(\x04\x12\x0f\n\x07skipped\x18\x03 \x01(\x04\x12\x0e\n\x06tenant\x18\x04 \x01(\t2\x9c\x04\n\x05\x41\x64min\x12H\n\tGetPolicy\x12\x1c.kvstore.v1.GetPolicyRequest\x1a\x1d.kvstore.v1.GetPolicyResponse\x12H\n\tSetPolicy\x12\x1c.kvstore.v1.SetPolicyRequest\x1a\x1d.kvstore.v1.SetPolicyResponse\x12Q\n\x0cListPolicies\x12\x1f.kvstore.v1.ListPoliciesRequest\x1a .kvstore.v1.ListPoliciesResponse\x12H\n\tPolicyLog\x12\x1c.kvstore.v1.PolicyLogRequest\x1a\x1d.kvstore.v1.PolicyLogResponse\x12<\n\x05Purge\x12\x18.kvstore.v1.PurgeRequest\x1a\x19.kvstore.v1.PurgeResponse\x12Q\n\x0c\x45xportTenant\x12\x1f.kvstore.v1.ExportTenantRequest\x1a .kvstore.v1.ExportTenantResponse\x12Q\n\x0cImportTenant\x12\x1f.kvstore.v1.ImportTenantRequest\x1a .kvstore.v1.ImportTenantResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,33 +38,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETPOLICYREQUEST']._serialized_start=255
   _globals['_GETPOLICYREQUEST']._serialized_end=289
   _globals['_GETPOLICYRESPONSE']._serialized_start=291
-  _globals['_GETPOLICYRESPONSE']._serialized_end=352
-  _globals['_SETPOLICYREQUEST']._serialized_start=355
-  _globals['_SETPOLICYREQUEST']._serialized_end=627
-  _globals['_SETPOLICYRESPONSE']._serialized_start=629
-  _globals['_SETPOLICYRESPONSE']._serialized_end=731
-  _globals['_LISTPOLICIESREQUEST']._serialized_start=733
-  _globals['_LISTPOLICIESREQUEST']._serialized_end=754
-  _globals['_LISTPOLICIESRESPONSE']._serialized_start=756
-  _globals['_LISTPOLICIESRESPONSE']._serialized_end=860
-  _globals['_POLICYLOGREQUEST']._serialized_start=862
-  _globals['_POLICYLOGREQUEST']._serialized_end=911
-  _globals['_AUDITENTRY']._serialized_start=913
-  _globals['_AUDITENTRY']._serialized_end=1024
-  _globals['_POLICYLOGRESPONSE']._serialized_start=1026
-  _globals['_POLICYLOGRESPONSE']._serialized_end=1086
-  _globals['_PURGEREQUEST']._serialized_start=1088
-  _globals['_PURGEREQUEST']._serialized_end=1210
-  _globals['_PURGERESPONSE']._serialized_start=1212
-  _globals['_PURGERESPONSE']._serialized_end=1250
-  _globals['_EXPORTTENANTREQUEST']._serialized_start=1252
-  _globals['_EXPORTTENANTREQUEST']._serialized_end=1303
-  _globals['_EXPORTTENANTRESPONSE']._serialized_start=1305
-  _globals['_EXPORTTENANTRESPONSE']._serialized_end=1359
-  _globals['_IMPORTTENANTREQUEST']._serialized_start=1361
-  _globals['_IMPORTTENANTREQUEST']._serialized_end=1412
-  _globals['_IMPORTTENANTRESPONSE']._serialized_start=1414
-  _globals['_IMPORTTENANTRESPONSE']._serialized_end=1470
-  _globals['_ADMIN']._serialized_start=1473
-  _globals['_ADMIN']._serialized_end=2013
+  _globals['_GETPOLICYRESPONSE']._serialized_end=392
+  _globals['_TENANTUSAGE']._serialized_start=394
+  _globals['_TENANTUSAGE']._serialized_end=488
+  _globals['_SETPOLICYREQUEST']._serialized_start=491
+  _globals['_SETPOLICYREQUEST']._serialized_end=763
+  _globals['_SETPOLICYRESPONSE']._serialized_start=765
+  _globals['_SETPOLICYRESPONSE']._serialized_end=867
+  _globals['_LISTPOLICIESREQUEST']._serialized_start=869
+  _globals['_LISTPOLICIESREQUEST']._serialized_end=890
+  _globals['_LISTPOLICIESRESPONSE']._serialized_start=892
+  _globals['_LISTPOLICIESRESPONSE']._serialized_end=996
+  _globals['_POLICYLOGREQUEST']._serialized_start=998
+  _globals['_POLICYLOGREQUEST']._serialized_end=1047
+  _globals['_AUDITENTRY']._serialized_start=1049
+  _globals['_AUDITENTRY']._serialized_end=1160
+  _globals['_POLICYLOGRESPONSE']._serialized_start=1162
+  _globals['_POLICYLOGRESPONSE']._serialized_end=1222
+  _globals['_PURGEREQUEST']._serialized_start=1224
+  _globals['_PURGEREQUEST']._serialized_end=1346
+  _globals['_PURGERESPONSE']._serialized_start=1348
+  _globals['_PURGERESPONSE']._serialized_end=1386
+  _globals['_EXPORTTENANTREQUEST']._serialized_start=1388
+  _globals['_EXPORTTENANTREQUEST']._serialized_end=1439
+  _globals['_EXPORTTENANTRESPONSE']._serialized_start=1441
+  _globals['_EXPORTTENANTRESPONSE']._serialized_end=1532
+  _globals['_IMPORTTENANTREQUEST']._serialized_start=1534
+  _globals['_IMPORTTENANTREQUEST']._serialized_end=1585
+  _globals['_IMPORTTENANTRESPONSE']._serialized_start=1587
+  _globals['_IMPORTTENANTRESPONSE']._serialized_end=1676
+  _globals['_ADMIN']._serialized_start=1679
+  _globals['_ADMIN']._serialized_end=2219
 # @@protoc_insertion_point(module_scope)

@@ -37,10 +37,24 @@ class GetPolicyRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ...) -> None: ...
 
 class GetPolicyResponse(_message.Message):
-    __slots__ = ("policy",)
+    __slots__ = ("policy", "usage")
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     policy: TenantPolicy
-    def __init__(self, policy: _Optional[_Union[TenantPolicy, _Mapping]] = ...) -> None: ...
+    usage: TenantUsage
+    def __init__(self, policy: _Optional[_Union[TenantPolicy, _Mapping]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ...) -> None: ...
+
+class TenantUsage(_message.Message):
+    __slots__ = ("nvme_bytes", "nvme_blocks", "token_hours", "swa_bytes")
+    NVME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NVME_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HOURS_FIELD_NUMBER: _ClassVar[int]
+    SWA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    nvme_bytes: int
+    nvme_blocks: int
+    token_hours: float
+    swa_bytes: int
+    def __init__(self, nvme_bytes: _Optional[int] = ..., nvme_blocks: _Optional[int] = ..., token_hours: _Optional[float] = ..., swa_bytes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
@@ -139,12 +153,16 @@ class ExportTenantRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ExportTenantResponse(_message.Message):
-    __slots__ = ("records", "bytes")
+    __slots__ = ("records", "bytes", "data_bytes", "skipped")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
     records: int
     bytes: int
-    def __init__(self, records: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    data_bytes: int
+    skipped: int
+    def __init__(self, records: _Optional[int] = ..., bytes: _Optional[int] = ..., data_bytes: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
 
 class ImportTenantRequest(_message.Message):
     __slots__ = ("tenant", "path")
@@ -155,9 +173,13 @@ class ImportTenantRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ImportTenantResponse(_message.Message):
-    __slots__ = ("records", "written")
+    __slots__ = ("records", "written", "skipped", "tenant")
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     records: int
     written: int
-    def __init__(self, records: _Optional[int] = ..., written: _Optional[int] = ...) -> None: ...
+    skipped: int
+    tenant: str
+    def __init__(self, records: _Optional[int] = ..., written: _Optional[int] = ..., skipped: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,237 @@
+"""The Admin gRPC service: tenants' policies, the audit log, purge, export and import.
+
+Every method needs the "admin" right (`gateway.auth.require`; the auth
+interceptor refuses the others first). A change is checked, persisted and
+audited (gateway.audit) before the call answers. The servicer only translates
+messages: the rules live in gateway.policies, the quotas in gateway.quotas, the
+storage work in the tier (purge) and gateway.tenant_export (export, import).
+
+`open_admin` builds the pieces a server needs from its settings: server.py
+places `parts.quotas` in the interceptor chain after auth, then calls
+`add_admin_service` once the tier is open (docs/POLICIES.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from gateway import validate
+from gateway.audit import AuditLog
+from gateway.auth import require
+from gateway.policies import FIELDS, Policies, Policy
+from gateway.quotas import QuotaInterceptor
+from gateway.status import unary
+from gateway.validate import Layout
+from kvstore.api_tokens import check_tenant
+from kvstore.clock import Clock, SystemClock
+from kvstore.config import Settings
+from kvstore.errors import InvalidArgument
+from kvstore.prefix import BlockScope, chain_hashes
+from kvstore.v1 import admin_pb2 as pb
+from kvstore.v1 import admin_pb2_grpc as pb_grpc
+from tiers.lmdb_tier import LmdbBlockTier
+
+#: The admin folder inside store.data_dir: policies.json and audit.jsonl.
+ADMIN_DIR = "admin"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class AdminParts:
+    """What a server needs for policies: the policies, their audit log, the quota interceptor."""
+
+    policies: Policies
+    audit: AuditLog
+    quotas: QuotaInterceptor
+
+    def close(self) -> None:
+        """Close the audit log."""
+        self.audit.close()
+
+
+def open_admin(settings: Settings, *, clock: Clock | None = None) -> AdminParts:
+    """The policies of the store in `settings.store.data_dir`, their audit log and the quota interceptor.
+
+    Raises:
+        ConfigError: the policies file cannot be read.
+    """
+    clock = clock or SystemClock()
+    folder = settings.store.data_dir / ADMIN_DIR
+    audit = AuditLog(folder, clock=clock)
+    defaults = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s)
+    try:
+        policies = Policies(folder, defaults=defaults, max_swa_ttl_s=settings.swa.ttl_s, audit=audit)
+    except BaseException:
+        audit.close()
+        raise
+    quotas = QuotaInterceptor(policies, swa_ttl_s=settings.swa.ttl_s, clock=clock)
+    return AdminParts(policies=policies, audit=audit, quotas=quotas)
+
+
+def add_admin_service(server: grpc.aio.Server, parts: AdminParts, tier: LmdbBlockTier,
+                      layouts: dict[str, Layout]) -> str:
+    """Wire the tier's hooks to the policies and serve the Admin service on `server`; its full name."""
+    tier.set_retention_provider(parts.policies.retention_s)
+    tier.set_quota_provider(lambda ns: parts.policies.policy(ns).nvme_quota_bytes)
+    pb_grpc.add_AdminServicer_to_server(AdminServicer(parts, tier, layouts), server)
+    return SERVICE_NAME
+
+
+def _tenant(name: str) -> str:
+    """The tenant an admin call names: required (an admin tool never defaults to a tenant)."""
+    if not name:
+        raise InvalidArgument("tenant is empty: name the tenant")
+    return check_tenant(name)
+
+
+def _path(raw: str) -> Path:
+    if not raw:
+        raise InvalidArgument("path is empty: name a file on the server's disk")
+    path = Path(raw)
+    if not path.is_absolute():
+        raise InvalidArgument(f"path {raw!r} is relative: give an absolute path on the server's disk")
+    return path
+
+
+def _policy(p: Policy) -> pb.Policy:
+    return pb.Policy(**p.to_dict())
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    """Serves the Admin service over one store's policies, audit log and tier.
+
+    Args:
+        parts: policies, audit log and quota ledger (`open_admin`).
+        tier: the NVMe tier (usage, purge, export and import).
+        layouts: served geometries by name, the default first.
+    """
+
+    def __init__(self, parts: AdminParts, tier: LmdbBlockTier, layouts: dict[str, Layout]) -> None:
+        self.policies = parts.policies
+        self.audit = parts.audit
+        self.ledger = parts.quotas.ledger
+        self.tier = tier
+        self.layouts = layouts
+
+    def _tenant_policy(self, tenant: str) -> pb.TenantPolicy:
+        return pb.TenantPolicy(tenant=tenant, policy=_policy(self.policies.policy(tenant)),
+                               is_default=not self.policies.has_own(tenant))
+
+    @unary
+    async def GetPolicy(self, request: pb.GetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.GetPolicyResponse:
+        require(ADMIN)
+        tenant = _tenant(request.tenant)
+        used = await self.tier.call(self.tier.namespace_usage, tenant)
+        return pb.GetPolicyResponse(policy=self._tenant_policy(tenant), usage=pb.TenantUsage(
+            nvme_bytes=used.stored_bytes, nvme_blocks=used.blocks, token_hours=used.token_hours,
+            swa_bytes=self.ledger.live_bytes(tenant)))
+
+    @unary
+    async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.SetPolicyResponse:
+        caller = require(ADMIN)
+        tenant = _tenant(request.tenant)
+        changes = {name: getattr(request, name) for name in FIELDS if request.HasField(name)}
+        if not changes:
+            raise InvalidArgument(f"no policy field is set: set at least one of {', '.join(FIELDS)}")
+        # A change fsyncs the policies file and the audit log: off the event loop.
+        before, _ = await asyncio.to_thread(self.policies.set, tenant, changes, actor=caller.tenant)
+        return pb.SetPolicyResponse(
+            before=pb.TenantPolicy(tenant=tenant, policy=_policy(before), is_default=before is self.policies.defaults),
+            after=self._tenant_policy(tenant))
+
+    @unary
+    async def ListPolicies(self, request: pb.ListPoliciesRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListPoliciesResponse:
+        require(ADMIN)
+        return pb.ListPoliciesResponse(
+            policies=[self._tenant_policy(name) for name in self.policies.own()],
+            defaults=_policy(self.policies.defaults))
+
+    @unary
+    async def PolicyLog(self, request: pb.PolicyLogRequest, context: grpc.aio.ServicerContext) -> pb.PolicyLogResponse:
+        require(ADMIN)
+        tenant = check_tenant(request.tenant) if request.tenant else ""
+        entries = await asyncio.to_thread(self.audit.entries, tenant=tenant, limit=request.limit)
+        return pb.PolicyLogResponse(entries=[
+            pb.AuditEntry(time_s=e.time_s, actor=e.actor, action=e.action, tenant=e.tenant,
+                          old_json=_json(e.old), new_json=_json(e.new)) for e in entries])
+
+    @unary
+    async def Purge(self, request: pb.PurgeRequest, context: grpc.aio.ServicerContext) -> pb.PurgeResponse:
+        caller = require(ADMIN)
+        tenant = _tenant(request.tenant)
+        targets = self._purge_targets(request, tenant)
+        before = await self.tier.call(self.tier.namespace_usage, tenant)
+        purged = 0
+        for scope, hashes in targets:
+            purged += await self.tier.call(self.tier.purge, scope, hashes)
+        after = await self.tier.call(self.tier.namespace_usage, tenant)
+        what: dict[str, Any] = {"all": True} if request.all else {"chain_blocks": len(targets[0][1] or ())}
+        await asyncio.to_thread(
+            self.audit.append, actor=caller.tenant, action="purge", tenant=tenant,
+            old={"blocks": before.blocks, "bytes": before.stored_bytes},
+            new={"blocks": after.blocks, "bytes": after.stored_bytes, "purged_blocks": purged, **what})
+        return pb.PurgeResponse(purged_blocks=purged)
+
+    def _purge_targets(self, request: pb.PurgeRequest, tenant: str) -> list[tuple[BlockScope, list[bytes] | None]]:
+        """(scope, chain hashes or None for all) per purge the request asks for."""
+        named = [f for f in ("token_ids", "block_hashes") if len(getattr(request, f))]
+        if request.all:
+            if named or request.extra_keys:
+                raise InvalidArgument(f"all is set with {', '.join(named or ['extra_keys'])}: purge either a "
+                                      "tenant's whole cache or one prompt")
+            # With no hashes the tier takes the tenant's blocks of every geometry, served or not.
+            return [(BlockScope(next(iter(self.layouts.values())).geometry.fingerprint, tenant), None)]
+        layout, scope = validate.scope(self.layouts, request.geometry, tenant)
+        if len(named) != 1:
+            raise InvalidArgument("name exactly one of token_ids (a prompt) or block_hashes (its chain hashes), "
+                                  "or set all (the tenant's whole cache)")
+        if named == ["block_hashes"]:
+            if request.extra_keys:
+                raise InvalidArgument("extra_keys go with token_ids: block_hashes already include them")
+            hashes = validate.hashes(list(request.block_hashes), limit=self.tier.settings.max_lookup_blocks)
+        else:
+            hashes = chain_hashes(list(request.token_ids), block_tokens=layout.block_tokens, parent=layout.root,
+                                  extra_keys=list(request.extra_keys))
+            if not hashes:
+                raise InvalidArgument(f"{len(request.token_ids)} token ids make no full block of "
+                                      f"{layout.block_tokens}: nothing is stored for them")
+        return [(scope, hashes)]
+
+    @unary
+    async def ExportTenant(self, request: pb.ExportTenantRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ExportTenantResponse:
+        from gateway import tenant_export  # helper P6's module: imported when first used
+
+        caller = require(ADMIN)
+        tenant, path = _tenant(request.tenant), _path(request.path)
+        done = await tenant_export.export_tenant(self.tier, tenant, path, layouts=self.layouts)
+        await asyncio.to_thread(self.audit.append, actor=caller.tenant, action="export", tenant=tenant,
+                                old=None, new={"path": str(path), "records": done.records, "bytes": done.file_bytes})
+        return pb.ExportTenantResponse(records=done.records, bytes=done.file_bytes, data_bytes=done.data_bytes,
+                                       skipped=done.skipped)
+
+    @unary
+    async def ImportTenant(self, request: pb.ImportTenantRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ImportTenantResponse:
+        from gateway import tenant_export
+
+        caller = require(ADMIN)
+        path = _path(request.path)
+        tenant = check_tenant(request.tenant) if request.tenant else None  # None: the file's tenant
+        done = await tenant_export.import_tenant(self.tier, tenant, path, layouts=self.layouts)
+        await asyncio.to_thread(self.audit.append, actor=caller.tenant, action="import", tenant=done.tenant,
+                                old=None, new={"path": str(path), "records": done.records, "written": done.written})
+        return pb.ImportTenantResponse(records=done.records, written=done.written, skipped=done.skipped,
+                                       tenant=done.tenant)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

@@ -1,0 +1,124 @@
+"""The Admin service's client: tenants' policies, the audit log, purge, export and import.
+
+Every call sends the token as `authorization: Bearer <token>` metadata and
+needs the "admin" right; a failure is raised as its `kvstore.errors` class
+(PermissionDenied without the right, Unauthenticated without a valid token,
+InvalidArgument or FailedPrecondition naming the rule a change breaks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvstore.client import arguments
+from kvstore.client.connection import TlsOptions, status_error
+from kvstore.errors import InvalidArgument
+from kvstore.v1 import admin_pb2 as pb
+from kvstore.v1 import admin_pb2_grpc as pb_grpc
+
+#: The fields of a policy, as SetPolicy takes them.
+POLICY_FIELDS = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that carries `token` (as kvstore.client.connection sends it), or None without one."""
+    if token is None:
+        return None
+    token = arguments.text(token, "token")
+    if not token or not token.isascii() or not token.isprintable() or token != token.strip():
+        raise InvalidArgument("token must be the non-empty printable ASCII string `kvstore tenant create` printed")
+    return (("authorization", f"Bearer {token}"),)
+
+
+class AdminClient:
+    """A channel to a kvstore server's Admin service.
+
+    Args:
+        target: "host:port" of the server.
+        token: an API token with the "admin" right (None: send none, for a server without auth).
+        tls: speak TLS (None: plaintext).
+        timeout_s: deadline of each call.
+    """
+
+    def __init__(self, target: str, *, token: str | None = None, tls: TlsOptions | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.target = arguments.text(target, "target")
+        self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
+        self._metadata = token_metadata(token) or ()
+        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls is not None and tls.server_name else []
+        self.channel = (grpc.secure_channel(self.target, tls.credentials(), options=options) if tls is not None
+                        else grpc.insecure_channel(self.target))
+        self.stub = pb_grpc.AdminStub(self.channel)
+
+    def _call(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise status_error(exc) from None
+
+    def get_policy(self, tenant: str) -> pb.GetPolicyResponse:
+        """The policy `tenant` is served under (`is_default` when it has none of its own) and its usage."""
+        return self._call(self.stub.GetPolicy, pb.GetPolicyRequest(tenant=arguments.text(tenant, "tenant")))
+
+    def set_policy(self, tenant: str, **fields: Any) -> pb.SetPolicyResponse:
+        """Change the named policy fields of `tenant` (the others keep their values); the policy before and after.
+
+        Raises:
+            InvalidArgument: an unknown field, or a value the server refuses (named).
+            FailedPrecondition: a retention lower than the tenant's.
+        """
+        unknown = set(fields) - set(POLICY_FIELDS)
+        if unknown:
+            raise InvalidArgument(f"unknown policy field(s) {sorted(unknown)}; the fields are {list(POLICY_FIELDS)}")
+        if not fields:
+            raise InvalidArgument(f"no policy field given: name at least one of {', '.join(POLICY_FIELDS)}")
+        return self._call(self.stub.SetPolicy, pb.SetPolicyRequest(tenant=arguments.text(tenant, "tenant"), **fields))
+
+    def list_policies(self) -> pb.ListPoliciesResponse:
+        """Every tenant with a policy of its own, and the defaults the others get."""
+        return self._call(self.stub.ListPolicies, pb.ListPoliciesRequest())
+
+    def policy_log(self, *, tenant: str = "", limit: int = 0) -> list[pb.AuditEntry]:
+        """The audit log, oldest first: only `tenant`'s entries when named, the last `limit` when not 0."""
+        request = pb.PolicyLogRequest(tenant=arguments.text(tenant, "tenant"),
+                                      limit=arguments.integer(limit, "limit", most=2**32 - 1))
+        return list(self._call(self.stub.PolicyLog, request).entries)
+
+    def purge(self, tenant: str, *, all_blocks: bool = False, token_ids: Sequence[int] | None = None,
+              extra_keys: Sequence[bytes | str] = (), block_hashes: Sequence[bytes] | None = None,
+              geometry: str = "") -> int:
+        """Delete one prompt's blocks (by token ids or chain hashes) with every block stored below them,
+        or with `all_blocks` the tenant's whole cache; the number of blocks deleted."""
+        request = pb.PurgeRequest(tenant=arguments.text(tenant, "tenant"), all=all_blocks,
+                                  geometry=arguments.text(geometry, "geometry"))
+        if token_ids is not None:
+            request.token_ids.extend(arguments.token_ids(token_ids, "token_ids"))
+        request.extra_keys.extend(k.encode() if isinstance(k, str) else k for k in arguments.extra_keys(extra_keys))
+        if block_hashes is not None:
+            request.block_hashes.extend(arguments.hashes(block_hashes, "block_hashes"))
+        return int(self._call(self.stub.Purge, request).purged_blocks)
+
+    def export_tenant(self, tenant: str, path: str | Path) -> pb.ExportTenantResponse:
+        """Have the server write `tenant`'s cache to `path` (absolute, on the server's disk)."""
+        return self._call(self.stub.ExportTenant, pb.ExportTenantRequest(tenant=arguments.text(tenant, "tenant"),
+                                                                         path=str(path)))
+
+    def import_tenant(self, tenant: str, path: str | Path) -> pb.ImportTenantResponse:
+        """Have the server read an export at `path` (absolute, on the server's disk) into `tenant`'s cache
+        ("": the tenant it was exported from)."""
+        return self._call(self.stub.ImportTenant, pb.ImportTenantRequest(tenant=arguments.text(tenant, "tenant"),
+                                                                         path=str(path)))
+
+    def close(self) -> None:
+        """Close the channel."""
+        self.channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
