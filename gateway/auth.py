@@ -181,6 +181,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             handler = await continuation(handler_call_details)
             return None if handler is None else _refusal(handler, *caller)
         if need != ANY and need not in caller.rights:
+            _CALLER.set(caller)  # the refusal is the token's tenant's (metrics and the request log say so)
             handler = await continuation(handler_call_details)
             message = (f"{method} needs the {need!r} right; this token of tenant {caller.tenant!r} holds "
                        f"{', '.join(sorted(caller.rights))}")

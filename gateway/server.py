@@ -27,6 +27,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
+from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
+from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry
 from gateway.transfer_servicer import TransferServicer
@@ -58,6 +60,9 @@ class RunningServer:
     health: health_aio.HealthServicer
     #: The tenants' tokens this server checks (`tenants.refresh()` re-reads the file now).
     tenants: TenantRegistry
+    #: Its Prometheus series, and the HTTP endpoint serving them (None: [metrics] port = 0).
+    metrics: ServerMetrics
+    metrics_endpoint: MetricsEndpoint | None
     #: Called after the gRPC server stops, last first: each service's clean-up.
     closers: list[Callable[[], Any]] = field(default_factory=list)
     stopped: bool = False
@@ -97,11 +102,14 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     # Without tokens, every call is the default tenant: with every right on loopback (the
     # two-command start), without "admin" beyond it.
     open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
+    metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
+    # Outermost first: metrics see every call, those auth refuses too (counted and logged).
+    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller),
+                    UndecodableRequests()]
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = []
     try:
-        server, health = await _assemble(settings, tier, closers, clock or SystemClock(),
-                                         [AuthInterceptor(tenants, open_caller), UndecodableRequests()])
+        server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics)
         address = f"{host}:{settings.server.port}"
         try:
             port = (server.add_secure_port(address, credentials) if credentials is not None
@@ -113,11 +121,15 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         await server.start()
         tenants.start(settings.auth.reload_s)
         closers.append(tenants.stop)
+        endpoint = start_endpoint(settings.metrics, metrics.registry)
+        if endpoint is not None:
+            closers.append(endpoint.close)
     except BaseException:
         await _close(closers)
         tier.close()
         raise
-    return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, closers=closers)
+    return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
+                         metrics_endpoint=endpoint, closers=closers)
 
 
 def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -139,7 +151,7 @@ def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
 
 
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
-                    clock: Clock, interceptors: list[grpc.aio.ServerInterceptor],
+                    clock: Clock, interceptors: list[grpc.aio.ServerInterceptor], metrics: ServerMetrics,
                     ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
@@ -153,12 +165,14 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     closers.append(swa.close)
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(KVStoreServicer(tier, layouts, limit, swa, hits=hits), server)
+    kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits)
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(kvstore, server)
     swa_pb2_grpc.add_SwaPoolServicer_to_server(
         SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits), server)
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
+    metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -189,6 +203,8 @@ async def serve(settings: Settings) -> None:
           flush=True)
     print(f"kvstore SWA pool: {settings.swa.backend} (snapshots live {settings.swa.ttl_s:g} s)", flush=True)
     print(f"kvstore auth: {_auth_line(settings, running.tenants)}", flush=True)
+    endpoint = running.metrics_endpoint
+    print(f"kvstore metrics: {endpoint.url if endpoint else 'off ([metrics] port = 0)'}", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {settings.transfer.copy_threads} threads", flush=True)
     else:

@@ -36,6 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
         "store": {"data_dir": args.data_dir},
         "auth": {"insecure": True if args.insecure else None},
         "tls": {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca},
+        "metrics": {"port": args.metrics_port},
     })
     asyncio.run(serve(settings))  # a ConfigError or OSError at start reaches main as one line
     return 0
@@ -129,6 +130,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", help="server private key, PEM (tls.key_file)")
     serve.add_argument("--tls-client-ca", help="CA (PEM) client certificates must chain to: mutual TLS "
                        "(tls.client_ca_file)")
+    serve.add_argument("--metrics-port", type=int, help="port of the Prometheus endpoint (metrics.port; 0 = off)")
     serve.add_argument("--insecure", action="store_true", help="allow a bind beyond loopback without tokens "
                        "or TLS (auth.insecure): a trusted network only")
     serve.set_defaults(func=_serve)

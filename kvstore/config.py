@@ -314,6 +314,23 @@ class TlsSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsSettings:
+    """The Prometheus endpoint (docs/METRICS.md): plain HTTP, showing tenant names; keep it off public networks."""
+
+    #: Bind address of the HTTP endpoint; 0.0.0.0 for a Prometheus on another host.
+    host: str = "127.0.0.1"
+    #: TCP port of the endpoint; 0 (the default) leaves it off. The deploy files use 9464.
+    port: int = 0
+    #: Distinct tenants with a label of their own; later ones are counted as "other".
+    tenant_labels: int = 64
+
+    RANGES: ClassVar[dict[str, Range]] = {"port": Range(0, 65535), "tenant_labels": Range(1, 10000)}
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "metrics")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settings:
     """Every section of the service's configuration."""
 
@@ -323,6 +340,7 @@ class Settings:
     swa: SwaSettings = field(default_factory=SwaSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     tls: TlsSettings = field(default_factory=TlsSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
