@@ -192,3 +192,19 @@ def test_kvstore_policy_commands_end_to_end(running: Any, tokens: dict[str, str]
     assert code == 2 and "FailedPrecondition: retention_hours may only be raised" in err
     code, out, _ = cli(monkeypatch, capsys, "policy", "get", "acme", "--json", "--token", tokens["acme"], *target)
     assert code == 2 and json.loads(out)["error"]["code"] == "PERMISSION_DENIED"
+
+
+def test_export_then_import_a_tenant_audited(running: Any, admin: AdminClient, tokens: dict[str, str],
+                                             tmp_path: Path) -> None:
+    a = put_prompt(running.target, tokens["acme"], 0)
+    path = tmp_path / "acme.kvx"
+    exported = admin.export_tenant("acme", path)
+    assert exported.records == 1 and exported.bytes == path.stat().st_size
+    admin.purge("acme", all_blocks=True)
+    imported = admin.import_tenant("", path)  # into the tenant it came from
+    assert (imported.tenant, imported.records, imported.written) == ("acme", 1, 1)
+    assert found(running.target, tokens["acme"], a) == 1
+    log = admin.policy_log(tenant="acme")
+    assert [(e.actor, e.action) for e in log] == [("ops", "export"), ("ops", "purge"), ("ops", "import")]
+    assert json.loads(log[0].new_json) == {"path": str(path), "records": 1, "bytes": exported.bytes}
+    assert json.loads(log[2].new_json)["written"] == 1
