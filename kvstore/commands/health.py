@@ -16,48 +16,33 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+from typing import Any
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command's arguments."""
+    """The command's arguments (the TLS flags are every command's: kvstore.commands)."""
+    from kvstore.commands import add_connection_arguments
+
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     parser.add_argument("--service", default="kvstore.v1.KVStore",
                         help="service name to ask about ('' : the server as a whole; default kvstore.v1.KVStore)")
-    parser.add_argument("--tls-ca", default=None, metavar="FILE",
-                        help="speak TLS; CA certificates (PEM) the server's certificate chains to")
-    parser.add_argument("--tls-cert", default="", metavar="FILE", help="this probe's certificate (mutual TLS)")
-    parser.add_argument("--tls-key", default="", metavar="FILE", help="this probe's private key (mutual TLS)")
-    parser.add_argument("--tls-server-name", default="", metavar="NAME",
-                        help="name to check the server's certificate against (default: the target's host)")
+    add_connection_arguments(parser)  # --token is accepted and not sent: the health check needs none
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait (default 3)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _channel(args: argparse.Namespace) -> object:
+def _channel(args: argparse.Namespace) -> Any:
     import grpc
 
-    from kvstore.errors import InvalidArgument
+    from kvstore.commands import client_options
 
-    if args.tls_ca is None:
-        if args.tls_cert or args.tls_key or args.tls_server_name:
-            raise InvalidArgument("--tls-cert, --tls-key and --tls-server-name need --tls-ca (TLS)")
+    tls = client_options(args)["tls"]
+    if tls is None:
         return grpc.insecure_channel(args.target)
-
-    def read(flag: str, path: str) -> bytes | None:
-        try:
-            return Path(path).read_bytes() if path else None
-        except OSError as exc:
-            raise InvalidArgument(f"{flag} {path}: {exc.strerror or exc}", hint="name a readable PEM file") from None
-
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise InvalidArgument("--tls-cert and --tls-key go together (mutual TLS): give both or neither")
-    credentials = grpc.ssl_channel_credentials(read("--tls-ca", args.tls_ca), read("--tls-key", args.tls_key),
-                                               read("--tls-cert", args.tls_cert))
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return grpc.secure_channel(args.target, credentials, options=options)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
+    return grpc.secure_channel(args.target, tls.credentials(), options=options)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -77,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             raise status_error(exc) from None
         status = "SERVICE_UNKNOWN"
     finally:
-        channel.close()  # type: ignore[attr-defined]
+        channel.close()
     print(json.dumps({"target": args.target, "service": args.service, "status": status}) if args.json
           else f"{args.target} {args.service or '(server)'}: {status}")
     return 0 if status == "SERVING" else 1
