@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 
 from gateway.auth import current_caller
+from gateway.call_outcome import note_error
 from gateway.policies import Policies
 from gateway.validate import namespace as checked_namespace
 from kvstore import geometry
@@ -283,4 +284,5 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
+    note_error(exc)  # the refusal's class, for the metrics and the failed-request log (gateway.call_outcome)
     await context.abort(to_status(exc), f"{exc.message} ({exc.hint})" if exc.hint else exc.message)

@@ -4,6 +4,8 @@ naming the limit and the tenant, and holds only for that tenant."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,12 +92,15 @@ def other(running: Any, tokens: dict[str, str]) -> Iterator[Client]:
 
 
 def test_requests_per_s_quota(admin: AdminClient, running: Any, tokens: dict[str, str], other: Client,
-                              clock: ManualClock) -> None:
+                              clock: ManualClock, caplog: pytest.LogCaptureFixture) -> None:
     admin.set_policy("acme", requests_per_s=2)
     with Client(running.target, token=tokens["acme"]) as acme:  # GetInfo: the first of two this second
         acme.lookup(list(range(TOKENS)))
-        with pytest.raises(ResourceExhausted, match="tenant 'acme' is over its requests_per_s quota of 2 requests/s"):
+        with (caplog.at_level(logging.WARNING, logger="kvstore.requests"),
+              pytest.raises(ResourceExhausted, match="tenant 'acme' is over its requests_per_s quota of 2 requests/s")):
             acme.lookup(list(range(TOKENS)))
+        [failed] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvstore.requests"]
+        assert (failed["tenant"], failed["status"], failed["reason"]) == ("acme", "RESOURCE_EXHAUSTED", "QuotaExceeded")
         for _ in range(5):
             other.lookup(list(range(TOKENS)))  # another tenant's bucket: untouched
         clock.advance(1.0)
