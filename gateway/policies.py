@@ -1,7 +1,8 @@
 """Per-tenant policies: retention, SWA TTL and quotas, persisted in the data dir.
 
 A tenant without a policy of its own is served under the defaults, taken from
-the configuration (store.retention_hours, swa.ttl_s, no quotas). A change is
+the configuration (store.retention_hours, swa.ttl_s, no quotas); a tenant's
+policy keeps only the fields an admin set, and follows the defaults in the others. A change is
 checked, written atomically (a temporary file fsync'd, renamed over
 `<data_dir>/admin/policies.json`, the folder fsync'd) and audited before it
 answers, so policies persist with the store.
@@ -101,9 +102,9 @@ class Policies:
             log.warning("store.retention_hours is %g but this store was served with %g: tenants on the defaults "
                         "keep %g h (retention is only raised)", defaults.retention_hours, floor, floor)
         self.defaults = dataclasses.replace(defaults, retention_hours=floor)
-        self._own: dict[str, Policy] = {
-            name: Policy(**{**self.defaults.to_dict(), **fields}) for name, fields in saved.get("tenants", {}).items()
-        }
+        #: Each tenant's own fields (those an admin set); the others follow the defaults.
+        self._set: dict[str, dict[str, Any]] = {name: dict(fields) for name, fields in saved.get("tenants", {}).items()}
+        self._own = {name: self._apply(fields) for name, fields in self._set.items()}
         if floor != saved.get("retention_floor_hours"):
             self._save()
 
@@ -123,7 +124,7 @@ class Policies:
     def _save(self) -> None:
         """Write the file atomically: a temporary file fsync'd, renamed over it, the folder fsync'd."""
         data = {"version": FORMAT_VERSION, "retention_floor_hours": self.defaults.retention_hours,
-                "tenants": {name: p.to_dict() for name, p in sorted(self._own.items())}}
+                "tenants": {name: fields for name, fields in sorted(self._set.items())}}
         tmp = self.path.with_suffix(".json.tmp")
         with tmp.open("w") as f:
             json.dump(data, f, indent=1, sort_keys=True)
@@ -172,6 +173,8 @@ class Policies:
             after = dataclasses.replace(before, **checked)
             if after == before:
                 return before, after
+            earlier = self._set.get(tenant)
+            self._set[tenant] = {**(earlier or {}), **checked}
             self._own[tenant] = after
             try:
                 self._save()
@@ -179,16 +182,22 @@ class Policies:
                 self.audit.append(actor=actor, action="set_policy", tenant=tenant, old=old,
                                   new={k: getattr(after, k) for k in old})
             except BaseException:
-                self._restore(tenant, before)
+                self._restore(tenant, earlier)
                 raise
         return before, after
 
-    def _restore(self, tenant: str, before: Policy) -> None:
+    def _apply(self, fields: Mapping[str, Any]) -> Policy:
+        """The defaults with a tenant's own fields."""
+        return dataclasses.replace(self.defaults, **{k: v for k, v in fields.items() if k in FIELDS})
+
+    def _restore(self, tenant: str, earlier: dict[str, Any] | None) -> None:
         """Undo a change that could not be written or audited (best effort on the file)."""
-        if before is self.defaults:
+        if earlier is None:
+            self._set.pop(tenant, None)
             self._own.pop(tenant, None)
         else:
-            self._own[tenant] = before
+            self._set[tenant] = earlier
+            self._own[tenant] = self._apply(earlier)
         try:
             self._save()
         except OSError:

@@ -68,6 +68,15 @@ def test_policies_persist_across_a_restart(tmp_path: Path, clock: ManualClock) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.jsonl", "policies.json"]  # no temporary left
 
 
+def test_a_policy_keeps_the_fields_set_and_follows_the_defaults_in_the_others(tmp_path: Path,
+                                                                               clock: ManualClock) -> None:
+    policies = open_policies(tmp_path, clock)
+    policies.set("acme", {"nvme_quota_bytes": 1 << 30}, actor="ops")
+    policies.audit.close()
+    raised = open_policies(tmp_path, clock, Policy(retention_hours=96.0, swa_ttl_s=250.0))
+    assert raised.policy("acme") == Policy(retention_hours=96.0, swa_ttl_s=250.0, nvme_quota_bytes=1 << 30)
+
+
 def test_the_defaults_keep_the_highest_retention_they_were_served_with(tmp_path: Path, clock: ManualClock) -> None:
     open_policies(tmp_path, clock, Policy(retention_hours=96.0, swa_ttl_s=300.0)).audit.close()
     lowered = open_policies(tmp_path, clock, Policy(retention_hours=72.0, swa_ttl_s=300.0))
