@@ -20,8 +20,6 @@ import re
 import time
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
 from kvstore.commands import add_connection_arguments, client_options
 from kvstore.errors import InvalidArgument
 
@@ -81,21 +79,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(log)
 
 
-def _policy(message: Any) -> dict[str, Any]:
-    return MessageToDict(message, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+def _fields(message: Any) -> dict[str, Any]:
+    """A message's fields in their declared order (64-bit ints stay ints)."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
 
 
-def _ints(d: dict[str, Any]) -> dict[str, Any]:
-    """64-bit fields (strings in proto JSON) as ints."""
-    return {k: int(v) if isinstance(v, str) and v.isdigit() else v for k, v in d.items()}
-
-
-def _show(value: Any) -> str:
+def _show(field: str, value: Any) -> str:
     if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+        text = f"{value:g}"
+    elif isinstance(value, int) and not isinstance(value, bool):
+        text = f"{value:,}"
+        if field.endswith("_bytes") and value >= 1 << 20:
+            text += f" ({_binary(value)})"
+    else:
+        text = str(value)
+    unlimited = value == 0 and field.endswith(("_quota_bytes", "requests_per_s"))
+    return text + (" (unlimited)" if unlimited else "")
+
+
+def _binary(n: int) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} B"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,17 +119,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _get(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
     reply = admin.get_policy(args.tenant)
-    policy, usage = _ints(_policy(reply.policy.policy)), _ints(_policy(reply.usage))
+    policy, usage = _fields(reply.policy.policy), _fields(reply.usage)
     data = {"tenant": reply.policy.tenant, "is_default": reply.policy.is_default, "policy": policy, "usage": usage}
     lines = [f"tenant {reply.policy.tenant}" + (" (server defaults: no policy of its own)"
                                                 if reply.policy.is_default else "")]
-    lines += [f"  {k:<18} {_show(v)}{_unlimited(k, v)}" for k, v in policy.items()]
-    lines += ["usage"] + [f"  {k:<18} {_show(v)}" for k, v in usage.items()]
+    lines += [f"  {k:<18} {_show(k, v)}" for k, v in policy.items()]
+    lines += ["usage"] + [f"  {k:<18} {_show(k, v)}" for k, v in usage.items()]
     return {"json": data, "lines": lines}
-
-
-def _unlimited(field: str, value: Any) -> str:
-    return " (unlimited)" if value == 0 and field != "retention_hours" else ""
 
 
 def _set(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -131,23 +133,27 @@ def _set(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
     if not fields:
         raise InvalidArgument("nothing to set: give at least one of " + ", ".join(flag for flag, *_ in SETTABLE))
     reply = admin.set_policy(args.tenant, **fields)
-    before, after = _ints(_policy(reply.before.policy)), _ints(_policy(reply.after.policy))
+    before, after = _fields(reply.before.policy), _fields(reply.after.policy)
     changed = {k: {"old": before[k], "new": after[k]} for k in after if before[k] != after[k]}
     lines = [f"tenant {args.tenant}: " + ("nothing changed" if not changed else "policy changed (audited)")]
-    lines += [f"  {k:<18} {_show(v['old'])} -> {_show(v['new'])}{_unlimited(k, v['new'])}" for k, v in changed.items()]
+    lines += [f"  {k:<18} {_show(k, v['old'])} -> {_show(k, v['new'])}" for k, v in changed.items()]
     return {"json": {"tenant": args.tenant, "before": before, "after": after, "changed": changed}, "lines": lines}
 
 
 def _list(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
     reply = admin.list_policies()
-    rows = {p.tenant: _ints(_policy(p.policy)) for p in reply.policies}
-    defaults = _ints(_policy(reply.defaults))
+    rows = {p.tenant: _fields(p.policy) for p in reply.policies}
+    defaults = _fields(reply.defaults)
     names = list(defaults)
-    table = [["tenant", *names], ["(defaults)", *(_show(defaults[n]) for n in names)]]
-    table += [[t, *(_show(r[n]) for n in names)] for t, r in rows.items()]
+    table = [["tenant", *names], ["(defaults)", *(_cell(n, defaults[n]) for n in names)]]
+    table += [[t, *(_cell(n, r[n]) for n in names)] for t, r in rows.items()]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     return {"json": {"defaults": defaults, "tenants": rows}, "lines": lines}
+
+
+def _cell(field: str, value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else f"{value:,}"
 
 
 def _log(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -167,7 +173,7 @@ def _change(old: Any, new: Any) -> str:
     """`field old -> new` per field when both are dicts, else both values."""
     if isinstance(old, dict) and isinstance(new, dict):
         keys = list(dict.fromkeys([*old, *new]))
-        return ", ".join(f"{k} {_show(old.get(k, '-'))} -> {_show(new.get(k, '-'))}" for k in keys)
+        return ", ".join(f"{k} {_show(k, old.get(k, '-'))} -> {_show(k, new.get(k, '-'))}" for k in keys)
     return f"{json.dumps(old)} -> {json.dumps(new)}"
 
 

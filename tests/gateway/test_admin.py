@@ -180,7 +180,7 @@ def test_kvstore_policy_commands_end_to_end(running: Any, tokens: dict[str, str]
     code, out, _ = cli(monkeypatch, capsys, "policy", "set", "acme", "--retention-hours", "96",
                        "--nvme-quota-bytes", "1MiB", *target)
     assert code == 0
-    assert "retention_hours    72 -> 96" in out and "nvme_quota_bytes   0 -> 1,048,576" in out
+    assert "retention_hours    72 -> 96" in out and "nvme_quota_bytes   0 (unlimited) -> 1,048,576 (1 MiB)" in out
     code, out, _ = cli(monkeypatch, capsys, "policy", "get", "acme", "--json", *target)
     assert json.loads(out)["policy"]["nvme_quota_bytes"] == 1 << 20
     code, out, _ = cli(monkeypatch, capsys, "policy", "list", *target)
