@@ -9,12 +9,14 @@ from typing import Any
 import grpc
 
 from gateway import validate
+from gateway.auth import Caller, current_caller
 from gateway.hit_stats import WINDOWS, HitStats, Window
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
-from kvstore.errors import InvalidArgument
+from kvstore.api_tokens import ADMIN
+from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import BlockScope
 from kvstore.swa_snapshot import resume_length
@@ -234,10 +236,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        caller = current_caller()
+        hit_fields = self._hit_fields(request, _stats_tenant(request.tenant, caller))
+        if ADMIN not in caller.rights:
+            # The store's counters, usage and write rate span every tenant: its own hit counters only.
+            return pb.StatsResponse(retention_hours=self.settings.retention_hours, store_wide=False, **hit_fields)
         s = self.tier.stats()
         c = s.counters
         extra: dict[str, Any] = {
-            **self.resume.stats_fields(), **self._hit_fields(request),
+            **self.resume.stats_fields(), **hit_fields, "store_wide": True,
             **_capacity_fields(s.capacity_bytes, s.write_rate_bytes_per_s, s.retention_hours,
                                min(self.settings.write_rate_window_s, max(s.uptime_s, 1.0)))}
         return pb.StatsResponse(
@@ -253,9 +260,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             **extra,
         )
 
-    def _hit_fields(self, request: pb.StatsRequest) -> dict[str, Any]:
-        """The windows, tenants and chart of a Stats answer, for the tenants the request names."""
-        tenant = validate.namespace(request.tenant) if request.tenant else None
+    def _hit_fields(self, request: pb.StatsRequest, tenant: str | None) -> dict[str, Any]:
+        """The windows, tenants and chart of a Stats answer: `tenant`'s, or every tenant's (None)."""
         names = list(request.windows) or list(WINDOWS)
         unknown = [n for n in names if n not in WINDOWS]
         if unknown:
@@ -298,6 +304,21 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+def _stats_tenant(name: str, caller: Caller) -> str | None:
+    """Whose hit counters a Stats call gets: the named tenant, or every tenant (None), for an
+    admin; the caller's own tenant for anyone else.
+
+    Raises:
+        PermissionDenied: a caller without the admin right named another tenant.
+    """
+    if ADMIN in caller.rights:
+        return validate.namespace(name) if name else None
+    if name and name != caller.tenant:
+        raise PermissionDenied(f"the stats of tenant {name!r} need the 'admin' right; this token is tenant "
+                               f"{caller.tenant!r}'s", hint="leave the tenant out (--tenant) to see your own")
+    return caller.tenant
 
 
 def _windows(windows: list[Window]) -> list[pb.HitWindow]:

@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 
+from kvstore.commands import add_connection_arguments, client_options
 from kvstore.commands.stats_chart import Slice, render
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    add_connection_arguments(p)
     p.add_argument("--tenant", default="", help="one tenant's hit rates (default: every tenant you may see)")
     p.add_argument("--window", choices=WINDOW_NAMES, help="one window only (default: all five)")
     p.add_argument("--chart", action="store_true", help="print the hit rate over the last 24 h as a chart")
@@ -65,18 +67,22 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.commands.stats_totals import print_table, stats_dict, swa_stats_dict, transfer_stats_dict
 
     windows = [args.window] if args.window else []
-    with Client(args.target, timeout_s=args.timeout) as client:
+    with Client(args.target, timeout_s=args.timeout, **client_options(args)) as client:
         reply = client.stats(tenant=args.tenant, windows=windows, chart_points=CHART_POINTS)
         data = stats_dict(reply)
-        data["swa"] = swa_stats_dict(client)
-        data["transfer"] = transfer_stats_dict(client)
+        # The pool's and the transfer service's counters span every tenant, as the store's do.
+        data["swa"] = swa_stats_dict(client) if reply.store_wide else None
+        data["transfer"] = transfer_stats_dict(client) if reply.store_wide else None
     data.update(hit_dict(reply))
     if args.json:
         print(json.dumps(data))
     elif args.chart:
         print("\n".join(chart_lines(data, args)))
-    else:
+    elif reply.store_wide:
         print_table(data, args.target)
+        print_hits(data)
+    else:
+        print(f"kvstore at {args.target}: your tenant's hit rates (the store's totals need the admin right)")
         print_hits(data)
     return 0
 
