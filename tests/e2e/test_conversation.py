@@ -50,7 +50,10 @@ from replay.plan import Action, Plan
 from replay.planner import Planner
 from replay.resume import Resumer
 
-#: The fixture's pass criteria for an approximate resume (V41_FORMAT.md, "A tiny configuration").
+#: The fixture's pass criteria for an approximate resume (V41_FORMAT.md, "A tiny configuration"). On the
+#: seeded random weights the worker runs here, docs/REPLAY.md measured 1x-window bounded replay to pass them
+#: in every sample of every case (cosine >= 0.99951, max |diff| <= 2.2% of the range); on trained weights
+#: only 40-100% pass, so a tighter bound would describe these weights, not bounded replay.
 MIN_COSINE = 0.9975
 MAX_DIFF_OF_RANGE = 0.04
 #: Greedy tokens the worker answers per turn (the agent's reply).
