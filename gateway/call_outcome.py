@@ -7,22 +7,18 @@ gateway.request_log). It costs a clock read and a few attribute reads per call;
 anything heavier (the caller's metadata, redaction) is left to observers, and
 only for failed calls.
 
-The tenant is the authenticated caller's (`gateway.auth.current_caller()`)
-when gateway/auth.py is present (gateway.auth sets it before any method runs,
-so the order of the two interceptors does not matter for it; a call refused
-UNAUTHENTICATED is tenant "unauthenticated"); without gateway/auth.py, the
-namespace the request names (the first message's, for a request stream;
-"invalid" for a name gateway.validate refuses). Which error class refused a call
-reaches the observers as `reason`: gateway.status notes it (`note_error`) on
-the same task before the error becomes a status.
+The tenant is the caller's (`gateway.auth.current_caller()`): the auth
+interceptor sets it before any method runs, inside or outside this one, so the
+order of the two does not matter for it. A call refused UNAUTHENTICATED is
+tenant "unauthenticated" (nobody said who called). Which error class refused a
+call reaches the observers as `reason`: gateway.status notes it (`note_error`)
+on the same task before the error becomes a status.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
@@ -31,6 +27,8 @@ from typing import Any
 
 import grpc
 
+from gateway.auth import current_caller
+
 #: grpc.RpcMethodHandler (grpc ships no type hints for it).
 Handler = Any
 Behavior = Callable[..., Any]
@@ -38,15 +36,6 @@ Observer = Callable[["CallOutcome"], None]
 
 #: The tenant of a call refused before anyone said who the caller is.
 UNAUTHENTICATED_TENANT = "unauthenticated"
-#: The tenant of a call that names none (gateway.validate's default namespace).
-DEFAULT_TENANT = "default"
-#: The tenant of a call naming a namespace that is not a valid name (without gateway.auth only).
-INVALID_TENANT = "invalid"
-#: gateway.validate's rule for a namespace name.
-_NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-#: Default of OutcomeInterceptor's current_caller: gateway.auth's, when it exists.
-FROM_AUTH: Any = object()
 _error_class: ContextVar[str] = ContextVar("kvstore_call_error_class", default="")
 
 
@@ -78,25 +67,6 @@ class CallOutcome:
     context: Any
 
 
-def _auth_current_caller() -> Callable[[], Any] | None:
-    """gateway.auth.current_caller, or None while gateway/auth.py does not exist."""
-    try:
-        module = importlib.import_module("gateway.auth")
-    except Exception:  # absent (or, in a checkout being edited, broken): the namespace stands in
-        return None
-    found = getattr(module, "current_caller", None)
-    return found if callable(found) else None
-
-
-def _namespace(message: Any) -> str:
-    """The namespace a request names, when it is a valid one; INVALID_TENANT when not."""
-    name = getattr(message, "namespace", None)
-    if not isinstance(name, str) or not name:
-        return DEFAULT_TENANT
-    # Refused by gateway.validate anyway: junk must not become a label.
-    return name if _NAMESPACE.fullmatch(name) else INVALID_TENANT
-
-
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -124,13 +94,12 @@ def _details(context: Any) -> str:
 class _Call:
     """The bookkeeping of one call in flight."""
 
-    __slots__ = ("caller", "done", "interceptor", "method", "namespace", "start")
+    __slots__ = ("done", "interceptor", "method", "start", "tenant")
 
-    def __init__(self, interceptor: OutcomeInterceptor, method: str, namespace: str) -> None:
+    def __init__(self, interceptor: OutcomeInterceptor, method: str) -> None:
         self.interceptor = interceptor
         self.method = method
-        self.namespace = namespace
-        self.caller = interceptor._caller_tenant()
+        self.tenant = current_caller().tenant
         self.done = False
         self.start = time.perf_counter()
         _error_class.set("")
@@ -143,12 +112,7 @@ class _Call:
         self.done = True
         duration = time.perf_counter() - self.start
         code, message = aborted if aborted is not None else (_code(context, exc), "")
-        if code is grpc.StatusCode.UNAUTHENTICATED:
-            tenant = UNAUTHENTICATED_TENANT
-        elif self.caller is not None:
-            tenant = self.caller
-        else:
-            tenant = self.namespace
+        tenant = UNAUTHENTICATED_TENANT if code is grpc.StatusCode.UNAUTHENTICATED else self.tenant
         ok = code is grpc.StatusCode.OK
         outcome = CallOutcome(method=self.method, tenant=tenant, code=code,
                               message="" if ok else message or _details(context),
@@ -180,23 +144,11 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
 
     Args:
         observers: called on the event loop with each `CallOutcome`; they must be quick and must not raise.
-        current_caller: who is calling, inside a call: default gateway.auth.current_caller when that
-            module exists; None takes the tenant from the request's namespace field.
     """
 
-    def __init__(self, observers: Sequence[Observer], current_caller: Callable[[], Any] | None = FROM_AUTH) -> None:
+    def __init__(self, observers: Sequence[Observer]) -> None:
         self.observers = tuple(observers)
-        self.current_caller = _auth_current_caller() if current_caller is FROM_AUTH else current_caller
         self._handlers: dict[str, tuple[Handler, Handler]] = {}
-
-    def _caller_tenant(self) -> str | None:
-        if self.current_caller is None:
-            return None
-        try:
-            tenant = self.current_caller().tenant
-        except Exception:  # no caller: the namespace stands in
-            return None
-        return tenant if isinstance(tenant, str) else None
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
@@ -216,32 +168,22 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
     def _wrap(self, method: str, handler: Handler) -> Handler:
         decode, encode = handler.request_deserializer, handler.response_serializer
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary, False),
+            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary),
                                                        request_deserializer=decode, response_serializer=encode)
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream, False),
+            return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream),
                                                         request_deserializer=decode, response_serializer=encode)
         if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
-            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary, True),
+            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary),
                                                         request_deserializer=decode, response_serializer=encode)
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
-            return grpc.stream_stream_rpc_method_handler(self._streaming(method, handler.stream_stream, True),
+            return grpc.stream_stream_rpc_method_handler(self._streaming(method, handler.stream_stream),
                                                          request_deserializer=decode, response_serializer=encode)
         return handler  # a sync method (none on this server) is not observed
 
-    def _begin(self, method: str, request: Any, streamed: bool) -> tuple[_Call, Any]:
-        """The call's bookkeeping, and the request (without gateway.auth, a stream is wrapped to read the
-        first message's namespace)."""
-        if self.current_caller is not None:
-            return _Call(self, method, DEFAULT_TENANT), request
-        if not streamed:
-            return _Call(self, method, _namespace(request)), request
-        call = _Call(self, method, DEFAULT_TENANT)
-        return call, _peek_namespace(call, request)
-
-    def _unary(self, method: str, behavior: Behavior, streamed: bool) -> Behavior:
+    def _unary(self, method: str, behavior: Behavior) -> Behavior:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            call, request = self._begin(method, request, streamed)
+            call = _Call(self, method)
             try:
                 response = await behavior(request, _ObservedContext(call, context))
             except BaseException as exc:
@@ -251,9 +193,9 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
             return response
         return observed
 
-    def _streaming(self, method: str, behavior: Behavior, streamed: bool) -> Behavior:
+    def _streaming(self, method: str, behavior: Behavior) -> Behavior:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call, request = self._begin(method, request, streamed)
+            call = _Call(self, method)
             try:
                 async for response in behavior(request, _ObservedContext(call, context)):
                     yield response
@@ -262,12 +204,3 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
                 raise
             call.finish(context, None)
         return observed
-
-
-async def _peek_namespace(call: _Call, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`requests`, noting the first message's namespace on `call`."""
-    first = True
-    async for request in requests:
-        if first:
-            call.namespace, first = _namespace(request), False
-        yield request

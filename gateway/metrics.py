@@ -13,8 +13,8 @@ Label cardinality is bounded: methods by the services served (an unknown
 method is not counted), status codes and reasons by the code base, tenants by
 `tenant_labels_cap`: the first that many distinct tenants get their own label,
 every later one is counted as "other" (and `kvstore_metrics_tenants_folded_total`
-counts the calls folded so). Until gateway/auth.py names the caller, the tenant
-is the namespace a request names, which an open server takes from anyone.
+counts the calls folded so). Tenants come from tokens (gateway.auth), so the
+registry bounds them, but a store can hold many more than a dashboard needs.
 
 The endpoint is prometheus-client's HTTP server on its own port and its own
 threads (`start_endpoint`); scrapes never run on the gRPC event loop.
@@ -24,21 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from gateway.call_outcome import (
-    DEFAULT_TENANT,
-    FROM_AUTH,
-    UNAUTHENTICATED_TENANT,
-    CallOutcome,
-    Observer,
-    OutcomeInterceptor,
-)
+from gateway.auth import DEFAULT_TENANT
+from gateway.call_outcome import UNAUTHENTICATED_TENANT, CallOutcome, Observer, OutcomeInterceptor
 from gateway.metrics_collector import StatsCollector
 from gateway.resume_counters import ResumeCounters
 from gateway.transfer_servicer import TransferServicer
@@ -150,12 +143,10 @@ class MetricsInterceptor(OutcomeInterceptor):
     """Times every RPC into `metrics`' per-call series; `also` observe the same outcomes (gateway.request_log).
 
     Place it before the authentication interceptor, so that calls refused there are counted too.
-    `current_caller` as in OutcomeInterceptor (None: the tenant is the namespace a request names).
     """
 
-    def __init__(self, metrics: ServerMetrics, *also: Observer, current_caller: Callable[[], Any] | None = FROM_AUTH,
-                 ) -> None:
-        super().__init__([metrics.rpc, *also], current_caller)
+    def __init__(self, metrics: ServerMetrics, *also: Observer) -> None:
+        super().__init__([metrics.rpc, *also])
 
 
 class EndpointSettings(Protocol):

@@ -1,19 +1,20 @@
-"""Fixtures of the metrics and request-log tests: a real server with the metrics interceptor and endpoint."""
+"""Fixtures of the metrics and request-log tests: `kvstore serve`'s server (gateway.server.start) with its
+/metrics endpoint on a free loopback port, scraped over HTTP as Prometheus does."""
 
 from __future__ import annotations
 
+import socket
 import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, serve_metrics
-from gateway.request_log import RequestLog
-from kvstore.config import StoreSettings
+from gateway.metrics import ServerMetrics
+from kvstore import api_tokens
+from kvstore.config import MetricsSettings, StoreSettings
 
 
 @dataclass(frozen=True)
@@ -38,23 +39,31 @@ class Scrape:
         """Every sample named `name`: (labels, value)."""
         return [(dict(labels), v) for (n, labels), v in self.samples.items() if n == name]
 
+    def by_tenant(self, name: str) -> dict[str, float]:
+        """The samples named `name` summed per tenant label."""
+        out: dict[str, float] = {}
+        for labels, value in self.where(name):
+            out[labels["tenant"]] = out.get(labels["tenant"], 0.0) + value
+        return out
+
 
 @dataclass
 class Metered:
-    """A running server with its metrics registry and scrape endpoint."""
+    """A running server and its metrics endpoint."""
 
     running: Any
-    metrics: ServerMetrics
-    endpoint: MetricsEndpoint
-    parts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def target(self) -> str:
         return str(self.running.target)
 
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.running.metrics  # type: ignore[no-any-return]
+
     def scrape_text(self) -> str:
         """GET /metrics over HTTP, as Prometheus does."""
-        with urllib.request.urlopen(self.endpoint.url, timeout=30) as reply:
+        with urllib.request.urlopen(self.running.metrics_endpoint.url, timeout=30) as reply:
             return str(reply.read().decode())
 
     def scrape(self) -> Scrape:
@@ -62,58 +71,34 @@ class Metered:
         return Scrape.parse(self.scrape_text())
 
 
-class _Chain(grpc.aio.ServerInterceptor):
-    """Two interceptors as one: `outer`, then `inner`, then the method."""
-
-    def __init__(self, outer: grpc.aio.ServerInterceptor, inner: grpc.aio.ServerInterceptor) -> None:
-        self.outer, self.inner = outer, inner
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        return await self.outer.intercept_service(lambda d: self.inner.intercept_service(continuation, d), details)
-
-
-def _catching(make: Callable[..., Any], name: str, parts: dict[str, Any]) -> Callable[..., Any]:
-    """`make`, keeping what it made in parts[name]."""
-    def caught(*args: Any, **kwargs: Any) -> Any:
-        parts[name] = made = make(*args, **kwargs)
-        return made
-    return caught
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.fixture
-def start_metered(start_server: Callable[..., Any], store_settings: StoreSettings, loop_thread: Any,
-                  monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Metered]]:
-    """Start a real server (gateway.server.start) with the metrics interceptor and a request log, its
-    stats watched, and the endpoint on a free loopback port.
+def start_metered(start_server: Callable[..., Any], store_settings: StoreSettings) -> Callable[..., Metered]:
+    """Start a real server with `[metrics] port` on a free loopback port (`tenant_labels` as given)."""
 
-    Until gateway/server.py wires gateway.metrics itself, the interceptor goes in where the server
-    constructs UndecodableRequests (just outside it), and the servicers are caught as the server
-    constructs them.
-    """
-    import gateway.server as srv
+    def start(*, tenant_labels: int = 64, **kwargs: Any) -> Metered:
+        for attempt in range(3):  # the free port may be taken between the probe and the bind
+            try:
+                metrics = MetricsSettings(host="127.0.0.1", port=_free_port(), tenant_labels=tenant_labels)
+                return Metered(start_server(store_settings, metrics=metrics, **kwargs))
+            except OSError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
-    endpoints: list[MetricsEndpoint] = []
+    return start
 
-    def start(*, tenant_labels_cap: int = 64, namespace_tenants: bool = False, **kwargs: Any) -> Metered:
-        metrics = ServerMetrics(tenant_labels_cap=tenant_labels_cap)
-        interceptor = (MetricsInterceptor(metrics, RequestLog(), current_caller=None) if namespace_tenants
-                       else MetricsInterceptor(metrics, RequestLog()))
-        parts: dict[str, Any] = {}
-        undecodable = srv.UndecodableRequests
-        monkeypatch.setattr(srv, "UndecodableRequests", lambda: _Chain(interceptor, undecodable()))
-        for name in ("KVStoreServicer", "SwaCache", "TransferServicer"):
-            monkeypatch.setattr(srv, name, _catching(getattr(srv, name), name, parts))
-        running = start_server(store_settings, **kwargs)
 
-        async def watch() -> None:
-            metrics.watch(running.tier, swa=parts["SwaCache"], transfer=parts["TransferServicer"],
-                          resume=parts["KVStoreServicer"].resume)
+@pytest.fixture
+def issue(store_settings: StoreSettings) -> Callable[..., str]:
+    """Create a token for a tenant in the store's tenants file (auth turns on with the first)."""
 
-        loop_thread.run(watch())
-        endpoint = serve_metrics(metrics.registry, "127.0.0.1", 0)
-        endpoints.append(endpoint)
-        return Metered(running=running, metrics=metrics, endpoint=endpoint, parts=parts)
+    def make(tenant: str, rights: frozenset[str] = frozenset({"read", "write"})) -> str:
+        return api_tokens.create(store_settings.data_dir / "tenants.json", tenant, rights)[1]
 
-    yield start
-    for endpoint in endpoints:
-        endpoint.close_now()
+    return make

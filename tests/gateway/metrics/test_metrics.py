@@ -50,26 +50,25 @@ def test_a_server_stream_counts_once_when_it_ends(start_metered: Any) -> None:
     assert s.value("kvstore_rpc_duration_seconds_count", method=f"{KV}/Get", tenant="default") == 1
 
 
-def test_a_request_stream_counts_under_its_first_message_namespace(start_metered: Any) -> None:
-    m = start_metered(namespace_tenants=True)  # no gateway.auth caller: the namespace names the tenant
-    with Client(m.target, namespace="acme") as client:
-        client.put(list(range(client.block_tokens * 2)), [os.urandom(client.block_bytes)] * 2,
-                   batch_blocks=1)  # two batches: a PutStream
-    s = m.scrape()
-    assert s.value("kvstore_rpc_requests_total", method=f"{KV}/PutStream", tenant="acme", code="OK") == 1
-
-
-def test_tenant_labels_are_capped_and_later_tenants_fold_into_other(start_metered: Any) -> None:
-    m = start_metered(tenant_labels_cap=3, namespace_tenants=True)
+def test_the_tenant_is_the_tokens_and_tenants_past_the_cap_fold_into_other(start_metered: Any, issue: Any) -> None:
+    tokens = {"t0": issue("t0", frozenset({"read"})), **{f"t{i}": issue(f"t{i}") for i in range(1, 5)}}
+    m = start_metered(tenant_labels=3)
     kv = stub(m.target)
-    for i in range(10):  # an open server takes any namespace: each must not become a series
-        kv.Lookup(pb.LookupRequest(namespace=f"flood-{i}", block_hashes=[bytes(32)]))
+    for token in tokens.values():
+        kv.Lookup(pb.LookupRequest(block_hashes=[bytes(32)]), metadata=[("authorization", f"Bearer {token}")])
+    with pytest.raises(grpc.RpcError) as refused:
+        kv.Lookup(pb.LookupRequest(block_hashes=[bytes(32)]))  # no token
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as denied:
+        kv.Put(pb.PutRequest(), metadata=[("authorization", f"Bearer {tokens['t0']}")])  # t0 may only read
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
     s = m.scrape()
-    counts: dict[str, float] = {}
-    for labels, value in s.where("kvstore_rpc_requests_total"):
-        counts[labels["tenant"]] = counts.get(labels["tenant"], 0) + value
-    assert counts == {"flood-0": 1, "flood-1": 1, "flood-2": 1, "other": 7}
-    assert s.value("kvstore_metrics_tenants_folded_total") == 7
+    assert s.by_tenant("kvstore_rpc_requests_total") == {"t0": 2, "t1": 1, "t2": 1, "other": 2, "unauthenticated": 1}
+    assert s.value("kvstore_rpc_rejections_total", method=f"{KV}/Put", tenant="t0", code="PERMISSION_DENIED",
+                   reason="status") == 1
+    assert s.value("kvstore_rpc_rejections_total", method=f"{KV}/Lookup", tenant="unauthenticated",
+                   code="UNAUTHENTICATED", reason="status") == 1
+    assert s.value("kvstore_metrics_tenants_folded_total") == 2
     assert s.value("kvstore_metrics_tenant_labels") == 3
 
 

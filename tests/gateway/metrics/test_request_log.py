@@ -44,6 +44,21 @@ def test_a_failed_call_logs_one_json_line_with_its_fields_and_never_the_token(
     assert SECRET not in line.getMessage()
 
 
+def test_a_refused_token_is_logged_as_unauthenticated_and_never_shown(
+        start_metered: Any, issue: Any, caplog: pytest.LogCaptureFixture) -> None:
+    issue("acme")  # auth on
+    m = start_metered()
+    caplog.set_level(logging.INFO, logger="kvstore.requests")
+    kv = pb_grpc.KVStoreStub(grpc.insecure_channel(m.target))
+    with pytest.raises(grpc.RpcError) as refused:
+        kv.Lookup(pb.LookupRequest(block_hashes=[bytes(32)]), metadata=[("authorization", f"Bearer {SECRET}")])
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    [line] = _lines(caplog)
+    entry = json.loads(line.getMessage())
+    assert (entry["tenant"], entry["status"], entry["method"]) == ("unauthenticated", "UNAUTHENTICATED", f"{KV}/Lookup")
+    assert entry["message"] and SECRET not in line.getMessage()
+
+
 def test_a_call_the_client_cancelled_is_no_failure(start_metered: Any, caplog: pytest.LogCaptureFixture) -> None:
     m = start_metered()
     caplog.set_level(logging.INFO, logger="kvstore.requests")
