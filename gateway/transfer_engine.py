@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gateway import validate
+from gateway.hit_stats import HitStats
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from kvstore.errors import KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
@@ -143,7 +144,7 @@ class Copier:
 
 
 async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, batch: ReadBatch,
-                   chunk: int, copier: Copier) -> None:
+                   chunk: int, copier: Copier, hit_stats: HitStats | None = None) -> None:
     """Copy a read batch's blocks into their regions, chunk by chunk, then restart their
     retention clocks durably, and only then mark the batch done.
 
@@ -152,7 +153,8 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
     The refresh goes through `tier.touch_soon`, so batches finishing together
     share one fsync'd commit, as Gets do. A block whose refresh failed is not
     kept for its retention window: its descriptor fails (with the refresh's
-    status) rather than answer DONE, and `refresh_failures` counts it.
+    status) rather than answer DONE, and `refresh_failures` counts it. The
+    blocks asked and found count as a retrieve of the session's tenant in `hit_stats`.
     """
     results = transfer.results
     end = n = len(batch)
@@ -183,6 +185,8 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
         del statuses
         _finish(results, end, batch.prefix_only, session.closed)
         tier.count_get(n, found)
+        if hit_stats is not None:
+            hit_stats.record(session.scope.namespace, "get", n, found)
         try:
             # Durable before DONE: a read the client saw complete keeps its blocks
             # for their retention window even across a crash (docs/RETENTION.md).
