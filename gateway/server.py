@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gateway.admin_servicer import add_admin_service, open_admin
 from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
@@ -156,7 +157,11 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
-    server = grpc.aio.server(interceptors=interceptors, options=[
+    # Tenants' policies and the audit log; the quota interceptor goes innermost (it reads the
+    # caller auth set and decoded requests).
+    admin = open_admin(settings, clock=clock)
+    closers.append(admin.close)
+    server = grpc.aio.server(interceptors=[*interceptors, admin.quotas], options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
@@ -174,6 +179,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
+    services.append(add_admin_service(server, admin, tier, layouts))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for name in services:
