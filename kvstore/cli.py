@@ -82,6 +82,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("replay.worker.command", "run the reference GPU worker (replay and prefill) as a gRPC service"),
     "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
     "stats": ("kvstore.commands.stats", "show hit rates over time, storage use and retention headroom"),
+    "policy": ("kvstore.commands.policy",
+               "show and change tenants' retention, SWA TTL and quotas, and the audit log (admin, audited)"),
     "purge": ("kvstore.commands.purge", "delete a prompt's blocks or a tenant's whole cache (admin, audited)"),
     "export": ("kvstore.commands.transfer_tenant", "export a tenant's cache to a file on the server (admin, audited)"),
     "import": ("kvstore.commands.transfer_tenant",
