@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from gateway import auth
-from gateway.admin_servicer import SERVICE_NAME, add_admin_service, open_admin
-from gateway.validate import Layout
-from kvstore import api_tokens, geometry
+from gateway.admin_servicer import SERVICE_NAME
+from kvstore import api_tokens
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.clock import ManualClock
@@ -25,30 +24,6 @@ from kvstore.geometry import V4_1_FLASH
 HOUR = 3600.0
 TOKENS = 16
 BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
-
-
-@pytest.fixture
-def wired(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Admin service and quota interceptor in gateway.server's assembly, as WIRING12.md asks of it.
-
-    A no-op once gateway/server.py wires them itself.
-    """
-    import gateway.server as srv
-
-    if "open_admin" in vars(srv):
-        return
-    assemble = srv._assemble
-
-    async def with_admin(settings: Any, tier: Any, closers: list[Any], clock: Any, interceptors: list[Any],
-                         *rest: Any) -> Any:
-        parts = open_admin(settings, clock=clock)
-        closers.append(parts.close)
-        server, health = await assemble(settings, tier, closers, clock, [*interceptors, parts.quotas], *rest)
-        layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
-        add_admin_service(server, parts, tier, layouts)
-        return server, health
-
-    monkeypatch.setattr(srv, "_assemble", with_admin)
 
 
 def make_tokens(data_dir: Path) -> dict[str, str]:
@@ -71,7 +46,7 @@ def tokens(store: StoreSettings) -> dict[str, str]:
 
 
 @pytest.fixture
-def running(wired: None, start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str]) -> Any:
+def running(start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str]) -> Any:
     return start_server(store)
 
 
@@ -103,7 +78,7 @@ def test_admin_calls_need_an_admin_token(running: Any, tokens: dict[str, str]) -
 
 
 def test_the_servicer_itself_refuses_a_caller_without_the_admin_right(
-        wired: None, start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str],
+        start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     for method in ("GetPolicy", "SetPolicy", "ListPolicies", "PolicyLog", "Purge", "ExportTenant", "ImportTenant"):
         monkeypatch.setitem(auth.METHOD_RIGHTS, f"/{SERVICE_NAME}/{method}", auth.ANY)  # the interceptor lets it by
@@ -116,7 +91,7 @@ def test_the_servicer_itself_refuses_a_caller_without_the_admin_right(
 
 
 def test_policies_are_set_audited_and_persist_across_a_restart(
-        wired: None, start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str],
+        start_server: Callable[..., Any], store: StoreSettings, tokens: dict[str, str],
         clock: ManualClock, loop_thread: Any) -> None:
     first = start_server(store)
     with AdminClient(first.target, token=tokens["ops"]) as ops:
@@ -162,12 +137,10 @@ def test_purge_a_prompt_then_a_whole_tenant_audited(running: Any, admin: AdminCl
     assert json.loads(log[1].new_json)["purged_blocks"] == 1
 
 
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """`kvstore ARGV` through kvstore.cli.main, with `policy` listed as WIRING12.md asks of kvstore/cli.py."""
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`kvstore ARGV` through kvstore.cli.main: exit code, stdout, stderr."""
     from kvstore import cli as kvcli
 
-    if "policy" not in kvcli.LAZY_COMMANDS:
-        monkeypatch.setitem(kvcli.LAZY_COMMANDS, "policy", ("kvstore.commands.policy", "tenants' policies"))
     code = kvcli.main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
@@ -177,20 +150,20 @@ def test_kvstore_policy_commands_end_to_end(running: Any, tokens: dict[str, str]
                                             capsys: pytest.CaptureFixture[str]) -> None:
     target = ("--target", running.target)
     monkeypatch.setenv("KVSTORE_TOKEN", tokens["ops"])
-    code, out, _ = cli(monkeypatch, capsys, "policy", "set", "acme", "--retention-hours", "96",
+    code, out, _ = cli(capsys, "policy", "set", "acme", "--retention-hours", "96",
                        "--nvme-quota-bytes", "1MiB", *target)
     assert code == 0
     assert "retention_hours    72 -> 96" in out and "nvme_quota_bytes   0 (unlimited) -> 1,048,576 (1 MiB)" in out
-    code, out, _ = cli(monkeypatch, capsys, "policy", "get", "acme", "--json", *target)
+    code, out, _ = cli(capsys, "policy", "get", "acme", "--json", *target)
     assert json.loads(out)["policy"]["nvme_quota_bytes"] == 1 << 20
-    code, out, _ = cli(monkeypatch, capsys, "policy", "list", *target)
+    code, out, _ = cli(capsys, "policy", "list", *target)
     assert out.splitlines()[2].split()[:2] == ["acme", "96"]
-    code, out, _ = cli(monkeypatch, capsys, "policy", "log", "--json", *target)
+    code, out, _ = cli(capsys, "policy", "log", "--json", *target)
     [entry] = json.loads(out)["entries"]
     assert (entry["actor"], entry["old"]["retention_hours"], entry["new"]["retention_hours"]) == ("ops", 72, 96)
-    code, _, err = cli(monkeypatch, capsys, "policy", "set", "acme", "--retention-hours", "80", *target)
+    code, _, err = cli(capsys, "policy", "set", "acme", "--retention-hours", "80", *target)
     assert code == 2 and "FailedPrecondition: retention_hours may only be raised" in err
-    code, out, _ = cli(monkeypatch, capsys, "policy", "get", "acme", "--json", "--token", tokens["acme"], *target)
+    code, out, _ = cli(capsys, "policy", "get", "acme", "--json", "--token", tokens["acme"], *target)
     assert code == 2 and json.loads(out)["error"]["code"] == "PERMISSION_DENIED"
 
 

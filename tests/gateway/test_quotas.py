@@ -13,9 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.admin_servicer import add_admin_service, open_admin
-from gateway.validate import Layout
-from kvstore import api_tokens, geometry
+from kvstore import api_tokens
 from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.clock import ManualClock
@@ -28,24 +26,8 @@ BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
 
 
 @pytest.fixture
-def start_wired(start_server: Callable[..., Any], tmp_path: Path,
-                monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
-    """Start a server with the Admin service and quota interceptor wired (as WIRING12.md asks of gateway/server.py)."""
-    import gateway.server as srv
-
-    if "open_admin" not in vars(srv):
-        assemble = srv._assemble
-
-        async def with_admin(settings: Any, tier: Any, closers: list[Any], clock: Any, interceptors: list[Any],
-                        *rest: Any) -> Any:
-            parts = open_admin(settings, clock=clock)
-            closers.append(parts.close)
-            server, health = await assemble(settings, tier, closers, clock, [*interceptors, parts.quotas], *rest)
-            add_admin_service(server, parts, tier, {g.name: Layout.of(g, TOKENS) for g in geometry.REGISTRY.values()})
-            return server, health
-
-        monkeypatch.setattr(srv, "_assemble", with_admin)
-
+def start_wired(start_server: Callable[..., Any], tmp_path: Path) -> Callable[..., Any]:
+    """Start a server (with the Admin service and the quota interceptor, as gateway.server builds it), 8 blocks."""
     def start(**kwargs: Any) -> Any:
         store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=8 * BLOCK_BYTES, block_tokens=TOKENS)
         return start_server(store, **kwargs)
