@@ -4,7 +4,6 @@ flags, the Admin client they make, and a progress line while the server works.""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -12,13 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvstore.commands import add_connection_arguments as add_credentials
+from kvstore.commands import client_options
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 def add_connection_arguments(p: argparse.ArgumentParser, *, timeout_s: float) -> None:
-    """--target, --token, --json, --timeout and --no-progress."""
+    """--target, the credentials (--token, TLS), --json, --timeout and --no-progress."""
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
-    p.add_argument("--token", default=None, help="an API token with the admin right (default: $KVSTORE_TOKEN)")
+    add_credentials(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=timeout_s,
                    help=f"seconds the server may take (default {timeout_s:g})")
@@ -26,11 +28,10 @@ def add_connection_arguments(p: argparse.ArgumentParser, *, timeout_s: float) ->
 
 
 def admin_client(args: argparse.Namespace) -> Any:
-    """The Admin client for the command's flags (the token from --token, else $KVSTORE_TOKEN)."""
+    """The Admin client for the command's flags (the token from --token, else $KVSTORE_TOKEN; TLS flags)."""
     from kvstore.client.admin import AdminClient
 
-    token = args.token if args.token is not None else os.environ.get("KVSTORE_TOKEN") or None
-    return AdminClient(args.target, token=token, timeout_s=args.timeout)
+    return AdminClient(args.target, timeout_s=args.timeout, **client_options(args))
 
 
 @contextmanager
