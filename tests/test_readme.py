@@ -87,6 +87,7 @@ COVERAGE = {
     ("Resume a conversation: the planner and the worker", "python", 0): "run: test_resume_section_runs",
     ("Watch it", "sh", 0): "run (stats, check) and parse (bench): test_watch_it_runs",
     ("Watch it", "json", 0): "run: test_the_json_error_is_what_stats_prints",
+    ("Run it for many tenants", "sh", 0): "parse",
 }
 
 
@@ -107,7 +108,7 @@ def kvstore_commands(text: str) -> list[list[str]]:
 
 def test_every_kvstore_command_parses() -> None:
     commands = [argv for b in readme_blocks() if b.lang == "sh" for argv in kvstore_commands(b.text)]
-    assert len(commands) >= 14  # every `kvstore` line was found
+    assert len(commands) >= 23  # every `kvstore` line was found
     for argv in commands:
         try:
             build_parser(argv).parse_args(argv)
