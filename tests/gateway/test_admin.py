@@ -181,3 +181,11 @@ def test_export_then_import_a_tenant_audited(running: Any, admin: AdminClient, t
     assert [(e.actor, e.action) for e in log] == [("ops", "export"), ("ops", "purge"), ("ops", "import")]
     assert json.loads(log[0].new_json) == {"path": str(path), "records": 1, "bytes": exported.bytes}
     assert json.loads(log[2].new_json)["written"] == 1
+
+
+def test_without_tenants_on_loopback_the_default_tenant_is_an_admin(start_server: Callable[..., Any],
+                                                                    store: StoreSettings) -> None:
+    running = start_server(store)  # no tenants file: the two-command start
+    with AdminClient(running.target) as anyone:
+        assert anyone.set_policy("default", requests_per_s=1000).after.policy.requests_per_s == 1000
+        assert anyone.policy_log()[0].actor == "default"
