@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -48,7 +49,7 @@ from gateway.export_format import (
 )
 from gateway.validate import Layout
 from kvstore import geometry as geometries
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from tiers.lmdb_tier import LmdbBlockTier
 
 #: Block data per frame when exporting: about 140 V4.1-Flash blocks of 64 tokens.
@@ -248,15 +249,21 @@ async def import_tenant(tier: LmdbBlockTier, tenant: str | None, path: Path | st
             names = ", ".join(str(g.get("name")) for g in header.geometries)
             raise FailedPrecondition(f"{path} holds blocks of geometries this server does not serve ({names})",
                                      hint="import it on a server that serves them")
-        frames = records = written = skipped = 0
-        async for frame in reader.frames():
-            batch = await asyncio.to_thread(fmt.unpack_frame, frame, path)
-            usable = [r for r in batch if r.fingerprint in served]
-            skipped += len(batch) - len(usable)
-            if usable:
-                written += await tier.call(tier.import_records, usable, target)
-            frames, records = frames + 1, records + len(batch)
-    return ImportCounts(tenant=target, frames=frames, records=records, written=written, skipped=skipped)
+        done = ImportCounts(tenant=target, frames=0, records=0, written=0)
+        try:
+            async for frame in reader.frames():
+                batch = await asyncio.to_thread(fmt.unpack_frame, frame, path)
+                usable = [r for r in batch if r.fingerprint in served]
+                written = await tier.call(tier.import_records, usable, target) if usable else 0
+                done = dataclasses.replace(done, frames=done.frames + 1, records=done.records + len(batch),
+                                           written=done.written + written,
+                                           skipped=done.skipped + len(batch) - len(usable))
+        except KVStoreError as exc:  # the file changed since the check, a quota, a full store: say what stays
+            exc.message = (f"{exc.message}; the import stopped there, after {done.frames} whole frames "
+                           f"({done.records} records, {done.written} blocks written, parents first: R6 holds)")
+            exc.args = (exc.message,)
+            raise
+    return done
 
 
 def record_of(item: Any) -> BlockRecord:
