@@ -1,15 +1,17 @@
-"""Hit counters per tenant in minute buckets, summed over time windows, kept in the data dir.
+"""Hit counters per tenant in time buckets, summed over windows that end now, kept in the data dir.
 
 The store's own counters (tiers/accounting.py) are totals since the store was
 created, all tenants together: a restart mixes the earlier runs into every
 rate, and one large miss moves the rate for good. These counters are bucketed
-by wall-clock minute per tenant, so a rate can be read over a window that ends
-now:
+by wall-clock time per tenant (minutes for the last hour, half-hours for the
+last day: about 110 small buckets per busy tenant), so a rate can be read over
+a window that ends now:
 
-- "5m", "1h", "24h": the last 5, 60 or 1,440 minute buckets, the current
-  (partly elapsed) minute included. Buckets are kept across restarts, so a
-  window after a restart holds the previous run's traffic inside it, and
-  nothing older; the minutes the server was down hold nothing.
+- "5m", "1h": the last 5 or 60 minute buckets, the current (partly elapsed)
+  minute included; "24h": the last 48 half-hour buckets, the current one
+  included (23.5 to 24 h). Buckets are kept across restarts, so a window after
+  a restart holds the previous run's traffic inside it, and nothing older;
+  the time the server was down holds nothing.
 - "start": since this server process started; zero at every start.
 - "all": since the counters were first kept in this data dir (its
   `stats/hits.json`), across every run.
@@ -53,14 +55,15 @@ _KINDS: dict[str, tuple[str, str, str, bool]] = {
     "get": ("gets", "get_blocks_asked", "get_blocks_returned", True),
     "swa": ("swa_gets", "swa_snapshots_asked", "swa_snapshots_found", False),
 }
-#: Windows by name: minute buckets summed (None: the run's or all-time totals).
-WINDOWS: dict[str, int | None] = {"5m": 5, "1h": 60, "24h": 1440, "start": None, "all": None}
-#: Minute buckets kept: the longest window's.
-KEPT_MINUTES = 1440
-#: Most points of a 24-hour series (one a minute).
-MAX_SERIES_POINTS = KEPT_MINUTES
+#: Bucket sizes in seconds, and how many of each are kept (the longest window of that size).
+LEVELS: dict[int, int] = {60: 60, 1800: 48}
+#: Windows by name: (bucket seconds, buckets summed); None: the run's or all-time totals.
+WINDOWS: dict[str, tuple[int, int] | None] = {"5m": (60, 5), "1h": (60, 60), "24h": (1800, 48),
+                                              "start": None, "all": None}
+#: Most points of a 24-hour series (one a half-hour bucket).
+MAX_SERIES_POINTS = LEVELS[1800]
 FILE_NAME = "hits.json"
-_FORMAT = 1
+_FORMAT = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +114,8 @@ class HitStats:
         self.block_tokens = block_tokens
         self.started_s = clock.now()
         self._lock = threading.Lock()
-        self._minutes: dict[str, dict[int, list[int]]] = {}
+        #: Bucket seconds -> tenant -> bucket index (time // seconds) -> counters.
+        self._buckets: dict[int, dict[str, dict[int, list[int]]]] = {size: {} for size in LEVELS}
         self._run: dict[str, list[int]] = {}
         self._all: dict[str, list[int]] = {}
         self.counted_since_s = self.started_s
@@ -142,32 +146,32 @@ class HitStats:
                            (_INDEX["resume_usable_tokens"], usable_tokens), (_INDEX[action_field], 1)])
 
     def _add(self, tenant: str, deltas: list[tuple[int, int]]) -> None:
-        minute = int(self.clock.now() // 60)
+        now = self.clock.now()
+        minute = int(now // 60)
         with self._lock:
-            by_minute = self._minutes.setdefault(tenant, {})
-            bucket = by_minute.get(minute)
-            if bucket is None:
-                bucket = by_minute[minute] = _zeros()
-            run = self._run.setdefault(tenant, _zeros())
-            total = self._all.setdefault(tenant, _zeros())
-            for i, v in deltas:
-                bucket[i] += v
-                run[i] += v
-                total[i] += v
+            targets = [self._run.setdefault(tenant, _zeros()), self._all.setdefault(tenant, _zeros())]
+            for size, by_tenant in self._buckets.items():
+                by_index = by_tenant.setdefault(tenant, {})
+                index = int(now // size)
+                bucket = by_index.get(index)
+                targets.append(bucket if bucket is not None else by_index.setdefault(index, _zeros()))
+            for counts in targets:
+                for i, v in deltas:
+                    counts[i] += v
             rolled = minute != self._minute
             if rolled:
                 self._minute = minute
-                self._prune(minute)
+                self._prune(now)
         if rolled:
             self._write_soon()
 
-    def _prune(self, minute: int) -> None:
-        """Drop buckets past the longest window (called under the lock, once a minute at most)."""
-        oldest = minute - KEPT_MINUTES
-        for by_minute in self._minutes.values():
-            stale = [m for m in by_minute if m <= oldest]
-            for m in stale:
-                del by_minute[m]
+    def _prune(self, now: float) -> None:
+        """Drop buckets past the longest window of their size (under the lock, once a minute at most)."""
+        for size, by_tenant in self._buckets.items():
+            oldest = int(now // size) - LEVELS[size]
+            for by_index in by_tenant.values():
+                for index in [i for i in by_index if i <= oldest]:
+                    del by_index[index]
 
     # -- reading -----------------------------------------------------------
 
@@ -179,7 +183,6 @@ class HitStats:
     def windows(self, tenant: str | None, names: Iterable[str] = WINDOWS) -> list[Window]:
         """`tenant`'s counters (None: every tenant's summed) over each window in `names`."""
         now = self.clock.now()
-        minute = int(now // 60)
         tenants = None if tenant is None else {tenant}
         out = []
         with self._lock:
@@ -191,43 +194,45 @@ class HitStats:
                     since = self.started_s if name == "start" else self.counted_since_s
                     out.append(Window(name=name, seconds=max(now - since, 0.0), counts=_named(counts)))
                     continue
-                first = minute - span + 1
-                counts = _sum_into(_zeros(), self._buckets(tenants, first, minute))
-                out.append(Window(name=name, seconds=now - first * 60, counts=_named(counts)))
+                size, count = span
+                last = int(now // size)
+                first = last - count + 1
+                counts = _sum_into(_zeros(), (c for _, c in self._in_range(size, tenants, first, last)))
+                out.append(Window(name=name, seconds=now - first * size, counts=_named(counts)))
         return out
 
     def series(self, tenant: str | None, points: int) -> list[Point]:
-        """The last 24 h in `points` equal slices (at most 1,440, the last ends with the current minute)."""
-        per = max(KEPT_MINUTES // max(min(points, MAX_SERIES_POINTS), 1), 1)
-        count = KEPT_MINUTES // per
-        last = int(self.clock.now() // 60)
+        """The last 24 h in `points` equal slices of whole half-hours (at most 48; the last one holds now)."""
+        size = 1800
+        per = LEVELS[size] // max(min(points, MAX_SERIES_POINTS), 1)
+        count = LEVELS[size] // per
+        last = int(self.clock.now() // size)
         first = last - count * per + 1
         tenants = None if tenant is None else {tenant}
+        slices = [_zeros() for _ in range(count)]
         with self._lock:
-            slices = [_zeros() for _ in range(count)]
-            for t, by_minute in self._minutes.items():
-                if tenants is not None and t not in tenants:
-                    continue
-                for m, c in by_minute.items():
-                    if first <= m <= last:
-                        _sum_into(slices[(m - first) // per], [c])
-        return [Point(start_s=(first + i * per) * 60.0, seconds=per * 60.0, counts=_named(c))
+            for index, c in self._in_range(size, tenants, first, last):
+                _sum_into(slices[(index - first) // per], [c])
+        return [Point(start_s=(first + i * per) * float(size), seconds=per * float(size), counts=_named(c))
                 for i, c in enumerate(slices)]
 
-    def _buckets(self, tenants: set[str] | None, first: int, last: int) -> Iterable[list[int]]:
-        for t, by_minute in self._minutes.items():
+    def _in_range(self, size: int, tenants: set[str] | None, first: int, last: int) -> Iterable[tuple[int, list[int]]]:
+        """(index, counters) of the `size`-second buckets from `first` to `last` of `tenants` (None: all)."""
+        for t, by_index in self._buckets[size].items():
             if tenants is None or t in tenants:
-                yield from (c for m, c in by_minute.items() if first <= m <= last)
+                yield from ((i, c) for i, c in by_index.items() if first <= i <= last)
 
     # -- persistence -------------------------------------------------------
 
     def _write_soon(self) -> None:
         """Have the writer thread write the file, unless a write is already waiting."""
         with self._lock:
-            if self._writer is None or self._write_pending:
+            writer = self._writer
+            if writer is None or self._write_pending:
                 return
             self._write_pending = True
-        self._writer.submit(self._write_logged)
+            # Under the lock: close() takes the writer away under it too, so this never submits after shutdown.
+            writer.submit(self._write_logged)
 
     def _write_logged(self) -> None:
         try:
@@ -244,7 +249,8 @@ class HitStats:
             state = {
                 "format": _FORMAT, "fields": list(FIELDS), "counted_since_s": self.counted_since_s,
                 "all": {t: list(c) for t, c in self._all.items()},
-                "minutes": {t: {str(m): list(c) for m, c in by.items()} for t, by in self._minutes.items()},
+                "buckets": {str(size): {t: {str(i): list(c) for i, c in by.items()} for t, by in by_tenant.items()}
+                            for size, by_tenant in self._buckets.items()},
             }
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / FILE_NAME
@@ -278,20 +284,22 @@ class HitStats:
                 return out
 
             totals = {str(t): counts(c) for t, c in state["all"].items()}
-            minutes = {str(t): {int(m): counts(c) for m, c in by.items()} for t, by in state["minutes"].items()}
+            buckets = {size: {str(t): {int(i): counts(c) for i, c in by.items()}
+                              for t, by in state["buckets"].get(str(size), {}).items()} for size in LEVELS}
             since = float(state["counted_since_s"])
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             damaged = path.with_name(FILE_NAME + ".damaged")
             log.warning("%s is damaged (%s): moved to %s, hit counters start from zero", path, exc, damaged)
             os.replace(path, damaged)
             return
-        self._all, self._minutes, self.counted_since_s = totals, minutes, since
-        self._prune(self._minute)
+        self._all, self._buckets, self.counted_since_s = totals, buckets, since
+        self._prune(self.started_s)
 
     def close(self) -> None:
         """Write the counters a last time and stop the writer thread (at server stop)."""
-        if self._writer is None:
+        with self._lock:
+            writer, self._writer = self._writer, None
+        if writer is None:
             return
-        writer, self._writer = self._writer, None
         writer.shutdown(wait=True)
         self._write_logged()

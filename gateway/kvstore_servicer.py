@@ -10,7 +10,7 @@ import grpc
 
 from gateway import validate
 from gateway.auth import Caller, current_caller
-from gateway.hit_stats import WINDOWS, HitStats, Window
+from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.status import streaming, unary
 from gateway.validate import Layout
@@ -266,8 +266,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         unknown = [n for n in names if n not in WINDOWS]
         if unknown:
             raise InvalidArgument(f"windows {unknown} are not known; ask for some of {', '.join(WINDOWS)}")
-        if request.chart_points > 1440:
-            raise InvalidArgument(f"chart_points is {request.chart_points}: at most 1440 (one a minute over 24 h)")
+        if request.chart_points > MAX_SERIES_POINTS:
+            raise InvalidArgument(f"chart_points is {request.chart_points}: at most {MAX_SERIES_POINTS} "
+                                  "(the 24 h are kept in half-hours)")
         tenants = [tenant] if tenant is not None else self.hits.tenants()
         chart = self.hits.series(tenant, request.chart_points) if request.chart_points else []
         return {

@@ -31,12 +31,14 @@ def test_a_window_holds_its_minutes_and_nothing_older(tmp_path: Path, clock: Man
 
 def test_buckets_older_than_24_hours_are_dropped(clock: ManualClock) -> None:
     stats = HitStats(None, clock, block_tokens=16)
-    stats.record("a", "get", 4, 1)
-    clock.advance(24 * 3600)
+    stats.record("a", "get", 4, 1)  # at the start of a half-hour (the ManualClock starts on one)
+    clock.advance(23 * 3600 + 59 * 60)
+    assert counts(stats, "24h")["gets"] == 1  # the 24 h window is 48 half-hours, the current one included
+    clock.advance(60)
     stats.record("a", "get", 4, 4)  # a new minute prunes the old bucket
     assert counts(stats, "24h")["gets"] == 1
     assert counts(stats, "all")["gets"] == counts(stats, "start")["gets"] == 2
-    assert sum(len(b) for b in stats._minutes.values()) == 1
+    assert [len(by_tenant["a"]) for by_tenant in stats._buckets.values()] == [1, 1]  # a minute, a half-hour
 
 
 def test_a_new_minute_writes_the_file_and_a_reload_reads_it(tmp_path: Path, clock: ManualClock) -> None:
