@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 
 from gateway.auth import DEFAULT_TENANT
 from gateway.call_outcome import UNAUTHENTICATED_TENANT, CallOutcome, Observer, OutcomeInterceptor
+from gateway.hit_stats import HitStats
 from gateway.metrics_collector import StatsCollector
 from gateway.resume_counters import ResumeCounters
 from gateway.transfer_servicer import TransferServicer
@@ -126,14 +128,20 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.rpc = RpcMetrics(self.registry, tenant_labels_cap=tenant_labels_cap)
         self.collector: StatsCollector | None = None
+        #: The tenants the registry knows (gateway.tenants.TenantRegistry.tenants), read at each scrape.
+        self.known_tenants: Callable[[], Iterable[str]] = tuple
 
     def watch(self, tier: LmdbBlockTier, *, swa: SwaCache | None = None, transfer: TransferServicer | None = None,
-              resume: ResumeCounters | None = None) -> StatsCollector:
-        """Read these components' stats at every scrape. Call it on the server's event loop."""
+              resume: ResumeCounters | None = None, hits: HitStats | None = None) -> StatsCollector:
+        """Read these components' stats at every scrape. Call it on the server's event loop.
+
+        The per-tenant series cover the tenants `hits` has seen and those `known_tenants` names.
+        """
         if self.collector is not None:
             raise RuntimeError("ServerMetrics.watch was already called")
         self.collector = StatsCollector(tier, swa=swa, transfer=transfer, resume=resume,
-                                        loop=asyncio.get_running_loop(),
+                                        loop=asyncio.get_running_loop(), hits=hits,
+                                        tenant_names=lambda: self.known_tenants(), tenant_label=self.rpc.tenants,
                                         tenant_labels=lambda: len(self.rpc.tenants))
         self.registry.register(self.collector)
         return self.collector

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway import metrics_tenants
+from gateway.hit_stats import HitStats
 from gateway.resume_counters import ResumeCounters
 from gateway.transfer_servicer import TransferServicer
 from kvstore import geometry
@@ -70,6 +72,7 @@ class LoopStats:
     swa: SwaStats | None
     transfer: dict[str, int] | None
     resume: dict[str, int] | None
+    tenants: metrics_tenants.TenantStats
 
 
 def _ratio(found: int, asked: int) -> float:
@@ -97,18 +100,25 @@ class StatsCollector(Collector):
         transfer: the Transfer servicer (None: no transfer series).
         resume: the ReportResume counters (None: no resume series).
         loop: the server's event loop, where the SWA, transfer and resume stats are read.
+        hits: the hit counters per tenant (None: no per-tenant hit series).
+        tenant_names: the tenants the registry knows (their usage is shown even before they call).
+        tenant_label: a tenant's label in the per-call series (None: folded into "other"); event loop only.
         tenant_labels: how many tenants have a label of their own now.
         loop_timeout_s: longest a scrape waits for the event loop.
     """
 
     def __init__(self, tier: LmdbBlockTier, *, swa: SwaCache | None, transfer: TransferServicer | None,
-                 resume: ResumeCounters | None, loop: asyncio.AbstractEventLoop,
+                 resume: ResumeCounters | None, loop: asyncio.AbstractEventLoop, hits: HitStats | None = None,
+                 tenant_names: Callable[[], Iterable[str]] = tuple, tenant_label: Callable[[str], str | None] = str,
                  tenant_labels: Callable[[], int] = lambda: 0, loop_timeout_s: float = 5.0) -> None:
         self.tier = tier
         self.swa = swa
         self.transfer = transfer
         self.resume = resume
         self.loop = loop
+        self.hits = hits
+        self.tenant_names = tenant_names
+        self.tenant_label = tenant_label
         self.tenant_labels = tenant_labels
         self.loop_timeout_s = loop_timeout_s
         self._layout_names = _layout_names()
@@ -137,6 +147,7 @@ class StatsCollector(Collector):
                 yield from _transfer(loop_stats.transfer)
             if loop_stats.resume is not None:
                 yield from _resume(loop_stats.resume)
+            yield from metrics_tenants.series(loop_stats.tenants, self.tier)
         yield up
         yield _gauge("kvstore_metrics_tenant_labels", "Tenants with a label of their own in the kvstore_rpc_* "
                      "series (the rest are counted as tenant='other').", self.tenant_labels())
@@ -168,7 +179,8 @@ class StatsCollector(Collector):
                         "mapped_bytes": table.mapped_bytes(),
                         "descriptors_in_flight": table.load.descriptors_in_flight}
         resume = self.resume.stats_fields() if self.resume is not None else None
-        return LoopStats(swa=swa, transfer=transfer, resume=resume)
+        tenants = metrics_tenants.gather(self.tenant_names(), self.tenant_label, self.hits)
+        return LoopStats(swa=swa, transfer=transfer, resume=resume, tenants=tenants)
 
     def _store(self, s: TierStats) -> Iterator[Metric]:
         yield _gauge("kvstore_store_blocks", "Blocks stored on NVMe.", s.blocks_stored)

@@ -146,3 +146,30 @@ def test_the_endpoint_is_off_at_port_0_and_refuses_a_taken_port() -> None:
 def test_hit_ratios_are_nan_before_anything_was_asked(start_metered: Any) -> None:
     s = start_metered().scrape()
     assert math.isnan(s.value("kvstore_store_lookup_hit_ratio") or 0.0)
+
+
+def test_per_tenant_series_read_the_hit_counters_and_what_each_tenant_stores(start_metered: Any, issue: Any) -> None:
+    tokens = {name: issue(name) for name in ("acme", "beta", "gamma")}
+    m = start_metered(tenant_labels=2)
+    with Client(m.target, token=tokens["acme"]) as acme:
+        prompt = list(range(acme.block_tokens * 3))
+        acme.put(prompt, [os.urandom(acme.block_bytes) for _ in range(3)])
+        acme.lookup(prompt + list(range(500, 500 + acme.block_tokens)))  # 3 of 4 blocks found
+    with Client(m.target, token=tokens["beta"]) as beta:
+        prompt = list(range(beta.block_tokens))
+        beta.put(prompt, [os.urandom(beta.block_bytes)])
+        beta.get(prompt)
+    s = m.scrape()  # acme and beta called first: gamma (known, never called) is "other"
+    tier = m.running.tier
+    for name in ("acme", "beta"):
+        usage = tier.namespace_usage(name)
+        assert s.value("kvstore_tenant_stored_blocks", tenant=name) == usage.blocks
+        assert s.value("kvstore_tenant_stored_bytes", tenant=name) == usage.stored_bytes
+        assert s.value("kvstore_tenant_token_hours", tenant=name) == pytest.approx(usage.token_hours)
+    assert s.value("kvstore_tenant_stored_blocks", tenant="acme") == 3
+    assert s.value("kvstore_tenant_stored_blocks", tenant="other") == 0
+    block_tokens = acme.block_tokens
+    assert s.value("kvstore_tenant_lookup_tokens_asked_total", tenant="acme") == 4 * block_tokens
+    assert s.value("kvstore_tenant_lookup_tokens_found_total", tenant="acme") == 3 * block_tokens
+    assert s.value("kvstore_tenant_get_tokens_returned_total", tenant="beta") == block_tokens
+    assert s.value("kvstore_tenant_get_tokens_returned_total", tenant="acme") == 0
