@@ -104,6 +104,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     # two-command start), without "admin" beyond it.
     open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
     metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
+    metrics.known_tenants = lambda: tenants.tenants  # per-tenant series for every tenant with a token
     # Outermost first: metrics see every call, those auth refuses too (counted and logged).
     interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller),
                     UndecodableRequests()]
@@ -177,7 +178,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
-    metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume)
+    metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     services.append(add_admin_service(server, admin, tier, layouts))
     health = health_aio.HealthServicer()
