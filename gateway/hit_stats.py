@@ -49,12 +49,17 @@ FIELDS: tuple[str, ...] = (
     "resume_full_prefill_plans",
 )
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
-#: Per kind of call: the fields of (calls, units asked, units found), and whether units are blocks.
-_KINDS: dict[str, tuple[str, str, str, bool]] = {
-    "lookup": ("lookups", "lookup_blocks_asked", "lookup_blocks_found", True),
-    "get": ("gets", "get_blocks_asked", "get_blocks_returned", True),
-    "swa": ("swa_gets", "swa_snapshots_asked", "swa_snapshots_found", False),
+#: Per kind of call: the indexes of (calls, units asked, units found) and, for blocks, (tokens asked, found).
+_KINDS: dict[str, tuple[int, ...]] = {
+    kind: tuple(_INDEX[f] for f in fields) for kind, fields in {
+        "lookup": ("lookups", "lookup_blocks_asked", "lookup_blocks_found", "lookup_tokens_asked",
+                   "lookup_tokens_found"),
+        "get": ("gets", "get_blocks_asked", "get_blocks_returned", "get_tokens_asked", "get_tokens_returned"),
+        "swa": ("swa_gets", "swa_snapshots_asked", "swa_snapshots_found"),
+    }.items()
 }
+_RESUME = tuple(_INDEX[f] for f in ("resume_plans", "resume_prompt_tokens", "resume_found_tokens",
+                                    "resume_usable_tokens"))
 #: Bucket sizes in seconds, and how many of each are kept (the longest window of that size).
 LEVELS: dict[int, int] = {60: 60, 1800: 48}
 #: Windows by name: (bucket seconds, buckets summed); None: the run's or all-time totals.
@@ -130,33 +135,35 @@ class HitStats:
 
     def record(self, tenant: str, kind: str, asked: int, found: int) -> None:
         """Count one call of `kind` ("lookup", "get": blocks; "swa": snapshots) by `tenant`."""
-        calls, asked_field, found_field, in_blocks = _KINDS[kind]
-        deltas = [(_INDEX[calls], 1), (_INDEX[asked_field], asked), (_INDEX[found_field], found)]
-        if in_blocks:
-            deltas += [(_INDEX[asked_field.replace("blocks", "tokens")], asked * self.block_tokens),
-                       (_INDEX[found_field.replace("blocks", "tokens")], found * self.block_tokens)]
-        self._add(tenant, deltas)
+        where = _KINDS[kind]
+        if len(where) == 3:
+            self._add(tenant, where, (1, asked, found))
+        else:
+            self._add(tenant, where, (1, asked, found, asked * self.block_tokens, found * self.block_tokens))
 
     def record_resume(self, tenant: str, *, prompt_tokens: int, found_tokens: int, usable_tokens: int,
                       action_field: str) -> None:
         """Count one resume plan a planner reported (ReportResume); `action_field` names its action's
         counter (gateway.resume_counters.ACTION_FIELDS)."""
-        self._add(tenant, [(_INDEX["resume_plans"], 1), (_INDEX["resume_prompt_tokens"], prompt_tokens),
-                           (_INDEX["resume_found_tokens"], found_tokens),
-                           (_INDEX["resume_usable_tokens"], usable_tokens), (_INDEX[action_field], 1)])
+        self._add(tenant, (*_RESUME, _INDEX[action_field]), (1, prompt_tokens, found_tokens, usable_tokens, 1))
 
-    def _add(self, tenant: str, deltas: list[tuple[int, int]]) -> None:
+    def _add(self, tenant: str, where: tuple[int, ...], values: tuple[int, ...]) -> None:
+        """Add `values` to the counters at indexes `where` of `tenant`'s buckets now and its totals."""
         now = self.clock.now()
         minute = int(now // 60)
         with self._lock:
-            targets = [self._run.setdefault(tenant, _zeros()), self._all.setdefault(tenant, _zeros())]
+            targets = [self._run.get(tenant) or self._run.setdefault(tenant, _zeros()),
+                       self._all.get(tenant) or self._all.setdefault(tenant, _zeros())]
             for size, by_tenant in self._buckets.items():
-                by_index = by_tenant.setdefault(tenant, {})
+                by_index = by_tenant.get(tenant)
+                if by_index is None:
+                    by_index = by_tenant[tenant] = {}
                 index = int(now // size)
                 bucket = by_index.get(index)
                 targets.append(bucket if bucket is not None else by_index.setdefault(index, _zeros()))
+            pairs = tuple(zip(where, values, strict=True))
             for counts in targets:
-                for i, v in deltas:
+                for i, v in pairs:
                     counts[i] += v
             rolled = minute != self._minute
             if rolled:
