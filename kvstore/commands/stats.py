@@ -187,7 +187,8 @@ def chart_lines(data: dict[str, object], args: argparse.Namespace) -> list[str]:
     found, asked = RATES[key]
     points: list[dict[str, int]] = data["chart"]  # type: ignore[assignment]
     slices = [Slice(asked=int(p[asked]), found=int(p[found])) for p in points]  # type: ignore[index]
-    who = f"tenant {args.tenant}" if args.tenant else "all tenants shown"
+    tenants: dict[str, object] = data["tenants"]  # type: ignore[assignment]
+    who = f"tenant {next(iter(tenants))}" if len(tenants) == 1 else "all tenants shown"
     minutes = int(points[0]["seconds"] // 60) if points else 30
     lines = render(slices, title=f"{args.chart_rate} hit rate over the last 24 h ({who}, kvstore at {args.target})",
                    slice_minutes=minutes)

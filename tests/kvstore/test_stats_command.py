@@ -92,7 +92,7 @@ def test_the_chart_shows_24_hours_of_the_hit_rate_in_plain_text(server: Any, cli
     client.lookup(tokens)  # ... then 100%, 23.5 h later
     assert main(["stats", "--target", server.target, "--chart"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("lookup hit rate over the last 24 h (all tenants shown")
+    assert lines[0].startswith("lookup hit rate over the last 24 h (tenant default, kvstore at ")
     rows = {line[:5].strip(): line[7:] for line in lines[1:12]}
     assert list(rows) == [f"{p}%" for p in range(100, -1, -10)]
     assert all(len(columns) == 48 for columns in rows.values())
