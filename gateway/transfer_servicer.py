@@ -13,6 +13,7 @@ import numpy as np
 
 from gateway import validate
 from gateway.auth import current_caller, require
+from gateway.hit_stats import HitStats
 from gateway.status import streaming, unary
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_sessions import Session, SessionTable, Transfer
@@ -65,11 +66,13 @@ class TransferServicer(pb_grpc.TransferServicer):
         settings: the transfer section of the configuration.
         max_message_bytes: the server's message limit; replies stay below it
             whatever `settings.max_reply_bytes` says.
+        hits: the hit counters per tenant, shared with the KVStore service (None: reads not counted).
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings,
-                 *, max_message_bytes: int | None = None) -> None:
+                 *, max_message_bytes: int | None = None, hits: HitStats | None = None) -> None:
         self.tier = tier
+        self.hits = hits
         self.layouts = layouts
         self.settings = settings
         room = settings.max_reply_bytes if max_message_bytes is None else max_message_bytes - _ENVELOPE_BYTES
@@ -238,7 +241,8 @@ class TransferServicer(pb_grpc.TransferServicer):
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n)
         batch = read_batch(self.table, session, groups, layout.block_bytes, transfer.results, prefix_only)
         transfer.task = asyncio.create_task(
-            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copier))
+            run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copier,
+                     hit_stats=self.hits))
         return transfer
 
     def _write_plan(self, layout: Layout, n: int, request: pb.SubmitRequest) -> validate.PutPlan:
