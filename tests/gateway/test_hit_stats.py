@@ -3,7 +3,6 @@ that survive a restart, tenants counted apart, SWA gets and planner reports, the
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -12,7 +11,6 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.transfer_servicer import TransferServicer
 from kvstore.client import Client
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
@@ -127,8 +125,6 @@ def test_a_stats_request_naming_what_does_not_exist_is_refused(client: Client) -
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in (err.value.details() or "")
 
 
-@pytest.mark.xfail("hits" not in inspect.signature(TransferServicer.__init__).parameters, strict=True,
-                   reason="the server does not hand HitStats to the Transfer service yet")
 def test_transfer_reads_count_as_retrieves_of_the_sessions_tenant(client: Client) -> None:
     tokens = store_two_blocks(client)
     with client.transfer(path="shm") as session:
