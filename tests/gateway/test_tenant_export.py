@@ -166,7 +166,7 @@ def test_an_empty_tenant_exports_a_valid_empty_file(open_tier: Callable[[str], L
 
 
 def frame_offsets(path: Path) -> list[int]:
-    """Where each frame starts (after the header), read with the module's own layout."""
+    """Where each frame starts (after the header), then where the trailer starts."""
     raw = path.read_bytes()
     at = len(MAGIC)
     n = int.from_bytes(raw[at:at + 4], "little")
@@ -176,7 +176,7 @@ def frame_offsets(path: Path) -> list[int]:
         offsets.append(at)
         size = int.from_bytes(raw[at + 13:at + 17], "little")
         at += 17 + 8 + size
-    return offsets
+    return [*offsets, at]
 
 
 @pytest.mark.parametrize("damage", ["flip a payload byte", "cut inside", "drop a frame", "drop the last frame",
@@ -199,10 +199,10 @@ def test_a_damaged_file_is_refused_whole_naming_where(open_tier: Callable[[str],
         raw = raw[:offsets[1]] + raw[offsets[2]:]
         expected = "frame 1 at offset"
     elif damage == "drop the last frame":
-        raw = raw[:offsets[3]] + raw[raw.rindex(b"T"):]
+        raw = raw[:offsets[3]] + raw[offsets[4]:]
         expected = "the trailer counts 4 frames and 12 records; the file holds 3 and 9"
     elif damage == "no trailer":
-        raw = raw[:raw.rindex(b"T")]
+        raw = raw[:offsets[4]]
         expected = "cut short in frame 4"
     else:
         raw += b"\0"
