@@ -10,14 +10,18 @@ Each block's retention is its namespace's (R18), never below the store's: the
 walk stops at the store's cutoff (no block used later may go) and skips, on
 the way, blocks whose namespace promises more. So that a store whose least
 recently used blocks all belong to long-retention tenants does not cost every
-Put a walk of them all, one make-room call examines at most
-`MAX_EVICTION_SCAN` index entries; past that it refuses (R8), saying so.
+Put a walk of them all, the run of such blocks at the head of the index is
+remembered (`SkippedRuns`) and the next walk starts after it; and one make-room
+call examines at most `MAX_EVICTION_SCAN` index entries: past that it refuses
+(R8), saying so, and the next call goes on from where it stopped.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore.errors import ResourceExhausted, StoreFull
 from tiers.block_txn import BlockTxn, DamagedBlock
@@ -25,8 +29,45 @@ from tiers.namespaces import id_of_key
 from tiers.records import lru_entry
 from tiers.retention import Retention
 
-#: Most LRU index entries one make-room call examines (R18): about 0.1 s of walking.
-MAX_EVICTION_SCAN = 65_536
+#: Most LRU index entries one make-room call examines (R18): about 25 ms of walking.
+MAX_EVICTION_SCAN = 16_384
+#: Walk kinds whose skipped run is remembered (the store's, and one per namespace at its quota).
+MAX_SKIPPED_RUNS = 4096
+
+
+class SkippedRuns:
+    """For each kind of walk, the head of the LRU index it need not walk again yet (R18, R19).
+
+    A kind is None (making room in the store) or a namespace id (making room under
+    its quota). Its run is the index's entries from the start up to `end`, each of
+    which that walk skipped without looking further: a block kept by its namespace's
+    retention until at least `until_s`, or (for a quota's walk) another namespace's
+    block. That stays true: retention only rises, and entries only enter the index
+    after the run (a use is stamped now; a carried-up time is that of an evicted
+    child, found after the run). An entry skipped for any other reason (a lease, a
+    Put, a child that stays) ends the run. Kept in memory: a restart walks again.
+    Only write transactions use it, and LMDB runs one at a time.
+    """
+
+    def __init__(self) -> None:
+        self._runs: dict[bytes | None, tuple[bytes, float]] = {}
+
+    def start(self, kind: bytes | None, now_s: float) -> tuple[bytes | None, float]:
+        """(the first index key after the run, or None: from the start; the run's earliest deadline)."""
+        run = self._runs.get(kind)
+        if run is None:
+            return None, math.inf
+        if now_s >= run[1]:  # a block of the run may go now: walk it again
+            del self._runs[kind]
+            return None, math.inf
+        return run
+
+    def extend(self, kind: bytes | None, entry: bytes, until_s: float) -> None:
+        """The run now reaches past the index entry `entry`, kept until `until_s`."""
+        _, until = self._runs.pop(kind, (b"", math.inf))
+        self._runs[kind] = (bytes(entry) + b"\x00", min(until, until_s))
+        if len(self._runs) > MAX_SKIPPED_RUNS:
+            del self._runs[next(iter(self._runs))]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +91,7 @@ class Candidates:
         protected: keys that must stay whatever their age (leases, the Put's own blocks and parent).
         retention_of: storage key -> its namespace's retention seconds (R18); None: the store's.
         namespace: only blocks of this namespace id may go (a quota, R19); None: any.
+        skipped: the runs at the index's head that walks need not look at again.
     """
 
     rule: Retention
@@ -57,6 +99,7 @@ class Candidates:
     protected: Collection[bytes]
     retention_of: Callable[[bytes], float] | None = None
     namespace: bytes | None = None
+    skipped: SkippedRuns | None = None
 
     def cutoff(self, key: bytes) -> float:
         return self.rule.cutoff(self.now_s, self.retention_of(key) if self.retention_of else None)
@@ -74,7 +117,8 @@ class _Scan:
 
 
 def make_room(w: BlockTxn, need_bytes: int, *, capacity_bytes: int, rule: Retention, now_s: float,
-              protected: Collection[bytes], retention_of: Callable[[bytes], float] | None = None) -> Evicted:
+              protected: Collection[bytes], retention_of: Callable[[bytes], float] | None = None,
+              skipped: SkippedRuns | None = None) -> Evicted:
     """Evict blocks past retention, LRU first, until `need_bytes` more fit under `capacity_bytes`.
 
     Args:
@@ -85,6 +129,7 @@ def make_room(w: BlockTxn, need_bytes: int, *, capacity_bytes: int, rule: Retent
         now_s: retention time now.
         protected: keys that must stay whatever their age (leases, the Put's own blocks and parent).
         retention_of: storage key -> its namespace's retention seconds (R18); None: the store's.
+        skipped: where walks may start (`SkippedRuns`); None: from the index's start.
 
     Raises:
         StoreFull: not enough blocks may go; nothing was evicted that the caller keeps
@@ -94,7 +139,7 @@ def make_room(w: BlockTxn, need_bytes: int, *, capacity_bytes: int, rule: Retent
     excess = w.usage.stored_bytes + need_bytes - capacity_bytes
     if excess <= 0:
         return Evicted()
-    can = Candidates(rule=rule, now_s=now_s, protected=protected, retention_of=retention_of)
+    can = Candidates(rule=rule, now_s=now_s, protected=protected, retention_of=retention_of, skipped=skipped)
     return _evict(w, excess, can, lambda: (
         f"store full: {need_bytes} bytes needed, {max(capacity_bytes - w.usage.stored_bytes, 0)} free, "
         "and every other block is within its namespace's retention, leased, or part of this Put's chain"))
@@ -112,18 +157,23 @@ def make_quota_room(w: BlockTxn, ns_id: bytes, need_bytes: int, *, quota_bytes: 
     if used + need_bytes <= quota_bytes:
         return Evicted()
     ns_can = Candidates(rule=can.rule, now_s=can.now_s, protected=can.protected, retention_of=can.retention_of,
-                        namespace=ns_id)
+                        namespace=ns_id, skipped=can.skipped)
     try:
         return _evict(w, used + need_bytes - quota_bytes, ns_can, lambda: "")
-    except StoreFull:
+    except StoreFull as exc:
+        cut_short = " (its eviction scan stopped early; the next Put looks further)" if _CUT_SHORT in str(exc) else ""
         soonest = _soonest_evictable_s(w, ns_can)
         wait = ("wait until its blocks pass their retention" if soonest is None
                 else f"retry in {soonest / 3600:.1f} h, when its first block passes its retention")
         raise ResourceExhausted(
             f"namespace {namespace!r} is over its NVMe quota: it stores {used} bytes, this Put needs "
-            f"{need_bytes} more, and its quota (nvme_quota_bytes) is {quota_bytes} bytes; nothing was stored",
+            f"{need_bytes} more, and its quota (nvme_quota_bytes) is {quota_bytes} bytes; "
+            f"nothing was stored{cut_short}",
             hint=f"raise the namespace's nvme_quota_bytes (`kvstore policy set`), purge some of its blocks, or {wait}",
         ) from None
+
+
+_CUT_SHORT = "the eviction scan stopped"
 
 
 def _evict(w: BlockTxn, excess: int, can: Candidates, why_full: Callable[[], str]) -> Evicted:
@@ -134,8 +184,7 @@ def _evict(w: BlockTxn, excess: int, can: Candidates, why_full: Callable[[], str
         if not victims:
             why = why_full()
             if scan.cut_short:
-                why += (f" (the eviction scan stopped after the {MAX_EVICTION_SCAN} least recently used blocks, "
-                        "all kept by their namespaces' longer retention)")
+                why += f" ({_CUT_SHORT} after {MAX_EVICTION_SCAN} index entries; the next Put looks further)"
             raise StoreFull(why, soonest_evictable_s=_soonest_evictable_s(w, can))
         for key in victims:
             freed += w.delete(key, carry_up=True)
@@ -143,12 +192,23 @@ def _evict(w: BlockTxn, excess: int, can: Candidates, why_full: Callable[[], str
     return Evicted(blocks=count, freed_bytes=freed)
 
 
+def _walk(w: BlockTxn, can: Candidates) -> tuple[Iterator[Any], float]:
+    """The LRU index from where `can`'s walk starts, and the skipped run's earliest deadline."""
+    start, until_s = can.skipped.start(can.namespace, can.now_s) if can.skipped else (None, math.inf)
+    cursor = w.txn.cursor(db=w.dbs.lru)
+    if not (cursor.set_range(start) if start is not None else cursor.first()):
+        return iter(()), until_s
+    return cursor.iternext(keys=True, values=False), until_s
+
+
 def _evictable(w: BlockTxn, can: Candidates, want: int, scan: _Scan) -> Iterator[bytes]:
     """Blocks that may go, oldest first, until `want` bytes are found."""
     found = 0
     chosen: set[bytes] = set()
     floor_cutoff = can.rule.cutoff(can.now_s)
-    for raw in w.txn.cursor(db=w.dbs.lru).iternext(keys=True, values=False):
+    entries, _ = _walk(w, can)
+    extending = can.skipped is not None
+    for raw in entries:
         access_s, key = lru_entry(raw)
         if access_s >= floor_cutoff or found >= want:
             return
@@ -156,13 +216,24 @@ def _evictable(w: BlockTxn, can: Candidates, want: int, scan: _Scan) -> Iterator
             scan.cut_short = True
             return
         scan.seen += 1
-        if can.excluded(key):
+        if key in can.protected:
+            extending = False
             continue
+        if can.namespace is not None and id_of_key(key) != can.namespace:
+            if extending and can.skipped:
+                can.skipped.extend(can.namespace, raw, math.inf)
+            continue
+        cutoff = can.cutoff(key)
+        if access_s >= cutoff:  # kept by its namespace's longer retention (R18)
+            if extending and can.skipped:
+                can.skipped.extend(can.namespace, raw, access_s - cutoff + can.now_s)
+            continue
+        extending = False
 
         def children_stay(k: bytes = key) -> bool:
             return any(c not in chosen for c in w.children(k))
 
-        if not can.rule.may_evict(key, access_s, can.cutoff(key), can.protected, children_stay=children_stay):
+        if not can.rule.may_evict(key, access_s, cutoff, can.protected, children_stay=children_stay):
             continue
         meta = w.meta(key)
         if meta is None:
@@ -178,8 +249,9 @@ def _soonest_evictable_s(w: BlockTxn, can: Candidates) -> float | None:
     Walks the LRU index until no later block can pass earlier (every retention is
     at least the store's), at most `MAX_EVICTION_SCAN` entries.
     """
-    best: float | None = None
-    for i, raw in enumerate(w.txn.cursor(db=w.dbs.lru).iternext(keys=True, values=False)):
+    entries, until_s = _walk(w, can)
+    best: float | None = None if math.isinf(until_s) else until_s - can.now_s
+    for i, raw in enumerate(entries):
         access_s, key = lru_entry(raw)
         if i >= MAX_EVICTION_SCAN or (best is not None and can.rule.evictable_in_s(access_s, can.now_s) >= best):
             break

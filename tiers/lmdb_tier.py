@@ -43,7 +43,7 @@ from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, rea
 from tiers.chains import ChainIndex
 from tiers.damage import DamagedBlocks, refused_write
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
-from tiers.eviction import Candidates, Evicted, make_quota_room, make_room
+from tiers.eviction import Candidates, Evicted, SkippedRuns, make_quota_room, make_room
 from tiers.leases import Lease, LeaseTable
 from tiers.namespaces import NamespaceUsage
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
@@ -93,6 +93,7 @@ class LmdbBlockTier:
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self.retention = NamespaceRetention(settings.retention_s)
+        self._skipped = SkippedRuns()  # where eviction's walks of the LRU index start (R18)
         self._quota_of: Callable[[str], int] = _no_quota
         self._lock = threading.Lock()
         self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
@@ -260,13 +261,13 @@ class LmdbBlockTier:
         ns_id = namespaces.id_of_key(batch.scope.prefix)
         w.namespace_names.setdefault(ns_id, batch.scope.namespace)
         can = Candidates(rule=self.rule, now_s=now, protected=protected,
-                         retention_of=self.retention.for_keys(w.namespace_name))
+                         retention_of=self.retention.for_keys(w.namespace_name), skipped=self._skipped)
         evicted = Evicted()
         quota = batch.quota_bytes if batch.quota_bytes is not None else self._quota_of(batch.scope.namespace)
         if quota:
             evicted = make_quota_room(w, ns_id, need, quota_bytes=quota, namespace=batch.scope.namespace, can=can)
         evicted += make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
-                             protected=protected, retention_of=can.retention_of)
+                             protected=protected, retention_of=can.retention_of, skipped=self._skipped)
         parent = batch.parent_hash
         for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
             if fresh[i]:

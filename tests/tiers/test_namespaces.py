@@ -162,20 +162,59 @@ def test_r18_a_failing_provider_keeps_the_blocks(make_kit: Callable[..., Kit], c
     assert stored(kit, "alice", kit.chain(0, 10)) == 10
 
 
-def test_r18_the_eviction_scan_is_bounded(make_kit: Callable[..., Kit], clock: ManualClock,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_r18_the_eviction_scan_is_bounded_and_goes_on_where_it_stopped(
+        make_kit: Callable[..., Kit], clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
     kit = make_kit(10)
     kit.tier.set_retention_provider(provider)
-    put(kit, "long", kit.chain(0, 5))  # the 5 least recently used blocks are kept by their 200 h
+    long, short = kit.chain(0, 6), kit.chain(1000, 4)
+    put(kit, "long", long)  # the 6 least recently used blocks, kept by their 200 h
     clock.advance(1)
-    put(kit, "short", kit.chain(1000, 5))
+    put(kit, "short", short)
     clock.advance(100 * HOUR)
-    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 5)
-    with pytest.raises(ResourceExhausted, match="eviction scan stopped after the 5 least recently used"):
+    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 4)
+    with pytest.raises(ResourceExhausted, match="eviction scan stopped after 4 index entries"):
         put(kit, "new", kit.chain(2000, 1))
-    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 6)
-    put(kit, "new", kit.chain(2000, 1))  # one entry further: the short tenant's tail goes
-    assert stored(kit, "short", kit.chain(1000, 5)) == 4
+    put(kit, "new", kit.chain(2000, 1))  # the walk starts after the 4 it skipped: the short tenant's tail goes
+    assert (stored(kit, "long", long), stored(kit, "short", short)) == (6, 3)
+    clock.advance(101 * HOUR)  # the long tenant's blocks pass their 200 h: they are walked again, and go first
+    put(kit, "new", kit.chain(3000, 1))
+    assert (stored(kit, "long", long), stored(kit, "short", short)) == (5, 3)
+
+
+def test_r18_a_leased_block_ends_the_run_the_walk_skips(make_kit: Callable[..., Kit], clock: ManualClock) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    a, long, b = kit.chain(0, 1), kit.chain(1000, 5), kit.chain(2000, 4)
+    for namespace, hashes in (("short", a), ("long", long), ("short", b)):
+        put(kit, namespace, hashes)
+        clock.advance(1)
+    clock.advance(100 * HOUR)
+    _, lease = kit.tier.lookup(scope("short"), a, lease_s=60.0)  # pins a (R9), the least recently used
+    assert lease is not None
+    put(kit, "new", kit.chain(5000, 1))  # a is leased, long is kept: b's tail goes
+    assert (stored(kit, "short", a), stored(kit, "short", b)) == (1, 3)
+    kit.tier.leases.release(lease.lease_id)
+    put(kit, "new", kit.chain(6000, 1))  # no longer leased: a is walked again, and goes first
+    assert (stored(kit, "short", a), stored(kit, "short", b), stored(kit, "long", long)) == (0, 3, 5)
+
+
+def test_r18_a_block_whose_child_stays_ends_the_run_the_walk_skips(make_kit: Callable[..., Kit],
+                                                                   clock: ManualClock) -> None:
+    kit = make_kit(10)
+    kit.tier.set_retention_provider(provider)
+    c, long, b = kit.chain(0, 2), kit.chain(1000, 4), kit.chain(2000, 4)
+    put(kit, "short", c[:1])
+    for namespace, hashes in (("long", long), ("short", b)):
+        clock.advance(1)
+        put(kit, namespace, hashes)
+    clock.advance(1)
+    kit.tier.put(scope("short"), c[0], c[1:], [kit.data(1)], False)  # c's first block has a younger child
+    clock.advance(100 * HOUR)
+    put(kit, "new", kit.chain(5000, 1))  # c[0]'s child stays, long is kept: b's tail goes
+    assert (stored(kit, "short", c), stored(kit, "short", b)) == (2, 3)
+    assert kit.tier.purge(scope("short"), c[1:]) == 1  # c[0] is a leaf now, and the least recently used
+    put(kit, "new", kit.chain(6000, 2))
+    assert (stored(kit, "short", c), stored(kit, "short", b), stored(kit, "long", long)) == (0, 3, 4)
 
 
 # -- R19: an NVMe quota per namespace ----------------------------------------------------
@@ -211,6 +250,21 @@ def test_r19_a_namespace_at_its_quota_makes_room_from_its_own_blocks_past_retent
     with pytest.raises(ResourceExhausted, match="over its NVMe quota"):  # 1 block of its 3 may go, 3 are needed
         put(kit, "alice", kit.chain(6000, 3), quota_bytes=3 * kit.block_bytes)
     assert stored(kit, "alice", alice) == 1
+
+
+def test_r19_the_quota_walk_is_bounded_and_goes_on_where_it_stopped(
+        make_kit: Callable[..., Kit], clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    kit = make_kit(20)
+    bob, alice = kit.chain(1000, 4), kit.chain(0, 3)
+    put(kit, "bob", bob)  # the least recently used: 4 blocks the quota walk must step over
+    clock.advance(1)
+    put(kit, "alice", alice)
+    clock.advance(100 * HOUR)
+    monkeypatch.setattr(eviction, "MAX_EVICTION_SCAN", 3)
+    with pytest.raises(ResourceExhausted, match="its eviction scan stopped early"):
+        put(kit, "alice", kit.chain(5000, 1), quota_bytes=3 * kit.block_bytes)
+    put(kit, "alice", kit.chain(5000, 1), quota_bytes=3 * kit.block_bytes)  # starts after bob's first 3
+    assert (stored(kit, "alice", alice), stored(kit, "bob", bob)) == (2, 4)
 
 
 def test_r19_a_quota_provider_sets_each_namespace_s_quota(kit: Kit) -> None:
