@@ -36,6 +36,13 @@ Observer = Callable[["CallOutcome"], None]
 
 #: The tenant of a call refused before anyone said who the caller is.
 UNAUTHENTICATED_TENANT = "unauthenticated"
+#: Handler attributes by kind, and grpc's constructor of each.
+_HANDLER_KINDS: tuple[tuple[str, Callable[..., Any]], ...] = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
 _error_class: ContextVar[str] = ContextVar("kvstore_call_error_class", default="")
 
 
@@ -72,7 +79,8 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 def _code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
     """The status the call ends with: the one set on the context, else what the exception means."""
-    code = context.code()
+    read = getattr(context, "code", None)  # a sync method's context has none
+    code = read() if read is not None else None
     if isinstance(code, int):  # some grpc versions report the number
         code = _CODES.get(code)
     if isinstance(code, grpc.StatusCode):
@@ -85,7 +93,8 @@ def _code(context: Any, exc: BaseException | None) -> grpc.StatusCode:
 
 
 def _details(context: Any) -> str:
-    details = context.details()
+    read = getattr(context, "details", None)
+    details = read() if read is not None else ""
     if isinstance(details, bytes):
         return details.decode("utf-8", "replace")
     return details or ""
@@ -139,6 +148,16 @@ class _ObservedContext:
         await self._context.abort(code, details, *args, **kwargs)
 
 
+class _ObservedSyncContext(_ObservedContext):
+    """`_ObservedContext` for a sync method, whose context's abort raises at once."""
+
+    __slots__ = ()
+
+    def abort(self, code: grpc.StatusCode, details: str = "", *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self._call.finish(self._context, None, (code, details))
+        return self._context.abort(code, details, *args, **kwargs)
+
+
 class OutcomeInterceptor(grpc.aio.ServerInterceptor):
     """Tells `observers` how every call of every async method ended; each method's handler is wrapped once.
 
@@ -166,20 +185,35 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _wrap(self, method: str, handler: Handler) -> Handler:
-        decode, encode = handler.request_deserializer, handler.response_serializer
-        if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary),
-                                                       request_deserializer=decode, response_serializer=encode)
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(self._streaming(method, handler.unary_stream),
-                                                        request_deserializer=decode, response_serializer=encode)
-        if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
-            return grpc.stream_unary_rpc_method_handler(self._unary(method, handler.stream_unary),
-                                                        request_deserializer=decode, response_serializer=encode)
-        if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):
-            return grpc.stream_stream_rpc_method_handler(self._streaming(method, handler.stream_stream),
-                                                         request_deserializer=decode, response_serializer=encode)
-        return handler  # a sync method (none on this server) is not observed
+        for kind, make in _HANDLER_KINDS:
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                return make(self._observed(method, behavior, streams=kind.endswith("_stream")),
+                            request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
+        return handler
+
+    def _observed(self, method: str, behavior: Behavior, *, streams: bool) -> Behavior:
+        """`behavior` telling its outcome; a sync one answering a stream (none on this server) is left alone."""
+        if inspect.isasyncgenfunction(behavior):
+            return self._streaming(method, behavior)
+        if inspect.iscoroutinefunction(behavior):  # a coroutine may answer a stream with context.write
+            return self._unary(method, behavior)
+        if streams:
+            return behavior
+        return self._sync(method, behavior)
+
+    def _sync(self, method: str, behavior: Behavior) -> Behavior:
+        def observed(request: Any, context: Any) -> Any:  # runs on grpc's thread pool (the health service's List)
+            call = _Call(self, method)
+            try:
+                response = behavior(request, _ObservedSyncContext(call, context))
+            except BaseException as exc:
+                call.finish(context, exc)
+                raise
+            call.finish(context, None)
+            return response
+        return observed
 
     def _unary(self, method: str, behavior: Behavior) -> Behavior:
         async def observed(request: Any, context: grpc.aio.ServicerContext) -> Any:

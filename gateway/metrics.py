@@ -55,20 +55,22 @@ _RESERVED = frozenset({DEFAULT_TENANT, UNAUTHENTICATED_TENANT, OTHER_TENANT})
 class TenantLabels:
     """The tenant label of a call: the tenant itself for the first `cap` distinct ones, OTHER_TENANT after.
 
-    Event loop only (the interceptor's observers run there).
+    Thread-safe: observers run on the event loop, and on grpc's threads for a sync method.
     """
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._labelled: set[str] = set()
+        self._lock = threading.Lock()
 
     def __call__(self, tenant: str) -> str | None:
         """The label for `tenant`; None when it is folded into OTHER_TENANT."""
         if tenant in self._labelled or tenant in _RESERVED:
             return tenant
-        if len(self._labelled) < self.cap:
-            self._labelled.add(tenant)
-            return tenant
+        with self._lock:
+            if len(self._labelled) < self.cap:
+                self._labelled.add(tenant)
+                return tenant
         return None
 
     def __len__(self) -> int:

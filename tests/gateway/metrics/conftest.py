@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,6 +70,16 @@ class Metered:
     def scrape(self) -> Scrape:
         """Every sample of a scrape over HTTP."""
         return Scrape.parse(self.scrape_text())
+
+    def scrape_until(self, ready: Callable[[Scrape], bool], wait_s: float = 30.0) -> Scrape:
+        """Scrape again until `ready` holds (what the server learns after the client moved on, as a
+        cancellation, is counted a moment later); the last scrape either way."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            scrape = self.scrape()
+            if ready(scrape) or time.monotonic() > deadline:
+                return scrape
+            time.sleep(0.02)
 
 
 def _free_port() -> int:

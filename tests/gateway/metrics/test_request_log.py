@@ -64,7 +64,8 @@ def test_a_call_the_client_cancelled_is_no_failure(start_metered: Any, caplog: p
     caplog.set_level(logging.INFO, logger="kvstore.requests")
     with Client(m.target) as client, client.transfer():
         pass  # closing the session cancels its OpenSession stream
-    s = m.scrape()
+    s = m.scrape_until(lambda s: s.value("kvstore_rpc_requests_total", method="kvstore.v1.Transfer/OpenSession",
+                                         tenant="default", code="CANCELLED") is not None)
     assert s.value("kvstore_rpc_requests_total", method="kvstore.v1.Transfer/OpenSession", tenant="default",
                    code="CANCELLED") == 1
     assert s.where("kvstore_rpc_rejections_total") == []
