@@ -14,7 +14,9 @@ into an `Undecodable` value, and wraps the method:
   for any bad request (PutStream commits what came before); if the error
   escapes the servicer, the wrapper answers INVALID_ARGUMENT itself.
 
-Either way one warning line is logged per bad message, without a traceback.
+Either way the call is one failed request in the server's request log
+(gateway.request_log: one WARNING line, no traceback); the line written here
+is DEBUG, so a bad message is not logged twice.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def _message(method: str, bad: Undecodable) -> str:
 def _refusal(method: str, bad: Undecodable, context: Any) -> UndecodableRequest:
     """The error refusing `bad`, its one log line written."""
     message = _message(method, bad)
-    log.warning("refused from %s: %s", context.peer(), message)
+    log.debug("refused from %s: %s", context.peer(), message)  # the request log has the WARNING line
     return UndecodableRequest(message)
 
 
