@@ -47,8 +47,14 @@ _error_class: ContextVar[str] = ContextVar("kvstore_call_error_class", default="
 
 
 def note_error(exc: BaseException) -> None:
-    """Remember, for this call's outcome, the class of the error that refused it (gateway.status calls it)."""
-    _error_class.set(type(exc).__name__)
+    """Remember, for this call's outcome, the class of the error that refused it (gateway.status calls it).
+
+    An error with a `limit` attribute (a quota's setting name, from a fixed set: it becomes a label)
+    is noted as "Class:limit", so rejections tell which limit was reached.
+    """
+    limit = getattr(exc, "limit", None)
+    name = type(exc).__name__
+    _error_class.set(f"{name}:{limit}" if isinstance(limit, str) and limit else name)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

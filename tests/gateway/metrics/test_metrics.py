@@ -6,14 +6,19 @@ import math
 import os
 import socket
 import threading
+import urllib.request
 from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import start_endpoint
+from gateway.metrics import MetricsInterceptor, ServerMetrics, serve_metrics, start_endpoint
+from gateway.status import unary
 from kvstore.client import Client
+from kvstore.errors import ResourceExhausted
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -173,3 +178,45 @@ def test_per_tenant_series_read_the_hit_counters_and_what_each_tenant_stores(sta
     assert s.value("kvstore_tenant_lookup_tokens_found_total", tenant="acme") == 3 * block_tokens
     assert s.value("kvstore_tenant_get_tokens_returned_total", tenant="beta") == block_tokens
     assert s.value("kvstore_tenant_get_tokens_returned_total", tenant="acme") == 0
+
+
+
+class _Over(ResourceExhausted):
+    """A refusal that names the limit it hit (as a quota's error may)."""
+
+    limit = "requests_per_s"
+
+
+class _Refuser:
+    @unary
+    async def Refuse(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise _Over("tenant acme is over its 5 requests/s")
+
+
+def test_the_rejection_reason_names_the_error_class_and_the_limit(loop_thread: Any) -> None:
+    metrics = ServerMetrics()
+    handler = grpc.method_handlers_generic_handler("test.Refuser", {"Refuse": grpc.unary_unary_rpc_method_handler(
+        _Refuser().Refuse, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+        response_serializer=health_pb2.HealthCheckResponse.SerializeToString)})
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics)])
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = loop_thread.run(start())
+    endpoint = serve_metrics(metrics.registry, "127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/test.Refuser/Refuse")(b"", timeout=20)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with urllib.request.urlopen(endpoint.url, timeout=30) as reply:
+            text = reply.read().decode()
+    finally:
+        endpoint.close_now()
+        loop_thread.run(server.stop(0))
+    reasons = [s.labels["reason"] for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "kvstore_rpc_rejections_total"]
+    assert reasons == ["_Over:requests_per_s"]
