@@ -87,7 +87,7 @@ COVERAGE = {
     ("Resume a conversation: the planner and the worker", "python", 0): "run: test_resume_section_runs",
     ("Watch it", "sh", 0): "run (stats, check) and parse (bench): test_watch_it_runs",
     ("Watch it", "json", 0): "run: test_the_json_error_is_what_stats_prints",
-    ("Run it for many tenants", "sh", 0): "parse",
+    ("Run it for many tenants", "sh", 0): "run: test_many_tenants_runs",
 }
 
 
@@ -99,7 +99,8 @@ def kvstore_commands(text: str) -> list[list[str]]:
     """The argv of every `kvstore ...` command in a shell block (comments, `&`, `&&` chains handled)."""
     found = []
     for line in text.splitlines():
-        for part in re.split(r"&&|;|(?<!&)&(?!&)", line.split(" #")[0]):
+        line = re.sub(r"^.*\$\((kvstore [^)]*)\).*$", r"\1", line.split(" #")[0])  # VAR=$(kvstore ...)
+        for part in re.split(r"&&|;|(?<!&)&(?!&)", line):
             words = shlex.split(part)
             if words and words[0] == "kvstore":
                 found.append(words[1:])
@@ -160,7 +161,18 @@ def substitute(text: str, tmp: Path, addresses: dict[str, str]) -> str:
     """The README's own placeholders for addresses and folders, filled in."""
     for written, real in addresses.items():
         text = text.replace(written, real)
-    return text.replace("/tmp/", f"{tmp}/").replace("./kvstore-data", str(tmp / "kvstore-data"))
+    return (text.replace("/tmp/", f"{tmp}/").replace("/var/lib/kvstore/", f"{tmp}/")
+            .replace("./kvstore-data", str(tmp / "kvstore-data")))
+
+
+def with_target(line: str, target: str) -> str:
+    """`line` with `--target target` added to its kvstore command when it takes one and names none
+    (the README's commands use the default, 127.0.0.1:50051)."""
+    command = line.split(" #")[0].rstrip()
+    for argv in kvstore_commands(command):
+        if "--target" not in argv and hasattr(build_parser(argv).parse_args(argv), "target"):
+            return f"{command} --target {target}"
+    return command
 
 
 def run_sh_line(line: str, tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -285,3 +297,21 @@ def test_the_json_error_is_what_stats_prints(tmp_path: Path) -> None:
     assert {k: printed[k] for k in ("code", "type", "hint", "retryable")} == \
         {k: written[k] for k in ("code", "type", "hint", "retryable")}
     assert printed["message"].startswith(written["message"].split("...")[0].rstrip("; "))
+
+
+
+def test_many_tenants_runs(children: list[Child], tmp_path: Path) -> None:
+    """The block as one shell script (its first line exports the admin token the others use)."""
+    server = Child(["serve", "--port", "0", "--data-dir", str(tmp_path / "kvstore-data")], tmp_path / "serve.log")
+    children.append(server)
+    lines = block("Run it for many tenants", "sh").text.splitlines()
+    script = "set -e\n" + "\n".join(substitute(with_target(line, SERVER), tmp_path, {SERVER: server.target})
+                                     for line in lines)
+    done = run_sh_line(script, tmp_path)
+    assert "auth: " in (tmp_path / "serve.log").read_text()
+    out = done.stdout
+    assert "tenant acme: policy changed (audited)" in out and "retention_hours" in out  # set, then the log
+    assert "tenant acme: 0 blocks exported to" in out and (tmp_path / "acme.kvx").is_file()
+    assert "0 blocks read, 0 written" in out and "tenant acme: 0 blocks purged" in out
+    assert f"{server.target} kvstore.v1.KVStore: SERVING" in out
+    assert (tmp_path / "kvstore-data" / "tenants.json").is_file()  # auth is on from the first token
