@@ -1,11 +1,12 @@
 """What became of each RPC (method, tenant, status, message, duration), told to observers.
 
-`OutcomeInterceptor` wraps every async method the server serves and hands
-one `CallOutcome` per finished call to its observers (the
-Prometheus series of gateway.metrics, the failed-request log of
-gateway.request_log). It costs a clock read and a few attribute reads per call;
-anything heavier (the caller's metadata, redaction) is left to observers, and
-only for failed calls.
+`OutcomeInterceptor` wraps every method the server serves and hands one
+`CallOutcome` per finished call to its observers (the Prometheus series of
+gateway.metrics, the failed-request log of gateway.request_log). It costs two
+clock reads and a few attribute reads per call; anything heavier (the caller's
+metadata, redaction) is left to observers, and only for failed calls. A call
+is told before its status leaves the server: a client that saw its answer
+finds it counted.
 
 The tenant is the caller's (`gateway.auth.current_caller()`): the auth
 interceptor sets it before any method runs, inside or outside this one, so the
@@ -13,6 +14,9 @@ order of the two does not matter for it. A call refused UNAUTHENTICATED is
 tenant "unauthenticated" (nobody said who called). Which error class refused a
 call reaches the observers as `reason`: gateway.status notes it (`note_error`)
 on the same task before the error becomes a status.
+
+A sync method (only the health service's List) runs on grpc's threads, which
+do not carry the call's context: its tenant reads as the default one.
 """
 
 from __future__ import annotations
@@ -165,10 +169,12 @@ class _ObservedSyncContext(_ObservedContext):
 
 
 class OutcomeInterceptor(grpc.aio.ServerInterceptor):
-    """Tells `observers` how every call of every async method ended; each method's handler is wrapped once.
+    """Tells `observers` how every call ended; a method's wrapping is reused while the interceptors inside
+    this one hand back the same handler.
 
     Args:
-        observers: called on the event loop with each `CallOutcome`; they must be quick and must not raise.
+        observers: called with each `CallOutcome` on the event loop (on grpc's threads for a sync method);
+            they must be quick, thread-safe and must not raise.
     """
 
     def __init__(self, observers: Sequence[Observer]) -> None:

@@ -1,13 +1,15 @@
 """The Prometheus endpoint: per-RPC series from an interceptor, the stores' stats read at scrape time.
 
-Two kinds of series, so that serving calls costs no more than a clock read and
-two increments:
+Two kinds of series, so that serving a call costs no more than two clock reads,
+an increment and a histogram observation:
 
 - per call (`RpcMetrics`, fed by `MetricsInterceptor`): requests by method,
   tenant and status code, latency histograms by method and tenant, rejections
   by method, tenant, status code and reason (the error class);
 - per scrape (`gateway.metrics_collector.StatsCollector`): the NVMe tier's,
-  the SWA pool's and the transfer path's stats, read when Prometheus asks.
+  the SWA pool's, the transfer path's and the resume reports' stats, and per
+  tenant the hit counters and what each stores (`gateway.metrics_tenants`),
+  read when Prometheus asks.
 
 Label cardinality is bounded: methods by the services served (an unknown
 method is not counted), status codes and reasons by the code base, tenants by
