@@ -15,15 +15,22 @@ the message repeats it, and so is any "Bearer ..." text. Every failure is
 logged at WARNING but a call the client cancelled (the client went away, or
 closed its transfer session, whose event stream it cancels): no failure of the
 server, it is logged at DEBUG only.
+
+Under the process's root format the JSON follows its time, level and logger
+name; `use_json_lines()` (`kvstore serve` calls it) writes each line as the
+bare JSON object with "time" (UTC, ISO 8601) and "level" inside, for a log
+shipper to read as is.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TextIO
 
 import grpc
 
@@ -99,7 +106,31 @@ class RequestLog:
             return
         level = logging.DEBUG if outcome.code is grpc.StatusCode.CANCELLED else logging.WARNING
         if log.isEnabledFor(level):
-            log.log(level, json.dumps(record(outcome), ensure_ascii=False))
+            fields = record(outcome)
+            log.log(level, json.dumps(fields, ensure_ascii=False), extra={"kvstore_fields": fields})
+
+
+class JsonLines(logging.Formatter):
+    """Formats a request-log record as one JSON object alone on its line, its time and level inside
+    (`use_json_lines`); any other record as `%(levelname)s %(name)s: %(message)s`."""
+
+    def format(self, rec: logging.LogRecord) -> str:
+        fields = getattr(rec, "kvstore_fields", None)
+        if not isinstance(fields, dict):
+            return f"{rec.levelname} {rec.name}: {rec.getMessage()}"
+        when = datetime.datetime.fromtimestamp(rec.created, datetime.UTC).isoformat(timespec="milliseconds")
+        return json.dumps({"time": when.replace("+00:00", "Z"), "level": rec.levelname, **fields},
+                          ensure_ascii=False)
+
+
+def use_json_lines(stream: TextIO | None = None) -> logging.Handler:
+    """Write the request log as bare JSON lines on `stream` (default stderr), not through the root
+    logger's format, so a log shipper reads each line as one JSON object. Returns the handler added."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.setFormatter(JsonLines())
+    log.addHandler(handler)
+    log.propagate = False
+    return handler
 
 
 class RequestLogInterceptor(OutcomeInterceptor):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.request_log import MESSAGE_CHARS, REDACTED, redact
+from gateway.request_log import MESSAGE_CHARS, REDACTED, redact, use_json_lines
 from kvstore.client import Client
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -76,3 +77,20 @@ def test_redaction_covers_bearer_text_and_long_messages() -> None:
     assert redact(f"saw Bearer {SECRET} here", None) == f"saw Bearer {REDACTED} here"
     assert redact(f"x{SECRET}y", [("x-api-token", SECRET.encode())]) == f"x{REDACTED}y"
     assert redact("a" * (MESSAGE_CHARS + 50), []) == "a" * MESSAGE_CHARS + "..."
+
+
+def test_json_lines_write_each_failure_as_one_bare_json_object(start_metered: Any) -> None:
+    stream = io.StringIO()
+    handler = use_json_lines(stream)
+    try:
+        m = start_metered()
+        kv = pb_grpc.KVStoreStub(grpc.insecure_channel(m.target))
+        with pytest.raises(grpc.RpcError):
+            kv.Lookup(pb.LookupRequest(geometry="no-such-geometry", block_hashes=[bytes(32)]))
+    finally:
+        logging.getLogger("kvstore.requests").removeHandler(handler)
+        logging.getLogger("kvstore.requests").propagate = True
+    [line] = stream.getvalue().splitlines()
+    entry = json.loads(line)
+    assert entry["level"] == "WARNING" and entry["time"].endswith("Z") and entry["method"] == f"{KV}/Lookup"
+    assert entry["status"] == "INVALID_ARGUMENT" and entry["tenant"] == "default"
