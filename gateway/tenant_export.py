@@ -9,8 +9,9 @@ are written (the header lists them; blocks of an older codec age out instead).
 
 Both directions run on the server's event loop, so the service keeps answering
 while they work: file I/O through aiofiles, LMDB reads and writes in the tier's
-executor, compression and checksums in threads. Memory is bounded by one frame
-(`frame_bytes` of block data; at most `MAX_FRAME_BYTES` when reading).
+executor, compression and checksums in threads. Memory is bounded by a few frames
+(writing: two frames' records of `frame_bytes` and one compressed frame; reading: one
+frame, at most `MAX_FRAME_BYTES`).
 
 An export writes `<path>.partial` and renames it to `path` once complete and
 fsync'd, so `path` never names half a file. An import first checks every
@@ -116,28 +117,14 @@ async def export_tenant(tier: LmdbBlockTier, tenant: str, path: Path | str, *,
     served = {layout.geometry.fingerprint: layout for layout in served_layouts(tier, layouts)}
     header = _header_json(tenant, served.values())
     digest = xxhash.xxh3_64()
-    counts: dict[str, int] = {}
-    frames = records = data_bytes = skipped = 0
     try:
         async with aiofiles.open(partial, "xb") as f:
             head = fmt.sealed(MAGIC, header)
             digest.update(head[-SUM.size:])
             await f.write(head)
-            source = await tier.call(tier.export_records, tenant)
-            while True:
-                batch, passed = await tier.call(_take, source, served, frame_bytes)
-                skipped += passed
-                if not batch:
-                    break
-                frame = await asyncio.to_thread(fmt.pack_frame, frames, batch)
-                digest.update(frame[fmt.FRAME_HEAD.size:fmt.FRAME_HEAD.size + SUM.size])
-                await f.write(frame)
-                frames, records = frames + 1, records + len(batch)
-                data_bytes += sum(len(r.data) for r in batch)
-                for r in batch:
-                    counts[r.fingerprint.hex()] = counts.get(r.fingerprint.hex(), 0) + 1
-            trailer = {"frames": frames, "records": records, "data_bytes": data_bytes, "by_fingerprint": counts,
-                       "digest": digest.hexdigest()}
+            tally = await _write_frames(f, tier, tenant, served, frame_bytes, digest)
+            trailer = {"frames": tally.frames, "records": tally.records, "data_bytes": tally.data_bytes,
+                       "by_fingerprint": tally.by_fingerprint, "digest": digest.hexdigest()}
             await f.write(fmt.sealed(TRAILER, trailer))
             await f.flush()
             await asyncio.to_thread(os.fsync, f.fileno())
@@ -146,8 +133,46 @@ async def export_tenant(tier: LmdbBlockTier, tenant: str, path: Path | str, *,
     except BaseException:
         await _remove_quietly(partial)
         raise
-    return ExportCounts(tenant=tenant, frames=frames, records=records, data_bytes=data_bytes,
-                        file_bytes=file_bytes, by_fingerprint=counts, skipped=skipped)
+    return ExportCounts(tenant=tenant, frames=tally.frames, records=tally.records, data_bytes=tally.data_bytes,
+                        file_bytes=file_bytes, by_fingerprint=tally.by_fingerprint, skipped=tally.skipped)
+
+
+@dataclass
+class _Tally:
+    """What the frames written so far hold."""
+
+    frames: int = 0
+    records: int = 0
+    data_bytes: int = 0
+    skipped: int = 0
+    by_fingerprint: dict[str, int] = field(default_factory=dict)
+
+    def add(self, batch: list[BlockRecord]) -> None:
+        self.frames, self.records = self.frames + 1, self.records + len(batch)
+        for r in batch:
+            self.data_bytes += len(r.data)
+            self.by_fingerprint[r.fingerprint.hex()] = self.by_fingerprint.get(r.fingerprint.hex(), 0) + 1
+
+
+async def _write_frames(f: Any, tier: LmdbBlockTier, tenant: str, served: Mapping[bytes, Layout], frame_bytes: int,
+                        digest: Any) -> _Tally:
+    """Every frame of the tenant's blocks, in chain order. The tier reads the next frame's records
+    while a thread compresses this one: two frames' records and one compressed frame in memory."""
+    tally = _Tally()
+    source = await tier.call(tier.export_records, tenant)
+    batch, tally.skipped = await tier.call(_take, source, served, frame_bytes)
+    while batch:
+        packing = asyncio.ensure_future(asyncio.to_thread(fmt.pack_frame, tally.frames, batch))
+        try:
+            following, passed = await tier.call(_take, source, served, frame_bytes)
+        finally:
+            frame = await packing  # also when the read failed: no thread is left behind
+        digest.update(frame[fmt.FRAME_HEAD.size:fmt.FRAME_HEAD.size + SUM.size])
+        await f.write(frame)
+        tally.add(batch)
+        tally.skipped += passed
+        batch = following
+    return tally
 
 
 async def _check_new_file(path: Path, partial: Path) -> None:
