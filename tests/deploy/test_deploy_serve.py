@@ -35,7 +35,6 @@ def env(tmp_path: Path) -> dict[str, str]:
     certs = tmp_path / "tls"
     subprocess.run(["bash", str(DEPLOY / "docker" / "make-test-certs.sh"), str(certs)], check=True,
                    capture_output=True, timeout=60)
-    (tmp_path / "tenants").mkdir()
     base = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     return base | {
         "KVSTORE_CONFIG": str(DEPLOY / "kvstore.toml"),
@@ -43,7 +42,6 @@ def env(tmp_path: Path) -> dict[str, str]:
         "KVSTORE_STORE_CAPACITY_BYTES": str(1 << 30),
         "KVSTORE_SERVER_PORT": "0",
         "KVSTORE_METRICS_PORT": "0",
-        "KVSTORE_AUTH_TENANTS_FILE": str(tmp_path / "tenants" / "tenants.json"),
         "KVSTORE_TLS_CERT_FILE": str(certs / "tls.crt"),
         "KVSTORE_TLS_KEY_FILE": str(certs / "tls.key"),
     }
