@@ -84,6 +84,11 @@ def assert_secured(s: Settings) -> None:
     assert s.tls.enabled
 
 
+def dockerfile_env() -> dict[str, str]:
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    return dict(m.groups() for m in re.finditer(r"^ENV (\w+)=(\S+)$", text, re.M))
+
+
 def dockerfile_entrypoint() -> list[str]:
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
     entrypoint = re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M)
@@ -158,6 +163,8 @@ def test_compose_runs_kvstore_with_redis_secured() -> None:
     config = (DEPLOY / "docker" / binds[str(args.config)]).resolve()  # the file mounted where --config looks
     s = settings_of(config, kv["environment"])
     assert_secured(s)
+    # `docker compose exec kvstore kvstore tenant create` finds the server's config, so its tenants file.
+    assert (dockerfile_env() | kv["environment"])["KVSTORE_CONFIG"] == str(args.config)
     assert s.swa.backend == "redis" and s.swa.redis_url.startswith("redis://redis:")
     assert "redis" in services and "redis" in kv["depends_on"]
     for path in path_settings(s):
