@@ -45,7 +45,6 @@ from gateway.export_format import (
     SUM,
     TRAILER,
     BlockRecord,
-    ExportHeader,
     FrameReader,
 )
 from gateway.validate import Layout
@@ -213,16 +212,6 @@ async def _remove_quietly(path: Path) -> None:
 
 
 # -- reading --
-
-
-async def read_header(path: Path | str) -> ExportHeader:
-    """The header of an export file.
-
-    Raises:
-        NotFound: no such file. InvalidArgument: not an export file. DataLoss: a damaged header.
-    """
-    async with _open(Path(path)) as f:
-        return await FrameReader(f, Path(path)).header()
 
 
 def _open(path: Path) -> Any:
