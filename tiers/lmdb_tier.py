@@ -448,7 +448,7 @@ class LmdbBlockTier:
             write_rate_bytes_per_s=rate,
             headroom_hours=free / rate / 3600.0 if rate > 0 else float("inf"),
             retention_hours=self.settings.retention_hours, active_leases=self.leases.active(),
-            uptime_s=self.retention_clock.uptime_s(), by_layout=self._layout_usage(),
+            uptime_s=self.retention_clock.uptime_s(), by_layout=usage.layout_totals(self.env, self._state),
         )
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
@@ -472,16 +472,6 @@ class LmdbBlockTier:
         Asked in each Put's write transaction for a batch without `quota_bytes`. None: no quotas.
         """
         self._quota_of = provider or _no_quota
-
-    def _layout_usage(self) -> dict[bytes, tuple[int, int]]:
-        """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""
-        try:
-            with self.env.begin() as txn:
-                layouts = usage.read_layout_usage(txn, self._state)
-        except lmdb.Error as exc:
-            log.error("cannot read the per-geometry usage totals: %s", exc)
-            return {}
-        return {fp: (u.blocks, u.stored_bytes) for fp, u in layouts.items()}
 
     def _count_damaged(self) -> None:
         with self._lock:

@@ -84,6 +84,17 @@ def read_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database) -> dict[b
     return out
 
 
+def layout_totals(env: lmdb.Environment, state_db: lmdb._Database) -> dict[bytes, tuple[int, int]]:
+    """Blocks and bytes per layout, as last committed (empty if the state db cannot be read)."""
+    try:
+        with env.begin() as txn:
+            layouts = read_layout_usage(txn, state_db)
+    except lmdb.Error as exc:
+        log.error("cannot read the per-geometry usage totals: %s", exc)
+        return {}
+    return {fp: (u.blocks, u.stored_bytes) for fp, u in layouts.items()}
+
+
 def add_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database, deltas: dict[bytes, Usage]) -> None:
     """Add (blocks, bytes) deltas to the persisted totals of each layout, with this (write) transaction.
 
