@@ -7,7 +7,9 @@ prefix of the records is prefix-closed (R6). Blocks are read in chunks of
 `EXPORT_CHUNK` in one short read transaction each (so an export never pins
 LMDB's old pages for long), verified against their checksums (R2); a corrupt
 or damaged block is left out with everything below it, and a block whose
-parent was not exported (evicted while the export ran) is left out too.
+parent was not exported (evicted while the export ran) is left out too. The
+listing and the set of exported keys are held in memory while it runs: about
+250 bytes per block of the namespace (250 MB for a million blocks, 57 GB of KV).
 
 `import_records` writes records back through the Put path: each chunk of
 `IMPORT_CHUNK` records in one durable transaction (R1), with room made and
