@@ -105,11 +105,12 @@ def _sum_into(total: list[int], counts: Iterable[list[int]]) -> list[int]:
 
 
 class HitStats:
-    """Hit counters per tenant: minute buckets for 24 h, this run's totals, all-time totals.
+    """Hit counters per tenant: minute buckets for an hour, half-hour buckets for a day, this run's
+    totals and all-time totals.
 
     Args:
         folder: where `hits.json` lives (`<data_dir>/stats`); None keeps nothing on disk.
-        clock: wall-clock time names the minute of each count (a ManualClock in tests).
+        clock: wall-clock time names the buckets of each count (a ManualClock in tests).
         block_tokens: tokens per block, to count lookups and gets in tokens too.
     """
 
