@@ -6,6 +6,13 @@ same durability (one fsync'd transaction per batch) and through a raw gRPC
 stream with no kvstore logic (a generic handler sending the same block-sized
 messages). Then a Lookup of a 1M-token prompt: all its block hashes, timed at
 the server (the tier's lookup over the stored chain) and over the wire.
+
+Last, what auth costs: the store and a copy of it served by two `kvstore serve`
+processes at once, one without tokens, one with a tenants file (the default
+tenant's token, carried by every call), called in turn, the copies swapping
+roles each round: Get of every block, the 1M-token Lookup, and a one-block
+Lookup (where a call's fixed cost shows most). Best of each (the median of
+the one-block Lookups); a ratio >= 0.95 meets the target (auth costs at most 5%).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import argparse
 import hashlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
     parser.add_argument("--batch-blocks", type=int, default=64, help="blocks per Put/transaction (default 64)")
     parser.add_argument("--lookup-tokens", type=int, default=1_000_000, help="prompt length for the lookup figure")
+    parser.add_argument("--auth-rounds", type=int, default=4,
+                        help="rounds of the with/without auth comparison, each with two fresh servers (0: skip)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="scratch folder on the disk under test (default: a temp folder, removed after)")
 
@@ -51,6 +61,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         server_lookup_s, cold_lookup_s, raw_scan_s = _server_lookup(
             folder / "store", args.block_tokens, n_blocks * block_bytes, hashes[:lookup_blocks])
         raw_get = _raw_grpc_get(n_blocks, block_bytes, progress)
+        auth = _auth_cost(folder / "store", n_blocks * block_bytes, args, hashes, lookup_blocks, progress)
     total = n_blocks * block_bytes / 1e9
     report.add(Figure.against("put", total / put_s, "GB/s", "raw LMDB put, fsync per batch", total / raw_put))
     report.add(Figure.against("get", total / get_s, "GB/s", "raw gRPC stream, same messages", total / raw_get))
@@ -60,11 +71,69 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.add(Figure.against(f"{label} at server, first sight (walks every record)", cold_lookup_s * 1e3, "ms",
                               f"raw LMDB get of all {lookup_blocks:,} hashes", raw_scan_s * 1e3))
     report.add(Figure(name=f"{label} over gRPC", value=wire_lookup_s * 1e3, unit="ms"))
+    if auth:
+        (get_on, get_off), (look_on, look_off), (one_on, one_off) = auth["get"], auth["lookup"], auth["one"]
+        report.add(Figure.against("get with auth", total / get_on, "GB/s", "get without auth", total / get_off))
+        report.add(Figure.against(f"{label} over gRPC with auth", look_on * 1e3, "ms",
+                                  "same without auth", look_off * 1e3))
+        report.add(Figure.against("lookup 1 block over gRPC with auth (median)", one_on * 1e6, "us",
+                                  "same without auth", one_off * 1e6))
     return report
 
 
+def _auth_cost(data_dir: Path, data_bytes: int, args: argparse.Namespace, hashes: list[bytes], lookup_blocks: int,
+               progress: Progress) -> dict[str, tuple[float, float]]:
+    """{figure: (seconds with auth, without)}: two servers on copies of one store, called in turn.
 
+    One copy holds a tenants file with the default tenant's token, so both serve the
+    same blocks to the same tenant. Calls alternate between the two, one by one, so
+    whatever else the machine does weighs on both alike; rounds swap which copy has
+    auth and which goes first, so neither a copy's place on the disk nor the order
+    favours one side.
+    """
+    import contextlib
+    import shutil
+    import statistics
 
+    from kvstore.api_tokens import READ, WRITE, create
+    from kvstore.client import Client
+
+    if args.auth_rounds <= 0:
+        return {}
+    twin = data_dir.with_name(data_dir.name + "-twin")
+    shutil.copytree(data_dir, twin)
+    calls = {
+        "get": (1, lambda c: sum(len(d) for _, _, d in c.stream(hashes))),
+        "lookup": (5, lambda c: c.lookup_hashes(hashes[:lookup_blocks])),
+        "one": (1000, lambda c: c.lookup_hashes(hashes[:1])),
+    }
+    samples: dict[tuple[str, bool], list[float]] = {}
+    with progress.bar("auth: get and lookup, with and without", args.auth_rounds, "round") as bar:
+        for r in range(args.auth_rounds):
+            plain_dir, auth_dir = (data_dir, twin) if r % 2 == 0 else (twin, data_dir)
+            (plain_dir / "tenants.json").unlink(missing_ok=True)
+            token = create(auth_dir / "tenants.json", "default", frozenset({READ, WRITE}))[1]
+            # Which server starts (and is called) first swaps too: the second of two
+            # identical servers measured a few percent slower on a busy machine.
+            sides = [(False, plain_dir, None), (True, auth_dir, token)][::1 if r % 2 == 0 else -1]
+            with contextlib.ExitStack() as stack:
+                clients = [(auth, stack.enter_context(Client(stack.enter_context(
+                    serve_process(folder, data_bytes, args.block_tokens)), token=tok)))
+                    for auth, folder, tok in sides]
+                for _, client in clients:
+                    calls["lookup"][1](client)  # a fresh server walks the chain once
+                for name, (repeat, call) in calls.items():
+                    for i in range(repeat):
+                        for auth, client in clients[::1 if i % 2 == 0 else -1]:
+                            seconds = timed(lambda call=call, client=client: call(client))  # type: ignore[misc]
+                            samples.setdefault((name, auth), []).append(seconds)
+            (auth_dir / "tenants.json").unlink()
+            bar.update(1)
+    shutil.rmtree(twin, ignore_errors=True)
+    # Best of the large calls; the median of the one-block Lookups, whose spread (a
+    # millisecond's worth of scheduling) dwarfs what is compared.
+    pick: dict[str, Callable[[list[float]], float]] = {"get": min, "lookup": min, "one": statistics.median}
+    return {name: (pick[name](samples[name, True]), pick[name](samples[name, False])) for name in calls}
 
 
 class _RawLmdb:
@@ -89,8 +158,6 @@ class _RawLmdb:
 
     def close(self) -> None:
         self.env.close()
-
-
 
 
 def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes], args: argparse.Namespace,
