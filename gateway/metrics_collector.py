@@ -72,7 +72,6 @@ class LoopStats:
     swa: SwaStats | None
     transfer: dict[str, int] | None
     resume: dict[str, int] | None
-    tenants: metrics_tenants.TenantStats
 
 
 def _ratio(found: int, asked: int) -> float:
@@ -102,7 +101,7 @@ class StatsCollector(Collector):
         loop: the server's event loop, where the SWA, transfer and resume stats are read.
         hits: the hit counters per tenant (None: no per-tenant hit series).
         tenant_names: the tenants the registry knows (their usage is shown even before they call).
-        tenant_label: a tenant's label in the per-call series (None: folded into "other"); event loop only.
+        tenant_label: a tenant's label in the per-call series (None: folded into "other"); thread-safe.
         tenant_labels: how many tenants have a label of their own now.
         loop_timeout_s: longest a scrape waits for the event loop.
     """
@@ -147,7 +146,8 @@ class StatsCollector(Collector):
                 yield from _transfer(loop_stats.transfer)
             if loop_stats.resume is not None:
                 yield from _resume(loop_stats.resume)
-            yield from metrics_tenants.series(loop_stats.tenants, self.tier)
+        tenants = metrics_tenants.gather(self.tenant_names(), self.tenant_label, self.hits)
+        yield from metrics_tenants.series(tenants, self.tier)
         yield up
         yield _gauge("kvstore_metrics_tenant_labels", "Tenants with a label of their own in the kvstore_rpc_* "
                      "series (the rest are counted as tenant='other').", self.tenant_labels())
@@ -179,8 +179,7 @@ class StatsCollector(Collector):
                         "mapped_bytes": table.mapped_bytes(),
                         "descriptors_in_flight": table.load.descriptors_in_flight}
         resume = self.resume.stats_fields() if self.resume is not None else None
-        tenants = metrics_tenants.gather(self.tenant_names(), self.tenant_label, self.hits)
-        return LoopStats(swa=swa, transfer=transfer, resume=resume, tenants=tenants)
+        return LoopStats(swa=swa, transfer=transfer, resume=resume)
 
     def _store(self, s: TierStats) -> Iterator[Metric]:
         yield _gauge("kvstore_store_blocks", "Blocks stored on NVMe.", s.blocks_stored)

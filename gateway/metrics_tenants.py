@@ -3,10 +3,10 @@
 The tenants are those the tenant registry knows (tokens) and those the hit
 counters have seen; each gets the same label as in the per-call series
 (gateway.metrics.TenantLabels: past the cap, "other", with the values of
-every folded tenant summed). `gather` runs on the event loop (the labels are
-assigned there); `series` on the scrape's thread, where the NVMe tier's
-per-namespace usage is read (`LmdbBlockTier.namespace_usage`, one read
-transaction per tenant).
+every folded tenant summed). Both run on the scrape's thread, off the event
+loop: the registry's tenants, the hit counters and the labels are thread-safe,
+and the NVMe tier's per-namespace usage is read there
+(`LmdbBlockTier.namespace_usage`, one read transaction per tenant).
 """
 
 from __future__ import annotations
@@ -48,17 +48,14 @@ USAGE_FIELDS = {
 
 @dataclass(frozen=True, kw_only=True)
 class TenantStats:
-    """What `gather` read on the loop: each tenant's label, and the hit counters summed per label."""
+    """What `gather` read: each tenant's label, and the hit counters summed per label."""
 
     labels: dict[str, str]
     hits: dict[str, dict[str, int]]
 
 
 def gather(names: Iterable[str], label: Callable[[str], str | None], hits: HitStats | None) -> TenantStats:
-    """The tenants of `names` and of `hits`, labelled, with their hit counters since the server started.
-
-    Event loop only (`label` assigns labels).
-    """
+    """The tenants of `names` and of `hits`, labelled, with their hit counters since the server started."""
     tenants = set(names) | (set(hits.tenants()) if hits is not None else set())
     labels = {t: label(t) or OTHER for t in sorted(tenants)}
     summed: dict[str, dict[str, int]] = {}
