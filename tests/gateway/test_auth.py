@@ -16,7 +16,7 @@ from kvstore import api_tokens
 from kvstore.client import Client
 from kvstore.config import AuthSettings, ServerSettings, StoreSettings
 from kvstore.errors import ConfigError, PermissionDenied, Unauthenticated
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, transfer_pb2
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, transfer_pb2, transfer_pb2_grpc
 
 READ_WRITE = frozenset({"read", "write"})
 
@@ -215,3 +215,41 @@ def test_a_bind_beyond_loopback_without_auth_and_tls_is_refused(start_server: Ca
     with pytest.raises(ConfigError, match=r"refusing to serve on 0\.0\.0\.0 without"):
         start_server(store_settings, server=ServerSettings(host="0.0.0.0", port=0))
     assert not (store_settings.data_dir / "data.mdb").exists()  # refused before the store was opened
+
+
+def test_a_transfer_write_batch_needs_the_write_right(authed: tuple[Any, dict[str, str]]) -> None:
+    server, tokens = authed
+    request = lambda sid: transfer_pb2.SubmitRequest(  # noqa: E731
+        session_id=sid, op=transfer_pb2.TRANSFER_OP_WRITE, token_ids=list(range(16)),
+        groups=[transfer_pb2.DescriptorGroup(region_id=1, length_bytes=1, offsets_bytes=[0])])
+    for name, expected in (("reader", grpc.StatusCode.PERMISSION_DENIED), ("acme", grpc.StatusCode.OK)):
+        with Client(server.target, token=tokens[name]) as client, client.transfer() as session:
+            stub = transfer_pb2_grpc.TransferStub(client.connection.channel)
+            assert code_of(stub.Submit, request(session.session_id), "Bearer " + tokens[name]) == expected
+
+
+def test_a_method_nobody_listed_needs_admin(store_settings: StoreSettings) -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.auth import OPEN_CALLER, AuthInterceptor
+    from gateway.tenants import TenantRegistry
+
+    tokens = {"acme": issue(store_settings, "acme"), "ops": issue(store_settings, "ops", frozenset({"admin"}))}
+    auth = AuthInterceptor(TenantRegistry(tenants_file(store_settings)), OPEN_CALLER, rights={})
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    async def served(token: str) -> bool:
+        async def continuation(details: Any) -> Any:
+            return handler
+        details = SimpleNamespace(method="/kvstore.v1.Later/Anything",
+                                  invocation_metadata=(("authorization", f"Bearer {token}"),))
+        return await auth.intercept_service(continuation, details) is handler  # else: a refusal
+
+    assert not asyncio.run(served(tokens["acme"])) and asyncio.run(served(tokens["ops"]))
+
+
+def test_planner_reports_carry_the_token(authed: tuple[Any, dict[str, str]]) -> None:
+    server, tokens = authed
+    with Client(server.target, token=tokens["acme"]) as client:
+        client.report_resume(prompt_tokens=64, found_tokens=32, usable_tokens=0, action="full-prefill")

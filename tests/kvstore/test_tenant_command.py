@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -68,6 +69,7 @@ def test_create_list_revoke_against_a_running_server(serve: tuple[str, Path]) ->
     acme = create(data, "acme")
     ops = create(data, "ops", "--admin")
     assert acme not in (data / "tenants.json").read_text()  # only its hash is kept
+    assert stat.S_IMODE((data / "tenants.json").stat().st_mode) == 0o600
 
     def refused_without_token() -> None:
         with pytest.raises(Unauthenticated):
