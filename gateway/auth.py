@@ -58,9 +58,10 @@ METHOD_RIGHTS: dict[str, str] = {
     **{_KV + m: READ for m in ("Lookup", "Get", "Release", "ReportResume")},
     **{_KV + m: WRITE for m in ("Put", "PutStream")},
     _KV + "GetInfo": ANY,
-    # These Stats span every tenant: admins only, until they answer per tenant. SwaPool's
-    # answers a tenant the pool's settings only (gateway.swa_servicer), which its client needs.
-    _KV + "Stats": ADMIN, _SWA + "Stats": READ, _TR + "Stats": ADMIN,
+    # KVStore's Stats answer a tenant its own hit counters only (gateway.kvstore_servicer),
+    # SwaPool's the pool's settings only (gateway.swa_servicer), which its client needs;
+    # Transfer's span every session of every tenant: admins only.
+    _KV + "Stats": READ, _SWA + "Stats": READ, _TR + "Stats": ADMIN,
     _SWA + "Get": READ, _SWA + "Put": WRITE, _SWA + "Delete": WRITE,
     # A session reads; a batch that writes also needs "write" (gateway.transfer_servicer).
     **{_TR + m: READ for m in ("OpenSession", "RegisterRegion", "DeregisterRegion", "Submit", "SubmitMany",

@@ -38,6 +38,9 @@ def _serve(args: argparse.Namespace) -> int:
         "tls": {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca},
         "metrics": {"port": args.metrics_port},
     })
+    from gateway.request_log import use_json_lines
+
+    use_json_lines()  # the failed-request log: bare JSON lines on stderr, not behind the root format's prefix
     asyncio.run(serve(settings))  # a ConfigError or OSError at start reaches main as one line
     return 0
 

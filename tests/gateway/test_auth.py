@@ -85,17 +85,20 @@ def test_rights_are_checked_per_method(authed: tuple[Any, dict[str, str]]) -> No
         client.put(list(range(16)), [bytes(client.block_bytes)])
 
 
-def test_stats_are_for_admins(authed: tuple[Any, dict[str, str]]) -> None:
+def test_stats_span_every_tenant_for_admins_only(authed: tuple[Any, dict[str, str]]) -> None:
     server, tokens = authed
     with Client(server.target, token=tokens["acme"]) as client:
-        for stats in (client.stats, client.transfer_stats):
-            with pytest.raises(PermissionDenied, match="admin"):
-                stats()
+        client.put(list(range(16)), [bytes(client.block_bytes)])
+        with pytest.raises(PermissionDenied, match="admin"):
+            client.transfer_stats()
+        mine = client.stats()  # its own hit counters; nothing of the store as a whole
+        assert not mine.store_wide and mine.blocks_written == mine.bytes_stored == mine.capacity_bytes == 0
         client.swa.put(list(range(16)), bytes(client.swa.snapshot_bytes(16)))
         swa = client.swa.stats()  # the pool's settings, which the client needs; no traffic of anyone
         assert swa.max_batch_snapshots > 0 and swa.ttl_s > 0 and swa.snapshots_put == swa.bytes_put == 0
     with Client(server.target, token=tokens["ops"]) as admin:
-        admin.stats(), admin.transfer_stats()
+        admin.transfer_stats()
+        assert admin.stats().blocks_written == 1 and admin.stats().store_wide
         assert admin.swa.stats().snapshots_put == 1
 
 
@@ -200,7 +203,8 @@ def test_insecure_beyond_loopback_has_no_admin_right(start_server: Callable[...,
     with Client(server.target) as client:
         client.lookup(list(range(16)))
         with pytest.raises(PermissionDenied, match="admin"):
-            client.stats()
+            client.transfer_stats()
+        assert not client.stats().store_wide
         with pytest.raises(PermissionDenied, match="not this token's tenant"), \
                 Client(server.target, namespace="acme") as other:
             other.lookup(list(range(16)))
