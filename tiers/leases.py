@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.clock import Clock
@@ -44,14 +45,17 @@ class LeaseTable:
             self._pins[key] += 1
         return lease
 
-    def release(self, lease_id: str) -> bool:
-        """Drop a lease; False when it was unknown or had already expired."""
+    def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
+        """Drop a lease; False when it was unknown, had already expired, or pins a key
+        `owns` refuses (another tenant's: answered as an unknown lease)."""
         with self._lock:
             self._expire_locked()
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._unpin_locked(lease.key)
-            return lease is not None
+            lease = self._leases.get(lease_id)
+            if lease is None or (owns is not None and not owns(lease.key)):
+                return False
+            del self._leases[lease_id]
+            self._unpin_locked(lease.key)
+            return True
 
     def pinned(self) -> frozenset[bytes]:
         """Keys pinned by a lease that has not expired."""
