@@ -18,7 +18,7 @@ from kvstore import __version__
 from kvstore.api_tokens import ADMIN
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
-from kvstore.prefix import BlockScope
+from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -147,7 +147,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         if not request.lease_id:
             raise InvalidArgument("lease_id is empty")
-        return pb.ReleaseResponse(released=self.tier.leases.release(request.lease_id))
+        caller = current_caller()
+        # A lease pins a key of the tenant whose Lookup took it: another tenant's id is
+        # answered as an unknown one (docs/SECURITY.md); an admin may name any tenant.
+        mine = namespace_id(caller.tenant)
+        owns = None if ADMIN in caller.rights else (
+            lambda key: key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES] == mine)
+        return pb.ReleaseResponse(released=self.tier.leases.release(request.lease_id, owns=owns))
 
     @unary
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
