@@ -135,3 +135,10 @@ def test_anothers_region_is_unknown(tenants: Tenants) -> None:
         assert [r.code for r in state.results] == ["NOT_FOUND", "NOT_FOUND"]
         assert state.results[0].reason.replace(str(theirs.region_id), "N") == \
             state.results[1].reason.replace("987654", "N")
+
+
+def test_anothers_lease_cannot_be_released(tenants: Tenants) -> None:
+    lease = tenants.a.lookup(TOKENS, lease_ms=60_000).lease_id
+    assert lease is not None
+    assert not tenants.b.release(lease)  # as for an unknown lease
+    assert tenants.a.release(lease)  # still A's to release
