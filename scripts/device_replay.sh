@@ -6,6 +6,8 @@
 #   scripts/device_replay.sh measure   # fidelity on the trained weights (.replay-weights/tiny.pt, carried
 #                                      # back from the train run's tarball) and on reduced_v41; speed
 #   scripts/device_replay.sh speed     # speed again (with GPU kernel times), then reduced_v41 fidelity
+#   scripts/device_replay.sh replay    # bounded vs exact replay, fused step against the reference step, in one
+#                                      # process (kvstore.bench.replay_speed.compare_paths); the model's GPU tests
 # Writes JSON and logs into $OUT/MODE.tar.gz (default ./out). Wheels in .whl/ are installed first.
 # Fidelity runs in three shards of cases at once (the tiny model is launch-bound: processes overlap).
 set -uo pipefail
@@ -34,6 +36,14 @@ if [ "$MODE" = check ]; then
   echo "speed rc=$? $((SECONDS - t)) s"; tail -5 "$OUT/speed-check.err"
   cat "$OUT/speed-check.json"
   rm -f "$OUT"/*.pt
+  exit 0
+fi
+
+if [ "$MODE" = replay ]; then
+  timeout "${REPLAY_S:-150}" python3 -m kvstore.bench.replay_speed "${REPLAY_AT:-8192}" | tee "$OUT/replay-paths.json"
+  echo "replay rc=${PIPESTATUS[0]}"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/replay/model/test_gpu.py tests/replay/model/test_fast.py \
+    2>&1 | tail -5
   exit 0
 fi
 

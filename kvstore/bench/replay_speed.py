@@ -22,6 +22,7 @@ On V4.1's layer pattern and cache geometry at a reduced hidden width
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,14 +58,81 @@ def _kernel_ms(fn: Callable[[Any], object], setup: Callable[[], Any]) -> float:
     The wall time of a short call also holds the host launching kernels and waiting on
     host syncs; an engine that captures the replay in a CUDA graph pays only this.
     """
+    return _profile(fn, setup)[0]
+
+
+def _profile(fn: Callable[[Any], object], setup: Callable[[], Any]) -> tuple[float, int, int]:
+    """(GPU busy ms, kernels launched, host syncs) of one call, from the profiler; setup untimed."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     arg = setup()
     _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(arg)
         _sync()
-    return sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1e3
+    events = prof.key_averages()
+    # Device events only: a CPU op's own entry repeats the device time of the kernels it launched.
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                          "cudaLaunchKernelExC"))
+    syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
+    return busy, launches, syncs
+
+
+def _replay(model: Any, tokens: list[int], span: int, rows: Any) -> Any:
+    return model.replay(tokens, rows, span=span)
+
+
+def compare_paths(h: int = 8192, dim: int = 512, repeat: int = 5, seed: int = 0) -> dict[str, Any]:
+    """Bounded (W tokens) against exact (layers x W) replay at H = `h` on reduced_v41, for the fused,
+    sync-free step (replay.model.fast) and the per-layer reference step (`model.fused = False`), in one
+    process: wall ms (best of `repeat`), GPU kernel ms, launches and host syncs, and how far the two paths'
+    replayed windows are apart. What `scripts/device_replay.sh replay` prints."""
+    import torch
+
+    from replay.model import ReferenceModel, reduced_v41
+    from replay.model.cache_io import restore_state, state_blocks
+
+    config = reduced_v41(dim=dim)
+    g = config.geometry
+    model = ReferenceModel(config, device="cuda", batch_invariant=False)
+    w, layers = g.window, g.num_layers
+    tokens = [int(t) for t in np.random.default_rng(seed).integers(0, config.vocab_size, size=h)]
+    out: dict[str, Any] = {"h": h, "dim": dim, "gpu": torch.cuda.get_device_name()}
+    states = {}
+    with torch.no_grad():
+        cold = model.new_state()
+        model.extend(cold, tokens)
+        blocks = state_blocks(g, cold, 64)
+        del cold
+
+        def rows(_: object = None) -> Any:
+            return restore_state(g, blocks, None, position=h, resume=h, device="cuda")
+
+        for path in ("reference", "fused"):
+            model.fused = path == "fused"
+            for span, name in ((w, "bounded"), (layers * w, "exact")):
+                run = functools.partial(_replay, model, tokens, span)
+                run(rows())  # warm-up (kernels built, packs made)
+                wall = _gpu_s(run, rows, repeat if name == "bounded" else max(2, repeat // 2)) * 1e3
+                busy, launches, syncs = _profile(run, rows)
+                out[f"{path} {name}"] = {"tokens": span, "wall_ms": round(wall, 2), "kernel_ms": round(busy, 2),
+                                         "launches": launches, "syncs": syncs}
+            states[path] = model.replay(tokens, rows(), span=w)
+            exact, bounded = out[f"{path} exact"], out[f"{path} bounded"]
+            out[f"{path} ratio"] = {"wall": round(exact["wall_ms"] / bounded["wall_ms"], 2),
+                                    "kernel": round(exact["kernel_ms"] / bounded["kernel_ms"], 2)}
+    from replay.model import ops
+
+    a = torch.stack([ops.decode(r, "window") for r in states["fused"].window_rows])
+    b = torch.stack([ops.decode(r, "window") for r in states["reference"].window_rows])
+    out["fused vs reference window rows"] = {
+        "relative error": float((a - b).norm() / b.norm()),
+        "identical rows": float(sum(torch.equal(x, y) for f, r in zip(states["fused"].window_rows,
+                                                                        states["reference"].window_rows, strict=True)
+                                    for x, y in zip(f, r, strict=True)) / (layers * w))}
+    return out
 
 
 def speed(report: Report, args: argparse.Namespace, progress: Progress) -> None:
@@ -105,7 +173,8 @@ def speed(report: Report, args: argparse.Namespace, progress: Progress) -> None:
         report.add(Figure.against(f"bounded replay, {w} tokens at H={h:,}", bounded * 1e3, "ms",
                                   f"exact replay, {layers * w:,} tokens", exact * 1e3))
         if device == "cuda":
-            bounded_k = _kernel_ms(lambda st: model.replay(tokens, st, span=w), rows)
+            bounded_k, launches, syncs = _profile(lambda st: model.replay(tokens, st, span=w), rows)
+            report.notes.update(bounded_replay_kernel_launches=launches, bounded_replay_host_syncs=syncs)
             exact_k = _kernel_ms(lambda st: model.replay(tokens, st, span=layers * w), rows)
             report.add(Figure.against(f"bounded replay GPU kernel time (profiler), {w} tokens at H={h:,}", bounded_k,
                                       "ms", f"exact replay GPU kernel time, {layers * w:,} tokens", exact_k))
@@ -217,3 +286,10 @@ def _shm_fetch(tiled: np.ndarray, tokens: list[int], block_tokens: int, device: 
             _sync()
             steps["region -> GPU copy" + ("" if pinned else " (region not pinned)")] = time.perf_counter() - start
     return gpu
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(compare_paths(*(int(a) for a in sys.argv[1:2])), indent=1))

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from kvstore.errors import InvalidArgument
-from replay.model import ops
+from replay.model import fast, ops
 from replay.model.config import ModelConfig
 from replay.model.layers import LayerWeights, attention, compress, index_topk, mlp
 from replay.model.state import CacheState
@@ -39,6 +39,11 @@ class ReferenceModel(nn.Module):
         device: where the weights and every state live.
         batch_invariant: row-invariant arithmetic (see replay.model.layers); by
             default True on CPU and False on CUDA (matmul path, TF32 off).
+
+    Attributes:
+        fused: without batch invariance, run the fused, sync-free step
+            (replay.model.fast; True by default); False runs the per-layer functions of
+            replay.model.layers, as before it existed (the speed bench's baseline).
     """
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu",
@@ -47,6 +52,7 @@ class ReferenceModel(nn.Module):
         self.config = config
         dev = torch.device(device)
         self.batch_invariant = dev.type == "cpu" if batch_invariant is None else batch_invariant
+        self.fused = True
         if dev.type == "cuda":
             # float32 throughout: TF32 would change the rows the model writes.
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -86,11 +92,13 @@ class ReferenceModel(nn.Module):
                         for s in g.kv_source_layers})
 
     def _tokens(self, tokens: Tensor | Sequence[int]) -> Tensor:
-        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).to(self.device)
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size):
-            raise InvalidArgument(f"token ids must be in [0, {self.config.vocab_size}), got "
-                                  f"[{int(t.min())}, {int(t.max())}]")
-        return t
+        # Checked where the ids are: a host list on the host (no device sync), a tensor where it lives.
+        t = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        if t.numel():
+            lo, hi = (int(t.min()), int(t.max())) if isinstance(tokens, Tensor) else (min(t.tolist()), max(t.tolist()))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise InvalidArgument(f"token ids must be in [0, {self.config.vocab_size}), got [{lo}, {hi}]")
+        return t.to(self.device)
 
     # -- the incremental forward --------------------------------------------------------
 
@@ -157,6 +165,8 @@ class ReferenceModel(nn.Module):
 
     def _step(self, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
         """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
+        if not self.batch_invariant and self.fused:
+            return fast.step(self, state, toks, top=top)
         cfg, g = self.config, self.config.geometry
         inv = self.batch_invariant
         start, m = state.length, toks.numel()
@@ -223,7 +233,7 @@ class ReferenceModel(nn.Module):
             raise InvalidArgument(f"replay needs span >= 1 and the {h_len} tokens the rows cover; "
                                   f"got span {span} and {len(tokens)} tokens")
         start = max(0, h_len - span)
-        toks = self._tokens(tokens[start:h_len])  # only the span: a 1M-token list is never converted whole
+        toks = tokens[start:h_len]  # only the span: a 1M-token list is never converted whole (extend checks it)
         empty = self.new_state()
         state = CacheState(length=start, window_rows=empty.window_rows, kv_rows=dict(rows.kv_rows),
                            index_rows=dict(rows.index_rows), tail=None, rows_floor=rows.rows_floor)

@@ -33,18 +33,25 @@ class FloatRows:
         if n < self.count:  # the rows were replaced by a shorter tensor: start again
             self.buf, self.count = None, 0
         if n > self.count:
-            new = ops.decode(rows[self.count:n], self.kind)
-            if self.buf is None or self.buf.shape[0] < n:
-                grown = new.new_empty((max(n, 2 * (self.buf.shape[0] if self.buf is not None else 0)),
-                                       new.shape[1]))
-                if self.buf is not None and self.count:
-                    grown[:self.count] = self.buf[:self.count]
-                self.buf = grown
-            self.buf[self.count:n] = new
-            self.count = n
+            self._put(ops.decode(rows[self.count:n], self.kind))
         if self.buf is None:
             return ops.decode(rows[:0], self.kind)
         return self.buf[:n]
+
+    def append(self, had: int, new: Tensor) -> None:
+        """Record the values `new` of rows appended after `had` rows (when the copy holds exactly those)."""
+        if self.count == had and new.shape[0]:
+            self._put(new)
+
+    def _put(self, new: Tensor) -> None:
+        n = self.count + new.shape[0]
+        if self.buf is None or self.buf.shape[0] < n:
+            grown = new.new_empty((max(n, 2 * (self.buf.shape[0] if self.buf is not None else 0)), new.shape[1]))
+            if self.buf is not None and self.count:
+                grown[:self.count] = self.buf[:self.count]
+            self.buf = grown
+        self.buf[self.count:n] = new
+        self.count = n
 
 
 @dataclass
@@ -81,6 +88,15 @@ class CacheState:
         """float32 values of `index_rows[source]` (decoded once, cached)."""
         cache = self.index_float.setdefault(source, FloatRows("index"))
         return cache.values(self.index_rows[source])
+
+    def append_rows(self, source: int, kv: Tensor, kv_values: Tensor, index: Tensor, index_values: Tensor) -> None:
+        """Append rows of `source` with their exact values (kept as the float copies: never decoded again)."""
+        self.kv_values(source)  # the copies first catch up with the rows held, so the new values follow them
+        self.index_values(source)
+        self.kv_float[source].append(self.kv_rows[source].shape[0], kv_values)
+        self.index_float[source].append(self.index_rows[source].shape[0], index_values)
+        self.kv_rows[source] = torch.cat((self.kv_rows[source], kv))
+        self.index_rows[source] = torch.cat((self.index_rows[source], index))
 
     def rows_coverage(self, ratios: dict[int, int]) -> int:
         """Tokens whose rows every source holds: min over sources of rows x ratio."""

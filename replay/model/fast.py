@@ -1,0 +1,299 @@
+"""The fast path of `ReferenceModel.extend` (batch_invariant=False, `fused=True`): few launches, no host syncs.
+
+The same maths as replay.model.layers (allclose to it: tests/replay/model/test_fast.py),
+arranged so that a short extend (a 128-token bounded replay over 40 layers) is not
+bound by the host launching kernels and waiting on the GPU:
+
+- no host sync inside the layer loop: every size comes from Python ints the step
+  already knows (positions, row counts), never from a GPU value (`.item()`,
+  `int(tensor)`, boolean indexing); the rows' NaN/Inf flags are collected on the
+  device and checked once per step (the step's one sync);
+- per layer, the projections of x (window KV, queries, compressor kv and gate,
+  indexer query and weights) are one matmul against their concatenated weights,
+  and the MLP's W1 and W3 one more (built once per weight version);
+- RoPE is one complex multiply by a per-step table (ones on the channels without
+  RoPE; the softmax scale folded into the query tables);
+- window attention is a banded matmul against the window rows (no per-query
+  gather), with a mask shared by every layer of the step; the selected compressed
+  rows are gathered once per query chunk; one softmax spans sink, window and rows;
+- rows written are appended to the state's float copies as they are encoded, so
+  they are never decoded again, and the window rows are decoded once per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.nn import functional
+
+from kvstore.codec import rows as codec
+from kvstore.errors import InvalidArgument
+from replay.model import ops
+from replay.model.layers import FAST_BUDGET, LayerWeights
+from replay.model.state import CacheState
+
+if TYPE_CHECKING:
+    from replay.model.model import ReferenceModel
+
+#: The codec's encoders, each returning (rows, flag) without checking the flag: the step checks
+#: every flag at once (kvstore.codec.rows checks each with a host sync).
+_ENCODERS = {"window": codec._swa, "kv": codec._compressed_kv, "index": codec._indexer_key}
+
+
+@dataclass
+class _Pack:
+    """One layer's concatenated weights and the (version, address) of the weights they were built from."""
+
+    key: tuple[tuple[int, int], ...]
+    w_in: Tensor  # [wkv; wq; (wc; wg); (wqi; ww); (a zero row to an even width)]
+    w13: Tensor  # [w1; w3]
+
+
+def _pack(w: LayerWeights) -> _Pack:
+    """The layer's packed weights, rebuilt when any of its weights changed (load_weights, training, .to)."""
+    names = ["wkv", "wq"] + (["wc", "wg"] if hasattr(w, "wc") else []) + (["wqi", "ww"] if hasattr(w, "wqi") else [])
+    params = [getattr(w, n) for n in (*names, "w1", "w3")]
+    key = tuple((p._version, p.data_ptr()) for p in params)
+    pack: _Pack | None = w.__dict__.get("_fast_pack")
+    if pack is None or pack.key != key:
+        with torch.no_grad():
+            w_in = torch.cat(params[:len(names)])
+            if w_in.shape[0] % 2:  # even width: every slice of the output starts at an even column
+                w_in = torch.cat((w_in, w_in.new_zeros((1, w_in.shape[1]))))
+            pack = _Pack(key=key, w_in=w_in.contiguous(), w13=torch.cat(params[len(names):]).contiguous())
+        w.__dict__["_fast_pack"] = pack
+    return pack
+
+
+def rotation(positions: Tensor, freqs: Tensor, dims: int, rope_dims: int, scale: float = 1.0) -> Tensor:
+    """complex64 `[n, dims/2]`: 1 on the pairs without RoPE, cos + i sin (ops.rope_tables) on the last rope_dims/2."""
+    n = positions.shape[0]
+    if rope_dims:
+        cos, sin = ops.rope_tables(positions, freqs)
+        rot = torch.complex(cos, sin)
+        if dims > rope_dims:
+            rot = torch.cat((rot.new_ones((n, (dims - rope_dims) // 2)), rot), dim=1)
+    else:
+        rot = torch.ones((n, dims // 2), dtype=torch.complex64, device=positions.device)
+    return rot * scale if scale != 1.0 else rot
+
+
+def rope(x: Tensor, rot: Tensor) -> Tensor:
+    """x `[n, D]` or `[n, heads, D]` rotated pairwise by `rot` `[n, D/2]` (one complex multiply)."""
+    z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(z * (rot.unsqueeze(1) if z.dim() == 3 else rot)).flatten(-2)
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return functional.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class _Step:
+    """The per-step context: tables shared by every layer, the deferred row flags, the selections."""
+
+    def __init__(self, model: ReferenceModel, state: CacheState, toks: Tensor) -> None:
+        cfg, g = model.config, model.config.geometry
+        self.model, self.cfg, self.g, self.state = model, cfg, g, state
+        self.start, self.m = state.length, toks.numel()
+        self.end = self.start + self.m
+        dev = model.device
+        self.pos = torch.arange(self.start, self.end, device=dev)
+        self.freq_c = model.freq_compress.to(dev)
+        hd, rd = g.head_dim, g.rope_head_dim
+        scale = 1.0 / math.sqrt(hd)
+        self.rot_w = rotation(self.pos, model.freq_window.to(dev), hd, rd)
+        self.rot_qw = self.rot_w * scale
+        self.rot_qc = rotation(self.pos, self.freq_c, hd, rd, scale)
+        self.rot_qi = rotation(self.pos, self.freq_c, g.index_head_dim, rd)
+        self.flags: list[Tensor] = []
+        self.selected: dict[int, tuple[Tensor, Tensor]] = {}  # source -> (idx [m, used], additive mask [m, 1, used])
+        self.bands: dict[tuple[int, int, int], Tensor] = {}  # (a, b, before) -> additive band mask [(b-a)*H, K]
+
+    def encode(self, x: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """(rows, exact values) of x; the NaN/Inf flag is kept for the step's one check."""
+        rows, flag = _ENCODERS[kind](x)
+        self.flags.append(flag.reshape(-1))
+        return rows, ops.decode(rows, kind)
+
+    def check_flags(self) -> None:
+        """The step's one host sync: refuse NaN or Inf in any row it wrote."""
+        if self.flags and not bool(torch.isfinite(torch.cat(self.flags)).all()):
+            raise InvalidArgument("the model produced NaN or Inf; the cache cannot store it")
+
+    def band(self, a: int, b: int, before: int, lo: int, hi: int) -> Tensor:
+        """Additive mask `[(b-a)*heads, hi-lo]`: query i (key index i+before) sees keys j in (i+before-W, i+before]."""
+        key = (a, b, before)
+        mask = self.bands.get(key)
+        if mask is None:
+            dev = self.pos.device
+            q = torch.arange(a + before, b + before, device=dev).unsqueeze(1)
+            d = torch.arange(lo, hi, device=dev).unsqueeze(0) - q
+            ok = (d <= 0) & (d > -self.g.window)
+            zero = torch.zeros((), device=dev)
+            c, nh = b - a, self.cfg.n_heads
+            mask = torch.where(ok, zero, -math.inf).unsqueeze(1).expand(c, nh, hi - lo).reshape(c * nh, hi - lo)
+            self.bands[key] = mask
+        return mask
+
+
+def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
+    """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
+    s = _Step(model, state, toks)
+    cfg, g = s.cfg, s.g
+    hd, nh, eps = g.head_dim, cfg.n_heads, cfg.norm_eps
+    h = model.embed[toks]
+    new_tail: dict[int, Tensor] = {}
+    for layer in range(top + 1):
+        w: LayerWeights = model.blocks[layer]  # type: ignore[assignment]
+        pack = _pack(w)
+        proj = functional.linear(_rms(h, w.attn_norm, eps), pack.w_in)
+        rows, _ = s.encode(rope(_rms(proj[:, :hd], w.kv_norm, eps), s.rot_w), "window")
+        q = proj[:, hd:hd + nh * hd].view(s.m, nh, hd)
+        off = hd + nh * hd
+        prev = state.window_rows[layer]
+        before = prev.shape[0]
+        both = torch.cat((prev, rows)) if before else rows
+        window_keys = ops.decode(both, "window")  # positions [start - before, end)
+        source = g.source_of(layer)
+        if layer in g.kv_source_layers:
+            tail = _compress(s, w, layer, proj[:, off:off + hd], proj[:, off + hd:off + 2 * hd])
+            off += 2 * hd
+            if tail is not None:
+                new_tail[layer] = tail
+        if layer in cfg.index_layers:
+            assert source is not None
+            width = cfg.index_heads * g.index_head_dim
+            s.selected[source] = _index(s, source, proj[:, off:off + width],
+                                        proj[:, off + width:off + width + cfg.index_heads])
+        attn = _attention(s, w, layer, q, window_keys, before)
+        state.window_rows[layer] = both[-g.window:]
+        h = torch.addmm(h, attn, w.wo.t())
+        gate, up = functional.linear(_rms(h, w.ffn_norm, eps), pack.w13).chunk(2, dim=-1)
+        h = torch.addmm(h, functional.silu(gate) * up, w.w2.t())
+    s.check_flags()
+    state.length = s.end
+    if state.length % 2 and g.ratio2_source_layers:
+        state.tail = torch.stack([new_tail[src] for src in g.ratio2_source_layers])
+    elif state.length % 2:
+        state.tail = torch.zeros((0, 2, hd), device=model.device)
+    else:
+        state.tail = None
+    if top < cfg.num_layers - 1:
+        return None
+    return functional.linear(_rms(h, model.final_norm, eps), model.head)
+
+
+def _compress(s: _Step, w: LayerWeights, layer: int, kv: Tensor, score: Tensor) -> Tensor | None:
+    """replay.model.layers.compress on the step's kv and gate projections (rows appended with their values)."""
+    cfg, g, state = s.cfg, s.g, s.state
+    ratio = g.compress_ratios[layer]
+    start, end = s.start, s.end
+    have = state.kv_rows[layer].shape[0]
+    if ratio == 1:
+        first = start
+        skip = max(0, have - first)
+        pooled = kv[skip:]
+    else:
+        seq_kv, seq_score, seq_start = kv, score, start
+        if start % 2:
+            if have > (start - 1) // 2:  # the open pair's row is held: it stays as it is
+                seq_kv, seq_score, seq_start = kv[1:], score[1:], start + 1
+            elif state.tail is not None:
+                tail = state.tail[g.ratio2_source_layers.index(layer)]
+                seq_kv, seq_score, seq_start = torch.cat((tail[:1], kv)), torch.cat((tail[1:], score)), start - 1
+            else:
+                raise InvalidArgument(f"layer {layer}: the state is at odd length {start} with neither its raw "
+                                      f"tail nor the row of pair ({start - 1}, {start}): restore the tail")
+        pairs = (end - seq_start) // 2
+        first = seq_start // 2
+        skip = min(pairs, max(0, have - first))
+        pk = seq_kv[:2 * pairs].reshape(pairs, 2, kv.shape[-1])[skip:]
+        ps = seq_score[:2 * pairs].reshape(pairs, 2, kv.shape[-1])[skip:]
+        pooled = (torch.softmax(ps, dim=1) * pk).sum(1)
+    n = pooled.shape[0]
+    if first + skip > have and n:
+        raise InvalidArgument(f"layer {layer}: rows [{have}, {first + skip}) are missing below position {start}")
+    if n:
+        latent = _rms(pooled, w.c_norm, cfg.norm_eps)
+        group_pos = torch.arange(first + skip, first + skip + n, device=kv.device) * ratio
+        rot = rotation(group_pos, s.freq_c, g.head_dim, g.rope_head_dim)
+        kv_rows, kv_values = s.encode(rope(latent, rot), "kv")
+        key = _rms(functional.linear(latent, w.wik), w.ik_norm, cfg.norm_eps)
+        rot_i = rotation(group_pos, s.freq_c, g.index_head_dim, g.rope_head_dim)
+        index_rows, index_values = s.encode(rope(key, rot_i), "index")
+        state.append_rows(layer, kv_rows, kv_values, index_rows, index_values)
+    if ratio == 2 and end % 2:
+        return torch.stack((kv[-1], score[-1]))
+    return None
+
+
+def _index(s: _Step, source: int, qi: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The index layer's top-k (ops.select_topk, the rule both paths share), trimmed to the slots any query uses."""
+    cfg, g, state = s.cfg, s.g, s.state
+    ratio = g.compress_ratios[source]
+    rows = state.kv_rows[source].shape[0]
+    horizon = min(s.end // ratio, rows)  # the largest number of rows any query of the step sees
+    visible = torch.clamp((s.pos + 1) // ratio, max=rows)
+    keys = state.index_values(source)[:horizon]
+    q = rope(qi.reshape(s.m, cfg.index_heads, g.index_head_dim), s.rot_qi)
+    step = max(1, FAST_BUDGET // max(1, horizon * cfg.index_heads))
+    idx, ok = [], []
+    for a in range(0, s.m, step):
+        b = min(a + step, s.m)
+        dots = torch.relu(torch.matmul(q[a:b], keys.t()))  # [c, heads, rows]
+        scores = torch.matmul(weights[a:b].unsqueeze(1), dots).squeeze(1)
+        i, v = ops.select_topk(scores, visible[a:b], cfg.index_topk)
+        idx.append(i)
+        ok.append(v)
+    # A query sees min(k, visible) valid slots, first: no query of the step uses a slot past min(k, horizon).
+    used = max(1, min(cfg.index_topk, horizon))
+    i_all = torch.cat(idx)[:, :used] if len(idx) > 1 else idx[0][:, :used]
+    v_all = torch.cat(ok)[:, :used] if len(ok) > 1 else ok[0][:, :used]
+    mask = torch.where(v_all, torch.zeros((), device=qi.device), -math.inf).unsqueeze(1)
+    return i_all.contiguous(), mask
+
+
+def _attention(s: _Step, w: LayerWeights, layer: int, q: Tensor, window_keys: Tensor, before: int) -> Tensor:
+    """Sink + window keys of (p - W, p] + the selected compressed rows, one softmax: `[m, heads * head_dim]`."""
+    cfg, g, m = s.cfg, s.g, s.m
+    nh, hd, win = cfg.n_heads, g.head_dim, g.window
+    qw = rope(q, s.rot_qw)  # scaled by 1/sqrt(head_dim)
+    source = g.source_of(layer)
+    qc = kv_values = idx = mask_c = None
+    used = 0
+    if source is not None:
+        qc = rope(q, s.rot_qc)
+        idx, mask_c = s.selected[source]
+        used = idx.shape[1]
+        kv_values = s.state.kv_values(source)
+        if kv_values.shape[0] == 0:  # nothing visible yet: every slot is masked, but gathers need a row
+            kv_values = kv_values.new_zeros((1, hd))
+    step = max(1, FAST_BUDGET // ((win + used) * hd))
+    sink = w.sink.view(1, nh, 1)
+    outs = []
+    for a in range(0, m, step):
+        b = min(a + step, m)
+        c = b - a
+        lo, hi = max(0, a + before - win + 1), b + before
+        keys = window_keys[lo:hi]
+        band = s.band(a, b, before, lo, hi)
+        sw = torch.addmm(band, qw[a:b].reshape(c * nh, hd), keys.t()).view(c, nh, hi - lo)
+        parts = [sink.expand(c, nh, 1), sw]
+        sel = None
+        if qc is not None and kv_values is not None and idx is not None and mask_c is not None:
+            sel = kv_values[idx[a:b]]  # [c, used, hd]
+            parts.append(torch.baddbmm(mask_c[a:b], qc[a:b], sel.transpose(1, 2)))
+        p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
+        out = torch.matmul(p[:, :, 1:1 + hi - lo], keys)
+        if sel is not None:
+            out = torch.baddbmm(out, p[:, :, 1 + hi - lo:], sel)
+        outs.append(out)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.reshape(m, nh * hd)
+
+
+__all__ = ["rope", "rotation", "step"]
