@@ -86,7 +86,7 @@ def assert_secured(s: Settings) -> None:
 
 def dockerfile_env() -> dict[str, str]:
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
-    return dict(m.groups() for m in re.finditer(r"^ENV (\w+)=(\S+)$", text, re.M))
+    return {m.group(1): m.group(2) for m in re.finditer(r"^ENV (\w+)=(\S+)$", text, re.M)}
 
 
 def dockerfile_entrypoint() -> list[str]:
