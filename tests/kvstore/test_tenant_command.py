@@ -79,12 +79,16 @@ def test_create_list_revoke_against_a_running_server(serve: tuple[str, Path]) ->
     eventually(lambda: Client(target, token=acme, timeout_s=5).close())
     with Client(target, token=acme) as client:
         client.put(list(range(32)), [bytes(client.block_bytes)] * 2)
+        assert not client.stats().store_wide  # its own counters only
         with pytest.raises(PermissionDenied):
-            client.stats()
+            client.transfer_stats()
 
     eventually(lambda: Client(target, token=ops, timeout_s=5).close())
-    with Client(target, token=ops) as admin:
-        assert admin.stats().blocks_written == 2
+    stats = kvstore("stats", "--target", target, "--json", env={"KVSTORE_TOKEN": ops})  # the token from the env
+    assert stats.returncode == 0, stats.stdout + stats.stderr
+    assert json.loads(stats.stdout)["store_wide"] is True
+    refused = kvstore("stats", "--target", target, "--json", env={"KVSTORE_TOKEN": ""})
+    assert refused.returncode == 2 and json.loads(refused.stdout)["error"]["code"] == "UNAUTHENTICATED"
 
     listed = json.loads(kvstore("tenant", "list", "--data-dir", str(data), "--json").stdout)
     assert [(t["tenant"], t["rights"], t["revoked_at"]) for t in listed["tokens"]] == [
