@@ -239,10 +239,11 @@ class Planner:
             reasons.append(f"{name}: not feasible: it would start at {usable - span:,} <= 0 (a full recompute)")
             return None
         blocks_b = self._fetch_bytes(usable)
-        fetch_s, replay_s, prefill_s = cost.fetch_s(blocks_b), cost.compute_s(span), cost.compute_s(n - usable)
+        fetch_s, replay_s, prefill_s = cost.fetch_s(blocks_b), cost.replay_s(span), cost.compute_s(n - usable)
         total = fetch_s + replay_s + prefill_s
         reasons.append(f"{name}: fetch {usable:,} tokens ({blocks_b:,} B) = {_ms(fetch_s)}; recompute "
-                       f"[{usable - span:,}, {usable:,}) = {_ms(replay_s)}; prefill {n - usable:,} tokens = "
+                       f"[{usable - span:,}, {usable:,}) = {_ms(replay_s)} (with {_ms(cost.replay_overhead_s)} "
+                       f"per replay call); prefill {n - usable:,} tokens = "
                        f"{_ms(prefill_s)}; total {_ms(total)}")
         return _Option(action=Action.EXACT_REPLAY if exact else Action.BOUNDED_REPLAY, fetch_tokens=usable,
                        fetch_bytes=blocks_b, resume_tokens=usable, replay_start=usable - span, estimated_s=total)
