@@ -128,3 +128,19 @@ def test_commands_take_the_token_from_the_flag_then_the_environment(monkeypatch:
     assert (tls.ca_file, tls.server_name, tls.cert_file) == ("ca.pem", "kv", "")
     monkeypatch.delenv("KVSTORE_TOKEN")
     assert client_options(parser.parse_args([]))["token"] is None
+
+
+def test_serve_beyond_loopback_needs_auth_and_tls_or_insecure(tmp_path: Path) -> None:
+    refused = kvstore("serve", "--host", "0.0.0.0", "--port", "0", "--data-dir", str(tmp_path / "data"))
+    assert refused.returncode == 2 and "refusing to serve on 0.0.0.0 without auth" in refused.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--host", "0.0.0.0", "--port", "0",
+                             "--data-dir", str(tmp_path / "data"), "--insecure"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline() for _ in range(4)]
+        assert lines[0].startswith("kvstore listening on 0.0.0.0:")
+        assert any("auth: OFF (--insecure)" in line for line in lines)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
