@@ -46,27 +46,56 @@ _ENCODERS = {"window": codec._swa, "kv": codec._compressed_kv, "index": codec._i
 
 @dataclass
 class _Pack:
-    """One layer's concatenated weights and the (version, address) of the weights they were built from."""
+    """One layer's weights as the fused step uses them, and the (version, address) of the weights they came from.
+
+    Held here so the layer loop reads plain attributes, not the module's parameters.
+    """
 
     key: tuple[tuple[int, int], ...]
     w_in: Tensor  # [wkv; wq; (wc; wg); (wqi; ww); (a zero row to an even width)]
     w13: Tensor  # [w1; w3]
+    attn_norm: Tensor
+    ffn_norm: Tensor
+    kv_norm: Tensor
+    wo_t: Tensor
+    w2_t: Tensor
+    sink: Tensor  # [1, heads, 1]
+    c_norm: Tensor | None = None  # source layers
+    wik: Tensor | None = None
+    ik_norm: Tensor | None = None
+
+
+def _key(params: list[Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple((p._version, p.data_ptr()) for p in params)
 
 
 def _pack(w: LayerWeights) -> _Pack:
     """The layer's packed weights, rebuilt when any of its weights changed (load_weights, training, .to)."""
-    names = ["wkv", "wq"] + (["wc", "wg"] if hasattr(w, "wc") else []) + (["wqi", "ww"] if hasattr(w, "wqi") else [])
-    params = [getattr(w, n) for n in (*names, "w1", "w3")]
-    key = tuple((p._version, p.data_ptr()) for p in params)
     pack: _Pack | None = w.__dict__.get("_fast_pack")
-    if pack is None or pack.key != key:
-        with torch.no_grad():
-            w_in = torch.cat(params[:len(names)])
-            if w_in.shape[0] % 2:  # even width: every slice of the output starts at an even column
-                w_in = torch.cat((w_in, w_in.new_zeros((1, w_in.shape[1]))))
-            pack = _Pack(key=key, w_in=w_in.contiguous(), w13=torch.cat(params[len(names):]).contiguous())
-        w.__dict__["_fast_pack"] = pack
+    source, index = hasattr(w, "wc"), hasattr(w, "wqi")
+    names = ["wkv", "wq"] + (["wc", "wg"] if source else []) + (["wqi", "ww"] if index else [])
+    rest = ["attn_norm", "ffn_norm", "kv_norm", "w1", "w3", "wo", "w2", "sink"]
+    rest += ["c_norm", "wik", "ik_norm"] if source else []
+    params = [getattr(w, n) for n in (*names, *rest)]
+    key = _key(params)
+    if pack is not None and pack.key == key:
+        return pack
+    with torch.no_grad():
+        p = dict(zip((*names, *rest), params, strict=True))
+        w_in = torch.cat([p[n] for n in names])
+        if w_in.shape[0] % 2:  # even width: every slice of the output starts at an even column
+            w_in = torch.cat((w_in, w_in.new_zeros((1, w_in.shape[1]))))
+        pack = _Pack(key=key, w_in=w_in.contiguous(), w13=torch.cat((p["w1"], p["w3"])).contiguous(),
+                     attn_norm=p["attn_norm"], ffn_norm=p["ffn_norm"], kv_norm=p["kv_norm"], wo_t=p["wo"].t(),
+                     w2_t=p["w2"].t(), sink=p["sink"].view(1, -1, 1))
+        if source:
+            pack.c_norm, pack.wik, pack.ik_norm = p["c_norm"], p["wik"], p["ik_norm"]
+    w.__dict__["_fast_pack"] = pack
     return pack
+
+
+def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rotation(positions: Tensor, freqs: Tensor, dims: int, rope_dims: int, scale: float = 1.0) -> Tensor:
@@ -83,13 +112,13 @@ def rotation(positions: Tensor, freqs: Tensor, dims: int, rope_dims: int, scale:
 
 
 def rope(x: Tensor, rot: Tensor) -> Tensor:
-    """x `[n, D]` or `[n, heads, D]` rotated pairwise by `rot` `[n, D/2]` (one complex multiply)."""
+    """x `[n, D]` or `[..., n, heads, D]` rotated pairwise by `rot` `[..., n, D/2]` (one complex multiply).
+
+    A query `[1, n, heads, D]` against tables `[2, n, D/2]` gives both thetas' rotations `[2, n, heads, D]`.
+    """
     z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(z * (rot.unsqueeze(1) if z.dim() == 3 else rot)).flatten(-2)
+    return torch.view_as_real(z * (rot.unsqueeze(-2) if z.dim() > rot.dim() else rot)).flatten(-2)
 
-
-def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class _Step:
@@ -106,8 +135,8 @@ class _Step:
         hd, rd = g.head_dim, g.rope_head_dim
         scale = 1.0 / math.sqrt(hd)
         self.rot_w = rotation(self.pos, model.freq_window.to(dev), hd, rd)
-        self.rot_qw = self.rot_w * scale
-        self.rot_qc = rotation(self.pos, self.freq_c, hd, rd, scale)
+        # queries: [window theta; compress theta], both scaled by 1/sqrt(head_dim), rotated in one multiply
+        self.rot_q = torch.stack((self.rot_w * scale, rotation(self.pos, self.freq_c, hd, rd, scale)))
         self.rot_qi = rotation(self.pos, self.freq_c, g.index_head_dim, rd)
         self.flags: list[Tensor] = []
         self.selected: dict[int, tuple[Tensor, Tensor]] = {}  # source -> (idx [m, used], additive mask [m, 1, used])
@@ -148,10 +177,9 @@ def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) ->
     h = model.embed[toks]
     new_tail: dict[int, Tensor] = {}
     for layer in range(top + 1):
-        w: LayerWeights = model.blocks[layer]  # type: ignore[assignment]
-        pack = _pack(w)
-        proj = functional.linear(_rms(h, w.attn_norm, eps), pack.w_in)
-        rows, _ = s.encode(rope(_rms(proj[:, :hd], w.kv_norm, eps), s.rot_w), "window")
+        pack = _pack(model.blocks[layer])  # type: ignore[arg-type]
+        proj = functional.linear(_rms(h, pack.attn_norm, eps), pack.w_in)
+        rows, _ = s.encode(rope(_rms(proj[:, :hd], pack.kv_norm, eps), s.rot_w), "window")
         q = proj[:, hd:hd + nh * hd].view(s.m, nh, hd)
         off = hd + nh * hd
         prev = state.window_rows[layer]
@@ -160,7 +188,7 @@ def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) ->
         window_keys = ops.decode(both, "window")  # positions [start - before, end)
         source = g.source_of(layer)
         if layer in g.kv_source_layers:
-            tail = _compress(s, w, layer, proj[:, off:off + hd], proj[:, off + hd:off + 2 * hd])
+            tail = _compress(s, pack, layer, proj[:, off:off + hd], proj[:, off + hd:off + 2 * hd])
             off += 2 * hd
             if tail is not None:
                 new_tail[layer] = tail
@@ -169,11 +197,11 @@ def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) ->
             width = cfg.index_heads * g.index_head_dim
             s.selected[source] = _index(s, source, proj[:, off:off + width],
                                         proj[:, off + width:off + width + cfg.index_heads])
-        attn = _attention(s, w, layer, q, window_keys, before)
+        attn = _attention(s, pack, layer, q, window_keys, before)
         state.window_rows[layer] = both[-g.window:]
-        h = torch.addmm(h, attn, w.wo.t())
-        gate, up = functional.linear(_rms(h, w.ffn_norm, eps), pack.w13).chunk(2, dim=-1)
-        h = torch.addmm(h, functional.silu(gate) * up, w.w2.t())
+        h = torch.addmm(h, attn, pack.wo_t)
+        gate, up = functional.linear(_rms(h, pack.ffn_norm, eps), pack.w13).chunk(2, dim=-1)
+        h = torch.addmm(h, functional.silu(gate) * up, pack.w2_t)
     s.check_flags()
     state.length = s.end
     if state.length % 2 and g.ratio2_source_layers:
@@ -187,9 +215,11 @@ def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) ->
     return functional.linear(_rms(h, model.final_norm, eps), model.head)
 
 
-def _compress(s: _Step, w: LayerWeights, layer: int, kv: Tensor, score: Tensor) -> Tensor | None:
+def _compress(s: _Step, pack: _Pack, layer: int, kv: Tensor, score: Tensor) -> Tensor | None:
     """replay.model.layers.compress on the step's kv and gate projections (rows appended with their values)."""
-    cfg, g, state = s.cfg, s.g, s.state
+    g, state = s.g, s.state
+    assert pack.c_norm is not None and pack.wik is not None and pack.ik_norm is not None
+    eps = s.cfg.norm_eps
     ratio = g.compress_ratios[layer]
     start, end = s.start, s.end
     have = state.kv_rows[layer].shape[0]
@@ -218,11 +248,11 @@ def _compress(s: _Step, w: LayerWeights, layer: int, kv: Tensor, score: Tensor) 
     if first + skip > have and n:
         raise InvalidArgument(f"layer {layer}: rows [{have}, {first + skip}) are missing below position {start}")
     if n:
-        latent = _rms(pooled, w.c_norm, cfg.norm_eps)
+        latent = _rms(pooled, pack.c_norm, eps)
         group_pos = torch.arange(first + skip, first + skip + n, device=kv.device) * ratio
         rot = rotation(group_pos, s.freq_c, g.head_dim, g.rope_head_dim)
         kv_rows, kv_values = s.encode(rope(latent, rot), "kv")
-        key = _rms(functional.linear(latent, w.wik), w.ik_norm, cfg.norm_eps)
+        key = _rms(functional.linear(latent, pack.wik), pack.ik_norm, eps)
         rot_i = rotation(group_pos, s.freq_c, g.index_head_dim, g.rope_head_dim)
         index_rows, index_values = s.encode(rope(key, rot_i), "index")
         state.append_rows(layer, kv_rows, kv_values, index_rows, index_values)
@@ -257,23 +287,24 @@ def _index(s: _Step, source: int, qi: Tensor, weights: Tensor) -> tuple[Tensor, 
     return i_all.contiguous(), mask
 
 
-def _attention(s: _Step, w: LayerWeights, layer: int, q: Tensor, window_keys: Tensor, before: int) -> Tensor:
+def _attention(s: _Step, pack: _Pack, layer: int, q: Tensor, window_keys: Tensor, before: int) -> Tensor:
     """Sink + window keys of (p - W, p] + the selected compressed rows, one softmax: `[m, heads * head_dim]`."""
     cfg, g, m = s.cfg, s.g, s.m
     nh, hd, win = cfg.n_heads, g.head_dim, g.window
-    qw = rope(q, s.rot_qw)  # scaled by 1/sqrt(head_dim)
     source = g.source_of(layer)
     qc = kv_values = idx = mask_c = None
     used = 0
-    if source is not None:
-        qc = rope(q, s.rot_qc)
+    if source is None:
+        qw = rope(q, s.rot_q[0])  # scaled by 1/sqrt(head_dim)
+    else:
+        qw, qc = rope(q.unsqueeze(0), s.rot_q)  # window and compress theta in one multiply
         idx, mask_c = s.selected[source]
         used = idx.shape[1]
         kv_values = s.state.kv_values(source)
         if kv_values.shape[0] == 0:  # nothing visible yet: every slot is masked, but gathers need a row
             kv_values = kv_values.new_zeros((1, hd))
     step = max(1, FAST_BUDGET // ((win + used) * hd))
-    sink = w.sink.view(1, nh, 1)
+    sink = pack.sink
     outs = []
     for a in range(0, m, step):
         b = min(a + step, m)

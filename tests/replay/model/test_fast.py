@@ -122,9 +122,11 @@ def test_packed_weights_follow_weight_changes(tmp_path: Path, run: Any) -> None:
     assert torch.equal(other.extend(other.new_state(), run.tokens[:20]),
                        source.extend(source.new_state(), run.tokens[:20]))
     assert not torch.allclose(before, source.extend(source.new_state(), run.tokens[:20]))
-    with torch.no_grad():
-        other.blocks[0].w1.mul_(0.5)
-        source.blocks[0].w1.mul_(0.5)
+    with torch.no_grad():  # a projection, a norm folded into the matmul after it, and the final norm
+        for model in (other, source):
+            model.blocks[0].w1.mul_(0.5)
+            model.blocks[1].attn_norm.mul_(1.5)
+            model.final_norm.mul_(2.0)
     assert torch.equal(other.extend(other.new_state(), run.tokens[:20]),
                        source.extend(source.new_state(), run.tokens[:20]))
 
