@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from kvstore.commands import add_connection_arguments, client_options
 from kvstore.errors import InvalidArgument
 from replay.cost import DEFAULT_FETCH_GBPS, DEFAULT_RECOMPUTE_TOKENS_PER_S, CostModel, parse_replay_windows
 
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="block boundaries asked about for a snapshot (default 4)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_connection_arguments(parser)  # --token (default $KVSTORE_TOKEN) and the TLS flags
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,
                      replay_windows=parse_replay_windows(args.replay_windows))
     tokens = read_tokens(args.tokens)
-    with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout) as client:
+    with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout,
+                **client_options(args)) as client:
         with Planner(client, cost=cost, lease_ms=0, snapshot_probes=args.snapshot_probes, report=False) as planner:
             plan = planner.plan(tokens, extra_keys=args.extra_key)
         geometry, block_tokens = client.geometry, client.block_tokens
