@@ -62,7 +62,7 @@ def create(data: Path, *args: str) -> str:
     return token
 
 
-def test_create_list_revoke_against_a_running_server(serve: tuple[str, Path]) -> None:
+def test_create_list_revoke_against_a_running_server(serve: tuple[str, Path], tmp_path: Path) -> None:
     target, data = serve
     with Client(target) as open_client:  # no tenants yet: the default tenant, no token
         open_client.lookup(list(range(16)))
@@ -82,6 +82,12 @@ def test_create_list_revoke_against_a_running_server(serve: tuple[str, Path]) ->
         assert not client.stats().store_wide  # its own counters only
         with pytest.raises(PermissionDenied):
             client.transfer_stats()
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(list(range(40))))
+    plan = kvstore("plan", "--tokens", str(prompt), "--target", target, "--namespace", "", "--json",
+                   env={"KVSTORE_TOKEN": acme})  # another command taking the token from the environment
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert json.loads(plan.stdout)["found_tokens"] == 32
 
     eventually(lambda: Client(target, token=ops, timeout_s=5).close())
     stats = kvstore("stats", "--target", target, "--json", env={"KVSTORE_TOKEN": ops})  # the token from the env
