@@ -97,7 +97,7 @@ class RunResult:
 
 
 def request_of(tokens: Sequence[int], plan: PlanFields | None, *, extra_keys: Sequence[ExtraKey] = (),
-               namespace: str = "default", max_new_tokens: int = 0, store: bool = True, snapshot_every: int = 0,
+               namespace: str = "", max_new_tokens: int = 0, store: bool = True, snapshot_every: int = 0,
                tail_prefill: bool = False) -> pb.RunRequest:
     """The RunRequest of a prompt and a plan (None: a full prefill).
 
@@ -145,12 +145,13 @@ class WorkerClient:
 
     Args:
         target: "host:port" of the worker.
-        namespace: the tenant whose blocks and snapshots its Runs use.
+        namespace: the tenant whose blocks and snapshots its Runs use (empty: the worker's token's tenant,
+            "default" on a server without auth).
         timeout_s: deadline of each call (a Run that passes it raises DeadlineExceeded
             and the worker stops computing it).
     """
 
-    def __init__(self, target: str, *, namespace: str = "default", timeout_s: float = 120.0) -> None:
+    def __init__(self, target: str, *, namespace: str = "", timeout_s: float = 120.0) -> None:
         self.target = arguments.text(target, "target")
         self.namespace = arguments.text(namespace, "namespace")
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstore.commands import add_connection_arguments, client_options
 from kvstore.errors import ConfigError
 from replay.worker.settings import WorkerSettings
 
@@ -36,14 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"TCP port (default {WorkerSettings.port}; 0 picks a free one)")
     parser.add_argument("--host", default=WorkerSettings.host, help="address to bind (default 127.0.0.1)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N (default cpu)")
-    parser.add_argument("--namespace", default="default",
-                        help="tenant whose store connection opens at start (a Run names its own; default 'default')")
+    parser.add_argument("--namespace", default="",
+                        help="tenant whose store connection opens at start (a Run names its own; default: the "
+                             "token's tenant, 'default' without auth)")
     parser.add_argument("--max-prompt-tokens", type=int, default=WorkerSettings.max_prompt_tokens,
                         help="longest prompt a Run takes")
     parser.add_argument("--max-new-tokens", type=int, default=WorkerSettings.max_new_tokens,
                         help="most greedy tokens a Run decodes")
     parser.add_argument("--store-timeout", type=float, default=WorkerSettings.store_timeout_s,
                         help="seconds each store call may take")
+    add_connection_arguments(parser)  # --token (KVSTORE_TOKEN) and TLS: how the worker reaches the store
 
 
 def load_model(spec: str, weights: Path | None, device: str) -> Any:
@@ -80,18 +83,23 @@ def run(args: argparse.Namespace) -> int:
     settings = WorkerSettings(store_target=args.target, host=args.host, port=args.port, device=args.device,
                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                               store_timeout_s=args.store_timeout)
-    asyncio.run(serve(settings, load_model(args.model, args.weights, args.device), namespace=args.namespace))
+    asyncio.run(serve(settings, load_model(args.model, args.weights, args.device), namespace=args.namespace,
+                      credentials=client_options(args)))
     return 0
 
 
-async def serve(settings: WorkerSettings, model: Any, *, namespace: str = "default") -> None:
-    """Connect to the store, serve the worker, and stop cleanly on SIGTERM or SIGINT."""
+async def serve(settings: WorkerSettings, model: Any, *, namespace: str = "",
+                credentials: dict[str, Any] | None = None) -> None:
+    """Connect to the store, serve the worker, and stop cleanly on SIGTERM or SIGINT.
+
+    `credentials` are the store client's `token=` and `tls=` (kvstore.commands.client_options).
+    """
     from replay.worker.runner import Runner
     from replay.worker.service import start
     from replay.worker.stores import StoreClients
 
     stores = StoreClients(settings.store_target, geometry=model.config.geometry.name,
-                          timeout_s=settings.store_timeout_s)
+                          timeout_s=settings.store_timeout_s, **(credentials or {}))
     try:
         stores.client(namespace)
         running = await start(settings, Runner(model, stores, settings))

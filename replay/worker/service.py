@@ -45,7 +45,7 @@ ACTION_NAMES: dict[int, str] = {
 def spec_of(request: pb.RunRequest) -> RunSpec:
     """The runner's view of a RunRequest (checked later, by the runner)."""
     return RunSpec(
-        tokens=list(request.tokens), extra_keys=list(request.extra_keys), namespace=request.namespace or "default",
+        tokens=list(request.tokens), extra_keys=list(request.extra_keys), namespace=request.namespace,
         action=ACTION_NAMES.get(request.action, f"RunAction {request.action}"),
         fetch_tokens=request.fetch_tokens,
         snapshot_position=request.snapshot_position if request.HasField("snapshot_position") else None,

@@ -31,7 +31,7 @@ class RunSpec:
 
     tokens: list[int] = field(repr=False)
     extra_keys: list[bytes] = field(default_factory=list)
-    namespace: str = "default"
+    namespace: str = ""  # the tenant; empty: the worker's token's ("default" without auth)
     action: str = FULL_PREFILL
     fetch_tokens: int = 0
     snapshot_position: int | None = None

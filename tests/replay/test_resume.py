@@ -41,7 +41,7 @@ def _free_port() -> int:
 def test_turns_plan_run_and_hit_in_the_tenants_namespace(server: Any, workers: WorkerClient, model: Any) -> None:
     with Client(server.target, namespace="alice", geometry=TINY.name) as alice, \
             Planner(alice, report=False) as planner:
-        resumer = Resumer(planner, workers)  # the worker client's own namespace is "default"
+        resumer = Resumer(planner, workers)  # the worker client's own namespace is the worker's (default)
         first = resumer.resume(tokens_of(1, 41), max_new_tokens=10)
         assert first.ok and first.fallback is None and first.plan.action is Action.FULL_PREFILL
         assert first.run is not None

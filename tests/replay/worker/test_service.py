@@ -154,3 +154,33 @@ def test_kvstore_worker_refuses_a_store_it_cannot_reach(tmp_path: Path) -> None:
                            "--port", "0", "--store-timeout", "2", "--model", str(config)],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 2 and "Unavailable" in done.stderr
+
+
+def test_kvstore_worker_reaches_a_store_with_auth_by_its_token(start_server: Any, store_settings: Any,
+                                                                tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kvstore import api_tokens
+
+    settings = replace(store_settings, block_tokens=16)
+    token = api_tokens.create(settings.data_dir / "tenants.json", "alice", frozenset({"read", "write"}))[1]
+    server = start_server(settings)
+    command = [sys.executable, "-m", "kvstore.cli", "worker", "--target", server.target, "--model", "tiny",
+               "--port", "0", "--store-timeout", "10"]
+    refused = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert refused.returncode == 2 and "Unauthenticated" in refused.stderr  # no token: no store, no worker
+    log = tmp_path / "worker.out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*command, "--token", token], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"kvstore worker listening on 127\.0\.0\.1:(\d+)", log.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        with WorkerClient(f"127.0.0.1:{match.group(1)}", timeout_s=60) as w:
+            assert w.run(list(range(40)), None).blocks_stored == 2
+        with Client(server.target, geometry=TINY.name, token=token) as alice:  # stored in the token's tenant
+            assert alice.lookup(list(range(40))).found_tokens == 32
+    finally:
+        proc.kill()
+        proc.wait()
