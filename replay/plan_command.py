@@ -22,7 +22,13 @@ from pathlib import Path
 
 from kvstore.commands import add_connection_arguments, client_options
 from kvstore.errors import InvalidArgument
-from replay.cost import DEFAULT_FETCH_GBPS, DEFAULT_RECOMPUTE_TOKENS_PER_S, CostModel, parse_replay_windows
+from replay.cost import (
+    DEFAULT_FETCH_GBPS,
+    DEFAULT_RECOMPUTE_TOKENS_PER_S,
+    DEFAULT_REPLAY_OVERHEAD_S,
+    CostModel,
+    parse_replay_windows,
+)
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -79,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", required=True, metavar="FILE",
                         help="token ids: a JSON array or integers separated by spaces or commas; - for stdin")
     parser.add_argument("--target", default=DEFAULT_TARGET, help=f"server address (default {DEFAULT_TARGET})")
-    parser.add_argument("--namespace", default="default", help="tenant (default: default)")
+    parser.add_argument("--namespace", default="", help="tenant (default: the token's; 'default' without auth)")
     parser.add_argument("--geometry", default="", help="geometry name (default: the server's)")
     parser.add_argument("--extra-key", action="append", default=[], metavar="KEY",
                         help="an extra key the blocks were stored with (repeat for several, in order)")
@@ -89,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"block fetch rate, GB/s (default {DEFAULT_FETCH_GBPS:g}: kvstore bench transfer)")
     parser.add_argument("--recompute-tps", type=float, default=DEFAULT_RECOMPUTE_TOKENS_PER_S,
                         help=f"worker compute rate, tokens/s (default {DEFAULT_RECOMPUTE_TOKENS_PER_S:,.0f})")
+    parser.add_argument("--replay-overhead", type=float, default=DEFAULT_REPLAY_OVERHEAD_S, metavar="SECONDS",
+                        help="fixed cost of one replay call beyond its tokens "
+                             f"(default {DEFAULT_REPLAY_OVERHEAD_S:g} s; 0.03 for the eager reference worker)")
     parser.add_argument("--snapshot-probes", type=int, default=4,
                         help="block boundaries asked about for a snapshot (default 4)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
@@ -107,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from replay.planner import Planner
 
     cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,
-                     replay_windows=parse_replay_windows(args.replay_windows))
+                     replay_windows=parse_replay_windows(args.replay_windows), replay_overhead_s=args.replay_overhead)
     tokens = read_tokens(args.tokens)
     with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout,
                 **client_options(args)) as client:
@@ -118,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_dict(), "target": args.target, "namespace": args.namespace,
                           "geometry": geometry, "block_tokens": block_tokens}))
         return 0
-    print(f"plan for {plan.prompt_tokens:,} prompt tokens at {args.target} (namespace {args.namespace}, "
+    tenant = args.namespace or "of the token (default without auth)"
+    print(f"plan for {plan.prompt_tokens:,} prompt tokens at {args.target} (namespace {tenant}, "
           f"geometry {geometry}, blocks of {block_tokens})")
     for line in plan.reasons:
         print(f"  {line}")

@@ -38,8 +38,8 @@ def test_plan_prints_its_reasons_and_a_summary(server: Any, prompt_file: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--tokens", str(prompt_file), "--target", server.target, "--extra-key", "img"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == (f"plan for 325 prompt tokens at {server.target} (namespace default, geometry "
-                      f"deepseek-v4.1-flash, blocks of 16)")
+    assert out[0] == (f"plan for 325 prompt tokens at {server.target} (namespace of the token (default without "
+                      f"auth), geometry deepseek-v4.1-flash, blocks of 16)")
     assert out[1].startswith("  found 320 of 325 prompt tokens")
     assert out[-2].startswith("  chose bounded-replay")
     assert out[-1].startswith("bounded-replay, fetch 320 tokens") and "replay [192, 320)" in out[-1]
@@ -58,6 +58,8 @@ def test_plan_json_and_the_fidelity_and_rate_flags(server: Any, client: Client, 
     assert json.loads(capsys.readouterr().out)["action"] == "full-prefill"  # 320 < 40 x 128
     assert main([*args, "--fetch-gbps", "1e-9"]) == 0
     assert json.loads(capsys.readouterr().out)["action"] == "full-prefill"
+    assert main([*args, "--replay-overhead", "0.03"]) == 0  # the eager reference worker's per-replay cost
+    assert json.loads(capsys.readouterr().out)["action"] == "full-prefill"  # 30 ms > the 320 tokens it saves
     assert main(["plan", "--tokens", str(prompt_file), "--target", server.target, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["found_tokens"] == 0  # other extra keys: other blocks
 
