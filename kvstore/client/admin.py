@@ -15,23 +15,13 @@ from typing import Any
 import grpc
 
 from kvstore.client import arguments
-from kvstore.client.connection import TlsOptions, status_error
+from kvstore.client.connection import TlsOptions, open_channel, status_error, token_metadata
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
 
 #: The fields of a policy, as SetPolicy takes them.
 POLICY_FIELDS = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
-
-
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The metadata that carries `token` (as kvstore.client.connection sends it), or None without one."""
-    if token is None:
-        return None
-    token = arguments.text(token, "token")
-    if not token or not token.isascii() or not token.isprintable() or token != token.strip():
-        raise InvalidArgument("token must be the non-empty printable ASCII string `kvstore tenant create` printed")
-    return (("authorization", f"Bearer {token}"),)
 
 
 class AdminClient:
@@ -49,9 +39,7 @@ class AdminClient:
         self.target = arguments.text(target, "target")
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
         self._metadata = token_metadata(token) or ()
-        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls is not None and tls.server_name else []
-        self.channel = (grpc.secure_channel(self.target, tls.credentials(), options=options) if tls is not None
-                        else grpc.insecure_channel(self.target))
+        self.channel = open_channel(self.target, tls)
         self.stub = pb_grpc.AdminStub(self.channel)
 
     def _call(self, method: Any, request: Any) -> Any:

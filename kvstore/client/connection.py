@@ -71,14 +71,29 @@ class TlsOptions:
                                             read("cert_file", self.cert_file))
 
 
-def _token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The metadata that carries `token`, or None without one."""
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that carries `token` (`authorization: Bearer`), or None without one.
+
+    Raises:
+        InvalidArgument: not the printable ASCII string `kvstore tenant create` printed.
+    """
     if token is None:
         return None
     token = arguments.text(token, "token")
     if not token or not token.isascii() or not token.isprintable() or token != token.strip():
         raise InvalidArgument("token must be the non-empty printable ASCII string `kvstore tenant create` printed")
     return (("authorization", f"Bearer {token}"),)
+
+
+def open_channel(target: str, tls: TlsOptions | None,
+                 options: Sequence[tuple[str, int | str]] = ()) -> grpc.Channel:
+    """A channel to `target`: TLS with `tls`'s files (and its server name, when set), else plaintext."""
+    options = list(options)
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(target, tls.credentials(), options=options)
 
 
 class Connection:
@@ -107,13 +122,9 @@ class Connection:
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
         geometry = arguments.text(geometry, "geometry")
         #: Sent with every call (None: no token).
-        self.metadata = _token_metadata(token)
-        options: list[tuple[str, int | str]] = [("grpc.max_receive_message_length", -1),
-                                                ("grpc.max_send_message_length", -1)]
-        if tls is not None and tls.server_name:
-            options.append(("grpc.ssl_target_name_override", tls.server_name))
-        self.channel = (grpc.secure_channel(target, tls.credentials(), options=options) if tls is not None
-                        else grpc.insecure_channel(target, options=options))
+        self.metadata = token_metadata(token)
+        self.channel = open_channel(target, tls, [("grpc.max_receive_message_length", -1),
+                                                  ("grpc.max_send_message_length", -1)])
         #: The KVStore service's stub (GetInfo here; blocks in the store and transfer clients).
         self.kvstore = pb_grpc.KVStoreStub(self.channel)
         try:

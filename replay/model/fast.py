@@ -33,7 +33,7 @@ from torch.nn import functional
 from kvstore.codec import rows as codec
 from kvstore.errors import InvalidArgument
 from replay.model import ops
-from replay.model.layers import FAST_BUDGET, LayerWeights
+from replay.model.layers import FAST_BUDGET, LayerWeights, new_compressor_inputs
 from replay.model.state import CacheState
 
 if TYPE_CHECKING:
@@ -222,31 +222,10 @@ def _compress(s: _Step, pack: _Pack, layer: int, kv: Tensor, score: Tensor) -> T
     eps = s.cfg.norm_eps
     ratio = g.compress_ratios[layer]
     start, end = s.start, s.end
-    have = state.kv_rows[layer].shape[0]
-    if ratio == 1:
-        first = start
-        skip = max(0, have - first)
-        pooled = kv[skip:]
-    else:
-        seq_kv, seq_score, seq_start = kv, score, start
-        if start % 2:
-            if have > (start - 1) // 2:  # the open pair's row is held: it stays as it is
-                seq_kv, seq_score, seq_start = kv[1:], score[1:], start + 1
-            elif state.tail is not None:
-                tail = state.tail[g.ratio2_source_layers.index(layer)]
-                seq_kv, seq_score, seq_start = torch.cat((tail[:1], kv)), torch.cat((tail[1:], score)), start - 1
-            else:
-                raise InvalidArgument(f"layer {layer}: the state is at odd length {start} with neither its raw "
-                                      f"tail nor the row of pair ({start - 1}, {start}): restore the tail")
-        pairs = (end - seq_start) // 2
-        first = seq_start // 2
-        skip = min(pairs, max(0, have - first))
-        pk = seq_kv[:2 * pairs].reshape(pairs, 2, kv.shape[-1])[skip:]
-        ps = seq_score[:2 * pairs].reshape(pairs, 2, kv.shape[-1])[skip:]
-        pooled = (torch.softmax(ps, dim=1) * pk).sum(1)
+    new = new_compressor_inputs(g, state, layer, kv, score, start, end)
+    first, skip = new.first, new.skip
+    pooled = new.kv if new.scores is None else (torch.softmax(new.scores, dim=1) * new.kv).sum(1)
     n = pooled.shape[0]
-    if first + skip > have and n:
-        raise InvalidArgument(f"layer {layer}: rows [{have}, {first + skip}) are missing below position {start}")
     if n:
         latent = _rms(pooled, pack.c_norm, eps)
         group_pos = torch.arange(first + skip, first + skip + n, device=kv.device) * ratio

@@ -11,10 +11,13 @@ through the state, never rewriting one it holds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
 from kvstore.errors import InvalidArgument
+from kvstore.geometry import ModelGeometry
 from replay.model import ops
 from replay.model.config import ModelConfig
 from replay.model.state import CacheState
@@ -67,6 +70,68 @@ def mlp(cfg: ModelConfig, w: LayerWeights, h: Tensor, inv: bool) -> Tensor:
     return ops.linear(gate * ops.linear(x, w.w3, invariant=inv), w.w2, invariant=inv)
 
 
+@dataclass(frozen=True)
+class CompressorInputs:
+    """What a source layer compresses in one step: only rows it does not hold yet.
+
+    Attributes:
+        kv: ratio 1: the kv projections `[n, head_dim]` of the new rows' positions;
+            ratio 2: the pairs' kv projections `[pairs, 2, head_dim]`.
+        scores: ratio 2: the pairs' gate scores `[pairs, 2, head_dim]`; ratio 1: None.
+        first: the row of the step's first whole group (before `skip`).
+        skip: groups at the start whose rows the state already holds (loaded rows are
+            never rewritten).
+    """
+
+    kv: Tensor
+    scores: Tensor | None
+    first: int
+    skip: int
+
+
+def new_compressor_inputs(g: ModelGeometry, state: CacheState, layer: int, kv: Tensor, score: Tensor, start: int,
+                          end: int) -> CompressorInputs:
+    """The groups of positions [start, end) whose rows `layer` must compute, given what `state` holds.
+
+    Ratio 2 at an odd `start` completes the open pair (start - 1, start) with the raw tail,
+    unless the pair's row is already held (a resume at T - 1, a replay): then it stays.
+    The one place both model paths (layers.compress and fast._compress) decide it.
+
+    Raises:
+        InvalidArgument: an odd start with neither the tail nor the open pair's row, or rows
+            missing below the first one to compute.
+    """
+    have = state.kv_rows[layer].shape[0]
+    if g.compress_ratios[layer] == 1:
+        skip = max(0, have - start)
+        return _held_below(CompressorInputs(kv=kv[skip:], scores=None, first=start, skip=skip), layer, have, start)
+    seq_kv, seq_score, seq_start = kv, score, start
+    if start % 2:
+        if have > (start - 1) // 2:  # the open pair's row is held: it stays as it is
+            seq_kv, seq_score, seq_start = kv[1:], score[1:], start + 1
+        elif state.tail is not None:
+            tail = state.tail[g.ratio2_source_layers.index(layer)]
+            seq_kv, seq_score, seq_start = torch.cat((tail[:1], kv)), torch.cat((tail[1:], score)), start - 1
+        else:
+            raise InvalidArgument(f"layer {layer}: the state is at odd length {start} with neither its raw "
+                                  f"tail nor the row of pair ({start - 1}, {start}): restore the tail")
+    pairs = (end - seq_start) // 2
+    first = seq_start // 2
+    skip = min(pairs, max(0, have - first))
+    width = kv.shape[-1]
+    return _held_below(CompressorInputs(kv=seq_kv[:2 * pairs].reshape(pairs, 2, width)[skip:],
+                                        scores=seq_score[:2 * pairs].reshape(pairs, 2, width)[skip:],
+                                        first=first, skip=skip), layer, have, start)
+
+
+def _held_below(new: CompressorInputs, layer: int, have: int, start: int) -> CompressorInputs:
+    """`new`, once checked that the state holds every row below the first one it computes."""
+    if new.first + new.skip > have and new.kv.shape[0]:
+        raise InvalidArgument(f"layer {layer}: rows [{have}, {new.first + new.skip}) are missing below position "
+                              f"{start}")
+    return new
+
+
 def compress(cfg: ModelConfig, w: LayerWeights, state: CacheState, layer: int, x: Tensor, pos: Tensor,
              freq: Tensor, inv: bool) -> Tensor | None:
     """Append the rows of the groups completed at `pos` to the state's rows of source `layer`.
@@ -86,30 +151,12 @@ def compress(cfg: ModelConfig, w: LayerWeights, state: CacheState, layer: int, x
     start, end = int(pos[0]), int(pos[-1]) + 1
     kv = ops.linear(x, w.wc, invariant=inv)
     score = ops.linear(x, w.wg, invariant=inv)
-    have = state.kv_rows[layer].shape[0]
-    if ratio == 1:
-        first = start
-        skip = max(0, have - first)
-        latent = ops.rms_norm(kv[skip:], w.c_norm, cfg.norm_eps)
+    new = new_compressor_inputs(g, state, layer, kv, score, start, end)
+    first, skip = new.first, new.skip
+    if new.scores is None:
+        latent = ops.rms_norm(new.kv, w.c_norm, cfg.norm_eps)
     else:
-        seq_kv, seq_score, seq_start = kv, score, start
-        if start % 2:
-            if have > (start - 1) // 2:  # the open pair's row is held: it stays as it is
-                seq_kv, seq_score, seq_start = kv[1:], score[1:], start + 1
-            elif state.tail is not None:
-                tail = state.tail[g.ratio2_source_layers.index(layer)]
-                seq_kv, seq_score, seq_start = torch.cat((tail[:1], kv)), torch.cat((tail[1:], score)), start - 1
-            else:
-                raise InvalidArgument(f"layer {layer}: the state is at odd length {start} with neither its raw "
-                                      f"tail nor the row of pair ({start - 1}, {start}): restore the tail")
-        pairs = (end - seq_start) // 2
-        first = seq_start // 2
-        skip = min(pairs, max(0, have - first))
-        pk = seq_kv[:2 * pairs].view(pairs, 2, kv.shape[-1])[skip:]
-        ps = seq_score[:2 * pairs].view(pairs, 2, kv.shape[-1])[skip:]
-        latent = ops.rms_norm(ops.pool_pairs(pk, ps, invariant=inv), w.c_norm, cfg.norm_eps)
-    if first + skip > have and latent.shape[0]:
-        raise InvalidArgument(f"layer {layer}: rows [{have}, {first + skip}) are missing below position {start}")
+        latent = ops.rms_norm(ops.pool_pairs(new.kv, new.scores, invariant=inv), w.c_norm, cfg.norm_eps)
     if latent.shape[0]:
         group_pos = (torch.arange(latent.shape[0], device=x.device) + first + skip) * ratio
         cos, sin = ops.rope_tables(group_pos, freq)
