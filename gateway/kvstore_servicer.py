@@ -243,7 +243,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @unary
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         caller = current_caller()
-        hit_fields = self._hit_fields(request, _stats_tenant(request.tenant, caller))
+        # Each tenant's usage is an LMDB read: on the tier's pool, never on the event loop.
+        hit_fields = await self.tier.call(self._hit_fields, request, _stats_tenant(request.tenant, caller))
         if ADMIN not in caller.rights:
             # The store's counters, usage and write rate span every tenant: its own hit counters only.
             return pb.StatsResponse(retention_hours=self.settings.retention_hours, store_wide=False, **hit_fields)
