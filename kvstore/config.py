@@ -168,6 +168,14 @@ class SwaSettings:
     socket_timeout_s: float = 1.0
     #: Most snapshots in one Put, Get or Delete.
     max_batch_snapshots: int = 64
+    #: Offer the direct path (SwaPool.OpenDirect) on the Redis backends: clients read and write
+    #: Redis themselves as per-tenant ACL users confined to their key prefix (docs/SWA_POOL.md).
+    direct: bool = True
+    #: Lifetime of a direct-path ACL user; a new one is handed out at half of it, and each is
+    #: deleted when its lifetime ends (so the older one has half a lifetime of grace).
+    direct_user_lifetime_s: float = 600.0
+    #: The Redis address clients are told ('' : redis_url's, without its credentials).
+    direct_redis_url: str = ""
 
     RANGES: ClassVar[dict[str, Range]] = {
         "ttl_s": Range(0, UINT32_MAX / 1000, lo_open=True),  # sent as uint32 milliseconds
@@ -175,6 +183,7 @@ class SwaSettings:
         "cap_bytes": Range(0, MAX_BYTES),  # 0 derives it from memory_fraction
         "socket_timeout_s": Range(0, 3600, lo_open=True),
         "max_batch_snapshots": Range(1, 1 << 16),
+        "direct_user_lifetime_s": Range(1, UINT32_MAX / 1000),  # sent as uint32 milliseconds
     }
 
     def __post_init__(self) -> None:
