@@ -1,7 +1,7 @@
 """End to end (issue 11 item 6): a real `kvstore serve` and a real `kvstore worker`, as child processes.
 
-The storage server runs on a clock the test moves (`ServerClock`, the fault
-matrix's approach: tests/faults/conftest.py): its `kvstore.clock.SystemClock`
+The storage server runs on a clock the test moves (`ServerClock` of
+tests/children.py, shared with the fault matrix): its `kvstore.clock.SystemClock`
 adds the seconds written in a file to both its wall and its monotonic time, so
 an SWA TTL or the 72-hour retention passes for the server in one call, while
 nothing else in the process or the test is skewed.
@@ -22,8 +22,6 @@ test instead of the suite.
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -34,32 +32,12 @@ from typing import Any
 
 import pytest
 
+from tests.children import SKEWED_CLOCK, START_DEADLINE_S, Child, ServerClock, write_config
+
 #: Tokens per block: small, so a short conversation spans several blocks (the tiny window is 8).
 BLOCK_TOKENS = 16
 #: The operator's SWA TTL: short, since the test moves the server's clock past it.
 SWA_TTL_S = 60.0
-#: Longest wait for a child to print where it listens, or to exit.
-START_DEADLINE_S = 90.0
-
-_PRELUDE = "import os, sys, time\n"
-_MAIN = "from kvstore.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-#: Child-side: kvstore.clock.SystemClock (what the server's tier, leases and SWA pool read) adds the
-#: seconds in KVSTORE_E2E_CLOCK_FILE to its wall and monotonic time (tests/faults/conftest.py does the same).
-_SKEWED_CLOCK = """
-import kvstore.clock
-
-_file = os.environ["KVSTORE_E2E_CLOCK_FILE"]
-
-def _skew():
-    try:
-        with open(_file) as f:
-            return float(f.read() or 0)
-    except (OSError, ValueError):
-        return 0.0
-
-kvstore.clock.SystemClock.now = lambda self: time.time() + _skew()
-kvstore.clock.SystemClock.monotonic = lambda self: time.monotonic() + _skew()
-"""
 #: Child-side: while KVSTORE_E2E_GATE/armed exists, ReferenceModel.replay touches .../entered and waits
 #: for .../release (bounded, so an orphaned worker still ends its call); unarmed, it just replays.
 _REPLAY_GATE = """
@@ -78,22 +56,6 @@ def _gated_replay(self, *args, **kwargs):
 
 _model.ReferenceModel.replay = _gated_replay
 """
-
-
-class ServerClock:
-    """Time for the server started with it: `advance` is time passing for it (see _SKEWED_CLOCK)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.skew_s = 0.0
-        path.write_text("0")
-
-    def advance(self, seconds: float) -> None:
-        """Let `seconds` pass for the server (its next reading sees it)."""
-        self.skew_s += seconds
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(repr(self.skew_s))
-        os.replace(tmp, self.path)  # atomic: the server reads the old or the new number, never half
 
 
 class WorkerGate:
@@ -122,64 +84,6 @@ class WorkerGate:
         self.release.touch()
 
 
-class Child:
-    """One `kvstore <command>` child process that prints `listening on HOST:PORT`.
-
-    Args:
-        name: names its log files.
-        args: the command line after `kvstore`.
-        logdir: where its stdout and stderr go.
-        prelude: Python run in the child before the command (None: plain `python -m kvstore.cli`).
-        env: variables added to the environment (KVSTORE_* of the test's own are dropped).
-    """
-
-    def __init__(self, name: str, args: Sequence[str], logdir: Path, *, prelude: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        logdir.mkdir(parents=True, exist_ok=True)
-        n = len(list(logdir.glob(f"{name}-*.out")))
-        self.name = name
-        self.out_path = logdir / f"{name}-{n}.out"
-        self.err_path = logdir / f"{name}-{n}.err"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
-        child_env.update(env or {})
-        if prelude:
-            cmd = [sys.executable, "-c", _PRELUDE + prelude + _MAIN, *args]
-        else:
-            cmd = [sys.executable, "-m", "kvstore.cli", *args]
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env)
-        self.port = self._wait_for_port()
-        self.target = f"127.0.0.1:{self.port}"
-
-    def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            match = re.search(r"listening on (?:127\.0\.0\.1|localhost|\[::\]|0\.0\.0\.0):(\d+)",
-                              self.out_path.read_text(errors="replace"))
-            if match:
-                return int(match.group(1))
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"kvstore {self.name} did not start (exit {self.proc.returncode}):\n{self.log()}")
-            time.sleep(0.02)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the process is still running."""
-        return self.proc.poll() is None
-
-    def kill9(self) -> None:
-        """SIGKILL it (no clean-up of any kind runs) and reap it."""
-        self.proc.kill()
-        assert self.proc.wait(timeout=START_DEADLINE_S) == -signal.SIGKILL
-
-    def log(self) -> str:
-        """Its stdout and stderr so far."""
-        return (f"--- {self.name} stdout ({self.out_path})\n{self.out_path.read_text(errors='replace')}"
-                f"--- {self.name} stderr ({self.err_path})\n{self.err_path.read_text(errors='replace')}")
-
-
 def run_kvstore(*args: str) -> subprocess.CompletedProcess[str]:
     """Run a one-shot `kvstore` command (KVSTORE_* of the test's own dropped) and return what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
@@ -187,17 +91,6 @@ def run_kvstore(*args: str) -> subprocess.CompletedProcess[str]:
                           stdin=subprocess.DEVNULL, timeout=START_DEADLINE_S, check=False)
     assert done.returncode == 0, f"kvstore {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done
-
-
-def write_config(path: Path, sections: dict[str, dict[str, object]]) -> Path:
-    """A small TOML config ({section: {key: value}}; values are str, int or float)."""
-    lines: list[str] = []
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {value!r}" if isinstance(value, int | float) else f'{key} = "{value}"')
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture
@@ -212,9 +105,7 @@ def children(tmp_path: Path) -> Iterator[list[Child]]:
     started: list[Child] = []
     yield started
     for child in started:
-        if child.alive:
-            child.proc.kill()
-            child.proc.wait()
+        child.kill_if_alive()
 
 
 @pytest.fixture
@@ -231,8 +122,7 @@ def start_serve(tmp_path: Path, server_clock: ServerClock, children: list[Child]
         config = write_config(tmp_path / "kvstore.toml", merged)
         args = ["serve", "--port", "0", "--host", "127.0.0.1", "--data-dir", str(tmp_path / "store"),
                 "--config", str(config)]
-        child = Child("serve", args, tmp_path / "logs", prelude=_SKEWED_CLOCK,
-                      env={"KVSTORE_E2E_CLOCK_FILE": str(server_clock.path)})
+        child = Child("serve", args, tmp_path / "logs", prelude=SKEWED_CLOCK, env=server_clock.env)
         children.append(child)
         return child
 

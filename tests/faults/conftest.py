@@ -25,11 +25,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,34 +35,12 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition
+from tests.children import SKEWED_CLOCK, Child, ServerClock, write_config
 
 #: Tokens per block for every fault-matrix server: 16 keeps a block at 14 KiB,
 #: so a test stores thousands of blocks in a few seconds.
 BLOCK_TOKENS = 16
-#: Longest wait for a child to print where it listens, or to exit.
-START_DEADLINE_S = 60.0
 
-#: Child-side set-up run before `kvstore serve` when a test asks for it (python -c):
-#: kvstore.clock.SystemClock (the clock the server's tier and leases read) adds the
-#: seconds written in the file KVSTORE_FAULTS_CLOCK_FILE to both its wall and its
-#: monotonic time, so writing a larger number there is time passing for that server
-#: (`ServerClock.advance`), as ManualClock.advance is in-process. Nothing else in
-#: the process is skewed.
-_SKEWED_CLOCK = """
-import kvstore.clock
-
-_file = os.environ["KVSTORE_FAULTS_CLOCK_FILE"]
-
-def _skew():
-    try:
-        with open(_file) as f:
-            return float(f.read() or 0)
-    except (OSError, ValueError):
-        return 0.0
-
-kvstore.clock.SystemClock.now = lambda self: time.time() + _skew()
-kvstore.clock.SystemClock.monotonic = lambda self: time.monotonic() + _skew()
-"""
 #: RLIMIT_FSIZE of KVSTORE_FAULTS_FSIZE_BYTES, with SIGXFSZ ignored: a write past it fails (EFBIG)
 #: instead of killing the process. Set in the child itself, not in a preexec_fn (unsafe with threads).
 _FILE_SIZE_LIMIT = """
@@ -76,24 +49,6 @@ signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 _limit = int(os.environ["KVSTORE_FAULTS_FSIZE_BYTES"])
 resource.setrlimit(resource.RLIMIT_FSIZE, (_limit, _limit))
 """
-_PRELUDE = "import os, sys, time\n"
-_MAIN = "from kvstore.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-
-
-class ServerClock:
-    """Time for the servers a test starts with it: `advance` is time passing for them (see _SKEWED_CLOCK)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.skew_s = 0.0
-        path.write_text("0")
-
-    def advance(self, seconds: float) -> None:
-        """Let `seconds` pass for every server on this clock, at once (their next reading sees it)."""
-        self.skew_s += seconds
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(repr(self.skew_s))
-        os.replace(tmp, self.path)  # atomic: a reader sees the old or the new number, never half
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -106,7 +61,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.faults)
 
 
-class ServeProcess:
+class ServeProcess(Child):
     """One `kvstore serve` child process.
 
     Args:
@@ -120,64 +75,22 @@ class ServeProcess:
     def __init__(self, data_dir: Path, logdir: Path, *, config: Path | None = None, clock: ServerClock | None = None,
                  file_size_limit_bytes: int | None = None) -> None:
         self.data_dir = data_dir
-        logdir.mkdir(parents=True, exist_ok=True)
-        n = len(list(logdir.glob("serve-*.out")))
-        self.out_path = logdir / f"serve-{n}.out"
-        self.err_path = logdir / f"serve-{n}.err"
         args = ["serve", "--port", "0", "--host", "127.0.0.1", "--data-dir", str(data_dir)]
         if config is not None:
             args += ["--config", str(config)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+        env: dict[str, str] = {}
         prelude = ""
         if clock is not None:
-            env["KVSTORE_FAULTS_CLOCK_FILE"] = str(clock.path)
-            prelude += _SKEWED_CLOCK
+            env.update(clock.env)
+            prelude += SKEWED_CLOCK
         if file_size_limit_bytes is not None:
             env["KVSTORE_FAULTS_FSIZE_BYTES"] = str(file_size_limit_bytes)
             prelude += _FILE_SIZE_LIMIT
-        if prelude:
-            cmd = [sys.executable, "-c", _PRELUDE + prelude + _MAIN, *args]
-        else:
-            cmd = [sys.executable, "-m", "kvstore.cli", *args]
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
-        self.target = f"127.0.0.1:{self._wait_for_port()}"
-
-    def _wait_for_port(self) -> int:
-        deadline = time.monotonic() + START_DEADLINE_S
-        while True:
-            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", self.out_path.read_text())
-            if match:
-                return int(match.group(1))
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError(f"kvstore serve did not start (exit {self.proc.returncode}):\n{self.log()}")
-            time.sleep(0.02)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the process is still running."""
-        return self.proc.poll() is None
-
-    def kill9(self) -> None:
-        """SIGKILL it (no clean-up of any kind runs) and reap it."""
-        self.proc.kill()
-        assert self.proc.wait(timeout=START_DEADLINE_S) == -signal.SIGKILL
-
-    def stop(self) -> int:
-        """SIGTERM it, as an operator would, and return its exit status."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=START_DEADLINE_S)
+        super().__init__("serve", args, logdir, prelude=prelude or None, env=env)
 
     def client(self, **kwargs: Any) -> Client:
         """A client of this server (default tenant and geometry)."""
         return Client(self.target, **kwargs)
-
-    def log(self) -> str:
-        """Its stdout and stderr so far."""
-        return (f"--- stdout ({self.out_path})\n{self.out_path.read_text(errors='replace')}"
-                f"--- stderr ({self.err_path})\n{self.err_path.read_text(errors='replace')}")
 
 
 @pytest.fixture
@@ -195,27 +108,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
 
     yield _serve
     for s in started:
-        if s.alive:
-            s.proc.kill()
-            s.proc.wait()
-
-
-def write_config(path: Path, sections: dict[str, dict[str, object]]) -> Path:
-    """Write a small TOML config ({section: {key: value}}; values are str, int, float or bool)."""
-    lines: list[str] = []
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if isinstance(value, bool):
-                text = "true" if value else "false"
-            elif isinstance(value, (int, float)):
-                text = repr(value)
-            else:
-                text = '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-            lines.append(f"{key} = {text}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+        s.kill_if_alive()
 
 
 @pytest.fixture
