@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import lmdb
 
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
-from tiers.usage import NamespaceCount, Usage
+from tiers.usage import NamespaceCount, Usage, scan_prefix
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +112,10 @@ def read(txn: lmdb.Transaction, state_db: lmdb._Database, ns_id: bytes) -> Names
 def read_all(txn: lmdb.Transaction, state_db: lmdb._Database) -> dict[bytes, NamespaceTotals]:
     """Every namespace record, by namespace id."""
     out: dict[bytes, NamespaceTotals] = {}
-    cursor = txn.cursor(db=state_db)
-    if not cursor.set_range(NAMESPACE_PREFIX):
-        return out
-    for key, value in cursor.iternext(keys=True, values=True):
-        key = bytes(key)
-        if not key.startswith(NAMESPACE_PREFIX):
-            break
+    for ns_id, value in scan_prefix(txn, state_db, NAMESPACE_PREFIX):
         totals = NamespaceTotals.unpack(value)
         if totals is not None:
-            out[key[len(NAMESPACE_PREFIX):]] = totals
+            out[ns_id] = totals
     return out
 
 

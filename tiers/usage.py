@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import lmdb
@@ -68,19 +69,25 @@ def write_usage(txn: lmdb.Transaction, state_db: lmdb._Database, usage: Usage) -
     txn.put(USAGE_KEY, _USAGE.pack(usage.blocks, usage.stored_bytes), db=state_db)
 
 
+def scan_prefix(txn: lmdb.Transaction, db: lmdb._Database, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """(key without `prefix`, value) of every record of `db` whose key starts with `prefix`, in key order."""
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(prefix):
+        return
+    for key, value in cursor.iternext(keys=True, values=True):
+        key = bytes(key)
+        if not key.startswith(prefix):
+            return
+        yield key[len(prefix):], bytes(value)
+
+
 def read_layout_usage(txn: lmdb.Transaction, state_db: lmdb._Database) -> dict[bytes, Usage]:
     """The persisted totals per layout (geometry fingerprint), as this transaction sees them."""
     out: dict[bytes, Usage] = {}
-    cursor = txn.cursor(db=state_db)
-    if not cursor.set_range(LAYOUT_USAGE_PREFIX):
-        return out
-    for key, value in cursor.iternext(keys=True, values=True):
-        key = bytes(key)
-        if not key.startswith(LAYOUT_USAGE_PREFIX):
-            break
+    for fingerprint, value in scan_prefix(txn, state_db, LAYOUT_USAGE_PREFIX):
         if len(value) == _USAGE.size:
             blocks, stored = _USAGE.unpack(value)
-            out[key[len(LAYOUT_USAGE_PREFIX):]] = Usage(blocks=blocks, stored_bytes=stored)
+            out[fingerprint] = Usage(blocks=blocks, stored_bytes=stored)
     return out
 
 
