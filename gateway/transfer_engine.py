@@ -100,13 +100,20 @@ class Copier:
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="lookup")
         self._copies = ThreadPoolExecutor(threads, thread_name_prefix="copy")
 
-    def copy(self, batch: ReadBatch, lo: int, hi: int) -> Future[tuple[bytes, list[bytes]]]:
+    def copy(self, batch: ReadBatch, lo: int, hi: int, *, inline: bool = False) -> Future[tuple[bytes, list[bytes]]]:
         """Start descriptors [lo, hi) of `batch`; the future holds their status codes and the keys due a touch.
 
+        With `inline`, one copy thread looks the chunk up and copies it: one thread
+        hop instead of two, for a small batch whose caller waits on its latency.
+        Such a chunk holds its reader slot only while that thread runs, so the
+        slots in use stay under `staged_limit + threads`.
         The future cannot be cancelled: once started, a chunk is copied to its end.
         """
         out: Future[tuple[bytes, list[bytes]]] = Future()
         out.set_running_or_notify_cancel()
+        if inline:
+            self._copies.submit(self._inline, batch, lo, hi, out)
+            return out
 
         def look_up() -> None:
             self._staged.acquire()  # released once the chunk is copied (or fails)
@@ -137,6 +144,20 @@ class Copier:
         self._lookups.submit(look_up)
         return out
 
+    def _inline(self, batch: ReadBatch, lo: int, hi: int, out: Future[tuple[bytes, list[bytes]]]) -> None:
+        # No semaphore here: a copy thread waiting on it could starve the staged
+        # chunks queued behind it, which are what release it.
+        try:
+            due: list[bytes] = []
+            staged = self.tier.stage_reads(batch.keys(lo, hi))
+            try:
+                codes = staged.copy(batch.spans.cut(lo, hi), batch.prefix_only, touch_due=due)
+            finally:
+                staged.close()  # a no-op after copy; ends the txn if cutting the views failed
+            out.set_result((codes.translate(_CODES), due))
+        except BaseException as exc:
+            out.set_exception(exc)
+
     def close(self) -> None:
         """Finish queued chunks and stop the threads."""
         self._lookups.shutdown(wait=True)
@@ -144,7 +165,7 @@ class Copier:
 
 
 async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, batch: ReadBatch,
-                   chunk: int, copier: Copier, hit_stats: HitStats | None = None) -> None:
+                   chunk: int, copier: Copier, hit_stats: HitStats | None = None, *, inline: bool = False) -> None:
     """Copy a read batch's blocks into their regions, chunk by chunk, then restart their
     retention clocks durably, and only then mark the batch done.
 
@@ -155,6 +176,7 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
     kept for its retention window: its descriptor fails (with the refresh's
     status) rather than answer DONE, and `refresh_failures` counts it. The
     blocks asked and found count as a retrieve of the session's tenant in `hit_stats`.
+    `inline`: each chunk is looked up and copied by one thread (`Copier.copy`).
     """
     results = transfer.results
     end = n = len(batch)
@@ -171,7 +193,7 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
             if session.closed:
                 break
             stop = min(start + chunk, end)
-            codes, chunk_due = await _chunk(copier.copy(batch, start, stop))
+            codes, chunk_due = await _chunk(copier.copy(batch, start, stop, inline=inline))
             hits = _record(results, statuses, start, codes)
             results.bytes_moved += hits * batch.block_bytes
             found += hits

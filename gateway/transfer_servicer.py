@@ -135,9 +135,15 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Submit(self, request: pb.SubmitRequest, context: grpc.aio.ServicerContext) -> pb.SubmitResponse:
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
-        session.make_room(1, _count(request))
-        # Checking hashes a write's chain (O(batch)): off the event loop, so other calls go on.
-        transfer = (await asyncio.to_thread(self._checked, session, request))()
+        n = _count(request)
+        session.make_room(1, n)
+        if request.wait and request.op == pb.TRANSFER_OP_READ and n <= self.settings.chunk_descriptors:
+            # A small read its caller waits on (the latency path): checking it is a few
+            # slices, so it is checked here, and one copy thread looks it up and copies it.
+            transfer = self._checked(session, request, inline=True)()
+        else:
+            # Checking hashes a write's chain (O(batch)): off the event loop, so other calls go on.
+            transfer = (await asyncio.to_thread(self._checked, session, request))()
         if not request.wait:
             return pb.SubmitResponse(transfer_id=transfer.transfer_id)
         await transfer.done.wait()
@@ -214,8 +220,9 @@ class TransferServicer(pb_grpc.TransferServicer):
                 raise type(exc)(f"batch {i}: {exc.message}; no batch was started", hint=exc.hint) from None
         return starts
 
-    def _checked(self, session: Session, request: pb.SubmitRequest) -> Callable[[], Transfer]:
-        """Check a batch as a whole and return what starts it.
+    def _checked(self, session: Session, request: pb.SubmitRequest, *, inline: bool = False
+                 ) -> Callable[[], Transfer]:
+        """Check a batch as a whole and return what starts it (`inline`: see `Copier.copy`).
 
         Raises:
             PermissionDenied: a write from a token without the "write" right.
@@ -228,7 +235,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         layout = self.layouts[session.geometry]
         if request.op == pb.TRANSFER_OP_READ:
             groups = _groups(request)
-            return lambda: self._start_read(session, layout, groups, n, request.prefix_only)
+            return lambda: self._start_read(session, layout, groups, n, request.prefix_only, inline)
         if request.op == pb.TRANSFER_OP_WRITE:
             require(WRITE)  # the interceptor checked "read", what every Transfer call needs
             groups = _groups(request)
@@ -237,12 +244,12 @@ class TransferServicer(pb_grpc.TransferServicer):
         raise InvalidArgument("op must be TRANSFER_OP_READ or TRANSFER_OP_WRITE")
 
     def _start_read(self, session: Session, layout: Layout, groups: list[DescriptorGroup], n: int,
-                    prefix_only: bool) -> Transfer:
+                    prefix_only: bool, inline: bool = False) -> Transfer:
         transfer = session.new_transfer(frozenset(g.region_id for g in groups), n)
         batch = read_batch(self.table, session, groups, layout.block_bytes, transfer.results, prefix_only)
         transfer.task = asyncio.create_task(
             run_read(self.tier, session, transfer, batch, self.settings.chunk_descriptors, self.copier,
-                     hit_stats=self.hits))
+                     hit_stats=self.hits, inline=inline))
         return transfer
 
     def _write_plan(self, layout: Layout, n: int, request: pb.SubmitRequest) -> validate.PutPlan:

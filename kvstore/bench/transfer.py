@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
+from kvstore.bench.transfer_baselines import p50_s, raw_server
 from kvstore.geometry import V4_1_FLASH
 
 if TYPE_CHECKING:
@@ -35,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-batch-blocks", type=int, default=256,
                         help="blocks fetched per descriptor of batch size (caps the slow small-batch points)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is kept (default 3)")
+    parser.add_argument("--small", default="1,8,64",
+                        help="descriptors per fetch for the small-batch latency figures (default 1,8,64; '' skips)")
+    parser.add_argument("--small-calls", type=int, default=200, help="fetches per small-batch figure (p50 of them)")
     parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
                         help="region -> GPU copy figure (auto: when CUDA is available)")
 
@@ -66,6 +71,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                first_block=lo)
                     bar.update((hi - lo) * block_bytes)
             hashes = client.hashes(tokens)
+            if args.small:
+                _small_batches(report, client, hashes, [int(b) for b in args.small.split(",")], args.small_calls,
+                               source, progress)
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
         raw_s = _raw_grpc(n, block_bytes, args.repeat, progress)
@@ -112,6 +120,33 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
                                           source.nbytes / memcpy_s / 1e9))
             else:
                 report.add(Figure(name=label, value=rate, unit="GB/s"))
+
+
+def _small_batches(report: Report, client: Client, hashes: list[bytes], sizes: list[int], calls: int,
+                   source: np.ndarray, progress: Progress) -> None:
+    """p50 latency and GB/s of one fetch of 1, 8, 64 descriptors per path, beside memcpy of the
+    same bytes (shm) and one raw unary gRPC call answering the same bytes (the gRPC path)."""
+    size = client.block_bytes
+    with raw_server(size) as raw:
+        for path in ("shm", "stream"):
+            name = "shm" if path == "shm" else "grpc"
+            with client.transfer(path=path) as session:
+                region = session.register(max(sizes) * size)
+                region.tensor().fill_(1)
+                for n in sizes:
+                    nbytes = n * size
+                    with progress.bar(f"{name} fetch of {n} (p50)", calls):
+                        fetch_s = p50_s(partial(session.fetch, hashes[:n], region, batch_descriptors=n), calls)
+                    if path == "shm":
+                        dest = np.ones(nbytes, dtype=np.uint8)
+                        base_s = p50_s(partial(np.copyto, dest, source[:nbytes]), calls)
+                        base = "memcpy of the same bytes"
+                    else:
+                        base_s = p50_s(partial(raw.unary, nbytes), calls)
+                        base = "one raw unary gRPC call answering the same bytes"
+                    report.add(Figure.against(f"{name} fetch of {n} p50", fetch_s * 1e6, "us", base, base_s * 1e6))
+                    report.add(Figure.against(f"{name} fetch of {n} rate", nbytes / fetch_s / 1e9, "GB/s", base,
+                                              nbytes / base_s / 1e9))
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:

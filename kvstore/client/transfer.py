@@ -170,8 +170,18 @@ class ShmPath(TransferPath):
         return self._submit(self._read_request(groups, prefix_only))
 
     def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
-        """Start several read batches with one SubmitMany per `keep_finished` of them."""
+        """Start several read batches with one SubmitMany per `keep_finished` of them.
+
+        One batch alone (a small fetch) is one Submit that answers when it is done:
+        one round trip, where SubmitMany then GetTransfers take two.
+        """
         requests = [self._read_request(groups, prefix_only) for groups in batches]
+        if len(requests) == 1:
+            requests[0].wait = True
+            reply = self.call(self.stub.Submit, requests[0])
+            done = _ShmTransfer(self, reply.transfer_id)
+            done._final = _state(reply.state, self.block_bytes)
+            return [done]
         step = self.keep_finished or len(requests)
         out: list[Transfer] = []
         for start in range(0, len(requests), step):
