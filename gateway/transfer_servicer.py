@@ -16,6 +16,7 @@ from gateway.auth import current_caller, require
 from gateway.hit_stats import HitStats
 from gateway.status import streaming, unary
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
+from gateway.transfer_fetch import fetch, fetch_keys
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from gateway.validate import Layout
 from kvstore.api_tokens import WRITE
@@ -32,6 +33,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
 _FIELD_BYTES = 6
 #: Room kept in a message for what is not a batch's state (a reply's own fields, gRPC's framing).
 _ENVELOPE_BYTES = 64 << 10
+#: gRPC's own receive limit, for a servicer built without the server's.
+_DEFAULT_MESSAGE_BYTES = 4 << 20
 
 
 def _groups(request: pb.SubmitRequest) -> list[DescriptorGroup]:
@@ -77,6 +80,8 @@ class TransferServicer(pb_grpc.TransferServicer):
         self.settings = settings
         room = settings.max_reply_bytes if max_message_bytes is None else max_message_bytes - _ENVELOPE_BYTES
         self.max_reply_bytes = min(settings.max_reply_bytes, room)
+        #: Most block bytes one Fetch reply carries.
+        self.max_fetch_bytes = (max_message_bytes or _DEFAULT_MESSAGE_BYTES) - _ENVELOPE_BYTES
         self.table = SessionTable(settings)
         # Copies get their own threads so a long fetch never queues Puts behind it.
         # The Python copy loop holds the GIL: threads running it at once only
@@ -195,6 +200,25 @@ class TransferServicer(pb_grpc.TransferServicer):
                 break
         reply.omitted = len(transfers) - len(reply.states)
         return reply
+
+    @unary
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> pb.FetchReply:
+        layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        keys = fetch_keys(scope, request.block_hashes, block_bytes=layout.block_bytes,
+                          max_blocks=self.settings.max_descriptors, max_bytes=self.max_fetch_bytes)
+        fetched = None
+        try:
+            fetched = await fetch(self.tier, keys, layout.block_bytes, request.prefix_only)
+        finally:
+            found = fetched.found if fetched is not None else 0
+            self.tier.count_get(len(keys), found)
+            if self.hits is not None:
+                self.hits.record(scope.namespace, "get", len(keys), found)
+        self.table.counters.count(fetched.results)
+        r = fetched.results
+        return pb.FetchReply(statuses=bytes(r.statuses), data=fetched.data,
+                             failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
+                                       for i, (code, reason) in sorted(r.failures.items())])
 
     @unary
     async def Stats(self, request: pb.TransferStatsRequest,

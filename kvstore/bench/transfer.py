@@ -22,6 +22,8 @@ import numpy as np
 from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.bench.transfer_baselines import p50_s, raw_server
+from kvstore.client.transfer import TransferSession
+from kvstore.client.transfer_stream import checked_streams
 from kvstore.geometry import V4_1_FLASH
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small", default="1,8,64",
                         help="descriptors per fetch for the small-batch latency figures (default 1,8,64; '' skips)")
     parser.add_argument("--small-calls", type=int, default=200, help="fetches per small-batch figure (p50 of them)")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="Fetch calls in flight on the gRPC path (default: one per core, 2 to 8)")
     parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
                         help="region -> GPU copy figure (auto: when CUDA is available)")
 
@@ -77,9 +81,16 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
         raw_s = _raw_grpc(n, block_bytes, args.repeat, progress)
+        streams = checked_streams(args.streams)
+        striped_s = _raw_striped(n, block_bytes, streams, args.repeat, progress)
     stream_full = next(f for f in report.figures if f.name == f"grpc fetch batch={max(batches)}")
     report.add(Figure.against(f"grpc fetch batch={max(batches)} vs raw gRPC", stream_full.value, "GB/s",
                               "raw gRPC stream, same bytes, copied into a region", gb / raw_s))
+    report.add(Figure.against(f"grpc fetch batch={max(batches)} vs {streams} raw gRPC streams", stream_full.value,
+                              "GB/s", f"{streams} raw gRPC streams at once, same bytes, copied into a region",
+                              gb / striped_s))
+    report.notes["streams"] = streams
+    _mooncake(report, n * block_bytes, stream_full.value)
     if args.gpu == "on" or (args.gpu == "auto" and _cuda()):
         _gpu(report, total, args.repeat)
     return report
@@ -94,7 +105,7 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
                 args: argparse.Namespace, source: np.ndarray, memcpy_s: float, progress: Progress) -> None:
     block_bytes = client.block_bytes
     name = "shm" if path == "shm" else "grpc"
-    with client.transfer(path=path) as session:
+    with TransferSession(client.connection, path=path, streams=args.streams) as session:
         region = session.register(len(hashes) * block_bytes)
         region.tensor().fill_(1)  # pre-fault the pages, as the memcpy baseline's are
         for batch in batches:
@@ -147,6 +158,31 @@ def _small_batches(report: Report, client: Client, hashes: list[bytes], sizes: l
                     report.add(Figure.against(f"{name} fetch of {n} p50", fetch_s * 1e6, "us", base, base_s * 1e6))
                     report.add(Figure.against(f"{name} fetch of {n} rate", nbytes / fetch_s / 1e9, "GB/s", base,
                                               nbytes / base_s / 1e9))
+
+
+def _raw_striped(n: int, size: int, streams: int, repeat: int, progress: Progress) -> float:
+    """Best seconds to stream n block-sized messages over `streams` raw gRPC streams at once into a region."""
+    from kvstore.region import Region
+
+    with raw_server(size) as raw, Region(n * size) as region:
+        view = region.view
+        view[:] = b"\1" * len(view)
+        with progress.bar(f"raw gRPC, {streams} streams", n * size):
+            seconds = best_of(lambda: raw.striped(view, n, streams), repeat)
+        view.release()
+    return seconds
+
+
+def _mooncake(report: Report, total: int, grpc_gbs: float) -> None:
+    """Mooncake's transfer engine (TCP, loopback) beside the gRPC path, when it can run here."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or its native library failing to load
+        report.notes["mooncake"] = (f"skipped: mooncake-transfer-engine cannot run here ({type(exc).__name__}: "
+                                    f"{exc}); no figure against it")
+        return
+    report.notes["mooncake"] = ("importable, but its batch_get_into run is not wired in this bench yet; "
+                                "no figure against it")
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:

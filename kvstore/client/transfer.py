@@ -9,8 +9,9 @@
 Paths (one ABC, picked from `PATHS`):
 - "shm": the server maps the region (a sealed memfd, `kvstore.region`) and copies
   blocks between LMDB's map and it; only descriptors and results cross the channel.
-- "stream": blocks come over the KVStore Get stream (and go out by Put) and are
-  copied into or out of the region here: the path across hosts.
+- "stream": blocks come over `Transfer.Fetch` calls, `streams` in flight at once
+  (and go out by Put), and are copied into or out of the region here: the path
+  across hosts (`kvstore.client.transfer_stream`).
 "auto" registers each region with the server, which proves it can see the
 region by reading a nonce from it; a region the server cannot map is served
 by "stream". The caller's code is the same on every path.
@@ -21,93 +22,27 @@ TypeError: `InvalidArgument` for a bad argument (nothing sent).
 
 from __future__ import annotations
 
-import abc
-import contextlib
 import itertools
 import time
-from collections.abc import Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
 from kvstore.client import arguments
-from kvstore.client.blocks import encode_extra_keys, stream_blocks
+from kvstore.client.blocks import encode_extra_keys
 from kvstore.client.connection import Connection, status_error
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, to_status
+from kvstore.client.transfer_path import Transfer, TransferPath, timeout
+from kvstore.client.transfer_stream import StreamPath, checked_streams
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.prefix import HASH_BYTES, ExtraKey
 from kvstore.region import Region
-from kvstore.transfer import (
-    DONE,
-    MISSING,
-    SKIPPED,
-    BatchResults,
-    Descriptor,
-    DescriptorGroup,
-    Op,
-    TransferState,
-    cut_spans,
-    group,
-)
-from kvstore.v1 import kvstore_pb2
+from kvstore.transfer import Descriptor, DescriptorGroup, Op, TransferState, group
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 
 #: Region ids of stream-path regions: far above any id a server hands out.
 _LOCAL_IDS = itertools.count(1 << 62)
-
-
-class Transfer(abc.ABC):
-    """A submitted batch: poll it with `status`, block on it with `wait`."""
-
-    transfer_id: int
-
-    @abc.abstractmethod
-    def status(self) -> TransferState:
-        """The batch's results so far."""
-
-    @abc.abstractmethod
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        """The batch's results once done (or as they stand at the timeout)."""
-
-
-class TransferPath(abc.ABC):
-    """How a session's batches move block bytes.
-
-    Args:
-        session: the session whose regions and channel the path uses.
-    """
-
-    @abc.abstractmethod
-    def __init__(self, session: TransferSession) -> None: ...
-
-    @abc.abstractmethod
-    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
-        """Start a batch that fetches blocks into regions."""
-
-    @abc.abstractmethod
-    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
-              extra_keys: Sequence[bytes]) -> Transfer:
-        """Start a batch that stores blocks from regions."""
-
-    def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
-        """Start several read batches, one after another."""
-        return [self.read(groups, prefix_only) for groups in batches]
-
-    def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:  # noqa: B027
-        """Wait for several of this path's batches (their own `wait` then answers at once)."""
-
-    def close(self) -> None:  # noqa: B027 - most paths hold nothing to release
-        """Release what the path holds (threads)."""
-
-
-def _timeout(timeout_s: Any) -> float | None:
-    """A wait's time limit: None (no limit) or a finite number of seconds, 0 or more."""
-    if timeout_s is None:
-        return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s < float("inf"):
-        raise InvalidArgument(f"timeout_s must be None or a finite number of seconds >= 0, got {timeout_s!r}")
-    return float(timeout_s)
 
 
 def _hashes(values: Any) -> list[bytes]:
@@ -139,7 +74,7 @@ class _ShmTransfer(Transfer):
         return self._final or self._get(0)
 
     def wait(self, timeout_s: float | None = None) -> TransferState:
-        timeout_s = _timeout(timeout_s)
+        timeout_s = timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self._final is None:
             left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
@@ -232,109 +167,6 @@ def _wire(groups: Sequence[DescriptorGroup]) -> list[pb.DescriptorGroup]:
                                offsets_bytes=g.offsets_bytes.tolist()) for g in groups]
 
 
-class _LocalTransfer(Transfer):
-    """A batch run by a thread of this process (the stream path)."""
-
-    def __init__(self, transfer_id: int, results: BatchResults, block_bytes: int, future: Future[None]) -> None:
-        self.transfer_id = transfer_id
-        self._results = results
-        self._block_bytes = block_bytes
-        self._future = future
-
-    def status(self) -> TransferState:
-        done = self._future.done()
-        if done and self._future.exception() is not None:
-            raise self._future.exception()  # type: ignore[misc]
-        return self._results.state(self.transfer_id, done, self._block_bytes)
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        with contextlib.suppress(TimeoutError):
-            self._future.result(_timeout(timeout_s))
-        return self.status()
-
-
-class StreamPath(TransferPath):
-    """Blocks over the KVStore Get stream and Put, copied into or out of regions here."""
-
-    def __init__(self, session: TransferSession) -> None:
-        self.session = session
-        self.connection = session.connection
-        self._ids = itertools.count(1)
-        # Two threads: one batch streams while the next one starts.
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-stream")
-
-    def close(self) -> None:
-        """Finish running batches and stop the threads."""
-        self._pool.shutdown(wait=True)
-
-    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
-        results, spans = self._spans(groups, Op.READ)
-        hashes = [g.hash(i) for g in groups for i in range(len(g))]
-        return self._start(results, self._read, hashes, spans, results, prefix_only)
-
-    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
-              extra_keys: Sequence[bytes]) -> Transfer:
-        results, spans = self._spans(groups, Op.WRITE)
-        return self._start(results, self._write, spans, results, parent_hash, token_ids, extra_keys)
-
-    def _start(self, results: BatchResults, fn: Any, *args: Any) -> Transfer:
-        return _LocalTransfer(next(self._ids), results, self.connection.block_bytes, self._pool.submit(fn, *args))
-
-    def _spans(self, groups: Sequence[DescriptorGroup], op: Op) -> tuple[BatchResults, list[memoryview | None]]:
-        """The same checks the server makes (`cut_spans`), so a descriptor fails the same way on either path."""
-        results = BatchResults(sum(len(g) for g in groups), writes=op is Op.WRITE)
-        spans = cut_spans(groups, op, self.connection.block_bytes, results, lambda rid: self.session.region(rid).view)
-        return results, spans
-
-    def _read(self, hashes: list[bytes], spans: list[memoryview | None], results: BatchResults,
-              prefix_only: bool) -> None:
-        end = spans.index(None) if prefix_only and None in spans else len(spans)
-        wanted = [i for i in range(end) if spans[i] is not None]
-        stream = cast(Generator[tuple[int, int, bytes], None, None],
-                      stream_blocks(self.connection, [hashes[i] for i in wanted]))
-        for index, status, data in stream:
-            i = wanted[index]
-            if status == kvstore_pb2.BLOCK_STATUS_FOUND:
-                spans[i][:] = data  # type: ignore[index]
-                results.statuses[i] = DONE
-                results.bytes_moved += len(data)
-                continue
-            if status == kvstore_pb2.BLOCK_STATUS_MISSING:
-                results.statuses[i] = MISSING
-            else:
-                results.fail(i, "DATA_LOSS", "the stored block failed its checksum and was dropped")
-            if prefix_only:
-                stream.close()  # cancels the Get: the rest of the batch is not wanted
-                break
-        for i in results.pending().tolist():
-            results.statuses[i] = SKIPPED
-
-    def _write(self, spans: list[memoryview | None], results: BatchResults, parent_hash: bytes,
-               token_ids: Sequence[int], extra_keys: Sequence[bytes]) -> None:
-        n = len(spans)
-        end = spans.index(None) if None in spans else n
-        c = self.connection
-        bt = c.block_tokens
-        step = c.batch_blocks
-        parent = parent_hash
-        for start in range(0, end, step):
-            stop = min(start + step, end)
-            blocks = [bytes(s) for s in spans[start:stop] if s is not None]
-            try:
-                reply = c.call(c.kvstore.Put, kvstore_pb2.PutRequest(
-                    geometry=c.geometry, namespace=c.namespace, parent_hash=parent,
-                    token_ids=token_ids[start * bt: stop * bt], extra_keys=extra_keys, blocks=blocks))
-            except KVStoreError as exc:
-                results.fail_pending(range(start, n), to_status(exc).name, exc.message)
-                return
-            results.statuses[start:stop] = bytes([DONE]) * (stop - start)
-            results.block_hashes[start * HASH_BYTES: stop * HASH_BYTES] = b"".join(reply.block_hashes)
-            results.bytes_moved += sum(len(b) for b in blocks)
-            parent = reply.block_hashes[-1]
-        results.fail_pending(range(end, n), "FAILED_PRECONDITION",
-                             f"not stored: descriptor {end} before it failed, so its parent block is missing")
-
-
 def _descriptors(descriptors: Any, most: int) -> list[Descriptor]:
     """A batch's descriptors, checked to be `Descriptor`s (their fields check themselves), 1 to `most`."""
     if not isinstance(descriptors, Sequence) or isinstance(descriptors, str | bytes):
@@ -357,11 +189,17 @@ class TransferSession:
     Args:
         connection: the connection (its tenant and geometry are the session's).
         path: "auto", "shm" (fail if the server cannot map a region) or "stream".
+        streams: Fetch calls the stream path keeps in flight at once, 1 to
+            `MAX_STREAMS` (None: one per core, 2 to 8).
+
+    Raises:
+        InvalidArgument: a bad path or stream count.
     """
 
-    def __init__(self, connection: Connection, *, path: str = "auto") -> None:
+    def __init__(self, connection: Connection, *, path: str = "auto", streams: int | None = None) -> None:
         if not isinstance(path, str) or path not in (*PATHS, "auto"):
             raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+        self.streams = checked_streams(streams)
         self.connection = connection
         self.path = path
         self.stub = pb_grpc.TransferStub(connection.channel)
@@ -557,7 +395,7 @@ class TransferSession:
         The server remembers a session's last `keep_finished` finished batches:
         wait for at most that many at a time.
         """
-        timeout_s = _timeout(timeout_s)
+        timeout_s = timeout(timeout_s)
         if not all(isinstance(t, Transfer) for t in transfers):
             raise InvalidArgument("transfers must be Transfer objects from this session's read() or write()")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

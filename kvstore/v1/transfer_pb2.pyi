@@ -201,6 +201,28 @@ class GetTransfersResponse(_message.Message):
     omitted: int
     def __init__(self, states: _Optional[_Iterable[_Union[TransferState, _Mapping]]] = ..., omitted: _Optional[int] = ...) -> None: ...
 
+class FetchRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "block_hashes", "prefix_only")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    block_hashes: bytes
+    prefix_only: bool
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("statuses", "data", "failures")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    data: bytes
+    failures: _containers.RepeatedCompositeFieldContainer[DescriptorFailure]
+    def __init__(self, statuses: _Optional[bytes] = ..., data: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[DescriptorFailure, _Mapping]]] = ...) -> None: ...
+
 class TransferStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -69,6 +69,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/kvstore.v1.Transfer/Fetch',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.Transfer/Stats',
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
@@ -131,6 +136,15 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """Blocks by hash, their bytes in the reply: the path across hosts, with no
+        session. A client stripes a large fetch over several of these at once.
+        Answers once the blocks' retention refresh is durable, as Get does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """The service's counters and what it holds now (`kvstore stats` shows them).
         """
@@ -175,6 +189,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.GetTransfers,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -371,6 +390,33 @@ class Transfer:
             '/kvstore.v1.Transfer/GetTransfers',
             kvstore_dot_v1_dot_transfer__pb2.GetTransfersRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.GetTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/Fetch',
+            kvstore_dot_v1_dot_transfer__pb2.FetchRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
             options,
             channel_credentials,
             insecure,

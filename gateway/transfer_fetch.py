@@ -1,0 +1,100 @@
+"""Fetch: blocks by hash with their bytes in one reply, for clients on another host.
+
+The server's work per call is per batch, not per block in Python: one read
+transaction looks the blocks up, the native verify-and-copy loop
+(`tiers.blockcopy`, without the GIL) checks each against its checksum and copies
+it into one buffer, and that buffer is the reply's `data`. A client stripes a
+large fetch over several calls at once (`kvstore.client.transfer_stream`), so
+several copy threads and several HTTP/2 streams work together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+from kvstore.prefix import HASH_BYTES, BlockScope
+from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
+from tiers import blockcopy
+from tiers.lmdb_tier import LmdbBlockTier
+
+#: `blockcopy` result code -> transfer status code (0: not reached, SKIPPED once a prefix stopped).
+_CODES = bytes.maketrans(bytes([blockcopy.NOT_REACHED, blockcopy.FOUND, blockcopy.MISSING, blockcopy.CORRUPT]),
+                         bytes([SKIPPED, DONE, MISSING, FAILED]))
+CORRUPT_REASON = "the stored block failed its checksum and was dropped"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fetched:
+    """A fetch's results: `results` per block, `data` the DONE blocks' bytes in order."""
+
+    results: BatchResults
+    data: bytes
+    found: int
+
+
+def fetch_keys(scope: BlockScope, block_hashes: bytes, *, block_bytes: int, max_blocks: int,
+               max_bytes: int) -> list[bytes]:
+    """The storage keys of a Fetch's hashes, checked whole.
+
+    Raises:
+        InvalidArgument: the hashes are not whole 32-byte hashes, none, more than
+            `max_blocks`, or more bytes than `max_bytes` (the message limit).
+    """
+    n, extra = divmod(len(block_hashes), HASH_BYTES)
+    if extra or not n:
+        raise InvalidArgument(f"block_hashes holds {len(block_hashes)} bytes; send 1 or more {HASH_BYTES}-byte "
+                              "hashes, concatenated")
+    most = min(max_blocks, max(max_bytes // block_bytes, 1))
+    if n > most:
+        raise InvalidArgument(f"a fetch holds at most {most} blocks (transfer.max_descriptors and the message "
+                              f"limit at {block_bytes} bytes a block); got {n}", hint="stripe it over several calls")
+    prefix = scope.prefix
+    return [prefix + block_hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES] for i in range(n)]
+
+
+def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool
+                ) -> tuple[Fetched, list[bytes]]:
+    """Look `keys` up in one read txn and verify-copy them into one buffer (on the tier's pool).
+
+    Returns:
+        The fetch, and the keys of DONE blocks due a retention refresh.
+    """
+    n = len(keys)
+    buffer = bytearray(n * block_bytes)
+    view = memoryview(buffer)
+    dests: list[memoryview | None] = [view[i * block_bytes:(i + 1) * block_bytes] for i in range(n)]
+    due: list[bytes] = []
+    staged = tier.stage_reads(keys)
+    try:
+        codes = staged.copy(dests, prefix_only, touch_due=due)
+    finally:
+        staged.close()
+        dests.clear()
+        view.release()
+    results = BatchResults(n)
+    results.statuses[:] = codes.translate(_CODES)
+    found = codes.count(blockcopy.FOUND)
+    for i in np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.CORRUPT).tolist():
+        results.fail(i, "DATA_LOSS", CORRUPT_REASON)
+    results.bytes_moved = found * block_bytes
+    if found == n:
+        data = bytes(buffer)
+    else:  # only the DONE blocks travel
+        data = b"".join(buffer[i * block_bytes:(i + 1) * block_bytes] for i in range(n) if codes[i] == blockcopy.FOUND)
+    return Fetched(results=results, data=data, found=found), due
+
+
+async def fetch(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool) -> Fetched:
+    """Read `keys` on the tier's pool, then restart the DONE blocks' retention clocks durably.
+
+    A refresh that fails fails the call (its KVStoreError), as it fails a Get:
+    a client never holds bytes whose retention the store did not record.
+    """
+    fetched, due = await tier.call(read_blocks, tier, keys, block_bytes, prefix_only)
+    if due:
+        await asyncio.wrap_future(tier.touch_soon(due))
+    return fetched

@@ -1,0 +1,142 @@
+"""The path across hosts: `Transfer.Fetch`, striped by the client over several calls at
+once (docs/TRANSFER.md, "Cross-host fetch"), on a real server with real LMDB."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstore import api_tokens
+from kvstore.client import Client, transfer_stream
+from kvstore.client.transfer import TransferSession
+from kvstore.clock import ManualClock
+from kvstore.config import StoreSettings
+from kvstore.errors import InvalidArgument
+from kvstore.geometry import V4_1_FLASH
+from kvstore.transfer import Descriptor, Op, Status, group
+from kvstore.v1 import transfer_pb2 as pb
+from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+
+TOKENS = 16
+BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
+HOUR = 3600.0
+
+
+@pytest.fixture
+def small(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[tuple[Any, Client, Path]]:
+    """A server whose store holds two chains of 4 blocks, a client, and its LMDB file."""
+    store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=8 * BLOCK_BYTES, block_tokens=TOKENS)
+    server = start_server(store)
+    with Client(server.target) as c:
+        yield server, c, store.data_dir / "data.mdb"
+
+
+def corrupt(data_file: Path, block: bytes) -> None:
+    """Flip a byte of `block`'s stored bytes in place (its checksum then fails)."""
+    raw = data_file.read_bytes()
+    at = raw.find(block[:64])
+    assert at >= 0, "block not found in the data file"
+    fd = os.open(data_file, os.O_WRONLY)
+    try:
+        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
+    finally:
+        os.close(fd)
+
+
+def test_a_striped_fetch_lands_what_one_stream_does(small: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, client, data_file = small
+    tokens = list(range(5 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(5)]
+    client.put(tokens, blocks)
+    corrupt(data_file, blocks[3])
+    hashes = client.hashes(tokens)
+    # The corrupt block last: a read that meets it drops it (and its descendants) at once.
+    asked = [hashes[0], b"\x05" * 32, hashes[1], hashes[2], b"\x06" * 31, hashes[3]]
+    monkeypatch.setattr(transfer_stream, "STRIPE_BLOCKS", 2)  # three stripes, in flight together
+
+    def fetch(streams: int, prefix_only: bool) -> tuple[list[Any], bytes]:
+        with TransferSession(client.connection, path="stream", streams=streams) as s:
+            region = s.register(len(asked) * BLOCK_BYTES)
+            state = s.fetch(asked, region, batch_descriptors=len(asked), prefix_only=prefix_only)
+            return [(r.status, r.code) for r in state.results], bytes(region.view)
+
+    statuses, landed = fetch(4, False)
+    assert statuses == [(Status.DONE, ""), (Status.MISSING, ""), (Status.DONE, ""), (Status.DONE, ""),
+                        (Status.FAILED, "INVALID_ARGUMENT"), (Status.FAILED, "DATA_LOSS")]
+    assert landed[:BLOCK_BYTES] == blocks[0]
+    assert landed[2 * BLOCK_BYTES: 4 * BLOCK_BYTES] == blocks[1] + blocks[2]
+    assert landed[5 * BLOCK_BYTES:] == bytes(BLOCK_BYTES), "a corrupt block is not landed"
+    for prefix_only in (False, True):
+        one, many = fetch(1, prefix_only), fetch(4, prefix_only)
+        assert many == one
+    assert fetch(4, True)[0] == [(Status.DONE, ""), (Status.MISSING, ""), (Status.SKIPPED, ""), (Status.SKIPPED, ""),
+                                 (Status.FAILED, "INVALID_ARGUMENT"), (Status.SKIPPED, "")]
+
+
+def test_the_stream_count_is_range_checked(small: Any) -> None:
+    _, client, _ = small
+    for bad in (0, transfer_stream.MAX_STREAMS + 1, True, 2.0, "4"):
+        with pytest.raises(InvalidArgument, match="streams"):
+            TransferSession(client.connection, path="stream", streams=bad)
+    with TransferSession(client.connection, path="stream") as s:
+        assert 2 <= s.streams <= 8
+    with TransferSession(client.connection, path="stream", streams=transfer_stream.MAX_STREAMS) as s:
+        assert s.streams == transfer_stream.MAX_STREAMS
+
+
+def test_a_fetch_is_checked_whole(small: Any) -> None:
+    _, client, _ = small
+    stub = pb_grpc.TransferStub(client.connection.channel)
+    for hashes, words in ((b"", "1 or more"), (b"\x01" * 33, "33 bytes"), (b"\x01" * 32 * 5000, "at most")):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Fetch(pb.FetchRequest(block_hashes=hashes))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in (info.value.details() or "")
+
+
+def test_r5_a_fetch_restarts_retention(small: Any, clock: ManualClock) -> None:
+    _, client, _ = small
+    a, b = list(range(4 * TOKENS)), list(range(10_000, 10_000 + 4 * TOKENS))
+    client.put(a, [os.urandom(BLOCK_BYTES) for _ in range(4)])
+    clock.advance(1)
+    client.put(b, [os.urandom(BLOCK_BYTES) for _ in range(4)])
+    clock.advance(40 * HOUR)
+    with TransferSession(client.connection, path="stream") as s:
+        region = s.register(4 * BLOCK_BYTES)
+        assert s.fetch(client.hashes(a), region).done_prefix == 4
+    clock.advance(40 * HOUR)  # b: 80 h since its use; a: 40 h since the fetch
+    client.put(list(range(20_000, 20_000 + 4 * TOKENS)), [os.urandom(BLOCK_BYTES) for _ in range(4)])
+    assert client.get(a).statuses == ["found"] * 4, "the fetched chain kept its retention window"
+    assert client.lookup(b).found_blocks == 0
+
+
+def test_a_tenant_cannot_fetch_or_read_anothers(start_server: Callable[..., Any],
+                                                 store_settings: StoreSettings) -> None:
+    path = store_settings.data_dir / "tenants.json"
+    rw = frozenset({"read", "write"})
+    a_token = api_tokens.create(path, "tenant-a", rw)[1]
+    b_token = api_tokens.create(path, "tenant-b", rw)[1]
+    server = start_server(store_settings)
+    with Client(server.target, token=a_token) as a, Client(server.target, token=b_token) as b:
+        tokens = list(range(2 * a.block_tokens))
+        a.put(tokens, [os.urandom(a.block_bytes) for _ in range(2)])
+        hashes = a.hashes(tokens)
+        stub = pb_grpc.TransferStub(b.connection.channel)
+        # Another tenant's blocks miss as unknown ones do; naming its namespace is refused.
+        theirs = stub.Fetch(pb.FetchRequest(block_hashes=b"".join(hashes)), metadata=b.connection.metadata)
+        assert theirs.statuses == bytes([2, 2]) and not theirs.data
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Fetch(pb.FetchRequest(namespace="tenant-a", block_hashes=hashes[0]), metadata=b.connection.metadata)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        # The fast path (one batch, Submit with wait) keeps another tenant's region unknown.
+        with a.transfer() as sa, b.transfer() as sb:
+            region = sa.register(a.block_bytes)
+            batch = group([Descriptor(block_hash=hashes[0], region_id=region.region_id, offset_bytes=0,
+                                      length_bytes=b.block_bytes)], Op.READ)
+            state = sb._paths["shm"].read_many([batch], False)[0].wait()
+            assert [r.code for r in state.results] == ["NOT_FOUND"]
+            assert bytes(region.view) == bytes(a.block_bytes)
