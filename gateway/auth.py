@@ -66,6 +66,7 @@ METHOD_RIGHTS: dict[str, str] = {
     # A session reads; a batch that writes also needs "write" (gateway.transfer_servicer).
     **{_TR + m: READ for m in ("OpenSession", "RegisterRegion", "DeregisterRegion", "Submit", "SubmitMany",
                                "GetTransfer", "GetTransfers")},
+    _TR + "Fetch": READ,  # blocks of the caller's own tenant (validate.scope), as Get
     "/grpc.health.v1.Health/Check": OPEN, "/grpc.health.v1.Health/Watch": OPEN,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
