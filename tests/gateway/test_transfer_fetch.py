@@ -80,7 +80,8 @@ def test_a_striped_fetch_lands_what_one_stream_does(small: Any, monkeypatch: pyt
 
 def test_the_stream_count_is_range_checked(small: Any) -> None:
     _, client, _ = small
-    for bad in (0, transfer_stream.MAX_STREAMS + 1, True, 2.0, "4"):
+    bad_counts: list[Any] = [0, transfer_stream.MAX_STREAMS + 1, True, 2.0, "4"]
+    for bad in bad_counts:
         with pytest.raises(InvalidArgument, match="streams"):
             TransferSession(client.connection, path="stream", streams=bad)
     with TransferSession(client.connection, path="stream") as s:
