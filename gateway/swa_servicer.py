@@ -10,15 +10,19 @@ import grpc
 from gateway import validate
 from gateway.auth import current_caller
 from gateway.hit_stats import HitStats
+from gateway.policies import Policies
 from gateway.status import unary
 from gateway.validate import Layout
-from kvstore.api_tokens import ADMIN
-from kvstore.errors import InvalidArgument
+from kvstore.api_tokens import ADMIN, WRITE
+from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvstore.prefix import BlockScope
-from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_shape
+from kvstore.swa_snapshot import HEADER_BYTES, checksum, snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 from tiers.swa_cache import Found, SnapshotItem, SwaCache
+
+#: Most direct get calls one ReportDirect may carry (the client reports sooner).
+MAX_REPORTED_GETS = 4096
 
 
 def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[bytes]:
@@ -69,14 +73,16 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         layouts: served geometries by name, the default first.
         max_batch_snapshots: most snapshots in one call.
         hits: the hit counters per tenant over time, shared with the KVStore service (None: not counted).
+        policies: the tenants' policies (their SWA TTL and byte quota bound the direct path); None: the defaults.
     """
 
     def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int,
-                 hits: HitStats | None = None) -> None:
+                 hits: HitStats | None = None, policies: Policies | None = None) -> None:
         self.cache = cache
         self.layouts = layouts
         self.max_batch = max_batch_snapshots
         self.hits = hits
+        self.policies = policies
 
     def _scope(self, geometry: str, namespace: str) -> tuple[Layout, BlockScope]:
         return validate.scope(self.layouts, geometry, namespace)
@@ -138,3 +144,49 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             expirations=u.expirations if u else 0, evictions=u.evictions if u else 0, items=u.items if u else 0,
             bytes_used=u.bytes_used if u else 0, cap_bytes=u.cap_bytes if u else 0,
             max_batch_snapshots=self.max_batch)
+
+    # -- the direct path (docs/SWA_POOL.md "Direct path") --------------------
+
+    @unary
+    async def OpenDirect(self, request: pb.SwaOpenDirectRequest,
+                         context: grpc.aio.ServicerContext) -> pb.SwaOpenDirectResponse:
+        # The tenant is the token's: an empty namespace is the caller's own, never a request field.
+        layout, scope = self._scope(request.geometry, "")
+        caller = current_caller()
+        ttl_s, quota = self.cache.ttl_s, 0
+        if self.policies is not None:
+            policy = self.policies.policy(scope.namespace)
+            ttl_s, quota = min(policy.swa_ttl_s, ttl_s), policy.swa_quota_bytes
+        # A byte quota is kept by the gateway's ledger, which a direct SET would bypass: such a
+        # tenant reads directly and writes through the gateway.
+        writable = WRITE in caller.rights and not quota
+        try:
+            grant = await self.cache.open_direct(scope.namespace, writable=writable)
+        except (FailedPrecondition, Unavailable) as exc:
+            return pb.SwaOpenDirectResponse(offered=False, reason=exc.message)
+        user = grant.user
+        largest = snapshot_bytes(layout.geometry, snapshot_shape(layout.geometry).window | 1)
+        return pb.SwaOpenDirectResponse(
+            offered=True, redis_url=grant.redis_url, username=user.username, password=user.password,
+            tenant=scope.namespace, key_prefix=grant.key_prefix, ttl_ms=max(int(ttl_s * 1000), 1),
+            writable=user.writable, max_record_bytes=HEADER_BYTES + largest,
+            expires_in_ms=int(grant.expires_in_s * 1000), renew_after_ms=int(grant.renew_in_s * 1000))
+
+    @unary
+    async def ReportDirect(self, request: pb.SwaReportDirectRequest,
+                           context: grpc.aio.ServicerContext) -> pb.SwaReportDirectResponse:
+        _, scope = self._scope("", "")
+        gets = list(request.gets)
+        if len(gets) > MAX_REPORTED_GETS:
+            raise InvalidArgument(f"gets has {len(gets)} entries; report at most {MAX_REPORTED_GETS} per call")
+        for i, g in enumerate(gets):
+            if g.asked > self.max_batch or g.found + g.corrupt > g.asked:
+                raise InvalidArgument(f"gets[{i}] asked {g.asked}, found {g.found}, corrupt {g.corrupt}: "
+                                      f"found + corrupt <= asked <= {self.max_batch} (max_batch_snapshots)")
+        if self.hits is not None:
+            for g in gets:
+                self.hits.record(scope.namespace, "swa", g.asked, g.found)
+        self.cache.count_direct(gets=len(gets), snapshots_asked=sum(g.asked for g in gets),
+                                hits=sum(g.found for g in gets), corrupt=sum(g.corrupt for g in gets),
+                                puts=request.puts, snapshots_put=request.snapshots_put, bytes_put=request.bytes_put)
+        return pb.SwaReportDirectResponse()

@@ -7,6 +7,8 @@ fail their checks are counted, so an operator sees them in `kvstore stats`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 from kvstore.errors import Unavailable
 from kvstore.geometry import ModelGeometry
 from kvstore.swa_snapshot import seal, unseal
-from tiers.swa_pool import PoolUsage, SwaPool
+from tiers.swa_pool import DirectGrant, PoolUsage, SwaPool
+
+#: Seconds between sweeps for direct-path users past their lifetime (a sweep without one costs nothing).
+REAP_INTERVAL_S = 1.0
 
 
 @dataclass(kw_only=True)
@@ -76,6 +81,7 @@ class SwaCache:
         self.ttl_s = ttl_s
         self.counters = SwaCounters()
         self._lock = threading.Lock()  # counters are read by Stats while calls run
+        self._reaper: asyncio.Task[None] | None = None
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -149,6 +155,36 @@ class SwaCache:
             counters = SwaCounters(**vars(self.counters))
         return SwaStats(counters=counters, usage=usage, backend=self.pool.name, ttl_s=self.ttl_s)
 
+    async def open_direct(self, tenant: str, *, writable: bool) -> DirectGrant:
+        """A backend user confined to `tenant`'s keys (SwaPool.open_direct); starts the sweep that
+        deletes users past their lifetime.
+
+        Raises:
+            FailedPrecondition: the backend has no direct path.
+            Unavailable: the backend cannot be reached (counted).
+        """
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        try:
+            return await self.pool.open_direct(tenant, writable=writable)
+        except Unavailable:
+            self._count(backend_errors=1)
+            raise
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            with contextlib.suppress(Unavailable):
+                await self.pool.reap_direct()
+
+    def count_direct(self, **deltas: int) -> None:
+        """Count what clients did on the direct path (SwaPool.ReportDirect) as gateway calls are counted."""
+        self._count(**deltas)
+
     async def close(self) -> None:
-        """Close the backend's connections."""
+        """Stop the sweep; close the backend's connections."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
         await self.pool.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, FailedPrecondition
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +34,30 @@ class PoolUsage:
     cap_bytes: int
     expirations: int
     evictions: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectUser:
+    """A direct-path user of the backend: its credentials and lifetime (monotonic seconds)."""
+
+    username: str
+    password: str
+    writable: bool
+    created_s: float
+    expires_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectGrant:
+    """What a tenant's client needs to reach the backend itself: where, as whom, under which keys."""
+
+    user: DirectUser
+    redis_url: str
+    #: Every key of the tenant starts with it: key_prefix + geometry fingerprint + snapshot key.
+    key_prefix: bytes
+    #: Seconds from the grant until the user is deleted, and until a newer one is handed out.
+    expires_in_s: float
+    renew_in_s: float
 
 
 class SwaPool(abc.ABC):
@@ -71,6 +95,18 @@ class SwaPool(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release connections."""
+
+    async def open_direct(self, tenant: str, *, writable: bool) -> DirectGrant:
+        """A backend user confined to `tenant`'s keys, for the direct path.
+
+        Raises:
+            FailedPrecondition: this backend has no direct path (the default).
+            Unavailable: the backend cannot be reached.
+        """
+        raise FailedPrecondition(f"the {self.name} SWA pool has no direct path: clients use the gateway")
+
+    async def reap_direct(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Delete direct-path users past their lifetime."""
 
 
 #: Backend name -> "module:Class". Modules load only when chosen, so the

@@ -11,6 +11,11 @@ Any failure to reach Redis (refused, timed out, cluster down) becomes
 `Unavailable`; redis-py reconnects on the next call, so the pool recovers
 without restarting kvstore.
 
+Keys put the tenant first, `key_prefix + hex(namespace id) + ":" + fingerprint +
+snapshot key` (`redis_key`), so one glob pattern (`tenant_prefix + "*"`) covers a
+tenant's keys and nothing else: the direct path's ACL users are confined by it
+(tiers/swa_acl.py).
+
 Calls go through the synchronous redis-py client on the pool's own small thread
 pool rather than redis.asyncio: snapshots are megabytes, and asyncio's transport
 joins and re-buffers every payload on the event loop (measured 5-10x slower for
@@ -21,10 +26,12 @@ with the event loop free.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -36,8 +43,10 @@ from redis.retry import Retry
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
-from kvstore.errors import ConfigError, Unavailable
-from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
+from kvstore.errors import ConfigError, FailedPrecondition, Unavailable
+from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
+from tiers.swa_acl import AclUsers
+from tiers.swa_pool import DirectGrant, PoolUsage, SwaPool, dram_cap_bytes
 
 log = logging.getLogger("kvstore.swa.redis")
 T = TypeVar("T")
@@ -52,6 +61,28 @@ def _is_outage(exc: Exception) -> bool:
     return isinstance(exc, ResponseError) and str(exc).startswith(("CLUSTERDOWN", "TRYAGAIN", "LOADING"))
 
 
+def tenant_prefix(key_prefix: bytes, tenant: str) -> bytes:
+    """The start of every Redis key of `tenant`: key_prefix, its namespace id in hex, ':'."""
+    return key_prefix + namespace_id(tenant).hex().encode() + b":"
+
+
+def redis_key(key_prefix: bytes, storage_key: bytes) -> bytes:
+    """The Redis key of a pool storage key (fingerprint | namespace id | snapshot key): the tenant first."""
+    ns = storage_key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES]
+    return (key_prefix + ns.hex().encode() + b":" + storage_key[:FINGERPRINT_BYTES]
+            + storage_key[FINGERPRINT_BYTES + NAMESPACE_ID_BYTES:])
+
+
+def public_url(url: str) -> str:
+    """`url` without its credentials: what a direct-path client is told (it authenticates as its own user)."""
+    parsed = urlsplit(url)
+    host = parsed.hostname or "127.0.0.1"
+    netloc = f"[{host}]" if ":" in host else host
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    return urlunsplit((parsed.scheme, netloc, parsed.path, "", ""))
+
+
 class RedisPool(SwaPool):
     """Records in one Redis server, each under `key_prefix + key` with a PX expiry.
 
@@ -63,7 +94,7 @@ class RedisPool(SwaPool):
 
     name = "redis"
 
-    def __init__(self, client: Any, settings: SwaSettings, *, cap_bytes: int) -> None:
+    def __init__(self, client: Any, settings: SwaSettings, *, cap_bytes: int, clock: Clock | None = None) -> None:
         self.client = client
         self.settings = settings
         self.cap_bytes = cap_bytes
@@ -72,14 +103,16 @@ class RedisPool(SwaPool):
         self._configured: bool | None = None
         # Pipelines run here, off the event loop; two lets a put overlap a get.
         self._executor = ThreadPoolExecutor(2, thread_name_prefix=f"swa-{self.name}")
+        self._users = AclUsers(self._acl_command, lifetime_s=settings.direct_user_lifetime_s,
+                               clock=clock) if clock is not None else None
 
     @classmethod
     def from_settings(cls, settings: SwaSettings, *, clock: Clock) -> RedisPool:
-        """A pool on `settings.redis_url` (the clock is unused: Redis keeps time)."""
+        """A pool on `settings.redis_url` (Redis keeps the records' time; the clock times direct-path users)."""
         client = redis.Redis.from_url(
             settings.redis_url, socket_timeout=settings.socket_timeout_s,
             socket_connect_timeout=settings.socket_timeout_s, retry=Retry(NoBackoff(), 0))
-        return cls(client, settings, cap_bytes=dram_cap_bytes(settings))
+        return cls(client, settings, cap_bytes=dram_cap_bytes(settings), clock=clock)
 
     # -- plumbing ----------------------------------------------------------
 
@@ -119,7 +152,10 @@ class RedisPool(SwaPool):
             raise Unavailable(f"SWA pool {self.name} unreachable: {type(exc).__name__}: {exc}") from None
 
     def _k(self, key: bytes) -> bytes:
-        return self.prefix + key
+        return redis_key(self.prefix, key)
+
+    def _acl_command(self, *args: Any) -> Any:
+        return self.client.execute_command(*args)
 
     # -- the pool ----------------------------------------------------------
 
@@ -174,7 +210,29 @@ class RedisPool(SwaPool):
             expirations=sum(int(i.get("expired_keys", 0)) for i in infos),
             evictions=sum(int(i.get("evicted_keys", 0)) for i in infos))
 
+    # -- the direct path ----------------------------------------------------
+
+    async def open_direct(self, tenant: str, *, writable: bool) -> DirectGrant:
+        users = self._users
+        if users is None or not self.settings.direct:
+            return await super().open_direct(tenant, writable=writable)
+        prefix = tenant_prefix(self.prefix, tenant)
+        user = await self._run(lambda: users.grant(namespace_id(tenant).hex(), prefix + b"*", writable=writable))
+        now = users.clock.monotonic()
+        return DirectGrant(user=user, key_prefix=prefix,
+                           redis_url=self.settings.direct_redis_url or public_url(self.settings.redis_url),
+                           expires_in_s=max(user.expires_s - now, 0.0),
+                           renew_in_s=max(user.created_s + users.lifetime_s / 2 - now, 0.0))
+
+    async def reap_direct(self) -> None:
+        if self._users is not None:
+            await self._run(self._users.reap)
+
     async def close(self) -> None:
+        if self._users is not None:
+            # Unreachable: the users die with the Redis process, or the next gateway's sweep deletes them.
+            with contextlib.suppress(Unavailable):
+                await self._run(self._users.delete_all)
         self._executor.shutdown(wait=True)
         self.client.close()
 
@@ -198,6 +256,10 @@ class RedisClusterPool(RedisPool):
         client = RedisCluster(startup_nodes=nodes, socket_timeout=settings.socket_timeout_s,
                               socket_connect_timeout=settings.socket_timeout_s, retry=Retry(NoBackoff(), 1))
         return cls(client, settings, cap_bytes=dram_cap_bytes(settings))
+
+    async def open_direct(self, tenant: str, *, writable: bool) -> DirectGrant:
+        # ACL users are per node in a cluster, and the client would need a cluster client: left for later.
+        raise FailedPrecondition("the redis-cluster SWA pool has no direct path yet: clients use the gateway")
 
     def _pipeline(self) -> Any:
         return self.client.pipeline()

@@ -5,19 +5,31 @@ snapshot by its tokens and position T (the prompt length it was taken at; its
 size depends on T, `snapshot_bytes(T)`). Batches are split to fit the server's
 message limit; a miss (never stored, expired, evicted, corrupt, backend down)
 comes back as None, never as an error.
+
+Two paths (`path`, docs/SWA_POOL.md "Direct path"): through the gateway
+(gRPC), or direct, in Redis with the ACL user the gateway hands out
+(kvstore.client.swa_direct). "auto" (the default) goes direct when the server
+offers it and falls back to the gateway when Redis cannot be reached or the
+user was deleted (after re-opening once), trying direct again after
+`RETRY_DIRECT_S`; "direct" raises instead of falling back; "gateway" never goes
+direct. `last_path` says which path the last call took. Direct gets are
+reported to the gateway (SwaPool.ReportDirect, at most `REPORT_EVERY_S` late;
+`flush_report()` sends at once) so its hit counters see them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore import geometry as geometries
 from kvstore.client import arguments
 from kvstore.client.connection import ENVELOPE_BYTES, Connection
-from kvstore.errors import InvalidArgument
+from kvstore.client.swa_direct import DirectPath
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import check_position, checksum, snapshot_bytes, snapshot_keys, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
@@ -27,6 +39,17 @@ if TYPE_CHECKING:
     import torch
 
 Buffer = bytes | bytearray | memoryview
+#: The paths a SwaClient may take: "auto" (direct when offered, else the gateway), "direct", "gateway".
+PATHS = ("auto", "direct", "gateway")
+#: Seconds the "auto" path stays on the gateway after the direct path failed (or was not offered).
+RETRY_DIRECT_S = 5.0
+#: Direct gets are reported when this many are pending or this many seconds passed since the last report.
+REPORT_GETS = 256
+REPORT_EVERY_S = 1.0
+#: Most reported gets kept while the gateway cannot be told (the oldest are dropped).
+MAX_PENDING_GETS = 4096
+#: Most gets one report carries (the server's limit, gateway.swa_servicer.MAX_REPORTED_GETS).
+MAX_REPORTED_GETS = 4096
 #: Longest TTL the wire carries (uint32 milliseconds); the server cuts any TTL to its own anyway.
 _MAX_TTL_MS = 2**32 - 1
 
@@ -52,13 +75,32 @@ class SwaClient:
 
     Args:
         connection: the connection (its channel, tenant, geometry and chain root).
+        path: "auto", "direct" or "gateway" (module doc).
+        clock: monotonic seconds (injected in tests).
+
+    Raises:
+        InvalidArgument: an unknown path.
     """
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Connection, *, path: str = "auto",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.connection = connection
         self._stub = pb_grpc.SwaPoolStub(connection.channel)
         self._geometry = geometries.resolve(connection.geometry)
         self._max_batch: int | None = None
+        if path not in PATHS:
+            raise InvalidArgument(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+        self.path = path
+        self.clock = clock
+        #: "direct" or "gateway": the path the last put or get took (None before the first).
+        self.last_path: str | None = None
+        #: Why the direct path is not in use, when it is not ('' while it is).
+        self.direct_reason = ""
+        self._direct: DirectPath | None = None
+        self._retry_direct_at = 0.0
+        self._gets: list[tuple[int, int, int]] = []
+        self._puts = [0, 0, 0]  # calls, snapshots, bytes
+        self._reported_at = clock()
 
     def snapshot_bytes(self, position: int) -> int:
         """Bytes of a snapshot at prompt length T = `position` in the client's geometry
@@ -115,7 +157,6 @@ class SwaClient:
                 position, or a ttl_s that is not a finite number of seconds above 0
                 (nothing stored).
         """
-        stored = failed = ttl_ms = 0
         ttl = _ttl_ms(ttl_s)
         if isinstance(items, str | bytes | bytearray | memoryview):
             raise InvalidArgument(f"items must be a sequence of (key, position, snapshot) triples, "
@@ -129,6 +170,11 @@ class SwaClient:
             position = check_position(arguments.integer(item[1], f"items[{i}] position"))
             # Its size: the server checks it against T.
             triples.append((key, position, arguments.buffer(item[2], f"items[{i}] snapshot")))
+        return self._via(lambda d: self._put_direct(d, triples, ttl), lambda: self._put_gateway(triples, ttl),
+                         write=True)
+
+    def _put_gateway(self, triples: list[tuple[bytes, int, bytes]], ttl: int) -> SwaPutResult:
+        stored = failed = ttl_ms = 0
         for lo, hi in self._batches([len(data) for _, _, data in triples]):
             request = pb.SwaPutRequest(geometry=self.connection.geometry, namespace=self.connection.namespace,
                                        ttl_ms=ttl)
@@ -140,6 +186,12 @@ class SwaClient:
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
 
+    def _put_direct(self, direct: DirectPath, triples: list[tuple[bytes, int, bytes]], ttl: int) -> SwaPutResult:
+        put_bytes = direct.put_many(triples, ttl)
+        self._puts = [self._puts[0] + 1, self._puts[1] + len(triples), self._puts[2] + put_bytes]
+        self._maybe_report()
+        return SwaPutResult(stored=len(triples), failed=0, ttl_ms=min(ttl, direct.ttl_ms) if ttl else direct.ttl_ms)
+
     def put(self, tokens: Sequence[int], data: Buffer | torch.Tensor, *, position: int | None = None,
             extra_keys: Sequence[ExtraKey] = (), ttl_s: float | None = None) -> SwaPutResult:
         """Store the snapshot of `tokens` at T = `position` (default: their end, len(tokens))."""
@@ -149,6 +201,19 @@ class SwaClient:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Snapshots by key, in order; None where missing (checksums verified on both ends)."""
         keys = arguments.hashes(keys, "keys")
+        return self._via(lambda d: self._get_direct(d, keys), lambda: self._get_gateway(keys), write=False)
+
+    def _get_direct(self, direct: DirectPath, keys: list[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for lo in range(0, len(keys), self._batch):
+            got = direct.get_many(keys[lo:lo + self._batch])
+            self._gets.append((len(got.data), sum(d is not None for d in got.data), got.corrupt))
+            out.extend(got.data)
+        del self._gets[:-MAX_PENDING_GETS]
+        self._maybe_report()
+        return out
+
+    def _get_gateway(self, keys: list[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         for lo, hi in self._batches([self._largest] * len(keys)):
             reply = self.connection.call(self._stub.Get, pb.SwaGetRequest(
@@ -183,5 +248,105 @@ class SwaClient:
         return deleted
 
     def stats(self) -> pb.SwaStatsResponse:
-        """The pool's counters, hit rate inputs and usage against its cap."""
+        """The pool's counters, hit rate inputs and usage against its cap (direct gets reported first)."""
+        self.flush_report()
         return self.connection.call(self._stub.Stats, pb.SwaStatsRequest())
+
+    # -- the direct path ---------------------------------------------------
+
+    def _via(self, direct_op: Callable[[DirectPath], Any], gateway_op: Callable[[], Any], *, write: bool) -> Any:
+        """Run `direct_op` on the direct path when it is in use (re-opening it once on a failure),
+        else, or when it fails again, `gateway_op` ("direct": raise instead)."""
+        direct = self._direct_path()
+        if direct is not None and write and not direct.writable:
+            direct = None  # a read-only user (a byte quota): writes go through the gateway's ledger
+        if direct is not None:
+            try:
+                result = direct_op(direct)
+                self.last_path = "direct"
+                return result
+            except (Unavailable, PermissionDenied) as first:
+                reopened = self._reopen()
+                try:
+                    if reopened is None:
+                        raise first
+                    result = direct_op(reopened)
+                    self.last_path = "direct"
+                    return result
+                except (Unavailable, PermissionDenied) as exc:
+                    self._drop_direct(f"{exc.message}")
+                    if self.path == "direct":
+                        raise
+        elif self.path == "direct":
+            raise Unavailable(f"the SWA direct path is not available: {self.direct_reason}",
+                              hint='use path="auto" to fall back to the gateway')
+        self.last_path = "gateway"
+        return gateway_op()
+
+    def _direct_path(self) -> DirectPath | None:
+        """The direct path to use now (opened or renewed when due), or None for the gateway."""
+        if self.path == "gateway":
+            return None
+        direct = self._direct
+        if direct is not None and not direct.due:
+            return direct
+        if direct is None and self.clock() < self._retry_direct_at:
+            return None
+        return self._reopen()
+
+    def _reopen(self) -> DirectPath | None:
+        """Ask the gateway for a (newer) user; None when it offers none or cannot be asked."""
+        try:
+            reply = self.connection.call(self._stub.OpenDirect, pb.SwaOpenDirectRequest(
+                geometry=self.connection.geometry))
+        except KVStoreError as exc:
+            self._drop_direct(f"OpenDirect failed: {exc.message}")
+            return None
+        if not reply.offered or self.connection.namespace not in ("", reply.tenant):
+            self._drop_direct(reply.reason or f"the direct user is the token's tenant {reply.tenant!r}'s, "
+                              f"not namespace {self.connection.namespace!r}'s")
+            return None
+        if self._direct is not None:
+            self._direct.close()
+        self._direct = DirectPath(reply, fingerprint=self.connection.fingerprint, geometry=self._geometry,
+                                  timeout_s=self.connection.timeout_s, clock=self.clock)
+        self.direct_reason = ""
+        return self._direct
+
+    def _drop_direct(self, reason: str) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+        self.direct_reason = reason
+        self._retry_direct_at = self.clock() + RETRY_DIRECT_S
+
+    def _maybe_report(self) -> None:
+        if len(self._gets) >= REPORT_GETS or self.clock() - self._reported_at >= REPORT_EVERY_S:
+            self.flush_report()
+
+    def flush_report(self) -> None:
+        """Send the direct path's pending gets and puts to the gateway's counters now.
+
+        A report the gateway cannot take is kept for the next one (never raised: counting
+        is not worth failing a get for).
+        """
+        self._reported_at = self.clock()
+        if not self._gets and not self._puts[0]:
+            return
+        gets, puts = self._gets[:MAX_REPORTED_GETS], self._puts
+        request = pb.SwaReportDirectRequest(
+            gets=[pb.SwaDirectGet(asked=a, found=f, corrupt=c) for a, f, c in gets],
+            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2])
+        try:
+            self.connection.call(self._stub.ReportDirect, request)
+        except KVStoreError:
+            return
+        del self._gets[:len(gets)]
+        self._puts = [0, 0, 0]
+
+    def close(self) -> None:
+        """Report what is pending and close the direct path's Redis connections."""
+        self.flush_report()
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None

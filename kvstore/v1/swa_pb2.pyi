@@ -137,3 +137,63 @@ class SwaStatsResponse(_message.Message):
     cap_bytes: int
     max_batch_snapshots: int
     def __init__(self, backend: _Optional[str] = ..., backend_up: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ..., failed_puts: _Optional[int] = ..., gets: _Optional[int] = ..., snapshots_asked: _Optional[int] = ..., hits: _Optional[int] = ..., corrupt: _Optional[int] = ..., backend_errors: _Optional[int] = ..., expirations: _Optional[int] = ..., evictions: _Optional[int] = ..., items: _Optional[int] = ..., bytes_used: _Optional[int] = ..., cap_bytes: _Optional[int] = ..., max_batch_snapshots: _Optional[int] = ...) -> None: ...
+
+class SwaOpenDirectRequest(_message.Message):
+    __slots__ = ("geometry",)
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    def __init__(self, geometry: _Optional[str] = ...) -> None: ...
+
+class SwaOpenDirectResponse(_message.Message):
+    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant")
+    OFFERED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REDIS_URL_FIELD_NUMBER: _ClassVar[int]
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
+    RENEW_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    offered: bool
+    reason: str
+    redis_url: str
+    username: str
+    password: str
+    key_prefix: bytes
+    ttl_ms: int
+    writable: bool
+    max_record_bytes: int
+    expires_in_ms: int
+    renew_after_ms: int
+    tenant: str
+    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class SwaDirectGet(_message.Message):
+    __slots__ = ("asked", "found", "corrupt")
+    ASKED_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    asked: int
+    found: int
+    corrupt: int
+    def __init__(self, asked: _Optional[int] = ..., found: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+
+class SwaReportDirectRequest(_message.Message):
+    __slots__ = ("gets", "puts", "snapshots_put", "bytes_put")
+    GETS_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_PUT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PUT_FIELD_NUMBER: _ClassVar[int]
+    gets: _containers.RepeatedCompositeFieldContainer[SwaDirectGet]
+    puts: int
+    snapshots_put: int
+    bytes_put: int
+    def __init__(self, gets: _Optional[_Iterable[_Union[SwaDirectGet, _Mapping]]] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ...) -> None: ...
+
+class SwaReportDirectResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -54,6 +54,16 @@ class SwaPoolStub:
                 request_serializer=kvstore_dot_v1_dot_swa__pb2.SwaStatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaStatsResponse.FromString,
                 _registered_method=True)
+        self.OpenDirect = channel.unary_unary(
+                '/kvstore.v1.SwaPool/OpenDirect',
+                request_serializer=kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectResponse.FromString,
+                _registered_method=True)
+        self.ReportDirect = channel.unary_unary(
+                '/kvstore.v1.SwaPool/ReportDirect',
+                request_serializer=kvstore_dot_v1_dot_swa__pb2.SwaReportDirectRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaReportDirectResponse.FromString,
+                _registered_method=True)
 
 
 class SwaPoolServicer:
@@ -87,6 +97,21 @@ class SwaPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenDirect(self, request, context):
+        """The direct path (docs/SWA_POOL.md "Direct path"): a Redis ACL user confined to the
+        caller's key prefix (the tenant comes from the token), or offered = false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDirect(self, request, context):
+        """What a client read and wrote on the direct path, counted as gateway calls are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SwaPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +134,16 @@ def add_SwaPoolServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaStatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_swa__pb2.SwaStatsResponse.SerializeToString,
+            ),
+            'OpenDirect': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenDirect,
+                    request_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectResponse.SerializeToString,
+            ),
+            'ReportDirect': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDirect,
+                    request_deserializer=kvstore_dot_v1_dot_swa__pb2.SwaReportDirectRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_swa__pb2.SwaReportDirectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +254,60 @@ class SwaPool:
             '/kvstore.v1.SwaPool/Stats',
             kvstore_dot_v1_dot_swa__pb2.SwaStatsRequest.SerializeToString,
             kvstore_dot_v1_dot_swa__pb2.SwaStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenDirect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.SwaPool/OpenDirect',
+            kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectRequest.SerializeToString,
+            kvstore_dot_v1_dot_swa__pb2.SwaOpenDirectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDirect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.SwaPool/ReportDirect',
+            kvstore_dot_v1_dot_swa__pb2.SwaReportDirectRequest.SerializeToString,
+            kvstore_dot_v1_dot_swa__pb2.SwaReportDirectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,6 +21,7 @@ from kvstore.swa_snapshot import HEADER_BYTES, seal, serves
 from kvstore.v1 import kvstore_pb2 as kvpb
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
+from tiers.swa_redis import redis_key
 
 
 def swa_settings(request: pytest.FixtureRequest, backend: str, **kwargs: Any) -> SwaSettings:
@@ -265,8 +266,8 @@ def test_redis_limits_are_set_at_connect(request: pytest.FixtureRequest, start_s
         client.swa.put([1], snapshot(client, 1))
         assert raw.config_get("maxmemory")["maxmemory"] == str(100 << 20)
         assert raw.config_get("maxmemory-policy")["maxmemory-policy"] == "volatile-lru"
-        assert 0 < raw.pttl(b"kvstore:swa:" + BlockScope(client.fingerprint, "default").key(client.swa.key([1]))) \
-            <= 300_000
+        key = redis_key(b"kvstore:swa:", BlockScope(client.fingerprint, "default").key(client.swa.key([1])))
+        assert 0 < raw.pttl(key) <= 300_000
         assert client.swa.stats().cap_bytes == 100 << 20
 
 
@@ -279,8 +280,8 @@ def test_corrupt_or_foreign_record_is_a_counted_miss(request: pytest.FixtureRequ
         client.swa.put([1], data)
         client.swa.put([2], data)
         scope = BlockScope(client.fingerprint, "default")
-        k1 = b"kvstore:swa:" + scope.key(client.swa.key([1]))
-        k2 = b"kvstore:swa:" + scope.key(client.swa.key([2]))
+        k1 = redis_key(b"kvstore:swa:", scope.key(client.swa.key([1])))
+        k2 = redis_key(b"kvstore:swa:", scope.key(client.swa.key([2])))
         record = bytearray(raw.get(k1) or b"")
         record[1000] ^= 0xFF
         raw.set(k1, bytes(record))

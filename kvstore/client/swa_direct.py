@@ -1,0 +1,171 @@
+"""The SWA direct path: the client reads and writes its sealed snapshots in Redis itself.
+
+The gateway hands the tenant a Redis ACL user (SwaPool.OpenDirect): the Redis
+address, a user and password, the tenant's key prefix, the TTL every SET must
+carry and the largest record. This module speaks Redis with them, under the
+same rules as the gateway path (docs/SWA_POOL.md "Direct path"):
+
+- a snapshot is sealed (`kvstore.swa_snapshot.seal`: geometry, T and checksum
+  in its header) before it is stored, and a record read back is opened with
+  `unseal`, which checks all of them: a record that fails is a miss, counted
+  as corrupt, exactly as on the gateway path;
+- a snapshot of the wrong size for its T, or a record over the largest size,
+  is refused here (InvalidArgument) and never sent;
+- every SET carries PX: the TTL the gateway set (the tenant's, capped by the
+  server's), shorter when the caller asks.
+
+Every Redis failure is raised as a `kvstore.errors` class, never a redis-py
+one: a refused, reset or timed-out connection is `Unavailable`; a refused
+password or command (the user was deleted or rotated away) is
+`PermissionDenied`. The SWA client turns both into one re-open and then the
+gateway path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
+from redis.retry import Retry
+
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.geometry import ModelGeometry
+from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_shape, unseal
+from kvstore.v1 import swa_pb2 as pb
+
+Buffer = bytes | bytearray | memoryview
+#: Refusals Redis sends as plain error replies when the user or its password is gone.
+_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM")
+
+
+def redis_error(exc: Exception) -> KVStoreError:
+    """The kvstore error of a redis-py failure (raise it `from None`)."""
+    if isinstance(exc, AuthenticationError | NoPermissionError) or (
+            isinstance(exc, ResponseError) and str(exc).startswith(_AUTH_REPLIES)):
+        return PermissionDenied(f"SWA direct path: Redis refused this client's user: {exc}",
+                                hint="re-open the direct path (SwaPool.OpenDirect): the user was rotated or expired")
+    return Unavailable(f"SWA direct path: Redis cannot be reached: {type(exc).__name__}: {exc}")
+
+
+def size_error(geometry: ModelGeometry, index: int, size: int, position: int) -> InvalidArgument:
+    """The refusal of a snapshot of `size` bytes at T = `position`, naming what it should hold
+    (as the gateway's check, gateway.swa_servicer.check_snapshot, words it)."""
+    shape = snapshot_shape(geometry)
+    tail = (f" + the raw tail of {len(shape.ratio2_layers)} ratio-2 layers ({shape.tail_bytes} B, T is odd)"
+            if position % 2 else " (T is even: no tail)")
+    return InvalidArgument(
+        f"items[{index}] is {size} bytes; a {geometry.name} SWA snapshot at T = {position} is "
+        f"{snapshot_bytes(geometry, position)} bytes: {shape.layers} layers x {shape.window_positions(position)} "
+        f"window rows of {shape.row_bytes} B{tail} (kvstore.swa_snapshot.snapshot_bytes)")
+
+
+@contextmanager
+def _mapped() -> Iterator[None]:
+    try:
+        yield
+    except (RedisError, OSError) as exc:
+        raise redis_error(exc) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectGets:
+    """One direct get call: the snapshots (None where missing or corrupt) and what to report."""
+
+    data: list[bytes | None]
+    corrupt: int
+
+
+class DirectPath:
+    """One tenant's snapshots in Redis, reached with the user the gateway handed out.
+
+    Args:
+        grant: the OpenDirect answer (offered).
+        fingerprint: the geometry's fingerprint (part of every key and record header).
+        geometry: the geometry records are checked against.
+        timeout_s: how long a Redis command may take before it is `Unavailable`.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, grant: pb.SwaOpenDirectResponse, *, fingerprint: bytes, geometry: ModelGeometry,
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tenant = grant.tenant
+        self.username = grant.username
+        self.writable = grant.writable
+        self.ttl_ms = grant.ttl_ms
+        self.max_record_bytes = grant.max_record_bytes
+        self.fingerprint = fingerprint
+        self.geometry = geometry
+        self.prefix = grant.key_prefix + fingerprint
+        now = clock()
+        self.clock = clock
+        #: When to ask for a newer user (half its lifetime), and when this one is deleted.
+        self.renew_at = now + grant.renew_after_ms / 1000
+        self.expires_at = now + grant.expires_in_ms / 1000
+        self.redis: Any = redis.Redis.from_url(
+            grant.redis_url, username=grant.username, password=grant.password, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+
+    @property
+    def due(self) -> bool:
+        """Whether it is time to re-open (a newer user is handed out from half the lifetime on)."""
+        return self.clock() >= self.renew_at
+
+    def key(self, snapshot_key: bytes) -> bytes:
+        """The Redis key of a snapshot: the tenant's prefix, the fingerprint, the snapshot key."""
+        return self.prefix + snapshot_key
+
+    def put_many(self, triples: Sequence[tuple[bytes, int, bytes]], ttl_ms: int = 0) -> int:
+        """Seal and SET PX each (key, T, snapshot); returns the bytes of snapshot data stored.
+
+        Raises:
+            InvalidArgument: a snapshot is not the size of one at its T (nothing sent).
+            PermissionDenied: this user may not write (read-only grant) or was deleted.
+            Unavailable: Redis cannot be reached (some snapshots may be stored).
+        """
+        if not self.writable:
+            raise PermissionDenied("SWA direct path: this tenant's user is read-only (a byte quota, or no "
+                                   "'write' right): put through the gateway")
+        px = min(ttl_ms, self.ttl_ms) if ttl_ms else self.ttl_ms
+        records = []
+        for i, (key, position, data) in enumerate(triples):
+            expected = snapshot_bytes(self.geometry, position)
+            if len(data) != expected or HEADER_BYTES + expected > self.max_record_bytes:
+                raise size_error(self.geometry, i, len(data), position)
+            records.append((self.key(key), seal(self.fingerprint, position, data, checksum(data))))
+        with _mapped():
+            pipe = self.redis.pipeline(transaction=False)
+            for rkey, record in records:
+                pipe.set(rkey, record, px=px)
+            pipe.execute()
+        return sum(len(r) - HEADER_BYTES for _, r in records)
+
+    def get_many(self, keys: Sequence[bytes]) -> DirectGets:
+        """GET each key's record and check it with `unseal` (another geometry, a size that is not its
+        T's, a bad checksum: a miss, counted as corrupt).
+
+        Raises:
+            PermissionDenied: the user was deleted or rotated away.
+            Unavailable: Redis cannot be reached.
+        """
+        with _mapped():
+            pipe = self.redis.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(self.key(key))
+            records = pipe.execute()
+        out: list[bytes | None] = []
+        corrupt = 0
+        for record in records:
+            opened = unseal(record, self.geometry) if record is not None else None
+            corrupt += record is not None and opened is None
+            out.append(opened.data if opened is not None else None)
+        return DirectGets(data=out, corrupt=corrupt)
+
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self.redis.close()

@@ -1,0 +1,231 @@
+"""The SWA direct path on a real server over a real redis-server, with tenants from kvstore.api_tokens.
+
+Each tenant's Redis user is confined to its own keys and commands (Redis answers
+NOPERM), rotated and deleted on time, and the client falls back to the gateway
+(or misses) when Redis is gone; direct puts and gets are the same records as
+the gateway's, and are counted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.exceptions import AuthenticationError, NoPermissionError
+
+from kvstore import api_tokens
+from kvstore.client import Client, SwaClient
+from kvstore.client.admin import AdminClient
+from kvstore.clock import ManualClock
+from kvstore.config import StoreSettings, SwaSettings
+from kvstore.errors import Unavailable
+from kvstore.v1 import swa_pb2 as pb
+from kvstore.v1 import swa_pb2_grpc as pb_grpc
+
+RW = frozenset({"read", "write"})
+TOKENS = list(range(64))
+
+
+def redis_settings(redis_server: Any, **kwargs: Any) -> SwaSettings:
+    return SwaSettings(backend="redis", redis_url=redis_server.url, cap_bytes=256 << 20, **kwargs)
+
+
+def open_direct(client: Client) -> pb.SwaOpenDirectResponse:
+    stub = pb_grpc.SwaPoolStub(client.connection.channel)
+    reply: pb.SwaOpenDirectResponse = client.connection.call(stub.OpenDirect, pb.SwaOpenDirectRequest())
+    return reply
+
+
+def as_user(redis_server: Any, grant: pb.SwaOpenDirectResponse) -> redis.Redis:
+    return redis.Redis(port=redis_server.port, username=grant.username, password=grant.password)
+
+
+def swa(client: Client, path: str, clock: Callable[[], float] = time.monotonic) -> SwaClient:
+    return SwaClient(client.connection, path=path, clock=clock)
+
+
+def snapshot(client: Client, position: int = len(TOKENS)) -> bytes:
+    return os.urandom(client.swa.snapshot_bytes(position))
+
+
+@pytest.fixture
+def two_tenants(start_server: Callable[..., Any], store_settings: StoreSettings,
+                redis_server: Any) -> Iterator[tuple[Client, Client, str]]:
+    """Clients of tenants A and B (read and write) on a Redis-backed server, and an admin token."""
+    path = store_settings.data_dir / "tenants.json"
+    a_token = api_tokens.create(path, "tenant-a", RW)[1]
+    b_token = api_tokens.create(path, "tenant-b", RW)[1]
+    admin_token = api_tokens.create(path, "ops", frozenset({"read", "write", "admin"}))[1]
+    server = start_server(store_settings, swa=redis_settings(redis_server))
+    a, b = Client(server.target, token=a_token), Client(server.target, token=b_token)
+    yield a, b, admin_token
+    a.close()
+    b.close()
+
+
+def test_a_tenants_redis_user_reaches_its_own_keys_only_and_no_other_command(
+        two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
+    a, b, _ = two_tenants
+    grant_a, grant_b = open_direct(a), open_direct(b)
+    assert grant_a.offered and grant_a.writable and grant_a.tenant == "tenant-a" and grant_b.tenant == "tenant-b"
+    assert grant_a.key_prefix != grant_b.key_prefix and grant_a.username != grant_b.username
+    a_key, b_key = grant_a.key_prefix + b"x", grant_b.key_prefix + b"x"
+    with as_user(redis_server, grant_a) as ra:
+        assert ra.ping()
+        assert ra.set(a_key, b"1", px=1000) and ra.get(a_key) == b"1" and ra.exists(a_key) == 1
+        for forbidden in (lambda: ra.get(b_key), lambda: ra.set(b_key, b"1"), lambda: ra.get(b"other"),
+                          lambda: ra.keys("*"), lambda: ra.scan(0), lambda: ra.flushall(), lambda: ra.flushdb(),
+                          lambda: ra.config_get("maxmemory"), lambda: ra.acl_list(), lambda: ra.delete(a_key),
+                          lambda: ra.execute_command("ACL", "SETUSER", grant_a.username, "+@all")):
+            with pytest.raises(NoPermissionError):
+                forbidden()
+
+
+def test_a_direct_put_is_seen_by_a_gateway_get_and_vice_versa(two_tenants: tuple[Client, Client, str]) -> None:
+    a, _, _ = two_tenants
+    direct, gateway = swa(a, "direct"), swa(a, "gateway")
+    first, second = snapshot(a), snapshot(a, 63)
+    assert direct.put(TOKENS, first).stored == 1 and direct.last_path == "direct"
+    assert gateway.get(TOKENS) == first and gateway.last_path == "gateway"
+    assert gateway.put(TOKENS[:63], second).stored == 1
+    assert direct.get(TOKENS[:63]) == second and direct.last_path == "direct"
+    assert a.swa.get(TOKENS) == first and a.swa.last_path == "direct"  # "auto" goes direct when offered
+
+
+def test_another_tenant_never_sees_a_direct_put(two_tenants: tuple[Client, Client, str]) -> None:
+    a, b, _ = two_tenants
+    data = snapshot(a)
+    assert swa(a, "direct").put(TOKENS, data).stored == 1
+    assert swa(b, "direct").get(TOKENS) is None and swa(b, "gateway").get(TOKENS) is None
+
+
+def test_direct_gets_are_counted_as_hits(start_server: Callable[..., Any], store_settings: StoreSettings,
+                                         redis_server: Any) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server))
+    with Client(server.target) as client:
+        direct = swa(client, "direct")
+        direct.put(TOKENS, snapshot(client))
+        assert direct.get_many([direct.key(TOKENS), direct.key(TOKENS, 10)]) == [direct.get(TOKENS), None]
+        stats = direct.stats()  # reports the pending gets first
+        assert (stats.gets, stats.snapshots_asked, stats.hits, stats.snapshots_put) == (2, 3, 2, 1)
+        hits = next(t.windows for t in client.stats().tenants if t.tenant == "default")
+        counts = next(w.counts for w in hits if w.window == "5m")
+        assert (counts.swa_gets, counts.swa_snapshots_asked, counts.swa_snapshots_found) == (2, 3, 2)
+
+
+def test_a_tenant_with_a_byte_quota_reads_directly_and_writes_through_the_gateway_under_its_ttl(
+        two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
+    a, _, admin_token = two_tenants
+    with AdminClient(a.target, token=admin_token) as admin:
+        admin.set_policy("tenant-a", swa_quota_bytes=1 << 30, swa_ttl_s=5.0)
+    grant = open_direct(a)
+    assert grant.offered and not grant.writable and grant.ttl_ms == 5000
+    with as_user(redis_server, grant) as ra, pytest.raises(NoPermissionError):
+        ra.set(grant.key_prefix + b"x", b"1")
+    auto = swa(a, "auto")
+    data = snapshot(a)
+    assert auto.put(TOKENS, data).stored == 1 and auto.last_path == "gateway"  # charged to the ledger
+    assert auto.get(TOKENS) == data and auto.last_path == "direct"
+
+
+def test_the_direct_ttl_is_the_tenants(two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
+    a, _, admin_token = two_tenants
+    with AdminClient(a.target, token=admin_token) as admin:
+        admin.set_policy("tenant-a", swa_ttl_s=5.0)
+    direct = swa(a, "direct")
+    assert direct.put(TOKENS, snapshot(a)).ttl_ms == 5000
+    grant = open_direct(a)
+    with redis.Redis(port=redis_server.port) as raw:
+        assert 0 < raw.pttl(grant.key_prefix + a.fingerprint + direct.key(TOKENS)) <= 5000
+
+
+def test_users_rotate_at_half_life_and_the_old_one_is_deleted_after_its_grace(
+        start_server: Callable[..., Any], store_settings: StoreSettings, redis_server: Any,
+        clock: ManualClock) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server, direct_user_lifetime_s=10.0))
+    with Client(server.target) as client:
+        first = open_direct(client)
+        assert first.expires_in_ms == 10_000 and first.renew_after_ms == 5_000
+        assert open_direct(client).username == first.username  # before half-life: the same user
+        clock.advance(6)
+        second = open_direct(client)
+        assert second.username != first.username and second.password != first.password
+        with as_user(redis_server, first) as old:
+            assert old.ping()  # the grace: the old user works until its lifetime ends
+        clock.advance(5)  # first is 11 s old: deleted by the next sweep (within REAP_INTERVAL_S)
+        deadline = time.monotonic() + 5
+        while True:
+            with as_user(redis_server, first) as old:
+                try:
+                    old.ping()
+                except AuthenticationError:
+                    break
+            assert time.monotonic() < deadline, "the expired user still authenticates"
+            time.sleep(0.1)
+        with as_user(redis_server, second) as new:
+            assert new.ping()
+
+
+def test_a_client_whose_user_was_deleted_reopens_and_stays_direct(
+        start_server: Callable[..., Any], store_settings: StoreSettings, redis_server: Any,
+        clock: ManualClock) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server, direct_user_lifetime_s=10.0))
+    with Client(server.target) as client:
+        direct = swa(client, "direct")  # its own clock: it never renews by itself here
+        data = snapshot(client)
+        direct.put(TOKENS, data)
+        clock.advance(11)  # the gateway deletes its user (and closes its connections)
+        deadline = time.monotonic() + 5
+        while True:
+            with as_user(redis_server, open_direct(client)) as probe:
+                probe.ping()
+            users = redis.Redis(port=redis_server.port).acl_users()
+            if len(users) <= 2:  # default + the probe's new user: the client's was deleted
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert direct.get(TOKENS) == data and direct.last_path == "direct"
+
+
+def test_redis_down_falls_back_to_the_gateway_or_misses_never_a_redis_error(
+        start_server: Callable[..., Any], store_settings: StoreSettings, redis_server: Any) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server, socket_timeout_s=0.5))
+    now = [0.0]
+    with Client(server.target) as client:
+        auto, direct = swa(client, "auto", lambda: now[0]), swa(client, "direct", lambda: now[0])
+        data = snapshot(client)
+        assert auto.put(TOKENS, data).stored == 1 and auto.last_path == "direct"
+        redis_server.stop()
+        assert auto.get(TOKENS) is None and auto.last_path == "gateway"  # the gateway misses too
+        assert auto.put(TOKENS, data).failed == 1 and auto.last_path == "gateway"
+        assert "cannot be reached" in auto.direct_reason or "unreachable" in auto.direct_reason
+        with pytest.raises(Unavailable):
+            direct.get(TOKENS)
+        redis_server.start()  # a restarted Redis forgets the users: the gateway sets them again
+        now[0] += 10  # past RETRY_DIRECT_S
+        assert auto.put(TOKENS, data).stored == 1 and auto.last_path == "direct"
+        assert auto.get(TOKENS) == data and auto.last_path == "direct"
+
+
+def test_the_memory_pool_offers_no_direct_path(client: Client) -> None:
+    reply = open_direct(client)
+    assert not reply.offered and "no direct path" in reply.reason
+    data = snapshot(client)
+    assert client.swa.put(TOKENS, data).stored == 1 and client.swa.last_path == "gateway"
+    with pytest.raises(Unavailable, match="no direct path"):
+        swa(client, "direct").get(TOKENS)
+
+
+def test_a_client_naming_another_tenants_namespace_stays_on_the_gateway(
+        two_tenants: tuple[Client, Client, str]) -> None:
+    """The direct user is the token's tenant's: an admin naming tenant A's namespace must not write its own keys."""
+    a, _, admin_token = two_tenants
+    with Client(a.target, token=admin_token, namespace="tenant-a") as admin:
+        data = snapshot(admin)
+        assert admin.swa.put(TOKENS, data).stored == 1 and admin.swa.last_path == "gateway"
+        assert "namespace 'tenant-a'" in admin.swa.direct_reason
+    assert swa(a, "direct").get(TOKENS) == data

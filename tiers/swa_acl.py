@@ -1,0 +1,110 @@
+"""Direct-path Redis users: one ACL user per tenant, confined to its key prefix, rotated.
+
+The gateway stays the control plane of the SWA direct path (docs/SWA_POOL.md,
+"Direct path"): a client asks it (SwaPool.OpenDirect) and gets a Redis user
+that can touch only `<key_prefix><tenant tag>:*` with only the commands a
+snapshot reader (GET, EXISTS, PTTL, PING) or writer (also SET) needs. Nothing
+else: no KEYS, SCAN, FLUSH*, CONFIG, ACL, DEL, pub/sub channels.
+
+Rotation rules (tests: tests/gateway/test_swa_direct.py):
+1. A user lives `lifetime_s` from its creation; then it is deleted (ACL DELUSER,
+   which also closes the connections authenticated as it).
+2. From half its lifetime on, a grant hands out a new user with a new random
+   password; the old one keeps working until its own lifetime ends (the grace:
+   half a lifetime), so a client re-opening at half-life never sees a refusal.
+3. Users a previous gateway left behind (name prefix `kvstore-swa-`) are deleted
+   at the first grant: ACL users live in the Redis process, not in the gateway.
+
+All methods block on Redis: the pool calls them on its own threads.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+from kvstore.clock import Clock
+from tiers.swa_pool import DirectUser
+
+#: Name prefix of every direct-path user (so one gateway can find and delete its users).
+USER_PREFIX = "kvstore-swa-"
+READ_COMMANDS = ("+get", "+exists", "+pttl", "+ping")
+WRITE_COMMANDS = ("+set",)
+
+
+class AclUsers:
+    """The direct-path users of one Redis, per (tenant tag, writable), with their rotation.
+
+    Args:
+        command: runs one Redis command (on every node, for a cluster) and returns its answer.
+        lifetime_s: how long a user lives (rule 1).
+        clock: its monotonic face times lifetimes.
+    """
+
+    def __init__(self, command: Any, *, lifetime_s: float, clock: Clock) -> None:
+        self._command = command
+        self.lifetime_s = lifetime_s
+        self.clock = clock
+        self._current: dict[tuple[str, bool], DirectUser] = {}
+        self._retiring: list[DirectUser] = []
+        self._swept = False
+        self._lock = threading.Lock()
+
+    def grant(self, tag: str, key_pattern: bytes, *, writable: bool) -> DirectUser:
+        """The user to hand out for tenant `tag` now (rule 2), created or re-applied in Redis.
+
+        The user is set again on every grant (ACL SETUSER ... reset is idempotent),
+        so a Redis restarted since the user was made (it forgets users) has it back.
+        """
+        with self._lock:
+            now = self.clock.monotonic()
+            if not self._swept:
+                self._sweep_leftovers()
+            self._reap(now)
+            slot = (tag, writable)
+            user = self._current.get(slot)
+            if user is None or now >= user.created_s + self.lifetime_s / 2:
+                if user is not None:
+                    self._retiring.append(user)
+                user = DirectUser(username=f"{USER_PREFIX}{tag}-{secrets.token_hex(4)}",
+                                  password=secrets.token_hex(32), writable=writable, created_s=now,
+                                  expires_s=now + self.lifetime_s)
+                self._current[slot] = user
+            commands = READ_COMMANDS + (WRITE_COMMANDS if writable else ())
+            self._command("ACL", "SETUSER", user.username, "reset", "on", f">{user.password}",
+                          b"~" + key_pattern, "resetchannels", "-@all", *commands)
+            return user
+
+    def reap(self) -> int:
+        """Delete every user past its lifetime (rule 1); how many went."""
+        with self._lock:
+            return self._reap(self.clock.monotonic())
+
+    def _reap(self, now: float) -> int:
+        gone = [u for u in self._retiring if u.expires_s <= now]
+        gone += [u for u in self._current.values() if u.expires_s <= now]
+        if not gone:
+            return 0
+        self._command("ACL", "DELUSER", *(u.username for u in gone))
+        names = {u.username for u in gone}
+        self._retiring = [u for u in self._retiring if u.username not in names]
+        self._current = {k: u for k, u in self._current.items() if u.username not in names}
+        return len(gone)
+
+    def _sweep_leftovers(self) -> None:
+        """Rule 3: delete the users of an earlier gateway on this Redis."""
+        listed = self._command("ACL", "USERS")
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in listed or ()]
+        left = [n for n in names if n.startswith(USER_PREFIX)]
+        if left:
+            self._command("ACL", "DELUSER", *left)
+        self._swept = True
+
+    def delete_all(self) -> None:
+        """Delete every user this gateway made (at close)."""
+        with self._lock:
+            users = [*self._retiring, *self._current.values()]
+            if users:
+                self._command("ACL", "DELUSER", *(u.username for u in users))
+            self._retiring, self._current = [], {}
