@@ -63,6 +63,8 @@ METHOD_RIGHTS: dict[str, str] = {
     # Transfer's span every session of every tenant: admins only.
     _KV + "Stats": READ, _SWA + "Stats": READ, _TR + "Stats": ADMIN,
     _SWA + "Get": READ, _SWA + "Put": WRITE, _SWA + "Delete": WRITE,
+    # The direct path: the user handed out can write only with the "write" right (gateway.swa_servicer).
+    _SWA + "OpenDirect": READ, _SWA + "ReportDirect": READ,
     # A session reads; a batch that writes also needs "write" (gateway.transfer_servicer).
     **{_TR + m: READ for m in ("OpenSession", "RegisterRegion", "DeregisterRegion", "Submit", "SubmitMany",
                                "GetTransfer", "GetTransfers")},
