@@ -174,7 +174,8 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(kvstore, server)
     swa_pb2_grpc.add_SwaPoolServicer_to_server(
-        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits), server)
+        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies),
+        server)
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
