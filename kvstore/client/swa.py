@@ -198,13 +198,17 @@ class SwaClient:
         t = len(tokens) if position is None else position
         return self.put_many([(self.key(tokens, t, extra_keys=extra_keys), t, data)], ttl_s=ttl_s)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Snapshots by key, in order; None where missing (checksums verified on both ends)."""
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        """Snapshots by key, in order; None where missing (checksums verified on both ends).
+
+        Through the gateway a snapshot is bytes; on the direct path a read-only memoryview
+        over the record Redis returned (no copy; valid for as long as it is held).
+        """
         keys = arguments.hashes(keys, "keys")
         return self._via(lambda d: self._get_direct(d, keys), lambda: self._get_gateway(keys), write=False)
 
-    def _get_direct(self, direct: DirectPath, keys: list[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _get_direct(self, direct: DirectPath, keys: list[bytes]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
         for lo in range(0, len(keys), self._batch):
             got = direct.get_many(keys[lo:lo + self._batch])
             self._gets.append((len(got.data), sum(d is not None for d in got.data), got.corrupt))
@@ -213,8 +217,8 @@ class SwaClient:
         self._maybe_report()
         return out
 
-    def _get_gateway(self, keys: list[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def _get_gateway(self, keys: list[bytes]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
         for lo, hi in self._batches([self._largest] * len(keys)):
             reply = self.connection.call(self._stub.Get, pb.SwaGetRequest(
                 geometry=self.connection.geometry, namespace=self.connection.namespace, keys=keys[lo:hi]))
@@ -230,8 +234,8 @@ class SwaClient:
         return snapshot_bytes(self._geometry, window | 1)
 
     def get(self, tokens: Sequence[int], position: int | None = None, *,
-            extra_keys: Sequence[ExtraKey] = ()) -> bytes | None:
-        """The snapshot of `tokens` at `position` (default: their end), or None."""
+            extra_keys: Sequence[ExtraKey] = ()) -> bytes | memoryview | None:
+        """The snapshot of `tokens` at `position` (default: their end), or None (`get_many`: its type)."""
         return self.get_many([self.key(tokens, position, extra_keys=extra_keys)])[0]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:

@@ -75,9 +75,13 @@ def _mapped() -> Iterator[None]:
 
 @dataclass(frozen=True, kw_only=True)
 class DirectGets:
-    """One direct get call: the snapshots (None where missing or corrupt) and what to report."""
+    """One direct get call: the snapshots (None where missing or corrupt) and what to report.
 
-    data: list[bytes | None]
+    Each snapshot is a read-only memoryview over the record Redis returned (past its
+    header): no copy, and valid for as long as it is held (it keeps the record alive).
+    """
+
+    data: list[memoryview | None]
     corrupt: int
 
 
@@ -137,13 +141,46 @@ class DirectPath:
             expected = snapshot_bytes(self.geometry, position)
             if len(data) != expected or HEADER_BYTES + expected > self.max_record_bytes:
                 raise size_error(self.geometry, i, len(data), position)
-            records.append((self.key(key), seal(self.fingerprint, position, data, checksum(data))))
+            # seal() over no data is the record's header alone: header + data is seal()'s record,
+            # sent as two pieces of one bulk string so the snapshot is never copied into a record.
+            records.append((self.key(key), seal(self.fingerprint, position, b"", checksum(data)), data))
         with _mapped():
-            pipe = self.redis.pipeline(transaction=False)
-            for rkey, record in records:
-                pipe.set(rkey, record, px=px)
-            pipe.execute()
-        return sum(len(r) - HEADER_BYTES for _, r in records)
+            self._set_many(records, px)
+        return sum(len(data) for _, _, data in records)
+
+    def _set_many(self, records: Sequence[tuple[bytes, bytes, bytes]], px: int) -> None:
+        """SET key header+data PX px for each (key, header, data), pipelined on one connection.
+
+        Packed here rather than by redis-py, whose pipeline takes one buffer per value (it would
+        need the record joined: a copy of every snapshot). RESP lets a bulk string arrive in
+        pieces, so the header and the snapshot go to the socket as they are.
+        """
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        try:
+            ttl = b"%d" % px
+            chunks: list[bytes] = []
+            small = b""
+            for key, header, data in records:
+                small += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(key), key, len(header) + len(data),
+                                                                              header)
+                chunks += [small, data]
+                small = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
+            chunks.append(small)
+            conn.send_packed_command(chunks)
+            refused = None
+            for _ in records:  # every reply is read, so the connection stays in step
+                try:
+                    conn.read_response()
+                except ResponseError as exc:
+                    refused = refused or exc
+            if refused is not None:
+                raise refused
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
 
     def get_many(self, keys: Sequence[bytes]) -> DirectGets:
         """GET each key's record and check it with `unseal` (another geometry, a size that is not its
@@ -158,12 +195,13 @@ class DirectPath:
             for key in keys:
                 pipe.get(self.key(key))
             records = pipe.execute()
-        out: list[bytes | None] = []
+        out: list[memoryview | None] = []
         corrupt = 0
         for record in records:
-            opened = unseal(record, self.geometry) if record is not None else None
+            # unseal() slices what it is given: over a memoryview the snapshot is a view, not a copy.
+            opened = unseal(memoryview(record), self.geometry) if record is not None else None  # type: ignore[arg-type]
             corrupt += record is not None and opened is None
-            out.append(opened.data if opened is not None else None)
+            out.append(opened.data if opened is not None else None)  # type: ignore[arg-type]
         return DirectGets(data=out, corrupt=corrupt)
 
     def close(self) -> None:
