@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kvstore.client import arguments
 from kvstore.client.connection import status_error
 from kvstore.client.transfer_path import LocalTransfer, Transfer, TransferPath
-from kvstore.errors import KVStoreError, to_status
+from kvstore.errors import Internal, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
 from kvstore.v1 import kvstore_pb2
@@ -57,6 +58,67 @@ def checked_streams(streams: Any) -> int:
     return arguments.integer(streams, "streams", least=1, most=MAX_STREAMS)
 
 
+@dataclass(frozen=True, kw_only=True)
+class FetchReply:
+    """A `kvstore.v1.FetchReply` read from its wire bytes, its `data` a view of them (no copy).
+
+    Zero-copy contract: `data` is valid as long as the object (it keeps the message alive).
+    """
+
+    statuses: bytes
+    data: memoryview
+    failures: list[pb.DescriptorFailure]
+
+    @classmethod
+    def parse(cls, message: bytes) -> FetchReply:
+        """Read the protobuf wire format: field 1 statuses, 2 data, 3 failures (others skipped).
+
+        Raises:
+            Internal: the message is not a well-formed FetchReply.
+        """
+        view = memoryview(message)
+        statuses, data, failures = b"", view[:0], []
+        at, end = 0, len(message)
+        try:
+            while at < end:
+                key, at = _varint(message, at)
+                field, kind = key >> 3, key & 7
+                if kind == 2:
+                    size, at = _varint(message, at)
+                    if at + size > end:
+                        raise ValueError("a field runs past the message")
+                    if field == 1:
+                        statuses = bytes(view[at:at + size])
+                    elif field == 2:
+                        data = view[at:at + size]
+                    elif field == 3:
+                        failures.append(pb.DescriptorFailure.FromString(bytes(view[at:at + size])))
+                    at += size
+                elif kind == 0:
+                    _, at = _varint(message, at)
+                elif kind in (1, 5):
+                    at += 8 if kind == 1 else 4
+                else:
+                    raise ValueError(f"wire type {kind}")
+        except (ValueError, IndexError, DecodeError) as exc:
+            raise Internal(f"a Fetch reply could not be read: {exc}") from None
+        return cls(statuses=statuses, data=data, failures=failures)
+
+
+def _varint(message: bytes, at: int) -> tuple[int, int]:
+    """A protobuf varint at `at`, and where the next field starts."""
+    value = shift = 0
+    while True:
+        byte = message[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint runs past 64 bits")
+
+
 @dataclass(kw_only=True)
 class _Batch:
     """A read batch being fetched: its checked spans and results."""
@@ -83,7 +145,10 @@ class StreamPath(TransferPath):
     def __init__(self, session: TransferSession) -> None:
         self.session = session
         self.connection = session.connection
-        self.stub = session.stub
+        # Fetch's reply is parsed here (`FetchReply.parse`), not by protobuf: its block
+        # bytes are then sliced from the received message rather than copied twice more.
+        self._fetch = session.connection.channel.unary_unary(
+            "/kvstore.v1.Transfer/Fetch", request_serializer=pb.FetchRequest.SerializeToString)
         self.streams = session.streams
         self._ids = itertools.count(1)
         # Two threads: one batch streams while the next one starts (read/write return at once).
@@ -147,13 +212,13 @@ class StreamPath(TransferPath):
         """
         stripes = [s for b in batches for s in self._stripes(b)]
         if len(stripes) == 1:
-            self._land(stripes[0], self._reply(self.stub.Fetch, stripes[0]))
+            self._land(stripes[0], FetchReply.parse(self._reply(self._fetch, stripes[0])))
         flying: deque[tuple[_Stripe, Any]] = deque()
         try:
             for stripe in stripes if len(stripes) > 1 else []:
                 if len(flying) >= self.streams:
                     self._land(*self._result(*flying.popleft()))
-                flying.append((stripe, self._reply(self.stub.Fetch.future, stripe)))
+                flying.append((stripe, self._reply(self._fetch.future, stripe)))
             while flying:
                 self._land(*self._result(*flying.popleft()))
         finally:
@@ -179,13 +244,13 @@ class StreamPath(TransferPath):
             raise status_error(exc) from None
 
     @staticmethod
-    def _result(stripe: _Stripe, call: Any) -> tuple[_Stripe, pb.FetchReply]:
+    def _result(stripe: _Stripe, call: Any) -> tuple[_Stripe, FetchReply]:
         try:
-            return stripe, call.result()
+            return stripe, FetchReply.parse(call.result())
         except grpc.RpcError as exc:
             raise status_error(exc) from None
 
-    def _land(self, stripe: _Stripe, reply: pb.FetchReply) -> None:
+    def _land(self, stripe: _Stripe, reply: FetchReply) -> None:
         """Copy one Fetch reply's blocks into the region and record their statuses."""
         batch = stripe.batch
         if batch.stopped:
@@ -198,7 +263,7 @@ class StreamPath(TransferPath):
         view = spans.views[stripe.group]
         assert view is not None  # a stripe holds only descriptors that passed their checks
         offsets = g.offsets_bytes[stripe.lo - base:stripe.lo - base + loaded]
-        data = memoryview(reply.data)
+        data = reply.data
         if loaded and bool(np.all(np.diff(offsets) == size)):
             first = int(offsets[0])
             view[first:first + loaded * size] = data[:loaded * size]  # consecutive slots: one copy
