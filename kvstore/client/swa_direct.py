@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,7 @@ class DirectPath:
         self.redis: Any = redis.Redis.from_url(
             grant.redis_url, username=grant.username, password=grant.password, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="swa-direct-send")
 
     @property
     def due(self) -> bool:
@@ -136,47 +138,63 @@ class DirectPath:
             raise PermissionDenied("SWA direct path: this tenant's user is read-only (a byte quota, or no "
                                    "'write' right): put through the gateway")
         px = min(ttl_ms, self.ttl_ms) if ttl_ms else self.ttl_ms
-        records = []
-        for i, (key, position, data) in enumerate(triples):
+        for i, (_, position, data) in enumerate(triples):
             expected = snapshot_bytes(self.geometry, position)
             if len(data) != expected or HEADER_BYTES + expected > self.max_record_bytes:
                 raise size_error(self.geometry, i, len(data), position)
-            # seal() over no data is the record's header alone: header + data is seal()'s record,
-            # sent as two pieces of one bulk string so the snapshot is never copied into a record.
-            records.append((self.key(key), seal(self.fingerprint, position, b"", checksum(data)), data))
         with _mapped():
-            self._set_many(records, px)
-        return sum(len(data) for _, _, data in records)
+            self._set_many(triples, px)
+        return sum(len(data) for _, _, data in triples)
 
-    def _set_many(self, records: Sequence[tuple[bytes, bytes, bytes]], px: int) -> None:
-        """SET key header+data PX px for each (key, header, data), pipelined on one connection.
+    def _set_many(self, triples: Sequence[tuple[bytes, int, bytes]], px: int) -> None:
+        """Seal and SET key record PX px for each (key, T, snapshot), pipelined on one connection.
 
         Packed here rather than by redis-py, whose pipeline takes one buffer per value (it would
         need the record joined: a copy of every snapshot). RESP lets a bulk string arrive in
-        pieces, so the header and the snapshot go to the socket as they are.
+        pieces, so the header (`seal` over no data: the header alone) and the snapshot go to the
+        socket as they are. A sender thread writes each record while the next one is checksummed
+        (the socket write releases the GIL), so checksumming and sending overlap.
         """
         pool = self.redis.connection_pool
         conn = pool.get_connection()
+        sends: list[Future[None]] = []
+        broken: list[BaseException] = []
         try:
             ttl = b"%d" % px
-            chunks: list[bytes] = []
             small = b""
-            for key, header, data in records:
-                small += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(key), key, len(header) + len(data),
+
+            def send(chunks: list[bytes]) -> None:
+                # After a failed write the connection is closed; writing on would reconnect and send
+                # the rest of a command to a new connection: every later write is skipped instead.
+                if broken:
+                    return
+                try:
+                    conn.send_packed_command(chunks, False)
+                except BaseException as exc:
+                    broken.append(exc)
+                    raise
+
+            for key, position, data in triples:
+                header = seal(self.fingerprint, position, b"", checksum(data))
+                rkey = self.key(key)
+                small += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rkey), rkey, len(header) + len(data),
                                                                               header)
-                chunks += [small, data]
+                sends.append(self._sender.submit(send, [small, data]))
                 small = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
-            chunks.append(small)
-            conn.send_packed_command(chunks)
+            sends.append(self._sender.submit(send, [small]))
+            for sent in sends:
+                sent.result()
             refused = None
-            for _ in records:  # every reply is read, so the connection stays in step
+            for _ in triples:  # every reply is read, so the connection stays in step
                 try:
                     conn.read_response()
                 except ResponseError as exc:
                     refused = refused or exc
             if refused is not None:
                 raise refused
-        except BaseException:
+        except BaseException as exc:
+            broken.append(exc)
+            wait(sends)  # no write may still run on the connection closed here
             conn.disconnect()
             raise
         finally:
@@ -206,4 +224,5 @@ class DirectPath:
 
     def close(self) -> None:
         """Close the Redis connections."""
+        self._sender.shutdown(wait=True)
         self.redis.close()
