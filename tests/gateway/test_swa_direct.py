@@ -229,3 +229,17 @@ def test_a_client_naming_another_tenants_namespace_stays_on_the_gateway(
         assert admin.swa.put(TOKENS, data).stored == 1 and admin.swa.last_path == "gateway"
         assert "namespace 'tenant-a'" in admin.swa.direct_reason
     assert swa(a, "direct").get(TOKENS) == data
+
+
+def test_the_client_asks_for_a_newer_user_at_half_life(start_server: Callable[..., Any],
+                                                       store_settings: StoreSettings, redis_server: Any,
+                                                       clock: ManualClock) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server, direct_user_lifetime_s=10.0))
+    with Client(server.target) as client:
+        direct = swa(client, "direct", clock.monotonic)  # the client's clock moves with the gateway's
+        data = snapshot(client)
+        direct.put(TOKENS, data)
+        first = direct._direct.username if direct._direct else None
+        clock.advance(6)
+        assert direct.get(TOKENS) == data and direct.last_path == "direct"
+        assert direct._direct is not None and direct._direct.username != first
