@@ -21,6 +21,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from kvstore import geometry as geometries
@@ -137,9 +138,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             for i in range(args.fetches):
                 j = i % n
                 fetches: tuple[tuple[str, Callable[[], object]], ...] = (
-                    ("direct", lambda j=j: direct.get_many([keys[j]])),
-                    ("gateway", lambda j=j: swa.get_many([keys[j]])),
-                    ("raw", lambda j=j: raw.get(raw_keys[j])))
+                    ("direct", partial(direct.get_many, [keys[j]])),
+                    ("gateway", partial(swa.get_many, [keys[j]])),
+                    ("raw", partial(raw.get, raw_keys[j])))
                 for name, fetch in fetches:
                     start = time.perf_counter()
                     fetch()
