@@ -168,8 +168,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         largest = snapshot_bytes(layout.geometry, snapshot_shape(layout.geometry).window | 1)
         return pb.SwaOpenDirectResponse(
             offered=True, redis_url=grant.redis_url, username=user.username, password=user.password,
-            tenant=scope.namespace, key_prefix=grant.key_prefix, ttl_ms=max(int(ttl_s * 1000), 1),
-            writable=user.writable, max_record_bytes=HEADER_BYTES + largest,
+            tenant=scope.namespace, cluster_nodes=grant.cluster_nodes, key_prefix=grant.key_prefix,
+            ttl_ms=max(int(ttl_s * 1000), 1), writable=user.writable, max_record_bytes=HEADER_BYTES + largest,
             expires_in_ms=int(grant.expires_in_s * 1000), renew_after_ms=int(grant.renew_in_s * 1000))
 
     @unary

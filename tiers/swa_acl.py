@@ -30,6 +30,8 @@ from tiers.swa_pool import DirectUser
 #: Name prefix of every direct-path user (so one gateway can find and delete its users).
 USER_PREFIX = "kvstore-swa-"
 READ_COMMANDS = ("+get", "+exists", "+pttl", "+ping")
+#: What a Redis Cluster client runs to find the nodes and the keys of commands (read-only facts).
+CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command", "+readonly")
 WRITE_COMMANDS = ("+set",)
 
 
@@ -42,8 +44,9 @@ class AclUsers:
         clock: its monotonic face times lifetimes.
     """
 
-    def __init__(self, command: Any, *, lifetime_s: float, clock: Clock) -> None:
+    def __init__(self, command: Any, *, lifetime_s: float, clock: Clock, cluster: bool = False) -> None:
         self._command = command
+        self.cluster = cluster
         self.lifetime_s = lifetime_s
         self.clock = clock
         self._current: dict[tuple[str, bool], DirectUser] = {}
@@ -71,7 +74,7 @@ class AclUsers:
                                   password=secrets.token_hex(32), writable=writable, created_s=now,
                                   expires_s=now + self.lifetime_s)
                 self._current[slot] = user
-            commands = READ_COMMANDS + (WRITE_COMMANDS if writable else ())
+            commands = READ_COMMANDS + (WRITE_COMMANDS if writable else ()) + (CLUSTER_COMMANDS if self.cluster else ())
             self._command("ACL", "SETUSER", user.username, "reset", "on", f">{user.password}",
                           b"~" + key_pattern, "resetchannels", "-@all", *commands)
             return user
@@ -95,10 +98,12 @@ class AclUsers:
     def _sweep_leftovers(self) -> None:
         """Rule 3: delete the users of an earlier gateway on this Redis."""
         listed = self._command("ACL", "USERS")
+        if isinstance(listed, dict):  # a cluster: each node's list
+            listed = {n for per_node in listed.values() for n in per_node or ()}
         names = [n.decode() if isinstance(n, bytes) else str(n) for n in listed or ()]
         left = [n for n in names if n.startswith(USER_PREFIX)]
         if left:
-            self._command("ACL", "DELUSER", *left)
+            self._command("ACL", "DELUSER", *sorted(left))
         self._swept = True
 
     def delete_all(self) -> None:

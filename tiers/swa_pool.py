@@ -58,6 +58,8 @@ class DirectGrant:
     #: Seconds from the grant until the user is deleted, and until a newer one is handed out.
     expires_in_s: float
     renew_in_s: float
+    #: A Redis Cluster's nodes (host:port,...); '' for a single Redis (`redis_url`).
+    cluster_nodes: str = ""
 
 
 class SwaPool(abc.ABC):

@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
-from kvstore.errors import ConfigError, FailedPrecondition, Unavailable
+from kvstore.errors import ConfigError, Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
 from tiers.swa_acl import AclUsers
 from tiers.swa_pool import DirectGrant, PoolUsage, SwaPool, dram_cap_bytes
@@ -103,8 +103,8 @@ class RedisPool(SwaPool):
         self._configured: bool | None = None
         # Pipelines run here, off the event loop; two lets a put overlap a get.
         self._executor = ThreadPoolExecutor(2, thread_name_prefix=f"swa-{self.name}")
-        self._users = AclUsers(self._acl_command, lifetime_s=settings.direct_user_lifetime_s,
-                               clock=clock) if clock is not None else None
+        self._users = AclUsers(self._acl_command, lifetime_s=settings.direct_user_lifetime_s, clock=clock,
+                               cluster=self.name == "redis-cluster") if clock is not None else None
 
     @classmethod
     def from_settings(cls, settings: SwaSettings, *, clock: Clock) -> RedisPool:
@@ -219,10 +219,14 @@ class RedisPool(SwaPool):
         prefix = tenant_prefix(self.prefix, tenant)
         user = await self._run(lambda: users.grant(namespace_id(tenant).hex(), prefix + b"*", writable=writable))
         now = users.clock.monotonic()
-        return DirectGrant(user=user, key_prefix=prefix,
-                           redis_url=self.settings.direct_redis_url or public_url(self.settings.redis_url),
+        url, nodes = self._direct_address()
+        return DirectGrant(user=user, key_prefix=prefix, redis_url=url, cluster_nodes=nodes,
                            expires_in_s=max(user.expires_s - now, 0.0),
                            renew_in_s=max(user.created_s + users.lifetime_s / 2 - now, 0.0))
+
+    def _direct_address(self) -> tuple[str, str]:
+        """(redis_url, cluster_nodes) a direct-path client is told."""
+        return self.settings.direct_redis_url or public_url(self.settings.redis_url), ""
 
     async def reap_direct(self) -> None:
         if self._users is not None:
@@ -255,11 +259,14 @@ class RedisClusterPool(RedisPool):
             raise ConfigError("swa.cluster_nodes is empty: name at least one host:port of the cluster")
         client = RedisCluster(startup_nodes=nodes, socket_timeout=settings.socket_timeout_s,
                               socket_connect_timeout=settings.socket_timeout_s, retry=Retry(NoBackoff(), 1))
-        return cls(client, settings, cap_bytes=dram_cap_bytes(settings))
+        return cls(client, settings, cap_bytes=dram_cap_bytes(settings), clock=clock)
 
-    async def open_direct(self, tenant: str, *, writable: bool) -> DirectGrant:
-        # ACL users are per node in a cluster, and the client would need a cluster client: left for later.
-        raise FailedPrecondition("the redis-cluster SWA pool has no direct path yet: clients use the gateway")
+    def _direct_address(self) -> tuple[str, str]:
+        return "", self.settings.direct_redis_url or self.settings.cluster_nodes
+
+    def _acl_command(self, *args: Any) -> Any:
+        # ACL users live in each node, not in the cluster: every node gets every change.
+        return self.client.execute_command(*args, target_nodes=RedisCluster.ALL_NODES)
 
     def _pipeline(self) -> Any:
         return self.client.pipeline()

@@ -145,7 +145,7 @@ class SwaOpenDirectRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ...) -> None: ...
 
 class SwaOpenDirectResponse(_message.Message):
-    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant")
+    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant", "cluster_nodes")
     OFFERED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDIS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class SwaOpenDirectResponse(_message.Message):
     EXPIRES_IN_MS_FIELD_NUMBER: _ClassVar[int]
     RENEW_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_NODES_FIELD_NUMBER: _ClassVar[int]
     offered: bool
     reason: str
     redis_url: str
@@ -170,7 +171,8 @@ class SwaOpenDirectResponse(_message.Message):
     expires_in_ms: int
     renew_after_ms: int
     tenant: str
-    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    cluster_nodes: str
+    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., cluster_nodes: _Optional[str] = ...) -> None: ...
 
 class SwaDirectGet(_message.Message):
     __slots__ = ("asked", "found", "corrupt")

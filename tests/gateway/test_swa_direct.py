@@ -243,3 +243,27 @@ def test_the_client_asks_for_a_newer_user_at_half_life(start_server: Callable[..
         clock.advance(6)
         assert direct.get(TOKENS) == data and direct.last_path == "direct"
         assert direct._direct is not None and direct._direct.username != first
+
+
+def test_on_a_redis_cluster_the_user_is_confined_on_every_node_and_shares_the_gateways_records(
+        start_server: Callable[..., Any], store_settings: StoreSettings, redis_cluster: Any) -> None:
+    server = start_server(store_settings, swa=SwaSettings(backend="redis-cluster", cap_bytes=256 << 20,
+                                                          cluster_nodes=redis_cluster.startup_nodes))
+    with Client(server.target) as client:
+        grant = open_direct(client)
+        assert grant.offered and grant.cluster_nodes and not grant.redis_url
+        direct, gateway = swa(client, "direct"), swa(client, "gateway")
+        datas = {t: snapshot(client, t) for t in range(40, 64)}  # keys over many slots, so every node
+        assert direct.put_many([(direct.key(TOKENS, t), t, d) for t, d in datas.items()]).stored == len(datas)
+        assert gateway.get_many([gateway.key(TOKENS, t) for t in datas]) == list(datas.values())
+        newer = snapshot(client, 62)
+        gateway.put(TOKENS, newer, position=62)
+        assert direct.get(TOKENS, 62) == newer and direct.last_path == "direct"
+        for node in redis_cluster.nodes:
+            with redis.Redis(port=node.port, username=grant.username, password=grant.password) as r:
+                assert r.ping()
+                for forbidden in (lambda r=r: r.keys("*"), lambda r=r: r.flushall(),
+                                  lambda r=r: r.config_get("maxmemory"), lambda r=r: r.acl_list(),
+                                  lambda r=r: r.get(b"kvstore:swa:other")):
+                    with pytest.raises(NoPermissionError):
+                        forbidden()
