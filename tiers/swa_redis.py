@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
-from kvstore.errors import ConfigError, Unavailable
+from kvstore.errors import ConfigError, FailedPrecondition, Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
 from tiers.swa_acl import AclUsers
 from tiers.swa_pool import DirectGrant, PoolUsage, SwaPool, dram_cap_bytes
@@ -217,7 +217,13 @@ class RedisPool(SwaPool):
         if users is None or not self.settings.direct:
             return await super().open_direct(tenant, writable=writable)
         prefix = tenant_prefix(self.prefix, tenant)
-        user = await self._run(lambda: users.grant(namespace_id(tenant).hex(), prefix + b"*", writable=writable))
+        try:
+            user = await self._run(lambda: users.grant(namespace_id(tenant).hex(), prefix + b"*", writable=writable))
+        except ResponseError as exc:  # a managed Redis may forbid or rename ACL: no direct path, said once a call
+            raise FailedPrecondition(f"the {self.name} SWA pool cannot make direct-path users: Redis refused "
+                                     f"ACL ({exc}); clients use the gateway",
+                                     hint="allow ACL SETUSER/DELUSER/USERS to kvstore's Redis user, or set "
+                                          "swa.direct = false") from None
         now = users.clock.monotonic()
         url, nodes = self._direct_address()
         return DirectGrant(user=user, key_prefix=prefix, redis_url=url, cluster_nodes=nodes,

@@ -267,3 +267,22 @@ def test_on_a_redis_cluster_the_user_is_confined_on_every_node_and_shares_the_ga
                                   lambda r=r: r.get(b"kvstore:swa:other")):
                     with pytest.raises(NoPermissionError):
                         forbidden()
+
+
+def test_a_redis_that_forbids_acl_offers_no_direct_path_and_the_gateway_serves(
+        start_server: Callable[..., Any], store_settings: StoreSettings, tmp_path: Any) -> None:
+    from kvstore.bench.redis_server import RedisServer, redis_server_path
+
+    if redis_server_path() is None:
+        pytest.skip("redis-server is not on PATH")
+    managed = RedisServer(tmp_path / "managed", extra_args=("--rename-command", "ACL", '""')).start()
+    try:
+        server = start_server(store_settings, swa=redis_settings(managed))
+        with Client(server.target) as client:
+            reply = open_direct(client)
+            assert not reply.offered and "refused ACL" in reply.reason
+            data = snapshot(client)
+            assert client.swa.put(TOKENS, data).stored == 1 and client.swa.get(TOKENS) == data
+            assert client.swa.last_path == "gateway"
+    finally:
+        managed.stop()
