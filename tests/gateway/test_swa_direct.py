@@ -286,3 +286,11 @@ def test_a_redis_that_forbids_acl_offers_no_direct_path_and_the_gateway_serves(
             assert client.swa.last_path == "gateway"
     finally:
         managed.stop()
+
+
+def test_direct_false_offers_no_direct_path(start_server: Callable[..., Any], store_settings: StoreSettings,
+                                            redis_server: Any) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server, direct=False))
+    with Client(server.target) as client:
+        assert not open_direct(client).offered
+        assert redis.Redis(port=redis_server.port).acl_users() == ["default"]
