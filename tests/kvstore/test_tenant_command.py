@@ -48,7 +48,7 @@ def eventually(check: object, timeout_s: float = 30.0) -> None:
         try:
             check()  # type: ignore[operator]
             return
-        except (AssertionError, Unauthenticated):
+        except (AssertionError, Unauthenticated, pytest.fail.Exception):  # pytest.raises that saw nothing: not yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
