@@ -123,7 +123,11 @@ class Client:
         self.root: bytes = c.root
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the SWA client when it was used (it reports its direct gets and closes its Redis
+        connections), then the channel."""
+        swa = self.__dict__.get("swa")  # the cached property, only if something used it
+        if swa is not None:
+            swa.close()
         self.connection.close()
 
     def __enter__(self) -> Client:

@@ -117,6 +117,18 @@ def test_direct_gets_are_counted_as_hits(start_server: Callable[..., Any], store
         assert (counts.swa_gets, counts.swa_snapshots_asked, counts.swa_snapshots_found) == (2, 3, 2)
 
 
+def test_closing_the_client_reports_the_direct_gets_still_pending(start_server: Callable[..., Any],
+                                                                   store_settings: StoreSettings,
+                                                                   redis_server: Any) -> None:
+    server = start_server(store_settings, swa=redis_settings(redis_server))
+    with Client(server.target) as client:
+        client.swa.put(TOKENS, snapshot(client))
+        assert client.swa.get(TOKENS) is not None and client.swa.last_path == "direct"
+    with Client(server.target) as admin:  # the first client's report went out at its close
+        hits = next(t.windows for t in admin.stats().tenants if t.tenant == "default")
+        assert next(w.counts for w in hits if w.window == "5m").swa_snapshots_found == 1
+
+
 def test_a_tenant_with_a_byte_quota_reads_directly_and_writes_through_the_gateway_under_its_ttl(
         two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
     a, _, admin_token = two_tenants
