@@ -21,21 +21,30 @@ from pathlib import Path
 GiB = 1 << 30
 RAW_METHOD = "/bench.Raw/Stream"
 
-# A generic handler with no protobuf and no logic: it streams `n` messages of
-# `size` bytes cut from an in-memory pool, for the range of indices asked.
-_RAW_SERVER = """
+# A generic handler with no protobuf and no logic (argv: n, size): `Stream` yields
+# the messages lo..hi-1 of `size` bytes cut from an in-memory pool; `Unary`
+# answers as many bytes as the request names (the transfer bench's small calls).
+RAW_SERVER = """
 import asyncio, os, sys
 import grpc
 n, size = int(sys.argv[1]), int(sys.argv[2])
 pool = [os.urandom(size) for _ in range(64)]
+big = b''
+def unary(req, ctx):
+    global big
+    want = int.from_bytes(req, 'big')
+    if len(big) < want:
+        big = os.urandom(want)
+    return big[:want]
 def stream(req, ctx):
     lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')
     for i in range(lo, hi):
         yield pool[i % 64]
 async def main():
     server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])
-    handler = grpc.method_handlers_generic_handler(
-        'bench.Raw', {'Stream': grpc.unary_stream_rpc_method_handler(stream)})
+    handler = grpc.method_handlers_generic_handler('bench.Raw', {
+        'Unary': grpc.unary_unary_rpc_method_handler(unary),
+        'Stream': grpc.unary_stream_rpc_method_handler(stream)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port('127.0.0.1:0')
     await server.start()
@@ -91,7 +100,7 @@ def raw_stream_server(n: int, size: int) -> Iterator[Callable[[int, int], Iterat
     """A bare gRPC server in its own process; yields `stream(lo, hi)`, the messages lo..hi-1."""
     import grpc
 
-    proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, str(n), str(size)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, str(n), str(size)], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())

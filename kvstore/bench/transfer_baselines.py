@@ -15,32 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-# `Unary` answers `size` bytes for a request naming the size; `Stream` yields the
-# messages lo..hi-1 of `block` bytes each (as `kvstore.bench.harness`'s raw server).
-_RAW_SERVER = """
-import asyncio, os, sys
-import grpc
-block = int(sys.argv[1])
-pool = [os.urandom(block) for _ in range(64)]
-big = os.urandom(64 << 20)
-def unary(req, ctx):
-    return big[:int.from_bytes(req, 'big')]
-def stream(req, ctx):
-    lo, hi = int.from_bytes(req[:8], 'big'), int.from_bytes(req[8:], 'big')
-    for i in range(lo, hi):
-        yield pool[i % 64]
-async def main():
-    server = grpc.aio.server(options=[('grpc.max_send_message_length', -1)])
-    handler = grpc.method_handlers_generic_handler('bench.Raw', {
-        'Unary': grpc.unary_unary_rpc_method_handler(unary),
-        'Stream': grpc.unary_stream_rpc_method_handler(stream)})
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port('127.0.0.1:0')
-    await server.start()
-    print(port, flush=True)
-    await server.wait_for_termination()
-asyncio.run(main())
-"""
+from kvstore.bench.harness import RAW_SERVER
 
 
 def p50_s(fn: Callable[[], object], calls: int) -> float:
@@ -65,7 +40,7 @@ class RawServer:
         import grpc
 
         self.block_bytes = block_bytes
-        self._proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER, str(block_bytes)],
+        self._proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, "0", str(block_bytes)],
                                       stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         port = int(self._proc.stdout.readline())
