@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ pytest.importorskip("torch")
 
 from replay.model import TINY_MODEL, ModelConfig
 from replay.worker.spec import RunSpec
+from tests.children import Child
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -123,28 +122,18 @@ def test_runs_beyond_the_queue_are_refused(start_worker: Any) -> None:
 
 
 def test_kvstore_worker_command_serves_until_sigterm(server: Any, tmp_path: Path) -> None:
-    log = tmp_path / "worker.out"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "worker", "--target", server.target,
-                                 "--model", "tiny", "--port", "0", "--device", "cpu"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    worker = Child("worker", ["worker", "--target", server.target, "--model", "tiny", "--port", "0",
+                              "--device", "cpu"], tmp_path / "logs")
     try:
-        deadline = time.monotonic() + 60
-        while not (match := re.search(r"kvstore worker listening on 127\.0\.0\.1:(\d+)", log.read_text())):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        with WorkerClient(f"127.0.0.1:{match.group(1)}", timeout_s=60) as w:
+        with WorkerClient(worker.target, timeout_s=60) as w:
             assert w.info().geometry == TINY.name
             run = w.run(list(range(40)), None)
         assert run.blocks_stored == 2
         with Client(server.target, geometry=TINY.name) as c:
             assert c.lookup(list(range(40))).found_tokens == 32
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text()
+        assert worker.stop() == 0, worker.log()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        worker.kill_if_alive()
 
 
 def test_kvstore_worker_refuses_a_store_it_cannot_reach(tmp_path: Path) -> None:
@@ -169,18 +158,11 @@ def test_kvstore_worker_reaches_a_store_with_auth_by_its_token(start_server: Any
                "--port", "0", "--store-timeout", "10"]
     refused = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert refused.returncode == 2 and "Unauthenticated" in refused.stderr  # no token: no store, no worker
-    log = tmp_path / "worker.out"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*command, "--token", token], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    worker = Child("worker", [*command[3:], "--token", token], tmp_path / "logs")
     try:
-        deadline = time.monotonic() + 60
-        while not (match := re.search(r"kvstore worker listening on 127\.0\.0\.1:(\d+)", log.read_text())):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
-        with WorkerClient(f"127.0.0.1:{match.group(1)}", timeout_s=60) as w:
+        with WorkerClient(worker.target, timeout_s=60) as w:
             assert w.run(list(range(40)), None).blocks_stored == 2
         with Client(server.target, geometry=TINY.name, token=token) as alice:  # stored in the token's tenant
             assert alice.lookup(list(range(40))).found_tokens == 32
     finally:
-        proc.kill()
-        proc.wait()
+        worker.kill_if_alive()
