@@ -37,7 +37,7 @@ def _put_response(batch: PutBatch, result: PutResult) -> pb.PutResponse:
                           existing_blocks=result.existing_blocks)
 
 
-_STATUS = {
+_STATUS: dict[ReadStatus, pb.BlockStatus] = {
     ReadStatus.FOUND: pb.BLOCK_STATUS_FOUND,
     ReadStatus.MISSING: pb.BLOCK_STATUS_MISSING,
     ReadStatus.CORRUPT: pb.BLOCK_STATUS_CORRUPT,
@@ -81,6 +81,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             retention_hours=self.settings.retention_hours,
             max_lease_ms=self.settings.max_lease_ms,
             version=__version__,
+            tenant=current_caller().tenant,
         )
 
     @unary
@@ -305,6 +306,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                 found_tokens=report.found_tokens, usable_tokens=report.usable_tokens,
                                 action_field=ACTION_FIELDS[report.action])
         return pb.ReportResumeResponse()
+
+    @unary
+    async def ReportCorrupt(self, request: pb.ReportCorruptRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ReportCorruptResponse:
+        # A same-host reader's word is not trusted: the tier reads each named block
+        # again (`LmdbBlockTier.read` verifies it and drops and counts it only when
+        # it really fails), so naming an intact block leaves it stored. The scope
+        # rules are Get's: the caller's own tenant unless it is an admin.
+        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        hashes = validate.hashes(request.block_hashes, limit=self.settings.max_batch_blocks)
+        keys = [scope.key(h) for h in hashes]
+        statuses: list[pb.BlockStatus] = []
+        for start in range(0, len(keys), GET_CHUNK_BLOCKS):
+            results = await self.tier.call(self.tier.read, keys[start:start + GET_CHUNK_BLOCKS])
+            statuses.extend(_STATUS[status] for status, _ in results)
+        return pb.ReportCorruptResponse(statuses=statuses,
+                                        dropped_blocks=statuses.count(pb.BLOCK_STATUS_CORRUPT))
 
     def _by_geometry(self, by_layout: dict[bytes, tuple[int, int]]) -> list[pb.GeometryUsage]:
         """Per-layout usage, named where this server serves the fingerprint; served ones first."""

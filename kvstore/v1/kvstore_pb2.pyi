@@ -48,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version")
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant")
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class GetInfoResponse(_message.Message):
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     block_tokens: int
     geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
     max_batch_blocks: int
@@ -63,7 +64,8 @@ class GetInfoResponse(_message.Message):
     retention_hours: float
     max_lease_ms: int
     version: str
-    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit")
@@ -368,3 +370,21 @@ class ReportResumeRequest(_message.Message):
 class ReportResumeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReportCorruptRequest(_message.Message):
+    __slots__ = ("geometry", "namespace", "block_hashes")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ReportCorruptResponse(_message.Message):
+    __slots__ = ("statuses", "dropped_blocks")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    statuses: _containers.RepeatedScalarFieldContainer[BlockStatus]
+    dropped_blocks: int
+    def __init__(self, statuses: _Optional[_Iterable[_Union[BlockStatus, str]]] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...

@@ -74,6 +74,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.FromString,
                 _registered_method=True)
+        self.ReportCorrupt = channel.unary_unary(
+                '/kvstore.v1.KVStore/ReportCorrupt',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -140,6 +145,16 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportCorrupt(self, request, context):
+        """A same-host reader (kvstore.client.colocated, docs/DIRECT_RESTORE.md) found
+        blocks failing their checksum in its own mapping of the store. The server
+        reads each named block again itself and drops and counts only those that
+        really fail (a client cannot delete intact blocks by naming them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +197,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.ReportResume,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.SerializeToString,
+            ),
+            'ReportCorrupt': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCorrupt,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +420,33 @@ class KVStore:
             '/kvstore.v1.KVStore/ReportResume',
             kvstore_dot_v1_dot_kvstore__pb2.ReportResumeRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReportResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCorrupt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/ReportCorrupt',
+            kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReportCorruptResponse.FromString,
             options,
             channel_credentials,
             insecure,

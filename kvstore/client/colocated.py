@@ -1,0 +1,439 @@
+"""The same-host reader: a worker reads its blocks straight from the store's own LMDB file.
+
+On the store's host, `ColocatedReader` opens the store's LMDB environment
+read-only in the worker's process, next to the running `kvstore serve`. A read
+asks the server a normal leased Lookup (so the blocks are protected, and the hit
+counts as a use), then opens its own read transaction and resolves each found
+block's data record to a span of this process's mapping of `data.mdb`. While
+the `MappedRead` is open LMDB cannot reuse those pages, whatever the server
+evicts or writes meanwhile: the reader sees the bytes it leased. It never
+writes, and it does not take the data dir's `kvstore.lock` (that lock keeps a
+second *server* out; readers are LMDB's business, `lock.mdb`).
+
+Trust model (docs/SECURITY.md): the OS must let this process read `data.mdb`,
+which holds every tenant's blocks; the server's auth does not extend to it. It
+is for a worker trusted with the host's store, and off unless configured.
+Design and paths: docs/DIRECT_RESTORE.md.
+
+The on-disk format comes from `tiers.records` and the checksum loop from
+`tiers.blockcopy` (the one exception to the core's layering, tests/kvstore/test_wire.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+
+from kvstore.client import arguments
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.prefix import BlockScope
+from kvstore.v1 import kvstore_pb2 as pb
+from tiers import blockcopy
+from tiers.records import DATA_TAG, META_STRUCT, META_TAG
+
+if TYPE_CHECKING:
+    from kvstore.client.store import Client
+
+DATA_NAME = "data.mdb"
+#: The tenant of every call on a server without auth (gateway.auth.DEFAULT_TENANT).
+_DEFAULT_TENANT = "default"
+#: Default lease of a read's Lookup: it need only cover the gap until the read txn opens.
+DEFAULT_LEASE_MS = 2000
+#: Reader slots in a lock file this process creates (the server's own number, tiers/datadir.py).
+_MAX_READERS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSpan:
+    """One block's bytes inside this process's mapping of `data.mdb`.
+
+    Attributes:
+        index: position of the block in the list of hashes asked.
+        offset: byte offset from `MappedRead.base_address` (also its offset in the file).
+        size: the block's length in bytes.
+        checksum: its stored xxh3-64 (the meta record's), to verify against.
+    """
+
+    index: int
+    offset: int
+    size: int
+    checksum: int
+
+
+def _mapping_base(path: Path) -> tuple[int, int]:
+    """(start, length) of this process's mapping of `path` from file offset 0 (/proc/self/maps).
+
+    LMDB maps the whole file once; `env.info()["map_addr"]` reports it only for
+    fixed-address maps (it is 0 otherwise), so the kernel's list is asked.
+    """
+    st = path.stat()
+    best: tuple[int, int] | None = None
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or int(parts[2], 16) != 0:
+                continue
+            dev, inode = parts[3], int(parts[4])
+            if inode != st.st_ino:
+                continue
+            major, minor = (int(x, 16) for x in dev.split(":"))
+            if os.makedev(major, minor) != st.st_dev and parts[5].strip() != str(path):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if best is None or hi - lo > best[1]:
+                best = (lo, hi - lo)
+    if best is None:
+        raise ConfigError(f"{path} is open through LMDB but not found mapped in this process",
+                          hint="the same-host reader needs Linux's /proc/self/maps")
+    return best
+
+
+class ColocatedReader:
+    """Opens `<data_dir>/data.mdb` read-only in this process, next to a running server.
+
+    Args:
+        data_dir: the server's `store.data_dir`.
+        threads: threads that verify and copy blocks (default `tiers.blockcopy.DEFAULT_THREADS`).
+
+    One reader per data dir per process (LMDB's rule). The process needs read
+    access to `data.mdb` and read-write access to `lock.mdb` (where LMDB
+    registers readers, so the server never reuses the pages of an open read).
+
+    Raises:
+        ConfigError: no store in `data_dir`, or LMDB cannot open it.
+        PermissionDenied: the OS refuses this user the store's files.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, threads: int | None = None) -> None:
+        if not isinstance(data_dir, str | os.PathLike):
+            raise InvalidArgument(f"data_dir must be a path, got {type(data_dir).__name__}")
+        self.data_dir = Path(data_dir).resolve()
+        self.threads = None if threads is None else arguments.integer(threads, "threads", least=1, most=256)
+        self._path = self.data_dir / DATA_NAME
+        if not self._path.is_file() or self._path.stat().st_size == 0:
+            raise ConfigError(f"{self.data_dir} holds no kvstore store ({DATA_NAME} is missing or empty)",
+                              hint="give the server's store.data_dir (--data-dir), on this host")
+        try:
+            # map_size=0: LMDB takes the size the server's environment recorded in the file.
+            self._env = lmdb.open(str(self.data_dir), readonly=True, lock=True, max_dbs=8, map_size=0,
+                                  readahead=False, max_readers=_MAX_READERS)
+        except lmdb.Error as exc:
+            if isinstance(exc, lmdb.ReadonlyError) or "Permission denied" in str(exc):
+                raise PermissionDenied(f"this user may not read the store in {self.data_dir}: {exc}",
+                                       hint="the reader needs read access to data.mdb and write access to "
+                                            "lock.mdb (docs/SECURITY.md, the same-host reader)") from None
+            raise ConfigError(f"LMDB cannot open {self._path} read-only: {exc}",
+                              hint="is it a kvstore store, and is it not already open in this process?") from None
+        try:
+            self._records = self._env.open_db(b"records", create=False)
+        except lmdb.Error as exc:
+            self._env.close()
+            raise ConfigError(f"{self._path} has no block records ({exc}): no server has served it yet",
+                              hint="start `kvstore serve` on it first") from None
+        self._lock = threading.Lock()
+        self._open: weakref.WeakSet[MappedRead] = weakref.WeakSet()
+        self._tenants: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._base, self._map_bytes = _mapping_base(self._path)
+        self._closed = False
+
+    # -- reads -------------------------------------------------------------
+
+    def read(self, client: Client, hashes: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS) -> MappedRead:
+        """Look `hashes` up through `client` (a leased Lookup: a use) and map the found prefix.
+
+        Args:
+            client: a `kvstore.Client` of the server serving this data dir.
+            hashes: the prompt's chain hashes, in order (`client.hashes(tokens)`).
+            lease_ms: the Lookup's lease, released when the read closes.
+
+        Returns:
+            An open `MappedRead` (close it, or use it as a context manager).
+
+        Raises:
+            InvalidArgument: a bad hash, lease or client.
+            FailedPrecondition: the reader is closed, or the client's server is not this store's.
+            KVStoreError: the Lookup's error (Unavailable when the server is down, ...).
+        """
+        conn = getattr(client, "connection", None)
+        if conn is None or not hasattr(client, "lookup_hashes"):
+            raise InvalidArgument(f"client must be a kvstore.Client, got {type(client).__name__}")
+        hashes = arguments.hashes(hashes, "hashes")
+        lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
+        self._check_open()
+        scope = BlockScope(client.fingerprint, client.namespace or self._tenant(conn))
+        hit = client.lookup_hashes(hashes, lease_ms=lease_ms)
+        try:
+            txn = self._begin()
+        except BaseException:
+            _release(client, hit.lease_id)
+            raise
+        read = MappedRead(self, client, scope, hashes, hit.found_blocks, hit.lease_id, txn)
+        with self._lock:
+            self._open.add(read)
+        return read
+
+    def _tenant(self, conn: Any) -> str:
+        """The tenant an empty namespace means for this connection (GetInfo's `tenant`, asked once)."""
+        tenant = self._tenants.get(conn)
+        if tenant is None:
+            reply = conn.call(conn.kvstore.GetInfo, pb.GetInfoRequest())
+            tenant = reply.tenant
+            if not tenant:
+                if conn.metadata is not None:
+                    raise FailedPrecondition("the server does not say which tenant this token is",
+                                             hint="name the tenant (Client(namespace=...)), or upgrade the server")
+                tenant = _DEFAULT_TENANT
+            self._tenants[conn] = tenant
+        return tenant
+
+    def _begin(self) -> lmdb.Transaction:
+        """A read txn; when the server's map grew past ours, adopt its size first (only with no read open)."""
+        for _ in range(2):
+            try:
+                return self._env.begin(db=self._records, buffers=True)
+            except lmdb.MapResizedError:
+                with self._lock:
+                    if len(self._open):
+                        raise Unavailable("the store's map grew while reads are open; close them and read again",
+                                          hint="retry once the open reads are closed") from None
+                    self._env.set_mapsize(0)
+                    self._base, self._map_bytes = _mapping_base(self._path)
+            except lmdb.Error as exc:
+                raise Unavailable(f"cannot begin a read of {self._path}: {exc}") from None
+        raise Unavailable(f"the map of {self._path} keeps growing; read again")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("this ColocatedReader is closed")
+
+    def _forget(self, read: MappedRead) -> None:
+        with self._lock:
+            self._open.discard(read)
+
+    def close(self) -> None:
+        """Close every open read, then the environment (a no-op once closed)."""
+        if self._closed:
+            return
+        for read in list(self._open):
+            read.close()
+        self._closed = True
+        self._env.close()
+
+    def __enter__(self) -> ColocatedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release(client: Any, lease_id: str | None) -> None:
+    """Drop a lease, best effort: it expires on its own (the server may be restarting)."""
+    if lease_id:
+        with contextlib.suppress(KVStoreError):
+            client.release(lease_id)
+
+
+class MappedRead:
+    """The found prefix of one read, as spans of the mapping; holds the read txn until closed.
+
+    Attributes:
+        base_address: address of this process's mapping of `data.mdb` (file offset 0).
+        map_length: bytes of the mapping valid to read (the file's used pages).
+        spans: one `BlockSpan` per block of the found prefix, in order.
+        hashes: the hashes asked.
+        found_blocks: the blocks the Lookup found (`len(spans)` unless some were
+            damaged in the file: see `damaged`).
+        damaged: asked indices whose records were unreadable or of the wrong
+            size in this snapshot (the prefix ends before the first).
+    """
+
+    def __init__(self, reader: ColocatedReader, client: Any, scope: BlockScope, hashes: list[bytes],
+                 found_blocks: int, lease_id: str | None, txn: lmdb.Transaction) -> None:
+        self._reader: ColocatedReader | None = reader
+        self._client = client
+        self._scope = scope
+        self._txn: lmdb.Transaction | None = txn
+        self._lease_id = lease_id
+        self.hashes = hashes
+        self.found_blocks = found_blocks
+        self.damaged: list[int] = []
+        self.base_address = reader._base
+        self._metas: list[Any] = []
+        self._datas: list[Any] = []
+        try:
+            self.spans = self._resolve(txn, scope, hashes[:found_blocks])
+        except BaseException:
+            self.close()
+            raise
+        info = reader._env.info()
+        self.map_length = min((info["last_pgno"] + 1) * reader._env.stat()["psize"], reader._map_bytes)
+
+    def _resolve(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes]) -> list[BlockSpan]:
+        """The spans of the found prefix; it ends at a block gone from this snapshot or damaged."""
+        get, metas, datas = txn.get, self._metas, self._datas
+        unpack = META_STRUCT.unpack
+        sizes: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            key = scope.prefix + h
+            try:
+                meta = get(key + META_TAG)
+                data = None if meta is None else get(key + DATA_TAG)
+            except lmdb.Error:  # a damaged page: LMDB failed the txn; the prefix ends here
+                self.damaged.append(i)
+                break
+            if meta is None:  # gone before the txn opened (an expired lease): a miss from here
+                break
+            if data is None or len(meta) != META_STRUCT.size:
+                self.damaged.append(i)
+                break
+            _parent, _depth, size, checksum, _created, _last = unpack(meta)
+            if len(data) != size:
+                self.damaged.append(i)
+                break
+            metas.append(meta)
+            datas.append(data)
+            sizes.append((size, checksum))
+        base = self.base_address
+        return [BlockSpan(i, addr - base, size, checksum)
+                for i, (addr, (size, checksum)) in enumerate(zip(blockcopy.addresses(datas), sizes, strict=True))]
+
+    # -- using the bytes ---------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._txn is None:
+            raise FailedPrecondition("this MappedRead is closed: its spans may no longer be read")
+
+    def _positions(self, indices: Sequence[int] | None) -> list[int]:
+        if indices is None:
+            return list(range(len(self.spans)))
+        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
+            raise InvalidArgument(f"indices must be a sequence of ints, got {type(indices).__name__}")
+        out = [arguments.integer(i, f"indices[{n}]") for n, i in enumerate(indices)]
+        bad = [i for i in out if i >= len(self.spans)]
+        if bad:
+            raise InvalidArgument(f"indices {bad[:5]} are past the {len(self.spans)} blocks of this read")
+        return out
+
+    def view(self, index: int) -> memoryview:
+        """Block `index`'s bytes, read-only, valid until `close`."""
+        self._check_open()
+        (i,) = self._positions([index])
+        return memoryview(self._datas[i]).toreadonly()
+
+    def verify(self, indices: Sequence[int] | None = None) -> list[bool]:
+        """Whether each block (`indices` of the spans, default all) matches its stored checksum.
+
+        Hashed without the GIL over the reader's threads where `tiers._blockcopy` is built.
+        """
+        self._check_open()
+        positions = self._positions(indices)
+        return blockcopy.verify_many([self._datas[i] for i in positions],
+                                     [self.spans[i].checksum for i in positions], self._threads())
+
+    def _threads(self) -> int | None:
+        return self._reader.threads if self._reader is not None else None
+
+    def copy_into(self, dest: Any, *, verify: bool = True) -> list[int]:
+        """Copy the spans, in order and back to back, into `dest` on the CPU (the fallback path).
+
+        Args:
+            dest: writable, contiguous CPU memory of at least the spans' total
+                bytes: a bytearray, memoryview, numpy array or CPU torch tensor.
+            verify: check each block's checksum in the same pass (a corrupt
+                block's rows of `dest` are left as they were).
+
+        Returns:
+            The indices of the blocks that failed their checksum (empty when all
+            are intact, or when `verify` is False).
+
+        Raises:
+            InvalidArgument: `dest` is not writable CPU memory, or is too small.
+        """
+        self._check_open()
+        total = sum(s.size for s in self.spans)
+        target = _writable(dest, total)
+        dests, at = [], 0
+        for span in self.spans:
+            dests.append(target[at:at + span.size])
+            at += span.size
+        if not verify:
+            for d, data in zip(dests, self._datas, strict=True):
+                d[:] = data
+            return []
+        codes = blockcopy.copy_many(self._metas, self._datas, dests, self._threads())
+        return [i for i, c in enumerate(codes) if c != blockcopy.FOUND]
+
+    def report_corrupt(self, indices: Sequence[int]) -> int:
+        """Tell the server these blocks failed their checksum here (ReportCorrupt).
+
+        The server checks each again itself and drops and counts only those that
+        really fail. Returns how many it dropped.
+        """
+        positions = self._positions(indices)
+        if not positions:
+            return 0
+        conn = self._client.connection
+        reply = conn.call(conn.kvstore.ReportCorrupt, pb.ReportCorruptRequest(
+            geometry=self._client.geometry, namespace=self._client.namespace,
+            block_hashes=[self.hashes[self.spans[i].index] for i in positions]))
+        return int(reply.dropped_blocks)
+
+    def close(self) -> None:
+        """End the read txn (the spans may no longer be read) and drop the lease (a no-op once closed)."""
+        if self._txn is None:
+            return
+        self._metas = self._datas = []
+        self._txn.abort()
+        self._txn = None
+        if self._reader is not None:
+            self._reader._forget(self)
+            self._reader = None
+        _release(self._client, self._lease_id)
+        self._lease_id = None
+
+    def __enter__(self) -> MappedRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _writable(dest: Any, nbytes: int) -> memoryview:
+    """A writable byte view of `dest`'s first `nbytes`.
+
+    Raises:
+        InvalidArgument: not writable contiguous CPU memory, or smaller than `nbytes`.
+    """
+    if hasattr(dest, "data_ptr") and hasattr(dest, "device"):  # a torch tensor (torch not imported here)
+        if dest.device.type != "cpu":
+            raise InvalidArgument(f"dest is on {dest.device}: copy_into writes CPU memory (see kvstore.client.restore)")
+        if not dest.is_contiguous():
+            raise InvalidArgument("dest must be a contiguous tensor")
+        size = dest.numel() * dest.element_size()
+        if size < nbytes:
+            raise InvalidArgument(f"dest holds {size} bytes; these blocks need {nbytes}")
+        if nbytes == 0:
+            return memoryview(bytearray())
+        return memoryview((ctypes.c_char * nbytes).from_address(dest.data_ptr())).cast("B")
+    try:
+        view = memoryview(dest)
+    except TypeError:
+        raise InvalidArgument(f"dest must be a writable buffer or a CPU tensor, got {type(dest).__name__}") from None
+    if view.readonly or not view.contiguous:
+        raise InvalidArgument("dest must be writable and contiguous")
+    view = view.cast("B")
+    if view.nbytes < nbytes:
+        raise InvalidArgument(f"dest holds {view.nbytes} bytes; these blocks need {nbytes}")
+    return view[:nbytes]
+
+
+__all__ = ["DEFAULT_LEASE_MS", "BlockSpan", "ColocatedReader", "MappedRead"]
