@@ -266,6 +266,8 @@ class MappedRead:
         self.hashes = hashes
         self.found_blocks = found_blocks
         self.damaged: list[int] = []
+        #: What the server found of each block `report_corrupt` named (span position -> status).
+        self.reported: dict[int, str] = {}
         self.base_address = reader._base
         self._metas: list[Any] = []
         self._datas: list[Any] = []
@@ -372,20 +374,27 @@ class MappedRead:
         codes = blockcopy.copy_many(self._metas, self._datas, dests, self._threads())
         return [i for i, c in enumerate(codes) if c != blockcopy.FOUND]
 
-    def report_corrupt(self, indices: Sequence[int]) -> int:
-        """Tell the server these blocks failed their checksum here (ReportCorrupt).
+    def report_corrupt(self, indices: Sequence[int]) -> None:
+        """Tell the server these blocks (span positions) failed their checksum here (ReportCorrupt).
 
         The server checks each again itself and drops and counts only those that
-        really fail. Returns how many it dropped.
+        really fail; what it found is kept in `reported` (span position ->
+        "found" (intact, kept), "missing" or "corrupt" (dropped)).
+
+        Raises:
+            InvalidArgument: an index past the spans.
+            KVStoreError: the call's error (the server may be down: the blocks are
+                checked again on the next Get or read that meets them).
         """
         positions = self._positions(indices)
         if not positions:
-            return 0
+            return
         conn = self._client.connection
         reply = conn.call(conn.kvstore.ReportCorrupt, pb.ReportCorruptRequest(
             geometry=self._client.geometry, namespace=self._client.namespace,
             block_hashes=[self.hashes[self.spans[i].index] for i in positions]))
-        return int(reply.dropped_blocks)
+        for i, status in zip(positions, reply.statuses, strict=False):
+            self.reported[i] = pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower()
 
     def close(self) -> None:
         """End the read txn (the spans may no longer be read) and drop the lease (a no-op once closed)."""
