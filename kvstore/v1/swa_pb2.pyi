@@ -12,9 +12,24 @@ class SwaStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SWA_STATUS_UNSPECIFIED: _ClassVar[SwaStatus]
     SWA_STATUS_FOUND: _ClassVar[SwaStatus]
     SWA_STATUS_MISSING: _ClassVar[SwaStatus]
+
+class SwaShmOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SWA_SHM_OP_UNSPECIFIED: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_HELLO: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_BEGIN: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_COMMIT: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_ABORT: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_GET: _ClassVar[SwaShmOp]
 SWA_STATUS_UNSPECIFIED: SwaStatus
 SWA_STATUS_FOUND: SwaStatus
 SWA_STATUS_MISSING: SwaStatus
+SWA_SHM_OP_UNSPECIFIED: SwaShmOp
+SWA_SHM_OP_HELLO: SwaShmOp
+SWA_SHM_OP_BEGIN: SwaShmOp
+SWA_SHM_OP_COMMIT: SwaShmOp
+SWA_SHM_OP_ABORT: SwaShmOp
+SWA_SHM_OP_GET: SwaShmOp
 
 class SwaSnapshot(_message.Message):
     __slots__ = ("key", "data", "checksum", "position")
@@ -145,7 +160,7 @@ class SwaOpenDirectRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ...) -> None: ...
 
 class SwaOpenDirectResponse(_message.Message):
-    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant", "cluster_nodes")
+    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant", "cluster_nodes", "shm_socket", "shm_ticket", "shm_host")
     OFFERED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDIS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +174,9 @@ class SwaOpenDirectResponse(_message.Message):
     RENEW_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_NODES_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
+    SHM_HOST_FIELD_NUMBER: _ClassVar[int]
     offered: bool
     reason: str
     redis_url: str
@@ -172,7 +190,10 @@ class SwaOpenDirectResponse(_message.Message):
     renew_after_ms: int
     tenant: str
     cluster_nodes: str
-    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., cluster_nodes: _Optional[str] = ...) -> None: ...
+    shm_socket: str
+    shm_ticket: bytes
+    shm_host: str
+    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., cluster_nodes: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_ticket: _Optional[bytes] = ..., shm_host: _Optional[str] = ...) -> None: ...
 
 class SwaDirectGet(_message.Message):
     __slots__ = ("asked", "found", "corrupt")
@@ -199,3 +220,45 @@ class SwaReportDirectRequest(_message.Message):
 class SwaReportDirectResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SwaShmRequest(_message.Message):
+    __slots__ = ("op", "ticket", "keys", "positions", "checksums", "ttl_ms", "corrupt")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    op: SwaShmOp
+    ticket: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    corrupt: int
+    def __init__(self, op: _Optional[_Union[SwaShmOp, str]] = ..., ticket: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+
+class SwaShmReply(_message.Message):
+    __slots__ = ("code", "message", "arena_bytes", "writable", "ttl_ms", "lifetime_s", "max_batch", "offsets", "positions", "checksums")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    arena_bytes: int
+    writable: bool
+    ttl_ms: int
+    lifetime_s: float
+    max_batch: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., writable: _Optional[bool] = ..., ttl_ms: _Optional[int] = ..., lifetime_s: _Optional[float] = ..., max_batch: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., positions: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...

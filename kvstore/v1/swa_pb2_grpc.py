@@ -99,7 +99,8 @@ class SwaPoolServicer:
 
     def OpenDirect(self, request, context):
         """The direct path (docs/SWA_POOL.md "Direct path"): a Redis ACL user confined to the
-        caller's key prefix (the tenant comes from the token), or offered = false.
+        caller's key prefix (the tenant comes from the token); with the embedded pool, a ticket for
+        the same-host shared-memory path ("Shared-memory path"); or offered = false.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
