@@ -1,0 +1,412 @@
+"""Direct GPU restore of a 1M-token prompt, against a pinned H2D copy and the shm path, in one run.
+
+`figures(args, progress)` is part of `kvstore bench transfer` (with CUDA; a note
+says why it was skipped otherwise). A `kvstore serve` process holds the prompt's
+blocks (15,625 blocks of 56,960 bytes at 1M tokens, 890 MB); a
+`ColocatedReader` maps the server's data file read-only in this process and
+`GpuGather` copies the blocks to the GPU with one kernel, verifying checksums
+on CPU threads meanwhile (docs/DIRECT_RESTORE.md). Measured in the same run on
+the same bytes:
+
+- "direct gpu restore, 1M tokens": Lookup (leased) + read transaction + kernel +
+  checksums, as GB/s, against a contiguous pinned torch buffer copied to the GPU
+  (the ceiling of any host -> GPU copy on this link);
+- the same restore in ms against today's path: Lookup, shm fetch into a pinned
+  region (the server copies), region -> GPU copy;
+- the kernel alone (gather, and scatter into per-layer row tensors) against the
+  pinned copy;
+- the registration cost of the chunks the first restore registered, and the
+  pinned budget used.
+
+`python -m kvstore.bench.transfer_direct [--json] [--sweep]` runs it alone;
+`--sweep` adds a synthetic mapped file and times the kernel's block sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstore.bench.harness import best_of, scratch, serve_process
+from kvstore.bench.report import Figure, Progress, Report
+from kvstore.geometry import V4_1_FLASH
+
+PAGE = 4096
+#: LMDB keeps a large value on overflow pages: a 16-byte page header, then the value.
+OVERFLOW_HEADER = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of the direct GPU figures (`kvstore bench transfer` adds them beside its own)."""
+    parser.add_argument("--direct-budget-mib", type=int, default=4096,
+                        help="pinned budget of the direct GPU restore in MiB (default 4096)")
+    parser.add_argument("--direct-chunk-mib", type=int, default=64,
+                        help="registration chunk of the direct GPU restore in MiB (default 64)")
+    parser.add_argument("--direct-repeat", type=int, default=None,
+                        help="runs per direct GPU figure, the best kept (default: --repeat, at least 5)")
+
+
+def cuda_available() -> bool:
+    """True when torch sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def figures(args: argparse.Namespace, progress: Progress, *, target: str | None = None,
+            data_dir: Path | None = None, notes: dict[str, object] | None = None) -> list[Figure]:
+    """The direct GPU restore figures (see the module docstring); [] with a note without CUDA.
+
+    Args:
+        args: `kvstore bench transfer`'s flags (tokens, block_tokens, repeat, and this module's).
+        progress: progress bars.
+        target, data_dir: a running `kvstore serve` that already holds the prompt's blocks
+            (tokens 0..n*block_tokens-1, as `kvstore.bench.transfer.run` stores them) and
+            its data dir; when None, this function starts one and stores them itself.
+        notes: where to put the notes (registration, budget, GPU, skips).
+    """
+    notes = notes if notes is not None else {}
+    if not cuda_available():
+        notes["direct gpu"] = "skipped: no CUDA device (the direct GPU restore needs one)"
+        return []
+    block_tokens = getattr(args, "block_tokens", 64)
+    n = max(getattr(args, "tokens", 1_000_000) // block_tokens, 1)
+    block_bytes = V4_1_FLASH.block_bytes(block_tokens)
+    if target is not None and data_dir is not None:
+        return _with_store(args, progress, target, data_dir, n, block_bytes, notes)
+    with scratch() as folder, serve_process(folder / "store", n * block_bytes, block_tokens) as served:
+        _fill(served, n, block_tokens, block_bytes, progress)
+        return _with_store(args, progress, served, folder / "store", n, block_bytes, notes)
+
+
+def _fill(target: str, n: int, block_tokens: int, block_bytes: int, progress: Progress) -> None:
+    """Store n random blocks under tokens 0..n*block_tokens-1, as the transfer bench does."""
+    from kvstore.client import Client
+
+    source = np.random.default_rng(0).integers(0, 256, size=n * block_bytes, dtype=np.uint8)
+    tokens = list(range(n * block_tokens))
+    with Client(target) as client, progress.bar("direct: put", n * block_bytes) as bar:
+        for lo in range(0, n, 1024):
+            hi = min(lo + 1024, n)
+            client.put(tokens[: hi * block_tokens],
+                       [source[i * block_bytes:(i + 1) * block_bytes].tobytes() for i in range(lo, hi)],
+                       first_block=lo)
+            bar.update((hi - lo) * block_bytes)
+
+
+def _repeat(args: argparse.Namespace) -> int:
+    chosen = getattr(args, "direct_repeat", None)
+    return int(chosen) if chosen else max(getattr(args, "repeat", 3), 5)
+
+
+def _sync_timed(fn: Callable[[], object]) -> Callable[[], object]:
+    import torch
+
+    def run() -> object:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return run
+
+
+def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_dir: Path, n: int,
+                block_bytes: int, notes: dict[str, object]) -> list[Figure]:
+    import torch
+
+    from kvstore.client import Client
+    from kvstore.client.gpu_gather import GpuGather
+
+    try:
+        from kvstore.client.colocated import ColocatedReader
+    except ImportError as exc:
+        notes["direct gpu"] = f"skipped: kvstore.client.colocated is not importable ({exc})"
+        return []
+    repeat = _repeat(args)
+    total = n * block_bytes
+    gb = total / 1e9
+    block_tokens = getattr(args, "block_tokens", 64)
+    out: list[Figure] = []
+    device = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
+    budget = getattr(args, "direct_budget_mib", 4096) << 20
+    chunk = getattr(args, "direct_chunk_mib", 64) << 20
+    with Client(target) as client, ColocatedReader(data_dir) as reader, \
+            GpuGather(budget_bytes=budget, chunk_bytes=chunk) as gather:
+        hashes = client.hashes(list(range(n * block_tokens)))
+
+        def restore() -> None:
+            with reader.read(client, hashes, lease_ms=10_000) as read:
+                _, result = gather.gather(read, device)
+            if result.blocks != n or result.corrupt:
+                raise RuntimeError(f"direct restore used {result.blocks} of {n} blocks (corrupt {result.corrupt})")
+
+        with progress.bar("direct gpu restore (cold)", 1, unit="run"):
+            cold_s = _sync_timed(restore)
+            start = time.perf_counter()
+            cold_s()
+            cold = time.perf_counter() - start
+        stats = gather.stats
+        check = client.get_tensor(list(range(n * block_tokens)))[0]
+        if not torch.equal(device.cpu(), check):
+            raise RuntimeError("the direct GPU restore landed bytes that differ from the server's Get")
+        del check
+        times = []
+        with progress.bar("direct gpu restore", repeat, unit="run") as bar:
+            for _ in range(repeat):
+                start = time.perf_counter()
+                restore()
+                times.append(time.perf_counter() - start)
+                bar.update(1)
+        restore_s = min(times)
+        pinned_s = _pinned_h2d(total, repeat)
+        kernel_s, scatter_s = _kernel_only(reader, client, hashes, gather, device, repeat, block_tokens)
+        shm_s = _shm_h2d(client, hashes, total, repeat, progress)
+        h2d = gb / pinned_s
+        baseline = "contiguous pinned H2D of the same bytes"
+        out.append(Figure.against("direct gpu restore, 1M tokens", gb / restore_s, "GB/s", baseline, h2d))
+        out.append(Figure.against("direct gpu restore, 1M tokens, lookup included", restore_s * 1e3, "ms",
+                                  "lookup + shm fetch into a pinned region + region -> gpu copy", shm_s * 1e3))
+        out.append(Figure.against("direct gpu gather kernel, 1M tokens", gb / kernel_s, "GB/s", baseline, h2d))
+        out.append(Figure.against("direct gpu scatter into per-layer rows, 1M tokens", gb / scatter_s, "GB/s",
+                                  baseline, h2d))
+        out.append(Figure(name="direct gpu restore, 1M tokens, first (registers)", value=cold * 1e3, unit="ms"))
+        out.append(Figure(name="direct gpu registration", value=stats.register_s * 1e3, unit="ms"))
+        notes["direct gpu"] = {
+            "gpu": torch.cuda.get_device_name(), "blocks": n, "bytes": total,
+            "restore_ms_runs": [round(t * 1e3, 3) for t in times],
+            "restore_ms_median": round(statistics.median(times) * 1e3, 3),
+            "target_restore_ms": 25.0, "target_ratio_vs_pinned": 0.85,
+            "registrations": stats.registrations, "registered_bytes": stats.registered_bytes_total,
+            "register_ms": round(stats.register_s * 1e3, 3),
+            "register_ms_per_gib": round(stats.register_s * 1e3 / max(stats.registered_bytes_total / 2**30, 1e-9), 3),
+            "pinned_budget_bytes": budget, "pinned_peak_bytes": stats.peak_bytes,
+            "pinned_used_bytes": gather.registry.used_bytes, "chunk_bytes": chunk,
+            "data_file_bytes": os.path.getsize(Path(data_dir) / "data.mdb"),
+        }
+    return out
+
+
+def _pinned_h2d(total: int, repeat: int) -> float:
+    """Best seconds to copy a contiguous pinned buffer of `total` bytes to the GPU."""
+    import torch
+
+    pinned = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
+    dest = torch.empty(total, dtype=torch.uint8, device="cuda")
+    copy = _sync_timed(lambda: dest.copy_(pinned, non_blocking=True))
+    copy()
+    return best_of(copy, repeat)
+
+
+def _kernel_only(reader: Any, client: Any, hashes: list[bytes], gather: Any, device: Any, repeat: int,
+                 block_tokens: int) -> tuple[float, float]:
+    """Best seconds of the gather kernel and of the scatter kernel alone (one open read, registered,
+    no checksums): the copy's own rate."""
+    import torch
+
+    geo = V4_1_FLASH
+    with reader.read(client, hashes, lease_ms=10_000) as read:
+        n = len(read.spans)
+        kernel_s = best_of(lambda: gather.gather(read, device, verify=False), repeat)
+        layers = {layer: (torch.empty((n, geo.block_rows(layer, block_tokens), geo.compressed_kv_row_bytes),
+                                      dtype=torch.uint8, device="cuda"),
+                          torch.empty((n, geo.block_rows(layer, block_tokens), geo.indexer_row_bytes),
+                                      dtype=torch.uint8, device="cuda"))
+                  for layer in geo.kv_source_layers}
+        gather.scatter(read, layers, verify=False, block_tokens=block_tokens)
+        scatter_s = best_of(lambda: gather.scatter(read, layers, verify=False, block_tokens=block_tokens), repeat)
+        from kvstore.codec.block_codec import split_blocks
+
+        for layer, (kv, index) in split_blocks(geo, device[:n], block_tokens).items():
+            if not (torch.equal(kv, layers[layer][0]) and torch.equal(index, layers[layer][1])):
+                raise RuntimeError(f"scatter wrote layer {layer}'s rows wrong")
+    return kernel_s, scatter_s
+
+
+def _shm_h2d(client: Any, hashes: list[bytes], total: int, repeat: int, progress: Progress) -> float:
+    """Best seconds of today's same-host path to the GPU: leased Lookup, shm fetch into a pinned
+    region (the server copies from its map), region -> GPU copy."""
+    import torch
+
+    dest = torch.empty(total, dtype=torch.uint8, device="cuda")
+    with client.transfer(path="shm") as session:
+        region = session.register(total)
+        pages = region.tensor()
+        pages.fill_(1)
+        region.pin()
+
+        def run() -> None:
+            hit = client.lookup_hashes(hashes, lease_ms=10_000)
+            state = session.fetch(hashes[: hit.found_blocks], region)
+            if state.done_prefix != len(hashes):
+                raise RuntimeError(f"shm fetch loaded {state.done_prefix} of {len(hashes)} blocks")
+            dest.copy_(pages, non_blocking=True)
+            torch.cuda.synchronize()
+            if hit.lease_id:
+                client.release(hit.lease_id)
+
+        with progress.bar("shm fetch + gpu copy", repeat, unit="run"):
+            run()
+            return best_of(run, repeat)
+
+
+# -- the synthetic mapped file: the kernel's block-size sweep, and tests without a server -------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FileSpan:
+    """A block inside `MappedFile` (the fields of `kvstore.client.colocated.BlockSpan`)."""
+
+    index: int
+    offset: int
+    size: int
+    checksum: int
+
+
+class MappedFile:
+    """A file laid out like LMDB's overflow values (each block 16 bytes into its own run of
+    pages), mapped read-only, read back in a shuffled order: a `MappedRead` without a server.
+
+    `corrupt(k)` flips a byte of the k-th span's block in the file (the checksum stays).
+    """
+
+    def __init__(self, n: int, block_bytes: int, *, seed: int = 0, folder: str | None = None,
+                 order: Sequence[int] | None = None) -> None:
+        import xxhash
+
+        rng = np.random.default_rng(seed)
+        self.block_bytes = block_bytes
+        self.stride = -(-(block_bytes + OVERFLOW_HEADER) // PAGE) * PAGE
+        fd, self.path = tempfile.mkstemp(prefix="kvstore-direct-", dir=folder)
+        self.blocks = rng.integers(0, 256, size=(n, block_bytes), dtype=np.uint8)
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"\0" * PAGE)  # a meta page first, as LMDB's
+            page = np.zeros(self.stride, dtype=np.uint8)
+            for block in self.blocks:
+                page[OVERFLOW_HEADER:OVERFLOW_HEADER + block_bytes] = block
+                f.write(page.tobytes())
+        self.order = list(order) if order is not None else [int(i) for i in rng.permutation(n)]
+        self.spans = [FileSpan(index=pos, offset=PAGE + k * self.stride + OVERFLOW_HEADER, size=block_bytes,
+                               checksum=xxhash.xxh3_64_intdigest(self.blocks[k].tobytes()))
+                      for pos, k in enumerate(self.order)]
+        self.map_length = os.path.getsize(self.path)
+        self._file = open(self.path, "rb")  # noqa: SIM115 (closed in close())
+        self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        self._array = np.frombuffer(self._map, dtype=np.uint8)
+        self.base_address = int(self._array.ctypes.data)
+        self.reported: list[int] = []
+
+    def expected(self) -> np.ndarray:
+        """The blocks in span order, `[n, block_bytes]`."""
+        return self.blocks[self.order]
+
+    def verify(self, indices: Sequence[int] | None = None) -> list[bool]:
+        """Checksum of each span's bytes in the mapping against the stored one."""
+        import xxhash
+
+        picked = range(len(self.spans)) if indices is None else indices
+        return [xxhash.xxh3_64_intdigest(self._array[self.spans[k].offset:self.spans[k].offset + self.spans[k].size])
+                == self.spans[k].checksum for k in picked]
+
+    def report_corrupt(self, indices: Sequence[int]) -> None:
+        """Remember what would have been reported to the server."""
+        self.reported.extend(indices)
+
+    def corrupt(self, k: int) -> None:
+        """Flip one byte of span k's block in the file (the page cache the mapping shows)."""
+        with open(self.path, "r+b") as f:
+            f.seek(self.spans[k].offset + 100)
+            byte = f.read(1)
+            f.seek(self.spans[k].offset + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    def close(self) -> None:
+        """Unmap and delete the file."""
+        del self._array
+        self._map.close()
+        self._file.close()
+        os.unlink(self.path)
+
+    def __enter__(self) -> MappedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> list[Figure]:
+    """The gather kernel's block size and warps on a synthetic mapped file, against the pinned copy."""
+    import torch
+
+    from kvstore.client import gpu_gather
+    from kvstore.client.gpu_gather import GpuGather
+
+    out: list[Figure] = []
+    total = n * block_bytes
+    pinned_s = _pinned_h2d(total, repeat)
+    with MappedFile(n, block_bytes, folder=os.environ.get("KVSTORE_DIRECT_SCRATCH")) as mapped, \
+            GpuGather() as gather:
+        dest = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
+        start = time.perf_counter()
+        gather.gather(mapped, dest)
+        notes["sweep first gather s (registers, compiles)"] = round(time.perf_counter() - start, 3)
+        if not torch.equal(dest.cpu(), torch.from_numpy(mapped.expected())):
+            raise RuntimeError("sweep: gathered bytes differ")
+        default = (gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS)
+        for words in (1024, 2048, 4096):
+            for warps in (4, 8, 16):
+                gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS = words, warps
+                gather.gather(mapped, dest, verify=False)
+                seconds = best_of(lambda: gather.gather(mapped, dest, verify=False), repeat)
+                out.append(Figure.against(f"sweep gather block={words * 4} B warps={warps}", total / seconds / 1e9,
+                                          "GB/s", "contiguous pinned H2D of the same bytes", total / pinned_s / 1e9))
+        gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS = default
+        with_verify = best_of(lambda: gather.gather(mapped, dest), repeat)
+        out.append(Figure.against("sweep gather + checksums", total / with_verify / 1e9, "GB/s",
+                                  "contiguous pinned H2D of the same bytes", total / pinned_s / 1e9))
+        verify_s = best_of(lambda: mapped.verify(None), 1)
+        notes["sweep verify alone s (python xxhash, one thread)"] = round(verify_s, 4)
+        notes["sweep registration"] = {"registrations": gather.stats.registrations,
+                                       "register_ms": round(gather.stats.register_s * 1e3, 3),
+                                       "bytes": gather.stats.registered_bytes_total}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the figures alone: `python -m kvstore.bench.transfer_direct [--json] [--sweep]`."""
+    parser = argparse.ArgumentParser(prog="kvstore.bench.transfer_direct")
+    parser.add_argument("--tokens", type=int, default=1_000_000)
+    parser.add_argument("--block-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also the kernel sweep on a synthetic mapped file")
+    parser.add_argument("--no-store", action="store_true", help="skip the figures with a kvstore serve process")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    report = Report(bench="transfer-direct")
+    progress = Progress(enabled=not args.json)
+    n = max(args.tokens // args.block_tokens, 1)
+    if args.sweep and cuda_available():
+        for figure in sweep(n, V4_1_FLASH.block_bytes(args.block_tokens), args.repeat, report.notes):
+            report.add(figure)
+    if not args.no_store:
+        for figure in figures(args, progress, notes=report.notes):
+            report.add(figure)
+    print(report.to_json() if args.json else report.to_table())
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

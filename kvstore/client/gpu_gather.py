@@ -1,0 +1,385 @@
+"""Direct GPU restore: one kernel copies a request's blocks from the store's page cache to the GPU.
+
+On the store's host, `kvstore.client.colocated.ColocatedReader` maps LMDB's data
+file read-only in the worker's process and hands back a `MappedRead`: where
+each found block lies in that mapping, under a read transaction that keeps its
+pages from being reused. `GpuGather` then:
+
+1. registers the page-aligned chunks of the mapping holding those blocks with
+   CUDA, read-only and mapped (`kvstore.client.gpu_pinned`: within a pinned
+   budget, least recently used chunks unregistered first; chunks stay
+   registered for the next request, so a session's restore usually registers
+   nothing);
+2. launches one Triton kernel that reads every block straight from the host
+   pages over PCIe, into a uint8 `[n, block_bytes]` tensor (`gather`) or
+   scattered into the engine's per-layer row tensors (`scatter`: each source
+   layer's compressed-KV rows and indexer rows to their own destinations, at
+   the slots the caller names, e.g. the pages of its paged cache);
+3. meanwhile checks every block against its stored checksum on CPU threads
+   (`MappedRead.verify`, GIL-free), and makes a block that fails a miss: the
+   usable prefix ends before it and the server is told (`report_corrupt`).
+
+No server copy, no shared region, no staging memcpy. Without CUDA or Triton,
+or when registering fails, it raises `DirectGpuUnavailable` (a
+`FailedPrecondition`): `kvstore.client.restore` then copies on the CPU.
+
+Lifetime: a `GpuGather` serves one mapping at a time; call `close()` (or use
+it as a context manager) before the reader's mapping is unmapped, so no pinned
+range outlives it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvstore.client.gpu_pinned import (
+    BUDGET_BYTES,
+    CHUNK_BYTES,
+    CudaHost,
+    DirectGpuUnavailable,
+    PinnedRegistry,
+    RegistryStats,
+    chunk_bytes_checked,
+    plan_rounds,
+)
+from kvstore.errors import InvalidArgument
+from kvstore.geometry import V4_1_FLASH, ModelGeometry
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DirectGpuUnavailable", "GatherResult", "GpuGather", "MappedReadLike"]
+
+#: Words (4 bytes) per program of the gather kernel, and its warps: picked on the H200 (docs/DIRECT_RESTORE.md).
+GATHER_BLOCK_WORDS = 2048
+GATHER_WARPS = 4
+SCATTER_BLOCK_WORDS = 1024
+SCATTER_WARPS = 4
+
+
+class SpanLike(Protocol):
+    """One found block inside the mapping (`kvstore.client.colocated.BlockSpan`)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+
+
+class MappedReadLike(Protocol):
+    """What `GpuGather` uses of `kvstore.client.colocated.MappedRead`."""
+
+    @property
+    def base_address(self) -> int: ...
+    @property
+    def map_length(self) -> int: ...
+    @property
+    def spans(self) -> Sequence[Any]: ...
+    def verify(self, indices: Sequence[int] | None = None) -> list[bool]: ...
+    def report_corrupt(self, indices: Sequence[int]) -> None: ...
+
+
+@dataclass(frozen=True)
+class GatherResult:
+    """What one gather or scatter did.
+
+    Attributes:
+        blocks: leading blocks usable (all copied and verified): rows of blocks
+            at and after the first corrupt one must not be used.
+        copied: blocks the kernel copied (all spans of the read).
+        corrupt: `BlockSpan.index` of each block that failed its checksum (reported).
+        rounds: kernel launches (more than one when the blocks' chunks exceed the budget).
+        register_s: seconds spent registering chunks in this call (0 when all were registered).
+        registered_bytes: bytes registered after the call; `budget_bytes` the budget.
+        seconds: the whole call, wall clock, from the first registration to the verified end.
+    """
+
+    blocks: int
+    copied: int
+    corrupt: list[int]
+    rounds: int
+    register_s: float
+    registered_bytes: int
+    budget_bytes: int
+    seconds: float
+
+
+class _Pointer:
+    """A raw device address Triton accepts as a tensor argument (it reads `data_ptr()` and `dtype`)."""
+
+    def __init__(self, address: int, dtype: Any) -> None:
+        self._address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def _kernels() -> Any:
+    try:
+        from kvstore.client import gpu_kernels
+    except ImportError as exc:  # no Triton, or one that cannot build here
+        raise DirectGpuUnavailable(f"triton is not available: {exc}") from None
+    return gpu_kernels
+
+
+class GpuGather:
+    """Copies a `MappedRead`'s blocks to the GPU with one kernel per budget round.
+
+    Args:
+        budget_bytes: most bytes of the mapping registered (pinned) at once.
+        chunk_bytes: registration granule, a multiple of 4096 (64 MiB default).
+        device: the CUDA device of the outputs (default: the current one).
+        host: the register / unregister calls (tests substitute them; default CUDA's).
+
+    Raises:
+        DirectGpuUnavailable: no CUDA device, or no torch.
+    """
+
+    def __init__(self, *, budget_bytes: int = BUDGET_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                 device: str | int | torch.device | None = None, host: CudaHost | None = None) -> None:
+        self.chunk_bytes = chunk_bytes_checked(chunk_bytes)
+        self._host = host or CudaHost()
+        import torch
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise InvalidArgument(f"device must be a CUDA device, got {self.device}")
+        self.registry = PinnedRegistry(self._host.register, self._host.unregister, budget_bytes=budget_bytes)
+        self._lock = threading.Lock()  # one request at a time touches the registry and launches
+
+    @property
+    def stats(self) -> RegistryStats:
+        """Registration counts and time so far, and the peak bytes registered."""
+        return self.registry.stats
+
+    def __enter__(self) -> GpuGather:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unregister every chunk; call before the mapping it served is unmapped."""
+        with self._lock:
+            self.registry.clear()
+
+    # -- the two forms ----------------------------------------------------
+
+    def gather(self, read: MappedReadLike, out: torch.Tensor | None = None, *,
+               verify: bool = True) -> tuple[torch.Tensor, GatherResult]:
+        """Copy every block of `read` into rows of a uint8 `[n, block_bytes]` CUDA tensor.
+
+        Args:
+            read: the open `MappedRead` (its spans are the found prefix).
+            out: where to write: uint8 `[>= n, block_bytes]`, contiguous, on `self.device`;
+                new memory if None.
+            verify: check checksums on CPU threads while the kernel runs.
+
+        Returns:
+            (out, result): rows `[:result.blocks]` are the verified prefix.
+
+        Raises:
+            InvalidArgument: blocks of different sizes, or a bad `out`.
+            DirectGpuUnavailable: no Triton, or registering failed.
+        """
+        import torch
+
+        spans = list(read.spans)
+        size = _block_size(spans)
+        n = len(spans)
+        if out is None:
+            out = torch.empty((n, size), dtype=torch.uint8, device=self.device)
+        elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n
+              or out.shape[1] != size or not out.is_contiguous() or out.device != self.device):
+            got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
+            raise InvalidArgument(f"out: expected a contiguous uint8 tensor [>= {n}, {size}] on {self.device}, "
+                                  f"got {got}")
+        if n == 0:
+            return out, self._finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
+        kernels = _kernels()
+        words = size // 4
+        dst = out.view(torch.int32)
+
+        def launch(src: _Pointer, offsets: torch.Tensor, members: list[int], align: int) -> None:
+            grid = (len(members), -(-words // GATHER_BLOCK_WORDS))
+            kernels.gather_kernel[grid](src, offsets, dst[members[0]:], WORDS=words, BLOCK=GATHER_BLOCK_WORDS,
+                                        ALIGN=align, num_warps=GATHER_WARPS)
+
+        # Row starts are 16-byte aligned when the block size and out's address are.
+        return out, self._run(read, spans, launch, verify=verify, extra_align=size if out.data_ptr() % 16 == 0 else 4)
+
+    def scatter(self, read: MappedReadLike, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+                slots: Sequence[int] | torch.Tensor | None = None, *, geometry: ModelGeometry = V4_1_FLASH,
+                block_tokens: int = 64, verify: bool = True) -> GatherResult:
+        """Copy each block's rows straight into per-layer destinations, in one kernel.
+
+        Args:
+            read: the open `MappedRead`.
+            layers: for each source layer of the geometry, `(kv_dest, index_dest)`: uint8
+                CUDA tensors `[slots, rows, row_bytes]` (or `[slots, rows * row_bytes]`) whose
+                slot rows are contiguous, e.g. one layer's paged cache with a 64-token page.
+            slots: the slot of each block (a page id), default 0..n-1.
+            geometry, block_tokens: the block layout (`geometry.block_layout(block_tokens)`).
+            verify: check checksums on CPU threads while the kernel runs.
+
+        Returns:
+            The result; slots of blocks from `result.blocks` on hold unusable rows.
+
+        Raises:
+            InvalidArgument: a missing layer, a wrong dtype / shape / device / stride, a slot out
+                of range, or blocks whose size is not the layout's.
+            DirectGpuUnavailable: no Triton, or registering failed.
+        """
+        import torch
+
+        spans = list(read.spans)
+        n = len(spans)
+        size = geometry.block_bytes(block_tokens)
+        if n and _block_size(spans) != size:
+            raise InvalidArgument(f"blocks are {spans[0].size} bytes; the layout of {geometry.name} at "
+                                  f"{block_tokens} tokens is {size}")
+        table, base, slots_t, align = self._sections(layers, slots, n, geometry, block_tokens)
+        if n == 0:
+            return self._finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
+        kernels = _kernels()
+        longest = max(int(w) for w in table[1].tolist())
+        dst = _Pointer(base, torch.int32)
+        sec_src, sec_words, sec_dst, sec_stride = (t.to(self.device) for t in table)
+
+        def launch(src: _Pointer, offsets: torch.Tensor, members: list[int], align_src: int) -> None:
+            grid = (len(members), len(sec_words), -(-longest // SCATTER_BLOCK_WORDS))
+            kernels.scatter_kernel[grid](src, offsets, slots_t[members[0]:], dst, sec_src, sec_words, sec_dst,
+                                         sec_stride, BLOCK=SCATTER_BLOCK_WORDS, ALIGN=min(align, align_src),
+                                         num_warps=SCATTER_WARPS)
+
+        return self._run(read, spans, launch, verify=verify, extra_align=16 if align == 4 else 4)
+
+    # -- shared -----------------------------------------------------------
+
+    def _sections(self, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+                  slots: Sequence[int] | torch.Tensor | None, n: int, geometry: ModelGeometry,
+                  block_tokens: int) -> tuple[tuple[torch.Tensor, ...], int, torch.Tensor, int]:
+        """Per section: (source word offset, words, destination word offset, slot stride in words),
+        the destinations' base address, the slots on the device, and the word alignment (4 or 1)."""
+        import torch
+
+        if not isinstance(layers, Mapping) or sorted(layers) != sorted(geometry.kv_source_layers):
+            got = sorted(layers) if isinstance(layers, Mapping) else type(layers).__name__
+            raise InvalidArgument(f"layers: expected {{layer: (kv_dest, index_dest)}} for layers "
+                                  f"{list(geometry.kv_source_layers)}, got {got}")
+        rows: list[tuple[int, int, torch.Tensor, int]] = []  # (src offset, bytes, dest, slot stride bytes)
+        capacity = None
+        for s in geometry.block_layout(block_tokens):
+            pair = layers[s.layer]
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                raise InvalidArgument(f"layer {s.layer}: expected a pair (kv_dest, index_dest)")
+            dest = pair[0 if s.component == "compressed_kv" else 1]
+            what = f"layer {s.layer} {s.component} destination"
+            if (not isinstance(dest, torch.Tensor) or dest.dtype != torch.uint8 or dest.device != self.device
+                    or dest.dim() not in (2, 3) or dest.shape[0] < 1):
+                found = f"{dest.dtype} {tuple(dest.shape)} on {dest.device}" if isinstance(dest, torch.Tensor) \
+                    else type(dest).__name__
+                raise InvalidArgument(f"{what}: expected a uint8 tensor [slots, {s.rows}, {s.row_bytes}] on "
+                                      f"{self.device}, got {found}")
+            section = s.rows * s.row_bytes
+            inner_ok = (dest.dim() == 3 and tuple(dest.shape[1:]) == (s.rows, s.row_bytes)
+                        and dest.stride(2) == 1 and dest.stride(1) == s.row_bytes) or \
+                       (dest.dim() == 2 and dest.shape[1] == section and dest.stride(1) == 1)
+            if not inner_ok:
+                raise InvalidArgument(f"{what}: expected [slots, {s.rows}, {s.row_bytes}] with contiguous rows "
+                                      f"per slot, got shape {tuple(dest.shape)} strides {dest.stride()}")
+            capacity = dest.shape[0] if capacity is None else min(capacity, dest.shape[0])
+            rows.append((s.offset, section, dest, dest.stride(0)))
+        assert capacity is not None
+        if slots is None:
+            if n > capacity:
+                raise InvalidArgument(f"{n} blocks but the destinations hold {capacity} slots")
+            slot_t = torch.arange(n, dtype=torch.int64)
+        else:
+            slot_t = torch.as_tensor(slots, dtype=torch.int64).cpu().reshape(-1)
+            if slot_t.numel() != n:
+                raise InvalidArgument(f"slots: expected {n} slot ids (one per found block), got {slot_t.numel()}")
+            if n and (int(slot_t.min()) < 0 or int(slot_t.max()) >= capacity):
+                raise InvalidArgument(f"slots must be in [0, {capacity}), got {int(slot_t.min())}.."
+                                      f"{int(slot_t.max())}")
+        base = min(d.data_ptr() for _, _, d, _ in rows)
+        numbers = [(off, nbytes, d.data_ptr() - base, stride) for off, nbytes, d, stride in rows]
+        if any(x % 4 for row in numbers for x in row) or base % 4:
+            raise InvalidArgument("destinations and the block layout must be multiples of 4 bytes")
+        align = 4 if not base % 16 and not any(x % 16 for row in numbers for x in row) else 1
+        table = tuple(torch.tensor([row[k] // 4 for row in numbers], dtype=torch.int64) for k in range(4))
+        return table, base, slot_t.to(self.device), align
+
+    def _run(self, read: MappedReadLike, spans: list[Any], launch: Callable[..., None], *, verify: bool,
+             extra_align: int) -> GatherResult:
+        """Register, launch one kernel per round while CPU threads verify, then settle the corrupt ones."""
+        import numpy as np
+        import torch
+
+        started = time.perf_counter()
+        offsets = np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans))
+        checks: list[bool] = []
+        failure: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                checks.extend(read.verify(None))
+            except BaseException as exc:  # surfaced on the caller's thread below
+                failure.append(exc)
+
+        checker = threading.Thread(target=check, name="kvstore-gpu-verify") if verify else None
+        if checker is not None:
+            checker.start()
+        register_s = 0.0
+        rounds = plan_rounds(spans, read.map_length, self.chunk_bytes, self.registry.budget_bytes)
+        try:
+            with self._lock, torch.cuda.device(self.device):
+                for members, chunks in rounds:
+                    before = self.registry.stats.register_s
+                    self.registry.ensure(read.base_address, chunks.values())
+                    register_s += self.registry.stats.register_s - before
+                    first = min(chunks.values(), key=lambda c: c.start)
+                    src = _Pointer(read.base_address + first.start, torch.int32)
+                    rel = offsets[members[0]:members[-1] + 1] - first.start
+                    align = 4 if not (rel % 16).any() and extra_align % 16 == 0 else 1
+                    if (rel % 4).any():
+                        raise InvalidArgument("blocks must start at multiples of 4 bytes in the mapping")
+                    words = torch.from_numpy(rel // 4).to(self.device, non_blocking=False)
+                    launch(src, words, members, align)
+                    if len(rounds) > 1:
+                        # The next round may unregister this round's chunks: the kernel must be done.
+                        torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(self.device)
+        finally:
+            if checker is not None:
+                checker.join()
+        if failure:
+            raise failure[0]
+        return self._finish(read, checks, len(spans), len(rounds), register_s, started, verify=verify)
+
+    def _finish(self, read: MappedReadLike, checks: list[bool], copied: int, rounds: int, register_s: float,
+                started: float, *, verify: bool) -> GatherResult:
+        spans = list(read.spans)
+        bad = [k for k, ok in enumerate(checks) if not ok] if verify else []
+        corrupt = [spans[k].index for k in bad]
+        if corrupt:
+            read.report_corrupt(corrupt)
+        return GatherResult(blocks=bad[0] if bad else copied, copied=copied, corrupt=corrupt, rounds=rounds,
+                            register_s=register_s, registered_bytes=self.registry.used_bytes,
+                            budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started)
+
+
+def _block_size(spans: Sequence[Any]) -> int:
+    sizes = {s.size for s in spans}
+    if len(sizes) > 1:
+        raise InvalidArgument(f"blocks of several sizes in one read: {sorted(sizes)}")
+    size = sizes.pop() if sizes else 0
+    if size % 4:
+        raise InvalidArgument(f"block size {size} is not a multiple of 4 bytes")
+    return size

@@ -1,0 +1,185 @@
+"""The direct GPU restore's pure-Python parts, on CPU: chunking, rounds, the LRU registry, typed errors.
+
+The registry is driven by recording register / unregister calls, so every rule
+(page-aligned chunks clipped to the file, least recently used unregistered
+first, a grown file re-registered, a new mapping clearing the old, the budget
+never exceeded) is checked without CUDA. The GPU tests are in
+test_gpu_gather.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvstore.client.gpu_pinned import (
+    PAGE_BYTES,
+    Chunk,
+    DirectGpuUnavailable,
+    PinnedRegistry,
+    chunk_bytes_checked,
+    chunks_of,
+    plan_rounds,
+)
+from kvstore.errors import FailedPrecondition, InvalidArgument
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Span:
+    index: int
+    offset: int
+    size: int
+
+
+class Recorder:
+    """register / unregister calls, and what is registered now (overlaps are refused, as CUDA does)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple[str, int, int]] = []
+        self.fail_at = fail_at
+
+    def register(self, address: int, length: int) -> None:
+        if self.fail_at is not None and address == self.fail_at:
+            raise DirectGpuUnavailable("refused")
+        for start, size in self.live.items():
+            assert address + length <= start or start + size <= address, "overlapping registration"
+        assert address % PAGE_BYTES == 0 and length % PAGE_BYTES == 0
+        self.live[address] = length
+        self.calls.append(("register", address, length))
+
+    def unregister(self, address: int) -> None:
+        self.live.pop(address)
+        self.calls.append(("unregister", address, 0))
+
+
+def test_chunks_are_page_aligned_and_clipped_to_the_file() -> None:
+    chunk = 4 * MIB
+    map_length = 10 * MIB + 3 * PAGE_BYTES  # the file's length: the last chunk ends there, not at 12 MiB
+    assert chunks_of(Span(0, 16, 56_960), map_length, chunk) == [Chunk(0, 0, chunk)]
+    straddle = Span(0, chunk - 100, 56_960)
+    assert [c.index for c in chunks_of(straddle, map_length, chunk)] == [0, 1]
+    last = chunks_of(Span(0, 10 * MIB + 16, 1000), map_length, chunk)
+    assert last == [Chunk(2, 8 * MIB, 2 * MIB + 3 * PAGE_BYTES)]
+
+
+def test_a_file_length_off_a_page_rounds_up_to_whole_pages() -> None:
+    (c,) = chunks_of(Span(0, 16, 100), 5000, 4 * MIB)
+    assert c.length == 2 * PAGE_BYTES
+
+
+@pytest.mark.parametrize("span", [Span(0, -1, 10), Span(0, 100, 0), Span(0, 1000, 200)])
+def test_a_block_outside_the_mapped_file_is_invalid(span: Span) -> None:
+    with pytest.raises(InvalidArgument, match="outside"):
+        chunks_of(span, 1100, 4 * MIB)
+
+
+@pytest.mark.parametrize("bad", [0, -4096, 1000, 4096 + 1])
+def test_chunk_bytes_must_be_whole_pages(bad: int) -> None:
+    with pytest.raises(InvalidArgument, match="multiple of 4096"):
+        chunk_bytes_checked(bad)
+
+
+def test_one_round_when_everything_fits() -> None:
+    spans = [Span(i, 16 + i * 57_344, 56_960) for i in range(100)]
+    rounds = plan_rounds(spans, 100 * 57_344 + 4096, MIB, 64 * MIB)
+    assert len(rounds) == 1
+    members, chunks = rounds[0]
+    assert members == list(range(100))
+    assert sorted(chunks) == list(range(6))  # 5.5 MiB of blocks: chunks 0..5
+
+
+def test_rounds_split_in_order_and_each_fits_the_budget() -> None:
+    chunk = MIB
+    spans = [Span(i, 16 + k * 57_344, 56_960) for i, k in enumerate([5, 200, 6, 300, 7, 201])]
+    length = 400 * 57_344
+    rounds = plan_rounds(spans, length, chunk, 2 * MIB)
+    assert [m for r in rounds for m in r[0]] == list(range(6))  # every block once, in order
+    for members, chunks in rounds:
+        assert sum(c.length for c in chunks.values()) <= 2 * MIB
+        for m in members:  # each block's chunks are in its round
+            assert {c.index for c in chunks_of(spans[m], length, chunk)} <= set(chunks)
+    assert len(rounds) > 1
+
+
+def test_a_block_larger_than_the_budget_is_a_typed_error() -> None:
+    with pytest.raises(DirectGpuUnavailable, match="over the pinned budget") as info:
+        plan_rounds([Span(0, MIB - 10, 56_960)], 4 * MIB, MIB, MIB)  # straddles: needs 2 MiB
+    assert isinstance(info.value, FailedPrecondition)  # the facade's CPU fallback catches this class
+
+
+def test_registry_keeps_chunks_and_unregisters_least_recently_used_first() -> None:
+    rec = Recorder()
+    reg = PinnedRegistry(rec.register, rec.unregister, budget_bytes=3 * MIB)
+    base = 1 << 40
+    c = {i: Chunk(i, i * MIB, MIB) for i in range(6)}
+    reg.ensure(base, [c[0], c[1]])
+    reg.ensure(base, [c[2]])
+    assert reg.used_bytes == 3 * MIB and rec.calls.count(("register", base, MIB)) == 1
+    reg.ensure(base, [c[0]])  # already registered: no call, now most recent
+    assert len(rec.calls) == 3
+    reg.ensure(base, [c[3]])  # full: the least recently used (chunk 1) goes, not chunk 0
+    assert rec.calls[-2:] == [("unregister", base + MIB, 0), ("register", base + 3 * MIB, MIB)]
+    assert list(reg.registered()) == [2, 0, 3]
+    reg.ensure(base, [c[4], c[5], c[0]])  # 2 and 3 go; 0 stays (asked for)
+    assert sorted(reg.registered()) == [0, 4, 5]
+    assert reg.used_bytes <= reg.budget_bytes and reg.stats.peak_bytes <= reg.budget_bytes
+    assert reg.stats.registrations == 6 and reg.stats.unregistrations == 3
+    assert sum(rec.live.values()) == reg.used_bytes
+
+
+def test_registry_reregisters_a_chunk_when_the_file_grew() -> None:
+    rec = Recorder()
+    reg = PinnedRegistry(rec.register, rec.unregister, budget_bytes=8 * MIB)
+    reg.ensure(0x10000000, [Chunk(0, 0, 2 * PAGE_BYTES)])
+    reg.ensure(0x10000000, [Chunk(0, 0, 5 * PAGE_BYTES)])
+    assert rec.calls == [("register", 0x10000000, 2 * PAGE_BYTES), ("unregister", 0x10000000, 0),
+                         ("register", 0x10000000, 5 * PAGE_BYTES)]
+    reg.ensure(0x10000000, [Chunk(0, 0, 2 * PAGE_BYTES)])  # shorter than registered: nothing to do
+    assert len(rec.calls) == 3
+
+
+def test_a_new_mapping_unregisters_the_old_one_first() -> None:
+    rec = Recorder()
+    reg = PinnedRegistry(rec.register, rec.unregister, budget_bytes=8 * MIB)
+    reg.ensure(0x10000000, [Chunk(0, 0, MIB), Chunk(1, MIB, MIB)])
+    reg.ensure(0x20000000, [Chunk(0, 0, MIB)])
+    assert rec.live == {0x20000000: MIB}
+    reg.clear()
+    assert rec.live == {} and reg.used_bytes == 0 and reg.base is None
+
+
+def test_registry_refuses_a_request_over_budget_and_registers_nothing() -> None:
+    rec = Recorder()
+    reg = PinnedRegistry(rec.register, rec.unregister, budget_bytes=2 * MIB)
+    with pytest.raises(DirectGpuUnavailable, match="exceed the pinned budget"):
+        reg.ensure(0, [Chunk(i, i * MIB, MIB) for i in range(3)])
+    assert rec.calls == []
+
+
+def test_a_failed_registration_leaves_the_books_straight() -> None:
+    base = 1 << 30
+    rec = Recorder(fail_at=base + MIB)
+    reg = PinnedRegistry(rec.register, rec.unregister, budget_bytes=8 * MIB)
+    with pytest.raises(DirectGpuUnavailable):
+        reg.ensure(base, [Chunk(0, 0, MIB), Chunk(1, MIB, MIB)])
+    assert reg.registered() == {0: MIB} and rec.live == {base: MIB}
+
+
+@pytest.mark.parametrize("budget", [0, 100, "4g"])
+def test_budget_must_be_at_least_a_page(budget: object) -> None:
+    with pytest.raises(InvalidArgument, match="budget_bytes"):
+        PinnedRegistry(lambda a, n: None, lambda a: None, budget_bytes=budget)  # type: ignore[arg-type]
+
+
+def test_without_cuda_gpu_gather_raises_the_typed_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from kvstore.client.gpu_gather import GpuGather
+
+    with pytest.raises(DirectGpuUnavailable, match="no CUDA device"):
+        GpuGather()
