@@ -26,7 +26,7 @@ import ctypes
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,6 +144,7 @@ class ColocatedReader:
         self._tenants: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._base, self._map_bytes = _mapping_base(self._path)
         self._closed = False
+        self._hooks: list[Callable[[], None]] = []
 
     # -- reads -------------------------------------------------------------
 
@@ -219,10 +220,17 @@ class ColocatedReader:
         with self._lock:
             self._open.discard(read)
 
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Call `hook` when the reader closes, before its mapping goes (a GPU registration of it, say)."""
+        self._hooks.append(hook)
+
     def close(self) -> None:
-        """Close every open read, then the environment (a no-op once closed)."""
+        """Close every open read, run the `on_close` hooks, then close the environment (a no-op once closed)."""
         if self._closed:
             return
+        for hook in self._hooks:
+            with contextlib.suppress(Exception):  # the mapping goes regardless
+                hook()
         for read in list(self._open):
             read.close()
         self._closed = True
@@ -362,7 +370,7 @@ class MappedRead:
         """
         self._check_open()
         total = sum(s.size for s in self.spans)
-        target = _writable(dest, total)
+        target = writable_bytes(dest, total)
         dests, at = [], 0
         for span in self.spans:
             dests.append(target[at:at + span.size])
@@ -375,25 +383,30 @@ class MappedRead:
         return [i for i, c in enumerate(codes) if c != blockcopy.FOUND]
 
     def report_corrupt(self, indices: Sequence[int]) -> None:
-        """Tell the server these blocks (span positions) failed their checksum here (ReportCorrupt).
+        """Tell the server these blocks failed their checksum here (ReportCorrupt).
+
+        Args:
+            indices: positions in the asked list (a span's `index`, or one of `damaged`).
 
         The server checks each again itself and drops and counts only those that
-        really fail; what it found is kept in `reported` (span position ->
+        really fail; what it found is kept in `reported` (asked index ->
         "found" (intact, kept), "missing" or "corrupt" (dropped)).
 
         Raises:
-            InvalidArgument: an index past the spans.
+            InvalidArgument: an index past the hashes asked.
             KVStoreError: the call's error (the server may be down: the blocks are
                 checked again on the next Get or read that meets them).
         """
-        positions = self._positions(indices)
-        if not positions:
+        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
+            raise InvalidArgument(f"indices must be a sequence of ints, got {type(indices).__name__}")
+        asked = [arguments.integer(i, f"indices[{n}]", most=len(self.hashes) - 1) for n, i in enumerate(indices)]
+        if not asked:
             return
         conn = self._client.connection
         reply = conn.call(conn.kvstore.ReportCorrupt, pb.ReportCorruptRequest(
             geometry=self._client.geometry, namespace=self._client.namespace,
-            block_hashes=[self.hashes[self.spans[i].index] for i in positions]))
-        for i, status in zip(positions, reply.statuses, strict=False):
+            block_hashes=[self.hashes[i] for i in asked]))
+        for i, status in zip(asked, reply.statuses, strict=False):
             self.reported[i] = pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower()
 
     def close(self) -> None:
@@ -416,7 +429,7 @@ class MappedRead:
         self.close()
 
 
-def _writable(dest: Any, nbytes: int) -> memoryview:
+def writable_bytes(dest: Any, nbytes: int) -> memoryview:
     """A writable byte view of `dest`'s first `nbytes`.
 
     Raises:
@@ -445,4 +458,4 @@ def _writable(dest: Any, nbytes: int) -> memoryview:
     return view[:nbytes]
 
 
-__all__ = ["DEFAULT_LEASE_MS", "BlockSpan", "ColocatedReader", "MappedRead"]
+__all__ = ["DEFAULT_LEASE_MS", "BlockSpan", "ColocatedReader", "MappedRead", "writable_bytes"]
