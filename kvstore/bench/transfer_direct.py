@@ -144,6 +144,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
     chunk = getattr(args, "direct_chunk_mib", 64) << 20
     with Client(target) as client, ColocatedReader(data_dir) as reader, \
             GpuGather(budget_bytes=budget, chunk_bytes=chunk) as gather:
+        reader.on_close(gather.close)  # no pinned range outlives the mapping
         hashes = client.hashes(list(range(n * block_tokens)))
 
         def restore() -> None:
@@ -172,12 +173,20 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
         restore_s = min(times)
         pinned_s = _pinned_h2d(total, repeat)
         kernel_s, scatter_s = _kernel_only(reader, client, hashes, gather, device, repeat, block_tokens)
-        shm_s = _shm_h2d(client, hashes, total, repeat, progress)
+        try:  # today's path is another module's: its failure must not hide the direct figures
+            shm_s: float | None = _shm_h2d(client, hashes, total, repeat, progress)
+        except Exception as exc:
+            shm_s = None
+            notes["direct gpu shm baseline"] = f"failed: {type(exc).__name__}: {exc}"
         h2d = gb / pinned_s
         baseline = "contiguous pinned H2D of the same bytes"
         out.append(Figure.against("direct gpu restore, 1M tokens", gb / restore_s, "GB/s", baseline, h2d))
-        out.append(Figure.against("direct gpu restore, 1M tokens, lookup included", restore_s * 1e3, "ms",
-                                  "lookup + shm fetch into a pinned region + region -> gpu copy", shm_s * 1e3))
+        if shm_s is not None:
+            out.append(Figure.against("direct gpu restore, 1M tokens, lookup included", restore_s * 1e3, "ms",
+                                      "lookup + shm fetch into a pinned region + region -> gpu copy", shm_s * 1e3))
+        else:
+            out.append(Figure(name="direct gpu restore, 1M tokens, lookup included", value=restore_s * 1e3,
+                              unit="ms"))
         out.append(Figure.against("direct gpu gather kernel, 1M tokens", gb / kernel_s, "GB/s", baseline, h2d))
         out.append(Figure.against("direct gpu scatter into per-layer rows, 1M tokens", gb / scatter_s, "GB/s",
                                   baseline, h2d))
@@ -316,8 +325,9 @@ class MappedFile:
         import xxhash
 
         picked = range(len(self.spans)) if indices is None else indices
-        return [xxhash.xxh3_64_intdigest(self._array[self.spans[k].offset:self.spans[k].offset + self.spans[k].size])
-                == self.spans[k].checksum for k in picked]
+        spans = self.spans
+        return [xxhash.xxh3_64_intdigest(memoryview(self._array[spans[k].offset:spans[k].offset + spans[k].size]))
+                == spans[k].checksum for k in picked]
 
     def report_corrupt(self, indices: Sequence[int]) -> None:
         """Remember what would have been reported to the server."""
