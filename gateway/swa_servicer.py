@@ -11,15 +11,19 @@ from gateway import validate
 from gateway.auth import current_caller
 from gateway.hit_stats import HitStats
 from gateway.policies import Policies
+from gateway.quotas import RequestRate
 from gateway.status import unary
 from gateway.validate import Layout
 from kvstore.api_tokens import ADMIN, WRITE
+from kvstore.clock import SystemClock
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvstore.prefix import BlockScope
+from kvstore.prefix import BlockScope, namespace_id
 from kvstore.swa_snapshot import HEADER_BYTES, checksum, snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 from tiers.swa_cache import Found, SnapshotItem, SwaCache
+from tiers.swa_memory import MemoryPool
+from tiers.swa_shm_server import ShmGrant, host_id
 
 #: Most direct get calls one ReportDirect may carry (the client reports sooner).
 MAX_REPORTED_GETS = 4096
@@ -83,6 +87,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         self.max_batch = max_batch_snapshots
         self.hits = hits
         self.policies = policies
+        # The shared-memory path's requests bypass the interceptors: its own buckets, sized by the same policies.
+        self._rate = RequestRate(policies, SystemClock()) if policies is not None else None
 
     def _scope(self, geometry: str, namespace: str) -> tuple[Layout, BlockScope]:
         return validate.scope(self.layouts, geometry, namespace)
@@ -160,6 +166,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         # A byte quota is kept by the gateway's ledger, which a direct SET would bypass: such a
         # tenant reads directly and writes through the gateway.
         writable = WRITE in caller.rights and not quota
+        if isinstance(self.cache.pool, MemoryPool):
+            return self._open_shm(self.cache.pool, layout, scope, writable=writable, ttl_s=ttl_s)
         try:
             grant = await self.cache.open_direct(scope.namespace, writable=writable)
         except (FailedPrecondition, Unavailable) as exc:
@@ -171,6 +179,40 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             tenant=scope.namespace, cluster_nodes=grant.cluster_nodes, key_prefix=grant.key_prefix,
             ttl_ms=max(int(ttl_s * 1000), 1), writable=user.writable, max_record_bytes=HEADER_BYTES + largest,
             expires_in_ms=int(grant.expires_in_s * 1000), renew_after_ms=int(grant.renew_in_s * 1000))
+
+    def _open_shm(self, pool: MemoryPool, layout: Layout, scope: BlockScope, *, writable: bool,
+                  ttl_s: float) -> pb.SwaOpenDirectResponse:
+        """A ticket for the shared-memory path of the embedded pool (tiers.swa_shm_server)."""
+        if not pool.shm_enabled:
+            return pb.SwaOpenDirectResponse(offered=False, reason="swa.direct is false: no shared-memory path")
+        server = pool.shm_server(self)
+        lifetime_s = pool.session_lifetime_s
+        grant = ShmGrant(tenant=scope.namespace, tenant_id=namespace_id(scope.namespace),
+                         fingerprint=scope.fingerprint, geometry=layout.geometry, writable=writable, ttl_s=ttl_s,
+                         max_batch=self.max_batch, expires_s=pool.clock.monotonic() + lifetime_s)
+        largest = snapshot_bytes(layout.geometry, snapshot_shape(layout.geometry).window | 1)
+        return pb.SwaOpenDirectResponse(
+            offered=True, tenant=scope.namespace, shm_socket=server.name, shm_ticket=server.grant(grant),
+            shm_host=host_id(), ttl_ms=max(int(ttl_s * 1000), 1), writable=writable,
+            max_record_bytes=HEADER_BYTES + largest, expires_in_ms=int(lifetime_s * 1000),
+            renew_after_ms=int(lifetime_s * 500))
+
+    # -- tiers.swa_shm_server.ShmHooks: the shared-memory path's quotas and counters (its threads call them) --
+
+    def admit(self, tenant: str) -> None:
+        """Spend one request of `tenant`'s rate (ResourceExhausted when over it)."""
+        if self._rate is not None:
+            self._rate.take(tenant)
+
+    def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None:
+        """Count one shared-memory get as a gateway Get is counted."""
+        if self.hits is not None:
+            self.hits.record(tenant, "swa", asked, found)
+        self.cache.count_direct(gets=1, snapshots_asked=asked, hits=found, corrupt=corrupt)
+
+    def put(self, snapshots: int, nbytes: int) -> None:
+        """Count one shared-memory put as a gateway Put is counted."""
+        self.cache.count_direct(puts=1, snapshots_put=snapshots, bytes_put=nbytes)
 
     @unary
     async def ReportDirect(self, request: pb.SwaReportDirectRequest,

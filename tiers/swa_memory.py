@@ -1,7 +1,13 @@
-"""The embedded SWA pool: an in-process LRU dict with a byte cap and per-record expiry.
+"""The embedded SWA pool: records in per-tenant shared-memory arenas, an LRU index, a byte cap, per-record expiry.
 
-No other process is involved, so this is the default for a single node. Time
-comes from the injected Clock: tests expire records by moving it.
+No other process is needed, so this is the default for a single node. Each
+record (header + snapshot) lives in the shared-memory arena of its tenant
+(tiers.swa_shm.Arena), so a client on the same host can copy snapshots in and
+out itself (the shared-memory path, tiers.swa_shm_server); the gateway path
+copies records in and out here. Both paths share one index, so the rules are
+the same on both: LRU eviction under `cap_bytes` of record bytes, each record's
+TTL from its put, expiry and eviction as misses. Time comes from the injected
+Clock: tests expire records by moving it.
 """
 
 from __future__ import annotations
@@ -11,50 +17,103 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
+from kvstore.swa_snapshot import HEADER_BYTES
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
+from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena
+
+if TYPE_CHECKING:
+    from tiers.swa_shm_server import ShmHooks, ShmServer
+
+#: Address space of an arena beyond twice the cap (room for fragmentation; only written pages cost memory).
+ARENA_SLACK = 64 << 20
+
+
+def arena_id(key: bytes) -> bytes:
+    """The tenant part of a storage key (geometry fingerprint + namespace id + hash): its namespace id.
+    Keys of another shape share the arena b'' (the shared-memory path never hands that one out)."""
+    if len(key) == FINGERPRINT_BYTES + NAMESPACE_ID_BYTES + HASH_BYTES:
+        return key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES]
+    return b""
 
 
 @dataclass(slots=True)
 class _Entry:
-    record: bytes
+    arena: Arena
+    offset: int
+    length: int
     expires_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where a live record lies in its tenant's arena, and its header bytes (read under the pool's lock)."""
+
+    offset: int
+    length: int
+    header: bytes
+
+
 class MemoryPool(SwaPool):
-    """Records in an OrderedDict kept in LRU order, evicted to stay under `cap_bytes`.
+    """Records in per-tenant arenas, indexed by an OrderedDict in LRU order, evicted to stay under `cap_bytes`.
 
     Args:
         cap_bytes: most record bytes held (keys not counted: they are 32-64 bytes
-            against megabyte records).
+            against megabyte records), reserved shared-memory puts included.
         clock: the time source for expiry.
+        shm: whether same-host clients may use the shared-memory path (`swa.direct`).
+        session_lifetime_s: how long a shared-memory session lives before its client asks again.
     """
 
     name = "memory"
 
-    def __init__(self, *, cap_bytes: int, clock: Clock) -> None:
+    def __init__(self, *, cap_bytes: int, clock: Clock, shm: bool = True, session_lifetime_s: float = 600.0) -> None:
         self.cap_bytes = cap_bytes
         self.clock = clock
+        self.shm_enabled = shm
+        self.session_lifetime_s = session_lifetime_s
         # OrderedDict, not dict: move_to_end makes a hit O(1) and popitem(last=False) gives the LRU.
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         # (expires_s, key) in expiry order, so a sweep finds expired records without a scan;
         # stale pairs (key rewritten or gone) are skipped when popped.
         self._expiry: list[tuple[float, bytes]] = []
+        self._arenas: dict[bytes, Arena] = {}
         self._bytes = 0
+        self._pending = 0  # bytes reserved by shared-memory puts not committed yet
         self._expirations = 0
         self._evictions = 0
         self._lock = threading.Lock()
+        self._shm: ShmServer | None = None
 
     @classmethod
     def from_settings(cls, settings: SwaSettings, *, clock: Clock) -> MemoryPool:
         """A pool capped by the settings (explicit bytes or a share of DRAM)."""
-        return cls(cap_bytes=dram_cap_bytes(settings), clock=clock)
+        return cls(cap_bytes=dram_cap_bytes(settings), clock=clock, shm=settings.direct,
+                   session_lifetime_s=settings.direct_user_lifetime_s)
+
+    # -- arenas and the index (callers hold the lock) ----------------------
+
+    def arena(self, tenant: bytes) -> Arena:
+        """The arena of the tenant whose namespace id is `tenant`, made on first use."""
+        with self._lock:
+            return self._arena(tenant)
+
+    def _arena(self, tenant: bytes) -> Arena:
+        arena = self._arenas.get(tenant)
+        if arena is None:
+            arena = Arena(f"kvstore-swa-{tenant.hex() or 'other'}", 2 * self.cap_bytes + ARENA_SLACK,
+                          idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4))
+            self._arenas[tenant] = arena
+        return arena
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
-        self._bytes -= len(entry.record)
+        entry.arena.free(entry.offset, entry.length)
+        self._bytes -= entry.length
 
     def _sweep(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
@@ -64,23 +123,31 @@ class MemoryPool(SwaPool):
                 self._drop(key)
                 self._expirations += 1
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float) -> None:
-        with self._lock:
-            now = self.clock.now()
-            self._sweep(now)
-            for key, record in items:
-                if len(record) > self.cap_bytes:
-                    self._evictions += 1  # larger than the whole pool: dropped at once, as Redis would
-                    continue
-                if key in self._entries:
-                    self._drop(key)
-                while self._bytes + len(record) > self.cap_bytes:
-                    old, _ = next(iter(self._entries.items()))
-                    self._drop(old)
-                    self._evictions += 1
-                self._entries[key] = _Entry(record=record, expires_s=now + ttl_s)
-                self._bytes += len(record)
-                heapq.heappush(self._expiry, (now + ttl_s, key))
+    def _room(self, arena: Arena, length: int) -> int | None:
+        """Evict least recently used records until `length` more bytes fit under the cap and in
+        `arena`; the offset allocated there, or None when the record is larger than the whole pool."""
+        if length > self.cap_bytes:
+            self._evictions += 1  # larger than the whole pool: dropped at once, as Redis would
+            return None
+        while self._entries and self._bytes + self._pending + length > self.cap_bytes:
+            self._drop(next(iter(self._entries)))
+            self._evictions += 1
+        offset = arena.alloc(length)
+        while offset is None:  # fragmented: free this arena's least recently used records
+            victim = next((k for k, e in self._entries.items() if e.arena is arena), None)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self._evictions += 1
+            offset = arena.alloc(length)
+        return offset
+
+    def _install(self, key: bytes, arena: Arena, offset: int, length: int, expires_s: float) -> None:
+        if key in self._entries:
+            self._drop(key)
+        self._entries[key] = _Entry(arena=arena, offset=offset, length=length, expires_s=expires_s)
+        self._bytes += length
+        heapq.heappush(self._expiry, (expires_s, key))
 
     def _live(self, key: bytes, now: float) -> _Entry | None:
         entry = self._entries.get(key)
@@ -92,15 +159,34 @@ class MemoryPool(SwaPool):
             return None
         return entry
 
+    # -- the SwaPool interface (the gateway path) ---------------------------
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]], ttl_s: float) -> None:
+        with self._lock:
+            now = self.clock.now()
+            self._sweep(now)
+            for key, record in items:
+                if key in self._entries and len(record) <= self.cap_bytes:
+                    self._drop(key)  # replaced: its bytes make room first
+                arena = self._arena(arena_id(key))
+                offset = self._room(arena, len(record))
+                if offset is None:
+                    continue
+                arena.write(offset, record)
+                self._install(key, arena, offset, len(record), now + ttl_s)
+
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self._lock:
             now = self.clock.now()
             out: list[bytes | None] = []
             for key in keys:
                 entry = self._live(key, now)
-                if entry is not None:
-                    self._entries.move_to_end(key)
-                out.append(entry.record if entry else None)
+                if entry is None:
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                # A copy under the lock: once it is released the range may be reused.
+                out.append(entry.arena.read(entry.offset, entry.length))
             return out
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -123,3 +209,74 @@ class MemoryPool(SwaPool):
             self._sweep(self.clock.now())
             return PoolUsage(backend=self.name, items=len(self._entries), bytes_used=self._bytes,
                              cap_bytes=self.cap_bytes, expirations=self._expirations, evictions=self._evictions)
+
+    async def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+        with self._lock:
+            for arena in self._arenas.values():
+                arena.close()
+            self._arenas.clear()
+            self._entries.clear()
+
+    # -- the shared-memory path (tiers.swa_shm_server calls these from its threads) --
+
+    def shm_server(self, hooks: ShmHooks) -> ShmServer:
+        """The same-host control server over this pool, started on first use with `hooks` (the gateway's
+        checks and counters); stopped by `close`."""
+        from tiers.swa_shm_server import ShmServer
+
+        with self._lock:
+            if self._shm is None:
+                self._shm = ShmServer(self, hooks, clock=self.clock)
+            return self._shm
+
+    def reserve(self, tenant: bytes, lengths: Sequence[int]) -> list[int | None]:
+        """Ranges in `tenant`'s arena for records of `lengths` bytes, counted against the cap until
+        `commit` or `release`; None for a record larger than the pool (dropped, as put_many drops it)."""
+        with self._lock:
+            self._sweep(self.clock.now())
+            arena = self._arena(tenant)
+            offsets = []
+            for length in lengths:
+                offset = self._room(arena, length)
+                if offset is not None:
+                    self._pending += length
+                offsets.append(offset)
+            return offsets
+
+    def release(self, tenant: bytes, spans: Sequence[tuple[int, int]]) -> None:
+        """Give back reserved (offset, length) ranges that were never committed."""
+        with self._lock:
+            arena = self._arenas.get(tenant)
+            for offset, length in spans:
+                self._pending -= length
+                if arena is not None:
+                    arena.free(offset, length)
+
+    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, int, int, bytes]], ttl_s: float) -> None:
+        """Make reserved records live: (key, offset, length, header) each, the header written at
+        `offset` (the client wrote the snapshot after it); each lives `ttl_s` from now."""
+        with self._lock:
+            now = self.clock.now()
+            arena = self._arenas[tenant]
+            for key, offset, length, header in items:
+                arena.write(offset, header)
+                self._pending -= length
+                self._install(key, arena, offset, length, now + ttl_s)
+
+    def locate(self, keys: Sequence[bytes]) -> list[Located | None]:
+        """Where each live record lies (a hit: moved to most recently used), None where missing or expired."""
+        with self._lock:
+            now = self.clock.now()
+            out: list[Located | None] = []
+            for key, entry in ((k, self._live(k, now)) for k in keys):
+                if entry is None:
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key)
+                out.append(Located(offset=entry.offset, length=entry.length,
+                                   header=entry.arena.read(entry.offset, HEADER_BYTES)))
+            return out
+

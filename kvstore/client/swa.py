@@ -7,14 +7,17 @@ message limit; a miss (never stored, expired, evicted, corrupt, backend down)
 comes back as None, never as an error.
 
 Two paths (`path`, docs/SWA_POOL.md "Direct path"): through the gateway
-(gRPC), or direct, in Redis with the ACL user the gateway hands out
-(kvstore.client.swa_direct). "auto" (the default) goes direct when the server
+(gRPC), or direct: in Redis with the ACL user the gateway hands out
+(kvstore.client.swa_direct), or, with the embedded pool and a client on the
+server's host, in the server's shared memory with the ticket the gateway hands
+out (kvstore.client.swa_shm). "auto" (the default) goes direct when the server
 offers it and falls back to the gateway when Redis cannot be reached or the
 user was deleted (after re-opening once), trying direct again after
 `RETRY_DIRECT_S`; "direct" raises instead of falling back; "gateway" never goes
-direct. `last_path` says which path the last call took. Direct gets are
-reported to the gateway (SwaPool.ReportDirect, at most `REPORT_EVERY_S` late;
-`flush_report()` sends at once) so its hit counters see them.
+direct. `last_path` says which path the last call took ("shm", "direct" for
+Redis, "gateway"). Direct gets in Redis are reported to the gateway
+(SwaPool.ReportDirect, at most `REPORT_EVERY_S` late; `flush_report()` sends at
+once) so its hit counters see them; the shared-memory server counts its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kvstore import geometry as geometries
 from kvstore.client import arguments
 from kvstore.client.connection import ENVELOPE_BYTES, Connection
 from kvstore.client.swa_direct import DirectPath
+from kvstore.client.swa_shm import ShmPath
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import check_position, checksum, snapshot_bytes, snapshot_keys, snapshot_shape
@@ -59,6 +63,11 @@ def _ttl_ms(ttl_s: Any) -> int:
     if ttl_s is None:
         return 0
     return min(max(math.ceil(arguments.seconds(ttl_s, "ttl_s") * 1000), 1), _MAX_TTL_MS)
+
+
+def _kind(direct: DirectPath | ShmPath) -> str:
+    """The `last_path` name of a direct path: "shm" or "direct" (Redis)."""
+    return "shm" if isinstance(direct, ShmPath) else "direct"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,11 +101,11 @@ class SwaClient:
             raise InvalidArgument(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         self.path = path
         self.clock = clock
-        #: "direct" or "gateway": the path the last put or get took (None before the first).
+        #: "shm", "direct" (Redis) or "gateway": the path the last put or get took (None before the first).
         self.last_path: str | None = None
         #: Why the direct path is not in use, when it is not ('' while it is).
         self.direct_reason = ""
-        self._direct: DirectPath | None = None
+        self._direct: DirectPath | ShmPath | None = None
         self._retry_direct_at = 0.0
         self._gets: list[tuple[int, int, int]] = []
         self._puts = [0, 0, 0]  # calls, snapshots, bytes
@@ -186,10 +195,16 @@ class SwaClient:
             stored, failed, ttl_ms = stored + reply.stored, failed + reply.failed, reply.ttl_ms
         return SwaPutResult(stored=stored, failed=failed, ttl_ms=ttl_ms)
 
-    def _put_direct(self, direct: DirectPath, triples: list[tuple[bytes, int, bytes]], ttl: int) -> SwaPutResult:
-        put_bytes = direct.put_many(triples, ttl)
-        self._puts = [self._puts[0] + 1, self._puts[1] + len(triples), self._puts[2] + put_bytes]
-        self._maybe_report()
+    def _put_direct(self, direct: DirectPath | ShmPath, triples: list[tuple[bytes, int, bytes]],
+                    ttl: int) -> SwaPutResult:
+        if isinstance(direct, ShmPath):
+            put_bytes = sum(direct.put_many(triples[lo:lo + direct.max_batch], ttl)
+                            for lo in range(0, len(triples), direct.max_batch))
+        else:
+            put_bytes = direct.put_many(triples, ttl)
+        if not isinstance(direct, ShmPath):  # the server counts shared-memory puts itself
+            self._puts = [self._puts[0] + 1, self._puts[1] + len(triples), self._puts[2] + put_bytes]
+            self._maybe_report()
         return SwaPutResult(stored=len(triples), failed=0, ttl_ms=min(ttl, direct.ttl_ms) if ttl else direct.ttl_ms)
 
     def put(self, tokens: Sequence[int], data: Buffer | torch.Tensor, *, position: int | None = None,
@@ -207,8 +222,12 @@ class SwaClient:
         keys = arguments.hashes(keys, "keys")
         return self._via(lambda d: self._get_direct(d, keys), lambda: self._get_gateway(keys), write=False)
 
-    def _get_direct(self, direct: DirectPath, keys: list[bytes]) -> list[bytes | memoryview | None]:
+    def _get_direct(self, direct: DirectPath | ShmPath, keys: list[bytes]) -> list[bytes | memoryview | None]:
         out: list[bytes | memoryview | None] = []
+        if isinstance(direct, ShmPath):  # the server counts shared-memory gets itself
+            for lo in range(0, len(keys), direct.max_batch):
+                out.extend(direct.get_many(keys[lo:lo + direct.max_batch]).data)
+            return out
         for lo in range(0, len(keys), self._batch):
             got = direct.get_many(keys[lo:lo + self._batch])
             self._gets.append((len(got.data), sum(d is not None for d in got.data), got.corrupt))
@@ -258,7 +277,7 @@ class SwaClient:
 
     # -- the direct path ---------------------------------------------------
 
-    def _via(self, direct_op: Callable[[DirectPath], Any], gateway_op: Callable[[], Any], *, write: bool) -> Any:
+    def _via(self, direct_op: Callable[[Any], Any], gateway_op: Callable[[], Any], *, write: bool) -> Any:
         """Run `direct_op` on the direct path when it is in use (re-opening it once on a failure),
         else, or when it fails again, `gateway_op` ("direct": raise instead)."""
         direct = self._direct_path()
@@ -267,7 +286,7 @@ class SwaClient:
         if direct is not None:
             try:
                 result = direct_op(direct)
-                self.last_path = "direct"
+                self.last_path = _kind(direct)
                 return result
             except (Unavailable, PermissionDenied) as first:
                 reopened = self._reopen()
@@ -275,7 +294,7 @@ class SwaClient:
                     if reopened is None:
                         raise first
                     result = direct_op(reopened)
-                    self.last_path = "direct"
+                    self.last_path = _kind(reopened)
                     return result
                 except (Unavailable, PermissionDenied) as exc:
                     self._drop_direct(f"{exc.message}")
@@ -287,7 +306,7 @@ class SwaClient:
         self.last_path = "gateway"
         return gateway_op()
 
-    def _direct_path(self) -> DirectPath | None:
+    def _direct_path(self) -> DirectPath | ShmPath | None:
         """The direct path to use now (opened or renewed when due), or None for the gateway."""
         if self.path == "gateway":
             return None
@@ -298,7 +317,7 @@ class SwaClient:
             return None
         return self._reopen()
 
-    def _reopen(self) -> DirectPath | None:
+    def _reopen(self) -> DirectPath | ShmPath | None:
         """Ask the gateway for a (newer) user; None when it offers none or cannot be asked."""
         try:
             reply = self.connection.call(self._stub.OpenDirect, pb.SwaOpenDirectRequest(
@@ -312,6 +331,16 @@ class SwaClient:
             return None
         if self._direct is not None:
             self._direct.close()
+            self._direct = None
+        if reply.shm_socket:
+            try:
+                self._direct = ShmPath(reply, geometry=self._geometry, timeout_s=self.connection.timeout_s,
+                                       clock=self.clock)
+            except KVStoreError as exc:  # another host, another network namespace, a refused ticket
+                self._drop_direct(f"the shared-memory path is not usable from here: {exc.message}")
+                return None
+            self.direct_reason = ""
+            return self._direct
         self._direct = DirectPath(reply, fingerprint=self.connection.fingerprint, geometry=self._geometry,
                                   timeout_s=self.connection.timeout_s, clock=self.clock)
         self.direct_reason = ""

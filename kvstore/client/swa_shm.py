@@ -1,0 +1,229 @@
+"""The SWA shared-memory path: a client on the server's host copies snapshots in and out of its tenant's arena.
+
+With the embedded pool every record lives in its tenant's shared-memory arena
+(tiers.swa_shm). `SwaPool.OpenDirect` (authenticated by the token, over gRPC)
+answers such a client with a ticket and the name of the server's control
+socket, an abstract unix socket: reachable on the server's host only. The
+client says HELLO with the ticket and receives the descriptor of its tenant's
+arena over the socket (SCM_RIGHTS; read-only when it may not write), maps it,
+and from then on:
+
+- a put is BEGIN (keys and T: the server reserves a range per record under
+  the pool's cap and LRU), one memcpy of each snapshot into its range, then
+  COMMIT (checksums and TTL: the server writes each record's header and makes
+  it live);
+- a get is GET (keys: the server answers where each live record's snapshot
+  lies, its T and checksum, and counts the hits), then one memcpy out of the
+  arena and an xxh3 check of the copy: a copy that does not match (the record
+  was overwritten under it) is a miss, counted as corrupt at the next GET.
+
+Only small control messages cross the socket (SOCK_SEQPACKET: one message per
+request or reply); the gateway stays the control plane: keys per tenant, TTLs,
+sizes, caps, hit counting and request rates are its, and every reply status is
+a `kvstore.errors` class. Any socket failure is `Unavailable`; a session past
+its lifetime is `PermissionDenied`: the SWA client re-opens once, then uses
+the gateway path.
+
+The control messages are SwaShmRequest and SwaShmReply (proto/kvstore/v1/swa.proto);
+the server's side is tiers.swa_shm_server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvstore.errors import FailedPrecondition, Internal, KVStoreError, Unavailable, from_status
+from kvstore.geometry import ModelGeometry
+from kvstore.swa_snapshot import checksum, snapshot_bytes
+from kvstore.v1 import swa_pb2 as pb
+
+Buffer = bytes | bytearray | memoryview
+
+#: Largest message either side reads (a batch of max_batch_snapshots keys is far below).
+MAX_MESSAGE = 256 << 10
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def host_id() -> str:
+    """This host's identity as the server states it (the kernel's boot id; tiers.swa_shm_server.host_id)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def raise_for(reply: pb.SwaShmReply) -> None:
+    """Raise the kvstore error a non-OK reply carries."""
+    if reply.code:
+        code = _CODES.get(reply.code, grpc.StatusCode.INTERNAL)
+        raise from_status(code, f"SWA shared-memory path: {reply.message}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShmGets:
+    """One get call: the snapshots (None where missing or not intact) and the copies that failed their check."""
+
+    data: list[bytes | None]
+    corrupt: int
+
+
+class ShmPath:
+    """One tenant's snapshots in the server's shared memory, reached with the ticket the gateway handed out.
+
+    Args:
+        grant: the OpenDirect answer (offered, with `shm_socket`).
+        geometry: the geometry snapshot sizes are checked against.
+        timeout_s: how long a control request may take before it is `Unavailable`.
+        clock: monotonic seconds (injected in tests).
+
+    Raises:
+        FailedPrecondition: the server is on another host.
+        Unavailable: its control socket cannot be reached (another host, another network namespace).
+        PermissionDenied: the ticket was refused.
+    """
+
+    kind = "shm"
+    #: The server counts shared-memory gets itself: nothing to report (SwaPool.ReportDirect is the Redis path's).
+    reports = False
+
+    def __init__(self, grant: pb.SwaOpenDirectResponse, *, geometry: ModelGeometry, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if grant.shm_host != host_id():
+            raise FailedPrecondition("the server is on another host (its boot id differs): no shared memory")
+        self.geometry = geometry
+        self.tenant = grant.tenant
+        self.clock = clock
+        self._lock = threading.Lock()  # one request in flight per socket: SwaClient may be shared by threads
+        self._buf = bytearray(MAX_MESSAGE)
+        self._corrupt = 0
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self._map: mmap.mmap | None = None
+        try:
+            self._sock.settimeout(timeout_s)
+            with _mapped():
+                self._sock.connect("\0" + grant.shm_socket)
+                hello = pb.SwaShmRequest(op=pb.SWA_SHM_OP_HELLO, ticket=grant.shm_ticket)
+                self._sock.sendall(hello.SerializeToString())
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+            try:
+                reply = _parse(data)
+                if len(fds) != 1:
+                    raise Unavailable("SWA shared-memory path: the server sent no arena")
+                self.writable, self.ttl_ms, self.max_batch = reply.writable, reply.ttl_ms, reply.max_batch
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+                self._map = mmap.mmap(fds[0], reply.arena_bytes, prot=prot)
+            finally:
+                for fd in fds:
+                    socket.close(fd)
+            self._view = memoryview(self._map)
+            self._renew_at = clock() + reply.lifetime_s / 2
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def due(self) -> bool:
+        """Whether to ask the gateway for a new session (half its lifetime has passed)."""
+        return self.clock() >= self._renew_at
+
+    def _call(self, request: pb.SwaShmRequest) -> pb.SwaShmReply:
+        """Send one request, return its OK reply."""
+        with _mapped():
+            self._sock.sendall(request.SerializeToString())
+            n = self._sock.recv_into(self._buf)
+        return _parse(memoryview(self._buf)[:n])
+
+    def put_many(self, triples: Sequence[tuple[bytes, int, Buffer]], ttl_ms: int) -> int:
+        """Store (key, T, snapshot) triples: reserve, copy each into the arena, commit. Returns bytes put.
+
+        Raises:
+            InvalidArgument: a snapshot of the wrong size for its T (nothing sent).
+        """
+        for i, (_, position, data) in enumerate(triples):
+            if len(data) != snapshot_bytes(self.geometry, position):
+                from kvstore.client.swa_direct import size_error
+
+                raise size_error(self.geometry, i, len(data), position)
+        with self._lock:
+            reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_BEGIN, keys=[k for k, _, _ in triples],
+                                                 positions=[t for _, t, _ in triples]))
+            offsets = list(reply.offsets)
+            if len(offsets) != len(triples):
+                raise Internal(f"SWA shared-memory path: {len(offsets)} offsets for {len(triples)} snapshots")
+            sums = []
+            try:
+                for offset, (_, _, data) in zip(offsets, triples, strict=True):
+                    if offset >= 0:
+                        self._view[offset:offset + len(data)] = data  # the one copy
+                        sums.append(checksum(data))
+            except BaseException:
+                with contextlib.suppress(KVStoreError):
+                    self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_ABORT))
+                raise
+            self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT, checksums=sums, ttl_ms=ttl_ms))
+        return sum(len(d) for _, _, d in triples)
+
+    def get_many(self, keys: Sequence[bytes]) -> ShmGets:
+        """The snapshots under `keys` (bytes, copied out of the arena and checked), None where missing."""
+        with self._lock:
+            reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=keys, corrupt=self._corrupt))
+            self._corrupt = 0
+            if not len(reply.offsets) == len(reply.positions) == len(reply.checksums) == len(keys):
+                raise Internal(f"SWA shared-memory path: a GET reply of {len(reply.offsets)} items, "
+                               f"{len(keys)} keys asked")
+            found = zip(reply.offsets, reply.positions, reply.checksums, strict=True)
+        out: list[bytes | None] = []
+        corrupt = 0
+        for offset, position, expected in found:
+            if offset < 0:
+                out.append(None)
+                continue
+            data = bytes(self._view[offset:offset + snapshot_bytes(self.geometry, position)])  # the one copy
+            if checksum(data) != expected:
+                corrupt += 1  # rewritten in place, or evicted and reused while copied: a miss
+                out.append(None)
+                continue
+            out.append(data)
+        self._corrupt += corrupt
+        return ShmGets(data=out, corrupt=corrupt)
+
+    def close(self) -> None:
+        """Close the control socket and unmap the arena (snapshots already returned are copies)."""
+        self._sock.close()
+        if self._map is not None:
+            self._view.release()
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
+
+
+def _parse(data: bytes | memoryview) -> pb.SwaShmReply:
+    """The reply in `data`, raised as its kvstore error when not OK."""
+    if not len(data):
+        raise Unavailable("SWA shared-memory path: the server closed the control socket (restarted or stopped)")
+    reply = pb.SwaShmReply()
+    try:
+        reply.ParseFromString(bytes(data))
+    except DecodeError:
+        raise Internal("SWA shared-memory path: an unreadable reply from the server") from None
+    raise_for(reply)
+    return reply
+
+
+@contextlib.contextmanager
+def _mapped() -> Iterator[None]:
+    try:
+        yield
+    except (OSError, TimeoutError) as exc:
+        raise Unavailable(f"SWA shared-memory path: the control socket failed: {type(exc).__name__}: {exc}") from None
+
