@@ -326,7 +326,7 @@ class MappedFile:
 
         picked = range(len(self.spans)) if indices is None else indices
         spans = self.spans
-        return [xxhash.xxh3_64_intdigest(memoryview(self._array[spans[k].offset:spans[k].offset + spans[k].size]))
+        return [xxhash.xxh3_64_intdigest(self._array[spans[k].offset:spans[k].offset + spans[k].size])  # type: ignore[arg-type]
                 == spans[k].checksum for k in picked]
 
     def report_corrupt(self, indices: Sequence[int]) -> None:
