@@ -1,0 +1,1 @@
+"""Engine adapters: kvstore inside vLLM (KV connector) and SGLang (HiCache storage backend)."""
