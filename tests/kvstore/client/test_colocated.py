@@ -15,15 +15,11 @@ import xxhash
 from kvstore.client.colocated import BlockSpan, ColocatedReader
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
 from tests.children import START_DEADLINE_S
-from tests.kvstore.client.test_colocated_support import (  # noqa: F401  (fixtures)
-    Store,
-    damage,
-    new_store,
-    payload,
-    prompt,
-    store,
-)
+from tests.kvstore.client.test_colocated_support import Store, damage, payload, prompt
 from tiers import blockcopy
+
+#: The `store` and `new_store` fixtures (a test module cannot import a conftest under importlib mode).
+pytest_plugins = ["tests.kvstore.client.test_colocated_support"]
 
 
 def test_reads_equal_the_servers_get_for_random_block_sets(store: Store) -> None:
@@ -74,7 +70,7 @@ def test_spans_are_offsets_into_this_processs_mapping(store: Store) -> None:
             assert f.read(read.spans[2].size) == blocks[2].tobytes()
 
 
-def test_a_block_evicted_and_rewritten_while_a_read_is_open_keeps_the_leased_bytes(new_store) -> None:  # noqa: F811
+def test_a_block_evicted_and_rewritten_while_a_read_is_open_keeps_the_leased_bytes(new_store) -> None:
     rng = random.Random(3)
     s = new_store("small", capacity_bytes=8 * 14_240)  # room for 8 blocks
     s.start()
