@@ -234,7 +234,7 @@ async def _refresh(tier: LmdbBlockTier, session: Session, batch: ReadBatch, resu
         failed = [i for i in np.flatnonzero(np.frombuffer(results.statuses, dtype=np.uint8) == DONE).tolist()
                   if keys[i] in wanted]
         results.fail_all(dict.fromkeys(failed, reason), code)
-        session.counters.refresh_failures += len(failed)
+        session.counters.add_refresh_failures(len(failed))
         log.warning("transfer read: the retention refresh of %d blocks failed: %r", len(failed), exc)
 
 

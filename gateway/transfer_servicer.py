@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -17,12 +18,16 @@ from gateway.hit_stats import HitStats
 from gateway.status import streaming, unary
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_fetch import fetch, fetch_keys
+from gateway.transfer_ring import RingContext, RingServer
+from gateway.transfer_ring import read as ring_read
 from gateway.transfer_sessions import Session, SessionTable, Transfer
 from gateway.validate import Layout
 from kvstore.api_tokens import WRITE
 from kvstore.config import TransferSettings
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.transfer import DescriptorGroup, Op
+from kvstore.transfer_ring import LEASE_S, RING_DESCRIPTORS
+from kvstore.transfer_ring import supported as ring_supported
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tiers import blockcopy
@@ -70,11 +75,15 @@ class TransferServicer(pb_grpc.TransferServicer):
         max_message_bytes: the server's message limit; replies stay below it
             whatever `settings.max_reply_bytes` says.
         hits: the hit counters per tenant, shared with the KVStore service (None: reads not counted).
+        rate: the quota interceptor's request rate (`gateway.quotas.RequestRate`): each ring
+            request is charged to its tenant as a call is (None: ring requests are not charged).
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings,
-                 *, max_message_bytes: int | None = None, hits: HitStats | None = None) -> None:
+                 *, max_message_bytes: int | None = None, hits: HitStats | None = None, rate: Any = None) -> None:
         self.tier = tier
+        self.rate = rate
+        self._ring: RingContext | None = None
         self.hits = hits
         self.layouts = layouts
         self.settings = settings
@@ -116,6 +125,8 @@ class TransferServicer(pb_grpc.TransferServicer):
     async def RegisterRegion(self, request: pb.RegisterRegionRequest,
                              context: grpc.aio.ServicerContext) -> pb.RegisterRegionResponse:
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
+        if request.ring:
+            return self._register_ring(session, request)
         try:
             region = self.table.register(session, request.shm_name, request.pid, request.fd, request.size_bytes,
                                          request.nonce)
@@ -129,6 +140,36 @@ class TransferServicer(pb_grpc.TransferServicer):
         except OSError as exc:
             raise InvalidArgument(f"cannot map {request.shm_name}: {exc}") from None
         return pb.RegisterRegionResponse(region_id=region.region_id, shared=True)
+
+    def _register_ring(self, session: Session, request: pb.RegisterRegionRequest) -> pb.RegisterRegionResponse:
+        """Map the session's request ring and start its thread, or renew its lease (gateway.transfer_ring)."""
+        ctx = self._ring_context()
+        if not ring_supported() or not ctx.limit:
+            return pb.RegisterRegionResponse(shared=False, reason="no request ring on this server (x86-64 Linux only)")
+        try:
+            self.table.register_ring(session, request.shm_name, request.pid, request.fd, request.size_bytes,
+                                     request.nonce, lambda mapped: RingServer(mapped, session, self._ring_read))
+        except (FileNotFoundError, PermissionError) as exc:
+            return pb.RegisterRegionResponse(shared=False, reason=f"cannot map {request.shm_name} here: "
+                                             f"{exc.strerror or exc}")
+        except KVStoreError:
+            raise
+        except OSError as exc:
+            raise InvalidArgument(f"cannot map {request.shm_name}: {exc}") from None
+        return pb.RegisterRegionResponse(shared=True, ring_descriptors=ctx.limit, ring_lease_ms=int(LEASE_S * 1000))
+
+    def _ring_context(self) -> RingContext:
+        if self._ring is None:
+            s = self.settings
+            self._ring = RingContext(
+                tier=self.tier, table=self.table, layouts=self.layouts, hits=self.hits, rate=self.rate,
+                limit=min(RING_DESCRIPTORS, s.chunk_descriptors, s.max_descriptors),
+                loop=asyncio.get_running_loop(), slots=threading.BoundedSemaphore(max(4, 2 * self.copier.threads)))
+        return self._ring
+
+    def _ring_read(self, session: Session, raw: bytes) -> pb.TransferState:
+        assert self._ring is not None
+        return ring_read(self._ring, session, raw)
 
     @unary
     async def DeregisterRegion(self, request: pb.DeregisterRegionRequest,

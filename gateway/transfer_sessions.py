@@ -32,13 +32,19 @@ import secrets
 import stat
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from kvstore.prefix import BlockScope
 from kvstore.region import NONCE_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, BatchResults
+from kvstore.transfer_ring import RING_BYTES
+
+if TYPE_CHECKING:
+    from gateway.transfer_ring import RingServer
 
 log = logging.getLogger("kvstore.transfer")
 _SHM_NAME = re.compile(r"kvstore-[0-9a-f]{32}")
@@ -136,7 +142,8 @@ class Transfer:
 
 @dataclass
 class TransferCounters:
-    """Finished batches and their descriptors, since the server started (event loop only)."""
+    """Finished batches and their descriptors, since the server started (the event loop and
+    ring threads add to them, under `_lock`)."""
 
     read_batches: int = 0
     write_batches: int = 0
@@ -147,17 +154,25 @@ class TransferCounters:
     #: Read descriptors copied whose retention refresh failed (they are FAILED, so
     #: also counted in descriptors_failed).
     refresh_failures: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, results: BatchResults) -> None:
         """Add one finished batch."""
-        if results.writes:
-            self.write_batches += 1
-        else:
-            self.read_batches += 1
-        self.descriptors_done += results.statuses.count(DONE)
-        self.descriptors_missing += results.statuses.count(MISSING)
-        self.descriptors_failed += results.statuses.count(FAILED)
-        self.bytes_moved += results.bytes_moved
+        done, missing, failed = (results.statuses.count(c) for c in (DONE, MISSING, FAILED))
+        with self._lock:
+            if results.writes:
+                self.write_batches += 1
+            else:
+                self.read_batches += 1
+            self.descriptors_done += done
+            self.descriptors_missing += missing
+            self.descriptors_failed += failed
+            self.bytes_moved += results.bytes_moved
+
+    def add_refresh_failures(self, n: int) -> None:
+        """Count read descriptors whose retention refresh failed."""
+        with self._lock:
+            self.refresh_failures += n
 
 
 @dataclass
@@ -197,6 +212,8 @@ class Session:
         self.scope = scope
         self.settings = settings
         self.regions: dict[int, MappedRegion] = {}
+        #: The session's request ring, once registered (`gateway.transfer_ring`).
+        self.ring: RingServer | None = None
         self.transfers: OrderedDict[int, Transfer] = OrderedDict()
         self.closed = False
         self._next_transfer = 0
@@ -307,7 +324,15 @@ class Session:
         busy = [t.transfer_id for t in self.in_flight() if region_id in t.region_ids]
         if busy:
             raise FailedPrecondition(f"region {region_id} is in use by transfers {busy}; wait for them first")
-        region = self.regions.pop(region_id)
+        ring = self.ring
+        # A ring request copying into it holds `busy`: never unmap under it.
+        if ring is not None and not ring.busy.acquire(blocking=False):
+            raise FailedPrecondition(f"region {region_id} may be in use by a ring request; retry")
+        try:
+            region = self.regions.pop(region_id)
+        finally:
+            if ring is not None:
+                ring.busy.release()
         self._load.mapped_bytes -= region.size_bytes
         self._load.regions -= 1
         region.close()
@@ -318,6 +343,9 @@ class Session:
         tasks = [t.task for t in self.in_flight() if t.task is not None]
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        ring, self.ring = self.ring, None
+        if ring is not None:  # its thread ends its current request, then the ring is unmapped
+            await asyncio.to_thread(ring.stop)
         self._load.descriptors_held -= self.held_descriptors
         self.held_descriptors = 0
         self.transfers.clear()
@@ -415,6 +443,43 @@ class SessionTable:
         self.load.regions += 1
         self._owner[region_id] = session.session_id
         return region
+
+    def register_ring(self, session: Session, shm_name: str, pid: int, fd: int, size_bytes: int, nonce: bytes,
+                      start: Callable[[MappedRegion], RingServer]) -> RingServer:
+        """Map a client's sealed memfd as `session`'s request ring and start serving it
+        (`start`), or renew the lease of the ring already registered under that name.
+
+        A ring is not one of the session's regions (no descriptor may name it, and it
+        is not counted in the region limits): one per session, RING_BYTES each, so
+        at most `max_sessions` of them (32 MiB and 256 mappings with the defaults).
+
+        Raises:
+            InvalidArgument: a bad name, size (not RING_BYTES), pid or nonce.
+            FailedPrecondition: the session has another ring, or the memfd is not sealed.
+            OSError: the memfd cannot be opened here (another host).
+        """
+        ring = session.ring
+        if ring is not None:
+            if ring.name != shm_name:
+                raise FailedPrecondition("this session has a ring already; one ring per session")
+            ring.renew()
+            return ring
+        if not _SHM_NAME.fullmatch(shm_name):
+            raise InvalidArgument(f"shm_name {shm_name!r} is not 'kvstore-' and 32 hex digits")
+        if size_bytes != RING_BYTES:
+            raise InvalidArgument(f"a ring is {RING_BYTES} bytes (kvstore.transfer_ring); got {size_bytes}")
+        if pid <= 0:
+            raise InvalidArgument("pid must name the client's process (the memfd is opened as /proc/<pid>/fd/<fd>)")
+        if len(nonce) != NONCE_BYTES:
+            raise InvalidArgument(f"the nonce must be the ring's first {NONCE_BYTES} bytes; got {len(nonce)}")
+        mapped = MappedRegion(0, shm_name, pid, fd, size_bytes, nonce)
+        try:
+            ring = start(mapped)
+        except BaseException:
+            mapped.close()
+            raise
+        session.ring = ring
+        return ring
 
     def region(self, session: Session, region_id: int) -> MappedRegion:
         """A region of `session` that descriptors may name (rule 2; spans are checked by the caller).

@@ -33,6 +33,7 @@ from kvstore.client import arguments
 from kvstore.client.blocks import encode_extra_keys
 from kvstore.client.connection import Connection, status_error
 from kvstore.client.transfer_path import Transfer, TransferPath, timeout
+from kvstore.client.transfer_ring import RingClient, RingUnusable, open_ring
 from kvstore.client.transfer_stream import StreamPath, checked_streams
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstore.prefix import HASH_BYTES, ExtraKey
@@ -100,6 +101,7 @@ class ShmPath(TransferPath):
         self.block_bytes = session.connection.block_bytes
         self.timeout_s = session.connection.timeout_s
         self.keep_finished = session.keep_finished
+        self.session = session
 
     def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
         return self._submit(self._read_request(groups, prefix_only))
@@ -111,6 +113,14 @@ class ShmPath(TransferPath):
         one round trip, where SubmitMany then GetTransfers take two.
         """
         requests = [self._read_request(groups, prefix_only) for groups in batches]
+        ring = self.session.ring
+        if len(requests) == 1 and ring is not None and sum(len(g) for g in batches[0]) <= ring.max_descriptors:
+            try:
+                done = _ShmTransfer(self, 0)
+                done._final = _state(ring.read(requests[0]), self.block_bytes)
+                return [done]
+            except RingUnusable:
+                pass  # busy with another thread's request, or broken: Submit serves it
         if len(requests) == 1:
             requests[0].wait = True
             reply = self.call(self.stub.Submit, requests[0])
@@ -191,14 +201,24 @@ class TransferSession:
         path: "auto", "shm" (fail if the server cannot map a region) or "stream".
         streams: Fetch calls the stream path keeps in flight at once, 1 to
             `MAX_STREAMS` (None: two per core, 2 to 8).
+        ring: read small batches (one `fetch` batch of at most `ring.max_descriptors`)
+            through the session's request ring once a region is shared
+            (`kvstore.client.transfer_ring`); False: always by Submit.
 
     Raises:
         InvalidArgument: a bad path or stream count.
     """
 
-    def __init__(self, connection: Connection, *, path: str = "auto", streams: int | None = None) -> None:
+    def __init__(self, connection: Connection, *, path: str = "auto", streams: int | None = None,
+                 ring: bool = True) -> None:
         if not isinstance(path, str) or path not in (*PATHS, "auto"):
             raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+        if not isinstance(ring, bool):
+            raise InvalidArgument(f"ring must be a bool, got {type(ring).__name__}")
+        #: The request ring once registered (None: small reads go by Submit); `ring_reason` says why not.
+        self.ring: RingClient | None = None
+        self.ring_reason = "" if ring else "off (ring=False)"
+        self._want_ring = ring and path != "stream"
         self.streams = checked_streams(streams)
         self.connection = connection
         self.path = path
@@ -227,6 +247,10 @@ class TransferSession:
         """One unary call, its failure raised as a KVStoreError."""
         return self.connection.call(method, request)
 
+    def ended(self) -> bool:
+        """Whether the session's stream has ended (closed here, or the server died or dropped it)."""
+        return self._events is None or bool(self._events.done())
+
     # -- regions -----------------------------------------------------------
 
     def register(self, size_bytes: int) -> Region:
@@ -249,6 +273,9 @@ class TransferSession:
                 region.view[: len(nonce)] = bytes(len(nonce))
                 if reply.shared:
                     region.region_id, region.shared = reply.region_id, True
+                    if self._want_ring:  # the server maps this host's memory: the ring will map too
+                        self._want_ring = False
+                        self.ring, self.ring_reason = open_ring(self)
                 elif self.path == "shm":
                     raise FailedPrecondition(f"the server cannot map this host's regions: {reply.reason}",
                                              hint='use path="auto" or "stream" across hosts')
@@ -363,6 +390,11 @@ class TransferSession:
             raise InvalidArgument(f"{len(hashes)} blocks of {size} bytes from offset {offset_bytes} do not fit "
                                   f"in region {region.name} of {region.size_bytes} bytes")
         step = max(1, min(batch_descriptors, self.max_descriptors))
+        ring = self.ring
+        if ring is not None and region.shared and 0 < len(hashes) <= min(step, ring.max_descriptors):
+            state = self._ring_fetch(ring, hashes, region, offset_bytes, prefix_only)
+            if state is not None:
+                return state
         batches = []
         for start in range(0, len(hashes), step):
             chunk = hashes[start:start + step]
@@ -389,6 +421,21 @@ class TransferSession:
             states.extend(self.wait_all(path.read_many(batches[start:start + window], prefix_only)))
         return TransferState.concat(states)
 
+    def _ring_fetch(self, ring: RingClient, hashes: list[bytes], region: Region, offset_bytes: int,
+                    prefix_only: bool) -> TransferState | None:
+        """A one-batch fetch through the request ring (no numpy, no call); None when the ring cannot
+        take it now (another thread's request, a hash of another length): the caller submits it."""
+        if any(len(h) != HASH_BYTES for h in hashes):
+            return None
+        size = self.connection.block_bytes
+        request = pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only, groups=[pb.DescriptorGroup(
+            region_id=region.region_id, length_bytes=size, block_hashes=b"".join(hashes),
+            offsets_bytes=range(offset_bytes, offset_bytes + len(hashes) * size, size))])
+        try:
+            return _state(ring.read(request), size)
+        except RingUnusable:
+            return None
+
     def wait_all(self, transfers: Sequence[Transfer], timeout_s: float | None = None) -> list[TransferState]:
         """Wait for several batches, in as few calls as their paths allow; their states, in order.
 
@@ -413,6 +460,9 @@ class TransferSession:
         """End the session: the server unmaps every region; the regions are closed here."""
         for path in self._paths.values():
             path.close()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         if self._events is not None:
             self._events.cancel()
             self._events = None

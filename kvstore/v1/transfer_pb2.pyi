@@ -56,30 +56,36 @@ class SessionEvent(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ..., max_session_descriptors: _Optional[int] = ..., max_session_mapped_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("session_id", "shm_name", "size_bytes", "nonce", "pid", "fd")
+    __slots__ = ("session_id", "shm_name", "size_bytes", "nonce", "pid", "fd", "ring")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     shm_name: str
     size_bytes: int
     nonce: bytes
     pid: int
     fd: int
-    def __init__(self, session_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
+    ring: bool
+    def __init__(self, session_id: _Optional[str] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ..., ring: _Optional[bool] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
-    __slots__ = ("region_id", "shared", "reason")
+    __slots__ = ("region_id", "shared", "reason", "ring_descriptors", "ring_lease_ms")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RING_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    RING_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     region_id: int
     shared: bool
     reason: str
-    def __init__(self, region_id: _Optional[int] = ..., shared: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    ring_descriptors: int
+    ring_lease_ms: int
+    def __init__(self, region_id: _Optional[int] = ..., shared: _Optional[bool] = ..., reason: _Optional[str] = ..., ring_descriptors: _Optional[int] = ..., ring_lease_ms: _Optional[int] = ...) -> None: ...
 
 class DeregisterRegionRequest(_message.Message):
     __slots__ = ("session_id", "region_id")

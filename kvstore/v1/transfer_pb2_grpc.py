@@ -93,7 +93,9 @@ class TransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterRegion(self, request, context):
-        """Maps a sealed memfd the client created (same host only).
+        """Maps a sealed memfd the client created (same host only). With ring set,
+        maps it as the session's request ring instead (or renews the ring's lease):
+        small reads then go through shared memory without a call (docs/TRANSFER.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
