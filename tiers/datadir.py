@@ -107,8 +107,12 @@ class DataDirLock:
     """An exclusive `flock` on `<data_dir>/kvstore.lock`, held while a tier serves the dir.
 
     The lock file records the holder's pid, host and start time, so a second
-    opener can say who holds it. The OS drops the lock when the holder dies, even
-    by kill -9, so a stale file never blocks a restart.
+    opener can say who holds it. It keeps out a second *server* only: a same-host
+    reader (`kvstore.client.colocated`) and `kvstore check` open LMDB read-only
+    without it, registered as readers in LMDB's own `lock.mdb`, so the server
+    never reuses the pages they read (tests/kvstore/client/test_colocated.py).
+    The OS drops the lock when the holder dies, even by kill -9, so a stale file
+    never blocks a restart.
     """
 
     def __init__(self, path: Path, fd: int) -> None:

@@ -143,6 +143,7 @@ class ColocatedReader:
         self._open: weakref.WeakSet[MappedRead] = weakref.WeakSet()
         self._tenants: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._base, self._map_bytes = _mapping_base(self._path)
+        self._inode = self._path.stat().st_ino
         self._closed = False
         self._hooks: list[Callable[[], None]] = []
 
@@ -215,6 +216,15 @@ class ColocatedReader:
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPrecondition("this ColocatedReader is closed")
+        # `kvstore check --repair` may swap in a rebuilt data.mdb: this mapping is then of the
+        # old file, while the server answers from the new one.
+        try:
+            same = self._path.stat().st_ino == self._inode
+        except OSError:
+            same = False
+        if not same:
+            raise FailedPrecondition(f"{self._path} was replaced since this reader opened it",
+                                     hint="close this ColocatedReader and open a new one")
 
     def _forget(self, read: MappedRead) -> None:
         with self._lock:

@@ -268,3 +268,16 @@ def test_the_native_verify_and_addresses_match_their_python_forms() -> None:
     assert blockcopy.addresses(arrays) == blockcopy.addresses_python(arrays)
     with pytest.raises(TypeError):
         blockcopy.addresses([1])
+
+
+def test_a_reader_refuses_to_read_once_the_store_file_was_replaced(store: Store) -> None:
+    """`kvstore check --repair` may swap in a rebuilt data.mdb: the old mapping must not be trusted."""
+    import shutil
+
+    reader = store.reader()
+    assert store.server is not None and store.server.stop() == 0
+    shutil.copyfile(store.data_dir / "data.mdb", store.data_dir / "data.mdb.new")
+    (store.data_dir / "data.mdb.new").replace(store.data_dir / "data.mdb")
+    store.start()
+    with pytest.raises(FailedPrecondition, match="was replaced"):
+        reader.read(store.client(), [bytes(32)])
