@@ -223,13 +223,13 @@ def test_redis_down_falls_back_to_the_gateway_or_misses_never_a_redis_error(
         assert auto.get(TOKENS) == data and auto.last_path == "direct"
 
 
-def test_the_memory_pool_offers_no_direct_path(client: Client) -> None:
+def test_the_memory_pool_offers_shared_memory_not_redis(client: Client) -> None:
     reply = open_direct(client)
-    assert not reply.offered and "no direct path" in reply.reason
+    assert reply.offered and reply.shm_socket and len(reply.shm_ticket) == 32
+    assert not reply.redis_url and not reply.username and not reply.password and not reply.cluster_nodes
     data = snapshot(client)
-    assert client.swa.put(TOKENS, data).stored == 1 and client.swa.last_path == "gateway"
-    with pytest.raises(Unavailable, match="no direct path"):
-        swa(client, "direct").get(TOKENS)
+    assert client.swa.put(TOKENS, data).stored == 1 and client.swa.last_path == "shm"
+    assert swa(client, "direct").get(TOKENS) == data
 
 
 def test_a_client_naming_another_tenants_namespace_stays_on_the_gateway(

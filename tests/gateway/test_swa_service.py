@@ -11,7 +11,7 @@ import grpc
 import pytest
 import redis
 
-from kvstore.client import Client
+from kvstore.client import Client, SwaClient
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings, SwaSettings
 from kvstore.errors import InvalidArgument
@@ -87,7 +87,7 @@ def test_batches_fit_the_message_limit_by_each_snapshots_own_size(start_server: 
     server = start_server(store_settings, server=ServerSettings(port=0, max_message_bytes=8 << 20),
                           swa=SwaSettings(cap_bytes=256 << 20, max_batch_snapshots=5))
     with Client(server.target) as client:
-        swa = client.swa
+        swa = SwaClient(client.connection, path="gateway")  # the shared-memory path batches by count alone
         tokens = list(range(300))
         short = [(swa.key(tokens, t), t, snapshot(client, t)) for t in range(1, 7)]  # 6 x 21-34 KB
         full = [(swa.key(tokens, t), t, snapshot(client, t)) for t in range(200, 206)]  # 6 x 2.7 MB
