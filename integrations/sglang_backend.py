@@ -1,0 +1,429 @@
+"""kvstore as SGLang's HiCache storage backend (the L3 tier under SGLang's host memory).
+
+Run SGLang with it (SGLang 0.5.23 refuses a custom registered name; its "dynamic"
+backend loads this class from the extra config):
+
+    python -m sglang.launch_server ... --page-size 64 --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
+            "module_path": "integrations.sglang_backend", "class_name": "KVStoreHiCacheStorage",
+            "interface_v1": 1, "target": "127.0.0.1:50051"}'
+
+Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (ConfigError):
+- `target` (required): the kvstore server, host:port.
+- `token`: the tenant's API token (default: $KVSTORE_TOKEN; none on a server without auth).
+- `namespace`, `geometry`: the tenant and geometry (default: the token's tenant, the server's default).
+- `timeout_s`: deadline of each call (default 30).
+- `ledger_pages`: pages whose tokens are remembered for Put (integrations.sglang_keys; default 262,144).
+- `swa_ttl_s`: lifetime asked for SWA snapshots (default and most: the server's `swa.ttl_s`).
+- `interface_v1`: 1 makes SGLang call batch_get_v1/batch_set_v1 (zero-copy into the host pool).
+
+Keys: while attached, SGLang's page keys are kvstore chain hashes in hex (sglang_keys), so
+a prompt stored by any kvstore client (the vLLM connector, `kvstore.Client.put`) is found
+here, and the other way round. A caller computes them from token ids as
+`[h.hex() for h in kvstore.Client(target).hashes(token_ids)]`, one per full 64-token page.
+
+Data: a page of the KV host pool (`get_data_page(i, flat=True)`) is one kvstore block
+byte for byte, so the pool's page must be `Client.block_bytes` long (56,960 B for
+V4.1-Flash: the model's rows, docs/BLOCK_SIZE.md); an SWA pool page is layer-major
+window rows (sglang_swa). A pool of another size or another name is refused at
+registration with ConfigError rather than served wrongly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from integrations import sglang_keys, sglang_swa
+from kvstore.client import Client
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.geometry import resolve
+from kvstore.v1 import kvstore_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_KNOWN = {"backend_name", "module_path", "class_name", "interface_v1", "target", "token", "namespace", "geometry",
+          "timeout_s", "ledger_pages", "swa_ttl_s"}
+
+
+def _settings(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The extra config, checked: typed values, no unknown names (a typo is refused, not ignored)."""
+    if not isinstance(extra, dict):
+        raise ConfigError("the kvstore HiCache backend needs --hicache-storage-backend-extra-config with "
+                          "at least {\"target\": \"host:port\"}")
+    unknown = sorted(set(extra) - _KNOWN)
+    if unknown:
+        raise ConfigError(f"unknown kvstore HiCache settings {unknown}; known: {sorted(_KNOWN)}")
+    target = extra.get("target")
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(f"extra config 'target' must be the kvstore server as 'host:port', got {target!r}")
+    out: dict[str, Any] = {"target": target}
+    for name in ("token", "namespace", "geometry"):
+        value = extra.get(name, "")
+        if not isinstance(value, str):
+            raise ConfigError(f"extra config {name!r} must be a string, got {type(value).__name__}")
+        out[name] = value
+    out["token"] = out["token"] or os.environ.get("KVSTORE_TOKEN") or None
+    for name, default, least in (("timeout_s", 30.0, 0.001), ("ledger_pages", sglang_keys.DEFAULT_LEDGER_PAGES, 1),
+                                 ("swa_ttl_s", None, 0.001)):
+        value = extra.get(name, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < least):
+            raise ConfigError(f"extra config {name!r} must be a number >= {least}, got {value!r}")
+        out[name] = value
+    if not isinstance(out["ledger_pages"], int):
+        raise ConfigError(f"extra config 'ledger_pages' must be an integer, got {out['ledger_pages']!r}")
+    return out
+
+
+class KVStoreHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache storage in a kvstore server: KV pages as kvstore blocks, SWA pages as snapshots.
+
+    Args:
+        storage_config: SGLang's storage config; its `extra_config` holds the settings above.
+        kwargs: what the dynamic factory passes along (unused).
+
+    Raises:
+        ConfigError: a missing or bad setting.
+        Unavailable, Unauthenticated, ...: the server could not be reached or refused the token.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
+        s = _settings(storage_config.extra_config)
+        self.storage_config = storage_config
+        self.client = Client(s["target"], namespace=s["namespace"], geometry=s["geometry"],
+                             timeout_s=float(s["timeout_s"]), token=s["token"])
+        self.geometry = resolve(self.client.geometry)
+        self.swa_ttl_s: float | None = s["swa_ttl_s"]
+        self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
+        sglang_keys.install(self.ledger)
+        self.page_size = self.client.block_tokens
+        self.stats = {"exists_calls": 0, "pages_found": 0, "pages_read": 0, "pages_written": 0, "write_failures": 0,
+                      "unknown_keys": 0, "snapshots_read": 0, "snapshots_written": 0}
+
+    # -- pools -----------------------------------------------------------------
+
+    def _check_kv_pool(self, pool: Any) -> None:
+        page_size = int(getattr(pool, "page_size", 0))
+        if page_size != self.client.block_tokens:
+            raise ConfigError(f"SGLang's page size is {page_size} tokens; kvstore blocks are "
+                              f"{self.client.block_tokens}: start SGLang with --page-size {self.client.block_tokens}")
+        page = pool.get_dummy_flat_data_page()
+        nbytes = page.numel() * page.element_size()
+        if nbytes != self.client.block_bytes:
+            raise ConfigError(f"SGLang's KV host page is {nbytes} B; a kvstore block of {self.client.geometry} is "
+                              f"{self.client.block_bytes} B (its rows, docs/BLOCK_SIZE.md): this model's pages "
+                              "cannot be stored as kvstore blocks")
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """The anchor (KV) host pool: its pages must be kvstore blocks (ConfigError otherwise)."""
+        self._check_kv_pool(mem_pool_host)
+        super().register_mem_pool_host(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra host pool: KV (blocks) or SWA (snapshots); any other is refused with ConfigError."""
+        name = str(host_pool_name)
+        if name == PoolName.KV.value:
+            self._check_kv_pool(host_pool)
+        elif name == PoolName.SWA.value:
+            page = host_pool.get_dummy_flat_data_page()
+            sglang_swa.check_swa_page(self.geometry, int(host_pool.page_size), page.numel() * page.element_size())
+        else:
+            raise ConfigError(f"SGLang host pool {name!r} has no kvstore counterpart; the kvstore backend "
+                              f"stores {PoolName.KV.value!r} (blocks) and {PoolName.SWA.value!r} (snapshots)")
+        super().register_mem_host_pool_v2(host_pool, name)
+
+    def _pool(self, name: str) -> Any:
+        pools = getattr(self, "registered_pools", {})
+        if name in pools:
+            return pools[name]
+        if name == PoolName.KV.value and hasattr(self, "mem_pool_host"):
+            return self.mem_pool_host
+        raise ConfigError(f"no SGLang host pool {name!r} was registered with the kvstore backend")
+
+    # -- keys ------------------------------------------------------------------
+
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[list[bytes], int] | None:
+        """The chain hashes from the sequence start through `keys`, and where `keys` begin in it.
+
+        kvstore's Lookup counts a chain from its root (R15), so the pages before `keys`
+        come along: SGLang's `prefix_keys` when it passes them, else the ledger's parents.
+        None when a key is not a kvstore hash or the chain cannot be traced to its start.
+        """
+        try:
+            hashes = [bytes.fromhex(k) for k in keys]
+            prefix_keys = extra_info.prefix_keys if extra_info is not None else None
+            if prefix_keys is not None:
+                prefix = [bytes.fromhex(k) for k in prefix_keys]
+            else:
+                entry = self.ledger.page(keys[0]) if keys else None
+                if entry is None:
+                    return None
+                found = [] if entry[0] == self.client.root else self.ledger.chain_to_root(entry[0].hex())
+                if found is None:
+                    return None
+                prefix = found
+        except ValueError:
+            return None
+        if any(len(h) != 32 for h in hashes) or any(len(h) != 32 for h in prefix):
+            return None
+        return prefix + hashes, len(prefix)
+
+    # -- KV pages --------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of `keys` the store holds (their chain from the start included)."""
+        self.stats["exists_calls"] += 1
+        if not keys:
+            return 0
+        chain = self._chain(keys, extra_info)
+        if chain is None:
+            self.stats["unknown_keys"] += 1
+            return 0
+        hashes, offset = chain
+        try:
+            found = self.client.lookup_hashes(hashes).found_blocks
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
+            return 0
+        hit = max(0, min(len(keys), found - offset))
+        self.stats["pages_found"] += hit
+        return hit
+
+    def exists(self, key: str) -> bool:
+        """Whether the page `key` and every page before it are stored."""
+        return self.batch_exists([key]) == 1
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Read the pages of `keys` into the KV host pool at `host_indices` (page i at host_indices[i x page])."""
+        return self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
+
+    def _read_pages(self, pool: Any, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        results = [False] * len(keys)
+        try:
+            hashes = [bytes.fromhex(k) for k in keys]
+        except ValueError:
+            return results
+        dummy = pool.get_dummy_flat_data_page()
+        try:
+            for index, status, data in self.client.stream(hashes):
+                if status != pb.BLOCK_STATUS_FOUND or len(data) != self.client.block_bytes:
+                    continue
+                page = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dummy.dtype)
+                pool.set_from_flat_data_page(int(host_indices[index * self.page_size]), page)
+                results[index] = True
+        except KVStoreError as exc:
+            logger.warning("kvstore get failed after %d pages: %s", sum(results), exc)
+        self.stats["pages_read"] += sum(results)
+        return results
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the KV host pool's pages at `host_indices` under `keys` (a chain, in order)."""
+        pool = self._pool(PoolName.KV.value)
+        pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
+        return self._write_pages(keys, pages)
+
+    def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks."""
+        results = [False] * len(keys)
+        i = 0
+        while i < len(keys):
+            first = self.ledger.page(keys[i])
+            if first is None:
+                self.stats["unknown_keys"] += 1
+                logger.warning("kvstore backend: page %s was not hashed in this process (or was forgotten); "
+                               "not stored", keys[i][:16])
+                i += 1
+                continue
+            parent, tokens = first
+            run_tokens = list(tokens)
+            j = i + 1
+            while j < len(keys):
+                entry = self.ledger.page(keys[j])
+                if entry is None or entry[0].hex() != keys[j - 1]:
+                    break
+                run_tokens.extend(entry[1])
+                j += 1
+            blocks = [bytes(p.contiguous().view(torch.uint8).numpy()) for p in pages[i:j]]
+            try:
+                put = self.client.put(run_tokens, blocks, parent=parent)
+                for k, h in enumerate(put.block_hashes):
+                    results[i + k] = h.hex() == keys[i + k]
+            except KVStoreError as exc:
+                self.stats["write_failures"] += 1
+                logger.warning("kvstore put of %d pages failed: %s", j - i, exc)
+            i = j
+        self.stats["pages_written"] += sum(results)
+        return results
+
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
+        """One page's bytes into `target_location` (a tensor of the page's size), or None when missing."""
+        got = self.client.get_hashes([bytes.fromhex(key)]).blocks[0] if _is_hash(key) else None
+        if got is None:
+            return None
+        data = torch.frombuffer(bytearray(got), dtype=torch.uint8)
+        if target_location is None:
+            return data
+        if target_location.numel() * target_location.element_size() != len(got):
+            raise ConfigError(f"target_location holds {target_location.numel() * target_location.element_size()} B; "
+                              f"a kvstore block is {len(got)} B")
+        target_location.view(-1).view(torch.uint8).copy_(data)
+        return target_location  # type: ignore[no-any-return]
+
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+        """`get` of each key (SGLang's older interface)."""
+        return [self.get(k, t) for k, t in zip(keys, target_locations or [None] * len(keys), strict=True)]
+
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
+        """Store one page (`value`: its tensor) under `key`; its parent page must be stored already."""
+        return self._write_pages([key], [value])[0] if value is not None else False
+
+    def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
+        """Store pages in chain order; True when every one was stored."""
+        return all(self._write_pages(keys, list(values or []))) if values is not None else False
+
+    # -- pools beside KV (v2): SWA snapshots ------------------------------------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable prefix: KV pages stored, and for an SWA pool (trailing pages) the longest page
+        boundary with a live snapshot. One Lookup answers both."""
+        chain = self._chain(keys, extra_info) if keys else None
+        if chain is None:
+            return PoolTransferResult.empty()
+        hashes, offset = chain
+        wants_swa = any(str(t.name) == PoolName.SWA.value for t in pool_transfers or [])
+        swa_keys: list[bytes] = []
+        positions: list[int] = []
+        if wants_swa:
+            for p in range(1, len(keys) + 1):
+                t = (offset + p) * self.page_size
+                swa_keys.append(sglang_swa.key_at(hashes[offset + p - 1], t))
+                positions.append(t)
+        try:
+            reply = self.client.lookup_hashes(hashes, swa_keys=swa_keys, swa_positions=positions)
+        except KVStoreError as exc:
+            logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
+            return PoolTransferResult.empty()
+        kv_pages = max(0, min(len(keys), reply.found_blocks - offset))
+        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for transfer in pool_transfers or []:
+            name = str(transfer.name)
+            if name == PoolName.SWA.value and transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                at = reply.swa_position
+                page = at // self.page_size - offset if at is not None and at % self.page_size == 0 else 0
+                pool_ok = {page} if 1 <= page <= kv_pages else set()
+            else:
+                pool_ok = set()  # a pool kvstore does not keep is never restorable from it
+            if pool_ok:
+                hits[name] = max(pool_ok)
+            restorable &= pool_ok
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Read each transfer's pages: KV pages as blocks, the SWA pool's trailing pages from one snapshot."""
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            name = str(t.name)
+            if name == PoolName.SWA.value:
+                out[name] = self._swa_io(t, keys, write=False)
+            elif name == PoolName.KV.value and t.host_indices is not None:
+                out[name] = self._read_pages(self._pool(name), keys, t.host_indices)
+            else:
+                out[name] = [False] * len(keys)
+        return out
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        """Write each transfer's pages: KV pages as blocks, the SWA pool's trailing pages as one snapshot."""
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+            name = str(t.name)
+            if name == PoolName.SWA.value:
+                out[name] = self._swa_io(t, keys, write=True)
+            elif name == PoolName.KV.value and t.host_indices is not None:
+                pool = self._pool(name)
+                pages = [pool.get_data_page(int(t.host_indices[i * self.page_size]), flat=True)
+                         for i in range(len(keys))]
+                out[name] = self._write_pages(keys, pages)
+            else:
+                out[name] = [False] * len(keys)
+        return out
+
+    def _swa_io(self, transfer: PoolTransfer, keys: list[str], *, write: bool) -> list[bool]:
+        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa)."""
+        fail = [False] * len(keys)
+        chain = self.ledger.chain_to_root(keys[-1]) if keys else None
+        if chain is None or transfer.host_indices is None:
+            return fail
+        position = len(chain) * self.page_size
+        n = sglang_swa.pages_for(self.geometry, self.page_size, position)
+        if n != len(keys):
+            logger.warning("kvstore backend: %d trailing SWA pages asked at T=%d; a snapshot there fills %d",
+                           len(keys), position, n)
+            return fail
+        pool = self._pool(PoolName.SWA.value)
+        key = sglang_swa.key_at(chain[-1], position)
+        try:
+            if write:
+                pages = [pool.get_data_page(int(transfer.host_indices[i * self.page_size]), flat=True)
+                         for i in range(n)]
+                snapshot = sglang_swa.join_pages(self.geometry, pages, self.page_size)
+                stored = self.client.swa.put_many([(key, position, snapshot)], ttl_s=self.swa_ttl_s).stored
+                self.stats["snapshots_written"] += stored
+                return [stored == 1] * n
+            data = self.client.swa.get_many([key])[0]
+        except KVStoreError as exc:
+            logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
+            return fail
+        if data is None:
+            return fail
+        dtype = pool.get_dummy_flat_data_page().dtype
+        for i, page in enumerate(sglang_swa.split_pages(self.geometry, data, self.page_size, n)):
+            pool.set_from_flat_data_page(int(transfer.host_indices[i * self.page_size]), page.view(dtype))
+        self.stats["snapshots_read"] += 1
+        return [True] * n
+
+    # -- the rest of SGLang's interface ------------------------------------------
+
+    def clear(self) -> None:
+        """Nothing: the store is shared by every engine and client of the tenant, and keeps its own
+        retention (72 h); `kvstore purge` empties a tenant."""
+        logger.info("kvstore backend: clear() leaves the shared store as it is (use `kvstore purge`)")
+
+    def get_stats(self) -> dict[str, int]:
+        """Counters since start: pages found, read and written, snapshots, unknown keys, failures."""
+        return dict(self.stats)
+
+    def close(self) -> None:
+        """Give SGLang back its own page hash and close the connection."""
+        if sglang_keys.installed_ledger() is self.ledger:
+            sglang_keys.uninstall()
+        self.client.close()
+
+
+def _is_hash(key: str) -> bool:
+    return len(key) == 64 and all(c in "0123456789abcdef" for c in key)

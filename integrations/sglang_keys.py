@@ -1,0 +1,186 @@
+"""SGLang's HiCache page keys as kvstore chain hashes, and the ledger that keeps their tokens.
+
+SGLang names every page it offloads by a chain of SHA-256 hex strings that it computes
+itself (`sglang.srt.mem_cache.utils.get_hash_str`, over the page's token ids and the
+previous page's key); a storage backend only ever sees those strings. kvstore stores
+a block under a chain hash the *server* computes from token ids (Put carries tokens,
+never bare hashes: kvstore/prefix.py), so a backend that saw only SGLang's strings
+could neither store a block nor share one with another client.
+
+So while a kvstore backend is attached, SGLang's page hash is kvstore's:
+`install(root, block_tokens)` replaces `get_hash_str` in `sglang.srt.mem_cache.utils`
+(every caller in SGLang 0.5.23 reaches it there: `get_storage_hash_str`, the cache
+controller, the hybrid controller, the radix tree's node hashes) by `KeyLedger.hash`,
+which returns, for full pages of `block_tokens` tokens,
+
+    key = kvstore_chain_hash(parent, page tokens).hex()     # kvstore.prefix.chain_hashes
+    parent = bytes.fromhex(prior key), or the client's chain root at a sequence start
+
+and remembers (key -> parent, page tokens) in a bounded ledger, which is what lets the
+backend Put a page SGLang asks it to store. A caller (the one-cache test) computes the
+keys of a prompt from token ids with kvstore's own client:
+
+    keys = [h.hex() for h in kvstore.Client(target).hashes(token_ids)]   # one per full 64-token page
+
+and those are the keys SGLang itself uses for that prompt (same root: same server
+geometry and block size, no extra keys). Not covered (their pages get a key that the
+ledger does not know, so they are neither stored nor found, never wrong): a trailing
+partial page (SGLang stores only full pages), bigram (EAGLE) keys, and requests with
+`extra_key` / `cache_salt` (SGLang seeds their chain with a namespace digest that is
+not a kvstore block; their keys are the chain from that seed, kept apart from every
+unsalted prompt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore.errors import ConfigError
+from kvstore.prefix import HASH_BYTES, chain_hashes
+
+#: Pages whose tokens the ledger keeps by default (16.7M tokens of 64; about 600 B each).
+DEFAULT_LEDGER_PAGES = 262_144
+
+
+class KeyLedger:
+    """kvstore's chain hash as SGLang's page hash, remembering each full page's parent and tokens.
+
+    Args:
+        root: the kvstore chain root of the client's geometry and block size (`Client.root`).
+        block_tokens: tokens per kvstore block; SGLang's page size must be the same.
+        capacity: most pages remembered (least recently hashed forgotten first).
+        fallback: SGLang's own hash, for keys kvstore cannot name (bigram keys).
+    """
+
+    def __init__(self, root: bytes, block_tokens: int, *, capacity: int = DEFAULT_LEDGER_PAGES,
+                 fallback: Callable[..., Any] | None = None) -> None:
+        if len(root) != HASH_BYTES:
+            raise ConfigError(f"chain root must be {HASH_BYTES} bytes, got {len(root)}")
+        if capacity < 1:
+            raise ConfigError(f"ledger_pages must be at least 1, got {capacity}")
+        self.root = root
+        self.block_tokens = block_tokens
+        self.capacity = capacity
+        self.fallback = fallback
+        self._pages: OrderedDict[str, tuple[bytes, array]] = OrderedDict()
+        self._lock = threading.Lock()  # SGLang hashes on the scheduler and on its storage threads
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def hash(self, token_ids: Any, prior_hash: str | None = None, page_size: int | None = None) -> str | list[str]:
+        """SGLang's `get_hash_str(token_ids, prior_hash, page_size)`, answered with kvstore chain hashes.
+
+        With `page_size`, one key per page (a trailing partial page included, as SGLang
+        does); without it, one key for all the tokens as one page.
+        """
+        tokens = _plain_tokens(token_ids)
+        if tokens is None:  # bigram or tuple tokens: SGLang's own hash, never stored in kvstore
+            if self.fallback is None:
+                raise ConfigError("SGLang passed bigram page keys and no fallback hash was given")
+            return self.fallback(token_ids, prior_hash, page_size)  # type: ignore[no-any-return]
+        parent = bytes.fromhex(prior_hash) if prior_hash else self.root
+        if not tokens:
+            return [] if page_size is not None else hashlib.sha256(parent).hexdigest()
+        step = page_size or len(tokens)
+        keys: list[str] = []
+        for start in range(0, len(tokens), step):
+            page = tokens[start:start + step]
+            # A page that is not a whole kvstore block still gets a distinct key (hashed
+            # with its own length), but no ledger entry: it can never be a kvstore block.
+            digest = chain_hashes(page, block_tokens=len(page), parent=parent)[0]
+            key = digest.hex()
+            if len(page) == self.block_tokens:
+                self._remember(key, parent, page)
+            keys.append(key)
+            parent = digest
+        return keys if page_size is not None else keys[0]
+
+    def _remember(self, key: str, parent: bytes, page: array) -> None:
+        with self._lock:
+            self._pages[key] = (parent, page)
+            self._pages.move_to_end(key)
+            while len(self._pages) > self.capacity:
+                self._pages.popitem(last=False)
+
+    def page(self, key: str) -> tuple[bytes, array] | None:
+        """(parent hash, page tokens) of a key the ledger hashed, or None (forgotten or never a full page)."""
+        with self._lock:
+            return self._pages.get(key)
+
+    def chain_to_root(self, key: str, *, limit: int = 1 << 20) -> list[bytes] | None:
+        """The chain hashes from the sequence start up to `key` (included), walking the ledger's
+        parents; None when a link is not in the ledger."""
+        chain: list[bytes] = []
+        current = bytes.fromhex(key)
+        with self._lock:
+            while current != self.root:
+                entry = self._pages.get(current.hex())
+                if entry is None or len(chain) >= limit:
+                    return None
+                chain.append(current)
+                current = entry[0]
+        chain.reverse()
+        return chain
+
+
+def _plain_tokens(token_ids: Any) -> array | None:
+    """The page's token ids as an array of u32 (what kvstore hashes), or None for bigram/tuple keys."""
+    if getattr(token_ids, "is_bigram", False):
+        return None
+    raw = getattr(token_ids, "token_ids", token_ids)
+    n = len(token_ids)
+    items = raw[:n]
+    if n and isinstance(items[0], tuple):
+        return None
+    return array("I", items)
+
+
+_installed: dict[str, Any] = {}
+_install_lock = threading.Lock()
+
+
+def install(ledger: KeyLedger) -> None:
+    """Make `ledger.hash` SGLang's page hash in this process (the last attached backend's ledger wins).
+
+    Raises:
+        ConfigError: SGLang's `mem_cache.utils` has no `get_hash_str` (another SGLang version).
+    """
+    from sglang.srt.mem_cache import utils  # SGLang is imported only where it is installed
+
+    with _install_lock:
+        if "original" not in _installed:
+            original = getattr(utils, "get_hash_str", None)
+            if original is None:
+                raise ConfigError("sglang.srt.mem_cache.utils.get_hash_str not found: this SGLang version "
+                                  "is not supported (tested: 0.5.23)")
+            _installed["original"] = original
+        ledger.fallback = ledger.fallback or _installed["original"]
+        utils.get_hash_str = ledger.hash  # type: ignore[attr-defined]
+        _installed["ledger"] = ledger
+
+
+def uninstall() -> None:
+    """Give SGLang back its own page hash (a detached backend)."""
+    from sglang.srt.mem_cache import utils
+
+    with _install_lock:
+        if "original" in _installed:
+            utils.get_hash_str = _installed.pop("original")  # type: ignore[attr-defined]
+            _installed.pop("ledger", None)
+
+
+def installed_ledger() -> KeyLedger | None:
+    """The ledger SGLang hashes with now, if a kvstore backend installed one."""
+    ledger = _installed.get("ledger")
+    return ledger if isinstance(ledger, KeyLedger) else None
+
+
+def page_keys(root: bytes, block_tokens: int, token_ids: Sequence[int]) -> list[str]:
+    """The SGLang page keys of a sequence's full pages: hex of kvstore's chain hashes from `root`."""
+    return [h.hex() for h in chain_hashes(token_ids, block_tokens=block_tokens, parent=root)]

@@ -1,0 +1,69 @@
+"""SGLang's SWA host pages as kvstore SWA snapshots (the TRAILING_PAGES pool of HiCache).
+
+SGLang keeps the sliding-window state of a hybrid model in its own host pool
+(`PoolName.SWA`) and offloads it as the *trailing* pages of a KV prefix: a prefix of
+p pages is restorable from storage when the window pages just below its end are
+there (`PoolHitPolicy.TRAILING_PAGES`). kvstore keeps exactly that state as one SWA
+snapshot per prompt length T (docs/SWA_POOL.md): the window rows of positions
+[max(0, T - window), T) of every layer, in layer order. So the trailing pages of a
+prefix ending at page p are one snapshot at T = p x page_size, keyed as the planner
+keys block-boundary snapshots: `snapshot_key(anchor=chain hash of page p, [], T)`.
+
+Page layout this adapter expects of an SWA host page (checked when the pool is
+registered): `layers x page_size x window_row_bytes` bytes, layer-major, each row
+the model's own window row (kvstore.codec.rows.swa_rows: 528 B on V4.1-Flash). A
+snapshot of w = min(T, window) rows per layer is then w / page_size pages; page j
+holds rows [j x page_size, (j + 1) x page_size) of every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.geometry import ModelGeometry
+from kvstore.swa_snapshot import snapshot_key
+
+
+def check_swa_page(geometry: ModelGeometry, page_size: int, page_bytes: int) -> None:
+    """Refuse an SWA host pool whose pages are not whole window rows of every layer.
+
+    Raises:
+        ConfigError: the page is not layers x page_size x window_row_bytes bytes, or the
+            window is not a whole number of pages.
+    """
+    want = geometry.num_layers * page_size * geometry.window_row_bytes
+    if page_bytes != want:
+        raise ConfigError(f"SGLang SWA host page is {page_bytes} B; kvstore's snapshots of {geometry.name} need "
+                          f"{geometry.num_layers} layers x {page_size} tokens x {geometry.window_row_bytes} B = "
+                          f"{want} B per page (layer-major window rows)")
+    if geometry.window % page_size:
+        raise ConfigError(f"the SWA window ({geometry.window} tokens) is not a whole number of "
+                          f"{page_size}-token pages: SGLang's trailing pages cannot hold one snapshot")
+
+
+def key_at(anchor: bytes, position: int) -> bytes:
+    """The kvstore snapshot key of the state at T = `position`, a page boundary whose last page is `anchor`."""
+    return snapshot_key(anchor, [], position)
+
+
+def pages_for(geometry: ModelGeometry, page_size: int, position: int) -> int:
+    """Trailing pages a snapshot at T = `position` fills: min(T, window) / page_size."""
+    return min(position, geometry.window) // page_size
+
+
+def join_pages(geometry: ModelGeometry, pages: Sequence[torch.Tensor], page_size: int) -> torch.Tensor:
+    """Trailing SWA pages (flat, oldest first) as one snapshot: uint8 [layers, n x page_size, row]."""
+    rows = [p.contiguous().view(torch.uint8).view(geometry.num_layers, page_size, geometry.window_row_bytes)
+            for p in pages]
+    return torch.cat(rows, dim=1)
+
+
+def split_pages(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryview, page_size: int,
+                n: int) -> list[torch.Tensor]:
+    """A snapshot's bytes back as `n` flat uint8 pages, oldest first (views where possible)."""
+    rows = torch.frombuffer(bytearray(snapshot), dtype=torch.uint8).view(
+        geometry.num_layers, n * page_size, geometry.window_row_bytes)
+    return [rows[:, j * page_size:(j + 1) * page_size, :].reshape(-1) for j in range(n)]
