@@ -147,29 +147,45 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
         reader.on_close(gather.close)  # no pinned range outlives the mapping
         hashes = client.hashes(list(range(n * block_tokens)))
 
-        def restore() -> None:
-            with reader.read(client, hashes, lease_ms=10_000) as read:
+        def restore() -> dict[str, float]:
+            began = time.perf_counter()
+            read = reader.read(client, hashes, lease_ms=10_000)
+            opened = time.perf_counter()
+            try:
                 _, result = gather.gather(read, device)
+            finally:
+                copied = time.perf_counter()
+                read.close()
             if result.blocks != n or result.corrupt:
                 raise RuntimeError(f"direct restore used {result.blocks} of {n} blocks (corrupt {result.corrupt})")
+            return {"read_ms": (opened - began) * 1e3, "gather_ms": (copied - opened) * 1e3,
+                    "close_ms": (time.perf_counter() - copied) * 1e3, "kernel_ms": result.copy_s * 1e3,
+                    "verify_ms": result.verify_s * 1e3, "register_ms": result.register_s * 1e3}
 
         with progress.bar("direct gpu restore (cold)", 1, unit="run"):
-            cold_s = _sync_timed(restore)
             start = time.perf_counter()
-            cold_s()
+            cold_phases = restore()
+            torch.cuda.synchronize()
             cold = time.perf_counter() - start
         stats = gather.stats
         check = client.get_tensor(list(range(n * block_tokens)))[0]
         if not torch.equal(device.cpu(), check):
             raise RuntimeError("the direct GPU restore landed bytes that differ from the server's Get")
         del check
-        times = []
+        times, phases = [], []
         with progress.bar("direct gpu restore", repeat, unit="run") as bar:
             for _ in range(repeat):
                 start = time.perf_counter()
-                restore()
+                phases.append(restore())
                 times.append(time.perf_counter() - start)
                 bar.update(1)
+        lookups = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            hit = client.lookup_hashes(hashes, lease_ms=10_000)
+            lookups.append(time.perf_counter() - start)
+            if hit.lease_id:
+                client.release(hit.lease_id)
         restore_s = min(times)
         pinned_s = _pinned_h2d(total, repeat)
         kernel_s, scatter_s = _kernel_only(reader, client, hashes, gather, device, repeat, block_tokens)
@@ -196,6 +212,9 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             "gpu": torch.cuda.get_device_name(), "blocks": n, "bytes": total,
             "restore_ms_runs": [round(t * 1e3, 3) for t in times],
             "restore_ms_median": round(statistics.median(times) * 1e3, 3),
+            "restore_phases_best_ms": {k: round(v, 3) for k, v in phases[times.index(min(times))].items()},
+            "restore_phases_cold_ms": {k: round(v, 3) for k, v in cold_phases.items()},
+            "lookup_alone_ms_best": round(min(lookups) * 1e3, 3),
             "target_restore_ms": 25.0, "target_ratio_vs_pinned": 0.85,
             "registrations": stats.registrations, "registered_bytes": stats.registered_bytes_total,
             "register_ms": round(stats.register_s * 1e3, 3),
@@ -220,21 +239,23 @@ def _pinned_h2d(total: int, repeat: int) -> float:
 
 def _kernel_only(reader: Any, client: Any, hashes: list[bytes], gather: Any, device: Any, repeat: int,
                  block_tokens: int) -> tuple[float, float]:
-    """Best seconds of the gather kernel and of the scatter kernel alone (one open read, registered,
-    no checksums): the copy's own rate."""
+    """Best seconds of the gather kernel and of the scatter kernel alone, by CUDA events (one open
+    read, chunks registered, no checksums): the copy's own rate."""
     import torch
 
     geo = V4_1_FLASH
     with reader.read(client, hashes, lease_ms=10_000) as read:
         n = len(read.spans)
-        kernel_s = best_of(lambda: gather.gather(read, device, verify=False), repeat)
+        gather.gather(read, device, verify=False)
+        kernel_s = min(gather.gather(read, device, verify=False)[1].copy_s for _ in range(repeat))
         layers = {layer: (torch.empty((n, geo.block_rows(layer, block_tokens), geo.compressed_kv_row_bytes),
                                       dtype=torch.uint8, device="cuda"),
                           torch.empty((n, geo.block_rows(layer, block_tokens), geo.indexer_row_bytes),
                                       dtype=torch.uint8, device="cuda"))
                   for layer in geo.kv_source_layers}
         gather.scatter(read, layers, verify=False, block_tokens=block_tokens)
-        scatter_s = best_of(lambda: gather.scatter(read, layers, verify=False, block_tokens=block_tokens), repeat)
+        scatter_s = min(gather.scatter(read, layers, verify=False, block_tokens=block_tokens).copy_s
+                        for _ in range(repeat))
         from kvstore.codec.block_codec import split_blocks
 
         for layer, (kv, index) in split_blocks(geo, device[:n], block_tokens).items():
@@ -356,15 +377,23 @@ class MappedFile:
 
 
 def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> list[Figure]:
-    """The gather kernel's block size and warps on a synthetic mapped file, against the pinned copy."""
+    """The gather kernel's variants, block sizes and warps on a synthetic mapped file, timed alone
+    with CUDA events (median of `triton.testing.do_bench`), against the pinned copy timed the same way."""
     import torch
+    import triton
 
-    from kvstore.client import gpu_gather
-    from kvstore.client.gpu_gather import GpuGather
+    from kvstore.client import gpu_kernels
+    from kvstore.client.gpu_gather import GpuGather, _Pointer
 
     out: list[Figure] = []
     total = n * block_bytes
-    pinned_s = _pinned_h2d(total, repeat)
+    words = block_bytes // 4
+    pinned = torch.randint(0, 256, (total,), dtype=torch.uint8).pin_memory()
+    flat = torch.empty(total, dtype=torch.uint8, device="cuda")
+    pinned_ms = triton.testing.do_bench(lambda: flat.copy_(pinned, non_blocking=True), warmup=50, rep=300,
+                                        return_mode="median")
+    base = "contiguous pinned H2D of the same bytes (events)"
+    h2d = total / pinned_ms / 1e6
     with MappedFile(n, block_bytes, folder=os.environ.get("KVSTORE_DIRECT_SCRATCH")) as mapped, \
             GpuGather() as gather:
         dest = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
@@ -373,20 +402,50 @@ def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> li
         notes["sweep first gather s (registers, compiles)"] = round(time.perf_counter() - start, 3)
         if not torch.equal(dest.cpu(), torch.from_numpy(mapped.expected())):
             raise RuntimeError("sweep: gathered bytes differ")
-        default = (gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS)
-        for words in (1024, 2048, 4096):
-            for warps in (4, 8, 16):
-                gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS = words, warps
-                gather.gather(mapped, dest, verify=False)
-                seconds = best_of(lambda: gather.gather(mapped, dest, verify=False), repeat)
-                out.append(Figure.against(f"sweep gather block={words * 4} B warps={warps}", total / seconds / 1e9,
-                                          "GB/s", "contiguous pinned H2D of the same bytes", total / pinned_s / 1e9))
-        gpu_gather.GATHER_BLOCK_WORDS, gpu_gather.GATHER_WARPS = default
-        with_verify = best_of(lambda: gather.gather(mapped, dest), repeat)
-        out.append(Figure.against("sweep gather + checksums", total / with_verify / 1e9, "GB/s",
-                                  "contiguous pinned H2D of the same bytes", total / pinned_s / 1e9))
-        verify_s = best_of(lambda: mapped.verify(None), 1)
-        notes["sweep verify alone s (python xxhash, one thread)"] = round(verify_s, 4)
+        first = min(gather.registry.registered()) * gather.chunk_bytes
+        src = _Pointer(mapped.base_address + first, torch.int32)
+        offsets = np.array([s.offset for s in mapped.spans], dtype=np.int64) - first
+        src_words = torch.from_numpy(offsets // 4).cuda()
+        dst = dest.view(torch.int32)
+        ptx: dict[str, object] = {}
+        variants: list[tuple[str, Callable[[], Any]]] = []
+
+        def tiles(piece: int, warps: int) -> Callable[[], Any]:
+            return lambda: gpu_kernels.gather_kernel[(n, -(-words // piece))](
+                src, src_words, dst, WORDS=words, BLOCK=piece, ALIGN=4, num_warps=warps)
+
+        def tiles_2d(rows: int) -> Callable[[], Any]:
+            return lambda: gpu_kernels.gather_kernel_2d[(n, -(-(words // 4) // rows))](
+                src, src_words, dst, WORDS=words, ROWS=rows, ALIGN=4, num_warps=4)
+
+        def whole(piece: int, warps: int) -> Callable[[], Any]:
+            return lambda: gpu_kernels.gather_kernel_whole[(n,)](
+                src, src_words, dst, WORDS=words, BLOCK=piece, ALIGN=4, num_warps=warps)
+
+        for piece in (1024, 2048, 4096):
+            for warps in (4, 8):
+                variants.append((f"tiles of {piece * 4} B, {warps} warps", tiles(piece, warps)))
+        for rows in (256, 512):
+            variants.append((f"2d [{rows}, 4] words, 4 warps", tiles_2d(rows)))
+        for piece, warps in ((2048, 8), (4096, 8), (4096, 16)):
+            variants.append((f"one program per block, {piece * 4} B pieces, {warps} warps", whole(piece, warps)))
+        for name, fn in variants:
+            dest.fill_(0)
+            compiled = fn()
+            torch.cuda.synchronize()
+            ok = torch.equal(dest.cpu(), torch.from_numpy(mapped.expected()))
+            text = compiled.asm.get("ptx", "") if hasattr(compiled, "asm") else ""
+            ptx[name] = {"ld.v4": text.count("ld.global.v4"), "ld": text.count("ld.global"), "correct": ok}
+            ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+            out.append(Figure.against(f"sweep gather kernel, {name}", total / ms / 1e6, "GB/s", base, h2d))
+        notes["sweep ptx loads"] = ptx
+        gather.gather(mapped, dest, verify=False)
+        wall = best_of(lambda: gather.gather(mapped, dest, verify=False), repeat)
+        out.append(Figure.against("sweep GpuGather.gather, no checksums (wall)", total / wall / 1e9, "GB/s", base,
+                                  h2d))
+        _, result = gather.gather(mapped, dest, verify=False)
+        notes["sweep gather result"] = {"copy_ms": round(result.copy_s * 1e3, 3),
+                                        "seconds_ms": round(result.seconds * 1e3, 3)}
         notes["sweep registration"] = {"registrations": gather.stats.registrations,
                                        "register_ms": round(gather.stats.register_s * 1e3, 3),
                                        "bytes": gather.stats.registered_bytes_total}

@@ -44,7 +44,7 @@ from kvstore.client.gpu_pinned import (
     PinnedRegistry,
     RegistryStats,
     chunk_bytes_checked,
-    plan_rounds,
+    plan_rounds_array,
 )
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH, ModelGeometry
@@ -98,6 +98,8 @@ class GatherResult:
         register_s: seconds spent registering chunks in this call (0 when all were registered).
         registered_bytes: bytes registered after the call; `budget_bytes` the budget.
         seconds: the whole call, wall clock, from the first registration to the verified end.
+        copy_s: GPU time of the kernels (CUDA events), registration excluded.
+        verify_s: wall time of the checksum threads (they run while the kernel copies).
     """
 
     blocks: int
@@ -108,6 +110,8 @@ class GatherResult:
     registered_bytes: int
     budget_bytes: int
     seconds: float
+    copy_s: float = 0.0
+    verify_s: float = 0.0
 
 
 class _Pointer:
@@ -326,18 +330,24 @@ class GpuGather:
         offsets = np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans))
         checks: list[bool] = []
         failure: list[BaseException] = []
+        verify_s = [0.0]
 
         def check() -> None:
+            start = time.perf_counter()
             try:
                 checks.extend(read.verify(None))
             except BaseException as exc:  # surfaced on the caller's thread below
                 failure.append(exc)
+            verify_s[0] = time.perf_counter() - start
 
         checker = threading.Thread(target=check, name="kvstore-gpu-verify") if verify else None
         if checker is not None:
             checker.start()
         register_s = 0.0
-        rounds = plan_rounds(spans, read.map_length, self.chunk_bytes, self.registry.budget_bytes)
+        rounds = plan_rounds_array(offsets, spans[0].size, read.map_length, self.chunk_bytes,
+                                   self.registry.budget_bytes)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        copy_s = 0.0
         try:
             with self._lock, torch.cuda.device(self.device):
                 for members, chunks in rounds:
@@ -351,20 +361,22 @@ class GpuGather:
                     if (rel % 4).any():
                         raise InvalidArgument("blocks must start at multiples of 4 bytes in the mapping")
                     words = torch.from_numpy(rel // 4).to(self.device, non_blocking=False)
+                    began.record()
                     launch(src, words, members, align)
-                    if len(rounds) > 1:
-                        # The next round may unregister this round's chunks: the kernel must be done.
-                        torch.cuda.synchronize(self.device)
-                torch.cuda.synchronize(self.device)
+                    ended.record()
+                    # The next round may unregister this round's chunks: the kernel must be done.
+                    ended.synchronize()
+                    copy_s += began.elapsed_time(ended) / 1e3
         finally:
             if checker is not None:
                 checker.join()
         if failure:
             raise failure[0]
-        return self._finish(read, checks, len(spans), len(rounds), register_s, started, verify=verify)
+        return self._finish(read, checks, len(spans), len(rounds), register_s, started, verify=verify,
+                            copy_s=copy_s, verify_s=verify_s[0])
 
     def _finish(self, read: MappedReadLike, checks: list[bool], copied: int, rounds: int, register_s: float,
-                started: float, *, verify: bool) -> GatherResult:
+                started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:
         spans = list(read.spans)
         bad = [k for k, ok in enumerate(checks) if not ok] if verify else []
         corrupt = [spans[k].index for k in bad]
@@ -372,7 +384,8 @@ class GpuGather:
             read.report_corrupt(corrupt)
         return GatherResult(blocks=bad[0] if bad else copied, copied=copied, corrupt=corrupt, rounds=rounds,
                             register_s=register_s, registered_bytes=self.registry.used_bytes,
-                            budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started)
+                            budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started,
+                            copy_s=copy_s, verify_s=verify_s)
 
 
 def _block_size(spans: Sequence[Any]) -> int:

@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvstore.errors import FailedPrecondition, InvalidArgument
 
@@ -90,7 +90,7 @@ def chunks_of(span: SpanLike, map_length: int, chunk_bytes: int) -> list[Chunk]:
 
 
 def plan_rounds(spans: Sequence[SpanLike], map_length: int, chunk_bytes: int,
-                budget_bytes: int) -> list[tuple[list[int], dict[int, Chunk]]]:
+                budget_bytes: int) -> list[tuple[Sequence[int], dict[int, Chunk]]]:
     """Split a request into rounds whose chunks fit the budget, keeping block order.
 
     Returns:
@@ -100,7 +100,7 @@ def plan_rounds(spans: Sequence[SpanLike], map_length: int, chunk_bytes: int,
     Raises:
         DirectGpuUnavailable: one block's chunks alone exceed the budget.
     """
-    rounds: list[tuple[list[int], dict[int, Chunk]]] = []
+    rounds: list[tuple[Sequence[int], dict[int, Chunk]]] = []
     members: list[int] = []
     chunks: dict[int, Chunk] = {}
     used = 0
@@ -300,3 +300,39 @@ class CudaHost:
         code = int(self._lib.cudaHostUnregister(address))
         if code:
             self._error(code)
+
+
+def plan_rounds_array(offsets: Any, size: int, map_length: int, chunk_bytes: int,
+                      budget_bytes: int) -> list[tuple[Sequence[int], dict[int, Chunk]]]:
+    """`plan_rounds` for blocks of one size given as an int64 numpy array of offsets.
+
+    The common case, every chunk within the budget, is one numpy pass (15,625
+    blocks in well under a millisecond, against tens of ms for the span loop);
+    otherwise it falls back to `plan_rounds`.
+    """
+    import numpy as np
+
+    n = len(offsets)
+    if n == 0:
+        return []
+    if size <= 0 or int(offsets.min()) < 0 or int(offsets.max()) + size > map_length:
+        bad = int(np.argmax((offsets < 0) | (offsets + size > map_length))) if size > 0 else 0
+        raise InvalidArgument(f"block at offset {int(offsets[bad])} of {size} bytes is outside the "
+                              f"{map_length} mapped bytes of the data file")
+    first = offsets // chunk_bytes
+    last = (offsets + size - 1) // chunk_bytes
+    indices = np.unique(np.concatenate([first, last]))
+    if size > chunk_bytes:  # a block spanning more than two chunks: the general loop
+        return plan_rounds([_Span(int(o), size) for o in offsets], map_length, chunk_bytes, budget_bytes)
+    end_of_file = -(-map_length // PAGE_BYTES) * PAGE_BYTES
+    chunks = {int(i): Chunk(int(i), int(i) * chunk_bytes, min((int(i) + 1) * chunk_bytes, end_of_file)
+                            - int(i) * chunk_bytes) for i in indices}
+    if sum(c.length for c in chunks.values()) <= budget_bytes:
+        return [(range(n), chunks)]
+    return plan_rounds([_Span(int(o), size) for o in offsets], map_length, chunk_bytes, budget_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    offset: int
+    size: int
