@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.client import arguments
-from kvstore.client.colocated import DEFAULT_LEASE_MS, ColocatedReader, MappedRead, writable_bytes
+from kvstore.client.colocated import DEFAULT_LEASE_MS, ColocatedReader, MappedRead
+from kvstore.client.colocated_memory import writable_bytes
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -188,7 +189,7 @@ def _direct(client: Any, reader: ColocatedReader, hashes: list[bytes], dest: Any
             gpu: Any, lease_ms: int, notes: list[str]) -> RestoreResult | None:
     """A direct path's result; None when "auto" should go on to the next path."""
     with reader.read(client, hashes, lease_ms=lease_ms) as read:
-        if read.found_blocks and not read.spans and not read.damaged:
+        if read.found_blocks and not len(read) and not read.damaged:
             # The server found blocks this mapping does not hold: the reader is of another store.
             if path != "auto":
                 raise FailedPrecondition(f"the reader's store ({reader.data_dir}) does not hold the blocks the "
@@ -211,7 +212,7 @@ def _direct(client: Any, reader: ColocatedReader, hashes: list[bytes], dest: Any
 
 
 def _direct_cpu(client: Any, read: MappedRead, dest: Any, cuda: bool, notes: list[str]) -> RestoreResult:
-    n = len(read.spans)
+    n = len(read)
     if cuda:
         import torch
 
