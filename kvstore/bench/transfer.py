@@ -136,14 +136,20 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
 def _small_batches(report: Report, client: Client, hashes: list[bytes], sizes: list[int], calls: int,
                    source: np.ndarray, progress: Progress) -> None:
     """p50 latency and GB/s of one fetch of 1, 8, 64 descriptors per path, beside memcpy of the
-    same bytes (shm) and one raw unary gRPC call answering the same bytes (the gRPC path)."""
+    same bytes (shm) and one raw unary gRPC call answering the same bytes (the gRPC path).
+
+    The shm path is measured twice: through the session's request ring (the default) and
+    by Submit with wait (`ring=False`). Each figure's baseline is measured right after it.
+    """
     size = client.block_bytes
+    variants = (("shm", "shm", True), ("shm submit", "shm", False), ("grpc", "stream", True))
     with raw_server(size) as raw:
-        for path in ("shm", "stream"):
-            name = "shm" if path == "shm" else "grpc"
-            with client.transfer(path=path) as session:
+        for name, path, ring in variants:
+            with TransferSession(client.connection, path=path, ring=ring) as session:
                 region = session.register(max(sizes) * size)
                 region.tensor().fill_(1)
+                if name == "shm":
+                    report.notes["ring"] = "on" if session.ring is not None else f"off: {session.ring_reason}"
                 for n in sizes:
                     nbytes = n * size
                     with progress.bar(f"{name} fetch of {n} (p50)", calls):
@@ -156,9 +162,9 @@ def _small_batches(report: Report, client: Client, hashes: list[bytes], sizes: l
                         base_s = p50_s(partial(raw.unary, nbytes), calls)
                         base = "one raw unary gRPC call answering the same bytes"
                     report.add(Figure.against(f"{name} fetch of {n} p50", fetch_s * 1e6, "us", base, base_s * 1e6))
-                    if path == "shm" and n == 1:  # the latency target is against a round trip on either path
+                    if path == "shm":  # the latency target is against a round trip on either path
                         unary_s = p50_s(partial(raw.unary, nbytes), calls)
-                        report.add(Figure.against("shm fetch of 1 p50 vs unary", fetch_s * 1e6, "us",
+                        report.add(Figure.against(f"{name} fetch of {n} p50 vs unary", fetch_s * 1e6, "us",
                                                   "one raw unary gRPC call answering the same bytes", unary_s * 1e6))
                     report.add(Figure.against(f"{name} fetch of {n} rate", nbytes / fetch_s / 1e9, "GB/s", base,
                                               nbytes / base_s / 1e9))

@@ -15,6 +15,7 @@ goes on through Submit.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from kvstore.client.transfer import TransferSession
 
 #: How long the client spins on the state word before it sleeps on the futex.
-SPIN_S = 300e-6
+SPIN_S = 500e-6
 #: How often a sleeping client looks at the session's stream and its deadline.
 POLL_S = 0.05
 #: Not a gRPC code: the server's answer when the ring's lease ended (`gateway.transfer_ring.RENEW`).
@@ -154,10 +155,12 @@ class RingClient:
 
     def _wait(self, header: Header, futex: Futex, seq: int) -> None:
         """Until the server answers request `seq`; raises if the session or the deadline ends first."""
+        # Spin a little (yielding the core: on a small box the server may need this one), then sleep.
         spin_end = time.perf_counter() + self.spin_s
         while time.perf_counter() < spin_end:
             if header.state == ANSWERED and header.answer_seq == seq:
                 return
+            os.sched_yield()
         timeout_s = self.session.connection.timeout_s
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:

@@ -22,7 +22,15 @@ import pytest
 from kvstore import api_tokens
 from kvstore.client import Client, TransferSession
 from kvstore.client.transfer_ring import _CODES, RingClient
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unauthenticated, Unavailable
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.transfer import Descriptor, Op, group
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, REQUEST, REQUEST_AT, REQUEST_BYTES, RING_DESCRIPTORS
 from kvstore.v1 import transfer_pb2 as pb
@@ -334,3 +342,30 @@ def test_a_bad_ring_argument_is_a_kvstore_error(serve: Child) -> None:
     with Client(serve.target) as client, pytest.raises(InvalidArgument, match="ring must be a bool"):
         TransferSession(client.connection, ring="yes")  # type: ignore[arg-type]
     assert struct.calcsize("<I") == 4
+
+
+def test_each_ring_request_is_charged_to_the_tenants_request_rate(server: Any) -> None:
+    # In-process server: its Transfer service is handed a request rate (gateway/server.py passes
+    # the quota interceptor's) before the first ring is registered.
+    from gateway.quotas import QuotaExceeded
+    from gateway.transfer_servicer import TransferServicer
+
+    charged: list[str] = []
+
+    class Rate:
+        def take(self, tenant: str) -> None:
+            charged.append(tenant)
+            if len(charged) > 2:
+                raise QuotaExceeded(f"tenant {tenant!r} is over its requests_per_s quota of 2 requests/s")
+
+    service = next(c.__self__ for c in server.closers if isinstance(getattr(c, "__self__", None), TransferServicer))
+    service.rate = Rate()
+    with Client(server.target) as client, client.transfer() as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        assert session.ring is not None
+        assert session.fetch(hashes, region).done_prefix == 1
+        assert session.fetch(hashes, region).done_prefix == 1
+        with pytest.raises(ResourceExhausted, match="requests_per_s"):
+            session.fetch(hashes, region)
+        assert charged == ["default"] * 3 and session.ring.answered == 3
