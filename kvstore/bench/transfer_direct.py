@@ -142,7 +142,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
     device = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
     budget = getattr(args, "direct_budget_mib", 4096) << 20
     chunk = getattr(args, "direct_chunk_mib", 64) << 20
-    with Client(target) as client, ColocatedReader(data_dir) as reader, \
+    with Client(target) as client, ColocatedReader(data_dir, threads=os.cpu_count()) as reader, \
             GpuGather(budget_bytes=budget, chunk_bytes=chunk) as gather:
         reader.on_close(gather.close)  # no pinned range outlives the mapping
         hashes = client.hashes(list(range(n * block_tokens)))
@@ -377,7 +377,7 @@ class MappedFile:
 
 
 def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> list[Figure]:
-    """The gather kernel's variants, block sizes and warps on a synthetic mapped file, timed alone
+    """The gather kernel's tile sizes and warps on a synthetic mapped file, timed alone
     with CUDA events (median of `triton.testing.do_bench`), against the pinned copy timed the same way."""
     import torch
     import triton
@@ -414,21 +414,9 @@ def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> li
             return lambda: gpu_kernels.gather_kernel[(n, -(-words // piece))](
                 src, src_words, dst, WORDS=words, BLOCK=piece, ALIGN=4, num_warps=warps)
 
-        def tiles_2d(rows: int) -> Callable[[], Any]:
-            return lambda: gpu_kernels.gather_kernel_2d[(n, -(-(words // 4) // rows))](
-                src, src_words, dst, WORDS=words, ROWS=rows, ALIGN=4, num_warps=4)
-
-        def whole(piece: int, warps: int) -> Callable[[], Any]:
-            return lambda: gpu_kernels.gather_kernel_whole[(n,)](
-                src, src_words, dst, WORDS=words, BLOCK=piece, ALIGN=4, num_warps=warps)
-
         for piece in (1024, 2048, 4096):
             for warps in (4, 8):
                 variants.append((f"tiles of {piece * 4} B, {warps} warps", tiles(piece, warps)))
-        for rows in (256, 512):
-            variants.append((f"2d [{rows}, 4] words, 4 warps", tiles_2d(rows)))
-        for piece, warps in ((2048, 8), (4096, 8), (4096, 16)):
-            variants.append((f"one program per block, {piece * 4} B pieces, {warps} warps", whole(piece, warps)))
         for name, fn in variants:
             dest.fill_(0)
             compiled = fn()

@@ -56,7 +56,7 @@ __all__ = ["DirectGpuUnavailable", "GatherResult", "GpuGather", "MappedReadLike"
 
 #: Words (4 bytes) per program of the gather kernel, and its warps: picked on the H200 (docs/DIRECT_RESTORE.md).
 GATHER_BLOCK_WORDS = 2048
-GATHER_WARPS = 4
+GATHER_WARPS = 8
 SCATTER_BLOCK_WORDS = 1024
 SCATTER_WARPS = 4
 
@@ -194,9 +194,8 @@ class GpuGather:
         """
         import torch
 
-        spans = list(read.spans)
-        size = _block_size(spans)
-        n = len(spans)
+        offsets, size = _columns(read)
+        n = len(offsets)
         if out is None:
             out = torch.empty((n, size), dtype=torch.uint8, device=self.device)
         elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] < n
@@ -216,7 +215,8 @@ class GpuGather:
                                         ALIGN=align, num_warps=GATHER_WARPS)
 
         # Row starts are 16-byte aligned when the block size and out's address are.
-        return out, self._run(read, spans, launch, verify=verify, extra_align=size if out.data_ptr() % 16 == 0 else 4)
+        return out, self._run(read, offsets, size, launch, verify=verify,
+                              extra_align=size if out.data_ptr() % 16 == 0 else 4)
 
     def scatter(self, read: MappedReadLike, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
                 slots: Sequence[int] | torch.Tensor | None = None, *, geometry: ModelGeometry = V4_1_FLASH,
@@ -242,11 +242,11 @@ class GpuGather:
         """
         import torch
 
-        spans = list(read.spans)
-        n = len(spans)
+        offsets, found = _columns(read)
+        n = len(offsets)
         size = geometry.block_bytes(block_tokens)
-        if n and _block_size(spans) != size:
-            raise InvalidArgument(f"blocks are {spans[0].size} bytes; the layout of {geometry.name} at "
+        if n and found != size:
+            raise InvalidArgument(f"blocks are {found} bytes; the layout of {geometry.name} at "
                                   f"{block_tokens} tokens is {size}")
         table, base, slots_t, align = self._sections(layers, slots, n, geometry, block_tokens)
         if n == 0:
@@ -262,7 +262,7 @@ class GpuGather:
                                          sec_stride, BLOCK=SCATTER_BLOCK_WORDS, ALIGN=min(align, align_src),
                                          num_warps=SCATTER_WARPS)
 
-        return self._run(read, spans, launch, verify=verify, extra_align=16 if align == 4 else 4)
+        return self._run(read, offsets, size, launch, verify=verify, extra_align=16 if align == 4 else 4)
 
     # -- shared -----------------------------------------------------------
 
@@ -320,14 +320,12 @@ class GpuGather:
         table = tuple(torch.tensor([row[k] // 4 for row in numbers], dtype=torch.int64) for k in range(4))
         return table, base, slot_t.to(self.device), align
 
-    def _run(self, read: MappedReadLike, spans: list[Any], launch: Callable[..., None], *, verify: bool,
+    def _run(self, read: MappedReadLike, offsets: Any, size: int, launch: Callable[..., None], *, verify: bool,
              extra_align: int) -> GatherResult:
         """Register, launch one kernel per round while CPU threads verify, then settle the corrupt ones."""
-        import numpy as np
         import torch
 
         started = time.perf_counter()
-        offsets = np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans))
         checks: list[bool] = []
         failure: list[BaseException] = []
         verify_s = [0.0]
@@ -344,7 +342,7 @@ class GpuGather:
         if checker is not None:
             checker.start()
         register_s = 0.0
-        rounds = plan_rounds_array(offsets, spans[0].size, read.map_length, self.chunk_bytes,
+        rounds = plan_rounds_array(offsets, size, read.map_length, self.chunk_bytes,
                                    self.registry.budget_bytes)
         began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         copy_s = 0.0
@@ -372,14 +370,14 @@ class GpuGather:
                 checker.join()
         if failure:
             raise failure[0]
-        return self._finish(read, checks, len(spans), len(rounds), register_s, started, verify=verify,
+        return self._finish(read, checks, len(offsets), len(rounds), register_s, started, verify=verify,
                             copy_s=copy_s, verify_s=verify_s[0])
 
     def _finish(self, read: MappedReadLike, checks: list[bool], copied: int, rounds: int, register_s: float,
                 started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:
-        spans = list(read.spans)
         bad = [k for k, ok in enumerate(checks) if not ok] if verify else []
-        corrupt = [spans[k].index for k in bad]
+        # Span k is the k-th block asked (the spans are the found prefix): its index is k.
+        corrupt = bad
         if corrupt:
             read.report_corrupt(corrupt)
         return GatherResult(blocks=bad[0] if bad else copied, copied=copied, corrupt=corrupt, rounds=rounds,
@@ -388,11 +386,28 @@ class GpuGather:
                             copy_s=copy_s, verify_s=verify_s)
 
 
-def _block_size(spans: Sequence[Any]) -> int:
-    sizes = {s.size for s in spans}
-    if len(sizes) > 1:
-        raise InvalidArgument(f"blocks of several sizes in one read: {sorted(sizes)}")
-    size = sizes.pop() if sizes else 0
+def _columns(read: MappedReadLike) -> tuple[Any, int]:
+    """The blocks' offsets (int64 numpy) and their one size, from the read's columns where it has
+    them (`MappedRead.offsets` / `.sizes`: no object per block), else from its spans.
+
+    Raises:
+        InvalidArgument: blocks of several sizes, or a size that is not a multiple of 4 bytes.
+    """
+    import numpy as np
+
+    columns = getattr(read, "offsets", None)
+    if columns is not None:
+        offsets = np.asarray(columns, dtype=np.int64)
+        sizes = np.asarray(read.sizes, dtype=np.int64)  # type: ignore[attr-defined]
+    else:
+        spans = list(read.spans)
+        offsets = np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans))
+        sizes = np.fromiter((s.size for s in spans), dtype=np.int64, count=len(spans))
+    if not len(offsets):
+        return offsets, 0
+    size = int(sizes[0])
+    if (sizes != size).any():
+        raise InvalidArgument(f"blocks of several sizes in one read: {sorted(set(sizes.tolist()))[:5]}")
     if size % 4:
         raise InvalidArgument(f"block size {size} is not a multiple of 4 bytes")
-    return size
+    return offsets, size

@@ -51,27 +51,3 @@ def scatter_kernel(src, src_words, slots, dst, sec_src, sec_words, sec_dst, sec_
         values = tl.load(src + off + cols, mask=mask)
         tl.store(dst + where + cols, values, mask=mask)
 
-
-@triton.jit
-def gather_kernel_2d(src, src_words, dst, WORDS: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr):
-    """gather_kernel with explicit 16-byte lanes: a [ROWS, 4] tile of words per program."""
-    i = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1)
-    off = tl.multiple_of(tl.load(src_words + i), ALIGN)
-    rows = j * ROWS + tl.arange(0, ROWS)[:, None]
-    cols = rows * 4 + tl.arange(0, 4)[None, :]
-    mask = rows < WORDS // 4
-    values = tl.load(src + off + cols, mask=mask)
-    tl.store(dst + i * WORDS + cols, values, mask=mask)
-
-
-@triton.jit
-def gather_kernel_whole(src, src_words, dst, WORDS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
-    """gather_kernel with one program per block, its pieces unrolled so their loads are in flight together."""
-    i = tl.program_id(0).to(tl.int64)
-    off = tl.multiple_of(tl.load(src_words + i), ALIGN)
-    for j in tl.static_range(0, (WORDS + BLOCK - 1) // BLOCK):
-        cols = j * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < WORDS
-        values = tl.load(src + off + cols, mask=mask)
-        tl.store(dst + i * WORDS + cols, values, mask=mask)

@@ -183,3 +183,46 @@ def test_without_cuda_gpu_gather_raises_the_typed_error() -> None:
 
     with pytest.raises(DirectGpuUnavailable, match="no CUDA device"):
         GpuGather()
+
+
+def test_array_planning_matches_the_span_loop() -> None:
+    import numpy as np
+
+    from kvstore.client.gpu_pinned import plan_rounds_array
+
+    rng = np.random.default_rng(3)
+    offsets = (rng.permutation(500)[:200] * 57_344 + 16).astype(np.int64)
+    length = 500 * 57_344
+    spans = [Span(i, int(o), 56_960) for i, o in enumerate(offsets)]
+    for budget in (64 * MIB, 3 * MIB):
+        fast = plan_rounds_array(offsets, 56_960, length, MIB, budget)
+        slow = plan_rounds(spans, length, MIB, budget)
+        assert [(list(m), c) for m, c in fast] == [(list(m), c) for m, c in slow]
+    with pytest.raises(InvalidArgument, match="outside"):
+        plan_rounds_array(offsets, 56_960, int(offsets.max()), MIB, 64 * MIB)
+    assert plan_rounds_array(np.zeros(0, dtype=np.int64), 56_960, length, MIB, MIB) == []
+
+
+def test_columns_come_from_the_reads_arrays_or_its_spans() -> None:
+    import numpy as np
+
+    from kvstore.client.gpu_gather import _columns
+
+    class Columns:
+        offsets = np.array([16, 4112], dtype=np.int64)
+        sizes = np.array([64, 64], dtype=np.int64)
+
+    class Spans:
+        spans = [Span(0, 16, 64), Span(1, 4112, 64)]
+
+    for read in (Columns(), Spans()):
+        offsets, size = _columns(read)  # type: ignore[arg-type]
+        assert offsets.tolist() == [16, 4112] and size == 64
+    mixed = Spans()
+    mixed.spans = [Span(0, 16, 64), Span(1, 4112, 68)]
+    with pytest.raises(InvalidArgument, match="several sizes"):
+        _columns(mixed)  # type: ignore[arg-type]
+    odd = Spans()
+    odd.spans = [Span(0, 16, 66)]
+    with pytest.raises(InvalidArgument, match="multiple of 4"):
+        _columns(odd)  # type: ignore[arg-type]
