@@ -281,3 +281,24 @@ def test_a_reader_refuses_to_read_once_the_store_file_was_replaced(store: Store)
     store.start()
     with pytest.raises(FailedPrecondition, match="was replaced"):
         reader.read(store.client(), [bytes(32)])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_copy_many_checks_and_copies_every_block(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tiers.records import META_STRUCT
+
+    if native and not blockcopy.NATIVE_VERIFY:
+        pytest.skip("tiers._blockcopy is not built")
+    if not native:
+        monkeypatch.setattr(blockcopy, "verify_copy", blockcopy.verify_copy_python)
+        monkeypatch.setattr(blockcopy, "NATIVE_VERIFY", False)
+    rng = random.Random(10)
+    datas = [rng.randbytes(1000) for _ in range(40)]
+    metas = [META_STRUCT.pack(bytes(32), 1, len(d), xxhash.xxh3_64_intdigest(d), 0.0, 0.0) for d in datas]
+    metas[7] = META_STRUCT.pack(bytes(32), 1, 1000, 1, 0.0, 0.0)  # a wrong checksum
+    out = bytearray(40 * 1000)
+    view = memoryview(out)
+    codes = blockcopy.copy_many(metas, datas, [view[i * 1000:(i + 1) * 1000] for i in range(40)], threads=3)
+    assert [i for i, c in enumerate(codes) if c != blockcopy.FOUND] == [7]
+    assert out[7000:8000] == bytes(1000)  # never copied
+    assert out[:7000] == b"".join(datas[:7]) and out[8000:] == b"".join(datas[8:])
