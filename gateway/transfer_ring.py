@@ -23,7 +23,7 @@ through auth) runs: a revoked token stops its ring within the lease.
 
 from __future__ import annotations
 
-import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -65,6 +65,7 @@ log = logging.getLogger("kvstore.transfer")
 
 #: The answer code that tells the client its lease ended: renew it, then ask again (not a gRPC code).
 RENEW = 1000
+_RING_NUMBERS = itertools.count(1)
 #: Wake-ups without a request, in a row, before the thread sleeps between looks (a client flipping the word).
 _SPURIOUS = 64
 
@@ -77,7 +78,6 @@ class RingContext:
     table: SessionTable
     layouts: dict[str, Layout]
     limit: int
-    loop: asyncio.AbstractEventLoop
     hits: HitStats | None = None
     #: The quota interceptor's request rate (`gateway.quotas.RequestRate`), or None: not charged.
     rate: Any = None
@@ -239,7 +239,8 @@ class RingServer:
         self.expires = time.monotonic() + LEASE_S
         self.requests = 0
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"ring-{session.session_id[:8]}", daemon=True)
+        # Named by a counter, never by the session id (a secret; thread names show in /proc).
+        self._thread = threading.Thread(target=self._run, name=f"ring-{next(_RING_NUMBERS)}", daemon=True)
         self._thread.start()
 
     def renew(self) -> None:

@@ -164,7 +164,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             self._ring = RingContext(
                 tier=self.tier, table=self.table, layouts=self.layouts, hits=self.hits, rate=self.rate,
                 limit=min(RING_DESCRIPTORS, s.chunk_descriptors, s.max_descriptors),
-                loop=asyncio.get_running_loop(), slots=threading.BoundedSemaphore(max(4, 2 * self.copier.threads)))
+                slots=threading.BoundedSemaphore(max(4, 2 * self.copier.threads)))
         return self._ring
 
     def _ring_read(self, session: Session, raw: bytes) -> pb.TransferState:
