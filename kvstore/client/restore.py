@@ -37,8 +37,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 #: The paths, fastest first.
 PATHS = ("direct-gpu", "direct-cpu", "shm", "grpc")
 _DATA_LOSS = "DATA_LOSS"
-#: One GPU gatherer per reader, made on first use, closed with the reader (before its mapping goes).
-_GATHERERS: weakref.WeakKeyDictionary[ColocatedReader, Any] = weakref.WeakKeyDictionary()
+#: One GPU gatherer per reader and device, made on first use, closed with the reader (before its mapping goes).
+_GATHERERS: weakref.WeakKeyDictionary[ColocatedReader, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -162,25 +162,27 @@ def _gpu_gather(gpu: Any, read: MappedRead, dest: Any) -> tuple[int, list[int]]:
     return int(result.blocks), list(result.corrupt)
 
 
-def _gatherer(reader: ColocatedReader) -> Any:
-    """The reader's GpuGather (made once; unregistered when the reader closes).
+def _gatherer(reader: ColocatedReader, device: Any) -> Any:
+    """The reader's GpuGather for `device` (made once; unregistered when the reader closes).
 
     Raises:
         FailedPrecondition: the GPU module is missing or cannot run here (DirectGpuUnavailable is one).
     """
-    gpu = _GATHERERS.get(reader)
+    per_device = _GATHERERS.setdefault(reader, {})
+    key = str(device)
+    gpu = per_device.get(key)
     if gpu is None:
         try:
             from kvstore.client.gpu_gather import GpuGather
         except ImportError as exc:
             raise FailedPrecondition(f"kvstore.client.gpu_gather cannot be imported: {exc}") from None
         try:
-            gpu = GpuGather()
+            gpu = GpuGather(device=device)
         except KVStoreError:
             raise
         except Exception as exc:  # CUDA's own errors at device setup: the GPU path is not available
             raise FailedPrecondition(f"the GPU gatherer cannot start: {exc}") from None
-        _GATHERERS[reader] = gpu
+        per_device[key] = gpu
         reader.on_close(gpu.close)
     return gpu
 
@@ -198,7 +200,7 @@ def _direct(client: Any, reader: ColocatedReader, hashes: list[bytes], dest: Any
             return None
         if cuda and path in ("auto", "direct-gpu"):
             try:
-                blocks, corrupt = _gpu_gather(gpu if gpu is not None else _gatherer(reader), read, dest)
+                blocks, corrupt = _gpu_gather(gpu if gpu is not None else _gatherer(reader, dest.device), read, dest)
             except FailedPrecondition as exc:  # DirectGpuUnavailable included: registering failed, no Triton
                 if path == "direct-gpu":
                     raise
