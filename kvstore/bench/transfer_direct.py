@@ -213,6 +213,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             "restore_ms_runs": [round(t * 1e3, 3) for t in times],
             "restore_ms_median": round(statistics.median(times) * 1e3, 3),
             "restore_phases_best_ms": {k: round(v, 3) for k, v in phases[times.index(min(times))].items()},
+            "restore_phases_ms_runs": {k: [round(p[k], 2) for p in phases] for k in phases[0]},
             "restore_phases_cold_ms": {k: round(v, 3) for k, v in cold_phases.items()},
             "lookup_alone_ms_best": round(min(lookups) * 1e3, 3),
             "target_restore_ms": 25.0, "target_ratio_vs_pinned": 0.85,

@@ -116,3 +116,19 @@ def test_a_corrupt_block_in_the_store_is_a_miss_reported_to_the_server(store: tu
             assert read.reported == {7: "corrupt"}
     # The server checked it and dropped it: the chain now ends before it.
     assert client.lookup(tokens).found_blocks == 7
+
+
+def test_the_restore_facade_takes_the_direct_gpu_path(store: tuple[Client, Path]) -> None:
+    from kvstore.client.colocated import ColocatedReader
+    from kvstore.client.restore import restore
+
+    client, data_dir = store
+    (tokens,) = _prompts(client, random.Random(17), [33])
+    dest = torch.full((40, BLOCK), 0x11, dtype=torch.uint8, device="cuda")
+    with ColocatedReader(data_dir) as reader:
+        result = restore(client, tokens, dest, reader=reader)
+        again = restore(client, tokens, dest, reader=reader, path="direct-gpu")  # the reader's GpuGather, reused
+    assert (result.path, result.blocks, result.corrupt) == ("direct-gpu", 33, [])
+    assert (again.path, again.blocks) == ("direct-gpu", 33)
+    assert torch.equal(dest[:33].cpu(), client.get_tensor(tokens)[0])
+    assert (dest[33:] == 0x11).all()
