@@ -369,3 +369,47 @@ def test_each_ring_request_is_charged_to_the_tenants_request_rate(server: Any) -
         with pytest.raises(ResourceExhausted, match="requests_per_s"):
             session.fetch(hashes, region)
         assert charged == ["default"] * 3 and session.ring.answered == 3
+
+
+def test_a_ring_read_is_use_durably_and_a_failed_refresh_fails_its_blocks(
+        monkeypatch: pytest.MonkeyPatch, start_server: Any, tmp_path: Path, clock: Any) -> None:
+    # In-process (its clock is the test's): a block read only through the ring 71 h after it
+    # was stored outlives one stored with it and not read, once the store fills 2 h later.
+    from concurrent.futures import Future
+
+    from kvstore.config import StoreSettings
+    from kvstore.geometry import V4_1_FLASH
+    from tiers.lmdb_tier import LmdbBlockTier
+
+    hour = 3600.0
+    block_bytes = V4_1_FLASH.block_bytes(16)
+    server = start_server(StoreSettings(data_dir=tmp_path / "store", capacity_bytes=4 * block_bytes,
+                                        block_tokens=16))
+    with Client(server.target) as client, client.transfer(path="shm") as session:
+        bt = client.block_tokens
+        fetched, idle = list(range(bt)), list(range(1000, 1000 + bt))
+        for tokens in (fetched, idle):
+            client.put(tokens, [os.urandom(client.block_bytes)])
+        clock.advance(71 * hour)
+        region = session.register(client.block_bytes)
+        assert session.fetch(client.hashes(fetched), region).done_prefix == 1
+        assert session.ring is not None and session.ring.answered == 1, "the ring served the read"
+        clock.advance(2 * hour)
+        with pytest.raises(ResourceExhausted):
+            for i in range(8):
+                client.put(list(range(10_000 * (i + 2), 10_000 * (i + 2) + bt)), [os.urandom(client.block_bytes)])
+        assert client.get(fetched).blocks[0] is not None, "the block read through the ring was kept"
+        assert client.lookup(idle).found_blocks == 0
+
+        def failing(self: LmdbBlockTier, keys: Any) -> Future[None]:
+            future: Future[None] = Future()
+            future.set_exception(Unavailable("fsync failed"))
+            return future
+
+        clock.advance(hour)
+        monkeypatch.setattr(LmdbBlockTier, "touch_soon", failing)
+        state = session.fetch(client.hashes(fetched), region)
+        assert session.ring.answered == 2
+        assert state.done_prefix == 0 and state.results[0].code == "UNAVAILABLE"
+        assert "retention refresh failed" in state.results[0].reason
+        assert client.transfer_stats().refresh_failures == 1
