@@ -1,5 +1,9 @@
-"""SWA snapshot put/get through the kvstore service, and on the direct path, against raw redis-py.
+"""SWA snapshot put/get through the kvstore service, on the direct paths, against their raw peers.
 
+Two backends (`--backend`, both by default), each against its own raw peer in
+the same run:
+
+Redis (`redis`):
 Every side talks to the same Redis in one run: the gateway path (client -> gRPC
 -> SwaPool servicer -> checksum and seal -> Redis pipeline), the direct path
 (the client seals and checks records itself and talks to Redis as the ACL user
@@ -11,7 +15,17 @@ slows them alike. A single-snapshot fetch's p50 (direct get of one key against
 one raw GET, alternating) is measured too. Snapshots are taken at prompt lengths window, window + 1, ...: half
 even (a full window of rows, 2,703,360 B on V4.1-Flash), half odd (plus the raw
 tail, 12,288 B more). Starts its own redis-server (loopback, free port, temp dir) unless
---redis-url is given, and an in-process kvstore server on port 0.
+--redis-url is given, and a `kvstore serve` process on port 0.
+
+Embedded pool (`memory`): the shared-memory path (kvstore.client.swa_shm: the
+client copies each snapshot into or out of its tenant's arena in the server's
+shared memory, and a control request on a unix socket moves only keys and
+offsets) and the gateway path, against the fair raw peer of a pool in another
+process on the same host: one raw unary gRPC round trip (an empty reply from a
+bare generic-handler server, harness.RAW_SERVER) per batch plus a same-process
+memcpy of each snapshot (into a slot of a shared mapping for a put; out of it
+into new bytes for a get, as the client returns). The single-fetch p50 is one
+such round trip plus one snapshot's copy.
 """
 
 from __future__ import annotations
@@ -31,10 +45,15 @@ from kvstore.swa_snapshot import snapshot_shape
 
 BASELINE = "redis-py pipelined SET/GET, same bytes, same Redis"
 RAW_GET = "one raw redis-py GET of a snapshot's bytes, same Redis"
+EMBEDDED_BASELINE = "one raw unary gRPC round trip per batch + memcpy of each snapshot"
+EMBEDDED_RAW_GET = "one raw unary gRPC round trip + memcpy of the snapshot"
+BACKENDS = ("both", "redis", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvstore bench swa`."""
+    parser.add_argument("--backend", choices=BACKENDS, default="both",
+                        help="which pool to measure: redis (direct path), memory (shared-memory path) or both")
     parser.add_argument("--redis-url", help="an existing Redis to use (default: start a throwaway redis-server)")
     parser.add_argument("--snapshots", type=int, default=48, help="snapshots per round (default 48)")
     parser.add_argument("--batch", type=int, default=8, help="snapshots per call on both sides (default 8)")
@@ -73,7 +92,17 @@ def _kvstore(redis_url: str, *, own_redis: bool) -> Iterator[str]:
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
-    """Measure put and get of SWA snapshots both ways; report rates and ratios."""
+    """Measure put and get of SWA snapshots on each backend's paths against its raw peer; report rates and ratios."""
+    report = Report(bench="swa")
+    if args.backend in ("both", "memory"):
+        _run_embedded(args, progress, report)
+    if args.backend in ("both", "redis"):
+        _run_redis(args, progress, report)
+    return report
+
+
+def _run_redis(args: argparse.Namespace, progress: Progress, report: Report) -> None:
+    """The Redis backend: gateway and direct paths against raw redis-py."""
     import statistics
     import time
 
@@ -81,7 +110,6 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
 
     from kvstore.client import Client, SwaClient
 
-    report = Report(bench="swa")
     with _redis(args.redis_url) as url, _kvstore(url, own_redis=args.redis_url is None) as target, \
             Client(target) as client, redis.Redis.from_url(url) as raw:
         swa = SwaClient(client.connection, path="gateway")
@@ -164,4 +192,126 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes.update(snapshot_bytes_even=sizes[0], snapshot_bytes_odd=sizes[min(1, n - 1)], snapshots=n,
                         batch=batch, rounds=args.rounds, fetches=args.fetches,
                         redis="given" if args.redis_url else "started by the bench", cpus=os.cpu_count())
-    return report
+
+
+@contextmanager
+def _raw_unary() -> Iterator[Callable[[], bytes]]:
+    """The cheapest gRPC round trip: a bare generic-handler server in its own process answering
+    an empty reply (harness.RAW_SERVER's Unary); yields the call."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from kvstore.bench.harness import RAW_SERVER
+
+    proc = subprocess.Popen([sys.executable, "-c", RAW_SERVER, "1", "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/bench.Raw/Unary")
+            yield partial(call, bytes(8))  # asks for 0 bytes back
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) -> None:
+    """The embedded pool: the shared-memory and gateway paths against a round trip + memcpy."""
+    import mmap
+    import statistics
+    import time
+
+    from kvstore.client import Client, SwaClient
+
+    env = {"KVSTORE_SWA_BACKEND": "memory", "KVSTORE_SWA_CAP_BYTES": str(4 << 30)}
+    with tempfile.TemporaryDirectory(prefix="kvstore-bench-swa-") as tmp, \
+            serve_process(Path(tmp) / "store", 1 << 28, 64, env) as target, Client(target) as client, \
+            _raw_unary() as unary:
+        gateway = SwaClient(client.connection, path="gateway")
+        shm = SwaClient(client.connection, path="direct")
+        n, batch = args.snapshots, args.batch
+        window = snapshot_shape(geometries.resolve(client.geometry)).window
+        positions = [window + i for i in range(n)]
+        sizes = [gateway.snapshot_bytes(t) for t in positions]
+        payload = [os.urandom(size) for size in sizes]
+        keys = gateway.keys(list(range(positions[-1])), positions)
+        batches = [(start, min(start + batch, n)) for start in range(0, n, batch)]
+        total_bytes = sum(sizes)
+        # The raw peer's pool: one slot per snapshot in a shared mapping (as the arena is).
+        slot = max(sizes)
+        pool = mmap.mmap(-1, slot * n)
+        view = memoryview(pool)
+
+        def put(side: SwaClient) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    side.put_many(list(zip(keys[lo:hi], positions[lo:hi], payload[lo:hi], strict=True)))
+            return go
+
+        def get(side: SwaClient) -> Callable[[], None]:
+            def go() -> None:
+                for lo, hi in batches:
+                    got = side.get_many(keys[lo:hi])
+                    assert all(g is not None for g in got), "snapshot missing during the benchmark"
+            return go
+
+        def raw_put() -> None:
+            for lo, hi in batches:
+                unary()
+                for i in range(lo, hi):
+                    view[i * slot:i * slot + sizes[i]] = payload[i]
+
+        def raw_get() -> None:
+            for lo, hi in batches:
+                unary()
+                got = [bytes(view[i * slot:i * slot + sizes[i]]) for i in range(lo, hi)]
+                assert len(got) == hi - lo
+
+        def raw_fetch(i: int) -> bytes:
+            unary()
+            return bytes(view[i * slot:i * slot + sizes[i]])
+
+        phases: list[tuple[str, Callable[[], None]]] = [
+            ("gateway put", put(gateway)), ("shm put", put(shm)), ("raw put", raw_put),
+            ("gateway get", get(gateway)), ("shm get", get(shm)), ("raw get", raw_get)]
+        seconds: dict[str, float] = {}
+        with progress.bar("embedded rounds", args.rounds * len(phases), unit="phase") as bar:
+            for _ in range(args.rounds):
+                for name, fn in phases:  # in turn, so a loaded machine slows every side alike
+                    seconds[name] = min(seconds.get(name, float("inf")), best_of(fn, 1))
+                    bar.update(1)
+        assert shm.last_path == "shm", f"the shared-memory path was not taken: {shm.direct_reason}"
+        latency: dict[str, list[float]] = {"shm": [], "gateway": [], "raw": []}
+        with progress.bar("embedded single fetches", args.fetches, unit="fetch") as bar:
+            for i in range(args.fetches):
+                j = i % n
+                fetches: tuple[tuple[str, Callable[[], object]], ...] = (
+                    ("shm", partial(shm.get_many, [keys[j]])), ("gateway", partial(gateway.get_many, [keys[j]])),
+                    ("raw", partial(raw_fetch, j)))
+                for name, fetch in fetches:
+                    start = time.perf_counter()
+                    fetch()
+                    latency[name].append(time.perf_counter() - start)
+                bar.update(1)
+        shm.close()
+        gateway.delete_many(keys)
+        view.release()
+        pool.close()
+
+    for op in ("put", "get"):
+        base = seconds[f"raw {op}"]
+        for side in ("shm", "gateway"):
+            ours = seconds[f"{side} {op}"]
+            label = f"embedded {side} {op}"
+            report.add(Figure.against(f"{label} throughput", total_bytes / ours / 1e9, "GB/s", EMBEDDED_BASELINE,
+                                      total_bytes / base / 1e9))
+            report.add(Figure.against(f"{label} latency per batch", ours / len(batches) * 1e3, "ms",
+                                      EMBEDDED_BASELINE, base / len(batches) * 1e3))
+    p50 = {name: statistics.median(values) * 1e3 for name, values in latency.items()}
+    for side in ("shm", "gateway"):
+        report.add(Figure.against(f"embedded {side} single-snapshot fetch p50", p50[side], "ms", EMBEDDED_RAW_GET,
+                                  p50["raw"]))
+    report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=args.rounds,
+                        embedded_raw_fetch_p50_ms=round(p50["raw"], 3), cpus=os.cpu_count())

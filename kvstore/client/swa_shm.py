@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import xxhash
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import FailedPrecondition, Internal, KVStoreError, Unavailable, from_status
@@ -49,6 +50,8 @@ from kvstore.v1 import swa_pb2 as pb
 
 Buffer = bytes | bytearray | memoryview
 
+#: Bytes a get copies before checksumming them (small enough to still be in cache).
+CHUNK = 256 << 10
 #: Largest message either side reads (a batch of max_batch_snapshots keys is far below).
 MAX_MESSAGE = 256 << 10
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -73,7 +76,7 @@ def raise_for(reply: pb.SwaShmReply) -> None:
 class ShmGets:
     """One get call: the snapshots (None where missing or not intact) and the copies that failed their check."""
 
-    data: list[bytes | None]
+    data: list[memoryview | None]
     corrupt: int
 
 
@@ -160,41 +163,52 @@ class ShmPath:
             offsets = list(reply.offsets)
             if len(offsets) != len(triples):
                 raise Internal(f"SWA shared-memory path: {len(offsets)} offsets for {len(triples)} snapshots")
-            sums = []
+            checked = []
             try:
                 for offset, (_, _, data) in zip(offsets, triples, strict=True):
                     if offset >= 0:
                         self._view[offset:offset + len(data)] = data  # the one copy
-                        sums.append(checksum(data))
+                        checked.append(checksum(data))
             except BaseException:
                 with contextlib.suppress(KVStoreError):
                     self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_ABORT))
                 raise
-            self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT, checksums=sums, ttl_ms=ttl_ms))
+            self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT, checksums=checked, ttl_ms=ttl_ms))
         return sum(len(d) for _, _, d in triples)
 
     def get_many(self, keys: Sequence[bytes]) -> ShmGets:
-        """The snapshots under `keys` (bytes, copied out of the arena and checked), None where missing."""
+        """The snapshots under `keys`, copied out of the arena and checked (each a read-only memoryview
+        over its own copy), None where missing or where the copy failed its checksum."""
         with self._lock:
             reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=keys, corrupt=self._corrupt))
             self._corrupt = 0
             if not len(reply.offsets) == len(reply.positions) == len(reply.checksums) == len(keys):
                 raise Internal(f"SWA shared-memory path: a GET reply of {len(reply.offsets)} items, "
                                f"{len(keys)} keys asked")
-            found = zip(reply.offsets, reply.positions, reply.checksums, strict=True)
-        out: list[bytes | None] = []
-        corrupt = 0
-        for offset, position, expected in found:
-            if offset < 0:
+            copies: list[tuple[bytearray, xxhash.xxh3_64, int] | None] = []
+            for offset, position, expected in zip(reply.offsets, reply.positions, reply.checksums, strict=True):
+                if offset < 0:
+                    copies.append(None)
+                    continue
+                size = snapshot_bytes(self.geometry, position)
+                copy, digest = bytearray(size), xxhash.xxh3_64()
+                into = memoryview(copy)
+                # Chunk by chunk: each chunk is checksummed while it is still in cache (one pass over
+                # memory, where copying and then hashing the whole snapshot read it twice).
+                for lo in range(0, size, CHUNK):
+                    hi = min(lo + CHUNK, size)
+                    into[lo:hi] = self._view[offset + lo:offset + hi]  # the one copy
+                    digest.update(into[lo:hi])
+                copies.append((copy, digest, expected))
+            out: list[memoryview | None] = []
+            corrupt = 0
+            for item in copies:
+                if item is not None and item[1].intdigest() == item[2]:
+                    out.append(memoryview(item[0]).toreadonly())
+                    continue
+                corrupt += item is not None  # rewritten in place, or evicted and reused while copied: a miss
                 out.append(None)
-                continue
-            data = bytes(self._view[offset:offset + snapshot_bytes(self.geometry, position)])  # the one copy
-            if checksum(data) != expected:
-                corrupt += 1  # rewritten in place, or evicted and reused while copied: a miss
-                out.append(None)
-                continue
-            out.append(data)
-        self._corrupt += corrupt
+            self._corrupt += corrupt
         return ShmGets(data=out, corrupt=corrupt)
 
     def close(self) -> None:
