@@ -1,0 +1,129 @@
+"""The embedded pool's shared memory: per-tenant sealed arenas, their allocator, and the reserve/commit steps
+the shared-memory path uses, under the same cap, LRU and TTL as the gateway path (real memfds)."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstore.clock import ManualClock
+from kvstore.prefix import namespace_id
+from kvstore.swa_snapshot import HEADER_BYTES
+from tiers.swa_memory import MemoryPool, arena_id
+from tiers.swa_shm import PAGE, SEALS, Arena
+
+MiB = 1 << 20
+FP = b"f" * 8
+
+
+def key(tenant: str, i: int) -> bytes:
+    return FP + namespace_id(tenant) + i.to_bytes(4, "little") + bytes(28)
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = Arena("kvstore-swa-test", 16 * PAGE, idle_limit=4 * PAGE)
+    yield a
+    a.close()
+
+
+def test_an_arena_is_sealed_against_resizing(arena: Arena) -> None:
+    assert fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+    with pytest.raises(PermissionError):
+        os.ftruncate(arena.fd, PAGE)  # a client could otherwise make the server's mapping fault
+
+
+def test_allocations_are_pages_and_freed_ranges_coalesce(arena: Arena) -> None:
+    offsets = [arena.alloc(PAGE + 1) for _ in range(8)]  # two pages each: the whole arena
+    assert offsets == [i * 2 * PAGE for i in range(8)]
+    assert arena.alloc(1) is None  # full
+    for offset in offsets[2:6]:
+        arena.free(offset, PAGE + 1)
+    assert arena.alloc(8 * PAGE) == offsets[2]  # the four freed neighbours are one range again
+    arena.free(offsets[0], PAGE + 1)
+    arena.free(offsets[1], PAGE + 1)
+    assert arena.alloc(4 * PAGE) == 0
+
+
+def test_freed_pages_past_the_idle_limit_go_back_to_the_kernel(arena: Arena) -> None:
+    offsets = [arena.alloc(2 * PAGE) for _ in range(4)]
+    for offset in offsets:
+        assert offset is not None
+        arena.write(offset, b"\xab" * 2 * PAGE)
+    for offset in offsets:
+        assert offset is not None
+        arena.free(offset, 2 * PAGE)
+    # The first two frees stay committed (4 pages of idle budget); the rest are punched out: zeros.
+    assert arena.read(0, 4) == b"\xab" * 4 and arena.read(6 * PAGE, 4) == bytes(4)
+
+
+def test_a_read_only_descriptor_cannot_be_mapped_for_writing(arena: Arena) -> None:
+    fd = arena.open_fd(writable=False)
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, arena.size)
+        view = mmap.mmap(fd, arena.size, prot=mmap.PROT_READ)
+        arena.write(PAGE, b"seen")
+        assert view[PAGE:PAGE + 4] == b"seen"  # the same pages
+        view.close()
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def pool(clock: ManualClock, loop_thread: Any) -> Iterator[MemoryPool]:
+    p = MemoryPool(cap_bytes=4 * MiB, clock=clock)
+    yield p
+    loop_thread.run(p.close())
+
+
+def test_tenants_have_their_own_arenas(pool: MemoryPool, loop_thread: Any) -> None:
+    a, b = key("a", 1), key("b", 1)
+    assert arena_id(a) == namespace_id("a") and arena_id(b"short") == b""
+    loop_thread.run(pool.put_many([(a, b"A" * 100), (b, b"B" * 100)], 60))
+    arena_a, arena_b = pool.arena(namespace_id("a")), pool.arena(namespace_id("b"))
+    assert arena_a is not arena_b
+    assert bytes(arena_a.view).find(b"A" * 100) >= 0 and bytes(arena_a.view).find(b"B" * 100) == -1
+    assert bytes(arena_b.view).find(b"A" * 100) == -1
+
+
+def test_a_committed_reservation_is_the_gateways_record_and_expires(pool: MemoryPool, clock: ManualClock,
+                                                                   loop_thread: Any) -> None:
+    tenant, k = namespace_id("a"), key("a", 1)
+    [offset] = pool.reserve(tenant, [HEADER_BYTES + 1000])
+    assert offset is not None
+    pool.arena(tenant).write(offset + HEADER_BYTES, b"s" * 1000)
+    assert loop_thread.run(pool.get_many([k])) == [None]  # not live before its commit
+    pool.commit(tenant, [(k, offset, HEADER_BYTES + 1000, b"h" * HEADER_BYTES)], ttl_s=10)
+    assert loop_thread.run(pool.get_many([k])) == [b"h" * HEADER_BYTES + b"s" * 1000]
+    [located] = pool.locate([k])
+    assert located is not None and located.offset == offset and located.header == b"h" * HEADER_BYTES
+    clock.advance(11)
+    assert pool.locate([k]) == [None] and loop_thread.run(pool.usage()).expirations == 1
+
+
+def test_reservations_count_against_the_cap_and_evict_the_least_recently_used(pool: MemoryPool,
+                                                                              loop_thread: Any) -> None:
+    tenant = namespace_id("a")
+    loop_thread.run(pool.put_many([(key("a", i), os.urandom(MiB)) for i in range(4)], 60))  # the whole cap
+    pool.locate([key("a", 0)])  # recently used: kept
+    offsets = pool.reserve(tenant, [MiB, MiB])
+    assert None not in offsets
+    got = loop_thread.run(pool.get_many([key("a", i) for i in range(4)]))
+    assert got[0] is not None and sum(g is not None for g in got) == 2  # two evicted for the reservation
+    usage = loop_thread.run(pool.usage())
+    assert usage.evictions == 2 and usage.bytes_used == 2 * MiB
+    pool.release(tenant, [(o, MiB) for o in offsets if o is not None])
+    loop_thread.run(pool.put_many([(key("a", 9), os.urandom(MiB)), (key("a", 8), os.urandom(MiB))], 60))
+    assert loop_thread.run(pool.usage()).evictions == 2  # the released bytes made room: nothing else evicted
+
+
+def test_a_reservation_larger_than_the_pool_is_dropped(pool: MemoryPool, loop_thread: Any) -> None:
+    big, small = pool.reserve(namespace_id("a"), [5 * MiB, 100])
+    assert big is None and small is not None  # dropped as put_many drops it; the rest of the batch is kept
+    assert loop_thread.run(pool.usage()).evictions == 1
