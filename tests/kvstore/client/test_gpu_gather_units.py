@@ -10,6 +10,7 @@ test_gpu_gather.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -226,3 +227,33 @@ def test_columns_come_from_the_reads_arrays_or_its_spans() -> None:
     odd.spans = [Span(0, 16, 66)]
     with pytest.raises(InvalidArgument, match="multiple of 4"):
         _columns(odd)  # type: ignore[arg-type]
+
+
+def test_the_bench_figures_skip_with_a_note_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    import argparse
+
+    from kvstore.bench.report import Progress
+    from kvstore.bench.transfer_direct import figures
+
+    notes: dict[str, object] = {}
+    assert figures(argparse.Namespace(tokens=1_000_000, block_tokens=64, repeat=3), Progress(False), notes=notes) == []
+    assert "skipped: no CUDA device" in str(notes["direct gpu"])
+
+
+def test_the_synthetic_mapping_is_laid_out_as_lmdb_overflow_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    from kvstore.bench.transfer_direct import MappedFile
+
+    with MappedFile(6, 56_960, seed=2, folder=str(tmp_path)) as f:
+        assert f.base_address % PAGE_BYTES == 0 and f.map_length == PAGE_BYTES + 6 * 14 * PAGE_BYTES
+        assert all(s.offset % PAGE_BYTES == 16 for s in f.spans)
+        view = np.frombuffer(Path(f.path).read_bytes(), dtype=np.uint8)
+        for s, expected in zip(f.spans, f.expected(), strict=True):
+            assert np.array_equal(view[s.offset:s.offset + s.size], expected)
+        assert f.verify() == [True] * 6
+        f.corrupt(4)
+        assert f.verify() == [True, True, True, True, False, True]
