@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvstore.client.gpu_layout import ScratchRead, columns, destinations
 from kvstore.client.gpu_pinned import (
     BUDGET_BYTES,
     CHUNK_BYTES,
@@ -194,7 +195,7 @@ class GpuGather:
         """
         import torch
 
-        offsets, size = _columns(read)
+        offsets, size = columns(read)
         n = len(offsets)
         if out is None:
             out = torch.empty((n, size), dtype=torch.uint8, device=self.device)
@@ -242,13 +243,13 @@ class GpuGather:
         """
         import torch
 
-        offsets, found = _columns(read)
+        offsets, found = columns(read)
         n = len(offsets)
         size = geometry.block_bytes(block_tokens)
         if n and found != size:
             raise InvalidArgument(f"blocks are {found} bytes; the layout of {geometry.name} at "
                                   f"{block_tokens} tokens is {size}")
-        table, base, slots_t, align = self._sections(layers, slots, n, geometry, block_tokens)
+        table, base, slots_t, align = destinations(layers, slots, n, geometry, block_tokens, self.device)
         if n == 0:
             return self._finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
         kernels = _kernels()
@@ -264,61 +265,45 @@ class GpuGather:
 
         return self._run(read, offsets, size, launch, verify=verify, extra_align=16 if align == 4 else 4)
 
-    # -- shared -----------------------------------------------------------
+    def warm_up(self, *, geometry: ModelGeometry = V4_1_FLASH, block_tokens: int = 64) -> float:
+        """Compile both kernels for this geometry's blocks now, on a scratch mapping of two blocks,
+        so an engine's first restore does not wait for Triton (about 0.5 s on the H200).
 
-    def _sections(self, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
-                  slots: Sequence[int] | torch.Tensor | None, n: int, geometry: ModelGeometry,
-                  block_tokens: int) -> tuple[tuple[torch.Tensor, ...], int, torch.Tensor, int]:
-        """Per section: (source word offset, words, destination word offset, slot stride in words),
-        the destinations' base address, the slots on the device, and the word alignment (4 or 1)."""
+        Returns:
+            Seconds it took.
+
+        Raises:
+            DirectGpuUnavailable: no Triton, or registration refused.
+        """
+        import mmap
+
+        import numpy as np
         import torch
 
-        if not isinstance(layers, Mapping) or sorted(layers) != sorted(geometry.kv_source_layers):
-            got = sorted(layers) if isinstance(layers, Mapping) else type(layers).__name__
-            raise InvalidArgument(f"layers: expected {{layer: (kv_dest, index_dest)}} for layers "
-                                  f"{list(geometry.kv_source_layers)}, got {got}")
-        rows: list[tuple[int, int, torch.Tensor, int]] = []  # (src offset, bytes, dest, slot stride bytes)
-        capacity = None
-        for s in geometry.block_layout(block_tokens):
-            pair = layers[s.layer]
-            if not isinstance(pair, tuple | list) or len(pair) != 2:
-                raise InvalidArgument(f"layer {s.layer}: expected a pair (kv_dest, index_dest)")
-            dest = pair[0 if s.component == "compressed_kv" else 1]
-            what = f"layer {s.layer} {s.component} destination"
-            if (not isinstance(dest, torch.Tensor) or dest.dtype != torch.uint8 or dest.device != self.device
-                    or dest.dim() not in (2, 3) or dest.shape[0] < 1):
-                found = f"{dest.dtype} {tuple(dest.shape)} on {dest.device}" if isinstance(dest, torch.Tensor) \
-                    else type(dest).__name__
-                raise InvalidArgument(f"{what}: expected a uint8 tensor [slots, {s.rows}, {s.row_bytes}] on "
-                                      f"{self.device}, got {found}")
-            section = s.rows * s.row_bytes
-            inner_ok = (dest.dim() == 3 and tuple(dest.shape[1:]) == (s.rows, s.row_bytes)
-                        and dest.stride(2) == 1 and dest.stride(1) == s.row_bytes) or \
-                       (dest.dim() == 2 and dest.shape[1] == section and dest.stride(1) == 1)
-            if not inner_ok:
-                raise InvalidArgument(f"{what}: expected [slots, {s.rows}, {s.row_bytes}] with contiguous rows "
-                                      f"per slot, got shape {tuple(dest.shape)} strides {dest.stride()}")
-            capacity = dest.shape[0] if capacity is None else min(capacity, dest.shape[0])
-            rows.append((s.offset, section, dest, dest.stride(0)))
-        assert capacity is not None
-        if slots is None:
-            if n > capacity:
-                raise InvalidArgument(f"{n} blocks but the destinations hold {capacity} slots")
-            slot_t = torch.arange(n, dtype=torch.int64)
-        else:
-            slot_t = torch.as_tensor(slots, dtype=torch.int64).cpu().reshape(-1)
-            if slot_t.numel() != n:
-                raise InvalidArgument(f"slots: expected {n} slot ids (one per found block), got {slot_t.numel()}")
-            if n and (int(slot_t.min()) < 0 or int(slot_t.max()) >= capacity):
-                raise InvalidArgument(f"slots must be in [0, {capacity}), got {int(slot_t.min())}.."
-                                      f"{int(slot_t.max())}")
-        base = min(d.data_ptr() for _, _, d, _ in rows)
-        numbers = [(off, nbytes, d.data_ptr() - base, stride) for off, nbytes, d, stride in rows]
-        if any(x % 4 for row in numbers for x in row) or base % 4:
-            raise InvalidArgument("destinations and the block layout must be multiples of 4 bytes")
-        align = 4 if not base % 16 and not any(x % 16 for row in numbers for x in row) else 1
-        table = tuple(torch.tensor([row[k] // 4 for row in numbers], dtype=torch.int64) for k in range(4))
-        return table, base, slot_t.to(self.device), align
+        started = time.perf_counter()
+        size = geometry.block_bytes(block_tokens)
+        stride = -(-(size + 16) // 4096) * 4096
+        scratch = mmap.mmap(-1, 2 * stride)
+        try:
+            pages = np.frombuffer(scratch, dtype=np.uint8)
+            read = ScratchRead(int(pages.ctypes.data), 2 * stride, np.array([16, stride + 16], dtype=np.int64),
+                                size)
+            out = torch.empty((2, size), dtype=torch.uint8, device=self.device)
+            self.gather(read, out, verify=False)
+            parts: dict[tuple[int, str], torch.Tensor] = {
+                (s.layer, s.component): torch.empty((2, s.rows * s.row_bytes), dtype=torch.uint8, device=self.device)
+                for s in geometry.block_layout(block_tokens)}
+            layers = {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"])
+                      for layer in geometry.kv_source_layers}
+            self.scatter(read, layers, geometry=geometry, block_tokens=block_tokens, verify=False)
+        finally:
+            with self._lock:
+                self.registry.clear()  # the scratch mapping goes now
+            del pages
+            scratch.close()
+        return time.perf_counter() - started
+
+    # -- shared -----------------------------------------------------------
 
     def _run(self, read: MappedReadLike, offsets: Any, size: int, launch: Callable[..., None], *, verify: bool,
              extra_align: int) -> GatherResult:
@@ -386,28 +371,3 @@ class GpuGather:
                             copy_s=copy_s, verify_s=verify_s)
 
 
-def _columns(read: MappedReadLike) -> tuple[Any, int]:
-    """The blocks' offsets (int64 numpy) and their one size, from the read's columns where it has
-    them (`MappedRead.offsets` / `.sizes`: no object per block), else from its spans.
-
-    Raises:
-        InvalidArgument: blocks of several sizes, or a size that is not a multiple of 4 bytes.
-    """
-    import numpy as np
-
-    columns = getattr(read, "offsets", None)
-    if columns is not None:
-        offsets = np.asarray(columns, dtype=np.int64)
-        sizes = np.asarray(read.sizes, dtype=np.int64)  # type: ignore[attr-defined]
-    else:
-        spans = list(read.spans)
-        offsets = np.fromiter((s.offset for s in spans), dtype=np.int64, count=len(spans))
-        sizes = np.fromiter((s.size for s in spans), dtype=np.int64, count=len(spans))
-    if not len(offsets):
-        return offsets, 0
-    size = int(sizes[0])
-    if (sizes != size).any():
-        raise InvalidArgument(f"blocks of several sizes in one read: {sorted(set(sizes.tolist()))[:5]}")
-    if size % 4:
-        raise InvalidArgument(f"block size {size} is not a multiple of 4 bytes")
-    return offsets, size

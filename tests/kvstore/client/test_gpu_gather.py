@@ -145,3 +145,14 @@ def test_a_refused_registration_is_the_typed_error_and_cuda_still_works() -> Non
         host.register(address, 8192)  # already registered: CUDA refuses
     host.unregister(address)
     assert torch.ones(3, device="cuda").sum().item() == 3  # the error was cleared, not left sticky
+
+
+def test_warm_up_compiles_and_leaves_nothing_registered(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.client.gpu_gather import GpuGather
+
+    with GpuGather() as g:
+        assert g.warm_up() > 0
+        assert g.registry.used_bytes == 0 and g.stats.registrations == 1  # one scratch chunk, both kernels
+        with MappedFile(9, BLOCK, seed=9, folder=str(tmp_path)) as f:
+            out, result = g.gather(f)
+            assert result.blocks == 9 and torch.equal(out.cpu(), torch.from_numpy(f.expected()))

@@ -207,7 +207,7 @@ def test_array_planning_matches_the_span_loop() -> None:
 def test_columns_come_from_the_reads_arrays_or_its_spans() -> None:
     import numpy as np
 
-    from kvstore.client.gpu_gather import _columns
+    from kvstore.client.gpu_layout import columns
 
     class Columns:
         offsets = np.array([16, 4112], dtype=np.int64)
@@ -217,16 +217,16 @@ def test_columns_come_from_the_reads_arrays_or_its_spans() -> None:
         spans = [Span(0, 16, 64), Span(1, 4112, 64)]
 
     for read in (Columns(), Spans()):
-        offsets, size = _columns(read)  # type: ignore[arg-type]
+        offsets, size = columns(read)  # type: ignore[arg-type]
         assert offsets.tolist() == [16, 4112] and size == 64
     mixed = Spans()
     mixed.spans = [Span(0, 16, 64), Span(1, 4112, 68)]
     with pytest.raises(InvalidArgument, match="several sizes"):
-        _columns(mixed)  # type: ignore[arg-type]
+        columns(mixed)  # type: ignore[arg-type]
     odd = Spans()
     odd.spans = [Span(0, 16, 66)]
     with pytest.raises(InvalidArgument, match="multiple of 4"):
-        _columns(odd)  # type: ignore[arg-type]
+        columns(odd)  # type: ignore[arg-type]
 
 
 def test_the_bench_figures_skip_with_a_note_without_cuda() -> None:
@@ -257,3 +257,40 @@ def test_the_synthetic_mapping_is_laid_out_as_lmdb_overflow_values(tmp_path) -> 
         assert f.verify() == [True] * 6
         f.corrupt(4)
         assert f.verify() == [True, True, True, True, False, True]
+
+
+def test_the_scatter_table_follows_the_block_layout_and_the_destinations() -> None:
+    torch = pytest.importorskip("torch")
+    from kvstore.client.gpu_layout import destinations
+    from kvstore.geometry import V4_1_FLASH
+
+    geo, cpu = V4_1_FLASH, torch.device("cpu")
+    pages = 10
+    layers = {layer: (torch.empty((pages, geo.block_rows(layer, 64), 288), dtype=torch.uint8),
+                      torch.empty((pages, geo.block_rows(layer, 64) * 68), dtype=torch.uint8))
+              for layer in geo.kv_source_layers}
+    (src, words, dst, stride), base, slots, align = destinations(layers, [3, 1, 9], 3, geo, 64, cpu)
+    layout = geo.block_layout(64)
+    assert src.tolist() == [s.offset // 4 for s in layout]
+    assert words.tolist() == [s.rows * s.row_bytes // 4 for s in layout]
+    tensors = [layers[s.layer][0 if s.component == "compressed_kv" else 1] for s in layout]
+    assert base == min(t.data_ptr() for t in tensors)
+    assert dst.tolist() == [(t.data_ptr() - base) // 4 for t in tensors]
+    assert stride.tolist() == [t.stride(0) // 4 for t in tensors]
+    assert slots.tolist() == [3, 1, 9] and align == 4
+    assert destinations(layers, None, 4, geo, 64, cpu)[2].tolist() == [0, 1, 2, 3]
+    with pytest.raises(InvalidArgument, match="destinations hold"):
+        destinations(layers, None, pages + 1, geo, 64, cpu)
+    with pytest.raises(InvalidArgument, match="slots must be in"):
+        destinations(layers, [0, pages], 2, geo, 64, cpu)
+    with pytest.raises(InvalidArgument, match="expected 2 slot ids"):
+        destinations(layers, [0], 2, geo, 64, cpu)
+    with pytest.raises(InvalidArgument, match="layers"):
+        destinations({2: layers[2]}, None, 1, geo, 64, cpu)
+    odd = dict(layers)
+    odd[14] = (layers[14][0][:, :, :287], layers[14][1])
+    with pytest.raises(InvalidArgument, match="layer 14 compressed_kv"):
+        destinations(odd, None, 1, geo, 64, cpu)
+    shifted = dict(layers)
+    shifted[20] = (layers[20][0], torch.empty(pages * 64 * 68 + 8, dtype=torch.uint8)[8:].view(pages, 64 * 68))
+    assert destinations(shifted, None, 1, geo, 64, cpu)[3] == 1  # 8-byte aligned only: 4-byte accesses
