@@ -413,3 +413,32 @@ def test_a_ring_read_is_use_durably_and_a_failed_refresh_fails_its_blocks(
         assert state.done_prefix == 0 and state.results[0].code == "UNAVAILABLE"
         assert "retention refresh failed" in state.results[0].reason
         assert client.transfer_stats().refresh_failures == 1
+
+
+def test_a_server_stopping_cleanly_closes_the_ring_and_the_client_sees_it(serve: Child) -> None:
+    client = Client(serve.target, timeout_s=30)
+    session = client.transfer()
+    hashes, _ = stored(client, 1)
+    region = session.register(client.block_bytes)
+    assert session.ring is not None and session.fetch(hashes, region).done_prefix == 1
+    started = time.monotonic()
+    assert serve.stop() == 0, serve.log()  # SIGTERM: sessions end, ring threads stop and unmap
+    assert time.monotonic() - started < 20
+    with pytest.raises(Unavailable):
+        session.fetch(hashes, region)
+    assert session.ring.broken
+    session.close()
+    client.close()
+
+
+def test_a_second_thread_falls_back_to_submit_while_the_ring_is_busy(serve: Child) -> None:
+    with Client(serve.target) as client, client.transfer() as session:
+        hashes, blocks = stored(client, 2)
+        region = session.register(2 * client.block_bytes)
+        ring = session.ring
+        assert ring is not None
+        calls = counting_submits(session)
+        with ring._lock:  # another thread's request in flight
+            assert session.fetch(hashes, region).done_prefix == 2
+        assert calls == ["SubmitRequest"] and ring.answered == 0
+        assert bytes(region.view) == b"".join(blocks)
