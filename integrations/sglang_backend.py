@@ -3,11 +3,15 @@
 Run SGLang with it (SGLang 0.5.23 refuses a custom registered name; its "dynamic"
 backend loads this class from the extra config):
 
-    python -m sglang.launch_server ... --page-size 64 --enable-hierarchical-cache \\
+    SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python python -m sglang.launch_server ... \\
+        --page-size 64 --enable-hierarchical-cache \\
         --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "kvstore",
             "module_path": "integrations.sglang_backend", "class_name": "KVStoreHiCacheStorage",
             "interface_v1": 1, "target": "127.0.0.1:50051"}'
+
+with `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python` in its environment (the default Rust
+tree core hashes pages natively, past kvstore's keys; the backend refuses to start without it).
 
 Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (ConfigError):
 - `target` (required): the kvstore server, host:port.
@@ -33,7 +37,6 @@ registration with ConfigError rather than served wrongly.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,46 +51,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from integrations import sglang_keys, sglang_swa
+from integrations import sglang_config, sglang_keys, sglang_swa
 from kvstore.client import Client
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.geometry import resolve
 from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
-
-_KNOWN = {"backend_name", "module_path", "class_name", "interface_v1", "target", "token", "namespace", "geometry",
-          "timeout_s", "ledger_pages", "swa_ttl_s"}
-
-
-def _settings(extra: dict[str, Any] | None) -> dict[str, Any]:
-    """The extra config, checked: typed values, no unknown names (a typo is refused, not ignored)."""
-    if not isinstance(extra, dict):
-        raise ConfigError("the kvstore HiCache backend needs --hicache-storage-backend-extra-config with "
-                          "at least {\"target\": \"host:port\"}")
-    unknown = sorted(set(extra) - _KNOWN)
-    if unknown:
-        raise ConfigError(f"unknown kvstore HiCache settings {unknown}; known: {sorted(_KNOWN)}")
-    target = extra.get("target")
-    if not isinstance(target, str) or ":" not in target:
-        raise ConfigError(f"extra config 'target' must be the kvstore server as 'host:port', got {target!r}")
-    out: dict[str, Any] = {"target": target}
-    for name in ("token", "namespace", "geometry"):
-        value = extra.get(name, "")
-        if not isinstance(value, str):
-            raise ConfigError(f"extra config {name!r} must be a string, got {type(value).__name__}")
-        out[name] = value
-    out["token"] = out["token"] or os.environ.get("KVSTORE_TOKEN") or None
-    for name, default, least in (("timeout_s", 30.0, 0.001), ("ledger_pages", sglang_keys.DEFAULT_LEDGER_PAGES, 1),
-                                 ("swa_ttl_s", None, 0.001)):
-        value = extra.get(name, default)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < least):
-            raise ConfigError(f"extra config {name!r} must be a number >= {least}, got {value!r}")
-        out[name] = value
-    if not isinstance(out["ledger_pages"], int):
-        raise ConfigError(f"extra config 'ledger_pages' must be an integer, got {out['ledger_pages']!r}")
-    return out
-
 
 class KVStoreHiCacheStorage(HiCacheStorage):
     """SGLang HiCache storage in a kvstore server: KV pages as kvstore blocks, SWA pages as snapshots.
@@ -102,7 +72,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
-        s = _settings(storage_config.extra_config)
+        s = sglang_config.settings(storage_config.extra_config)
+        sglang_config.check_tree_core()
         self.storage_config = storage_config
         self.client = Client(s["target"], namespace=s["namespace"], geometry=s["geometry"],
                              timeout_s=float(s["timeout_s"]), token=s["token"])

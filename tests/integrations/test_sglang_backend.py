@@ -16,6 +16,7 @@ import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -83,6 +84,12 @@ class PagePool:
     def page_bytes(self, page: int) -> bytes:
         return bytes(self.buf[page * self.page_size:(page + 1) * self.page_size].contiguous().view(torch.uint8)
                      .flatten().numpy())
+
+
+@pytest.fixture(autouse=True)
+def python_tree_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's Python radix-tree core: its page hashes go through kvstore's keys (the backend refuses the Rust one)."""
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +162,23 @@ def test_sglang_page_keys_are_kvstore_chain_hashes(backend: Any, client: kvstore
     assert sglang_keys.page_keys(client.root, PAGE, tokens) == keys[:3]
     # A chain continued from a page key (SGLang's prior_hash) is the same chain.
     assert sg_utils.get_hash_str(tokens[PAGE:3 * PAGE], keys[0], page_size=PAGE) == keys[1:3]
+
+
+def test_the_radix_trees_node_hashes_are_the_same_keys(backend: Any, client: kvstore.Client) -> None:
+    # What the Python tree core keys a write-back with: each node's pages chained from its parent's last hash.
+    tokens = prompt(12, 3, extra=0)
+    root = SimpleNamespace(key=[], hash_value=[], parent=None)
+    first = SimpleNamespace(key=tokens[:PAGE], parent=root, hash_value=None)
+    first.hash_value = sg_utils.compute_node_hash_values(first, PAGE)
+    second = SimpleNamespace(key=tokens[PAGE:], parent=first, hash_value=None)
+    second.hash_value = sg_utils.compute_node_hash_values(second, PAGE)
+    assert first.hash_value + second.hash_value == [h.hex() for h in client.hashes(tokens)]
+
+
+def test_the_default_rust_tree_core_is_refused(server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND")
+    with pytest.raises(ConfigError, match="SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python"):
+        StorageBackendFactory.create_backend("dynamic", config(server.target), None)
 
 
 def test_pages_set_through_sglang_are_kvstore_blocks_byte_for_byte(backend: Any, client: kvstore.Client) -> None:
