@@ -107,6 +107,9 @@ def read(ctx: RingContext, session: Session, raw: bytes) -> pb.TransferState:
         raise InvalidArgument("the ring request is not a SubmitRequest") from None
     if request.op != pb.TRANSFER_OP_READ:
         raise InvalidArgument("a ring request reads (TRANSFER_OP_READ); write with Submit")
+    if len(request.groups) > ctx.limit:  # each holds a descriptor or more: bounds the work of counting them
+        raise InvalidArgument(f"a ring request holds 1 to {ctx.limit} descriptors in as many groups at most; "
+                              f"got {len(request.groups)} groups")
     n = sum(len(g.offsets_bytes) for g in request.groups)
     if not 1 <= n <= ctx.limit:
         raise InvalidArgument(f"a ring request holds 1 to {ctx.limit} descriptors; got {n} (use Submit for more)")

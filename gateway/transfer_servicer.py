@@ -183,7 +183,9 @@ class TransferServicer(pb_grpc.TransferServicer):
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         n = _count(request)
         session.make_room(1, n)
-        if request.wait and request.op == pb.TRANSFER_OP_READ and n <= self.settings.chunk_descriptors:
+        # (Groups bounded too: a few descriptors spread over many empty groups are no small batch.)
+        if (request.wait and request.op == pb.TRANSFER_OP_READ and n <= self.settings.chunk_descriptors
+                and len(request.groups) <= self.settings.chunk_descriptors):
             # A small read its caller waits on (the latency path): checking it is a few
             # slices, so it is checked here, and one copy thread looks it up and copies it.
             transfer = self._checked(session, request, inline=True)()

@@ -162,6 +162,8 @@ def test_hostile_ring_contents_get_errors_and_never_crash_or_hang_the_server(ser
                 offsets_bytes=[0] * (RING_DESCRIPTORS + 1))]).SerializeToString(), None, "INVALID_ARGUMENT",
              f"1 to {RING_DESCRIPTORS}"),
         ]
+        cases.append((pb.SubmitRequest(op=pb.TRANSFER_OP_READ, groups=[good] + [pb.DescriptorGroup()] * 5000)
+                      .SerializeToString(), None, "INVALID_ARGUMENT", "5001 groups"))
         for payload, length, code, words in cases:
             got, answer = raw_ask(ring, payload, length=length)
             assert got and answer, (payload[:20], length)
