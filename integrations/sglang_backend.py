@@ -37,7 +37,9 @@ registration with ConfigError rather than served wrongly.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -82,6 +84,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
         sglang_keys.install(self.ledger)
         self.page_size = self.client.block_tokens
+        self.metrics = storage_config.enable_storage_metrics
+        self._pages_gb = self.client.block_bytes / 1e9
+        self._window: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                                                "backup_bandwidth": []}
+        #: Counters since start (`counters()`): pages found, read and written, snapshots, unknown keys, failures.
         self.stats = {"exists_calls": 0, "pages_found": 0, "pages_read": 0, "pages_written": 0, "write_failures": 0,
                       "unknown_keys": 0, "snapshots_read": 0, "snapshots_written": 0}
 
@@ -181,7 +188,16 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read the pages of `keys` into the KV host pool at `host_indices` (page i at host_indices[i x page])."""
-        return self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
+        start = time.perf_counter()
+        results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
+        self._measure("prefetch", sum(results), start)
+        return results
+
+    def _measure(self, kind: str, pages: int, start: float) -> None:
+        """One call's pages and GB/s for SGLang's storage metrics (--enable-storage-metrics)."""
+        if self.metrics and pages:
+            self._window[f"{kind}_pgs"].append(pages)
+            self._window[f"{kind}_bandwidth"].append(pages * self._pages_gb / max(time.perf_counter() - start, 1e-9))
 
     def _read_pages(self, pool: Any, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         results = [False] * len(keys)
@@ -205,9 +221,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the KV host pool's pages at `host_indices` under `keys` (a chain, in order)."""
+        start = time.perf_counter()
         pool = self._pool(PoolName.KV.value)
         pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
-        return self._write_pages(keys, pages)
+        results = self._write_pages(keys, pages)
+        self._measure("backup", sum(results), start)
+        return results
 
     def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks."""
@@ -345,38 +364,14 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         return out
 
     def _swa_io(self, transfer: PoolTransfer, keys: list[str], *, write: bool) -> list[bool]:
-        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa)."""
-        fail = [False] * len(keys)
+        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa.move)."""
         chain = self.ledger.chain_to_root(keys[-1]) if keys else None
         if chain is None or transfer.host_indices is None:
-            return fail
-        position = len(chain) * self.page_size
-        n = sglang_swa.pages_for(self.geometry, self.page_size, position)
-        if n != len(keys):
-            logger.warning("kvstore backend: %d trailing SWA pages asked at T=%d; a snapshot there fills %d",
-                           len(keys), position, n)
-            return fail
-        pool = self._pool(PoolName.SWA.value)
-        key = sglang_swa.key_at(chain[-1], position)
-        try:
-            if write:
-                pages = [pool.get_data_page(int(transfer.host_indices[i * self.page_size]), flat=True)
-                         for i in range(n)]
-                snapshot = sglang_swa.join_pages(self.geometry, pages, self.page_size)
-                stored = self.client.swa.put_many([(key, position, snapshot)], ttl_s=self.swa_ttl_s).stored
-                self.stats["snapshots_written"] += stored
-                return [stored == 1] * n
-            data = self.client.swa.get_many([key])[0]
-        except KVStoreError as exc:
-            logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
-            return fail
-        if data is None:
-            return fail
-        dtype = pool.get_dummy_flat_data_page().dtype
-        for i, page in enumerate(sglang_swa.split_pages(self.geometry, data, self.page_size, n)):
-            pool.set_from_flat_data_page(int(transfer.host_indices[i * self.page_size]), page.view(dtype))
-        self.stats["snapshots_read"] += 1
-        return [True] * n
+            return [False] * len(keys)
+        done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain,
+                               transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s)
+        self.stats["snapshots_written" if write else "snapshots_read"] += int(done)
+        return [done] * len(keys)
 
     # -- the rest of SGLang's interface ------------------------------------------
 
@@ -385,7 +380,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         retention (72 h); `kvstore purge` empties a tenant."""
         logger.info("kvstore backend: clear() leaves the shared store as it is (use `kvstore purge`)")
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> SimpleNamespace:
+        """SGLang's storage metrics since the last call (the fields of its StorageMetrics: pages and GB/s
+        per prefetch and per backup call), as SGLang's own backends hand them over."""
+        window = {k: list(v) for k, v in self._window.items()}
+        for v in self._window.values():
+            v.clear()
+        return SimpleNamespace(**window)
+
+    def counters(self) -> dict[str, int]:
         """Counters since start: pages found, read and written, snapshots, unknown keys, failures."""
         return dict(self.stats)
 

@@ -18,13 +18,18 @@ holds rows [j x page_size, (j + 1) x page_size) of every layer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from kvstore.errors import ConfigError
+from kvstore.client import Client
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.geometry import ModelGeometry
 from kvstore.swa_snapshot import snapshot_key
+
+logger = logging.getLogger(__name__)
 
 
 def check_swa_page(geometry: ModelGeometry, page_size: int, page_bytes: int) -> None:
@@ -67,3 +72,31 @@ def split_pages(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryvie
     rows = torch.frombuffer(bytearray(snapshot), dtype=torch.uint8).view(
         geometry.num_layers, n * page_size, geometry.window_row_bytes)
     return [rows[:, j * page_size:(j + 1) * page_size, :].reshape(-1) for j in range(n)]
+
+
+def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[bytes], host_indices: torch.Tensor,
+         pages: int, page_size: int, *, write: bool, ttl_s: float | None) -> bool:
+    """Write the `pages` trailing SWA pages at `host_indices` as the snapshot at the end of `chain`, or
+    read that snapshot into them. False (nothing half done to the store) when the pages do not fill the
+    window there, the snapshot is missing, or the server fails."""
+    position = len(chain) * page_size
+    if pages_for(geometry, page_size, position) != pages:
+        logger.warning("kvstore backend: %d trailing SWA pages asked at T=%d; a snapshot there fills %d",
+                       pages, position, pages_for(geometry, page_size, position))
+        return False
+    key = key_at(chain[-1], position)
+    try:
+        if write:
+            flat = [pool.get_data_page(int(host_indices[i * page_size]), flat=True) for i in range(pages)]
+            snapshot = join_pages(geometry, flat, page_size)
+            return client.swa.put_many([(key, position, snapshot)], ttl_s=ttl_s).stored == 1
+        data = client.swa.get_many([key])[0]
+    except KVStoreError as exc:
+        logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
+        return False
+    if data is None:
+        return False
+    dtype = pool.get_dummy_flat_data_page().dtype
+    for i, page in enumerate(split_pages(geometry, data, page_size, pages)):
+        pool.set_from_flat_data_page(int(host_indices[i * page_size]), page.view(dtype))
+    return True

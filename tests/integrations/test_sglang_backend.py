@@ -236,7 +236,7 @@ def test_a_page_sglang_did_not_hash_here_is_not_stored(backend: Any) -> None:
     b, pool = backend
     foreign = "ab" * 32   # a well-formed key the ledger never produced: no tokens to Put it with
     assert b.batch_set_v1([foreign], fill(pool, 0, 1, seed=6)) == [False]
-    assert b.get_stats()["unknown_keys"] == 1
+    assert b.counters()["unknown_keys"] == 1
 
 
 def test_a_page_whose_parent_is_not_stored_fails_and_nothing_is_written(backend: Any) -> None:
@@ -244,13 +244,15 @@ def test_a_page_whose_parent_is_not_stored_fails_and_nothing_is_written(backend:
     tokens = prompt(7, 2)
     keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:2]
     assert b.batch_set_v1(keys[1:], fill(pool, 1, 1, seed=7)) == [False]   # kvstore: FailedPrecondition
-    assert b.get_stats()["write_failures"] == 1
+    assert b.counters()["write_failures"] == 1
     assert b.batch_exists(keys) == 0
 
 
-def test_bfloat16_host_pages_travel_as_their_bytes(server: Child, client: kvstore.Client) -> None:
+def test_bfloat16_host_pages_travel_as_their_bytes_and_are_measured(server: Child) -> None:
     pool = PagePool(4, BLOCK, dtype=torch.bfloat16)
-    b = StorageBackendFactory.create_backend("dynamic", config(server.target), pool)
+    cfg = config(server.target)
+    cfg.enable_storage_metrics = True
+    b = StorageBackendFactory.create_backend("dynamic", cfg, pool)
     try:
         b.register_mem_pool_host(pool)
         tokens = prompt(8, 2)
@@ -259,6 +261,10 @@ def test_bfloat16_host_pages_travel_as_their_bytes(server: Child, client: kvstor
         saved = pool.buf[:2 * PAGE].clone()
         assert b.batch_get_v1(keys, torch.arange(2 * PAGE, 4 * PAGE)) == [True, True]
         assert torch.equal(pool.buf[2 * PAGE:4 * PAGE].view(torch.uint8), saved.view(torch.uint8))
+        metrics = b.get_stats()   # SGLang's StorageMetrics fields, since the last call
+        assert metrics.prefetch_pgs == [2] and metrics.backup_pgs == [2]
+        assert metrics.prefetch_bandwidth[0] > 0 and metrics.backup_bandwidth[0] > 0
+        assert b.get_stats().prefetch_pgs == []
     finally:
         b.close()
 
