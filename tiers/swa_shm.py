@@ -120,8 +120,8 @@ class Arena:
         """Unmap and close the memfd (clients' mappings keep their pages until they unmap)."""
         if self._map is None:
             return
-        self.view.release()
         with contextlib.suppress(BufferError):
+            self.view.release()
             self._map.close()
         self._map = None
         os.close(self.fd)

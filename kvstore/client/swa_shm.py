@@ -43,9 +43,9 @@ import grpc
 import xxhash
 from google.protobuf.message import DecodeError
 
-from kvstore.errors import FailedPrecondition, Internal, KVStoreError, Unavailable, from_status
+from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, Unavailable, from_status
 from kvstore.geometry import ModelGeometry
-from kvstore.swa_snapshot import checksum, snapshot_bytes
+from kvstore.swa_snapshot import checksum, snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
 
 Buffer = bytes | bytearray | memoryview
@@ -70,6 +70,18 @@ def raise_for(reply: pb.SwaShmReply) -> None:
     if reply.code:
         code = _CODES.get(reply.code, grpc.StatusCode.INTERNAL)
         raise from_status(code, f"SWA shared-memory path: {reply.message}")
+
+
+def size_error(geometry: ModelGeometry, index: int, size: int, position: int) -> InvalidArgument:
+    """The refusal of a snapshot of `size` bytes at T = `position`, worded as the gateway's
+    (gateway.swa_servicer.check_snapshot), so a caller sees one message whichever path it took."""
+    shape = snapshot_shape(geometry)
+    tail = (f" + the raw tail of {len(shape.ratio2_layers)} ratio-2 layers ({shape.tail_bytes} B, T is odd)"
+            if position % 2 else " (T is even: no tail)")
+    return InvalidArgument(
+        f"snapshots[{index}] is {size} bytes; a {geometry.name} SWA snapshot at T = {position} is "
+        f"{snapshot_bytes(geometry, position)} bytes: {shape.layers} layers x {shape.window_positions(position)} "
+        f"window rows of {shape.row_bytes} B{tail} (kvstore.swa_snapshot.snapshot_bytes)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +166,6 @@ class ShmPath:
         """
         for i, (_, position, data) in enumerate(triples):
             if len(data) != snapshot_bytes(self.geometry, position):
-                from kvstore.client.swa_direct import size_error
-
                 raise size_error(self.geometry, i, len(data), position)
         with self._lock:
             reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_BEGIN, keys=[k for k, _, _ in triples],
@@ -215,8 +225,8 @@ class ShmPath:
         """Close the control socket and unmap the arena (snapshots already returned are copies)."""
         self._sock.close()
         if self._map is not None:
-            self._view.release()
             with contextlib.suppress(BufferError):
+                self._view.release()
                 self._map.close()
             self._map = None
 
