@@ -395,6 +395,12 @@ class TransferSession:
             state = self._ring_fetch(ring, hashes, region, offset_bytes, prefix_only)
             if state is not None:
                 return state
+        if not region.shared and len(hashes) <= step:  # one stripe's worth: one call, little Python
+            stream = self._paths["stream"]
+            assert isinstance(stream, StreamPath)
+            state = stream.fetch_slots(hashes, region.view, offset_bytes, prefix_only)
+            if state is not None:
+                return state
         batches = []
         for start in range(0, len(hashes), step):
             chunk = hashes[start:start + step]

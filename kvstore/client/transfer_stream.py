@@ -27,7 +27,7 @@ from kvstore.client.connection import status_error
 from kvstore.client.transfer_path import LocalTransfer, Transfer, TransferPath
 from kvstore.errors import Internal, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
-from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
+from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, TransferState, check_spans
 from kvstore.v1 import kvstore_pb2
 from kvstore.v1 import transfer_pb2 as pb
 
@@ -183,6 +183,36 @@ class StreamPath(TransferPath):
             out.append(LocalTransfer(next(self._ids), batch.results, self.connection.block_bytes, done))
         return out
 
+    def fetch_slots(self, hashes: list[bytes], view: memoryview, offset_bytes: int, prefix_only: bool
+                    ) -> TransferState | None:
+        """A fetch of one stripe into consecutive slots of a local region: one Fetch call, its
+        blocks landed with one copy, no spans or numpy (what `read_many` gives, for less Python).
+        None when it is no such fetch (more than a stripe, a hash of another length)."""
+        c = self.connection
+        size = c.block_bytes
+        if not 0 < len(hashes) <= min(STRIPE_BLOCKS, c.batch_blocks) or any(len(h) != HASH_BYTES for h in hashes):
+            return None
+        reply = FetchReply.parse(self._reply_for(self._fetch, b"".join(hashes), prefix_only))
+        statuses, data = reply.statuses, reply.data
+        if len(statuses) != len(hashes):
+            raise Internal(f"a Fetch reply holds {len(statuses)} statuses for {len(hashes)} blocks")
+        done = statuses.count(DONE)
+        if len(data) != done * size:
+            raise Internal(f"a Fetch reply holds {len(data)} bytes for {done} blocks")
+        loaded = len(statuses) - len(statuses.lstrip(bytes([DONE])))
+        if loaded == done:  # the usual case: the DONE blocks lead, consecutive slots, one copy
+            view[offset_bytes:offset_bytes + done * size] = data
+        else:
+            taken = 0
+            for j, status in enumerate(statuses):
+                if status == DONE:
+                    at = offset_bytes + j * size
+                    view[at:at + size] = data[taken * size:(taken + 1) * size]
+                    taken += 1
+        return TransferState(transfer_id=next(self._ids), done=True, statuses=bytes(statuses),
+                             bytes_moved=done * size, block_bytes=size,
+                             failures={f.index: (f.code, f.reason) for f in reply.failures})
+
     def _batch(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> _Batch:
         results = BatchResults(sum(len(g) for g in groups))
         # The same checks the server makes, so a descriptor fails the same way on either path.
@@ -238,11 +268,14 @@ class StreamPath(TransferPath):
 
     def _reply(self, send: Any, stripe: _Stripe) -> Any:
         """`send` (the blocking call or its future form) with the stripe's Fetch request."""
-        c = self.connection
         g, base = stripe.batch.spans.groups[stripe.group], stripe.batch.spans.starts[stripe.group]
-        request = pb.FetchRequest(geometry=c.geometry, namespace=c.namespace, prefix_only=stripe.batch.prefix_only,
-                                  block_hashes=g.block_hashes[(stripe.lo - base) * HASH_BYTES:
-                                                              (stripe.hi - base) * HASH_BYTES])
+        return self._reply_for(send, g.block_hashes[(stripe.lo - base) * HASH_BYTES:(stripe.hi - base) * HASH_BYTES],
+                               stripe.batch.prefix_only)
+
+    def _reply_for(self, send: Any, block_hashes: bytes, prefix_only: bool) -> Any:
+        c = self.connection
+        request = pb.FetchRequest(geometry=c.geometry, namespace=c.namespace, prefix_only=prefix_only,
+                                  block_hashes=block_hashes)
         try:
             return send(request, timeout=c.timeout_s, metadata=c.metadata)
         except grpc.RpcError as exc:

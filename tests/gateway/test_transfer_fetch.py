@@ -141,3 +141,52 @@ def test_a_tenant_cannot_fetch_or_read_anothers(start_server: Callable[..., Any]
             state = sb._paths["shm"].read_many([batch], False)[0].wait()
             assert [r.code for r in state.results] == ["NOT_FOUND"]
             assert bytes(region.view) == bytes(a.block_bytes)
+
+
+def _counting(stream: Any) -> list[int]:
+    calls: list[int] = []
+    original = stream.fetch_slots
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    stream.fetch_slots = counted
+    return calls
+
+
+def test_a_one_stripe_fetch_lands_what_the_striped_path_does(small: Any) -> None:
+    # fetch of one stripe's worth into a local region is one Fetch call landed without spans
+    # (StreamPath.fetch_slots); it must land and report exactly what read_many does.
+    _, client, data_file = small
+    tokens = list(range(4 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(4)]
+    client.put(tokens, blocks)
+    hashes = client.hashes(tokens)
+    asked = [hashes[0], b"\x05" * 32, hashes[1], hashes[2]]
+    for prefix_only in (False, True):
+        with TransferSession(client.connection, path="stream") as s:
+            stream = s._paths["stream"]
+            calls = _counting(stream)
+            fast_region, slow_region = s.register(5 * BLOCK_BYTES), s.register(5 * BLOCK_BYTES)
+            fast = s.fetch(asked, fast_region, offset_bytes=BLOCK_BYTES, prefix_only=prefix_only)
+            assert calls == [1]
+            descs = [Descriptor(block_hash=h, region_id=slow_region.region_id, offset_bytes=(i + 1) * BLOCK_BYTES,
+                                length_bytes=BLOCK_BYTES) for i, h in enumerate(asked)]
+            slow = stream.read_many([group(descs, Op.READ)], prefix_only)[0].wait()
+            assert (fast.statuses, fast.bytes_moved, dict(fast.failures)) == \
+                (slow.statuses, slow.bytes_moved, dict(slow.failures))
+            assert bytes(fast_region.view) == bytes(slow_region.view)
+            assert bytes(fast_region.view[BLOCK_BYTES:2 * BLOCK_BYTES]) == blocks[0]
+            expected = [Status.DONE, Status.MISSING] + ([Status.SKIPPED] * 2 if prefix_only else [Status.DONE] * 2)
+            assert [r.status for r in fast.results] == expected
+    # A corrupt block: FAILED with DATA_LOSS and never landed, the blocks after it landed in their slots.
+    corrupt(data_file, blocks[1])
+    with TransferSession(client.connection, path="stream") as s:
+        calls = _counting(s._paths["stream"])
+        region = s.register(3 * BLOCK_BYTES)
+        state = s.fetch([hashes[0], hashes[1], hashes[0]], region, prefix_only=False)
+        assert calls == [1]
+        assert [(r.status, r.code) for r in state.results] == [(Status.DONE, ""), (Status.FAILED, "DATA_LOSS"),
+                                                              (Status.DONE, "")]
+        assert bytes(region.view) == blocks[0] + bytes(BLOCK_BYTES) + blocks[0]
