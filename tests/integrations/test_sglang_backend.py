@@ -239,6 +239,16 @@ def test_a_page_sglang_did_not_hash_here_is_not_stored(backend: Any) -> None:
     assert b.counters()["unknown_keys"] == 1
 
 
+def test_a_page_stored_under_another_hash_than_its_key_is_reported_failed(backend: Any) -> None:
+    b, pool = backend
+    tokens = prompt(13, 1, extra=0)
+    key = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[0]
+    parent, page = b.ledger.page(key)
+    b.ledger._remember(key, parent, page[::-1])   # the ledger's tokens no longer hash to the key
+    assert b.batch_set_v1([key], fill(pool, 0, 1, seed=13)) == [False]
+    assert b.batch_exists([key]) == 0
+
+
 def test_a_page_whose_parent_is_not_stored_fails_and_nothing_is_written(backend: Any) -> None:
     b, pool = backend
     tokens = prompt(7, 2)
