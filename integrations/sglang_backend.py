@@ -27,6 +27,22 @@ a prompt stored by any kvstore client (the vLLM connector, `kvstore.Client.put`)
 here, and the other way round. A caller computes them from token ids as
 `[h.hex() for h in kvstore.Client(target).hashes(token_ids)]`, one per full 64-token page.
 
+Outside SGLang (the one-cache test): build it as SGLang does, through the factory, with any
+object that has the host pool's page interface (`page_size` = 64, `get_dummy_flat_data_page()`,
+`get_data_page(i, flat=True)`, `set_from_flat_data_page(i, page)`; tests/integrations/
+test_sglang_backend.py has `PagePool`), with SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python set:
+
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                               model_name="m", extra_config={"backend_name": "kvstore", "interface_v1": 1,
+                               "module_path": "integrations.sglang_backend",
+                               "class_name": "KVStoreHiCacheStorage", "target": target})
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    keys = [h.hex() for h in kvstore.Client(target).hashes(token_ids)]
+    backend.batch_exists(keys)                                          # leading pages stored
+    backend.batch_get_v1(keys, torch.arange(len(keys) * 64))            # page i -> pool token slot 64 i
+
 Data: a page of the KV host pool (`get_data_page(i, flat=True)`) is one kvstore block
 byte for byte, so the pool's page must be `Client.block_bytes` long (56,960 B for
 V4.1-Flash: the model's rows, docs/BLOCK_SIZE.md); an SWA pool page is layer-major
@@ -139,7 +155,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
         kvstore's Lookup counts a chain from its root (R15), so the pages before `keys`
         come along: SGLang's `prefix_keys` when it passes them, else the ledger's parents.
-        None when a key is not a kvstore hash or the chain cannot be traced to its start.
+        None when a key is not a kvstore hash or a known page's chain cannot be traced to its start.
         """
         try:
             hashes = [bytes.fromhex(k) for k in keys]
@@ -147,10 +163,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             if prefix_keys is not None:
                 prefix = [bytes.fromhex(k) for k in prefix_keys]
             else:
+                # Keys the ledger never hashed (another client's) are taken to start at the root:
+                # the server counts them only if they really are a chain from there (R15).
                 entry = self.ledger.page(keys[0]) if keys else None
-                if entry is None:
-                    return None
-                found = [] if entry[0] == self.client.root else self.ledger.chain_to_root(entry[0].hex())
+                found = [] if entry is None or entry[0] == self.client.root else \
+                    self.ledger.chain_to_root(entry[0].hex())
                 if found is None:
                     return None
                 prefix = found

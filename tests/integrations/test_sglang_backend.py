@@ -216,6 +216,8 @@ def test_a_prompt_stored_by_the_kvstore_client_is_read_back_through_sglang(backe
     client.put(tokens, blocks)
     keys = [h.hex() for h in client.hashes(tokens)]       # no SGLang hashing: another client's prompt
     assert b.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=[])) == 3
+    assert b.batch_exists(keys) == 3          # keys this process never hashed: taken from the chain root
+    assert b.batch_exists(keys[1:]) == 0      # ...so a mid-chain batch of them is no chain at all
     assert b.batch_get_v1(keys, torch.arange(5 * PAGE, 8 * PAGE)) == [True, True, True]
     assert [pool.page_bytes(5 + i) for i in range(3)] == blocks
     target = torch.zeros(BLOCK, dtype=torch.uint8)
