@@ -25,6 +25,7 @@ the same bytes:
 from __future__ import annotations
 
 import argparse
+import gc
 import mmap
 import os
 import statistics
@@ -147,6 +148,17 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
         reader.on_close(gather.close)  # no pinned range outlives the mapping
         warm_s = gather.warm_up()  # Triton compiles here, as an engine would at start
         hashes = client.hashes(list(range(n * block_tokens)))
+        lookup_s = [0.0]
+        plain_lookup = client.lookup_hashes
+
+        def timed_lookup(*a: Any, **k: Any) -> Any:  # the Lookup's share of reader.read
+            began = time.perf_counter()
+            try:
+                return plain_lookup(*a, **k)
+            finally:
+                lookup_s[0] = time.perf_counter() - began
+
+        client.lookup_hashes = timed_lookup  # type: ignore[method-assign]
 
         def restore() -> dict[str, float]:
             began = time.perf_counter()
@@ -159,7 +171,8 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
                 read.close()
             if result.blocks != n or result.corrupt:
                 raise RuntimeError(f"direct restore used {result.blocks} of {n} blocks (corrupt {result.corrupt})")
-            return {"read_ms": (opened - began) * 1e3, "gather_ms": (copied - opened) * 1e3,
+            return {"read_ms": (opened - began) * 1e3, "lookup_in_read_ms": lookup_s[0] * 1e3,
+                    "gather_ms": (copied - opened) * 1e3,
                     "close_ms": (time.perf_counter() - copied) * 1e3, "kernel_ms": result.copy_s * 1e3,
                     "verify_ms": result.verify_s * 1e3, "register_ms": result.register_s * 1e3}
 
@@ -180,6 +193,16 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
                 phases.append(restore())
                 times.append(time.perf_counter() - start)
                 bar.update(1)
+        gc_off = []  # the same with Python's collector paused (an engine may gc.freeze() its heap)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(repeat):
+                start = time.perf_counter()
+                restore()
+                gc_off.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
         lookups = []
         for _ in range(repeat):
             start = time.perf_counter()
@@ -215,6 +238,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             "warm_up_ms": round(warm_s * 1e3, 3),
             "restore_ms_runs": [round(t * 1e3, 3) for t in times],
             "restore_ms_median": round(statistics.median(times) * 1e3, 3),
+            "restore_ms_runs_gc_paused": [round(t * 1e3, 3) for t in gc_off],
             "restore_phases_best_ms": {k: round(v, 3) for k, v in phases[times.index(min(times))].items()},
             "restore_phases_ms_runs": {k: [round(p[k], 2) for p in phases] for k in phases[0]},
             "restore_phases_cold_ms": {k: round(v, 3) for k, v in cold_phases.items()},
