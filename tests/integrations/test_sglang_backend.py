@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 import kvstore  # noqa: E402
 from integrations import sglang_keys  # noqa: E402
 from integrations.sglang_backend import KVStoreHiCacheStorage  # noqa: E402
-from kvstore.errors import ConfigError  # noqa: E402
+from kvstore.errors import ConfigError, Unavailable  # noqa: E402
 from kvstore.geometry import V4_1_FLASH as GEO  # noqa: E402
 
 PAGE = 64
@@ -224,6 +224,18 @@ def test_a_prompt_stored_by_the_kvstore_client_is_read_back_through_sglang(backe
     assert b.get(keys[1], target) is target and bytes(target.numpy()) == blocks[1]
 
 
+def test_sglangs_older_page_interface_stores_and_reads_the_same_blocks(backend: Any, client: kvstore.Client) -> None:
+    # Without interface_v1 SGLang calls batch_set(keys, pages) and batch_get(keys, dummy pages).
+    b, pool = backend
+    tokens = prompt(14, 2)
+    keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:2]
+    fill(pool, 0, 2, seed=14)
+    assert b.batch_set(keys, [pool.get_data_page(0), pool.get_data_page(PAGE)])
+    assert [bytes(x or b"") for x in client.get(tokens).blocks] == [pool.page_bytes(0), pool.page_bytes(1)]
+    got = b.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert [bytes(g.numpy()) for g in got] == [pool.page_bytes(0), pool.page_bytes(1)]
+
+
 def test_missing_pages_read_as_failures_and_leave_the_pool_alone(backend: Any) -> None:
     b, pool = backend
     tokens = prompt(5, 2)
@@ -344,6 +356,11 @@ def test_swa_pages_that_do_not_fill_the_window_are_refused(swa_backend: Any) -> 
 def test_bad_settings_are_config_errors(server: Child, extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         StorageBackendFactory.create_backend("dynamic", config(server.target, extra), None)
+
+
+def test_an_unreachable_server_is_unavailable_at_start() -> None:
+    with pytest.raises(Unavailable):
+        StorageBackendFactory.create_backend("dynamic", config("127.0.0.1:1", {"timeout_s": 5}), None)
 
 
 def test_pools_that_are_not_kvstore_blocks_are_refused(server: Child) -> None:
