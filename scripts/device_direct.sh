@@ -3,6 +3,7 @@
 # command stays short. Usage, from the repository root on the GPU machine:
 #   scripts/device_direct.sh probe   # versions, the GPU tests, the bench with the kernel sweep
 #   scripts/device_direct.sh final   # the GPU tests, the bench, and the replay model's GPU tests
+#   scripts/device_direct.sh bench   # the bench alone
 # Writes JSON and logs into $OUT (default ./out). Wheels in .whl/ are installed first; the native
 # verify-and-copy loop is built in place.
 set -uo pipefail
@@ -18,10 +19,10 @@ python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", to
   blockcopy.NATIVE_VERIFY)'
 echo "cpus $(nproc)"; free -g | head -2; df -h /tmp | tail -1
 t=$SECONDS
-timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/kvstore/client/test_gpu_gather_units.py \
+[ "$MODE" = bench ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/kvstore/client/test_gpu_gather_units.py \
   tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py 2>&1 | tee "$OUT/tests.log" \
   | tail -25
-echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
+[ "$MODE" = bench ] || echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
 extra=""; [ "$MODE" = probe ] && extra="--sweep"
 timeout "${BENCH_S:-300}" python3 -m kvstore.bench.transfer_direct --json $extra >"$OUT/bench.json" 2>"$OUT/bench.err"
 echo "bench rc=$? $((SECONDS - t)) s"; tail -5 "$OUT/bench.err"
