@@ -42,8 +42,11 @@ from kvstore.v1 import transfer_pb2 as pb
 if TYPE_CHECKING:
     from kvstore.client.transfer import TransferSession
 
-#: How long the client spins on the state word before it sleeps on the futex.
+#: How long the client spins on the state word before it sleeps on the futex ...
 SPIN_S = 500e-6
+#: ... for requests of at most this many descriptors (a larger one takes the server longer
+#: than a futex wake-up costs: its client sleeps at once and leaves the core to others).
+SPIN_DESCRIPTORS = 16
 #: How often a sleeping client looks at the session's stream and its deadline.
 POLL_S = 0.05
 #: Not a gRPC code: the server's answer when the ring's lease ended (`gateway.transfer_ring.RENEW`).
@@ -119,10 +122,11 @@ class RingClient:
         try:
             if time.monotonic() > self._renew_at:
                 self._renew()
-            code, answer = self._ask(request)
+            spin = self.spin_s if sum(len(g.offsets_bytes) for g in request.groups) <= SPIN_DESCRIPTORS else 0.0
+            code, answer = self._ask(request, spin)
             if code == RENEW:  # the lease ran out between our look and the server's: renew, ask again
                 self._renew()
-                code, answer = self._ask(request)
+                code, answer = self._ask(request, spin)
             if code:
                 raise from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer.decode(errors="replace"))
             return pb.TransferState.FromString(answer)
@@ -133,7 +137,7 @@ class RingClient:
         self._register(first=False)
         self._renew_at = time.monotonic() + self.lease_s / 2
 
-    def _ask(self, request: pb.SubmitRequest) -> tuple[int, bytes]:
+    def _ask(self, request: pb.SubmitRequest, spin_s: float) -> tuple[int, bytes]:
         header, futex, view = self._header, self._futex, self._view
         if header is None or futex is None or view is None:
             raise RingUnusable("the ring is closed")
@@ -145,7 +149,7 @@ class RingClient:
         header.seq, header.length = seq, len(raw)
         header.state = REQUEST  # after the request's bytes: x86-64 keeps stores in order
         futex.wake()
-        self._wait(header, futex, seq)
+        self._wait(header, futex, seq, spin_s)
         self.answered += 1
         n = header.answer_length
         if n > ANSWER_BYTES:
@@ -153,10 +157,10 @@ class RingClient:
             raise Internal("the ring's answer could not be read (its length is past the answer area)")
         return header.code, bytes(view[ANSWER_AT:ANSWER_AT + n])
 
-    def _wait(self, header: Header, futex: Futex, seq: int) -> None:
+    def _wait(self, header: Header, futex: Futex, seq: int, spin_s: float) -> None:
         """Until the server answers request `seq`; raises if the session or the deadline ends first."""
         # Spin a little (yielding the core: on a small box the server may need this one), then sleep.
-        spin_end = time.perf_counter() + self.spin_s
+        spin_end = time.perf_counter() + spin_s
         while time.perf_counter() < spin_end:
             if header.state == ANSWERED and header.answer_seq == seq:
                 return
