@@ -156,3 +156,32 @@ def test_warm_up_compiles_and_leaves_nothing_registered(tmp_path) -> None:  # ty
         with MappedFile(9, BLOCK, seed=9, folder=str(tmp_path)) as f:
             out, result = g.gather(f)
             assert result.blocks == 9 and torch.equal(out.cpu(), torch.from_numpy(f.expected()))
+
+
+def test_scatter_in_rounds_under_a_small_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.client.gpu_gather import GpuGather
+
+    geo, n = V4_1_FLASH, 60
+    layers = {layer: (torch.zeros((n, geo.block_rows(layer, 64), 288), dtype=torch.uint8, device="cuda"),
+                      torch.zeros((n, geo.block_rows(layer, 64), 68), dtype=torch.uint8, device="cuda"))
+              for layer in geo.kv_source_layers}
+    with MappedFile(n, BLOCK, seed=10, folder=str(tmp_path)) as f, \
+            GpuGather(budget_bytes=MIB, chunk_bytes=256 << 10) as g:
+        result = g.scatter(f, layers)
+        expected = split_blocks(geo, torch.from_numpy(f.expected()), 64)
+    assert result.rounds > 1 and result.blocks == n
+    for layer, (kv, index) in layers.items():
+        assert torch.equal(kv.cpu(), expected[layer][0]) and torch.equal(index.cpu(), expected[layer][1])
+
+
+def test_threads_sharing_one_gather_each_get_their_blocks(gather, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with MappedFile(200, BLOCK, seed=11, folder=str(tmp_path)) as f:
+        expected = torch.from_numpy(f.expected())
+        outs = [torch.zeros((200, BLOCK), dtype=torch.uint8, device="cuda") for _ in range(4)]
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda out: gather.gather(f, out)[1], outs))
+        assert all(r.blocks == 200 for r in results)
+        for out in outs:
+            assert torch.equal(out.cpu(), expected)
