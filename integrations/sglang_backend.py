@@ -166,8 +166,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 # Keys the ledger never hashed (another client's) are taken to start at the root:
                 # the server counts them only if they really are a chain from there (R15).
                 entry = self.ledger.page(keys[0]) if keys else None
-                found = [] if entry is None or entry[0] == self.client.root else \
-                    self.ledger.chain_to_root(entry[0].hex())
+                found = [] if entry is None or entry.parent == self.client.root else \
+                    self.ledger.chain_to_root(entry.parent.hex())
                 if found is None:
                     return None
                 prefix = found
@@ -176,6 +176,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if any(len(h) != 32 for h in hashes) or any(len(h) != 32 for h in prefix):
             return None
         return prefix + hashes, len(prefix)
+
+    def _extra_keys(self, key: str) -> tuple[str, ...]:
+        """The kvstore extra keys of the chain `key` is in (a salted request's seed key), from the ledger."""
+        entry = self.ledger.page(key)
+        return entry.extra_keys if entry is not None else ()
 
     # -- KV pages --------------------------------------------------------------
 
@@ -257,18 +262,17 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                                "not stored", keys[i][:16])
                 i += 1
                 continue
-            parent, tokens = first
-            run_tokens = list(tokens)
+            run_tokens = list(first.tokens)
             j = i + 1
             while j < len(keys):
                 entry = self.ledger.page(keys[j])
-                if entry is None or entry[0].hex() != keys[j - 1]:
+                if entry is None or entry.parent.hex() != keys[j - 1] or entry.extra_keys != first.extra_keys:
                     break
-                run_tokens.extend(entry[1])
+                run_tokens.extend(entry.tokens)
                 j += 1
             blocks = [bytes(p.contiguous().view(torch.uint8).numpy()) for p in pages[i:j]]
             try:
-                put = self.client.put(run_tokens, blocks, parent=parent)
+                put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys)
                 for k, h in enumerate(put.block_hashes):
                     results[i + k] = h.hex() == keys[i + k]
             except KVStoreError as exc:
@@ -323,7 +327,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if wants_swa:
             for p in range(1, len(keys) + 1):
                 t = (offset + p) * self.page_size
-                swa_keys.append(sglang_swa.key_at(hashes[offset + p - 1], t))
+                anchor = hashes[offset + p - 1]
+                swa_keys.append(sglang_swa.key_at(anchor, t, self._extra_keys(anchor.hex())))
                 positions.append(t)
         try:
             reply = self.client.lookup_hashes(hashes, swa_keys=swa_keys, swa_positions=positions)
@@ -386,7 +391,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if chain is None or transfer.host_indices is None:
             return [False] * len(keys)
         done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain,
-                               transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s)
+                               transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s,
+                               extra_keys=self._extra_keys(keys[-1]))
         self.stats["snapshots_written" if write else "snapshots_read"] += int(done)
         return [done] * len(keys)
 

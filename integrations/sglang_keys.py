@@ -26,9 +26,14 @@ and those are the keys SGLang itself uses for that prompt (same root: same serve
 geometry and block size, no extra keys). Not covered (their pages get a key that the
 ledger does not know, so they are neither stored nor found, never wrong): a trailing
 partial page (SGLang stores only full pages), bigram (EAGLE) keys, and requests with
-`extra_key` / `cache_salt` (SGLang seeds their chain with a namespace digest that is
-not a kvstore block; their keys are the chain from that seed, kept apart from every
-unsalted prompt).
+`extra_key` / `cache_salt` through the decode-side offload manager.
+
+Requests with `extra_key` / `cache_salt` (a LoRA id, a per-user salt): SGLang seeds their
+chain with a digest of those (`storage_namespace_seed`), which is no kvstore block. While
+installed, the seeds SGLang makes are noted, and a chain starting from one is a kvstore
+chain from the root with one extra key, `"sglang-ns:" + seed` (kvstore.prefix extra keys:
+mixed into every block's hash), so it is stored and found like any other, and kept apart
+from unsalted prompts; another client finds it with `extra_keys=["sglang-ns:" + seed]`.
 """
 
 from __future__ import annotations
@@ -38,13 +43,25 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvstore.errors import ConfigError
 from kvstore.prefix import HASH_BYTES, chain_hashes
 
 #: Pages whose tokens the ledger keeps by default (16.7M tokens of 64; about 600 B each).
 DEFAULT_LEDGER_PAGES = 262_144
+#: The kvstore extra key a chain seeded by SGLang's namespace digest is hashed with (+ the seed's hex).
+SEED_KEY_PREFIX = "sglang-ns:"
+#: Namespace seeds remembered (a few per LoRA adapter or salt in use).
+MAX_SEEDS = 65_536
+
+
+class LedgerPage(NamedTuple):
+    """What a page key was hashed from: everything a Put of that block needs."""
+
+    parent: bytes              # the previous page's chain hash, or the chain root
+    tokens: array              # the page's token ids (u32)
+    extra_keys: tuple[str, ...]  # kvstore extra keys of the chain (a salted chain's seed key), else ()
 
 
 class KeyLedger:
@@ -67,7 +84,8 @@ class KeyLedger:
         self.block_tokens = block_tokens
         self.capacity = capacity
         self.fallback = fallback
-        self._pages: OrderedDict[str, tuple[bytes, array]] = OrderedDict()
+        self._pages: OrderedDict[str, LedgerPage] = OrderedDict()
+        self._seeds: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()  # SGLang hashes on the scheduler and on its storage threads
 
     def __len__(self) -> int:
@@ -84,7 +102,7 @@ class KeyLedger:
             if self.fallback is None:
                 raise ConfigError("SGLang passed bigram page keys and no fallback hash was given")
             return self.fallback(token_ids, prior_hash, page_size)  # type: ignore[no-any-return]
-        parent = bytes.fromhex(prior_hash) if prior_hash else self.root
+        parent, extra = self._start(prior_hash)
         if not tokens:
             return [] if page_size is not None else hashlib.sha256(parent).hexdigest()
         step = page_size or len(tokens)
@@ -93,23 +111,47 @@ class KeyLedger:
             page = tokens[start:start + step]
             # A page that is not a whole kvstore block still gets a distinct key (hashed
             # with its own length), but no ledger entry: it can never be a kvstore block.
-            digest = chain_hashes(page, block_tokens=len(page), parent=parent)[0]
+            digest = chain_hashes(page, block_tokens=len(page), parent=parent, extra_keys=extra)[0]
             key = digest.hex()
             if len(page) == self.block_tokens:
-                self._remember(key, parent, page)
+                self._remember(key, LedgerPage(parent, page, extra))
             keys.append(key)
             parent = digest
         return keys if page_size is not None else keys[0]
 
-    def _remember(self, key: str, parent: bytes, page: array) -> None:
+    def _start(self, prior_hash: str | None) -> tuple[bytes, tuple[str, ...]]:
+        """Where a chain continues: the root, a known page (its extra keys carry on), a namespace
+        seed (the root, with the seed as extra key), or an unknown hash (taken as the parent)."""
+        if not prior_hash:
+            return self.root, ()
         with self._lock:
-            self._pages[key] = (parent, page)
+            known = self._pages.get(prior_hash)
+            seeded = prior_hash in self._seeds
+        if known is not None:
+            return bytes.fromhex(prior_hash), known.extra_keys
+        if seeded:
+            return self.root, (SEED_KEY_PREFIX + prior_hash,)
+        return bytes.fromhex(prior_hash), ()
+
+    def note_seed(self, seed: str | None) -> str | None:
+        """Remember a namespace seed SGLang made (`storage_namespace_seed`'s result); returns it."""
+        if seed:
+            with self._lock:
+                self._seeds[seed] = None
+                self._seeds.move_to_end(seed)
+                while len(self._seeds) > MAX_SEEDS:
+                    self._seeds.popitem(last=False)
+        return seed
+
+    def _remember(self, key: str, page: LedgerPage) -> None:
+        with self._lock:
+            self._pages[key] = page
             self._pages.move_to_end(key)
             while len(self._pages) > self.capacity:
                 self._pages.popitem(last=False)
 
-    def page(self, key: str) -> tuple[bytes, array] | None:
-        """(parent hash, page tokens) of a key the ledger hashed, or None (forgotten or never a full page)."""
+    def page(self, key: str) -> LedgerPage | None:
+        """What the key was hashed from, or None (forgotten, never a full page, or not hashed here)."""
         with self._lock:
             return self._pages.get(key)
 
@@ -124,7 +166,7 @@ class KeyLedger:
                 if entry is None or len(chain) >= limit:
                     return None
                 chain.append(current)
-                current = entry[0]
+                current = entry.parent
         chain.reverse()
         return chain
 
@@ -160,8 +202,12 @@ def install(ledger: KeyLedger) -> None:
                 raise ConfigError("sglang.srt.mem_cache.utils.get_hash_str not found: this SGLang version "
                                   "is not supported (tested: 0.5.23)")
             _installed["original"] = original
+            _installed["original_seed"] = getattr(utils, "storage_namespace_seed", None)
         ledger.fallback = ledger.fallback or _installed["original"]
         utils.get_hash_str = ledger.hash  # type: ignore[attr-defined]
+        seed_fn = _installed["original_seed"]
+        if seed_fn is not None:
+            utils.storage_namespace_seed = lambda *a, **k: ledger.note_seed(seed_fn(*a, **k))  # type: ignore[attr-defined]
         _installed["ledger"] = ledger
 
 
@@ -172,6 +218,9 @@ def uninstall() -> None:
     with _install_lock:
         if "original" in _installed:
             utils.get_hash_str = _installed.pop("original")  # type: ignore[attr-defined]
+            seed_fn = _installed.pop("original_seed", None)
+            if seed_fn is not None:
+                utils.storage_namespace_seed = seed_fn  # type: ignore[attr-defined]
             _installed.pop("ledger", None)
 
 

@@ -49,9 +49,10 @@ def check_swa_page(geometry: ModelGeometry, page_size: int, page_bytes: int) -> 
                           f"{page_size}-token pages: SGLang's trailing pages cannot hold one snapshot")
 
 
-def key_at(anchor: bytes, position: int) -> bytes:
-    """The kvstore snapshot key of the state at T = `position`, a page boundary whose last page is `anchor`."""
-    return snapshot_key(anchor, [], position)
+def key_at(anchor: bytes, position: int, extra_keys: Sequence[str] = ()) -> bytes:
+    """The kvstore snapshot key of the state at T = `position`, a page boundary whose last page is `anchor`
+    (`extra_keys`: the chain's, as the planner keys snapshots)."""
+    return snapshot_key(anchor, [], position, extra_keys)
 
 
 def pages_for(geometry: ModelGeometry, page_size: int, position: int) -> int:
@@ -75,7 +76,7 @@ def split_pages(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryvie
 
 
 def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[bytes], host_indices: torch.Tensor,
-         pages: int, page_size: int, *, write: bool, ttl_s: float | None) -> bool:
+         pages: int, page_size: int, *, write: bool, ttl_s: float | None, extra_keys: Sequence[str] = ()) -> bool:
     """Write the `pages` trailing SWA pages at `host_indices` as the snapshot at the end of `chain`, or
     read that snapshot into them. False (nothing half done to the store) when the pages do not fill the
     window there, the snapshot is missing, or the server fails."""
@@ -84,7 +85,7 @@ def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[byt
         logger.warning("kvstore backend: %d trailing SWA pages asked at T=%d; a snapshot there fills %d",
                        pages, position, pages_for(geometry, page_size, position))
         return False
-    key = key_at(chain[-1], position)
+    key = key_at(chain[-1], position, extra_keys)
     try:
         if write:
             flat = [pool.get_data_page(int(host_indices[i * page_size]), flat=True) for i in range(pages)]

@@ -130,6 +130,14 @@ def client(server: Child) -> Iterator[kvstore.Client]:
         yield c
 
 
+class RadixLike(list):  # type: ignore[type-arg]
+    """Token ids with the namespace fields of SGLang's RadixKey (extra_key, cache_salt)."""
+
+    def __init__(self, tokens: list[int], *, extra_key: str | None = None, cache_salt: str | None = None) -> None:
+        super().__init__(tokens)
+        self.extra_key, self.cache_salt = extra_key, cache_salt
+
+
 def prompt(seed: int, pages: int, extra: int = 5) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(0, 150_000) for _ in range(pages * PAGE + extra)]
@@ -179,6 +187,21 @@ def test_the_default_rust_tree_core_is_refused(server: Child, monkeypatch: pytes
     monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND")
     with pytest.raises(ConfigError, match="SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python"):
         StorageBackendFactory.create_backend("dynamic", config(server.target), None)
+
+
+def test_a_salted_requests_pages_are_a_chain_of_their_own_with_the_seed_as_extra_key(
+        backend: Any, client: kvstore.Client) -> None:
+    b, pool = backend
+    tokens = prompt(15, 2, extra=0)
+    plain = sg_utils.get_storage_hash_str(tokens, None, page_size=PAGE)
+    salted = sg_utils.get_storage_hash_str(RadixLike(tokens, cache_salt="user-7"), None, page_size=PAGE)
+    seed = sg_utils.storage_namespace_seed(None, "user-7")
+    assert salted != plain
+    assert salted == [h.hex() for h in client.hashes(tokens, extra_keys=[f"sglang-ns:{seed}"])]
+    assert b.batch_set_v1(salted, fill(pool, 0, 2, seed=15)) == [True, True]
+    assert client.lookup(tokens, extra_keys=[f"sglang-ns:{seed}"]).found_blocks == 2
+    assert client.lookup(tokens).found_blocks == 0 and b.batch_exists(plain) == 0
+    assert b.batch_exists(salted[1:]) == 1
 
 
 def test_pages_set_through_sglang_are_kvstore_blocks_byte_for_byte(backend: Any, client: kvstore.Client) -> None:
@@ -257,8 +280,8 @@ def test_a_page_stored_under_another_hash_than_its_key_is_reported_failed(backen
     b, pool = backend
     tokens = prompt(13, 1, extra=0)
     key = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[0]
-    parent, page = b.ledger.page(key)
-    b.ledger._remember(key, parent, page[::-1])   # the ledger's tokens no longer hash to the key
+    entry = b.ledger.page(key)
+    b.ledger._remember(key, entry._replace(tokens=entry.tokens[::-1]))   # its tokens no longer hash to the key
     assert b.batch_set_v1([key], fill(pool, 0, 1, seed=13)) == [False]
     assert b.batch_exists([key]) == 0
 
