@@ -8,7 +8,7 @@ never bare hashes: kvstore/prefix.py), so a backend that saw only SGLang's strin
 could neither store a block nor share one with another client.
 
 So while a kvstore backend is attached, SGLang's page hash is kvstore's:
-`install(root, block_tokens)` replaces `get_hash_str` in `sglang.srt.mem_cache.utils`
+`install(ledger)` replaces `get_hash_str` in `sglang.srt.mem_cache.utils`
 (every caller in SGLang 0.5.23 reaches it there: `get_storage_hash_str`, the cache
 controller, the hybrid controller, the radix tree's node hashes) by `KeyLedger.hash`,
 which returns, for full pages of `block_tokens` tokens,
@@ -26,7 +26,8 @@ and those are the keys SGLang itself uses for that prompt (same root: same serve
 geometry and block size, no extra keys). Not covered (their pages get a key that the
 ledger does not know, so they are neither stored nor found, never wrong): a trailing
 partial page (SGLang stores only full pages), bigram (EAGLE) keys, and requests with
-`extra_key` / `cache_salt` through the decode-side offload manager.
+`extra_key` / `cache_salt` seeded by the PD decode side's offload manager (it imports
+SGLang's seed function by name, so its seeds are not noted).
 
 Requests with `extra_key` / `cache_salt` (a LoRA id, a per-user salt): SGLang seeds their
 chain with a digest of those (`storage_namespace_seed`), which is no kvstore block. While
