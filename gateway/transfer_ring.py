@@ -303,6 +303,7 @@ class RingServer:
 
     def _serve(self, view: memoryview, length: int) -> tuple[int, bytes]:
         self.requests += 1
+        self.session.counters.add_ring_request()
         try:
             if length > REQUEST_BYTES:
                 raise InvalidArgument(f"the ring request's length {length} is past the request area "

@@ -273,7 +273,8 @@ class TransferServicer(pb_grpc.TransferServicer):
             mapped_bytes=self.table.mapped_bytes(), read_batches=c.read_batches, write_batches=c.write_batches,
             descriptors_done=c.descriptors_done, descriptors_missing=c.descriptors_missing,
             descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved, refresh_failures=c.refresh_failures,
-            descriptors_in_flight=self.table.load.descriptors_in_flight)
+            descriptors_in_flight=self.table.load.descriptors_in_flight,
+            rings=sum(1 for s in self.table.sessions.values() if s.ring is not None), ring_requests=c.ring_requests)
 
     # -- batches -------------------------------------------------------------
 

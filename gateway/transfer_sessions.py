@@ -154,6 +154,8 @@ class TransferCounters:
     #: Read descriptors copied whose retention refresh failed (they are FAILED, so
     #: also counted in descriptors_failed).
     refresh_failures: int = 0
+    #: Requests answered through request rings (refusals included; their reads are counted above too).
+    ring_requests: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, results: BatchResults) -> None:
@@ -168,6 +170,11 @@ class TransferCounters:
             self.descriptors_missing += missing
             self.descriptors_failed += failed
             self.bytes_moved += results.bytes_moved
+
+    def add_ring_request(self) -> None:
+        """Count one request answered through a ring."""
+        with self._lock:
+            self.ring_requests += 1
 
     def add_refresh_failures(self, n: int) -> None:
         """Count read descriptors whose retention refresh failed."""

@@ -234,7 +234,7 @@ class TransferStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferStatsResponse(_message.Message):
-    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved", "refresh_failures", "descriptors_in_flight")
+    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved", "refresh_failures", "descriptors_in_flight", "rings", "ring_requests")
     COPY_LOOP_FIELD_NUMBER: _ClassVar[int]
     COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,8 @@ class TransferStatsResponse(_message.Message):
     BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
     REFRESH_FAILURES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    RINGS_FIELD_NUMBER: _ClassVar[int]
+    RING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     copy_loop: str
     copy_threads: int
     sessions: int
@@ -261,4 +263,6 @@ class TransferStatsResponse(_message.Message):
     bytes_moved: int
     refresh_failures: int
     descriptors_in_flight: int
-    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., refresh_failures: _Optional[int] = ..., descriptors_in_flight: _Optional[int] = ...) -> None: ...
+    rings: int
+    ring_requests: int
+    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., refresh_failures: _Optional[int] = ..., descriptors_in_flight: _Optional[int] = ..., rings: _Optional[int] = ..., ring_requests: _Optional[int] = ...) -> None: ...

@@ -98,6 +98,8 @@ def test_a_ring_fetch_lands_exactly_what_get_returns(serve: Child, n: int) -> No
         tokens = list(range(n * client.block_tokens))
         blocks_got, count = client.get_tensor(tokens)
         assert count == n and bytes(region.view[: n * client.block_bytes]) == blocks_got[:n].numpy().tobytes()
+        stats = client.transfer_stats()
+        assert stats.rings == 1 and stats.ring_requests == 1 and stats.descriptors_done == n
 
 
 @pytest.mark.parametrize("prefix_only", [False, True])
@@ -205,11 +207,12 @@ time.sleep(600)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         with Client(serve.target) as admin:
-            assert admin.transfer_stats().sessions == 1
+            stats = admin.transfer_stats()
+            assert stats.sessions == 1 and stats.rings == 1
             proc.kill()
             proc.wait(timeout=30)
             deadline = time.monotonic() + 20
-            while admin.transfer_stats().sessions or admin.transfer_stats().regions:
+            while admin.transfer_stats().sessions or admin.transfer_stats().regions or admin.transfer_stats().rings:
                 assert time.monotonic() < deadline, "the dead client's session (and ring) outlived it"
                 time.sleep(0.05)
         maps = Path(f"/proc/{serve.proc.pid}/maps").read_text()
