@@ -24,8 +24,12 @@ import os
 
 from kvstore.errors import FailedPrecondition
 
-#: Allocation granule: records start on a page, so a freed range is whole pages the kernel can take back.
+#: Pages of the platform (the unit the kernel takes back).
 PAGE = mmap.PAGESIZE
+#: Allocation granule: whole pages the kernel can take back, and coarse enough that snapshots of one
+#: geometry above its window (even T, and odd T with the raw tail) take ranges of one size, so a freed
+#: range fits the next record exactly and its pages, already mapped by clients, are reused.
+GRANULE = max(64 << 10, PAGE)
 #: The seals every arena carries: it can neither shrink nor grow, and no seal can be changed.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: Idle committed bytes an arena keeps for reuse when no limit is given.
@@ -33,8 +37,8 @@ DEFAULT_IDLE_LIMIT = 256 << 20
 
 
 def pages(nbytes: int) -> int:
-    """`nbytes` rounded up to whole pages."""
-    return -(-nbytes // PAGE) * PAGE
+    """`nbytes` rounded up to whole allocation granules (whole pages)."""
+    return -(-nbytes // GRANULE) * GRANULE
 
 
 class Arena:
@@ -67,7 +71,7 @@ class Arena:
         self._idle = 0
 
     def alloc(self, nbytes: int) -> int | None:
-        """The offset of a fresh range of `nbytes` (page-aligned), or None when no free range is that long."""
+        """The offset of a fresh range of `nbytes` (granule-aligned), or None when no free range is that long."""
         need = pages(nbytes)
         for i, length in enumerate(self._lengths):
             if length >= need:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import xxhash
 from google.protobuf.message import DecodeError
 
 from kvstore.clock import Clock
@@ -52,6 +53,7 @@ from kvstore.v1 import swa_pb2 as pb
 
 if TYPE_CHECKING:
     from tiers.swa_memory import MemoryPool
+    from tiers.swa_shm import Arena
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +114,28 @@ class ShmHooks(Protocol):
 
 
 @dataclass
+class _Reserved:
+    """A record BEGIN reserved: its storage key, range (offset None: dropped), T, and its checksum so far."""
+
+    key: bytes
+    offset: int | None
+    length: int
+    position: int
+    #: The snapshot's xxh3 so far, over its first `hashed` bytes (WRITTEN notes move it on).
+    digest: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    hashed: int = 0
+
+
+@dataclass
 class _Conn:
-    """One client connection's state: its grant, and the records BEGIN reserved (key, offset, length, T)."""
+    """One client connection's state: its grant and arena, what BEGIN reserved, and a WRITTEN
+    that was refused (it has no reply: the COMMIT fails with it)."""
 
     sock: socket.socket
     grant: ShmGrant | None = None
-    pending: list[tuple[bytes, int | None, int, int]] = field(default_factory=list)
+    arena: Arena | None = None
+    pending: list[_Reserved] = field(default_factory=list)
+    refused: str = ""
 
 
 class ShmServer:
@@ -195,6 +213,9 @@ class ShmServer:
                         request.ParseFromString(bytes(buf[:n]))
                     except DecodeError:
                         raise InvalidArgument("an unreadable SwaShmRequest") from None
+                    if request.op == pb.SWA_SHM_OP_WRITTEN:
+                        self._written(conn, request.index, request.written)  # one-way: no reply
+                        continue
                     reply, fd = self._handle(conn, request)
                 except KVStoreError as exc:
                     text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
@@ -247,7 +268,7 @@ class ShmServer:
             raise PermissionDenied("unknown or expired shared-memory ticket", hint="ask SwaPool.OpenDirect again")
         self._release(conn)
         conn.grant = grant
-        arena = self.pool.arena(grant.tenant_id)
+        conn.arena = arena = self.pool.arena(grant.tenant_id)
         fd = arena.open_fd(writable=grant.writable)
         return pb.SwaShmReply(arena_bytes=arena.size, writable=grant.writable, ttl_ms=max(int(grant.ttl_s * 1000), 1),
                               lifetime_s=grant.expires_s - self.clock.monotonic(), max_batch=grant.max_batch), fd
@@ -301,21 +322,49 @@ class ShmServer:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"positions[{i}]: {exc.message}") from None
         offsets = self.pool.reserve(grant.tenant_id, lengths)
-        conn.pending = list(zip(keys, offsets, lengths, positions, strict=True))
+        conn.pending = [_Reserved(key=k, offset=o, length=n, position=t)
+                        for k, o, n, t in zip(keys, offsets, lengths, positions, strict=True)]
+        conn.refused = ""
         return pb.SwaShmReply(offsets=[-1 if o is None else o + HEADER_BYTES for o in offsets])
 
+    def _hash_to(self, conn: _Conn, item: _Reserved, end: int) -> None:
+        """Move `item`'s checksum on over the snapshot's bytes up to `end` (xxhash lets go of the GIL)."""
+        assert conn.arena is not None and item.offset is not None
+        start = item.offset + HEADER_BYTES
+        item.digest.update(conn.arena.view[start + item.hashed:start + end])
+        item.hashed = end
+
+    def _written(self, conn: _Conn, index: int, written: int) -> None:
+        """The client's note that the first `written` bytes of snapshot `index` of its BEGIN are in place:
+        checksum them now, while the client copies on. A bad note is kept for the COMMIT to refuse."""
+        if conn.grant is None or not conn.pending:
+            conn.refused = conn.refused or "WRITTEN without a BEGIN"
+            return
+        item = conn.pending[index] if index < len(conn.pending) else None
+        if item is None or item.offset is None:
+            conn.refused = conn.refused or (f"WRITTEN index {index} names no reserved snapshot "
+                                            f"(BEGIN reserved {len(conn.pending)})")
+        elif not item.hashed <= written <= item.length - HEADER_BYTES:
+            conn.refused = conn.refused or (f"WRITTEN {written} bytes of snapshot {index}: after {item.hashed}, "
+                                            f"at most its {item.length - HEADER_BYTES}")
+        else:
+            self._hash_to(conn, item, written)
+
     def _commit(self, conn: _Conn, grant: ShmGrant, request: pb.SwaShmRequest) -> pb.SwaShmReply:
-        reserved = [p for p in conn.pending if p[1] is not None]
+        if conn.refused:
+            refused = conn.refused
+            self._release(conn)
+            raise InvalidArgument(f"{refused}; nothing of the batch is stored")
         if not conn.pending:
             raise FailedPrecondition("COMMIT without a BEGIN: nothing is reserved")
-        sums = list(request.checksums)
-        if len(sums) != len(reserved):
-            self._release(conn)
-            raise InvalidArgument(f"checksums has {len(sums)} entries for {len(reserved)} reserved snapshots; "
-                                  "nothing of the batch is stored")
         ttl_s = min(request.ttl_ms / 1000.0, grant.ttl_s) if request.ttl_ms else grant.ttl_s
-        items = [(key, offset, length, seal(grant.fingerprint, t, b"", s))
-                 for (key, offset, length, t), s in zip(reserved, sums, strict=True) if offset is not None]
+        # The checksum is of what is in the arena: the server's, not the client's word.
+        items = []
+        for p in conn.pending:
+            if p.offset is not None:
+                self._hash_to(conn, p, p.length - HEADER_BYTES)
+                header = seal(grant.fingerprint, p.position, b"", p.digest.intdigest())
+                items.append((p.key, p.offset, p.length, header))
         conn.pending = []
         self.pool.commit(grant.tenant_id, items, ttl_s)
         self.hooks.put(len(items), sum(length - HEADER_BYTES for _, _, length, _ in items))
@@ -324,5 +373,7 @@ class ShmServer:
     def _release(self, conn: _Conn) -> None:
         """Give back what the connection reserved and never committed."""
         if conn.grant is not None and conn.pending:
-            self.pool.release(conn.grant.tenant_id, [(o, n) for _, o, n, _ in conn.pending if o is not None])
+            self.pool.release(conn.grant.tenant_id, [(p.offset, p.length) for p in conn.pending
+                                                     if p.offset is not None])
         conn.pending = []
+        conn.refused = ""

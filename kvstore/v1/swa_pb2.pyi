@@ -21,6 +21,7 @@ class SwaShmOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SWA_SHM_OP_COMMIT: _ClassVar[SwaShmOp]
     SWA_SHM_OP_ABORT: _ClassVar[SwaShmOp]
     SWA_SHM_OP_GET: _ClassVar[SwaShmOp]
+    SWA_SHM_OP_WRITTEN: _ClassVar[SwaShmOp]
 SWA_STATUS_UNSPECIFIED: SwaStatus
 SWA_STATUS_FOUND: SwaStatus
 SWA_STATUS_MISSING: SwaStatus
@@ -30,6 +31,7 @@ SWA_SHM_OP_BEGIN: SwaShmOp
 SWA_SHM_OP_COMMIT: SwaShmOp
 SWA_SHM_OP_ABORT: SwaShmOp
 SWA_SHM_OP_GET: SwaShmOp
+SWA_SHM_OP_WRITTEN: SwaShmOp
 
 class SwaSnapshot(_message.Message):
     __slots__ = ("key", "data", "checksum", "position")
@@ -222,22 +224,24 @@ class SwaReportDirectResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SwaShmRequest(_message.Message):
-    __slots__ = ("op", "ticket", "keys", "positions", "checksums", "ttl_ms", "corrupt")
+    __slots__ = ("op", "ticket", "keys", "positions", "ttl_ms", "corrupt", "index", "written")
     OP_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TTL_MS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     op: SwaShmOp
     ticket: bytes
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     positions: _containers.RepeatedScalarFieldContainer[int]
-    checksums: _containers.RepeatedScalarFieldContainer[int]
     ttl_ms: int
     corrupt: int
-    def __init__(self, op: _Optional[_Union[SwaShmOp, str]] = ..., ticket: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+    index: int
+    written: int
+    def __init__(self, op: _Optional[_Union[SwaShmOp, str]] = ..., ticket: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ..., positions: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ..., corrupt: _Optional[int] = ..., index: _Optional[int] = ..., written: _Optional[int] = ...) -> None: ...
 
 class SwaShmReply(_message.Message):
     __slots__ = ("code", "message", "arena_bytes", "writable", "ttl_ms", "lifetime_s", "max_batch", "offsets", "positions", "checksums")

@@ -189,12 +189,14 @@ def test_sizes_and_batches_are_the_gateways_on_the_shm_path(server: Server) -> N
             assert reply.code == 3 and "max_batch_snapshots" in reply.message
             reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_BEGIN, keys=[b"k" * 32] * 2, positions=[200]))
             assert reply.code == 3 and "positions has 1 entries for 2 keys" in reply.message
-            reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT, checksums=[1]))
+            reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT))
             assert reply.code == 9  # FAILED_PRECONDITION: nothing reserved
             ok = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_BEGIN, keys=[b"k" * 32] * 2, positions=[200, 201]))
             assert ok.code == 0 and len(ok.offsets) == 2
-            reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT, checksums=[1]))
-            assert reply.code == 3 and "nothing of the batch is stored" in reply.message
+            raw.sock.sendall(pb.SwaShmRequest(op=pb.SWA_SHM_OP_WRITTEN, index=2).SerializeToString())  # no reply
+            reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT))
+            assert reply.code == 3 and "index 2 names no reserved snapshot" in reply.message
+            assert "nothing of the batch is stored" in reply.message
             reply = raw.call(b"\xff\xff\xff")
             assert reply.code == 3 and "unreadable" in reply.message
             reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=[b"k" * 32]))

@@ -15,7 +15,7 @@ from kvstore.clock import ManualClock
 from kvstore.prefix import namespace_id
 from kvstore.swa_snapshot import HEADER_BYTES
 from tiers.swa_memory import MemoryPool, arena_id
-from tiers.swa_shm import PAGE, SEALS, Arena
+from tiers.swa_shm import GRANULE, SEALS, Arena
 
 MiB = 1 << 20
 FP = b"f" * 8
@@ -27,7 +27,7 @@ def key(tenant: str, i: int) -> bytes:
 
 @pytest.fixture
 def arena() -> Iterator[Arena]:
-    a = Arena("kvstore-swa-test", 16 * PAGE, idle_limit=4 * PAGE)
+    a = Arena("kvstore-swa-test", 16 * GRANULE, idle_limit=4 * GRANULE)
     yield a
     a.close()
 
@@ -35,31 +35,31 @@ def arena() -> Iterator[Arena]:
 def test_an_arena_is_sealed_against_resizing(arena: Arena) -> None:
     assert fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS) & SEALS == SEALS
     with pytest.raises(PermissionError):
-        os.ftruncate(arena.fd, PAGE)  # a client could otherwise make the server's mapping fault
+        os.ftruncate(arena.fd, GRANULE)  # a client could otherwise make the server's mapping fault
 
 
 def test_allocations_are_pages_and_freed_ranges_coalesce(arena: Arena) -> None:
-    offsets = [arena.alloc(PAGE + 1) for _ in range(8)]  # two pages each: the whole arena
-    assert offsets == [i * 2 * PAGE for i in range(8)]
+    offsets = [arena.alloc(GRANULE + 1) for _ in range(8)]  # two granules each: the whole arena
+    assert offsets == [i * 2 * GRANULE for i in range(8)]
     assert arena.alloc(1) is None  # full
     for offset in offsets[2:6]:
-        arena.free(offset, PAGE + 1)
-    assert arena.alloc(8 * PAGE) == offsets[2]  # the four freed neighbours are one range again
-    arena.free(offsets[0], PAGE + 1)
-    arena.free(offsets[1], PAGE + 1)
-    assert arena.alloc(4 * PAGE) == 0
+        arena.free(offset, GRANULE + 1)
+    assert arena.alloc(8 * GRANULE) == offsets[2]  # the four freed neighbours are one range again
+    arena.free(offsets[0], GRANULE + 1)
+    arena.free(offsets[1], GRANULE + 1)
+    assert arena.alloc(4 * GRANULE) == 0
 
 
 def test_freed_pages_past_the_idle_limit_go_back_to_the_kernel(arena: Arena) -> None:
-    offsets = [arena.alloc(2 * PAGE) for _ in range(4)]
+    offsets = [arena.alloc(2 * GRANULE) for _ in range(4)]
     for offset in offsets:
         assert offset is not None
-        arena.write(offset, b"\xab" * 2 * PAGE)
+        arena.write(offset, b"\xab" * 2 * GRANULE)
     for offset in offsets:
         assert offset is not None
-        arena.free(offset, 2 * PAGE)
-    # The first two frees stay committed (4 pages of idle budget); the rest are punched out: zeros.
-    assert arena.read(0, 4) == b"\xab" * 4 and arena.read(6 * PAGE, 4) == bytes(4)
+        arena.free(offset, 2 * GRANULE)
+    # The first two frees stay committed (4 granules of idle budget); the rest are punched out: zeros.
+    assert arena.read(0, 4) == b"\xab" * 4 and arena.read(6 * GRANULE, 4) == bytes(4)
 
 
 def test_a_read_only_descriptor_cannot_be_mapped_for_writing(arena: Arena) -> None:
@@ -68,8 +68,8 @@ def test_a_read_only_descriptor_cannot_be_mapped_for_writing(arena: Arena) -> No
         with pytest.raises(PermissionError):
             mmap.mmap(fd, arena.size)
         view = mmap.mmap(fd, arena.size, prot=mmap.PROT_READ)
-        arena.write(PAGE, b"seen")
-        assert view[PAGE:PAGE + 4] == b"seen"  # the same pages
+        arena.write(GRANULE, b"seen")
+        assert view[GRANULE:GRANULE + 4] == b"seen"  # the same pages
         view.close()
     finally:
         os.close(fd)
