@@ -11,7 +11,9 @@ one runs; `kvstore serve` logs it.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -208,3 +210,82 @@ def _load_native_addresses() -> Callable[[list], list[int]] | None:
 
 #: Addresses of buffers' first bytes: native when built (a list of 15,625 in about a millisecond).
 addresses: Callable[[list], list[int]] = _load_native_addresses() or addresses_python
+
+
+# -- the same-host reader's record lookups in a mapping of data.mdb ----------------------------
+
+#: LMDB's meta record after a meta page's 16-byte header, and a database record (mdb.c; the
+#: layouts tiers/lmdb_pages.py reads): magic, version, address, map size, free and main
+#: databases, last page, transaction id.
+_MDB_META = struct.Struct("<IIQQ48s48sQQ")
+_MDB_DB = struct.Struct("<IHHQQQQQ")
+_MDB_MAGIC, _PAGE_HEADER, _NODE_HEADER = 0xBEEFC0DE, 16, 8
+_P_BRANCH, _P_LEAF, _F_SUBDATA = 0x01, 0x02, 0x02
+_P_INVALID = 2**64 - 1
+
+
+def _small_search(base: int, length: int, psize: int, root: int, key: bytes) -> tuple[int, bytes] | None:
+    """(node flags, inline value) of `key` in a small tree (the main database's few names), or None."""
+    pgno = root
+    for _ in range(8):
+        if pgno < 2 or (pgno + 1) * psize > length:
+            return None
+        page = ctypes.string_at(base + pgno * psize, psize)
+        head_pgno, _pad, flags, lower, _upper = struct.unpack_from("<QHHHH", page)
+        if head_pgno != pgno:
+            return None
+        nodes = []
+        for i in range((lower - _PAGE_HEADER) // 2):
+            (at,) = struct.unpack_from("<H", page, _PAGE_HEADER + 2 * i)
+            lo, hi, nflags, ksize = struct.unpack_from("<HHHH", page, at)
+            k = page[at + _NODE_HEADER:at + _NODE_HEADER + ksize]
+            nodes.append((k, lo | hi << 16, nflags, at + _NODE_HEADER + ksize))
+        if flags & _P_BRANCH:
+            pick = max((i for i, n in enumerate(nodes) if i == 0 or n[0] <= key), default=0)
+            _, lohi, nflags, _ = nodes[pick]
+            pgno = lohi | nflags << 32
+            continue
+        if not flags & _P_LEAF:
+            return None
+        for k, size, nflags, at in nodes:
+            if k == key:
+                return nflags, page[at:at + size]
+        return None
+    return None
+
+
+def named_root(base: int, length: int, psize: int, txn_id: int, name: bytes) -> int | None:
+    """Root page of database `name` in the snapshot `txn_id`, read from a mapping of data.mdb.
+
+    None when it cannot be told for sure (the caller then reads through py-lmdb): neither
+    meta page is that snapshot's (the writer committed twice since), the meta page was
+    rewritten while it was read, or the database is not a plain one.
+    """
+    for i in (0, 1):
+        at = base + i * psize + _PAGE_HEADER
+        magic, _version, _addr, _mapsize, _free, main, _last, txnid = _MDB_META.unpack(
+            ctypes.string_at(at, _MDB_META.size))
+        if magic != _MDB_MAGIC or txnid != txn_id:
+            continue
+        found = _small_search(base, length, psize, _MDB_DB.unpack(main)[-1], name)
+        # Still this snapshot's meta page: what was read of it was not being rewritten.
+        if struct.unpack("<Q", ctypes.string_at(at + _MDB_META.size - 8, 8))[0] != txn_id:
+            return None
+        if found is None or not found[0] & _F_SUBDATA or len(found[1]) != _MDB_DB.size:
+            return None
+        _pad, flags, _depth, _b, _l, _o, _entries, root = _MDB_DB.unpack(found[1])
+        return None if flags or root == _P_INVALID else int(root)
+    return None
+
+
+def _load_native_resolve() -> Callable[..., tuple[int, int, bytes, bytes, bytes, bytes]] | None:
+    try:
+        from tiers._blockcopy import resolve as native
+    except ImportError:
+        return None
+    return native  # type: ignore[no-any-return]
+
+
+#: The native record lookups (`tiers._blockcopy.resolve`), or None where not built: the reader
+#: then looks its records up through py-lmdb.
+resolve = _load_native_resolve()

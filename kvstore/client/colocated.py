@@ -22,6 +22,7 @@ The on-disk format comes from `tiers.records` and the checksum loop from
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import weakref
@@ -81,6 +82,8 @@ class ColocatedReader:
     Args:
         data_dir: the server's `store.data_dir`.
         threads: threads that verify and copy blocks (default `tiers.blockcopy.DEFAULT_THREADS`).
+        native: look the records up with `tiers._blockcopy.resolve` (B-tree searches in the
+            mapping, without the GIL) where it is built; False: through py-lmdb.
 
     One reader per data dir per process (LMDB's rule). The process needs read
     access to `data.mdb` and read-write access to `lock.mdb` (where LMDB
@@ -91,11 +94,15 @@ class ColocatedReader:
         PermissionDenied: the OS refuses this user the store's files.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str], *, threads: int | None = None) -> None:
+    def __init__(self, data_dir: str | os.PathLike[str], *, threads: int | None = None, native: bool = True) -> None:
         if not isinstance(data_dir, str | os.PathLike):
             raise InvalidArgument(f"data_dir must be a path, got {type(data_dir).__name__}")
         self.data_dir = Path(data_dir).resolve()
         self.threads = None if threads is None else arguments.integer(threads, "threads", least=1, most=256)
+        if not isinstance(native, bool):
+            raise InvalidArgument(f"native must be a bool, got {type(native).__name__}")
+        #: Find records with the native B-tree search where built (else, or False: py-lmdb's gets).
+        self.native = native
         self._path = self.data_dir / DATA_NAME
         if not self._path.is_file() or self._path.stat().st_size == 0:
             raise ConfigError(f"{self.data_dir} holds no kvstore store ({DATA_NAME} is missing or empty)",
@@ -267,21 +274,63 @@ class MappedRead:
         #: What the server found of each block `report_corrupt` named (span position -> status).
         self.reported: dict[int, str] = {}
         self.base_address = reader._base
-        self._metas: list[Any] = []
-        self._datas: list[Any] = []
+        # The newest snapshot's last page bounds this one's: LMDB writes pages before their meta.
+        info, psize = reader._env.info(), reader._env.stat()["psize"]
+        self.map_length = min((info["last_pgno"] + 1) * psize, reader._map_bytes)
+        #: How the records were found: "native" (tiers._blockcopy.resolve) or "lmdb" (py-lmdb gets).
+        self.resolved_by = "lmdb"
+        self._metas: list[Any] | None = []
+        self._datas: list[Any] | None = []
+        self._mapped: memoryview | None = None
+        self._meta_offsets: np.ndarray | None = None
         try:
-            self._resolve(txn, scope, hashes[:found_blocks])
+            wanted = hashes[:found_blocks]
+            if not (reader.native and wanted and self._resolve_native(txn, scope, wanted, psize)):
+                self._resolve(txn, scope, wanted)
         except BaseException:
             self.close()
             raise
-        info = reader._env.info()
-        self.map_length = min((info["last_pgno"] + 1) * reader._env.stat()["psize"], reader._map_bytes)
+
+    def _resolve_native(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], psize: int) -> bool:
+        """Find the records with B-tree searches in the mapping itself, without the GIL; False when
+        this snapshot's tree cannot be told for sure (then py-lmdb's gets do it)."""
+        if blockcopy.resolve is None:
+            return False
+        base, length = self.base_address, self.map_length
+        root = blockcopy.named_root(base, length, psize, txn.id(), b"records")
+        if root is None:
+            return False
+        try:
+            found, damaged, offs, sizes, metas, sums = blockcopy.resolve(base, length, psize, root, scope.prefix,
+                                                                         hashes)
+        except ValueError:  # a page that does not parse: LMDB's own reads say what it is
+            return False
+        if damaged:
+            self.damaged.append(found)
+        self.offsets = np.frombuffer(offs, dtype=np.int64, count=found)
+        self.sizes = np.frombuffer(sizes, dtype=np.int64, count=found)
+        self.checksums = np.frombuffer(sums, dtype=np.uint64, count=found)
+        self._meta_offsets = np.frombuffer(metas, dtype=np.int64, count=found)
+        self._mapped = memoryview((ctypes.c_char * length).from_address(base)).cast("B")
+        self._metas = self._datas = None  # views made when a CPU check or copy needs them
+        self.resolved_by = "native"
+        return True
+
+    def _views(self) -> tuple[list[Any], list[Any]]:
+        """(meta, data) views of each block: LMDB's, or slices of the mapping (native resolve)."""
+        if self._datas is None or self._metas is None:
+            mapped = self._mapped
+            assert mapped is not None and self._meta_offsets is not None
+            offs, ends = self.offsets.tolist(), (self.offsets + self.sizes).tolist()
+            self._datas = [mapped[lo:hi] for lo, hi in zip(offs, ends, strict=True)]
+            self._metas = [mapped[m:m + META_STRUCT.size] for m in self._meta_offsets.tolist()]
+        return self._metas, self._datas
 
     def _resolve(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes]) -> None:
-        """Find the found prefix's records; it ends at a block gone from this snapshot or damaged.
+        """Find the found prefix's records with py-lmdb's gets; it ends at a block gone from this
+        snapshot or damaged.
 
-        Kept as columns (`offsets`, `sizes`, `checksums`): 15,625 blocks are resolved
-        with two gets each and a few vectorised steps, not an object per block.
+        Kept as columns (`offsets`, `sizes`, `checksums`) all the same: not an object per block.
         """
         get, prefix = txn.get, scope.prefix
         keys = [prefix + h for h in hashes]
@@ -347,7 +396,7 @@ class MappedRead:
         """Block `index`'s bytes, read-only, valid until `close`."""
         self._check_open()
         (i,) = self._positions([index])
-        return memoryview(self._datas[i]).toreadonly()
+        return memoryview(self._views()[1][i]).toreadonly()
 
     def verify(self, indices: Sequence[int] | None = None) -> list[bool]:
         """Whether each block (`indices` of the spans, default all) matches its stored checksum.
@@ -357,10 +406,9 @@ class MappedRead:
         self._check_open()
         positions = self._positions(indices)
         if indices is None:
-            return blockcopy.verify_many(self._datas, self.checksums.tolist(), self._threads())
-        sums = self.checksums.tolist()
-        return blockcopy.verify_many([self._datas[i] for i in positions], [sums[i] for i in positions],
-                                     self._threads())
+            return blockcopy.verify_many(self._views()[1], self.checksums.tolist(), self._threads())
+        sums, datas = self.checksums.tolist(), self._views()[1]
+        return blockcopy.verify_many([datas[i] for i in positions], [sums[i] for i in positions], self._threads())
 
     def _threads(self) -> int | None:
         return self._reader.threads if self._reader is not None else None
@@ -386,10 +434,11 @@ class MappedRead:
         target = writable_bytes(dest, ends[-1] if ends else 0)
         dests = [target[lo:hi] for lo, hi in zip([0, *ends], ends, strict=False)]
         if not verify:
-            for d, data in zip(dests, self._datas, strict=True):
+            for d, data in zip(dests, self._views()[1], strict=True):
                 d[:] = data
             return []
-        codes = blockcopy.copy_many(self._metas, self._datas, dests, self._threads())
+        metas, datas = self._views()
+        codes = blockcopy.copy_many(metas, datas, dests, self._threads())
         return [i for i, c in enumerate(codes) if c != blockcopy.FOUND]
 
     def report_corrupt(self, indices: Sequence[int]) -> None:
@@ -424,6 +473,7 @@ class MappedRead:
         if self._txn is None:
             return
         self._metas = self._datas = []
+        self._mapped = None
         self._txn.abort()
         self._txn = None
         if self._reader is not None:

@@ -302,3 +302,60 @@ def test_copy_many_checks_and_copies_every_block(native: bool, monkeypatch: pyte
     assert [i for i, c in enumerate(codes) if c != blockcopy.FOUND] == [7]
     assert out[7000:8000] == bytes(1000)  # never copied
     assert out[:7000] == b"".join(datas[:7]) and out[8000:] == b"".join(datas[8:])
+
+
+def test_the_native_record_search_finds_what_lmdbs_gets_find(new_store) -> None:
+    """1,200 blocks: a records tree three levels deep; random prefixes and strays, both ways equal."""
+    if blockcopy.resolve is None:
+        pytest.skip("tiers._blockcopy is not built")
+    rng = random.Random(11)
+    s = new_store("deep")
+    s.start()
+    client = s.client()
+    chains = []
+    for n in (700, 500):
+        tokens = prompt(rng, n)
+        client.put(tokens, payload(rng, n, client.block_bytes))
+        chains.append(client.hashes(tokens))
+    native, plain = s.reader(), None
+    for _ in range(6):
+        chain = rng.choice(chains)
+        asked = [*chain[: rng.randint(1, len(chain))], rng.randbytes(32)]
+        with native.read(client, asked) as a:
+            assert a.resolved_by == "native" and len(a) == len(asked) - 1
+            got = (a.offsets.tolist(), a.sizes.tolist(), a.checksums.tolist())
+            assert all(a.verify())
+            sample = rng.sample(range(len(a)), 5)
+            blocks = client.get_hashes([asked[i] for i in sample]).blocks
+            assert [bytes(a.view(i)) for i in sample] == blocks
+        native.close()  # one environment per process: reopen it without the native search
+        plain = s.reader(native=False)
+        with plain.read(client, asked) as b:
+            assert b.resolved_by == "lmdb"
+            assert (b.offsets.tolist(), b.sizes.tolist(), b.checksums.tolist()) == got
+        plain.close()
+        native = s.reader()
+
+
+def test_the_native_search_refuses_what_it_cannot_trust(store: Store) -> None:
+    if blockcopy.resolve is None:
+        pytest.skip("tiers._blockcopy is not built")
+    import ctypes
+
+    junk = ctypes.create_string_buffer(64 * 4096)
+    with pytest.raises(ValueError):  # a root that is no B-tree page
+        blockcopy.resolve(ctypes.addressof(junk), len(junk), 4096, 5, b"p" * 16, [bytes(32)])
+    with pytest.raises(ValueError):
+        blockcopy.resolve(ctypes.addressof(junk), len(junk), 4096, 5, b"p", [bytes(32), bytes(31)])
+    reader = store.reader()
+    client = store.client()
+    tokens = prompt(random.Random(12), 1)
+    client.put(tokens, payload(random.Random(12), 1, client.block_bytes))
+    with reader.read(client, client.hashes(tokens)) as read:
+        assert read.resolved_by == "native"
+        txn_id = read._txn.id()  # type: ignore[union-attr]
+        psize = 4096
+        assert blockcopy.named_root(read.base_address, read.map_length, psize, txn_id, b"records") is not None
+        # Another snapshot's id (as after two commits): the meta pages no longer tell, so no root.
+        assert blockcopy.named_root(read.base_address, read.map_length, psize, txn_id + 7, b"records") is None
+        assert blockcopy.named_root(read.base_address, read.map_length, psize, txn_id, b"nosuch") is None
