@@ -63,13 +63,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolHitPolicy,
     PoolName,
-    PoolTransfer,
-    PoolTransferResult,
 )
 
 from integrations import sglang_config, sglang_keys, sglang_swa
+from integrations.sglang_pools import PoolsV2
 from kvstore.client import Client
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.geometry import resolve
@@ -77,7 +75,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-class KVStoreHiCacheStorage(HiCacheStorage):
+class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
     """SGLang HiCache storage in a kvstore server: KV pages as kvstore blocks, SWA pages as snapshots.
 
     Args:
@@ -115,6 +113,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         if page_size != self.client.block_tokens:
             raise ConfigError(f"SGLang's page size is {page_size} tokens; kvstore blocks are "
                               f"{self.client.block_tokens}: start SGLang with --page-size {self.client.block_tokens}")
+        if not callable(getattr(pool, "get_dummy_flat_data_page", None)):
+            # SGLang's DeepSeek-V4 HiCache anchors on a LogicalHostPool (indices only) and keeps the
+            # rows in per-ratio side pools; joining those into kvstore blocks is not done yet.
+            raise ConfigError(f"SGLang's KV host pool ({type(pool).__name__}) holds no page data (DeepSeek-V4 "
+                              "HiCache keeps its rows in the deepseek_v4_c1/c2 side pools): the kvstore "
+                              "backend does not map those pools yet")
         page = pool.get_dummy_flat_data_page()
         nbytes = page.numel() * page.element_size()
         if nbytes != self.client.block_bytes:
@@ -310,91 +314,6 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                   target_sizes: Any | None = None) -> bool:
         """Store pages in chain order; True when every one was stored."""
         return all(self._write_pages(keys, list(values or []))) if values is not None else False
-
-    # -- pools beside KV (v2): SWA snapshots ------------------------------------
-
-    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
-                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
-        """The usable prefix: KV pages stored, and for an SWA pool (trailing pages) the longest page
-        boundary with a live snapshot. One Lookup answers both."""
-        chain = self._chain(keys, extra_info) if keys else None
-        if chain is None:
-            return PoolTransferResult.empty()
-        hashes, offset = chain
-        wants_swa = any(str(t.name) == PoolName.SWA.value for t in pool_transfers or [])
-        swa_keys: list[bytes] = []
-        positions: list[int] = []
-        if wants_swa:
-            for p in range(1, len(keys) + 1):
-                t = (offset + p) * self.page_size
-                anchor = hashes[offset + p - 1]
-                swa_keys.append(sglang_swa.key_at(anchor, t, self._extra_keys(anchor.hex())))
-                positions.append(t)
-        try:
-            reply = self.client.lookup_hashes(hashes, swa_keys=swa_keys, swa_positions=positions)
-        except KVStoreError as exc:
-            logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
-            return PoolTransferResult.empty()
-        kv_pages = max(0, min(len(keys), reply.found_blocks - offset))
-        hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
-        restorable = set(range(1, kv_pages + 1))
-        for transfer in pool_transfers or []:
-            name = str(transfer.name)
-            if name == PoolName.SWA.value and transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                at = reply.swa_position
-                page = at // self.page_size - offset if at is not None and at % self.page_size == 0 else 0
-                pool_ok = {page} if 1 <= page <= kv_pages else set()
-            else:
-                pool_ok = set()  # a pool kvstore does not keep is never restorable from it
-            if pool_ok:
-                hits[name] = max(pool_ok)
-            restorable &= pool_ok
-        ordered = sorted(restorable)
-        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
-
-    def batch_get_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        """Read each transfer's pages: KV pages as blocks, the SWA pool's trailing pages from one snapshot."""
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            name = str(t.name)
-            if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, write=False)
-            elif name == PoolName.KV.value and t.host_indices is not None:
-                out[name] = self._read_pages(self._pool(name), keys, t.host_indices)
-            else:
-                out[name] = [False] * len(keys)
-        return out
-
-    def batch_set_v2(self, transfers: list[PoolTransfer],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
-        """Write each transfer's pages: KV pages as blocks, the SWA pool's trailing pages as one snapshot."""
-        out: dict[str, list[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            name = str(t.name)
-            if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, write=True)
-            elif name == PoolName.KV.value and t.host_indices is not None:
-                pool = self._pool(name)
-                pages = [pool.get_data_page(int(t.host_indices[i * self.page_size]), flat=True)
-                         for i in range(len(keys))]
-                out[name] = self._write_pages(keys, pages)
-            else:
-                out[name] = [False] * len(keys)
-        return out
-
-    def _swa_io(self, transfer: PoolTransfer, keys: list[str], *, write: bool) -> list[bool]:
-        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa.move)."""
-        chain = self.ledger.chain_to_root(keys[-1]) if keys else None
-        if chain is None or transfer.host_indices is None:
-            return [False] * len(keys)
-        done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain,
-                               transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s,
-                               extra_keys=self._extra_keys(keys[-1]))
-        self.stats["snapshots_written" if write else "snapshots_read"] += int(done)
-        return [done] * len(keys)
 
     # -- the rest of SGLang's interface ------------------------------------------
 
