@@ -466,12 +466,12 @@ class TransferSession:
         """End the session: the server unmaps every region; the regions are closed here."""
         for path in self._paths.values():
             path.close()
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
         if self._events is not None:
             self._events.cancel()
             self._events = None
+        if self.ring is not None:  # after the stream: a request waiting on another thread sees it end
+            self.ring.close()
+            self.ring = None
         for region in list(self.regions.values()):
             region.close()
         self.regions.clear()

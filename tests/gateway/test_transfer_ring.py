@@ -447,3 +447,33 @@ def test_a_second_thread_falls_back_to_submit_while_the_ring_is_busy(serve: Chil
             assert session.fetch(hashes, region).done_prefix == 2
         assert calls == ["SubmitRequest"] and ring.answered == 0
         assert bytes(region.view) == b"".join(blocks)
+
+
+def test_closing_the_session_ends_a_request_waiting_on_another_thread(serve: Child) -> None:
+    client = Client(serve.target, timeout_s=60)
+    session = client.transfer()
+    hashes, _ = stored(client, 1)
+    region = session.register(client.block_bytes)
+    assert session.ring is not None
+    os.kill(serve.proc.pid, 19)  # SIGSTOP: nobody answers
+    outcome: list[BaseException | None] = []
+
+    def fetch() -> None:
+        try:
+            session.fetch(hashes, region)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=fetch)
+    waiter.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    try:
+        session.close()  # the stream is cancelled first: the waiting request sees it end
+        waiter.join(timeout=10)
+        assert not waiter.is_alive() and time.monotonic() - started < 10
+        assert isinstance(outcome[0], Unavailable)
+    finally:
+        os.kill(serve.proc.pid, 18)  # SIGCONT
+        client.close()
