@@ -236,7 +236,7 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
             for index, status, data in self.client.stream(hashes):
                 if status != pb.BLOCK_STATUS_FOUND or len(data) != self.client.block_bytes:
                     continue
-                page = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dummy.dtype)
+                page = sglang_swa.read_only(data).view(dummy.dtype)  # copied into the pool by SGLang
                 pool.set_from_flat_data_page(int(host_indices[index * self.page_size]), page)
                 results[index] = True
         except KVStoreError as exc:

@@ -19,6 +19,7 @@ holds rows [j x page_size, (j + 1) x page_size) of every layer.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,10 +68,18 @@ def join_pages(geometry: ModelGeometry, pages: Sequence[torch.Tensor], page_size
     return torch.cat(rows, dim=1)
 
 
+def read_only(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A uint8 tensor over received bytes, without a copy, for reading only (it is copied into a
+    host pool next; torch warns about a read-only buffer, which is what it is)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def split_pages(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryview, page_size: int,
                 n: int) -> list[torch.Tensor]:
-    """A snapshot's bytes back as `n` flat uint8 pages, oldest first (views where possible)."""
-    rows = torch.frombuffer(bytearray(snapshot), dtype=torch.uint8).view(
+    """A snapshot's bytes back as `n` flat uint8 pages, oldest first (read-only views, no copy)."""
+    rows = read_only(snapshot).view(
         geometry.num_layers, n * page_size, geometry.window_row_bytes)
     return [rows[:, j * page_size:(j + 1) * page_size, :].reshape(-1) for j in range(n)]
 
