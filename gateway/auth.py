@@ -56,6 +56,8 @@ _KV, _SWA, _TR = "/kvstore.v1.KVStore/", "/kvstore.v1.SwaPool/", "/kvstore.v1.Tr
 #: added later, the Admin service among them, is an admin's until listed here).
 METHOD_RIGHTS: dict[str, str] = {
     **{_KV + m: READ for m in ("Lookup", "Get", "Release", "ReportResume")},
+    # A same-host reader's checksum failures: the server re-verifies them itself (gateway.kvstore_servicer).
+    _KV + "ReportCorrupt": READ,
     **{_KV + m: WRITE for m in ("Put", "PutStream")},
     _KV + "GetInfo": ANY,
     # KVStore's Stats answer a tenant its own hit counters only (gateway.kvstore_servicer),
