@@ -32,12 +32,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import lmdb
 import numpy as np
 
 from kvstore.client import arguments
 from kvstore.client.colocated_memory import mapping_base, writable_bytes
-from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, PermissionDenied, Unavailable
+from kvstore.client.connection import status_error
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
 from tiers import blockcopy
@@ -49,8 +51,8 @@ if TYPE_CHECKING:
 DATA_NAME = "data.mdb"
 #: The tenant of every call on a server without auth (gateway.auth.DEFAULT_TENANT).
 _DEFAULT_TENANT = "default"
-#: Default lease of a read's Lookup: it need only cover the gap until the read txn opens.
-DEFAULT_LEASE_MS = 2000
+#: Default lease of a read's Lookup: none, the read txn begins before the Lookup runs.
+DEFAULT_LEASE_MS = 0
 #: tiers.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
 _META_DTYPE = np.dtype([("parent", "V32"), ("depth", "<u4"), ("size", "<u4"), ("checksum", "<u8"),
                         ("created", "<f8"), ("last_access", "<f8")])
@@ -140,7 +142,8 @@ class ColocatedReader:
         Args:
             client: a `kvstore.Client` of the server serving this data dir.
             hashes: the prompt's chain hashes, in order (`client.hashes(tokens)`).
-            lease_ms: the Lookup's lease, released when the read closes.
+            lease_ms: a lease for the Lookup to take (released when the read closes). The read
+                needs none: its txn begins before the Lookup runs.
 
         Returns:
             An open `MappedRead` (close it, or use it as a context manager).
@@ -157,13 +160,17 @@ class ColocatedReader:
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
         self._check_open()
         scope = BlockScope(client.fingerprint, client.namespace or self._tenant(conn))
-        hit = client.lookup_hashes(hashes, lease_ms=lease_ms)
+        # The txn first, then the Lookup: the snapshot is then at or before what the Lookup
+        # sees, so every block it finds is in the snapshot unless written in between (a miss
+        # here), and eviction after the txn began cannot touch its pages: no lease needed.
+        # The records are looked up while the Lookup is in flight; its answer cuts them.
+        txn = self._begin()
         try:
-            txn = self._begin()
+            lookup = _start_lookup(client, hashes, lease_ms)
         except BaseException:
-            _release(client, hit.lease_id)
+            txn.abort()
             raise
-        read = MappedRead(self, client, scope, hashes, hit.found_blocks, hit.lease_id, txn)
+        read = MappedRead(self, client, scope, hashes, lookup, txn)
         with self._lock:
             self._open.add(read)
         return read
@@ -238,11 +245,27 @@ class ColocatedReader:
         self.close()
 
 
+def _start_lookup(client: Any, hashes: list[bytes], lease_ms: int) -> Any:
+    """The read's Lookup, sent without waiting (None for no hashes): the answer is collected
+    once the records are looked up."""
+    if not hashes:
+        return None
+    conn = client.connection
+    request = pb.LookupRequest(geometry=client.geometry, namespace=client.namespace, block_hashes=hashes,
+                               lease_ms=lease_ms)
+    try:
+        return conn.kvstore.Lookup.future(request, timeout=conn.timeout_s, metadata=conn.metadata)
+    except ValueError as exc:  # grpc refuses a call on a closed channel
+        raise InvalidArgument(f"cannot look up on this client: {exc}", hint="the client is closed") from None
+
+
 def _release(client: Any, lease_id: str | None) -> None:
-    """Drop a lease, best effort: it expires on its own (the server may be restarting)."""
+    """Drop a lease without waiting, best effort: it expires on its own (the server may be restarting)."""
     if lease_id:
-        with contextlib.suppress(KVStoreError):
-            client.release(lease_id)
+        conn = client.connection
+        with contextlib.suppress(Exception):
+            conn.kvstore.Release.future(pb.ReleaseRequest(lease_id=lease_id), timeout=conn.timeout_s,
+                                        metadata=conn.metadata)
 
 
 class MappedRead:
@@ -262,14 +285,14 @@ class MappedRead:
     """
 
     def __init__(self, reader: ColocatedReader, client: Any, scope: BlockScope, hashes: list[bytes],
-                 found_blocks: int, lease_id: str | None, txn: lmdb.Transaction) -> None:
+                 lookup: Any, txn: lmdb.Transaction) -> None:
         self._reader: ColocatedReader | None = reader
         self._client = client
         self._scope = scope
         self._txn: lmdb.Transaction | None = txn
-        self._lease_id = lease_id
+        self._lease_id: str | None = None
         self.hashes = hashes
-        self.found_blocks = found_blocks
+        self.found_blocks = 0
         self.damaged: list[int] = []
         #: What the server found of each block `report_corrupt` named (span position -> status).
         self.reported: dict[int, str] = {}
@@ -283,13 +306,35 @@ class MappedRead:
         self._datas: list[Any] | None = []
         self._mapped: memoryview | None = None
         self._meta_offsets: np.ndarray | None = None
+        #: Each block's offset from `base_address`, its size (int64), its stored xxh3-64 (uint64).
+        self.offsets: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.sizes: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.checksums: np.ndarray = np.zeros(0, dtype=np.uint64)
         try:
-            wanted = hashes[:found_blocks]
-            if not (reader.native and wanted and self._resolve_native(txn, scope, wanted, psize)):
-                self._resolve(txn, scope, wanted)
+            if not (reader.native and hashes and self._resolve_native(txn, scope, hashes, psize)):
+                self._resolve(txn, scope, hashes)
+            if lookup is not None:
+                try:
+                    reply = lookup.result()
+                except grpc.RpcError as exc:
+                    raise status_error(exc) from None
+                self.found_blocks, self._lease_id = reply.found_blocks, reply.lease_id or None
+            self._cut(self.found_blocks)
         except BaseException:
+            if lookup is not None:
+                lookup.cancel()
             self.close()
             raise
+
+    def _cut(self, n: int) -> None:
+        """Keep the first `n` blocks: those the Lookup found (the records were looked up for all)."""
+        if n < len(self.offsets):
+            self.offsets, self.sizes, self.checksums = self.offsets[:n], self.sizes[:n], self.checksums[:n]
+            if self._meta_offsets is not None:
+                self._meta_offsets = self._meta_offsets[:n]
+            if self._datas is not None and self._metas is not None:
+                self._metas, self._datas = self._metas[:n], self._datas[:n]
+        self.damaged = [i for i in self.damaged if i < n]
 
     def _resolve_native(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], psize: int) -> bool:
         """Find the records with B-tree searches in the mapping itself, without the GIL; False when
@@ -359,7 +404,6 @@ class MappedRead:
         if n < len(datas) and not self.damaged:
             self.damaged.append(n)
         self._metas, self._datas = metas[:n], datas[:n]
-        #: Each block's offset from `base_address` (int64), its size, its stored xxh3-64 (uint64).
         self.offsets = np.asarray(blockcopy.addresses(self._datas), dtype=np.int64) - self.base_address
         self.sizes = sizes[:n]
         self.checksums = records["checksum"][:n].copy()
