@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -284,6 +285,46 @@ def test_a_page_stored_under_another_hash_than_its_key_is_reported_failed(backen
     b.ledger._remember(key, entry._replace(tokens=entry.tokens[::-1]))   # its tokens no longer hash to the key
     assert b.batch_set_v1([key], fill(pool, 0, 1, seed=13)) == [False]
     assert b.batch_exists([key]) == 0
+
+
+def test_the_ledger_forgets_the_oldest_pages_beyond_ledger_pages(server: Child) -> None:
+    pool = PagePool(4, BLOCK)
+    b = StorageBackendFactory.create_backend("dynamic", config(server.target, {"ledger_pages": 2}), pool)
+    try:
+        b.register_mem_pool_host(pool)
+        keys = sg_utils.get_hash_str(prompt(16, 4, extra=0), None, page_size=PAGE)
+        assert len(b.ledger) == 2 and b.ledger.page(keys[0]) is None and b.ledger.page(keys[3]) is not None
+        assert b.batch_set_v1(keys[:1], fill(pool, 0, 1, seed=16)) == [False]   # its tokens are gone
+        assert b.counters()["unknown_keys"] == 1
+    finally:
+        b.close()
+
+
+def test_storage_threads_read_and_write_at_once(backend: Any, server: Child) -> None:
+    # SGLang's prefetch and backup threads call the backend concurrently.
+    b, pool = backend
+    prompts = [prompt(100 + i, 2, extra=0) for i in range(6)]
+    keys = [sg_utils.get_hash_str(t, None, page_size=PAGE) for t in prompts]
+    fill(pool, 0, 2, seed=17)
+    errors: list[BaseException] = []
+
+    def write(i: int) -> None:
+        try:
+            assert b.batch_set_v1(keys[i], torch.arange(0, 2 * PAGE)) == [True, True]
+            assert b.batch_exists(keys[i]) == 2
+        except BaseException as exc:  # handed to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with kvstore.Client(server.target) as c:
+        for t in prompts:
+            got = c.get(t)
+            assert [bytes(x or b"") for x in got.blocks] == [pool.page_bytes(0), pool.page_bytes(1)]
 
 
 def test_a_page_whose_parent_is_not_stored_fails_and_nothing_is_written(backend: Any) -> None:
