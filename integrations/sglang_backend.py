@@ -30,7 +30,7 @@ here, and the other way round. A caller computes them from token ids as
 Outside SGLang (the one-cache test): build it as SGLang does, through the factory, with any
 object that has the host pool's page interface (`page_size` = 64, `get_dummy_flat_data_page()`,
 `get_data_page(i, flat=True)`, `set_from_flat_data_page(i, page)`; tests/integrations/
-test_sglang_backend.py has `PagePool`), with SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python set:
+test_sglang_support.py has `PagePool`), with SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python set:
 
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
