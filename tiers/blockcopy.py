@@ -289,3 +289,35 @@ def _load_native_resolve() -> Callable[..., tuple[int, int, bytes, bytes, bytes,
 #: The native record lookups (`tiers._blockcopy.resolve`), or None where not built: the reader
 #: then looks its records up through py-lmdb.
 resolve = _load_native_resolve()
+
+
+def _load_native_verify_spans() -> Callable[[int, int, bytes, bytes, bytes], bytes] | None:
+    try:
+        from tiers._blockcopy import verify_spans as native
+    except ImportError:
+        return None
+    return native  # type: ignore[no-any-return]
+
+
+_verify_spans_native = _load_native_verify_spans()
+
+
+def verify_spans(base: int, length: int, offsets: Any, sizes: Any, checksums: Any,
+                 threads: int | None = None) -> list[bool] | None:
+    """Whether each block at `base + offsets[i]` (`sizes[i]` bytes, inside `length`) matches
+    `checksums[i]`: int64, int64 and uint64 numpy arrays; hashed over threads without the GIL.
+
+    Returns:
+        None where the native module is not built (the caller checks views with `verify_many`).
+    """
+    native = _verify_spans_native
+    if native is None:
+        return None
+    import numpy as np
+
+    offs = np.ascontiguousarray(offsets, dtype=np.int64)
+    szs = np.ascontiguousarray(sizes, dtype=np.int64)
+    sums = np.ascontiguousarray(checksums, dtype=np.uint64)
+    parts = _spread(lambda lo, hi: native(base, length, offs[lo:hi].tobytes(), szs[lo:hi].tobytes(),
+                                          sums[lo:hi].tobytes()), len(offs), threads)
+    return [bool(b) for part in parts for b in part]

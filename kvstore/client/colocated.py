@@ -449,6 +449,12 @@ class MappedRead:
         """
         self._check_open()
         positions = self._positions(indices)
+        if self._mapped is not None:  # resolved natively: hash the spans in place, no view per block
+            pick = slice(None) if indices is None else np.asarray(positions, dtype=np.int64)
+            checked = blockcopy.verify_spans(self.base_address, self.map_length, self.offsets[pick],
+                                             self.sizes[pick], self.checksums[pick], self._threads())
+            if checked is not None:
+                return checked
         if indices is None:
             return blockcopy.verify_many(self._views()[1], self.checksums.tolist(), self._threads())
         sums, datas = self.checksums.tolist(), self._views()[1]

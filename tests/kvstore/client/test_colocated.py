@@ -359,3 +359,19 @@ def test_the_native_search_refuses_what_it_cannot_trust(store: Store) -> None:
         # Another snapshot's id (as after two commits): the meta pages no longer tell, so no root.
         assert blockcopy.named_root(read.base_address, read.map_length, psize, txn_id + 7, b"records") is None
         assert blockcopy.named_root(read.base_address, read.map_length, psize, txn_id, b"nosuch") is None
+
+
+def test_verify_spans_checks_blocks_in_place() -> None:
+    if blockcopy.resolve is None:
+        pytest.skip("tiers._blockcopy is not built")
+    import ctypes
+
+    rng = random.Random(13)
+    buf = ctypes.create_string_buffer(rng.randbytes(100_000), 100_000)
+    base = ctypes.addressof(buf)
+    offsets = np.array([0, 5_000, 60_000, 99_990, 99_995], dtype=np.int64)
+    sizes = np.array([1_000, 50_000, 30_000, 10, 10], dtype=np.int64)  # the last runs past the end
+    sums = np.array([xxhash.xxh3_64_intdigest(buf.raw[o:o + z]) for o, z in zip(offsets, sizes, strict=True)],
+                    dtype=np.uint64)
+    sums[2] ^= np.uint64(1)
+    assert blockcopy.verify_spans(base, 100_000, offsets, sizes, sums, threads=2) == [True, True, False, True, False]
