@@ -176,7 +176,9 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     swa_pb2_grpc.add_SwaPoolServicer_to_server(
         SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies),
         server)
-    transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits)
+    # The ring's requests bypass the interceptors: the servicer charges them to the tenant's request rate itself.
+    transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits,
+                                rate=admin.quotas.rate)
     closers.append(transfer.close)
     transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
