@@ -90,6 +90,7 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         s = sglang_config.settings(storage_config.extra_config)
         sglang_config.check_tree_core()
+        sglang_config.check_topology(storage_config)
         self.storage_config = storage_config
         self.client = Client(s["target"], namespace=s["namespace"], geometry=s["geometry"],
                              timeout_s=float(s["timeout_s"]), token=s["token"])

@@ -55,3 +55,26 @@ def check_tree_core() -> None:
     if core != "python":
         raise ConfigError(f"SGLang's radix tree core is {core!r}; the kvstore backend needs the Python one, whose "
                           "page keys are kvstore chain hashes: set SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python")
+
+
+def check_topology(config: Any) -> None:
+    """Refuse a rank that holds a shard of each page: kvstore keys a page by its tokens alone, so
+    every rank must hold (and store) the same bytes for it, the whole model's rows.
+
+    Raises:
+        ConfigError: KV split across TP heads (not MLA with tp_size > 1), pipeline stages, context-
+            or decode-context-parallel ranks.
+    """
+    shards = []
+    if not config.is_mla_model and config.tp_size > 1:
+        shards.append(f"tp_size={config.tp_size} with per-head KV (not MLA)")
+    if config.pp_size > 1:
+        shards.append(f"pp_size={config.pp_size}")
+    if config.attn_cp_size > 1:
+        shards.append(f"attn_cp_size={config.attn_cp_size}")
+    if getattr(config, "dcp_size", 1) > 1:
+        shards.append(f"dcp_size={config.dcp_size}")
+    if shards:
+        raise ConfigError(f"this SGLang rank holds a shard of each page ({', '.join(shards)}); a kvstore block is "
+                          "the whole page, keyed by its tokens alone: run SGLang with the KV replicated per rank "
+                          "(MLA, no pipeline or context parallelism) to use the kvstore backend")

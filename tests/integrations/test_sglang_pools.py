@@ -107,6 +107,23 @@ def test_bad_settings_are_config_errors(server: Child, extra: dict[str, Any], me
         StorageBackendFactory.create_backend("dynamic", config(server.target, extra), None)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("is_mla_model", False, "tp_size=2 with per-head KV"),
+    ("pp_size", 2, "pp_size=2"),
+    ("attn_cp_size", 2, "attn_cp_size=2"),
+])
+def test_ranks_holding_a_shard_of_each_page_are_refused(server: Child, field: str, value: object,
+                                                        message: str) -> None:
+    cfg = config(server.target)
+    cfg.tp_size, cfg.tp_rank = 2, 0
+    setattr(cfg, field, value)
+    with pytest.raises(ConfigError, match=message):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+    cfg = config(server.target)
+    cfg.tp_size = 2   # MLA: every TP rank holds the whole page; accepted
+    StorageBackendFactory.create_backend("dynamic", cfg, None).close()
+
+
 def test_an_unreachable_server_is_unavailable_at_start() -> None:
     with pytest.raises(Unavailable):
         StorageBackendFactory.create_backend("dynamic", config("127.0.0.1:1", {"timeout_s": 5}), None)
