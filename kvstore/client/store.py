@@ -325,14 +325,16 @@ class Client:
         `kvstore.v1.kvstore_pb2.BlockStatus`; `data` is empty unless found."""
         return stream_blocks(self.connection, hashes)
 
-    def transfer(self, *, path: str = "auto") -> TransferSession:
+    def transfer(self, *, path: str = "auto", ring: bool = True) -> TransferSession:
         """A batched-transfer session on this connection (`kvstore.client.transfer`).
 
         Args:
             path: "auto" (shared memory when the server can map this host's
                 regions, else streamed), "shm" or "stream" to force one.
+            ring: answer small shared-memory reads through the session's request
+                ring (docs/TRANSFER.md); False sends every batch by Submit.
         """
-        return TransferSession(self.connection, path=path)
+        return TransferSession(self.connection, path=path, ring=ring)
 
     def stats(self, *, tenant: str = "", windows: Sequence[str] = (), chart_points: int = 0) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom; hit windows of `tenant` ("": every tenant

@@ -105,7 +105,7 @@ def test_a_ring_fetch_lands_exactly_what_get_returns(serve: Child, n: int) -> No
 @pytest.mark.parametrize("prefix_only", [False, True])
 def test_the_ring_answers_as_submit_does(serve: Child, prefix_only: bool) -> None:
     with Client(serve.target) as client, client.transfer() as ring_s, \
-            TransferSession(client.connection, ring=False) as plain, client.transfer() as other:
+            client.transfer(ring=False) as plain, client.transfer() as other:
         size = client.block_bytes
         hashes, blocks = stored(client, 3)
         theirs = other.register(size)
