@@ -75,6 +75,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
+
 class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
     """SGLang HiCache storage in a kvstore server: KV pages as kvstore blocks, SWA pages as snapshots.
 
@@ -94,7 +95,11 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         self.storage_config = storage_config
         self.client = Client(s["target"], namespace=s["namespace"], geometry=s["geometry"],
                              timeout_s=float(s["timeout_s"]), token=s["token"])
-        self.geometry = resolve(self.client.geometry)
+        try:
+            self.geometry = resolve(self.client.geometry)
+        except KVStoreError:
+            self.client.close()
+            raise
         self.swa_ttl_s: float | None = s["swa_ttl_s"]
         self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
         sglang_keys.install(self.ledger)
@@ -138,6 +143,9 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         if name == PoolName.KV.value:
             self._check_kv_pool(host_pool)
         elif name == PoolName.SWA.value:
+            if int(host_pool.page_size) != self.page_size:
+                raise ConfigError(f"SGLang's SWA host pool has {host_pool.page_size}-token pages; the kvstore "
+                                  f"backend needs the KV page size, {self.page_size}")
             page = host_pool.get_dummy_flat_data_page()
             sglang_swa.check_swa_page(self.geometry, int(host_pool.page_size), page.numel() * page.element_size())
         else:

@@ -136,6 +136,8 @@ def test_pools_that_are_not_kvstore_blocks_are_refused(server: Child) -> None:
             b.register_mem_pool_host(PagePool(2, 32 * 890, page_size=32))
         with pytest.raises(ConfigError, match="56960 B"):
             b.register_mem_pool_host(PagePool(2, 64 * 512))
+        with pytest.raises(ConfigError, match="32-token pages"):
+            b.register_mem_host_pool_v2(PagePool(2, SWA_PAGE // 2, page_size=32), PoolName.SWA)
         with pytest.raises(ConfigError, match="SWA host page"):
             b.register_mem_host_pool_v2(PagePool(2, 64 * 528), PoolName.SWA)
         with pytest.raises(ConfigError, match="holds no page data"):   # DeepSeek-V4's LogicalHostPool anchor
