@@ -15,35 +15,29 @@ which holds every tenant's blocks; the server's auth does not extend to it. It
 is for a worker trusted with the host's store, and off unless configured.
 Design and paths: docs/DIRECT_RESTORE.md.
 
-The on-disk format comes from `tiers.records` and the checksum loop from
-`tiers.blockcopy` (the one exception to the core's layering, tests/kvstore/test_wire.py).
+A read (`MappedRead`, `BlockSpan`) lives in colocated_read.py. The on-disk format
+comes from `tiers.records` and the checksum loops from `tiers.blockcopy` (the one
+exception to the core's layering, tests/kvstore/test_wire.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import lmdb
-import numpy as np
 
 from kvstore.client import arguments
-from kvstore.client.colocated_memory import mapping_base, writable_bytes
-from kvstore.client.connection import status_error
+from kvstore.client.colocated_memory import mapping_base
+from kvstore.client.colocated_read import BlockSpan, MappedRead, _start_lookup
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
-from tiers import blockcopy
-from tiers.records import DATA_TAG, META_STRUCT, META_TAG
 
 if TYPE_CHECKING:
     from kvstore.client.store import Client
@@ -53,29 +47,8 @@ DATA_NAME = "data.mdb"
 _DEFAULT_TENANT = "default"
 #: Default lease of a read's Lookup: none, the read txn begins before the Lookup runs.
 DEFAULT_LEASE_MS = 0
-#: tiers.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
-_META_DTYPE = np.dtype([("parent", "V32"), ("depth", "<u4"), ("size", "<u4"), ("checksum", "<u8"),
-                        ("created", "<f8"), ("last_access", "<f8")])
-assert _META_DTYPE.itemsize == META_STRUCT.size
 #: Reader slots in a lock file this process creates (the server's own number, tiers/datadir.py).
 _MAX_READERS = 512
-
-
-@dataclass(frozen=True, slots=True)
-class BlockSpan:
-    """One block's bytes inside this process's mapping of `data.mdb`.
-
-    Attributes:
-        index: position of the block in the list of hashes asked.
-        offset: byte offset from `MappedRead.base_address` (also its offset in the file).
-        size: the block's length in bytes.
-        checksum: its stored xxh3-64 (the meta record's), to verify against.
-    """
-
-    index: int
-    offset: int
-    size: int
-    checksum: int
 
 
 class ColocatedReader:
@@ -239,300 +212,6 @@ class ColocatedReader:
         self._env.close()
 
     def __enter__(self) -> ColocatedReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _start_lookup(client: Any, hashes: list[bytes], lease_ms: int) -> Any:
-    """The read's Lookup, sent without waiting (None for no hashes): the answer is collected
-    once the records are looked up."""
-    if not hashes:
-        return None
-    conn = client.connection
-    request = pb.LookupRequest(geometry=client.geometry, namespace=client.namespace, block_hashes=hashes,
-                               lease_ms=lease_ms)
-    try:
-        return conn.kvstore.Lookup.future(request, timeout=conn.timeout_s, metadata=conn.metadata)
-    except ValueError as exc:  # grpc refuses a call on a closed channel
-        raise InvalidArgument(f"cannot look up on this client: {exc}", hint="the client is closed") from None
-
-
-def _release(client: Any, lease_id: str | None) -> None:
-    """Drop a lease without waiting, best effort: it expires on its own (the server may be restarting)."""
-    if lease_id:
-        conn = client.connection
-        with contextlib.suppress(Exception):
-            conn.kvstore.Release.future(pb.ReleaseRequest(lease_id=lease_id), timeout=conn.timeout_s,
-                                        metadata=conn.metadata)
-
-
-class MappedRead:
-    """The found prefix of one read, as spans of the mapping; holds the read txn until closed.
-
-    Attributes:
-        base_address: address of this process's mapping of `data.mdb` (file offset 0).
-        map_length: bytes of the mapping valid to read (the file's used pages).
-        spans: one `BlockSpan` per block of the found prefix, in order (built on first use).
-        offsets, sizes, checksums: the same as numpy columns (int64, int64, uint64): what a
-            kernel launch wants, without an object per block.
-        hashes: the hashes asked.
-        found_blocks: the blocks the Lookup found (`len(spans)` unless some were
-            damaged in the file: see `damaged`).
-        damaged: asked indices whose records were unreadable or of the wrong
-            size in this snapshot (the prefix ends before the first).
-    """
-
-    def __init__(self, reader: ColocatedReader, client: Any, scope: BlockScope, hashes: list[bytes],
-                 lookup: Any, txn: lmdb.Transaction) -> None:
-        self._reader: ColocatedReader | None = reader
-        self._client = client
-        self._scope = scope
-        self._txn: lmdb.Transaction | None = txn
-        self._lease_id: str | None = None
-        self.hashes = hashes
-        self.found_blocks = 0
-        self.damaged: list[int] = []
-        #: What the server found of each block `report_corrupt` named (span position -> status).
-        self.reported: dict[int, str] = {}
-        self.base_address = reader._base
-        # The newest snapshot's last page bounds this one's: LMDB writes pages before their meta.
-        info, psize = reader._env.info(), reader._env.stat()["psize"]
-        self.map_length = min((info["last_pgno"] + 1) * psize, reader._map_bytes)
-        #: How the records were found: "native" (tiers._blockcopy.resolve) or "lmdb" (py-lmdb gets).
-        self.resolved_by = "lmdb"
-        self._metas: list[Any] | None = []
-        self._datas: list[Any] | None = []
-        self._mapped: memoryview | None = None
-        self._meta_offsets: np.ndarray | None = None
-        #: Each block's offset from `base_address`, its size (int64), its stored xxh3-64 (uint64).
-        self.offsets: np.ndarray = np.zeros(0, dtype=np.int64)
-        self.sizes: np.ndarray = np.zeros(0, dtype=np.int64)
-        self.checksums: np.ndarray = np.zeros(0, dtype=np.uint64)
-        try:
-            if not (reader.native and hashes and self._resolve_native(txn, scope, hashes, psize)):
-                self._resolve(txn, scope, hashes)
-            if lookup is not None:
-                try:
-                    reply = lookup.result()
-                except grpc.RpcError as exc:
-                    raise status_error(exc) from None
-                self.found_blocks, self._lease_id = reply.found_blocks, reply.lease_id or None
-            self._cut(self.found_blocks)
-        except BaseException:
-            if lookup is not None:
-                lookup.cancel()
-            self.close()
-            raise
-
-    def _cut(self, n: int) -> None:
-        """Keep the first `n` blocks: those the Lookup found (the records were looked up for all)."""
-        if n < len(self.offsets):
-            self.offsets, self.sizes, self.checksums = self.offsets[:n], self.sizes[:n], self.checksums[:n]
-            if self._meta_offsets is not None:
-                self._meta_offsets = self._meta_offsets[:n]
-            if self._datas is not None and self._metas is not None:
-                self._metas, self._datas = self._metas[:n], self._datas[:n]
-        self.damaged = [i for i in self.damaged if i < n]
-
-    def _resolve_native(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], psize: int) -> bool:
-        """Find the records with B-tree searches in the mapping itself, without the GIL; False when
-        this snapshot's tree cannot be told for sure (then py-lmdb's gets do it)."""
-        if blockcopy.resolve is None:
-            return False
-        base, length = self.base_address, self.map_length
-        root = blockcopy.named_root(base, length, psize, txn.id(), b"records")
-        if root is None:
-            return False
-        try:
-            found, damaged, offs, sizes, metas, sums = blockcopy.resolve(base, length, psize, root, scope.prefix,
-                                                                         hashes)
-        except ValueError:  # a page that does not parse: LMDB's own reads say what it is
-            return False
-        if damaged:
-            self.damaged.append(found)
-        self.offsets = np.frombuffer(offs, dtype=np.int64, count=found)
-        self.sizes = np.frombuffer(sizes, dtype=np.int64, count=found)
-        self.checksums = np.frombuffer(sums, dtype=np.uint64, count=found)
-        self._meta_offsets = np.frombuffer(metas, dtype=np.int64, count=found)
-        self._mapped = memoryview((ctypes.c_char * length).from_address(base)).cast("B")
-        self._metas = self._datas = None  # views made when a CPU check or copy needs them
-        self.resolved_by = "native"
-        return True
-
-    def _views(self) -> tuple[list[Any], list[Any]]:
-        """(meta, data) views of each block: LMDB's, or slices of the mapping (native resolve)."""
-        if self._datas is None or self._metas is None:
-            mapped = self._mapped
-            assert mapped is not None and self._meta_offsets is not None
-            offs, ends = self.offsets.tolist(), (self.offsets + self.sizes).tolist()
-            self._datas = [mapped[lo:hi] for lo, hi in zip(offs, ends, strict=True)]
-            self._metas = [mapped[m:m + META_STRUCT.size] for m in self._meta_offsets.tolist()]
-        return self._metas, self._datas
-
-    def _resolve(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes]) -> None:
-        """Find the found prefix's records with py-lmdb's gets; it ends at a block gone from this
-        snapshot or damaged.
-
-        Kept as columns (`offsets`, `sizes`, `checksums`) all the same: not an object per block.
-        """
-        get, prefix = txn.get, scope.prefix
-        keys = [prefix + h for h in hashes]
-        metas: list[Any] = []
-        datas: list[Any] = []
-        try:
-            for key in keys:
-                meta = get(key + META_TAG)
-                if meta is None:  # gone before the txn opened (an expired lease): a miss from here
-                    break
-                metas.append(meta)
-                datas.append(get(key + DATA_TAG))
-        except lmdb.Error:  # a damaged page: LMDB failed the txn; the prefix ends here
-            self.damaged.append(len(datas))
-        n = len(datas)
-        if any(len(m) != META_STRUCT.size for m in metas):
-            n = next(i for i, m in enumerate(metas) if len(m) != META_STRUCT.size)
-        if None in datas[:n]:
-            n = datas.index(None, 0, n)
-        records = np.frombuffer(b"".join(metas[:n]), dtype=_META_DTYPE)
-        sizes = records["size"].astype(np.int64)
-        lengths = np.fromiter(map(len, datas[:n]), dtype=np.int64, count=n)
-        wrong = np.flatnonzero(lengths != sizes)
-        if wrong.size:
-            n = int(wrong[0])
-        if n < len(datas) and not self.damaged:
-            self.damaged.append(n)
-        self._metas, self._datas = metas[:n], datas[:n]
-        self.offsets = np.asarray(blockcopy.addresses(self._datas), dtype=np.int64) - self.base_address
-        self.sizes = sizes[:n]
-        self.checksums = records["checksum"][:n].copy()
-
-    @cached_property
-    def spans(self) -> list[BlockSpan]:
-        """One `BlockSpan` per block of the found prefix, in order (built on first use: the
-        columns `offsets`, `sizes` and `checksums` say the same without an object per block)."""
-        return [BlockSpan(i, o, z, c) for i, (o, z, c) in
-                enumerate(zip(self.offsets.tolist(), self.sizes.tolist(), self.checksums.tolist(), strict=True))]
-
-    def __len__(self) -> int:
-        """Blocks in the found prefix."""
-        return len(self.offsets)
-
-    # -- using the bytes ---------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._txn is None:
-            raise FailedPrecondition("this MappedRead is closed: its spans may no longer be read")
-
-    def _positions(self, indices: Sequence[int] | None) -> list[int]:
-        if indices is None:
-            return list(range(len(self)))
-        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
-            raise InvalidArgument(f"indices must be a sequence of ints, got {type(indices).__name__}")
-        out = [arguments.integer(i, f"indices[{n}]") for n, i in enumerate(indices)]
-        bad = [i for i in out if i >= len(self)]
-        if bad:
-            raise InvalidArgument(f"indices {bad[:5]} are past the {len(self)} blocks of this read")
-        return out
-
-    def view(self, index: int) -> memoryview:
-        """Block `index`'s bytes, read-only, valid until `close`."""
-        self._check_open()
-        (i,) = self._positions([index])
-        return memoryview(self._views()[1][i]).toreadonly()
-
-    def verify(self, indices: Sequence[int] | None = None) -> list[bool]:
-        """Whether each block (`indices` of the spans, default all) matches its stored checksum.
-
-        Hashed without the GIL over the reader's threads where `tiers._blockcopy` is built.
-        """
-        self._check_open()
-        positions = self._positions(indices)
-        if self._mapped is not None:  # resolved natively: hash the spans in place, no view per block
-            pick = slice(None) if indices is None else np.asarray(positions, dtype=np.int64)
-            checked = blockcopy.verify_spans(self.base_address, self.map_length, self.offsets[pick],
-                                             self.sizes[pick], self.checksums[pick], self._threads())
-            if checked is not None:
-                return checked
-        if indices is None:
-            return blockcopy.verify_many(self._views()[1], self.checksums.tolist(), self._threads())
-        sums, datas = self.checksums.tolist(), self._views()[1]
-        return blockcopy.verify_many([datas[i] for i in positions], [sums[i] for i in positions], self._threads())
-
-    def _threads(self) -> int | None:
-        return self._reader.threads if self._reader is not None else None
-
-    def copy_into(self, dest: Any, *, verify: bool = True) -> list[int]:
-        """Copy the spans, in order and back to back, into `dest` on the CPU (the fallback path).
-
-        Args:
-            dest: writable, contiguous CPU memory of at least the spans' total
-                bytes: a bytearray, memoryview, numpy array or CPU torch tensor.
-            verify: check each block's checksum in the same pass (a corrupt
-                block's rows of `dest` are left as they were).
-
-        Returns:
-            The indices of the blocks that failed their checksum (empty when all
-            are intact, or when `verify` is False).
-
-        Raises:
-            InvalidArgument: `dest` is not writable CPU memory, or is too small.
-        """
-        self._check_open()
-        ends = np.cumsum(self.sizes).tolist()
-        target = writable_bytes(dest, ends[-1] if ends else 0)
-        dests = [target[lo:hi] for lo, hi in zip([0, *ends], ends, strict=False)]
-        if not verify:
-            for d, data in zip(dests, self._views()[1], strict=True):
-                d[:] = data
-            return []
-        metas, datas = self._views()
-        codes = blockcopy.copy_many(metas, datas, dests, self._threads())
-        return [i for i, c in enumerate(codes) if c != blockcopy.FOUND]
-
-    def report_corrupt(self, indices: Sequence[int]) -> None:
-        """Tell the server these blocks failed their checksum here (ReportCorrupt).
-
-        Args:
-            indices: positions in the asked list (a span's `index`, or one of `damaged`).
-
-        The server checks each again itself and drops and counts only those that
-        really fail; what it found is kept in `reported` (asked index ->
-        "found" (intact, kept), "missing" or "corrupt" (dropped)).
-
-        Raises:
-            InvalidArgument: an index past the hashes asked.
-            KVStoreError: the call's error (the server may be down: the blocks are
-                checked again on the next Get or read that meets them).
-        """
-        if isinstance(indices, str | bytes) or not isinstance(indices, Sequence):
-            raise InvalidArgument(f"indices must be a sequence of ints, got {type(indices).__name__}")
-        asked = [arguments.integer(i, f"indices[{n}]", most=len(self.hashes) - 1) for n, i in enumerate(indices)]
-        if not asked:
-            return
-        conn = self._client.connection
-        reply = conn.call(conn.kvstore.ReportCorrupt, pb.ReportCorruptRequest(
-            geometry=self._client.geometry, namespace=self._client.namespace,
-            block_hashes=[self.hashes[i] for i in asked]))
-        for i, status in zip(asked, reply.statuses, strict=False):
-            self.reported[i] = pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower()
-
-    def close(self) -> None:
-        """End the read txn (the spans may no longer be read) and drop the lease (a no-op once closed)."""
-        if self._txn is None:
-            return
-        self._metas = self._datas = []
-        self._mapped = None
-        self._txn.abort()
-        self._txn = None
-        if self._reader is not None:
-            self._reader._forget(self)
-            self._reader = None
-        _release(self._client, self._lease_id)
-        self._lease_id = None
-
-    def __enter__(self) -> MappedRead:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,6 +40,7 @@ ALLOWED_OUTER_IMPORTS = {
     # The same-host reader reads the store's file itself: it needs the on-disk record
     # layout and the checksum loop, nothing that serves (docs/DIRECT_RESTORE.md).
     "kvstore/client/colocated.py": {"tiers.records", "tiers.blockcopy"},
+    "kvstore/client/colocated_read.py": {"tiers.records", "tiers.blockcopy"},  # its MappedRead, split off
 }
 
 
