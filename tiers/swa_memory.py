@@ -47,6 +47,10 @@ class _Entry:
     offset: int
     length: int
     expires_s: float
+    #: Shared-memory readers copying it now (`locate(pin=True)` until `unpin`): its range is not reused
+    #: before they are done, even if it expires or is evicted meanwhile (`dropped`).
+    pins: int = 0
+    dropped: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,8 @@ class Located:
     offset: int
     length: int
     header: bytes
+    #: The pinned entry (`locate(pin=True)`), for `unpin`.
+    entry: _Entry | None = None
 
 
 class MemoryPool(SwaPool):
@@ -112,8 +118,11 @@ class MemoryPool(SwaPool):
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
-        entry.arena.free(entry.offset, entry.length)
         self._bytes -= entry.length
+        if entry.pins:
+            entry.dropped = True  # gone from the index; its range is freed by the last unpin
+        else:
+            entry.arena.free(entry.offset, entry.length)
 
     def _sweep(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
@@ -266,8 +275,12 @@ class MemoryPool(SwaPool):
                 self._pending -= length
                 self._install(key, arena, offset, length, now + ttl_s)
 
-    def locate(self, keys: Sequence[bytes]) -> list[Located | None]:
-        """Where each live record lies (a hit: moved to most recently used), None where missing or expired."""
+    def locate(self, keys: Sequence[bytes], *, pin: bool = False) -> list[Located | None]:
+        """Where each live record lies (a hit: moved to most recently used), None where missing or expired.
+
+        With `pin`, each found record's range is kept from reuse until `unpin(located)`, so a
+        client can copy it out after the lock is released.
+        """
         with self._lock:
             now = self.clock.now()
             out: list[Located | None] = []
@@ -276,7 +289,18 @@ class MemoryPool(SwaPool):
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
-                out.append(Located(offset=entry.offset, length=entry.length,
+                entry.pins += pin
+                out.append(Located(offset=entry.offset, length=entry.length, entry=entry if pin else None,
                                    header=entry.arena.read(entry.offset, HEADER_BYTES)))
             return out
 
+    def unpin(self, located: Sequence[Located | None]) -> None:
+        """Let the ranges `locate(pin=True)` kept be reused (freed now if dropped meanwhile)."""
+        with self._lock:
+            for item in located:
+                entry = item.entry if item is not None else None
+                if entry is None:
+                    continue
+                entry.pins -= 1
+                if entry.dropped and not entry.pins:
+                    entry.arena.free(entry.offset, entry.length)

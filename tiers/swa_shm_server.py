@@ -52,7 +52,7 @@ from kvstore.swa_snapshot import HEADER_BYTES, check_position, seal, snapshot_by
 from kvstore.v1 import swa_pb2 as pb
 
 if TYPE_CHECKING:
-    from tiers.swa_memory import MemoryPool
+    from tiers.swa_memory import Located, MemoryPool
     from tiers.swa_shm import Arena
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ class _Conn:
     arena: Arena | None = None
     pending: list[_Reserved] = field(default_factory=list)
     refused: str = ""
+    #: The records its last GET named, kept from reuse until its next request (it has copied them by then).
+    pinned: list[Located | None] = field(default_factory=list)
 
 
 class ShmServer:
@@ -206,6 +208,7 @@ class ShmServer:
                 n = conn.sock.recv_into(buf)
                 if n == 0:
                     return
+                self._unpin(conn)
                 fd = -1
                 try:
                     request = pb.SwaShmRequest()
@@ -236,6 +239,7 @@ class ShmServer:
             return
         finally:
             self._release(conn)
+            self._unpin(conn)
             with self._lock:
                 self._conns.discard(conn.sock)
             conn.sock.close()
@@ -251,7 +255,7 @@ class ShmServer:
             raise PermissionDenied("this shared-memory session has ended", hint="ask SwaPool.OpenDirect again")
         self.hooks.admit(grant.tenant)
         if request.op == pb.SWA_SHM_OP_GET:
-            return self._get(grant, request), -1
+            return self._get(conn, grant, request), -1
         if request.op == pb.SWA_SHM_OP_BEGIN:
             return self._begin(conn, grant, request), -1
         if request.op == pb.SWA_SHM_OP_COMMIT:
@@ -284,13 +288,19 @@ class ShmServer:
         prefix = grant.fingerprint + grant.tenant_id
         return [prefix + k for k in keys]
 
-    def _get(self, grant: ShmGrant, request: pb.SwaShmRequest) -> pb.SwaShmReply:
+    def _unpin(self, conn: _Conn) -> None:
+        if conn.pinned:
+            self.pool.unpin(conn.pinned)
+            conn.pinned = []
+
+    def _get(self, conn: _Conn, grant: ShmGrant, request: pb.SwaShmRequest) -> pb.SwaShmReply:
         keys = self._keys(grant, list(request.keys))
         if request.corrupt > grant.max_batch * 64:
             raise InvalidArgument(f"corrupt = {request.corrupt} is more than this session could have read")
         reply = pb.SwaShmReply()
         found = corrupt = 0
-        for located in self.pool.locate(keys):
+        conn.pinned = self.pool.locate(keys, pin=True)
+        for located in conn.pinned:
             fields = header_fields(located.header, grant.fingerprint) if located is not None else None
             if located is None or fields is None or located.length != HEADER_BYTES + snapshot_bytes(
                     grant.geometry, fields[0]):

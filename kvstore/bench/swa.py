@@ -25,7 +25,8 @@ process on the same host: one raw unary gRPC round trip (an empty reply from a
 bare generic-handler server, harness.RAW_SERVER) per batch plus a same-process
 memcpy of each snapshot (into a slot of a shared mapping for a put; out of it
 into new bytes for a get, as the client returns). The single-fetch p50 is one
-such round trip plus one snapshot's copy.
+such round trip plus one snapshot's copy. "shm+verify" is the shared-memory get
+that also re-checksums each copy (SwaClient(verify=True)).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ RAW_GET = "one raw redis-py GET of a snapshot's bytes, same Redis"
 EMBEDDED_BASELINE = "one raw unary gRPC round trip per batch + memcpy of each snapshot"
 EMBEDDED_RAW_GET = "one raw unary gRPC round trip + memcpy of the snapshot"
 BACKENDS = ("both", "redis", "memory")
+#: Pause before each embedded phase (the server finishes what the last phase left it).
+SETTLE_S = 0.1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -231,6 +234,7 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
             _raw_unary() as unary:
         gateway = SwaClient(client.connection, path="gateway")
         shm = SwaClient(client.connection, path="direct")
+        checked = SwaClient(client.connection, path="direct", verify=True)
         n, batch = args.snapshots, args.batch
         window = snapshot_shape(geometries.resolve(client.geometry)).window
         positions = [window + i for i in range(n)]
@@ -273,13 +277,20 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
             unary()
             return bytes(view[i * slot:i * slot + sizes[i]])
 
+        # The gateway's phases go last in each group and every phase starts after a pause: a server
+        # still freeing a gateway call's 21 MB messages would otherwise slow the phase after it.
         phases: list[tuple[str, Callable[[], None]]] = [
-            ("gateway put", put(gateway)), ("shm put", put(shm)), ("raw put", raw_put),
-            ("gateway get", get(gateway)), ("shm get", get(shm)), ("raw get", raw_get)]
+            ("shm put", put(shm)), ("raw put", raw_put), ("gateway put", put(gateway)),
+            ("shm get", get(shm)), ("shm+verify get", get(checked)), ("raw get", raw_get),
+            ("gateway get", get(gateway))]
         seconds: dict[str, float] = {}
-        with progress.bar("embedded rounds", args.rounds * len(phases), unit="phase") as bar:
-            for _ in range(args.rounds):
+        # A round takes tens of milliseconds here: three times the rounds, so one stall of a shared
+        # machine does not decide a figure.
+        rounds = 3 * args.rounds
+        with progress.bar("embedded rounds", rounds * len(phases), unit="phase") as bar:
+            for _ in range(rounds):
                 for name, fn in phases:  # in turn, so a loaded machine slows every side alike
+                    time.sleep(SETTLE_S)
                     seconds[name] = min(seconds.get(name, float("inf")), best_of(fn, 1))
                     bar.update(1)
         assert shm.last_path == "shm", f"the shared-memory path was not taken: {shm.direct_reason}"
@@ -296,13 +307,16 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
                     latency[name].append(time.perf_counter() - start)
                 bar.update(1)
         shm.close()
+        checked.close()
         gateway.delete_many(keys)
         view.release()
         pool.close()
 
     for op in ("put", "get"):
         base = seconds[f"raw {op}"]
-        for side in ("shm", "gateway"):
+        for side in ("shm", "shm+verify", "gateway"):
+            if f"{side} {op}" not in seconds:
+                continue
             ours = seconds[f"{side} {op}"]
             label = f"embedded {side} {op}"
             report.add(Figure.against(f"{label} throughput", total_bytes / ours / 1e9, "GB/s", EMBEDDED_BASELINE,
@@ -313,5 +327,5 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
     for side in ("shm", "gateway"):
         report.add(Figure.against(f"embedded {side} single-snapshot fetch p50", p50[side], "ms", EMBEDDED_RAW_GET,
                                   p50["raw"]))
-    report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=args.rounds,
+    report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=rounds,
                         embedded_raw_fetch_p50_ms=round(p50["raw"], 3), cpus=os.cpu_count())

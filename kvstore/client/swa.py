@@ -85,13 +85,15 @@ class SwaClient:
     Args:
         connection: the connection (its channel, tenant, geometry and chain root).
         path: "auto", "direct" or "gateway" (module doc).
+        verify: on the shared-memory path, re-checksum every snapshot copied out (a get is then a
+            memcpy and an xxh3 pass instead of one memcpy; kvstore.client.swa_shm.ShmPath).
         clock: monotonic seconds (injected in tests).
 
     Raises:
         InvalidArgument: an unknown path.
     """
 
-    def __init__(self, connection: Connection, *, path: str = "auto",
+    def __init__(self, connection: Connection, *, path: str = "auto", verify: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.connection = connection
         self._stub = pb_grpc.SwaPoolStub(connection.channel)
@@ -100,6 +102,7 @@ class SwaClient:
         if path not in PATHS:
             raise InvalidArgument(f"path must be one of {', '.join(PATHS)}, got {path!r}")
         self.path = path
+        self.verify = verify
         self.clock = clock
         #: "shm", "direct" (Redis) or "gateway": the path the last put or get took (None before the first).
         self.last_path: str | None = None
@@ -335,7 +338,7 @@ class SwaClient:
         if reply.shm_socket:
             try:
                 self._direct = ShmPath(reply, geometry=self._geometry, timeout_s=self.connection.timeout_s,
-                                       clock=self.clock)
+                                       verify=self.verify, clock=self.clock)
             except KVStoreError as exc:  # another host, another network namespace, a refused ticket
                 self._drop_direct(f"the shared-memory path is not usable from here: {exc.message}")
                 return None

@@ -14,9 +14,11 @@ and from then on:
   in the arena while the client copies the next), then COMMIT (TTL: the server
   checksums what is left, writes each record's header and makes it live);
 - a get is GET (keys: the server answers where each live record's snapshot
-  lies, its T and checksum, and counts the hits), then one memcpy out of the
-  arena and an xxh3 check of the copy: a copy that does not match (the record
-  was overwritten under it) is a miss, counted as corrupt at the next GET.
+  lies, its T and checksum, counts the hits, and keeps those ranges from reuse
+  until this connection's next request), then one memcpy out of the arena.
+  With `verify`, each copy is also checked against the checksum the server
+  took at COMMIT: one that does not match (a writer of the same tenant changed
+  it in place) is a miss, counted as corrupt at the next GET.
 
 Only small control messages cross the socket (SOCK_SEQPACKET: one message per
 request or reply); the gateway stays the control plane: keys per tenant, TTLs,
@@ -58,9 +60,11 @@ MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
 #: Send WRITTEN after each copied snapshot of a batch, so the server checksums it while the next is copied
 #: (off: the server checksums them all at COMMIT).
 PIPELINE = True
-#: Bytes a get copies before checksumming them (small enough to still be in cache), and a put copies
-#: before the server checksums them.
+#: Bytes a verified get copies before checksumming them (small enough to still be in cache).
 CHUNK = 256 << 10
+#: Bytes a put copies between WRITTEN notes (each wakes the server to checksum them: fewer, larger
+#: notes ran faster on a loaded 2-core machine than 256 KiB ones, and about as fast as one per snapshot).
+NOTE = 1 << 20
 #: Largest message either side reads (a batch of max_batch_snapshots keys is far below).
 MAX_MESSAGE = 256 << 10
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -97,7 +101,7 @@ def size_error(geometry: ModelGeometry, index: int, size: int, position: int) ->
 class ShmGets:
     """One get call: the snapshots (None where missing or not intact) and the copies that failed their check."""
 
-    data: list[memoryview | None]
+    data: list[bytes | memoryview | None]
     corrupt: int
 
 
@@ -107,6 +111,8 @@ class ShmPath:
     Args:
         grant: the OpenDirect answer (offered, with `shm_socket`).
         geometry: the geometry snapshot sizes are checked against.
+        verify: re-checksum every snapshot copied out (a writer of the same tenant may have changed it
+            in place since the server checksummed it at COMMIT); off, a get is one memcpy.
         timeout_s: how long a control request may take before it is `Unavailable`.
         clock: monotonic seconds (injected in tests).
 
@@ -121,10 +127,11 @@ class ShmPath:
     reports = False
 
     def __init__(self, grant: pb.SwaOpenDirectResponse, *, geometry: ModelGeometry, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 verify: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         if grant.shm_host != host_id():
             raise FailedPrecondition("the server is on another host (its boot id differs): no shared memory")
         self.geometry = geometry
+        self.verify = verify
         self.tenant = grant.tenant
         self.clock = clock
         self._lock = threading.Lock()  # one request in flight per socket: SwaClient may be shared by threads
@@ -201,8 +208,8 @@ class ShmPath:
                 for n, (i, offset, data) in enumerate(placed):
                     self._populate(offset, len(data), MADV_POPULATE_WRITE)
                     source = memoryview(data).cast("B")
-                    for lo in range(0, len(source), CHUNK):
-                        hi = min(lo + CHUNK, len(source))
+                    for lo in range(0, len(source), NOTE):
+                        hi = min(lo + NOTE, len(source))
                         self._view[offset + lo:offset + hi] = source[lo:hi]  # the one copy
                         if PIPELINE and (hi < len(source) or n + 1 < len(placed)):
                             # The server checksums this chunk while we copy the next (no reply; COMMIT
@@ -228,8 +235,20 @@ class ShmPath:
             if not len(reply.offsets) == len(reply.positions) == len(reply.checksums) == len(keys):
                 raise Internal(f"SWA shared-memory path: a GET reply of {len(reply.offsets)} items, "
                                f"{len(keys)} keys asked")
+            found = zip(reply.offsets, reply.positions, reply.checksums, strict=True)
+            if not self.verify:
+                # The server keeps these ranges from reuse until our next request: copy each once.
+                plain: list[bytes | memoryview | None] = []
+                for offset, position, _ in found:
+                    if offset < 0:
+                        plain.append(None)
+                        continue
+                    size = snapshot_bytes(self.geometry, position)
+                    self._populate(offset, size, MADV_POPULATE_READ)
+                    plain.append(bytes(self._view[offset:offset + size]))  # the one copy
+                return ShmGets(data=plain, corrupt=0)
             copies: list[tuple[bytearray, xxhash.xxh3_64, int] | None] = []
-            for offset, position, expected in zip(reply.offsets, reply.positions, reply.checksums, strict=True):
+            for offset, position, expected in found:
                 if offset < 0:
                     copies.append(None)
                     continue
@@ -244,7 +263,7 @@ class ShmPath:
                     into[lo:hi] = self._view[offset + lo:offset + hi]  # the one copy
                     digest.update(into[lo:hi])
                 copies.append((copy, digest, expected))
-            out: list[memoryview | None] = []
+            out: list[bytes | memoryview | None] = []
             corrupt = 0
             for item in copies:
                 if item is not None and item[1].intdigest() == item[2]:

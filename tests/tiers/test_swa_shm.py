@@ -127,3 +127,18 @@ def test_a_reservation_larger_than_the_pool_is_dropped(pool: MemoryPool, loop_th
     big, small = pool.reserve(namespace_id("a"), [5 * MiB, 100])
     assert big is None and small is not None  # dropped as put_many drops it; the rest of the batch is kept
     assert loop_thread.run(pool.usage()).evictions == 1
+
+
+def test_a_located_range_is_not_reused_until_unpinned(pool: MemoryPool, loop_thread: Any) -> None:
+    tenant, k = namespace_id("a"), key("a", 1)
+    loop_thread.run(pool.put_many([(k, b"r" * MiB)], 60))
+    [pinned] = pool.locate([k], pin=True)
+    assert pinned is not None
+    assert loop_thread.run(pool.delete_many([k])) == 1  # gone from the index at once...
+    assert pool.locate([k]) == [None]
+    [other] = pool.reserve(tenant, [MiB])
+    assert other != pinned.offset  # ...but its bytes stay while a reader copies them
+    assert pool.arena(tenant).read(pinned.offset, 4) == b"rrrr"
+    pool.unpin([pinned])
+    pool.release(tenant, [(other, MiB)] if other is not None else [])
+    assert pool.reserve(tenant, [MiB]) == [pinned.offset]  # the first free range again
