@@ -4,11 +4,14 @@ The gateway (gateway.swa_servicer, SwaPool.OpenDirect) authenticates a client by
 its token and `grant`s it a ticket bound to its tenant, geometry, write right
 and TTL. The client says HELLO with the ticket on this server's socket and gets
 the descriptor of its own tenant's arena (SCM_RIGHTS; read-only unless it may
-write), then sends BEGIN / COMMIT / ABORT / GET requests (SwaShmRequest, one
-SOCK_SEQPACKET message each; kvstore.client.swa_shm is the client). Only
-offsets, keys, T and checksums cross the socket; snapshots are copied by the
-client straight into or out of the arena, where the pool (tiers.swa_memory)
-keeps every record of the tenant.
+write), then sends BEGIN / WRITTEN / COMMIT / ABORT / GET requests
+(SwaShmRequest, one SOCK_SEQPACKET message each; kvstore.client.swa_shm is the
+client). Only offsets, keys, T and checksums cross the socket; snapshots are
+copied by the client straight into or out of the arena, where the pool
+(tiers.swa_memory) keeps every record of the tenant. The server checksums each
+put snapshot in the arena as the client's WRITTEN notes say its bytes are in
+place (so the record's checksum is the server's), and pins what a GET names
+until the connection's next request (so no range is reused under a copy).
 
 The gateway's rules hold here as on its gRPC path: keys are scoped to the
 ticket's tenant and geometry (so another tenant's records cannot be named, and
@@ -17,7 +20,8 @@ the TTL is the ticket's, a put may ask for less; reserved records count
 against the pool's cap and evict by LRU; hits, puts and request rates go
 through `ShmHooks` to the gateway's counters and quotas. Each connection is
 served by its own thread: a request is a dictionary lookup under the pool's
-lock, never a copy of a snapshot.
+lock, never a copy of a snapshot (a WRITTEN note is an xxh3 pass over bytes
+the client wrote, without the GIL).
 """
 
 from __future__ import annotations

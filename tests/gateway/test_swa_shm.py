@@ -197,6 +197,10 @@ def test_sizes_and_batches_are_the_gateways_on_the_shm_path(server: Server) -> N
             reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT))
             assert reply.code == 3 and "index 2 names no reserved snapshot" in reply.message
             assert "nothing of the batch is stored" in reply.message
+            ok = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_BEGIN, keys=[b"k" * 32], positions=[200]))
+            raw.sock.sendall(pb.SwaShmRequest(op=pb.SWA_SHM_OP_WRITTEN, index=0, written=SNAP + 1).SerializeToString())
+            reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_COMMIT))
+            assert reply.code == 3 and f"at most its {SNAP}" in reply.message
             reply = raw.call(b"\xff\xff\xff")
             assert reply.code == 3 and "unreadable" in reply.message
             reply = raw.call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=[b"k" * 32]))
