@@ -15,9 +15,12 @@ pages from being reused. `GpuGather` then:
    scattered into the engine's per-layer row tensors (`scatter`: each source
    layer's compressed-KV rows and indexer rows to their own destinations, at
    the slots the caller names, e.g. the pages of its paged cache);
-3. meanwhile checks every block against its stored checksum on CPU threads
-   (`MappedRead.verify`, GIL-free), and makes a block that fails a miss: the
-   usable prefix ends before it and the server is told (`report_corrupt`).
+3. checks every block against its stored xxh3-64: for `gather`, a second kernel
+   hashes the rows where they landed, in GPU memory (so the bytes checked are
+   the bytes used, and host memory is read once); for `scatter` (or
+   `checksums_on="cpu"`), CPU threads run `MappedRead.verify` (GIL-free) while
+   the copy runs. A block that fails is a miss: the usable prefix ends before
+   it and the server is told (`report_corrupt`).
 
 No server copy, no shared region, no staging memcpy. Without CUDA or Triton,
 or when registering fails, it raises `DirectGpuUnavailable` (a
@@ -36,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvstore.client.gpu_layout import ScratchRead, columns, destinations
+from kvstore.client.gpu_layout import ScratchRead, checksums, columns, destinations, xxh3_constants
 from kvstore.client.gpu_pinned import (
     BUDGET_BYTES,
     CHUNK_BYTES,
@@ -141,13 +144,22 @@ class GpuGather:
         chunk_bytes: registration granule, a multiple of 4096 (64 MiB default).
         device: the CUDA device of the outputs (default: the current one).
         host: the register / unregister calls (tests substitute them; default CUDA's).
+        checksums_on: "auto", "gpu" or "cpu" (see `checksums_on`).
 
     Raises:
         DirectGpuUnavailable: no CUDA device, or no torch.
     """
 
     def __init__(self, *, budget_bytes: int = BUDGET_BYTES, chunk_bytes: int = CHUNK_BYTES,
-                 device: str | int | torch.device | None = None, host: CudaHost | None = None) -> None:
+                 device: str | int | torch.device | None = None, host: CudaHost | None = None,
+                 checksums_on: str = "auto") -> None:
+        if checksums_on not in ("auto", "gpu", "cpu"):
+            raise InvalidArgument(f"checksums_on must be auto, gpu or cpu, got {checksums_on!r}")
+        #: Where `gather` checks checksums: "gpu" (a kernel hashing the rows it landed, in HBM),
+        #: "cpu" (MappedRead.verify on threads, beside the copy), "auto" (gpu where it can:
+        #: blocks longer than 240 bytes, a multiple of 8; `scatter` always uses the CPU).
+        self.checksums_on = checksums_on
+        self._consts: torch.Tensor | None = None
         self.chunk_bytes = chunk_bytes_checked(chunk_bytes)
         self._host = host or CudaHost()
         import torch
@@ -216,8 +228,10 @@ class GpuGather:
                                         ALIGN=align, num_warps=GATHER_WARPS)
 
         # Row starts are 16-byte aligned when the block size and out's address are.
+        on_gpu = verify and self.checksums_on != "cpu" and size > 240 and size % 8 == 0 and out.data_ptr() % 8 == 0
         return out, self._run(read, offsets, size, launch, verify=verify,
-                              extra_align=size if out.data_ptr() % 16 == 0 else 4)
+                              extra_align=size if out.data_ptr() % 16 == 0 else 4,
+                              hash_rows=out[:n] if on_gpu else None)
 
     def scatter(self, read: MappedReadLike, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
                 slots: Sequence[int] | torch.Tensor | None = None, *, geometry: ModelGeometry = V4_1_FLASH,
@@ -306,8 +320,9 @@ class GpuGather:
     # -- shared -----------------------------------------------------------
 
     def _run(self, read: MappedReadLike, offsets: Any, size: int, launch: Callable[..., None], *, verify: bool,
-             extra_align: int) -> GatherResult:
-        """Register, launch one kernel per round while CPU threads verify, then settle the corrupt ones."""
+             extra_align: int, hash_rows: torch.Tensor | None = None) -> GatherResult:
+        """Register, launch one kernel per round while CPU threads verify (or hash `hash_rows` on the
+        GPU after the copy), then settle the corrupt ones."""
         import torch
 
         started = time.perf_counter()
@@ -323,7 +338,8 @@ class GpuGather:
                 failure.append(exc)
             verify_s[0] = time.perf_counter() - start
 
-        checker = threading.Thread(target=check, name="kvstore-gpu-verify") if verify else None
+        on_cpu = verify and hash_rows is None
+        checker = threading.Thread(target=check, name="kvstore-gpu-verify") if on_cpu else None
         if checker is not None:
             checker.start()
         register_s = 0.0
@@ -350,6 +366,8 @@ class GpuGather:
                     # The next round may unregister this round's chunks: the kernel must be done.
                     ended.synchronize()
                     copy_s += began.elapsed_time(ended) / 1e3
+                if verify and hash_rows is not None:
+                    checks, verify_s[0] = self._hash_on_gpu(read, hash_rows, size, began, ended)
         finally:
             if checker is not None:
                 checker.join()
@@ -357,6 +375,23 @@ class GpuGather:
             raise failure[0]
         return self._finish(read, checks, len(offsets), len(rounds), register_s, started, verify=verify,
                             copy_s=copy_s, verify_s=verify_s[0])
+
+    def _hash_on_gpu(self, read: MappedReadLike, rows: torch.Tensor, size: int, began: Any,
+                     ended: Any) -> tuple[list[bool], float]:
+        """xxh3-64 of each landed row against its stored checksum, one program per row; (ok, GPU seconds)."""
+        import numpy as np
+        import torch
+
+        if self._consts is None:
+            self._consts = torch.from_numpy(xxh3_constants().view(np.int64)).to(self.device)
+        stored = torch.from_numpy(checksums(read).view(np.int64)).to(self.device)
+        ok = torch.empty(len(rows), dtype=torch.int8, device=self.device)
+        began.record()
+        _kernels().xxh3_kernel[(len(rows),)](rows.view(torch.int64), stored, ok, self._consts, ROW_WORDS=size // 8,
+                                              LENGTH=size, num_warps=1)
+        ended.record()
+        flags = ok.cpu().tolist()
+        return [bool(f) for f in flags], began.elapsed_time(ended) / 1e3
 
     def _finish(self, read: MappedReadLike, checks: list[bool], copied: int, rounds: int, register_s: float,
                 started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:

@@ -129,3 +129,41 @@ def columns(read: ReadColumns) -> tuple[Any, int]:
     if size % 4:
         raise InvalidArgument(f"block size {size} is not a multiple of 4 bytes")
     return offsets, size
+
+
+def checksums(read: ReadColumns) -> Any:
+    """The blocks' stored xxh3-64 (uint64 numpy), from `MappedRead.checksums` or the spans."""
+    import numpy as np
+
+    found = getattr(read, "checksums", None)
+    if found is not None:
+        return np.ascontiguousarray(found, dtype=np.uint64)
+    return np.fromiter((s.checksum for s in read.spans), dtype=np.uint64, count=len(read.spans))
+
+
+#: XXH3's default secret (xxhash.h, XXH3_kSecret): xxh3-64 with seed 0, what the store writes.
+XXH3_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671f"
+    "cb79e64eccc0e578825ad07dccff7221b8084674f743248ee03590e6813a264c"
+    "3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8"
+    "a8fa763fe39c343ff9dcbbc7c70b4f1d8a51e04bcdb45931c89f7ec9d9787364"
+    "eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e"
+    "2b16be587d47a1fc8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e")
+_P32 = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D)
+_P64 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63, 0x27D4EB2F165667C5)
+
+
+def xxh3_constants() -> Any:
+    """The table `gpu_kernels.xxh3_kernel` reads (uint64 numpy, 163 words; layout in its docstring)."""
+    import numpy as np
+
+    def word(offset: int) -> int:
+        return int.from_bytes(XXH3_SECRET[offset:offset + 8], "little")
+
+    table = [word(8 * (s + lane)) for s in range(16) for lane in range(8)]  # stripe s uses secret + 8s
+    table += [word(128 + 8 * lane) for lane in range(8)]   # scramble: the secret's last 64 bytes
+    table += [word(121 + 8 * lane) for lane in range(8)]   # the last stripe: 192 - 64 - 7
+    table += [word(11 + 8 * lane) for lane in range(8)]    # merging the accumulators
+    table += [_P32[2], _P64[0], _P64[1], _P64[2], _P64[3], _P32[1], _P64[4], _P32[0]]  # initial accumulators
+    table += [_P32[0], _P64[0], 0x165667919E3779F9]
+    return np.array(table, dtype=np.uint64)

@@ -95,17 +95,40 @@ def test_scatter_refuses_bad_destinations(gather, tmp_path) -> None:  # type: ig
             gather.scatter(f, strided)
 
 
-def test_a_corrupt_block_is_a_miss_and_reported(gather, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_a_corrupt_block_is_a_miss_and_reported(where, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvstore.client.gpu_gather import GpuGather
+
     n = 40
-    with MappedFile(n, BLOCK, seed=7, folder=str(tmp_path)) as f:
+    with MappedFile(n, BLOCK, seed=7, folder=str(tmp_path)) as f, GpuGather(checksums_on=where) as gather:
         f.corrupt(25)
         f.corrupt(31)
         out = torch.empty((n, BLOCK), dtype=torch.uint8, device="cuda")
         _, result = gather.gather(f, out)
         assert result.blocks == 25 and result.corrupt == [25, 31] and f.reported == [25, 31]
+        assert result.verify_s > 0
         assert torch.equal(out[:25].cpu(), torch.from_numpy(f.expected()[:25]))
         _, unchecked = gather.gather(f, out, verify=False)
         assert unchecked.blocks == n and unchecked.corrupt == []
+
+
+def test_gpu_checksums_equal_xxh3_on_random_rows() -> None:
+    import xxhash
+
+    from kvstore.client.gpu_gather import GpuGather
+
+    class Rows:  # a read whose checksums are xxh3 of the rows, one wrong per size
+        def __init__(self, rows: np.ndarray) -> None:
+            self.checksums = np.array([xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows], dtype=np.uint64)
+            self.checksums[3] ^= np.uint64(1 << 40)
+
+    rng = np.random.default_rng(12)
+    with GpuGather() as g:
+        for size in (BLOCK, 248, 1024 * 5 + 8, 4096):
+            rows = rng.integers(0, 256, (9, size), dtype=np.uint8)
+            ok, _ = g._hash_on_gpu(Rows(rows), torch.from_numpy(rows).cuda(), size,  # type: ignore[arg-type]
+                                   torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            assert ok == [True, True, True, False, True, True, True, True, True], size
 
 
 def test_lru_unregistration_under_a_small_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -294,3 +294,42 @@ def test_the_scatter_table_follows_the_block_layout_and_the_destinations() -> No
     shifted = dict(layers)
     shifted[20] = (layers[20][0], torch.empty(pages * 64 * 68 + 8, dtype=torch.uint8)[8:].view(pages, 64 * 68))
     assert destinations(shifted, None, 1, geo, 64, cpu)[3] == 1  # 8-byte aligned only: 4-byte accesses
+
+
+def test_the_gpu_checksum_table_is_xxh3s_secret_and_primes() -> None:
+    from kvstore.client.gpu_layout import XXH3_SECRET, checksums, xxh3_constants
+
+    table = xxh3_constants()
+    assert table.dtype.name == "uint64" and len(table) == 163
+    # the default secret as in third_party/xxhash/xxhash.h (XXH3_kSecret)
+    header = (Path(__file__).parents[3] / "third_party" / "xxhash" / "xxhash.h").read_text()
+    body = header[header.index("XXH3_kSecret[XXH_SECRET_DEFAULT_SIZE] = {"):]
+    body = body[body.index("{") + 1:body.index("}")]
+    assert bytes(int(b, 16) for b in body.replace("\n", " ").split(",") if b.strip()) == XXH3_SECRET
+    assert int(table[0]) == int.from_bytes(XXH3_SECRET[:8], "little")
+    assert int(table[8 * 15 + 7]) == int.from_bytes(XXH3_SECRET[8 * 22:8 * 23], "little")
+    assert [int(x) for x in table[152:160]] == [0xC2B2AE3D, 0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                                                0x85EBCA77C2B2AE63, 0x85EBCA77, 0x27D4EB2F165667C5, 0x9E3779B1]
+
+    @dataclass(frozen=True)
+    class Checked:
+        checksum: int
+
+    class Spans:
+        spans = [Checked(5), Checked(2**63)]
+
+    class Columns(Spans):
+        checksums = [7, 2**64 - 1]
+
+    assert checksums(Spans()).tolist() == [5, 2**63]  # type: ignore[arg-type]
+    assert checksums(Columns()).tolist() == [7, 2**64 - 1]  # type: ignore[arg-type]
+
+
+def test_checksums_on_must_be_a_place() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from kvstore.client.gpu_gather import GpuGather
+
+    with pytest.raises(InvalidArgument, match="checksums_on"):
+        GpuGather(checksums_on="tpu")
