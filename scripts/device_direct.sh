@@ -19,10 +19,12 @@ python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", to
   blockcopy.NATIVE_VERIFY)'
 echo "cpus $(nproc)"; free -g | head -2; df -h /tmp | tail -1
 t=$SECONDS
-[ "$MODE" = bench ] || timeout 240 python3 -m pytest -q -p no:cacheprovider -x tests/kvstore/client/test_gpu_gather_units.py \
-  tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py 2>&1 | tee "$OUT/tests.log" \
-  | tail -25
-[ "$MODE" = bench ] || echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
+if [ "$MODE" != bench ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kvstore/client/test_gpu_gather_units.py \
+    tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py 2>&1 | tee "$OUT/tests.log" \
+    | tail -25
+  echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
+fi
 extra=""; [ "$MODE" = probe ] && extra="--sweep"
 timeout "${BENCH_S:-300}" python3 -m kvstore.bench.transfer_direct --json $extra >"$OUT/bench.json" 2>"$OUT/bench.err"
 echo "bench rc=$? $((SECONDS - t)) s"; tail -5 "$OUT/bench.err"
