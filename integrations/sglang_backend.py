@@ -283,7 +283,7 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
                     break
                 run_tokens.extend(entry.tokens)
                 j += 1
-            blocks = [memoryview(p.contiguous().view(torch.uint8).numpy()) for p in pages[i:j]]  # no copy
+            blocks = [p.contiguous().view(torch.uint8).numpy().data for p in pages[i:j]]  # views, no copy
             try:
                 put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys)
                 for k, h in enumerate(put.block_hashes):
