@@ -1,0 +1,196 @@
+"""What the engine adapters share: settings, the store's client, the usable-token rule, page mapping.
+
+Public, stable for the other adapters (the SGLang backend may import these, read-only):
+
+- `StoreSettings` / `parse_settings(extra, known=...)`: the adapter's extra config
+  (target, token, namespace, geometry, timeout_s, path, data_dir, lease_ms, replay_windows)
+  checked, every mistake a `kvstore.errors.ConfigError` naming the setting.
+- `connect(settings) -> kvstore.Client`.
+- `usable_tokens(plan) -> int`: tokens an engine that recomputes a replay itself may take from the
+  store (a snapshot resume: R; a bounded/exact replay: the hit minus the replay span; else 0).
+- `PageMap`: where the rows of token positions lie in an engine's paged cache
+  (pages of `page_tokens` tokens, one row per `ratio` tokens).
+- `fetch_blocks(client, hashes, settings, reader=None) -> (uint8 [n, block_bytes], usable_blocks, path)`:
+  the blocks by the configured path (`kvstore.client.restore` when present; Get otherwise).
+
+Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstore.client import Client
+from kvstore.errors import ConfigError
+from replay.plan import Action, Plan
+
+#: Load paths a setting may name ("auto": the fastest available; see kvstore.client.restore).
+PATHS = ("auto", "direct-cpu", "direct-gpu", "shm", "grpc")
+#: The settings every adapter reads.
+COMMON_KEYS = frozenset({"target", "token", "namespace", "geometry", "timeout_s", "path", "data_dir", "lease_ms",
+                         "replay_windows"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreSettings:
+    """An adapter's checked settings.
+
+    Attributes:
+        target: the kvstore server, "host:port".
+        token: the tenant's API token (default `$KVSTORE_TOKEN`; None without auth).
+        namespace: the tenant ('' = the token's).
+        geometry: the store geometry ('' = the server's default).
+        timeout_s: deadline of each store call.
+        path: how blocks are loaded: one of `PATHS`.
+        data_dir: the store's data dir on this host: enables the direct paths (trust model,
+            docs/SECURITY.md); None: off.
+        lease_ms: how long the planner's Lookup holds the found blocks for the load.
+        replay_windows: the tenant's fidelity (replay.cost.CostModel.replay_windows): windows
+            replayed after a hit without a snapshot, or None for exact replays only.
+    """
+
+    target: str
+    token: str | None = None
+    namespace: str = ""
+    geometry: str = ""
+    timeout_s: float = 30.0
+    path: str = "auto"
+    data_dir: str | None = None
+    lease_ms: int = 30_000
+    replay_windows: int | None = 1
+
+
+def _number(extra: Mapping[str, Any], name: str, default: Any, *, least: float, integer: bool = False) -> Any:
+    value = extra.get(name, default)
+    ok = not isinstance(value, bool) and isinstance(value, int if integer else int | float) and value >= least
+    if not ok:
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"kv_connector_extra_config {name!r} must be {kind} >= {least}, got {value!r}")
+    return value
+
+
+def parse_settings(extra: Mapping[str, Any] | None, *, known: frozenset[str] = COMMON_KEYS) -> StoreSettings:
+    """The extra config, checked; `known` names every setting the adapter accepts (a typo is refused).
+
+    Raises:
+        ConfigError: no target, an unknown setting, a value of the wrong type or range.
+    """
+    if extra is None or not isinstance(extra, Mapping):
+        raise ConfigError("kvstore needs kv_connector_extra_config with at least {\"target\": \"host:port\"}, "
+                          f"got {extra!r}")
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConfigError(f"unknown kvstore settings {unknown}; known: {sorted(known)}")
+    target = extra.get("target")
+    if not isinstance(target, str) or ":" not in target:
+        raise ConfigError(f"kv_connector_extra_config 'target' must be the kvstore server as 'host:port', "
+                          f"got {target!r}")
+    text: dict[str, str] = {}
+    for name in ("token", "namespace", "geometry"):
+        value = extra.get(name, "")
+        if not isinstance(value, str):
+            raise ConfigError(f"kv_connector_extra_config {name!r} must be a string, got {type(value).__name__}")
+        text[name] = value
+    path = extra.get("path", "auto")
+    if path not in PATHS:
+        raise ConfigError(f"kv_connector_extra_config 'path' must be one of {list(PATHS)}, got {path!r}")
+    data_dir = extra.get("data_dir")
+    if data_dir is not None and (not isinstance(data_dir, str) or not os.path.isdir(data_dir)):
+        raise ConfigError(f"kv_connector_extra_config 'data_dir' must be the store's data dir on this host, "
+                          f"got {data_dir!r} (not a folder)")
+    if path.startswith("direct") and data_dir is None:
+        raise ConfigError(f"path {path!r} reads the store's file directly: set 'data_dir' (docs/SECURITY.md)")
+    windows = extra.get("replay_windows", 1)
+    if windows == "exact":
+        windows = None
+    elif windows is not None:
+        windows = _number(extra, "replay_windows", 1, least=1, integer=True)
+    return StoreSettings(target=target, token=text["token"] or os.environ.get("KVSTORE_TOKEN") or None,
+                         namespace=text["namespace"], geometry=text["geometry"],
+                         timeout_s=float(_number(extra, "timeout_s", 30.0, least=0.001)), path=path,
+                         data_dir=data_dir, lease_ms=_number(extra, "lease_ms", 30_000, least=0, integer=True),
+                         replay_windows=windows)
+
+
+def connect(settings: StoreSettings) -> Client:
+    """A client of the configured store (raises the store's typed errors: Unavailable, ...)."""
+    return Client(settings.target, namespace=settings.namespace, geometry=settings.geometry,
+                  timeout_s=settings.timeout_s, token=settings.token)
+
+
+def usable_tokens(plan: Plan) -> int:
+    """Tokens an engine may load from the store for `plan` and then compute the rest itself.
+
+    A snapshot resume: R (the engine loads the blocks and the window). A bounded or exact
+    replay: the hit minus the replay span, `replay_start` (the engine's own prefill then
+    recomputes the span with an empty window below it, which is the replay). A full prefill: 0.
+    """
+    if plan.action is Action.FETCH_SNAPSHOT:
+        return plan.resume_tokens
+    if plan.action in (Action.BOUNDED_REPLAY, Action.EXACT_REPLAY) and plan.replay_start is not None:
+        return max(plan.replay_start, 0)
+    return 0
+
+
+@dataclass(frozen=True)
+class PageMap:
+    """Where a source layer's rows lie in an engine's paged cache.
+
+    The cache is `[num_pages, page_bytes]` (any trailing padding ignored); a page holds
+    `page_tokens // ratio` rows of `row_bytes`, token-contiguous in position order (the
+    FlashMLA layout, docs/CODEC.md): the row of positions [j*ratio, (j+1)*ratio) is row
+    `j % rows_per_page` of page `page_ids[j // rows_per_page]`.
+    """
+
+    page_tokens: int
+    ratio: int
+    row_bytes: int
+
+    @property
+    def rows_per_page(self) -> int:
+        """Rows of this kind in one page."""
+        return self.page_tokens // self.ratio
+
+    def view(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache as uint8 [num_pages, rows_per_page, row_bytes] (a view; padding left out)."""
+        pages = cache.view(torch.uint8).reshape(cache.shape[0], -1)
+        need = self.rows_per_page * self.row_bytes
+        if pages.shape[1] < need:
+            raise ConfigError(f"a cache page holds {pages.shape[1]} bytes, fewer than {self.rows_per_page} rows "
+                              f"of {self.row_bytes} B: the engine's layout is not the one assumed (docs/ENGINES.md)")
+        return pages[:, :need].view(cache.shape[0], self.rows_per_page, self.row_bytes)
+
+    def slots(self, page_ids: Sequence[int], first_row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, row-in-page) index tensors of rows [first_row, first_row + rows)."""
+        j = torch.arange(first_row, first_row + rows, dtype=torch.long)
+        table = torch.as_tensor(list(page_ids), dtype=torch.long)
+        return table[j // self.rows_per_page], j % self.rows_per_page
+
+
+def fetch_blocks(client: Client, hashes: Sequence[bytes], settings: StoreSettings,
+                 reader: Any = None) -> tuple[torch.Tensor, int, str]:
+    """The blocks of `hashes` into a new uint8 CPU tensor [n, block_bytes].
+
+    Returns (blocks, usable leading blocks, path used). Uses `kvstore.client.restore`
+    (direct, shm or gRPC by `settings.path`); where that module is absent, a plain Get.
+    """
+    dest = torch.empty((len(hashes), client.block_bytes), dtype=torch.uint8)
+    if not hashes:
+        return dest, 0, "none"
+    try:
+        from kvstore.client.restore import restore
+    except ImportError:  # an older kvstore: the Get path
+        got = client.get_hashes(list(hashes))
+        n = got.found_prefix_blocks
+        for i in range(n):
+            block = got.blocks[i]
+            assert block is not None
+            dest[i] = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+        return dest, n, "grpc"
+    result = restore(client, list(hashes), dest, path=settings.path, reader=reader)
+    return dest, result.blocks, result.path

@@ -1,0 +1,182 @@
+"""kvstore as a vLLM v1 KV connector (vLLM 0.33.0): `KVConnectorBase_V1` + `SupportsHMA`.
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "integrations.vllm_connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"target": "127.0.0.1:50051"}}'
+
+Extra config (`integrations.common.parse_settings`; a mistake is a `kvstore.errors.ConfigError`
+naming it): `target` (required), `token` (default `$KVSTORE_TOKEN`), `namespace`, `geometry`,
+`timeout_s`, `path` ("auto", "shm", "grpc", "direct-cpu", "direct-gpu"), `data_dir` (the store's
+data dir on this host: enables the direct paths), `lease_ms`, `replay_windows` (1, 2, ... or
+"exact"), `load_async` (default: true with several KV cache groups).
+
+Scheduler side (`integrations.vllm_scheduler`): one leased planner Lookup per request; only usable
+tokens are reported. Worker side (`integrations.vllm_worker`): loads fill vLLM's paged caches
+before the forward; new full blocks are copied out after it and put on a background thread;
+requests with saves are held until their puts are done. docs/ENGINES.md has the rest.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from integrations.common import COMMON_KEYS, connect, parse_settings
+from integrations.vllm_scheduler import ConnectorMeta, SchedulerSide
+from integrations.vllm_worker import WorkerSide
+from kvstore import geometry as geometries
+from kvstore.errors import ConfigError
+from replay.cost import CostModel
+from replay.planner import Planner
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+#: Settings this connector reads beyond the common ones.
+KNOWN = COMMON_KEYS | {"load_async"}
+
+
+class KVStoreMetadata(KVConnectorMetadata, ConnectorMeta):
+    """One step's loads and saves, scheduler -> worker."""
+
+
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstore behind vLLM's KV connector interface (both roles; see the module docstring).
+
+    Raises (at construction):
+        ConfigError: bad extra config, or vLLM's pages not a multiple of the store's rows.
+        KVStoreError: the store cannot be reached (Unavailable, Unauthenticated, ...).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = parse_settings(extra, known=KNOWN)
+        load_async = extra.get("load_async", len(kv_cache_config.kv_cache_groups) > 1)
+        if not isinstance(load_async, bool):
+            raise ConfigError(f"kv_connector_extra_config 'load_async' must be true or false, got {load_async!r}")
+        self.engine_block = vllm_config.cache_config.block_size
+        self.client = connect(self.settings)
+        self.geometry = geometries.resolve(self.client.geometry)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            cost = CostModel(replay_windows=self.settings.replay_windows)
+            # Snapshots are not loaded into vLLM's window caches yet (docs/ENGINES.md): no probes,
+            # so a plan is a replay or a full prefill, never a resume that needs the window.
+            planner = Planner(self.client, cost=cost, lease_ms=self.settings.lease_ms, snapshot_probes=0,
+                              reprobe=False)
+            config = self._kv_transfer_config
+            self.scheduler = SchedulerSide(planner, block_tokens=self.client.block_tokens,
+                                           engine_block=self.engine_block, load=config.is_kv_consumer,
+                                           save=config.is_kv_producer, asynchronous=load_async)
+        else:
+            reader = None
+            if self.settings.data_dir is not None:
+                from kvstore.client.colocated import ColocatedReader
+                reader = ColocatedReader(self.settings.data_dir)
+            self.worker = WorkerSide(self.client, self.settings, self.geometry, reader=reader)
+
+    # -- worker side --------------------------------------------------------------
+
+    def _worker(self) -> WorkerSide:
+        if self.worker is None:
+            raise ConfigError("a worker-side method was called on the scheduler-side kvstore connector")
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map every store block section onto one of vLLM's caches (ConfigError when one is missing)."""
+        groups = {name: (g, group.kv_cache_spec.block_size)
+                  for g, group in enumerate(self._kv_cache_config.kv_cache_groups) for name in group.layer_names}
+        self._worker().register(kv_caches, groups)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Fill this step's loads into the paged caches (all layers, before the forward)."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreMetadata)
+        for spec in meta.loads:
+            self._worker().load(spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: `start_load_kv` filled every layer."""
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: the rows are copied out in `wait_for_save`, once every layer wrote them."""
+        return
+
+    def wait_for_save(self) -> None:
+        """Copy this step's completed blocks out of the pages and queue their puts."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreMetadata)
+        for spec in meta.saves:
+            self._worker().save(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Ended requests whose puts are done (their pages may go), and finished asynchronous loads."""
+        return self._worker().finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished` plus the asynchronous loads that failed (vLLM recomputes those requests)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self._worker().take_failed_recving())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM block ids whose synchronous load failed: vLLM recomputes from the first of them."""
+        return self._worker().take_load_errors()
+
+    def shutdown(self) -> None:
+        """Wait for puts in flight; close the store's client and the planner."""
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.planner.close()
+            self.client.close()
+
+    # -- scheduler side -------------------------------------------------------------
+
+    def _scheduler(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise ConfigError("a scheduler-side method was called on the worker-side kvstore connector")
+        return self.scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Usable stored tokens beyond vLLM's local hit (one leased Lookup per request)."""
+        return self._scheduler().matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """Queue the load of the reported tokens into the pages just allocated."""
+        self._scheduler().allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads and the saves of the blocks it completes."""
+        meta = self._scheduler().build(scheduler_output)
+        return KVStoreMetadata(loads=meta.loads, saves=meta.saves)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """True (hold the pages) while the request's saves are in flight."""
+        return self._scheduler().finished(request), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """`request_finished` for hybrid layouts (every KV cache group's pages held alike)."""
+        return self._scheduler().finished(request), None

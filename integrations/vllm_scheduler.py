@@ -1,0 +1,185 @@
+"""The scheduler side of the vLLM connector: what to load and save, decided from the planner.
+
+vLLM-free (it reads only the attributes of vLLM's objects it is handed), so the rules
+are testable without the engine; `integrations.vllm_connector` wires it into
+`KVConnectorBase_V1`.
+
+Rules (docs/ENGINES.md, tests/integrations/test_vllm_connector.py):
+1. One leased planner Lookup per request (`replay.planner`), cached: vLLM may ask again.
+2. Only usable tokens are reported (`integrations.common.usable_tokens`): a bounded replay's
+   hit minus its span, rounded down to vLLM's block, less what vLLM's own prefix cache holds.
+3. A load covers [vLLM's local hit, reported end) only: local pages are shared, never rewritten.
+4. New full store blocks are saved as soon as a step computes them, from the first block the
+   store did not already hold; a request with saves is held at its end (`request_finished`
+   returns True) until the worker says its puts are done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from integrations.common import usable_tokens
+from replay.plan import Plan
+from replay.planner import Planner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadSpec:
+    """Fill positions [start, end) of a request's pages from the store's blocks `hashes`."""
+
+    req_id: str
+    hashes: list[bytes]
+    start: int
+    end: int
+    block_ids: tuple[list[int], ...]
+    lease_id: str | None = None
+    asynchronous: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveSpec:
+    """Put store blocks [first_block, len(tokens) // block_tokens) of a request from its pages."""
+
+    req_id: str
+    tokens: list[int]
+    first_block: int
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class ConnectorMeta:
+    """One step's work for the worker side (a `KVConnectorMetadata` in the connector)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Any
+    plan: Plan | None = None
+    load_end: int = 0
+    stored_blocks: int = 0
+    block_ids: list[list[int]] = field(default_factory=list)
+    held: bool = False
+    lease_used: bool = False
+
+
+class SchedulerSide:
+    """Per-request bookkeeping of the scheduler-side connector.
+
+    Args:
+        planner: the tenant's planner (leased Lookup, usable tokens, reports).
+        block_tokens: the store's tokens per block.
+        engine_block: vLLM's tokens per page (`cache_config.block_size`).
+        load: load from the store (False for a producer-only role).
+        save: save to the store (False for a consumer-only role).
+        asynchronous: declare loads asynchronous (needed with several KV cache groups, whose
+            block-level load errors vLLM cannot map back; failures then recompute the request).
+    """
+
+    def __init__(self, planner: Planner, *, block_tokens: int, engine_block: int, load: bool = True,
+                 save: bool = True, asynchronous: bool = False) -> None:
+        self.planner = planner
+        self.block_tokens = block_tokens
+        self.engine_block = engine_block
+        self.load, self.save, self.asynchronous = load, save, asynchronous
+        self._reqs: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        #: Lookups made (one per request; vLLM's repeated questions are answered from the cache).
+        self.lookups = 0
+
+    def _tracked(self, request: Any) -> _Tracked:
+        t = self._reqs.get(request.request_id)
+        if t is None:
+            t = self._reqs[request.request_id] = _Tracked(request=request)
+        return t
+
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """`get_num_new_matched_tokens`: tokens loadable beyond vLLM's local hit, and whether async."""
+        t = self._tracked(request)
+        tokens = list(request.prompt_token_ids or [])
+        if t.plan is None:
+            if not self.load or len(tokens) < self.block_tokens:
+                return 0, False
+            try:
+                t.plan = self.planner.plan(tokens)
+            except Exception as exc:  # a store outage must not fail the request: it is a miss
+                log.warning("kvstore: lookup of request %s failed, computing it: %s", request.request_id, exc)
+                return 0, False
+            self.lookups += 1
+            t.stored_blocks = t.plan.found_tokens // self.block_tokens
+            usable = usable_tokens(t.plan)
+            t.load_end = usable - usable % self.engine_block
+        external = max(t.load_end - num_computed_tokens, 0)
+        return external, self.asynchronous and external > 0
+
+    def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
+        """`update_state_after_alloc`: queue the load into the pages just allocated."""
+        t = self._tracked(request)
+        if num_external_tokens <= 0 or t.plan is None or t.lease_used:
+            return
+        start = t.load_end - num_external_tokens
+        b = self.block_tokens
+        hashes = t.plan.block_hashes[:-(-t.load_end // b)]
+        self._loads.append(LoadSpec(req_id=request.request_id, hashes=list(hashes), start=start, end=t.load_end,
+                                    block_ids=tuple(list(g) for g in block_ids), lease_id=t.plan.lease_id,
+                                    asynchronous=self.asynchronous))
+        t.lease_used = True
+
+    def build(self, so: Any) -> ConnectorMeta:
+        """`build_connector_meta`: this step's loads, and saves of the blocks it completes."""
+        meta = ConnectorMeta(loads=self._loads)
+        self._loads = []
+        for new in so.scheduled_new_reqs:
+            t = self._reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = [list(g) for g in new.block_ids]
+            self._save(t, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0), meta)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            t = self._reqs.get(req_id)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                t.block_ids = [list(g) for g in new_ids or ()]
+            elif new_ids is not None:
+                for group, ids in zip(t.block_ids, new_ids, strict=False):
+                    group.extend(ids)
+            self._save(t, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0), meta)
+        return meta
+
+    def _save(self, t: _Tracked, computed: int, meta: ConnectorMeta) -> None:
+        if not self.save:
+            return
+        tokens = list(t.request.all_token_ids)
+        full = min(computed, len(tokens)) // self.block_tokens
+        if full <= t.stored_blocks:
+            return
+        meta.saves.append(SaveSpec(req_id=t.request.request_id, tokens=tokens[:full * self.block_tokens],
+                                   first_block=t.stored_blocks, block_ids=tuple(list(g) for g in t.block_ids)))
+        t.stored_blocks = full
+        t.held = True
+
+    def finished(self, request: Any) -> bool:
+        """`request_finished`: True holds the request's pages until the worker's puts are done.
+
+        An unused lease (the request ended before its load) is released here.
+        """
+        t = self._reqs.pop(request.request_id, None)
+        if t is None:
+            return False
+        if t.plan is not None and t.plan.lease_id and not t.lease_used:
+            self.planner.release(t.plan.lease_id)
+        return t.held
+
+    def plan_of(self, req_id: str) -> Plan | None:
+        """The plan made for a request still tracked (for logs and tests)."""
+        t = self._reqs.get(req_id)
+        return None if t is None else t.plan

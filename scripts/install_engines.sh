@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Lean installs of the two inference engines the adapters plug into, into one venv:
+#   bash scripts/install_engines.sh VENV
+# vllm==0.33.0 and sglang==0.5.23 go in with --no-deps (their full installs pull a CUDA
+# torch and ~9 GB), on top of the CPU torch already in VENV, plus the small pure
+# dependencies they need to import their schedulers / storage backends, pinned one
+# `name==version` per line in scripts/engines/vllm.txt and scripts/engines/sglang.txt.
+# A name pinned by both files at different versions is installed once at the higher
+# version (said on stderr). Each engine is checked by importing what the tests use.
+#
+# Never fails the run: when an engine cannot be installed or imported, the reason goes
+# to VENV/engine-skip-<name>.txt (read by tests/integrations to skip with that reason)
+# and the script goes on. A successful install removes a stale note.
+# Downloads come from pip's cache when present (PIP_CACHE_DIR, ~/.cache/pip).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${1:?usage: scripts/install_engines.sh VENV}
+PY="$VENV/bin/python"
+[ -x "$PY" ] || { echo "install_engines: no python at $PY" >&2; exit 0; }
+
+declare -A VERSION=([vllm]=0.33.0 [sglang]=0.5.23)
+declare -A CHECK=(
+    [vllm]="import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.base"
+    [sglang]="import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.hicache_storage"
+)
+start=$(date +%s)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" ; return "${PIPESTATUS[0]}"; }
+
+note() {  # note ENGINE REASON: record why ENGINE is not tested here
+    printf '%s\n' "$2" > "$VENV/engine-skip-$1.txt"
+    echo "install_engines: $1 skipped: $2" >&2
+}
+
+# One pin per package: the union of both files, the higher version where they differ.
+merged="$work/pins.txt"
+cat scripts/engines/vllm.txt scripts/engines/sglang.txt 2>/dev/null | sed 's/#.*//; s/[[:space:]]//g' | grep '==' |
+    awk -F'==' '{ n = tolower($1); gsub("_", "-", n); print n "==" $2 }' | sort -t= -k1,1 -k3,3V | awk -F'==' '
+    { if ($1 == last && $2 != ver) printf "install_engines: %s pinned at %s and %s: using %s\n", $1, ver, $2, $2 > "/dev/stderr"
+      last = $1; ver = $2; line[$1] = $0 }
+    END { for (n in line) print line[n] }' | sort > "$merged"
+
+pins_ok=1
+if ! out=$(pip_q --no-deps -r "$merged"); then
+    pins_ok=0
+    echo "$out" | tail -5 >&2
+fi
+
+for engine in vllm sglang; do
+    rm -f "$VENV/engine-skip-$engine.txt"
+    if [ "$pins_ok" = 0 ]; then
+        note "$engine" "the pinned small dependencies (scripts/engines/*.txt) did not install: $(echo "$out" | tail -1)"
+        continue
+    fi
+    if ! out_e=$(pip_q --no-deps "$engine==${VERSION[$engine]}"); then
+        note "$engine" "pip install --no-deps $engine==${VERSION[$engine]} failed: $(echo "$out_e" | tail -1)"
+        continue
+    fi
+    if ! err=$(VLLM_TARGET_DEVICE=cpu "$PY" -c "${CHECK[$engine]}" 2>&1); then
+        note "$engine" "$engine==${VERSION[$engine]} installed but does not import: $(echo "$err" | tail -1)"
+        continue
+    fi
+    echo "install_engines: $engine==${VERSION[$engine]} ready"
+done
+# The engines' own metadata asks for other torch builds; the venv's CPU torch must stay.
+"$PY" -c "import torch; print('install_engines: torch', torch.__version__, 'kept')"
+echo "install_engines: done in $(( $(date +%s) - start )) s"
+exit 0

@@ -1,0 +1,206 @@
+"""The kvstore vLLM connector driven by vLLM's REAL v1 Scheduler on CPU, against a real `kvstore serve`.
+
+Harness: test_vllm_support.py (skips, with the reason, only when vLLM cannot be imported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from integrations.common import parse_settings
+from integrations.vllm_connector import KVStoreConnector
+from kvstore.errors import ConfigError, KVStoreError
+from tests.children import Child
+from tests.integrations.test_vllm_support import (
+    GEO,
+    GLOBAL,
+    PAGE,
+    STORE_BLOCK_TOKENS,
+    Engine,
+    expected_block,
+    model_row,
+    prompt,
+)
+
+B = STORE_BLOCK_TOKENS
+
+
+@pytest.fixture(scope="module")
+def store(start_store: Callable[[], Child]) -> Child:
+    return start_store()
+
+
+def extra(store: Child, **more: object) -> dict[str, object]:
+    return {"target": store.target, "geometry": GEO.name, "timeout_s": 10.0, **more}
+
+
+def stored(target: str, tokens: list[int]) -> int:
+    with kvstore.Client(target, geometry=GEO.name) as c:
+        return c.lookup(tokens).found_tokens
+
+
+def test_a_prompt_is_saved_block_by_block_in_the_models_bytes_and_held_until_saved(
+        store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "model", extra(store))
+    tokens = prompt(100, seed=1)
+    engine.add("r1", tokens, max_tokens=3)
+    first = engine.step()
+    # A miss: vLLM computes the whole prompt.
+    assert first.num_scheduled_tokens["r1"] == 100
+    assert engine.connector.scheduler.plan_of("r1").found_tokens == 0
+    engine.run()
+    assert engine.finished == ["r1"]
+    # 100 prompt + 2 fed-back output tokens = 102 computed -> 6 full store blocks.
+    assert stored(store.target, engine.tokens["r1"]) == 6 * B
+    with kvstore.Client(store.target, geometry=GEO.name) as c:
+        got = c.get(engine.tokens["r1"][: 6 * B])
+    for i, block in enumerate(got.blocks):
+        assert block == expected_block(engine.tokens["r1"], i), f"block {i}"
+    # The scheduler freed the request's pages only once the worker said the puts were done.
+    assert "r1" not in engine.scheduler.requests
+    assert engine.worker.worker.blocks_saved == 6 and engine.worker.worker.save_errors == 0
+    engine.close()
+
+
+def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the_rest(
+        store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=2)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    assert stored(store.target, tokens) == 96
+    # A new engine (an empty local prefix cache): the same prefix and a new turn.
+    engine = Engine(tmp_path / "b", extra(store))
+    turn2 = tokens + prompt(50, seed=3)
+    engine.add("r2", turn2)
+    so = engine.step()
+    plan = engine.connector.scheduler.plan_of("r2")
+    assert plan.found_tokens == 96 and plan.action.value == "bounded-replay"
+    # Usable = the hit minus one window (8) = 88, rounded down to vLLM's 16-token page = 80.
+    assert plan.replay_start == 96 - GEO.window
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 80
+    assert so.num_scheduled_tokens["r2"] == 150 - 80
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    assert engine.worker.worker.blocks_loaded == 5
+    engine.run()
+    engine.close()
+    # Blocks 6.. (the new turn) were stored after the ones found, chained to them.
+    assert stored(store.target, engine.tokens["r2"]) == len(engine.tokens["r2"]) // B * B
+
+
+def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=4)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store, replay_windows="exact"))
+    engine.add("r2", [*tokens, 5, 6, 7])
+    so = engine.step()
+    # 96 found, exact replay span 5 layers x 8 = 40: usable 56, rounded down to 48.
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 48
+    engine.close()
+
+
+def test_a_hit_not_above_the_window_or_a_miss_loads_nothing(store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "m", extra(store))
+    engine.add("miss", prompt(40, seed=5))
+    so = engine.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    assert so.kv_connector_metadata.loads == []
+    engine.close()
+
+
+def test_vllm_asking_again_makes_no_second_lookup(store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "m", extra(store))
+    request = engine.add("r", prompt(70, seed=6))
+    connector = engine.connector
+    assert connector.get_num_new_matched_tokens(request, 0) == connector.get_num_new_matched_tokens(request, 0)
+    engine.step()
+    assert connector.scheduler.lookups == 1
+    engine.close()
+
+
+def test_blocks_that_fail_to_load_are_reported_and_vllm_recomputes_them(
+        store: Child, start_store: Callable[[], Child], tmp_path: Path) -> None:
+    tokens = prompt(100, seed=7)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    # The worker reads from a store that lost the blocks (an empty one): every load fails.
+    empty = start_store()
+    engine = Engine(tmp_path / "b", extra(store), worker_extra=extra(empty))
+    engine.add("r2", [*tokens, 9, 9])
+    so = engine.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 80
+    # vLLM's scheduler took the reported pages back: the request restarts at 0 and recomputes them.
+    request = engine.scheduler.requests["r2"]
+    assert request.num_computed_tokens == 0
+    so = engine.step()
+    assert so.num_scheduled_tokens["r2"] == 102
+    engine.run()
+    assert engine.finished == ["r2"]
+    engine.close()
+
+
+def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=8)
+    first = Engine(tmp_path / "a", extra(store), hybrid=True)
+    first.add("r1", tokens)
+    first.run()
+    assert first.finished == ["r1"]
+    first.close()
+    assert stored(store.target, tokens) == 96
+    engine = Engine(tmp_path / "b", extra(store), hybrid=True)
+    turn2 = [*tokens, 3, 4, 5]
+    engine.add("r2", turn2)
+    engine.step()   # the load runs; the request waits for it
+    so = engine.step()
+    assert so.scheduled_cached_reqs.req_ids == ["r2"] or so.scheduled_new_reqs[0].num_computed_tokens == 80
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    engine.run()
+    assert engine.finished == ["r2"]
+    engine.close()
+
+
+@pytest.mark.parametrize(("bad", "says"), [
+    ({}, "target"),
+    ({"target": "nohostport"}, "target"),
+    ({"target": "127.0.0.1:1", "path": "rdma"}, "path"),
+    ({"target": "127.0.0.1:1", "tarrget": "x"}, "unknown"),
+    ({"target": "127.0.0.1:1", "timeout_s": "soon"}, "timeout_s"),
+    ({"target": "127.0.0.1:1", "replay_windows": 0}, "replay_windows"),
+    ({"target": "127.0.0.1:1", "path": "direct-cpu"}, "data_dir"),
+])
+def test_bad_settings_are_config_errors_naming_them(bad: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        parse_settings(bad)
+
+
+def test_a_bad_setting_stops_vllm_at_connector_creation(store: Child, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="load_async"):
+        Engine(tmp_path / "m", extra(store, load_async="yes"))
+
+
+def test_an_unreachable_store_is_a_typed_error_at_start(tmp_path: Path) -> None:
+    with pytest.raises(KVStoreError):
+        Engine(tmp_path / "m", {"target": "127.0.0.1:1", "geometry": GEO.name, "timeout_s": 2.0})
+
+
+def test_the_connector_is_what_vllm_loads_from_the_module_path(store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "m", extra(store))
+    assert isinstance(engine.connector, KVStoreConnector) and isinstance(engine.worker, KVStoreConnector)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    assert supports_hma(engine.connector)
+    assert PAGE % B == 0 or B % PAGE == 0
+    engine.close()

@@ -1,0 +1,243 @@
+"""What the vLLM connector's tests share: the skip, and an engine harness around vLLM's REAL v1 Scheduler.
+
+Skips only when vLLM cannot be imported (the reason printed, with scripts/install_engines.sh's
+note from VENV/engine-skip-vllm.txt when it could not install it).
+
+The harness (`Engine`) builds a real `VllmConfig` on CPU from a tiny config.json it writes
+(`DeviceConfig("cpu")`, `skip_tokenizer_init=True`, `cache_config.num_gpu_blocks` set), a
+`KVCacheConfig` for the tiny fixture geometry's caches, and vLLM's real `Scheduler`, which
+creates the scheduler-side connector through vLLM's connector factory from
+`kv_connector_module_path`. It stands in for the model runner only: each step it hands the
+worker-side connector (made by the same factory) the step's metadata, calls `start_load_kv`,
+"runs the model" by writing each computed row's bytes (`model_row`: a function of the tokens up
+to the row's last position, as a real model's rows are) into CPU page tensors, calls
+`wait_for_save` and `get_transfer_results`, and feeds vLLM's `update_from_output` the sampled
+tokens, the finished transfers and the load errors, as vLLM's GPU model runner does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integrations.conftest import STORE_BLOCK_TOKENS, engine_skip_reason
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+try:
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+except ImportError as exc:
+    _reason = engine_skip_reason("vllm", exc)
+    print(f"SKIP tests/integrations/test_vllm_*.py: {_reason}", file=sys.stderr)
+    pytest.skip(_reason, allow_module_level=True)
+
+from kvstore.geometry import TINY as GEO
+
+#: vLLM's tokens per page in these tests.
+PAGE = 16
+#: Pages in vLLM's pool.
+NUM_PAGES = 96
+#: Bytes of padding after each page's rows (vLLM aligns page strides): the connector must skip them.
+PAD = 8
+GLOBAL = [(s.layer, s.component, s.row_bytes) for s in GEO.block_layout(STORE_BLOCK_TOKENS)]
+
+__all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "model_row", "prompt"]
+
+
+def cache_name(layer: int, component: str) -> str:
+    """The registered cache name of a source layer's rows (the names the connector maps, docs/ENGINES.md)."""
+    return f"model.layers.{layer}.self_attn." + ("indexer.k_cache" if component == "indexer" else "kv_cache")
+
+
+def model_row(tokens: Sequence[int], layer: int, component: str, row: int, row_bytes: int) -> bytes:
+    """The bytes the stand-in model writes for row `row`: a function of the tokens up to its last position."""
+    ratio = GEO.compress_ratios[layer]
+    seed = hashlib.sha256(repr((list(tokens[: (row + 1) * ratio]), layer, component)).encode()).digest()
+    return (seed * (row_bytes // len(seed) + 1))[:row_bytes]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """n token ids below the tiny vocabulary (128)."""
+    return [(i * 7 + seed * 13 + 1) % 127 + 1 for i in range(n)]
+
+
+def write_model(path: Path) -> Path:
+    """The tiny config.json vLLM's ModelConfig reads (no weights: the scheduler never loads a model)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": GEO.num_layers, "vocab_size": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "torch_dtype": "float32"}))
+    return path
+
+
+class Engine:
+    """vLLM's real Scheduler with the kvstore connector on both sides, stepping on CPU.
+
+    Args:
+        model_dir: where the tiny config.json goes.
+        extra: kv_connector_extra_config (worker_extra: the worker side's, default the same).
+        hybrid: a second KV cache group of sliding-window caches (every layer's window), so vLLM's
+            hybrid allocator runs and the connector must be SupportsHMA.
+    """
+
+    def __init__(self, model_dir: Path, extra: dict[str, Any], *, worker_extra: dict[str, Any] | None = None,
+                 hybrid: bool = False, role: str = "kv_both") -> None:
+        model = ModelConfig(model=str(write_model(model_dir)), tokenizer=str(model_dir), skip_tokenizer_init=True,
+                            max_model_len=2048, dtype="float32")
+        cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True)
+        cache.num_gpu_blocks = NUM_PAGES
+        transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role=role,
+                                    kv_connector_module_path="integrations.vllm_connector",
+                                    kv_connector_extra_config=extra)
+        self.config = VllmConfig(model_config=model, cache_config=cache, device_config=DeviceConfig(device="cpu"),
+                                 scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
+                                                                  max_model_len=2048, is_encoder_decoder=False),
+                                 kv_transfer_config=transfer)
+        groups = [KVCacheGroupSpec([cache_name(layer, comp) for layer, comp, _ in GLOBAL],
+                                   FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=72, dtype=torch.uint8))]
+        if hybrid:
+            window = [f"model.layers.{i}.self_attn.swa_cache" for i in range(GEO.num_layers)]
+            groups.append(KVCacheGroupSpec(window, SlidingWindowSpec(block_size=PAGE, num_kv_heads=1, head_size=132,
+                                                                     dtype=torch.uint8, sliding_window=GEO.window)))
+        self.kv_cache_config = KVCacheConfig(num_blocks=NUM_PAGES, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.scheduler = Scheduler(vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(self.config), block_size=PAGE)
+        worker_config = self.config
+        if worker_extra is not None:
+            worker_config = self.config.__class__(**{**{f: getattr(self.config, f) for f in (
+                "model_config", "cache_config", "device_config", "scheduler_config")},
+                "kv_transfer_config": KVTransferConfig(kv_connector="KVStoreConnector", kv_role=role,
+                                                       kv_connector_module_path="integrations.vllm_connector",
+                                                       kv_connector_extra_config=worker_extra)})
+        self.worker = KVConnectorFactory.create_connector(worker_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.caches = {cache_name(layer, comp): torch.zeros(NUM_PAGES, PAGE // GEO.compress_ratios[layer] * rb + PAD,
+                                                            dtype=torch.uint8)
+                       for layer, comp, rb in GLOBAL}
+        self.worker.register_kv_caches(self.caches)
+        self.tokens: dict[str, list[int]] = {}
+        self.pages: dict[str, list[list[int]]] = {}
+        #: Per step: {req_id: (first position computed, positions computed)}.
+        self.computed: list[dict[str, tuple[int, int]]] = []
+        self.finished: list[str] = []
+
+    @property
+    def connector(self) -> Any:
+        """The scheduler-side connector vLLM's scheduler made."""
+        return self.scheduler.connector
+
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+        """Queue a request (greedy, `max_tokens` output tokens)."""
+        request = Request(req_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None)
+        self.tokens[req_id] = list(tokens)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> Any:
+        """One engine step: schedule, load, run the stand-in model, save, report back. Returns the SchedulerOutput."""
+        so = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(so.kv_connector_metadata)
+        self.worker.start_load_kv(None)
+        ran: dict[str, tuple[int, int]] = {}
+        for new in so.scheduled_new_reqs:
+            self.pages[new.req_id] = [list(g) for g in new.block_ids]
+            ran[new.req_id] = (new.num_computed_tokens, so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                self.pages[req_id] = [list(g) for g in ids or ()]
+            elif ids is not None:
+                for group, more in zip(self.pages[req_id], ids, strict=False):
+                    group.extend(more)
+            ran[req_id] = (cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
+        for req_id, (start, count) in ran.items():
+            self._forward(req_id, start, start + count)
+        self.worker.wait_for_save()
+        results = self.worker.get_transfer_results(so.finished_req_ids)
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        req_ids = list(ran)
+        sampled = []
+        for req_id in req_ids:
+            start, count = ran[req_id]
+            done = start + count >= len(self.tokens[req_id])
+            token = sum(self.tokens[req_id]) % 120 + 1
+            sampled.append([token] if done else [])
+            if done:
+                self.tokens[req_id].append(token)
+        output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                   sampled_token_ids=sampled,
+                                   kv_connector_output=KVConnectorOutput(
+                                       finished_sending=results.finished_sending or None,
+                                       finished_recving=results.finished_recving or None,
+                                       failed_recving=results.failed_recving, invalid_block_ids=errors))
+        outputs = self.scheduler.update_from_output(so, output)
+        for engine_outputs in outputs.values():
+            self.finished += [o.request_id for o in engine_outputs.outputs if o.finished]
+        self.computed.append(ran)
+        return so
+
+    def _forward(self, req_id: str, start: int, end: int) -> None:
+        tokens = self.tokens[req_id]
+        for layer, comp, rb in GLOBAL:
+            r = GEO.compress_ratios[layer]
+            rows_per_page = PAGE // r
+            view = self.caches[cache_name(layer, comp)][:, : rows_per_page * rb].view(NUM_PAGES, rows_per_page, rb)
+            for j in range(start // r, end // r):
+                if (j + 1) * r - 1 < start:
+                    continue
+                page = self.pages[req_id][0][j // rows_per_page]
+                view[page, j % rows_per_page] = torch.frombuffer(bytearray(model_row(tokens, layer, comp, j, rb)),
+                                                                 dtype=torch.uint8)
+
+    def run(self, steps: int = 20) -> None:
+        """Step until nothing is left to run (or `steps` steps)."""
+        for _ in range(steps):
+            if not self.scheduler.has_requests() and not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+
+    def page_row(self, req_id: str, layer: int, component: str, row: int) -> bytes:
+        """The bytes of a request's row as its pages hold them now."""
+        rb = dict(((lay, c), b) for lay, c, b in GLOBAL)[(layer, component)]
+        rows_per_page = PAGE // GEO.compress_ratios[layer]
+        view = self.caches[cache_name(layer, component)][:, : rows_per_page * rb].view(NUM_PAGES, rows_per_page, rb)
+        return bytes(view[self.pages[req_id][0][row // rows_per_page], row % rows_per_page].tolist())
+
+    def close(self) -> None:
+        """Shut both connectors down (puts in flight finish)."""
+        self.worker.shutdown()
+        self.connector.shutdown()
+
+
+def expected_block(tokens: Sequence[int], index: int) -> bytes:
+    """The store block `index` of a prompt as the stand-in model's rows make it (the block layout's order)."""
+    out = bytearray()
+    b = STORE_BLOCK_TOKENS
+    for layer, comp, rb in GLOBAL:
+        r = GEO.compress_ratios[layer]
+        for j in range(index * b // r, (index + 1) * b // r):
+            out += model_row(tokens, layer, comp, j, rb)
+    return bytes(out)
