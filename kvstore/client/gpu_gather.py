@@ -298,12 +298,16 @@ class GpuGather:
         size = geometry.block_bytes(block_tokens)
         stride = -(-(size + 16) // 4096) * 4096
         scratch = mmap.mmap(-1, 2 * stride)
+        pages = np.frombuffer(scratch, dtype=np.uint8)
         try:
-            pages = np.frombuffer(scratch, dtype=np.uint8)
             read = ScratchRead(int(pages.ctypes.data), 2 * stride, np.array([16, stride + 16], dtype=np.int64),
                                 size)
             out = torch.empty((2, size), dtype=torch.uint8, device=self.device)
             self.gather(read, out, verify=False)
+            if size > 240 and size % 8 == 0:  # the checksum kernel too (its verdicts here mean nothing)
+                with torch.cuda.device(self.device):
+                    self._stored(read)
+                    self._hash_on_gpu(torch.zeros(2, dtype=torch.int64, device=self.device), out, size)
             parts: dict[tuple[int, str], torch.Tensor] = {
                 (s.layer, s.component): torch.empty((2, s.rows * s.row_bytes), dtype=torch.uint8, device=self.device)
                 for s in geometry.block_layout(block_tokens)}
@@ -327,6 +331,7 @@ class GpuGather:
 
         started = time.perf_counter()
         checks: list[bool] = []
+        gpu_bad: list[int] | None = None
         failure: list[BaseException] = []
         verify_s = [0.0]
 
@@ -349,6 +354,7 @@ class GpuGather:
         copy_s = 0.0
         try:
             with self._lock, torch.cuda.device(self.device):
+                stored = self._stored(read) if verify and hash_rows is not None else None
                 for members, chunks in rounds:
                     before = self.registry.stats.register_s
                     self.registry.ensure(read.base_address, chunks.values())
@@ -363,39 +369,50 @@ class GpuGather:
                     began.record()
                     launch(src, words, members, align)
                     ended.record()
-                    # The next round may unregister this round's chunks: the kernel must be done.
-                    ended.synchronize()
-                    copy_s += began.elapsed_time(ended) / 1e3
-                if verify and hash_rows is not None:
-                    checks, verify_s[0] = self._hash_on_gpu(read, hash_rows, size, began, ended)
+                    if len(rounds) > 1:
+                        # The next round may unregister this round's chunks: the kernel must be done.
+                        ended.synchronize()
+                        copy_s += began.elapsed_time(ended) / 1e3
+                if stored is not None and hash_rows is not None:  # queued right behind the copy
+                    gpu_bad, verify_s[0] = self._hash_on_gpu(stored, hash_rows, size)
+                ended.synchronize()
+                if len(rounds) == 1:
+                    copy_s = began.elapsed_time(ended) / 1e3
         finally:
             if checker is not None:
                 checker.join()
         if failure:
             raise failure[0]
-        return self._finish(read, checks, len(offsets), len(rounds), register_s, started, verify=verify,
+        bad = gpu_bad if gpu_bad is not None else [k for k, ok in enumerate(checks) if not ok]
+        return self._finish(read, bad, len(offsets), len(rounds), register_s, started, verify=verify,
                             copy_s=copy_s, verify_s=verify_s[0])
 
-    def _hash_on_gpu(self, read: MappedReadLike, rows: torch.Tensor, size: int, began: Any,
-                     ended: Any) -> tuple[list[bool], float]:
-        """xxh3-64 of each landed row against its stored checksum, one program per row; (ok, GPU seconds)."""
+    def _stored(self, read: MappedReadLike) -> torch.Tensor:
+        """The read's stored checksums on the device (int64 bits), and the xxh3 table once."""
         import numpy as np
         import torch
 
         if self._consts is None:
             self._consts = torch.from_numpy(xxh3_constants().view(np.int64)).to(self.device)
-        stored = torch.from_numpy(checksums(read).view(np.int64)).to(self.device)
+        return torch.from_numpy(checksums(read).view(np.int64)).to(self.device)
+
+    def _hash_on_gpu(self, stored: torch.Tensor, rows: torch.Tensor, size: int) -> tuple[list[int], float]:
+        """xxh3-64 of each landed row against its stored checksum, one program per row:
+        (the rows that failed, GPU seconds)."""
+        import torch
+
         ok = torch.empty(len(rows), dtype=torch.int8, device=self.device)
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         began.record()
         _kernels().xxh3_kernel[(len(rows),)](rows.view(torch.int64), stored, ok, self._consts, ROW_WORDS=size // 8,
                                               LENGTH=size, num_warps=1)
         ended.record()
-        flags = ok.cpu().tolist()
-        return [bool(f) for f in flags], began.elapsed_time(ended) / 1e3
+        bad = torch.nonzero(ok == 0).flatten().cpu().tolist()  # a few ints cross, not n flags
+        return bad, began.elapsed_time(ended) / 1e3
 
-    def _finish(self, read: MappedReadLike, checks: list[bool], copied: int, rounds: int, register_s: float,
+    def _finish(self, read: MappedReadLike, bad: list[int], copied: int, rounds: int, register_s: float,
                 started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:
-        bad = [k for k, ok in enumerate(checks) if not ok] if verify else []
+        bad = bad if verify else []
         # Span k is the k-th block asked (the spans are the found prefix): its index is k.
         corrupt = bad
         if corrupt:

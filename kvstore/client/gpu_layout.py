@@ -137,7 +137,7 @@ def checksums(read: ReadColumns) -> Any:
 
     found = getattr(read, "checksums", None)
     if found is not None:
-        return np.ascontiguousarray(found, dtype=np.uint64)
+        return np.array(found, dtype=np.uint64)  # a writable copy: torch.from_numpy takes it as is
     return np.fromiter((s.checksum for s in read.spans), dtype=np.uint64, count=len(read.spans))
 
 

@@ -321,7 +321,10 @@ def plan_rounds_array(offsets: Any, size: int, map_length: int, chunk_bytes: int
                               f"{map_length} mapped bytes of the data file")
     first = offsets // chunk_bytes
     last = (offsets + size - 1) // chunk_bytes
-    indices = np.unique(np.concatenate([first, last]))
+    present = np.zeros(int(last.max()) + 1, dtype=bool)  # a mark per chunk: no sort of 2n indices
+    present[first] = True
+    present[last] = True
+    indices = np.flatnonzero(present)
     if size > chunk_bytes:  # a block spanning more than two chunks: the general loop
         return plan_rounds([_Span(int(o), size) for o in offsets], map_length, chunk_bytes, budget_bytes)
     end_of_file = -(-map_length // PAGE_BYTES) * PAGE_BYTES

@@ -126,9 +126,8 @@ def test_gpu_checksums_equal_xxh3_on_random_rows() -> None:
     with GpuGather() as g:
         for size in (BLOCK, 248, 1024 * 5 + 8, 4096):
             rows = rng.integers(0, 256, (9, size), dtype=np.uint8)
-            ok, _ = g._hash_on_gpu(Rows(rows), torch.from_numpy(rows).cuda(), size,  # type: ignore[arg-type]
-                                   torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            assert ok == [True, True, True, False, True, True, True, True, True], size
+            bad, _ = g._hash_on_gpu(g._stored(Rows(rows)), torch.from_numpy(rows).cuda(), size)  # type: ignore[arg-type]
+            assert bad == [3], size
 
 
 def test_lru_unregistration_under_a_small_budget(tmp_path) -> None:  # type: ignore[no-untyped-def]
