@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import xxhash
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
@@ -51,6 +53,9 @@ class _Entry:
     #: before they are done, even if it expires or is evicted meanwhile (`dropped`).
     pins: int = 0
     dropped: bool = False
+    #: A shared-memory put committed without its checksum yet: makes its header from the checksum
+    #: (`_seal`, by the sealing thread or the first reader, whichever comes first).
+    unsealed: Callable[[int], bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,11 @@ class MemoryPool(SwaPool):
         self._evictions = 0
         self._lock = threading.Lock()
         self._shm: ShmServer | None = None
+        # Shared-memory puts committed unsealed, oldest first, and the thread that seals them.
+        self._unsealed: deque[_Entry] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._sealer: threading.Thread | None = None
+        self._closing = False
 
     @classmethod
     def from_settings(cls, settings: SwaSettings, *, clock: Clock) -> MemoryPool:
@@ -151,12 +161,55 @@ class MemoryPool(SwaPool):
             offset = arena.alloc(length)
         return offset
 
-    def _install(self, key: bytes, arena: Arena, offset: int, length: int, expires_s: float) -> None:
+    def _install(self, key: bytes, arena: Arena, offset: int, length: int, expires_s: float,
+                 unsealed: Callable[[int], bytes] | None = None) -> _Entry:
         if key in self._entries:
             self._drop(key)
-        self._entries[key] = _Entry(arena=arena, offset=offset, length=length, expires_s=expires_s)
+        entry = _Entry(arena=arena, offset=offset, length=length, expires_s=expires_s, unsealed=unsealed)
+        self._entries[key] = entry
         self._bytes += length
         heapq.heappush(self._expiry, (expires_s, key))
+        return entry
+
+    @staticmethod
+    def _seal(entry: _Entry, data_checksum: int | None = None) -> None:
+        """Write the header of an entry committed unsealed (checksumming its snapshot unless given)."""
+        if entry.unsealed is None:
+            return
+        if data_checksum is None:
+            data_checksum = xxhash.xxh3_64_intdigest(
+                entry.arena.view[entry.offset + HEADER_BYTES:entry.offset + entry.length])
+        entry.arena.write(entry.offset, entry.unsealed(data_checksum))
+        entry.unsealed = None
+
+    def _seal_forever(self) -> None:
+        """The sealing thread: checksum committed shared-memory puts off their writers' path. Each is
+        pinned and hashed without the lock (xxh3 lets go of the GIL too), then sealed under it unless
+        a reader sealed it first."""
+        with self._lock:
+            while True:
+                while not self._unsealed and not self._closing:
+                    self._wake.wait()
+                if self._closing:
+                    return
+                entry = self._unsealed.popleft()
+                if entry.unsealed is None or entry.dropped:
+                    continue
+                entry.pins += 1
+                self._lock.release()
+                try:
+                    data_checksum = xxhash.xxh3_64_intdigest(
+                        entry.arena.view[entry.offset + HEADER_BYTES:entry.offset + entry.length])
+                finally:
+                    self._lock.acquire()
+                if not entry.dropped:
+                    self._seal(entry, data_checksum)
+                self._unpin_locked(entry)
+
+    def _unpin_locked(self, entry: _Entry) -> None:
+        entry.pins -= 1
+        if entry.dropped and not entry.pins:
+            entry.arena.free(entry.offset, entry.length)
 
     def _live(self, key: bytes, now: float) -> _Entry | None:
         entry = self._entries.get(key)
@@ -194,6 +247,7 @@ class MemoryPool(SwaPool):
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
+                self._seal(entry)  # a shared-memory put not sealed yet: its header first
                 # A copy under the lock: once it is released the range may be reused.
                 out.append(entry.arena.read(entry.offset, entry.length))
             return out
@@ -224,6 +278,11 @@ class MemoryPool(SwaPool):
             self._shm.close()
             self._shm = None
         with self._lock:
+            self._closing = True
+            self._wake.notify_all()
+        if self._sealer is not None:
+            self._sealer.join(timeout=5)
+        with self._lock:
             for arena in self._arenas.values():
                 arena.close()
             self._arenas.clear()
@@ -239,6 +298,8 @@ class MemoryPool(SwaPool):
         with self._lock:
             if self._shm is None:
                 self._shm = ShmServer(self, hooks, clock=self.clock)
+                self._sealer = threading.Thread(target=self._seal_forever, name="swa-shm-seal", daemon=True)
+                self._sealer.start()
             return self._shm
 
     def reserve(self, tenant: bytes, lengths: Sequence[int]) -> list[int | None]:
@@ -264,16 +325,26 @@ class MemoryPool(SwaPool):
                 if arena is not None:
                     arena.free(offset, length)
 
-    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, int, int, bytes]], ttl_s: float) -> None:
+    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, int, int, bytes | Callable[[int], bytes]]],
+               ttl_s: float) -> None:
         """Make reserved records live: (key, offset, length, header) each, the header written at
-        `offset` (the client wrote the snapshot after it); each lives `ttl_s` from now."""
+        `offset` (the client wrote the snapshot after it); each lives `ttl_s` from now.
+
+        A header may be a function of the snapshot's checksum instead: the record is live at once and
+        sealed by the sealing thread, or by its first reader if that comes first (readers never see it
+        unsealed).
+        """
         with self._lock:
             now = self.clock.now()
             arena = self._arenas[tenant]
             for key, offset, length, header in items:
-                arena.write(offset, header)
                 self._pending -= length
-                self._install(key, arena, offset, length, now + ttl_s)
+                if isinstance(header, bytes):
+                    arena.write(offset, header)
+                    self._install(key, arena, offset, length, now + ttl_s)
+                else:
+                    self._unsealed.append(self._install(key, arena, offset, length, now + ttl_s, unsealed=header))
+            self._wake.notify()
 
     def locate(self, keys: Sequence[bytes], *, pin: bool = False) -> list[Located | None]:
         """Where each live record lies (a hit: moved to most recently used), None where missing or expired.
@@ -289,6 +360,7 @@ class MemoryPool(SwaPool):
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
+                self._seal(entry)  # its checksum and header before anyone reads them
                 entry.pins += pin
                 out.append(Located(offset=entry.offset, length=entry.length, entry=entry if pin else None,
                                    header=entry.arena.read(entry.offset, HEADER_BYTES)))
@@ -298,9 +370,5 @@ class MemoryPool(SwaPool):
         """Let the ranges `locate(pin=True)` kept be reused (freed now if dropped meanwhile)."""
         with self._lock:
             for item in located:
-                entry = item.entry if item is not None else None
-                if entry is None:
-                    continue
-                entry.pins -= 1
-                if entry.dropped and not entry.pins:
-                    entry.arena.free(entry.offset, entry.length)
+                if item is not None and item.entry is not None:
+                    self._unpin_locked(item.entry)

@@ -33,7 +33,9 @@ import socket
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -372,13 +374,20 @@ class ShmServer:
         if not conn.pending:
             raise FailedPrecondition("COMMIT without a BEGIN: nothing is reserved")
         ttl_s = min(request.ttl_ms / 1000.0, grant.ttl_s) if request.ttl_ms else grant.ttl_s
-        # The checksum is of what is in the arena: the server's, not the client's word.
-        items = []
+        # The checksum is of what is in the arena: the server's, not the client's word. A snapshot the
+        # client noted as it copied is checksummed now (the notes did most of it); one without notes is
+        # live at once and checksummed by the pool's sealing thread, off the writer's path.
+        items: list[tuple[bytes, int, int, bytes | Callable[[int], bytes]]] = []
+        noted = any(p.hashed for p in conn.pending)
         for p in conn.pending:
-            if p.offset is not None:
+            if p.offset is None:
+                continue
+            if noted:
                 self._hash_to(conn, p, p.length - HEADER_BYTES)
                 header = seal(grant.fingerprint, p.position, b"", p.digest.intdigest())
                 items.append((p.key, p.offset, p.length, header))
+            else:
+                items.append((p.key, p.offset, p.length, partial(seal, grant.fingerprint, p.position, b"")))
         conn.pending = []
         self.pool.commit(grant.tenant_id, items, ttl_s)
         self.hooks.put(len(items), sum(length - HEADER_BYTES for _, _, length, _ in items))

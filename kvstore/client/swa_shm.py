@@ -9,10 +9,12 @@ arena over the socket (SCM_RIGHTS; read-only when it may not write), maps it,
 and from then on:
 
 - a put is BEGIN (keys and T: the server reserves a range per record under
-  the pool's cap and LRU), one memcpy of each snapshot into its range, each
-  chunk followed by a one-way WRITTEN note (the server checksums that chunk
-  in the arena while the client copies the next), then COMMIT (TTL: the server
-  checksums what is left, writes each record's header and makes it live);
+  the pool's cap and LRU), one memcpy of each snapshot into its range, then
+  COMMIT (TTL: the records are live at once; the server's sealing thread
+  checksums each in the arena and writes its header just after, and a reader
+  that comes first seals it itself). With `verify`, each MiB copied is
+  followed by a one-way WRITTEN note, the server checksums it while the next
+  is copied, and the records are sealed when COMMIT answers;
 - a get is GET (keys: the server answers where each live record's snapshot
   lies, its T and checksum, counts the hits, and keeps those ranges from reuse
   until this connection's next request), then one memcpy out of the arena.
@@ -57,9 +59,6 @@ Buffer = bytes | bytearray | memoryview
 GRANULE = 64 << 10
 #: madvise: fill the page tables of a range in one call (Linux 5.14), instead of one fault per 4 KiB page.
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
-#: Send WRITTEN after each copied snapshot of a batch, so the server checksums it while the next is copied
-#: (off: the server checksums them all at COMMIT).
-PIPELINE = True
 #: Bytes a verified get copies before checksumming them (small enough to still be in cache).
 CHUNK = 256 << 10
 #: Bytes a put copies between WRITTEN notes (each wakes the server to checksum them: fewer, larger
@@ -111,8 +110,10 @@ class ShmPath:
     Args:
         grant: the OpenDirect answer (offered, with `shm_socket`).
         geometry: the geometry snapshot sizes are checked against.
-        verify: re-checksum every snapshot copied out (a writer of the same tenant may have changed it
-            in place since the server checksummed it at COMMIT); off, a get is one memcpy.
+        verify: have the server checksum each put snapshot as it is copied (WRITTEN notes: sealed when
+            COMMIT answers, where by default the server seals it just after, off the put's path), and
+            re-checksum every snapshot copied out (a writer of the same tenant may have changed it in
+            place since); off, a get is one memcpy.
         timeout_s: how long a control request may take before it is `Unavailable`.
         clock: monotonic seconds (injected in tests).
 
@@ -211,9 +212,9 @@ class ShmPath:
                     for lo in range(0, len(source), NOTE):
                         hi = min(lo + NOTE, len(source))
                         self._view[offset + lo:offset + hi] = source[lo:hi]  # the one copy
-                        if PIPELINE and (hi < len(source) or n + 1 < len(placed)):
+                        if self.verify and (hi < len(source) or n + 1 < len(placed)):
                             # The server checksums this chunk while we copy the next (no reply; COMMIT
-                            # checksums the last).
+                            # checksums the last), so the record is sealed when COMMIT answers.
                             note = pb.SwaShmRequest(op=pb.SWA_SHM_OP_WRITTEN, index=i, written=hi)
                             with _mapped():
                                 self._sock.sendall(note.SerializeToString())

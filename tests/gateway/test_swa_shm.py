@@ -348,7 +348,8 @@ def test_the_client_comes_back_after_a_server_restart(server: Server) -> None:
 def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server) -> None:
     with server.client() as c:
         data = snap(c)
-        assert c.swa.put(TOKENS, data).stored == 1
+        checked = SwaClient(c.connection, verify=True)
+        assert checked.put(TOKENS, data).stored == 1  # sealed when COMMIT answers (WRITTEN notes)
         raw = Raw(open_direct(c))
         try:
             arena = mmap.mmap(raw.fds[0], raw.hello.arena_bytes)
@@ -357,7 +358,6 @@ def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server) -> No
             arena.close()
         finally:
             raw.close()
-        checked = SwaClient(c.connection, verify=True)
         assert checked.get(TOKENS) is None and checked.last_path == "shm"
         assert checked.get(TOKENS, 7) is None  # the next GET carries the count
         assert SwaClient(c.connection, path="gateway").get(TOKENS) is None  # the gateway's unseal agrees

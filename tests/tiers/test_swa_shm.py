@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from kvstore.clock import ManualClock
+from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import namespace_id
-from kvstore.swa_snapshot import HEADER_BYTES
+from kvstore.swa_snapshot import HEADER_BYTES, seal, unseal
 from tiers.swa_memory import MemoryPool, arena_id
 from tiers.swa_shm import GRANULE, SEALS, Arena
 
@@ -142,3 +143,42 @@ def test_a_located_range_is_not_reused_until_unpinned(pool: MemoryPool, loop_thr
     pool.unpin([pinned])
     pool.release(tenant, [(other, MiB)] if other is not None else [])
     assert pool.reserve(tenant, [MiB]) == [pinned.offset]  # the first free range again
+
+
+def _unsealed_put(pool: MemoryPool, k: bytes, data: bytes) -> int:
+    """A shared-memory put committed with its header left to the pool (as a WRITTEN-less COMMIT does)."""
+    tenant = namespace_id("a")
+    [offset] = pool.reserve(tenant, [HEADER_BYTES + len(data)])
+    assert offset is not None
+    pool.arena(tenant).write(offset + HEADER_BYTES, data)
+    pool.commit(tenant, [(k, offset, HEADER_BYTES + len(data),
+                          lambda s: seal(V4_1_FLASH.fingerprint, 200, b"", s))], ttl_s=60)
+    return offset
+
+
+def test_a_record_committed_unsealed_is_sealed_before_anyone_reads_it(pool: MemoryPool, loop_thread: Any) -> None:
+    data = os.urandom(2_703_360)  # T = 200
+    _unsealed_put(pool, key("a", 1), data)  # no sealing thread runs here: the reader seals it
+    [record] = loop_thread.run(pool.get_many([key("a", 1)]))
+    opened = unseal(record, V4_1_FLASH)
+    assert opened is not None and opened.data == data and opened.position == 200
+
+
+def test_the_sealing_thread_seals_committed_records(pool: MemoryPool) -> None:
+    import time
+
+    class Hooks:
+        def admit(self, tenant: str) -> None: ...
+        def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None: ...
+        def put(self, snapshots: int, nbytes: int) -> None: ...
+
+    pool.shm_server(Hooks())  # starts the sealing thread
+    data = os.urandom(2_703_360)
+    offset = _unsealed_put(pool, key("a", 2), data)
+    arena = pool.arena(namespace_id("a"))
+    deadline = time.monotonic() + 10
+    while arena.read(offset, 4) != b"SWA2" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    record = arena.read(offset, HEADER_BYTES + len(data))  # read straight from the arena, not through the pool
+    opened = unseal(record, V4_1_FLASH)
+    assert opened is not None and opened.data == data
