@@ -25,8 +25,10 @@ process on the same host: one raw unary gRPC round trip (an empty reply from a
 bare generic-handler server, harness.RAW_SERVER) per batch plus a same-process
 memcpy of each snapshot (into a slot of a shared mapping for a put; out of it
 into new bytes for a get, as the client returns). The single-fetch p50 is one
-such round trip plus one snapshot's copy. "shm+verify" is the shared-memory get
-that also re-checksums each copy (SwaClient(verify=True)).
+such round trip plus one snapshot's copy. "shm+verify" is SwaClient(verify=True):
+puts sealed (checksummed by the server) when COMMIT answers, where a plain shm
+put's records are checksummed by the server's sealing thread just after (within
+the pause between phases here), and gets that re-checksum each copy.
 """
 
 from __future__ import annotations
@@ -280,7 +282,8 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
         # The gateway's phases go last in each group and every phase starts after a pause: a server
         # still freeing a gateway call's 21 MB messages would otherwise slow the phase after it.
         phases: list[tuple[str, Callable[[], None]]] = [
-            ("shm put", put(shm)), ("raw put", raw_put), ("gateway put", put(gateway)),
+            ("shm put", put(shm)), ("shm+verify put", put(checked)), ("raw put", raw_put),
+            ("gateway put", put(gateway)),
             ("shm get", get(shm)), ("shm+verify get", get(checked)), ("raw get", raw_get),
             ("gateway get", get(gateway))]
         seconds: dict[str, float] = {}
