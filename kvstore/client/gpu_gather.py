@@ -103,7 +103,7 @@ class GatherResult:
         registered_bytes: bytes registered after the call; `budget_bytes` the budget.
         seconds: the whole call, wall clock, from the first registration to the verified end.
         copy_s: GPU time of the kernels (CUDA events), registration excluded.
-        verify_s: wall time of the checksum threads (they run while the kernel copies).
+        verify_s: the checksums' time: the GPU kernel's (CUDA events), or the CPU threads' wall time.
     """
 
     blocks: int
@@ -196,7 +196,7 @@ class GpuGather:
             read: the open `MappedRead` (its spans are the found prefix).
             out: where to write: uint8 `[>= n, block_bytes]`, contiguous, on `self.device`;
                 new memory if None.
-            verify: check checksums on CPU threads while the kernel runs.
+            verify: check every block's checksum (on the GPU after the copy, per `checksums_on`).
 
         Returns:
             (out, result): rows `[:result.blocks]` are the verified prefix.
@@ -245,7 +245,7 @@ class GpuGather:
                 slot rows are contiguous, e.g. one layer's paged cache with a 64-token page.
             slots: the slot of each block (a page id), default 0..n-1.
             geometry, block_tokens: the block layout (`geometry.block_layout(block_tokens)`).
-            verify: check checksums on CPU threads while the kernel runs.
+            verify: check every block's checksum on CPU threads while the kernel runs.
 
         Returns:
             The result; slots of blocks from `result.blocks` on hold unusable rows.
