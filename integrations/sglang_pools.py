@@ -104,7 +104,7 @@ class PoolsV2:
             keys = list(t.keys or [])
             name = str(t.name)
             if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, write=False)
+                out[name] = self._swa_io(t, keys, extra_info, write=False)
             elif name == PoolName.KV.value and t.host_indices is not None:
                 out[name] = self._read_pages(self._pool(name), keys, t.host_indices)
             else:
@@ -119,7 +119,7 @@ class PoolsV2:
             keys = list(t.keys or [])
             name = str(t.name)
             if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, write=True)
+                out[name] = self._swa_io(t, keys, extra_info, write=True)
             elif name == PoolName.KV.value and t.host_indices is not None:
                 pool = self._pool(name)
                 pages = [pool.get_data_page(int(t.host_indices[i * self.page_size]), flat=True)
@@ -129,12 +129,20 @@ class PoolsV2:
                 out[name] = [False] * len(keys)
         return out
 
-    def _swa_io(self, transfer: PoolTransfer, keys: list[str], *, write: bool) -> list[bool]:
-        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa.move)."""
-        chain = self.ledger.chain_to_root(keys[-1]) if keys else None
+    def _swa_io(self, transfer: PoolTransfer, keys: list[str], extra_info: HiCacheStorageExtraInfo | None, *,
+                write: bool) -> list[bool]:
+        """The trailing SWA pages of one prefix <-> the snapshot at its end (sglang_swa.move).
+
+        The prefix's length comes from SGLang's `prefix_keys` (they and `keys` are one chain
+        from the sequence start), else from the ledger's parents of the last key.
+        """
+        known = keys and ((extra_info is not None and extra_info.prefix_keys is not None)
+                          or self.ledger.page(keys[0]) is not None)
+        chain = self._chain(keys, extra_info) if known else None   # never guessed: T is in the key
         if chain is None or transfer.host_indices is None:
             return [False] * len(keys)
-        done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain,
+        chain_hashes = chain[0]
+        done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain_hashes,
                                transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s,
                                extra_keys=self._extra_keys(keys[-1]))
         self.stats["snapshots_written" if write else "snapshots_read"] += int(done)

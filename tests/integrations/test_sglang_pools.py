@@ -20,6 +20,7 @@ from tests.integrations.test_sglang_support import (
     PAGE,
     SWA_PAGE,
     ConfigError,
+    HiCacheStorageExtraInfo,
     KVStoreHiCacheStorage,
     PagePool,
     PoolHitPolicy,
@@ -81,6 +82,18 @@ def test_swa_trailing_pages_are_the_snapshot_at_the_page_boundary(swa_backend: A
     swa.buf.zero_()
     assert b.batch_get_v2([swa_transfer(keys[1:3], 2)]) == {PoolName.SWA.value: [True, True]}
     assert [swa.page_bytes(2), swa.page_bytes(3)] == saved
+    # Another process (no ledger) reads it too, placed by SGLang's prefix_keys: the pages before the window.
+    other = StorageBackendFactory.create_backend("dynamic", config(client.target), kv)
+    try:
+        other.register_mem_host_pool_v2(kv, PoolName.KV)
+        other.register_mem_host_pool_v2(swa, PoolName.SWA)
+        swa.buf.zero_()
+        after = HiCacheStorageExtraInfo(prefix_keys=keys[:1])
+        assert other.batch_get_v2([swa_transfer(keys[1:3], 0)], after) == {PoolName.SWA.value: [True, True]}
+        assert [swa.page_bytes(0), swa.page_bytes(1)] == saved
+        assert other.batch_get_v2([swa_transfer(keys[1:3], 0)]) == {PoolName.SWA.value: [False, False]}  # no guess
+    finally:
+        other.close()
 
 
 def test_swa_pages_that_do_not_fill_the_window_are_refused(swa_backend: Any) -> None:
