@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvstore.client.gpu_layout import ScratchRead, checksums, columns, destinations, xxh3_constants
+from kvstore.client.gpu_layout import ScratchRead, checksums, columns, destinations, usable_prefix, xxh3_constants
 from kvstore.client.gpu_pinned import (
     BUDGET_BYTES,
     CHUNK_BYTES,
@@ -417,7 +417,8 @@ class GpuGather:
         corrupt = bad
         if corrupt:
             read.report_corrupt(corrupt)
-        return GatherResult(blocks=bad[0] if bad else copied, copied=copied, corrupt=corrupt, rounds=rounds,
+        return GatherResult(blocks=usable_prefix(copied, bad, getattr(read, "found_blocks", None)), copied=copied,
+                            corrupt=corrupt, rounds=rounds,
                             register_s=register_s, registered_bytes=self.registry.used_bytes,
                             budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started,
                             copy_s=copy_s, verify_s=verify_s)

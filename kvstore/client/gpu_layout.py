@@ -167,3 +167,13 @@ def xxh3_constants() -> Any:
     table += [_P32[2], _P64[0], _P64[1], _P64[2], _P64[3], _P32[1], _P64[4], _P32[0]]  # initial accumulators
     table += [_P32[0], _P64[0], 0x165667919E3779F9]
     return np.array(table, dtype=np.uint64)
+
+
+def usable_prefix(copied: int, bad: Sequence[int], found: object) -> int:
+    """Blocks a caller may use: the copied prefix before the first corrupt block, and no more
+    than the Lookup found (`MappedRead.found_blocks`, read after the copy, so a read whose
+    Lookup answers while the kernel runs overlaps the two; None or absent: no such cut)."""
+    blocks = min(bad) if bad else copied
+    if isinstance(found, int) and not isinstance(found, bool):
+        blocks = min(blocks, max(found, 0))
+    return blocks

@@ -333,3 +333,14 @@ def test_checksums_on_must_be_a_place() -> None:
 
     with pytest.raises(InvalidArgument, match="checksums_on"):
         GpuGather(checksums_on="tpu")
+
+
+def test_the_usable_prefix_ends_at_the_first_corrupt_block_and_at_the_lookups_count() -> None:
+    from kvstore.client.gpu_layout import usable_prefix
+
+    assert usable_prefix(10, [], None) == 10
+    assert usable_prefix(10, [7, 3], None) == 3
+    assert usable_prefix(10, [], 6) == 6
+    assert usable_prefix(10, [8], 9) == 8
+    assert usable_prefix(10, [], 12) == 10
+    assert usable_prefix(10, [], True) == 10  # not a count
