@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from integrations import sglang_swa
 from tests.children import Child
 from tests.integrations import test_sglang_support as support
 from tests.integrations.test_sglang_support import (
@@ -92,6 +93,9 @@ def test_swa_trailing_pages_are_the_snapshot_at_the_page_boundary(swa_backend: A
         assert other.batch_get_v2([swa_transfer(keys[1:3], 0)], after) == {PoolName.SWA.value: [True, True]}
         assert [swa.page_bytes(0), swa.page_bytes(1)] == saved
         assert other.batch_get_v2([swa_transfer(keys[1:3], 0)]) == {PoolName.SWA.value: [False, False]}  # no guess
+        # ...and never writes a window at a guessed length (T = 128 here: the pages before it unknown).
+        assert other.batch_set_v2([swa_transfer(keys[1:3], 0)]) == {PoolName.SWA.value: [False, False]}
+        assert client.swa.get_many([sglang_swa.key_at(bytes.fromhex(keys[2]), 2 * PAGE)]) == [None]
     finally:
         other.close()
 
