@@ -12,7 +12,9 @@ Clock: tests expire records by moving it.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
+import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -185,7 +187,10 @@ class MemoryPool(SwaPool):
     def _seal_forever(self) -> None:
         """The sealing thread: checksum committed shared-memory puts off their writers' path. Each is
         pinned and hashed without the lock (xxh3 lets go of the GIL too), then sealed under it unless
-        a reader sealed it first."""
+        a reader sealed it first. It runs at the lowest priority: sealing is background work, and a
+        reader that comes first seals the record itself."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         with self._lock:
             while True:
                 while not self._unsealed and not self._closing:
