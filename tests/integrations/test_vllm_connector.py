@@ -18,7 +18,6 @@ from tests.children import Child
 from tests.integrations.test_vllm_support import (
     GEO,
     GLOBAL,
-    PAGE,
     STORE_BLOCK_TOKENS,
     Engine,
     expected_block,
@@ -54,14 +53,16 @@ def test_a_prompt_is_saved_block_by_block_in_the_models_bytes_and_held_until_sav
     assert engine.connector.scheduler.plan_of("r1").found_tokens == 0
     engine.run()
     assert engine.finished == ["r1"]
+    # Finished, but its pages are held (vLLM keeps the request) until the worker says its puts are done.
+    assert "r1" in engine.scheduler.requests
+    engine.drain()
+    assert "r1" not in engine.scheduler.requests
     # 100 prompt + 2 fed-back output tokens = 102 computed -> 6 full store blocks.
     assert stored(store.target, engine.tokens["r1"]) == 6 * B
     with kvstore.Client(store.target, geometry=GEO.name) as c:
         got = c.get(engine.tokens["r1"][: 6 * B])
     for i, block in enumerate(got.blocks):
         assert block == expected_block(engine.tokens["r1"], i), f"block {i}"
-    # The scheduler freed the request's pages only once the worker said the puts were done.
-    assert "r1" not in engine.scheduler.requests
     assert engine.worker.worker.blocks_saved == 6 and engine.worker.worker.save_errors == 0
     engine.close()
 
@@ -77,7 +78,7 @@ def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the
     # A new engine (an empty local prefix cache): the same prefix and a new turn.
     engine = Engine(tmp_path / "b", extra(store))
     turn2 = tokens + prompt(50, seed=3)
-    engine.add("r2", turn2)
+    engine.add("r2", turn2, max_tokens=3)
     so = engine.step()
     plan = engine.connector.scheduler.plan_of("r2")
     assert plan.found_tokens == 96 and plan.action.value == "bounded-replay"
@@ -151,6 +152,20 @@ def test_blocks_that_fail_to_load_are_reported_and_vllm_recomputes_them(
     engine.close()
 
 
+def test_with_vllms_default_failure_policy_a_failed_load_fails_the_request(
+        store: Child, start_store: Callable[[], Child], tmp_path: Path) -> None:
+    tokens = prompt(100, seed=7)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store), worker_extra=extra(start_store()), failure_policy="fail")
+    engine.add("r2", [*tokens, 9, 9])
+    engine.step()
+    assert engine.finished == ["r2"] and "ERROR" in engine.reasons["r2"].upper()
+    engine.close()
+
+
 def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=8)
     first = Engine(tmp_path / "a", extra(store), hybrid=True)
@@ -162,9 +177,11 @@ def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tm
     engine = Engine(tmp_path / "b", extra(store), hybrid=True)
     turn2 = [*tokens, 3, 4, 5]
     engine.add("r2", turn2)
-    engine.step()   # the load runs; the request waits for it
-    so = engine.step()
-    assert so.scheduled_cached_reqs.req_ids == ["r2"] or so.scheduled_new_reqs[0].num_computed_tokens == 80
+    so = engine.step()   # the load runs (asynchronously for vLLM); the request waits for it
+    assert so.num_scheduled_tokens == {} and len(so.kv_connector_metadata.loads) == 1
+    assert engine.worker.worker.blocks_loaded == 5
+    so = engine.step()   # loaded: vLLM computes from 80 on
+    assert so.num_scheduled_tokens == {"r2": 103 - 80}
     for layer, comp, rb in GLOBAL:
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
@@ -202,5 +219,4 @@ def test_the_connector_is_what_vllm_loads_from_the_module_path(store: Child, tmp
     assert isinstance(engine.connector, KVStoreConnector) and isinstance(engine.worker, KVStoreConnector)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
     assert supports_hma(engine.connector)
-    assert PAGE % B == 0 or B % PAGE == 0
     engine.close()

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -100,17 +101,18 @@ class Engine:
         extra: kv_connector_extra_config (worker_extra: the worker side's, default the same).
         hybrid: a second KV cache group of sliding-window caches (every layer's window), so vLLM's
             hybrid allocator runs and the connector must be SupportsHMA.
+        failure_policy: vLLM's `kv_load_failure_policy` ("recompute" or vLLM's default "fail").
     """
 
     def __init__(self, model_dir: Path, extra: dict[str, Any], *, worker_extra: dict[str, Any] | None = None,
-                 hybrid: bool = False, role: str = "kv_both") -> None:
+                 hybrid: bool = False, role: str = "kv_both", failure_policy: str = "recompute") -> None:
         model = ModelConfig(model=str(write_model(model_dir)), tokenizer=str(model_dir), skip_tokenizer_init=True,
                             max_model_len=2048, dtype="float32")
         cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True)
         cache.num_gpu_blocks = NUM_PAGES
         transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role=role,
                                     kv_connector_module_path="integrations.vllm_connector",
-                                    kv_connector_extra_config=extra)
+                                    kv_connector_extra_config=extra, kv_load_failure_policy=failure_policy)
         self.config = VllmConfig(model_config=model, cache_config=cache, device_config=DeviceConfig(device="cpu"),
                                  scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
                                                                   max_model_len=2048, is_encoder_decoder=False),
@@ -141,6 +143,8 @@ class Engine:
         #: Per step: {req_id: (first position computed, positions computed)}.
         self.computed: list[dict[str, tuple[int, int]]] = []
         self.finished: list[str] = []
+        #: Finish reason of each finished request (vLLM's FinishReason name).
+        self.reasons: dict[str, str] = {}
 
     @property
     def connector(self) -> Any:
@@ -182,11 +186,8 @@ class Engine:
         sampled = []
         for req_id in req_ids:
             start, count = ran[req_id]
-            done = start + count >= len(self.tokens[req_id])
-            token = sum(self.tokens[req_id]) % 120 + 1
-            sampled.append([token] if done else [])
-            if done:
-                self.tokens[req_id].append(token)
+            done = start + count >= self.scheduler.requests[req_id].num_tokens
+            sampled.append([sum(self.tokens[req_id]) % 120 + 1] if done else [])
         output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                    sampled_token_ids=sampled,
                                    kv_connector_output=KVConnectorOutput(
@@ -194,8 +195,14 @@ class Engine:
                                        finished_recving=results.finished_recving or None,
                                        failed_recving=results.failed_recving, invalid_block_ids=errors))
         outputs = self.scheduler.update_from_output(so, output)
+        for req_id in req_ids:  # the tokens vLLM kept (it drops a step's sample when it recomputes)
+            if req_id in self.scheduler.requests:
+                self.tokens[req_id] = list(self.scheduler.requests[req_id].all_token_ids)
         for engine_outputs in outputs.values():
-            self.finished += [o.request_id for o in engine_outputs.outputs if o.finished]
+            for o in engine_outputs.outputs:
+                if o.finished:
+                    self.finished.append(o.request_id)
+                    self.reasons[o.request_id] = str(o.finish_reason)
         self.computed.append(ran)
         return so
 
@@ -213,11 +220,18 @@ class Engine:
                                                                  dtype=torch.uint8)
 
     def run(self, steps: int = 20) -> None:
-        """Step until nothing is left to run (or `steps` steps)."""
+        """Step until every request finished (or `steps` steps); held ones stay held."""
         for _ in range(steps):
-            if not self.scheduler.has_requests() and not self.scheduler.has_unfinished_requests():
+            if not self.scheduler.has_unfinished_requests():
                 return
             self.step()
+
+    def drain(self, deadline_s: float = 30.0) -> None:
+        """Step until vLLM has freed every finished request (their saves reported done)."""
+        end = time.monotonic() + deadline_s
+        while self.scheduler.requests and time.monotonic() < end:
+            self.step()
+            time.sleep(0.01)
 
     def page_row(self, req_id: str, layer: int, component: str, row: int) -> bytes:
         """The bytes of a request's row as its pages hold them now."""
