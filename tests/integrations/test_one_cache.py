@@ -1,0 +1,92 @@
+"""One cache, three clients: what the vLLM connector stores, the SGLang HiCache backend and the kvstore
+client read back byte-identical, and what SGLang stores is a hit the vLLM connector loads.
+
+Needs both engines in one venv (scripts/install_engines.sh); skips, with the reason, when either
+cannot be imported. vLLM runs its real Scheduler (test_vllm_support.py); SGLang's backend is made by
+its real dynamic factory (test_sglang_support.py); one `kvstore serve` child serves all three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvstore
+from integrations.vllm_scheduler import SaveSpec
+from tests.children import Child
+from tests.integrations import test_sglang_support as sg  # skips (with the reason) without SGLang
+from tests.integrations.test_vllm_support import GEO, GLOBAL, STORE_BLOCK_TOKENS, Engine, model_row, prompt
+
+B = STORE_BLOCK_TOKENS
+
+
+@pytest.fixture
+def store(start_store: Callable[[], Child], monkeypatch: pytest.MonkeyPatch) -> Child:
+    # SGLang's Python radix-tree core hashes pages through kvstore's keys (its backend refuses the Rust one).
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    return start_store()
+
+
+def sglang_backend(target: str, pages: int) -> tuple[object, object]:
+    pool = sg.PagePool(pages, GEO.block_bytes(B), page_size=B)
+    backend = sg.StorageBackendFactory.create_backend("dynamic", sg.config(target, {"geometry": GEO.name}), pool)
+    backend.register_mem_pool_host(pool)   # what SGLang's cache controller does next
+    return backend, pool
+
+
+def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_and_the_client(
+        store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine.add("r1", prompt(100, seed=11), max_tokens=3)
+    engine.run()
+    tokens = engine.tokens["r1"]
+    n = len(tokens) // B
+    # vLLM's own pages, as store blocks (read while vLLM still holds them for the save).
+    pages = engine.worker.worker.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
+                                                 block_ids=tuple(engine.pages["r1"])))
+    vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
+    engine.drain()
+    engine.close()
+
+    with kvstore.Client(store.target, geometry=GEO.name) as client:
+        assert client.get(tokens[: n * B]).blocks == vllm_blocks
+        hashes = client.hashes(tokens)
+
+    backend, pool = sglang_backend(store.target, n + 2)
+    try:
+        keys = sg.sg_utils.get_storage_hash_str(tokens, None, page_size=B)[:n]   # SGLang's own page keys
+        assert keys == [h.hex() for h in hashes]
+        assert backend.batch_exists(keys) == n
+        assert backend.batch_get_v1(keys, torch.arange(B, (n + 1) * B)) == [True] * n
+        assert [pool.page_bytes(1 + i) for i in range(n)] == vllm_blocks
+    finally:
+        backend.close()
+
+
+def test_a_prompt_stored_through_sglang_is_loaded_by_the_vllm_connector(store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=12)
+    n = len(tokens) // B
+    blocks = [b"".join(model_row(tokens, layer, comp, j, rb)
+                       for layer, comp, rb in GLOBAL
+                       for j in range(i * B // GEO.compress_ratios[layer], (i + 1) * B // GEO.compress_ratios[layer]))
+              for i in range(n)]
+    backend, pool = sglang_backend(store.target, n + 1)
+    try:
+        for i, block in enumerate(blocks):
+            pool.buf[i * B:(i + 1) * B] = torch.frombuffer(bytearray(block), dtype=torch.uint8).reshape(B, -1)
+        keys = sg.sg_utils.get_hash_str(tokens, None, page_size=B)[:n]   # what a write-back is keyed with
+        assert backend.batch_set_v1(keys, torch.arange(0, n * B)) == [True] * n
+    finally:
+        backend.close()
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine.add("r2", [*tokens, 1, 2, 3], max_tokens=2)
+    so = engine.step()
+    # 96 stored by SGLang: a bounded replay loads [0, 88) rounded down to vLLM's 16-token page.
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 80
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(tokens, layer, comp, row, rb)
+    engine.close()
