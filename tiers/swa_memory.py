@@ -25,6 +25,7 @@ import xxhash
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
+from kvstore.errors import Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 #: Address space of an arena beyond twice the cap (room for fragmentation; only written pages cost memory).
 ARENA_SLACK = 64 << 20
+#: Most address space of one arena, so that many tenants fit a 47-bit address space (500 of them):
+#: a tenant holds at most about half of it, its own least recently used records making room.
+ARENA_MAX = 256 << 30
 
 
 def arena_id(key: bytes) -> bytes:
@@ -123,8 +127,12 @@ class MemoryPool(SwaPool):
     def _arena(self, tenant: bytes) -> Arena:
         arena = self._arenas.get(tenant)
         if arena is None:
-            arena = Arena(f"kvstore-swa-{tenant.hex() or 'other'}", 2 * self.cap_bytes + ARENA_SLACK,
-                          idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4))
+            try:
+                arena = Arena(f"kvstore-swa-{tenant.hex() or 'other'}",
+                              min(2 * self.cap_bytes + ARENA_SLACK, ARENA_MAX),
+                              idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4))
+            except OSError as exc:  # out of address space or descriptors: a miss, counted, never a crash
+                raise Unavailable(f"cannot make the SWA arena of another tenant: {exc}") from None
             self._arenas[tenant] = arena
         return arena
 

@@ -182,3 +182,16 @@ def test_the_sealing_thread_seals_committed_records(pool: MemoryPool) -> None:
     record = arena.read(offset, HEADER_BYTES + len(data))  # read straight from the arena, not through the pool
     opened = unseal(record, V4_1_FLASH)
     assert opened is not None and opened.data == data
+
+
+def test_an_arena_that_cannot_be_made_is_a_counted_miss(pool: MemoryPool, loop_thread: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.errors import Unavailable
+    from tiers import swa_memory
+
+    def no_room(*args: object, **kwargs: object) -> Arena:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(swa_memory, "Arena", no_room)
+    with pytest.raises(Unavailable, match="Cannot allocate memory"):
+        loop_thread.run(pool.put_many([(key("z", 1), b"x")], 60))  # SwaCache answers it as a failed put
