@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from integrations.common import COMMON_KEYS, connect, parse_settings
 from integrations.vllm_scheduler import ConnectorMeta, SchedulerSide
-from integrations.vllm_worker import WorkerSide
+from integrations.vllm_worker import WorkerSide, has_windows
 from kvstore import geometry as geometries
 from kvstore.errors import ConfigError
 from replay.cost import CostModel
@@ -82,9 +82,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             planner = Planner(self.client, cost=cost, lease_ms=self.settings.lease_ms, snapshot_probes=0,
                               reprobe=False)
             config = self._kv_transfer_config
+            names = [n for group in kv_cache_config.kv_cache_groups for n in group.layer_names]
             self.scheduler = SchedulerSide(planner, block_tokens=self.client.block_tokens,
                                            engine_block=self.engine_block, load=config.is_kv_consumer,
-                                           save=config.is_kv_producer, asynchronous=load_async)
+                                           save=config.is_kv_producer, asynchronous=load_async,
+                                           snapshots=has_windows(self.geometry.num_layers, names))
         else:
             reader = None
             if self.settings.data_dir is not None:

@@ -48,6 +48,11 @@ class SaveSpec:
     tokens: list[int]
     first_block: int
     block_ids: tuple[list[int], ...]
+    #: Also take the SWA snapshot at this T (a block boundary) from the window pages, when they still hold it.
+    snapshot_at: int | None = None
+    #: Keep that snapshot on the worker and put it only when the request ends (the output's last boundary:
+    #: by then vLLM has freed the window pages below the last token's window).
+    snapshot_at_end: bool = False
 
 
 @dataclass
@@ -67,6 +72,7 @@ class _Tracked:
     block_ids: list[list[int]] = field(default_factory=list)
     held: bool = False
     lease_used: bool = False
+    snapshot_at: int = 0
 
 
 class SchedulerSide:
@@ -80,14 +86,16 @@ class SchedulerSide:
         save: save to the store (False for a consumer-only role).
         asynchronous: declare loads asynchronous (needed with several KV cache groups, whose
             block-level load errors vLLM cannot map back; failures then recompute the request).
+        snapshots: vLLM has a window cache for every layer: put SWA snapshots at the block boundary
+            at or below the prompt's end and the output's end (docs/WORKER.md rule 8).
     """
 
     def __init__(self, planner: Planner, *, block_tokens: int, engine_block: int, load: bool = True,
-                 save: bool = True, asynchronous: bool = False) -> None:
+                 save: bool = True, asynchronous: bool = False, snapshots: bool = False) -> None:
         self.planner = planner
         self.block_tokens = block_tokens
         self.engine_block = engine_block
-        self.load, self.save, self.asynchronous = load, save, asynchronous
+        self.load, self.save, self.asynchronous, self.snapshots = load, save, asynchronous, snapshots
         self._reqs: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         #: Lookups made (one per request; vLLM's repeated questions are answered from the cache).
@@ -156,22 +164,34 @@ class SchedulerSide:
         return meta
 
     def _save(self, t: _Tracked, computed: int, meta: ConnectorMeta) -> None:
+        """Save the blocks complete at `computed` tokens. With snapshots: the one at the block boundary
+        at or below the prompt's end once the prompt is computed, and, as the output crosses each
+        boundary, the one there, kept by the worker until the request ends (the output's last)."""
         if not self.save:
             return
         tokens = list(t.request.all_token_ids)
-        full = min(computed, len(tokens)) // self.block_tokens
-        if full <= t.stored_blocks:
+        b = self.block_tokens
+        full = min(computed, len(tokens)) // b
+        at, at_end = None, False
+        prompted = computed >= t.request.num_prompt_tokens
+        if self.snapshots and prompted:
+            at_end = t.snapshot_at > 0 or full * b > t.request.num_prompt_tokens
+            boundary = full * b if at_end else t.request.num_prompt_tokens // b * b
+            # Never at or below where the state came from the store (docs/WORKER.md rule 8).
+            if boundary > max(t.snapshot_at, t.load_end, 0):
+                at = t.snapshot_at = boundary
+        if full <= t.stored_blocks and at is None:
             return
-        meta.saves.append(SaveSpec(req_id=t.request.request_id, tokens=tokens[:full * self.block_tokens],
-                                   first_block=t.stored_blocks, block_ids=tuple(list(g) for g in t.block_ids)))
-        t.stored_blocks = full
+        meta.saves.append(SaveSpec(req_id=t.request.request_id, tokens=tokens[:max(full * b, at or 0)],
+                                   first_block=min(t.stored_blocks, full),
+                                   block_ids=tuple(list(g) for g in t.block_ids), snapshot_at=at,
+                                   snapshot_at_end=at is not None and at_end))
+        t.stored_blocks = max(full, t.stored_blocks)
         t.held = True
 
     def finished(self, request: Any) -> bool:
-        """`request_finished`: True holds the request's pages until the worker's puts are done.
-
-        An unused lease (the request ended before its load) is released here.
-        """
+        """`request_finished`: True holds the request's pages until the worker's puts (and the kept
+        snapshot's) are done. An unused lease (the request ended before its load) is released here."""
         t = self._reqs.pop(request.request_id, None)
         if t is None:
             return False

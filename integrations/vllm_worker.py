@@ -27,6 +27,7 @@ import torch
 from integrations.common import PageMap, StoreSettings, fetch_blocks
 from integrations.vllm_scheduler import LoadSpec, SaveSpec
 from kvstore.client import Client
+from kvstore.codec.snapshot import join_snapshot
 from kvstore.errors import ConfigError
 from kvstore.geometry import ModelGeometry, Section
 
@@ -92,6 +93,32 @@ def map_caches(geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, 
     return targets
 
 
+def has_windows(num_layers: int, names: Iterable[str]) -> bool:
+    """Whether `names` (vLLM's cache layer names) hold a window cache for every layer (see `map_windows`)."""
+    layers = set()
+    for name in names:
+        m = _LAYER.search(name)
+        if m is not None and ("window" in name or "swa" in name):
+            layers.add(int(m.group(1)))
+    return layers == set(range(num_layers))
+
+
+def map_windows(geometry: ModelGeometry, caches: Mapping[str, torch.Tensor],
+                groups: Mapping[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, PageMap, int]] | None:
+    """Every layer's window (SWA) cache: name with `layers.<i>.` and `window` or `swa`, one row of
+    `window_row_bytes` per token in position order. None unless every layer has one (no snapshots then)."""
+    found: dict[int, tuple[torch.Tensor, PageMap, int]] = {}
+    for name, cache in caches.items():
+        m = _LAYER.search(name)
+        if m is None or not ("window" in name or "swa" in name) or name not in groups:
+            continue
+        group, page_tokens = groups[name]
+        pages = PageMap(page_tokens=page_tokens, ratio=1, row_bytes=geometry.window_row_bytes)
+        pages.view(cache)
+        found[int(m.group(1))] = (cache, pages, group)
+    return found if sorted(found) == list(range(geometry.num_layers)) else None
+
+
 class WorkerSide:
     """Loads and saves of the worker-side connector.
 
@@ -107,10 +134,17 @@ class WorkerSide:
         self.client, self.settings, self.geometry, self.reader = client, settings, geometry, reader
         self.block_tokens = client.block_tokens
         self.targets: list[_Target] = []
+        #: layer -> (window cache, its page map, its group); None: no snapshots (not every layer has one).
+        self.windows: dict[int, tuple[torch.Tensor, PageMap, int]] | None = None
+        #: Snapshots put, and those skipped because vLLM had already freed part of the window.
+        self.snapshots_saved = 0
+        self.snapshots_skipped = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
         self._lock = threading.Lock()
         self._saving: dict[str, list[Future[Any]]] = {}
         self._ended: set[str] = set()
+        #: Per running request, the snapshot at its output's latest block boundary (put when it ends).
+        self._kept: dict[str, tuple[list[int], int, bytes]] = {}
         self._load_errors: set[int] = set()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -123,6 +157,7 @@ class WorkerSide:
     def register(self, caches: Mapping[str, torch.Tensor], groups: Mapping[str, tuple[int, int]]) -> None:
         """`register_kv_caches`: find where each block section goes."""
         self.targets = map_caches(self.geometry, self.block_tokens, caches, groups)
+        self.windows = map_windows(self.geometry, caches, groups)
 
     # -- loads -------------------------------------------------------------------
 
@@ -192,14 +227,45 @@ class WorkerSide:
             out[:, s.offset: s.offset + s.size_bytes] = rows.reshape(count, s.size_bytes)
         return out
 
+    def window(self, spec: SaveSpec, position: int) -> bytes | None:
+        """The snapshot at T = `position` from the window pages (`kvstore.codec.snapshot`), or None
+        when vLLM already freed a page of [T - window, T) (its null block, id 0)."""
+        if self.windows is None:
+            return None
+        n = min(position, self.geometry.window)
+        rows = []
+        for layer in range(self.geometry.num_layers):
+            cache, pages, group = self.windows[layer]
+            ids = spec.block_ids[group]
+            first, last = (position - n) // pages.page_tokens, (position - 1) // pages.page_tokens
+            if last >= len(ids) or any(ids[i] == 0 for i in range(first, last + 1)):
+                return None
+            page, slot = pages.slots(ids, position - n, n)
+            view = pages.view(cache)
+            rows.append(view[page.to(view.device), slot.to(view.device)].cpu())
+        return join_snapshot(torch.stack(rows), None, geometry=self.geometry)
+
     def save(self, spec: SaveSpec) -> None:
-        """Copy the new blocks out of the pages now; put them on the save thread."""
+        """Copy the new blocks (and the snapshot, if asked and still in the pages) out now; put them
+        on the save thread."""
         blocks = self.gather(spec)
+        snapshot = None if spec.snapshot_at is None else self.window(spec, spec.snapshot_at)
+        if spec.snapshot_at is not None and snapshot is None:
+            self.snapshots_skipped += 1
+        if snapshot is not None and spec.snapshot_at_end and spec.snapshot_at is not None:
+            # The output's latest boundary: put when the request ends, unless a later one replaces it.
+            with self._lock:
+                self._kept[spec.req_id] = (spec.tokens[: spec.snapshot_at], spec.snapshot_at, snapshot)
+            snapshot = None
 
         def put() -> None:
             try:
-                self.client.put(spec.tokens, blocks, first_block=spec.first_block)
-                self.blocks_saved += len(blocks)
+                if len(blocks):
+                    self.client.put(spec.tokens, blocks, first_block=spec.first_block)
+                    self.blocks_saved += len(blocks)
+                if snapshot is not None and spec.snapshot_at is not None:
+                    self.client.swa.put(spec.tokens[: spec.snapshot_at], snapshot, position=spec.snapshot_at)
+                    self.snapshots_saved += 1
             except Exception as exc:  # a failed save is a future miss, never an engine failure
                 self.save_errors += 1
                 log.warning("kvstore: saving blocks %d.. of request %s failed: %s", spec.first_block,
@@ -211,6 +277,10 @@ class WorkerSide:
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """`get_finished`: requests whose saves are all done (of those vLLM ended), and loads done."""
         with self._lock:
+            for r in finished_req_ids:
+                kept = self._kept.pop(r, None)
+                if kept is not None:
+                    self._saving.setdefault(r, []).append(self._pool.submit(self._put_snapshot, *kept))
             self._ended.update(r for r in finished_req_ids if r in self._saving)
             done = {r for r in self._ended if all(f.done() for f in self._saving[r])}
             for r in done:
@@ -218,6 +288,14 @@ class WorkerSide:
                 del self._saving[r]
         recved, self._recved = self._recved, set()
         return done or None, recved or None
+
+    def _put_snapshot(self, tokens: list[int], position: int, snapshot: bytes) -> None:
+        try:
+            self.client.swa.put(tokens, snapshot, position=position)
+            self.snapshots_saved += 1
+        except Exception as exc:  # a failed save is a future miss
+            self.save_errors += 1
+            log.warning("kvstore: saving the snapshot at %d failed: %s", position, exc)
 
     def take_failed_recving(self) -> set[str]:
         """Requests whose asynchronous load failed (vLLM recomputes them), then cleared."""

@@ -14,6 +14,7 @@ import kvstore
 from integrations.common import parse_settings
 from integrations.vllm_connector import KVStoreConnector
 from kvstore.errors import ConfigError, KVStoreError
+from replay.planner import Planner
 from tests.children import Child
 from tests.integrations.test_vllm_support import (
     GEO,
@@ -23,6 +24,7 @@ from tests.integrations.test_vllm_support import (
     expected_block,
     model_row,
     prompt,
+    window_row,
 )
 
 B = STORE_BLOCK_TOKENS
@@ -188,6 +190,25 @@ def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tm
     engine.run()
     assert engine.finished == ["r2"]
     engine.close()
+
+
+def test_with_window_caches_snapshots_are_put_at_the_prompts_and_the_outputs_block_boundaries(
+        store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "m", extra(store), hybrid=True)
+    engine.add("r1", prompt(100, seed=9), max_tokens=20)
+    engine.run(60)
+    engine.drain()
+    engine.close()
+    tokens = engine.tokens["r1"]   # 100 prompt + 20 output tokens; 119 computed
+    assert engine.worker.worker.snapshots_saved == 2
+    with kvstore.Client(store.target, geometry=GEO.name) as c:
+        for t in (96, 112):   # the boundaries at or below the prompt's end and the output's end
+            rows = [window_row(tokens, layer, p) for layer in range(GEO.num_layers) for p in range(t - GEO.window, t)]
+            assert c.swa.get(tokens[:t], t) == b"".join(rows), t
+        # The planner finds the output's snapshot for the next turn: a fetch+snapshot resume at 112.
+        with Planner(c, snapshot_probes=4) as planner:
+            plan = planner.plan([*tokens, 7, 7], report=False)
+        assert plan.action.value == "fetch+snapshot" and plan.snapshot_position == 112
 
 
 @pytest.mark.parametrize(("bad", "says"), [

@@ -62,7 +62,8 @@ NUM_PAGES = 96
 PAD = 8
 GLOBAL = [(s.layer, s.component, s.row_bytes) for s in GEO.block_layout(STORE_BLOCK_TOKENS)]
 
-__all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "model_row", "prompt"]
+__all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "model_row", "prompt",
+           "window_row"]
 
 
 def cache_name(layer: int, component: str) -> str:
@@ -75,6 +76,12 @@ def model_row(tokens: Sequence[int], layer: int, component: str, row: int, row_b
     ratio = GEO.compress_ratios[layer]
     seed = hashlib.sha256(repr((list(tokens[: (row + 1) * ratio]), layer, component)).encode()).digest()
     return (seed * (row_bytes // len(seed) + 1))[:row_bytes]
+
+
+def window_row(tokens: Sequence[int], layer: int, position: int) -> bytes:
+    """The stand-in model's window (SWA) row of `layer` at `position`: a function of the tokens up to it."""
+    seed = hashlib.sha256(repr((list(tokens[: position + 1]), layer, "window")).encode()).digest()
+    return (seed * (GEO.window_row_bytes // len(seed) + 1))[: GEO.window_row_bytes]
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -137,6 +144,10 @@ class Engine:
         self.caches = {cache_name(layer, comp): torch.zeros(NUM_PAGES, PAGE // GEO.compress_ratios[layer] * rb + PAD,
                                                             dtype=torch.uint8)
                        for layer, comp, rb in GLOBAL}
+        if hybrid:
+            self.caches.update({f"model.layers.{i}.self_attn.swa_cache": torch.zeros(
+                NUM_PAGES, PAGE * GEO.window_row_bytes + PAD, dtype=torch.uint8) for i in range(GEO.num_layers)})
+        self.hybrid = hybrid
         self.worker.register_kv_caches(self.caches)
         self.tokens: dict[str, list[int]] = {}
         self.pages: dict[str, list[list[int]]] = {}
@@ -208,6 +219,16 @@ class Engine:
 
     def _forward(self, req_id: str, start: int, end: int) -> None:
         tokens = self.tokens[req_id]
+        if self.hybrid:  # every layer's window row of each computed position, in the window group's pages
+            rb = GEO.window_row_bytes
+            for layer in range(GEO.num_layers):
+                cache = self.caches[f"model.layers.{layer}.self_attn.swa_cache"]
+                view = cache[:, : PAGE * rb].view(NUM_PAGES, PAGE, rb)
+                for pos in range(start, end):
+                    page = self.pages[req_id][1][pos // PAGE]
+                    if page:  # 0 is vLLM's null block: a page out of the window, not allocated
+                        view[page, pos % PAGE] = torch.frombuffer(bytearray(window_row(tokens, layer, pos)),
+                                                                  dtype=torch.uint8)
         for layer, comp, rb in GLOBAL:
             r = GEO.compress_ratios[layer]
             rows_per_page = PAGE // r
