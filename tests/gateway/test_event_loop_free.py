@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from gateway import swa_servicer, validate
-from kvstore.client import Client
+from kvstore.client import Client, SwaClient
 from kvstore.transfer import Descriptor, Status
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -83,19 +83,23 @@ def test_other_calls_are_served_while_a_put_is_checked_and_hashed(
 
 
 def test_other_calls_are_served_while_swa_snapshots_are_checked(server: Any, client: Client, hold: Hold) -> None:
+    # The held step is the gateway's: the shared-memory path would not pass through it.
+    swa = SwaClient(client.connection, path="gateway")
     entered = hold.step(swa_servicer, "check_snapshot")
     tokens = list(range(100))
-    snap = os.urandom(client.swa.snapshot_bytes(len(tokens)))
-    assert hold.served_meanwhile(server.target, entered, lambda: client.swa.put(tokens, snap)).stored == 1
-    assert client.swa.get(tokens) == snap
+    snap = os.urandom(swa.snapshot_bytes(len(tokens)))
+    assert hold.served_meanwhile(server.target, entered, lambda: swa.put(tokens, snap)).stored == 1
+    assert swa.get(tokens) == snap
 
 
 def test_other_calls_are_served_while_a_swa_reply_is_filled(server: Any, client: Client, hold: Hold) -> None:
+    # The held step is the gateway's: the shared-memory path would not pass through it.
+    swa = SwaClient(client.connection, path="gateway")
     tokens = list(range(100))
-    snap = os.urandom(client.swa.snapshot_bytes(len(tokens)))
-    client.swa.put(tokens, snap)
+    snap = os.urandom(swa.snapshot_bytes(len(tokens)))
+    swa.put(tokens, snap)
     entered = hold.step(swa_servicer, "_get_reply")
-    assert hold.served_meanwhile(server.target, entered, lambda: client.swa.get(tokens)) == snap
+    assert hold.served_meanwhile(server.target, entered, lambda: swa.get(tokens)) == snap
 
 
 def test_other_calls_are_served_while_a_transfer_write_is_checked_and_hashed(
