@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 #: Settings this connector reads beyond the common ones.
@@ -77,16 +78,17 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             cost = CostModel(replay_windows=self.settings.replay_windows)
-            # Snapshots are not loaded into vLLM's window caches yet (docs/ENGINES.md): no probes,
-            # so a plan is a replay or a full prefill, never a resume that needs the window.
-            planner = Planner(self.client, cost=cost, lease_ms=self.settings.lease_ms, snapshot_probes=0,
-                              reprobe=False)
-            config = self._kv_transfer_config
             names = [n for group in kv_cache_config.kv_cache_groups for n in group.layer_names]
+            snapshots = has_windows(self.geometry.num_layers, names)
+            # Without a window cache for every layer a snapshot cannot be loaded: no probes, so a
+            # plan is a replay or a full prefill, never a resume that needs the window.
+            planner = Planner(self.client, cost=cost, lease_ms=self.settings.lease_ms,
+                              snapshot_probes=4 if snapshots else 0, reprobe=snapshots)
+            config = self._kv_transfer_config
             self.scheduler = SchedulerSide(planner, block_tokens=self.client.block_tokens,
                                            engine_block=self.engine_block, load=config.is_kv_consumer,
                                            save=config.is_kv_producer, asynchronous=load_async,
-                                           snapshots=has_windows(self.geometry.num_layers, names))
+                                           snapshots=snapshots)
         else:
             reader = None
             if self.settings.data_dir is not None:
@@ -168,6 +170,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Queue the load of the reported tokens into the pages just allocated."""
         self._scheduler().allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Requests whose asynchronous load failed get no second load: vLLM recomputes them."""
+        self._scheduler().load_failed(connector_output.failed_recving)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and the saves of the blocks it completes."""

@@ -17,11 +17,12 @@ Rules (docs/ENGINES.md, tests/integrations/test_vllm_connector.py):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from integrations.common import usable_tokens
-from replay.plan import Plan
+from kvstore.swa_snapshot import snapshot_key
+from replay.plan import Action, Plan
 from replay.planner import Planner
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ class LoadSpec:
     block_ids: tuple[list[int], ...]
     lease_id: str | None = None
     asynchronous: bool = False
+    #: A fetch+snapshot resume: also load the SWA snapshot at this T (its key) into the window pages.
+    snapshot_at: int | None = None
+    snapshot_key: bytes | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,7 +119,7 @@ class SchedulerSide:
             if not self.load or len(tokens) < self.block_tokens:
                 return 0, False
             try:
-                t.plan = self.planner.plan(tokens)
+                t.plan = self._plan(tokens)
             except Exception as exc:  # a store outage must not fail the request: it is a miss
                 log.warning("kvstore: lookup of request %s failed, computing it: %s", request.request_id, exc)
                 return 0, False
@@ -126,6 +130,25 @@ class SchedulerSide:
         external = max(t.load_end - num_computed_tokens, 0)
         return external, self.asynchronous and external > 0
 
+    def _plan(self, tokens: list[int]) -> Plan:
+        """The planner's plan, reported; a snapshot resume vLLM cannot take (R not on one of its pages)
+        is planned again without the snapshot (a replay or a full prefill)."""
+        found = self.planner.lookup(tokens)
+        plan = self.planner.plan_from_lookup(tokens, found, report=False)
+        if plan.action is Action.FETCH_SNAPSHOT and plan.resume_tokens % self.engine_block:
+            plan = self.planner.plan_from_lookup(tokens, replace(found, swa_position=None, swa_resume_tokens=None),
+                                                 report=False)
+        self.planner.report(plan)
+        return plan
+
+    def load_failed(self, req_ids: Any) -> None:
+        """`update_connector_output`: these requests' asynchronous loads failed; vLLM recomputes them,
+        so they are offered nothing more from the store (vLLM asks again when it requeues them)."""
+        for req_id in req_ids or ():
+            t = self._reqs.get(req_id)
+            if t is not None:
+                t.load_end = 0
+
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         """`update_state_after_alloc`: queue the load into the pages just allocated."""
         t = self._tracked(request)
@@ -134,9 +157,11 @@ class SchedulerSide:
         start = t.load_end - num_external_tokens
         b = self.block_tokens
         hashes = t.plan.block_hashes[:-(-t.load_end // b)]
+        at = t.plan.snapshot_position if t.plan.action is Action.FETCH_SNAPSHOT else None
+        key = None if at is None else snapshot_key(t.plan.block_hashes[at // b - 1], (), at)
         self._loads.append(LoadSpec(req_id=request.request_id, hashes=list(hashes), start=start, end=t.load_end,
                                     block_ids=tuple(list(g) for g in block_ids), lease_id=t.plan.lease_id,
-                                    asynchronous=self.asynchronous))
+                                    asynchronous=self.asynchronous, snapshot_at=at, snapshot_key=key))
         t.lease_used = True
 
     def build(self, so: Any) -> ConnectorMeta:

@@ -27,7 +27,7 @@ import torch
 from integrations.common import PageMap, StoreSettings, fetch_blocks
 from integrations.vllm_scheduler import LoadSpec, SaveSpec
 from kvstore.client import Client
-from kvstore.codec.snapshot import join_snapshot
+from kvstore.codec.snapshot import join_snapshot, split_snapshot
 from kvstore.errors import ConfigError
 from kvstore.geometry import ModelGeometry, Section
 
@@ -139,6 +139,7 @@ class WorkerSide:
         #: Snapshots put, and those skipped because vLLM had already freed part of the window.
         self.snapshots_saved = 0
         self.snapshots_skipped = 0
+        self.snapshots_loaded = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
         self._lock = threading.Lock()
         self._saving: dict[str, list[Future[Any]]] = {}
@@ -169,6 +170,8 @@ class WorkerSide:
             blocks, n, path = fetch_blocks(self.client, spec.hashes, self.settings, self.reader)
             self.paths.append(path)
             covered = max(min(n * b, spec.end), spec.start)
+            if spec.snapshot_at is not None and not self._load_window(spec):
+                covered = spec.start   # without its window the resume point is no use: vLLM recomputes
             if covered > spec.start:
                 self._scatter(blocks[:-(-covered // b)], spec, spec.start, covered)
                 self.blocks_loaded += -(-covered // b) - spec.start // b
@@ -189,6 +192,27 @@ class WorkerSide:
                 self._load_errors |= self._pages_of(spec, covered, spec.end)
         if spec.asynchronous:
             self._recved.add(spec.req_id)
+
+    def _load_window(self, spec: LoadSpec) -> bool:
+        """Fill the window pages of [T - window, T) (those at or above vLLM's own hit) from the snapshot
+        at T; False when it is gone or there are no window caches."""
+        at, key = spec.snapshot_at, spec.snapshot_key
+        if self.windows is None or at is None or key is None:
+            return False
+        data = self.client.swa.get_many([key])[0]
+        if data is None:
+            return False
+        rows, _ = split_snapshot(data, at, self.geometry)
+        first = max(at - rows.shape[1], spec.start)
+        for layer in range(self.geometry.num_layers):
+            cache, pages, group = self.windows[layer]
+            page, slot = pages.slots(spec.block_ids[group], first, at - first)
+            keep = page != 0   # vLLM's null block: a page it did not allocate (out of the window)
+            view = pages.view(cache)
+            part = rows[layer, first - (at - rows.shape[1]):].to(view.device)
+            view[page[keep].to(view.device), slot[keep].to(view.device)] = part[keep.to(view.device)]
+        self.snapshots_loaded += 1
+        return True
 
     def _pages_of(self, spec: LoadSpec | SaveSpec, start: int, end: int) -> set[int]:
         ids: set[int] = set()

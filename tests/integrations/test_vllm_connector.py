@@ -19,6 +19,7 @@ from tests.children import Child
 from tests.integrations.test_vllm_support import (
     GEO,
     GLOBAL,
+    PAGE,
     STORE_BLOCK_TOKENS,
     Engine,
     expected_block,
@@ -181,11 +182,12 @@ def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tm
     engine.add("r2", turn2)
     so = engine.step()   # the load runs (asynchronously for vLLM); the request waits for it
     assert so.num_scheduled_tokens == {} and len(so.kv_connector_metadata.loads) == 1
-    assert engine.worker.worker.blocks_loaded == 5
-    so = engine.step()   # loaded: vLLM computes from 80 on
-    assert so.num_scheduled_tokens == {"r2": 103 - 80}
+    # The first engine's window caches gave a snapshot at the prompt's last boundary, 96: an exact resume there.
+    assert engine.worker.worker.blocks_loaded == 6 and engine.worker.worker.snapshots_loaded == 1
+    so = engine.step()   # loaded: vLLM computes from 96 on
+    assert so.num_scheduled_tokens == {"r2": 103 - 96}
     for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
+        for row in range(96 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
     engine.run()
     assert engine.finished == ["r2"]
@@ -209,6 +211,62 @@ def test_with_window_caches_snapshots_are_put_at_the_prompts_and_the_outputs_blo
         with Planner(c, snapshot_probes=4) as planner:
             plan = planner.plan([*tokens, 7, 7], report=False)
         assert plan.action.value == "fetch+snapshot" and plan.snapshot_position == 112
+
+
+def test_a_stored_snapshot_is_a_fetch_and_snapshot_resume_loading_blocks_and_window(
+        store: Child, tmp_path: Path) -> None:
+    first = Engine(tmp_path / "a", extra(store), hybrid=True)
+    first.add("r1", prompt(100, seed=10), max_tokens=20)
+    first.run(60)
+    first.drain()
+    first.close()
+    tokens = first.tokens["r1"]        # snapshots at 96 and 112, blocks up to 112
+    engine = Engine(tmp_path / "b", extra(store), hybrid=True)
+    turn2 = [*tokens, 7, 7]
+    engine.add("r2", turn2, max_tokens=2)
+    engine.step()
+    plan = engine.connector.scheduler.plan_of("r2")
+    assert plan.action.value == "fetch+snapshot" and plan.resume_tokens == 112
+    assert engine.worker.worker.snapshots_loaded == 1
+    so = engine.step()   # loaded: vLLM computes from R = 112, with the window state of the snapshot
+    assert so.num_scheduled_tokens == {"r2": len(turn2) - 112}
+    rb = GEO.window_row_bytes
+    for layer in range(GEO.num_layers):
+        cache = engine.caches[f"model.layers.{layer}.self_attn.swa_cache"][:, : PAGE * rb].view(-1, PAGE, rb)
+        for pos in range(112 - GEO.window, 112):
+            page = engine.pages["r2"][1][pos // PAGE]
+            assert bytes(cache[page, pos % PAGE].tolist()) == window_row(turn2, layer, pos), (layer, pos)
+    for layer, comp, rb in GLOBAL:
+        for row in range(112 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    engine.close()
+
+
+def test_a_snapshot_gone_before_the_load_fails_the_async_load_and_vllm_recomputes(
+        store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=13)
+    first = Engine(tmp_path / "a", extra(store), hybrid=True)
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store), hybrid=True)
+    load = engine.worker.start_load_kv
+
+    def expire_then_load(context: object) -> None:   # the snapshot's TTL ends between the plan and the load
+        with kvstore.Client(store.target, geometry=GEO.name) as c:
+            assert c.swa.delete_many([c.swa.key(tokens[:96], 96)]) == 1
+        engine.worker.start_load_kv = load
+        load(context)
+
+    engine.worker.start_load_kv = expire_then_load
+    engine.add("r2", [*tokens, 3])
+    engine.step()
+    assert engine.worker.worker.snapshots_loaded == 0
+    so = engine.step()   # vLLM got the failed load (failed_recving) and recomputes the whole prompt
+    assert so.num_scheduled_tokens == {"r2": 101}
+    engine.run()
+    assert engine.finished == ["r2"]
+    engine.close()
 
 
 @pytest.mark.parametrize(("bad", "says"), [
