@@ -71,6 +71,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         load_async = extra.get("load_async", len(kv_cache_config.kv_cache_groups) > 1)
         if not isinstance(load_async, bool):
             raise ConfigError(f"kv_connector_extra_config 'load_async' must be true or false, got {load_async!r}")
+        if not load_async and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConfigError("kv_connector_extra_config 'load_async' = false with several KV cache groups: vLLM "
+                              "cannot take block-level load errors there; leave it unset (asynchronous)")
         self.engine_block = vllm_config.cache_config.block_size
         self.client = connect(self.settings)
         self.geometry = geometries.resolve(self.client.geometry)

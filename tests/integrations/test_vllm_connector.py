@@ -286,6 +286,8 @@ def test_bad_settings_are_config_errors_naming_them(bad: dict[str, object], says
 def test_a_bad_setting_stops_vllm_at_connector_creation(store: Child, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="load_async"):
         Engine(tmp_path / "m", extra(store, load_async="yes"))
+    with pytest.raises(ConfigError, match="several KV cache groups"):
+        Engine(tmp_path / "h", extra(store, load_async=False), hybrid=True)
 
 
 def test_an_unreachable_store_is_a_typed_error_at_start(tmp_path: Path) -> None:
