@@ -12,7 +12,6 @@ import pytest
 
 import kvstore
 from integrations.common import parse_settings
-from integrations.vllm_connector import KVStoreConnector
 from kvstore.errors import ConfigError, KVStoreError
 from replay.planner import Planner
 from tests.children import Child
@@ -296,6 +295,8 @@ def test_an_unreachable_store_is_a_typed_error_at_start(tmp_path: Path) -> None:
 
 
 def test_the_connector_is_what_vllm_loads_from_the_module_path(store: Child, tmp_path: Path) -> None:
+    from integrations.vllm_connector import KVStoreConnector  # here: imports vLLM (the skip comes first)
+
     engine = Engine(tmp_path / "m", extra(store))
     assert isinstance(engine.connector, KVStoreConnector) and isinstance(engine.worker, KVStoreConnector)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
