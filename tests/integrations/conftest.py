@@ -38,6 +38,7 @@ def start_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[
         config = write_config(root / "kvstore.toml", {"store": {"block_tokens": STORE_BLOCK_TOKENS}})
         child = Child("serve", ["serve", "--port", "0", "--host", "127.0.0.1", "--data-dir", str(root / "data"),
                                 "--config", str(config)], root / "logs")
+        child.data_dir = root / "data"  # type: ignore[attr-defined]  # for the direct paths' reader
         started.append(child)
         return child
 

@@ -98,6 +98,25 @@ def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the
     assert stored(store.target, engine.tokens["r2"]) == len(engine.tokens["r2"]) // B * B
 
 
+@pytest.mark.parametrize("path", ["grpc", "shm", "direct-cpu"])
+def test_each_load_path_fills_the_same_bytes(store: Child, tmp_path: Path, path: str) -> None:
+    tokens = prompt(100, seed=20)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    direct = {"data_dir": str(store.data_dir)} if path.startswith("direct") else {}
+    engine = Engine(tmp_path / "b", extra(store, path=path, **direct))
+    turn2 = [*tokens, 4, 4]
+    engine.add("r2", turn2, max_tokens=2)
+    engine.step()
+    assert engine.worker.worker.paths == [path]
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    engine.close()
+
+
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
     first = Engine(tmp_path / "a", extra(store))
