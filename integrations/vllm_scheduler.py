@@ -152,7 +152,7 @@ class SchedulerSide:
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         """`update_state_after_alloc`: queue the load into the pages just allocated."""
         t = self._tracked(request)
-        if num_external_tokens <= 0 or t.plan is None or t.lease_used:
+        if num_external_tokens <= 0 or t.plan is None:
             return
         start = t.load_end - num_external_tokens
         b = self.block_tokens
@@ -160,8 +160,10 @@ class SchedulerSide:
         at = t.plan.snapshot_position if t.plan.action is Action.FETCH_SNAPSHOT else None
         key = None if at is None else snapshot_key(t.plan.block_hashes[at // b - 1], (), at)
         self._loads.append(LoadSpec(req_id=request.request_id, hashes=list(hashes), start=start, end=t.load_end,
-                                    block_ids=tuple(list(g) for g in block_ids), lease_id=t.plan.lease_id,
+                                    block_ids=tuple(list(g) for g in block_ids),
+                                    lease_id=None if t.lease_used else t.plan.lease_id,
                                     asynchronous=self.asynchronous, snapshot_at=at, snapshot_key=key))
+        # A request preempted and requeued is offered its hit again: it loads again, without the lease.
         t.lease_used = True
 
     def build(self, so: Any) -> ConnectorMeta:

@@ -117,6 +117,31 @@ def test_each_load_path_fills_the_same_bytes(store: Child, tmp_path: Path, path:
     engine.close()
 
 
+def test_a_preempted_request_loads_its_hit_again_into_its_new_pages(store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=21)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store))
+    turn2 = [*tokens, 6, 6]
+    engine.add("r2", turn2, max_tokens=4)
+    engine.step()
+    assert engine.scheduler.reset_prefix_cache(reset_running_requests=True)   # vLLM preempts r2
+    for cache in engine.caches.values():
+        cache.zero_()   # its freed pages may hold anything now
+    so = engine.step()
+    assert so.scheduled_cached_reqs.req_ids == ["r2"] and "r2" in so.scheduled_cached_reqs.resumed_req_ids
+    assert so.scheduled_cached_reqs.num_computed_tokens == [80]
+    assert len(so.kv_connector_metadata.loads) == 1 and so.kv_connector_metadata.loads[0].lease_id is None
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    engine.run()
+    assert engine.finished == ["r2"]
+    engine.close()
+
+
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
     first = Engine(tmp_path / "a", extra(store))
