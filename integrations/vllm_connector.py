@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from integrations.common import COMMON_KEYS, connect, parse_settings
 from integrations.vllm_scheduler import ConnectorMeta, SchedulerSide
@@ -63,6 +64,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         ConfigError: bad extra config, or vLLM's pages not a multiple of the store's rows.
         KVStoreError: the store cannot be reached (Unavailable, Unauthenticated, ...).
     """
+
+    #: vLLM's hit metrics: kvstore's blocks live on NVMe (LMDB).
+    _cache_hit_source = CacheHitSource.DISK
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache. Saves copy the rows out in the step that computes them, so a
+        preemption loses nothing in flight, and a dropped save is only a future miss."""
+        return False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -345,4 +345,7 @@ def test_the_connector_is_what_vllm_loads_from_the_module_path(store: Child, tmp
     assert isinstance(engine.connector, KVStoreConnector) and isinstance(engine.worker, KVStoreConnector)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
     assert supports_hma(engine.connector)
+    assert engine.connector.requires_kv_delivery is False   # best effort: a preemption needs no recompute
+    request = engine.add("r", prompt(70, seed=22))
+    assert engine.connector.get_external_cache_hit_sources(request, 16) == {"disk": 16}
     engine.close()
