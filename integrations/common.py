@@ -173,13 +173,17 @@ class PageMap:
 
 
 def fetch_blocks(client: Client, hashes: Sequence[bytes], settings: StoreSettings,
-                 reader: Any = None) -> tuple[torch.Tensor, int, str]:
-    """The blocks of `hashes` into a new uint8 CPU tensor [n, block_bytes].
+                 reader: Any = None, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int, str]:
+    """The blocks of `hashes` into a new uint8 tensor [n, block_bytes].
 
     Returns (blocks, usable leading blocks, path used). Uses `kvstore.client.restore`
     (direct, shm or gRPC by `settings.path`); where that module is absent, a plain Get.
+    The tensor is on `device` when the GPU can read the store's file directly (a CUDA
+    `device`, a reader, path "auto" or "direct-gpu"), on the CPU otherwise.
     """
-    dest = torch.empty((len(hashes), client.block_bytes), dtype=torch.uint8)
+    on_gpu = (torch.device(device).type == "cuda" and reader is not None
+              and settings.path in ("auto", "direct-gpu"))
+    dest = torch.empty((len(hashes), client.block_bytes), dtype=torch.uint8, device=device if on_gpu else "cpu")
     if not hashes:
         return dest, 0, "none"
     try:

@@ -167,7 +167,8 @@ class WorkerSide:
         b = self.block_tokens
         covered = spec.start
         try:
-            blocks, n, path = fetch_blocks(self.client, spec.hashes, self.settings, self.reader)
+            device = self.targets[0].cache.device if self.targets else "cpu"
+            blocks, n, path = fetch_blocks(self.client, spec.hashes, self.settings, self.reader, device)
             self.paths.append(path)
             covered = max(min(n * b, spec.end), spec.start)
             if spec.snapshot_at is not None and not self._load_window(spec):
