@@ -142,6 +142,31 @@ def test_a_preempted_request_loads_its_hit_again_into_its_new_pages(store: Child
     engine.close()
 
 
+def test_requests_batched_in_one_step_each_get_their_own_rows(store: Child, tmp_path: Path) -> None:
+    prompts = {f"p{i}": prompt(70 + 20 * i, seed=30 + i) for i in range(3)}
+    first = Engine(tmp_path / "a", extra(store))
+    for req_id, tokens in prompts.items():
+        first.add(req_id, tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store))
+    turns = {f"q{i}": [*tokens, 5] for i, tokens in enumerate(prompts.values())}
+    for req_id, tokens in turns.items():
+        engine.add(req_id, tokens, max_tokens=2)
+    so = engine.step()
+    assert len(so.kv_connector_metadata.loads) == 3
+    for new in so.scheduled_new_reqs:
+        tokens = turns[new.req_id]
+        # found = len // 16 blocks; usable = found - window (8), rounded down to 16
+        assert new.num_computed_tokens == (len(tokens) // B * B - GEO.window) // PAGE * PAGE
+        for layer, comp, rb in GLOBAL:
+            for row in range(new.num_computed_tokens // GEO.compress_ratios[layer]):
+                assert engine.page_row(new.req_id, layer, comp, row) == model_row(tokens, layer, comp, row, rb)
+    engine.run()
+    assert sorted(engine.finished) == sorted(turns)
+    engine.close()
+
+
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
     first = Engine(tmp_path / "a", extra(store))
