@@ -157,8 +157,24 @@ class PageMap:
         return self.page_tokens // self.ratio
 
     def view(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache as uint8 [num_pages, rows_per_page, row_bytes] (a view; padding left out)."""
-        pages = cache.view(torch.uint8).reshape(cache.shape[0], -1)
+        """The cache as uint8 [num_pages, rows_per_page, row_bytes], a view of its memory (padding left
+        out). Pages may be strided (vLLM puts the pages of one group's layers in one physical block);
+        each page's bytes must be contiguous.
+
+        Raises:
+            ConfigError: a page is not contiguous bytes (a copy would lose every write).
+        """
+        try:
+            raw = cache if cache.dtype == torch.uint8 else cache.view(torch.uint8)
+        except RuntimeError as exc:
+            raise ConfigError(f"a vLLM cache cannot be read as bytes in place ({exc}) (docs/ENGINES.md)") from exc
+        if raw.dim() < 2:
+            raise ConfigError(f"a vLLM cache of shape {tuple(cache.shape)} has no page dimension (docs/ENGINES.md)")
+        pages = raw.flatten(1)
+        if pages.data_ptr() != raw.data_ptr() or pages.stride(-1) != 1 or (
+                pages.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()):
+            raise ConfigError("a vLLM cache page is not one contiguous run of bytes: the layout is not the one "
+                              "assumed (docs/ENGINES.md)")
         need = self.rows_per_page * self.row_bytes
         if pages.shape[1] < need:
             raise ConfigError(f"a cache page holds {pages.shape[1]} bytes, fewer than {self.rows_per_page} rows "

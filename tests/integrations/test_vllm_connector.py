@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import kvstore
-from integrations.common import parse_settings
+from integrations.common import PageMap, parse_settings
 from kvstore.errors import ConfigError, KVStoreError
 from replay.planner import Planner
 from tests.children import Child
@@ -349,6 +350,17 @@ def test_a_snapshot_gone_before_the_load_fails_the_async_load_and_vllm_recompute
 def test_bad_settings_are_config_errors_naming_them(bad: dict[str, object], says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         parse_settings(bad)
+
+
+def test_pages_are_written_in_place_and_a_cache_whose_pages_are_not_contiguous_is_refused() -> None:
+    pages = PageMap(page_tokens=16, ratio=2, row_bytes=72)
+    physical = torch.zeros(8, 2 * (8 * 72 + 8), dtype=torch.uint8)
+    cache = physical[:, 8 * 72 + 8:]                 # the second layer's pages: a strided view
+    pages.view(cache)[3, 2] = 7
+    assert physical[3, 8 * 72 + 8 + 2 * 72: 8 * 72 + 8 + 3 * 72].eq(7).all() and int(physical.sum()) == 7 * 72
+    transposed = torch.zeros(8, 72, 8, dtype=torch.uint8).transpose(1, 2)   # rows not contiguous bytes
+    with pytest.raises(ConfigError, match="contiguous"):
+        pages.view(transposed)
 
 
 def test_a_bad_setting_stops_vllm_at_connector_creation(store: Child, tmp_path: Path) -> None:

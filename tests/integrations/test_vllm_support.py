@@ -141,12 +141,17 @@ class Engine:
                                                        kv_connector_module_path="integrations.vllm_connector",
                                                        kv_connector_extra_config=worker_extra)})
         self.worker = KVConnectorFactory.create_connector(worker_config, KVConnectorRole.WORKER, self.kv_cache_config)
-        self.caches = {cache_name(layer, comp): torch.zeros(NUM_PAGES, PAGE // GEO.compress_ratios[layer] * rb + PAD,
-                                                            dtype=torch.uint8)
-                       for layer, comp, rb in GLOBAL}
+        # As vLLM lays a group out: one physical block per page index holding every layer's page of the
+        # group side by side (block stride = the sum of their pages), each layer's cache a strided view.
+        widths = {cache_name(layer, comp): PAGE // GEO.compress_ratios[layer] * rb + PAD for layer, comp, rb in GLOBAL}
         if hybrid:
-            self.caches.update({f"model.layers.{i}.self_attn.swa_cache": torch.zeros(
-                NUM_PAGES, PAGE * GEO.window_row_bytes + PAD, dtype=torch.uint8) for i in range(GEO.num_layers)})
+            widths.update({f"model.layers.{i}.self_attn.swa_cache": PAGE * GEO.window_row_bytes + PAD
+                           for i in range(GEO.num_layers)})
+        physical = torch.zeros(NUM_PAGES, sum(widths.values()), dtype=torch.uint8)
+        self.caches, offset = {}, 0
+        for name, width in widths.items():
+            self.caches[name] = physical[:, offset: offset + width]
+            offset += width
         self.hybrid = hybrid
         self.worker.register_kv_caches(self.caches)
         self.tokens: dict[str, list[int]] = {}
