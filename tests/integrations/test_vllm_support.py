@@ -112,10 +112,11 @@ class Engine:
     """
 
     def __init__(self, model_dir: Path, extra: dict[str, Any], *, worker_extra: dict[str, Any] | None = None,
-                 hybrid: bool = False, role: str = "kv_both", failure_policy: str = "recompute") -> None:
+                 hybrid: bool = False, role: str = "kv_both", failure_policy: str = "recompute",
+                 cache_dtype: str = "auto") -> None:
         model = ModelConfig(model=str(write_model(model_dir)), tokenizer=str(model_dir), skip_tokenizer_init=True,
                             max_model_len=2048, dtype="float32")
-        cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True)
+        cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True, cache_dtype=cache_dtype)
         cache.num_gpu_blocks = NUM_PAGES
         transfer = KVTransferConfig(kv_connector="KVStoreConnector", kv_role=role,
                                     kv_connector_module_path="integrations.vllm_connector",
