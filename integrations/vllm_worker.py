@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -149,11 +150,11 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
-        #: Counters: blocks loaded, blocks put (written or already there), failed puts, load paths.
+        #: Counters: blocks loaded, blocks put (written or already there), failed puts, loads by path.
         self.blocks_loaded = 0
         self.blocks_saved = 0
         self.save_errors = 0
-        self.paths: list[str] = []
+        self.load_paths: Counter[str] = Counter()
 
     def register(self, caches: Mapping[str, torch.Tensor], groups: Mapping[str, tuple[int, int]]) -> None:
         """`register_kv_caches`: find where each block section goes."""
@@ -169,7 +170,7 @@ class WorkerSide:
         try:
             device = self.targets[0].cache.device if self.targets else "cpu"
             blocks, n, path = fetch_blocks(self.client, spec.hashes, self.settings, self.reader, device)
-            self.paths.append(path)
+            self.load_paths[path] += 1
             covered = max(min(n * b, spec.end), spec.start)
             if spec.snapshot_at is not None and not self._load_window(spec):
                 covered = spec.start   # without its window the resume point is no use: vLLM recomputes

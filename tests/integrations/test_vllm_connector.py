@@ -111,7 +111,7 @@ def test_each_load_path_fills_the_same_bytes(store: Child, tmp_path: Path, path:
     turn2 = [*tokens, 4, 4]
     engine.add("r2", turn2, max_tokens=2)
     engine.step()
-    assert engine.worker.worker.paths == [path]
+    assert engine.worker.worker.load_paths == {path: 1}
     for layer, comp, rb in GLOBAL:
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
