@@ -43,20 +43,15 @@ cat scripts/engines/vllm.txt scripts/engines/sglang.txt 2>/dev/null | sed 's/#.*
       last = $1; ver = $2; line[$1] = $0 }
     END { for (n in line) print line[n] }' | sort > "$merged"
 
-pins_ok=1
-if ! out=$(pip_q --no-deps -r "$merged"); then
-    pins_ok=0
-    echo "$out" | tail -5 >&2
-fi
+names() { sed 's/#.*//; s/[[:space:]]//g' "$1" | grep '==' | awk -F'==' '{ n = tolower($1); gsub("_", "-", n); print n }'; }
 
 for engine in vllm sglang; do
     rm -f "$VENV/engine-skip-$engine.txt"
-    if [ "$pins_ok" = 0 ]; then
-        note "$engine" "the pinned small dependencies (scripts/engines/*.txt) did not install: $(echo "$out" | tail -1)"
-        continue
-    fi
-    if ! out_e=$(pip_q --no-deps "$engine==${VERSION[$engine]}"); then
-        note "$engine" "pip install --no-deps $engine==${VERSION[$engine]} failed: $(echo "$out_e" | tail -1)"
+    # This engine's pins, at the merged versions, and the engine itself: one pip call, no dependencies.
+    pins="$work/$engine.txt"
+    names "scripts/engines/$engine.txt" | while read -r n; do grep "^$n==" "$merged"; done > "$pins"
+    if ! out=$(pip_q --no-deps -r "$pins" "$engine==${VERSION[$engine]}"); then
+        note "$engine" "pip install --no-deps $engine==${VERSION[$engine]} -r scripts/engines/$engine.txt failed: $(echo "$out" | tail -1)"
         continue
     fi
     if ! err=$(VLLM_TARGET_DEVICE=cpu "$PY" -c "${CHECK[$engine]}" 2>&1); then
