@@ -168,6 +168,20 @@ def test_requests_batched_in_one_step_each_get_their_own_rows(store: Child, tmp_
     engine.close()
 
 
+def test_a_store_outage_costs_the_cache_not_the_requests(start_store: Callable[[], Child], tmp_path: Path) -> None:
+    down = start_store()
+    engine = Engine(tmp_path / "m", extra(down, timeout_s=2.0))
+    down.kill9()
+    engine.add("r", prompt(70, seed=23), max_tokens=2)
+    so = engine.step()     # the lookup fails: a miss, vLLM computes everything
+    assert so.num_scheduled_tokens == {"r": 70} and so.scheduled_new_reqs[0].num_computed_tokens == 0
+    engine.run()
+    engine.drain()         # the failed puts still end: the request's pages are freed
+    assert engine.finished == ["r"] and not engine.scheduler.requests
+    assert engine.worker.worker.save_errors >= 1 and engine.worker.worker.blocks_saved == 0
+    engine.close()
+
+
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
     first = Engine(tmp_path / "a", extra(store))
