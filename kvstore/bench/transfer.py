@@ -45,7 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", type=int, default=None,
                         help="Fetch calls in flight on the gRPC path (default: two per core, 2 to 8)")
     parser.add_argument("--gpu", choices=("auto", "on", "off"), default="auto",
-                        help="region -> GPU copy figure (auto: when CUDA is available)")
+                        help="region -> GPU copy and direct GPU restore figures (auto: when CUDA is available)")
+    from kvstore.bench import transfer_direct
+
+    transfer_direct.add_arguments(parser)
 
 
 
@@ -80,6 +83,12 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                source, progress)
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
+        if args.gpu != "off":  # direct GPU restore vs pinned H2D and shm + H2D; a note without CUDA
+            from kvstore.bench import transfer_direct
+
+            for figure in transfer_direct.figures(args, progress, target=target, data_dir=folder / "store",
+                                                  notes=report.notes):
+                report.add(figure)
         raw_s = _raw_grpc(n, block_bytes, args.repeat, progress)
         streams = checked_streams(args.streams)
         striped_s = _raw_striped(n, block_bytes, streams, args.repeat, progress)
