@@ -105,6 +105,14 @@ class SchedulerSide:
         #: Lookups made (one per request; vLLM's repeated questions are answered from the cache).
         self.lookups = 0
 
+    @staticmethod
+    def keyed_apart(request: Any) -> bool:
+        """Whether vLLM keys this request's KV by more than its tokens (a LoRA adapter, a cache salt,
+        multimodal inputs): the store keys blocks by tokens alone here, so such a request is neither
+        loaded nor saved (its KV would be another request's)."""
+        return bool(getattr(request, "lora_request", None) or getattr(request, "cache_salt", None)
+                    or getattr(request, "mm_features", None))
+
     def _tracked(self, request: Any) -> _Tracked:
         t = self._reqs.get(request.request_id)
         if t is None:
@@ -113,6 +121,8 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: tokens loadable beyond vLLM's local hit, and whether async."""
+        if self.keyed_apart(request):
+            return 0, False
         t = self._tracked(request)
         tokens = list(request.prompt_token_ids or [])
         if t.plan is None:
@@ -151,6 +161,8 @@ class SchedulerSide:
 
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         """`update_state_after_alloc`: queue the load into the pages just allocated."""
+        if self.keyed_apart(request):
+            return
         t = self._tracked(request)
         if num_external_tokens <= 0 or t.plan is None:
             return

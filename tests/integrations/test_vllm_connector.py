@@ -182,6 +182,23 @@ def test_a_store_outage_costs_the_cache_not_the_requests(start_store: Callable[[
     engine.close()
 
 
+def test_a_salted_request_is_neither_loaded_nor_saved(store: Child, tmp_path: Path) -> None:
+    tokens = prompt(100, seed=24)
+    first = Engine(tmp_path / "a", extra(store))
+    first.add("r1", tokens)
+    first.run()
+    first.close()
+    engine = Engine(tmp_path / "b", extra(store))
+    engine.add("salted", [*tokens, 1], cache_salt="user-7")   # vLLM keys its KV apart from unsalted prompts
+    so = engine.step()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0 and so.kv_connector_metadata.loads == []
+    engine.add("salted-new", prompt(80, seed=25), cache_salt="user-7")
+    engine.run()
+    engine.drain()
+    engine.close()
+    assert stored(store.target, prompt(80, seed=25)) == 0
+
+
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
     first = Engine(tmp_path / "a", extra(store))

@@ -168,9 +168,10 @@ class Engine:
         """The scheduler-side connector vLLM's scheduler made."""
         return self.scheduler.connector
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, cache_salt: str | None = None) -> Request:
         """Queue a request (greedy, `max_tokens` output tokens)."""
-        request = Request(req_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None)
+        request = Request(req_id, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
+                          cache_salt=cache_salt)
         self.tokens[req_id] = list(tokens)
         self.scheduler.add_request(request)
         return request
