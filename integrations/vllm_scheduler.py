@@ -57,6 +57,8 @@ class SaveSpec:
     #: Keep that snapshot on the worker and put it only when the request ends (the output's last boundary:
     #: by then vLLM has freed the window pages below the last token's window).
     snapshot_at_end: bool = False
+    #: The request's kvstore extra keys (LoRA adapter, cache salt), mixed into every block's hash.
+    extra_keys: tuple[str, ...] = ()
 
 
 @dataclass
@@ -77,6 +79,7 @@ class _Tracked:
     held: bool = False
     lease_used: bool = False
     snapshot_at: int = 0
+    extra_keys: tuple[str, ...] = ()
 
 
 class SchedulerSide:
@@ -106,12 +109,21 @@ class SchedulerSide:
         self.lookups = 0
 
     @staticmethod
-    def keyed_apart(request: Any) -> bool:
-        """Whether vLLM keys this request's KV by more than its tokens (a LoRA adapter, a cache salt,
-        multimodal inputs): the store keys blocks by tokens alone here, so such a request is neither
-        loaded nor saved (its KV would be another request's)."""
-        return bool(getattr(request, "lora_request", None) or getattr(request, "cache_salt", None)
-                    or getattr(request, "mm_features", None))
+    def extra_keys(request: Any) -> tuple[str, ...] | None:
+        """The kvstore extra keys of a request vLLM keys by more than its tokens: its LoRA adapter
+        (`vllm-lora:<name>`) and its cache salt (`vllm-salt:<salt>`), mixed into every block's hash so
+        its KV never serves another request. None for multimodal inputs (not supported: neither
+        loaded nor saved)."""
+        if getattr(request, "mm_features", None):
+            return None
+        keys = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            keys.append(f"vllm-lora:{lora.lora_name}")
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            keys.append(f"vllm-salt:{salt}")
+        return tuple(keys)
 
     def _tracked(self, request: Any) -> _Tracked:
         t = self._reqs.get(request.request_id)
@@ -121,15 +133,17 @@ class SchedulerSide:
 
     def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """`get_num_new_matched_tokens`: tokens loadable beyond vLLM's local hit, and whether async."""
-        if self.keyed_apart(request):
+        keys = self.extra_keys(request)
+        if keys is None:
             return 0, False
         t = self._tracked(request)
+        t.extra_keys = keys
         tokens = list(request.prompt_token_ids or [])
         if t.plan is None:
             if not self.load or len(tokens) < self.block_tokens:
                 return 0, False
             try:
-                t.plan = self._plan(tokens)
+                t.plan = self._plan(tokens, keys)
             except Exception as exc:  # a store outage must not fail the request: it is a miss
                 log.warning("kvstore: lookup of request %s failed, computing it: %s", request.request_id, exc)
                 return 0, False
@@ -140,10 +154,10 @@ class SchedulerSide:
         external = max(t.load_end - num_computed_tokens, 0)
         return external, self.asynchronous and external > 0
 
-    def _plan(self, tokens: list[int]) -> Plan:
+    def _plan(self, tokens: list[int], keys: tuple[str, ...]) -> Plan:
         """The planner's plan, reported; a snapshot resume vLLM cannot take (R not on one of its pages)
         is planned again without the snapshot (a replay or a full prefill)."""
-        found = self.planner.lookup(tokens)
+        found = self.planner.lookup(tokens, extra_keys=keys)
         plan = self.planner.plan_from_lookup(tokens, found, report=False)
         if plan.action is Action.FETCH_SNAPSHOT and plan.resume_tokens % self.engine_block:
             plan = self.planner.plan_from_lookup(tokens, replace(found, swa_position=None, swa_resume_tokens=None),
@@ -161,7 +175,7 @@ class SchedulerSide:
 
     def allocated(self, request: Any, block_ids: tuple[list[int], ...], num_external_tokens: int) -> None:
         """`update_state_after_alloc`: queue the load into the pages just allocated."""
-        if self.keyed_apart(request):
+        if self.extra_keys(request) is None:
             return
         t = self._tracked(request)
         if num_external_tokens <= 0 or t.plan is None:
@@ -170,7 +184,7 @@ class SchedulerSide:
         b = self.block_tokens
         hashes = t.plan.block_hashes[:-(-t.load_end // b)]
         at = t.plan.snapshot_position if t.plan.action is Action.FETCH_SNAPSHOT else None
-        key = None if at is None else snapshot_key(t.plan.block_hashes[at // b - 1], (), at)
+        key = None if at is None else snapshot_key(t.plan.block_hashes[at // b - 1], (), at, t.extra_keys)
         self._loads.append(LoadSpec(req_id=request.request_id, hashes=list(hashes), start=start, end=t.load_end,
                                     block_ids=tuple(list(g) for g in block_ids),
                                     lease_id=None if t.lease_used else t.plan.lease_id,
@@ -224,7 +238,7 @@ class SchedulerSide:
         meta.saves.append(SaveSpec(req_id=t.request.request_id, tokens=tokens[:max(full * b, at or 0)],
                                    first_block=min(t.stored_blocks, full),
                                    block_ids=tuple(list(g) for g in t.block_ids), snapshot_at=at,
-                                   snapshot_at_end=at is not None and at_end))
+                                   snapshot_at_end=at is not None and at_end, extra_keys=t.extra_keys))
         t.stored_blocks = max(full, t.stored_blocks)
         t.held = True
 

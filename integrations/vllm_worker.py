@@ -146,7 +146,7 @@ class WorkerSide:
         self._saving: dict[str, list[Future[Any]]] = {}
         self._ended: set[str] = set()
         #: Per running request, the snapshot at its output's latest block boundary (put when it ends).
-        self._kept: dict[str, tuple[list[int], int, bytes]] = {}
+        self._kept: dict[str, tuple[list[int], int, bytes, tuple[str, ...]]] = {}
         self._load_errors: set[int] = set()
         self._recved: set[str] = set()
         self._failed_recv: set[str] = set()
@@ -281,16 +281,18 @@ class WorkerSide:
         if snapshot is not None and spec.snapshot_at_end and spec.snapshot_at is not None:
             # The output's latest boundary: put when the request ends, unless a later one replaces it.
             with self._lock:
-                self._kept[spec.req_id] = (spec.tokens[: spec.snapshot_at], spec.snapshot_at, snapshot)
+                self._kept[spec.req_id] = (spec.tokens[: spec.snapshot_at], spec.snapshot_at, snapshot,
+                                           spec.extra_keys)
             snapshot = None
 
         def put() -> None:
             try:
                 if len(blocks):
-                    self.client.put(spec.tokens, blocks, first_block=spec.first_block)
+                    self.client.put(spec.tokens, blocks, first_block=spec.first_block, extra_keys=spec.extra_keys)
                     self.blocks_saved += len(blocks)
                 if snapshot is not None and spec.snapshot_at is not None:
-                    self.client.swa.put(spec.tokens[: spec.snapshot_at], snapshot, position=spec.snapshot_at)
+                    self.client.swa.put(spec.tokens[: spec.snapshot_at], snapshot, position=spec.snapshot_at,
+                                        extra_keys=spec.extra_keys)
                     self.snapshots_saved += 1
             except Exception as exc:  # a failed save is a future miss, never an engine failure
                 self.save_errors += 1
@@ -315,9 +317,9 @@ class WorkerSide:
         recved, self._recved = self._recved, set()
         return done or None, recved or None
 
-    def _put_snapshot(self, tokens: list[int], position: int, snapshot: bytes) -> None:
+    def _put_snapshot(self, tokens: list[int], position: int, snapshot: bytes, keys: tuple[str, ...]) -> None:
         try:
-            self.client.swa.put(tokens, snapshot, position=position)
+            self.client.swa.put(tokens, snapshot, position=position, extra_keys=keys)
             self.snapshots_saved += 1
         except Exception as exc:  # a failed save is a future miss
             self.save_errors += 1

@@ -182,21 +182,26 @@ def test_a_store_outage_costs_the_cache_not_the_requests(start_store: Callable[[
     engine.close()
 
 
-def test_a_salted_request_is_neither_loaded_nor_saved(store: Child, tmp_path: Path) -> None:
+def test_a_salted_request_is_a_chain_of_its_own_found_only_under_its_salt(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=24)
     first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
+    first.add("r1", tokens, cache_salt="user-7")
     first.run()
     first.close()
+    with kvstore.Client(store.target, geometry=GEO.name) as c:
+        assert c.lookup(tokens).found_tokens == 0                                   # not an unsalted prompt's
+        assert c.lookup(tokens, extra_keys=["vllm-salt:user-7"]).found_tokens == 96
     engine = Engine(tmp_path / "b", extra(store))
-    engine.add("salted", [*tokens, 1], cache_salt="user-7")   # vLLM keys its KV apart from unsalted prompts
+    engine.add("same", [*tokens, 1], cache_salt="user-7", max_tokens=2)
+    engine.add("other", [*tokens, 1], cache_salt="user-8", max_tokens=2)
+    engine.add("plain", [*tokens, 1], max_tokens=2)
     so = engine.step()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 0 and so.kv_connector_metadata.loads == []
-    engine.add("salted-new", prompt(80, seed=25), cache_salt="user-7")
-    engine.run()
-    engine.drain()
+    computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+    assert computed == {"same": 80, "other": 0, "plain": 0}
+    for layer, comp, rb in GLOBAL:
+        for row in range(80 // GEO.compress_ratios[layer]):
+            assert engine.page_row("same", layer, comp, row) == model_row(tokens, layer, comp, row, rb)
     engine.close()
-    assert stored(store.target, prompt(80, seed=25)) == 0
 
 
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
