@@ -52,6 +52,7 @@ except ImportError as exc:
     print(f"SKIP tests/integrations/test_vllm_*.py: {_reason}", file=sys.stderr)
     pytest.skip(_reason, allow_module_level=True)
 
+import kvstore
 from kvstore.geometry import TINY as GEO
 
 #: vLLM's tokens per page in these tests.
@@ -62,8 +63,8 @@ NUM_PAGES = 96
 PAD = 8
 GLOBAL = [(s.layer, s.component, s.row_bytes) for s in GEO.block_layout(STORE_BLOCK_TOKENS)]
 
-__all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "model_row", "prompt",
-           "window_row"]
+__all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "expected_block", "extra",
+           "model_row", "prompt", "stored", "window_row"]
 
 
 def cache_name(layer: int, component: str) -> str:
@@ -272,6 +273,17 @@ class Engine:
         """Shut both connectors down (puts in flight finish)."""
         self.worker.shutdown()
         self.connector.shutdown()
+
+
+def extra(store: Any, **more: object) -> dict[str, object]:
+    """kv_connector_extra_config for the store child `store` (the tiny geometry), plus `more`."""
+    return {"target": store.target, "geometry": GEO.name, "timeout_s": 10.0, **more}
+
+
+def stored(target: str, tokens: list[int]) -> int:
+    """Leading tokens of `tokens` the store holds (a Lookup)."""
+    with kvstore.Client(target, geometry=GEO.name) as c:
+        return int(c.lookup(tokens).found_tokens)
 
 
 def expected_block(tokens: Sequence[int], index: int) -> bytes:
