@@ -35,9 +35,15 @@ if ! native; then
     native || { echo "tiers._blockcopy did not build (see: pip install -v -e .)" >&2; exit 1; }
 fi
 
+# vLLM and SGLang, lean (no CUDA torch), for the adapters' tests against the real
+# engines (tests/integrations). Never fails the run: an engine that cannot be
+# installed is noted in .venv/engine-skip-<name>.txt and its tests skip saying why.
+echo "== inference engines (vllm, sglang)"
+bash scripts/install_engines.sh .venv
+
 echo "== lint and types"
 ruff check .
-mypy kvstore tiers gateway replay scripts
+mypy kvstore tiers gateway replay scripts integrations
 
 echo "== tests"
-python -m pytest -q "$@"
+python -m pytest -q -rs "$@"  # -rs: every skip says why in the CI output
