@@ -4,6 +4,7 @@
 #   scripts/device_direct.sh probe   # versions, the GPU tests, the bench with the kernel sweep
 #   scripts/device_direct.sh final   # the GPU tests, the bench, and the replay model's GPU tests
 #   scripts/device_direct.sh bench   # the bench alone
+#   scripts/device_direct.sh restore # the bench first, then the GPU, restore and reader tests
 # Writes JSON and logs into $OUT (default ./out). Wheels in .whl/ are installed first; the native
 # verify-and-copy loop is built in place.
 set -uo pipefail
@@ -19,6 +20,18 @@ python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", to
   blockcopy.NATIVE_VERIFY)'
 echo "cpus $(nproc)"; free -g | head -2; df -h /tmp | tail -1
 t=$SECONDS
+GPU_TESTS="tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_gpu_gather.py
+  tests/kvstore/client/test_gpu_gather_store.py"
+if [ "$MODE" = restore ]; then  # the figure first: the tests may be cut by the device limit
+  timeout "${BENCH_S:-240}" python3 -m kvstore.bench.transfer_direct --json >"$OUT/bench.json" 2>"$OUT/bench.err"
+  echo "bench rc=$? $((SECONDS - t)) s"; tail -5 "$OUT/bench.err"; t=$SECONDS
+  # shellcheck disable=SC2086
+  timeout "${TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider $GPU_TESTS tests/kvstore/client/test_restore.py \
+    tests/kvstore/client/test_colocated.py tests/kvstore/client/test_colocated_overlap.py 2>&1 | tee "$OUT/tests.log" \
+    | tail -25
+  echo "tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"
+  exit 0
+fi
 if [ "$MODE" != bench ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kvstore/client/test_gpu_gather_units.py \
     tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py 2>&1 | tee "$OUT/tests.log" \

@@ -287,13 +287,15 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
  *     -> (found, damaged, data_offsets, data_sizes, meta_offsets, checksums)
  *
  * The same-host reader's record lookups, natively: for each hash in order, find the records
- * prefix + hash + "d" (data) and prefix + hash + "m" (meta) in the LMDB B-tree rooted at page
+ * prefix + hash + "d" (data) and prefix + hash + "m" (meta, most often the data's neighbour in
+ * the same leaf, so one descent finds both) in the LMDB B-tree rooted at page
  * `root` of a read-only mapping of data.mdb at address `base` (`length` bytes valid), the way
  * mdb.c searches (tiers/lmdb_pages.py describes the page layout). It stops at the first hash
  * whose records are not both there, or (`damaged` 1) whose meta record is not a meta
  * record's size or names another size than its data's. The offsets (from `base`) and sizes
  * come back as int64 arrays (bytes), the stored checksums as a uint64 array. py-lmdb takes ~1.3 us a get from Python; here a lookup is a few hundred
- * nanoseconds, without the GIL. The caller holds a read txn of the snapshot `root` belongs to,
+ * nanoseconds, without the GIL (tiers.blockcopy.resolve_many runs slices of a long list on
+ * several threads at once). The caller holds a read txn of the snapshot `root` belongs to,
  * so LMDB reuses none of these pages meanwhile. Every page and node is bounds-checked; a page
  * that does not parse raises ValueError (the caller then falls back to py-lmdb's gets).
  */
@@ -327,9 +329,35 @@ static const unsigned char *node_at(const Map *m, const unsigned char *page, uns
     return node;
 }
 
-/* 1 found (value address and size set), 0 absent, -1 a page that does not parse. */
+/* The value of leaf node `node` on `page`, whose key ends at `kend`: 1 (value address and
+ * size set), or -1 when it (or its overflow page) does not fit the mapping. */
+static int leaf_value(const Map *m, const unsigned char *page, const unsigned char *node, const unsigned char *kend,
+                      const unsigned char **value, uint64_t *vsize) {
+    uint64_t size = (uint64_t)u16(node) | (uint64_t)u16(node + 2) << 16;
+    uint64_t at = (uint64_t)(kend - m->base);
+    if (u16(node + 4) & F_BIGDATA) {
+        if (at + 8 > (uint64_t)(page - m->base) + m->psize) return -1;
+        uint64_t opg = u64(m->base + at);
+        if (opg < 2 || opg >= m->length / m->psize) return -1;
+        const unsigned char *over = m->base + opg * m->psize;
+        uint32_t pages;
+        memcpy(&pages, over + 12, 4);
+        if (u64(over) != opg || !(u16(over + 10) & P_OVERFLOW) ||
+            (uint64_t)pages * m->psize < size + PAGE_HEADER ||
+            opg * m->psize + PAGE_HEADER + size > m->length) return -1;
+        *value = over + PAGE_HEADER;
+    } else {
+        if (at + size > (uint64_t)(page - m->base) + m->psize) return -1;
+        *value = m->base + at;
+    }
+    *vsize = size;
+    return 1;
+}
+
+/* 1 found (value address and size set; `*leaf` and `*slot` say where its node is), 0 absent,
+ * -1 a page that does not parse. */
 static int search(const Map *m, uint64_t root, const unsigned char *key, size_t klen,
-                  const unsigned char **value, uint64_t *vsize) {
+                  const unsigned char **value, uint64_t *vsize, const unsigned char **leaf, unsigned *slot) {
     uint64_t pgno = root;
     for (int depth = 0; depth < MAX_DEPTH; depth++) {
         if (pgno < 2 || pgno >= m->length / m->psize) return -1;
@@ -363,25 +391,9 @@ static int search(const Map *m, uint64_t root, const unsigned char *key, size_t 
             int c = key_cmp(k, ks, key, klen);
             if (c < 0) { lo = mid + 1; continue; }
             if (c > 0) { hi = mid; continue; }
-            uint64_t size = (uint64_t)u16(node) | (uint64_t)u16(node + 2) << 16;
-            uint64_t at = (uint64_t)(k - m->base) + ks;
-            if (u16(node + 4) & F_BIGDATA) {
-                if (at + 8 > (uint64_t)(page - m->base) + m->psize) return -1;
-                uint64_t opg = u64(m->base + at);
-                if (opg < 2 || opg >= m->length / m->psize) return -1;
-                const unsigned char *over = m->base + opg * m->psize;
-                uint32_t pages;
-                memcpy(&pages, over + 12, 4);
-                if (u64(over) != opg || !(u16(over + 10) & P_OVERFLOW) ||
-                    (uint64_t)pages * m->psize < size + PAGE_HEADER ||
-                    opg * m->psize + PAGE_HEADER + size > m->length) return -1;
-                *value = over + PAGE_HEADER;
-            } else {
-                if (at + size > (uint64_t)(page - m->base) + m->psize) return -1;
-                *value = m->base + at;
-            }
-            *vsize = size;
-            return 1;
+            *leaf = page;
+            *slot = mid;
+            return leaf_value(m, page, node, k + ks, value, vsize);
         }
         return 0;
     }
@@ -435,11 +447,21 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         unsigned char *key = keys + found * klen;
         const unsigned char *value, *meta;
         uint64_t vsize, msize;
-        key[klen - 1] = 'm';
-        int r = search(&m, root, key, klen, &meta, &msize);
+        const unsigned char *leaf, *k;
+        unsigned slot;
+        size_t ks;
+        key[klen - 1] = 'd';
+        int r = search(&m, root, key, klen, &value, &vsize, &leaf, &slot);
         if (r == 1) {
-            key[klen - 1] = 'd';
-            r = search(&m, root, key, klen, &value, &vsize);
+            /* The meta record's key sorts right after the data's ("d" < "m", no tag between):
+             * most often the next node of the same leaf, which spares a second descent. */
+            key[klen - 1] = 'm';
+            unsigned nkeys = (unsigned)(u16(leaf + 12) - PAGE_HEADER) / 2;
+            const unsigned char *node = node_at(&m, leaf, slot + 1, nkeys, &k, &ks);
+            if (node != NULL && key_cmp(k, ks, key, klen) == 0)
+                r = leaf_value(&m, leaf, node, k + ks, &meta, &msize);
+            else
+                r = search(&m, root, key, klen, &meta, &msize, &leaf, &slot);
         }
         if (r < 0) bad = 1;
         if (r != 1) break;

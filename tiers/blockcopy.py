@@ -291,6 +291,54 @@ def _load_native_resolve() -> Callable[..., tuple[int, int, bytes, bytes, bytes,
 resolve = _load_native_resolve()
 
 
+#: Fewer records than this per thread are looked up on the caller's thread: a pool hop costs
+#: more than the B-tree searches it would spread.
+_MIN_RESOLVE_PER_THREAD = 512
+
+
+def resolve_many(base: int, length: int, psize: int, root: int, prefix: bytes, hashes: list[bytes],
+                 threads: int | None = None) -> tuple[int, int, Any, Any, Any, Any] | None:
+    """`resolve` of a long key list spread over the pool's threads (each slice searched without
+    the GIL), with the one-call answer: the prefix stops at the first hash, in asked order, whose
+    records are missing or damaged, and a page that does not parse before that raises ValueError.
+
+    Returns:
+        (found, damaged, offsets, sizes, meta_offsets, checksums) as numpy columns (int64,
+        int64, int64, uint64) of `found` rows; None where the native module is not built.
+    """
+    native = resolve
+    if native is None:
+        return None
+    import numpy as np
+
+    n = len(hashes)
+    parts = _slices(n, max(1, min(threads or DEFAULT_THREADS, n // _MIN_RESOLVE_PER_THREAD)))
+    if len(parts) <= 1:
+        answers: list[Any] = [native(base, length, psize, root, prefix, hashes)]
+        parts = [(0, n)]
+    else:
+        futures = [_executor().submit(native, base, length, psize, root, prefix, hashes[lo:hi]) for lo, hi in parts]
+        answers = []
+        for future in futures:  # every slice is waited for, so none outlives the caller's txn
+            try:
+                answers.append(future.result())
+            except ValueError as exc:
+                answers.append(exc)
+    found, damaged = 0, 0
+    columns: list[list[Any]] = [[], [], [], []]
+    for (lo, hi), answer in zip(parts, answers, strict=True):
+        if isinstance(answer, ValueError):  # before any stop: the one call would have raised here too
+            raise answer
+        got, damaged = answer[0], answer[1]
+        for column, raw, dtype in zip(columns, answer[2:], (np.int64, np.int64, np.int64, np.uint64), strict=True):
+            column.append(np.frombuffer(raw, dtype=dtype, count=got))
+        found += got
+        if got < hi - lo:  # this slice stopped: the later slices' records are past the prefix
+            break
+    offs, sizes, metas, sums = (np.concatenate(c) if len(c) > 1 else c[0] for c in columns)
+    return found, damaged, offs, sizes, metas, sums
+
+
 def _load_native_verify_spans() -> Callable[[int, int, bytes, bytes, bytes], bytes] | None:
     try:
         from tiers._blockcopy import verify_spans as native

@@ -161,9 +161,11 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
 
         client.lookup_hashes = timed_lookup  # type: ignore[method-assign]
 
-        def restore() -> dict[str, float]:
+        def restore(wait: bool = False) -> dict[str, float]:
+            # wait=False, as restore() does on the GPU path: the copy runs while the Lookup is in
+            # flight, and the gatherer cuts at its answer after the kernels.
             began = time.perf_counter()
-            read = reader.read(client, hashes, lease_ms=10_000)
+            read = reader.read(client, hashes, lease_ms=10_000, wait=wait)
             opened = time.perf_counter()
             try:
                 _, result = gather.gather(read, device)
@@ -201,6 +203,11 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             cpu_phases.append(restore())
             cpu_runs.append(time.perf_counter() - start)
         gather.checksums_on = "auto"
+        waited = []  # the same with read() waiting for the Lookup before the copy (no overlap)
+        for _ in range(repeat):
+            start = time.perf_counter()
+            restore(wait=True)
+            waited.append(time.perf_counter() - start)
         gc_off = []  # the same with Python's collector paused (an engine may gc.freeze() its heap)
         gc.collect()
         gc.disable()
@@ -221,6 +228,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
         restore_s = min(times)
         pinned_s = _pinned_h2d(total, repeat)
         kernel_s, scatter_s = _kernel_only(reader, client, hashes, gather, device, repeat, block_tokens)
+        read_parts = _read_parts(reader, client, hashes, repeat)
         try:  # today's path is another module's: its failure must not hide the direct figures
             shm_s: float | None = _shm_h2d(client, hashes, total, repeat, progress)
         except Exception as exc:
@@ -247,6 +255,8 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             "restore_ms_runs": [round(t * 1e3, 3) for t in times],
             "restore_ms_median": round(statistics.median(times) * 1e3, 3),
             "restore_ms_runs_gc_paused": [round(t * 1e3, 3) for t in gc_off],
+            "restore_ms_runs_lookup_waited": [round(t * 1e3, 3) for t in waited],
+            "read_resolves": "records looked up over the reader's threads; the Lookup overlaps the copy",
             "checksums_on": "gpu (xxh3 kernel over the landed rows)",
             "restore_ms_runs_cpu_checksums": [round(t * 1e3, 3) for t in cpu_runs],
             "restore_phases_ms_runs_cpu_checksums": {k: [round(p[k], 2) for p in cpu_phases] for k in cpu_phases[0]},
@@ -254,6 +264,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             "restore_phases_ms_runs": {k: [round(p[k], 2) for p in phases] for k in phases[0]},
             "restore_phases_cold_ms": {k: round(v, 3) for k, v in cold_phases.items()},
             "lookup_alone_ms_best": round(min(lookups) * 1e3, 3),
+            "read_parts_best_ms": read_parts,
             "target_restore_ms": 25.0, "target_ratio_vs_pinned": 0.85,
             "registrations": stats.registrations, "registered_bytes": stats.registered_bytes_total,
             "register_ms": round(stats.register_s * 1e3, 3),
@@ -274,6 +285,37 @@ def _pinned_h2d(total: int, repeat: int) -> float:
     copy = _sync_timed(lambda: dest.copy_(pinned, non_blocking=True))
     copy()
     return best_of(copy, repeat)
+
+
+def _read_parts(reader: Any, client: Any, hashes: list[bytes], repeat: int) -> dict[str, float]:
+    """Best milliseconds of what `reader.read` does, each alone: the record searches on one thread
+    and over the reader's threads (`tiers.blockcopy.resolve_many`), and sending the Lookup (the
+    call made, not answered) and its answer."""
+    from kvstore.client.colocated_read import _start_lookup
+    from tiers import blockcopy
+
+    parts: dict[str, float] = {}
+    with reader.read(client, hashes, lease_ms=10_000) as read:
+        txn, psize = read._txn, reader._env.stat()["psize"]
+        root = blockcopy.named_root(read.base_address, read.map_length, psize, txn.id(), b"records")
+        native = blockcopy.resolve
+        if root is not None and native is not None:
+            args = (read.base_address, read.map_length, psize, root, read._scope.prefix, hashes)
+            parts["resolve_one_thread_ms"] = best_of(lambda: native(*args), repeat) * 1e3
+            parts["resolve_threads_ms"] = best_of(lambda: blockcopy.resolve_many(*args, reader.threads), repeat) * 1e3
+    sends, answers = [], []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        future = _start_lookup(client, hashes, 10_000)
+        sent = time.perf_counter()
+        reply = future.result()
+        sends.append(sent - began)
+        answers.append(time.perf_counter() - began)
+        if reply.lease_id:
+            client.release(reply.lease_id)
+    parts["lookup_send_ms"] = min(sends) * 1e3
+    parts["lookup_answer_ms"] = min(answers) * 1e3
+    return {k: round(v, 3) for k, v in parts.items()}
 
 
 def _kernel_only(reader: Any, client: Any, hashes: list[bytes], gather: Any, device: Any, repeat: int,

@@ -109,7 +109,8 @@ class ColocatedReader:
 
     # -- reads -------------------------------------------------------------
 
-    def read(self, client: Client, hashes: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS) -> MappedRead:
+    def read(self, client: Client, hashes: Sequence[bytes], *, lease_ms: int = DEFAULT_LEASE_MS,
+             wait: bool = True) -> MappedRead:
         """Look `hashes` up through `client` (a leased Lookup: a use) and map the found prefix.
 
         Args:
@@ -117,6 +118,9 @@ class ColocatedReader:
             hashes: the prompt's chain hashes, in order (`client.hashes(tokens)`).
             lease_ms: a lease for the Lookup to take (released when the read closes). The read
                 needs none: its txn begins before the Lookup runs.
+            wait: False returns once the records are looked up, before the Lookup answers: the
+                columns are then the candidates until `found_blocks` is read (see `MappedRead`),
+                so a copy overlaps the Lookup.
 
         Returns:
             An open `MappedRead` (close it, or use it as a context manager).
@@ -138,12 +142,8 @@ class ColocatedReader:
         # here), and eviction after the txn began cannot touch its pages: no lease needed.
         # The records are looked up while the Lookup is in flight; its answer cuts them.
         txn = self._begin()
-        try:
-            lookup = _start_lookup(client, hashes, lease_ms)
-        except BaseException:
-            txn.abort()
-            raise
-        read = MappedRead(self, client, scope, hashes, lookup, txn)
+        read = MappedRead(self, client, scope, hashes, lambda: _start_lookup(client, hashes, lease_ms), txn,
+                          wait=bool(wait))
         with self._lock:
             self._open.add(read)
         return read

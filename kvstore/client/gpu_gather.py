@@ -413,11 +413,14 @@ class GpuGather:
     def _finish(self, read: MappedReadLike, bad: list[int], copied: int, rounds: int, register_s: float,
                 started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:
         bad = bad if verify else []
+        # Read after the kernels: a read opened with wait=False answers its Lookup here, so the
+        # copy overlapped it; rows past what it found are not the caller's to use.
+        found = getattr(read, "found_blocks", None)
         # Span k is the k-th block asked (the spans are the found prefix): its index is k.
-        corrupt = bad
+        corrupt = [k for k in bad if k < found] if isinstance(found, int) and not isinstance(found, bool) else bad
         if corrupt:
             read.report_corrupt(corrupt)
-        return GatherResult(blocks=usable_prefix(copied, bad, getattr(read, "found_blocks", None)), copied=copied,
+        return GatherResult(blocks=usable_prefix(copied, corrupt, found), copied=copied,
                             corrupt=corrupt, rounds=rounds,
                             register_s=register_s, registered_bytes=self.registry.used_bytes,
                             budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started,

@@ -190,8 +190,11 @@ def _gatherer(reader: ColocatedReader, device: Any) -> Any:
 def _direct(client: Any, reader: ColocatedReader, hashes: list[bytes], dest: Any, cuda: bool, path: str,
             gpu: Any, lease_ms: int, notes: list[str]) -> RestoreResult | None:
     """A direct path's result; None when "auto" should go on to the next path."""
-    with reader.read(client, hashes, lease_ms=lease_ms) as read:
-        if read.found_blocks and not len(read) and not read.damaged:
+    # On the GPU path the copy runs while the Lookup is in flight: the gatherer reads
+    # `found_blocks` (waiting for the answer) only after its kernels, and cuts the prefix there.
+    overlap = cuda and path in ("auto", "direct-gpu")
+    with reader.read(client, hashes, lease_ms=lease_ms, wait=not overlap) as read:
+        if not len(read) and read.found_blocks and not read.damaged:
             # The server found blocks this mapping does not hold: the reader is of another store.
             if path != "auto":
                 raise FailedPrecondition(f"the reader's store ({reader.data_dir}) does not hold the blocks the "
@@ -214,6 +217,7 @@ def _direct(client: Any, reader: ColocatedReader, hashes: list[bytes], dest: Any
 
 
 def _direct_cpu(client: Any, read: MappedRead, dest: Any, cuda: bool, notes: list[str]) -> RestoreResult:
+    read.settle()  # the Lookup's answer first: only what it found is copied
     n = len(read)
     if cuda:
         import torch

@@ -13,6 +13,7 @@ import torch
 from kvstore.client.colocated import MappedRead
 from kvstore.client.restore import PATHS, RestoreResult, restore
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from tests.kvstore.client.test_colocated_overlap import _evicted_under_the_read
 from tests.kvstore.client.test_colocated_support import BLOCK_TOKENS, Store, damage, payload, prompt
 
 #: The `store` and `new_store` fixtures (a test module cannot import a conftest under importlib mode).
@@ -186,3 +187,27 @@ def test_bad_input_gives_typed_errors(store: Store) -> None:
         with pytest.raises(InvalidArgument):
             restore(*args, **kwargs)
     assert set(PATHS) == {"direct-gpu", "direct-cpu", "shm", "grpc"}
+
+
+def test_direct_gpu_copies_while_the_lookup_is_in_flight_and_cuts_at_its_answer(new_store, monkeypatch) -> None:
+    client, hashes, blocks, s = _evicted_under_the_read(new_store, monkeypatch, seed=31, newcomers=3)
+    reader = s.reader()
+    candidates: list[int] = []
+
+    class Gatherer:
+        """Does what GpuGather.gather does, on the CPU: copy every span it is given, then read
+        `found_blocks` (the Lookup's answer) and cut the usable prefix there."""
+
+        def gather(self, read: MappedRead, out: CudaLike) -> tuple[CudaLike, SimpleNamespace]:
+            candidates.append(len(read.offsets))
+            for k in range(len(read.offsets)):
+                out.cpu[k] = torch.frombuffer(bytearray(read.view(k)), dtype=torch.uint8)
+            bad = [k for k, ok in enumerate(read.verify()) if not ok]
+            return out, SimpleNamespace(blocks=min([*bad, len(read.offsets), read.found_blocks]), corrupt=bad)
+
+    dest = CudaLike(8, client.block_bytes)
+    result = restore(client, hashes, dest, reader=reader, gpu=Gatherer())
+    found = client.lookup_hashes(hashes).found_blocks
+    assert candidates == [8] and found < 8  # it copied all eight, the Lookup (evicting first) found fewer
+    assert (result.path, result.blocks, result.corrupt) == ("direct-gpu", found, [])
+    assert (dest.cpu.numpy()[:found] == blocks[:found]).all()
