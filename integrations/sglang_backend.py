@@ -114,17 +114,15 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
 
     # -- pools -----------------------------------------------------------------
 
-    def _check_kv_pool(self, pool: Any) -> None:
+    def _check_kv_pool(self, pool: Any, name: str | None = None) -> None:
+        sglang_config.check_not_deepseek_v4(pool, name, self.client.block_tokens)
         page_size = int(getattr(pool, "page_size", 0))
         if page_size != self.client.block_tokens:
             raise ConfigError(f"SGLang's page size is {page_size} tokens; kvstore blocks are "
                               f"{self.client.block_tokens}: start SGLang with --page-size {self.client.block_tokens}")
         if not callable(getattr(pool, "get_dummy_flat_data_page", None)):
-            # SGLang's DeepSeek-V4 HiCache anchors on a LogicalHostPool (indices only) and keeps the
-            # rows in per-ratio side pools; joining those into kvstore blocks is not done yet.
-            raise ConfigError(f"SGLang's KV host pool ({type(pool).__name__}) holds no page data (DeepSeek-V4 "
-                              "HiCache keeps its rows in the deepseek_v4_c1/c2 side pools): the kvstore "
-                              "backend does not map those pools yet")
+            raise ConfigError(f"SGLang's KV host pool ({type(pool).__name__}) has no page data interface "
+                              "(get_dummy_flat_data_page): the kvstore backend stores whole KV host pages")
         page = pool.get_dummy_flat_data_page()
         nbytes = page.numel() * page.element_size()
         if nbytes != self.client.block_bytes:
@@ -140,8 +138,9 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """An extra host pool: KV (blocks) or SWA (snapshots); any other is refused with ConfigError."""
         name = str(host_pool_name)
+        sglang_config.check_not_deepseek_v4(host_pool, name, self.client.block_tokens)
         if name == PoolName.KV.value:
-            self._check_kv_pool(host_pool)
+            self._check_kv_pool(host_pool, name)
         elif name == PoolName.SWA.value:
             if int(host_pool.page_size) != self.page_size:
                 raise ConfigError(f"SGLang's SWA host pool has {host_pool.page_size}-token pages; the kvstore "

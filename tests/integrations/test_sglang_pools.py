@@ -157,7 +157,7 @@ def test_pools_that_are_not_kvstore_blocks_are_refused(server: Child) -> None:
             b.register_mem_host_pool_v2(PagePool(2, SWA_PAGE // 2, page_size=32), PoolName.SWA)
         with pytest.raises(ConfigError, match="SWA host page"):
             b.register_mem_host_pool_v2(PagePool(2, 64 * 528), PoolName.SWA)
-        with pytest.raises(ConfigError, match="holds no page data"):   # DeepSeek-V4's LogicalHostPool anchor
+        with pytest.raises(ConfigError, match="no page data interface"):   # no HostKVCache page methods
             b.register_mem_pool_host(SimpleNamespace(page_size=PAGE, kv_buffer=None, layer_num=0))
         with pytest.raises(ConfigError, match="no kvstore counterpart"):
             b.register_mem_host_pool_v2(PagePool(2, BLOCK), PoolName.MAMBA)
