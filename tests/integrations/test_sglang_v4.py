@@ -10,7 +10,7 @@ V4 cannot run with. These tests build SGLang's real pool classes on the CPU.
 
 Importing them loads SGLang's model-config and quantization trees, which need packages
 the lean engine install leaves out (torchvision, compressed_tensors, gguf, sentencepiece);
-`_v4_pool_classes` stands in empty modules for the SGLang modules that import those
+`_import_with_stand_ins` stands in empty modules for the SGLang modules that import those
 (none of them is used by a host pool), only when the plain import fails, and takes the
 stand-ins out of `sys.modules` again afterwards.
 """
@@ -56,24 +56,24 @@ def _stand_in(name: str) -> types.ModuleType:
     return module
 
 
-def _v4_pool_classes() -> types.ModuleType:
-    """`sglang.srt.mem_cache.memory_pool_host` (LogicalHostPool, DeepSeekV4PagedHostPool)."""
-    name = "sglang.srt.mem_cache.memory_pool_host"
+def _import_with_stand_ins(*names: str) -> list[types.ModuleType]:
+    """SGLang's modules `names`, importing them with stand-ins for `_UNUSED_HEAVY` when the plain import fails."""
     try:
-        return importlib.import_module(name)
+        return [importlib.import_module(n) for n in names]
     except ImportError:
         pass
     added = [n for n in _UNUSED_HEAVY if n not in sys.modules]
     for n in added:
         sys.modules[n] = _stand_in(n)
     try:
-        return importlib.import_module(name)
+        return [importlib.import_module(n) for n in names]
     finally:
         for n in added:
             sys.modules.pop(n, None)
 
 
-host = _v4_pool_classes()
+host, v4_pool = _import_with_stand_ins("sglang.srt.mem_cache.memory_pool_host",
+                                       "sglang.srt.mem_cache.deepseek_v4_memory_pool")
 from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry  # noqa: E402
 
 V4_PAGE = 256   # SGLang's page size for DeepSeek-V4 (arg_groups/model_overrides/deepseek_v4.py)
