@@ -62,7 +62,7 @@ def test_core_does_not_import_outer_layers() -> None:
     offenders = {}
     for p in core:
         rel = str(p.relative_to(ROOT))
-        outer = {n for n in _full_imports(p) if n.split(".")[0] in {"tiers", "gateway", "replay"}}
+        outer = {n for n in _full_imports(p) if n.split(".")[0] in {"tiers", "gateway", "replay", "integrations"}}
         offenders[rel] = sorted(outer - ALLOWED_OUTER_IMPORTS.get(rel, set()))
     assert {k: v for k, v in offenders.items() if v} == {}
 
@@ -80,3 +80,10 @@ def test_server_process_never_loads_torch() -> None:
     code = "import sys, gateway.server; print(sorted(m for m in ('torch', 'triton', 'redis') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"  # torch and triton stay on the worker side; redis loads only for its backends
+
+
+def test_nothing_but_the_engines_imports_the_adapters() -> None:
+    # integrations/ sits on top (it imports kvstore and replay); the engines load it by module path.
+    for folder in ("kvstore", "tiers", "gateway", "replay"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert "integrations" not in _imports(path), f"{path} imports integrations"
