@@ -40,11 +40,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore import geometry as geometries
 from kvstore.bench.harness import best_of, serve_process
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.swa_snapshot import snapshot_shape
+
+if TYPE_CHECKING:
+    from kvstore.client import SwaClient
 
 BASELINE = "redis-py pipelined SET/GET, same bytes, same Redis"
 RAW_GET = "one raw redis-py GET of a snapshot's bytes, same Redis"
@@ -129,18 +133,7 @@ def _run_redis(args: argparse.Namespace, progress: Progress, report: Report) -> 
         batches = [(start, min(start + batch, n)) for start in range(0, n, batch)]
         total_bytes = sum(sizes)
 
-        def put(side: SwaClient) -> Callable[[], None]:
-            def go() -> None:
-                for lo, hi in batches:
-                    side.put_many(list(zip(keys[lo:hi], positions[lo:hi], payload[lo:hi], strict=True)))
-            return go
-
-        def get(side: SwaClient) -> Callable[[], None]:
-            def go() -> None:
-                for lo, hi in batches:
-                    got = side.get_many(keys[lo:hi])
-                    assert all(g is not None for g in got), "snapshot missing during the benchmark"
-            return go
+        put, get = _batched_calls(keys, positions, payload, batches)
 
         def raw_put() -> None:
             for lo, hi in batches:
@@ -250,18 +243,7 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
         pool = mmap.mmap(-1, slot * n)
         view = memoryview(pool)
 
-        def put(side: SwaClient) -> Callable[[], None]:
-            def go() -> None:
-                for lo, hi in batches:
-                    side.put_many(list(zip(keys[lo:hi], positions[lo:hi], payload[lo:hi], strict=True)))
-            return go
-
-        def get(side: SwaClient) -> Callable[[], None]:
-            def go() -> None:
-                for lo, hi in batches:
-                    got = side.get_many(keys[lo:hi])
-                    assert all(g is not None for g in got), "snapshot missing during the benchmark"
-            return go
+        put, get = _batched_calls(keys, positions, payload, batches)
 
         def raw_put() -> None:
             for lo, hi in batches:
@@ -332,3 +314,22 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
                                   p50["raw"]))
     report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=rounds,
                         embedded_raw_fetch_p50_ms=round(p50["raw"], 3), cpus=os.cpu_count())
+
+
+def _batched_calls(keys: list[bytes], positions: list[int], payload: list[bytes], batches: list[tuple[int, int]]
+                   ) -> tuple[Callable[[SwaClient], Callable[[], None]], Callable[[SwaClient], Callable[[], None]]]:
+    """Factories of one pass of batched puts and of batched gets through a client (either path)."""
+    def put(side: SwaClient) -> Callable[[], None]:
+        def go() -> None:
+            for lo, hi in batches:
+                side.put_many(list(zip(keys[lo:hi], positions[lo:hi], payload[lo:hi], strict=True)))
+        return go
+
+    def get(side: SwaClient) -> Callable[[], None]:
+        def go() -> None:
+            for lo, hi in batches:
+                got = side.get_many(keys[lo:hi])
+                assert all(g is not None for g in got), "snapshot missing during the benchmark"
+        return go
+
+    return put, get
