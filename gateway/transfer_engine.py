@@ -225,17 +225,26 @@ async def _refresh(tier: LmdbBlockTier, session: Session, batch: ReadBatch, resu
     try:
         await asyncio.wrap_future(tier.touch_soon(due))
     except Exception as exc:
-        error = exc if isinstance(exc, KVStoreError) else None
-        code = to_status(error).name if error is not None else "INTERNAL"
-        reason = (f"copied, but its retention refresh failed ({error.message if error else exc!r}): the block "
-                  "may be evicted before its retention window ends; do not count on it")
-        wanted = set(due)
-        keys = batch.keys(0, len(batch))
-        failed = [i for i in np.flatnonzero(np.frombuffer(results.statuses, dtype=np.uint8) == DONE).tolist()
-                  if keys[i] in wanted]
-        results.fail_all(dict.fromkeys(failed, reason), code)
-        session.counters.add_refresh_failures(len(failed))
-        log.warning("transfer read: the retention refresh of %d blocks failed: %r", len(failed), exc)
+        fail_unrefreshed(exc, session, batch.keys(0, len(batch)), results, due)
+
+
+def fail_unrefreshed(exc: Exception, session: Session, keys: Sequence[bytes | None], results: BatchResults,
+                     due: list[bytes]) -> None:
+    """Fail the DONE descriptors of `due` blocks: their retention refresh failed with `exc`.
+
+    The bytes were copied, but a block whose clock did not restart may be evicted
+    before the window the read promised; the caller must not count on it.
+    """
+    error = exc if isinstance(exc, KVStoreError) else None
+    code = to_status(error).name if error is not None else "INTERNAL"
+    reason = (f"copied, but its retention refresh failed ({error.message if error else exc!r}): the block "
+              "may be evicted before its retention window ends; do not count on it")
+    wanted = set(due)
+    failed = [i for i in np.flatnonzero(np.frombuffer(results.statuses, dtype=np.uint8) == DONE).tolist()
+              if keys[i] in wanted]
+    results.fail_all(dict.fromkeys(failed, reason), code)
+    session.counters.add_refresh_failures(len(failed))
+    log.warning("transfer read: the retention refresh of %d blocks failed: %r", len(failed), exc)
 
 
 async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, plan: validate.PutPlan,

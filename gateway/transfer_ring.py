@@ -36,7 +36,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from gateway.hit_stats import HitStats
-from gateway.transfer_engine import _CODES, _finish, _record, read_batch
+from gateway.transfer_engine import _CODES, _finish, _record, fail_unrefreshed, read_batch
 from gateway.validate import Layout
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
@@ -207,16 +207,7 @@ def _refresh(ctx: RingContext, session: Session, keys: list[bytes | None], resul
     try:
         ctx.tier.touch_soon(due).result()
     except Exception as exc:
-        error = exc if isinstance(exc, KVStoreError) else None
-        code = to_status(error).name if error is not None else "INTERNAL"
-        reason = (f"copied, but its retention refresh failed ({error.message if error else exc!r}): the block "
-                  "may be evicted before its retention window ends; do not count on it")
-        wanted = set(due)
-        failed = [i for i in np.flatnonzero(np.frombuffer(results.statuses, dtype=np.uint8) == DONE).tolist()
-                  if keys[i] in wanted]
-        results.fail_all(dict.fromkeys(failed, reason), code)
-        session.counters.add_refresh_failures(len(failed))
-        log.warning("transfer ring read: the retention refresh of %d blocks failed: %r", len(failed), exc)
+        fail_unrefreshed(exc, session, keys, results, due)
 
 
 class RingServer:
