@@ -59,7 +59,8 @@ from kvstore.v1 import transfer_pb2 as pb
 from tiers.lmdb_tier import LmdbBlockTier
 
 if TYPE_CHECKING:
-    from gateway.transfer_sessions import MappedRegion, Session, SessionTable
+    from gateway.transfer_regions import MappedRegion
+    from gateway.transfer_sessions import Session, SessionTable
 
 log = logging.getLogger("kvstore.transfer")
 
