@@ -3,7 +3,7 @@
 Marked gpu; skipped without CUDA (CI). On the H200 (scripts/device_direct.sh)
 these run over a file laid out as LMDB lays out large values, mapped read-only
 and registered with CUDA as the store's data file is
-(`kvstore.bench.transfer_direct.MappedFile`), and, in
+(`kvstore.bench.direct_sweep.MappedFile`), and, in
 test_gpu_gather_store.py, over a real `kvstore serve` child's store.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvstore.bench.transfer_direct import MappedFile  # noqa: E402
+from kvstore.bench.direct_sweep import MappedFile  # noqa: E402
 from kvstore.codec.block_codec import split_blocks  # noqa: E402
 from kvstore.errors import InvalidArgument  # noqa: E402
 from kvstore.geometry import V4_1_FLASH  # noqa: E402

@@ -246,7 +246,7 @@ def test_the_bench_figures_skip_with_a_note_without_cuda() -> None:
 def test_the_synthetic_mapping_is_laid_out_as_lmdb_overflow_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import numpy as np
 
-    from kvstore.bench.transfer_direct import MappedFile
+    from kvstore.bench.direct_sweep import MappedFile
 
     with MappedFile(6, 56_960, seed=2, folder=str(tmp_path)) as f:
         assert f.base_address % PAGE_BYTES == 0 and f.map_length == PAGE_BYTES + 6 * 14 * PAGE_BYTES
