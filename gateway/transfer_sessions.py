@@ -29,7 +29,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from gateway.transfer_regions import MappedRegion
 from kvstore.config import TransferSettings
@@ -39,11 +39,23 @@ from kvstore.region import NONCE_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, BatchResults
 from kvstore.transfer_ring import RING_BYTES
 
-if TYPE_CHECKING:
-    from gateway.transfer_ring import RingServer
-
 log = logging.getLogger("kvstore.transfer")
 _SHM_NAME = re.compile(r"kvstore-[0-9a-f]{32}")
+
+
+class SessionRing(Protocol):
+    """What a session needs of its request ring (`gateway.transfer_ring.RingServer` is one)."""
+
+    #: The ring memfd's name: a second registration under it renews, under another is refused.
+    name: str
+    #: Held while a ring request copies into a region: a region is never unmapped under it.
+    busy: threading.Lock
+
+    def renew(self) -> None:
+        """Extend the ring's lease (the client renews it through RegisterRegion, which passes auth)."""
+
+    def stop(self) -> None:
+        """End the ring's thread after its current request, and unmap the ring."""
 
 
 @dataclass(kw_only=True)
@@ -137,7 +149,7 @@ class Session:
         self.settings = settings
         self.regions: dict[int, MappedRegion] = {}
         #: The session's request ring, once registered (`gateway.transfer_ring`).
-        self.ring: RingServer | None = None
+        self.ring: SessionRing | None = None
         self.transfers: OrderedDict[int, Transfer] = OrderedDict()
         self.closed = False
         self._next_transfer = 0
@@ -369,7 +381,7 @@ class SessionTable:
         return region
 
     def register_ring(self, session: Session, shm_name: str, pid: int, fd: int, size_bytes: int, nonce: bytes,
-                      start: Callable[[MappedRegion], RingServer]) -> RingServer:
+                      start: Callable[[MappedRegion], SessionRing]) -> SessionRing:
         """Map a client's sealed memfd as `session`'s request ring and start serving it
         (`start`), or renew the lease of the ring already registered under that name.
 
