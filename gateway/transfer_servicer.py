@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -33,6 +33,7 @@ from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 
+T = TypeVar("T")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
 #: A repeated message field's tag and length prefix, at most.
 _FIELD_BYTES = 6
@@ -127,18 +128,10 @@ class TransferServicer(pb_grpc.TransferServicer):
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
         if request.ring:
             return self._register_ring(session, request)
-        try:
-            region = self.table.register(session, request.shm_name, request.pid, request.fd, request.size_bytes,
-                                         request.nonce)
-        except (FileNotFoundError, PermissionError) as exc:
-            # Not an error: the client is on another host (or in another pid
-            # namespace, or another user's) and streams instead.
-            return pb.RegisterRegionResponse(shared=False, reason=f"cannot map {request.shm_name} here: "
-                                             f"{exc.strerror or exc}")
-        except KVStoreError:
-            raise
-        except OSError as exc:
-            raise InvalidArgument(f"cannot map {request.shm_name}: {exc}") from None
+        region, refused = _map_here(request.shm_name, lambda: self.table.register(
+            session, request.shm_name, request.pid, request.fd, request.size_bytes, request.nonce))
+        if region is None:
+            return pb.RegisterRegionResponse(shared=False, reason=refused)
         return pb.RegisterRegionResponse(region_id=region.region_id, shared=True)
 
     def _register_ring(self, session: Session, request: pb.RegisterRegionRequest) -> pb.RegisterRegionResponse:
@@ -146,16 +139,11 @@ class TransferServicer(pb_grpc.TransferServicer):
         ctx = self._ring_context()
         if not ring_supported() or not ctx.limit:
             return pb.RegisterRegionResponse(shared=False, reason="no request ring on this server (x86-64 Linux only)")
-        try:
-            self.table.register_ring(session, request.shm_name, request.pid, request.fd, request.size_bytes,
-                                     request.nonce, lambda mapped: RingServer(mapped, session, self._ring_read))
-        except (FileNotFoundError, PermissionError) as exc:
-            return pb.RegisterRegionResponse(shared=False, reason=f"cannot map {request.shm_name} here: "
-                                             f"{exc.strerror or exc}")
-        except KVStoreError:
-            raise
-        except OSError as exc:
-            raise InvalidArgument(f"cannot map {request.shm_name}: {exc}") from None
+        ring, refused = _map_here(request.shm_name, lambda: self.table.register_ring(
+            session, request.shm_name, request.pid, request.fd, request.size_bytes, request.nonce,
+            lambda mapped: RingServer(mapped, session, self._ring_read)))
+        if ring is None:
+            return pb.RegisterRegionResponse(shared=False, reason=refused)
         return pb.RegisterRegionResponse(shared=True, ring_descriptors=ctx.limit, ring_lease_ms=int(LEASE_S * 1000))
 
     def _ring_context(self) -> RingContext:
@@ -337,3 +325,20 @@ class TransferServicer(pb_grpc.TransferServicer):
         transfer.task = asyncio.create_task(
             run_write(self.tier, session, transfer, plan, spans, self.tier.settings.max_batch_blocks))
         return transfer
+
+
+def _map_here(shm_name: str, map_it: Callable[[], T]) -> tuple[T | None, str]:
+    """What `map_it` mapped, or None and why the client's memfd cannot be seen from here.
+
+    Not seeing it is no error: the client is on another host (or in another pid
+    namespace, or another user's) and streams instead. Any other OS failure is
+    the request's fault: INVALID_ARGUMENT.
+    """
+    try:
+        return map_it(), ""
+    except (FileNotFoundError, PermissionError) as exc:
+        return None, f"cannot map {shm_name} here: {exc.strerror or exc}"
+    except KVStoreError:
+        raise
+    except OSError as exc:
+        raise InvalidArgument(f"cannot map {shm_name}: {exc}") from None
