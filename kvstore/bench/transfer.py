@@ -21,7 +21,7 @@ import numpy as np
 
 from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
-from kvstore.bench.transfer_baselines import p50_s, raw_server
+from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, p50_s, raw_server
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_stream import checked_streams
 from kvstore.geometry import V4_1_FLASH
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                               "GB/s", f"{streams} raw gRPC streams at once, same bytes, copied into a region",
                               gb / striped_s))
     report.notes["streams"] = streams
-    _mooncake(report, n * block_bytes, stream_full.value)
+    _mooncake(report, source, block_bytes, max(batches), args.repeat, stream_full.value, progress)
     if args.gpu == "on" or (args.gpu == "auto" and _cuda()):
         _gpu(report, total, args.repeat)
     return report
@@ -192,16 +192,19 @@ def _raw_striped(n: int, size: int, streams: int, repeat: int, progress: Progres
     return seconds
 
 
-def _mooncake(report: Report, total: int, grpc_gbs: float) -> None:
-    """Mooncake's transfer engine (TCP, loopback) beside the gRPC path, when it can run here."""
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except Exception as exc:  # ImportError, or its native library failing to load
-        report.notes["mooncake"] = (f"skipped: mooncake-transfer-engine cannot run here ({type(exc).__name__}: "
-                                    f"{exc}); no figure against it")
+def _mooncake(report: Report, source: np.ndarray, block_bytes: int, batch: int, repeat: int, grpc_gbs: float,
+              progress: Progress) -> None:
+    """Mooncake's transfer engine (TCP, loopback, another process) reading the same bytes in batches
+    of `batch` block-sized reads, beside the gRPC path's figure; a note instead when it cannot run."""
+    missing = mooncake_missing()
+    if missing:
+        report.notes["mooncake"] = f"skipped: {missing}; no figure against it"
         return
-    report.notes["mooncake"] = ("importable, but its batch_get_into run is not wired in this bench yet; "
-                                "no figure against it")
+    with progress.bar("mooncake batch read", source.nbytes):
+        seconds = mooncake_read_s(source.data, block_bytes, batch, repeat)
+    report.add(Figure.against("grpc fetch vs mooncake", grpc_gbs, "GB/s",
+                              "Mooncake transfer engine TCP batch read, same bytes", source.nbytes / seconds / 1e9))
+    report.notes["mooncake"] = f"TCP on loopback, P2P handshake, batches of {batch} block-sized reads"
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:

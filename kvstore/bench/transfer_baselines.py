@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from kvstore.bench.harness import RAW_SERVER
+from kvstore.bench.harness import RAW_SERVER, best_of
 
 
 def p50_s(fn: Callable[[], object], calls: int) -> float:
@@ -83,3 +83,107 @@ def raw_server(block_bytes: int) -> Iterator[RawServer]:
         yield server
     finally:
         server.close()
+
+
+#: How to make Mooncake's transfer engine run here, for the note when it cannot.
+MOONCAKE_FIX = "apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda"
+
+#: A Mooncake transfer engine (TCP, P2P handshake: no metadata server) holding a memfd the
+#: bench passed it (argv: its descriptor and size), registered: the target of the reads.
+MOONCAKE_TARGET = """
+import ctypes, mmap, sys
+from mooncake.engine import TransferEngine
+fd, size = int(sys.argv[1]), int(sys.argv[2])
+mem = mmap.mmap(fd, size)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+engine = TransferEngine()
+if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") or engine.register_memory(addr, size):
+    print("failed", flush=True)
+    sys.exit(1)
+print(f"127.0.0.1:{engine.get_rpc_port()} {addr}", flush=True)
+sys.stdin.read()  # until the bench closes our stdin
+"""
+
+
+def mooncake_missing() -> str:
+    """Why Mooncake's transfer engine cannot run here ("" when it can)."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # ImportError, or its native library (libibverbs) failing to load
+        return f"mooncake-transfer-engine cannot run here ({type(exc).__name__}: {exc}); fix: {MOONCAKE_FIX}"
+    return ""
+
+
+def buffer_address(view: memoryview) -> int:
+    """The address of a writable buffer's first byte (what Mooncake registers and transfers)."""
+    import numpy as np
+
+    # A numpy view, dropped at once: it exports the buffer only for this line (a ctypes
+    # view would keep it exported, and `view.release()` would then fail).
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+@contextmanager
+def mooncake_target(source: memoryview) -> Iterator[tuple[str, int]]:
+    """A child process whose Mooncake engine registers a memfd holding `source`'s bytes.
+
+    Yields:
+        Its segment name ("127.0.0.1:<port>") and the address of the bytes in it.
+    """
+    from kvstore.region import Region
+
+    with Region(len(source)) as region:
+        region.view[:] = source
+        _, fd = region.handle
+        proc = subprocess.Popen([sys.executable, "-c", MOONCAKE_TARGET, str(fd), str(len(source))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                pass_fds=(fd,), text=True)
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().split()
+            if len(line) != 2:
+                raise RuntimeError("the Mooncake target process did not start")
+            yield line[0], int(line[1])
+        finally:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(timeout=30)
+
+
+def mooncake_read_s(source: memoryview, block_bytes: int, batch: int, repeat: int) -> float:
+    """Best seconds for this process's Mooncake engine to read `source`'s bytes, held registered
+    by another process, into a registered region here: batches of `batch` block-sized reads
+    (`batch_transfer_sync_read`, TCP on loopback). The bytes are checked once.
+
+    Raises:
+        RuntimeError: the engine failed, or the bytes landed wrong.
+    """
+    from mooncake.engine import TransferEngine
+
+    from kvstore.region import Region
+
+    n = len(source) // block_bytes
+    with mooncake_target(source) as (segment, remote), Region(n * block_bytes) as region:
+        view = region.view
+        view[:] = b"\1" * len(view)  # pre-faulted, as the gRPC figures' regions are
+        engine = TransferEngine()
+        local = buffer_address(view)
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") or engine.register_memory(local, len(view)):
+            raise RuntimeError("Mooncake's transfer engine did not start here")
+
+        def read() -> None:
+            for lo in range(0, n, batch):
+                at = range(lo * block_bytes, min(lo + batch, n) * block_bytes, block_bytes)
+                rc = engine.batch_transfer_sync_read(segment, [local + a for a in at], [remote + a for a in at],
+                                                     [block_bytes] * len(at))
+                if rc:
+                    raise RuntimeError(f"Mooncake batch_transfer_sync_read failed ({rc})")
+
+        try:
+            seconds = best_of(read, repeat)
+            if view[:n * block_bytes] != source[:n * block_bytes]:
+                raise RuntimeError("Mooncake's reads landed the wrong bytes")
+        finally:
+            engine.unregister_memory(local)
+            view.release()
+    return seconds
