@@ -15,14 +15,17 @@ which holds every tenant's blocks; the server's auth does not extend to it. It
 is for a worker trusted with the host's store, and off unless configured.
 Design and paths: docs/DIRECT_RESTORE.md.
 
-A read (`MappedRead`, `BlockSpan`) lives in colocated_read.py. The on-disk format
-comes from `tiers.records` and the checksum loops from `tiers.blockcopy` (the one
-exception to the core's layering, tests/kvstore/test_wire.py).
+The reader knows the file: it begins read transactions and finds a read's block records
+in their snapshot (B-tree searches in the mapping where `tiers._blockcopy` is built, py-lmdb's
+gets otherwise). A read itself (`MappedRead`, `BlockSpan`) lives in colocated_read.py. The
+on-disk format comes from `tiers.records` and the B-tree searches from `tiers.blockcopy` (the
+one exception to the core's layering, tests/kvstore/test_wire.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 import weakref
@@ -31,13 +34,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmdb
+import numpy as np
 
 from kvstore.client import arguments
 from kvstore.client.colocated_memory import mapping_base
-from kvstore.client.colocated_read import BlockSpan, MappedRead, _start_lookup
+from kvstore.client.colocated_read import BlockSpan, FoundRecords, MappedRead, _start_lookup
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
+from tiers import blockcopy
+from tiers.records import DATA_TAG, META_STRUCT, META_TAG
 
 if TYPE_CHECKING:
     from kvstore.client.store import Client
@@ -49,6 +55,10 @@ _DEFAULT_TENANT = "default"
 DEFAULT_LEASE_MS = 0
 #: Reader slots in a lock file this process creates (the server's own number, tiers/datadir.py).
 _MAX_READERS = 512
+#: tiers.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
+_META_DTYPE = np.dtype([("parent", "V32"), ("depth", "<u4"), ("size", "<u4"), ("checksum", "<u8"),
+                        ("created", "<f8"), ("last_access", "<f8")])
+assert _META_DTYPE.itemsize == META_STRUCT.size
 
 
 class ColocatedReader:
@@ -178,6 +188,22 @@ class ColocatedReader:
                 raise Unavailable(f"cannot begin a read of {self._path}: {exc}") from None
         raise Unavailable(f"the map of {self._path} keeps growing; read again")
 
+    def bounds(self) -> tuple[int, int, int]:
+        """(base address, bytes valid to read, page bytes) of the mapping, for a read txn begun now."""
+        # The newest snapshot's last page bounds this one's: LMDB writes pages before their meta.
+        info, psize = self._env.info(), self._env.stat()["psize"]
+        return self._base, min((info["last_pgno"] + 1) * psize, self._map_bytes), psize
+
+    def find(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes],
+             bounds: tuple[int, int, int]) -> FoundRecords:
+        """The records of `hashes`' found prefix in `txn`'s snapshot, mapped at `bounds` (`bounds()`).
+
+        Searched natively (without the GIL) where built and `native` is on, unless this
+        snapshot's tree cannot be told for sure; by py-lmdb's gets otherwise.
+        """
+        found = _find_native(txn, scope, hashes, bounds, self.threads) if self.native and hashes else None
+        return found if found is not None else _find_by_gets(txn, scope, hashes, bounds[0])
+
     def _check_open(self) -> None:
         if self._closed:
             raise FailedPrecondition("this ColocatedReader is closed")
@@ -191,7 +217,8 @@ class ColocatedReader:
             raise FailedPrecondition(f"{self._path} was replaced since this reader opened it",
                                      hint="close this ColocatedReader and open a new one")
 
-    def _forget(self, read: MappedRead) -> None:
+    def forget(self, read: MappedRead) -> None:
+        """Stop counting `read` as open (a read calls it as it closes)."""
         with self._lock:
             self._open.discard(read)
 
@@ -216,6 +243,67 @@ class ColocatedReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _find_native(txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], bounds: tuple[int, int, int],
+                 threads: int | None) -> FoundRecords | None:
+    """Find the records with B-tree searches in the mapping itself, without the GIL; None when
+    this snapshot's tree cannot be told for sure (then py-lmdb's gets do it)."""
+    if blockcopy.resolve is None:
+        return None
+    base, length, psize = bounds
+    root = blockcopy.named_root(base, length, psize, txn.id(), b"records")
+    if root is None:
+        return None
+    try:  # slices of the key list searched on the pool's threads (a 1M-token read: ~15,600 keys)
+        answer = blockcopy.resolve_many(base, length, psize, root, scope.prefix, hashes, threads)
+    except ValueError:  # a page that does not parse: LMDB's own reads say what it is
+        return None
+    if answer is None:
+        return None
+    found, damaged, offsets, sizes, meta_offsets, checksums = answer
+    # The views are made from the mapping when a CPU check or copy needs them.
+    return FoundRecords(offsets=offsets, sizes=sizes, checksums=checksums, damaged=[found] if damaged else [],
+                        resolved_by="native", meta_offsets=meta_offsets,
+                        mapped=memoryview((ctypes.c_char * length).from_address(base)).cast("B"))
+
+
+def _find_by_gets(txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], base: int) -> FoundRecords:
+    """Find the found prefix's records with py-lmdb's gets; it ends at a block gone from this
+    snapshot or damaged.
+
+    Kept as columns (`offsets`, `sizes`, `checksums`) all the same: not an object per block.
+    """
+    get, prefix = txn.get, scope.prefix
+    keys = [prefix + h for h in hashes]
+    metas: list[Any] = []
+    datas: list[Any] = []
+    damaged: list[int] = []
+    try:
+        for key in keys:
+            meta = get(key + META_TAG)
+            if meta is None:  # gone before the txn opened (an expired lease): a miss from here
+                break
+            metas.append(meta)
+            datas.append(get(key + DATA_TAG))
+    except lmdb.Error:  # a damaged page: LMDB failed the txn; the prefix ends here
+        damaged.append(len(datas))
+    n = len(datas)
+    if any(len(m) != META_STRUCT.size for m in metas):
+        n = next(i for i, m in enumerate(metas) if len(m) != META_STRUCT.size)
+    if None in datas[:n]:
+        n = datas.index(None, 0, n)
+    records = np.frombuffer(b"".join(metas[:n]), dtype=_META_DTYPE)
+    sizes = records["size"].astype(np.int64)
+    lengths = np.fromiter(map(len, datas[:n]), dtype=np.int64, count=n)
+    wrong = np.flatnonzero(lengths != sizes)
+    if wrong.size:
+        n = int(wrong[0])
+    if n < len(datas) and not damaged:
+        damaged.append(n)
+    offsets = np.asarray(blockcopy.addresses(datas[:n]), dtype=np.int64) - base
+    return FoundRecords(offsets=offsets, sizes=sizes[:n], checksums=records["checksum"][:n].copy(),
+                        damaged=damaged, metas=metas[:n], datas=datas[:n])
 
 
 __all__ = ["DEFAULT_LEASE_MS", "BlockSpan", "ColocatedReader", "MappedRead"]

@@ -1,21 +1,22 @@
 """One same-host read: the found prefix's blocks as spans of this process's mapping of `data.mdb`.
 
-`kvstore.client.colocated.ColocatedReader.read` makes a `MappedRead`; this module holds it
-and its records' lookups (native B-tree searches where `tiers._blockcopy` is built, py-lmdb's
-gets otherwise), checks and copies. Like colocated.py it reads the on-disk format
-(`tiers.records`) and uses the checksum loops (`tiers.blockcopy`): the layering test allows
+`kvstore.client.colocated.ColocatedReader.read` makes a `MappedRead`; this module holds it:
+its Lookup (sent before the records are found, settled when first needed), its columns, and
+the checks and copies of its bytes. Finding the records in the snapshot is the reader's
+(`ColocatedReader.find`, which knows the file); what a read needs of its reader is `ReadOwner`,
+so this module does not import the reader's. Like colocated.py it uses the on-disk format
+(`tiers.records`) and the checksum loops (`tiers.blockcopy`): the layering test allows
 exactly those (tests/kvstore/test_wire.py). Design: docs/DIRECT_RESTORE.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
 import lmdb
@@ -28,15 +29,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
 from tiers import blockcopy
-from tiers.records import DATA_TAG, META_STRUCT, META_TAG
-
-if TYPE_CHECKING:
-    from kvstore.client.colocated import ColocatedReader
-
-#: tiers.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
-_META_DTYPE = np.dtype([("parent", "V32"), ("depth", "<u4"), ("size", "<u4"), ("checksum", "<u8"),
-                        ("created", "<f8"), ("last_access", "<f8")])
-assert _META_DTYPE.itemsize == META_STRUCT.size
+from tiers.records import META_STRUCT
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +47,46 @@ class BlockSpan:
     offset: int
     size: int
     checksum: int
+
+
+@dataclass(slots=True, kw_only=True)
+class FoundRecords:
+    """A read's records as found in its snapshot (`ReadOwner.find`): the found prefix's columns
+    (as `MappedRead` has them), the asked indices found damaged, and how they were found.
+
+    `metas` and `datas` are LMDB's views of each block's records when found by gets; found
+    natively, they are None (made from `mapped`, at `meta_offsets` and `offsets`, when needed).
+    """
+
+    offsets: np.ndarray
+    sizes: np.ndarray
+    checksums: np.ndarray
+    damaged: list[int] = field(default_factory=list)
+    resolved_by: str = "lmdb"
+    metas: list[Any] | None = None
+    datas: list[Any] | None = None
+    mapped: memoryview | None = None
+    meta_offsets: np.ndarray | None = None
+
+
+class ReadOwner(Protocol):
+    """What a `MappedRead` needs of the reader that opened it (`kvstore.client.colocated.ColocatedReader`)."""
+
+    #: Threads that verify and copy blocks (None: `tiers.blockcopy.DEFAULT_THREADS`).
+    threads: int | None
+
+    def bounds(self) -> tuple[int, int, int]:
+        """(base address, bytes valid to read, page bytes) of the mapping, for a read txn begun now."""
+        ...
+
+    def find(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes],
+             bounds: tuple[int, int, int]) -> FoundRecords:
+        """The records of `hashes`' found prefix in `txn`'s snapshot."""
+        ...
+
+    def forget(self, read: MappedRead) -> None:
+        """Stop counting `read` as open (it closed)."""
+        ...
 
 
 def _start_lookup(client: Any, hashes: list[bytes], lease_ms: int) -> Any:
@@ -101,9 +134,9 @@ class MappedRead:
     blocks it found. A caller copying the candidates uses only the first `found_blocks` rows.
     """
 
-    def __init__(self, reader: ColocatedReader, client: Any, scope: BlockScope, hashes: list[bytes],
+    def __init__(self, reader: ReadOwner, client: Any, scope: BlockScope, hashes: list[bytes],
                  start_lookup: Callable[[], Any], txn: lmdb.Transaction, *, wait: bool = True) -> None:
-        self._reader: ColocatedReader | None = reader
+        self._reader: ReadOwner | None = reader
         self._client = client
         self._scope = scope
         self._txn: lmdb.Transaction | None = txn
@@ -116,10 +149,8 @@ class MappedRead:
         self._settling = threading.Lock()
         #: What the server found of each block `report_corrupt` named (span position -> status).
         self.reported: dict[int, str] = {}
-        self.base_address = reader._base
-        # The newest snapshot's last page bounds this one's: LMDB writes pages before their meta.
-        info, psize = reader._env.info(), reader._env.stat()["psize"]
-        self.map_length = min((info["last_pgno"] + 1) * psize, reader._map_bytes)
+        bounds = reader.bounds()
+        self.base_address, self.map_length = bounds[0], bounds[1]
         #: How the records were found: "native" (tiers._blockcopy.resolve) or "lmdb" (py-lmdb gets).
         self.resolved_by = "lmdb"
         self._metas: list[Any] | None = []
@@ -134,8 +165,7 @@ class MappedRead:
             # The Lookup first: the server answers it while the records are searched here. (Sent
             # while the pool searches, it held the GIL the slices start with: no faster on the H200.)
             self._send_lookup()
-            if not (reader.native and hashes and self._resolve_native(txn, scope, hashes, psize)):
-                self._resolve(txn, scope, hashes)
+            self._take(reader.find(txn, scope, hashes, bounds))
             if wait:
                 self.settle()
         except BaseException:
@@ -144,6 +174,13 @@ class MappedRead:
             self._lookup = None
             self.close()
             raise
+
+    def _take(self, found: FoundRecords) -> None:
+        """Hold the columns and views the reader found."""
+        self.offsets, self.sizes, self.checksums = found.offsets, found.sizes, found.checksums
+        self._damaged, self.resolved_by = found.damaged, found.resolved_by
+        self._metas, self._datas, self._mapped = found.metas, found.datas, found.mapped
+        self._meta_offsets = found.meta_offsets
 
     def _send_lookup(self) -> None:
         """Send the Lookup (once), before the records are searched, so the two overlap."""
@@ -195,29 +232,6 @@ class MappedRead:
                 self._metas, self._datas = self._metas[:n], self._datas[:n]
         self._damaged = [i for i in self._damaged if i < n]
 
-    def _resolve_native(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes], psize: int) -> bool:
-        """Find the records with B-tree searches in the mapping itself, without the GIL; False when
-        this snapshot's tree cannot be told for sure (then py-lmdb's gets do it)."""
-        if blockcopy.resolve is None:
-            return False
-        base, length = self.base_address, self.map_length
-        root = blockcopy.named_root(base, length, psize, txn.id(), b"records")
-        if root is None:
-            return False
-        try:  # slices of the key list searched on the pool's threads (a 1M-token read: ~15,600 keys)
-            answer = blockcopy.resolve_many(base, length, psize, root, scope.prefix, hashes, self._threads())
-        except ValueError:  # a page that does not parse: LMDB's own reads say what it is
-            return False
-        if answer is None:
-            return False
-        found, damaged, self.offsets, self.sizes, self._meta_offsets, self.checksums = answer
-        if damaged:
-            self._damaged.append(found)
-        self._mapped = memoryview((ctypes.c_char * length).from_address(base)).cast("B")
-        self._metas = self._datas = None  # views made when a CPU check or copy needs them
-        self.resolved_by = "native"
-        return True
-
     def _views(self) -> tuple[list[Any], list[Any]]:
         """(meta, data) views of each block: LMDB's, or slices of the mapping (native resolve)."""
         if self._datas is None or self._metas is None:
@@ -227,43 +241,6 @@ class MappedRead:
             self._datas = [mapped[lo:hi] for lo, hi in zip(offs, ends, strict=True)]
             self._metas = [mapped[m:m + META_STRUCT.size] for m in self._meta_offsets.tolist()]
         return self._metas, self._datas
-
-    def _resolve(self, txn: lmdb.Transaction, scope: BlockScope, hashes: list[bytes]) -> None:
-        """Find the found prefix's records with py-lmdb's gets; it ends at a block gone from this
-        snapshot or damaged.
-
-        Kept as columns (`offsets`, `sizes`, `checksums`) all the same: not an object per block.
-        """
-        get, prefix = txn.get, scope.prefix
-        keys = [prefix + h for h in hashes]
-        metas: list[Any] = []
-        datas: list[Any] = []
-        try:
-            for key in keys:
-                meta = get(key + META_TAG)
-                if meta is None:  # gone before the txn opened (an expired lease): a miss from here
-                    break
-                metas.append(meta)
-                datas.append(get(key + DATA_TAG))
-        except lmdb.Error:  # a damaged page: LMDB failed the txn; the prefix ends here
-            self._damaged.append(len(datas))
-        n = len(datas)
-        if any(len(m) != META_STRUCT.size for m in metas):
-            n = next(i for i, m in enumerate(metas) if len(m) != META_STRUCT.size)
-        if None in datas[:n]:
-            n = datas.index(None, 0, n)
-        records = np.frombuffer(b"".join(metas[:n]), dtype=_META_DTYPE)
-        sizes = records["size"].astype(np.int64)
-        lengths = np.fromiter(map(len, datas[:n]), dtype=np.int64, count=n)
-        wrong = np.flatnonzero(lengths != sizes)
-        if wrong.size:
-            n = int(wrong[0])
-        if n < len(datas) and not self._damaged:
-            self._damaged.append(n)
-        self._metas, self._datas = metas[:n], datas[:n]
-        self.offsets = np.asarray(blockcopy.addresses(self._datas), dtype=np.int64) - self.base_address
-        self.sizes = sizes[:n]
-        self.checksums = records["checksum"][:n].copy()
 
     @cached_property
     def spans(self) -> list[BlockSpan]:
@@ -393,7 +370,7 @@ class MappedRead:
         self._txn.abort()
         self._txn = None
         if self._reader is not None:
-            self._reader._forget(self)
+            self._reader.forget(self)
             self._reader = None
         _release(self._client, self._lease_id)
         self._lease_id = None
