@@ -1,0 +1,105 @@
+"""What `kvstore check` found: one `Problem` per finding, counted and listed in a `CheckReport`.
+
+docs/OPERATIONS.md says what each kind of problem means; `tiers.integrity` fills the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tiers.lmdb_pages import short_key
+
+#: Problems of one kind listed in a report; the rest are counted only.
+LISTED_PER_KIND = 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Problem:
+    """One thing the walk found wrong."""
+
+    kind: str
+    detail: str
+    key: str = ""  # hex storage key of the block concerned, when there is one
+
+
+@dataclass(kw_only=True)
+class CheckReport:
+    """What `check_store` found, and what a repair drops (or dropped).
+
+    Attributes:
+        data_dir: the store checked.
+        repair: whether a repair was asked for; `repaired` whether one was written.
+        live: a server held the store while it was checked (read-only).
+        blocks_checked / bytes_checked: blocks whose records were read.
+        blocks_kept / bytes_kept: blocks a repair keeps (the usage totals after it).
+        blocks_dropped / bytes_dropped: damaged blocks, their descendants and orphans.
+        entries_dropped / entries_added: index and child entries a repair removes or adds.
+        usage_recorded: (blocks, bytes) the state records say; None when absent.
+        unreadable: key ranges on pages LMDB could not read.
+        counts: problems per kind; `problems` lists up to LISTED_PER_KIND of each.
+        fatal: why the walk could not run at all (None when it ran).
+        notes: what the repair did beyond the counts.
+    """
+
+    data_dir: str
+    repair: bool
+    repaired: bool = False
+    live: bool = False
+    blocks_checked: int = 0
+    bytes_checked: int = 0
+    blocks_kept: int = 0
+    bytes_kept: int = 0
+    blocks_dropped: int = 0
+    bytes_dropped: int = 0
+    entries_dropped: int = 0
+    entries_added: int = 0
+    usage_recorded: tuple[int, int] | None = None
+    unreadable: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+    fatal: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """The store is sound: nothing to drop, add or fix."""
+        return self.fatal is None and not self.counts
+
+    def add(self, kind: str, detail: str, key: bytes = b"") -> None:
+        """Count a problem, listing it while its kind has fewer than LISTED_PER_KIND listed."""
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if self.counts[kind] <= LISTED_PER_KIND:
+            self.problems.append(Problem(kind=kind, detail=detail, key=key.hex()))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-able values."""
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["usage_recorded"] = list(self.usage_recorded) if self.usage_recorded else None
+        return out
+
+    def lines(self) -> list[str]:
+        """The report for a person, one line each."""
+        head = f"kvstore check {self.data_dir}"
+        if self.live:
+            head += " (live: a server holds it; read-only)"
+        out = [head]
+        if self.fatal:
+            out.append(f"cannot check: {self.fatal}")
+        out.append(f"blocks checked: {self.blocks_checked} ({self.bytes_checked} bytes)")
+        for kind, n in sorted(self.counts.items()):
+            out.append(f"{kind}: {n}")
+            out.extend(f"  {short_key(bytes.fromhex(p.key)) + ' ' if p.key else ''}{p.detail}"
+                       for p in self.problems if p.kind == kind)
+        if self.ok:
+            out.append("OK: every record is intact and consistent")
+        elif self.fatal is None:
+            verb = "dropped" if self.repaired else "a repair drops"
+            out.append(f"{verb}: {self.blocks_dropped} blocks ({self.bytes_dropped} bytes), "
+                       f"{self.entries_dropped} index entries; adds {self.entries_added}; keeps "
+                       f"{self.blocks_kept} blocks ({self.bytes_kept} bytes)")
+            if not self.repaired:
+                out.append(f"to repair: kvstore check --data-dir {self.data_dir} --repair (with no server running)")
+        out.extend(self.notes)
+        return out
