@@ -16,6 +16,7 @@ from gateway import validate
 from gateway.auth import current_caller, require
 from gateway.hit_stats import HitStats
 from gateway.status import streaming, unary
+from gateway.transfer_bulk import BulkServer
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_fetch import fetch, fetch_keys
 from gateway.transfer_ring import RingContext, RingServer
@@ -98,6 +99,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         # convoy on it (fetches ran a third slower), so it gets one.
         threads = settings.copy_threads if blockcopy.NATIVE else 1
         self.copier = Copier(tier, threads)
+        self.bulk = BulkServer(settings, max(layout.block_bytes for layout in layouts.values()))
 
     async def close(self) -> None:
         """End every session (their batches finish their current chunk), then stop the copy threads."""
@@ -120,6 +122,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             # its connection dropping or its process dying all end the wait.
             await asyncio.Event().wait()
         finally:
+            self.bulk.forget(session.session_id)
             await self.table.close(session)
 
     @unary
@@ -248,6 +251,38 @@ class TransferServicer(pb_grpc.TransferServicer):
         self.table.counters.count(fetched.results)
         r = fetched.results
         return pb.FetchReply(statuses=bytes(r.statuses), data=fetched.data,
+                             failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
+                                       for i, (code, reason) in sorted(r.failures.items())])
+
+    @unary
+    async def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.aio.ServicerContext) -> pb.OpenBulkReply:
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
+        refused = await self.bulk.open(session.session_id, request.transport, request.segment)
+        if refused:
+            return pb.OpenBulkReply(accepted=False, reason=refused)
+        return pb.OpenBulkReply(accepted=True, max_blocks=self.bulk.max_blocks, slots=self.bulk.slots)
+
+    @unary
+    async def BulkFetch(self, request: pb.BulkFetchRequest, context: grpc.aio.ServicerContext) -> pb.FetchReply:
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
+        segment = self.bulk.segment(session.session_id)
+        layout = self.layouts[session.geometry]
+        keys = fetch_keys(session.scope, request.block_hashes, block_bytes=layout.block_bytes,
+                          max_blocks=self.bulk.max_blocks, max_bytes=self.bulk.slot_bytes)
+        offsets = self.bulk.checked_offsets(len(keys), request.offsets_bytes, request.address, request.size_bytes,
+                                            layout.block_bytes)
+        fetched = None
+        try:
+            fetched = await self.bulk.fetch(self.tier, keys, segment, offsets, request.address, layout.block_bytes,
+                                            request.prefix_only)
+        finally:  # counted as Fetch counts: a Get of these blocks
+            found = fetched.found if fetched is not None else 0
+            self.tier.count_get(len(keys), found)
+            if self.hits is not None:
+                self.hits.record(session.scope.namespace, "get", len(keys), found)
+        self.table.counters.count(fetched.results)
+        r = fetched.results
+        return pb.FetchReply(statuses=bytes(r.statuses),
                              failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
                                        for i, (code, reason) in sorted(r.failures.items())])
 

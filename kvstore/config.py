@@ -190,6 +190,10 @@ class SwaSettings:
         check_ranges(self, "swa")
 
 
+#: Values of `transfer.bulk`.
+BULK_TRANSPORTS = ("off", "mooncake")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransferSettings:
     """Batched transfers into client-registered memory regions (docs/TRANSFER.md)."""
@@ -243,6 +247,19 @@ class TransferSettings:
     #: (TRANSFER_STATE_BYTES_PER_DESCRIPTOR each). A reply is built on the event
     #: loop: 4 MiB of failures took about 0.1 s to build on the dev box.
     max_reply_bytes: int = 4 << 20
+    #: Bulk transport for clients whose regions the server cannot map (docs/TRANSFER.md
+    #: "Bulk transport"): "off", or "mooncake" (Mooncake's transfer engine writes fetched
+    #: blocks straight into the client's registered memory; gRPC stays the fallback).
+    #: Off by default: Mooncake's engines do not authenticate peers, so any host that
+    #: reaches one reads and writes its registered memory (a trusted fabric only).
+    bulk: str = "off"
+    #: The address the server's transfer engine names itself by: its host on the fabric.
+    bulk_host: str = "127.0.0.1"
+    #: Bytes of the staging pool blocks are verified into before the engine writes them
+    #: (allocated and registered at the first accepted OpenBulk; pages are touched as used).
+    bulk_staging_bytes: int = 256 << 20
+    #: Most blocks in one BulkFetch: one staging slot (the pool holds bulk_staging_bytes of slots).
+    bulk_max_blocks: int = 128
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_session_mapped_bytes": Range(1, MAX_BYTES),
@@ -259,10 +276,15 @@ class TransferSettings:
         "keep_finished": Range(1, 1 << 20),
         "chunk_descriptors": Range(1, 1 << 20),
         "copy_threads": Range(1, 256),
+        "bulk_staging_bytes": Range(1 << 20, 1 << 40),
+        # Mooncake's TCP transport refused a batch of 4,096 writes (its lane queue was full).
+        "bulk_max_blocks": Range(1, 512),
     }
 
     def __post_init__(self) -> None:
         check_ranges(self, "transfer")
+        if self.bulk not in BULK_TRANSPORTS:
+            raise ConfigError(f"transfer.bulk = {self.bulk!r}: use one of {', '.join(BULK_TRANSPORTS)}")
         if not (self.max_descriptors <= self.max_session_descriptors <= self.max_inflight_descriptors
                 <= self.max_held_descriptors):
             raise ConfigError(f"transfer: max_descriptors ({self.max_descriptors}) <= max_session_descriptors "

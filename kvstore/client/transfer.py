@@ -12,9 +12,13 @@ Paths (one ABC, picked from `PATHS`):
 - "stream": blocks come over `Transfer.Fetch` calls, `streams` in flight at once
   (and go out by Put), and are copied into or out of the region here: the path
   across hosts (`kvstore.client.transfer_stream`).
+- "bulk": the server's Mooncake transfer engine writes fetched blocks straight into
+  the region (`kvstore.client.transfer_bulk`), negotiated per session, with
+  "stream" as the fallback (`session.bulk_reason` says why it is not in use).
 "auto" registers each region with the server, which proves it can see the
 region by reading a nonce from it; a region the server cannot map is served
-by "stream". The caller's code is the same on every path.
+by "bulk" when the session negotiated it (at its first such region), else by
+"stream". The caller's code is the same on every path.
 
 Every method raises a `kvstore.errors` class, never a bare ValueError or
 TypeError: `InvalidArgument` for a bad argument (nothing sent).
@@ -32,10 +36,12 @@ import grpc
 from kvstore.client import arguments
 from kvstore.client.blocks import encode_extra_keys
 from kvstore.client.connection import Connection, status_error
+from kvstore.client.transfer_bulk import BulkPath
 from kvstore.client.transfer_path import Transfer, TransferPath, timeout
 from kvstore.client.transfer_ring import RingClient, RingUnusable, open_ring
+from kvstore.client.transfer_shm import ShmPath, state_of
 from kvstore.client.transfer_stream import StreamPath, checked_streams
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.prefix import HASH_BYTES, ExtraKey
 from kvstore.region import Region
 from kvstore.transfer import Descriptor, DescriptorGroup, Op, TransferState, group
@@ -56,125 +62,6 @@ def _hashes(values: Any) -> list[bytes]:
             raise InvalidArgument(f"hashes[{i}] is a {type(h).__name__}; a block hash is {HASH_BYTES} bytes")
         out.append(bytes(h))
     return out
-
-
-def _state(reply: pb.TransferState, block_bytes: int) -> TransferState:
-    # Kept as columns: per-descriptor results are built only if the caller asks.
-    return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
-                         statuses=reply.statuses, block_bytes=block_bytes, block_hashes=reply.block_hashes,
-                         failures={f.index: (f.code, f.reason) for f in reply.failures})
-
-
-class _ShmTransfer(Transfer):
-    def __init__(self, path: ShmPath, transfer_id: int) -> None:
-        self.path = path
-        self.transfer_id = transfer_id
-        self._final: TransferState | None = None
-
-    def status(self) -> TransferState:
-        return self._final or self._get(0)
-
-    def wait(self, timeout_s: float | None = None) -> TransferState:
-        timeout_s = timeout(timeout_s)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._final is None:
-            left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
-            state = self._get(min(left_ms, 10_000))
-            if state.done:
-                self._final = state
-            elif left_ms == 0:
-                return state
-        return self._final
-
-    def _get(self, wait_ms: int) -> TransferState:
-        return _state(self.path.call(self.path.stub.GetTransfer, pb.GetTransferRequest(
-            session_id=self.path.session_id, transfer_id=self.transfer_id, wait_ms=wait_ms)), self.path.block_bytes)
-
-
-class ShmPath(TransferPath):
-    """One-sided copies by the server, between LMDB's map and regions it mapped."""
-
-    def __init__(self, session: TransferSession) -> None:
-        self.stub = session.stub
-        self.call = session.call
-        self.session_id = session.session_id
-        self.block_bytes = session.connection.block_bytes
-        self.timeout_s = session.connection.timeout_s
-        self.keep_finished = session.keep_finished
-        self.session = session
-
-    def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:
-        return self._submit(self._read_request(groups, prefix_only))
-
-    def read_many(self, batches: Sequence[Sequence[DescriptorGroup]], prefix_only: bool) -> list[Transfer]:
-        """Start several read batches with one SubmitMany per `keep_finished` of them.
-
-        One batch alone (a small fetch) is one Submit that answers when it is done:
-        one round trip, where SubmitMany then GetTransfers take two.
-        """
-        requests = [self._read_request(groups, prefix_only) for groups in batches]
-        ring = self.session.ring
-        if len(requests) == 1 and ring is not None and sum(len(g) for g in batches[0]) <= ring.max_descriptors:
-            try:
-                done = _ShmTransfer(self, 0)
-                done._final = _state(ring.read(requests[0]), self.block_bytes)
-                return [done]
-            except RingUnusable:
-                pass  # busy with another thread's request, or broken: Submit serves it
-        if len(requests) == 1:
-            requests[0].wait = True
-            reply = self.call(self.stub.Submit, requests[0])
-            done = _ShmTransfer(self, reply.transfer_id)
-            done._final = _state(reply.state, self.block_bytes)
-            return [done]
-        step = self.keep_finished or len(requests)
-        out: list[Transfer] = []
-        for start in range(0, len(requests), step):
-            reply = self.call(self.stub.SubmitMany, pb.SubmitManyRequest(
-                session_id=self.session_id, batches=requests[start:start + step]))
-            out.extend(_ShmTransfer(self, tid) for tid in reply.transfer_ids)
-        return out
-
-    def wait_many(self, transfers: Sequence[Transfer], timeout_s: float | None) -> None:
-        """Wait with one GetTransfers per `keep_finished` batches rather than a call per batch."""
-        if not self.keep_finished:
-            return  # not a shared-memory session: nothing of this path to wait for
-        waiting = [t for t in transfers if isinstance(t, _ShmTransfer) and t.path is self and t._final is None]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while waiting:
-            left_ms = 10_000 if deadline is None else int(max(deadline - time.monotonic(), 0) * 1000)
-            for start in range(0, len(waiting), self.keep_finished):
-                part = waiting[start:start + self.keep_finished]
-                reply = self.call(self.stub.GetTransfers, pb.GetTransfersRequest(
-                    session_id=self.session_id, transfer_ids=[t.transfer_id for t in part],
-                    wait_ms=min(left_ms, 10_000)))
-                # The server answers the first ids whose states fit its reply limit
-                # (`omitted` says how many it left out): the rest are asked again.
-                for transfer, state in zip(part, reply.states, strict=False):
-                    if state.done:
-                        transfer._final = _state(state, self.block_bytes)
-            waiting = [t for t in waiting if t._final is None]
-            if left_ms == 0:
-                return
-
-    def _read_request(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> pb.SubmitRequest:
-        return pb.SubmitRequest(session_id=self.session_id, op=pb.TRANSFER_OP_READ, prefix_only=prefix_only,
-                                groups=_wire(groups))
-
-    def write(self, groups: Sequence[DescriptorGroup], parent_hash: bytes, token_ids: Sequence[int],
-              extra_keys: Sequence[bytes]) -> Transfer:
-        return self._submit(pb.SubmitRequest(op=pb.TRANSFER_OP_WRITE, groups=_wire(groups),
-                                             parent_hash=parent_hash, token_ids=token_ids, extra_keys=extra_keys))
-
-    def _submit(self, request: pb.SubmitRequest) -> Transfer:
-        request.session_id = self.session_id
-        reply = self.call(self.stub.Submit, request)
-        return _ShmTransfer(self, reply.transfer_id)
-
-
-def _wire(groups: Sequence[DescriptorGroup]) -> list[pb.DescriptorGroup]:
-    return [pb.DescriptorGroup(region_id=g.region_id, length_bytes=g.length_bytes, block_hashes=g.block_hashes,
-                               offsets_bytes=g.offsets_bytes.tolist()) for g in groups]
 
 
 def _descriptors(descriptors: Any, most: int) -> list[Descriptor]:
@@ -198,7 +85,8 @@ class TransferSession:
 
     Args:
         connection: the connection (its tenant and geometry are the session's).
-        path: "auto", "shm" (fail if the server cannot map a region) or "stream".
+        path: "auto", "shm" (fail if the server cannot map a region), "stream" (gRPC, no
+            session) or "bulk" (the bulk transport for every region, gRPC if refused).
         streams: Fetch calls the stream path keeps in flight at once, 1 to
             `MAX_STREAMS` (None: two per core, 2 to 8).
         ring: read small batches (one `fetch` batch of at most `ring.max_descriptors`)
@@ -211,8 +99,8 @@ class TransferSession:
 
     def __init__(self, connection: Connection, *, path: str = "auto", streams: int | None = None,
                  ring: bool = True) -> None:
-        if not isinstance(path, str) or path not in (*PATHS, "auto"):
-            raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}; got {path!r}")
+        if not isinstance(path, str) or path not in (*PATHS, "bulk", "auto"):
+            raise InvalidArgument(f"path must be one of auto, {', '.join(PATHS)}, bulk; got {path!r}")
         if not isinstance(ring, bool):
             raise InvalidArgument(f"ring must be a bool, got {type(ring).__name__}")
         #: The request ring once registered (None: small reads go by Submit); `ring_reason` says why not.
@@ -224,6 +112,8 @@ class TransferSession:
         self.path = path
         self.stub = pb_grpc.TransferStub(connection.channel)
         self.regions: dict[int, Region] = {}
+        #: Bulk paths turned off (`bulk_failed`) whose regions are still registered with the engine.
+        self._closing: list[BulkPath] = []
         self.session_id = ""
         self._events: Any = None
         if path != "stream":
@@ -242,6 +132,39 @@ class TransferSession:
             self.keep_finished = 0
             self.max_session_descriptors = 0
         self._paths = {name: cls(self) for name, cls in PATHS.items()}
+        #: The bulk transport once negotiated (None: regions the server cannot map stream over
+        #: gRPC); `bulk_reason` says why not.
+        self.bulk: BulkPath | None = None
+        self.bulk_reason = ("off: path='stream' opens no session" if path == "stream"
+                            else "not negotiated yet: asked at the first region the server cannot map")
+        self._want_bulk = path not in ("stream", "shm")
+        if path == "bulk":
+            self._negotiate_bulk()
+
+    def _negotiate_bulk(self) -> None:
+        """Ask the server for the bulk transport, once; on any refusal or failure say why and stream."""
+        self._want_bulk = False
+        stream = self._paths["stream"]
+        assert isinstance(stream, StreamPath)
+        try:
+            bulk = BulkPath(self, stream, 0)
+            reply = self.call(self.stub.OpenBulk, pb.OpenBulkRequest(
+                session_id=self.session_id, transport="mooncake", segment=bulk.segment))
+        except KVStoreError as exc:
+            self.bulk_reason = f"off: {exc.message}" + (f" ({exc.hint})" if exc.hint else "")
+            return
+        if not reply.accepted:
+            bulk.close()
+            self.bulk_reason = f"off: the server refused it: {reply.reason}"
+            return
+        bulk.max_blocks = max(1, reply.max_blocks)
+        self.bulk, self.bulk_reason = bulk, ""
+
+    def bulk_failed(self, reason: str) -> None:
+        """Turn the bulk transport off for this session (its regions stream from now on)."""
+        if self.bulk is not None:
+            self._closing.append(self.bulk)
+        self.bulk, self.bulk_reason = None, f"off: {reason}"
 
     def call(self, method: Any, request: Any) -> Any:
         """One unary call, its failure raised as a KVStoreError."""
@@ -264,7 +187,7 @@ class TransferSession:
         """
         region = Region(arguments.integer(size_bytes, "size_bytes", least=1))
         try:
-            if self.path != "stream":
+            if self.path not in ("stream", "bulk"):
                 nonce = region.write_nonce()
                 pid, fd = region.handle
                 reply = self.call(self.stub.RegisterRegion, pb.RegisterRegionRequest(
@@ -281,6 +204,10 @@ class TransferSession:
                                              hint='use path="auto" or "stream" across hosts')
             if not region.shared:
                 region.region_id = next(_LOCAL_IDS)
+                if self._want_bulk:
+                    self._negotiate_bulk()
+                if self.bulk is not None and not self.bulk.register(region):
+                    self.bulk_failed(f"the client's engine could not register region {region.name}")
         except BaseException:
             region.close()
             raise
@@ -306,6 +233,9 @@ class TransferSession:
         if region.shared:
             self.call(self.stub.DeregisterRegion, pb.DeregisterRegionRequest(
                 session_id=self.session_id, region_id=region.region_id))
+        for bulk in (self.bulk, *self._closing):
+            if bulk is not None:  # before it is unmapped: no engine may write into it after
+                bulk.unregister(region)
         self.regions.pop(region.region_id, None)
         region.close()
 
@@ -322,6 +252,8 @@ class TransferSession:
     def _path_for(self, groups: Sequence[DescriptorGroup]) -> TransferPath:
         regions = [self.regions.get(g.region_id) for g in groups]
         shared = all(r is not None and r.shared for r in regions)
+        if not shared and self.bulk is not None and self.bulk.covers(groups):
+            return self.bulk
         return self._paths["shm" if shared else "stream"]
 
     def read(self, descriptors: Sequence[Descriptor], *, prefix_only: bool = False) -> Transfer:
@@ -395,7 +327,7 @@ class TransferSession:
             state = self._ring_fetch(ring, hashes, region, offset_bytes, prefix_only)
             if state is not None:
                 return state
-        if not region.shared and len(hashes) <= step:  # one stripe's worth: one call, little Python
+        if not region.shared and self.bulk is None and len(hashes) <= step:  # one stripe: one call, little Python
             stream = self._paths["stream"]
             assert isinstance(stream, StreamPath)
             state = stream.fetch_slots(hashes, region.view, offset_bytes, prefix_only)
@@ -438,7 +370,7 @@ class TransferSession:
             region_id=region.region_id, length_bytes=size, block_hashes=b"".join(hashes),
             offsets_bytes=range(offset_bytes, offset_bytes + len(hashes) * size, size))])
         try:
-            return _state(ring.read(request), size)
+            return state_of(ring.read(request), size)
         except RingUnusable:
             return None
 
@@ -466,6 +398,10 @@ class TransferSession:
         """End the session: the server unmaps every region; the regions are closed here."""
         for path in self._paths.values():
             path.close()
+        for bulk in (self.bulk, *self._closing):
+            if bulk is not None:  # unregisters the regions from the engine before they are unmapped
+                bulk.close()
+        self.bulk, self._closing = None, []
         if self._events is not None:
             self._events.cancel()
             self._events = None

@@ -229,6 +229,44 @@ class FetchReply(_message.Message):
     failures: _containers.RepeatedCompositeFieldContainer[DescriptorFailure]
     def __init__(self, statuses: _Optional[bytes] = ..., data: _Optional[bytes] = ..., failures: _Optional[_Iterable[_Union[DescriptorFailure, _Mapping]]] = ...) -> None: ...
 
+class OpenBulkRequest(_message.Message):
+    __slots__ = ("session_id", "transport", "segment")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    transport: str
+    segment: str
+    def __init__(self, session_id: _Optional[str] = ..., transport: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
+
+class OpenBulkReply(_message.Message):
+    __slots__ = ("accepted", "reason", "max_blocks", "slots")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    max_blocks: int
+    slots: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., max_blocks: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
+
+class BulkFetchRequest(_message.Message):
+    __slots__ = ("session_id", "block_hashes", "address", "size_bytes", "offsets_bytes", "prefix_only")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    block_hashes: bytes
+    address: int
+    size_bytes: int
+    offsets_bytes: _containers.RepeatedScalarFieldContainer[int]
+    prefix_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., offsets_bytes: _Optional[_Iterable[int]] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+
 class TransferStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

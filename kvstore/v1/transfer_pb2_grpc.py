@@ -74,6 +74,16 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
                 _registered_method=True)
+        self.OpenBulk = channel.unary_unary(
+                '/kvstore.v1.Transfer/OpenBulk',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.OpenBulkRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.OpenBulkReply.FromString,
+                _registered_method=True)
+        self.BulkFetch = channel.unary_unary(
+                '/kvstore.v1.Transfer/BulkFetch',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.Transfer/Stats',
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
@@ -147,6 +157,24 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulk(self, request, context):
+        """The bulk transport (docs/TRANSFER.md "Bulk transport"): the client names its
+        transfer engine; the server answers whether it will write this session's
+        fetches straight into that engine's registered memory, and why not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BulkFetch(self, request, context):
+        """Blocks by hash, verified by the server and written by its transfer engine
+        into the client's registered memory; the reply carries statuses only (its
+        data is empty). Same checks, retention refresh and counting as Fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """The service's counters and what it holds now (`kvstore stats` shows them).
         """
@@ -195,6 +223,16 @@ def add_TransferServicer_to_server(servicer, server):
             'Fetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.SerializeToString,
+            ),
+            'OpenBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulk,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.OpenBulkRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.OpenBulkReply.SerializeToString,
+            ),
+            'BulkFetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.BulkFetch,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -418,6 +456,60 @@ class Transfer:
             target,
             '/kvstore.v1.Transfer/Fetch',
             kvstore_dot_v1_dot_transfer__pb2.FetchRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/OpenBulk',
+            kvstore_dot_v1_dot_transfer__pb2.OpenBulkRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.OpenBulkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BulkFetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/BulkFetch',
+            kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
             options,
             channel_credentials,

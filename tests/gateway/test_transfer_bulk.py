@@ -1,0 +1,220 @@
+"""The bulk transport (docs/TRANSFER.md "Bulk transport"): a real server with real LMDB, and
+real Mooncake transfer engines on loopback (the server's and this process's) writing blocks
+into client regions; gRPC (`Transfer.Fetch`) as the fallback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvstore.client import Client, transfer_bulk
+from kvstore.client.transfer import TransferSession
+from kvstore.config import StoreSettings, TransferSettings
+from kvstore.errors import ConfigError, InvalidArgument
+from kvstore.geometry import V4_1_FLASH
+from kvstore.transfer import Status
+from kvstore.v1 import transfer_pb2 as pb
+from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+from tests.gateway.test_transfer_fetch import corrupt
+
+TOKENS = 16
+BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
+MISSING_ENGINE = ""
+try:
+    from mooncake.engine import TransferEngine  # noqa: F401
+except Exception as exc:  # the package absent, or libibverbs missing
+    MISSING_ENGINE = f"mooncake-transfer-engine cannot run here ({exc}); fix: {transfer_bulk.FIX}"
+
+needs_engine = pytest.mark.skipif(bool(MISSING_ENGINE), reason=MISSING_ENGINE)
+
+
+def _store(tmp_path: Path, blocks: int = 64) -> StoreSettings:
+    return StoreSettings(data_dir=tmp_path / "store", capacity_bytes=blocks * BLOCK_BYTES, block_tokens=TOKENS)
+
+
+@pytest.fixture
+def bulk_server(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[tuple[Client, Path]]:
+    """A server with `transfer.bulk = "mooncake"` (two blocks a BulkFetch, so fetches take several calls),
+    a client, and the server's LMDB file."""
+    store = _store(tmp_path)
+    server = start_server(store, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=2,
+                                                           bulk_staging_bytes=1 << 20))
+    with Client(server.target) as c:
+        yield c, store.data_dir / "data.mdb"
+
+
+def _fetch(client: Client, path: str, asked: list[bytes], prefix_only: bool, streams: int = 4
+           ) -> tuple[list[Any], bytes, str | None]:
+    """A fetch's (status, code) per block, the region's bytes, and "" when the bulk transport
+    served it to the end (else `bulk_reason`)."""
+    with TransferSession(client.connection, path=path, streams=streams) as s:
+        region = s.register(len(asked) * BLOCK_BYTES)
+        state = s.fetch(asked, region, batch_descriptors=len(asked), prefix_only=prefix_only)
+        used = "" if s.bulk is not None else s.bulk_reason
+        return [(r.status, r.code) for r in state.results], bytes(region.view), used
+
+
+@needs_engine
+def test_a_bulk_fetch_lands_what_the_grpc_fetch_does(bulk_server: Any) -> None:
+    client, data_file = bulk_server
+    tokens = list(range(5 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(5)]
+    client.put(tokens, blocks)
+    corrupt(data_file, blocks[3])
+    hashes = client.hashes(tokens)
+    # found, missing, found, found, a bad hash (fails alone, never sent), corrupt (dropped when met)
+    asked = [hashes[0], b"\x05" * 32, hashes[1], hashes[2], b"\x06" * 31, hashes[3]]
+    statuses, landed, used = _fetch(client, "bulk", asked, False)
+    assert used == "", f"the bulk transport was not used: {used}"
+    assert statuses == [(Status.DONE, ""), (Status.MISSING, ""), (Status.DONE, ""), (Status.DONE, ""),
+                        (Status.FAILED, "INVALID_ARGUMENT"), (Status.FAILED, "DATA_LOSS")]
+    assert landed[:BLOCK_BYTES] == blocks[0]
+    assert landed[2 * BLOCK_BYTES: 4 * BLOCK_BYTES] == blocks[1] + blocks[2]
+    assert landed[BLOCK_BYTES:2 * BLOCK_BYTES] == bytes(BLOCK_BYTES), "a missing block lands nothing"
+    assert landed[5 * BLOCK_BYTES:] == bytes(BLOCK_BYTES), "a corrupt block is not landed"
+    # The corrupt block was dropped: both paths now see it missing, and agree on everything.
+    bulk, grpc_ = _fetch(client, "bulk", asked, False), _fetch(client, "stream", asked, False)
+    assert bulk[2] == "" and bulk[:2] == grpc_[:2]
+    bulk, grpc_ = _fetch(client, "bulk", asked, True), _fetch(client, "stream", asked, True)
+    assert bulk[2] == ""
+    assert bulk[0] == grpc_[0] == [(Status.DONE, ""), (Status.MISSING, ""), (Status.SKIPPED, ""),
+                                   (Status.SKIPPED, ""), (Status.FAILED, "INVALID_ARGUMENT"), (Status.SKIPPED, "")]
+    assert bulk[1][:BLOCK_BYTES] == grpc_[1][:BLOCK_BYTES] == blocks[0]
+
+
+@needs_engine
+def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_server: Any) -> None:
+    client, _ = bulk_server
+    n = 40
+    tokens = list(range(n * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(n)]
+    client.put(tokens, blocks)
+    hashes = client.hashes(tokens)
+    with TransferSession(client.connection, path="bulk", streams=8) as s:
+        region = s.register((n + 1) * BLOCK_BYTES)
+        state = s.fetch(hashes, region, offset_bytes=BLOCK_BYTES, batch_descriptors=16)  # 3 batches, 20 calls
+        assert s.bulk is not None and state.done_prefix == n and state.bytes_moved == n * BLOCK_BYTES
+        assert bytes(region.view[BLOCK_BYTES:]) == b"".join(blocks)
+        # read() returns at once and runs on the path's thread.
+        transfer = s.read(_descriptors(hashes[:3], region))
+        assert [r.status for r in transfer.wait(30).results] == [Status.DONE] * 3
+
+
+def _descriptors(hashes: list[bytes], region: Any) -> list[Any]:
+    from kvstore.transfer import Descriptor
+
+    return [Descriptor(block_hash=h, region_id=region.region_id, offset_bytes=i * BLOCK_BYTES,
+                       length_bytes=BLOCK_BYTES) for i, h in enumerate(hashes)]
+
+
+def test_a_server_with_bulk_off_refuses_and_the_session_fetches_over_grpc(
+        start_server: Callable[..., Any], tmp_path: Path) -> None:
+    server = start_server(_store(tmp_path))  # transfer.bulk defaults to "off"
+    with Client(server.target) as client:
+        tokens = list(range(3 * TOKENS))
+        blocks = [os.urandom(BLOCK_BYTES) for _ in range(3)]
+        client.put(tokens, blocks)
+        statuses, landed, reason = _fetch(client, "bulk", client.hashes(tokens), False)
+    assert reason
+    assert ("transfer.bulk is off" in reason) if not MISSING_ENGINE else ("mooncake" in reason), reason
+    assert statuses == [(Status.DONE, "")] * 3 and landed == b"".join(blocks)
+
+
+def test_without_mooncake_on_the_client_the_session_says_why_and_streams(
+        bulk_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, _ = bulk_server
+    # The import fails as it does where the package (or libibverbs) is absent.
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    monkeypatch.setattr(transfer_bulk, "_ENGINES", {})
+    tokens = list(range(2 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(2)]
+    client.put(tokens, blocks)
+    statuses, landed, reason = _fetch(client, "bulk", client.hashes(tokens), False)
+    assert reason and "mooncake-transfer-engine cannot run here" in reason
+    assert "pip install mooncake-transfer-engine-non-cuda" in reason
+    assert statuses == [(Status.DONE, "")] * 2 and landed == b"".join(blocks)
+
+
+@needs_engine
+def test_a_failing_bulk_fetch_falls_back_to_grpc_and_says_why(bulk_server: Any) -> None:
+    client, _ = bulk_server
+    tokens = list(range(4 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(4)]
+    client.put(tokens, blocks)
+    with TransferSession(client.connection, path="bulk") as s:
+        region = s.register(4 * BLOCK_BYTES)
+        assert s.bulk is not None
+        # The region leaves the engine behind the session's back: the server's write into it fails.
+        s.bulk.engine.unregister_memory(s.bulk.addresses[region.region_id])
+        state = s.fetch(client.hashes(tokens), region)
+        assert s.bulk is None and "BulkFetch failed" in s.bulk_reason and "Unavailable" in s.bulk_reason
+        assert state.done_prefix == 4 and bytes(region.view) == b"".join(blocks)
+
+
+@needs_engine
+def test_bad_bulk_requests_answer_clear_statuses(bulk_server: Any) -> None:
+    client, _ = bulk_server
+    tokens = list(range(TOKENS))
+    client.put(tokens, [os.urandom(BLOCK_BYTES)])
+    h = client.hashes(tokens)[0]
+    stub = pb_grpc.TransferStub(client.connection.channel)
+    events = stub.OpenSession(pb.OpenSessionRequest())
+    sid = next(events).session_id
+
+    def code(call: Any, request: Any) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        return err.value.code()  # type: ignore[no-any-return]
+
+    fetch = pb.BulkFetchRequest(session_id=sid, block_hashes=h, address=1 << 20, size_bytes=BLOCK_BYTES,
+                                offsets_bytes=[0])
+    try:
+        assert code(stub.BulkFetch, fetch) == grpc.StatusCode.FAILED_PRECONDITION  # no OpenBulk yet
+        for segment in ("", "no-port", "host:0", "host:70000", "a b:1", "x" * 300 + ":1"):
+            assert code(stub.OpenBulk, pb.OpenBulkRequest(session_id=sid, transport="mooncake",
+                                                          segment=segment)) == grpc.StatusCode.INVALID_ARGUMENT
+        refused = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="nixl", segment="127.0.0.1:1"))
+        assert not refused.accepted and "only 'mooncake'" in refused.reason
+        assert code(stub.OpenBulk, pb.OpenBulkRequest(session_id="f" * 32, transport="mooncake",
+                                                      segment="127.0.0.1:1")) == grpc.StatusCode.NOT_FOUND
+        opened = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="mooncake", segment="127.0.0.1:1"))
+        assert opened.accepted and opened.max_blocks == 2 and opened.slots >= 1
+        bad: dict[str, dict[str, Any]] = {
+            "two offsets for one block": {"offsets_bytes": [0, BLOCK_BYTES]},
+            "a block past the buffer": {"offsets_bytes": [1]},
+            "no address": {"address": 0},
+            "a buffer smaller than a block": {"size_bytes": BLOCK_BYTES - 1},
+            "more blocks than max_blocks": {"block_hashes": h * 3, "offsets_bytes": [0, 0, 0],
+                                            "size_bytes": 4 * BLOCK_BYTES},
+            "a hash of 31 bytes": {"block_hashes": h[:31]},
+            "an address that wraps": {"address": (1 << 64) - 16},
+        }
+        for why, fields in bad.items():
+            request = pb.BulkFetchRequest()
+            request.CopyFrom(fetch)
+            for name, value in fields.items():
+                if name == "offsets_bytes":
+                    del request.offsets_bytes[:]
+                    request.offsets_bytes.extend(value)
+                else:
+                    setattr(request, name, value)
+            assert code(stub.BulkFetch, request) == grpc.StatusCode.INVALID_ARGUMENT, why
+        # Nothing listens at 127.0.0.1:1: the engine's write fails, the call says so (the client falls back).
+        assert code(stub.BulkFetch, fetch) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        events.cancel()
+
+
+def test_bad_bulk_settings_and_arguments_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"transfer\.bulk"):
+        TransferSettings(bulk="rdma")
+    with pytest.raises(ConfigError, match="bulk_max_blocks"):
+        TransferSettings(bulk_max_blocks=4096)
+    with pytest.raises(InvalidArgument, match="bulk"):
+        TransferSession(None, path="bulky")  # type: ignore[arg-type]
