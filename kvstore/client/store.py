@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from kvstore.client import arguments
-from kvstore.client.blocks import encode_extra_keys, stream_blocks
-from kvstore.client.connection import Connection, TlsOptions, status_error
+from kvstore.client.blocks import stream_blocks
+from kvstore.client.connection import Connection, TlsOptions
+from kvstore.client.puts import put_blocks
+from kvstore.client.resume_report import report_resume
 from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.prefix import ExtraKey, chain_hashes
+from kvstore.prefix import ExtraKey
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -37,13 +37,6 @@ _UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
-#: The resume actions `report_resume` takes, by the names replay.plan.Action gives them.
-RESUME_ACTIONS: dict[str, pb.ResumeAction] = {
-    "fetch+snapshot": pb.RESUME_ACTION_FETCH_SNAPSHOT,
-    "bounded-replay": pb.RESUME_ACTION_BOUNDED_REPLAY,
-    "exact-replay": pb.RESUME_ACTION_EXACT_REPLAY,
-    "full-prefill": pb.RESUME_ACTION_FULL_PREFILL,
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -236,44 +229,13 @@ class Client:
                                   f"from block {first_block}")
         if parent is None:
             parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
-        extra = encode_extra_keys(extra_keys)
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self.connection.batch_blocks)
-        if len(payload) <= step:
-            request = self._put_request(tokens, payload, first_block, parent, extra)
-            replies = [self.connection.call(self.connection.kvstore.Put, request)]
-        else:
-            replies = self._put_stream(tokens, payload, first_block, parent, extra, extra_keys, step, on_batch)
+        replies = put_blocks(self.connection, tokens, payload, first_block=first_block, parent=parent,
+                             extra_keys=extra_keys, step=step, on_batch=on_batch)
         hashes = [h for r in replies for h in r.block_hashes]
         written = sum(r.written_blocks for r in replies)
         existing = sum(r.existing_blocks for r in replies)
         return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing)
-
-    def _put_request(self, tokens: Sequence[int], blocks: list[bytes], first_block: int, parent: bytes,
-                     extra: list[bytes]) -> pb.PutRequest:
-        lo = first_block * self.block_tokens
-        return pb.PutRequest(geometry=self.geometry, namespace=self.namespace, parent_hash=parent,
-                             token_ids=tokens[lo: lo + len(blocks) * self.block_tokens], extra_keys=extra,
-                             blocks=blocks)
-
-    def _put_stream(self, tokens: Sequence[int], payload: list[bytes], first_block: int, parent: bytes,
-                    extra: list[bytes], extra_keys: Sequence[ExtraKey], step: int,
-                    on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
-        """Send a long chain as a PutStream; batches are chained by locally computed hashes."""
-        lo = first_block * self.block_tokens
-        chain = chain_hashes(tokens[lo: lo + len(payload) * self.block_tokens], block_tokens=self.block_tokens,
-                             parent=parent or self.root, extra_keys=extra_keys)
-
-        def requests() -> Iterator[pb.PutRequest]:
-            for start in range(0, len(payload), step):
-                before = parent if start == 0 else chain[start - 1]
-                yield self._put_request(tokens, payload[start:start + step], first_block + start, before, extra)
-
-        replies: list[pb.PutResponse] = []
-        for reply in self.connection.stream(self.connection.kvstore.PutStream, requests()):
-            replies.append(reply)
-            if on_batch is not None:
-                on_batch(len(reply.block_hashes))
-        return replies
 
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:
@@ -361,34 +323,8 @@ class Client:
             InvalidArgument: a bad count or an unknown action (nothing sent).
             KVStoreError: with `wait`, the class of the server's status.
         """
-        if action not in RESUME_ACTIONS:
-            raise InvalidArgument(f"unknown resume action {action!r}; one of {', '.join(RESUME_ACTIONS)}")
-        request = pb.ReportResumeRequest(
-            geometry=self.geometry, namespace=self.namespace, action=RESUME_ACTIONS[action],
-            prompt_tokens=arguments.integer(prompt_tokens, "prompt_tokens", most=2**64 - 1),
-            found_tokens=arguments.integer(found_tokens, "found_tokens", most=2**64 - 1),
-            usable_tokens=arguments.integer(usable_tokens, "usable_tokens", most=2**64 - 1))
-        done: Future[None] = Future()
-        try:
-            call = self.connection.kvstore.ReportResume.future(request, timeout=self.timeout_s,
-                                                               metadata=self.connection.metadata)
-        except ValueError as exc:  # grpc refuses a call on a closed channel
-            raise InvalidArgument(f"cannot report on this client: {exc}", hint="the client is closed") from None
-
-        def finished(call: Any) -> None:
-            try:
-                call.result()
-            except grpc.RpcError as exc:
-                done.set_exception(status_error(exc))
-            except BaseException as exc:  # cancelled: still a KVStoreError for the caller
-                done.set_exception(KVStoreError(f"ReportResume did not complete: {exc!r}"))
-            else:
-                done.set_result(None)
-
-        call.add_done_callback(finished)
-        if wait:
-            done.result()
-        return done
+        return report_resume(self.connection, prompt_tokens=prompt_tokens, found_tokens=found_tokens,
+                             usable_tokens=usable_tokens, action=action, wait=wait)
 
     def transfer_stats(self) -> transfer_pb2.TransferStatsResponse:
         """The transfer service's counters: its copy loop, sessions, mapped regions, batches, bytes moved."""
