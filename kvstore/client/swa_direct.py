@@ -23,6 +23,7 @@ gateway path.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -36,6 +37,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
+from kvstore.client.swa_resp import GetReplies, pack_gets
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.geometry import ModelGeometry
 from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_shape, unseal
@@ -128,7 +130,9 @@ class DirectPath:
         with _mapped():
             self.redis: Any = _cluster(grant, timeout_s) if self.cluster else redis.Redis.from_url(
                 grant.redis_url, username=grant.username, password=grant.password, socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+                # RESP2: a GET is answered with a bulk string, a nil or an error, never with a push
+                # message in between (kvstore.client.swa_resp reads those replies itself).
+                socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), protocol=2)
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="swa-direct-send")
 
     @property
@@ -234,18 +238,45 @@ class DirectPath:
             Unavailable: Redis cannot be reached.
         """
         with _mapped():
-            pipe = self.redis.pipeline() if self.cluster else self.redis.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self.key(key))
-            records = pipe.execute()
+            records = self._get_records_pipelined(keys) if self.cluster else self._get_records(keys)
         out: list[memoryview | None] = []
         corrupt = 0
         for record in records:
             # unseal() slices what it is given: over a memoryview the snapshot is a view, not a copy.
-            opened = unseal(memoryview(record), self.geometry) if record is not None else None  # type: ignore[arg-type]
+            opened = unseal(record, self.geometry) if record is not None else None  # type: ignore[arg-type]
             corrupt += record is not None and opened is None
             out.append(opened.data if opened is not None else None)  # type: ignore[arg-type]
         return DirectGets(data=out, corrupt=corrupt)
+
+    def _get_records(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """GET each key, pipelined on one connection, each record received into a buffer of its own
+        (kvstore.client.swa_resp: one pass over the bytes where redis-py's parser makes four); a
+        read-only view of each record."""
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        # redis-py keeps a connected connection's socket in `_sock` (a test holds it to that).
+        sock = getattr(conn, "_sock", None)
+        if not isinstance(sock, socket.socket):
+            pool.release(conn)
+            return self._get_records_pipelined(keys)
+        try:
+            conn.send_packed_command([pack_gets([self.key(key) for key in keys])], False)
+            values = GetReplies(sock, max_bytes=self.max_record_bytes).read_all(len(keys))
+        except ResponseError:
+            raise  # an error reply, after every reply was read: the connection is in step
+        except BaseException:
+            conn.disconnect()  # a reply read halfway: the connection is out of step
+            raise
+        finally:
+            pool.release(conn)
+        return [memoryview(value)[:-2].toreadonly() if value is not None else None for value in values]
+
+    def _get_records_pipelined(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """GET each key through redis-py's pipeline (the cluster client's groups commands by node)."""
+        pipe = self.redis.pipeline() if self.cluster else self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self.key(key))
+        return [memoryview(record) if record is not None else None for record in pipe.execute()]
 
     def close(self) -> None:
         """Close the Redis connections."""

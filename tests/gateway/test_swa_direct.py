@@ -306,3 +306,21 @@ def test_direct_false_offers_no_direct_path(start_server: Callable[..., Any], st
     with Client(server.target) as client:
         assert not open_direct(client).offered
         assert redis.Redis(port=redis_server.port).acl_users() == ["default"]
+
+
+def test_a_value_over_the_largest_record_is_a_counted_miss_and_the_batch_goes_on(
+        two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
+    """A tenant's writer may SET anything under its prefix: a direct reader misses a value longer than the
+    largest record (read and dropped, never kept: test_swa_resp), counts it corrupt and serves the rest."""
+    a, _, admin_token = two_tenants
+    direct = swa(a, "direct")
+    data = snapshot(a, 63)
+    direct.put(TOKENS[:63], data)
+    grant = open_direct(a)
+    with as_user(redis_server, grant) as ra:
+        ra.set(grant.key_prefix + a.fingerprint + direct.key(TOKENS), os.urandom(grant.max_record_bytes + 1))
+    assert direct.get_many([direct.key(TOKENS), direct.key(TOKENS[:63])]) == [None, data]
+    assert direct.last_path == "direct"
+    direct.flush_report()
+    with Client(a.target, token=admin_token) as admin:  # the pool's counters are the operator's to read
+        assert admin.swa.stats().corrupt == 1
