@@ -41,6 +41,19 @@ fi
 echo "== inference engines (vllm, sglang)"
 bash scripts/install_engines.sh .venv
 
+# Mooncake's transfer engine, for the bulk transport's tests and the bench's Mooncake
+# figure (pyproject's "bulk" extra). Never fails the run: without it those tests skip
+# saying why. Its native library needs libibverbs.so.1, even with no RDMA hardware.
+echo "== mooncake transfer engine (the bulk transport)"
+if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null) \
+        || echo "   libibverbs1 could not be installed: the bulk transport's tests will skip"
+fi
+bulk=$(python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bulk'])")
+pip install -q --disable-pip-version-check $bulk 2>&1 | grep -v "^WARNING: Location" || true
+python -c "from mooncake.engine import TransferEngine" 2>/dev/null \
+    || echo "   mooncake cannot be imported here: the bulk transport's tests will skip"
+
 echo "== lint and types"
 ruff check .
 mypy kvstore tiers gateway replay scripts integrations
