@@ -12,6 +12,9 @@ backend loads this class from the extra config):
 
 with `SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python` in its environment (the default Rust
 tree core hashes pages natively, past kvstore's keys; the backend refuses to start without it).
+DeepSeek-V4.1 runs with SGLang's own page size (256: drop `--page-size`) and
+`SGLANG_DSV4_KV_LAYOUT=v41` (or `v41_new`); each 256-token page is then 4 kvstore blocks
+joined from its side pools (sglang_register, sglang_v4_io; docs/ENGINES.md).
 
 Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (ConfigError):
 - `target` (required): the kvstore server, host:port.
@@ -22,10 +25,11 @@ Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (Confi
 - `swa_ttl_s`: lifetime asked for SWA snapshots (default and most: the server's `swa.ttl_s`).
 - `interface_v1`: 1 makes SGLang call batch_get_v1/batch_set_v1 (zero-copy into the host pool).
 
-Keys: while attached, SGLang's page keys are kvstore chain hashes in hex (sglang_keys), so
-a prompt stored by any kvstore client (the vLLM connector, `kvstore.Client.put`) is found
-here, and the other way round. A caller computes them from token ids as
-`[h.hex() for h in kvstore.Client(target).hashes(token_ids)]`, one per full 64-token page.
+Keys: while attached, SGLang's page key is kvstore's chain hash of the page's last block in
+hex (sglang_keys), so a prompt stored by any kvstore client (the vLLM connector,
+`kvstore.Client.put`) is found here, and the other way round. A caller computes them from
+token ids as `[h.hex() for h in kvstore.Client(target).hashes(token_ids)][n - 1::n]`, one per
+full page of n blocks (n = 1 on 64-token pages, 4 on V4's 256-token pages).
 
 Outside SGLang (the one-cache test): build it as SGLang does, through the factory, with any
 object that has the host pool's page interface (`page_size` = 64, `get_dummy_flat_data_page()`,
@@ -46,8 +50,9 @@ test_sglang_support.py has `PagePool`), with SGLANG_UNIFIED_RADIX_TREE_CORE_BACK
 Data: a page of the KV host pool (`get_data_page(i, flat=True)`) is one kvstore block
 byte for byte, so the pool's page must be `Client.block_bytes` long (56,960 B for
 V4.1-Flash: the model's rows, docs/BLOCK_SIZE.md); an SWA pool page is layer-major
-window rows (sglang_swa). A pool of another size or another name is refused at
-registration with ConfigError rather than served wrongly.
+window rows (sglang_swa); a DeepSeek-V4 page is its side pools' pages (sglang_v4). A pool
+of another size or another name is refused at registration with ConfigError rather than
+served wrongly.
 """
 
 from __future__ import annotations
@@ -67,7 +72,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from integrations import sglang_config, sglang_keys, sglang_swa
-from integrations.sglang_pools import PoolsV2
+from integrations.sglang_pools import Chain, PoolsV2
+from integrations.sglang_register import PoolRegistry
+from integrations.sglang_v4_io import V4Pages
 from kvstore.client import Client
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.geometry import resolve
@@ -76,7 +83,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 logger = logging.getLogger(__name__)
 
 
-class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
+class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
     """SGLang HiCache storage in a kvstore server: KV pages as kvstore blocks, SWA pages as snapshots.
 
     Args:
@@ -104,6 +111,11 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
         sglang_keys.install(self.ledger)
         self.page_size = self.client.block_tokens
+        #: kvstore blocks per SGLang page: 1, or page_tokens / block_tokens on a DeepSeek-V4 stack.
+        self.blocks_per_page = 1
+        #: The DeepSeek-V4 side pools' page I/O, once SGLang's V4 anchor is registered (sglang_v4_io).
+        self.v4: V4Pages | None = None
+        self._v4_pools: dict[str, Any] = {}
         self.metrics = storage_config.enable_storage_metrics
         self._pages_gb = self.client.block_bytes / 1e9
         self._window: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -112,62 +124,16 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         self.stats = {"exists_calls": 0, "pages_found": 0, "pages_read": 0, "pages_written": 0, "write_failures": 0,
                       "unknown_keys": 0, "snapshots_read": 0, "snapshots_written": 0}
 
-    # -- pools -----------------------------------------------------------------
-
-    def _check_kv_pool(self, pool: Any, name: str | None = None) -> None:
-        sglang_config.check_not_deepseek_v4(pool, name, self.client.block_tokens)
-        page_size = int(getattr(pool, "page_size", 0))
-        if page_size != self.client.block_tokens:
-            raise ConfigError(f"SGLang's page size is {page_size} tokens; kvstore blocks are "
-                              f"{self.client.block_tokens}: start SGLang with --page-size {self.client.block_tokens}")
-        if not callable(getattr(pool, "get_dummy_flat_data_page", None)):
-            raise ConfigError(f"SGLang's KV host pool ({type(pool).__name__}) has no page data interface "
-                              "(get_dummy_flat_data_page): the kvstore backend stores whole KV host pages")
-        page = pool.get_dummy_flat_data_page()
-        nbytes = page.numel() * page.element_size()
-        if nbytes != self.client.block_bytes:
-            raise ConfigError(f"SGLang's KV host page is {nbytes} B; a kvstore block of {self.client.geometry} is "
-                              f"{self.client.block_bytes} B (its rows, docs/BLOCK_SIZE.md): this model's pages "
-                              "cannot be stored as kvstore blocks")
-
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """The anchor (KV) host pool: its pages must be kvstore blocks (ConfigError otherwise)."""
-        self._check_kv_pool(mem_pool_host)
-        super().register_mem_pool_host(mem_pool_host)
-
-    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """An extra host pool: KV (blocks) or SWA (snapshots); any other is refused with ConfigError."""
-        name = str(host_pool_name)
-        sglang_config.check_not_deepseek_v4(host_pool, name, self.client.block_tokens)
-        if name == PoolName.KV.value:
-            self._check_kv_pool(host_pool, name)
-        elif name == PoolName.SWA.value:
-            if int(host_pool.page_size) != self.page_size:
-                raise ConfigError(f"SGLang's SWA host pool has {host_pool.page_size}-token pages; the kvstore "
-                                  f"backend needs the KV page size, {self.page_size}")
-            page = host_pool.get_dummy_flat_data_page()
-            sglang_swa.check_swa_page(self.geometry, int(host_pool.page_size), page.numel() * page.element_size())
-        else:
-            raise ConfigError(f"SGLang host pool {name!r} has no kvstore counterpart; the kvstore backend "
-                              f"stores {PoolName.KV.value!r} (blocks) and {PoolName.SWA.value!r} (snapshots)")
-        super().register_mem_host_pool_v2(host_pool, name)
-
-    def _pool(self, name: str) -> Any:
-        pools = getattr(self, "registered_pools", {})
-        if name in pools:
-            return pools[name]
-        if name == PoolName.KV.value and hasattr(self, "mem_pool_host"):
-            return self.mem_pool_host
-        raise ConfigError(f"no SGLang host pool {name!r} was registered with the kvstore backend")
-
     # -- keys ------------------------------------------------------------------
 
-    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[list[bytes], int] | None:
-        """The chain hashes from the sequence start through `keys`, and where `keys` begin in it.
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> Chain | None:
+        """The chain from the sequence start through `keys`: its page keys, its block hashes, and
+        where `keys` begin in it (pages).
 
         kvstore's Lookup counts a chain from its root (R15), so the pages before `keys`
         come along: SGLang's `prefix_keys` when it passes them, else the ledger's parents.
-        None when a key is not a kvstore hash or a known page's chain cannot be traced to its start.
+        None when a key is not a kvstore hash or a known page's chain cannot be traced to its start
+        (or, on multi-block pages, a page's blocks are not in the ledger).
         """
         try:
             hashes = [bytes.fromhex(k) for k in keys]
@@ -187,7 +153,11 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
             return None
         if any(len(h) != 32 for h in hashes) or any(len(h) != 32 for h in prefix):
             return None
-        return prefix + hashes, len(prefix)
+        pages = prefix + hashes
+        blocks = pages if self.blocks_per_page == 1 else self.ledger.blocks_of([p.hex() for p in pages])
+        if blocks is None:
+            return None
+        return Chain(pages=pages, blocks=blocks, offset=len(prefix))
 
     def _extra_keys(self, key: str) -> tuple[str, ...]:
         """The kvstore extra keys of the chain `key` is in (a salted request's seed key), from the ledger."""
@@ -205,13 +175,12 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         if chain is None:
             self.stats["unknown_keys"] += 1
             return 0
-        hashes, offset = chain
         try:
-            found = self.client.lookup_hashes(hashes).found_blocks
+            found = self.client.lookup_hashes(chain.blocks).found_blocks
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
             return 0
-        hit = max(0, min(len(keys), found - offset))
+        hit = max(0, min(len(keys), found // self.blocks_per_page - chain.offset))
         self.stats["pages_found"] += hit
         return hit
 
@@ -223,7 +192,12 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read the pages of `keys` into the KV host pool at `host_indices` (page i at host_indices[i x page])."""
         start = time.perf_counter()
-        results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
+        if self.v4 is not None:   # the anchor holds no rows: the side pools' pages, noted for batch_get_v2
+            self.v4.forget_reads()
+            results = self.v4.read(keys, host_indices)
+            self.stats["pages_read"] += sum(results)
+        else:
+            results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
         self._measure("prefetch", sum(results), start)
         return results
 
@@ -256,19 +230,24 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the KV host pool's pages at `host_indices` under `keys` (a chain, in order)."""
         start = time.perf_counter()
-        pool = self._pool(PoolName.KV.value)
-        pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
-        results = self._write_pages(keys, pages)
+        if self.v4 is not None:   # the side pools' pages (or what batch_set_v2 already stored of them)
+            results = self.v4.write(keys, host_indices)
+        else:
+            pool = self._pool(PoolName.KV.value)
+            pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
+            results = self._write_pages(keys, pages)
         self._measure("backup", sum(results), start)
         return results
 
     def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks."""
+        """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks
+        (a page is `blocks_per_page` blocks, flat or [n, block_bytes])."""
+        n, size = self.blocks_per_page, self.client.block_bytes
         results = [False] * len(keys)
         i = 0
         while i < len(keys):
             first = self.ledger.page(keys[i])
-            if first is None:
+            if first is None or len(first.tokens) != n * self.client.block_tokens:
                 self.stats["unknown_keys"] += 1
                 logger.warning("kvstore backend: page %s was not hashed in this process (or was forgotten); "
                                "not stored", keys[i][:16])
@@ -282,10 +261,11 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
                     break
                 run_tokens.extend(entry.tokens)
                 j += 1
-            blocks = [p.contiguous().view(torch.uint8).numpy().data for p in pages[i:j]]  # views, no copy
+            flat = [p.contiguous().view(torch.uint8).reshape(n, size) for p in pages[i:j]]
+            blocks = [page[k].numpy().data for page in flat for k in range(n)]  # views, no copy
             try:
                 put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys)
-                for k, h in enumerate(put.block_hashes):
+                for k, h in enumerate(put.block_hashes[n - 1::n]):
                     results[i + k] = h.hex() == keys[i + k]
             except KVStoreError as exc:
                 self.stats["write_failures"] += 1
@@ -295,8 +275,10 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
         return results
 
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
-        """One page's bytes into `target_location` (a tensor of the page's size), or None when missing."""
-        got = self.client.get_hashes([bytes.fromhex(key)]).blocks[0] if _is_hash(key) else None
+        """One page's bytes into `target_location` (a tensor of the page's size), or None when missing
+        (always on a DeepSeek-V4 stack, whose pages SGLang moves through batch_get_v1/v2 only)."""
+        ok = _is_hash(key) and self.v4 is None
+        got = self.client.get_hashes([bytes.fromhex(key)]).blocks[0] if ok else None
         if got is None:
             return None
         data = torch.frombuffer(bytearray(got), dtype=torch.uint8)
@@ -316,12 +298,14 @@ class KVStoreHiCacheStorage(PoolsV2, HiCacheStorage):
     def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
             target_sizes: Any | None = None) -> bool:
         """Store one page (`value`: its tensor) under `key`; its parent page must be stored already."""
-        return self._write_pages([key], [value])[0] if value is not None else False
+        return self._write_pages([key], [value])[0] if value is not None and self.v4 is None else False
 
     def batch_set(self, keys: list[str], values: Any | None = None, target_locations: Any | None = None,
                   target_sizes: Any | None = None) -> bool:
         """Store pages in chain order; True when every one was stored."""
-        return all(self._write_pages(keys, list(values or []))) if values is not None else False
+        if values is None or self.v4 is not None:
+            return False
+        return all(self._write_pages(keys, list(values)))
 
     # -- the rest of SGLang's interface ------------------------------------------
 

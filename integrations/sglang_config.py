@@ -57,36 +57,6 @@ def check_tree_core() -> None:
                           "page keys are kvstore chain hashes: set SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python")
 
 
-#: SGLang's DeepSeek-V4 host pools (`PoolName` values): rows the kvstore backend does not map yet.
-V4_POOL_PREFIX = "deepseek_v4_"
-
-#: Why a DeepSeek-V4 HiCache is refused, and what to use instead (docs/ENGINES.md, SGLang: not supported yet).
-V4_UNSUPPORTED = (
-    "SGLang's DeepSeek-V4 HiCache is not supported by the kvstore backend yet: it anchors on a row-less "
-    "LogicalHostPool and keeps the model's rows in side pools (deepseek_v4_c1 / deepseek_v4_c2 compressed KV "
-    "and their _indexer pools, one page per {page} tokens), which the backend does not join into kvstore "
-    "blocks, and SGLang's V4 page ({page} tokens; at least 128, which the ratio-2 indexer pages need) spans "
-    "several {block}-token kvstore blocks, which its page keys cannot name. Nothing would be stored, so the "
-    "backend refuses to start. For DeepSeek-V4.1-Flash use the vLLM connector "
-    "(integrations.vllm_connector), or run SGLang's HiCache without --hicache-storage-backend"
-)
-
-
-def check_not_deepseek_v4(pool: Any, name: str | None, block_tokens: int) -> None:
-    """Refuse SGLang's DeepSeek-V4 HiCache: its anchor (`LogicalHostPool`, alone or as a
-    `HostPoolGroup`'s anchor) or one of its `deepseek_v4_*` side pools, by what it is, before
-    any page-size check could send the user to a page size V4 cannot run with.
-
-    Raises:
-        ConfigError: V4_UNSUPPORTED, with the pool's page size.
-    """
-    anchor = getattr(getattr(pool, "anchor_entry", None), "host_pool", pool)
-    names = [str(n) for n in getattr(pool, "entry_map", {})] + ([str(name)] if name is not None else [])
-    if type(anchor).__name__ == "LogicalHostPool" or any(n.startswith(V4_POOL_PREFIX) for n in names):
-        page = getattr(anchor, "page_size", None) or getattr(pool, "page_size", "?")
-        raise ConfigError(V4_UNSUPPORTED.format(page=page, block=block_tokens))
-
-
 def check_topology(config: Any) -> None:
     """Refuse a rank that holds a shard of each page: kvstore keys a page by its tokens alone, so
     every rank must hold (and store) the same bytes for it, the whole model's rows.

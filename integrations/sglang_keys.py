@@ -11,16 +11,20 @@ So while a kvstore backend is attached, SGLang's page hash is kvstore's:
 `install(ledger)` replaces `get_hash_str` in `sglang.srt.mem_cache.utils`
 (every caller in SGLang 0.5.23 reaches it there: `get_storage_hash_str`, the cache
 controller, the hybrid controller, the radix tree's node hashes) by `KeyLedger.hash`,
-which returns, for full pages of `block_tokens` tokens,
+which returns, for a full page of n x `block_tokens` tokens (n = 1 on 64-token pages,
+4 on SGLang's 256-token DeepSeek-V4 pages),
 
-    key = kvstore_chain_hash(parent, page tokens).hex()     # kvstore.prefix.chain_hashes
+    blocks = kvstore_chain_hashes(parent, page tokens)       # kvstore.prefix.chain_hashes, n blocks
+    key = blocks[-1].hex()                                   # the page's last block
     parent = bytes.fromhex(prior key), or the client's chain root at a sequence start
 
-and remembers (key -> parent, page tokens) in a bounded ledger, which is what lets the
-backend Put a page SGLang asks it to store. A caller (the one-cache test) computes the
-keys of a prompt from token ids with kvstore's own client:
+and remembers (key -> parent, page tokens, blocks) in a bounded ledger, which is what
+lets the backend Put a page SGLang asks it to store and Lookup its blocks. A page's
+key is kvstore's chain hash at the page's end, so a caller (the one-cache test)
+computes the keys of a prompt from token ids with kvstore's own client:
 
-    keys = [h.hex() for h in kvstore.Client(target).hashes(token_ids)]   # one per full 64-token page
+    hashes = kvstore.Client(target).hashes(token_ids)              # one per full 64-token block
+    keys = [h.hex() for h in hashes[n - 1::n]]                     # one per full page of n blocks
 
 and those are the keys SGLang itself uses for that prompt (same root: same server
 geometry and block size, no extra keys). Not covered (their pages get a key that the
@@ -58,11 +62,12 @@ MAX_SEEDS = 65_536
 
 
 class LedgerPage(NamedTuple):
-    """What a page key was hashed from: everything a Put of that block needs."""
+    """What a page key was hashed from: everything a Put of its blocks needs."""
 
-    parent: bytes              # the previous page's chain hash, or the chain root
-    tokens: array              # the page's token ids (u32)
+    parent: bytes              # the previous page's key (its last block's chain hash), or the chain root
+    tokens: array              # the page's token ids (u32), a whole number of kvstore blocks
     extra_keys: tuple[str, ...]  # kvstore extra keys of the chain (a salted chain's seed key), else ()
+    blocks: tuple[bytes, ...] = ()  # the chain hashes of the page's blocks, in order; the last is the key
 
 
 class KeyLedger:
@@ -110,13 +115,17 @@ class KeyLedger:
         keys: list[str] = []
         for start in range(0, len(tokens), step):
             page = tokens[start:start + step]
-            # A page that is not a whole kvstore block still gets a distinct key (hashed
-            # with its own length), but no ledger entry: it can never be a kvstore block.
-            digest = chain_hashes(page, block_tokens=len(page), parent=parent, extra_keys=extra)[0]
-            key = digest.hex()
-            if len(page) == self.block_tokens:
-                self._remember(key, LedgerPage(parent, page, extra))
-            keys.append(key)
+            if len(page) == step and step % self.block_tokens == 0:
+                # A full page of whole blocks (one block; four on SGLang's 256-token DeepSeek-V4
+                # pages): its key is the chain hash of its last block, as kvstore.Client names it.
+                blocks = chain_hashes(page, block_tokens=self.block_tokens, parent=parent, extra_keys=extra)
+                digest = blocks[-1]
+                self._remember(digest.hex(), LedgerPage(parent, page, extra, tuple(blocks)))
+            else:
+                # A partial page still gets a distinct key (hashed with its own length), but no
+                # ledger entry: it is never stored (SGLang stores only full pages).
+                digest = chain_hashes(page, block_tokens=len(page), parent=parent, extra_keys=extra)[0]
+            keys.append(digest.hex())
             parent = digest
         return keys if page_size is not None else keys[0]
 
@@ -170,6 +179,17 @@ class KeyLedger:
                 current = entry.parent
         chain.reverse()
         return chain
+
+    def blocks_of(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The block chain hashes of the pages `keys`, in order; None when a page is not in the ledger."""
+        out: list[bytes] = []
+        with self._lock:
+            for key in keys:
+                entry = self._pages.get(key)
+                if entry is None:
+                    return None
+                out.extend(entry.blocks)
+        return out
 
 
 def _plain_tokens(token_ids: Any) -> array | None:
@@ -231,6 +251,8 @@ def installed_ledger() -> KeyLedger | None:
     return ledger if isinstance(ledger, KeyLedger) else None
 
 
-def page_keys(root: bytes, block_tokens: int, token_ids: Sequence[int]) -> list[str]:
-    """The SGLang page keys of a sequence's full pages: hex of kvstore's chain hashes from `root`."""
-    return [h.hex() for h in chain_hashes(token_ids, block_tokens=block_tokens, parent=root)]
+def page_keys(root: bytes, block_tokens: int, token_ids: Sequence[int], page_tokens: int | None = None) -> list[str]:
+    """The SGLang page keys of a sequence's full pages of `page_tokens` (default: one block): hex of
+    kvstore's chain hash of each page's last block, from `root`."""
+    n = (page_tokens or block_tokens) // block_tokens
+    return [h.hex() for h in chain_hashes(token_ids, block_tokens=block_tokens, parent=root)[n - 1::n]]

@@ -1,9 +1,11 @@
-"""SGLang's per-pool storage interface (v2) for the kvstore backend: KV pages and the SWA window.
+"""SGLang's per-pool storage interface (v2) for the kvstore backend: KV pages, V4 side pools, the SWA window.
 
 SGLang's hybrid models hand a backend several host pools at once (`PoolTransfer`s):
-the KV pages (ALL_PAGES: every page of the prefix) and pools that matter only at the
-prefix's end, such as the sliding window (TRAILING_PAGES). `PoolsV2` answers them for
-`KVStoreHiCacheStorage`: KV pages are kvstore blocks, the SWA pool's trailing pages one
+the KV pages (ALL_PAGES: every page of the prefix), pools derived from them (DeepSeek-V4's
+compressed-KV and indexer side pools, ALL_PAGES at the KV pages' host indices) and pools
+that matter only at the prefix's end, such as the sliding window (TRAILING_PAGES).
+`PoolsV2` answers them for `KVStoreHiCacheStorage`: KV pages are kvstore blocks, a V4
+page's side-pool pages are its blocks (sglang_v4_io), the SWA pool's trailing pages one
 kvstore snapshot (sglang_swa). Any other pool is refused when it is registered.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import (
@@ -24,11 +26,21 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from integrations import sglang_swa
 from integrations.sglang_keys import KeyLedger
+from integrations.sglang_v4_io import V4Pages
+from integrations.sglang_v4_pools import SERVED as V4_SIDE_POOLS
 from kvstore.client import Client
 from kvstore.errors import KVStoreError
 from kvstore.geometry import ModelGeometry
 
 logger = logging.getLogger(__name__)
+
+
+class Chain(NamedTuple):
+    """A chain from the sequence start through a call's keys."""
+
+    pages: list[bytes]    # page keys (each page's last block hash), prefix pages first
+    blocks: list[bytes]   # the block chain hashes of those pages, in order (= pages on one-block pages)
+    offset: int           # pages before the call's keys
 
 
 class PoolsV2:
@@ -39,10 +51,12 @@ class PoolsV2:
     ledger: KeyLedger
     geometry: ModelGeometry
     page_size: int
+    blocks_per_page: int
+    v4: V4Pages | None
     swa_ttl_s: float | None
     stats: dict[str, int]
 
-    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> tuple[list[bytes], int] | None:
+    def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> Chain | None:
         raise NotImplementedError
 
     def _extra_keys(self, key: str) -> tuple[str, ...]:
@@ -64,22 +78,23 @@ class PoolsV2:
         chain = self._chain(keys, extra_info) if keys else None
         if chain is None:
             return PoolTransferResult.empty()
-        hashes, offset = chain
+        offset = chain.offset
         wants_swa = any(str(t.name) == PoolName.SWA.value for t in pool_transfers or [])
         swa_keys: list[bytes] = []
         positions: list[int] = []
         if wants_swa:
             for p in range(1, len(keys) + 1):
                 t = (offset + p) * self.page_size
-                anchor = hashes[offset + p - 1]
+                anchor = chain.pages[offset + p - 1]
                 swa_keys.append(sglang_swa.key_at(anchor, t, self._extra_keys(anchor.hex())))
                 positions.append(t)
         try:
-            reply = self.client.lookup_hashes(hashes, swa_keys=swa_keys, swa_positions=positions)
+            reply = self.client.lookup_hashes(chain.blocks, swa_keys=swa_keys, swa_positions=positions)
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
             return PoolTransferResult.empty()
-        kv_pages = max(0, min(len(keys), reply.found_blocks - offset))
+        # A page stored in part (fewer than its blocks) is not found: whole pages only.
+        kv_pages = max(0, min(len(keys), reply.found_blocks // self.blocks_per_page - offset))
         hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
@@ -88,6 +103,8 @@ class PoolsV2:
                 at = reply.swa_position
                 page = at // self.page_size - offset if at is not None and at % self.page_size == 0 else 0
                 pool_ok = {page} if 1 <= page <= kv_pages else set()
+            elif self.v4 is not None and name in V4_SIDE_POOLS:
+                pool_ok = set(range(1, kv_pages + 1))   # a V4 page's side-pool rows are its blocks
             else:
                 pool_ok = set()  # a pool kvstore does not keep is never restorable from it
             if pool_ok:
@@ -100,11 +117,15 @@ class PoolsV2:
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages: KV pages as blocks, the SWA pool's trailing pages from one snapshot."""
         out: dict[str, list[bool]] = {}
+        moved: dict[tuple[Any, ...], list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
             name = str(t.name)
             if name == PoolName.SWA.value:
                 out[name] = self._swa_io(t, keys, extra_info, write=False)
+            elif self.v4 is not None and (name in V4_SIDE_POOLS or name == PoolName.KV.value):
+                # Every side pool at once, or what the anchor's batch_get_v1 just read of them.
+                out[name] = self._v4_io(t, keys, moved, write=False)
             elif name == PoolName.KV.value and t.host_indices is not None:
                 out[name] = self._read_pages(self._pool(name), keys, t.host_indices)
             else:
@@ -115,11 +136,15 @@ class PoolsV2:
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Write each transfer's pages: KV pages as blocks, the SWA pool's trailing pages as one snapshot."""
         out: dict[str, list[bool]] = {}
+        moved: dict[tuple[Any, ...], list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
             name = str(t.name)
             if name == PoolName.SWA.value:
                 out[name] = self._swa_io(t, keys, extra_info, write=True)
+            elif self.v4 is not None and (name in V4_SIDE_POOLS or name == PoolName.KV.value):
+                # Every side pool at once, or what an earlier call of this page set already stored.
+                out[name] = self._v4_io(t, keys, moved, write=True)
             elif name == PoolName.KV.value and t.host_indices is not None:
                 pool = self._pool(name)
                 pages = [pool.get_data_page(int(t.host_indices[i * self.page_size]), flat=True)
@@ -128,6 +153,19 @@ class PoolsV2:
             else:
                 out[name] = [False] * len(keys)
         return out
+
+    def _v4_io(self, transfer: PoolTransfer, keys: list[str], moved: dict[tuple[Any, ...], list[bool]], *,
+               write: bool) -> list[bool]:
+        """A V4 side pool's pages: one move serves every side pool of the call at the same keys and slots
+        (`moved`), as a V4 page is all of them (sglang_v4_io)."""
+        assert self.v4 is not None
+        if transfer.host_indices is None:
+            return [False] * len(keys)
+        at = (tuple(keys), tuple(int(transfer.host_indices[i * self.page_size]) for i in range(len(keys))))
+        if at not in moved:
+            io = self.v4.write if write else self.v4.read
+            moved[at] = io(keys, transfer.host_indices)
+        return list(moved[at])
 
     def _swa_io(self, transfer: PoolTransfer, keys: list[str], extra_info: HiCacheStorageExtraInfo | None, *,
                 write: bool) -> list[bool]:
@@ -141,10 +179,14 @@ class PoolsV2:
         chain = self._chain(keys, extra_info) if known else None   # never guessed: T is in the key
         if chain is None or transfer.host_indices is None:
             return [False] * len(keys)
-        chain_hashes = chain[0]
-        done = sglang_swa.move(self.client, self.geometry, self._pool(PoolName.SWA.value), chain_hashes,
-                               transfer.host_indices, len(keys), self.page_size, write=write, ttl_s=self.swa_ttl_s,
-                               extra_keys=self._extra_keys(keys[-1]))
+        pool = self._pool(PoolName.SWA.value)
+        if self.v4 is not None:
+            done = sglang_swa.move_v4(self.client, self.geometry, pool, chain.pages, transfer.host_indices, len(keys),
+                                      self.page_size, interleaved=self.v4.layout.interleaved, write=write,
+                                      ttl_s=self.swa_ttl_s, extra_keys=self._extra_keys(keys[-1]))
+        else:
+            done = sglang_swa.move(self.client, self.geometry, pool, chain.pages, transfer.host_indices, len(keys),
+                                   self.page_size, write=write, ttl_s=self.swa_ttl_s,
+                                   extra_keys=self._extra_keys(keys[-1]))
         self.stats["snapshots_written" if write else "snapshots_read"] += int(done)
         return [done] * len(keys)
-

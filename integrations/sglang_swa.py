@@ -110,3 +110,68 @@ def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[byt
     for i, page in enumerate(split_pages(geometry, data, page_size, pages)):
         pool.set_from_flat_data_page(int(host_indices[i * page_size]), page.view(dtype))
     return True
+
+
+# -- SGLang's DeepSeek-V4 SWA pool: one page per prefix end, V41 rows ------------------------------
+#
+# SGLang's V4 SWA host page (DeepSeekV4PagedHostPool "swa", swa_page_size = the 256-token KV page)
+# is, per layer, `page_tokens` V41 window rows: block-split ([page x 512 B E4M3][page x 16 B UE8M0],
+# SGLANG_DSV4_KV_LAYOUT=v41) or interleaved (rows of [data][scales], v41_new). Slot i is position
+# page_start + i. The window of a prefix ending at T (a page boundary) is the last `window` rows of
+# the page ending at T, which is what kvstore's snapshot at T holds, row for row.
+
+
+def _v4_rows(geometry: ModelGeometry, page: torch.Tensor, page_tokens: int, interleaved: bool) -> torch.Tensor:
+    """A V4 SWA page's rows, uint8 [layers, page_tokens, window_row_bytes] (a copy when block-split)."""
+    row = geometry.window_row_bytes
+    data = geometry.head_dim  # one E4M3 byte per channel
+    flat = page.contiguous().view(torch.uint8).view(geometry.num_layers, -1)
+    if interleaved:
+        return flat[:, :page_tokens * row].view(-1, page_tokens, row)
+    return torch.cat([flat[:, :page_tokens * data].view(-1, page_tokens, data),
+                      flat[:, page_tokens * data:page_tokens * row].view(-1, page_tokens, row - data)], dim=-1)
+
+
+def v4_window_of_page(geometry: ModelGeometry, page: torch.Tensor, page_tokens: int, *,
+                      interleaved: bool) -> torch.Tensor:
+    """The snapshot of the prefix ending with this V4 SWA page: uint8 [layers, window, row], contiguous."""
+    return _v4_rows(geometry, page, page_tokens, interleaved)[:, page_tokens - geometry.window:].contiguous()
+
+
+def v4_page_of_window(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryview, page_tokens: int, *,
+                      interleaved: bool) -> torch.Tensor:
+    """The V4 SWA page ending at a snapshot's T, flat uint8: its last `window` rows from the snapshot,
+    the rows before them (older than any read of the window) zero."""
+    row, data = geometry.window_row_bytes, geometry.head_dim
+    rows = torch.zeros(geometry.num_layers, page_tokens, row, dtype=torch.uint8)
+    rows[:, page_tokens - geometry.window:] = read_only(snapshot).view(geometry.num_layers, geometry.window, row)
+    if interleaved:
+        return rows.reshape(-1)
+    return torch.cat([rows[..., :data].reshape(geometry.num_layers, -1),
+                      rows[..., data:].reshape(geometry.num_layers, -1)], dim=1).reshape(-1)
+
+
+def move_v4(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[bytes], host_indices: torch.Tensor,
+            pages: int, page_tokens: int, *, interleaved: bool, write: bool, ttl_s: float | None,
+            extra_keys: Sequence[str] = ()) -> bool:
+    """The `pages` trailing V4 SWA pages at `host_indices` <-> the snapshot at the end of `chain` (page keys
+    from the sequence start): written from the last page's window rows, read into the last page (the pages
+    before it, older than the window, zero). False when the snapshot is missing or the server fails."""
+    position = len(chain) * page_tokens
+    key = key_at(chain[-1], position, extra_keys)
+    last = int(host_indices[(pages - 1) * page_tokens])
+    try:
+        if write:
+            window = v4_window_of_page(geometry, pool.get_data_page(last, flat=True), page_tokens,
+                                       interleaved=interleaved)
+            return client.swa.put_many([(key, position, window)], ttl_s=ttl_s).stored == 1
+        data = client.swa.get_many([key])[0]
+    except KVStoreError as exc:
+        logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
+        return False
+    if data is None:
+        return False
+    for i in range(pages - 1):
+        pool.set_from_flat_data_page(int(host_indices[i * page_tokens]), pool.get_dummy_flat_data_page())
+    pool.set_from_flat_data_page(last, v4_page_of_window(geometry, data, page_tokens, interleaved=interleaved))
+    return True

@@ -1,11 +1,8 @@
 """SGLang's DeepSeek-V4.1 HiCache side-pool pages <-> kvstore blocks: the row mapping.
 
-Not wired into the backend yet: `KVStoreHiCacheStorage` still refuses SGLang's V4
-HiCache (integrations.sglang_config.V4_UNSUPPORTED), because SGLang's V4 page (256
-tokens) is several kvstore blocks, which its page keys cannot name yet
-(docs/ENGINES.md, SGLang: not supported yet). This module is the other half of that
-work: where each row of a V4 page lives, so a page's rows become kvstore blocks byte for
-byte (the same bytes the vLLM connector and `kvstore.Client` store) and back.
+The backend (sglang_v4_io) joins a V4 page's side-pool pages into kvstore blocks with
+it, byte for byte (the same bytes the vLLM connector and `kvstore.Client` store for
+the same rows), and splits them back.
 
 SGLang 0.5.23 (`build_deepseek_v4_hicache_stack`) mirrors, per page of `page_tokens`
 tokens and per source layer of each compression ratio (`DeepSeekV4PagedHostPool`, one

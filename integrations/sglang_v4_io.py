@@ -1,0 +1,134 @@
+"""SGLang's DeepSeek-V4 HiCache pages in and out of kvstore: one page = its side pools' pages = n blocks.
+
+A V4 page (256 tokens) lives in four side pools (sglang_v4_pools.SERVED) at one host
+index, the anchor's. Reading a page fetches its `n = page_tokens / block_tokens` blocks
+(their chain hashes from the ledger: sglang_keys) and, only when all n are there, splits
+them into the side pools (sglang_v4.blocks_to_pages); fewer is a miss. Writing joins
+the side pools' pages into blocks (pages_to_blocks) and Puts them with the page's
+tokens, as the backend Puts any page.
+
+SGLang asks for one page set twice: its cache controller reads the anchor
+(`batch_get_v1`) and then the side pools (`batch_get_v2`, same keys and host indices),
+and writes the side pools (`batch_set_v2`) before the anchor (`batch_set_v1`, in
+batches of 128 pages). Whichever call comes first moves the whole page; `V4Pages` notes
+its per-page outcome (per thread: each of SGLang's storage threads runs its own calls in
+order) and the other call answers from that note, so nothing crosses the wire twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from integrations.sglang_keys import KeyLedger
+from integrations.sglang_swa import read_only
+from integrations.sglang_v4 import V4PageLayout, blocks_to_pages, pages_to_blocks
+from kvstore.client import Client
+from kvstore.errors import KVStoreError
+from kvstore.v1 import kvstore_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+#: Outcomes remembered per thread before the oldest are dropped (a call never answered by its twin).
+MAX_NOTED = 1 << 16
+
+
+class V4Pages:
+    """The V4 side pools' pages as kvstore blocks.
+
+    Args:
+        client: the backend's kvstore client.
+        ledger: the page keys' tokens and block hashes.
+        layout: the page arrangement (sglang_v4_pools.layout).
+        pools: side pool name -> SGLang host pool (registered so far; read at call time).
+        write_pages: the backend's Put of pages as runs of one chain (keys, [n, block_bytes] pages).
+    """
+
+    def __init__(self, client: Client, ledger: KeyLedger, layout: V4PageLayout, pools: Mapping[str, Any],
+                 write_pages: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]]) -> None:
+        self.client = client
+        self.ledger = ledger
+        self.layout = layout
+        self.pools = pools
+        self.write_pages = write_pages
+        self._noted = threading.local()
+
+    # -- the v1/v2 twin calls ------------------------------------------------------
+
+    def _note(self, op: str, keys: Sequence[str], host_indices: torch.Tensor, results: list[bool]) -> None:
+        noted: dict[tuple[str, str, int], bool] = self._noted.__dict__.setdefault("outcomes", {})
+        if len(noted) > MAX_NOTED:
+            noted.clear()
+        for i, key in enumerate(keys):
+            noted[(op, key, self._slot(host_indices, i))] = results[i]
+
+    def _take(self, op: str, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool] | None:
+        """The noted outcome of every page of this call (then forgotten), or None when one is not noted."""
+        noted: dict[tuple[str, str, int], bool] = self._noted.__dict__.setdefault("outcomes", {})
+        wanted = [(op, key, self._slot(host_indices, i)) for i, key in enumerate(keys)]
+        if not keys or any(w not in noted for w in wanted):
+            return None
+        return [noted.pop(w) for w in wanted]
+
+    def _slot(self, host_indices: torch.Tensor, i: int) -> int:
+        return int(host_indices[i * self.layout.page_tokens])
+
+    def read(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        """Read the pages of `keys` into every side pool at `host_indices` (or answer a twin call's outcome)."""
+        done = self._take("get", keys, host_indices)
+        if done is None:
+            done = self._read(keys, host_indices)
+            self._note("get", keys, host_indices, done)
+        return done
+
+    def write(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        """Store the side pools' pages at `host_indices` under `keys` (or answer a twin call's outcome)."""
+        done = self._take("set", keys, host_indices)
+        if done is None:
+            done = self._write(keys, host_indices)
+            self._note("set", keys, host_indices, done)
+        return done
+
+    def forget_reads(self) -> None:
+        """Drop this thread's noted reads: a new anchor read must move its pages again."""
+        noted: dict[tuple[str, str, int], bool] = self._noted.__dict__.setdefault("outcomes", {})
+        for k in [k for k in noted if k[0] == "get"]:
+            del noted[k]
+
+    # -- the pages ---------------------------------------------------------------------
+
+    def _read(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        n = self.layout.blocks_per_page
+        results = [False] * len(keys)
+        wanted: list[tuple[int, bytes]] = []        # (page, block hash) for every page the ledger knows
+        for i, key in enumerate(keys):
+            hashes = self.ledger.blocks_of([key])
+            if hashes is not None and len(hashes) == n:
+                wanted.extend((i, h) for h in hashes)
+        got: dict[int, list[bytes | memoryview]] = {}
+        try:
+            for index, status, data in self.client.stream([h for _, h in wanted]):
+                if status == pb.BLOCK_STATUS_FOUND and len(data) == self.client.block_bytes:
+                    got.setdefault(wanted[index][0], []).append(data)
+        except KVStoreError as exc:
+            logger.warning("kvstore get of V4 pages failed: %s", exc)
+        for i, found in got.items():
+            if len(found) != n:        # a page stored in part is a miss: SGLang recomputes it
+                continue
+            joined = torch.stack([read_only(b) for b in found])
+            for name, page in blocks_to_pages(self.layout, joined).items():
+                self.pools[name].set_from_flat_data_page(self._slot(host_indices, i), page.reshape(-1))
+            results[i] = True
+        return results
+
+    def _write(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+        pages = []
+        for i in range(len(keys)):
+            slot = self._slot(host_indices, i)
+            side = {name: pool.get_data_page(slot, flat=True) for name, pool in self.pools.items()}
+            pages.append(pages_to_blocks(self.layout, side))
+        return self.write_pages(keys, pages)
