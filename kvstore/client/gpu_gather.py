@@ -33,13 +33,11 @@ range outlives it.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from kvstore.client.gpu_layout import ScratchRead, checksums, columns, destinations, usable_prefix, xxh3_constants
+from kvstore.client.gpu_layout import ScratchRead, columns, destinations
 from kvstore.client.gpu_pinned import (
     BUDGET_BYTES,
     CHUNK_BYTES,
@@ -48,8 +46,8 @@ from kvstore.client.gpu_pinned import (
     PinnedRegistry,
     RegistryStats,
     chunk_bytes_checked,
-    plan_rounds_array,
 )
+from kvstore.client.gpu_rounds import DevicePointer, GatherResult, KernelRounds, MappedReadLike, kernels
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH, ModelGeometry
 
@@ -58,82 +56,14 @@ if TYPE_CHECKING:
 
 __all__ = ["DirectGpuUnavailable", "GatherResult", "GpuGather", "MappedReadLike"]
 
+#: kvstore/bench/direct_sweep.py imports the pointer by this name.
+_Pointer = DevicePointer
+
 #: Words (4 bytes) per program of the gather kernel, and its warps: picked on the H200 (docs/DIRECT_RESTORE.md).
 GATHER_BLOCK_WORDS = 2048
 GATHER_WARPS = 8
 SCATTER_BLOCK_WORDS = 1024
 SCATTER_WARPS = 4
-
-
-class SpanLike(Protocol):
-    """One found block inside the mapping (`kvstore.client.colocated.BlockSpan`)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def offset(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-
-
-class MappedReadLike(Protocol):
-    """What `GpuGather` uses of `kvstore.client.colocated.MappedRead`."""
-
-    @property
-    def base_address(self) -> int: ...
-    @property
-    def map_length(self) -> int: ...
-    @property
-    def spans(self) -> Sequence[Any]: ...
-    def verify(self, indices: Sequence[int] | None = None) -> list[bool]: ...
-    def report_corrupt(self, indices: Sequence[int]) -> None: ...
-
-
-@dataclass(frozen=True)
-class GatherResult:
-    """What one gather or scatter did.
-
-    Attributes:
-        blocks: leading blocks usable (all copied and verified): rows of blocks
-            at and after the first corrupt one must not be used.
-        copied: blocks the kernel copied (all spans of the read).
-        corrupt: `BlockSpan.index` of each block that failed its checksum (reported).
-        rounds: kernel launches (more than one when the blocks' chunks exceed the budget).
-        register_s: seconds spent registering chunks in this call (0 when all were registered).
-        registered_bytes: bytes registered after the call; `budget_bytes` the budget.
-        seconds: the whole call, wall clock, from the first registration to the verified end.
-        copy_s: GPU time of the kernels (CUDA events), registration excluded.
-        verify_s: the checksums' time: the GPU kernel's (CUDA events), or the CPU threads' wall time.
-    """
-
-    blocks: int
-    copied: int
-    corrupt: list[int]
-    rounds: int
-    register_s: float
-    registered_bytes: int
-    budget_bytes: int
-    seconds: float
-    copy_s: float = 0.0
-    verify_s: float = 0.0
-
-
-class _Pointer:
-    """A raw device address Triton accepts as a tensor argument (it reads `data_ptr()` and `dtype`)."""
-
-    def __init__(self, address: int, dtype: Any) -> None:
-        self._address, self.dtype = address, dtype
-
-    def data_ptr(self) -> int:
-        return self._address
-
-
-def _kernels() -> Any:
-    try:
-        from kvstore.client import gpu_kernels
-    except ImportError as exc:  # no Triton, or one that cannot build here
-        raise DirectGpuUnavailable(f"triton is not available: {exc}") from None
-    return gpu_kernels
 
 
 class GpuGather:
@@ -159,7 +89,6 @@ class GpuGather:
         #: "cpu" (MappedRead.verify on threads, beside the copy), "auto" (gpu where it can:
         #: blocks longer than 240 bytes, a multiple of 8; `scatter` always uses the CPU).
         self.checksums_on = checksums_on
-        self._consts: torch.Tensor | None = None
         self.chunk_bytes = chunk_bytes_checked(chunk_bytes)
         self._host = host or CudaHost()
         import torch
@@ -168,7 +97,8 @@ class GpuGather:
         if self.device.type != "cuda":
             raise InvalidArgument(f"device must be a CUDA device, got {self.device}")
         self.registry = PinnedRegistry(self._host.register, self._host.unregister, budget_bytes=budget_bytes)
-        self._lock = threading.Lock()  # one request at a time touches the registry and launches
+        #: Each request's rounds: register, launch, check (`kvstore.client.gpu_rounds`).
+        self._rounds = KernelRounds(self.registry, self.device, self.chunk_bytes)
 
     @property
     def stats(self) -> RegistryStats:
@@ -183,7 +113,7 @@ class GpuGather:
 
     def close(self) -> None:
         """Unregister every chunk; call before the mapping it served is unmapped."""
-        with self._lock:
+        with self._rounds.lock:
             self.registry.clear()
 
     # -- the two forms ----------------------------------------------------
@@ -217,21 +147,21 @@ class GpuGather:
             raise InvalidArgument(f"out: expected a contiguous uint8 tensor [>= {n}, {size}] on {self.device}, "
                                   f"got {got}")
         if n == 0:
-            return out, self._finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
-        kernels = _kernels()
+            return out, self._rounds.finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
+        launcher = kernels()
         words = size // 4
         dst = out.view(torch.int32)
 
-        def launch(src: _Pointer, offsets: torch.Tensor, members: list[int], align: int) -> None:
+        def launch(src: DevicePointer, offsets: torch.Tensor, members: list[int], align: int) -> None:
             grid = (len(members), -(-words // GATHER_BLOCK_WORDS))
-            kernels.gather_kernel[grid](src, offsets, dst[members[0]:], WORDS=words, BLOCK=GATHER_BLOCK_WORDS,
-                                        ALIGN=align, num_warps=GATHER_WARPS)
+            launcher.gather_kernel[grid](src, offsets, dst[members[0]:], WORDS=words, BLOCK=GATHER_BLOCK_WORDS,
+                                         ALIGN=align, num_warps=GATHER_WARPS)
 
         # Row starts are 16-byte aligned when the block size and out's address are.
         on_gpu = verify and self.checksums_on != "cpu" and size > 240 and size % 8 == 0 and out.data_ptr() % 8 == 0
-        return out, self._run(read, offsets, size, launch, verify=verify,
-                              extra_align=size if out.data_ptr() % 16 == 0 else 4,
-                              hash_rows=out[:n] if on_gpu else None)
+        return out, self._rounds.run(read, offsets, size, launch, verify=verify,
+                                     extra_align=size if out.data_ptr() % 16 == 0 else 4,
+                                     hash_rows=out[:n] if on_gpu else None)
 
     def scatter(self, read: MappedReadLike, layers: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
                 slots: Sequence[int] | torch.Tensor | None = None, *, geometry: ModelGeometry = V4_1_FLASH,
@@ -265,19 +195,19 @@ class GpuGather:
                                   f"{block_tokens} tokens is {size}")
         table, base, slots_t, align = destinations(layers, slots, n, geometry, block_tokens, self.device)
         if n == 0:
-            return self._finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
-        kernels = _kernels()
+            return self._rounds.finish(read, [], 0, 0, 0.0, time.perf_counter(), verify=False)
+        launcher = kernels()
         longest = max(int(w) for w in table[1].tolist())
-        dst = _Pointer(base, torch.int32)
+        dst = DevicePointer(base, torch.int32)
         sec_src, sec_words, sec_dst, sec_stride = (t.to(self.device) for t in table)
 
-        def launch(src: _Pointer, offsets: torch.Tensor, members: list[int], align_src: int) -> None:
+        def launch(src: DevicePointer, offsets: torch.Tensor, members: list[int], align_src: int) -> None:
             grid = (len(members), len(sec_words), -(-longest // SCATTER_BLOCK_WORDS))
-            kernels.scatter_kernel[grid](src, offsets, slots_t[members[0]:], dst, sec_src, sec_words, sec_dst,
-                                         sec_stride, BLOCK=SCATTER_BLOCK_WORDS, ALIGN=min(align, align_src),
-                                         num_warps=SCATTER_WARPS)
+            launcher.scatter_kernel[grid](src, offsets, slots_t[members[0]:], dst, sec_src, sec_words, sec_dst,
+                                          sec_stride, BLOCK=SCATTER_BLOCK_WORDS, ALIGN=min(align, align_src),
+                                          num_warps=SCATTER_WARPS)
 
-        return self._run(read, offsets, size, launch, verify=verify, extra_align=16 if align == 4 else 4)
+        return self._rounds.run(read, offsets, size, launch, verify=verify, extra_align=16 if align == 4 else 4)
 
     def warm_up(self, *, geometry: ModelGeometry = V4_1_FLASH, block_tokens: int = 64) -> float:
         """Compile both kernels for this geometry's blocks now, on a scratch mapping of two blocks,
@@ -306,8 +236,8 @@ class GpuGather:
             self.gather(read, out, verify=False)
             if size > 240 and size % 8 == 0:  # the checksum kernel too (its verdicts here mean nothing)
                 with torch.cuda.device(self.device):
-                    self._stored(read)
-                    self._hash_on_gpu(torch.zeros(2, dtype=torch.int64, device=self.device), out, size)
+                    self._rounds.stored(read)
+                    self._rounds.hash_on_gpu(torch.zeros(2, dtype=torch.int64, device=self.device), out, size)
             parts: dict[tuple[int, str], torch.Tensor] = {
                 (s.layer, s.component): torch.empty((2, s.rows * s.row_bytes), dtype=torch.uint8, device=self.device)
                 for s in geometry.block_layout(block_tokens)}
@@ -315,115 +245,8 @@ class GpuGather:
                       for layer in geometry.kv_source_layers}
             self.scatter(read, layers, geometry=geometry, block_tokens=block_tokens, verify=False)
         finally:
-            with self._lock:
+            with self._rounds.lock:
                 self.registry.clear()  # the scratch mapping goes now
             del pages
             scratch.close()
         return time.perf_counter() - started
-
-    # -- shared -----------------------------------------------------------
-
-    def _run(self, read: MappedReadLike, offsets: Any, size: int, launch: Callable[..., None], *, verify: bool,
-             extra_align: int, hash_rows: torch.Tensor | None = None) -> GatherResult:
-        """Register, launch one kernel per round while CPU threads verify (or hash `hash_rows` on the
-        GPU after the copy), then settle the corrupt ones."""
-        import torch
-
-        started = time.perf_counter()
-        checks: list[bool] = []
-        gpu_bad: list[int] | None = None
-        failure: list[BaseException] = []
-        verify_s = [0.0]
-
-        def check() -> None:
-            start = time.perf_counter()
-            try:
-                checks.extend(read.verify(None))
-            except BaseException as exc:  # surfaced on the caller's thread below
-                failure.append(exc)
-            verify_s[0] = time.perf_counter() - start
-
-        on_cpu = verify and hash_rows is None
-        checker = threading.Thread(target=check, name="kvstore-gpu-verify") if on_cpu else None
-        if checker is not None:
-            checker.start()
-        register_s = 0.0
-        rounds = plan_rounds_array(offsets, size, read.map_length, self.chunk_bytes,
-                                   self.registry.budget_bytes)
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        copy_s = 0.0
-        try:
-            with self._lock, torch.cuda.device(self.device):
-                stored = self._stored(read) if verify and hash_rows is not None else None
-                for members, chunks in rounds:
-                    before = self.registry.stats.register_s
-                    self.registry.ensure(read.base_address, chunks.values())
-                    register_s += self.registry.stats.register_s - before
-                    first = min(chunks.values(), key=lambda c: c.start)
-                    src = _Pointer(read.base_address + first.start, torch.int32)
-                    rel = offsets[members[0]:members[-1] + 1] - first.start
-                    align = 4 if not (rel % 16).any() and extra_align % 16 == 0 else 1
-                    if (rel % 4).any():
-                        raise InvalidArgument("blocks must start at multiples of 4 bytes in the mapping")
-                    words = torch.from_numpy(rel // 4).to(self.device, non_blocking=False)
-                    began.record()
-                    launch(src, words, members, align)
-                    ended.record()
-                    if len(rounds) > 1:
-                        # The next round may unregister this round's chunks: the kernel must be done.
-                        ended.synchronize()
-                        copy_s += began.elapsed_time(ended) / 1e3
-                if stored is not None and hash_rows is not None:  # queued right behind the copy
-                    gpu_bad, verify_s[0] = self._hash_on_gpu(stored, hash_rows, size)
-                ended.synchronize()
-                if len(rounds) == 1:
-                    copy_s = began.elapsed_time(ended) / 1e3
-        finally:
-            if checker is not None:
-                checker.join()
-        if failure:
-            raise failure[0]
-        bad = gpu_bad if gpu_bad is not None else [k for k, ok in enumerate(checks) if not ok]
-        return self._finish(read, bad, len(offsets), len(rounds), register_s, started, verify=verify,
-                            copy_s=copy_s, verify_s=verify_s[0])
-
-    def _stored(self, read: MappedReadLike) -> torch.Tensor:
-        """The read's stored checksums on the device (int64 bits), and the xxh3 table once."""
-        import numpy as np
-        import torch
-
-        if self._consts is None:
-            self._consts = torch.from_numpy(xxh3_constants().view(np.int64)).to(self.device)
-        return torch.from_numpy(checksums(read).view(np.int64)).to(self.device)
-
-    def _hash_on_gpu(self, stored: torch.Tensor, rows: torch.Tensor, size: int) -> tuple[list[int], float]:
-        """xxh3-64 of each landed row against its stored checksum, one program per row:
-        (the rows that failed, GPU seconds)."""
-        import torch
-
-        ok = torch.empty(len(rows), dtype=torch.int8, device=self.device)
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began.record()
-        _kernels().xxh3_kernel[(len(rows),)](rows.view(torch.int64), stored, ok, self._consts, ROW_WORDS=size // 8,
-                                              LENGTH=size, num_warps=1)
-        ended.record()
-        bad = torch.nonzero(ok == 0).flatten().cpu().tolist()  # a few ints cross, not n flags
-        return bad, began.elapsed_time(ended) / 1e3
-
-    def _finish(self, read: MappedReadLike, bad: list[int], copied: int, rounds: int, register_s: float,
-                started: float, *, verify: bool, copy_s: float = 0.0, verify_s: float = 0.0) -> GatherResult:
-        bad = bad if verify else []
-        # Read after the kernels: a read opened with wait=False answers its Lookup here, so the
-        # copy overlapped it; rows past what it found are not the caller's to use.
-        found = getattr(read, "found_blocks", None)
-        # Span k is the k-th block asked (the spans are the found prefix): its index is k.
-        corrupt = [k for k in bad if k < found] if isinstance(found, int) and not isinstance(found, bool) else bad
-        if corrupt:
-            read.report_corrupt(corrupt)
-        return GatherResult(blocks=usable_prefix(copied, corrupt, found), copied=copied,
-                            corrupt=corrupt, rounds=rounds,
-                            register_s=register_s, registered_bytes=self.registry.used_bytes,
-                            budget_bytes=self.registry.budget_bytes, seconds=time.perf_counter() - started,
-                            copy_s=copy_s, verify_s=verify_s)
-
-

@@ -126,7 +126,8 @@ def test_gpu_checksums_equal_xxh3_on_random_rows() -> None:
     with GpuGather() as g:
         for size in (BLOCK, 248, 1024 * 5 + 8, 4096):
             rows = rng.integers(0, 256, (9, size), dtype=np.uint8)
-            bad, _ = g._hash_on_gpu(g._stored(Rows(rows)), torch.from_numpy(rows).cuda(), size)  # type: ignore[arg-type]
+            rounds = g._rounds
+            bad, _ = rounds.hash_on_gpu(rounds.stored(Rows(rows)), torch.from_numpy(rows).cuda(), size)  # type: ignore[arg-type]
             assert bad == [3], size
 
 
