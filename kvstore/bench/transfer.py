@@ -66,7 +66,10 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     source = np.random.default_rng(0).integers(0, 256, size=total, dtype=np.uint8)
     memcpy_s = _memcpy(source, args.repeat)
     gb = total / 1e9
-    with scratch() as folder, serve_process(folder / "store", total, args.block_tokens) as target:
+    # The bulk transport on (it is off by default): refused, with the reason noted, where Mooncake cannot run.
+    bulk_env = {"KVSTORE_TRANSFER_BULK": "mooncake"}
+    bulk_gbs: float | None = None
+    with scratch() as folder, serve_process(folder / "store", total, args.block_tokens, bulk_env) as target:
         with Client(target) as client:
             tokens = list(range(n * args.block_tokens))
             with progress.bar("put", total) as bar:
@@ -83,6 +86,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                source, progress)
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
+            bulk_gbs = _bulk(report, client, hashes, max(batches), args, source, progress)
         if args.gpu != "off":  # direct GPU restore vs pinned H2D and shm + H2D; a note without CUDA
             from kvstore.bench import transfer_direct
 
@@ -99,7 +103,13 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                               "GB/s", f"{streams} raw gRPC streams at once, same bytes, copied into a region",
                               gb / striped_s))
     report.notes["streams"] = streams
-    _mooncake(report, source, block_bytes, max(batches), args.repeat, stream_full.value, progress)
+    mooncake_gbs = _mooncake(report, source, block_bytes, max(batches), args.repeat, stream_full.value, progress)
+    if bulk_gbs is not None:
+        report.add(Figure.against("bulk fetch vs grpc fetch", bulk_gbs, "GB/s",
+                                  f"grpc fetch batch={max(batches)}, same run", stream_full.value))
+        if mooncake_gbs is not None:
+            report.add(Figure.against("bulk fetch vs mooncake", bulk_gbs, "GB/s",
+                                      "Mooncake transfer engine TCP batch read, same bytes", mooncake_gbs))
     if args.gpu == "on" or (args.gpu == "auto" and _cuda()):
         _gpu(report, total, args.repeat)
     return report
@@ -193,18 +203,51 @@ def _raw_striped(n: int, size: int, streams: int, repeat: int, progress: Progres
 
 
 def _mooncake(report: Report, source: np.ndarray, block_bytes: int, batch: int, repeat: int, grpc_gbs: float,
-              progress: Progress) -> None:
+              progress: Progress) -> float | None:
     """Mooncake's transfer engine (TCP, loopback, another process) reading the same bytes in batches
-    of `batch` block-sized reads, beside the gRPC path's figure; a note instead when it cannot run."""
+    of `batch` block-sized reads, beside the gRPC path's figure; its GB/s, or None and a note when it
+    cannot run."""
     missing = mooncake_missing()
     if missing:
         report.notes["mooncake"] = f"skipped: {missing}; no figure against it"
-        return
+        return None
     with progress.bar("mooncake batch read", source.nbytes):
         seconds = mooncake_read_s(source.data, block_bytes, batch, repeat)
+    gbs = source.nbytes / seconds / 1e9
     report.add(Figure.against("grpc fetch vs mooncake", grpc_gbs, "GB/s",
-                              "Mooncake transfer engine TCP batch read, same bytes", source.nbytes / seconds / 1e9))
+                              "Mooncake transfer engine TCP batch read, same bytes", gbs))
     report.notes["mooncake"] = f"TCP on loopback, P2P handshake, batches of {batch} block-sized reads"
+    return gbs
+
+
+def _bulk(report: Report, client: Client, hashes: list[bytes], batch: int, args: argparse.Namespace,
+          source: np.ndarray, progress: Progress) -> float | None:
+    """The whole fetch over the bulk transport (the server's Mooncake engine writes into the region);
+    its GB/s, or None and a note saying why the session could not use it."""
+    block_bytes = client.block_bytes
+    nbytes = len(hashes) * block_bytes
+    with TransferSession(client.connection, path="bulk", streams=args.streams) as session:
+        if session.bulk is None:
+            report.notes["bulk"] = f"skipped: {session.bulk_reason}; no figure"
+            return None
+        region = session.register(nbytes)
+        region.tensor().fill_(1)  # pre-fault the pages, as the other figures' regions are
+        with progress.bar(f"bulk fetch batch={batch}", nbytes * args.repeat) as bar:
+            def fetch() -> None:
+                state = session.fetch(hashes, region, batch_descriptors=batch)
+                if state.done_prefix != len(hashes):
+                    raise RuntimeError(f"bulk fetch loaded {state.done_prefix} of {len(hashes)} blocks")
+                bar.update(state.bytes_moved)
+            seconds = best_of(fetch, args.repeat)
+        if session.bulk is None:
+            raise RuntimeError(f"the bulk transport failed during the run: {session.bulk_reason}")
+        if not np.array_equal(np.frombuffer(region.view, dtype=np.uint8), source):
+            raise RuntimeError("bulk fetch landed the wrong bytes")
+        report.notes["bulk"] = (f"Mooncake TCP on loopback, {session.bulk.max_blocks} blocks a BulkFetch, "
+                                f"{session.streams} in flight")
+    gbs = nbytes / seconds / 1e9
+    report.add(Figure(name=f"bulk fetch batch={batch}", value=gbs, unit="GB/s"))
+    return gbs
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:
