@@ -9,12 +9,16 @@ Extra config (`integrations.common.parse_settings`; a mistake is a `kvstore.erro
 naming it): `target` (required), `token` (default `$KVSTORE_TOKEN`), `namespace`, `geometry`,
 `timeout_s`, `path` ("auto", "shm", "grpc", "direct-cpu", "direct-gpu"), `data_dir` (the store's
 data dir on this host: enables the direct paths), `lease_ms`, `replay_windows` (1, 2, ... or
-"exact"), `load_async` (default: true with several KV cache groups).
+"exact"), `load_async` (default: true with several KV cache groups), `layerwise` (default false:
+fill loads layer by layer while the forward runs and copy saves out per layer; needs a model whose
+attention calls vLLM's per-layer hooks, and makes vLLM use piecewise CUDA graphs).
 
 Scheduler side (`integrations.vllm_scheduler`): one leased planner Lookup per request; only usable
 tokens are reported. Worker side (`integrations.vllm_worker`): loads fill vLLM's paged caches
 before the forward; new full blocks are copied out after it and put on a background thread;
-requests with saves are held until their puts are done. docs/ENGINES.md has the rest.
+requests with saves are held until their puts are done. With `layerwise`, `start_load_kv` returns
+at once and `wait_for_layer_load` waits for one layer (`integrations.vllm_layers`); `save_kv_layer`
+copies each layer's rows out as the forward writes them. docs/ENGINES.md has the rest.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ if TYPE_CHECKING:
 #: vLLM cache formats whose records are not kvstore's rows (docs/ENGINES.md), and what they hold.
 REFUSED_CACHE_DTYPES = {"fp8_ds_mla": "584 B FP8 records (DeepSeek V4's), not V4.1's NVFP4 compressed rows"}
 #: Settings this connector reads beyond the common ones.
-KNOWN = COMMON_KEYS | {"load_async"}
+KNOWN = COMMON_KEYS | {"load_async", "layerwise"}
 
 
 class KVStoreMetadata(KVConnectorMetadata, ConnectorMeta):
@@ -70,6 +74,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     #: vLLM's hit metrics: kvstore's blocks live on NVMe (LMDB).
     _cache_hit_source = CacheHitSource.DISK
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """With `layerwise` the per-layer hooks wait and copy: they must run, so not inside a full CUDA graph."""
+        return extra_config.get("layerwise", False) is True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """False: a best-effort cache. Saves copy the rows out in the step that computes them, so a
@@ -83,6 +92,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         load_async = extra.get("load_async", len(kv_cache_config.kv_cache_groups) > 1)
         if not isinstance(load_async, bool):
             raise ConfigError(f"kv_connector_extra_config 'load_async' must be true or false, got {load_async!r}")
+        layerwise = extra.get("layerwise", False)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"kv_connector_extra_config 'layerwise' must be true or false, got {layerwise!r}")
         if not load_async and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("kv_connector_extra_config 'load_async' = false with several KV cache groups: vLLM "
                               "cannot take block-level load errors there; leave it unset (asynchronous)")
@@ -113,7 +125,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             if self.settings.data_dir is not None:
                 from kvstore.client.colocated import ColocatedReader
                 reader = ColocatedReader(self.settings.data_dir)
-            self.worker = WorkerSide(self.client, self.settings, self.geometry, reader=reader)
+            self.worker = WorkerSide(self.client, self.settings, self.geometry, reader=reader, layerwise=layerwise)
 
     # -- worker side --------------------------------------------------------------
 
@@ -129,29 +141,39 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().register(kv_caches, groups)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Fill this step's loads into the paged caches (all layers, before the forward)."""
+        """Start this step's loads: filled layer by layer on the loader thread; without `layerwise`,
+        every layer is in the pages when this returns."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        for spec in meta.loads:
-            self._worker().load(spec)
+        self._worker().start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: `start_load_kv` filled every layer."""
-        return
+        """Block until this step's loads filled every layer up to `layer_name`'s (nothing left to wait
+        for without `layerwise`)."""
+        self._worker().wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        """Nothing per layer: the rows are copied out in `wait_for_save`, once every layer wrote them."""
-        return
+        """With `layerwise`: copy the rows this layer just wrote of the step's saves out of the pages
+        (the registered caches of the layer: its compressed KV, indexer and window rows). Otherwise
+        nothing: `wait_for_save` copies every layer out at once."""
+        worker = self._worker()
+        if not worker.layerwise or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreMetadata)
+        worker.save_layer(meta.saves, layer_name)
 
     def wait_for_save(self) -> None:
-        """Copy this step's completed blocks out of the pages and queue their puts."""
+        """End of the forward: the step's loads are collected (what failed is reported to vLLM); the
+        completed blocks are taken from the per-layer copies or copied out now, and their puts queued."""
+        worker = self._worker()
+        worker.finish_loads()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        for spec in meta.saves:
-            self._worker().save(spec)
+        worker.save_step(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Ended requests whose puts are done (their pages may go), and finished asynchronous loads."""

@@ -110,11 +110,16 @@ class Engine:
         hybrid: a second KV cache group of sliding-window caches (every layer's window), so vLLM's
             hybrid allocator runs and the connector must be SupportsHMA.
         failure_policy: vLLM's `kv_load_failure_policy` ("recompute" or vLLM's default "fail").
+        hooks: run the stand-in model layer by layer and call the per-layer hooks as vLLM's attention
+            layers do (`wait_for_layer_load` before a layer, `save_kv_layer` after it, with the layer's
+            name `model.layers.<i>.self_attn.attn`); off: the whole forward at once, no per-layer calls.
+        scribble: with `hooks`, overwrite a layer's caches right after its `save_kv_layer` and put them
+            back after `wait_for_save`: a save that did not copy the layer out at once stores garbage.
     """
 
     def __init__(self, model_dir: Path, extra: dict[str, Any], *, worker_extra: dict[str, Any] | None = None,
                  hybrid: bool = False, role: str = "kv_both", failure_policy: str = "recompute",
-                 cache_dtype: str = "auto") -> None:
+                 cache_dtype: str = "auto", hooks: bool = False, scribble: bool = False) -> None:
         model = ModelConfig(model=str(write_model(model_dir)), tokenizer=str(model_dir), skip_tokenizer_init=True,
                             max_model_len=2048, dtype="float32")
         cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True, cache_dtype=cache_dtype)
@@ -154,7 +159,9 @@ class Engine:
         for name, width in widths.items():
             self.caches[name] = physical[:, offset: offset + width]
             offset += width
-        self.hybrid = hybrid
+        self.hybrid, self.hooks, self.scribble = hybrid, hooks, scribble
+        #: With `hooks`: called with each layer after its `wait_for_layer_load`, before its rows are written.
+        self.before_layer: Any = None
         self.worker.register_kv_caches(self.caches)
         self.tokens: dict[str, list[int]] = {}
         self.pages: dict[str, list[list[int]]] = {}
@@ -195,9 +202,24 @@ class Engine:
                 for group, more in zip(self.pages[req_id], ids, strict=False):
                     group.extend(more)
             ran[req_id] = (cached.num_computed_tokens[i], so.num_scheduled_tokens[req_id])
-        for req_id, (start, count) in ran.items():
-            self._forward(req_id, start, start + count)
+        scribbled: dict[str, torch.Tensor] = {}
+        for layers in ([[layer] for layer in range(GEO.num_layers)] if self.hooks else [None]):
+            name = None if layers is None else f"model.layers.{layers[0]}.self_attn.attn"
+            if name is not None:
+                self.worker.wait_for_layer_load(name)
+                if self.before_layer is not None:
+                    self.before_layer(layers[0])
+            for req_id, (start, count) in ran.items():
+                self._forward(req_id, start, start + count, layers)
+            if name is not None and layers is not None:
+                mine = [n for n in self.caches if f".layers.{layers[0]}." in n]
+                self.worker.save_kv_layer(name, self.caches[mine[0]] if mine else torch.empty(0), None)
+                for n in mine if self.scribble else ():
+                    scribbled[n] = self.caches[n].clone()
+                    self.caches[n].fill_(0xEE)
         self.worker.wait_for_save()
+        for n, saved in scribbled.items():
+            self.caches[n].copy_(saved)
         results = self.worker.get_transfer_results(so.finished_req_ids)
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
@@ -225,11 +247,12 @@ class Engine:
         self.computed.append(ran)
         return so
 
-    def _forward(self, req_id: str, start: int, end: int) -> None:
+    def _forward(self, req_id: str, start: int, end: int, layers: list[int] | None = None) -> None:
+        """Write the rows of positions [start, end) of `layers` (all: None)."""
         tokens = self.tokens[req_id]
         if self.hybrid:  # every layer's window row of each computed position, in the window group's pages
             rb = GEO.window_row_bytes
-            for layer in range(GEO.num_layers):
+            for layer in range(GEO.num_layers) if layers is None else layers:
                 cache = self.caches[f"model.layers.{layer}.self_attn.swa_cache"]
                 view = cache[:, : PAGE * rb].view(NUM_PAGES, PAGE, rb)
                 for pos in range(start, end):
@@ -238,6 +261,8 @@ class Engine:
                         view[page, pos % PAGE] = torch.frombuffer(bytearray(window_row(tokens, layer, pos)),
                                                                   dtype=torch.uint8)
         for layer, comp, rb in GLOBAL:
+            if layers is not None and layer not in layers:
+                continue
             r = GEO.compress_ratios[layer]
             rows_per_page = PAGE // r
             view = self.caches[cache_name(layer, comp)][:, : rows_per_page * rb].view(NUM_PAGES, rows_per_page, rb)
