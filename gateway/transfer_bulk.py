@@ -106,6 +106,8 @@ class BulkServer:
         self._staging: _Staging | None = None
         self._start_lock = threading.Lock()
         self._refused = "" if settings.bulk == "mooncake" else "transfer.bulk is off on this server"
+        #: What OpenSession's first event offers: the transport named by `transfer.bulk`, if any.
+        self.offered = [] if settings.bulk == "off" else [settings.bulk]
 
     async def open(self, session_id: str, transport: str, segment: str) -> str:
         """Accept a session's bulk transport ("" ) or say why not (the client uses gRPC).
@@ -122,6 +124,9 @@ class BulkServer:
                 self._staging = _Staging(self._engine, self.slots, self.slot_bytes)
         if self._refused:
             return self._refused
+        if int(segment.rpartition(":")[2]) == self._engine.get_rpc_port():
+            # Never its own engine: a write there could land in another call's staging slot.
+            return f"segment {segment} names this server's own transfer engine"
         self.segments[session_id] = segment
         return ""
 
@@ -135,9 +140,13 @@ class BulkServer:
                 return
             from mooncake.engine import TransferEngine
 
-            engine = TransferEngine()
-            if engine.initialize(self.settings.bulk_host, "P2PHANDSHAKE", "tcp", ""):
-                self._refused = f"the server's transfer engine did not start on {self.settings.bulk_host}"
+            try:
+                engine = TransferEngine()
+                failed = engine.initialize(self.settings.bulk_host, "P2PHANDSHAKE", "tcp", "")
+            except Exception as exc:  # the native engine's own errors: bulk stays off, gRPC serves
+                failed, engine = f"{type(exc).__name__}: {exc}", None
+            if failed:
+                self._refused = f"the server's transfer engine did not start on {self.settings.bulk_host} ({failed})"
                 return
             self._engine = engine
 

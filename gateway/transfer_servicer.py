@@ -117,7 +117,8 @@ class TransferServicer(pb_grpc.TransferServicer):
                                   max_regions=self.settings.max_regions,
                                   keep_finished=self.settings.keep_finished,
                                   max_session_descriptors=self.settings.max_session_descriptors,
-                                  max_session_mapped_bytes=self.settings.max_session_mapped_bytes)
+                                  max_session_mapped_bytes=self.settings.max_session_mapped_bytes,
+                                  bulk_transports=self.bulk.offered)
             # The session lives as long as this stream: the client cancelling it,
             # its connection dropping or its process dying all end the wait.
             await asyncio.Event().wait()

@@ -127,10 +127,12 @@ class TransferSession:
             self.max_descriptors = first.max_descriptors
             self.keep_finished = first.keep_finished
             self.max_session_descriptors = first.max_session_descriptors or first.max_descriptors
+            self.bulk_offered = list(first.bulk_transports)
         else:
             self.max_descriptors = connection.max_batch_blocks
             self.keep_finished = 0
             self.max_session_descriptors = 0
+            self.bulk_offered = []
         self._paths = {name: cls(self) for name, cls in PATHS.items()}
         #: The bulk transport once negotiated (None: regions the server cannot map stream over
         #: gRPC); `bulk_reason` says why not.
@@ -144,6 +146,9 @@ class TransferSession:
     def _negotiate_bulk(self) -> None:
         """Ask the server for the bulk transport, once; on any refusal or failure say why and stream."""
         self._want_bulk = False
+        if "mooncake" not in self.bulk_offered:  # no engine is started here unless the server offers one
+            self.bulk_reason = "off: the server offers no bulk transport (its transfer.bulk is off)"
+            return
         stream = self._paths["stream"]
         assert isinstance(stream, StreamPath)
         try:

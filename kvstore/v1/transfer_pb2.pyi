@@ -38,7 +38,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions", "keep_finished", "max_session_descriptors", "max_session_mapped_bytes")
+    __slots__ = ("session_id", "max_descriptors", "max_region_bytes", "max_regions", "keep_finished", "max_session_descriptors", "max_session_mapped_bytes", "bulk_transports")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     MAX_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class SessionEvent(_message.Message):
     KEEP_FINISHED_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BULK_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_descriptors: int
     max_region_bytes: int
@@ -53,7 +54,8 @@ class SessionEvent(_message.Message):
     keep_finished: int
     max_session_descriptors: int
     max_session_mapped_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ..., max_session_descriptors: _Optional[int] = ..., max_session_mapped_bytes: _Optional[int] = ...) -> None: ...
+    bulk_transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_id: _Optional[str] = ..., max_descriptors: _Optional[int] = ..., max_region_bytes: _Optional[int] = ..., max_regions: _Optional[int] = ..., keep_finished: _Optional[int] = ..., max_session_descriptors: _Optional[int] = ..., max_session_mapped_bytes: _Optional[int] = ..., bulk_transports: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
     __slots__ = ("session_id", "shm_name", "size_bytes", "nonce", "pid", "fd", "ring")
