@@ -6,6 +6,7 @@ transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/retention.py`: the retention rule, what may be evicted and when, and
   the guarded retention clock.
 - `tiers/eviction.py`: making room, least recently used first.
+- `tiers/puts.py`: a Put's write transaction: what it protects, room made, blocks stored.
 - `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
 - `tiers/usage.py`: the usage totals, kept inside write transactions.
 - `tiers/reads.py`: verified reads and staged zero-copy reads.
@@ -13,7 +14,8 @@ transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/refresh.py`: group commit of retention refreshes.
 - `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
 - `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk
-  records, leases, counters; `tiers/datadir.py`: opening the data dir.
+  records, leases, counters; `tiers/tally.py`: counting each call's outcome;
+  `tiers/datadir.py`: opening the data dir.
 
 All methods here block; the service runs them on `executor`, the tier's one
 bounded pool, through `call`.
@@ -22,30 +24,27 @@ bounded pool, through `call`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict
 from typing import Any, TypeVar
 
 import lmdb
 
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
-from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
 from tiers import export, namespaces, purge, reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, read_meta
 from tiers.chains import ChainIndex
-from tiers.damage import DamagedBlocks, refused_write
+from tiers.damage import DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
-from tiers.eviction import Candidates, Evicted, SkippedRuns, make_quota_room, make_room
+from tiers.eviction import Evicted, SkippedRuns
 from tiers.leases import Lease, LeaseTable
 from tiers.namespaces import NamespaceUsage
+from tiers.puts import RoomRules, commit_puts
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
 from tiers.refresh import RefreshBatcher
 from tiers.retention import (
@@ -57,6 +56,7 @@ from tiers.retention import (
     RetentionClock,
     persisted_high_water,
 )
+from tiers.tally import Tally
 
 __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "NamespaceUsage", "PutBatch", "PutResult", "ReadStatus",
            "StagedReads"]
@@ -95,21 +95,19 @@ class LmdbBlockTier:
         self.retention = NamespaceRetention(settings.retention_s)
         self._skipped = SkippedRuns()  # where eviction's walks of the LRU index start (R18)
         self._quota_of: Callable[[str], int] = _no_quota
-        self._lock = threading.Lock()
-        self._damage = DamagedBlocks(settings.data_dir, self._count_damaged)
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)
-            self.counters = Counters.load(saved)
+            counters = Counters.load(saved)
             high_water = persisted_high_water(txn, self._dbs.state, self._dbs.lru)
         self.retention_clock = RetentionClock(self.clock, high_water)
-        self._usage, by_namespace = usage.check_and_repair(self.env, self._records, self._state,
-                                                           max_tree_pages=MAX_CHECKED_TREE_PAGES)
+        totals, by_namespace = usage.check_and_repair(self.env, self._records, self._state,
+                                                      max_tree_pages=MAX_CHECKED_TREE_PAGES)
         if by_namespace is not None:
             namespaces.check_and_repair(self.env, self._state, by_namespace, self.retention_clock.now())
-        self._usage_txn = 0  # id of the commit `_usage` comes from
+        self._tally = Tally(counters, totals, WriteRate(settings.write_rate_window_s, self.retention_clock.now()))
+        self._damage = DamagedBlocks(settings.data_dir, self._tally.damaged)
         self._refresh = RefreshBatcher(self.executor, self.touch)
         self.chains = ChainIndex(self.env, self._records, self._damage.note)
-        self._write_rate = WriteRate(settings.write_rate_window_s, self.retention_clock.now())
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -141,9 +139,7 @@ class LmdbBlockTier:
             namespaces.apply(txn, self._state, w.namespace_deltas, w.namespace_names, self.retention_clock.now())
             self._save_state(txn)
             txn_id = txn.id()
-        with self._lock:
-            if txn_id > self._usage_txn:
-                self._usage_txn, self._usage = txn_id, w.usage
+        self._tally.committed(txn_id, w.usage)
 
     # -- lookup and leases -------------------------------------------------
 
@@ -170,10 +166,7 @@ class LmdbBlockTier:
             touch_due.append(scope.key(hashes[found - 1]))
         lease = self.leases.grant(scope.key(hashes[found - 1]), lease_s) if found and lease_s > 0 else None
         tokens = self.settings.block_tokens
-        with self._lock:
-            self.counters.lookups += 1
-            self.counters.lookup_tokens_asked += len(hashes) * tokens
-            self.counters.lookup_tokens_found += found * tokens
+        self._tally.lookup(asked_tokens=len(hashes) * tokens, found_tokens=found * tokens)
         return found, lease
 
     # -- writes ------------------------------------------------------------
@@ -213,81 +206,15 @@ class LmdbBlockTier:
         for batch in (b for b in batches if b.hashes):  # extending a known chain makes the longer one known
             parent = None if batch.is_root else batch.scope.key(batch.parent_hash)
             self.chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
-        with self._lock:
-            self.counters.evictions += evicted.blocks
-            self.counters.evicted_bytes += evicted.freed_bytes
-            for r in results:
-                self.counters.puts += 1
-                self.counters.blocks_written += r.written_blocks
-                self.counters.bytes_written += r.written_bytes
-                self._write_rate.note(now, r.written_bytes)
+        self._tally.put(results, evicted, now)
         return results
 
     def _commit(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
-        """Apply `batches` in one durable transaction; a refusal is counted and raised as ResourceExhausted."""
-        try:
-            return self._damage.retry(lambda: self._put_all(batches, now), "this Put")
-        except lmdb.Error as exc:
-            refusal = refused_write(exc, self.settings.data_dir)
-            if refusal is None:
-                raise
-            self._count_rejected()
-            raise refusal from None
-        except ResourceExhausted:
-            self._count_rejected()
-            raise
-
-    def _put_all(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
-        protected = set(self.leases.pinned()) | self._damage.snapshot()
-        results: list[PutResult] = []
-        blocks = freed = 0
-        with self._write() as w:
-            for batch in batches:
-                result, evicted = self._put_in(w, batch, now, protected)
-                results.append(result)
-                blocks, freed = blocks + evicted.blocks, freed + evicted.freed_bytes
-        return results, Evicted(blocks=blocks, freed_bytes=freed)
-
-    def _put_in(self, w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes]) -> tuple[PutResult, Evicted]:
-        parent_depth = self._parent_depth(w, batch.scope, batch.parent_hash, batch.is_root)
-        keys = [batch.scope.key(h) for h in batch.hashes]
-        # R12: nothing this Put names, nor the parent it extends (and so, by R6, no
-        # block above it), may go to make room for it.
-        protected.update(keys)
-        if not batch.is_root:
-            protected.add(batch.scope.key(batch.parent_hash))
-        fresh = [w.meta(k) is None for k in keys]
-        need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
-        ns_id = namespaces.id_of_key(batch.scope.prefix)
-        w.namespace_names.setdefault(ns_id, batch.scope.namespace)
-        can = Candidates(rule=self.rule, now_s=now, protected=protected,
-                         retention_of=self.retention.for_keys(w.namespace_name), skipped=self._skipped)
-        evicted = Evicted()
-        quota = batch.quota_bytes if batch.quota_bytes is not None else self._quota_of(batch.scope.namespace)
-        if quota:
-            evicted = make_quota_room(w, ns_id, need, quota_bytes=quota, namespace=batch.scope.namespace, can=can)
-        evicted += make_room(w, need, capacity_bytes=self.settings.capacity_bytes, rule=self.rule, now_s=now,
-                             protected=protected, retention_of=can.retention_of, skipped=self._skipped)
-        parent = batch.parent_hash
-        for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
-            if fresh[i]:
-                w.insert(key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0)
-            else:
-                w.touch(key, now)  # R5: putting a stored block again is a use of it
-            parent = batch.hashes[i]
-        written = sum(fresh)
-        return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need), evicted
-
-    @staticmethod
-    def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
-        if is_root:
-            return 0
-        meta = w.meta(scope.key(parent_hash))
-        if meta is None:
-            raise FailedPrecondition(
-                f"parent block {parent_hash.hex()[:16]}... is not stored; put the prefix first"
-            )
-        return meta.depth
+        """Apply `batches` in one durable transaction (`tiers/puts.py`); a refusal is counted and raised."""
+        room = RoomRules(rule=self.rule, retention=self.retention, quota_of=self._quota_of,
+                         capacity_bytes=self.settings.capacity_bytes, skipped=self._skipped)
+        return commit_puts(self._write, self._damage, batches, now_s=now, pinned=self.leases.pinned, room=room,
+                           data_dir=self.settings.data_dir, on_refused=self._tally.rejected)
 
     # -- refreshes ---------------------------------------------------------
 
@@ -377,7 +304,7 @@ class LmdbBlockTier:
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Remove corrupt blocks and their descendants; count them (R10, `tiers/purge.py`)."""
-        purge.drop_corrupt(self._write, self._damage, keys, self._count_damaged, self.settings.data_dir)
+        purge.drop_corrupt(self._write, self._damage, keys, self._tally.damaged, self.settings.data_dir)
 
     def purge(self, scope: BlockScope, hashes: Sequence[bytes] | None) -> int:
         """Remove blocks durably (R20, `tiers/purge.py`); how many went.
@@ -391,8 +318,7 @@ class LmdbBlockTier:
         else:
             blocks = purge.subtree_blocks(self.env, self._dbs, [scope.key(h) for h in hashes])
         removed = purge.remove_deepest_first(self._write, self._damage, blocks)
-        with self._lock:
-            self.counters.purged_blocks += removed
+        self._tally.purged(removed)
         return removed
 
     def export_records(self, namespace: str) -> Iterator[export.ExportRecord]:
@@ -416,10 +342,7 @@ class LmdbBlockTier:
         """
         def commit(batches: list[PutBatch]) -> list[PutResult]:
             results, evicted = self._commit(batches, self.retention_clock.now())
-            with self._lock:
-                self.counters.evictions += evicted.blocks
-                self.counters.evicted_bytes += evicted.freed_bytes
-                self.counters.imported_blocks += sum(r.written_blocks for r in results)
+            self._tally.imported(results, evicted)
             return results
 
         return export.import_records(commit, records, namespace=namespace, quota_bytes=quota_bytes)
@@ -427,20 +350,13 @@ class LmdbBlockTier:
     def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
         """Count one Get: blocks asked for and blocks actually returned."""
         tokens = self.settings.block_tokens
-        with self._lock:
-            self.counters.gets += 1
-            self.counters.get_tokens_asked += asked_blocks * tokens
-            self.counters.get_tokens_returned += returned_blocks * tokens
+        self._tally.get(asked_tokens=asked_blocks * tokens, returned_tokens=returned_blocks * tokens)
 
     # -- accounting --------------------------------------------------------
 
     def stats(self) -> TierStats:
         """Counters, usage and retention headroom now."""
-        now = self.retention_clock.now()
-        with self._lock:
-            rate = self._write_rate.per_second(now)
-            counters = Counters(**asdict(self.counters))
-            blocks, used = self._usage.blocks, self._usage.stored_bytes
+        counters, rate, blocks, used = self._tally.snapshot(self.retention_clock.now())
         free = max(self.settings.capacity_bytes - used, 0)
         return TierStats(
             counters=counters, blocks_stored=blocks, bytes_stored=used,
@@ -473,19 +389,9 @@ class LmdbBlockTier:
         """
         self._quota_of = provider or _no_quota
 
-    def _count_damaged(self) -> None:
-        with self._lock:
-            self.counters.corrupt_blocks += 1
-
-    def _count_rejected(self) -> None:
-        with self._lock:
-            self.counters.rejected_puts += 1
-
     def _save_state(self, txn: lmdb.Transaction) -> None:
         """Counters and the retention clock's high-water mark, with this write (R13)."""
-        with self._lock:
-            counters = json.dumps(asdict(self.counters)).encode()
-        txn.put(b"counters", counters, db=self._state)
+        txn.put(b"counters", self._tally.saved(), db=self._state)
         txn.put(HIGH_WATER_KEY, HIGH_WATER.pack(self.retention_clock.now()), db=self._state)
 
     def __repr__(self) -> str:

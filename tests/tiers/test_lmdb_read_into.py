@@ -52,7 +52,7 @@ def test_read_into_never_copies_a_corrupt_block(store_settings: StoreSettings) -
     dest = memoryview(bytearray(2 * 256))
     out = tier.read_into(keys, [dest[:256], dest[256:]])
     assert out == [ReadStatus.FOUND, ReadStatus.CORRUPT]
-    assert bytes(dest[256:]) == bytes(256) and tier.counters.corrupt_blocks == 1
+    assert bytes(dest[256:]) == bytes(256) and tier.stats().counters.corrupt_blocks == 1
     tier.close()
 
 
