@@ -15,9 +15,10 @@ offers it and falls back to the gateway when Redis cannot be reached or the
 user was deleted (after re-opening once), trying direct again after
 `RETRY_DIRECT_S`; "direct" raises instead of falling back; "gateway" never goes
 direct. `last_path` says which path the last call took ("shm", "direct" for
-Redis, "gateway"). Direct gets in Redis are reported to the gateway
-(SwaPool.ReportDirect, at most `REPORT_EVERY_S` late; `flush_report()` sends at
-once) so its hit counters see them; the shared-memory server counts its own.
+Redis, "gateway"). Direct gets and puts in Redis are reported to the gateway
+(SwaPool.ReportDirect, kvstore.client.swa_report: at most a second late, never
+holding up a call; `flush_report()` sends at once) so its hit counters see
+them; the shared-memory server counts its own.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvstore import geometry as geometries
 from kvstore.client import arguments
 from kvstore.client.connection import ENVELOPE_BYTES, Connection
 from kvstore.client.swa_direct import DirectPath
+from kvstore.client.swa_report import DirectReport
 from kvstore.client.swa_shm import ShmPath
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.prefix import ExtraKey
@@ -47,13 +49,6 @@ Buffer = bytes | bytearray | memoryview
 PATHS = ("auto", "direct", "gateway")
 #: Seconds the "auto" path stays on the gateway after the direct path failed (or was not offered).
 RETRY_DIRECT_S = 5.0
-#: Direct gets are reported when this many are pending or this many seconds passed since the last report.
-REPORT_GETS = 256
-REPORT_EVERY_S = 1.0
-#: Most reported gets kept while the gateway cannot be told (the oldest are dropped).
-MAX_PENDING_GETS = 4096
-#: Most gets one report carries (the server's limit, gateway.swa_servicer.MAX_REPORTED_GETS).
-MAX_REPORTED_GETS = 4096
 #: Longest TTL the wire carries (uint32 milliseconds); the server cuts any TTL to its own anyway.
 _MAX_TTL_MS = 2**32 - 1
 
@@ -110,9 +105,7 @@ class SwaClient:
         self.direct_reason = ""
         self._direct: DirectPath | ShmPath | None = None
         self._retry_direct_at = 0.0
-        self._gets: list[tuple[int, int, int]] = []
-        self._puts = [0, 0, 0]  # calls, snapshots, bytes
-        self._reported_at = clock()
+        self._report = DirectReport(connection, self._stub, clock)
 
     def snapshot_bytes(self, position: int) -> int:
         """Bytes of a snapshot at prompt length T = `position` in the client's geometry
@@ -206,8 +199,7 @@ class SwaClient:
         else:
             put_bytes = direct.put_many(triples, ttl)
         if not isinstance(direct, ShmPath):  # the server counts shared-memory puts itself
-            self._puts = [self._puts[0] + 1, self._puts[1] + len(triples), self._puts[2] + put_bytes]
-            self._maybe_report()
+            self._report.put(len(triples), put_bytes)
         return SwaPutResult(stored=len(triples), failed=0, ttl_ms=min(ttl, direct.ttl_ms) if ttl else direct.ttl_ms)
 
     def put(self, tokens: Sequence[int], data: Buffer | torch.Tensor, *, position: int | None = None,
@@ -233,10 +225,8 @@ class SwaClient:
             return out
         for lo in range(0, len(keys), self._batch):
             got = direct.get_many(keys[lo:lo + self._batch])
-            self._gets.append((len(got.data), sum(d is not None for d in got.data), got.corrupt))
+            self._report.got(len(got.data), sum(d is not None for d in got.data), got.corrupt)
             out.extend(got.data)
-        del self._gets[:-MAX_PENDING_GETS]
-        self._maybe_report()
         return out
 
     def _get_gateway(self, keys: list[bytes]) -> list[bytes | memoryview | None]:
@@ -356,29 +346,13 @@ class SwaClient:
         self.direct_reason = reason
         self._retry_direct_at = self.clock() + RETRY_DIRECT_S
 
-    def _maybe_report(self) -> None:
-        if len(self._gets) >= REPORT_GETS or self.clock() - self._reported_at >= REPORT_EVERY_S:
-            self.flush_report()
-
     def flush_report(self) -> None:
-        """Send the direct path's pending gets and puts to the gateway's counters now.
+        """Send the direct path's pending gets and puts to the gateway's counters now, and wait.
 
         A report the gateway cannot take is kept for the next one (never raised: counting
         is not worth failing a get for).
         """
-        self._reported_at = self.clock()
-        if not self._gets and not self._puts[0]:
-            return
-        gets, puts = self._gets[:MAX_REPORTED_GETS], self._puts
-        request = pb.SwaReportDirectRequest(
-            gets=[pb.SwaDirectGet(asked=a, found=f, corrupt=c) for a, f, c in gets],
-            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2])
-        try:
-            self.connection.call(self._stub.ReportDirect, request)
-        except KVStoreError:
-            return
-        del self._gets[:len(gets)]
-        self._puts = [0, 0, 0]
+        self._report.flush()
 
     def close(self) -> None:
         """Report what is pending and close the direct path's Redis connections."""

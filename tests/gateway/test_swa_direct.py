@@ -324,3 +324,23 @@ def test_a_value_over_the_largest_record_is_a_counted_miss_and_the_batch_goes_on
     direct.flush_report()
     with Client(a.target, token=admin_token) as admin:  # the pool's counters are the operator's to read
         assert admin.swa.stats().corrupt == 1
+
+
+def test_a_due_report_goes_out_without_waiting_and_a_failed_one_is_sent_again(
+        start_server: Callable[..., Any], store_settings: StoreSettings, redis_server: Any) -> None:
+    """Rule 5: a report due during a get is sent as a gRPC future (the get does not wait for it); one
+    that fails puts its counts back, and the next report carries them."""
+    server = start_server(store_settings, swa=redis_settings(redis_server))
+    now = [0.0]
+    with Client(server.target) as client:
+        direct = swa(client, "direct", lambda: now[0])
+        direct.put(TOKENS, snapshot(client))
+        key = direct.key(TOKENS)
+        assert direct.get_many([key])[0] is not None and direct.last_path == "direct"
+        now[0] += 2  # a report is due at the next call...
+        timeout_s, client.connection.timeout_s = client.connection.timeout_s, 1e-6  # ...and will miss its deadline
+        assert direct.get_many([key, direct.key(TOKENS, 10)])[0] is not None
+        client.connection.timeout_s = timeout_s
+        assert direct.get_many([key])[0] is not None
+        stats = direct.stats()  # waits for the failed report, then sends everything pending
+        assert (stats.puts, stats.snapshots_put, stats.gets, stats.snapshots_asked, stats.hits) == (1, 1, 3, 4, 3)

@@ -1,0 +1,122 @@
+"""What a client did on the SWA direct path in Redis, reported to the gateway's counters (SwaPool.ReportDirect).
+
+The gateway never sees a direct get or put, so the client counts them and
+reports them (docs/SWA_POOL.md, direct-path rule 5): when `REPORT_GETS` gets
+are pending or `REPORT_EVERY_S` passed since the last report. A report that
+falls due during a get or put is sent without waiting for its answer (a gRPC
+future, looked at again at the next call): counting never holds up a
+snapshot. `flush` sends what is pending and waits (`SwaClient.stats()` and
+`close()` use it). A report the gateway cannot take is kept for the next one,
+never raised: counting is not worth failing a get for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.client.connection import Connection
+from kvstore.errors import KVStoreError
+from kvstore.v1 import swa_pb2 as pb
+
+#: Direct gets are reported when this many are pending or this many seconds passed since the last report.
+REPORT_GETS = 256
+REPORT_EVERY_S = 1.0
+#: Most reported gets kept while the gateway cannot be told (the oldest are dropped).
+MAX_PENDING_GETS = 4096
+#: Most gets one report carries (the server's limit, gateway.swa_servicer.MAX_REPORTED_GETS).
+MAX_REPORTED_GETS = 4096
+
+#: One get call: snapshots asked, found, and found corrupt.
+Get = tuple[int, int, int]
+
+
+class DirectReport:
+    """The direct path's pending counts, and the report on its way to the gateway.
+
+    Args:
+        connection: the client's connection (deadline, metadata).
+        stub: a SwaPool stub on its channel.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, connection: Connection, stub: Any, clock: Callable[[], float]) -> None:
+        self.connection = connection
+        self._stub = stub
+        self.clock = clock
+        self._gets: list[Get] = []
+        self._puts = (0, 0, 0)  # calls, snapshots, bytes
+        self._sent_at = clock()
+        #: The report sent without waiting: its future, and the gets and puts it carries (put back if it fails).
+        self._in_flight: tuple[Any, list[Get], tuple[int, int, int]] | None = None
+
+    def got(self, asked: int, found: int, corrupt: int) -> None:
+        """Count one direct get call."""
+        self._gets.append((asked, found, corrupt))
+        del self._gets[:-MAX_PENDING_GETS]
+        self._maybe_send()
+
+    def put(self, snapshots: int, nbytes: int) -> None:
+        """Count one direct put call of `snapshots` snapshots of `nbytes` bytes."""
+        calls, count, total = self._puts
+        self._puts = (calls + 1, count + snapshots, total + nbytes)
+        self._maybe_send()
+
+    def flush(self) -> None:
+        """Send what is pending now and wait for the gateway's answer (after the report in flight)."""
+        self._settle(wait=True)
+        self._sent_at = self.clock()
+        taken = self._take()
+        if taken is None:
+            return
+        request, gets, puts = taken
+        try:
+            self.connection.call(self._stub.ReportDirect, request)
+        except KVStoreError:
+            self._put_back(gets, puts)
+
+    def _maybe_send(self) -> None:
+        if len(self._gets) < REPORT_GETS and self.clock() - self._sent_at < REPORT_EVERY_S:
+            return
+        if not self._settle(wait=False):
+            return  # the last report is still on its way: the next call sends this one
+        self._sent_at = self.clock()
+        taken = self._take()
+        if taken is not None:
+            request, gets, puts = taken
+            c = self.connection
+            self._in_flight = (self._stub.ReportDirect.future(request, timeout=c.timeout_s, metadata=c.metadata),
+                               gets, puts)
+
+    def _settle(self, *, wait: bool) -> bool:
+        """Take the answer of the report in flight (waiting for it with `wait`), putting its counts back
+        when it failed; whether no report is in flight now."""
+        if self._in_flight is None:
+            return True
+        future, gets, puts = self._in_flight
+        if not wait and not future.done():
+            return False
+        self._in_flight = None
+        try:
+            future.result()
+        except Exception:  # an RpcError or a cancelled call: the counts go in the next report
+            self._put_back(gets, puts)
+        return True
+
+    def _take(self) -> tuple[pb.SwaReportDirectRequest, list[Get], tuple[int, int, int]] | None:
+        """The next report's request, and the counts it takes out of the pending ones (None: nothing pending)."""
+        if not self._gets and not self._puts[0]:
+            return None
+        gets, puts = self._gets[:MAX_REPORTED_GETS], self._puts
+        del self._gets[:len(gets)]
+        self._puts = (0, 0, 0)
+        request = pb.SwaReportDirectRequest(
+            gets=[pb.SwaDirectGet(asked=a, found=f, corrupt=c) for a, f, c in gets],
+            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2])
+        return request, gets, puts
+
+    def _put_back(self, gets: list[Get], puts: tuple[int, int, int]) -> None:
+        """Counts a failed report carried, back in front of those pending since."""
+        self._gets[:0] = gets
+        del self._gets[:-MAX_PENDING_GETS]
+        self._puts = (puts[0] + self._puts[0], puts[1] + self._puts[1], puts[2] + self._puts[2])
