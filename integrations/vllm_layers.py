@@ -107,9 +107,12 @@ def copy_out(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, stream:
     On CUDA the gather runs on the current stream (after the layer's writes, in stream order) and
     the copy to pinned host memory on `stream`, which first waits for the current one.
     """
-    rows = view[page.to(view.device), slot.to(view.device)]
     if view.device.type != "cuda":
-        return Capture(rows=rows)
+        return Capture(rows=view[page, slot])
+    # Indices through pinned memory: a pageable copy would block this thread until the stream drains,
+    # stalling the forward's kernel launches.
+    rows = view[page.pin_memory().to(view.device, non_blocking=True),
+                slot.pin_memory().to(view.device, non_blocking=True)]
     current = torch.cuda.current_stream(view.device)
     side = stream if stream is not None else current
     side.wait_stream(current)
