@@ -36,8 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from integrations.common import COMMON_KEYS, connect, parse_settings
+from integrations.vllm_caches import has_windows
 from integrations.vllm_scheduler import ConnectorMeta, SchedulerSide
-from integrations.vllm_worker import WorkerSide, has_windows
+from integrations.vllm_worker import WorkerSide
 from kvstore import geometry as geometries
 from kvstore.errors import ConfigError
 from replay.cost import CostModel

@@ -1,15 +1,13 @@
 """The worker side of the vLLM connector: store blocks <-> vLLM's paged caches.
 
 vLLM-free: it is handed the registered cache tensors, the page size of each tensor's KV
-cache group, and the scheduler side's `LoadSpec`/`SaveSpec`s.
+cache group, and the scheduler side's `LoadSpec`/`SaveSpec`s. Where each block section and
+window row goes: `integrations.vllm_caches`; the layer-by-layer pieces: `integrations.vllm_layers`.
+A store block's sections (`geometry.block_layout`) are copied row-run by row-run.
 
-The mapping assumed (docs/ENGINES.md "vLLM: the cache layout"): a registered cache whose
-name has `layers.<i>.` with `i` a kv source layer of the store's geometry holds that layer's
-compressed-KV rows, or its indexer rows when the name contains "indexer"; it is
-`[num_pages, page_bytes]`-shaped in bytes (any dtype, viewed as uint8; trailing padding
-allowed) with `page_tokens // ratio` rows per page, token-contiguous, each row the model's own
-`[data][scales]` bytes (docs/CODEC.md). Other caches (window/SWA, non-source layers) are left
-alone. A store block's sections (`geometry.block_layout`) are copied row-run by row-run.
+A step's loads run on one loader thread (fetch, then the pages layer by layer); without
+`layerwise`, `start_loads` returns once they are all in. Saves are copied out of the pages in the
+step that computes them (per layer with `layerwise`) and put on one save thread.
 """
 
 from __future__ import annotations
@@ -26,25 +24,14 @@ from typing import Any
 import torch
 
 from integrations.common import PageMap, StoreSettings, fetch_blocks
+from integrations.vllm_caches import CacheTarget, map_caches, map_windows
 from integrations.vllm_layers import Capture, LayerGate, copy_out, layer_of
 from integrations.vllm_scheduler import LoadSpec, SaveSpec
 from kvstore.client import Client
 from kvstore.codec.snapshot import join_snapshot, split_snapshot
-from kvstore.errors import ConfigError
-from kvstore.geometry import ModelGeometry, Section
+from kvstore.geometry import ModelGeometry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One block section's destination: a registered cache, its page map, its group."""
-
-    section: Section
-    name: str
-    cache: torch.Tensor
-    pages: PageMap
-    group: int
 
 
 @dataclass
@@ -69,79 +56,6 @@ class _StepLoad:
     future: Future[None] | None = field(default=None, repr=False)
 
 
-def map_caches(geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, torch.Tensor],
-               groups: Mapping[str, tuple[int, int]]) -> list[_Target]:
-    """The destination of every section of a store block among vLLM's registered caches.
-
-    Args:
-        groups: layer name -> (KV cache group index, tokens per page of that group).
-
-    Raises:
-        ConfigError: a section without a cache, or two caches for one section.
-    """
-    found: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
-    for name, cache in caches.items():
-        layer = layer_of(name)
-        if layer is None or layer not in geometry.kv_source_layers:
-            continue
-        component = "indexer" if "indexer" in name else "compressed_kv"
-        if "window" in name or "swa" in name:
-            continue
-        key = (layer, component)
-        if key in found:
-            raise ConfigError(f"two vLLM caches hold layer {key[0]}'s {component} rows: {found[key][0]!r} and "
-                              f"{name!r} (docs/ENGINES.md: the cache layout)")
-        found[key] = (name, cache)
-    targets: list[_Target] = []
-    missing = []
-    for s in geometry.block_layout(block_tokens):
-        hit = found.get((s.layer, s.component))
-        if hit is None:
-            missing.append(f"layer {s.layer} {s.component}")
-            continue
-        name, cache = hit
-        if name not in groups:
-            raise ConfigError(f"vLLM cache {name!r} is in no KV cache group of the kv_cache_config")
-        group, page_tokens = groups[name]
-        ratio = geometry.compress_ratios[s.layer]
-        if page_tokens % ratio:
-            raise ConfigError(f"vLLM pages of {page_tokens} tokens do not hold whole rows of layer {s.layer} "
-                              f"(one per {ratio} tokens)")
-        pages = PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=s.row_bytes)
-        pages.view(cache)  # checks the page holds its rows
-        targets.append(_Target(section=s, name=name, cache=cache, pages=pages, group=group))
-    if missing:
-        raise ConfigError(f"no vLLM cache for {', '.join(missing)} of geometry {geometry.name!r} among "
-                          f"{sorted(caches)} (names need 'layers.<i>.', indexer caches 'indexer')")
-    return targets
-
-
-def has_windows(num_layers: int, names: Iterable[str]) -> bool:
-    """Whether `names` (vLLM's cache layer names) hold a window cache for every layer (see `map_windows`)."""
-    layers = set()
-    for name in names:
-        layer = layer_of(name)
-        if layer is not None and ("window" in name or "swa" in name):
-            layers.add(layer)
-    return layers == set(range(num_layers))
-
-
-def map_windows(geometry: ModelGeometry, caches: Mapping[str, torch.Tensor],
-                groups: Mapping[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, PageMap, int]] | None:
-    """Every layer's window (SWA) cache: name with `layers.<i>.` and `window` or `swa`, one row of
-    `window_row_bytes` per token in position order. None unless every layer has one (no snapshots then)."""
-    found: dict[int, tuple[torch.Tensor, PageMap, int]] = {}
-    for name, cache in caches.items():
-        layer = layer_of(name)
-        if layer is None or not ("window" in name or "swa" in name) or name not in groups:
-            continue
-        group, page_tokens = groups[name]
-        pages = PageMap(page_tokens=page_tokens, ratio=1, row_bytes=geometry.window_row_bytes)
-        pages.view(cache)
-        found[layer] = (cache, pages, group)
-    return found if sorted(found) == list(range(geometry.num_layers)) else None
-
-
 class WorkerSide:
     """Loads and saves of the worker-side connector.
 
@@ -158,7 +72,7 @@ class WorkerSide:
                  reader: Any = None, layerwise: bool = False) -> None:
         self.client, self.settings, self.geometry, self.reader = client, settings, geometry, reader
         self.block_tokens = client.block_tokens
-        self.targets: list[_Target] = []
+        self.targets: list[CacheTarget] = []
         #: layer -> (window cache, its page map, its group); None: no snapshots (not every layer has one).
         self.windows: dict[int, tuple[torch.Tensor, PageMap, int]] | None = None
         #: Snapshots put, and those skipped because vLLM had already freed part of the window.
@@ -310,7 +224,7 @@ class WorkerSide:
             log.warning("kvstore: filling layer %d of request %s failed: %s", layer, spec.req_id, exc)
             f.covered = spec.start
 
-    def _scatter(self, t: _Target, blocks: torch.Tensor, spec: LoadSpec, start: int, end: int) -> None:
+    def _scatter(self, t: CacheTarget, blocks: torch.Tensor, spec: LoadSpec, start: int, end: int) -> None:
         s, r = t.section, t.pages.ratio
         rows = blocks[:, s.offset: s.offset + s.size_bytes].reshape(-1, s.row_bytes)
         first, last = start // r, end // r
@@ -382,7 +296,7 @@ class WorkerSide:
 
     # -- saves -------------------------------------------------------------------
 
-    def _section_slots(self, t: _Target, spec: SaveSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    def _section_slots(self, t: CacheTarget, spec: SaveSpec) -> tuple[torch.Tensor, torch.Tensor]:
         b, r = self.block_tokens, t.pages.ratio
         first, count = spec.first_block, len(spec.tokens) // b - spec.first_block
         lo, hi = first * b // r, (first + count) * b // r

@@ -1,0 +1,107 @@
+"""Where a store block's rows lie among vLLM's registered caches (the worker side's mapping).
+
+vLLM-free. The mapping assumed (docs/ENGINES.md "vLLM: the cache layout"): a registered cache
+whose name has `layers.<i>.` with `i` a kv source layer of the store's geometry holds that
+layer's compressed-KV rows, or its indexer rows when the name contains "indexer"; it is
+`[num_pages, page_bytes]`-shaped in bytes (any dtype, viewed as uint8; trailing padding allowed)
+with `page_tokens // ratio` rows per page, token-contiguous, each row the model's own
+`[data][scales]` bytes (docs/CODEC.md). A cache with `window` or `swa` in its name holds that
+layer's window rows, one per token. Other caches (non-source layers) are left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from integrations.common import PageMap
+from integrations.vllm_layers import layer_of
+from kvstore.errors import ConfigError
+from kvstore.geometry import ModelGeometry, Section
+
+
+@dataclass(frozen=True)
+class CacheTarget:
+    """One block section's destination: a registered cache, its page map, its group."""
+
+    section: Section
+    name: str
+    cache: torch.Tensor
+    pages: PageMap
+    group: int
+
+
+
+def map_caches(geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, torch.Tensor],
+               groups: Mapping[str, tuple[int, int]]) -> list[CacheTarget]:
+    """The destination of every section of a store block among vLLM's registered caches.
+
+    Args:
+        groups: layer name -> (KV cache group index, tokens per page of that group).
+
+    Raises:
+        ConfigError: a section without a cache, or two caches for one section.
+    """
+    found: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
+    for name, cache in caches.items():
+        layer = layer_of(name)
+        if layer is None or layer not in geometry.kv_source_layers:
+            continue
+        component = "indexer" if "indexer" in name else "compressed_kv"
+        if "window" in name or "swa" in name:
+            continue
+        key = (layer, component)
+        if key in found:
+            raise ConfigError(f"two vLLM caches hold layer {key[0]}'s {component} rows: {found[key][0]!r} and "
+                              f"{name!r} (docs/ENGINES.md: the cache layout)")
+        found[key] = (name, cache)
+    targets: list[CacheTarget] = []
+    missing = []
+    for s in geometry.block_layout(block_tokens):
+        hit = found.get((s.layer, s.component))
+        if hit is None:
+            missing.append(f"layer {s.layer} {s.component}")
+            continue
+        name, cache = hit
+        if name not in groups:
+            raise ConfigError(f"vLLM cache {name!r} is in no KV cache group of the kv_cache_config")
+        group, page_tokens = groups[name]
+        ratio = geometry.compress_ratios[s.layer]
+        if page_tokens % ratio:
+            raise ConfigError(f"vLLM pages of {page_tokens} tokens do not hold whole rows of layer {s.layer} "
+                              f"(one per {ratio} tokens)")
+        pages = PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=s.row_bytes)
+        pages.view(cache)  # checks the page holds its rows
+        targets.append(CacheTarget(section=s, name=name, cache=cache, pages=pages, group=group))
+    if missing:
+        raise ConfigError(f"no vLLM cache for {', '.join(missing)} of geometry {geometry.name!r} among "
+                          f"{sorted(caches)} (names need 'layers.<i>.', indexer caches 'indexer')")
+    return targets
+
+
+def has_windows(num_layers: int, names: Iterable[str]) -> bool:
+    """Whether `names` (vLLM's cache layer names) hold a window cache for every layer (see `map_windows`)."""
+    layers = set()
+    for name in names:
+        layer = layer_of(name)
+        if layer is not None and ("window" in name or "swa" in name):
+            layers.add(layer)
+    return layers == set(range(num_layers))
+
+
+def map_windows(geometry: ModelGeometry, caches: Mapping[str, torch.Tensor],
+                groups: Mapping[str, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, PageMap, int]] | None:
+    """Every layer's window (SWA) cache: name with `layers.<i>.` and `window` or `swa`, one row of
+    `window_row_bytes` per token in position order. None unless every layer has one (no snapshots then)."""
+    found: dict[int, tuple[torch.Tensor, PageMap, int]] = {}
+    for name, cache in caches.items():
+        layer = layer_of(name)
+        if layer is None or not ("window" in name or "swa" in name) or name not in groups:
+            continue
+        group, page_tokens = groups[name]
+        pages = PageMap(page_tokens=page_tokens, ratio=1, row_bytes=geometry.window_row_bytes)
+        pages.view(cache)
+        found[layer] = (cache, pages, group)
+    return found if sorted(found) == list(range(geometry.num_layers)) else None
