@@ -156,6 +156,9 @@ class WorkerSide:
                 stream = self._stream("load", job.gate.device)
                 if ready is not None:
                     stream.wait_event(ready)
+                for f in job.fetched:   # made on this thread's stream, read on the load stream until done
+                    if f.blocks is not None and f.blocks.is_cuda:
+                        f.blocks.record_stream(stream)
             for layer in job.gate.layers:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for f in job.fetched:
