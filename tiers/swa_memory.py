@@ -19,7 +19,6 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import xxhash
 
@@ -29,10 +28,9 @@ from kvstore.errors import Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
-from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena
-
-if TYPE_CHECKING:
-    from tiers.swa_shm_server import ShmHooks, ShmServer
+from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located
+from tiers.swa_shm_server import ShmServer
+from tiers.swa_shm_session import ShmHooks
 
 #: Address space of an arena beyond twice the cap (room for fragmentation; only written pages cost memory).
 ARENA_SLACK = 64 << 20
@@ -62,17 +60,6 @@ class _Entry:
     #: A shared-memory put committed without its checksum yet: makes its header from the checksum
     #: (`_seal`, by the sealing thread or the first reader, whichever comes first).
     unsealed: Callable[[int], bytes] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Located:
-    """Where a live record lies in its tenant's arena, and its header bytes (read under the pool's lock)."""
-
-    offset: int
-    length: int
-    header: bytes
-    #: The pinned entry (`locate(pin=True)`), for `unpin`.
-    entry: _Entry | None = None
 
 
 class MemoryPool(SwaPool):
@@ -301,13 +288,11 @@ class MemoryPool(SwaPool):
             self._arenas.clear()
             self._entries.clear()
 
-    # -- the shared-memory path (tiers.swa_shm_server calls these from its threads) --
+    # -- the shared-memory path (tiers.swa_shm_session calls these from the server's threads) --
 
     def shm_server(self, hooks: ShmHooks) -> ShmServer:
         """The same-host control server over this pool, started on first use with `hooks` (the gateway's
         checks and counters); stopped by `close`."""
-        from tiers.swa_shm_server import ShmServer
-
         with self._lock:
             if self._shm is None:
                 self._shm = ShmServer(self, hooks, clock=self.clock)
@@ -375,7 +360,7 @@ class MemoryPool(SwaPool):
                 self._entries.move_to_end(key)
                 self._seal(entry)  # its checksum and header before anyone reads them
                 entry.pins += pin
-                out.append(Located(offset=entry.offset, length=entry.length, entry=entry if pin else None,
+                out.append(Located(offset=entry.offset, length=entry.length, pin=entry if pin else None,
                                    header=entry.arena.read(entry.offset, HEADER_BYTES)))
             return out
 
@@ -383,5 +368,5 @@ class MemoryPool(SwaPool):
         """Let the ranges `locate(pin=True)` kept be reused (freed now if dropped meanwhile)."""
         with self._lock:
             for item in located:
-                if item is not None and item.entry is not None:
-                    self._unpin_locked(item.entry)
+                if item is not None and isinstance(item.pin, _Entry):
+                    self._unpin_locked(item.pin)

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+from dataclasses import dataclass
 
 from kvstore.errors import FailedPrecondition
 
@@ -34,6 +35,17 @@ GRANULE = max(64 << 10, PAGE)
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 #: Idle committed bytes an arena keeps for reuse when no limit is given.
 DEFAULT_IDLE_LIMIT = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where a live record lies in its tenant's arena, and its header bytes (read under the pool's lock)."""
+
+    offset: int
+    length: int
+    header: bytes
+    #: The pool's handle of a pinned record (`locate(pin=True)`), for `unpin`; opaque to everyone else.
+    pin: object = None
 
 
 def pages(nbytes: int) -> int:
