@@ -23,6 +23,7 @@ through auth) runs: a revoked token stops its ring within the lease.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import threading
@@ -37,6 +38,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.hit_stats import HitStats
 from gateway.transfer_engine import _CODES, _finish, _record, fail_unrefreshed, read_batch
+from gateway.transfer_ring_native import NativeRing, tier_mapping
 from gateway.validate import Layout
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
@@ -47,6 +49,7 @@ from kvstore.transfer_ring import (
     ANSWERED,
     BUSY,
     CLOSED,
+    HEADER_AT,
     LEASE_S,
     REQUEST,
     REQUEST_AT,
@@ -56,7 +59,9 @@ from kvstore.transfer_ring import (
     header_in,
 )
 from kvstore.v1 import transfer_pb2 as pb
+from tiers import ring as native_ring
 from tiers.lmdb_tier import LmdbBlockTier
+from tiers.ring import Mapping
 
 if TYPE_CHECKING:
     from gateway.transfer_regions import MappedRegion
@@ -84,6 +89,11 @@ class RingContext:
     rate: Any = None
     #: Bounds the rings reading at once (each holds an LMDB reader slot while it copies).
     slots: threading.BoundedSemaphore | None = None
+    #: The tier's mapping of data.mdb for the native server (`transfer_ring_native.tier_mapping`).
+    mapping: Mapping | None = None
+    mapping_tried: bool = False
+    #: Whether rings are served natively where `tiers._ring` is built (False: the Python server only).
+    native: bool = True
 
 
 def _numbers(state: pb.TransferState, results: BatchResults) -> None:
@@ -93,14 +103,17 @@ def _numbers(state: pb.TransferState, results: BatchResults) -> None:
         state.failures.add(index=i, code=code, reason=reason)
 
 
-def read(ctx: RingContext, session: Session, raw: bytes) -> pb.TransferState:
+def read(ctx: RingContext, session: Session, raw: bytes, *, charged: bool = False) -> pb.TransferState:
     """Check and run one ring request (a read batch) to its end; its final state.
+
+    Args:
+        charged: the request was charged to the tenant's rate already (handed back by the native server).
 
     Raises:
         InvalidArgument: not a SubmitRequest, not a read, or 0 or more than `ctx.limit` descriptors.
         ResourceExhausted: the tenant is over its request rate.
     """
-    if ctx.rate is not None:
+    if ctx.rate is not None and not charged:
         ctx.rate.take(session.tenant)
     try:
         request = pb.SubmitRequest.FromString(raw)
@@ -218,10 +231,13 @@ class RingServer:
         mapped: the ring's mapping (checked as a region is: sealed memfd, nonce).
         session: the session it serves (its tenant, geometry and regions).
         answer: runs one request's bytes; returns the answer's state (`read`).
+        ctx: what the server's rings share; given, requests are served natively where
+            `tiers._ring` is built (`gateway.transfer_ring_native`), else by `answer` only.
+            (Without it, the context of `answer`'s servicer is used, if it has one.)
     """
 
     def __init__(self, mapped: MappedRegion, session: Session,
-                 answer: Callable[[Session, bytes], pb.TransferState]) -> None:
+                 answer: Callable[[Session, bytes], pb.TransferState], *, ctx: RingContext | None = None) -> None:
         self.mapped = mapped
         self.name = mapped.name
         self.session = session
@@ -229,6 +245,8 @@ class RingServer:
         self._view: memoryview | None = mapped.view
         self._header: Header | None = header_in(self._view)
         self._futex: Futex | None = Futex(self._header)
+        self._state_at = ctypes.addressof(self._header) + Header.state.offset
+        self.native = _native_ring(ctx or _context_of(answer), session, ctypes.addressof(self._header) - HEADER_AT)
         #: Held while a request runs: a region is not unmapped under it (`Session.drop_region`).
         self.busy = threading.Lock()
         self.expires = time.monotonic() + LEASE_S
@@ -257,6 +275,7 @@ class RingServer:
             log.error("ring %s: its thread did not stop; the ring stays mapped", self.name)
             return
         self._header = self._futex = None  # they point into the mapping: dropped before it goes
+        self.native = None
         self._view = None
         self.mapped.close()
 
@@ -273,7 +292,11 @@ class RingServer:
             header.state = BUSY
             seq, length = header.seq, header.length
             with self.busy:
-                code, answer = self._serve(view, length)
+                code, answer = self._serve(view, seq, length)
+            if answer is None:  # answered natively, the client woken
+                if self._stop:
+                    header.state = CLOSED
+                continue
             answer = answer[:ANSWER_BYTES]
             view[ANSWER_AT:ANSWER_AT + len(answer)] = answer
             header.answer_seq, header.code, header.answer_length = seq, code, len(answer)
@@ -290,10 +313,15 @@ class RingServer:
         if spurious >= _SPURIOUS:
             time.sleep(0.001)
         start = time.monotonic()
-        futex.wait(state, 1.0)
+        if self.native is not None and spurious < _SPURIOUS:  # spins briefly first, without the GIL
+            native_ring.wait(self._state_at, state, native_ring.SERVER_SPIN_S, 1.0)
+        else:
+            futex.wait(state, 1.0)
         return spurious + 1 if time.monotonic() - start < 0.9 else 0
 
-    def _serve(self, view: memoryview, length: int) -> tuple[int, bytes]:
+    def _serve(self, view: memoryview, seq: int, length: int) -> tuple[int, bytes | None]:
+        """Answer one request: (0, None) when the native server answered it and woke the client,
+        else the answer's code and bytes for `_run` to write."""
         self.requests += 1
         self.session.counters.add_ring_request()
         try:
@@ -304,6 +332,11 @@ class RingServer:
                 return RENEW, b"the ring's lease ended: renew it (RegisterRegion with ring) and ask again"
             if self.session.closed:
                 raise FailedPrecondition("the transfer session ended")
+            if self.native is not None:
+                raw = self.native.serve(seq, length)  # the bytes read once, when not answered there
+                if raw is None:
+                    return 0, None
+                return 0, read(self.native.ctx, self.session, raw, charged=True).SerializeToString()
             raw = bytes(view[REQUEST_AT:REQUEST_AT + length])  # a snapshot: checked, then read
             return 0, self._answer(self.session, raw).SerializeToString()
         except KVStoreError as exc:
@@ -311,3 +344,17 @@ class RingServer:
         except Exception:
             log.exception("ring %s: a request failed", self.name)
             return grpc.StatusCode.INTERNAL.value[0], b"the ring request failed inside the server (see its log)"
+
+
+def _context_of(answer: Callable[..., Any]) -> RingContext | None:
+    """The ring context of the servicer whose bound method `answer` is, if it has one."""
+    ctx = getattr(getattr(answer, "__self__", None), "_ring", None)
+    return ctx if isinstance(ctx, RingContext) else None
+
+
+def _native_ring(ctx: RingContext | None, session: Session, address: int) -> NativeRing | None:
+    """A native server for the ring at `address`, or None: the Python server answers every request."""
+    if ctx is None or not ctx.native:
+        return None
+    mapping = tier_mapping(ctx)
+    return None if mapping is None else NativeRing(ctx, session, mapping, address)

@@ -17,16 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-/* Also compile xxHash's AVX2 kernels, behind a target attribute, for the CPUs
- * that have AVX2 (checked at run time): a sixth faster than SSE2 on 57 KB blocks. */
-#define XXH_DISPATCH_AVX2 1
-#define XXH_TARGET_AVX2 __attribute__((target("avx2")))
-#define HAVE_AVX2_DISPATCH 1
-#include <immintrin.h>
-#endif
-#include "xxhash.h"
+#include "_xxh3.h"
+#include "_lmdb_search.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -72,18 +64,6 @@ static int acquire(Item *item, PyObject *meta, PyObject *data, PyObject *dest) {
     }
     return 0;
 }
-
-#ifdef HAVE_AVX2_DISPATCH
-/* XXH3_64bits with AVX2: the same hash (xxh3 is defined bit for bit, whatever the vector unit). */
-XXH_TARGET_AVX2 static XXH64_hash_t xxh3_avx2(const void *data, size_t len) {
-    if (len <= XXH3_MIDSIZE_MAX) return XXH3_64bits(data, len);
-    return XXH3_hashLong_64b_internal(data, len, XXH3_kSecret, sizeof(XXH3_kSecret), XXH3_accumulate_avx2,
-                                      XXH3_scrambleAcc_avx2);
-}
-#endif
-
-typedef XXH64_hash_t (*hash_fn)(const void *, size_t);
-static hash_fn xxh3 = XXH3_64bits; /* set once at import (PyInit__blockcopy) */
 
 /*
  * memcpy with non-temporal stores where the CPU has them. A block is copied
@@ -299,106 +279,6 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
  * so LMDB reuses none of these pages meanwhile. Every page and node is bounds-checked; a page
  * that does not parse raises ValueError (the caller then falls back to py-lmdb's gets).
  */
-enum { P_BRANCH = 0x01, P_LEAF = 0x02, P_OVERFLOW = 0x04, P_LEAF2 = 0x20, P_SUBP = 0x40, F_BIGDATA = 0x01 };
-enum { PAGE_HEADER = 16, NODE_HEADER = 8, MAX_DEPTH = 32 };
-
-typedef struct {
-    const unsigned char *base;
-    uint64_t length, psize;
-} Map;
-
-static uint16_t u16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static uint64_t u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-
-/* memcmp, then the shorter first: LMDB's default key order (mdb_cmp_memn). */
-static int key_cmp(const unsigned char *a, size_t alen, const unsigned char *b, size_t blen) {
-    int c = memcmp(a, b, alen < blen ? alen : blen);
-    return c ? c : (alen < blen ? -1 : alen > blen);
-}
-
-/* Node i of a page: its address and key, or NULL when it does not fit the page. */
-static const unsigned char *node_at(const Map *m, const unsigned char *page, unsigned i, unsigned nkeys,
-                                    const unsigned char **key, size_t *ksize) {
-    if (i >= nkeys) return NULL;
-    uint16_t at = u16(page + PAGE_HEADER + 2 * i);
-    if (at < PAGE_HEADER + 2 * nkeys || (uint64_t)at + NODE_HEADER > m->psize) return NULL;
-    const unsigned char *node = page + at;
-    *ksize = u16(node + 6);
-    if ((uint64_t)at + NODE_HEADER + *ksize > m->psize) return NULL;
-    *key = node + NODE_HEADER;
-    return node;
-}
-
-/* The value of leaf node `node` on `page`, whose key ends at `kend`: 1 (value address and
- * size set), or -1 when it (or its overflow page) does not fit the mapping. */
-static int leaf_value(const Map *m, const unsigned char *page, const unsigned char *node, const unsigned char *kend,
-                      const unsigned char **value, uint64_t *vsize) {
-    uint64_t size = (uint64_t)u16(node) | (uint64_t)u16(node + 2) << 16;
-    uint64_t at = (uint64_t)(kend - m->base);
-    if (u16(node + 4) & F_BIGDATA) {
-        if (at + 8 > (uint64_t)(page - m->base) + m->psize) return -1;
-        uint64_t opg = u64(m->base + at);
-        if (opg < 2 || opg >= m->length / m->psize) return -1;
-        const unsigned char *over = m->base + opg * m->psize;
-        uint32_t pages;
-        memcpy(&pages, over + 12, 4);
-        if (u64(over) != opg || !(u16(over + 10) & P_OVERFLOW) ||
-            (uint64_t)pages * m->psize < size + PAGE_HEADER ||
-            opg * m->psize + PAGE_HEADER + size > m->length) return -1;
-        *value = over + PAGE_HEADER;
-    } else {
-        if (at + size > (uint64_t)(page - m->base) + m->psize) return -1;
-        *value = m->base + at;
-    }
-    *vsize = size;
-    return 1;
-}
-
-/* 1 found (value address and size set; `*leaf` and `*slot` say where its node is), 0 absent,
- * -1 a page that does not parse. */
-static int search(const Map *m, uint64_t root, const unsigned char *key, size_t klen,
-                  const unsigned char **value, uint64_t *vsize, const unsigned char **leaf, unsigned *slot) {
-    uint64_t pgno = root;
-    for (int depth = 0; depth < MAX_DEPTH; depth++) {
-        if (pgno < 2 || pgno >= m->length / m->psize) return -1;
-        const unsigned char *page = m->base + pgno * m->psize;
-        uint16_t flags = u16(page + 10), lower = u16(page + 12), upper = u16(page + 14);
-        if (u64(page) != pgno || lower < PAGE_HEADER || lower > upper || upper > m->psize) return -1;
-        unsigned nkeys = (unsigned)(lower - PAGE_HEADER) / 2;
-        const unsigned char *k;
-        size_t ks;
-        if ((flags & (P_BRANCH | P_LEAF | P_OVERFLOW | P_LEAF2 | P_SUBP)) == P_BRANCH) {
-            /* The largest node whose key is <= key; node 0's key stands for minus infinity. */
-            if (nkeys == 0) return -1;
-            unsigned lo = 1, hi = nkeys, pick = 0;
-            while (lo < hi) {
-                unsigned mid = lo + (hi - lo) / 2;
-                if (node_at(m, page, mid, nkeys, &k, &ks) == NULL) return -1;
-                if (key_cmp(k, ks, key, klen) <= 0) pick = mid, lo = mid + 1;
-                else hi = mid;
-            }
-            const unsigned char *node = node_at(m, page, pick, nkeys, &k, &ks);
-            if (node == NULL) return -1;
-            pgno = (uint64_t)u16(node) | (uint64_t)u16(node + 2) << 16 | (uint64_t)u16(node + 4) << 32;
-            continue;
-        }
-        if ((flags & (P_BRANCH | P_LEAF | P_OVERFLOW | P_LEAF2 | P_SUBP)) != P_LEAF) return -1;
-        unsigned lo = 0, hi = nkeys;
-        while (lo < hi) {
-            unsigned mid = lo + (hi - lo) / 2;
-            const unsigned char *node = node_at(m, page, mid, nkeys, &k, &ks);
-            if (node == NULL) return -1;
-            int c = key_cmp(k, ks, key, klen);
-            if (c < 0) { lo = mid + 1; continue; }
-            if (c > 0) { hi = mid; continue; }
-            *leaf = page;
-            *slot = mid;
-            return leaf_value(m, page, node, k + ks, value, vsize);
-        }
-        return 0;
-    }
-    return -1;
-}
 
 static PyObject *resolve(PyObject *self, PyObject *args) {
     unsigned long long base, length, psize, root;
@@ -556,12 +436,9 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__blockcopy(void) {
-#ifdef HAVE_AVX2_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) xxh3 = xxh3_avx2;
-#endif
+    const char *kernel = xxh3_pick();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "HASH_KERNEL", xxh3 == XXH3_64bits ? "default" : "avx2") < 0) {
+    if (m != NULL && PyModule_AddStringConstant(m, "HASH_KERNEL", kernel) < 0) {
         Py_DECREF(m);
         return NULL;
     }

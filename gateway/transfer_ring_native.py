@@ -1,0 +1,120 @@
+"""One ring's requests served by the native module (`tiers.ring`), the Python read as fallback.
+
+`gateway.transfer_ring.RingServer` uses a `NativeRing` when `tiers._ring` is built and
+the tier's data.mdb is found mapped. Per request it charges the tenant's rate, opens a
+read txn and calls `tiers.ring.serve`, which answers the plain case (one group, every
+descriptor good, every block found, intact and not due a retention refresh) and wakes the
+client without the GIL. Then it counts the read as the Python read counts it (the tier's
+gets, the tenant's hits, `Transfer.Stats`' batches). Anything else comes back as the
+request's bytes, read once from the ring, and `gateway.transfer_ring.read` answers them
+(the same checks, codes and durable refresh as before), without charging the rate twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvstore.transfer import DONE, BatchResults
+from tiers import blockcopy, ring
+from tiers.retention import Retention
+
+if TYPE_CHECKING:
+    from gateway.transfer_regions import MappedRegion
+    from gateway.transfer_ring import RingContext
+    from gateway.transfer_sessions import Session
+
+log = logging.getLogger("kvstore.transfer")
+
+
+def tier_mapping(ctx: RingContext) -> ring.Mapping | None:
+    """The tier's mapping of data.mdb (found once per server), or None: the native path is off."""
+    if not ring.NATIVE or not blockcopy.NATIVE:
+        return None
+    if ctx.mapping is None and not ctx.mapping_tried:
+        ctx.mapping_tried = True
+        try:
+            ctx.mapping = ring.Mapping(ctx.tier.env)
+        except (LookupError, OSError, ValueError) as exc:
+            log.warning("request rings: the native server is off (%s); the Python server answers", exc)
+    return ctx.mapping
+
+
+class NativeRing:
+    """Serves one session's ring requests natively where it can.
+
+    Args:
+        ctx: what every ring of the server shares.
+        session: the ring's session.
+        mapping: the tier's mapping of data.mdb (`tier_mapping`).
+        address: the ring's address in this process (its mapping outlives this object).
+    """
+
+    def __init__(self, ctx: RingContext, session: Session, mapping: ring.Mapping, address: int) -> None:
+        self.ctx = ctx
+        self.session = session
+        self.mapping = mapping
+        self.address = address
+        self.block_bytes = ctx.layouts[session.geometry].block_bytes
+        self.prefix = session.scope.prefix
+        #: Requests answered natively (the others were handed back to the Python read).
+        self.answered = 0
+        self._regions: tuple[MappedRegion, ...] = ()
+        self._table = b""
+
+    def _region_table(self) -> bytes:
+        """The session's regions as `serve` reads them, rebuilt when the set changes.
+
+        Compared by identity, with the objects held, so a region dropped and another mapped under
+        the same id (or at a recycled object id) is never served from a stale address. The caller
+        holds the ring's `busy` lock, so no region is unmapped while the table is in use.
+        """
+        regions = tuple(self.session.regions.values())
+        if len(regions) != len(self._regions) or any(a is not b for a, b in zip(regions, self._regions, strict=True)):
+            views = [r.view for r in regions]
+            addresses = blockcopy.addresses(views)
+            self._table = ring.region_table(
+                (r.region_id, a, len(v)) for r, a, v in zip(regions, addresses, views, strict=True))
+            self._regions = regions
+        return self._table
+
+    def serve(self, seq: int, length: int) -> bytes | None:
+        """Answer request `seq` (`length` bytes, within the request area); None when it was answered
+        here, else the request's bytes for the Python read (the rate is charged already).
+
+        Raises:
+            ResourceExhausted: the tenant is over its request rate (nothing was read).
+        """
+        ctx, session = self.ctx, self.session
+        if ctx.rate is not None:
+            ctx.rate.take(session.tenant)
+        table = self._region_table()
+        if ctx.slots is not None:
+            ctx.slots.acquire()
+        try:
+            txn = ctx.tier.env.begin()
+            try:
+                due_before = Retention.touch_due_before(ctx.tier.retention_clock.now())
+                kind, value = ring.serve(self.address, seq, length, table, self.block_bytes, ctx.limit, self.prefix,
+                                         self.mapping, txn, due_before)
+            finally:
+                txn.abort()
+        finally:
+            if ctx.slots is not None:
+                ctx.slots.release()
+        if kind == ring.HANDED_BACK:
+            return value  # type: ignore[no-any-return]
+        self.answered += 1
+        self._count(value)
+        return None
+
+    def _count(self, n: int) -> None:
+        """Count an answered read as `gateway.transfer_ring.read` counts one (after the client woke)."""
+        ctx = self.ctx
+        results = BatchResults(n)
+        results.statuses[:] = bytes([DONE]) * n
+        results.bytes_moved = n * self.block_bytes
+        ctx.tier.count_get(n, n)
+        if ctx.hits is not None:
+            ctx.hits.record(self.session.scope.namespace, "get", n, n)
+        ctx.table.counters.count(results)

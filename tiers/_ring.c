@@ -1,0 +1,250 @@
+/*
+ * tiers._ring: the request ring's server work in native code (gateway/transfer_ring.py drives it).
+ *
+ * A ring request of a few blocks spent ~120 us in the Python server thread (the request's
+ * parse and checks, py-lmdb gets, the copy, the answer), against ~16 us of checksum and copy.
+ * Here, with the GIL released:
+ *   wait   spins briefly on the ring's state word, then sleeps on its futex;
+ *   serve  copies the request out of the ring once, parses it strictly, checks it as Submit
+ *          does (the session's region, the block length, whole hashes, every span inside its
+ *          region), finds the records in the read txn's snapshot (tiers/_lmdb_search.h),
+ *          verifies each block against its checksum and then copies it, writes the answer
+ *          and wakes the client.
+ * `serve` answers only the plain case: one group, every descriptor good, every block found,
+ * intact and not due a retention refresh. Anything else (a request the strict parser does not
+ * take, a bad descriptor, a miss, a corrupt block, a block due a refresh, a page that does not
+ * parse, a snapshot whose root cannot be told) is handed back with the request's bytes as
+ * read, and the Python server answers it from those bytes: the ring's contents are read once.
+ * A corrupt block is never copied (its checksum is checked before its copy).
+ *
+ * Layout and protocol: kvstore/transfer_ring.py. Built against the stable ABI (3.11+).
+ */
+#define Py_LIMITED_API 0x030B0000
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <linux/futex.h>
+#include <stdint.h>
+#include <string.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "_lmdb_search.h"
+#include "_ring_wire.h"
+#include "_xxh3.h"
+
+/* kvstore/transfer_ring.py's layout. */
+enum { HEADER_AT = 64, REQUEST_AT = 4096, REQUEST_BYTES = 65536 - 4096, ANSWER_AT = 65536,
+       ANSWER_BYTES = 131072 - 65536 };
+enum { ST_REQUEST = 1, ST_ANSWERED = 3 };
+typedef struct {
+    uint32_t state, seq, length, pad, answer_seq, code, answer_length;
+} Header;
+
+/* tiers.records.META_STRUCT, "<32sIIQdd". */
+enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
+/* What serve answers: the request was answered here, or is handed back (with its bytes). */
+enum { ANSWERED_HERE = 0, HANDED_BACK = 1 };
+_Static_assert(32 + MAX_DESCRIPTORS < ANSWER_BYTES, "a plain answer always fits the answer area");
+
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0); /* shared: the word is in a shared mapping */
+}
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/*
+ * wait(address, expected, spin_s, timeout_s) -> int: the 32-bit word at `address` once it no
+ * longer holds `expected`, or after `timeout_s`. Spins for up to `spin_s` first, yielding the
+ * core each turn: a request that follows the last answer within it is taken without a futex
+ * wake-up (~10-80 us on a loaded VM), and a client (or anything else) waiting for this core
+ * gets it (a spin that did not yield made the client's next request wait for this one's time
+ * slice on a busy 2-core box: 35 us or 190 us per request, by how they landed). The caller
+ * keeps the mapping alive across the call.
+ */
+static PyObject *wait(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    unsigned int expected;
+    double spin_s, timeout_s;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KIdd", &address, &expected, &spin_s, &timeout_s)) return NULL;
+    if (address == 0 || address % 4 || timeout_s < 0 || spin_s < 0) {
+        PyErr_SetString(PyExc_ValueError, "wait: an aligned address and non-negative times");
+        return NULL;
+    }
+    uint32_t *word = (uint32_t *)(uintptr_t)address, now;
+    Py_BEGIN_ALLOW_THREADS
+    double end = seconds() + spin_s;
+    while ((now = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == expected) {
+        if (seconds() > end) {
+            struct timespec t = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
+            futex(word, FUTEX_WAIT, expected, &t);
+            now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            break;
+        }
+        sched_yield(); /* the client may be waiting for this core (2-core boxes, or a third process) */
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(now);
+}
+
+/* One descriptor's block, found in the snapshot. */
+typedef struct {
+    const unsigned char *data;
+    uint64_t checksum;
+    char *dest;
+} Block;
+
+/* Find the n blocks' records; 1 when every one is there, intact in size, and not due a refresh. */
+static int find_all(const Map *m, uint64_t root, const Request *r, const unsigned char *prefix, size_t plen,
+                    uint64_t block_bytes, double due_before, Block *blocks, unsigned char *key) {
+    size_t klen = plen + HASH_BYTES + 1;
+    memcpy(key, prefix, plen);
+    for (uint32_t i = 0; i < r->n; i++) {
+        const unsigned char *value, *meta, *leaf, *k;
+        uint64_t vsize, msize;
+        unsigned slot;
+        size_t ks;
+        memcpy(key + plen, r->hashes + (size_t)i * HASH_BYTES, HASH_BYTES);
+        key[klen - 1] = 'd';
+        if (search(m, root, key, klen, &value, &vsize, &leaf, &slot) != 1) return 0;
+        key[klen - 1] = 'm'; /* most often the data's neighbour in the same leaf (see resolve) */
+        unsigned nkeys = (unsigned)(u16(leaf + 12) - PAGE_HEADER) / 2;
+        const unsigned char *node = node_at(m, leaf, slot + 1, nkeys, &k, &ks);
+        int found = node != NULL && key_cmp(k, ks, key, klen) == 0
+                        ? leaf_value(m, leaf, node, k + ks, &meta, &msize)
+                        : search(m, root, key, klen, &meta, &msize, &leaf, &slot);
+        if (found != 1 || msize != META_BYTES || vsize != block_bytes) return 0;
+        uint32_t size;
+        double last_access;
+        memcpy(&size, meta + META_SIZE, 4);
+        memcpy(&last_access, meta + META_LAST_ACCESS, 8);
+        if (size != vsize || !(last_access >= due_before)) return 0; /* NaN is due, as in Python */
+        blocks[i].data = value;
+        memcpy(&blocks[i].checksum, meta + META_CHECKSUM, 8);
+    }
+    return 1;
+}
+
+/* The plain case, from the request's parse to the copy; 1 answered (every block copied), 0 not. */
+static int run(const Request *r, const uint64_t *regions, Py_ssize_t nregions, uint64_t block_bytes,
+               uint32_t limit, const unsigned char *prefix, size_t plen, const Map *map, uint64_t txn_id,
+               double due_before, Block *blocks, unsigned char *key) {
+    if (r->n == 0 || r->n > limit || r->length_bytes != block_bytes) return 0;
+    const uint64_t *region = NULL;
+    for (Py_ssize_t i = 0; i < nregions; i++)
+        if (regions[3 * i] == r->region_id) region = regions + 3 * i;
+    if (region == NULL || region[2] < block_bytes) return 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        uint64_t offset = r->offsets[i];
+        if (offset > region[2] - block_bytes) return 0;
+        blocks[i].dest = (char *)(uintptr_t)(region[1] + offset);
+    }
+    uint64_t root, length;
+    Map snap = *map;
+    if (!snapshot_root(map, txn_id, (const unsigned char *)"records", 7, &root, &length)) return 0;
+    snap.length = length;
+    if (!find_all(&snap, root, r, prefix, plen, block_bytes, due_before, blocks, key)) return 0;
+    for (uint32_t i = 0; i < r->n; i++) {
+        /* Checked before its copy (the block is in cache by then): a corrupt block never lands. */
+        if (xxh3(blocks[i].data, block_bytes) != blocks[i].checksum) return 0;
+        memcpy(blocks[i].dest, blocks[i].data, block_bytes);
+    }
+    return 1;
+}
+
+/*
+ * serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize,
+ *       txn_id, due_before) -> (ANSWERED_HERE, n) | (HANDED_BACK, request bytes)
+ *
+ * ring: the ring's address; seq, length: the header's words as the caller read them (length
+ * checked against the request area); regions: the session's regions as uint64 triples
+ * (region id, address, length); prefix: the tenant's key prefix; map_base, map_length, psize:
+ * the tier's mapping of data.mdb; txn_id: the read txn the caller holds open for the call;
+ * due_before: a block last accessed before this is due a refresh (handed back).
+ */
+static PyObject *serve(PyObject *self, PyObject *args) {
+    unsigned long long ring, map_base, map_length, psize, txn_id, block_bytes;
+    unsigned int seq, length, limit;
+    Py_buffer regions, prefix;
+    double due_before;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KIIy*KIy*KKKKd", &ring, &seq, &length, &regions, &block_bytes, &limit, &prefix,
+                          &map_base, &map_length, &psize, &txn_id, &due_before))
+        return NULL;
+    PyObject *result = NULL;
+    unsigned char *copy = NULL, *key = NULL;
+    Block *blocks = NULL;
+    if (ring == 0 || map_base == 0 || length > REQUEST_BYTES || regions.len % 24 || psize < 512 ||
+        psize > (1u << 16) || block_bytes == 0 || limit == 0 || limit > MAX_DESCRIPTORS || prefix.len > 256) {
+        PyErr_SetString(PyExc_ValueError, "serve: a bad ring, map, length, region table, limit or prefix");
+        goto done;
+    }
+    copy = PyMem_Malloc(length ? length : 1);
+    key = PyMem_Malloc((size_t)prefix.len + HASH_BYTES + 1);
+    blocks = PyMem_Malloc(sizeof(Block) * limit);
+    if (copy == NULL || key == NULL || blocks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *base = (unsigned char *)(uintptr_t)ring;
+    Header *header = (Header *)(base + HEADER_AT);
+    Map map = {(const unsigned char *)(uintptr_t)map_base, map_length, psize};
+    int answered;
+    Request r;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(copy, base + REQUEST_AT, length); /* once: the client cannot change it under the checks */
+    answered = parse_request(copy, length, limit, &r) &&
+               run(&r, regions.buf, regions.len / 24, block_bytes, limit, prefix.buf, (size_t)prefix.len, &map,
+                   txn_id, due_before, blocks, key);
+    if (answered) {
+        size_t n = write_state(base + ANSWER_AT, ANSWER_BYTES, r.n, (uint64_t)r.n * block_bytes);
+        header->answer_seq = seq;
+        header->code = 0;
+        header->answer_length = (uint32_t)n;
+        __atomic_store_n(&header->state, ST_ANSWERED, __ATOMIC_RELEASE); /* after the answer's bytes */
+        futex(&header->state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    result = answered ? Py_BuildValue("(iI)", ANSWERED_HERE, r.n)
+                      : Py_BuildValue("(iy#)", HANDED_BACK, (const char *)copy, (Py_ssize_t)length);
+done:
+    PyMem_Free(copy);
+    PyMem_Free(key);
+    PyMem_Free(blocks);
+    PyBuffer_Release(&regions);
+    PyBuffer_Release(&prefix);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"wait", wait, METH_VARARGS,
+     "wait(address, expected, spin_s, timeout_s) -> int\n\n"
+     "Spin, then sleep on the futex at address while it holds expected; its value after."},
+    {"serve", serve, METH_VARARGS,
+     "serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize, txn_id, "
+     "due_before) -> (0, n) | (1, request)\n\n"
+     "Answer one ring request natively, or hand its bytes back (see tiers.ring)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "tiers._ring", "The request ring's server work, without the GIL (see tiers.ring).",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    const char *kernel = xxh3_pick();
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "HASH_KERNEL", kernel) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

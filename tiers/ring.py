@@ -1,0 +1,112 @@
+"""The request ring's native server work (`tiers._ring`), and what it needs of the LMDB tier.
+
+`gateway/transfer_ring.py` runs each ring on a Python thread. Where the native module
+is built, that thread only waits (`wait`: a short spin, then the futex, without the
+GIL) and, per request, opens a read txn and calls `serve`, which parses and checks the
+request, finds the blocks in the tier's mapping of data.mdb, verifies and copies them
+and answers, all without the GIL. `serve` answers the plain case only and hands any
+other request back with its bytes (read once from the ring): the Python server then
+answers it as before. `NATIVE` says whether this runs; without it the Python server
+does all of it.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+#: `serve`'s first answer: answered natively (with the descriptors' count), or handed back (with the bytes).
+ANSWERED_HERE, HANDED_BACK = 0, 1
+
+#: A server spins this long on the ring's word before its futex: a client's next request within it
+#: is taken without a wake-up (tens of microseconds on a loaded VM). Bounded, so an idle ring costs
+#: at most this much CPU after each request.
+SERVER_SPIN_S = 100e-6
+
+
+def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]]] | None:
+    try:
+        from tiers._ring import serve, wait
+    except ImportError:  # not built (no C compiler at install): the Python server stands in
+        return None
+    return wait, serve
+
+
+_native = _load()
+#: True when the ring's native server work is built.
+NATIVE = _native is not None
+
+
+def wait(address: int, expected: int, spin_s: float, timeout_s: float) -> int:
+    """The 32-bit word at `address` once it no longer holds `expected` (or after `timeout_s`),
+    spinning `spin_s` before sleeping on its futex, without the GIL. The caller keeps the
+    word's mapping alive across the call."""
+    assert _native is not None
+    return _native[0](address, expected, spin_s, timeout_s)
+
+
+def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, limit: int, prefix: bytes,
+          mapping: Mapping, txn: lmdb.Transaction, due_before: float) -> tuple[int, Any]:
+    """Answer one ring request natively, or hand its bytes back.
+
+    Args:
+        ring: the ring's address (its mapping kept alive by the caller).
+        seq, length: the header's request number and length, read once by the caller.
+        regions: the session's regions (`region_table`), kept mapped by the caller.
+        block_bytes, limit: the geometry's block size; the most descriptors a request holds.
+        prefix: the tenant's key prefix.
+        mapping: the tier's mapping of data.mdb.
+        txn: a read txn of the tier, open for the whole call.
+        due_before: a block last used before this is due a retention refresh (handed back).
+
+    Returns:
+        (ANSWERED_HERE, descriptors): every block verified, copied and answered DONE, the
+        client woken; or (HANDED_BACK, the request's bytes as read from the ring).
+    """
+    assert _native is not None
+    return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
+                      mapping.psize, txn.id(), due_before)
+
+
+_TRIPLE = struct.Struct("<QQQ")
+
+
+def region_table(regions: Iterable[tuple[int, int, int]]) -> bytes:
+    """(region id, address, length) triples packed as `serve` reads them."""
+    return b"".join(_TRIPLE.pack(*r) for r in regions)
+
+
+class Mapping:
+    """Where this process maps an LMDB environment's data.mdb (LMDB maps the file once, at open).
+
+    `env.info()["map_addr"]` is 0 unless the map is fixed, so the kernel's list is asked.
+    The tier never resizes its map, so the address holds for the environment's life.
+
+    Raises:
+        LookupError: the file is not found mapped (not Linux, or another process's env).
+    """
+
+    def __init__(self, env: lmdb.Environment) -> None:
+        path = Path(env.path()) / "data.mdb"
+        st = path.stat()
+        best: tuple[int, int] | None = None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or int(parts[2], 16) != 0 or int(parts[4]) != st.st_ino:
+                    continue
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                if os.makedev(major, minor) != st.st_dev and parts[5].strip() != str(path):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if best is None or hi - lo > best[1]:
+                    best = (lo, hi - lo)
+        if best is None:
+            raise LookupError(f"{path} is not mapped in this process")
+        self.base, self.length = best
+        self.psize: int = env.stat()["psize"]
