@@ -195,7 +195,6 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         if self.v4 is not None:   # the anchor holds no rows: the side pools' pages, noted for batch_get_v2
             self.v4.forget_reads()
             results = self.v4.read(keys, host_indices)
-            self.stats["pages_read"] += sum(results)
         else:
             results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
         self._measure("prefetch", sum(results), start)

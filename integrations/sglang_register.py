@@ -37,6 +37,7 @@ class PoolRegistry:
     page_size: int
     blocks_per_page: int
     v4: V4Pages | None
+    stats: dict[str, int]
     _v4_pools: dict[str, Any]
 
     def _write_pages(self, keys: Any, pages: Any) -> list[bool]:
@@ -67,7 +68,7 @@ class PoolRegistry:
         page_tokens = int(anchor.page_size)
         layout = sglang_v4_pools.layout(self.geometry, page_tokens, self.client.block_tokens)
         self.page_size, self.blocks_per_page = page_tokens, layout.blocks_per_page
-        self.v4 = V4Pages(self.client, self.ledger, layout, self._v4_pools, self._write_pages)
+        self.v4 = V4Pages(self.client, self.ledger, layout, self._v4_pools, self._write_pages, self.stats)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The anchor host pool: a KV pool whose pages are kvstore blocks, or SGLang's DeepSeek-V4 anchor

@@ -46,10 +46,13 @@ class V4Pages:
         layout: the page arrangement (sglang_v4_pools.layout).
         pools: side pool name -> SGLang host pool (registered so far; read at call time).
         write_pages: the backend's Put of pages as runs of one chain (keys, [n, block_bytes] pages).
+        stats: the backend's counters (pages read here are added to "pages_read").
     """
 
     def __init__(self, client: Client, ledger: KeyLedger, layout: V4PageLayout, pools: Mapping[str, Any],
-                 write_pages: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]]) -> None:
+                 write_pages: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]],
+                 stats: dict[str, int]) -> None:
+        self.stats = stats
         self.client = client
         self.ledger = ledger
         self.layout = layout
@@ -123,6 +126,7 @@ class V4Pages:
             for name, page in blocks_to_pages(self.layout, joined).items():
                 self.pools[name].set_from_flat_data_page(self._slot(host_indices, i), page.reshape(-1))
             results[i] = True
+        self.stats["pages_read"] += sum(results)
         return results
 
     def _write(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:

@@ -1,5 +1,6 @@
-"""One cache, three clients: what the vLLM connector stores, the SGLang HiCache backend and the kvstore
-client read back byte-identical, and what SGLang stores is a hit the vLLM connector loads.
+"""One cache, three clients: what the vLLM connector stores, the SGLang HiCache backend (one-block pages,
+and DeepSeek-V4 pages of several blocks) and the kvstore client read back byte-identical, and what SGLang
+stores is a hit the vLLM connector loads.
 
 Needs both engines in one venv (scripts/install_engines.sh); skips, with the reason, when either
 cannot be imported. vLLM runs its real Scheduler (test_vllm_support.py); SGLang's backend is made by
@@ -15,12 +16,16 @@ import pytest
 import torch
 
 import kvstore
+from integrations.sglang_v4 import POOLS, V4PageLayout, pages_to_blocks
 from integrations.vllm_scheduler import SaveSpec
 from tests.children import Child
 from tests.integrations import test_sglang_support as sg  # skips (with the reason) without SGLang
 from tests.integrations.test_vllm_support import GEO, GLOBAL, STORE_BLOCK_TOKENS, Engine, model_row, prompt
 
 B = STORE_BLOCK_TOKENS
+#: SGLang's DeepSeek-V4 page in the V4 test: 8 blocks of the tiny geometry (its ratio-2 rows fill whole
+#: 64-slot indexer pages, as SGLang's 256-token pages do for V4.1-Flash).
+V4_PAGE = 8 * B
 
 
 @pytest.fixture
@@ -90,3 +95,49 @@ def test_a_prompt_stored_through_sglang_is_loaded_by_the_vllm_connector(store: C
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(tokens, layer, comp, row, rb)
     engine.close()
+
+
+def sglang_v4_backend(target: str, pages: int) -> tuple[object, dict[str, object]]:
+    """The backend on SGLang's real DeepSeek-V4 host pools for the tiny geometry, attached as SGLang does."""
+    from tests.integrations import test_sglang_v4 as v4  # SGLang's V4 pool classes (imported there)
+
+    layout = V4PageLayout(GEO, page_tokens=V4_PAGE, block_tokens=B)
+    pools: dict[str, object] = {}
+    for ratio, (kv, index) in POOLS.items():
+        if layout.sources(ratio):
+            n = len(layout.sources(ratio))
+            pools[kv] = v4.side_pool(kv, n, layout.kv_item_bytes(ratio), pages, V4_PAGE)
+            pools[index] = v4.side_pool(index, n, layout.index_item_bytes(ratio), pages, V4_PAGE)
+    anchor = v4.host.LogicalHostPool(pages * V4_PAGE, V4_PAGE)
+    entries = [v4.PoolEntry(name=sg.PoolName.KV, host_pool=anchor, device_pool=None, layer_mapper=lambda i: i,
+                         is_primary_index_anchor=True)]
+    entries += [v4.PoolEntry(name=sg.PoolName(n), host_pool=p, device_pool=None, layer_mapper=lambda i: i)
+                for n, p in pools.items()]
+    return v4.attach(target, v4.HostPoolGroup(entries), {"geometry": GEO.name}), pools
+
+
+def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_v4_pages(
+        store: Child, tmp_path: Path) -> None:
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine.add("r1", prompt(2 * V4_PAGE + 20, seed=13), max_tokens=3)
+    engine.run()
+    tokens = engine.tokens["r1"]
+    n = len(tokens) // B
+    pages = engine.worker.worker.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
+                                                 block_ids=tuple(engine.pages["r1"])))
+    vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
+    engine.drain()
+    engine.close()
+
+    backend, pools = sglang_v4_backend(store.target, 3)
+    try:
+        keys = sg.sg_utils.get_storage_hash_str(tokens, None, page_size=V4_PAGE)[:2]   # SGLang's V4 page keys
+        assert backend.batch_exists(keys) == 2
+        assert backend.batch_get_v1(keys, torch.arange(V4_PAGE, 3 * V4_PAGE)) == [True, True]
+        layout = V4PageLayout(GEO, page_tokens=V4_PAGE, block_tokens=B)
+        for p in range(2):
+            side = {name: pool.get_data_page((1 + p) * V4_PAGE) for name, pool in pools.items()}  # type: ignore[attr-defined]
+            got = pages_to_blocks(layout, side)
+            assert [bytes(b.numpy()) for b in got] == vllm_blocks[p * 8:(p + 1) * 8]
+    finally:
+        backend.close()

@@ -171,4 +171,9 @@ def test_the_v4_swa_page_ending_a_prefix_is_the_snapshot_of_its_window(v4: Any, 
                            back[:, V4_PAGE * 512:].view(40, V4_PAGE, 16)], dim=-1)
     assert torch.equal(back_rows[:, V4_PAGE - 128:], rows[:, V4_PAGE - 128:])
     assert back_rows[:, :V4_PAGE - 128].count_nonzero() == 0
+    # Two trailing pages asked (SGLang's retain window): the older page, all before the window, zero.
+    swa.set_from_flat_data_page(3 * V4_PAGE, window_page.flatten())
+    assert backend.batch_get_v2([swa_transfer(keys, 3)]) == {PoolName.SWA.value: [True, True]}
+    assert swa.get_data_page(3 * V4_PAGE).count_nonzero() == 0
+    assert torch.equal(swa.get_data_page(4 * V4_PAGE).view(40, -1), back)
     assert backend.batch_get_v2([swa_transfer(keys[:1], 4)]) == {PoolName.SWA.value: [False]}   # none at T=256
