@@ -113,7 +113,8 @@ def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> li
     import triton
 
     from kvstore.client import gpu_kernels
-    from kvstore.client.gpu_gather import GpuGather, _Pointer
+    from kvstore.client.gpu_gather import GpuGather
+    from kvstore.client.gpu_rounds import DevicePointer
 
     out: list[Figure] = []
     total = n * block_bytes
@@ -133,7 +134,7 @@ def sweep(n: int, block_bytes: int, repeat: int, notes: dict[str, object]) -> li
         if not torch.equal(dest.cpu(), torch.from_numpy(mapped.expected())):
             raise RuntimeError("sweep: gathered bytes differ")
         first = min(gather.registry.registered()) * gather.chunk_bytes
-        src = _Pointer(mapped.base_address + first, torch.int32)
+        src = DevicePointer(mapped.base_address + first, torch.int32)
         offsets = np.array([s.offset for s in mapped.spans], dtype=np.int64) - first
         src_words = torch.from_numpy(offsets // 4).cuda()
         dst = dest.view(torch.int32)

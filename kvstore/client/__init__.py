@@ -7,6 +7,7 @@
 - `swa`: `SwaClient`, SWA snapshots in the server's pool.
 - `transfer`: `TransferSession`, batched transfers through registered regions.
 - `blocks`: the KVStore block calls `store` and `transfer` both make.
+- `puts`, `resume_report`: a Put on the wire and the ReportResume call, for `store`.
 - `arguments`: the checks of what callers hand the clients.
 
 Imports point one way: store -> swa, transfer -> blocks -> connection -> arguments.

@@ -56,9 +56,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DirectGpuUnavailable", "GatherResult", "GpuGather", "MappedReadLike"]
 
-#: kvstore/bench/direct_sweep.py imports the pointer by this name.
-_Pointer = DevicePointer
-
 #: Words (4 bytes) per program of the gather kernel, and its warps: picked on the H200 (docs/DIRECT_RESTORE.md).
 GATHER_BLOCK_WORDS = 2048
 GATHER_WARPS = 8
