@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 from kvstore.errors import ConfigError
 from kvstore.prefix import HASH_BYTES, chain_hashes
 
-#: Pages whose tokens the ledger keeps by default (16.7M tokens of 64; about 600 B each).
+#: Pages whose tokens the ledger keeps by default (about 0.7 KB each on 64-token pages, 1.7 KB on 256-token pages).
 DEFAULT_LEDGER_PAGES = 262_144
 #: The kvstore extra key a chain seeded by SGLang's namespace digest is hashed with (+ the seed's hex).
 SEED_KEY_PREFIX = "sglang-ns:"
