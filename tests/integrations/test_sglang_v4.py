@@ -209,3 +209,14 @@ def test_a_v4_side_pool_without_its_anchor_is_refused(server: Child, name: PoolN
         assert str(name) not in getattr(backend, "registered_pools", {})
     finally:
         backend.close()
+
+
+def test_a_v4_page_that_cannot_hold_whole_indexer_pages_is_refused(server: Child) -> None:
+    anchor = host.LogicalHostPool(4 * 64, 64)   # 64-token pages: 32 ratio-2 slots, half an indexer page
+    backend = StorageBackendFactory.create_backend("dynamic", config(server.target), anchor)
+    try:
+        with pytest.raises(ConfigError, match="at least 128 tokens"):
+            backend.register_mem_pool_host(anchor)
+        assert backend.v4 is None
+    finally:
+        backend.close()
