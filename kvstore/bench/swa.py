@@ -11,7 +11,8 @@ the gateway handed it: kvstore.client.swa_direct) and the baseline (redis-py
 pipelined SET PX / GET of the same snapshots, in the same batch size). A ratio
 below 1 is what a path costs over talking to Redis directly. The sides take
 turns within each round (best of the rounds is kept), so a loaded machine
-slows them alike. A single-snapshot fetch's p50 (direct get of one key against
+slows them alike: the gateway last in each group, each phase after a pause,
+the direct and raw sides swapping places every round. A single-snapshot fetch's p50 (direct get of one key against
 one raw GET, alternating) is measured too. Snapshots are taken at prompt lengths window, window + 1, ...: half
 even (a full window of rows, 2,703,360 B on V4.1-Flash), half odd (plus the raw
 tail, 12,288 B more). Starts its own redis-server (loopback, free port, temp dir) unless
