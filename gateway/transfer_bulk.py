@@ -119,9 +119,7 @@ class BulkServer:
         if transport != "mooncake":
             return f"transport {transport[:32]!r} is not served here (only 'mooncake')"
         if not self._refused and self._staging is None:
-            await asyncio.to_thread(self._start)
-            if self._engine is not None and self._staging is None:
-                self._staging = _Staging(self._engine, self.slots, self.slot_bytes)
+            await asyncio.to_thread(self._start)  # off the loop: registering may pin memory (RDMA)
         if self._refused:
             return self._refused
         if int(segment.rpartition(":")[2]) == self._engine.get_rpc_port():
@@ -131,7 +129,8 @@ class BulkServer:
         return ""
 
     def _start(self) -> None:
-        """Import and start the engine once (P2P handshake: no metadata server)."""
+        """Import and start the engine and register the staging pool, once (P2P handshake: no
+        metadata server)."""
         with self._start_lock:
             if self._engine is not None or self._refused:
                 return
@@ -147,6 +146,11 @@ class BulkServer:
                 failed, engine = f"{type(exc).__name__}: {exc}", None
             if failed:
                 self._refused = f"the server's transfer engine did not start on {self.settings.bulk_host} ({failed})"
+                return
+            try:
+                self._staging = _Staging(engine, self.slots, self.slot_bytes)
+            except Unavailable as exc:
+                self._refused = exc.message
                 return
             self._engine = engine
 

@@ -259,7 +259,8 @@ class TransferSettings:
     #: (allocated and registered at the first accepted OpenBulk; pages are touched as used).
     bulk_staging_bytes: int = 256 << 20
     #: Most blocks in one BulkFetch: one staging slot (the pool holds bulk_staging_bytes of slots).
-    bulk_max_blocks: int = 128
+    #: Mooncake's batches of 512 writes ran 2x those of 128 on the dev box (1.4 against 0.6 GB/s).
+    bulk_max_blocks: int = 512
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_session_mapped_bytes": Range(1, MAX_BYTES),
