@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,9 @@ class BulkServer:
         self._engine: Any = None
         self._staging: _Staging | None = None
         self._start_lock = threading.Lock()
+        # The engine's writes block for the time of a transfer: on threads of their own, one per
+        # slot (what bounds them), so they never hold up asyncio.to_thread's other users.
+        self._writers = ThreadPoolExecutor(self.slots, thread_name_prefix="kvstore-bulk-write")
         self._refused = "" if settings.bulk == "mooncake" else "transfer.bulk is off on this server"
         #: What OpenSession's first event offers: the transport named by `transfer.bulk`, if any.
         self.offered = [] if settings.bulk == "off" else [settings.bulk]
@@ -153,6 +157,10 @@ class BulkServer:
                 self._refused = exc.message
                 return
             self._engine = engine
+
+    def close(self) -> None:
+        """Stop the write threads (after the server stopped taking calls)."""
+        self._writers.shutdown(wait=True)
 
     def forget(self, session_id: str) -> None:
         """The session ended: its engine is no longer written to."""
@@ -211,8 +219,9 @@ class BulkServer:
                     base = staging.address + slot * staging.slot_bytes
                     local = (found * block_bytes + base).tolist()
                     remote = (offsets[found] + np.uint64(address)).tolist()
-                    rc = await asyncio.to_thread(self._engine.batch_transfer_sync_write, segment, local, remote,
-                                                 [block_bytes] * len(local))
+                    rc = await asyncio.get_running_loop().run_in_executor(
+                        self._writers, self._engine.batch_transfer_sync_write, segment, local, remote,
+                        [block_bytes] * len(local))
                     if rc:
                         raise Unavailable(f"bulk: writing {len(local)} blocks into {segment} failed "
                                           f"(Mooncake returned {rc})", hint="fetch over gRPC (Transfer.Fetch)")

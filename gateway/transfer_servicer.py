@@ -105,6 +105,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         """End every session (their batches finish their current chunk), then stop the copy threads."""
         await self.table.close_all()
         self.copier.close()
+        self.bulk.close()
 
     @streaming
     async def OpenSession(self, request: pb.OpenSessionRequest,
