@@ -12,6 +12,7 @@ never raised: counting is not worth failing a get for.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,8 @@ Get = tuple[int, int, int]
 
 
 class DirectReport:
-    """The direct path's pending counts, and the report on its way to the gateway.
+    """The direct path's pending counts, and the report on its way to the gateway (safe to share
+    between threads: one lock, held for a count or the start of a report, and across `flush`'s call).
 
     Args:
         connection: the client's connection (deadline, metadata).
@@ -47,35 +49,40 @@ class DirectReport:
         self._gets: list[Get] = []
         self._puts = (0, 0, 0)  # calls, snapshots, bytes
         self._sent_at = clock()
+        self._lock = threading.Lock()
         #: The report sent without waiting: its future, and the gets and puts it carries (put back if it fails).
         self._in_flight: tuple[Any, list[Get], tuple[int, int, int]] | None = None
 
     def got(self, asked: int, found: int, corrupt: int) -> None:
         """Count one direct get call."""
-        self._gets.append((asked, found, corrupt))
-        del self._gets[:-MAX_PENDING_GETS]
-        self._maybe_send()
+        with self._lock:
+            self._gets.append((asked, found, corrupt))
+            del self._gets[:-MAX_PENDING_GETS]
+            self._maybe_send()
 
     def put(self, snapshots: int, nbytes: int) -> None:
         """Count one direct put call of `snapshots` snapshots of `nbytes` bytes."""
-        calls, count, total = self._puts
-        self._puts = (calls + 1, count + snapshots, total + nbytes)
-        self._maybe_send()
+        with self._lock:
+            calls, count, total = self._puts
+            self._puts = (calls + 1, count + snapshots, total + nbytes)
+            self._maybe_send()
 
     def flush(self) -> None:
         """Send what is pending now and wait for the gateway's answer (after the report in flight)."""
-        self._settle(wait=True)
-        self._sent_at = self.clock()
-        taken = self._take()
-        if taken is None:
-            return
-        request, gets, puts = taken
-        try:
-            self.connection.call(self._stub.ReportDirect, request)
-        except KVStoreError:
-            self._put_back(gets, puts)
+        with self._lock:
+            self._settle(wait=True)
+            self._sent_at = self.clock()
+            taken = self._take()
+            if taken is None:
+                return
+            request, gets, puts = taken
+            try:
+                self.connection.call(self._stub.ReportDirect, request)
+            except KVStoreError:
+                self._put_back(gets, puts)
 
     def _maybe_send(self) -> None:
+        """Send a report without waiting when one is due and none is in flight (under the lock)."""
         if len(self._gets) < REPORT_GETS and self.clock() - self._sent_at < REPORT_EVERY_S:
             return
         if not self._settle(wait=False):
