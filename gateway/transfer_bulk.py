@@ -98,8 +98,9 @@ class BulkServer:
 
     def __init__(self, settings: TransferSettings, block_bytes: int) -> None:
         self.settings = settings
-        self.max_blocks = settings.bulk_max_blocks
-        self.slot_bytes = settings.bulk_max_blocks * block_bytes
+        # A slot never outgrows the pool: the pool stays within bulk_staging_bytes.
+        self.max_blocks = max(1, min(settings.bulk_max_blocks, settings.bulk_staging_bytes // block_bytes))
+        self.slot_bytes = self.max_blocks * block_bytes
         self.slots = max(1, settings.bulk_staging_bytes // self.slot_bytes)
         #: Session id -> the client engine's name, for sessions whose OpenBulk was accepted.
         self.segments: dict[str, str] = {}

@@ -282,6 +282,23 @@ def test_bad_bulk_requests_answer_clear_statuses(bulk_server: Any) -> None:
         events.cancel()
 
 
+@needs_engine
+def test_the_staging_pool_stays_within_bulk_staging_bytes(start_server: Callable[..., Any], tmp_path: Path) -> None:
+    # 512 blocks a call would be 7 MiB a slot: the server offers fewer, so one slot fits in 1 MiB.
+    server = start_server(_store(tmp_path), transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=512,
+                                                                      bulk_staging_bytes=1 << 20))
+    with Client(server.target) as client:
+        stub = pb_grpc.TransferStub(client.connection.channel)
+        events = stub.OpenSession(pb.OpenSessionRequest())
+        try:
+            sid = next(events).session_id
+            opened = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="mooncake", segment="127.0.0.1:1"))
+        finally:
+            events.cancel()
+    assert opened.accepted and opened.slots * opened.max_blocks * BLOCK_BYTES <= 1 << 20
+    assert opened.max_blocks == (1 << 20) // BLOCK_BYTES and opened.slots == 1
+
+
 def test_bad_bulk_settings_and_arguments_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"transfer\.bulk"):
         TransferSettings(bulk="rdma")
