@@ -314,7 +314,8 @@ class RingServer:
             time.sleep(0.001)
         start = time.monotonic()
         if self.native is not None and spurious < _SPURIOUS:  # spins briefly first, without the GIL
-            native_ring.wait(self._state_at, state, native_ring.SERVER_SPIN_S, 1.0)
+            native_ring.wait(self._state_at, state, native_ring.SERVER_HOT_SPIN_S, native_ring.SERVER_SPIN_S, 1.0,
+                             self._state_at + Header.client_cpu.offset)
         else:
             futex.wait(state, 1.0)
         return spurious + 1 if time.monotonic() - start < 0.9 else 0

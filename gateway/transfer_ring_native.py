@@ -4,8 +4,9 @@
 the tier's data.mdb is found mapped. Per request it charges the tenant's rate, opens a
 read txn and calls `tiers.ring.serve`, which answers the plain case (one group, every
 descriptor good, every block found, intact and not due a retention refresh) and wakes the
-client without the GIL. Then it counts the read as the Python read counts it (the tier's
-gets, the tenant's hits, `Transfer.Stats`' batches). Anything else comes back as the
+client without the GIL. It counts the read as the Python read counts it (the tier's
+gets, the tenant's hits, `Transfer.Stats`' batches) before it publishes the answer, so a
+client that reads the counters after its fetch sees it counted. Anything else comes back as the
 request's bytes, read once from the ring, and `gateway.transfer_ring.read` answers them
 (the same checks, codes and durable refresh as before), without charging the rate twice.
 """
@@ -16,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvstore.transfer import DONE, BatchResults
+from kvstore.transfer_ring import ANSWERED, HEADER_AT
 from tiers import blockcopy, ring
 from tiers.retention import Retention
 
@@ -97,6 +99,9 @@ class NativeRing:
                 due_before = Retention.touch_due_before(ctx.tier.retention_clock.now())
                 kind, value = ring.serve(self.address, seq, length, table, self.block_bytes, ctx.limit, self.prefix,
                                          self.mapping, txn, due_before)
+                if kind == ring.READY:  # counted before the client sees it, as the Python read counts
+                    self._count(value)
+                    ring.publish(self.address + HEADER_AT, ANSWERED)
             finally:
                 txn.abort()
         finally:
@@ -105,11 +110,10 @@ class NativeRing:
         if kind == ring.HANDED_BACK:
             return value  # type: ignore[no-any-return]
         self.answered += 1
-        self._count(value)
         return None
 
     def _count(self, n: int) -> None:
-        """Count an answered read as `gateway.transfer_ring.read` counts one (after the client woke)."""
+        """Count an answered read as `gateway.transfer_ring.read` counts one."""
         ctx = self.ctx
         results = BatchResults(n)
         results.statuses[:] = bytes([DONE]) * n

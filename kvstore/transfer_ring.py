@@ -18,6 +18,8 @@ Layout (little-endian; `RING_BYTES` in all; one request slot):
     84     u32 code      0: the answer is a TransferState; else a gRPC status code,
                          and the answer is its message (UTF-8)
     88     u32 answer_length
+    92     u32 server_cpu    1 + the CPU the server answered on (0: not told); a hint only
+    96     u32 client_cpu    1 + the CPU the client asked from (0: not told); a hint only
     4096   the request: a serialized `SubmitRequest` (a read; session_id not read)
     65536  the answer
 
@@ -25,6 +27,10 @@ The client writes the request, then state = REQUEST, and wakes the futex; the
 server sets BUSY, copies the request out of shared memory before reading it,
 answers, sets ANSWERED and wakes the futex. The client is untrusted: the server
 checks every field it reads (see `gateway/transfer_ring.py`).
+
+Each side spins a little on the state word before its futex, first without yielding
+the core; the CPU words let each skip that part when the other side last ran on the
+same CPU (a spin there only keeps the peer from running). They steer nothing else.
 
 Word order across processes relies on x86-64's store order (TSO): the ring is
 offered on x86-64 Linux only (`supported()`), elsewhere Submit serves.
@@ -35,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import platform
 import sys
+from typing import Any
 
 #: The ring's size: a request area and an answer area.
 RING_BYTES = 128 << 10
@@ -61,7 +68,7 @@ class Header(ctypes.Structure):
 
     _fields_ = [("state", ctypes.c_uint32), ("seq", ctypes.c_uint32), ("length", ctypes.c_uint32),
                 ("_pad", ctypes.c_uint32), ("answer_seq", ctypes.c_uint32), ("code", ctypes.c_uint32),
-                ("answer_length", ctypes.c_uint32)]
+                ("answer_length", ctypes.c_uint32), ("server_cpu", ctypes.c_uint32), ("client_cpu", ctypes.c_uint32)]
 
 
 class _Timespec(ctypes.Structure):
@@ -111,6 +118,19 @@ class Futex:
         """Wake every thread (of either process) waiting on the word."""
         self._call(self._nr, self._addr, ctypes.c_int(_FUTEX_WAKE), ctypes.c_int(0x7FFFFFFF), None, None,
                    ctypes.c_int(0))
+
+
+def current_cpu() -> int:
+    """The CPU this thread runs on now (-1 where it cannot be told)."""
+    global _getcpu
+    if _getcpu is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _getcpu = libc.sched_getcpu if hasattr(libc, "sched_getcpu") else (lambda: -1)
+        _getcpu.restype = ctypes.c_int  # type: ignore[union-attr]
+    return int(_getcpu())
+
+
+_getcpu: Any = None
 
 
 def header_in(view: memoryview) -> Header:

@@ -8,8 +8,8 @@
  *   serve  copies the request out of the ring once, parses it strictly, checks it as Submit
  *          does (the session's region, the block length, whole hashes, every span inside its
  *          region), finds the records in the read txn's snapshot (tiers/_lmdb_search.h),
- *          verifies each block against its checksum and then copies it, writes the answer
- *          and wakes the client.
+ *          verifies each block against its checksum and then copies it, and writes the
+ *          answer (the caller counts the read, then `publish`es it: the client wakes).
  * `serve` answers only the plain case: one group, every descriptor good, every block found,
  * intact and not due a retention refresh. Anything else (a request the strict parser does not
  * take, a bad descriptor, a miss, a corrupt block, a block due a refresh, a page that does not
@@ -19,6 +19,7 @@
  *
  * Layout and protocol: kvstore/transfer_ring.py. Built against the stable ABI (3.11+).
  */
+#define _GNU_SOURCE /* sched_getcpu */
 #define Py_LIMITED_API 0x030B0000
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -40,13 +41,13 @@ enum { HEADER_AT = 64, REQUEST_AT = 4096, REQUEST_BYTES = 65536 - 4096, ANSWER_A
        ANSWER_BYTES = 131072 - 65536 };
 enum { ST_REQUEST = 1, ST_ANSWERED = 3 };
 typedef struct {
-    uint32_t state, seq, length, pad, answer_seq, code, answer_length;
+    uint32_t state, seq, length, pad, answer_seq, code, answer_length, server_cpu, client_cpu;
 } Header;
 
 /* tiers.records.META_STRUCT, "<32sIIQdd". */
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
-/* What serve answers: the request was answered here, or is handed back (with its bytes). */
-enum { ANSWERED_HERE = 0, HANDED_BACK = 1 };
+/* What serve answers: the answer is written (publish it), or the request is handed back (with its bytes). */
+enum { READY = 0, HANDED_BACK = 1 };
 _Static_assert(32 + MAX_DESCRIPTORS < ANSWER_BYTES, "a plain answer always fits the answer area");
 
 static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
@@ -69,26 +70,36 @@ static double seconds(void) {
  * keeps the mapping alive across the call.
  */
 static PyObject *wait(PyObject *self, PyObject *args) {
-    unsigned long long address;
+    unsigned long long address, peer_cpu;
     unsigned int expected;
-    double spin_s, timeout_s;
+    double hot_s, spin_s, timeout_s;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KIdd", &address, &expected, &spin_s, &timeout_s)) return NULL;
-    if (address == 0 || address % 4 || timeout_s < 0 || spin_s < 0) {
+    if (!PyArg_ParseTuple(args, "KIdddK", &address, &expected, &hot_s, &spin_s, &timeout_s, &peer_cpu)) return NULL;
+    if (address == 0 || address % 4 || peer_cpu % 4 || timeout_s < 0 || spin_s < 0 || hot_s < 0) {
         PyErr_SetString(PyExc_ValueError, "wait: an aligned address and non-negative times");
         return NULL;
     }
     uint32_t *word = (uint32_t *)(uintptr_t)address, now;
     Py_BEGIN_ALLOW_THREADS
-    double end = seconds() + spin_s;
+    if (peer_cpu && __atomic_load_n((uint32_t *)(uintptr_t)peer_cpu, __ATOMIC_RELAXED) == (uint32_t)(sched_getcpu() + 1))
+        hot_s = 0; /* the peer last ran on this CPU: a spin that does not yield would only keep it off */
+    double start = seconds(), t = start;
     while ((now = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == expected) {
-        if (seconds() > end) {
-            struct timespec t = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
-            futex(word, FUTEX_WAIT, expected, &t);
+        if (t - start < hot_s) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+            t = seconds();
+            continue;
+        }
+        if (t - start > spin_s) {
+            struct timespec ts = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
+            futex(word, FUTEX_WAIT, expected, &ts);
             now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
             break;
         }
         sched_yield(); /* the client may be waiting for this core (2-core boxes, or a third process) */
+        t = seconds();
     }
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(now);
@@ -161,7 +172,7 @@ static int run(const Request *r, const uint64_t *regions, Py_ssize_t nregions, u
 
 /*
  * serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize,
- *       txn_id, due_before) -> (ANSWERED_HERE, n) | (HANDED_BACK, request bytes)
+ *       txn_id, due_before) -> (READY, n) | (HANDED_BACK, request bytes)
  *
  * ring: the ring's address; seq, length: the header's words as the caller read them (length
  * checked against the request area); regions: the session's regions as uint64 triples
@@ -208,11 +219,10 @@ static PyObject *serve(PyObject *self, PyObject *args) {
         header->answer_seq = seq;
         header->code = 0;
         header->answer_length = (uint32_t)n;
-        __atomic_store_n(&header->state, ST_ANSWERED, __ATOMIC_RELEASE); /* after the answer's bytes */
-        futex(&header->state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+        header->server_cpu = (uint32_t)(sched_getcpu() + 1);
     }
     Py_END_ALLOW_THREADS
-    result = answered ? Py_BuildValue("(iI)", ANSWERED_HERE, r.n)
+    result = answered ? Py_BuildValue("(iI)", READY, r.n)
                       : Py_BuildValue("(iy#)", HANDED_BACK, (const char *)copy, (Py_ssize_t)length);
 done:
     PyMem_Free(copy);
@@ -223,14 +233,35 @@ done:
     return result;
 }
 
+/*
+ * publish(address, value): store `value` in the 32-bit word at `address` (after every store
+ * before it: the answer's bytes) and wake every thread waiting on it, of either process.
+ */
+static PyObject *publish(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    unsigned int value;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KI", &address, &value)) return NULL;
+    if (address == 0 || address % 4) {
+        PyErr_SetString(PyExc_ValueError, "publish: an aligned address");
+        return NULL;
+    }
+    uint32_t *word = (uint32_t *)(uintptr_t)address;
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    futex(word, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"publish", publish, METH_VARARGS,
+     "publish(address, value)\n\nStore value in the futex word at address and wake its waiters."},
     {"wait", wait, METH_VARARGS,
-     "wait(address, expected, spin_s, timeout_s) -> int\n\n"
+     "wait(address, expected, hot_s, spin_s, timeout_s, peer_cpu) -> int\n\n"
      "Spin, then sleep on the futex at address while it holds expected; its value after."},
     {"serve", serve, METH_VARARGS,
      "serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize, txn_id, "
      "due_before) -> (0, n) | (1, request)\n\n"
-     "Answer one ring request natively, or hand its bytes back (see tiers.ring)."},
+     "Copy and write the answer of one ring request natively, or hand its bytes back (see tiers.ring)."},
     {NULL, NULL, 0, NULL},
 };
 

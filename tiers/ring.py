@@ -4,7 +4,8 @@
 is built, that thread only waits (`wait`: a short spin, then the futex, without the
 GIL) and, per request, opens a read txn and calls `serve`, which parses and checks the
 request, finds the blocks in the tier's mapping of data.mdb, verifies and copies them
-and answers, all without the GIL. `serve` answers the plain case only and hands any
+and writes the answer, all without the GIL; the thread counts the read and `publish`es
+the answer. `serve` answers the plain case only and hands any
 other request back with its bytes (read once from the ring): the Python server then
 answers it as before. `NATIVE` says whether this runs; without it the Python server
 does all of it.
@@ -20,21 +21,25 @@ from typing import Any
 
 import lmdb
 
-#: `serve`'s first answer: answered natively (with the descriptors' count), or handed back (with the bytes).
-ANSWERED_HERE, HANDED_BACK = 0, 1
+#: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), or the
+#: request is handed back (with its bytes).
+READY, HANDED_BACK = 0, 1
 
 #: A server spins this long on the ring's word before its futex: a client's next request within it
 #: is taken without a wake-up (tens of microseconds on a loaded VM). Bounded, so an idle ring costs
 #: at most this much CPU after each request.
 SERVER_SPIN_S = 100e-6
+#: ... of which the first part without yielding the core (a yield on a loaded box may hand it to
+#: another process for a whole time slice; a spin that never yields may hold the core the client needs).
+SERVER_HOT_SPIN_S = 20e-6
 
 
-def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]]] | None:
+def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None]] | None:
     try:
-        from tiers._ring import serve, wait
+        from tiers._ring import publish, serve, wait
     except ImportError:  # not built (no C compiler at install): the Python server stands in
         return None
-    return wait, serve
+    return wait, serve, publish
 
 
 _native = _load()
@@ -42,12 +47,13 @@ _native = _load()
 NATIVE = _native is not None
 
 
-def wait(address: int, expected: int, spin_s: float, timeout_s: float) -> int:
+def wait(address: int, expected: int, hot_s: float, spin_s: float, timeout_s: float, peer_cpu: int = 0) -> int:
     """The 32-bit word at `address` once it no longer holds `expected` (or after `timeout_s`),
-    spinning `spin_s` before sleeping on its futex, without the GIL. The caller keeps the
-    word's mapping alive across the call."""
+    without the GIL: spinning on it for `hot_s` (none when the u32 at `peer_cpu`, 1 + the CPU
+    the peer last ran on, names this thread's CPU), then yielding the core between looks until
+    `spin_s`, then sleeping on its futex. The caller keeps the words' mapping alive across the call."""
     assert _native is not None
-    return _native[0](address, expected, spin_s, timeout_s)
+    return _native[0](address, expected, hot_s, spin_s, timeout_s, peer_cpu)
 
 
 def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, limit: int, prefix: bytes,
@@ -65,12 +71,19 @@ def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, li
         due_before: a block last used before this is due a retention refresh (handed back).
 
     Returns:
-        (ANSWERED_HERE, descriptors): every block verified, copied and answered DONE, the
-        client woken; or (HANDED_BACK, the request's bytes as read from the ring).
+        (READY, descriptors): every block verified and copied, and the answer (all DONE) and its
+        header words written, but not `state`: `publish` it once the read is counted; or
+        (HANDED_BACK, the request's bytes as read from the ring).
     """
     assert _native is not None
     return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
                       mapping.psize, txn.id(), due_before)
+
+
+def publish(address: int, value: int) -> None:
+    """Store `value` in the 32-bit word at `address`, after every store before it, and wake its waiters."""
+    assert _native is not None
+    _native[2](address, value)
 
 
 _TRIPLE = struct.Struct("<QQQ")

@@ -35,6 +35,7 @@ from kvstore.transfer_ring import (
     RING_BYTES,
     Futex,
     Header,
+    current_cpu,
     header_in,
 )
 from kvstore.v1 import transfer_pb2 as pb
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
 
 #: How long the client spins on the state word before it sleeps on the futex ...
 SPIN_S = 500e-6
+#: ... of which the first part without yielding the core: a small request's answer usually comes
+#: within it (the server works on the other core), and a yield on a loaded box can hand the core
+#: to another process for a whole time slice.
+HOT_SPIN_S = 40e-6
 #: ... for requests of at most this many descriptors (a larger one takes the server longer
 #: than a futex wake-up costs: its client sleeps at once and leaves the core to others).
 SPIN_DESCRIPTORS = 16
@@ -122,7 +127,9 @@ class RingClient:
         try:
             if time.monotonic() > self._renew_at:
                 self._renew()
-            spin = self.spin_s if sum(len(g.offsets_bytes) for g in request.groups) <= SPIN_DESCRIPTORS else 0.0
+            groups = request.groups
+            small = len(groups) == 1 and len(groups[0].offsets_bytes) <= SPIN_DESCRIPTORS
+            spin = self.spin_s if small or sum(len(g.offsets_bytes) for g in groups) <= SPIN_DESCRIPTORS else 0.0
             code, answer = self._ask(request, spin)
             if code == RENEW:  # the lease ran out between our look and the server's: renew, ask again
                 self._renew()
@@ -146,10 +153,13 @@ class RingClient:
             raise RingUnusable("the request does not fit the ring")
         self._seq = seq = (self._seq + 1) & 0xFFFFFFFF
         view[REQUEST_AT:REQUEST_AT + len(raw)] = raw
-        header.seq, header.length = seq, len(raw)
+        cpu = current_cpu() + 1
+        # The server last answered on this CPU: a spin that does not yield would only keep it off.
+        hot_s = 0.0 if cpu == header.server_cpu else min(spin_s, HOT_SPIN_S)
+        header.seq, header.length, header.client_cpu = seq, len(raw), cpu
         header.state = REQUEST  # after the request's bytes: x86-64 keeps stores in order
         futex.wake()
-        self._wait(header, futex, seq, spin_s)
+        self._wait(header, futex, seq, spin_s, hot_s)
         self.answered += 1
         n = header.answer_length
         if n > ANSWER_BYTES:
@@ -157,14 +167,22 @@ class RingClient:
             raise Internal("the ring's answer could not be read (its length is past the answer area)")
         return header.code, bytes(view[ANSWER_AT:ANSWER_AT + n])
 
-    def _wait(self, header: Header, futex: Futex, seq: int, spin_s: float) -> None:
+    def _wait(self, header: Header, futex: Futex, seq: int, spin_s: float, hot_s: float) -> None:
         """Until the server answers request `seq`; raises if the session or the deadline ends first."""
-        # Spin a little (yielding the core: on a small box the server may need this one), then sleep.
-        spin_end = time.perf_counter() + spin_s
-        while time.perf_counter() < spin_end:
+        # Spin a little: first on the word alone, then yielding the core (on a small box the server
+        # may need this one), then sleep.
+        clock = time.perf_counter
+        now = clock()
+        hot_end, spin_end = now + hot_s, now + spin_s
+        while now < hot_end:
+            if header.state == ANSWERED and header.answer_seq == seq:
+                return
+            now = clock()
+        while now < spin_end:
             if header.state == ANSWERED and header.answer_seq == seq:
                 return
             os.sched_yield()
+            now = clock()
         timeout_s = self.session.connection.timeout_s
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while True:
