@@ -104,6 +104,8 @@ class BulkServer:
         self.slots = max(1, settings.bulk_staging_bytes // self.slot_bytes)
         #: Session id -> the client engine's name, for sessions whose OpenBulk was accepted.
         self.segments: dict[str, str] = {}
+        #: BulkFetch calls answered since start.
+        self.fetches = 0
         self._engine: Any = None
         self._staging: _Staging | None = None
         self._start_lock = threading.Lock()
@@ -235,6 +237,7 @@ class BulkServer:
         for i in np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.CORRUPT).tolist():
             results.fail(i, "DATA_LOSS", CORRUPT_REASON)
         results.bytes_moved = len(found) * block_bytes
+        self.fetches += 1  # on the event loop: no lock
         return BulkFetched(results=results, found=len(found))
 
 

@@ -299,7 +299,8 @@ class TransferServicer(pb_grpc.TransferServicer):
             descriptors_done=c.descriptors_done, descriptors_missing=c.descriptors_missing,
             descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved, refresh_failures=c.refresh_failures,
             descriptors_in_flight=self.table.load.descriptors_in_flight,
-            rings=sum(1 for s in self.table.sessions.values() if s.ring is not None), ring_requests=c.ring_requests)
+            rings=sum(1 for s in self.table.sessions.values() if s.ring is not None), ring_requests=c.ring_requests,
+            bulk_sessions=len(self.bulk.segments), bulk_fetches=self.bulk.fetches)
 
     # -- batches -------------------------------------------------------------
 

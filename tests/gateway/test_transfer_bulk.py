@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_ser
         region = s.register((n + 1) * BLOCK_BYTES)
         state = s.fetch(hashes, region, offset_bytes=BLOCK_BYTES, batch_descriptors=16)  # 3 batches, 20 calls
         assert s.bulk is not None and state.done_prefix == n and state.bytes_moved == n * BLOCK_BYTES
+        stats = client.transfer_stats()
+        assert stats.bulk_sessions == 1 and stats.bulk_fetches == 20
         assert bytes(region.view[BLOCK_BYTES:]) == b"".join(blocks)
         # read() returns at once and runs on the path's thread.
         transfer = s.read(_descriptors(hashes[:3], region))
@@ -127,6 +130,11 @@ def test_calls_past_the_staging_slots_wait_for_one(start_server: Callable[..., A
             assert bytes(region.view) == b"".join(blocks)
             s.deregister(region)
             assert s.bulk.addresses == {}, "a deregistered region leaves the engine before it is unmapped"
+        # The server sees the session's stream end a moment after the client closes it.
+        deadline = time.monotonic() + 10
+        while client.transfer_stats().bulk_sessions and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.transfer_stats().bulk_sessions == 0, "a session's end forgets its engine"
 
 
 @needs_engine
