@@ -33,6 +33,39 @@ class CacheTarget:
     group: int
 
 
+#: layer -> (its window cache, the cache's page map, its KV cache group).
+Windows = Mapping[int, tuple[torch.Tensor, PageMap, int]]
+
+
+@dataclass(frozen=True)
+class CacheMap:
+    """Where everything the worker side copies lies among vLLM's registered caches (`of`); empty
+    until `register_kv_caches`.
+
+    Attributes:
+        targets: each store block section's destination (`map_caches`).
+        windows: each layer's window cache (`map_windows`); None: no snapshots.
+    """
+
+    targets: tuple[CacheTarget, ...] = ()
+    windows: Windows | None = None
+
+    @classmethod
+    def of(cls, geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, torch.Tensor],
+           groups: Mapping[str, tuple[int, int]]) -> CacheMap:
+        """The map of vLLM's `caches` (`groups`: layer name -> (group index, tokens per page)).
+
+        Raises:
+            ConfigError: as `map_caches`.
+        """
+        return cls(targets=tuple(map_caches(geometry, block_tokens, caches, groups)),
+                   windows=map_windows(geometry, caches, groups))
+
+    @property
+    def device(self) -> torch.device:
+        """The caches' device (the CPU before registration)."""
+        return self.targets[0].cache.device if self.targets else torch.device("cpu")
+
 
 def map_caches(geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, torch.Tensor],
                groups: Mapping[str, tuple[int, int]]) -> list[CacheTarget]:

@@ -14,11 +14,12 @@ fill loads layer by layer while the forward runs and copy saves out per layer; n
 attention calls vLLM's per-layer hooks, and makes vLLM use piecewise CUDA graphs).
 
 Scheduler side (`integrations.vllm_scheduler`): one leased planner Lookup per request; only usable
-tokens are reported. Worker side (`integrations.vllm_worker`): loads fill vLLM's paged caches
-before the forward; new full blocks are copied out after it and put on a background thread;
-requests with saves are held until their puts are done. With `layerwise`, `start_load_kv` returns
-at once and `wait_for_layer_load` waits for one layer (`integrations.vllm_layers`); `save_kv_layer`
-copies each layer's rows out as the forward writes them. docs/ENGINES.md has the rest.
+tokens are reported. Worker side (`integrations.vllm_worker`): loads (`integrations.vllm_loads`)
+fill vLLM's paged caches before the forward; new full blocks are copied out after it and put on a
+background thread (`integrations.vllm_saves`); requests with saves are held until their puts are
+done. With `layerwise`, `start_load_kv` returns at once and `wait_for_layer_load` waits for one
+layer (`integrations.vllm_layers`); `save_kv_layer` copies each layer's rows out as the forward
+writes them. docs/ENGINES.md has the rest.
 """
 
 from __future__ import annotations
@@ -146,12 +147,12 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         every layer is in the pages when this returns."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        self._worker().start_loads(meta.loads)
+        self._worker().loads.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until this step's loads filled every layer up to `layer_name`'s (nothing left to wait
         for without `layerwise`)."""
-        self._worker().wait_layer(layer_name)
+        self._worker().loads.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -159,22 +160,22 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         (the registered caches of the layer: its compressed KV, indexer and window rows). Otherwise
         nothing: `wait_for_save` copies every layer out at once."""
         worker = self._worker()
-        if not worker.layerwise or not self.has_connector_metadata():
+        if not worker.loads.layerwise or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        worker.save_layer(meta.saves, layer_name)
+        worker.saves.save_layer(meta.saves, layer_name)
 
     def wait_for_save(self) -> None:
         """End of the forward: the step's loads are collected (what failed is reported to vLLM); the
         completed blocks are taken from the per-layer copies or copied out now, and their puts queued."""
         worker = self._worker()
-        worker.finish_loads()
+        worker.loads.finish()
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        worker.save_step(meta.saves)
+        worker.saves.save_step(meta.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Ended requests whose puts are done (their pages may go), and finished asynchronous loads."""
@@ -184,11 +185,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """`get_finished` plus the asynchronous loads that failed (vLLM recomputes those requests)."""
         sending, recving = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
-                                          failed_recving=self._worker().take_failed_recving())
+                                          failed_recving=self._worker().loads.take_failed_recving())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """vLLM block ids whose synchronous load failed: vLLM recomputes from the first of them."""
-        return self._worker().take_load_errors()
+        return self._worker().loads.take_errors()
 
     def shutdown(self) -> None:
         """Wait for puts in flight; close the store's client and the planner."""

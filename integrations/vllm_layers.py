@@ -1,6 +1,6 @@
 """Layer by layer: what the vLLM worker side needs to pipeline loads and saves with the forward.
 
-vLLM-free. Two pieces, used by `integrations.vllm_worker`:
+vLLM-free. Used by `integrations.vllm_loads` and `integrations.vllm_saves`:
 
 - `LayerGate`: a step's loads are filled in layer order on a loader thread; `wait(k)` returns once
   every layer up to k is in the pages (on CUDA, after also making the caller's stream wait for the
@@ -9,6 +9,7 @@ vLLM-free. Two pieces, used by `integrations.vllm_worker`:
 - `Capture` / `copy_out`: the rows a save needs, copied out of the pages right after the layer that
   wrote them (on CUDA: an indexed gather on the caller's stream, then an asynchronous copy into
   pinned host memory on a side stream, with an event to wait on).
+- `SideStream`: the loads' (or the saves') own CUDA stream on each device.
 
 A cache name maps to its layer by `layers.<i>.` in it (`layer_of`), as vLLM names them.
 """
@@ -77,6 +78,21 @@ class LayerGate:
                 event = self._events.get(k)
                 if event is not None:
                     stream.wait_event(event)
+
+
+class SideStream:
+    """One CUDA stream of its own per device, made on first use: the loader's copies into the pages,
+    or the saves' copies to host memory, kept off vLLM's current stream."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, Any] = {}
+
+    def on(self, device: torch.device) -> Any:
+        """The stream on `device` (a CUDA device)."""
+        stream = self._streams.get(str(device))
+        if stream is None:
+            stream = self._streams[str(device)] = torch.cuda.Stream(device=device)
+        return stream
 
 
 @dataclass

@@ -57,7 +57,7 @@ def test_a_prompt_is_saved_block_by_block_in_the_models_bytes_and_held_until_sav
         got = c.get(engine.tokens["r1"][: 6 * B])
     for i, block in enumerate(got.blocks):
         assert block == expected_block(engine.tokens["r1"], i), f"block {i}"
-    assert engine.worker.worker.blocks_saved == 6 and engine.worker.worker.save_errors == 0
+    assert engine.worker.worker.saves.blocks_saved == 6 and engine.worker.worker.saves.save_errors == 0
     engine.close()
 
 
@@ -83,7 +83,7 @@ def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the
     for layer, comp, rb in GLOBAL:
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
-    assert engine.worker.worker.blocks_loaded == 5
+    assert engine.worker.worker.loads.blocks_loaded == 5
     engine.run()
     engine.close()
     # Blocks 6.. (the new turn) were stored after the ones found, chained to them.
@@ -102,7 +102,7 @@ def test_each_load_path_fills_the_same_bytes(store: Child, tmp_path: Path, path:
     turn2 = [*tokens, 4, 4]
     engine.add("r2", turn2, max_tokens=2)
     engine.step()
-    assert engine.worker.worker.load_paths == {path: 1}
+    assert engine.worker.worker.loads.load_paths == {path: 1}
     for layer, comp, rb in GLOBAL:
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
@@ -169,7 +169,7 @@ def test_a_store_outage_costs_the_cache_not_the_requests(start_store: Callable[[
     engine.run()
     engine.drain()         # the failed puts still end: the request's pages are freed
     assert engine.finished == ["r"] and not engine.scheduler.requests
-    assert engine.worker.worker.save_errors >= 1 and engine.worker.worker.blocks_saved == 0
+    assert engine.worker.worker.saves.save_errors >= 1 and engine.worker.worker.saves.blocks_saved == 0
     engine.close()
 
 

@@ -76,7 +76,7 @@ def test_a_layer_is_filled_and_released_to_the_forward_before_the_later_layers_a
         if layer == FIRST:
             release.set()
 
-    engine.worker.worker.layer_filled = loader_hook
+    engine.worker.worker.loads.layer_filled = loader_hook
     engine.before_layer = before_layer
     turn2 = [*tokens, 4, 4]
     engine.add("r2", turn2, max_tokens=2)
@@ -89,7 +89,7 @@ def test_a_layer_is_filled_and_released_to_the_forward_before_the_later_layers_a
     for layer, comp, rb in GLOBAL:
         for row in range(80 // GEO.compress_ratios[layer]):
             assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
-    assert engine.worker.worker.blocks_loaded == 5 and engine.worker.worker.layerwise
+    assert engine.worker.worker.loads.blocks_loaded == 5 and engine.worker.worker.loads.layerwise
     engine.run()
     assert engine.finished == ["r2"]
     engine.close()
@@ -121,7 +121,7 @@ def test_when_vllm_calls_no_per_layer_hooks_layerwise_loads_are_recomputed_and_t
     engine.add("r2", [*tokens, 9])
     engine.step()
     assert engine.scheduler.requests["r2"].num_computed_tokens == 0   # reported: vLLM recomputes
-    assert engine.worker.worker.layerwise is False
+    assert engine.worker.worker.loads.layerwise is False
     engine.run()
     engine.add("r3", [*other, 9], max_tokens=2)
     so = engine.step()
@@ -136,13 +136,13 @@ def test_per_layer_hooks_without_layerwise_change_nothing(store: Child, tmp_path
     tokens = _stored_prompt(store, tmp_path, seed=44)
     engine = Engine(tmp_path / "b", extra(store), hooks=True)
     filled: list[int] = []
-    engine.worker.worker.layer_filled = filled.append
+    engine.worker.worker.loads.layer_filled = filled.append
     engine.before_layer = lambda layer: filled.append(-1 - layer)
     engine.add("r2", [*tokens, 4], max_tokens=2)
     engine.step()
     # Every layer was filled before the forward's first layer began (start_load_kv returned filled).
     assert filled[: len(GEO.kv_source_layers)] == sorted(GEO.kv_source_layers)
-    assert engine.worker.worker.parts_captured == 0
+    assert engine.worker.worker.saves.parts_captured == 0
     engine.close()
 
 
@@ -165,8 +165,8 @@ def test_a_layerwise_save_stores_the_bytes_of_the_all_at_once_save(store: Child,
     assert len(a) == len(b) == 7 and a == b
     assert all(block == expected_block(out, i) for i, block in enumerate(b))
     # Every part came from the per-layer copies (the scribbled caches were never read at the step's end).
-    assert layers.worker.worker.parts_captured > 0 and layers.worker.worker.parts_gathered == 0
-    assert whole.worker.worker.parts_captured == 0 and whole.worker.worker.parts_gathered > 0
+    assert layers.worker.worker.saves.parts_captured > 0 and layers.worker.worker.saves.parts_gathered == 0
+    assert whole.worker.worker.saves.parts_captured == 0 and whole.worker.worker.saves.parts_gathered > 0
 
 
 def test_layerwise_with_window_caches_saves_the_same_snapshots_and_loads_them(store: Child, tmp_path: Path) -> None:
@@ -176,7 +176,7 @@ def test_layerwise_with_window_caches_saves_the_same_snapshots_and_loads_them(st
     engine.drain()
     engine.close()
     tokens = engine.tokens["r1"]
-    assert engine.worker.worker.snapshots_saved == 2 and engine.worker.worker.parts_gathered == 0
+    assert engine.worker.worker.saves.snapshots_saved == 2 and engine.worker.worker.saves.parts_gathered == 0
     with kvstore.Client(store.target, geometry=GEO.name) as c:
         for t in (96, 112):
             rows = [window_row(tokens, layer, p) for layer in range(GEO.num_layers) for p in range(t - GEO.window, t)]
@@ -186,7 +186,7 @@ def test_layerwise_with_window_caches_saves_the_same_snapshots_and_loads_them(st
     turn2 = [*tokens, 7, 7]
     resumed.add("r2", turn2, max_tokens=2)
     resumed.step()
-    assert resumed.worker.worker.snapshots_loaded == 1
+    assert resumed.worker.worker.loads.snapshots_loaded == 1
     so = resumed.step()
     assert so.num_scheduled_tokens == {"r2": len(turn2) - 112}
     rb = GEO.window_row_bytes

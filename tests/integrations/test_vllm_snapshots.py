@@ -37,7 +37,7 @@ def test_hybrid_groups_load_asynchronously_through_supports_hma(store: Child, tm
     so = engine.step()   # the load runs (asynchronously for vLLM); the request waits for it
     assert so.num_scheduled_tokens == {} and len(so.kv_connector_metadata.loads) == 1
     # The first engine's window caches gave a snapshot at the prompt's last boundary, 96: an exact resume there.
-    assert engine.worker.worker.blocks_loaded == 6 and engine.worker.worker.snapshots_loaded == 1
+    assert engine.worker.worker.loads.blocks_loaded == 6 and engine.worker.worker.loads.snapshots_loaded == 1
     so = engine.step()   # loaded: vLLM computes from 96 on
     assert so.num_scheduled_tokens == {"r2": 103 - 96}
     for layer, comp, rb in GLOBAL:
@@ -56,7 +56,7 @@ def test_with_window_caches_snapshots_are_put_at_the_prompts_and_the_outputs_blo
     engine.drain()
     engine.close()
     tokens = engine.tokens["r1"]   # 100 prompt + 20 output tokens; 119 computed
-    assert engine.worker.worker.snapshots_saved == 2
+    assert engine.worker.worker.saves.snapshots_saved == 2
     with kvstore.Client(store.target, geometry=GEO.name) as c:
         for t in (96, 112):   # the boundaries at or below the prompt's end and the output's end
             rows = [window_row(tokens, layer, p) for layer in range(GEO.num_layers) for p in range(t - GEO.window, t)]
@@ -81,7 +81,7 @@ def test_a_stored_snapshot_is_a_fetch_and_snapshot_resume_loading_blocks_and_win
     engine.step()
     plan = engine.connector.scheduler.plan_of("r2")
     assert plan.action.value == "fetch+snapshot" and plan.resume_tokens == 112
-    assert engine.worker.worker.snapshots_loaded == 1
+    assert engine.worker.worker.loads.snapshots_loaded == 1
     so = engine.step()   # loaded: vLLM computes from R = 112, with the window state of the snapshot
     assert so.num_scheduled_tokens == {"r2": len(turn2) - 112}
     rb = GEO.window_row_bytes
@@ -115,7 +115,7 @@ def test_a_snapshot_gone_before_the_load_fails_the_async_load_and_vllm_recompute
     engine.worker.start_load_kv = expire_then_load
     engine.add("r2", [*tokens, 3])
     engine.step()
-    assert engine.worker.worker.snapshots_loaded == 0
+    assert engine.worker.worker.loads.snapshots_loaded == 0
     so = engine.step()   # vLLM got the failed load (failed_recving) and recomputes the whole prompt
     assert so.num_scheduled_tokens == {"r2": 101}
     engine.run()

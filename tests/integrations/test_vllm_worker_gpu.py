@@ -109,17 +109,17 @@ def test_a_direct_gpu_load_fills_cuda_pages_with_the_bytes_of_a_grpc_load(
     for path, layerwise in (("grpc", False), ("direct-gpu", False), ("direct-gpu", True)):
         physical, caches = _caches("cuda")
         worker = _worker(store, caches, path=path, layerwise=layerwise)
-        worker.start_loads([spec])
+        worker.loads.start([spec])
         early = {}
         if layerwise:   # the forward: each layer's wait, then its rows read on the current stream
             for layer in range(GEO.num_layers):
-                worker.wait_layer(f"model.layers.{layer}.self_attn.attn")
+                worker.loads.wait_layer(f"model.layers.{layer}.self_attn.attn")
                 for s in SECTIONS:
                     if s.layer == layer:
                         early[(s.layer, s.component)] = _rows(caches[_name(s.layer, s.component)], s, pages)
-            worker.finish_loads()
-        assert worker.load_paths == {path: 1}, worker.load_paths
-        assert worker.take_load_errors() == set() and worker.blocks_loaded == BLOCKS
+            worker.loads.finish()
+        assert worker.loads.load_paths == {path: 1}, worker.loads.load_paths
+        assert worker.loads.take_errors() == set() and worker.loads.blocks_loaded == BLOCKS
         for s in SECTIONS:
             want = blocks[:, s.offset: s.offset + s.size_bytes].reshape(-1, s.row_bytes)
             assert torch.equal(_rows(caches[_name(s.layer, s.component)], s, pages), want), (path, s)
@@ -145,19 +145,20 @@ def test_a_layerwise_save_from_cuda_pages_stores_the_bytes_of_an_all_at_once_cpu
     cpu = _worker(store, cpu_caches, path="grpc")
     specs = [SaveSpec(req_id="g", tokens=tokens, first_block=0, block_ids=(pages,), extra_keys=("gpu",))]
     for layer in range(GEO.num_layers):
-        gpu.save_layer(specs, f"model.layers.{layer}.self_attn.attn")
+        gpu.saves.save_layer(specs, f"model.layers.{layer}.self_attn.attn")
         for s in SECTIONS:   # the next kernels on the stream overwrite the layer: the copy was taken before
             if s.layer == layer:
                 gpu_caches[_name(s.layer, s.component)].fill_(0xEE)
-    gpu.save_step(specs)
-    cpu.save_step([SaveSpec(req_id="c", tokens=tokens, first_block=0, block_ids=(pages,), extra_keys=("cpu",))])
-    assert gpu.parts_captured == len(SECTIONS) and gpu.parts_gathered == 0
-    assert cpu.parts_captured == 0 and cpu.parts_gathered == len(SECTIONS)
+    gpu.saves.save_step(specs)
+    cpu.saves.save_step([SaveSpec(req_id="c", tokens=tokens, first_block=0, block_ids=(pages,), extra_keys=("cpu",))])
+    assert gpu.saves.parts_captured == len(SECTIONS) and gpu.saves.parts_gathered == 0
+    assert cpu.saves.parts_captured == 0 and cpu.saves.parts_gathered == len(SECTIONS)
     for worker, req in ((gpu, "g"), (cpu, "c")):
         deadline = time.monotonic() + 60
         while worker.finished({req})[0] != {req} and time.monotonic() < deadline:
             time.sleep(0.01)
-    assert gpu.save_errors == cpu.save_errors == 0 and gpu.blocks_saved == cpu.blocks_saved == 10
+    assert gpu.saves.save_errors == cpu.saves.save_errors == 0
+    assert gpu.saves.blocks_saved == cpu.saves.blocks_saved == 10
     _close(gpu)
     _close(cpu)
     with kvstore.Client(store.target, geometry=GEO.name) as c:
