@@ -19,7 +19,6 @@ from integrations.common import StoreSettings
 from integrations.vllm_caches import CacheMap
 from integrations.vllm_loads import Loader
 from integrations.vllm_saves import Saver
-from integrations.vllm_scheduler import SaveSpec
 from kvstore.client import Client
 from kvstore.geometry import ModelGeometry
 
@@ -56,11 +55,6 @@ class WorkerSide:
                 whole rows (`integrations.vllm_caches`).
         """
         self.loads.caches = self.saves.caches = CacheMap.of(self.geometry, self.client.block_tokens, caches, groups)
-
-    def gather(self, spec: SaveSpec) -> torch.Tensor:
-        """The store blocks [first_block, len(tokens) // block_tokens) of a request, from its pages
-        (`Saver.gather`)."""
-        return self.saves.gather(spec)
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         """`get_finished`: requests whose saves are all done (of those vLLM ended), and loads done."""

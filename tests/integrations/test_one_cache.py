@@ -50,7 +50,7 @@ def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_a
     tokens = engine.tokens["r1"]
     n = len(tokens) // B
     # vLLM's own pages, as store blocks (read while vLLM still holds them for the save).
-    pages = engine.worker.worker.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
+    pages = engine.worker.worker.saves.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
                                                  block_ids=tuple(engine.pages["r1"])))
     vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
     engine.drain()
@@ -123,7 +123,7 @@ def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_v
     engine.run()
     tokens = engine.tokens["r1"]
     n = len(tokens) // B
-    pages = engine.worker.worker.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
+    pages = engine.worker.worker.saves.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
                                                  block_ids=tuple(engine.pages["r1"])))
     vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
     engine.drain()
