@@ -20,6 +20,7 @@ accepted OpenBulk, so a server that never serves one pays nothing.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,26 @@ def checked_segment(segment: str) -> str:
     if not match or not 0 < int(match.group(2)) < 65536:
         raise InvalidArgument(f"segment {segment[:64]!r} is not host:port (its engine's handshake port)")
     return segment
+
+
+def peer_host(peer: str) -> str:
+    """The host of a grpc peer ("ipv4:1.2.3.4:5678" -> "1.2.3.4", "ipv6:[::1]:5678" -> "::1"; else "")."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    return rest.rpartition(":")[0].strip("[]")
+
+
+def same_host(host: str, caller: str) -> bool:
+    """Whether address `host` is the address `caller` (an IPv4-mapped IPv6 address is its IPv4
+    address; any two loopback addresses are this host)."""
+    try:
+        a, b = ipaddress.ip_address(host), ipaddress.ip_address(caller)
+    except ValueError:
+        return False  # a name: only addresses are compared, never resolved
+    a = getattr(a, "ipv4_mapped", None) or a
+    b = getattr(b, "ipv4_mapped", None) or b
+    return a == b or (a.is_loopback and b.is_loopback)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,8 +137,12 @@ class BulkServer:
         #: What OpenSession's first event offers: the transport named by `transfer.bulk`, if any.
         self.offered = [] if settings.bulk == "off" else [settings.bulk]
 
-    async def open(self, session_id: str, transport: str, segment: str) -> str:
-        """Accept a session's bulk transport ("" ) or say why not (the client uses gRPC).
+    async def open(self, session_id: str, transport: str, segment: str, peer: str) -> str:
+        """Accept a session's bulk transport ("") or say why not (the client uses gRPC).
+
+        Args:
+            peer: the calling connection's address (grpc's `context.peer()`): the segment's
+                host must be its host, so the server's engine dials only the hosts that call it.
 
         Raises:
             InvalidArgument: a segment that is not host:port.
@@ -125,6 +150,10 @@ class BulkServer:
         segment = checked_segment(segment)
         if transport != "mooncake":
             return f"transport {transport[:32]!r} is not served here (only 'mooncake')"
+        host, caller = segment.rpartition(":")[0].strip("[]"), peer_host(peer)
+        if not same_host(host, caller):
+            return (f"segment host {host} is not the address this session's calls come from ({caller or peer}); "
+                    "the server writes only to an engine on the calling host")
         if not self._refused and self._staging is None:
             await asyncio.to_thread(self._start)  # off the loop: registering may pin memory (RDMA)
         if self._refused:

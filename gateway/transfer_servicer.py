@@ -259,7 +259,7 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.aio.ServicerContext) -> pb.OpenBulkReply:
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
-        refused = await self.bulk.open(session.session_id, request.transport, request.segment)
+        refused = await self.bulk.open(session.session_id, request.transport, request.segment, context.peer())
         if refused:
             return pb.OpenBulkReply(accepted=False, reason=refused)
         return pb.OpenBulkReply(accepted=True, max_blocks=self.bulk.max_blocks, slots=self.bulk.slots)

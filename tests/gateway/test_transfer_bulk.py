@@ -260,6 +260,10 @@ def test_bad_bulk_requests_answer_clear_statuses(bulk_server: Any) -> None:
                                                           segment=segment)) == grpc.StatusCode.INVALID_ARGUMENT
         refused = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="nixl", segment="127.0.0.1:1"))
         assert not refused.accepted and "only 'mooncake'" in refused.reason
+        # The server's engine dials only the host the session's calls come from (here 127.0.0.1).
+        for elsewhere in ("10.1.2.3:7000", "[::ffff:10.1.2.3]:7000", "example.com:7000", "localhost:7000"):
+            refused = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="mooncake", segment=elsewhere))
+            assert not refused.accepted and "not the address this session's calls come from" in refused.reason
         assert code(stub.OpenBulk, pb.OpenBulkRequest(session_id="f" * 32, transport="mooncake",
                                                       segment="127.0.0.1:1")) == grpc.StatusCode.NOT_FOUND
         opened = stub.OpenBulk(pb.OpenBulkRequest(session_id=sid, transport="mooncake", segment="127.0.0.1:1"))
@@ -305,6 +309,16 @@ def test_the_staging_pool_stays_within_bulk_staging_bytes(start_server: Callable
             events.cancel()
     assert opened.accepted and opened.slots * opened.max_blocks * BLOCK_BYTES <= 1 << 20
     assert opened.max_blocks == (1 << 20) // BLOCK_BYTES and opened.slots == 1
+
+
+def test_the_segment_host_is_compared_by_address() -> None:
+    from gateway.transfer_bulk import peer_host, same_host
+
+    assert peer_host("ipv4:10.0.0.5:4242") == "10.0.0.5" and peer_host("ipv6:[::1]:4242") == "::1"
+    assert peer_host("unix:/tmp/s") == ""
+    assert same_host("10.0.0.5", peer_host("ipv6:[::ffff:10.0.0.5]:4242"))  # a dual-stack listener's view
+    assert same_host("127.0.0.1", "::1") and not same_host("10.0.0.6", "10.0.0.5")
+    assert not same_host("host.example", "10.0.0.5") and not same_host("10.0.0.5", "")
 
 
 def test_bad_bulk_settings_and_arguments_are_refused() -> None:
