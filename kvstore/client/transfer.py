@@ -137,8 +137,9 @@ class TransferSession:
         #: The bulk transport once negotiated (None: regions the server cannot map stream over
         #: gRPC); `bulk_reason` says why not.
         self.bulk: BulkPath | None = None
-        self.bulk_reason = ("off: path='stream' opens no session" if path == "stream"
-                            else "not negotiated yet: asked at the first region the server cannot map")
+        self.bulk_reason = {"stream": "off: path='stream' opens no session",
+                            "shm": "off: path='shm' maps every region"}.get(
+            path, "not negotiated yet: asked at the first region the server cannot map")
         self._want_bulk = path not in ("stream", "shm")
         if path == "bulk":
             self._negotiate_bulk()
