@@ -63,6 +63,7 @@ class NativeRing:
         self.answered = 0
         self._regions: tuple[MappedRegion, ...] = ()
         self._table = b""
+        self._all_done: dict[int, BatchResults] = {}
 
     def _region_table(self) -> bytes:
         """The session's regions as `serve` reads them, rebuilt when the set changes.
@@ -115,9 +116,11 @@ class NativeRing:
     def _count(self, n: int) -> None:
         """Count an answered read as `gateway.transfer_ring.read` counts one."""
         ctx = self.ctx
-        results = BatchResults(n)
-        results.statuses[:] = bytes([DONE]) * n
-        results.bytes_moved = n * self.block_bytes
+        results = self._all_done.get(n)
+        if results is None:  # kept per size: counting reads them only (this is on the answer's path)
+            results = self._all_done[n] = BatchResults(n)
+            results.statuses[:] = bytes([DONE]) * n
+            results.bytes_moved = n * self.block_bytes
         ctx.tier.count_get(n, n)
         if ctx.hits is not None:
             ctx.hits.record(self.session.scope.namespace, "get", n, n)
