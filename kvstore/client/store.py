@@ -292,7 +292,8 @@ class Client:
 
         Args:
             path: "auto" (shared memory when the server can map this host's
-                regions, else streamed), "shm" or "stream" to force one.
+                regions, else the bulk transport when the server offers it, else
+                streamed), "shm", "stream" or "bulk" to force one.
             ring: answer small shared-memory reads through the session's request
                 ring (docs/TRANSFER.md); False sends every batch by Submit.
         """
