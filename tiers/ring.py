@@ -21,6 +21,8 @@ from typing import Any
 
 import lmdb
 
+from tiers import blockcopy
+
 #: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), or the
 #: request is handed back (with its bytes).
 READY, HANDED_BACK = 0, 1
@@ -97,17 +99,24 @@ def region_table(regions: Iterable[tuple[int, int, int]]) -> bytes:
 class Mapping:
     """Where this process maps an LMDB environment's data.mdb (LMDB maps the file once, at open).
 
-    `env.info()["map_addr"]` is 0 unless the map is fixed, so the kernel's list is asked.
-    The tier never resizes its map, so the address holds for the environment's life.
+    `env.info()["map_addr"]` is 0 unless the map is fixed, so the kernel's list is asked, for
+    the mapping of data.mdb that holds a record py-lmdb hands out of `env` (another mapping of
+    the same file, such as a same-host reader's in this process, may come and go). The tier
+    never resizes its map, so the address holds for the environment's life.
 
     Raises:
-        LookupError: the file is not found mapped (not Linux, or another process's env).
+        LookupError: the environment's map is not found (not Linux, or an empty environment).
     """
 
     def __init__(self, env: lmdb.Environment) -> None:
         path = Path(env.path()) / "data.mdb"
         st = path.stat()
-        best: tuple[int, int] | None = None
+        with env.begin(buffers=True) as txn:
+            cursor = txn.cursor()
+            if not cursor.first():
+                raise LookupError(f"{path} holds no record to find its mapping by")
+            inside = blockcopy.addresses([cursor.value()])[0]
+        found: tuple[int, int] | None = None
         with open("/proc/self/maps") as maps:
             for line in maps:
                 parts = line.split(maxsplit=5)
@@ -117,9 +126,9 @@ class Mapping:
                 if os.makedev(major, minor) != st.st_dev and parts[5].strip() != str(path):
                     continue
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if best is None or hi - lo > best[1]:
-                    best = (lo, hi - lo)
-        if best is None:
-            raise LookupError(f"{path} is not mapped in this process")
-        self.base, self.length = best
+                if lo <= inside < hi:
+                    found = (lo, hi - lo)
+        if found is None:
+            raise LookupError(f"{path}: the environment's map is not found in this process")
+        self.base, self.length = found
         self.psize: int = env.stat()["psize"]
