@@ -143,6 +143,10 @@ TRANSFER_ROWS = (
     ("Write batches", "write_batches"), ("Descriptors done", "descriptors_done"),
     ("Descriptors missing", "descriptors_missing"), ("Descriptors failed", "descriptors_failed"),
     ("Refresh failures", "refresh_failures"), ("Bytes moved", "bytes_moved"),
+    # The paths beside Submit: request rings (small reads of shared regions, no gRPC call) and the
+    # bulk transport (regions the server cannot map); their reads are counted in the rows above too.
+    ("Request rings mapped", "rings"), ("Ring requests answered", "ring_requests"),
+    ("Bulk transport sessions", "bulk_sessions"), ("Bulk fetches answered", "bulk_fetches"),
 )
 
 

@@ -55,6 +55,63 @@ def test_stats_show_the_transfer_service(server: Any, client: Any, capsys: pytes
     assert "Refresh failures" in table and "Descriptors in flight" in table
 
 
+def _row(table: str, label: str) -> str:
+    """The value a `kvstore stats` table shows beside `label` ('' when the row is absent)."""
+    found = re.search(rf"^  {re.escape(label)} +(\S+)$", table, re.MULTILINE)
+    return found.group(1) if found else ""
+
+
+def test_stats_show_the_request_rings(server: Any, client: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    tokens = list(range(client.block_tokens * 2))
+    client.put(tokens, [os.urandom(client.block_bytes) for _ in range(2)])
+    with client.transfer(path="shm") as session:
+        region = session.register(2 * client.block_bytes)
+        assert session.ring is not None, session.ring_reason
+        session.fetch(client.hashes(tokens), region)
+        session.fetch(client.hashes(tokens)[:1], region)
+        stats = client.transfer_stats()
+        assert (stats.rings, stats.ring_requests) == (1, 2)
+        assert main(["stats", "--target", server.target]) == 0
+    table = capsys.readouterr().out
+    assert _row(table, "Request rings mapped") == "1" and _row(table, "Ring requests answered") == "2"
+    assert _row(table, "Bulk transport sessions") == "0" and _row(table, "Bulk fetches answered") == "0"
+
+
+def _bulk_engine_missing() -> str:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:  # the package absent, or libibverbs missing
+        return f"mooncake-transfer-engine cannot run here ({exc}); pip install '.[bulk]', apt-get install libibverbs1"
+    return ""
+
+
+@pytest.mark.skipif(bool(_bulk_engine_missing()), reason=_bulk_engine_missing())
+def test_stats_show_the_bulk_transport(start_server: Any, store_settings: Any,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.client import Client
+    from kvstore.config import TransferSettings
+
+    # Two blocks a BulkFetch: a fetch of five blocks takes three calls.
+    server = start_server(store_settings, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=2,
+                                                                    bulk_staging_bytes=1 << 20))
+    with Client(server.target) as client:
+        tokens = list(range(client.block_tokens * 5))
+        client.put(tokens, [os.urandom(client.block_bytes) for _ in range(5)])
+        with client.transfer(path="bulk") as session:
+            region = session.register(5 * client.block_bytes)
+            assert session.bulk is not None, session.bulk_reason
+            assert session.fetch(client.hashes(tokens), region, batch_descriptors=5).done_prefix == 5
+            stats = client.transfer_stats()
+            assert (stats.bulk_sessions, stats.bulk_fetches) == (1, 3)
+            assert main(["stats", "--target", server.target]) == 0
+            table = capsys.readouterr().out
+            assert main(["stats", "--target", server.target, "--json"]) == 0
+            transfer = json.loads(capsys.readouterr().out)["transfer"]
+    assert _row(table, "Bulk transport sessions") == "1" and _row(table, "Bulk fetches answered") == "3"
+    assert (transfer["bulk_sessions"], transfer["bulk_fetches"]) == (1, 3)
+    assert _row(table, "Descriptors done") == "5"  # the bulk transport's blocks are counted with the batches
+
+
 def test_stats_on_an_empty_store_has_no_rates(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stats", "--target", server.target, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
