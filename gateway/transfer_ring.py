@@ -8,6 +8,11 @@ loop without the GIL), restarts their retention clocks durably (a read is use,
 as a Get is) and writes the batch's `TransferState` back. No gRPC call is made
 per read; the ring lives and dies with its session.
 
+Where `tiers._ring` is built, the thread waits natively (a short spin, then the futex,
+without the GIL) and hands each request to `gateway.transfer_ring_native.NativeRing`,
+which answers the plain case (one group, every block found, intact and not due a
+refresh) in native code and hands any other back, as the bytes it read, to `read` here.
+
 The client is untrusted, and so is every byte of the ring: the thread reads the
 header words once, refuses a request length past the request area, copies the
 request out of shared memory before parsing it (the client cannot change it
