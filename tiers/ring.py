@@ -33,7 +33,7 @@ READY, HANDED_BACK = 0, 1
 SERVER_SPIN_S = 100e-6
 #: ... of which the first part without yielding the core (a yield on a loaded box may hand it to
 #: another process for a whole time slice; a spin that never yields may hold the core the client needs).
-SERVER_HOT_SPIN_S = 20e-6
+SERVER_HOT_SPIN_S = 50e-6
 
 
 def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None]] | None:

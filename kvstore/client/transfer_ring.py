@@ -48,7 +48,7 @@ SPIN_S = 500e-6
 #: ... of which the first part without yielding the core: a small request's answer usually comes
 #: within it (the server works on the other core), and a yield on a loaded box can hand the core
 #: to another process for a whole time slice.
-HOT_SPIN_S = 40e-6
+HOT_SPIN_S = 100e-6
 #: ... for requests of at most this many descriptors (a larger one takes the server longer
 #: than a futex wake-up costs: its client sleeps at once and leaves the core to others).
 SPIN_DESCRIPTORS = 16
