@@ -238,7 +238,6 @@ class RingServer:
         answer: runs one request's bytes; returns the answer's state (`read`).
         ctx: what the server's rings share; given, requests are served natively where
             `tiers._ring` is built (`gateway.transfer_ring_native`), else by `answer` only.
-            (Without it, the context of `answer`'s servicer is used, if it has one.)
     """
 
     def __init__(self, mapped: MappedRegion, session: Session,
@@ -251,7 +250,7 @@ class RingServer:
         self._header: Header | None = header_in(self._view)
         self._futex: Futex | None = Futex(self._header)
         self._state_at = ctypes.addressof(self._header) + Header.state.offset
-        self.native = _native_ring(ctx or _context_of(answer), session, ctypes.addressof(self._header) - HEADER_AT)
+        self.native = _native_ring(ctx, session, ctypes.addressof(self._header) - HEADER_AT)
         #: Held while a request runs: a region is not unmapped under it (`Session.drop_region`).
         self.busy = threading.Lock()
         self.expires = time.monotonic() + LEASE_S
@@ -350,12 +349,6 @@ class RingServer:
         except Exception:
             log.exception("ring %s: a request failed", self.name)
             return grpc.StatusCode.INTERNAL.value[0], b"the ring request failed inside the server (see its log)"
-
-
-def _context_of(answer: Callable[..., Any]) -> RingContext | None:
-    """The ring context of the servicer whose bound method `answer` is, if it has one."""
-    ctx = getattr(getattr(answer, "__self__", None), "_ring", None)
-    return ctx if isinstance(ctx, RingContext) else None
 
 
 def _native_ring(ctx: RingContext | None, session: Session, address: int) -> NativeRing | None:

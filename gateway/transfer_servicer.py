@@ -146,7 +146,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             return pb.RegisterRegionResponse(shared=False, reason="no request ring on this server (x86-64 Linux only)")
         ring, refused = _map_here(request.shm_name, lambda: self.table.register_ring(
             session, request.shm_name, request.pid, request.fd, request.size_bytes, request.nonce,
-            lambda mapped: RingServer(mapped, session, self._ring_read)))
+            lambda mapped: RingServer(mapped, session, self._ring_read, ctx=ctx)))
         if ring is None:
             return pb.RegisterRegionResponse(shared=False, reason=refused)
         return pb.RegisterRegionResponse(shared=True, ring_descriptors=ctx.limit, ring_lease_ms=int(LEASE_S * 1000))

@@ -27,7 +27,7 @@ pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING:
 
 # The build of the native module is optional for users (a Python loop stands
 # in); here it must have been built, so its tests run rather than skip.
-native() { python -c "import tiers.blockcopy as b, sys; sys.exit(0 if b.NATIVE else 1)"; }
+native() { python -c "import tiers.blockcopy as b, tiers.ring as r, sys; sys.exit(0 if b.NATIVE and r.NATIVE else 1)"; }
 if ! native; then
     echo "== tiers._blockcopy was not built: installing Python's headers and building again"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev >/dev/null
