@@ -6,21 +6,26 @@ transport (docs/TRANSFER.md "Bulk transport"):
 
 1. `OpenBulk`: the client names its engine ("host:port"); the server answers yes,
    or no and why (`transfer.bulk` is off, Mooncake cannot run here).
-2. `BulkFetch`: the server looks the blocks up, verifies each against its checksum
-   and copies it into a staging slot (the native verify-copy loop, as Fetch), then
-   its engine writes the found blocks to the client's addresses in one batch
-   (`batch_transfer_sync_write`: RDMA where the hardware has it, TCP otherwise);
-   the reply carries statuses only. No ack: the slot is free once the write returns.
+2. `BulkFetch`: the server finds the blocks in LMDB's map under a read txn, verifies each
+   against its checksum in place, and its engine writes the found blocks from the map to
+   the client's addresses in one batch (`batch_transfer_sync_write`), the txn held until
+   the write returns (`gateway/transfer_bulk_map.py`); the reply carries statuses only.
+   No ack: the txn ends once the write returns.
 
-Staging is bounded: `bulk_staging_bytes` cut into slots of `bulk_max_blocks` blocks;
-a call waits for a free slot. The pool is allocated and registered at the first
-accepted OpenBulk, so a server that never serves one pays nothing.
+Staging, the fallback: a call the map path cannot answer exactly (a corrupt or damaged
+block; the map gone stale; the native lookups not built) looks its blocks up and
+verify-copies them into a staging slot (Fetch's loop), and the engine writes from the
+slot. Staging is bounded: `bulk_staging_bytes` cut into slots of `bulk_max_blocks`
+blocks; a call waits for a free slot. The pool and the map's registration are made at
+the first accepted OpenBulk and the first BulkFetch, so a server that never serves one
+pays nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,16 +34,19 @@ from typing import Any
 
 import numpy as np
 
-from gateway.transfer_fetch import CORRUPT_REASON
+from gateway.transfer_bulk_map import MapSource, Resolved, missing
+from gateway.transfer_fetch import batch_results, copy_blocks
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
+from kvstore.transfer import BatchResults
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 
-#: `blockcopy` result code -> transfer status code.
-_CODES = bytes.maketrans(bytes([blockcopy.NOT_REACHED, blockcopy.FOUND, blockcopy.MISSING, blockcopy.CORRUPT]),
-                         bytes([SKIPPED, DONE, MISSING, FAILED]))
+log = logging.getLogger("kvstore.transfer")
+
+#: Serve BulkFetch from LMDB's map where it can (False: every call through staging; tests
+#: turn it off to check the staging path end to end).
+FROM_MAP = True
 #: A client engine's name: "host:port" (a host name, IPv4, or [IPv6]).
 _SEGMENT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})$")
 
@@ -87,10 +95,15 @@ def same_host(host: str, caller: str) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class BulkFetched:
-    """A BulkFetch's results: statuses and failures per block (the bytes went by the engine)."""
+    """A BulkFetch's results: statuses and failures per block (the bytes went by the engine).
+
+    Attributes:
+        staged: True when the blocks went through a staging slot, False when from the map.
+    """
 
     results: BatchResults
     found: int
+    staged: bool
 
 
 class _Staging:
@@ -125,10 +138,17 @@ class BulkServer:
         self.slots = max(1, settings.bulk_staging_bytes // self.slot_bytes)
         #: Session id -> the client engine's name, for sessions whose OpenBulk was accepted.
         self.segments: dict[str, str] = {}
-        #: BulkFetch calls answered since start.
+        #: BulkFetch calls answered since start, and of them those served through staging.
         self.fetches = 0
+        self.staged = 0
         self._engine: Any = None
         self._staging: _Staging | None = None
+        self._map: MapSource | None = None
+        #: Why calls are not served from the map ("" while they may be, or until first tried).
+        self.map_reason = "" if FROM_MAP else "off (gateway.transfer_bulk.FROM_MAP)"
+        self._map_lock = asyncio.Lock()
+        # Calls writing from the map at once: as many as staging slots (each holds a read txn).
+        self._writing = asyncio.Semaphore(self.slots)
         self._start_lock = threading.Lock()
         # The engine's writes block for the time of a transfer: on threads of their own, one per
         # slot (what bounds them), so they never hold up asyncio.to_thread's other users.
@@ -191,8 +211,10 @@ class BulkServer:
             self._engine = engine
 
     def close(self) -> None:
-        """Stop the write threads (after the server stopped taking calls)."""
+        """Stop the write threads (after the server stopped taking calls), then drop the map's registration."""
         self._writers.shutdown(wait=True)
+        if self._map is not None:
+            self._map.close()
 
     def forget(self, session_id: str) -> None:
         """The session ended: its engine is no longer written to."""
@@ -232,57 +254,100 @@ class BulkServer:
 
     async def fetch(self, tier: LmdbBlockTier, keys: list[bytes], segment: str, offsets: np.ndarray, address: int,
                     block_bytes: int, prefix_only: bool) -> BulkFetched:
-        """Stage the blocks in a slot, write the found ones into the client's memory, restart their
-        retention clocks durably (a failed refresh fails the call, as it fails a Get).
+        """Write the found blocks into the client's memory (from the map, else through a staging
+        slot), then restart their retention clocks durably (a failed refresh fails the call, as
+        it fails a Get).
 
         Raises:
             Unavailable: the engine's write failed (the client falls back to gRPC).
         """
+        assert self._staging is not None and self._engine is not None  # a session has a segment only once started
+        source = await self._source(tier)
+        codes: bytes | None = None
+        if source is not None:
+            async with self._writing:
+                resolved = await tier.call(source.resolve, keys, block_bytes, prefix_only)
+                if resolved is not None:
+                    codes, due = resolved.codes, resolved.due
+                    await self._write_from_map(resolved, segment, offsets, address, block_bytes)
+        staged = codes is None
+        if codes is None:
+            codes, due = await self._write_staged(tier, keys, segment, offsets, address, block_bytes, prefix_only)
+        if due:
+            await asyncio.wrap_future(tier.touch_soon(due))
+        results = batch_results(codes, block_bytes)
+        self.fetches += 1  # on the event loop: no lock
+        self.staged += staged
+        return BulkFetched(results=results, found=codes.count(blockcopy.FOUND), staged=staged)
+
+    async def _source(self, tier: LmdbBlockTier) -> MapSource | None:
+        """The map registered with the engine, made at the first call; None: staging serves."""
+        if self._map is None and not self.map_reason:
+            async with self._map_lock:
+                if self._map is None and not self.map_reason:
+                    self.map_reason = missing()
+                    try:
+                        self._map = None if self.map_reason else await tier.call(MapSource, self._engine, tier)
+                    except LookupError:  # an empty store: nothing to find it by yet; next call
+                        pass
+                    except (Unavailable, OSError, ValueError) as exc:
+                        self.map_reason = str(getattr(exc, "message", exc))
+                    if self.map_reason:
+                        log.warning("bulk transport: serving through staging (%s)", self.map_reason)
+        source = self._map
+        if source is None or not source.usable():
+            return None
+        return source
+
+    async def _write_from_map(self, resolved: Resolved, segment: str, offsets: np.ndarray, address: int,
+                              block_bytes: int) -> None:
+        """Have the engine write the resolved blocks; their txn ends once the write returns."""
+        remote = (offsets[resolved.found] + np.uint64(address)).tolist()
+        # The txn ends on the write's thread, after the write: even when this call is
+        # cancelled meanwhile, LMDB reuses no page the engine may still be reading.
+        rc = await asyncio.get_running_loop().run_in_executor(
+            self._writers, _write_then_end, self._engine, segment, resolved.addresses, remote, block_bytes,
+            resolved.txn)
+        if rc:
+            raise _write_failed(segment, len(remote), rc)
+
+    async def _write_staged(self, tier: LmdbBlockTier, keys: list[bytes], segment: str, offsets: np.ndarray,
+                            address: int, block_bytes: int, prefix_only: bool) -> tuple[bytes, list[bytes]]:
+        """Verify-copy the blocks into a staging slot and write the found ones from it."""
         staging = self._staging
-        assert staging is not None and self._engine is not None  # a session has a segment only once started
-        n = len(keys)
+        assert staging is not None
         async with staging.ready:
             slot = staging.free.pop()
             try:
-                codes, due = await tier.call(_stage, tier, keys, staging.view(slot), block_bytes, prefix_only)
-                touched = tier.touch_soon(due) if due else None
+                codes, due = await tier.call(copy_blocks, tier, keys, staging.view(slot), block_bytes, prefix_only)
                 found = np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.FOUND)
                 if len(found):
                     base = staging.address + slot * staging.slot_bytes
                     local = (found * block_bytes + base).tolist()
                     remote = (offsets[found] + np.uint64(address)).tolist()
                     rc = await asyncio.get_running_loop().run_in_executor(
-                        self._writers, self._engine.batch_transfer_sync_write, segment, local, remote,
-                        [block_bytes] * len(local))
+                        self._writers, write_blocks, self._engine, segment, local, remote, block_bytes)
                     if rc:
-                        raise Unavailable(f"bulk: writing {len(local)} blocks into {segment} failed "
-                                          f"(Mooncake returned {rc})", hint="fetch over gRPC (Transfer.Fetch)")
+                        raise _write_failed(segment, len(local), rc)
             finally:
                 staging.free.append(slot)
-        if touched is not None:
-            await asyncio.wrap_future(touched)
-        results = BatchResults(n)
-        results.statuses[:] = codes.translate(_CODES)
-        for i in np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.CORRUPT).tolist():
-            results.fail(i, "DATA_LOSS", CORRUPT_REASON)
-        results.bytes_moved = len(found) * block_bytes
-        self.fetches += 1  # on the event loop: no lock
-        return BulkFetched(results=results, found=len(found))
+        return codes, due
 
 
-def _stage(tier: LmdbBlockTier, keys: list[bytes], slot: memoryview, block_bytes: int, prefix_only: bool
-           ) -> tuple[bytes, list[bytes]]:
-    """Look `keys` up in one read txn and verify-copy them into the slot (on the tier's pool).
+def write_blocks(engine: Any, segment: str, local: list[int], remote: list[int], block_bytes: int) -> int:
+    """The engine's batch write of `block_bytes` from each local address to its remote one (0: done)."""
+    return int(engine.batch_transfer_sync_write(segment, local, remote, [block_bytes] * len(local)))
 
-    Returns:
-        A `blockcopy` code per key, and the keys of found blocks due a retention refresh.
-    """
-    dests: list[memoryview | None] = [slot[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
-    due: list[bytes] = []
-    staged = tier.stage_reads(keys)
+
+def _write_then_end(engine: Any, segment: str, local: list[int], remote: list[int], block_bytes: int,
+                    txn: Any) -> int:
+    """`write_blocks` (none when `local` is empty), then end the read txn the blocks are read under."""
     try:
-        codes = staged.copy(dests, prefix_only, touch_due=due)
+        return write_blocks(engine, segment, local, remote, block_bytes) if local else 0
     finally:
-        staged.close()
-        dests.clear()
-    return codes, due
+        txn.abort()
+
+
+def _write_failed(segment: str, blocks: int, rc: int) -> Unavailable:
+    return Unavailable(f"bulk: writing {blocks} blocks into {segment} failed (Mooncake returned {rc})",
+                       hint="fetch over gRPC (Transfer.Fetch)")

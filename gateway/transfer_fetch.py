@@ -56,6 +56,35 @@ def fetch_keys(scope: BlockScope, block_hashes: bytes, *, block_bytes: int, max_
     return [prefix + block_hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES] for i in range(n)]
 
 
+def copy_blocks(tier: LmdbBlockTier, keys: list[bytes], buffer: memoryview, block_bytes: int, prefix_only: bool
+                ) -> tuple[bytes, list[bytes]]:
+    """Look `keys` up in one read txn and verify-copy block i into `buffer[i * block_bytes:]` (on
+    the tier's pool): Fetch's reply buffer, or a bulk staging slot.
+
+    Returns:
+        A `blockcopy` code per key, and the keys of found blocks due a retention refresh.
+    """
+    dests: list[memoryview | None] = [buffer[i * block_bytes:(i + 1) * block_bytes] for i in range(len(keys))]
+    due: list[bytes] = []
+    staged = tier.stage_reads(keys)
+    try:
+        codes = staged.copy(dests, prefix_only, touch_due=due)
+    finally:
+        staged.close()
+        dests.clear()
+    return codes, due
+
+
+def batch_results(codes: bytes, block_bytes: int) -> BatchResults:
+    """A fetch's statuses and failures from its `blockcopy` codes (a corrupt block: DATA_LOSS)."""
+    results = BatchResults(len(codes))
+    results.statuses[:] = codes.translate(_CODES)
+    for i in np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.CORRUPT).tolist():
+        results.fail(i, "DATA_LOSS", CORRUPT_REASON)
+    results.bytes_moved = codes.count(blockcopy.FOUND) * block_bytes
+    return results
+
+
 def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool
                 ) -> tuple[Fetched, list[bytes]]:
     """Look `keys` up in one read txn and verify-copy them into one buffer (on the tier's pool).
@@ -65,22 +94,10 @@ def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
     """
     n = len(keys)
     buffer = bytearray(n * block_bytes)
-    view = memoryview(buffer)
-    dests: list[memoryview | None] = [view[i * block_bytes:(i + 1) * block_bytes] for i in range(n)]
-    due: list[bytes] = []
-    staged = tier.stage_reads(keys)
-    try:
-        codes = staged.copy(dests, prefix_only, touch_due=due)
-    finally:
-        staged.close()
-        dests.clear()
-        view.release()
-    results = BatchResults(n)
-    results.statuses[:] = codes.translate(_CODES)
+    with memoryview(buffer) as view:
+        codes, due = copy_blocks(tier, keys, view, block_bytes, prefix_only)
+    results = batch_results(codes, block_bytes)
     found = codes.count(blockcopy.FOUND)
-    for i in np.flatnonzero(np.frombuffer(codes, dtype=np.uint8) == blockcopy.CORRUPT).tolist():
-        results.fail(i, "DATA_LOSS", CORRUPT_REASON)
-    results.bytes_moved = found * block_bytes
     if found == n:
         data = bytes(buffer)
     else:  # only the DONE blocks travel

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway import transfer_bulk as gateway_bulk
 from gateway.auth import METHOD_RIGHTS
 from kvstore import api_tokens
 from kvstore.client import Client, transfer_bulk
@@ -42,10 +43,17 @@ def _store(tmp_path: Path, blocks: int = 64) -> StoreSettings:
     return StoreSettings(data_dir=tmp_path / "store", capacity_bytes=blocks * BLOCK_BYTES, block_tokens=TOKENS)
 
 
+@pytest.fixture(params=["map", "staging"])
+def source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Where the server's engine writes from: LMDB's map, or (the fallback) a staging slot."""
+    monkeypatch.setattr(gateway_bulk, "FROM_MAP", request.param == "map")
+    return str(request.param)
+
+
 @pytest.fixture
-def bulk_server(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[tuple[Client, Path]]:
+def bulk_server(start_server: Callable[..., Any], tmp_path: Path, source: str) -> Iterator[tuple[Client, Path]]:
     """A server with `transfer.bulk = "mooncake"` (two blocks a BulkFetch, so fetches take several calls),
-    a client, and the server's LMDB file."""
+    a client, and the server's LMDB file; once writing from the map, once from staging."""
     store = _store(tmp_path)
     server = start_server(store, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=2,
                                                            bulk_staging_bytes=1 << 20))
@@ -113,8 +121,10 @@ def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_ser
 
 
 @needs_engine
-def test_calls_past_the_staging_slots_wait_for_one(start_server: Callable[..., Any], tmp_path: Path) -> None:
+def test_calls_past_the_staging_slots_wait_for_one(start_server: Callable[..., Any], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     # One slot of 64 blocks (1 MiB of staging): 8 calls in flight take turns in it.
+    monkeypatch.setattr(gateway_bulk, "FROM_MAP", False)
     server = start_server(_store(tmp_path), transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=64,
                                                                       bulk_staging_bytes=1 << 20))
     with Client(server.target) as client:
@@ -168,7 +178,7 @@ def test_a_tenant_cannot_bulk_fetch_anothers_blocks(start_server: Callable[..., 
 
 @needs_engine
 def test_r5_a_bulk_fetch_restarts_retention(start_server: Callable[..., Any], tmp_path: Path,
-                                            clock: ManualClock) -> None:
+                                            clock: ManualClock, source: str) -> None:
     store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=8 * BLOCK_BYTES, block_tokens=TOKENS)
     server = start_server(store, transfer=TransferSettings(bulk="mooncake"))
     with Client(server.target) as client:
