@@ -325,8 +325,14 @@ class BulkServer:
                     base = staging.address + slot * staging.slot_bytes
                     local = (found * block_bytes + base).tolist()
                     remote = (offsets[found] + np.uint64(address)).tolist()
-                    rc = await asyncio.get_running_loop().run_in_executor(
+                    write = asyncio.get_running_loop().run_in_executor(
                         self._writers, write_blocks, self._engine, segment, local, remote, block_bytes)
+                    try:
+                        rc = await asyncio.shield(write)
+                    except asyncio.CancelledError:
+                        # The engine may still be reading the slot: it is freed once the write returns.
+                        await asyncio.wait([write])
+                        raise
                     if rc:
                         raise _write_failed(segment, len(local), rc)
             finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from contextlib import ExitStack
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -21,7 +23,7 @@ import numpy as np
 
 from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
-from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, p50_s, raw_server
+from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, mooncake_reader, p50_s, raw_server
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_bulk import IN_FLIGHT
 from kvstore.client.transfer_stream import checked_streams
@@ -70,6 +72,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     # The bulk transport on (it is off by default): refused, with the reason noted, where Mooncake cannot run.
     bulk_env = {"KVSTORE_TRANSFER_BULK": "mooncake"}
     bulk_gbs: float | None = None
+    beside_gbs: float | None = None
     with scratch() as folder, serve_process(folder / "store", total, args.block_tokens, bulk_env) as target:
         with Client(target) as client:
             tokens = list(range(n * args.block_tokens))
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                source, progress)
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
-            bulk_gbs = _bulk(report, client, hashes, max(batches), args, source, progress)
+            bulk_gbs, beside_gbs = _bulk(report, client, hashes, max(batches), args, source, progress)
         if args.gpu != "off":  # direct GPU restore vs pinned H2D and shm + H2D; a note without CUDA
             from kvstore.bench import transfer_direct
 
@@ -104,7 +107,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                               "GB/s", f"{streams} raw gRPC streams at once, same bytes, copied into a region",
                               gb / striped_s))
     report.notes["streams"] = streams
-    mooncake_gbs = _mooncake(report, source, block_bytes, max(batches), args.repeat, stream_full.value, progress)
+    mooncake_gbs = _mooncake(report, source, block_bytes, max(batches), args.repeat, stream_full.value, progress,
+                             beside_gbs)
     if bulk_gbs is not None:
         report.add(Figure.against("bulk fetch vs grpc fetch", bulk_gbs, "GB/s",
                                   f"grpc fetch batch={max(batches)}, same run", stream_full.value))
@@ -204,17 +208,19 @@ def _raw_striped(n: int, size: int, streams: int, repeat: int, progress: Progres
 
 
 def _mooncake(report: Report, source: np.ndarray, block_bytes: int, batch: int, repeat: int, grpc_gbs: float,
-              progress: Progress) -> float | None:
+              progress: Progress, measured_gbs: float | None = None) -> float | None:
     """Mooncake's transfer engine (TCP, loopback, another process) reading the same bytes in batches
-    of `batch` block-sized reads, beside the gRPC path's figure; its GB/s, or None and a note when it
-    cannot run."""
+    of `batch` block-sized reads, beside the gRPC path's figure; its GB/s (`measured_gbs` when it
+    was measured already, in turns with the bulk fetch), or None and a note when it cannot run."""
     missing = mooncake_missing()
     if missing:
         report.notes["mooncake"] = f"skipped: {missing}; no figure against it"
         return None
-    with progress.bar("mooncake batch read", source.nbytes):
-        seconds = mooncake_read_s(source.data, block_bytes, batch, repeat)
-    gbs = source.nbytes / seconds / 1e9
+    if measured_gbs is None:
+        with progress.bar("mooncake batch read", source.nbytes):
+            seconds = mooncake_read_s(source.data, block_bytes, batch, repeat)
+        measured_gbs = source.nbytes / seconds / 1e9
+    gbs = measured_gbs
     report.add(Figure.against("grpc fetch vs mooncake", grpc_gbs, "GB/s",
                               "Mooncake transfer engine TCP batch read, same bytes", gbs))
     report.notes["mooncake"] = f"TCP on loopback, P2P handshake, batches of {batch} block-sized reads"
@@ -222,33 +228,42 @@ def _mooncake(report: Report, source: np.ndarray, block_bytes: int, batch: int, 
 
 
 def _bulk(report: Report, client: Client, hashes: list[bytes], batch: int, args: argparse.Namespace,
-          source: np.ndarray, progress: Progress) -> float | None:
-    """The whole fetch over the bulk transport (the server's Mooncake engine writes into the region);
-    its GB/s, or None and a note saying why the session could not use it."""
+          source: np.ndarray, progress: Progress) -> tuple[float | None, float | None]:
+    """The whole fetch over the bulk transport (the server's Mooncake engine writes into the region),
+    in turns with Mooncake's raw read of the same bytes (so load that comes and goes on the box
+    weighs on both); their GB/s, or None and a note saying why one could not run."""
     block_bytes = client.block_bytes
     nbytes = len(hashes) * block_bytes
-    with TransferSession(client.connection, path="bulk", streams=args.streams) as session:
+    with TransferSession(client.connection, path="bulk", streams=args.streams) as session, ExitStack() as stack:
         if session.bulk is None:
             report.notes["bulk"] = f"skipped: {session.bulk_reason}; no figure"
-            return None
+            return None, None
         region = session.register(nbytes)
         region.tensor().fill_(1)  # pre-fault the pages, as the other figures' regions are
-        with progress.bar(f"bulk fetch batch={batch}", nbytes * args.repeat) as bar:
-            def fetch() -> None:
+        raw = None if mooncake_missing() else stack.enter_context(mooncake_reader(source.data, block_bytes, batch))
+        bulk_s = raw_s = float("inf")
+        with progress.bar(f"bulk fetch batch={batch}, mooncake read in turns", nbytes * args.repeat) as bar:
+            for _ in range(max(args.repeat, 1)):
+                t0 = time.perf_counter()
                 state = session.fetch(hashes, region, batch_descriptors=batch)
+                bulk_s = min(bulk_s, time.perf_counter() - t0)
                 if state.done_prefix != len(hashes):
                     raise RuntimeError(f"bulk fetch loaded {state.done_prefix} of {len(hashes)} blocks")
+                if raw is not None:
+                    t0 = time.perf_counter()
+                    raw()
+                    raw_s = min(raw_s, time.perf_counter() - t0)
                 bar.update(state.bytes_moved)
-            seconds = best_of(fetch, args.repeat)
         if session.bulk is None:
             raise RuntimeError(f"the bulk transport failed during the run: {session.bulk_reason}")
         if not np.array_equal(np.frombuffer(region.view, dtype=np.uint8), source):
             raise RuntimeError("bulk fetch landed the wrong bytes")
         report.notes["bulk"] = (f"Mooncake TCP on loopback, {session.bulk.max_blocks} blocks a BulkFetch, "
-                                f"{min(session.streams, IN_FLIGHT)} in flight")
-    gbs = nbytes / seconds / 1e9
+                                f"{min(session.streams, IN_FLIGHT)} in flight; each round a bulk fetch, "
+                                "then Mooncake's raw read")
+    gbs = nbytes / bulk_s / 1e9
     report.add(Figure(name=f"bulk fetch batch={batch}", value=gbs, unit="GB/s"))
-    return gbs
+    return gbs, (None if raw is None else source.nbytes / raw_s / 1e9)
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:

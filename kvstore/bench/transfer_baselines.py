@@ -150,10 +150,11 @@ def mooncake_target(source: memoryview) -> Iterator[tuple[str, int]]:
             proc.wait(timeout=30)
 
 
-def mooncake_read_s(source: memoryview, block_bytes: int, batch: int, repeat: int) -> float:
-    """Best seconds for this process's Mooncake engine to read `source`'s bytes, held registered
-    by another process, into a registered region here: batches of `batch` block-sized reads
-    (`batch_transfer_sync_read`, TCP on loopback). The bytes are checked once.
+@contextmanager
+def mooncake_reader(source: memoryview, block_bytes: int, batch: int) -> Iterator[Callable[[], None]]:
+    """A call that has this process's Mooncake engine read `source`'s bytes, held registered by
+    another process, into a registered region here: batches of `batch` block-sized reads
+    (`batch_transfer_sync_read`, TCP on loopback). The bytes are checked once, as the block ends.
 
     Raises:
         RuntimeError: the engine failed, or the bytes landed wrong.
@@ -180,10 +181,19 @@ def mooncake_read_s(source: memoryview, block_bytes: int, batch: int, repeat: in
                     raise RuntimeError(f"Mooncake batch_transfer_sync_read failed ({rc})")
 
         try:
-            seconds = best_of(read, repeat)
+            yield read
             if view[:n * block_bytes] != source[:n * block_bytes]:
                 raise RuntimeError("Mooncake's reads landed the wrong bytes")
         finally:
             engine.unregister_memory(local)
             view.release()
-    return seconds
+
+
+def mooncake_read_s(source: memoryview, block_bytes: int, batch: int, repeat: int) -> float:
+    """Best seconds of `repeat` whole reads by `mooncake_reader`.
+
+    Raises:
+        RuntimeError: the engine failed, or the bytes landed wrong.
+    """
+    with mooncake_reader(source, block_bytes, batch) as read:
+        return best_of(read, repeat)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from gateway import transfer_bulk
 from kvstore.client import Client
 from kvstore.client.transfer import TransferSession
 from kvstore.config import StoreSettings, TransferSettings
-from kvstore.transfer import Status
+from kvstore.transfer import DONE, Status
 from tests.gateway.test_transfer_bulk import BLOCK_BYTES, TOKENS, _fetch, needs_engine
 from tests.gateway.test_transfer_fetch import corrupt
 from tiers.ring import Mapping
@@ -176,3 +177,51 @@ def test_a_prefix_fetch_from_the_map_stops_at_its_first_miss(start_server: Calla
         assert statuses == _fetch(client, "stream", asked, True)[0]
     assert landed[:BLOCK_BYTES] == blocks[0] and watch.staged == 0
     assert [len(w["local"]) for w in watch.writes] == [1], "nothing past the prefix is written"
+
+
+def test_a_cancelled_call_frees_its_staging_slot_only_once_the_write_returned(
+        start_server: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import grpc
+
+    from kvstore.v1 import transfer_pb2 as pb
+    from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+
+    monkeypatch.setattr(transfer_bulk, "FROM_MAP", False)
+    srv = _server(start_server, tmp_path, max_blocks=512)  # one slot: the most blocks 1 MiB holds
+    events: list[str] = []
+    release = threading.Event()
+    real_write, real_copy = transfer_bulk.write_blocks, transfer_bulk.copy_blocks
+
+    def write(*args: Any) -> int:
+        events.append("write")
+        if len(events) == 2:  # the first call's write: held until the second call is under way
+            release.wait(30)
+        rc = real_write(*args)
+        events.append("written")
+        return rc
+
+    def copy(*args: Any) -> Any:
+        events.append("copy")
+        return real_copy(*args)
+
+    monkeypatch.setattr(transfer_bulk, "write_blocks", write)
+    monkeypatch.setattr(transfer_bulk, "copy_blocks", copy)
+    with Client(srv.target) as client:
+        hashes, _ = _put(client, 1)
+        with TransferSession(client.connection, path="bulk") as s:
+            region = s.register(BLOCK_BYTES)
+            assert s.bulk is not None
+            stub = pb_grpc.TransferStub(client.connection.channel)
+            fetch = pb.BulkFetchRequest(session_id=s.session_id, block_hashes=hashes[0], address=s.bulk.addresses[
+                region.region_id], size_bytes=BLOCK_BYTES, offsets_bytes=[0])
+            with pytest.raises(grpc.RpcError):  # the caller gives up while the engine writes
+                stub.BulkFetch(fetch, timeout=0.5)
+            second = stub.BulkFetch.future(fetch, timeout=30)
+            # Time for a server that freed the slot at the cancel to start the second call's copy
+            # into it (the order below is what is asserted, not a duration).
+            time.sleep(1.0)
+            release.set()
+            assert second.result().statuses == bytes([DONE])
+    assert events == ["copy", "write", "written", "copy", "write", "written"], events
