@@ -44,9 +44,6 @@ from tiers.lmdb_tier import LmdbBlockTier
 
 log = logging.getLogger("kvstore.transfer")
 
-#: Serve BulkFetch from LMDB's map where it can (False: every call through staging; tests
-#: turn it off to check the staging path end to end).
-FROM_MAP = True
 #: A client engine's name: "host:port" (a host name, IPv4, or [IPv6]).
 _SEGMENT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})$")
 
@@ -145,7 +142,7 @@ class BulkServer:
         self._staging: _Staging | None = None
         self._map: MapSource | None = None
         #: Why calls are not served from the map ("" while they may be, or until first tried).
-        self.map_reason = "" if FROM_MAP else "off (gateway.transfer_bulk.FROM_MAP)"
+        self.map_reason = "" if settings.bulk_from_map else "off (transfer.bulk_from_map = false)"
         self._map_lock = asyncio.Lock()
         # Calls writing from the map at once: as many as staging slots (each holds a read txn).
         self._writing = asyncio.Semaphore(self.slots)

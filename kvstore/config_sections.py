@@ -210,6 +210,9 @@ class TransferSettings:
     #: Most blocks in one BulkFetch: one staging slot (the pool holds bulk_staging_bytes of slots).
     #: Mooncake's batches of 512 writes ran 2x those of 128 on the dev box (1.4 against 0.6 GB/s).
     bulk_max_blocks: int = 512
+    #: Serve BulkFetch from LMDB's map (a TCP engine registers it as bookkeeping: no copy, nothing
+    #: pinned); false: every call through a staging slot (as an RDMA engine would need: it pins).
+    bulk_from_map: bool = True
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_session_mapped_bytes": Range(1, MAX_BYTES),

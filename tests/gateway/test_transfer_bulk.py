@@ -14,7 +14,6 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway import transfer_bulk as gateway_bulk
 from gateway.auth import METHOD_RIGHTS
 from kvstore import api_tokens
 from kvstore.client import Client, transfer_bulk
@@ -44,9 +43,8 @@ def _store(tmp_path: Path, blocks: int = 64) -> StoreSettings:
 
 
 @pytest.fixture(params=["map", "staging"])
-def source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def source(request: pytest.FixtureRequest) -> str:
     """Where the server's engine writes from: LMDB's map, or (the fallback) a staging slot."""
-    monkeypatch.setattr(gateway_bulk, "FROM_MAP", request.param == "map")
     return str(request.param)
 
 
@@ -56,7 +54,8 @@ def bulk_server(start_server: Callable[..., Any], tmp_path: Path, source: str) -
     a client, and the server's LMDB file; once writing from the map, once from staging."""
     store = _store(tmp_path)
     server = start_server(store, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=2,
-                                                           bulk_staging_bytes=1 << 20))
+                                                           bulk_staging_bytes=1 << 20,
+                                                           bulk_from_map=source == "map"))
     with Client(server.target) as c:
         yield c, store.data_dir / "data.mdb"
 
@@ -124,9 +123,9 @@ def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_ser
 def test_calls_past_the_staging_slots_wait_for_one(start_server: Callable[..., Any], tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # One slot of 64 blocks (1 MiB of staging): 8 calls in flight take turns in it.
-    monkeypatch.setattr(gateway_bulk, "FROM_MAP", False)
     server = start_server(_store(tmp_path), transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=64,
-                                                                      bulk_staging_bytes=1 << 20))
+                                                                      bulk_staging_bytes=1 << 20,
+                                                                      bulk_from_map=False))
     with Client(server.target) as client:
         n = 48
         tokens = list(range(n * TOKENS))

@@ -58,10 +58,10 @@ class _Watch:
         monkeypatch.setattr(transfer_bulk, "copy_blocks", copy)
 
 
-def _server(start_server: Callable[..., Any], tmp_path: Path, max_blocks: int = 2) -> Any:
+def _server(start_server: Callable[..., Any], tmp_path: Path, max_blocks: int = 2, from_map: bool = True) -> Any:
     store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=64 * BLOCK_BYTES, block_tokens=TOKENS)
     return start_server(store, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=max_blocks,
-                                                         bulk_staging_bytes=1 << 20))
+                                                         bulk_staging_bytes=1 << 20, bulk_from_map=from_map))
 
 
 def _put(client: Client, n: int, first: int = 0) -> tuple[list[bytes], list[bytes]]:
@@ -93,8 +93,7 @@ def test_a_bulk_fetch_writes_straight_from_lmdbs_map_under_a_read_txn(
 
 def test_the_staging_path_serves_when_the_map_is_off(
         start_server: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(transfer_bulk, "FROM_MAP", False)
-    srv = _server(start_server, tmp_path)
+    srv = _server(start_server, tmp_path, from_map=False)
     watch = _Watch(monkeypatch, srv.tier.env)
     with Client(srv.target) as client:
         hashes, blocks = _put(client, 4)
@@ -188,8 +187,7 @@ def test_a_cancelled_call_frees_its_staging_slot_only_once_the_write_returned(
     from kvstore.v1 import transfer_pb2 as pb
     from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 
-    monkeypatch.setattr(transfer_bulk, "FROM_MAP", False)
-    srv = _server(start_server, tmp_path, max_blocks=512)  # one slot: the most blocks 1 MiB holds
+    srv = _server(start_server, tmp_path, max_blocks=512, from_map=False)  # one slot: the most blocks 1 MiB holds
     events: list[str] = []
     release = threading.Event()
     real_write, real_copy = transfer_bulk.write_blocks, transfer_bulk.copy_blocks
