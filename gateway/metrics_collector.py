@@ -62,6 +62,8 @@ TRANSFER_COUNTERS = {
     "descriptors_done": "Descriptors copied.", "descriptors_missing": "Read descriptors whose block was missing.",
     "descriptors_failed": "Descriptors that failed.", "bytes_moved": "Bytes copied by transfer batches.",
     "refresh_failures": "Read descriptors whose retention refresh failed.",
+    "ring_requests": "Requests answered through sessions' request rings.",
+    "bulk_fetches": "BulkFetch calls answered by the bulk transport.",
 }
 
 
@@ -171,13 +173,7 @@ class StatsCollector(Collector):
 
     async def _gather(self) -> LoopStats:
         swa = await self.swa.stats() if self.swa is not None else None
-        transfer = None
-        if self.transfer is not None:
-            table = self.transfer.table
-            transfer = {**{name: getattr(table.counters, name) for name in TRANSFER_COUNTERS},
-                        "sessions": len(table.sessions), "regions": table.mapped_regions(),
-                        "mapped_bytes": table.mapped_bytes(),
-                        "descriptors_in_flight": table.load.descriptors_in_flight}
+        transfer = self.transfer.figures() if self.transfer is not None else None
         resume = self.resume.stats_fields() if self.resume is not None else None
         return LoopStats(swa=swa, transfer=transfer, resume=resume)
 
@@ -241,6 +237,8 @@ def _transfer(t: dict[str, int]) -> Iterator[Metric]:
     yield _gauge("kvstore_transfer_mapped_bytes", "Bytes of the mapped regions.", t["mapped_bytes"])
     yield _gauge("kvstore_transfer_descriptors_in_flight", "Descriptors of running batches.",
                  t["descriptors_in_flight"])
+    yield _gauge("kvstore_transfer_rings", "Request rings mapped by transfer sessions.", t["rings"])
+    yield _gauge("kvstore_transfer_bulk_sessions", "Transfer sessions using the bulk transport.", t["bulk_sessions"])
     for name, doc in TRANSFER_COUNTERS.items():
         yield _counter(f"kvstore_transfer_{name}", f"{doc} Since the server started.", t[name])
 

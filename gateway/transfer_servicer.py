@@ -291,16 +291,22 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def Stats(self, request: pb.TransferStatsRequest,
                     context: grpc.aio.ServicerContext) -> pb.TransferStatsResponse:
+        return pb.TransferStatsResponse(copy_loop="native" if blockcopy.NATIVE else "python",
+                                        copy_threads=self.copier.threads, **self.figures())
+
+    def figures(self) -> dict[str, int]:
+        """What is open now and the counters since start, by their Stats names (read on the event loop:
+        Stats and the metrics scrape both read them here)."""
         c = self.table.counters
-        return pb.TransferStatsResponse(
-            copy_loop="native" if blockcopy.NATIVE else "python", copy_threads=self.copier.threads,
-            sessions=len(self.table.sessions), regions=self.table.mapped_regions(),
-            mapped_bytes=self.table.mapped_bytes(), read_batches=c.read_batches, write_batches=c.write_batches,
-            descriptors_done=c.descriptors_done, descriptors_missing=c.descriptors_missing,
-            descriptors_failed=c.descriptors_failed, bytes_moved=c.bytes_moved, refresh_failures=c.refresh_failures,
-            descriptors_in_flight=self.table.load.descriptors_in_flight,
-            rings=sum(1 for s in self.table.sessions.values() if s.ring is not None), ring_requests=c.ring_requests,
-            bulk_sessions=len(self.bulk.segments), bulk_fetches=self.bulk.fetches)
+        return {"sessions": len(self.table.sessions), "regions": self.table.mapped_regions(),
+                "mapped_bytes": self.table.mapped_bytes(), "read_batches": c.read_batches,
+                "write_batches": c.write_batches, "descriptors_done": c.descriptors_done,
+                "descriptors_missing": c.descriptors_missing, "descriptors_failed": c.descriptors_failed,
+                "bytes_moved": c.bytes_moved, "refresh_failures": c.refresh_failures,
+                "descriptors_in_flight": self.table.load.descriptors_in_flight,
+                "rings": sum(1 for s in self.table.sessions.values() if s.ring is not None),
+                "ring_requests": c.ring_requests, "bulk_sessions": len(self.bulk.segments),
+                "bulk_fetches": self.bulk.fetches}
 
     # -- batches -------------------------------------------------------------
 

@@ -110,7 +110,10 @@ def test_the_collector_reads_what_the_stats_calls_report(start_metered: Any) -> 
             "kvstore_swa_evictions_total": swa.evictions, "kvstore_swa_hit_ratio": swa.hits / swa.snapshots_asked}
     moved = {"kvstore_transfer_sessions": transfer.sessions, "kvstore_transfer_regions": transfer.regions,
              "kvstore_transfer_mapped_bytes": transfer.mapped_bytes,
-             "kvstore_transfer_bytes_moved_total": transfer.bytes_moved}
+             "kvstore_transfer_bytes_moved_total": transfer.bytes_moved, "kvstore_transfer_rings": transfer.rings,
+             "kvstore_transfer_ring_requests_total": transfer.ring_requests,
+             "kvstore_transfer_bulk_sessions": transfer.bulk_sessions,
+             "kvstore_transfer_bulk_fetches_total": transfer.bulk_fetches}
     for name, expected in {**store, **pool, **moved}.items():
         assert s.value(name) == pytest.approx(expected), name
     assert s.value("kvstore_store_geometry_blocks", geometry=client.geometry) == kv.blocks_stored
