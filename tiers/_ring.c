@@ -9,7 +9,9 @@
  *          does (the session's region, the block length, whole hashes, every span inside its
  *          region), finds the records in the read txn's snapshot (tiers/_lmdb_search.h),
  *          verifies each block against its checksum and then copies it, and writes the
- *          answer (the caller counts the read, then `publish`es it: the client wakes).
+ *          answer (the caller counts the read, then `publish`es it: the client wakes);
+ *   ask    the client's side: writes a request and its header words, wakes the server and
+ *          spins for the answer, telling an answer that is exactly the expected all-DONE one.
  * `serve` answers only the plain case: one group, every descriptor good, every block found,
  * intact and not due a retention refresh. Anything else (a request the strict parser does not
  * take, a bad descriptor, a miss, a corrupt block, a block due a refresh, a page that does not
@@ -252,9 +254,77 @@ static PyObject *publish(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/*
+ * ask(ring, request, seq, hot_s, spin_s, expected) -> int: the client's side of one request.
+ *
+ * Copies `request` into the ring's request area, writes the header words (seq, length, the
+ * client's CPU), stores state = REQUEST after them and wakes the futex; then spins for the
+ * answer, first without yielding for `hot_s` (none when the server last answered on this
+ * CPU: it would only keep the server off), then yielding the core until `spin_s`. All of it
+ * without the GIL. Returns 0 when no answer came within the spin (the caller sleeps on the
+ * futex and watches the session), 1 when answer `seq` is there (the caller reads it), 2 when
+ * it is there and is exactly `expected` with code 0 (the all-DONE answer: nothing to parse).
+ * The caller keeps the ring mapped and holds the ring's one slot.
+ */
+static PyObject *ask(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    unsigned int seq;
+    double hot_s, spin_s;
+    Py_buffer request, expected;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ky*Iddy*", &ring, &request, &seq, &hot_s, &spin_s, &expected)) return NULL;
+    PyObject *result = NULL;
+    if (ring == 0 || ring % 64 || request.len > REQUEST_BYTES || expected.len > ANSWER_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "ask: an aligned ring, a request within the request area");
+        goto done;
+    }
+    unsigned char *base = (unsigned char *)(uintptr_t)ring;
+    Header *header = (Header *)(base + HEADER_AT);
+    int got = 0;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(base + REQUEST_AT, request.buf, (size_t)request.len);
+    uint32_t cpu = (uint32_t)(sched_getcpu() + 1);
+    header->seq = seq;
+    header->length = (uint32_t)request.len;
+    header->client_cpu = cpu;
+    if (__atomic_load_n(&header->server_cpu, __ATOMIC_RELAXED) == cpu) hot_s = 0;
+    __atomic_store_n(&header->state, ST_REQUEST, __ATOMIC_RELEASE); /* after the request's bytes */
+    futex(&header->state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+    double start = seconds(), t = start;
+    for (;;) {
+        if (__atomic_load_n(&header->state, __ATOMIC_ACQUIRE) == ST_ANSWERED &&
+            __atomic_load_n(&header->answer_seq, __ATOMIC_RELAXED) == seq) {
+            got = 1;
+            if (header->code == 0 && header->answer_length == (uint32_t)expected.len &&
+                memcmp(base + ANSWER_AT, expected.buf, (size_t)expected.len) == 0)
+                got = 2;
+            break;
+        }
+        if (t - start >= spin_s) break;
+        if (t - start < hot_s) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+        t = seconds();
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(got);
+done:
+    PyBuffer_Release(&request);
+    PyBuffer_Release(&expected);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"publish", publish, METH_VARARGS,
      "publish(address, value)\n\nStore value in the futex word at address and wake its waiters."},
+    {"ask", ask, METH_VARARGS,
+     "ask(ring, request, seq, hot_s, spin_s, expected) -> int\n\n"
+     "Write a request into the ring, wake the server and spin for its answer: 0 none yet, 1 there, "
+     "2 there and equal to expected."},
     {"wait", wait, METH_VARARGS,
      "wait(address, expected, hot_s, spin_s, timeout_s, peer_cpu) -> int\n\n"
      "Spin, then sleep on the futex at address while it holds expected; its value after."},

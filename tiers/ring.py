@@ -36,12 +36,18 @@ SERVER_SPIN_S = 100e-6
 SERVER_HOT_SPIN_S = 50e-6
 
 
-def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None]] | None:
+#: `ask`'s answers: no answer within the spin (sleep on the futex), an answer (read it), or an
+#: answer that is exactly the expected bytes with code 0.
+ASKED_NONE, ASKED, ASKED_EXPECTED = 0, 1, 2
+
+
+def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None],
+                     Callable[..., int]] | None:
     try:
-        from tiers._ring import publish, serve, wait
+        from tiers._ring import ask, publish, serve, wait
     except ImportError:  # not built (no C compiler at install): the Python server stands in
         return None
-    return wait, serve, publish
+    return wait, serve, publish, ask
 
 
 _native = _load()
@@ -86,6 +92,20 @@ def publish(address: int, value: int) -> None:
     """Store `value` in the 32-bit word at `address`, after every store before it, and wake its waiters."""
     assert _native is not None
     _native[2](address, value)
+
+
+def ask(ring: int, request: bytes, seq: int, hot_s: float, spin_s: float, expected: bytes) -> int:
+    """The client's side of one ring request, without the GIL: copy `request` into the ring at
+    `ring` (its mapping kept alive, its one slot held by the caller), write the header words,
+    set REQUEST, wake the server, then spin for answer `seq` (`hot_s` without yielding, unless
+    the server last ran on this CPU, then yielding until `spin_s`).
+
+    Returns:
+        ASKED_NONE (no answer yet: wait on the futex), ASKED (answered: read it) or
+        ASKED_EXPECTED (answered with code 0 and exactly `expected`).
+    """
+    assert _native is not None
+    return _native[3](ring, request, seq, hot_s, spin_s, expected)
 
 
 _TRIPLE = struct.Struct("<QQQ")

@@ -52,6 +52,17 @@ def stored(client: Client, n: int, first: int = 0) -> tuple[list[bytes], list[by
     return client.hashes(tokens), blocks
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP `pid` and wait until each of its threads is stopped: kill() returns before they are,
+    and a ring request written in between may still be answered."""
+    os.kill(pid, 19)
+    deadline = time.monotonic() + 10
+    tasks = Path(f"/proc/{pid}/task")
+    while any(stat.read_text().rsplit(")", 1)[1].split()[0] != "T" for stat in tasks.glob("*/stat")):
+        assert time.monotonic() < deadline, "the server did not stop"
+        time.sleep(0.001)
+
+
 def counting_submits(session: TransferSession) -> list[str]:
     """Names of the Transfer calls `session` makes from now on."""
     names: list[str] = []
@@ -232,7 +243,7 @@ def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child)
     hashes, _ = stored(client, 1)
     region = session.register(client.block_bytes)
     assert session.ring is not None
-    os.kill(serve.proc.pid, 19)  # SIGSTOP: the request is written but nobody answers
+    stop(serve.proc.pid)  # SIGSTOP: the request is written but nobody answers
     outcome: list[BaseException | None] = []
 
     def fetch() -> None:
@@ -455,7 +466,7 @@ def test_closing_the_session_ends_a_request_waiting_on_another_thread(serve: Chi
     hashes, _ = stored(client, 1)
     region = session.register(client.block_bytes)
     assert session.ring is not None
-    os.kill(serve.proc.pid, 19)  # SIGSTOP: nobody answers
+    stop(serve.proc.pid)  # SIGSTOP: nobody answers
     outcome: list[BaseException | None] = []
 
     def fetch() -> None:
