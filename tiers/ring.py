@@ -23,9 +23,13 @@ import lmdb
 
 from tiers import blockcopy
 
-#: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), or the
-#: request is handed back (with its bytes).
-READY, HANDED_BACK = 0, 1
+#: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), the
+#: request is handed back (with its bytes), or (given a plan) every block is verified, to `finish`.
+READY, HANDED_BACK, PLANNED = 0, 1, 2
+#: The most descriptors `serve` plans (tiers/_ring.c's PLAN_MOST).
+PLAN_MOST = 16
+#: Bytes of a plan (`serve`'s `plan`) per descriptor.
+PLAN_BYTES_PER_DESCRIPTOR = 16
 
 #: A server spins this long on the ring's word before its futex: a client's next request within it
 #: is taken without a wake-up (tens of microseconds on a loaded VM). Bounded, so an idle ring costs
@@ -42,12 +46,12 @@ ASKED_NONE, ASKED, ASKED_EXPECTED = 0, 1, 2
 
 
 def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None],
-                     Callable[..., int]] | None:
+                     Callable[..., int], Callable[..., None]] | None:
     try:
-        from tiers._ring import ask, publish, serve, wait
+        from tiers._ring import ask, finish, publish, serve, wait
     except ImportError:  # not built (no C compiler at install): the Python server stands in
         return None
-    return wait, serve, publish, ask
+    return wait, serve, publish, ask, finish
 
 
 _native = _load()
@@ -65,7 +69,8 @@ def wait(address: int, expected: int, hot_s: float, spin_s: float, timeout_s: fl
 
 
 def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, limit: int, prefix: bytes,
-          mapping: Mapping, txn: lmdb.Transaction, due_before: float) -> tuple[int, Any]:
+          mapping: Mapping, txn: lmdb.Transaction, due_before: float, plan: bytearray | None = None
+          ) -> tuple[int, Any]:
     """Answer one ring request natively, or hand its bytes back.
 
     Args:
@@ -77,6 +82,9 @@ def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, li
         mapping: the tier's mapping of data.mdb.
         txn: a read txn of the tier, open for the whole call.
         due_before: a block last used before this is due a retention refresh (handed back).
+        plan: given (`PLAN_BYTES_PER_DESCRIPTOR` * `limit` bytes at least), a request of at most
+            `PLAN_MOST` descriptors stops once every block is found and verified, and where each goes
+            is written into it: (PLANNED, descriptors), for `finish`. A larger one is READY as without.
 
     Returns:
         (READY, descriptors): every block verified and copied, and the answer (all DONE) and its
@@ -84,8 +92,20 @@ def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, li
         (HANDED_BACK, the request's bytes as read from the ring).
     """
     assert _native is not None
+    if plan is None:
+        return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
+                          mapping.psize, txn.id(), due_before)
     return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
-                      mapping.psize, txn.id(), due_before)
+                      mapping.psize, txn.id(), due_before, plan)
+
+
+def finish(ring: int, seq: int, plan: bytearray, n: int, block_bytes: int) -> None:
+    """The rest of a request `serve` answered PLANNED, without the GIL: copy its n verified blocks,
+    write the all-DONE answer and its header words, store ANSWERED and wake the client. The
+    caller keeps `serve`'s read txn open and the regions mapped until it returns, and passes the
+    plan untouched."""
+    assert _native is not None
+    _native[4](ring, seq, plan, n, block_bytes)
 
 
 def publish(address: int, value: int) -> None:
