@@ -158,6 +158,13 @@ def checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def checksum_stream() -> xxhash.xxh3_64:
+    """A streaming `checksum`: `update()` it with a snapshot's pieces in order, and its
+    `intdigest()` is `checksum()` of the whole (xxh3-64, seed 0), so a writer can hash each piece
+    while it is still in cache, just before sending it."""
+    return xxhash.xxh3_64()
+
+
 def snapshot_key(anchor: bytes, partial_tokens: Sequence[int], position: int,
                  extra_keys: Sequence[ExtraKey] = ()) -> bytes:
     """The 32-byte key of the snapshot at `position`.
@@ -208,6 +215,11 @@ class Unsealed:
     data: bytes
     checksum: int
     position: int
+
+
+#: A header no record is opened with (no magic, and its fields' checksum does not match them): what a
+#: streamed record carries until its real header is written over it (kvstore.client.swa_direct).
+PLACEHOLDER_HEADER = bytes(HEADER_BYTES)
 
 
 def seal(fingerprint: bytes, position: int, data: bytes, data_checksum: int) -> bytes:

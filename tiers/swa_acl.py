@@ -3,7 +3,7 @@
 The gateway stays the control plane of the SWA direct path (docs/SWA_POOL.md,
 "Direct path"): a client asks it (SwaPool.OpenDirect) and gets a Redis user
 that can touch only `<key_prefix><tenant tag>:*` with only the commands a
-snapshot reader (GET, EXISTS, PTTL, PING) or writer (also SET) needs. Nothing
+snapshot reader (GET, EXISTS, PTTL, PING) or writer (also SET, SETRANGE, RENAME) needs. Nothing
 else: no KEYS, SCAN, FLUSH*, CONFIG, ACL, DEL, pub/sub channels.
 
 Rotation rules (tests: tests/gateway/test_swa_direct.py):
@@ -32,7 +32,10 @@ USER_PREFIX = "kvstore-swa-"
 READ_COMMANDS = ("+get", "+exists", "+pttl", "+ping")
 #: What a Redis Cluster client runs to find the nodes and the keys of commands (read-only facts).
 CLUSTER_COMMANDS = ("+cluster|slots", "+cluster|shards", "+cluster|nodes", "+command", "+readonly")
-WRITE_COMMANDS = ("+set",)
+#: A writer streams each record to a temporary key of its own under a placeholder header, writes the
+#: real header over it and renames it to the snapshot's key (SET, SETRANGE, RENAME:
+#: kvstore.client.swa_direct). Each names keys only, held to the user's key pattern (RENAME both).
+WRITE_COMMANDS = ("+set", "+setrange", "+rename")
 
 
 class AclUsers:

@@ -5,8 +5,9 @@ address, a user and password, the tenant's key prefix, the TTL every SET must
 carry and the largest record. This module speaks Redis with them, under the
 same rules as the gateway path (docs/SWA_POOL.md "Direct path"):
 
-- a snapshot is sealed (`kvstore.swa_snapshot.seal`: geometry, T and checksum
-  in its header) before it is stored, and a record read back is opened with
+- a snapshot is stored sealed (`kvstore.swa_snapshot.seal`: geometry, T and
+  checksum in its header; streamed, and published sealed: `DirectPath._set_many`),
+  and a record read back is opened with
   `unseal`, which checks all of them: a record that fails is a miss, counted
   as corrupt, exactly as on the gateway path;
 - a snapshot of the wrong size for its T, or a record over the largest size,
@@ -23,10 +24,10 @@ gateway path.
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,12 +41,24 @@ from redis.retry import Retry
 from kvstore.client.swa_resp import GetReplies, pack_gets
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.geometry import ModelGeometry
-from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_shape, unseal
+from kvstore.swa_snapshot import (
+    HEADER_BYTES,
+    PLACEHOLDER_HEADER,
+    checksum,
+    checksum_stream,
+    seal,
+    snapshot_bytes,
+    snapshot_shape,
+    unseal,
+)
 from kvstore.v1 import swa_pb2 as pb
 
 Buffer = bytes | bytearray | memoryview
 #: Refusals Redis sends as plain error replies when the user or its password is gone.
 _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM")
+#: A streamed put's piece: sent, then checksummed while it is still in cache (a core's L2 holds
+#: 1-2 MiB on today's servers).
+STREAM_CHUNK_BYTES = 1 << 20
 
 
 def redis_error(exc: Exception) -> KVStoreError:
@@ -75,6 +88,40 @@ def _mapped() -> Iterator[None]:
         yield
     except (RedisError, RedisClusterException, OSError) as exc:
         raise redis_error(exc) from None
+
+
+def _pack(*args: bytes) -> bytes:
+    """One command in RESP (small arguments)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
+
+
+def _reply(conn: Any) -> Any:
+    """The next reply on `conn`, an error reply returned (as a ResponseError), not raised."""
+    try:
+        return conn.read_response()
+    except ResponseError as exc:
+        return exc
+
+
+def _settle(conn: Any, temps: Sequence[bytes], targets: Sequence[bytes]) -> ResponseError | None:
+    """Read each record's three replies (SET, SETRANGE, RENAME: every one, so the connection stays in
+    step) and remove each record a command of which was refused from where it got to (the target when
+    the RENAME went through, else the temporary key) with an empty value that expires at once; the
+    first refusal, or None."""
+    refused, cleanup = None, []
+    for temp, target in zip(temps, targets, strict=True):
+        replies = [_reply(conn) for _ in range(3)]
+        # "no such key": the temporary key expired (a PX shorter than the send) or was evicted: stored, then gone.
+        errors = [r for r in replies if isinstance(r, ResponseError) and str(r) != "no such key"]
+        if errors:
+            refused = refused or errors[0]
+            renamed = not isinstance(replies[2], ResponseError)
+            cleanup.append(_pack(b"SET", target if renamed else temp, b"", b"PX", b"1"))
+    if cleanup:
+        conn.send_packed_command([b"".join(cleanup)], False)
+        for _ in cleanup:
+            _reply(conn)
+    return refused
 
 
 def _cluster(grant: pb.SwaOpenDirectResponse, timeout_s: float) -> Any:
@@ -133,7 +180,6 @@ class DirectPath:
                 # RESP2: a GET is answered with a bulk string, a nil or an error, never with a push
                 # message in between (kvstore.client.swa_resp reads those replies itself).
                 socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0), protocol=2)
-        self._sender = ThreadPoolExecutor(1, thread_name_prefix="swa-direct-send")
 
     @property
     def due(self) -> bool:
@@ -176,58 +222,55 @@ class DirectPath:
         pipe.execute()
 
     def _set_many(self, triples: Sequence[tuple[bytes, int, bytes]], px: int) -> None:
-        """Seal and SET key record PX px for each (key, T, snapshot), pipelined on one connection.
+        """Store each (key, T, snapshot) sealed, streamed on one connection.
 
-        Packed here rather than by redis-py, whose pipeline takes one buffer per value (it would
-        need the record joined: a copy of every snapshot). RESP lets a bulk string arrive in
-        pieces, so the header (`seal` over no data: the header alone) and the snapshot go to the
-        socket as they are. A sender thread writes each record while the next one is checksummed
-        (the socket write releases the GIL), so checksumming and sending overlap.
+        The header holds the snapshot's checksum and comes before it in the record; checksumming the
+        whole snapshot before sending it put a pass over 2.7 MB on the writer's path ahead of its first
+        byte. Instead each piece (STREAM_CHUNK_BYTES) is checksummed just after it is sent, while in
+        cache, and the record goes to a temporary key under a placeholder header, is sealed there and
+        renamed into place, all pipelined (docs/SWA_POOL.md "Direct path"):
+
+            SET <key>~<call token>.<i> <PLACEHOLDER_HEADER + snapshot> PX px
+            SETRANGE <that key> 0 <header>
+            RENAME <that key> <key>        (RENAME keeps the PX)
+
+        A reader of the key sees the old record or the new one, sealed. A record any of whose commands
+        was refused is removed (an empty value that expires at once: `SET ... PX 1`) from wherever it
+        got to, so no placeholder or bare header stays. Not a MULTI transaction of SET and SETRANGE on
+        the key: Redis keeps a queued command's arguments until EXEC ends, so the SETRANGE finds the
+        value shared and copies the whole record (1-3 ms a record, measured). RESP lets a bulk string
+        arrive in pieces, and each piece is a view of the caller's buffer: nothing is joined or copied.
         """
         pool = self.redis.connection_pool
         conn = pool.get_connection()
-        sends: list[Future[None]] = []
-        broken: list[BaseException] = []
         try:
             ttl = b"%d" % px
-            small = b""
-
-            def send(chunks: list[bytes]) -> None:
-                # After a failed write the connection is closed; writing on would reconnect and send
-                # the rest of a command to a new connection: every later write is skipped instead.
-                if broken:
-                    return
-                try:
-                    conn.send_packed_command(chunks, False)
-                except BaseException as exc:
-                    broken.append(exc)
-                    raise
-
-            for key, position, data in triples:
-                header = seal(self.fingerprint, position, b"", checksum(data))
-                rkey = self.key(key)
-                small += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (len(rkey), rkey, len(header) + len(data),
-                                                                              header)
-                sends.append(self._sender.submit(send, [small, data]))
-                small = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)
-            sends.append(self._sender.submit(send, [small]))
-            for sent in sends:
-                sent.result()
-            refused = None
-            for _ in triples:  # every reply is read, so the connection stays in step
-                try:
-                    conn.read_response()
-                except ResponseError as exc:
-                    refused = refused or exc
-            if refused is not None:
-                raise refused
-        except BaseException as exc:
-            broken.append(exc)
-            wait(sends)  # no write may still run on the connection closed here
-            conn.disconnect()
+            token = secrets.token_hex(6).encode()
+            targets = [self.key(key) for key, _, _ in triples]
+            temps = [target + b"~%b.%d" % (token, i) for i, target in enumerate(targets)]
+            head = b""
+            for temp, target, (_, position, data) in zip(temps, targets, triples, strict=True):
+                view = memoryview(data).cast("B")
+                head += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
+                    len(temp), temp, HEADER_BYTES + len(view), PLACEHOLDER_HEADER)
+                digest = checksum_stream()
+                for start in range(0, len(view), STREAM_CHUNK_BYTES):
+                    piece = view[start:start + STREAM_CHUNK_BYTES]
+                    conn.send_packed_command([head, piece] if head else [piece], False)
+                    digest.update(piece)  # after the send, whose copy left the piece in cache
+                    head = b""
+                header = seal(self.fingerprint, position, b"", digest.intdigest())
+                head = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl) + _pack(b"SETRANGE", temp, b"0", header) + \
+                    _pack(b"RENAME", temp, target)
+            conn.send_packed_command([head], False)
+            refused = _settle(conn, temps, targets)
+        except BaseException:
+            conn.disconnect()  # a write or a reply cut short: the connection is out of step
             raise
         finally:
             pool.release(conn)
+        if refused is not None:  # every reply was read: the connection is in step and stays open
+            raise refused
 
     def get_many(self, keys: Sequence[bytes]) -> DirectGets:
         """GET each key's record and check it with `unseal` (another geometry, a size that is not its
@@ -280,5 +323,4 @@ class DirectPath:
 
     def close(self) -> None:
         """Close the Redis connections."""
-        self._sender.shutdown(wait=True)
         self.redis.close()

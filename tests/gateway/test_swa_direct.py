@@ -80,9 +80,35 @@ def test_a_tenants_redis_user_reaches_its_own_keys_only_and_no_other_command(
         for forbidden in (lambda: ra.get(b_key), lambda: ra.set(b_key, b"1"), lambda: ra.get(b"other"),
                           lambda: ra.keys("*"), lambda: ra.scan(0), lambda: ra.flushall(), lambda: ra.flushdb(),
                           lambda: ra.config_get("maxmemory"), lambda: ra.acl_list(), lambda: ra.delete(a_key),
-                          lambda: ra.execute_command("ACL", "SETUSER", grant_a.username, "+@all")):
+                          lambda: ra.execute_command("ACL", "SETUSER", grant_a.username, "+@all"),
+                          lambda: ra.setrange(b_key, 0, b"2"), lambda: ra.setrange(b"other", 0, b"2"),
+                          lambda: ra.execute_command("MULTI"), lambda: ra.execute_command("WATCH", a_key),
+                          lambda: ra.append(a_key, b"2"), lambda: ra.getrange(b_key, 0, 1)):
             with pytest.raises(NoPermissionError):
                 forbidden()
+
+
+def test_a_writer_may_seal_and_rename_its_own_records_and_no_other_tenants(
+        two_tenants: tuple[Client, Client, str], redis_server: Any) -> None:
+    """SETRANGE and RENAME (a streamed put seals a temporary key and renames it into place) are a
+    writer's on its own keys only: naming another tenant's key, as source or target, is refused and
+    changes nothing."""
+    a, b, _ = two_tenants
+    grant_a, grant_b = open_direct(a), open_direct(b)
+    a_key, a_temp, b_key = grant_a.key_prefix + b"x", grant_a.key_prefix + b"x~w", grant_b.key_prefix + b"x"
+    with redis.Redis(port=redis_server.port) as raw:
+        raw.set(b_key, b"tenant b")
+    with as_user(redis_server, grant_a) as ra:
+        assert ra.set(a_temp, b"....data", px=60_000) and ra.setrange(a_temp, 0, b"head") == 8
+        assert ra.rename(a_temp, a_key) and ra.get(a_key) == b"headdata" and 0 < ra.pttl(a_key) <= 60_000
+        for forbidden in (lambda: ra.rename(a_key, b_key), lambda: ra.rename(b_key, a_temp),
+                          lambda: ra.rename(a_key, b"other"), lambda: ra.setrange(b_key, 0, b"head"),
+                          lambda: ra.execute_command("RENAMENX", a_key, a_temp), lambda: ra.copy(a_key, a_temp)):
+            with pytest.raises(NoPermissionError):
+                forbidden()
+        assert ra.get(a_key) == b"headdata"
+    with redis.Redis(port=redis_server.port) as raw:
+        assert raw.get(b_key) == b"tenant b" and raw.exists(b"other") == 0
 
 
 def test_a_direct_put_is_seen_by_a_gateway_get_and_vice_versa(two_tenants: tuple[Client, Client, str]) -> None:
@@ -136,8 +162,12 @@ def test_a_tenant_with_a_byte_quota_reads_directly_and_writes_through_the_gatewa
         admin.set_policy("tenant-a", swa_quota_bytes=1 << 30, swa_ttl_s=5.0)
     grant = open_direct(a)
     assert grant.offered and not grant.writable and grant.ttl_ms == 5000
-    with as_user(redis_server, grant) as ra, pytest.raises(NoPermissionError):
-        ra.set(grant.key_prefix + b"x", b"1")
+    with as_user(redis_server, grant) as ra:
+        key = grant.key_prefix + b"x"
+        for write in (lambda: ra.set(key, b"1"), lambda: ra.setrange(key, 0, b"1"),
+                      lambda: ra.rename(key, key + b"~w")):
+            with pytest.raises(NoPermissionError):
+                write()
     auto = swa(a, "auto")
     data = snapshot(a)
     assert auto.put(TOKENS, data).stored == 1 and auto.last_path == "gateway"  # charged to the ledger
