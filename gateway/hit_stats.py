@@ -60,6 +60,7 @@ _KINDS: dict[str, tuple[int, ...]] = {
 }
 _RESUME = tuple(_INDEX[f] for f in ("resume_plans", "resume_prompt_tokens", "resume_found_tokens",
                                     "resume_usable_tokens"))
+_GETS, _GETS_ASKED, _GETS_FOUND, _GETS_TOKENS_ASKED, _GETS_TOKENS_FOUND = _KINDS["get"]
 #: Bucket sizes in seconds, and how many of each are kept (the longest window of that size).
 LEVELS: dict[int, int] = {60: 60, 1800: 48}
 #: Windows by name: (bucket seconds, buckets summed); None: the run's or all-time totals.
@@ -123,6 +124,8 @@ class HitStats:
         #: Bucket seconds -> tenant -> bucket index (time // seconds) -> counters.
         self._buckets: dict[int, dict[str, dict[int, list[int]]]] = {size: {} for size in LEVELS}
         self._run: dict[str, list[int]] = {}
+        #: Tenant -> its counter lists of the minute `_minute` (totals and buckets), for `record_get`.
+        self._hot: dict[str, list[list[int]]] = {}
         self._all: dict[str, list[int]] = {}
         self.counted_since_s = self.started_s
         self._minute = int(self.started_s // 60)
@@ -136,11 +139,38 @@ class HitStats:
 
     def record(self, tenant: str, kind: str, asked: int, found: int) -> None:
         """Count one call of `kind` ("lookup", "get": blocks; "swa": snapshots) by `tenant`."""
+        if kind == "get":
+            self.record_get(tenant, asked, found)
+            return
         where = _KINDS[kind]
         if len(where) == 3:
             self._add(tenant, where, (1, asked, found))
         else:
             self._add(tenant, where, (1, asked, found, asked * self.block_tokens, found * self.block_tokens))
+
+    def record_get(self, tenant: str, asked: int, found: int) -> None:
+        """Count one get of `asked` blocks, `found` returned, by `tenant`: `record(tenant, "get", ...)`
+        without its per-call lookups (the request ring counts every read with it before answering).
+
+        The four counter lists a tenant's counts go to (run, all-time, this minute's and this
+        half-hour's buckets) are kept per tenant for the minute they were found in, and forgotten
+        when the minute rolls, so a call within the same minute is five adds to each, under the lock.
+        """
+        now = self.clock.now()
+        minute = int(now // 60)
+        tokens = self.block_tokens
+        with self._lock:
+            targets = self._hot.get(tenant) if minute == self._minute else None
+            if targets is not None:
+                asked_tokens, found_tokens = asked * tokens, found * tokens
+                for counts in targets:
+                    counts[_GETS] += 1
+                    counts[_GETS_ASKED] += asked
+                    counts[_GETS_FOUND] += found
+                    counts[_GETS_TOKENS_ASKED] += asked_tokens
+                    counts[_GETS_TOKENS_FOUND] += found_tokens
+                return
+        self._add(tenant, _KINDS["get"], (1, asked, found, asked * tokens, found * tokens), now)
 
     def record_resume(self, tenant: str, *, prompt_tokens: int, found_tokens: int, usable_tokens: int,
                       action_field: str) -> None:
@@ -148,9 +178,11 @@ class HitStats:
         counter (gateway.resume_counters.ACTION_FIELDS)."""
         self._add(tenant, (*_RESUME, _INDEX[action_field]), (1, prompt_tokens, found_tokens, usable_tokens, 1))
 
-    def _add(self, tenant: str, where: tuple[int, ...], values: tuple[int, ...]) -> None:
-        """Add `values` to the counters at indexes `where` of `tenant`'s buckets now and its totals."""
-        now = self.clock.now()
+    def _add(self, tenant: str, where: tuple[int, ...], values: tuple[int, ...], now: float | None = None) -> None:
+        """Add `values` to the counters at indexes `where` of `tenant`'s buckets at `now` (None: the
+        clock's now) and its totals."""
+        if now is None:
+            now = self.clock.now()
         minute = int(now // 60)
         with self._lock:
             targets = [self._run.get(tenant) or self._run.setdefault(tenant, _zeros()),
@@ -170,11 +202,14 @@ class HitStats:
             if rolled:
                 self._minute = minute
                 self._prune(now)
+            # The targets of `minute` (now the counters' minute): `record_get`'s until the minute rolls.
+            self._hot[tenant] = targets
         if rolled:
             self._write_soon()
 
     def _prune(self, now: float) -> None:
         """Drop buckets past the longest window of their size (under the lock, once a minute at most)."""
+        self._hot.clear()  # the targets kept were the previous minute's
         for size, by_tenant in self._buckets.items():
             oldest = int(now // size) - LEVELS[size]
             for by_index in by_tenant.values():

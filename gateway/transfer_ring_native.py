@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvstore.transfer import DONE, BatchResults
 from kvstore.transfer_ring import ANSWERED, HEADER_AT
 from tiers import blockcopy, ring
 from tiers.retention import Retention
@@ -68,7 +67,12 @@ class NativeRing:
         self.answered = 0
         self._regions: tuple[MappedRegion, ...] = ()
         self._table = b""
-        self._all_done: dict[int, BatchResults] = {}
+        # What counting an answered read calls, found once per ring (it runs between `serve` and `finish`,
+        # on the answer's path: bound methods and the tenant's name, no per-read lookups or objects).
+        self._count_tier = ctx.tier.count_get
+        self._record_hits = None if ctx.hits is None else ctx.hits.record_get
+        self._count_batch = ctx.table.counters.count_read_done
+        self._tenant = session.scope.namespace
         #: Where `serve` leaves a request's verified blocks for `finish` (this ring's, one request at a time).
         self._plan = bytearray(ring.PLAN_BYTES_PER_DESCRIPTOR * ctx.limit)
 
@@ -125,14 +129,8 @@ class NativeRing:
         return None
 
     def _count(self, n: int) -> None:
-        """Count an answered read as `gateway.transfer_ring.read` counts one."""
-        ctx = self.ctx
-        results = self._all_done.get(n)
-        if results is None:  # kept per size: counting reads them only (this is on the answer's path)
-            results = self._all_done[n] = BatchResults(n)
-            results.statuses[:] = bytes([DONE]) * n
-            results.bytes_moved = n * self.block_bytes
-        ctx.tier.count_get(n, n)
-        if ctx.hits is not None:
-            ctx.hits.record(self.session.scope.namespace, "get", n, n)
-        ctx.table.counters.count(results)
+        """Count an answered read (all `n` blocks DONE) as `gateway.transfer_ring.read` counts one."""
+        self._count_tier(n, n)
+        if self._record_hits is not None:
+            self._record_hits(self._tenant, n, n)
+        self._count_batch(n, n * self.block_bytes)

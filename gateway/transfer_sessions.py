@@ -100,6 +100,14 @@ class TransferCounters:
             self.descriptors_failed += failed
             self.bytes_moved += results.bytes_moved
 
+    def count_read_done(self, n: int, bytes_moved: int) -> None:
+        """Add one finished read batch whose `n` descriptors were all DONE, `bytes_moved` copied:
+        `count` of such a batch without counting its statuses (the request ring's answered reads)."""
+        with self._lock:
+            self.read_batches += 1
+            self.descriptors_done += n
+            self.bytes_moved += bytes_moved
+
     def add_ring_request(self) -> None:
         """Count one request answered through a ring."""
         with self._lock:
