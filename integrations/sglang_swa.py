@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,17 +95,14 @@ def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[byt
                        pages, position, pages_for(geometry, page_size, position))
         return False
     key = key_at(chain[-1], position, extra_keys)
-    try:
-        if write:
-            flat = [pool.get_data_page(int(host_indices[i * page_size]), flat=True) for i in range(pages)]
-            snapshot = join_pages(geometry, flat, page_size)
-            return client.swa.put_many([(key, position, snapshot)], ttl_s=ttl_s).stored == 1
-        data = client.swa.get_many([key])[0]
-    except KVStoreError as exc:
-        logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
-        return False
-    if data is None:
-        return False
+
+    def snapshot() -> torch.Tensor:
+        flat = [pool.get_data_page(int(host_indices[i * page_size]), flat=True) for i in range(pages)]
+        return join_pages(geometry, flat, page_size)
+
+    data = _exchange(client, key, position, snapshot if write else None, ttl_s)
+    if isinstance(data, bool):
+        return data
     dtype = pool.get_dummy_flat_data_page().dtype
     for i, page in enumerate(split_pages(geometry, data, page_size, pages)):
         pool.set_from_flat_data_page(int(host_indices[i * page_size]), page.view(dtype))
@@ -160,18 +157,28 @@ def move_v4(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[
     position = len(chain) * page_tokens
     key = key_at(chain[-1], position, extra_keys)
     last = int(host_indices[(pages - 1) * page_tokens])
-    try:
-        if write:
-            window = v4_window_of_page(geometry, pool.get_data_page(last, flat=True), page_tokens,
-                                       interleaved=interleaved)
-            return client.swa.put_many([(key, position, window)], ttl_s=ttl_s).stored == 1
-        data = client.swa.get_many([key])[0]
-    except KVStoreError as exc:
-        logger.warning("kvstore SWA %s failed: %s", "put" if write else "get", exc)
-        return False
-    if data is None:
-        return False
+
+    def window() -> torch.Tensor:
+        return v4_window_of_page(geometry, pool.get_data_page(last, flat=True), page_tokens, interleaved=interleaved)
+
+    data = _exchange(client, key, position, window if write else None, ttl_s)
+    if isinstance(data, bool):
+        return data
     for i in range(pages - 1):
         pool.set_from_flat_data_page(int(host_indices[i * page_tokens]), pool.get_dummy_flat_data_page())
     pool.set_from_flat_data_page(last, v4_page_of_window(geometry, data, page_tokens, interleaved=interleaved))
     return True
+
+
+def _exchange(client: Client, key: bytes, position: int, snapshot: Callable[[], torch.Tensor] | None,
+              ttl_s: float | None) -> bool | memoryview | bytes:
+    """Put the snapshot `snapshot()` makes at `key` (True when stored), or, with None, get the snapshot
+    stored there (its bytes; False when missing). A failed kvstore call is False, logged: a miss to SGLang."""
+    try:
+        if snapshot is not None:
+            return client.swa.put_many([(key, position, snapshot())], ttl_s=ttl_s).stored == 1
+        data = client.swa.get_many([key])[0]
+    except KVStoreError as exc:
+        logger.warning("kvstore SWA %s failed: %s", "put" if snapshot is not None else "get", exc)
+        return False
+    return False if data is None else data

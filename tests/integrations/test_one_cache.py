@@ -35,6 +35,22 @@ def store(start_store: Callable[[], Child], monkeypatch: pytest.MonkeyPatch) -> 
     return start_store()
 
 
+def stored_through_vllm(store: Child, tmp_path: Path, prompt_tokens: list[int]) -> tuple[list[int], list[bytes]]:
+    """Run one request through vLLM with the connector, until its blocks are saved: its tokens (prompt and
+    output) and its whole blocks as vLLM's own pages hold them (read while vLLM still holds them)."""
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine.add("r1", prompt_tokens, max_tokens=3)
+    engine.run()
+    tokens = engine.tokens["r1"]
+    n = len(tokens) // B
+    pages = engine.worker.worker.saves.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
+                                                       block_ids=tuple(engine.pages["r1"])))
+    blocks = [bytes(pages[i].numpy()) for i in range(n)]
+    engine.drain()
+    engine.close()
+    return tokens, blocks
+
+
 def sglang_backend(target: str, pages: int) -> tuple[object, object]:
     pool = sg.PagePool(pages, GEO.block_bytes(B), page_size=B)
     backend = sg.StorageBackendFactory.create_backend("dynamic", sg.config(target, {"geometry": GEO.name}), pool)
@@ -44,17 +60,8 @@ def sglang_backend(target: str, pages: int) -> tuple[object, object]:
 
 def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_and_the_client(
         store: Child, tmp_path: Path) -> None:
-    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
-    engine.add("r1", prompt(100, seed=11), max_tokens=3)
-    engine.run()
-    tokens = engine.tokens["r1"]
-    n = len(tokens) // B
-    # vLLM's own pages, as store blocks (read while vLLM still holds them for the save).
-    pages = engine.worker.worker.saves.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
-                                                 block_ids=tuple(engine.pages["r1"])))
-    vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
-    engine.drain()
-    engine.close()
+    tokens, vllm_blocks = stored_through_vllm(store, tmp_path, prompt(100, seed=11))
+    n = len(vllm_blocks)
 
     with kvstore.Client(store.target, geometry=GEO.name) as client:
         assert client.get(tokens[: n * B]).blocks == vllm_blocks
@@ -118,16 +125,7 @@ def sglang_v4_backend(target: str, pages: int) -> tuple[object, dict[str, object
 
 def test_a_prompt_stored_through_vllm_reads_back_byte_identical_through_sglang_v4_pages(
         store: Child, tmp_path: Path) -> None:
-    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
-    engine.add("r1", prompt(2 * V4_PAGE + 20, seed=13), max_tokens=3)
-    engine.run()
-    tokens = engine.tokens["r1"]
-    n = len(tokens) // B
-    pages = engine.worker.worker.saves.gather(SaveSpec(req_id="r1", tokens=tokens[: n * B], first_block=0,
-                                                 block_ids=tuple(engine.pages["r1"])))
-    vllm_blocks = [bytes(pages[i].numpy()) for i in range(n)]
-    engine.drain()
-    engine.close()
+    tokens, vllm_blocks = stored_through_vllm(store, tmp_path, prompt(2 * V4_PAGE + 20, seed=13))
 
     backend, pools = sglang_v4_backend(store.target, 3)
     try:
