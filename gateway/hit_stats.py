@@ -60,7 +60,8 @@ _KINDS: dict[str, tuple[int, ...]] = {
 }
 _RESUME = tuple(_INDEX[f] for f in ("resume_plans", "resume_prompt_tokens", "resume_found_tokens",
                                     "resume_usable_tokens"))
-_GETS, _GETS_ASKED, _GETS_FOUND, _GETS_TOKENS_ASKED, _GETS_TOKENS_FOUND = _KINDS["get"]
+_GET_FIELDS = _KINDS["get"]
+_NO_GETS = (0,) * len(_GET_FIELDS)
 #: Bucket sizes in seconds, and how many of each are kept (the longest window of that size).
 LEVELS: dict[int, int] = {60: 60, 1800: 48}
 #: Windows by name: (bucket seconds, buckets summed); None: the run's or all-time totals.
@@ -126,6 +127,9 @@ class HitStats:
         self._run: dict[str, list[int]] = {}
         #: Tenant -> its counter lists of the minute `_minute` (totals and buckets), for `record_get`.
         self._hot: dict[str, list[list[int]]] = {}
+        #: Tenant -> the get counters (`_GET_FIELDS` order) `record_get` added this minute and not yet
+        #: folded into `_hot`'s lists; every read and the minute's roll fold them first (`_fold`).
+        self._pending: dict[str, list[int]] = {}
         self._all: dict[str, list[int]] = {}
         self.counted_since_s = self.started_s
         self._minute = int(self.started_s // 60)
@@ -153,23 +157,23 @@ class HitStats:
         without its per-call lookups (the request ring counts every read with it before answering).
 
         The four counter lists a tenant's counts go to (run, all-time, this minute's and this
-        half-hour's buckets) are kept per tenant for the minute they were found in, and forgotten
-        when the minute rolls, so a call within the same minute is five adds to each, under the lock.
+        half-hour's buckets) are kept per tenant for the minute they were found in; a call within
+        that minute adds to one pending list under the lock, which every read and the minute's
+        roll fold into the four first, so nothing reads a count without it.
         """
         now = self.clock.now()
         minute = int(now // 60)
-        tokens = self.block_tokens
         with self._lock:
-            targets = self._hot.get(tenant) if minute == self._minute else None
-            if targets is not None:
-                asked_tokens, found_tokens = asked * tokens, found * tokens
-                for counts in targets:
-                    counts[_GETS] += 1
-                    counts[_GETS_ASKED] += asked
-                    counts[_GETS_FOUND] += found
-                    counts[_GETS_TOKENS_ASKED] += asked_tokens
-                    counts[_GETS_TOKENS_FOUND] += found_tokens
+            pending = self._pending.get(tenant) if minute == self._minute else None
+            if pending is not None:
+                tokens = self.block_tokens
+                pending[0] += 1
+                pending[1] += asked
+                pending[2] += found
+                pending[3] += asked * tokens
+                pending[4] += found * tokens
                 return
+        tokens = self.block_tokens
         self._add(tenant, _KINDS["get"], (1, asked, found, asked * tokens, found * tokens), now)
 
     def record_resume(self, tenant: str, *, prompt_tokens: int, found_tokens: int, usable_tokens: int,
@@ -203,18 +207,31 @@ class HitStats:
                 self._minute = minute
                 self._prune(now)
             # The targets of `minute` (now the counters' minute): `record_get`'s until the minute rolls.
-            self._hot[tenant] = targets
+            if tenant not in self._hot:
+                self._hot[tenant] = targets
+                self._pending[tenant] = [0] * len(_GET_FIELDS)
         if rolled:
             self._write_soon()
 
     def _prune(self, now: float) -> None:
         """Drop buckets past the longest window of their size (under the lock, once a minute at most)."""
+        self._fold()
         self._hot.clear()  # the targets kept were the previous minute's
+        self._pending.clear()
         for size, by_tenant in self._buckets.items():
             oldest = int(now // size) - LEVELS[size]
             for by_index in by_tenant.values():
                 for index in [i for i in by_index if i <= oldest]:
                     del by_index[index]
+
+    def _fold(self) -> None:
+        """Add `record_get`'s pending counts into their counter lists (under the lock, before any read)."""
+        for tenant, pending in self._pending.items():
+            if pending[0]:
+                for counts in self._hot[tenant]:
+                    for i, v in zip(_GET_FIELDS, pending, strict=True):
+                        counts[i] += v
+                pending[:] = _NO_GETS
 
     # -- reading -----------------------------------------------------------
 
@@ -229,6 +246,7 @@ class HitStats:
         tenants = None if tenant is None else {tenant}
         out = []
         with self._lock:
+            self._fold()
             for name in names:
                 span = WINDOWS[name]
                 if span is None:
@@ -254,6 +272,7 @@ class HitStats:
         tenants = None if tenant is None else {tenant}
         slices = [_zeros() for _ in range(count)]
         with self._lock:
+            self._fold()
             for index, c in self._in_range(size, tenants, first, last):
                 _sum_into(slices[(index - first) // per], [c])
         return [Point(start_s=(first + i * per) * float(size), seconds=per * float(size), counts=_named(c))
@@ -288,6 +307,7 @@ class HitStats:
         if self.folder is None:
             return
         with self._lock:
+            self._fold()
             self._write_pending = False
             state = {
                 "format": _FORMAT, "fields": list(FIELDS), "counted_since_s": self.counted_since_s,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.hit_stats import FIELDS, WINDOWS, HitStats
 from gateway.transfer_sessions import TransferCounters
 from kvstore.clock import ManualClock
@@ -96,3 +98,29 @@ def test_count_read_done_is_count_of_an_all_done_read() -> None:
         slow.count(results)
         fast.count_read_done(n, n * 4096)
     assert fast == slow and fast.read_batches == 3 and fast.descriptors_done == 25
+
+
+@pytest.mark.parametrize("first_read", ["windows", "series", "file", "a minute later"])
+def test_counts_pending_since_the_last_read_are_in_whichever_read_comes_first(tmp_path: Path,
+                                                                               first_read: str) -> None:
+    clock = ManualClock(start=1_800_000_030.0)
+    stats = HitStats(tmp_path, clock, block_tokens=BLOCK_TOKENS)
+    for asked, found in ((8, 8), (8, 8), (4, 1), (2, 0)):  # the first finds the lists, the rest are pending
+        stats.record_get("t", asked, found)
+    want = {"gets": 4, "get_blocks_asked": 22, "get_blocks_returned": 17, "get_tokens_returned": 17 * BLOCK_TOKENS}
+    if first_read == "windows":
+        counts = stats.windows("t", ["5m"])[0].counts
+    elif first_read == "series":
+        counts = stats.series("t", 48)[-1].counts
+    elif first_read == "file":
+        stats.write()
+        saved = json.loads((tmp_path / "hits.json").read_text())["buckets"]["60"]["t"]
+        counts = dict(zip(FIELDS, next(iter(saved.values())), strict=True))
+    else:
+        clock.advance(60.0)
+        stats.record_get("t", 1, 1)  # the minute rolls: the last minute's pending counts are folded first
+        counts = stats.series("t", 48)[-1].counts  # both minutes share the half-hour
+        want = {"gets": 5, "get_blocks_asked": 23, "get_blocks_returned": 18,
+                "get_tokens_returned": 18 * BLOCK_TOKENS}
+    assert {k: counts[k] for k in want} == want
+    stats.close()
