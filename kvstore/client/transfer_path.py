@@ -1,7 +1,8 @@
 """The seams of the transfer client: a submitted batch (`Transfer`) and a way of
 moving its bytes (`TransferPath`), with the batch run in this process (`LocalTransfer`).
 
-`kvstore.client.transfer` holds the session and the shared-memory path,
+`kvstore.client.transfer` holds the session, `kvstore.client.transfer_batches` its
+batches, `kvstore.client.transfer_shm` the shared-memory path and
 `kvstore.client.transfer_stream` the path across hosts.
 """
 
