@@ -26,7 +26,8 @@ import numpy as np
 
 from gateway import validate
 from gateway.hit_stats import HitStats
-from gateway.transfer_sessions import Session, SessionTable, Transfer
+from gateway.transfer_session_table import SessionTable
+from gateway.transfer_sessions import Session, Transfer
 from kvstore.errors import KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans

@@ -70,7 +70,8 @@ from tiers.ring import Mapping
 
 if TYPE_CHECKING:
     from gateway.transfer_regions import MappedRegion
-    from gateway.transfer_sessions import Session, SessionTable
+    from gateway.transfer_session_table import SessionTable
+    from gateway.transfer_sessions import Session
 
 log = logging.getLogger("kvstore.transfer")
 

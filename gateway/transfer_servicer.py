@@ -1,5 +1,5 @@
 """The Transfer gRPC service: sessions, regions and descriptor batches, translated
-to and from the wire; the work is in `transfer_sessions` and `transfer_engine`."""
+to and from the wire; the work is in `transfer_session_table`, `transfer_sessions` and `transfer_engine`."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read,
 from gateway.transfer_fetch import fetch, fetch_keys
 from gateway.transfer_ring import RingContext, RingServer
 from gateway.transfer_ring import read as ring_read
-from gateway.transfer_sessions import Session, SessionTable, Transfer
+from gateway.transfer_session_table import SessionTable
+from gateway.transfer_sessions import Session, Transfer
 from gateway.validate import Layout
 from kvstore.api_tokens import WRITE
 from kvstore.config import TransferSettings

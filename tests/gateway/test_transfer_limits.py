@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.transfer_sessions import SessionTable
+from gateway.transfer_session_table import SessionTable
 from kvstore.client import Client
 from kvstore.config import StoreSettings, TransferSettings
 from kvstore.errors import ConfigError, ResourceExhausted

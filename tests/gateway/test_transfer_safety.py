@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.transfer_sessions import SessionTable
+from gateway.transfer_session_table import SessionTable
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition
 from kvstore.region import Region
