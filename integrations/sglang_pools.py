@@ -116,43 +116,39 @@ class PoolsV2:
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Read each transfer's pages: KV pages as blocks, the SWA pool's trailing pages from one snapshot."""
-        out: dict[str, list[bool]] = {}
-        moved: dict[tuple[Any, ...], list[bool]] = {}
-        for t in transfers:
-            keys = list(t.keys or [])
-            name = str(t.name)
-            if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, extra_info, write=False)
-            elif self.v4 is not None and (name in V4_SIDE_POOLS or name == PoolName.KV.value):
-                # Every side pool at once, or what the anchor's batch_get_v1 just read of them.
-                out[name] = self._v4_io(t, keys, moved, write=False)
-            elif name == PoolName.KV.value and t.host_indices is not None:
-                out[name] = self._read_pages(self._pool(name), keys, t.host_indices)
-            else:
-                out[name] = [False] * len(keys)
-        return out
+        return self._v2_io(transfers, extra_info, write=False)
 
     def batch_set_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         """Write each transfer's pages: KV pages as blocks, the SWA pool's trailing pages as one snapshot."""
+        return self._v2_io(transfers, extra_info, write=True)
+
+    def _v2_io(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None, *,
+               write: bool) -> dict[str, list[bool]]:
+        """Each transfer's pages, pool by pool; a pool kvstore does not keep moves nothing (all False)."""
         out: dict[str, list[bool]] = {}
         moved: dict[tuple[Any, ...], list[bool]] = {}
         for t in transfers:
             keys = list(t.keys or [])
             name = str(t.name)
             if name == PoolName.SWA.value:
-                out[name] = self._swa_io(t, keys, extra_info, write=True)
+                out[name] = self._swa_io(t, keys, extra_info, write=write)
             elif self.v4 is not None and (name in V4_SIDE_POOLS or name == PoolName.KV.value):
-                # Every side pool at once, or what an earlier call of this page set already stored.
-                out[name] = self._v4_io(t, keys, moved, write=True)
+                # Every side pool at once: the first pool's move serves the others (_v4_io).
+                out[name] = self._v4_io(t, keys, moved, write=write)
             elif name == PoolName.KV.value and t.host_indices is not None:
-                pool = self._pool(name)
-                pages = [pool.get_data_page(int(t.host_indices[i * self.page_size]), flat=True)
-                         for i in range(len(keys))]
-                out[name] = self._write_pages(keys, pages)
+                out[name] = self._kv_io(keys, t.host_indices, write=write)
             else:
                 out[name] = [False] * len(keys)
         return out
+
+    def _kv_io(self, keys: list[str], host_indices: torch.Tensor, *, write: bool) -> list[bool]:
+        """KV host pages (one kvstore block each) <-> their blocks."""
+        pool = self._pool(PoolName.KV.value)
+        if not write:
+            return self._read_pages(pool, keys, host_indices)
+        pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
+        return self._write_pages(keys, pages)
 
     def _v4_io(self, transfer: PoolTransfer, keys: list[str], moved: dict[tuple[Any, ...], list[bool]], *,
                write: bool) -> list[bool]:
