@@ -20,7 +20,15 @@ from integrations.sglang_v4 import POOLS, V4PageLayout, pages_to_blocks
 from integrations.vllm_scheduler import SaveSpec
 from tests.children import Child
 from tests.integrations import test_sglang_support as sg  # skips (with the reason) without SGLang
-from tests.integrations.test_vllm_support import GEO, GLOBAL, STORE_BLOCK_TOKENS, Engine, model_row, prompt
+from tests.integrations.test_vllm_support import (
+    GEO,
+    GLOBAL,
+    STORE_BLOCK_TOKENS,
+    Engine,
+    assert_rows_loaded,
+    model_row,
+    prompt,
+)
 
 B = STORE_BLOCK_TOKENS
 #: SGLang's DeepSeek-V4 page in the V4 test: 8 blocks of the tiny geometry (its ratio-2 rows fill whole
@@ -98,9 +106,7 @@ def test_a_prompt_stored_through_sglang_is_loaded_by_the_vllm_connector(store: C
     so = engine.step()
     # 96 stored by SGLang: a bounded replay loads [0, 88) rounded down to vLLM's 16-token page.
     assert so.scheduled_new_reqs[0].num_computed_tokens == 80
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r2", layer, comp, row) == model_row(tokens, layer, comp, row, rb)
+    assert_rows_loaded(engine, "r2", tokens)
     engine.close()
 
 

@@ -21,10 +21,12 @@ from tests.integrations.test_vllm_support import (
     PAGE,
     STORE_BLOCK_TOKENS,
     Engine,
+    assert_rows_loaded,
     expected_block,
     extra,
     model_row,
     prompt,
+    store_prompt,
     stored,
 )
 
@@ -64,10 +66,7 @@ def test_a_prompt_is_saved_block_by_block_in_the_models_bytes_and_held_until_sav
 def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the_rest(
         store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=2)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     assert stored(store.target, tokens) == 96
     # A new engine (an empty local prefix cache): the same prefix and a new turn.
     engine = Engine(tmp_path / "b", extra(store))
@@ -80,9 +79,7 @@ def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the
     assert plan.replay_start == 96 - GEO.window
     assert so.scheduled_new_reqs[0].num_computed_tokens == 80
     assert so.num_scheduled_tokens["r2"] == 150 - 80
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    assert_rows_loaded(engine, "r2", turn2)
     assert engine.worker.worker.loads.blocks_loaded == 5
     engine.run()
     engine.close()
@@ -93,28 +90,20 @@ def test_a_hit_loads_only_the_usable_tokens_byte_identical_and_vllm_computes_the
 @pytest.mark.parametrize("path", ["grpc", "shm", "direct-cpu"])
 def test_each_load_path_fills_the_same_bytes(store: Child, tmp_path: Path, path: str) -> None:
     tokens = prompt(100, seed=20)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     direct = {"data_dir": str(store.data_dir)} if path.startswith("direct") else {}
     engine = Engine(tmp_path / "b", extra(store, path=path, **direct))
     turn2 = [*tokens, 4, 4]
     engine.add("r2", turn2, max_tokens=2)
     engine.step()
     assert engine.worker.worker.loads.load_paths == {path: 1}
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    assert_rows_loaded(engine, "r2", turn2)
     engine.close()
 
 
 def test_a_preempted_request_loads_its_hit_again_into_its_new_pages(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=21)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     engine = Engine(tmp_path / "b", extra(store))
     turn2 = [*tokens, 6, 6]
     engine.add("r2", turn2, max_tokens=4)
@@ -126,9 +115,7 @@ def test_a_preempted_request_loads_its_hit_again_into_its_new_pages(store: Child
     assert so.scheduled_cached_reqs.req_ids == ["r2"] and "r2" in so.scheduled_cached_reqs.resumed_req_ids
     assert so.scheduled_cached_reqs.num_computed_tokens == [80]
     assert len(so.kv_connector_metadata.loads) == 1 and so.kv_connector_metadata.loads[0].lease_id is None
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    assert_rows_loaded(engine, "r2", turn2)
     engine.run()
     assert engine.finished == ["r2"]
     engine.close()
@@ -175,10 +162,7 @@ def test_a_store_outage_costs_the_cache_not_the_requests(start_store: Callable[[
 
 def test_a_salted_request_is_a_chain_of_its_own_found_only_under_its_salt(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=24)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens, cache_salt="user-7")
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens, cache_salt="user-7")
     with kvstore.Client(store.target, geometry=GEO.name) as c:
         assert c.lookup(tokens).found_tokens == 0                                   # not an unsalted prompt's
         assert c.lookup(tokens, extra_keys=["vllm-salt:user-7"]).found_tokens == 96
@@ -189,18 +173,13 @@ def test_a_salted_request_is_a_chain_of_its_own_found_only_under_its_salt(store:
     so = engine.step()
     computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
     assert computed == {"same": 80, "other": 0, "plain": 0}
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("same", layer, comp, row) == model_row(tokens, layer, comp, row, rb)
+    assert_rows_loaded(engine, "same", tokens)
     engine.close()
 
 
 def test_exact_fidelity_replays_layers_times_window(store: Child, tmp_path: Path) -> None:
     tokens = prompt(100, seed=4)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     engine = Engine(tmp_path / "b", extra(store, replay_windows="exact"))
     engine.add("r2", [*tokens, 5, 6, 7])
     so = engine.step()
@@ -231,10 +210,7 @@ def test_vllm_asking_again_makes_no_second_lookup(store: Child, tmp_path: Path) 
 def test_blocks_that_fail_to_load_are_reported_and_vllm_recomputes_them(
         store: Child, start_store: Callable[[], Child], tmp_path: Path) -> None:
     tokens = prompt(100, seed=7)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     # The worker reads from a store that lost the blocks (an empty one): every load fails.
     empty = start_store()
     engine = Engine(tmp_path / "b", extra(store), worker_extra=extra(empty))
@@ -254,10 +230,7 @@ def test_blocks_that_fail_to_load_are_reported_and_vllm_recomputes_them(
 def test_with_vllms_default_failure_policy_a_failed_load_fails_the_request(
         store: Child, start_store: Callable[[], Child], tmp_path: Path) -> None:
     tokens = prompt(100, seed=7)
-    first = Engine(tmp_path / "a", extra(store))
-    first.add("r1", tokens)
-    first.run()
-    first.close()
+    store_prompt(store, tmp_path / "a", tokens)
     engine = Engine(tmp_path / "b", extra(store), worker_extra=extra(start_store()), failure_policy="fail")
     engine.add("r2", [*tokens, 9, 9])
     engine.step()

@@ -22,6 +22,7 @@ from tests.integrations.test_vllm_support import (
     PAGE,
     STORE_BLOCK_TOKENS,
     Engine,
+    assert_rows_loaded,
     expected_block,
     extra,
     model_row,
@@ -86,9 +87,7 @@ def test_a_layer_is_filled_and_released_to_the_forward_before_the_later_layers_a
     assert seen[FIRST] == (True, True)
     # At the later layer: its rows are in too, byte-identical to the stored blocks.
     assert seen[LATER] == (True, False)
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r2", layer, comp, row) == model_row(turn2, layer, comp, row, rb)
+    assert_rows_loaded(engine, "r2", turn2)
     assert engine.worker.worker.loads.blocks_loaded == 5 and engine.worker.worker.loads.layerwise
     engine.run()
     assert engine.finished == ["r2"]
@@ -126,9 +125,7 @@ def test_when_vllm_calls_no_per_layer_hooks_layerwise_loads_are_recomputed_and_t
     engine.add("r3", [*other, 9], max_tokens=2)
     so = engine.step()
     assert so.scheduled_new_reqs[0].num_computed_tokens == 80 and engine.scheduler.requests["r3"].num_computed_tokens
-    for layer, comp, rb in GLOBAL:
-        for row in range(80 // GEO.compress_ratios[layer]):
-            assert engine.page_row("r3", layer, comp, row) == model_row([*other, 9], layer, comp, row, rb)
+    assert_rows_loaded(engine, "r3", [*other, 9])
     engine.close()
 
 

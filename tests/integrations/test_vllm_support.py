@@ -305,6 +305,21 @@ def extra(store: Any, **more: object) -> dict[str, object]:
     return {"target": store.target, "geometry": GEO.name, "timeout_s": 10.0, **more}
 
 
+def store_prompt(store: Any, model_dir: Path, tokens: list[int], **add: Any) -> None:
+    """Run one vLLM engine with the connector until the prompt `tokens` ran and was stored."""
+    first = Engine(model_dir, extra(store))
+    first.add("r1", tokens, **add)
+    first.run()
+    first.close()
+
+
+def assert_rows_loaded(engine: Engine, req_id: str, tokens: Sequence[int], loaded_tokens: int = 80) -> None:
+    """The request's pages hold the model's rows of `tokens` for its first `loaded_tokens` tokens."""
+    for layer, comp, rb in GLOBAL:
+        for row in range(loaded_tokens // GEO.compress_ratios[layer]):
+            assert engine.page_row(req_id, layer, comp, row) == model_row(tokens, layer, comp, row, rb)
+
+
 def stored(target: str, tokens: list[int]) -> int:
     """Leading tokens of `tokens` the store holds (a Lookup)."""
     with kvstore.Client(target, geometry=GEO.name) as c:
