@@ -237,13 +237,9 @@ time.sleep(600)
     assert serve.alive
 
 
-def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child) -> None:
-    client = Client(serve.target, timeout_s=60)
-    session = client.transfer()
-    hashes, _ = stored(client, 1)
-    region = session.register(client.block_bytes)
-    assert session.ring is not None
-    stop(serve.proc.pid)  # SIGSTOP: the request is written but nobody answers
+def fetch_in_background(session: Any, hashes: list[bytes],
+                        region: Any) -> tuple[threading.Thread, list[BaseException | None]]:
+    """A fetch started on another thread, and where its outcome lands (None: it returned; else what it raised)."""
     outcome: list[BaseException | None] = []
 
     def fetch() -> None:
@@ -255,6 +251,17 @@ def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child)
 
     waiter = threading.Thread(target=fetch)
     waiter.start()
+    return waiter, outcome
+
+
+def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child) -> None:
+    client = Client(serve.target, timeout_s=60)
+    session = client.transfer()
+    hashes, _ = stored(client, 1)
+    region = session.register(client.block_bytes)
+    assert session.ring is not None
+    stop(serve.proc.pid)  # SIGSTOP: the request is written but nobody answers
+    waiter, outcome = fetch_in_background(session, hashes, region)
     time.sleep(0.5)
     assert not outcome, "the request waits while the server is stopped"
     started = time.monotonic()
@@ -467,17 +474,7 @@ def test_closing_the_session_ends_a_request_waiting_on_another_thread(serve: Chi
     region = session.register(client.block_bytes)
     assert session.ring is not None
     stop(serve.proc.pid)  # SIGSTOP: nobody answers
-    outcome: list[BaseException | None] = []
-
-    def fetch() -> None:
-        try:
-            session.fetch(hashes, region)
-            outcome.append(None)
-        except BaseException as exc:
-            outcome.append(exc)
-
-    waiter = threading.Thread(target=fetch)
-    waiter.start()
+    waiter, outcome = fetch_in_background(session, hashes, region)
     time.sleep(0.3)
     started = time.monotonic()
     try:
