@@ -11,16 +11,13 @@ training, where the indexer learns from a separate loss.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from replay.model import ops
 from replay.model.layers import LayerWeights
-
-if TYPE_CHECKING:
-    from replay.model.model import ReferenceModel
+from replay.model.weights import ModelWeights
 
 
 def _rope(x: Tensor, tables: tuple[Tensor, Tensor], rope_dims: int) -> Tensor:
@@ -30,7 +27,7 @@ def _rope(x: Tensor, tables: tuple[Tensor, Tensor], rope_dims: int) -> Tensor:
     return ops.rope(flat, *tables, rope_dims).reshape(t, b, *x.shape[2:]).transpose(0, 1)
 
 
-def _compress(model: ReferenceModel, w: LayerWeights, layer: int, x: Tensor, freq: Tensor) -> tuple[Tensor, Tensor]:
+def _compress(model: ModelWeights, w: LayerWeights, layer: int, x: Tensor, freq: Tensor) -> tuple[Tensor, Tensor]:
     """A source layer's compressed KV `[B, R, D]` and indexer keys `[B, R, d_I]` for full sequences."""
     cfg = model.config
     g = cfg.geometry
@@ -52,7 +49,7 @@ def _compress(model: ReferenceModel, w: LayerWeights, layer: int, x: Tensor, fre
     return values, keys
 
 
-def _select(model: ReferenceModel, w: LayerWeights, x: Tensor, keys: Tensor, ratio: int,
+def _select(model: ModelWeights, w: LayerWeights, x: Tensor, keys: Tensor, ratio: int,
             tables: tuple[Tensor, Tensor]) -> Tensor:
     """The index layer's choice as a bool mask `[B, T, R]` (no gradient)."""
     cfg = model.config
@@ -70,7 +67,7 @@ def _select(model: ReferenceModel, w: LayerWeights, x: Tensor, keys: Tensor, rat
     return mask[:, :rows].view(b, t, rows)
 
 
-def _attention(model: ReferenceModel, w: LayerWeights, x: Tensor, window_kv: Tensor,
+def _attention(model: ModelWeights, w: LayerWeights, x: Tensor, window_kv: Tensor,
                tables: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]],
                compressed: tuple[Tensor, Tensor] | None) -> Tensor:
     """[sink] + band-masked window keys + selected compressed rows, one softmax; `[B, T, H * D]`."""
@@ -96,7 +93,7 @@ def _attention(model: ReferenceModel, w: LayerWeights, x: Tensor, window_kv: Ten
     return out.reshape(b, t, -1)
 
 
-def forward_dense(model: ReferenceModel, tokens: Tensor) -> Tensor:
+def forward_dense(model: ModelWeights, tokens: Tensor) -> Tensor:
     """Logits `[B, T, vocab]` of whole sequences `[B, T]` (positions from 0), differentiable."""
     cfg = model.config
     g = cfg.geometry

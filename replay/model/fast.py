@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -35,9 +34,7 @@ from kvstore.errors import InvalidArgument
 from replay.model import ops
 from replay.model.layers import FAST_BUDGET, LayerWeights, new_compressor_inputs
 from replay.model.state import CacheState
-
-if TYPE_CHECKING:
-    from replay.model.model import ReferenceModel
+from replay.model.weights import ModelWeights
 
 #: The codec's encoders, each returning (rows, flag) without checking the flag: the step checks
 #: every flag at once (kvstore.codec.rows checks each with a host sync).
@@ -124,7 +121,7 @@ def rope(x: Tensor, rot: Tensor) -> Tensor:
 class _Step:
     """The per-step context: tables shared by every layer, the deferred row flags, the selections."""
 
-    def __init__(self, model: ReferenceModel, state: CacheState, toks: Tensor) -> None:
+    def __init__(self, model: ModelWeights, state: CacheState, toks: Tensor) -> None:
         cfg, g = model.config, model.config.geometry
         self.model, self.cfg, self.g, self.state = model, cfg, g, state
         self.start, self.m = state.length, toks.numel()
@@ -169,7 +166,7 @@ class _Step:
         return mask
 
 
-def step(model: ReferenceModel, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
+def step(model: ModelWeights, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
     """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
     s = _Step(model, state, toks)
     cfg, g = s.cfg, s.g
