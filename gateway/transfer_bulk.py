@@ -5,7 +5,10 @@ A client whose regions this server cannot map (another host) fetches over gRPC
 transport (docs/TRANSFER.md "Bulk transport"):
 
 1. `OpenBulk`: the client names its engine ("host:port"); the server answers yes,
-   or no and why (`transfer.bulk` is off, Mooncake cannot run here).
+   or no and why (`transfer.bulk` is off, Mooncake cannot run here). A client with
+   several engines calls it once per engine: each is a lane of the session, tied to one
+   of the server's engines (`ENGINES`), and each write goes through the lane with the
+   fewest writes running (one Mooncake 0.3.13 engine moves all its TCP bytes on one io thread).
 2. `BulkFetch`: the server finds the blocks in LMDB's map under a read txn, verifies each
    against its checksum in place, and its engine writes the found blocks from the map to
    the client's addresses in one batch (`batch_transfer_sync_write`), the txn held until
@@ -24,9 +27,8 @@ pays nothing.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import re
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.transfer_bulk_lanes import Lane, Lanes, checked_segment, peer_host, same_host
 from gateway.transfer_bulk_map import MapSource, Resolved, missing
 from gateway.transfer_fetch import batch_results, copy_blocks
 from kvstore.config import TransferSettings
@@ -44,9 +47,12 @@ from tiers.lmdb_tier import LmdbBlockTier
 
 log = logging.getLogger("kvstore.transfer")
 
-#: A client engine's name: "host:port" (a host name, IPv4, or [IPv6]).
-_SEGMENT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})$")
-
+#: Transfer engines the server runs: Mooncake 0.3.13's TCP transport moves all of an engine's
+#: bytes on one io thread, which held one engine pair at 2.1-2.8 GB/s on the 16-core H200 host
+#: (however many batches were in flight); one engine per 4 CPUs, 1 to 4.
+ENGINES = max(1, min(4, (os.cpu_count() or 1) // 4))
+#: Most client engines (lanes) one session may name.
+MAX_LANES = 16
 
 def engine_missing() -> str:
     """Why Mooncake's transfer engine cannot run in this process ("" when it can)."""
@@ -56,38 +62,6 @@ def engine_missing() -> str:
         return (f"mooncake-transfer-engine cannot run on the server ({type(exc).__name__}: {exc}); "
                 "fix: apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda")
     return ""
-
-
-def checked_segment(segment: str) -> str:
-    """A client engine's name, checked to be "host:port".
-
-    Raises:
-        InvalidArgument: naming the value and the form.
-    """
-    match = _SEGMENT.match(segment)
-    if not match or not 0 < int(match.group(2)) < 65536:
-        raise InvalidArgument(f"segment {segment[:64]!r} is not host:port (its engine's handshake port)")
-    return segment
-
-
-def peer_host(peer: str) -> str:
-    """The host of a grpc peer ("ipv4:1.2.3.4:5678" -> "1.2.3.4", "ipv6:[::1]:5678" -> "::1"; else "")."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return ""
-    return rest.rpartition(":")[0].strip("[]")
-
-
-def same_host(host: str, caller: str) -> bool:
-    """Whether address `host` is the address `caller` (an IPv4-mapped IPv6 address is its IPv4
-    address; any two loopback addresses are this host)."""
-    try:
-        a, b = ipaddress.ip_address(host), ipaddress.ip_address(caller)
-    except ValueError:
-        return False  # a name: only addresses are compared, never resolved
-    a = getattr(a, "ipv4_mapped", None) or a
-    b = getattr(b, "ipv4_mapped", None) or b
-    return a == b or (a.is_loopback and b.is_loopback)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,11 +80,11 @@ class BulkFetched:
 class _Staging:
     """The registered staging pool and its free slots (each `slot_bytes`)."""
 
-    def __init__(self, engine: Any, slots: int, slot_bytes: int) -> None:
+    def __init__(self, engines: list[Any], slots: int, slot_bytes: int) -> None:
         self.buffer = np.empty(slots * slot_bytes, dtype=np.uint8)  # pages committed as slots are used
         self.address = int(self.buffer.ctypes.data)
         self.slot_bytes = slot_bytes
-        if engine.register_memory(self.address, self.buffer.nbytes):
+        if any(engine.register_memory(self.address, self.buffer.nbytes) for engine in engines):
             raise Unavailable("bulk: the server's transfer engine could not register its staging pool")
         self.free = list(range(slots))
         self.ready = asyncio.Semaphore(slots)
@@ -133,12 +107,13 @@ class BulkServer:
         self.max_blocks = max(1, min(settings.bulk_max_blocks, settings.bulk_staging_bytes // block_bytes))
         self.slot_bytes = self.max_blocks * block_bytes
         self.slots = max(1, settings.bulk_staging_bytes // self.slot_bytes)
-        #: Session id -> the client engine's name, for sessions whose OpenBulk was accepted.
-        self.segments: dict[str, str] = {}
+        #: Session id -> its lanes (client engines), for sessions whose OpenBulk was accepted.
+        self.segments: dict[str, Lanes] = {}
         #: BulkFetch calls answered since start, and of them those served through staging.
         self.fetches = 0
         self.staged = 0
-        self._engine: Any = None
+        self._engines: list[Any] = []
+        self._load: list[int] = []  # lanes tied to each engine now
         self._staging: _Staging | None = None
         self._map: MapSource | None = None
         #: Why calls are not served from the map ("" while they may be, or until first tried).
@@ -152,7 +127,8 @@ class BulkServer:
         self._writers = ThreadPoolExecutor(self.slots, thread_name_prefix="kvstore-bulk-write")
         self._refused = "" if settings.bulk == "mooncake" else "transfer.bulk is off on this server"
         #: What OpenSession's first event offers: the transport named by `transfer.bulk`, if any.
-        self.offered = [] if settings.bulk == "off" else [settings.bulk]
+        # "mooncake-lanes": several OpenBulk calls of one session name as many engines (lanes).
+        self.offered = [] if settings.bulk == "off" else [settings.bulk, f"{settings.bulk}-lanes"]
 
     async def open(self, session_id: str, transport: str, segment: str, peer: str) -> str:
         """Accept a session's bulk transport ("") or say why not (the client uses gRPC).
@@ -175,37 +151,51 @@ class BulkServer:
             await asyncio.to_thread(self._start)  # off the loop: registering may pin memory (RDMA)
         if self._refused:
             return self._refused
-        if int(segment.rpartition(":")[2]) == self._engine.get_rpc_port():
+        if int(segment.rpartition(":")[2]) in {e.get_rpc_port() for e in self._engines}:
             # Never its own engine: a write there could land in another call's staging slot.
             return f"segment {segment} names this server's own transfer engine"
-        self.segments[session_id] = segment
+        lanes = self.segments.setdefault(session_id, Lanes())
+        if all(lane.segment != segment for lane in lanes.lanes):
+            if len(lanes.lanes) >= MAX_LANES:
+                return f"this session names {MAX_LANES} engines already (the most it may)"
+            # The least loaded of the server's engines writes to this lane.
+            i = min(range(len(self._engines)), key=self._load.__getitem__)
+            self._load[i] += 1
+            lanes.lanes.append(Lane(segment, self._engines[i], i))
         return ""
 
     def _start(self) -> None:
         """Import and start the engine and register the staging pool, once (P2P handshake: no
         metadata server)."""
         with self._start_lock:
-            if self._engine is not None or self._refused:
+            if self._engines or self._refused:
                 return
             self._refused = engine_missing()
             if self._refused:
                 return
             from mooncake.engine import TransferEngine
 
+            engines: list[Any] = []
+            for _ in range(ENGINES):
+                try:
+                    engine = TransferEngine()
+                    failed = engine.initialize(self.settings.bulk_host, "P2PHANDSHAKE", "tcp", "")
+                except Exception as exc:  # the native engine's own errors: bulk stays off, gRPC serves
+                    failed = f"{type(exc).__name__}: {exc}"
+                if failed:
+                    if not engines:
+                        self._refused = (f"the server's transfer engine did not start on {self.settings.bulk_host} "
+                                         f"({failed})")
+                        return
+                    log.warning("bulk transport: %d of %d engines started (%s)", len(engines), ENGINES, failed)
+                    break
+                engines.append(engine)
             try:
-                engine = TransferEngine()
-                failed = engine.initialize(self.settings.bulk_host, "P2PHANDSHAKE", "tcp", "")
-            except Exception as exc:  # the native engine's own errors: bulk stays off, gRPC serves
-                failed, engine = f"{type(exc).__name__}: {exc}", None
-            if failed:
-                self._refused = f"the server's transfer engine did not start on {self.settings.bulk_host} ({failed})"
-                return
-            try:
-                self._staging = _Staging(engine, self.slots, self.slot_bytes)
+                self._staging = _Staging(engines, self.slots, self.slot_bytes)
             except Unavailable as exc:
                 self._refused = exc.message
                 return
-            self._engine = engine
+            self._engines, self._load = engines, [0] * len(engines)
 
     def close(self) -> None:
         """Stop the write threads (after the server stopped taking calls), then drop the map's registration."""
@@ -214,11 +204,13 @@ class BulkServer:
             self._map.close()
 
     def forget(self, session_id: str) -> None:
-        """The session ended: its engine is no longer written to."""
-        self.segments.pop(session_id, None)
+        """The session ended: its engines are no longer written to."""
+        lanes = self.segments.pop(session_id, None)
+        for lane in lanes.lanes if lanes is not None else ():
+            self._load[lane.index] -= 1
 
-    def segment(self, session_id: str) -> str:
-        """The session's client engine.
+    def segment(self, session_id: str) -> Lanes:
+        """The session's lanes (its client engines).
 
         Raises:
             FailedPrecondition: the session did not negotiate bulk.
@@ -249,7 +241,7 @@ class BulkServer:
                                   f"fit in the {size_bytes}-byte buffer")
         return at
 
-    async def fetch(self, tier: LmdbBlockTier, keys: list[bytes], segment: str, offsets: np.ndarray, address: int,
+    async def fetch(self, tier: LmdbBlockTier, keys: list[bytes], lanes: Lanes, offsets: np.ndarray, address: int,
                     block_bytes: int, prefix_only: bool) -> BulkFetched:
         """Write the found blocks into the client's memory (from the map, else through a staging
         slot), then restart their retention clocks durably (a failed refresh fails the call, as
@@ -258,7 +250,7 @@ class BulkServer:
         Raises:
             Unavailable: the engine's write failed (the client falls back to gRPC).
         """
-        assert self._staging is not None and self._engine is not None  # a session has a segment only once started
+        assert self._staging is not None  # a session has lanes only once started
         source = await self._source(tier)
         codes: bytes | None = None
         if source is not None:
@@ -266,10 +258,10 @@ class BulkServer:
                 resolved = await tier.call(source.resolve, keys, block_bytes, prefix_only)
                 if resolved is not None:
                     codes, due = resolved.codes, resolved.due
-                    await self._write_from_map(resolved, segment, offsets, address, block_bytes)
+                    await self._write_from_map(resolved, lanes, offsets, address, block_bytes)
         staged = codes is None
         if codes is None:
-            codes, due = await self._write_staged(tier, keys, segment, offsets, address, block_bytes, prefix_only)
+            codes, due = await self._write_staged(tier, keys, lanes, offsets, address, block_bytes, prefix_only)
         if due:
             await asyncio.wrap_future(tier.touch_soon(due))
         results = batch_results(codes, block_bytes)
@@ -284,7 +276,7 @@ class BulkServer:
                 if self._map is None and not self.map_reason:
                     self.map_reason = missing()
                     try:
-                        self._map = None if self.map_reason else await tier.call(MapSource, self._engine, tier)
+                        self._map = None if self.map_reason else await tier.call(MapSource, self._engines, tier)
                     except LookupError:  # an empty store: nothing to find it by yet; next call
                         pass
                     except (Unavailable, OSError, ValueError) as exc:
@@ -296,19 +288,20 @@ class BulkServer:
             return None
         return source
 
-    async def _write_from_map(self, resolved: Resolved, segment: str, offsets: np.ndarray, address: int,
+    async def _write_from_map(self, resolved: Resolved, lanes: Lanes, offsets: np.ndarray, address: int,
                               block_bytes: int) -> None:
         """Have the engine write the resolved blocks; their txn ends once the write returns."""
         remote = (offsets[resolved.found] + np.uint64(address)).tolist()
         # The txn ends on the write's thread, after the write: even when this call is
         # cancelled meanwhile, LMDB reuses no page the engine may still be reading.
-        rc = await asyncio.get_running_loop().run_in_executor(
-            self._writers, _write_then_end, self._engine, segment, resolved.addresses, remote, block_bytes,
-            resolved.txn)
+        with lanes.pick() as lane:
+            rc = await asyncio.get_running_loop().run_in_executor(
+                self._writers, _write_then_end, lane.engine, lane.segment, resolved.addresses, remote, block_bytes,
+                resolved.txn)
         if rc:
-            raise _write_failed(segment, len(remote), rc)
+            raise _write_failed(lane.segment, len(remote), rc)
 
-    async def _write_staged(self, tier: LmdbBlockTier, keys: list[bytes], segment: str, offsets: np.ndarray,
+    async def _write_staged(self, tier: LmdbBlockTier, keys: list[bytes], lanes: Lanes, offsets: np.ndarray,
                             address: int, block_bytes: int, prefix_only: bool) -> tuple[bytes, list[bytes]]:
         """Verify-copy the blocks into a staging slot and write the found ones from it."""
         staging = self._staging
@@ -322,16 +315,17 @@ class BulkServer:
                     base = staging.address + slot * staging.slot_bytes
                     local = (found * block_bytes + base).tolist()
                     remote = (offsets[found] + np.uint64(address)).tolist()
-                    write = asyncio.get_running_loop().run_in_executor(
-                        self._writers, write_blocks, self._engine, segment, local, remote, block_bytes)
-                    try:
-                        rc = await asyncio.shield(write)
-                    except asyncio.CancelledError:
-                        # The engine may still be reading the slot: it is freed once the write returns.
-                        await asyncio.wait([write])
-                        raise
+                    with lanes.pick() as lane:
+                        write = asyncio.get_running_loop().run_in_executor(
+                            self._writers, write_blocks, lane.engine, lane.segment, local, remote, block_bytes)
+                        try:
+                            rc = await asyncio.shield(write)
+                        except asyncio.CancelledError:
+                            # The engine may still be reading the slot: it is freed once the write returns.
+                            await asyncio.wait([write])
+                            raise
                     if rc:
-                        raise _write_failed(segment, len(local), rc)
+                        raise _write_failed(lane.segment, len(local), rc)
             finally:
                 staging.free.append(slot)
         return codes, due

@@ -77,7 +77,7 @@ class MapSource:
     """The tier's map of data.mdb, registered with the server's engine.
 
     Args:
-        engine: the server's started Mooncake engine (TCP transport).
+        engines: the server's started Mooncake engines (TCP transport); each registers the map.
         tier: the tier whose map it is.
 
     Raises:
@@ -85,9 +85,9 @@ class MapSource:
         Unavailable: the engine would not register it.
     """
 
-    def __init__(self, engine: Any, tier: LmdbBlockTier) -> None:
+    def __init__(self, engines: list[Any], tier: LmdbBlockTier) -> None:
         env = tier.env
-        self.engine = engine
+        self.engines = engines
         self.tier = tier
         self.mapping = Mapping(env)
         self.path = Path(env.path()) / "data.mdb"
@@ -95,8 +95,11 @@ class MapSource:
         self.map_size = int(env.info()["map_size"])
         # Opening an open database hands back its handle; a miss is checked against it (below).
         self.records = env.open_db(b"records", create=False)
-        if engine.register_memory(self.mapping.base, self.mapping.length):
-            raise Unavailable("bulk: the server's transfer engine could not register the map of data.mdb")
+        for i, engine in enumerate(engines):
+            if engine.register_memory(self.mapping.base, self.mapping.length):
+                for done in engines[:i]:
+                    done.unregister_memory(self.mapping.base)
+                raise Unavailable("bulk: the server's transfer engine could not register the map of data.mdb")
         self.reason = ""  # why the map path was turned off ("" while on)
 
     def usable(self) -> bool:
@@ -116,14 +119,16 @@ class MapSource:
     def _off(self, reason: str) -> None:
         self.reason = reason
         # The old range may be gone from this process: no transfer may name it any more.
-        self.engine.unregister_memory(self.mapping.base)
+        for engine in self.engines:
+            engine.unregister_memory(self.mapping.base)
         log.warning("bulk transport: serving from staging from now on: %s", reason)
 
     def close(self) -> None:
         """Drop the registration (the engine is going)."""
         if not self.reason:
             self.reason = "closed"
-            self.engine.unregister_memory(self.mapping.base)
+            for engine in self.engines:
+                engine.unregister_memory(self.mapping.base)
 
     def resolve(self, keys: list[bytes], block_bytes: int, prefix_only: bool) -> Resolved | None:
         """Find and verify `keys`' blocks in the map under a new read txn (on the tier's pool).

@@ -25,7 +25,6 @@ from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_pro
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, mooncake_reader, p50_s, raw_server
 from kvstore.client.transfer import TransferSession
-from kvstore.client.transfer_bulk import IN_FLIGHT
 from kvstore.client.transfer_stream import checked_streams
 from kvstore.geometry import V4_1_FLASH
 
@@ -258,9 +257,11 @@ def _bulk(report: Report, client: Client, hashes: list[bytes], batch: int, args:
             raise RuntimeError(f"the bulk transport failed during the run: {session.bulk_reason}")
         if not np.array_equal(np.frombuffer(region.view, dtype=np.uint8), source):
             raise RuntimeError("bulk fetch landed the wrong bytes")
+        lanes = len(session.bulk.lanes)
         report.notes["bulk"] = (f"Mooncake TCP on loopback, {session.bulk.max_blocks} blocks a BulkFetch, "
-                                f"{min(session.streams, IN_FLIGHT)} in flight; each round a bulk fetch, "
-                                "then Mooncake's raw read")
+                                f"{session.bulk.in_flight()} in flight over {lanes} lane{'s' * (lanes > 1)} "
+                                "(client engines, each written by one server engine); each round a bulk "
+                                "fetch, then Mooncake's raw read (one engine each side, one batch at a time)")
     gbs = nbytes / bulk_s / 1e9
     report.add(Figure(name=f"bulk fetch batch={batch}", value=gbs, unit="GB/s"))
     return gbs, (None if raw is None else source.nbytes / raw_s / 1e9)

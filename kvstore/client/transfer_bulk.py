@@ -8,6 +8,10 @@ fetches with `Transfer.BulkFetch` calls that carry hashes and offsets only. The
 server verifies the blocks and its engine writes them straight into the region;
 the reply carries their statuses. Nothing is copied here.
 
+On a host with many cores the session runs several engines (`LANES`: Mooncake 0.3.13's
+TCP transport moves all of one engine's bytes on one io thread) and names each with its
+own `OpenBulk`; the server ties each to one of its engines and spreads the calls over them.
+
 Any failure of the bulk transport (the engine cannot start here, the server
 refuses, a BulkFetch fails) turns it off for the session, says why in
 `session.bulk_reason`, and the batch is fetched over gRPC (`StreamPath`) instead.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import socket
 import threading
 from collections import deque
@@ -43,33 +48,51 @@ if TYPE_CHECKING:
 #: What makes Mooncake's transfer engine run on a host, for the reason when it cannot.
 FIX = "apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda"
 
-#: Most BulkFetch calls a session keeps in flight (fewer when its `streams` is lower): the engine
-#: already spreads one batch over its own threads, and on the 2-core dev box raw Mooncake writes
-#: of 512 blocks ran 0.73-0.77 GB/s two at a time against 0.36-0.53 GB/s four at a time.
+#: BulkFetch calls a session keeps in flight per lane (fewer when its `streams` is lower): while
+#: the engine writes one call's blocks the server finds and verifies the next's. On one engine
+#: pair two at a time ran 1.4x one at a time on the H200 host; on the 2-core dev box raw Mooncake
+#: writes of 512 blocks ran 0.73-0.77 GB/s two at a time against 0.36-0.53 GB/s four at a time.
 IN_FLIGHT = 2
+#: What a server that takes several engines (lanes) per session offers beside "mooncake".
+LANES_OFFER = "mooncake-lanes"
+#: Engines (lanes) a session fetches through: one Mooncake 0.3.13 engine moves all its TCP
+#: bytes on one io thread (2.1-2.8 GB/s for a pair on the H200 host); one per 4 CPUs, 1 to 4
+#: (each lane takes about three cores at full speed: two io threads and the server's wait).
+LANES = max(1, min(4, (os.cpu_count() or 1) // 4))
 
-_ENGINES: dict[str, tuple[Any, str]] = {}
+_ENGINES: dict[str, list[tuple[Any, str]]] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
-def local_engine(host: str) -> tuple[Any, str]:
-    """This process's Mooncake engine naming itself `host` (started once), and its segment name.
+def local_engines(host: str, count: int) -> list[tuple[Any, str]]:
+    """`count` Mooncake engines of this process naming themselves `host` (each started once and
+    shared by the process's sessions), and their segment names.
 
     Raises:
-        Unavailable: Mooncake cannot run here (naming the fix), or its engine did not start.
+        Unavailable: Mooncake cannot run here (naming the fix), or its first engine did not start.
     """
     with _ENGINES_LOCK:
-        if host not in _ENGINES:
+        started = _ENGINES.setdefault(host, [])
+        while len(started) < count:
             try:
                 from mooncake.engine import TransferEngine
             except Exception as exc:  # ImportError, or its native library (libibverbs) failing to load
+                del _ENGINES[host]
                 raise Unavailable(f"mooncake-transfer-engine cannot run here ({type(exc).__name__}: {exc})",
                                   hint=FIX) from None
             engine = TransferEngine()
             if engine.initialize(host, "P2PHANDSHAKE", "tcp", ""):
+                if started:  # fewer lanes: the ones that started serve
+                    break
+                del _ENGINES[host]
                 raise Unavailable(f"Mooncake's transfer engine did not start on {host}")
-            _ENGINES[host] = (engine, f"{host}:{engine.get_rpc_port()}")
-        return _ENGINES[host]
+            started.append((engine, f"{host}:{engine.get_rpc_port()}"))
+        return started[:count]
+
+
+def local_engine(host: str) -> tuple[Any, str]:
+    """This process's first Mooncake engine naming itself `host`, and its segment name (see `local_engines`)."""
+    return local_engines(host, 1)[0]
 
 
 def bulk_host(target: str) -> str:
@@ -136,7 +159,14 @@ class BulkPath(TransferPath):
         self.stream = stream
         self.connection = session.connection
         self.max_blocks = max(1, max_blocks)
-        self.engine, self.segment = local_engine(bulk_host(self.connection.target))
+        # Lanes only with a server that takes them (one that does not would write every call to
+        # the last engine named, past what Mooncake queues for one peer).
+        wanted = LANES if LANES_OFFER in session.bulk_offered else 1
+        #: The engines every region is registered with; `lanes`: those the server writes to.
+        self.engines = local_engines(bulk_host(self.connection.target), wanted)
+        self.lanes = list(self.engines)
+        self.engine, self.segment = self.engines[0]
+        self._named = False  # whether the lanes past the first were named to the server (first fetch)
         #: Region id -> its address in this process, for regions registered with the engine.
         self.addresses: dict[int, int] = {}
         self._call = session.connection.channel.unary_unary(
@@ -145,18 +175,22 @@ class BulkPath(TransferPath):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-bulk")
 
     def register(self, region: Region) -> bool:
-        """Register a region with the engine (False: it could not be, the region streams)."""
+        """Register a region with every lane's engine (False: it could not be, the region streams)."""
         address = region_address(region)
-        if self.engine.register_memory(address, region.size_bytes):
-            return False
+        for i, (engine, _) in enumerate(self.engines):
+            if engine.register_memory(address, region.size_bytes):
+                for done, _ in self.engines[:i]:
+                    done.unregister_memory(address)
+                return False
         self.addresses[region.region_id] = address
         return True
 
     def unregister(self, region: Region) -> None:
-        """Unregister a region from the engine: before it is unmapped, so no write can land in it."""
+        """Unregister a region from the engines: before it is unmapped, so no write can land in it."""
         address = self.addresses.pop(region.region_id, None)
         if address is not None:
-            self.engine.unregister_memory(address)
+            for engine, _ in self.engines:
+                engine.unregister_memory(address)
 
     def covers(self, groups: Sequence[DescriptorGroup]) -> bool:
         """Whether every region of `groups` is registered with the engine."""
@@ -166,7 +200,8 @@ class BulkPath(TransferPath):
         """Finish running batches and unregister every region."""
         self._pool.shutdown(wait=True)
         for address in self.addresses.values():
-            self.engine.unregister_memory(address)
+            for engine, _ in self.engines:
+                engine.unregister_memory(address)
         self.addresses.clear()
 
     # -- reads ---------------------------------------------------------------
@@ -202,11 +237,12 @@ class BulkPath(TransferPath):
             spans = check_spans(groups, Op.READ, size, results, lambda rid: self.session.region(rid).view)
             out.append(results)
             calls.extend(self._calls(spans, results, prefix_only))
+        self._name_lanes()
         stopped: set[int] = set()
         flying: deque[tuple[_Call, Any]] = deque()
         try:
             for call in calls:
-                if len(flying) >= min(self.session.streams, IN_FLIGHT):
+                if len(flying) >= self.in_flight():
                     self._land(*flying.popleft(), stopped, prefix_only)
                 flying.append((call, self._send(call.request)))
             while flying:
@@ -219,6 +255,27 @@ class BulkPath(TransferPath):
             # With prefix_only, a batch's calls past its first block not loaded stay PENDING: SKIPPED.
             np.frombuffer(results.statuses, dtype=np.uint8)[pending] = SKIPPED
         return out
+
+    def in_flight(self) -> int:
+        """BulkFetch calls kept in flight: `IN_FLIGHT` per lane, at most the session's `streams`."""
+        return max(1, min(self.session.streams, IN_FLIGHT * len(self.lanes)))
+
+    def _name_lanes(self) -> None:
+        """Name the lanes past the first to the server (once): an OpenBulk each. A lane it refuses
+        is dropped (its calls go through the others)."""
+        if self._named:
+            return
+        self._named = True
+        kept = self.lanes[:1]
+        for engine, segment in self.lanes[1:]:
+            try:
+                reply = self.session.call(self.session.stub.OpenBulk, pb.OpenBulkRequest(
+                    session_id=self.session.session_id, transport="mooncake", segment=segment))
+            except KVStoreError:
+                reply = None
+            if reply is not None and reply.accepted:
+                kept.append((engine, segment))
+        self.lanes = kept
 
     def _calls(self, spans: Spans, results: BatchResults, prefix_only: bool) -> list[_Call]:
         """The batch's good descriptors (up to its first bad one with `prefix_only`), `max_blocks` a call."""

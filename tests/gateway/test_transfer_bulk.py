@@ -321,7 +321,7 @@ def test_the_staging_pool_stays_within_bulk_staging_bytes(start_server: Callable
 
 
 def test_the_segment_host_is_compared_by_address() -> None:
-    from gateway.transfer_bulk import peer_host, same_host
+    from gateway.transfer_bulk_lanes import peer_host, same_host
 
     assert peer_host("ipv4:10.0.0.5:4242") == "10.0.0.5" and peer_host("ipv6:[::1]:4242") == "::1"
     assert peer_host("unix:/tmp/s") == ""
