@@ -160,7 +160,9 @@ class TransferServicer:
     def OpenBulk(self, request, context):
         """The bulk transport (docs/TRANSFER.md "Bulk transport"): the client names its
         transfer engine; the server answers whether it will write this session's
-        fetches straight into that engine's registered memory, and why not.
+        fetches straight into that engine's registered memory, and why not. A server
+        offering "mooncake-lanes" takes several engines a session, one OpenBulk each
+        (lanes: it spreads its writes over them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
