@@ -291,13 +291,25 @@ class RingServer:
         while not self._stop:
             state = header.state
             if state != REQUEST:
-                spurious = self._idle(futex, state, spurious)
-                continue
-            spurious = 0
-            header.state = BUSY
-            seq, length = header.seq, header.length
-            with self.busy:
-                code, answer = self._serve(view, seq, length)
+                native = self.native
+                if native is None or spurious >= _SPURIOUS or not native.ready(self.busy):
+                    spurious = self._idle(futex, state, spurious)
+                    continue
+                # Readied off the request's path; the spin and the request's first half in one native call.
+                kind, seq, length, value = native.take(state, self.expires)
+                if kind == native_ring.IDLE:  # none within the spin: sleep on the futex
+                    native.unready()
+                    spurious = self._idle(futex, value, spurious, spin=False)
+                    continue
+                spurious = 0
+                with self.busy:
+                    code, answer = self._serve_taken(native, view, kind, seq, length, value)
+            else:
+                spurious = 0
+                header.state = BUSY
+                seq, length = header.seq, header.length
+                with self.busy:
+                    code, answer = self._serve(view, seq, length)
             if answer is None:  # answered natively, the client woken
                 if self._stop:
                     header.state = CLOSED
@@ -311,19 +323,49 @@ class RingServer:
         futex.wake()
         del header, futex, view
 
-    def _idle(self, futex: Futex, state: int, spurious: int) -> int:
-        """Sleep until the word changes (or a second passes). A wake-up that finds no request is
-        spurious; after `_SPURIOUS` in a row, sleep a millisecond between looks, so a client
-        flipping the word cannot keep this thread spinning."""
+    def _idle(self, futex: Futex, state: int, spurious: int, *, spin: bool = True) -> int:
+        """Sleep until the word changes (or a second passes); `spin`: spin briefly first (natively). A
+        wake-up that finds no request is spurious; after `_SPURIOUS` in a row, sleep a millisecond
+        between looks, so a client flipping the word cannot keep this thread spinning."""
         if spurious >= _SPURIOUS:
             time.sleep(0.001)
         start = time.monotonic()
-        if self.native is not None and spurious < _SPURIOUS:  # spins briefly first, without the GIL
+        if self.native is not None and spin and spurious < _SPURIOUS:  # spins briefly first, without the GIL
             native_ring.wait(self._state_at, state, native_ring.SERVER_HOT_SPIN_S, native_ring.SERVER_SPIN_S, 1.0,
                              self._state_at + Header.client_cpu.offset)
         else:
             futex.wait(state, 1.0)
         return spurious + 1 if time.monotonic() - start < 0.9 else 0
+
+    def _serve_taken(self, native: NativeRing, view: memoryview, kind: int, seq: int, length: int, value: Any
+                     ) -> tuple[int, bytes | None]:
+        """Answer a request `native.take` took (BUSY is stored): as `_serve`, in its order of checks
+        (length and lease, the session, the rate, then the read), from what `take` did."""
+        if kind not in (native_ring.PLANNED, native_ring.HANDED_BACK):  # judged and served as without `take`
+            native.unready()
+            return self._serve(view, seq, length)
+        self.requests += 1
+        self.session.counters.add_ring_request()
+        try:
+            if self.session.closed:
+                raise FailedPrecondition("the transfer session ended")
+            if kind == native_ring.PLANNED:
+                if native.answer(seq, value):
+                    return 0, None
+                native.unready()  # the regions or the clock moved since `ready`: afresh
+                raw = native.serve(seq, length)
+                if raw is None:
+                    return 0, None
+                return 0, read(native.ctx, self.session, raw, charged=True).SerializeToString()
+            native.unready()
+            return 0, read(native.ctx, self.session, value).SerializeToString()
+        except KVStoreError as exc:
+            return to_status(exc).value[0], exc.message.encode()[:ANSWER_BYTES]
+        except Exception:
+            log.exception("ring %s: a request failed", self.name)
+            return grpc.StatusCode.INTERNAL.value[0], b"the ring request failed inside the server (see its log)"
+        finally:
+            native.unready()
 
     def _serve(self, view: memoryview, seq: int, length: int) -> tuple[int, bytes | None]:
         """Answer one request: (0, None) when the native server answered it and woke the client,

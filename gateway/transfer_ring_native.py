@@ -19,7 +19,10 @@ request's bytes, read once from the ring, and `gateway.transfer_ring.read` answe
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from typing import TYPE_CHECKING, Any
+
+import lmdb
 
 from kvstore.transfer_ring import ANSWERED, HEADER_AT
 from tiers import blockcopy, ring
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
     from gateway.transfer_sessions import Session
 
 log = logging.getLogger("kvstore.transfer")
+
+#: How far the retention clock may move between `ready` and the answer before the due times are
+#: judged anew (a real spin is 100 us; refreshes go by the minute).
+_CLOCK_SLACK_S = 0.5
 
 
 def tier_mapping(ctx: RingContext) -> ring.Mapping | None:
@@ -75,6 +82,15 @@ class NativeRing:
         self._tenant = session.scope.namespace
         #: Where `serve` leaves a request's verified blocks for `finish` (this ring's, one request at a time).
         self._plan = bytearray(ring.PLAN_BYTES_PER_DESCRIPTOR * ctx.limit)
+        # What `ready` readied for the next request: its read txn, whether it holds a reader slot, the
+        # region table's regions and the due time (see `ready`).
+        self._txn: lmdb.Transaction | None = None
+        self._slot = False
+        self._due_before = self._wall = 0.0
+        self._rate_tenant = session.tenant
+        self._clock = ctx.tier.clock.now
+        assert ring.finish_native is not None
+        self._finish = ring.finish_native
 
     def _region_table(self) -> bytes:
         """The session's regions as `serve` reads them, rebuilt when the set changes.
@@ -127,6 +143,76 @@ class NativeRing:
             return value  # type: ignore[no-any-return]
         self.answered += 1
         return None
+
+    def ready(self, busy: threading.Lock) -> bool:
+        """Ready what the next request needs while none is there, off its path: a reader slot (when
+        free), a read txn, the region table (built under `busy`, when free) and the due time. False
+        when a slot or `busy` is taken: the request is then served as it comes (`serve`).
+
+        The txn is used only while it is the newest snapshot (`take` answers STALE once a write
+        committed since), so a request reads what a txn begun on its arrival would. The due time is
+        judged here, at most the spin (`SERVER_SPIN_S`) before the request: retention refreshes go by
+        the minute (`TOUCH_GRANULARITY_S`), and `answer` looks at the clock again before any block lands.
+        """
+        ctx = self.ctx
+        if ctx.slots is not None:
+            if not ctx.slots.acquire(blocking=False):
+                return False
+            self._slot = True
+        if not busy.acquire(blocking=False):
+            self.unready()
+            return False
+        try:
+            self._region_table()
+        finally:
+            busy.release()
+        self._txn = ctx.tier.env.begin()
+        self._wall = self._clock()
+        self._due_before = Retention.touch_due_before(ctx.tier.retention_clock.now())
+        return True
+
+    def unready(self) -> None:
+        """End what `ready` readied (the txn, the reader slot); harmless when nothing is."""
+        txn, self._txn = self._txn, None
+        if txn is not None:
+            txn.abort()
+        if self._slot:
+            self._slot = False
+            assert self.ctx.slots is not None
+            self.ctx.slots.release()
+
+    def take(self, expected: int, expires: float) -> tuple[int, int, int, Any]:
+        """Spin for the next request and plan it (`tiers.ring.take`), with what `ready` readied."""
+        assert self._txn is not None
+        return ring.take(self.address, expected, ring.SERVER_HOT_SPIN_S, ring.SERVER_SPIN_S, expires, self._table,
+                         self.block_bytes, self.ctx.limit, self.prefix, self.mapping, self._txn, self._due_before,
+                         self._plan)
+
+    def answer(self, seq: int, n: int) -> bool:
+        """Answer request `seq`, which `take` PLANNED (`n` blocks found and verified): charge the rate,
+        count the read and `finish` it (copied, answered, the client woken). The caller holds `busy`.
+        False, with nothing charged or copied, when the session's regions or the clock moved since
+        `ready`: the caller `unready`s and serves the request afresh.
+
+        Raises:
+            ResourceExhausted: the tenant is over its request rate (nothing landed).
+        """
+        # The clock moved past a real spin's worth (a test's clock stepped, or a stalled thread): judge anew.
+        # (The wall clock the retention clock follows: one cheap read, where the retention clock takes a lock.)
+        if (tuple(self.session.regions.values()) != self._regions
+                or not -_CLOCK_SLACK_S < self._clock() - self._wall < _CLOCK_SLACK_S):
+            return False
+        rate = self.ctx.rate
+        if rate is not None:
+            rate.take(self._rate_tenant)
+        # `_count`, inline: this runs between the blocks' check and their copy, on the answer's path.
+        self._count_tier(n, n)
+        if self._record_hits is not None:
+            self._record_hits(self._tenant, n, n)
+        self._count_batch(n, n * self.block_bytes)
+        self._finish(self.address, seq, self._plan, n, self.block_bytes)  # copied, then published
+        self.answered += 1
+        return True
 
     def _count(self, n: int) -> None:
         """Count an answered read (all `n` blocks DONE) as `gateway.transfer_ring.read` counts one."""

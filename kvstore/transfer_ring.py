@@ -20,6 +20,8 @@ Layout (little-endian; `RING_BYTES` in all; one request slot):
     88     u32 answer_length
     92     u32 server_cpu    1 + the CPU the server answered on (0: not told); a hint only
     96     u32 client_cpu    1 + the CPU the client asked from (0: not told); a hint only
+    100    u32 server_awake  1 while the server's thread spins on `state` (it needs no wake-up)
+    104    u32 client_awake  1 while the client spins for its answer (it needs no wake-up)
     4096   the request: a serialized `SubmitRequest` (a read; session_id not read)
     65536  the answer
 
@@ -31,6 +33,16 @@ checks every field it reads (see `gateway/transfer_ring.py`).
 Each side spins a little on the state word before its futex, first without yielding
 the core; the CPU words let each skip that part when the other side last ran on the
 same CPU (a spin there only keeps the peer from running). They steer nothing else.
+
+Wake-ups: a side that stores `state` skips its FUTEX_WAKE (a syscall, a few
+microseconds on a VM) while the peer's awake word is set, since a spinning peer sees
+the store anyway. A side sets its awake word before it looks at `state` and, before
+it sleeps, clears it, fences and looks at `state` once more; the waker stores
+`state`, fences and then reads the awake word (both fences full: of two such
+sides, one sees the other's store). Only the native code (`tiers._ring`) sets
+them; a side that never does (the Python server and client, an older peer) is
+always woken. A client that sets the server's word or its own lies only to
+itself: its own request or answer then waits for the futex's timeout.
 
 Word order across processes relies on x86-64's store order (TSO): the ring is
 offered on x86-64 Linux only (`supported()`), elsewhere Submit serves.
@@ -68,7 +80,8 @@ class Header(ctypes.Structure):
 
     _fields_ = [("state", ctypes.c_uint32), ("seq", ctypes.c_uint32), ("length", ctypes.c_uint32),
                 ("_pad", ctypes.c_uint32), ("answer_seq", ctypes.c_uint32), ("code", ctypes.c_uint32),
-                ("answer_length", ctypes.c_uint32), ("server_cpu", ctypes.c_uint32), ("client_cpu", ctypes.c_uint32)]
+                ("answer_length", ctypes.c_uint32), ("server_cpu", ctypes.c_uint32), ("client_cpu", ctypes.c_uint32),
+                ("server_awake", ctypes.c_uint32), ("client_awake", ctypes.c_uint32)]
 
 
 class _Timespec(ctypes.Structure):

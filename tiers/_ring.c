@@ -43,15 +43,42 @@
 /* kvstore/transfer_ring.py's layout. */
 enum { HEADER_AT = 64, REQUEST_AT = 4096, REQUEST_BYTES = 65536 - 4096, ANSWER_AT = 65536,
        ANSWER_BYTES = 131072 - 65536 };
-enum { ST_REQUEST = 1, ST_ANSWERED = 3 };
+enum { ST_REQUEST = 1, ST_BUSY = 2, ST_ANSWERED = 3 };
+static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
+    return syscall(SYS_futex, word, op, value, timeout, NULL, 0); /* shared: the word is in a shared mapping */
+}
+
 typedef struct {
-    uint32_t state, seq, length, pad, answer_seq, code, answer_length, server_cpu, client_cpu;
+    uint32_t state, seq, length, pad, answer_seq, code, answer_length, server_cpu, client_cpu, server_awake,
+        client_awake;
 } Header;
+
+/* `*awake` = 0, then (a full fence: neither side's store may pass its load of the other's word) the
+ * state word: a peer that stored the state and then saw `*awake` set skipped its wake, so this
+ * side must see that state now (kvstore/transfer_ring.py, "Wake-ups"). */
+static uint32_t going_to_sleep(uint32_t *awake, const uint32_t *state) {
+    __atomic_store_n(awake, 0, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return __atomic_load_n(state, __ATOMIC_ACQUIRE);
+}
+
+/* Store `value` in the state word and wake its sleepers unless the peer said it is awake (spinning on
+ * the word: it sees the store without a wake-up, a syscall that costs microseconds on a VM). */
+static void store_and_wake(uint32_t *state, uint32_t value, const uint32_t *peer_awake) {
+    __atomic_store_n(state, value, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    if (!__atomic_load_n(peer_awake, __ATOMIC_RELAXED)) futex(state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+}
 
 /* tiers.records.META_STRUCT, "<32sIIQdd". */
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
 /* What serve answers: the answer is written (publish it), or the request is handed back (with its bytes). */
 enum { READY = 0, HANDED_BACK = 1, PLANNED = 2 };
+/* What `take` answers besides those: no request came within its spin; a request whose header words or
+ * lease the caller must judge (a length past the request area, a lease ended); a request the caller's
+ * txn is too old for (a write committed since it began); a request of more than PLAN_MOST descriptors
+ * (parsed, nothing read: the caller charges it, then `serve`s it). */
+enum { IDLE = 3, CHECK = 4, STALE = 5, LARGE = 6 };
 /* The most descriptors a request is planned for: a few blocks stay in cache between their check and
  * their copy; the 3.6 MB of 64 did not (their fetch took 610 us planned against 490 us checked and
  * copied block by block), so larger requests are copied in `serve` (READY) even given a plan. */
@@ -62,9 +89,6 @@ typedef struct {
 } Step;
 _Static_assert(32 + MAX_DESCRIPTORS < ANSWER_BYTES, "a plain answer always fits the answer area");
 
-static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
-    return syscall(SYS_futex, word, op, value, timeout, NULL, 0); /* shared: the word is in a shared mapping */
-}
 
 static double seconds(void) {
     struct timespec t;
@@ -187,9 +211,89 @@ static int run(const Request *r, const uint64_t *regions, Py_ssize_t nregions, u
     return 1;
 }
 
+/* The per-request arguments `serve` and `take` share, parsed from the Python call. */
+typedef struct {
+    unsigned long long ring, map_base, map_length, psize, txn_id, block_bytes;
+    unsigned int limit;
+    Py_buffer regions, prefix, plan;
+    double due_before;
+} Served;
+
+static int served_ok(const Served *a, unsigned length) {
+    if (a->ring == 0 || a->ring % 64 || a->map_base == 0 || length > REQUEST_BYTES || a->regions.len % 24 ||
+        a->psize < 512 || a->psize > (1u << 16) || a->block_bytes == 0 || a->limit == 0 ||
+        a->limit > MAX_DESCRIPTORS || a->prefix.len > 256 ||
+        (a->plan.obj != NULL && (size_t)a->plan.len < sizeof(Step) * a->limit)) {
+        PyErr_SetString(PyExc_ValueError, "serve: a bad ring, map, length, region table, limit or prefix");
+        return 0;
+    }
+    return 1;
+}
+
+static void served_release(Served *a) {
+    PyBuffer_Release(&a->regions);
+    PyBuffer_Release(&a->prefix);
+    if (a->plan.obj != NULL) PyBuffer_Release(&a->plan);
+}
+
+/* Scratch for one request: the ring thread's own (one request at a time per thread), kept between its
+ * requests (a 60 KB malloc and free per request cost more than the request's parse). */
+typedef struct {
+    unsigned char *copy, *key;
+    Block *blocks;
+} Scratch;
+
+static __thread unsigned char scratch_copy[REQUEST_BYTES];
+static __thread unsigned char scratch_key[256 + HASH_BYTES + 1];
+static __thread Block scratch_blocks[MAX_DESCRIPTORS];
+
+static int scratch_get(Scratch *w, const Served *a) {
+    (void)a; /* served_ok bounds the prefix (256) and the limit (MAX_DESCRIPTORS) */
+    w->copy = scratch_copy;
+    w->key = scratch_key;
+    w->blocks = scratch_blocks;
+    return 1;
+}
+
+static void scratch_free(Scratch *w) { (void)w; }
+
+/* Serve request `seq` (`length` bytes, within the request area) without the GIL: READY (answered,
+ * not published), PLANNED (the plan filled), LARGE (more than PLAN_MOST descriptors and `large`
+ * not to be served: nothing read), or HANDED_BACK (`w->copy` holds the request as read); `*n` the
+ * descriptors when answered or planned. */
+static int serve_request(const Served *a, Scratch *w, uint32_t seq, uint32_t length, int large, uint32_t *n) {
+    unsigned char *base = (unsigned char *)(uintptr_t)a->ring;
+    Header *header = (Header *)(base + HEADER_AT);
+    Map map = {(const unsigned char *)(uintptr_t)a->map_base, a->map_length, a->psize};
+    int planned = a->plan.obj != NULL;
+    Request r;
+    memcpy(w->copy, base + REQUEST_AT, length); /* once: the client cannot change it under the checks */
+    if (!parse_request(w->copy, length, a->limit, &r)) return HANDED_BACK;
+    if (r.n > PLAN_MOST) {
+        if (!large) return LARGE;
+        planned = 0;
+    }
+    if (!run(&r, a->regions.buf, a->regions.len / 24, a->block_bytes, a->limit, a->prefix.buf,
+             (size_t)a->prefix.len, &map, a->txn_id, a->due_before, w->blocks, w->key, !planned))
+        return HANDED_BACK;
+    *n = r.n;
+    if (planned) {
+        Step *steps = a->plan.buf;
+        for (uint32_t i = 0; i < r.n; i++)
+            steps[i] = (Step){(uint64_t)(uintptr_t)w->blocks[i].dest, (uint64_t)(uintptr_t)w->blocks[i].data};
+        return PLANNED;
+    }
+    size_t len = write_state(base + ANSWER_AT, ANSWER_BYTES, r.n, (uint64_t)r.n * a->block_bytes);
+    header->answer_seq = seq;
+    header->code = 0;
+    header->answer_length = (uint32_t)len;
+    header->server_cpu = (uint32_t)(sched_getcpu() + 1);
+    return READY;
+}
+
 /*
  * serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize,
- *       txn_id, due_before) -> (READY, n) | (HANDED_BACK, request bytes)
+ *       txn_id, due_before[, plan]) -> (READY | PLANNED, n) | (HANDED_BACK, request bytes)
  *
  * ring: the ring's address; seq, length: the header's words as the caller read them (length
  * checked against the request area); regions: the session's regions as uint64 triples
@@ -198,63 +302,117 @@ static int run(const Request *r, const uint64_t *regions, Py_ssize_t nregions, u
  * due_before: a block last accessed before this is due a refresh (handed back).
  */
 static PyObject *serve(PyObject *self, PyObject *args) {
-    unsigned long long ring, map_base, map_length, psize, txn_id, block_bytes;
-    unsigned int seq, length, limit;
-    Py_buffer regions, prefix, plan = {0};
-    double due_before;
+    Served a = {0};
+    unsigned int seq, length;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KIIy*KIy*KKKKd|w*", &ring, &seq, &length, &regions, &block_bytes, &limit, &prefix,
-                          &map_base, &map_length, &psize, &txn_id, &due_before, &plan))
+    if (!PyArg_ParseTuple(args, "KIIy*KIy*KKKKd|w*", &a.ring, &seq, &length, &a.regions, &a.block_bytes, &a.limit,
+                          &a.prefix, &a.map_base, &a.map_length, &a.psize, &a.txn_id, &a.due_before, &a.plan))
         return NULL;
-    int planned = plan.obj != NULL;
     PyObject *result = NULL;
-    unsigned char *copy = NULL, *key = NULL;
-    Block *blocks = NULL;
-    if (ring == 0 || map_base == 0 || length > REQUEST_BYTES || regions.len % 24 || psize < 512 ||
-        psize > (1u << 16) || block_bytes == 0 || limit == 0 || limit > MAX_DESCRIPTORS || prefix.len > 256 ||
-        (planned && (size_t)plan.len < sizeof(Step) * limit)) {
-        PyErr_SetString(PyExc_ValueError, "serve: a bad ring, map, length, region table, limit or prefix");
+    Scratch w = {0};
+    if (served_ok(&a, length) && scratch_get(&w, &a)) {
+        int kind;
+        uint32_t n = 0;
+        Py_BEGIN_ALLOW_THREADS
+        kind = serve_request(&a, &w, seq, length, 1, &n);
+        Py_END_ALLOW_THREADS
+        result = kind == HANDED_BACK ? Py_BuildValue("(iy#)", kind, (const char *)w.copy, (Py_ssize_t)length)
+                                     : Py_BuildValue("(iI)", kind, n);
+    }
+    scratch_free(&w);
+    served_release(&a);
+    return result;
+}
+
+/* Whether the snapshot of read txn `txn_id` is the newest committed one (no meta page names a later
+ * txn): then a txn begun now would read the same, and reusing it answers as a new one would. */
+static int snapshot_newest(const Map *m, uint64_t txn_id) {
+    if (m->length < 2 * m->psize || m->psize < PAGE_HEADER + MDB_META_END) return 0;
+    for (int i = 0; i < 2; i++) {
+        const unsigned char *meta = m->base + (uint64_t)i * m->psize + PAGE_HEADER;
+        uint32_t magic;
+        memcpy(&magic, meta + MDB_META_MAGIC, 4);
+        if (magic == MDB_MAGIC && __atomic_load_n((const uint64_t *)(meta + MDB_META_TXNID), __ATOMIC_ACQUIRE) > txn_id)
+            return 0;
+    }
+    return 1;
+}
+
+/*
+ * take(ring, expected, hot_s, spin_s, expires, regions, block_bytes, limit, prefix, map_base,
+ *      map_length, psize, txn_id, due_before, plan) -> (kind, seq, length, value)
+ *
+ * The ring thread's wait and the first half of the request in one call, without the GIL: the
+ * caller readied the request's txn, region table, plan and due_before while no request was there
+ * (they are the same for every request until the session's regions change). Spins while the state
+ * word holds `expected` (`hot_s` without yielding, unless the client last ran on this CPU, then
+ * yielding until `spin_s`; never the futex); once it holds REQUEST, stores BUSY and reads the
+ * header's seq and length once, then:
+ *   (IDLE, 0, 0, state)               no request within the spin (the word's value now): sleep;
+ *   (CHECK, seq, length, 0)           a length past the request area, or the lease past `expires`
+ *                                     (CLOCK_MONOTONIC seconds, Python's time.monotonic): the caller
+ *                                     answers as without `take`;
+ *   (STALE, seq, length, 0)           a write was committed since the txn began: serve with a new one;
+ *   (LARGE, seq, length, 0)           more than PLAN_MOST descriptors: charge it, then `serve` it;
+ *   (PLANNED, seq, length, n)         every block found and verified (the plan filled): count, `finish`;
+ *   (HANDED_BACK, seq, length, bytes) anything else, as read once from the ring.
+ */
+static PyObject *take(PyObject *self, PyObject *args) {
+    Served a = {0};
+    unsigned int expected;
+    double hot_s, spin_s, expires;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KIdddy*KIy*KKKKdw*", &a.ring, &expected, &hot_s, &spin_s, &expires, &a.regions,
+                          &a.block_bytes, &a.limit, &a.prefix, &a.map_base, &a.map_length, &a.psize, &a.txn_id,
+                          &a.due_before, &a.plan))
+        return NULL;
+    PyObject *result = NULL;
+    Scratch w = {0};
+    if (!(served_ok(&a, 0) && hot_s >= 0 && spin_s >= 0 && expected != ST_REQUEST)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "take: non-negative times, a state but REQUEST");
         goto done;
     }
-    copy = PyMem_Malloc(length ? length : 1);
-    key = PyMem_Malloc((size_t)prefix.len + HASH_BYTES + 1);
-    blocks = PyMem_Malloc(sizeof(Block) * limit);
-    if (copy == NULL || key == NULL || blocks == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    unsigned char *base = (unsigned char *)(uintptr_t)ring;
+    if (!scratch_get(&w, &a)) goto done;
+    unsigned char *base = (unsigned char *)(uintptr_t)a.ring;
     Header *header = (Header *)(base + HEADER_AT);
-    Map map = {(const unsigned char *)(uintptr_t)map_base, map_length, psize};
-    int answered;
-    Request r;
+    Map map = {(const unsigned char *)(uintptr_t)a.map_base, a.map_length, a.psize};
+    int kind = IDLE;
+    uint32_t seq = 0, length = 0, n = 0, now;
     Py_BEGIN_ALLOW_THREADS
-    memcpy(copy, base + REQUEST_AT, length); /* once: the client cannot change it under the checks */
-    answered = parse_request(copy, length, limit, &r);
-    if (answered && r.n > PLAN_MOST) planned = 0;
-    answered = answered && run(&r, regions.buf, regions.len / 24, block_bytes, limit, prefix.buf,
-                               (size_t)prefix.len, &map, txn_id, due_before, blocks, key, !planned);
-    if (answered && planned) {
-        Step *steps = plan.buf;
-        for (uint32_t i = 0; i < r.n; i++)
-            steps[i] = (Step){(uint64_t)(uintptr_t)blocks[i].dest, (uint64_t)(uintptr_t)blocks[i].data};
-    } else if (answered) {
-        size_t n = write_state(base + ANSWER_AT, ANSWER_BYTES, r.n, (uint64_t)r.n * block_bytes);
-        header->answer_seq = seq;
-        header->code = 0;
-        header->answer_length = (uint32_t)n;
-        header->server_cpu = (uint32_t)(sched_getcpu() + 1);
+    if (__atomic_load_n(&header->client_cpu, __ATOMIC_RELAXED) == (uint32_t)(sched_getcpu() + 1))
+        hot_s = 0; /* the client last ran on this CPU: a spin that does not yield would only keep it off */
+    __atomic_store_n(&header->server_awake, 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* before the first look: a request after it needs no wake */
+    double start = seconds(), t = start;
+    while ((now = __atomic_load_n(&header->state, __ATOMIC_ACQUIRE)) == expected && t - start <= spin_s) {
+        if (t - start < hot_s) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+        t = seconds();
+    }
+    /* Awake no more on any return (the caller may sleep next): a request stored before this is seen here. */
+    if (now == expected) now = going_to_sleep(&header->server_awake, &header->state);
+    else __atomic_store_n(&header->server_awake, 0, __ATOMIC_RELAXED);
+    if (now == ST_REQUEST) {
+        __atomic_store_n(&header->state, ST_BUSY, __ATOMIC_RELAXED);
+        seq = __atomic_load_n(&header->seq, __ATOMIC_RELAXED);
+        length = __atomic_load_n(&header->length, __ATOMIC_RELAXED);
+        if (length > REQUEST_BYTES || seconds() > expires) kind = CHECK;
+        else if (!snapshot_newest(&map, a.txn_id)) kind = STALE;
+        else kind = serve_request(&a, &w, seq, length, 0, &n);
     }
     Py_END_ALLOW_THREADS
-    result = answered ? Py_BuildValue("(iI)", planned ? PLANNED : READY, r.n)
-                      : Py_BuildValue("(iy#)", HANDED_BACK, (const char *)copy, (Py_ssize_t)length);
+    if (kind == HANDED_BACK)
+        result = Py_BuildValue("(iIIy#)", kind, seq, length, (const char *)w.copy, (Py_ssize_t)length);
+    else
+        result = Py_BuildValue("(iIII)", kind, seq, length, kind == IDLE ? now : n);
 done:
-    PyMem_Free(copy);
-    PyMem_Free(key);
-    PyMem_Free(blocks);
-    PyBuffer_Release(&regions);
-    PyBuffer_Release(&prefix);
-    if (plan.obj != NULL) PyBuffer_Release(&plan);
+    scratch_free(&w);
+    served_release(&a);
     return result;
 }
 
@@ -288,8 +446,7 @@ static PyObject *finish(PyObject *self, PyObject *args) {
     header->code = 0;
     header->answer_length = (uint32_t)len;
     header->server_cpu = (uint32_t)(sched_getcpu() + 1);
-    __atomic_store_n(&header->state, ST_ANSWERED, __ATOMIC_RELEASE);
-    futex(&header->state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
+    store_and_wake(&header->state, ST_ANSWERED, &header->client_awake);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&plan);
     Py_RETURN_NONE;
@@ -312,6 +469,45 @@ static PyObject *publish(PyObject *self, PyObject *args) {
     __atomic_store_n(word, value, __ATOMIC_RELEASE);
     futex(word, FUTEX_WAKE, 0x7FFFFFFF, NULL);
     Py_RETURN_NONE;
+}
+
+/* The client's side once its request's bytes are in the ring's request area (`length` of them), without
+ * the GIL: the header words, REQUEST, the wake, and the spin for answer `seq` (see `ask`). */
+static int ask_written(unsigned char *base, uint32_t length, uint32_t seq, double hot_s, double spin_s,
+                       const Py_buffer *expected) {
+    Header *header = (Header *)(base + HEADER_AT);
+    uint32_t cpu = (uint32_t)(sched_getcpu() + 1);
+    header->seq = seq;
+    header->length = length;
+    header->client_cpu = cpu;
+    if (__atomic_load_n(&header->server_cpu, __ATOMIC_RELAXED) == cpu) hot_s = 0;
+    __atomic_store_n(&header->client_awake, 1, __ATOMIC_RELAXED); /* before REQUEST: the answer needs no wake */
+    store_and_wake(&header->state, ST_REQUEST, &header->server_awake); /* after the request's bytes */
+    double start = seconds(), t = start;
+    for (;;) {
+        uint32_t state = __atomic_load_n(&header->state, __ATOMIC_ACQUIRE);
+        if (state != ST_ANSWERED && t - start >= spin_s)
+            state = going_to_sleep(&header->client_awake, &header->state); /* the caller sleeps next */
+        if (state == ST_ANSWERED && __atomic_load_n(&header->answer_seq, __ATOMIC_RELAXED) == seq) {
+            __atomic_store_n(&header->client_awake, 0, __ATOMIC_RELAXED);
+            if (header->code == 0 && header->answer_length == (uint32_t)expected->len &&
+                memcmp(base + ANSWER_AT, expected->buf, (size_t)expected->len) == 0)
+                return 2;
+            return 1;
+        }
+        if (t - start >= spin_s) {
+            __atomic_store_n(&header->client_awake, 0, __ATOMIC_RELAXED);
+            return 0;
+        }
+        if (t - start < hot_s) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+        t = seconds();
+    }
 }
 
 /*
@@ -339,41 +535,71 @@ static PyObject *ask(PyObject *self, PyObject *args) {
         goto done;
     }
     unsigned char *base = (unsigned char *)(uintptr_t)ring;
-    Header *header = (Header *)(base + HEADER_AT);
-    int got = 0;
+    int got;
     Py_BEGIN_ALLOW_THREADS
     memcpy(base + REQUEST_AT, request.buf, (size_t)request.len);
-    uint32_t cpu = (uint32_t)(sched_getcpu() + 1);
-    header->seq = seq;
-    header->length = (uint32_t)request.len;
-    header->client_cpu = cpu;
-    if (__atomic_load_n(&header->server_cpu, __ATOMIC_RELAXED) == cpu) hot_s = 0;
-    __atomic_store_n(&header->state, ST_REQUEST, __ATOMIC_RELEASE); /* after the request's bytes */
-    futex(&header->state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
-    double start = seconds(), t = start;
-    for (;;) {
-        if (__atomic_load_n(&header->state, __ATOMIC_ACQUIRE) == ST_ANSWERED &&
-            __atomic_load_n(&header->answer_seq, __ATOMIC_RELAXED) == seq) {
-            got = 1;
-            if (header->code == 0 && header->answer_length == (uint32_t)expected.len &&
-                memcmp(base + ANSWER_AT, expected.buf, (size_t)expected.len) == 0)
-                got = 2;
-            break;
-        }
-        if (t - start >= spin_s) break;
-        if (t - start < hot_s) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
-        t = seconds();
-    }
+    got = ask_written(base, (uint32_t)request.len, seq, hot_s, spin_s, &expected);
     Py_END_ALLOW_THREADS
     result = PyLong_FromLong(got);
 done:
     PyBuffer_Release(&request);
+    PyBuffer_Release(&expected);
+    return result;
+}
+
+/*
+ * ask_slots(ring, head, hashes, tail, seq, hot_s, spin_s, expected) -> int: `ask` of the request
+ * head + b"".join(hashes) + tail, written straight into the ring: -1 (nothing written) unless
+ * `hashes` is a list of `bytes` objects (exactly bytes) of HASH_BYTES each and the request fits the
+ * request area, else as `ask`. The client's lean fetch (a template's head and tail, the caller's
+ * list of hashes) costs no join, no type and length passes over the list, and no request object.
+ */
+static PyObject *ask_slots(PyObject *self, PyObject *args) {
+    unsigned long long ring;
+    unsigned int seq;
+    double hot_s, spin_s;
+    PyObject *hashes;
+    Py_buffer head, tail, expected;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "Ky*Oy*Iddy*", &ring, &head, &hashes, &tail, &seq, &hot_s, &spin_s, &expected))
+        return NULL;
+    PyObject *result = NULL;
+    if (ring == 0 || ring % 64 || expected.len > ANSWER_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "ask_slots: an aligned ring, an answer within the answer area");
+        goto done;
+    }
+    if (!PyList_Check(hashes)) {
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
+    Py_ssize_t n = PyList_Size(hashes);
+    if (n < 0 || (uint64_t)head.len + (uint64_t)n * HASH_BYTES + (uint64_t)tail.len > REQUEST_BYTES) {
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
+    unsigned char *base = (unsigned char *)(uintptr_t)ring, *at = base + REQUEST_AT;
+    /* Checked while written (the list cannot change under the GIL); the state word is stored only after. */
+    memcpy(at, head.buf, (size_t)head.len);
+    at += head.len;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyList_GetItem(hashes, i); /* borrowed */
+        if (h == NULL || !PyBytes_CheckExact(h) || PyBytes_Size(h) != HASH_BYTES) {
+            result = PyLong_FromLong(-1);
+            goto done;
+        }
+        memcpy(at, PyBytes_AsString(h), HASH_BYTES);
+        at += HASH_BYTES;
+    }
+    memcpy(at, tail.buf, (size_t)tail.len);
+    uint32_t length = (uint32_t)(head.len + n * HASH_BYTES + tail.len);
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    got = ask_written(base, length, seq, hot_s, spin_s, &expected);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(got);
+done:
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&tail);
     PyBuffer_Release(&expected);
     return result;
 }
@@ -388,9 +614,17 @@ static PyMethodDef methods[] = {
      "ask(ring, request, seq, hot_s, spin_s, expected) -> int\n\n"
      "Write a request into the ring, wake the server and spin for its answer: 0 none yet, 1 there, "
      "2 there and equal to expected."},
+    {"ask_slots", ask_slots, METH_VARARGS,
+     "ask_slots(ring, head, hashes, tail, seq, hot_s, spin_s, expected) -> int\n\n"
+     "ask of head + b''.join(hashes) + tail, written straight into the ring; -1 (nothing sent) unless hashes "
+     "is a list of 32-byte bytes."},
     {"wait", wait, METH_VARARGS,
      "wait(address, expected, hot_s, spin_s, timeout_s, peer_cpu) -> int\n\n"
      "Spin, then sleep on the futex at address while it holds expected; its value after."},
+    {"take", take, METH_VARARGS,
+     "take(ring, expected, hot_s, spin_s, expires, regions, block_bytes, limit, prefix, map_base, map_length, "
+     "psize, txn_id, due_before, plan) -> (kind, seq, length, value)\n\n"
+     "Spin for the next request, then plan it as serve does, in one call (see tiers.ring)."},
     {"serve", serve, METH_VARARGS,
      "serve(ring, seq, length, regions, block_bytes, limit, prefix, map_base, map_length, psize, txn_id, "
      "due_before) -> (0, n) | (1, request)\n\n"

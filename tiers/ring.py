@@ -26,6 +26,10 @@ from tiers import blockcopy
 #: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), the
 #: request is handed back (with its bytes), or (given a plan) every block is verified, to `finish`.
 READY, HANDED_BACK, PLANNED = 0, 1, 2
+#: `take`'s other answers: no request within the spin; a request whose length or lease the caller
+#: judges; one the readied txn is too old for (a write committed since); one of more than `PLAN_MOST`
+#: descriptors (nothing read).
+IDLE, CHECK, STALE, LARGE = 3, 4, 5, 6
 #: The most descriptors `serve` plans (tiers/_ring.c's PLAN_MOST).
 PLAN_MOST = 16
 #: Bytes of a plan (`serve`'s `plan`) per descriptor.
@@ -46,17 +50,24 @@ ASKED_NONE, ASKED, ASKED_EXPECTED = 0, 1, 2
 
 
 def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None],
-                     Callable[..., int], Callable[..., None]] | None:
+                     Callable[..., int], Callable[..., None], Callable[..., tuple[int, int, int, Any]],
+                     Callable[..., int]] | None:
     try:
-        from tiers._ring import ask, finish, publish, serve, wait
+        from tiers._ring import ask, ask_slots, finish, publish, serve, take, wait
     except ImportError:  # not built (no C compiler at install): the Python server stands in
         return None
-    return wait, serve, publish, ask, finish
+    return wait, serve, publish, ask, finish, take, ask_slots
 
 
 _native = _load()
 #: True when the ring's native server work is built.
 NATIVE = _native is not None
+#: `ask_slots` itself (None where not built): `ask` of `head + b"".join(hashes) + tail`, the list checked
+#: (every item `bytes` of 32) and written into the ring natively; -1, nothing sent, when it is not so.
+#: Bound here without a wrapper: it is the client's hot path (`kvstore.client.transfer_ring`).
+ask_slots: Callable[..., int] = (lambda *_: -1) if _native is None else _native[6]
+#: `finish` itself (None where not built): the ring thread's answer path calls it without the wrapper's frame.
+finish_native: Callable[..., None] | None = None if _native is None else _native[4]
 
 
 def wait(address: int, expected: int, hot_s: float, spin_s: float, timeout_s: float, peer_cpu: int = 0) -> int:
@@ -97,6 +108,34 @@ def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, li
                           mapping.psize, txn.id(), due_before)
     return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
                       mapping.psize, txn.id(), due_before, plan)
+
+
+def take(ring: int, expected: int, hot_s: float, spin_s: float, expires: float, regions: bytes, block_bytes: int,
+         limit: int, prefix: bytes, mapping: Mapping, txn: lmdb.Transaction, due_before: float, plan: bytearray
+         ) -> tuple[int, int, int, Any]:
+    """Spin for the ring's next request and plan it, in one call without the GIL.
+
+    The ring thread readies what a request needs while none is there (a read txn, the region
+    table, `due_before`, the plan), then calls this: it spins while the state word holds
+    `expected` (`hot_s` without yielding unless the client last ran on this CPU, then yielding
+    until `spin_s`; never the futex), and once a request is there stores BUSY, reads its seq
+    and length once and runs `serve`'s first half with `plan`.
+
+    Args:
+        ring, regions, block_bytes, limit, prefix, mapping, txn, due_before, plan: as `serve`'s.
+        expected: the state word's value while no request is there (not REQUEST).
+        expires: the ring's lease end, in `time.monotonic` seconds (CLOCK_MONOTONIC).
+
+    Returns:
+        (kind, seq, length, value): (IDLE, 0, 0, the word's value) when no request came within the
+        spin; (CHECK, ...) a length past the request area or an ended lease, (STALE, ...) a write
+        committed since `txn` began, (LARGE, ...) more than `PLAN_MOST` descriptors (nothing read):
+        the caller serves these as without `take`; (PLANNED, seq, length, n): every block found and
+        verified, for `finish`; (HANDED_BACK, seq, length, the request's bytes as read).
+    """
+    assert _native is not None
+    return _native[5](ring, expected, hot_s, spin_s, expires, regions, block_bytes, limit, prefix, mapping.base,
+                      mapping.length, mapping.psize, txn.id(), due_before, plan)
 
 
 def finish(ring: int, seq: int, plan: bytearray, n: int, block_bytes: int) -> None:

@@ -21,7 +21,7 @@ from kvstore.client.blocks import encode_extra_keys
 from kvstore.client.connection import Connection
 from kvstore.client.transfer_bulk import BulkPath
 from kvstore.client.transfer_path import Transfer, TransferPath, timeout
-from kvstore.client.transfer_ring import RingClient, RingUnusable
+from kvstore.client.transfer_ring import NATIVE_ASK, RingClient, RingUnusable
 from kvstore.client.transfer_shm import state_of
 from kvstore.client.transfer_stream import StreamPath
 from kvstore.errors import InvalidArgument, NotFound
@@ -207,6 +207,12 @@ class SessionBatches:
         if (not 0 < n <= min(batch_descriptors, self.max_descriptors, ring.max_descriptors) or offset_bytes < 0
                 or offset_bytes + n * size > region.size_bytes):
             return None
+        try:  # natively where built: the list's items checked as they are written into the ring
+            state = ring.fetch_list(hashes, region.region_id, offset_bytes, size, prefix_only)
+        except RingUnusable:
+            return None
+        if state is not None or NATIVE_ASK:
+            return state
         try:
             joined = b"".join(hashes)
         except TypeError:  # not all bytes-like: `_hashes` names the bad one

@@ -70,6 +70,8 @@ POLL_S = 0.05
 #: Not a gRPC code: the server's answer when the ring's lease ended (`gateway.transfer_ring.RENEW`).
 RENEW = 1000
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+#: Whether requests are written, and answers waited for, natively (`tiers._ring` built): `fetch_list` works.
+NATIVE_ASK = native_ring.NATIVE
 
 
 def _varint(value: int) -> bytes:
@@ -221,30 +223,80 @@ class RingClient:
         if self.broken or not self._lock.acquire(blocking=False):
             raise RingUnusable(self.broken or "the ring is busy with another thread's request")
         try:
-            shape = (region_id, offset_bytes, n, block_bytes, prefix_only)
-            template = self._templates.get(shape)
-            if template is None:
-                if len(self._templates) >= _TEMPLATES_KEPT:
-                    self._templates.clear()
-                template = self._templates[shape] = _Template(*shape)
+            template = self._template((region_id, offset_bytes, n, block_bytes, prefix_only))
             raw = template.head + hashes + template.tail
             if time.monotonic() > self._renew_at:
                 self._renew()
             spin = self.spin_s if n <= SPIN_DESCRIPTORS else 0.0
             code, answer = self._ask_raw(raw, spin, template.answer)
-            if code == RENEW:
-                self._renew()
-                code, answer = self._ask_raw(raw, spin, template.answer)
-            if code:
-                raise from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer.decode(errors="replace"))
-            if answer is template.answer:  # byte for byte the all-DONE answer: nothing to parse
-                return _all_done(template.statuses, block_bytes)
-            reply = pb.TransferState.FromString(answer)
-            return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
-                                 statuses=reply.statuses, block_bytes=block_bytes, block_hashes=reply.block_hashes,
-                                 failures={f.index: (f.code, f.reason) for f in reply.failures})
+            return self._state(code, answer, raw, spin, template, block_bytes)
         finally:
             self._lock.release()
+
+    def fetch_list(self, hashes: list[bytes], region_id: int, offset_bytes: int, block_bytes: int,
+                   prefix_only: bool) -> TransferState | None:
+        """`fetch_slots` of a list of hashes where `tiers._ring` is built: the list is checked and
+        written into the ring natively (`tiers.ring.ask_slots`), with no join and no pass over it in
+        Python. None, with nothing sent, when it is not a list of `bytes` of `HASH_BYTES` each (the
+        caller then checks it the long way) or the ring is not native.
+
+        Raises:
+            RingUnusable, KVStoreError: as `read`.
+        """
+        if not NATIVE_ASK:
+            return None
+        if self.broken or not self._lock.acquire(blocking=False):
+            raise RingUnusable(self.broken or "the ring is busy with another thread's request")
+        try:
+            n = len(hashes)
+            template = self._templates.get((region_id, offset_bytes, n, block_bytes, prefix_only))
+            if template is None:
+                template = self._template((region_id, offset_bytes, n, block_bytes, prefix_only))
+            if time.monotonic() > self._renew_at:
+                self._renew()
+            if self._header is None:
+                raise RingUnusable("the ring is closed")
+            spin = self.spin_s if n <= SPIN_DESCRIPTORS else 0.0
+            self._seq = seq = (self._seq + 1) & 0xFFFFFFFF
+            got = native_ring.ask_slots(self._address, template.head, hashes, template.tail, seq,
+                                        min(spin, HOT_SPIN_S), spin, template.answer)
+            if got == native_ring.ASKED_EXPECTED:  # the hot path: all DONE, nothing to parse
+                self.answered += 1
+                return _all_done(template.statuses, block_bytes)
+            if got < 0:
+                return None
+            header, futex, view = self._header, self._futex, self._view
+            assert header is not None and futex is not None and view is not None
+            if got == native_ring.ASKED_NONE:
+                self._wait(header, futex, seq, 0.0, 0.0)
+            code, answer = self._answer(header, view, template.answer)
+            return self._state(code, answer, template.head + b"".join(hashes) + template.tail, spin, template,
+                               block_bytes)
+        finally:
+            self._lock.release()
+
+    def _template(self, shape: tuple[int, int, int, int, bool]) -> _Template:
+        template = self._templates.get(shape)
+        if template is None:
+            if len(self._templates) >= _TEMPLATES_KEPT:
+                self._templates.clear()
+            template = self._templates[shape] = _Template(*shape)
+        return template
+
+    def _state(self, code: int, answer: bytes, raw: bytes, spin: float, template: _Template, block_bytes: int
+               ) -> TransferState:
+        """A consecutive-slots read's state from its answer (asked again once if the lease had ended)."""
+        if code == RENEW:
+            self._renew()
+            code, answer = self._ask_raw(raw, spin, template.answer)
+        if code:
+            raise from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer.decode(errors="replace"))
+        if answer is template.answer:  # byte for byte the all-DONE answer: nothing to parse
+            return _all_done(template.statuses, block_bytes)
+        reply = pb.TransferState.FromString(answer)
+        return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
+                             statuses=reply.statuses, block_bytes=block_bytes, block_hashes=reply.block_hashes,
+                             failures={f.index: (f.code, f.reason) for f in reply.failures})
 
     def _renew(self) -> None:
         self._register(first=False)
