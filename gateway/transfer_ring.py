@@ -327,6 +327,8 @@ class RingServer:
         """Sleep until the word changes (or a second passes); `spin`: spin briefly first (natively). A
         wake-up that finds no request is spurious; after `_SPURIOUS` in a row, sleep a millisecond
         between looks, so a client flipping the word cannot keep this thread spinning."""
+        if self._stop:  # stop() may have stored CLOSED after `state` was read: no sleep on it for a second
+            return spurious
         if spurious >= _SPURIOUS:
             time.sleep(0.001)
         start = time.monotonic()

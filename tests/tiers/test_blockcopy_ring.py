@@ -95,8 +95,8 @@ def test_a_plain_read_is_copied_and_answered_as_protobuf_would_write_it(rig: Rig
     offsets = [3 * BLOCK, 0, 5 * BLOCK, BLOCK]
     rig.header.state = 2
     assert rig.serve(read(rig.hashes, offsets)) == (ring.READY, 4)
-    for h, o in zip(rig.hashes, offsets, strict=True):
-        assert rig.region[o:o + BLOCK] == rig.blocks[h]
+    for block_hash, o in zip(rig.hashes, offsets, strict=True):
+        assert rig.region[o:o + BLOCK] == rig.blocks[block_hash]
     h = rig.header
     assert (h.state, h.answer_seq, h.code) == (2, 5, 0), "written, not published"
     ring.publish(_address(rig.ring_map) + HEADER_AT, ANSWERED)

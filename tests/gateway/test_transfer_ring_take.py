@@ -1,0 +1,67 @@
+"""The ring thread's readied requests (`NativeRing.ready` / `take`, docs/TRANSFER.md "The request
+ring"): while no request is there, the thread holds a read txn, the region table and the due time
+for the next one. Each test keeps the thread in its spin (a long `SERVER_SPIN_S`) so that what it
+readied is what the next request meets, on an in-process server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client
+from kvstore.transfer import DONE
+from tests.gateway.test_transfer_ring import stored
+from tests.gateway.test_transfer_ring_native import needs_native, ring_server
+from tiers import ring as native_ring
+
+
+def readied(served: Any) -> None:
+    """Until the ring thread has readied the next request (and so spins in `take`)."""
+    deadline = time.monotonic() + 10
+    while served.native._txn is None:  # what the thread readied is the point here
+        assert time.monotonic() < deadline, "the ring thread never readied a request"
+        time.sleep(0.001)
+
+
+@needs_native
+def test_a_block_purged_after_the_txn_was_readied_is_not_served_from_it(server: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 5.0)
+    with Client(server.target) as client, client.transfer() as session:
+        hashes, blocks = stored(client, 2)
+        region = session.register(2 * client.block_bytes)
+        served = ring_server(server, session)
+        assert served.native is not None
+        assert session.fetch(hashes, region).done_prefix == 2
+        readied(served)
+        assert server.tier.purge(served.session.scope, hashes[1:]) == 1  # a commit after the txn began
+        region.view[:] = bytes(len(region.view))
+        state = session.fetch(hashes, region, prefix_only=False)
+        assert state.statuses[0] == DONE and state.statuses[1] != DONE, "the purged block is gone"
+        assert bytes(region.view[: client.block_bytes]) == blocks[0]
+        assert bytes(region.view[client.block_bytes:]) == bytes(client.block_bytes)
+        readied(served)
+        assert session.fetch(hashes[:1], region).done_prefix == 1
+        assert served.native.answered == 2, "the stale txn's request went the fresh way; the next was native"
+
+
+@needs_native
+def test_a_clock_step_after_ready_judges_the_due_refresh_anew(server: Any, clock: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # A block read 71 h after it was stored is due a durable refresh: the Python read does it. Judged
+    # with the due time readied before the clock stepped, the native server would answer it itself.
+    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 5.0)
+    with Client(server.target) as client, client.transfer() as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        served = ring_server(server, session)
+        assert served.native is not None
+        assert session.fetch(hashes, region).done_prefix == 1
+        assert served.native.answered == 1
+        readied(served)
+        clock.advance(71 * 3600.0)
+        assert session.fetch(hashes, region).done_prefix == 1
+        assert served.native.answered == 1, "due a refresh: answered by the Python read, not natively"
+        assert session.ring is not None and session.ring.answered == 2
