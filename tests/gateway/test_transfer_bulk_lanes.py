@@ -6,8 +6,10 @@ still run) to see which engines wrote to which client engines."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -145,3 +147,23 @@ def _put(client: Client, n: int) -> list[bytes]:
     tokens = list(range(n * TOKENS))
     client.put(tokens, [os.urandom(BLOCK_BYTES) for _ in range(n)])
     return client.hashes(tokens)
+
+
+def test_a_write_sleeps_through_most_of_its_engines_last_pace_before_waiting(
+        bulk_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Mooncake's wait polls without sleeping: a write first sleeps SLEEP_SHARE of the time its
+    # bytes took at its engine's last pace (nothing before the engine's first write).
+    monkeypatch.setattr(server_bulk, "ENGINES", 1)
+    monkeypatch.setattr(client_bulk, "LANES", 1)
+    monkeypatch.setattr(server_bulk, "_PACE", {})
+    slept: list[tuple[float, list[float]]] = []
+    monkeypatch.setattr(server_bulk, "time", SimpleNamespace(
+        perf_counter=time.perf_counter, sleep=lambda s: slept.append((s, list(server_bulk._PACE.values())))))
+    client, _ = bulk_server
+    hashes = _put(client, 4)
+    for _ in range(2):
+        statuses, _, used = _fetch(client, "bulk", hashes, False, streams=1)  # 2 calls of 2, one at a time
+        assert used == "" and statuses == [(Status.DONE, "")] * 4
+    assert len(slept) == 4 and slept[0] == (0.0, []), "no pace before the engine's first write"
+    for seconds, (pace,) in slept[1:]:
+        assert pace > 0 and seconds == pytest.approx(server_bulk.SLEEP_SHARE * pace * 2 * BLOCK_BYTES)
