@@ -1,5 +1,6 @@
 /*
- * tiers._blockcopy: the verify-and-copy loop of `tiers.blockcopy`, without the GIL.
+ * tiers._blockcopy: the verify-and-copy loop of `tiers.blockcopy`, without the GIL (and the SWA
+ * paths' checksums: tiers/_swa_digest.h).
  *
  * The transfer path copies hundreds of megabytes per request from LMDB's map
  * into client regions, checking each block's xxh3 checksum first. In Python
@@ -93,6 +94,8 @@ static void stream_copy(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 #endif
 }
+
+#include "_swa_digest.h" /* after stream_copy, which its stream_into uses */
 
 /* Check and copy one block; its result code. Runs without the GIL. */
 static char copy_one(const Item *item, double due_before, char *due) {
@@ -412,6 +415,7 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    SWA_DIGEST_METHODS
     {"verify_spans", verify_spans, METH_VARARGS,
      "verify_spans(base, length, offsets, sizes, checksums) -> bytes\n\n"
      "See tiers.blockcopy.verify_spans: checksums of blocks in a mapping, without the GIL."},
@@ -438,7 +442,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__blockcopy(void) {
     const char *kernel = xxh3_pick();
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddStringConstant(m, "HASH_KERNEL", kernel) < 0) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "HASH_KERNEL", kernel) < 0 || add_hasher(m) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -201,9 +201,14 @@ def _run_redis(args: argparse.Namespace, progress: Progress, report: Report) -> 
     p50 = {name: statistics.median(values) * 1e3 for name, values in latency.items()}
     for side in ("direct", "gateway"):
         report.add(Figure.against(f"{side} single-snapshot fetch p50", p50[side], "ms", RAW_GET, p50["raw"]))
+    from kvstore.client.swa_put import OVERLAP_MIN_CPUS, usable_cpus
+
     report.notes.update(snapshot_bytes_even=sizes[0], snapshot_bytes_odd=sizes[min(1, n - 1)], snapshots=n,
                         batch=batch, rounds=rounds, gateway_rounds=args.rounds, fetches=args.fetches,
-                        redis="given" if args.redis_url else "started by the bench", cpus=os.cpu_count())
+                        redis="given" if args.redis_url else "started by the bench", cpus=os.cpu_count(),
+                        # How the direct put took its checksums (kvstore.client.swa_put).
+                        direct_put_checksum="overlapped (worker thread)" if usable_cpus() >= OVERLAP_MIN_CPUS
+                        else "streamed (after each piece is sent)")
 
 
 @contextmanager
@@ -326,8 +331,12 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
     for side in ("shm", "gateway"):
         report.add(Figure.against(f"embedded {side} single-snapshot fetch p50", p50[side], "ms", EMBEDDED_RAW_GET,
                                   p50["raw"]))
+    from tiers.swa_digest import NATIVE
+
     report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=rounds,
-                        embedded_raw_fetch_p50_ms=round(p50["raw"], 3), cpus=os.cpu_count())
+                        embedded_raw_fetch_p50_ms=round(p50["raw"], 3), cpus=os.cpu_count(),
+                        # Native: non-temporal copies into the arena, one-pass copy and checksum out of it.
+                        embedded_native_copies=NATIVE)
 
 
 def _batched_calls(keys: list[bytes], positions: list[int], payload: list[bytes], batches: list[tuple[int, int]]

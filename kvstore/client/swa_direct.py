@@ -6,7 +6,7 @@ carry and the largest record. This module speaks Redis with them, under the
 same rules as the gateway path (docs/SWA_POOL.md "Direct path"):
 
 - a snapshot is stored sealed (`kvstore.swa_snapshot.seal`: geometry, T and
-  checksum in its header; streamed, and published sealed: `DirectPath._set_many`),
+  checksum in its header; streamed, and published sealed: kvstore.client.swa_put),
   and a record read back is opened with
   `unseal`, which checks all of them: a record that fails is a miss, counted
   as corrupt, exactly as on the gateway path;
@@ -38,27 +38,16 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
+from kvstore.client.swa_put import OVERLAP_MIN_CPUS, put_records, usable_cpus
 from kvstore.client.swa_resp import GetReplies, pack_gets
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.geometry import ModelGeometry
-from kvstore.swa_snapshot import (
-    HEADER_BYTES,
-    PLACEHOLDER_HEADER,
-    checksum,
-    checksum_stream,
-    seal,
-    snapshot_bytes,
-    snapshot_shape,
-    unseal,
-)
+from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_shape, unseal
 from kvstore.v1 import swa_pb2 as pb
 
 Buffer = bytes | bytearray | memoryview
 #: Refusals Redis sends as plain error replies when the user or its password is gone.
 _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM")
-#: A streamed put's piece: sent, then checksummed while it is still in cache (a core's L2 holds
-#: 1-2 MiB on today's servers).
-STREAM_CHUNK_BYTES = 1 << 20
 
 
 def redis_error(exc: Exception) -> KVStoreError:
@@ -88,40 +77,6 @@ def _mapped() -> Iterator[None]:
         yield
     except (RedisError, RedisClusterException, OSError) as exc:
         raise redis_error(exc) from None
-
-
-def _pack(*args: bytes) -> bytes:
-    """One command in RESP (small arguments)."""
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in args)
-
-
-def _reply(conn: Any) -> Any:
-    """The next reply on `conn`, an error reply returned (as a ResponseError), not raised."""
-    try:
-        return conn.read_response()
-    except ResponseError as exc:
-        return exc
-
-
-def _settle(conn: Any, temps: Sequence[bytes], targets: Sequence[bytes]) -> ResponseError | None:
-    """Read each record's three replies (SET, SETRANGE, RENAME: every one, so the connection stays in
-    step) and remove each record a command of which was refused from where it got to (the target when
-    the RENAME went through, else the temporary key) with an empty value that expires at once; the
-    first refusal, or None."""
-    refused, cleanup = None, []
-    for temp, target in zip(temps, targets, strict=True):
-        replies = [_reply(conn) for _ in range(3)]
-        # "no such key": the temporary key expired (a PX shorter than the send) or was evicted: stored, then gone.
-        errors = [r for r in replies if isinstance(r, ResponseError) and str(r) != "no such key"]
-        if errors:
-            refused = refused or errors[0]
-            renamed = not isinstance(replies[2], ResponseError)
-            cleanup.append(_pack(b"SET", target if renamed else temp, b"", b"PX", b"1"))
-    if cleanup:
-        conn.send_packed_command([b"".join(cleanup)], False)
-        for _ in cleanup:
-            _reply(conn)
-    return refused
 
 
 def _cluster(grant: pb.SwaOpenDirectResponse, timeout_s: float) -> Any:
@@ -155,10 +110,12 @@ class DirectPath:
         geometry: the geometry records are checked against.
         timeout_s: how long a Redis command may take before it is `Unavailable`.
         clock: monotonic seconds (injected in tests).
+        overlap: checksum a put's snapshots on a worker thread while they are sent; None: where this
+            process has `swa_put.OVERLAP_MIN_CPUS` CPUs or more (kvstore.client.swa_put).
     """
 
     def __init__(self, grant: pb.SwaOpenDirectResponse, *, fingerprint: bytes, geometry: ModelGeometry,
-                 timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+                 timeout_s: float, clock: Callable[[], float] = time.monotonic, overlap: bool | None = None) -> None:
         self.tenant = grant.tenant
         self.username = grant.username
         self.writable = grant.writable
@@ -167,6 +124,7 @@ class DirectPath:
         self.fingerprint = fingerprint
         self.geometry = geometry
         self.prefix = grant.key_prefix + fingerprint
+        self.overlap = usable_cpus() >= OVERLAP_MIN_CPUS if overlap is None else overlap
         now = clock()
         self.clock = clock
         #: When to ask for a newer user (half its lifetime), and when this one is deleted.
@@ -222,17 +180,10 @@ class DirectPath:
         pipe.execute()
 
     def _set_many(self, triples: Sequence[tuple[bytes, int, bytes]], px: int) -> None:
-        """Store each (key, T, snapshot) sealed, streamed on one connection.
-
-        The header holds the snapshot's checksum and comes before it in the record; checksumming the
-        whole snapshot before sending it put a pass over 2.7 MB on the writer's path ahead of its first
-        byte. Instead each piece (STREAM_CHUNK_BYTES) is checksummed just after it is sent, while in
-        cache, and the record goes to a temporary key under a placeholder header, is sealed there and
-        renamed into place, all pipelined (docs/SWA_POOL.md "Direct path"):
-
-            SET <key>~<call token>.<i> <PLACEHOLDER_HEADER + snapshot> PX px
-            SETRANGE <that key> 0 <header>
-            RENAME <that key> <key>        (RENAME keeps the PX)
+        """Store each (key, T, snapshot) sealed, streamed on one connection: each record to a temporary
+        key under a placeholder header, sealed there (SETRANGE) and renamed into place, pipelined
+        (kvstore.client.swa_put; docs/SWA_POOL.md "Direct path"). The checksum is taken on a worker
+        thread beside the send where `overlap`, else piece by piece just after each is sent.
 
         A reader of the key sees the old record or the new one, sealed. A record any of whose commands
         was refused is removed (an empty value that expires at once: `SET ... PX 1`) from wherever it
@@ -244,26 +195,9 @@ class DirectPath:
         pool = self.redis.connection_pool
         conn = pool.get_connection()
         try:
-            ttl = b"%d" % px
-            token = secrets.token_hex(6).encode()
-            targets = [self.key(key) for key, _, _ in triples]
-            temps = [target + b"~%b.%d" % (token, i) for i, target in enumerate(targets)]
-            head = b""
-            for temp, target, (_, position, data) in zip(temps, targets, triples, strict=True):
-                view = memoryview(data).cast("B")
-                head += b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
-                    len(temp), temp, HEADER_BYTES + len(view), PLACEHOLDER_HEADER)
-                digest = checksum_stream()
-                for start in range(0, len(view), STREAM_CHUNK_BYTES):
-                    piece = view[start:start + STREAM_CHUNK_BYTES]
-                    conn.send_packed_command([head, piece] if head else [piece], False)
-                    digest.update(piece)  # after the send, whose copy left the piece in cache
-                    head = b""
-                header = seal(self.fingerprint, position, b"", digest.intdigest())
-                head = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl) + _pack(b"SETRANGE", temp, b"0", header) + \
-                    _pack(b"RENAME", temp, target)
-            conn.send_packed_command([head], False)
-            refused = _settle(conn, temps, targets)
+            refused = put_records(conn, fingerprint=self.fingerprint, px=px, token=secrets.token_hex(6).encode(),
+                                  targets=[self.key(key) for key, _, _ in triples],
+                                  records=[(position, data) for _, position, data in triples], overlap=self.overlap)
         except BaseException:
             conn.disconnect()  # a write or a reply cut short: the connection is out of step
             raise

@@ -45,13 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import xxhash
 from google.protobuf.message import DecodeError
 
 from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, Unavailable, from_status
 from kvstore.geometry import ModelGeometry
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
+from tiers.swa_digest import copy_digest, stream_into
 
 Buffer = bytes | bytearray | memoryview
 
@@ -59,8 +59,6 @@ Buffer = bytes | bytearray | memoryview
 GRANULE = 64 << 10
 #: madvise: fill the page tables of a range in one call (Linux 5.14), instead of one fault per 4 KiB page.
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
-#: Bytes a verified get copies before checksumming them (small enough to still be in cache).
-CHUNK = 256 << 10
 #: Bytes a put copies between WRITTEN notes (each wakes the server to checksum them: fewer, larger
 #: notes ran faster on a loaded 2-core machine than 256 KiB ones, and about as fast as one per snapshot).
 NOTE = 1 << 20
@@ -211,7 +209,9 @@ class ShmPath:
                     source = memoryview(data).cast("B")
                     for lo in range(0, len(source), NOTE):
                         hi = min(lo + NOTE, len(source))
-                        self._view[offset + lo:offset + hi] = source[lo:hi]  # the one copy
+                        # The one copy, with non-temporal stores: we never read it again, and the server
+                        # checksums it from memory rather than out of this core's cache.
+                        stream_into(self._view[offset + lo:offset + hi], source[lo:hi])
                         if self.verify and (hi < len(source) or n + 1 < len(placed)):
                             # The server checksums this chunk while we copy the next (no reply; COMMIT
                             # checksums the last), so the record is sealed when COMMIT answers.
@@ -228,8 +228,8 @@ class ShmPath:
         return sum(len(d) for _, _, d in triples)
 
     def get_many(self, keys: Sequence[bytes]) -> ShmGets:
-        """The snapshots under `keys`, copied out of the arena and checked (each a read-only memoryview
-        over its own copy), None where missing or where the copy failed its checksum."""
+        """The snapshots under `keys`, each copied out of the arena once (bytes), None where missing; with
+        `verify`, each copy is checked against the checksum the server took (None where it fails)."""
         with self._lock:
             reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=keys, corrupt=self._corrupt))
             self._corrupt = 0
@@ -248,29 +248,21 @@ class ShmPath:
                     self._populate(offset, size, MADV_POPULATE_READ)
                     plain.append(bytes(self._view[offset:offset + size]))  # the one copy
                 return ShmGets(data=plain, corrupt=0)
-            copies: list[tuple[bytearray, xxhash.xxh3_64, int] | None] = []
+            out: list[bytes | memoryview | None] = []
+            corrupt = 0
             for offset, position, expected in found:
                 if offset < 0:
-                    copies.append(None)
+                    out.append(None)
                     continue
                 size = snapshot_bytes(self.geometry, position)
                 self._populate(offset, size, MADV_POPULATE_READ)
-                copy, digest = bytearray(size), xxhash.xxh3_64()
-                into = memoryview(copy)
-                # Chunk by chunk: each chunk is checksummed while it is still in cache (one pass over
-                # memory, where copying and then hashing the whole snapshot read it twice).
-                for lo in range(0, size, CHUNK):
-                    hi = min(lo + CHUNK, size)
-                    into[lo:hi] = self._view[offset + lo:offset + hi]  # the one copy
-                    digest.update(into[lo:hi])
-                copies.append((copy, digest, expected))
-            out: list[bytes | memoryview | None] = []
-            corrupt = 0
-            for item in copies:
-                if item is not None and item[1].intdigest() == item[2]:
-                    out.append(memoryview(item[0]).toreadonly())
+                # One pass: each 32 KiB is checksummed just after it is copied, while in L1
+                # (tiers.swa_digest.copy_digest; where it is not built, a copy and then a checksum).
+                copy, digest = copy_digest(self._view[offset:offset + size])
+                if digest == expected:
+                    out.append(copy)
                     continue
-                corrupt += item is not None  # rewritten in place, or evicted and reused while copied: a miss
+                corrupt += 1  # rewritten in place, or evicted and reused while copied: a miss
                 out.append(None)
             self._corrupt += corrupt
         return ShmGets(data=out, corrupt=corrupt)

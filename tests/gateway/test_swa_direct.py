@@ -18,7 +18,7 @@ import redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
 from kvstore import api_tokens
-from kvstore.client import Client, SwaClient
+from kvstore.client import Client, SwaClient, swa_direct
 from kvstore.client.admin import AdminClient
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings, SwaSettings
@@ -111,11 +111,17 @@ def test_a_writer_may_seal_and_rename_its_own_records_and_no_other_tenants(
         assert raw.get(b_key) == b"tenant b" and raw.exists(b"other") == 0
 
 
-def test_a_direct_put_is_seen_by_a_gateway_get_and_vice_versa(two_tenants: tuple[Client, Client, str]) -> None:
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_a_direct_put_is_seen_by_a_gateway_get_and_vice_versa(two_tenants: tuple[Client, Client, str],
+                                                              monkeypatch: pytest.MonkeyPatch, cpus: int) -> None:
+    """On two CPUs the put checksums each piece after sending it, on sixteen on a worker thread beside
+    the send (kvstore.client.swa_put): either way the gateway opens the record it stored."""
+    monkeypatch.setattr(swa_direct, "usable_cpus", lambda: cpus)
     a, _, _ = two_tenants
     direct, gateway = swa(a, "direct"), swa(a, "gateway")
     first, second = snapshot(a), snapshot(a, 63)
     assert direct.put(TOKENS, first).stored == 1 and direct.last_path == "direct"
+    assert isinstance(direct._direct, swa_direct.DirectPath) and direct._direct.overlap is (cpus >= 4)
     assert gateway.get(TOKENS) == first and gateway.last_path == "gateway"
     assert gateway.put(TOKENS[:63], second).stored == 1
     assert direct.get(TOKENS[:63]) == second and direct.last_path == "direct"

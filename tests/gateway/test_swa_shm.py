@@ -25,6 +25,7 @@ from kvstore.errors import InvalidArgument, PermissionDenied, ResourceExhausted,
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 from tests.children import SKEWED_CLOCK, Child, ServerClock
+from tiers import swa_digest
 
 RW = frozenset({"read", "write"})
 TOKENS = list(range(300))
@@ -345,11 +346,20 @@ def test_the_client_comes_back_after_a_server_restart(server: Server) -> None:
         assert swa.get(TOKENS) == data
 
 
-def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server) -> None:
+@pytest.mark.parametrize("forms", ["native", "python"])
+def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server, monkeypatch: pytest.MonkeyPatch,
+                                                           forms: str) -> None:
+    """A verified put copies into the arena with non-temporal stores and a verified get copies and checksums
+    in one pass where tiers._blockcopy is built; the Python forms (a plain copy, a copy then a checksum)
+    stand in elsewhere, with the same results."""
+    if forms == "python":
+        monkeypatch.setattr(client_shm, "copy_digest", swa_digest.copy_digest_python)
+        monkeypatch.setattr(client_shm, "stream_into", swa_digest.stream_into_python)
     with server.client() as c:
         data = snap(c)
         checked = SwaClient(c.connection, verify=True)
         assert checked.put(TOKENS, data).stored == 1  # sealed when COMMIT answers (WRITTEN notes)
+        assert checked.get(TOKENS) == data and checked.last_path == "shm"  # intact: the checksums agree
         raw = Raw(open_direct(c))
         try:
             arena = mmap.mmap(raw.fds[0], raw.hello.arena_bytes)
