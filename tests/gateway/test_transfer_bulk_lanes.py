@@ -33,10 +33,12 @@ source = one_lane.source
 bulk_server = one_lane.bulk_server
 
 
-@pytest.fixture
-def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str]]]:
-    """Two server engines and three client engines a session (whatever this host's cores);
+@pytest.fixture(params=[0.0, 0.7], ids=["poll", "sleep"])
+def lanes(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[list[tuple[int, str]]]:
+    """Two server engines and three client engines a session (whatever this host's cores), the
+    server waiting on its writes by Mooncake's polling or by sleeping first (`SLEEP_SHARE`);
     yields (server engine, client segment) of each engine write."""
+    monkeypatch.setattr(server_bulk, "SLEEP_SHARE", request.param)
     monkeypatch.setattr(server_bulk, "ENGINES", 2)
     monkeypatch.setattr(client_bulk, "LANES", 3)
     monkeypatch.setattr(client_bulk, "_ENGINES", {})
@@ -156,6 +158,7 @@ def test_a_write_sleeps_through_most_of_its_engines_last_pace_before_waiting(
     monkeypatch.setattr(server_bulk, "ENGINES", 1)
     monkeypatch.setattr(client_bulk, "LANES", 1)
     monkeypatch.setattr(server_bulk, "_PACE", {})
+    monkeypatch.setattr(server_bulk, "SLEEP_SHARE", 0.7)  # as on a host short of cores
     slept: list[tuple[float, list[float]]] = []
     monkeypatch.setattr(server_bulk, "time", SimpleNamespace(
         perf_counter=time.perf_counter, sleep=lambda s: slept.append((s, list(server_bulk._PACE.values())))))
