@@ -55,6 +55,7 @@ from kvstore.transfer_ring import (
     BUSY,
     CLOSED,
     HEADER_AT,
+    IDLE,
     LEASE_S,
     REQUEST,
     REQUEST_AT,
@@ -288,15 +289,15 @@ class RingServer:
         header, futex, view = self._header, self._futex, self._view
         assert header is not None and futex is not None and view is not None
         spurious = 0
+        held: NativeRing | None = None  # what readied a txn of this thread (kept across requests)
         while not self._stop:
             state = header.state
-            if state != REQUEST:
-                native = self.native
-                if native is None or spurious >= _SPURIOUS or not native.ready(self.busy):
-                    spurious = self._idle(futex, state, spurious)
-                    continue
-                # Readied off the request's path; the spin and the request's first half in one native call.
-                kind, seq, length, value = native.take(state, self.expires)
+            native = self.native
+            if native is not None and spurious < _SPURIOUS and native.ready(self.busy):
+                held = native
+                # Readied off the request's path; the spin and the request's first half in one native call
+                # (a request already there is taken at once: it is not the IDLE waited on).
+                kind, seq, length, value = native.take(IDLE if state == REQUEST else state, self.expires)
                 if kind == native_ring.IDLE:  # none within the spin: sleep on the futex
                     native.unready()
                     spurious = self._idle(futex, value, spurious, spin=False)
@@ -305,6 +306,12 @@ class RingServer:
                 with self.busy:
                     code, answer = self._serve_taken(native, view, kind, seq, length, value)
             else:
+                if held is not None:  # its txn would stand in the way of this thread's next one
+                    held.unready()
+                    held = None
+                if state != REQUEST:
+                    spurious = self._idle(futex, state, spurious)
+                    continue
                 spurious = 0
                 header.state = BUSY
                 seq, length = header.seq, header.length
@@ -319,6 +326,8 @@ class RingServer:
             header.answer_seq, header.code, header.answer_length = seq, code, len(answer)
             header.state = CLOSED if self._stop else ANSWERED
             futex.wake()
+        if held is not None:
+            held.unready()
         header.state = CLOSED
         futex.wake()
         del header, futex, view
@@ -353,7 +362,7 @@ class RingServer:
                 raise FailedPrecondition("the transfer session ended")
             if kind == native_ring.PLANNED:
                 if native.answer(seq, value):
-                    return 0, None
+                    return 0, None  # what was readied is kept for the next request (`NativeRing.ready`)
                 native.unready()  # the regions or the clock moved since `ready`: afresh
                 raw = native.serve(seq, length)
                 if raw is None:
@@ -362,12 +371,12 @@ class RingServer:
             native.unready()
             return 0, read(native.ctx, self.session, value).SerializeToString()
         except KVStoreError as exc:
+            native.unready()
             return to_status(exc).value[0], exc.message.encode()[:ANSWER_BYTES]
         except Exception:
+            native.unready()
             log.exception("ring %s: a request failed", self.name)
             return grpc.StatusCode.INTERNAL.value[0], b"the ring request failed inside the server (see its log)"
-        finally:
-            native.unready()
 
     def _serve(self, view: memoryview, seq: int, length: int) -> tuple[int, bytes | None]:
         """Answer one request: (0, None) when the native server answered it and woke the client,

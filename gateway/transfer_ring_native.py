@@ -38,6 +38,8 @@ log = logging.getLogger("kvstore.transfer")
 #: How far the retention clock may move between `ready` and the answer before the due times are
 #: judged anew (a real spin is 100 us; refreshes go by the minute).
 _CLOCK_SLACK_S = 0.5
+#: How long a ring keeps what it readied (a read txn, a reader slot, the due time) across requests.
+_KEEP_S = 0.01
 
 
 def tier_mapping(ctx: RingContext) -> ring.Mapping | None:
@@ -151,10 +153,21 @@ class NativeRing:
 
         The txn is used only while it is the newest snapshot (`take` answers STALE once a write
         committed since), so a request reads what a txn begun on its arrival would. The due time is
-        judged here, at most the spin (`SERVER_SPIN_S`) before the request: retention refreshes go by
-        the minute (`TOUCH_GRANULARITY_S`), and `answer` looks at the clock again before any block lands.
+        judged here, at most `_KEEP_S` before the request: retention refreshes go by the minute
+        (`TOUCH_GRANULARITY_S`), and `answer` looks at the clock again before any block lands.
+
+        What a natively answered request leaves readied is kept for the next one, for up to `_KEEP_S`
+        while the session's regions stay the same: a client asking again at once finds the thread back
+        in its spin (a new txn and slot per request took ~4 us of Python between requests, longer than
+        the client's own; its next request waited for the thread). Past `_KEEP_S` it is readied
+        anew, so the reader slot goes back to the semaphore at least that often (another ring may
+        be waiting for it).
         """
         ctx = self.ctx
+        if self._txn is not None:
+            if self._clock() - self._wall < _KEEP_S and tuple(self.session.regions.values()) == self._regions:
+                return True
+            self.unready()
         if ctx.slots is not None:
             if not ctx.slots.acquire(blocking=False):
                 return False
