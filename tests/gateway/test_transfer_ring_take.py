@@ -65,3 +65,30 @@ def test_a_clock_step_after_ready_judges_the_due_refresh_anew(server: Any, clock
         assert session.fetch(hashes, region).done_prefix == 1
         assert served.native.answered == 1, "due a refresh: answered by the Python read, not natively"
         assert session.ring is not None and session.ring.answered == 2
+
+
+@needs_native
+def test_a_ring_asked_again_at_once_keeps_its_txn_and_one_gone_idle_gives_it_back(
+        server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import transfer_ring_native
+
+    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 5.0)
+    monkeypatch.setattr(transfer_ring_native, "_KEEP_S", 60.0)
+    with Client(server.target) as client, client.transfer() as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        served = ring_server(server, session)
+        assert served.native is not None and served.native.ctx.slots is not None
+        slots = served.native.ctx.slots
+        free: int = slots._initial_value  # type: ignore[attr-defined]  # its counts are what is checked
+        assert session.fetch(hashes, region).done_prefix == 1
+        readied(served)
+        txn = served.native._txn
+        assert session.fetch(hashes, region).done_prefix == 1
+        assert served.native.answered == 2 and served.native._txn is txn, "kept across the requests"
+        assert slots._value == free - 1, "one reader slot held while the ring is hot"
+        monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 0.0)
+        deadline = time.monotonic() + 20
+        while served.native._txn is not None or slots._value != free:  # the 5 s spin ends: given back
+            assert time.monotonic() < deadline, "an idle ring kept its txn or its reader slot"
+            time.sleep(0.01)
