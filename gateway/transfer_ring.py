@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -96,6 +96,21 @@ class RingContext:
     rate: Any = None
     #: Bounds the rings reading at once (each holds an LMDB reader slot while it copies).
     slots: threading.BoundedSemaphore | None = None
+    #: Rings waiting for one of `slots` (`take_slot`): a hot ring then gives its kept slot back.
+    waiting: int = 0
+    waiting_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_slot(self) -> None:
+        """One of `slots`, waiting for it when none is free (counted in `waiting` meanwhile)."""
+        if self.slots is None or self.slots.acquire(blocking=False):
+            return
+        with self.waiting_lock:
+            self.waiting += 1
+        try:
+            self.slots.acquire()
+        finally:
+            with self.waiting_lock:
+                self.waiting -= 1
     #: The tier's mapping of data.mdb for the native server (`transfer_ring_native.tier_mapping`).
     mapping: Mapping | None = None
     mapping_tried: bool = False
@@ -203,8 +218,7 @@ def _plain(ctx: RingContext, session: Session, request: pb.SubmitRequest, block_
 def _copy(ctx: RingContext, keys: list[bytes | None], dests: list[memoryview | None], prefix_only: bool,
           due: list[bytes]) -> bytes:
     """Look the blocks up and verify-copy them into their views (`StagedReads.copy`); `blockcopy` codes."""
-    if ctx.slots is not None:
-        ctx.slots.acquire()
+    ctx.take_slot()
     try:
         staged = ctx.tier.stage_reads(keys)
         try:

@@ -122,8 +122,7 @@ class NativeRing:
         if ctx.rate is not None:
             ctx.rate.take(session.tenant)
         table = self._region_table()
-        if ctx.slots is not None:
-            ctx.slots.acquire()
+        ctx.take_slot()
         try:
             txn = ctx.tier.env.begin()
             try:
@@ -160,14 +159,17 @@ class NativeRing:
         while the session's regions stay the same: a client asking again at once finds the thread back
         in its spin (a new txn and slot per request took ~4 us of Python between requests, longer than
         the client's own; its next request waited for the thread). Past `_KEEP_S` it is readied
-        anew, so the reader slot goes back to the semaphore at least that often (another ring may
-        be waiting for it).
+        anew, so the reader slot goes back to the semaphore at least that often, and at once while
+        another ring waits for one (`RingContext.take_slot`), which then gets it first.
         """
         ctx = self.ctx
         if self._txn is not None:
-            if self._clock() - self._wall < _KEEP_S and tuple(self.session.regions.values()) == self._regions:
+            if (self._clock() - self._wall < _KEEP_S and not ctx.waiting
+                    and tuple(self.session.regions.values()) == self._regions):
                 return True
             self.unready()
+        if ctx.waiting:  # another ring waits for a reader slot: it goes first (this request, the long way)
+            return False
         if ctx.slots is not None:
             if not ctx.slots.acquire(blocking=False):
                 return False
