@@ -4,7 +4,9 @@
  * A ring request of a few blocks spent ~120 us in the Python server thread (the request's
  * parse and checks, py-lmdb gets, the copy, the answer), against ~16 us of checksum and copy.
  * Here, with the GIL released:
- *   wait   spins briefly on the ring's state word, then sleeps on its futex;
+ *   wait   spins briefly on the ring's state word, then sleeps on its futex (_ring_words.h);
+ *   take   readied with a txn, the region table and a plan while no request is there: spins for
+ *          the next request and runs `serve`'s first half on it (the thread's usual step);
  *   serve  copies the request out of the ring once, parses it strictly, checks it as Submit
  *          does (the session's region, the block length, whole hashes, every span inside its
  *          region), finds the records in the read txn's snapshot (tiers/_lmdb_search.h),
@@ -12,8 +14,9 @@
  *          answer (the caller counts the read, then `publish`es it: the client wakes); or,
  *          given a plan, stops once every block is verified, and the caller counts the read
  *          and calls `finish`, which copies, writes the answer and wakes the client;
- *   ask    the client's side: writes a request and its header words, wakes the server and
- *          spins for the answer, telling an answer that is exactly the expected all-DONE one.
+ *   ask    the client's side (_ring_ask.h): writes a request (or, `ask_slots`, a template's
+ *          head, a list of hashes and its tail) and its header words, wakes the server unless it
+ *          spins, and spins for the answer, telling one that is exactly the expected all-DONE one.
  * `serve` answers only the plain case: one group, every descriptor good, every block found,
  * intact and not due a retention refresh. Anything else (a request the strict parser does not
  * take, a bad descriptor, a miss, a corrupt block, a block due a refresh, a page that does not
@@ -37,38 +40,10 @@
 #include <unistd.h>
 
 #include "_lmdb_search.h"
+#include "_ring_ask.h"
 #include "_ring_wire.h"
+#include "_ring_words.h"
 #include "_xxh3.h"
-
-/* kvstore/transfer_ring.py's layout. */
-enum { HEADER_AT = 64, REQUEST_AT = 4096, REQUEST_BYTES = 65536 - 4096, ANSWER_AT = 65536,
-       ANSWER_BYTES = 131072 - 65536 };
-enum { ST_REQUEST = 1, ST_BUSY = 2, ST_ANSWERED = 3 };
-static long futex(uint32_t *word, int op, uint32_t value, const struct timespec *timeout) {
-    return syscall(SYS_futex, word, op, value, timeout, NULL, 0); /* shared: the word is in a shared mapping */
-}
-
-typedef struct {
-    uint32_t state, seq, length, pad, answer_seq, code, answer_length, server_cpu, client_cpu, server_awake,
-        client_awake;
-} Header;
-
-/* `*awake` = 0, then (a full fence: neither side's store may pass its load of the other's word) the
- * state word: a peer that stored the state and then saw `*awake` set skipped its wake, so this
- * side must see that state now (kvstore/transfer_ring.py, "Wake-ups"). */
-static uint32_t going_to_sleep(uint32_t *awake, const uint32_t *state) {
-    __atomic_store_n(awake, 0, __ATOMIC_RELAXED);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    return __atomic_load_n(state, __ATOMIC_ACQUIRE);
-}
-
-/* Store `value` in the state word and wake its sleepers unless the peer said it is awake (spinning on
- * the word: it sees the store without a wake-up, a syscall that costs microseconds on a VM). */
-static void store_and_wake(uint32_t *state, uint32_t value, const uint32_t *peer_awake) {
-    __atomic_store_n(state, value, __ATOMIC_RELEASE);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    if (!__atomic_load_n(peer_awake, __ATOMIC_RELAXED)) futex(state, FUTEX_WAKE, 0x7FFFFFFF, NULL);
-}
 
 /* tiers.records.META_STRUCT, "<32sIIQdd". */
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
@@ -89,57 +64,6 @@ typedef struct {
 } Step;
 _Static_assert(32 + MAX_DESCRIPTORS < ANSWER_BYTES, "a plain answer always fits the answer area");
 
-
-static double seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
-/*
- * wait(address, expected, spin_s, timeout_s) -> int: the 32-bit word at `address` once it no
- * longer holds `expected`, or after `timeout_s`. Spins for up to `spin_s` first, yielding the
- * core each turn: a request that follows the last answer within it is taken without a futex
- * wake-up (~10-80 us on a loaded VM), and a client (or anything else) waiting for this core
- * gets it (a spin that did not yield made the client's next request wait for this one's time
- * slice on a busy 2-core box: 35 us or 190 us per request, by how they landed). The caller
- * keeps the mapping alive across the call.
- */
-static PyObject *wait(PyObject *self, PyObject *args) {
-    unsigned long long address, peer_cpu;
-    unsigned int expected;
-    double hot_s, spin_s, timeout_s;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KIdddK", &address, &expected, &hot_s, &spin_s, &timeout_s, &peer_cpu)) return NULL;
-    if (address == 0 || address % 4 || peer_cpu % 4 || timeout_s < 0 || spin_s < 0 || hot_s < 0) {
-        PyErr_SetString(PyExc_ValueError, "wait: an aligned address and non-negative times");
-        return NULL;
-    }
-    uint32_t *word = (uint32_t *)(uintptr_t)address, now;
-    Py_BEGIN_ALLOW_THREADS
-    if (peer_cpu && __atomic_load_n((uint32_t *)(uintptr_t)peer_cpu, __ATOMIC_RELAXED) == (uint32_t)(sched_getcpu() + 1))
-        hot_s = 0; /* the peer last ran on this CPU: a spin that does not yield would only keep it off */
-    double start = seconds(), t = start;
-    while ((now = __atomic_load_n(word, __ATOMIC_ACQUIRE)) == expected) {
-        if (t - start < hot_s) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-            t = seconds();
-            continue;
-        }
-        if (t - start > spin_s) {
-            struct timespec ts = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e9)};
-            futex(word, FUTEX_WAIT, expected, &ts);
-            now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
-            break;
-        }
-        sched_yield(); /* the client may be waiting for this core (2-core boxes, or a third process) */
-        t = seconds();
-    }
-    Py_END_ALLOW_THREADS
-    return PyLong_FromUnsignedLong(now);
-}
 
 /* One descriptor's block, found in the snapshot. */
 typedef struct {
@@ -450,158 +374,6 @@ static PyObject *finish(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&plan);
     Py_RETURN_NONE;
-}
-
-/*
- * publish(address, value): store `value` in the 32-bit word at `address` (after every store
- * before it: the answer's bytes) and wake every thread waiting on it, of either process.
- */
-static PyObject *publish(PyObject *self, PyObject *args) {
-    unsigned long long address;
-    unsigned int value;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KI", &address, &value)) return NULL;
-    if (address == 0 || address % 4) {
-        PyErr_SetString(PyExc_ValueError, "publish: an aligned address");
-        return NULL;
-    }
-    uint32_t *word = (uint32_t *)(uintptr_t)address;
-    __atomic_store_n(word, value, __ATOMIC_RELEASE);
-    futex(word, FUTEX_WAKE, 0x7FFFFFFF, NULL);
-    Py_RETURN_NONE;
-}
-
-/* The client's side once its request's bytes are in the ring's request area (`length` of them), without
- * the GIL: the header words, REQUEST, the wake, and the spin for answer `seq` (see `ask`). */
-static int ask_written(unsigned char *base, uint32_t length, uint32_t seq, double hot_s, double spin_s,
-                       const Py_buffer *expected) {
-    Header *header = (Header *)(base + HEADER_AT);
-    uint32_t cpu = (uint32_t)(sched_getcpu() + 1);
-    header->seq = seq;
-    header->length = length;
-    header->client_cpu = cpu;
-    if (__atomic_load_n(&header->server_cpu, __ATOMIC_RELAXED) == cpu) hot_s = 0;
-    __atomic_store_n(&header->client_awake, 1, __ATOMIC_RELAXED); /* before REQUEST: the answer needs no wake */
-    store_and_wake(&header->state, ST_REQUEST, &header->server_awake); /* after the request's bytes */
-    double start = seconds(), t = start;
-    for (;;) {
-        uint32_t state = __atomic_load_n(&header->state, __ATOMIC_ACQUIRE);
-        if (state != ST_ANSWERED && t - start >= spin_s)
-            state = going_to_sleep(&header->client_awake, &header->state); /* the caller sleeps next */
-        if (state == ST_ANSWERED && __atomic_load_n(&header->answer_seq, __ATOMIC_RELAXED) == seq) {
-            __atomic_store_n(&header->client_awake, 0, __ATOMIC_RELAXED);
-            if (header->code == 0 && header->answer_length == (uint32_t)expected->len &&
-                memcmp(base + ANSWER_AT, expected->buf, (size_t)expected->len) == 0)
-                return 2;
-            return 1;
-        }
-        if (t - start >= spin_s) {
-            __atomic_store_n(&header->client_awake, 0, __ATOMIC_RELAXED);
-            return 0;
-        }
-        if (t - start < hot_s) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
-        t = seconds();
-    }
-}
-
-/*
- * ask(ring, request, seq, hot_s, spin_s, expected) -> int: the client's side of one request.
- *
- * Copies `request` into the ring's request area, writes the header words (seq, length, the
- * client's CPU), stores state = REQUEST after them and wakes the futex; then spins for the
- * answer, first without yielding for `hot_s` (none when the server last answered on this
- * CPU: it would only keep the server off), then yielding the core until `spin_s`. All of it
- * without the GIL. Returns 0 when no answer came within the spin (the caller sleeps on the
- * futex and watches the session), 1 when answer `seq` is there (the caller reads it), 2 when
- * it is there and is exactly `expected` with code 0 (the all-DONE answer: nothing to parse).
- * The caller keeps the ring mapped and holds the ring's one slot.
- */
-static PyObject *ask(PyObject *self, PyObject *args) {
-    unsigned long long ring;
-    unsigned int seq;
-    double hot_s, spin_s;
-    Py_buffer request, expected;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Ky*Iddy*", &ring, &request, &seq, &hot_s, &spin_s, &expected)) return NULL;
-    PyObject *result = NULL;
-    if (ring == 0 || ring % 64 || request.len > REQUEST_BYTES || expected.len > ANSWER_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "ask: an aligned ring, a request within the request area");
-        goto done;
-    }
-    unsigned char *base = (unsigned char *)(uintptr_t)ring;
-    int got;
-    Py_BEGIN_ALLOW_THREADS
-    memcpy(base + REQUEST_AT, request.buf, (size_t)request.len);
-    got = ask_written(base, (uint32_t)request.len, seq, hot_s, spin_s, &expected);
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromLong(got);
-done:
-    PyBuffer_Release(&request);
-    PyBuffer_Release(&expected);
-    return result;
-}
-
-/*
- * ask_slots(ring, head, hashes, tail, seq, hot_s, spin_s, expected) -> int: `ask` of the request
- * head + b"".join(hashes) + tail, written straight into the ring: -1 (nothing written) unless
- * `hashes` is a list of `bytes` objects (exactly bytes) of HASH_BYTES each and the request fits the
- * request area, else as `ask`. The client's lean fetch (a template's head and tail, the caller's
- * list of hashes) costs no join, no type and length passes over the list, and no request object.
- */
-static PyObject *ask_slots(PyObject *self, PyObject *args) {
-    unsigned long long ring;
-    unsigned int seq;
-    double hot_s, spin_s;
-    PyObject *hashes;
-    Py_buffer head, tail, expected;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "Ky*Oy*Iddy*", &ring, &head, &hashes, &tail, &seq, &hot_s, &spin_s, &expected))
-        return NULL;
-    PyObject *result = NULL;
-    if (ring == 0 || ring % 64 || expected.len > ANSWER_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "ask_slots: an aligned ring, an answer within the answer area");
-        goto done;
-    }
-    if (!PyList_Check(hashes)) {
-        result = PyLong_FromLong(-1);
-        goto done;
-    }
-    Py_ssize_t n = PyList_Size(hashes);
-    if (n < 0 || (uint64_t)head.len + (uint64_t)n * HASH_BYTES + (uint64_t)tail.len > REQUEST_BYTES) {
-        result = PyLong_FromLong(-1);
-        goto done;
-    }
-    unsigned char *base = (unsigned char *)(uintptr_t)ring, *at = base + REQUEST_AT;
-    /* Checked while written (the list cannot change under the GIL); the state word is stored only after. */
-    memcpy(at, head.buf, (size_t)head.len);
-    at += head.len;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *h = PyList_GetItem(hashes, i); /* borrowed */
-        if (h == NULL || !PyBytes_CheckExact(h) || PyBytes_Size(h) != HASH_BYTES) {
-            result = PyLong_FromLong(-1);
-            goto done;
-        }
-        memcpy(at, PyBytes_AsString(h), HASH_BYTES);
-        at += HASH_BYTES;
-    }
-    memcpy(at, tail.buf, (size_t)tail.len);
-    uint32_t length = (uint32_t)(head.len + n * HASH_BYTES + tail.len);
-    int got;
-    Py_BEGIN_ALLOW_THREADS
-    got = ask_written(base, length, seq, hot_s, spin_s, &expected);
-    Py_END_ALLOW_THREADS
-    result = PyLong_FromLong(got);
-done:
-    PyBuffer_Release(&head);
-    PyBuffer_Release(&tail);
-    PyBuffer_Release(&expected);
-    return result;
 }
 
 static PyMethodDef methods[] = {
