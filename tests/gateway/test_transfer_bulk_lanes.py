@@ -41,6 +41,7 @@ def lanes(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> It
     monkeypatch.setattr(server_bulk, "SLEEP_SHARE", request.param)
     monkeypatch.setattr(server_bulk, "ENGINES", 2)
     monkeypatch.setattr(client_bulk, "LANES", 3)
+    monkeypatch.setattr(client_bulk, "IN_FLIGHT", 2)
     monkeypatch.setattr(client_bulk, "_ENGINES", {})
     writes: list[tuple[int, str]] = []
     real = server_bulk.write_blocks
