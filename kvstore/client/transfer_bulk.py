@@ -48,13 +48,12 @@ if TYPE_CHECKING:
 #: What makes Mooncake's transfer engine run on a host, for the reason when it cannot.
 FIX = "apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda"
 
-#: BulkFetch calls a session keeps in flight per lane (fewer when its `streams` is lower). With
-#: cores to spare, 2: while the engine writes one call's blocks the server finds and verifies
-#: the next's (one engine pair on the H200 host: 1.75 against 1.23 GB/s one at a time). On a
-#: host of fewer than 8 CPUs, 1: a second batch on the same engine pair fights for the same
-#: cores (2-core dev box, bulk / Mooncake's raw read, six paired runs: 0.90-1.06x one at a
-#: time, 0.74-1.09x two at a time).
-IN_FLIGHT = 2 if (os.cpu_count() or 1) >= 8 else 1
+#: BulkFetch calls a session keeps in flight per lane (fewer when its `streams` is lower): while
+#: the engine writes one call's blocks the server finds and verifies the next's (one engine
+#: pair on the H200 host: 1.75 against 1.23 GB/s one at a time). On the 2-core dev box one
+#: at a time was tried too: `kvstore bench transfer` bulk / Mooncake 0.58-0.73x in four
+#: runs, against 0.75-1.08x two at a time.
+IN_FLIGHT = 2
 #: What a server that takes several engines (lanes) per session offers beside "mooncake".
 LANES_OFFER = "mooncake-lanes"
 #: Engines (lanes) a session fetches through: one Mooncake 0.3.13 engine moves all its TCP
