@@ -91,8 +91,9 @@ class NativeRing:
         self._due_before = self._wall = 0.0
         self._rate_tenant = session.tenant
         self._clock = ctx.tier.clock.now
-        assert ring.finish_native is not None
+        assert ring.finish_native is not None and ring.take_native is not None
         self._finish = ring.finish_native
+        self._take = ring.take_native
 
     def _region_table(self) -> bytes:
         """The session's regions as `serve` reads them, rebuilt when the set changes.
@@ -199,9 +200,10 @@ class NativeRing:
     def take(self, expected: int, expires: float) -> tuple[int, int, int, Any]:
         """Spin for the next request and plan it (`tiers.ring.take`), with what `ready` readied."""
         assert self._txn is not None
-        return ring.take(self.address, expected, ring.SERVER_HOT_SPIN_S, ring.SERVER_SPIN_S, expires, self._table,
-                         self.block_bytes, self.ctx.limit, self.prefix, self.mapping, self._txn, self._due_before,
-                         self._plan)
+        m = self.mapping  # `tiers.ring.take`, called without its wrapper (its return is on the answer's path)
+        return self._take(self.address, expected, ring.SERVER_HOT_SPIN_S, ring.SERVER_SPIN_S, expires, self._table,
+                          self.block_bytes, self.ctx.limit, self.prefix, m.base, m.length, m.psize, self._txn.id(),
+                          self._due_before, self._plan)
 
     def answer(self, seq: int, n: int) -> bool:
         """Answer request `seq`, which `take` PLANNED (`n` blocks found and verified): charge the rate,

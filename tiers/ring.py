@@ -66,6 +66,8 @@ NATIVE = _native is not None
 #: (every item `bytes` of 32) and written into the ring natively; -1, nothing sent, when it is not so.
 #: Bound here without a wrapper: it is the client's hot path (`kvstore.client.transfer_ring`).
 ask_slots: Callable[..., int] = (lambda *_: -1) if _native is None else _native[6]
+#: `take` itself (None where not built): the ring thread's loop calls it without the wrapper's frame.
+take_native: Callable[..., tuple[int, int, int, Any]] | None = None if _native is None else _native[5]
 #: `finish` itself (None where not built): the ring thread's answer path calls it without the wrapper's frame.
 finish_native: Callable[..., None] | None = None if _native is None else _native[4]
 
