@@ -43,6 +43,10 @@ ALLOWED_OUTER_IMPORTS = {
     "kvstore/client/colocated_read.py": {"tiers.records", "tiers.blockcopy"},  # its MappedRead, split off
     # The ring's native half (tiers._ring) asks without the GIL: write, wake, spin (docs/TRANSFER.md).
     "kvstore/client/transfer_ring.py": {"tiers.ring"},
+    # The SWA paths' checksums and arena copy, native and without the GIL
+    # (tiers._blockcopy; docs/SWA_POOL.md).
+    "kvstore/client/swa_put.py": {"tiers.swa_digest"},
+    "kvstore/client/swa_shm.py": {"tiers.swa_digest"},
 }
 
 
