@@ -34,17 +34,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from gateway.hit_stats import HitStats
 from gateway.transfer_engine import _CODES, _finish, _record, fail_unrefreshed, read_batch
+from gateway.transfer_ring_context import RingContext
 from gateway.transfer_ring_native import NativeRing, tier_mapping
-from gateway.validate import Layout
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, BatchResults, DescriptorGroup
@@ -66,12 +64,9 @@ from kvstore.transfer_ring import (
 )
 from kvstore.v1 import transfer_pb2 as pb
 from tiers import ring as native_ring
-from tiers.lmdb_tier import LmdbBlockTier
-from tiers.ring import Mapping
 
 if TYPE_CHECKING:
     from gateway.transfer_regions import MappedRegion
-    from gateway.transfer_session_table import SessionTable
     from gateway.transfer_sessions import Session
 
 log = logging.getLogger("kvstore.transfer")
@@ -81,41 +76,6 @@ RENEW = 1000
 _RING_NUMBERS = itertools.count(1)
 #: Wake-ups without a request, in a row, before the thread sleeps between looks (a client flipping the word).
 _SPURIOUS = 64
-
-
-@dataclass(kw_only=True)
-class RingContext:
-    """What every ring of a server shares: the tier, sessions, limits and counters."""
-
-    tier: LmdbBlockTier
-    table: SessionTable
-    layouts: dict[str, Layout]
-    limit: int
-    hits: HitStats | None = None
-    #: The quota interceptor's request rate (`gateway.quotas.RequestRate`), or None: not charged.
-    rate: Any = None
-    #: Bounds the rings reading at once (each holds an LMDB reader slot while it copies).
-    slots: threading.BoundedSemaphore | None = None
-    #: Rings waiting for one of `slots` (`take_slot`): a hot ring then gives its kept slot back.
-    waiting: int = 0
-    waiting_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def take_slot(self) -> None:
-        """One of `slots`, waiting for it when none is free (counted in `waiting` meanwhile)."""
-        if self.slots is None or self.slots.acquire(blocking=False):
-            return
-        with self.waiting_lock:
-            self.waiting += 1
-        try:
-            self.slots.acquire()
-        finally:
-            with self.waiting_lock:
-                self.waiting -= 1
-    #: The tier's mapping of data.mdb for the native server (`transfer_ring_native.tier_mapping`).
-    mapping: Mapping | None = None
-    mapping_tried: bool = False
-    #: Whether rings are served natively where `tiers._ring` is built (False: the Python server only).
-    native: bool = True
 
 
 def _numbers(state: pb.TransferState, results: BatchResults) -> None:

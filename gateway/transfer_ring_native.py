@@ -30,7 +30,7 @@ from tiers.retention import Retention
 
 if TYPE_CHECKING:
     from gateway.transfer_regions import MappedRegion
-    from gateway.transfer_ring import RingContext
+    from gateway.transfer_ring_context import RingContext
     from gateway.transfer_sessions import Session
 
 log = logging.getLogger("kvstore.transfer")

@@ -19,8 +19,9 @@ from gateway.status import streaming, unary
 from gateway.transfer_bulk import BulkServer
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_fetch import fetch, fetch_keys
-from gateway.transfer_ring import RingContext, RingServer
+from gateway.transfer_ring import RingServer
 from gateway.transfer_ring import read as ring_read
+from gateway.transfer_ring_context import RingContext
 from gateway.transfer_session_table import SessionTable
 from gateway.transfer_sessions import Session, Transfer
 from gateway.validate import Layout

@@ -43,7 +43,7 @@ from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, S
 from kvstore.v1 import transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvstore.client.transfer import TransferSession
+    from kvstore.client.transfer_path import SessionView
 
 #: What makes Mooncake's transfer engine run on a host, for the reason when it cannot.
 FIX = "apt-get install -y libibverbs1 && pip install mooncake-transfer-engine-non-cuda"
@@ -155,7 +155,7 @@ class BulkPath(TransferPath):
         max_blocks: most blocks in one BulkFetch (the server's OpenBulk answer).
     """
 
-    def __init__(self, session: TransferSession, stream: StreamPath, max_blocks: int) -> None:
+    def __init__(self, session: SessionView, stream: StreamPath, max_blocks: int) -> None:
         self.session = session
         self.stream = stream
         self.connection = session.connection

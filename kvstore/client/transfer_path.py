@@ -12,13 +12,63 @@ import abc
 import contextlib
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.errors import InvalidArgument
 from kvstore.transfer import BatchResults, DescriptorGroup, TransferState
 
 if TYPE_CHECKING:
-    from kvstore.client.transfer import TransferSession
+    from kvstore.client.connection import Connection
+    from kvstore.region import Region
+    from kvstore.v1 import transfer_pb2 as pb
+
+
+class SmallReads(Protocol):
+    """A session's request ring as the shared-memory path sees it (`transfer_ring.RingClient`)."""
+
+    max_descriptors: int
+
+    def read(self, request: pb.SubmitRequest) -> pb.TransferState:
+        """Serve one small Submit through the ring (raises `RingUnusable` when it cannot)."""
+        ...
+
+
+class SessionView(Protocol):
+    """What the paths use of their session (`kvstore.client.transfer.TransferSession`).
+
+    Written out so that the paths depend on this module, not on the session that builds
+    them: the session imports every path, and no path imports the session.
+    """
+
+    connection: Connection
+    stub: Any
+    session_id: str
+    streams: int
+    max_descriptors: int
+    keep_finished: int
+    bulk_offered: list[str]
+    bulk_reason: str
+
+    @property
+    def ring(self) -> SmallReads | None:
+        """The session's request ring once registered (None: small reads go by Submit)."""
+        ...
+
+    def region(self, region_id: int) -> Region:
+        """A region of this session by id (NotFound if it is not registered)."""
+        ...
+
+    def call(self, method: Any, request: Any) -> Any:
+        """One unary call, its failure raised as a KVStoreError."""
+        ...
+
+    def ended(self) -> bool:
+        """Whether the session's stream has ended."""
+        ...
+
+    def bulk_failed(self, reason: str) -> None:
+        """Turn the bulk transport off for this session."""
+        ...
 
 
 class Transfer(abc.ABC):
@@ -43,7 +93,7 @@ class TransferPath(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __init__(self, session: TransferSession) -> None: ...
+    def __init__(self, session: SessionView) -> None: ...
 
     @abc.abstractmethod
     def read(self, groups: Sequence[DescriptorGroup], prefix_only: bool) -> Transfer:

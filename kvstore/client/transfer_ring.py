@@ -54,7 +54,7 @@ from kvstore.v1 import transfer_pb2 as pb
 from tiers import ring as native_ring
 
 if TYPE_CHECKING:
-    from kvstore.client.transfer import TransferSession
+    from kvstore.client.transfer_path import SessionView
 
 #: How long the client spins on the state word before it sleeps on the futex ...
 SPIN_S = 500e-6
@@ -144,7 +144,7 @@ class RingClient:
         RingUnusable: the server offers no ring (another host, or an older server).
     """
 
-    def __init__(self, session: TransferSession) -> None:
+    def __init__(self, session: SessionView) -> None:
         self.session = session
         self.spin_s = SPIN_S
         self.broken = ""
@@ -395,7 +395,7 @@ class RingClient:
             self._lock.release()
 
 
-def open_ring(session: TransferSession) -> tuple[RingClient | None, str]:
+def open_ring(session: SessionView) -> tuple[RingClient | None, str]:
     """The session's ring, or None and why not (the session then reads small batches with Submit)."""
     try:
         return RingClient(session), ""

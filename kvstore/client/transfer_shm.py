@@ -17,7 +17,7 @@ from kvstore.transfer import DescriptorGroup, TransferState
 from kvstore.v1 import transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvstore.client.transfer import TransferSession
+    from kvstore.client.transfer_path import SessionView
 
 
 def state_of(reply: pb.TransferState, block_bytes: int) -> TransferState:
@@ -56,7 +56,7 @@ class _ShmTransfer(Transfer):
 class ShmPath(TransferPath):
     """One-sided copies by the server, between LMDB's map and regions it mapped."""
 
-    def __init__(self, session: TransferSession) -> None:
+    def __init__(self, session: SessionView) -> None:
         self.stub = session.stub
         self.call = session.call
         self.session_id = session.session_id

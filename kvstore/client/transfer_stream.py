@@ -32,7 +32,7 @@ from kvstore.v1 import kvstore_pb2
 from kvstore.v1 import transfer_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvstore.client.transfer import TransferSession
+    from kvstore.client.transfer_path import SessionView
 
 #: Most blocks in one Fetch: about 1 MB a message (64 blocks, 3.6 MB, ran 6x slower than 16 on
 #: the dev box, past linear), so `streams` calls keep the
@@ -147,7 +147,7 @@ class _Stripe:
 class StreamPath(TransferPath):
     """Blocks over `Transfer.Fetch` (striped, `streams` calls at once) and Put, copied here."""
 
-    def __init__(self, session: TransferSession) -> None:
+    def __init__(self, session: SessionView) -> None:
         self.session = session
         self.connection = session.connection
         # Fetch's reply is parsed here (`FetchReply.parse`), not by protobuf: its block

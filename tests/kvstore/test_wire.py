@@ -93,3 +93,82 @@ def test_nothing_but_the_engines_imports_the_adapters() -> None:
     for folder in ("kvstore", "tiers", "gateway", "replay"):
         for path in (ROOT / folder).rglob("*.py"):
             assert "integrations" not in _imports(path), f"{path} imports integrations"
+
+
+_PACKAGES = ("kvstore", "tiers", "gateway", "replay", "integrations")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """First-party module -> the first-party modules it imports, anywhere in it (a lazy import
+    or one under TYPE_CHECKING is still a dependency of the design)."""
+    modules: dict[str, Path] = {}
+    for pkg in _PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "v1" not in path.relative_to(ROOT).parts:
+                name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+                modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    deps.add(full if full in modules else node.module)
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            dep = next(deps, None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph[dep]))))
+                elif dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def test_the_circle_finder_finds_a_circle() -> None:
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_itself_back() -> None:
+    # The transfer paths see their session through transfer_path.SessionView, and both ring
+    # servers take RingContext from its own module, so that the layout reads one way.
+    assert _circles(_module_graph()) == []
