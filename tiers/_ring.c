@@ -309,13 +309,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
     __atomic_thread_fence(__ATOMIC_SEQ_CST); /* before the first look: a request after it needs no wake */
     double start = seconds(), t = start;
     while ((now = __atomic_load_n(&header->state, __ATOMIC_ACQUIRE)) == expected && t - start <= spin_s) {
-        if (t - start < hot_s) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
+        spin_turn(t - start, hot_s);
         t = seconds();
     }
     /* Awake no more on any return (the caller may sleep next): a request stored before this is seen here. */

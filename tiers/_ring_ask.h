@@ -38,13 +38,7 @@ static int ask_written(unsigned char *base, uint32_t length, uint32_t seq, doubl
             __atomic_store_n(&header->client_awake, 0, __ATOMIC_RELAXED);
             return 0;
         }
-        if (t - start < hot_s) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
-        } else {
-            sched_yield();
-        }
+        spin_turn(t - start, hot_s);
         t = seconds();
     }
 }

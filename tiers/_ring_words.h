@@ -49,6 +49,18 @@ static double seconds(void) {
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
+/* One turn of a spin `elapsed` seconds in: a pause while it is hot (under `hot_s`), else the
+ * core is yielded (the peer may be waiting for it: 2-core boxes, or a third process). */
+static void spin_turn(double elapsed, double hot_s) {
+    if (elapsed < hot_s) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
 /*
  * wait(address, expected, spin_s, timeout_s) -> int: the 32-bit word at `address` once it no
  * longer holds `expected`, or after `timeout_s`. Spins for up to `spin_s` first, yielding the

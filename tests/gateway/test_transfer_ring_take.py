@@ -5,7 +5,9 @@ readied is what the next request meets, on an in-process server."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +25,24 @@ def readied(served: Any) -> None:
     while served.native._txn is None:  # what the thread readied is the point here
         assert time.monotonic() < deadline, "the ring thread never readied a request"
         time.sleep(0.001)
+
+
+@contextlib.contextmanager
+def hot_ring(server: Any, monkeypatch: pytest.MonkeyPatch,
+             spin_s: float) -> Iterator[tuple[Any, list[bytes], Any, Any]]:
+    """A session with one block stored, a region for it and its ring's server, which spins for
+    `spin_s` and keeps what it readied for a minute (so only the spin's end or a waiting ring
+    gives it back): (session, hashes, region, served)."""
+    from gateway import transfer_ring_native
+
+    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", spin_s)
+    monkeypatch.setattr(transfer_ring_native, "_KEEP_S", 60.0)
+    with Client(server.target) as client, client.transfer() as session:
+        hashes, _ = stored(client, 1)
+        region = session.register(client.block_bytes)
+        served = ring_server(server, session)
+        assert served.native is not None and served.native.ctx.slots is not None
+        yield session, hashes, region, served
 
 
 @needs_native
@@ -68,15 +88,7 @@ def test_a_clock_step_after_ready_judges_the_due_refresh_anew(server: Any, clock
 @needs_native
 def test_a_ring_asked_again_at_once_keeps_its_txn_and_one_gone_idle_gives_it_back(
         server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway import transfer_ring_native
-
-    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 5.0)
-    monkeypatch.setattr(transfer_ring_native, "_KEEP_S", 60.0)
-    with Client(server.target) as client, client.transfer() as session:
-        hashes, _ = stored(client, 1)
-        region = session.register(client.block_bytes)
-        served = ring_server(server, session)
-        assert served.native is not None and served.native.ctx.slots is not None
+    with hot_ring(server, monkeypatch, 5.0) as (session, hashes, region, served):
         slots = served.native.ctx.slots
         free: int = slots._initial_value  # type: ignore[attr-defined]  # its counts are what is checked
         for _ in range(50):  # a write the server commits meanwhile (a refresh, a flush) makes a txn stale
@@ -100,15 +112,8 @@ def test_a_ring_asked_again_at_once_keeps_its_txn_and_one_gone_idle_gives_it_bac
 @needs_native
 def test_a_hot_ring_gives_its_reader_slot_back_while_another_ring_waits_for_one(
         server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway import transfer_ring_native
-
-    monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 60.0)  # longer than the wait below: only `waiting` frees it
-    monkeypatch.setattr(transfer_ring_native, "_KEEP_S", 60.0)
-    with Client(server.target) as client, client.transfer() as session:
-        hashes, _ = stored(client, 1)
-        region = session.register(client.block_bytes)
-        served = ring_server(server, session)
-        assert served.native is not None and served.native.ctx.slots is not None
+    # The spin outlasts the wait below: only `waiting` frees the slot.
+    with hot_ring(server, monkeypatch, 60.0) as (session, hashes, region, served):
         ctx, slots = served.native.ctx, served.native.ctx.slots
         free: int = slots._initial_value  # type: ignore[attr-defined]  # its counts are what is checked
         assert session.fetch(hashes, region).done_prefix == 1
