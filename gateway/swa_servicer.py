@@ -13,6 +13,7 @@ from gateway.hit_stats import HitStats
 from gateway.policies import Policies
 from gateway.quotas import RequestRate
 from gateway.status import unary
+from gateway.swa_reports import REPORT_ID_BYTES, SeenReports
 from gateway.validate import Layout
 from kvstore.api_tokens import ADMIN, WRITE
 from kvstore.clock import SystemClock
@@ -87,6 +88,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         self.max_batch = max_batch_snapshots
         self.hits = hits
         self.policies = policies
+        #: Report ids counted lately: a report sent again is counted once.
+        self.seen_reports = SeenReports()
         # The shared-memory path's requests bypass the interceptors: its own buckets, sized by the same policies.
         self._rate = RequestRate(policies, SystemClock()) if policies is not None else None
 
@@ -225,6 +228,11 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             if g.asked > self.max_batch or g.found + g.corrupt > g.asked:
                 raise InvalidArgument(f"gets[{i}] asked {g.asked}, found {g.found}, corrupt {g.corrupt}: "
                                       f"found + corrupt <= asked <= {self.max_batch} (max_batch_snapshots)")
+        if request.report_id and len(request.report_id) != REPORT_ID_BYTES:
+            raise InvalidArgument(f"report_id is {len(request.report_id)} bytes; it must be {REPORT_ID_BYTES} "
+                                  "random bytes, or empty")
+        if request.report_id and not self.seen_reports.first(scope.namespace, request.report_id):
+            return pb.SwaReportDirectResponse()  # counted when it first came (the client lost that answer)
         if self.hits is not None:
             for g in gets:
                 self.hits.record(scope.namespace, "swa", g.asked, g.found)

@@ -6,12 +6,16 @@ are pending or `REPORT_EVERY_S` passed since the last report. A report that
 falls due during a get or put is sent without waiting for its answer (a gRPC
 future, looked at again at the next call): counting never holds up a
 snapshot. `flush` sends what is pending and waits (`SwaClient.stats()` and
-`close()` use it). A report the gateway cannot take is kept for the next one,
-never raised: counting is not worth failing a get for.
+`close()` use it). A report that fails is kept and sent again, as it was and
+under the same id (`report_id`), before any newer counts: the gateway may have
+counted it and only its answer was lost, and it counts an id once
+(gateway/swa_reports.py). A failure is never raised: counting is not worth
+failing a get for.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +31,8 @@ REPORT_EVERY_S = 1.0
 MAX_PENDING_GETS = 4096
 #: Most gets one report carries (the server's limit, gateway.swa_servicer.MAX_REPORTED_GETS).
 MAX_REPORTED_GETS = 4096
+#: A report id's length, as the wire contract says (proto/kvstore/v1/swa.proto, `report_id`).
+REPORT_ID_BYTES = 16
 
 #: One get call: snapshots asked, found, and found corrupt.
 Get = tuple[int, int, int]
@@ -50,8 +56,11 @@ class DirectReport:
         self._puts = (0, 0, 0)  # calls, snapshots, bytes
         self._sent_at = clock()
         self._lock = threading.Lock()
-        #: The report sent without waiting: its future, and the gets and puts it carries (put back if it fails).
-        self._in_flight: tuple[Any, list[Get], tuple[int, int, int]] | None = None
+        #: The report sent without waiting, and its future (kept in `_unsent` if it fails).
+        self._in_flight: tuple[Any, pb.SwaReportDirectRequest] | None = None
+        #: The report that failed: sent again as it was, before any newer counts (one at most: no
+        #: new report is made while it waits; the counts meanwhile wait in `_gets` and `_puts`).
+        self._unsent: pb.SwaReportDirectRequest | None = None
 
     def got(self, asked: int, found: int, corrupt: int) -> None:
         """Count one direct get call."""
@@ -72,14 +81,12 @@ class DirectReport:
         with self._lock:
             self._settle(wait=True)
             self._sent_at = self.clock()
-            taken = self._take()
-            if taken is None:
-                return
-            request, gets, puts = taken
-            try:
-                self.connection.call(self._stub.ReportDirect, request)
-            except KVStoreError:
-                self._put_back(gets, puts)
+            while (request := self._next()) is not None:
+                try:
+                    self.connection.call(self._stub.ReportDirect, request)
+                except KVStoreError:
+                    self._unsent = request  # first again next time; no retry loop here
+                    return
 
     def _maybe_send(self) -> None:
         """Send a report without waiting when one is due and none is in flight (under the lock)."""
@@ -88,42 +95,39 @@ class DirectReport:
         if not self._settle(wait=False):
             return  # the last report is still on its way: the next call sends this one
         self._sent_at = self.clock()
-        taken = self._take()
-        if taken is not None:
-            request, gets, puts = taken
+        request = self._next()
+        if request is not None:
             c = self.connection
             self._in_flight = (self._stub.ReportDirect.future(request, timeout=c.timeout_s, metadata=c.metadata),
-                               gets, puts)
+                               request)
 
     def _settle(self, *, wait: bool) -> bool:
-        """Take the answer of the report in flight (waiting for it with `wait`), putting its counts back
-        when it failed; whether no report is in flight now."""
+        """Take the answer of the report in flight (waiting for it with `wait`), keeping the report to
+        send again when it failed; whether no report is in flight now."""
         if self._in_flight is None:
             return True
-        future, gets, puts = self._in_flight
+        future, request = self._in_flight
         if not wait and not future.done():
             return False
         self._in_flight = None
         try:
             future.result()
-        except Exception:  # an RpcError or a cancelled call: the counts go in the next report
-            self._put_back(gets, puts)
+        except Exception:  # an RpcError or a cancelled call: sent again, first, under its id
+            self._unsent = request
         return True
 
-    def _take(self) -> tuple[pb.SwaReportDirectRequest, list[Get], tuple[int, int, int]] | None:
-        """The next report's request, and the counts it takes out of the pending ones (None: nothing pending)."""
+    def _next(self) -> pb.SwaReportDirectRequest | None:
+        """The next report to send: the one that failed, else one of the pending counts (None: nothing)."""
+        request, self._unsent = self._unsent, None
+        return request if request is not None else self._take()
+
+    def _take(self) -> pb.SwaReportDirectRequest | None:
+        """A new report of the pending counts, taken out of them (None: nothing pending)."""
         if not self._gets and not self._puts[0]:
             return None
         gets, puts = self._gets[:MAX_REPORTED_GETS], self._puts
         del self._gets[:len(gets)]
         self._puts = (0, 0, 0)
-        request = pb.SwaReportDirectRequest(
+        return pb.SwaReportDirectRequest(
             gets=[pb.SwaDirectGet(asked=a, found=f, corrupt=c) for a, f, c in gets],
-            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2])
-        return request, gets, puts
-
-    def _put_back(self, gets: list[Get], puts: tuple[int, int, int]) -> None:
-        """Counts a failed report carried, back in front of those pending since."""
-        self._gets[:0] = gets
-        del self._gets[:-MAX_PENDING_GETS]
-        self._puts = (puts[0] + self._puts[0], puts[1] + self._puts[1], puts[2] + self._puts[2])
+            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2], report_id=os.urandom(REPORT_ID_BYTES))

@@ -208,16 +208,18 @@ class SwaDirectGet(_message.Message):
     def __init__(self, asked: _Optional[int] = ..., found: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class SwaReportDirectRequest(_message.Message):
-    __slots__ = ("gets", "puts", "snapshots_put", "bytes_put")
+    __slots__ = ("gets", "puts", "snapshots_put", "bytes_put", "report_id")
     GETS_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_PUT_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUT_FIELD_NUMBER: _ClassVar[int]
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
     gets: _containers.RepeatedCompositeFieldContainer[SwaDirectGet]
     puts: int
     snapshots_put: int
     bytes_put: int
-    def __init__(self, gets: _Optional[_Iterable[_Union[SwaDirectGet, _Mapping]]] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ...) -> None: ...
+    report_id: bytes
+    def __init__(self, gets: _Optional[_Iterable[_Union[SwaDirectGet, _Mapping]]] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ..., report_id: _Optional[bytes] = ...) -> None: ...
 
 class SwaReportDirectResponse(_message.Message):
     __slots__ = ()

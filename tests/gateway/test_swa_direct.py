@@ -365,7 +365,8 @@ def test_a_value_over_the_largest_record_is_a_counted_miss_and_the_batch_goes_on
 def test_a_due_report_goes_out_without_waiting_and_a_failed_one_is_sent_again(
         start_server: Callable[..., Any], store_settings: StoreSettings, redis_server: Any) -> None:
     """Rule 5: a report due during a get is sent as a gRPC future (the get does not wait for it); one
-    that fails puts its counts back, and the next report carries them."""
+    that fails is sent again under its id (counted once, whether or not the gateway got it the first
+    time: test_swa_reports.py), then the newer counts."""
     server = start_server(store_settings, swa=redis_settings(redis_server))
     now = [0.0]
     with Client(server.target) as client:
