@@ -42,6 +42,7 @@ from gateway.transfer_bulk_map import MapSource, Resolved, missing
 from gateway.transfer_fetch import batch_results, copy_blocks
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvstore.host import usable_cpus
 from kvstore.transfer import BatchResults
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
@@ -51,7 +52,7 @@ log = logging.getLogger("kvstore.transfer")
 #: Transfer engines the server runs: Mooncake 0.3.13's TCP transport moves all of an engine's
 #: bytes on one io thread, which held one engine pair at 2.1-2.8 GB/s on the 16-core H200 host
 #: (however many batches were in flight); one engine per 4 CPUs, 1 to 4.
-ENGINES = max(1, min(4, (os.cpu_count() or 1) // 4))
+ENGINES = max(1, min(4, usable_cpus() // 4))
 #: Most client engines (lanes) one session may name.
 MAX_LANES = 16
 
@@ -358,7 +359,7 @@ def write_blocks(engine: Any, segment: str, local: list[int], remote: list[int],
 #: paired runs: 0.43-0.71x polling, 0.69-1.01x sleeping first). A write faster than
 #: expected is seen late by at most this share; the pace then follows it down. 0 (Mooncake's
 #: own polling wait, as measured on the 16-core H200 host) where cores are not short.
-SLEEP_SHARE = 0.7 if (os.cpu_count() or 1) < 8 else 0.0
+SLEEP_SHARE = 0.7 if usable_cpus() < 8 else 0.0
 #: Seconds a byte each server engine's last write took, submit to done (by `id(engine)`).
 _PACE: dict[int, float] = {}
 

@@ -8,13 +8,13 @@ fills them from TOML and the environment.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
 from kvstore.config_ranges import MAX_BYTES, UINT32_MAX, Range, check_ranges
 from kvstore.errors import ConfigError
+from kvstore.host import usable_cpus
 
 GiB = 1 << 30
 
@@ -172,7 +172,7 @@ class TransferSettings:
     #: native copy loop (tiers/_blockcopy.c) releases the GIL, so they copy in
     #: parallel; where it is not built, copies hold the GIL and one thread is
     #: used whatever this says.
-    copy_threads: int = field(default_factory=lambda: min(8, max(1, (os.cpu_count() or 1) - 1)))
+    copy_threads: int = field(default_factory=lambda: min(8, max(1, usable_cpus() - 1)))
     #: Most bytes of regions one session may map at once (their sizes summed).
     max_session_mapped_bytes: int = 64 * GiB
     #: Most bytes of regions mapped at once across every session.

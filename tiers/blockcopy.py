@@ -12,7 +12,6 @@ one runs; `kvstore serve` logs it.
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from kvstore.host import usable_cpus
 from tiers.records import META_STRUCT
 
 #: Result codes (the first three are `ReadStatus` values).
@@ -117,7 +117,7 @@ verify: Verify = verify_native or verify_python
 
 #: Threads `verify_many` and `copy_many` spread a batch over by default: the CPUs, at most 8
 #: (past that the memory bus, not the hashing, bounds a 57 KB block's check).
-DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
+DEFAULT_THREADS = max(1, min(8, usable_cpus()))
 #: Fewer blocks than this per thread are not worth a hop to the pool.
 _MIN_PER_THREAD = 8
 _pool: ThreadPoolExecutor | None = None

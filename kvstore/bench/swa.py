@@ -201,7 +201,8 @@ def _run_redis(args: argparse.Namespace, progress: Progress, report: Report) -> 
     p50 = {name: statistics.median(values) * 1e3 for name, values in latency.items()}
     for side in ("direct", "gateway"):
         report.add(Figure.against(f"{side} single-snapshot fetch p50", p50[side], "ms", RAW_GET, p50["raw"]))
-    from kvstore.client.swa_put import OVERLAP_MIN_CPUS, usable_cpus
+    from kvstore.client.swa_put import OVERLAP_MIN_CPUS
+    from kvstore.host import usable_cpus
 
     report.notes.update(snapshot_bytes_even=sizes[0], snapshot_bytes_odd=sizes[min(1, n - 1)], snapshots=n,
                         batch=batch, rounds=rounds, gateway_rounds=args.rounds, fetches=args.fetches,

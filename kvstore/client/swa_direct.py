@@ -38,10 +38,11 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
-from kvstore.client.swa_put import OVERLAP_MIN_CPUS, put_records, usable_cpus
+from kvstore.client.swa_put import OVERLAP_MIN_CPUS, put_records
 from kvstore.client.swa_resp import GetReplies, pack_gets
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.geometry import ModelGeometry
+from kvstore.host import usable_cpus
 from kvstore.swa_snapshot import HEADER_BYTES, checksum, seal, snapshot_bytes, snapshot_shape, unseal
 from kvstore.v1 import swa_pb2 as pb
 

@@ -27,7 +27,6 @@ whose commands was refused is removed from where it got to.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -46,14 +45,6 @@ STREAM_CHUNK_BYTES = 1 << 20
 OVERLAP_MIN_CPUS = 4
 #: Command slots of a record, in the order its replies are read into.
 SET, SETRANGE, RENAME = 0, 1, 2
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def pack(*args: bytes) -> bytes:

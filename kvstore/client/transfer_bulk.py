@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import socket
 import threading
 from collections import deque
@@ -37,6 +36,7 @@ from kvstore.client.connection import status_error
 from kvstore.client.transfer_path import LocalTransfer, Transfer, TransferPath, timeout
 from kvstore.client.transfer_stream import FetchReply, StreamPath
 from kvstore.errors import Internal, KVStoreError, Unavailable
+from kvstore.host import usable_cpus
 from kvstore.prefix import HASH_BYTES
 from kvstore.region import Region
 from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, TransferState, check_spans
@@ -59,7 +59,7 @@ LANES_OFFER = "mooncake-lanes"
 #: Engines (lanes) a session fetches through: one Mooncake 0.3.13 engine moves all its TCP
 #: bytes on one io thread (2.1-2.8 GB/s for a pair on the H200 host); one per 4 CPUs, 1 to 4
 #: (each lane takes about three cores at full speed: two io threads and the server's wait).
-LANES = max(1, min(4, (os.cpu_count() or 1) // 4))
+LANES = max(1, min(4, usable_cpus() // 4))
 
 _ENGINES: dict[str, list[tuple[Any, str]]] = {}
 _ENGINES_LOCK = threading.Lock()

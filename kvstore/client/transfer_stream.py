@@ -11,7 +11,6 @@ Writes go out as Puts, in chain order.
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,6 +25,7 @@ from kvstore.client import arguments
 from kvstore.client.connection import status_error
 from kvstore.client.transfer_path import LocalTransfer, Transfer, TransferPath
 from kvstore.errors import Internal, KVStoreError, to_status
+from kvstore.host import usable_cpus
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, TransferState, check_spans
 from kvstore.v1 import kvstore_pb2
@@ -49,7 +49,7 @@ def default_streams() -> int:
     so more calls than cores keep both busy: on the 2-core dev box a 2,048-block
     fetch ran at 0.20 / 0.24 / 0.28 GB/s with 1 / 2 / 4 calls in flight.
     """
-    return max(2, min(2 * (os.cpu_count() or 1), 8))
+    return max(2, min(2 * usable_cpus(), 8))
 
 
 def checked_streams(streams: Any) -> int:
