@@ -14,7 +14,7 @@ goes on through Submit.
 
 A fetch into consecutive slots (`fetch_slots`, what `TransferSession.fetch` sends) skips
 protobuf on its hot path: its request is the `SubmitRequest` protobuf would write, built
-from a per-shape template (`_Template`: every byte but the hashes prebuilt), and an
+from a per-shape template (`transfer_ring_request.Template`: every byte but the hashes prebuilt), and an
 answer that is byte for byte the all-DONE `TransferState` (what the native server
 writes for a plain read) is read without parsing. Where `tiers._ring` is built, writing
 the request, waking the server and the first spin run natively without the GIL (`ask`);
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from kvstore.client.transfer_ring_request import TEMPLATES_KEPT, Template, all_done
 from kvstore.errors import DeadlineExceeded, Internal, KVStoreError, Unavailable, from_status
-from kvstore.prefix import HASH_BYTES
 from kvstore.region import NONCE_BYTES, Region
-from kvstore.transfer import DONE, TransferState
+from kvstore.transfer import TransferState
 from kvstore.transfer_ring import (
     ANSWER_AT,
     ANSWER_BYTES,
@@ -74,61 +74,6 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 NATIVE_ASK = native_ring.NATIVE
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field as protobuf writes it (omitted when empty, as proto3 omits it)."""
-    return bytes([number << 3 | 2]) + _varint(len(payload)) + payload if payload else b""
-
-
-def _scalar(number: int, value: int) -> bytes:
-    """A varint field as protobuf writes it (omitted when zero)."""
-    return bytes([number << 3]) + _varint(value) if value else b""
-
-
-class _Template:
-    """A consecutive-slots read's `SubmitRequest` bytes, but for its hashes: `head + hashes + tail`
-    is what `SerializeToString` writes for the same request (`test_a_ring_template_writes_what_protobuf_writes`).
-
-    Args:
-        region_id, offset_bytes, n, block_bytes, prefix_only: the read's shape.
-    """
-
-    __slots__ = ("answer", "head", "statuses", "tail")
-
-    def __init__(self, region_id: int, offset_bytes: int, n: int, block_bytes: int, prefix_only: bool) -> None:
-        offsets = b"".join(_varint(offset_bytes + i * block_bytes) for i in range(n))
-        hashes_at = _scalar(1, region_id) + _scalar(2, block_bytes) + bytes([3 << 3 | 2]) + _varint(n * HASH_BYTES)
-        group = len(hashes_at) + n * HASH_BYTES + len(_field(4, offsets))
-        self.head = (_scalar(2, pb.TRANSFER_OP_READ) + _scalar(4, int(prefix_only)) + bytes([9 << 3 | 2])
-                     + _varint(group) + hashes_at)
-        self.tail = _field(4, offsets)
-        #: The all-DONE answer (done, every byte DONE, every block's bytes), as protobuf writes it.
-        self.statuses = bytes([DONE]) * n
-        self.answer = pb.TransferState(done=True, bytes_moved=n * block_bytes,
-                                       statuses=self.statuses).SerializeToString()
-
-
-#: Templates kept per shape; a worker reads a handful of shapes again and again.
-_TEMPLATES_KEPT = 64
-
-
-def _all_done(statuses: bytes, block_bytes: int) -> TransferState:
-    """The all-DONE state of a read, built without the frozen dataclass's `__init__` (its seven
-    `object.__setattr__` calls cost ~3 us on a loaded box: a tenth of a ring fetch's client time)."""
-    state = object.__new__(TransferState)
-    state.__dict__.update(transfer_id=0, done=True, statuses=statuses, bytes_moved=len(statuses) * block_bytes,
-                          block_bytes=block_bytes, failures={}, block_hashes=b"")
-    return state
-
-
 class RingUnusable(Exception):
     """The ring cannot take this request now (busy on another thread, too large, or broken): use Submit."""
 
@@ -152,7 +97,7 @@ class RingClient:
         self.answered = 0
         self._lock = threading.Lock()
         self._seq = 0
-        self._templates: dict[tuple[int, int, int, int, bool], _Template] = {}
+        self._templates: dict[tuple[int, int, int, int, bool], Template] = {}
         self._region: Region | None = Region(RING_BYTES)
         try:
             reply = self._register(first=True)
@@ -262,7 +207,7 @@ class RingClient:
                                         min(spin, HOT_SPIN_S), spin, template.answer)
             if got == native_ring.ASKED_EXPECTED:  # the hot path: all DONE, nothing to parse
                 self.answered += 1
-                return _all_done(template.statuses, block_bytes)
+                return all_done(template.statuses, block_bytes)
             if got < 0:
                 return None
             header, futex, view = self._header, self._futex, self._view
@@ -275,15 +220,15 @@ class RingClient:
         finally:
             self._lock.release()
 
-    def _template(self, shape: tuple[int, int, int, int, bool]) -> _Template:
+    def _template(self, shape: tuple[int, int, int, int, bool]) -> Template:
         template = self._templates.get(shape)
         if template is None:
-            if len(self._templates) >= _TEMPLATES_KEPT:
+            if len(self._templates) >= TEMPLATES_KEPT:
                 self._templates.clear()
-            template = self._templates[shape] = _Template(*shape)
+            template = self._templates[shape] = Template(*shape)
         return template
 
-    def _state(self, code: int, answer: bytes, raw: bytes, spin: float, template: _Template, block_bytes: int
+    def _state(self, code: int, answer: bytes, raw: bytes, spin: float, template: Template, block_bytes: int
                ) -> TransferState:
         """A consecutive-slots read's state from its answer (asked again once if the lease had ended)."""
         if code == RENEW:
@@ -292,7 +237,7 @@ class RingClient:
         if code:
             raise from_status(_CODES.get(code, grpc.StatusCode.UNKNOWN), answer.decode(errors="replace"))
         if answer is template.answer:  # byte for byte the all-DONE answer: nothing to parse
-            return _all_done(template.statuses, block_bytes)
+            return all_done(template.statuses, block_bytes)
         reply = pb.TransferState.FromString(answer)
         return TransferState(transfer_id=reply.transfer_id, done=reply.done, bytes_moved=reply.bytes_moved,
                              statuses=reply.statuses, block_bytes=block_bytes, block_hashes=reply.block_hashes,

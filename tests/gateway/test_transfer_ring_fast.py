@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.client import transfer_ring as client_ring
-from kvstore.client.transfer_ring import _all_done, _Template
+from kvstore.client.transfer_ring_request import Template, all_done
 from kvstore.errors import InvalidArgument, NotFound
 from kvstore.transfer import DONE, TransferState
 from kvstore.v1 import transfer_pb2 as pb
@@ -44,7 +44,7 @@ def stored(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
                           (300, 5, 16, True)])
 def test_a_ring_template_writes_what_protobuf_writes(region_id: int, offset: int, n: int, prefix_only: bool) -> None:
     hashes = [bytes([i % 251]) * 32 for i in range(n)]
-    template = _Template(region_id, offset, n, SIZE, prefix_only)
+    template = Template(region_id, offset, n, SIZE, prefix_only)
     want = pb.SubmitRequest(op=pb.TRANSFER_OP_READ, prefix_only=prefix_only, groups=[pb.DescriptorGroup(
         region_id=region_id, length_bytes=SIZE, block_hashes=b"".join(hashes),
         offsets_bytes=range(offset, offset + n * SIZE, SIZE))]).SerializeToString()
@@ -55,10 +55,10 @@ def test_a_ring_template_writes_what_protobuf_writes(region_id: int, offset: int
 
 
 def test_the_lean_all_done_state_is_the_dataclasss() -> None:
-    lean = _all_done(bytes([DONE]) * 5, SIZE)
+    lean = all_done(bytes([DONE]) * 5, SIZE)
     full = TransferState(transfer_id=0, done=True, statuses=bytes([DONE]) * 5, bytes_moved=5 * SIZE, block_bytes=SIZE)
     assert lean == full and lean.done_prefix == 5 and lean.results == full.results
-    assert lean.failures == {} and lean.failures is not _all_done(b"\x01", SIZE).failures
+    assert lean.failures == {} and lean.failures is not all_done(b"\x01", SIZE).failures
 
 
 def test_the_lean_fetch_answers_as_submit_does_with_misses(serve: Child) -> None:
