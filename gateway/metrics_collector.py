@@ -64,6 +64,7 @@ TRANSFER_COUNTERS = {
     "refresh_failures": "Read descriptors whose retention refresh failed.",
     "ring_requests": "Requests answered through sessions' request rings.",
     "bulk_fetches": "BulkFetch calls answered by the bulk transport.",
+    "bulk_staged": "BulkFetch calls served through the staging pool (the map path could not answer).",
 }
 
 
@@ -239,6 +240,7 @@ def _transfer(t: dict[str, int]) -> Iterator[Metric]:
                  t["descriptors_in_flight"])
     yield _gauge("kvstore_transfer_rings", "Request rings mapped by transfer sessions.", t["rings"])
     yield _gauge("kvstore_transfer_bulk_sessions", "Transfer sessions using the bulk transport.", t["bulk_sessions"])
+    yield _gauge("kvstore_transfer_bulk_lanes", "Client engines (lanes) of the bulk sessions.", t["bulk_lanes"])
     for name, doc in TRANSFER_COUNTERS.items():
         yield _counter(f"kvstore_transfer_{name}", f"{doc} Since the server started.", t[name])
 

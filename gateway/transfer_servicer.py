@@ -308,7 +308,8 @@ class TransferServicer(pb_grpc.TransferServicer):
                 "descriptors_in_flight": self.table.load.descriptors_in_flight,
                 "rings": sum(1 for s in self.table.sessions.values() if s.ring is not None),
                 "ring_requests": c.ring_requests, "bulk_sessions": len(self.bulk.segments),
-                "bulk_fetches": self.bulk.fetches}
+                "bulk_fetches": self.bulk.fetches, "bulk_staged": self.bulk.staged,
+                "bulk_lanes": sum(len(lanes.lanes) for lanes in self.bulk.segments.values())}
 
     # -- batches -------------------------------------------------------------
 

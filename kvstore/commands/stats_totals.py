@@ -146,7 +146,8 @@ TRANSFER_ROWS = (
     # The paths beside Submit: request rings (small reads of shared regions, no gRPC call) and the
     # bulk transport (regions the server cannot map); their reads are counted in the rows above too.
     ("Request rings mapped", "rings"), ("Ring requests answered", "ring_requests"),
-    ("Bulk transport sessions", "bulk_sessions"), ("Bulk fetches answered", "bulk_fetches"),
+    ("Bulk transport sessions", "bulk_sessions"), ("Bulk lanes", "bulk_lanes"),
+    ("Bulk fetches answered", "bulk_fetches"), ("Bulk fetches through staging", "bulk_staged"),
 )
 
 

@@ -274,7 +274,7 @@ class TransferStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferStatsResponse(_message.Message):
-    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved", "refresh_failures", "descriptors_in_flight", "rings", "ring_requests", "bulk_sessions", "bulk_fetches")
+    __slots__ = ("copy_loop", "copy_threads", "sessions", "regions", "mapped_bytes", "read_batches", "write_batches", "descriptors_done", "descriptors_missing", "descriptors_failed", "bytes_moved", "refresh_failures", "descriptors_in_flight", "rings", "ring_requests", "bulk_sessions", "bulk_fetches", "bulk_staged", "bulk_lanes")
     COPY_LOOP_FIELD_NUMBER: _ClassVar[int]
     COPY_THREADS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +292,8 @@ class TransferStatsResponse(_message.Message):
     RING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BULK_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BULK_FETCHES_FIELD_NUMBER: _ClassVar[int]
+    BULK_STAGED_FIELD_NUMBER: _ClassVar[int]
+    BULK_LANES_FIELD_NUMBER: _ClassVar[int]
     copy_loop: str
     copy_threads: int
     sessions: int
@@ -309,4 +311,6 @@ class TransferStatsResponse(_message.Message):
     ring_requests: int
     bulk_sessions: int
     bulk_fetches: int
-    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., refresh_failures: _Optional[int] = ..., descriptors_in_flight: _Optional[int] = ..., rings: _Optional[int] = ..., ring_requests: _Optional[int] = ..., bulk_sessions: _Optional[int] = ..., bulk_fetches: _Optional[int] = ...) -> None: ...
+    bulk_staged: int
+    bulk_lanes: int
+    def __init__(self, copy_loop: _Optional[str] = ..., copy_threads: _Optional[int] = ..., sessions: _Optional[int] = ..., regions: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., read_batches: _Optional[int] = ..., write_batches: _Optional[int] = ..., descriptors_done: _Optional[int] = ..., descriptors_missing: _Optional[int] = ..., descriptors_failed: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., refresh_failures: _Optional[int] = ..., descriptors_in_flight: _Optional[int] = ..., rings: _Optional[int] = ..., ring_requests: _Optional[int] = ..., bulk_sessions: _Optional[int] = ..., bulk_fetches: _Optional[int] = ..., bulk_staged: _Optional[int] = ..., bulk_lanes: _Optional[int] = ...) -> None: ...

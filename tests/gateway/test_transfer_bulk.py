@@ -100,7 +100,7 @@ def test_a_bulk_fetch_lands_what_the_grpc_fetch_does(bulk_server: Any) -> None:
 
 
 @needs_engine
-def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_server: Any,
+def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_server: Any, source: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(transfer_bulk, "IN_FLIGHT", 4)  # whatever this host's cores
     client, _ = bulk_server
@@ -114,7 +114,8 @@ def test_a_large_bulk_fetch_over_many_calls_in_flight_lands_every_block(bulk_ser
         state = s.fetch(hashes, region, offset_bytes=BLOCK_BYTES, batch_descriptors=16)  # 3 batches, 20 calls
         assert s.bulk is not None and state.done_prefix == n and state.bytes_moved == n * BLOCK_BYTES
         stats = client.transfer_stats()
-        assert stats.bulk_sessions == 1 and stats.bulk_fetches == 20
+        assert stats.bulk_sessions == 1 and stats.bulk_fetches == 20 and stats.bulk_lanes == transfer_bulk.LANES
+        assert stats.bulk_staged == (20 if source == "staging" else 0), "the staged calls, and only those"
         assert bytes(region.view[BLOCK_BYTES:]) == b"".join(blocks)
         # read() returns at once and runs on the path's thread.
         transfer = s.read(_descriptors(hashes[:3], region))

@@ -72,6 +72,8 @@ def test_a_large_fetch_over_lanes_lands_every_block(lanes: list[tuple[int, str]]
         state = s.fetch(client.hashes(tokens), region, batch_descriptors=n)  # 15 calls of 2 blocks
         assert s.bulk is not None and len(s.bulk.lanes) == 3 and s.bulk.in_flight() == 6
         assert state.done_prefix == n and bytes(region.view) == b"".join(blocks)
+        stats = client.transfer_stats()
+        assert (stats.bulk_sessions, stats.bulk_lanes) == (1, 3), "Stats count the lanes"
     assert len(lanes) == 15 and len({segment for _, segment in lanes}) == 3, "every lane was written through"
     assert len({engine for engine, _ in lanes}) == 2, "both server engines wrote"
     by_segment: dict[str, set[int]] = {}

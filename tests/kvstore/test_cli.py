@@ -102,13 +102,14 @@ def test_stats_show_the_bulk_transport(start_server: Any, store_settings: Any,
             assert session.bulk is not None, session.bulk_reason
             assert session.fetch(client.hashes(tokens), region, batch_descriptors=5).done_prefix == 5
             stats = client.transfer_stats()
-            assert (stats.bulk_sessions, stats.bulk_fetches) == (1, 3)
+            assert (stats.bulk_sessions, stats.bulk_fetches, stats.bulk_staged) == (1, 3, 0) and stats.bulk_lanes >= 1
             assert main(["stats", "--target", server.target]) == 0
             table = capsys.readouterr().out
             assert main(["stats", "--target", server.target, "--json"]) == 0
             transfer = json.loads(capsys.readouterr().out)["transfer"]
     assert _row(table, "Bulk transport sessions") == "1" and _row(table, "Bulk fetches answered") == "3"
-    assert (transfer["bulk_sessions"], transfer["bulk_fetches"]) == (1, 3)
+    assert _row(table, "Bulk fetches through staging") == "0" and _row(table, "Bulk lanes") == str(stats.bulk_lanes)
+    assert (transfer["bulk_sessions"], transfer["bulk_fetches"], transfer["bulk_lanes"]) == (1, 3, stats.bulk_lanes)
     assert _row(table, "Descriptors done") == "5"  # the bulk transport's blocks are counted with the batches
 
 

@@ -113,7 +113,9 @@ def test_the_collector_reads_what_the_stats_calls_report(start_metered: Any) -> 
              "kvstore_transfer_bytes_moved_total": transfer.bytes_moved, "kvstore_transfer_rings": transfer.rings,
              "kvstore_transfer_ring_requests_total": transfer.ring_requests,
              "kvstore_transfer_bulk_sessions": transfer.bulk_sessions,
-             "kvstore_transfer_bulk_fetches_total": transfer.bulk_fetches}
+             "kvstore_transfer_bulk_fetches_total": transfer.bulk_fetches,
+             "kvstore_transfer_bulk_staged_total": transfer.bulk_staged,
+             "kvstore_transfer_bulk_lanes": transfer.bulk_lanes}
     for name, expected in {**store, **pool, **moved}.items():
         assert s.value(name) == pytest.approx(expected), name
     assert s.value("kvstore_store_geometry_blocks", geometry=client.geometry) == kv.blocks_stored
