@@ -174,7 +174,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             continue
         module = importlib.import_module(module_path)
         p = bench_sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0],
-                                 description=module.__doc__)
+                                 description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--json", action="store_true", help="print one JSON object with a figures list")
         p.add_argument("--no-progress", action="store_true", help="hide progress bars")
         module.add_arguments(p)

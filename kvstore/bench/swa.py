@@ -10,13 +10,14 @@ Every side talks to the same Redis in one run: the gateway path (client -> gRPC
 the gateway handed it: kvstore.client.swa_direct) and the baseline (redis-py
 pipelined SET PX / GET of the same snapshots, in the same batch size). A ratio
 below 1 is what a path costs over talking to Redis directly. The sides take
-turns within each round (best of the rounds is kept), so a loaded machine
-slows them alike: the gateway last in each group, each phase after a pause,
-the direct and raw sides swapping places every round. A single-snapshot fetch's p50 (direct get of one key against
-one raw GET, alternating) is measured too. Snapshots are taken at prompt lengths window, window + 1, ...: half
-even (a full window of rows, 2,703,360 B on V4.1-Flash), half odd (plus the raw
-tail, 12,288 B more). Starts its own redis-server (loopback, free port, temp dir) unless
---redis-url is given, and a `kvstore serve` process on port 0.
+turns within each round (best of the rounds is kept), so a loaded machine slows
+them alike: the gateway last in each group, each phase after a pause, the direct
+and raw sides swapping places every round. A single-snapshot fetch's p50 (direct
+get of one key against one raw GET, alternating) is measured too. Snapshots are
+taken at prompt lengths window, window + 1, ...: half even (a full window of
+rows, 2,703,360 B on V4.1-Flash), half odd (plus the raw tail, 12,288 B more).
+Starts its own redis-server (loopback, free port, temp dir) unless --redis-url
+is given, and a `kvstore serve` process on port 0.
 
 Embedded pool (`memory`): the shared-memory path (kvstore.client.swa_shm: the
 client copies each snapshot into or out of its tenant's arena in the server's
@@ -26,11 +27,11 @@ process on the same host: one raw unary gRPC round trip (an empty reply from a
 bare generic-handler server, harness.RAW_SERVER) per batch plus a same-process
 memcpy of each snapshot (into a slot of a shared mapping for a put; out of it
 into new bytes for a get, as the client returns). The single-fetch p50 is one
-such round trip plus one snapshot's copy. "shm+verify" is SwaClient(verify=True):
-puts sealed (checksummed by the server) when COMMIT answers, where a plain shm
-put's records are checksummed by the server's sealing thread just after (within
-the pause between phases here), and gets that re-checksum each copy.
-"""
+such round trip plus one snapshot's copy. "shm+verify" is
+SwaClient(verify=True): puts sealed (checksummed by the server) when COMMIT
+answers, where a plain shm put's records are checksummed by the server's sealing
+thread just after (within the pause between phases here), and gets that
+re-checksum each copy."""
 
 from __future__ import annotations
 

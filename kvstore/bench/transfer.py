@@ -1,13 +1,26 @@
 """Batched fetch of a 1M-token prompt's blocks into a registered region, per path.
 
-In one run: a `kvstore serve` process holds the prompt's blocks (890 MB at full
-size); a client fetches them into a registered region over the shared-memory
-path (the server copies from LMDB's map into the client's sealed memfd pages) and
-over the streamed gRPC path, with a sweep of descriptors per batch. Baselines,
-measured in the same run on the same bytes: a plain memcpy into a pre-faulted
-buffer (for the shm path) and a bare gRPC stream of block-sized messages copied
-into a region, with no kvstore logic (for the stream path). With CUDA: copying
-the pinned region to the GPU against a pinned torch buffer of the same size.
+In one run, a `kvstore serve` process holds the prompt's blocks (890 MB at full
+size) and a client fetches them into a registered region, each path beside its
+baseline measured in the same run on the same bytes:
+
+- shared memory (the server copies from LMDB's map into the client's sealed memfd
+  pages), a sweep of descriptors per batch: against a plain memcpy into a
+  pre-faulted buffer;
+- the striped gRPC path (`Transfer.Fetch`, `--streams` calls in flight): against
+  one bare gRPC stream and the same number of bare streams at once, block-sized
+  messages copied into a region, no kvstore logic;
+- the bulk transport (the server's Mooncake engines write into the region), when
+  the server and this host can run it: against Mooncake's own batch read of the
+  same bytes (TCP on loopback, another process), taken in turns with it; the
+  gRPC path is set against that read too. Without Mooncake these figures are
+  skipped and the report's notes say why;
+- small fetches of 1, 8 and 64 descriptors (`--small`), p50 of `--small-calls`:
+  through the session's request ring, by Submit, and over gRPC, against memcpy of
+  the same bytes and one raw unary gRPC call answering them.
+
+With CUDA: copying the pinned region to the GPU against a pinned torch buffer of
+the same size, and the direct GPU restore (see `--direct-*`).
 """
 
 from __future__ import annotations
