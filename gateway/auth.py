@@ -72,7 +72,7 @@ METHOD_RIGHTS: dict[str, str] = {
                                "GetTransfer", "GetTransfers")},
     _TR + "Fetch": READ,  # blocks of the caller's own tenant (validate.scope), as Get
     # The bulk transport: a session's reads, scoped as Submit's (gateway.transfer_bulk).
-    _TR + "OpenBulk": READ, _TR + "BulkFetch": READ,
+    _TR + "OpenBulk": READ, _TR + "BulkFetch": READ, _TR + "BulkDrain": READ,
     "/grpc.health.v1.Health/Check": OPEN, "/grpc.health.v1.Health/Watch": OPEN,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,

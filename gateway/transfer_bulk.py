@@ -300,9 +300,8 @@ class BulkServer:
         # The txn ends on the write's thread, after the write: even when this call is
         # cancelled meanwhile, LMDB reuses no page the engine may still be reading.
         with lanes.pick() as lane:
-            rc = await asyncio.get_running_loop().run_in_executor(
-                self._writers, _write_then_end, lane.engine, lane.segment, resolved.addresses, remote, block_bytes,
-                resolved.txn)
+            rc = await lanes.submit(self._writers, _write_then_end, lane.engine, lane.segment, resolved.addresses,
+                                    remote, block_bytes, resolved.txn)
         if rc:
             raise _write_failed(lane.segment, len(remote), rc)
 
@@ -321,8 +320,8 @@ class BulkServer:
                     local = (found * block_bytes + base).tolist()
                     remote = (offsets[found] + np.uint64(address)).tolist()
                     with lanes.pick() as lane:
-                        write = asyncio.get_running_loop().run_in_executor(
-                            self._writers, write_blocks, lane.engine, lane.segment, local, remote, block_bytes)
+                        write = lanes.submit(self._writers, write_blocks, lane.engine, lane.segment, local, remote,
+                                             block_bytes)
                         try:
                             rc = await asyncio.shield(write)
                         except asyncio.CancelledError:

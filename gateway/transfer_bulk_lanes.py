@@ -1,24 +1,38 @@
 """Who the bulk transport's server engines write to (docs/TRANSFER.md "Bulk transport"):
-client engine names ("host:port", checked to be on the calling host) and a session's lanes.
+client engine names ("host:port", checked to be on the calling host), a session's lanes,
+and its engine writes still running.
 
 A session's lanes are its client engines, each tied to one of the server's engines when
 named (`OpenBulk`, once per engine). Mooncake 0.3.13's TCP transport moves all of one
 engine's bytes on one io thread, so a session on a host with many cores fetches through
 several engine pairs at once; each write goes through the lane with the fewest writes
 running.
+
+A write is not stopped by its call's end: a BulkFetch the client cancels, or whose deadline
+passes, leaves its engine write going (Mooncake cannot cancel one). So each write of a
+session is counted until it returns (`Lanes.submit`), and `Lanes.drain` waits for them:
+a client falling back to gRPC asks first (`Transfer.BulkDrain`), so that no late write
+lands in memory it has filled since.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import InvalidArgument
 
+#: Longest a BulkDrain waits for a session's engine writes (a write of one BulkFetch takes
+#: milliseconds; one still running after this is stuck, and the client is told so).
+DRAIN_MOST_S = 30.0
+#: A BulkDrain answers this long before its caller's deadline, so the count reaches it.
+DRAIN_MARGIN_S = 0.2
 #: A client engine's name: "host:port" (a host name, IPv4, or [IPv6]).
 _SEGMENT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]{1,253}):([0-9]{1,5})$")
 
@@ -67,10 +81,27 @@ class Lane:
 
 
 class Lanes:
-    """A session's lanes (on the event loop: no lock)."""
+    """A session's lanes (on the event loop: no lock) and its engine writes running."""
 
     def __init__(self) -> None:
         self.lanes: list[Lane] = []
+        #: The session's engine writes not yet returned, whether or not their call still waits.
+        self.running: set[Future[int]] = set()
+
+    def submit(self, pool: Executor, write: Callable[..., int], *args: Any) -> asyncio.Future[int]:
+        """Run an engine write on `pool`, counted in `running` until it returns; its result, awaitable
+        on the event loop (cancelling that await does not stop the write)."""
+        done = pool.submit(write, *args)
+        self.running.add(done)
+        done.add_done_callback(self.running.discard)  # on the write's thread: one atomic set operation
+        return asyncio.wrap_future(done)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the writes running now to return; how many still run."""
+        running = list(self.running)
+        if running:
+            await asyncio.wait([asyncio.wrap_future(w) for w in running], timeout=max(timeout_s, 0.0))
+        return sum(not w.done() for w in running)
 
     @contextmanager
     def pick(self) -> Iterator[Lane]:

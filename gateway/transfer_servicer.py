@@ -17,6 +17,7 @@ from gateway.auth import current_caller, require
 from gateway.hit_stats import HitStats
 from gateway.status import streaming, unary
 from gateway.transfer_bulk import BulkServer
+from gateway.transfer_bulk_lanes import DRAIN_MARGIN_S, DRAIN_MOST_S
 from gateway.transfer_engine import Copier, read_batch, resolve_spans, run_read, run_write
 from gateway.transfer_fetch import fetch, fetch_keys
 from gateway.transfer_ring import RingServer
@@ -289,6 +290,14 @@ class TransferServicer(pb_grpc.TransferServicer):
         return pb.FetchReply(statuses=bytes(r.statuses),
                              failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
                                        for i, (code, reason) in sorted(r.failures.items())])
+
+    @unary
+    async def BulkDrain(self, request: pb.BulkDrainRequest, context: grpc.aio.ServicerContext) -> pb.BulkDrainReply:
+        session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
+        lanes = self.bulk.segment(session.session_id)
+        left = context.time_remaining()  # answered before the caller's deadline, so it learns the count
+        wait_s = DRAIN_MOST_S if left is None else min(DRAIN_MOST_S, left - DRAIN_MARGIN_S)
+        return pb.BulkDrainReply(writing=await lanes.drain(wait_s))
 
     @unary
     async def Stats(self, request: pb.TransferStatsRequest,

@@ -60,6 +60,8 @@ LANES_OFFER = "mooncake-lanes"
 #: bytes on one io thread (2.1-2.8 GB/s for a pair on the H200 host); one per 4 CPUs, 1 to 4
 #: (each lane takes about three cores at full speed: two io threads and the server's wait).
 LANES = max(1, min(4, usable_cpus() // 4))
+#: Deadline of the BulkDrain asked before falling back to gRPC (the server waits up to 30 s).
+DRAIN_S = 35.0
 
 _ENGINES: dict[str, list[tuple[Any, str]]] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -221,6 +223,7 @@ class BulkPath(TransferPath):
             results = self._fetch(batches, prefix_only)
         except KVStoreError as exc:
             self.session.bulk_failed(f"a BulkFetch failed ({type(exc).__name__}: {exc.message}); fetching over gRPC")
+            self._drain()
             return self.stream.read_many(batches, prefix_only)
         out: list[Transfer] = []
         for r in results:
@@ -256,6 +259,30 @@ class BulkPath(TransferPath):
             # With prefix_only, a batch's calls past its first block not loaded stay PENDING: SKIPPED.
             np.frombuffer(results.statuses, dtype=np.uint8)[pending] = SKIPPED
         return out
+
+    def _drain(self) -> None:
+        """Wait until none of the session's engine writes can still land (a BulkFetch given up on, or
+        cancelled with the others when one failed, goes on writing in the server), so gRPC may fill the
+        same memory. A server from before BulkDrain is not asked.
+
+        Raises:
+            Unavailable: the server could not say so (unreachable, or a write stuck past its wait):
+                the regions' bytes may still change, so the batches are not fetched.
+        """
+        request = pb.BulkDrainRequest(session_id=self.session.session_id)
+        try:
+            reply = self.session.stub.BulkDrain(request, timeout=DRAIN_S, metadata=self.connection.metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return
+            error = status_error(exc)
+            raise Unavailable(f"bulk: after a failed BulkFetch the server could not say that its writes have "
+                              f"ended ({type(error).__name__}: {error.message}); the regions may still change",
+                              hint="fetch them again once the server answers") from None
+        if reply.writing:
+            raise Unavailable(f"bulk: after a failed BulkFetch {reply.writing} of the server's writes into this "
+                              "session's regions still run; the regions may still change",
+                              hint="fetch them again later; the server's transfer engine may be stuck")
 
     def in_flight(self) -> int:
         """BulkFetch calls kept in flight: `IN_FLIGHT` per lane, at most the session's `streams`."""

@@ -269,6 +269,18 @@ class BulkFetchRequest(_message.Message):
     prefix_only: bool
     def __init__(self, session_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., address: _Optional[int] = ..., size_bytes: _Optional[int] = ..., offsets_bytes: _Optional[_Iterable[int]] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
 
+class BulkDrainRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class BulkDrainReply(_message.Message):
+    __slots__ = ("writing",)
+    WRITING_FIELD_NUMBER: _ClassVar[int]
+    writing: int
+    def __init__(self, writing: _Optional[int] = ...) -> None: ...
+
 class TransferStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

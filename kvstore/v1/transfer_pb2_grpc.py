@@ -84,6 +84,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
                 _registered_method=True)
+        self.BulkDrain = channel.unary_unary(
+                '/kvstore.v1.Transfer/BulkDrain',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.Transfer/Stats',
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
@@ -177,6 +182,17 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BulkDrain(self, request, context):
+        """Waits until none of the session's engine writes is still running (a BulkFetch
+        the client cancelled or gave up on goes on writing in the server), for at most
+        the call's deadline or 30 s; answers how many still run. A client falling back
+        to gRPC after a failed BulkFetch asks first, so no late write lands in memory
+        it has filled since.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """The service's counters and what it holds now (`kvstore stats` shows them).
         """
@@ -236,6 +252,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.BulkFetch,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.FetchReply.SerializeToString,
+            ),
+            'BulkDrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.BulkDrain,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -513,6 +534,33 @@ class Transfer:
             '/kvstore.v1.Transfer/BulkFetch',
             kvstore_dot_v1_dot_transfer__pb2.BulkFetchRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.FetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BulkDrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/BulkDrain',
+            kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.FromString,
             options,
             channel_credentials,
             insecure,
