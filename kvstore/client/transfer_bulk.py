@@ -62,6 +62,8 @@ LANES_OFFER = "mooncake-lanes"
 LANES = max(1, min(4, usable_cpus() // 4))
 #: Deadline of the BulkDrain asked before falling back to gRPC (the server waits up to 30 s).
 DRAIN_S = 35.0
+#: BulkDrain's answers that leave nothing to wait for: a server from before it, a session it ended.
+_CANNOT_DRAIN = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 
 _ENGINES: dict[str, list[tuple[Any, str]]] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -263,7 +265,8 @@ class BulkPath(TransferPath):
     def _drain(self) -> None:
         """Wait until none of the session's engine writes can still land (a BulkFetch given up on, or
         cancelled with the others when one failed, goes on writing in the server), so gRPC may fill the
-        same memory. A server from before BulkDrain is not asked.
+        same memory. A server from before BulkDrain is not asked, and one that no longer knows the
+        session (it ended there) cannot tell: the fallback goes ahead, as before BulkDrain.
 
         Raises:
             Unavailable: the server could not say so (unreachable, or a write stuck past its wait):
@@ -273,7 +276,7 @@ class BulkPath(TransferPath):
         try:
             reply = self.session.stub.BulkDrain(request, timeout=DRAIN_S, metadata=self.connection.metadata)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if exc.code() in _CANNOT_DRAIN:
                 return
             error = status_error(exc)
             raise Unavailable(f"bulk: after a failed BulkFetch the server could not say that its writes have "

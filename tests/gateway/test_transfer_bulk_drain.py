@@ -128,3 +128,21 @@ def test_drain_counts_the_writes_a_cancelled_call_left_running() -> None:
 
     with ThreadPoolExecutor(2) as pool:
         asyncio.run(run(pool))
+
+
+def test_a_session_the_server_no_longer_knows_falls_back_as_before(bulk_server: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.errors import FailedPrecondition
+
+    async def ended(self: Lanes, timeout_s: float) -> int:  # as BulkDrain answers once the session ended there
+        raise FailedPrecondition("this session has no bulk transport")
+
+    monkeypatch.setattr(client_bulk, "IN_FLIGHT", 2)
+    monkeypatch.setattr(Lanes, "drain", ended)
+    client, _ = bulk_server
+    hashes, blocks = _stored(client, 4)
+    monkeypatch.setattr(server_bulk, "write_blocks", FirstFailsSecondLingers(slow_s=0.0))
+    with TransferSession(client.connection, path="bulk", streams=2) as session:
+        region = session.register(4 * BLOCK_BYTES)
+        state = session.fetch(hashes, region, batch_descriptors=4)
+        assert session.bulk is None and state.done_prefix == 4 and bytes(region.view) == b"".join(blocks)
