@@ -32,6 +32,7 @@ from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, 
 from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry
+from gateway.transfer_fetch import add_transfer_service
 from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
@@ -40,7 +41,7 @@ from kvstore.api_tokens import READ, WRITE
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings, TlsSettings
 from kvstore.errors import ConfigError
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
@@ -180,7 +181,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits,
                                 rate=admin.quotas.rate)
     closers.append(transfer.close)
-    transfer_pb2_grpc.add_TransferServicer_to_server(transfer, server)
+    add_transfer_service(transfer, server)
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     services.append(add_admin_service(server, admin, tier, layouts))

@@ -241,7 +241,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         return reply
 
     @unary
-    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> pb.FetchReply:
+    async def Fetch(self, request: pb.FetchRequest, context: grpc.aio.ServicerContext) -> bytes:
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         keys = fetch_keys(scope, request.block_hashes, block_bytes=layout.block_bytes,
                           max_blocks=self.settings.max_descriptors, max_bytes=self.max_fetch_bytes)
@@ -254,10 +254,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             if self.hits is not None:
                 self.hits.record(scope.namespace, "get", len(keys), found)
         self.table.counters.count(fetched.results)
-        r = fetched.results
-        return pb.FetchReply(statuses=bytes(r.statuses), data=fetched.data,
-                             failures=[pb.DescriptorFailure(index=i, code=code, reason=reason)
-                                       for i, (code, reason) in sorted(r.failures.items())])
+        return fetched.wire  # already serialized: see `add_to_server`
 
     @unary
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.aio.ServicerContext) -> pb.OpenBulkReply:

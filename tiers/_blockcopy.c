@@ -414,8 +414,40 @@ done:
     return result;
 }
 
+/*
+ * blank_bytes(n) -> (bytes, memoryview): a new bytes object of n bytes, not yet filled, and a
+ * writable view of its bytes. A gRPC reply must be bytes; writing the reply's blocks straight
+ * into it saves the copy from a bytearray. The caller fills it through the view before the bytes
+ * is hashed or shared, keeps the bytes alive while the view is used (the view does not hold it),
+ * and releases the view before handing the bytes on. n >= 2: CPython shares its 0- and 1-byte
+ * objects, which must never be written.
+ */
+static PyObject *blank_bytes(PyObject *self, PyObject *args) {
+    Py_ssize_t n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    if (n < 2) {
+        PyErr_SetString(PyExc_ValueError, "blank_bytes: n must be at least 2");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) return NULL;
+    PyObject *view = PyMemoryView_FromMemory(PyBytes_AsString(out), n, PyBUF_WRITE);
+    if (view == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *pair = PyTuple_Pack(2, out, view);
+    Py_DECREF(out);
+    Py_DECREF(view);
+    return pair;
+}
+
 static PyMethodDef methods[] = {
     SWA_DIGEST_METHODS
+    {"blank_bytes", blank_bytes, METH_VARARGS,
+     "blank_bytes(n) -> (bytes, memoryview)\n\n"
+     "See tiers.blockcopy.blank_bytes: a new bytes object to fill through the view, then hand on."},
     {"verify_spans", verify_spans, METH_VARARGS,
      "verify_spans(base, length, offsets, sizes, checksums) -> bytes\n\n"
      "See tiers.blockcopy.verify_spans: checksums of blocks in a mapping, without the GIL."},

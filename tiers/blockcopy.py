@@ -16,7 +16,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -28,6 +28,7 @@ NOT_REACHED, FOUND, MISSING, CORRUPT, WRONG_SIZE = 0, 1, 2, 3, 4
 
 VerifyCopy = Callable[[list, list, list, float, bool], tuple[bytes, list[int]]]
 Verify = Callable[[list, list], bytes]
+T = TypeVar("T")
 
 
 def verify_copy_python(metas: list, datas: list, dests: list, due_before: float,
@@ -108,6 +109,38 @@ def _load_native_verify() -> Verify | None:
     except ImportError:  # not built, or built before `verify` existed
         return None
     return native  # type: ignore[no-any-return]
+
+
+def _load_blank_bytes() -> Callable[[int], tuple[bytes, memoryview]] | None:
+    try:
+        from tiers._blockcopy import blank_bytes as native
+    except ImportError:  # not built, or built before `blank_bytes` existed
+        return None
+    return native  # type: ignore[no-any-return]
+
+
+_blank_bytes = _load_blank_bytes()
+
+
+def fill_bytes(size: int, fill: Callable[[memoryview], T]) -> tuple[bytes, T]:
+    """A new `size`-byte bytes object written by `fill` through a writable view, and what `fill` returned.
+
+    gRPC sends only bytes, and a reply's blocks are copied in by the native loop:
+    natively they land in the bytes object itself, which saves a copy of the whole
+    reply (one per Fetch call, on the hot path). Without the native module the
+    view is a bytearray's, copied to bytes after. `fill` must not keep the view.
+    """
+    if _blank_bytes is None or size < 2:
+        buffer = bytearray(size)
+        with memoryview(buffer) as view:
+            result = fill(view)
+        return bytes(buffer), result
+    out, view = _blank_bytes(size)
+    try:
+        result = fill(view)
+    finally:
+        view.release()  # no writer is left once `out` is handed on
+    return out, result
 
 
 #: The native checksum loop (run without the GIL), or None where it was not built.

@@ -18,7 +18,7 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import V4_1_FLASH
-from kvstore.transfer import Descriptor, Op, Status, group
+from kvstore.transfer import DONE, FAILED, MISSING, Descriptor, Op, Status, group
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 
@@ -190,3 +190,30 @@ def test_a_one_stripe_fetch_lands_what_the_striped_path_does(small: Any) -> None
         assert [(r.status, r.code) for r in state.results] == [(Status.DONE, ""), (Status.FAILED, "DATA_LOSS"),
                                                               (Status.DONE, "")]
         assert bytes(region.view) == blocks[0] + bytes(BLOCK_BYTES) + blocks[0]
+
+
+def test_a_fetch_reply_is_the_message_protobuf_would_send(small: Any) -> None:
+    # The server answers Fetch with bytes it serialized itself (blocks copied straight into them);
+    # any protobuf client must read the same message, whole or with misses and failures.
+    _, client, data_file = small
+    tokens = list(range(3 * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(3)]
+    client.put(tokens, blocks)
+    hashes = client.hashes(tokens)
+    stub = pb_grpc.TransferStub(client.connection.channel)
+    raw = client.connection.channel.unary_unary("/kvstore.v1.Transfer/Fetch",
+                                                request_serializer=pb.FetchRequest.SerializeToString)
+
+    def both(asked: list[bytes]) -> tuple[pb.FetchReply, bytes]:
+        request = pb.FetchRequest(block_hashes=b"".join(asked))
+        return stub.Fetch(request), raw(request)
+
+    whole, wire = both(hashes)
+    assert whole == pb.FetchReply(statuses=bytes([DONE] * 3), data=b"".join(blocks))
+    assert wire == whole.SerializeToString(), "the same bytes protobuf would write"
+    corrupt(data_file, blocks[2])  # read once: the read drops it, so only this call sees it corrupt
+    mixed = pb.FetchReply.FromString(raw(pb.FetchRequest(block_hashes=b"".join(
+        [hashes[1], b"\x07" * 32, hashes[0], hashes[2]]))))
+    assert mixed.statuses == bytes([DONE, MISSING, DONE, FAILED])
+    assert mixed.data == blocks[1] + blocks[0], "only the DONE blocks travel, in order"
+    assert [(f.index, f.code) for f in mixed.failures] == [(3, "DATA_LOSS")]

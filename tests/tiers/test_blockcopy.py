@@ -119,3 +119,38 @@ def test_native_checks_its_arguments() -> None:
         native([None], [], [], 0.0, False)
     with pytest.raises(TypeError):
         native((None,), [None], [None], 0.0, False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_fill_bytes_hands_back_what_fill_wrote_and_what_it_returned(native: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if native and blockcopy._blank_bytes is None:
+        pytest.skip("tiers._blockcopy is not built (pip install -e . needs a C compiler)")
+    if not native:
+        monkeypatch.setattr(blockcopy, "_blank_bytes", None)
+    payload = os.urandom(1 << 20)
+    kept: list[memoryview] = []
+
+    def fill(view: memoryview) -> int:
+        assert not view.readonly and len(view) == len(payload) + 2
+        view[:2] = b"hi"
+        view[2:] = payload
+        kept.append(view)
+        return 7
+
+    out, result = blockcopy.fill_bytes(len(payload) + 2, fill)
+    assert type(out) is bytes and out == b"hi" + payload and result == 7
+    assert hash(out) == hash(b"hi" + payload)
+    with pytest.raises(ValueError):  # the view was released: nothing writes into the bytes once handed on
+        kept[0][0] = 1
+    # Sizes below 2 (CPython shares its 0- and 1-byte objects) take the copying path.
+    assert blockcopy.fill_bytes(1, lambda v: v.__setitem__(0, 9)) == (b"\x09", None)
+    assert blockcopy.fill_bytes(0, lambda v: len(v)) == (b"", 0)
+
+
+def test_blank_bytes_refuses_sizes_cpython_shares() -> None:
+    if blockcopy._blank_bytes is None:
+        pytest.skip("tiers._blockcopy is not built (pip install -e . needs a C compiler)")
+    for n in (-1, 0, 1):
+        with pytest.raises(ValueError, match="at least 2"):
+            blockcopy._blank_bytes(n)
