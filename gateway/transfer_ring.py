@@ -334,15 +334,16 @@ class RingServer:
         try:
             if self.session.closed:
                 raise FailedPrecondition("the transfer session ended")
-            if kind == native_ring.PLANNED:
-                if native.answer(seq, value):
-                    return 0, None  # what was readied is kept for the next request (`NativeRing.ready`)
-                native.unready()  # the regions or the clock moved since `ready`: afresh
+            if kind == native_ring.PLANNED and native.answer(seq, value):
+                return 0, None  # what was readied is kept for the next request (`NativeRing.ready`)
+            native.unready()
+            if kind == native_ring.PLANNED or native.regions_moved():
+                # The regions or the clock moved since `ready` (a region registered while `take` spun is
+                # not in its table, so a request naming it was handed back): afresh, natively.
                 raw = native.serve(seq, length)
                 if raw is None:
                     return 0, None
                 return 0, read(native.ctx, self.session, raw, charged=True).SerializeToString()
-            native.unready()
             return 0, read(native.ctx, self.session, value).SerializeToString()
         except KVStoreError as exc:
             native.unready()

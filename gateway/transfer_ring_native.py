@@ -165,8 +165,7 @@ class NativeRing:
         """
         ctx = self.ctx
         if self._txn is not None:
-            if (self._clock() - self._wall < _KEEP_S and not ctx.waiting
-                    and tuple(self.session.regions.values()) == self._regions):
+            if self._clock() - self._wall < _KEEP_S and not ctx.waiting and not self.regions_moved():
                 return True
             self.unready()
         if ctx.waiting:  # another ring waits for a reader slot: it goes first (this request, the long way)
@@ -205,6 +204,10 @@ class NativeRing:
                           self.block_bytes, self.ctx.limit, self.prefix, m.base, m.length, m.psize, self._txn.id(),
                           self._due_before, self._plan)
 
+    def regions_moved(self) -> bool:
+        """Whether the session's regions changed since the region table was built (`ready`)."""
+        return tuple(self.session.regions.values()) != self._regions
+
     def answer(self, seq: int, n: int) -> bool:
         """Answer request `seq`, which `take` PLANNED (`n` blocks found and verified): charge the rate,
         count the read and `finish` it (copied, answered, the client woken). The caller holds `busy`.
@@ -216,8 +219,7 @@ class NativeRing:
         """
         # The clock moved past a real spin's worth (a test's clock stepped, or a stalled thread): judge anew.
         # (The wall clock the retention clock follows: one cheap read, where the retention clock takes a lock.)
-        if (tuple(self.session.regions.values()) != self._regions
-                or not -_CLOCK_SLACK_S < self._clock() - self._wall < _CLOCK_SLACK_S):
+        if self.regions_moved() or not -_CLOCK_SLACK_S < self._clock() - self._wall < _CLOCK_SLACK_S:
             return False
         rate = self.ctx.rate
         if rate is not None:

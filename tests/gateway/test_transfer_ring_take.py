@@ -86,6 +86,23 @@ def test_a_clock_step_after_ready_judges_the_due_refresh_anew(server: Any, clock
 
 
 @needs_native
+def test_a_region_registered_while_the_thread_spins_is_served_natively(server: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The thread readied its region table before the region existed: the request naming it is
+    # handed back by `take`, then served afresh natively (not by the Python read).
+    with hot_ring(server, monkeypatch, 5.0) as (session, hashes, region, served):
+        assert session.fetch(hashes, region).done_prefix == 1
+        readied(served)
+        answered = served.native.answered
+        later = session.register(session.connection.block_bytes)
+        assert served.native.regions_moved(), "the spinning thread's table lacks the new region"
+        assert session.fetch(hashes, later).done_prefix == 1
+        assert bytes(later.view) == bytes(region.view)
+        assert served.native.answered == answered + 1, "answered natively, with the new table"
+        assert not served.native.regions_moved()
+
+
+@needs_native
 def test_a_ring_asked_again_at_once_keeps_its_txn_and_one_gone_idle_gives_it_back(
         server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with hot_ring(server, monkeypatch, 5.0) as (session, hashes, region, served):
