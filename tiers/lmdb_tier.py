@@ -3,8 +3,7 @@
 This module is the tier's front: it opens the store and runs each call in a
 transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 
-- `tiers/retention.py`: the retention rule, what may be evicted and when, and
-  the guarded retention clock.
+- `tiers/retention.py`: the retention rule, what may be evicted and when, the retention clock.
 - `tiers/eviction.py`: making room, least recently used first.
 - `tiers/puts.py`: a Put's write transaction: what it protects, room made, blocks stored.
 - `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
@@ -13,12 +12,10 @@ transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/damage.py`: blocks on damaged pages met at run time.
 - `tiers/refresh.py`: group commit of retention refreshes.
 - `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
-- `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk
-  records, leases, counters; `tiers/tally.py`: counting each call's outcome;
-  `tiers/datadir.py`: opening the data dir.
+- `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk records, leases,
+  counters; `tiers/tally.py`: each call's outcome counted; `tiers/datadir.py`: the data dir.
 
-All methods here block; the service runs them on `executor`, the tier's one
-bounded pool, through `call`.
+All methods here block; the service runs them on `executor`, the tier's one bounded pool, through `call`.
 """
 
 from __future__ import annotations
