@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import grpc
@@ -11,6 +12,7 @@ import grpc
 from gateway import validate
 from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
+from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.status import streaming, unary
 from gateway.validate import Layout
@@ -220,7 +222,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return _put_response(batch, result[0])
 
     @streaming
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+                  ) -> AsyncIterator[pb.GetResponse | bytes]:
         _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         hashes = validate.hashes(request.block_hashes, limit=self.settings.max_batch_blocks)
         keys = [scope.key(h) for h in hashes]
@@ -228,11 +231,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             for start in range(0, len(keys), GET_CHUNK_BLOCKS):
                 chunk = keys[start:start + GET_CHUNK_BLOCKS]
-                results = await self.tier.call(self.tier.read, chunk)
-                for offset, (status, data) in enumerate(results):
+                # FOUND blocks come back serialized, copied once out of the map (gateway/replies.py).
+                results = await self.tier.call(self.tier.read, chunk, partial(_found_reply, start))
+                for offset, (status, reply) in enumerate(results):
                     if status is ReadStatus.FOUND:
                         found.append(chunk[offset])
-                    yield pb.GetResponse(index=start + offset, status=_STATUS[status], data=data or b"")
+                        yield reply
+                    else:
+                        yield pb.GetResponse(index=start + offset, status=_STATUS[status])
         finally:
             self.tier.count_get(len(keys), len(found))
             self.hits.record(scope.namespace, "get", len(keys), len(found))
@@ -360,3 +366,8 @@ def _capacity_fields(capacity_bytes: int, rate_bytes_per_s: float, retention_hou
     """
     hours = capacity_bytes / rate_bytes_per_s / 3600.0 if rate_bytes_per_s > 0 else float("inf")
     return {"capacity_hours": hours, "headroom_warning": hours < retention_hours, "write_rate_window_s": rate_window_s}
+
+
+def _found_reply(start: int, offset: int, data: memoryview) -> bytes:
+    """Get's reply for the FOUND block at `offset` of a chunk from `start`, serialized."""
+    return found_reply(start + offset, data)

@@ -29,10 +29,10 @@ from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, c
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
+from gateway.replies import add_service
 from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry
-from gateway.transfer_fetch import add_transfer_service
 from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
@@ -41,7 +41,7 @@ from kvstore.api_tokens import READ, WRITE
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings, TlsSettings
 from kvstore.errors import ConfigError
-from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
@@ -173,7 +173,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
     kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits)
-    kvstore_pb2_grpc.add_KVStoreServicer_to_server(kvstore, server)
+    add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"})
     swa_pb2_grpc.add_SwaPoolServicer_to_server(
         SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies),
         server)
@@ -181,7 +181,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits,
                                 rate=admin.quotas.rate)
     closers.append(transfer.close)
-    add_transfer_service(transfer, server)
+    add_service(transfer_pb2_grpc.add_TransferServicer_to_server, transfer, server, presized={"Fetch"})
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]
     services.append(add_admin_service(server, admin, tier, layouts))

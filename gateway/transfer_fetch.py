@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
+from gateway.replies import length_delimited
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import HASH_BYTES, BlockScope
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
 from kvstore.v1 import transfer_pb2 as pb
-from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 
@@ -102,7 +101,7 @@ def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
         The fetch, and the keys of DONE blocks due a retention refresh.
     """
     n = len(keys)
-    statuses_tag, data_tag = _tag(1, n), _tag(2, n * block_bytes)
+    statuses_tag, data_tag = length_delimited(1, n), length_delimited(2, n * block_bytes)
     data_at = len(statuses_tag) + n + len(data_tag)
 
     def fill(view: memoryview) -> tuple[bytes, list[bytes], BatchResults]:
@@ -124,16 +123,6 @@ def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
     return Fetched(results=results, wire=wire, found=found), due
 
 
-def _tag(field: int, length: int) -> bytes:
-    """A length-delimited protobuf field's key and length: what precedes its `length` bytes."""
-    out = bytearray([field << 3 | 2])
-    while length >= 0x80:
-        out.append(length & 0x7F | 0x80)
-        length >>= 7
-    out.append(length)
-    return bytes(out)
-
-
 async def fetch(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool) -> Fetched:
     """Read `keys` on the tier's pool, then restart the DONE blocks' retention clocks durably.
 
@@ -145,36 +134,3 @@ async def fetch(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
         await asyncio.wrap_future(tier.touch_soon(due))
     return fetched
 
-
-def reply_bytes(reply: bytes | pb.FetchReply) -> bytes:
-    """Fetch's response serializer: the servicer answers the reply already serialized (`read_blocks`)."""
-    return reply if isinstance(reply, bytes) else reply.SerializeToString()
-
-
-class _Registered:
-    """Stands in for the server to keep what the generated code registers, to be changed first."""
-
-    def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, _handlers: object) -> None:
-        """The same handlers as `add_registered_method_handlers` gets: not needed twice."""
-
-    def add_registered_method_handlers(self, _service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        """Keep the service's handlers by method name."""
-        self.handlers = handlers
-
-
-def add_transfer_service(servicer: pb_grpc.TransferServicer, server: grpc.aio.Server) -> None:
-    """The Transfer service on `server`, as the generated `add_TransferServicer_to_server` adds it,
-    but with Fetch's replies sent as the bytes the servicer made (`reply_bytes`): serializing a
-    1 MB message again would cost the event loop two copies of it per call."""
-
-    capture = _Registered()
-    pb_grpc.add_TransferServicer_to_server(servicer, capture)
-    handlers = dict(capture.handlers)
-    handlers["Fetch"] = grpc.unary_unary_rpc_method_handler(
-        servicer.Fetch, request_deserializer=pb.FetchRequest.FromString, response_serializer=reply_bytes)
-    name = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
-    server.add_registered_method_handlers(name, handlers)

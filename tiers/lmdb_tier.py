@@ -246,14 +246,15 @@ class LmdbBlockTier:
 
     # -- reads -------------------------------------------------------------
 
-    def read(self, keys: Sequence[bytes]) -> list[tuple[ReadStatus, bytes | None]]:
-        """Read blocks, each verified against its checksum.
+    def read(self, keys: Sequence[bytes], copy: Callable[[int, memoryview], Any] | None = None
+             ) -> list[tuple[ReadStatus, Any]]:
+        """Read blocks, each verified against its checksum; `copy`: see `reads.read_copies`.
 
-        A corrupt block (or one on a damaged page) is never returned: it is
-        reported CORRUPT, counted, and removed with its descendants (which could
-        no longer be reached as a prefix) when the removal itself can be done.
+        A corrupt block (or one on a damaged page) is never returned: it is reported CORRUPT,
+        counted, and removed with its descendants (which could no longer be reached as a
+        prefix) when the removal itself can be done.
         """
-        out = reads.read_copies(self.env, self._dbs, keys, self._damage.note)
+        out = reads.read_copies(self.env, self._dbs, keys, self._damage.note, copy)
         corrupt = [k for k, (s, _) in zip(keys, out, strict=True) if s is ReadStatus.CORRUPT]
         if corrupt:
             self.drop_corrupt(corrupt)

@@ -57,15 +57,18 @@ def verified(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> tuple[ReadStat
 
 
 def read_copies(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes],
-                on_damage: Callable[[bytes, BaseException], None]) -> list[tuple[ReadStatus, bytes | None]]:
-    """Each block's status and a copy of its bytes; a damaged one is CORRUPT (and passed to `on_damage`)."""
-    out: list[tuple[ReadStatus, bytes | None]] = []
+                on_damage: Callable[[bytes, BaseException], None],
+                copy: Callable[[int, memoryview], Any] | None = None) -> list[tuple[ReadStatus, Any]]:
+    """Each block's status and a copy of its bytes (None unless FOUND); a damaged one is CORRUPT
+    (and passed to `on_damage`). `copy(i, view)` makes block i's copy from its view into the
+    map (default: `bytes`): a caller can copy straight into what it sends."""
+    out: list[tuple[ReadStatus, Any]] = []
     while len(out) < len(keys):
         try:
             with env.begin(buffers=True) as txn:
                 for key in keys[len(out):]:
                     status, view = verified(txn, dbs, key)
-                    out.append((status, bytes(view) if view is not None else None))
+                    out.append((status, None if view is None else copy(len(out), view) if copy else bytes(view)))
         except DamagedBlock as exc:  # the txn is unusable: go on past the block in a fresh one
             on_damage(exc.key, exc.cause)
             out.append((ReadStatus.CORRUPT, None))
