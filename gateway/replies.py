@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from kvstore.protowire import length_delimited, varint
 from kvstore.v1 import kvstore_pb2 as pb
 
 #: GetResponse's fields: index (1, varint), status (2, varint), data (3, bytes).
@@ -60,21 +61,6 @@ class _Registered:
     def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
         """Keep the service's handlers by method name."""
         self.service, self.handlers = service, handlers
-
-
-def length_delimited(field: int, length: int) -> bytes:
-    """A length-delimited protobuf field's key and length: what precedes its `length` bytes."""
-    return bytes([field << 3 | 2]) + varint(length)
-
-
-def varint(value: int) -> bytes:
-    """A protobuf varint."""
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def found_reply(index: int, data: memoryview) -> bytes:

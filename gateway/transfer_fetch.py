@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gateway.replies import length_delimited
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import HASH_BYTES, BlockScope
+from kvstore.protowire import length_delimited
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
 from kvstore.v1 import transfer_pb2 as pb
 from tiers import blockcopy

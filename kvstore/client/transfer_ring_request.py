@@ -10,27 +10,19 @@ A `Template` is made once per read shape (region, first offset, count, block siz
 from __future__ import annotations
 
 from kvstore.prefix import HASH_BYTES
+from kvstore.protowire import varint
 from kvstore.transfer import DONE, TransferState
 from kvstore.v1 import transfer_pb2 as pb
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited field as protobuf writes it (omitted when empty, as proto3 omits it)."""
-    return bytes([number << 3 | 2]) + _varint(len(payload)) + payload if payload else b""
+    return bytes([number << 3 | 2]) + varint(len(payload)) + payload if payload else b""
 
 
 def _scalar(number: int, value: int) -> bytes:
     """A varint field as protobuf writes it (omitted when zero)."""
-    return bytes([number << 3]) + _varint(value) if value else b""
+    return bytes([number << 3]) + varint(value) if value else b""
 
 
 class Template:
@@ -44,11 +36,11 @@ class Template:
     __slots__ = ("answer", "head", "statuses", "tail")
 
     def __init__(self, region_id: int, offset_bytes: int, n: int, block_bytes: int, prefix_only: bool) -> None:
-        offsets = b"".join(_varint(offset_bytes + i * block_bytes) for i in range(n))
-        hashes_at = _scalar(1, region_id) + _scalar(2, block_bytes) + bytes([3 << 3 | 2]) + _varint(n * HASH_BYTES)
+        offsets = b"".join(varint(offset_bytes + i * block_bytes) for i in range(n))
+        hashes_at = _scalar(1, region_id) + _scalar(2, block_bytes) + bytes([3 << 3 | 2]) + varint(n * HASH_BYTES)
         group = len(hashes_at) + n * HASH_BYTES + len(_field(4, offsets))
         self.head = (_scalar(2, pb.TRANSFER_OP_READ) + _scalar(4, int(prefix_only)) + bytes([9 << 3 | 2])
-                     + _varint(group) + hashes_at)
+                     + varint(group) + hashes_at)
         self.tail = _field(4, offsets)
         #: The all-DONE answer (done, every byte DONE, every block's bytes), as protobuf writes it.
         self.statuses = bytes([DONE]) * n

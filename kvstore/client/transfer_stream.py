@@ -27,6 +27,7 @@ from kvstore.client.transfer_path import LocalTransfer, Transfer, TransferPath
 from kvstore.errors import Internal, KVStoreError, to_status
 from kvstore.host import usable_cpus
 from kvstore.prefix import HASH_BYTES
+from kvstore.protowire import read_varint
 from kvstore.transfer import DONE, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, TransferState, check_spans
 from kvstore.v1 import kvstore_pb2
 from kvstore.v1 import transfer_pb2 as pb
@@ -86,10 +87,10 @@ class FetchReply:
         at, end = 0, len(message)
         try:
             while at < end:
-                key, at = _varint(message, at)
+                key, at = read_varint(message, at)
                 field, kind = key >> 3, key & 7
                 if kind == 2:
-                    size, at = _varint(message, at)
+                    size, at = read_varint(message, at)
                     if at + size > end:
                         raise ValueError("a field runs past the message")
                     if field == 1:
@@ -100,7 +101,7 @@ class FetchReply:
                         failures.append(pb.DescriptorFailure.FromString(bytes(view[at:at + size])))
                     at += size
                 elif kind == 0:
-                    _, at = _varint(message, at)
+                    _, at = read_varint(message, at)
                 elif kind in (1, 5):
                     at += 8 if kind == 1 else 4
                 else:
@@ -108,20 +109,6 @@ class FetchReply:
         except (ValueError, IndexError, DecodeError) as exc:
             raise Internal(f"a Fetch reply could not be read: {exc}") from None
         return cls(statuses=statuses, data=data, failures=failures)
-
-
-def _varint(message: bytes, at: int) -> tuple[int, int]:
-    """A protobuf varint at `at`, and where the next field starts."""
-    value = shift = 0
-    while True:
-        byte = message[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-        if shift > 63:
-            raise ValueError("a varint runs past 64 bits")
 
 
 @dataclass(kw_only=True)

@@ -9,8 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.replies import add_service, found_reply, length_delimited, passthrough
+from gateway.replies import add_service, found_reply, passthrough
 from kvstore.client import Client
+from kvstore.protowire import length_delimited
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
