@@ -36,6 +36,14 @@ def small(start_server: Callable[..., Any], tmp_path: Path) -> Iterator[tuple[An
         yield server, c, store.data_dir / "data.mdb"
 
 
+def chain(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
+    """A chain of n random blocks stored: their hashes and bytes."""
+    tokens = list(range(n * TOKENS))
+    blocks = [os.urandom(BLOCK_BYTES) for _ in range(n)]
+    client.put(tokens, blocks)
+    return client.hashes(tokens), blocks
+
+
 def corrupt(data_file: Path, block: bytes) -> None:
     """Flip a byte of `block`'s stored bytes in place (its checksum then fails)."""
     raw = data_file.read_bytes()
@@ -159,10 +167,7 @@ def test_a_one_stripe_fetch_lands_what_the_striped_path_does(small: Any) -> None
     # fetch of one stripe's worth into a local region is one Fetch call landed without spans
     # (StreamPath.fetch_slots); it must land and report exactly what read_many does.
     _, client, data_file = small
-    tokens = list(range(4 * TOKENS))
-    blocks = [os.urandom(BLOCK_BYTES) for _ in range(4)]
-    client.put(tokens, blocks)
-    hashes = client.hashes(tokens)
+    hashes, blocks = chain(client, 4)
     asked = [hashes[0], b"\x05" * 32, hashes[1], hashes[2]]
     for prefix_only in (False, True):
         with TransferSession(client.connection, path="stream") as s:
@@ -196,10 +201,7 @@ def test_a_fetch_reply_is_the_message_protobuf_would_send(small: Any) -> None:
     # The server answers Fetch with bytes it serialized itself (blocks copied straight into them);
     # any protobuf client must read the same message, whole or with misses and failures.
     _, client, data_file = small
-    tokens = list(range(3 * TOKENS))
-    blocks = [os.urandom(BLOCK_BYTES) for _ in range(3)]
-    client.put(tokens, blocks)
-    hashes = client.hashes(tokens)
+    hashes, blocks = chain(client, 3)
     stub = pb_grpc.TransferStub(client.connection.channel)
     raw = client.connection.channel.unary_unary("/kvstore.v1.Transfer/Fetch",
                                                 request_serializer=pb.FetchRequest.SerializeToString)
