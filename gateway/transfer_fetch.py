@@ -133,4 +133,3 @@ async def fetch(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
     if due:
         await asyncio.wrap_future(tier.touch_soon(due))
     return fetched
-
