@@ -9,7 +9,7 @@ checksums with a second one over the landed rows (docs/DIRECT_RESTORE.md; the
 notes also give the restores with the checksums on CPU threads). Measured in the same run on
 the same bytes:
 
-- "direct gpu restore, 1M tokens": Lookup (leased) + read transaction + kernel +
+- "direct gpu restore, 1M tokens" (the prompt's length, `--tokens`, in each name): Lookup (leased) + read transaction + kernel +
   checksums, as GB/s, against a contiguous pinned torch buffer copied to the GPU
   (the ceiling of any host -> GPU copy on this link);
 - the same restore in ms against today's path: Lookup, shm fetch into a pinned
@@ -41,6 +41,7 @@ import numpy as np
 from kvstore.bench.harness import best_of, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
+from kvstore.host import usable_cpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +139,7 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
     device = torch.empty((n, block_bytes), dtype=torch.uint8, device="cuda")
     budget = getattr(args, "direct_budget_mib", 4096) << 20
     chunk = getattr(args, "direct_chunk_mib", 64) << 20
-    with Client(target) as client, ColocatedReader(data_dir, threads=os.cpu_count()) as reader, \
+    with Client(target) as client, ColocatedReader(data_dir, threads=usable_cpus()) as reader, \
             GpuGather(budget_bytes=budget, chunk_bytes=chunk) as gather:
         reader.on_close(gather.close)  # no pinned range outlives the mapping
         warm_s = gather.warm_up()  # Triton compiles here, as an engine would at start
@@ -230,17 +231,18 @@ def _with_store(args: argparse.Namespace, progress: Progress, target: str, data_
             notes["direct gpu shm baseline"] = f"failed: {type(exc).__name__}: {exc}"
         h2d = gb / pinned_s
         baseline = "contiguous pinned H2D of the same bytes"
-        out.append(Figure.against("direct gpu restore, 1M tokens", gb / restore_s, "GB/s", baseline, h2d))
+        span = tokens_label(n * block_tokens)
+        out.append(Figure.against(f"direct gpu restore, {span}", gb / restore_s, "GB/s", baseline, h2d))
         if shm_s is not None:
-            out.append(Figure.against("direct gpu restore, 1M tokens, lookup included", restore_s * 1e3, "ms",
+            out.append(Figure.against(f"direct gpu restore, {span}, lookup included", restore_s * 1e3, "ms",
                                       "lookup + shm fetch into a pinned region + region -> gpu copy", shm_s * 1e3))
         else:
-            out.append(Figure(name="direct gpu restore, 1M tokens, lookup included", value=restore_s * 1e3,
+            out.append(Figure(name=f"direct gpu restore, {span}, lookup included", value=restore_s * 1e3,
                               unit="ms"))
-        out.append(Figure.against("direct gpu gather kernel, 1M tokens", gb / kernel_s, "GB/s", baseline, h2d))
-        out.append(Figure.against("direct gpu scatter into per-layer rows, 1M tokens", gb / scatter_s, "GB/s",
+        out.append(Figure.against(f"direct gpu gather kernel, {span}", gb / kernel_s, "GB/s", baseline, h2d))
+        out.append(Figure.against(f"direct gpu scatter into per-layer rows, {span}", gb / scatter_s, "GB/s",
                                   baseline, h2d))
-        out.append(Figure(name="direct gpu restore, 1M tokens, first (registers; kernels warmed)", value=cold * 1e3,
+        out.append(Figure(name=f"direct gpu restore, {span}, first (registers; kernels warmed)", value=cold * 1e3,
                           unit="ms"))
         out.append(Figure(name="direct gpu registration", value=stats.register_s * 1e3, unit="ms"))
         notes["direct gpu"] = {
@@ -395,3 +397,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def tokens_label(tokens: int) -> str:
+    """How a figure's name gives the prompt it moved: "1M tokens" at the default, else the count."""
+    return "1M tokens" if tokens == 1_000_000 else f"{tokens:,} tokens"
