@@ -9,8 +9,8 @@ checksums with a second one over the landed rows (docs/DIRECT_RESTORE.md; the
 notes also give the restores with the checksums on CPU threads). Measured in the same run on
 the same bytes:
 
-- "direct gpu restore, 1M tokens" (the prompt's length, `--tokens`, in each name): Lookup (leased) + read transaction + kernel +
-  checksums, as GB/s, against a contiguous pinned torch buffer copied to the GPU
+- "direct gpu restore, 1M tokens" (each name gives the prompt's length, `--tokens`): Lookup
+  (leased) + read transaction + kernel + checksums, as GB/s, against a contiguous pinned torch buffer copied to the GPU
   (the ceiling of any host -> GPU copy on this link);
 - the same restore in ms against today's path: Lookup, shm fetch into a pinned
   region (the server copies), region -> GPU copy;

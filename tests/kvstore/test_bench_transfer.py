@@ -34,3 +34,10 @@ def test_bench_transfer_json_figures_with_the_direct_gpu_part() -> None:
         assert any(name.startswith("direct gpu restore") for name in figures)
     else:  # the direct GPU part is wired in: it says why it did not run
         assert "no CUDA" in report["notes"]["direct gpu"]
+
+
+def test_direct_gpu_figures_name_the_prompt_length_they_moved() -> None:
+    from kvstore.bench.transfer_direct import tokens_label
+
+    assert tokens_label(1_000_000) == "1M tokens"
+    assert tokens_label(262_144) == "262,144 tokens"
