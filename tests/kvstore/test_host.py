@@ -23,7 +23,7 @@ from gateway import transfer_bulk
 from kvstore.client import transfer_bulk as client_bulk
 from kvstore.client.transfer_stream import default_streams
 from kvstore.config import TransferSettings
-from kvstore.host import quota_cpus, usable_cpus
+from kvstore.host import usable_cpus
 from tiers import blockcopy
 print(json.dumps({"cpus": usable_cpus(), "streams": default_streams(), "threads": blockcopy.DEFAULT_THREADS,
                   "copy_threads": TransferSettings().copy_threads, "engines": transfer_bulk.ENGINES,
@@ -33,7 +33,8 @@ print(json.dumps({"cpus": usable_cpus(), "streams": default_streams(), "threads"
 
 def sizes(cpus: int) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", _SIZES, str(cpus)], capture_output=True, text=True, check=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}).stdout
     return json.loads(out)  # type: ignore[no-any-return]
 
 
