@@ -66,6 +66,7 @@ def test_a_striped_fetch_lands_what_one_stream_does(small: Any, monkeypatch: pyt
     # The corrupt block last: a read that meets it drops it (and its descendants) at once.
     asked = [hashes[0], b"\x05" * 32, hashes[1], hashes[2], b"\x06" * 31, hashes[3]]
     monkeypatch.setattr(transfer_stream, "STRIPE_BLOCKS", 2)  # three stripes, in flight together
+    monkeypatch.setattr(transfer_stream, "MAX_STRIPE_BLOCKS", 2)
 
     def fetch(streams: int, prefix_only: bool) -> tuple[list[Any], bytes]:
         with TransferSession(client.connection, path="stream", streams=streams) as s:
@@ -219,3 +220,31 @@ def test_a_fetch_reply_is_the_message_protobuf_would_send(small: Any) -> None:
     assert mixed.statuses == bytes([DONE, MISSING, DONE, FAILED])
     assert mixed.data == blocks[1] + blocks[0], "only the DONE blocks travel, in order"
     assert [(f.index, f.code) for f in mixed.failures] == [(3, "DATA_LOSS")]
+
+
+def test_a_fetch_is_cut_into_enough_calls_of_16_to_64_blocks() -> None:
+    stripe = transfer_stream.stripe_blocks
+    assert stripe(4096, 8, 1000) == 64, "a large fetch: the largest calls"
+    assert stripe(200, 4, 1000) == 50, "enough calls to keep every stream busy"
+    assert stripe(64, 8, 1000) == 16 and stripe(5, 8, 1000) == 16, "never smaller than 16 blocks a call"
+    assert stripe(4096, 8, 40) == 40 and stripe(4096, 8, 0) == 1, "within the server's limits"
+
+
+def test_a_large_fetch_goes_out_in_large_calls(start_server: Callable[..., Any], tmp_path: Path) -> None:
+    server = start_server(StoreSettings(data_dir=tmp_path / "store", capacity_bytes=64 * BLOCK_BYTES,
+                                        block_tokens=TOKENS))
+    with Client(server.target) as client, TransferSession(client.connection, path="stream", streams=1) as s:
+        hashes, blocks = chain(client, 40)
+        stream: Any = s._paths["stream"]
+        sizes: list[int] = []
+        send = stream._reply_for
+
+        def counted(fn: Any, block_hashes: bytes, prefix_only: bool) -> Any:
+            sizes.append(len(block_hashes) // 32)
+            return send(fn, block_hashes, prefix_only)
+
+        stream._reply_for = counted
+        region = s.register(40 * BLOCK_BYTES)
+        assert s.fetch(hashes, region).done_prefix == 40
+        assert bytes(region.view) == b"".join(blocks)
+    assert sizes == [40], "one call of 40 blocks with one stream in flight, not 16-block ones"
