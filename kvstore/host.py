@@ -29,7 +29,7 @@ def usable_cpus() -> int:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     quota = _process_quota()
-    return max(1, min(cpus, quota)) if quota is not None else cpus
+    return min(cpus, quota) if quota is not None else cpus  # a quota is at least 1 (rounded up)
 
 
 @functools.cache
