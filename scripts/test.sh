@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite on a fresh machine (the README's second
 # command; .ci/run calls exactly this). Installs what the tests need: a venv
-# with the CPU build of torch, the project, its test tools, and redis-server
-# (tests start their own redis-server processes on free loopback ports and stop
+# with the CPU build of torch, the project, its test tools, redis-server and etcd
+# (tests start their own redis-server and etcd processes on free loopback ports and stop
 # them; nothing listens beyond 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,13 @@ if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; th
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
     # The package may start a system instance on port 6379; the tests do not use it.
     (service redis-server stop || pkill -x redis-server || true) >/dev/null 2>&1
+fi
+
+if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
+    echo "== installing etcd (the fleet's membership store; tests start their own on loopback)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null
+    # The package may start a system instance on port 2379; the tests do not use it.
+    (service etcd stop || pkill -x etcd || true) >/dev/null 2>&1
 fi
 
 if ! command -v cc >/dev/null; then
