@@ -330,7 +330,7 @@ V4_1_FLASH_CONFIG: dict[str, object] = {
     "index_head_dim": 128,
 }
 
-#: The tiny configuration public tests use (fastllm's CPU fixture, V41_FORMAT.md):
+#: The tiny configuration public tests use (fastllm's CPU fixture, docs/FORMAT.md):
 #: 5 layers, sources 1 (ratio 2) and 3 (ratio 1), 128-wide latent, window 8.
 TINY_CONFIG: dict[str, object] = {
     "num_hidden_layers": 5,

@@ -1,7 +1,7 @@
 """What an SWA snapshot is: its size, its key, the resume lengths it serves, and the record a pool stores.
 
 A snapshot at prompt length T is the model's resume state (docs/SWA_POOL.md,
-V41_FORMAT.md "State needed to resume"):
+docs/FORMAT.md "State needed to resume"):
 
 - the window rows of positions [max(0, T - window), T) for every layer, in layer
   order, each layer's rows in position order (`window_row_bytes` each: 528 B
@@ -122,7 +122,7 @@ def snapshot_bytes(geometry: ModelGeometry, position: int) -> int:
 def serves(geometry: ModelGeometry, position: int, resume: int) -> bool:
     """Whether the snapshot at T = `position` can resume a request at length `resume` (R), by itself.
 
-    The rules (fastllm's, V41_FORMAT.md): R = T always; an even T also serves
+    The rules (fastllm's, docs/FORMAT.md): R = T always; an even T also serves
     T - 1 (the window holds one position to spare), and any shorter length when
     T < window (the window holds every position); an odd T serves only T (its
     raw tail completes the pair (T-1, T) and nothing else). R = 0 is no resume.

@@ -3,7 +3,7 @@
 
 Random weights make attention close to uniform, so a bounded replay's error
 on them says little about a trained model's. This trains replay.model's tiny
-configuration (V41_FORMAT.md's fixture: vocab 128, dim 128, 5 layers, window 8)
+configuration (docs/FORMAT.md's tiny fixture: vocab 128, dim 128, 5 layers, window 8)
 for a few minutes on one GPU on the ASCII bytes of the Python standard
 library's sources (replay/corpus.py: files split by a hash of their path, so
 `kvstore bench replay` measures on files the model never saw).

@@ -1,6 +1,6 @@
 """The model's cache rows: DeepSeek-V4.1-Flash's own bytes for each cached vector.
 
-Every row is `[quantized data][one-byte scales]` (/work/shared/V41_FORMAT.md;
+Every row is `[quantized data][one-byte scales]` (docs/FORMAT.md;
 docs/CODEC.md states the rules with measured errors):
 
 | row | data | scales | bytes for d channels (V4.1: d) |
@@ -69,7 +69,7 @@ from kvstore.errors import InvalidArgument
 KV_GROUP = 16
 #: Channels sharing one UE8M0 scale in indexer and window rows.
 UE8M0_GROUP = 32
-#: Floors of a group's amax, per row type (V41_FORMAT.md).
+#: Floors of a group's amax, per row type (docs/FORMAT.md).
 KV_AMAX_FLOOR = 6 * 2.0**-9
 INDEXER_AMAX_FLOOR = 6 * 2.0**-126
 WINDOW_AMAX_FLOOR = 1e-4

@@ -4,7 +4,7 @@
 sees: layers, compress ratios, kv sources, window, head_dim, RoPE channels and the
 indexer key width. The rest (hidden size, heads, MLP width, vocabulary, RoPE
 thetas, top-k) only changes the compute. `from_config` reads both from a model's
-config.json; `TINY_MODEL` is the fixture of V41_FORMAT.md and `reduced_v41` keeps
+config.json; `TINY_MODEL` is the tiny fixture of docs/FORMAT.md and `reduced_v41` keeps
 V4.1-Flash's layer pattern at a reduced hidden width, for the speed figures.
 """
 
@@ -191,7 +191,7 @@ def from_config(config: Mapping[str, object], **overrides: Any) -> ModelConfig:
         raise InvalidArgument(f"model config: {exc}") from None
 
 
-#: V41_FORMAT.md's tiny fixture: vocab 128, dim 128, 5 layers, ratios (0,2,2,1,1), kv sources (1,3),
+#: docs/FORMAT.md's tiny fixture: vocab 128, dim 128, 5 layers, ratios (0,2,2,1,1), kv sources (1,3),
 #: index layers (1,3,4), head_dim 128 with 32 RoPE, window 8, 4 heads, indexer 2 heads x 64, top-k 64.
 TINY_MODEL: ModelConfig = ModelConfig(geometry=TINY, vocab_size=128, dim=128, n_heads=4, index_layers=(1, 3, 4),
                                       index_heads=2, index_topk=64, mlp_hidden=256)

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET,
                         help=f"the kvstore server to fetch from and store to (default {DEFAULT_TARGET})")
     parser.add_argument("--model", default="tiny",
-                        help="'tiny' (the V41_FORMAT.md fixture) or the path of a config.json (default tiny)")
+                        help="'tiny' (the tiny fixture of docs/FORMAT.md) or the path of a config.json (default tiny)")
     parser.add_argument("--weights", type=Path, help="weights file to load (default: seeded random weights)")
     parser.add_argument("--port", type=int, default=WorkerSettings.port,
                         help=f"TCP port (default {WorkerSettings.port}; 0 picks a free one)")

@@ -13,7 +13,7 @@ and seed, batch-invariant on the CPU) to check the worker's logits:
 3. past the SWA TTL (well within 72 h) a bounded replay (`kvstore plan` says so
    first, from the command line): logits bit-identical to the same replay done
    here, and within the fixture's pass criteria of the from-scratch logits
-   (V41_FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the logit range); the
+   (docs/FORMAT.md: cosine >= 0.9975, max |diff| <= 4% of the logit range); the
    replay put its snapshot at H back;
 4. the turn after is a full hit again;
 5. past the 72-hour retention, with the store full of newer blocks, global KV
@@ -51,7 +51,7 @@ from replay.plan import Action, Plan
 from replay.planner import Planner
 from replay.resume import Resumer
 
-#: The fixture's pass criteria for an approximate resume (V41_FORMAT.md, "A tiny configuration"). On the
+#: The fixture's pass criteria for an approximate resume (docs/FORMAT.md, "The tiny configuration"). On the
 #: seeded random weights the worker runs here, docs/REPLAY.md measured 1x-window bounded replay to pass them
 #: in every sample of every case (cosine >= 0.99951, max |diff| <= 2.2% of the range); on trained weights
 #: only 40-100% pass, so a tighter bound would describe these weights, not bounded replay.

@@ -1,4 +1,4 @@
-"""Geometry from the model's config.json: V4.1-Flash and the tiny fixture reproduce V41_FORMAT.md's numbers."""
+"""Geometry from the model's config.json: V4.1-Flash and the tiny fixture reproduce docs/FORMAT.md's numbers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The model's rows, byte for byte against a plain transcription of V41_FORMAT.md.
+"""The model's rows, byte for byte against a plain transcription of docs/FORMAT.md.
 
 The reference below shares nothing with kvstore/codec: it works in float64 and
 numpy, finds nearest grid values by searching tables built from the formats'

@@ -12,7 +12,7 @@ from replay.model.config import TINY_MODEL, ModelConfig, from_config, reduced_v4
 
 
 def test_tiny_model_is_the_v41_fixture() -> None:
-    """V41_FORMAT.md's fixture: vocab 128, dim 128, 4 heads, index layers (1, 3, 4), 2 x 64 indexer, top-k 64."""
+    """docs/FORMAT.md's tiny fixture: vocab 128, dim 128, 4 heads, index layers (1, 3, 4), 2 x 64 indexer, top-k 64."""
     c = TINY_MODEL
     assert c.geometry == TINY and (c.vocab_size, c.dim, c.n_heads) == (128, 128, 4)
     assert c.index_layers == (1, 3, 4) and (c.index_heads, c.index_topk) == (2, 64)
