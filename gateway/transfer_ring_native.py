@@ -72,8 +72,12 @@ class NativeRing:
         self.address = address
         self.block_bytes = ctx.layouts[session.geometry].block_bytes
         self.prefix = session.scope.prefix
-        #: Requests answered natively (the others were handed back to the Python read).
+        #: Requests answered natively (the others were handed back to the Python read), counted before
+        #: the client is woken: a client that reads it after its fetch sees its own request in it.
         self.answered = 0
+        #: Calls of `take` begun and returned: the thread spins in one while `takes > taken` (what a
+        #: test waits on; a request's answer comes after its `take` returned and was counted).
+        self.takes = self.taken = 0
         self._regions: tuple[MappedRegion, ...] = ()
         self._table = b""
         # What counting an answered read calls, found once per ring (it runs between `serve` and `finish`,
@@ -132,9 +136,11 @@ class NativeRing:
                                          self.mapping, txn, due_before, self._plan)
                 if kind == ring.PLANNED:  # every block found and verified: counted before the client sees it
                     self._count(value)
+                    self.answered += 1
                     ring.finish(self.address, seq, self._plan, value, self.block_bytes)  # copied, then published
                 elif kind == ring.READY:  # a larger request, copied and answered in serve: counted, then published
                     self._count(value)
+                    self.answered += 1
                     ring.publish(self.address + HEADER_AT, ANSWERED)
             finally:
                 txn.abort()
@@ -143,7 +149,6 @@ class NativeRing:
                 ctx.slots.release()
         if kind == ring.HANDED_BACK:
             return value  # type: ignore[no-any-return]
-        self.answered += 1
         return None
 
     def ready(self, busy: threading.Lock) -> bool:
@@ -200,9 +205,13 @@ class NativeRing:
         """Spin for the next request and plan it (`tiers.ring.take`), with what `ready` readied."""
         assert self._txn is not None
         m = self.mapping  # `tiers.ring.take`, called without its wrapper (its return is on the answer's path)
-        return self._take(self.address, expected, ring.SERVER_HOT_SPIN_S, ring.SERVER_SPIN_S, expires, self._table,
-                          self.block_bytes, self.ctx.limit, self.prefix, m.base, m.length, m.psize, self._txn.id(),
-                          self._due_before, self._plan)
+        self.takes += 1
+        try:
+            return self._take(self.address, expected, ring.SERVER_HOT_SPIN_S, ring.SERVER_SPIN_S, expires,
+                              self._table, self.block_bytes, self.ctx.limit, self.prefix, m.base, m.length, m.psize,
+                              self._txn.id(), self._due_before, self._plan)
+        finally:
+            self.taken += 1
 
     def regions_moved(self) -> bool:
         """Whether the session's regions changed since the region table was built (`ready`)."""
@@ -229,8 +238,8 @@ class NativeRing:
         if self._record_hits is not None:
             self._record_hits(self._tenant, n, n)
         self._count_batch(n, n * self.block_bytes)
-        self._finish(self.address, seq, self._plan, n, self.block_bytes)  # copied, then published
         self.answered += 1
+        self._finish(self.address, seq, self._plan, n, self.block_bytes)  # copied, then published
         return True
 
     def _count(self, n: int) -> None:

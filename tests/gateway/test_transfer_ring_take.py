@@ -6,7 +6,6 @@ readied is what the next request meets, on an in-process server."""
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,15 +15,16 @@ from kvstore.client import Client
 from kvstore.transfer import DONE
 from tests.gateway.test_transfer_ring import stored
 from tests.gateway.test_transfer_ring_native import needs_native, ring_server
+from tests.waiting import wait_until
 from tiers import ring as native_ring
 
 
 def readied(served: Any) -> None:
-    """Until the ring thread has readied the next request (and so spins in `take`)."""
-    deadline = time.monotonic() + 10
-    while served.native._txn is None:  # what the thread readied is the point here
-        assert time.monotonic() < deadline, "the ring thread never readied a request"
-        time.sleep(0.001)
+    """Until the ring thread has readied the next request and spins in `take` with it (observed: a
+    `take` begun and not returned; a fetch's answer comes after its own `take` returned)."""
+    native = served.native
+    wait_until(lambda: native._txn is not None and native.takes > native.taken,  # what it readied is the point
+               "the ring thread never readied a request and spun on it")
 
 
 @contextlib.contextmanager
@@ -116,14 +116,12 @@ def test_a_ring_asked_again_at_once_keeps_its_txn_and_one_gone_idle_gives_it_bac
                 break
         else:
             pytest.fail("no request was answered natively")
-        time.sleep(0.05)  # the thread is back in its spin: what it readied anew, had it not kept it
+        readied(served)  # the thread is back in its spin: with what it readied anew, had it not kept it
         assert served.native._txn is txn, "kept across the requests"
         assert slots._value == free - 1, "one reader slot held while the ring is hot"
         monkeypatch.setattr(native_ring, "SERVER_SPIN_S", 0.0)
-        deadline = time.monotonic() + 20
-        while served.native._txn is not None or slots._value != free:  # the 5 s spin ends: given back
-            assert time.monotonic() < deadline, "an idle ring kept its txn or its reader slot"
-            time.sleep(0.01)
+        wait_until(lambda: served.native._txn is None and slots._value == free,  # the 5 s spin ends: given back
+                   "an idle ring kept its txn or its reader slot")
 
 
 @needs_native
@@ -139,10 +137,8 @@ def test_a_hot_ring_gives_its_reader_slot_back_while_another_ring_waits_for_one(
             ctx.waiting += 1  # as `take_slot` counts a ring waiting for a slot
         try:
             assert session.fetch(hashes, region).done_prefix == 1  # answered, then the slot is given back
-            deadline = time.monotonic() + 10
-            while slots._value != free:  # type: ignore[attr-defined]
-                assert time.monotonic() < deadline, "the hot ring kept its slot while another waited"
-                time.sleep(0.001)
+            wait_until(lambda: slots._value == free,  # type: ignore[attr-defined]
+                       "the hot ring kept its slot while another waited")
             assert served.native._txn is None
             assert session.fetch(hashes, region).done_prefix == 1  # served the long way meanwhile
         finally:
