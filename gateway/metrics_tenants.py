@@ -7,6 +7,10 @@ every folded tenant summed). Both run on the scrape's thread, off the event
 loop: the registry's tenants, the hit counters and the labels are thread-safe,
 and the NVMe tier's per-namespace usage is read there
 (`LmdbBlockTier.namespace_usage`, one read transaction per tenant).
+
+`TenantsFileCollector` adds how the tenants file's reloads go (gateway.tenants.LoadStatus):
+a revocation waits on the next good load, so an alert on a stale load or a
+failed one is how an operator learns that the file on disk is not what is served.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gateway.hit_stats import HitStats
+from gateway.tenants import LoadStatus
 from tiers.lmdb_tier import LmdbBlockTier
 
 log = logging.getLogger("kvstore.metrics")
@@ -91,3 +97,34 @@ def series(stats: TenantStats, tier: LmdbBlockTier) -> Iterator[Metric]:
         for name, values in sorted(usage.items()):
             gauge.add_metric([name], values[field])
         yield gauge
+
+
+class TenantsFileCollector(Collector):
+    """The tenants file's reload status, read at scrape time.
+
+    Args:
+        status: the registry's `TenantRegistry.status` (thread-safe).
+    """
+
+    def __init__(self, status: Callable[[], LoadStatus]) -> None:
+        self.status = status
+
+    def describe(self) -> list[Metric]:
+        """Nothing: the values are read at each scrape."""
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.status()
+        yield GaugeMetricFamily("kvstore_tenants_last_load_timestamp_seconds",
+                                "Wall-clock time of the tenants file's last load that replaced the token table "
+                                "(a read that parsed, or the file found gone).", value=s.last_load_s)
+        yield CounterMetricFamily("kvstore_tenants_load_failures",
+                                  "Loads of the tenants file that failed (each damaged version once); the last "
+                                  "good table is served meanwhile.", value=s.failures)
+        yield GaugeMetricFamily("kvstore_tenants_file_ok",
+                                "1 when the token table is the tenants file's current content, 0 while the file "
+                                "on disk is damaged or cannot be read (revocations written since wait).",
+                                value=1.0 if s.file_ok else 0.0)
+        yield CounterMetricFamily("kvstore_tenants_file_checks",
+                                  "Checks of the tenants file for a change (one every auth.reload_s): a counter "
+                                  "that stops growing means the reload stopped.", value=s.checks)

@@ -29,6 +29,7 @@ from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, c
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
+from gateway.metrics_tenants import TenantsFileCollector
 from gateway.replies import add_service
 from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
@@ -98,7 +99,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         OSError: the address cannot be bound (everything opened so far is closed).
     """
     host = settings.server.host
-    tenants = TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required)
+    tenants = TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required,
+                             clock=clock)
     check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
     credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
     # Without tokens, every call is the default tenant: with every right on loopback (the
@@ -106,6 +108,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
     metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
     metrics.known_tenants = lambda: tenants.tenants  # per-tenant series for every tenant with a token
+    metrics.registry.register(TenantsFileCollector(tenants.status))
     # Outermost first: metrics see every call, those auth refuses too (counted and logged).
     interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller),
                     UndecodableRequests()]

@@ -9,6 +9,14 @@ Auth is on once the file exists (even with every token revoked: revoking the
 last token must not open the store) or when `auth.required` says so. A file
 that disappears or breaks while the server runs keeps auth on: a vanished file
 accepts no token, a damaged one keeps the last good table (and says so in the log).
+
+The reload never stops (issue 29): whatever the file holds (binary, truncated,
+JSON of the wrong shape, a folder, gone and back), a read that fails keeps the
+last table and is logged once per version of the file (not once a poll), and
+the watch loop itself logs and goes on past any exception. `status()` says when
+the table was last loaded and how many loads failed (the metrics
+`kvstore_tenants_last_load_timestamp_seconds`, `kvstore_tenants_load_failures_total`,
+`kvstore_tenants_file_ok` and `kvstore_tenants_file_checks_total`, docs/METRICS.md).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.api_tokens import TokenRecord, read_records, token_hash
+from kvstore.clock import Clock, SystemClock
 from kvstore.errors import KVStoreError
 
 log = logging.getLogger("kvstore.auth")
@@ -35,6 +44,21 @@ class Identity:
     rights: frozenset[str]
     token_id: str
     digest: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadStatus:
+    """How the tenants file's reloads went."""
+
+    #: Wall-clock time of the last load that replaced the table (a read that parsed, or the file found gone).
+    last_load_s: float
+    #: Loads that failed since the server started: each damaged version of the file once, each other error once.
+    failures: int
+    #: Whether the table is the file's current content (False while a damaged file is on disk, or while
+    #: the reload fails).
+    file_ok: bool
+    #: Checks the watch loop made (one a tick, whatever their outcome): it stops growing only if the loop died.
+    checks: int
 
 
 def _table(records: list[TokenRecord]) -> dict[bytes, Identity]:
@@ -60,19 +84,28 @@ class TenantRegistry:
     Args:
         path: the tenants file.
         required: auth on even while the file does not exist.
+        clock: the wall-clock time `status()` gives for the last load.
 
     Raises:
         ConfigError: at start, the file exists but cannot be read or parsed.
     """
 
-    def __init__(self, path: Path, *, required: bool = False) -> None:
+    def __init__(self, path: Path, *, required: bool = False, clock: Clock | None = None) -> None:
         self.path = path
+        self._clock: Clock = clock or SystemClock()
         self._signature = _signature(path)
         records = read_records(path)
         #: Whether calls must carry a token (see the module doc: never turns off while running).
         self.enabled = required or records is not None
         self._tokens: dict[bytes, Identity] = _table(records or [])
         self._task: asyncio.Task[None] | None = None
+        self._last_load_s = self._clock.now()
+        self._failures = 0
+        self._checks = 0
+        #: The signature of the file version that failed to load, and why: it is not read (or logged) again.
+        self._failed: tuple[tuple[int, int, int] | None, str] | None = None
+        #: The exception the last reload raised (None: it returned), logged once while it repeats.
+        self._erring: str | None = None
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -93,17 +126,28 @@ class TenantRegistry:
             return None
         return identity
 
+    def status(self) -> LoadStatus:
+        """When the table was last loaded, and how many loads failed (any thread)."""
+        return LoadStatus(last_load_s=self._last_load_s, failures=self._failures,
+                          file_ok=self._failed is None and self._erring is None, checks=self._checks)
+
     def refresh(self) -> bool:
-        """Re-read the file if it changed since last read; True when the table changed."""
+        """Re-read the file if it changed since last read; True when the table changed.
+
+        A damaged file keeps the table as it was: the failure is logged and counted
+        once, and that version of the file is not read again (the next change is).
+        """
         signature = _signature(self.path)
-        if signature == self._signature:
+        if signature == self._signature or (self._failed is not None and self._failed[0] == signature):
             return False
         try:
             records = read_records(self.path)
         except KVStoreError as exc:
-            log.error("kept the previous tenants table: %s", exc.message)
+            self._fail(signature, exc.message)
             return False
         self._signature = signature
+        self._failed = None
+        self._last_load_s = self._clock.now()
         if records is None:
             if self.enabled:
                 log.warning("tenants file %s is gone: every token is refused until it is back", self.path)
@@ -116,15 +160,39 @@ class TenantRegistry:
         log.info("tenants file %s loaded: %d active tokens", self.path, len(self._tokens))
         return True
 
+    def _fail(self, signature: tuple[int, int, int] | None, why: str) -> None:
+        """Count and log a failed load (refresh reads each version of the file once: once per damage)."""
+        self._failed = (signature, why)
+        self._failures += 1
+        log.error("kept the previous tenants table (%d active tokens): %s", len(self._tokens), why)
+
+    def _error(self, exc: Exception) -> None:
+        """Count and log an exception of a reload once while it repeats (with its traceback: it is unforeseen)."""
+        why = f"{type(exc).__name__}: {exc}"
+        if why == self._erring:
+            return
+        self._erring = why
+        self._failures += 1
+        log.error("cannot check tenants file %s (the previous table stays; tried again every tick): %s",
+                  self.path, why, exc_info=exc)
+
     def start(self, every_s: float) -> None:
-        """Re-read the file when it changes, every `every_s` seconds, on the running loop."""
+        """Re-read the file when it changes, every `every_s` seconds, on the running loop.
+
+        The loop ends only when cancelled (`stop`): any exception of a reload is
+        logged (once while it repeats) and the next tick tries again, so revocation
+        can never stop silently.
+        """
         async def watch() -> None:
             while True:
                 await asyncio.sleep(every_s)
                 try:
                     await asyncio.to_thread(self.refresh)
-                except OSError as exc:  # a stat that fails for another reason: try again next tick
-                    log.error("cannot check tenants file %s: %s", self.path, exc)
+                except Exception as exc:  # a stat that fails, or anything unforeseen: try again next tick
+                    self._error(exc)
+                else:
+                    self._erring = None
+                self._checks += 1
 
         self._task = asyncio.get_running_loop().create_task(watch())
 

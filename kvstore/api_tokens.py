@@ -20,6 +20,7 @@ other's change. A running server re-reads it when it changes (gateway.tenants).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import hashlib
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvstore.errors import ConfigError, InvalidArgument, NotFound
+from kvstore.side_files import DamagedFile, read_json
 
 #: Rights a token may carry. "admin" also lets a call name any tenant's namespace.
 READ, WRITE, ADMIN = "read", "write", "admin"
@@ -43,6 +45,10 @@ TOKEN_PREFIX = "kvst_"
 #: A tenant name is a namespace name (gateway.validate): 1-128 of [A-Za-z0-9._-], alphanumeric first.
 _TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SECRET_BYTES = 32
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+#: The most of the tenants file read: a record is about 250 bytes, so about 250,000 tokens. A larger
+#: file is refused as damaged (at start a ConfigError; while serving, the last table is kept).
+MAX_FILE_BYTES = 64 << 20
 
 
 def token_hash(token: str) -> bytes:
@@ -103,23 +109,72 @@ def new_token() -> tuple[str, str]:
 def read_records(path: Path) -> list[TokenRecord] | None:
     """Every record of the tenants file at `path`; None when there is no such file.
 
+    At most MAX_FILE_BYTES are read, and every record is checked field by field
+    (a token the server cannot hash-match, or rights it does not know, are damage
+    too), so any content gives either the records or one ConfigError.
+
     Raises:
-        ConfigError: the file cannot be read or does not parse, naming it.
+        ConfigError: the file cannot be read, or is damaged in any way, naming it and why.
     """
     try:
-        text = path.read_text()
-    except (FileNotFoundError, NotADirectoryError):  # a data dir that is a file: the store's checks name it
-        return None
+        data = read_json(path, max_bytes=MAX_FILE_BYTES)
     except OSError as exc:
-        raise ConfigError(f"cannot read tenants file {path}: {exc}") from None
+        raise ConfigError(f"cannot read tenants file {path}: {exc.strerror or exc}",
+                          hint="check its permissions (the server's user must read it)") from None
+    except DamagedFile as exc:
+        raise _damaged(path, str(exc)) from None
+    if data is None:
+        return None
     try:
-        data = json.loads(text)
         if data.get("version") != FORMAT_VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {FORMAT_VERSION}")
-        return [TokenRecord(**{**r, "rights": tuple(r["rights"])}) for r in data["tokens"]]
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise ConfigError(f"tenants file {path} is damaged: {exc}",
-                          hint="restore it from a backup, or move it away and create the tenants again") from None
+            raise ValueError(f"format version {_short(data.get('version'))}, expected {FORMAT_VERSION}")
+        tokens = data.get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError(f"'tokens' is {type(tokens).__name__}, not a list")
+        return [_record(i, r) for i, r in enumerate(tokens)]
+    except ValueError as exc:
+        raise _damaged(path, str(exc)) from None
+
+
+def _short(value: object) -> str:
+    """`value`'s repr cut to a few words: the message of a damaged file stays one short line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _damaged(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"tenants file {path} is damaged: {why}",
+                       hint="restore it from a backup, or move it away and create the tenants again")
+
+
+def _record(index: int, raw: object) -> TokenRecord:
+    """Record `index` of the file, every field checked.
+
+    Raises:
+        ValueError: naming the record and the field.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"token record {index} is {type(raw).__name__}, not an object")
+    fields = {f.name for f in dataclasses.fields(TokenRecord)}
+    unknown, missing = sorted(set(raw) - fields), sorted(fields - {"revoked_at"} - set(raw))
+    if unknown or missing:
+        raise ValueError(f"token record {index} has unknown fields {_short(unknown)} or lacks {_short(missing)}")
+    text = {k: raw[k] for k in ("token_id", "tenant", "sha256", "created_at")}
+    wrong = sorted(k for k, v in text.items() if not isinstance(v, str))
+    revoked = raw.get("revoked_at")
+    rights = raw["rights"]
+    if wrong or not (revoked is None or isinstance(revoked, str)) or not isinstance(rights, list) \
+            or not all(isinstance(r, str) for r in rights):
+        raise ValueError(f"token record {index}: {wrong or 'revoked_at or rights'} of the wrong type")
+    if not _SHA256.fullmatch(raw["sha256"]):
+        raise ValueError(f"token record {index}: sha256 is not 64 hex digits")
+    if not _TENANT.fullmatch(raw["tenant"]):
+        raise ValueError(f"token record {index}: tenant {_short(raw['tenant'])} is not a tenant name")
+    if not rights or not set(rights) <= set(RIGHTS):
+        raise ValueError(f"token record {index}: rights {_short(rights)} are not a non-empty subset of "
+                         f"{', '.join(RIGHTS)}")
+    return TokenRecord(token_id=raw["token_id"], tenant=raw["tenant"], rights=tuple(rights), sha256=raw["sha256"],
+                       created_at=raw["created_at"], revoked_at=revoked)
 
 
 def _write(path: Path, records: list[TokenRecord]) -> None:
