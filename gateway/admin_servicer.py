@@ -14,10 +14,12 @@ places `parts.quotas` in the interceptor chain after auth, then calls
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -31,7 +33,7 @@ from gateway.validate import Layout
 from kvstore.api_tokens import check_tenant
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError, has_default_hint
 from kvstore.prefix import BlockScope, chain_hashes
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
@@ -100,6 +102,25 @@ def _path(raw: str) -> Path:
     return path
 
 
+Call = TypeVar("Call", bound=Callable[..., Awaitable[Any]])
+
+
+def _refused(hint: str) -> Callable[[Call], Call]:
+    """An error of this call whose class gave only its default hint (written for the store's data
+    calls: "nothing was stored") gets `hint` instead, true of this call ('' for a read)."""
+    def wrap(fn: Call) -> Call:
+        @functools.wraps(fn)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except KVStoreError as exc:
+                if has_default_hint(exc) and not exc.retryable:
+                    exc.hint = hint
+                raise
+        return call  # type: ignore[return-value]
+    return wrap
+
+
 def _policy(p: Policy) -> pb.Policy:
     return pb.Policy(**p.to_dict())
 
@@ -125,6 +146,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                                is_default=not self.policies.has_own(tenant))
 
     @unary
+    @_refused("")
     async def GetPolicy(self, request: pb.GetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.GetPolicyResponse:
         require(ADMIN)
         tenant = _tenant(request.tenant)
@@ -134,6 +156,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             swa_bytes=self.ledger.live_bytes(tenant)))
 
     @unary
+    @_refused("no policy was changed")
     async def SetPolicy(self, request: pb.SetPolicyRequest, context: grpc.aio.ServicerContext) -> pb.SetPolicyResponse:
         caller = require(ADMIN)
         tenant = _tenant(request.tenant)
@@ -147,6 +170,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             after=self._tenant_policy(tenant))
 
     @unary
+    @_refused("")
     async def ListPolicies(self, request: pb.ListPoliciesRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListPoliciesResponse:
         require(ADMIN)
@@ -155,6 +179,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             defaults=_policy(self.policies.defaults))
 
     @unary
+    @_refused("")
     async def PolicyLog(self, request: pb.PolicyLogRequest, context: grpc.aio.ServicerContext) -> pb.PolicyLogResponse:
         require(ADMIN)
         tenant = check_tenant(request.tenant) if request.tenant else ""
@@ -164,6 +189,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                           old_json=_json(e.old), new_json=_json(e.new)) for e in entries])
 
     @unary
+    @_refused("nothing was deleted")
     async def Purge(self, request: pb.PurgeRequest, context: grpc.aio.ServicerContext) -> pb.PurgeResponse:
         caller = require(ADMIN)
         tenant = _tenant(request.tenant)
@@ -206,6 +232,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         return [(scope, hashes)]
 
     @unary
+    @_refused("no export file was written")
     async def ExportTenant(self, request: pb.ExportTenantRequest,
                            context: grpc.aio.ServicerContext) -> pb.ExportTenantResponse:
         from gateway import tenant_export  # helper P6's module: imported when first used
@@ -219,6 +246,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                                        skipped=done.skipped)
 
     @unary
+    @_refused("nothing is written before every frame checks out; blocks written after that stay, "
+              "parents first, and importing the file again is safe")
     async def ImportTenant(self, request: pb.ImportTenantRequest,
                            context: grpc.aio.ServicerContext) -> pb.ImportTenantResponse:
         from gateway import tenant_export

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvstore.errors import ConfigError, KVStoreError, to_status
+from kvstore.errors import ConfigError, KVStoreError, has_default_hint, to_status
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -92,7 +92,34 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("kvstore.commands.transfer_tenant",
                "import an export file on the server into a tenant's cache (admin, audited)"),
     "health": ("kvstore.commands.health", "ask the server's health service whether it serves (a container probe)"),
+    "fleet": ("kvstore.commands.fleet", "list the fleet's storage nodes registered in etcd (fleet status)"),
 }
+
+
+#: What a command (or a command's action) leaves as it was when it stops on an error: the hint of an
+#: error whose class gave only its default, which speaks of the store's data calls (kvstore.errors).
+#: '' for a command that only reads (nothing to say) or whose errors may come half way (check
+#: --repair, a benchmark). An import checks every frame before writing one, then writes frame by
+#: frame (gateway/tenant_export.py).
+COMMAND_HINTS: dict[str, str] = {
+    "serve": "the service did not start",
+    "worker": "the worker did not start",
+    "plan": "no plan was made",
+    "tenant create": "no token was issued; the tenants file is unchanged",
+    "tenant revoke": "no token was revoked; the tenants file is unchanged",
+    "policy set": "no policy was changed",
+    "purge": "nothing was deleted",
+    "export": "no export file was written",
+    "import": "nothing is written before every frame checks out; blocks written after that stay, "
+              "parents first, and importing the file again is safe",
+}
+
+
+def command_hint(args: argparse.Namespace) -> str:
+    """The hint COMMAND_HINTS gives the command (and action) `args` ran, or ''."""
+    words = [args.command, getattr(args, "action", None) or getattr(args, "policy_command", None)]
+    name = " ".join(w for w in words if w)
+    return COMMAND_HINTS.get(name, COMMAND_HINTS.get(args.command, ""))
 
 
 def _lazy(args: argparse.Namespace) -> int:
@@ -224,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_stdout()
         return 141  # as a process killed by SIGPIPE: the reader stopped early, nothing went wrong here
     except (KVStoreError, OSError) as exc:
+        if isinstance(exc, KVStoreError) and has_default_hint(exc) and exc.hint and not exc.retryable:
+            exc.hint = command_hint(args)  # the class's default speaks of another call (kvstore.errors)
         return _report_error(exc, as_json)
     except KeyboardInterrupt:
         return 130

@@ -3,6 +3,13 @@
 Every error carries whether a retry can help and a hint for the caller. The
 server turns an error into a status with `to_status`; the client turns a status
 back into the same class with `from_status`, so both ends speak one vocabulary.
+
+A hint must be true of the call that raised it. A class's default hint is
+written for the store's data calls (a refused Put stored nothing; a damaged
+block was dropped); a call it does not fit gives its own (`hint=`), and an
+entry point that knows better replaces a default one (`has_default_hint`): the
+CLI gives each command its own, the Admin service each call. An error rebuilt
+from a status takes no default: the server already put its hint in the message.
 """
 
 from __future__ import annotations
@@ -134,6 +141,21 @@ def to_status(error: KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def has_default_hint(error: KVStoreError) -> bool:
+    """Whether `error` carries only its class's default hint: none was given where it was raised."""
+    return "hint" not in vars(error)
+
+
 def from_status(code: grpc.StatusCode, message: str) -> KVStoreError:
-    """The kvstore error a client raises for a gRPC status `code`."""
-    return _BY_CODE.get(code, Internal)(message or code.name)
+    """The kvstore error a client raises for a gRPC status `code`.
+
+    Its hint is the one the server appended to `message`, never the class's default: that
+    was written for other calls (a damaged export file is not a dropped block). Only
+    Unavailable keeps its default ("retry with backoff", true of any call) when the
+    message lacks it, as it does when the transport itself failed.
+    """
+    cls = _BY_CODE.get(code, Internal)
+    error = cls(message or code.name)
+    if not (cls is Unavailable and not error.message.endswith(f"({cls.hint})")):
+        error.hint = ""
+    return error

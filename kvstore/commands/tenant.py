@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE, create, read_records, revoke
+from kvstore.errors import InvalidArgument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", parents=[where], help="list tokens: tenant, id, rights, created, revoked")
 
 
+def parse_rights(text: str, *, admin: bool) -> frozenset[str]:
+    """The rights of `--rights` (comma-separated), plus "admin" with --admin.
+
+    Raises:
+        InvalidArgument: naming each right that is not one of RIGHTS alone, or none given.
+    """
+    rights = {r.strip() for r in text.split(",") if r.strip()} | ({ADMIN} if admin else set())
+    unknown = [r for r in dict.fromkeys(r.strip() for r in text.split(",")) if r and r not in RIGHTS]
+    if unknown:
+        names = ", ".join(repr(r) for r in unknown)
+        raise InvalidArgument(f"unknown right{'s' if len(unknown) > 1 else ''} {names} in --rights: "
+                              f"the rights are {', '.join(RIGHTS)}")
+    if not rights:
+        raise InvalidArgument(f"--rights names no right: give some of {', '.join(RIGHTS)}")
+    return frozenset(rights)
+
+
 def _path(args: argparse.Namespace) -> Path:
     if args.tenants_file is not None:
         return Path(args.tenants_file)
@@ -53,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
     """Run `kvstore tenant ACTION`."""
     path = _path(args)
     if args.action == "create":
-        rights = {r.strip() for r in args.rights.split(",") if r.strip()} | ({ADMIN} if args.admin else set())
-        record, token = create(path, args.tenant, frozenset(rights))
+        record, token = create(path, args.tenant, parse_rights(args.rights, admin=args.admin))
         if args.json:
             print(json.dumps({"tenant": record.tenant, "token_id": record.token_id, "rights": list(record.rights),
                               "token": token, "tenants_file": str(path)}))
