@@ -141,7 +141,7 @@ def test_another_tenants_swa_quota_tells_a_caller_nothing(admin: AdminClient, ru
 
 
 def test_a_put_the_pool_could_not_take_is_not_charged(start_wired: Callable[..., Any], redis_server: Any) -> None:
-    running = start_wired(swa=SwaSettings(backend="redis", redis_url=redis_server.url, socket_timeout_s=0.5))
+    running = start_wired(swa=SwaSettings(backend="redis", redis_url=redis_server.url, socket_timeout_s=5.0))
     made = make_tokens(running)
     with AdminClient(running.target, token=made["ops"]) as ops, Client(running.target, token=made["acme"]) as acme:
         one = acme.swa.snapshot_bytes(60)

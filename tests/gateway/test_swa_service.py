@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ from kvstore.swa_snapshot import HEADER_BYTES, seal, serves
 from kvstore.v1 import kvstore_pb2 as kvpb
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
+from tests.waiting import wait_until
 from tiers.swa_redis import redis_key
 
 
@@ -248,13 +248,16 @@ def test_memory_pool_expires_by_the_injected_clock(start_server: Callable[..., A
 
 
 def test_redis_expiry_is_a_miss_on_the_real_server(request: pytest.FixtureRequest, start_server: Callable[..., Any],
-                                                   store_settings: StoreSettings) -> None:
-    server = start_server(store_settings, swa=swa_settings(request, "redis", ttl_s=1.0))
-    with Client(server.target) as client:
+                                                   store_settings: StoreSettings, redis_server: Any) -> None:
+    server = start_server(store_settings, swa=swa_settings(request, "redis", ttl_s=60.0))
+    with Client(server.target) as client, redis.Redis(port=redis_server.port) as raw:
         client.swa.put([1, 2, 3], snapshot(client, 3))
         assert client.swa.get([1, 2, 3]) is not None
-        time.sleep(1.5)
-        assert client.swa.get([1, 2, 3]) is None
+        key = redis_key(b"kvstore:swa:", BlockScope(client.fingerprint, "default").key(client.swa.key([1, 2, 3])))
+        assert 0 < raw.pttl(key) <= 60_000, "stored with the operator's TTL"
+        # The TTL runs out now, as it would in a minute (redis has no clock to move; a wait would race it).
+        assert raw.pexpire(key, 1)
+        wait_until(lambda: client.swa.get([1, 2, 3]) is None, "the expired snapshot was still served")
         stats = client.swa.stats()
         assert stats.expirations >= 1 and stats.backend_errors == 0
 
@@ -293,7 +296,7 @@ def test_corrupt_or_foreign_record_is_a_counted_miss(request: pytest.FixtureRequ
 def test_redis_down_gives_misses_and_kv_keeps_serving_then_recovers(
         request: pytest.FixtureRequest, start_server: Callable[..., Any], store_settings: StoreSettings,
         redis_server: Any) -> None:
-    server = start_server(store_settings, swa=swa_settings(request, "redis", socket_timeout_s=0.5))
+    server = start_server(store_settings, swa=swa_settings(request, "redis", socket_timeout_s=5.0))
     with Client(server.target) as client:
         tokens = list(range(client.block_tokens * 2))
         data = snapshot(client, len(tokens))
@@ -319,7 +322,7 @@ def test_redis_down_gives_misses_and_kv_keeps_serving_then_recovers(
 def test_redis_cluster_node_down_gives_misses_not_errors_then_recovers(
         request: pytest.FixtureRequest, start_server: Callable[..., Any], store_settings: StoreSettings,
         redis_cluster: Any) -> None:
-    server = start_server(store_settings, swa=swa_settings(request, "redis-cluster", socket_timeout_s=0.5))
+    server = start_server(store_settings, swa=swa_settings(request, "redis-cluster", socket_timeout_s=5.0))
     with Client(server.target) as client:
         keys = [client.swa.key([i]) for i in range(12)]
         data = snapshot(client, 1)

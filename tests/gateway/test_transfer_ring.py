@@ -35,11 +35,14 @@ from kvstore.transfer import Descriptor, Op, group
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, REQUEST, REQUEST_AT, REQUEST_BYTES, RING_DESCRIPTORS
 from kvstore.v1 import transfer_pb2 as pb
 from tests.children import Child
+from tests.waiting import wait_until
 
 
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Child]:
-    child = Child("serve", ["serve", "--port", "0", "--data-dir", str(tmp_path / "data")], tmp_path / "logs")
+    # A 1 s grace at SIGTERM (10 s by default): a clean stop ends the sessions' open streams sooner.
+    child = Child("serve", ["serve", "--port", "0", "--data-dir", str(tmp_path / "data")], tmp_path / "logs",
+                  env={"KVSTORE_SERVER_GRACE_S": "1"})
     yield child
     child.kill_if_alive()
 
@@ -254,6 +257,13 @@ def fetch_in_background(session: Any, hashes: list[bytes],
     return waiter, outcome
 
 
+def asked(ring: RingClient, seq: int) -> None:
+    """Until request `seq` of `ring` is written, its state word REQUEST: the client now waits for its answer."""
+    header = ring._header
+    assert header is not None
+    wait_until(lambda: header.seq == seq and header.state == REQUEST, "the request was never written to the ring")
+
+
 def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child) -> None:
     client = Client(serve.target, timeout_s=60)
     session = client.transfer()
@@ -261,8 +271,9 @@ def test_a_dead_server_fails_a_waiting_ring_request_without_a_hang(serve: Child)
     region = session.register(client.block_bytes)
     assert session.ring is not None
     stop(serve.proc.pid)  # SIGSTOP: the request is written but nobody answers
+    seq = session.ring._seq + 1
     waiter, outcome = fetch_in_background(session, hashes, region)
-    time.sleep(0.5)
+    asked(session.ring, seq)
     assert not outcome, "the request waits while the server is stopped"
     started = time.monotonic()
     serve.kill9()
@@ -334,9 +345,15 @@ def test_tenants_stay_apart_and_a_revoked_token_loses_its_ring(tmp_path: Path) -
             assert sa.fetch(hashes, ra).done_prefix == 2 and bytes(ra.view) == b"".join(blocks)
             # Revoke b's token: once its lease (1 s here) runs out, its ring answers no more.
             api_tokens.revoke(tokens_file, "tenant-b")
-            time.sleep(2.5)  # past the lease; the server reloads the tokens file meanwhile
-            with pytest.raises((Unauthenticated, NotFound)):
-                sb.fetch(hashes, rb)
+
+            def refused() -> bool:  # once the lease ran out and the server re-read the tokens file
+                try:
+                    sb.fetch(hashes, rb)
+                except (Unauthenticated, NotFound):
+                    return True
+                return False
+
+            wait_until(refused, "a revoked tenant's ring still answered past its lease")
     finally:
         child.kill_if_alive()
 
@@ -474,8 +491,9 @@ def test_closing_the_session_ends_a_request_waiting_on_another_thread(serve: Chi
     region = session.register(client.block_bytes)
     assert session.ring is not None
     stop(serve.proc.pid)  # SIGSTOP: nobody answers
+    seq = session.ring._seq + 1
     waiter, outcome = fetch_in_background(session, hashes, region)
-    time.sleep(0.3)
+    asked(session.ring, seq)
     started = time.monotonic()
     try:
         session.close()  # the stream is cancelled first: the waiting request sees it end
