@@ -2,9 +2,11 @@
 
 No other process is needed, so this is the default for a single node. Each
 record (header + snapshot) lives in the shared-memory arena of its tenant
-(tiers.swa_shm.Arena), so a client on the same host can copy snapshots in and
-out itself (the shared-memory path, tiers.swa_shm_server); the gateway path
-copies records in and out here. Both paths share one index, so the rules are
+(tiers.swa_shm.Arena, sealed against every write but the server's), so a
+client on the same host can copy snapshots out itself (the shared-memory path,
+tiers.swa_shm_server); a shared-memory writer copies into the tenant's staging
+arena, and the pool moves each committed snapshot from there into the arena,
+checksumming it there. The gateway path copies records in and out here. Both paths share one index, so the rules are
 the same on both: LRU eviction under `cap_bytes` of record bytes, each record's
 TTL from its put, expiry and eviction as misses. Time comes from the injected
 Clock: tests expire records by moving it.
@@ -24,13 +26,13 @@ import xxhash
 
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
-from kvstore.errors import Unavailable
+from kvstore.errors import PermissionDenied, Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
-from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located
+from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located, Reserved, copy_hashed
 from tiers.swa_shm_server import ShmServer
-from tiers.swa_shm_session import ShmHooks
+from tiers.swa_shm_session import Header, ShmHooks
 
 #: Address space of an arena beyond twice the cap (room for fragmentation; only written pages cost memory).
 ARENA_SLACK = 64 << 20
@@ -53,6 +55,12 @@ class _Entry:
     offset: int
     length: int
     expires_s: float
+    #: Where a shared-memory put's snapshot still lies in the tenant's staging arena (the same layout:
+    #: header room, then the snapshot) until `_seal` copies it into `arena`; None once it is there.
+    staged: tuple[Arena, int] | None = None
+    #: The sealing thread is copying or checksumming it without the lock: a reader that seals it meanwhile
+    #: copies the same staged bytes itself, and leaves the staging range for the sealing thread to free.
+    sealing: bool = False
     #: Shared-memory readers copying it now (`locate(pin=True)` until `unpin`): its range is not reused
     #: before they are done, even if it expires or is evicted meanwhile (`dropped`).
     pins: int = 0
@@ -86,6 +94,9 @@ class MemoryPool(SwaPool):
         # stale pairs (key rewritten or gone) are skipped when popped.
         self._expiry: list[tuple[float, bytes]] = []
         self._arenas: dict[bytes, Arena] = {}
+        self._staging: dict[bytes, Arena] = {}
+        #: Arenas that became empty (`Arena.retirable` is checked again before one is let go).
+        self._emptied: set[bytes] = set()
         self._bytes = 0
         self._pending = 0  # bytes reserved by shared-memory puts not committed yet
         self._expirations = 0
@@ -111,17 +122,55 @@ class MemoryPool(SwaPool):
         with self._lock:
             return self._arena(tenant)
 
+    def staging(self, tenant: bytes) -> Arena:
+        """The staging arena of the tenant whose namespace id is `tenant` (its writers copy puts there),
+        made on first use."""
+        with self._lock:
+            return self._staging_arena(tenant)
+
+    def _new_arena(self, tenant: bytes, kind: str, *, clients_write: bool) -> Arena:
+        try:
+            # Both of one size, so a session names both with one arena_bytes.
+            return Arena(f"kvstore-swa-{kind}{tenant.hex() or 'other'}",
+                         min(2 * self.cap_bytes + ARENA_SLACK, ARENA_MAX),
+                         idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4), clients_write=clients_write)
+        except OSError as exc:  # out of address space or descriptors: a miss, counted, never a crash
+            raise Unavailable(f"cannot make the SWA arena of another tenant: {exc}") from None
+
     def _arena(self, tenant: bytes) -> Arena:
         arena = self._arenas.get(tenant)
         if arena is None:
-            try:
-                arena = Arena(f"kvstore-swa-{tenant.hex() or 'other'}",
-                              min(2 * self.cap_bytes + ARENA_SLACK, ARENA_MAX),
-                              idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4))
-            except OSError as exc:  # out of address space or descriptors: a miss, counted, never a crash
-                raise Unavailable(f"cannot make the SWA arena of another tenant: {exc}") from None
-            self._arenas[tenant] = arena
+            arena = self._arenas[tenant] = self._new_arena(tenant, "", clients_write=False)
         return arena
+
+    def _staging_arena(self, tenant: bytes) -> Arena:
+        staging = self._staging.get(tenant)
+        if staging is None:
+            staging = self._staging[tenant] = self._new_arena(tenant, "staging-", clients_write=True)
+        return staging
+
+    def _retire_emptied(self) -> None:
+        """Let go of arenas that hold nothing and grew past their idle budget: a sealed arena cannot give
+        pages back otherwise. Its sessions see it is not their tenant's arena any more and open anew."""
+        for tenant in self._emptied:
+            arena = self._arenas.get(tenant)
+            if arena is not None and arena.retirable:
+                del self._arenas[tenant]
+                arena.close()
+        self._emptied.clear()
+
+    def _free(self, entry: _Entry) -> None:
+        """Give back an entry's ranges: its arena's and, not sealed yet, its staging range."""
+        entry.arena.free(entry.offset, entry.length)
+        if entry.staged is not None:
+            staging, offset = entry.staged
+            staging.free(offset, entry.length)
+            entry.staged = None
+        if entry.arena.used == 0:
+            self._emptied.add(self._tenant_of(entry.arena))
+
+    def _tenant_of(self, arena: Arena) -> bytes:
+        return next((t for t, a in self._arenas.items() if a is arena), b"")
 
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
@@ -129,9 +178,12 @@ class MemoryPool(SwaPool):
         if entry.pins:
             entry.dropped = True  # gone from the index; its range is freed by the last unpin
         else:
-            entry.arena.free(entry.offset, entry.length)
+            self._free(entry)
 
     def _sweep(self, now: float) -> None:
+        # Before any arena is asked for: never one a caller is about to allocate in.
+        if self._emptied:
+            self._retire_emptied()
         while self._expiry and self._expiry[0][0] <= now:
             expires_s, key = heapq.heappop(self._expiry)
             entry = self._entries.get(key)
@@ -159,31 +211,61 @@ class MemoryPool(SwaPool):
         return offset
 
     def _install(self, key: bytes, arena: Arena, offset: int, length: int, expires_s: float,
-                 unsealed: Callable[[int], bytes] | None = None) -> _Entry:
+                 unsealed: Callable[[int], bytes] | None = None, staged: tuple[Arena, int] | None = None) -> _Entry:
         if key in self._entries:
             self._drop(key)
-        entry = _Entry(arena=arena, offset=offset, length=length, expires_s=expires_s, unsealed=unsealed)
+        entry = _Entry(arena=arena, offset=offset, length=length, expires_s=expires_s, unsealed=unsealed,
+                       staged=staged)
         self._entries[key] = entry
         self._bytes += length
         heapq.heappush(self._expiry, (expires_s, key))
         return entry
 
     @staticmethod
-    def _seal(entry: _Entry, data_checksum: int | None = None) -> None:
-        """Write the header of an entry committed unsealed (checksumming its snapshot unless given)."""
+    def _settle(entry: _Entry) -> int:
+        """Copy a staged snapshot into the entry's arena, checksummed as it lies there (a writer may still
+        scribble on its staging range: the checksum is of what readers will map); the checksum."""
+        start, end = entry.offset + HEADER_BYTES, entry.offset + entry.length
+        if entry.staged is None:
+            return xxhash.xxh3_64_intdigest(entry.arena.view[start:end])
+        staging, at = entry.staged
+        digest = xxhash.xxh3_64()
+        copy_hashed(entry.arena.view[start:end], staging.view[at + HEADER_BYTES:at + entry.length], digest)
+        return digest.intdigest()
+
+    def _seal(self, entry: _Entry, data_checksum: int | None = None) -> None:
+        """Write the header of an entry committed unsealed (its snapshot settled in the arena and
+        checksummed there first, unless `data_checksum` says that is done), and free its staging range."""
         if entry.unsealed is None:
             return
         if data_checksum is None:
-            data_checksum = xxhash.xxh3_64_intdigest(
-                entry.arena.view[entry.offset + HEADER_BYTES:entry.offset + entry.length])
+            data_checksum = self._settle(entry)
         entry.arena.write(entry.offset, entry.unsealed(data_checksum))
         entry.unsealed = None
+        self._unstage(entry)
+
+    @staticmethod
+    def _unstage(entry: _Entry) -> None:
+        """Free a sealed entry's staging range, unless the sealing thread still copies from it (it must not
+        be reused under that copy: the thread frees it when done)."""
+        if entry.staged is not None and entry.unsealed is None and not entry.sealing:
+            staging, at = entry.staged
+            staging.free(at, entry.length)
+            entry.staged = None
+
+    def _ready(self, key: bytes, now: float) -> _Entry | None:
+        """The live entry under `key`, sealed first if it is a shared-memory put not sealed yet."""
+        entry = self._live(key, now)
+        if entry is not None:
+            self._seal(entry)
+        return entry
 
     def _seal_forever(self) -> None:
-        """The sealing thread: checksum committed shared-memory puts off their writers' path. Each is
-        pinned and hashed without the lock (xxh3 lets go of the GIL too), then sealed under it unless
-        a reader sealed it first. It runs at the lowest priority: sealing is background work, and a
-        reader that comes first seals the record itself."""
+        """The sealing thread: settle committed shared-memory puts off their writers' path. Each is
+        pinned, copied from its staging range into the arena and hashed there without the lock (xxh3
+        lets go of the GIL too), then sealed under it unless a reader sealed it first. It runs at the
+        lowest priority: sealing is background work, and a reader that comes first seals the record
+        itself."""
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         with self._lock:
@@ -196,20 +278,22 @@ class MemoryPool(SwaPool):
                 if entry.unsealed is None or entry.dropped:
                     continue
                 entry.pins += 1
+                entry.sealing = True
                 self._lock.release()
                 try:
-                    data_checksum = xxhash.xxh3_64_intdigest(
-                        entry.arena.view[entry.offset + HEADER_BYTES:entry.offset + entry.length])
+                    data_checksum = self._settle(entry)
                 finally:
                     self._lock.acquire()
+                    entry.sealing = False
                 if not entry.dropped:
-                    self._seal(entry, data_checksum)
+                    self._seal(entry, data_checksum)  # nothing to do if a reader sealed it meanwhile...
+                    self._unstage(entry)  # ...but then its staging range is this thread's to free
                 self._unpin_locked(entry)
 
     def _unpin_locked(self, entry: _Entry) -> None:
         entry.pins -= 1
         if entry.dropped and not entry.pins:
-            entry.arena.free(entry.offset, entry.length)
+            self._free(entry)
 
     def _live(self, key: bytes, now: float) -> _Entry | None:
         entry = self._entries.get(key)
@@ -242,12 +326,11 @@ class MemoryPool(SwaPool):
             now = self.clock.now()
             out: list[bytes | None] = []
             for key in keys:
-                entry = self._live(key, now)
+                entry = self._ready(key, now)  # a shared-memory put not sealed yet: its header first
                 if entry is None:
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
-                self._seal(entry)  # a shared-memory put not sealed yet: its header first
                 # A copy under the lock: once it is released the range may be reused.
                 out.append(entry.arena.read(entry.offset, entry.length))
             return out
@@ -283,9 +366,10 @@ class MemoryPool(SwaPool):
         if self._sealer is not None:
             self._sealer.join(timeout=5)
         with self._lock:
-            for arena in self._arenas.values():
+            for arena in [*self._arenas.values(), *self._staging.values()]:
                 arena.close()
             self._arenas.clear()
+            self._staging.clear()
             self._entries.clear()
 
     # -- the shared-memory path (tiers.swa_shm_session calls these from the server's threads) --
@@ -300,52 +384,86 @@ class MemoryPool(SwaPool):
                 self._sealer.start()
             return self._shm
 
-    def reserve(self, tenant: bytes, lengths: Sequence[int]) -> list[int | None]:
-        """Ranges in `tenant`'s arena for records of `lengths` bytes, counted against the cap until
-        `commit` or `release`; None for a record larger than the pool (dropped, as put_many drops it)."""
+    def reserve(self, tenant: bytes, lengths: Sequence[int], *, arena: Arena | None = None) -> list[Reserved | None]:
+        """Ranges for records of `lengths` bytes: one in `tenant`'s arena, counted against the cap until
+        `commit` or `release`, and one of the same length in its staging arena, where the writer copies
+        the snapshot; None for a record larger than the pool (dropped, as put_many drops it).
+
+        Raises:
+            PermissionDenied: `arena` (the session's) is no longer the tenant's: the session must open anew.
+        """
         with self._lock:
             self._sweep(self.clock.now())
-            arena = self._arena(tenant)
-            offsets = []
+            current = self._arena(tenant)
+            if arena is not None and arena is not current:
+                raise PermissionDenied("this shared-memory session's arena was renewed (its records were all "
+                                       "gone)", hint="ask SwaPool.OpenDirect again")
+            staging = self._staging_arena(tenant)
+            out: list[Reserved | None] = []
             for length in lengths:
-                offset = self._room(arena, length)
-                if offset is not None:
+                offset = self._room(current, length)
+                staged = None if offset is None else self._stage(staging, length)
+                if offset is not None and staged is None:
+                    current.free(offset, length)  # no staging room even with everything sealed: dropped
+                    self._evictions += 1
+                    offset = None
+                if offset is not None and staged is not None:
                     self._pending += length
-                offsets.append(offset)
-            return offsets
+                    out.append(Reserved(offset=offset, staged=staged, length=length))
+                else:
+                    out.append(None)
+            return out
 
-    def release(self, tenant: bytes, spans: Sequence[tuple[int, int]]) -> None:
-        """Give back reserved (offset, length) ranges that were never committed."""
+    def _stage(self, staging: Arena, length: int) -> int | None:
+        """A staging range of `length` bytes; when there is none, this staging arena's records not sealed
+        yet are sealed now (their staging ranges freed) and it is tried again."""
+        offset = staging.alloc(length)
+        if offset is None:
+            for entry in list(self._unsealed):
+                if entry.staged is not None and entry.staged[0] is staging and not entry.sealing:
+                    self._seal(entry)
+            offset = staging.alloc(length)
+        return offset
+
+    def release(self, tenant: bytes, spans: Sequence[Reserved]) -> None:
+        """Give back reservations that were never committed."""
         with self._lock:
-            arena = self._arenas.get(tenant)
-            for offset, length in spans:
-                self._pending -= length
+            arena, staging = self._arenas.get(tenant), self._staging.get(tenant)
+            for span in spans:
+                self._pending -= span.length
                 if arena is not None:
-                    arena.free(offset, length)
+                    arena.free(span.offset, span.length)
+                if staging is not None:
+                    staging.free(span.staged, span.length)
+                if arena is not None and arena.used == 0:
+                    self._emptied.add(tenant)
 
-    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, int, int, bytes | Callable[[int], bytes]]],
-               ttl_s: float) -> None:
-        """Make reserved records live: (key, offset, length, header) each, the header written at
-        `offset` (the client wrote the snapshot after it); each lives `ttl_s` from now.
+    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, Reserved, Header]], ttl_s: float) -> None:
+        """Make reserved records live: (key, reservation, header) each; each lives `ttl_s` from now.
 
-        A header may be a function of the snapshot's checksum instead: the record is live at once and
-        sealed by the sealing thread, or by its first reader if that comes first (readers never see it
-        unsealed).
+        A header given as bytes says the snapshot was already copied into the arena and checksummed
+        there (a session's WRITTEN notes): it is written at the reservation's offset and the staging
+        range freed. A header given as a function of the snapshot's checksum leaves the snapshot in its
+        staging range: the record is live at once and settled and sealed by the sealing thread, or by its
+        first reader if that comes first (readers never see it unsealed).
         """
         with self._lock:
             now = self.clock.now()
-            arena = self._arenas[tenant]
-            for key, offset, length, header in items:
-                self._pending -= length
+            arena, staging = self._arenas[tenant], self._staging[tenant]
+            for key, span, header in items:
+                self._pending -= span.length
                 if isinstance(header, bytes):
-                    arena.write(offset, header)
-                    self._install(key, arena, offset, length, now + ttl_s)
+                    arena.write(span.offset, header)
+                    staging.free(span.staged, span.length)
+                    self._install(key, arena, span.offset, span.length, now + ttl_s)
                 else:
-                    self._unsealed.append(self._install(key, arena, offset, length, now + ttl_s, unsealed=header))
+                    self._unsealed.append(self._install(key, arena, span.offset, span.length, now + ttl_s,
+                                                        unsealed=header, staged=(staging, span.staged)))
             self._wake.notify()
 
-    def locate(self, keys: Sequence[bytes], *, pin: bool = False) -> list[Located | None]:
-        """Where each live record lies (a hit: moved to most recently used), None where missing or expired.
+    def locate(self, keys: Sequence[bytes], *, pin: bool = False, arena: Arena | None = None) -> list[Located | None]:
+        """Where each live record lies (a hit: moved to most recently used), None where missing or expired
+        (or, given `arena`, in another arena: one that replaced it since the caller was handed it).
 
         With `pin`, each found record's range is kept from reuse until `unpin(located)`, so a
         client can copy it out after the lock is released.
@@ -353,12 +471,12 @@ class MemoryPool(SwaPool):
         with self._lock:
             now = self.clock.now()
             out: list[Located | None] = []
-            for key, entry in ((k, self._live(k, now)) for k in keys):
-                if entry is None:
+            for key in keys:
+                entry = self._ready(key, now)  # its copy, checksum and header before anyone reads them
+                if entry is None or (arena is not None and entry.arena is not arena):
                     out.append(None)
                     continue
                 self._entries.move_to_end(key)
-                self._seal(entry)  # its checksum and header before anyone reads them
                 entry.pins += pin
                 out.append(Located(offset=entry.offset, length=entry.length, pin=entry if pin else None,
                                    header=entry.arena.read(entry.offset, HEADER_BYTES)))

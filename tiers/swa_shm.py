@@ -1,17 +1,28 @@
-"""One tenant's SWA records in shared memory: a sealed, sparse memfd and a first-fit allocator over it.
+"""One tenant's SWA records in shared memory: sealed, sparse memfds and a first-fit allocator over each.
 
 The embedded pool (tiers.swa_memory) keeps every record (header + snapshot) in
 the arena of the record's tenant, so a client on the same host can map that
-arena and copy a snapshot in or out itself: the same-host path of
-docs/SWA_POOL.md ("Shared-memory path"). One arena per tenant is what keeps
-tenants apart: a client is handed its own tenant's descriptor only.
+arena and copy a snapshot out itself: the same-host path of docs/SWA_POOL.md
+("Shared-memory path"). One arena per tenant is what keeps tenants apart: a
+client is handed its own tenant's descriptor only.
 
-The file is sealed against shrinking and growing (as kvstore.region's client
-regions are), so no client can make the server's mapping fault. It is sparse:
-pages are committed as records are written. A freed range is kept committed
-(the next record written there pays no page faults or zeroing) while the
-arena's idle committed bytes stay under `idle_limit`; past it a freed range is
-given back to the kernel (MADV_REMOVE punches it out of the file).
+Every file is sealed against shrinking and growing (as kvstore.region's client
+regions are), so no client can make the server's mapping fault. A tenant's
+arena is also sealed against writes (F_SEAL_FUTURE_WRITE) once the server's own
+writable mapping exists: the server writes through that mapping, and no
+descriptor of it, reopened through /proc read-write, by any user, or mapped
+read-only and mprotect()ed, can be mapped for writing or written. Writers put
+through a second file, the tenant's **staging** arena (`clients_write=True`),
+handed to write-right sessions only; the server copies each committed snapshot
+from there into the arena and checksums it there, so what a reader maps is
+what the server checksummed.
+
+Files are sparse: pages are committed as records are written. A freed range is
+kept committed (the next record written there pays no page faults or zeroing).
+A staging arena gives freed ranges back to the kernel (MADV_REMOVE punches them
+out) past `idle_limit` idle bytes; a sealed arena cannot be punched (the write
+seal refuses it), so the pool replaces one whose records are all gone once it
+has grown past `idle_limit` (`retirable`).
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from kvstore.errors import FailedPrecondition
+from kvstore.errors import FailedPrecondition, Internal
+from tiers.swa_digest import Hasher
 
 #: Pages of the platform (the unit the kernel takes back).
 PAGE = mmap.PAGESIZE
@@ -33,6 +45,13 @@ PAGE = mmap.PAGESIZE
 GRANULE = max(64 << 10, PAGE)
 #: The seals every arena carries: it can neither shrink nor grow, and no seal can be changed.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: No new writable mapping, write() or hole punching, whoever asks; mappings made before stay writable
+#: (Linux 5.1; Python's fcntl names it from 3.13 only, hence the literal).
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+#: The seals of an arena clients only read: the server's own mapping is its only way in for writing.
+READ_ONLY_SEALS = SEALS | F_SEAL_FUTURE_WRITE
+#: Bytes the server copies from a staging arena before it hashes them (while they are in its cache).
+COPY_CHUNK = 256 << 10
 #: Idle committed bytes an arena keeps for reuse when no limit is given.
 DEFAULT_IDLE_LIMIT = 256 << 20
 
@@ -48,9 +67,28 @@ class Located:
     pin: object = None
 
 
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """A shared-memory put's reservation: its range in the tenant's arena and one of the same length in
+    the tenant's staging arena (where the writer copies the snapshot, after HEADER_BYTES of room)."""
+
+    offset: int
+    staged: int
+    length: int
+
+
 def pages(nbytes: int) -> int:
     """`nbytes` rounded up to whole allocation granules (whole pages)."""
     return -(-nbytes // GRANULE) * GRANULE
+
+
+def copy_hashed(dst: memoryview, src: memoryview, hasher: Hasher) -> None:
+    """Copy `src` into `dst` (of one length) a chunk at a time, feeding `hasher` each chunk as it lies in
+    `dst` just after it is copied: the checksum is of the bytes written, whatever `src` holds meanwhile."""
+    for lo in range(0, len(src), COPY_CHUNK):
+        hi = min(lo + COPY_CHUNK, len(src))
+        dst[lo:hi] = src[lo:hi]
+        hasher.update(dst[lo:hi])
 
 
 class Arena:
@@ -61,18 +99,27 @@ class Arena:
     Args:
         name: the memfd's name (shows in /proc/<pid>/fd; no secret).
         size: bytes of address space (rounded up to pages); pages are committed only as written.
-        idle_limit: freed bytes kept committed for reuse before freed ranges are punched out.
+        idle_limit: freed bytes kept committed for reuse before freed ranges are punched out (a staging
+            arena), or past which an emptied arena is `retirable` (one clients only read).
+        clients_write: a staging arena, whose descriptors may be writable; otherwise the file is sealed
+            against every write but through this object's own mapping, made before the seal.
     """
 
-    def __init__(self, name: str, size: int, *, idle_limit: int = DEFAULT_IDLE_LIMIT) -> None:
+    def __init__(self, name: str, size: int, *, idle_limit: int = DEFAULT_IDLE_LIMIT,
+                 clients_write: bool = False) -> None:
         self.size = pages(max(size, PAGE))
         self.idle_limit = idle_limit
+        self.clients_write = clients_write
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            # Mapped before it is sealed: F_SEAL_FUTURE_WRITE keeps this mapping writable and refuses
+            # every later one (and F_SEAL_SEAL, in the same call, keeps the set from ever changing).
             self._map: mmap.mmap | None = mmap.mmap(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS if clients_write else READ_ONLY_SEALS)
         except BaseException:
+            if getattr(self, "_map", None) is not None:
+                self._map.close()  # type: ignore[union-attr]
             os.close(self.fd)
             raise
         self.view = memoryview(self._map)
@@ -81,6 +128,8 @@ class Arena:
         self._lengths: list[int] = [self.size]
         self.used = 0
         self._idle = 0
+        #: The end of the highest range ever allocated: what a sealed arena may hold committed.
+        self.high = 0
 
     def alloc(self, nbytes: int) -> int | None:
         """The offset of a fresh range of `nbytes` (granule-aligned), or None when no free range is that long."""
@@ -94,6 +143,7 @@ class Arena:
                     self._starts[i], self._lengths[i] = start + need, length - need
                 self.used += need
                 self._idle = max(self._idle - need, 0)
+                self.high = max(self.high, start + need)
                 return start
         return None
 
@@ -101,8 +151,9 @@ class Arena:
         """Give back the range `alloc` returned for `nbytes` at `offset`."""
         size = pages(nbytes)
         self.used -= size
-        if self._idle + size > self.idle_limit and self._map is not None:
+        if self._idle + size > self.idle_limit and self._map is not None and self.clients_write:
             # Past the idle budget: the pages go back to the kernel (a later record there faults them in).
+            # A sealed arena cannot be punched (EPERM): the pool retires it once it is empty instead.
             self._map.madvise(mmap.MADV_REMOVE, offset, size)
         else:
             self._idle += size
@@ -125,11 +176,24 @@ class Arena:
         """A copy of `nbytes` at `offset` (a copy: the range may be reused once the caller's lock is gone)."""
         return bytes(self.view[offset:offset + nbytes])
 
+    @property
+    def retirable(self) -> bool:
+        """Whether this arena holds nothing (no record, reservation or pinned range) and has grown past
+        its idle budget: a sealed arena's pages go back to the kernel only when the file is let go."""
+        return not self.clients_write and self.used == 0 and self.high > self.idle_limit
+
     def open_fd(self, *, writable: bool) -> int:
-        """A new descriptor of the memfd for a client: read-only unless `writable`
-        (a read-only descriptor cannot be mapped for writing). The caller closes it."""
+        """A new descriptor of the memfd for a client: read-only unless `writable`, which only a staging
+        arena gives (a sealed arena cannot be mapped for writing by any descriptor). The caller closes it.
+
+        Raises:
+            FailedPrecondition: the arena is closed.
+            Internal: a writable descriptor of an arena clients only read.
+        """
         if self._map is None:
             raise FailedPrecondition("the arena is closed")
+        if writable and not self.clients_write:
+            raise Internal("a writable descriptor of a tenant's arena was asked for: writers get its staging arena")
         return os.open(f"/proc/self/fd/{self.fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
 
     def close(self) -> None:

@@ -3,12 +3,14 @@
 The gateway (gateway.swa_servicer, SwaPool.OpenDirect) authenticates a client by
 its token and `grant`s it a ticket bound to its tenant, geometry, write right
 and TTL. The client says HELLO with the ticket on this server's socket and gets
-the descriptor of its own tenant's arena (SCM_RIGHTS; read-only unless it may
-write), then sends BEGIN / WRITTEN / COMMIT / ABORT / GET requests
+the descriptor of its own tenant's arena (SCM_RIGHTS; read-only, and sealed so
+that no descriptor of it can be made writable), and, when it may write, that of
+its tenant's staging arena, where its puts are copied; then it sends BEGIN / WRITTEN / COMMIT / ABORT / GET requests
 (SwaShmRequest, one SOCK_SEQPACKET message each; kvstore.client.swa_shm is the
 client). Only offsets, keys, T and checksums cross the socket; snapshots are
-copied by the client straight into or out of the arena, where the pool
-(tiers.swa_memory) keeps every record of the tenant. What each request does to
+copied by the client straight out of the arena, where the pool
+(tiers.swa_memory) keeps every record of the tenant, or into the staging
+arena, from which the server copies them into the arena. What each request does to
 the pool is the session's (tiers.swa_shm_session): this module owns the socket,
 the tickets and the dispatch.
 
@@ -127,7 +129,7 @@ class ShmServer:
                 if n == 0:
                     return
                 session.unpin()  # the client has copied what its last GET named
-                fd = -1
+                fds: list[int] = []
                 try:
                     request = pb.SwaShmRequest()
                     try:
@@ -137,7 +139,7 @@ class ShmServer:
                     if request.op == pb.SWA_SHM_OP_WRITTEN:
                         session.written(request.index, request.written)  # one-way: no reply
                         continue
-                    reply, fd = self._handle(session, request)
+                    reply, fds = self._handle(session, request)
                 except KVStoreError as exc:
                     text = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
                     reply = pb.SwaShmReply(code=to_status(exc).value[0], message=text)
@@ -146,12 +148,12 @@ class ShmServer:
                     reply = pb.SwaShmReply(code=to_status(Internal("")).value[0], message=f"internal error: {exc}")
                 data = reply.SerializeToString()
                 try:
-                    if fd >= 0:
-                        socket.send_fds(sock, [data], [fd])
+                    if fds:
+                        socket.send_fds(sock, [data], fds)
                     else:
                         sock.sendall(data)
                 finally:
-                    if fd >= 0:
+                    for fd in fds:
                         os.close(fd)
         except OSError:
             return
@@ -162,8 +164,8 @@ class ShmServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handle(self, session: ShmSession, request: pb.SwaShmRequest) -> tuple[pb.SwaShmReply, int]:
-        """The reply to one request, and a descriptor to send with it (-1: none)."""
+    def _handle(self, session: ShmSession, request: pb.SwaShmRequest) -> tuple[pb.SwaShmReply, list[int]]:
+        """The reply to one request, and the descriptors to send with it (HELLO's only)."""
         if request.op == pb.SWA_SHM_OP_HELLO:
             with self._lock:
                 grant = self._grants.get(request.ticket)
@@ -178,12 +180,12 @@ class ShmServer:
             raise PermissionDenied("this shared-memory session has ended", hint="ask SwaPool.OpenDirect again")
         self.hooks.admit(grant.tenant)
         if request.op == pb.SWA_SHM_OP_GET:
-            return session.get(grant, request), -1
+            return session.get(grant, request), []
         if request.op == pb.SWA_SHM_OP_BEGIN:
-            return session.begin(grant, request), -1
+            return session.begin(grant, request), []
         if request.op == pb.SWA_SHM_OP_COMMIT:
-            return session.commit(grant, request), -1
+            return session.commit(grant, request), []
         if request.op == pb.SWA_SHM_OP_ABORT:
             session.release()
-            return pb.SwaShmReply(), -1
+            return pb.SwaShmReply(), []
         raise InvalidArgument(f"op {request.op} is not a SwaShmOp this server knows")

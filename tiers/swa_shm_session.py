@@ -8,10 +8,13 @@ From then on its requests (docs/SWA_POOL.md "Shared-memory path") are:
   each snapshot lies, and pin those records until the session's next request
   (the client copies them out meanwhile);
 - BEGIN: check keys and T, reserve a range per record (counted against the
-  cap, evicting by LRU); WRITTEN: checksum the bytes the client says it has
-  copied so far; COMMIT: make the records live under the grant's TTL, sealed
-  with the server's checksum of what is in the arena; ABORT: give the
-  reservation back.
+  cap, evicting by LRU) and one in the tenant's staging arena, where the client
+  copies the snapshot (the arena itself is sealed against every client's
+  writes: tiers.swa_shm); WRITTEN: copy the bytes the client says it has
+  copied so far into the arena and checksum them there; COMMIT: make the
+  records live under the grant's TTL, sealed with the server's checksum of
+  what is in the arena (or settled and sealed by the pool just after);
+  ABORT: give the reservation back.
 
 The pool is reached through `ShmPool` (tiers.swa_memory.MemoryPool is the
 one), so this module and the socket server never import the pool's module.
@@ -19,6 +22,7 @@ one), so this module and the socket server never import the pool's module.
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES, check_position, seal, snapshot_bytes
 from kvstore.v1 import swa_pb2 as pb
-from tiers.swa_shm import Arena, Located
+from tiers.swa_shm import Arena, Located, Reserved, copy_hashed
 
 #: A record header's fields as kvstore.swa_snapshot.seal lays them out: magic, version, geometry
 #: fingerprint, T, the data's checksum, the checksum of those fields. Read here for T and the checksum;
@@ -85,19 +89,24 @@ class ShmPool(Protocol):
     """What a session needs of the pool whose arenas hold the records (tiers.swa_memory.MemoryPool)."""
 
     def arena(self, tenant: bytes) -> Arena:
-        """The arena of the tenant whose namespace id is `tenant`."""
+        """The arena of the tenant whose namespace id is `tenant` (clients only read it)."""
 
-    def reserve(self, tenant: bytes, lengths: Sequence[int]) -> list[int | None]:
-        """Ranges for records of `lengths` bytes, counted against the cap (None: dropped)."""
+    def staging(self, tenant: bytes) -> Arena:
+        """The staging arena of that tenant (its writers copy puts there)."""
 
-    def release(self, tenant: bytes, spans: Sequence[tuple[int, int]]) -> None:
-        """Give back reserved (offset, length) ranges never committed."""
+    def reserve(self, tenant: bytes, lengths: Sequence[int], *, arena: Arena | None = None) -> list[Reserved | None]:
+        """Ranges for records of `lengths` bytes, counted against the cap (None: dropped); PermissionDenied
+        when `arena` is no longer the tenant's."""
 
-    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, int, int, Header]], ttl_s: float) -> None:
-        """Make reserved (key, offset, length, header) records live for `ttl_s`."""
+    def release(self, tenant: bytes, spans: Sequence[Reserved]) -> None:
+        """Give back reservations never committed."""
 
-    def locate(self, keys: Sequence[bytes], *, pin: bool = False) -> list[Located | None]:
-        """Where each live record lies; with `pin`, kept from reuse until `unpin`."""
+    def commit(self, tenant: bytes, items: Sequence[tuple[bytes, Reserved, Header]], ttl_s: float) -> None:
+        """Make reserved (key, reservation, header) records live for `ttl_s`."""
+
+    def locate(self, keys: Sequence[bytes], *, pin: bool = False, arena: Arena | None = None) -> list[Located | None]:
+        """Where each live record lies (in `arena` only, when given); with `pin`, kept from reuse until
+        `unpin`."""
 
     def unpin(self, located: Sequence[Located | None]) -> None:
         """Let the ranges `locate(pin=True)` kept be reused."""
@@ -105,13 +114,14 @@ class ShmPool(Protocol):
 
 @dataclass
 class _Reserved:
-    """A record BEGIN reserved: its storage key, range (offset None: dropped), T, and its checksum so far."""
+    """A record BEGIN reserved: its storage key, ranges (None: dropped), length, T, and its checksum so far."""
 
     key: bytes
-    offset: int | None
+    span: Reserved | None
     length: int
     position: int
-    #: The snapshot's xxh3 so far, over its first `hashed` bytes (WRITTEN notes move it on).
+    #: The snapshot's xxh3 so far, over its first `hashed` bytes as copied into the arena (WRITTEN notes
+    #: move it on).
     digest: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
     hashed: int = 0
 
@@ -131,20 +141,38 @@ class ShmSession:
         self.hooks = hooks
         self.grant: ShmGrant | None = None
         self.arena: Arena | None = None
+        self.staging: Arena | None = None
         self._pending: list[_Reserved] = []
         self._refused = ""
         #: The records the last GET named, kept from reuse until the next request (copied by then).
         self._pinned: list[Located | None] = []
 
-    def hello(self, grant: ShmGrant, lifetime_s: float) -> tuple[pb.SwaShmReply, int]:
-        """Start (or restart) the session under `grant`: the reply and a new descriptor of the
-        tenant's arena (read-only unless the grant may write; the caller sends and closes it)."""
+    def hello(self, grant: ShmGrant, lifetime_s: float) -> tuple[pb.SwaShmReply, list[int]]:
+        """Start (or restart) the session under `grant`: the reply and new descriptors to send with it (the
+        caller sends and closes them): the tenant's arena, read-only (sealed: no descriptor of it can
+        be mapped for writing), then, when the grant may write, the tenant's staging arena, read-write
+        (of the same size). A reader is never handed the staging arena."""
         self.release()
         self.grant = grant
         self.arena = arena = self.pool.arena(grant.tenant_id)
-        fd = arena.open_fd(writable=grant.writable)
+        self.staging = self.pool.staging(grant.tenant_id) if grant.writable else None
+        fds = [arena.open_fd(writable=False)]
+        try:
+            if self.staging is not None:
+                fds.append(self.staging.open_fd(writable=True))
+        except BaseException:
+            os.close(fds[0])
+            raise
         return pb.SwaShmReply(arena_bytes=arena.size, writable=grant.writable, ttl_ms=max(int(grant.ttl_s * 1000), 1),
-                              lifetime_s=lifetime_s, max_batch=grant.max_batch), fd
+                              lifetime_s=lifetime_s, max_batch=grant.max_batch), fds
+
+    def _current(self, grant: ShmGrant) -> Arena:
+        """The session's arena, still the tenant's (one that held nothing is let go and replaced: the
+        client must open anew to be handed the new one)."""
+        if self.arena is None or self.pool.arena(grant.tenant_id) is not self.arena:
+            raise PermissionDenied("this shared-memory session has ended: its tenant's arena was renewed",
+                                   hint="ask SwaPool.OpenDirect again")
+        return self.arena
 
     def _keys(self, grant: ShmGrant, keys: list[bytes]) -> list[bytes]:
         """Storage keys of the tenant's snapshot keys (32 bytes each, 1 to max_batch of them)."""
@@ -169,7 +197,7 @@ class ShmSession:
             raise InvalidArgument(f"corrupt = {request.corrupt} is more than this session could have read")
         reply = pb.SwaShmReply()
         found = corrupt = 0
-        self._pinned = self.pool.locate(keys, pin=True)
+        self._pinned = self.pool.locate(keys, pin=True, arena=self._current(grant))
         for located in self._pinned:
             fields = header_fields(located.header, grant.fingerprint) if located is not None else None
             if located is None or fields is None or located.length != HEADER_BYTES + snapshot_bytes(
@@ -202,17 +230,20 @@ class ShmSession:
                 lengths.append(HEADER_BYTES + snapshot_bytes(grant.geometry, check_position(t)))
             except InvalidArgument as exc:
                 raise InvalidArgument(f"positions[{i}]: {exc.message}") from None
-        offsets = self.pool.reserve(grant.tenant_id, lengths)
-        self._pending = [_Reserved(key=k, offset=o, length=n, position=t)
-                         for k, o, n, t in zip(keys, offsets, lengths, positions, strict=True)]
+        spans = self.pool.reserve(grant.tenant_id, lengths, arena=self._current(grant))
+        self._pending = [_Reserved(key=k, span=s, length=n, position=t)
+                         for k, s, n, t in zip(keys, spans, lengths, positions, strict=True)]
         self._refused = ""
-        return pb.SwaShmReply(offsets=[-1 if o is None else o + HEADER_BYTES for o in offsets])
+        # Where the client copies each snapshot: its staging range, after the header's room.
+        return pb.SwaShmReply(offsets=[-1 if s is None else s.staged + HEADER_BYTES for s in spans])
 
     def _hash_to(self, item: _Reserved, end: int) -> None:
-        """Move `item`'s checksum on over the snapshot's bytes up to `end` (xxhash lets go of the GIL)."""
-        assert self.arena is not None and item.offset is not None
-        start = item.offset + HEADER_BYTES
-        item.digest.update(self.arena.view[start + item.hashed:start + end])
+        """Copy `item`'s snapshot on into the arena up to `end`, and move its checksum on over those bytes
+        as they lie there (xxhash lets go of the GIL)."""
+        assert self.arena is not None and self.staging is not None and item.span is not None
+        dst, src = item.span.offset + HEADER_BYTES, item.span.staged + HEADER_BYTES
+        copy_hashed(self.arena.view[dst + item.hashed:dst + end], self.staging.view[src + item.hashed:src + end],
+                    item.digest)
         item.hashed = end
 
     def written(self, index: int, written: int) -> None:
@@ -222,7 +253,7 @@ class ShmSession:
             self._refused = self._refused or "WRITTEN without a BEGIN"
             return
         item = self._pending[index] if index < len(self._pending) else None
-        if item is None or item.offset is None:
+        if item is None or item.span is None:
             self._refused = self._refused or (f"WRITTEN index {index} names no reserved snapshot "
                                               f"(BEGIN reserved {len(self._pending)})")
         elif not item.hashed <= written <= item.length - HEADER_BYTES:
@@ -243,26 +274,25 @@ class ShmSession:
         # The checksum is of what is in the arena: the server's, not the client's word. A snapshot the
         # client noted as it copied is checksummed now (the notes did most of it); one without notes is
         # live at once and checksummed by the pool's sealing thread, off the writer's path.
-        items: list[tuple[bytes, int, int, Header]] = []
+        items: list[tuple[bytes, Reserved, Header]] = []
         noted = any(p.hashed for p in self._pending)
         for p in self._pending:
-            if p.offset is None:
+            if p.span is None:
                 continue
             if noted:
                 self._hash_to(p, p.length - HEADER_BYTES)
                 header = seal(grant.fingerprint, p.position, b"", p.digest.intdigest())
-                items.append((p.key, p.offset, p.length, header))
+                items.append((p.key, p.span, header))
             else:
-                items.append((p.key, p.offset, p.length, partial(seal, grant.fingerprint, p.position, b"")))
+                items.append((p.key, p.span, partial(seal, grant.fingerprint, p.position, b"")))
         self._pending = []
         self.pool.commit(grant.tenant_id, items, ttl_s)
-        self.hooks.put(len(items), sum(length - HEADER_BYTES for _, _, length, _ in items))
+        self.hooks.put(len(items), sum(span.length - HEADER_BYTES for _, span, _ in items))
         return pb.SwaShmReply(ttl_ms=max(int(ttl_s * 1000), 1))
 
     def release(self) -> None:
         """Give back what the session reserved and never committed (ABORT, a new BEGIN, the end)."""
         if self.grant is not None and self._pending:
-            self.pool.release(self.grant.tenant_id, [(p.offset, p.length) for p in self._pending
-                                                     if p.offset is not None])
+            self.pool.release(self.grant.tenant_id, [p.span for p in self._pending if p.span is not None])
         self._pending = []
         self._refused = ""

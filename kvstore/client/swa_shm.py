@@ -5,22 +5,29 @@ With the embedded pool every record lives in its tenant's shared-memory arena
 answers such a client with a ticket and the name of the server's control
 socket, an abstract unix socket: reachable on the server's host only. The
 client says HELLO with the ticket and receives the descriptor of its tenant's
-arena over the socket (SCM_RIGHTS; read-only when it may not write), maps it,
-and from then on:
+arena over the socket (SCM_RIGHTS; read-only, of a file sealed against every
+write but the server's own), maps it read-only, and, when it may write, the
+descriptor of its tenant's staging arena, which it maps read-write. From then
+on:
 
 - a put is BEGIN (keys and T: the server reserves a range per record under
-  the pool's cap and LRU), one memcpy of each snapshot into its range, then
-  COMMIT (TTL: the records are live at once; the server's sealing thread
-  checksums each in the arena and writes its header just after, and a reader
-  that comes first seals it itself). With `verify`, each MiB copied is
-  followed by a one-way WRITTEN note, the server checksums it while the next
-  is copied, and the records are sealed when COMMIT answers;
+  the pool's cap and LRU, and answers where in the staging arena to copy
+  each), one memcpy of each snapshot into its staging range, then COMMIT
+  (TTL: the records are live at once; the server's sealing thread copies each
+  into the arena, checksums it there and writes its header just after, and a
+  reader that comes first does so itself). With `verify`, each MiB copied is
+  followed by a one-way WRITTEN note, the server copies and checksums it while
+  the next is copied, and the records are sealed when COMMIT answers;
 - a get is GET (keys: the server answers where each live record's snapshot
   lies, its T and checksum, counts the hits, and keeps those ranges from reuse
-  until this connection's next request), then one memcpy out of the arena.
-  With `verify`, each copy is also checked against the checksum the server
-  took at COMMIT: one that does not match (a writer of the same tenant changed
-  it in place) is a miss, counted as corrupt at the next GET.
+  until this connection's next request), then one pass out of the arena that
+  copies each snapshot and checksums the copy (tiers.swa_digest.copy_digest).
+  A copy whose checksum is not the server's is a miss, counted as corrupt at
+  the next GET: whatever changed the bytes after COMMIT, a get never returns
+  bytes the server did not checksum (docs/SECURITY.md). Always, `verify` or
+  not: no client can write the arena, so only the server (or damage) could
+  have changed them, and the price, an xxh3 pass over bytes already in L1, is
+  small against returning wrong state to a model.
 
 Only small control messages cross the socket (SOCK_SEQPACKET: one message per
 request or reply); the gateway stays the control plane: keys per tenant, TTLs,
@@ -108,10 +115,9 @@ class ShmPath:
     Args:
         grant: the OpenDirect answer (offered, with `shm_socket`).
         geometry: the geometry snapshot sizes are checked against.
-        verify: have the server checksum each put snapshot as it is copied (WRITTEN notes: sealed when
-            COMMIT answers, where by default the server seals it just after, off the put's path), and
-            re-checksum every snapshot copied out (a writer of the same tenant may have changed it in
-            place since); off, a get is one memcpy.
+        verify: have the server copy and checksum each put snapshot as it is copied (WRITTEN notes:
+            sealed when COMMIT answers, where by default the server settles and seals it just after, off
+            the put's path). Gets check every copy against the server's checksum either way.
         timeout_s: how long a control request may take before it is `Unavailable`.
         clock: monotonic seconds (injected in tests).
 
@@ -138,27 +144,32 @@ class ShmPath:
         self._corrupt = 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._map: mmap.mmap | None = None
+        self._staging: mmap.mmap | None = None
         try:
             self._sock.settimeout(timeout_s)
             with _mapped():
                 self._sock.connect("\0" + grant.shm_socket)
                 hello = pb.SwaShmRequest(op=pb.SWA_SHM_OP_HELLO, ticket=grant.shm_ticket)
                 self._sock.sendall(hello.SerializeToString())
-                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 1)
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE, 2)
             try:
                 reply = _parse(data)
-                if len(fds) != 1:
-                    raise Unavailable("SWA shared-memory path: the server sent no arena")
+                if len(fds) != 1 + reply.writable:
+                    raise Unavailable(f"SWA shared-memory path: the server sent {len(fds)} arenas, not "
+                                      f"{1 + reply.writable}")
                 self.writable, self.ttl_ms, self.max_batch = reply.writable, reply.ttl_ms, reply.max_batch
-                prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-                self._map = mmap.mmap(fds[0], reply.arena_bytes, prot=prot)
+                self._map = mmap.mmap(fds[0], reply.arena_bytes, prot=mmap.PROT_READ)
+                if self.writable:
+                    self._staging = mmap.mmap(fds[1], reply.arena_bytes)
             finally:
                 for fd in fds:
                     socket.close(fd)
             self._view = memoryview(self._map)
-            # Granules this mapping has touched: a range touched for the first time is populated with
+            self._staged = memoryview(self._staging) if self._staging is not None else None
+            # Granules each mapping has touched: a range touched for the first time is populated with
             # one madvise, where a copy into it would take a page fault every 4 KiB (about 3x the copy).
             self._touched = bytearray(-(-reply.arena_bytes // GRANULE))
+            self._touched_staging = bytearray(len(self._touched))
             self._renew_at = clock() + reply.lifetime_s / 2
         except BaseException:
             self.close()
@@ -169,15 +180,15 @@ class ShmPath:
         """Whether to ask the gateway for a new session (half its lifetime has passed)."""
         return self.clock() >= self._renew_at
 
-    def _populate(self, offset: int, size: int, advice: int) -> None:
-        """Map the pages of [offset, offset + size) in one call when any of them is new to this mapping."""
+    def _populate(self, mapping: mmap.mmap | None, touched: bytearray, offset: int, size: int, advice: int) -> None:
+        """Map the pages of [offset, offset + size) in one call when any of them is new to `mapping`."""
         lo, hi = offset // GRANULE, -(-(offset + size) // GRANULE)
-        if 0 in self._touched[lo:hi]:
+        if 0 in touched[lo:hi]:
             start = lo * GRANULE
             with contextlib.suppress(OSError, ValueError):  # an older kernel: the copy faults them in
-                assert self._map is not None
-                self._map.madvise(advice, start, min(hi * GRANULE, len(self._map)) - start)
-            self._touched[lo:hi] = b"\x01" * (hi - lo)
+                assert mapping is not None
+                mapping.madvise(advice, start, min(hi * GRANULE, len(mapping)) - start)
+            touched[lo:hi] = b"\x01" * (hi - lo)
 
     def _call(self, request: pb.SwaShmRequest) -> pb.SwaShmReply:
         """Send one request, return its OK reply."""
@@ -187,10 +198,12 @@ class ShmPath:
         return _parse(memoryview(self._buf)[:n])
 
     def put_many(self, triples: Sequence[tuple[bytes, int, Buffer]], ttl_ms: int) -> int:
-        """Store (key, T, snapshot) triples: reserve, copy each into the arena, commit. Returns bytes put.
+        """Store (key, T, snapshot) triples: reserve, copy each into the staging arena, commit. Returns
+        bytes put.
 
         Raises:
             InvalidArgument: a snapshot of the wrong size for its T (nothing sent).
+            PermissionDenied: this session may not write (the server refuses the BEGIN).
         """
         for i, (_, position, data) in enumerate(triples):
             if len(data) != snapshot_bytes(self.geometry, position):
@@ -203,18 +216,22 @@ class ShmPath:
                 raise Internal(f"SWA shared-memory path: {len(offsets)} offsets for {len(triples)} snapshots")
             placed = [(i, offset, data) for i, (offset, (_, _, data)) in enumerate(zip(offsets, triples, strict=True))
                       if offset >= 0]
+            if placed and self._staged is None:
+                raise Internal("SWA shared-memory path: the server reserved ranges for a session it gave no "
+                               "staging arena")
             try:
                 for n, (i, offset, data) in enumerate(placed):
-                    self._populate(offset, len(data), MADV_POPULATE_WRITE)
+                    assert self._staged is not None
+                    self._populate(self._staging, self._touched_staging, offset, len(data), MADV_POPULATE_WRITE)
                     source = memoryview(data).cast("B")
                     for lo in range(0, len(source), NOTE):
                         hi = min(lo + NOTE, len(source))
                         # The one copy, with non-temporal stores: we never read it again, and the server
                         # checksums it from memory rather than out of this core's cache.
-                        stream_into(self._view[offset + lo:offset + hi], source[lo:hi])
+                        stream_into(self._staged[offset + lo:offset + hi], source[lo:hi])
                         if self.verify and (hi < len(source) or n + 1 < len(placed)):
-                            # The server checksums this chunk while we copy the next (no reply; COMMIT
-                            # checksums the last), so the record is sealed when COMMIT answers.
+                            # The server copies this chunk into the arena and checksums it while we copy
+                            # the next (no reply; COMMIT does the last), so it is sealed when COMMIT answers.
                             note = pb.SwaShmRequest(op=pb.SWA_SHM_OP_WRITTEN, index=i, written=hi)
                             with _mapped():
                                 self._sock.sendall(note.SerializeToString())
@@ -228,53 +245,48 @@ class ShmPath:
         return sum(len(d) for _, _, d in triples)
 
     def get_many(self, keys: Sequence[bytes]) -> ShmGets:
-        """The snapshots under `keys`, each copied out of the arena once (bytes), None where missing; with
-        `verify`, each copy is checked against the checksum the server took (None where it fails)."""
+        """The snapshots under `keys`, each copied out of the arena once (bytes) and checked against the
+        checksum the server took; None where missing or where the copy fails its check (counted)."""
         with self._lock:
             reply = self._call(pb.SwaShmRequest(op=pb.SWA_SHM_OP_GET, keys=keys, corrupt=self._corrupt))
             self._corrupt = 0
             if not len(reply.offsets) == len(reply.positions) == len(reply.checksums) == len(keys):
                 raise Internal(f"SWA shared-memory path: a GET reply of {len(reply.offsets)} items, "
                                f"{len(keys)} keys asked")
-            found = zip(reply.offsets, reply.positions, reply.checksums, strict=True)
-            if not self.verify:
-                # The server keeps these ranges from reuse until our next request: copy each once.
-                plain: list[bytes | memoryview | None] = []
-                for offset, position, _ in found:
-                    if offset < 0:
-                        plain.append(None)
-                        continue
-                    size = snapshot_bytes(self.geometry, position)
-                    self._populate(offset, size, MADV_POPULATE_READ)
-                    plain.append(bytes(self._view[offset:offset + size]))  # the one copy
-                return ShmGets(data=plain, corrupt=0)
             out: list[bytes | memoryview | None] = []
             corrupt = 0
-            for offset, position, expected in found:
+            # The server keeps these ranges from reuse until our next request: copy each once.
+            for offset, position, expected in zip(reply.offsets, reply.positions, reply.checksums, strict=True):
                 if offset < 0:
                     out.append(None)
                     continue
                 size = snapshot_bytes(self.geometry, position)
-                self._populate(offset, size, MADV_POPULATE_READ)
+                self._populate(self._map, self._touched, offset, size, MADV_POPULATE_READ)
                 # One pass: each 32 KiB is checksummed just after it is copied, while in L1
                 # (tiers.swa_digest.copy_digest; where it is not built, a copy and then a checksum).
                 copy, digest = copy_digest(self._view[offset:offset + size])
                 if digest == expected:
                     out.append(copy)
                     continue
-                corrupt += 1  # rewritten in place, or evicted and reused while copied: a miss
+                corrupt += 1  # changed since the server checksummed it (damage, a server bug): a miss
                 out.append(None)
             self._corrupt += corrupt
         return ShmGets(data=out, corrupt=corrupt)
 
     def close(self) -> None:
-        """Close the control socket and unmap the arena (snapshots already returned are copies)."""
+        """Close the control socket and unmap the arenas (snapshots already returned are copies)."""
         self._sock.close()
         if self._map is not None:
             with contextlib.suppress(BufferError):
                 self._view.release()
                 self._map.close()
             self._map = None
+        if self._staging is not None:
+            with contextlib.suppress(BufferError):
+                if self._staged is not None:
+                    self._staged.release()
+                self._staging.close()
+            self._staging = None
 
 
 def _parse(data: bytes | memoryview) -> pb.SwaShmReply:

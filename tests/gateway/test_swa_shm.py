@@ -8,9 +8,12 @@ process (tests/children.py) whose clock the test moves (SKEWED_CLOCK).
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +25,14 @@ from kvstore.client import Client, SwaClient
 from kvstore.client import swa_shm as client_shm
 from kvstore.client.admin import AdminClient
 from kvstore.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from kvstore.prefix import namespace_id
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 from tests.children import SKEWED_CLOCK, Child, ServerClock
+from tests.shm_attacks import routes_as_nobody, routes_that_write
 from tiers import swa_digest
+
+ATTACKS = Path(__file__).parents[1] / "shm_attacks.py"
 
 RW = frozenset({"read", "write"})
 TOKENS = list(range(300))
@@ -34,7 +41,8 @@ SNAP = 2_703_360  # a full window, even T (V4.1-Flash)
 
 @dataclass
 class Server:
-    """A served store with tenants a and b (read and write), r (read only) and an admin."""
+    """A served store with tenants a and b (read and write), r (read only), a read-only token of a (ra)
+    and an admin."""
 
     child: Child
     clock: ServerClock
@@ -60,6 +68,7 @@ def serve(tmp_path: Path, **swa: str) -> Server:
     tenants = data_dir / "tenants.json"
     tokens = {who: api_tokens.create(tenants, f"tenant-{who}", RW)[1] for who in ("a", "b")}
     tokens["r"] = api_tokens.create(tenants, "tenant-r", frozenset({"read"}))[1]
+    tokens["ra"] = api_tokens.create(tenants, "tenant-a", frozenset({"read"}))[1]
     tokens["admin"] = api_tokens.create(tenants, "ops", frozenset({"read", "write", "admin"}))[1]
     clock = ServerClock(tmp_path / "clock")
     env = {**clock.env, "KVSTORE_STORE_CAPACITY_BYTES": str(1 << 30), "KVSTORE_SWA_CAP_BYTES": str(256 << 20),
@@ -346,12 +355,95 @@ def test_the_client_comes_back_after_a_server_restart(server: Server) -> None:
         assert swa.get(TOKENS) == data
 
 
+def test_no_client_can_write_its_tenants_arena_by_any_route(server: Server) -> None:
+    """docs/SECURITY.md "Shared memory": a read-only token's session gets one descriptor, of a file sealed
+    against writes; reopening it read-write (here, or from another process through /proc), mapping it
+    shared and writable, mprotect() on a read-only mapping, pwrite, punching or truncating it: none
+    writes, and the snapshot a read-write client of the same tenant then gets is the one put."""
+    with server.client("a") as a, server.client("ra") as ra:
+        data = snap(a)
+        assert a.swa.put(TOKENS, data).stored == 1 and a.swa.last_path == "shm"
+        reader, writer = Raw(open_direct(ra)), Raw(open_direct(a))
+        try:
+            assert not reader.hello.writable and len(reader.fds) == 1  # a reader is never handed staging
+            assert writer.hello.writable and len(writer.fds) == 2
+            size = reader.hello.arena_bytes
+            for fd in (reader.fds[0], writer.fds[0]):  # the arena, as a reader and as a writer get it
+                assert routes_that_write(fd, size) == []
+                out = subprocess.run([sys.executable, str(ATTACKS), f"/proc/{os.getpid()}/fd/{fd}", str(size)],
+                                     capture_output=True, text=True, check=True).stdout
+                assert json.loads(out) == []
+            # The server's own descriptor of the arena, from another process (root may open it).
+            name = f"/memfd:kvstore-swa-{namespace_id('tenant-a').hex()} (deleted)"
+            fd_dir = Path(f"/proc/{server.child.proc.pid}/fd")
+            own = [p for p in fd_dir.iterdir() if os.readlink(p) == name]
+            assert own
+            for path in own:
+                out = subprocess.run([sys.executable, str(ATTACKS), str(path), str(size)],
+                                     capture_output=True, text=True, check=True).stdout
+                assert json.loads(out) == []
+            assert routes_that_write(writer.fds[1], size)  # the writer's staging arena: not vacuous
+        finally:
+            reader.close()
+            writer.close()
+        assert ra.swa.get(TOKENS) == data and ra.swa.last_path == "shm"
+        assert a.swa.get(TOKENS) == data and a.swa.last_path == "shm"
+
+
+def test_a_reader_of_another_user_cannot_write_its_tenants_arena(server: Server) -> None:
+    """The memfd's mode is 0777, so a read-only descriptor handed to a worker of another user used to be
+    reopened read-write by it: the seal keeps that user out too."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a child as another user")
+    with server.client("a") as a, server.client("ra") as ra:
+        data = snap(a)
+        assert a.swa.put(TOKENS, data).stored == 1
+        reader = Raw(open_direct(ra))
+        try:
+            assert routes_as_nobody(reader.fds[0], reader.hello.arena_bytes) == []
+        finally:
+            reader.close()
+        assert a.swa.get(TOKENS) == data
+
+
+def test_a_writer_cannot_change_a_committed_snapshot(server: Server) -> None:
+    """A writer copies into its staging range; once the server has copied a snapshot into the arena and
+    checksummed it there, what the writer does to its staging arena changes nothing readers get."""
+    with server.client("a") as a, server.client("ra") as ra:
+        data = snap(a)
+        assert a.swa.put(TOKENS, data).stored == 1 and a.swa.get(TOKENS) == data  # settled by then
+        writer = Raw(open_direct(a))
+        try:
+            staging = mmap.mmap(writer.fds[1], writer.hello.arena_bytes)
+            at = staging.find(data[:4096])
+            assert at >= 0  # freed, its bytes still there
+            staging[at:at + 64] = bytes(64)
+            staging.close()
+        finally:
+            writer.close()
+        assert ra.swa.get(TOKENS) == data and SwaClient(ra.connection, path="gateway").get(TOKENS) == data
+
+
+def _server_mapping_of(pid: int, tenant: str) -> int:
+    """Where the server maps `tenant`'s arena (its writable mapping: the one way left to change it)."""
+    name = f"/memfd:kvstore-swa-{namespace_id(tenant).hex()} (deleted)"
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == name and fields[1].startswith("rw"):
+            return int(fields[0].split("-")[0], 16)
+    raise AssertionError(f"no writable mapping of {name} in {pid}")
+
+
 @pytest.mark.parametrize("forms", ["native", "python"])
 def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server, monkeypatch: pytest.MonkeyPatch,
                                                            forms: str) -> None:
-    """A verified put copies into the arena with non-temporal stores and a verified get copies and checksums
-    in one pass where tiers._blockcopy is built; the Python forms (a plain copy, a copy then a checksum)
-    stand in elsewhere, with the same results."""
+    """Whatever changes a committed snapshot in the arena (no client can: this test writes the server's
+    own mapping through /proc/<pid>/mem, as root), no get returns the changed bytes: a shm get checks
+    every copy against the server's checksum, by default (`verify` or not), and misses, counted as
+    corrupt; the gateway's unseal agrees. Where tiers._blockcopy is built the copy and the checksum are
+    one pass; the Python forms (a copy, then a checksum) stand in elsewhere, with the same results."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to write the server's memory")
     if forms == "python":
         monkeypatch.setattr(client_shm, "copy_digest", swa_digest.copy_digest_python)
         monkeypatch.setattr(client_shm, "stream_into", swa_digest.stream_into_python)
@@ -360,19 +452,21 @@ def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server, monke
         checked = SwaClient(c.connection, verify=True)
         assert checked.put(TOKENS, data).stored == 1  # sealed when COMMIT answers (WRITTEN notes)
         assert checked.get(TOKENS) == data and checked.last_path == "shm"  # intact: the checksums agree
+        assert c.swa.get(TOKENS) == data and c.swa.last_path == "shm"
         raw = Raw(open_direct(c))
         try:
-            arena = mmap.mmap(raw.fds[0], raw.hello.arena_bytes)
+            arena = mmap.mmap(raw.fds[0], raw.hello.arena_bytes, prot=mmap.PROT_READ)
             at = arena.find(data[:4096])
-            arena[at + 100:at + 101] = bytes([data[100] ^ 1])  # a writer of the same tenant scribbles
             arena.close()
         finally:
             raw.close()
+        base = _server_mapping_of(server.child.proc.pid, "tenant-a")
+        with open(f"/proc/{server.child.proc.pid}/mem", "r+b", buffering=0) as mem:
+            mem.seek(base + at + 100)
+            mem.write(bytes([data[100] ^ 1]))
+        assert c.swa.get(TOKENS) is None and c.swa.last_path == "shm"  # the default reader: a miss
         assert checked.get(TOKENS) is None and checked.last_path == "shm"
-        assert checked.get(TOKENS, 7) is None  # the next GET carries the count
+        assert checked.get(TOKENS, 7) is None and c.swa.get(TOKENS, 7) is None  # the next GETs carry the counts
         assert SwaClient(c.connection, path="gateway").get(TOKENS) is None  # the gateway's unseal agrees
-        # Unverified (the default: one memcpy), a reader gets what its own tenant's writer left there.
-        changed = c.swa.get(TOKENS)
-        assert changed is not None and changed != data and changed[101:] == data[101:]
         checked.close()
-    assert admin_stats(server).corrupt >= 2
+    assert admin_stats(server).corrupt >= 3
