@@ -93,6 +93,8 @@ def _fault(b: BlockRecords) -> str:
         return "data or child entries without a meta record"
     if b.data_size is None:
         return "meta record without data"
+    if (b.meta.size_bytes, b.meta.checksum) in b.data_copies:
+        return ""
     if b.data_size != b.meta.size_bytes:
         return f"data is {b.data_size} bytes, meta says {b.meta.size_bytes}"
     if b.data_checksum != b.meta.checksum:

@@ -23,7 +23,7 @@ from tiers.accounting import Counters
 from tiers.datadir import DATA_NAME
 from tiers.integrity_plan import PREFIX_BYTES, USAGE, RepairPlan
 from tiers.integrity_report import CheckReport
-from tiers.integrity_walk import Walk
+from tiers.integrity_walk import Walk, record_entries
 from tiers.lmdb_pages import LmdbHeader, PageReader
 from tiers.records import CHILD_TAG, DATA_TAG, META_TAG, lru_key, parent_key_of
 
@@ -74,18 +74,23 @@ def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, re
             lru = fresh.open_db(b"lru", txn=txn)
             state = fresh.open_db(b"state", txn=txn)
             old_records = reader.named_trees().get(b"records")
-            for key, data in reader.entries(old_records, "records") if old_records else ():
+            written: set[bytes] = set()
+            for key, data in record_entries(reader, old_records, scan=bool(walk.stray_leaves)):
                 meta = plan.kept.get(key[:KEY_BYTES])
-                if meta is None or key[KEY_BYTES:] != DATA_TAG:
+                if meta is None or key[KEY_BYTES:] != DATA_TAG or key in written:
                     continue
-                if data is None or xxhash.xxh3_64_intdigest(data) != meta.checksum:  # verified by the walk
-                    raise ConfigError(f"block {key.hex()} read differently the second time; nothing was changed")
+                if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+                    continue  # another copy (the walk found one that verifies) or, if none, refused below
+                written.add(key)
                 txn.put(key, data, db=records)
                 txn.put(key[:KEY_BYTES] + META_TAG, meta.pack(), db=records)
                 txn.put(lru_key(meta.last_access_s, meta.depth, key[:KEY_BYTES]), b"", db=lru)
                 if meta.depth > 1:
                     txn.put(parent_key_of(key[:KEY_BYTES], meta.parent_hash) + CHILD_TAG + key[PREFIX_BYTES:KEY_BYTES],
                             b"", db=records)
+            if len(written) != len(plan.kept):
+                raise ConfigError(f"{len(plan.kept) - len(written)} kept blocks read differently the second time; "
+                                  "nothing was changed")
             for name, value in walk.state.items():
                 if name not in (b"usage", b"counters") or (name == b"counters" and not plan.fix_counters):
                     txn.put(name, value, db=state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvstore.counted import counted
 from tiers.lmdb_pages import short_key
 
 #: Problems of one kind listed in a report; the rest are counted only.
@@ -37,6 +38,8 @@ class CheckReport:
         entries_dropped / entries_added: index and child entries a repair removes or adds.
         usage_recorded: (blocks, bytes) the state records say; None when absent.
         unreadable: key ranges on pages LMDB could not read.
+        leaves_recovered: records leaves no tree reached (a branch page or root above them
+            lost), read by scanning the file.
         counts: problems per kind; `problems` lists up to LISTED_PER_KIND of each.
         fatal: why the walk could not run at all (None when it ran).
         notes: what the repair did beyond the counts.
@@ -56,6 +59,7 @@ class CheckReport:
     entries_added: int = 0
     usage_recorded: tuple[int, int] | None = None
     unreadable: list[str] = field(default_factory=list)
+    leaves_recovered: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     fatal: str | None = None
@@ -96,9 +100,9 @@ class CheckReport:
             out.append("OK: every record is intact and consistent")
         elif self.fatal is None:
             verb = "dropped" if self.repaired else "a repair drops"
-            out.append(f"{verb}: {self.blocks_dropped} blocks ({self.bytes_dropped} bytes), "
-                       f"{self.entries_dropped} index entries; adds {self.entries_added}; keeps "
-                       f"{self.blocks_kept} blocks ({self.bytes_kept} bytes)")
+            out.append(f"{verb}: {counted(self.blocks_dropped, 'block')} ({self.bytes_dropped} bytes), "
+                       f"{counted(self.entries_dropped, 'index entry', 'index entries')}; adds "
+                       f"{self.entries_added}; keeps {counted(self.blocks_kept, 'block')} ({self.bytes_kept} bytes)")
             if not self.repaired:
                 out.append(f"to repair: kvstore check --data-dir {self.data_dir} --repair (with no server running)")
         out.extend(self.notes)

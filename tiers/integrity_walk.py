@@ -4,18 +4,24 @@ LMDB's cursor aborts the process on a damaged page, so the walk reads the file t
 `tiers.lmdb_pages.PageReader`: a damaged page is stepped over and reported with the key range
 it held. What it finds of each storage key is a `BlockRecords`; what it finds of the whole
 file, a `Walk`, from which `tiers.integrity_plan` decides what a repair keeps.
+
+A lost branch page (or a lost root: the main tree's, whose page a truncation takes as often
+as any other) cuts its leaves off from the tree, though they are intact. So when any page is
+lost, the walk also reads every leaf page of the file that no tree reached and that the free
+tree does not list as free (LMDB leaves freed pages' old bytes in place: those are earlier
+copies, blocks evicted or purged since), and takes those holding records (`record_entries`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import xxhash
 
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from tiers.integrity_report import CheckReport
-from tiers.lmdb_pages import PageReader
+from tiers.lmdb_pages import PageReader, Tree
 from tiers.records import CHILD_TAG, DATA_TAG, META_STRUCT, META_TAG, BlockMeta
 
 #: Called as (records walked, records in all) now and then.
@@ -33,6 +39,8 @@ class BlockRecords:
     data_checksum: int | None = None
     fault: str = ""
     children: list[bytes] = field(default_factory=list)
+    #: (size, xxh3) of every copy of its data found (a scan may find more than one).
+    data_copies: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass(kw_only=True)
@@ -44,6 +52,35 @@ class Walk:
     lru_entries: set[bytes] = field(default_factory=set)
     state: dict[bytes, bytes] = field(default_factory=dict)
     damaged_pages: bool = False
+    #: Records leaves no tree reached, found by reading the file page by page.
+    stray_leaves: list[int] = field(default_factory=list)
+
+
+def _is_record_key(key: bytes) -> bool:
+    tag = key[KEY_BYTES:KEY_BYTES + 1]
+    return (len(key) == KEY_BYTES + 1 and tag in (DATA_TAG, META_TAG)) or \
+        (len(key) == KEY_BYTES + 1 + HASH_BYTES and tag == CHILD_TAG)
+
+
+def record_entries(reader: PageReader, records: Tree | None, *, scan: bool,
+                   strays: list[int] | None = None) -> Iterator[tuple[bytes, bytes | None]]:
+    """The records tree's (key, value)s, then, with `scan`, those of the records leaves it does
+    not reach (their page numbers appended to `strays`).
+
+    A leaf is taken when every key on it has a record's form (the other trees' keys have other
+    lengths) and the free tree does not list it; when the free tree cannot be read, every
+    unreached leaf is taken (older copies then come back too: the walk keeps the newest meta).
+    """
+    if records is not None:
+        yield from reader.entries(records, "records")
+    if not scan:
+        return
+    free = reader.free_pages()
+    for page, entries in reader.stray_leaves(reader.reached | (free or set())):
+        if all(_is_record_key(key) for key, _ in entries):
+            if strays is not None:
+                strays.append(page)
+            yield from entries
 
 
 def walk_records(reader: PageReader, report: CheckReport, progress: Progress | None) -> Walk:
@@ -52,15 +89,16 @@ def walk_records(reader: PageReader, report: CheckReport, progress: Progress | N
     trees = reader.named_trees()
     reader.check_free_tree()
     records = trees.get(b"records")
-    if records is not None:
-        done = 0
-        for key, value in reader.entries(records, "records"):
-            _record(walk, report, key, value)
-            done += 1
-            if progress and done % _PROGRESS_EVERY == 0:
-                progress(done, records.entries)
-        if progress:
-            progress(done, records.entries)
+    total = records.entries if records is not None else 0
+    scan = bool(reader.damaged) or records is None or "truncated" in report.counts
+    done = 0
+    for key, value in record_entries(reader, records, scan=scan, strays=walk.stray_leaves):
+        _record(walk, report, key, value)
+        done += 1
+        if progress and done % _PROGRESS_EVERY == 0:
+            progress(done, max(done, total))
+    if progress:
+        progress(done, max(done, total))
     if (lru := trees.get(b"lru")) is not None:
         walk.lru_entries.update(key for key, _ in reader.entries(lru, "lru", values=False))
     if (state := trees.get(b"state")) is not None:
@@ -69,6 +107,10 @@ def walk_records(reader: PageReader, report: CheckReport, progress: Progress | N
         report.unreadable.append(page.describe())
         report.add("damaged-page", page.describe())
     walk.damaged_pages = bool(reader.damaged) or "truncated" in report.counts
+    if walk.stray_leaves:
+        report.leaves_recovered = len(walk.stray_leaves)
+        report.notes.append(f"read {len(walk.stray_leaves)} records leaf pages that no surviving branch page "
+                            "reaches, by scanning the file")
     return walk
 
 
@@ -83,16 +125,27 @@ def _record(walk: Walk, report: CheckReport, key: bytes, value: bytes | None) ->
     block = walk.blocks.setdefault(storage, BlockRecords())
     if tag == DATA_TAG:
         if value is None:
-            block.fault = "its data is on a damaged page"
+            block.fault = block.fault or ("" if block.data_copies else _DATA_LOST)
         else:
-            block.data_size, block.data_checksum = len(value), xxhash.xxh3_64_intdigest(value)
+            copy = (len(value), xxhash.xxh3_64_intdigest(value))
+            if not block.data_copies:
+                block.data_size, block.data_checksum = copy
+            block.data_copies.add(copy)
+            block.fault = "" if block.fault == _DATA_LOST else block.fault
         return
-    if value is None:
-        block.fault = "its meta record is on a damaged page"
+    if value is None or len(value) != META_STRUCT.size:
+        if block.meta is None:  # a second copy, read from another leaf, may be intact
+            block.fault = f"its meta record is {len(value)} bytes, not {META_STRUCT.size}" if value is not None \
+                else "its meta record is on a damaged page"
         return
-    if len(value) != META_STRUCT.size:
-        block.fault = f"its meta record is {len(value)} bytes, not {META_STRUCT.size}"
+    meta = BlockMeta.unpack(value)
+    if block.meta is not None:  # copies differ only in the last use: the latest is the newest copy
+        block.meta = max(block.meta, meta, key=lambda m: m.last_access_s)
         return
-    block.meta = BlockMeta.unpack(value)
+    block.fault = "" if block.fault.startswith("its meta record") else block.fault
+    block.meta = meta
     report.blocks_checked += 1
     report.bytes_checked += block.meta.size_bytes
+
+
+_DATA_LOST = "its data is on a damaged page"

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +36,7 @@ _P_KIND = P_BRANCH | P_LEAF | P_OVERFLOW | P_META | 0x20 | 0x40  # LEAF2, SUBP: 
 F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
 P_INVALID = (1 << 64) - 1
 _HEADER_BYTES = PAGE_HEADER.size + _META.size
+_SCAN_PAGES = 256  # pages read at once by `PageReader.stray_leaves`
 
 
 class HeaderError(Exception):
@@ -158,6 +159,8 @@ class PageReader:
     damaged: list[DamagedPage] = field(default_factory=list)
     #: Leaf pages read intact so far, in the order walked.
     leaves: list[int] = field(default_factory=list)
+    #: Branch and leaf pages read intact so far, of every tree.
+    reached: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.header is None:
@@ -192,6 +195,49 @@ class PageReader:
         """Walk the free-page tree (LMDB's writer walks it with a cursor) for damage."""
         for _ in self._entries(self._head.free_tree, "free", values=False):
             pass
+
+    def free_pages(self) -> set[int] | None:
+        """The pages the free tree lists (each value an IDL: a u64 count, then that many page
+        numbers); None when a page of it cannot be read. Damage met is not recorded here
+        (`check_free_tree` reports it)."""
+        damaged, free = list(self.damaged), set[int]()
+        try:
+            for _, value, _ in self._entries(self._head.free_tree, "free", values=True):
+                count = _PGNO.unpack_from(value)[0] if value is not None and len(value) >= 8 else -1
+                if not 0 <= count <= (len(value or b"") - 8) // 8:
+                    return None
+                free.update(struct.unpack_from(f"<{count}Q", value, 8))  # type: ignore[arg-type]
+            return None if len(self.damaged) > len(damaged) else free
+        finally:
+            self.damaged[:] = damaged
+
+    def stray_leaves(self, skip: Collection[int]) -> Iterator[tuple[int, list[tuple[bytes, bytes | None]]]]:
+        """Every intact leaf page of the file not in `skip`, in page order, with its (key, value)s.
+
+        This finds the leaves a lost branch page (or root) cut off from their tree. The
+        file is read in runs of pages; an overflow run (a value's pages) is stepped over
+        whole, so the bytes of a value are never taken for a page. A value whose overflow
+        pages are damaged is UNREADABLE (the damage recorded as the records tree's).
+        """
+        psize, end = self._head.page_size, min(self._head.last_page + 1, self._size // self._head.page_size)
+        page = 2
+        while page < end:
+            count = min(_SCAN_PAGES, end - page)
+            raw = os.pread(self._fd, count * psize, page * psize)
+            at = 0
+            while at < count:
+                head_pgno, _, flags, _, _ = PAGE_HEADER.unpack_from(raw, at * psize)
+                run = _COUNT.unpack_from(raw, at * psize + 12)[0] if flags & P_OVERFLOW else 1
+                if head_pgno != page + at or not 1 <= run <= end - page - at:
+                    run = 1
+                elif flags & _P_KIND == P_LEAF and page + at not in skip:
+                    reason, nodes = self._nodes(raw[at * psize:(at + 1) * psize], page + at, 1, b"", None,
+                                                ordered=True)
+                    if not reason:
+                        yield page + at, [(key, self._overflow(_PGNO.unpack(value)[0], size, key, "records", True)
+                                           if nflags & F_BIGDATA else value) for key, nflags, size, value in nodes]
+                at += run
+            page += at
 
     def entries(self, tree: Tree, name: str, *, values: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
         """Every readable (key, value) of `tree` in key order; damaged pages go to `self.damaged`.
@@ -230,6 +276,7 @@ class PageReader:
         if reason:
             self.damaged.append(DamagedPage(tree=name, page=pgno, reason=reason, low=low, high=high))
             return
+        self.reached.add(pgno)
         if level == 1:
             self.leaves.append(pgno)
         else:
