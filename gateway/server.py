@@ -41,6 +41,7 @@ from kvstore import geometry
 from kvstore.api_tokens import READ, WRITE
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings, TlsSettings
+from kvstore.counted import counted
 from kvstore.errors import ConfigError
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
 from tiers import blockcopy
@@ -220,7 +221,7 @@ async def serve(settings: Settings) -> None:
     endpoint = running.metrics_endpoint
     print(f"kvstore metrics: {endpoint.url if endpoint else 'off ([metrics] port = 0)'}", flush=True)
     if blockcopy.NATIVE:
-        print(f"kvstore transfer copies: native, {settings.transfer.copy_threads} threads", flush=True)
+        print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:
         print("kvstore transfer copies: Python loop, 1 thread (tiers._blockcopy was not built: reinstall with "
               "a C compiler for parallel copies)", file=sys.stderr, flush=True)
@@ -237,7 +238,7 @@ async def serve(settings: Settings) -> None:
 def _auth_line(settings: Settings, tenants: TenantRegistry) -> str:
     """What `kvstore serve` says of tokens and TLS at start."""
     if tenants.enabled:
-        auth = f"tokens ({len(tenants.tenants)} tenants with active tokens, {tenants.path})"
+        auth = f"tokens ({counted(len(tenants.tenants), 'tenant')} with active tokens, {tenants.path})"
     elif is_loopback(settings.server.host):
         auth = f"off: loopback only, one tenant {DEFAULT_TENANT!r} without a token"
     else:

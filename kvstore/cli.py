@@ -19,6 +19,7 @@ import importlib
 import json
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -40,9 +41,37 @@ def _serve(args: argparse.Namespace) -> int:
     })
     from gateway.request_log import use_json_lines
 
+    check_port_free(settings.server.host, settings.server.port)
     use_json_lines()  # the failed-request log: bare JSON lines on stderr, not behind the root format's prefix
     asyncio.run(serve(settings))  # a ConfigError or OSError at start reaches main as one line
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError, in one line naming the port, when another process listens on host:port.
+
+    gRPC's own bind failure names no cause and logs a line of its own first, so the port is
+    tried here, as gRPC binds it (SO_REUSEADDR, no SO_REUSEPORT), before gRPC is asked. Port 0
+    picks a free one. A port taken between this check and gRPC's bind still fails, in gRPC's words.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return  # a name that does not resolve: gRPC says so
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    busy = OSError(f"cannot listen on {host}:{port}: port {port} is in use by another process "
+                                   "(stop it, or give --port another port; 0 picks a free one)")
+                    busy.errno = errno.EADDRINUSE  # for --json's code; not in the message, which says it in words
+                    raise busy from None
+                return  # another cause (permission, an address not on this host): gRPC reports it
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -55,10 +84,12 @@ def _check(args: argparse.Namespace) -> int:
                           "(--data-dir or store.data_dir)")
     if not data_dir.is_dir():
         raise ConfigError(f"data dir {data_dir} is not a folder")
-    with Progress(enabled=not args.json and not args.no_progress).bar("kvstore check: records", 0, "rec") as bar:
+    shown = Progress(enabled=not args.json and not args.no_progress)
+    with shown.bar("kvstore check: records", 0, "rec", scale=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
+            bar.refresh()  # the walk calls now and then: draw each call, or the last frame shows an earlier count
 
         report = check_store(data_dir, repair=args.repair, progress=progress)
     if args.json:
@@ -82,7 +113,7 @@ def _bench(args: argparse.Namespace) -> int:
 #: (so `kvstore serve` never loads the planner or torch): name -> (module, help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
-    "worker": ("replay.worker.command", "run the reference GPU worker (replay and prefill) as a gRPC service"),
+    "worker": ("replay.worker.command", "run the reference worker (replay and prefill; CPU by default, --device cuda) as a gRPC service"),
     "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
     "stats": ("kvstore.commands.stats", "show hit rates over time, storage use and retention headroom"),
     "policy": ("kvstore.commands.policy",

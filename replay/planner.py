@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from kvstore import geometry as geometries
 from kvstore.client import Client, LookupResult
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
@@ -182,8 +183,8 @@ class Planner:
     def decide(self, n: int, found: LookupResult, cost: CostModel) -> Plan:
         """The cheapest feasible plan for a prompt of `n` tokens given `found` (no calls; pure)."""
         b, h = self.client.block_tokens, found.found_tokens
-        reasons = [f"found {h:,} of {n:,} prompt tokens ({found.found_blocks:,} blocks of {b}); a resume is at "
-                   f"most at {n - 1:,} (the worker computes the last token for its logits)"]
+        reasons = [f"found {h:,} of {n:,} prompt tokens ({counted(found.found_blocks, 'block')} of {b}); a resume "
+                   f"is at most at {n - 1:,} (the worker computes the last token for its logits)"]
         # In order of fidelity: min() keeps the first of equal costs (exact state before approximate).
         options: list[_Option] = []
         if found.swa_position is not None and found.swa_resume_tokens is not None:

@@ -78,14 +78,18 @@ class Report:
 
 
 class Progress:
-    """Progress bars on stderr for long benchmark phases; silent when disabled."""
+    """Progress bars on stderr for long phases; silent when disabled or when stderr is not a terminal.
+
+    A bar redraws itself with carriage returns: in a file or a pipe its frames would stay, glued to
+    whatever is written next (a report, a log line).
+    """
 
     def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+        self.enabled = enabled and sys.stderr.isatty()
 
     @contextmanager
-    def bar(self, desc: str, total: float, unit: str = "B") -> Iterator[tqdm]:
-        """A bar for one phase; call `.update(n)` on what it yields."""
-        with tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr,
+    def bar(self, desc: str, total: float, unit: str = "B", *, scale: bool = True) -> Iterator[tqdm]:
+        """A bar for one phase; call `.update(n)` on what it yields (`scale`: 1.5M rather than 1500000)."""
+        with tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, file=sys.stderr,
                   disable=not self.enabled, leave=False) as bar:
             yield bar

@@ -51,6 +51,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report = Report(bench="store")
     report.notes.update(blocks=n_blocks, block_bytes=block_bytes, total_bytes=n_blocks * block_bytes,
                         batch_blocks=args.batch_blocks, cpus=os.cpu_count())
+    if lookup_blocks * args.block_tokens != args.lookup_tokens:
+        report.notes["lookup_tokens"] = lookup_note(args.lookup_tokens, lookup_blocks, n_blocks, args)
     pool = np.random.default_rng(0).integers(0, 256, size=n_blocks * block_bytes, dtype=np.uint8).tobytes()
     blocks = [pool[i * block_bytes:(i + 1) * block_bytes] for i in range(n_blocks)]
     tokens = list(range(n_blocks * args.block_tokens))
@@ -79,6 +81,16 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         report.add(Figure.against("lookup 1 block over gRPC with auth (median)", one_on * 1e6, "us",
                                   "same without auth", one_off * 1e6))
     return report
+
+
+def lookup_note(asked: int, lookup_blocks: int, n_blocks: int, args: argparse.Namespace) -> str:
+    """Why the lookup figure's prompt is not the --lookup-tokens asked: whole blocks only, and no more
+    than the bench stores."""
+    bt = args.block_tokens
+    why = (f"only {n_blocks:,} blocks are stored (--gib {args.gib:g}): raise --gib for a longer lookup"
+           if lookup_blocks == n_blocks and asked // bt > n_blocks else
+           f"a lookup covers whole {bt}-token blocks only")
+    return f"{lookup_blocks * bt:,} of the {asked:,} asked: {why}"
 
 
 def _auth_cost(data_dir: Path, data_bytes: int, args: argparse.Namespace, hashes: list[bytes], lookup_blocks: int,

@@ -39,6 +39,7 @@ from kvstore.bench.report import Figure, Progress, Report
 from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, mooncake_reader, p50_s, raw_server
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_stream import checked_streams
+from kvstore.counted import counted
 from kvstore.geometry import V4_1_FLASH
 
 if TYPE_CHECKING:
@@ -159,7 +160,7 @@ def _fetch_path(report: Report, client: Client, path: str, hashes: list[bytes], 
                 if not np.array_equal(view, source):
                     raise RuntimeError(f"{path} fetch landed the wrong bytes")
                 del view
-            label = f"{name} fetch batch={batch}" + ("" if count == len(hashes) else f" ({count} blocks)")
+            label = f"{name} fetch batch={batch}" + ("" if count == len(hashes) else f" ({counted(count, 'block')})")
             rate = nbytes / seconds / 1e9
             if path == "shm":
                 # memcpy's rate does not depend on the size past a few MB: one baseline for every point.

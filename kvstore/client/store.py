@@ -23,6 +23,7 @@ from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
 from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.prefix import ExtraKey
 from kvstore.v1 import kvstore_pb2 as pb
@@ -225,8 +226,8 @@ class Client:
         payload = arguments.buffers(blocks, "blocks", self.block_bytes)
         total = len(tokens) // self.block_tokens - first_block
         if total != len(payload):
-            raise InvalidArgument(f"{len(payload)} blocks given for {total} full blocks of tokens "
-                                  f"from block {first_block}")
+            raise InvalidArgument(f"{counted(len(payload), 'block')} given for {counted(total, 'full block')} "
+                                  f"of tokens from block {first_block}")
         if parent is None:
             parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self.connection.batch_blocks)

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from kvstore.commands.admin_call import add_connection_arguments, admin_client, progress
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument
 
 
@@ -95,5 +96,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"tenant": args.tenant, "all": args.all, "purged_blocks": purged}))
     else:
-        print(f"tenant {args.tenant}: {purged:,} blocks purged" + (" (the whole cache)" if args.all else ""))
+        print(f"tenant {args.tenant}: {counted(purged, 'block')} purged" + (" (the whole cache)" if args.all else ""))
     return 0

@@ -26,6 +26,7 @@ import math
 
 from kvstore.commands import add_connection_arguments, client_options
 from kvstore.commands.stats_chart import Slice, render
+from kvstore.counted import counted
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 WINDOW_NAMES = ("5m", "1h", "24h", "start", "all")
@@ -177,7 +178,7 @@ def print_hits(data: dict[str, object]) -> None:
     for name, t in tenants.items():
         hours = t["token_hours"]
         stored = "unknown (the server does not report per-tenant usage)" if hours is None else (
-            f"{hours:,.1f} ({t['blocks_stored']:,} blocks, {t['bytes_stored']:,} B stored now)")
+            f"{hours:,.1f} ({counted(t['blocks_stored'], 'block')}, {t['bytes_stored']:,} B stored now)")
         _print_windows(f"Tenant {name}", t["windows"], [("Token-hours stored", stored)])  # type: ignore[arg-type]
 
 

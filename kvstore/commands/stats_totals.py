@@ -100,7 +100,8 @@ def _print_by_geometry(rows: list[dict[str, object]]) -> None:
     labels = [str(r["name"]) if r["name"] else f"{r['fingerprint']} (not served: ages out)" for r in rows]
     width = max(len(label) for label in labels)
     for label, r in zip(labels, rows, strict=True):
-        print(f"  {label:<{width}}  {_fmt(r['blocks_stored'])} blocks, {_fmt(r['bytes_stored'])} bytes")
+        print(f"  {label:<{width}}  {_fmt(r['blocks_stored'])} block{'' if r['blocks_stored'] == 1 else 's'}, "
+              f"{_fmt(r['bytes_stored'])} bytes")
 
 
 def swa_stats_dict(client: object) -> dict[str, object] | None:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE, create, read_records, revoke
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument
 
 
@@ -86,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"revoked": [r.token_id for r in gone], "tenant": args.tenant}))
         else:
-            print(f"revoked {len(gone)} token(s) of tenant {args.tenant}: {', '.join(r.token_id for r in gone)}")
+            print(f"revoked {counted(len(gone), 'token')} of tenant {args.tenant}: "
+                  f"{', '.join(r.token_id for r in gone)}")
         return 0
     found = read_records(path)
     records = found or []

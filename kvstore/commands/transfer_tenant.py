@@ -21,6 +21,7 @@ import json
 from pathlib import PurePosixPath
 
 from kvstore.commands.admin_call import add_connection_arguments, admin_client, progress
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument
 
 #: Seconds an export or import may take by default: a 1 TB tenant at about 1 GB/s.
@@ -50,13 +51,14 @@ def run(args: argparse.Namespace) -> int:
             with progress(args, f"exporting tenant {args.tenant} to {args.file}"):
                 reply = admin.export_tenant(args.tenant, args.file)
             out = {"tenant": args.tenant, "file": args.file, "records": int(reply.records), "bytes": int(reply.bytes)}
-            line = f"tenant {args.tenant}: {out['records']:,} blocks exported to {args.file} ({out['bytes']:,} bytes)"
+            line = (f"tenant {args.tenant}: {counted(out['records'], 'block')} exported to {args.file} "
+                    f"({counted(out['bytes'], 'byte')})")
         else:
             with progress(args, f"importing {args.file}"):
                 reply = admin.import_tenant(args.tenant, args.file)
             out = {"tenant": args.tenant or None, "file": args.file, "records": int(reply.records),
                    "written": int(reply.written)}
-            line = (f"{args.file}: {out['records']:,} blocks read, {out['written']:,} written "
+            line = (f"{args.file}: {counted(out['records'], 'block')} read, {out['written']:,} written "
                     f"({out['records'] - out['written']:,} already stored or not served here)")
     print(json.dumps(out) if args.json else line)
     return 0

@@ -22,3 +22,16 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
         assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
     assert figures["put"]["ratio"] == figures["put"]["value"] / figures["put"]["baseline_value"]
     assert list(tmp_path.iterdir()) == []  # scratch space removed
+    assert "lookup_tokens" not in report["notes"]  # the 4,096 asked are the 4,096 measured
+
+
+def test_a_shorter_lookup_than_asked_says_why() -> None:
+    """`--lookup-tokens 65536 --gib 0.05` measures the 942 blocks stored, 60,288 tokens, and says so."""
+    import argparse
+
+    from kvstore.bench.store import lookup_note
+
+    args = argparse.Namespace(block_tokens=64, gib=0.05)
+    assert lookup_note(65_536, 942, 942, args) == (
+        "60,288 of the 65,536 asked: only 942 blocks are stored (--gib 0.05): raise --gib for a longer lookup")
+    assert lookup_note(4_100, 64, 942, args) == "4,096 of the 4,100 asked: a lookup covers whole 64-token blocks only"

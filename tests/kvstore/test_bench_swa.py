@@ -18,7 +18,11 @@ def test_bench_swa_json_figures_for_both_backends() -> None:
         [sys.executable, "-m", "kvstore.cli", "bench", "swa", "--json", "--snapshots", "8", "--batch", "4",
          "--rounds", "1", "--fetches", "5"],
         capture_output=True, text=True, check=True, timeout=280).stdout
-    figures = {f["name"]: f for f in json.loads(out)["figures"]}
+    report = json.loads(out)
+    figures = {f["name"]: f for f in report["figures"]}
+    # --rounds 1 reports 1 round on both backends; the passes within a round are said apart.
+    assert report["notes"]["rounds"] == report["notes"]["embedded_rounds"] == 1
+    assert "3 a round" in report["notes"]["passes"] and "3 a round" in report["notes"]["embedded_passes"]
     assert {"embedded shm put throughput", "embedded shm get throughput", "embedded shm single-snapshot fetch p50",
             "embedded gateway get throughput", "direct put throughput", "direct get throughput",
             "direct single-snapshot fetch p50"} <= figures.keys()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -209,6 +210,25 @@ def test_serve_on_a_data_dir_that_is_a_file_says_so_in_one_line(tmp_path: Path) 
     assert len(run.stderr.strip().splitlines()) == 1 and str(tmp_path / "store") in run.stderr
 
 
+def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path: Path) -> None:
+    first = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
+                              str(tmp_path / "one")], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert first.stdout is not None
+        match = re.search(r"listening on [\d.]+:(\d+)", first.stdout.readline())
+        assert match, "the first kvstore serve did not start"
+        port = match.group(1)
+        run = _kvstore("serve", "--port", port, "--data-dir", str(tmp_path / "two"))
+        assert run.returncode == 1 and "listening" not in run.stdout
+        assert run.stderr.splitlines() == [f"kvstore: cannot listen on 127.0.0.1:{port}: port {port} is in use by "
+                                           "another process (stop it, or give --port another port; 0 picks a "
+                                           "free one)"]
+        assert not (tmp_path / "two").exists()  # refused before the store was opened
+    finally:
+        first.terminate()
+        first.wait(timeout=60)
+
+
 def test_error_dict_names_os_errors() -> None:
     from kvstore.cli import error_dict
 
@@ -255,7 +275,8 @@ def test_check_a_sound_store(start_server: Any, loop_thread: Any, store_settings
     data_dir = _stored(start_server, loop_thread, store_settings)
     run = _kvstore("check", "--data-dir", str(data_dir))
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "OK" in run.stdout and "kvstore check: records" in run.stderr  # the progress bar
+    assert "OK" in run.stdout
+    assert run.stderr == ""  # stderr is a pipe here: no progress bar frames to glue to anything
     run = _kvstore("check", "--data-dir", str(data_dir), "--json")
     assert run.returncode == 0 and "kvstore check" not in run.stderr
     report = json.loads(run.stdout)
@@ -311,28 +332,27 @@ def test_check_an_empty_folder_holds_no_store(tmp_path: Path) -> None:
     assert run.returncode == 2 and json.loads(run.stdout)["error"]["code"] == "FAILED_PRECONDITION"
 
 
-def test_check_reports_its_progress(start_server: Any, loop_thread: Any, store_settings: Any,
-                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The walk's (done, total) calls move the bar to the end (the bar itself is tqdm on stderr)."""
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal, so the progress bar draws into it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_check_draws_its_last_count_on_a_terminal(start_server: Any, loop_thread: Any, store_settings: Any,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The real bar, on a stderr that is a terminal: its last frame shows every record walked."""
     pytest.importorskip("tiers.integrity")
-    from contextlib import contextmanager
-    from types import SimpleNamespace
-
-    from kvstore.bench import report
-
-    bars: list[SimpleNamespace] = []
-
-    @contextmanager
-    def bar(self: Any, desc: str, total: float, unit: str = "B") -> Any:
-        b = SimpleNamespace(desc=desc, total=total, n=0)
-        b.update = lambda k: setattr(b, "n", b.n + k)
-        bars.append(b)
-        yield b
-
-    monkeypatch.setattr(report.Progress, "bar", bar)
-    data_dir = _stored(start_server, loop_thread, store_settings)
+    data_dir = _stored(start_server, loop_thread, store_settings, blocks=2)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["check", "--data-dir", str(data_dir)]) == 0
-    assert len(bars) == 1 and bars[0].total > 0 and bars[0].n == bars[0].total
+    frames = [f.strip() for f in terminal.getvalue().split("\r") if f.strip()]
+    assert frames and frames[-1].startswith("kvstore check: records: 100%"), frames
+    walked = re.search(r"(\d+)/(\d+) \[", frames[-1])
+    assert walked and walked.group(1) == walked.group(2) != "0", frames[-1]
+    assert "OK" in capsys.readouterr().out
 
 
 def test_stats_show_blocks_of_a_geometry_no_longer_served(start_server: Any, store_settings: Any,
@@ -354,9 +374,17 @@ def test_stats_show_blocks_of_a_geometry_no_longer_served(start_server: Any, sto
     assert main(["stats", "--target", srv.target]) == 0
     table = capsys.readouterr().out
     assert "\nStored by geometry\n" in table
-    assert re.search(rf"  {served} +1 blocks", table)
+    assert re.search(rf"  {served} +1 block, ", table)  # one block, in the singular
     assert re.search(r"  2d76cb51b8017512 \(not served: ages out\) +3 blocks, 300 bytes", table)
     assert main(["stats", "--target", srv.target, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["stored_by_geometry"]
     assert [(r["name"], r["blocks_stored"]) for r in rows] == [(served, 1), (None, 3)]
     assert rows[1]["fingerprint"] == old.hex() and rows[1]["bytes_stored"] == 300
+
+
+def test_the_worker_is_not_called_a_gpu_worker_when_it_defaults_to_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import LAZY_COMMANDS, build_parser
+
+    worker_help = LAZY_COMMANDS["worker"][1]
+    args = build_parser(["worker"]).parse_args(["worker"])
+    assert args.device == "cpu" and "GPU" not in worker_help and "CPU by default" in worker_help

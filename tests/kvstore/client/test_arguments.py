@@ -72,7 +72,7 @@ CASES: list[tuple[str, Callable[[Client], Any], str]] = [
     ("put: short block", lambda c: c.put(_tokens(c), [b"x"]), "blocks[0] is 1 bytes; it must be"),
     ("put: blocks one bytes", lambda c: c.put(_tokens(c), _block(c)), "got one bytes"),
     ("put: blocks 3-D array", lambda c: c.put(_tokens(c), np.zeros((1, 1, c.block_bytes), np.uint8)), "[n, "),
-    ("put: block count", lambda c: c.put(_tokens(c, 2), [_block(c)]), "1 blocks given for 2 full blocks"),
+    ("put: block count", lambda c: c.put(_tokens(c, 2), [_block(c)]), "1 block given for 2 full blocks"),
     ("put: first_block -1", lambda c: c.put(_tokens(c), [_block(c)] * 2, first_block=-1), "first_block = -1"),
     ("put: batch_blocks 0", lambda c: c.put(_tokens(c), [_block(c)], batch_blocks=0), "batch_blocks = 0"),
     ("put: batch_blocks -1", lambda c: c.put(_tokens(c), [_block(c)], batch_blocks=-1), "batch_blocks = -1"),
