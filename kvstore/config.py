@@ -25,6 +25,7 @@ from kvstore.config_sections import (
     BULK_TRANSPORTS,
     RETENTION_FLOOR_HOURS,
     AuthSettings,
+    FleetSettings,
     GiB,
     MetricsSettings,
     ServerSettings,
@@ -36,7 +37,8 @@ from kvstore.config_sections import (
 from kvstore.errors import ConfigError
 
 __all__ = [
-    "BULK_TRANSPORTS", "MAX_BYTES", "NON_NEGATIVE", "RETENTION_FLOOR_HOURS", "UINT32_MAX", "AuthSettings", "GiB",
+    "BULK_TRANSPORTS", "MAX_BYTES", "NON_NEGATIVE", "RETENTION_FLOOR_HOURS", "UINT32_MAX", "AuthSettings",
+    "FleetSettings", "GiB",
     "MetricsSettings", "Range", "ServerSettings", "Settings", "StoreSettings", "SwaSettings", "TlsSettings",
     "TransferSettings", "check_ranges", "load_settings",
 ]
@@ -53,6 +55,7 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     tls: TlsSettings = field(default_factory=TlsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    fleet: FleetSettings = field(default_factory=FleetSettings)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from kvstore.config_ranges import MAX_BYTES, UINT32_MAX, Range, check_ranges
 from kvstore.errors import ConfigError
+from kvstore.fleet.endpoints import check_cluster, parse_endpoints
 from kvstore.host import usable_cpus
 
 GiB = 1 << 30
@@ -312,3 +313,38 @@ class MetricsSettings:
 
     def __post_init__(self) -> None:
         check_ranges(self, "metrics")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSettings:
+    """Membership of a fleet of storage nodes in etcd (docs/FLEET.md); off, a single node, while `etcd` is ''."""
+
+    #: etcd client endpoints, comma-separated `host:port` or `http://host:port`; '' = no fleet (today's single node).
+    etcd: str = ""
+    #: The fleet's name: its records live under `/kvstore/<cluster>/` (one etcd may hold several fleets).
+    cluster: str = "default"
+    #: Seconds a node's registration outlives its last keep-alive: a node that dies leaves the view within this.
+    lease_ttl_s: int = 10
+    #: Contiguous blocks placed together (256 blocks of 64 tokens = 16,384 tokens: a 1M-token prompt is 62 runs).
+    run_blocks: int = 256
+    #: Copies of every block, where the fleet has that many nodes (fewer nodes: one copy on each).
+    replication: int = 2
+    #: The address clients and other nodes reach this node at; '' = server.host:port (this host's name when the
+    #: server binds every address).
+    advertise: str = ""
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "lease_ttl_s": Range(2, 3600, why="etcd grants no lease shorter than 2 s"),
+        "run_blocks": Range(1, 1 << 20),
+        "replication": Range(1, 5),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "fleet")
+        check_cluster(self.cluster)
+        parse_endpoints(self.etcd)  # refuse a malformed endpoint at load, not at the first call
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this node joins a fleet (etcd endpoints are set)."""
+        return bool(self.etcd.strip())

@@ -292,6 +292,25 @@ def read_identity(data_dir: Path) -> dict[str, object] | None:
     return identity
 
 
+def node_id(data_dir: Path) -> str:
+    """This store's id as a node of a fleet: the `store_id` of its identity file (docs/FLEET.md F1).
+
+    The id names the data, not the machine or the address: a restarted node (the same
+    data dir) is the same node, holding the same blocks; a wiped or new data dir is a
+    new node, holding none, so the fleet never takes an empty store for one that holds
+    blocks. The file is written when the store is first opened (`open_environment`).
+
+    Raises:
+        ConfigError: no store was opened in `data_dir` yet, or its identity file is damaged.
+    """
+    identity = read_identity(data_dir)
+    if identity is None:
+        raise ConfigError(f"{data_dir} holds no store yet ({IDENTITY_NAME} is missing): its node id is "
+                          "written when the store is first opened",
+                          hint="start `kvstore serve` on it once, or open the tier before asking its node id")
+    return str(identity["store_id"])
+
+
 def write_identity(data_dir: Path) -> None:
     """Record that a store lives here (atomically: a crash leaves the old file or the new one)."""
     path = data_dir / IDENTITY_NAME

@@ -1,0 +1,81 @@
+"""The etcd endpoints a `[fleet] etcd` setting names, and the keys a cluster's records live under.
+
+Kept apart from `kvstore.fleet.etcd` so that the settings can check the endpoints
+at load without importing the etcd client.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+
+#: A cluster's name: one path segment of its keys.
+_CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_HOST = re.compile(r"[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\]")
+#: Every key of every cluster starts with this.
+KEY_ROOT = "/kvstore"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """One etcd member's client address."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
+    """The endpoints of a comma-separated list of `host:port` or `http://host:port`.
+
+    Raises:
+        ConfigError: an entry without a port, with a port out of range, a scheme other
+            than http (TLS to etcd is not supported yet), or a path.
+    """
+    found: list[Endpoint] = []
+    for raw in (part.strip() for part in text.split(",")):
+        if not raw:
+            continue
+        rest = raw
+        if "://" in rest:
+            scheme, rest = rest.split("://", 1)
+            if scheme != "http":
+                raise ConfigError(f"fleet.etcd endpoint {raw!r}: only http:// (plaintext gRPC) is supported",
+                                  hint="give etcd's client URLs as host:port or http://host:port")
+        host, sep, port = rest.rstrip("/").rpartition(":")
+        if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ConfigError(f"fleet.etcd endpoint {raw!r} is not host:port",
+                              hint="for example fleet.etcd = \"10.0.0.5:2379,10.0.0.6:2379\"")
+        found.append(Endpoint(host=host, port=int(port)))
+    return tuple(found)
+
+
+def check_cluster(name: str) -> str:
+    """The cluster name, checked: one path segment of letters, digits, '.', '_' or '-'.
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if not _CLUSTER.fullmatch(name):
+        raise ConfigError(f"fleet.cluster = {name!r}: use 1 to 63 letters, digits, '.', '_' or '-', "
+                          "starting with a letter or digit")
+    return name
+
+
+def nodes_prefix(cluster: str) -> bytes:
+    """The prefix every node record of `cluster` lives under: `/kvstore/<cluster>/nodes/`."""
+    return f"{KEY_ROOT}/{cluster}/nodes/".encode()
+
+
+def node_key(cluster: str, node_id: str) -> bytes:
+    """The key of one node's record: `/kvstore/<cluster>/nodes/<node_id>`."""
+    return nodes_prefix(cluster) + node_id.encode()
+
+
+def layout_key(cluster: str) -> bytes:
+    """The key of the cluster's placement layout (run and block sizes every member must share)."""
+    return f"{KEY_ROOT}/{cluster}/layout".encode()

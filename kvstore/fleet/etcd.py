@@ -1,0 +1,133 @@
+"""One etcd client (aetcd, on grpcio and asyncio) over a list of endpoints, failing over between them.
+
+aetcd's client speaks to one `host:port`; a three-member etcd answers on any
+member, so `EtcdSession` keeps one client at a time and moves to the next
+endpoint when a call finds its member unreachable. Each client gets a fresh
+channel with its own subchannel pool and a short reconnect backoff, so a member
+that comes back is used again within seconds (gRPC's shared default would wait
+up to two minutes). etcd's errors leave here as `kvstore.errors` classes, an
+unreachable etcd as `Unavailable` naming every endpoint tried (docs/FLEET.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import aetcd
+
+from kvstore.errors import Internal, KVStoreError, Unauthenticated, Unavailable
+from kvstore.fleet.endpoints import Endpoint
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: aetcd's errors that mean "this member cannot answer now": try the next one.
+UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError)
+
+
+def _channel_options(timeout_s: float) -> dict[str, int]:
+    """gRPC options of a channel to one member: notice a dead member, reconnect soon to a revived one."""
+    backoff_ms = max(200, int(timeout_s * 1000))
+    return {
+        # A new channel must not inherit another's backoff through the process-wide subchannel pool.
+        "grpc.use_local_subchannel_pool": 1,
+        "grpc.initial_reconnect_backoff_ms": backoff_ms,
+        "grpc.min_reconnect_backoff_ms": backoff_ms,
+        "grpc.max_reconnect_backoff_ms": backoff_ms,
+        # A member that stops answering (SIGSTOP, a cut link) fails the watch within ~10 s; etcd accepts
+        # pings every 5 s at the most (its --grpc-keepalive-min-time).
+        "grpc.keepalive_time_ms": 5000,
+        "grpc.keepalive_timeout_ms": 5000,
+    }
+
+
+def translate(exc: BaseException, endpoints: Sequence[Endpoint]) -> KVStoreError:
+    """The kvstore error for an aetcd (or gRPC) error met talking to `endpoints`."""
+    if isinstance(exc, KVStoreError):
+        return exc
+    where = ", ".join(str(e) for e in endpoints)
+    if isinstance(exc, UNREACHABLE):
+        return Unavailable(f"etcd does not answer at {where} ({exc})",
+                           hint="start etcd there, or point [fleet] etcd (KVSTORE_FLEET_ETCD) at its client URLs")
+    if isinstance(exc, aetcd.exceptions.UnauthenticatedError):
+        return Unauthenticated(f"etcd at {where} refused the call: {exc}",
+                               hint="etcd authentication is not supported yet: serve the fleet's etcd without it")
+    return Internal(f"etcd at {where} failed the call: {type(exc).__name__}: {exc}")
+
+
+class EtcdSession:
+    """Calls to an etcd cluster through one aetcd client at a time, moving to the next endpoint on failure.
+
+    Args:
+        endpoints: the members' client addresses, tried in order (the first that answers is kept).
+        timeout_s: deadline of each call to one member.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint], *, timeout_s: float) -> None:
+        if not endpoints:
+            raise ValueError("an etcd session needs at least one endpoint")
+        self.endpoints = tuple(endpoints)
+        self.timeout_s = timeout_s
+        self._current = 0
+        self._client: aetcd.Client | None = None
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The member calls go to now."""
+        return self.endpoints[self._current]
+
+    def _open(self) -> aetcd.Client:
+        if self._client is None:
+            endpoint = self.endpoint
+            # aetcd passes `timeout` to gRPC as the deadline of each unary call (seconds, float is fine).
+            self._client = aetcd.Client(host=endpoint.host, port=endpoint.port,
+                                        timeout=self.timeout_s,  # type: ignore[arg-type]
+                                        options=_channel_options(self.timeout_s))
+        return self._client
+
+    async def reset(self, *, next_endpoint: bool = True) -> None:
+        """Drop the client (its channel and watches); the next call opens a new one, on the next endpoint."""
+        client, self._client = self._client, None
+        if next_endpoint:
+            self._current = (self._current + 1) % len(self.endpoints)
+        if client is not None:
+            try:
+                await client.close()
+            except Exception as exc:  # a channel already broken may fail to close; it is dropped either way
+                log.debug("closing the etcd client of %s: %s", self.endpoint, exc)
+
+    async def client(self) -> aetcd.Client:
+        """The current client, connected (for a watch, whose stream the caller keeps)."""
+        client = self._open()
+        try:
+            await client.connect()
+        except Exception as exc:
+            raise translate(exc, self.endpoints) from None
+        return client
+
+    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run `op` on a member: the current one, then each other once while they are unreachable.
+
+        Raises:
+            Unavailable: no endpoint answered (the message names them all).
+            KVStoreError: etcd answered with an error (`translate`).
+        """
+        last: BaseException | None = None
+        for _ in self.endpoints:
+            client = self._open()
+            try:
+                return await op(client)
+            except UNREACHABLE as exc:
+                last = exc
+                log.debug("etcd member %s unreachable (%s); trying the next", self.endpoint, exc)
+                await self.reset()
+            except aetcd.ClientError as exc:
+                raise translate(exc, self.endpoints) from None
+        assert last is not None
+        raise translate(last, self.endpoints) from None
+
+    async def close(self) -> None:
+        """Close the client; the session may be used again (it opens a new one)."""
+        await self.reset(next_endpoint=False)
