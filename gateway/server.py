@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -49,6 +49,9 @@ from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
 from tiers.swa_pool import open_pool
 
+if TYPE_CHECKING:
+    from kvstore.fleet.membership import Registration
+
 log = logging.getLogger("kvstore.server")
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 SWA_SERVICE_NAME = swa_pb2.DESCRIPTOR.services_by_name["SwaPool"].full_name
@@ -69,6 +72,8 @@ class RunningServer:
     metrics_endpoint: MetricsEndpoint | None
     #: Called after the gRPC server stops, last first: each service's clean-up.
     closers: list[Callable[[], Any]] = field(default_factory=list)
+    #: Its registration in the fleet's etcd (None: [fleet] etcd unset, a single node).
+    fleet: Registration | None = None
     stopped: bool = False
 
     @property
@@ -85,6 +90,8 @@ class RunningServer:
         if self.stopped:
             return
         self.stopped = True
+        if self.fleet is not None:  # leave the fleet first, so clients route elsewhere while calls drain
+            await self.fleet.stop()
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await _close(self.closers)
@@ -126,6 +133,11 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         await server.start()
+        try:
+            fleet = await _join_fleet(settings, port)  # after the bind: the record names a port that answers
+        except BaseException:
+            await server.stop(0)
+            raise
         tenants.start(settings.auth.reload_s)
         closers.append(tenants.stop)
         endpoint = start_endpoint(settings.metrics, metrics.registry)
@@ -136,7 +148,26 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         tier.close()
         raise
     return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
-                         metrics_endpoint=endpoint, closers=closers)
+                         metrics_endpoint=endpoint, closers=closers, fleet=fleet)
+
+
+async def _join_fleet(settings: Settings, port: int) -> Registration | None:
+    """Register this node in etcd when `[fleet] etcd` is set (docs/FLEET.md); None for a single node.
+
+    Raises:
+        Unavailable: etcd does not answer: the node does not start (F14).
+    """
+    if not settings.fleet.enabled:
+        return None
+    from kvstore.fleet.membership import advertised_address, register_node  # a single node never loads aetcd
+    from tiers.datadir import node_id
+
+    return await register_node(settings.fleet, node_id=node_id(settings.store.data_dir),
+                               address=advertised_address(settings.fleet, settings.server.host, port),
+                               capacity_bytes=settings.store.capacity_bytes,
+                               block_tokens=settings.store.block_tokens)
+
+
 
 
 def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -220,6 +251,7 @@ async def serve(settings: Settings) -> None:
     print(f"kvstore auth: {_auth_line(settings, running.tenants)}", flush=True)
     endpoint = running.metrics_endpoint
     print(f"kvstore metrics: {endpoint.url if endpoint else 'off ([metrics] port = 0)'}", flush=True)
+    print(f"kvstore fleet: {_fleet_line(settings, running.fleet)}", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:
@@ -233,6 +265,14 @@ async def serve(settings: Settings) -> None:
     print("kvstore shutting down", file=sys.stderr, flush=True)
     await running.stop(settings.server.grace_s)
     print("kvstore stopped", file=sys.stderr, flush=True)
+
+
+def _fleet_line(settings: Settings, fleet: Registration | None) -> str:
+    """What `kvstore serve` says of its fleet at start."""
+    if fleet is None:
+        return "off: a single node ([fleet] etcd unset)"
+    return (f"node {fleet.record.node_id} of {settings.fleet.cluster!r} at {fleet.record.address}, "
+            f"registered in etcd {settings.fleet.etcd} (lease {fleet.ttl_s} s)")
 
 
 def _auth_line(settings: Settings, tenants: TenantRegistry) -> str:
