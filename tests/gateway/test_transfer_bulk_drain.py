@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from gateway import transfer_bulk as server_bulk
+from gateway import transfer_servicer
 from gateway.transfer_bulk_lanes import Lanes
 from kvstore.client import transfer_bulk as client_bulk
 from kvstore.client.transfer import TransferSession
@@ -22,6 +23,7 @@ from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tests.gateway import test_transfer_bulk as one_lane
 from tests.gateway.test_transfer_bulk import BLOCK_BYTES, TOKENS, needs_engine
+from tests.waiting import wait_until
 
 pytestmark = needs_engine
 # The one-lane tests' fixtures: a server with bulk on (two blocks a call), from the map and from staging.
@@ -40,10 +42,12 @@ class FirstFailsSecondLingers:
     """The server's engine write, wrapped, for a fetch of two calls in flight: once both writes
     have begun, the first call's (its blocks land lowest) fails at once, and the second's writes
     `slow_s` late. The client lands its calls in order, so it sees the failure, and gives up on
-    the second call, while that call's write still runs."""
+    the second call, while that call's write still runs. With `release`, that write waits for it
+    instead (at most a minute): it still runs for as long as the test says."""
 
-    def __init__(self, slow_s: float) -> None:
+    def __init__(self, slow_s: float, release: threading.Event | None = None) -> None:
         self.slow_s = slow_s
+        self.release = release
         self.real = server_bulk.write_blocks
         self.both = threading.Barrier(2, timeout=10)
         self.lowest: list[int] = []
@@ -56,7 +60,10 @@ class FirstFailsSecondLingers:
             if min(remote) == min(self.lowest):
                 self.failed_at = time.monotonic()
                 return -1
-            time.sleep(self.slow_s)
+            if self.release is None:
+                time.sleep(self.slow_s)
+            else:
+                self.release.wait(60)
             try:
                 return self.real(engine, segment, local, remote, block_bytes)
             finally:
@@ -84,15 +91,23 @@ def test_a_write_left_running_by_a_failed_call_ends_before_the_grpc_fallback_ret
 def test_a_write_still_running_past_the_drain_fails_the_fetch(bulk_server: Any,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(client_bulk, "IN_FLIGHT", 2)
-    monkeypatch.setattr(client_bulk, "DRAIN_S", 0.5)  # the server answers before this deadline: one write left
+    # The server waits 0.5 s of this deadline for the write, then answers with 5 s to spare (0.2 s by
+    # default: a loaded box's answer missed it): one write left.
+    monkeypatch.setattr(client_bulk, "DRAIN_S", 5.5)
+    monkeypatch.setattr(transfer_servicer, "DRAIN_MARGIN_S", 5.0)
     client, _ = bulk_server
     hashes, _ = _stored(client, 4)
-    monkeypatch.setattr(server_bulk, "write_blocks", FirstFailsSecondLingers(slow_s=2.0))
+    write = FirstFailsSecondLingers(slow_s=0.0, release=threading.Event())  # it runs until released
+    monkeypatch.setattr(server_bulk, "write_blocks", write)
     with TransferSession(client.connection, path="bulk", streams=2) as session:
         region = session.register(4 * BLOCK_BYTES)
-        with pytest.raises(Unavailable, match="1 of the server's writes into this session's regions still run"):
-            session.fetch(hashes, region, batch_descriptors=4)
-        time.sleep(2.0)  # the stuck write ends before the session does
+        try:
+            with pytest.raises(Unavailable, match="1 of the server's writes into this session's regions still run"):
+                session.fetch(hashes, region, batch_descriptors=4)
+        finally:
+            assert write.release is not None
+            write.release.set()
+        wait_until(lambda: write.ended_at > 0, "the stuck write never ended")  # before the session does
 
 
 def test_bulk_drain_answers_for_its_own_sessions_only(bulk_server: Any) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from kvstore.config import StoreSettings, TransferSettings
 from kvstore.transfer import DONE, Status
 from tests.gateway.test_transfer_bulk import BLOCK_BYTES, TOKENS, _fetch, needs_engine
 from tests.gateway.test_transfer_fetch import corrupt
+from tests.waiting import wait_until
 from tiers.ring import Mapping
 
 pytestmark = needs_engine
@@ -62,6 +62,13 @@ def _server(start_server: Callable[..., Any], tmp_path: Path, max_blocks: int = 
     store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=64 * BLOCK_BYTES, block_tokens=TOKENS)
     return start_server(store, transfer=TransferSettings(bulk="mooncake", bulk_max_blocks=max_blocks,
                                                          bulk_staging_bytes=1 << 20, bulk_from_map=from_map))
+
+
+def service(srv: Any) -> Any:
+    """The running server's Transfer servicer (its bulk server, `.bulk`)."""
+    from gateway.transfer_servicer import TransferServicer
+
+    return next(c.__self__ for c in srv.closers if isinstance(getattr(c, "__self__", None), TransferServicer))
 
 
 def _put(client: Client, n: int, first: int = 0) -> tuple[list[bytes], list[bytes]]:
@@ -215,12 +222,17 @@ def test_a_cancelled_call_frees_its_staging_slot_only_once_the_write_returned(
             stub = pb_grpc.TransferStub(client.connection.channel)
             fetch = pb.BulkFetchRequest(session_id=s.session_id, block_hashes=hashes[0], address=s.bulk.addresses[
                 region.region_id], size_bytes=BLOCK_BYTES, offsets_bytes=[0])
-            with pytest.raises(grpc.RpcError):  # the caller gives up while the engine writes
-                stub.BulkFetch(fetch, timeout=0.5)
-            second = stub.BulkFetch.future(fetch, timeout=30)
-            # Time for a server that freed the slot at the cancel to start the second call's copy
-            # into it (the order below is what is asserted, not a duration).
-            time.sleep(1.0)
+            first = stub.BulkFetch.future(fetch, timeout=60)
+            wait_until(lambda: events == ["copy", "write"], "the first call's write never began")
+            first.cancel()  # the caller gives up while the engine writes
+            with pytest.raises(grpc.FutureCancelledError):
+                first.result()
+            staging = service(srv).bulk._staging
+            second = stub.BulkFetch.future(fetch, timeout=60)
+            # Until the second call waits for the slot, or (a server that freed the slot at the cancel)
+            # copies into it: the order below is what is asserted, not a duration.
+            wait_until(lambda: len(staging.ready._waiters or ()) == 1 or len(events) > 2,
+                       "the second call neither waited for the slot nor took it")
             release.set()
             assert second.result().statuses == bytes([DONE])
     assert events == ["copy", "write", "written", "copy", "write", "written"], events
