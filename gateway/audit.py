@@ -10,24 +10,34 @@ structured line, so a log collector sees admin changes without reading the file.
 The file is only ever appended to (O_APPEND). A crash in the middle of a write
 can leave a torn last line: opening the log ends it with a newline, and reading
 skips a line that does not parse and logs it, so every other entry stays readable.
+Whatever else is in the file (binary, a line of the wrong shape, a line longer
+than MAX_LINE_BYTES, JSON nested too deeply) is skipped the same way: the server
+starts and appends after it, and reading holds at most one line and the last
+`limit` entries in memory, however long the file (issue 29).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import stat
 import threading
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvstore.clock import Clock, SystemClock
+from kvstore.errors import ConfigError
 
 log = logging.getLogger("kvstore.audit")
 
 #: File name inside the admin folder of the data dir.
 AUDIT_NAME = "audit.jsonl"
+#: The longest line read back; an entry is a few hundred bytes (a policy's fields before and after).
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +50,11 @@ class AuditEntry:
     tenant: str
     old: Any
     new: Any
+
+
+_ENTRY_FIELDS = {f.name for f in fields(AuditEntry)}
+#: A time_s past this is no time an entry was written at (and would not fit a double as a big integer).
+_MAX_TIME_S = 1e12
 
 
 def fsync_dir(folder: Path) -> None:
@@ -57,6 +72,9 @@ class AuditLog:
     Args:
         folder: where the log lives (created if missing).
         clock: the time written into each entry.
+
+    Raises:
+        ConfigError: the log cannot be opened for appending, or is not a regular file.
     """
 
     def __init__(self, folder: Path, *, clock: Clock | None = None) -> None:
@@ -65,12 +83,27 @@ class AuditLog:
         self.clock: Clock = clock or SystemClock()
         self._lock = threading.Lock()
         created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fd = self._open()
         if created:
             fsync_dir(folder)
         elif self._torn():
             os.write(self._fd, b"\n")  # end the torn line, so the next entry starts a line of its own
             os.fsync(self._fd)
+
+    def _open(self) -> int:
+        """The log opened for appending (O_NONBLOCK: a FIFO in its place is refused, not waited on)."""
+        why = "it is not a regular file"
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                os.set_blocking(fd, True)
+                return fd
+            os.close(fd)
+        raise ConfigError(f"cannot open the audit log {self.path} for appending: {why}",
+                          hint="move away what is there (a new log is started) or fix its permissions")
 
     def _torn(self) -> bool:
         """Whether the file's last line lacks its newline (a write cut by a crash)."""
@@ -98,18 +131,21 @@ class AuditLog:
         return entry
 
     def entries(self, *, tenant: str = "", limit: int = 0) -> list[AuditEntry]:
-        """The entries, oldest first: only `tenant`'s when given, only the last `limit` when not 0."""
-        out: list[AuditEntry] = []
+        """The entries, oldest first: only `tenant`'s when given, only the last `limit` when not 0.
+
+        A line that is not an entry (torn, binary, of the wrong shape, past MAX_LINE_BYTES) is
+        skipped and logged; only the last `limit` entries are held while the file is read.
+        """
+        out: collections.deque[AuditEntry] = collections.deque(maxlen=limit or None)
         with self._lock, self.path.open("rb") as f:
-            for number, raw in enumerate(f, start=1):
-                try:
-                    entry = AuditEntry(**json.loads(raw))
-                except (ValueError, TypeError):
-                    log.warning("%s line %d does not parse (a write torn by a crash?): skipped", self.path, number)
-                    continue
-                if not tenant or entry.tenant == tenant:
+            for number, raw in enumerate(_lines(f), start=1):
+                entry = _entry(raw)
+                if entry is None:
+                    log.warning("%s line %d is not an audit entry (a write torn by a crash?): skipped",
+                                self.path, number)
+                elif not tenant or entry.tenant == tenant:
                     out.append(entry)
-        return out[-limit:] if limit else out
+        return list(out)
 
     def close(self) -> None:
         """Close the file."""
@@ -117,3 +153,34 @@ class AuditLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """The lines of `f`, each at most MAX_LINE_BYTES; None for a longer one (read past in pieces, never held)."""
+    while True:
+        line = f.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) <= MAX_LINE_BYTES or line.endswith(b"\n"):
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):
+            line = f.readline(MAX_LINE_BYTES)
+        yield None
+
+
+def _entry(raw: bytes | None) -> AuditEntry | None:
+    """The entry on one line, or None when the line is not one (any content)."""
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(record, dict) or set(record) != _ENTRY_FIELDS:
+        return None
+    time_s = record["time_s"]
+    if isinstance(time_s, bool) or not isinstance(time_s, int | float) or not 0 <= time_s <= _MAX_TIME_S \
+            or not all(isinstance(record[k], str) for k in ("actor", "action", "tenant")):
+        return None
+    return AuditEntry(**record)

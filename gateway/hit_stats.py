@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.clock import Clock
+from kvstore.errors import ConfigError
+from kvstore.side_files import read_json
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,13 @@ WINDOWS: dict[str, tuple[int, int] | None] = {"5m": (60, 5), "1h": (60, 60), "24
 MAX_SERIES_POINTS = LEVELS[1800]
 FILE_NAME = "hits.json"
 _FORMAT = 2
+#: The most of the file read at start: about 10 KiB a busy tenant, so some 10,000 tenants. A larger file is
+#: damaged as far as the start is concerned: set aside, and counting starts from zero.
+MAX_FILE_BYTES = 128 << 20
+#: A stored counter is below this (the Stats reply's uint64 fields, with room for the sums).
+MAX_COUNT = 1 << 63
+#: The latest time a file may name (year 2286): anything later is damage.
+MAX_TIME_S = 1e10
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +113,47 @@ def _sum_into(total: list[int], counts: Iterable[list[int]]) -> list[int]:
         for i, v in enumerate(c):
             total[i] += v
     return total
+
+
+def _count(value: object) -> int:
+    """A stored counter: a whole number in [0, 2^63) (what the Stats reply's fields hold)."""
+    if type(value) is not int or not 0 <= value < MAX_COUNT:
+        raise ValueError(f"a counter is {str(value)[:40]!r}, not a whole number in [0, 2^63)")
+    return value
+
+
+def _parse(state: dict[str, object]) -> tuple[dict[str, list[int]], dict[int, dict[str, dict[int, list[int]]]], float]:
+    """(all-time totals, buckets, counted_since_s) of a parsed hits file, every value checked.
+
+    Counters are matched by name (`fields`), so a file of another version keeps the ones both know.
+
+    Raises:
+        ValueError: naming what is missing or of the wrong type or range.
+    """
+    names, totals, by_size, since = (state.get(k) for k in ("fields", "all", "buckets", "counted_since_s"))
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError("'fields' is not a list of names")
+    if not isinstance(totals, dict) or not isinstance(by_size, dict):
+        raise ValueError("'all' or 'buckets' is not an object")
+    if isinstance(since, bool) or not isinstance(since, int | float) or not 0 <= since <= MAX_TIME_S:
+        raise ValueError(f"counted_since_s is {str(since)[:40]!r}, not a time")
+    at = [(_INDEX[n], j) for j, n in enumerate(names) if n in _INDEX]  # fields of another version: dropped
+
+    def counts(values: object) -> list[int]:
+        if not isinstance(values, list) or len(values) != len(names):
+            raise ValueError(f"a counter list is not a list of {len(names)} counters")
+        out = _zeros()
+        for i, j in at:
+            out[i] = _count(values[j])
+        return out
+
+    def tenants(by_tenant: object) -> dict[str, dict[int, list[int]]]:
+        if not isinstance(by_tenant, dict) or not all(isinstance(by, dict) for by in by_tenant.values()):
+            raise ValueError("a bucket level is not an object of tenants")
+        return {str(t): {int(i): counts(c) for i, c in by.items()} for t, by in by_tenant.items()}
+
+    buckets = {size: tenants(by_size.get(str(size), {})) for size in LEVELS}
+    return {str(t): counts(c) for t, c in totals.items()}, buckets, float(since)
 
 
 class HitStats:
@@ -330,33 +380,38 @@ class HitStats:
             os.close(fd)
 
     def _load(self, path: Path) -> None:
-        """Read the counters an earlier run wrote; a damaged file is set aside (logged) and counting starts anew."""
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
+        """Read the counters an earlier run wrote; a damaged file is set aside (logged) and counting starts anew.
+
+        Damaged is anything `_parse` refuses, whatever the bytes (issue 29: binary content and
+        `1e400` killed the start with a traceback); at most MAX_FILE_BYTES are read.
+
+        Raises:
+            ConfigError: the damaged file (or a file where the stats folder should be) cannot be moved aside.
+        """
+        if self.folder is not None and self.folder.exists() and not self.folder.is_dir():
+            self._set_aside(self.folder, "it is a file, not a folder")
             return
         try:
-            state = json.loads(raw)
-            names = state["fields"]
-            at = [(_INDEX[n], j) for j, n in enumerate(names) if n in _INDEX]  # fields of another version: dropped
-
-            def counts(values: list[int]) -> list[int]:
-                out = _zeros()
-                for i, j in at:
-                    out[i] = int(values[j])
-                return out
-
-            totals = {str(t): counts(c) for t, c in state["all"].items()}
-            buckets = {size: {str(t): {int(i): counts(c) for i, c in by.items()}
-                              for t, by in state["buckets"].get(str(size), {}).items()} for size in LEVELS}
-            since = float(state["counted_since_s"])
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-            damaged = path.with_name(FILE_NAME + ".damaged")
-            log.warning("%s is damaged (%s): moved to %s, hit counters start from zero", path, exc, damaged)
-            os.replace(path, damaged)
+            state = read_json(path, max_bytes=MAX_FILE_BYTES)
+            if state is None:
+                return
+            totals, buckets, since = _parse(state)
+        except (OSError, ValueError) as exc:  # DamagedFile is a ValueError; OSError: it cannot be read at all
+            self._set_aside(path, str(exc))
             return
         self._all, self._buckets, self.counted_since_s = totals, buckets, since
         self._prune(self.started_s)
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        """Move the damaged `path` to `<path>.damaged` (replacing an earlier one), so the counters start from zero."""
+        damaged = path.with_name(path.name + ".damaged")
+        try:
+            os.replace(path, damaged)
+        except OSError as exc:
+            raise ConfigError(f"hit counters {path} are damaged ({why}) and cannot be moved to {damaged}: "
+                              f"{exc.strerror or exc}", hint=f"move {path} away by hand; the counters restart "
+                              "from zero, the cache's blocks are not affected") from None
+        log.warning("%s is damaged (%s): moved to %s, hit counters start from zero", path, why, damaged)
 
     def close(self) -> None:
         """Write the counters a last time and stop the writer thread (at server stop)."""

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from gateway.audit import AuditLog, fsync_dir
-from kvstore.api_tokens import check_tenant
+from kvstore.api_tokens import TENANT_NAME, check_tenant
 from kvstore.config import MAX_BYTES, RETENTION_FLOOR_HOURS
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
+from kvstore.side_files import read_json
 
 log = logging.getLogger("kvstore.policies")
 
@@ -47,6 +48,8 @@ FORMAT_VERSION = 1
 MAX_REQUESTS_PER_S = 1e7
 #: Longest retention a policy may name: 100 years, as store.retention_hours.
 MAX_RETENTION_HOURS = 100 * 365 * 24.0
+#: The most of the policies file read at start: about 150 bytes a tenant, so some 400,000 tenants.
+MAX_FILE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +78,50 @@ class Policy:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
+#: The byte quotas: whole numbers.
+_BYTE_FIELDS = ("nvme_quota_bytes", "swa_quota_bytes")
+#: The range of each field as stored (swa_ttl_s must also be above 0). `set` checks the same, and more:
+#: the TTL against the pool's, retention against the tenant's current one.
+_STORED_RANGES: dict[str, tuple[float, float]] = {
+    "retention_hours": (RETENTION_FLOOR_HOURS, MAX_RETENTION_HOURS), "swa_ttl_s": (0.0, MAX_RETENTION_HOURS * 3600),
+    "requests_per_s": (0.0, MAX_REQUESTS_PER_S), "nvme_quota_bytes": (0, MAX_BYTES), "swa_quota_bytes": (0, MAX_BYTES),
+}
+
+
+def _short(value: object) -> str:
+    """`value`'s repr cut to a few words: a damaged file's message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(value: object) -> float | None:
+    """`value` when it is a JSON number (not a boolean), else None."""
+    return None if isinstance(value, bool) or not isinstance(value, int | float) else value
+
+
+def _stored_tenant(name: object) -> str:
+    if not isinstance(name, str) or not TENANT_NAME.fullmatch(name):
+        raise ValueError(f"tenant {_short(name)} is not a tenant name")
+    return name
+
+
+def _stored_fields(tenant: str, fields: object) -> dict[str, Any]:
+    """A tenant's own fields as stored, each in its range; fields this version does not know are kept as they
+    are (written back, not applied: `_apply`), as before."""
+    if not isinstance(fields, dict):
+        raise ValueError(f"tenant {tenant!r}'s policy is a {type(fields).__name__}, not an object")
+    out: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name not in FIELDS:
+            out[name] = value
+            continue
+        number = _number(value)
+        low, high = _STORED_RANGES[name]
+        if number is None or not low <= number <= high or (name == "swa_ttl_s" and number <= 0) \
+                or (name in _BYTE_FIELDS and not float(number).is_integer()):
+            raise ValueError(f"tenant {tenant!r}: {name} is {_short(value)}, out of its range")
+        out[name] = int(number) if name in _BYTE_FIELDS else float(number)
+    return out
 
 
 class Policies:
@@ -109,16 +156,36 @@ class Policies:
             self._save()
 
     def _load(self) -> dict[str, Any]:
+        """The file's content, every value checked as `set` would (but the only-raised rule, which
+        compares a change with the policy before it); {} when there is no file.
+
+        At most MAX_FILE_BYTES are read. Anything else (issue 29: `[1,2,3]` or `null` killed the
+        start with an AttributeError) stops the start with one ConfigError: serving on the
+        defaults instead could shorten a tenant's retention.
+
+        Raises:
+            ConfigError: the file cannot be read or is damaged, naming it, why, and what to do.
+        """
         try:
-            data: dict[str, Any] = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the tenant policies {self.path}: {exc}",
-                              hint="restore the file from a backup; it is rewritten whole on every change") from None
-        if data.get("version") != FORMAT_VERSION:
-            raise ConfigError(f"{self.path} has format version {data.get('version')!r}; this server reads "
-                              f"{FORMAT_VERSION}")
+            data = read_json(self.path, max_bytes=MAX_FILE_BYTES)
+            if data is None:
+                return {}
+            if data.get("version") != FORMAT_VERSION:
+                raise ValueError(f"format version {_short(data.get('version'))}; this server reads {FORMAT_VERSION}")
+            floor = data.get("retention_floor_hours", 0.0)
+            if _number(floor) is None or not 0 <= floor <= MAX_RETENTION_HOURS:
+                raise ValueError(f"retention_floor_hours is {_short(floor)}, not hours in [0, {MAX_RETENTION_HOURS:g}]")
+            tenants = data.get("tenants", {})
+            if not isinstance(tenants, dict):
+                raise ValueError(f"'tenants' is a {type(tenants).__name__}, not an object")
+            data["tenants"] = {_stored_tenant(name): _stored_fields(name, fields) for name, fields in tenants.items()}
+        except OSError as exc:
+            raise ConfigError(f"cannot read the tenant policies {self.path}: {exc.strerror or exc}",
+                              hint="check its permissions (the server's user must read it)") from None
+        except ValueError as exc:  # DamagedFile included
+            raise ConfigError(f"tenant policies {self.path} are damaged: {exc}",
+                              hint="restore the file from a backup (it is rewritten whole on every change); moving "
+                                   "it away puts every tenant on the defaults, a shorter retention for some") from None
         return data
 
     def _save(self) -> None:

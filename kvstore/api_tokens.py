@@ -43,7 +43,7 @@ TENANTS_FILE_NAME = "tenants.json"
 FORMAT_VERSION = 1
 TOKEN_PREFIX = "kvst_"
 #: A tenant name is a namespace name (gateway.validate): 1-128 of [A-Za-z0-9._-], alphanumeric first.
-_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _SECRET_BYTES = 32
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: The most of the tenants file read: a record is about 250 bytes, so about 250,000 tokens. A larger
@@ -62,7 +62,7 @@ def check_tenant(name: str) -> str:
     Raises:
         InvalidArgument: naming what a tenant name may hold.
     """
-    if not _TENANT.fullmatch(name):
+    if not TENANT_NAME.fullmatch(name):
         raise InvalidArgument(f"tenant {name!r} is not 1-128 of [A-Za-z0-9._-] starting alphanumeric")
     return name
 
@@ -168,7 +168,7 @@ def _record(index: int, raw: object) -> TokenRecord:
         raise ValueError(f"token record {index}: {wrong or 'revoked_at or rights'} of the wrong type")
     if not _SHA256.fullmatch(raw["sha256"]):
         raise ValueError(f"token record {index}: sha256 is not 64 hex digits")
-    if not _TENANT.fullmatch(raw["tenant"]):
+    if not TENANT_NAME.fullmatch(raw["tenant"]):
         raise ValueError(f"token record {index}: tenant {_short(raw['tenant'])} is not a tenant name")
     if not rights or not set(rights) <= set(RIGHTS):
         raise ValueError(f"token record {index}: rights {_short(rights)} are not a non-empty subset of "

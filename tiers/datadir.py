@@ -34,6 +34,7 @@ import lmdb
 
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import ConfigError
+from kvstore.side_files import read_json
 from tiers.lmdb_pages import HeaderError, LmdbHeader, damaged_pages, read_header
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ IDENTITY_NAME = "kvstore-identity.json"
 DATA_NAME = "data.mdb"
 #: Version of the on-disk layout written into the identity file.
 FORMAT_VERSION = 2
+#: The most of the identity file read (it holds a few hundred bytes): a larger one is damaged.
+MAX_IDENTITY_BYTES = 64 << 10
 _USAGE_BYTES = 16
 #: The start-time page check reads at most this many tree pages (branch and leaf,
 #: not block data); a larger store is checked by `kvstore check` only.
@@ -130,6 +133,9 @@ class DataDirLock:
         path = data_dir / LOCK_NAME
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except IsADirectoryError:
+            raise ConfigError(f"{path} is a folder, not the data dir's lock file",
+                              hint=f"move {path} away (the lock file is created again at start)") from None
         except OSError as exc:
             raise _unwritable(data_dir, exc) from None
         try:
@@ -177,7 +183,7 @@ def _read_holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
         return f"pid {info['pid']} on {info['host']}, since {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # whatever the lock file holds
         return "holder unknown: the lock file names no pid yet"
 
 
@@ -278,17 +284,17 @@ def read_identity(data_dir: Path) -> dict[str, object] | None:
     """
     path = data_dir / IDENTITY_NAME
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    try:
-        identity = json.loads(raw)
-        if not isinstance(identity, dict) or "store_id" not in identity:
+        # Bounded (a few hundred bytes are written): any content is a one-line refusal (issue 29).
+        identity = read_json(path, max_bytes=MAX_IDENTITY_BYTES)
+        if identity is not None and not isinstance(identity.get("store_id"), str):
             raise ValueError("no store_id")
-    except ValueError as exc:
+    except ValueError as exc:  # DamagedFile included
         raise ConfigError(f"{path} is damaged ({exc})",
                           hint=f"if {data_dir / DATA_NAME} is intact, delete {path} (it is written again at "
                                "start); otherwise move the data dir away and start empty") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}",
+                          hint="check its permissions (the server's user must read it)") from None
     return identity
 
 

@@ -90,3 +90,14 @@ def test_the_series_covers_24_hours_ending_with_the_current_minute(clock: Manual
     assert points[-1].start_s <= clock.now() < points[-1].start_s + 1800
     assert points[0].counts["lookup_blocks_found"] == 1 and points[-1].counts["lookup_blocks_found"] == 2
     assert sum(p.counts["lookups"] for p in points[1:-1]) == 0
+
+
+def test_a_file_where_the_stats_folder_should_be_is_set_aside(tmp_path: Path, clock: ManualClock,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "stats"
+    folder.write_bytes(b"\xff" * 10)
+    stats = HitStats(folder, clock, block_tokens=16)
+    assert (tmp_path / "stats.damaged").read_bytes() == b"\xff" * 10 and "moved to" in caplog.text
+    stats.record("a", "lookup", 1, 1)
+    stats.close()  # the folder is made again, and the counters written into it
+    assert counts(HitStats(folder, clock, block_tokens=16), "all", "a")["lookups"] == 1
