@@ -182,33 +182,58 @@ def run_sh_line(line: str, tmp: Path) -> subprocess.CompletedProcess[str]:
 
 
 #: Run before a Python block, in its own namespace: the placeholders the README names, and nothing else.
+#: The engine's arrays come as torch tensors or as numpy arrays (the same values), at an even or an odd T.
 _PLACEHOLDER_DATA = """
-def _placeholders():
-    import torch
+def _placeholders(kind, T, first_token):
+    import numpy as np
     from kvstore.geometry import V4_1_FLASH as g
-    torch.manual_seed(0)
-    T = 256  # four 64-token blocks, an even length: the snapshot has no tail
-    rows = lambda n, width: torch.randint(0, 256, (n, width), dtype=torch.uint8)
-    return {"prompt_token_ids": list(range(1000, 1000 + T)),
-            "kv_rows": {l: rows(T // g.compress_ratios[l], 288) for l in g.kv_source_layers},
-            "index_rows": {l: rows(T // g.compress_ratios[l], 68) for l in g.kv_source_layers},
-            "window_rows": torch.randint(0, 256, (g.num_layers, min(T, g.window), g.window_row_bytes),
-                                         dtype=torch.uint8),
-            "tail": None}
+    rng = np.random.default_rng(T)
+
+    def data(shape, dtype):
+        a = (rng.integers(0, 256, shape, dtype=np.uint8) if dtype == "uint8"
+             else rng.standard_normal(shape, dtype=np.float32))
+        if kind == "numpy":
+            return a
+        import torch
+        return torch.from_numpy(a)
+
+    return {"prompt_token_ids": list(range(first_token, first_token + T)),
+            "kv_rows": {l: data((T // g.compress_ratios[l], 288), "uint8") for l in g.kv_source_layers},
+            "index_rows": {l: data((T // g.compress_ratios[l], 68), "uint8") for l in g.kv_source_layers},
+            "window_rows": data((g.num_layers, min(T, g.window), g.window_row_bytes), "uint8"),
+            "tail": data((len(g.ratio2_source_layers), 2, g.head_dim), "float32") if T % 2 else None}
 """
 
 
-def run_python(blocks: list[str], postlude: str, tmp: Path, name: str) -> dict[str, object]:
-    """Run blocks one after another in one fresh namespace; `postlude` prints a JSON of what to check."""
+@dataclass(frozen=True)
+class Placeholders:
+    """What the engine's names are filled with: `kind` "torch" or "numpy", prompt length `length`."""
+
+    kind: str = "torch"
+    length: int = 256
+    first_token: int = 1000
+
+    def call(self) -> str:
+        return f"_placeholders({self.kind!r}, {self.length}, {self.first_token})"
+
+
+def run_python(blocks: list[str], postlude: str, tmp: Path, name: str,
+               placeholders: Placeholders = Placeholders()) -> dict[str, object]:
+    """Run blocks one after another in one fresh namespace; `postlude` prints a JSON of what to check.
+
+    The postlude also sees `given`: the placeholders as they were before the blocks ran
+    (a block may rebind one: the SWA block's `rows, tail = ...`).
+    """
     script = tmp / f"{name}.py"
     sources = json.dumps(json.dumps(blocks))
     check = json.dumps("import json\n" + postlude)
     script.write_text(f"""{_PLACEHOLDER_DATA}
 import json
-_g = {{"__name__": "__readme__", **_placeholders()}}
+_given = {placeholders.call()}
+_g = {{"__name__": "__readme__", **_given}}
 for _src in json.loads({sources}):
     exec(compile(_src, "README.md", "exec"), _g)
-exec({check}, _g)
+exec({check}, {{**_g, "given": _given}})
 """)
     done = subprocess.run([sys.executable, str(script)], cwd=tmp, capture_output=True, text=True, timeout=120,
                           env=_env())
@@ -224,30 +249,60 @@ def test_the_readme_names_its_placeholders() -> None:
         assert f"`{name}`" in text.split("Placeholders:", 1)[1].split("\n\n", 1)[0], name
 
 
-def test_worker_and_swa_examples_run(children: list[Child], tmp_path: Path) -> None:
-    server = Child(["serve", "--port", "0", "--data-dir", str(tmp_path / "kv")], tmp_path / "serve.log")
-    children.append(server)
-    fill = {SERVER: server.target}
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    """One `kvstore serve` for every run of the worker example (each stores its own prompt)."""
+    folder = tmp_path_factory.mktemp("readme-serve")
+    server = Child(["serve", "--port", "0", "--data-dir", str(folder / "kv")], folder / "serve.log")
+    yield server
+    server.stop()
+
+
+DATA_KINDS = ("torch", "numpy")
+#: Four full 64-token blocks; the odd length adds one token past them, and the snapshot's raw tail.
+LENGTHS = (256, 257)
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("kind", DATA_KINDS)
+def test_worker_and_swa_examples_run(readme_server: Child, tmp_path: Path, kind: str, length: int) -> None:
+    # Each run's prompt starts at its own token, so no run hits another's blocks or snapshot.
+    first_token = 1000 * (1 + DATA_KINDS.index(kind) * len(LENGTHS) + LENGTHS.index(length))
+    fill = {SERVER: readme_server.target}
     worker = substitute(block("A worker, in a few lines", "python").text, tmp_path, fill)
     swa = substitute(block("Sliding-window state and bulk transfers", "python").text, tmp_path, fill)
     # The worker's block twice (a miss that stores the prompt's blocks, then a hit that loads
-    # them), then the SWA block; the postlude checks what each left behind.
+    # them), then the SWA block; the postlude checks what each left behind, against `given`.
     postlude = """
-import torch
+import numpy as np
 last = max(kv_rows)
+same = lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
 print(json.dumps({
-    "hit_blocks": hit_after_worker.found_blocks,
-    "loaded_rows_equal": bool(torch.equal(kv.reshape(-1, 288), kv_rows[last][: kv.shape[0] * kv.shape[1]])),
-    "loaded_index_equal": bool(torch.equal(index.reshape(-1, 68), index_rows[last][: index.shape[0] * index.shape[1]])),
-    "swa_position": hit.swa_position, "window_rows_equal": bool(torch.equal(rows, window_rows)),
-    "tail": tail, "fetched_bytes": state.bytes_moved, "block_bytes": client.block_bytes}))
+    "kinds": sorted({type(a).__module__.split(".")[0] for pair in given_rows for a in pair}),
+    "hit_blocks": hit_after_worker.found_blocks, "found_tokens": hit_after_worker.found_tokens,
+    "loaded_rows_equal": same(np.asarray(kv).reshape(-1, 288), np.asarray(kv_rows[last])[: kv.shape[0] * kv.shape[1]]),
+    "loaded_index_equal": same(np.asarray(index).reshape(-1, 68),
+                               np.asarray(index_rows[last])[: index.shape[0] * index.shape[1]]),
+    "swa_position": hit.swa_position, "window_rows_equal": same(rows, given["window_rows"]),
+    "tail_given": given["tail"] is not None,
+    "tail_equal": (tail is None) if given["tail"] is None else (tail is not None and same(tail, given["tail"])),
+    "fetched_bytes": state.bytes_moved, "block_bytes": client.block_bytes}))
 """
-    keep_hit = "hit_after_worker = hit\n"
-    got = run_python([worker, worker, keep_hit, swa], postlude, tmp_path, "worker")
-    assert got["hit_blocks"] == 4
+    keep_hit = "hit_after_worker = hit\ngiven_rows = [new_rows[layer] for layer in new_rows]\n"
+    got = run_python([worker, worker, keep_hit, swa], postlude, tmp_path, "worker",
+                     Placeholders(kind, length, first_token))
+    assert got["kinds"] == [kind]  # the engine's rows reached join_blocks as the kind under test
+    assert got["hit_blocks"] == 4 and got["found_tokens"] == 256
     assert got["loaded_rows_equal"] and got["loaded_index_equal"]
-    assert got["swa_position"] == 256 and got["window_rows_equal"] and got["tail"] is None
+    assert got["window_rows_equal"] and got["tail_given"] == (length % 2 == 1) and got["tail_equal"]
+    assert got["swa_position"] == SWA_POSITION[length]
     assert got["fetched_bytes"] == 4 * int(got["block_bytes"])  # type: ignore[call-overload]
+
+
+#: What the lookup's `swa_positions=[T]` finds: at T = 256 the snapshot, which the four found blocks
+#: reach; at T = 257 none, as the README's comment says: the found blocks end at 256, and a snapshot at
+#: an odd T serves only T itself (kvstore.swa_snapshot.serves, resume_length).
+SWA_POSITION: dict[int, int | None] = {256: 256, 257: None}
 
 
 def test_resume_section_runs(children: list[Child], tmp_path: Path) -> None:

@@ -18,15 +18,31 @@ copies a block into its paged caches with one copy per run of rows.
   to float tensors, quantizing with `kvstore.codec.rows`.
 
 Everything runs on the tensors' device (a CUDA block splits into CUDA views).
+Each function takes numpy arrays as well as tensors, and the byte arguments
+(blocks, and the rows `join_blocks` lays out) bytes, bytearray or memoryview
+too; numpy in gives numpy back, anything else torch (`kvstore.codec.arrays`).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
+from typing import TypeVar, overload
 
+import numpy as np
 import torch
 
+from kvstore.codec.arrays import (
+    BYTE_KINDS,
+    Buffer,
+    NDArray,
+    as_tensor,
+    dtype_name,
+    is_buffer,
+    is_numpy,
+    is_read_only,
+    pairs_to_numpy,
+    to_numpy,
+)
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import ModelGeometry
 
@@ -35,6 +51,15 @@ BLOCK_TOKENS = 64
 
 #: Per source layer: (compressed-KV rows, indexer rows).
 LayerRows = Mapping[int, tuple[torch.Tensor, torch.Tensor]]
+#: The same as numpy arrays: what comes back is numpy too.
+NumpyLayerRows = Mapping[int, tuple[NDArray, NDArray]]
+#: Rows to join may also be flat byte buffers of whole rows.
+ByteLayerRows = Mapping[int, tuple[torch.Tensor | Buffer, torch.Tensor | Buffer]]
+#: Per source layer, as `split_blocks` and `decode_blocks` give them back.
+TensorPairs = dict[int, tuple[torch.Tensor, torch.Tensor]]
+NumpyPairs = dict[int, tuple[NDArray, NDArray]]
+#: An `out` buffer: what is given is what comes back.
+_Out = TypeVar("_Out", torch.Tensor, NDArray)
 
 
 def _check_layers(geometry: ModelGeometry, layers: object) -> Mapping[int, object]:
@@ -58,31 +83,40 @@ _VALUES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows3(x: object, *, what: str, rows: int, width: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    """`x` as `[n, rows, width]`, from `[n * rows, width]` or `[n, rows, width]`."""
+    """`x` as `[n, rows, width]`, from `[n * rows, width]` or `[n, rows, width]` (or flat bytes of whole rows)."""
     shape = f"[n * {rows}, {width}] or [n, {rows}, {width}]"
     kinds = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-    if not isinstance(x, torch.Tensor):
-        raise InvalidArgument(f"{what}: expected a {kinds} tensor {shape}, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        raise InvalidArgument(f"{what}: expected {kinds}, got {x.dtype}")
-    ok = ((x.dim() == 2 and x.shape[0] % rows == 0) or (x.dim() == 3 and x.shape[1] == rows)) \
-        and x.shape[-1] == width
+    raw = dtypes == _ROWS  # row bytes: a flat buffer of them is as good as an array
+    wants = f"{kinds} {shape}" + (f" (a buffer: n * {rows * width} bytes)" if raw else "")
+    flat = raw and is_buffer(x)
+    t = as_tensor(x, what=what, wants=wants, buffers=raw)
+    if flat:
+        if t.numel() % (rows * width):
+            raise InvalidArgument(f"{what}: expected a buffer of whole blocks of rows, n * {rows} x {width} "
+                                  f"= n * {rows * width} bytes, got {t.numel()} bytes")
+        return t.view(-1, rows, width)
+    if t.dtype not in dtypes:
+        raise InvalidArgument(f"{what}: expected {kinds}, got {dtype_name(t)}")
+    ok = ((t.dim() == 2 and t.shape[0] % rows == 0) or (t.dim() == 3 and t.shape[1] == rows)) \
+        and t.shape[-1] == width
     if not ok:
-        raise InvalidArgument(f"{what}: expected shape {shape}, got {tuple(x.shape)}")
-    return x.reshape(-1, rows, width)
+        raise InvalidArgument(f"{what}: expected shape {shape}, got {tuple(t.shape)}")
+    return t.reshape(-1, rows, width)
 
 
 def _gather(geometry: ModelGeometry, layers: object, block_tokens: int, *, dtypes: tuple[torch.dtype, ...],
-            widths: tuple[int, int]) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-    """Check every layer's pair; return the block count and `[n, rows, width]` tensors."""
+            widths: tuple[int, int]) -> tuple[int, TensorPairs, bool]:
+    """Check every layer's pair; return the block count, `[n, rows, width]` tensors, and whether all were numpy."""
     geometry.check_block_tokens(block_tokens)
     checked = _check_layers(geometry, layers)
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     counts: set[int] = set()
     devices: set[torch.device] = set()
+    numpy = True
     for layer in geometry.kv_source_layers:
         rows = geometry.block_rows(layer, block_tokens)
         kv, index = _pair(layer, checked[layer])
+        numpy = numpy and is_numpy(kv) and is_numpy(index)
         pair = (_rows3(kv, what=f"layer {layer} compressed_kv", rows=rows, width=widths[0], dtypes=dtypes),
                 _rows3(index, what=f"layer {layer} indexer", rows=rows, width=widths[1], dtypes=dtypes))
         counts.update(t.shape[0] for t in pair)
@@ -93,83 +127,115 @@ def _gather(geometry: ModelGeometry, layers: object, block_tokens: int, *, dtype
                               f"{sorted(counts)}")
     if len(devices) != 1:
         raise InvalidArgument(f"rows are on several devices: {sorted(map(str, devices))}")
-    return counts.pop(), out
+    return counts.pop(), out, numpy
 
 
 def _row_widths(geometry: ModelGeometry) -> tuple[int, int]:
     return geometry.compressed_kv_row_bytes, geometry.indexer_row_bytes
 
 
-def join_blocks(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = BLOCK_TOKENS, *,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+@overload
+def join_blocks(geometry: ModelGeometry, layers: NumpyLayerRows, block_tokens: int = ..., *,
+                out: None = ...) -> NDArray: ...
+@overload
+def join_blocks(geometry: ModelGeometry, layers: ByteLayerRows, block_tokens: int = ..., *,
+                out: None = ...) -> torch.Tensor: ...
+@overload
+def join_blocks(geometry: ModelGeometry, layers: ByteLayerRows | NumpyLayerRows, block_tokens: int = ..., *,
+                out: _Out) -> _Out: ...
+def join_blocks(geometry: ModelGeometry, layers: ByteLayerRows | NumpyLayerRows, block_tokens: int = BLOCK_TOKENS,
+                *, out: torch.Tensor | NDArray | None = None) -> torch.Tensor | NDArray:
     """Build `n` blocks from per-layer row tensors, one copy per section for all blocks.
 
     Args:
         geometry: the model's cache geometry.
-        layers: for each source layer, `(kv_rows, index_rows)`: uint8 tensors of
-            `[n * rows, row_bytes]` (rows of consecutive blocks follow each other,
-            in position order) or `[n, rows, row_bytes]`, where rows is
+        layers: for each source layer, `(kv_rows, index_rows)`: uint8 tensors or
+            numpy arrays of `[n * rows, row_bytes]` (rows of consecutive blocks
+            follow each other, in position order) or `[n, rows, row_bytes]`, or
+            flat buffers (bytes, bytearray, memoryview) of those bytes; rows is
             `block_tokens / compress_ratio` (32 or 64 for V4.1-Flash 64-token
             blocks) and row_bytes 288 (compressed KV) or 68 (indexer). All on one device.
         block_tokens: tokens per block, a multiple of geometry.token_alignment.
         out: where to write, a uint8 `[n, block_bytes]` tensor on the rows'
-            device whose rows are contiguous (e.g. pinned memory); new memory if None.
+            device (or a writable numpy array) whose rows are contiguous (e.g.
+            pinned memory); new memory if None.
 
     Returns:
-        uint8 `[n, geometry.block_bytes(block_tokens)]`, ready for `Client.put`.
+        uint8 `[n, geometry.block_bytes(block_tokens)]`, ready for `Client.put`:
+        `out` when given; else a numpy array when every row array was numpy, a
+        tensor on the rows' device otherwise.
 
     Raises:
-        InvalidArgument: a missing or extra layer, a wrong dtype, width or row
-            count, layers of different block counts, or a bad `out`.
+        InvalidArgument: a missing or extra layer, a wrong type, dtype, width or
+            row count, layers of different block counts, or a bad `out`.
     """
-    n, rows3 = _gather(geometry, layers, block_tokens, dtypes=_ROWS, widths=_row_widths(geometry))
+    n, rows3, numpy = _gather(geometry, layers, block_tokens, dtypes=_ROWS, widths=_row_widths(geometry))
     size = geometry.block_bytes(block_tokens)
     device = rows3[geometry.kv_source_layers[0]][0].device
-    if out is None:
-        out = torch.empty((n, size), dtype=torch.uint8, device=device)
-    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or tuple(out.shape) != (n, size)
-          or out.stride(-1) != 1 or out.device != device):
-        got = (f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor)
-               else type(out).__name__)
-        raise InvalidArgument(f"out: expected a uint8 tensor [{n}, {size}] on {device} with contiguous rows, got {got}")
+    dest = torch.empty((n, size), dtype=torch.uint8, device=device) if out is None else _out(out, n, size, device)
     for s in geometry.block_layout(block_tokens):
         src = rows3[s.layer][0 if s.component == "compressed_kv" else 1]
-        out[:, s.offset:s.offset + s.size_bytes].view(n, s.rows, s.row_bytes).copy_(src)
-    return out
+        dest[:, s.offset:s.offset + s.size_bytes].view(n, s.rows, s.row_bytes).copy_(src)
+    if out is not None:
+        return out
+    return to_numpy(dest) if numpy else dest
 
 
-def join_block(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = BLOCK_TOKENS) -> torch.Tensor:
+def _out(out: object, n: int, size: int, device: torch.device) -> torch.Tensor:
+    wants = f"a uint8 tensor [{n}, {size}] on {device} with contiguous rows"
+    if is_read_only(out):
+        raise InvalidArgument(f"out: expected {wants}, got a read-only numpy array")
+    dest = as_tensor(out, what="out", wants=wants)
+    if dest.dtype != torch.uint8 or tuple(dest.shape) != (n, size) or dest.stride(-1) != 1 or dest.device != device:
+        raise InvalidArgument(f"out: expected {wants}, got {dtype_name(dest)} {tuple(dest.shape)} on {dest.device}"
+                              f"{'' if dest.stride(-1) == 1 else ' with strided rows'}")
+    return dest
+
+
+@overload
+def join_block(geometry: ModelGeometry, layers: NumpyLayerRows, block_tokens: int = ...) -> NDArray: ...
+@overload
+def join_block(geometry: ModelGeometry, layers: ByteLayerRows, block_tokens: int = ...) -> torch.Tensor: ...
+def join_block(geometry: ModelGeometry, layers: ByteLayerRows | NumpyLayerRows,
+               block_tokens: int = BLOCK_TOKENS) -> torch.Tensor | NDArray:
     """One block from per-layer rows: `{layer: (kv_rows[rows, 288], index_rows[rows, 68])}`.
 
+    Takes what `join_blocks` takes.
+
     Returns:
-        uint8 `[geometry.block_bytes(block_tokens)]` on the rows' device;
-        `bytes(t.cpu().numpy())` when bytes are wanted.
+        uint8 `[geometry.block_bytes(block_tokens)]`: numpy when the rows were,
+        else a tensor on the rows' device (`bytes(t.cpu().numpy())` when bytes are wanted).
 
     Raises:
         InvalidArgument: as `join_blocks`, or rows for more than one block.
     """
-    n, _ = _gather(geometry, layers, block_tokens, dtypes=_ROWS, widths=_row_widths(geometry))
+    n, _, _ = _gather(geometry, layers, block_tokens, dtypes=_ROWS, widths=_row_widths(geometry))
     if n != 1:
         raise InvalidArgument(f"join_block takes the rows of one block of {block_tokens} tokens; "
                               f"these hold {n} (use join_blocks)")
     return join_blocks(geometry, layers, block_tokens)[0]
 
 
-def split_block(geometry: ModelGeometry, block: object,
-                block_tokens: int = BLOCK_TOKENS) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+@overload
+def split_block(geometry: ModelGeometry, block: NDArray, block_tokens: int = ...) -> NumpyPairs: ...
+@overload
+def split_block(geometry: ModelGeometry, block: torch.Tensor | Buffer, block_tokens: int = ...) -> TensorPairs: ...
+def split_block(geometry: ModelGeometry, block: torch.Tensor | Buffer | NDArray,
+                block_tokens: int = BLOCK_TOKENS) -> TensorPairs | NumpyPairs:
     """The rows of one block, as views of it (no copy): the inverse of `join_block`.
 
     Args:
         geometry: the model's cache geometry.
-        block: bytes, bytearray, memoryview or a 1-D contiguous uint8 tensor (CPU
-            or CUDA) of `geometry.block_bytes(block_tokens)`.
+        block: bytes, bytearray, memoryview, or a 1-D contiguous uint8 tensor (CPU
+            or CUDA) or numpy array, of `geometry.block_bytes(block_tokens)`.
         block_tokens: tokens in the block.
 
     Returns:
         Source layer -> `(kv_rows[rows, 288], index_rows[rows, 68])`, uint8,
-        contiguous. Every tensor aliases `block`: valid while it is alive and
-        unchanged (for a buffer lent by LMDB, only until its transaction ends),
-        and not to be written to when `block` is read-only (bytes).
+        contiguous: numpy arrays for a numpy block, tensors otherwise. Every one
+        aliases `block`: valid while it is alive and unchanged (for a buffer lent
+        by LMDB, only until its transaction ends), and not to be written to when
+        `block` is read-only (bytes; a read-only array gives read-only arrays).
 
     Raises:
         InvalidArgument: wrong type or length, or a block size the geometry cannot hold.
@@ -178,84 +244,106 @@ def split_block(geometry: ModelGeometry, block: object,
     parts: dict[tuple[int, str], torch.Tensor] = {}
     for s in geometry.block_layout(block_tokens):
         parts[s.layer, s.component] = buf[s.offset:s.offset + s.size_bytes].view(s.rows, s.row_bytes)
-    return {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
+    pairs = {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
+    return pairs_to_numpy(pairs, read_only=is_read_only(block)) if is_numpy(block) else pairs
 
 
-def split_blocks(geometry: ModelGeometry, blocks: object,
-                 block_tokens: int = BLOCK_TOKENS) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+@overload
+def split_blocks(geometry: ModelGeometry, blocks: NDArray, block_tokens: int = ...) -> NumpyPairs: ...
+@overload
+def split_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer, block_tokens: int = ...) -> TensorPairs: ...
+def split_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer | NDArray,
+                 block_tokens: int = BLOCK_TOKENS) -> TensorPairs | NumpyPairs:
     """The rows of `n` blocks, as views (no copy): the inverse of `join_blocks`.
 
     Args:
         geometry: the model's cache geometry.
-        blocks: a uint8 tensor `[n, block_bytes]` whose rows are contiguous (what
-            `Client.get_tensor` returns), or one buffer of `n * block_bytes` as
-            `split_block` takes it.
+        blocks: a uint8 tensor or numpy array `[n, block_bytes]` whose rows are
+            contiguous (what `Client.get_tensor` returns), or one buffer of
+            `n * block_bytes` as `split_block` takes it.
         block_tokens: tokens per block.
 
     Returns:
-        Source layer -> `(kv_rows[n, rows, 288], index_rows[n, rows, 68])`,
-        uint8 views of `blocks` (strided across blocks: `.reshape(-1, 288)` copies).
+        Source layer -> `(kv_rows[n, rows, 288], index_rows[n, rows, 68])`, uint8
+        views of `blocks` (strided across blocks: `.reshape(-1, 288)` copies):
+        numpy arrays for numpy blocks, tensors otherwise.
 
     Raises:
         InvalidArgument: wrong type, dtype, shape or length.
     """
     size = geometry.block_bytes(block_tokens)
-    if isinstance(blocks, torch.Tensor) and blocks.dim() == 2:
-        if blocks.dtype != torch.uint8 or blocks.shape[1] != size or blocks.stride(1) != 1:
-            raise InvalidArgument(f"blocks: expected a uint8 tensor [n, {size}] with contiguous rows, "
-                                  f"got {blocks.dtype} of shape {tuple(blocks.shape)}")
-        grid = blocks
+    given = _tensor_blocks(blocks)
+    if isinstance(given, torch.Tensor) and given.dim() == 2:
+        if given.dtype != torch.uint8 or given.shape[1] != size or given.stride(1) != 1:
+            raise InvalidArgument(f"blocks: expected a uint8 tensor or array [n, {size}] with contiguous rows, "
+                                  f"got {dtype_name(given)} of shape {tuple(given.shape)}")
+        grid = given
     else:
-        length = _length(blocks)
+        length = _length(given)
         if length is None or length % size:
-            raise InvalidArgument(f"blocks: expected a whole number of {size}-byte blocks, got "
-                                  f"{type(blocks).__name__ if length is None else f'{length} bytes'}")
-        grid = as_uint8(blocks, expected_bytes=length, what="blocks").view(-1, size)
+            got = f"{length} bytes" if length is not None else type(blocks).__name__ + f"; accepted: {BYTE_KINDS}"
+            raise InvalidArgument(f"blocks: expected a whole number of {size}-byte blocks, got {got}")
+        grid = as_uint8(given, expected_bytes=length, what="blocks").view(-1, size)
     n = grid.shape[0]
     parts: dict[tuple[int, str], torch.Tensor] = {}
     for s in geometry.block_layout(block_tokens):
         parts[s.layer, s.component] = grid[:, s.offset:s.offset + s.size_bytes].view(n, s.rows, s.row_bytes)
-    return {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
+    pairs = {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
+    return pairs_to_numpy(pairs, read_only=is_read_only(blocks)) if is_numpy(blocks) else pairs
 
 
 def _length(data: object) -> int | None:
     if isinstance(data, torch.Tensor):
         return data.numel() if data.dim() == 1 else None
-    if isinstance(data, bytes | bytearray | memoryview):
-        return memoryview(data).nbytes
+    if is_buffer(data):
+        return memoryview(data).nbytes  # type: ignore[arg-type]
     return None
 
 
 # -- float tensors <-> blocks, with the model's quantization ------------------------
 
-def encode_blocks(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = BLOCK_TOKENS) -> torch.Tensor:
+@overload
+def encode_blocks(geometry: ModelGeometry, layers: NumpyLayerRows, block_tokens: int = ...) -> NDArray: ...
+@overload
+def encode_blocks(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = ...) -> torch.Tensor: ...
+def encode_blocks(geometry: ModelGeometry, layers: LayerRows | NumpyLayerRows,
+                  block_tokens: int = BLOCK_TOKENS) -> torch.Tensor | NDArray:
     """Quantize per-layer float tensors to the model's rows and build `n` blocks.
 
     Args:
         layers: for each source layer, `(kv[n * rows, head_dim], index_key[n * rows,
-            index_head_dim])` (or `[n, rows, ...]`), float32, bfloat16 or float16,
-            on one device: the compressor's output and the indexer's keys.
+            index_head_dim])` (or `[n, rows, ...]`), float32, bfloat16 or float16
+            tensors or float32/float16 numpy arrays, on one device: the
+            compressor's output and the indexer's keys.
 
     Returns:
-        uint8 `[n, block_bytes]` on the tensors' device.
+        uint8 `[n, block_bytes]`: numpy when every input was, else on the tensors' device.
 
     Raises:
         InvalidArgument: as `join_blocks`; NaN or Inf.
     """
     from kvstore.codec import rows
 
-    _, values = _gather(geometry, layers, block_tokens, dtypes=_VALUES,
-                        widths=(geometry.head_dim, geometry.index_head_dim))
+    _, values, numpy = _gather(geometry, layers, block_tokens, dtypes=_VALUES,
+                               widths=(geometry.head_dim, geometry.index_head_dim))
     quantized = {layer: (rows.compressed_kv_rows(kv), rows.indexer_key_rows(index))
                  for layer, (kv, index) in values.items()}
-    return join_blocks(geometry, quantized, block_tokens)
+    blocks = join_blocks(geometry, quantized, block_tokens)
+    return to_numpy(blocks) if numpy else blocks
 
 
-def encode_block(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = BLOCK_TOKENS) -> torch.Tensor:
-    """One block from per-layer float tensors `{layer: (kv[rows, head_dim], index_key[rows, index_head_dim])}`.
+@overload
+def encode_block(geometry: ModelGeometry, layers: NumpyLayerRows, block_tokens: int = ...) -> NDArray: ...
+@overload
+def encode_block(geometry: ModelGeometry, layers: LayerRows, block_tokens: int = ...) -> torch.Tensor: ...
+def encode_block(geometry: ModelGeometry, layers: LayerRows | NumpyLayerRows,
+                 block_tokens: int = BLOCK_TOKENS) -> torch.Tensor | NDArray:
+    """One block from per-layer float values `{layer: (kv[rows, head_dim], index_key[rows, index_head_dim])}`.
+
+    Takes what `encode_blocks` takes.
 
     Returns:
-        uint8 `[block_bytes]` on the tensors' device.
+        uint8 `[block_bytes]`: numpy when the values were, else on the tensors' device.
     """
     data = encode_blocks(geometry, layers, block_tokens)
     if data.shape[0] != 1:
@@ -264,32 +352,59 @@ def encode_block(geometry: ModelGeometry, layers: LayerRows, block_tokens: int =
     return data[0]
 
 
-def decode_blocks(geometry: ModelGeometry, blocks: object, block_tokens: int = BLOCK_TOKENS, *,
-                  dtype: torch.dtype = torch.float32) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+@overload
+def decode_blocks(geometry: ModelGeometry, blocks: NDArray, block_tokens: int = ..., *,
+                  dtype: torch.dtype = ...) -> NumpyPairs: ...
+@overload
+def decode_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer, block_tokens: int = ..., *,
+                  dtype: torch.dtype = ...) -> TensorPairs: ...
+def decode_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer | NDArray, block_tokens: int = BLOCK_TOKENS,
+                  *, dtype: torch.dtype = torch.float32) -> TensorPairs | NumpyPairs:
     """Dequantize `n` blocks: source layer -> `(kv[n, rows, head_dim], index_key[n, rows, index_head_dim])`.
 
-    Exact (code times scale) in float32; new memory, on the blocks' device.
+    Takes what `split_blocks` takes. Exact (code times scale) in float32; new
+    memory, on the blocks' device; numpy arrays for numpy blocks (a `dtype`
+    numpy has: not bfloat16).
     """
     from kvstore.codec import rows
 
-    return {layer: (rows.decode_compressed_kv_rows(kv, dtype=dtype), rows.decode_indexer_key_rows(index, dtype=dtype))
-            for layer, (kv, index) in split_blocks(geometry, blocks, block_tokens).items()}
+    pairs = {layer: (rows.decode_compressed_kv_rows(kv, dtype=dtype),
+                     rows.decode_indexer_key_rows(index, dtype=dtype))
+             for layer, (kv, index) in split_blocks(geometry, _tensor_blocks(blocks), block_tokens).items()}
+    return pairs_to_numpy(pairs) if is_numpy(blocks) else pairs
 
 
-def decode_block(geometry: ModelGeometry, block: object, block_tokens: int = BLOCK_TOKENS, *,
-                 dtype: torch.dtype = torch.float32) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Dequantize one block: source layer -> `(kv[rows, head_dim], index_key[rows, index_head_dim])`."""
+@overload
+def decode_block(geometry: ModelGeometry, block: NDArray, block_tokens: int = ..., *,
+                 dtype: torch.dtype = ...) -> NumpyPairs: ...
+@overload
+def decode_block(geometry: ModelGeometry, block: torch.Tensor | Buffer, block_tokens: int = ..., *,
+                 dtype: torch.dtype = ...) -> TensorPairs: ...
+def decode_block(geometry: ModelGeometry, block: torch.Tensor | Buffer | NDArray, block_tokens: int = BLOCK_TOKENS,
+                 *, dtype: torch.dtype = torch.float32) -> TensorPairs | NumpyPairs:
+    """Dequantize one block: source layer -> `(kv[rows, head_dim], index_key[rows, index_head_dim])`.
+
+    Takes what `split_block` takes; numpy arrays back for a numpy block.
+    """
     from kvstore.codec import rows
 
-    return {layer: (rows.decode_compressed_kv_rows(kv, dtype=dtype), rows.decode_indexer_key_rows(index, dtype=dtype))
-            for layer, (kv, index) in split_block(geometry, block, block_tokens).items()}
+    pairs = {layer: (rows.decode_compressed_kv_rows(kv, dtype=dtype),
+                     rows.decode_indexer_key_rows(index, dtype=dtype))
+             for layer, (kv, index) in split_block(geometry, _tensor_blocks(block), block_tokens).items()}
+    return pairs_to_numpy(pairs) if is_numpy(block) else pairs
+
+
+def _tensor_blocks(data: torch.Tensor | Buffer | NDArray) -> torch.Tensor | Buffer:
+    """A numpy block (or blocks) as a tensor over it, so decoding runs on tensors; others as they are."""
+    return as_tensor(data, what="blocks", wants="uint8 blocks", views=True) if isinstance(data, np.ndarray) else data
 
 
 def as_uint8(data: object, *, expected_bytes: int, what: str) -> torch.Tensor:
     """`data` as a 1-D uint8 tensor sharing its memory, after checking its length.
 
     Args:
-        data: bytes, bytearray, memoryview (C-contiguous) or 1-D contiguous uint8 tensor.
+        data: bytes, bytearray, memoryview (C-contiguous, one-byte items), or a
+            1-D contiguous uint8 tensor or numpy array.
         expected_bytes: the length it must have.
         what: how messages name it.
 
@@ -300,27 +415,11 @@ def as_uint8(data: object, *, expected_bytes: int, what: str) -> torch.Tensor:
     Raises:
         InvalidArgument: wrong type, dtype, layout or length.
     """
-    if isinstance(data, torch.Tensor):
-        if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-            raise InvalidArgument(f"{what}: expected a 1-D contiguous uint8 tensor, got {data.dtype} "
-                                  f"of shape {tuple(data.shape)}")
-        buf = data
-    elif isinstance(data, bytes | bytearray | memoryview):
-        view = memoryview(data)
-        if not view.c_contiguous:
-            raise InvalidArgument(f"{what}: expected a contiguous buffer")
-        if view.nbytes != expected_bytes:
-            raise InvalidArgument(f"{what}: expected {expected_bytes} bytes, got {view.nbytes}")
-        if not view.nbytes:  # torch.frombuffer refuses an empty buffer; there is nothing to share
-            return torch.empty(0, dtype=torch.uint8)
-        with warnings.catch_warnings():
-            # bytes are read-only; torch warns that writing to the tensor would be
-            # undefined. The contract above forbids writing instead.
-            warnings.simplefilter("ignore", UserWarning)
-            buf = torch.frombuffer(view.cast("B"), dtype=torch.uint8)
-    else:
-        raise InvalidArgument(f"{what}: expected bytes, bytearray, memoryview or a uint8 tensor, "
-                              f"got {type(data).__name__}")
+    buf = as_tensor(data, what=what, wants=f"{expected_bytes} bytes", buffers=True, views=True)
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+        kind = "array" if is_numpy(data) else "tensor"
+        raise InvalidArgument(f"{what}: expected a 1-D contiguous uint8 {kind} (or bytes), got {dtype_name(buf)} "
+                              f"of shape {tuple(buf.shape)}")
     if buf.numel() != expected_bytes:
         raise InvalidArgument(f"{what}: expected {expected_bytes} bytes, got {buf.numel()}")
     return buf

@@ -10,6 +10,9 @@
 - `CudaKernel`: runs a Triton kernel of a `kvstore.codec` module on CUDA tensors,
   imported on first use, and the torch code everywhere else.
 
+These pieces take torch tensors only (anything else is refused with
+InvalidArgument saying so); the row functions built on them take numpy arrays too.
+
 Rounding compares |x| with thresholds m*scale that are exact in float32 instead
 of dividing: the result is that of the exact quotient, on every device and
 under any compiler (a fused GPU kernel may approximate division, never an exact
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvstore.codec.arrays import dtype_name, require_tensor
 from kvstore.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -93,10 +97,9 @@ def check_input(x: torch.Tensor, *, what: str, multiple: int) -> None:
         what: how the caller names it in messages.
         multiple: the last dimension must be a positive multiple of this.
     """
-    if not isinstance(x, torch.Tensor):
-        raise InvalidArgument(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    require_tensor(x, what)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise InvalidArgument(f"{what}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+        raise InvalidArgument(f"{what}: expected dtype float32, bfloat16 or float16, got {dtype_name(x)}")
     if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % multiple:
         raise InvalidArgument(
             f"{what}: expected last dimension a positive multiple of {multiple}, got shape {tuple(x.shape)}"
@@ -125,6 +128,8 @@ def e2m1_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Returns:
         uint8 tensor of x's shape, one code per element.
     """
+    require_tensor(x, "e2m1_codes x")
+    require_tensor(scale, "e2m1_codes scale")
     ax = x.abs()
     mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in zip(_MIDPOINTS, _TIE_UP, strict=True):
@@ -135,6 +140,7 @@ def e2m1_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Two codes per byte: element 2i in the low nibble, 2i+1 in the high nibble."""
+    require_tensor(codes, "pack_nibbles")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -149,5 +155,6 @@ def e2m1_values(values: torch.Tensor) -> torch.Tensor:
     One lookup per byte in a 256 x 2 table: on the CPU 8x faster than building
     the floats from the bits, and exact either way.
     """
+    require_tensor(values, "e2m1_values")
     table = _E2M1_PAIRS if values.device == _E2M1_PAIRS.device else _E2M1_PAIRS.to(values.device)
     return torch.nn.functional.embedding(values.long(), table).flatten(-2)

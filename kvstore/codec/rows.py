@@ -55,12 +55,20 @@ CUDA: on CUDA tensors each function first tries a Triton kernel of
 
 Any of them may return None to decline an input; the torch code here runs then,
 on CPU tensors, or when triton is missing. Both give the same bytes.
+
+Each public function also takes a numpy array (float32 or float16 values, uint8
+rows), computes on a CPU tensor over it, and gives numpy back
+(`kvstore.codec.arrays`).
 """
 
 from __future__ import annotations
 
+from typing import overload
+
+import numpy as np
 import torch
 
+from kvstore.codec.arrays import NDArray, as_tensor, dtype_name, to_numpy
 from kvstore.codec.fp4 import CudaKernel, check_finite, check_input, e2m1_codes, e2m1_values, pack_nibbles
 from kvstore.codec.fp8 import ceil_power_of_two, ue8m0_bytes, ue8m0_values
 from kvstore.errors import InvalidArgument
@@ -156,22 +164,27 @@ _decode_indexer_key = CudaKernel("rows_triton", "decode_indexer_key_rows", _deco
 _decode_swa = CudaKernel("rows_triton", "decode_swa_rows", _decode_swa_torch)
 
 
-def _encode(kernel: CudaKernel, x: torch.Tensor, *, what: str, multiple: int) -> torch.Tensor:
-    check_input(x, what=what, multiple=multiple)
-    rows, flag = kernel(x)
+def _encode(kernel: CudaKernel, x: torch.Tensor | NDArray, *, what: str, multiple: int) -> torch.Tensor | NDArray:
+    values = as_tensor(x, what=what, wants=f"float32, bfloat16 or float16 [..., d], d a multiple of {multiple}")
+    check_input(values, what=what, multiple=multiple)
+    rows, flag = kernel(values)
     check_finite(flag, what=what)
-    return rows
+    return to_numpy(rows) if isinstance(x, np.ndarray) else rows
 
 
-def compressed_kv_rows(x: torch.Tensor) -> torch.Tensor:
+@overload
+def compressed_kv_rows(x: NDArray) -> NDArray: ...
+@overload
+def compressed_kv_rows(x: torch.Tensor) -> torch.Tensor: ...
+def compressed_kv_rows(x: torch.Tensor | NDArray) -> torch.Tensor | NDArray:
     """Compressed-KV rows: E2M1 codes with one E4M3 scale per 16 channels (rules 1, 2).
 
     Args:
-        x: float32, bfloat16 or float16 tensor `[..., d]`, d a multiple of 16
+        x: float32, bfloat16 or float16 tensor (float32 or float16 numpy array) `[..., d]`, d a multiple of 16
             (V4.1: 512), any leading shape, any device.
 
     Returns:
-        uint8 `[..., d/2 + d/16]` on x's device: d/2 bytes of packed codes, then
+        uint8 `[..., d/2 + d/16]` on x's device (numpy for numpy x): d/2 bytes of packed codes, then
         d/16 E4M3 scale bytes.
 
     Raises:
@@ -180,15 +193,19 @@ def compressed_kv_rows(x: torch.Tensor) -> torch.Tensor:
     return _encode(_compressed_kv, x, what="compressed_kv_rows", multiple=KV_GROUP)
 
 
-def indexer_key_rows(x: torch.Tensor) -> torch.Tensor:
+@overload
+def indexer_key_rows(x: NDArray) -> NDArray: ...
+@overload
+def indexer_key_rows(x: torch.Tensor) -> torch.Tensor: ...
+def indexer_key_rows(x: torch.Tensor | NDArray) -> torch.Tensor | NDArray:
     """Indexer-key rows: E2M1 codes with one UE8M0 scale per 32 channels (rules 1, 3).
 
     Args:
-        x: float32, bfloat16 or float16 tensor `[..., d]`, d a multiple of 32
+        x: float32, bfloat16 or float16 tensor (float32 or float16 numpy array) `[..., d]`, d a multiple of 32
             (V4.1: 128), any leading shape, any device.
 
     Returns:
-        uint8 `[..., d/2 + d/32]` on x's device: packed codes, then UE8M0 bytes.
+        uint8 `[..., d/2 + d/32]` on x's device (numpy for numpy x): packed codes, then UE8M0 bytes.
 
     Raises:
         InvalidArgument: wrong type, dtype or width; NaN or Inf in x.
@@ -196,15 +213,19 @@ def indexer_key_rows(x: torch.Tensor) -> torch.Tensor:
     return _encode(_indexer_key, x, what="indexer_key_rows", multiple=UE8M0_GROUP)
 
 
-def swa_rows(x: torch.Tensor) -> torch.Tensor:
+@overload
+def swa_rows(x: NDArray) -> NDArray: ...
+@overload
+def swa_rows(x: torch.Tensor) -> torch.Tensor: ...
+def swa_rows(x: torch.Tensor | NDArray) -> torch.Tensor | NDArray:
     """Window (SWA) KV rows: E4M3 codes with one UE8M0 scale per 32 channels (rule 4).
 
     Args:
-        x: float32, bfloat16 or float16 tensor `[..., d]`, d a multiple of 32
+        x: float32, bfloat16 or float16 tensor (float32 or float16 numpy array) `[..., d]`, d a multiple of 32
             (V4.1: 512), any leading shape, any device.
 
     Returns:
-        uint8 `[..., d + d/32]` on x's device: d E4M3 bytes, then UE8M0 bytes.
+        uint8 `[..., d + d/32]` on x's device (numpy for numpy x): d E4M3 bytes, then UE8M0 bytes.
 
     Raises:
         InvalidArgument: wrong type, dtype or width; NaN or Inf in x.
@@ -212,18 +233,24 @@ def swa_rows(x: torch.Tensor) -> torch.Tensor:
     return _encode(_swa, x, what="swa_rows", multiple=UE8M0_GROUP)
 
 
-def _check_rows(rows: object, *, what: str, row_multiple: int) -> torch.Tensor:
-    if not isinstance(rows, torch.Tensor):
-        raise InvalidArgument(f"{what}: expected a torch.Tensor, got {type(rows).__name__}")
-    if rows.dtype != torch.uint8:
-        raise InvalidArgument(f"{what}: expected uint8 rows, got {rows.dtype}")
-    if rows.dim() == 0 or rows.shape[-1] == 0 or rows.shape[-1] % row_multiple:
+def _decode(kernel: CudaKernel, rows: torch.Tensor | NDArray, dtype: torch.dtype, *, what: str,
+            row_multiple: int) -> torch.Tensor | NDArray:
+    t = as_tensor(rows, what=what, wants=f"uint8 rows [..., k * {row_multiple}]")
+    if t.dtype != torch.uint8:
+        raise InvalidArgument(f"{what}: expected uint8 rows, got {dtype_name(t)}")
+    if t.dim() == 0 or t.shape[-1] == 0 or t.shape[-1] % row_multiple:
         raise InvalidArgument(f"{what}: expected rows whose last dimension is a positive multiple of "
-                              f"{row_multiple} bytes, got shape {tuple(rows.shape)}")
-    return rows
+                              f"{row_multiple} bytes, got shape {tuple(t.shape)}")
+    values: torch.Tensor = kernel(t, dtype)
+    return to_numpy(values) if isinstance(rows, np.ndarray) else values
 
 
-def decode_compressed_kv_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+@overload
+def decode_compressed_kv_rows(rows: NDArray, dtype: torch.dtype = ...) -> NDArray: ...
+@overload
+def decode_compressed_kv_rows(rows: torch.Tensor, dtype: torch.dtype = ...) -> torch.Tensor: ...
+def decode_compressed_kv_rows(rows: torch.Tensor | NDArray,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor | NDArray:
     """Values of compressed-KV rows: code times scale, exact in float32 (rule 5).
 
     Args:
@@ -231,16 +258,20 @@ def decode_compressed_kv_rows(rows: torch.Tensor, dtype: torch.dtype = torch.flo
         dtype: output dtype; float32 and bfloat16 are exact for every valid row.
 
     Returns:
-        `[..., d]` of dtype on rows' device (new memory).
+        `[..., d]` of dtype on rows' device (new memory; numpy for numpy rows, in
+        a dtype numpy has: not bfloat16).
 
     Raises:
         InvalidArgument: not a uint8 tensor of a compressed-KV row width.
     """
-    _check_rows(rows, what="decode_compressed_kv_rows", row_multiple=9)
-    return _decode_compressed_kv(rows, dtype)
+    return _decode(_decode_compressed_kv, rows, dtype, what="decode_compressed_kv_rows", row_multiple=9)
 
 
-def decode_indexer_key_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+@overload
+def decode_indexer_key_rows(rows: NDArray, dtype: torch.dtype = ...) -> NDArray: ...
+@overload
+def decode_indexer_key_rows(rows: torch.Tensor, dtype: torch.dtype = ...) -> torch.Tensor: ...
+def decode_indexer_key_rows(rows: torch.Tensor | NDArray, dtype: torch.dtype = torch.float32) -> torch.Tensor | NDArray:
     """Values of indexer-key rows: code times scale, exact in float32 (rule 5).
 
     Args:
@@ -248,16 +279,20 @@ def decode_indexer_key_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float
         dtype: output dtype.
 
     Returns:
-        `[..., d]` of dtype on rows' device (new memory).
+        `[..., d]` of dtype on rows' device (new memory; numpy for numpy rows, in
+        a dtype numpy has: not bfloat16).
 
     Raises:
         InvalidArgument: not a uint8 tensor of an indexer row width.
     """
-    _check_rows(rows, what="decode_indexer_key_rows", row_multiple=17)
-    return _decode_indexer_key(rows, dtype)
+    return _decode(_decode_indexer_key, rows, dtype, what="decode_indexer_key_rows", row_multiple=17)
 
 
-def decode_swa_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+@overload
+def decode_swa_rows(rows: NDArray, dtype: torch.dtype = ...) -> NDArray: ...
+@overload
+def decode_swa_rows(rows: torch.Tensor, dtype: torch.dtype = ...) -> torch.Tensor: ...
+def decode_swa_rows(rows: torch.Tensor | NDArray, dtype: torch.dtype = torch.float32) -> torch.Tensor | NDArray:
     """Values of window-KV rows: code times scale, exact in float32 (rule 5).
 
     Args:
@@ -265,10 +300,10 @@ def decode_swa_rows(rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
         dtype: output dtype.
 
     Returns:
-        `[..., d]` of dtype on rows' device (new memory).
+        `[..., d]` of dtype on rows' device (new memory; numpy for numpy rows, in
+        a dtype numpy has: not bfloat16).
 
     Raises:
         InvalidArgument: not a uint8 tensor of a window row width.
     """
-    _check_rows(rows, what="decode_swa_rows", row_multiple=33)
-    return _decode_swa(rows, dtype)
+    return _decode(_decode_swa, rows, dtype, what="decode_swa_rows", row_multiple=33)

@@ -77,10 +77,10 @@ def state_snapshot(geometry: ModelGeometry, state: CacheState) -> bytes:
     return join_snapshot(rows, state.tail if t % 2 else None, geometry=geometry)
 
 
-def _blocks_buffer(geometry: ModelGeometry, blocks: Tensor | Sequence[bytes]) -> tuple[object, int, int]:
+def _blocks_buffer(geometry: ModelGeometry, blocks: Tensor | Sequence[bytes]) -> tuple[Tensor | bytes, int, int]:
     """(buffer split_blocks takes, blocks, block_tokens), the block size read from the data."""
     unit_bytes = geometry.block_bytes(geometry.token_alignment)
-    buf: object
+    buf: Tensor | bytes
     if isinstance(blocks, Tensor):
         if blocks.dim() != 2 or blocks.dtype != torch.uint8:
             raise InvalidArgument(f"blocks: expected a uint8 tensor [n, block_bytes], got {blocks.dtype} "

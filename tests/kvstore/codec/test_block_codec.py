@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,11 +128,16 @@ def test_bad_rows_raise_invalid_argument() -> None:
         ({**good, 3: good[2]}, r"expected layers \[2, 8, 14, 20\]"),
         ([1, 2], "expected a dict"),
         ({**good, 20: good[20][0]}, r"layer 20: expected a pair"),
-        ({**good, 2: (good[2][0].float(), good[2][1])}, "layer 2 compressed_kv: expected uint8, got torch.float32"),
+        ({**good, 2: (good[2][0].float(), good[2][1])}, "layer 2 compressed_kv: expected uint8, got float32"),
         ({**good, 2: (good[2][0], good[2][1][:, :64])}, r"layer 2 indexer: expected shape .*got \(32, 64\)"),
         ({**good, 20: (good[20][0][:63], good[20][1])}, r"layer 20 compressed_kv: expected shape \[n \* 64, 288\]"),
         ({**good, 20: (good[20][0].view(1, 1, 64, 288), good[20][1])}, "layer 20 compressed_kv: expected shape"),
-        ({**good, 14: (good[14][0].numpy(), good[14][1])}, "layer 14 compressed_kv: expected a uint8 tensor"),
+        ({**good, 14: (good[14][0].tolist(), good[14][1])},
+         r"layer 14 compressed_kv: expected uint8 \[n \* 32, 288\] .*as a torch tensor, a numpy array, bytes, "
+         r"bytearray or memoryview; got list"),
+        ({**good, 14: (bytes(288 * 33), good[14][1])},
+         r"layer 14 compressed_kv: expected a buffer of whole blocks of rows, n \* 32 x 288 = n \* 9216 bytes, "
+         r"got 9504 bytes"),
         ({**good, 20: (torch.cat([good[20][0]] * 2), torch.cat([good[20][1]] * 2))}, "different numbers of blocks"),
         ({**good, 8: (good[8][0].to("meta"), good[8][1])}, r"rows are on several devices: \['cpu', 'meta'\]"),
     ]
@@ -158,7 +164,7 @@ def test_bad_blocks_raise_invalid_argument() -> None:
         block_codec.split_block(V4_1_FLASH, bytes(890 * 63), 63)
     with pytest.raises(InvalidArgument, match="expected a whole number of 56960-byte blocks, got 56961 bytes"):
         block_codec.split_blocks(V4_1_FLASH, bytes(56_961))
-    with pytest.raises(InvalidArgument, match=r"blocks: expected a uint8 tensor \[n, 56960\]"):
+    with pytest.raises(InvalidArgument, match=r"blocks: expected a uint8 tensor or array \[n, 56960\]"):
         block_codec.split_blocks(V4_1_FLASH, torch.zeros(2, 56_960, dtype=torch.int8))
     with pytest.raises(InvalidArgument, match="expected a whole number of 56960-byte blocks, got str"):
         block_codec.split_blocks(V4_1_FLASH, "x" * 56_960)
@@ -201,3 +207,113 @@ def test_encode_refuses_bad_values() -> None:
         block_codec.encode_block(V4_1_FLASH, values)
     with pytest.raises(InvalidArgument, match="these hold 2"):
         block_codec.encode_block(V4_1_FLASH, float_layers(V4_1_FLASH, n=2))
+
+
+# -- numpy arrays and buffers (kvstore.codec.arrays): what Client.put takes ---------------
+
+def numpy_rows(layers: LayerRows) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    return {layer: (kv.numpy(), index.numpy()) for layer, (kv, index) in layers.items()}
+
+
+@pytest.mark.parametrize("geometry", [V4_1_FLASH, TINY])
+def test_join_blocks_of_numpy_rows_gives_numpy_blocks_equal_to_the_tensors(geometry: ModelGeometry) -> None:
+    layers = random_rows(geometry, n=3, seed=4)
+    expected = block_codec.join_blocks(geometry, layers).numpy()
+    got = block_codec.join_blocks(geometry, numpy_rows(layers))
+    assert isinstance(got, np.ndarray) and got.dtype == np.uint8 and np.array_equal(got, expected)
+    as_3d = {layer: (kv.reshape(3, -1, kv.shape[1]), ix.reshape(3, -1, ix.shape[1]))
+             for layer, (kv, ix) in numpy_rows(layers).items()}
+    assert np.array_equal(block_codec.join_blocks(geometry, as_3d), expected)
+    one = random_rows(geometry, seed=5)
+    single = block_codec.join_block(geometry, numpy_rows(one))
+    assert isinstance(single, np.ndarray) and np.array_equal(single, block_codec.join_block(geometry, one).numpy())
+
+
+def test_join_blocks_of_flat_buffers_reads_whole_rows() -> None:
+    layers = random_rows(V4_1_FLASH, n=2, seed=6)
+    expected = block_codec.join_blocks(V4_1_FLASH, layers)
+    for kind in (bytes, bytearray, memoryview):
+        flat = {layer: (kind(kv.numpy().tobytes()), kind(ix.numpy().tobytes())) for layer, (kv, ix) in layers.items()}
+        got = block_codec.join_blocks(V4_1_FLASH, flat)  # type: ignore[arg-type]
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected), kind
+
+
+def test_join_blocks_of_numpy_and_tensors_mixed_gives_a_tensor() -> None:
+    layers = random_rows(V4_1_FLASH, n=1, seed=7)
+    mixed = {**layers, 2: (layers[2][0].numpy(), layers[2][1])}
+    got = block_codec.join_blocks(V4_1_FLASH, mixed)  # type: ignore[arg-type]
+    assert isinstance(got, torch.Tensor) and torch.equal(got, block_codec.join_blocks(V4_1_FLASH, layers))
+
+
+def test_join_blocks_writes_into_a_numpy_out_and_refuses_a_read_only_one() -> None:
+    layers = random_rows(V4_1_FLASH, n=2, seed=8)
+    out = np.zeros((2, 56_960), dtype=np.uint8)
+    assert block_codec.join_blocks(V4_1_FLASH, layers, out=out) is out
+    assert np.array_equal(out, block_codec.join_blocks(V4_1_FLASH, layers).numpy())
+    out.flags.writeable = False
+    with pytest.raises(InvalidArgument, match=r"out: expected a uint8 tensor \[2, 56960\] .*read-only numpy array"):
+        block_codec.join_blocks(V4_1_FLASH, layers, out=out)
+    with pytest.raises(InvalidArgument, match=r"out: expected .*got float32 \(2, 56960\)"):
+        block_codec.join_blocks(V4_1_FLASH, layers, out=np.zeros((2, 56_960), dtype=np.float32))
+
+
+@pytest.mark.parametrize("geometry", [V4_1_FLASH, TINY])
+def test_split_of_numpy_blocks_gives_numpy_views(geometry: ModelGeometry) -> None:
+    layers = random_rows(geometry, n=3, seed=9)
+    blocks = block_codec.join_blocks(geometry, numpy_rows(layers))
+    back = block_codec.split_blocks(geometry, blocks)
+    for layer, (kv, index) in layers.items():
+        got_kv, got_index = back[layer]
+        assert isinstance(got_kv, np.ndarray) and np.shares_memory(got_kv, blocks)
+        assert np.array_equal(got_kv.reshape(-1, kv.shape[1]), kv.numpy())
+        assert np.array_equal(got_index.reshape(-1, index.shape[1]), index.numpy())
+    one = block_codec.split_block(geometry, blocks[1])
+    first = geometry.kv_source_layers[0]
+    assert isinstance(one[first][0], np.ndarray) and np.shares_memory(one[first][0], blocks)
+    assert np.array_equal(one[first][0], back[first][0][1])
+    blocks[1, 0] ^= 0xFF  # a view: the change shows through
+    assert one[first][0][0, 0] == blocks[1, 0] == back[first][0][1, 0, 0]
+
+
+def test_split_of_a_read_only_array_gives_read_only_views() -> None:
+    data = np.frombuffer(block_codec.join_block(V4_1_FLASH, random_rows(V4_1_FLASH)).numpy().tobytes(), np.uint8)
+    assert not data.flags.writeable
+    for back in (block_codec.split_block(V4_1_FLASH, data), block_codec.split_blocks(V4_1_FLASH, data[None])):
+        assert not any(a.flags.writeable for pair in back.values() for a in pair)
+
+
+def test_split_refuses_numpy_it_cannot_view() -> None:
+    block = block_codec.join_block(V4_1_FLASH, numpy_rows(random_rows(V4_1_FLASH)))
+    with pytest.raises(InvalidArgument, match="negative stride"):
+        block_codec.split_block(V4_1_FLASH, block[::-1])
+    with pytest.raises(InvalidArgument, match=r"block: expected a 1-D contiguous uint8 array .*got int16"):
+        block_codec.split_block(V4_1_FLASH, np.zeros(56_960, dtype=np.int16))
+    with pytest.raises(InvalidArgument, match=r"blocks: expected a uint8 tensor or array \[n, 56960\] .*int8"):
+        block_codec.split_blocks(V4_1_FLASH, np.zeros((2, 56_960), dtype=np.int8))
+    with pytest.raises(InvalidArgument, match=r"block: expected 56960 bytes, as a torch tensor, a numpy array, "
+                                              r"bytes, bytearray or memoryview; got list"):
+        block_codec.split_block(V4_1_FLASH, [0] * 56_960)  # type: ignore[call-overload]
+
+
+def test_encode_and_decode_of_numpy_values_give_numpy() -> None:
+    values = float_layers(V4_1_FLASH, n=2, seed=10)
+    expected = block_codec.encode_blocks(V4_1_FLASH, values)
+    got = block_codec.encode_blocks(V4_1_FLASH, numpy_rows(values))
+    assert isinstance(got, np.ndarray) and np.array_equal(got, expected.numpy())
+    decoded = block_codec.decode_blocks(V4_1_FLASH, got)
+    for layer, (kv, index) in block_codec.decode_blocks(V4_1_FLASH, expected).items():
+        assert isinstance(decoded[layer][0], np.ndarray) and np.array_equal(decoded[layer][0], kv.numpy())
+        assert np.array_equal(decoded[layer][1], index.numpy())
+    one = block_codec.encode_block(V4_1_FLASH, numpy_rows(float_layers(V4_1_FLASH, seed=11)))
+    assert isinstance(one, np.ndarray) and one.shape == (56_960,)
+    back = block_codec.decode_block(V4_1_FLASH, one, dtype=torch.float16)
+    assert back[20][0].dtype == np.float16 and back[20][0].shape == (64, 512)
+    with pytest.raises(InvalidArgument, match="numpy has no bfloat16"):
+        block_codec.decode_block(V4_1_FLASH, one, dtype=torch.bfloat16)
+    with pytest.raises(InvalidArgument, match="layer 2 compressed_kv: expected float32 or bfloat16 or float16, "
+                                              "got float64"):
+        block_codec.encode_block(V4_1_FLASH, {layer: (kv.astype(np.float64), ix)
+                                              for layer, (kv, ix) in numpy_rows(float_layers(V4_1_FLASH)).items()})
+    with pytest.raises(InvalidArgument, match=r"layer 2 compressed_kv: expected .* as a torch tensor or a numpy "
+                                              r"array; got bytes"):
+        block_codec.encode_block(V4_1_FLASH, {**float_layers(V4_1_FLASH), 2: (b"x" * 4, b"y")})  # type: ignore[dict-item]

@@ -373,6 +373,37 @@ def test_wrong_input_names_what_was_expected(name: str) -> None:
         decode(torch.zeros(2, 10, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("name", list(ROW_TYPES))
+def test_numpy_in_gives_numpy_out_with_the_same_bytes(name: str) -> None:
+    encode, decode, _, widths = ROW_TYPES[name]
+    x = cases(widths[0])["random"]
+    expected = encode(x)
+    for values in (x.numpy(), x.half().numpy()):
+        got = encode(values)  # type: ignore[arg-type]
+        assert isinstance(got, np.ndarray) and got.dtype == np.uint8
+        assert np.array_equal(got, encode(torch.from_numpy(values)).numpy())
+    assert np.array_equal(encode(x.numpy()), expected.numpy())  # type: ignore[arg-type]
+    decoded = decode(expected.numpy())
+    assert isinstance(decoded, np.ndarray) and np.array_equal(decoded, decode(expected).numpy())
+    assert decode(expected.numpy(), torch.float16).dtype == np.float16
+
+
+@pytest.mark.parametrize("name", list(ROW_TYPES))
+def test_what_is_neither_tensor_nor_array_is_refused_naming_both(name: str) -> None:
+    encode, decode, _, _ = ROW_TYPES[name]
+    with pytest.raises(InvalidArgument, match=r"expected float32, bfloat16 or float16 \[\.\.\., d\].*as a torch "
+                                              r"tensor or a numpy array; got list"):
+        encode([[1.0] * 128])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"expected uint8 rows .*as a torch tensor or a numpy array; got bytes"):
+        decode(bytes(288))
+    with pytest.raises(InvalidArgument, match="float32, bfloat16 or float16, got float64"):
+        encode(np.ones((2, 128)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="expected uint8 rows, got int32"):
+        decode(np.zeros((2, 288), dtype=np.int32))
+    with pytest.raises(InvalidArgument, match="numpy has no bfloat16"):
+        decode(np.zeros((2, 288 * 33 * 17), dtype=np.uint8), torch.bfloat16)
+
+
 def test_codes_match_ml_dtypes_casts() -> None:
     # A second, independent reference: ml_dtypes' own E2M1 and E4M3 conversions.
     ml = pytest.importorskip("ml_dtypes")

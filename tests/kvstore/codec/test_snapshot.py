@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,7 +103,68 @@ def test_wrong_sizes_and_shapes_are_refused_naming_what_is_expected() -> None:
         join_snapshot(_rows(TINY, 5), None, geometry=TINY)
     with pytest.raises(InvalidArgument, match="even: it has no raw tail"):
         join_snapshot(_rows(TINY, 4), _tail(TINY), geometry=TINY)
-    with pytest.raises(InvalidArgument, match=r"float tensor \[5, n, 128\]"):
+    with pytest.raises(InvalidArgument, match=r"snapshot window: expected a float \[5, n, 128\] .*got \(5, 8, 64\)"):
         encode_snapshot(torch.zeros(5, 8, 64), None, geometry=TINY)
     with pytest.raises(InvalidArgument, match="NaN or Inf"):
         encode_snapshot(torch.full((5, 8, 128), float("nan")), None, geometry=TINY)
+
+
+# -- numpy arrays and buffers (kvstore.codec.arrays): what Client.swa.put takes ---------------
+
+@pytest.mark.parametrize("t", [1000, 1001, 5, 6])
+def test_join_of_numpy_rows_and_tail_is_the_same_bytes_as_of_tensors(t: int) -> None:
+    geometry = V4_1_FLASH if t > 100 else TINY
+    rows = _rows(geometry, min(t, geometry.window), seed=t)
+    tail = _tail(geometry) if t % 2 else None
+    expected = join_snapshot(rows, tail, geometry=geometry)
+    assert join_snapshot(rows.numpy(), None if tail is None else tail.numpy(), geometry=geometry) == expected
+    for kind in (bytes, bytearray, memoryview):  # the window rows as one buffer of their bytes
+        assert join_snapshot(kind(rows.numpy().tobytes()), tail, geometry=geometry) == expected
+
+
+def test_split_and_decode_of_a_numpy_snapshot_give_numpy() -> None:
+    rows, tail = _rows(TINY, 8), _tail(TINY)
+    data = np.frombuffer(bytearray(join_snapshot(rows, tail, geometry=TINY)), dtype=np.uint8)
+    back_rows, back_tail = split_snapshot(data, 9, TINY)
+    assert isinstance(back_rows, np.ndarray) and isinstance(back_tail, np.ndarray)
+    assert np.array_equal(back_rows, rows.numpy()) and np.array_equal(back_tail, tail.numpy())
+    assert back_tail.dtype == np.float32 and np.shares_memory(back_rows, data) and np.shares_memory(back_tail, data)
+    values, value_tail = decode_snapshot(data, 9, TINY)
+    assert isinstance(values, np.ndarray)  # random bytes decode to some NaNs: compared bit for bit
+    assert np.array_equal(values.view(np.uint32), decode_swa_rows(rows).numpy().view(np.uint32))
+    assert isinstance(value_tail, np.ndarray) and np.array_equal(value_tail, tail.numpy())
+    even_rows, none = split_snapshot(data[:5 * 8 * 132], 8, TINY)
+    assert none is None and isinstance(even_rows, np.ndarray)
+    frozen = np.frombuffer(join_snapshot(rows, None, geometry=TINY), dtype=np.uint8)
+    assert not split_snapshot(frozen, 8, TINY)[0].flags.writeable  # read-only in, read-only views out
+
+
+def test_encode_of_numpy_window_is_the_same_bytes_as_of_a_tensor() -> None:
+    window = torch.randn(TINY.num_layers, 8, TINY.head_dim) * 3
+    tail = _tail(TINY)
+    expected = encode_snapshot(window, tail, geometry=TINY)
+    assert encode_snapshot(window.numpy(), tail.numpy(), geometry=TINY) == expected
+    assert encode_snapshot(window.half().numpy(), None, geometry=TINY) == encode_snapshot(window.half(), None,
+                                                                                         geometry=TINY)
+
+
+def test_wrong_types_are_refused_naming_what_is_accepted() -> None:
+    rows = _rows(TINY, 8)
+    with pytest.raises(InvalidArgument, match=r"snapshot window rows: expected uint8 \[5, n, 132\] .*as a torch "
+                                              r"tensor, a numpy array, bytes, bytearray or memoryview; got list"):
+        join_snapshot(rows.tolist(), None, geometry=TINY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"snapshot window rows: expected uint8 .*got 100 bytes"):
+        join_snapshot(bytes(100), None, geometry=TINY)
+    with pytest.raises(InvalidArgument, match=r"snapshot window rows: expected uint8 .*got int16 \(5, 8, 132\)"):
+        join_snapshot(rows.numpy().astype(np.int16), None, geometry=TINY)
+    with pytest.raises(InvalidArgument, match=r"snapshot tail: expected float32 \[1, 2, 128\] .*got float64"):
+        join_snapshot(_rows(TINY, 8), _tail(TINY).numpy().astype(np.float64), geometry=TINY)
+    with pytest.raises(InvalidArgument, match=r"snapshot tail: expected .*as a torch tensor or a numpy array; "
+                                              r"got bytes"):
+        join_snapshot(_rows(TINY, 8), _tail(TINY).numpy().tobytes(), geometry=TINY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"snapshot window: expected a float \[5, n, 128\] .*got str"):
+        encode_snapshot("window", None, geometry=TINY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"SWA snapshot at T = 8: expected a 1-D contiguous uint8 array"):
+        split_snapshot(np.zeros(5280, dtype=np.float32), 8, TINY)
+    with pytest.raises(InvalidArgument, match="numpy has no bfloat16"):
+        decode_snapshot(np.zeros(5280, dtype=np.uint8), 8, TINY, dtype=torch.bfloat16)
