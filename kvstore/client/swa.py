@@ -80,8 +80,9 @@ class SwaClient:
     Args:
         connection: the connection (its channel, tenant, geometry and chain root).
         path: "auto", "direct" or "gateway" (module doc).
-        verify: on the shared-memory path, re-checksum every snapshot copied out (a get is then a
-            memcpy and an xxh3 pass instead of one memcpy; kvstore.client.swa_shm.ShmPath).
+        verify: on the shared-memory path, have the server copy and checksum each put snapshot as it
+            is copied, so it is sealed when the put returns (kvstore.client.swa_shm.ShmPath; its gets
+            check every copy against the server's checksum either way).
         clock: monotonic seconds (injected in tests).
 
     Raises:
