@@ -25,6 +25,7 @@ from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from kvstore.transfer import BatchResults, Descriptor, DescriptorGroup, Op, Status, check_spans
 from kvstore.v1 import transfer_pb2 as pb
+from tests.waiting import wait_until
 from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier, StagedReads
 
@@ -140,6 +141,24 @@ def test_the_oldest_finished_batches_are_forgotten(start_server: Callable[..., A
         assert kept.done
 
 
+class WatchedSemaphore(threading.BoundedSemaphore):
+    """A bounded semaphore that counts the threads waiting in `acquire`."""
+
+    waiting = 0
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """As BoundedSemaphore's, counted in `waiting` while it blocks."""
+        if super().acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waiting += 1
+        try:
+            return super().acquire(True, timeout)
+        finally:
+            self.waiting -= 1
+
+
 def read_batch_of(store_settings: StoreSettings, n: int) -> tuple[LmdbBlockTier, ReadBatch, BlockScope]:
     """A real tier holding `n` blocks, and a checked read batch of all of them into a plain buffer."""
     tier = LmdbBlockTier(store_settings)
@@ -161,15 +180,25 @@ def test_lookups_run_at_most_two_chunks_per_copy_thread_ahead(monkeypatch: pytes
     # flight must not run the lookups far ahead of slow copies.
     tier, batch, _ = read_batch_of(store_settings, 12)
     open_at_copy: list[int] = []
-    copy = StagedReads.copy
+    copy, stage_reads = StagedReads.copy, tier.stage_reads
+    looked_up: list[int] = []
+
+    def counted_stage_reads(keys: Any) -> StagedReads:
+        staged = stage_reads(keys)
+        looked_up.append(1)
+        return staged
 
     def slow_copy(self: StagedReads, *args: Any, **kwargs: Any) -> bytes:
-        time.sleep(0.02)  # lets the lookup thread run ahead, if nothing holds it back
+        # The lookup thread runs as far ahead as it is let: until it waits for a staged slot, or every
+        # chunk is looked up (observed, so a loaded box cannot make it look held back).
+        wait_until(lambda: watched.waiting or len(looked_up) == 12, "the lookup thread neither ran ahead nor waited")
         open_at_copy.append(sum(1 for line in tier.env.readers().splitlines()[1:] if line.split()[-1] != "-"))
         return copy(self, *args, **kwargs)
 
     monkeypatch.setattr(StagedReads, "copy", slow_copy)
+    monkeypatch.setattr(tier, "stage_reads", counted_stage_reads)
     copier = Copier(tier, threads=1)
+    copier._staged = watched = WatchedSemaphore(copier.staged_limit)  # what its lookups wait on, watched
     futures = [copier.copy(batch, i, i + 1) for i in range(12)]
     assert [f.result(timeout=10)[0] for f in futures] == [bytes([pb.DESCRIPTOR_STATUS_DONE])] * 12
     copier.close()
@@ -183,9 +212,11 @@ def test_a_cancelled_batch_ends_only_after_its_copy_stops(monkeypatch: pytest.Mo
     tier, batch, scope = read_batch_of(store_settings, 4)
     copied_at: list[float] = []
     copy = StagedReads.copy
+    copying, release = threading.Event(), threading.Event()
 
     def slow_copy(self: StagedReads, *args: Any, **kwargs: Any) -> bytes:
-        time.sleep(0.3)
+        copying.set()
+        release.wait(60)  # the copy runs on until the test lets it end, after the cancel
         out = copy(self, *args, **kwargs)
         copied_at.append(time.monotonic())
         return out
@@ -197,8 +228,11 @@ def test_a_cancelled_batch_ends_only_after_its_copy_stops(monkeypatch: pytest.Mo
 
     async def cancel_mid_copy() -> float:
         task = asyncio.create_task(run_read(tier, session, transfer, batch, 4, copier))
-        await asyncio.sleep(0.05)
+        while not copying.is_set():  # a copy is under way (observed, not assumed after a sleep)
+            await asyncio.to_thread(copying.wait, 1.0)
         task.cancel()
+        # The copy ends a moment after the cancel: a batch that ended at the cancel ends before it.
+        asyncio.get_running_loop().call_later(0.1, release.set)
         with pytest.raises(asyncio.CancelledError):
             await task
         return time.monotonic()
