@@ -95,8 +95,9 @@ class AuditLog:
         why = "it is not a regular file"
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            why = exc.strerror or str(exc)
+        except OSError as exc:  # a FIFO without a reader fails with ENXIO: say what it is instead
+            if not self.path.is_fifo():
+                why = exc.strerror or str(exc)
         else:
             if stat.S_ISREG(os.fstat(fd).st_mode):
                 os.set_blocking(fd, True)
