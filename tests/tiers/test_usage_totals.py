@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvstore.errors import FailedPrecondition
+from tests.waiting import wait_until
 from tiers import usage
 from tiers.lmdb_tier import PutBatch
 
@@ -32,6 +32,29 @@ def persisted(kit: Kit) -> tuple[int, int]:
 def in_memory(kit: Kit) -> tuple[int, int]:
     s = kit.tier.stats()
     return s.blocks_stored, s.bytes_stored
+
+
+class WriterCount:
+    """An LMDB environment that counts the write txns asked of it (`asked`); the rest as the real one."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.asked = 0
+
+    def begin(self, *args: Any, **kwargs: Any) -> Any:
+        """The real `begin`, counted when it asks for a write txn."""
+        if kwargs.get("write"):
+            self.asked += 1
+        return self.env.begin(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def _in_futex_wait(thread: threading.Thread) -> bool:
+    """Whether `thread` sleeps in a futex wait (syscall 202 on x86-64: a lock it waits for)."""
+    with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+        return f.read().split()[0] == "202"
 
 
 def _run(fn: Callable[..., object], args: tuple[Any, ...], errors: list[BaseException]) -> None:
@@ -59,12 +82,19 @@ def test_r14_an_aborted_put_never_writes_back_stale_totals(make_kit: Callable[..
         errors: list[BaseException] = []
         threads = [threading.Thread(target=_run, args=(kit.put, (good,), errors)),
                    threading.Thread(target=_run, args=(kit.tier.put_many, (doomed,), errors))]
-        for t in threads:
-            t.start()
-        time.sleep(0.05)  # lets both reach the lock; the assertions hold whatever the order
-        held.abort()
-        for t in threads:
-            t.join()
+        env, kit.tier.env = kit.tier.env, WriterCount(kit.tier.env)
+        try:
+            for t in threads:
+                t.start()
+            # Both reach the lock: each has asked LMDB for its write txn and sleeps in the kernel (py-lmdb
+            # lets the GIL go around it). The assertions hold whatever the order; this makes it the race.
+            wait_until(lambda ts=threads: kit.tier.env.asked == 2 and all(_in_futex_wait(t) for t in ts),
+                       "the two Puts never both waited for LMDB's writer lock")
+        finally:
+            kit.tier.env = env
+            held.abort()
+            for t in threads:
+                t.join()
         assert not errors
         assert in_memory(kit) == persisted(kit) == recounted(kit) == (3 * (round_ + 1), 3 * 1024 * (round_ + 1))
     kit.tier.close()
