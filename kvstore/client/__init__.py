@@ -1,18 +1,46 @@
 """The worker-side clients of a kvstore server, one module each, over one shared connection.
 
+Calls and their plumbing:
+
 - `connection`: the channel and the call plumbing (deadlines, gRPC status to
   `kvstore.errors`, streaming calls) and what the server said at connect time.
 - `store`: `Client`, lookup, put and get of global-KV blocks (its `swa` and
   `transfer()` hand its connection to the two clients below).
-- `swa`: `SwaClient`, SWA snapshots in the server's pool.
-- `transfer`: `TransferSession`, batched transfers through registered regions: the
-  session, its regions and paths; `transfer_batches`: its batches (`read`, `write`,
-  `fetch`, `wait_all`), `SessionBatches`, the session's base class.
 - `blocks`: the KVStore block calls `store` and `transfer` both make.
 - `puts`, `resume_report`: a Put on the wire and the ReportResume call, for `store`.
 - `arguments`: the checks of what callers hand the clients.
+- `admin`: the Admin service (policies, audit log, purge, export, import);
+  `worker`: the Worker service (run a resume plan on an engine).
 
-Imports point one way: store -> swa, transfer -> blocks -> connection -> arguments.
+The SWA pool (docs/SWA_POOL.md):
+
+- `swa`: `SwaClient`, snapshots through the gateway, or one of the direct paths:
+- `swa_direct`, `swa_put`, `swa_resp`, `swa_report`: the Redis direct path (the
+  tenant's ACL user, sealed records, GET replies read into buffers of their own,
+  the report to the gateway's counters);
+- `swa_shm`: the embedded pool's same-host shared-memory path.
+
+Batched transfers (docs/TRANSFER.md):
+
+- `transfer`: `TransferSession`, its regions and paths; `transfer_batches`: its
+  batches (`read`, `write`, `fetch`, `wait_all`), `SessionBatches`, the session's base class;
+- `transfer_path`: the seams (`Transfer`, `TransferPath`, `SessionView`, through
+  which the paths see their session without importing `transfer`);
+- `transfer_shm`, `transfer_stream`, `transfer_bulk`: the shared-memory, striped
+  gRPC and bulk (Mooncake) paths; `transfer_ring`, `transfer_ring_request`: the
+  request ring and its request bytes.
+
+Direct restore on the store's host (docs/DIRECT_RESTORE.md):
+
+- `colocated`, `colocated_read`, `colocated_memory`: the same-host reader of the
+  store's LMDB file (the one client code allowed `tiers.records` and `tiers.blockcopy`:
+  the on-disk format);
+- `gpu_gather`, `gpu_rounds`, `gpu_pinned`, `gpu_layout`, `gpu_kernels`: its GPU
+  gather (registered chunks under a pinned budget, a read's columns, Triton kernels);
+- `restore`: one call over direct-gpu, direct-cpu, shm and gRPC.
+
+Imports point one way: store -> swa, transfer -> blocks -> connection -> arguments
+(tests/kvstore/test_wire.py finds any circle).
 """
 
 from kvstore.client.connection import Connection, TlsOptions
