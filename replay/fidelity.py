@@ -68,7 +68,9 @@ def compare_logits(approx: torch.Tensor, exact: torch.Tensor) -> LogitsAgreement
     """Compare one next-token logits vector (float [vocab]) against the exact one."""
     a = approx.detach().double().flatten().cpu()
     e = exact.detach().double().flatten().cpu()
-    cosine = float(torch.nn.functional.cosine_similarity(a, e, dim=0))
+    # Equal vectors are cosine 1 by definition; the quotient of rounded norms can land an ulp below
+    # (0.9999999999999999 with some CPU kernels), which would read as a replay error that is not there.
+    cosine = 1.0 if torch.equal(a, e) else float(torch.nn.functional.cosine_similarity(a, e, dim=0))
     spread = float(e.max() - e.min())
     diff = float((a - e).abs().max())
     return LogitsAgreement(cosine=min(cosine, 1.0), max_diff_of_range=diff / spread if spread > 0 else diff,
