@@ -36,9 +36,13 @@ from tiers.swa_shm_session import Header, ShmHooks
 
 #: Address space of an arena beyond twice the cap (room for fragmentation; only written pages cost memory).
 ARENA_SLACK = 64 << 20
-#: Most address space of one arena, so that many tenants fit a 47-bit address space (500 of them):
-#: a tenant holds at most about half of it, its own least recently used records making room.
+#: Most address space of one arena, so that many tenants fit a 47-bit address space (500 of them, or
+#: about 340 with a staging arena each): a tenant holds at most about half of it, its own least
+#: recently used records making room.
 ARENA_MAX = 256 << 30
+#: Most address space of a staging arena: it holds only puts reserved and not yet copied into the arena
+#: (at most the cap; when it is full the pool copies every staged put at once and tries again).
+STAGING_MAX = ARENA_MAX // 2
 
 
 def arena_id(key: bytes) -> bytes:
@@ -129,10 +133,12 @@ class MemoryPool(SwaPool):
             return self._staging_arena(tenant)
 
     def _new_arena(self, tenant: bytes, kind: str, *, clients_write: bool) -> Arena:
+        # A staging arena holds what is reserved and not yet copied out (the cap at most): no room for the
+        # fragmentation of live records is needed there.
+        size = (min(self.cap_bytes + ARENA_SLACK, STAGING_MAX) if clients_write
+                else min(2 * self.cap_bytes + ARENA_SLACK, ARENA_MAX))
         try:
-            # Both of one size, so a session names both with one arena_bytes.
-            return Arena(f"kvstore-swa-{kind}{tenant.hex() or 'other'}",
-                         min(2 * self.cap_bytes + ARENA_SLACK, ARENA_MAX),
+            return Arena(f"kvstore-swa-{kind}{tenant.hex() or 'other'}", size,
                          idle_limit=min(DEFAULT_IDLE_LIMIT, self.cap_bytes // 4), clients_write=clients_write)
         except OSError as exc:  # out of address space or descriptors: a miss, counted, never a crash
             raise Unavailable(f"cannot make the SWA arena of another tenant: {exc}") from None

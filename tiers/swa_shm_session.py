@@ -151,7 +151,7 @@ class ShmSession:
         """Start (or restart) the session under `grant`: the reply and new descriptors to send with it (the
         caller sends and closes them): the tenant's arena, read-only (sealed: no descriptor of it can
         be mapped for writing), then, when the grant may write, the tenant's staging arena, read-write
-        (of the same size). A reader is never handed the staging arena."""
+        (the client takes its size from the descriptor). A reader is never handed the staging arena."""
         self.release()
         self.grant = grant
         self.arena = arena = self.pool.arena(grant.tenant_id)

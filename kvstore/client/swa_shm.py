@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import socket
 import threading
 import time
@@ -160,7 +161,7 @@ class ShmPath:
                 self.writable, self.ttl_ms, self.max_batch = reply.writable, reply.ttl_ms, reply.max_batch
                 self._map = mmap.mmap(fds[0], reply.arena_bytes, prot=mmap.PROT_READ)
                 if self.writable:
-                    self._staging = mmap.mmap(fds[1], reply.arena_bytes)
+                    self._staging = mmap.mmap(fds[1], os.fstat(fds[1]).st_size)  # sized to the pool's cap
             finally:
                 for fd in fds:
                     socket.close(fd)
@@ -169,7 +170,7 @@ class ShmPath:
             # Granules each mapping has touched: a range touched for the first time is populated with
             # one madvise, where a copy into it would take a page fault every 4 KiB (about 3x the copy).
             self._touched = bytearray(-(-reply.arena_bytes // GRANULE))
-            self._touched_staging = bytearray(len(self._touched))
+            self._touched_staging = bytearray(-(-len(self._staging) // GRANULE)) if self._staging else bytearray()
             self._renew_at = clock() + reply.lifetime_s / 2
         except BaseException:
             self.close()
