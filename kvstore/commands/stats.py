@@ -178,7 +178,8 @@ def print_hits(data: dict[str, object]) -> None:
     for name, t in tenants.items():
         hours = t["token_hours"]
         stored = "unknown (the server does not report per-tenant usage)" if hours is None else (
-            f"{hours:,.1f} ({counted(t['blocks_stored'], 'block')}, {t['bytes_stored']:,} B stored now)")
+            f"{hours:,.1f} ({counted(t['blocks_stored'], 'block')}, "  # type: ignore[arg-type]  # JSON: an int
+            f"{t['bytes_stored']:,} B stored now)")
         _print_windows(f"Tenant {name}", t["windows"], [("Token-hours stored", stored)])  # type: ignore[arg-type]
 
 
