@@ -6,10 +6,11 @@ record (header + snapshot) lives in the shared-memory arena of its tenant
 client on the same host can copy snapshots out itself (the shared-memory path,
 tiers.swa_shm_server); a shared-memory writer copies into the tenant's staging
 arena, and the pool moves each committed snapshot from there into the arena,
-checksumming it there. The gateway path copies records in and out here. Both paths share one index, so the rules are
-the same on both: LRU eviction under `cap_bytes` of record bytes, each record's
-TTL from its put, expiry and eviction as misses. Time comes from the injected
-Clock: tests expire records by moving it.
+checksumming it there. The gateway path copies records in and out here. Both
+paths share one index, so the rules are the same on both: LRU eviction under
+`cap_bytes` of record bytes, each record's TTL from its put, expiry and
+eviction as misses. Time comes from the injected Clock: tests expire records
+by moving it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ ARENA_SLACK = 64 << 20
 #: about 340 with a staging arena each): a tenant holds at most about half of it, its own least
 #: recently used records making room.
 ARENA_MAX = 256 << 30
-#: Most address space of a staging arena: it holds only puts reserved and not yet copied into the arena
-#: (at most the cap; when it is full the pool copies every staged put at once and tries again).
+#: Most address space of a staging arena. It holds only puts reserved, or live and not yet copied into
+#: the arena: both count against the cap, so the cap plus ARENA_SLACK leaves room for fragmentation.
 STAGING_MAX = ARENA_MAX // 2
 
 
@@ -408,9 +409,9 @@ class MemoryPool(SwaPool):
             out: list[Reserved | None] = []
             for length in lengths:
                 offset = self._room(current, length)
-                staged = None if offset is None else self._stage(staging, length)
+                staged = None if offset is None else staging.alloc(length)
                 if offset is not None and staged is None:
-                    current.free(offset, length)  # no staging room even with everything sealed: dropped
+                    current.free(offset, length)  # no staging room (fragmented past the slack): dropped
                     self._evictions += 1
                     offset = None
                 if offset is not None and staged is not None:
@@ -419,17 +420,6 @@ class MemoryPool(SwaPool):
                 else:
                     out.append(None)
             return out
-
-    def _stage(self, staging: Arena, length: int) -> int | None:
-        """A staging range of `length` bytes; when there is none, this staging arena's records not sealed
-        yet are sealed now (their staging ranges freed) and it is tried again."""
-        offset = staging.alloc(length)
-        if offset is None:
-            for entry in list(self._unsealed):
-                if entry.staged is not None and entry.staged[0] is staging and not entry.sealing:
-                    self._seal(entry)
-            offset = staging.alloc(length)
-        return offset
 
     def release(self, tenant: bytes, spans: Sequence[Reserved]) -> None:
         """Give back reservations that were never committed."""
