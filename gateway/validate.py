@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from gateway.auth import current_caller
 from kvstore import geometry as geometries
 from kvstore.api_tokens import ADMIN
+from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES, BlockScope, chain_hashes, root_hash
@@ -99,8 +100,8 @@ def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], ex
     full = len(token_ids) // layout.block_tokens
     if full != len(blocks):
         raise InvalidArgument(
-            f"{len(token_ids)} token ids make {full} full blocks of {layout.block_tokens}, "
-            f"but {len(blocks)} blocks were sent"
+            f"{counted(len(token_ids), 'token id')} make {counted(full, 'full block')} of {layout.block_tokens}, "
+            f"but {counted(len(blocks), 'block')} {'was' if len(blocks) == 1 else 'were'} sent"
         )
     for i, block in enumerate(blocks):
         if len(block) != layout.block_bytes:

@@ -193,7 +193,7 @@ class Planner:
             reasons.append("snapshot: none serves this prompt at a probed block boundary")
         replay = self._replay_option(n, h, cost, reasons)
         options.append(_Option(action=Action.FULL_PREFILL, estimated_s=cost.compute_s(n)))
-        reasons.append(f"full prefill: compute {n:,} tokens = {_ms(options[-1].estimated_s)} "
+        reasons.append(f"full prefill: compute {counted(n, 'token')} = {_ms(options[-1].estimated_s)} "
                        f"at {cost.recompute_tokens_per_s:,.0f} tokens/s")
         if replay is not None:
             options.append(replay)
@@ -218,8 +218,8 @@ class Planner:
         blocks_b, snap_b = self._fetch_bytes(fetch), snapshot_bytes(self.geometry, t)
         fetch_s, prefill_s = cost.fetch_s(blocks_b + snap_b), cost.compute_s(n - r)
         reasons.append(f"snapshot at T={t:,} resumes at R={r:,}: fetch {fetch:,} tokens ({blocks_b:,} B) + snapshot "
-                       f"{snap_b:,} B = {_ms(fetch_s)} at {cost.fetch_gbps:g} GB/s; prefill {n - r:,} tokens = "
-                       f"{_ms(prefill_s)}; total {_ms(fetch_s + prefill_s)}")
+                       f"{snap_b:,} B = {_ms(fetch_s)} at {cost.fetch_gbps:g} GB/s; "
+                       f"prefill {counted(n - r, 'token')} = {_ms(prefill_s)}; total {_ms(fetch_s + prefill_s)}")
         return _Option(action=Action.FETCH_SNAPSHOT, fetch_tokens=fetch, fetch_bytes=blocks_b + snap_b,
                        snapshot_position=t, resume_tokens=r, estimated_s=fetch_s + prefill_s)
 
@@ -244,7 +244,7 @@ class Planner:
         total = fetch_s + replay_s + prefill_s
         reasons.append(f"{name}: fetch {usable:,} tokens ({blocks_b:,} B) = {_ms(fetch_s)}; recompute "
                        f"[{usable - span:,}, {usable:,}) = {_ms(replay_s)} (with {_ms(cost.replay_overhead_s)} "
-                       f"per replay call); prefill {n - usable:,} tokens = "
+                       f"per replay call); prefill {counted(n - usable, 'token')} = "
                        f"{_ms(prefill_s)}; total {_ms(total)}")
         return _Option(action=Action.EXACT_REPLAY if exact else Action.BOUNDED_REPLAY, fetch_tokens=usable,
                        fetch_bytes=blocks_b, resume_tokens=usable, replay_start=usable - span, estimated_s=total)

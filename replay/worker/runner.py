@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.client import Client
+from kvstore.counted import counted
 from kvstore.errors import DeadlineExceeded, FailedPrecondition, KVStoreError
 from replay.model import ReferenceModel
 from replay.model.cache_io import restore_state, state_blocks, state_snapshot
@@ -228,7 +229,7 @@ class _Run:
         tokens: list[int] = []
         nxt = logits
         for _ in range(self.spec.max_new_tokens):
-            _stop_if(self.should_stop, f"during the decode, after {len(tokens)} tokens")
+            _stop_if(self.should_stop, f"during the decode, after {counted(len(tokens), 'token')}")
             token = int(torch.argmax(nxt))
             tokens.append(token)
             self.seq.append(token)

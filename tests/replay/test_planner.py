@@ -4,6 +4,7 @@ each rule of docs/PLANNER.md with a test named after it."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -236,3 +237,11 @@ def test_bad_prompts_raise_kvstore_errors(planner: Planner) -> None:
         planner.plan([-1] * 40)
     with pytest.raises(InvalidArgument, match="snapshot_probes"):
         Planner(planner.client, snapshot_probes=-1)
+
+
+def test_one_token_left_to_prefill_is_one_token(client: Client, planner: Planner) -> None:
+    tokens = prompt(20, 1, client)  # 321 tokens: the snapshot at 320 leaves one to compute
+    store(client, tokens, 20, [320])
+    reasons = planner.plan(tokens).reasons
+    snapshot = next(r for r in reasons if r.startswith("snapshot at T=320"))
+    assert "prefill 1 token = " in snapshot and not re.search(r"(?<![\d,])1 tokens", " ".join(reasons))
