@@ -388,3 +388,21 @@ def test_the_worker_is_not_called_a_gpu_worker_when_it_defaults_to_cpu(capsys: p
     worker_help = LAZY_COMMANDS["worker"][1]
     args = build_parser(["worker"]).parse_args(["worker"])
     assert args.device == "cpu" and "GPU" not in worker_help and "CPU by default" in worker_help
+
+
+def test_serve_counts_one_copy_thread_in_the_singular(tmp_path: Path) -> None:
+    env = {**os.environ, "KVSTORE_TRANSFER_COPY_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--port", "0", "--data-dir",
+                             str(tmp_path / "store")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # the start lines, up to the copy loop's
+            lines.append(line)
+            if "transfer copies" in line:
+                break
+        assert lines and "1 thread" in lines[-1] and "1 threads" not in lines[-1], lines
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
