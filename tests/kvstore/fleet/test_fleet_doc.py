@@ -1,0 +1,21 @@
+"""docs/FLEET.md names, for each rule, the tests that fail without it: every test it names exists."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_every_test_named_in_fleet_md_exists() -> None:
+    doc = (ROOT / "docs" / "FLEET.md").read_text()
+    named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", doc)) - {"test_"}
+    fleet_tests = ROOT / "tests" / "kvstore" / "fleet"
+    defined = {m for path in fleet_tests.glob("test_*.py")
+               for m in re.findall(r"^def (test_[a-z0-9_]+)", path.read_text(), flags=re.M)}
+    files = {path.stem for path in fleet_tests.glob("test_*.py")}
+    assert len(named) > 20, "FLEET.md names its rules' tests"
+    assert sorted(named - defined - files) == []
+    rules = re.findall(r"^\*\*(F\d+)\.", doc, flags=re.M)
+    assert rules == [f"F{i}" for i in range(1, len(rules) + 1)], "rules are numbered F1, F2, ... in order"
