@@ -46,6 +46,7 @@ STORE_COUNTERS = {
     "evictions": "Blocks evicted.",
     "evicted_bytes": "Bytes evicted.",
     "corrupt_blocks": "Blocks found damaged and dropped.",
+    "damaged_blocks": "Of the corrupt blocks, those a damaged LMDB page turned into misses while serving (R16).",
 }
 #: SWA cache counters (since the server started) exported as kvstore_swa_<name>_total.
 SWA_COUNTERS = {

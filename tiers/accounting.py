@@ -25,6 +25,8 @@ class Counters:
     evictions: int = 0
     evicted_bytes: int = 0
     corrupt_blocks: int = 0
+    #: Of those, blocks a damaged page turned into misses (R16), each counted once.
+    damaged_blocks: int = 0
     purged_blocks: int = 0
     imported_blocks: int = 0
 

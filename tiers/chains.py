@@ -18,6 +18,12 @@ when the memo knows the last found block at that depth with the same digest of
 the hashes before it; otherwise it walks the chain and remembers what it found.
 A Put that extends a remembered chain remembers the extended one, so an agent's
 next turn is found by binary search too.
+
+Where the walk stops, the store may contradict the stop (R16): a meta record not
+of its size, the next block stored as the child of one that cannot be found, or
+a record whose depth or parent R6 rules out. Those are damage LMDB read without
+an error; the block is noted in `tiers.damage.DamagedBlocks` (counted once, its
+page logged once). A plain end of the stored prefix costs one more read.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from typing import Any
 import lmdb
 
 from kvstore.prefix import BlockScope
+from tiers.damage import DamagedBlocks, SilentDamage
 from tiers.records import META_STRUCT, META_TAG
 
 #: Chains remembered (least recently used forgotten first); about 200 bytes each.
@@ -98,15 +105,14 @@ class ChainIndex:
     Args:
         env: the tier's LMDB environment.
         records_db: its records database (tiers/records.py).
-        on_damage: called with a block's storage key and the error when its record
-            sits on a damaged page (the chain ends before it).
+        damage: where a block whose record sits on a damaged page is noted (the
+            chain ends before it).
     """
 
-    def __init__(self, env: lmdb.Environment, records_db: Any,
-                 on_damage: Callable[[bytes, BaseException], None]) -> None:
+    def __init__(self, env: lmdb.Environment, records_db: Any, damage: DamagedBlocks) -> None:
         self._env = env
         self._records = records_db
-        self._on_damage = on_damage
+        self._damage = damage
         self.memo = ChainCache()
 
     def find(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
@@ -159,10 +165,12 @@ class ChainIndex:
         prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
         i = 0
         last_meta: Any = None
+        damaged = ""
         try:
             with self._env.begin(buffers=True) as txn:
                 get, db = txn.get, self._records
                 previous = b""
+                raw = None
                 for i, h in enumerate(hashes):
                     raw = get(prefix + h + tag, None, db)
                     if raw is None or len(raw) != size:
@@ -174,7 +182,39 @@ class ChainIndex:
                 else:
                     i = len(hashes)
                 last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
+                if i < len(hashes) and not self._damage.known(prefix + hashes[i]):
+                    damaged = _contradiction(get, db, prefix, hashes, i, raw)
         except lmdb.Error as exc:  # a damaged page: the chain ends before it
-            self._on_damage(prefix + hashes[i], exc)
+            self._damage.note(prefix + hashes[i], exc)
             return i, 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
+        if damaged:
+            self._damage.note(prefix + hashes[i], SilentDamage(damaged))
         return i, last_use_s
+
+
+def _contradiction(get: Callable[..., Any], db: Any, prefix: bytes, hashes: Sequence[bytes], i: int,
+                   raw: Any) -> str:
+    """Why block i, where a chain walk stopped, must be damaged ("" when the stop may be true).
+
+    `raw` is its meta record as read (None: not found). Block i + 1 stored as its child
+    means block i is stored, at depth i + 1 (R6: the chain above a stored block is
+    stored, and the server derives each hash from its parent's). A record that is read
+    must agree with its own parent: a first block names no stored block, any other
+    one a block one level up.
+    """
+    size, unpack = META_STRUCT.size, _PARENT_DEPTH.unpack_from
+    if raw is not None and len(raw) != size:
+        return f"its meta record is {len(raw)} bytes, not {size}"
+    child = get(prefix + hashes[i + 1] + META_TAG, None, db) if i + 1 < len(hashes) else None
+    named = child is not None and len(child) == size and unpack(child) == (hashes[i], i + 2)
+    if raw is None:
+        return "its meta record is not found, but the next block's names it as its parent" if named else ""
+    parent, depth = unpack(raw)
+    if named and depth != i + 1:
+        return f"its meta record says depth {depth}; its child's record puts it at {i + 1}"
+    up = get(prefix + bytes(parent) + META_TAG, None, db)
+    if depth == 1 and up is not None:
+        return "its meta record says it is a chain's first block, but names a stored block as its parent"
+    if depth > 1 and (up is None or len(up) != size or unpack(up)[1] != depth - 1):
+        return f"its meta record says depth {depth}, but names a parent not stored one level up"
+    return ""

@@ -239,6 +239,25 @@ class PageReader:
                 at += run
             page += at
 
+    def find_leaf(self, tree: Tree, key: bytes) -> tuple[int, str]:
+        """(the page that holds or would hold `key`, why it is damaged or ""), going down from the root
+        as LMDB's search does: the leaf when every page on the way reads intact, else the first that does
+        not. P_INVALID for an empty tree."""
+        pgno, level, low, high = tree.root, tree.depth, b"", None
+        if pgno == P_INVALID or level == 0:  # an empty tree
+            return P_INVALID, ""
+        while True:
+            page = self._page(pgno)
+            if page is None:
+                return pgno, "the page is past the end of the file or the last used page"
+            reason, nodes = self._nodes(page, pgno, level, low, high, ordered=True)
+            if reason or level == 1:
+                return pgno, reason
+            i = max([0] + [n for n in range(1, len(nodes)) if nodes[n][0] <= key])
+            low = low if i == 0 else nodes[i][0]
+            high = nodes[i + 1][0] if i + 1 < len(nodes) else high
+            pgno, level = _PGNO.unpack(nodes[i][3])[0], level - 1
+
     def entries(self, tree: Tree, name: str, *, values: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
         """Every readable (key, value) of `tree` in key order; damaged pages go to `self.damaged`.
 

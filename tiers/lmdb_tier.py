@@ -102,9 +102,9 @@ class LmdbBlockTier:
         if by_namespace is not None:
             namespaces.check_and_repair(self.env, self._state, by_namespace, self.retention_clock.now())
         self._tally = Tally(counters, totals, WriteRate(settings.write_rate_window_s, self.retention_clock.now()))
-        self._damage = DamagedBlocks(settings.data_dir, self._tally.damaged)
+        self._damage = DamagedBlocks(settings.data_dir, self._tally.damaged_on_page, self.env)
         self._refresh = RefreshBatcher(self.executor, self.touch)
-        self.chains = ChainIndex(self.env, self._records, self._damage.note)
+        self.chains = ChainIndex(self.env, self._records, self._damage)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -254,7 +254,7 @@ class LmdbBlockTier:
         counted, and removed with its descendants (which could no longer be reached as a
         prefix) when the removal itself can be done.
         """
-        out = reads.read_copies(self.env, self._dbs, keys, self._damage.note, copy)
+        out = reads.read_copies(self.env, self._dbs, keys, self._damage, copy)
         corrupt = [k for k, (s, _) in zip(keys, out, strict=True) if s is ReadStatus.CORRUPT]
         if corrupt:
             self.drop_corrupt(corrupt)
@@ -296,7 +296,7 @@ class LmdbBlockTier:
         The lookups hold the GIL between gets; the copy (`StagedReads.copy`)
         need not, so a caller can look up on one thread and copy on others.
         """
-        txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._damage.note)
+        txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._damage)
         return StagedReads(txn, list(keys), metas, datas, now=self.retention_clock.now,
                            drop_corrupt=self.drop_corrupt)
 

@@ -19,7 +19,8 @@ import xxhash
 
 from tiers import blockcopy
 from tiers.block_txn import BlockDbs, DamagedBlock, read_meta
-from tiers.records import DATA_TAG, META_TAG, data_key
+from tiers.damage import DamagedBlocks, SilentDamage
+from tiers.records import DATA_TAG, META_STRUCT, META_TAG, data_key, meta_key
 from tiers.retention import Retention
 
 
@@ -36,13 +37,15 @@ READ_STATUS: dict[int, ReadStatus | None] = {blockcopy.NOT_REACHED: None, **{s.v
 
 #: Stands for a meta record that could not be read: `blockcopy` reports it CORRUPT.
 _UNREADABLE = b""
+_NO_DATA = "its meta record is found but not its data, written with it"
 
 
 def verified(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> tuple[ReadStatus, memoryview | None]:
     """The block's bytes as a view valid until `txn` ends, if intact.
 
     Raises:
-        DamagedBlock: its records are on a damaged page (`txn` is now unusable).
+        DamagedBlock: its records are on a damaged page (`txn` is now unusable), or its data is
+            missing beside its meta record (a damaged leaf LMDB reads without an error).
     """
     meta = read_meta(txn, dbs, key)
     if meta is None:
@@ -51,17 +54,19 @@ def verified(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> tuple[ReadStat
         data = txn.get(data_key(key), db=dbs.records)
     except lmdb.Error as exc:
         raise DamagedBlock(key, exc) from exc
-    if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+    if data is None:  # written with its meta record in one txn: its leaf is damaged
+        raise DamagedBlock(key, SilentDamage(_NO_DATA))
+    if len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
         return ReadStatus.CORRUPT, None
     return ReadStatus.FOUND, memoryview(data)
 
 
-def read_copies(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes],
-                on_damage: Callable[[bytes, BaseException], None],
+def read_copies(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes], damage: DamagedBlocks,
                 copy: Callable[[int, memoryview], Any] | None = None) -> list[tuple[ReadStatus, Any]]:
     """Each block's status and a copy of its bytes (None unless FOUND); a damaged one is CORRUPT
-    (and passed to `on_damage`). `copy(i, view)` makes block i's copy from its view into the
-    map (default: `bytes`): a caller can copy straight into what it sends."""
+    (and noted in `damage`), a missing one is put to `damage.explain_misses`. `copy(i, view)`
+    makes block i's copy from its view into the map (default: `bytes`): a caller can copy
+    straight into what it sends."""
     out: list[tuple[ReadStatus, Any]] = []
     while len(out) < len(keys):
         try:
@@ -70,19 +75,33 @@ def read_copies(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes],
                     status, view = verified(txn, dbs, key)
                     out.append((status, None if view is None else copy(len(out), view) if copy else bytes(view)))
         except DamagedBlock as exc:  # the txn is unusable: go on past the block in a fresh one
-            on_damage(exc.key, exc.cause)
+            damage.note(exc.key, exc.cause)
             out.append((ReadStatus.CORRUPT, None))
+    missing = [i for i, (status, _) in enumerate(out) if status is ReadStatus.MISSING]
+    if missing:
+        found = [k for k, (status, _) in zip(keys, out, strict=True) if status is ReadStatus.FOUND]
+        damage.explain_misses(keys, missing, lambda: _parents(env, dbs, found))
     return out
 
 
+def _parents(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes]) -> set[bytes]:
+    """The parent hashes the meta records of `keys` name (those that read)."""
+    try:
+        with env.begin(buffers=True) as txn:
+            metas = [txn.get(meta_key(k), None, dbs.records) for k in keys]
+            return {bytes(m[:32]) for m in metas if m is not None and len(m) == META_STRUCT.size}
+    except lmdb.Error:
+        return set()
+
+
 def stage(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes | None],
-          on_damage: Callable[[bytes, BaseException], None]) -> tuple[lmdb.Transaction, list[Any], list[Any]]:
+          damage: DamagedBlocks) -> tuple[lmdb.Transaction, list[Any], list[Any]]:
     """Each key's meta and data views (None: absent or skipped), in a read txn left open for the copy.
 
     The lookups hold the GIL between gets, so the usual loop is kept tight. When
     it meets a damaged page, the keys are read again one by one in fresh txns:
     each unreadable one gets an empty meta (CORRUPT to `blockcopy`) and is
-    passed to `on_damage`.
+    noted in `damage`. Missing ones are put to `damage.explain_misses`.
     """
     bad: set[int] = set()
     careful = False
@@ -90,6 +109,14 @@ def stage(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes | None],
         txn = env.begin(buffers=True)
         try:
             metas, datas = _stage_careful(txn, dbs, keys, bad) if careful else _stage_fast(txn, dbs, keys)
+            if datas.count(None) > metas.count(None):  # counted in C, as below: the usual call has none
+                for k, m, d in zip(keys, metas, datas, strict=True):
+                    if m and d is None:  # an _UNREADABLE meta is noted already
+                        damage.note(k, SilentDamage(_NO_DATA))  # type: ignore[arg-type]  # a meta: a key
+            if metas.count(None) > keys.count(None):
+                missing = [i for i, (k, m) in enumerate(zip(keys, metas, strict=True)) if k is not None and m is None]
+                named = {bytes(m[:32]) for m in metas if m is not None and len(m) == META_STRUCT.size}
+                damage.explain_misses(keys, missing, named.copy)
             return txn, metas, datas
         except lmdb.Error:  # from the fast loop: find the damaged keys carefully
             txn.abort()
@@ -98,7 +125,7 @@ def stage(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes | None],
             txn.abort()
             key = keys[exc.index]
             assert key is not None
-            on_damage(key, exc.cause)
+            damage.note(key, exc.cause)
             bad.add(exc.index)
         except BaseException:
             txn.abort()

@@ -76,6 +76,12 @@ class Tally:
         with self._lock:
             self._counters.corrupt_blocks += 1
 
+    def damaged_on_page(self) -> None:
+        """Count one block a damaged page turned into a miss (also one corrupt block)."""
+        with self._lock:
+            self._counters.corrupt_blocks += 1
+            self._counters.damaged_blocks += 1
+
     def rejected(self) -> None:
         """Count one refused Put."""
         with self._lock:

@@ -7,6 +7,7 @@ raise CorruptedError on the blocks whose records sit there.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from collections.abc import Callable
@@ -143,3 +144,111 @@ def test_r16_eviction_skips_damaged_blocks_and_makes_room_elsewhere(make_kit: Ca
     assert all(s is ReadStatus.CORRUPT for s, c in zip(after, corrupt, strict=True) if c)  # kept, still misses
     first = corrupt.index(True)
     assert [s is ReadStatus.FOUND for s in after[:first]] == [True] * first  # the prefix before the damage stays
+
+
+def flip(tier: Any, offset: int, n: int = 16) -> None:
+    """Invert `n` bytes of the live data.mdb at `offset` (LMDB's map shows them at once)."""
+    fd = os.open(Path(tier.settings.data_dir) / "data.mdb", os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, n, offset)), offset)
+    finally:
+        os.close(fd)
+
+
+def live_chain(make_kit: Callable[..., Kit], n: int = 320) -> tuple[Kit, list[bytes], list[bytes]]:
+    """A served tier holding one n-block chain, written in one transaction (each record on one leaf)."""
+    kit = make_kit(2 * n * BIG // 1024)
+    hashes = kit.chain(0, n)
+    kit.tier.put(kit.scope, kit.root, hashes, [bytes([i % 256]) * BIG for i in range(n)], True)
+    return kit, hashes, kit.keys(hashes)
+
+
+def get_statuses(kit: Kit, keys: list[bytes], how: str) -> list[ReadStatus]:
+    if how == "read":
+        return [s for s, _ in kit.tier.read(keys)]
+    dest = memoryview(bytearray(BIG * len(keys)))
+    return list(kit.tier.read_into(keys, [dest[i * BIG:(i + 1) * BIG] for i in range(len(keys))]))
+
+
+def damage_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tiers.damage"]
+
+
+def meta_record_at(kit: Kit, key: bytes) -> tuple[int, int]:
+    """(the one leaf page holding `key`'s meta record, the file offset of the record's key)."""
+    (page,) = leaf_pages_of(kit.tier, meta_key(key))
+    psize = kit.tier.env.stat()["psize"]
+    return page, (Path(kit.tier.settings.data_dir) / "data.mdb").read_bytes().find(meta_key(key), page * psize)
+
+
+@pytest.mark.parametrize("how", ["read", "read_into"])
+def test_r16_flipped_keys_are_counted_once_per_block_and_their_page_logged_once(
+        make_kit: Callable[..., Kit], caplog: pytest.LogCaptureFixture, how: str) -> None:
+    caplog.set_level(logging.WARNING, logger="tiers.damage")
+    kit, hashes, keys = live_chain(make_kit)
+    absent = kit.chain(0, 330)[320:]  # a plain miss is no damage
+    assert kit.found(hashes + absent) == 320
+    assert set(get_statuses(kit, kit.keys(absent), how)) == {ReadStatus.MISSING}
+    assert kit.tier.stats().counters.damaged_blocks == 0 and not damage_lines(caplog)
+    page, _ = meta_record_at(kit, keys[160])
+    other = next(i for i, on in enumerate(on_pages(kit.tier, keys, {page})) if on and i != 160)
+    for i in (160, other):  # two keys' hashes: they no longer sort where they stand; LMDB raises nothing
+        flip(kit.tier, meta_record_at(kit, keys[i])[1] + 16)
+    missing = {i for i, s in enumerate(get_statuses(kit, keys, how)) if s is not ReadStatus.FOUND}
+    assert {160, other} <= missing and all(on_pages(kit.tier, keys, {page})[i] for i in missing)
+    assert kit.tier.stats().counters.damaged_blocks == len(missing)
+    lines = damage_lines(caplog)
+    assert len(lines) == 1 and f"page {page} " in lines[0] and "kvstore check" in lines[0]
+    kit.tier.chains.forget()  # walk the chain, as after a restart
+    assert kit.found(hashes) in missing  # Lookup stops at the first block Get misses
+    for _ in range(3):  # met again: neither counted nor logged again
+        kit.tier.chains.forget()
+        kit.found(hashes)
+        get_statuses(kit, keys, how)
+    assert kit.tier.stats().counters.damaged_blocks == len(missing)
+    assert kit.tier.stats().counters.corrupt_blocks == len(missing)
+    assert damage_lines(caplog) == lines
+
+
+def test_r16_a_miss_on_a_leaf_that_does_not_parse_is_damage(make_kit: Callable[..., Kit],
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Asked alone, nothing else names the block: its leaf is read, and its keys are out of order."""
+    caplog.set_level(logging.WARNING, logger="tiers.damage")
+    kit, _, keys = live_chain(make_kit)
+    _, at = meta_record_at(kit, keys[160])
+    flip(kit.tier, at + 16)
+    assert get_statuses(kit, [keys[160]], "read") == [ReadStatus.MISSING]
+    assert kit.tier.stats().counters.damaged_blocks == 1
+    assert len(damage_lines(caplog)) == 1 and "out of order" in damage_lines(caplog)[0]
+
+
+def test_r16_a_miss_its_child_contradicts_is_damage(make_kit: Callable[..., Kit],
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The key's last 16 bytes flipped: it still sorts in place and its leaf parses, but the
+    next block, read in the same call, names it as its parent."""
+    caplog.set_level(logging.WARNING, logger="tiers.damage")
+    kit, hashes, keys = live_chain(make_kit)
+    page, at = meta_record_at(kit, keys[160])
+    flip(kit.tier, at + 32)
+    assert get_statuses(kit, keys[160:162], "read") == [ReadStatus.MISSING, ReadStatus.FOUND]
+    assert kit.tier.stats().counters.damaged_blocks == 1
+    lines = damage_lines(caplog)
+    assert len(lines) == 1 and f"page {page} of" in lines[0] and "names it as its parent" in lines[0]
+    kit.tier.chains.forget()
+    assert kit.found(hashes) == 160 and kit.tier.stats().counters.damaged_blocks == 1
+
+
+def test_r16_a_flipped_parent_in_a_meta_record_ends_lookups_counted_and_logged(
+        make_kit: Callable[..., Kit], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="tiers.damage")
+    kit, hashes, keys = live_chain(make_kit)
+    page, at = meta_record_at(kit, keys[200])
+    flip(kit.tier, at + len(meta_key(keys[200])))  # the record's parent hash, its first 16 bytes
+    kit.tier.chains.forget()
+    assert kit.found(hashes) == 200
+    assert kit.tier.stats().counters.damaged_blocks == 1
+    lines = damage_lines(caplog)
+    assert len(lines) == 1 and f"page {page}" in lines[0] and "parent" in lines[0]
+    kit.tier.chains.forget()
+    assert kit.found(hashes) == 200 and kit.tier.stats().counters.damaged_blocks == 1
+    assert damage_lines(caplog) == lines
