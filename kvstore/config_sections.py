@@ -347,4 +347,4 @@ class FleetSettings:
     @property
     def enabled(self) -> bool:
         """Whether this node joins a fleet (etcd endpoints are set)."""
-        return bool(self.etcd.strip())
+        return bool(parse_endpoints(self.etcd))  # " , " names none: a single node, not a fleet of nothing

@@ -19,7 +19,10 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.config_sections import FleetSettings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _status(fleet: Any, timeout_s: float) -> dict[str, Any]:
+async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     """Every node of the cluster with its lease's seconds left."""
     from kvstore.fleet.membership import lease_ttl_s, read_nodes, session_for
 
