@@ -56,7 +56,9 @@ def verified(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> tuple[ReadStat
         raise DamagedBlock(key, exc) from exc
     if data is None:  # written with its meta record in one txn: its leaf is damaged
         raise DamagedBlock(key, SilentDamage(_NO_DATA))
-    if len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+    if len(data) != meta.size_bytes:  # likewise; and a drop would take the meta's size off the totals
+        raise DamagedBlock(key, SilentDamage(f"its data is {len(data)} bytes, its meta record says {meta.size_bytes}"))
+    if xxhash.xxh3_64_intdigest(data) != meta.checksum:
         return ReadStatus.CORRUPT, None
     return ReadStatus.FOUND, memoryview(data)
 

@@ -252,3 +252,17 @@ def test_r16_a_flipped_parent_in_a_meta_record_ends_lookups_counted_and_logged(
     kit.tier.chains.forget()
     assert kit.found(hashes) == 200 and kit.tier.stats().counters.damaged_blocks == 1
     assert damage_lines(caplog) == lines
+
+
+def test_r16_a_flipped_size_in_a_meta_record_is_damage_not_a_failed_get(
+        make_kit: Callable[..., Kit], caplog: pytest.LogCaptureFixture) -> None:
+    """Dropping the block as corrupt would take the garbled size off the usage totals (and fail the Get)."""
+    caplog.set_level(logging.WARNING, logger="tiers.damage")
+    kit, _, keys = live_chain(make_kit)
+    page, at = meta_record_at(kit, keys[100])
+    flip(kit.tier, at + len(meta_key(keys[100])) + 36, n=4)  # the record's size field
+    statuses = [s for s, _ in kit.tier.read(keys)]
+    assert statuses[100] is ReadStatus.CORRUPT and statuses.count(ReadStatus.FOUND) == len(keys) - 1
+    assert kit.tier.stats().counters.damaged_blocks == 1 and kit.tier.stats().blocks_stored == len(keys)
+    lines = damage_lines(caplog)
+    assert len(lines) == 1 and f"page {page} of" in lines[0] and "its meta record says" in lines[0]
