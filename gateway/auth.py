@@ -6,7 +6,8 @@ chain, checks it and the right the method needs (`METHOD_RIGHTS`) before any
 servicer code runs, and puts the caller where the rest of the call finds it
 (`current_caller()`):
 
-- no token, a malformed one, or an unknown or revoked one: UNAUTHENTICATED;
+- no token, a malformed one, an unknown or revoked one, or more than one
+  `authorization` entry (never a guess at which counts): UNAUTHENTICATED;
 - a valid token without the method's right: PERMISSION_DENIED naming it.
 
 The tenant comes from the token only: `gateway.validate.scope` maps an empty
@@ -125,6 +126,22 @@ def check_bind(host: str, *, auth: bool, tls: bool, insecure: bool) -> None:
              "tls.key_file, bind 127.0.0.1, or pass --insecure (auth.insecure) on a trusted network")
 
 
+def check_metrics_bind(host: str, port: int, *, insecure: bool) -> None:
+    """Refuse the metrics endpoint (on while `port` is not 0) beyond loopback unless `insecure`: it is
+    plain HTTP without tokens, and its series name every tenant.
+
+    Raises:
+        ConfigError: naming the address and the ways out.
+    """
+    if port == 0 or is_loopback(host) or insecure:
+        return
+    raise ConfigError(
+        f"refusing to serve metrics on {host}:{port} (metrics.host) over plain HTTP without tokens: any host "
+        "could read every tenant's name and traffic",
+        hint="bind metrics.host 127.0.0.1 (a Prometheus on this host or through a tunnel), or set "
+             "metrics.insecure = true (or pass --insecure) on a trusted network")
+
+
 def _refusal(handler: Any, code: grpc.StatusCode, message: str) -> Any:
     """A handler of `handler`'s shape that answers `code` without running the method."""
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -163,14 +180,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """The caller a call's metadata names, or the status and message refusing it."""
         if not self.registry.enabled:
             return self.open_caller
-        value = None
-        for key, v in metadata or ():
-            if key == "authorization":
-                value = v
-                break
-        if value is None:
+        values = [v for key, v in metadata or () if key == "authorization"]
+        if not values:
             return grpc.StatusCode.UNAUTHENTICATED, ("no token: send `authorization: Bearer <token>` metadata "
                                                      "(kvstore.Client(token=...), --token or KVSTORE_TOKEN)")
+        if len(values) > 1:
+            # Which one counts would be a guess (a proxy may have added one): refuse rather than pick.
+            return grpc.StatusCode.UNAUTHENTICATED, (f"the call carries {len(values)} authorization metadata "
+                                                     "entries: send exactly one `authorization: Bearer <token>`")
+        value = values[0]
         if not isinstance(value, str) or not value.startswith("Bearer "):
             return grpc.StatusCode.UNAUTHENTICATED, "the authorization metadata is not `Bearer <token>`"
         identity = self.registry.find(value[7:])

@@ -6,7 +6,8 @@ the method's right), then undecodable requests (gateway.undecodable: every
 method answers bytes it cannot decode with INVALID_ARGUMENT, never UNKNOWN).
 The port speaks TLS (mutual with `tls.client_ca_file`) when `tls.cert_file` is
 set; a bind beyond loopback without tokens and TLS is refused unless
-`auth.insecure` (docs/SECURITY.md)."""
+`auth.insecure`, and so is the plain-HTTP metrics endpoint beyond loopback unless
+`metrics.insecure` (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,16 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from gateway.admin_servicer import add_admin_service, open_admin
-from gateway.auth import DEFAULT_TENANT, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
+from gateway.auth import (
+    DEFAULT_TENANT,
+    OPEN_CALLER,
+    AuthInterceptor,
+    Caller,
+    check_bind,
+    check_metrics_bind,
+    is_loopback,
+)
+from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
@@ -102,7 +112,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     """Open the store, the SWA pool and the transfer sessions, and serve on `settings.server.host:port`.
 
     Raises:
-        ConfigError: a bind beyond loopback without tokens and TLS (and not `auth.insecure`),
+        ConfigError: a bind beyond loopback without tokens and TLS (and not `auth.insecure`), the
+            metrics endpoint beyond loopback (and not `metrics.insecure` nor `auth.insecure`),
             an unreadable tenants file or certificate.
         OSError: the address cannot be bound (everything opened so far is closed).
     """
@@ -110,7 +121,10 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     tenants = TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required,
                              clock=clock)
     check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
+    check_metrics_bind(settings.metrics.host, settings.metrics.port,
+                       insecure=settings.metrics.insecure or settings.auth.insecure)
     credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
+    quiet_cancelled_replies()  # a client's cancel is normal: one debug line, not grpc's ERROR and traceback
     # Without tokens, every call is the default tenant: with every right on loopback (the
     # two-command start), without "admin" beyond it.
     open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))

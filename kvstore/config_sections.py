@@ -302,12 +302,15 @@ class TlsSettings:
 class MetricsSettings:
     """The Prometheus endpoint (docs/METRICS.md): plain HTTP, showing tenant names; keep it off public networks."""
 
-    #: Bind address of the HTTP endpoint; 0.0.0.0 for a Prometheus on another host.
+    #: Bind address of the HTTP endpoint. Beyond loopback `kvstore serve` refuses it unless `insecure`
+    #: (or auth.insecure) is set: the endpoint has no tokens nor TLS and shows tenant names.
     host: str = "127.0.0.1"
     #: TCP port of the endpoint; 0 (the default) leaves it off. The deploy files use 9464.
     port: int = 0
     #: Distinct tenants with a label of their own; later ones are counted as "other".
     tenant_labels: int = 64
+    #: Serve the endpoint beyond loopback (a Prometheus on another host): a trusted network only.
+    insecure: bool = False
 
     RANGES: ClassVar[dict[str, Range]] = {"port": Range(0, 65535), "tenant_labels": Range(1, 10000)}
 
