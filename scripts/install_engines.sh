@@ -11,7 +11,13 @@
 # Never fails the run: when an engine cannot be installed or imported, the reason goes
 # to VENV/engine-skip-<name>.txt (read by tests/integrations to skip with that reason)
 # and the script goes on. A successful install removes a stale note.
-# Downloads come from pip's cache when present (PIP_CACHE_DIR, ~/.cache/pip).
+#
+# Fast when nothing changed: once both engines installed and imported, VENV/engines-ready.txt
+# records the pins and every package of VENV at their versions; a later run that finds the
+# same skips pip and the imports (~75 s of imports on a loaded 2-core box). The wheels are
+# kept in a cache that outlives the venv and the clone (KVSTORE_WHEEL_CACHE, by default
+# ~/.cache/kvstore/wheels; pip's own HTTP cache is not relied on): a fresh clone on the same
+# machine installs them from there with no download.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +30,8 @@ declare -A CHECK=(
     [vllm]="import vllm.v1.core.sched.scheduler, vllm.distributed.kv_transfer.kv_connector.v1.base"
     [sglang]="import sglang.srt.mem_cache.storage.backend_factory, sglang.srt.mem_cache.hicache_storage"
 )
+WHEELS=${KVSTORE_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvstore/wheels}
+READY="$VENV/engines-ready.txt"
 start=$(date +%s)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -45,12 +53,35 @@ cat scripts/engines/vllm.txt scripts/engines/sglang.txt 2>/dev/null | sed 's/#.*
 
 names() { sed 's/#.*//; s/[[:space:]]//g' "$1" | grep '==' | awk -F'==' '{ n = tolower($1); gsub("_", "-", n); print n }'; }
 
+# What the ready stamp holds: the engines and pins asked for, and every package the venv has now.
+state() {
+    { for engine in vllm sglang; do echo "$engine==${VERSION[$engine]}"; done; cat "$merged"
+      "$PY" -c 'import importlib.metadata as m; print(*sorted({f"{d.name}=={d.version}".lower() for d in m.distributions()}), sep="\n")'
+    } | sha256sum | cut -d' ' -f1
+}
+if [ -f "$READY" ] && [ "$(cat "$READY")" = "$(state)" ]; then
+    echo "install_engines: vllm==${VERSION[vllm]} and sglang==${VERSION[sglang]} installed and imported before, nothing changed since ($READY): skipped"
+    exit 0
+fi
+rm -f "$READY"
+
+# install ENGINE PINS: from the wheel cache alone when it holds them all, else fetched into it first.
+install() {
+    local spec="$1==${VERSION[$1]}"
+    pip_q --no-deps --no-index --find-links "$WHEELS" -r "$2" "$spec" >/dev/null && return 0
+    mkdir -p "$WHEELS"
+    "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WHEELS" -r "$2" "$spec" 2>&1 |
+        grep -v "^WARNING: Location" >&2
+    pip_q --no-deps --no-index --find-links "$WHEELS" -r "$2" "$spec"
+}
+
+ready=0
 for engine in vllm sglang; do
     rm -f "$VENV/engine-skip-$engine.txt"
     # This engine's pins, at the merged versions, and the engine itself: one pip call, no dependencies.
     pins="$work/$engine.txt"
     names "scripts/engines/$engine.txt" | while read -r n; do grep "^$n==" "$merged"; done > "$pins"
-    if ! out=$(pip_q --no-deps -r "$pins" "$engine==${VERSION[$engine]}"); then
+    if ! out=$(install "$engine" "$pins"); then
         note "$engine" "pip install --no-deps $engine==${VERSION[$engine]} -r scripts/engines/$engine.txt failed: $(echo "$out" | tail -1)"
         continue
     fi
@@ -59,8 +90,10 @@ for engine in vllm sglang; do
         continue
     fi
     echo "install_engines: $engine==${VERSION[$engine]} ready"
+    ready=$((ready + 1))
 done
 # The engines' own metadata asks for other torch builds; the venv's CPU torch must stay.
 "$PY" -c "import torch; print('install_engines: torch', torch.__version__, 'kept')"
+[ "$ready" = 2 ] && state > "$READY"
 echo "install_engines: done in $(( $(date +%s) - start )) s"
 exit 0
