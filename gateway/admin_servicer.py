@@ -13,7 +13,6 @@ places `parts.quotas` in the interceptor chain after auth, then calls
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import Awaitable, Callable
@@ -24,9 +23,9 @@ from typing import Any, TypeVar
 import grpc
 
 from gateway import validate
-from gateway.audit import AuditLog
+from gateway.audit import AuditLog, AuditTrail
 from gateway.auth import require
-from gateway.policies import FIELDS, Policies, Policy
+from gateway.policies import FIELDS, Policies, Policy, PolicyTable
 from gateway.quotas import QuotaInterceptor
 from gateway.status import unary
 from gateway.validate import Layout
@@ -47,15 +46,20 @@ ADMIN = "admin"
 
 @dataclass(frozen=True)
 class AdminParts:
-    """What a server needs for policies: the policies, their audit log, the quota interceptor."""
+    """What a server needs for policies: the policies, their audit log, the quota interceptor.
 
-    policies: Policies
-    audit: AuditLog
+    The policies and the log are the data dir's files (`open_admin`) or, in a fleet, etcd's
+    shared tables (`gateway.shared_tables.open_fleet_admin`): the servicer sees only their seams.
+    """
+
+    policies: PolicyTable
+    audit: AuditTrail
     quotas: QuotaInterceptor
 
-    def close(self) -> None:
-        """Close the audit log."""
+    async def close(self) -> None:
+        """Close the audit log and the policies."""
         self.audit.close()
+        await self.policies.close()
 
 
 def open_admin(settings: Settings, *, clock: Clock | None = None) -> AdminParts:
@@ -73,6 +77,11 @@ def open_admin(settings: Settings, *, clock: Clock | None = None) -> AdminParts:
     except BaseException:
         audit.close()
         raise
+    return admin_parts(settings, policies, audit, clock=clock)
+
+
+def admin_parts(settings: Settings, policies: PolicyTable, audit: AuditTrail, *, clock: Clock) -> AdminParts:
+    """The parts of a server's admin over `policies` and `audit`, with the quota interceptor on the policies."""
     quotas = QuotaInterceptor(policies, swa_ttl_s=settings.swa.ttl_s, clock=clock)
     return AdminParts(policies=policies, audit=audit, quotas=quotas)
 
@@ -163,8 +172,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         changes = {name: getattr(request, name) for name in FIELDS if request.HasField(name)}
         if not changes:
             raise InvalidArgument(f"no policy field is set: set at least one of {', '.join(FIELDS)}")
-        # A change fsyncs the policies file and the audit log: off the event loop.
-        before, _ = await asyncio.to_thread(self.policies.set, tenant, changes, actor=caller.tenant)
+        before, _ = await self.policies.change(tenant, changes, actor=caller.tenant)
         return pb.SetPolicyResponse(
             before=pb.TenantPolicy(tenant=tenant, policy=_policy(before), is_default=before is self.policies.defaults),
             after=self._tenant_policy(tenant))
@@ -183,7 +191,7 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def PolicyLog(self, request: pb.PolicyLogRequest, context: grpc.aio.ServicerContext) -> pb.PolicyLogResponse:
         require(ADMIN)
         tenant = check_tenant(request.tenant) if request.tenant else ""
-        entries = await asyncio.to_thread(self.audit.entries, tenant=tenant, limit=request.limit)
+        entries = await self.audit.read(tenant=tenant, limit=request.limit)
         return pb.PolicyLogResponse(entries=[
             pb.AuditEntry(time_s=e.time_s, actor=e.actor, action=e.action, tenant=e.tenant,
                           old_json=_json(e.old), new_json=_json(e.new)) for e in entries])
@@ -194,14 +202,15 @@ class AdminServicer(pb_grpc.AdminServicer):
         caller = require(ADMIN)
         tenant = _tenant(request.tenant)
         targets = self._purge_targets(request, tenant)
+        await self.audit.check_writable()  # a purge cannot be undone: refused up front when it could not be audited
         before = await self.tier.call(self.tier.namespace_usage, tenant)
         purged = 0
         for scope, hashes in targets:
             purged += await self.tier.call(self.tier.purge, scope, hashes)
         after = await self.tier.call(self.tier.namespace_usage, tenant)
         what: dict[str, Any] = {"all": True} if request.all else {"chain_blocks": len(targets[0][1] or ())}
-        await asyncio.to_thread(
-            self.audit.append, actor=caller.tenant, action="purge", tenant=tenant,
+        await self.audit.record(
+            actor=caller.tenant, action="purge", tenant=tenant,
             old={"blocks": before.blocks, "bytes": before.stored_bytes},
             new={"blocks": after.blocks, "bytes": after.stored_bytes, "purged_blocks": purged, **what})
         return pb.PurgeResponse(purged_blocks=purged)
@@ -239,8 +248,9 @@ class AdminServicer(pb_grpc.AdminServicer):
 
         caller = require(ADMIN)
         tenant, path = _tenant(request.tenant), _path(request.path)
+        await self.audit.check_writable()
         done = await tenant_export.export_tenant(self.tier, tenant, path, layouts=self.layouts)
-        await asyncio.to_thread(self.audit.append, actor=caller.tenant, action="export", tenant=tenant,
+        await self.audit.record(actor=caller.tenant, action="export", tenant=tenant,
                                 old=None, new={"path": str(path), "records": done.records, "bytes": done.file_bytes})
         return pb.ExportTenantResponse(records=done.records, bytes=done.file_bytes, data_bytes=done.data_bytes,
                                        skipped=done.skipped)
@@ -255,8 +265,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         caller = require(ADMIN)
         path = _path(request.path)
         tenant = check_tenant(request.tenant) if request.tenant else None  # None: the file's tenant
+        await self.audit.check_writable()
         done = await tenant_export.import_tenant(self.tier, tenant, path, layouts=self.layouts)
-        await asyncio.to_thread(self.audit.append, actor=caller.tenant, action="import", tenant=done.tenant,
+        await self.audit.record(actor=caller.tenant, action="import", tenant=done.tenant,
                                 old=None, new={"path": str(path), "records": done.records, "written": done.written})
         return pb.ImportTenantResponse(records=done.records, written=done.written, skipped=done.skipped,
                                        tenant=done.tenant)

@@ -18,12 +18,14 @@ starts and appends after it, and reading holds at most one line and the last
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import logging
 import os
 import stat
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -66,7 +68,47 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-class AuditLog:
+def log_entry(entry: AuditEntry) -> None:
+    """Send a written entry to the `kvstore.audit` logger as one structured line (for log collectors)."""
+    record = asdict(entry)
+    log.info(json.dumps({"event": "admin_change", **record}, sort_keys=True), extra={"audit": record})
+
+
+def entry_json(entry: AuditEntry) -> bytes:
+    """One entry as stored: a JSON object on one line, without its newline."""
+    return json.dumps(asdict(entry), sort_keys=True).encode()
+
+
+class AuditTrail(ABC):
+    """Where admin changes are recorded and read back, as the servicer sees it: `AuditLog` (the data dir's
+    file, a single node) or `gateway.shared_tables.EtcdAudit` (etcd, a fleet: docs/FLEET.md)."""
+
+    @abstractmethod
+    async def record(self, *, actor: str, action: str, tenant: str, old: Any, new: Any) -> AuditEntry:
+        """Record one change durably before returning it.
+
+        Raises:
+            Unavailable: it cannot be written now (etcd away).
+        """
+
+    @abstractmethod
+    async def read(self, *, tenant: str = "", limit: int = 0) -> list[AuditEntry]:
+        """The entries, oldest first: only `tenant`'s when given, only the last `limit` when not 0."""
+
+    @abstractmethod
+    async def check_writable(self) -> None:
+        """Raise unless a change could be recorded now (before a change that cannot be undone, as a purge).
+
+        Raises:
+            Unavailable: the trail cannot be written now.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the trail holds."""
+
+
+class AuditLog(AuditTrail):
     """Appends admin changes to `<folder>/audit.jsonl` and reads them back.
 
     Args:
@@ -121,15 +163,25 @@ class AuditLog:
         Blocking (an fsync): servicers call it off the event loop.
         """
         entry = AuditEntry(time_s=self.clock.now(), actor=actor, action=action, tenant=tenant, old=old, new=new)
-        record = asdict(entry)
-        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        line = entry_json(entry) + b"\n"
         with self._lock:
             written = os.write(self._fd, line)
             if written != len(line):  # O_APPEND writes of a few hundred bytes are whole; say so if not
                 raise OSError(f"short write to {self.path}: {written} of {len(line)} bytes")
             os.fsync(self._fd)
-        log.info(json.dumps({"event": "admin_change", **record}, sort_keys=True), extra={"audit": record})
+        log_entry(entry)
         return entry
+
+    async def record(self, *, actor: str, action: str, tenant: str, old: Any, new: Any) -> AuditEntry:
+        """`append`, off the event loop (it fsyncs)."""
+        return await asyncio.to_thread(self.append, actor=actor, action=action, tenant=tenant, old=old, new=new)
+
+    async def read(self, *, tenant: str = "", limit: int = 0) -> list[AuditEntry]:
+        """`entries`, off the event loop (it reads the file)."""
+        return await asyncio.to_thread(self.entries, tenant=tenant, limit=limit)
+
+    async def check_writable(self) -> None:
+        """Nothing to check: a write that fails fails the call (P4)."""
 
     def entries(self, *, tenant: str = "", limit: int = 0) -> list[AuditEntry]:
         """The entries, oldest first: only `tenant`'s when given, only the last `limit` when not 0.
@@ -140,7 +192,7 @@ class AuditLog:
         out: collections.deque[AuditEntry] = collections.deque(maxlen=limit or None)
         with self._lock, self.path.open("rb") as f:
             for number, raw in enumerate(_lines(f), start=1):
-                entry = _entry(raw)
+                entry = parse_entry(raw)
                 if entry is None:
                     log.warning("%s line %d is not an audit entry (a write torn by a crash?): skipped",
                                 self.path, number)
@@ -170,8 +222,8 @@ def _lines(f: BinaryIO) -> Iterator[bytes | None]:
         yield None
 
 
-def _entry(raw: bytes | None) -> AuditEntry | None:
-    """The entry on one line, or None when the line is not one (any content)."""
+def parse_entry(raw: bytes | None) -> AuditEntry | None:
+    """The entry on one line (or in one etcd value), or None when it is not one (any content)."""
     if raw is None:
         return None
     try:

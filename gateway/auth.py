@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from gateway.tenants import TenantRegistry
+from gateway.tenants import TokenTable
 from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE
 from kvstore.errors import ConfigError, PermissionDenied
 
@@ -170,7 +170,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         rights: method full name -> right needed (default `METHOD_RIGHTS`; unlisted: admin).
     """
 
-    def __init__(self, registry: TenantRegistry, open_caller: Caller,
+    def __init__(self, registry: TokenTable, open_caller: Caller,
                  rights: Mapping[str, str] = METHOD_RIGHTS) -> None:
         self.registry = registry
         self.open_caller = open_caller

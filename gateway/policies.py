@@ -23,12 +23,14 @@ nothing (that would break retention): new writes are refused until it fits.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import math
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,81 +126,109 @@ def _stored_fields(tenant: str, fields: object) -> dict[str, Any]:
     return out
 
 
-class Policies:
-    """Every tenant's policy, persisted in `folder` (the data dir's admin folder).
-
-    Args:
-        folder: where `policies.json` lives (created if missing).
-        defaults: the policy of tenants without one of their own (from the configuration).
-        max_swa_ttl_s: the pool's TTL (swa.ttl_s): no snapshot lives longer.
-        audit: where every change is appended.
+def parse_fields(tenant: str, fields: object) -> dict[str, Any]:
+    """A tenant's own policy fields as stored (the file's or etcd's), each in its range.
 
     Raises:
-        ConfigError: the policies file cannot be read.
+        ValueError: naming the tenant and the field.
+    """
+    return _stored_fields(_stored_tenant(tenant), fields)
+
+
+def check_floor(value: object) -> float:
+    """A stored `retention_floor_hours`, checked.
+
+    Raises:
+        ValueError: not hours in [0, MAX_RETENTION_HOURS].
+    """
+    number = _number(value)
+    if number is None or not 0 <= number <= MAX_RETENTION_HOURS:
+        raise ValueError(f"retention_floor_hours is {_short(value)}, not hours in [0, {MAX_RETENTION_HOURS:g}]")
+    return float(number)
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """The policies file's content, every value checked as `set` would (but the only-raised rule, which
+    compares a change with the policy before it); {} when there is no file.
+
+    At most MAX_FILE_BYTES are read. Anything else (issue 29: `[1,2,3]` or `null` killed the
+    start with an AttributeError) stops the start with one ConfigError: serving on the
+    defaults instead could shorten a tenant's retention.
+
+    Raises:
+        ConfigError: the file cannot be read or is damaged, naming it, why, and what to do.
+    """
+    try:
+        data = read_json(path, max_bytes=MAX_FILE_BYTES)
+        if data is None:
+            return {}
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"format version {_short(data.get('version'))}; this server reads {FORMAT_VERSION}")
+        check_floor(data.get("retention_floor_hours", 0.0))
+        tenants = data.get("tenants", {})
+        if not isinstance(tenants, dict):
+            raise ValueError(f"'tenants' is a {type(tenants).__name__}, not an object")
+        data["tenants"] = {_stored_tenant(name): _stored_fields(name, fields) for name, fields in tenants.items()}
+    except OSError as exc:
+        raise ConfigError(f"cannot read the tenant policies {path}: {exc.strerror or exc}",
+                          hint="check its permissions (the server's user must read it)") from None
+    except ValueError as exc:  # DamagedFile included
+        raise ConfigError(f"tenant policies {path} are damaged: {exc}",
+                          hint="restore the file from a backup (it is rewritten whole on every change); moving "
+                               "it away puts every tenant on the defaults, a shorter retention for some") from None
+    return data
+
+
+def changed_fields(before: Policy, after: Policy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(old, new) values of the fields a change changed: what the audit log records."""
+    old = {k: getattr(before, k) for k in FIELDS if getattr(before, k) != getattr(after, k)}
+    return old, {k: getattr(after, k) for k in old}
+
+
+class PolicyTable(ABC):
+    """Every tenant's policy: the rules, and the reads the servers make, over a store of the tenants' own fields.
+
+    Two stores implement it: `Policies`, the data dir's file (a single node), and
+    `gateway.shared_tables.EtcdPolicies`, etcd (a fleet, docs/FLEET.md). Reads come from
+    memory, on any thread; `change` is a coroutine of the server's loop.
+
+    Args:
+        defaults: the policy of tenants without one of their own.
+        max_swa_ttl_s: the pool's TTL (swa.ttl_s): no snapshot lives longer.
     """
 
-    def __init__(self, folder: Path, *, defaults: Policy, max_swa_ttl_s: float, audit: AuditLog) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / POLICIES_NAME
+    def __init__(self, *, defaults: Policy, max_swa_ttl_s: float) -> None:
         self.max_swa_ttl_s = max_swa_ttl_s
-        self.audit = audit
-        self._lock = threading.Lock()
-        saved = self._load()
-        floor = max(defaults.retention_hours, float(saved.get("retention_floor_hours", 0.0)))
-        if floor > defaults.retention_hours:
-            log.warning("store.retention_hours is %g but this store was served with %g: tenants on the defaults "
-                        "keep %g h (retention is only raised)", defaults.retention_hours, floor, floor)
-        self.defaults = dataclasses.replace(defaults, retention_hours=floor)
+        self.defaults = defaults
         #: Each tenant's own fields (those an admin set); the others follow the defaults.
-        self._set: dict[str, dict[str, Any]] = {name: dict(fields) for name, fields in saved.get("tenants", {}).items()}
-        self._own = {name: self._apply(fields) for name, fields in self._set.items()}
-        if floor != saved.get("retention_floor_hours"):
-            self._save()
+        self._set: dict[str, dict[str, Any]] = {}
+        self._own: dict[str, Policy] = {}
 
-    def _load(self) -> dict[str, Any]:
-        """The file's content, every value checked as `set` would (but the only-raised rule, which
-        compares a change with the policy before it); {} when there is no file.
+    @abstractmethod
+    async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
+        """Change some fields of `tenant`'s policy, persist it and audit it; (before, after).
 
-        At most MAX_FILE_BYTES are read. Anything else (issue 29: `[1,2,3]` or `null` killed the
-        start with an AttributeError) stops the start with one ConfigError: serving on the
-        defaults instead could shorten a tenant's retention.
+        A change that changes nothing is neither written nor audited.
 
         Raises:
-            ConfigError: the file cannot be read or is damaged, naming it, why, and what to do.
+            InvalidArgument: an unknown field, or a value out of its range (named).
+            FailedPrecondition: a retention lower than the tenant's current one.
+            Unavailable: the store cannot be written now (etcd away); nothing changed.
         """
-        try:
-            data = read_json(self.path, max_bytes=MAX_FILE_BYTES)
-            if data is None:
-                return {}
-            if data.get("version") != FORMAT_VERSION:
-                raise ValueError(f"format version {_short(data.get('version'))}; this server reads {FORMAT_VERSION}")
-            floor = data.get("retention_floor_hours", 0.0)
-            if _number(floor) is None or not 0 <= floor <= MAX_RETENTION_HOURS:
-                raise ValueError(f"retention_floor_hours is {_short(floor)}, not hours in [0, {MAX_RETENTION_HOURS:g}]")
-            tenants = data.get("tenants", {})
-            if not isinstance(tenants, dict):
-                raise ValueError(f"'tenants' is a {type(tenants).__name__}, not an object")
-            data["tenants"] = {_stored_tenant(name): _stored_fields(name, fields) for name, fields in tenants.items()}
-        except OSError as exc:
-            raise ConfigError(f"cannot read the tenant policies {self.path}: {exc.strerror or exc}",
-                              hint="check its permissions (the server's user must read it)") from None
-        except ValueError as exc:  # DamagedFile included
-            raise ConfigError(f"tenant policies {self.path} are damaged: {exc}",
-                              hint="restore the file from a backup (it is rewritten whole on every change); moving "
-                                   "it away puts every tenant on the defaults, a shorter retention for some") from None
-        return data
 
-    def _save(self) -> None:
-        """Write the file atomically: a temporary file fsync'd, renamed over it, the folder fsync'd."""
-        data = {"version": FORMAT_VERSION, "retention_floor_hours": self.defaults.retention_hours,
-                "tenants": {name: fields for name, fields in sorted(self._set.items())}}
-        tmp = self.path.with_suffix(".json.tmp")
-        with tmp.open("w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fsync_dir(self.path.parent)
+    async def close(self) -> None:  # noqa: B027 (a hook: the file holds nothing open; etcd's table a watch)
+        """Release what the table holds (the file's: nothing)."""
+
+    def _plan(self, tenant: str, changes: Mapping[str, float],
+              fields: Mapping[str, Any] | None) -> tuple[Policy, Policy, dict[str, Any]]:
+        """(before, after, the tenant's own fields after) of `changes` to a tenant whose own fields are
+        `fields` (None: it is on the defaults), every value checked by the rules (P1, P7)."""
+        unknown = set(changes) - set(FIELDS)
+        if unknown:
+            raise InvalidArgument(f"unknown policy field(s) {sorted(unknown)}; the fields are {list(FIELDS)}")
+        before = self.defaults if fields is None else self._apply(fields)
+        checked: dict[str, Any] = {k: self._checked(tenant, k, v, before) for k, v in changes.items()}
+        return before, dataclasses.replace(before, **checked), {**(fields or {}), **checked}
 
     # -- reads (any thread; the tier's eviction calls retention_s) ------------
 
@@ -218,57 +248,9 @@ class Policies:
         """Seconds `tenant`'s blocks are kept after their last use: the tier's retention provider."""
         return self.policy(tenant).retention_s
 
-    # -- changes --------------------------------------------------------------
-
-    def set(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
-        """Change some fields of `tenant`'s policy, persist it and audit it; (before, after).
-
-        Blocking (fsyncs): servicers call it off the event loop. A change that
-        changes nothing is neither written nor audited.
-
-        Raises:
-            InvalidArgument: an unknown field, or a value out of its range (named).
-            FailedPrecondition: a retention lower than the tenant's current one.
-        """
-        tenant = check_tenant(tenant)
-        unknown = set(changes) - set(FIELDS)
-        if unknown:
-            raise InvalidArgument(f"unknown policy field(s) {sorted(unknown)}; the fields are {list(FIELDS)}")
-        with self._lock:
-            before = self.policy(tenant)
-            checked: dict[str, Any] = {k: self._checked(tenant, k, v, before) for k, v in changes.items()}
-            after = dataclasses.replace(before, **checked)
-            if after == before:
-                return before, after
-            earlier = self._set.get(tenant)
-            self._set[tenant] = {**(earlier or {}), **checked}
-            self._own[tenant] = after
-            try:
-                self._save()
-                old = {k: getattr(before, k) for k in FIELDS if getattr(before, k) != getattr(after, k)}
-                self.audit.append(actor=actor, action="set_policy", tenant=tenant, old=old,
-                                  new={k: getattr(after, k) for k in old})
-            except BaseException:
-                self._restore(tenant, earlier)
-                raise
-        return before, after
-
     def _apply(self, fields: Mapping[str, Any]) -> Policy:
         """The defaults with a tenant's own fields."""
         return dataclasses.replace(self.defaults, **{k: v for k, v in fields.items() if k in FIELDS})
-
-    def _restore(self, tenant: str, earlier: dict[str, Any] | None) -> None:
-        """Undo a change that could not be written or audited (best effort on the file)."""
-        if earlier is None:
-            self._set.pop(tenant, None)
-            self._own.pop(tenant, None)
-        else:
-            self._set[tenant] = earlier
-            self._own[tenant] = self._apply(earlier)
-        try:
-            self._save()
-        except OSError:
-            log.exception("could not restore %s after a failed change", self.path)
 
     def _checked(self, tenant: str, name: str, value: float, before: Policy) -> float:
         """`value` for field `name`, refused with the rule it breaks."""
@@ -302,3 +284,91 @@ class Policies:
             raise InvalidArgument(f"{name} = {value!r} for tenant {tenant!r}: a whole number of bytes up to "
                                   f"{MAX_BYTES} is required; 0 means unlimited")
         return int(value)
+
+
+class Policies(PolicyTable):
+    """Every tenant's policy, persisted in `folder` (the data dir's admin folder).
+
+    Args:
+        folder: where `policies.json` lives (created if missing).
+        defaults: the policy of tenants without one of their own (from the configuration).
+        max_swa_ttl_s: the pool's TTL (swa.ttl_s): no snapshot lives longer.
+        audit: where every change is appended.
+
+    Raises:
+        ConfigError: the policies file cannot be read.
+    """
+
+    def __init__(self, folder: Path, *, defaults: Policy, max_swa_ttl_s: float, audit: AuditLog) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / POLICIES_NAME
+        self.audit = audit
+        self._lock = threading.Lock()
+        saved = read_file(self.path)
+        floor = max(defaults.retention_hours, float(saved.get("retention_floor_hours", 0.0)))
+        if floor > defaults.retention_hours:
+            log.warning("store.retention_hours is %g but this store was served with %g: tenants on the defaults "
+                        "keep %g h (retention is only raised)", defaults.retention_hours, floor, floor)
+        super().__init__(defaults=dataclasses.replace(defaults, retention_hours=floor), max_swa_ttl_s=max_swa_ttl_s)
+        self._set = {name: dict(fields) for name, fields in saved.get("tenants", {}).items()}
+        self._own = {name: self._apply(fields) for name, fields in self._set.items()}
+        if floor != saved.get("retention_floor_hours"):
+            self._save()
+
+    def _save(self) -> None:
+        """Write the file atomically: a temporary file fsync'd, renamed over it, the folder fsync'd."""
+        data = {"version": FORMAT_VERSION, "retention_floor_hours": self.defaults.retention_hours,
+                "tenants": {name: fields for name, fields in sorted(self._set.items())}}
+        tmp = self.path.with_suffix(".json.tmp")
+        with tmp.open("w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    # -- changes --------------------------------------------------------------
+
+    def set(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
+        """Change some fields of `tenant`'s policy, persist it and audit it; (before, after).
+
+        Blocking (fsyncs): servicers call `change`, which runs it off the event loop. A change that
+        changes nothing is neither written nor audited.
+
+        Raises:
+            InvalidArgument: an unknown field, or a value out of its range (named).
+            FailedPrecondition: a retention lower than the tenant's current one.
+        """
+        tenant = check_tenant(tenant)
+        with self._lock:
+            earlier = self._set.get(tenant)
+            before, after, fields = self._plan(tenant, changes, earlier)
+            if after == before:
+                return before, after
+            self._set[tenant] = fields
+            self._own[tenant] = after
+            try:
+                self._save()
+                old, new = changed_fields(before, after)
+                self.audit.append(actor=actor, action="set_policy", tenant=tenant, old=old, new=new)
+            except BaseException:
+                self._restore(tenant, earlier)
+                raise
+        return before, after
+
+    async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
+        """`set`, off the event loop (it fsyncs the file and the audit log)."""
+        return await asyncio.to_thread(self.set, tenant, changes, actor=actor)
+
+    def _restore(self, tenant: str, earlier: dict[str, Any] | None) -> None:
+        """Undo a change that could not be written or audited (best effort on the file)."""
+        if earlier is None:
+            self._set.pop(tenant, None)
+            self._own.pop(tenant, None)
+        else:
+            self._set[tenant] = earlier
+            self._own[tenant] = self._apply(earlier)
+        try:
+            self._save()
+        except OSError:
+            log.exception("could not restore %s after a failed change", self.path)

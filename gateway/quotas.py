@@ -36,7 +36,7 @@ import grpc
 
 from gateway.auth import current_caller
 from gateway.call_outcome import note_error
-from gateway.policies import Policies
+from gateway.policies import PolicyTable
 from gateway.validate import namespace as checked_namespace
 from kvstore import geometry
 from kvstore.clock import Clock, SystemClock
@@ -63,7 +63,7 @@ class RequestRate:
         clock: its monotonic face measures refills.
     """
 
-    def __init__(self, policies: Policies, clock: Clock) -> None:
+    def __init__(self, policies: PolicyTable, clock: Clock) -> None:
         self.policies = policies
         self.clock = clock
         #: tenant -> (tokens, monotonic time of the last refill)
@@ -184,7 +184,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         clock: time for buckets and TTLs.
     """
 
-    def __init__(self, policies: Policies, *, swa_ttl_s: float, clock: Clock | None = None) -> None:
+    def __init__(self, policies: PolicyTable, *, swa_ttl_s: float, clock: Clock | None = None) -> None:
         clock = clock or SystemClock()
         self.policies = policies
         self.swa_ttl_s = swa_ttl_s

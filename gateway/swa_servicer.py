@@ -10,7 +10,7 @@ import grpc
 from gateway import validate
 from gateway.auth import current_caller
 from gateway.hit_stats import HitStats
-from gateway.policies import Policies
+from gateway.policies import PolicyTable
 from gateway.quotas import RequestRate
 from gateway.status import unary
 from gateway.swa_reports import REPORT_ID_BYTES, SeenReports
@@ -82,7 +82,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
     """
 
     def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int,
-                 hits: HitStats | None = None, policies: Policies | None = None) -> None:
+                 hits: HitStats | None = None, policies: PolicyTable | None = None) -> None:
         self.cache = cache
         self.layouts = layouts
         self.max_batch = max_batch_snapshots

@@ -26,8 +26,10 @@ import contextlib
 import hmac
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from kvstore.api_tokens import TokenRecord, read_records, token_hash
 from kvstore.clock import Clock, SystemClock
@@ -61,13 +63,53 @@ class LoadStatus:
     checks: int
 
 
-def _table(records: list[TokenRecord]) -> dict[bytes, Identity]:
+class TokenTable(Protocol):
+    """What auth asks of a tenants table: `TenantRegistry` (the data dir's file) or, in a fleet,
+    `gateway.shared_tables.EtcdTenants` (etcd, docs/FLEET.md)."""
+
+    #: Whether calls must carry a token (once on, on for as long as the server runs).
+    enabled: bool
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """Tenants with at least one active token."""
+
+    def find(self, token: str) -> Identity | None:
+        """The identity of `token`, or None when it is unknown or revoked."""
+
+    def describe(self) -> str:
+        """Where the table lives, for the server's start line."""
+
+    def start(self, every_s: float) -> None:
+        """Keep the table current in the background, on the running loop."""
+
+    async def stop(self) -> None:
+        """Stop keeping it current."""
+
+
+def identities(records: list[TokenRecord]) -> dict[bytes, Identity]:
+    """The active tokens of `records`, keyed by their SHA-256 digest."""
     table = {}
     for r in records:
         if r.active:
             digest = bytes.fromhex(r.sha256)
             table[digest] = Identity(tenant=r.tenant, rights=frozenset(r.rights), token_id=r.token_id, digest=digest)
     return table
+
+
+def lookup(tokens: Mapping[bytes, Identity], token: str) -> Identity | None:
+    """The identity of `token` in `tokens`, or None when it is unknown or revoked.
+
+    The dict is keyed by the token's SHA-256, so a lookup's timing depends on
+    that digest, not on the token: learning digest bits from it tells nothing
+    usable about any token (SHA-256 is preimage resistant). The final
+    comparison is constant-time all the same.
+    """
+    digest = token_hash(token)
+    identity = tokens.get(digest)
+    if identity is None or not hmac.compare_digest(identity.digest, digest):
+        return None
+    return identity
 
 
 def _signature(path: Path) -> tuple[int, int, int] | None:
@@ -97,7 +139,7 @@ class TenantRegistry:
         records = read_records(path)
         #: Whether calls must carry a token (see the module doc: never turns off while running).
         self.enabled = required or records is not None
-        self._tokens: dict[bytes, Identity] = _table(records or [])
+        self._tokens: dict[bytes, Identity] = identities(records or [])
         self._task: asyncio.Task[None] | None = None
         self._last_load_s = self._clock.now()
         self._failures = 0
@@ -113,18 +155,12 @@ class TenantRegistry:
         return frozenset(i.tenant for i in self._tokens.values())
 
     def find(self, token: str) -> Identity | None:
-        """The identity of `token`, or None when it is unknown or revoked.
+        """The identity of `token`, or None when it is unknown or revoked (`lookup`)."""
+        return lookup(self._tokens, token)
 
-        The dict is keyed by the token's SHA-256, so a lookup's timing depends on
-        that digest, not on the token: learning digest bits from it tells nothing
-        usable about any token (SHA-256 is preimage resistant). The final
-        comparison is constant-time all the same.
-        """
-        digest = token_hash(token)
-        identity = self._tokens.get(digest)
-        if identity is None or not hmac.compare_digest(identity.digest, digest):
-            return None
-        return identity
+    def describe(self) -> str:
+        """The tenants file's path."""
+        return str(self.path)
 
     def status(self) -> LoadStatus:
         """When the table was last loaded, and how many loads failed (any thread)."""
@@ -156,7 +192,7 @@ class TenantRegistry:
         if not self.enabled:
             log.warning("tenants file %s appeared: auth is on, every call needs a token from now on", self.path)
         self.enabled = True
-        self._tokens = _table(records)
+        self._tokens = identities(records)
         log.info("tenants file %s loaded: %d active tokens", self.path, len(self._tokens))
         return True
 

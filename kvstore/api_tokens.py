@@ -96,7 +96,8 @@ class TokenRecord:
         return self.revoked_at is None
 
 
-def _now() -> str:
+def now_stamp() -> str:
+    """The time a record is created or revoked at, as stored: ISO 8601, UTC, to the second."""
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
@@ -104,6 +105,14 @@ def new_token() -> tuple[str, str]:
     """(token_id, token): a fresh token and the id it is listed under."""
     token_id = secrets.token_hex(4)
     return token_id, f"{TOKEN_PREFIX}{token_id}_{secrets.token_urlsafe(_SECRET_BYTES)}"
+
+
+def issue(tenant: str, rights: frozenset[str]) -> tuple[TokenRecord, str]:
+    """A new token for `tenant` (rights already checked) and the record that stores its hash; nothing is written."""
+    token_id, token = new_token()
+    record = TokenRecord(token_id=token_id, tenant=tenant, rights=tuple(r for r in RIGHTS if r in rights),
+                         sha256=token_hash(token).hex(), created_at=now_stamp())
+    return record, token
 
 
 def read_records(path: Path) -> list[TokenRecord] | None:
@@ -147,8 +156,26 @@ def _damaged(path: Path, why: str) -> ConfigError:
                        hint="restore it from a backup, or move it away and create the tenants again")
 
 
-def _record(index: int, raw: object) -> TokenRecord:
-    """Record `index` of the file, every field checked.
+def record_from_json(data: bytes, where: str) -> TokenRecord:
+    """One token record stored alone (the fleet keeps one per etcd key), every field checked as in the file.
+
+    Raises:
+        ValueError: naming `where` and what is wrong (not UTF-8 JSON, an object of the wrong shape).
+    """
+    try:
+        raw = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ValueError(f"token record {where} is not JSON ({type(exc).__name__})") from None
+    return _record(where, raw)
+
+
+def record_to_json(record: TokenRecord) -> bytes:
+    """One token record as `record_from_json` reads it."""
+    return json.dumps(asdict(record), sort_keys=True).encode()
+
+
+def _record(index: int | str, raw: object) -> TokenRecord:
+    """Record `index` of the file (or the key it is stored under), every field checked.
 
     Raises:
         ValueError: naming the record and the field.
@@ -221,11 +248,9 @@ def create(path: Path, tenant: str, rights: frozenset[str]) -> tuple[TokenRecord
     rights = check_rights(rights)
     with _locked(path) as records:
         taken = {r.token_id for r in records}
-        token_id, token = new_token()
-        while token_id in taken:
-            token_id, token = new_token()
-        record = TokenRecord(token_id=token_id, tenant=tenant, rights=tuple(r for r in RIGHTS if r in rights),
-                             sha256=token_hash(token).hex(), created_at=_now())
+        record, token = issue(tenant, rights)
+        while record.token_id in taken:
+            record, token = issue(tenant, rights)
         records.append(record)
     return record, token
 
@@ -242,7 +267,7 @@ def revoke(path: Path, tenant: str, token_id: str | None = None) -> list[TokenRe
         if not hits:
             what = f"token {token_id} of tenant {tenant!r}" if token_id else f"tenant {tenant!r}"
             raise NotFound(f"no active {what} in {path}", hint="`kvstore tenant list` shows them")
-        stamp = _now()
+        stamp = now_stamp()
         for i in hits:
             records[i] = replace(records[i], revoked_at=stamp)
         return [records[i] for i in hits]

@@ -2,7 +2,12 @@
 
 Works on the tenants file directly (by default `<data dir>/tenants.json`, or
 auth.tenants_file), with or without a server running: a running server picks
-a change up within auth.reload_s seconds, without a restart. The first
+a change up within auth.reload_s seconds, without a restart. With a
+configuration whose `[fleet] etcd` is set (--config, KVSTORE_CONFIG or
+KVSTORE_FLEET_ETCD), it works on the fleet's table in etcd instead, which every
+node follows: a token created or revoked holds on every node within a second
+(docs/FLEET.md, "Shared tables"); while etcd is away it fails with one line
+naming etcd's endpoints, and nothing changes. The first
 `create` turns auth on (docs/SECURITY.md); that is also how the first admin
 token is made: `kvstore tenant create ops --admin --data-dir DIR`.
 
@@ -14,11 +19,13 @@ KVSTORE_TOKEN or kvstore.Client(token=...).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
 
-from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE, create, read_records, revoke
+from kvstore.api_tokens import ADMIN, READ, RIGHTS, WRITE, TokenRecord, create, read_records, revoke
+from kvstore.config_sections import FleetSettings
 from kvstore.counted import counted
 from kvstore.errors import InvalidArgument
 
@@ -59,46 +66,86 @@ def parse_rights(text: str, *, admin: bool) -> frozenset[str]:
     return frozenset(rights)
 
 
-def _path(args: argparse.Namespace) -> Path:
+def _where(args: argparse.Namespace) -> Path | FleetSettings:
+    """The tenants file, or the fleet whose table in etcd holds the tenants ([fleet] etcd set)."""
     if args.tenants_file is not None:
         return Path(args.tenants_file)
     from kvstore.config import load_settings
 
     settings = load_settings(args.config, overrides={"store": {"data_dir": args.data_dir}})
+    if settings.fleet.enabled:
+        return settings.fleet
     return settings.auth.tenants_path(settings.store.data_dir)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `kvstore tenant ACTION`."""
-    path = _path(args)
+    where = _where(args)
+    if isinstance(where, FleetSettings):
+        return asyncio.run(_run_fleet(args, where))
+    return _run_file(args, where)
+
+
+async def _run_fleet(args: argparse.Namespace, fleet: FleetSettings) -> int:
+    """`kvstore tenant ACTION` on the fleet's table in etcd (kvstore.fleet.tables)."""
+    from kvstore.fleet.membership import session_for
+    from kvstore.fleet.tables import create_token, read_tokens, revoke_tokens
+
+    session = session_for(fleet)
+    place = f"etcd {fleet.etcd} (fleet {fleet.cluster!r})"
+    try:
+        if args.action == "create":
+            record, token = await create_token(session, fleet.cluster, args.tenant,
+                                               parse_rights(args.rights, admin=args.admin))
+            return _created(args, record, token, place, "every node of the fleet takes it within a second")
+        if args.action == "revoke":
+            return _revoked(args, await revoke_tokens(session, fleet.cluster, args.tenant, args.token_id))
+        found, keys = await read_tokens(session, fleet.cluster)
+    finally:
+        await session.close()
+    return _listed(args, [r for r, _ in found] if keys else None, place, f"no tenants in {place}")
+
+
+def _created(args: argparse.Namespace, record: TokenRecord, token: str, place: str, when: str) -> int:
+    if args.json:
+        print(json.dumps({"tenant": record.tenant, "token_id": record.token_id, "rights": list(record.rights),
+                          "token": token, "tenants_file": place}))
+    else:
+        print(f"tenant {record.tenant}: token {record.token_id} ({', '.join(record.rights)}) added to {place}; "
+              f"shown once below, stored only as a hash ({when})", file=sys.stderr)
+        print(token)
+    return 0
+
+
+def _revoked(args: argparse.Namespace, gone: list[TokenRecord]) -> int:
+    if args.json:
+        print(json.dumps({"revoked": [r.token_id for r in gone], "tenant": args.tenant}))
+    else:
+        print(f"revoked {counted(len(gone), 'token')} of tenant {args.tenant}: "
+              f"{', '.join(r.token_id for r in gone)}")
+    return 0
+
+
+def _run_file(args: argparse.Namespace, path: Path) -> int:
+    """`kvstore tenant ACTION` on the tenants file."""
     if args.action == "create":
         record, token = create(path, args.tenant, parse_rights(args.rights, admin=args.admin))
-        if args.json:
-            print(json.dumps({"tenant": record.tenant, "token_id": record.token_id, "rights": list(record.rights),
-                              "token": token, "tenants_file": str(path)}))
-        else:
-            print(f"tenant {record.tenant}: token {record.token_id} ({', '.join(record.rights)}) added to {path}; "
-                  "shown once below, stored only as a hash (a running server takes it within auth.reload_s)",
-                  file=sys.stderr)
-            print(token)
-        return 0
+        return _created(args, record, token, str(path), "a running server takes it within auth.reload_s")
     if args.action == "revoke":
-        gone = revoke(path, args.tenant, args.token_id)
-        if args.json:
-            print(json.dumps({"revoked": [r.token_id for r in gone], "tenant": args.tenant}))
-        else:
-            print(f"revoked {counted(len(gone), 'token')} of tenant {args.tenant}: "
-                  f"{', '.join(r.token_id for r in gone)}")
-        return 0
-    found = read_records(path)
+        return _revoked(args, revoke(path, args.tenant, args.token_id))
+    return _listed(args, read_records(path), str(path), f"no tenants file at {path}")
+
+
+def _listed(args: argparse.Namespace, found: list[TokenRecord] | None, place: str, none: str) -> int:
+    """Print the records (None: no table at all, so auth is off)."""
     records = found or []
     if args.json:
-        print(json.dumps({"tenants_file": str(path), "auth": found is not None, "tokens": [
+        print(json.dumps({"tenants_file": place, "auth": found is not None, "tokens": [
             {"tenant": r.tenant, "token_id": r.token_id, "rights": list(r.rights), "created_at": r.created_at,
              "revoked_at": r.revoked_at} for r in records]}))
         return 0
     if found is None:
-        print(f"no tenants file at {path}: auth is off (loopback serves one tenant without a token)")
+        print(f"{none}: auth is off (loopback serves one tenant without a token)")
         return 0
     rows = [("TENANT", "TOKEN", "RIGHTS", "CREATED", "REVOKED")] + [
         (r.tenant, r.token_id, ",".join(r.rights), r.created_at, r.revoked_at or "-") for r in records]

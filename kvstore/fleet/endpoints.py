@@ -79,3 +79,38 @@ def node_key(cluster: str, node_id: str) -> bytes:
 def layout_key(cluster: str) -> bytes:
     """The key of the cluster's placement layout (run and block sizes every member must share)."""
     return f"{KEY_ROOT}/{cluster}/layout".encode()
+
+
+def tenants_prefix(cluster: str) -> bytes:
+    """The prefix of the tenants' token records (hashes only): `/kvstore/<cluster>/tenants/`."""
+    return f"{KEY_ROOT}/{cluster}/tenants/".encode()
+
+
+def token_key(cluster: str, token_id: str) -> bytes:
+    """The key of one token's record: `/kvstore/<cluster>/tenants/<token_id>`."""
+    return tenants_prefix(cluster) + token_id.encode()
+
+
+def policies_prefix(cluster: str) -> bytes:
+    """The prefix of the tenants' policies: `/kvstore/<cluster>/policies/`."""
+    return f"{KEY_ROOT}/{cluster}/policies/".encode()
+
+
+def policy_key(cluster: str, tenant: str) -> bytes:
+    """The key of one tenant's own policy fields: `/kvstore/<cluster>/policies/<tenant>`."""
+    return policies_prefix(cluster) + tenant.encode()
+
+
+#: The policies' record of the defaults (`retention_floor_hours`): a name no tenant can have (they start
+#: with a letter or digit), inside the prefix, so one watch follows it with the tenants' policies.
+POLICY_DEFAULTS = ".defaults"
+
+
+def audit_prefix(cluster: str) -> bytes:
+    """The prefix of the audit log's entries: `/kvstore/<cluster>/audit/`, in time order by key."""
+    return f"{KEY_ROOT}/{cluster}/audit/".encode()
+
+
+def imported_key(cluster: str, table: str) -> bytes:
+    """The marker a node writes when it imports its data dir's `table` file into etcd (once per cluster)."""
+    return f"{KEY_ROOT}/{cluster}/imported/{table}".encode()
