@@ -113,7 +113,8 @@ def _bench(args: argparse.Namespace) -> int:
 #: (so `kvstore serve` never loads the planner or torch): name -> (module, help).
 LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
-    "worker": ("replay.worker.command", "run the reference worker (replay and prefill; CPU by default, --device cuda) as a gRPC service"),
+    "worker": ("replay.worker.command",
+               "run the reference worker (replay and prefill; CPU by default, --device cuda) as a gRPC service"),
     "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
     "stats": ("kvstore.commands.stats", "show hit rates over time, storage use and retention headroom"),
     "policy": ("kvstore.commands.policy",
