@@ -28,6 +28,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway.admin_servicer import add_admin_service, open_admin
 from gateway.auth import (
     DEFAULT_TENANT,
+    METHOD_RIGHTS,
+    OPEN,
     OPEN_CALLER,
     AuthInterceptor,
     Caller,
@@ -35,6 +37,8 @@ from gateway.auth import (
     check_metrics_bind,
     is_loopback,
 )
+from gateway.fleet_servicer import METHODS as FLEET_METHODS
+from gateway.fleet_servicer import add_fleet_service
 from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
@@ -60,6 +64,7 @@ from tiers.swa_cache import SwaCache
 from tiers.swa_pool import open_pool
 
 if TYPE_CHECKING:
+    from gateway.fleet_repair import FleetRepairer
     from kvstore.fleet.membership import Registration
 
 log = logging.getLogger("kvstore.server")
@@ -84,6 +89,8 @@ class RunningServer:
     closers: list[Callable[[], Any]] = field(default_factory=list)
     #: Its registration in the fleet's etcd (None: [fleet] etcd unset, a single node).
     fleet: Registration | None = None
+    #: Its re-replication (None: a single node; docs/FLEET.md F18).
+    repair: FleetRepairer | None = None
     stopped: bool = False
 
     @property
@@ -100,6 +107,8 @@ class RunningServer:
         if self.stopped:
             return
         self.stopped = True
+        if self.repair is not None:  # no copies started while leaving
+            await self.repair.stop()
         if self.fleet is not None:  # leave the fleet first, so clients route elsewhere while calls drain
             await self.fleet.stop()
         await self.health.enter_graceful_shutdown()
@@ -132,12 +141,17 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     metrics.known_tenants = lambda: tenants.tenants  # per-tenant series for every tenant with a token
     metrics.registry.register(TenantsFileCollector(tenants.status))
     # Outermost first: metrics see every call, those auth refuses too (counted and logged).
-    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller),
+    # The Fleet service checks the fleet's token itself (gateway.fleet_servicer, docs/FLEET.md F20).
+    rights = {**METHOD_RIGHTS, **dict.fromkeys(FLEET_METHODS, OPEN)}
+    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller, rights),
                     UndecodableRequests()]
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = []
     try:
         server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics)
+        token = None
+        if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
+            token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled)
         address = f"{host}:{settings.server.port}"
         try:
             port = (server.add_secure_port(address, credentials) if credentials is not None
@@ -147,9 +161,15 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         await server.start()
+        repair = None
         try:
             fleet = await _join_fleet(settings, port)  # after the bind: the record names a port that answers
+            if fleet is not None:
+                from gateway.fleet_repair import start_repair  # a single node never loads aetcd
+                repair = await start_repair(settings, tier, fleet, token)
         except BaseException:
+            if "fleet" in locals() and fleet is not None:
+                await fleet.stop()
             await server.stop(0)
             raise
         tenants.start(settings.auth.reload_s)
@@ -162,7 +182,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         tier.close()
         raise
     return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
-                         metrics_endpoint=endpoint, closers=closers, fleet=fleet)
+                         metrics_endpoint=endpoint, closers=closers, fleet=fleet, repair=repair)
 
 
 async def _join_fleet(settings: Settings, port: int) -> Registration | None:

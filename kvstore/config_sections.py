@@ -335,11 +335,21 @@ class FleetSettings:
     #: The address clients and other nodes reach this node at; '' = server.host:port (this host's name when the
     #: server binds every address).
     advertise: str = ""
+    #: A file holding the fleet's token, which nodes present to each other's Fleet service (a right no tenant
+    #: token has); '' = none: nodes take Fleet calls only while tenant auth is off (docs/FLEET.md F20).
+    token_file: str = ""
+    #: Bytes a second a node copies to other nodes while re-replicating (token bucket): a tenth of an NVMe's
+    #: ~2 GB/s, so foreground Puts and Gets keep the rest of the disk (F18).
+    repair_bytes_per_s: int = 200_000_000
+    #: Seconds between re-replication passes while membership does not change (a change starts one at once).
+    repair_interval_s: float = 60.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "lease_ttl_s": Range(2, 3600, why="etcd grants no lease shorter than 2 s"),
         "run_blocks": Range(1, 1 << 20),
         "replication": Range(1, 5),
+        "repair_bytes_per_s": Range(1 << 16, 1 << 40),
+        "repair_interval_s": Range(0.1, 86_400),
     }
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import xxhash
 
 from kvstore.errors import DataLoss
 from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
-from tiers import namespaces
+from tiers import namespaces, run_index
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
@@ -49,6 +49,12 @@ class PutBatch:
     #: The namespace's NVMe quota (R19): past it the Put evicts the namespace's own
     #: blocks past retention, else is refused; None: no quota.
     quota_bytes: int | None = None
+    #: A fleet copy of a run whose first block's parent lives on another node (docs/FLEET.md F17):
+    #: the first block's depth, used when `parent_hash` is not stored here; None: the parent must be.
+    first_depth: int | None = None
+    #: A fleet copy's last use of each block on its source (the receiver keeps the later of its own
+    #: and this, F19); None: now.
+    last_use_s: Sequence[float] | None = None
 
 
 class DamagedBlock(Exception):
@@ -72,11 +78,14 @@ class BlockDbs:
     records: Any
     lru: Any
     state: Any
+    #: The fleet's run index (tiers/run_index.py): kept only while the store is a fleet node's.
+    runs: Any = None
 
     @classmethod
     def open(cls, env: lmdb.Environment) -> BlockDbs:
-        """Open (or create) the three databases."""
-        return cls(records=env.open_db(b"records"), lru=env.open_db(b"lru"), state=env.open_db(b"state"))
+        """Open (or create) the databases."""
+        return cls(records=env.open_db(b"records"), lru=env.open_db(b"lru"), state=env.open_db(b"state"),
+                   runs=env.open_db(run_index.RUNS_DB))
 
 
 def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | None:
@@ -118,6 +127,8 @@ class BlockTxn:
         self.dbs = dbs
         self.unreadable = unreadable
         self.usage: Usage = read_usage(txn, dbs.state)
+        #: Blocks per fleet run while the store keeps a run index (0: a single node's store, none kept).
+        self.run_blocks = run_index.run_blocks_of(txn, dbs.state)
         #: Changes to the totals per layout (geometry fingerprint, the key's first 8 bytes).
         self.layout_deltas: dict[bytes, Usage] = {}
         #: Changes to the totals per namespace id (the key's next 8 bytes), and names learned.
@@ -161,17 +172,21 @@ class BlockTxn:
         return read_meta(self.txn, self.dbs, key)
 
     def insert(self, key: bytes, parent_hash: bytes, depth: int, data: Buffer, now_s: float,
-               is_first: bool) -> None:
-        """Store a new block (its parent, unless `is_first`, is stored)."""
+               is_first: bool, *, last_use_s: float | None = None) -> None:
+        """Store a new block (its parent, unless `is_first`, is stored; a fleet copy's first block
+        may name a parent on another node). `last_use_s`: a fleet copy's last use on its source."""
         meta = BlockMeta(parent_hash=parent_hash, depth=depth, size_bytes=len(data),
-                         checksum=xxhash.xxh3_64_intdigest(data), created_s=now_s, last_access_s=now_s)
+                         checksum=xxhash.xxh3_64_intdigest(data), created_s=now_s,
+                         last_access_s=now_s if last_use_s is None else last_use_s)
         txn, records = self.txn, self.dbs.records
         with _damage_names(key):
             txn.put(data_key(key), data, db=records)
             txn.put(meta_key(key), meta.pack(), db=records)
-            txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
+            txn.put(lru_key(meta.last_access_s, meta.depth, key), b"", db=self.dbs.lru)
             if not is_first:
                 txn.put(child_key(parent_key_of(key, parent_hash), key[-32:]), b"", db=records)
+            if self.run_blocks:  # F16: a run's first block names its run in the index, in this same write
+                run_index.note_insert(txn, self.dbs.runs, key, depth, self.run_blocks)
         self._count(key, 1, len(data))
 
     def touch(self, key: bytes, now_s: float) -> None:
@@ -203,6 +218,8 @@ class BlockTxn:
             txn.delete(meta_key(key), db=records)
             txn.delete(lru_key(meta.last_access_s, meta.depth, key), db=self.dbs.lru)
             txn.delete(child_key(parent, key[-32:]), db=records)
+            if self.run_blocks:  # F16: the run goes from the index with its first block
+                run_index.note_delete(txn, self.dbs.runs, key, meta.depth, self.run_blocks)
         if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
         self._count(key, -1, -meta.size_bytes)

@@ -89,7 +89,7 @@ def _put_all(write: Callable[[], AbstractContextManager[BlockTxn]], damage: Dama
 
 def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
             room: RoomRules) -> tuple[PutResult, Evicted]:
-    parent_depth = _parent_depth(w, batch.scope, batch.parent_hash, batch.is_root)
+    parent_depth = _parent_depth(w, batch.scope, batch.parent_hash, batch.is_root, batch.first_depth)
     keys = [batch.scope.key(h) for h in batch.hashes]
     # R12: nothing this Put names, nor the parent it extends (and so, by R6, no
     # block above it), may go to make room for it.
@@ -109,20 +109,29 @@ def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
     evicted += make_room(w, need, capacity_bytes=room.capacity_bytes, rule=room.rule, now_s=now,
                          protected=protected, retention_of=can.retention_of, skipped=room.skipped)
     parent = batch.parent_hash
+    uses = batch.last_use_s
     for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
+        # F19: a fleet copy carries its source's last use; the later of the two copies' counts.
+        use = now if uses is None else min(uses[i], now)
         if fresh[i]:
-            w.insert(key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0)
+            w.insert(key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0, last_use_s=use)
         else:
-            w.touch(key, now)  # R5: putting a stored block again is a use of it
+            w.touch(key, use)  # R5: putting a stored block again is a use of it
         parent = batch.hashes[i]
     written = sum(fresh)
     return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need), evicted
 
 
-def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool) -> int:
+def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool,
+                  first_depth: int | None = None) -> int:
     if is_root:
         return 0
     meta = w.meta(scope.key(parent_hash))
+    if first_depth is not None:  # F17: a fleet copy of a run whose parent may live on another node
+        if meta is not None and meta.depth != first_depth - 1:
+            raise FailedPrecondition(f"parent block {parent_hash.hex()[:16]}... is stored at depth {meta.depth}, "
+                                     f"but the copy puts its child at depth {first_depth}")
+        return first_depth - 1
     if meta is None:
         raise FailedPrecondition(
             f"parent block {parent_hash.hex()[:16]}... is not stored; put the prefix first"

@@ -3,7 +3,9 @@
 `kvstore fleet status` lists every node of the cluster: its id (kept in its data
 dir), the address clients reach it at, the seconds left on its lease (renewed
 every third of the TTL; a node that stops renewing leaves when it reaches 0),
-its capacity and when it started. etcd's endpoints come from --etcd, else the
+its capacity and when it started, and its re-replication: the bytes it still
+has to copy to bring its runs back to their replication factor, and what it has
+copied; the last line sums them fleet-wide (docs/FLEET.md F18). etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
 the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints).
 
@@ -53,18 +55,47 @@ def run(args: argparse.Namespace) -> int:
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     """Every node of the cluster with its lease's seconds left."""
     from kvstore.fleet.membership import lease_ttl_s, read_nodes, session_for
+    from kvstore.fleet.repair_progress import RepairProgress, repair_prefix
 
     session = session_for(fleet, timeout_s=timeout_s)
     try:
         nodes, revision = await read_nodes(session, fleet.cluster)
         ttls = [await lease_ttl_s(session, n.lease_id) for n in nodes]
+        found = await session.call(lambda c: c.get_prefix(repair_prefix(fleet.cluster)))
     finally:
         await session.close()
-    return {"cluster": fleet.cluster, "etcd": [str(e) for e in session.endpoints], "revision": revision,
-            "nodes": [{"node_id": n.record.node_id, "address": n.record.address, "host": n.record.host,
-                       "lease_ttl_left_s": ttl, "started_at": n.record.started_at,
-                       "capacity_bytes": n.record.capacity_bytes, "version": n.record.version}
-                      for n, ttl in zip(nodes, ttls, strict=True)]}
+    repairs = {p.node_id: p for p in (RepairProgress.from_json(kv.value) for kv in found) if p is not None}
+    rows = [{"node_id": n.record.node_id, "address": n.record.address, "host": n.record.host,
+             "lease_ttl_left_s": ttl, "started_at": n.record.started_at, "capacity_bytes": n.record.capacity_bytes,
+             "version": n.record.version, "repair": _repair(repairs.get(n.record.node_id))}
+            for n, ttl in zip(nodes, ttls, strict=True)]
+    report: dict[str, Any] = {"cluster": fleet.cluster, "etcd": [str(e) for e in session.endpoints],
+                              "revision": revision, "nodes": rows}
+    report["replication"] = _replication(report["nodes"])
+    return report
+
+
+def _repair(progress: Any) -> dict[str, Any] | None:
+    """A node's re-replication record as the report shows it (None: it published none)."""
+    if progress is None:
+        return None
+    return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
+                                              "under_replicated_runs", "copied_bytes", "copied_blocks",
+                                              "damaged_blocks", "failed_runs", "updated_at")}
+
+
+def _replication(nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fleet-wide re-replication (docs/FLEET.md F18): under-replicated bytes and runs over the nodes, and
+    whether every node has finished a pass over today's membership (`settled`: the 0 can be trusted)."""
+    live = sorted(n["node_id"] for n in nodes)
+    repairs = [n["repair"] for n in nodes]
+    known = [r for r in repairs if r is not None]
+    return {"under_replicated_bytes": sum(r["under_replicated_bytes"] for r in known),
+            "under_replicated_runs": sum(r["under_replicated_runs"] for r in known),
+            "copied_bytes": sum(r["copied_bytes"] for r in known),
+            "failed_runs": sum(r["failed_runs"] for r in known),
+            "settled": bool(nodes) and all(r is not None and not r["running"] and r["planned_nodes"] == live
+                                           and r["passes"] > 0 for r in repairs)}
 
 
 def _lines(report: dict[str, Any]) -> list[str]:
@@ -73,11 +104,17 @@ def _lines(report: dict[str, Any]) -> list[str]:
              f"{'' if len(nodes) == 1 else 's'}"]
     if not nodes:
         return lines
-    rows = [("NODE", "ADDRESS", "LEASE LEFT", "STARTED", "CAPACITY", "VERSION")]
+    rows = [("NODE", "ADDRESS", "LEASE LEFT", "STARTED", "CAPACITY", "VERSION", "UNDER-REPLICATED", "COPIED")]
     for n in nodes:
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(n["started_at"]))
+        r = n.get("repair")
+        under = "-" if r is None else f"{r['under_replicated_bytes'] / 1e9:.3f} GB" + (" (pass)" * r["running"])
         rows.append((n["node_id"], n["address"], f"{n['lease_ttl_left_s']} s", started,
-                     f"{n['capacity_bytes'] / 1e12:.2f} TB", n["version"]))
+                     f"{n['capacity_bytes'] / 1e12:.2f} TB", n["version"], under,
+                     "-" if r is None else f"{r['copied_bytes'] / 1e9:.3f} GB"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    rep = report["replication"]
+    lines.append(f"under-replicated: {rep['under_replicated_bytes']} bytes in {rep['under_replicated_runs']} runs"
+                 f"{'' if rep['settled'] else ' (a pass over the current membership is under way)'}")
     return lines

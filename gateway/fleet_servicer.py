@@ -1,0 +1,235 @@
+"""The Fleet service: what one storage node asks of another to re-replicate runs (docs/FLEET.md F16-F21).
+
+Three calls, all behind the fleet's token (F20): `RunDigests` (what the node holds
+of each run, in a few bytes), `HeldBlocks` (which blocks it holds) and `CopyBlocks`
+(store blocks copied from another replica). A copy is checked as a Put is: the
+key's namespace id is its namespace's, the size is its geometry's, and the bytes
+match the checksum the source stored with them (F17: a damaged source copy is
+refused here, on the receiving end, too); it is stored in one durable transaction
+with the room rules of a Put, and keeps the later of the two copies' last uses (F19).
+
+The servicer translates messages; the work is `tiers.run_index` and `LmdbBlockTier.put_many`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import xxhash
+
+from gateway.status import unary
+from gateway.validate import Layout
+from kvstore import geometry
+from kvstore.config import Settings
+from kvstore.config_sections import FleetSettings
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope, namespace_id
+from kvstore.v1 import fleet_pb2 as pb
+from kvstore.v1 import fleet_pb2_grpc
+from tiers import run_index
+from tiers.block_txn import PutBatch
+from tiers.lmdb_tier import LmdbBlockTier
+
+log = logging.getLogger("kvstore.fleet")
+#: The metadata key a node's fleet token travels under.
+TOKEN_METADATA = "x-kvstore-fleet-token"
+#: Keys (or blocks) one call may name.
+MAX_KEYS = 65_536
+SERVICE = "/kvstore.v1.Fleet/"
+#: The Fleet service's methods: open at the auth interceptor (no tenant token is asked), because the
+#: servicer checks the fleet's token itself (F20).
+METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks"))
+
+
+class FleetServicer:
+    """The Fleet service of one node.
+
+    Args:
+        tier: the node's store.
+        layouts: the geometries served, by name (a copy's size is checked against its fingerprint's).
+        run_blocks: blocks per run (`[fleet] run_blocks`).
+        token: the fleet's token; None: no token is set, and calls are taken only while
+            `open_without_token()` holds.
+        open_without_token: whether calls need no token now (tenant auth is off on this node).
+        window_s: the retention floor: digests count blocks last used within it.
+    """
+
+    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], *, run_blocks: int, token: bytes | None,
+                 open_without_token: Callable[[], bool], window_s: float) -> None:
+        self.tier = tier
+        self.sizes = {layout.geometry.fingerprint: layout.block_bytes for layout in layouts.values()}
+        self.run_blocks = run_blocks
+        self.token = token
+        self.open_without_token = open_without_token
+        self.window_s = window_s
+
+    def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+        """F20: the caller is a node of this fleet (it shows the fleet's token)."""
+        given = dict(context.invocation_metadata() or ()).get(TOKEN_METADATA)
+        if self.token is None:
+            if self.open_without_token():
+                return
+            raise PermissionDenied("this node has no fleet token ([fleet] token_file) and tenant auth is on: "
+                                   "it takes no Fleet calls", hint="set the same [fleet] token_file on every node")
+        if given is None:
+            raise Unauthenticated(f"a Fleet call needs the fleet's token in metadata {TOKEN_METADATA!r}",
+                                  hint="Fleet calls are for the fleet's own nodes")
+        if not hmac.compare_digest(given.encode(), self.token):
+            raise Unauthenticated("the fleet token given is not this fleet's", hint="check [fleet] token_file")
+
+    @unary
+    async def RunDigests(self, request: pb.RunDigestsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.RunDigestsResponse:
+        """What this node holds of each run."""
+        self._check_token(context)
+        roots = _keys(request.run_roots, "run_roots")
+        since = self.tier.retention_clock.now() - self.window_s
+        found = await self.tier.call(lambda: run_index.digests(self.tier.env, roots, self.run_blocks, since_s=since))
+        return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest)
+                                           for d in found])
+
+    @unary
+    async def HeldBlocks(self, request: pb.HeldBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> pb.HeldBlocksResponse:
+        """Which of the blocks this node holds."""
+        self._check_token(context)
+        keys = _keys(request.keys, "keys")
+        return pb.HeldBlocksResponse(held=await self.tier.call(run_index.held, self.tier.env, keys))
+
+    @unary
+    async def CopyBlocks(self, request: pb.CopyBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> pb.CopyBlocksResponse:
+        """Store copied blocks, each verified, durably; answered once committed."""
+        self._check_token(context)
+        batches = copy_batches(request.blocks, self.sizes, self.run_blocks)
+        results = await self.tier.call(self.tier.put_many, batches)
+        return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
+                                     existing_blocks=sum(r.existing_blocks for r in results),
+                                     written_bytes=sum(r.written_bytes for r in results))
+
+
+def _keys(values: Sequence[bytes], field: str) -> list[bytes]:
+    if len(values) > MAX_KEYS:
+        raise InvalidArgument(f"{field} has {len(values)} entries; at most {MAX_KEYS} per call")
+    for i, key in enumerate(values):
+        if len(key) != KEY_BYTES:
+            raise InvalidArgument(f"{field}[{i}] is {len(key)} bytes; a storage key is {KEY_BYTES} bytes")
+    return list(values)
+
+
+@dataclass
+class _Stretch:
+    """Consecutive copied blocks of one chain, gathered into one Put batch."""
+
+    scope: BlockScope
+    parent_hash: bytes
+    first_depth: int
+    hashes: list[bytes] = field(default_factory=list)
+    blocks: list[bytes] = field(default_factory=list)
+    last_use_s: list[float] = field(default_factory=list)
+
+    def batch(self, run_blocks: int) -> PutBatch:
+        # F17: a run's first block may have its parent on another node: it is stored at the depth
+        # it has in its chain. Any other block extends a block stored here (R6 inside a run).
+        root = self.first_depth == 1
+        floating = not root and run_index.is_run_root(self.first_depth, run_blocks)
+        return PutBatch(scope=self.scope, parent_hash=self.parent_hash, hashes=tuple(self.hashes),
+                        blocks=tuple(self.blocks), is_root=root, first_depth=self.first_depth if floating else None,
+                        last_use_s=tuple(self.last_use_s))
+
+
+def copy_batches(blocks: Sequence[pb.CopiedBlock], sizes: dict[bytes, int], run_blocks: int) -> list[PutBatch]:
+    """The Put batches a CopyBlocks request stores: one per stretch of one chain, in order.
+
+    Raises:
+        InvalidArgument: a malformed key, a namespace not the key's, a size not its geometry's,
+            a depth of 0, or more blocks than a call may carry.
+        FailedPrecondition: bytes that do not match their checksum (a damaged copy is never stored).
+    """
+    if len(blocks) > MAX_KEYS:
+        raise InvalidArgument(f"{len(blocks)} blocks in one CopyBlocks; at most {MAX_KEYS}")
+    stretches: list[_Stretch] = []
+    for i, b in enumerate(blocks):
+        scope = _check_block(i, b, sizes)
+        last = stretches[-1] if stretches else None
+        if (last is None or last.scope.prefix != scope.prefix or last.hashes[-1] != b.parent_hash
+                or last.first_depth + len(last.hashes) != b.depth or run_index.is_run_root(b.depth, run_blocks)):
+            last = _Stretch(scope=scope, parent_hash=b.parent_hash, first_depth=b.depth)
+            stretches.append(last)
+        last.hashes.append(b.key[KEY_BYTES - HASH_BYTES:])
+        last.blocks.append(b.data)
+        last.last_use_s.append(b.last_use_s)
+    return [s.batch(run_blocks) for s in stretches]
+
+
+def _check_block(i: int, b: pb.CopiedBlock, sizes: dict[bytes, int]) -> BlockScope:
+    if len(b.key) != KEY_BYTES or len(b.parent_hash) != HASH_BYTES:
+        raise InvalidArgument(f"blocks[{i}]: a key of {len(b.key)} bytes and a parent of {len(b.parent_hash)}; "
+                              f"a storage key is {KEY_BYTES} bytes, a hash {HASH_BYTES}")
+    if b.depth < 1:
+        raise InvalidArgument(f"blocks[{i}]: depth 0; a chain's first block has depth 1")
+    fingerprint = b.key[:FINGERPRINT_BYTES]
+    size = sizes.get(fingerprint)
+    if size is None:
+        raise InvalidArgument(f"blocks[{i}]: geometry fingerprint {fingerprint.hex()} is not served here")
+    if len(b.data) != size:
+        raise InvalidArgument(f"blocks[{i}] is {len(b.data)} bytes; its geometry's blocks are {size}")
+    scope = BlockScope(fingerprint, b.namespace)
+    if scope.prefix != b.key[:KEY_BYTES - HASH_BYTES] or namespace_id(b.namespace) != scope.prefix[FINGERPRINT_BYTES:]:
+        raise InvalidArgument(f"blocks[{i}]: namespace {b.namespace!r} is not the one its key names")
+    if xxhash.xxh3_64_intdigest(b.data) != b.checksum:
+        raise FailedPrecondition(f"blocks[{i}] ({b.key.hex()[:24]}...) does not match its checksum: "
+                                 "a damaged copy is never stored", hint="copy it from another replica")
+    return scope
+
+
+def load_token(fleet: FleetSettings, *, auth_enabled: bool) -> bytes | None:
+    """The fleet's token from `[fleet] token_file` (None: unset).
+
+    Raises:
+        ConfigError: the file cannot be read or is empty, or no token is set while tenant auth is on
+            (nodes could not copy to each other: re-replication would never happen).
+    """
+    if not fleet.token_file:
+        if auth_enabled:
+            raise ConfigError("tenant auth is on but [fleet] token_file is unset: the nodes could not copy "
+                              "blocks to each other", hint="write a long random token to a file, and set "
+                              "[fleet] token_file to it on every node of the fleet")
+        return None
+    try:
+        token = Path(fleet.token_file).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read fleet.token_file {fleet.token_file}: {exc.strerror or exc}") from None
+    if len(token) < 16:
+        raise ConfigError(f"fleet.token_file {fleet.token_file} holds {len(token)} bytes; a fleet token is at "
+                          "least 16", hint="for example: head -c 32 /dev/urandom | base64 > FILE")
+    return token
+
+
+def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlockTier, *,
+                      auth_on: Callable[[], bool]) -> bytes | None:
+    """Keep the run index and serve the Fleet service (when `[fleet]` is on); returns the fleet's token.
+
+    Args:
+        server: the gRPC server (not started yet).
+        settings: the node's settings.
+        tier: the node's store.
+        auth_on: whether tenant auth is on now (it turns on when a tenants file appears).
+
+    Raises:
+        ConfigError: see `load_token`.
+    """
+    token = load_token(settings.fleet, auth_enabled=auth_on())
+    built = run_index.enable(tier.env, settings.fleet.run_blocks)
+    if built:
+        log.info("fleet: indexed %d runs of %d blocks already stored", built, settings.fleet.run_blocks)
+    layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
+    servicer = FleetServicer(tier, layouts, run_blocks=settings.fleet.run_blocks, token=token,
+                             open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s)
+    fleet_pb2_grpc.add_FleetServicer_to_server(servicer, server)
+    return token

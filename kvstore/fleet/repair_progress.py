@@ -1,0 +1,65 @@
+"""What each node's re-replication has left to do, as it publishes it in etcd (docs/FLEET.md F18).
+
+Each node writes one record, `/kvstore/<cluster>/repair/<node_id>`, under its
+registration's lease (so it leaves with the node): the membership it last planned
+over, the bytes and runs it still has to copy to bring its runs back to their
+replication factor, and what it has copied. `kvstore fleet status` sums them:
+under-replicated bytes fleet-wide go to 0 once every node's pass over the current
+membership is done.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from kvstore.fleet.endpoints import KEY_ROOT
+
+
+def repair_prefix(cluster: str) -> bytes:
+    """The prefix of the nodes' re-replication records: `/kvstore/<cluster>/repair/`."""
+    return f"{KEY_ROOT}/{cluster}/repair/".encode()
+
+
+def repair_key(cluster: str, node_id: str) -> bytes:
+    """The key of one node's re-replication record."""
+    return repair_prefix(cluster) + node_id.encode()
+
+
+@dataclass(kw_only=True)
+class RepairProgress:
+    """One node's re-replication: what its last pass planned and what is left."""
+
+    node_id: str
+    #: The live node ids the current (or last) pass planned over, sorted.
+    planned_nodes: list[str] = field(default_factory=list)
+    #: Whether a pass is under way.
+    running: bool = False
+    #: Passes finished since the node started.
+    passes: int = 0
+    #: Bytes of copies still to make: for each run this node is to copy, its bytes times the replicas lacking it.
+    under_replicated_bytes: int = 0
+    #: Runs with a replica still lacking some of their blocks.
+    under_replicated_runs: int = 0
+    #: Bytes and blocks copied to other nodes since the node started.
+    copied_bytes: int = 0
+    copied_blocks: int = 0
+    #: Blocks found damaged (checksum) on this node while copying: dropped here, never sent (F17).
+    damaged_blocks: int = 0
+    #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.
+    failed_runs: int = 0
+    #: Unix time of the last update.
+    updated_at: float = 0.0
+
+    def to_json(self) -> bytes:
+        """As written in etcd."""
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> RepairProgress | None:
+        """A stored record, None when it does not parse."""
+        try:
+            raw = json.loads(data)
+            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+        except (ValueError, TypeError, KeyError):
+            return None

@@ -1,0 +1,75 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunDigestsRequest(_message.Message):
+    __slots__ = ("run_roots",)
+    RUN_ROOTS_FIELD_NUMBER: _ClassVar[int]
+    run_roots: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, run_roots: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class RunDigest(_message.Message):
+    __slots__ = ("blocks", "size_bytes", "digest")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    size_bytes: int
+    digest: bytes
+    def __init__(self, blocks: _Optional[int] = ..., size_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+
+class RunDigestsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[RunDigest]
+    def __init__(self, runs: _Optional[_Iterable[_Union[RunDigest, _Mapping]]] = ...) -> None: ...
+
+class HeldBlocksRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class HeldBlocksResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, held: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class CopiedBlock(_message.Message):
+    __slots__ = ("key", "namespace", "parent_hash", "depth", "data", "checksum", "last_use_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAST_USE_S_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    namespace: str
+    parent_hash: bytes
+    depth: int
+    data: bytes
+    checksum: int
+    last_use_s: float
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last_use_s: _Optional[float] = ...) -> None: ...
+
+class CopyBlocksRequest(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[CopiedBlock]
+    def __init__(self, blocks: _Optional[_Iterable[_Union[CopiedBlock, _Mapping]]] = ...) -> None: ...
+
+class CopyBlocksResponse(_message.Message):
+    __slots__ = ("written_blocks", "existing_blocks", "written_bytes")
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXISTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    written_blocks: int
+    existing_blocks: int
+    written_bytes: int
+    def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ...) -> None: ...
