@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from gateway.admin_servicer import add_admin_service, open_admin
+from gateway.admin_servicer import AdminParts, add_admin_service, open_admin
 from gateway.auth import (
     DEFAULT_TENANT,
     METHOD_RIGHTS,
@@ -47,7 +47,7 @@ from gateway.metrics_tenants import TenantsFileCollector
 from gateway.replies import add_service
 from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
-from gateway.tenants import TenantRegistry
+from gateway.tenants import TenantRegistry, TokenTable
 from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
@@ -80,8 +80,9 @@ class RunningServer:
     server: grpc.aio.Server
     tier: LmdbBlockTier
     health: health_aio.HealthServicer
-    #: The tenants' tokens this server checks (`tenants.refresh()` re-reads the file now).
-    tenants: TenantRegistry
+    #: The tenants' tokens this server checks: the tenants file (`tenants.refresh()` re-reads it now), or
+    #: etcd's table in a fleet (gateway.shared_tables).
+    tenants: TokenTable
     #: Its Prometheus series, and the HTTP endpoint serving them (None: [metrics] port = 0).
     metrics: ServerMetrics
     metrics_endpoint: MetricsEndpoint | None
@@ -127,28 +128,37 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         OSError: the address cannot be bound (everything opened so far is closed).
     """
     host = settings.server.host
-    tenants = TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required,
-                             clock=clock)
-    check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
-    check_metrics_bind(settings.metrics.host, settings.metrics.port,
-                       insecure=settings.metrics.insecure or settings.auth.insecure)
-    credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
+    tenants = await _open_tenants(settings, clock)
+    try:
+        check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
+        check_metrics_bind(settings.metrics.host, settings.metrics.port,
+                           insecure=settings.metrics.insecure or settings.auth.insecure)
+        credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
+    except BaseException:
+        await tenants.stop()
+        raise
     quiet_cancelled_replies()  # a client's cancel is normal: one debug line, not grpc's ERROR and traceback
     # Without tokens, every call is the default tenant: with every right on loopback (the
     # two-command start), without "admin" beyond it.
     open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
     metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
     metrics.known_tenants = lambda: tenants.tenants  # per-tenant series for every tenant with a token
-    metrics.registry.register(TenantsFileCollector(tenants.status))
+    #: The fleet's tables in etcd by name, for their metrics (the policies' joins in _assemble).
+    shared: dict[str, Any] = {}
+    if isinstance(tenants, TenantRegistry):
+        metrics.registry.register(TenantsFileCollector(tenants.status))
+    else:
+        _watch_shared_tables(metrics, tenants, shared)
     # Outermost first: metrics see every call, those auth refuses too (counted and logged).
     # The Fleet service checks the fleet's token itself (gateway.fleet_servicer, docs/FLEET.md F20).
     rights = {**METHOD_RIGHTS, **dict.fromkeys(FLEET_METHODS, OPEN)}
     interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller, rights),
                     UndecodableRequests()]
     tier = LmdbBlockTier(settings.store, clock=clock)
-    closers: list[Callable[[], Any]] = []
+    closers: list[Callable[[], Any]] = [tenants.stop]
     try:
-        server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics)
+        server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics,
+                                         shared)
         token = None
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
             token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled)
@@ -173,7 +183,6 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
             await server.stop(0)
             raise
         tenants.start(settings.auth.reload_s)
-        closers.append(tenants.stop)
         endpoint = start_endpoint(settings.metrics, metrics.registry)
         if endpoint is not None:
             closers.append(endpoint.close)
@@ -183,6 +192,39 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         raise
     return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
                          metrics_endpoint=endpoint, closers=closers, fleet=fleet, repair=repair)
+
+
+async def _open_tenants(settings: Settings, clock: Clock | None) -> TokenTable:
+    """The tenants' tokens: the tenants file, or etcd's table in a fleet (docs/FLEET.md, "Shared tables").
+
+    Raises:
+        ConfigError: the tenants file is damaged (or, in a fleet, lies beside etcd's table).
+        Unavailable: in a fleet, etcd does not answer: the node does not start (F14).
+    """
+    if settings.fleet.enabled:
+        from gateway.shared_tables import open_fleet_tenants  # a single node never loads aetcd
+
+        return await open_fleet_tenants(settings)
+    return TenantRegistry(settings.auth.tenants_path(settings.store.data_dir), required=settings.auth.required,
+                          clock=clock)
+
+
+async def _open_admin(settings: Settings, clock: Clock) -> AdminParts:
+    """Policies and the audit log: the data dir's files, or etcd's shared tables in a fleet."""
+    if settings.fleet.enabled:
+        from gateway.shared_tables import open_fleet_admin
+
+        return await open_fleet_admin(settings, clock=clock)
+    return open_admin(settings, clock=clock)
+
+
+def _watch_shared_tables(metrics: ServerMetrics, tenants: TokenTable, shared: dict[str, Any]) -> None:
+    """Serve how the fleet's shared tables in `shared` follow etcd (the policies' joins once it is open)."""
+    from gateway.shared_tables import EtcdTenants, SharedTablesCollector
+
+    if isinstance(tenants, EtcdTenants):
+        shared["tenants"] = tenants.table
+    metrics.registry.register(SharedTablesCollector(lambda: dict(shared)))
 
 
 async def _join_fleet(settings: Settings, port: int) -> Registration | None:
@@ -200,8 +242,6 @@ async def _join_fleet(settings: Settings, port: int) -> Registration | None:
                                address=advertised_address(settings.fleet, settings.server.host, port),
                                capacity_bytes=settings.store.capacity_bytes,
                                block_tokens=settings.store.block_tokens)
-
-
 
 
 def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -224,14 +264,17 @@ def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
 
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
                     clock: Clock, interceptors: list[grpc.aio.ServerInterceptor], metrics: ServerMetrics,
-                    ) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                    shared: dict[str, Any] | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
     # Tenants' policies and the audit log; the quota interceptor goes innermost (it reads the
     # caller auth set and decoded requests).
-    admin = open_admin(settings, clock=clock)
+    admin = await _open_admin(settings, clock)
     closers.append(admin.close)
+    table = getattr(admin.policies, "table", None)  # etcd's, in a fleet
+    if shared is not None and table is not None:
+        shared["policies"] = table
     server = grpc.aio.server(interceptors=[*interceptors, admin.quotas], options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
@@ -309,10 +352,10 @@ def _fleet_line(settings: Settings, fleet: Registration | None) -> str:
             f"registered in etcd {settings.fleet.etcd} (lease {fleet.ttl_s} s)")
 
 
-def _auth_line(settings: Settings, tenants: TenantRegistry) -> str:
+def _auth_line(settings: Settings, tenants: TokenTable) -> str:
     """What `kvstore serve` says of tokens and TLS at start."""
     if tenants.enabled:
-        auth = f"tokens ({counted(len(tenants.tenants), 'tenant')} with active tokens, {tenants.path})"
+        auth = f"tokens ({counted(len(tenants.tenants), 'tenant')} with active tokens, {tenants.describe()})"
     elif is_loopback(settings.server.host):
         auth = f"off: loopback only, one tenant {DEFAULT_TENANT!r} without a token"
     else:

@@ -89,7 +89,7 @@ class EtcdTenants:
 
     def __init__(self, table: WatchedPrefix[TokenRecord], *, required: bool = False) -> None:
         self.table = table
-        self.enabled = required
+        self.enabled = required or bool(table.names)
         self._tokens: dict[bytes, Identity] = {}
         table.on_change = self._rebuild
         self._rebuild()
@@ -123,6 +123,11 @@ class EtcdTenants:
         await self.table.close()
 
 
+def tokens_watch(session: EtcdSession, cluster: str) -> WatchedPrefix[TokenRecord]:
+    """The token records' table of `cluster` (not loaded): a damaged record is dropped, so its token is refused."""
+    return WatchedPrefix(session, tenants_prefix(cluster), token_parser(cluster), table="tenants")
+
+
 async def open_fleet_tenants(settings: Settings) -> EtcdTenants:
     """The fleet's token table, loaded (after importing the data dir's tenants file once: `import_file_once`).
 
@@ -132,7 +137,7 @@ async def open_fleet_tenants(settings: Settings) -> EtcdTenants:
     """
     fleet = settings.fleet
     session = session_for(fleet)
-    table = WatchedPrefix(session, tenants_prefix(fleet.cluster), token_parser(fleet.cluster), table="tenants")
+    table = tokens_watch(session, fleet.cluster)
     try:
         path = settings.auth.tenants_path(settings.store.data_dir)
         records = read_records(path)
@@ -294,6 +299,12 @@ def _parse_policy(name: str, value: bytes) -> dict[str, Any]:
     return parse_fields(name, raw)
 
 
+def policies_watch(session: EtcdSession, cluster: str) -> WatchedPrefix[dict[str, Any]]:
+    """The policies' table of `cluster` (not loaded): a damaged new version keeps the last good one, so a
+    tenant never falls back to the defaults' (maybe shorter) retention while the node serves."""
+    return WatchedPrefix(session, policies_prefix(cluster), _parse_policy, table="policies", keep_last_good=True)
+
+
 class EtcdPolicies(PolicyTable):
     """The fleet's tenants' policies, from etcd, kept current by its watch; changes by compare-and-set.
 
@@ -407,7 +418,7 @@ async def open_fleet_admin(settings: Settings, *, clock: Clock | None = None,
     fleet = settings.fleet
     session = session_for(fleet)
     prefix = policies_prefix(fleet.cluster)
-    table = WatchedPrefix(session, prefix, _parse_policy, table="policies", keep_last_good=True)
+    table = policies_watch(session, fleet.cluster)
     audit = EtcdAudit(session, fleet.cluster, clock=clock, max_entries=audit_max_entries)
     configured = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s)
     try:

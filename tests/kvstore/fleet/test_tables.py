@@ -21,18 +21,19 @@ from gateway.shared_tables import (
     EtcdAudit,
     EtcdPolicies,
     EtcdTenants,
-    _parse_policy,
     open_fleet_admin,
     open_fleet_tenants,
+    policies_watch,
+    tokens_watch,
 )
 from kvstore import api_tokens
 from kvstore.config import Settings, StoreSettings
 from kvstore.config_sections import AuthSettings, FleetSettings
 from kvstore.errors import ConfigError, FailedPrecondition, NotFound, Unavailable
-from kvstore.fleet.endpoints import policies_prefix, policy_key, tenants_prefix, token_key
+from kvstore.fleet.endpoints import policies_prefix, policy_key, token_key
 from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import session_for
-from kvstore.fleet.tables import WatchedPrefix, create_token, read_tokens, revoke_tokens, token_parser
+from kvstore.fleet.tables import create_token, read_tokens, revoke_tokens
 
 WAIT_S = 10.0
 
@@ -50,8 +51,7 @@ async def put(fleet: FleetSettings, key: bytes, value: bytes) -> None:
 
 
 async def tokens_table(fleet: FleetSettings) -> EtcdTenants:
-    table = WatchedPrefix(session_for(fleet), tenants_prefix(fleet.cluster), token_parser(fleet.cluster),
-                          table="tenants")
+    table = tokens_watch(session_for(fleet), fleet.cluster)
     await table.load()
     tenants = EtcdTenants(table)
     tenants.start(1.0)
@@ -60,8 +60,7 @@ async def tokens_table(fleet: FleetSettings) -> EtcdTenants:
 
 async def policies_table(fleet: FleetSettings, *, follow: bool = True, max_entries: int = 100) -> EtcdPolicies:
     session = session_for(fleet)
-    table = WatchedPrefix(session, policies_prefix(fleet.cluster), _parse_policy, table="policies",
-                          keep_last_good=True)
+    table = policies_watch(session, fleet.cluster)
     revision = await table.load()
     if follow:
         table.follow(revision)
@@ -101,8 +100,7 @@ def test_f16_a_token_created_anywhere_is_served_and_its_revocation_follows(fleet
 def test_f16_the_table_misses_no_change_between_its_load_and_its_watch(fleet: FleetSettings) -> None:
     async def body() -> None:
         session = session_for(fleet)
-        table = WatchedPrefix(session_for(fleet), tenants_prefix(fleet.cluster), token_parser(fleet.cluster),
-                              table="tenants")
+        table = tokens_watch(session_for(fleet), fleet.cluster)
         try:
             revision = await table.load()
             record, _token = await create_token(session, fleet.cluster, "acme", frozenset({"read"}))  # in the gap
@@ -132,6 +130,7 @@ def test_f17_a_damaged_token_record_is_skipped_logged_once_and_refused(fleet: Fl
                 await put(fleet, token_key(fleet.cluster, "12345678"), wrong)  # names another id than its key
                 await put(fleet, token_key(fleet.cluster, "aaaaaaaa"), b'{"token_id": "aaaaaaaa"}')
                 await node.table.wait_until(lambda t: t.skipped == 3, WAIT_S)
+                assert node.find(bad_token) is None  # fail closed: a damaged record's token is refused
                 await node.table.load()  # a reload sees the same versions: not logged, not counted again
             assert node.table.skipped == 3
             assert node.find(bad_token) is None  # fail closed: a damaged record's token is refused
