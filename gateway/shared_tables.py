@@ -64,7 +64,7 @@ from kvstore.fleet.tables import CAS_RETRIES, WatchedPrefix, put_if, read_tokens
 
 log = logging.getLogger("kvstore.fleet")
 
-#: Entries the audit log in etcd keeps: after each append the oldest past this are deleted (F22). An entry
+#: Entries the audit log in etcd keeps: after each append the oldest past this are deleted (F28). An entry
 #: is a few hundred bytes, so about 3 MB of etcd's space.
 AUDIT_MAX_ENTRIES = 10_000
 
@@ -80,7 +80,7 @@ class EtcdTenants:
     """The fleet's tenants' tokens, from etcd, kept current by its watch (a gateway.tenants.TokenTable).
 
     Auth is on once any record is under the prefix (or `required`), and stays on while the
-    server runs, as with the file. A damaged record is skipped: that token is refused (F17).
+    server runs, as with the file. A damaged record is skipped: that token is refused (F23).
 
     Args:
         table: the watched prefix of token records (loaded).
@@ -158,7 +158,7 @@ async def open_fleet_tenants(settings: Settings) -> EtcdTenants:
 async def import_file_once(session: EtcdSession, cluster: str, name: str, path: Path,
                            records: list[tuple[bytes, bytes]], *, held: int) -> None:
     """Import a data dir's `name` file (its records as (key, value)) into an etcd that holds none of that
-    table, once for the cluster, then set the file aside as `<file>.imported` (F21).
+    table, once for the cluster, then set the file aside as `<file>.imported` (F27).
 
     The import is claimed by a marker key written only where absent, naming this host; each record is
     created only where its key is absent, so an import resumed after a crash never overwrites what etcd
@@ -203,7 +203,7 @@ class EtcdAudit(AuditTrail):
         session: shared with the policies' table (the log has no watch of its own).
         cluster: the fleet's name.
         clock: the time written into each entry.
-        max_entries: entries kept; older ones are deleted after each append (F22).
+        max_entries: entries kept; older ones are deleted after each append (F28).
     """
 
     def __init__(self, session: EtcdSession, cluster: str, *, clock: Clock | None = None,
@@ -350,7 +350,7 @@ class EtcdPolicies(PolicyTable):
             return None if row is None else dict(row.value)
 
     async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
-        """Change, audit in the same transaction, compared on the policy's mod revision (F19, F20).
+        """Change, audit in the same transaction, compared on the policy's mod revision (F25, F26).
 
         Raises:
             InvalidArgument, FailedPrecondition: as PolicyTable.change (checked against the newest policy).

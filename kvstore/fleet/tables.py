@@ -4,12 +4,12 @@ A fleet keeps its tenants' token hashes, their policies and the audit log in etc
 (docs/FLEET.md, "Shared tables"), so that a token revoked or a policy set through
 any node holds on every node within a second. `WatchedPrefix` is the reader each
 node keeps: it lists a prefix, then follows `watch_prefix` from the listed
-revision + 1, so no change between the two is missed (F16); it parses every
+revision + 1, so no change between the two is missed (F22); it parses every
 record, skipping a damaged one (logged once per version of the key, counted:
-F17); while etcd is away it keeps the rows it last saw, marked stale (logged once
-when lost and once when back: F18). Writers change a record only if its mod
+F23); while etcd is away it keeps the rows it last saw, marked stale (logged once
+when lost and once when back: F24). Writers change a record only if its mod
 revision is still the one they read (`put_if`, one etcd transaction), so two
-admins through two nodes never lose each other's update (F19).
+admins through two nodes never lose each other's update (F25).
 
 The tenants' table in etcd is one key per token, `/kvstore/<cluster>/tenants/<token_id>`,
 holding the record the tenants file holds (kvstore.api_tokens: the SHA-256 of the
@@ -110,7 +110,7 @@ class WatchedPrefix(Generic[T]):
 
     @property
     def stale(self) -> bool:
-        """Whether etcd is out of reach, so the rows are the last seen, not necessarily today's (F18)."""
+        """Whether etcd is out of reach, so the rows are the last seen, not necessarily today's (F24)."""
         return self._stale_since is not None
 
     @property
@@ -190,10 +190,10 @@ class WatchedPrefix(Generic[T]):
                     await self._apply(event)
                 raise aetcd.ConnectionFailedError("the watch stream ended")
             except Exception as exc:  # etcd away, the stream broken, history compacted: reload when it answers
-                if not self.stale:
-                    log.warning("fleet: lost etcd's watch of the %s table %s (%s); serving the %d records last "
-                                "seen until etcd answers; changes to it are refused meanwhile", self.table,
-                                self.prefix.decode(), exc, len(self._rows))
+                # Once per outage: the retries below say nothing until etcd answers.
+                log.warning("fleet: lost etcd's watch of the %s table %s (%s); serving the %d records last "
+                            "seen until etcd answers; changes to it are refused meanwhile", self.table,
+                            self.prefix.decode(), exc, len(self._rows))
                 await self._publish(self._rows, self._names, self._revision, stale=True)
                 await self.session.reset()
             while True:
@@ -271,7 +271,7 @@ class PutIf:
 async def put_if(session: EtcdSession, key: bytes, value: bytes, *, mod_revision: int,
                  also: Sequence[Any] = ()) -> PutIf:
     """Put `value` at `key` only if the key's mod revision is still `mod_revision` (0: the key is absent),
-    with the operations `also` (aetcd.transactions.Put, ...) in the same transaction (F19).
+    with the operations `also` (aetcd.transactions.Put, ...) in the same transaction (F25).
 
     When it is not written another writer changed the key first: check the change again against the
     value returned, and retry with its mod revision.

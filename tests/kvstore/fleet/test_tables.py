@@ -21,6 +21,7 @@ from gateway.shared_tables import (
     EtcdAudit,
     EtcdPolicies,
     EtcdTenants,
+    SharedTablesCollector,
     open_fleet_admin,
     open_fleet_tenants,
     policies_watch,
@@ -34,6 +35,7 @@ from kvstore.fleet.endpoints import policies_prefix, policy_key, token_key
 from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import session_for
 from kvstore.fleet.tables import create_token, read_tokens, revoke_tokens
+from tests.kvstore.fleet.etcd_process import EtcdProcess
 
 WAIT_S = 10.0
 
@@ -71,7 +73,7 @@ async def policies_table(fleet: FleetSettings, *, follow: bool = True, max_entri
 # -- tokens ---------------------------------------------------------------------------------------------------
 
 
-def test_f16_a_token_created_anywhere_is_served_and_its_revocation_follows(fleet: FleetSettings) -> None:
+def test_f22_a_token_created_anywhere_is_served_and_its_revocation_follows(fleet: FleetSettings) -> None:
     async def body() -> None:
         node = await tokens_table(fleet)  # a node's table, following etcd
         session = session_for(fleet)
@@ -97,7 +99,7 @@ def test_f16_a_token_created_anywhere_is_served_and_its_revocation_follows(fleet
     run(body)
 
 
-def test_f16_the_table_misses_no_change_between_its_load_and_its_watch(fleet: FleetSettings) -> None:
+def test_f22_the_table_misses_no_change_between_its_load_and_its_watch(fleet: FleetSettings) -> None:
     async def body() -> None:
         session = session_for(fleet)
         table = tokens_watch(session_for(fleet), fleet.cluster)
@@ -113,7 +115,7 @@ def test_f16_the_table_misses_no_change_between_its_load_and_its_watch(fleet: Fl
     run(body)
 
 
-def test_f17_a_damaged_token_record_is_skipped_logged_once_and_refused(fleet: FleetSettings,
+def test_f23_a_damaged_token_record_is_skipped_logged_once_and_refused(fleet: FleetSettings,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     async def body() -> None:
         session = session_for(fleet)
@@ -149,7 +151,7 @@ def test_f17_a_damaged_token_record_is_skipped_logged_once_and_refused(fleet: Fl
 # -- policies -------------------------------------------------------------------------------------------------
 
 
-def test_f19_two_admins_through_two_nodes_lose_no_update(fleet: FleetSettings) -> None:
+def test_f25_two_admins_through_two_nodes_lose_no_update(fleet: FleetSettings) -> None:
     async def body() -> None:
         a = await policies_table(fleet)
         b = await policies_table(fleet, follow=False)  # b has not seen a's change when it makes its own
@@ -170,7 +172,7 @@ def test_f19_two_admins_through_two_nodes_lose_no_update(fleet: FleetSettings) -
     run(body)
 
 
-def test_f19_the_rules_hold_against_a_change_made_through_another_node(fleet: FleetSettings) -> None:
+def test_f25_the_rules_hold_against_a_change_made_through_another_node(fleet: FleetSettings) -> None:
     async def body() -> None:
         a = await policies_table(fleet)
         b = await policies_table(fleet, follow=False)
@@ -186,7 +188,7 @@ def test_f19_the_rules_hold_against_a_change_made_through_another_node(fleet: Fl
     run(body)
 
 
-def test_f20_a_change_reads_back_at_once_on_its_node_and_a_no_change_is_not_audited(fleet: FleetSettings) -> None:
+def test_f26_a_change_reads_back_at_once_on_its_node_and_a_no_change_is_not_audited(fleet: FleetSettings) -> None:
     async def body() -> None:
         a = await policies_table(fleet, follow=False)  # no watch: what it reads back is its own write's note
         try:
@@ -200,7 +202,7 @@ def test_f20_a_change_reads_back_at_once_on_its_node_and_a_no_change_is_not_audi
     run(body)
 
 
-def test_f17_a_damaged_policy_keeps_its_last_good_version_while_serving(fleet: FleetSettings) -> None:
+def test_f23_a_damaged_policy_keeps_its_last_good_version_while_serving(fleet: FleetSettings) -> None:
     async def body() -> None:
         a = await policies_table(fleet)
         try:
@@ -216,7 +218,7 @@ def test_f17_a_damaged_policy_keeps_its_last_good_version_while_serving(fleet: F
     run(body)
 
 
-def test_f17_a_damaged_policy_in_etcd_stops_the_start(tmp_path: Path, fleet: FleetSettings) -> None:
+def test_f23_a_damaged_policy_in_etcd_stops_the_start(tmp_path: Path, fleet: FleetSettings) -> None:
     async def body() -> None:
         await put(fleet, policy_key(fleet.cluster, "acme"), b"[1, 2, 3]")
         with pytest.raises(ConfigError, match=r"policies/acme are damaged") as raised:
@@ -226,7 +228,7 @@ def test_f17_a_damaged_policy_in_etcd_stops_the_start(tmp_path: Path, fleet: Fle
     run(body)
 
 
-def test_f22_the_audit_log_keeps_its_last_entries(fleet: FleetSettings) -> None:
+def test_f28_the_audit_log_keeps_its_last_entries(fleet: FleetSettings) -> None:
     async def body() -> None:
         session = session_for(fleet)
         audit = EtcdAudit(session, fleet.cluster, max_entries=5)
@@ -245,7 +247,7 @@ def test_f22_the_audit_log_keeps_its_last_entries(fleet: FleetSettings) -> None:
     run(body)
 
 
-def test_f18_writes_while_etcd_is_away_are_unavailable_naming_it(tmp_path: Path) -> None:
+def test_f24_writes_while_etcd_is_away_are_unavailable_naming_it(tmp_path: Path) -> None:
     from kvstore.bench.redis_server import free_port
 
     dead = f"127.0.0.1:{free_port()}"
@@ -266,6 +268,36 @@ def test_f18_writes_while_etcd_is_away_are_unavailable_naming_it(tmp_path: Path)
     run(body)
 
 
+def test_f24_a_table_keeps_its_rows_marked_stale_while_etcd_is_away(own_etcd: EtcdProcess,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    fleet = FleetSettings(etcd=own_etcd.endpoint, cluster="stale", lease_ttl_s=3)
+
+    def current() -> dict[str, float]:
+        [family, *_] = SharedTablesCollector(lambda: {"tenants": node.table}).collect()
+        return {s.labels["table"]: s.value for s in family.samples}
+
+    async def body() -> None:
+        session = session_for(fleet)
+        _, token = await create_token(session, "stale", "acme", frozenset({"read"}))
+        await session.close()
+        node.table.retry_s = 0.05
+        await node.table.start()
+        assert current() == {"tenants": 1.0}
+        with caplog.at_level(logging.WARNING, logger="kvstore.fleet.tables"):
+            own_etcd.stop()
+            await node.table.wait_until(lambda t: t.stale, WAIT_S)
+            assert current() == {"tenants": 0.0} and node.find(token) is not None  # the last rows serve
+            own_etcd.start()  # on its data; the table retries every 50 ms meanwhile, saying nothing more
+            await node.table.wait_until(lambda t: not t.stale, WAIT_S)
+        lost = [r for r in caplog.records if "lost etcd's watch" in r.getMessage()]
+        back = [r for r in caplog.records if "etcd answers again" in r.getMessage()]
+        assert len(lost) == 1 and len(back) == 1 and current() == {"tenants": 1.0}
+        await node.stop()
+
+    node = EtcdTenants(tokens_watch(session_for(fleet), "stale"))
+    run(body)
+
+
 # -- migration ------------------------------------------------------------------------------------------------
 
 
@@ -274,7 +306,7 @@ def settings(tmp_path: Path, fleet: FleetSettings) -> Settings:
                     fleet=fleet, auth=AuthSettings())
 
 
-def test_f21_a_data_dirs_tenants_file_is_imported_once_then_refused_beside_etcds(tmp_path: Path,
+def test_f27_a_data_dirs_tenants_file_is_imported_once_then_refused_beside_etcds(tmp_path: Path,
                                                                                fleet: FleetSettings) -> None:
     first = settings(tmp_path / "a", fleet)
     second = settings(tmp_path / "b", fleet)
@@ -300,7 +332,7 @@ def test_f21_a_data_dirs_tenants_file_is_imported_once_then_refused_beside_etcds
     run(body)
 
 
-def test_f21_an_import_never_undoes_a_revocation_made_through_the_fleet(tmp_path: Path, fleet: FleetSettings) -> None:
+def test_f27_an_import_never_undoes_a_revocation_made_through_the_fleet(tmp_path: Path, fleet: FleetSettings) -> None:
     node = settings(tmp_path, fleet)
     path = node.auth.tenants_path(node.store.data_dir)
     _record, token = api_tokens.create(path, "acme", frozenset({"read"}))
@@ -320,7 +352,7 @@ def test_f21_an_import_never_undoes_a_revocation_made_through_the_fleet(tmp_path
     run(body)
 
 
-def test_f21_a_data_dirs_policies_are_imported_once(tmp_path: Path, fleet: FleetSettings) -> None:
+def test_f27_a_data_dirs_policies_are_imported_once(tmp_path: Path, fleet: FleetSettings) -> None:
     node = settings(tmp_path, fleet)
     folder = node.store.data_dir / "admin"
     from gateway.audit import AuditLog

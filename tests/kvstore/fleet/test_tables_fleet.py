@@ -105,7 +105,7 @@ def tenant(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[st
     return code, json.loads(out) if out else {}
 
 
-def test_f16_a_token_made_through_one_node_works_on_the_other_and_its_revocation_too(
+def test_f22_a_token_made_through_one_node_works_on_the_other_and_its_revocation_too(
         fleet2: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
     code, made = tenant(capsys, "create", "acme", "--config", str(fleet2.config_a))
     assert code == 0 and made["tenants_file"].startswith(f"etcd {fleet2.settings.etcd}")
@@ -122,9 +122,12 @@ def test_f16_a_token_made_through_one_node_works_on_the_other_and_its_revocation
     assert row["tenant"] == "acme" and row["revoked_at"]
 
 
-def test_f19_policies_set_through_either_node_hold_on_both_and_none_is_lost(fleet2: Fleet) -> None:
+def test_f25_policies_set_through_either_node_hold_on_both_and_none_is_lost(
+        fleet2: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
     with fleet2.admin_client(fleet2.a) as a, fleet2.admin_client(fleet2.b) as b:
-        a.set_policy("acme", retention_hours=96)
+        assert main(["policy", "set", "acme", "--retention-hours", "96", "--target", fleet2.a.target,
+                     "--token", fleet2.admin]) == 0
+        assert "policy changed (audited)" in capsys.readouterr().out
         wait_for("node B serving the policy set through A",
                  lambda: b.get_policy("acme").policy.policy.retention_hours == 96)
 
@@ -153,13 +156,16 @@ def test_f19_policies_set_through_either_node_hold_on_both_and_none_is_lost(flee
 
         # One audit log: every change through either node, in both nodes' answers.
         log_a, log_b = a.policy_log(), b.policy_log()
+        assert main(["policy", "log", "--tenant", "beta", "--target", fleet2.b.target, "--token", fleet2.admin,
+                     "--json"]) == 0
+        assert len(json.loads(capsys.readouterr().out)["entries"]) == 2
         assert [(e.tenant, e.action) for e in log_a] == [(e.tenant, e.action) for e in log_b]
         assert sorted((e.tenant, e.new_json) for e in log_a if e.action == "set_policy") == [
             ("acme", '{"retention_hours": 96.0}'), ("beta", '{"nvme_quota_bytes": 1073741824}'),
             ("beta", '{"requests_per_s": 5.0}')]
 
 
-def test_f18_with_etcd_gone_nodes_serve_their_last_tables_and_refuse_changes(
+def test_f24_with_etcd_gone_nodes_serve_their_last_tables_and_refuse_changes(
         fleet2: Fleet, capsys: pytest.CaptureFixture[str]) -> None:
     code, made = tenant(capsys, "create", "gamma", "--config", str(fleet2.config_b))
     assert code == 0
