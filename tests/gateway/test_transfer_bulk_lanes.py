@@ -33,8 +33,19 @@ source = one_lane.source
 bulk_server = one_lane.bulk_server
 
 
+@pytest.fixture(scope="module")
+def client_engines() -> Iterator[dict[str, list[tuple[Any, str]]]]:
+    """The client's Mooncake engines for this module's tests, apart from the process's: started once
+    and shared, as a process's sessions share them (a Mooncake engine takes a second to stop: three
+    fresh ones a test cost 3 s of teardown each)."""
+    engines: dict[str, list[tuple[Any, str]]] = {}
+    yield engines
+    engines.clear()
+
+
 @pytest.fixture(params=[0.0, 0.7], ids=["poll", "sleep"])
-def lanes(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[list[tuple[int, str]]]:
+def lanes(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+          client_engines: dict[str, list[tuple[Any, str]]]) -> Iterator[list[tuple[int, str]]]:
     """Two server engines and three client engines a session (whatever this host's cores), the
     server waiting on its writes by Mooncake's polling or by sleeping first (`SLEEP_SHARE`);
     yields (server engine, client segment) of each engine write."""
@@ -42,7 +53,7 @@ def lanes(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> It
     monkeypatch.setattr(server_bulk, "ENGINES", 2)
     monkeypatch.setattr(client_bulk, "LANES", 3)
     monkeypatch.setattr(client_bulk, "IN_FLIGHT", 2)
-    monkeypatch.setattr(client_bulk, "_ENGINES", {})
+    monkeypatch.setattr(client_bulk, "_ENGINES", client_engines)
     writes: list[tuple[int, str]] = []
     real = server_bulk.write_blocks
 
@@ -87,6 +98,7 @@ def test_a_client_names_one_engine_to_a_server_that_takes_no_lanes(
     # A server from before lanes offers "mooncake" alone: it would write every call to the last
     # engine named, past what Mooncake queues for one peer.
     monkeypatch.setattr(client_bulk, "LANES_OFFER", "mooncake-lanes-not-offered")
+    monkeypatch.setattr(client_bulk, "_ENGINES", {})  # its own: the engines it starts are counted
     client, _ = bulk_server
     statuses, _, used = _fetch(client, "bulk", _put(client, 4), False)
     assert used == "" and statuses == [(Status.DONE, "")] * 4
