@@ -14,6 +14,9 @@ Whatever else is in the file (binary, a line of the wrong shape, a line longer
 than MAX_LINE_BYTES, JSON nested too deeply) is skipped the same way: the server
 starts and appends after it, and reading holds at most one line and the last
 `limit` entries in memory, however long the file (issue 29).
+
+`AuditTrail` is what the Admin service records to: this file (`AuditLog`), or in a
+fleet the log in etcd (`gateway.shared_tables.EtcdAudit`, docs/FLEET.md F26, F28).
 """
 
 from __future__ import annotations

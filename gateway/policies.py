@@ -19,6 +19,10 @@ lowered later does not shorten what tenants on the defaults were promised.
 
 Quotas of 0 are unlimited. A quota lowered below what a tenant holds evicts
 nothing (that would break retention): new writes are refused until it fits.
+
+`PolicyTable` holds the rules and the reads; `Policies` stores the tenants' fields in
+the data dir's file, `gateway.shared_tables.EtcdPolicies` in etcd for a fleet
+(docs/FLEET.md, "Shared tables"), with the same checks.
 """
 
 from __future__ import annotations

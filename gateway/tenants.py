@@ -17,6 +17,10 @@ the watch loop itself logs and goes on past any exception. `status()` says when
 the table was last loaded and how many loads failed (the metrics
 `kvstore_tenants_last_load_timestamp_seconds`, `kvstore_tenants_load_failures_total`,
 `kvstore_tenants_file_ok` and `kvstore_tenants_file_checks_total`, docs/METRICS.md).
+
+`TokenTable` is what auth asks of a tenants table: this file's `TenantRegistry`, or in
+a fleet (`[fleet] etcd` set) `gateway.shared_tables.EtcdTenants`, the tokens in etcd
+that every node follows (docs/FLEET.md, "Shared tables").
 """
 
 from __future__ import annotations
