@@ -36,7 +36,7 @@ from kvstore.errors import InvalidArgument, KVStoreError, has_default_hint
 from kvstore.prefix import BlockScope, chain_hashes
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import ManagedStore
 
 #: The admin folder inside store.data_dir: policies.json and audit.jsonl.
 ADMIN_DIR = "admin"
@@ -86,7 +86,7 @@ def admin_parts(settings: Settings, policies: PolicyTable, audit: AuditTrail, *,
     return AdminParts(policies=policies, audit=audit, quotas=quotas)
 
 
-def add_admin_service(server: grpc.aio.Server, parts: AdminParts, tier: LmdbBlockTier,
+def add_admin_service(server: grpc.aio.Server, parts: AdminParts, tier: ManagedStore,
                       layouts: dict[str, Layout]) -> str:
     """Wire the tier's hooks to the policies and serve the Admin service on `server`; its full name."""
     tier.set_retention_provider(parts.policies.retention_s)
@@ -143,7 +143,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         layouts: served geometries by name, the default first.
     """
 
-    def __init__(self, parts: AdminParts, tier: LmdbBlockTier, layouts: dict[str, Layout]) -> None:
+    def __init__(self, parts: AdminParts, tier: ManagedStore, layouts: dict[str, Layout]) -> None:
         self.policies = parts.policies
         self.audit = parts.audit
         self.ledger = parts.quotas.ledger

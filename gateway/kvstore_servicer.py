@@ -1,4 +1,4 @@
-"""The KVStore gRPC service: wire messages in, validated calls to the NVMe tier, wire messages out."""
+"""The KVStore gRPC service: wire messages in, validated calls to a block store (`tiers.store`), wire messages out."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, na
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tiers.lmdb_tier import LmdbBlockTier, PutBatch, PutResult, ReadStatus
+from tiers.store import BlockStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
@@ -47,10 +47,11 @@ _STATUS: dict[ReadStatus, pb.BlockStatus] = {
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
-    """Serves global-KV blocks of the registered geometries from one NVMe tier.
+    """Serves global-KV blocks of the registered geometries from one block store.
 
     Args:
-        tier: the LMDB tier (owns the executor for blocking work).
+        tier: the store: a node's LMDB tier, or the fleet's router in a gateway (it owns the
+            executor for blocking work).
         layouts: served geometries by name, the default first.
         max_message_bytes: the server's message limit, reported to clients.
         swa: the SWA pool, asked by Lookup for snapshot candidates (None: no SWA pool).
@@ -58,7 +59,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             (None: counted in memory only, lost at stop).
     """
 
-    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], max_message_bytes: int,
+    def __init__(self, tier: BlockStore, layouts: dict[str, Layout], max_message_bytes: int,
                  swa: SwaCache | None = None, hits: HitStats | None = None) -> None:
         self.tier = tier
         self.swa = swa
@@ -108,7 +109,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 await asyncio.wrap_future(self.tier.touch_soon(due))
             except BaseException:
                 if lease is not None:
-                    self.tier.leases.release(lease.lease_id)
+                    self.tier.release(lease.lease_id)
                 raise
         reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                   lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
@@ -156,7 +157,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         mine = namespace_id(caller.tenant)
         owns = None if ADMIN in caller.rights else (
             lambda key: key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES] == mine)
-        return pb.ReleaseResponse(released=self.tier.leases.release(request.lease_id, owns=owns))
+        return pb.ReleaseResponse(released=self.tier.release(request.lease_id, owns=owns))
 
     @unary
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -317,7 +318,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def ReportCorrupt(self, request: pb.ReportCorruptRequest,
                             context: grpc.aio.ServicerContext) -> pb.ReportCorruptResponse:
         # A same-host reader's word is not trusted: the tier reads each named block
-        # again (`LmdbBlockTier.read` verifies it and drops and counts it only when
+        # again (`BlockStore.read` verifies it and drops and counts it only when
         # it really fails), so naming an intact block leaves it stored. The scope
         # rules are Get's: the caller's own tenant unless it is an admin.
         _, scope = validate.scope(self.layouts, request.geometry, request.namespace)

@@ -39,7 +39,7 @@ from gateway.hit_stats import HitStats
 from gateway.metrics_collector import StatsCollector
 from gateway.resume_counters import ResumeCounters
 from gateway.transfer_servicer import TransferServicer
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import BlockStore
 from tiers.swa_cache import SwaCache
 
 #: Latency buckets: from a GetInfo on loopback (~100 us) to a Get of a million-token prompt (seconds).
@@ -135,7 +135,7 @@ class ServerMetrics:
         #: The tenants the registry knows (gateway.tenants.TenantRegistry.tenants), read at each scrape.
         self.known_tenants: Callable[[], Iterable[str]] = tuple
 
-    def watch(self, tier: LmdbBlockTier, *, swa: SwaCache | None = None, transfer: TransferServicer | None = None,
+    def watch(self, tier: BlockStore, *, swa: SwaCache | None = None, transfer: TransferServicer | None = None,
               resume: ResumeCounters | None = None, hits: HitStats | None = None) -> StatsCollector:
         """Read these components' stats at every scrape. Call it on the server's event loop.
 

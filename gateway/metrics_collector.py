@@ -1,7 +1,7 @@
 """The stores' stats as Prometheus series, read at scrape time (nothing is counted twice or per call).
 
 `StatsCollector.collect` runs on the endpoint's HTTP thread. The NVMe tier's
-stats are read there (`LmdbBlockTier.stats` is thread-safe); the SWA pool's
+stats are read there (`BlockStore.stats` is thread-safe); the SWA pool's
 and the transfer sessions' live on the event loop (the pool may be Redis, the
 session table is event-loop only), so they are gathered by one coroutine
 scheduled on the loop, waited for at most `loop_timeout_s`. When the loop does
@@ -26,7 +26,7 @@ from gateway.resume_counters import ResumeCounters
 from gateway.transfer_servicer import TransferServicer
 from kvstore import geometry
 from tiers.accounting import TierStats
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import BlockStore
 from tiers.swa_cache import SwaCache, SwaStats
 
 log = logging.getLogger("kvstore.metrics")
@@ -110,7 +110,7 @@ class StatsCollector(Collector):
         loop_timeout_s: longest a scrape waits for the event loop.
     """
 
-    def __init__(self, tier: LmdbBlockTier, *, swa: SwaCache | None, transfer: TransferServicer | None,
+    def __init__(self, tier: BlockStore, *, swa: SwaCache | None, transfer: TransferServicer | None,
                  resume: ResumeCounters | None, loop: asyncio.AbstractEventLoop, hits: HitStats | None = None,
                  tenant_names: Callable[[], Iterable[str]] = tuple, tenant_label: Callable[[str], str | None] = str,
                  tenant_labels: Callable[[], int] = lambda: 0, loop_timeout_s: float = 5.0) -> None:

@@ -6,7 +6,7 @@ counters have seen; each gets the same label as in the per-call series
 every folded tenant summed). Both run on the scrape's thread, off the event
 loop: the registry's tenants, the hit counters and the labels are thread-safe,
 and the NVMe tier's per-namespace usage is read there
-(`LmdbBlockTier.namespace_usage`, one read transaction per tenant).
+(`BlockStore.namespace_usage`, one read transaction per tenant).
 
 `TenantsFileCollector` adds how the tenants file's reloads go (gateway.tenants.LoadStatus):
 a revocation waits on the next good load, so an alert on a stale load or a
@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from gateway.hit_stats import HitStats
 from gateway.tenants import LoadStatus
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import BlockStore
 
 log = logging.getLogger("kvstore.metrics")
 
@@ -74,7 +74,7 @@ def gather(names: Iterable[str], label: Callable[[str], str | None], hits: HitSt
     return TenantStats(labels=labels, hits=summed)
 
 
-def series(stats: TenantStats, tier: LmdbBlockTier) -> Iterator[Metric]:
+def series(stats: TenantStats, tier: BlockStore) -> Iterator[Metric]:
     """The per-tenant series: the hit counters gathered, the usage read now from `tier`."""
     for field, doc in HIT_FIELDS.items():
         family = CounterMetricFamily(f"kvstore_tenant_{field}", f"Per tenant: {doc}, since the server started.",

@@ -50,7 +50,7 @@ from gateway.export_format import (
 from gateway.validate import Layout
 from kvstore import geometry as geometries
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import ManagedStore
 
 #: Block data per frame when exporting: about 140 V4.1-Flash blocks of 64 tokens.
 DEFAULT_FRAME_BYTES = 8 << 20
@@ -90,14 +90,14 @@ class ImportCounts:
 # -- writing --
 
 
-def served_layouts(tier: LmdbBlockTier, layouts: Mapping[str, Layout] | None) -> list[Layout]:
+def served_layouts(tier: ManagedStore, layouts: Mapping[str, Layout] | None) -> list[Layout]:
     """The layouts given, or those the server builds: every registered geometry in the tier's block size."""
     if layouts is not None:
         return list(layouts.values())
     return [Layout.of(g, tier.settings.block_tokens) for g in geometries.REGISTRY.values()]
 
 
-async def export_tenant(tier: LmdbBlockTier, tenant: str, path: Path | str, *,
+async def export_tenant(tier: ManagedStore, tenant: str, path: Path | str, *,
                         layouts: Mapping[str, Layout] | None = None,
                         frame_bytes: int = DEFAULT_FRAME_BYTES) -> ExportCounts:
     """Write `tenant`'s blocks of every served geometry (`layouts`, default: every registered
@@ -153,7 +153,7 @@ class _Tally:
             self.by_fingerprint[r.fingerprint.hex()] = self.by_fingerprint.get(r.fingerprint.hex(), 0) + 1
 
 
-async def _write_frames(f: Any, tier: LmdbBlockTier, tenant: str, served: Mapping[bytes, Layout], frame_bytes: int,
+async def _write_frames(f: Any, tier: ManagedStore, tenant: str, served: Mapping[bytes, Layout], frame_bytes: int,
                         digest: Any) -> _Tally:
     """Every frame of the tenant's blocks, in chain order. The tier reads the next frame's records
     while a thread compresses this one: two frames' records and one compressed frame in memory."""
@@ -237,7 +237,7 @@ async def verify_file(path: Path | str) -> ImportCounts:
     return ImportCounts(tenant=header.tenant, frames=frames, records=records, written=0)
 
 
-async def import_tenant(tier: LmdbBlockTier, tenant: str | None, path: Path | str, *,
+async def import_tenant(tier: ManagedStore, tenant: str | None, path: Path | str, *,
                         layouts: Mapping[str, Layout] | None = None) -> ImportCounts:
     """Write the blocks of an export file into `tenant`'s cache ("" or None: the file's tenant).
 

@@ -45,7 +45,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvstore.host import usable_cpus
 from kvstore.transfer import BatchResults
 from tiers import blockcopy
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import MappedStore
 
 log = logging.getLogger("kvstore.transfer")
 
@@ -246,7 +246,7 @@ class BulkServer:
                                   f"fit in the {size_bytes}-byte buffer")
         return at
 
-    async def fetch(self, tier: LmdbBlockTier, keys: list[bytes], lanes: Lanes, offsets: np.ndarray, address: int,
+    async def fetch(self, tier: MappedStore, keys: list[bytes], lanes: Lanes, offsets: np.ndarray, address: int,
                     block_bytes: int, prefix_only: bool) -> BulkFetched:
         """Write the found blocks into the client's memory (from the map, else through a staging
         slot), then restart their retention clocks durably (a failed refresh fails the call, as
@@ -274,7 +274,7 @@ class BulkServer:
         self.staged += staged
         return BulkFetched(results=results, found=codes.count(blockcopy.FOUND), staged=staged)
 
-    async def _source(self, tier: LmdbBlockTier) -> MapSource | None:
+    async def _source(self, tier: MappedStore) -> MapSource | None:
         """The map registered with the engine, made at the first call; None: staging serves."""
         if self._map is None and not self.map_reason:
             async with self._map_lock:
@@ -305,7 +305,7 @@ class BulkServer:
         if rc:
             raise _write_failed(lane.segment, len(remote), rc)
 
-    async def _write_staged(self, tier: LmdbBlockTier, keys: list[bytes], lanes: Lanes, offsets: np.ndarray,
+    async def _write_staged(self, tier: MappedStore, keys: list[bytes], lanes: Lanes, offsets: np.ndarray,
                             address: int, block_bytes: int, prefix_only: bool) -> tuple[bytes, list[bytes]]:
         """Verify-copy the blocks into a staging slot and write the found ones from it."""
         staging = self._staging

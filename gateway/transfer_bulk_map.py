@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lmdb
@@ -37,10 +36,10 @@ import numpy as np
 
 from kvstore.errors import Unavailable
 from tiers import blockcopy
-from tiers.lmdb_tier import LmdbBlockTier
 from tiers.records import META_STRUCT, META_TAG
 from tiers.retention import Retention
 from tiers.ring import Mapping
+from tiers.store import MappedStore
 
 log = logging.getLogger("kvstore.transfer")
 
@@ -85,16 +84,15 @@ class MapSource:
         Unavailable: the engine would not register it.
     """
 
-    def __init__(self, engines: list[Any], tier: LmdbBlockTier) -> None:
-        env = tier.env
+    def __init__(self, engines: list[Any], tier: MappedStore) -> None:
         self.engines = engines
         self.tier = tier
-        self.mapping = Mapping(env)
-        self.path = Path(env.path()) / "data.mdb"
+        self.mapping: Mapping = tier.map.mapping()
+        self.path = tier.map.data_path
         self.inode = self.path.stat().st_ino
-        self.map_size = int(env.info()["map_size"])
-        # Opening an open database hands back its handle; a miss is checked against it (below).
-        self.records = env.open_db(b"records", create=False)
+        self.map_size = tier.map.map_size()
+        # The tier's records database: a miss is checked against it (below).
+        self.records = tier.map.records
         for i, engine in enumerate(engines):
             if engine.register_memory(self.mapping.base, self.mapping.length):
                 for done in engines[:i]:
@@ -112,7 +110,7 @@ class MapSource:
             inode = -1
         if inode != self.inode:
             self._off(f"{self.path} was replaced while the server runs")
-        elif int(self.tier.env.info()["map_size"]) != self.map_size:
+        elif self.tier.map.map_size() != self.map_size:
             self._off("the environment's map size changed (LMDB mapped it again elsewhere)")
         return not self.reason
 
@@ -137,7 +135,7 @@ class MapSource:
             The blocks, their txn left open for the write; None (the txn ended) when the
             staging path must answer this call.
         """
-        txn = self.tier.env.begin(buffers=True)
+        txn = self.tier.map.begin_buffers()
         try:
             found = self._find(txn, keys, block_bytes, prefix_only)
         except BaseException:
@@ -152,7 +150,7 @@ class MapSource:
         m = self.mapping
         # The newest snapshot's last page bounds this one's: nothing past it is read (past the
         # file's end a read of the map would fault).
-        length = min((int(self.tier.env.info()["last_pgno"]) + 1) * m.psize, m.length)
+        length = min((self.tier.map.last_page() + 1) * m.psize, m.length)
         root = blockcopy.named_root(m.base, length, m.psize, txn.id(), b"records")
         if root is None:
             return None

@@ -1,10 +1,10 @@
 """Runs transfer batches: copies between LMDB's map and mapped client regions.
 
 Reads copy each block from the map into the region after checking its checksum
-(`LmdbBlockTier.stage_reads`, then `StagedReads.copy`, on different threads: see
+(`MappedStore.stage_reads`, then `StagedReads.copy`, on different threads: see
 `Copier`), one read transaction per chunk; writes snapshot the
 region's bytes (so a client scribbling on them mid-write cannot break the
-checksum) and store them with `LmdbBlockTier.put`, with Put's checks and
+checksum) and store them with `put_many`, with Put's checks and
 durability. No block byte crosses the gRPC channel.
 
 A batch is worked on as columns (`kvstore.transfer`): groups are checked whole
@@ -32,7 +32,7 @@ from kvstore.errors import KVStoreError, to_status
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
 from tiers import blockcopy
-from tiers.lmdb_tier import LmdbBlockTier, StagedReads
+from tiers.store import MappedStore, PutBatch, StagedReads
 
 log = logging.getLogger("kvstore.transfer")
 
@@ -93,7 +93,7 @@ class Copier:
     batches are in flight, the slots (512) are never exhausted.
     """
 
-    def __init__(self, tier: LmdbBlockTier, threads: int) -> None:
+    def __init__(self, tier: MappedStore, threads: int) -> None:
         self.tier = tier
         self.threads = threads
         self.staged_limit = 2 * threads
@@ -165,7 +165,7 @@ class Copier:
         self._copies.shutdown(wait=True)
 
 
-async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, batch: ReadBatch,
+async def run_read(tier: MappedStore, session: Session, transfer: Transfer, batch: ReadBatch,
                    chunk: int, copier: Copier, hit_stats: HitStats | None = None, *, inline: bool = False) -> None:
     """Copy a read batch's blocks into their regions, chunk by chunk, then restart their
     retention clocks durably, and only then mark the batch done.
@@ -220,7 +220,7 @@ async def run_read(tier: LmdbBlockTier, session: Session, transfer: Transfer, ba
             session.finish(transfer)
 
 
-async def _refresh(tier: LmdbBlockTier, session: Session, batch: ReadBatch, results: BatchResults,
+async def _refresh(tier: MappedStore, session: Session, batch: ReadBatch, results: BatchResults,
                    due: list[bytes]) -> None:
     """Restart the retention clocks of `due` (keys of DONE blocks), durably; fail their descriptors if it fails."""
     try:
@@ -248,7 +248,7 @@ def fail_unrefreshed(exc: Exception, session: Session, keys: Sequence[bytes | No
     log.warning("transfer read: the retention refresh of %d blocks failed: %r", len(failed), exc)
 
 
-async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, plan: validate.PutPlan,
+async def run_write(tier: MappedStore, session: Session, transfer: Transfer, plan: validate.PutPlan,
                     spans: list[memoryview | None], max_put_blocks: int) -> None:
     """Store a write batch's blocks from their regions, in chain order.
 
@@ -267,7 +267,9 @@ async def run_write(tier: LmdbBlockTier, session: Session, transfer: Transfer, p
             blocks = [bytes(s) for s in spans[start:stop] if s is not None]  # snapshot: see module doc
             hashes = plan.hashes[start:stop]
             try:
-                await tier.call(tier.put, session.scope, parent, hashes, blocks, plan.is_root and start == 0)
+                batch = PutBatch(scope=session.scope, parent_hash=parent, hashes=hashes, blocks=blocks,
+                                 is_root=plan.is_root and start == 0)
+                await tier.call(tier.put_many, [batch])
             except KVStoreError as exc:
                 results.fail_pending(range(start, n), to_status(exc).name, exc.message)
                 return

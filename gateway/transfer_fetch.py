@@ -21,7 +21,7 @@ from kvstore.protowire import length_delimited
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
 from kvstore.v1 import transfer_pb2 as pb
 from tiers import blockcopy
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import MappedStore
 
 #: `blockcopy` result code -> transfer status code (0: not reached, SKIPPED once a prefix stopped).
 _CODES = bytes.maketrans(bytes([blockcopy.NOT_REACHED, blockcopy.FOUND, blockcopy.MISSING, blockcopy.CORRUPT]),
@@ -59,7 +59,7 @@ def fetch_keys(scope: BlockScope, block_hashes: bytes, *, block_bytes: int, max_
     return [prefix + block_hashes[i * HASH_BYTES:(i + 1) * HASH_BYTES] for i in range(n)]
 
 
-def copy_blocks(tier: LmdbBlockTier, keys: list[bytes], buffer: memoryview, block_bytes: int, prefix_only: bool
+def copy_blocks(tier: MappedStore, keys: list[bytes], buffer: memoryview, block_bytes: int, prefix_only: bool
                 ) -> tuple[bytes, list[bytes]]:
     """Look `keys` up in one read txn and verify-copy block i into `buffer[i * block_bytes:]` (on
     the tier's pool): Fetch's reply buffer, or a bulk staging slot.
@@ -88,7 +88,7 @@ def batch_results(codes: bytes, block_bytes: int) -> BatchResults:
     return results
 
 
-def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool
+def read_blocks(tier: MappedStore, keys: list[bytes], block_bytes: int, prefix_only: bool
                 ) -> tuple[Fetched, list[bytes]]:
     """Look `keys` up in one read txn and verify-copy them into the reply (on the tier's pool).
 
@@ -123,7 +123,7 @@ def read_blocks(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix
     return Fetched(results=results, wire=wire, found=found), due
 
 
-async def fetch(tier: LmdbBlockTier, keys: list[bytes], block_bytes: int, prefix_only: bool) -> Fetched:
+async def fetch(tier: MappedStore, keys: list[bytes], block_bytes: int, prefix_only: bool) -> Fetched:
     """Read `keys` on the tier's pool, then restart the DONE blocks' retention clocks durably.
 
     A refresh that fails fails the call (its KVStoreError), as it fails a Get:

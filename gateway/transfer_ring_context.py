@@ -15,15 +15,15 @@ if TYPE_CHECKING:
     from gateway.hit_stats import HitStats
     from gateway.transfer_session_table import SessionTable
     from gateway.validate import Layout
-    from tiers.lmdb_tier import LmdbBlockTier
     from tiers.ring import Mapping
+    from tiers.store import MappedStore
 
 
 @dataclass(kw_only=True)
 class RingContext:
     """What every ring of a server shares: the tier, sessions, limits and counters."""
 
-    tier: LmdbBlockTier
+    tier: MappedStore
     table: SessionTable
     layouts: dict[str, Layout]
     limit: int

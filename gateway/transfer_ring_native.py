@@ -49,7 +49,7 @@ def tier_mapping(ctx: RingContext) -> ring.Mapping | None:
     if ctx.mapping is None and not ctx.mapping_tried:
         ctx.mapping_tried = True
         try:
-            ctx.mapping = ring.Mapping(ctx.tier.env)
+            ctx.mapping = ctx.tier.map.mapping()
         except (LookupError, OSError, ValueError) as exc:
             log.warning("request rings: the native server is off (%s); the Python server answers", exc)
     return ctx.mapping
@@ -129,7 +129,7 @@ class NativeRing:
         table = self._region_table()
         ctx.take_slot()
         try:
-            txn = ctx.tier.env.begin()
+            txn = ctx.tier.map.begin()
             try:
                 due_before = Retention.touch_due_before(ctx.tier.retention_clock.now())
                 kind, value = ring.serve(self.address, seq, length, table, self.block_bytes, ctx.limit, self.prefix,
@@ -186,7 +186,7 @@ class NativeRing:
             self._region_table()
         finally:
             busy.release()
-        self._txn = ctx.tier.env.begin()
+        self._txn = ctx.tier.map.begin()
         self._wall = self._clock()
         self._due_before = Retention.touch_due_before(ctx.tier.retention_clock.now())
         return True

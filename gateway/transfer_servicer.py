@@ -35,7 +35,7 @@ from kvstore.transfer_ring import supported as ring_supported
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
 from tiers import blockcopy
-from tiers.lmdb_tier import LmdbBlockTier
+from tiers.store import MappedStore
 
 T = TypeVar("T")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Transfer"].full_name
@@ -74,7 +74,8 @@ class TransferServicer(pb_grpc.TransferServicer):
     """Batched one-sided transfers between the NVMe tier and client regions on this host.
 
     Args:
-        tier: the LMDB tier (owns the executor for blocking work).
+        tier: the store; it reads straight out of LMDB's map (`tiers.store.MappedStore`) and owns
+            the executor for blocking work.
         layouts: served geometries by name, the default first.
         settings: the transfer section of the configuration.
         max_message_bytes: the server's message limit; replies stay below it
@@ -84,7 +85,7 @@ class TransferServicer(pb_grpc.TransferServicer):
             request is charged to its tenant as a call is (None: ring requests are not charged).
     """
 
-    def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], settings: TransferSettings,
+    def __init__(self, tier: MappedStore, layouts: dict[str, Layout], settings: TransferSettings,
                  *, max_message_bytes: int | None = None, hits: HitStats | None = None, rate: Any = None) -> None:
         self.tier = tier
         self.rate = rate

@@ -1,21 +1,20 @@
 """The NVMe tier: global-KV blocks in LMDB, with the 72-hour retention guarantee.
 
-This module is the tier's front: it opens the store and runs each call in a
-transaction. The ideas live beside it (docs/RETENTION.md numbers the rules):
+The tier's front: it opens the store and runs each call in a transaction; the ideas
+live beside it (docs/RETENTION.md numbers the rules):
 
 - `tiers/retention.py`: the retention rule, what may be evicted and when, the retention clock.
 - `tiers/eviction.py`: making room, least recently used first.
 - `tiers/puts.py`: a Put's write transaction: what it protects, room made, blocks stored.
 - `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
-- `tiers/usage.py`: the usage totals, kept inside write transactions.
-- `tiers/reads.py`: verified reads and staged zero-copy reads.
-- `tiers/damage.py`: blocks on damaged pages met at run time.
-- `tiers/refresh.py`: group commit of retention refreshes.
+- `tiers/usage.py`: the usage totals, kept inside write transactions; `tiers/refresh.py`: refreshes' group commit.
+- `tiers/reads.py`: verified and staged zero-copy reads; `tiers/damage.py`: damaged pages met at run time.
 - `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
 - `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk records, leases,
   counters; `tiers/tally.py`: each call's outcome counted; `tiers/datadir.py`: the data dir.
 
-All methods here block; the service runs them on `executor`, the tier's one bounded pool, through `call`.
+It implements `tiers.store`'s BlockStore, MappedReads (`map`: `tiers/lmdb_map.py`) and ManagedStore,
+which are all the gateway sees of it. Its methods block; the service runs them on `executor`, through `call`.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from tiers.damage import DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
 from tiers.eviction import Evicted, SkippedRuns
 from tiers.leases import Lease, LeaseTable
+from tiers.lmdb_map import LmdbMap
 from tiers.namespaces import NamespaceUsage
 from tiers.puts import RoomRules, commit_puts
 from tiers.reads import READ_STATUS, ReadStatus, StagedReads
@@ -105,6 +105,7 @@ class LmdbBlockTier:
         self._damage = DamagedBlocks(settings.data_dir, self._tally.damaged_on_page, self.env)
         self._refresh = RefreshBatcher(self.executor, self.touch)
         self.chains = ChainIndex(self.env, self._records, self._damage)
+        self.map = LmdbMap(self.env, self._records)  # the MappedReads capability's raw read txns
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -124,9 +125,9 @@ class LmdbBlockTier:
     def _write(self) -> Iterator[BlockTxn]:
         """A write transaction that commits with the usage totals, counters and retention clock.
 
-        The totals are read inside the transaction (after LMDB's writer lock is
-        held) and written back by it, so an abort changes nothing (R14); the
-        in-memory copy is replaced after the commit, by the newest commit only.
+        The totals are read inside the transaction (after LMDB's writer lock is held) and written
+        back by it, so an abort changes nothing (R14); the in-memory copy is replaced after the commit,
+        by the newest commit only.
         """
         with self.env.begin(write=True) as txn:
             w = BlockTxn(txn, self._dbs, unreadable=self._damage.snapshot())
@@ -154,9 +155,8 @@ class LmdbBlockTier:
             scope: layout and tenant.
             hashes: the prompt's chain hashes, from its first block.
             lease_s: pin the deepest found block (and so its prefix) this long; 0: no lease.
-            touch_due: if given, the deepest found block's key is appended to it when
-                its retention clock is due a restart (what `touch` would write), so
-                the caller refreshes it (R5) without reading it again.
+            touch_due: if given, the deepest found block's key is appended to it when its retention
+                clock is due a restart (what `touch` would write): the caller refreshes it (R5).
         """
         found, last_use_s = self.chains.find(scope, hashes)
         if touch_due is not None and found and self.rule.touch_due(last_use_s, self.retention_clock.now()):
@@ -165,6 +165,10 @@ class LmdbBlockTier:
         tokens = self.settings.block_tokens
         self._tally.lookup(asked_tokens=len(hashes) * tokens, found_tokens=found * tokens)
         return found, lease
+
+    def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
+        """Drop a lease (`LeaseTable.release`): False when unknown, expired, or pinning a key `owns` refuses."""
+        return self.leases.release(lease_id, owns=owns)
 
     # -- writes ------------------------------------------------------------
 
@@ -265,20 +269,17 @@ class LmdbBlockTier:
                   ) -> list[ReadStatus | None]:
         """Copy blocks straight from LMDB's map into caller memory, in one read txn.
 
-        Each block is checksum-verified in the map before it is copied, so a
-        corrupt block never reaches `dests` (it is reported, counted and dropped
-        as `read` does). The only copy is map -> destination. This is
-        `stage_reads` then `StagedReads.copy` on one thread; the transfer path
-        runs the two halves on different threads.
+        Each block is checksum-verified in the map before it is copied, so a corrupt block never
+        reaches `dests` (it is reported, counted and dropped as `read` does). The only copy is map ->
+        destination: `stage_reads`, then `StagedReads.copy` (the transfer path runs them on two threads).
 
         Args:
             keys: storage keys, in order.
             dests: one writable view per key, each exactly the block's size; None
                 skips that key (its result is None).
             stop_at_missing: stop at the first block not FOUND; later results are None.
-            touch_due: if given, the keys of FOUND blocks whose retention clock is
-                due a restart (those `touch` would write) are appended to it, so the
-                caller touches only those without reading their records again.
+            touch_due: if given, the keys of FOUND blocks whose retention clock is due a restart
+                (those `touch` would write) are appended to it, so the caller touches only those.
 
         Returns:
             A status per key; None where the key was skipped or not reached.
@@ -322,10 +323,9 @@ class LmdbBlockTier:
     def export_records(self, namespace: str) -> Iterator[export.ExportRecord]:
         """Every block of `namespace` (every geometry) as `ExportRecord`s, parents first (R21).
 
-        Each `ExportRecord(namespace, fingerprint, block_hash, parent_hash, depth,
-        checksum, data)` is verified against its checksum; a corrupt one is left out
-        (and dropped, as a read drops it) with everything below it. `next()` reads
-        LMDB (`EXPORT_CHUNK` blocks at a time): call it on the tier's executor.
+        Each `ExportRecord(namespace, fingerprint, block_hash, parent_hash, depth, checksum, data)` is
+        verified against its checksum; a corrupt one is left out (and dropped, as a read drops it) with
+        everything below it. `next()` reads LMDB (`EXPORT_CHUNK` blocks at a time): call it on the executor.
         """
         return export.export_records(self.env, self._dbs, namespace, self.drop_corrupt, self._damage.note)
 

@@ -172,3 +172,30 @@ def test_no_module_imports_itself_back() -> None:
     # The transfer paths see their session through transfer_path.SessionView, and both ring
     # servers take RingContext from its own module, so that the layout reads one way.
     assert _circles(_module_graph()) == []
+
+
+#: Gateway modules that may name the LMDB tier (and its `env`), and why. Every other one sees
+#: its store through `tiers.store` (BlockStore and its capabilities; docs/ARCHITECTURE.md).
+LMDB_TIER_IMPORTERS = {
+    # The composition: it opens the node's tier and hands it to the services as their store.
+    "gateway/server.py",
+    # A node's own re-replication and Fleet service read the run index in its LMDB
+    # (tiers.run_index); next: behind methods of the tier (docs/FLEET.md).
+    "gateway/fleet_repair.py",
+    "gateway/fleet_servicer.py",
+}
+
+
+def test_the_gateway_sees_its_store_through_the_protocol() -> None:
+    offenders = {}
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel in LMDB_TIER_IMPORTERS:
+            continue
+        # (The mapped paths may hold `lmdb.Transaction`s: the MappedReads capability lends them.)
+        raw = [n for n in ("tiers.lmdb_tier",) if n in _full_imports(path)]
+        if "tier.env" in path.read_text():  # a raw LMDB transaction begun by the gateway itself
+            raw.append("tier.env")
+        if raw:
+            offenders[rel] = raw
+    assert offenders == {}
