@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kvstore.version import __version__
 
 if TYPE_CHECKING:
     from kvstore.client import Client

@@ -114,6 +114,29 @@ class ConfigError(KVStoreError):
     """A configuration value is missing or out of range (raised at start-up)."""
 
 
+class PutNotReplicated(KVStoreError):
+    """A fleet Put stopped part-way: some copy of a run was not made durable (docs/FLEET.md, "Data path").
+
+    The first `stored_blocks` blocks of the Put are durable on every replica of their
+    runs; nothing after them is acknowledged (a copy may be on some replicas: blocks
+    never change, so putting the same blocks again is safe and completes it).
+
+    Args:
+        message: which runs failed on which nodes, and why.
+        stored_blocks: blocks of this Put, from its first, stored on all their replicas.
+        failures: (run index, node id, the error that node's Put raised), one per failed copy.
+    """
+
+    def __init__(self, message: str, *, stored_blocks: int,
+                 failures: tuple[tuple[int, str, KVStoreError], ...]) -> None:
+        super().__init__(message, hint="put the same blocks again (stored ones are kept, not rewritten); "
+                                       "a dead node leaves the placement when its lease ends")
+        self.stored_blocks = stored_blocks
+        self.failures = failures
+        #: Retryable when every failed copy's error was (a node away, say; not a refused block).
+        self.retryable = bool(failures) and all(e.retryable for _, _, e in failures)
+
+
 STATUS_CODES: dict[type[KVStoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,

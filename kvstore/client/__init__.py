@@ -30,6 +30,15 @@ Batched transfers (docs/TRANSFER.md):
   gRPC and bulk (Mooncake) paths; `transfer_ring`, `transfer_ring_request`: the
   request ring and its request bytes.
 
+A fleet of nodes (docs/FLEET.md, "Data path"): `Client("etcd://...")` is a `FleetClient`:
+
+- `fleet`: `FleetClient`, routing each call; `fleet_address`: the `etcd://` address;
+  `fleet_view`: the live nodes (the membership view on a thread); `fleet_nodes`: one
+  connection per node and the read order of replicas; `fleet_chain`: a chain's hashes
+  run by run; `fleet_put`, `fleet_lookup`, `fleet_get`: the replicated Put, the Lookup
+  across runs, the Get with failover; `fleet_refresh`: the refreshes of the other copies.
+- `retry`: `Retry`, the one retry policy (capped, jittered backoff over retryable errors).
+
 Direct restore on the store's host (docs/DIRECT_RESTORE.md):
 
 - `colocated`, `colocated_read`, `colocated_memory`: the same-host reader of the
@@ -44,6 +53,8 @@ Imports point one way: store -> swa, transfer -> blocks -> connection -> argumen
 """
 
 from kvstore.client.connection import Connection, TlsOptions
+from kvstore.client.fleet import FleetClient  # registers the etcd:// scheme with Client
+from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.client.store import Client, GetResult, LookupResult, PutResult, as_buffer
 from kvstore.client.swa import SwaClient, SwaPutResult
 from kvstore.client.transfer import PATHS, TransferSession
@@ -54,10 +65,13 @@ __all__ = [
     "PATHS",
     "Client",
     "Connection",
+    "ExponentialBackoff",
+    "FleetClient",
     "GetResult",
     "KVStoreError",
     "LookupResult",
     "PutResult",
+    "Retry",
     "SwaClient",
     "SwaPutResult",
     "TlsOptions",

@@ -21,6 +21,7 @@ from kvstore.client.blocks import stream_blocks
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
+from kvstore.client.retry import Retry
 from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
 from kvstore.counted import counted
@@ -38,6 +39,9 @@ _UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
+#: Client classes by the scheme of their target ("etcd" -> kvstore.client.fleet.FleetClient, which
+#: registers itself); a target without a registered scheme is one server.
+ADDRESS_SCHEMES: dict[str, type[Client]] = {}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +90,10 @@ class Client:
     """A connection to a kvstore server for one tenant and one geometry.
 
     Args:
-        target: "host:port" of the server (or the gateway).
+        target: "host:port" of the server (or the gateway), or a fleet's
+            "etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]" (then the client is a
+            `kvstore.client.fleet.FleetClient`, which routes each call to the nodes
+            holding the blocks: docs/FLEET.md).
         namespace: the tenant; blocks of two tenants never mix. '' (the default) is the
             token's tenant ("default" on a server without auth); only an admin token may
             name another.
@@ -94,14 +101,26 @@ class Client:
         timeout_s: deadline of each call.
         token: the API token (`kvstore tenant create`); None for a server without auth.
         tls: TLS options (`kvstore.client.TlsOptions`); None for plaintext.
+        retry: the policy (`kvstore.client.retry.Retry`) of the calls safe to repeat: a
+            Lookup without a lease and Stats, retried on UNAVAILABLE (default: 2 retries,
+            50 ms to 1 s of jittered backoff). Puts, leased Lookups, Gets and Release are
+            sent once: a lost reply would make a retry answer otherwise.
 
     Every method raises a `kvstore.errors` class, never a bare ValueError or
     TypeError: `InvalidArgument` for a bad argument (nothing sent), the class
     of the server's status otherwise.
     """
 
+    def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Client:
+        """The class of `target`'s scheme (`ADDRESS_SCHEMES`: a fleet client for etcd://), else this one."""
+        if cls is Client and isinstance(target, str) and "://" in target:
+            cls = ADDRESS_SCHEMES.get(target.split("://", 1)[0], cls)
+        return object.__new__(cls)
+
     def __init__(self, target: str, *, namespace: str = "", geometry: str = "",
-                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None) -> None:
+                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None,
+                 retry: Retry | None = None) -> None:
+        self.retry = retry or Retry(retries=2)
         #: The channel, its call plumbing and what the server said; `swa` and `transfer()` share it.
         self.connection = c = Connection(target, namespace=namespace, geometry=geometry, timeout_s=timeout_s,
                                          token=token, tls=tls)
@@ -169,9 +188,12 @@ class Client:
         swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
-        reply = self.connection.call(self.connection.kvstore.Lookup, pb.LookupRequest(
-            geometry=self.geometry, namespace=self.namespace, block_hashes=hashes, lease_ms=lease_ms,
-            swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit))
+        request = pb.LookupRequest(geometry=self.geometry, namespace=self.namespace, block_hashes=hashes,
+                                   lease_ms=lease_ms, swa_keys=swa_keys, swa_positions=swa_positions,
+                                   swa_resume_limit=swa_resume_limit)
+        # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
+        retry = self.retry if not lease_ms else Retry(retries=0)
+        reply = retry.call(lambda: self.connection.call(self.connection.kvstore.Lookup, request))
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
                             lease_id=reply.lease_id or None, block_hashes=hashes,
                             swa_position=reply.swa_position if reply.swa_found else None,
@@ -303,8 +325,8 @@ class Client:
     def stats(self, *, tenant: str = "", windows: Sequence[str] = (), chart_points: int = 0) -> pb.StatsResponse:
         """The server's counters, hit rates and headroom; hit windows of `tenant` ("": every tenant
         the caller may see), only `windows` if named, and a 24-hour series of `chart_points` slices."""
-        return self.connection.call(self.connection.kvstore.Stats, pb.StatsRequest(
-            tenant=tenant, windows=list(windows), chart_points=chart_points))
+        request = pb.StatsRequest(tenant=tenant, windows=list(windows), chart_points=chart_points)
+        return self.retry.call(lambda: self.connection.call(self.connection.kvstore.Stats, request))
 
     def report_resume(self, *, prompt_tokens: int, found_tokens: int, usable_tokens: int, action: str,
                       wait: bool = True) -> Future[None]:

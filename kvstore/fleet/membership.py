@@ -441,7 +441,7 @@ async def register_node(fleet: FleetSettings, *, node_id: str, address: str, cap
         ConfigError: the fleet places blocks with another layout.
         FailedPrecondition: another live node holds this node id.
     """
-    from kvstore import __version__
+    from kvstore.version import __version__
 
     record = NodeRecord(node_id=node_id, address=address, host=socket.gethostname(), capacity_bytes=capacity_bytes,
                         started_at=time.time(), version=__version__)

@@ -1,0 +1,303 @@
+"""`kvstore.Client` over a fleet: `Client("etcd://HOST:PORT[,...]/CLUSTER")` routes every call itself.
+
+The client follows the fleet's membership in etcd (`fleet_view`), holds one
+connection per node (`fleet_nodes`), places each run of a chain with the same
+rendezvous hashing as the nodes (`kvstore.fleet.placement`), and sends the data
+straight between the worker and the nodes that hold it: a Put to every replica
+of each run (`fleet_put`), a Lookup to one replica per run at once
+(`fleet_lookup`), a Get from each run's nearest replica with failover
+(`fleet_get`), and the refreshes of the copies a read did not ask in the
+background (`fleet_refresh`). Hashes are the fleet's (`fleet_chain`: one chain
+per run, bridged), so `hashes`, `lookup_hashes` and `stream` take and give
+those. Rules: docs/FLEET.md, "Data path".
+
+Not in a fleet yet: the SWA pool, transfer sessions, direct restore, resume
+reports and store-wide stats through this client (`node_stats` gives each
+node's); those raise FailedPrecondition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn
+
+from kvstore.client import arguments
+from kvstore.client.connection import Connection, TlsOptions
+from kvstore.client.fleet_address import parse_fleet_address
+from kvstore.client.fleet_chain import fleet_hashes
+from kvstore.client.fleet_get import stream_runs
+from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
+from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.fleet_put import RunPut, put_runs
+from kvstore.client.fleet_refresh import Refresher
+from kvstore.client.retry import Retry
+from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, LookupResult, PutResult
+from kvstore.config_sections import FleetSettings
+from kvstore.counted import counted
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
+from kvstore.fleet.placement import RunPlacement, place_chain
+from kvstore.prefix import ExtraKey
+from kvstore.v1 import kvstore_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.client.fleet_view import FleetView
+    from kvstore.client.swa import SwaClient
+    from kvstore.client.transfer import TransferSession
+
+#: Blocks of data per Put request to a node, as the single-server client sends.
+_PUT_BATCH_BYTES = 4 << 20
+#: Copies of a Put's runs made at once (a run's replicas, in parallel).
+_PUT_THREADS = 8
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetLookupResult(LookupResult):
+    """A fleet Lookup's result: `LookupResult`, and the nodes it asked."""
+
+    nodes_asked: frozenset[str] = field(default_factory=frozenset)
+
+
+class FleetClient(Client):
+    """A client of a fleet of storage nodes for one tenant and one geometry (see the module's docstring).
+
+    Args:
+        target: `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (cluster `default` when omitted).
+        namespace, geometry, timeout_s, token, tls: as `kvstore.Client`'s, for every node.
+        replication: copies of every run a Put makes ([fleet] replication, 2 by default); fewer when fewer
+            nodes are live (one copy on each).
+        retry: the policy of failover rounds and of each copy's Put (default: 3 retries, 50 ms to 1 s).
+
+    Raises:
+        InvalidArgument: a malformed address.
+        Unavailable: etcd does not answer, no node of the cluster is live, or none answers.
+        ConfigError: a node's block size differs from the fleet's recorded layout.
+    """
+
+    def __init__(self, target: str, *, namespace: str = "", geometry: str = "", timeout_s: float = 120.0,
+                 token: str | None = None, tls: TlsOptions | None = None, replication: int | None = None,
+                 retry: Retry | None = None) -> None:
+        address = parse_fleet_address(arguments.text(target, "target"))
+        self.replication = arguments.integer(FleetSettings.replication if replication is None else replication,
+                                             "replication", least=1)
+        self.retry = retry or Retry()
+        # Imported here: a single-server client never loads the etcd client (aetcd and its protobufs).
+        from kvstore.client.fleet_view import FleetView
+
+        self.view: FleetView = FleetView(address, timeout_s=min(arguments.seconds(timeout_s, "timeout_s"), 5.0))
+        self.run_blocks = self.view.layout.run_blocks
+        self.pool = NodePool(self.view, namespace=namespace, geometry=geometry, timeout_s=timeout_s, token=token,
+                             tls=tls)
+        self.refresher = Refresher(self.pool)
+        self._executor = ThreadPoolExecutor(_PUT_THREADS, thread_name_prefix="fleet-put")
+        try:
+            first = self._any_node()
+        except BaseException:
+            self.close()
+            raise
+        self.target, self.namespace, self.timeout_s = str(address), first.namespace, first.timeout_s
+        self.geometry = first.geometry
+        self.fingerprint, self.block_tokens, self.block_bytes = first.fingerprint, first.block_tokens, first.block_bytes
+        self.max_batch_blocks, self.max_message_bytes = first.max_batch_blocks, first.max_message_bytes
+        self.max_lease_ms, self.root = first.max_lease_ms, first.root
+        self._batch_limit = first.batch_blocks
+
+    def _any_node(self) -> Connection:
+        """A connection to some live node (what every node serves: block size, geometry, limits)."""
+        last: KVStoreError = Unavailable(f"no node of fleet {self.view.address.cluster!r} is live",
+                                         hint="start a node, or wait for etcd's view")
+        for node_id in sorted(self.view.nodes):
+            try:
+                c = self.pool.connection(node_id)
+            except KVStoreError as exc:
+                last = exc
+                continue
+            if c.block_tokens != self.view.layout.block_tokens:
+                raise ConfigError(f"node {node_id} serves {c.block_tokens}-token blocks, but fleet "
+                                  f"{self.view.address.cluster!r} places {self.view.layout.block_tokens}-token ones")
+            return c
+        raise last
+
+    def close(self) -> None:
+        """Send the queued refreshes (a few seconds at most), then close every connection and the view."""
+        self.refresher.close()
+        self._executor.shutdown(wait=True)
+        self.pool.close()
+        self.view.close()
+
+    # -- placement ---------------------------------------------------------
+
+    def placement(self, chain: Sequence[bytes]) -> tuple[RunPlacement, ...]:
+        """Where each run of `chain` (fleet hashes from block 0) lives now, replicas best first.
+
+        Raises:
+            Unavailable: no node is live.
+        """
+        nodes = self.view.nodes
+        return place_chain(chain, nodes, run_blocks=self.run_blocks,
+                           replication=max(1, min(self.replication, len(nodes))))
+
+    # -- addressing --------------------------------------------------------
+
+    def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+        """The fleet hashes of every full block of `tokens`, from the prompt start (`fleet_chain`)."""
+        return fleet_hashes(arguments.token_ids(tokens), root=self.root, block_tokens=self.block_tokens,
+                            run_blocks=self.run_blocks, extra_keys=arguments.extra_keys(extra_keys))
+
+    # -- calls -------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
+               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
+        """How many leading tokens of `tokens` are stored on the fleet (`Client.lookup`; no SWA yet)."""
+        if swa_positions:
+            self._not_in_a_fleet("the SWA pool's snapshots (swa_positions)")
+        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms)
+
+    def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
+                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> FleetLookupResult:
+        """`lookup` by fleet hashes from block 0: the prefix whose every run is on a live replica.
+
+        With `lease_ms`, every node asked leases what it found; the result's `lease_id` names them all.
+        """
+        hashes = arguments.hashes(hashes, "hashes")
+        lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
+        if swa_keys or swa_positions:
+            self._not_in_a_fleet("the SWA pool's snapshots (swa_keys)")
+        if not hashes:
+            return FleetLookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
+        found = lookup_runs(self.pool, self.placement(hashes), hashes, lease_ms=lease_ms, retry=self.retry,
+                            refresher=self.refresher)
+        return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found.found_blocks * self.block_tokens,
+                                 lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked)
+
+    def release(self, lease_id: str) -> bool:
+        """Drop a fleet Lookup's lease on every node; False when some part had already expired."""
+        return release_lease(self.pool, arguments.text(lease_id, "lease_id"))
+
+    def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
+            extra_keys: Sequence[ExtraKey] = (), first_block: int = 0, parent: bytes | None = None,
+            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None) -> PutResult:
+        """Store the blocks of `tokens` from block `first_block` on every replica of their runs (`Client.put`).
+
+        Acknowledged only when every copy is durable; `on_batch` is called with each run's block count once
+        that run is on all its replicas. `parent` is accepted and checked, not needed: the client hashes the
+        prefix itself (it places runs by their first hash).
+
+        Raises:
+            PutNotReplicated: a copy failed (which runs, which nodes, how many leading blocks are on all
+                their replicas; nothing after them is acknowledged). Putting the same blocks again is safe.
+            InvalidArgument: wrong block count, size or type, or a bad argument (nothing stored).
+            FailedPrecondition: the block before `first_block` is not stored on its run's replicas.
+        """
+        tokens = arguments.token_ids(tokens)
+        first_block = arguments.integer(first_block, "first_block")
+        if batch_blocks is not None:
+            batch_blocks = arguments.integer(batch_blocks, "batch_blocks", least=1)
+        if on_batch is not None and not callable(on_batch):
+            raise InvalidArgument(f"on_batch must be callable, got {type(on_batch).__name__}")
+        payload = arguments.buffers(blocks, "blocks", self.block_bytes)
+        chain = self.hashes(tokens, extra_keys=extra_keys)
+        if len(chain) - first_block != len(payload):
+            given, wanted = counted(len(payload), "block"), counted(len(chain) - first_block, "full block")
+            raise InvalidArgument(f"{given} given for {wanted} of tokens from block {first_block}")
+        if parent and first_block and arguments.one_hash(parent, "parent") != chain[first_block - 1]:
+            raise InvalidArgument(f"parent is not the fleet hash of block {first_block - 1} of these tokens")
+        end = len(chain)
+        if first_block:
+            self._check_parent(chain, first_block)
+        runs = [RunPut(placement=r, first_block=max(r.first_block, first_block), end_block=r.end_block)
+                for r in self.placement(chain) if r.end_block > first_block]
+        step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self._batch_limit)
+        done = put_runs(self.pool, runs, chain=chain, tokens=tokens, payload=payload, first_block=first_block,
+                        extra_keys=arguments.extra_keys(extra_keys), step=step, executor=self._executor,
+                        retry=self.retry, on_batch=on_batch)
+        return PutResult(block_hashes=chain[first_block:end], written_blocks=done.written_blocks,
+                         existing_blocks=done.existing_blocks)
+
+    def _check_parent(self, chain: Sequence[bytes], first_block: int) -> None:
+        """R6 across runs: a Put from `first_block` needs block `first_block - 1` stored on some replica of its
+        run (a node checks this itself within a run, but the run before a run's first block is elsewhere).
+
+        Raises:
+            FailedPrecondition: it is not.
+        """
+        run = self.placement(chain[:first_block])[-1]
+        have = run_found(self.pool, run, chain, self.retry).found
+        if run.first_block + have < first_block:
+            raise FailedPrecondition(f"block {first_block - 1} (the parent of block {first_block}) is not stored "
+                                     f"on any replica of its run: {have} of its run's blocks are",
+                                     hint="put the prefix first; nothing was stored")
+
+    def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
+            first_block: int = 0, num_blocks: int | None = None) -> GetResult:
+        """Fetch blocks of `tokens` (from `first_block`, `num_blocks` of them or all), each run from its
+        nearest live replica."""
+        first_block = arguments.integer(first_block, "first_block")
+        chain = self.hashes(tokens, extra_keys=extra_keys)
+        end = len(chain) if num_blocks is None else min(len(chain), first_block + arguments.integer(
+            num_blocks, "num_blocks"))
+        blocks: list[bytes | None] = []
+        statuses: list[str] = []
+        for _, status, data in self._stream(chain, first_block, end):
+            blocks.append(data if status == pb.BLOCK_STATUS_FOUND else None)
+            statuses.append(pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower())
+        return GetResult(blocks=blocks, statuses=statuses)
+
+    def stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
+        """(index, status, data) per block of `hashes`, which in a fleet must be a chain from block 0
+        (`hashes()` of a prompt, or a prefix of it: each run is found by its first hash)."""
+        chain = arguments.hashes(hashes, "hashes")
+        return self._stream(chain, 0, len(chain))
+
+    def _stream(self, chain: Sequence[bytes], first_block: int, end_block: int) -> Iterator[tuple[int, int, bytes]]:
+        if first_block >= end_block:
+            return iter(())
+        return stream_runs(self.pool, self.placement(chain[:end_block]), chain, first_block=first_block,
+                           end_block=end_block, retry=self.retry, refresher=self.refresher)
+
+    def node_stats(self) -> dict[str, pb.StatsResponse]:
+        """Each live node's Stats (node id -> its counters); a node that does not answer is left out."""
+        found = {}
+        for node_id in sorted(self.view.nodes):
+            try:
+                c = self.pool.connection(node_id)
+                found[node_id] = c.call(c.kvstore.Stats, pb.StatsRequest())
+            except KVStoreError:
+                continue
+        return found
+
+    # -- not in a fleet yet ------------------------------------------------
+
+    def _not_in_a_fleet(self, what: str) -> NoReturn:
+        raise FailedPrecondition(f"{what}: not available through a fleet client yet (issue 23)",
+                                 hint="use a kvstore.Client of one node's host:port for it")
+
+    @property
+    def swa(self) -> SwaClient:  # type: ignore[override]
+        """Not in a fleet yet."""
+        self._not_in_a_fleet("the SWA pool")
+
+    def transfer(self, *, path: str = "auto", ring: bool = True) -> TransferSession:
+        """Not in a fleet yet."""
+        self._not_in_a_fleet("transfer sessions")
+
+    def stats(self, *, tenant: str = "", windows: Sequence[str] = (), chart_points: int = 0) -> pb.StatsResponse:
+        """Not in a fleet yet: `node_stats` gives each node's."""
+        self._not_in_a_fleet("store-wide stats (node_stats() gives each node's)")
+
+    def report_resume(self, *, prompt_tokens: int, found_tokens: int, usable_tokens: int, action: str,
+                      wait: bool = True) -> NoReturn:
+        """Not in a fleet yet."""
+        self._not_in_a_fleet("resume reports")
+
+    def transfer_stats(self) -> NoReturn:
+        """Not in a fleet yet."""
+        self._not_in_a_fleet("transfer stats")
+
+
+ADDRESS_SCHEMES["etcd"] = FleetClient
+
+__all__ = ["FleetClient", "FleetLookupResult"]

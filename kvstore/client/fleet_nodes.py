@@ -1,0 +1,123 @@
+"""The fleet client's connections, one per node, and the order a run's replicas are read in.
+
+`NodePool` holds one `Connection` per live node (opened at first use, opened
+again when a node comes back at another address) and remembers the nodes that
+just failed a call, so that for a few seconds they are asked last (a node killed
+stays in etcd's view until its lease ends: F3).
+
+Reads go to the nearest replica (docs/FLEET.md, "Data path"): a node on this
+host first, then the others in an order drawn per client and per run (a
+rendezvous score salted with this client's random salt), so the readers of a
+shared system prompt spread over all its replicas instead of pinning the
+placement's first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.client.connection import Connection, TlsOptions
+from kvstore.errors import KVStoreError, Unavailable
+from kvstore.fleet.placement import score
+
+if TYPE_CHECKING:
+    from kvstore.client.fleet_view import FleetView
+
+#: Seconds a node that failed a call is asked last.
+SUSPECT_S = 5.0
+
+
+class NodePool:
+    """One connection per node of a fleet, for one tenant and geometry.
+
+    Args:
+        view: the live nodes.
+        namespace, geometry, timeout_s, token, tls: as `kvstore.Client`'s, for every node.
+        clock: monotonic seconds (injected in tests).
+        suspect_s: seconds a node that failed a call is read last (0: never moved back).
+    """
+
+    def __init__(self, view: FleetView, *, namespace: str, geometry: str, timeout_s: float, token: str | None,
+                 tls: TlsOptions | None, clock: Callable[[], float] = time.monotonic,
+                 suspect_s: float = SUSPECT_S) -> None:
+        self.view = view
+        self._options = {"namespace": namespace, "geometry": geometry, "timeout_s": timeout_s, "token": token,
+                         "tls": tls}
+        self._clock = clock
+        self.suspect_s = suspect_s
+        #: Failed calls per node since the pool opened.
+        self.failures: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._connections: dict[str, Connection] = {}
+        self._opening: dict[str, threading.Lock] = {}
+        self._failed_at: dict[str, float] = {}
+        #: This client's salt for spreading reads over replicas.
+        self.salt = os.urandom(16)
+        self.hostname = socket.gethostname()
+
+    def connection(self, node_id: str) -> Connection:
+        """The connection to `node_id` (opened now if needed).
+
+        Raises:
+            Unavailable: the node is not in the view, or does not answer.
+            KVStoreError: the node refused the connection (the class of its status).
+        """
+        record = self.view.nodes.get(node_id)
+        if record is None:
+            raise Unavailable(f"node {node_id} is not in fleet {self.view.address.cluster!r} now")
+        with self._lock:
+            found = self._connections.get(node_id)
+            if found is not None and found.target == record.address:
+                return found
+            opening = self._opening.setdefault(node_id, threading.Lock())
+        with opening:  # one GetInfo per node at a time, not one per thread
+            with self._lock:
+                found = self._connections.get(node_id)
+            if found is not None and found.target == record.address:
+                return found
+            try:
+                fresh = Connection(record.address, **self._options)  # type: ignore[arg-type]
+            except KVStoreError:
+                self.failed(node_id)
+                raise
+            with self._lock:
+                old, self._connections[node_id] = self._connections.get(node_id), fresh
+            if old is not None:
+                old.close()
+            return fresh
+
+    def failed(self, node_id: str) -> None:
+        """Note that `node_id` just failed a call: it is read last for `suspect_s`."""
+        with self._lock:
+            self.failures[node_id] += 1
+            self._failed_at[node_id] = self._clock()
+
+    def suspect(self, node_id: str) -> bool:
+        """Whether `node_id` failed a call within the last `suspect_s`."""
+        with self._lock:
+            failed_at = self._failed_at.get(node_id)
+            return failed_at is not None and self._clock() - failed_at < self.suspect_s
+
+    def read_order(self, run_key: bytes, replicas: Sequence[str]) -> list[str]:
+        """The order to read a run's replicas in: this host's first, then per this client's draw; suspects last."""
+        nodes = self.view.nodes
+
+        def rank(node_id: str) -> tuple[bool, bool, int]:
+            record = nodes.get(node_id)
+            here = record is not None and record.host == self.hostname
+            return self.suspect(node_id), not here, -score(self.salt + run_key, node_id)
+
+        return sorted(replicas, key=rank)
+
+    def close(self) -> None:
+        """Close every connection."""
+        with self._lock:
+            connections, self._connections = list(self._connections.values()), {}
+        for c in connections:
+            c.close()

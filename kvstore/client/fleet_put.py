@@ -1,0 +1,119 @@
+"""A Put in a fleet: every run of the chain to each of its replicas, run after run, acknowledged when all are durable.
+
+Blocks never change once written (a block's hash names its tokens and its whole
+prefix), so no consensus is needed per write: each copy is a plain Put on its
+node (durable before it answers, R1), the copies of one run go out at once, and
+the Put is acknowledged only when every copy of every run answered OK. Runs go
+in chain order, the next only once the last is on all its replicas: so a run
+stored anywhere had every run before it stored on all their replicas (the rule
+docs/FLEET.md gives across runs). When a copy fails (after the retry policy's
+rounds), the Put stops at that run and raises `PutNotReplicated`, naming the
+failed runs and nodes and how many leading blocks are on all their replicas;
+nothing after those is reported stored. Putting the same blocks again is safe:
+stored blocks are refreshed, not rewritten (R5), and the missing copies made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from kvstore.client.fleet_chain import run_extra_keys
+from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.puts import put_blocks
+from kvstore.client.retry import Retry
+from kvstore.counted import counted
+from kvstore.errors import Internal, KVStoreError, PutNotReplicated
+from kvstore.fleet.placement import RunPlacement
+from kvstore.prefix import ExtraKey
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPut:
+    """One run's part of a Put: blocks [first_block, end_block) of the chain to every replica."""
+
+    placement: RunPlacement
+    first_block: int
+    end_block: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicatedPut:
+    """What a replicated Put stored: per block, whether some replica newly wrote it."""
+
+    written_blocks: int
+    existing_blocks: int
+
+
+def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], tokens: Sequence[int],
+             payload: Sequence[bytes], first_block: int, extra_keys: Sequence[ExtraKey], step: int,
+             executor: Executor, retry: Retry, on_batch: Callable[[int], None] | None) -> ReplicatedPut:
+    """Put each run on all its replicas, in chain order (see the module's docstring).
+
+    Args:
+        pool: the fleet's node connections.
+        runs: the runs this Put covers, in order.
+        chain: the fleet hashes of the chain, at least to the Put's last block.
+        tokens: the whole prompt's token ids.
+        payload: the Put's blocks, from `first_block`.
+        first_block: the chain index of payload[0].
+        extra_keys: the caller's extra keys (each run adds its bridge).
+        step: blocks per request to a node.
+        executor: runs the copies of a run at once.
+        retry: the policy each copy's Put is retried under.
+        on_batch: called with a run's block count once it is on all its replicas.
+
+    Raises:
+        PutNotReplicated: a copy failed; `stored_blocks` leading blocks are on all their replicas.
+    """
+    written = existing = 0
+    for part in runs:
+        run = part.placement
+        parent = chain[part.first_block - 1] if part.first_block > run.first_block else b""
+        keys = run_extra_keys(extra_keys, chain[run.first_block - 1] if run.first_block else None)
+        blocks = list(payload[part.first_block - first_block: part.end_block - first_block])
+
+        def copy(node_id: str, parent: bytes = parent, keys: list[ExtraKey] = keys, blocks: list[bytes] = blocks,
+                 start: int = part.first_block) -> list[pb.PutResponse]:
+            return retry.call(lambda: put_blocks(pool.connection(node_id), tokens, blocks, first_block=start,
+                                                 parent=parent, extra_keys=keys, step=step, on_batch=None))
+
+        futures = {node: executor.submit(copy, node) for node in run.replicas}
+        failures: list[tuple[int, str, KVStoreError]] = []
+        most_written = 0
+        for node, future in futures.items():
+            try:
+                replies = future.result()
+            except KVStoreError as exc:
+                pool.failed(node)
+                failures.append((run.run, node, exc))
+                continue
+            _check_hashes(replies, chain[part.first_block:part.end_block], node)
+            most_written = max(most_written, sum(r.written_blocks for r in replies))
+        if failures:
+            raise _not_replicated(failures, part, stored=part.first_block - first_block, total=len(payload))
+        written += most_written
+        existing += len(blocks) - most_written
+        if on_batch is not None:
+            on_batch(len(blocks))
+    return ReplicatedPut(written_blocks=written, existing_blocks=existing)
+
+
+def _check_hashes(replies: Sequence[pb.PutResponse], expected: Sequence[bytes], node: str) -> None:
+    """A node that hashes a run otherwise than the client (another block size, say) is a misconfigured fleet."""
+    got = [h for r in replies for h in r.block_hashes]
+    if got != list(expected):
+        raise Internal(f"node {node} stored the run under other hashes than the client computed: nodes and "
+                       "clients of a fleet must share block_tokens and geometry")
+
+
+def _not_replicated(failures: list[tuple[int, str, KVStoreError]], part: RunPut, *, stored: int,
+                    total: int) -> PutNotReplicated:
+    why = "; ".join(f"node {node}: {type(e).__name__}: {e.message}" for _, node, e in failures)
+    return PutNotReplicated(
+        f"put not replicated: run {part.placement.run} (blocks {part.first_block}-{part.end_block - 1}) failed on "
+        f"{counted(len(failures), 'replica')} of {len(part.placement.replicas)} ({why}); {stored} of "
+        f"{counted(total, 'block')} are stored on all their replicas, nothing after them is acknowledged",
+        stored_blocks=stored, failures=tuple(failures))

@@ -1,0 +1,347 @@
+"""The fleet client's data path against real processes on loopback: one etcd, three `kvstore serve` nodes
+(docs/FLEET.md, "Data path").
+
+The nodes are module-scoped (starting three servers costs seconds); each test writes prompts of its own
+(random tokens), so no test sees another's blocks. The test that kills a node runs last and leaves two.
+Runs are 4 blocks of 16 tokens, so a prompt of a few hundred tokens spans many runs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore.client.fleet import FleetClient
+from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
+from kvstore.client.retry import ExponentialBackoff, Retry
+from kvstore.client.store import LookupResult
+from kvstore.errors import FailedPrecondition, NotFound, PutNotReplicated, Unavailable
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.children import Child, write_config
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.waiting import wait_until
+from tiers import datadir
+
+BLOCK_TOKENS = 16
+RUN_BLOCKS = 4
+RUN_TOKENS = BLOCK_TOKENS * RUN_BLOCKS
+#: Long enough that a killed node stays in the view for the rest of the module: its replicas must fail over.
+LEASE_TTL_S = 60
+
+
+@dataclass
+class Node:
+    """One `kvstore serve` of the fleet."""
+
+    node_id: str
+    child: Child
+
+
+@dataclass
+class Fleet:
+    """The module's fleet."""
+
+    address: str
+    nodes: list[Node]
+
+    def node(self, node_id: str) -> Node:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+
+def _start_node(tmp: Path, etcd: str, cluster: str, i: int) -> Node:
+    cfg = write_config(tmp / f"node{i}.toml", {
+        "store": {"data_dir": str(tmp / f"store{i}"), "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "lease_ttl_s": LEASE_TTL_S, "run_blocks": RUN_BLOCKS},
+    })
+    child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
+    return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One etcd and three nodes, started at once."""
+    tmp = tmp_path_factory.mktemp("fleet")
+    etcd = EtcdProcess(tmp / "etcd").start()
+    cluster = f"t-{uuid.uuid4().hex[:12]}"
+    with ThreadPoolExecutor(3) as pool:
+        nodes = list(pool.map(lambda i: _start_node(tmp, etcd.endpoint, cluster, i), range(3)))
+    try:
+        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=nodes)
+    finally:
+        for n in nodes:
+            n.child.kill_if_alive()
+        etcd.stop()
+
+
+def fleet_client(fleet: Fleet, **kwargs: object) -> FleetClient:
+    """A fleet client that sees every live node (the view is read at start; a node registers once it serves)."""
+    client = kvstore.Client(fleet.address, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(client, FleetClient)
+    live = {n.node_id for n in fleet.nodes if n.child.alive}
+    client.view.wait_until(lambda nodes: live <= set(nodes), 30.0)
+    return client
+
+
+def prompt(n_tokens: int) -> list[int]:
+    return [random.randrange(50_000) for _ in range(n_tokens)]
+
+
+def blocks_for(client: FleetClient, tokens: list[int], first_block: int = 0) -> list[bytes]:
+    n = len(tokens) // BLOCK_TOKENS
+    return [random.randbytes(client.block_bytes) for _ in range(n - first_block)]
+
+
+def found_on(target: str, run_hashes: list[bytes]) -> int:
+    """Leading blocks of a run one node holds, asked of that node directly."""
+    with kvstore.Client(target) as direct:
+        return direct.lookup_hashes(run_hashes).found_blocks
+
+
+def test_a_fleet_address_makes_a_fleet_client_and_host_port_stays_one_server(fleet: Fleet) -> None:
+    with fleet_client(fleet) as client:
+        assert client.run_blocks == RUN_BLOCKS and client.block_tokens == BLOCK_TOKENS
+        assert set(client.view.nodes) == {n.node_id for n in fleet.nodes}
+    with kvstore.Client(fleet.nodes[0].child.target) as single:
+        assert type(single) is kvstore.Client
+
+
+def test_f41_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> None:
+    """F40, F41: each run on its k replicas and nowhere else (every node asked directly), run r > 0 too."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 9 + 2 * BLOCK_TOKENS + 5)  # 9 full runs, a short last one, a partial block
+        payload = blocks_for(client, tokens)
+        acked: list[int] = []
+        result = client.put(tokens, payload, on_batch=acked.append)
+        chain = client.hashes(tokens)
+        assert result.block_hashes == chain and result.written_blocks == len(chain) == 38
+        assert acked == [4] * 9 + [2]
+        placement = client.placement(chain)
+        assert all(len(run.replicas) == 2 for run in placement)
+        for run in placement:
+            run_hashes = chain[run.first_block:run.end_block]
+            for node in fleet.nodes:
+                want = len(run_hashes) if node.node_id in run.replicas else 0
+                assert found_on(node.child.target, run_hashes) == want, (run.run, node.node_id)
+        assert client.get(tokens).blocks == payload
+        again = client.put(tokens, payload)  # idempotent: every copy already stored
+        assert (again.written_blocks, again.existing_blocks) == (0, 38)
+
+
+def lookups_by_node(client: FleetClient) -> dict[str, int]:
+    return {k: s.lookups for k, s in client.node_stats().items()}
+
+
+def calls_of(client: FleetClient, lookup: Callable[[], LookupResult]) -> tuple[LookupResult, int]:
+    """A lookup's result and the Lookup calls it made (every node's counter, less the refreshes it queued)."""
+    assert client.refresher.flush(30.0)
+    before, sent = lookups_by_node(client), client.refresher.sent
+    found = lookup()
+    assert client.refresher.flush(30.0)
+    after = lookups_by_node(client)
+    return found, sum(after.values()) - sum(before.values()) - (client.refresher.sent - sent)
+
+
+def test_f42_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Fleet) -> None:
+    """F42: a binary search over runs (the last first), each probe on one replica (two when it falls short)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 20)
+        client.put(tokens, blocks_for(client, tokens))
+        found, calls = calls_of(client, lambda: client.lookup(tokens))
+        assert found.found_blocks == 80 and found.found_tokens == len(tokens)
+        assert calls == 1 and len(found.nodes_asked) == 1  # a prompt sent again: its last run, on one node
+        assert client.refresher.sent == 39  # every other copy of the 20 runs, off the read path (F45)
+
+        longer = tokens + prompt(RUN_TOKENS * 2)  # two more runs, never stored
+        found, calls = calls_of(client, lambda: client.lookup(longer))
+        assert found.found_blocks == 80
+        assert calls <= 2 * math.ceil(math.log2(22)) + 2 and len(found.nodes_asked) <= 3
+        for cut in (7 * RUN_TOKENS + 3 * BLOCK_TOKENS, 3 * BLOCK_TOKENS, RUN_TOKENS, 19 * RUN_TOKENS + 1):
+            found, calls = calls_of(client, lambda cut=cut: client.lookup(tokens[:cut] + prompt(2 * RUN_TOKENS)))
+            assert found.found_blocks == cut // BLOCK_TOKENS, cut  # ends inside a run, or at a run's end
+            assert calls <= 2 * math.ceil(math.log2(22)) + 2
+
+
+def test_f41_f42_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fleet: Fleet) -> None:
+    """F41: a Put from a run's first block needs the run before it; F42, F43: a run stored with the run before
+    it missing everywhere (only eviction past retention can do that) ends a leased Lookup and a Get there."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 6)
+        payload = blocks_for(client, tokens)
+        client.put(tokens[:RUN_TOKENS * 2], payload[:8])  # runs 0-1
+        chain = client.hashes(tokens)
+        placement = client.placement(chain)
+        with pytest.raises(FailedPrecondition, match=r"block 11 .* is not stored on any replica"):
+            client.put(tokens, payload[12:], first_block=12)  # run 2 is stored nowhere
+        assert all(found_on(n.child.target, chain[12:16]) == 0 for n in fleet.nodes)  # nothing stored
+        client.put(tokens[:RUN_TOKENS * 2 + 16], payload[8:9], first_block=8)  # mid-run: the node checks it
+        for run in placement[3:]:  # strand runs 3-5: put them on their nodes directly, as the fleet would
+            keys = run_extra_keys([], chain[run.first_block - 1])
+            for node in run.replicas:
+                with kvstore.Client(fleet.node(node).child.target) as direct:
+                    direct.put(tokens[run.first_block * BLOCK_TOKENS:run.end_block * BLOCK_TOKENS],
+                               payload[run.first_block:run.end_block], extra_keys=keys)
+        leased = client.lookup(tokens, lease_ms=60_000)  # every run asked: the prefix ends at run 2
+        assert leased.found_blocks == 9 and leased.lease_id is not None
+        # Runs 0 and 1 on one node each, run 2 (short of full) on both its replicas; runs 3-5's let go at once.
+        assert sum(s.active_leases for s in client.node_stats().values()) == 4
+        assert client.release(leased.lease_id)
+        assert client.get(tokens).found_prefix_blocks == 9
+        # The search without a lease trusts a stored run's predecessors (true inside retention: F42), so it
+        # reports the stranded runs; the Get above is what a worker loads.
+        assert client.lookup(tokens).found_blocks == 24
+
+
+def test_f43_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_them(fleet: Fleet) -> None:
+    """F43: one composite lease id."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 6)
+        client.put(tokens, blocks_for(client, tokens))
+        found = client.lookup(tokens, lease_ms=60_000)
+        assert found.found_blocks == 24 and found.lease_id is not None
+        leases = {k: s.active_leases for k, s in client.node_stats().items()}
+        assert sum(leases.values()) == 6 and {k for k, v in leases.items() if v} == found.nodes_asked
+        assert client.release(found.lease_id) is True
+        assert sum(s.active_leases for s in client.node_stats().values()) == 0
+        assert client.release(found.lease_id) is False  # already released
+        with pytest.raises(NotFound, match="not a lease id of a fleet"):
+            client.release("abc")
+
+
+def test_f45_a_read_refreshes_the_copies_it_did_not_ask_in_the_background(fleet: Fleet) -> None:
+    """F45: the last use that counts is the latest over the copies (a Lookup on the other replica, batched)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        [run] = client.placement(chain)
+        first, other = client.pool.read_order(chain[0], run.replicas)
+        before = client.node_stats()
+        assert client.get(tokens).found_prefix_blocks == 4
+        assert client.refresher.flush(30.0)
+        after = client.node_stats()
+        assert after[first].gets == before[first].gets + 1 and after[other].gets == before[other].gets
+        assert after[other].lookups == before[other].lookups + 1  # the refresh
+        assert after[first].lookups == before[first].lookups
+        client.get(tokens)  # within the gap: the same refresh is not sent again
+        assert client.refresher.flush(30.0)
+        assert client.node_stats()[other].lookups == after[other].lookups and client.refresher.skipped == 1
+
+
+def test_f44_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> None:
+    """F44: each client draws its own order per run, so many readers of one prompt use every replica."""
+    with fleet_client(fleet) as writer:
+        tokens = prompt(RUN_TOKENS * 12)
+        writer.put(tokens, blocks_for(writer, tokens))
+        chain = writer.hashes(tokens)
+        placement = writer.placement(chain)
+        mine = [writer.pool.read_order(chain[r.first_block], r.replicas)[0] for r in placement]
+        assert len(set(mine)) > 1  # one client's runs are not all read from one node
+        with fleet_client(fleet) as other:
+            theirs = [other.pool.read_order(chain[r.first_block], r.replicas)[0] for r in placement]
+            assert theirs != mine  # another client (another salt) reads some runs from the other replica
+            before = {k: s.gets for k, s in other.node_stats().items()}
+            assert other.get(tokens).found_prefix_blocks == 48
+            after = {k: s.gets for k, s in other.node_stats().items()}
+            assert {k: after[k] - before[k] for k in after if after[k] > before[k]} == {
+                n: theirs.count(n) for n in set(theirs)}  # one Get per run, each on the node the order named
+
+
+def test_a_stream_in_a_fleet_gives_each_block_in_order(fleet: Fleet) -> None:
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 3 + BLOCK_TOKENS)
+        payload = blocks_for(client, tokens)
+        client.put(tokens, payload)
+        chain = [*client.hashes(tokens), bytes(32)]  # one more hash, stored nowhere
+        got = list(client.stream(chain))
+        assert [i for i, _, _ in got] == list(range(14))
+        assert [d for _, s, d in got if s == pb.BLOCK_STATUS_FOUND] == payload
+        assert got[-1][1] == pb.BLOCK_STATUS_MISSING
+        assert fleet_hashes(tokens, root=client.root, block_tokens=BLOCK_TOKENS, run_blocks=RUN_BLOCKS) == chain[:-1]
+
+
+@dataclass
+class PutLog:
+    acked: list[tuple[list[int], list[bytes]]]
+    failed: list[tuple[list[int], list[bytes], PutNotReplicated]]
+
+
+def test_f41_f44_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
+    """F41, F44: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
+    replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
+    victim = fleet.nodes[0]
+    fast = Retry(ExponentialBackoff(base_s=0.001, cap_s=0.01), retries=1)
+    log = PutLog(acked=[], failed=[])
+    stop = threading.Event()
+    killed = threading.Event()
+    after_kill = [0]
+
+    def writer() -> None:
+        with fleet_client(fleet, retry=fast) as client:
+            while not stop.is_set():
+                tokens = prompt(RUN_TOKENS * 3)
+                payload = blocks_for(client, tokens)
+                was_killed = killed.is_set()
+                try:
+                    client.put(tokens, payload)
+                    log.acked.append((tokens, payload))
+                except PutNotReplicated as exc:
+                    log.failed.append((tokens, payload, exc))
+                if was_killed:
+                    after_kill[0] += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        wait_until(lambda: len(log.acked) >= 8, "eight puts acknowledged before the kill")
+        victim.child.kill9()
+        killed.set()
+        wait_until(lambda: after_kill[0] >= 8 or not thread.is_alive(), "eight puts after the kill")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not thread.is_alive()
+    assert log.failed, "some put placed a copy on the killed node"
+    for _, _, exc in log.failed:
+        assert {node for _, node, _ in exc.failures} == {victim.node_id}
+        assert exc.stored_blocks % RUN_BLOCKS == 0 and "stored on all their replicas" in exc.message
+    # The put in flight at the kill may see its stream cut in any way; every later one finds the node away.
+    assert any(exc.retryable and isinstance(exc.failures[0][2], Unavailable) for _, _, exc in log.failed)
+
+    with fleet_client(fleet) as reader:
+        assert victim.node_id in reader.view.nodes  # its lease outlives the test: its replicas must fail over
+        for tokens, payload in log.acked:
+            assert reader.lookup(tokens).found_blocks == 12
+            assert reader.get(tokens).blocks == payload  # 0 acknowledged blocks lost
+        for tokens, payload, exc in log.failed:  # what it reported stored is stored; no run after it was sent
+            n = exc.stored_blocks
+            assert reader.get(tokens, num_blocks=n).blocks == payload[:n]
+            assert reader.lookup(tokens).found_blocks >= n
+            chain = reader.hashes(tokens)
+            for run in reader.placement(chain)[exc.failures[0][0] + 1:]:
+                for node in fleet.nodes[1:]:
+                    assert found_on(node.child.target, chain[run.first_block:run.end_block]) == 0
+
+    with fleet_client(fleet) as fresh:
+        fresh.pool.suspect_s = 0  # a failed node is not moved back: the victim stays first in some runs' order
+
+        def victim_first(tokens: list[int]) -> bool:
+            chain = fresh.hashes(tokens)
+            return any(fresh.pool.read_order(chain[r.first_block], r.replicas)[0] == victim.node_id
+                       for r in fresh.placement(chain))
+
+        prefers = [(t, p) for t, p in log.acked if victim_first(t)]
+        assert prefers, "some acknowledged run prefers the victim"
+        tokens, payload = prefers[0]
+        failed = fresh.pool.failures[victim.node_id]
+        assert fresh.get(tokens).blocks == payload
+        assert fresh.pool.failures[victim.node_id] > failed  # it was asked first, failed, and the replica served
+        assert fresh.lookup(tokens).found_blocks == 12
