@@ -5,8 +5,11 @@ Imports the core (`kvstore`) only, never `gateway` or `replay`, and never torch
 
 The NVMe tier (rules R1-R21 in docs/RETENTION.md):
 
+- `store`: the seam the gateway sees a store through (`BlockStore`, with the
+  `MappedReads` and `ManagedStore` capabilities; docs/ARCHITECTURE.md).
 - `lmdb_tier`: `LmdbBlockTier`, global-KV blocks in LMDB with the 72-hour
-  retention guarantee, and its one bounded executor for blocking LMDB work.
+  retention guarantee, and its one bounded executor for blocking LMDB work;
+  `lmdb_map` (the read txns of its map it lends the same-host transfer paths).
 - `retention` (what may go, and when; the guarded retention clock), `eviction`
   (making room, least recently used first), `leases` (Lookup leases that pin a prefix).
 - `puts` (a Put's write transaction), `block_txn` (records, LRU index and usage
