@@ -4,15 +4,15 @@ Within a run R6 is the node's own rule (its Lookup counts the run's leading
 blocks). Across runs the client keeps it: the prefix ends at the first run no
 replica holds in full. A run is asked of the first replica of its read order
 (`NodePool.read_order`), and of the next ones while the answer falls short or
-the node fails (docs/FLEET.md F42, F44).
+the node fails (docs/FLEET.md F31, F33).
 
 Without a lease the runs are binary-searched: the last run first (a prompt sent
 again is found in one call), then halving, so a 1M-token prompt (62 runs) costs
 about log2(62) = 6 calls, one after another, each to one node (two where a run
 falls short: its other replica is asked too). That is sound because a run stored
-means every run before it was stored on all its replicas (F41: runs are put in
+means every run before it was stored on all its replicas (F30: runs are put in
 order, and a Put starting at a run needs the run before it), and every use of a
-run is a use of every run before it on every copy (F45), so while a run is inside
+run is a use of every run before it on every copy (F34), so while a run is inside
 its retention the runs before it are too. With `lease_ms`, every run must be
 leased on the node that holds it: all runs are asked at once (gRPC futures, one
 round trip), then walked in order; the leases past the prefix's end are released
@@ -170,7 +170,7 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
     kept = [p for i in sorted(answers) if i < end for p in answers[i].leases]
     _release(pool, [p for i in sorted(answers) if i >= end for p in answers[i].leases])
     found = runs[end - 1].first_block + answers[end - 1].found if end else 0
-    for i, run in enumerate(runs[:end]):  # every copy of the found prefix is used, asked or not (F45)
+    for i, run in enumerate(runs[:end]):  # every copy of the found prefix is used, asked or not (F34)
         used = answers[i].found if i in answers else run.end_block - run.first_block
         for other in run.replicas:
             if used and (i not in answers or other != answers[i].node):
@@ -188,7 +188,7 @@ def _check_first(answer: RunAnswer, i: int) -> None:
 def _search(pool: NodePool, runs: Sequence[RunPlacement], orders: list[list[str]], chain: Sequence[bytes],
             retry: Retry) -> tuple[dict[int, RunAnswer], int]:
     """Binary search for the first run not complete on any replica: the last run first (a prompt sent
-    again), then halving. Sound while runs are within retention (docs/FLEET.md F42).
+    again), then halving. Sound while runs are within retention (docs/FLEET.md F31).
 
     Returns:
         The runs asked (index -> answer) and the number of runs the prefix reaches into (the boundary run,

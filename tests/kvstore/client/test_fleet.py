@@ -114,8 +114,8 @@ def test_a_fleet_address_makes_a_fleet_client_and_host_port_stays_one_server(fle
         assert type(single) is kvstore.Client
 
 
-def test_f41_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> None:
-    """F40, F41: each run on its k replicas and nowhere else (every node asked directly), run r > 0 too."""
+def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> None:
+    """F29, F30: each run on its k replicas and nowhere else (every node asked directly), run r > 0 too."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 9 + 2 * BLOCK_TOKENS + 5)  # 9 full runs, a short last one, a partial block
         payload = blocks_for(client, tokens)
@@ -150,15 +150,15 @@ def calls_of(client: FleetClient, lookup: Callable[[], LookupResult]) -> tuple[L
     return found, sum(after.values()) - sum(before.values()) - (client.refresher.sent - sent)
 
 
-def test_f42_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Fleet) -> None:
-    """F42: a binary search over runs (the last first), each probe on one replica (two when it falls short)."""
+def test_f31_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Fleet) -> None:
+    """F31: a binary search over runs (the last first), each probe on one replica (two when it falls short)."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 20)
         client.put(tokens, blocks_for(client, tokens))
         found, calls = calls_of(client, lambda: client.lookup(tokens))
         assert found.found_blocks == 80 and found.found_tokens == len(tokens)
         assert calls == 1 and len(found.nodes_asked) == 1  # a prompt sent again: its last run, on one node
-        assert client.refresher.sent == 39  # every other copy of the 20 runs, off the read path (F45)
+        assert client.refresher.sent == 39  # every other copy of the 20 runs, off the read path (F34)
 
         longer = tokens + prompt(RUN_TOKENS * 2)  # two more runs, never stored
         found, calls = calls_of(client, lambda: client.lookup(longer))
@@ -170,8 +170,8 @@ def test_f42_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Flee
             assert calls <= 2 * math.ceil(math.log2(22)) + 2
 
 
-def test_f41_f42_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fleet: Fleet) -> None:
-    """F41: a Put from a run's first block needs the run before it; F42, F43: a run stored with the run before
+def test_f30_f31_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fleet: Fleet) -> None:
+    """F30: a Put from a run's first block needs the run before it; F31, F32: a run stored with the run before
     it missing everywhere (only eviction past retention can do that) ends a leased Lookup and a Get there."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 6)
@@ -195,13 +195,13 @@ def test_f41_f42_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fl
         assert sum(s.active_leases for s in client.node_stats().values()) == 4
         assert client.release(leased.lease_id)
         assert client.get(tokens).found_prefix_blocks == 9
-        # The search without a lease trusts a stored run's predecessors (true inside retention: F42), so it
+        # The search without a lease trusts a stored run's predecessors (true inside retention: F31), so it
         # reports the stranded runs; the Get above is what a worker loads.
         assert client.lookup(tokens).found_blocks == 24
 
 
-def test_f43_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_them(fleet: Fleet) -> None:
-    """F43: one composite lease id."""
+def test_f32_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_them(fleet: Fleet) -> None:
+    """F32: one composite lease id."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 6)
         client.put(tokens, blocks_for(client, tokens))
@@ -216,8 +216,8 @@ def test_f43_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_th
             client.release("abc")
 
 
-def test_f45_a_read_refreshes_the_copies_it_did_not_ask_in_the_background(fleet: Fleet) -> None:
-    """F45: the last use that counts is the latest over the copies (a Lookup on the other replica, batched)."""
+def test_f34_a_read_refreshes_the_copies_it_did_not_ask_in_the_background(fleet: Fleet) -> None:
+    """F34: the last use that counts is the latest over the copies (a Lookup on the other replica, batched)."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS)
         client.put(tokens, blocks_for(client, tokens))
@@ -236,8 +236,8 @@ def test_f45_a_read_refreshes_the_copies_it_did_not_ask_in_the_background(fleet:
         assert client.node_stats()[other].lookups == after[other].lookups and client.refresher.skipped == 1
 
 
-def test_f44_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> None:
-    """F44: each client draws its own order per run, so many readers of one prompt use every replica."""
+def test_f33_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> None:
+    """F33: each client draws its own order per run, so many readers of one prompt use every replica."""
     with fleet_client(fleet) as writer:
         tokens = prompt(RUN_TOKENS * 12)
         writer.put(tokens, blocks_for(writer, tokens))
@@ -274,8 +274,8 @@ class PutLog:
     failed: list[tuple[list[int], list[bytes], PutNotReplicated]]
 
 
-def test_f41_f44_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
-    """F41, F44: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
+def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
+    """F30, F33: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
     replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
     victim = fleet.nodes[0]
     fast = Retry(ExponentialBackoff(base_s=0.001, cap_s=0.01), retries=1)

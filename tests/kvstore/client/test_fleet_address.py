@@ -29,8 +29,8 @@ def test_a_bad_fleet_address_is_refused_naming_the_syntax(bad: str) -> None:
     assert "etcd://HOST:PORT" in refused.value.hint
 
 
-def test_f40_run_0_hashes_as_one_server_and_later_runs_bridge_to_the_prefix() -> None:
-    """F40: one chain per run, bound to the prefix before it."""
+def test_f29_run_0_hashes_as_one_server_and_later_runs_bridge_to_the_prefix() -> None:
+    """F29: one chain per run, bound to the prefix before it."""
     tokens = list(range(4 * 3 * 3 + 2))  # 3 runs of 3 blocks of 4 tokens, and a partial block
     chain = fleet_hashes(tokens, root=ROOT, block_tokens=4, run_blocks=3, extra_keys=["k"])
     assert len(chain) == 9

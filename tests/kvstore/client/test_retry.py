@@ -22,8 +22,8 @@ def failing(errors: list[KVStoreError], result: str = "ok") -> Any:
     return call
 
 
-def test_f46_backoff_is_capped_and_jittered() -> None:
-    """F46: the ceiling doubles from base_s to cap_s and stays; each wait is the random draw times it."""
+def test_f35_backoff_is_capped_and_jittered() -> None:
+    """F35: the ceiling doubles from base_s to cap_s and stays; each wait is the random draw times it."""
     backoff = ExponentialBackoff(base_s=0.1, cap_s=0.5)
     assert [backoff.ceiling_s(n) for n in range(1, 7)] == [0.1, 0.2, 0.4, 0.5, 0.5, 0.5]
     assert backoff.ceiling_s(10_000) == 0.5  # no overflow, however many retries
@@ -36,7 +36,7 @@ def test_f46_backoff_is_capped_and_jittered() -> None:
     assert all(s <= 0.5 for s in sleeps)
 
 
-def test_f46_jitter_spreads_clients_that_failed_together() -> None:
+def test_f35_jitter_spreads_clients_that_failed_together() -> None:
     import random
 
     rng = random.Random(7)
@@ -57,7 +57,7 @@ def test_gives_up_after_its_retries_with_the_last_error() -> None:
     assert call.calls == 3 and len(sleeps) == 2
 
 
-def test_f46_reads_the_retryable_flag_and_retries_only_what_it_supports() -> None:
+def test_f35_reads_the_retryable_flag_and_retries_only_what_it_supports() -> None:
     sleeps: list[float] = []
     retry = Retry(retries=3, sleep=sleeps.append)
     for error in (InvalidArgument("bad"), ResourceExhausted("full: its wait is hours")):
@@ -77,7 +77,7 @@ def test_a_bad_policy_is_refused() -> None:
         ExponentialBackoff(base_s=2.0, cap_s=1.0)
 
 
-def test_f46_the_single_server_client_retries_a_lookup_without_a_lease_only(server: Any, loop_thread: Any) -> None:
+def test_f35_the_single_server_client_retries_a_lookup_without_a_lease_only(server: Any, loop_thread: Any) -> None:
     """A Lookup without a lease is safe to repeat; a leased one and a Put are sent once."""
     sleeps: list[float] = []
     client = Client(server.target, retry=Retry(retries=2, sleep=sleeps.append))
