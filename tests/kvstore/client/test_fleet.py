@@ -266,6 +266,10 @@ def test_a_stream_in_a_fleet_gives_each_block_in_order(fleet: Fleet) -> None:
         assert [d for _, s, d in got if s == pb.BLOCK_STATUS_FOUND] == payload
         assert got[-1][1] == pb.BLOCK_STATUS_MISSING
         assert fleet_hashes(tokens, root=client.root, block_tokens=BLOCK_TOKENS, run_blocks=RUN_BLOCKS) == chain[:-1]
+        out, filled = client.get_tensor(tokens)  # Client's own get_tensor, over the fleet's stream
+        assert filled == 13 and [bytes(row.numpy()) for row in out] == payload
+        part = client.get(tokens, first_block=5, num_blocks=4)  # from inside run 1 into run 2
+        assert part.blocks == payload[5:9] and part.statuses == ["found"] * 4
 
 
 @dataclass
