@@ -31,12 +31,17 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NON_SETTING_VARIABLES = {"KVSTORE_CONFIG", "KVSTORE_TOKEN"}
 DEPLOY_FILES = {"README.md", "kvstore.toml", "kvstore-redis-cluster.toml", "kvstore.service", "docker/Dockerfile",
                 "docker/Dockerfile.dockerignore", "docker/compose.yaml", "docker/kvstore.toml",
-                "docker/make-test-certs.sh", "k8s/kvstore.yaml", "grafana/kvstore-dashboard.json"}
+                "docker/compose-fleet.yaml", "docker/kvstore-fleet.toml", "docker/make-test-certs.sh",
+                "k8s/kvstore.yaml", "k8s/kvstore-fleet.yaml", "k8s/kvstore-gateway.yaml",
+                "grafana/kvstore-dashboard.json"}
+#: Where deploy/README.md has an operator make certificates and tokens: theirs, not the project's files.
+MADE_HERE = DEPLOY / "docker" / "certs"
 
 
 def test_every_deploy_file_is_checked_here() -> None:
-    found = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file()}
-    assert found == DEPLOY_FILES  # the dashboard is checked by tests/gateway/test_metrics*
+    found = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file() and not p.is_relative_to(MADE_HERE)}
+    # The fleet's files: tests/deploy/test_deploy_fleet.py; the dashboard: tests/gateway/metrics/test_dashboard.py.
+    assert found == DEPLOY_FILES
 
 
 def kvstore_command(argv: list[str]) -> Any:
@@ -69,7 +74,8 @@ def settings_of(toml: Path, env: dict[str, str] | None = None) -> Settings:
 
 def path_settings(s: Settings) -> list[str]:
     """Every file or folder the settings name."""
-    paths = [str(s.store.data_dir), s.tls.cert_file, s.tls.key_file, s.tls.client_ca_file, s.auth.tenants_file]
+    paths = [str(s.store.data_dir), s.tls.cert_file, s.tls.key_file, s.tls.client_ca_file, s.auth.tenants_file,
+             s.fleet.token_file]
     return [p for p in paths if p]
 
 
@@ -234,7 +240,9 @@ def test_kubernetes_statefulset_on_local_nvme_secured(tmp_path: Path) -> None:
 
 
 #: The files whose settings deploy/README.md explains (the two reference TOMLs explain theirs in comments).
-EXPLAINED_IN_README = ("kvstore.service", "docker/compose.yaml", "docker/kvstore.toml", "k8s/kvstore.yaml")
+EXPLAINED_IN_README = ("kvstore.service", "docker/compose.yaml", "docker/kvstore.toml", "k8s/kvstore.yaml",
+                       "docker/compose-fleet.yaml", "docker/kvstore-fleet.toml", "k8s/kvstore-fleet.yaml",
+                       "k8s/kvstore-gateway.yaml")
 
 
 def test_deploy_readme_explains_every_setting_the_files_set() -> None:
