@@ -83,8 +83,8 @@ class Peers:
 
 
 @dataclass
-class _RunPlan:
-    """One run this node is to copy: its blocks and, per target, the blocks the target lacks."""
+class RunPlan:
+    """One run this node is to copy: its blocks and, per target node id, the blocks the target lacks."""
 
     entry: RunEntry
     blocks: list[RunBlock]
@@ -165,7 +165,7 @@ class FleetRepairer:
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         addresses = {n: r.address for n, r in nodes.items()}
         for start in range(0, len(runs), RUNS_PER_ROUND):
-            plans = await self._plan(runs[start:start + RUNS_PER_ROUND], sorted(nodes), addresses)
+            plans = await self.plan(runs[start:start + RUNS_PER_ROUND], sorted(nodes), addresses)
             p.under_replicated_runs += len(plans)
             p.under_replicated_bytes += sum(b.meta.size_bytes for plan in plans for s in plan.sends.values()
                                             for b in s)
@@ -176,8 +176,9 @@ class FleetRepairer:
         await self._publish(force=True)
         return p
 
-    async def _plan(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> list[_RunPlan]:
-        """The runs of one round this node is to copy, with what each target lacks."""
+    async def plan(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> list[RunPlan]:
+        """The runs among `runs` this node is to copy over the `live` node ids (at `addresses`), with what
+        each target lacks. Asks the peers; copies nothing."""
         since = self.tier.retention_clock.now() - self.window_s
         env, rb = self.tier.env, self.run_blocks
 
@@ -203,7 +204,7 @@ class FleetRepairer:
 
     async def _plan_run(self, entry: RunEntry, blocks: list[RunBlock], order: tuple[str, ...],
                         theirs: dict[tuple[str, bytes], RunDigest | None],
-                        addresses: dict[str, str]) -> _RunPlan | None:
+                        addresses: dict[str, str]) -> RunPlan | None:
         mine = RunDigest.of(blocks)
         me = order.index(self.node_id)
         above = [theirs.get((n, entry.key)) for n in order[:me]]
@@ -213,7 +214,7 @@ class FleetRepairer:
         for n, d in zip(order[:me], above, strict=True):
             if d is None or d.blocks:  # unreachable (assume it holds them) or holds some: keep only what it lacks
                 unique = await self._lacking(n, unique, addresses, assume_held=d is None)
-        plan = _RunPlan(entry=entry, blocks=blocks)
+        plan = RunPlan(entry=entry, blocks=blocks)
         for target in order[:self.replication]:
             if target == self.node_id or not unique:
                 continue
@@ -253,7 +254,7 @@ class FleetRepairer:
             return [] if assume_held else blocks
         return [b for b, h in zip(blocks, reply.held, strict=True) if not h]
 
-    async def _copy(self, plan: _RunPlan, addresses: dict[str, str]) -> None:
+    async def _copy(self, plan: RunPlan, addresses: dict[str, str]) -> None:
         """Send each target what it lacks of the run, in batches at the bucket's rate."""
         p = self.progress
         failed = False
@@ -279,6 +280,7 @@ class FleetRepairer:
                 continue
             size = sum(len(c.data) for c in copies)
             await self.bucket.take(size)  # F18: the bounded rate
+            p.sent_bytes += size
             try:
                 reply = await self.peers.stub(address).CopyBlocks(
                     pb.CopyBlocksRequest(blocks=copies), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)

@@ -15,6 +15,9 @@ from collections.abc import Awaitable, Callable
 from kvstore.clock import Clock, SystemClock
 from kvstore.errors import InvalidArgument
 
+#: The shortest wait (a rounding residue of a debt must not be waited in steps too small to move a clock).
+_MIN_WAIT_S = 1e-6
+
 
 class TokenBucket:
     """Bytes let through at `rate_bytes_per_s`, with bursts of up to `burst_bytes`.
@@ -50,5 +53,6 @@ class TokenBucket:
             self._refill()
             self._tokens -= n_bytes
             while self._tokens < 0:
-                await self._sleep(-self._tokens / self.rate_bytes_per_s)  # the debt's time at the rate
+                # The debt's time at the rate; at least 1 us, so a rounding residue cannot spin the loop.
+                await self._sleep(max(-self._tokens / self.rate_bytes_per_s, _MIN_WAIT_S))
                 self._refill()

@@ -80,7 +80,7 @@ def _repair(progress: Any) -> dict[str, Any] | None:
     if progress is None:
         return None
     return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
-                                              "under_replicated_runs", "copied_bytes", "copied_blocks",
+                                              "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
                                               "damaged_blocks", "failed_runs", "updated_at")}
 
 

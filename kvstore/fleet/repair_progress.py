@@ -41,9 +41,12 @@ class RepairProgress:
     under_replicated_bytes: int = 0
     #: Runs with a replica still lacking some of their blocks.
     under_replicated_runs: int = 0
-    #: Bytes and blocks copied to other nodes since the node started.
+    #: Bytes and blocks copied to other nodes since the node started (newly stored there).
     copied_bytes: int = 0
     copied_blocks: int = 0
+    #: Bytes of block data sent in copies since the node started (above copied_bytes: a block the target
+    #: stored meanwhile, through a Put or another holder's copy).
+    sent_bytes: int = 0
     #: Blocks found damaged (checksum) on this node while copying: dropped here, never sent (F17).
     damaged_blocks: int = 0
     #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.

@@ -191,12 +191,15 @@ def test_f21_a_joining_node_gets_its_share_and_a_damaged_copy_is_not_sent(fleet:
     name = next(n for n in fleet.children if fleet.node_id(n) == first)
     corrupt(fleet.data_dir(name) / "data.mdb", chain.blocks[1])
 
+    sent_before = sum(n["repair"]["sent_bytes"] for n in fleet.status()["nodes"])
     fleet.start("d")
     report = fleet.wait_settled(4)
     nodes = {n["node_id"]: n["repair"] for n in report["nodes"]}
     assert nodes[first]["damaged_blocks"] >= 1  # found by its checksum where it lay, and not sent
     target = fleet.live()[d]
-    wait_for(lambda: all(fleet.held(target, chain.keys)), "the other holder's copy reached the new node")
+    top = replicas(chain.hashes[0], after, K)
+    healed = [fleet.live()[n] for n in top]  # d, and the damaged holder when it is a replica: both get it
+    wait_for(lambda: all(all(fleet.held(t, chain.keys)) for t in healed), "the other holder's copy was sent")
     with Client(target) as c:
         assert c.get_hashes(chain.hashes).blocks == chain.blocks  # the good bytes, from the other holder
 
@@ -211,6 +214,16 @@ def test_f21_a_joining_node_gets_its_share_and_a_damaged_copy_is_not_sent(fleet:
     for c in fleet.chains:  # every block on both of its replicas (old holders keep theirs: F21)
         for node in replicas(c.hashes[0], after, K):
             assert all(fleet.held(fleet.live()[node], c.keys))
+
+    # Exactly one holder sent each copy: what d lacked, and the damaged blocks once more to their holder
+    # when it is a replica. Read once every node finished a pass after the last copy.
+    passes = {n["node_id"]: n["repair"]["passes"] for n in fleet.status()["nodes"]}
+    wait_for(lambda: all(n["repair"]["passes"] > passes[n["node_id"]] and not n["repair"]["running"]
+                         for n in fleet.status()["nodes"]), "every node finished one more pass")
+    sent = sum(n["repair"]["sent_bytes"] for n in fleet.status()["nodes"]) - sent_before
+    damaged = sum(len(b) for b in chain.blocks[1:])
+    expected = sum(len(b) for c in mine for b in c.blocks) + damaged * (first in top)
+    assert sent == expected
 
 
 def corrupt(data_file: Path, block: bytes) -> None:
