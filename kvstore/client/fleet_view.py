@@ -48,6 +48,11 @@ class FleetView:
         try:
             #: How runs are cut (recorded in etcd by the first node: F8).
             self.layout: Layout = self._run(self._start(), timeout_s * 2)
+        except Unavailable as exc:
+            self.close()
+            if "etcd does not answer" in exc.message:  # the node's hint names its setting; a client has an address
+                exc.hint = "start etcd there, or give the fleet's etcd client endpoints in the etcd:// address"
+            raise
         except BaseException:
             self.close()
             raise

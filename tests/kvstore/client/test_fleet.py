@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
+from kvstore.bench.redis_server import free_port
 from kvstore.client.fleet import FleetClient
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
 from kvstore.client.retry import ExponentialBackoff, Retry
@@ -112,6 +113,12 @@ def test_a_fleet_address_makes_a_fleet_client_and_host_port_stays_one_server(fle
         assert set(client.view.nodes) == {n.node_id for n in fleet.nodes}
     with kvstore.Client(fleet.nodes[0].child.target) as single:
         assert type(single) is kvstore.Client
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(Unavailable, match=f"etcd does not answer at {dead}") as refused:
+        kvstore.Client(f"etcd://{dead}/x")
+    assert "etcd:// address" in refused.value.hint
+    with pytest.raises(Unavailable, match="no node of fleet 'nobody' has joined"):
+        kvstore.Client(fleet.address.rsplit("/", 1)[0] + "/nobody")
 
 
 def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> None:
