@@ -2,8 +2,8 @@
 (docs/FLEET.md, "Node loss, join, drain", F16-F21).
 
 One module-scoped fleet goes through the story in order: three nodes store chains
-placed as the fleet client places them (plain per-node Puts to each run's two
-replicas); one is killed with SIGKILL and the survivors copy until every block is
+of several runs through the fleet client (kvstore.Client("etcd://...")), each run
+on its two replicas; one is killed with SIGKILL and the survivors copy until every block is
 on two live nodes again; the killed node comes back (same data dir: the same node);
 a fourth node joins and gets its share of the runs, while one holder's copy of a run
 it is to receive was damaged on disk, so the other holder's copy is the one sent.
@@ -44,7 +44,7 @@ from tiers.lmdb_tier import LmdbBlockTier
 TOKENS = 16
 RUN_BLOCKS = 4
 K = 2
-CHAINS = 72
+CHAINS = 30
 DEADLINE_S = 60.0
 SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
 BLOCK = V4_1_FLASH.block_bytes(TOKENS)
@@ -52,9 +52,8 @@ BLOCK = V4_1_FLASH.block_bytes(TOKENS)
 
 @dataclass
 class Stored:
-    """A chain the test stored: its tokens, hashes and bytes (one run: at most RUN_BLOCKS blocks)."""
+    """One run of a chain the test stored through the fleet client: its fleet hashes and bytes."""
 
-    tokens: list[int]
     hashes: list[bytes]
     blocks: list[bytes]
 
@@ -71,6 +70,7 @@ class Fleet:
         self.etcd = etcd
         self.cluster = f"t-{uuid.uuid4().hex[:12]}"
         self.children: dict[str, Child] = {}
+        #: Every run stored, each placed by its first hash (the fleet's run key).
         self.chains: list[Stored] = []
 
     def data_dir(self, name: str) -> Path:
@@ -129,24 +129,22 @@ def wait_for(predicate: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(etcd_server: EtcdProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """Three nodes at replication 2 holding CHAINS one-run chains, each on its run's two replicas."""
+    """Three nodes at replication 2 holding CHAINS chains of 1 to 3 runs, stored through the fleet client."""
     f = Fleet(tmp_path_factory.mktemp("fleet"), etcd_server.endpoint)
     try:
         for name in ("a", "b", "c"):
             f.start(name)
         f.wait_settled(3)
-        ids = f.live()
         rng = random.Random(23)
-        with Client(ids[f.node_id("a")]) as any_node:
+        with Client(f"etcd://{f.etcd}/{f.cluster}") as fleet_client:
             for i in range(CHAINS):
-                n = rng.randint(1, RUN_BLOCKS)
+                n = rng.randint(1, 3 * RUN_BLOCKS)
                 tokens = [i * 10_000 + t for t in range(n * TOKENS)]
-                f.chains.append(Stored(tokens=tokens, hashes=any_node.hashes(tokens),
-                                       blocks=[os.urandom(BLOCK) for _ in range(n)]))
-        for chain in f.chains:  # as the fleet client places them: the run's replicas, plain Puts
-            for node in replicas(chain.hashes[0], ids, K):
-                with Client(ids[node]) as c:
-                    c.put(chain.tokens, chain.blocks)
+                blocks = [os.urandom(BLOCK) for _ in range(n)]
+                fleet_client.put(tokens, blocks)  # every run on its two replicas, acknowledged when durable
+                hashes = fleet_client.hashes(tokens)
+                f.chains += [Stored(hashes=hashes[r:r + RUN_BLOCKS], blocks=blocks[r:r + RUN_BLOCKS])
+                             for r in range(0, n, RUN_BLOCKS)]
         yield f
     finally:
         for child in f.children.values():
