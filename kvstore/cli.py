@@ -115,7 +115,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("replay.plan_command", "print the resume plan of a prompt against a running service"),
     "worker": ("replay.worker.command",
                "run the reference worker (replay and prefill; CPU by default, --device cuda) as a gRPC service"),
-    "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (on the data dir)"),
+    "tenant": ("kvstore.commands.tenant", "create, revoke and list tenants' API tokens (data dir; fleet: etcd)"),
     "stats": ("kvstore.commands.stats", "show hit rates over time, storage use and retention headroom"),
     "policy": ("kvstore.commands.policy",
                "show and change tenants' retention, SWA TTL and quotas, and the audit log (admin, audited)"),
