@@ -175,7 +175,10 @@ async def import_file_once(session: EtcdSession, cluster: str, name: str, path: 
     written = await put_if(session, marker, claim, mod_revision=0) if not held else None
     if written is None or not written.written:
         found = await session.call(lambda c: c.get(marker))
-        theirs = json.loads(found.value) if found is not None else {}
+        try:
+            theirs = json.loads(found.value) if found is not None else {}
+        except ValueError:  # a damaged marker claims nothing for this host: refused below
+            theirs = {}
         ours = isinstance(theirs, dict) and theirs.get("host") == socket.gethostname() \
             and theirs.get("file") == str(path)
         if not ours:  # only this host's own unfinished import of this file is resumed
