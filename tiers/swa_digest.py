@@ -9,11 +9,18 @@ the module is not built, with the same results (python-xxhash: it too lets go of
 the GIL over a large buffer, but copy and checksum are then two passes).
 `NATIVE` says which runs.
 
-`stream_into` is a shared-memory put's copy into the arena: non-temporal stores,
-so the bytes go to memory rather than into the writer's cache, which never reads
-them again; the server that checksums them meanwhile (a verified put's WRITTEN
-notes) then reads them from memory at full speed, not line by line out of the
-writer's core (docs/SWA_POOL.md has the figures).
+`stream_into` is a shared-memory put's copy into the staging arena: non-temporal
+stores, so the bytes go to memory rather than into the writer's cache, which
+never reads them again; the server that copies them on meanwhile (a verified
+put's WRITTEN notes) then reads them from memory at full speed, not line by line
+out of the writer's core (docs/SWA_POOL.md has the figures).
+
+`copy_hashed` is the server's copy of a snapshot from the staging arena into the
+tenant's sealed arena: natively one pass without the GIL (each 32 KiB read once
+out of the staging arena and stored both into a private buffer, hashed there,
+and into the arena), so the bytes hashed are the bytes the arena is given
+whatever the writer does to its staging range meanwhile; the Python form copies
+a chunk, then hashes it where it lies in the arena.
 """
 
 from __future__ import annotations
@@ -52,16 +59,34 @@ def stream_into_python(dst: memoryview, src: Buffer) -> None:
     dst[:] = src
 
 
+#: Bytes the Python `copy_hashed` copies before it hashes them (while they are in cache).
+COPY_CHUNK = 256 << 10
+
+
+def copy_hashed_python(dst: memoryview, src: Buffer, hasher: Hasher) -> None:
+    """Copy `src` into `dst` (of one length; ValueError otherwise) a chunk at a time, feeding `hasher` each
+    chunk as it lies in `dst` just after it is copied: the checksum is of the bytes written, whatever `src`
+    holds meanwhile."""
+    source = memoryview(src).cast("B")
+    if len(dst) != len(source):
+        raise ValueError("copy_hashed: dst and src must be of one length")
+    for lo in range(0, len(source), COPY_CHUNK):
+        hi = min(lo + COPY_CHUNK, len(source))
+        dst[lo:hi] = source[lo:hi]
+        hasher.update(dst[lo:hi])
+
+
 def _load() -> tuple[Callable[[Buffer], int], Callable[[Buffer], tuple[bytes, int]], Callable[[], Hasher],
-                     Callable[[memoryview, Buffer], None]] | None:
+                     Callable[[memoryview, Buffer], None], Callable[[memoryview, Buffer, Hasher], None]] | None:
     try:
         from tiers._blockcopy import Hasher as NativeHasher
         from tiers._blockcopy import copy_digest as native_copy
+        from tiers._blockcopy import copy_hashed as native_copy_hashed
         from tiers._blockcopy import digest as native_digest
         from tiers._blockcopy import stream_into as native_stream_into
     except ImportError:  # not built, or built before these existed
         return None
-    return native_digest, native_copy, NativeHasher, native_stream_into
+    return native_digest, native_copy, NativeHasher, native_stream_into, native_copy_hashed
 
 
 _native = _load()
@@ -78,3 +103,7 @@ hasher: Callable[[], Hasher] = _native[2] if _native else xxhash.xxh3_64
 #: Copy a buffer into a writable one of the same length (ValueError otherwise); native: non-temporal
 #: stores, without the GIL.
 stream_into: Callable[[memoryview, Buffer], None] = _native[3] if _native else stream_into_python
+#: Copy a buffer into a writable one of the same length (ValueError otherwise), feeding a `hasher()` the
+#: bytes as written; native: one pass without the GIL (TypeError for a hasher not of this module's
+#: `hasher()`, RuntimeError if another thread is feeding that hasher meanwhile).
+copy_hashed: Callable[[memoryview, Buffer, Hasher], None] = _native[4] if _native else copy_hashed_python

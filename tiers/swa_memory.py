@@ -23,15 +23,14 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
 from kvstore.errors import PermissionDenied, Unavailable
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES
+from tiers.swa_digest import copy_hashed, digest, hasher
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
-from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located, Reserved, copy_hashed
+from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located, Reserved
 from tiers.swa_shm_server import ShmServer
 from tiers.swa_shm_session import Header, ShmHooks
 
@@ -230,15 +229,16 @@ class MemoryPool(SwaPool):
 
     @staticmethod
     def _settle(entry: _Entry) -> int:
-        """Copy a staged snapshot into the entry's arena, checksummed as it lies there (a writer may still
-        scribble on its staging range: the checksum is of what readers will map); the checksum."""
+        """Copy a staged snapshot into the entry's arena, checksummed as written there (a writer may still
+        scribble on its staging range: the checksum is of what readers will map); the checksum. One native
+        pass without the GIL (tiers.swa_digest.copy_hashed), so the event loop runs meanwhile."""
         start, end = entry.offset + HEADER_BYTES, entry.offset + entry.length
         if entry.staged is None:
-            return xxhash.xxh3_64_intdigest(entry.arena.view[start:end])
+            return digest(entry.arena.view[start:end])
         staging, at = entry.staged
-        digest = xxhash.xxh3_64()
-        copy_hashed(entry.arena.view[start:end], staging.view[at + HEADER_BYTES:at + entry.length], digest)
-        return digest.intdigest()
+        stream = hasher()
+        copy_hashed(entry.arena.view[start:end], staging.view[at + HEADER_BYTES:at + entry.length], stream)
+        return stream.intdigest()
 
     def _seal(self, entry: _Entry, data_checksum: int | None = None) -> None:
         """Write the header of an entry committed unsealed (its snapshot settled in the arena and

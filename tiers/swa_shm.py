@@ -35,7 +35,6 @@ import os
 from dataclasses import dataclass
 
 from kvstore.errors import FailedPrecondition, Internal
-from tiers.swa_digest import Hasher
 
 #: Pages of the platform (the unit the kernel takes back).
 PAGE = mmap.PAGESIZE
@@ -50,8 +49,6 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 #: The seals of an arena clients only read: the server's own mapping is its only way in for writing.
 READ_ONLY_SEALS = SEALS | F_SEAL_FUTURE_WRITE
-#: Bytes the server copies from a staging arena before it hashes them (while they are in its cache).
-COPY_CHUNK = 256 << 10
 #: Idle committed bytes an arena keeps for reuse when no limit is given.
 DEFAULT_IDLE_LIMIT = 256 << 20
 
@@ -80,15 +77,6 @@ class Reserved:
 def pages(nbytes: int) -> int:
     """`nbytes` rounded up to whole allocation granules (whole pages)."""
     return -(-nbytes // GRANULE) * GRANULE
-
-
-def copy_hashed(dst: memoryview, src: memoryview, hasher: Hasher) -> None:
-    """Copy `src` into `dst` (of one length) a chunk at a time, feeding `hasher` each chunk as it lies in
-    `dst` just after it is copied: the checksum is of the bytes written, whatever `src` holds meanwhile."""
-    for lo in range(0, len(src), COPY_CHUNK):
-        hi = min(lo + COPY_CHUNK, len(src))
-        dst[lo:hi] = src[lo:hi]
-        hasher.update(dst[lo:hi])
 
 
 class Arena:

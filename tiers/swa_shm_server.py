@@ -21,8 +21,9 @@ the TTL is the ticket's, a put may ask for less; reserved records count
 against the pool's cap and evict by LRU; hits, puts and request rates go
 through `ShmHooks` to the gateway's counters and quotas. Each connection is
 served by its own thread: a request is a dictionary lookup under the pool's
-lock, never a copy of a snapshot (a WRITTEN note is an xxh3 pass over bytes
-the client wrote, without the GIL).
+lock, never a copy out to a client (a WRITTEN note is the server's copy of
+what the client wrote into the arena, hashed as it is written: one native pass
+without the GIL, tiers.swa_digest.copy_hashed).
 """
 
 from __future__ import annotations

@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
-import xxhash
-
 from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES, check_position, seal, snapshot_bytes
 from kvstore.v1 import swa_pb2 as pb
-from tiers.swa_shm import Arena, Located, Reserved, copy_hashed
+from tiers.swa_digest import Hasher, copy_hashed, hasher
+from tiers.swa_shm import Arena, Located, Reserved
 
 #: A record header's fields as kvstore.swa_snapshot.seal lays them out: magic, version, geometry
 #: fingerprint, T, the data's checksum, the checksum of those fields. Read here for T and the checksum;
@@ -122,7 +121,7 @@ class _Reserved:
     position: int
     #: The snapshot's xxh3 so far, over its first `hashed` bytes as copied into the arena (WRITTEN notes
     #: move it on).
-    digest: xxhash.xxh3_64 = field(default_factory=xxhash.xxh3_64)
+    digest: Hasher = field(default_factory=hasher)
     hashed: int = 0
 
 
@@ -239,7 +238,7 @@ class ShmSession:
 
     def _hash_to(self, item: _Reserved, end: int) -> None:
         """Copy `item`'s snapshot on into the arena up to `end`, and move its checksum on over those bytes
-        as they lie there (xxhash lets go of the GIL)."""
+        as written there (one native pass without the GIL: tiers.swa_digest.copy_hashed)."""
         assert self.arena is not None and self.staging is not None and item.span is not None
         dst, src = item.span.offset + HEADER_BYTES, item.span.staged + HEADER_BYTES
         copy_hashed(self.arena.view[dst + item.hashed:dst + end], self.staging.view[src + item.hashed:src + end],

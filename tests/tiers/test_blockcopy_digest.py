@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import random
 import sys
 import threading
 
@@ -27,9 +28,10 @@ def forms(request: pytest.FixtureRequest) -> dict[str, object]:
         if not swa_digest.NATIVE:
             pytest.skip("tiers._blockcopy is not built")
         return {"digest": swa_digest.digest, "copy_digest": swa_digest.copy_digest, "hasher": swa_digest.hasher,
-                "stream_into": swa_digest.stream_into}
+                "stream_into": swa_digest.stream_into, "copy_hashed": swa_digest.copy_hashed}
     return {"digest": swa_digest.digest_python, "copy_digest": swa_digest.copy_digest_python,
-            "hasher": xxhash.xxh3_64, "stream_into": swa_digest.stream_into_python}
+            "hasher": xxhash.xxh3_64, "stream_into": swa_digest.stream_into_python,
+            "copy_hashed": swa_digest.copy_hashed_python}
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -89,6 +91,113 @@ def test_stream_into_refuses_buffers_of_two_lengths(forms: dict) -> None:
         forms["stream_into"](memoryview(bytearray(8)), b"123")
 
 
+@pytest.mark.parametrize("size", SIZES)
+def test_copy_hashed_copies_and_feeds_the_hasher_the_bytes_copied(forms: dict, size: int) -> None:
+    data = os.urandom(size + 3)[3:]  # a source that does not start on an aligned address
+    dest = bytearray(size + 9)
+    hasher = forms["hasher"]()
+    forms["copy_hashed"](memoryview(dest)[5:5 + size], memoryview(data), hasher)  # an unaligned destination
+    assert dest[5:5 + size] == data and dest[:5] == bytes(5) and dest[5 + size:] == bytes(4)
+    assert hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+
+
+def test_copy_hashed_goes_on_from_where_the_hasher_is(forms: dict) -> None:
+    """A snapshot copied in pieces (a session's WRITTEN notes) hashes to the digest of the whole."""
+    data = os.urandom(3_000_001)
+    dest = memoryview(bytearray(len(data)))
+    hasher, at = forms["hasher"](), 0
+    for piece in [0, 1, 63, 1 << 20, 32_769, 0, 65_536, 1_000_003]:
+        forms["copy_hashed"](dest[at:at + piece], data[at:at + piece], hasher)
+        at += piece
+    forms["copy_hashed"](dest[at:], data[at:], hasher)
+    assert dest == data and hasher.intdigest() == xxhash.xxh3_64_intdigest(data)
+
+
+def test_native_and_python_copy_hashed_agree(forms: dict) -> None:
+    data = os.urandom(2_715_648)
+    dests = [bytearray(len(data)), bytearray(len(data))]
+    hashers = [forms["hasher"](), xxhash.xxh3_64()]
+    forms["copy_hashed"](memoryview(dests[0]), data, hashers[0])
+    swa_digest.copy_hashed_python(memoryview(dests[1]), data, hashers[1])
+    assert dests[0] == dests[1] == data and hashers[0].intdigest() == hashers[1].intdigest()
+
+
+def test_copy_hashed_hashes_what_it_wrote_while_the_source_changes(forms: dict) -> None:
+    """A writer scribbling on its staging range during the server's copy: the digest is still that of the
+    bytes the destination holds (the arena's rule: the checksum is of what readers map), never of a source
+    read twice."""
+    size = 16 << 20
+    scribbles = [0]
+
+    def scribble(src: bytearray, stop: threading.Event) -> None:
+        rnd = random.Random(7)
+        while not stop.is_set():
+            src[rnd.randrange(size)] ^= 0xFF
+            scribbles[0] += 1
+
+    for _ in range(3):
+        src = bytearray(os.urandom(size))
+        dest = bytearray(size)
+        stop = threading.Event()
+        thread = threading.Thread(target=scribble, args=(src, stop))
+        thread.start()
+        try:
+            hasher = forms["hasher"]()
+            forms["copy_hashed"](memoryview(dest), src, hasher)
+        finally:
+            stop.set()
+            thread.join()
+        assert hasher.intdigest() == xxhash.xxh3_64_intdigest(dest)
+    assert scribbles[0] > 0
+
+
+def test_copy_hashed_refuses_buffers_of_two_lengths(forms: dict) -> None:
+    with pytest.raises(ValueError):
+        forms["copy_hashed"](memoryview(bytearray(8)), b"123", forms["hasher"]())
+
+
+@native
+def test_native_copy_hashed_takes_only_its_own_hasher_and_a_writable_destination() -> None:
+    with pytest.raises(TypeError):
+        swa_digest.copy_hashed(memoryview(bytearray(3)), b"123", xxhash.xxh3_64())
+    with pytest.raises(TypeError):
+        swa_digest.copy_hashed(memoryview(b"abc"), b"123", swa_digest.hasher())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        swa_digest.copy_hashed(memoryview(bytearray(3)), "123", swa_digest.hasher())  # type: ignore[arg-type]
+
+
+@native
+def test_a_hasher_that_copy_hashed_is_feeding_refuses_other_threads() -> None:
+    """copy_hashed feeds its hasher without the GIL: another thread's update or digest of that hasher
+    meanwhile is a RuntimeError, not a race on its state."""
+    src, dest = os.urandom(64 << 20), memoryview(bytearray(64 << 20))
+    hasher = swa_digest.hasher()
+    refused: list[str] = []
+
+    def copy(done: threading.Event) -> None:
+        try:
+            swa_digest.copy_hashed(dest, src, hasher)
+        finally:
+            done.set()
+
+    for _ in range(20):
+        done = threading.Event()
+        thread = threading.Thread(target=copy, args=(done,))
+        thread.start()
+        while not done.is_set():
+            for call in (lambda: hasher.update(b"x"), hasher.intdigest):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+        thread.join()
+        if refused:
+            break
+    assert refused and "another thread" in refused[0]
+    hasher.update(b"")  # usable again once the copy is done
+    assert isinstance(hasher.intdigest(), int)
+
+
 @native
 def test_bad_arguments_are_type_errors_not_crashes() -> None:
     with pytest.raises(TypeError):
@@ -128,6 +237,7 @@ def test_without_the_native_module_the_python_forms_stand_in(monkeypatch: pytest
         assert fallback.digest is fallback.digest_python
         assert fallback.copy_digest is fallback.copy_digest_python
         assert fallback.stream_into is fallback.stream_into_python
+        assert fallback.copy_hashed is fallback.copy_hashed_python
         assert fallback.hasher is xxhash.xxh3_64
         data = os.urandom(100_000)
         assert fallback.digest(data) == fallback.copy_digest(data)[1] == xxhash.xxh3_64_intdigest(data)
