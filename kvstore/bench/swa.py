@@ -28,10 +28,12 @@ bare generic-handler server, harness.RAW_SERVER) per batch plus a same-process
 memcpy of each snapshot (into a slot of a shared mapping for a put; out of it
 into new bytes for a get, as the client returns). The single-fetch p50 is one
 such round trip plus one snapshot's copy. "shm+verify" is
-SwaClient(verify=True): puts sealed (checksummed by the server) when COMMIT
-answers, where a plain shm put's records are checksummed by the server's sealing
-thread just after (within the pause between phases here), and gets that
-re-checksum each copy."""
+SwaClient(verify=True): puts copied into the sealed arena and checksummed by
+the server as the client writes them (WRITTEN notes), sealed when COMMIT
+answers, where a plain shm put's records are copied and checksummed by the
+server's sealing thread just after (within the pause between phases here).
+Gets are the same on both: every shm get checks its copy against the server's
+checksum, verify or not."""
 
 from __future__ import annotations
 
