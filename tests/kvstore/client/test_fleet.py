@@ -25,7 +25,7 @@ from kvstore.client.fleet import FleetClient
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
 from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.client.store import LookupResult
-from kvstore.errors import FailedPrecondition, NotFound, PutNotReplicated, Unavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PutNotReplicated, Unavailable
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
@@ -141,6 +141,15 @@ def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> N
         assert client.get(tokens).blocks == payload
         again = client.put(tokens, payload)  # idempotent: every copy already stored
         assert (again.written_blocks, again.existing_blocks) == (0, 38)
+        with pytest.raises(InvalidArgument, match="parent is not the fleet hash of block 3"):
+            client.put(tokens, payload[4:], first_block=4, parent=chain[2])
+    with fleet_client(fleet, replication=1) as single_copy:
+        tokens = prompt(RUN_TOKENS * 3)
+        single_copy.put(tokens, blocks_for(single_copy, tokens))
+        chain = single_copy.hashes(tokens)
+        for run in single_copy.placement(chain):
+            held = [found_on(n.child.target, chain[run.first_block:run.end_block]) for n in fleet.nodes]
+            assert sorted(held) == [0, 0, 4] and run.replicas == (fleet.nodes[held.index(4)].node_id,)
 
 
 def lookups_by_node(client: FleetClient) -> dict[str, int]:
