@@ -29,13 +29,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from gateway.fleet_servicer import TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
-from kvstore.errors import DeadlineExceeded, KVStoreError
+from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas
 from kvstore.fleet.repair_progress import RepairProgress, repair_key
@@ -56,10 +57,18 @@ CALL_TIMEOUT_S = 30.0
 
 
 class Peers:
-    """gRPC channels to the other nodes, one per address, each call carrying the fleet's token."""
+    """gRPC channels to the other nodes, one per address, each call carrying the fleet's token.
 
-    def __init__(self, token: bytes | None, max_message_bytes: int) -> None:
+    Args:
+        token: the fleet's token (None: none is sent).
+        max_message_bytes: the message size the nodes take.
+        credentials: TLS to the nodes (`peer_credentials`); None: plaintext.
+    """
+
+    def __init__(self, token: bytes | None, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.metadata = ((TOKEN_METADATA, token.decode()),) if token else ()
+        self.credentials = credentials
         self.options = [("grpc.max_receive_message_length", max_message_bytes),
                         ("grpc.max_send_message_length", max_message_bytes)]
         self._stubs: dict[str, fleet_pb2_grpc.FleetStub] = {}
@@ -69,7 +78,8 @@ class Peers:
         """The Fleet stub of the node at `address`."""
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=self.options)
+            channel = (grpc.aio.secure_channel(address, self.credentials, options=self.options) if self.credentials
+                       else grpc.aio.insecure_channel(address, options=self.options))
             self._channels.append(channel)
             stub = self._stubs[address] = fleet_pb2_grpc.FleetStub(channel)
         return stub
@@ -328,6 +338,32 @@ class FleetRepairer:
             log.warning("fleet: cannot publish re-replication progress: %s", exc)
 
 
+def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+    """TLS to the other nodes when this node's port speaks it (they are configured alike): their
+    certificates checked against `[fleet] ca_file` (default: this node's own certificate), and under
+    mutual TLS this node's certificate shown to them. None: plaintext, as the port.
+
+    Raises:
+        ConfigError: a file cannot be read.
+    """
+    tls = settings.tls
+    if not tls.enabled:
+        return None
+
+    def read(name: str, path: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {name} {path}: {exc.strerror or exc}") from None
+
+    roots = read("fleet.ca_file" if settings.fleet.ca_file else "tls.cert_file",
+                 settings.fleet.ca_file or tls.cert_file)
+    if not tls.client_ca_file:
+        return grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.ssl_channel_credentials(root_certificates=roots, private_key=read("tls.key_file", tls.key_file),
+                                        certificate_chain=read("tls.cert_file", tls.cert_file))
+
+
 def _changed_since(revision: int) -> Callable[[Membership], bool]:
     """Whether the view moved past `revision`."""
     return lambda m: m.revision != revision
@@ -341,6 +377,7 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
         Unavailable: etcd does not answer.
     """
     fleet = settings.fleet
+    peers = Peers(token, settings.server.max_message_bytes, peer_credentials(settings))
     membership = Membership(session_for(fleet), fleet.cluster)
     await membership.start()
     key = repair_key(fleet.cluster, registration.record.node_id)
@@ -354,7 +391,6 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
     repairer = FleetRepairer(tier, node_id=registration.record.node_id, membership=membership,
                              replication=fleet.replication, run_blocks=fleet.run_blocks,
                              window_s=settings.store.retention_s, bucket=bucket,
-                             peers=Peers(token, settings.server.max_message_bytes), interval_s=fleet.repair_interval_s,
-                             publish=publish)
+                             peers=peers, interval_s=fleet.repair_interval_s, publish=publish)
     repairer.start()
     return repairer

@@ -338,6 +338,10 @@ class FleetSettings:
     #: A file holding the fleet's token, which nodes present to each other's Fleet service (a right no tenant
     #: token has); '' = none: nodes take Fleet calls only while tenant auth is off (docs/FLEET.md F20).
     token_file: str = ""
+    #: CA certificates (PEM) a node checks other nodes' certificates against when [tls] is on; '' = the node's
+    #: own tls.cert_file (one certificate naming every node, or a bundle). Under mutual TLS a node shows its own
+    #: certificate to the others, so it must allow client auth too.
+    ca_file: str = ""
     #: Bytes a second a node copies to other nodes while re-replicating (token bucket): a tenth of an NVMe's
     #: ~2 GB/s, so foreground Puts and Gets keep the rest of the disk (F18).
     repair_bytes_per_s: int = 200_000_000

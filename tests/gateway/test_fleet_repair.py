@@ -11,11 +11,12 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.fleet_repair import FleetRepairer, Peers
+from gateway.fleet_repair import FleetRepairer, Peers, peer_credentials
 from gateway.fleet_servicer import add_fleet_service
 from kvstore.clock import ManualClock
 from kvstore.config import Settings
-from kvstore.config_sections import FleetSettings, StoreSettings
+from kvstore.config_sections import FleetSettings, StoreSettings, TlsSettings
+from kvstore.errors import ConfigError
 from kvstore.fleet.membership import Membership, register_node, session_for
 from kvstore.fleet.placement import replicas
 from tests.conftest import LoopThread
@@ -35,35 +36,39 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
 
 @pytest.fixture
 def fleet_nodes(tmp_path: Path, loop_thread: LoopThread, etcd: EtcdProcess) -> Iterator[Any]:
-    """make(names): nodes of one cluster, each a store served by the Fleet service and registered in etcd;
-    returns their tiers, addresses and a membership view that sees them all."""
+    """make(names, tls=None): nodes of one cluster (TLS with `tls`'s server certificate), each a store
+    served by the Fleet service and registered in etcd; returns their tiers, addresses and a view of them all."""
     fleet = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,
                           run_blocks=RUN_BLOCKS, replication=2)
     clock = ManualClock()
     opened: list[Any] = []
     views: list[Membership] = []
 
-    async def node(name: str) -> tuple[LmdbBlockTier, str]:
+    async def node(name: str, tls: Any) -> tuple[LmdbBlockTier, str]:
         store = StoreSettings(data_dir=tmp_path / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
         tier = LmdbBlockTier(store, clock=clock)
         server = grpc.aio.server()
         add_fleet_service(server, Settings(store=store, fleet=fleet), tier, auth_on=lambda: False)
-        port = server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            port = server.add_insecure_port("127.0.0.1:0")
+        else:
+            pair = (tls.server.key.read_bytes(), tls.server.cert.read_bytes())
+            port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
         await server.start()
         registration = await register_node(fleet, node_id=name, address=f"127.0.0.1:{port}",
                                            capacity_bytes=store.capacity_bytes, block_tokens=TOKENS)
         opened.append((tier, server, registration))
         return tier, f"127.0.0.1:{port}"
 
-    async def start(names: list[str]) -> tuple[dict[str, LmdbBlockTier], dict[str, str], Membership]:
-        made = {n: await node(n) for n in names}
+    async def start(names: list[str], tls: Any) -> tuple[dict[str, LmdbBlockTier], dict[str, str], Membership]:
+        made = {n: await node(n, tls) for n in names}
         view = Membership(session_for(fleet), fleet.cluster)
         views.append(view)
         await view.start()
         await view.wait_until(lambda m: len(m.nodes) == len(names), 10)
         return {n: t for n, (t, _) in made.items()}, {n: a for n, (_, a) in made.items()}, view
 
-    yield lambda names: loop_thread.run(start(names))
+    yield lambda names, tls=None: loop_thread.run(start(names, tls))
     for view in views:
         loop_thread.run(view.close())
     for tier, server, registration in opened:
@@ -72,10 +77,11 @@ def fleet_nodes(tmp_path: Path, loop_thread: LoopThread, etcd: EtcdProcess) -> I
         tier.close()
 
 
-def repairer(tier: LmdbBlockTier, name: str, view: Membership, bucket: Any = None) -> FleetRepairer:
+def repairer(tier: LmdbBlockTier, name: str, view: Membership, bucket: Any = None,
+             credentials: Any = None) -> FleetRepairer:
     return FleetRepairer(tier, node_id=name, membership=view, replication=2, run_blocks=RUN_BLOCKS,
                          window_s=tier.settings.retention_s, bucket=bucket or Recorded(rate=1e12, burst=1e12),
-                         peers=Peers(None, 1 << 26), interval_s=60, publish=None)
+                         peers=Peers(None, 1 << 26, credentials), interval_s=60, publish=None)
 
 
 def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rate(
@@ -133,3 +139,36 @@ def test_f18_of_two_holders_only_the_one_ranked_first_copies(fleet_nodes: Any, l
     first = {k for k in lacking if next(n for n in replicas(k, live, 3) if n != "c") == "a"}
     assert lacking and first and first != lacking  # both cases are met
     assert (by_a, by_b) == (first, lacking - first)
+
+
+def test_f20_nodes_copy_over_tls_checking_each_other_against_the_fleet_ca(fleet_nodes: Any, loop_thread: LoopThread,
+                                                                       certs: Any, tmp_path: Path) -> None:
+    tiers, _, view = fleet_nodes(["a", "b"], tls=certs)
+    hashes, blocks = chain(6)
+    put(tiers["a"], hashes, blocks)
+    tls = TlsSettings(cert_file=str(certs.server.cert), key_file=str(certs.server.key))
+    plain = peer_credentials(Settings(store=tiers["a"].settings, tls=TlsSettings()))
+    wrong_ca = peer_credentials(Settings(store=tiers["a"].settings, tls=tls,
+                                         fleet=FleetSettings(ca_file=str(certs.other_ca.cert))))
+    good = peer_credentials(Settings(store=tiers["a"].settings, tls=tls,
+                                     fleet=FleetSettings(ca_file=str(certs.ca.cert))))
+    assert plain is None
+
+    def run(credentials: Any) -> Any:
+        r = repairer(tiers["a"], "a", view, credentials=credentials)
+
+        async def one_pass() -> Any:
+            try:
+                return await r.run_pass()
+            finally:
+                await r.peers.close()
+
+        return loop_thread.run(one_pass())
+
+    refused = run(wrong_ca)  # b's certificate does not chain to that CA: nothing is sent, the runs count failed
+    assert refused.copied_bytes == 0 and not any(run_index.held(tiers["b"].env, [SCOPE.key(h) for h in hashes]))
+    assert run(good).copied_bytes == sum(map(len, blocks))
+    assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+    with pytest.raises(ConfigError, match=r"fleet\.ca_file"):
+        peer_credentials(Settings(store=tiers["a"].settings, tls=tls,
+                                  fleet=FleetSettings(ca_file=str(tmp_path / "absent.pem"))))
