@@ -21,6 +21,7 @@ import pytest
 
 import kvstore
 from kvstore.bench.redis_server import free_port
+from kvstore.client.admin import AdminClient
 from kvstore.client.fleet import FleetClient
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
 from kvstore.client.retry import ExponentialBackoff, Retry
@@ -269,6 +270,28 @@ def test_f33_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> 
             after = {k: s.gets for k, s in other.node_stats().items()}
             assert {k: after[k] - before[k] for k in after if after[k] > before[k]} == {
                 n: theirs.count(n) for n in set(theirs)}  # one Get per run, each on the node the order named
+
+
+def test_f33_a_copy_missing_blocks_is_read_around_from_the_block_it_lacks(fleet: Fleet) -> None:
+    """F33: the preferred replica lost the tail of a run (purged there): the Get takes the rest of the run from
+    the other replica, without asking again for what it delivered; the Lookup finds the run on the other copy."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 2)
+        payload = blocks_for(client, tokens)
+        client.put(tokens, payload)
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[1]
+        first, other = client.pool.read_order(chain[run.first_block], run.replicas)
+        with AdminClient(fleet.node(first).child.target) as admin:
+            assert admin.purge("default", block_hashes=[chain[run.first_block + 2]]) == 2  # blocks 6 and 7
+        assert found_on(fleet.node(first).child.target, chain[4:8]) == 2
+        before = client.node_stats()
+        assert client.get(tokens, first_block=4).blocks == payload[4:]  # run 1 only
+        after = client.node_stats()
+        assert after[first].get_tokens_returned - before[first].get_tokens_returned == 2 * BLOCK_TOKENS
+        assert after[other].get_tokens_returned - before[other].get_tokens_returned == 2 * BLOCK_TOKENS
+        assert client.lookup(tokens).found_blocks == 8
+        assert client.pool.failures[first] == 0  # a miss is not a failure: the node stays first for other runs
 
 
 def test_a_stream_in_a_fleet_gives_each_block_in_order(fleet: Fleet) -> None:
