@@ -13,7 +13,9 @@ def test_every_test_named_in_fleet_md_exists() -> None:
     named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", doc)) - {"test_"}
     fleet_tests = ROOT / "tests" / "kvstore" / "fleet"
     client_tests = ROOT / "tests" / "kvstore" / "client"  # the data path's rules (the fleet client)
-    paths = [*fleet_tests.glob("test_*.py"), *client_tests.glob("test_fleet*.py"), client_tests / "test_retry.py"]
+    gateway_tests = ROOT / "tests" / "gateway"  # re-replication's node side (F16-F20)
+    paths = [*fleet_tests.glob("test_*.py"), *client_tests.glob("test_fleet*.py"), client_tests / "test_retry.py",
+             *gateway_tests.glob("test_fleet*.py"), gateway_tests / "test_token_bucket.py"]
     defined = {m for path in paths for m in re.findall(r"^def (test_[a-z0-9_]+)", path.read_text(), flags=re.M)}
     files = {path.stem for path in paths}
     assert len(named) > 20, "FLEET.md names its rules' tests"
