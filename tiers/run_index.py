@@ -24,6 +24,7 @@ All functions here block (run them on the tier's executor).
 from __future__ import annotations
 
 import struct
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -154,10 +155,10 @@ def _members(txn: lmdb.Transaction, records: lmdb._Database, root: bytes, run_bl
     top = BlockMeta.unpack(raw)
     last_depth = top.depth + run_blocks - 1 - (top.depth - 1) % run_blocks
     out: list[RunBlock] = []
-    todo = [(root, top)]
+    todo = deque([(root, top)])
     cursor = txn.cursor(db=records)
     while todo:
-        key, meta = todo.pop(0)
+        key, meta = todo.popleft()
         out.append(RunBlock(key=key, meta=meta))
         if meta.depth >= last_depth:
             continue  # its children start the next run
