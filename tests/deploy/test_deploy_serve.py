@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -30,7 +31,7 @@ import yaml
 from kvstore.bench.redis_server import RedisServer, free_port
 from kvstore.client import Client, TlsOptions
 from kvstore.errors import KVStoreError, Unauthenticated
-from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.kvstore.fleet.etcd_process import EtcdProcess, need_etcd
 from tests.waiting import wait_until
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -108,12 +109,33 @@ def test_the_deploy_config_serves_tls_and_tokens_only(served: str, env: dict[str
 # -- a fleet node: deploy/docker/kvstore-fleet.toml --
 
 
+def compose_services() -> dict[str, Any]:
+    services: dict[str, Any] = yaml.safe_load((DEPLOY / "docker" / "compose-fleet.yaml").read_text())["services"]
+    return services
+
+
+class ComposeEtcd(EtcdProcess):
+    """compose-fleet.yaml's etcd command, run by this machine's etcd: its own names and ports for loopback ones."""
+
+    def launch(self) -> ComposeEtcd:
+        command = list(compose_services()["etcd"]["command"])
+        assert command[0] == "etcd"
+        swap = {"http://0.0.0.0:2379": f"http://{self.endpoint}", "http://etcd:2379": f"http://{self.endpoint}",
+                "http://0.0.0.0:2380": self.peer_url, "http://etcd:2380": self.peer_url,
+                "etcd=http://etcd:2380": f"etcd={self.peer_url}", "/etcd-data": str(self.workdir / "data")}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "etcd.log", "ab") as log:
+            self.process = subprocess.Popen([need_etcd(), *(swap.get(a, a) for a in command[1:])],
+                                            stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
+        return self
+
+
 @pytest.fixture
 def compose_redis_cluster(tmp_path: Path) -> Iterator[str]:
     """Six redis-servers with compose-fleet.yaml's member flags, joined by its job's `--cluster create` flags."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         pytest.skip("redis-server is not installed")
-    services = yaml.safe_load((DEPLOY / "docker" / "compose-fleet.yaml").read_text())["services"]
+    services = compose_services()
     members = sorted(name for name, s in services.items() if "--cluster-enabled" in s.get("command", []))
     command = services[members[0]]["command"]
     flags = command[command.index("--port") + 2:]  # after `redis-server --port 6379`: this machine's port instead
@@ -138,7 +160,7 @@ def compose_redis_cluster(tmp_path: Path) -> Iterator[str]:
 
 def test_the_fleet_config_serves_a_node_registered_in_etcd_with_swa_in_the_cluster(
         env: dict[str, str], compose_redis_cluster: str, tmp_path: Path) -> None:
-    etcd = EtcdProcess(tmp_path / "etcd").start()
+    etcd = ComposeEtcd(tmp_path / "etcd").start()  # the compose file's etcd flags
     port = free_port()
     fleet_env = env | {
         "KVSTORE_CONFIG": str(DEPLOY / "docker" / "kvstore-fleet.toml"),
@@ -190,3 +212,90 @@ def test_the_fleet_config_serves_a_node_registered_in_etcd_with_swa_in_the_clust
         code = proc.wait(timeout=30)
         etcd.stop()
     assert code == 0, log.read_text()
+
+
+def test_the_kubernetes_redis_config_runs_a_cluster_member(tmp_path: Path) -> None:
+    """k8s/kvstore-fleet.yaml's redis.conf and command start a cluster member of this machine's redis-server
+    (which exits on a directive it does not know), announcing the name it is given."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all((DEPLOY / "k8s" / "kvstore-fleet.yaml").read_text())}
+    conf = docs[("ConfigMap", "kvstore-redis-config")]["data"]["redis.conf"]
+    (container,) = docs[("StatefulSet", "kvstore-redis")]["spec"]["template"]["spec"]["containers"]
+    port = free_port(with_bus=True)
+    (tmp_path / "redis.conf").write_text(conf.replace("port 6379", f"port {port}")
+                                         .replace("/data/", f"{tmp_path}/"))
+    command = [a.replace("$(POD_NAME)", "kvstore-redis-0").replace("$(POD_NAMESPACE)", "kvstore")
+               for a in container["command"]]
+    assert command[:2] == ["redis-server", "/etc/redis/redis.conf"]
+    with open(tmp_path / "redis.log", "wb") as log:  # a refused config is told on stderr
+        proc = subprocess.Popen([command[0], str(tmp_path / "redis.conf"), *command[2:], "--bind", "127.0.0.1"],
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        with redis.Redis(port=port, socket_connect_timeout=0.5) as member:
+            def answers() -> bool:
+                assert proc.poll() is None, (tmp_path / "redis.log").read_text()
+                try:
+                    return bool(member.ping())
+                except redis.exceptions.ConnectionError:
+                    return False
+
+            wait_until(answers, "redis-server answers")
+            assert member.info("cluster")["cluster_enabled"] == 1
+            assert member.config_get("cluster-announce-hostname")["cluster-announce-hostname"] == \
+                "kvstore-redis-0.kvstore-redis.kvstore.svc.cluster.local"
+            assert (tmp_path / "nodes.conf").exists()  # on the claim: a restarted member keeps its place
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+class PodEtcd(EtcdProcess):
+    """One member of k8s/kvstore-fleet.yaml's etcd StatefulSet, its args as the kubelet expands them for
+    the pod `name`, run by this machine's etcd on loopback: each pod's DNS name swapped for its ports."""
+
+    def __init__(self, workdir: Path, *, name: str, args: list[str], swap: dict[str, str]) -> None:
+        super().__init__(workdir, name=name)
+        self.args = args
+        self.swap = swap
+
+    def launch(self) -> PodEtcd:
+        swap = self.swap | {"http://0.0.0.0:2379": f"http://{self.endpoint}", "http://0.0.0.0:2380": self.peer_url,
+                            "/var/lib/etcd": str(self.workdir)}
+        args = []
+        for arg in (a.replace("$(POD_NAME)", self.name) for a in self.args):
+            for old, new in swap.items():
+                arg = arg.replace(old, new)
+            args.append(arg)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.workdir / "etcd.log", "ab") as log:
+            self.process = subprocess.Popen([need_etcd(), *args], stdout=subprocess.DEVNULL, stderr=log,
+                                            stdin=subprocess.DEVNULL)
+        return self
+
+
+def test_the_kubernetes_etcd_args_make_one_cluster_of_three(tmp_path: Path) -> None:
+    """Each pod's `--initial-cluster` flags, as the StatefulSet writes them, join the three members into one
+    cluster that answers linearizable reads on every member (a member left out would never answer)."""
+    docs = {(d["kind"], d["metadata"]["name"]): d
+            for d in yaml.safe_load_all((DEPLOY / "k8s" / "kvstore-fleet.yaml").read_text())}
+    sts = docs[("StatefulSet", "kvstore-etcd")]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["etcd"]
+    pods = [f"kvstore-etcd-{i}" for i in range(sts["spec"]["replicas"])]
+    members = [PodEtcd(tmp_path / pod, name=pod, args=container["args"], swap={}) for pod in pods]
+    service = sts["spec"]["serviceName"]
+    swap = {}
+    for pod, member in zip(pods, members, strict=True):
+        swap[f"http://{pod}.{service}:2379"] = f"http://{member.endpoint}"
+        swap[f"http://{pod}.{service}:2380"] = member.peer_url
+    try:
+        for member in members:
+            member.swap = swap
+            member.launch()
+        for member in members:
+            member.wait_ready()
+    finally:
+        for member in members:
+            member.stop()
