@@ -15,4 +15,5 @@ BENCHES: dict[str, str] = {
     "swa": "kvstore.bench.swa",
     "load": "kvstore.bench.load",
     "replay": "kvstore.bench.replay",
+    "fleet": "kvstore.bench.fleet",
 }

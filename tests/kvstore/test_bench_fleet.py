@@ -1,0 +1,52 @@
+"""`kvstore bench fleet` runs end to end on real etcd and `kvstore serve` processes and prints every figure
+beside its same-run baseline, with its target met or not (docs/BENCHMARKS.md; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.kvstore.fleet.etcd_process import need_etcd
+
+
+def bench(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "fleet", *args], capture_output=True,
+                          text=True, timeout=240, env=env)
+
+
+def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
+    need_etcd()
+    done = bench("--quick", "--json", "--dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    figures = {f["name"]: f for f in report["figures"]}
+    tokens = f"{report['notes']['lookup_tokens']:,}"
+    want = {"put n=1 r=1", "get n=1 r=1", "get via router n=1 r=1", f"lookup {tokens} tokens n=1 r=1",
+            "bytes sent to an added node 1->2 r=1",
+            "put n=2 r=1", "get via router n=2 r=1", f"lookup {tokens} tokens n=2 r=1",
+            "put n=2 r=2", "put r=2 vs r=1 n=2", "get n=2 r=2", "get via router n=2 r=2",
+            f"lookup {tokens} tokens n=2 r=2", "bytes sent to an added node 2->3 r=2",
+            "re-replication after a node kill 3->2 r=2"}
+    assert want <= figures.keys(), sorted(figures)
+    for f in figures.values():
+        assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+        assert f["baseline"] and f["baseline_value"] > 0 and f["value"] > 0 and f["ratio"] > 0, f
+    put = figures["put r=2 vs r=1 n=2"]
+    assert put["baseline_value"] == figures["put n=2 r=1"]["value"] and put["value"] == figures["put n=2 r=2"]["value"]
+    assert figures["bytes sent to an added node 2->3 r=2"]["baseline_value"] == 1 / 3
+    # Every figure with a target says whether it met it; the one-copy fleet says why it has no kill figure.
+    for name in ("get via router n=2 r=2", f"lookup {tokens} tokens n=2 r=2", "put r=2 vs r=1 n=2",
+                 "bytes sent to an added node 2->3 r=2", "re-replication after a node kill 3->2 r=2"):
+        assert report["notes"][f"target {name}"].endswith((": met", ": NOT MET")), name
+    assert "skipped" in report["notes"]["re-replication n=1 r=1"]
+    assert list(tmp_path.iterdir()) == []  # every node's and etcd's folder removed
+
+
+def test_without_etcd_one_line_names_the_package(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": str(tmp_path)}  # no etcd on this PATH (the interpreter is named in full)
+    done = bench("--quick", env=env)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == ["kvstore: etcd is not on PATH (apt-get install etcd-server)"]
