@@ -39,7 +39,7 @@ from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas
-from kvstore.fleet.repair_progress import RepairProgress, repair_key
+from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tiers import namespaces, run_index
@@ -132,6 +132,10 @@ class FleetRepairer:
         self.publish = publish
         self._names: dict[bytes, str] = {}
         self.progress = RepairProgress(node_id=node_id)
+        #: Called once when a drain is found requested (leave the membership); None: drains are not followed.
+        self.leave: Callable[[], Awaitable[None]] | None = None
+        #: Whether a drain of this node was requested (None: drains are not looked for).
+        self.drain_requested: Callable[[], Awaitable[bool]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._published_at = 0.0
 
@@ -152,8 +156,10 @@ class FleetRepairer:
     async def _run(self) -> None:
         seen = -1
         while True:
+            # A draining node passes again soon, until a pass finds nothing left to copy (F21).
+            wait_s = 1.0 if self.progress.draining and not self.progress.drained else self.interval_s
             with contextlib.suppress(DeadlineExceeded):  # no change within the interval: a periodic pass
-                await self.membership.wait_until(_changed_since(seen), self.interval_s)
+                await self.membership.wait_until(_changed_since(seen), wait_s)
             seen = self.membership.revision
             try:
                 await self.run_pass()
@@ -164,18 +170,25 @@ class FleetRepairer:
 
     async def run_pass(self) -> RepairProgress:
         """One pass over every run held, against the membership as it is now; returns the progress."""
-        nodes = dict(self.membership.nodes)
-        if self.membership.stale or self.node_id not in nodes:
-            return self.progress  # etcd away, or our own record not seen yet: the view cannot be planned over
         p = self.progress
+        if not p.draining and self.drain_requested is not None and await self.drain_requested():
+            p.draining = True  # F21: leave the membership first, so clients and placement go elsewhere
+            if self.leave is not None:
+                await self.leave()
+            await self.membership.wait_until(lambda m: self.node_id not in m.nodes, 30)
+        nodes = {n: r for n, r in self.membership.nodes.items() if not (p.draining and n == self.node_id)}
+        if self.membership.stale or not nodes or (self.node_id not in nodes and not p.draining):
+            return p  # etcd away, or our own record not seen yet: the view cannot be planned over
         p.planned_nodes, p.running = sorted(nodes), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
         await self._publish(force=True)
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         addresses = {n: r.address for n, r in nodes.items()}
+        planned = 0
         for start in range(0, len(runs), RUNS_PER_ROUND):
             plans = await self.plan(runs[start:start + RUNS_PER_ROUND], sorted(nodes), addresses)
+            planned += len(plans)
             p.under_replicated_runs += len(plans)
             p.under_replicated_bytes += sum(b.meta.size_bytes for plan in plans for s in plan.sends.values()
                                             for b in s)
@@ -183,6 +196,7 @@ class FleetRepairer:
             for plan in plans:
                 await self._copy(plan, addresses)
         p.running, p.passes = False, p.passes + 1
+        p.drained = p.draining and not planned and not p.failed_runs
         await self._publish(force=True)
         return p
 
@@ -196,7 +210,9 @@ class FleetRepairer:
             return [[b for b in run_index.members(env, r.key, rb) if b.meta.last_access_s >= since] for r in runs]
 
         held = await self.tier.call(read_all)
-        orders = [replicas(r.run_key, live, len(live)) for r in runs]
+        # A draining node ranks last for every run: it sends only what no other node holds (F21).
+        last = (self.node_id,) if self.node_id not in live else ()
+        orders = [replicas(r.run_key, live, len(live)) + last for r in runs]
         asked: dict[str, list[int]] = {}  # peer -> indexes of the runs it is asked about
         for i, order in enumerate(orders):
             if held[i]:
@@ -381,16 +397,27 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
     membership = Membership(session_for(fleet), fleet.cluster)
     await membership.start()
     key = repair_key(fleet.cluster, registration.record.node_id)
+    drain = drain_key(fleet.cluster, registration.record.node_id)
 
     async def publish(progress: RepairProgress) -> None:
+        if progress.draining:  # its lease is revoked: the record stays until the drain is cancelled
+            await membership.session.call(lambda c: c.put(key, progress.to_json()))
+            return
         lease = registration.lease_id
         if lease is not None:  # between a lost lease and its renewal: the next update writes it
             await registration.session.call(lambda c: c.put(key, progress.to_json(), lease=lease))
+
+    async def drain_requested() -> bool:
+        try:
+            return await membership.session.call(lambda c: c.get(drain)) is not None
+        except KVStoreError:  # etcd away: the next pass asks again
+            return False
 
     bucket = TokenBucket(fleet.repair_bytes_per_s, max(2 * BATCH_BYTES, fleet.repair_bytes_per_s / 10))
     repairer = FleetRepairer(tier, node_id=registration.record.node_id, membership=membership,
                              replication=fleet.replication, run_blocks=fleet.run_blocks,
                              window_s=settings.store.retention_s, bucket=bucket,
                              peers=peers, interval_s=fleet.repair_interval_s, publish=publish)
+    repairer.leave, repairer.drain_requested = registration.stop, drain_requested
     repairer.start()
     return repairer

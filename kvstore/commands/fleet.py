@@ -5,12 +5,15 @@ dir), the address clients reach it at, the seconds left on its lease (renewed
 every third of the TTL; a node that stops renewing leaves when it reaches 0),
 its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
-copied; the last line sums them fleet-wide (docs/FLEET.md F18). etcd's endpoints come from --etcd, else the
+copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
+drain NODE` has a node leave the membership and copy what only it holds; status
+says when it is drained, and may be stopped (F21); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
 the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints).
 
 Examples:
   kvstore fleet status --etcd 127.0.0.1:2379
+  kvstore fleet drain 6f1c... --etcd 127.0.0.1:2379
   kvstore fleet status --config /etc/kvstore/kvstore.toml --json
 """
 
@@ -28,13 +31,18 @@ if TYPE_CHECKING:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The command's arguments: one subcommand, status."""
+    """The command's arguments: the subcommands status and drain."""
     sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="SUBCOMMAND")
-    status = sub.add_parser("status", help="list the nodes registered in etcd: id, address, lease left, started")
-    status.add_argument("--etcd", default=None, help="etcd endpoints, host:port,... (default: [fleet] etcd)")
-    status.add_argument("--cluster", default=None, help="the fleet's name (default: [fleet] cluster, 'default')")
-    status.add_argument("--config", type=Path, default=None, help="TOML config whose [fleet] section to use")
-    status.add_argument("--timeout", type=float, default=3.0, help="seconds each etcd call may take (default 3)")
+    status = sub.add_parser("status", help="list the nodes registered in etcd: id, address, lease left, started, "
+                                           "re-replication")
+    drain = sub.add_parser("drain", help="have a node leave the fleet once the others hold every run it holds")
+    drain.add_argument("node", metavar="NODE", help="the node's id (as `kvstore fleet status` lists it)")
+    drain.add_argument("--cancel", action="store_true", help="cancel the drain: the node joins again at its restart")
+    for p in (status, drain):
+        p.add_argument("--etcd", default=None, help="etcd endpoints, host:port,... (default: [fleet] etcd)")
+        p.add_argument("--cluster", default=None, help="the fleet's name (default: [fleet] cluster, 'default')")
+        p.add_argument("--config", type=Path, default=None, help="TOML config whose [fleet] section to use")
+        p.add_argument("--timeout", type=float, default=3.0, help="seconds each etcd call may take (default 3)")
     status.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -47,9 +55,31 @@ def run(args: argparse.Namespace) -> int:
     if not fleet.enabled:
         raise ConfigError("no etcd endpoints to ask: this is a single node's configuration",
                           hint="give --etcd host:port, or set [fleet] etcd in --config (or KVSTORE_FLEET_ETCD)")
+    if args.fleet_command == "drain":
+        print(asyncio.run(_drain(fleet, args.node, cancel=args.cancel, timeout_s=args.timeout)))
+        return 0
     report = asyncio.run(_status(fleet, args.timeout))
     print(json.dumps(report) if args.json else "\n".join(_lines(report)))
     return 0
+
+
+async def _drain(fleet: FleetSettings, node_id: str, *, cancel: bool, timeout_s: float) -> str:
+    """Ask a node to drain (docs/FLEET.md F21), or cancel its drain; what was done, in one line."""
+    from kvstore.fleet.membership import session_for
+    from kvstore.fleet.repair_progress import drain_key, repair_key
+
+    session = session_for(fleet, timeout_s=timeout_s)
+    key = drain_key(fleet.cluster, node_id)
+    try:
+        if cancel:
+            await session.call(lambda c: c.delete(key))
+            await session.call(lambda c: c.delete(repair_key(fleet.cluster, node_id)))
+            return f"node {node_id}: drain cancelled; it joins the fleet again when restarted"
+        await session.call(lambda c: c.put(key, json.dumps({"requested_at": time.time()}).encode()))
+    finally:
+        await session.close()
+    return (f"node {node_id}: drain requested; it leaves the membership at its next pass and copies what only it "
+            "holds; stop it once `kvstore fleet status` says it is drained")
 
 
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
@@ -72,6 +102,9 @@ async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     report: dict[str, Any] = {"cluster": fleet.cluster, "etcd": [str(e) for e in session.endpoints],
                               "revision": revision, "nodes": rows}
     report["replication"] = _replication(report["nodes"])
+    live = {n["node_id"] for n in rows}
+    report["draining"] = [{"node_id": p.node_id, "drained": p.drained, "repair": _repair(p)}
+                          for p in repairs.values() if p.draining and p.node_id not in live]
     return report
 
 
@@ -81,7 +114,8 @@ def _repair(progress: Any) -> dict[str, Any] | None:
         return None
     return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
                                               "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
-                                              "damaged_blocks", "failed_runs", "updated_at")}
+                                              "damaged_blocks", "failed_runs", "draining", "drained",
+                                              "updated_at")}
 
 
 def _replication(nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,6 +148,10 @@ def _lines(report: dict[str, Any]) -> list[str]:
                      "-" if r is None else f"{r['copied_bytes'] / 1e9:.3f} GB"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for d in report["draining"]:
+        state = "drained: it may be stopped" if d["drained"] else "draining"
+        lines.append(f"node {d['node_id']} is out of the membership, {state} "
+                     f"({d['repair']['under_replicated_bytes']} bytes left to copy)")
     rep = report["replication"]
     lines.append(f"under-replicated: {rep['under_replicated_bytes']} bytes in {rep['under_replicated_runs']} runs"
                  f"{'' if rep['settled'] else ' (a pass over the current membership is under way)'}")

@@ -1,7 +1,8 @@
 """What each node's re-replication has left to do, as it publishes it in etcd (docs/FLEET.md F18).
 
 Each node writes one record, `/kvstore/<cluster>/repair/<node_id>`, under its
-registration's lease (so it leaves with the node): the membership it last planned
+registration's lease (so it leaves with the node; a draining node's, whose lease is
+revoked, stays until the drain is cancelled): the membership it last planned
 over, the bytes and runs it still has to copy to bring its runs back to their
 replication factor, and what it has copied. `kvstore fleet status` sums them:
 under-replicated bytes fleet-wide go to 0 once every node's pass over the current
@@ -24,6 +25,11 @@ def repair_prefix(cluster: str) -> bytes:
 def repair_key(cluster: str, node_id: str) -> bytes:
     """The key of one node's re-replication record."""
     return repair_prefix(cluster) + node_id.encode()
+
+
+def drain_key(cluster: str, node_id: str) -> bytes:
+    """The key `kvstore fleet drain NODE` writes: `/kvstore/<cluster>/drain/<node_id>` (deleted by --cancel)."""
+    return f"{KEY_ROOT}/{cluster}/drain/{node_id}".encode()
 
 
 @dataclass(kw_only=True)
@@ -51,6 +57,10 @@ class RepairProgress:
     damaged_blocks: int = 0
     #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.
     failed_runs: int = 0
+    #: Whether the node is draining (`kvstore fleet drain`): out of the membership, copying what only it holds.
+    draining: bool = False
+    #: Whether a draining node's last pass found nothing to copy: it may be stopped.
+    drained: bool = False
     #: Unix time of the last update.
     updated_at: float = 0.0
 

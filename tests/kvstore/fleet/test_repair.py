@@ -224,6 +224,33 @@ def test_f21_a_joining_node_gets_its_share_and_a_damaged_copy_is_not_sent(fleet:
     assert sent == expected
 
 
+def test_f21_a_drained_node_leaves_once_every_run_it_held_has_its_copies_elsewhere(fleet: Fleet) -> None:
+    a = fleet.node_id("a")
+    only_a = Stored(hashes=[], blocks=[os.urandom(BLOCK) for _ in range(RUN_BLOCKS)])
+    tokens = list(range(900_000, 900_000 + RUN_BLOCKS * TOKENS))
+    with Client(fleet.live()[a]) as client:  # one copy, on the node about to drain
+        client.put(tokens, only_a.blocks)
+        only_a.hashes = client.hashes(tokens)
+    fleet.chains.append(only_a)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["fleet", "drain", a, "--etcd", fleet.etcd, "--cluster", fleet.cluster]) == 0
+    assert f"node {a}: drain requested" in out.getvalue()
+    fleet.wait_settled(3)  # a left the membership; b, c and d planned over themselves
+    wait_for(lambda: [d["drained"] for d in fleet.status()["draining"] if d["node_id"] == a] == [True],
+             "the drained node's last pass found nothing left to copy")
+    assert fleet.children["a"].proc.poll() is None  # still serving: stopping it is the operator's call
+    live = {n: t for n, t in fleet.live().items() if n != a}
+    for c in fleet.chains:
+        for node in replicas(c.hashes[0], list(live), K):
+            with Client(live[node]) as client:
+                assert client.get_hashes(c.hashes).blocks == c.blocks
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert main(["fleet", "status", "--etcd", fleet.etcd, "--cluster", fleet.cluster]) == 0
+    assert f"node {a} is out of the membership, drained: it may be stopped" in text.getvalue()
+
+
 def corrupt(data_file: Path, block: bytes) -> None:
     """Flip a byte of `block`'s stored bytes in place, under the running node (its checksum then fails)."""
     raw = data_file.read_bytes()
