@@ -45,6 +45,8 @@ fi
 # vLLM and SGLang, lean (no CUDA torch), for the adapters' tests against the real
 # engines (tests/integrations). Never fails the run: an engine that cannot be
 # installed is noted in .venv/engine-skip-<name>.txt and its tests skip saying why.
+# Skipped when they installed and imported before and nothing changed; their wheels are
+# kept in ~/.cache/kvstore/wheels (KVSTORE_WHEEL_CACHE), so a fresh clone downloads none.
 echo "== inference engines (vllm, sglang)"
 bash scripts/install_engines.sh .venv
 

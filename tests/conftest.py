@@ -16,6 +16,14 @@ from kvstore.clock import ManualClock
 from kvstore.config import ServerSettings, Settings, StoreSettings
 
 
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """Say the seed of the run's random test order (pytest-randomly), which -q keeps out of the header:
+    an outcome that one order alone shows comes back with `-p randomly --randomly-seed=SEED`."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(f"test order: pytest-randomly --randomly-seed={seed} (fixed order: -p no:randomly)")
+
+
 class LoopThread:
     """An asyncio loop on a background thread, to host a grpc.aio server for sync tests."""
 
