@@ -75,7 +75,7 @@ def settings_of(toml: Path, env: dict[str, str] | None = None) -> Settings:
 def path_settings(s: Settings) -> list[str]:
     """Every file or folder the settings name."""
     paths = [str(s.store.data_dir), s.tls.cert_file, s.tls.key_file, s.tls.client_ca_file, s.auth.tenants_file,
-             s.fleet.token_file]
+             s.fleet.token_file, s.fleet.ca_file]
     return [p for p in paths if p]
 
 

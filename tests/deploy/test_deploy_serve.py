@@ -158,43 +158,66 @@ def compose_redis_cluster(tmp_path: Path) -> Iterator[str]:
             node.stop()
 
 
-def test_the_fleet_config_serves_a_node_registered_in_etcd_with_swa_in_the_cluster(
-        env: dict[str, str], compose_redis_cluster: str, tmp_path: Path) -> None:
-    etcd = ComposeEtcd(tmp_path / "etcd").start()  # the compose file's etcd flags
-    port = free_port()
-    fleet_env = env | {
-        "KVSTORE_CONFIG": str(DEPLOY / "docker" / "kvstore-fleet.toml"),
-        "KVSTORE_SERVER_PORT": str(port),
-        "KVSTORE_FLEET_ETCD": etcd.endpoint,
-        "KVSTORE_FLEET_ADVERTISE": f"127.0.0.1:{port}",  # compose sets it per node, to the node's name
-        "KVSTORE_FLEET_TOKEN_FILE": str(tmp_path / "tls" / "fleet-token"),  # made by make-test-certs.sh
-        "KVSTORE_SWA_CLUSTER_NODES": compose_redis_cluster,
-    }
-    log = tmp_path / "node.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config", fleet_env["KVSTORE_CONFIG"]],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=fleet_env)
-    try:
-        wait_until(lambda: "listening on" in log.read_text() or proc.poll() is not None, "the node started", 60)
-        assert proc.poll() is None, log.read_text()
-        status = kvstore(fleet_env, "fleet", "status", "--json")
-        assert status.returncode == 0, status.stderr
-        assert [n["address"] for n in json.loads(status.stdout)["nodes"]] == [f"127.0.0.1:{port}"]
-        created = kvstore(fleet_env, "tenant", "create", "acme")  # into etcd's table: every node takes it
-        assert created.returncode == 0, created.stderr
-        tls = TlsOptions(ca_file=str(tmp_path / "tls" / "ca.crt"), server_name="kvstore")
-        token = created.stdout.strip()
+class FleetNode:
+    """`kvstore serve --config deploy/docker/kvstore-fleet.toml` as a compose node runs it: one data dir,
+    port and advertised address of its own, the rest from the file."""
+
+    def __init__(self, fleet_env: dict[str, str], workdir: Path) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log = workdir / "node.log"
+        env = fleet_env | {"KVSTORE_STORE_DATA_DIR": str(workdir / "data"), "KVSTORE_SERVER_PORT": str(self.port),
+                           "KVSTORE_FLEET_ADVERTISE": self.target}  # compose sets it per node, to its name
+        workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "serve", "--config",
+                                          env["KVSTORE_CONFIG"]], stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
+        wait_until(lambda: "listening on" in self.log.read_text() or self.proc.poll() is not None,
+                   "the node started", 60)
+        assert self.proc.poll() is None, self.log.read_text()
+
+    def client(self, tls: TlsOptions, token: str) -> Client:
+        """A client with `token`, once the node takes it (tokens made in etcd reach every node within seconds)."""
         clients: list[Client] = []
 
         def connected() -> bool:
             try:
-                clients.append(Client(f"127.0.0.1:{port}", tls=tls, token=token, timeout_s=10))
+                clients.append(Client(self.target, tls=tls, token=token, timeout_s=10))
                 return True
             except Unauthenticated:
                 return False
 
-        wait_until(connected, "the node takes the token made in etcd")
-        with clients[0] as client:
+        wait_until(connected, f"{self.target} takes the token made in etcd")
+        return clients[0]
+
+    def stop(self) -> None:
+        """SIGTERM, as compose stops it: a clean exit."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=30) == 0, self.log.read_text()
+
+
+def test_the_fleet_config_serves_nodes_that_copy_to_each_other_over_tls(
+        env: dict[str, str], compose_redis_cluster: str, tmp_path: Path) -> None:
+    """Two nodes on deploy/docker/kvstore-fleet.toml, on compose's etcd and a Redis Cluster made with the
+    compose file's flags: both registered, a token made in etcd taken by both, SWA in the cluster, and a
+    block stored on the first copied to the second over TLS (fleet.ca_file, fleet.token_file)."""
+    etcd = ComposeEtcd(tmp_path / "etcd").start()  # the compose file's etcd flags
+    fleet_env = env | {
+        "KVSTORE_CONFIG": str(DEPLOY / "docker" / "kvstore-fleet.toml"),
+        "KVSTORE_FLEET_ETCD": etcd.endpoint,
+        "KVSTORE_FLEET_TOKEN_FILE": str(tmp_path / "tls" / "fleet-token"),  # both made by make-test-certs.sh
+        "KVSTORE_FLEET_CA_FILE": str(tmp_path / "tls" / "ca.crt"),
+        "KVSTORE_SWA_CLUSTER_NODES": compose_redis_cluster,
+    }
+    tls = TlsOptions(ca_file=str(tmp_path / "tls" / "ca.crt"), server_name="kvstore")
+    nodes: list[FleetNode] = []
+    try:
+        nodes.append(FleetNode(fleet_env, tmp_path / "node-1"))
+        created = kvstore(fleet_env, "tenant", "create", "acme")  # into etcd's table: every node takes it
+        assert created.returncode == 0, created.stderr
+        token = created.stdout.strip()
+        with nodes[0].client(tls, token) as client:
             tokens = list(range(2 * client.block_tokens))
             client.put(tokens, [os.urandom(client.block_bytes) for _ in range(2)])
             assert client.lookup(tokens).found_blocks == 2
@@ -207,11 +230,17 @@ def test_the_fleet_config_serves_a_node_registered_in_etcd_with_swa_in_the_clust
                 if member.info("replication")["role"] == "master":
                     stored += sum(1 for _ in member.scan_iter(match="kvstore:swa:*"))
         assert stored >= 1  # the snapshot is in the Redis Cluster, not an in-process pool
+
+        nodes.append(FleetNode(fleet_env, tmp_path / "node-2"))  # its join starts a re-replication pass
+        status = kvstore(fleet_env, "fleet", "status", "--json")
+        assert status.returncode == 0, status.stderr
+        assert sorted(n["address"] for n in json.loads(status.stdout)["nodes"]) == sorted(n.target for n in nodes)
+        with nodes[1].client(tls, token) as second:  # replication 2 on two nodes: the first copies both blocks to it
+            wait_until(lambda: second.lookup(tokens).found_blocks == 2, "the blocks copied to the second node")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
+        for node in nodes:
+            node.stop()
         etcd.stop()
-    assert code == 0, log.read_text()
 
 
 def test_the_kubernetes_redis_config_runs_a_cluster_member(tmp_path: Path) -> None:
