@@ -18,7 +18,7 @@ node's); those raise FailedPrecondition.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
@@ -37,6 +37,7 @@ from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, Loo
 from kvstore.config_sections import FleetSettings
 from kvstore.counted import counted
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
+from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.placement import RunPlacement, place_chain
 from kvstore.prefix import ExtraKey
 from kvstore.v1 import kvstore_pb2 as pb
@@ -136,7 +137,7 @@ class FleetClient(Client):
         Raises:
             Unavailable: no node is live.
         """
-        nodes = self.view.nodes
+        nodes = placeable(self.view.nodes)
         return place_chain(chain, nodes, run_blocks=self.run_blocks,
                            replication=max(1, min(self.replication, len(nodes))))
 
@@ -298,6 +299,21 @@ class FleetClient(Client):
         self._not_in_a_fleet("transfer stats")
 
 
+def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
+    """The ids to place runs over: of the records that share an address, the latest started only (F37).
+
+    A node killed and started again on a wiped data dir at the same address is a new id while the old id's
+    record waits out its lease; both records name the one process that answers there, so placing over both
+    could put a run's two copies on one process and acknowledge one copy as two.
+    """
+    latest: dict[str, NodeRecord] = {}
+    for record in nodes.values():
+        seen = latest.get(record.address)
+        if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
+            latest[record.address] = record
+    return [r.node_id for r in latest.values()]
+
+
 ADDRESS_SCHEMES["etcd"] = FleetClient
 
-__all__ = ["FleetClient", "FleetLookupResult"]
+__all__ = ["FleetClient", "FleetLookupResult", "placeable"]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.errors import KVStoreError, Unavailable
+from kvstore.fleet.placement import replicas as placement_replicas
 from kvstore.fleet.placement import score
 
 if TYPE_CHECKING:
@@ -105,7 +106,13 @@ class NodePool:
             return failed_at is not None and self._clock() - failed_at < self.suspect_s
 
     def read_order(self, run_key: bytes, replicas: Sequence[str]) -> list[str]:
-        """The order to read a run's replicas in: this host's first, then per this client's draw; suspects last."""
+        """The order to read a run's replicas in: this host's first, then per this client's draw; suspects last;
+        then the live node ranked next after them (F39).
+
+        The next-ranked node is a run's copy that the placement stopped naming: when a node joins while a lost
+        one is still in the view (its lease runs), the two can take both places of a run whose one surviving
+        copy is the old holder ranked next. It is asked only when every replica falls short.
+        """
         nodes = self.view.nodes
 
         def rank(node_id: str) -> tuple[bool, bool, int]:
@@ -113,7 +120,10 @@ class NodePool:
             here = record is not None and record.host == self.hostname
             return self.suspect(node_id), not here, -score(self.salt + run_key, node_id)
 
-        return sorted(replicas, key=rank)
+        order = sorted(replicas, key=rank)
+        if replicas and len(nodes) > len(replicas):
+            order += [n for n in placement_replicas(run_key, nodes, len(replicas) + 1) if n not in replicas][:1]
+        return order
 
     def close(self) -> None:
         """Close every connection."""
