@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kvstore.client import arguments
+from kvstore.client.fleet_chain import fleet_hashes
 from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
@@ -145,6 +146,9 @@ class Connection:
         self.max_message_bytes: int = info.max_message_bytes
         self.max_lease_ms: int = info.max_lease_ms
         self.root: bytes = root_hash(self.fingerprint, self.block_tokens)
+        #: Blocks per run when the server is a fleet's gateway (its clients hash as the fleet
+        #: does: docs/FLEET.md F36); 0 for one node.
+        self.run_blocks: int = info.run_blocks
 
     # -- calls -------------------------------------------------------------
 
@@ -176,6 +180,25 @@ class Connection:
         return min(self.max_batch_blocks, by_bytes)
 
     def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
-        """Chain hashes of every full block of `tokens`, from the prompt start."""
+        """Chain hashes of every full block of `tokens`, from the prompt start: one chain from the
+        root for one node, the fleet's (each run a chain of its own, bridged: `fleet_chain`) through
+        a gateway."""
         extra_keys = arguments.extra_keys(extra_keys)
+        if self.run_blocks:
+            return fleet_hashes(tokens, root=self.root, block_tokens=self.block_tokens,
+                                run_blocks=self.run_blocks, extra_keys=extra_keys)
         return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
+
+    def run_fields(self, chain: Sequence[bytes], first_block: int) -> dict[str, Any]:
+        """What a request from block `first_block` tells a gateway of its run (empty for one node):
+        the index, and the run's key and bridge when the request does not start the run.
+
+        Args:
+            chain: the fleet hashes from block 0, at least to `first_block`.
+        """
+        if not self.run_blocks:
+            return {}
+        start = first_block - first_block % self.run_blocks
+        if start == first_block:
+            return {"first_block": first_block}
+        return {"first_block": first_block, "run_key": chain[start], "run_bridge": chain[start - 1] if start else b""}

@@ -39,6 +39,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
         KVStoreError: the class of the server's status.
     """
     extra = encode_extra_keys(extra_keys)
+    if connection.run_blocks:  # a gateway: the fleet's chain, each request saying where its run starts
+        return _put_through_gateway(connection, tokens, payload, first_block=first_block, extra_keys=extra_keys,
+                                    extra=extra, step=step, on_batch=on_batch)
     if len(payload) <= step:
         return [connection.call(connection.kvstore.Put,
                                 _request(connection, tokens, payload, first_block, parent, extra))]
@@ -66,3 +69,27 @@ def _request(connection: Connection, tokens: Sequence[int], blocks: list[bytes],
     return pb.PutRequest(geometry=connection.geometry, namespace=connection.namespace, parent_hash=parent,
                          token_ids=tokens[lo: lo + len(blocks) * connection.block_tokens], extra_keys=extra,
                          blocks=blocks)
+
+
+def _put_through_gateway(connection: Connection, tokens: Sequence[int], payload: list[bytes], *, first_block: int,
+                         extra_keys: Sequence[ExtraKey], extra: list[bytes], step: int,
+                         on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
+    """`put_blocks` through a fleet's gateway: parents are fleet hashes, and each request names its
+    index, run key and bridge (GetInfoResponse.run_blocks; docs/FLEET.md F36)."""
+    chain = connection.hashes(tokens[:(first_block + len(payload)) * connection.block_tokens],
+                              extra_keys=extra_keys)
+
+    def requests() -> Iterator[pb.PutRequest]:
+        for start in range(first_block, first_block + len(payload), step):
+            request = _request(connection, tokens, payload[start - first_block:start - first_block + step], start,
+                               chain[start - 1] if start else b"", extra)
+            for name, value in connection.run_fields(chain, start).items():
+                setattr(request, name, value)
+            yield request
+
+    replies: list[pb.PutResponse] = []
+    for reply in connection.stream(connection.kvstore.PutStream, requests()):
+        replies.append(reply)
+        if on_batch is not None:
+            on_batch(len(reply.block_hashes))
+    return replies

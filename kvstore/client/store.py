@@ -266,14 +266,22 @@ class Client:
         first_block = arguments.integer(first_block, "first_block")
         if num_blocks is not None:
             num_blocks = arguments.integer(num_blocks, "num_blocks")
-        hashes = self.hashes(tokens, extra_keys=extra_keys)[first_block:]
+        chain = self.hashes(tokens, extra_keys=extra_keys)
+        hashes = chain[first_block:]
+        if first_block and self.connection.run_blocks:  # a gateway finds the run from where the Get starts
+            return self._collect(stream_blocks(self.connection, hashes[:num_blocks] if num_blocks is not None
+                                               else hashes, chain=chain, first_block=first_block))
         return self.get_hashes(hashes[:num_blocks] if num_blocks is not None else hashes)
 
     def get_hashes(self, hashes: Sequence[bytes]) -> GetResult:
-        """Fetch blocks by chain hash, in order."""
+        """Fetch blocks by chain hash, in order (through a gateway: hashes from block 0)."""
+        return self._collect(self.stream(hashes))
+
+    @staticmethod
+    def _collect(replies: Iterator[tuple[int, int, bytes]]) -> GetResult:
         blocks: list[bytes | None] = []
         statuses: list[str] = []
-        for _, status, data in self.stream(hashes):
+        for _, status, data in replies:
             blocks.append(data if status == pb.BLOCK_STATUS_FOUND else None)
             statuses.append(pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower())
         return GetResult(blocks=blocks, statuses=statuses)

@@ -48,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant")
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks")
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class GetInfoResponse(_message.Message):
     MAX_LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     block_tokens: int
     geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
     max_batch_blocks: int
@@ -65,7 +66,8 @@ class GetInfoResponse(_message.Message):
     max_lease_ms: int
     version: str
     tenant: str
-    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    run_blocks: int
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit")
@@ -118,20 +120,26 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks")
+    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks", "first_block", "run_key", "run_bridge")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
+    RUN_BRIDGE_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     parent_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     blocks: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    first_block: int
+    run_key: bytes
+    run_bridge: bytes
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ..., run_bridge: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("block_hashes", "written_blocks", "existing_blocks")
@@ -144,14 +152,18 @@ class PutResponse(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes")
+    __slots__ = ("geometry", "namespace", "block_hashes", "first_block", "run_key")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    first_block: int
+    run_key: bytes
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("index", "status", "data")
