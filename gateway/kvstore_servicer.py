@@ -14,11 +14,12 @@ from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
+from gateway.routed_store import Route, RoutedStore
 from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
@@ -62,6 +63,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, tier: BlockStore, layouts: dict[str, Layout], max_message_bytes: int,
                  swa: SwaCache | None = None, hits: HitStats | None = None) -> None:
         self.tier = tier
+        #: A gateway's store routes whole requests (docs/FLEET.md F36-F40); None on a node.
+        self.router = tier if isinstance(tier, RoutedStore) else None
         self.swa = swa
         self.layouts = layouts
         self.max_message_bytes = max_message_bytes
@@ -85,6 +88,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             max_lease_ms=self.settings.max_lease_ms,
             version=__version__,
             tenant=current_caller().tenant,
+            run_blocks=self.router.run_blocks if self.router is not None else 0,
         )
 
     @unary
@@ -95,6 +99,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         only_swa = not request.block_hashes and bool(request.swa_keys)
         hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
+        if self.router is not None:
+            return await self._routed_lookup(request, scope, hashes, lease_ms, context)
         # One index read per found block (the chain is checked, R15): off the event loop.
         due: list[bytes] = []
         found, lease = await self.tier.call(
@@ -118,6 +124,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.swa_found = True
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
         return reply
+
+    async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: list[bytes],
+                             lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """A gateway's Lookup: fleet hashes from block 0, across the runs' replicas (F31, F32)."""
+        assert self.router is not None
+        if request.swa_keys or request.swa_positions:
+            raise FailedPrecondition("SWA snapshots are not served by a gateway",
+                                     hint="ask a node for the SWA pool (kvstore fleet status lists them)")
+        found, lease_id = (await self.router_call(self.router.route_lookup, _route(request, context), hashes,
+                                                  lease_ms)) if hashes else (0, None)
+        self.hits.record(scope.namespace, "lookup", len(hashes), found)
+        return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
+                                 lease_id=lease_id or "", lease_ms=lease_ms if lease_id else 0)
+
+    async def router_call(self, fn: Any, *args: Any) -> Any:
+        """Routed work on the store's threads."""
+        return await self.tier.call(fn, *args)
 
     async def _swa_resume(self, request: pb.LookupRequest, geometry: ModelGeometry, scope: BlockScope,
                           found_tokens: int) -> tuple[int, int, int] | None:
@@ -151,6 +174,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         if not request.lease_id:
             raise InvalidArgument("lease_id is empty")
+        if self.router is not None:  # a composite lease: each node checks its part against the caller's token
+            return pb.ReleaseResponse(released=await self.router_call(
+                self.router.route_release, Route(token=_token(context), namespace="", geometry=""),
+                request.lease_id))
         caller = current_caller()
         # A lease pins a key of the tenant whose Lookup took it: another tenant's id is
         # answered as an unknown one (docs/SECURITY.md); an admin may name any tenant.
@@ -161,7 +188,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        if self.router is not None:
+            return await self._routed_put(request, context)
         return await self._put(request)
+
+    async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica."""
+        assert self.router is not None
+        layout, _ = validate.scope(self.layouts, request.geometry, request.namespace)
+        parts = await asyncio.to_thread(
+            validate.fleet_put_plan, layout, run_blocks=self.router.run_blocks, parent_hash=request.parent_hash,
+            token_ids=request.token_ids, extra_keys=list(request.extra_keys), blocks=list(request.blocks),
+            limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
+            run_bridge=request.run_bridge)
+        written, existing = await self.router_call(self.router.route_put, _route(request, context), parts)
+        return pb.PutResponse(block_hashes=[h for p in parts for h in p.hashes], written_blocks=written,
+                              existing_blocks=existing)
 
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
@@ -175,6 +217,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # The reader ends the queue with None, or with the error that ends the
         # stream (a bad batch, an undecodable message): the committer commits
         # what came before it, then raises it, so the stream always ends with a status.
+        if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
+            async for request in requests:
+                yield await self._routed_put(request, context)
+            return
         queue: asyncio.Queue[PutBatch | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
         async def read_ahead() -> None:
@@ -227,6 +273,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                   ) -> AsyncIterator[pb.GetResponse | bytes]:
         _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         hashes = validate.hashes(request.block_hashes, limit=self.settings.max_batch_blocks)
+        if self.router is not None:
+            async for reply in self._routed_get(request, scope, hashes, context):
+                yield reply
+            return
         keys = [scope.key(h) for h in hashes]
         found: list[bytes] = []
         try:
@@ -247,6 +297,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             # Durable before the stream ends OK: a read the client saw complete
             # restarts the blocks' retention clocks even across a crash.
             await asyncio.wrap_future(self.tier.touch_soon(found))
+
+    async def _routed_get(self, request: pb.GetRequest, scope: BlockScope, hashes: list[bytes],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:
+        """A gateway's Get: each run from its nearest replica, with failover (F33); the run is found
+        from `first_block` and `run_key` (F37)."""
+        assert self.router is not None
+        router, route = self.router, _route(request, context)
+        replies = await self.router_call(lambda: list(router.route_get(route, hashes, request.first_block,
+                                                                       request.run_key)))
+        found = 0
+        for index, status, data in replies:
+            if status == pb.BLOCK_STATUS_FOUND:
+                found += 1
+                yield found_reply(index, memoryview(data))
+            else:
+                yield pb.GetResponse(index=index, status=status)
+        self.hits.record(scope.namespace, "get", len(hashes), found)
 
     @unary
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -337,6 +404,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+def _token(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's own token (its `authorization: Bearer` metadata), which a gateway calls nodes with (F38)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
+            return value.removeprefix("Bearer ")
+    return None
+
+
+def _route(request: pb.PutRequest | pb.GetRequest | pb.LookupRequest, context: grpc.aio.ServicerContext) -> Route:
+    """Whose request a gateway routes: the caller's token with the request's own namespace and geometry."""
+    return Route(token=_token(context), namespace=request.namespace, geometry=request.geometry)
 
 
 def _stats_tenant(name: str, caller: Caller) -> str | None:

@@ -93,6 +93,14 @@ class PutPlan:
 def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence[bytes],
              blocks: Sequence[bytes], limit: int) -> PutPlan:
     """Check a Put's shape and hash its tokens into the chain it extends."""
+    _check_put(layout, parent_hash=parent_hash, token_ids=token_ids, blocks=blocks, limit=limit)
+    parent = parent_hash or layout.root
+    chain = chain_hashes(token_ids, block_tokens=layout.block_tokens, parent=parent, extra_keys=extra_keys)
+    return PutPlan(parent=parent, is_root=parent == layout.root, hashes=chain)
+
+
+def _check_put(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], blocks: Sequence[bytes],
+               limit: int) -> None:
     if not blocks:
         raise InvalidArgument("blocks is empty: a Put stores at least one block")
     if len(blocks) > limit:
@@ -111,6 +119,63 @@ def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], ex
             )
     if parent_hash and len(parent_hash) != HASH_BYTES:
         raise InvalidArgument(f"parent_hash is {len(parent_hash)} bytes; a block hash is {HASH_BYTES} bytes")
-    parent = parent_hash or layout.root
-    chain = chain_hashes(token_ids, block_tokens=layout.block_tokens, parent=parent, extra_keys=extra_keys)
-    return PutPlan(parent=parent, is_root=parent == layout.root, hashes=chain)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPart:
+    """The part of a gateway's Put that lies in one run: what each of the run's replicas is sent."""
+
+    #: The run's first fleet hash: where it is placed.
+    run_key: bytes
+    #: The node-level parent: b"" at the run's first block, else the block before (within the run).
+    parent: bytes
+    #: The caller's extra keys plus the run's bridge (kvstore/client/fleet_chain.py).
+    extra_keys: list[bytes]
+    token_ids: list[int]
+    blocks: list[bytes]
+    hashes: list[bytes]
+
+
+def fleet_put_plan(layout: Layout, *, run_blocks: int, parent_hash: bytes, token_ids: Sequence[int],
+                   extra_keys: Sequence[bytes], blocks: Sequence[bytes], limit: int, first_block: int,
+                   run_key: bytes, run_bridge: bytes) -> list[RunPart]:
+    """Check a Put sent to a fleet's gateway and cut it at run boundaries, each run hashed as the fleet
+    does (a chain of its own, bridged: docs/FLEET.md F29, F36).
+
+    Args:
+        run_blocks: the fleet's blocks per run.
+        parent_hash: the fleet hash of block `first_block - 1` (empty at block 0).
+        first_block: the index in the prompt of blocks[0].
+        run_key, run_bridge: the first hash of blocks[0]'s run and the hash before that run, when
+            blocks[0] does not start it (the bridge empty in the first run).
+    """
+    # Here, not at the top: kvstore.client's package loads the SWA client (redis), which a node never needs.
+    from kvstore.client.fleet_chain import BRIDGE_TAG
+
+    _check_put(layout, parent_hash=parent_hash, token_ids=token_ids, blocks=blocks, limit=limit)
+    if bool(first_block) != bool(parent_hash):
+        raise InvalidArgument(f"first_block is {first_block} but parent_hash is "
+                              f"{'set' if parent_hash else 'empty'}: through a gateway parent_hash is the fleet "
+                              "hash of block first_block - 1, empty only at block 0")
+    past_first = first_block >= run_blocks
+    bad_run = len(run_key) != HASH_BYTES or len(run_bridge) != (HASH_BYTES if past_first else 0)
+    if first_block % run_blocks and bad_run:
+        raise InvalidArgument(f"a Put from block {first_block}, inside a run of {run_blocks} blocks, needs "
+                                  "run_key (the run's first fleet hash) and, past the first run, run_bridge (the "
+                                  "hash of the block before the run), 32 bytes each")
+    parts: list[RunPart] = []
+    previous, pos, done = parent_hash, first_block, 0
+    keys = list(extra_keys)
+    while done < len(blocks):
+        n = min(run_blocks - pos % run_blocks, len(blocks) - done)
+        at_start = pos % run_blocks == 0
+        bridge = (previous or None) if at_start else (run_bridge or None)
+        run_keys = keys + ([BRIDGE_TAG + bridge] if bridge else [])
+        tokens = list(token_ids[done * layout.block_tokens:(done + n) * layout.block_tokens])
+        hashes = chain_hashes(tokens, block_tokens=layout.block_tokens,
+                              parent=layout.root if at_start else previous, extra_keys=run_keys)
+        parts.append(RunPart(run_key=hashes[0] if at_start else run_key, parent=b"" if at_start else previous,
+                             extra_keys=run_keys, token_ids=tokens, blocks=list(blocks[done:done + n]),
+                             hashes=hashes))
+        previous, pos, done = hashes[-1], pos + n, done + n
+    return parts

@@ -125,6 +125,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
                "import an export file on the server into a tenant's cache (admin, audited)"),
     "health": ("kvstore.commands.health", "ask the server's health service whether it serves (a container probe)"),
     "fleet": ("kvstore.commands.fleet", "list the fleet's storage nodes registered in etcd (fleet status)"),
+    "gateway": ("gateway.gateway_main", "serve the KVStore API over a fleet's nodes, holding no state ([fleet] etcd)"),
 }
 
 
@@ -135,6 +136,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
 #: frame (gateway/tenant_export.py).
 COMMAND_HINTS: dict[str, str] = {
     "serve": "the service did not start",
+    "gateway": "the gateway did not start",
     "worker": "the worker did not start",
     "plan": "no plan was made",
     "tenant create": "no token was issued; the tenants file is unchanged",

@@ -58,9 +58,17 @@ def stream_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
             yield from _stream_run(pool, run, chain, lo, hi, first_block, retry, refresher)
 
 
+def stream_run_part(pool: NodePool, run: RunPlacement, run_key: bytes, hashes: Sequence[bytes], *,
+                    retry: Retry) -> Iterator[Block]:
+    """(index, status, data) for `hashes`, blocks of one run from somewhere inside it (a gateway's Get:
+    `run_key` is the run's first hash), read with failover as `stream_runs`; the copies not read are
+    not refreshed (their hashes from the run's start are not known here)."""
+    yield from _stream_run(pool, run, hashes, 0, len(hashes), 0, retry, None, run_key=run_key)
+
+
 def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: int, hi: int, base: int,
-                retry: Retry, refresher: Refresher) -> Iterator[Block]:
-    order = pool.read_order(chain[run.first_block], run.replicas)
+                retry: Retry, refresher: Refresher | None, *, run_key: bytes | None = None) -> Iterator[Block]:
+    order = pool.read_order(run_key or chain[run.first_block], run.replicas)
     read = RunRead(next_block=lo)
     retries = 0
     while read.next_block < hi:
@@ -81,7 +89,7 @@ def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: i
             break
         assert read.error is not None
         raise read.error
-    if read.served_by is not None:
+    if read.served_by is not None and refresher is not None:
         used = chain[run.first_block:read.next_block]
         for other in run.replicas:
             if other != read.served_by:

@@ -1,0 +1,250 @@
+"""A gateway's store: the fleet's router behind the KVStore servicer (`kvstore gateway`, docs/FLEET.md F36-F40).
+
+It holds no blocks and no state that outlives it: the membership view (from etcd),
+node connections per caller (soft state, rebuilt on demand), a thread pool. Every
+call is routed as the fleet client routes it (`kvstore/client/fleet_*.py`, the same
+code): a Lookup across the runs with one composite lease, a Put to every replica of
+each run (acknowledged once every copy is durable), a Get from each run's nearest
+replica with failover. Killing a gateway loses nothing a client was told is stored:
+that is on the nodes.
+
+Of `tiers.store.BlockStore` it serves what needs no storage key; the key-level
+methods (reads by key, refreshes, stats, usage) answer FAILED_PRECONDITION naming
+where to go: a node serves them, and the transfer paths need a node's LMDB map.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any, NoReturn, TypeVar
+
+from gateway.routed_store import Route
+from gateway.validate import RunPart
+from kvstore.client.connection import TlsOptions
+from kvstore.client.fleet import placeable
+from kvstore.client.fleet_address import FleetAddress
+from kvstore.client.fleet_get import stream_run_part
+from kvstore.client.fleet_lookup import lookup_runs, release_lease
+from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.fleet_put import RunPut, _not_replicated
+from kvstore.client.fleet_refresh import Refresher
+from kvstore.client.retry import Retry
+from kvstore.clock import Clock, SystemClock
+from kvstore.config import StoreSettings
+from kvstore.config_sections import FleetSettings
+from kvstore.errors import ConfigError, FailedPrecondition, Internal, InvalidArgument, KVStoreError
+from kvstore.fleet.endpoints import parse_endpoints
+from kvstore.fleet.placement import RunPlacement, place_chain, replicas
+from kvstore.prefix import HASH_BYTES, BlockScope
+from kvstore.v1 import kvstore_pb2 as pb
+from tiers.accounting import TierStats
+from tiers.block_txn import PutBatch, PutResult
+from tiers.leases import Lease
+from tiers.namespaces import NamespaceUsage
+from tiers.reads import ReadStatus
+
+T = TypeVar("T")
+
+#: Callers whose node connections are kept (least recently used dropped first: soft state).
+MAX_ROUTES = 64
+#: Threads for routed calls (each waits on nodes, not on a core).
+ROUTE_THREADS = 32
+
+
+class FleetStore:
+    """The fleet's router as a gateway's store (see the module's docstring).
+
+    Args:
+        settings: the gateway's store settings (limits it answers with; `block_tokens` must be the fleet's).
+        fleet: `[fleet]`: etcd's endpoints, the cluster, the replication of Puts.
+        tls: how to reach the nodes (None: plaintext).
+        clock: the time source.
+
+    Raises:
+        Unavailable: etcd does not answer, or no node of the cluster has ever joined.
+        ConfigError: `block_tokens` differs from the fleet's recorded layout.
+    """
+
+    def __init__(self, settings: StoreSettings, fleet: FleetSettings, *, tls: TlsOptions | None = None,
+                 clock: Clock | None = None, timeout_s: float = 120.0) -> None:
+        from kvstore.client.fleet_view import FleetView  # loads aetcd
+
+        self.settings, self.clock = settings, clock or SystemClock()
+        self.address = FleetAddress(endpoints=parse_endpoints(fleet.etcd), cluster=fleet.cluster)
+        self.view = FleetView(self.address)
+        if self.view.layout.block_tokens != settings.block_tokens:
+            self.view.close()
+            raise ConfigError(f"store.block_tokens is {settings.block_tokens}, but fleet {fleet.cluster!r} places "
+                              f"{self.view.layout.block_tokens}-token blocks: give the gateway the nodes' setting")
+        self.run_blocks: int = self.view.layout.run_blocks
+        self.replication = fleet.replication
+        self.retry = Retry()
+        self._tls, self._timeout_s = tls, timeout_s
+        self._routes: OrderedDict[Route, tuple[NodePool, Refresher]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-route")
+        self._copies = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-copy")
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run blocking routed work on the gateway's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, partial(fn, *args))
+
+    def close(self) -> None:
+        """Send queued refreshes, close every node connection and the view."""
+        with self._lock:
+            routes, self._routes = list(self._routes.values()), OrderedDict()
+        for pool, refresher in routes:
+            refresher.close()
+            pool.close()
+        self._executor.shutdown(wait=True)
+        self._copies.shutdown(wait=True)
+        self.view.close()
+
+    # -- routing -------------------------------------------------------------
+
+    def _route(self, route: Route) -> tuple[NodePool, Refresher]:
+        """The node connections of one caller (its token, namespace, geometry): made on first use."""
+        with self._lock:
+            found = self._routes.get(route)
+            if found is not None:
+                self._routes.move_to_end(route)
+                return found
+            pool = NodePool(self.view, namespace=route.namespace, geometry=route.geometry,
+                            timeout_s=self._timeout_s, token=route.token, tls=self._tls)
+            found = self._routes[route] = (pool, Refresher(pool))
+            old = self._routes.popitem(last=False)[1] if len(self._routes) > MAX_ROUTES else None
+        if old is not None:
+            old[1].close()
+            old[0].close()
+        return found
+
+    def _replicas(self, run_key: bytes) -> tuple[str, ...]:
+        nodes = placeable(self.view.nodes)  # as the fleet client places (one id per address)
+        return replicas(run_key, nodes, max(1, min(self.replication, len(nodes))))
+
+    def route_lookup(self, route: Route, hashes: Sequence[bytes], lease_ms: int) -> tuple[int, str | None]:
+        """(found blocks, composite lease id or None) of fleet hashes from block 0 (F31, F32)."""
+        pool, refresher = self._route(route)
+        nodes = placeable(self.view.nodes)
+        runs = place_chain(hashes, nodes, run_blocks=self.run_blocks,
+                           replication=max(1, min(self.replication, len(nodes))))
+        found = lookup_runs(pool, runs, hashes, lease_ms=lease_ms, retry=self.retry, refresher=refresher)
+        return found.found_blocks, found.lease_id
+
+    def route_release(self, route: Route, lease_id: str) -> bool:
+        """Release a composite lease on every node it names (NOT_FOUND: not one)."""
+        return release_lease(self._route(route)[0], lease_id)
+
+    def route_put(self, route: Route, parts: Sequence[RunPart]) -> tuple[int, int]:
+        """Each run part to all its replicas at once, part after part (F30); (written, existing) blocks.
+
+        Raises:
+            PutNotReplicated: a copy failed; the parts before it are on all their replicas.
+        """
+        pool, _ = self._route(route)
+        written = existing = done = 0
+        total = sum(len(p.blocks) for p in parts)
+        for part in parts:
+            request = pb.PutRequest(geometry=route.geometry, namespace=route.namespace, parent_hash=part.parent,
+                                    token_ids=part.token_ids, extra_keys=part.extra_keys, blocks=part.blocks)
+
+            def copy(node: str, request: pb.PutRequest = request) -> pb.PutResponse:
+                return self.retry.call(lambda: _put_on(pool, node, request))
+
+            nodes = self._replicas(part.run_key)
+            futures = {node: self._copies.submit(copy, node) for node in nodes}
+            failures: list[tuple[int, str, KVStoreError]] = []
+            most = 0
+            for node, future in futures.items():
+                try:
+                    reply = future.result()
+                except KVStoreError as exc:
+                    pool.failed(node)
+                    failures.append((0, node, exc))
+                    continue
+                if list(reply.block_hashes) != part.hashes:
+                    raise Internal(f"node {node} stored a run under other hashes than the gateway computed: "
+                                   "nodes and gateways of a fleet must share block_tokens and geometry")
+                most = max(most, reply.written_blocks)
+            if failures:
+                placement = RunPlacement(run=0, first_block=done, end_block=done + len(part.blocks), replicas=nodes)
+                raise _not_replicated(failures, RunPut(placement=placement, first_block=done,
+                                                       end_block=done + len(part.blocks)), stored=done, total=total)
+            written, existing, done = written + most, existing + len(part.blocks) - most, done + len(part.blocks)
+        return written, existing
+
+    def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                  run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33).
+
+        Raises:
+            InvalidArgument: the Get starts inside a run and `run_key` is not that run's 32-byte key.
+        """
+        pool, _ = self._route(route)
+        i = 0
+        while i < len(hashes):
+            pos = first_block + i
+            n = min(self.run_blocks - pos % self.run_blocks, len(hashes) - i)
+            if pos % self.run_blocks == 0:
+                key = hashes[i]
+            elif len(run_key) == HASH_BYTES:
+                key = run_key
+            else:
+                raise InvalidArgument(f"a Get from block {first_block}, inside a run of {self.run_blocks} blocks, "
+                                      "needs run_key: the run's first fleet hash (kvstore.Client sends it)")
+            run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n, replicas=self._replicas(key))
+            for index, status, data in stream_run_part(pool, run, key, hashes[i:i + n], retry=self.retry):
+                yield i + index, status, data
+            i += n
+
+    # -- what a gateway does not serve (tiers.store.BlockStore by storage key) --------------------
+
+    def _elsewhere(self, what: str) -> NoReturn:
+        raise FailedPrecondition(f"{what} is not served by a gateway (it holds no blocks)",
+                                 hint=f"ask a node of fleet etcd://{self.address} directly "
+                                      "(kvstore fleet status lists them)")
+
+    def lookup(self, scope: BlockScope, hashes: Sequence[bytes], lease_s: float = 0.0, *,
+               touch_due: list[bytes] | None = None) -> tuple[int, Lease | None]:
+        """Not by storage key: the servicer routes Lookups (`route_lookup`)."""
+        self._elsewhere("a Lookup by storage key")
+
+    def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
+        """Not here: `route_release`."""
+        self._elsewhere("a Release by storage key")
+
+    def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
+        """Not here: `route_put`."""
+        self._elsewhere("a Put by storage key")
+
+    def read(self, keys: Sequence[bytes], copy: Callable[[int, memoryview], Any] | None = None
+             ) -> list[tuple[ReadStatus, Any]]:
+        """Not by storage key (ReportCorrupt is a same-host reader's call: a node's)."""
+        self._elsewhere("ReportCorrupt (a read by storage key)")
+
+    def touch_soon(self, keys: Sequence[bytes]) -> Future[None]:
+        """Nothing to refresh here: the nodes refresh what they serve (F34)."""
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def count_get(self, asked_blocks: int, returned_blocks: int) -> None:
+        """The nodes count Gets; the gateway's hit counters count them per tenant."""
+
+    def stats(self) -> TierStats:
+        """Not here: each node's Stats."""
+        self._elsewhere("store-wide Stats")
+
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        """Not here: each node's Stats."""
+        self._elsewhere("Stats (a tenant's usage)")
+
+
+def _put_on(pool: NodePool, node: str, request: pb.PutRequest) -> pb.PutResponse:
+    connection = pool.connection(node)
+    return connection.call(connection.kvstore.Put, request)

@@ -1,0 +1,54 @@
+"""The capability of a store that routes whole requests over a fleet's nodes (a gateway's: `gateway.fleet_store`).
+
+A node's store answers by storage key (`tiers.store.BlockStore`). A gateway's cannot:
+a storage key hides the tenant (a hash of its name), and a run is placed by its first
+hash, which a request from inside a run does not carry. So the KVStore servicer gives
+a `RoutedStore` the request's own fields (docs/FLEET.md F36-F38): the caller's token,
+namespace and geometry (`Route`), the hashes, and where the request starts in its run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from gateway.validate import RunPart
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """Whose request a routed call carries to the nodes: the caller's own token and fields.
+
+    The nodes check `token` against the fleet's tenants themselves, so a request through a
+    gateway has exactly the rights its token has on a node (F38).
+    """
+
+    token: str | None
+    namespace: str
+    geometry: str
+
+
+@runtime_checkable
+class RoutedStore(Protocol):
+    """A store that serves Lookup, Release, Put and Get by routing them to a fleet's nodes."""
+
+    #: The fleet's blocks per run (told to clients in GetInfo).
+    run_blocks: int
+
+    def route_lookup(self, route: Route, hashes: Sequence[bytes], lease_ms: int) -> tuple[int, str | None]:
+        """(found blocks, composite lease id or None) of a chain of fleet hashes from block 0."""
+        ...
+
+    def route_release(self, route: Route, lease_id: str) -> bool:
+        """Release a composite lease on every node it names."""
+        ...
+
+    def route_put(self, route: Route, parts: Sequence[RunPart]) -> tuple[int, int]:
+        """Put each run part on all its replicas; (written, existing) blocks once every copy is durable."""
+        ...
+
+    def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                  run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """(index, status, data) per block of `hashes`, blocks from `first_block` of a prompt."""
+        ...

@@ -1,0 +1,192 @@
+"""`kvstore gateway` against real processes on loopback: one etcd, three `kvstore serve` nodes, two gateways
+(docs/FLEET.md, "Gateway").
+
+A plain `kvstore.Client` of a gateway puts and gets prompts of several runs; the blocks are on the replicas
+the placement names (each node asked directly); the fleet client and the gateway find each other's blocks;
+gateway A killed with SIGKILL, gateway B serves everything. Runs are 4 blocks of 16 tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import kvstore
+from kvstore.client.fleet import FleetClient
+from kvstore.client.fleet_chain import run_extra_keys
+from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
+from kvstore.prefix import chain_hashes
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.children import Child, write_config
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tiers import datadir
+
+BLOCK_TOKENS = 16
+RUN_BLOCKS = 4
+RUN_TOKENS = BLOCK_TOKENS * RUN_BLOCKS
+
+
+@dataclass
+class Fleet:
+    """The module's fleet: its address, nodes (id -> process) and gateways."""
+
+    address: str
+    nodes: dict[str, Child]
+    gateways: list[Child]
+
+
+def _node(tmp: Path, etcd: str, cluster: str, i: int) -> tuple[str, Child]:
+    cfg = write_config(tmp / f"node{i}.toml", {
+        "store": {"data_dir": str(tmp / f"store{i}"), "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "lease_ttl_s": 60, "run_blocks": RUN_BLOCKS},
+    })
+    child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
+    return datadir.node_id(tmp / f"store{i}"), child
+
+
+def _gateway(tmp: Path, etcd: str, cluster: str, name: str) -> Child:
+    cfg = write_config(tmp / f"{name}.toml", {
+        "store": {"data_dir": str(tmp / f"{name}-none"), "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "run_blocks": RUN_BLOCKS, "replication": 2},
+    })
+    return Child(name, ["gateway", "--config", str(cfg), "--port", "0"], tmp / "logs")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One etcd, three nodes, then two gateways."""
+    tmp = tmp_path_factory.mktemp("gateway")
+    etcd = EtcdProcess(tmp / "etcd").start()
+    cluster = f"t-{uuid.uuid4().hex[:12]}"
+    with ThreadPoolExecutor(3) as pool:
+        nodes = dict(pool.map(lambda i: _node(tmp, etcd.endpoint, cluster, i), range(3)))
+    gateways: list[Child] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            gateways = list(pool.map(lambda n: _gateway(tmp, etcd.endpoint, cluster, n), ("gatewayA", "gatewayB")))
+        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=nodes, gateways=gateways)
+    finally:
+        for child in [*gateways, *nodes.values()]:
+            child.kill_if_alive()
+        etcd.stop()
+
+
+def fleet_client(fleet: Fleet) -> FleetClient:
+    client = kvstore.Client(fleet.address)
+    assert isinstance(client, FleetClient)
+    client.view.wait_until(lambda nodes: set(fleet.nodes) <= set(nodes), 30.0)
+    return client
+
+
+def prompt(n_tokens: int) -> list[int]:
+    return [random.randrange(50_000) for _ in range(n_tokens)]
+
+
+def blocks(n: int, size: int) -> list[bytes]:
+    return [random.randbytes(size) for _ in range(n)]
+
+
+def test_f36_a_gateway_tells_its_clients_to_hash_as_the_fleet_does(fleet: Fleet) -> None:
+    """F36: GetInfo says run_blocks; a client of the gateway hashes run by run, bridged, as the fleet client."""
+    tokens = prompt(3 * RUN_TOKENS)
+    with kvstore.Client(fleet.gateways[0].target) as plain, fleet_client(fleet) as routed:
+        assert plain.connection.run_blocks == RUN_BLOCKS
+        assert plain.hashes(tokens) == routed.hashes(tokens)
+        second = chain_hashes(tokens[RUN_TOKENS:2 * RUN_TOKENS], block_tokens=BLOCK_TOKENS, parent=plain.connection.root,
+                              extra_keys=run_extra_keys([], plain.hashes(tokens)[RUN_BLOCKS - 1]))
+        assert plain.hashes(tokens)[RUN_BLOCKS:2 * RUN_BLOCKS] == second
+    with kvstore.Client(next(iter(fleet.nodes.values())).target) as node:
+        assert node.connection.run_blocks == 0  # one node: one chain from the root (PREFIX_HASHING.md)
+        assert node.hashes(tokens) == chain_hashes(tokens, block_tokens=BLOCK_TOKENS, parent=node.connection.root)
+
+
+def test_f37_a_plain_client_of_a_gateway_puts_and_gets_prompts_of_many_runs(fleet: Fleet) -> None:
+    """F37: Puts from block 0 and from inside a run, Gets from inside a run, byte-identical, on the replicas
+    the placement names and no others."""
+    tokens = prompt(5 * RUN_TOKENS + 3 * BLOCK_TOKENS)  # 23 blocks: 6 runs, the last short
+    with kvstore.Client(fleet.gateways[0].target) as plain, fleet_client(fleet) as routed:
+        data = blocks(23, plain.block_bytes)
+        plain.put(tokens[:6 * BLOCK_TOKENS], data[:6], batch_blocks=4)  # a stream whose second batch starts in run 1
+        plain.put(tokens, data[6:], first_block=6, batch_blocks=3)  # from inside run 1, crossing runs
+        assert plain.get(tokens).blocks == data
+        assert plain.get(tokens, first_block=9, num_blocks=7).blocks == data[9:16]
+        assert plain.lookup(tokens).found_blocks == 23
+        chain = plain.hashes(tokens)
+        for run in routed.placement(chain):
+            run_hashes = chain[run.first_block:run.end_block]
+            for node_id, child in fleet.nodes.items():
+                with kvstore.Client(child.target) as direct:
+                    found = direct.lookup_hashes(run_hashes).found_blocks
+                assert found == (len(run_hashes) if node_id in run.replicas else 0), (run.run, node_id)
+
+
+def test_f37_the_fleet_client_and_the_gateway_find_each_others_blocks(fleet: Fleet) -> None:
+    """F37: the same hashes, the same placement: what one puts the other gets."""
+    a, b = prompt(3 * RUN_TOKENS), prompt(2 * RUN_TOKENS + BLOCK_TOKENS)
+    with kvstore.Client(fleet.gateways[1].target) as plain, fleet_client(fleet) as routed:
+        da, db = blocks(12, plain.block_bytes), blocks(9, plain.block_bytes)
+        plain.put(a, da)
+        routed.put(b, db)
+        assert routed.get(a).blocks == da
+        assert plain.get(b).blocks == db
+        leased = plain.lookup(b, lease_ms=60_000)
+        assert leased.found_blocks == 9 and leased.lease_id
+        assert plain.release(leased.lease_id) is True
+
+
+def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
+    """F38: a Put inside a run without its run key is INVALID_ARGUMENT naming it; a Get likewise."""
+    tokens = prompt(2 * RUN_TOKENS)
+    with kvstore.Client(fleet.gateways[0].target) as plain:
+        c = plain.connection
+        chain = plain.hashes(tokens)
+        request = pb.PutRequest(parent_hash=chain[1], token_ids=tokens[2 * BLOCK_TOKENS:3 * BLOCK_TOKENS],
+                                blocks=blocks(1, plain.block_bytes), first_block=2)
+        with pytest.raises(InvalidArgument, match="needs run_key"):
+            c.call(c.kvstore.Put, request)
+        with pytest.raises(InvalidArgument, match="needs run_key"):
+            list(c.stream(c.kvstore.Get, pb.GetRequest(block_hashes=chain[2:4], first_block=2)))
+
+
+def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_to_go(fleet: Fleet) -> None:
+    """F40: transfer sessions, the SWA pool, Admin and store-wide Stats go to a node."""
+    with kvstore.Client(fleet.gateways[0].target) as plain:
+        with pytest.raises(FailedPrecondition, match="not served by a gateway.*fleet status"):
+            plain.stats()
+        with pytest.raises(FailedPrecondition, match="Transfer is not served by a gateway.*node"):
+            plain.transfer_stats()
+        with pytest.raises(FailedPrecondition, match="SWA"):
+            plain.lookup(prompt(RUN_TOKENS), swa_positions=[RUN_TOKENS - 1])
+
+
+def test_f39_kill_9_a_gateway_and_the_other_serves_everything(fleet: Fleet) -> None:
+    """F39: a gateway holds no state: after SIGKILL of gateway A, gateway B gets every block A acknowledged."""
+    prompts = [prompt(random.randrange(1, 4) * RUN_TOKENS + BLOCK_TOKENS) for _ in range(4)]
+    with kvstore.Client(fleet.gateways[0].target) as a:
+        stored = [(t, blocks(len(t) // BLOCK_TOKENS, a.block_bytes)) for t in prompts]
+        for tokens, data in stored:
+            a.put(tokens, data)
+    fleet.gateways[0].kill9()
+    with kvstore.Client(fleet.gateways[1].target) as b:
+        for tokens, data in stored:
+            assert b.lookup(tokens).found_blocks == len(data)
+            assert b.get(tokens).blocks == data
+
+
+def test_f36_a_gateway_without_a_fleet_is_one_line(tmp_path: Path) -> None:
+    """F36: `kvstore gateway` without [fleet] etcd exits 2 with one line naming it."""
+    from kvstore.cli import main
+
+    cfg = write_config(tmp_path / "g.toml", {"store": {"data_dir": str(tmp_path / "d")}})
+    assert main(["gateway", "--config", str(cfg), "--port", "0"]) == 2
+    with pytest.raises(ConfigError, match=r"\[fleet\] etcd"):
+        from gateway.gateway_main import run
+        from kvstore.cli import build_parser
+
+        run(build_parser(["gateway"]).parse_args(["gateway", "--config", str(cfg)]))
