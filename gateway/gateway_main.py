@@ -125,8 +125,7 @@ async def start_gateway(settings: Settings) -> RunningGateway:
         from gateway.server import _server_credentials
 
         credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
-        # Nodes are dialed with TLS when the gateway speaks it, checked as nodes check each other (F20).
-        tls = TlsOptions(ca_file=settings.fleet.ca_file or settings.tls.cert_file) if settings.tls.enabled else None
+        tls = _node_tls(settings)
         store = await asyncio.to_thread(FleetStore, settings.store, settings.fleet, tls=tls)
     except BaseException:
         await tenants.stop()
@@ -163,6 +162,17 @@ async def start_gateway(settings: Settings) -> RunningGateway:
         await tenants.stop()
         raise
     return RunningGateway(port=port, server=server, store=store, health=health, tenants=tenants)
+
+
+def _node_tls(settings: Settings) -> TlsOptions | None:
+    """How the gateway dials nodes: as nodes dial each other (F20): TLS when it speaks TLS, checked against
+    `[fleet] ca_file` (default its own certificate) and, under mutual TLS, showing its own certificate."""
+    tls = settings.tls
+    if not tls.enabled:
+        return None
+    mutual = bool(tls.client_ca_file)
+    return TlsOptions(ca_file=settings.fleet.ca_file or tls.cert_file, cert_file=tls.cert_file if mutual else "",
+                      key_file=tls.key_file if mutual else "")
 
 
 class _Elsewhere(grpc.GenericRpcHandler):

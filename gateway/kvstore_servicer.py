@@ -19,7 +19,14 @@ from gateway.status import streaming, unary
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
-from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    PutNotReplicated,
+    from_status,
+    to_status,
+)
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
@@ -201,7 +208,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             token_ids=request.token_ids, extra_keys=list(request.extra_keys), blocks=list(request.blocks),
             limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
             run_bridge=request.run_bridge)
-        written, existing = await self.router_call(self.router.route_put, _route(request, context), parts)
+        try:
+            written, existing = await self.router_call(self.router.route_put, _route(request, context), parts)
+        except PutNotReplicated as exc:
+            # Said with the status of its cause: UNAVAILABLE when every failed copy may succeed later (a node
+            # away; putting again is safe), else the first lasting failure's (a quota, a refused parent).
+            lasting = [e for _, _, e in exc.failures if not e.retryable]
+            raise from_status(to_status(lasting[0]) if lasting else grpc.StatusCode.UNAVAILABLE, exc.message) from None
         return pb.PutResponse(block_hashes=[h for p in parts for h in p.hashes], written_blocks=written,
                               existing_blocks=existing)
 

@@ -69,3 +69,32 @@ def test_f38_a_gateway_checks_tokens_in_etcd_and_calls_nodes_with_the_callers_ow
     finally:
         gateway.kill_if_alive()
         node.kill_if_alive()
+
+
+def test_f38_a_gateway_speaks_tls_and_dials_nodes_with_tls(tmp_path: Path, etcd_server: EtcdProcess) -> None:
+    """F38: with [tls] on, the gateway serves TLS and dials nodes with TLS checked against [fleet] ca_file."""
+    from kvstore.client.connection import TlsOptions
+    from tests.gateway.conftest import make
+
+    ca = make(tmp_path / "certs", "ca")
+    server = make(tmp_path / "certs", "server", ca, server=True)
+    tls = {"cert_file": str(server.cert), "key_file": str(server.key)}
+    fleet = {"etcd": etcd_server.endpoint, "cluster": f"t-{uuid.uuid4().hex[:12]}", "run_blocks": 4,
+             "replication": 1, "ca_file": str(ca.cert)}
+    node_cfg = write_config(tmp_path / "node.toml", {
+        "store": {"data_dir": str(tmp_path / "store"), "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+        "fleet": {**fleet, "lease_ttl_s": 60}, "tls": tls})
+    node = Child("node", ["serve", "--config", str(node_cfg), "--port", "0"], tmp_path / "logs")
+    gw_cfg = write_config(tmp_path / "gw.toml", {"store": {"data_dir": str(tmp_path / "none"),
+                                                           "block_tokens": BLOCK_TOKENS}, "fleet": fleet, "tls": tls})
+    gateway = Child("gateway", ["gateway", "--config", str(gw_cfg), "--port", "0"], tmp_path / "logs")
+    try:
+        assert "TLS on" in gateway.out_path.read_text()
+        tokens = [random.randrange(50_000) for _ in range(6 * BLOCK_TOKENS)]
+        with kvstore.Client(gateway.target, tls=TlsOptions(ca_file=str(ca.cert))) as client:
+            data = [random.randbytes(client.block_bytes) for _ in range(6)]
+            client.put(tokens, data)
+            assert client.get(tokens).blocks == data
+    finally:
+        gateway.kill_if_alive()
+        node.kill_if_alive()
