@@ -185,7 +185,7 @@ class FleetStore:
         Raises:
             InvalidArgument: the Get starts inside a run and `run_key` is not that run's 32-byte key.
         """
-        pool, _ = self._route(route)
+        pool, refresher = self._route(route)
         i = 0
         while i < len(hashes):
             pos = first_block + i
@@ -198,7 +198,11 @@ class FleetStore:
                 raise InvalidArgument(f"a Get from block {first_block}, inside a run of {self.run_blocks} blocks, "
                                       "needs run_key: the run's first fleet hash (kvstore.Client sends it)")
             run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n, replicas=self._replicas(key))
-            for index, status, data in stream_run_part(pool, run, key, hashes[i:i + n], retry=self.retry):
+            # F34: the copies not read are refreshed where the part starts at the run's first block (a
+            # part from inside a run lacks the hashes from there; its run's earlier reads refreshed them).
+            at_start = pos % self.run_blocks == 0
+            for index, status, data in stream_run_part(pool, run, key, hashes[i:i + n], retry=self.retry,
+                                                       refresher=refresher if at_start else None):
                 yield i + index, status, data
             i += n
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvstore.client import fleet_metrics
 from kvstore.client.blocks import stream_blocks
 from kvstore.client.fleet_lookup import FAIL_OVER
 from kvstore.client.fleet_nodes import NodePool
@@ -59,11 +60,11 @@ def stream_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
 
 
 def stream_run_part(pool: NodePool, run: RunPlacement, run_key: bytes, hashes: Sequence[bytes], *,
-                    retry: Retry) -> Iterator[Block]:
+                    retry: Retry, refresher: Refresher | None) -> Iterator[Block]:
     """(index, status, data) for `hashes`, blocks of one run from somewhere inside it (a gateway's Get:
-    `run_key` is the run's first hash), read with failover as `stream_runs`; the copies not read are
-    not refreshed (their hashes from the run's start are not known here)."""
-    yield from _stream_run(pool, run, hashes, 0, len(hashes), 0, retry, None, run_key=run_key)
+    `run_key` is the run's first hash), read with failover as `stream_runs`. Pass `refresher` only when
+    `hashes` start at the run's first block: the copies not read are refreshed by hashes from there."""
+    yield from _stream_run(pool, run, hashes, 0, len(hashes), 0, retry, refresher, run_key=run_key)
 
 
 def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: int, hi: int, base: int,
@@ -73,14 +74,17 @@ def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: i
     retries = 0
     while read.next_block < hi:
         read.status, read.error = 0, None
-        for node in order:
+        for i, node in enumerate(order):
             if read.next_block >= hi:
                 break
+            if i:  # the replica before failed or lacked the block: the run's read moves on
+                fleet_metrics.failover("get")
             yield from _from_replica(pool, node, chain, read, hi, base)
         if read.next_block >= hi:
             break
         if read.error is not None and retries < retry.retries and retry.retries_on(read.error):
             retries += 1  # a replica could not answer: back off, then ask them all again
+            fleet_metrics.retry_round("get")
             retry.pause(retries)
             continue
         if read.status:  # every replica that answered lacks this block: the rest of the run is not loadable

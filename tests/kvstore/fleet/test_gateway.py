@@ -25,6 +25,7 @@ from kvstore.prefix import chain_hashes
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.waiting import wait_until
 from tiers import datadir
 
 BLOCK_TOKENS = 16
@@ -139,6 +140,23 @@ def test_f37_the_fleet_client_and_the_gateway_find_each_others_blocks(fleet: Fle
         leased = plain.lookup(b, lease_ms=60_000)
         assert leased.found_blocks == 9 and leased.lease_id
         assert plain.release(leased.lease_id) is True
+
+
+def test_f37_a_get_through_a_gateway_refreshes_the_copy_it_did_not_read(fleet: Fleet) -> None:
+    """F37 (F34 through a gateway): the replica a Get did not read sees a refresh Lookup, in the background."""
+    tokens = prompt(RUN_TOKENS)
+    with kvstore.Client(fleet.gateways[1].target) as plain, fleet_client(fleet) as routed:
+        plain.put(tokens, blocks(RUN_BLOCKS, plain.block_bytes))
+        [run] = routed.placement(plain.hashes(tokens))
+        before = routed.node_stats()
+        assert plain.get(tokens).found_prefix_blocks == RUN_BLOCKS
+
+        def refreshed() -> bool:
+            now = routed.node_stats()
+            unread = [n for n in run.replicas if now[n].gets == before[n].gets]
+            return len(unread) == 1 and now[unread[0]].lookups > before[unread[0]].lookups
+
+        wait_until(refreshed, "the unread replica's refresh Lookup")
 
 
 def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
