@@ -177,6 +177,9 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
             if fleet is not None:
                 from gateway.fleet_repair import start_repair  # a single node never loads aetcd
                 repair = await start_repair(settings, tier, fleet, token)
+                from gateway.metrics_fleet import FleetNodeCollector
+
+                metrics.registry.register(FleetNodeCollector(fleet, repair))  # kvstore_fleet_* (docs/METRICS.md)
         except BaseException:
             if "fleet" in locals() and fleet is not None:
                 await fleet.stop()

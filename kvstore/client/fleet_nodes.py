@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.client import fleet_metrics
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.fleet.placement import replicas as placement_replicas
@@ -98,6 +99,7 @@ class NodePool:
         with self._lock:
             self.failures[node_id] += 1
             self._failed_at[node_id] = self._clock()
+        fleet_metrics.node_error(node_id)
 
     def suspect(self, node_id: str) -> bool:
         """Whether `node_id` failed a call within the last `suspect_s`."""

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from kvstore.client import fleet_metrics
 from kvstore.client.fleet_chain import run_extra_keys
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.puts import put_blocks
@@ -93,6 +94,7 @@ def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], 
             _check_hashes(replies, chain[part.first_block:part.end_block], node)
             most_written = max(most_written, sum(r.written_blocks for r in replies))
         if failures:
+            fleet_metrics.not_replicated()
             raise _not_replicated(failures, part, stored=part.first_block - first_block, total=len(payload))
         written += most_written
         existing += len(blocks) - most_written

@@ -16,6 +16,7 @@ examples:
   kvstore stats --tenant acme --window 1h
   kvstore stats --chart            # the lookup hit rate over the last 24 h
   kvstore stats --json | jq .windows
+  kvstore stats --target etcd://10.0.0.5:2379/prod   # every node of a fleet, and the totals
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import Any
 
 from kvstore.commands import add_connection_arguments, client_options
 from kvstore.commands.stats_chart import Slice, render
@@ -63,8 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Ask the server and print."""
+    """Ask the server (or, for an etcd:// target, every node of the fleet) and print."""
     from kvstore.client import Client
+
+    if args.target.startswith("etcd://"):
+        return run_fleet(args)
     from kvstore.commands.stats_totals import print_table, stats_dict, swa_stats_dict, transfer_stats_dict
 
     windows = [args.window] if args.window else []
@@ -196,3 +201,108 @@ def chart_lines(data: dict[str, object], args: argparse.Namespace) -> list[str]:
                    slice_minutes=minutes)
     warning = headroom_warning(data)
     return [*lines, warning] if warning else lines
+
+
+# -- a fleet: `kvstore stats --target etcd://HOST:PORT/CLUSTER` (docs/FLEET.md) ------------------------
+# Each node of the membership is asked its Stats (with the same --tenant and
+# --window); a node that does not answer (killed, its lease not yet ended) is
+# listed as unreachable, and the totals cover the nodes that answered. Totals are
+# sums of the nodes' counters, and every hit rate of the total is recomputed from
+# those sums (found over asked), never an average of the nodes' rates: a node
+# that served ten times the lookups weighs ten times as much.
+
+#: Store-wide figures of a node's StatsResponse summed into the total.
+NODE_FIELDS = ("blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "lookups", "gets", "puts",
+               "blocks_written", "evictions", "rejected_puts", "corrupt_blocks", "active_leases",
+               "lookup_tokens_asked", "lookup_tokens_found", "get_tokens_asked", "get_tokens_returned")
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """Ask every node of the fleet and print per node and in total (an etcd:// --target)."""
+    from kvstore.client.fleet import FleetClient
+
+    windows = [args.window] if args.window else []
+    with FleetClient(args.target, timeout_s=args.timeout, **client_options(args)) as client:
+        report = fleet_report(client, tenant=args.tenant, windows=windows)
+    print(json.dumps(report) if args.json else "\n".join(report_lines(report)))
+    return 0
+
+
+def fleet_report(client: Any, *, tenant: str, windows: list[str]) -> dict[str, Any]:
+    """{"target", "nodes": [...], "total": {...}}: each node's figures and windows, unreachable ones marked."""
+    from kvstore.errors import KVStoreError
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    request = pb.StatsRequest(tenant=tenant, windows=windows, chart_points=0)
+    nodes = []
+    for node_id, record in sorted(client.view.nodes.items()):
+        row: dict[str, Any] = {"node_id": node_id, "address": record.address}
+        try:
+            c = client.pool.connection(node_id)
+            reply = c.call(c.kvstore.Stats, request)
+        except KVStoreError as exc:
+            row.update(reachable=False, error=f"{type(exc).__name__}: {exc.message}")
+            nodes.append(row)
+            continue
+        row.update(reachable=True, store_wide=bool(reply.store_wide),
+                   **{f: int(getattr(reply, f)) for f in NODE_FIELDS},
+                   windows={w.window: {"seconds": w.seconds, **_counts(w.counts)} for w in reply.windows})
+        nodes.append(row)
+    answered = [n for n in nodes if n["reachable"]]
+    total: dict[str, Any] = {f: sum(n[f] for n in answered) for f in NODE_FIELDS}
+    total.update(nodes=len(nodes), reachable=len(answered), windows=_summed_windows(answered))
+    for n in answered:  # the rates beside the counters, each node's from its own
+        n["windows"] = {w: {"seconds": c["seconds"], **with_rates(_ints(c))} for w, c in n["windows"].items()}
+    return {"target": client.target, "nodes": nodes, "total": total}
+
+
+def _ints(counts: dict[str, Any]) -> dict[str, int]:
+    return {k: int(v) for k, v in counts.items() if k != "seconds"}
+
+
+def _summed_windows(nodes: list[dict[str, Any]]) -> dict[str, dict[str, object]]:
+    """Each window's counters summed over the nodes, the rates recomputed from the sums."""
+    sums: dict[str, dict[str, int]] = {}
+    seconds: dict[str, float] = {}
+    for n in nodes:
+        for name, counts in n["windows"].items():
+            into = sums.setdefault(name, {})
+            for key, value in _ints(counts).items():
+                into[key] = into.get(key, 0) + value
+            seconds[name] = max(seconds.get(name, 0.0), float(counts["seconds"]))
+    return {name: {"seconds": seconds[name], **with_rates(c)} for name, c in sums.items()}
+
+
+def _rate(value: object) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The text output: one line per node, the total, then the total's hit-rate windows."""
+    nodes, total = report["nodes"], report["total"]
+    lines = [f"fleet {report['target']}: {total['reachable']} of {total['nodes']} nodes answered"]
+    names = list(total["windows"])
+    head = ("NODE", "ADDRESS", "BLOCKS", "BYTES", *(f"LOOKUP HIT {WINDOW_LABELS[w]}" for w in names))
+    rows = [head]
+    for n in nodes:
+        if not n["reachable"]:
+            rows.append((n["node_id"], n["address"], "unreachable", n["error"], *("" for _ in names)))
+            continue
+        rows.append((n["node_id"], n["address"], f"{n['blocks_stored']:,}", f"{n['bytes_stored']:,}",
+                     *(_rate(n["windows"].get(w, {}).get("lookup_token_hit_rate")) for w in names)))
+    rows.append(("TOTAL", "", f"{total['blocks_stored']:,}", f"{total['bytes_stored']:,}",
+                 *(_rate(total["windows"][w]["lookup_token_hit_rate"]) for w in names)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    print_buffer: list[str] = []
+    if total["windows"]:
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print()
+            _print_windows("Hit rates (fleet total, from summed counters)", total["windows"], [])
+        print_buffer = out.getvalue().rstrip("\n").splitlines()
+    return lines + print_buffer
+

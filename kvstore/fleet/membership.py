@@ -147,6 +147,10 @@ class Registration:
         self.lease_id: int | None = None
         #: How many times the key was written: 1 after start, one more per registration after a lost lease.
         self.registrations = 0
+        #: Keep-alives etcd answered with the lease still alive, and those that could not reach etcd
+        #: (read by the node's metrics, gateway/metrics_fleet.py).
+        self.renewals = 0
+        self.renewal_failures = 0
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -257,7 +261,10 @@ class Registration:
                                 self.record.node_id, lease_id)
                     self.lease_id = None
                     await self._register()
+                else:
+                    self.renewals += 1
             except KVStoreError as exc:
+                self.renewal_failures += 1
                 log.warning("fleet: node %s cannot renew its registration: %s; retrying in %.1f s (a lease "
                             "expires %d s after its last renewal)", self.record.node_id, exc.message, period_s,
                             self.ttl_s)
