@@ -148,3 +148,34 @@ def test_docs_fleet_table_lists_every_fleet_series_a_node_serves(nodes: list[tup
     client_side = {m.name for m in REGISTRY.collect() if m.name.startswith("kvstore_fleet_client_")}
     assert served and client_side
     assert documented == served | client_side
+
+
+def test_dashboard_fleet_panels_query_what_fleet_nodes_and_workers_serve(
+        nodes: list[tuple[NodeProcess, int]]) -> None:
+    """Every kvstore_fleet_* metric and label the Grafana dashboard queries is served by a fleet node's endpoint
+    or the router's registry (the single-node panels: tests/gateway/metrics/test_dashboard.py)."""
+    import kvstore.client.fleet_metrics as fm
+    from tests.gateway.metrics.test_dashboard import _BY, _LEGEND, _NAME, _SELECTOR_LABEL, TARGET_LABELS, _queries
+
+    fm.failover("get")  # children exist once counted: their labels are served from then on
+    fm.node_error("some-node")
+    with urllib.request.urlopen(f"http://127.0.0.1:{nodes[0][1]}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    served: dict[str, set[str]] = {}
+    for family in [*text_string_to_metric_families(text), *REGISTRY.collect()]:
+        for s in family.samples:
+            served.setdefault(s.name, set()).update(s.labels)
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "kvstore-dashboard.json").read_text())
+    fleet_queries = [(w, e, leg) for w, e, leg in _queries(dashboard) if "kvstore_fleet_" in e]
+    titles = {w for w, _, _ in fleet_queries}
+    assert {"Nodes live (etcd's membership)", "Under-replicated bytes", "Re-replication rate per node",
+            "Router failovers and errors"} <= titles
+    for where, expr, legend in fleet_queries:
+        names = set(_NAME.findall(expr))
+        missing = names - served.keys()
+        assert not missing, f"{where}: {sorted(missing)} not served (query {expr})"
+        used = set(_SELECTOR_LABEL.findall(expr)) | set(_LEGEND.findall(legend))
+        for group in _BY.findall(expr):
+            used |= {label.strip() for label in group.split(",") if label.strip()}
+        have = set().union(*(served[n] for n in names)) | TARGET_LABELS
+        assert used <= have, f"{where}: labels {sorted(used - have)} not on {sorted(names)}"
