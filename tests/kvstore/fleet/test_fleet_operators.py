@@ -179,3 +179,36 @@ def test_dashboard_fleet_panels_query_what_fleet_nodes_and_workers_serve(
             used |= {label.strip() for label in group.split(",") if label.strip()}
         have = set().union(*(served[n] for n in names)) | TARGET_LABELS
         assert used <= have, f"{where}: labels {sorted(used - have)} not on {sorted(names)}"
+
+
+def test_a_member_that_does_not_answer_is_listed_unreachable(fleet: FleetSettings,
+                                                             nodes: list[tuple[NodeProcess, int]]) -> None:
+    """A node in etcd's membership whose port answers nothing (as a killed node until its lease ends) is one
+    `unreachable` line, left out of the totals; the command still exits 0."""
+    import asyncio
+    import dataclasses
+
+    from kvstore.fleet.membership import register_node
+
+    target = f"etcd://{fleet.etcd}/{fleet.cluster}"
+    ghost_settings = dataclasses.replace(fleet, run_blocks=8, lease_ttl_s=60)
+
+    async def with_ghost() -> tuple[dict, str]:  # type: ignore[type-arg]
+        ghost = await register_node(ghost_settings, node_id="ghost", address=f"127.0.0.1:{_free_port()}",
+                                    capacity_bytes=1 << 30, block_tokens=BLOCK_TOKENS)
+        try:
+            report = await asyncio.to_thread(_stats_json, target)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert await asyncio.to_thread(main, ["stats", "--target", target, "--timeout", "5"]) == 0
+            return report, out.getvalue()
+        finally:
+            await ghost.stop()
+
+    report, text = asyncio.run(with_ghost())
+    ghost = [n for n in report["nodes"] if n["node_id"] == "ghost"]
+    assert len(ghost) == 1 and not ghost[0]["reachable"] and ghost[0]["error"]
+    assert report["total"]["nodes"] == 4 and report["total"]["reachable"] == 3
+    assert report["total"]["blocks_stored"] == sum(n["blocks_stored"] for n in report["nodes"] if n["reachable"])
+    assert re.search(r"^ghost\s+127\.0\.0\.1:\d+\s+unreachable", text, re.MULTILINE), text
+    assert "3 of 4 nodes answered" in text
