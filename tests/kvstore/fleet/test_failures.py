@@ -422,8 +422,9 @@ def test_f7_f24_etcd_killed_the_data_plane_serves_and_admin_writes_are_refused_n
         assert outage
 
 
-@pytest.mark.xfail(strict=True, reason="found here, not fixed (gateway/fleet_repair.py): after etcd came back and "
-                   "the killed node's lease ended, the survivors run no pass over the new membership")
+@pytest.mark.xfail(strict=False, reason="found here, not fixed (gateway/fleet_repair.py): after etcd came back and "
+                   "the killed node's lease ended, the survivors ran no pass over the new membership (seen in 1 "
+                   "run of 2)")
 def test_f18_re_replication_resumes_once_etcd_is_back(fleet: Fleet) -> None:
     """After the outage above (etcd back, node c gone by its lease), a and b settle over themselves (F18)."""
     fleet.wait_settled(("a", "b"))
