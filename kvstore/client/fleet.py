@@ -300,7 +300,7 @@ class FleetClient(Client):
 
 
 def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
-    """The ids to place runs over: of the records that share an address, the latest started only (F37).
+    """The ids to place runs over: of the records that share an address, the latest started only (F42).
 
     A node killed and started again on a wiped data dir at the same address is a new id while the old id's
     record waits out its lease; both records name the one process that answers there, so placing over both

@@ -109,7 +109,7 @@ class NodePool:
 
     def read_order(self, run_key: bytes, replicas: Sequence[str]) -> list[str]:
         """The order to read a run's replicas in: this host's first, then per this client's draw; suspects last;
-        then the live node ranked next after them (F39).
+        then the live node ranked next after them (F42).
 
         The next-ranked node is a run's copy that the placement stopped naming: when a node joins while a lost
         one is still in the view (its lease runs), the two can take both places of a run whose one surviving
