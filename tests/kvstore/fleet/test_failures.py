@@ -339,6 +339,10 @@ class Down:
 OPS = st.lists(st.sampled_from(["put", "read", "stop", "stop", "kill", "up"]), min_size=3, max_size=4)
 
 
+# About 160 s of a 2-core CI run for a test that fails today on a known repairer bug (the xfail): run it on
+# purpose with KVSTORE_FLEET_PROPERTY=1 until that bug is fixed, then drop this skip.
+@pytest.mark.skipif(not os.environ.get("KVSTORE_FLEET_PROPERTY"),
+                    reason="the fleet property test runs with KVSTORE_FLEET_PROPERTY=1 (xfail on a known repairer bug)")
 @pytest.mark.xfail(strict=False, reason="found here, not fixed (gateway/fleet_repair.py): after a node's SIGKILL and "
                    "restart, a survivor's re-replication pass can stay `running` for good, so the fleet never settles")
 @settings(max_examples=4, deadline=None, derandomize=True,
