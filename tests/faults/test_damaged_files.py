@@ -17,7 +17,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import tracemalloc
 import urllib.request
 from collections.abc import Callable
@@ -40,6 +39,7 @@ from kvstore.client import Client
 from kvstore.client.admin import AdminClient
 from kvstore.clock import ManualClock
 from kvstore.errors import ConfigError, Unauthenticated
+from tests.waiting import wait_until
 from tiers.datadir import MAX_IDENTITY_BYTES, DataDirBusy, DataDirLock, read_identity, write_identity
 from tiers.lmdb_pages import PageReader
 
@@ -414,10 +414,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 def _until(what: str, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:g} s"
-        time.sleep(0.05)
+    wait_until(condition, what, timeout_s)
 
 
 def test_a_token_revoked_with_the_cli_after_a_binary_tenants_file_is_refused(
