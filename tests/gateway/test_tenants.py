@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from kvstore.client import Client
 from kvstore.clock import ManualClock
 from kvstore.config import AuthSettings, StoreSettings
 from kvstore.errors import Unauthenticated
+from tests.waiting import wait_until
 
 READ_WRITE = frozenset({"read", "write"})
 #: What the tenants file is turned into, from its good text; None: the case damages it otherwise (below).
@@ -86,11 +86,7 @@ def restore(path: Path, good: bytes) -> None:
 
 def wait_for(what: str, condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Poll `condition` until it holds; fail naming `what` past the deadline (the reload runs every 50 ms)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {timeout_s:g} s")
-        time.sleep(0.02)
+    wait_until(condition, what, timeout_s)
 
 
 def accepted(target: str, token: str) -> bool:
