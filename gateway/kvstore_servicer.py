@@ -126,7 +126,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise
         reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                   lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
-        resume = await self._swa_resume(request, layout.geometry, scope, found * self.settings.block_tokens)
+        # A fleet client found the blocks on the runs' nodes and asks this node's shared pool for the
+        # snapshot alone (F44): its found tokens bound the resume, as this node's own would.
+        found_tokens = request.swa_found_tokens if only_swa else found * self.settings.block_tokens
+        resume = await self._swa_resume(request, layout.geometry, scope, found_tokens)
         if resume is not None:
             reply.swa_found = True
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume

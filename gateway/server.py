@@ -239,12 +239,13 @@ async def _join_fleet(settings: Settings, port: int) -> Registration | None:
     if not settings.fleet.enabled:
         return None
     from kvstore.fleet.membership import advertised_address, register_node  # a single node never loads aetcd
+    from kvstore.fleet.swa_pool import pool_name
     from tiers.datadir import node_id
 
     return await register_node(settings.fleet, node_id=node_id(settings.store.data_dir),
                                address=advertised_address(settings.fleet, settings.server.host, port),
                                capacity_bytes=settings.store.capacity_bytes,
-                               block_tokens=settings.store.block_tokens)
+                               block_tokens=settings.store.block_tokens, swa_pool=pool_name(settings.swa))
 
 
 def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:

@@ -11,13 +11,18 @@ background (`fleet_refresh`). Hashes are the fleet's (`fleet_chain`: one chain
 per run, bridged), so `hashes`, `lookup_hashes` and `stream` take and give
 those. Rules: docs/FLEET.md, "Data path".
 
-Not in a fleet yet: the SWA pool, transfer sessions, direct restore, resume
-reports and store-wide stats through this client (`node_stats` gives each
-node's); those raise FailedPrecondition.
+The SWA pool is the one the nodes share (`fleet_swa`: a Redis Cluster, reached
+through any node, F44-F45), so `swa` and `lookup(swa_positions=...)` work as on
+one server.
+
+Not in a fleet yet: transfer sessions, direct restore, resume reports and
+store-wide stats through this client (`node_stats` gives each node's); those
+raise FailedPrecondition.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,8 +50,8 @@ from kvstore.v1 import kvstore_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+    from kvstore.client.fleet_swa import FleetSwaClient
     from kvstore.client.fleet_view import FleetView
-    from kvstore.client.swa import SwaClient
     from kvstore.client.transfer import TransferSession
 
 #: Blocks of data per Put request to a node, as the single-server client sends.
@@ -93,6 +98,8 @@ class FleetClient(Client):
         self.pool = NodePool(self.view, namespace=namespace, geometry=geometry, timeout_s=timeout_s, token=token,
                              tls=tls)
         self.refresher = Refresher(self.pool)
+        self._swa: FleetSwaClient | None = None
+        self._swa_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(_PUT_THREADS, thread_name_prefix="fleet-put")
         try:
             first = self._any_node()
@@ -123,8 +130,11 @@ class FleetClient(Client):
         raise last
 
     def close(self) -> None:
-        """Send the queued refreshes (a few seconds at most), then close every connection and the view."""
+        """Send the queued refreshes (a few seconds at most) and the SWA client's reports, then close every
+        connection and the view."""
         self.refresher.close()
+        if self._swa is not None:
+            self._swa.close()
         self._executor.shutdown(wait=True)
         self.pool.close()
         self.view.close()
@@ -152,27 +162,47 @@ class FleetClient(Client):
 
     def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
                lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
-        """How many leading tokens of `tokens` are stored on the fleet (`Client.lookup`; no SWA yet)."""
-        if swa_positions:
-            self._not_in_a_fleet("the SWA pool's snapshots (swa_positions)")
-        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms)
+        """How many leading tokens of `tokens` are stored on the fleet, and from where SWA state is
+        (`Client.lookup`; the snapshot from the fleet's shared pool, F45)."""
+        swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
+        swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
+        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
+                                  swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
                       swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> FleetLookupResult:
         """`lookup` by fleet hashes from block 0: the prefix whose every run is on a live replica.
 
-        With `lease_ms`, every node asked leases what it found; the result's `lease_id` names them all.
+        With `lease_ms`, every node asked leases what it found; the result's `lease_id` names them all. With SWA
+        candidates (`swa_keys` with their `swa_positions`), the fleet's pool answers the one that serves the longest
+        resume within the found tokens (F45); when it cannot be asked, the lease is released and the error raised.
         """
         hashes = arguments.hashes(hashes, "hashes")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
-        if swa_keys or swa_positions:
-            self._not_in_a_fleet("the SWA pool's snapshots (swa_keys)")
-        if not hashes:
+        swa_keys = arguments.hashes(swa_keys, "swa_keys")
+        swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
+        swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
+        if len(swa_keys) != len(swa_positions):
+            raise InvalidArgument(f"swa_keys has {len(swa_keys)} entries but swa_positions has "
+                                  f"{len(swa_positions)}: send one position per key")
+        if not hashes:  # a prompt shorter than a block: no block, so no resume (SWA resume rule 5)
             return FleetLookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         found = lookup_runs(self.pool, self.placement(hashes), hashes, lease_ms=lease_ms, retry=self.retry,
                             refresher=self.refresher)
-        return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found.found_blocks * self.block_tokens,
-                                 lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked)
+        found_tokens = found.found_blocks * self.block_tokens
+        resume = None
+        if swa_keys and found_tokens:
+            try:
+                resume = self.swa.resume(swa_keys, swa_positions, found_tokens=found_tokens,
+                                         resume_limit=swa_resume_limit)
+            except BaseException:
+                if found.lease_id:
+                    release_lease(self.pool, found.lease_id)
+                raise
+        return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found_tokens,
+                                 lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked,
+                                 swa_position=resume[0] if resume else None,
+                                 swa_resume_tokens=resume[1] if resume else None)
 
     def release(self, lease_id: str) -> bool:
         """Drop a fleet Lookup's lease on every node; False when some part had already expired."""
@@ -277,9 +307,20 @@ class FleetClient(Client):
                                  hint="use a kvstore.Client of one node's host:port for it")
 
     @property
-    def swa(self) -> SwaClient:  # type: ignore[override]
-        """Not in a fleet yet."""
-        self._not_in_a_fleet("the SWA pool")
+    def swa(self) -> FleetSwaClient:  # type: ignore[override]
+        """The fleet's SWA pool (`fleet_swa.FleetSwaClient`), opened at first use through a node that serves it.
+
+        Raises:
+            FailedPrecondition: the nodes share no pool (each its own memory, or two different ones: F44).
+            Unavailable: no node of the pool answers.
+        """
+        with self._swa_lock:
+            if self._swa is None:
+                from kvstore.client.fleet_swa import FleetSwaClient, swa_records
+
+                self._swa = FleetSwaClient(
+                    self.pool, lambda: swa_records(self.view.nodes, placeable(self.view.nodes)), retry=self.retry)
+            return self._swa
 
     def transfer(self, *, path: str = "auto", ring: bool = True) -> TransferSession:
         """Not in a fleet yet."""

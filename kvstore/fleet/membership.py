@@ -55,6 +55,8 @@ class NodeRecord:
     started_at: float
     #: kvstore's version on it.
     version: str
+    #: The SWA pool it serves (`kvstore.fleet.swa_pool.pool_name`; '' from a node older than F44).
+    swa_pool: str = ""
 
     def to_json(self) -> bytes:
         """The record as etcd stores it."""
@@ -73,7 +75,7 @@ class NodeRecord:
         try:
             record = cls(node_id=str(raw["node_id"]), address=str(raw["address"]), host=str(raw["host"]),
                          capacity_bytes=int(raw["capacity_bytes"]), started_at=float(raw["started_at"]),
-                         version=str(raw["version"]))
+                         version=str(raw["version"]), swa_pool=str(raw.get("swa_pool", "")))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"missing or mistyped field {exc}") from None
         return record
@@ -440,7 +442,7 @@ def advertised_address(fleet: FleetSettings, bind_host: str, port: int) -> str:
 
 
 async def register_node(fleet: FleetSettings, *, node_id: str, address: str, capacity_bytes: int,
-                        block_tokens: int) -> Registration:
+                        block_tokens: int, swa_pool: str = "") -> Registration:
     """Register a serving node in its fleet and keep it registered (`Registration.stop` ends it).
 
     Raises:
@@ -451,7 +453,7 @@ async def register_node(fleet: FleetSettings, *, node_id: str, address: str, cap
     from kvstore.version import __version__
 
     record = NodeRecord(node_id=node_id, address=address, host=socket.gethostname(), capacity_bytes=capacity_bytes,
-                        started_at=time.time(), version=__version__)
+                        started_at=time.time(), version=__version__, swa_pool=swa_pool)
     registration = Registration(session_for(fleet), fleet.cluster, record, ttl_s=fleet.lease_ttl_s,
                                 layout=Layout(run_blocks=fleet.run_blocks, block_tokens=block_tokens))
     await registration.start()

@@ -70,7 +70,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class LookupRequest(_message.Message):
     SWA_KEYS_FIELD_NUMBER: _ClassVar[int]
     SWA_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SWA_RESUME_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SWA_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -85,7 +86,8 @@ class LookupRequest(_message.Message):
     swa_keys: _containers.RepeatedScalarFieldContainer[bytes]
     swa_positions: _containers.RepeatedScalarFieldContainer[int]
     swa_resume_limit: int
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ...) -> None: ...
+    swa_found_tokens: int
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index")

@@ -1,0 +1,193 @@
+"""SWA snapshots through a fleet client (docs/FLEET.md F44, F45): one real etcd, one real Redis Cluster of 3
+masters, three real `kvstore serve` nodes whose `[swa]` pool is that cluster.
+
+The nodes are module-scoped (starting them costs seconds); each test uses prompts of its own (random tokens).
+The test that kills a node runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvstore
+from kvstore.client.fleet import FleetClient, placeable
+from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
+from kvstore.client.retry import ExponentialBackoff, Retry
+from kvstore.config_sections import SwaSettings
+from kvstore.errors import FailedPrecondition, Unavailable
+from kvstore.fleet.membership import NodeRecord
+from kvstore.fleet.swa_pool import MEMORY, is_shared, pool_name
+from tests.children import Child, write_config
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tiers import datadir
+
+BLOCK_TOKENS = 16
+RUN_BLOCKS = 4
+RUN_TOKENS = BLOCK_TOKENS * RUN_BLOCKS
+#: Long enough that the killed node stays in the view: the SWA client must fail over, not just re-read the view.
+LEASE_TTL_S = 60
+
+
+def record(node_id: str, swa_pool: str) -> NodeRecord:
+    return NodeRecord(node_id=node_id, address=f"{node_id}:1", host="h", capacity_bytes=1, started_at=0.0,
+                      version="0", swa_pool=swa_pool)
+
+
+def test_f44_the_pool_is_the_one_the_nodes_share() -> None:
+    cluster = pool_name(SwaSettings(backend="redis-cluster", cluster_nodes="10.0.0.2:7000, 10.0.0.1:7000"))
+    assert cluster == pool_name(SwaSettings(backend="redis-cluster", cluster_nodes="10.0.0.1:7000,10.0.0.2:7000"))
+    assert cluster == "redis-cluster 10.0.0.1:7000,10.0.0.2:7000 kvstore:swa:"
+    single = pool_name(SwaSettings(backend="redis", redis_url="redis://user:secret@10.0.0.1:6379/2"))
+    assert single == "redis redis://10.0.0.1:6379/2 kvstore:swa:" and "secret" not in single
+    assert pool_name(SwaSettings()) == MEMORY and not is_shared(MEMORY) and is_shared(cluster)
+    # The nodes recording the shared pool; a node on its own memory is not asked.
+    assert pool_nodes([record("b", cluster), record("a", cluster), record("c", MEMORY)]) == ["a", "b"]
+    # One node serves its own pool, the embedded one included (the one-node default).
+    assert pool_nodes([record("a", MEMORY)]) == ["a"]
+    with pytest.raises(FailedPrecondition, match="each of the fleet's 2 nodes keeps its own SWA pool") as own:
+        pool_nodes([record("a", MEMORY), record("b", MEMORY)])
+    assert "redis-cluster" in own.value.hint
+    with pytest.raises(FailedPrecondition, match="2 different SWA pools"):
+        pool_nodes([record("a", cluster), record("b", single)])
+    with pytest.raises(Unavailable):
+        pool_nodes([])
+    # A record from a node older than F44 has no pool: it parses, as unrecorded.
+    old = json.dumps({"node_id": "x", "address": "x:1", "host": "h", "capacity_bytes": 1, "started_at": 0.0,
+                      "version": "0"}).encode()
+    assert NodeRecord.from_json(old).swa_pool == ""
+    assert NodeRecord.from_json(record("a", cluster).to_json()).swa_pool == cluster
+
+
+@dataclass
+class Node:
+    node_id: str
+    child: Child
+
+
+@dataclass
+class Fleet:
+    address: str
+    nodes: list[Node]
+    pool: str
+
+
+def _start_node(tmp: Path, etcd: str, cluster: str, redis_nodes: str, i: int) -> Node:
+    cfg = write_config(tmp / f"node{i}.toml", {
+        "store": {"data_dir": str(tmp / f"store{i}"), "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "lease_ttl_s": LEASE_TTL_S, "run_blocks": RUN_BLOCKS},
+        "swa": {"backend": "redis-cluster", "cluster_nodes": redis_nodes, "cap_bytes": 256 << 20},
+    })
+    child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
+    return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory, redis_cluster_session: Any) -> Iterator[Fleet]:
+    """One etcd and three nodes sharing the session's Redis Cluster as their SWA pool."""
+    tmp = tmp_path_factory.mktemp("fleet-swa")
+    etcd = EtcdProcess(tmp / "etcd").start()
+    cluster = f"t-{uuid.uuid4().hex[:12]}"
+    redis_nodes = redis_cluster_session.startup_nodes
+    with ThreadPoolExecutor(3) as pool:
+        nodes = list(pool.map(lambda i: _start_node(tmp, etcd.endpoint, cluster, redis_nodes, i), range(3)))
+    try:
+        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=nodes,
+                    pool=pool_name(SwaSettings(backend="redis-cluster", cluster_nodes=redis_nodes)))
+    finally:
+        for n in nodes:
+            n.child.kill_if_alive()
+        etcd.stop()
+
+
+def fleet_client(fleet: Fleet, **kwargs: Any) -> FleetClient:
+    client = kvstore.Client(fleet.address, **kwargs)
+    assert isinstance(client, FleetClient)
+    live = {n.node_id for n in fleet.nodes if n.child.alive}
+    client.view.wait_until(lambda nodes: live <= set(nodes), 30.0)
+    return client
+
+
+def prompt(n_tokens: int) -> list[int]:
+    return [random.randrange(50_000) for _ in range(n_tokens)]
+
+
+def snapshot(client: FleetClient, position: int) -> bytes:
+    return random.randbytes(client.swa.snapshot_bytes(position))
+
+
+def test_f44_a_snapshot_put_through_one_node_is_found_through_every_other(fleet: Fleet) -> None:
+    """F44: every node records the shared pool; a fleet client's snapshot is a hit through every node, on the
+    direct path and the gateway path, and for a second fleet client."""
+    with fleet_client(fleet) as a, fleet_client(fleet) as b:
+        assert {r.swa_pool for r in a.view.nodes.values()} == {fleet.pool}
+        tokens = prompt(200)
+        data = snapshot(a, 200)
+        assert a.swa.put(tokens, data).stored == 1
+        assert a.swa.last_path == "direct"  # the client wrote Redis itself, as the node's ACL user
+        assert bytes(b.swa.get(tokens)) == data
+        for node in fleet.nodes:  # each node's own pool sees it: they share one
+            with kvstore.Client(node.child.target) as direct:
+                got = direct.swa.get(tokens)
+                assert got is not None and bytes(got) == data
+        via = FleetSwaClient(a.pool, lambda: swa_records(a.view.nodes, placeable(a.view.nodes)), retry=a.retry,
+                             path="gateway")
+        other = prompt(130)
+        more = snapshot(a, 130)
+        assert via.put(other, more).stored == 1 and via.last_path == "gateway"
+        assert bytes(b.swa.get(other)) == more and bytes(via.get(tokens)) == data
+        assert via.delete_many([via.key(other)]) == 1 and b.swa.get(other) is None
+        via.close()
+
+
+def test_f45_a_fleet_lookup_names_the_snapshot_that_resumes_longest_within_the_found_blocks(fleet: Fleet) -> None:
+    """F45: the resume is bounded by the blocks found across the runs' nodes, not by any one node's."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 5 + 10)  # 20 full blocks over 5 runs (on different nodes), a partial one
+        client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(20)])
+        for t in (192, 320, 330):
+            client.swa.put(tokens, snapshot(client, t), position=t)
+        positions = [128, 192, 320, 330]  # 128: never stored; 330: past the found 320 tokens, serves nothing
+        found = client.lookup(tokens, swa_positions=positions)
+        assert found.found_tokens == 320 and (found.swa_position, found.swa_resume_tokens) == (320, 320)
+        limited = client.lookup(tokens, swa_positions=positions, swa_resume_limit=319)
+        assert (limited.swa_position, limited.swa_resume_tokens) == (320, 319)  # even T: T - 1 too
+        leased = client.lookup(tokens, swa_positions=positions, lease_ms=10_000)
+        assert leased.lease_id and (leased.swa_position, leased.swa_resume_tokens) == (320, 320)
+        assert client.release(leased.lease_id)
+        # Only the first three runs stored: T = 320 is past the found 192 tokens; T = 192 serves.
+        short = tokens[:RUN_TOKENS * 3] + prompt(RUN_TOKENS * 2 + 10)
+        client.put(short[:RUN_TOKENS * 3], [random.randbytes(client.block_bytes) for _ in range(12)])
+        keys = client.swa.keys(short, [192, 320])
+        client.swa.put_many([(keys[0], 192, snapshot(client, 192)), (keys[1], 320, snapshot(client, 320))])
+        partial = client.lookup(short, swa_positions=[192, 320])
+        assert partial.found_tokens == 192 and (partial.swa_position, partial.swa_resume_tokens) == (192, 192)
+        assert client.lookup(prompt(300), swa_positions=[128, 256]).swa_position is None  # nothing stored
+
+
+def test_f45_the_swa_pool_fails_over_when_its_node_dies(fleet: Fleet) -> None:
+    """F45: the node a fleet SWA client talks to SIGKILLed (still in the view, its lease running): the next call
+    goes through another node of the pool and finds what was put before."""
+    fast = Retry(ExponentialBackoff(base_s=0.001, cap_s=0.01), retries=1)
+    with fleet_client(fleet, retry=fast) as client:
+        swa = FleetSwaClient(client.pool, lambda: swa_records(client.view.nodes, placeable(client.view.nodes)),
+                             retry=fast, path="gateway")  # every call through the node, none straight to Redis
+        tokens = prompt(256)
+        client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(16)])  # on both replicas
+        data = snapshot(client, 256)
+        assert swa.put(tokens, data).stored == 1
+        first = swa.node_id
+        next(n for n in fleet.nodes if n.node_id == first).child.kill9()
+        assert first in client.view.nodes  # the view still names it: the call itself must fall over
+        assert bytes(swa.get(tokens)) == data and swa.node_id != first
+        found = client.lookup(tokens, swa_positions=[256])
+        assert (found.swa_position, found.swa_resume_tokens) == (256, 256)
+        swa.close()
