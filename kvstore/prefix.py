@@ -108,9 +108,16 @@ def _key_bytes(index: int, key: object) -> bytes:
 def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     """Token ids as little-endian uint32.
 
+    A uint32 `array.array`, or a 1-D integer numpy array or CPU tensor, is converted
+    without a Python loop (a million ids: ~0.2 ms rather than ~15 ms for a list);
+    the bytes are the same either way.
+
     Raises:
         InvalidArgument: a token id is negative or does not fit 32 bits.
     """
+    fast = _buffer_token_bytes(tokens)
+    if fast is not None:
+        return fast
     try:
         arr = array("I", tokens)
     except (OverflowError, TypeError) as exc:
@@ -120,6 +127,32 @@ def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     if sys.byteorder == "big":  # pragma: no cover
         arr.byteswap()
     return arr.tobytes()
+
+
+def _buffer_token_bytes(tokens: object) -> bytes | None:
+    """`token_bytes` of an array-backed sequence in one C pass, or None for anything else."""
+    if isinstance(tokens, array):
+        if tokens.typecode != "I" or tokens.itemsize != 4 or sys.byteorder != "little":
+            return None  # other widths and signs go through the checked conversion
+        return tokens.tobytes()
+    dtype = getattr(tokens, "dtype", None)
+    if dtype is None or getattr(tokens, "ndim", None) != 1:
+        return None
+    if hasattr(tokens, "detach"):  # a torch tensor: its numpy view when it is on the CPU
+        if getattr(tokens.device, "type", "") != "cpu" or not hasattr(tokens, "numpy"):  # type: ignore[attr-defined]
+            return None
+        try:
+            tokens = tokens.detach().numpy()  # type: ignore[attr-defined]
+        except (RuntimeError, TypeError):  # a dtype numpy cannot hold: the checked path says what
+            return None
+        dtype = tokens.dtype  # type: ignore[attr-defined]
+    if getattr(dtype, "kind", "") not in ("i", "u") or not hasattr(tokens, "astype"):
+        return None  # floats, bools and objects: the checked path refuses or converts them as before
+    if len(tokens) and (dtype.kind == "i" or dtype.itemsize > 4):  # type: ignore[arg-type]
+        low, high = int(tokens.min()), int(tokens.max())  # type: ignore[attr-defined]
+        if low < 0 or high > MAX_TOKEN_ID:
+            raise InvalidArgument(f"token ids must be integers in [0, {MAX_TOKEN_ID}]: got {low if low < 0 else high}")
+    return tokens.astype("<u4", copy=False).tobytes()  # type: ignore[attr-defined,no-any-return]
 
 
 def chain_hashes(
@@ -149,13 +182,22 @@ def chain_hashes(
     if len(parent) != HASH_BYTES:
         raise InvalidArgument(f"parent hash must be {HASH_BYTES} bytes, got {len(parent)}")
     _check_block_tokens(block_tokens)
-    raw = token_bytes(tokens)
+    return chain_hashes_of_bytes(token_bytes(tokens), block_tokens=block_tokens, parent=parent,
+                                 tail=extra_keys_tail(extra_keys))
+
+
+def chain_hashes_of_bytes(raw: bytes | memoryview, *, block_tokens: int, parent: bytes, tail: bytes) -> list[bytes]:
+    """`chain_hashes` of tokens already in `token_bytes` form, with the chain's `extra_keys_tail`.
+
+    For callers that keep the bytes (the client's chain memo, kvstore.client.chain_memo);
+    the arguments are not checked again here.
+    """
     head = struct.pack("<I", block_tokens)
-    tail = extra_keys_tail(extra_keys)
     step = 4 * block_tokens
     hashes: list[bytes] = []
+    sha256 = hashlib.sha256
     for start in range(0, len(raw) - step + 1, step):
-        parent = hashlib.sha256(parent + head + raw[start : start + step] + tail).digest()
+        parent = sha256(parent + head + raw[start : start + step] + tail).digest()
         hashes.append(parent)
     return hashes
 

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from kvstore.client import arguments
+from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, ChainMemo
 from kvstore.client.fleet_chain import fleet_hashes
 from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
@@ -108,6 +109,8 @@ class Connection:
         token: the API token (`kvstore tenant create`), sent as `authorization: Bearer`
             metadata on every call; None for a server without auth.
         tls: speak TLS (None: plaintext).
+        chain_memo_bytes: most bytes the memo of hashed chains keeps (`chain_memo`; about 4.5
+            bytes per token), so a conversation's next turn hashes only its new tokens; 0: none.
 
     Raises:
         InvalidArgument: a bad argument, or a geometry the server does not serve.
@@ -116,8 +119,10 @@ class Connection:
     """
 
     def __init__(self, target: str, *, namespace: str = "", geometry: str = "",
-                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None) -> None:
+                 timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None,
+                 chain_memo_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.target = arguments.text(target, "target")
+        chain_memo_bytes = arguments.integer(chain_memo_bytes, "chain_memo_bytes")
         #: The tenant asked for: '' is the token's own (the only one a non-admin token may name).
         self.namespace = arguments.text(namespace, "namespace")
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
@@ -149,6 +154,8 @@ class Connection:
         #: Blocks per run when the server is a fleet's gateway (its clients hash as the fleet
         #: does: docs/FLEET.md F36); 0 for one node.
         self.run_blocks: int = info.run_blocks
+        #: The chains hashed on this connection, reused by prompts that begin with their tokens.
+        self.chain_memo = ChainMemo(block_tokens=self.block_tokens, max_bytes=chain_memo_bytes)
 
     # -- calls -------------------------------------------------------------
 
@@ -182,11 +189,14 @@ class Connection:
     def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """Chain hashes of every full block of `tokens`, from the prompt start: one chain from the
         root for one node, the fleet's (each run a chain of its own, bridged: `fleet_chain`) through
-        a gateway."""
+        a gateway. A prompt that begins with the tokens of a chain hashed before on this connection
+        hashes only its blocks after it (`chain_memo`: same hashes, checked byte for byte)."""
         extra_keys = arguments.extra_keys(extra_keys)
         if self.run_blocks:
             return fleet_hashes(tokens, root=self.root, block_tokens=self.block_tokens,
                                 run_blocks=self.run_blocks, extra_keys=extra_keys)
+        if self.chain_memo.max_bytes:
+            return self.chain_memo.hashes(tokens, root=self.root, extra_keys=extra_keys)
         return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
 
     def run_fields(self, chain: Sequence[bytes], first_block: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.client import arguments
 from kvstore.client.blocks import stream_blocks
+from kvstore.client.chain_memo import DEFAULT_MAX_BYTES
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
@@ -105,6 +106,9 @@ class Client:
             Lookup without a lease and Stats, retried on UNAVAILABLE (default: 2 retries,
             50 ms to 1 s of jittered backoff). Puts, leased Lookups, Gets and Release are
             sent once: a lost reply would make a retry answer otherwise.
+        chain_memo_bytes: most bytes kept of the chains this client hashed (about 4.5 bytes per
+            token; `kvstore.client.chain_memo`): a prompt that begins with one's tokens (a
+            conversation's next turn) hashes only its new blocks. 0: hash every prompt in full.
 
     Every method raises a `kvstore.errors` class, never a bare ValueError or
     TypeError: `InvalidArgument` for a bad argument (nothing sent), the class
@@ -119,11 +123,11 @@ class Client:
 
     def __init__(self, target: str, *, namespace: str = "", geometry: str = "",
                  timeout_s: float = 120.0, token: str | None = None, tls: TlsOptions | None = None,
-                 retry: Retry | None = None) -> None:
+                 retry: Retry | None = None, chain_memo_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.retry = retry or Retry(retries=2)
         #: The channel, its call plumbing and what the server said; `swa` and `transfer()` share it.
         self.connection = c = Connection(target, namespace=namespace, geometry=geometry, timeout_s=timeout_s,
-                                         token=token, tls=tls)
+                                         token=token, tls=tls, chain_memo_bytes=chain_memo_bytes)
         # Fixed at connect: copied so the client reads as before.
         self.target, self.namespace, self.timeout_s = c.target, c.namespace, c.timeout_s
         self.geometry: str = c.geometry

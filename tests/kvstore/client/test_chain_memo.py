@@ -1,0 +1,215 @@
+"""The client's memo of hashed chains (kvstore.client.chain_memo, rules C1-C5): a prompt that begins with
+a kept chain's tokens hashes only its new blocks, and every answer equals `chain_hashes`'."""
+
+from __future__ import annotations
+
+import random
+import threading
+from array import array
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore.client.chain_memo import ChainMemo
+from kvstore.errors import InvalidArgument
+from kvstore.geometry import TINY, V4_1_FLASH
+from kvstore.prefix import chain_hashes, root_hash, token_bytes
+
+BT = 4  # tokens per block: small, so a prompt of a few hundred tokens has many blocks
+ROOT = root_hash(V4_1_FLASH.fingerprint, BT)
+OTHER_ROOT = root_hash(TINY.fingerprint, BT)
+
+
+def plain(tokens: Any, root: bytes = ROOT, extra_keys: Any = ()) -> list[bytes]:
+    return chain_hashes(list(tokens), block_tokens=BT, parent=root, extra_keys=extra_keys)
+
+
+def memo(**kwargs: Any) -> ChainMemo:
+    return ChainMemo(block_tokens=BT, **{"min_blocks": 1, **kwargs})
+
+
+def test_c1_a_next_turn_hashes_only_its_new_blocks() -> None:
+    m = memo()
+    turn = list(range(400))
+    assert m.hashes(turn, root=ROOT) == plain(turn)
+    nxt = turn + list(range(1000, 1042))
+    assert m.hashes(nxt, root=ROOT) == plain(nxt)
+    stats = m.stats()
+    assert (stats.hits, stats.misses, stats.reused_blocks) == (1, 1, 100)
+    assert stats.entries == 1  # the longer chain replaced the one it extends
+
+
+@pytest.mark.parametrize("where", [0, 1, 200, 399])  # first block, first block again, middle, last full block
+def test_c1_different_tokens_of_the_same_length_never_reuse_a_chain(where: int) -> None:
+    m = memo()
+    kept = list(range(400))
+    m.hashes(kept, root=ROOT)
+    other = list(kept)
+    other[where] += 1
+    assert m.hashes(other, root=ROOT) == plain(other) != plain(kept)
+    assert m.stats().hits == 0
+
+
+def test_c1_a_prompt_ending_inside_a_kept_chain_is_hashed_afresh() -> None:
+    """The kept chain's tokens are not a prefix of a shorter prompt: nothing of it is reused."""
+    m = memo()
+    m.hashes(list(range(400)), root=ROOT)
+    short = list(range(300))
+    assert m.hashes(short, root=ROOT) == plain(short)
+    assert m.stats().hits == 0
+
+
+def test_c1_the_partial_block_kept_with_a_chain_is_not_part_of_its_prefix() -> None:
+    """A prompt of 402 tokens is kept with its 2 trailing tokens; a next prompt differing in them reuses
+    the 100 full blocks only."""
+    m = memo()
+    m.hashes(list(range(402)), root=ROOT)
+    nxt = [*range(400), 7, 7, 7, 7, 9]
+    assert m.hashes(nxt, root=ROOT) == plain(nxt)
+    assert m.stats().reused_blocks == 100
+
+
+def test_c2_other_extra_keys_never_reuse_a_chain() -> None:
+    m = memo()
+    tokens = list(range(400))
+    m.hashes(tokens, root=ROOT, extra_keys=["lora:a"])
+    for keys in ([], ["lora:b"], ["lora:a", "salt"], [b"lora:a\x00"]):
+        assert m.hashes(tokens, root=ROOT, extra_keys=keys) == plain(tokens, extra_keys=keys)
+    assert m.stats().hits == 0
+    assert m.hashes(tokens, root=ROOT, extra_keys=[b"lora:a"]) == plain(tokens, extra_keys=["lora:a"])
+    assert m.stats().hits == 1  # the same key as bytes is the same key
+
+
+def test_c2_another_root_never_reuses_a_chain() -> None:
+    m = memo()
+    tokens = list(range(400))
+    m.hashes(tokens, root=ROOT)
+    assert m.hashes(tokens, root=OTHER_ROOT) == plain(tokens, root=OTHER_ROOT) != plain(tokens)
+    assert m.stats().hits == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_c3_every_answer_equals_plain_hashing(data: st.DataObject) -> None:
+    """Random conversations: turns that extend, branch, shrink or edit earlier prompts, with and
+    without extra keys, as lists, arrays and numpy arrays; each answer is `chain_hashes`'."""
+    m = memo(max_bytes=data.draw(st.sampled_from([2_000, 20_000, 1 << 20])), max_entries=4)
+    prompts: list[list[int]] = []
+    for _ in range(data.draw(st.integers(1, 8))):
+        if prompts and data.draw(st.booleans()):
+            base = data.draw(st.sampled_from(prompts))
+            cut = data.draw(st.integers(0, len(base)))
+            prompt = base[:cut] + data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=40))
+            if prompt and data.draw(st.booleans()):
+                prompt[data.draw(st.integers(0, len(prompt) - 1))] ^= 1  # one token edited
+        else:
+            prompt = data.draw(st.lists(st.integers(0, 5), max_size=120))
+        keys = data.draw(st.sampled_from([(), ("a",), ("b", b"\x00")]))
+        root = data.draw(st.sampled_from([ROOT, OTHER_ROOT]))
+        form = data.draw(st.sampled_from([list, lambda p: array("I", p), lambda p: np.array(p, dtype=np.int64)]))
+        assert m.hashes(form(prompt), root=root, extra_keys=keys) == plain(prompt, root=root, extra_keys=keys)
+        prompts.append(prompt)
+        assert m.stats().size_bytes <= m.max_bytes
+
+
+def test_c4_memory_is_bounded_and_the_least_recently_used_chain_goes_first() -> None:
+    probe = memo()
+    probe.hashes(list(range(400)), root=ROOT)
+    size = probe.stats().size_bytes
+    m = memo(max_bytes=3 * size)
+    prompts = [[i] * 400 for i in range(5)]
+    for p in prompts[:3]:
+        m.hashes(p, root=ROOT)
+    m.hashes(prompts[0], root=ROOT)  # used again: prompts[1] is now the least recent
+    m.hashes(prompts[3], root=ROOT)
+    assert m.stats().entries == 3 and m.stats().size_bytes <= 3 * size
+    hits = m.stats().hits
+    m.hashes(prompts[1], root=ROOT)
+    assert m.stats().hits == hits  # forgotten
+    m.hashes(prompts[0] + [1, 2, 3, 4], root=ROOT)
+    assert m.stats().hits == hits + 1  # kept
+
+
+def test_c4_the_entry_cap_holds_and_a_chain_larger_than_the_memo_is_not_kept() -> None:
+    m = memo(max_entries=2)
+    for i in range(4):
+        m.hashes([i] * 100, root=ROOT)
+    assert m.stats().entries == 2
+    tiny = memo(max_bytes=1000)
+    tiny.hashes(list(range(400)), root=ROOT)  # 1,600 token bytes alone
+    assert tiny.stats().entries == 0
+    assert memo(min_blocks=50).hashes(list(range(100)), root=ROOT) == plain(range(100))
+
+
+def test_c5_one_memo_shared_by_threads_answers_each_exactly() -> None:
+    m = memo(max_bytes=40_000, max_entries=8)
+    rng = random.Random(5)
+    bases = [[rng.randrange(50) for _ in range(300)] for _ in range(4)]
+    failures: list[str] = []
+    start = threading.Barrier(6)
+
+    def worker(seed: int) -> None:
+        r = random.Random(seed)
+        start.wait()
+        for _ in range(60):
+            base = r.choice(bases)
+            prompt = base[:r.randrange(len(base))] + [r.randrange(50) for _ in range(r.randrange(20))]
+            if m.hashes(prompt, root=ROOT) != plain(prompt):
+                failures.append(f"thread {seed}: a wrong chain for a prompt of {len(prompt)} tokens")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures
+    stats = m.stats()
+    assert stats.hits > 0 and stats.size_bytes <= 40_000 and stats.entries <= 8
+
+
+@pytest.mark.parametrize("form", [
+    lambda p: array("I", p), lambda p: np.array(p, dtype=np.uint32), lambda p: np.array(p, dtype=np.int64),
+    lambda p: np.array(p, dtype=">u4"), lambda p: np.array(p, dtype=np.uint16),
+])
+def test_array_tokens_take_the_same_bytes_as_a_list(form: Any) -> None:
+    prompt = [0, 1, 65535, 7, 300, 2, 9, 12]
+    assert token_bytes(form(prompt)) == token_bytes(prompt)
+
+
+def test_tensor_tokens_take_the_same_bytes_as_a_list() -> None:
+    torch = pytest.importorskip("torch")
+    prompt = [0, 1, 2**31 - 1, 7, 2**32 - 1]
+    assert token_bytes(torch.tensor(prompt, dtype=torch.int64)) == token_bytes(prompt)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        token_bytes(torch.tensor([3, -1]))
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [2**32, 0]])
+def test_array_tokens_out_of_range_are_refused(bad: list[int]) -> None:
+    with pytest.raises(InvalidArgument, match="token ids must be integers"):
+        token_bytes(np.array(bad, dtype=np.int64))
+    with pytest.raises(InvalidArgument, match="token ids"):
+        memo().hashes(np.array(bad, dtype=np.int64), root=ROOT)
+
+
+def test_the_client_reuses_a_conversation_chain_over_a_real_server(server: Any) -> None:
+    """Turn 1 is put and looked up; turn 2 (turn 1 plus new tokens) finds turn 1's blocks, hashing
+    only its new blocks; a client without a memo gets the same answer."""
+    from kvstore.client import Client
+
+    with Client(server.target) as client, Client(server.target, chain_memo_bytes=0) as bare:
+        bt = client.block_tokens
+        turn1 = list(range(40 * bt))
+        block = bytes(client.block_bytes)
+        assert client.lookup(turn1).found_blocks == 0  # a worker looks up before it computes and puts
+        client.put(turn1, [block] * 40)
+        turn2 = turn1 + list(range(5000, 5000 + 3 * bt + 1))
+        memo_stats = client.connection.chain_memo.stats
+        before = memo_stats()
+        got = client.lookup(turn2)
+        assert (got.found_blocks, got.block_hashes) == (40, bare.lookup(turn2).block_hashes)
+        assert memo_stats().reused_blocks > before.reused_blocks
+        assert bare.connection.chain_memo.stats().entries == 0
