@@ -37,6 +37,7 @@ from gateway.auth import (
     check_metrics_bind,
     is_loopback,
 )
+from gateway.events import EventsCollector, check_events_bind, start_events
 from gateway.fleet_servicer import METHODS as FLEET_METHODS
 from gateway.fleet_servicer import add_fleet_service
 from gateway.grpc_log import quiet_cancelled_replies
@@ -92,6 +93,8 @@ class RunningServer:
     fleet: Registration | None = None
     #: Its re-replication (None: a single node; docs/FLEET.md F18).
     repair: FleetRepairer | None = None
+    #: What `kvstore serve` says of its KV cache events (docs/EVENTS.md).
+    events_line: str = ""
     stopped: bool = False
 
     @property
@@ -133,6 +136,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
         check_metrics_bind(settings.metrics.host, settings.metrics.port,
                            insecure=settings.metrics.insecure or settings.auth.insecure)
+        check_events_bind(settings.events, insecure=settings.auth.insecure)
         credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
     except BaseException:
         await tenants.stop()
@@ -157,6 +161,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = [tenants.stop]
     try:
+        events_line = start_events(settings.events, tier)  # before the first write the events must cover (E1)
+        metrics.registry.register(EventsCollector(tier))
         server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics,
                                          shared)
         token = None
@@ -194,7 +200,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         tier.close()
         raise
     return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
-                         metrics_endpoint=endpoint, closers=closers, fleet=fleet, repair=repair)
+                         metrics_endpoint=endpoint, closers=closers, fleet=fleet, repair=repair,
+                         events_line=events_line)
 
 
 async def _open_tenants(settings: Settings, clock: Clock | None) -> TokenTable:
@@ -333,6 +340,7 @@ async def serve(settings: Settings) -> None:
     endpoint = running.metrics_endpoint
     print(f"kvstore metrics: {endpoint.url if endpoint else 'off ([metrics] port = 0)'}", flush=True)
     print(f"kvstore fleet: {_fleet_line(settings, running.fleet)}", flush=True)
+    print(f"kvstore events: {running.events_line}", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:

@@ -25,6 +25,7 @@ from kvstore.config_sections import (
     BULK_TRANSPORTS,
     RETENTION_FLOOR_HOURS,
     AuthSettings,
+    EventsSettings,
     FleetSettings,
     GiB,
     MetricsSettings,
@@ -38,7 +39,7 @@ from kvstore.errors import ConfigError
 
 __all__ = [
     "BULK_TRANSPORTS", "MAX_BYTES", "NON_NEGATIVE", "RETENTION_FLOOR_HOURS", "UINT32_MAX", "AuthSettings",
-    "FleetSettings", "GiB",
+    "EventsSettings", "FleetSettings", "GiB",
     "MetricsSettings", "Range", "ServerSettings", "Settings", "StoreSettings", "SwaSettings", "TlsSettings",
     "TransferSettings", "check_ranges", "load_settings",
 ]
@@ -56,6 +57,7 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
+    events: EventsSettings = field(default_factory=EventsSettings)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -319,6 +319,48 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EventsSettings:
+    """KV cache events in vLLM's format over ZMQ (docs/EVENTS.md): what the store stores and evicts, for routers.
+
+    Off by default. The sockets are plain ZMQ without tokens or TLS and the events name tenants and block
+    hashes: beyond loopback `kvstore serve` refuses them unless `insecure` (or auth.insecure) is set.
+    """
+
+    #: Publish events. Needs pyzmq and msgspec (`pip install kvstore[events]`).
+    enabled: bool = False
+    #: The PUB socket subscribers connect to (bound by the server).
+    endpoint: str = "tcp://127.0.0.1:5557"
+    #: The ROUTER socket answering replay requests (a start sequence number); '' = no replay socket.
+    replay_endpoint: str = "tcp://127.0.0.1:5558"
+    #: First part of every batch's topic: `<topic>/<tenant>/` (a router of one tenant subscribes to its own).
+    topic: str = "kvstore"
+    #: Batches waiting to be sent; past it a batch is dropped from the live stream (counted; still replayable).
+    queue_batches: int = 10_000
+    #: Batches kept in the store's event log for replay, the newest; older ones are trimmed as new ones commit.
+    replay_batches: int = 10_000
+    #: ZMQ high-water mark of the PUB socket (messages queued per subscriber before ZMQ drops for it).
+    hwm: int = 100_000
+    #: Bind the sockets beyond loopback (routers on other hosts): a trusted network only.
+    insecure: bool = False
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "queue_batches": Range(1, 10_000_000),
+        "replay_batches": Range(1, 10_000_000),
+        "hwm": Range(0, 10_000_000),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "events")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if (value or name == "endpoint") and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"events.{name} = {value!r} is not a ZMQ endpoint",
+                                  hint="write tcp://HOST:PORT (or ipc://PATH)")
+        if "/" in self.topic:
+            raise ConfigError(f"events.topic = {self.topic!r} may not hold '/': it separates the tenant")
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
     """Membership of a fleet of storage nodes in etcd (docs/FLEET.md); off, a single node, while `etcd` is ''."""
 

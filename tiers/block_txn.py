@@ -57,6 +57,18 @@ class PutBatch:
     last_use_s: Sequence[float] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One block a write transaction stored (`stored`) or removed, for its events (docs/EVENTS.md).
+
+    `parent_hash` is the stored block's parent, None for a chain's first block (or a removal).
+    """
+
+    key: bytes
+    parent_hash: bytes | None
+    stored: bool
+
+
 class DamagedBlock(Exception):
     """A block's records could not be read: the page holding them is damaged.
 
@@ -135,6 +147,9 @@ class BlockTxn:
         self.namespace_deltas: dict[bytes, Usage] = {}
         self.namespace_names: dict[bytes, str] = {}
         self._namespace_read: dict[bytes, namespaces.NamespaceTotals | None] = {}
+        #: What this transaction stored and removed, in order, while the store publishes events
+        #: (tiers/events.py turns them into the commit's event batches); None: not recorded.
+        self.changes: list[Change] | None = None
 
     def namespace(self, ns_id: bytes) -> namespaces.NamespaceTotals | None:
         """The namespace's record as this transaction found it (read once; without this txn's changes)."""
@@ -188,6 +203,8 @@ class BlockTxn:
             if self.run_blocks:  # F16: a run's first block names its run in the index, in this same write
                 run_index.note_insert(txn, self.dbs.runs, key, depth, self.run_blocks)
         self._count(key, 1, len(data))
+        if self.changes is not None:  # E1: every stored block, from the one place that stores it
+            self.changes.append(Change(key=key, parent_hash=None if is_first else parent_hash, stored=True))
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use of the block at `now_s` (nothing if it is absent or used since)."""
@@ -223,6 +240,8 @@ class BlockTxn:
         if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
         self._count(key, -1, -meta.size_bytes)
+        if self.changes is not None:  # E1: every removal (eviction, purge, corrupt), from the one place that removes
+            self.changes.append(Change(key=key, parent_hash=None, stored=False))
         return meta.size_bytes
 
     def children(self, key: bytes) -> Iterator[bytes]:

@@ -23,8 +23,8 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import Any, TypeVar
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lmdb
 
@@ -54,6 +54,11 @@ from tiers.retention import (
     persisted_high_water,
 )
 from tiers.tally import Tally
+
+if TYPE_CHECKING:
+    from kvstore.config_sections import EventsSettings
+    from kvstore.events.publisher import EventPublisher
+    from tiers.events import EventLog
 
 __all__ = ["TOUCH_GRANULARITY_S", "LmdbBlockTier", "NamespaceUsage", "PutBatch", "PutResult", "ReadStatus",
            "StagedReads"]
@@ -106,6 +111,32 @@ class LmdbBlockTier:
         self._refresh = RefreshBatcher(self.executor, self.touch)
         self.chains = ChainIndex(self.env, self._records, self._damage)
         self.map = LmdbMap(self.env, self._records)  # the MappedReads capability's raw read txns
+        #: KV cache events (docs/EVENTS.md): the log written in each commit and its sockets; None while off.
+        self.events: EventLog | None = None
+        self.publisher: EventPublisher | None = None
+        self._commit_order: AbstractContextManager[Any] = nullcontext()
+
+    def publish_events(self, settings: EventsSettings, node_id: str) -> EventPublisher:
+        """Log every stored and removed block as KV cache events from now on, and publish them (docs/EVENTS.md).
+
+        Call it before the first write the events must cover (the server does, before it serves).
+
+        Raises:
+            zmq.ZMQError: an endpoint cannot be bound.
+        """
+        import threading
+
+        from kvstore.events.publisher import start_publisher
+        from tiers.events import EventLog
+
+        log_ = EventLog(self.env, node_id=node_id, block_tokens=self.settings.block_tokens, topic=settings.topic,
+                        keep_batches=settings.replay_batches, now=self.clock.now)
+        self.publisher = start_publisher(settings, log_.read_from, log_.opening)
+        self.events = log_
+        # E6: commit and queue in one order (LMDB serializes the commits, this the queueing after them),
+        # so the live stream's numbers only go up.
+        self._commit_order = threading.Lock()
+        return self.publisher
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -118,6 +149,8 @@ class LmdbBlockTier:
         self.executor.shutdown(wait=True)
         with self._write():
             pass
+        if self.publisher is not None:  # its thread reads the log: closed before the environment
+            self.publisher.close()
         self.env.close()
         self._dir_lock.release()
 
@@ -129,14 +162,23 @@ class LmdbBlockTier:
         back by it, so an abort changes nothing (R14); the in-memory copy is replaced after the commit,
         by the newest commit only.
         """
-        with self.env.begin(write=True) as txn:
-            w = BlockTxn(txn, self._dbs, unreadable=self._damage.snapshot())
-            yield w
-            usage.write_usage(txn, self._state, w.usage)
-            usage.add_layout_usage(txn, self._state, w.layout_deltas)
-            namespaces.apply(txn, self._state, w.namespace_deltas, w.namespace_names, self.retention_clock.now())
-            self._save_state(txn)
-            txn_id = txn.id()
+        with self._commit_order:
+            with self.env.begin(write=True) as txn:
+                w = BlockTxn(txn, self._dbs, unreadable=self._damage.snapshot())
+                if self.events is not None:
+                    w.changes = []
+                yield w
+                usage.write_usage(txn, self._state, w.usage)
+                usage.add_layout_usage(txn, self._state, w.layout_deltas)
+                namespaces.apply(txn, self._state, w.namespace_deltas, w.namespace_names,
+                                 self.retention_clock.now())
+                self._save_state(txn)
+                # E1: the events go into this same transaction: they exist exactly when their blocks' change does.
+                logged = self.events.log(w, w.changes) if self.events is not None and w.changes else []
+                txn_id = txn.id()
+            # Committed (and, with sync on, durable): only now may anyone hear of it (E1, E6).
+            if logged and self.publisher is not None:
+                self.publisher.submit(logged)
         self._tally.committed(txn_id, w.usage)
 
     # -- lookup and leases -------------------------------------------------
