@@ -13,13 +13,20 @@ Rotation rules (tests: tests/gateway/test_swa_direct.py):
    password; the old one keeps working until its own lifetime ends (the grace:
    half a lifetime), so a client re-opening at half-life never sees a refusal.
 3. Users a previous gateway left behind (name prefix `kvstore-swa-`) are deleted
-   at the first grant: ACL users live in the Redis process, not in the gateway.
+   once their lifetime has ended: ACL users live in the Redis process, not in the
+   gateway. A user's name ends with the Unix second its lifetime ends (wall clock),
+   so any gateway of the Redis can tell: the sweep, at the first grant and then every
+   half lifetime, deletes only the users past it (and names without one: an older
+   kvstore's). In a fleet many nodes share one Redis Cluster (docs/FLEET.md F46): a
+   node's sweep must not delete the live users of the others, nor leave a dead node's
+   users living for good.
 
 All methods block on Redis: the pool calls them on its own threads.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from typing import Any
@@ -54,7 +61,7 @@ class AclUsers:
         self.clock = clock
         self._current: dict[tuple[str, bool], DirectUser] = {}
         self._retiring: list[DirectUser] = []
-        self._swept = False
+        self._swept_at: float | None = None
         self._lock = threading.Lock()
 
     def grant(self, tag: str, key_pattern: bytes, *, writable: bool) -> DirectUser:
@@ -65,15 +72,15 @@ class AclUsers:
         """
         with self._lock:
             now = self.clock.monotonic()
-            if not self._swept:
-                self._sweep_leftovers()
+            self._sweep_if_due(now)
             self._reap(now)
             slot = (tag, writable)
             user = self._current.get(slot)
             if user is None or now >= user.created_s + self.lifetime_s / 2:
                 if user is not None:
                     self._retiring.append(user)
-                user = DirectUser(username=f"{USER_PREFIX}{tag}-{secrets.token_hex(4)}",
+                ends = math.ceil(self.clock.now() + self.lifetime_s)  # rule 3: in the name, for any gateway
+                user = DirectUser(username=f"{USER_PREFIX}{tag}-{secrets.token_hex(4)}-{ends}",
                                   password=secrets.token_hex(32), writable=writable, created_s=now,
                                   expires_s=now + self.lifetime_s)
                 self._current[slot] = user
@@ -83,9 +90,13 @@ class AclUsers:
             return user
 
     def reap(self) -> int:
-        """Delete every user past its lifetime (rule 1); how many went."""
+        """Delete every user past its lifetime (rule 1), and sweep others' when due (rule 3); how many of
+        this gateway's went."""
         with self._lock:
-            return self._reap(self.clock.monotonic())
+            now = self.clock.monotonic()
+            if self._swept_at is not None:  # from the first grant on: a gateway never asked for users sweeps none
+                self._sweep_if_due(now)
+            return self._reap(now)
 
     def _reap(self, now: float) -> int:
         gone = [u for u in self._retiring if u.expires_s <= now]
@@ -98,16 +109,20 @@ class AclUsers:
         self._current = {k: u for k, u in self._current.items() if u.username not in names}
         return len(gone)
 
-    def _sweep_leftovers(self) -> None:
-        """Rule 3: delete the users of an earlier gateway on this Redis."""
+    def _sweep_if_due(self, now: float) -> None:
+        """Rule 3: delete the users past their lifetime that any gateway of this Redis left, at the first
+        grant and then every half lifetime."""
+        if self._swept_at is not None and now < self._swept_at + self.lifetime_s / 2:
+            return
         listed = self._command("ACL", "USERS")
         if isinstance(listed, dict):  # a cluster: each node's list
             listed = {n for per_node in listed.values() for n in per_node or ()}
         names = [n.decode() if isinstance(n, bytes) else str(n) for n in listed or ()]
-        left = [n for n in names if n.startswith(USER_PREFIX)]
+        wall = self.clock.now()
+        left = [n for n in names if n.startswith(USER_PREFIX) and _ends_s(n) <= wall]
         if left:
             self._command("ACL", "DELUSER", *sorted(left))
-        self._swept = True
+        self._swept_at = now
 
     def delete_all(self) -> None:
         """Delete every user this gateway made (at close)."""
@@ -116,3 +131,10 @@ class AclUsers:
             if users:
                 self._command("ACL", "DELUSER", *(u.username for u in users))
             self._retiring, self._current = [], {}
+
+
+def _ends_s(username: str) -> float:
+    """The Unix second a direct-path user's lifetime ends, from its name (rule 3); 0 for a name without one
+    (an older kvstore's `kvstore-swa-<tag>-<hex>`, whose last part is not a time: deleted as before)."""
+    tail = username.rsplit("-", 1)[-1]
+    return float(tail) if tail.isdigit() and len(tail) >= 10 else 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.cluster import RedisCluster
 
 import kvstore
 from kvstore.client.fleet import FleetClient, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
 from kvstore.client.retry import ExponentialBackoff, Retry
+from kvstore.clock import ManualClock
 from kvstore.config_sections import SwaSettings
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.fleet.membership import NodeRecord
@@ -29,6 +32,7 @@ from kvstore.fleet.swa_pool import MEMORY, is_shared, pool_name
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import datadir
+from tiers.swa_acl import AclUsers
 
 BLOCK_TOKENS = 16
 RUN_BLOCKS = 4
@@ -65,6 +69,28 @@ def test_f44_the_pool_is_the_one_the_nodes_share() -> None:
                       "version": "0"}).encode()
     assert NodeRecord.from_json(old).swa_pool == ""
     assert NodeRecord.from_json(record("a", cluster).to_json()).swa_pool == cluster
+
+
+def test_f46_a_node_sweeps_only_the_direct_users_past_their_lifetime(redis_cluster: Any) -> None:
+    """F46: two nodes' users on one Redis Cluster: a node's first grant leaves the other's live users alone, and
+    deletes a dead node's once their lifetime has ended (and an older kvstore's, whose names carry no end)."""
+    host, port = redis_cluster.startup_nodes.split(",")[0].split(":")
+    with RedisCluster(host=host, port=int(port)) as redis:
+        def command(*args: Any) -> Any:
+            return redis.execute_command(*args, target_nodes=RedisCluster.ALL_NODES)
+
+        def users() -> set[str]:
+            return {n.decode() if isinstance(n, bytes) else n for per in command("ACL", "USERS").values() for n in per}
+
+        clock = ManualClock(start=time.time())  # the wall face: other tests' nodes share this cluster's users
+        command("ACL", "SETUSER", "kvstore-swa-older-1a2b3c4d", "on", ">x")
+        a = AclUsers(command, lifetime_s=10.0, clock=clock, cluster=True)
+        b = AclUsers(command, lifetime_s=10.0, clock=clock, cluster=True)
+        ua = a.grant("t1", b"kvstore:swa:t1:*", writable=False)
+        ub = b.grant("t1", b"kvstore:swa:t1:*", writable=True)  # b's first grant sweeps the Redis
+        assert {ua.username, ub.username} <= users() and "kvstore-swa-older-1a2b3c4d" not in users()
+        clock.advance(11.0)  # a died without deleting its user; its lifetime is over
+        assert b.reap() == 1 and not {ua.username, ub.username} & users()
 
 
 @dataclass
