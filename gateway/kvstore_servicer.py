@@ -94,6 +94,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             retention_hours=self.settings.retention_hours,
             max_lease_ms=self.settings.max_lease_ms,
             version=__version__,
+            lookup_packed_hashes=True,
             tenant=current_caller().tenant,
             run_blocks=self.router.run_blocks if self.router is not None else 0,
         )
@@ -103,8 +104,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         # A prompt shorter than a block has no hashes; its SWA candidates are answered (none
         # serves: a resume needs the global rows below it, and no block is found).
-        only_swa = not request.block_hashes and bool(request.swa_keys)
-        hashes = [] if only_swa else validate.hashes(request.block_hashes, limit=self.settings.max_lookup_blocks)
+        only_swa = not request.block_hashes and not request.block_hashes_packed and bool(request.swa_keys)
+        hashes = [] if only_swa else validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
+                                                            limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         if self.router is not None:
             return await self._routed_lookup(request, scope, hashes, lease_ms, context)

@@ -7,6 +7,7 @@ was expected, so a caller can fix the request; nothing here touches storage.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,6 +80,37 @@ def hashes(values: Sequence[bytes], *, limit: int, field: str = "block_hashes") 
         if len(h) != HASH_BYTES:
             raise InvalidArgument(f"{field}[{i}] is {len(h)} bytes; a block hash is {HASH_BYTES} bytes")
     return out
+
+
+def lookup_hashes(block_hashes: Sequence[bytes], packed: bytes, *, limit: int) -> list[bytes]:
+    """A Lookup's hashes: `block_hashes`, or the same cut from `packed` (32 bytes each), never both.
+
+    Raises:
+        InvalidArgument: both named, neither, a packed length not a multiple of 32 bytes, or more
+            than `limit` hashes.
+    """
+    if not packed:
+        return hashes(block_hashes, limit=limit)
+    if block_hashes:
+        raise InvalidArgument("name block_hashes or block_hashes_packed, not both")
+    count, extra = divmod(len(packed), HASH_BYTES)
+    if extra:
+        raise InvalidArgument(f"block_hashes_packed is {len(packed)} bytes; it holds {HASH_BYTES}-byte hashes, "
+                              f"so its length is a multiple of {HASH_BYTES}")
+    if count > limit:
+        raise InvalidArgument(f"block_hashes_packed has {count} hashes; at most {limit} per call")
+    # In C (struct), 256 hashes a step, rather than a slice per hash in Python: a fifth of the time
+    # for 15,625; the last few are sliced.
+    whole = count - count % _CHUNK_HASHES
+    out: list[bytes] = []
+    for part in _CHUNK.iter_unpack(memoryview(packed)[:whole * HASH_BYTES]):
+        out.extend(part)
+    out.extend(packed[i:i + HASH_BYTES] for i in range(whole * HASH_BYTES, len(packed), HASH_BYTES))
+    return out
+
+
+_CHUNK_HASHES = 256
+_CHUNK = struct.Struct(f"{HASH_BYTES}s" * _CHUNK_HASHES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -154,6 +154,8 @@ class Connection:
         #: Blocks per run when the server is a fleet's gateway (its clients hash as the fleet
         #: does: docs/FLEET.md F36); 0 for one node.
         self.run_blocks: int = info.run_blocks
+        #: The server reads a Lookup's hashes as one packed field (one parse, not one per hash).
+        self.lookup_packed_hashes: bool = info.lookup_packed_hashes
         #: The chains hashed on this connection, reused by prompts that begin with their tokens.
         self.chain_memo = ChainMemo(block_tokens=self.block_tokens, max_bytes=chain_memo_bytes)
 

@@ -179,22 +179,30 @@ class Client:
         """
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
-        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms,
-                                  swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
+        return self._lookup(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
+                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
                       swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
         """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
-        hashes = arguments.hashes(hashes, "hashes")
+        return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=lease_ms, swa_keys=swa_keys,
+                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
+
+    def _lookup(self, hashes: list[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
+                swa_positions: Sequence[int], swa_resume_limit: int) -> LookupResult:
+        """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX)
         swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
-        request = pb.LookupRequest(geometry=self.geometry, namespace=self.namespace, block_hashes=hashes,
-                                   lease_ms=lease_ms, swa_keys=swa_keys, swa_positions=swa_positions,
-                                   swa_resume_limit=swa_resume_limit)
+        # One packed field where the server reads it: one parse on each side, not one per hash.
+        chain = ({"block_hashes_packed": b"".join(hashes)} if self.connection.lookup_packed_hashes
+                 else {"block_hashes": hashes})
+        request = pb.LookupRequest(geometry=self.geometry, namespace=self.namespace, lease_ms=lease_ms,
+                                   swa_keys=swa_keys, swa_positions=swa_positions,
+                                   swa_resume_limit=swa_resume_limit, **chain)
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
         retry = self.retry if not lease_ms else Retry(retries=0)
         reply = retry.call(lambda: self.connection.call(self.connection.kvstore.Lookup, request))

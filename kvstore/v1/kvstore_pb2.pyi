@@ -48,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks")
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks", "lookup_packed_hashes")
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GetInfoResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     block_tokens: int
     geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
     max_batch_blocks: int
@@ -67,10 +68,11 @@ class GetInfoResponse(_message.Message):
     version: str
     tenant: str
     run_blocks: int
-    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ...) -> None: ...
+    lookup_packed_hashes: bool
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,7 @@ class LookupRequest(_message.Message):
     SWA_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     SWA_RESUME_LIMIT_FIELD_NUMBER: _ClassVar[int]
     SWA_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_PACKED_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -87,7 +90,8 @@ class LookupRequest(_message.Message):
     swa_positions: _containers.RepeatedScalarFieldContainer[int]
     swa_resume_limit: int
     swa_found_tokens: int
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ...) -> None: ...
+    block_hashes_packed: bytes
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index")
