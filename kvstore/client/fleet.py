@@ -244,7 +244,7 @@ class FleetClient(Client):
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self._batch_limit)
         done = put_runs(self.pool, runs, chain=chain, tokens=tokens, payload=payload, first_block=first_block,
                         extra_keys=arguments.extra_keys(extra_keys), step=step, executor=self._executor,
-                        retry=self.retry, on_batch=on_batch)
+                        retry=self.retry, on_batch=on_batch, replace=lambda run: self.placement(chain)[run])
         return PutResult(block_hashes=chain[first_block:end], written_blocks=done.written_blocks,
                          existing_blocks=done.existing_blocks)
 

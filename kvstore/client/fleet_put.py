@@ -30,6 +30,9 @@ from kvstore.fleet.placement import RunPlacement
 from kvstore.prefix import ExtraKey
 from kvstore.v1 import kvstore_pb2 as pb
 
+#: How many times one run is placed again when copies fail on nodes that left the view meanwhile.
+REPLACE_ROUNDS = 2
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunPut:
@@ -50,7 +53,8 @@ class ReplicatedPut:
 
 def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], tokens: Sequence[int],
              payload: Sequence[bytes], first_block: int, extra_keys: Sequence[ExtraKey], step: int,
-             executor: Executor, retry: Retry, on_batch: Callable[[int], None] | None) -> ReplicatedPut:
+             executor: Executor, retry: Retry, on_batch: Callable[[int], None] | None,
+             replace: Callable[[int], RunPlacement] | None = None) -> ReplicatedPut:
     """Put each run on all its replicas, in chain order (see the module's docstring).
 
     Args:
@@ -65,6 +69,7 @@ def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], 
         executor: runs the copies of a run at once.
         retry: the policy each copy's Put is retried under.
         on_batch: called with a run's block count once it is on all its replicas.
+        replace: run index -> its placement over the nodes live now (for a copy whose node left).
 
     Raises:
         PutNotReplicated: a copy failed; `stored_blocks` leading blocks are on all their replicas.
@@ -81,26 +86,54 @@ def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], 
             return retry.call(lambda: put_blocks(pool.connection(node_id), tokens, blocks, first_block=start,
                                                  parent=parent, extra_keys=keys, step=step, on_batch=None))
 
-        futures = {node: executor.submit(copy, node) for node in run.replicas}
-        failures: list[tuple[int, str, KVStoreError]] = []
-        most_written = 0
-        for node, future in futures.items():
-            try:
-                replies = future.result()
-            except KVStoreError as exc:
-                pool.failed(node)
-                failures.append((run.run, node, exc))
-                continue
-            _check_hashes(replies, chain[part.first_block:part.end_block], node)
-            most_written = max(most_written, sum(r.written_blocks for r in replies))
-        if failures:
-            fleet_metrics.not_replicated()
-            raise _not_replicated(failures, part, stored=part.first_block - first_block, total=len(payload))
+        most_written = _copy_run(pool, part, copy, chain, executor, replace, first_block=first_block,
+                                 total=len(payload))
         written += most_written
         existing += len(blocks) - most_written
         if on_batch is not None:
             on_batch(len(blocks))
     return ReplicatedPut(written_blocks=written, existing_blocks=existing)
+
+
+def _copy_run(pool: NodePool, part: RunPut, copy: Callable[[str], list[pb.PutResponse]], chain: Sequence[bytes],
+              executor: Executor, replace: Callable[[int], RunPlacement] | None, *, first_block: int,
+              total: int) -> int:
+    """Put one run on all its replicas; the most blocks any replica newly wrote.
+
+    A copy that failed because its node left the view (a SIGTERMed node deregisters at once, F4) is
+    not the end: the run is placed again over the nodes live now and the copies the new placement
+    names that are not yet made go out, up to `REPLACE_ROUNDS` times (F43). A failed node still in
+    the view ends the Put as before.
+
+    Raises:
+        PutNotReplicated: a copy failed on a node still in the view, or the rounds ran out.
+    """
+    placement = part.placement
+    done: set[str] = set()
+    most_written = 0
+    for round_ in range(REPLACE_ROUNDS + 1):
+        futures = {node: executor.submit(copy, node) for node in placement.replicas if node not in done}
+        failures: list[tuple[int, str, KVStoreError]] = []
+        for node, future in futures.items():
+            try:
+                replies = future.result()
+            except KVStoreError as exc:
+                pool.failed(node)
+                failures.append((placement.run, node, exc))
+                continue
+            _check_hashes(replies, chain[part.first_block:part.end_block], node)
+            done.add(node)
+            most_written = max(most_written, sum(r.written_blocks for r in replies))
+        if not failures:
+            return most_written
+        left = [node for _, node, _ in failures if node not in pool.view.nodes]
+        if replace is None or not left or round_ == REPLACE_ROUNDS:
+            break
+        placement = replace(placement.run)
+    fleet_metrics.not_replicated()
+    raise _not_replicated(failures, RunPut(placement=placement, first_block=part.first_block,
+                                           end_block=part.end_block),
+                          stored=part.first_block - first_block, total=total)
 
 
 def _check_hashes(replies: Sequence[pb.PutResponse], expected: Sequence[bytes], node: str) -> None:
