@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.fleet_servicer import TOKEN_METADATA
+from gateway.fleet_servicer import MAX_KEYS, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
@@ -48,12 +49,21 @@ from tiers.reads import ReadStatus
 from tiers.run_index import RunBlock, RunDigest, RunEntry
 
 log = logging.getLogger("kvstore.fleet.repair")
-#: Bytes of block data per CopyBlocks call (and per take from the bucket).
-BATCH_BYTES = 4 << 20
+#: Bytes of block data per CopyBlocks call (and per take from the bucket): a full run of 256 V4.1-Flash
+#: blocks (14.6 MB) goes in one call, one fsync'd transaction on the receiver.
+BATCH_BYTES = 16 << 20
+#: CopyBlocks calls one pass keeps in flight (over every target): reads, the network and the receivers'
+#: fsyncs overlap, while the token bucket still bounds the bytes (F18).
+WINDOW = 4
 #: Runs planned at a time (their blocks' metas are held while planned).
 RUNS_PER_ROUND = 512
-#: Seconds one peer call may take.
+#: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
+#: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
+#: taken as down for the rest of the pass (a SIGSTOPped node would otherwise hold the pass a deadline per run).
+ASK_TIMEOUT_S = 10.0
+#: gRPC statuses that say the peer is not there now (its channel is dialed afresh at the next call).
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Peers:
@@ -69,10 +79,17 @@ class Peers:
                  credentials: grpc.ChannelCredentials | None = None) -> None:
         self.metadata = ((TOKEN_METADATA, token.decode()),) if token else ()
         self.credentials = credentials
+        self.max_message_bytes = max_message_bytes
         self.options = [("grpc.max_receive_message_length", max_message_bytes),
-                        ("grpc.max_send_message_length", max_message_bytes)]
+                        ("grpc.max_send_message_length", max_message_bytes),
+                        # A node restarted on its address is dialed again within a second, not after
+                        # gRPC's default backoff (up to two minutes after repeated refusals).
+                        ("grpc.initial_reconnect_backoff_ms", 500),
+                        ("grpc.min_reconnect_backoff_ms", 500),
+                        ("grpc.max_reconnect_backoff_ms", 1000)]
         self._stubs: dict[str, fleet_pb2_grpc.FleetStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
 
     def stub(self, address: str) -> fleet_pb2_grpc.FleetStub:
         """The Fleet stub of the node at `address`."""
@@ -80,16 +97,32 @@ class Peers:
         if stub is None:
             channel = (grpc.aio.secure_channel(address, self.credentials, options=self.options) if self.credentials
                        else grpc.aio.insecure_channel(address, options=self.options))
-            self._channels.append(channel)
+            self._channels[address] = channel
             stub = self._stubs[address] = fleet_pb2_grpc.FleetStub(channel)
         return stub
 
+    def forget(self, address: str) -> None:
+        """Drop the channel to `address` (it did not answer): the next call dials it afresh, so a node
+        restarted there is reached at once rather than after the old channel's reconnect backoff. The old
+        channel is closed by `close_retired` (closing it now would cancel the calls still on it)."""
+        self._stubs.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._retired.append(channel)
+
+    async def close_retired(self) -> None:
+        """Close the channels `forget` dropped (call it when none of their calls can be in flight)."""
+        retired, self._retired = self._retired, []
+        for channel in retired:
+            await channel.close()
+
     async def close(self) -> None:
         """Close every channel."""
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+        await self.close_retired()
 
 
 @dataclass
@@ -99,6 +132,29 @@ class RunPlan:
     entry: RunEntry
     blocks: list[RunBlock]
     sends: dict[str, list[RunBlock]] = field(default_factory=dict)
+    #: Targets whose copy of the run is not made yet (a send failed, or has not ended).
+    pending: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Round:
+    """What planning a round of runs found: the runs to copy, and those it could not decide (a node that
+    ranks above this one or a replica did not answer: which blocks it holds is unknown), retried next pass."""
+
+    plans: list[RunPlan] = field(default_factory=list)
+    undecided_runs: int = 0
+    undecided_bytes: int = 0
+
+
+@dataclass
+class _Lane:
+    """Runs sent to one target one batch after another (a run is never split over two lanes, so its
+    parents always reach the target before its children, R6)."""
+
+    target: str
+    address: str
+    runs: list[tuple[RunPlan, list[RunBlock]]] = field(default_factory=list)
+    size: int = 0
 
 
 class FleetRepairer:
@@ -130,6 +186,8 @@ class FleetRepairer:
         self.peers = peers
         self.interval_s = interval_s
         self.publish = publish
+        #: Bytes per CopyBlocks: BATCH_BYTES, within half the message size the nodes take.
+        self.batch_bytes = max(1, min(BATCH_BYTES, peers.max_message_bytes // 2))
         self._names: dict[bytes, str] = {}
         self.progress = RepairProgress(node_id=node_id)
         #: Called once when a drain is found requested (leave the membership); None: drains are not followed.
@@ -138,6 +196,10 @@ class FleetRepairer:
         self.drain_requested: Callable[[], Awaitable[bool]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._published_at = 0.0
+        #: The nodes (id -> address) the pass under way planned over; None between passes.
+        self._planned: frozenset[tuple[str, str]] | None = None
+        #: Peers that did not answer in the pass under way: not asked again in it.
+        self._down: set[str] = set()
 
     def start(self) -> None:
         """Run passes in the background until `stop`."""
@@ -162,11 +224,43 @@ class FleetRepairer:
                 await self.membership.wait_until(_changed_since(seen), wait_s)
             seen = self.membership.revision
             try:
-                await self.run_pass()
+                await self.pass_until_view_moves()
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bug must not end re-replication: logged, and the next pass tries again
                 log.exception("fleet: a re-replication pass failed")
+                # The record must not say a pass is under way that ended (the fleet would never settle),
+                # nor that nothing is left: the pass counts as failed until one completes.
+                self.progress.running = False
+                self.progress.failed_runs += 1
+                await self._publish(force=True)
+
+    async def pass_until_view_moves(self) -> RepairProgress:
+        """`run_pass`, given up as soon as the membership differs from the one it planned over: the
+        next pass, over the view as it is now, starts at once (a pass planned over a node that left
+        would copy to and wait on it, and finish having done nothing the new view needs)."""
+        self._planned = None
+        work = asyncio.ensure_future(self.run_pass())
+        moved = asyncio.ensure_future(self.membership.wait_until(self._view_moved, 1e9))
+        try:
+            await asyncio.wait({work, moved}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            moved.cancel()
+            given_up = not work.done()
+            if given_up:
+                work.cancel()
+            await asyncio.gather(work, moved, return_exceptions=True)
+        if given_up:
+            log.info("fleet: the membership changed during a re-replication pass; planning again over it")
+            return self.progress
+        return work.result()
+
+    def _pass_nodes(self, m: Membership) -> dict[str, str]:
+        """node id -> address of the nodes a pass plans over (a draining node leaves itself out)."""
+        return {n: r.address for n, r in m.nodes.items() if not (self.progress.draining and n == self.node_id)}
+
+    def _view_moved(self, m: Membership) -> bool:
+        return self._planned is not None and frozenset(self._pass_nodes(m).items()) != self._planned
 
     async def run_pass(self) -> RepairProgress:
         """One pass over every run held, against the membership as it is now; returns the progress."""
@@ -176,33 +270,41 @@ class FleetRepairer:
             if self.leave is not None:
                 await self.leave()
             await self.membership.wait_until(lambda m: self.node_id not in m.nodes, 30)
-        nodes = {n: r for n, r in self.membership.nodes.items() if not (p.draining and n == self.node_id)}
-        if self.membership.stale or not nodes or (self.node_id not in nodes and not p.draining):
+        addresses = self._pass_nodes(self.membership)
+        if self.membership.stale or not addresses or (self.node_id not in addresses and not p.draining):
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
-        p.planned_nodes, p.running = sorted(nodes), True
+        self._planned, self._down = frozenset(addresses.items()), set()
+        await self.peers.close_retired()  # the last pass's calls have all ended
+        p.planned_nodes, p.running = sorted(addresses), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
         await self._publish(force=True)
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
-        addresses = {n: r.address for n, r in nodes.items()}
         planned = 0
         for start in range(0, len(runs), RUNS_PER_ROUND):
-            plans = await self.plan(runs[start:start + RUNS_PER_ROUND], sorted(nodes), addresses)
-            planned += len(plans)
-            p.under_replicated_runs += len(plans)
-            p.under_replicated_bytes += sum(b.meta.size_bytes for plan in plans for s in plan.sends.values()
-                                            for b in s)
+            found = await self.plan_round(runs[start:start + RUNS_PER_ROUND], sorted(addresses), addresses)
+            planned += len(found.plans) + found.undecided_runs
+            # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
+            p.under_replicated_runs += len(found.plans) + found.undecided_runs
+            p.under_replicated_bytes += found.undecided_bytes + sum(
+                b.meta.size_bytes for plan in found.plans for s in plan.sends.values() for b in s)
+            p.failed_runs += found.undecided_runs
             await self._publish()
-            for plan in plans:
-                await self._copy(plan, addresses)
+            await self._copy_round(found.plans, addresses)
         p.running, p.passes = False, p.passes + 1
         p.drained = p.draining and not planned and not p.failed_runs
+        self._planned = None
         await self._publish(force=True)
         return p
 
     async def plan(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> list[RunPlan]:
         """The runs among `runs` this node is to copy over the `live` node ids (at `addresses`), with what
         each target lacks. Asks the peers; copies nothing."""
+        return (await self.plan_round(runs, live, addresses)).plans
+
+    async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> Round:
+        """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
+        (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once."""
         since = self.tier.retention_clock.now() - self.window_s
         env, rb = self.tier.env, self.run_blocks
 
@@ -220,48 +322,88 @@ class FleetRepairer:
                 for peer in {*order[:me], *order[:self.replication]} - {self.node_id}:
                     asked.setdefault(peer, []).append(i)
         theirs = await self._digests(asked, runs, addresses)
-        plans = []
+        # Which runs each peer is asked block by block (its digest differs from ours and is not empty).
+        mine = [RunDigest.of(blocks) for blocks in held]
+        checks: dict[str, list[int]] = {}
+        for i, order in enumerate(orders):
+            if not held[i]:
+                continue
+            me = order.index(self.node_id)
+            if any(theirs.get((n, runs[i].key)) == mine[i] for n in order[:me]):
+                continue  # a holder ranked above holds the same blocks: it acts, not us
+            for n in {*order[:me], *order[:self.replication]} - {self.node_id}:
+                d = theirs.get((n, runs[i].key))
+                if d is not None and d.blocks and d != mine[i]:
+                    checks.setdefault(n, []).append(i)
+        has = await self._held(checks, held, addresses)
+        found = Round()
         for i, order in enumerate(orders):
             if held[i]:
-                plan = await self._plan_run(runs[i], held[i], order, theirs, addresses)
-                if plan is not None:
-                    plans.append(plan)
-        return plans
+                plan = self._plan_run(runs[i], held[i], mine[i], order, theirs, has)
+                if plan is None:
+                    found.undecided_runs += 1
+                    found.undecided_bytes += mine[i].size_bytes
+                elif plan.sends:
+                    found.plans.append(plan)
+        return found
 
-    async def _plan_run(self, entry: RunEntry, blocks: list[RunBlock], order: tuple[str, ...],
-                        theirs: dict[tuple[str, bytes], RunDigest | None],
-                        addresses: dict[str, str]) -> RunPlan | None:
-        mine = RunDigest.of(blocks)
+    def _plan_run(self, entry: RunEntry, blocks: list[RunBlock], mine: RunDigest, order: tuple[str, ...],
+                  theirs: dict[tuple[str, bytes], RunDigest | None],
+                  has: dict[tuple[str, bytes], set[bytes] | None]) -> RunPlan | None:
+        """What to send of one run (no sends: nothing to do here); None when it cannot be decided."""
+        plan = RunPlan(entry=entry, blocks=blocks)
         me = order.index(self.node_id)
         above = [theirs.get((n, entry.key)) for n in order[:me]]
         if any(d == mine for d in above):
-            return None  # a holder ranked above holds the same blocks: it acts, not us
+            return plan  # a holder ranked above holds the same blocks: it acts, not us
         unique = blocks
         for n, d in zip(order[:me], above, strict=True):
-            if d is None or d.blocks:  # unreachable (assume it holds them) or holds some: keep only what it lacks
-                unique = await self._lacking(n, unique, addresses, assume_held=d is None)
-        plan = RunPlan(entry=entry, blocks=blocks)
+            if d is None:
+                return None  # it did not answer: it may hold the blocks and act; whether is not known
+            if d.blocks:  # holds some: keep only what it lacks
+                theirs_held = has.get((n, entry.key))
+                if theirs_held is None:
+                    return None
+                unique = [b for b in unique if b.key not in theirs_held]
         for target in order[:self.replication]:
             if target == self.node_id or not unique:
                 continue
             d = theirs.get((target, entry.key))
             if d == mine:
                 continue
-            send = unique if d is not None and not d.blocks else await self._lacking(target, unique, addresses)
+            if d is None:
+                return None  # the replica did not answer: what it lacks is not known, and it cannot take a copy
+            if d.blocks:
+                target_held = has.get((target, entry.key))
+                if target_held is None:
+                    return None
+                send = [b for b in unique if b.key not in target_held]
+            else:
+                send = unique
             if send:
                 plan.sends[target] = send
-        return plan if plan.sends else None
+        return plan
+
+    def _peer_failed(self, peer: str, address: str, exc: grpc.aio.AioRpcError) -> None:
+        """A peer's call failed: a node that is not there is asked nothing more this pass, and its channel is
+        dialed afresh next time."""
+        if exc.code() in _DOWN:
+            self._down.add(peer)
+            self.peers.forget(address)
 
     async def _digests(self, asked: dict[str, list[int]], runs: Sequence[RunEntry],
                        addresses: dict[str, str]) -> dict[tuple[str, bytes], RunDigest | None]:
         """(peer, run root) -> what the peer holds of the run (None: the peer did not answer)."""
         async def ask(peer: str, idx: list[int]) -> list[tuple[tuple[str, bytes], RunDigest | None]]:
             roots = [runs[i].key for i in idx]
+            if peer in self._down:
+                return [((peer, k), None) for k in roots]
             try:
                 reply = await self.peers.stub(addresses[peer]).RunDigests(
-                    pb.RunDigestsRequest(run_roots=roots), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)
+                    pb.RunDigestsRequest(run_roots=roots), metadata=self.peers.metadata, timeout=ASK_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
                 log.warning("fleet: node %s does not answer RunDigests (%s)", peer, exc.code().name)
+                self._peer_failed(peer, addresses[peer], exc)
                 return [((peer, k), None) for k in roots]
             return [((peer, k), RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest))
                     for k, d in zip(roots, reply.runs, strict=True)]
@@ -269,65 +411,138 @@ class FleetRepairer:
         found = await asyncio.gather(*(ask(peer, idx) for peer, idx in asked.items()))
         return dict(pair for answers in found for pair in answers)
 
-    async def _lacking(self, peer: str, blocks: list[RunBlock], addresses: dict[str, str], *,
-                       assume_held: bool = False) -> list[RunBlock]:
-        """The blocks `peer` does not hold (when it does not answer: none if `assume_held`, else all)."""
-        try:
-            reply = await self.peers.stub(addresses[peer]).HeldBlocks(
-                pb.HeldBlocksRequest(keys=[b.key for b in blocks]), metadata=self.peers.metadata,
-                timeout=CALL_TIMEOUT_S)
-        except grpc.aio.AioRpcError:
-            return [] if assume_held else blocks
-        return [b for b, h in zip(blocks, reply.held, strict=True) if not h]
+    async def _held(self, checks: dict[str, list[int]], held: list[list[RunBlock]], addresses: dict[str, str]
+                    ) -> dict[tuple[str, bytes], set[bytes] | None]:
+        """(peer, run root) -> the keys of the run's blocks the peer holds (None: it did not answer), asked in
+        one HeldBlocks per peer and MAX_KEYS keys, every peer at once."""
+        async def ask(peer: str, idx: list[int]) -> list[tuple[tuple[str, bytes], set[bytes] | None]]:
+            out: list[tuple[tuple[str, bytes], set[bytes] | None]] = []
+            chunk: list[int] = []
+            n_keys = 0
+            for i in [*idx, -1]:
+                if i < 0 or (chunk and n_keys + len(held[i]) > MAX_KEYS):
+                    out += await one(peer, chunk)
+                    chunk, n_keys = [], 0
+                if i >= 0:
+                    chunk.append(i)
+                    n_keys += len(held[i])
+            return out
 
-    async def _copy(self, plan: RunPlan, addresses: dict[str, str]) -> None:
-        """Send each target what it lacks of the run, in batches at the bucket's rate."""
-        p = self.progress
-        failed = False
-        for target, blocks in plan.sends.items():
-            sent = await self._send(target, addresses[target], blocks)
-            failed = failed or sent is None
-            p.under_replicated_bytes -= sum(b.meta.size_bytes for b in blocks)
-            await self._publish()
-        p.under_replicated_runs -= 1
-        if failed:
-            p.failed_runs += 1
+        async def one(peer: str, idx: list[int]) -> list[tuple[tuple[str, bytes], set[bytes] | None]]:
+            roots = [held[i][0].key for i in idx]
+            if peer in self._down or not idx:
+                return [((peer, k), None) for k in roots]
+            keys = [b.key for i in idx for b in held[i]]
+            try:
+                reply = await self.peers.stub(addresses[peer]).HeldBlocks(
+                    pb.HeldBlocksRequest(keys=keys), metadata=self.peers.metadata, timeout=ASK_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("fleet: node %s does not answer HeldBlocks (%s)", peer, exc.code().name)
+                self._peer_failed(peer, addresses[peer], exc)
+                return [((peer, k), None) for k in roots]
+            answers = iter(zip(keys, reply.held, strict=True))
+            return [((peer, held[i][0].key), {k for k, h in itertools.islice(answers, len(held[i])) if h})
+                    for i in idx]
 
-    async def _send(self, target: str, address: str, blocks: list[RunBlock]) -> int | None:
-        """Copy `blocks` (parents first) to one target; the bytes copied, None when a batch failed."""
+        found = await asyncio.gather(*(ask(peer, idx) for peer, idx in checks.items()))
+        return dict(pair for answers in found for pair in answers)
+
+    def _lanes(self, plans: list[RunPlan], addresses: dict[str, str]) -> list[_Lane]:
+        """Every send of the round, as up to WINDOW lanes per target, each run whole in one lane, the
+        lanes of a target about even in bytes."""
+        by_target: dict[str, list[_Lane]] = {}
+        for plan in plans:
+            for target, blocks in plan.sends.items():
+                plan.pending.add(target)
+                lanes = by_target.setdefault(target, [])
+                if len(lanes) < WINDOW:
+                    lanes.append(_Lane(target=target, address=addresses[target]))
+                lane = min(lanes, key=lambda x: x.size)
+                lane.runs.append((plan, blocks))
+                lane.size += sum(b.meta.size_bytes for b in blocks)
+        return [lane for lanes in by_target.values() for lane in lanes]
+
+    async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str]) -> None:
+        """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in
+        flight, each batch taken from the bucket first (F18's bounded rate)."""
+        if not plans:
+            return
+        window = asyncio.Semaphore(WINDOW)
+        await asyncio.gather(*(self._send_lane(lane, window) for lane in self._lanes(plans, addresses)))
         p = self.progress
+        for plan in plans:
+            p.under_replicated_runs -= not plan.pending
+            p.failed_runs += bool(plan.pending)
+        await self._publish()
+
+    async def _send_lane(self, lane: _Lane, window: asyncio.Semaphore) -> None:
+        """One lane's runs to its target, packed into batches of about `batch_bytes` (several small runs in
+        one call, a large one over several), one after another; stops at the first failed call (what is
+        left stays pending: counted under-replicated and failed, and re-planned by the next pass)."""
+        batch: list[RunBlock] = []
+        done: list[tuple[RunPlan, int]] = []  # the runs whose last block is in `batch`, and their bytes
+        size = 0
         skipped: set[bytes] = set()  # blocks not sent (damaged, gone): their descendants cannot go either
-        copied = 0
-        step = max(1, BATCH_BYTES // max(1, blocks[0].meta.size_bytes))
-        for start in range(0, len(blocks), step):
-            chunk = blocks[start:start + step]
-            copies = await self._read(chunk, skipped)
-            if not copies:
-                continue
-            size = sum(len(c.data) for c in copies)
-            await self.bucket.take(size)  # F18: the bounded rate
+        for plan, blocks in lane.runs:
+            for b in blocks:
+                if batch and size + b.meta.size_bytes > self.batch_bytes:
+                    if not await self._send_batch(lane, batch, skipped, window):
+                        return
+                    self._finish(done, lane.target)
+                    batch, size, done = [], 0, []
+                batch.append(b)
+                size += b.meta.size_bytes
+            done.append((plan, sum(b.meta.size_bytes for b in blocks)))
+        if batch and not await self._send_batch(lane, batch, skipped, window):
+            return
+        self._finish(done, lane.target)
+
+    def _finish(self, done: list[tuple[RunPlan, int]], target: str) -> None:
+        """The runs in `done` are copied to `target`."""
+        for plan, size in done:
+            plan.pending.discard(target)
+            self.progress.under_replicated_bytes -= size
+
+    async def _send_batch(self, lane: _Lane, chunk: list[RunBlock], skipped: set[bytes],
+                          window: asyncio.Semaphore) -> bool:
+        """One CopyBlocks of `chunk` (what of it reads) to the lane's target; whether it went."""
+        if lane.target in self._down:
+            return False
+        p = self.progress
+        copies, damaged = await self.tier.call(self._read, chunk, skipped)
+        p.damaged_blocks += damaged
+        if not copies:
+            return True
+        size = sum(len(c.data) for c in copies)
+        await self.bucket.take(size)  # F18: the bounded rate
+        async with window:
+            if lane.target in self._down:
+                return False
             p.sent_bytes += size
             try:
-                reply = await self.peers.stub(address).CopyBlocks(
+                reply = await self.peers.stub(lane.address).CopyBlocks(
                     pb.CopyBlocksRequest(blocks=copies), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                log.warning("fleet: copying %d blocks to node %s failed: %s: %s", len(copies), target,
+                log.warning("fleet: copying %d blocks to node %s failed: %s: %s", len(copies), lane.target,
                             exc.code().name, exc.details())
-                return None
-            copied += reply.written_bytes
-            p.copied_bytes += reply.written_bytes
-            p.copied_blocks += reply.written_blocks
-        return copied
+                self._peer_failed(lane.target, lane.address, exc)
+                return False
+        p.copied_bytes += reply.written_bytes
+        p.copied_blocks += reply.written_blocks
+        await self._publish()
+        return True
 
-    async def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> list[pb.CopiedBlock]:
-        """The chunk's blocks as copies, each verified against its checksum by the read (F17)."""
-        statuses = await self.tier.call(self.tier.read, [b.key for b in chunk])
+    def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[list[pb.CopiedBlock], int]:
+        """The chunk's blocks as copies, each verified against its checksum by the read (F17), and how many
+        were found damaged; runs on the tier's executor (the copies are built there, off the event loop)."""
+        statuses = self.tier.read([b.key for b in chunk])
         copies = []
+        damaged = 0
         for b, (status, data) in zip(chunk, statuses, strict=True):
             parent = b.key[:-32] + b.meta.parent_hash
             if status is not ReadStatus.FOUND or parent in skipped:
                 if status is ReadStatus.CORRUPT:
-                    self.progress.damaged_blocks += 1
+                    damaged += 1
                     log.warning("fleet: block %s... is damaged here (its checksum fails): dropped, not copied; "
                                 "a holder ranked below sends its copy", b.key.hex()[:24])
                 skipped.add(b.key)
@@ -337,9 +552,9 @@ class FleetRepairer:
                 skipped.add(b.key)
                 continue
             copies.append(pb.CopiedBlock(key=b.key, namespace=namespace, parent_hash=b.meta.parent_hash,
-                                         depth=b.meta.depth, data=bytes(data), checksum=b.meta.checksum,
+                                         depth=b.meta.depth, data=data, checksum=b.meta.checksum,
                                          last_use_s=b.meta.last_access_s))
-        return copies
+        return copies, damaged
 
     async def _publish(self, *, force: bool = False) -> None:
         """Write the progress record (at most once a second unless `force`)."""

@@ -1,0 +1,258 @@
+"""The repairer when a peer is not there (gateway/fleet_repair.py, docs/FLEET.md F18): a real etcd, in-process
+nodes on loopback (real LMDB, real gRPC), a node's server stopped and started again on its port while its
+registration stays in etcd (as a killed or SIGSTOPped node's does until its lease ends)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.fleet_repair import FleetRepairer, Peers
+from gateway.fleet_servicer import add_fleet_service
+from kvstore.clock import ManualClock
+from kvstore.config import Settings
+from kvstore.config_sections import FleetSettings, StoreSettings
+from kvstore.fleet.membership import Membership, NodeRecord, Registration, register_node, session_for
+from kvstore.fleet.placement import replicas
+from tests.conftest import LoopThread
+from tests.gateway.test_fleet_copy import RUN_BLOCKS, SCOPE, TOKENS, chain, put
+from tests.gateway.test_token_bucket import Recorded
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.waiting import wait_until
+from tiers import run_index
+from tiers.lmdb_tier import LmdbBlockTier
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+    server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
+    yield server
+    server.stop()
+
+
+@dataclass
+class Node:
+    """A store served by the Fleet service on a fixed loopback port, registered in etcd."""
+
+    tier: LmdbBlockTier
+    port: int
+    settings: Settings
+    server: Any = None
+    registration: Registration | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def serve(self) -> None:
+        """Start (or start again) the node's server on its port."""
+        self.server = grpc.aio.server()
+        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False)
+        assert self.server.add_insecure_port(self.address) == self.port
+        await self.server.start()
+
+    async def halt(self) -> None:
+        """Stop the server (the registration stays: the node is in the view but does not answer)."""
+        await self.server.stop(0)
+
+
+class Fleet:
+    def __init__(self, root: Path, etcd: EtcdProcess, loop: LoopThread) -> None:
+        self.root, self.loop = root, loop
+        self.settings = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,
+                                      run_blocks=RUN_BLOCKS, replication=2)
+        self.clock = ManualClock()
+        self.nodes: dict[str, Node] = {}
+        self.views: list[Membership] = []
+
+    def node(self, name: str) -> Node:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        store = StoreSettings(data_dir=self.root / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
+        node = Node(tier=LmdbBlockTier(store, clock=self.clock), port=port,
+                    settings=Settings(store=store, fleet=self.settings))
+
+        async def up() -> None:
+            await node.serve()
+            node.registration = await register_node(self.settings, node_id=name, address=node.address,
+                                                    capacity_bytes=store.capacity_bytes, block_tokens=TOKENS)
+
+        self.loop.run(up())
+        self.nodes[name] = node
+        return node
+
+    def view(self, count: int) -> Membership:
+        async def start() -> Membership:
+            view = Membership(session_for(self.settings), self.settings.cluster)
+            await view.start()
+            await view.wait_until(lambda m: len(m.nodes) == count, 10)
+            return view
+
+        view = self.loop.run(start())
+        self.views.append(view)
+        return view
+
+    def repairer(self, name: str, view: Membership) -> FleetRepairer:
+        tier = self.nodes[name].tier
+        return FleetRepairer(tier, node_id=name, membership=view, replication=2, run_blocks=RUN_BLOCKS,
+                             window_s=tier.settings.retention_s, bucket=Recorded(rate=1e12, burst=1e12),
+                             peers=Peers(None, 1 << 26), interval_s=60, publish=None)
+
+    def close(self) -> None:
+        for view in self.views:
+            self.loop.run(view.close())
+        for node in self.nodes.values():
+            if node.registration is not None:
+                self.loop.run(node.registration.stop())
+            self.loop.run(node.server.stop(0))
+            node.tier.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, loop_thread: LoopThread, etcd: EtcdProcess) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, etcd, loop_thread)
+    yield f
+    f.close()
+
+
+def stored(fleet: Fleet, name: str, n_chains: int) -> tuple[list[tuple[list[bytes], list[bytes]]], int]:
+    """Chains of one run each put on node `name`; the chains and their bytes."""
+    chains = [chain(RUN_BLOCKS, seed=100 + i) for i in range(n_chains)]
+    for hashes, blocks in chains:
+        put(fleet.nodes[name].tier, hashes, blocks)
+    return chains, sum(len(b) for _, blocks in chains for b in blocks)
+
+
+def test_f18_a_node_that_does_not_answer_leaves_every_run_it_ranks_in_under_replicated(
+        fleet: Fleet, loop_thread: LoopThread) -> None:
+    """A node in the view that does not answer (killed, its lease not ended; restarted and not dialed yet):
+    a run it is a replica of, or that it ranks above this holder in (it may hold the run and act), is
+    counted under-replicated and failed, not skipped, so the fleet is not reported settled until a pass
+    copies it; every other run is copied to its replicas as usual."""
+    for name in ("a", "b", "c"):
+        fleet.node(name)
+    x = fleet.node("x")
+    live = ["a", "b", "c", "x"]
+    view = fleet.view(len(live))
+    chains, _ = stored(fleet, "a", 48)
+    undecided = copied = 0
+    cases = set()
+    for hashes, blocks in chains:
+        order = replicas(hashes[0], live, len(live))
+        size = sum(map(len, blocks))
+        if "x" in order[:2] or "x" in order[:order.index("a")]:
+            undecided += size
+            cases.add("replica" if "x" in order[:2] else "above")
+        else:
+            copied += size * len({*order[:2]} - {"a"})
+    assert cases == {"replica", "above"}  # both ways of depending on the node are met
+    loop_thread.run(x.halt())
+    r = fleet.repairer("a", view)
+
+    async def one_pass() -> Any:
+        try:
+            return await r.run_pass()
+        finally:
+            await r.peers.close()
+
+    progress = loop_thread.run(one_pass())
+    assert (progress.under_replicated_bytes, progress.copied_bytes) == (undecided, copied)
+    assert progress.failed_runs == progress.under_replicated_runs > 0 and not progress.running
+
+
+def test_f18_a_copy_that_fails_stays_counted_until_made(fleet: Fleet, loop_thread: LoopThread) -> None:
+    """Planned while the replica answered, the copy fails (its server stopped): the bytes stay
+    under-replicated and the runs failed; once it serves again on its address, the next pass copies them
+    at once (the channel that failed is dialed afresh, not left in gRPC's reconnect backoff)."""
+    fleet.node("a")
+    b = fleet.node("b")
+    view = fleet.view(2)
+    chains, total = stored(fleet, "a", 6)
+    r = fleet.repairer("a", view)
+    p = r.progress
+
+    async def plan_then_fail() -> None:
+        runs = await r.tier.call(run_index.list_runs, r.tier.env)
+        r._names = await r.tier.call(run_index.namespace_names, r.tier.env)
+        found = await r.plan_round(runs, ["a", "b"], {"a": fleet.nodes["a"].address, "b": b.address})
+        assert len(found.plans) == len(chains) and not found.undecided_runs
+        p.under_replicated_runs = len(found.plans)
+        p.under_replicated_bytes = sum(x.meta.size_bytes for plan in found.plans for s in plan.sends.values()
+                                       for x in s)
+        await b.halt()
+        await r._copy_round(found.plans, {"a": fleet.nodes["a"].address, "b": b.address})
+
+    loop_thread.run(plan_then_fail())
+    assert (p.under_replicated_runs, p.under_replicated_bytes, p.failed_runs) == (len(chains), total, len(chains))
+    assert p.copied_bytes == 0
+    loop_thread.run(b.serve())  # the same port: a node restarted on its address
+
+    async def again() -> Any:
+        try:
+            return await r.run_pass()
+        finally:
+            await r.peers.close()
+
+    progress = loop_thread.run(again())
+    assert (progress.under_replicated_bytes, progress.failed_runs, progress.copied_bytes) == (0, 0, total)
+    for hashes, blocks in chains:
+        assert [data for _, data in b.tier.read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f18_a_pass_is_given_up_when_the_membership_moves(fleet: Fleet, loop_thread: LoopThread) -> None:
+    """A pass waiting on a node that accepts connections and never answers (SIGSTOPped) is given up as soon
+    as the node leaves the view, and the pass over the new view copies everything."""
+    fleet.node("a")
+    fleet.node("b")
+    chains, total = stored(fleet, "a", 8)
+    # A node whose port accepts TCP but never speaks HTTP/2, registered as a node would be.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    accepted = threading.Event()
+
+    def accept() -> None:
+        conns = []
+        while True:
+            try:
+                conns.append(hole.accept()[0])
+            except OSError:
+                break
+            accepted.set()
+        for c in conns:
+            c.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    record = NodeRecord(node_id="stopped", address=f"127.0.0.1:{hole.getsockname()[1]}", host="elsewhere",
+                        capacity_bytes=1 << 28, started_at=0.0, version="0")
+    stopped = Registration(session_for(fleet.settings), fleet.settings.cluster, record, ttl_s=60)
+    loop_thread.run(stopped.start())
+    view = fleet.view(3)
+    assert any("stopped" in replicas(h[0], ["a", "b", "stopped"], 2) for h, _ in chains)
+    r = fleet.repairer("a", view)
+    future = asyncio.run_coroutine_threadsafe(r.pass_until_view_moves(), loop_thread.loop)
+    wait_until(accepted.is_set, "the pass dialed the stopped node")
+    loop_thread.run(stopped.stop())  # it leaves the view (as its lease ending would)
+    given_up = future.result(timeout=30)
+    assert given_up.running and "stopped" in given_up.planned_nodes  # not finished over the old view
+    hole.close()
+
+    async def again() -> Any:
+        try:
+            return await r.pass_until_view_moves()
+        finally:
+            await r.peers.close()
+
+    progress = loop_thread.run(again())
+    assert progress.planned_nodes == ["a", "b"] and not progress.running
+    assert (progress.under_replicated_bytes, progress.failed_runs, progress.copied_bytes) == (0, 0, total)
