@@ -129,7 +129,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                   lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
         # A fleet client found the blocks on the runs' nodes and asks this node's shared pool for the
-        # snapshot alone (F44): its found tokens bound the resume, as this node's own would.
+        # snapshot alone (docs/FLEET.md F45): its found tokens bound the resume, as this node's own would.
         found_tokens = request.swa_found_tokens if only_swa else found * self.settings.block_tokens
         resume = await self._swa_resume(request, layout.geometry, scope, found_tokens)
         if resume is not None:

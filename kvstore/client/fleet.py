@@ -15,7 +15,10 @@ The SWA pool is the one the nodes share (`fleet_swa`: a Redis Cluster, reached
 through any node, F44-F45), so `swa` and `lookup(swa_positions=...)` work as on
 one server.
 
-Not in a fleet yet: transfer sessions, direct restore, resume reports and
+Resume reports go to one node (the fleet's stats sum the nodes'), so the planner
+(`replay.planner.Planner`) and `restore` (gRPC path) work over a fleet client (F47).
+
+Not in a fleet yet: transfer sessions, direct restore and the same-host paths,
 store-wide stats through this client (`node_stats` gives each node's); those
 raise FailedPrecondition.
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
@@ -37,6 +40,7 @@ from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_put import RunPut, put_runs
 from kvstore.client.fleet_refresh import Refresher
+from kvstore.client.resume_report import report_resume
 from kvstore.client.retry import Retry
 from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, LookupResult, PutResult
 from kvstore.config_sections import FleetSettings
@@ -58,6 +62,8 @@ if TYPE_CHECKING:
 _PUT_BATCH_BYTES = 4 << 20
 #: Copies of a Put's runs made at once (a run's replicas, in parallel).
 _PUT_THREADS = 8
+#: The key a client's resume reports pick their node by (per client: `NodePool.read_order` salts it).
+_REPORT_KEY = b"kvstore.fleet.report.v1"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,7 +325,8 @@ class FleetClient(Client):
                 from kvstore.client.fleet_swa import FleetSwaClient, swa_records
 
                 self._swa = FleetSwaClient(
-                    self.pool, lambda: swa_records(self.view.nodes, placeable(self.view.nodes)), retry=self.retry)
+                    self.pool, lambda: swa_records(self.view.nodes, placeable(self.view.nodes)), retry=self.retry,
+                    run_blocks=self.run_blocks)
             return self._swa
 
     def transfer(self, *, path: str = "auto", ring: bool = True) -> TransferSession:
@@ -331,9 +338,25 @@ class FleetClient(Client):
         self._not_in_a_fleet("store-wide stats (node_stats() gives each node's)")
 
     def report_resume(self, *, prompt_tokens: int, found_tokens: int, usable_tokens: int, action: str,
-                      wait: bool = True) -> NoReturn:
-        """Not in a fleet yet."""
-        self._not_in_a_fleet("resume reports")
+                      wait: bool = True) -> Future[None]:
+        """Report one resume plan to one node's stats (`Client.report_resume`; F47).
+
+        One node is enough: the fleet's stats sum the nodes' counters (`kvstore stats` over a fleet), so the
+        plan counts once. This host's node first, else this client's draw; with `wait`, the next node when one
+        does not answer.
+        """
+        last: KVStoreError = Unavailable(f"no node of fleet {self.view.address.cluster!r} is live")
+        for node_id in self.pool.read_order(_REPORT_KEY, placeable(self.view.nodes)):
+            try:
+                done = report_resume(self.pool.connection(node_id), prompt_tokens=prompt_tokens,
+                                     found_tokens=found_tokens, usable_tokens=usable_tokens, action=action,
+                                     wait=wait)
+            except Unavailable as exc:
+                self.pool.failed(node_id)
+                last = exc
+                continue
+            return done
+        raise last
 
     def transfer_stats(self) -> NoReturn:
         """Not in a fleet yet."""

@@ -13,6 +13,11 @@ When the node does not answer (UNAVAILABLE), the call is sent again through
 the next one, under the fleet's retry policy: a put again stores the same
 bytes, a get reads again; a delete counts only what was still there.
 
+A snapshot's key is anchored on the fleet hash of the last full block before
+it (F29's chain, `keys`), as `FleetClient.hashes` gives it: so a planner that
+keys its probes from the client's hashes and a worker that keys its puts from
+the tokens name the same snapshot.
+
 A Lookup's SWA part (`resume`) is asked of that node after the blocks were
 found on the runs' nodes: the node applies the resume rules to the candidates
 against the found tokens the client sends (`LookupRequest.swa_found_tokens`),
@@ -25,7 +30,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from kvstore.client import arguments
 from kvstore.client.connection import Connection
+from kvstore.client.fleet_chain import fleet_hashes
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.retry import Retry
 from kvstore.client.swa import SwaClient, SwaPutResult
@@ -34,6 +41,8 @@ from kvstore.client.swa_shm import ShmPath
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.swa_pool import is_shared
+from kvstore.prefix import ExtraKey
+from kvstore.swa_snapshot import snapshot_key
 from kvstore.v1 import kvstore_pb2 as kv_pb
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
@@ -83,6 +92,7 @@ class FleetSwaClient(SwaClient):
         pool: the fleet client's node connections (its view, tenant and geometry).
         records: the live records to place over now (the fleet client's placeable ones).
         retry: the fleet's policy: a round asks every node of the pool once, then backs off.
+        run_blocks: the fleet's run length (the keys' anchors are fleet hashes).
         path, verify, clock: as `SwaClient`'s.
 
     Raises:
@@ -91,12 +101,33 @@ class FleetSwaClient(SwaClient):
     """
 
     def __init__(self, pool: NodePool, records: Callable[[], Sequence[NodeRecord]], *, retry: Retry,
-                 path: str = "auto", verify: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
-        self._pool, self._records, self._retry = pool, records, retry
+                 run_blocks: int, path: str = "auto", verify: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool, self._records, self._retry, self.run_blocks = pool, records, retry, run_blocks
         self.node_id = ""
         node_id, connection = self._first_answering()
         super().__init__(connection, path=path, verify=verify, clock=clock)
         self.node_id = node_id
+
+    def keys(self, tokens: Sequence[int], positions: Sequence[int], *,
+             extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+        """Snapshot keys of `tokens` at each position, anchored on the fleet's chain (the module's docstring).
+
+        Raises:
+            InvalidArgument: a position outside [0, len(tokens)], a bad token id or extra key.
+        """
+        c = self.connection
+        tokens = arguments.token_ids(tokens)
+        positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
+        extra_keys = arguments.extra_keys(extra_keys)
+        for p in positions:
+            if p > len(tokens):
+                raise InvalidArgument(f"snapshot position {p} is outside the {len(tokens)} tokens given")
+        b = c.block_tokens
+        chain = fleet_hashes(tokens[:max(positions, default=0)], root=c.root, block_tokens=b,
+                             run_blocks=self.run_blocks, extra_keys=extra_keys)
+        return [snapshot_key(chain[p // b - 1] if p >= b else c.root, tokens[p // b * b:p], p, extra_keys)
+                for p in positions]
 
     # -- which node --------------------------------------------------------
 

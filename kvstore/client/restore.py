@@ -19,6 +19,12 @@ Paths, fastest first (docs/DIRECT_RESTORE.md):
 The direct paths read the store's file, which holds every tenant's blocks: they
 are used only when the caller configured a reader (the trust model,
 docs/SECURITY.md); "auto" never opens one itself.
+
+A fleet client (`kvstore.client.fleet.FleetClient`) restores over "grpc": each run
+streamed from its nearest replica with failover (docs/FLEET.md F33, F47). The
+same-host paths read or map one node's store, and a prompt's runs lie on several
+nodes: "auto" passes them by (saying so in `reason`), and forcing one is
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ def restore(client: Any, tokens_or_hashes: Sequence[Any], dest: Any, *, path: st
             that cannot map this host's regions).
         KVStoreError: the server's errors (Unavailable, ...).
     """
-    if not hasattr(client, "connection") or not hasattr(client, "hashes"):
+    fleet = _is_fleet(client)
+    if not (hasattr(client, "connection") or fleet) or not hasattr(client, "hashes"):
         raise InvalidArgument(f"client must be a kvstore.Client, got {type(client).__name__}")
     if not isinstance(path, str) or path not in (*PATHS, "auto"):
         raise InvalidArgument(f"path must be auto or one of {', '.join(PATHS)}; got {path!r}")
@@ -91,6 +98,15 @@ def restore(client: Any, tokens_or_hashes: Sequence[Any], dest: Any, *, path: st
     cuda = _is_cuda(dest)
     _check_dest(dest, len(hashes), client.block_bytes, cuda)
     notes: list[str] = []
+    if fleet:
+        if path not in ("auto", "grpc"):
+            raise FailedPrecondition(f"path {path} is not available through a fleet client: it reads or maps one "
+                                     "node's store, and a prompt's runs lie on several nodes",
+                                     hint='use path="auto" or "grpc" (docs/FLEET.md F47)')
+        reader = None
+        if path == "auto":
+            notes.append("a fleet client: each run streamed from its nearest replica (same-host paths not per run yet)")
+        path = "grpc"
     if path in ("direct-gpu", "direct-cpu") and reader is None:
         raise FailedPrecondition(f"path {path} needs a ColocatedReader of this host's store",
                                  hint="the direct paths are off unless configured (docs/SECURITY.md): "
@@ -128,6 +144,13 @@ def _hashes(client: Any, values: Any) -> list[bytes]:
         out = [bytes(h) if isinstance(h, bytes | bytearray | memoryview) else h for h in values]
         return arguments.hashes(out, "tokens_or_hashes")
     return list(client.hashes(values))
+
+
+def _is_fleet(client: Any) -> bool:
+    """Whether `client` is a fleet client (its blocks lie on many nodes)."""
+    from kvstore.client.fleet import FleetClient  # here: the fleet client imports the whole client package
+
+    return isinstance(client, FleetClient)
 
 
 def _is_cuda(dest: Any) -> bool:

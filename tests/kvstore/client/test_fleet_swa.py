@@ -23,12 +23,16 @@ from redis.cluster import RedisCluster
 import kvstore
 from kvstore.client.fleet import FleetClient, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
+from kvstore.client.restore import restore
 from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.clock import ManualClock
 from kvstore.config_sections import SwaSettings
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.swa_pool import MEMORY, is_shared, pool_name
+from kvstore.swa_snapshot import snapshot_key
+from replay.plan import Action
+from replay.planner import Planner
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import datadir
@@ -159,13 +163,15 @@ def test_f44_a_snapshot_put_through_one_node_is_found_through_every_other(fleet:
         data = snapshot(a, 200)
         assert a.swa.put(tokens, data).stored == 1
         assert a.swa.last_path == "direct"  # the client wrote Redis itself, as the node's ACL user
+        # Its key is anchored on the fleet hash of the block before it (run 3's last), as FleetClient.hashes gives.
+        assert a.swa.key(tokens) == snapshot_key(a.hashes(tokens)[200 // BLOCK_TOKENS - 1], tokens[192:200], 200)
         assert bytes(b.swa.get(tokens)) == data
         for node in fleet.nodes:  # each node's own pool sees it: they share one
             with kvstore.Client(node.child.target) as direct:
-                got = direct.swa.get(tokens)
+                got = direct.swa.get_many([a.swa.key(tokens)])[0]
                 assert got is not None and bytes(got) == data
         via = FleetSwaClient(a.pool, lambda: swa_records(a.view.nodes, placeable(a.view.nodes)), retry=a.retry,
-                             path="gateway")
+                             run_blocks=RUN_BLOCKS, path="gateway")
         other = prompt(130)
         more = snapshot(a, 130)
         assert via.put(other, more).stored == 1 and via.last_path == "gateway"
@@ -199,13 +205,41 @@ def test_f45_a_fleet_lookup_names_the_snapshot_that_resumes_longest_within_the_f
         assert client.lookup(prompt(300), swa_positions=[128, 256]).swa_position is None  # nothing stored
 
 
+def test_f47_the_planner_and_restore_run_over_a_fleet_client(fleet: Fleet) -> None:
+    """F47: a Planner over a fleet client plans from a leased Lookup across the runs' nodes and the shared pool's
+    snapshot, and reports the plan to one node; restore streams every run back over gRPC."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 5 + 5)  # 20 blocks over 5 runs
+        payload = [random.randbytes(client.block_bytes) for _ in range(20)]
+        client.put(tokens, payload)
+        client.swa.put(tokens, snapshot(client, 256), position=256)
+        before = sum(s.resume_plans for s in client.node_stats().values())
+        with Planner(client, snapshot_probes=8) as planner:
+            hashes = client.hashes(tokens)
+            positions, keys = planner._probes(hashes, len(hashes), ())
+            assert keys == client.swa.keys(tokens, positions)  # the planner's probes are the pool's keys
+            plan = planner.plan(tokens)
+        assert plan.action is Action.FETCH_SNAPSHOT and plan.found_tokens == 320
+        assert (plan.snapshot_position, plan.resume_tokens, plan.fetch_tokens) == (256, 256, 256)
+        assert plan.lease_id and plan.lease_id.startswith("fleet:") and client.release(plan.lease_id)
+        assert planner.background_errors == 0  # the report went to a node (close waited for it)
+        assert sum(s.resume_plans for s in client.node_stats().values()) == before + 1
+        dest = bytearray(20 * client.block_bytes)
+        result = restore(client, tokens, dest)
+        assert (result.path, result.blocks, result.tokens) == ("grpc", 20, 320) and "a fleet client" in result.reason
+        assert bytes(dest) == b"".join(payload)
+        with pytest.raises(FailedPrecondition, match="path shm is not available through a fleet client"):
+            restore(client, tokens, dest, path="shm")
+
+
 def test_f45_the_swa_pool_fails_over_when_its_node_dies(fleet: Fleet) -> None:
     """F45: the node a fleet SWA client talks to SIGKILLed (still in the view, its lease running): the next call
     goes through another node of the pool and finds what was put before."""
     fast = Retry(ExponentialBackoff(base_s=0.001, cap_s=0.01), retries=1)
     with fleet_client(fleet, retry=fast) as client:
+        # path "gateway": every call through the node, none straight to Redis.
         swa = FleetSwaClient(client.pool, lambda: swa_records(client.view.nodes, placeable(client.view.nodes)),
-                             retry=fast, path="gateway")  # every call through the node, none straight to Redis
+                             retry=fast, run_blocks=RUN_BLOCKS, path="gateway")
         tokens = prompt(256)
         client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(16)])  # on both replicas
         data = snapshot(client, 256)
