@@ -50,6 +50,10 @@ fi
 echo "== inference engines (vllm, sglang)"
 bash scripts/install_engines.sh .venv
 
+# The events' extra (pyzmq, msgspec), unless vLLM's lean install above brought them.
+python -c "import zmq, msgspec" 2>/dev/null || pip install -q --disable-pip-version-check $(python -c \
+    "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['events'])") || true
+
 # Mooncake's transfer engine, for the bulk transport's tests and the bench's Mooncake
 # figure (pyproject's "bulk" extra). Never fails the run: without it those tests skip
 # saying why. Its native library needs libibverbs.so.1, even with no RDMA hardware.
