@@ -129,6 +129,21 @@ def token_bytes(tokens: Sequence[int] | Iterable[int]) -> bytes:
     return arr.tobytes()
 
 
+def token_buffer(tokens: Sequence[int] | Iterable[int]) -> bytes | memoryview:
+    """`token_bytes(tokens)`, or a view of `tokens`' own memory where it already holds exactly those
+    bytes (a C-contiguous little-endian uint32 numpy array or `array("I")`): no copy.
+
+    A view is valid while `tokens` is unchanged; callers that keep the bytes copy them.
+    """
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4 and sys.byteorder == "little":
+        return memoryview(tokens).cast("B")
+    dtype, flags = getattr(tokens, "dtype", None), getattr(tokens, "flags", None)
+    if (getattr(dtype, "str", "") == "<u4" and getattr(tokens, "ndim", None) == 1 and not hasattr(tokens, "detach")
+            and getattr(flags, "c_contiguous", False)):  # a numpy array (a tensor goes through token_bytes)
+        return memoryview(tokens).cast("B")  # type: ignore[arg-type]
+    return token_bytes(tokens)
+
+
 def _buffer_token_bytes(tokens: object) -> bytes | None:
     """`token_bytes` of an array-backed sequence in one C pass, or None for anything else."""
     if isinstance(tokens, array):

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.prefix import HASH_BYTES, ExtraKey, chain_hashes_of_bytes, extra_keys_tail, token_bytes
+from kvstore.prefix import HASH_BYTES, ExtraKey, chain_hashes_of_bytes, extra_keys_tail, token_buffer
 
 #: Token bytes and hashes kept by default: ~14M tokens, a dozen 1M-token conversations.
 DEFAULT_MAX_BYTES = 64 << 20
@@ -59,24 +59,32 @@ class MemoStats:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Chain:
-    """A kept chain: the prompt's token bytes (its full blocks are the first `length`) and their hashes.
+    """A kept chain: the token bytes of its full blocks (copies of the prompts') and their hashes.
 
-    The whole prompt's bytes are kept, not a copy of its full blocks: slicing would copy
-    megabytes on every turn to save less than a block.
+    The bytes are kept as the segments each turn added: a next turn copies only its new
+    blocks' bytes and shares the rest with the chain it replaces, rather than copying the
+    whole prompt again (4 MB and its page faults for a million tokens).
     """
 
-    raw: bytes
+    segments: tuple[bytes, ...]
     length: int
     hashes: tuple[bytes, ...]
 
-    @property
-    def tokens(self) -> memoryview:
-        """The full blocks' token bytes (a view of `raw`, no copy)."""
-        return memoryview(self.raw)[:self.length]
+    def is_prefix_of(self, raw: memoryview) -> bool:
+        """Whether `raw` begins with exactly this chain's token bytes (C1: a memcmp per segment)."""
+        if self.length > len(raw):
+            return False
+        at = 0
+        for segment in self.segments:
+            # Equal lengths, so startswith is equality; a memoryview slice copies nothing.
+            if not segment.startswith(raw[at:at + len(segment)]):
+                return False
+            at += len(segment)
+        return True
 
     @property
     def size_bytes(self) -> int:
-        return len(self.raw) + HASH_BYTES * len(self.hashes) + _ENTRY_OVERHEAD_BYTES
+        return self.length + HASH_BYTES * len(self.hashes) + _ENTRY_OVERHEAD_BYTES
 
 
 class ChainMemo:
@@ -110,20 +118,23 @@ class ChainMemo:
             InvalidArgument: a bad token id or extra key (as `chain_hashes`).
         """
         tail = extra_keys_tail(extra_keys)
-        raw = token_bytes(tokens)
+        # A view of the caller's array where it holds the bytes already: compared and hashed in
+        # place, copied only into a kept chain (the caller may change its array afterwards).
+        raw = token_buffer(tokens)
         step = 4 * self.block_tokens
         full = len(raw) - len(raw) % step
         if full < step * max(self.min_blocks, 1):  # too short to keep, or to begin with a kept chain
             return chain_hashes_of_bytes(raw, block_tokens=self.block_tokens, parent=root, tail=tail)
-        base = self._longest_prefix(root, tail, raw)
+        view = memoryview(raw)
+        base = self._longest_prefix(root, tail, view)
         if base is None:
-            hashes = chain_hashes_of_bytes(raw, block_tokens=self.block_tokens, parent=root, tail=tail)
+            hashes = chain_hashes_of_bytes(view[:full], block_tokens=self.block_tokens, parent=root, tail=tail)
         else:
             hashes = list(base.hashes)
             if base.length < full:
-                hashes += chain_hashes_of_bytes(memoryview(raw)[base.length:full], block_tokens=self.block_tokens,
+                hashes += chain_hashes_of_bytes(view[base.length:full], block_tokens=self.block_tokens,
                                                 parent=base.hashes[-1], tail=tail)
-        self._keep(root, tail, raw, full, hashes, base)
+        self._keep(root, tail, view[:full], hashes, base)
         return hashes
 
     def stats(self) -> MemoStats:
@@ -138,7 +149,7 @@ class ChainMemo:
             self._chains.clear()
             self._size_bytes = 0
 
-    def _longest_prefix(self, root: bytes, tail: bytes, raw: bytes) -> _Chain | None:
+    def _longest_prefix(self, root: bytes, tail: bytes, raw: memoryview) -> _Chain | None:
         """The kept chain of this root and keys with the longest tokens that `raw` begins with (C1, C2)."""
         with self._lock:  # the candidates under the lock; the byte compares (a memcmp each) outside it
             candidates = [(key, chain) for key, chain in self._chains.items()
@@ -146,7 +157,7 @@ class ChainMemo:
                           if key[0] == root and key[1] == tail and chain.length <= len(raw)]
         best_key, best = None, None
         for key, chain in candidates:
-            if (best is None or chain.length > best.length) and raw.startswith(chain.tokens):  # C1
+            if (best is None or chain.length > best.length) and chain.is_prefix_of(raw):  # C1
                 best_key, best = key, chain
         with self._lock:
             if best_key is None or best is None:
@@ -158,12 +169,16 @@ class ChainMemo:
             self._reused_blocks += len(best.hashes)
             return best
 
-    def _keep(self, root: bytes, tail: bytes, raw: bytes, full: int, hashes: list[bytes], base: _Chain | None) -> None:
-        """Keep the chain of `raw`'s full blocks; it replaces `base` when it extends it (C4)."""
+    def _keep(self, root: bytes, tail: bytes, raw: memoryview, hashes: list[bytes], base: _Chain | None) -> None:
+        """Keep the chain of `raw` (its full blocks); it replaces `base` when it extends it (C4)."""
         if base is not None and len(base.hashes) == len(hashes):
             return  # the kept chain is this prompt's whole chain
         # A chain larger than the whole memo is dropped again by the loop below (C4).
-        chain = _Chain(raw=raw, length=full, hashes=tuple(hashes))
+        if base is None:
+            chain = _Chain(segments=(bytes(raw),), length=len(raw), hashes=tuple(hashes))
+        else:  # the new blocks' bytes only, after the segments of the chain this one extends
+            chain = _Chain(segments=(*base.segments, bytes(raw[base.length:])), length=len(raw),
+                           hashes=tuple(hashes))
         key = (root, tail, hashes[-1])
         with self._lock:
             if base is not None:
