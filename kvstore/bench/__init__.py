@@ -10,6 +10,7 @@ from __future__ import annotations
 #: Benchmark name -> module path. A module is imported only when it runs.
 BENCHES: dict[str, str] = {
     "store": "kvstore.bench.store",
+    "lookup": "kvstore.bench.lookup",
     "codec": "kvstore.bench.codec",
     "transfer": "kvstore.bench.transfer",
     "swa": "kvstore.bench.swa",

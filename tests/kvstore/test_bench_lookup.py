@@ -1,0 +1,28 @@
+"""`kvstore bench lookup` runs end to end and prints its figures as DEVELOPERS.md asks (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_lookup_json_figures(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli", "bench", "lookup", "--json", "--tokens", "8192", "--new-tokens", "256",
+         "--repeat", "2", "--list-tokens", "--dir", str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=240).stdout
+    report = json.loads(out)
+    figures = {f["name"]: f for f in report["figures"]}
+    turn = "lookup next turn of 8,192 tokens (+256) over gRPC, chain memo"
+    assert {turn, f"{turn} (vs raw echo)", f"{turn}, tokens as a list",
+            "lookup 8,192 tokens cold over gRPC, hashes packed",
+            "lookup 8,192 tokens cold over gRPC, hashes packed (vs server)",
+            "lookup 8,192 tokens cold from tokens (every token hashed)"} <= figures.keys()
+    for f in figures.values():
+        assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
+        assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
+        assert f["ratio"] == f["baseline_value"] / f["value"]  # times: above 1 is faster than the baseline
+    assert report["notes"]["tokens"] == 8192 and "targets" in report["notes"]
+    assert list(tmp_path.iterdir()) == []  # scratch space removed
