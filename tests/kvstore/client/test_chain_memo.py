@@ -213,3 +213,22 @@ def test_the_client_reuses_a_conversation_chain_over_a_real_server(server: Any) 
         assert (got.found_blocks, got.block_hashes) == (40, bare.lookup(turn2).block_hashes)
         assert memo_stats().reused_blocks > before.reused_blocks
         assert bare.connection.chain_memo.stats().entries == 0
+
+
+def test_c1_an_array_changed_in_place_after_a_call_is_not_mistaken_for_the_kept_chain() -> None:
+    """The memo compares and hashes a uint32 array in place but keeps a copy: the caller may change it."""
+    m = memo()
+    prompt = np.arange(400, dtype=np.uint32)
+    m.hashes(prompt, root=ROOT)
+    prompt[10] += 1
+    assert m.hashes(prompt, root=ROOT) == plain(prompt.tolist())
+    assert m.stats().hits == 0
+
+
+def test_a_strided_or_big_endian_array_is_read_as_its_values() -> None:
+    from kvstore.prefix import token_buffer
+
+    values = np.arange(40, dtype=np.uint32)
+    assert bytes(token_buffer(values[::2])) == token_bytes(values[::2].tolist())
+    assert bytes(token_buffer(values.astype(">u4"))) == token_bytes(values.tolist())
+    assert memo().hashes(values[::2], root=ROOT) == plain(values[::2].tolist())
