@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.bench import store_events
 from kvstore.bench.harness import GiB, raw_stream_server, scratch, serve_process, timed
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds of the with/without auth comparison, each with two fresh servers (0: skip)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="scratch folder on the disk under test (default: a temp folder, removed after)")
+    store_events.add_arguments(parser)
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             folder / "store", args.block_tokens, n_blocks * block_bytes, hashes[:lookup_blocks])
         raw_get = _raw_grpc_get(n_blocks, block_bytes, progress)
         auth = _auth_cost(folder / "store", n_blocks * block_bytes, args, hashes, lookup_blocks, progress)
+        # Events on against off (docs/EVENTS.md): a quarter of the blocks to each of two more servers.
+        events = store_events.run(report, args, folder, blocks[:max(n_blocks // 4, 1)], progress)
     total = n_blocks * block_bytes / 1e9
     report.add(Figure.against("put", total / put_s, "GB/s", "raw LMDB put, fsync per batch", total / raw_put))
     report.add(Figure.against("get", total / get_s, "GB/s", "raw gRPC stream, same messages", total / raw_get))
@@ -80,6 +84,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                   "same without auth", look_off * 1e3))
         report.add(Figure.against("lookup 1 block over gRPC with auth (median)", one_on * 1e6, "us",
                                   "same without auth", one_off * 1e6))
+    for figure in events:
+        report.add(figure)
     return report
 
 

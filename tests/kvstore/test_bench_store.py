@@ -12,13 +12,14 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
     out = subprocess.run(
         # One auth round (4 by default, each two fresh servers): the figures, not their spread, are checked.
         [sys.executable, "-m", "kvstore.cli", "bench", "store", "--json", "--gib", "0.01", "--lookup-tokens", "4096",
-         "--auth-rounds", "1", "--dir", str(tmp_path)],
+         "--auth-rounds", "1", "--events-rounds", "2", "--events-batches", "300", "--dir", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=240).stdout
     report = json.loads(out)
     figures = {f["name"]: f for f in report["figures"]}
     assert {"put", "get", "lookup 4,096 tokens at server", "lookup 4,096 tokens over gRPC", "get with auth",
             "lookup 4,096 tokens over gRPC with auth", "lookup 1 block over gRPC with auth (median)"} <= figures.keys()
-    for name in ("put", "get", "lookup 4,096 tokens at server"):
+    events = ("put with events on (a subscriber decoding)", "events one subscriber decodes (64-block batches)")
+    for name in ("put", "get", "lookup 4,096 tokens at server", *events):
         f = figures[name]
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
         assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
