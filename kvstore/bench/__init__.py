@@ -17,4 +17,5 @@ BENCHES: dict[str, str] = {
     "load": "kvstore.bench.load",
     "replay": "kvstore.bench.replay",
     "fleet": "kvstore.bench.fleet",
+    "fleet-swa": "kvstore.bench.fleet_swa",
 }
