@@ -333,7 +333,7 @@ class EventsSettings:
     #: The ROUTER socket answering replay requests (a start sequence number); '' = no replay socket.
     replay_endpoint: str = "tcp://127.0.0.1:5558"
     #: First part of every batch's topic: `<topic>/<tenant>/` (a router of one tenant subscribes to its own).
-    topic: str = "kvstore"
+    topic: str = "kv-events"
     #: Batches waiting to be sent; past it a batch is dropped from the live stream (counted; still replayable).
     queue_batches: int = 10_000
     #: Batches kept in the store's event log for replay, the newest; older ones are trimmed as new ones commit.

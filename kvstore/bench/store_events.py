@@ -186,7 +186,7 @@ def _batches(n: int, blocks_per_batch: int) -> list[_Batch]:
         event = wire.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[], block_size=64,
                                  lora_id=None, medium=wire.MEDIUM, lora_name=None, kvstore_node="bench",
                                  kvstore_tenant="default", kvstore_geometry="f303fd5c6387cfaa")
-        out.append(_Batch(seq, b"kvstore/default/", wire.encode(wire.KVEventBatch(ts=time.time(), events=[event]))))
+        out.append(_Batch(seq, b"kv-events/default/", wire.encode(wire.KVEventBatch(ts=time.time(), events=[event]))))
     return out
 
 

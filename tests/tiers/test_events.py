@@ -120,7 +120,7 @@ def test_e1_a_corrupt_block_dropped_on_read_is_removed(evented: Callable[..., Ki
 def test_e2_a_batch_is_one_tenants_on_its_own_topic(evented: Callable[..., Kit],
                                                      consumers: Callable[..., Consumer]) -> None:
     kit = evented(40)
-    only_a = consumers(kit, tenant_topic("kvstore", "a"), tenant_topic("kvstore", None))
+    only_a = consumers(kit, tenant_topic("kv-events", "a"), tenant_topic("kv-events", None))
     everyone = consumers(kit)
     scopes = {name: BlockScope(V4_1_FLASH.fingerprint, name) for name in ("a", "a/b", "b")}
     for i, scope in enumerate(scopes.values()):
@@ -130,8 +130,8 @@ def test_e2_a_batch_is_one_tenants_on_its_own_topic(evented: Callable[..., Kit],
     only_a.poll(200)
     for topic, _, ours in everyone.batches.values():
         tenants = {e.kvstore_tenant for e in ours.events if not isinstance(e, wire.AllBlocksCleared)}
-        assert len(tenants) <= 1 and topic == tenant_topic("kvstore", tenants.pop() if tenants else None)
-    assert set(only_a.view) == {("a", GEOMETRY)}  # never "a/b"'s, whose topic starts "kvstore/a%2Fb/"
+        assert len(tenants) <= 1 and topic == tenant_topic("kv-events", tenants.pop() if tenants else None)
+    assert set(only_a.view) == {("a", GEOMETRY)}  # never "a/b"'s, whose topic starts "kv-events/a%2Fb/"
     assert {k[0] for k in everyone.view} == {"a", "a/b", "b"}
 
 
@@ -183,7 +183,7 @@ def test_e5_a_fresh_log_starts_with_all_blocks_cleared(evented: Callable[..., Ki
     c = consumers(kit)
     c.replay(0)
     (topic, theirs, ours), = c.batches.values()
-    assert topic == b"kvstore/*/" and type(theirs.events[0]).__name__ == "AllBlocksCleared"
+    assert topic == b"kv-events/*/" and type(theirs.events[0]).__name__ == "AllBlocksCleared"
     assert ours.events == [wire.AllBlocksCleared(kvstore_node="node-1")]
 
 
