@@ -11,6 +11,7 @@ unreachable etcd as `Unavailable` naming every endpoint tried (docs/FLEET.md).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -131,3 +132,34 @@ class EtcdSession:
     async def close(self) -> None:
         """Close the client; the session may be used again (it opens a new one)."""
         await self.reset(next_endpoint=False)
+
+
+async def follow_prefix(session: EtcdSession, prefix: bytes, revision: int, *,
+                        apply: Callable[[aetcd.Event], Awaitable[None]],
+                        lost: Callable[[Exception], Awaitable[None]],
+                        reload: Callable[[], Awaitable[int]], retry_s: float) -> None:
+    """Follow the watch of `prefix` from `revision + 1` until cancelled, across etcd's outages.
+
+    Each event goes to `apply`. On any failure (etcd away, the stream broken, history compacted) `lost`
+    is told once, the session moves to the next endpoint, and every `retry_s` `reload` is tried (it lists
+    the prefix again and returns the revision listed); once it answers, the watch resumes from there.
+    The fleet's view of the nodes and its shared tables both follow etcd this way.
+    """
+    while True:
+        try:
+            client = await session.client()
+            watch = await client.watch_prefix(prefix, start_revision=revision + 1)
+            async for event in watch:
+                revision = event.kv.mod_revision
+                await apply(event)
+            raise aetcd.ConnectionFailedError("the watch stream ended")
+        except Exception as exc:  # etcd away, the stream broken, history compacted: reload when it answers
+            await lost(exc)
+            await session.reset()
+        while True:
+            await asyncio.sleep(retry_s)  # the retry period while etcd is away
+            try:
+                revision = await reload()
+                break
+            except KVStoreError:
+                await session.reset()

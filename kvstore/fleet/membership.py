@@ -33,7 +33,7 @@ import aetcd
 from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, DeadlineExceeded, FailedPrecondition, KVStoreError
 from kvstore.fleet.endpoints import layout_key, node_key, nodes_prefix, parse_endpoints
-from kvstore.fleet.etcd import EtcdSession
+from kvstore.fleet.etcd import EtcdSession, follow_prefix
 from kvstore.fleet.placement import Layout
 
 log = logging.getLogger(__name__)
@@ -369,31 +369,23 @@ class Membership:
 
     async def _follow(self, revision: int) -> None:
         """Apply watch events from `revision + 1`; on any failure mark the view stale, relist and watch again."""
-        while True:
-            try:
-                client = await self.session.client()
-                watch = await client.watch_prefix(self._prefix, start_revision=revision + 1)
-                async for event in watch:
-                    revision = event.kv.mod_revision
-                    await self._apply(event, revision)
-                raise aetcd.ConnectionFailedError("the watch stream ended")
-            except Exception as exc:  # etcd away, the stream broken, history compacted: relist when it answers
-                if not self.stale:
-                    log.warning("fleet: lost etcd's watch of %s (%s); keeping the %d nodes last seen",
-                                self._prefix.decode(), exc, len(self._nodes))
-                await self._publish(self._nodes, self._revision, stale=True)
-                await self.session.reset()
-            while True:
-                await asyncio.sleep(self.retry_s)  # the retry period while etcd is away
-                try:
-                    revision = await self._relist()
-                    log.warning("fleet: etcd answers again; the view of %s is current (%d nodes)",
-                                self._prefix.decode(), len(self._nodes))
-                    break
-                except KVStoreError:
-                    await self.session.reset()
+        await follow_prefix(self.session, self._prefix, revision, apply=self._apply, lost=self._lost,
+                            reload=self._relisted, retry_s=self.retry_s)
 
-    async def _apply(self, event: aetcd.Event, revision: int) -> None:
+    async def _lost(self, exc: Exception) -> None:
+        if not self.stale:
+            log.warning("fleet: lost etcd's watch of %s (%s); keeping the %d nodes last seen",
+                        self._prefix.decode(), exc, len(self._nodes))
+        await self._publish(self._nodes, self._revision, stale=True)
+
+    async def _relisted(self) -> int:
+        revision = await self._relist()
+        log.warning("fleet: etcd answers again; the view of %s is current (%d nodes)",
+                    self._prefix.decode(), len(self._nodes))
+        return revision
+
+    async def _apply(self, event: aetcd.Event) -> None:
+        revision = event.kv.mod_revision
         nodes = dict(self._nodes)
         node_id = event.kv.key[len(self._prefix):].decode(errors="replace")
         record = _parse(event.kv.key, event.kv.value, self._prefix) if event.kind == aetcd.EventKind.PUT else None

@@ -40,9 +40,9 @@ from kvstore.api_tokens import (
     record_from_json,
     record_to_json,
 )
-from kvstore.errors import DeadlineExceeded, FailedPrecondition, KVStoreError, NotFound
+from kvstore.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from kvstore.fleet.endpoints import tenants_prefix, token_key
-from kvstore.fleet.etcd import EtcdSession
+from kvstore.fleet.etcd import EtcdSession, follow_prefix
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -181,30 +181,20 @@ class WatchedPrefix(Generic[T]):
 
     async def _follow(self, revision: int) -> None:
         """Apply watch events; on any failure mark the rows stale, then reload and watch again when etcd answers."""
-        while True:
-            try:
-                client = await self.session.client()
-                watch = await client.watch_prefix(self.prefix, start_revision=revision + 1)
-                async for event in watch:
-                    revision = event.kv.mod_revision
-                    await self._apply(event)
-                raise aetcd.ConnectionFailedError("the watch stream ended")
-            except Exception as exc:  # etcd away, the stream broken, history compacted: reload when it answers
-                # Once per outage: the retries below say nothing until etcd answers.
-                log.warning("fleet: lost etcd's watch of the %s table %s (%s); serving the %d records last "
-                            "seen until etcd answers; changes to it are refused meanwhile", self.table,
-                            self.prefix.decode(), exc, len(self._rows))
-                await self._publish(self._rows, self._names, self._revision, stale=True)
-                await self.session.reset()
-            while True:
-                await asyncio.sleep(self.retry_s)  # the retry period while etcd is away
-                try:
-                    revision = await self.load()
-                    log.warning("fleet: etcd answers again; the %s table is current (%d records)", self.table,
-                                len(self._rows))
-                    break
-                except KVStoreError:
-                    await self.session.reset()
+        await follow_prefix(self.session, self.prefix, revision, apply=self._apply, lost=self._lost,
+                            reload=self._reloaded, retry_s=self.retry_s)
+
+    async def _lost(self, exc: Exception) -> None:
+        # Once per outage: the retries say nothing until etcd answers.
+        log.warning("fleet: lost etcd's watch of the %s table %s (%s); serving the %d records last "
+                    "seen until etcd answers; changes to it are refused meanwhile", self.table,
+                    self.prefix.decode(), exc, len(self._rows))
+        await self._publish(self._rows, self._names, self._revision, stale=True)
+
+    async def _reloaded(self) -> int:
+        revision = await self.load()
+        log.warning("fleet: etcd answers again; the %s table is current (%d records)", self.table, len(self._rows))
+        return revision
 
     async def _apply(self, event: aetcd.Event) -> None:
         name = event.kv.key[len(self.prefix):].decode(errors="replace")
