@@ -8,15 +8,31 @@ addresses configured, turns them on, and reads the publisher's counters at each 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.auth import is_loopback
-from kvstore.config_sections import EventsSettings
+from kvstore.config_sections import EventsSettings, StoreSettings
 from kvstore.errors import ConfigError
 from tiers.datadir import node_id
-from tiers.lmdb_tier import LmdbBlockTier
+
+if TYPE_CHECKING:
+    from kvstore.events.publisher import EventPublisher
+    from tiers.events import EventLog
+
+
+class EventedStore(Protocol):
+    """What this module needs of the store (LmdbBlockTier): its events' log and publisher."""
+
+    settings: StoreSettings
+    events: EventLog | None
+    publisher: EventPublisher | None
+
+    def publish_events(self, settings: EventsSettings, node_id: str) -> EventPublisher:
+        """Log and publish every stored and removed block from now on."""
+        ...
 
 
 def endpoint_host(endpoint: str) -> str | None:
@@ -44,7 +60,7 @@ def check_events_bind(settings: EventsSettings, *, insecure: bool) -> None:
                      "events.insecure = true on a trusted network")
 
 
-def start_events(settings: EventsSettings, tier: LmdbBlockTier) -> str:
+def start_events(settings: EventsSettings, tier: EventedStore) -> str:
     """Turn the tier's events on when `[events] enabled`; the line `kvstore serve` prints of them.
 
     Raises:
@@ -71,7 +87,7 @@ def start_events(settings: EventsSettings, tier: LmdbBlockTier) -> str:
 class EventsCollector(Collector):
     """The kvstore_events_* series: all 0 while events are off (docs/METRICS.md, "Events")."""
 
-    def __init__(self, tier: LmdbBlockTier) -> None:
+    def __init__(self, tier: EventedStore) -> None:
         self.tier = tier
 
     def describe(self) -> list[Metric]:
