@@ -194,6 +194,8 @@ class FleetRepairer:
         self.leave: Callable[[], Awaitable[None]] | None = None
         #: Whether a drain of this node was requested (None: drains are not looked for).
         self.drain_requested: Callable[[], Awaitable[bool]] | None = None
+        #: Closed by `stop` after the membership view (the repairer's own etcd session).
+        self.closing: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._published_at = 0.0
         #: The nodes (id -> address) the pass under way planned over; None between passes.
@@ -214,6 +216,8 @@ class FleetRepairer:
             self._task = None
         await self.peers.close()
         await self.membership.close()
+        for close in self.closing:
+            await close()
 
     async def _run(self) -> None:
         seen = -1
@@ -613,18 +617,23 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
     await membership.start()
     key = repair_key(fleet.cluster, registration.record.node_id)
     drain = drain_key(fleet.cluster, registration.record.node_id)
+    # The repairer's own calls go through a session of their own. An EtcdSession resets (closes) its
+    # client when a call finds etcd unreachable: shared with the view's watch, that close raced the watch's
+    # own reconnect inside aetcd and left the view stale for good after etcd came back (no pass ran over the
+    # new membership); shared with the registration, it would cancel a keep-alive in flight.
+    own = session_for(fleet)
 
     async def publish(progress: RepairProgress) -> None:
         if progress.draining:  # its lease is revoked: the record stays until the drain is cancelled
-            await membership.session.call(lambda c: c.put(key, progress.to_json()))
+            await own.call(lambda c: c.put(key, progress.to_json()))
             return
         lease = registration.lease_id
         if lease is not None:  # between a lost lease and its renewal: the next update writes it
-            await registration.session.call(lambda c: c.put(key, progress.to_json(), lease=lease))
+            await own.call(lambda c: c.put(key, progress.to_json(), lease=lease))
 
     async def drain_requested() -> bool:
         try:
-            return await membership.session.call(lambda c: c.get(drain)) is not None
+            return await own.call(lambda c: c.get(drain)) is not None
         except KVStoreError:  # etcd away: the next pass asks again
             return False
 
@@ -634,5 +643,6 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
                              window_s=settings.store.retention_s, bucket=bucket,
                              peers=peers, interval_s=fleet.repair_interval_s, publish=publish)
     repairer.leave, repairer.drain_requested = registration.stop, drain_requested
+    repairer.closing.append(own.close)
     repairer.start()
     return repairer

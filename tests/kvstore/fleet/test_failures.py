@@ -262,8 +262,6 @@ def test_f42_a_wiped_node_on_the_same_address_is_a_new_node_filled_with_its_shar
         assert during
 
 
-@pytest.mark.xfail(strict=False, reason="found here, not fixed (gateway/fleet_repair.py): some runs, after the "
-                   "status said settled, are not on the wiped node the placement names (seen in one run of two)")
 def test_f42_the_wiped_node_holds_all_of_each_run_placed_on_it(fleet: Fleet) -> None:
     """After the test above settled: every run on both replicas of today's placement, the new node included."""
     fleet.wait_settled(NAMES)
@@ -368,12 +366,6 @@ class Down:
 OPS = st.lists(st.sampled_from(["put", "read", "stop", "stop", "kill", "up"]), min_size=3, max_size=4)
 
 
-# About 160 s of a 2-core CI run for a test that fails today on a known repairer bug (the xfail): run it on
-# purpose with KVSTORE_TEST_FLEET_PROPERTY=1 until that bug is fixed, then drop this skip.
-@pytest.mark.skipif(not os.environ.get("KVSTORE_TEST_FLEET_PROPERTY"),
-                    reason="the fleet property test runs with KVSTORE_TEST_FLEET_PROPERTY=1 (about 160 s)")
-@pytest.mark.xfail(strict=False, reason="found here, not fixed (gateway/fleet_repair.py): after a node's SIGKILL and "
-                   "restart, a survivor's re-replication pass can stay `running` for good, so the fleet never settles")
 @settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=OPS)
@@ -455,9 +447,6 @@ def test_f7_f24_etcd_killed_the_data_plane_serves_and_admin_writes_are_refused_n
         assert outage
 
 
-@pytest.mark.xfail(strict=False, reason="found here, not fixed (gateway/fleet_repair.py): after etcd came back and "
-                   "the killed node's lease ended, the survivors ran no pass over the new membership (seen in 1 "
-                   "run of 2)")
 def test_f18_re_replication_resumes_once_etcd_is_back(fleet: Fleet) -> None:
     """After the outage above (etcd back, node c gone by its lease), a and b settle over themselves (F18)."""
     fleet.wait_settled(("a", "b"))
