@@ -19,7 +19,8 @@ import zmq
 
 from kvstore.events import wire
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events", reason="vLLM is not installed (scripts/install_engines.sh)")
+kv_events = pytest.importorskip("vllm.distributed.kv_events",
+                                reason="vLLM is not installed (scripts/install_engines.sh)")
 VLLM_DECODER = msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
 END_SEQ = -1
 

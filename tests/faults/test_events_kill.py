@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'kvstore[events]')")
 
-from kvstore.geometry import V4_1_FLASH  # noqa: E402
-from tests.events_consumer import Consumer  # noqa: E402
-from tests.faults.conftest import Chain, ServeProcess, make_chains  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from kvstore.geometry import V4_1_FLASH
+from tests.events_consumer import Consumer
+from tests.faults.conftest import Chain, ServeProcess, make_chains
+from tests.waiting import wait_until
 
 EVENTS = {"enabled": True, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}
 

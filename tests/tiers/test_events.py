@@ -15,17 +15,17 @@ import pytest
 pytest.importorskip("zmq", reason="pyzmq is not installed (pip install 'kvstore[events]')")
 pytest.importorskip("msgspec", reason="msgspec is not installed (pip install 'kvstore[events]')")
 
-from kvstore.clock import ManualClock  # noqa: E402
-from kvstore.config import EventsSettings, StoreSettings  # noqa: E402
-from kvstore.errors import ConfigError, ResourceExhausted  # noqa: E402
-from kvstore.events import wire  # noqa: E402
-from kvstore.events.publisher import EventPublisher  # noqa: E402
-from kvstore.geometry import V4_1_FLASH  # noqa: E402
-from kvstore.prefix import BlockScope  # noqa: E402
-from tests.events_consumer import Consumer  # noqa: E402
-from tests.tiers.conftest import HOUR, KIT_BLOCK, KIT_TOKENS, Kit  # noqa: E402
-from tiers.events import EVENTS_DB, tenant_topic  # noqa: E402
-from tiers.lmdb_tier import LmdbBlockTier  # noqa: E402
+from kvstore.clock import ManualClock
+from kvstore.config import EventsSettings, StoreSettings
+from kvstore.errors import ConfigError, ResourceExhausted
+from kvstore.events import wire
+from kvstore.events.publisher import EventPublisher
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope
+from tests.events_consumer import Consumer
+from tests.tiers.conftest import HOUR, KIT_BLOCK, KIT_TOKENS, Kit
+from tiers.events import EVENTS_DB, tenant_topic
+from tiers.lmdb_tier import LmdbBlockTier
 
 GEOMETRY = V4_1_FLASH.fingerprint.hex()
 EVENTS = EventsSettings(enabled=True, endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
