@@ -12,6 +12,7 @@ import grpc
 from gateway import validate
 from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
+from gateway.lookup_anchors import LookupAnchors
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.routed_store import Route, RoutedStore
@@ -28,7 +29,7 @@ from kvstore.errors import (
     to_status,
 )
 from kvstore.geometry import ModelGeometry
-from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -79,6 +80,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         #: What planners reported of their plans (ReportResume): usable tokens, not raw hits.
         self.resume = ResumeCounters()
         self.hits = hits or HitStats(None, tier.clock, block_tokens=self.settings.block_tokens)
+        #: Chains found stored, by their last hash: a next turn sends only its new hashes.
+        self.anchors = LookupAnchors()
 
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -95,6 +98,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             max_lease_ms=self.settings.max_lease_ms,
             version=__version__,
             lookup_packed_hashes=True,
+            lookup_anchors=True,
             tenant=current_caller().tenant,
             run_blocks=self.router.run_blocks if self.router is not None else 0,
         )
@@ -104,17 +108,27 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         # A prompt shorter than a block has no hashes; its SWA candidates are answered (none
         # serves: a resume needs the global rows below it, and no block is found).
-        only_swa = not request.block_hashes and not request.block_hashes_packed and bool(request.swa_keys)
-        hashes = [] if only_swa else validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
+        packed = request.block_hashes_packed
+        if request.anchor_hash or request.anchor_blocks:  # a next turn: the remembered chain, then these
+            validate.anchor(request.anchor_hash, request.anchor_blocks, request.block_hashes)
+            expanded = self.anchors.expand(scope.prefix, request.anchor_hash, request.anchor_blocks, packed)
+            if expanded is None:
+                return pb.LookupResponse(anchor_unknown=True)  # A4: nothing looked up; the client sends all
+            packed = expanded
+        only_swa = not request.block_hashes and not packed and bool(request.swa_keys)
+        hashes = [] if only_swa else validate.lookup_hashes(request.block_hashes, packed,
                                                             limit=self.settings.max_lookup_blocks)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         if self.router is not None:
-            return await self._routed_lookup(request, scope, hashes, lease_ms, context)
+            reply = await self._routed_lookup(request, scope, hashes, lease_ms, context)
+            self._remember(scope, packed, reply.found_blocks, request.anchor_hash)
+            return reply
         # One index read per found block (the chain is checked, R15): off the event loop.
         due: list[bytes] = []
         found, lease = await self.tier.call(
             lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
+        self._remember(scope, packed, found, request.anchor_hash)
         if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
@@ -136,6 +150,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.swa_found = True
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
         return reply
+
+    def _remember(self, scope: BlockScope, packed: bytes, found: int, anchor_hash: bytes) -> None:
+        """Remember the found prefix of a packed Lookup as an anchor for its next turn (A1)."""
+        if packed and found:
+            self.anchors.remember(scope.prefix, packed[:found * HASH_BYTES], replaces=anchor_hash)
 
     async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: list[bytes],
                              lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

@@ -109,6 +109,20 @@ def lookup_hashes(block_hashes: Sequence[bytes], packed: bytes, *, limit: int) -
     return out
 
 
+def anchor(anchor_hash: bytes, anchor_blocks: int, block_hashes: Sequence[bytes]) -> None:
+    """A Lookup's anchor (a next turn, gateway.lookup_anchors): a 32-byte hash standing for at least one block.
+
+    Raises:
+        InvalidArgument: a hash of another size, no block count, or the repeated block_hashes beside it.
+    """
+    if len(anchor_hash) != HASH_BYTES:
+        raise InvalidArgument(f"anchor_hash is {len(anchor_hash)} bytes; a block hash is {HASH_BYTES} bytes")
+    if anchor_blocks < 1:
+        raise InvalidArgument("anchor_blocks must be at least 1: the length of the chain anchor_hash ends")
+    if block_hashes:
+        raise InvalidArgument("an anchor goes with block_hashes_packed (the hashes after it), not block_hashes")
+
+
 _CHUNK_HASHES = 256
 _CHUNK = struct.Struct(f"{HASH_BYTES}s" * _CHUNK_HASHES)
 

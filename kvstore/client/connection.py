@@ -20,6 +20,7 @@ import grpc
 from kvstore.client import arguments
 from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, ChainMemo
 from kvstore.client.fleet_chain import fleet_hashes
+from kvstore.client.lookup_anchors import AnchorTable
 from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
@@ -156,6 +157,9 @@ class Connection:
         self.run_blocks: int = info.run_blocks
         #: The server reads a Lookup's hashes as one packed field (one parse, not one per hash).
         self.lookup_packed_hashes: bool = info.lookup_packed_hashes
+        #: The server reads a Lookup's anchor: a next turn names the chain found before (`anchors`).
+        self.lookup_anchors: bool = info.lookup_anchors and info.lookup_packed_hashes
+        self.anchors = AnchorTable()
         #: The chains hashed on this connection, reused by prompts that begin with their tokens.
         self.chain_memo = ChainMemo(block_tokens=self.block_tokens, max_bytes=chain_memo_bytes)
 

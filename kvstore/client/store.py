@@ -197,15 +197,29 @@ class Client:
         swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
         if not hashes and not swa_keys:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
-        # One packed field where the server reads it: one parse on each side, not one per hash.
-        chain = ({"block_hashes_packed": b"".join(hashes)} if self.connection.lookup_packed_hashes
-                 else {"block_hashes": hashes})
-        request = pb.LookupRequest(geometry=self.geometry, namespace=self.namespace, lease_ms=lease_ms,
-                                   swa_keys=swa_keys, swa_positions=swa_positions,
-                                   swa_resume_limit=swa_resume_limit, **chain)
+        fields: dict[str, Any] = {"geometry": self.geometry, "namespace": self.namespace, "lease_ms": lease_ms,
+                                  "swa_keys": swa_keys, "swa_positions": swa_positions,
+                                  "swa_resume_limit": swa_resume_limit}
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
         retry = self.retry if not lease_ms else Retry(retries=0)
-        reply = retry.call(lambda: self.connection.call(self.connection.kvstore.Lookup, request))
+        conn = self.connection
+        anchored = conn.anchors.best(hashes) if conn.lookup_anchors else 0
+        reply = None
+        if anchored:  # a next turn: name the chain the server found before, send only what follows it
+            request = pb.LookupRequest(anchor_hash=hashes[anchored - 1], anchor_blocks=anchored,
+                                       block_hashes_packed=b"".join(hashes[anchored:]), **fields)
+            reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+            if reply.anchor_unknown:  # forgotten (or a restarted server): send the whole chain
+                conn.anchors.forget(hashes[anchored - 1])
+                reply = None
+        if reply is None:
+            # One packed field where the server reads it: one parse on each side, not one per hash.
+            chain = {"block_hashes_packed": b"".join(hashes)} if conn.lookup_packed_hashes else {"block_hashes": hashes}
+            request = pb.LookupRequest(**chain, **fields)
+            reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+        if conn.lookup_anchors and reply.found_blocks:
+            conn.anchors.note(hashes[reply.found_blocks - 1], reply.found_blocks,
+                              replaces=hashes[anchored - 1] if anchored else b"")
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
                             lease_id=reply.lease_id or None, block_hashes=hashes,
                             swa_position=reply.swa_position if reply.swa_found else None,

@@ -48,7 +48,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks", "lookup_packed_hashes")
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks", "lookup_packed_hashes", "lookup_anchors")
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class GetInfoResponse(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ANCHORS_FIELD_NUMBER: _ClassVar[int]
     block_tokens: int
     geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
     max_batch_blocks: int
@@ -69,10 +70,11 @@ class GetInfoResponse(_message.Message):
     tenant: str
     run_blocks: int
     lookup_packed_hashes: bool
-    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ...) -> None: ...
+    lookup_anchors: bool
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,8 @@ class LookupRequest(_message.Message):
     SWA_RESUME_LIMIT_FIELD_NUMBER: _ClassVar[int]
     SWA_FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_PACKED_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_HASH_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -91,10 +95,12 @@ class LookupRequest(_message.Message):
     swa_resume_limit: int
     swa_found_tokens: int
     block_hashes_packed: bytes
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ...) -> None: ...
+    anchor_hash: bytes
+    anchor_blocks: int
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index")
+    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index", "anchor_unknown")
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +109,7 @@ class LookupResponse(_message.Message):
     SWA_POSITION_FIELD_NUMBER: _ClassVar[int]
     SWA_RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWA_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     found_blocks: int
     found_tokens: int
     lease_id: str
@@ -111,7 +118,8 @@ class LookupResponse(_message.Message):
     swa_position: int
     swa_resume_tokens: int
     swa_index: int
-    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ...) -> None: ...
+    anchor_unknown: bool
+    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ..., anchor_unknown: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -51,18 +51,21 @@ def test_snapshot_keys_are_the_pools_keys_from_the_lookups_hashes(client: Client
 
 
 def test_plan_hashes_the_prompt_once(client: Client, planner: Planner, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.client.chain_memo as chain_memo
     import kvstore.client.connection as connection
     import kvstore.swa_snapshot as swa_snapshot
 
     calls: list[int] = []
-    for module in (connection, swa_snapshot):
-        real = module.chain_hashes
+    # Every way a chain is hashed: plainly, through the client's chain memo, for snapshot keys.
+    for module, name in ((connection, "chain_hashes"), (chain_memo, "chain_hashes_of_bytes"),
+                         (swa_snapshot, "chain_hashes")):
+        real = getattr(module, name)
 
         def counted(*args: Any, real: Callable[..., Any] = real, **kwargs: Any) -> Any:
             calls.append(1)
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(module, "chain_hashes", counted)
+        monkeypatch.setattr(module, name, counted)
     planner.plan(prompt(20, 5, client))
     assert len(calls) == 1
 

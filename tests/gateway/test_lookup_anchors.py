@@ -1,0 +1,121 @@
+"""A next turn's Lookup names the chain found before and sends only its new hashes (gateway.lookup_anchors,
+rules A1-A4; kvstore.client.lookup_anchors): the same answers as the whole chain, never another chain."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway.lookup_anchors import LookupAnchors
+from kvstore.client import Client
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+STORED = 100  # blocks of the stored conversation: over the 64 a chain needs to be remembered
+
+
+def stub_of(server: Any) -> pb_grpc.KVStoreStub:
+    return pb_grpc.KVStoreStub(grpc.insecure_channel(server.target))
+
+
+@pytest.fixture
+def conversation(client: Client) -> tuple[list[int], list[bytes]]:
+    """A stored 100-block prompt and the hashes of it plus 20 more blocks (the next turn, not stored)."""
+    bt = client.block_tokens
+    tokens = list(range(bt * (STORED + 20)))
+    client.put(tokens[:bt * STORED], [os.urandom(client.block_bytes) for _ in range(STORED)])
+    return tokens, client.hashes(tokens)
+
+
+def anchored(hashes: list[bytes], blocks: int, **kwargs: Any) -> pb.LookupRequest:
+    return pb.LookupRequest(anchor_hash=hashes[blocks - 1], anchor_blocks=blocks,
+                            block_hashes_packed=b"".join(hashes[blocks:]), **kwargs)
+
+
+def test_a1_a_next_turn_sends_only_its_new_hashes_and_finds_the_same(server: Any, client: Client,
+                                                                      conversation: Any) -> None:
+    tokens, hashes = conversation
+    stub = stub_of(server)
+    first = stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(hashes[:STORED])))
+    assert first.found_blocks == STORED
+    nxt = stub.Lookup(anchored(hashes, STORED))
+    assert (nxt.anchor_unknown, nxt.found_blocks) == (False, STORED)
+    assert stub.Lookup(anchored(hashes[:STORED], STORED)).found_blocks == STORED  # no new hashes at all
+
+
+def test_a1_the_client_names_its_anchor_and_answers_as_a_whole_chain_would(server: Any, client: Client,
+                                                                            conversation: Any) -> None:
+    tokens, hashes = conversation
+    bt = client.block_tokens
+    assert client.lookup(tokens[:bt * STORED]).found_blocks == STORED
+    assert client.connection.anchors.best(hashes) == STORED
+    with Client(server.target, chain_memo_bytes=0) as whole:
+        whole.connection.lookup_anchors = False
+        for prompt in (tokens, tokens[:bt * (STORED + 3)], tokens[:bt * STORED]):
+            assert client.lookup(prompt).found_blocks == whole.lookup(prompt).found_blocks == STORED
+
+
+def test_a1_only_what_the_tier_found_is_remembered(server: Any, client: Client, conversation: Any) -> None:
+    """Hashes a client merely sent (not stored) never become an anchor; the found prefix does."""
+    _, hashes = conversation
+    stub = stub_of(server)
+    bogus = [os.urandom(32) for _ in range(80)]
+    assert stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(bogus))).found_blocks == 0
+    assert stub.Lookup(anchored(bogus, 80)).anchor_unknown
+    mixed = hashes[:STORED] + bogus
+    assert stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(mixed))).found_blocks == STORED
+    assert stub.Lookup(anchored(mixed, STORED + 80)).anchor_unknown  # the sent chain's end: unknown
+    assert stub.Lookup(anchored(mixed, STORED)).found_blocks == STORED  # the found prefix: known
+
+
+def test_a2_another_tenant_or_geometry_never_uses_an_anchor(server: Any, client: Client, conversation: Any) -> None:
+    _, hashes = conversation
+    stub = stub_of(server)
+    stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(hashes[:STORED])))
+    assert stub.Lookup(anchored(hashes, STORED, namespace="tenant-b")).anchor_unknown
+    other = next(name for name in ("v41-tiny-fixture", "deepseek-v4.1-flash") if name != client.geometry)
+    assert stub.Lookup(anchored(hashes, STORED, geometry=other)).anchor_unknown
+
+
+def test_a4_an_unknown_anchor_or_length_is_answered_so_and_the_client_sends_the_whole_chain(
+        server: Any, client: Client, conversation: Any) -> None:
+    tokens, hashes = conversation
+    stub = stub_of(server)
+    stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(hashes[:STORED])))
+    wrong_length = pb.LookupRequest(anchor_hash=hashes[STORED - 1], anchor_blocks=STORED - 1,
+                                    block_hashes_packed=b"".join(hashes[STORED:]))
+    reply = stub.Lookup(wrong_length)
+    assert reply.anchor_unknown and reply.found_blocks == 0
+    with Client(server.target) as fresh:  # an anchor this server never found: forgotten, then the whole chain
+        fresh.connection.anchors.note(hashes[69], 70)
+        assert fresh.lookup(tokens).found_blocks == STORED
+        assert fresh.connection.anchors.best(hashes) == STORED  # the found chain replaced it
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"anchor_hash": b"h" * 31, "anchor_blocks": 1}, "anchor_hash is 31 bytes"),
+    ({"anchor_hash": b"h" * 32}, "anchor_blocks must be at least 1"),
+    ({"anchor_hash": b"h" * 32, "anchor_blocks": 1, "block_hashes": [b"h" * 32]}, "goes with block_hashes_packed"),
+])
+def test_a_malformed_anchor_is_invalid(server: Any, fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub_of(server).Lookup(pb.LookupRequest(**fields))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in info.value.details()
+
+
+def test_a3_memory_is_bounded_and_a_next_turn_replaces_its_anchor() -> None:
+    chain = [os.urandom(32) for _ in range(200)]
+    table = LookupAnchors(max_bytes=2 * 32 * 100, min_blocks=64)
+    table.remember(b"s", b"".join(chain[:63]))
+    assert len(table) == 0  # too short to be worth remembering
+    table.remember(b"s", b"".join(chain[:100]))
+    table.remember(b"s", b"".join(chain[:110]), replaces=chain[99])  # the next turn found more
+    assert len(table) == 1 and table.expand(b"s", chain[99], 100, b"") is None
+    assert table.expand(b"s", chain[109], 110, b"x") == b"".join(chain[:110]) + b"x"
+    other = [os.urandom(32) for _ in range(100)]
+    table.remember(b"s", b"".join(other))  # 110 + 100 hashes pass 200: the least recent goes
+    assert table.size_bytes <= 2 * 32 * 100 and table.expand(b"s", chain[109], 110, b"") is None
+    assert table.expand(b"t", other[99], 100, b"") is None and table.expand(b"s", other[99], 100, b"")
