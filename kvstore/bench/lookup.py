@@ -4,10 +4,12 @@ In one run, a `kvstore serve` process holds a chain of --tokens (1M by default)
 and is asked, over loopback gRPC, by the worker's client:
 
 - the conversation's next turn: the same prompt plus --new-tokens (4,096), the
-  client's chain memo holding the turn before (kvstore.client.chain_memo), its
-  hashes sent as one packed field; against today's client on the same server
-  (every token hashed again, one repeated field per hash) and against a raw gRPC
-  echo of the same request bytes (no kvstore logic at either end);
+  client's chain memo holding the turn before (kvstore.client.chain_memo) and the
+  server the chain it found then (an anchor: gateway/lookup_anchors.py), so only the
+  new hashes travel; against today's client on the same server (every token hashed
+  again, one repeated field per hash), against the memo alone (the whole chain
+  sent, packed) and against a raw gRPC echo of the same request bytes (no kvstore
+  logic at either end);
 - a cold Lookup with the hashes in hand (`lookup_hashes`): packed against the
   repeated field, and against the raw echo;
 - a cold Lookup from tokens (every token hashed, as a first turn is);
@@ -81,14 +83,16 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     with scratch(args.dir) as folder:
         with serve_process(folder / "store", n_blocks * block_bytes, bt) as target, echo_server() as echo, \
                 Client(target, geometry=TINY.name) as client, \
+                Client(target, geometry=TINY.name, chain_memo_bytes=0) as cold, \
                 Client(target, geometry=TINY.name, chain_memo_bytes=0) as today:
-            today.connection.lookup_packed_hashes = False  # today's wire: one repeated field per hash
+            cold.connection.lookup_anchors = False  # every Lookup sends the whole chain, packed
+            today.connection.lookup_anchors = today.connection.lookup_packed_hashes = False  # one field per hash
             with progress.bar("put the conversation", n_blocks, "block") as bar:
                 client.put(turn, _blocks(n_blocks, block_bytes), on_batch=bar.update)
             hashes = client.hashes(turn)
             figures.update(_next_turn(client, today, turn, args, rng))
-            figures.update(_cold(client, today, turn, hashes, args))
-            figures.update(_echoes(client, today, echo, turn, hashes, args))
+            figures.update(_cold(cold, today, turn, hashes, args))
+            figures.update(_echoes(client, echo, turn, hashes, args))
         figures["server"] = _server_answer(folder / "store", bt, n_blocks * block_bytes, hashes, args.repeat)
     _report(report, figures, len(turn), args)
     return report
@@ -105,11 +109,12 @@ def _next_turn(client: Any, today: Any, turn: np.ndarray, args: argparse.Namespa
     def next_prompt() -> np.ndarray:
         return np.concatenate([turn, rng.integers(0, 100_000, size=args.new_tokens, dtype=np.uint32)])
 
-    def memo_turn(form: Callable[[np.ndarray], Any]) -> float:
+    def memo_turn(form: Callable[[np.ndarray], Any], *, anchors: bool = True) -> float:
+        client.connection.lookup_anchors = anchors
         samples = []
         for _ in range(max(args.repeat, 1)):
             client.connection.chain_memo.clear()
-            client.lookup(turn)  # the turn before, hashed and kept (not timed)
+            client.lookup(turn)  # the turn before: hashed and kept, its chain found (not timed)
             prompt = form(next_prompt())
             start = time.perf_counter()
             found = client.lookup(prompt)
@@ -118,7 +123,7 @@ def _next_turn(client: Any, today: Any, turn: np.ndarray, args: argparse.Namespa
                 raise RuntimeError(f"the next turn found {found.found_blocks} blocks, expected all")
         return min(samples)
 
-    out = {"turn_memo": memo_turn(lambda p: p)}
+    out = {"turn_memo": memo_turn(lambda p: p), "turn_memo_only": memo_turn(lambda p: p, anchors=False)}
     prompt = next_prompt()
     out["turn_today"] = best_of(lambda: today.lookup(prompt), args.repeat)
     if args.list_tokens:
@@ -126,26 +131,23 @@ def _next_turn(client: Any, today: Any, turn: np.ndarray, args: argparse.Namespa
     return out
 
 
-def _cold(client: Any, today: Any, turn: np.ndarray, hashes: list[bytes], args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of a cold Lookup: hashes in hand (packed, today's repeated field), and from tokens."""
-    memo = client.connection.chain_memo
-
-    def from_tokens() -> None:
-        memo.clear()
-        client.lookup(turn)
-
-    return {"cold_packed": best_of(lambda: client.lookup_hashes(hashes), args.repeat),
+def _cold(cold: Any, today: Any, turn: np.ndarray, hashes: list[bytes], args: argparse.Namespace) -> dict[str, float]:
+    """Seconds of a cold Lookup (no memo, no anchor): hashes in hand (packed, today's repeated field),
+    and from tokens."""
+    return {"cold_packed": best_of(lambda: cold.lookup_hashes(hashes), args.repeat),
             "cold_repeated": best_of(lambda: today.lookup_hashes(hashes), args.repeat),
-            "cold_tokens": best_of(from_tokens, args.repeat)}
+            "cold_tokens": best_of(lambda: cold.lookup(turn), args.repeat)}
 
 
-def _echoes(client: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
+def _echoes(client: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
             args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of a raw gRPC call carrying the same request bytes as each Lookup (packed, next turn's size)."""
+    """Seconds of a raw gRPC call carrying the same request bytes as each Lookup (the next turn's anchored
+    request, the cold one's whole chain)."""
     from kvstore.v1 import kvstore_pb2 as pb
 
     extra = (len(turn) + args.new_tokens) // args.block_tokens - len(hashes)
-    turn_bytes = pb.LookupRequest(geometry=client.geometry, block_hashes_packed=b"".join(hashes) + bytes(32 * extra))
+    turn_bytes = pb.LookupRequest(geometry=client.geometry, anchor_hash=hashes[-1], anchor_blocks=len(hashes),
+                                  block_hashes_packed=bytes(32 * extra))
     cold_bytes = pb.LookupRequest(geometry=client.geometry, block_hashes_packed=b"".join(hashes))
     turn_raw, cold_raw = turn_bytes.SerializeToString(), cold_bytes.SerializeToString()
     return {"echo_turn": best_of(lambda: echo(turn_raw), args.repeat),
@@ -192,13 +194,15 @@ def _report(report: Report, s: dict[str, float], tokens: int, args: argparse.Nam
     ms = {k: v * 1e3 for k, v in s.items()}
     label = f"{tokens:,} tokens"
     turn = f"next turn of {label} (+{args.new_tokens:,})"
-    report.add(Figure.against(f"lookup {turn} over gRPC, chain memo", ms["turn_memo"], "ms",
+    report.add(Figure.against(f"lookup {turn} over gRPC, chain memo + anchor", ms["turn_memo"], "ms",
                               "same turn, today's client (every token hashed, repeated hashes)", ms["turn_today"]))
-    report.add(Figure.against(f"lookup {turn} over gRPC, chain memo (vs raw echo)", ms["turn_memo"], "ms",
+    report.add(Figure.against(f"lookup {turn} over gRPC, chain memo + anchor (vs raw echo)", ms["turn_memo"], "ms",
                               "raw gRPC echo of the same request bytes", ms["echo_turn"]))
+    report.add(Figure.against(f"lookup {turn} over gRPC, chain memo only (whole chain sent)", ms["turn_memo_only"],
+                              "ms", "same turn, today's client", ms["turn_today"]))
     if "turn_memo_list" in ms:
-        report.add(Figure.against(f"lookup {turn} over gRPC, chain memo, tokens as a list", ms["turn_memo_list"],
-                                  "ms", "same turn, today's client", ms["turn_today"]))
+        report.add(Figure.against(f"lookup {turn} over gRPC, chain memo + anchor, tokens as a list",
+                                  ms["turn_memo_list"], "ms", "same turn, today's client", ms["turn_today"]))
     report.add(Figure.against(f"lookup {label} cold over gRPC, hashes packed", ms["cold_packed"], "ms",
                               "same, repeated hashes (before)", ms["cold_repeated"]))
     report.add(Figure.against(f"lookup {label} cold over gRPC, hashes packed (vs raw echo)", ms["cold_packed"], "ms",

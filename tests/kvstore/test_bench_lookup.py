@@ -16,7 +16,8 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     report = json.loads(out)
     figures = {f["name"]: f for f in report["figures"]}
     turn = "lookup next turn of 8,192 tokens (+256) over gRPC, chain memo"
-    assert {turn, f"{turn} (vs raw echo)", f"{turn}, tokens as a list",
+    assert {f"{turn} + anchor", f"{turn} + anchor (vs raw echo)", f"{turn} + anchor, tokens as a list",
+            f"{turn} only (whole chain sent)",
             "lookup 8,192 tokens cold over gRPC, hashes packed",
             "lookup 8,192 tokens cold over gRPC, hashes packed (vs server)",
             "lookup 8,192 tokens cold from tokens (every token hashed)"} <= figures.keys()
