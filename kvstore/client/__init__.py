@@ -36,7 +36,9 @@ A fleet of nodes (docs/FLEET.md, "Data path"): `Client("etcd://...")` is a `Flee
   `fleet_view`: the live nodes (the membership view on a thread); `fleet_nodes`: one
   connection per node and the read order of replicas; `fleet_chain`: a chain's hashes
   run by run; `fleet_put`, `fleet_lookup`, `fleet_get`: the replicated Put, the Lookup
-  across runs, the Get with failover; `fleet_refresh`: the refreshes of the other copies.
+  across runs, the Get with failover; `fleet_refresh`: the refreshes of the other copies;
+  `fleet_swa`: the SWA pool the nodes share (F44-F45); `fleet_restore`: restore's direct
+  paths run by run from this host's node (F48).
 - `retry`: `Retry`, the one retry policy (capped, jittered backoff over retryable errors).
 
 Direct restore on the store's host (docs/DIRECT_RESTORE.md):

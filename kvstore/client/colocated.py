@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import threading
 import weakref
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from kvstore.client.store import Client
 
 DATA_NAME = "data.mdb"
+#: The store's identity file (tiers.datadir.IDENTITY_NAME: part of the on-disk format this reader knows).
+IDENTITY_NAME = "kvstore-identity.json"
 #: The tenant of every call on a server without auth (gateway.auth.DEFAULT_TENANT).
 _DEFAULT_TENANT = "default"
 #: Default lease of a read's Lookup: none, the read txn begins before the Lookup runs.
@@ -116,6 +119,16 @@ class ColocatedReader:
         self._inode = self._path.stat().st_ino
         self._closed = False
         self._hooks: list[Callable[[], None]] = []
+
+    @property
+    def node_id(self) -> str | None:
+        """The store's id, which is its node id in a fleet (docs/FLEET.md F1, F48); None when unreadable."""
+        try:
+            identity = json.loads((self.data_dir / IDENTITY_NAME).read_text())
+        except (OSError, ValueError):
+            return None
+        store_id = identity.get("store_id") if isinstance(identity, dict) else None
+        return store_id if isinstance(store_id, str) else None
 
     # -- reads -------------------------------------------------------------
 

@@ -16,11 +16,13 @@ through any node, F44-F45), so `swa` and `lookup(swa_positions=...)` work as on
 one server.
 
 Resume reports go to one node (the fleet's stats sum the nodes'), so the planner
-(`replay.planner.Planner`) and `restore` (gRPC path) work over a fleet client (F47).
+(`replay.planner.Planner`) and `restore` work over a fleet client (F47); with the
+`ColocatedReader` of this host's node, restore reads that node's runs directly
+(`fleet_restore`, F48).
 
-Not in a fleet yet: transfer sessions, direct restore and the same-host paths,
-store-wide stats through this client (`node_stats` gives each node's); those
-raise FailedPrecondition.
+Not in a fleet yet: transfer sessions, the shared-memory paths and store-wide
+stats through this client (`node_stats` gives each node's); those raise
+FailedPrecondition.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class FleetClient(Client):
                              tls=tls)
         self.refresher = Refresher(self.pool)
         self._swa: FleetSwaClient | None = None
+        self._node_options = {"namespace": namespace, "geometry": geometry, "timeout_s": timeout_s, "token": token,
+                              "tls": tls}
+        self._node_clients: dict[str, Client] = {}
         self._swa_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(_PUT_THREADS, thread_name_prefix="fleet-put")
         try:
@@ -141,6 +146,8 @@ class FleetClient(Client):
         self.refresher.close()
         if self._swa is not None:
             self._swa.close()
+        for node in self._node_clients.values():
+            node.close()
         self._executor.shutdown(wait=True)
         self.pool.close()
         self.view.close()
@@ -282,6 +289,33 @@ class FleetClient(Client):
             blocks.append(data if status == pb.BLOCK_STATUS_FOUND else None)
             statuses.append(pb.BlockStatus.Name(status).removeprefix("BLOCK_STATUS_").lower())
         return GetResult(blocks=blocks, statuses=statuses)
+
+    def stream_part(self, chain: Sequence[bytes], first_block: int, end_block: int) -> Iterator[tuple[int, int, bytes]]:
+        """(index from `first_block`, status, data) per block [first_block, end_block) of `chain` (fleet hashes from
+        block 0), each run from its nearest replica with failover (F33)."""
+        chain = arguments.hashes(chain, "chain")
+        return self._stream(chain, arguments.integer(first_block, "first_block"),
+                            min(arguments.integer(end_block, "end_block"), len(chain)))
+
+    def node_client(self, node_id: str) -> Client:
+        """A plain `kvstore.Client` of one live node, for what reads one node's store (F48); closed with this one.
+
+        Raises:
+            Unavailable: the node is not in the view, or does not answer.
+        """
+        record = self.view.nodes.get(node_id)
+        if record is None:
+            raise Unavailable(f"node {node_id} is not in fleet {self.view.address.cluster!r} now")
+        with self._swa_lock:
+            found = self._node_clients.get(node_id)
+            if found is not None and found.target == record.address:
+                return found
+        fresh = Client(record.address, **self._node_options)  # type: ignore[arg-type]
+        with self._swa_lock:
+            old, self._node_clients[node_id] = self._node_clients.get(node_id), fresh
+        if old is not None:
+            old.close()
+        return fresh
 
     def stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
         """(index, status, data) per block of `hashes`, which in a fleet must be a chain from block 0

@@ -20,11 +20,11 @@ The direct paths read the store's file, which holds every tenant's blocks: they
 are used only when the caller configured a reader (the trust model,
 docs/SECURITY.md); "auto" never opens one itself.
 
-A fleet client (`kvstore.client.fleet.FleetClient`) restores over "grpc": each run
-streamed from its nearest replica with failover (docs/FLEET.md F33, F47). The
-same-host paths read or map one node's store, and a prompt's runs lie on several
-nodes: "auto" passes them by (saying so in `reason`), and forcing one is
-FAILED_PRECONDITION.
+A fleet client (`kvstore.client.fleet.FleetClient`) restores each run from its
+nearest replica over "grpc" with failover (docs/FLEET.md F33, F47); given the
+reader of this host's node, the runs that node holds go by the direct paths
+(`kvstore.client.fleet_restore`, F48). "shm" maps one node's store while a
+prompt's runs lie on several nodes: forcing it is FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -99,14 +99,7 @@ def restore(client: Any, tokens_or_hashes: Sequence[Any], dest: Any, *, path: st
     _check_dest(dest, len(hashes), client.block_bytes, cuda)
     notes: list[str] = []
     if fleet:
-        if path not in ("auto", "grpc"):
-            raise FailedPrecondition(f"path {path} is not available through a fleet client: it reads or maps one "
-                                     "node's store, and a prompt's runs lie on several nodes",
-                                     hint='use path="auto" or "grpc" (docs/FLEET.md F47)')
-        reader = None
-        if path == "auto":
-            notes.append("a fleet client: each run streamed from its nearest replica (same-host paths not per run yet)")
-        path = "grpc"
+        return _fleet(client, hashes, dest, cuda, path=path, reader=reader, gpu=gpu, lease_ms=lease_ms)
     if path in ("direct-gpu", "direct-cpu") and reader is None:
         raise FailedPrecondition(f"path {path} needs a ColocatedReader of this host's store",
                                  hint="the direct paths are off unless configured (docs/SECURITY.md): "
@@ -125,6 +118,37 @@ def restore(client: Any, tokens_or_hashes: Sequence[Any], dest: Any, *, path: st
         result = _shm(client, hashes, dest, cuda, forced=path == "shm", notes=notes)
         if result is not None:
             return result
+    return _grpc(client, hashes, dest, cuda, notes)
+
+
+def _fleet(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, path: str, reader: ColocatedReader | None,
+           gpu: Any, lease_ms: int) -> RestoreResult:
+    """A fleet client's restore: with this host's node's reader, its runs directly and the rest streamed
+    (`fleet_restore`, F48); else every run streamed from its nearest replica (F47)."""
+    if path == "shm":
+        raise FailedPrecondition("path shm is not available through a fleet client: it maps one node's store, "
+                                 "and a prompt's runs lie on several nodes",
+                                 hint='use path="auto", "grpc", or a direct path with this host\'s node\'s reader '
+                                      "(docs/FLEET.md F47, F48)")
+    if path in ("direct-gpu", "direct-cpu") and reader is None:
+        raise FailedPrecondition(f"path {path} needs a ColocatedReader of this host's node's store",
+                                 hint="pass reader=ColocatedReader(data_dir) (docs/FLEET.md F48)")
+    if path == "direct-gpu" and not cuda:
+        raise InvalidArgument("path direct-gpu needs a CUDA dest tensor")
+    notes = []
+    if reader is not None and path != "grpc" and hashes:
+        from kvstore.client.fleet_restore import restore_runs
+
+        result = restore_runs(client, reader, hashes, dest, path=path, gpu=gpu, lease_ms=lease_ms, cuda=cuda)
+        if result is not None:
+            return result
+        if path != "auto":
+            raise FailedPrecondition(f"the reader's store ({reader.data_dir}) is no live node of this fleet",
+                                     hint="give the ColocatedReader of the node on this host (docs/FLEET.md F48)")
+        notes.append(f"the reader's store ({reader.data_dir}) is no live node of this fleet")
+    elif path == "auto":
+        notes.append("no ColocatedReader configured: direct paths off")
+    notes.insert(0, "a fleet client: each run streamed from its nearest replica")
     return _grpc(client, hashes, dest, cuda, notes)
 
 

@@ -18,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from redis.cluster import RedisCluster
 
 import kvstore
+from kvstore.client import colocated
+from kvstore.client.colocated import ColocatedReader
 from kvstore.client.fleet import FleetClient, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
 from kvstore.client.restore import restore
@@ -101,6 +104,7 @@ def test_f46_a_node_sweeps_only_the_direct_users_past_their_lifetime(redis_clust
 class Node:
     node_id: str
     child: Child
+    data_dir: Path
 
 
 @dataclass
@@ -117,7 +121,7 @@ def _start_node(tmp: Path, etcd: str, cluster: str, redis_nodes: str, i: int) ->
         "swa": {"backend": "redis-cluster", "cluster_nodes": redis_nodes, "cap_bytes": 256 << 20},
     })
     child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
-    return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
+    return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child, data_dir=tmp / f"store{i}")
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +234,36 @@ def test_f47_the_planner_and_restore_run_over_a_fleet_client(fleet: Fleet) -> No
         assert bytes(dest) == b"".join(payload)
         with pytest.raises(FailedPrecondition, match="path shm is not available through a fleet client"):
             restore(client, tokens, dest, path="shm")
+
+
+def test_f48_restore_reads_this_hosts_nodes_runs_directly_and_streams_the_rest(fleet: Fleet) -> None:
+    """F48: with the ColocatedReader of one node, restore reads the runs that node holds from its file and
+    streams the others from their replicas; every byte comes back, in order."""
+    local = fleet.nodes[0]
+    with fleet_client(fleet) as client:
+        while True:  # a prompt with some runs on the local node and some not (each run: 2 of 3 nodes)
+            tokens = prompt(RUN_TOKENS * 6 + 3)
+            runs = client.placement(client.hashes(tokens))
+            mine = sum(local.node_id in r.replicas for r in runs)
+            if 0 < mine < len(runs):
+                break
+        payload = [random.randbytes(client.block_bytes) for _ in range(24)]
+        client.put(tokens, payload)
+        assert colocated.IDENTITY_NAME == datadir.IDENTITY_NAME
+        reader = ColocatedReader(local.data_dir)
+        try:
+            assert reader.node_id == local.node_id
+            dest = bytearray(24 * client.block_bytes)
+            result = restore(client, tokens, dest, reader=reader)
+            assert (result.path, result.blocks, result.corrupt) == ("direct-cpu", 24, [])
+            assert f"{mine} of 6 runs read from it" in result.reason and bytes(dest) == b"".join(payload)
+            rows = restore(client, tokens, dest_rows := torch.zeros((24, client.block_bytes), dtype=torch.uint8),
+                           path="direct-cpu", reader=reader)
+            assert rows.blocks == 24 and [bytes(r.numpy()) for r in dest_rows] == payload
+        finally:
+            reader.close()
+        with pytest.raises(FailedPrecondition, match="needs a ColocatedReader of this host's node"):
+            restore(client, tokens, dest, path="direct-cpu")
 
 
 def test_f45_the_swa_pool_fails_over_when_its_node_dies(fleet: Fleet) -> None:
