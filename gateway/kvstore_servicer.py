@@ -121,14 +121,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         if self.router is not None:
             reply = await self._routed_lookup(request, scope, hashes, lease_ms, context)
-            self._remember(scope, packed, reply.found_blocks, request.anchor_hash)
+            self._remember(scope, packed, reply.found_blocks, request)
             return reply
         # One index read per found block (the chain is checked, R15): off the event loop.
         due: list[bytes] = []
         found, lease = await self.tier.call(
             lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
-        self._remember(scope, packed, found, request.anchor_hash)
+        self._remember(scope, packed, found, request)
         if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
@@ -151,10 +151,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
         return reply
 
-    def _remember(self, scope: BlockScope, packed: bytes, found: int, anchor_hash: bytes) -> None:
-        """Remember the found prefix of a packed Lookup as an anchor for its next turn (A1)."""
-        if packed and found:
-            self.anchors.remember(scope.prefix, packed[:found * HASH_BYTES], replaces=anchor_hash)
+    def _remember(self, scope: BlockScope, packed: bytes, found: int, request: pb.LookupRequest) -> None:
+        """Remember the found prefix of a packed Lookup as an anchor for its next turn (A1); not
+        again when it is the anchor's own chain (found no further)."""
+        if packed and found and found != request.anchor_blocks:
+            self.anchors.remember(scope.prefix, packed[:found * HASH_BYTES], replaces=request.anchor_hash)
 
     async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: list[bytes],
                              lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
