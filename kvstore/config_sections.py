@@ -68,6 +68,11 @@ class StoreSettings:
     io_threads: int = 4
     #: Window over which the recent write rate is measured, in seconds.
     write_rate_window_s: float = 3600.0
+    #: Longest a pin (a Put's or Lookup's keep-until, docs/RETENTION.md R22-R27) may run past now, in hours,
+    #: for a tenant without its own; 0: pins refused.
+    pin_max_hours: float = 0.0
+    #: Bytes of pinned prefixes one tenant may hold at once, for a tenant without its own; 0: pins refused.
+    pin_budget_bytes: int = 0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "capacity_bytes": Range(1, MAX_BYTES),
@@ -79,6 +84,8 @@ class StoreSettings:
         "max_lease_ms": Range(0, UINT32_MAX),
         "io_threads": Range(1, 1024),
         "write_rate_window_s": Range(0, 366 * 86400.0, lo_open=True),
+        "pin_max_hours": Range(0, 100 * 365 * 24.0),
+        "pin_budget_bytes": Range(0, MAX_BYTES),
     }
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import xxhash
 
 from kvstore.errors import DataLoss
 from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
-from tiers import namespaces, run_index
+from tiers import namespaces, pins, run_index
 from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
 from tiers.usage import Usage, read_usage
 
@@ -35,6 +35,8 @@ class PutResult:
     written_blocks: int
     existing_blocks: int
     written_bytes: int
+    #: What the batch's pin request got (R22, R24); None: it asked for none.
+    pin: pins.PinGrant | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +57,8 @@ class PutBatch:
     #: A fleet copy's last use of each block on its source (the receiver keeps the later of its own
     #: and this, F19); None: now.
     last_use_s: Sequence[float] | None = None
+    #: Keep the batch's last block, and so its prefix, until this time (a pin, R22); None: no pin.
+    keep_until_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +96,14 @@ class BlockDbs:
     state: Any
     #: The fleet's run index (tiers/run_index.py): kept only while the store is a fleet node's.
     runs: Any = None
+    #: Pins (tiers/pins.py, R22-R27).
+    pins: Any = None
 
     @classmethod
     def open(cls, env: lmdb.Environment) -> BlockDbs:
         """Open (or create) the databases."""
         return cls(records=env.open_db(b"records"), lru=env.open_db(b"lru"), state=env.open_db(b"state"),
-                   runs=env.open_db(run_index.RUNS_DB))
+                   runs=env.open_db(run_index.RUNS_DB), pins=env.open_db(pins.PINS_DB))
 
 
 def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | None:
@@ -237,6 +243,8 @@ class BlockTxn:
             txn.delete(child_key(parent, key[-32:]), db=records)
             if self.run_blocks:  # F16: the run goes from the index with its first block
                 run_index.note_delete(txn, self.dbs.runs, key, meta.depth, self.run_blocks)
+            if self.dbs.pins is not None:  # R26: a removed block's pin goes with it (its budget freed)
+                pins.drop(self, key)
         if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
         self._count(key, -1, -meta.size_bytes)

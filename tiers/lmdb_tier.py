@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -30,8 +31,8 @@ import lmdb
 
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
-from kvstore.prefix import BlockScope
-from tiers import export, namespaces, purge, reads, usage
+from kvstore.prefix import BlockScope, namespace_id
+from tiers import export, namespaces, pins, purge, reads, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, read_meta
 from tiers.chains import ChainIndex
@@ -97,6 +98,9 @@ class LmdbBlockTier:
         self.retention = NamespaceRetention(settings.retention_s)
         self._skipped = SkippedRuns()  # where eviction's walks of the LRU index start (R18)
         self._quota_of: Callable[[str], int] = _no_quota
+        default_pins = pins.PinLimits(max_s=settings.pin_max_hours * 3600.0, budget_bytes=settings.pin_budget_bytes)
+        self._pin_limits: Callable[[str], pins.PinLimits] = lambda namespace: default_pins
+        self._default_pins = default_pins
         with self.env.begin() as txn:
             saved = txn.get(b"counters", db=self._state)
             counters = Counters.load(saved)
@@ -215,7 +219,8 @@ class LmdbBlockTier:
     # -- writes ------------------------------------------------------------
 
     def put(self, scope: BlockScope, parent_hash: bytes, hashes: Sequence[bytes],
-            blocks: Sequence[Buffer], is_root: bool, *, quota_bytes: int | None = None) -> PutResult:
+            blocks: Sequence[Buffer], is_root: bool, *, quota_bytes: int | None = None,
+            keep_until_s: float | None = None) -> PutResult:
         """Store consecutive blocks of one chain, durably, in one transaction.
 
         Args:
@@ -225,6 +230,8 @@ class LmdbBlockTier:
             blocks: the blocks' bytes (sizes are checked by the caller).
             is_root: whether `parent_hash` is the chain root (no stored parent needed).
             quota_bytes: the namespace's NVMe quota (R19); None: none.
+            keep_until_s: pin the last block (and so the prefix) until this time (R22); the result's
+                `pin` says what was granted.
 
         Raises:
             FailedPrecondition: the parent block is not stored.
@@ -233,7 +240,7 @@ class LmdbBlockTier:
             DataLoss: the records the Put needs are on a damaged page.
         """
         batch = PutBatch(scope=scope, parent_hash=parent_hash, hashes=hashes, blocks=blocks, is_root=is_root,
-                         quota_bytes=quota_bytes)
+                         quota_bytes=quota_bytes, keep_until_s=keep_until_s)
         return self.put_many([batch])[0]
 
     def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
@@ -255,9 +262,44 @@ class LmdbBlockTier:
     def _commit(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
         """Apply `batches` in one durable transaction (`tiers/puts.py`); a refusal is counted and raised."""
         room = RoomRules(rule=self.rule, retention=self.retention, quota_of=self._quota_of,
-                         capacity_bytes=self.settings.capacity_bytes, skipped=self._skipped)
+                         capacity_bytes=self.settings.capacity_bytes, skipped=self._skipped,
+                         pin_limits=self._pin_limits)
         return commit_puts(self._write, self._damage, batches, now_s=now, pinned=self.leases.pinned, room=room,
                            data_dir=self.settings.data_dir, on_refused=self._tally.rejected)
+
+    # -- pins (R22-R27, tiers/pins.py) ---------------------------------------
+
+    def pin(self, scope: BlockScope, block_hash: bytes, until_s: float) -> pins.PinGrant:
+        """Keep the stored block `block_hash` and its prefix until `until_s` (a Lookup's ask), durably.
+
+        Returns what was granted: the time, or 0 and why not (R24).
+        """
+        now = self.retention_clock.now()
+        with self._write() as w:
+            pins.sweep(w, now)
+            return pins.grant(w, scope.key(block_hash), until_s, now_s=now, limits=self._pin_limits(scope.namespace))
+
+    def pins_of(self, namespace: str) -> tuple[pins.PinTotals, list[pins.Pin]]:
+        """The namespace's live pins (R27): (count and bytes charged, each pin)."""
+        ns_id = namespace_id(namespace)
+        now = self.retention_clock.now()
+        with self.env.begin() as txn:
+            live = list(pins.tenant_pins(txn, self._dbs.pins, ns_id, now))
+        return pins.PinTotals(pins=len(live), charged_bytes=sum(p.charged_bytes for p in live)), live
+
+    def drop_pins(self, namespace: str) -> int:
+        """Drop every pin of the namespace (an operator's call, R27); how many were live."""
+        ns_id = namespace_id(namespace)
+        now = self.retention_clock.now()
+        with self._write() as w:
+            keys = [p.key for p in pins.tenant_pins(w.txn, w.dbs.pins, ns_id, -math.inf)]  # past-time ones too
+            dropped = [pins.drop(w, k) for k in keys]
+        return sum(1 for p in dropped if p is not None and p.until_s > now)
+
+    def set_pin_limits_provider(self, provider: Callable[[str], pins.PinLimits] | None) -> None:
+        """Give each namespace its own limits on pins (R24); None: `[store] pin_max_hours`, `pin_budget_bytes`."""
+        default = self._default_pins
+        self._pin_limits = provider or (lambda namespace: default)
 
     # -- refreshes ---------------------------------------------------------
 

@@ -19,7 +19,7 @@ import lmdb
 
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
-from tiers import namespaces
+from tiers import namespaces, pins
 from tiers.block_txn import BlockTxn, PutBatch, PutResult
 from tiers.damage import DamagedBlocks, refused_write
 from tiers.eviction import Candidates, Evicted, SkippedRuns, make_quota_room, make_room
@@ -36,6 +36,7 @@ class RoomRules:
         quota_of: a namespace's NVMe quota in bytes, 0 for none (R19), for a batch without one.
         capacity_bytes: the store's capacity.
         skipped: where eviction's walks of the LRU index start (R18).
+        pin_limits: a namespace's limits on pins (R24).
     """
 
     rule: Retention
@@ -43,6 +44,7 @@ class RoomRules:
     quota_of: Callable[[str], int]
     capacity_bytes: int
     skipped: SkippedRuns
+    pin_limits: Callable[[str], pins.PinLimits] = lambda namespace: pins.PinLimits()
 
 
 def commit_puts(write: Callable[[], AbstractContextManager[BlockTxn]], damage: DamagedBlocks,
@@ -76,10 +78,13 @@ def commit_puts(write: Callable[[], AbstractContextManager[BlockTxn]], damage: D
 def _put_all(write: Callable[[], AbstractContextManager[BlockTxn]], damage: DamagedBlocks,
              batches: Sequence[PutBatch], now: float, pinned: Callable[[], Iterable[bytes]],
              room: RoomRules) -> tuple[list[PutResult], Evicted]:
-    protected = set(pinned()) | damage.snapshot()
     results: list[PutResult] = []
     blocks = freed = 0
     with write() as w:
+        pins.sweep(w, now)  # R25: pins past their time go, a bounded number per Put
+        # R23: a block a live pin holds is kept like a leased one (and by R6 its prefix).
+        protected = pins.Protected(set(pinned()) | damage.snapshot(),
+                                   lambda key: pins.holds(w.txn, w.dbs.pins, key, now))
         for batch in batches:
             result, evicted = _put_in(w, batch, now, protected, room)
             results.append(result)
@@ -119,7 +124,11 @@ def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
             w.touch(key, use)  # R5: putting a stored block again is a use of it
         parent = batch.hashes[i]
     written = sum(fresh)
-    return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need), evicted
+    grant = None
+    if batch.keep_until_s is not None and keys:  # R22: the pin commits with the blocks it protects
+        grant = pins.grant(w, keys[-1], batch.keep_until_s, now_s=now, limits=room.pin_limits(batch.scope.namespace))
+    return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need,
+                     pin=grant), evicted
 
 
 def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool,
