@@ -42,6 +42,7 @@ from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_put import RunPut, put_runs
 from kvstore.client.fleet_refresh import Refresher
+from kvstore.client.fleet_swa import fleet_snapshot_keys
 from kvstore.client.resume_report import report_resume
 from kvstore.client.retry import Retry
 from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, LookupResult, PutResult
@@ -73,6 +74,8 @@ class FleetLookupResult(LookupResult):
     """A fleet Lookup's result: `LookupResult`, and the nodes it asked."""
 
     nodes_asked: frozenset[str] = field(default_factory=frozenset)
+    #: Why the SWA candidates were a miss without the pool's answer ('' when it answered, or none was asked).
+    swa_error: str = ""
 
 
 class FleetClient(Client):
@@ -178,7 +181,8 @@ class FleetClient(Client):
         """How many leading tokens of `tokens` are stored on the fleet, and from where SWA state is
         (`Client.lookup`; the snapshot from the fleet's shared pool, F45)."""
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
-        swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
+        swa_keys = fleet_snapshot_keys(tokens, swa_positions, root=self.root, block_tokens=self.block_tokens,
+                                       run_blocks=self.run_blocks, extra_keys=extra_keys) if swa_positions else []
         return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
                                   swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
 
@@ -188,7 +192,9 @@ class FleetClient(Client):
 
         With `lease_ms`, every node asked leases what it found; the result's `lease_id` names them all. With SWA
         candidates (`swa_keys` with their `swa_positions`), the fleet's pool answers the one that serves the longest
-        resume within the found tokens (F45); when it cannot be asked, the lease is released and the error raised.
+        resume within the found tokens (F45); a pool that cannot be asked (no node of it answers, or the nodes share
+        none) is a miss, as an unreachable pool is on one server: the blocks' answer stands (the result's
+        `swa_error` says why).
         """
         hashes = arguments.hashes(hashes, "hashes")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
@@ -203,19 +209,17 @@ class FleetClient(Client):
         found = lookup_runs(self.pool, self.placement(hashes), hashes, lease_ms=lease_ms, retry=self.retry,
                             refresher=self.refresher)
         found_tokens = found.found_blocks * self.block_tokens
-        resume = None
+        resume, swa_error = None, ""
         if swa_keys and found_tokens:
             try:
                 resume = self.swa.resume(swa_keys, swa_positions, found_tokens=found_tokens,
                                          resume_limit=swa_resume_limit)
-            except BaseException:
-                if found.lease_id:
-                    release_lease(self.pool, found.lease_id)
-                raise
+            except (Unavailable, FailedPrecondition) as exc:  # SWA_POOL.md rule 4: a miss, never a failed Lookup
+                swa_error = f"{type(exc).__name__}: {exc.message}"
         return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found_tokens,
                                  lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked,
                                  swa_position=resume[0] if resume else None,
-                                 swa_resume_tokens=resume[1] if resume else None)
+                                 swa_resume_tokens=resume[1] if resume else None, swa_error=swa_error)
 
     def release(self, lease_id: str) -> bool:
         """Drop a fleet Lookup's lease on every node; False when some part had already expired."""

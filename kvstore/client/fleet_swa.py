@@ -85,6 +85,27 @@ def pool_nodes(records: Sequence[NodeRecord]) -> list[str]:
                              "through one would not be found through another", hint=_HINT)
 
 
+def fleet_snapshot_keys(tokens: Sequence[int], positions: Sequence[int], *, root: bytes, block_tokens: int,
+                        run_blocks: int, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+    """Snapshot keys of `tokens` at each position, each anchored on the fleet hash of the last full block before
+    it (F29's chain; the root inside the first block), with the caller's extra keys (F45).
+
+    Raises:
+        InvalidArgument: a position outside [0, len(tokens)], a bad token id or extra key.
+    """
+    tokens = arguments.token_ids(tokens)
+    positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
+    extra_keys = arguments.extra_keys(extra_keys)
+    for p in positions:
+        if p > len(tokens):
+            raise InvalidArgument(f"snapshot position {p} is outside the {len(tokens)} tokens given")
+    b = block_tokens
+    chain = fleet_hashes(tokens[:max(positions, default=0)], root=root, block_tokens=b, run_blocks=run_blocks,
+                         extra_keys=extra_keys)
+    return [snapshot_key(chain[p // b - 1] if p >= b else root, tokens[p // b * b:p], p, extra_keys)
+            for p in positions]
+
+
 class FleetSwaClient(SwaClient):
     """`SwaClient` of a fleet's shared pool, through one node at a time (the module's docstring).
 
@@ -111,23 +132,10 @@ class FleetSwaClient(SwaClient):
 
     def keys(self, tokens: Sequence[int], positions: Sequence[int], *,
              extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
-        """Snapshot keys of `tokens` at each position, anchored on the fleet's chain (the module's docstring).
-
-        Raises:
-            InvalidArgument: a position outside [0, len(tokens)], a bad token id or extra key.
-        """
+        """Snapshot keys of `tokens` at each position, anchored on the fleet's chain (`fleet_snapshot_keys`)."""
         c = self.connection
-        tokens = arguments.token_ids(tokens)
-        positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
-        extra_keys = arguments.extra_keys(extra_keys)
-        for p in positions:
-            if p > len(tokens):
-                raise InvalidArgument(f"snapshot position {p} is outside the {len(tokens)} tokens given")
-        b = c.block_tokens
-        chain = fleet_hashes(tokens[:max(positions, default=0)], root=c.root, block_tokens=b,
-                             run_blocks=self.run_blocks, extra_keys=extra_keys)
-        return [snapshot_key(chain[p // b - 1] if p >= b else c.root, tokens[p // b * b:p], p, extra_keys)
-                for p in positions]
+        return fleet_snapshot_keys(tokens, positions, root=c.root, block_tokens=c.block_tokens,
+                                   run_blocks=self.run_blocks, extra_keys=extra_keys)
 
     # -- which node --------------------------------------------------------
 
@@ -228,4 +236,4 @@ def swa_records(nodes: Mapping[str, NodeRecord], placeable: Sequence[str]) -> li
     return [nodes[n] for n in placeable if n in nodes]
 
 
-__all__ = ["FleetSwaClient", "pool_nodes", "swa_records"]
+__all__ = ["FleetSwaClient", "fleet_snapshot_keys", "pool_nodes", "swa_records"]

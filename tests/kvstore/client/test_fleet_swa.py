@@ -24,7 +24,7 @@ from redis.cluster import RedisCluster
 import kvstore
 from kvstore.client import colocated
 from kvstore.client.colocated import ColocatedReader
-from kvstore.client.fleet import FleetClient, placeable
+from kvstore.client.fleet import FleetClient, FleetLookupResult, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
 from kvstore.client.restore import restore
 from kvstore.client.retry import ExponentialBackoff, Retry
@@ -98,6 +98,44 @@ def test_f46_a_node_sweeps_only_the_direct_users_past_their_lifetime(redis_clust
         assert {ua.username, ub.username} <= users() and "kvstore-swa-older-1a2b3c4d" not in users()
         clock.advance(11.0)  # a died without deleting its user; its lifetime is over
         assert b.reap() == 1 and not {ua.username, ub.username} & users()
+
+
+def test_f44_embedded_pools_serve_one_node_and_are_a_miss_for_a_lookup_over_two(tmp_path: Path) -> None:
+    """F44, F45: nodes on the default embedded pool: a fleet of one serves SWA from it (the one-node default); once a
+    second node joins, `swa` is FAILED_PRECONDITION naming the fix, and a Lookup with candidates still answers its
+    blocks, the snapshot a miss saying why (as an unreachable pool on one server: SWA_POOL.md rule 4)."""
+    etcd = EtcdProcess(tmp_path / "etcd").start()
+    cluster = f"t-{uuid.uuid4().hex[:12]}"
+
+    def node(i: int) -> Child:
+        cfg = write_config(tmp_path / f"node{i}.toml", {
+            "store": {"data_dir": str(tmp_path / f"store{i}"), "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+            "fleet": {"etcd": etcd.endpoint, "cluster": cluster, "lease_ttl_s": 10, "run_blocks": RUN_BLOCKS}})
+        return Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp_path / "logs")
+
+    children = [node(0)]
+    try:
+        with kvstore.Client(f"etcd://{etcd.endpoint}/{cluster}") as client:
+            assert isinstance(client, FleetClient)
+            tokens = prompt(RUN_TOKENS * 3)
+            client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(12)])
+            data = snapshot(client, 128)
+            assert client.swa.put(tokens, data, position=128).stored == 1 and bytes(client.swa.get(tokens, 128)) == data
+            assert client.swa.last_path == "shm"  # the embedded pool's same-host path, through the fleet client
+            assert client.lookup(tokens, swa_positions=[128]).swa_position == 128
+            children.append(node(1))
+            client.view.wait_until(lambda nodes: len(nodes) == 2, 30.0)
+            found = client.lookup(tokens, swa_positions=[128], lease_ms=5_000)
+            assert isinstance(found, FleetLookupResult) and found.found_tokens == 3 * RUN_TOKENS
+            assert found.swa_position is None and "keeps its own SWA pool" in found.swa_error
+            assert found.lease_id and client.release(found.lease_id)  # the blocks' answer and lease stand
+            with pytest.raises(FailedPrecondition, match="keeps its own SWA pool") as refused:
+                client.swa.get(tokens, 128)
+            assert "redis-cluster" in refused.value.hint
+    finally:
+        for child in children:
+            child.kill_if_alive()
+        etcd.stop()
 
 
 @dataclass
@@ -264,6 +302,25 @@ def test_f48_restore_reads_this_hosts_nodes_runs_directly_and_streams_the_rest(f
             reader.close()
         with pytest.raises(FailedPrecondition, match="needs a ColocatedReader of this host's node"):
             restore(client, tokens, dest, path="direct-cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="direct-gpu needs CUDA (run on the GPU machine)")
+def test_f48_direct_gpu_restore_over_a_fleet(fleet: Fleet) -> None:
+    """F48 on a GPU: the local node's runs gathered by the GPU from its file, the rest streamed into the CUDA tensor."""
+    local = fleet.nodes[0]
+    with fleet_client(fleet) as client:
+        while True:
+            tokens = prompt(RUN_TOKENS * 6 + 3)
+            runs = client.placement(client.hashes(tokens))
+            if 0 < sum(local.node_id in r.replicas for r in runs) < len(runs):
+                break
+        payload = [random.randbytes(client.block_bytes) for _ in range(24)]
+        client.put(tokens, payload)
+        with ColocatedReader(local.data_dir) as reader:
+            dest = torch.zeros((24, client.block_bytes), dtype=torch.uint8, device="cuda")
+            result = restore(client, tokens, dest, reader=reader)
+            assert (result.path, result.blocks, result.corrupt) == ("direct-gpu", 24, []), result.reason
+            assert [bytes(r.cpu().numpy()) for r in dest] == payload
 
 
 def test_f45_the_swa_pool_fails_over_when_its_node_dies(fleet: Fleet) -> None:
