@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.fleet_servicer import MAX_KEYS, TOKEN_METADATA
+from gateway.fleet_servicer import MAX_KEYS, SERVICE, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
@@ -90,6 +91,7 @@ class Peers:
         self._stubs: dict[str, fleet_pb2_grpc.FleetStub] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
+        self._copiers: dict[str, Callable[..., Awaitable[pb.CopyBlocksResponse]]] = {}
 
     def stub(self, address: str) -> fleet_pb2_grpc.FleetStub:
         """The Fleet stub of the node at `address`."""
@@ -101,11 +103,22 @@ class Peers:
             stub = self._stubs[address] = fleet_pb2_grpc.FleetStub(channel)
         return stub
 
+    def copier(self, address: str) -> Callable[..., Awaitable[pb.CopyBlocksResponse]]:
+        """CopyBlocks of the node at `address`, taking the request already encoded (`encode_copy`)."""
+        call = self._copiers.get(address)
+        if call is None:
+            self.stub(address)
+            call = self._copiers[address] = self._channels[address].unary_unary(
+                SERVICE + "CopyBlocks", request_serializer=None,
+                response_deserializer=pb.CopyBlocksResponse.FromString)
+        return call
+
     def forget(self, address: str) -> None:
         """Drop the channel to `address` (it did not answer): the next call dials it afresh, so a node
         restarted there is reached at once rather than after the old channel's reconnect backoff. The old
         channel is closed by `close_retired` (closing it now would cancel the calls still on it)."""
         self._stubs.pop(address, None)
+        self._copiers.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             self._retired.append(channel)
@@ -122,6 +135,7 @@ class Peers:
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+        self._copiers.clear()
         await self.close_retired()
 
 
@@ -513,21 +527,20 @@ class FleetRepairer:
         if lane.target in self._down:
             return False
         p = self.progress
-        copies, damaged = await self.tier.call(self._read, chunk, skipped)
+        request, count, size, damaged = await self.tier.call(self._read, chunk, skipped)
         p.damaged_blocks += damaged
-        if not copies:
+        if not count:
             return True
-        size = sum(len(c.data) for c in copies)
         await self.bucket.take(size)  # F18: the bounded rate
         async with window:
             if lane.target in self._down:
                 return False
             p.sent_bytes += size
             try:
-                reply = await self.peers.stub(lane.address).CopyBlocks(
-                    pb.CopyBlocksRequest(blocks=copies), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)
+                reply = await self.peers.copier(lane.address)(request, metadata=self.peers.metadata,
+                                                              timeout=CALL_TIMEOUT_S)
             except grpc.aio.AioRpcError as exc:
-                log.warning("fleet: copying %d blocks to node %s failed: %s: %s", len(copies), lane.target,
+                log.warning("fleet: copying %d blocks to node %s failed: %s: %s", count, lane.target,
                             exc.code().name, exc.details())
                 self._peer_failed(lane.target, lane.address, exc)
                 return False
@@ -536,12 +549,13 @@ class FleetRepairer:
         await self._publish()
         return True
 
-    def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[list[pb.CopiedBlock], int]:
-        """The chunk's blocks as copies, each verified against its checksum by the read (F17), and how many
-        were found damaged; runs on the tier's executor (the copies are built there, off the event loop)."""
+    def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[bytes, int, int, int]:
+        """The chunk's blocks as one encoded CopyBlocksRequest, each block verified against its checksum by
+        the read (F17): (request, blocks in it, their bytes, blocks found damaged). Runs on the tier's
+        executor, off the event loop; the block bytes are copied once, into the request (`encode_copy`)."""
         statuses = self.tier.read([b.key for b in chunk])
-        copies = []
-        damaged = 0
+        pieces: list[bytes] = []
+        count = size = damaged = 0
         for b, (status, data) in zip(chunk, statuses, strict=True):
             parent = b.key[:-32] + b.meta.parent_hash
             if status is not ReadStatus.FOUND or parent in skipped:
@@ -555,10 +569,10 @@ class FleetRepairer:
             if namespace is None:
                 skipped.add(b.key)
                 continue
-            copies.append(pb.CopiedBlock(key=b.key, namespace=namespace, parent_hash=b.meta.parent_hash,
-                                         depth=b.meta.depth, data=data, checksum=b.meta.checksum,
-                                         last_use_s=b.meta.last_access_s))
-        return copies, damaged
+            pieces += encode_copy(b, namespace, data)
+            count += 1
+            size += len(data)
+        return b"".join(pieces), count, size, damaged
 
     async def _publish(self, *, force: bool = False) -> None:
         """Write the progress record (at most once a second unless `force`)."""
@@ -571,6 +585,32 @@ class FleetRepairer:
             await self.publish(self.progress)
         except KVStoreError as exc:  # etcd away: the next update tries again
             log.warning("fleet: cannot publish re-replication progress: %s", exc)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_F64 = struct.Struct("<Q")
+_DOUBLE = struct.Struct("<d")
+
+
+def encode_copy(block: RunBlock, namespace: str, data: bytes) -> list[bytes]:
+    """One `CopiedBlock` as the pieces of its entry in a `CopyBlocksRequest`'s wire bytes (field 1, length
+    delimited), `data` among them uncopied: joined, they are what `CopyBlocksRequest(blocks=[...])`
+    serializes to, without building a message per block or copying each block's bytes twice more."""
+    ns = namespace.encode()
+    m = block.meta
+    head = b"".join((b"\x0a", _varint(len(block.key)), block.key, b"\x12", _varint(len(ns)), ns,
+                     b"\x1a", _varint(len(m.parent_hash)), m.parent_hash, b"\x20", _varint(m.depth),
+                     b"\x2a", _varint(len(data))))
+    tail = b"\x31" + _F64.pack(m.checksum) + b"\x39" + _DOUBLE.pack(m.last_access_s)
+    return [b"\x0a" + _varint(len(head) + len(data) + len(tail)), head, data, tail]
 
 
 def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:

@@ -28,7 +28,7 @@ from kvstore import geometry
 from kvstore.config import Settings
 from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
-from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope, namespace_id
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tiers import run_index
@@ -154,38 +154,46 @@ def copy_batches(blocks: Sequence[pb.CopiedBlock], sizes: dict[bytes, int], run_
     if len(blocks) > MAX_KEYS:
         raise InvalidArgument(f"{len(blocks)} blocks in one CopyBlocks; at most {MAX_KEYS}")
     stretches: list[_Stretch] = []
+    scopes: dict[tuple[bytes, str], BlockScope] = {}  # one BlockScope per (geometry, namespace) of the call
     for i, b in enumerate(blocks):
-        scope = _check_block(i, b, sizes)
+        scope, data = _check_block(i, b, sizes, scopes)
         last = stretches[-1] if stretches else None
         if (last is None or last.scope.prefix != scope.prefix or last.hashes[-1] != b.parent_hash
                 or last.first_depth + len(last.hashes) != b.depth or run_index.is_run_root(b.depth, run_blocks)):
             last = _Stretch(scope=scope, parent_hash=b.parent_hash, first_depth=b.depth)
             stretches.append(last)
         last.hashes.append(b.key[KEY_BYTES - HASH_BYTES:])
-        last.blocks.append(b.data)
+        last.blocks.append(data)
         last.last_use_s.append(b.last_use_s)
     return [s.batch(run_blocks) for s in stretches]
 
 
-def _check_block(i: int, b: pb.CopiedBlock, sizes: dict[bytes, int]) -> BlockScope:
+def _check_block(i: int, b: pb.CopiedBlock, sizes: dict[bytes, int],
+                 scopes: dict[tuple[bytes, str], BlockScope]) -> tuple[BlockScope, bytes]:
+    """The block's scope and bytes, checked (each read of a message's bytes field copies them: read once)."""
     if len(b.key) != KEY_BYTES or len(b.parent_hash) != HASH_BYTES:
         raise InvalidArgument(f"blocks[{i}]: a key of {len(b.key)} bytes and a parent of {len(b.parent_hash)}; "
                               f"a storage key is {KEY_BYTES} bytes, a hash {HASH_BYTES}")
     if b.depth < 1:
         raise InvalidArgument(f"blocks[{i}]: depth 0; a chain's first block has depth 1")
-    fingerprint = b.key[:FINGERPRINT_BYTES]
+    key = b.key
+    fingerprint = key[:FINGERPRINT_BYTES]
     size = sizes.get(fingerprint)
     if size is None:
         raise InvalidArgument(f"blocks[{i}]: geometry fingerprint {fingerprint.hex()} is not served here")
-    if len(b.data) != size:
-        raise InvalidArgument(f"blocks[{i}] is {len(b.data)} bytes; its geometry's blocks are {size}")
-    scope = BlockScope(fingerprint, b.namespace)
-    if scope.prefix != b.key[:KEY_BYTES - HASH_BYTES] or namespace_id(b.namespace) != scope.prefix[FINGERPRINT_BYTES:]:
-        raise InvalidArgument(f"blocks[{i}]: namespace {b.namespace!r} is not the one its key names")
-    if xxhash.xxh3_64_intdigest(b.data) != b.checksum:
-        raise FailedPrecondition(f"blocks[{i}] ({b.key.hex()[:24]}...) does not match its checksum: "
+    data = b.data
+    if len(data) != size:
+        raise InvalidArgument(f"blocks[{i}] is {len(data)} bytes; its geometry's blocks are {size}")
+    namespace = b.namespace
+    scope = scopes.get((fingerprint, namespace))
+    if scope is None:
+        scope = scopes[(fingerprint, namespace)] = BlockScope(fingerprint, namespace)
+    if scope.prefix != key[:KEY_BYTES - HASH_BYTES]:  # the prefix is the fingerprint and the namespace's id
+        raise InvalidArgument(f"blocks[{i}]: namespace {namespace!r} is not the one its key names")
+    if xxhash.xxh3_64_intdigest(data) != b.checksum:
+        raise FailedPrecondition(f"blocks[{i}] ({key.hex()[:24]}...) does not match its checksum: "
                                  "a damaged copy is never stored", hint="copy it from another replica")
-    return scope
+    return scope, data
 
 
 def load_token(fleet: FleetSettings, *, auth_enabled: bool) -> bytes | None:
