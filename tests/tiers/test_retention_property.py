@@ -9,6 +9,8 @@ checked after every step against a plain model of the rules (docs/RETENTION.md):
 - R14, R17: the usage totals, and each namespace's, equal the blocks stored.
 - R18: a block of the "long" namespace (200 h) stays 200 h after its last use.
 - R20: a purge removes the named block and everything below it, and nothing else.
+- R23: no block goes while a live pin holds it or a block below it (R6); R24: a pin is granted
+  no later than asked nor past the tenant's longest; R22: pins survive restarts (the model keeps them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvstore.errors import ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.pins import PinLimits
 
 HOUR = 3600.0
 BLOCK = 1024
@@ -34,6 +37,7 @@ SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
 LONG = BlockScope(V4_1_FLASH.fingerprint, "long")  # a namespace whose retention is 200 h (R18)
 LONG_RETENTION_S = 200 * HOUR
 ROOT = root_hash(V4_1_FLASH.fingerprint, TOKENS)
+PIN_LIMITS = PinLimits(max_s=150 * HOUR, budget_bytes=6 * BLOCK)
 
 
 def _chain(seed: int, n: int, parent: bytes = ROOT) -> list[bytes]:
@@ -58,6 +62,9 @@ step = st.one_of(
     st.tuples(st.just("advance"), st.sampled_from([1.0, 59.0, HOUR, 40 * HOUR, 73 * HOUR, 100 * HOUR])),
     st.tuples(st.just("restart"),),
     st.tuples(st.just("purge"), _chain_index, st.integers(0, 5)),  # a block and everything below it
+    # A pin on a stored block (a Lookup's ask), or a Put of a chain's first n blocks asking one (R22-R24).
+    st.tuples(st.just("pin"), _chain_index, st.integers(0, 5), st.sampled_from([1.0, 50.0, 120.0, 500.0])),
+    st.tuples(st.just("pinput"), _chain_index, st.integers(1, 6), st.sampled_from([1.0, 50.0, 120.0, 500.0])),
 )
 
 
@@ -70,6 +77,7 @@ class Model:
         self.last_use: dict[bytes, float] = {}
         self.scope: dict[bytes, BlockScope] = {}
         self.purged: set[bytes] = set()  # removed on purpose (R20), not evicted
+        self.pin_until: dict[bytes, float] = {}  # the latest expiry granted on each block (R22)
 
     def retention(self, h: bytes) -> float:
         return LONG_RETENTION_S if self.scope[h] is LONG else self.retention_s
@@ -107,7 +115,14 @@ class Run:
     def open(self) -> LmdbBlockTier:
         tier = LmdbBlockTier(self.settings, clock=self.clock)
         tier.set_retention_provider(lambda ns: LONG_RETENTION_S if ns == LONG.namespace else 0.0)
+        tier.set_pin_limits_provider(lambda ns: PIN_LIMITS)
         return tier
+
+    def granted(self, h: bytes, asked_s: float, until_s: float, now: float) -> None:
+        """Check a grant against R24 and remember it."""
+        assert until_s <= asked_s and until_s <= now + PIN_LIMITS.max_s, "a pin past what was asked or allowed (R24)"
+        if until_s:
+            self.model.pin_until[h] = max(self.model.pin_until.get(h, 0.0), until_s)
 
     def stored(self) -> set[bytes]:
         known = list(self.model.parent)
@@ -117,12 +132,13 @@ class Run:
     def now(self) -> float:
         return self.tier.retention_clock.now()
 
-    def put(self, hashes: list[bytes], start: int) -> None:
+    def put(self, hashes: list[bytes], start: int, keep_until_s: float | None = None) -> None:
         parent = hashes[start - 1] if start else ROOT
         before = self.stored()
         try:
-            self.tier.put(self.model.scope[hashes[-1]], parent, hashes[start:],
-                          [bytes([i % 256]) * BLOCK for i in range(len(hashes[start:]))], start == 0)
+            result = self.tier.put(self.model.scope[hashes[-1]], parent, hashes[start:],
+                                   [bytes([i % 256]) * BLOCK for i in range(len(hashes[start:]))], start == 0,
+                                   keep_until_s=keep_until_s)
         except ResourceExhausted:
             assert self.stored() == before, "a refused Put changed the store (R8)"
             return
@@ -134,6 +150,9 @@ class Run:
         assert set(hashes) <= after, "a Put left a block it named unstored (R12)"
         for h in hashes:
             self.model.use(h, now)
+        if keep_until_s is not None:
+            assert result.pin is not None
+            self.granted(hashes[-1], keep_until_s, result.pin.until_s, now)
 
     def step(self, op: tuple) -> None:  # type: ignore[type-arg]
         kind = op[0]
@@ -174,6 +193,16 @@ class Run:
                 assert due in ([], [scope.key(hashes[n - 1])])
                 self.tier.touch_soon(due).result(timeout=30)  # as the Lookup servicer does
                 self.model.use(hashes[n - 1], self.now())
+        elif kind == "pin":
+            hashes, scope = CHAINS[op[1]], SCOPES[op[1]]
+            h = hashes[min(op[2], len(hashes) - 1)]
+            asked = self.now() + op[3] * HOUR
+            grant = self.tier.pin(scope, h, asked)
+            assert grant.until_s or h not in before or grant.why, "a refused pin says why (R24)"
+            self.granted(h, asked, grant.until_s, self.now())
+        elif kind == "pinput":
+            hashes = CHAINS[op[1]][:op[2]]
+            self.put(hashes, 0, keep_until_s=self.now() + op[3] * HOUR)
         elif kind == "advance":
             self.clock.advance(op[1])
         elif kind == "restart":
@@ -196,6 +225,10 @@ class Run:
         now = self.now()
         for h in before - after - self.model.purged:
             assert self.model.last_use[h] <= now - self.model.retention(h), "a block went within retention (R4, R18)"
+            held = [g for g, until in self.model.pin_until.items() if until > now and self.model.descends(g, h)]
+            assert not held, "a block went while a live pin held it or a block below it (R23, R6)"
+        for h in self.model.purged:
+            self.model.pin_until.pop(h, None)  # a purged block takes its pin (R26)
         self.model.purged.clear()
         stats = self.tier.stats()
         assert (stats.blocks_stored, stats.bytes_stored) == (len(after), len(after) * BLOCK), "usage totals (R14)"
@@ -207,6 +240,9 @@ class Run:
 
 # Issue 9's two scenarios, always run beside the random ones.
 PUT_ON_AN_OLD_PARENT = [("extend", 0, 2), ("advance", HOUR), ("fill", 0), ("advance", 100 * HOUR), ("extend", 0, 4)]
+#: A pinned chain past retention, the least recently used, when room is needed (R23).
+PINNED_PAST_RETENTION = [("extend", 1, 5), ("pin", 1, 4, 120.0), ("advance", HOUR), ("fill", 0),
+                         ("advance", 100 * HOUR), ("fill", 4)]
 REPUT_WITH_OLD_TAIL = [("extend", 0, 5), ("advance", HOUR), ("fill", 0), ("advance", 100 * HOUR), ("reput", 0, 1)]
 
 
@@ -214,6 +250,7 @@ REPUT_WITH_OLD_TAIL = [("extend", 0, 5), ("advance", HOUR), ("fill", 0), ("advan
 @given(steps=st.lists(step, min_size=1, max_size=30))
 @example(steps=PUT_ON_AN_OLD_PARENT)
 @example(steps=REPUT_WITH_OLD_TAIL)
+@example(steps=PINNED_PAST_RETENTION)
 def test_r6_r4_r12_random_steps_keep_the_rules(steps: list[tuple]) -> None:  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory() as tmp:
         run = Run(Path(tmp) / "store")
