@@ -1,0 +1,461 @@
+"""`Simulation`: a trace run on virtual time through the store's own rules, no bytes stored.
+
+Each request is what a worker does against kvstore (docs/PLANNER.md, docs/WORKER.md):
+one Lookup (the found prefix H, the deepest found block refreshed, R5) with the SWA
+probes of the planner (the last `snapshot_probes` block boundaries, a reprobe below
+them); the planner's own decision (`replay.planner.Planner.decide`: fetch + snapshot,
+bounded replay, or full prefill, by its cost model); a Get of the blocks the plan
+fetches (each refreshed when due, R5); a Put of the new blocks through the NVMe tier's
+own Put transaction (`tiers.puts.commit_puts`: R12's protection, `tiers.eviction.make_room`
+under the capacity, `tiers.retention.Retention`'s R4/R6/R7); and a snapshot at the
+prompt's end, live for the SWA TTL (the output's end is named only by the next prompt's
+ids, so no snapshot is taken there). With N nodes, every run of a chain goes to its
+replicas by the fleet's placement (`kvstore.fleet.placement`), each node a store of
+`capacity_bytes`.
+
+Virtual time: a request happens at its arrival; nothing waits. Time is never read
+from a clock, so a run is a pure function of the trace and the settings.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstore import geometry as geometries
+from kvstore.client import LookupResult
+from kvstore.errors import InvalidArgument, ResourceExhausted, StoreFull
+from kvstore.fleet.placement import replicas
+from kvstore.prefix import BlockScope
+from kvstore.swa_snapshot import resume_length, snapshot_bytes, snapshot_key
+from kvstore.trace.chains import ChainKeys
+from kvstore.trace.requests import Trace, TraceRequest
+from kvstore.trace.sim_index import SimIndex
+from replay.cost import CostModel
+from replay.plan import Action
+from replay.planner import Planner
+from tiers.block_txn import PutBatch
+from tiers.damage import DamagedBlocks
+from tiers.eviction import SkippedRuns, make_room
+from tiers.puts import RoomRules, commit_puts
+from tiers.retention import NamespaceRetention, Retention
+
+#: Capacity that never fills (the default: what the workload would store).
+UNLIMITED = 1 << 62
+_REPLAYS = (Action.BOUNDED_REPLAY, Action.EXACT_REPLAY)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimSettings:
+    """What a simulated deployment is.
+
+    Attributes:
+        capacity_bytes: NVMe bytes per node (`store.capacity_bytes`); UNLIMITED: never full.
+        retention_hours: the store's retention (R4; at least 72 in a real store, any here).
+        swa_ttl_s: how long a snapshot stays live (`swa.ttl_s`); 0: no snapshots.
+        nodes: storage nodes; runs are placed over them as the fleet places them.
+        replication: copies of each run (fleet replication factor).
+        run_blocks: blocks per placement run (`fleet.run_blocks`).
+        block_tokens: tokens per block (`store.block_tokens`).
+        geometry: the model's layout (block and snapshot sizes).
+        cost: the planner's cost model (fetch and recompute rates, replay span).
+        snapshot_probes: block boundaries a Lookup asks about for a snapshot (the planner's).
+        bucket_s: width of the report's time buckets.
+        namespace: the tenant the trace runs as.
+    """
+
+    capacity_bytes: int = UNLIMITED
+    retention_hours: float = 72.0
+    swa_ttl_s: float = 300.0
+    nodes: int = 1
+    replication: int = 1
+    run_blocks: int = 256
+    block_tokens: int = 64
+    geometry: geometries.ModelGeometry = geometries.V4_1_FLASH
+    cost: CostModel = field(default_factory=CostModel)
+    snapshot_probes: int = 4
+    bucket_s: float = 3600.0
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "replication", "run_blocks", "block_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.capacity_bytes < 0 or self.retention_hours < 0 or self.swa_ttl_s < 0 or self.bucket_s <= 0:
+            raise InvalidArgument("capacity, retention and SWA TTL must be >= 0, the bucket > 0")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block."""
+        return self.geometry.block_bytes(self.block_tokens)
+
+
+@dataclass(kw_only=True)
+class Tally:
+    """Counts over one stretch of a run (a bucket, or the whole run). Tokens unless named."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    found_tokens: int = 0
+    usable_tokens: int = 0
+    replay_tokens: int = 0
+    prefill_tokens: int = 0
+    resumes: int = 0
+    snapshot_resumes: int = 0
+    replay_resumes: int = 0
+    put_blocks: int = 0
+    refused_puts: int = 0
+    refused_blocks: int = 0
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
+
+    def add(self, other: Tally) -> None:
+        """Add `other`'s counts into this one."""
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def lookup_hit_rate(self) -> float:
+        """Found tokens over prompt tokens."""
+        return self.found_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def usable_hit_rate(self) -> float:
+        """Tokens the plan served from cache (not computed) over prompt tokens."""
+        return self.usable_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(kw_only=True)
+class Bucket:
+    """One stretch of virtual time, and the state at its end."""
+
+    start_s: float
+    tally: Tally = field(default_factory=Tally)
+    stored_bytes: int = 0
+    retained_bytes: int = 0
+    swa_bytes: int = 0
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """What a simulation measured."""
+
+    settings: SimSettings
+    trace: str
+    sessions: int
+    total: Tally
+    buckets: list[Bucket]
+    peak_stored_bytes: int
+    peak_retained_bytes: int
+    peak_swa_bytes: int
+    node_bytes: dict[str, int]
+    node_reads: dict[str, int]
+    sessions_past_retention: int
+    gpu_s: float
+    gpu_s_without_store: float
+    wall_s: float = 0.0
+
+
+class _OfflineClient:
+    """What the planner reads of its client (`decide` makes no calls)."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.geometry = settings.geometry.name
+        self.namespace = settings.namespace
+        self.block_tokens = settings.block_tokens
+        self.block_bytes = settings.block_bytes
+
+
+class _Node:
+    """One simulated store: the index, and the tier's Put rules over it."""
+
+    def __init__(self, name: str, settings: SimSettings) -> None:
+        self.name = name
+        self.index = SimIndex()
+        rule = Retention(retention_s=settings.retention_hours * 3600)
+        self.rule = rule
+        self.room = RoomRules(rule=rule, retention=NamespaceRetention(rule.retention_s), quota_of=lambda ns: 0,
+                              capacity_bytes=settings.capacity_bytes, skipped=SkippedRuns())
+        self.damage = DamagedBlocks(Path("(simulated)"), on_new=lambda: None)
+        self.reads = 0
+
+    def found(self, keys: list[bytes], lo: int, hi: int) -> int:
+        """How many of keys[lo:hi] are stored as a chain from lo. Leaf-first eviction (R6) keeps a
+        stored chain prefix-closed on one node, so a binary search finds its end (as R15's)."""
+        blocks = self.index.blocks
+        if lo >= hi or keys[lo] not in blocks:
+            return 0
+        a, b = lo, hi  # keys[a] stored; keys[b] (if < hi) not known
+        while b - a > 1:
+            mid = (a + b) // 2
+            if keys[mid] in blocks:
+                a = mid
+            else:
+                b = mid
+        return a + 1 - lo
+
+    def touch_due(self, keys: list[bytes], now_s: float) -> None:
+        """Refresh the stored ones among `keys` whose recorded use is due one (R5), as a Get does."""
+        blocks = self.index.blocks
+        due_before = Retention.touch_due_before(now_s)
+        stale = [k for k in keys if (b := blocks.get(k)) is not None and b.last_access_s < due_before]
+        if stale:
+            with self.index.write() as w:
+                for k in stale:
+                    w.touch(k, now_s)
+
+    def put(self, batch: PutBatch, now_s: float, tally: Tally) -> None:
+        """The tier's Put transaction; a refusal (every other block within retention) is counted."""
+        try:
+            _, evicted = commit_puts(self.index.write, self.damage, [batch], now_s=now_s, pinned=tuple,
+                                     room=self.room, data_dir=Path("(simulated)"), on_refused=lambda: None)
+        except ResourceExhausted:
+            tally.refused_puts += 1
+            tally.refused_blocks += len(batch.hashes)
+            return
+        tally.put_blocks += len(batch.hashes)
+        tally.evicted_blocks += evicted.blocks
+        tally.evicted_bytes += evicted.freed_bytes
+
+    def expire(self, now_s: float, block_bytes: int) -> None:
+        """Drop every block past retention, by the store's own eviction (for the retained-bytes figure).
+
+        `make_room` refuses (and its transaction is undone) when it cannot free all it is asked,
+        and one call walks at most MAX_EVICTION_SCAN entries: ask for a few thousand blocks at a
+        time, halving on each refusal, until not even one block may go.
+        """
+        chunk = min(self.index.usage.stored_bytes, 4096 * block_bytes)
+        while chunk >= block_bytes:
+            try:
+                with self.index.write() as w:
+                    make_room(w, 0, capacity_bytes=w.usage.stored_bytes - chunk, rule=self.rule, now_s=now_s,
+                              protected=(), skipped=None)
+            except StoreFull:
+                chunk //= 2
+
+
+class Simulation:
+    """Runs traces through the store's rules on virtual time (see the module docstring)."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        self.scope = BlockScope(settings.geometry.fingerprint, settings.namespace)
+        self.planner = Planner(_OfflineClient(settings), cost=settings.cost,  # type: ignore[arg-type]
+                               snapshot_probes=settings.snapshot_probes, report=False)
+        self.nodes = {f"node-{i}": _Node(f"node-{i}", settings) for i in range(settings.nodes)}
+        self._order = list(self.nodes)
+        self._placed: dict[bytes, tuple[str, ...]] = {}
+        self._block = memoryview(bytes(settings.block_bytes))
+        self._swa: dict[bytes, float] = {}
+        self._swa_heap: list[tuple[float, bytes, int]] = []
+        self.swa_bytes = 0
+        self.swa_peak = 0
+
+    # -- placement -----------------------------------------------------------------
+
+    def _runs(self, keys: list[bytes]) -> list[tuple[int, int, tuple[str, ...]]]:
+        """(first, end, replicas) of each run of the chain; one run on the only node when N = 1."""
+        s = self.settings
+        if s.nodes == 1:
+            return [(0, len(keys), (self._order[0],))]
+        out = []
+        for first in range(0, len(keys), s.run_blocks):
+            head = keys[first]
+            nodes = self._placed.get(head)
+            if nodes is None:
+                nodes = self._placed[head] = replicas(head[-32:], self._order, s.replication)
+            out.append((first, min(first + s.run_blocks, len(keys)), nodes))
+        return out
+
+    # -- one request ---------------------------------------------------------------
+
+    def _lookup(self, keys: list[bytes], runs: list[tuple[int, int, tuple[str, ...]]], now_s: float) -> int:
+        """Found blocks (each run read from its first replica), the deepest found block refreshed (R5)."""
+        found = 0
+        for first, end, nodes in runs:
+            got = self.nodes[nodes[0]].found(keys, first, end)
+            found += got
+            if got < end - first:
+                break
+        if found:
+            for first, end, nodes in runs:
+                if first < found <= end:
+                    for n in nodes:
+                        self.nodes[n].touch_due([keys[found - 1]], now_s)
+        return found
+
+    def _snapshot(self, keys: list[bytes], n: int, found_blocks: int, now_s: float) -> tuple[int | None, int | None]:
+        """(T, R) of the live snapshot serving the longest resume, asked as the planner asks."""
+        if not self.settings.swa_ttl_s:
+            return None, None
+        bt, probes = self.settings.block_tokens, self.settings.snapshot_probes
+        found = found_blocks * bt
+
+        def best(blocks: int) -> tuple[int | None, int | None]:
+            positions = [i * bt for i in range(max(1, blocks - probes + 1), blocks + 1)]
+            limit = min(found, n - 1)  # the server's rule: R <= H, R <= the resume limit
+            usable = []
+            for p in positions:
+                r = resume_length(self.settings.geometry, p, limit)
+                if r is not None:
+                    usable.append((-r, p))
+            for neg_r, p in sorted(usable):
+                if self._swa.get(snapshot_key(keys[p // bt - 1][-32:], (), p), -math.inf) > now_s:
+                    return p, -neg_r
+            return None, None
+
+        t, r = best(len(keys))
+        first_probe = max(1, len(keys) - probes + 1) * bt
+        if t is None and len(keys) and 0 < found < first_probe:  # the planner's reprobe
+            t, r = best(found_blocks)
+        return t, r
+
+    def _keep_snapshot(self, keys: list[bytes], now_s: float) -> None:
+        s = self.settings
+        if not s.swa_ttl_s or not keys:
+            return
+        p = len(keys) * s.block_tokens
+        key = snapshot_key(keys[-1][-32:], (), p)
+        size = snapshot_bytes(s.geometry, p)
+        if self._swa.get(key, -math.inf) <= now_s:
+            self.swa_bytes += size
+            self.swa_peak = max(self.swa_peak, self.swa_bytes)
+        else:
+            self._swa_heap = [e for e in self._swa_heap if e[1] != key]  # rare: the same prompt again in TTL
+            heapq.heapify(self._swa_heap)
+        self._swa[key] = now_s + s.swa_ttl_s
+        heapq.heappush(self._swa_heap, (now_s + s.swa_ttl_s, key, size))
+
+    def _expire_snapshots(self, now_s: float) -> None:
+        heap = self._swa_heap
+        while heap and heap[0][0] <= now_s:
+            _, key, size = heapq.heappop(heap)
+            if self._swa.get(key, math.inf) <= now_s:
+                del self._swa[key]
+                self.swa_bytes -= size
+
+    def step(self, request: TraceRequest, keys: list[bytes], tally: Tally) -> None:
+        """One request at its arrival time: Lookup, plan, Get, Put, snapshot."""
+        s, now = self.settings, request.arrival_s
+        self._expire_snapshots(now)
+        n = request.input_tokens
+        if n == 0:
+            return
+        runs = self._runs(keys)
+        found = self._lookup(keys, runs, now)
+        t, r = self._snapshot(keys, n, found, now)
+        plan = self.planner.decide(n, LookupResult(found_blocks=found, found_tokens=found * s.block_tokens,
+                                                   lease_id=None, block_hashes=[], swa_position=t,
+                                                   swa_resume_tokens=r), s.cost)
+        fetch = -(-plan.fetch_tokens // s.block_tokens)
+        for first, end, nodes in runs:
+            if first >= fetch:
+                break
+            part = keys[first:min(end, fetch)]
+            self.nodes[nodes[0]].reads += len(part)
+            for name in nodes:  # the read copy, and the others refreshed (F34)
+                self.nodes[name].touch_due(part, now)
+        self._put(keys, found, runs, now, tally)
+        self._keep_snapshot(keys, now)
+        tally.requests += 1
+        tally.prompt_tokens += n
+        tally.found_tokens += found * s.block_tokens
+        tally.usable_tokens += plan.usable_tokens
+        tally.prefill_tokens += plan.prefill_tokens
+        if plan.action in _REPLAYS:
+            tally.replay_tokens += plan.fetch_tokens - (plan.replay_start or 0)
+        if found * s.block_tokens > s.geometry.window:  # a resume: more than a window was found
+            tally.resumes += 1
+            tally.snapshot_resumes += plan.action is Action.FETCH_SNAPSHOT
+            tally.replay_resumes += plan.action in _REPLAYS
+
+    def _put(self, keys: list[bytes], found: int, runs: list[tuple[int, int, tuple[str, ...]]], now_s: float,
+             tally: Tally) -> None:
+        """Put blocks [found, len) to every replica of their runs (a fleet copy names its first depth)."""
+        for first, end, nodes in runs:
+            lo = max(first, found)
+            if lo >= end:
+                continue
+            hashes = [k[-32:] for k in keys[lo:end]]
+            parent = keys[lo - 1][-32:] if lo else self.scope_root
+            for name in nodes:
+                node = self.nodes[name]
+                local_parent = lo > first or self.settings.nodes == 1
+                batch = PutBatch(scope=self.scope, parent_hash=parent, hashes=hashes,
+                                 blocks=[self._block] * len(hashes), is_root=lo == 0,
+                                 first_depth=None if local_parent or lo == 0 else lo + 1)
+                if local_parent and lo and keys[lo - 1] not in node.index.blocks:
+                    tally.refused_puts += 1  # its parent went in between (another replica's order)
+                    continue
+                node.put(batch, now_s, tally)
+            if self.settings.nodes == 1:
+                break
+
+    @property
+    def scope_root(self) -> bytes:
+        """The chain root of the simulated layout (a first block's parent)."""
+        return self._chains.root
+
+    # -- a whole trace -------------------------------------------------------------
+
+    def run(self, trace: Trace, progress: Callable[[int], None] | None = None) -> SimResult:
+        """Run every request of `trace` in arrival order; `progress(done)` is called now and then."""
+        import time
+
+        start = time.perf_counter()
+        s = self.settings
+        self._chains = ChainKeys(self.scope, s.block_tokens)
+        last_of_session: dict[str, int] = {}
+        last_of_scope: dict[str, int] = {}
+        first_of_session: dict[str, float] = {}
+        for i, r in enumerate(trace.requests):
+            last_of_session[r.session] = i
+            last_of_scope[r.scope] = i
+            first_of_session.setdefault(r.session, r.arrival_s)
+        retention_s = s.retention_hours * 3600
+        outlive = sum(1 for name, i in last_of_session.items()
+                      if trace.requests[i].arrival_s - first_of_session[name] > retention_s)
+        total = Tally()
+        buckets: list[Bucket] = []
+        t0 = trace.requests[0].arrival_s if trace.requests else 0.0
+        bucket = Bucket(start_s=t0)
+        peaks = [0, 0, 0]
+        for i, r in enumerate(trace.requests):
+            while r.arrival_s >= bucket.start_s + s.bucket_s:
+                self._close(bucket, peaks, bucket.start_s + s.bucket_s)
+                buckets.append(bucket)
+                bucket = Bucket(start_s=bucket.start_s + s.bucket_s)
+            self.step(r, self._chains.keys(r), bucket.tally)
+            if last_of_session[r.session] == i:
+                self._chains.forget(r.session, r.scope if r.scope and last_of_scope[r.scope] == i else None)
+            if progress is not None and i % 1000 == 0:
+                progress(i)
+        self._close(bucket, peaks, bucket.start_s + s.bucket_s)
+        buckets.append(bucket)
+        for b in buckets:
+            total.add(b.tally)
+        compute_all = s.cost.compute_s(total.prompt_tokens)
+        return SimResult(settings=s, trace=trace.name, sessions=len(last_of_session), total=total, buckets=buckets,
+                         peak_stored_bytes=peaks[0], peak_retained_bytes=peaks[1], peak_swa_bytes=peaks[2],
+                         node_bytes={n: node.index.usage.stored_bytes for n, node in self.nodes.items()},
+                         node_reads={n: node.reads for n, node in self.nodes.items()},
+                         sessions_past_retention=outlive,
+                         gpu_s=s.cost.compute_s(total.prefill_tokens + total.replay_tokens),
+                         gpu_s_without_store=compute_all, wall_s=time.perf_counter() - start)
+
+    def _close(self, bucket: Bucket, peaks: list[int], end_s: float) -> None:
+        """The state at a bucket's end; with no capacity limit, what retention keeps is measured by
+        evicting what it lets go (a real store keeps it until a Put needs the room)."""
+        self._expire_snapshots(end_s)
+        bucket.stored_bytes = sum(n.index.usage.stored_bytes for n in self.nodes.values())
+        if self.settings.capacity_bytes == UNLIMITED:
+            for node in self.nodes.values():
+                node.expire(end_s, self.settings.block_bytes)
+        bucket.retained_bytes = sum(n.index.usage.stored_bytes for n in self.nodes.values())
+        bucket.swa_bytes = max(self.swa_bytes, 0)
+        peaks[0] = max(peaks[0], bucket.stored_bytes)
+        peaks[1] = max(peaks[1], bucket.retained_bytes)
+        peaks[2] = max(peaks[2], self.swa_peak)
