@@ -304,6 +304,42 @@ def test_f48_restore_reads_this_hosts_nodes_runs_directly_and_streams_the_rest(f
             restore(client, tokens, dest, path="direct-cpu")
 
 
+def test_f47_a_resumer_plans_over_a_fleet_and_its_worker_stores_to_it(fleet: Fleet, loop_thread: Any) -> None:
+    """F47 end to end: a real worker (the tiny model on the CPU) whose store target is the fleet's address, and a
+    Resumer whose planner is a fleet client: the second turn fetches the blocks and the snapshot the first turn's
+    worker stored past the first run, and its logits are the model's over the whole prompt."""
+    from kvstore.client.worker import WorkerClient
+    from kvstore.geometry import TINY
+    from replay.model import TINY_MODEL, ReferenceModel
+    from replay.resume import Resumer
+    from replay.worker.runner import Runner
+    from replay.worker.service import start
+    from replay.worker.settings import WorkerSettings
+    from replay.worker.stores import StoreClients
+
+    model = ReferenceModel(TINY_MODEL, device="cpu")
+    settings = WorkerSettings(store_target=fleet.address, port=0)
+    stores = StoreClients(settings.store_target, geometry=TINY.name)
+    worker = loop_thread.run(start(settings, Runner(model, stores, settings)))
+    try:
+        with fleet_client(fleet, geometry=TINY.name) as client, Planner(client, report=False) as planner, \
+                WorkerClient(worker.target, timeout_s=60) as workers:
+            resumer = Resumer(planner, workers)
+            rng = random.Random(47)
+            turn = [rng.randrange(128) for _ in range(RUN_TOKENS * 2 + 22)]  # into the third run
+            first = resumer.resume(turn, max_new_tokens=10)
+            assert first.ok and first.plan.action is Action.FULL_PREFILL and first.run is not None
+            prompt = turn + list(first.run.output_tokens) + [rng.randrange(128) for _ in range(13)]
+            second = resumer.resume(prompt)
+            assert second.ok and second.plan.action is Action.FETCH_SNAPSHOT, second.plan.reasons
+            assert second.plan.snapshot_position is not None and second.plan.snapshot_position > RUN_TOKENS
+            assert second.run is not None and second.run.snapshot_loaded
+            assert torch.equal(second.run.logits, model.extend(model.new_state(), prompt)[-1])
+    finally:
+        loop_thread.run(worker.stop(0))
+        stores.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct-gpu needs CUDA (run on the GPU machine)")
 def test_f48_direct_gpu_restore_over_a_fleet(fleet: Fleet) -> None:
     """F48 on a GPU: the local node's runs gathered by the GPU from its file, the rest streamed into the CUDA tensor."""
