@@ -74,7 +74,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class LookupRequest(_message.Message):
     BLOCK_HASHES_PACKED_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_HASH_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -97,10 +98,11 @@ class LookupRequest(_message.Message):
     block_hashes_packed: bytes
     anchor_hash: bytes
     anchor_blocks: int
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ...) -> None: ...
+    keep_until_s: float
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ..., keep_until_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index", "anchor_unknown")
+    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index", "anchor_unknown", "kept_until_s", "keep_note")
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +112,8 @@ class LookupResponse(_message.Message):
     SWA_RESUME_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SWA_INDEX_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    KEPT_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_NOTE_FIELD_NUMBER: _ClassVar[int]
     found_blocks: int
     found_tokens: int
     lease_id: str
@@ -119,7 +123,9 @@ class LookupResponse(_message.Message):
     swa_resume_tokens: int
     swa_index: int
     anchor_unknown: bool
-    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ..., anchor_unknown: _Optional[bool] = ...) -> None: ...
+    kept_until_s: float
+    keep_note: str
+    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ..., anchor_unknown: _Optional[bool] = ..., kept_until_s: _Optional[float] = ..., keep_note: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -134,7 +140,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks", "first_block", "run_key", "run_bridge")
+    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks", "first_block", "run_key", "run_bridge", "keep_until_s")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +150,7 @@ class PutRequest(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     RUN_BRIDGE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     parent_hash: bytes
@@ -153,17 +160,22 @@ class PutRequest(_message.Message):
     first_block: int
     run_key: bytes
     run_bridge: bytes
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ..., run_bridge: _Optional[bytes] = ...) -> None: ...
+    keep_until_s: float
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ..., run_bridge: _Optional[bytes] = ..., keep_until_s: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("block_hashes", "written_blocks", "existing_blocks")
+    __slots__ = ("block_hashes", "written_blocks", "existing_blocks", "kept_until_s", "keep_note")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXISTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_NOTE_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     written_blocks: int
     existing_blocks: int
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ...) -> None: ...
+    kept_until_s: float
+    keep_note: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., kept_until_s: _Optional[float] = ..., keep_note: _Optional[str] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("geometry", "namespace", "block_hashes", "first_block", "run_key")
@@ -340,20 +352,24 @@ class HitWindow(_message.Message):
     def __init__(self, window: _Optional[str] = ..., seconds: _Optional[float] = ..., counts: _Optional[_Union[HitCounts, _Mapping]] = ...) -> None: ...
 
 class TenantHits(_message.Message):
-    __slots__ = ("tenant", "windows", "usage_known", "token_hours", "blocks_stored", "bytes_stored")
+    __slots__ = ("tenant", "windows", "usage_known", "token_hours", "blocks_stored", "bytes_stored", "pins", "pinned_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     USAGE_KNOWN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_HOURS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_STORED_FIELD_NUMBER: _ClassVar[int]
     BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     windows: _containers.RepeatedCompositeFieldContainer[HitWindow]
     usage_known: bool
     token_hours: float
     blocks_stored: int
     bytes_stored: int
-    def __init__(self, tenant: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., usage_known: _Optional[bool] = ..., token_hours: _Optional[float] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+    pins: int
+    pinned_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., usage_known: _Optional[bool] = ..., token_hours: _Optional[float] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., pins: _Optional[int] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class HitPoint(_message.Message):
     __slots__ = ("start_s", "seconds", "counts")
