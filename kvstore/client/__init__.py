@@ -9,6 +9,9 @@ Calls and their plumbing:
 - `blocks`: the KVStore block calls `store` and `transfer` both make.
 - `puts`, `resume_report`: a Put on the wire and the ReportResume call, for `store`.
 - `arguments`: the checks of what callers hand the clients.
+- `chain_memo`: the chains a connection hashed, so a conversation's next turn hashes only its
+  new tokens; `lookup_anchors`: the chains the server found, so its Lookup sends only the new
+  hashes (docs/PREFIX_HASHING.md, "The next turn").
 - `admin`: the Admin service (policies, audit log, purge, export, import);
   `worker`: the Worker service (run a resume plan on an engine).
 
