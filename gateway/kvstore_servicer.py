@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import grpc
 
 from gateway import validate
+from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.lookup_anchors import LookupAnchors
@@ -33,7 +35,8 @@ from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES, Bl
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tiers.store import BlockStore, PutBatch, PutResult, ReadStatus
+from tiers.pins import PinGrant
+from tiers.store import BlockStore, PinningStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
@@ -43,9 +46,17 @@ GET_CHUNK_BLOCKS = 16
 #: Put batches a stream may have received ahead of the one being committed.
 PUT_STREAM_DEPTH = 4
 
+def _check_keep_until(until_s: float) -> None:
+    """A pin's time is a finite Unix time (0: none)."""
+    if not math.isfinite(until_s) or until_s < 0:
+        raise InvalidArgument(f"keep_until_s must be a Unix time in seconds (0: no pin), got {until_s!r}")
+
+
 def _put_response(batch: PutBatch, result: PutResult) -> pb.PutResponse:
+    pin = result.pin
     return pb.PutResponse(block_hashes=batch.hashes, written_blocks=result.written_blocks,
-                          existing_blocks=result.existing_blocks)
+                          existing_blocks=result.existing_blocks, kept_until_s=pin.until_s if pin else 0.0,
+                          keep_note=pin.why if pin else "")
 
 
 _STATUS: dict[ReadStatus, pb.BlockStatus] = {
@@ -69,8 +80,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """
 
     def __init__(self, tier: BlockStore, layouts: dict[str, Layout], max_message_bytes: int,
-                 swa: SwaCache | None = None, hits: HitStats | None = None) -> None:
+                 swa: SwaCache | None = None, hits: HitStats | None = None, audit: AuditTrail | None = None) -> None:
         self.tier = tier
+        #: The store's pins (R22-R27); None: a store that does not pin (a gateway's, for now).
+        self.pins = tier if isinstance(tier, PinningStore) else None
+        #: Where each pin granted is recorded (R27); None: not recorded (a servicer built without the log).
+        self.audit = audit
         #: A gateway's store routes whole requests (docs/FLEET.md F36-F40); None on a node.
         self.router = tier if isinstance(tier, RoutedStore) else None
         self.swa = swa
@@ -142,6 +157,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise
         reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                   lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
+        if request.keep_until_s:  # R22-R24: the found prefix, pinned on its deepest block
+            _check_keep_until(request.keep_until_s)
+            await self._lookup_pin(reply, scope, hashes[found - 1] if found else b"", request.keep_until_s)
         # A fleet client found the blocks on the runs' nodes and asks this node's shared pool for the
         # snapshot alone (docs/FLEET.md F45): its found tokens bound the resume, as this node's own would.
         found_tokens = request.swa_found_tokens if only_swa else found * self.settings.block_tokens
@@ -150,6 +168,17 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.swa_found = True
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
         return reply
+
+    async def _lookup_pin(self, reply: pb.LookupResponse, scope: BlockScope, deepest: bytes, until_s: float) -> None:
+        """Pin a Lookup's found prefix until `until_s`; the grant goes into `reply` (R22-R24)."""
+        if self.pins is None:
+            reply.keep_note = "this store does not pin prefixes (keep_until_s): not through a gateway yet"
+        elif not deepest:
+            reply.keep_note = "nothing was found to keep"
+        else:
+            grant = await self.tier.call(self.pins.pin, scope, deepest, until_s)
+            reply.kept_until_s, reply.keep_note = grant.until_s, grant.why
+            await self._audit_pin(scope, deepest, grant)
 
     def _remember(self, scope: BlockScope, packed: bytes, found: int, request: pb.LookupRequest) -> None:
         """Remember the found prefix of a packed Lookup as an anchor for its next turn (A1); not
@@ -227,6 +256,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica."""
         assert self.router is not None
+        if request.keep_until_s:
+            raise FailedPrecondition("pins (keep_until_s) are not taken through a gateway yet",
+                                     hint="put to a node, or leave keep_until_s 0")
         layout, _ = validate.scope(self.layouts, request.geometry, request.namespace)
         parts = await asyncio.to_thread(
             validate.fleet_put_plan, layout, run_blocks=self.router.run_blocks, parent_hash=request.parent_hash,
@@ -281,6 +313,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         batches.append(item)
                 results = await self.tier.call(self.tier.put_many, batches)
                 for batch, result in zip(batches, results, strict=True):
+                    await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
                     yield _put_response(batch, result)
                 if isinstance(item, PutBatch):  # the queue ran dry: wait for the next
                     item = await queue.get()
@@ -297,14 +330,26 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=blocks,
                                  limit=self.settings.max_batch_blocks)
+        _check_keep_until(request.keep_until_s)
+        if request.keep_until_s and self.pins is None:
+            raise FailedPrecondition("this store does not pin prefixes (keep_until_s): not through a gateway yet")
         return PutBatch(scope=scope, parent_hash=plan.parent, hashes=plan.hashes, blocks=blocks,
-                        is_root=plan.is_root)
+                        is_root=plan.is_root, keep_until_s=request.keep_until_s or None)
 
     async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
         # Checking and hashing are O(request size): a thread keeps other calls served meanwhile.
         batch = await asyncio.to_thread(self._plan, request)
         result = await self.tier.call(self.tier.put_many, [batch])
+        await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result[0].pin)
         return _put_response(batch, result[0])
+
+    async def _audit_pin(self, scope: BlockScope, block_hash: bytes, grant: PinGrant | None) -> None:
+        """Record a pin granted (R27): who, on which block, until when, asked when."""
+        if grant is None or not grant.until_s or self.audit is None:
+            return
+        await self.audit.record(actor=current_caller().tenant, action="pin", tenant=scope.namespace, old=None,
+                                new={"block": block_hash.hex(), "until_s": grant.until_s,
+                                     "asked_until_s": grant.asked_until_s, "note": grant.why})
 
     @streaming
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext
@@ -404,6 +449,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         usage = self.tier.namespace_usage(tenant)
         reply.usage_known = True
         reply.token_hours, reply.blocks_stored, reply.bytes_stored = usage.token_hours, usage.blocks, usage.stored_bytes
+        if self.pins is not None:  # R27: an operator sees each tenant's pins
+            totals, _ = self.pins.pins_of(tenant)
+            reply.pins, reply.pinned_bytes = totals.pins, totals.charged_bytes
         return reply
 
     @unary

@@ -295,7 +295,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     closers.append(swa.close)
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
-    kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits)
+    kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits, audit=admin.audit)
     add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"})
     swa_pb2_grpc.add_SwaPoolServicer_to_server(
         SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies),

@@ -36,11 +36,12 @@ from tiers.export import BlockRecord, ExportRecord
 from tiers.leases import Lease
 from tiers.lmdb_map import LmdbMap
 from tiers.namespaces import NamespaceUsage
+from tiers.pins import Pin, PinGrant, PinTotals
 from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
-__all__ = ["BlockStore", "ManagedStore", "MappedReads", "MappedStore", "NamespaceUsage", "PutBatch", "PutResult",
-           "ReadStatus", "StagedReads"]
+__all__ = ["BlockStore", "ManagedStore", "MappedReads", "MappedStore", "NamespaceUsage", "PinningStore", "PutBatch",
+           "PutResult", "ReadStatus", "StagedReads"]
 
 T = TypeVar("T")
 
@@ -155,4 +156,24 @@ class ManagedStore(BlockStore, Protocol):
 
     def set_quota_provider(self, provider: Callable[[str], int] | None) -> None:
         """Give each namespace an NVMe quota (R19); None: no quotas."""
+        ...
+
+
+@runtime_checkable
+class PinningStore(BlockStore, Protocol):
+    """A `BlockStore` that keeps prefixes until a given time (pins, docs/RETENTION.md R22-R27).
+
+    Its `put_many` honours `PutBatch.keep_until_s` and answers `PutResult.pin`.
+    """
+
+    def pin(self, scope: BlockScope, block_hash: bytes, until_s: float) -> PinGrant:
+        """Keep the stored block and its prefix until `until_s`; what was granted, or why not."""
+        ...
+
+    def pins_of(self, namespace: str) -> tuple[PinTotals, list[Pin]]:
+        """The namespace's live pins: totals and each pin."""
+        ...
+
+    def drop_pins(self, namespace: str) -> int:
+        """Drop every pin of the namespace; how many were live."""
         ...

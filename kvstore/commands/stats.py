@@ -119,8 +119,10 @@ def hit_dict(reply: object) -> dict[str, object]:
     tenants = {}
     for t in r.tenants:  # type: ignore[attr-defined]
         entry: dict[str, object] = {"windows": _window_dict(t.windows)}
-        entry.update({"token_hours": t.token_hours, "blocks_stored": t.blocks_stored, "bytes_stored": t.bytes_stored}
-                     if t.usage_known else {"token_hours": None, "blocks_stored": None, "bytes_stored": None})
+        entry.update({"token_hours": t.token_hours, "blocks_stored": t.blocks_stored, "bytes_stored": t.bytes_stored,
+                      "pins": t.pins, "pinned_bytes": t.pinned_bytes}  # pins: docs/RETENTION.md R27
+                     if t.usage_known else {"token_hours": None, "blocks_stored": None, "bytes_stored": None,
+                                            "pins": None, "pinned_bytes": None})
         tenants[t.tenant] = entry
     return {
         "windows": _window_dict(r.windows),  # type: ignore[attr-defined]
@@ -185,7 +187,10 @@ def print_hits(data: dict[str, object]) -> None:
         stored = "unknown (the server does not report per-tenant usage)" if hours is None else (
             f"{hours:,.1f} ({counted(t['blocks_stored'], 'block')}, "  # type: ignore[arg-type]  # JSON: an int
             f"{t['bytes_stored']:,} B stored now)")
-        _print_windows(f"Tenant {name}", t["windows"], [("Token-hours stored", stored)])  # type: ignore[arg-type]
+        pins = "-" if t.get("pins") is None else (
+            f"{counted(t['pins'], 'pin')} holding {t['pinned_bytes']:,} B until their time")  # type: ignore[arg-type]
+        _print_windows(f"Tenant {name}", t["windows"],  # type: ignore[arg-type]
+                       [("Token-hours stored", stored), ("Pins (kept past retention)", pins)])
 
 
 def chart_lines(data: dict[str, object], args: argparse.Namespace) -> list[str]:
