@@ -124,6 +124,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("kvstore.commands.transfer_tenant",
                "import an export file on the server into a tenant's cache (admin, audited)"),
     "health": ("kvstore.commands.health", "ask the server's health service whether it serves (a container probe)"),
+    "trace": ("kvstore.trace.command", "simulate the store on public request traces, or replay them against a server"),
     "fleet": ("kvstore.commands.fleet", "list the fleet's storage nodes registered in etcd (fleet status)"),
     "gateway": ("gateway.gateway_main", "serve the KVStore API over a fleet's nodes, holding no state ([fleet] etcd)"),
 }

@@ -65,19 +65,26 @@ class _Cursor:
         return self._index.islice(self._at)  # type: ignore[no-any-return]
 
 
-class _LruView:
-    """The `txn` a walk asks for a cursor; only the LRU index is ever walked."""
+class _Txn:
+    """The raw `txn` the tier's rules read beside BlockTxn's methods: the LRU index, walked by
+    eviction; and the pins db (tiers/pins.py), which a trace never writes, so it reads empty."""
 
     def __init__(self, owner: SimIndex) -> None:
         self._owner = owner
 
     def cursor(self, db: Any = None) -> _Cursor:
-        return _Cursor(self._owner.synced_lru())
+        return _Cursor(self._owner.synced_lru() if db == "lru" else SortedList())
+
+    def get(self, key: bytes, db: Any = None) -> bytes | None:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
 class _Dbs:
+    """Names standing for the tier's databases (`tiers.block_txn.BlockDbs`)."""
+
     lru: str = "lru"
+    pins: str = "pins"
 
 
 class SimIndex:
@@ -87,11 +94,14 @@ class SimIndex:
     each stored key to its `SimBlock`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, use_bucket_s: float = 3600.0) -> None:
         self.blocks: dict[bytes, SimBlock] = {}
+        #: Bytes by the bucket of their block's last recorded use (`bytes_used_since`).
+        self.use_bucket_s = use_bucket_s
+        self.bytes_by_use: dict[int, int] = {}
         self.lru = SortedList()
         self.usage = Usage()
-        self.txn = _LruView(self)
+        self.txn = _Txn(self)
         self._stale: set[bytes] = set()
         self.dbs = _Dbs()
         self.namespace_names: dict[bytes, str] = {}
@@ -200,6 +210,21 @@ class SimIndex:
                 parent.children.append(key)
         self.usage.blocks += 1
         self.usage.stored_bytes += block.size_bytes
+        self._count_use(block.last_access_s, block.size_bytes)
+
+    def _count_use(self, when_s: float, nbytes: int) -> None:
+        slot = int(when_s // self.use_bucket_s)
+        self.bytes_by_use[slot] = self.bytes_by_use.get(slot, 0) + nbytes
+
+    def bytes_used_since(self, since_s: float) -> int:
+        """Bytes of the blocks whose recorded use is in or after the bucket holding `since_s`.
+
+        What retention keeps, to a bucket's width, leaving out blocks kept only as the prefix of
+        a later-used one (R6) whose own use is older: a Get refreshes a whole fetched prefix, so
+        those are few (a Lookup alone refreshes only its deepest block).
+        """
+        first = int(since_s // self.use_bucket_s)
+        return sum(n for slot, n in self.bytes_by_use.items() if slot >= first)
 
     def _remove(self, key: bytes) -> None:
         block = self.blocks.pop(key)
@@ -213,7 +238,11 @@ class SimIndex:
                 parent.children.remove(key)
         self.usage.blocks -= 1
         self.usage.stored_bytes -= block.size_bytes
+        self._count_use(block.last_access_s, -block.size_bytes)
 
     def _retime(self, key: bytes, when_s: float) -> None:
-        self.blocks[key].last_access_s = when_s
+        block = self.blocks[key]
+        self._count_use(block.last_access_s, -block.size_bytes)
+        block.last_access_s = when_s
+        self._count_use(when_s, block.size_bytes)
         self._stale.add(key)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvstore import geometry as geometries
 from kvstore.client import LookupResult
-from kvstore.errors import InvalidArgument, ResourceExhausted, StoreFull
+from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.fleet.placement import replicas
 from kvstore.prefix import BlockScope
 from kvstore.swa_snapshot import resume_length, snapshot_bytes, snapshot_key
@@ -39,9 +39,9 @@ from replay.plan import Action
 from replay.planner import Planner
 from tiers.block_txn import PutBatch
 from tiers.damage import DamagedBlocks
-from tiers.eviction import SkippedRuns, make_room
+from tiers.eviction import SkippedRuns
 from tiers.puts import RoomRules, commit_puts
-from tiers.retention import NamespaceRetention, Retention
+from tiers.retention import TOUCH_GRANULARITY_S, NamespaceRetention, Retention
 
 #: Capacity that never fills (the default: what the workload would store).
 UNLIMITED = 1 << 62
@@ -174,7 +174,7 @@ class _Node:
 
     def __init__(self, name: str, settings: SimSettings) -> None:
         self.name = name
-        self.index = SimIndex()
+        self.index = SimIndex(use_bucket_s=settings.bucket_s)
         rule = Retention(retention_s=settings.retention_hours * 3600)
         self.rule = rule
         self.room = RoomRules(rule=rule, retention=NamespaceRetention(rule.retention_s), quota_of=lambda ns: 0,
@@ -219,22 +219,6 @@ class _Node:
         tally.put_blocks += len(batch.hashes)
         tally.evicted_blocks += evicted.blocks
         tally.evicted_bytes += evicted.freed_bytes
-
-    def expire(self, now_s: float, block_bytes: int) -> None:
-        """Drop every block past retention, by the store's own eviction (for the retained-bytes figure).
-
-        `make_room` refuses (and its transaction is undone) when it cannot free all it is asked,
-        and one call walks at most MAX_EVICTION_SCAN entries: ask for a few thousand blocks at a
-        time, halving on each refusal, until not even one block may go.
-        """
-        chunk = min(self.index.usage.stored_bytes, 4096 * block_bytes)
-        while chunk >= block_bytes:
-            try:
-                with self.index.write() as w:
-                    make_room(w, 0, capacity_bytes=w.usage.stored_bytes - chunk, rule=self.rule, now_s=now_s,
-                              protected=(), skipped=None)
-            except StoreFull:
-                chunk //= 2
 
 
 class Simulation:
@@ -447,14 +431,12 @@ class Simulation:
                          gpu_s_without_store=compute_all, wall_s=time.perf_counter() - start)
 
     def _close(self, bucket: Bucket, peaks: list[int], end_s: float) -> None:
-        """The state at a bucket's end; with no capacity limit, what retention keeps is measured by
-        evicting what it lets go (a real store keeps it until a Put needs the room)."""
+        """The state at a bucket's end: bytes stored (a store evicts only when a Put needs room), and
+        bytes used within the retention (what a store must keep: `SimIndex.bytes_used_since`)."""
         self._expire_snapshots(end_s)
         bucket.stored_bytes = sum(n.index.usage.stored_bytes for n in self.nodes.values())
-        if self.settings.capacity_bytes == UNLIMITED:
-            for node in self.nodes.values():
-                node.expire(end_s, self.settings.block_bytes)
-        bucket.retained_bytes = sum(n.index.usage.stored_bytes for n in self.nodes.values())
+        since = end_s - self.settings.retention_hours * 3600 - TOUCH_GRANULARITY_S
+        bucket.retained_bytes = sum(n.index.bytes_used_since(since) for n in self.nodes.values())
         bucket.swa_bytes = max(self.swa_bytes, 0)
         peaks[0] = max(peaks[0], bucket.stored_bytes)
         peaks[1] = max(peaks[1], bucket.retained_bytes)
