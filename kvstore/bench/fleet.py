@@ -64,6 +64,8 @@ SETTLE_DEADLINE_S = 300.0
 #: Repeats of each Get and Lookup (the best is kept: the least disturbed by the rest of the box).
 REPEAT = 3
 LOOKUP_REPEAT = 5
+#: The durable-write baseline's batch: the repairer's CopyBlocks size (gateway/fleet_repair.py BATCH_BYTES).
+DURABLE_BATCH_BYTES = 16 << 20
 
 #: name prefix -> (least ratio, how the target reads); a figure whose name starts with the prefix has it.
 TARGETS: dict[str, tuple[float, str]] = {
@@ -71,6 +73,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "lookup": (1 / 1.5, "<= 1.5x the single node's time (ratio >= 0.67)"),
     "put r=2 vs r=1": (0.45, ">= 0.45x replication 1"),
     "bytes sent to an added node": (1 / 1.2, "<= 1.2/N of the bytes (ratio ideal/moved >= 0.83)"),
+    "re-replication vs durable writes": (0.5, ">= 0.5x the disk's durable write rate (same bytes, same writers)"),
     "re-replication": (0.5, ">= 0.5x the bulk transport's rate"),
 }
 
@@ -467,6 +470,12 @@ class FleetBench:
         name, rate = _bulk_rate(max(sent, 16 << 20), len(self.data.blocks[0]), self.progress)
         self.report.add(Figure.against(f"re-replication after a node kill {n + 1}->{n} r={r}", sent / seconds / 1e9,
                                        "GB/s", name, rate))
+        # A copy is durable when answered (F17): the receivers' disk bounds the rate. The same bytes written
+        # and fsync'd in the same batches by as many writers as survivors, in the nodes' folder, same run.
+        disk = _durable_write_rate(self.folder, max(sent, 16 << 20), len(survivors))
+        self.report.add(Figure.against(f"re-replication vs durable writes {n + 1}->{n} r={r}", sent / seconds / 1e9,
+                                       "GB/s", f"{len(survivors)} writers, write + fsync of 16 MiB batches, "
+                                       "same disk, same bytes", disk))
         self.report.notes[f"re-replication {n + 1}->{n}"] = (f"{sent:,} bytes in {seconds:.2f} s, from the lease's "
                                                              "end to the last survivor's pass done")
         return survivors
@@ -531,6 +540,33 @@ def _bulk_rate(nbytes: int, block_bytes: int, progress: Progress) -> tuple[str, 
             bar.update(1)
     return ("raw gRPC stream between two processes, same block size (Mooncake not importable)",
             n * block_bytes / best / 1e9)
+
+
+def _durable_write_rate(folder: Path, nbytes: int, writers: int) -> float:
+    """GB/s of `writers` threads writing `nbytes` between them to files in `folder`, each 16 MiB batch
+    fsync'd before the next (as a CopyBlocks is committed before its answer); the best of REPEAT."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    batch = os.urandom(DURABLE_BATCH_BYTES)
+    share = -(-nbytes // writers)
+
+    def write(i: int) -> None:
+        path = folder / f"durable-{i}.bench"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            left = share
+            while left > 0:
+                left -= os.write(fd, batch[:min(left, DURABLE_BATCH_BYTES)])
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+            path.unlink()
+
+    best = float("inf")
+    with ThreadPoolExecutor(writers) as pool:
+        for _ in range(REPEAT):
+            best = min(best, timed(lambda: list(pool.map(write, range(writers)))))
+    return share * writers / best / 1e9
 
 
 def _drain(streams: Iterator[Iterator[bytes]]) -> None:

@@ -29,7 +29,7 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
             "put n=2 r=1", "get via router n=2 r=1", f"lookup {tokens} tokens n=2 r=1",
             "put n=2 r=2", "put r=2 vs r=1 n=2", "get n=2 r=2", "get via router n=2 r=2",
             f"lookup {tokens} tokens n=2 r=2", "bytes sent to an added node 2->3 r=2",
-            "re-replication after a node kill 3->2 r=2"}
+            "re-replication after a node kill 3->2 r=2", "re-replication vs durable writes 3->2 r=2"}
     assert want <= figures.keys(), sorted(figures)
     for f in figures.values():
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
@@ -39,7 +39,8 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
     assert figures["bytes sent to an added node 2->3 r=2"]["baseline_value"] == 1 / 3
     # Every figure with a target says whether it met it; the one-copy fleet says why it has no kill figure.
     for name in ("get via router n=2 r=2", f"lookup {tokens} tokens n=2 r=2", "put r=2 vs r=1 n=2",
-                 "bytes sent to an added node 2->3 r=2", "re-replication after a node kill 3->2 r=2"):
+                 "bytes sent to an added node 2->3 r=2", "re-replication after a node kill 3->2 r=2",
+                 "re-replication vs durable writes 3->2 r=2"):
         assert report["notes"][f"target {name}"].endswith((": met", ": NOT MET")), name
     assert "skipped" in report["notes"]["re-replication n=1 r=1"]
     assert list(tmp_path.iterdir()) == []  # every node's and etcd's folder removed
