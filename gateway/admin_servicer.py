@@ -32,11 +32,11 @@ from gateway.validate import Layout
 from kvstore.api_tokens import check_tenant
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings
-from kvstore.errors import InvalidArgument, KVStoreError, has_default_hint
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, has_default_hint
 from kvstore.prefix import BlockScope, chain_hashes
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
-from tiers.store import ManagedStore
+from tiers.store import ManagedStore, PinningStore
 
 #: The admin folder inside store.data_dir: policies.json and audit.jsonl.
 ADMIN_DIR = "admin"
@@ -214,6 +214,21 @@ class AdminServicer(pb_grpc.AdminServicer):
             old={"blocks": before.blocks, "bytes": before.stored_bytes},
             new={"blocks": after.blocks, "bytes": after.stored_bytes, "purged_blocks": purged, **what})
         return pb.PurgeResponse(purged_blocks=purged)
+
+    @unary
+    @_refused("no pin was dropped")
+    async def DropPins(self, request: pb.DropPinsRequest, context: grpc.aio.ServicerContext) -> pb.DropPinsResponse:
+        caller = require(ADMIN)
+        tenant = _tenant(request.tenant)
+        if not isinstance(self.tier, PinningStore):
+            raise FailedPrecondition("this store keeps no pins")
+        await self.audit.check_writable()  # R27: every change to pins is audited
+        before, _ = await self.tier.call(self.tier.pins_of, tenant)
+        dropped = await self.tier.call(self.tier.drop_pins, tenant)
+        await self.audit.record(actor=caller.tenant, action="drop-pins", tenant=tenant,
+                                old={"pins": before.pins, "pinned_bytes": before.charged_bytes},
+                                new={"pins": 0, "dropped": dropped})
+        return pb.DropPinsResponse(dropped=dropped)
 
     def _purge_targets(self, request: pb.PurgeRequest, tenant: str) -> list[tuple[BlockScope, list[bytes] | None]]:
         """(scope, chain hashes or None for all) per purge the request asks for."""

@@ -144,6 +144,18 @@ class PurgeResponse(_message.Message):
     purged_blocks: int
     def __init__(self, purged_blocks: _Optional[int] = ...) -> None: ...
 
+class DropPinsRequest(_message.Message):
+    __slots__ = ("tenant",)
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    def __init__(self, tenant: _Optional[str] = ...) -> None: ...
+
+class DropPinsResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
 class ExportTenantRequest(_message.Message):
     __slots__ = ("tenant", "path")
     TENANT_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=kvstore_dot_v1_dot_admin__pb2.ImportTenantRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_admin__pb2.ImportTenantResponse.FromString,
                 _registered_method=True)
+        self.DropPins = channel.unary_unary(
+                '/kvstore.v1.Admin/DropPins',
+                request_serializer=kvstore_dot_v1_dot_admin__pb2.DropPinsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_admin__pb2.DropPinsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -123,6 +128,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DropPins(self, request, context):
+        """Drops every pin of a tenant (docs/RETENTION.md R27): its prefixes are kept by retention alone again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +172,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ImportTenant,
                     request_deserializer=kvstore_dot_v1_dot_admin__pb2.ImportTenantRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_admin__pb2.ImportTenantResponse.SerializeToString,
+            ),
+            'DropPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPins,
+                    request_deserializer=kvstore_dot_v1_dot_admin__pb2.DropPinsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_admin__pb2.DropPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +368,33 @@ class Admin:
             '/kvstore.v1.Admin/ImportTenant',
             kvstore_dot_v1_dot_admin__pb2.ImportTenantRequest.SerializeToString,
             kvstore_dot_v1_dot_admin__pb2.ImportTenantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Admin/DropPins',
+            kvstore_dot_v1_dot_admin__pb2.DropPinsRequest.SerializeToString,
+            kvstore_dot_v1_dot_admin__pb2.DropPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

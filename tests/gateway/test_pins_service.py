@@ -90,3 +90,17 @@ def test_r27_stats_shows_each_tenants_pins(stub: tuple[Any, Path, str], clock: M
     clock.advance(2 * HOUR)  # expired: not shown (R25)
     tenant = next(t for t in s.Stats(pb.StatsRequest(tenant="default")).tenants if t.tenant == "default")
     assert tenant.pins == 0
+
+
+def test_r27_an_operator_drops_a_tenants_pins_and_it_is_audited(stub: tuple[Any, Path, str],
+                                                                 clock: ManualClock) -> None:
+    from kvstore.v1 import admin_pb2, admin_pb2_grpc
+
+    s, data_dir, target = stub
+    _put(s, 0, keep_until_s=clock.now() + HOUR)
+    _put(s, 10_000, keep_until_s=clock.now() + HOUR)
+    with grpc.insecure_channel(target) as channel:
+        assert admin_pb2_grpc.AdminStub(channel).DropPins(admin_pb2.DropPinsRequest(tenant="default")).dropped == 2
+    assert next(t for t in s.Stats(pb.StatsRequest(tenant="default")).tenants).pins == 0
+    drops = [e for e in AuditLog(data_dir / ADMIN_DIR).entries(tenant="default") if e.action == "drop-pins"]
+    assert [(e.old["pins"], e.new["dropped"]) for e in drops] == [(2, 2)]
