@@ -31,7 +31,7 @@ from kvstore.errors import (
     to_status,
 )
 from kvstore.geometry import ModelGeometry
-from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
+from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -123,27 +123,28 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         # A prompt shorter than a block has no hashes; its SWA candidates are answered (none
         # serves: a resume needs the global rows below it, and no block is found).
-        packed = request.block_hashes_packed
+        limit = self.settings.max_lookup_blocks
         if request.anchor_hash or request.anchor_blocks:  # a next turn: the remembered chain, then these
             validate.anchor(request.anchor_hash, request.anchor_blocks, request.block_hashes)
-            expanded = self.anchors.expand(scope.prefix, request.anchor_hash, request.anchor_blocks, packed)
-            if expanded is None:
+            head = self.anchors.expand(scope.prefix, request.anchor_hash, request.anchor_blocks)
+            if head is None:
                 return pb.LookupResponse(anchor_unknown=True)  # A4: nothing looked up; the client sends all
-            packed = expanded
-        only_swa = not request.block_hashes and not packed and bool(request.swa_keys)
-        hashes = [] if only_swa else validate.lookup_hashes(request.block_hashes, packed,
-                                                            limit=self.settings.max_lookup_blocks)
+            only_swa, hashes = False, validate.anchored_hashes(head, request.block_hashes_packed, limit=limit)
+        else:
+            only_swa = not request.block_hashes and not request.block_hashes_packed and bool(request.swa_keys)
+            hashes = [] if only_swa else validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
+                                                                limit=limit)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         if self.router is not None:
             reply = await self._routed_lookup(request, scope, hashes, lease_ms, context)
-            self._remember(scope, packed, reply.found_blocks, request)
+            self._remember(scope, hashes, reply.found_blocks, request)
             return reply
         # One index read per found block (the chain is checked, R15): off the event loop.
         due: list[bytes] = []
         found, lease = await self.tier.call(
             lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
-        self._remember(scope, packed, found, request)
+        self._remember(scope, hashes, found, request)
         if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
@@ -180,11 +181,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.kept_until_s, reply.keep_note = grant.until_s, grant.why
             await self._audit_pin(scope, deepest, grant)
 
-    def _remember(self, scope: BlockScope, packed: bytes, found: int, request: pb.LookupRequest) -> None:
-        """Remember the found prefix of a packed Lookup as an anchor for its next turn (A1); not
-        again when it is the anchor's own chain (found no further)."""
-        if packed and found and found != request.anchor_blocks:
-            self.anchors.remember(scope.prefix, packed[:found * HASH_BYTES], replaces=request.anchor_hash)
+    def _remember(self, scope: BlockScope, hashes: list[bytes], found: int, request: pb.LookupRequest) -> None:
+        """Remember the found prefix of a Lookup as an anchor for its next turn (A1); not again when
+        it is the anchor's own chain (found no further)."""
+        if found and found != request.anchor_blocks:
+            self.anchors.remember(scope.prefix, hashes[:found], replaces=request.anchor_hash)
 
     async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: list[bytes],
                              lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

@@ -2,8 +2,9 @@
 send only its new hashes (LookupRequest.anchor_hash; docs/PREFIX_HASHING.md, "The next turn").
 
 A million-token prompt's Lookup carries 15,625 hashes (500 KB); its next turn repeats all of
-them and adds a few dozen. The server keeps, per tenant and geometry, the packed hashes of
-each chain a Lookup found stored in full, keyed by the chain's last hash. A next turn names
+them and adds a few dozen. The server keeps, per tenant and geometry, the hashes of each
+prefix a Lookup found stored, keyed by the prefix's last hash (as the objects the tier takes:
+a next turn then cuts only its new hashes from its request). A next turn names
 that hash and the chain's length (the anchor) and sends the hashes after it; the server puts
 the remembered ones in front and looks the whole chain up as any other (R15 checks it in the
 tier, as ever).
@@ -20,20 +21,21 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from kvstore.prefix import HASH_BYTES
-
-#: Packed hashes remembered by default: 64 MiB, about 128 conversations of a million tokens.
+#: Bytes of remembered hashes by default: 64 MiB, about 56 conversations of a million tokens.
 DEFAULT_MAX_BYTES = 64 << 20
 #: Shorter chains are not remembered: sending them whole costs little.
 DEFAULT_MIN_BLOCKS = 64
+#: What one remembered hash costs: a 32-byte bytes object (65 B in CPython) and its slot.
+BYTES_PER_HASH = 73
 
 
 class LookupAnchors:
-    """Found chains' packed hashes by (scope prefix, last hash). Thread-safe.
+    """Found chains' hashes by (scope prefix, last hash). Thread-safe.
 
     Args:
-        max_bytes: most bytes of packed hashes kept.
+        max_bytes: most bytes of hashes kept (`BYTES_PER_HASH` each).
         min_blocks: shortest chain kept.
     """
 
@@ -41,44 +43,45 @@ class LookupAnchors:
         self.max_bytes = max_bytes
         self.min_blocks = min_blocks
         self._lock = threading.Lock()
-        self._chains: OrderedDict[bytes, bytes] = OrderedDict()
+        self._chains: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
         self._size_bytes = 0
 
-    def expand(self, scope_prefix: bytes, anchor_hash: bytes, anchor_blocks: int, after: bytes) -> bytes | None:
-        """The whole chain's packed hashes: the remembered `anchor_blocks` ending at `anchor_hash`, then
-        `after`; None when no such chain is remembered in this scope (A2, A4)."""
+    def expand(self, scope_prefix: bytes, anchor_hash: bytes, anchor_blocks: int) -> tuple[bytes, ...] | None:
+        """The remembered `anchor_blocks` hashes ending at `anchor_hash`; None when no such chain is
+        remembered in this scope (A2, A4)."""
+        key = scope_prefix + anchor_hash
         with self._lock:
-            packed = self._chains.get(scope_prefix + anchor_hash)
-            if packed is None or len(packed) != anchor_blocks * HASH_BYTES:
+            chain = self._chains.get(key)
+            if chain is None or len(chain) != anchor_blocks:
                 return None
-            self._chains.move_to_end(scope_prefix + anchor_hash)
-        return packed + after
+            self._chains.move_to_end(key)
+        return chain
 
-    def remember(self, scope_prefix: bytes, found: bytes, *, replaces: bytes = b"") -> None:
-        """Remember `found`, packed hashes the tier found stored as one chain from block 0 (A1).
+    def remember(self, scope_prefix: bytes, found: Sequence[bytes], *, replaces: bytes = b"") -> None:
+        """Remember `found`, hashes the tier found stored as one chain from block 0 (A1).
 
         Args:
             replaces: the anchor hash the request named, forgotten when `found` extends its chain
                 (the conversation moved on; one entry per conversation, not one per turn).
         """
-        blocks = len(found) // HASH_BYTES
-        if blocks < max(self.min_blocks, 1) or len(found) > self.max_bytes:
+        if len(found) < max(self.min_blocks, 1) or len(found) * BYTES_PER_HASH > self.max_bytes:
             return
-        key = scope_prefix + found[-HASH_BYTES:]
+        chain = tuple(found)
+        key = scope_prefix + chain[-1]
         with self._lock:
             for old_key in (scope_prefix + replaces if replaces else b"", key):
                 old = self._chains.pop(old_key, None) if old_key else None
                 if old is not None:
-                    self._size_bytes -= len(old)
-            self._chains[key] = found
-            self._size_bytes += len(found)
+                    self._size_bytes -= len(old) * BYTES_PER_HASH
+            self._chains[key] = chain
+            self._size_bytes += len(chain) * BYTES_PER_HASH
             while self._size_bytes > self.max_bytes:  # A3
                 _, dropped = self._chains.popitem(last=False)
-                self._size_bytes -= len(dropped)
+                self._size_bytes -= len(dropped) * BYTES_PER_HASH
 
     @property
     def size_bytes(self) -> int:
-        """Bytes of packed hashes kept now."""
+        """Bytes of hashes kept now (`BYTES_PER_HASH` each)."""
         return self._size_bytes
 
     def __len__(self) -> int:

@@ -123,6 +123,22 @@ def anchor(anchor_hash: bytes, anchor_blocks: int, block_hashes: Sequence[bytes]
         raise InvalidArgument("an anchor goes with block_hashes_packed (the hashes after it), not block_hashes")
 
 
+def anchored_hashes(head: Sequence[bytes], after: bytes, *, limit: int) -> list[bytes]:
+    """A next turn's hashes: the anchor's remembered chain `head`, then the packed `after`.
+
+    Raises:
+        InvalidArgument: `after` not a multiple of 32 bytes, or more than `limit` hashes in all.
+    """
+    count, extra = divmod(len(after), HASH_BYTES)
+    if extra:
+        raise InvalidArgument(f"block_hashes_packed is {len(after)} bytes; it holds {HASH_BYTES}-byte hashes, "
+                              f"so its length is a multiple of {HASH_BYTES}")
+    if len(head) + count > limit:
+        raise InvalidArgument(f"the anchor's {len(head)} hashes and block_hashes_packed's {count} pass the "
+                              f"{limit} a Lookup may hold")
+    return [*head, *lookup_hashes((), after, limit=limit)] if after else list(head)
+
+
 _CHUNK_HASHES = 256
 _CHUNK = struct.Struct(f"{HASH_BYTES}s" * _CHUNK_HASHES)
 

@@ -37,7 +37,7 @@ def anchored(hashes: list[bytes], blocks: int, **kwargs: Any) -> pb.LookupReques
 
 def test_a1_a_next_turn_sends_only_its_new_hashes_and_finds_the_same(server: Any, client: Client,
                                                                       conversation: Any) -> None:
-    tokens, hashes = conversation
+    _, hashes = conversation
     stub = stub_of(server)
     first = stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(hashes[:STORED])))
     assert first.found_blocks == STORED
@@ -107,15 +107,37 @@ def test_a_malformed_anchor_is_invalid(server: Any, fields: dict[str, Any], mess
 
 
 def test_a3_memory_is_bounded_and_a_next_turn_replaces_its_anchor() -> None:
+    from gateway.lookup_anchors import BYTES_PER_HASH
+
     chain = [os.urandom(32) for _ in range(200)]
-    table = LookupAnchors(max_bytes=2 * 32 * 100, min_blocks=64)
-    table.remember(b"s", b"".join(chain[:63]))
+    table = LookupAnchors(max_bytes=200 * BYTES_PER_HASH, min_blocks=64)
+    table.remember(b"s", chain[:63])
     assert len(table) == 0  # too short to be worth remembering
-    table.remember(b"s", b"".join(chain[:100]))
-    table.remember(b"s", b"".join(chain[:110]), replaces=chain[99])  # the next turn found more
-    assert len(table) == 1 and table.expand(b"s", chain[99], 100, b"") is None
-    assert table.expand(b"s", chain[109], 110, b"x") == b"".join(chain[:110]) + b"x"
+    table.remember(b"s", chain[:100])
+    table.remember(b"s", chain[:110], replaces=chain[99])  # the next turn found more
+    assert len(table) == 1 and table.expand(b"s", chain[99], 100) is None
+    assert table.expand(b"s", chain[109], 110) == tuple(chain[:110])
     other = [os.urandom(32) for _ in range(100)]
-    table.remember(b"s", b"".join(other))  # 110 + 100 hashes pass 200: the least recent goes
-    assert table.size_bytes <= 2 * 32 * 100 and table.expand(b"s", chain[109], 110, b"") is None
-    assert table.expand(b"t", other[99], 100, b"") is None and table.expand(b"s", other[99], 100, b"")
+    table.remember(b"s", other)  # 110 + 100 hashes pass 200: the least recent goes
+    assert table.size_bytes <= 200 * BYTES_PER_HASH and table.expand(b"s", chain[109], 110) is None
+    assert table.expand(b"t", other[99], 100) is None and table.expand(b"s", other[99], 100)
+
+
+def test_a_next_turn_past_the_lookup_limit_is_invalid(start_server: Any, store_settings: Any) -> None:
+    import dataclasses
+
+    srv = start_server(dataclasses.replace(store_settings, max_lookup_blocks=STORED + 5))
+    with Client(srv.target) as c:
+        bt = c.block_tokens
+        tokens = list(range(bt * STORED))
+        c.put(tokens, [os.urandom(c.block_bytes) for _ in range(STORED)])
+        hashes = c.hashes(tokens + list(range(bt * 6)))
+        stub = stub_of(srv)
+        assert stub.Lookup(pb.LookupRequest(block_hashes_packed=b"".join(hashes[:STORED]))).found_blocks == STORED
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(anchored(hashes, STORED))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pass the 105" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(pb.LookupRequest(anchor_hash=hashes[STORED - 1], anchor_blocks=STORED,
+                                         block_hashes_packed=b"x" * 33))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "33 bytes" in info.value.details()
