@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="V4.1-Flash snapshots (2.7 MB each) per put and get (default 32; --quick: 4)")
     parser.add_argument("--runs", type=int, default=8,
                         help=f"runs of {RUN_BLOCKS} blocks the Lookup's prompt spans (default 8; --quick: 3)")
-    parser.add_argument("--repeat", type=int, default=5, help="repeats of each figure, the best kept (default 5)")
+    parser.add_argument("--repeat", type=int, default=9, help="rounds of each figure, the best kept (default 9)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for tests (figures too small to mean much)")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp folder, removed after)")
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     """
     snapshots = 4 if args.quick and args.snapshots == 32 else args.snapshots
     runs = 3 if args.quick and args.runs == 8 else args.runs
-    repeat = 2 if args.quick and args.repeat == 5 else args.repeat
+    repeat = 2 if args.quick and args.repeat == 9 else args.repeat
     if min(args.nodes, snapshots, runs, repeat) < 1:
         raise InvalidArgument("--nodes, --snapshots, --runs and --repeat must each be at least 1")
     report = Report(bench="fleet-swa")

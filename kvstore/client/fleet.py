@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstore.client import arguments
@@ -115,6 +116,8 @@ class FleetClient(Client):
         self._node_clients: dict[str, Client] = {}
         self._swa_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(_PUT_THREADS, thread_name_prefix="fleet-put")
+        #: Lookups' SWA parts, asked while their blocks are (F45); threads of their own, never behind a Put.
+        self._swa_executor = ThreadPoolExecutor(2, thread_name_prefix="fleet-swa")
         try:
             first = self._any_node()
         except BaseException:
@@ -152,6 +155,7 @@ class FleetClient(Client):
         for node in self._node_clients.values():
             node.close()
         self._executor.shutdown(wait=True)
+        self._swa_executor.shutdown(wait=True)
         self.pool.close()
         self.view.close()
 
@@ -194,7 +198,9 @@ class FleetClient(Client):
         candidates (`swa_keys` with their `swa_positions`), the fleet's pool answers the one that serves the longest
         resume within the found tokens (F45); a pool that cannot be asked (no node of it answers, or the nodes share
         none) is a miss, as an unreachable pool is on one server: the blocks' answer stands (the result's
-        `swa_error` says why).
+        `swa_error` says why). The pool is asked while the blocks are looked up, against every token of `hashes`
+        as the bound; only when the resume it names is past the blocks found is it asked again within them (the
+        longest resume under the larger bound that fits the smaller is the longest under it).
         """
         hashes = arguments.hashes(hashes, "hashes")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
@@ -206,20 +212,28 @@ class FleetClient(Client):
                                   f"{len(swa_positions)}: send one position per key")
         if not hashes:  # a prompt shorter than a block: no block, so no resume (SWA resume rule 5)
             return FleetLookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
+        ask = partial(self._swa_resume, swa_keys, swa_positions, limit=swa_resume_limit)
+        early = self._swa_executor.submit(ask, len(hashes) * self.block_tokens) if swa_keys else None
         found = lookup_runs(self.pool, self.placement(hashes), hashes, lease_ms=lease_ms, retry=self.retry,
                             refresher=self.refresher)
         found_tokens = found.found_blocks * self.block_tokens
-        resume, swa_error = None, ""
-        if swa_keys and found_tokens:
-            try:
-                resume = self.swa.resume(swa_keys, swa_positions, found_tokens=found_tokens,
-                                         resume_limit=swa_resume_limit)
-            except (Unavailable, FailedPrecondition) as exc:  # SWA_POOL.md rule 4: a miss, never a failed Lookup
-                swa_error = f"{type(exc).__name__}: {exc.message}"
+        resume, swa_error = early.result() if early is not None else (None, "")
+        if not found_tokens:
+            resume = None
+        elif resume is not None and resume[1] > found_tokens:  # past the blocks found: ask within them
+            resume, swa_error = ask(found_tokens)
         return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found_tokens,
                                  lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked,
                                  swa_position=resume[0] if resume else None,
                                  swa_resume_tokens=resume[1] if resume else None, swa_error=swa_error)
+
+    def _swa_resume(self, keys: list[bytes], positions: list[int], found_tokens: int, *,
+                    limit: int) -> tuple[tuple[int, int] | None, str]:
+        """The pool's (T, R) for the candidates within `found_tokens`, or None, and why it could not be asked."""
+        try:
+            return self.swa.resume(keys, positions, found_tokens=found_tokens, resume_limit=limit), ""
+        except (Unavailable, FailedPrecondition) as exc:  # SWA_POOL.md rule 4: a miss, never a failed Lookup
+            return None, f"{type(exc).__name__}: {exc.message}"
 
     def release(self, lease_id: str) -> bool:
         """Drop a fleet Lookup's lease on every node; False when some part had already expired."""
