@@ -18,4 +18,5 @@ BENCHES: dict[str, str] = {
     "replay": "kvstore.bench.replay",
     "fleet": "kvstore.bench.fleet",
     "fleet-swa": "kvstore.bench.fleet_swa",
+    "trace": "kvstore.bench.trace",
 }
