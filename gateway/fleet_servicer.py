@@ -32,7 +32,7 @@ from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tiers import run_index
-from tiers.block_txn import PutBatch
+from tiers.block_txn import PutBatch, PutResult
 from tiers.lmdb_tier import LmdbBlockTier
 
 log = logging.getLogger("kvstore.fleet")
@@ -106,8 +106,10 @@ class FleetServicer:
                          context: grpc.aio.ServicerContext) -> pb.CopyBlocksResponse:
         """Store copied blocks, each verified, durably; answered once committed."""
         self._check_token(context)
-        batches = copy_batches(request.blocks, self.sizes, self.run_blocks)
-        results = await self.tier.call(self.tier.put_many, batches)
+        def store() -> list[PutResult]:  # checked and stored on the store's executor, off the event loop
+            return self.tier.put_many(copy_batches(request.blocks, self.sizes, self.run_blocks))
+
+        results = await self.tier.call(store)
         return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
                                      existing_blocks=sum(r.existing_blocks for r in results),
                                      written_bytes=sum(r.written_bytes for r in results))
