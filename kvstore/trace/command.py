@@ -103,9 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"trace {args.trace} holds no requests (after --sessions/--requests)")
     if args.action == "simulate":
         return _simulate(args, trace)
-    from kvstore.trace.replay import run_replay
-
-    return run_replay(args, trace)
+    return _replay(args, trace)
 
 
 def _simulate(args: argparse.Namespace, trace: Any) -> int:
@@ -136,3 +134,41 @@ def _simulate(args: argparse.Namespace, trace: Any) -> int:
     if len(results) > 1:
         print("\n".join(sim_report.sweep_table(results)))
     return 0
+
+
+def _replay(args: argparse.Namespace, trace: Any) -> int:
+    import os
+
+    from kvstore.trace.replayer import replay
+    from kvstore.trace.requests import Trace
+    from kvstore.trace.simulate import SimSettings, Simulation
+
+    tally = replay(trace, target=args.target, token=args.token or os.environ.get("KVSTORE_TOKEN"),
+                   swa_ttl_s=args.swa_ttl, speed=args.speed, concurrency=args.concurrency,
+                   max_requests=args.max_requests, max_seconds=args.max_seconds)
+    settings = SimSettings(capacity_bytes=args.capacity, swa_ttl_s=args.swa_ttl, retention_hours=args.retention_hours,
+                           nodes=args.nodes, replication=args.replication, run_blocks=args.run_blocks)
+    done = Trace(name=trace.name, kind=trace.kind, requests=tally.done)
+    sim = Simulation(settings).run(done).total if tally.done else None
+    calls = {call: {"p50_ms": round(tally.percentile_ms(call, 0.5), 3),
+                    "p99_ms": round(tally.percentile_ms(call, 0.99), 3), "count": len(xs)}
+             for call, xs in sorted(tally.latencies_s.items())}
+    out = {"requests": tally.requests, "wall_s": round(tally.wall_s, 3),
+           "requests_per_s": round(tally.requests / tally.wall_s, 3) if tally.wall_s else None,
+           "prompt_tokens_per_s": round(tally.prompt_tokens / tally.wall_s, 1) if tally.wall_s else None,
+           "lookup_hit_rate": round(tally.lookup_hit_rate, 6), "usable_hit_rate": round(tally.usable_hit_rate, 6),
+           "simulated": None if sim is None else {"lookup_hit_rate": round(sim.lookup_hit_rate, 6),
+                                                  "usable_hit_rate": round(sim.usable_hit_rate, 6)},
+           "calls": calls, "errors": dict(tally.errors)}
+    if args.json:
+        print(json.dumps(out))
+        return 0 if not tally.errors else 1
+    print(f"replayed {tally.requests:,} requests in {tally.wall_s:.1f} s ({out['requests_per_s']} req/s, "
+          f"{out['prompt_tokens_per_s']} prompt tokens/s) against {args.target}")
+    sim_line = "" if sim is None else (f"; simulated: lookup {sim.lookup_hit_rate:.1%}, "
+                                       f"usable {sim.usable_hit_rate:.1%}")
+    print(f"hit rate (tokens): lookup {tally.lookup_hit_rate:.1%}, usable {tally.usable_hit_rate:.1%}{sim_line}")
+    for call, c in calls.items():
+        print(f"  {call:<8} p50 {c['p50_ms']:9.2f} ms  p99 {c['p99_ms']:9.2f} ms  ({c['count']:,} calls)")
+    print("errors: " + (", ".join(f"{k} {v}" for k, v in tally.errors.items()) or "none"))
+    return 0 if not tally.errors else 1

@@ -52,6 +52,7 @@ ALLOWED_OUTER_IMPORTS = {
     "kvstore/trace/sim_index.py": {"tiers.records", "tiers.usage"},
     "kvstore/trace/simulate.py": {"tiers.block_txn", "tiers.damage", "tiers.eviction", "tiers.puts",
                                   "tiers.retention", "replay.cost", "replay.plan", "replay.planner"},
+    "kvstore/trace/replayer.py": {"replay.planner"},  # a replay plans each request as a worker's planner does
 }
 
 
