@@ -19,8 +19,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvstore.client import Client
+from kvstore.client.store import GetResult
 from kvstore.errors import KVStoreError
 from kvstore.trace.requests import Trace, TraceRequest
 from kvstore.trace.tokens import prompt_tokens
@@ -109,8 +111,8 @@ class _Run:
         bt = client.block_tokens
         fetch = -(-plan.fetch_tokens // bt)
         if fetch:
-            got = self.timed("get", lambda: client.get_hashes(plan.block_hashes[:fetch]))
-            missing = sum(1 for b in got.blocks if b is None)  # type: ignore[attr-defined]
+            got = cast(GetResult, self.timed("get", lambda: client.get_hashes(plan.block_hashes[:fetch])))
+            missing = sum(1 for b in got.blocks if b is None)
             if missing:
                 with self.lock:
                     self.tally.errors["get_missing_blocks"] += missing

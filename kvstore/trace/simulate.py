@@ -210,7 +210,8 @@ class _Node:
     def put(self, batch: PutBatch, now_s: float, tally: Tally) -> None:
         """The tier's Put transaction; a refusal (every other block within retention) is counted."""
         try:
-            _, evicted = commit_puts(self.index.write, self.damage, [batch], now_s=now_s, pinned=tuple,
+            # SimIndex answers what the Put asks of a BlockTxn (its interface, not its class)
+            _, evicted = commit_puts(self.index.write, self.damage, [batch], now_s=now_s, pinned=tuple,  # type: ignore[arg-type]
                                      room=self.room, data_dir=Path("(simulated)"), on_refused=lambda: None)
         except ResourceExhausted:
             tally.refused_puts += 1
