@@ -120,6 +120,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str]] = {
     "policy": ("kvstore.commands.policy",
                "show and change tenants' retention, SWA TTL and quotas, and the audit log (admin, audited)"),
     "purge": ("kvstore.commands.purge", "delete a prompt's blocks or a tenant's whole cache (admin, audited)"),
+    "pins": ("kvstore.commands.pins", "drop a tenant's pins: prefixes kept past retention (admin, audited)"),
     "export": ("kvstore.commands.transfer_tenant", "export a tenant's cache to a file on the server (admin, audited)"),
     "import": ("kvstore.commands.transfer_tenant",
                "import an export file on the server into a tenant's cache (admin, audited)"),
@@ -144,6 +145,7 @@ COMMAND_HINTS: dict[str, str] = {
     "tenant revoke": "no token was revoked; the tenants file is unchanged",
     "policy set": "no policy was changed",
     "purge": "nothing was deleted",
+    "pins": "no pin was dropped",
     "export": "no export file was written",
     "import": "nothing is written before every frame checks out; blocks written after that stay, "
               "parents first, and importing the file again is safe",

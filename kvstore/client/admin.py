@@ -90,6 +90,10 @@ class AdminClient:
             request.block_hashes.extend(arguments.hashes(block_hashes, "block_hashes"))
         return int(self._call(self.stub.Purge, request).purged_blocks)
 
+    def drop_pins(self, tenant: str) -> int:
+        """Drop every pin of `tenant` (docs/RETENTION.md R27, audited); how many were live."""
+        return int(self._call(self.stub.DropPins, pb.DropPinsRequest(tenant=arguments.text(tenant, "tenant"))).dropped)
+
     def export_tenant(self, tenant: str, path: str | Path) -> pb.ExportTenantResponse:
         """Have the server write `tenant`'s cache to `path` (absolute, on the server's disk)."""
         return self._call(self.stub.ExportTenant, pb.ExportTenantRequest(tenant=arguments.text(tenant, "tenant"),

@@ -6,6 +6,7 @@ pinned prefix outlives its retention; Stats shows each tenant's pins; every gran
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,6 +102,10 @@ def test_r27_an_operator_drops_a_tenants_pins_and_it_is_audited(stub: tuple[Any,
     _put(s, 10_000, keep_until_s=clock.now() + HOUR)
     with grpc.insecure_channel(target) as channel:
         assert admin_pb2_grpc.AdminStub(channel).DropPins(admin_pb2.DropPinsRequest(tenant="default")).dropped == 2
+    _put(s, 0, keep_until_s=clock.now() + HOUR)  # its blocks again: a use, and a pin anew
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli", "pins", "--tenant", "default", "--drop", "--yes",
+                          "--target", target, "--json"], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(out.stdout) == {"tenant": "default", "dropped_pins": 1}  # `kvstore pins --drop`
     assert next(t for t in s.Stats(pb.StatsRequest(tenant="default")).tenants).pins == 0
     drops = [e for e in AuditLog(data_dir / ADMIN_DIR).entries(tenant="default") if e.action == "drop-pins"]
-    assert [(e.old["pins"], e.new["dropped"]) for e in drops] == [(2, 2)]
+    assert [(e.old["pins"], e.new["dropped"]) for e in drops] == [(2, 2), (1, 1)]
