@@ -4,6 +4,7 @@
                                  needed, evictions, replays, GPU time, per-node balance; sweeps
   kvstore trace replay TRACE     drive a running server through the real client, time-scaled,
                                  beside the simulation of the same slice
+  kvstore trace export TRACE     write it in Mooncake's line format, for other replay tools
 
 TRACE is a weka folder, session .json or sessions.tar.zst, or a Mooncake .jsonl(.zst)
 (../shared/traces/ holds both; docs/CAPACITY.md has the figures and the commands that made them).
@@ -91,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--max-requests", type=int, default=200, help="stop after this many requests (default 200)")
     rep.add_argument("--max-seconds", type=float, default=300.0, help="stop after this long (default 300)")
     rep.add_argument("--json", action="store_true", help="print one JSON object")
+    exp = sub.add_parser("export", help="write a trace in Mooncake's line format (512-token blocks, global ids)")
+    _slice_arguments(exp)
+    exp.add_argument("--out", type=Path, required=True, help="the file to write (.jsonl, or .jsonl.zst)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"trace {args.trace} holds no requests (after --sessions/--requests)")
     if args.action == "simulate":
         return _simulate(args, trace)
+    if args.action == "export":
+        from kvstore.trace.export import write_mooncake
+
+        print(f"wrote {write_mooncake(trace, args.out):,} requests to {args.out}")
+        return 0
     return _replay(args, trace)
 
 

@@ -11,7 +11,7 @@ import pytest
 from kvstore.trace.load import load_trace
 from kvstore.trace.replayer import replay
 from kvstore.trace.requests import Trace
-from kvstore.trace.simulate import Simulation, SimSettings
+from kvstore.trace.simulate import SimSettings, Simulation
 from tests.children import Child, write_config
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"

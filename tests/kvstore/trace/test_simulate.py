@@ -14,7 +14,7 @@ from kvstore.swa_snapshot import snapshot_bytes
 from kvstore.trace.chains import ChainKeys
 from kvstore.trace.load import load_trace
 from kvstore.trace.requests import Trace
-from kvstore.trace.simulate import Simulation, SimSettings
+from kvstore.trace.simulate import SimSettings, Simulation
 from kvstore.trace.tokens import prompt_tokens
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
