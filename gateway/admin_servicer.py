@@ -36,6 +36,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ha
 from kvstore.prefix import BlockScope, chain_hashes
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
+from tiers.pins import PinLimits
 from tiers.store import ManagedStore, PinningStore
 
 #: The admin folder inside store.data_dir: policies.json and audit.jsonl.
@@ -71,7 +72,8 @@ def open_admin(settings: Settings, *, clock: Clock | None = None) -> AdminParts:
     clock = clock or SystemClock()
     folder = settings.store.data_dir / ADMIN_DIR
     audit = AuditLog(folder, clock=clock)
-    defaults = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s)
+    defaults = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s,
+                      pin_max_hours=settings.store.pin_max_hours, pin_budget_bytes=settings.store.pin_budget_bytes)
     try:
         policies = Policies(folder, defaults=defaults, max_swa_ttl_s=settings.swa.ttl_s, audit=audit)
     except BaseException:
@@ -91,6 +93,8 @@ def add_admin_service(server: grpc.aio.Server, parts: AdminParts, tier: ManagedS
     """Wire the tier's hooks to the policies and serve the Admin service on `server`; its full name."""
     tier.set_retention_provider(parts.policies.retention_s)
     tier.set_quota_provider(lambda ns: parts.policies.policy(ns).nvme_quota_bytes)
+    if isinstance(tier, PinningStore):  # R24: each tenant's pins within its policy's limits
+        tier.set_pin_limits_provider(lambda ns: _pin_limits(parts.policies.policy(ns)))
     pb_grpc.add_AdminServicer_to_server(AdminServicer(parts, tier, layouts), server)
     return SERVICE_NAME
 
@@ -128,6 +132,10 @@ def _refused(hint: str) -> Callable[[Call], Call]:
                 raise
         return call  # type: ignore[return-value]
     return wrap
+
+
+def _pin_limits(p: Policy) -> PinLimits:
+    return PinLimits(max_s=p.pin_max_hours * 3600.0, budget_bytes=p.pin_budget_bytes)
 
 
 def _policy(p: Policy) -> pb.Policy:

@@ -72,6 +72,10 @@ class Policy:
     swa_quota_bytes: int = 0
     #: Data RPCs per second (token bucket, one second of burst); 0: unlimited.
     requests_per_s: float = 0.0
+    #: Longest a pin of the tenant may run past now, in hours (docs/RETENTION.md R24); 0: no pins.
+    pin_max_hours: float = 0.0
+    #: Bytes of pinned prefixes the tenant may hold at once (R24); 0: no pins.
+    pin_budget_bytes: int = 0
 
     @property
     def retention_s(self) -> float:
@@ -85,12 +89,13 @@ class Policy:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 #: The byte quotas: whole numbers.
-_BYTE_FIELDS = ("nvme_quota_bytes", "swa_quota_bytes")
+_BYTE_FIELDS = ("nvme_quota_bytes", "swa_quota_bytes", "pin_budget_bytes")
 #: The range of each field as stored (swa_ttl_s must also be above 0). `set` checks the same, and more:
 #: the TTL against the pool's, retention against the tenant's current one.
 _STORED_RANGES: dict[str, tuple[float, float]] = {
     "retention_hours": (RETENTION_FLOOR_HOURS, MAX_RETENTION_HOURS), "swa_ttl_s": (0.0, MAX_RETENTION_HOURS * 3600),
     "requests_per_s": (0.0, MAX_REQUESTS_PER_S), "nvme_quota_bytes": (0, MAX_BYTES), "swa_quota_bytes": (0, MAX_BYTES),
+    "pin_max_hours": (0.0, MAX_RETENTION_HOURS), "pin_budget_bytes": (0, MAX_BYTES),
 }
 
 
@@ -278,6 +283,11 @@ class PolicyTable(ABC):
                 raise InvalidArgument(f"swa_ttl_s = {value:g} for tenant {tenant!r} is out of range: allowed "
                                       f"(0, {self.max_swa_ttl_s:g}], the server's swa.ttl_s (the pool is sized "
                                       "for it)", hint="raise swa.ttl_s in the server's configuration first")
+            return float(value)
+        if name == "pin_max_hours":
+            if value > MAX_RETENTION_HOURS:
+                raise InvalidArgument(f"pin_max_hours = {value:g} for tenant {tenant!r} is above "
+                                      f"{MAX_RETENTION_HOURS:g} (100 years); 0 means no pins")
             return float(value)
         if name == "requests_per_s":
             if value > MAX_REQUESTS_PER_S:

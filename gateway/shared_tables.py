@@ -423,7 +423,8 @@ async def open_fleet_admin(settings: Settings, *, clock: Clock | None = None,
     prefix = policies_prefix(fleet.cluster)
     table = policies_watch(session, fleet.cluster)
     audit = EtcdAudit(session, fleet.cluster, clock=clock, max_entries=audit_max_entries)
-    configured = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s)
+    configured = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s,
+                        pin_max_hours=settings.store.pin_max_hours, pin_budget_bytes=settings.store.pin_budget_bytes)
     try:
         await table.load()
         path = settings.store.data_dir / ADMIN_DIR / POLICIES_NAME

@@ -36,7 +36,7 @@ from tiers.export import BlockRecord, ExportRecord
 from tiers.leases import Lease
 from tiers.lmdb_map import LmdbMap
 from tiers.namespaces import NamespaceUsage
-from tiers.pins import Pin, PinGrant, PinTotals
+from tiers.pins import Pin, PinGrant, PinLimits, PinTotals
 from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
@@ -176,4 +176,8 @@ class PinningStore(BlockStore, Protocol):
 
     def drop_pins(self, namespace: str) -> int:
         """Drop every pin of the namespace; how many were live."""
+        ...
+
+    def set_pin_limits_provider(self, provider: Callable[[str], PinLimits] | None) -> None:
+        """Give each namespace its own limits on pins (R24); None: the store's settings for all."""
         ...

@@ -34,6 +34,8 @@ SETTABLE = (
     ("--nvme-quota-bytes", "nvme_quota_bytes", "bytes", "block bytes on NVMe (0: unlimited)"),
     ("--swa-quota-bytes", "swa_quota_bytes", "bytes", "snapshot bytes in the SWA pool (0: unlimited)"),
     ("--requests-per-s", "requests_per_s", float, "data requests per second (0: unlimited)"),
+    ("--pin-max-hours", "pin_max_hours", float, "longest a pin (keep_until_s) may run past now, hours (0: no pins)"),
+    ("--pin-budget-bytes", "pin_budget_bytes", "bytes", "bytes of pinned prefixes the tenant may hold (0: no pins)"),
 )
 
 

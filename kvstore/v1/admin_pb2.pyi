@@ -7,18 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Policy(_message.Message):
-    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes")
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWA_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     retention_hours: float
     swa_ttl_s: float
     nvme_quota_bytes: int
     swa_quota_bytes: int
     requests_per_s: float
-    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
+    pin_max_hours: float
+    pin_budget_bytes: int
+    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantPolicy(_message.Message):
     __slots__ = ("tenant", "policy", "is_default")
@@ -57,20 +61,24 @@ class TenantUsage(_message.Message):
     def __init__(self, nvme_bytes: _Optional[int] = ..., nvme_blocks: _Optional[int] = ..., token_hours: _Optional[float] = ..., swa_bytes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
-    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWA_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
+    PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     retention_hours: float
     swa_ttl_s: float
     nvme_quota_bytes: int
     swa_quota_bytes: int
     requests_per_s: float
-    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ...) -> None: ...
+    pin_max_hours: float
+    pin_budget_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyResponse(_message.Message):
     __slots__ = ("before", "after")

@@ -109,3 +109,14 @@ def test_r27_an_operator_drops_a_tenants_pins_and_it_is_audited(stub: tuple[Any,
     assert next(t for t in s.Stats(pb.StatsRequest(tenant="default")).tenants).pins == 0
     drops = [e for e in AuditLog(data_dir / ADMIN_DIR).entries(tenant="default") if e.action == "drop-pins"]
     assert [(e.old["pins"], e.new["dropped"]) for e in drops] == [(2, 2), (1, 1)]
+
+
+def test_r24_a_tenants_policy_sets_its_pin_limits(stub: tuple[Any, Path, str], clock: ManualClock) -> None:
+    from kvstore.v1 import admin_pb2, admin_pb2_grpc
+
+    s, _, target = stub
+    a = _put(s, 0)
+    with grpc.insecure_channel(target) as channel:
+        admin_pb2_grpc.AdminStub(channel).SetPolicy(admin_pb2.SetPolicyRequest(tenant="default", pin_max_hours=10.0))
+    reply = _found(s, list(a.block_hashes), keep_until_s=clock.now() + 50 * HOUR)
+    assert reply.kept_until_s == clock.now() + 10 * HOUR and "10 h" in reply.keep_note  # the policy's, not [store]'s
