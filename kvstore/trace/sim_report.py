@@ -39,6 +39,7 @@ def result_dict(r: SimResult, *, buckets: bool = True) -> dict[str, Any]:
         "total": tally_dict(r.total),
         "peak_stored_bytes": r.peak_stored_bytes, "peak_retained_bytes": r.peak_retained_bytes,
         "peak_swa_bytes": r.peak_swa_bytes, "node_bytes": r.node_bytes, "node_reads": r.node_reads,
+        "peak_retained_by_hours": {f"{h:g}": n for h, n in r.peak_retained_by_hours.items()},
         "node_bytes_balance": round(max(nbytes) / (sum(nbytes) / len(nbytes)), 4) if sum(nbytes) else None,
         "node_reads_balance": round(max(reads) / (sum(reads) / len(reads)), 4) if sum(reads) else None,
         "sessions_past_retention": r.sessions_past_retention,
@@ -72,7 +73,8 @@ def summary(r: SimResult) -> list[str]:
         + (f" ({t.replay_resumes / t.resumes:.1%} replayed)" if t.resumes else ""),
         f"prefill tokens saved {t.usable_tokens:,}; replayed {t.replay_tokens:,}; computed {t.prefill_tokens:,}",
         f"GPU: {r.gpu_s:,.0f} s of prefill and replay, against {r.gpu_s_without_store:,.0f} s without the store",
-        f"NVMe: peak stored {_tb(r.peak_stored_bytes)}, peak within retention {_tb(r.peak_retained_bytes)}",
+        f"NVMe: peak stored {_tb(r.peak_stored_bytes)}, peak within retention {_tb(r.peak_retained_bytes)} ("
+        + ", ".join(f"{h:g} h: {_tb(n)}" for h, n in r.peak_retained_by_hours.items()) + ")",
         f"evicted {t.evicted_blocks:,} blocks ({_tb(t.evicted_bytes)}); Puts refused {t.refused_puts:,} "
         f"({t.refused_blocks:,} blocks not stored)",
         f"DRAM for SWA at the TTL: peak {_tb(r.peak_swa_bytes)}",

@@ -79,6 +79,9 @@ class SimSettings:
     snapshot_probes: int = 4
     bucket_s: float = 3600.0
     namespace: str = "default"
+    #: Retentions (hours) whose kept bytes are also reported, from the same run: with room to
+    #: spare, retention changes only what a store must keep, not what it finds.
+    also_retention_hours: tuple[float, ...] = (168.0,)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "replication", "run_blocks", "block_tokens"):
@@ -137,6 +140,7 @@ class Bucket:
     stored_bytes: int = 0
     retained_bytes: int = 0
     swa_bytes: int = 0
+    retained_by_hours: dict[float, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -151,6 +155,7 @@ class SimResult:
     peak_stored_bytes: int
     peak_retained_bytes: int
     peak_swa_bytes: int
+    peak_retained_by_hours: dict[float, int]
     node_bytes: dict[str, int]
     node_reads: dict[str, int]
     sessions_past_retention: int
@@ -425,6 +430,8 @@ class Simulation:
         compute_all = s.cost.compute_s(total.prompt_tokens)
         return SimResult(settings=s, trace=trace.name, sessions=len(last_of_session), total=total, buckets=buckets,
                          peak_stored_bytes=peaks[0], peak_retained_bytes=peaks[1], peak_swa_bytes=peaks[2],
+                         peak_retained_by_hours={h: max(b.retained_by_hours.get(h, 0) for b in buckets)
+                                                 for h in buckets[-1].retained_by_hours},
                          node_bytes={n: node.index.usage.stored_bytes for n, node in self.nodes.items()},
                          node_reads={n: node.reads for n, node in self.nodes.items()},
                          sessions_past_retention=outlive,
@@ -438,6 +445,9 @@ class Simulation:
         bucket.stored_bytes = sum(n.index.usage.stored_bytes for n in self.nodes.values())
         since = end_s - self.settings.retention_hours * 3600 - TOUCH_GRANULARITY_S
         bucket.retained_bytes = sum(n.index.bytes_used_since(since) for n in self.nodes.values())
+        for hours in (self.settings.retention_hours, *self.settings.also_retention_hours):
+            since = end_s - hours * 3600 - TOUCH_GRANULARITY_S
+            bucket.retained_by_hours[hours] = sum(n.index.bytes_used_since(since) for n in self.nodes.values())
         bucket.swa_bytes = max(self.swa_bytes, 0)
         peaks[0] = max(peaks[0], bucket.stored_bytes)
         peaks[1] = max(peaks[1], bucket.retained_bytes)
