@@ -9,6 +9,7 @@ subclass (`kvstore.errors`), never as a raw `grpc.RpcError` (the plumbing is
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -58,6 +59,9 @@ class LookupResult:
     #: R, the length that snapshot resumes at (T, T - 1, or shorter below the window; at most
     #: found_tokens), else None (docs/SWA_POOL.md "Resume rules").
     swa_resume_tokens: int | None = None
+    #: The pin granted when one was asked (`pin`; 0: none) and why less (docs/RETENTION.md R22-R24).
+    kept_until_s: float = 0.0
+    keep_note: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +192,24 @@ class Client:
         return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=lease_ms, swa_keys=swa_keys,
                             swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
 
+    def pin(self, tokens: Sequence[int], keep_until_s: float, *, extra_keys: Sequence[ExtraKey] = ()) -> LookupResult:
+        """Keep the stored prefix of `tokens` until the Unix time `keep_until_s`, beyond the tenant's retention.
+
+        A Lookup that pins the found prefix's deepest block (docs/RETENTION.md R22-R27): the result's
+        `kept_until_s` is the time granted (0: none) and `keep_note` why less than asked (the tenant's
+        longest pin, its pin budget). Not through a fleet gateway yet.
+
+        Raises:
+            InvalidArgument: `keep_until_s` is not a finite time.
+        """
+        if isinstance(keep_until_s, bool) or not isinstance(keep_until_s, int | float) \
+                or not math.isfinite(keep_until_s) or keep_until_s <= 0:
+            raise InvalidArgument(f"keep_until_s must be a Unix time in seconds, got {keep_until_s!r}")
+        return self._lookup(self.hashes(tokens, extra_keys=extra_keys), lease_ms=0, swa_keys=[], swa_positions=[],
+                            swa_resume_limit=0, keep_until_s=float(keep_until_s))
+
     def _lookup(self, hashes: list[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
-                swa_positions: Sequence[int], swa_resume_limit: int) -> LookupResult:
+                swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0) -> LookupResult:
         """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
@@ -199,7 +219,7 @@ class Client:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         fields: dict[str, Any] = {"geometry": self.geometry, "namespace": self.namespace, "lease_ms": lease_ms,
                                   "swa_keys": swa_keys, "swa_positions": swa_positions,
-                                  "swa_resume_limit": swa_resume_limit}
+                                  "swa_resume_limit": swa_resume_limit, "keep_until_s": keep_until_s}
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
         retry = self.retry if not lease_ms else Retry(retries=0)
         conn = self.connection
@@ -223,7 +243,8 @@ class Client:
         return LookupResult(found_blocks=reply.found_blocks, found_tokens=reply.found_tokens,
                             lease_id=reply.lease_id or None, block_hashes=hashes,
                             swa_position=reply.swa_position if reply.swa_found else None,
-                            swa_resume_tokens=reply.swa_resume_tokens if reply.swa_found else None)
+                            swa_resume_tokens=reply.swa_resume_tokens if reply.swa_found else None,
+                            kept_until_s=reply.kept_until_s, keep_note=reply.keep_note)
 
     @cached_property
     def swa(self) -> SwaClient:

@@ -120,3 +120,15 @@ def test_r24_a_tenants_policy_sets_its_pin_limits(stub: tuple[Any, Path, str], c
         admin_pb2_grpc.AdminStub(channel).SetPolicy(admin_pb2.SetPolicyRequest(tenant="default", pin_max_hours=10.0))
     reply = _found(s, list(a.block_hashes), keep_until_s=clock.now() + 50 * HOUR)
     assert reply.kept_until_s == clock.now() + 10 * HOUR and "10 h" in reply.keep_note  # the policy's, not [store]'s
+
+
+def test_r22_the_client_pins_a_stored_prefix(stub: tuple[Any, Path, str], clock: ManualClock) -> None:
+    from kvstore.client import Client
+
+    _, _, target = stub
+    tokens = list(range(TOKENS * CHAIN))
+    with Client(target) as client:
+        client.put(tokens, [os.urandom(BLOCK_BYTES) for _ in range(CHAIN)])
+        got = client.pin(tokens, clock.now() + 5 * HOUR)
+        assert (got.found_blocks, got.kept_until_s, got.keep_note) == (CHAIN, clock.now() + 5 * HOUR, "")
+        assert client.pin(list(range(900, 900 + TOKENS)), clock.now() + HOUR).kept_until_s == 0  # nothing found
