@@ -171,6 +171,28 @@ class SimIndex:
             self._journal.append(("touch", key, block.last_access_s))
         self._retime(key, now_s)
 
+    def refresh(self, keys: list[bytes], now_s: float, due_before_s: float) -> None:
+        """A Get's refresh (R5), outside any Put: each stored block of `keys` whose recorded use is
+        before `due_before_s` (`Retention.touch_due_before`) is recorded used at `now_s`.
+
+        `touch` for many blocks at once, in one loop: a Get of a long prompt refreshes thousands
+        (most of a simulation's time), and this write cannot fail, so it needs no journal.
+        """
+        blocks, hist, stale, width = self.blocks, self.bytes_by_use, self._stale, self.use_bucket_s
+        moved = 0
+        for key in keys:
+            block = blocks.get(key)
+            if block is None or block.last_access_s >= due_before_s or block.last_access_s >= now_s:
+                continue
+            slot = int(block.last_access_s // width)
+            hist[slot] -= block.size_bytes
+            moved += block.size_bytes
+            block.last_access_s = now_s
+            stale.add(key)
+        if moved:
+            slot = int(now_s // width)
+            hist[slot] = hist.get(slot, 0) + moved
+
     def delete(self, key: bytes, *, carry_up: bool) -> int:
         """Remove a block with no stored child; with `carry_up`, its parent takes its last use if later."""
         block = self.blocks.get(key)

@@ -204,13 +204,7 @@ class _Node:
 
     def touch_due(self, keys: list[bytes], now_s: float) -> None:
         """Refresh the stored ones among `keys` whose recorded use is due one (R5), as a Get does."""
-        blocks = self.index.blocks
-        due_before = Retention.touch_due_before(now_s)
-        stale = [k for k in keys if (b := blocks.get(k)) is not None and b.last_access_s < due_before]
-        if stale:
-            with self.index.write() as w:
-                for k in stale:
-                    w.touch(k, now_s)
+        self.index.refresh(keys, now_s, Retention.touch_due_before(now_s))
 
     def put(self, batch: PutBatch, now_s: float, tally: Tally) -> None:
         """The tier's Put transaction; a refusal (every other block within retention) is counted."""
