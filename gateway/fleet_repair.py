@@ -296,11 +296,14 @@ class FleetRepairer:
         p.planned_nodes, p.running = sorted(addresses), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
         await self._publish(force=True)
+        started, planning_s, copied_before = time.monotonic(), 0.0, p.copied_bytes
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
         for start in range(0, len(runs), RUNS_PER_ROUND):
+            at = time.monotonic()
             found = await self.plan_round(runs[start:start + RUNS_PER_ROUND], sorted(addresses), addresses)
+            planning_s += time.monotonic() - at
             planned += len(found.plans) + found.undecided_runs
             # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
             p.under_replicated_runs += len(found.plans) + found.undecided_runs
@@ -311,6 +314,10 @@ class FleetRepairer:
             await self._copy_round(found.plans, addresses)
         p.running, p.passes = False, p.passes + 1
         p.drained = p.draining and not planned and not p.failed_runs
+        if planned:
+            log.info("fleet: a re-replication pass over %d nodes: %d of %d runs to copy (%d failed), planned in "
+                     "%.2f s; %d bytes copied, in %.2f s", len(addresses), planned, len(runs), p.failed_runs,
+                     planning_s, p.copied_bytes - copied_before, time.monotonic() - started)
         self._planned = None
         await self._publish(force=True)
         return p
