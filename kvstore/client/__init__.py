@@ -40,8 +40,9 @@ A fleet of nodes (docs/FLEET.md, "Data path"): `Client("etcd://...")` is a `Flee
   connection per node and the read order of replicas; `fleet_chain`: a chain's hashes
   run by run; `fleet_put`, `fleet_lookup`, `fleet_get`: the replicated Put, the Lookup
   across runs, the Get with failover; `fleet_refresh`: the refreshes of the other copies;
-  `fleet_swa`: the SWA pool the nodes share (F44-F45); `fleet_restore`: restore's direct
-  paths run by run from this host's node (F48).
+  `fleet_swa`: the SWA pool the nodes share (F44-F45); `fleet_transfer`: a transfer
+  session's fetch, run by run (F49); restore's direct paths run by run from this host's
+  node are `restore`'s (F48).
 - `retry`: `Retry`, the one retry policy (capped, jittered backoff over retryable errors).
 
 Direct restore on the store's host (docs/DIRECT_RESTORE.md):

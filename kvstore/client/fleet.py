@@ -18,11 +18,12 @@ one server.
 Resume reports go to one node (the fleet's stats sum the nodes'), so the planner
 (`replay.planner.Planner`) and `restore` work over a fleet client (F47); with the
 `ColocatedReader` of this host's node, restore reads that node's runs directly
-(`fleet_restore`, F48).
+(F48).
 
-Not in a fleet yet: transfer sessions, the shared-memory paths and store-wide
-stats through this client (`node_stats` gives each node's); those raise
-FailedPrecondition.
+`transfer()` is a session that fetches a chain run by run from the nodes
+(`fleet_transfer`, F49). Not in a fleet yet: the shared-memory paths and
+store-wide stats through this client (`node_stats` gives each node's); those
+raise FailedPrecondition.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvstore.client.fleet_swa import FleetSwaClient
+    from kvstore.client.fleet_transfer import FleetTransferSession
     from kvstore.client.fleet_view import FleetView
-    from kvstore.client.transfer import TransferSession
 
 #: Blocks of data per Put request to a node, as the single-server client sends.
 _PUT_BATCH_BYTES = 4 << 20
@@ -381,9 +382,16 @@ class FleetClient(Client):
                     run_blocks=self.run_blocks)
             return self._swa
 
-    def transfer(self, *, path: str = "auto", ring: bool = True) -> TransferSession:
-        """Not in a fleet yet."""
-        self._not_in_a_fleet("transfer sessions")
+    def transfer(self, *, path: str = "auto", ring: bool = True) -> FleetTransferSession:  # type: ignore[override]
+        """A transfer session over the fleet (`fleet_transfer.FleetTransferSession`: `fetch` of a chain, each run
+        streamed from its node; F49). `ring` is accepted and unused: no node maps a fleet session's regions.
+
+        Raises:
+            FailedPrecondition: path "shm" or "bulk" (a region would be mapped by one node only).
+        """
+        from kvstore.client.fleet_transfer import FleetTransferSession
+
+        return FleetTransferSession(self, path=path)
 
     def stats(self, *, tenant: str = "", windows: Sequence[str] = (), chart_points: int = 0) -> pb.StatsResponse:
         """Not in a fleet yet: `node_stats` gives each node's."""

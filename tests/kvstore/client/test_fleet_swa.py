@@ -23,6 +23,7 @@ from redis.cluster import RedisCluster
 
 import kvstore
 from kvstore.client import colocated
+from kvstore.client.admin import AdminClient
 from kvstore.client.colocated import ColocatedReader
 from kvstore.client.fleet import FleetClient, FleetLookupResult, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
@@ -338,6 +339,44 @@ def test_f47_a_resumer_plans_over_a_fleet_and_its_worker_stores_to_it(fleet: Fle
     finally:
         loop_thread.run(worker.stop(0))
         stores.close()
+
+
+def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: Fleet) -> None:
+    """F49: `transfer().fetch` of a chain over 5 runs lands every block in its slot of one region, each run from its
+    own node; blocks past the stored chain are MISSING then SKIPPED; the paths that map one node are refused."""
+    from kvstore.transfer import Status
+
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 5)
+        payload = [random.randbytes(client.block_bytes) for _ in range(20)]
+        client.put(tokens, payload)
+        chain = client.hashes(tokens)
+        longer = client.hashes(tokens + prompt(RUN_TOKENS))  # one more run, never stored
+        with client.transfer() as session:
+            size = client.block_bytes
+            region = session.register(25 * size)
+            state = session.fetch(chain, region, offset_bytes=size)
+            assert state.done_prefix == 20 and bytes(region.view[size:21 * size]) == b"".join(payload)
+            firsts = {client.pool.read_order(chain[r.first_block], r.replicas)[0] for r in client.placement(chain)}
+            assert set(session._sessions) == firsts  # each run from the first node of its read order only
+            whole = session.fetch(longer, region)
+            assert whole.done_prefix == 20 and [r.status for r in whole.results[20:]] == (
+                [Status.MISSING] + [Status.SKIPPED] * 3)
+            every = session.fetch(longer, region, prefix_only=False)
+            assert [r.status for r in every.results[20:]] == [Status.MISSING] * 4
+            # A run's tail purged on the node its read order names first: the rest comes from the other replica.
+            run = client.placement(chain)[1]
+            first, other = client.pool.read_order(chain[run.first_block], run.replicas)[:2]
+            with AdminClient(next(n for n in fleet.nodes if n.node_id == first).child.target) as admin:
+                assert admin.purge("default", block_hashes=[chain[run.first_block + 2]]) == 2
+            again = session.register(20 * size)
+            assert session.fetch(chain, again).done_prefix == 20 and bytes(again.view) == b"".join(payload)
+            assert {first, other} <= set(session._sessions)
+            with pytest.raises(FailedPrecondition, match=r"read\(\) of descriptors is not available") as refused:
+                session.read([])
+            assert "fetch()" in refused.value.hint
+        with pytest.raises(FailedPrecondition, match="path shm is not available through a fleet session"):
+            client.transfer(path="shm")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct-gpu needs CUDA (run on the GPU machine)")
