@@ -63,6 +63,9 @@ class ResumeResult:
         reason: why it fell back, else None.
         replanned: whether the plan was made twice (the store changed under the first).
         error: the failure behind the fallback, else None.
+        kept_until_s: when `keep_until_s` was asked: the time the store keeps the prompt's stored
+            prefix until (a pin, docs/RETENTION.md R22-R27), 0 when none was granted.
+        keep_note: why less than asked (the tenant's longest pin, its budget, the store's refusal).
     """
 
     plan: Plan
@@ -71,6 +74,8 @@ class ResumeResult:
     reason: str | None = None
     replanned: bool = False
     error: KVStoreError | None = field(default=None, repr=False)
+    kept_until_s: float = 0.0
+    keep_note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -97,7 +102,8 @@ class Resumer:
 
     def resume(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey] = (), max_new_tokens: int = 0, *,
                store: bool = True, snapshot_every: int = 0, tail_prefill: bool = False,
-               cost: CostModel | None = None, raise_on_fallback: bool | None = None) -> ResumeResult:
+               cost: CostModel | None = None, raise_on_fallback: bool | None = None,
+               keep_until_s: float = 0.0) -> ResumeResult:
         """Plan `tokens`, run the plan on the worker, fall back cleanly when it cannot.
 
         Args:
@@ -109,6 +115,9 @@ class Resumer:
             tail_prefill: decoder-side tail prefill on the worker.
             cost: this request's cost model (default: the tenant's).
             raise_on_fallback: override the Resumer's setting for this call.
+            keep_until_s: the request's retention hint: once the run is done (and its blocks stored), keep
+                the prompt's stored prefix until this Unix time, beyond the tenant's retention (a pin);
+                the result says what was granted. 0: none. A refused pin never fails the resume.
 
         Raises:
             InvalidArgument: a bad prompt or argument (nothing ran).
@@ -144,7 +153,18 @@ class Resumer:
                 self._release(plan)
                 raise
             self._report(plan)
-            return ResumeResult(plan=plan, run=run, replanned=replanned)
+            kept, note = self._keep(tokens, extra_keys, keep_until_s) if keep_until_s else (0.0, "")
+            return ResumeResult(plan=plan, run=run, replanned=replanned, kept_until_s=kept, keep_note=note)
+
+    def _keep(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey], until_s: float) -> tuple[float, str]:
+        """Pin the prompt's stored prefix until `until_s`: (the time granted, why less); the store's refusal
+        is a note, not a failure (the resume itself is done)."""
+        try:
+            got = self.planner.client.pin(tokens, until_s, extra_keys=extra_keys)
+        except KVStoreError as exc:
+            log.warning("resume: the prompt's pin was refused: %s", exc.message)
+            return 0.0, f"{type(exc).__name__}: {exc.message}"
+        return got.kept_until_s, got.keep_note
 
     def _report(self, plan: Plan) -> None:
         """Report the plan finally done, when the planner reports plans (it did not at plan time)."""

@@ -127,3 +127,18 @@ def test_what_was_done_is_reported_not_what_was_planned(store: Client, workers: 
     stats = store.stats()
     assert (stats.resume_plans, stats.resume_fetch_snapshot_plans, stats.resume_full_prefill_plans) == (3, 1, 2)
     assert stats.resume_usable_tokens == 32
+
+
+def test_the_requests_retention_hint_pins_its_prefix(server: Any, planner: Planner, workers: WorkerClient,
+                                                     store: Client) -> None:
+    from tiers.pins import PinLimits
+
+    server.tier.set_pin_limits_provider(lambda ns: PinLimits(max_s=1e6, budget_bytes=1 << 30))
+    until = server.tier.retention_clock.now() + 100 * 3600.0
+    result = Resumer(planner, workers).resume(tokens_of(5, 41), keep_until_s=until)
+    assert result.ok and (result.kept_until_s, result.keep_note) == (until, "")
+    totals, live = server.tier.pins_of("default")
+    assert totals.pins == 1 and live[0].key[-32:] == store.hashes(tokens_of(5, 41))[-1]  # the stored prefix's end
+    server.tier.set_pin_limits_provider(None)  # [store]'s limits: none, so a pin is refused, and said why
+    refused = Resumer(planner, workers).resume(tokens_of(6, 41), keep_until_s=until)
+    assert refused.ok and refused.kept_until_s == 0 and "may not pin" in refused.keep_note
