@@ -39,6 +39,7 @@ from gateway.fleet_servicer import MAX_KEYS, SERVICE, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
+from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
@@ -208,6 +209,8 @@ class FleetRepairer:
         self.leave: Callable[[], Awaitable[None]] | None = None
         #: Whether a drain of this node was requested (None: drains are not looked for).
         self.drain_requested: Callable[[], Awaitable[bool]] | None = None
+        #: The session the repairer's own etcd calls go through (progress, drain check); None: it makes none.
+        self.etcd: EtcdSession | None = None
         #: Closed by `stop` after the membership view (the repairer's own etcd session).
         self.closing: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
@@ -690,6 +693,7 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
                              window_s=settings.store.retention_s, bucket=bucket,
                              peers=peers, interval_s=fleet.repair_interval_s, publish=publish)
     repairer.leave, repairer.drain_requested = registration.stop, drain_requested
+    repairer.etcd = own
     repairer.closing.append(own.close)
     repairer.start()
     return repairer

@@ -91,8 +91,8 @@ def nodes(tmp_path: Path, loop_thread: LoopThread) -> Iterator[Any]:
 def copies(tier: LmdbBlockTier, keys: list[bytes]) -> list[pb.CopiedBlock]:
     out = []
     for key, (_, data) in zip(keys, tier.read(keys), strict=True):
-        [member] = [b for b in run_index.members(tier.env, key, 1 << 20) if b.key == key] or [None]
-        meta = member.meta if member else None
+        found = [b for b in run_index.members(tier.env, key, 1 << 20) if b.key == key]
+        meta = found[0].meta if found else None
         assert meta is not None
         out.append(pb.CopiedBlock(key=key, namespace="default", parent_hash=meta.parent_hash, depth=meta.depth,
                                   data=data, checksum=meta.checksum, last_use_s=meta.last_access_s))

@@ -13,6 +13,7 @@ import pytest
 
 from gateway.fleet_repair import FleetRepairer, Peers, peer_credentials
 from gateway.fleet_servicer import add_fleet_service
+from kvstore.bench import fleet_processes
 from kvstore.clock import ManualClock
 from kvstore.config import Settings
 from kvstore.config_sections import FleetSettings, StoreSettings, TlsSettings
@@ -28,14 +29,14 @@ from tiers.lmdb_tier import LmdbBlockTier
 
 
 @pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_processes.EtcdProcess]:
     server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
     yield server
     server.stop()
 
 
 @pytest.fixture
-def fleet_nodes(tmp_path: Path, loop_thread: LoopThread, etcd: EtcdProcess) -> Iterator[Any]:
+def fleet_nodes(tmp_path: Path, loop_thread: LoopThread, etcd: fleet_processes.EtcdProcess) -> Iterator[Any]:
     """make(names, tls=None): nodes of one cluster (TLS with `tls`'s server certificate), each a store
     served by the Fleet service and registered in etcd; returns their tiers, addresses and a view of them all."""
     fleet = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,

@@ -18,6 +18,7 @@ import pytest
 
 from gateway.fleet_repair import FleetRepairer, Peers
 from gateway.fleet_servicer import add_fleet_service
+from kvstore.bench import fleet_processes
 from kvstore.clock import ManualClock
 from kvstore.config import Settings
 from kvstore.config_sections import FleetSettings, StoreSettings
@@ -33,7 +34,7 @@ from tiers.lmdb_tier import LmdbBlockTier
 
 
 @pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdProcess]:
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_processes.EtcdProcess]:
     server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
     yield server
     server.stop()
@@ -66,7 +67,7 @@ class Node:
 
 
 class Fleet:
-    def __init__(self, root: Path, etcd: EtcdProcess, loop: LoopThread) -> None:
+    def __init__(self, root: Path, etcd: fleet_processes.EtcdProcess, loop: LoopThread) -> None:
         self.root, self.loop = root, loop
         self.settings = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,
                                       run_blocks=RUN_BLOCKS, replication=2)
@@ -119,7 +120,7 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, loop_thread: LoopThread, etcd: EtcdProcess) -> Iterator[Fleet]:
+def fleet(tmp_path: Path, loop_thread: LoopThread, etcd: fleet_processes.EtcdProcess) -> Iterator[Fleet]:
     f = Fleet(tmp_path, etcd, loop_thread)
     yield f
     f.close()
@@ -256,3 +257,32 @@ def test_f18_a_pass_is_given_up_when_the_membership_moves(fleet: Fleet, loop_thr
     progress = loop_thread.run(again())
     assert progress.planned_nodes == ["a", "b"] and not progress.running
     assert (progress.under_replicated_bytes, progress.failed_runs, progress.copied_bytes) == (0, 0, total)
+
+
+def test_f18_the_repairers_own_etcd_calls_have_a_session_of_their_own(fleet: Fleet, loop_thread: LoopThread) -> None:
+    """The progress record and the drain check go through a session that is neither the view's nor the
+    registration's: a session resets its client when a call finds etcd away, and the view's reset under its
+    watch's reconnect left the view stale for good once etcd returned (test_failures.py's
+    test_f18_re_replication_resumes_once_etcd_is_back failed 2 runs of 3 with one session)."""
+    from gateway.fleet_repair import start_repair
+    from kvstore.fleet.repair_progress import RepairProgress, repair_key
+
+    node = fleet.node("a")
+    assert node.registration is not None
+
+    async def check() -> RepairProgress | None:
+        r = await start_repair(node.settings, node.tier, node.registration, None)  # type: ignore[arg-type]
+        try:
+            assert r.etcd is not None and r.etcd is not r.membership.session
+            assert r.etcd is not node.registration.session  # type: ignore[union-attr]
+            assert r.publish is not None and r.drain_requested is not None
+            await r.publish(r.progress)
+            assert not await r.drain_requested()
+            key = repair_key(fleet.settings.cluster, "a")
+            found = await r.etcd.call(lambda c: c.get(key))
+            return None if found is None else RepairProgress.from_json(found.value)
+        finally:
+            await r.stop()
+
+    record = loop_thread.run(check())
+    assert record is not None and record.node_id == "a"
