@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,6 @@ from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope
 from kvstore.v1 import fleet_pb2 as pb
-from kvstore.v1 import fleet_pb2_grpc
 from tiers import run_index
 from tiers.block_txn import PutBatch, PutResult
 from tiers.lmdb_tier import LmdbBlockTier
@@ -102,17 +102,111 @@ class FleetServicer:
         return pb.HeldBlocksResponse(held=await self.tier.call(run_index.held, self.tier.env, keys))
 
     @unary
-    async def CopyBlocks(self, request: pb.CopyBlocksRequest,
+    async def CopyBlocks(self, request: bytes | pb.CopyBlocksRequest,
                          context: grpc.aio.ServicerContext) -> pb.CopyBlocksResponse:
-        """Store copied blocks, each verified, durably; answered once committed."""
+        """Store copied blocks, each verified, durably; answered once committed. The request arrives as its
+        wire bytes (`add_fleet_service` registers no deserializer for it): `parse_copies` reads the blocks
+        as views of them, so a block's bytes are not copied between the network and LMDB."""
         self._check_token(context)
-        def store() -> list[PutResult]:  # checked and stored on the store's executor, off the event loop
-            return self.tier.put_many(copy_batches(request.blocks, self.sizes, self.run_blocks))
+
+        def store() -> list[PutResult]:  # parsed, checked and stored on the store's executor, off the event loop
+            blocks = parse_copies(request) if isinstance(request, bytes) else request.blocks
+            return self.tier.put_many(copy_batches(blocks, self.sizes, self.run_blocks))
 
         results = await self.tier.call(store)
         return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
                                      existing_blocks=sum(r.existing_blocks for r in results),
                                      written_bytes=sum(r.written_bytes for r in results))
+
+
+@dataclass(frozen=True, slots=True)
+class WireCopy:
+    """One `CopiedBlock` as `parse_copies` reads it: its data a view of the request's bytes."""
+
+    key: bytes
+    namespace: str
+    parent_hash: bytes
+    depth: int
+    data: memoryview
+    checksum: int
+    last_use_s: float
+
+
+def _varint(raw: memoryview, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(raw) or shift > 63:
+            raise ValueError("a varint runs past the end")
+        byte = raw[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _fields(raw: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
+    """(field number, wire type, value) of each field of a message: an int, or a view for a length-delimited one."""
+    at = 0
+    while at < len(raw):
+        tag, at = _varint(raw, at)
+        number, kind = tag >> 3, tag & 7
+        if kind == 0:
+            value, at = _varint(raw, at)
+            yield number, kind, value
+        elif kind in (1, 5):
+            width = 8 if kind == 1 else 4
+            if at + width > len(raw):
+                raise ValueError("a fixed field runs past the end")
+            yield number, kind, int.from_bytes(raw[at:at + width], "little")
+            at += width
+        elif kind == 2:
+            size, at = _varint(raw, at)
+            if at + size > len(raw):
+                raise ValueError("a length-delimited field runs past the end")
+            yield number, kind, raw[at:at + size]
+            at += size
+        else:
+            raise ValueError(f"wire type {kind} is not used by this message")
+
+
+#: CopiedBlock's fields -> their wire types (proto/kvstore/v1/fleet.proto).
+_WIRE_TYPES = {1: 2, 2: 2, 3: 2, 4: 0, 5: 2, 6: 1, 7: 1}
+_DOUBLE = struct.Struct("<d")
+_EMPTY = memoryview(b"")
+
+
+def parse_copies(raw: bytes) -> list[WireCopy]:
+    """A `CopyBlocksRequest`'s blocks from its wire bytes: what protobuf's parse gives (unknown fields skipped,
+    absent ones their defaults), each block's data a view of `raw` instead of a copy.
+
+    Raises:
+        InvalidArgument: the bytes are not a CopyBlocksRequest.
+    """
+    out = []
+    try:
+        for number, _kind, value in _fields(memoryview(raw)):
+            if number != 1:
+                continue
+            if not isinstance(value, memoryview):
+                raise ValueError("field 1 (blocks) is not a message")
+            got: dict[int, int | memoryview] = {}
+            for n, k, v in _fields(value):
+                if n in _WIRE_TYPES:
+                    if k != _WIRE_TYPES[n]:
+                        raise ValueError(f"CopiedBlock field {n} has wire type {k}")
+                    got[n] = v
+            key, ns, parent, data = (got.get(n, _EMPTY) for n in (1, 2, 3, 5))
+            depth, checksum, last_use = (got.get(n, 0) for n in (4, 6, 7))
+            assert isinstance(key, memoryview) and isinstance(ns, memoryview) and isinstance(parent, memoryview)
+            assert isinstance(data, memoryview) and isinstance(depth, int) and isinstance(checksum, int)
+            assert isinstance(last_use, int)
+            out.append(WireCopy(key=bytes(key), namespace=bytes(ns).decode(), parent_hash=bytes(parent),
+                                depth=depth, data=data, checksum=checksum,
+                                last_use_s=_DOUBLE.unpack(last_use.to_bytes(8, "little"))[0]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"a CopyBlocks request that does not parse: {exc}") from None
+    return out
 
 
 def _keys(values: Sequence[bytes], field: str) -> list[bytes]:
@@ -132,7 +226,7 @@ class _Stretch:
     parent_hash: bytes
     first_depth: int
     hashes: list[bytes] = field(default_factory=list)
-    blocks: list[bytes] = field(default_factory=list)
+    blocks: list[bytes | memoryview] = field(default_factory=list)
     last_use_s: list[float] = field(default_factory=list)
 
     def batch(self, run_blocks: int) -> PutBatch:
@@ -145,7 +239,8 @@ class _Stretch:
                         last_use_s=tuple(self.last_use_s))
 
 
-def copy_batches(blocks: Sequence[pb.CopiedBlock], sizes: dict[bytes, int], run_blocks: int) -> list[PutBatch]:
+def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes, int],
+                 run_blocks: int) -> list[PutBatch]:
     """The Put batches a CopyBlocks request stores: one per stretch of one chain, in order.
 
     Raises:
@@ -170,8 +265,8 @@ def copy_batches(blocks: Sequence[pb.CopiedBlock], sizes: dict[bytes, int], run_
     return [s.batch(run_blocks) for s in stretches]
 
 
-def _check_block(i: int, b: pb.CopiedBlock, sizes: dict[bytes, int],
-                 scopes: dict[tuple[bytes, str], BlockScope]) -> tuple[BlockScope, bytes]:
+def _check_block(i: int, b: pb.CopiedBlock | WireCopy, sizes: dict[bytes, int],
+                 scopes: dict[tuple[bytes, str], BlockScope]) -> tuple[BlockScope, bytes | memoryview]:
     """The block's scope and bytes, checked (each read of a message's bytes field copies them: read once)."""
     if len(b.key) != KEY_BYTES or len(b.parent_hash) != HASH_BYTES:
         raise InvalidArgument(f"blocks[{i}]: a key of {len(b.key)} bytes and a parent of {len(b.parent_hash)}; "
@@ -241,5 +336,23 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     servicer = FleetServicer(tier, layouts, run_blocks=settings.fleet.run_blocks, token=token,
                              open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s)
-    fleet_pb2_grpc.add_FleetServicer_to_server(servicer, server)
+    _add_servicer(servicer, server)
     return token
+
+
+def _add_servicer(servicer: FleetServicer, server: grpc.aio.Server) -> None:
+    """As `fleet_pb2_grpc.add_FleetServicer_to_server`, but CopyBlocks takes its request as wire bytes
+    (`parse_copies` reads them on the store's executor, the blocks' data as views)."""
+    handlers = {
+        "RunDigests": grpc.unary_unary_rpc_method_handler(
+            servicer.RunDigests, request_deserializer=pb.RunDigestsRequest.FromString,
+            response_serializer=pb.RunDigestsResponse.SerializeToString),
+        "HeldBlocks": grpc.unary_unary_rpc_method_handler(
+            servicer.HeldBlocks, request_deserializer=pb.HeldBlocksRequest.FromString,
+            response_serializer=pb.HeldBlocksResponse.SerializeToString),
+        "CopyBlocks": grpc.unary_unary_rpc_method_handler(
+            servicer.CopyBlocks, request_deserializer=None,
+            response_serializer=pb.CopyBlocksResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvstore.v1.Fleet", handlers),))
+    server.add_registered_method_handlers("kvstore.v1.Fleet", handlers)

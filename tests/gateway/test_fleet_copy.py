@@ -249,3 +249,25 @@ def test_f20_a_fleet_with_tenant_auth_needs_a_token_file(tmp_path: Path) -> None
     (tmp_path / "t").write_text("short")
     with pytest.raises(ConfigError, match="at least 16"):
         load_token(FleetSettings(token_file=str(tmp_path / "t")), auth_enabled=False)
+
+
+def test_f17_a_copy_request_parsed_as_views_is_what_protobuf_parses() -> None:
+    """The node reads a CopyBlocks request from its wire bytes (`parse_copies`: each block's data a view, not a
+    copy): field for field what protobuf parses, absent fields their defaults, unknown fields skipped; bytes
+    that are not the message are INVALID_ARGUMENT."""
+    from gateway.fleet_servicer import parse_copies
+    from kvstore.errors import InvalidArgument
+
+    blocks = [pb.CopiedBlock(key=os.urandom(48), namespace="tenant-é", parent_hash=os.urandom(32), depth=9,
+                             data=os.urandom(3000), checksum=(1 << 64) - 5, last_use_s=1.75e9 + 0.25),
+              pb.CopiedBlock(key=os.urandom(48), data=b"\x00" * 70_000),  # defaults elsewhere
+              pb.CopiedBlock()]
+    raw = pb.CopyBlocksRequest(blocks=blocks).SerializeToString()
+    raw += b"\x10\x07" + b"\x1a\x03abc"  # unknown fields 2 (varint) and 3 (bytes) of the request: skipped
+    got = parse_copies(raw)
+    assert [(c.key, c.namespace, c.parent_hash, c.depth, bytes(c.data), c.checksum, c.last_use_s) for c in got] == [
+        (b.key, b.namespace, b.parent_hash, b.depth, b.data, b.checksum, b.last_use_s) for b in blocks]
+    assert got[0].data.obj is raw  # a view of the request, not a copy
+    for bad in (raw[:-40], b"\x0a\x05\x0a\x09abc", b"\x0b", b"\x0a\x02\x08"):
+        with pytest.raises(InvalidArgument, match="does not parse"):
+            parse_copies(bad)
