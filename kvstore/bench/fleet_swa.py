@@ -1,4 +1,4 @@
-"""`kvstore bench fleet-swa`: SWA snapshots through a fleet client against a single node's client, in one run.
+"""`kvstore bench fleet-swa`: SWA snapshots (and a transfer fetch) through a fleet client against one node's.
 
 The bench starts its own Redis Cluster (3 masters, redis-server and redis-cli on
 PATH), its own etcd and `--nodes` `kvstore serve` nodes whose `[swa]` pool is
@@ -13,9 +13,13 @@ in one. Both clients put and get the same keys (the same Redis slots). Every
 figure is the best of `--repeat` rounds, the two clients taking turns (the
 least disturbed by the rest of the box).
 
+Also the fleet's transfer session (F49): a fetch of the Lookup's prompt, every
+run streamed from its node, against the single node's session on the same
+(stream) path.
+
 Targets (printed with met / not met): put and get through the fleet >= 0.9x the
 single node's client; the Lookup with SWA candidates <= 2x the single node's
-time (ratio >= 0.5).
+time (ratio >= 0.5); the transfer fetch >= 0.9x the single node's.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,6 +56,7 @@ TARGETS: dict[str, tuple[float, str]] = {
     "swa put via fleet": (0.9, ">= 0.9x the single node's client"),
     "swa get via fleet": (0.9, ">= 0.9x the single node's client"),
     "lookup with swa candidates via fleet": (0.5, "<= 2x the single node's time (ratio >= 0.5)"),
+    "transfer fetch via fleet": (0.9, ">= 0.9x the single node's session on the same path"),
 }
 
 
@@ -103,7 +108,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
 
         with kvstore.Client(single.target) as one, kvstore.Client(f"etcd://{etcd.endpoint}/{cluster}") as many:
             many.view.wait_until(lambda seen: len(seen) >= args.nodes, 60.0)  # type: ignore[attr-defined]
-            _figures(report, one, many, tokens, snapshots, repeat, rng)
+            with contextlib.ExitStack() as sessions:
+                _figures(report, one, many, tokens, snapshots, repeat, rng, sessions)
     _targets(report)
     return report
 
@@ -115,7 +121,7 @@ def _snapshot_bytes() -> int:
 
 
 def _figures(report: Report, one: Client, many: Client, tokens: list[int], snapshots: int, repeat: int,
-             rng: np.random.Generator) -> None:
+             rng: np.random.Generator, stack: contextlib.ExitStack) -> None:
     """Put, get and the Lookup with SWA candidates on both clients, each figure beside the single node's.
 
     The rounds interleave the two clients (single, fleet, single, ...), so the box's drift and the
@@ -125,7 +131,7 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
     data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
     prompts = [rng.integers(0, 50_000, 256).tolist() for _ in range(snapshots)]
     clients = {"single": one, "fleet": many}
-    calls: dict[str, dict[str, Callable[[], None]]] = {"put": {}, "get": {}, "lookup": {}}
+    calls: dict[str, dict[str, Callable[[], None]]] = {"put": {}, "get": {}, "lookup": {}, "fetch": {}}
     blocks = len(tokens) // BLOCK_TOKENS
     positions = [b * BLOCK_TOKENS for b in range(blocks - CANDIDATES + 1, blocks + 1)]
     # One set of keys for both: the same Redis slots, so the masters' shares are the same for each client.
@@ -136,6 +142,11 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
         client.put(tokens, [data[:client.block_bytes]] * blocks)
         client.swa.put(tokens, data[:client.swa.snapshot_bytes(positions[-2])], position=positions[-2])
         calls["lookup"][name] = partial(_lookup, client, tokens, positions)
+        # A transfer session's fetch of the prompt's chain: both over the stream path (the single node's shm
+        # path maps this host's memory, which a fleet session does not: F49).
+        session = stack.enter_context(client.transfer(path="stream"))
+        region = session.register(blocks * client.block_bytes)
+        calls["fetch"][name] = partial(_fetch, session, client.hashes(tokens), region, blocks)
     seconds = {what: dict.fromkeys(clients, float("inf")) for what in calls}
     for _ in range(repeat):
         for what, per_client in calls.items():
@@ -148,9 +159,19 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
     for what in ("put", "get"):
         report.add(Figure.against(f"swa {what} via fleet ({snapshots} snapshots)", rate / seconds[what]["fleet"],
                                   "MB/s", "a single node's client, same Redis Cluster", rate / seconds[what]["single"]))
+    fetched = blocks * one.block_bytes / 1e6
+    report.add(Figure.against(f"transfer fetch via fleet ({blocks} blocks, stream path)",
+                              fetched / seconds["fetch"]["fleet"], "MB/s",
+                              "a single node's transfer session, stream path", fetched / seconds["fetch"]["single"]))
     report.add(Figure.against(f"lookup with swa candidates via fleet ({len(tokens):,} tokens)",
                               seconds["lookup"]["fleet"] * 1000, "ms", "a single node's Lookup, same candidates",
                               seconds["lookup"]["single"] * 1000))
+
+
+def _fetch(session: Any, hashes: list[bytes], region: Any, blocks: int) -> None:
+    state = session.fetch(hashes, region)
+    if state.done_prefix != blocks:
+        raise RuntimeError(f"the transfer fetch landed {state.done_prefix} of {blocks} blocks")
 
 
 def _put(client: Client, items: list[tuple[bytes, int, bytes]]) -> None:

@@ -23,7 +23,9 @@ FAILED_PRECONDITION naming `fetch` and `FleetClient.put`.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from kvstore.client import arguments
@@ -35,6 +37,8 @@ from kvstore.transfer import DONE, MISSING, SKIPPED, TransferState
 
 #: Ids of a fleet session's regions (this process's memory; no node hands them out).
 _IDS = itertools.count(1 << 61)
+#: Runs fetched at once (each on a thread of its own, with node sessions of its own).
+RUNS_AT_ONCE = 8
 
 
 def _state(codes: bytes, block_bytes: int) -> TransferState:
@@ -67,7 +71,13 @@ class FleetTransferSession:
         self.path = "stream"
         self.streams = streams
         self.regions: dict[int, Region] = {}
-        self._sessions: dict[str, TransferSession] = {}
+        #: Node sessions per thread (a stream session is not shared between threads), and all of them.
+        self._local = threading.local()
+        self._all: list[TransferSession] = []
+        self._lock = threading.Lock()
+        self._threads: ThreadPoolExecutor | None = None
+        #: The nodes this session has read from.
+        self.nodes_read: set[str] = set()
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
         self.bulk_reason = "off: a fleet session streams each run from its node"
         self.ring_reason = "off: a fleet session streams each run from its node"
@@ -101,7 +111,9 @@ class FleetTransferSession:
             NotFound: `region` is not registered in this session.
         """
         self._own(region)
-        for session in self._sessions.values():
+        with self._lock:
+            sessions = list(self._all)
+        for session in sessions:
             session.regions.pop(region.region_id, None)
         self.regions.pop(region.region_id, None)
         region.close()
@@ -133,13 +145,21 @@ class FleetTransferSession:
                                   f"in region {region.name} of {region.size_bytes} bytes")
         if not chain:
             return TransferState.concat([])
+        runs = self.client.placement(chain)
+        if len(runs) == 1:
+            landed = [self._fetch_run(runs[0], chain, region, offset_bytes, batch_descriptors)]
+        else:  # runs lie on different nodes and land in different slots: all at once
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(RUNS_AT_ONCE, thread_name_prefix="fleet-transfer")
+            futures = [self._threads.submit(self._fetch_run, run, chain, region, offset_bytes, batch_descriptors)
+                       for run in runs]
+            landed = [f.result() for f in futures]
         states, stopped = [], False
-        for run in self.client.placement(chain):
+        for run, done in zip(runs, landed, strict=True):
             n = run.end_block - run.first_block
-            if stopped:
+            if stopped:  # as on one node, later blocks may have landed: only `done_prefix` counts
                 states.append(_state(bytes([SKIPPED]) * n, size))
                 continue
-            done = self._fetch_run(run, chain, region, offset_bytes, batch_descriptors)
             after = bytes([SKIPPED if prefix_only else MISSING]) * (n - done - 1)
             tail = bytes([MISSING]) + after if done < n else b""
             states.append(_state(bytes([DONE]) * done + tail, size))
@@ -162,6 +182,8 @@ class FleetTransferSession:
                 last = exc
                 continue
             asked.add(node_id)
+            with self._lock:
+                self.nodes_read.add(node_id)
             at += state.done_prefix
             if at == end:
                 break
@@ -174,11 +196,15 @@ class FleetTransferSession:
         return at - run.first_block
 
     def _session(self, node_id: str) -> TransferSession:
-        session = self._sessions.get(node_id)
+        """This thread's stream session with `node_id` (made again when the node's connection was)."""
+        mine: dict[str, TransferSession] = self._local.__dict__.setdefault("sessions", {})
+        session = mine.get(node_id)
         connection = self.client.pool.connection(node_id)
         if session is None or session.connection is not connection:
             session = TransferSession(connection, path="stream", streams=self.streams, ring=False)
-            self._sessions[node_id] = session
+            mine[node_id] = session
+            with self._lock:
+                self._all.append(session)
         return session
 
     # -- what a fleet session does not do --------------------------------
@@ -199,10 +225,14 @@ class FleetTransferSession:
 
     def close(self) -> None:
         """Close every node's stream session, then this session's regions."""
-        for session in self._sessions.values():
+        if self._threads is not None:
+            self._threads.shutdown(wait=True)
+            self._threads = None
+        with self._lock:
+            sessions, self._all = self._all, []
+        for session in sessions:
             session.regions.clear()  # the regions are this session's: a node session must not close them
             session.close()
-        self._sessions.clear()
         for region in self.regions.values():
             region.close()
         self.regions.clear()

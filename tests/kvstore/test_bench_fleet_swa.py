@@ -25,6 +25,7 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
     report = json.loads(done.stdout)
     figures = {f["name"]: f for f in report["figures"]}
     assert set(figures) == {"swa put via fleet (2 snapshots)", "swa get via fleet (2 snapshots)",
+                            "transfer fetch via fleet (32 blocks, stream path)",
                             f"lookup with swa candidates via fleet ({report['notes']['lookup_tokens']:,} tokens)"}
     for f in figures.values():
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}

@@ -358,7 +358,7 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
             state = session.fetch(chain, region, offset_bytes=size)
             assert state.done_prefix == 20 and bytes(region.view[size:21 * size]) == b"".join(payload)
             firsts = {client.pool.read_order(chain[r.first_block], r.replicas)[0] for r in client.placement(chain)}
-            assert set(session._sessions) == firsts  # each run from the first node of its read order only
+            assert session.nodes_read == firsts  # each run from the first node of its read order only
             whole = session.fetch(longer, region)
             assert whole.done_prefix == 20 and [r.status for r in whole.results[20:]] == (
                 [Status.MISSING] + [Status.SKIPPED] * 3)
@@ -371,7 +371,7 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
                 assert admin.purge("default", block_hashes=[chain[run.first_block + 2]]) == 2
             again = session.register(20 * size)
             assert session.fetch(chain, again).done_prefix == 20 and bytes(again.view) == b"".join(payload)
-            assert {first, other} <= set(session._sessions)
+            assert {first, other} <= session.nodes_read
             with pytest.raises(FailedPrecondition, match=r"read\(\) of descriptors is not available") as refused:
                 session.read([])
             assert "fetch()" in refused.value.hint
