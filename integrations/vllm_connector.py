@@ -215,8 +215,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler().allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Requests whose asynchronous load failed get no second load: vLLM recomputes them."""
+        """Requests whose asynchronous load failed get no second load: vLLM recomputes them. Requests
+        whose puts are done get the pin their retention hint asked (`kv_transfer_params`)."""
         self._scheduler().load_failed(connector_output.failed_recving)
+        self._scheduler().sent(connector_output.finished_sending)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and the saves of the blocks it completes."""

@@ -17,6 +17,8 @@ Rules (docs/ENGINES.md, tests/integrations/test_vllm_connector.py):
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,6 +84,23 @@ class _Tracked:
     extra_keys: tuple[str, ...] = ()
 
 
+#: How many hinted requests' pins `SchedulerSide.kept` remembers.
+KEPT_RESULTS = 1024
+
+
+def keep_until(request: Any) -> float:
+    """A request's retention hint (docs/RETENTION.md R22): `kv_transfer_params["kvstore_keep_until_s"]`, a Unix
+    time, or `["kvstore_keep_s"]`, seconds from now; 0 for none (or a value that is not a positive number)."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    if not isinstance(params, dict):
+        return 0.0
+    absolute, relative = params.get("kvstore_keep_until_s"), params.get("kvstore_keep_s")
+    for value, base in ((absolute, 0.0), (relative, time.time())):
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return float(value) + base
+    return 0.0
+
+
 class SchedulerSide:
     """Per-request bookkeeping of the scheduler-side connector.
 
@@ -107,6 +126,10 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         #: Lookups made (one per request; vLLM's repeated questions are answered from the cache).
         self.lookups = 0
+        #: Pins asked by requests' retention hints, waiting for their saves: req id -> (tokens, keys, until).
+        self._to_pin: dict[str, tuple[list[int], tuple[str, ...], float]] = {}
+        #: The pin each hinted request got (Unix time, 0: none), the last KEPT_RESULTS of them.
+        self.kept: dict[str, float] = {}
 
     @staticmethod
     def extra_keys(request: Any) -> tuple[str, ...] | None:
@@ -244,13 +267,39 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> bool:
         """`request_finished`: True holds the request's pages until the worker's puts (and the kept
-        snapshot's) are done. An unused lease (the request ended before its load) is released here."""
+        snapshot's) are done. An unused lease (the request ended before its load) is released here.
+        A retention hint (`keep_until`) pins the stored prefix once those puts are done (`sent`)."""
         t = self._reqs.pop(request.request_id, None)
         if t is None:
             return False
         if t.plan is not None and t.plan.lease_id and not t.lease_used:
             self.planner.release(t.plan.lease_id)
+        until = keep_until(request)
+        stored = t.stored_blocks * self.block_tokens
+        if until and stored:
+            self._to_pin[request.request_id] = (list(request.all_token_ids)[:stored], t.extra_keys, until)
+            if not t.held:
+                self.sent([request.request_id])
         return t.held
+
+    def sent(self, req_ids: Any) -> None:
+        """`update_connector_output`'s finished sending: these requests' puts are done; pin what they asked."""
+        for req_id in req_ids or ():
+            ask = self._to_pin.pop(req_id, None)
+            if ask is None:
+                continue
+            tokens, keys, until = ask
+            try:
+                got = self.planner.client.pin(tokens, until, extra_keys=keys)
+            except Exception as exc:  # a store outage costs the pin, never the request
+                log.warning("kvstore: pin of request %s failed: %s", req_id, exc)
+                continue
+            if got.keep_note:
+                log.info("kvstore: request %s kept until %.0f, not %.0f: %s", req_id, got.kept_until_s, until,
+                         got.keep_note)
+            self.kept[req_id] = got.kept_until_s
+            if len(self.kept) > KEPT_RESULTS:
+                del self.kept[next(iter(self.kept))]
 
     def plan_of(self, req_id: str) -> Plan | None:
         """The plan made for a request still tracked (for logs and tests)."""
