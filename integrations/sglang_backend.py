@@ -24,6 +24,9 @@ Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (Confi
 - `ledger_pages`: pages whose tokens are remembered for Put (integrations.sglang_keys; default 262,144).
 - `swa_ttl_s`: lifetime asked for SWA snapshots (default and most: the server's `swa.ttl_s`).
 - `interface_v1`: 1 makes SGLang call batch_get_v1/batch_set_v1 (zero-copy into the host pool).
+- `keep_s`: a retention hint: keep every prefix stored through batch_set_v1 this many seconds past
+  now, beyond the tenant's retention (a pin, docs/RETENTION.md R22-R27; default: none). A call's
+  `extra_info.extra_info["kvstore_keep_until_s"]` (a Unix time) or `["kvstore_keep_s"]` overrides it.
 
 Keys: while attached, SGLang's page key is kvstore's chain hash of the page's last block in
 hex (sglang_keys), so a prompt stored by any kvstore client (the vLLM connector,
@@ -108,6 +111,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             self.client.close()
             raise
         self.swa_ttl_s: float | None = s["swa_ttl_s"]
+        self.keep_s: float | None = s["keep_s"]
         self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
         sglang_keys.install(self.ledger)
         self.page_size = self.client.block_tokens
@@ -122,7 +126,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
                                                 "backup_bandwidth": []}
         #: Counters since start (`counters()`): pages found, read and written, snapshots, unknown keys, failures.
         self.stats = {"exists_calls": 0, "pages_found": 0, "pages_read": 0, "pages_written": 0, "write_failures": 0,
-                      "unknown_keys": 0, "snapshots_read": 0, "snapshots_written": 0}
+                      "unknown_keys": 0, "snapshots_read": 0, "snapshots_written": 0, "pins": 0}
 
     # -- keys ------------------------------------------------------------------
 
@@ -236,7 +240,36 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
             results = self._write_pages(keys, pages)
         self._measure("backup", sum(results), start)
+        until = self._keep_until(extra_info)
+        if until and any(results):
+            self._keep(keys, extra_info, until)
         return results
+
+    def _keep_until(self, extra_info: HiCacheStorageExtraInfo | None) -> float:
+        """The retention hint of a write: the call's (extra_info) or the backend's `keep_s`; 0 for none."""
+        hint = (extra_info.extra_info if extra_info is not None else None) or {}
+        until, keep_s = hint.get("kvstore_keep_until_s"), hint.get("kvstore_keep_s", self.keep_s)
+        if isinstance(until, int | float) and not isinstance(until, bool) and until > 0:
+            return float(until)
+        if isinstance(keep_s, int | float) and not isinstance(keep_s, bool) and keep_s > 0:
+            return time.time() + float(keep_s)
+        return 0.0
+
+    def _keep(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None, until_s: float) -> None:
+        """Pin the stored prefix through `keys` until `until_s` (a Lookup asking keep_until_s); a refusal
+        or an outage is logged and counted, never a failed write."""
+        chain = self._chain(keys, extra_info)
+        if chain is None:
+            return
+        try:
+            got = self.client.pin_hashes(chain.blocks, until_s)
+        except KVStoreError as exc:
+            logger.warning("kvstore pin failed: %s", exc)
+            return
+        if got.kept_until_s:
+            self.stats["pins"] += 1
+        elif got.keep_note:
+            logger.info("kvstore pin not granted: %s", got.keep_note)
 
     def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks

@@ -14,7 +14,7 @@ from kvstore.errors import ConfigError
 
 #: Every setting the backend reads; the first three are the dynamic factory's, `interface_v1` SGLang's.
 KNOWN = {"backend_name", "module_path", "class_name", "interface_v1", "target", "token", "namespace", "geometry",
-         "timeout_s", "ledger_pages", "swa_ttl_s"}
+         "timeout_s", "ledger_pages", "swa_ttl_s", "keep_s"}
 
 
 def settings(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def settings(extra: dict[str, Any] | None) -> dict[str, Any]:
         out[name] = value
     out["token"] = out["token"] or os.environ.get("KVSTORE_TOKEN") or None
     for name, default, least in (("timeout_s", 30.0, 0.001), ("ledger_pages", sglang_keys.DEFAULT_LEDGER_PAGES, 1),
-                                 ("swa_ttl_s", None, 0.001)):
+                                 ("swa_ttl_s", None, 0.001), ("keep_s", None, 1.0)):
         value = extra.get(name, default)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < least):
             raise ConfigError(f"extra config {name!r} must be a number >= {least}, got {value!r}")

@@ -205,7 +205,14 @@ class Client:
         if isinstance(keep_until_s, bool) or not isinstance(keep_until_s, int | float) \
                 or not math.isfinite(keep_until_s) or keep_until_s <= 0:
             raise InvalidArgument(f"keep_until_s must be a Unix time in seconds, got {keep_until_s!r}")
-        return self._lookup(self.hashes(tokens, extra_keys=extra_keys), lease_ms=0, swa_keys=[], swa_positions=[],
+        return self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys), keep_until_s)
+
+    def pin_hashes(self, hashes: list[bytes], keep_until_s: float) -> LookupResult:
+        """`pin` for a prompt whose chain hashes (from its start) the caller already has."""
+        if isinstance(keep_until_s, bool) or not isinstance(keep_until_s, int | float) \
+                or not math.isfinite(keep_until_s) or keep_until_s <= 0:
+            raise InvalidArgument(f"keep_until_s must be a Unix time in seconds, got {keep_until_s!r}")
+        return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=0, swa_keys=[], swa_positions=[],
                             swa_resume_limit=0, keep_until_s=float(keep_until_s))
 
     def _lookup(self, hashes: list[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
