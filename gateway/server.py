@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from gateway.fleet_repair import FleetRepairer
     from kvstore.fleet.membership import Registration
 
+#: How long a fleet node keeps serving after it left the membership, before it refuses new calls.
+LEAVE_DRAIN_S = 1.0
+
 log = logging.getLogger("kvstore.server")
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 SWA_SERVICE_NAME = swa_pb2.DESCRIPTOR.services_by_name["SwaPool"].full_name
@@ -115,6 +118,9 @@ class RunningServer:
             await self.repair.stop()
         if self.fleet is not None:  # leave the fleet first, so clients route elsewhere while calls drain
             await self.fleet.stop()
+            # Keep answering a moment after leaving: a client's view learns of the leave through etcd's
+            # watch, and a call it placed just before must find the node serving, not refusing (F43).
+            await asyncio.sleep(min(LEAVE_DRAIN_S, grace_s))
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
         await _close(self.closers)

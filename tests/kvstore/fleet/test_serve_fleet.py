@@ -132,3 +132,28 @@ def test_fleet_status_without_endpoints_says_what_to_give(tmp_path: Path, capsys
 def test_fleet_status_of_an_empty_cluster(fleet: FleetSettings, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "status", "--etcd", fleet.etcd, "--cluster", fleet.cluster]) == 0
     assert capsys.readouterr().out.splitlines() == [f"fleet {fleet.cluster!r} in etcd {fleet.etcd}: 0 nodes"]
+
+
+
+def test_f43_a_leaving_node_answers_a_moment_after_it_left(tmp_path: Path, fleet: FleetSettings) -> None:
+    """F43: a SIGTERMed node leaves etcd first and keeps answering for `LEAVE_DRAIN_S` (1 s), so a call
+    placed by a client whose view has not yet seen the leave is served, not refused."""
+    import signal
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    child = serve(tmp_path, config(tmp_path, fleet))
+    try:
+        assert nodes_now(fleet)
+        with grpc.insecure_channel(child.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected before the stop
+            child.proc.send_signal(signal.SIGTERM)
+            while nodes_now(fleet):  # polls etcd for the leave; what follows is the assertion
+                pass
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING  # out of the fleet, still answering
+        assert child.proc.wait(30) == 0
+    finally:
+        child.kill_if_alive()
