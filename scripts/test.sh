@@ -72,4 +72,7 @@ ruff check .
 mypy kvstore tiers gateway replay scripts integrations
 
 echo "== tests"
-python -m pytest -q -rs "$@"  # -rs: every skip says why in the CI output
+# -rs: every skip says why in the CI output. Two workers (pytest-xdist), each test file on one of
+# them in file order (--dist loadfile: a module's fixtures and its story stay in one process): most
+# tests wait on child processes (servers, etcd, Redis), so two cores run two files at once.
+python -m pytest -q -rs -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile "$@"
