@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device run for a round's CUDA paths and host figures (docs/BENCHMARKS.md): the GPU tests, then
+# `kvstore bench fleet` and `kvstore bench lookup` on the 16-core host. Carry [".whl", ".etcd"]:
+#   mkdir -p .etcd && cp /usr/bin/etcd .etcd/     # here, once (the device has no etcd package)
+#   run: bash scripts/device_round.sh
+# Writes logs and JSON into $OUT (default ./out).
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PATH="$PWD/.etcd:$PATH"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, torch.cuda.get_device_name())'
+echo "cpus $(nproc)"
+t=$SECONDS
+timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -x -rs tests/kvstore/codec/test_codec_gpu.py \
+  tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py \
+  tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_transfer.py tests/replay/model/test_gpu.py \
+  tests/kvstore/client/test_chain_memo.py 2>&1 | tee "$OUT/tests.log" | tail -8
+echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
+timeout "${FLEET_S:-200}" python3 -m kvstore.cli bench fleet --json >"$OUT/fleet.json" 2>"$OUT/fleet.err"
+echo "bench fleet rc=$? $((SECONDS - t)) s"; t=$SECONDS
+timeout "${LOOKUP_S:-90}" python3 -m kvstore.cli bench lookup --json >"$OUT/lookup.json" 2>"$OUT/lookup.err"
+echo "bench lookup rc=$? $((SECONDS - t)) s"
+for f in "$OUT"/fleet.json "$OUT"/lookup.json; do
+python3 - "$f" <<'PY'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+except Exception as exc:
+    print(sys.argv[1], "no json:", exc); sys.exit(0)
+for f in r["figures"]:
+    ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}x"
+    print(f"{f['name']}: {f['value']:.4g} {f['unit']}  {ratio} vs {f['baseline']}")
+PY
+done
