@@ -19,14 +19,30 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lmdb
 
 from kvstore.prefix import FINGERPRINT_BYTES, KEY_BYTES, NAMESPACE_ID_BYTES
+from tiers.records import BlockMeta
 
-if TYPE_CHECKING:
-    from tiers.block_txn import BlockTxn
+
+class _Dbs(Protocol):
+    @property
+    def pins(self) -> Any: ...
+
+
+class BlockTxn(Protocol):
+    """What a pin needs of the tier's write transaction (`tiers.block_txn.BlockTxn` is one): the LMDB
+    transaction, the databases, and a block's meta. A Protocol, so block_txn may import this module."""
+
+    @property
+    def txn(self) -> lmdb.Transaction: ...
+
+    @property
+    def dbs(self) -> _Dbs: ...
+
+    def meta(self, key: bytes) -> BlockMeta | None: ...
 
 ID_START, ID_END = FINGERPRINT_BYTES, FINGERPRINT_BYTES + NAMESPACE_ID_BYTES  # as tiers.namespaces
 
