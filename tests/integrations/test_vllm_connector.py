@@ -116,7 +116,7 @@ def test_a_preempted_request_loads_its_hit_again_into_its_new_pages(store: Child
     assert so.scheduled_cached_reqs.num_computed_tokens == [80]
     assert len(so.kv_connector_metadata.loads) == 1 and so.kv_connector_metadata.loads[0].lease_id is None
     assert_rows_loaded(engine, "r2", turn2)
-    engine.run()
+    engine.run(60)  # as the layerwise and snapshot tests: a loaded two-worker CI run needed more than 20 steps
     assert engine.finished == ["r2"]
     engine.close()
 
