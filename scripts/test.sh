@@ -75,4 +75,13 @@ echo "== tests"
 # -rs: every skip says why in the CI output. Two workers (pytest-xdist), each test file on one of
 # them in file order (--dist loadfile: a module's fixtures and its story stay in one process): most
 # tests wait on child processes (servers, etcd, Redis), so two cores run two files at once.
-python -m pytest -q -rs -n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile "$@"
+# The engines' adapters (tests/integrations, vLLM's and SGLang's real schedulers in-process) run apart,
+# after the rest: one of vLLM's preemption tests failed in every shared two-worker run and never in a
+# process of their own (cause not found; see docs/ENGINES.md). Arguments given: one run of exactly them.
+workers=(-n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile)
+if [ $# -eq 0 ]; then
+    python -m pytest -q -rs "${workers[@]}" --ignore=tests/integrations
+    python -m pytest -q -rs "${workers[@]}" tests/integrations
+else
+    python -m pytest -q -rs "${workers[@]}" "$@"
+fi
