@@ -192,13 +192,17 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
                 from gateway.metrics_fleet import FleetNodeCollector
 
                 metrics.registry.register(FleetNodeCollector(fleet, repair))  # kvstore_fleet_* (docs/METRICS.md)
+            # Inside this try: a metrics port in use must not leave the gRPC server running and the node
+            # registered in etcd until its lease ends.
+            endpoint = start_endpoint(settings.metrics, metrics.registry)
         except BaseException:
+            if repair is not None:
+                await repair.stop()
             if "fleet" in locals() and fleet is not None:
                 await fleet.stop()
             await server.stop(0)
             raise
         tenants.start(settings.auth.reload_s)
-        endpoint = start_endpoint(settings.metrics, metrics.registry)
         if endpoint is not None:
             closers.append(endpoint.close)
     except BaseException:

@@ -55,7 +55,13 @@ def nodes(fleet: FleetSettings, tmp_path: Path) -> Iterator[list[tuple[NodeProce
                    "KVSTORE_FLEET_ETCD": fleet.etcd, "KVSTORE_FLEET_CLUSTER": fleet.cluster,
                    "KVSTORE_FLEET_LEASE_TTL_S": "2", "KVSTORE_FLEET_RUN_BLOCKS": "8",
                    "KVSTORE_FLEET_REPAIR_BYTES_PER_S": str(REPAIR_BYTES_PER_S), "KVSTORE_METRICS_PORT": str(port)}
-            started.append((NodeProcess(tmp_path / f"node{i}", env), port))
+            try:
+                started.append((NodeProcess(tmp_path / f"node{i}", env), port))
+            except RuntimeError as exc:  # the free port was taken meanwhile (another pytest worker): once more
+                if "already in use" not in (tmp_path / f"node{i}" / "serve.log").read_text(errors="replace"):
+                    raise
+                env["KVSTORE_METRICS_PORT"] = str(port := _free_port())
+                started.append((NodeProcess(tmp_path / f"node{i}b", env), port))
         yield started
     finally:
         for node, _ in started:

@@ -157,3 +157,26 @@ def test_f43_a_leaving_node_answers_a_moment_after_it_left(tmp_path: Path, fleet
         assert child.proc.wait(30) == 0
     finally:
         child.kill_if_alive()
+
+
+def test_a_metrics_port_in_use_stops_the_node_cleanly_and_it_leaves_etcd(tmp_path: Path,
+                                                                         fleet: FleetSettings) -> None:
+    """A node whose [metrics] port is taken exits with one line, its gRPC server stopped and its etcd
+    record revoked (not left until its lease ends, with a traceback from a server never shut down)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = write_config(tmp_path / "kvstore.toml", {
+            "store": {"data_dir": str(tmp_path / "store"), "capacity_bytes": 1 << 26, "block_tokens": 16},
+            "fleet": {"etcd": fleet.etcd, "cluster": fleet.cluster, "lease_ttl_s": 30},
+            "metrics": {"port": port},
+        })
+        done = subprocess.run([sys.executable, "-m", "kvstore.cli", "serve", "--config", str(cfg), "--port", "0"],
+                              capture_output=True, text=True, timeout=START_DEADLINE_S)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port} for metrics" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert nodes_now(fleet) == []  # revoked at once: the 30 s lease is not what removed it
