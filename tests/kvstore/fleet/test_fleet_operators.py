@@ -57,7 +57,7 @@ def nodes(fleet: FleetSettings, tmp_path: Path) -> Iterator[list[tuple[NodeProce
                    "KVSTORE_FLEET_REPAIR_BYTES_PER_S": str(REPAIR_BYTES_PER_S), "KVSTORE_METRICS_PORT": str(port)}
             try:
                 started.append((NodeProcess(tmp_path / f"node{i}", env), port))
-            except RuntimeError as exc:  # the free port was taken meanwhile (another pytest worker): once more
+            except RuntimeError:  # the free port was taken meanwhile (another pytest worker): once more
                 if "already in use" not in (tmp_path / f"node{i}" / "serve.log").read_text(errors="replace"):
                     raise
                 env["KVSTORE_METRICS_PORT"] = str(port := _free_port())
