@@ -74,7 +74,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s", "want_hosts")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s", "want_hosts", "run_lengths")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class LookupRequest(_message.Message):
     ANCHOR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KEEP_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     WANT_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -101,7 +102,8 @@ class LookupRequest(_message.Message):
     anchor_blocks: int
     keep_until_s: float
     want_hosts: bool
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ..., keep_until_s: _Optional[float] = ..., want_hosts: _Optional[bool] = ...) -> None: ...
+    run_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ..., keep_until_s: _Optional[float] = ..., want_hosts: _Optional[bool] = ..., run_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefixHost(_message.Message):
     __slots__ = ("node_id", "host", "host_id", "address", "block_ranges", "colocated", "data_dir")
@@ -122,7 +124,7 @@ class PrefixHost(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., host: _Optional[str] = ..., host_id: _Optional[str] = ..., address: _Optional[str] = ..., block_ranges: _Optional[_Iterable[int]] = ..., colocated: _Optional[bool] = ..., data_dir: _Optional[str] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index", "anchor_unknown", "kept_until_s", "keep_note", "hosts")
+    __slots__ = ("found_blocks", "found_tokens", "lease_id", "lease_ms", "swa_found", "swa_position", "swa_resume_tokens", "swa_index", "anchor_unknown", "kept_until_s", "keep_note", "hosts", "run_found_blocks", "run_lease_ids")
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FOUND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +137,8 @@ class LookupResponse(_message.Message):
     KEPT_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     KEEP_NOTE_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUN_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     found_blocks: int
     found_tokens: int
     lease_id: str
@@ -147,7 +151,9 @@ class LookupResponse(_message.Message):
     kept_until_s: float
     keep_note: str
     hosts: _containers.RepeatedCompositeFieldContainer[PrefixHost]
-    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ..., anchor_unknown: _Optional[bool] = ..., kept_until_s: _Optional[float] = ..., keep_note: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[PrefixHost, _Mapping]]] = ...) -> None: ...
+    run_found_blocks: _containers.RepeatedScalarFieldContainer[int]
+    run_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found_blocks: _Optional[int] = ..., found_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., swa_found: _Optional[bool] = ..., swa_position: _Optional[int] = ..., swa_resume_tokens: _Optional[int] = ..., swa_index: _Optional[int] = ..., anchor_unknown: _Optional[bool] = ..., kept_until_s: _Optional[float] = ..., keep_note: _Optional[str] = ..., hosts: _Optional[_Iterable[_Union[PrefixHost, _Mapping]]] = ..., run_found_blocks: _Optional[_Iterable[int]] = ..., run_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
