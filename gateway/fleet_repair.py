@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -419,19 +420,26 @@ class FleetRepairer:
             self._down.add(peer)
             self.peers.forget(address)
 
+    async def _ask(self, peer: str, address: str, method: str, request: Any) -> Any:
+        """One question (`RunDigests`, `HeldBlocks`) to a peer: its reply, or None when it is down this pass or
+        does not answer (then it is asked nothing more this pass, `_peer_failed`)."""
+        if peer in self._down:
+            return None
+        try:
+            return await getattr(self.peers.stub(address), method)(request, metadata=self.peers.metadata,
+                                                                  timeout=ASK_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("fleet: node %s does not answer %s (%s)", peer, method, exc.code().name)
+            self._peer_failed(peer, address, exc)
+            return None
+
     async def _digests(self, asked: dict[str, list[int]], runs: Sequence[RunEntry],
                        addresses: dict[str, str]) -> dict[tuple[str, bytes], RunDigest | None]:
         """(peer, run root) -> what the peer holds of the run (None: the peer did not answer)."""
         async def ask(peer: str, idx: list[int]) -> list[tuple[tuple[str, bytes], RunDigest | None]]:
             roots = [runs[i].key for i in idx]
-            if peer in self._down:
-                return [((peer, k), None) for k in roots]
-            try:
-                reply = await self.peers.stub(addresses[peer]).RunDigests(
-                    pb.RunDigestsRequest(run_roots=roots), metadata=self.peers.metadata, timeout=ASK_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("fleet: node %s does not answer RunDigests (%s)", peer, exc.code().name)
-                self._peer_failed(peer, addresses[peer], exc)
+            reply = await self._ask(peer, addresses[peer], "RunDigests", pb.RunDigestsRequest(run_roots=roots))
+            if reply is None:
                 return [((peer, k), None) for k in roots]
             return [((peer, k), RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest))
                     for k, d in zip(roots, reply.runs, strict=True)]
@@ -458,15 +466,10 @@ class FleetRepairer:
 
         async def one(peer: str, idx: list[int]) -> list[tuple[tuple[str, bytes], set[bytes] | None]]:
             roots = [held[i][0].key for i in idx]
-            if peer in self._down or not idx:
-                return [((peer, k), None) for k in roots]
             keys = [b.key for i in idx for b in held[i]]
-            try:
-                reply = await self.peers.stub(addresses[peer]).HeldBlocks(
-                    pb.HeldBlocksRequest(keys=keys), metadata=self.peers.metadata, timeout=ASK_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("fleet: node %s does not answer HeldBlocks (%s)", peer, exc.code().name)
-                self._peer_failed(peer, addresses[peer], exc)
+            reply = await self._ask(peer, addresses[peer], "HeldBlocks", pb.HeldBlocksRequest(keys=keys)) if idx \
+                else None
+            if reply is None:
                 return [((peer, k), None) for k in roots]
             answers = iter(zip(keys, reply.held, strict=True))
             return [((peer, held[i][0].key), {k for k, h in itertools.islice(answers, len(held[i])) if h})

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 from kvstore.client import arguments
 from kvstore.client.transfer import TransferSession
+from kvstore.client.transfer_batches import fetch_arguments
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
 from kvstore.region import Region
@@ -135,14 +136,9 @@ class FleetTransferSession:
         """
         chain = arguments.hashes(hashes, "hashes")
         region = self._own(region)
-        offset_bytes = arguments.integer(offset_bytes, "offset_bytes")
-        batch_descriptors = arguments.integer(batch_descriptors, "batch_descriptors", least=1)
-        if not isinstance(prefix_only, bool):
-            raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
         size = self.client.block_bytes
-        if offset_bytes + len(chain) * size > region.size_bytes:
-            raise InvalidArgument(f"{len(chain)} blocks of {size} bytes from offset {offset_bytes} do not fit "
-                                  f"in region {region.name} of {region.size_bytes} bytes")
+        offset_bytes, batch_descriptors = fetch_arguments(len(chain), size, region, offset_bytes, batch_descriptors,
+                                                          prefix_only)
         if not chain:
             return TransferState.concat([])
         runs = self.client.placement(chain)

@@ -57,6 +57,23 @@ def _descriptors(descriptors: Any, most: int) -> list[Descriptor]:
     return list(descriptors)
 
 
+def fetch_arguments(blocks: int, block_bytes: int, region: Region, offset_bytes: Any, batch_descriptors: Any,
+                    prefix_only: Any) -> tuple[int, int]:
+    """A fetch's `offset_bytes` and `batch_descriptors`, checked, and `prefix_only` checked to be a bool.
+
+    Raises:
+        InvalidArgument: a bad offset, batch size or flag, or `blocks` blocks that do not fit in `region`.
+    """
+    offset_bytes = arguments.integer(offset_bytes, "offset_bytes")
+    batch_descriptors = arguments.integer(batch_descriptors, "batch_descriptors", least=1)
+    if not isinstance(prefix_only, bool):
+        raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
+    if offset_bytes + blocks * block_bytes > region.size_bytes:
+        raise InvalidArgument(f"{blocks} blocks of {block_bytes} bytes from offset {offset_bytes} do not fit "
+                              f"in region {region.name} of {region.size_bytes} bytes")
+    return offset_bytes, batch_descriptors
+
+
 class SessionBatches:
     """A session's batches (the base of `TransferSession`, which sets every attribute below)."""
 
@@ -146,14 +163,9 @@ class SessionBatches:
                 return state
         hashes = _hashes(hashes)
         region = self._own(region)
-        offset_bytes = arguments.integer(offset_bytes, "offset_bytes")
-        batch_descriptors = arguments.integer(batch_descriptors, "batch_descriptors", least=1)
-        if not isinstance(prefix_only, bool):
-            raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
         size = self.connection.block_bytes
-        if offset_bytes + len(hashes) * size > region.size_bytes:
-            raise InvalidArgument(f"{len(hashes)} blocks of {size} bytes from offset {offset_bytes} do not fit "
-                                  f"in region {region.name} of {region.size_bytes} bytes")
+        offset_bytes, batch_descriptors = fetch_arguments(len(hashes), size, region, offset_bytes, batch_descriptors,
+                                                          prefix_only)
         step = max(1, min(batch_descriptors, self.max_descriptors))
         ring = self.ring
         if ring is not None and region.shared and 0 < len(hashes) <= min(step, ring.max_descriptors):

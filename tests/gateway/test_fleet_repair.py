@@ -3,106 +3,33 @@ on loopback (real LMDB, real gRPC), and a copy rate counted on a moved clock."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from gateway.fleet_repair import FleetRepairer, Peers, peer_credentials
-from gateway.fleet_servicer import add_fleet_service
-from kvstore.bench import fleet_processes
-from kvstore.clock import ManualClock
+from gateway.fleet_repair import peer_credentials
 from kvstore.config import Settings
-from kvstore.config_sections import FleetSettings, StoreSettings, TlsSettings
+from kvstore.config_sections import FleetSettings, TlsSettings
 from kvstore.errors import ConfigError
-from kvstore.fleet.membership import Membership, register_node, session_for
 from kvstore.fleet.placement import replicas
 from tests.conftest import LoopThread
-from tests.gateway.test_fleet_copy import RUN_BLOCKS, SCOPE, TOKENS, chain, put
+from tests.gateway.fleet_nodes import Fleet, etcd_fixture, fleet_fixture  # noqa: F401 (the fixtures)
+from tests.gateway.test_fleet_copy import SCOPE, chain, put
 from tests.gateway.test_token_bucket import Recorded
-from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import run_index
-from tiers.lmdb_tier import LmdbBlockTier
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_processes.EtcdProcess]:
-    server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def fleet_nodes(tmp_path: Path, loop_thread: LoopThread, etcd: fleet_processes.EtcdProcess) -> Iterator[Any]:
-    """make(names, tls=None): nodes of one cluster (TLS with `tls`'s server certificate), each a store
-    served by the Fleet service and registered in etcd; returns their tiers, addresses and a view of them all."""
-    fleet = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,
-                          run_blocks=RUN_BLOCKS, replication=2)
-    clock = ManualClock()
-    opened: list[Any] = []
-    views: list[Membership] = []
-
-    async def node(name: str, tls: Any) -> tuple[LmdbBlockTier, str]:
-        store = StoreSettings(data_dir=tmp_path / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
-        tier = LmdbBlockTier(store, clock=clock)
-        server = grpc.aio.server()
-        add_fleet_service(server, Settings(store=store, fleet=fleet), tier, auth_on=lambda: False)
-        if tls is None:
-            port = server.add_insecure_port("127.0.0.1:0")
-        else:
-            pair = (tls.server.key.read_bytes(), tls.server.cert.read_bytes())
-            port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([pair]))
-        await server.start()
-        registration = await register_node(fleet, node_id=name, address=f"127.0.0.1:{port}",
-                                           capacity_bytes=store.capacity_bytes, block_tokens=TOKENS)
-        opened.append((tier, server, registration))
-        return tier, f"127.0.0.1:{port}"
-
-    async def start(names: list[str], tls: Any) -> tuple[dict[str, LmdbBlockTier], dict[str, str], Membership]:
-        made = {n: await node(n, tls) for n in names}
-        view = Membership(session_for(fleet), fleet.cluster)
-        views.append(view)
-        await view.start()
-        await view.wait_until(lambda m: len(m.nodes) == len(names), 10)
-        return {n: t for n, (t, _) in made.items()}, {n: a for n, (_, a) in made.items()}, view
-
-    yield lambda names, tls=None: loop_thread.run(start(names, tls))
-    for view in views:
-        loop_thread.run(view.close())
-    for tier, server, registration in opened:
-        loop_thread.run(registration.stop())
-        loop_thread.run(server.stop(0))
-        tier.close()
-
-
-def repairer(tier: LmdbBlockTier, name: str, view: Membership, bucket: Any = None,
-             credentials: Any = None) -> FleetRepairer:
-    return FleetRepairer(tier, node_id=name, membership=view, replication=2, run_blocks=RUN_BLOCKS,
-                         window_s=tier.settings.retention_s, bucket=bucket or Recorded(rate=1e12, burst=1e12),
-                         peers=Peers(None, 1 << 26, credentials), interval_s=60, publish=None)
-
-
-def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rate(
-        fleet_nodes: Any, loop_thread: LoopThread) -> None:
-    tiers, _, view = fleet_nodes(["a", "b"])
+def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rate(fleet: Fleet) -> None:
+    tiers, _, view = fleet.start(["a", "b"])
     a, b = tiers["a"], tiers["b"]
     chains = [chain(n, seed=i) for i, n in enumerate([4, 3, 2, 4, 1, 4, 2, 3])]
     for hashes, blocks in chains:
         put(a, hashes, blocks)
     total = sum(len(x) for _, blocks in chains for x in blocks)
     bucket = Recorded(rate=total / 10, burst=total / 40)  # ten seconds of the clock for the whole copy
-    r = repairer(a, "a", view, bucket)
-
-    async def one_pass() -> Any:
-        try:
-            return await r.run_pass()
-        finally:
-            await r.peers.close()
-
-    progress = loop_thread.run(one_pass())
+    r = fleet.repairer("a", view, bucket)
+    progress = fleet.one_pass(r)
     assert (progress.copied_bytes, progress.sent_bytes, progress.under_replicated_bytes) == (total, total, 0)
     assert progress.planned_nodes == ["a", "b"] and progress.under_replicated_runs == 0
     for hashes, blocks in chains:
@@ -114,13 +41,13 @@ def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rat
         assert sent <= bucket.burst_bytes + bucket.rate_bytes_per_s * t + 1e-6
     assert sent == total and bucket.grants[-1][0] >= (total - bucket.burst_bytes) / bucket.rate_bytes_per_s - 1e-6
     # A second pass finds nothing to do: b's digests equal a's.
-    again = loop_thread.run(one_pass())
+    again = fleet.one_pass(r)
     assert again.sent_bytes == total and again.passes == 2
     assert len(run_index.list_runs(b.env)) == len(chains)
 
 
-def test_f18_of_two_holders_only_the_one_ranked_first_copies(fleet_nodes: Any, loop_thread: LoopThread) -> None:
-    tiers, addresses, view = fleet_nodes(["a", "b", "c"])
+def test_f18_of_two_holders_only_the_one_ranked_first_copies(fleet: Fleet, loop_thread: LoopThread) -> None:
+    tiers, addresses, view = fleet.start(["a", "b", "c"])
     chains = [chain(n, seed=i) for i, n in enumerate([4, 3, 2, 4, 1, 4, 2, 3, 4, 4, 2, 1])]
     for hashes, blocks in chains:  # a and b both hold every run: c, where it is a replica, lacks it
         put(tiers["a"], hashes, blocks)
@@ -129,7 +56,7 @@ def test_f18_of_two_holders_only_the_one_ranked_first_copies(fleet_nodes: Any, l
     runs = run_index.list_runs(tiers["a"].env)
 
     async def plans(name: str) -> set[bytes]:
-        r = repairer(tiers[name], name, view)
+        r = fleet.repairer(name, view)
         try:  # both plan against the same state, before any copy: the race the rank order settles
             return {p.entry.run_key for p in await r.plan(runs, live, addresses)}
         finally:
@@ -142,9 +69,9 @@ def test_f18_of_two_holders_only_the_one_ranked_first_copies(fleet_nodes: Any, l
     assert (by_a, by_b) == (first, lacking - first)
 
 
-def test_f20_nodes_copy_over_tls_checking_each_other_against_the_fleet_ca(fleet_nodes: Any, loop_thread: LoopThread,
-                                                                       certs: Any, tmp_path: Path) -> None:
-    tiers, _, view = fleet_nodes(["a", "b"], tls=certs)
+def test_f20_nodes_copy_over_tls_checking_each_other_against_the_fleet_ca(fleet: Fleet, certs: Any,
+                                                                       tmp_path: Path) -> None:
+    tiers, _, view = fleet.start(["a", "b"], tls=certs)
     hashes, blocks = chain(6)
     put(tiers["a"], hashes, blocks)
     tls = TlsSettings(cert_file=str(certs.server.cert), key_file=str(certs.server.key))
@@ -156,15 +83,7 @@ def test_f20_nodes_copy_over_tls_checking_each_other_against_the_fleet_ca(fleet_
     assert plain is None
 
     def run(credentials: Any) -> Any:
-        r = repairer(tiers["a"], "a", view, credentials=credentials)
-
-        async def one_pass() -> Any:
-            try:
-                return await r.run_pass()
-            finally:
-                await r.peers.close()
-
-        return loop_thread.run(one_pass())
+        return fleet.one_pass(fleet.repairer("a", view, credentials=credentials))
 
     refused = run(wrong_ca)  # b's certificate does not chain to that CA: nothing is sent, the runs count failed
     assert refused.copied_bytes == 0 and not any(run_index.held(tiers["b"].env, [SCOPE.key(h) for h in hashes]))

@@ -7,123 +7,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import grpc
-import pytest
-
-from gateway.fleet_repair import FleetRepairer, Peers
-from gateway.fleet_servicer import add_fleet_service
-from kvstore.bench import fleet_processes
-from kvstore.clock import ManualClock
-from kvstore.config import Settings
-from kvstore.config_sections import FleetSettings, StoreSettings
-from kvstore.fleet.membership import Membership, NodeRecord, Registration, register_node, session_for
+from kvstore.fleet.membership import NodeRecord, Registration, session_for
 from kvstore.fleet.placement import replicas
 from tests.conftest import LoopThread
-from tests.gateway.test_fleet_copy import RUN_BLOCKS, SCOPE, TOKENS, chain, put
-from tests.gateway.test_token_bucket import Recorded
-from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.gateway.fleet_nodes import Fleet, etcd_fixture, fleet_fixture  # noqa: F401 (the fixtures)
+from tests.gateway.test_fleet_copy import RUN_BLOCKS, SCOPE, chain, put
 from tests.waiting import wait_until
 from tiers import run_index
-from tiers.lmdb_tier import LmdbBlockTier
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[fleet_processes.EtcdProcess]:
-    server = EtcdProcess(tmp_path_factory.mktemp("etcd")).start()
-    yield server
-    server.stop()
-
-
-@dataclass
-class Node:
-    """A store served by the Fleet service on a fixed loopback port, registered in etcd."""
-
-    tier: LmdbBlockTier
-    port: int
-    settings: Settings
-    server: Any = None
-    registration: Registration | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def serve(self) -> None:
-        """Start (or start again) the node's server on its port."""
-        self.server = grpc.aio.server()
-        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False)
-        assert self.server.add_insecure_port(self.address) == self.port
-        await self.server.start()
-
-    async def halt(self) -> None:
-        """Stop the server (the registration stays: the node is in the view but does not answer)."""
-        await self.server.stop(0)
-
-
-class Fleet:
-    def __init__(self, root: Path, etcd: fleet_processes.EtcdProcess, loop: LoopThread) -> None:
-        self.root, self.loop = root, loop
-        self.settings = FleetSettings(etcd=etcd.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2,
-                                      run_blocks=RUN_BLOCKS, replication=2)
-        self.clock = ManualClock()
-        self.nodes: dict[str, Node] = {}
-        self.views: list[Membership] = []
-
-    def node(self, name: str) -> Node:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        store = StoreSettings(data_dir=self.root / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
-        node = Node(tier=LmdbBlockTier(store, clock=self.clock), port=port,
-                    settings=Settings(store=store, fleet=self.settings))
-
-        async def up() -> None:
-            await node.serve()
-            node.registration = await register_node(self.settings, node_id=name, address=node.address,
-                                                    capacity_bytes=store.capacity_bytes, block_tokens=TOKENS)
-
-        self.loop.run(up())
-        self.nodes[name] = node
-        return node
-
-    def view(self, count: int) -> Membership:
-        async def start() -> Membership:
-            view = Membership(session_for(self.settings), self.settings.cluster)
-            await view.start()
-            await view.wait_until(lambda m: len(m.nodes) == count, 10)
-            return view
-
-        view = self.loop.run(start())
-        self.views.append(view)
-        return view
-
-    def repairer(self, name: str, view: Membership) -> FleetRepairer:
-        tier = self.nodes[name].tier
-        return FleetRepairer(tier, node_id=name, membership=view, replication=2, run_blocks=RUN_BLOCKS,
-                             window_s=tier.settings.retention_s, bucket=Recorded(rate=1e12, burst=1e12),
-                             peers=Peers(None, 1 << 26), interval_s=60, publish=None)
-
-    def close(self) -> None:
-        for view in self.views:
-            self.loop.run(view.close())
-        for node in self.nodes.values():
-            if node.registration is not None:
-                self.loop.run(node.registration.stop())
-            self.loop.run(node.server.stop(0))
-            node.tier.close()
-
-
-@pytest.fixture
-def fleet(tmp_path: Path, loop_thread: LoopThread, etcd: fleet_processes.EtcdProcess) -> Iterator[Fleet]:
-    f = Fleet(tmp_path, etcd, loop_thread)
-    yield f
-    f.close()
 
 
 def stored(fleet: Fleet, name: str, n_chains: int) -> tuple[list[tuple[list[bytes], list[bytes]]], int]:
@@ -158,15 +50,7 @@ def test_f18_a_node_that_does_not_answer_leaves_every_run_it_ranks_in_under_repl
             copied += size * len({*order[:2]} - {"a"})
     assert cases == {"replica", "above"}  # both ways of depending on the node are met
     loop_thread.run(x.halt())
-    r = fleet.repairer("a", view)
-
-    async def one_pass() -> Any:
-        try:
-            return await r.run_pass()
-        finally:
-            await r.peers.close()
-
-    progress = loop_thread.run(one_pass())
+    progress = fleet.one_pass(fleet.repairer("a", view))
     assert (progress.under_replicated_bytes, progress.copied_bytes) == (undecided, copied)
     assert progress.failed_runs == progress.under_replicated_runs > 0 and not progress.running
 
@@ -198,13 +82,7 @@ def test_f18_a_copy_that_fails_stays_counted_until_made(fleet: Fleet, loop_threa
     assert p.copied_bytes == 0
     loop_thread.run(b.serve())  # the same port: a node restarted on its address
 
-    async def again() -> Any:
-        try:
-            return await r.run_pass()
-        finally:
-            await r.peers.close()
-
-    progress = loop_thread.run(again())
+    progress = fleet.one_pass(r)
     assert (progress.under_replicated_bytes, progress.failed_runs, progress.copied_bytes) == (0, 0, total)
     for hashes, blocks in chains:
         assert [data for _, data in b.tier.read([SCOPE.key(h) for h in hashes])] == blocks
