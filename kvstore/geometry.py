@@ -22,14 +22,15 @@ row formats never mix.
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
+from kvstore import layout as layouts
 from kvstore.errors import InvalidArgument
+from kvstore.layout import MODEL_NATIVE, RecordLayout
 
 #: The row formats this code writes. Part of the fingerprint: a change of format
 #: must give new keys, so that rows of the earlier codec are never read as these.
@@ -100,6 +101,8 @@ class ModelGeometry:
         head_dim: channels of the KV latent (`head_dim`), RoPE channels included.
         rope_head_dim: RoPE channels at the end of the latent (`qk_rope_head_dim`).
         index_head_dim: channels of an indexer key (`index_head_dim`).
+        records: the byte layout of its rows (kvstore.layout): the model's own by default, or an
+            engine's record kept byte for byte (`with_records`); part of the fingerprint.
     """
 
     name: str
@@ -110,26 +113,34 @@ class ModelGeometry:
     head_dim: int
     rope_head_dim: int
     index_head_dim: int
+    records: RecordLayout = MODEL_NATIVE
 
     def __post_init__(self) -> None:
         _check_geometry(self)
 
     # -- rows ------------------------------------------------------------------
 
+    def row_split(self, kind: str) -> tuple[int, int]:
+        """(data bytes, scale bytes) of one row of `kind` ("compressed_kv", "indexer", "window") in `records`."""
+        if kind == "indexer":
+            return layouts.row_sizes(self.records.indexer.encoding, self.index_head_dim)
+        fmt = self.records.kv if kind == "compressed_kv" else self.records.window
+        return layouts.row_sizes(fmt.encoding, self.head_dim, self.rope_head_dim)
+
     @property
     def compressed_kv_row_bytes(self) -> int:
-        """Bytes of one compressed-KV row: head_dim/2 of E2M1 pairs + head_dim/16 E4M3 scales."""
-        return self.head_dim // 2 + self.head_dim // 16
+        """Bytes of one compressed-KV row: head_dim/2 of E2M1 pairs + head_dim/16 E4M3 scales (model's rows)."""
+        return sum(self.row_split("compressed_kv"))
 
     @property
     def indexer_row_bytes(self) -> int:
-        """Bytes of one indexer-key row: index_head_dim/2 + index_head_dim/32 UE8M0 scales."""
-        return self.index_head_dim // 2 + self.index_head_dim // 32
+        """Bytes of one indexer-key row: index_head_dim/2 + index_head_dim/32 UE8M0 scales (model's rows)."""
+        return sum(self.row_split("indexer"))
 
     @property
     def window_row_bytes(self) -> int:
-        """Bytes of one window (SWA) row: head_dim E4M3 + head_dim/32 UE8M0 scales."""
-        return self.head_dim + self.head_dim // 32
+        """Bytes of one window (SWA) row: head_dim E4M3 + head_dim/32 UE8M0 scales (model's rows)."""
+        return sum(self.row_split("window"))
 
     @cached_property
     def ratio2_source_layers(self) -> tuple[int, ...]:
@@ -225,14 +236,19 @@ class ModelGeometry:
 
     def to_dict(self) -> dict[str, object]:
         """A canonical, JSON-ready description (the input of the fingerprint): the
-        name, the config fields and the row formats."""
+        name, the config fields and the row formats (the record layout: kvstore.layout)."""
         return {"name": self.name, "config": self.to_config(), "formats": dict(ROW_FORMATS)}
 
     @cached_property
     def fingerprint(self) -> bytes:
-        """8 bytes identifying the layout and row formats: a SHA-256 of the canonical description."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(b"kvstore.geometry.v2\0" + canon).digest()[:8]
+        """8 bytes identifying the geometry, its row formats and its record layout (`kvstore.layout.fingerprint`)."""
+        return layouts.fingerprint(self.to_dict(), self.records)
+
+    def with_records(self, records: RecordLayout) -> ModelGeometry:
+        """This model's geometry with its rows in `records`, named `<name>+<records.name>` (itself when native)."""
+        if records.native:
+            return self
+        return dataclasses.replace(self, name=layouts.geometry_name(self.name, records), records=records)
 
 
 def _check_geometry(g: ModelGeometry) -> None:
@@ -348,8 +364,11 @@ V4_1_FLASH: ModelGeometry = from_config(V4_1_FLASH_CONFIG, name="deepseek-v4.1-f
 #: The tiny fixture: 72 + 34 B per source row, 159 B per token.
 TINY: ModelGeometry = from_config(TINY_CONFIG, name="v41-tiny-fixture")
 
-#: Profiles a server knows by name, default first.
+#: Profiles a server knows by name, default first: the model geometries, then each in every engine
+#: layout (kvstore.layout.ENGINE_LAYOUTS), whose blocks and snapshots are kept apart by their fingerprints.
 REGISTRY: dict[str, ModelGeometry] = {V4_1_FLASH.name: V4_1_FLASH, TINY.name: TINY}
+REGISTRY.update({g.name: g for model in (V4_1_FLASH, TINY)
+                 for g in (model.with_records(r) for r in layouts.ENGINE_LAYOUTS)})
 
 
 def resolve(name: str) -> ModelGeometry:
