@@ -36,7 +36,7 @@ start=$(date +%s)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" ; return "${PIPESTATUS[0]}"; }
+pip_q() { "$PY" -m pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" ; return "${PIPESTATUS[0]}"; }
 
 note() {  # note ENGINE REASON: record why ENGINE is not tested here
     printf '%s\n' "$2" > "$VENV/engine-skip-$1.txt"

@@ -6,6 +6,7 @@
 # them; nothing listens beyond 127.0.0.1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+start=$SECONDS
 
 if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
     echo "== installing redis-server"
@@ -26,7 +27,7 @@ if ! command -v cc >/dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null
 fi
 
-echo "== python environment"
+echo "== python environment ($((SECONDS - start)) s)"
 [ -d .venv ] || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
@@ -42,46 +43,79 @@ if ! native; then
     native || { echo "tiers._blockcopy did not build (see: pip install -v -e .)" >&2; exit 1; }
 fi
 
-# vLLM and SGLang, lean (no CUDA torch), for the adapters' tests against the real
-# engines (tests/integrations). Never fails the run: an engine that cannot be
-# installed is noted in .venv/engine-skip-<name>.txt and its tests skip saying why.
-# Skipped when they installed and imported before and nothing changed; their wheels are
-# kept in ~/.cache/kvstore/wheels (KVSTORE_WHEEL_CACHE), so a fresh clone downloads none.
-echo "== inference engines (vllm, sglang)"
-bash scripts/install_engines.sh .venv
+# The engines' pins constrain the extras below, so that the engines' install (in the background,
+# beside the tests) finds every package they share already at its version and adds only new ones.
+pins=(-c scripts/engines/vllm.txt -c scripts/engines/sglang.txt)
 
-# The events' extra (pyzmq, msgspec), unless vLLM's lean install above brought them.
-python -c "import zmq, msgspec" 2>/dev/null || pip install -q --disable-pip-version-check $(python -c \
+# The events' extra (pyzmq, msgspec).
+python -c "import zmq, msgspec" 2>/dev/null || pip install -q --disable-pip-version-check "${pins[@]}" $(python -c \
     "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['events'])") || true
 
 # Mooncake's transfer engine, for the bulk transport's tests and the bench's Mooncake
 # figure (pyproject's "bulk" extra). Never fails the run: without it those tests skip
 # saying why. Its native library needs libibverbs.so.1, even with no RDMA hardware.
-echo "== mooncake transfer engine (the bulk transport)"
+echo "== mooncake transfer engine (the bulk transport) ($((SECONDS - start)) s)"
 if ! ldconfig -p | grep -q 'libibverbs\.so\.1 '; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null) \
         || echo "   libibverbs1 could not be installed: the bulk transport's tests will skip"
 fi
 bulk=$(python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['bulk'])")
-pip install -q --disable-pip-version-check $bulk 2>&1 | grep -v "^WARNING: Location" || true
+pip install -q --disable-pip-version-check "${pins[@]}" $bulk 2>&1 | grep -v "^WARNING: Location" || true
 python -c "from mooncake.engine import TransferEngine" 2>/dev/null \
     || echo "   mooncake cannot be imported here: the bulk transport's tests will skip"
 
-echo "== lint and types"
-ruff check .
-mypy kvstore tiers gateway replay scripts integrations
+# vLLM and SGLang, lean (no CUDA torch), for the adapters' tests against the real
+# engines (tests/integrations) and the events tests that decode with vLLM's own classes.
+# Never fails the run: an engine that cannot be installed is noted in
+# .venv/engine-skip-<name>.txt and its tests skip saying why. Skipped when they installed and
+# imported before and nothing changed; their wheels are kept in ~/.cache/kvstore/wheels
+# (KVSTORE_WHEEL_CACHE), so a fresh clone downloads none.
+# It runs in the background, beside the main test run (three minutes from a fresh cache):
+# it only adds packages that nothing outside ENGINE_TESTS imports (the dev install shares no
+# package with scripts/engines/*.txt, the extras take their pins), and everything that
+# reads the engines (mypy, which follows vLLM's py.typed; ENGINE_TESTS) waits for it.
+ENGINE_TESTS=(tests/integrations tests/tiers/test_events.py tests/faults/test_events_kill.py)
+# A pinned package the venv holds at another version would change under the running tests: then
+# the install runs first, as before.
+clash=$(python scripts/engines/clash.py scripts/engines/*.txt)
+engines_log=$(mktemp)
+if [ -n "$clash" ]; then
+    echo "== inference engines (vllm, sglang): installing first, the venv holds $clash ($((SECONDS - start)) s)"
+    bash scripts/install_engines.sh .venv >"$engines_log" 2>&1 &
+    wait $! || true
+else
+    echo "== inference engines (vllm, sglang): installing in the background, log at the end ($((SECONDS - start)) s)"
+    bash scripts/install_engines.sh .venv >"$engines_log" 2>&1 &
+fi
+engines=$!
+trap 'kill "$engines" 2>/dev/null || true; rm -f "$engines_log"' EXIT
+engines_ready() {
+    echo "== inference engines: waiting for the install ($((SECONDS - start)) s)"
+    wait "$engines" || true
+    sed 's/^/   /' "$engines_log"
+}
 
-echo "== tests"
+echo "== lint ($((SECONDS - start)) s)"
+ruff check .
+
+echo "== tests ($((SECONDS - start)) s)"
 # -rs: every skip says why in the CI output. Two workers (pytest-xdist), each test file on one of
 # them in file order (--dist loadfile: a module's fixtures and its story stay in one process): most
 # tests wait on child processes (servers, etcd, Redis), so two cores run two files at once.
-# The engines' adapters (tests/integrations, vLLM's and SGLang's real schedulers in-process) run apart,
-# after the rest: one of vLLM's preemption tests failed in every shared two-worker run and never in a
-# process of their own (cause not found; see docs/ENGINES.md). Arguments given: one run of exactly them.
+# ENGINE_TESTS run apart, after the rest, once the engines are in: one of vLLM's preemption tests
+# failed in every shared two-worker run and never in a process of their own (cause not found; see
+# docs/ENGINES.md). Arguments given: one run of exactly them, after the engines and types.
 workers=(-n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile)
+types() { echo "== types ($((SECONDS - start)) s)"; mypy kvstore tiers gateway replay scripts integrations; }
 if [ $# -eq 0 ]; then
-    python -m pytest -q -rs "${workers[@]}" --ignore=tests/integrations
-    python -m pytest -q -rs "${workers[@]}" tests/integrations
+    python -m pytest -q -rs "${workers[@]}" "${ENGINE_TESTS[@]/#/--ignore=}"
+    engines_ready
+    types
+    echo "== engine tests ($((SECONDS - start)) s)"
+    python -m pytest -q -rs "${workers[@]}" "${ENGINE_TESTS[@]}"
 else
+    engines_ready
+    types
     python -m pytest -q -rs "${workers[@]}" "$@"
 fi
+echo "== done in $((SECONDS - start)) s"
