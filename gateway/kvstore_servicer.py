@@ -19,6 +19,7 @@ from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.routed_store import Route, RoutedStore
 from gateway.status import streaming, unary
+from gateway.trace_recorder import NO_TRACE, CallTrace
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
@@ -69,6 +70,8 @@ _STATUS: dict[ReadStatus, pb.BlockStatus] = {
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Serves global-KV blocks of the registered geometries from one block store.
 
+    `trace` is told of each Lookup, Get, Put and ReportResume a node serves (`[trace]`, gateway/trace_recorder.py).
+
     Args:
         tier: the store: a node's LMDB tier, or the fleet's router in a gateway (it owns the
             executor for blocking work).
@@ -78,6 +81,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hits: the hit counters per tenant over time, shared with the SwaPool service
             (None: counted in memory only, lost at stop).
     """
+
+    trace: CallTrace = NO_TRACE
 
     def __init__(self, tier: BlockStore, layouts: dict[str, Layout], max_message_bytes: int,
                  swa: SwaCache | None = None, hits: HitStats | None = None, audit: AuditTrail | None = None) -> None:
@@ -168,6 +173,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if resume is not None:
             reply.swa_found = True
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
+        self.trace.lookup(scope, hashes, found, lease_ms=request.lease_ms, swa_asked=len(request.swa_keys), swa=resume)
         return reply
 
     async def _lookup_pin(self, reply: pb.LookupResponse, scope: BlockScope, deepest: bytes, until_s: float) -> None:
@@ -314,6 +320,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         batches.append(item)
                 results = await self.tier.call(self.tier.put_many, batches)
                 for batch, result in zip(batches, results, strict=True):
+                    _trace_put(self.trace, batch, result)
                     await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
                     yield _put_response(batch, result)
                 if isinstance(item, PutBatch):  # the queue ran dry: wait for the next
@@ -341,6 +348,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # Checking and hashing are O(request size): a thread keeps other calls served meanwhile.
         batch = await asyncio.to_thread(self._plan, request)
         result = await self.tier.call(self.tier.put_many, [batch])
+        _trace_put(self.trace, batch, result[0])
         await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result[0].pin)
         return _put_response(batch, result[0])
 
@@ -377,6 +385,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             self.tier.count_get(len(keys), len(found))
             self.hits.record(scope.namespace, "get", len(keys), len(found))
+            self.trace.get(scope, hashes, len(found))
         if found:
             # Durable before the stream ends OK: a read the client saw complete
             # restarts the blocks' retention clocks even across a crash.
@@ -466,6 +475,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.hits.record_resume(scope.namespace, prompt_tokens=report.prompt_tokens,
                                 found_tokens=report.found_tokens, usable_tokens=report.usable_tokens,
                                 action_field=ACTION_FIELDS[report.action])
+        self.trace.resume(scope, prompt_tokens=report.prompt_tokens, found_tokens=report.found_tokens,
+                          usable_tokens=report.usable_tokens, action=pb.ResumeAction.Name(report.action))
         return pb.ReportResumeResponse()
 
     @unary
@@ -491,6 +502,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+def _trace_put(trace: CallTrace, batch: PutBatch, result: PutResult) -> None:
+    trace.put(batch.scope, batch.hashes, written=result.written_blocks, existing=result.existing_blocks,
+              evicted_blocks=result.evicted_blocks, evicted_bytes=result.evicted_bytes)
 
 
 def _token(context: grpc.aio.ServicerContext) -> str | None:

@@ -49,6 +49,7 @@ from gateway.replies import add_service
 from gateway.request_log import RequestLog
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry, TokenTable
+from gateway.trace_recorder import NO_TRACE, CallTrace, TraceCollector, open_recorder, trace_line
 from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
@@ -98,6 +99,8 @@ class RunningServer:
     repair: FleetRepairer | None = None
     #: What `kvstore serve` says of its KV cache events (docs/EVENTS.md).
     events_line: str = ""
+    #: Its own access trace (`[trace]`; NO_TRACE while off).
+    trace: CallTrace = NO_TRACE
     stopped: bool = False
 
     @property
@@ -169,8 +172,10 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     try:
         events_line = start_events(settings.events, tier)  # before the first write the events must cover (E1)
         metrics.registry.register(EventsCollector(tier))
+        trace = await _start_trace(settings, tier, closers, clock or SystemClock())
+        metrics.registry.register(TraceCollector(trace))
         server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics,
-                                         shared)
+                                         shared, trace=trace)
         token = None
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
             token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled)
@@ -211,7 +216,22 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         raise
     return RunningServer(port=port, server=server, tier=tier, health=health, tenants=tenants, metrics=metrics,
                          metrics_endpoint=endpoint, closers=closers, fleet=fleet, repair=repair,
-                         events_line=events_line)
+                         events_line=events_line, trace=trace)
+
+
+async def _start_trace(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
+                       clock: Clock) -> CallTrace:
+    """The server's access trace, writing when `[trace] enabled` (gateway/trace_recorder.py), else NO_TRACE."""
+    from tiers.datadir import node_id
+
+    recorder = open_recorder(settings.trace, data_dir=settings.store.data_dir,
+                             block_tokens=settings.store.block_tokens, node=node_id(settings.store.data_dir),
+                             clock=clock, geometries={g.fingerprint: g.name for g in geometry.REGISTRY.values()})
+    if recorder is None:
+        return NO_TRACE
+    await recorder.start()
+    closers.append(recorder.close)
+    return recorder
 
 
 async def _open_tenants(settings: Settings, clock: Clock | None) -> TokenTable:
@@ -285,7 +305,8 @@ def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
 
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
                     clock: Clock, interceptors: list[grpc.aio.ServerInterceptor], metrics: ServerMetrics,
-                    shared: dict[str, Any] | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                    shared: dict[str, Any] | None = None, *,
+                    trace: CallTrace = NO_TRACE) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
@@ -306,10 +327,11 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
     kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits, audit=admin.audit)
+    kvstore.trace = trace
     add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"})
-    swa_pb2_grpc.add_SwaPoolServicer_to_server(
-        SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies),
-        server)
+    swa_service = SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies)
+    swa_service.trace = trace
+    swa_pb2_grpc.add_SwaPoolServicer_to_server(swa_service, server)
     # The ring's requests bypass the interceptors: the servicer charges them to the tenant's request rate itself.
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits,
                                 rate=admin.quotas.rate)
@@ -351,6 +373,7 @@ async def serve(settings: Settings) -> None:
     print(f"kvstore metrics: {endpoint.url if endpoint else 'off ([metrics] port = 0)'}", flush=True)
     print(f"kvstore fleet: {_fleet_line(settings, running.fleet)}", flush=True)
     print(f"kvstore events: {running.events_line}", flush=True)
+    print(f"kvstore trace: {trace_line(settings.trace, running.trace)}", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:

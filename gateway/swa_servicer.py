@@ -14,6 +14,7 @@ from gateway.policies import PolicyTable
 from gateway.quotas import RequestRate
 from gateway.status import unary
 from gateway.swa_reports import REPORT_ID_BYTES, SeenReports
+from gateway.trace_recorder import NO_TRACE, CallTrace
 from gateway.validate import Layout
 from kvstore.api_tokens import ADMIN, WRITE
 from kvstore.clock import SystemClock
@@ -81,6 +82,9 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         policies: the tenants' policies (their SWA TTL and byte quota bound the direct path); None: the defaults.
     """
 
+    #: Told of each Put and Get (`[trace]`, gateway/trace_recorder.py).
+    trace: CallTrace = NO_TRACE
+
     def __init__(self, cache: SwaCache, layouts: dict[str, Layout], max_batch_snapshots: int,
                  hits: HitStats | None = None, policies: PolicyTable | None = None) -> None:
         self.cache = cache
@@ -104,6 +108,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         stored = await self.cache.put_many(scope.fingerprint, items, ttl_s)
         applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
+        self.trace.swa_put(scope, snapshots=len(items), stored=len(items) if stored else 0)
         return pb.SwaPutResponse(stored=len(items) if stored else 0, failed=0 if stored else len(items),
                                  ttl_ms=int(applied_s * 1000))
 
@@ -128,6 +133,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         found = await self.cache.get_many(layout.geometry, [scope.key(k) for k in keys])
         if self.hits is not None:
             self.hits.record(scope.namespace, "swa", len(keys), sum(f is not None for f in found))
+        self.trace.swa_get(scope, asked=len(keys), found=sum(f is not None for f in found))
         # Copying the snapshots into the reply is O(reply size): off the event loop.
         return await asyncio.to_thread(_get_reply, found)
 

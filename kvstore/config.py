@@ -33,6 +33,7 @@ from kvstore.config_sections import (
     StoreSettings,
     SwaSettings,
     TlsSettings,
+    TraceSettings,
     TransferSettings,
 )
 from kvstore.errors import ConfigError
@@ -41,7 +42,7 @@ __all__ = [
     "BULK_TRANSPORTS", "MAX_BYTES", "NON_NEGATIVE", "RETENTION_FLOOR_HOURS", "UINT32_MAX", "AuthSettings",
     "EventsSettings", "FleetSettings", "GiB",
     "MetricsSettings", "Range", "ServerSettings", "Settings", "StoreSettings", "SwaSettings", "TlsSettings",
-    "TransferSettings", "check_ranges", "load_settings",
+    "TraceSettings", "TransferSettings", "check_ranges", "load_settings",
 ]
 
 
@@ -58,6 +59,7 @@ class Settings:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     fleet: FleetSettings = field(default_factory=FleetSettings)
     events: EventsSettings = field(default_factory=EventsSettings)
+    trace: TraceSettings = field(default_factory=TraceSettings)
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

@@ -368,6 +368,56 @@ class EventsSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TraceSettings:
+    """The server's own access trace (docs/CAPACITY.md, "Recording"): one record per call, zstd-compressed files.
+
+    Off by default. Records hold times, tenants, block hashes cut to `hash_bytes` and counts, never tokens
+    nor block bytes. A writer task writes them off the request path; when it falls behind (a full queue) or
+    the disk fails, records are dropped and counted (kvstore_trace_dropped_records), never a call.
+    """
+
+    #: Record the trace.
+    enabled: bool = False
+    #: The folder of the trace files; '' = <store.data_dir>/trace.
+    dir: str = ""
+    #: Start a new file once the current one would pass this many (compressed) bytes.
+    file_bytes: int = 64 * 1024 * 1024
+    #: Bytes of trace files kept in the folder, all together: the oldest files go to stay under it.
+    max_bytes: int = GiB
+    #: Records waiting for the writer; past it (or past `queue_bytes`) a record is dropped and counted.
+    queue_records: int = 10_000
+    #: Bytes of hashes waiting for the writer (a record's estimate: its hashes); past it records are dropped.
+    queue_bytes: int = 64 * 1024 * 1024
+    #: Leading bytes of each block hash recorded (8: a collision among a trace's blocks is ~never).
+    hash_bytes: int = 8
+    #: Seconds the writer gathers records into one compressed frame (a frame is the unit a crash can cut).
+    flush_s: float = 1.0
+    #: zstd compression level.
+    level: int = 3
+
+    RANGES: ClassVar[dict[str, Range]] = {
+        "file_bytes": Range(4096, MAX_BYTES),
+        "max_bytes": Range(4096, MAX_BYTES),
+        "queue_records": Range(1, 10_000_000),
+        "queue_bytes": Range(1024, MAX_BYTES),
+        "hash_bytes": Range(4, 32, why="a block hash is 32 bytes; fewer than 4 would make ids collide"),
+        "flush_s": Range(0, 3600),
+        "level": Range(1, 22),
+    }
+
+    def __post_init__(self) -> None:
+        check_ranges(self, "trace")
+        if self.file_bytes > self.max_bytes:
+            raise ConfigError(f"trace.file_bytes = {self.file_bytes} is more than trace.max_bytes = "
+                              f"{self.max_bytes}: one file would pass the cap on all of them",
+                              hint="raise max_bytes or lower file_bytes")
+
+    def path(self, data_dir: Path) -> Path:
+        """The trace folder: `dir`, or <data_dir>/trace."""
+        return Path(self.dir) if self.dir else data_dir / "trace"
+
+
+@dataclass(frozen=True, kw_only=True)
 class FleetSettings:
     """Membership of a fleet of storage nodes in etcd (docs/FLEET.md); off, a single node, while `etcd` is ''."""
 

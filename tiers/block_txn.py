@@ -37,6 +37,9 @@ class PutResult:
     written_bytes: int
     #: What the batch's pin request got (R22, R24); None: it asked for none.
     pin: pins.PinGrant | None = None
+    #: Blocks (and their bytes) evicted to make room for this batch (its trace record says so).
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

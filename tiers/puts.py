@@ -128,7 +128,7 @@ def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
     if batch.keep_until_s is not None and keys:  # R22: the pin commits with the blocks it protects
         grant = pins.grant(w, keys[-1], batch.keep_until_s, now_s=now, limits=room.pin_limits(batch.scope.namespace))
     return PutResult(written_blocks=written, existing_blocks=len(keys) - written, written_bytes=need,
-                     pin=grant), evicted
+                     pin=grant, evicted_blocks=evicted.blocks, evicted_bytes=evicted.freed_bytes), evicted
 
 
 def _parent_depth(w: BlockTxn, scope: BlockScope, parent_hash: bytes, is_root: bool,

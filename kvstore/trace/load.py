@@ -6,6 +6,7 @@ from pathlib import Path
 
 from kvstore.errors import InvalidArgument
 from kvstore.trace.mooncake import read_mooncake
+from kvstore.trace.recorded import is_recorded, read_recorded
 from kvstore.trace.requests import Trace, TraceRequest
 from kvstore.trace.weka import parse_session, session_files
 
@@ -14,21 +15,25 @@ DEFAULT_SESSION_EVERY_S = 60.0
 
 
 def trace_kind(path: Path) -> str:
-    """"weka" (a folder, a .json, a .tar.zst) or "mooncake" (.jsonl, .jsonl.zst).
+    """"weka" (a folder, a .json, a .tar.zst), "mooncake" (.jsonl, .jsonl.zst) or "kvstore" (kvstore's own
+    trace: a .kvtrace.zst, or a folder of them).
 
     Raises:
         InvalidArgument: the path does not exist or has neither form.
     """
     if not path.exists():
         raise InvalidArgument(f"trace {path} does not exist",
-                              hint="give a weka folder, .json or .tar.zst, or a Mooncake .jsonl(.zst)")
+                              hint="give a weka folder, .json or .tar.zst, a Mooncake .jsonl(.zst), "
+                                   "or kvstore's trace folder")
     name = path.name
+    if is_recorded(path):
+        return "kvstore"
     if name.endswith((".jsonl", ".jsonl.zst")):
         return "mooncake"
     if path.is_dir() or name.endswith((".json", ".tar.zst", ".tzst")):
         return "weka"
     raise InvalidArgument(f"trace {path}: unknown format (by its name)",
-                          hint="a weka folder, .json or .tar.zst, or a Mooncake .jsonl or .jsonl.zst")
+                          hint="a weka folder, .json or .tar.zst, a Mooncake .jsonl or .jsonl.zst, or a .kvtrace.zst")
 
 
 def load_trace(path: Path, *, sessions: int | None = None, requests: int | None = None,
@@ -36,7 +41,8 @@ def load_trace(path: Path, *, sessions: int | None = None, requests: int | None 
     """The trace at `path`, its requests sorted by arrival.
 
     Args:
-        path: a weka folder, session .json or sessions.tar.zst; or a Mooncake .jsonl(.zst).
+        path: a weka folder, session .json or sessions.tar.zst; a Mooncake .jsonl(.zst); or kvstore's own
+            trace (a .kvtrace.zst file or its folder, docs/CAPACITY.md "Recording").
         sessions: read only the first this many weka session files (by name); None: all.
         requests: keep only the first this many arrivals; None: all.
         session_every_s: weka session i starts at i x this (the files give no start times).
@@ -48,6 +54,8 @@ def load_trace(path: Path, *, sessions: int | None = None, requests: int | None 
     reqs: list[TraceRequest] = []
     if kind == "mooncake":
         reqs = read_mooncake(path, limit=requests)
+    elif kind == "kvstore":
+        reqs = read_recorded(path, limit=requests)
     else:
         for i, (name, data) in enumerate(session_files(path)):
             if sessions is not None and i >= sessions:

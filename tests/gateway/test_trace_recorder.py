@@ -1,0 +1,130 @@
+"""The server's own trace (`[trace]`, gateway/trace_recorder.py): its bounds on disk (rotation, the cap on
+bytes), and that it never holds a call: a stalled disk drops records, counted, while every call is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import generate_latest
+
+from gateway.trace_recorder import TraceRecorder
+from kvstore.clock import ManualClock
+from kvstore.config import StoreSettings, TraceSettings
+from kvstore.errors import ConfigError
+from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
+from kvstore.trace import recorded
+from tests.waiting import wait_until
+
+SCOPE = BlockScope(b"\x01" * FINGERPRINT_BYTES, "acme")
+
+
+def _metric(srv: Any, name: str) -> float:
+    for line in generate_latest(srv.metrics.registry).decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no series {name}")
+
+
+async def _record_puts(folder: Path, settings: TraceSettings, puts: int, *, blocks: int = 32) -> TraceRecorder:
+    """A recorder on `folder` told of `puts` Puts of random hashes, each written before the next is told."""
+    rec = TraceRecorder(settings, folder=folder, block_tokens=64, node="n1", clock=ManualClock())
+    await rec.start()
+    for i in range(puts):
+        rec.put(SCOPE, [os.urandom(32) for _ in range(blocks)], written=blocks, existing=0, evicted_blocks=0,
+                evicted_bytes=0)
+        while rec.stats.written_records + rec.stats.dropped_records < i + 1:
+            await asyncio.sleep(0.001)  # the writer's turn on the loop (no time is measured)
+    await rec.close()
+    return rec
+
+
+SMALL = TraceSettings(enabled=True, file_bytes=8192, max_bytes=24576, hash_bytes=32, flush_s=0, level=1)
+
+
+def test_files_rotate_at_file_bytes_and_the_oldest_go_to_stay_under_max_bytes(tmp_path: Path) -> None:
+    rec = asyncio.run(_record_puts(tmp_path, SMALL, 60))
+    files = recorded.trace_files(tmp_path)
+    s = rec.stats
+    assert s.dropped_records == 0 and s.written_records == 60
+    assert s.files_written > len(files) >= 2 and s.files_removed == s.files_written - len(files)
+    assert sum(p.stat().st_size for p in files) <= SMALL.max_bytes
+    assert all(p.stat().st_size <= SMALL.file_bytes for p in files)
+    # The newest files are the ones kept, each whole: a header, then its records.
+    assert [int(p.name.split("-")[1]) for p in files] == list(range(s.files_written - len(files) + 1,
+                                                                    s.files_written + 1))
+    kept = [r for _, _, r in recorded.records(tmp_path)]
+    assert 0 < len(kept) < 60 and all(r["op"] == "put" and len(r["hashes"]) == 32 * 64 for r in kept)
+
+
+def test_files_already_in_the_folder_count_toward_the_cap_and_numbering_goes_on(tmp_path: Path) -> None:
+    first = asyncio.run(_record_puts(tmp_path, SMALL, 20))
+    before = recorded.trace_files(tmp_path)
+    second = asyncio.run(_record_puts(tmp_path, SMALL, 20))
+    after = recorded.trace_files(tmp_path)
+    assert sum(p.stat().st_size for p in after) <= SMALL.max_bytes
+    assert int(after[-1].name.split("-")[1]) == first.stats.files_written + second.stats.files_written
+    assert before[0] not in after  # the older run's oldest file went first
+
+
+def test_a_batch_larger_than_the_cap_is_dropped_and_counted(tmp_path: Path) -> None:
+    tiny = TraceSettings(enabled=True, file_bytes=4096, max_bytes=4096, hash_bytes=32, flush_s=0, level=1)
+    rec = asyncio.run(_record_puts(tmp_path, tiny, 1, blocks=400))  # ~26 KB of random hex: no room
+    assert rec.stats.dropped_records == 1 and rec.stats.written_records == 0
+    assert sum(p.stat().st_size for p in recorded.trace_files(tmp_path)) <= tiny.max_bytes
+
+
+def test_settings_refuse_a_file_larger_than_the_cap() -> None:
+    with pytest.raises(ConfigError, match=r"trace\.file_bytes = 8192 is more than trace\.max_bytes = 4096"):
+        TraceSettings(file_bytes=8192, max_bytes=4096)
+    with pytest.raises(ConfigError, match=r"trace\.hash_bytes = 2 is out of range"):
+        TraceSettings(hash_bytes=2)
+
+
+def test_off_by_default_no_folder_and_zero_series(start_server: Callable[..., Any],
+                                                  store_settings: StoreSettings) -> None:
+    srv = start_server(store_settings)
+    assert not srv.trace.enabled
+    assert not (store_settings.data_dir / "trace").exists()
+    assert _metric(srv, "kvstore_trace_written_records_total") == 0
+
+
+def test_a_stalled_disk_drops_records_and_every_call_is_answered(start_server: Callable[..., Any],
+                                                                 store_settings: StoreSettings) -> None:
+    from kvstore.client import Client
+
+    settings = TraceSettings(enabled=True, queue_records=4, flush_s=0)
+    srv = start_server(store_settings, trace=settings)
+    released = threading.Event()
+    stalled = threading.Event()
+
+    async def stalled_disk() -> None:  # the write waits for the test, as a hung disk would
+        stalled.set()
+        await asyncio.to_thread(released.wait, 60)
+
+    srv.trace.before_write = stalled_disk
+    calls = 20
+    try:
+        with Client(srv.target) as client:
+            tokens = list(range(client.block_tokens * 3))
+            client.put(tokens, [os.urandom(client.block_bytes) for _ in range(3)])
+            wait_until(stalled.is_set, "the writer reached the stalled disk")
+            hashes = client.hashes(tokens)
+            for _ in range(calls):
+                assert client.get_hashes(hashes).blocks[-1] is not None  # answered while the disk is stalled
+        s = srv.trace.stats
+        assert s.written_records == 0 and not released.is_set()
+        # The Put's record is in the writer's hands, 4 wait in the queue, the rest were dropped.
+        assert s.queued_records == 4 and s.dropped_records == calls - 4
+        assert _metric(srv, "kvstore_trace_dropped_records_total") == calls - 4
+    finally:
+        released.set()
+    wait_until(lambda: srv.trace.stats.written_records == 5, "the queued records written once the disk answers")
+    got = [r["op"] for _, _, r in recorded.records(store_settings.data_dir / "trace")]
+    assert got == ["put", "get", "get", "get", "get"]
+    assert _metric(srv, "kvstore_trace_written_records_total") == 5
