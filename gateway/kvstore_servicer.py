@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -187,13 +187,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.kept_until_s, reply.keep_note = grant.until_s, grant.why
             await self._audit_pin(scope, deepest, grant)
 
-    def _remember(self, scope: BlockScope, hashes: list[bytes], found: int, request: pb.LookupRequest) -> None:
+    def _remember(self, scope: BlockScope, hashes: Sequence[bytes], found: int, request: pb.LookupRequest) -> None:
         """Remember the found prefix of a Lookup as an anchor for its next turn (A1); not again when
         it is the anchor's own chain (found no further)."""
         if found and found != request.anchor_blocks:
             self.anchors.remember(scope.prefix, hashes[:found], replaces=request.anchor_hash)
 
-    async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: list[bytes],
+    async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: Sequence[bytes],
                              lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """A gateway's Lookup: fleet hashes from block 0, across the runs' replicas (F31, F32)."""
         assert self.router is not None

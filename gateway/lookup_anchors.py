@@ -3,8 +3,9 @@ send only its new hashes (LookupRequest.anchor_hash; docs/PREFIX_HASHING.md, "Th
 
 A million-token prompt's Lookup carries 15,625 hashes (500 KB); its next turn repeats all of
 them and adds a few dozen. The server keeps, per tenant and geometry, the hashes of each
-prefix a Lookup found stored, keyed by the prefix's last hash (as the objects the tier takes:
-a next turn then cuts only its new hashes from its request). A next turn names
+prefix a Lookup found stored, keyed by the prefix's last hash, packed end to end as the
+request carried them (`tiers.chains.PackedHashes`: usually the request's own bytes, no copy;
+a next turn then adds its new hashes with one copy of the two). A next turn names
 that hash and the chain's length (the anchor) and sends the hashes after it; the server puts
 the remembered ones in front and looks the whole chain up as any other (R15 checks it in the
 tier, as ever).
@@ -23,12 +24,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
-#: Bytes of remembered hashes by default: 64 MiB, about 56 conversations of a million tokens.
+from tiers.chains import PackedHashes, packed_of
+
+#: Bytes of remembered hashes by default: 64 MiB, about 128 conversations of a million tokens.
 DEFAULT_MAX_BYTES = 64 << 20
 #: Shorter chains are not remembered: sending them whole costs little.
 DEFAULT_MIN_BLOCKS = 64
-#: What one remembered hash costs: a 32-byte bytes object (65 B in CPython) and its slot.
-BYTES_PER_HASH = 73
+#: What one remembered hash costs: 32 bytes, packed.
+BYTES_PER_HASH = 32
 
 
 class LookupAnchors:
@@ -43,19 +46,19 @@ class LookupAnchors:
         self.max_bytes = max_bytes
         self.min_blocks = min_blocks
         self._lock = threading.Lock()
-        self._chains: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._chains: OrderedDict[bytes, bytes] = OrderedDict()
         self._size_bytes = 0
 
-    def expand(self, scope_prefix: bytes, anchor_hash: bytes, anchor_blocks: int) -> tuple[bytes, ...] | None:
+    def expand(self, scope_prefix: bytes, anchor_hash: bytes, anchor_blocks: int) -> PackedHashes | None:
         """The remembered `anchor_blocks` hashes ending at `anchor_hash`; None when no such chain is
         remembered in this scope (A2, A4)."""
         key = scope_prefix + anchor_hash
         with self._lock:
             chain = self._chains.get(key)
-            if chain is None or len(chain) != anchor_blocks:
+            if chain is None or len(chain) != anchor_blocks * BYTES_PER_HASH:
                 return None
             self._chains.move_to_end(key)
-        return chain
+        return PackedHashes(chain)
 
     def remember(self, scope_prefix: bytes, found: Sequence[bytes], *, replaces: bytes = b"") -> None:
         """Remember `found`, hashes the tier found stored as one chain from block 0 (A1).
@@ -66,18 +69,18 @@ class LookupAnchors:
         """
         if len(found) < max(self.min_blocks, 1) or len(found) * BYTES_PER_HASH > self.max_bytes:
             return
-        chain = tuple(found)
-        key = scope_prefix + chain[-1]
+        chain = packed_of(found)
+        key = scope_prefix + chain[-BYTES_PER_HASH:]
         with self._lock:
             for old_key in (scope_prefix + replaces if replaces else b"", key):
                 old = self._chains.pop(old_key, None) if old_key else None
                 if old is not None:
-                    self._size_bytes -= len(old) * BYTES_PER_HASH
+                    self._size_bytes -= len(old)
             self._chains[key] = chain
-            self._size_bytes += len(chain) * BYTES_PER_HASH
+            self._size_bytes += len(chain)
             while self._size_bytes > self.max_bytes:  # A3
                 _, dropped = self._chains.popitem(last=False)
-                self._size_bytes -= len(dropped) * BYTES_PER_HASH
+                self._size_bytes -= len(dropped)
 
     @property
     def size_bytes(self) -> int:

@@ -7,7 +7,6 @@ was expected, so a caller can fix the request; nothing here touches storage.
 from __future__ import annotations
 
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
 from kvstore.prefix import HASH_BYTES, BlockScope, chain_hashes, root_hash
+from tiers.chains import PackedHashes
 
 #: Matched in full (`fullmatch`): `$` alone would also take a name ending in a newline.
 _NAMESPACE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -82,8 +82,11 @@ def hashes(values: Sequence[bytes], *, limit: int, field: str = "block_hashes") 
     return out
 
 
-def lookup_hashes(block_hashes: Sequence[bytes], packed: bytes, *, limit: int) -> list[bytes]:
-    """A Lookup's hashes: `block_hashes`, or the same cut from `packed` (32 bytes each), never both.
+def lookup_hashes(block_hashes: Sequence[bytes], packed: bytes, *, limit: int) -> Sequence[bytes]:
+    """A Lookup's hashes: `block_hashes`, or `packed` (32 bytes each) as `PackedHashes`, never both.
+
+    Packed hashes stay packed: the tier reads them as they came (tiers/chains.py), rather than
+    have them cut into one object per hash (1 ms for 15,625) and joined again.
 
     Raises:
         InvalidArgument: both named, neither, a packed length not a multiple of 32 bytes, or more
@@ -93,20 +96,21 @@ def lookup_hashes(block_hashes: Sequence[bytes], packed: bytes, *, limit: int) -
         return hashes(block_hashes, limit=limit)
     if block_hashes:
         raise InvalidArgument("name block_hashes or block_hashes_packed, not both")
+    return PackedHashes(_packed(packed, limit=limit, already=0))
+
+
+def _packed(packed: bytes, *, limit: int, already: int) -> bytes:
+    """`packed`, checked: a multiple of 32 bytes, at most `limit` hashes with the `already` before them."""
     count, extra = divmod(len(packed), HASH_BYTES)
     if extra:
         raise InvalidArgument(f"block_hashes_packed is {len(packed)} bytes; it holds {HASH_BYTES}-byte hashes, "
                               f"so its length is a multiple of {HASH_BYTES}")
-    if count > limit:
+    if already + count > limit:
+        if already:
+            raise InvalidArgument(f"the anchor's {already} hashes and block_hashes_packed's {count} pass the "
+                                  f"{limit} a Lookup may hold")
         raise InvalidArgument(f"block_hashes_packed has {count} hashes; at most {limit} per call")
-    # In C (struct), 256 hashes a step, rather than a slice per hash in Python: a fifth of the time
-    # for 15,625; the last few are sliced.
-    whole = count - count % _CHUNK_HASHES
-    out: list[bytes] = []
-    for part in _CHUNK.iter_unpack(memoryview(packed)[:whole * HASH_BYTES]):
-        out.extend(part)
-    out.extend(packed[i:i + HASH_BYTES] for i in range(whole * HASH_BYTES, len(packed), HASH_BYTES))
-    return out
+    return packed
 
 
 def anchor(anchor_hash: bytes, anchor_blocks: int, block_hashes: Sequence[bytes]) -> None:
@@ -123,24 +127,15 @@ def anchor(anchor_hash: bytes, anchor_blocks: int, block_hashes: Sequence[bytes]
         raise InvalidArgument("an anchor goes with block_hashes_packed (the hashes after it), not block_hashes")
 
 
-def anchored_hashes(head: Sequence[bytes], after: bytes, *, limit: int) -> list[bytes]:
-    """A next turn's hashes: the anchor's remembered chain `head`, then the packed `after`.
+def anchored_hashes(head: PackedHashes, after: bytes, *, limit: int) -> Sequence[bytes]:
+    """A next turn's hashes: the anchor's remembered chain `head`, then the packed `after` (one copy
+    of the two, no object per hash).
 
     Raises:
         InvalidArgument: `after` not a multiple of 32 bytes, or more than `limit` hashes in all.
     """
-    count, extra = divmod(len(after), HASH_BYTES)
-    if extra:
-        raise InvalidArgument(f"block_hashes_packed is {len(after)} bytes; it holds {HASH_BYTES}-byte hashes, "
-                              f"so its length is a multiple of {HASH_BYTES}")
-    if len(head) + count > limit:
-        raise InvalidArgument(f"the anchor's {len(head)} hashes and block_hashes_packed's {count} pass the "
-                              f"{limit} a Lookup may hold")
-    return [*head, *lookup_hashes((), after, limit=limit)] if after else list(head)
-
-
-_CHUNK_HASHES = 256
-_CHUNK = struct.Struct(f"{HASH_BYTES}s" * _CHUNK_HASHES)
+    after = _packed(after, limit=limit, already=len(head))
+    return PackedHashes(head.packed + after) if after else head
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,11 +3,13 @@ binary search, and the memo never vouches for hashes that are not that chain."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 
-from tiers.chains import ChainCache, ChainIndex
+from tiers import chains
+from tiers.chains import ChainCache, ChainIndex, PackedHashes
 
 Kit = Any  # tests/tiers/conftest.py
 
@@ -74,3 +76,105 @@ def test_the_memo_forgets_the_least_recently_used_chains() -> None:
     assert not memo.knows(first, chains[first])
     assert memo.knows(second, chains[second]) and memo.knows(third, chains[third])
     assert not memo.knows(third, chains[second]) and not memo.knows(third, chains[third][:1])
+
+
+def test_packed_hashes_read_as_the_list_of_their_hashes() -> None:
+    rng = random.Random(25)
+    for n in (0, 1, 2, 7, 33):
+        hashes = [rng.randbytes(32) for _ in range(n)]
+        packed = PackedHashes(b"".join(hashes))
+        assert len(packed) == n and list(packed) == hashes and packed == hashes and packed == tuple(hashes)
+        for i in range(-n, n):
+            assert packed[i] == hashes[i]
+        for i in (n, -n - 1):
+            with pytest.raises(IndexError):
+                packed[i]
+        for _ in range(40):
+            a, b, step = rng.randint(-n - 2, n + 2), rng.randint(-n - 2, n + 2), rng.choice((1, 1, 2, -1))
+            part = packed[a:b:step]
+            assert isinstance(part, PackedHashes) and list(part) == hashes[a:b:step]
+        assert packed[:] is packed  # the whole: no copy
+    with pytest.raises(ValueError, match="multiple of 32"):
+        PackedHashes(b"x" * 33)
+
+
+def test_r15_packed_hashes_find_what_the_walk_finds(make_kit: Any) -> None:
+    """Fuzz: the memo's path (packed or a list) against the record-by-record walk, over prompts made
+    of stored chains, cut, extended, repeated, swapped and mixed, as the memo learns and forgets."""
+    kit = make_kit(blocks=64)
+    rng = random.Random(15)
+    a, b = kit.chain(0, 12), kit.chain(50_000, 6)
+    kit.put(a, 0, 5)
+    kit.put(a, 5, 9)  # a link: the chain ending at a[8] is the one ending at a[4], then a[5:9]
+    kit.put(b)
+    stray = kit.chain(90_000, 3)
+
+    def prompts() -> list[list[bytes]]:
+        base = rng.choice((a, b, a[:9], b[:4]))
+        cut = base[:rng.randint(1, len(base))]
+        out = [cut, [*cut, *stray[:rng.randint(1, 3)]], [*cut, cut[-1]], cut[1:] or cut]
+        if len(cut) > 2:
+            i = rng.randrange(len(cut) - 1)
+            out.append([*cut[:i], cut[i + 1], cut[i], *cut[i + 2:]])
+            out.append([*cut[:i], stray[0], *cut[i + 1:]])
+        out.append([*a[:rng.randint(1, 9)], *b[:rng.randint(1, 6)]])
+        return out
+
+    for round_ in range(60):
+        if round_ % 20 == 10:
+            kit.tier.chains.forget()
+        for hashes in prompts():
+            want = kit.tier.chains._walk(kit.scope, hashes)[0]
+            assert kit.found(PackedHashes(b"".join(hashes))) == want, hashes
+            assert kit.found(hashes) == want, hashes
+
+
+def test_r15_a_chain_put_in_many_batches_is_known_through_its_links_then_kept_whole(
+        make_kit: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    kit = make_kit(blocks=64)
+    a = kit.chain(0, 2 * (chains.MAX_LINKS + 2))
+    for start in range(0, len(a), 2):  # one link per Put
+        kit.put(a, start, start + 2)
+    no_walk(monkeypatch)
+    memo = kit.tier.chains.memo
+    assert kit.found(PackedHashes(b"".join(a))) == len(a)  # followed every link
+    tail = memo._tails[kit.scope.key(a[-1])]
+    assert (tail.parent, tail.piece) == (None, b"".join(a))  # kept as one piece now
+    assert kit.found(a[:6]) == 6  # a link's own chain (a Put ended there), through its links
+
+
+def test_r15_a_forgotten_or_contradicted_link_is_not_vouched_for() -> None:
+    h = [bytes([i]) * 32 for i in range(6)]
+    memo = ChainCache()
+    memo.remember(b"k1", h[:2])
+    memo.extend(b"k1", b"k3", h[2:4])
+    memo.extend(b"k3", b"k5", h[4:6])
+    assert memo.knows(b"k5", h) and memo.knows(b"k3", h[:4])
+    assert not memo.knows(b"k5", [*h[:3], h[2], *h[4:]])  # a hash of the middle link differs
+    assert not memo.knows(b"k5", [h[1], h[0], *h[2:]])  # the root piece differs
+    assert not memo.knows(b"k5", h[:5]) and not memo.knows(b"k5", [*h, h[5]])  # another depth
+    memo.extend(b"nowhere", b"k9", h[2:4])  # the parent is not known: nothing is recorded
+    assert len(memo) == 3
+    memo.remember(b"k1", h[:1])  # a first link of another depth: the chain through it is not known
+    assert not memo.knows(b"k5", h)
+    memo.remember(b"k1", h[:2])
+    assert memo.knows(b"k5", h)
+    memo._put(b"k3", chains._Tail(5, b"k1", b"".join(h[2:4])))  # a link that says another depth
+    assert not memo.knows(b"k5", h)
+    memo._put(b"k3", chains._Tail(4, None, b"".join(h[2:4])))  # a first piece that does not start at block 0
+    assert not memo.knows(b"k3", h[:4]) and not memo.knows(b"k5", h)
+    memo.extend(b"k1", b"k3", h[2:4])
+    memo._tails.pop(b"k3")  # a link forgotten: the chains through it are walked again
+    assert not memo.knows(b"k5", h)
+
+
+def test_the_memo_keeps_at_most_its_bytes() -> None:
+    memo = ChainCache(max_bytes=3 * (64 + chains.ENTRY_OVERHEAD_BYTES))
+    pieces = {bytes([k]) * 48: [bytes([k]) * 32, bytes([k + 1]) * 32] for k in range(1, 9, 2)}
+    for key, hashes in pieces.items():
+        memo.remember(key, hashes)
+    assert len(memo) == 3 and memo.size_bytes <= memo.max_bytes
+    first, *rest = pieces
+    assert not memo.knows(first, pieces[first]) and all(memo.knows(k, pieces[k]) for k in rest)
+    memo.remember(b"big", [b"x" * 32] * 20)  # larger than the whole memo: not kept, nothing dropped
+    assert len(memo) == 3 and not memo.knows(b"big", [b"x" * 32] * 20)
