@@ -38,6 +38,8 @@ def _serve(args: argparse.Namespace) -> int:
         "auth": {"insecure": True if args.insecure else None},
         "tls": {"cert_file": args.tls_cert, "key_file": args.tls_key, "client_ca_file": args.tls_client_ca},
         "metrics": {"port": args.metrics_port},
+        "trace": {"enabled": True if args.trace or args.trace_dir else None,
+                  "dir": str(args.trace_dir) if args.trace_dir else None},
     })
     from gateway.request_log import use_json_lines
 
@@ -202,6 +204,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="port of the Prometheus endpoint (metrics.port; 0 = off)")
     serve.add_argument("--insecure", action="store_true", help="allow a bind beyond loopback without tokens "
                        "or TLS (auth.insecure): a trusted network only")
+    serve.add_argument("--trace", action="store_true", help="record the server's own access trace (trace.enabled: "
+                       "block hashes and counts per call, never tokens; read by `kvstore trace`, docs/CAPACITY.md "
+                       "'Recording')")
+    serve.add_argument("--trace-dir", type=Path, help="where the trace files go (trace.dir; turns --trace on; "
+                       "default <data dir>/trace)")
     serve.set_defaults(func=_serve)
 
     check = sub.add_parser("check", help="verify a stored data dir (read-only), or repair it",

@@ -35,8 +35,8 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
     cfg = write_config(tmp / "kvstore.toml", {
         "store": {"data_dir": str(tmp / "store"), "capacity_bytes": 4 << 30},
         "swa": {"ttl_s": SWA_TTL_S},
-        "trace": {"enabled": True, "dir": str(folder), "flush_s": 0.05}})
-    child = Child("serve", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
+        "trace": {"flush_s": 0.05}})
+    child = Child("serve", ["serve", "--config", str(cfg), "--port", "0", "--trace-dir", str(folder)], tmp / "logs")
     try:
         assert f"kvstore trace: recording to {folder}" in child.out_path.read_text()
         trace = load_trace(FIXTURES / "weka_session.json", requests=REQUESTS)
