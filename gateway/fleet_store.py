@@ -31,6 +31,7 @@ from kvstore.client.fleet_address import FleetAddress
 from kvstore.client.fleet_get import stream_run_part
 from kvstore.client.fleet_lookup import lookup_runs, release_lease
 from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.fleet_pins import CopyGrant, FleetPin, combine, copy_grant, pin_runs
 from kvstore.client.fleet_put import RunPut, _not_replicated
 from kvstore.client.fleet_refresh import Refresher
 from kvstore.client.retry import Retry
@@ -41,6 +42,7 @@ from kvstore.errors import ConfigError, FailedPrecondition, Internal, InvalidArg
 from kvstore.fleet.endpoints import parse_endpoints
 from kvstore.fleet.placement import RunPlacement, place_chain, replicas
 from kvstore.prefix import HASH_BYTES, BlockScope
+from kvstore.prefix_hosts import PrefixHost, fleet_hosts
 from kvstore.v1 import kvstore_pb2 as pb
 from tiers.accounting import TierStats
 from tiers.block_txn import PutBatch, PutResult
@@ -136,12 +138,27 @@ class FleetStore:
         found = lookup_runs(pool, runs, hashes, lease_ms=lease_ms, retry=self.retry, refresher=refresher)
         return found.found_blocks, found.lease_id
 
+    def _placed(self, hashes: Sequence[bytes]) -> tuple[RunPlacement, ...]:
+        nodes = placeable(self.view.nodes)
+        return place_chain(hashes, nodes, run_blocks=self.run_blocks,
+                           replication=max(1, min(self.replication, len(nodes))))
+
+    def route_pin(self, route: Route, hashes: Sequence[bytes], found_blocks: int, until_s: float) -> FleetPin:
+        """Pin the found prefix of fleet hashes `hashes` on every live copy of each run (R28)."""
+        return pin_runs(self._route(route)[0], self._placed(hashes), hashes, found_blocks, until_s)
+
+    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int) -> tuple[PrefixHost, ...]:
+        """The nodes holding the found prefix: each live replica of each run (`kvstore.prefix_hosts`)."""
+        return fleet_hosts(self._placed(hashes), found_blocks, self.view.nodes)
+
     def route_release(self, route: Route, lease_id: str) -> bool:
         """Release a composite lease on every node it names (NOT_FOUND: not one)."""
         return release_lease(self._route(route)[0], lease_id)
 
-    def route_put(self, route: Route, parts: Sequence[RunPart]) -> tuple[int, int]:
-        """Each run part to all its replicas at once, part after part (F30); (written, existing) blocks.
+    def route_put(self, route: Route, parts: Sequence[RunPart],
+                  keep_until_s: float = 0.0) -> tuple[int, int, FleetPin | None]:
+        """Each run part to all its replicas at once, part after part (F30); (written, existing) blocks, and
+        with `keep_until_s` the pin every copy granted its part's last block in its own Put (R28).
 
         Raises:
             PutNotReplicated: a copy failed; the parts before it are on all their replicas.
@@ -149,9 +166,11 @@ class FleetStore:
         pool, _ = self._route(route)
         written = existing = done = 0
         total = sum(len(p.blocks) for p in parts)
-        for part in parts:
+        grants: list[CopyGrant] = []
+        for index, part in enumerate(parts):
             request = pb.PutRequest(geometry=route.geometry, namespace=route.namespace, parent_hash=part.parent,
-                                    token_ids=part.token_ids, extra_keys=part.extra_keys, blocks=part.blocks)
+                                    token_ids=part.token_ids, extra_keys=part.extra_keys, blocks=part.blocks,
+                                    keep_until_s=keep_until_s)
 
             def copy(node: str, request: pb.PutRequest = request) -> pb.PutResponse:
                 return self.retry.call(lambda: _put_on(pool, node, request))
@@ -171,12 +190,14 @@ class FleetStore:
                     raise Internal(f"node {node} stored a run under other hashes than the gateway computed: "
                                    "nodes and gateways of a fleet must share block_tokens and geometry")
                 most = max(most, reply.written_blocks)
+                if keep_until_s:
+                    grants.append(copy_grant(node, index, len(part.blocks), reply))
             if failures:
                 placement = RunPlacement(run=0, first_block=done, end_block=done + len(part.blocks), replicas=nodes)
                 raise _not_replicated(failures, RunPut(placement=placement, first_block=done,
                                                        end_block=done + len(part.blocks)), stored=done, total=total)
             written, existing, done = written + most, existing + len(part.blocks) - most, done + len(part.blocks)
-        return written, existing
+        return written, existing, combine(keep_until_s, grants) if keep_until_s else None
 
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
                   run_key: bytes) -> Iterator[tuple[int, int, bytes]]:

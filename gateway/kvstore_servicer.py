@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
@@ -14,6 +15,7 @@ from gateway import validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
+from gateway.host_info import NodeHost
 from gateway.lookup_anchors import LookupAnchors
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
@@ -46,6 +48,11 @@ GET_CHUNK_BLOCKS = 16
 
 #: Put batches a stream may have received ahead of the one being committed.
 PUT_STREAM_DEPTH = 4
+#: Seconds between looks for expired pins to audit (R29): one read transaction when none is due.
+PIN_AUDIT_INTERVAL_S = 1.0
+#: Who an expiry's audit entry names: the server itself, not a caller.
+PIN_AUDIT_ACTOR = "kvstore"
+log = logging.getLogger("kvstore.pins")
 
 def _check_keep_until(until_s: float) -> None:
     """A pin's time is a finite Unix time (0: none)."""
@@ -102,6 +109,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.hits = hits or HitStats(None, tier.clock, block_tokens=self.settings.block_tokens)
         #: Chains found stored, by their last hash: a next turn sends only its new hashes.
         self.anchors = LookupAnchors()
+        #: This node as a Lookup's hosts answer names it (`want_hosts`; gateway/host_info.py).
+        self.own_host = NodeHost.of(tier)
 
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -166,6 +175,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if request.keep_until_s:  # R22-R24: the found prefix, pinned on its deepest block
             _check_keep_until(request.keep_until_s)
             await self._lookup_pin(reply, scope, hashes[found - 1] if found else b"", request.keep_until_s)
+        if request.want_hosts and found:  # where the found prefix lives: here, all of it (PLANNER.md)
+            reply.hosts.append(self.own_host.held(found).to_pb())
         # A fleet client found the blocks on the runs' nodes and asks this node's shared pool for the
         # snapshot alone (docs/FLEET.md F45): its found tokens bound the resume, as this node's own would.
         found_tokens = request.swa_found_tokens if only_swa else found * self.settings.block_tokens
@@ -179,7 +190,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _lookup_pin(self, reply: pb.LookupResponse, scope: BlockScope, deepest: bytes, until_s: float) -> None:
         """Pin a Lookup's found prefix until `until_s`; the grant goes into `reply` (R22-R24)."""
         if self.pins is None:
-            reply.keep_note = "this store does not pin prefixes (keep_until_s): not through a gateway yet"
+            reply.keep_note = "this store does not pin prefixes (keep_until_s)"
         elif not deepest:
             reply.keep_note = "nothing was found to keep"
         else:
@@ -200,11 +211,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if request.swa_keys or request.swa_positions:
             raise FailedPrecondition("SWA snapshots are not served by a gateway",
                                      hint="ask a node for the SWA pool (kvstore fleet status lists them)")
-        found, lease_id = (await self.router_call(self.router.route_lookup, _route(request, context), hashes,
+        route = _route(request, context)
+        found, lease_id = (await self.router_call(self.router.route_lookup, route, hashes,
                                                   lease_ms)) if hashes else (0, None)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
-        return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
-                                 lease_id=lease_id or "", lease_ms=lease_ms if lease_id else 0)
+        reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
+                                  lease_id=lease_id or "", lease_ms=lease_ms if lease_id else 0)
+        if request.keep_until_s:  # R28: every copy of every found run, each node auditing its grant
+            _check_keep_until(request.keep_until_s)
+            if found:
+                kept = await self.router_call(self.router.route_pin, route, hashes, found, request.keep_until_s)
+                reply.kept_until_s, reply.keep_note = kept.kept_until_s, kept.note
+            else:
+                reply.keep_note = "nothing was found to keep"
+        if request.want_hosts and found:
+            reply.hosts.extend(h.to_pb() for h in self.router.route_hosts(hashes, found))
+        return reply
 
     async def router_call(self, fn: Any, *args: Any) -> Any:
         """Routed work on the store's threads."""
@@ -263,9 +285,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica."""
         assert self.router is not None
-        if request.keep_until_s:
-            raise FailedPrecondition("pins (keep_until_s) are not taken through a gateway yet",
-                                     hint="put to a node, or leave keep_until_s 0")
+        _check_keep_until(request.keep_until_s)
         layout, _ = validate.scope(self.layouts, request.geometry, request.namespace)
         parts = await asyncio.to_thread(
             validate.fleet_put_plan, layout, run_blocks=self.router.run_blocks, parent_hash=request.parent_hash,
@@ -273,14 +293,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
             run_bridge=request.run_bridge)
         try:
-            written, existing = await self.router_call(self.router.route_put, _route(request, context), parts)
+            written, existing, kept = await self.router_call(self.router.route_put, _route(request, context), parts,
+                                                             request.keep_until_s)
         except PutNotReplicated as exc:
             # Said with the status of its cause: UNAVAILABLE when every failed copy may succeed later (a node
             # away; putting again is safe), else the first lasting failure's (a quota, a refused parent).
             lasting = [e for _, _, e in exc.failures if not e.retryable]
             raise from_status(to_status(lasting[0]) if lasting else grpc.StatusCode.UNAVAILABLE, exc.message) from None
         return pb.PutResponse(block_hashes=[h for p in parts for h in p.hashes], written_blocks=written,
-                              existing_blocks=existing)
+                              existing_blocks=existing, kept_until_s=kept.kept_until_s if kept else 0.0,
+                              keep_note=kept.note if kept else "")
 
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
@@ -340,7 +362,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                  limit=self.settings.max_batch_blocks)
         _check_keep_until(request.keep_until_s)
         if request.keep_until_s and self.pins is None:
-            raise FailedPrecondition("this store does not pin prefixes (keep_until_s): not through a gateway yet")
+            raise FailedPrecondition("this store does not pin prefixes (keep_until_s)")
         return PutBatch(scope=scope, parent_hash=plan.parent, hashes=plan.hashes, blocks=blocks,
                         is_root=plan.is_root, keep_until_s=request.keep_until_s or None)
 
@@ -351,6 +373,32 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         _trace_put(self.trace, batch, result[0])
         await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result[0].pin)
         return _put_response(batch, result[0])
+
+    async def audit_expired_pins(self) -> int:
+        """Audit each pin past its time (R29: `pin-expired`, with the block, its time and the bytes it charged),
+        then drop its journal record; how many. A store that does not pin, or no audit log: nothing."""
+        expired, forget = getattr(self.tier, "expired_pins", None), getattr(self.tier, "forget_expired_pins", None)
+        if self.pins is None or self.audit is None or expired is None or forget is None:
+            return 0
+        gone = await self.tier.call(expired)
+        for tenant, pin in gone:
+            await self.audit.record(actor=PIN_AUDIT_ACTOR, action="pin-expired", tenant=tenant,
+                                    old={"block": pin.key[-32:].hex(), "until_s": pin.until_s,
+                                         "charged_bytes": pin.charged_bytes}, new=None)
+        await self.tier.call(forget, [p for _, p in gone])
+        return len(gone)
+
+    async def run_pin_audit(self, interval_s: float = PIN_AUDIT_INTERVAL_S) -> None:
+        """Audit expired pins every `interval_s` until cancelled (a read when none is due); a failure is
+        logged and tried again at the next round (the journal keeps what was not audited)."""
+        while True:
+            try:
+                await self.audit_expired_pins()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the journal keeps them: the next round tries again
+                log.warning("pins: auditing expired pins failed: %s", exc)
+            await asyncio.sleep(interval_s)
 
     async def _audit_pin(self, scope: BlockScope, block_hash: bytes, grant: PinGrant | None) -> None:
         """Record a pin granted (R27): who, on which block, until when, asked when."""

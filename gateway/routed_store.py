@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from gateway.validate import RunPart
+
+if TYPE_CHECKING:  # the client package loads every client (redis too): not on a node's import path
+    from kvstore.client.fleet_pins import FleetPin
+    from kvstore.prefix_hosts import PrefixHost
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +48,18 @@ class RoutedStore(Protocol):
         """Release a composite lease on every node it names."""
         ...
 
-    def route_put(self, route: Route, parts: Sequence[RunPart]) -> tuple[int, int]:
-        """Put each run part on all its replicas; (written, existing) blocks once every copy is durable."""
+    def route_put(self, route: Route, parts: Sequence[RunPart],
+                  keep_until_s: float = 0.0) -> tuple[int, int, FleetPin | None]:
+        """Put each run part on all its replicas; (written, existing) blocks once every copy is durable, and
+        the pin the copies granted each part's last block when `keep_until_s` asked one."""
+        ...
+
+    def route_pin(self, route: Route, hashes: Sequence[bytes], found_blocks: int, until_s: float) -> FleetPin:
+        """Pin a found prefix of fleet hashes on every live copy of each of its runs (R28)."""
+        ...
+
+    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int) -> tuple[PrefixHost, ...]:
+        """The nodes holding a found prefix of fleet hashes, with the block ranges each holds."""
         ...
 
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,

@@ -282,7 +282,8 @@ async def _join_fleet(settings: Settings, port: int) -> Registration | None:
     return await register_node(settings.fleet, node_id=node_id(settings.store.data_dir),
                                address=advertised_address(settings.fleet, settings.server.host, port),
                                capacity_bytes=settings.store.capacity_bytes,
-                               block_tokens=settings.store.block_tokens, swa_pool=pool_name(settings.swa))
+                               block_tokens=settings.store.block_tokens, swa_pool=pool_name(settings.swa),
+                               data_dir=str(settings.store.data_dir.resolve()))
 
 
 def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
@@ -327,6 +328,8 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
     kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits, audit=admin.audit)
+    pin_audit = asyncio.create_task(kvstore.run_pin_audit())  # R29: expired pins audited
+    closers.append(pin_audit.cancel)
     kvstore.trace = trace
     add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"})
     swa_service = SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from replay.hosts import HostPlan
 
 
 class Action(enum.Enum):
@@ -51,6 +55,9 @@ class Plan:
         reasons: one line per decision, with its numbers.
         lookup_s: seconds the planner spent hashing and in Lookup.
         plan_s: seconds the planner spent on the rest (deciding, reporting): its own overhead.
+        hosts: with a planner asked for hosts (`Planner(hosts=PathRates())`): the path and plan of a
+            worker on each host holding the found prefix, cheapest first, then any other host's
+            (`replay/hosts.py`); else empty.
     """
 
     prompt_tokens: int
@@ -69,6 +76,7 @@ class Plan:
     reasons: list[str]
     lookup_s: float = 0.0
     plan_s: float = 0.0
+    hosts: list[HostPlan] = field(default_factory=list)
 
     @property
     def replay_tokens(self) -> int:
@@ -105,5 +113,5 @@ class Plan:
             "replay_tokens": self.replay_tokens, "prefill_tokens": self.prefill_tokens,
             "usable_tokens": self.usable_tokens, "found_tokens": self.found_tokens, "lease_id": self.lease_id,
             "estimated_s": self.estimated_s, "reasons": list(self.reasons), "lookup_s": self.lookup_s,
-            "plan_s": self.plan_s,
+            "plan_s": self.plan_s, **({"hosts": [h.to_dict() for h in self.hosts]} if self.hosts else {}),
         }

@@ -10,6 +10,7 @@ server's usable-token stats: nothing executes it.
 Examples:
   kvstore plan --tokens prompt.json --target 127.0.0.1:50051
   kvstore plan --tokens - --replay-windows exact --json < prompt.txt
+  kvstore plan --tokens prompt.json --hosts --network-gbps 2.5   # where the prefix lives, per host
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from replay.cost import (
     CostModel,
     parse_replay_windows,
 )
+from replay.hosts import DEFAULT_DIRECT_GPU_GBPS, DEFAULT_NETWORK_GBPS, PathRates
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -100,6 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {DEFAULT_REPLAY_OVERHEAD_S:g} s; 0.03 for the eager reference worker)")
     parser.add_argument("--snapshot-probes", type=int, default=4,
                         help="block boundaries asked about for a snapshot (default 4)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="also say which hosts hold the found prefix, the path a worker on each would "
+                             "restore by and its plan's estimated time (docs/PLANNER.md)")
+    parser.add_argument("--direct-gpu-gbps", type=float, default=DEFAULT_DIRECT_GPU_GBPS,
+                        help=f"with --hosts: a direct GPU restore's rate (default {DEFAULT_DIRECT_GPU_GBPS:g})")
+    parser.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS,
+                        help=f"with --hosts: blocks over gRPC from another host (default {DEFAULT_NETWORK_GBPS:g})")
+    parser.add_argument("--no-direct", action="store_true",
+                        help="with --hosts: workers beside a node have no ColocatedReader (shared memory or gRPC)")
     parser.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_connection_arguments(parser)  # --token (default $KVSTORE_TOKEN) and the TLS flags
@@ -117,10 +128,13 @@ def run(args: argparse.Namespace) -> int:
 
     cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,
                      replay_windows=parse_replay_windows(args.replay_windows), replay_overhead_s=args.replay_overhead)
+    rates = PathRates(direct_gpu_gbps=args.direct_gpu_gbps, shm_gbps=args.fetch_gbps, network_gbps=args.network_gbps,
+                      direct=not args.no_direct) if args.hosts else None
     tokens = read_tokens(args.tokens)
     with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout,
                 **client_options(args)) as client:
-        with Planner(client, cost=cost, lease_ms=0, snapshot_probes=args.snapshot_probes, report=False) as planner:
+        with Planner(client, cost=cost, lease_ms=0, snapshot_probes=args.snapshot_probes, report=False,
+                     hosts=rates) as planner:
             plan = planner.plan(tokens, extra_keys=args.extra_key)
         geometry, block_tokens = client.geometry, client.block_tokens
     if args.json:
@@ -133,4 +147,9 @@ def run(args: argparse.Namespace) -> int:
     for line in plan.reasons:
         print(f"  {line}")
     print(plan.summary())
+    if args.hosts:
+        print("hosts (where the found prefix lives; the path and plan of a worker on each, cheapest first):"
+              if plan.found_tokens else "hosts: nothing found, so no host holds the prompt's prefix")
+        for host in plan.hosts:
+            print(f"  {host.line()}")
     return 0

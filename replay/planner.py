@@ -32,6 +32,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
+from replay.hosts import PathRates, host_plans, is_fleet
 from replay.plan import Action, Plan
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Planner:
         report: report every plan to the server (ReportResume), without waiting for it.
         reprobe: when the found prefix ends below every probed boundary and no snapshot
             served, ask once more at the boundaries at or below it (a second Lookup, unleased).
+        hosts: ask the Lookup where the found prefix lives, and give each plan the path and time of a
+            worker on each host (`Plan.hosts`, replay/hosts.py) at these rates; None: not asked.
 
     Raises:
         InvalidArgument: a bad setting.
@@ -76,7 +79,8 @@ class Planner:
 
     def __init__(self, client: Client, *, cost: CostModel = DEFAULT_COST,
                  tenant_costs: Mapping[str, CostModel] | None = None, lease_ms: int = 30_000,
-                 snapshot_probes: int = 4, report: bool = True, reprobe: bool = True) -> None:
+                 snapshot_probes: int = 4, report: bool = True, reprobe: bool = True,
+                 hosts: PathRates | None = None) -> None:
         if isinstance(snapshot_probes, bool) or not isinstance(snapshot_probes, int) or snapshot_probes < 0:
             raise InvalidArgument(f"snapshot_probes must be an integer >= 0, got {snapshot_probes!r}")
         if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or lease_ms < 0:
@@ -88,6 +92,7 @@ class Planner:
         self.snapshot_probes = snapshot_probes
         self.report_plans = report
         self.reprobe = reprobe
+        self.hosts = hosts
         #: Reports and releases that failed (logged, never raised).
         self.background_errors = 0
         self._lock = threading.Lock()
@@ -129,7 +134,7 @@ class Planner:
         hashes = self.client.hashes(tokens, extra_keys=extra_keys)
         positions, keys = self._probes(hashes, len(hashes), extra_keys)
         found = self.client.lookup_hashes(hashes, lease_ms=self.lease_ms, swa_keys=keys, swa_positions=positions,
-                                          swa_resume_limit=n - 1)
+                                          swa_resume_limit=n - 1, hosts=self.hosts is not None)
         if (self.reprobe and found.swa_position is None and positions
                 and 0 < found.found_tokens < positions[0]):
             positions, keys = self._probes(hashes, found.found_blocks, extra_keys)
@@ -138,7 +143,7 @@ class Planner:
             if again.swa_position is not None:
                 found = LookupResult(found_blocks=found.found_blocks, found_tokens=found.found_tokens,
                                      lease_id=found.lease_id, block_hashes=hashes, swa_position=again.swa_position,
-                                     swa_resume_tokens=again.swa_resume_tokens)
+                                     swa_resume_tokens=again.swa_resume_tokens, hosts=found.hosts)
         return found
 
     # -- the plan ----------------------------------------------------------------
@@ -173,6 +178,9 @@ class Planner:
         """
         start = time.perf_counter()
         plan = self.decide(len(tokens), found, cost or self.cost)
+        if self.hosts is not None and found.hosts:  # where the prefix lives: each host's path and plan
+            plan = replace(plan, hosts=host_plans(self, len(tokens), found, cost or self.cost, self.hosts,
+                                                  fleet=is_fleet(self.client)))
         if plan.action is Action.FULL_PREFILL and found.lease_id:
             self.release(found.lease_id)
             plan.reasons.append(f"lease released: a full prefill fetches nothing (lease {found.lease_id})")

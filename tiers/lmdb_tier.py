@@ -296,6 +296,26 @@ class LmdbBlockTier:
             dropped = [pins.drop(w, k) for k in keys]
         return sum(1 for p in dropped if p is not None and p.until_s > now)
 
+    def expired_pins(self) -> list[tuple[str, pins.Pin]]:
+        """Sweep the pins past their time and list the expiries not yet audited (R25, R29): (namespace name,
+        pin) each, soonest first, at most `pins.SWEEP_MAX` a call; a read alone when none is due. The caller
+        audits them, then `forget_expired_pins`."""
+        now = self.retention_clock.now()
+        with self.env.begin() as txn:
+            if not pins.due(txn, self._dbs.pins, now):
+                return []
+        with self._write() as w:
+            pins.sweep(w, now)
+            gone = pins.journal(w.txn, w.dbs.pins)
+            names = namespaces.names(w.txn, w.dbs.state) if gone else {}
+        return [(names.get(namespaces.id_of_key(p.key), ""), p) for p in gone]
+
+    def forget_expired_pins(self, audited: list[pins.Pin]) -> None:
+        """Drop the journal records of expiries the caller audited (R29)."""
+        if audited:
+            with self._write() as w:
+                pins.forget(w, audited)
+
     def set_pin_limits_provider(self, provider: Callable[[str], pins.PinLimits] | None) -> None:
         """Give each namespace its own limits on pins (R24); None: `[store] pin_max_hours`, `pin_budget_bytes`."""
         default = self._default_pins

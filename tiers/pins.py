@@ -12,6 +12,11 @@ Layout of the `pins` database (keys sort so a tenant's pins and the expiry order
     b"k" | namespace id (8) | fingerprint (8) | hash (32)  -> until_s f64 | charged bytes u64
     b"t" | until_s (8, big-endian f64: positive times sort as numbers) | storage key (48) -> b""
     b"n" | namespace id (8)                                -> pins u32 | charged bytes u64
+    b"x" | until_s (8, as "t") | storage key (48)          -> charged bytes u64
+The `x` records are the expired pins a sweep removed, kept until the server has audited each
+(`journal`, `forget`; R29): a sweep in any write transaction (a Put's, a pin's) journals what it removed
+there, and the record goes only once audited, so an expiry is audited even when the server stops between
+the two (at least once: a stop between the audit and `forget` audits it again).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ SWEEP_MAX = 256
 _PIN = struct.Struct("<dQ")
 _TOTALS = struct.Struct("<IQ")
 _TIME = struct.Struct(">d")
+_CHARGED = struct.Struct("<Q")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,7 +198,8 @@ def drop(w: BlockTxn, key: bytes) -> Pin | None:
 
 
 def sweep(w: BlockTxn, now_s: float, limit: int = SWEEP_MAX) -> list[Pin]:
-    """Remove up to `limit` pins past their time (R25), soonest first; the pins removed."""
+    """Remove up to `limit` pins past their time (R25), soonest first, journalled for the audit (R29);
+    the pins removed."""
     cursor = w.txn.cursor(db=w.dbs.pins)
     due: list[bytes] = []
     if cursor.set_range(b"t"):
@@ -206,7 +213,39 @@ def sweep(w: BlockTxn, now_s: float, limit: int = SWEEP_MAX) -> list[Pin]:
         pin = drop(w, key)
         if pin is not None:
             out.append(pin)
+            w.txn.put(b"x" + _time_key(pin.until_s, key)[1:], _CHARGED.pack(pin.charged_bytes), db=w.dbs.pins)
     return out
+
+
+def due(txn: lmdb.Transaction, db: Any, now_s: float) -> bool:
+    """Whether a pin is past its time or an expiry waits for its audit (two reads: the first of each order)."""
+    cursor = txn.cursor(db=db)
+    if cursor.set_range(b"t"):
+        key = bytes(cursor.key())
+        if key.startswith(b"t") and _TIME.unpack_from(key, 1)[0] <= now_s:
+            return True
+    return cursor.set_range(b"x") and bytes(cursor.key()).startswith(b"x")
+
+
+def journal(txn: lmdb.Transaction, db: Any, limit: int = SWEEP_MAX) -> list[Pin]:
+    """Up to `limit` journalled expiries not yet audited (R29), soonest first (read only: `forget` them once
+    audited, so a crash between the two audits them again rather than never)."""
+    cursor = txn.cursor(db=db)
+    out: list[Pin] = []
+    if cursor.set_range(b"x"):
+        for raw_key, raw in cursor.iternext():
+            raw_key = bytes(raw_key)
+            if not raw_key.startswith(b"x") or len(out) >= limit:
+                break
+            out.append(Pin(key=raw_key[9:], until_s=_TIME.unpack_from(raw_key, 1)[0],
+                           charged_bytes=_CHARGED.unpack(raw)[0]))
+    return out
+
+
+def forget(w: BlockTxn, audited: list[Pin]) -> None:
+    """Remove the journal records of expiries now audited."""
+    for pin in audited:
+        w.txn.delete(b"x" + _time_key(pin.until_s, pin.key)[1:], db=w.dbs.pins)
 
 
 def tenant_pins(txn: lmdb.Transaction, db: Any, ns_id: bytes, now_s: float) -> Iterator[Pin]:

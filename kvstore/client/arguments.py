@@ -35,6 +35,26 @@ def integer(value: Any, name: str, *, least: int = 0, most: int | None = None) -
     return number
 
 
+def flag(value: Any, name: str) -> bool:
+    """A bool argument (an int or a string is a mistake worth naming, not a truth value)."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def keep_time(value: object, *, required: bool = False) -> float:
+    """A pin's time: a finite Unix time in seconds (0: none, unless `required`).
+
+    Raises:
+        InvalidArgument: anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0 \
+            or (required and value <= 0):
+        raise InvalidArgument(f"keep_until_s must be a Unix time in seconds{'' if required else ' (0: none)'}, "
+                              f"got {value!r}")
+    return float(value)
+
+
 def seconds(value: Any, name: str) -> float:
     """`value` as a finite number of seconds above zero."""
     if isinstance(value, bool) or not isinstance(value, int | float):

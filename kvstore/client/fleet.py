@@ -42,6 +42,7 @@ from kvstore.client.fleet_chain import fleet_hashes
 from kvstore.client.fleet_get import stream_runs
 from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.fleet_pins import pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
 from kvstore.client.fleet_refresh import Refresher
 from kvstore.client.fleet_swa import fleet_snapshot_keys
@@ -54,6 +55,7 @@ from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVS
 from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.placement import RunPlacement, place_chain
 from kvstore.prefix import ExtraKey
+from kvstore.prefix_hosts import fleet_hosts
 from kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -182,17 +184,24 @@ class FleetClient(Client):
     # -- calls -------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
-               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
+               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0,
+               keep_until_s: float = 0.0, hosts: bool = False) -> LookupResult:
         """How many leading tokens of `tokens` are stored on the fleet, and from where SWA state is
         (`Client.lookup`; the snapshot from the fleet's shared pool, F45)."""
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = fleet_snapshot_keys(tokens, swa_positions, root=self.root, block_tokens=self.block_tokens,
                                        run_blocks=self.run_blocks, extra_keys=extra_keys) if swa_positions else []
         return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
-                                  swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
+                                  swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
+                                  keep_until_s=keep_until_s, hosts=hosts)
+
+    def pin_hashes(self, hashes: list[bytes], keep_until_s: float) -> LookupResult:
+        """`Client.pin_hashes` over the fleet: every live copy of every found run is pinned (R28)."""
+        return self.lookup_hashes(hashes, keep_until_s=arguments.keep_time(keep_until_s, required=True))
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
-                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> FleetLookupResult:
+                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0, keep_until_s: float = 0.0,
+                      hosts: bool = False) -> FleetLookupResult:
         """`lookup` by fleet hashes from block 0: the prefix whose every run is on a live replica.
 
         With `lease_ms`, every node asked leases what it found; the result's `lease_id` names them all. With SWA
@@ -202,8 +211,12 @@ class FleetClient(Client):
         `swa_error` says why). The pool is asked while the blocks are looked up, against every token of `hashes`
         as the bound; only when the resume it names is past the blocks found is it asked again within them (the
         longest resume under the larger bound that fits the smaller is the longest under it).
+
+        `keep_until_s` pins the found prefix on every live copy of each of its runs (docs/RETENTION.md R28);
+        `hosts` names each node holding part of it, with its run ranges (`kvstore.prefix_hosts.fleet_hosts`).
         """
         hashes = arguments.hashes(hashes, "hashes")
+        keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
@@ -215,9 +228,12 @@ class FleetClient(Client):
             return FleetLookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         ask = partial(self._swa_resume, swa_keys, swa_positions, limit=swa_resume_limit)
         early = self._swa_executor.submit(ask, len(hashes) * self.block_tokens) if swa_keys else None
-        found = lookup_runs(self.pool, self.placement(hashes), hashes, lease_ms=lease_ms, retry=self.retry,
+        runs = self.placement(hashes)
+        found = lookup_runs(self.pool, runs, hashes, lease_ms=lease_ms, retry=self.retry,
                             refresher=self.refresher)
         found_tokens = found.found_blocks * self.block_tokens
+        kept = pin_runs(self.pool, runs, hashes, found.found_blocks, keep_until_s) if keep_until_s else None
+        where = fleet_hosts(runs, found.found_blocks, self.view.nodes) if hosts else ()
         resume, swa_error = early.result() if early is not None else (None, "")
         if not found_tokens:
             resume = None
@@ -226,7 +242,9 @@ class FleetClient(Client):
         return FleetLookupResult(found_blocks=found.found_blocks, found_tokens=found_tokens,
                                  lease_id=found.lease_id, block_hashes=hashes, nodes_asked=found.nodes_asked,
                                  swa_position=resume[0] if resume else None,
-                                 swa_resume_tokens=resume[1] if resume else None, swa_error=swa_error)
+                                 swa_resume_tokens=resume[1] if resume else None, swa_error=swa_error,
+                                 kept_until_s=kept.kept_until_s if kept else 0.0, keep_note=kept.note if kept else "",
+                                 hosts=where)
 
     def _swa_resume(self, keys: list[bytes], positions: list[int], found_tokens: int, *,
                     limit: int) -> tuple[tuple[int, int] | None, str]:
@@ -242,12 +260,14 @@ class FleetClient(Client):
 
     def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
             extra_keys: Sequence[ExtraKey] = (), first_block: int = 0, parent: bytes | None = None,
-            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None) -> PutResult:
+            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None,
+            keep_until_s: float = 0.0) -> PutResult:
         """Store the blocks of `tokens` from block `first_block` on every replica of their runs (`Client.put`).
 
         Acknowledged only when every copy is durable; `on_batch` is called with each run's block count once
         that run is on all its replicas. `parent` is accepted and checked, not needed: the client hashes the
-        prefix itself (it places runs by their first hash).
+        prefix itself (it places runs by their first hash). `keep_until_s` pins the stored prompt, from block 0,
+        on every copy of every run once the Put is acknowledged (docs/RETENTION.md R28).
 
         Raises:
             PutNotReplicated: a copy failed (which runs, which nodes, how many leading blocks are on all
@@ -257,6 +277,7 @@ class FleetClient(Client):
         """
         tokens = arguments.token_ids(tokens)
         first_block = arguments.integer(first_block, "first_block")
+        until = arguments.keep_time(keep_until_s)
         if batch_blocks is not None:
             batch_blocks = arguments.integer(batch_blocks, "batch_blocks", least=1)
         if on_batch is not None and not callable(on_batch):
@@ -277,8 +298,10 @@ class FleetClient(Client):
         done = put_runs(self.pool, runs, chain=chain, tokens=tokens, payload=payload, first_block=first_block,
                         extra_keys=arguments.extra_keys(extra_keys), step=step, executor=self._executor,
                         retry=self.retry, on_batch=on_batch, replace=lambda run: self.placement(chain)[run])
+        kept = pin_runs(self.pool, self.placement(chain), chain, end, until) if until and end > first_block else None
         return PutResult(block_hashes=chain[first_block:end], written_blocks=done.written_blocks,
-                         existing_blocks=done.existing_blocks)
+                         existing_blocks=done.existing_blocks, kept_until_s=kept.kept_until_s if kept else 0.0,
+                         keep_note=kept.note if kept else ("nothing was stored to keep" if until else ""))
 
     def _check_parent(self, chain: Sequence[bytes], first_block: int) -> None:
         """R6 across runs: a Put from `first_block` needs block `first_block - 1` stored on some replica of its

@@ -18,7 +18,7 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[bytes], *, first_block: int,
                parent: bytes, extra_keys: Sequence[ExtraKey], step: int,
-               on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
+               on_batch: Callable[[int], None] | None, keep_until_s: float = 0.0) -> list[pb.PutResponse]:
     """Send `payload`, the blocks of `tokens` from block `first_block` on, `step` blocks a request.
 
     Args:
@@ -31,6 +31,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
         step: blocks per request; a longer payload goes as a PutStream, which stops at the
             first failed batch (the batches before it stay stored).
         on_batch: called with the number of blocks of each acknowledged batch of a stream.
+        keep_until_s: pin the chain's last block (and so its prefix) until this Unix time, in the last
+            request's own transaction (docs/RETENTION.md R22); 0: none. Not sent through a gateway
+            (`Client.put` pins the whole chain there with a Lookup after the Put, R28).
 
     Returns:
         The server's replies, in order.
@@ -43,8 +46,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
         return _put_through_gateway(connection, tokens, payload, first_block=first_block, extra_keys=extra_keys,
                                     extra=extra, step=step, on_batch=on_batch)
     if len(payload) <= step:
-        return [connection.call(connection.kvstore.Put,
-                                _request(connection, tokens, payload, first_block, parent, extra))]
+        request = _request(connection, tokens, payload, first_block, parent, extra)
+        request.keep_until_s = keep_until_s
+        return [connection.call(connection.kvstore.Put, request)]
     lo = first_block * connection.block_tokens
     chain = chain_hashes(tokens[lo: lo + len(payload) * connection.block_tokens],
                          block_tokens=connection.block_tokens, parent=parent or connection.root,
@@ -53,7 +57,10 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
     def requests() -> Iterator[pb.PutRequest]:
         for start in range(0, len(payload), step):
             before = parent if start == 0 else chain[start - 1]
-            yield _request(connection, tokens, payload[start:start + step], first_block + start, before, extra)
+            request = _request(connection, tokens, payload[start:start + step], first_block + start, before, extra)
+            if start + step >= len(payload):  # the last batch pins the chain's last block (R22)
+                request.keep_until_s = keep_until_s
+            yield request
 
     replies: list[pb.PutResponse] = []
     for reply in connection.stream(connection.kvstore.PutStream, requests()):

@@ -9,7 +9,6 @@ subclass (`kvstore.errors`), never as a raw `grpc.RpcError` (the plumbing is
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -29,6 +28,7 @@ from kvstore.client.transfer import TransferSession
 from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.prefix import ExtraKey
+from kvstore.prefix_hosts import PrefixHost, hosts_of
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -59,18 +59,23 @@ class LookupResult:
     #: R, the length that snapshot resumes at (T, T - 1, or shorter below the window; at most
     #: found_tokens), else None (docs/SWA_POOL.md "Resume rules").
     swa_resume_tokens: int | None = None
-    #: The pin granted when one was asked (`pin`; 0: none) and why less (docs/RETENTION.md R22-R24).
+    #: The pin granted when one was asked (`pin`, `lookup(keep_until_s=)`; 0: none) and why less
+    #: (docs/RETENTION.md R22-R24).
     kept_until_s: float = 0.0
     keep_note: str = ""
+    #: With `lookup(hosts=True)`: the nodes holding the found prefix on their hosts (`kvstore.prefix_hosts`).
+    hosts: tuple[PrefixHost, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
 class PutResult:
-    """What a put stored."""
+    """What a put stored, and the pin granted when `put(keep_until_s=)` asked one (0: none; why less)."""
 
     block_hashes: list[bytes] = field(repr=False)
     written_blocks: int
     existing_blocks: int
+    kept_until_s: float = 0.0
+    keep_note: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +171,8 @@ class Client:
     # -- calls -------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
-               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
+               lease_ms: int = 0, swa_positions: Sequence[int] = (), swa_resume_limit: int = 0,
+               keep_until_s: float = 0.0, hosts: bool = False) -> LookupResult:
         """How many leading tokens of `tokens` are loadable now, and from where SWA state is.
 
         Args:
@@ -180,43 +186,48 @@ class Client:
                 `swa_resume_tokens` that resume's length.
             swa_resume_limit: the longest resume wanted (0: no limit), for example
                 len(tokens) - 1 so the last token is computed for its logits.
+            keep_until_s: keep the found prefix until this Unix time beyond the tenant's retention (a pin,
+                docs/RETENTION.md R22-R28; 0: none): the result's `kept_until_s` and `keep_note` say
+                what was granted.
+            hosts: answer `hosts` too: the nodes holding the found prefix on their hosts, and whether a
+                same-host reader can open their stores (docs/PLANNER.md "Where a prefix lives").
         """
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
         return self._lookup(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
-                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
+                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
+                            keep_until_s=arguments.keep_time(keep_until_s), hosts=arguments.flag(hosts, "hosts"))
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
-                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0) -> LookupResult:
+                      swa_positions: Sequence[int] = (), swa_resume_limit: int = 0, keep_until_s: float = 0.0,
+                      hosts: bool = False) -> LookupResult:
         """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
         return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=lease_ms, swa_keys=swa_keys,
-                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit)
+                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
+                            keep_until_s=arguments.keep_time(keep_until_s), hosts=arguments.flag(hosts, "hosts"))
 
     def pin(self, tokens: Sequence[int], keep_until_s: float, *, extra_keys: Sequence[ExtraKey] = ()) -> LookupResult:
         """Keep the stored prefix of `tokens` until the Unix time `keep_until_s`, beyond the tenant's retention.
 
         A Lookup that pins the found prefix's deepest block (docs/RETENTION.md R22-R27): the result's
         `kept_until_s` is the time granted (0: none) and `keep_note` why less than asked (the tenant's
-        longest pin, its pin budget). Not through a fleet gateway yet.
+        longest pin, its pin budget). Through a gateway or a fleet client, every copy of every found run is
+        pinned (R28).
 
         Raises:
             InvalidArgument: `keep_until_s` is not a finite time.
         """
-        if isinstance(keep_until_s, bool) or not isinstance(keep_until_s, int | float) \
-                or not math.isfinite(keep_until_s) or keep_until_s <= 0:
-            raise InvalidArgument(f"keep_until_s must be a Unix time in seconds, got {keep_until_s!r}")
-        return self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys), keep_until_s)
+        until = arguments.keep_time(keep_until_s, required=True)
+        return self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys), until)
 
     def pin_hashes(self, hashes: list[bytes], keep_until_s: float) -> LookupResult:
         """`pin` for a prompt whose chain hashes (from its start) the caller already has."""
-        if isinstance(keep_until_s, bool) or not isinstance(keep_until_s, int | float) \
-                or not math.isfinite(keep_until_s) or keep_until_s <= 0:
-            raise InvalidArgument(f"keep_until_s must be a Unix time in seconds, got {keep_until_s!r}")
         return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=0, swa_keys=[], swa_positions=[],
-                            swa_resume_limit=0, keep_until_s=float(keep_until_s))
+                            swa_resume_limit=0, keep_until_s=arguments.keep_time(keep_until_s, required=True))
 
     def _lookup(self, hashes: list[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
-                swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0) -> LookupResult:
+                swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0,
+                hosts: bool = False) -> LookupResult:
         """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
@@ -226,7 +237,8 @@ class Client:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         fields: dict[str, Any] = {"geometry": self.geometry, "namespace": self.namespace, "lease_ms": lease_ms,
                                   "swa_keys": swa_keys, "swa_positions": swa_positions,
-                                  "swa_resume_limit": swa_resume_limit, "keep_until_s": keep_until_s}
+                                  "swa_resume_limit": swa_resume_limit, "keep_until_s": keep_until_s,
+                                  "want_hosts": hosts}
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
         retry = self.retry if not lease_ms else Retry(retries=0)
         conn = self.connection
@@ -251,7 +263,7 @@ class Client:
                             lease_id=reply.lease_id or None, block_hashes=hashes,
                             swa_position=reply.swa_position if reply.swa_found else None,
                             swa_resume_tokens=reply.swa_resume_tokens if reply.swa_found else None,
-                            kept_until_s=reply.kept_until_s, keep_note=reply.keep_note)
+                            kept_until_s=reply.kept_until_s, keep_note=reply.keep_note, hosts=hosts_of(reply))
 
     @cached_property
     def swa(self) -> SwaClient:
@@ -266,7 +278,8 @@ class Client:
 
     def put(self, tokens: Sequence[int], blocks: Sequence[Buffer] | torch.Tensor, *,
             extra_keys: Sequence[ExtraKey] = (), first_block: int = 0, parent: bytes | None = None,
-            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None) -> PutResult:
+            batch_blocks: int | None = None, on_batch: Callable[[int], None] | None = None,
+            keep_until_s: float = 0.0) -> PutResult:
         """Store the blocks of `tokens` from block `first_block` on.
 
         Args:
@@ -284,12 +297,17 @@ class Client:
                 puts stream their batches so transfer overlaps the server's fsync;
                 they stop at the first failed batch, and the batches before it stay stored.
             on_batch: called with the number of blocks of each acknowledged batch.
+            keep_until_s: keep the stored prompt (its last block, and so its whole prefix) until this Unix
+                time beyond the tenant's retention (a pin, docs/RETENTION.md R22-R28; 0: none). On a node it
+                is pinned in the last batch's own transaction; through a gateway, by a Lookup after the Put
+                on every copy of every run. The result's `kept_until_s` and `keep_note` say what was granted.
 
         Raises:
             InvalidArgument: wrong block count, size or type, or a bad argument (nothing stored).
             FailedPrecondition: the block before `first_block` is not stored.
             ResourceExhausted: the store is full of protected blocks.
         """
+        until = arguments.keep_time(keep_until_s)
         tokens = arguments.token_ids(tokens)
         first_block = arguments.integer(first_block, "first_block")
         extra_keys = arguments.extra_keys(extra_keys)
@@ -307,12 +325,21 @@ class Client:
         if parent is None:
             parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self.connection.batch_blocks)
+        gateway = bool(self.connection.run_blocks)
         replies = put_blocks(self.connection, tokens, payload, first_block=first_block, parent=parent,
-                             extra_keys=extra_keys, step=step, on_batch=on_batch)
+                             extra_keys=extra_keys, step=step, on_batch=on_batch,
+                             keep_until_s=0.0 if gateway else until)
         hashes = [h for r in replies for h in r.block_hashes]
         written = sum(r.written_blocks for r in replies)
         existing = sum(r.existing_blocks for r in replies)
-        return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing)
+        kept, note = (replies[-1].kept_until_s, replies[-1].keep_note) if replies else (0.0, "")
+        if until and gateway and replies:  # every copy of every run of the prompt, from block 0 (R28)
+            got = self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys), until)
+            kept, note = got.kept_until_s, got.keep_note
+        elif until and not replies:
+            note = "nothing was stored to keep"
+        return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing,
+                         kept_until_s=kept, keep_note=note)
 
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:

@@ -57,6 +57,10 @@ class NodeRecord:
     version: str
     #: The SWA pool it serves (`kvstore.fleet.swa_pool.pool_name`; '' from a node older than F44).
     swa_pool: str = ""
+    #: The machine's kernel boot id (`kvstore.prefix_hosts.host_id`): a worker with the same runs beside it.
+    host_id: str = ""
+    #: Its store's data dir, for a same-host reader (ColocatedReader); '' from a node older than the hosts answer.
+    data_dir: str = ""
 
     def to_json(self) -> bytes:
         """The record as etcd stores it."""
@@ -75,7 +79,8 @@ class NodeRecord:
         try:
             record = cls(node_id=str(raw["node_id"]), address=str(raw["address"]), host=str(raw["host"]),
                          capacity_bytes=int(raw["capacity_bytes"]), started_at=float(raw["started_at"]),
-                         version=str(raw["version"]), swa_pool=str(raw.get("swa_pool", "")))
+                         version=str(raw["version"]), swa_pool=str(raw.get("swa_pool", "")),
+                         host_id=str(raw.get("host_id", "")), data_dir=str(raw.get("data_dir", "")))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"missing or mistyped field {exc}") from None
         return record
@@ -434,7 +439,7 @@ def advertised_address(fleet: FleetSettings, bind_host: str, port: int) -> str:
 
 
 async def register_node(fleet: FleetSettings, *, node_id: str, address: str, capacity_bytes: int,
-                        block_tokens: int, swa_pool: str = "") -> Registration:
+                        block_tokens: int, swa_pool: str = "", data_dir: str = "") -> Registration:
     """Register a serving node in its fleet and keep it registered (`Registration.stop` ends it).
 
     Raises:
@@ -442,10 +447,12 @@ async def register_node(fleet: FleetSettings, *, node_id: str, address: str, cap
         ConfigError: the fleet places blocks with another layout.
         FailedPrecondition: another live node holds this node id.
     """
+    from kvstore.prefix_hosts import host_id
     from kvstore.version import __version__
 
     record = NodeRecord(node_id=node_id, address=address, host=socket.gethostname(), capacity_bytes=capacity_bytes,
-                        started_at=time.time(), version=__version__, swa_pool=swa_pool)
+                        started_at=time.time(), version=__version__, swa_pool=swa_pool, host_id=host_id(),
+                        data_dir=data_dir)
     registration = Registration(session_for(fleet), fleet.cluster, record, ttl_s=fleet.lease_ttl_s,
                                 layout=Layout(run_blocks=fleet.run_blocks, block_tokens=block_tokens))
     await registration.start()

@@ -132,3 +132,49 @@ def test_r22_the_client_pins_a_stored_prefix(stub: tuple[Any, Path, str], clock:
         got = client.pin(tokens, clock.now() + 5 * HOUR)
         assert (got.found_blocks, got.kept_until_s, got.keep_note) == (CHAIN, clock.now() + 5 * HOUR, "")
         assert client.pin(list(range(900, 900 + TOKENS)), clock.now() + HOUR).kept_until_s == 0  # nothing found
+
+
+def test_r29_an_expired_pin_is_audited_by_itself(stub: tuple[Any, Path, str], clock: ManualClock) -> None:
+    from tests.waiting import wait_until
+
+    s, data_dir, _ = stub
+    asked = clock.now() + HOUR
+    a = _put(s, 0, keep_until_s=asked)
+    log = AuditLog(data_dir / ADMIN_DIR)
+
+    def expired() -> list[Any]:
+        return [e for e in log.entries(tenant="default") if e.action == "pin-expired"]
+
+    assert expired() == []
+    clock.advance(HOUR + 1)  # no Put, no call: the server's own round finds it past its time
+    wait_until(lambda: expired(), "the expired pin's audit entry")
+    (entry,) = expired()
+    assert (entry.actor, entry.old, entry.new) == (
+        "kvstore", {"block": a.block_hashes[-1].hex(), "until_s": asked, "charged_bytes": CHAIN * BLOCK_BYTES}, None)
+    _put(s, 10_000)  # later rounds audit it no more
+    clock.advance(1)
+    assert len(expired()) == 1
+
+
+def test_r22_the_clients_put_and_lookup_ask_for_retention_and_say_what_was_granted(
+        stub: tuple[Any, Path, str], clock: ManualClock) -> None:
+    from kvstore.client import Client
+    from kvstore.errors import InvalidArgument
+
+    s, _, target = stub
+    tokens = list(range(500, 500 + TOKENS * CHAIN))
+    with Client(target) as client:
+        asked = clock.now() + 5 * HOUR
+        put = client.put(tokens, [os.urandom(BLOCK_BYTES) for _ in range(CHAIN)], batch_blocks=1,
+                         keep_until_s=asked)  # a stream of four batches: the last one pins the prompt's last block
+        assert (put.written_blocks, put.kept_until_s, put.keep_note) == (CHAIN, asked, "")
+        tenant = next(t for t in s.Stats(pb.StatsRequest(tenant="default")).tenants if t.tenant == "default")
+        assert (tenant.pins, tenant.pinned_bytes) == (1, CHAIN * BLOCK_BYTES)  # one pin, on the deepest block
+        far = client.lookup(tokens, keep_until_s=clock.now() + 500 * HOUR)
+        assert far.found_blocks == CHAIN and far.kept_until_s == clock.now() + 100 * HOUR and "100 h" in far.keep_note
+        assert client.lookup(tokens).kept_until_s == 0  # not asked: nothing granted
+        for bad in (float("inf"), -1.0, True, "soon"):
+            with pytest.raises(InvalidArgument, match="keep_until_s"):
+                client.put(tokens, [os.urandom(BLOCK_BYTES)] * CHAIN, keep_until_s=bad)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument, match="keep_until_s"):
+                client.lookup(tokens, keep_until_s=bad)  # type: ignore[arg-type]

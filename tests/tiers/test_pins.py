@@ -90,8 +90,11 @@ def test_r25_a_pin_expires_by_itself(make_kit: Callable[..., Kit], clock: Manual
     clock.advance(81 * HOUR)  # past retention and past the pin
     assert kit.tier.pins_of("default")[0].pins == 0  # a pin past its time is not shown as live
     _put(kit, kit.chain(7000, 1))  # room enough: nothing evicted, but the Put sweeps
+    with kit.tier.env.begin() as txn:  # its records are gone but the expiry's journal, until audited (R29)
+        assert [bytes(k)[:1] for k in txn.cursor(db=kit.tier._dbs.pins).iternext(values=False)] == [b"x"]
+    kit.tier.forget_expired_pins([p for _, p in kit.tier.expired_pins()])
     with kit.tier.env.begin() as txn:
-        assert txn.cursor(db=kit.tier._dbs.pins).first() is False  # its records are gone
+        assert txn.cursor(db=kit.tier._dbs.pins).first() is False
     _put(kit, kit.chain(9000, 4))
     assert kit.stored(pinned)[3:] == [False]  # the oldest go first again
 
@@ -118,3 +121,25 @@ def test_r27_an_operator_sees_and_drops_a_tenants_pins(make_kit: Callable[..., K
     assert kit.tier.pins_of("someone-else")[0].pins == 0
     assert kit.tier.drop_pins("default") == 2
     assert kit.tier.pins_of("default")[0].pins == 0
+
+
+def test_r29_an_expiry_is_journalled_until_audited_and_survives_a_restart(make_kit: Callable[..., Kit],
+                                                                         clock: ManualClock) -> None:
+    kit = _pinning(make_kit(12))
+    a, b = kit.chain(0, 2), kit.chain(100, 3)
+    _put(kit, a, keep_until_s=clock.now() + HOUR)
+    _put(kit, b, keep_until_s=clock.now() + 2 * HOUR)
+    assert kit.tier.expired_pins() == []  # none due: a read alone
+    clock.advance(HOUR + 1)
+    first = kit.tier.expired_pins()  # the sweep journals the expiry; not forgotten yet
+    assert [(ns, p.key[-32:], p.until_s, p.charged_bytes) for ns, p in first] == [
+        ("default", a[-1], clock.now() - 1, 2 * KIT_BLOCK)]
+    kit.tier.close()  # a stop before the audit: the journal keeps it
+    kit = _pinning(make_kit(12))
+    again = kit.tier.expired_pins()
+    assert [p.key for _, p in again] == [p.key for _, p in first]
+    kit.tier.forget_expired_pins([p for _, p in again])
+    assert kit.tier.expired_pins() == []
+    clock.advance(HOUR)
+    _put(kit, kit.chain(7000, 1))  # a Put's sweep journals the second expiry too
+    assert [(p.key[-32:], p.charged_bytes) for _, p in kit.tier.expired_pins()] == [(b[-1], 3 * KIT_BLOCK)]
