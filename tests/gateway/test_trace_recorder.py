@@ -128,3 +128,25 @@ def test_a_stalled_disk_drops_records_and_every_call_is_answered(start_server: C
     got = [r["op"] for _, _, r in recorded.records(store_settings.data_dir / "trace")]
     assert got == ["put", "get", "get", "get", "get"]
     assert _metric(srv, "kvstore_trace_written_records_total") == 5
+
+
+def test_a_put_that_evicts_records_what_it_evicted(start_server: Callable[..., Any], tmp_path: Path,
+                                                   clock: ManualClock) -> None:
+    from kvstore.client import Client
+    from kvstore.geometry import V4_1_FLASH
+
+    tokens, chain = 16, 4
+    block = V4_1_FLASH.block_bytes(tokens)
+    store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=chain * block, block_tokens=tokens)
+    srv = start_server(store, trace=TraceSettings(enabled=True, flush_s=0))
+    with Client(srv.target) as client:
+        first, second = list(range(tokens * chain)), list(range(10_000, 10_000 + tokens * chain))
+        client.put(first, [os.urandom(block) for _ in range(chain)])
+        clock.advance(73 * 3600.0)  # past the retention floor: the first chain may go
+        client.put(second, [os.urandom(block) for _ in range(chain)])
+        evicted = client.stats().evictions
+    wait_until(lambda: srv.trace.stats.written_records == 2, "both Puts' records written")
+    puts = [r for _, _, r in recorded.records(store.data_dir / "trace")]
+    assert evicted == chain
+    assert [(r["written"], r["evicted_blocks"], r["evicted_bytes"]) for r in puts] == [
+        (chain, 0, 0), (chain, chain, chain * block)]
