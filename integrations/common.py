@@ -9,7 +9,10 @@ Public, stable for the other adapters (the SGLang backend may import these, read
 - `usable_tokens(plan) -> int`: tokens an engine that recomputes a replay itself may take from the
   store (a snapshot resume: R; a bounded/exact replay: the hit minus the replay span; else 0).
 - `PageMap`: where the rows of token positions lie in an engine's paged cache
-  (pages of `page_tokens` tokens, one row per `ratio` tokens).
+  (pages of `page_tokens` tokens, one row per `ratio` tokens; rows interleaved, or block-split:
+  a page's data parts, then its scale parts, `SplitRows`).
+- `connect_layout(settings, records, engine) -> kvstore.Client`: the client of the served geometry
+  of the configured model in the engine's record layout (kvstore.layout), said in the log.
 - `fetch_blocks(client, hashes, settings, reader=None) -> (uint8 [n, block_bytes], usable_blocks, path)`:
   the blocks by the configured path (`kvstore.client.restore` when present; Get otherwise).
 
@@ -18,6 +21,8 @@ Nothing here imports an engine.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +30,13 @@ from typing import Any
 
 import torch
 
+from kvstore import geometry as geometries
 from kvstore.client import Client
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.layout import RecordLayout
 from replay.plan import Action, Plan
+
+log = logging.getLogger(__name__)
 
 #: Load paths a setting may name ("auto": the fastest available; see kvstore.client.restore).
 PATHS = ("auto", "direct-cpu", "direct-gpu", "shm", "grpc")
@@ -123,6 +132,44 @@ def connect(settings: StoreSettings) -> Client:
                   timeout_s=settings.timeout_s, token=settings.token)
 
 
+def connect_layout(settings: StoreSettings, records: RecordLayout, engine: str) -> Client:
+    """A client of the configured model geometry in the engine's record layout, said in the log.
+
+    `settings.geometry` names the model ('' = the server's default) or already its geometry in
+    `records` (`<model>+<layout>`); the client then works under that layout's fingerprint, so
+    its blocks and snapshots are found only by clients of the same layout (kvstore.layout).
+
+    Raises:
+        ConfigError: `settings.geometry` names another layout than the engine writes, or the server
+            does not serve the model in this layout.
+        KVStoreError: the store cannot be reached (Unavailable, Unauthenticated, ...).
+    """
+    client = connect(settings)
+    try:
+        served = geometries.resolve(client.geometry)
+    except KVStoreError:
+        client.close()
+        raise
+    if served.records != records:
+        if not served.records.native:
+            client.close()
+            raise ConfigError(f"geometry {served.name!r} holds {served.records.name} rows, but {engine} writes "
+                              f"{records.name} rows ({records.setting or 'the model rows'}): name the model "
+                              "geometry and the adapter picks the layout")
+        name = served.with_records(records).name
+        client.close()
+        try:
+            client = connect(dataclasses.replace(settings, geometry=name))
+        except KVStoreError as exc:
+            raise ConfigError(f"the kvstore server does not serve {name!r} ({exc}): {engine}'s {records.setting} "
+                              "rows need a kvstore server that knows the engine layouts (kvstore.layout)") from exc
+    g = geometries.resolve(client.geometry)
+    log.info("kvstore: %s keeps %s rows (%s, %s): blocks of %d B per %d tokens under geometry %s "
+             "(fingerprint %s)", engine, g.records.name, g.records.setting or "the model's own rows",
+             g.records.arch, client.block_bytes, client.block_tokens, g.name, g.fingerprint.hex())
+    return client
+
+
 def usable_tokens(plan: Plan) -> int:
     """Tokens an engine may load from the store for `plan` and then compute the rest itself.
 
@@ -137,28 +184,67 @@ def usable_tokens(plan: Plan) -> int:
     return 0
 
 
+class SplitRows:
+    """A block-split page cache seen as rows: `[pages, rows, row_bytes]` through two views of its memory,
+    the data parts `[pages, rows, data]` (a page's first `rows x data` bytes) and the scale parts
+    `[pages, rows, row_bytes - data]` (right after them), as FlashMLA's V4 record and vLLM's indexer pages
+    keep them. Indexing by (page, slot) tensors gathers whole rows (a copy); assigning scatters them."""
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor) -> None:
+        self.data, self.scales = data, scales
+        self.split = data.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        """The cache's device."""
+        return self.data.device
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(pages, rows per page, row bytes)."""
+        return self.data.shape[0], self.data.shape[1], self.split + self.scales.shape[-1]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return torch.cat([self.data[index], self.scales[index]], dim=-1)
+
+    def __setitem__(self, index: Any, rows: torch.Tensor | int) -> None:
+        if isinstance(rows, int):  # one byte value for every byte, as a tensor view takes it
+            self.data[index], self.scales[index] = rows, rows
+            return
+        self.data[index] = rows[..., :self.split]
+        self.scales[index] = rows[..., self.split:]
+
+
+#: What `PageMap.view` gives: the rows of a page cache, as a tensor view or through `SplitRows`.
+RowsView = torch.Tensor | SplitRows
+
+
 @dataclass(frozen=True)
 class PageMap:
     """Where a source layer's rows lie in an engine's paged cache.
 
     The cache is `[num_pages, page_bytes]` (any trailing padding ignored); a page holds
-    `page_tokens // ratio` rows of `row_bytes`, token-contiguous in position order (the
-    FlashMLA layout, docs/CODEC.md): the row of positions [j*ratio, (j+1)*ratio) is row
-    `j % rows_per_page` of page `page_ids[j // rows_per_page]`.
+    `page_tokens // ratio` rows of `row_bytes` in position order: the row of positions
+    [j*ratio, (j+1)*ratio) is row `j % rows_per_page` of page `page_ids[j // rows_per_page]`.
+    Interleaved (`data_bytes` 0, the FlashMLA V4.1 layout, docs/CODEC.md), a page is its rows
+    one after the other; block-split (`data_bytes` > 0: FlashMLA's V4 record, vLLM's indexer), it
+    is every row's first `data_bytes`, then every row's remaining (scale) bytes.
     """
 
     page_tokens: int
     ratio: int
     row_bytes: int
+    data_bytes: int = 0
 
     @property
     def rows_per_page(self) -> int:
         """Rows of this kind in one page."""
         return self.page_tokens // self.ratio
 
-    def view(self, cache: torch.Tensor) -> torch.Tensor:
+    def view(self, cache: torch.Tensor) -> RowsView:
         """The cache as uint8 [num_pages, rows_per_page, row_bytes], a view of its memory (padding left
-        out). Pages may be strided (vLLM puts the pages of one group's layers in one physical block);
+        out; `SplitRows` over two views when block-split).
+        Pages may be strided (vLLM puts the pages of one group's layers in one physical block);
         each page's bytes must be contiguous.
 
         Raises:
@@ -179,7 +265,11 @@ class PageMap:
         if pages.shape[1] < need:
             raise ConfigError(f"a cache page holds {pages.shape[1]} bytes, fewer than {self.rows_per_page} rows "
                               f"of {self.row_bytes} B: the engine's layout is not the one assumed (docs/ENGINES.md)")
-        return pages[:, :need].view(cache.shape[0], self.rows_per_page, self.row_bytes)
+        n, d = self.rows_per_page, self.data_bytes
+        if d:
+            return SplitRows(pages[:, :n * d].view(cache.shape[0], n, d),
+                             pages[:, n * d:need].view(cache.shape[0], n, self.row_bytes - d))
+        return pages[:, :need].view(cache.shape[0], n, self.row_bytes)
 
     def slots(self, page_ids: Sequence[int], first_row: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, row-in-page) index tensors of rows [first_row, first_row + rows)."""

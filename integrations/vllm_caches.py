@@ -4,9 +4,11 @@ vLLM-free. The mapping assumed (docs/ENGINES.md "vLLM: the cache layout"): a reg
 whose name has `layers.<i>.` with `i` a kv source layer of the store's geometry holds that
 layer's compressed-KV rows, or its indexer rows when the name contains "indexer"; it is
 `[num_pages, page_bytes]`-shaped in bytes (any dtype, viewed as uint8; trailing padding allowed)
-with `page_tokens // ratio` rows per page, token-contiguous, each row the model's own
-`[data][scales]` bytes (docs/CODEC.md). A cache with `window` or `swa` in its name holds that
-layer's window rows, one per token. Other caches (non-source layers) are left alone.
+with `page_tokens // ratio` rows per page, each row the geometry's record layout's `[data][scales]`
+bytes (kvstore.layout: the model's own rows, docs/CODEC.md, or vLLM's fp8_ds_mla records), the rows
+one after the other, or block-split (every row's data, then every row's scales) where the layout's
+row format says so (`page_map`). A cache with `window` or `swa` in its name holds that layer's
+window rows, one per token. Other caches (non-source layers) are left alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ from integrations.common import PageMap
 from integrations.vllm_layers import layer_of
 from kvstore.errors import ConfigError
 from kvstore.geometry import ModelGeometry, Section
+
+
+def page_map(geometry: ModelGeometry, component: str, page_tokens: int, ratio: int) -> PageMap:
+    """Where rows of `component` ("compressed_kv", "indexer", "window") lie in vLLM's pages of `page_tokens`
+    tokens: interleaved or block-split as the geometry's record layout keeps them (kvstore.layout)."""
+    records = geometry.records
+    fmt = {"compressed_kv": records.kv, "indexer": records.indexer, "window": records.window}[component]
+    data, scales = geometry.row_split(component)
+    return PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=data + scales,
+                   data_bytes=data if fmt.block_split else 0)
 
 
 @dataclass(frozen=True)
@@ -105,7 +117,7 @@ def map_caches(geometry: ModelGeometry, block_tokens: int, caches: Mapping[str, 
         if page_tokens % ratio:
             raise ConfigError(f"vLLM pages of {page_tokens} tokens do not hold whole rows of layer {s.layer} "
                               f"(one per {ratio} tokens)")
-        pages = PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=s.row_bytes)
+        pages = page_map(geometry, s.component, page_tokens, ratio)
         pages.view(cache)  # checks the page holds its rows
         targets.append(CacheTarget(section=s, name=name, cache=cache, pages=pages, group=group))
     if missing:
@@ -134,7 +146,7 @@ def map_windows(geometry: ModelGeometry, caches: Mapping[str, torch.Tensor],
         if layer is None or not ("window" in name or "swa" in name) or name not in groups:
             continue
         group, page_tokens = groups[name]
-        pages = PageMap(page_tokens=page_tokens, ratio=1, row_bytes=geometry.window_row_bytes)
+        pages = page_map(geometry, "window", page_tokens, 1)
         pages.view(cache)
         found[layer] = (cache, pages, group)
     return found if sorted(found) == list(range(geometry.num_layers)) else None

@@ -36,8 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from integrations.common import COMMON_KEYS, connect, parse_settings
+from integrations.common import COMMON_KEYS, connect_layout, parse_settings
 from integrations.vllm_caches import has_windows
+from integrations.vllm_records import records_of
 from integrations.vllm_scheduler import ConnectorMeta, SchedulerSide
 from integrations.vllm_worker import WorkerSide
 from kvstore import geometry as geometries
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-#: vLLM cache formats whose records are not kvstore's rows (docs/ENGINES.md), and what they hold.
-REFUSED_CACHE_DTYPES = {"fp8_ds_mla": "584 B FP8 records (DeepSeek V4's), not V4.1's NVFP4 compressed rows"}
 #: Settings this connector reads beyond the common ones.
 KNOWN = COMMON_KEYS | {"load_async", "layerwise"}
 
@@ -100,12 +99,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not load_async and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("kv_connector_extra_config 'load_async' = false with several KV cache groups: vLLM "
                               "cannot take block-level load errors there; leave it unset (asynchronous)")
-        cache_dtype = str(vllm_config.cache_config.cache_dtype)
-        if cache_dtype in REFUSED_CACHE_DTYPES:
-            raise ConfigError(f"vLLM's --kv-cache-dtype {cache_dtype} keeps {REFUSED_CACHE_DTYPES[cache_dtype]}, not "
-                              "the model's rows kvstore stores: run vLLM with --kv-cache-dtype nvfp4_ds_mla")
+        # The layout of vLLM's records (kvstore.layout), from its own settings: the blocks' keys are scoped by it.
+        self.records = records_of(vllm_config)
         self.engine_block = vllm_config.cache_config.block_size
-        self.client = connect(self.settings)
+        self.client = connect_layout(self.settings, self.records, f"vLLM ({role.name.lower()})")
         self.geometry = geometries.resolve(self.client.geometry)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

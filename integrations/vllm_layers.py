@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from integrations.common import RowsView
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -117,7 +119,7 @@ class Capture:
         return self.rows
 
 
-def copy_out(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, stream: Any = None) -> Capture:
+def copy_out(view: RowsView, page: torch.Tensor, slot: torch.Tensor, stream: Any = None) -> Capture:
     """The rows `view[page, slot]` of a `[pages, rows, row_bytes]` cache view, copied out now.
 
     On CUDA the gather runs on the current stream (after the layer's writes, in stream order) and

@@ -272,8 +272,7 @@ def test_a_bad_setting_stops_vllm_at_connector_creation(store: Child, tmp_path: 
         Engine(tmp_path / "m", extra(store, load_async="yes"))
     with pytest.raises(ConfigError, match="several KV cache groups"):
         Engine(tmp_path / "h", extra(store, load_async=False), hybrid=True)
-    with pytest.raises(ConfigError, match="nvfp4_ds_mla"):
-        Engine(tmp_path / "f", extra(store), cache_dtype="fp8_ds_mla")
+    # --kv-cache-dtype fp8_ds_mla is served under its own layout now (test_vllm_layouts.py).
 
 
 def test_an_unreachable_store_is_a_typed_error_at_start(tmp_path: Path) -> None:

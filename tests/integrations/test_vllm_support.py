@@ -54,6 +54,7 @@ except ImportError as exc:
 
 import kvstore
 from kvstore.geometry import TINY as GEO
+from kvstore.geometry import ModelGeometry
 
 #: vLLM's tokens per page in these tests.
 PAGE = 16
@@ -65,6 +66,39 @@ GLOBAL = [(s.layer, s.component, s.row_bytes) for s in GEO.block_layout(STORE_BL
 
 __all__ = ["GEO", "GLOBAL", "PAGE", "STORE_BLOCK_TOKENS", "Engine", "cache_name", "expected_block", "extra",
            "model_row", "prompt", "stored", "window_row"]
+
+
+def sections(geo: ModelGeometry) -> list[tuple[int, str, int]]:
+    """(layer, component, row bytes) of every section of a store block of `geo` (GLOBAL for the model's rows)."""
+    return [(s.layer, s.component, s.row_bytes) for s in geo.block_layout(STORE_BLOCK_TOKENS)]
+
+
+def split_at(geo: ModelGeometry, component: str) -> int:
+    """Where vLLM splits a row of `component` in its pages: its data bytes when its pages are block-split (every
+    slot's data, then every slot's scales: vLLM's fp8_ds_mla V4 record and FP8 indexer kernels), else 0."""
+    fmt = {"compressed_kv": geo.records.kv, "indexer": geo.records.indexer, "window": geo.records.window}[component]
+    return geo.row_split(component)[0] if fmt.block_split else 0
+
+
+def put_row(page: torch.Tensor, slot: int, rows_per_page: int, row: bytes, data: int) -> None:
+    """Write `row` into slot `slot` of one page (uint8, its bytes), as vLLM's insert kernels lay it out."""
+    value = torch.frombuffer(bytearray(row), dtype=torch.uint8)
+    if not data:
+        page[slot * len(row): (slot + 1) * len(row)] = value
+        return
+    scales = len(row) - data
+    page[slot * data: (slot + 1) * data] = value[:data]
+    base = rows_per_page * data
+    page[base + slot * scales: base + (slot + 1) * scales] = value[data:]
+
+
+def get_row(page: torch.Tensor, slot: int, rows_per_page: int, row_bytes: int, data: int) -> bytes:
+    """The row in slot `slot` of one page (the inverse of `put_row`)."""
+    if not data:
+        return bytes(page[slot * row_bytes: (slot + 1) * row_bytes].tolist())
+    scales, base = row_bytes - data, rows_per_page * data
+    return bytes(page[slot * data: (slot + 1) * data].tolist() + page[base + slot * scales:
+                                                                         base + (slot + 1) * scales].tolist())
 
 
 def cache_name(layer: int, component: str) -> str:
@@ -79,10 +113,10 @@ def model_row(tokens: Sequence[int], layer: int, component: str, row: int, row_b
     return (seed * (row_bytes // len(seed) + 1))[:row_bytes]
 
 
-def window_row(tokens: Sequence[int], layer: int, position: int) -> bytes:
+def window_row(tokens: Sequence[int], layer: int, position: int, geo: ModelGeometry = GEO) -> bytes:
     """The stand-in model's window (SWA) row of `layer` at `position`: a function of the tokens up to it."""
     seed = hashlib.sha256(repr((list(tokens[: position + 1]), layer, "window")).encode()).digest()
-    return (seed * (GEO.window_row_bytes // len(seed) + 1))[: GEO.window_row_bytes]
+    return (seed * (geo.window_row_bytes // len(seed) + 1))[: geo.window_row_bytes]
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -115,11 +149,15 @@ class Engine:
             name `model.layers.<i>.self_attn.attn`); off: the whole forward at once, no per-layer calls.
         scribble: with `hooks`, overwrite a layer's caches right after its `save_kv_layer` and put them
             back after `wait_for_save`: a save that did not copy the layer out at once stores garbage.
+        cache_dtype: vLLM's `--kv-cache-dtype`; `geo`: the geometry whose records vLLM's caches then hold (the
+            tiny model's own rows, or it in an engine layout, kvstore.layout), laid out as vLLM's kernels do.
     """
 
     def __init__(self, model_dir: Path, extra: dict[str, Any], *, worker_extra: dict[str, Any] | None = None,
                  hybrid: bool = False, role: str = "kv_both", failure_policy: str = "recompute",
-                 cache_dtype: str = "auto", hooks: bool = False, scribble: bool = False) -> None:
+                 cache_dtype: str = "auto", hooks: bool = False, scribble: bool = False,
+                 geo: ModelGeometry = GEO) -> None:
+        self.geo, self.sections = geo, sections(geo)
         model = ModelConfig(model=str(write_model(model_dir)), tokenizer=str(model_dir), skip_tokenizer_init=True,
                             max_model_len=2048, dtype="float32")
         cache = CacheConfig(block_size=PAGE, enable_prefix_caching=True, cache_dtype=cache_dtype)
@@ -131,7 +169,7 @@ class Engine:
                                  scheduler_config=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8,
                                                                   max_model_len=2048, is_encoder_decoder=False),
                                  kv_transfer_config=transfer)
-        groups = [KVCacheGroupSpec([cache_name(layer, comp) for layer, comp, _ in GLOBAL],
+        groups = [KVCacheGroupSpec([cache_name(layer, comp) for layer, comp, _ in self.sections],
                                    FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=72, dtype=torch.uint8))]
         if hybrid:
             window = [f"model.layers.{i}.self_attn.swa_cache" for i in range(GEO.num_layers)]
@@ -150,9 +188,10 @@ class Engine:
         self.worker = KVConnectorFactory.create_connector(worker_config, KVConnectorRole.WORKER, self.kv_cache_config)
         # As vLLM lays a group out: one physical block per page index holding every layer's page of the
         # group side by side (block stride = the sum of their pages), each layer's cache a strided view.
-        widths = {cache_name(layer, comp): PAGE // GEO.compress_ratios[layer] * rb + PAD for layer, comp, rb in GLOBAL}
+        widths = {cache_name(layer, comp): PAGE // GEO.compress_ratios[layer] * rb + PAD
+                  for layer, comp, rb in self.sections}
         if hybrid:
-            widths.update({f"model.layers.{i}.self_attn.swa_cache": PAGE * GEO.window_row_bytes + PAD
+            widths.update({f"model.layers.{i}.self_attn.swa_cache": PAGE * geo.window_row_bytes + PAD
                            for i in range(GEO.num_layers)})
         physical = torch.zeros(NUM_PAGES, sum(widths.values()), dtype=torch.uint8)
         self.caches, offset = {}, 0
@@ -251,27 +290,24 @@ class Engine:
         """Write the rows of positions [start, end) of `layers` (all: None)."""
         tokens = self.tokens[req_id]
         if self.hybrid:  # every layer's window row of each computed position, in the window group's pages
-            rb = GEO.window_row_bytes
+            data = split_at(self.geo, "window")
             for layer in range(GEO.num_layers) if layers is None else layers:
                 cache = self.caches[f"model.layers.{layer}.self_attn.swa_cache"]
-                view = cache[:, : PAGE * rb].view(NUM_PAGES, PAGE, rb)
                 for pos in range(start, end):
                     page = self.pages[req_id][1][pos // PAGE]
                     if page:  # 0 is vLLM's null block: a page out of the window, not allocated
-                        view[page, pos % PAGE] = torch.frombuffer(bytearray(window_row(tokens, layer, pos)),
-                                                                  dtype=torch.uint8)
-        for layer, comp, rb in GLOBAL:
+                        put_row(cache[page], pos % PAGE, PAGE, window_row(tokens, layer, pos, self.geo), data)
+        for layer, comp, rb in self.sections:
             if layers is not None and layer not in layers:
                 continue
             r = GEO.compress_ratios[layer]
-            rows_per_page = PAGE // r
-            view = self.caches[cache_name(layer, comp)][:, : rows_per_page * rb].view(NUM_PAGES, rows_per_page, rb)
+            rows_per_page, data = PAGE // r, split_at(self.geo, comp)
+            cache = self.caches[cache_name(layer, comp)]
             for j in range(start // r, end // r):
                 if (j + 1) * r - 1 < start:
                     continue
                 page = self.pages[req_id][0][j // rows_per_page]
-                view[page, j % rows_per_page] = torch.frombuffer(bytearray(model_row(tokens, layer, comp, j, rb)),
-                                                                 dtype=torch.uint8)
+                put_row(cache[page], j % rows_per_page, rows_per_page, model_row(tokens, layer, comp, j, rb), data)
 
     def run(self, steps: int = 20) -> None:
         """Step until every request finished (or `steps` steps); held ones stay held."""
@@ -289,10 +325,10 @@ class Engine:
 
     def page_row(self, req_id: str, layer: int, component: str, row: int) -> bytes:
         """The bytes of a request's row as its pages hold them now."""
-        rb = dict(((lay, c), b) for lay, c, b in GLOBAL)[(layer, component)]
+        rb = dict(((lay, c), b) for lay, c, b in self.sections)[(layer, component)]
         rows_per_page = PAGE // GEO.compress_ratios[layer]
-        view = self.caches[cache_name(layer, component)][:, : rows_per_page * rb].view(NUM_PAGES, rows_per_page, rb)
-        return bytes(view[self.pages[req_id][0][row // rows_per_page], row % rows_per_page].tolist())
+        page = self.caches[cache_name(layer, component)][self.pages[req_id][0][row // rows_per_page]]
+        return get_row(page, row % rows_per_page, rows_per_page, rb, split_at(self.geo, component))
 
     def close(self) -> None:
         """Shut both connectors down (puts in flight finish)."""
@@ -315,22 +351,22 @@ def store_prompt(store: Any, model_dir: Path, tokens: list[int], **add: Any) -> 
 
 def assert_rows_loaded(engine: Engine, req_id: str, tokens: Sequence[int], loaded_tokens: int = 80) -> None:
     """The request's pages hold the model's rows of `tokens` for its first `loaded_tokens` tokens."""
-    for layer, comp, rb in GLOBAL:
+    for layer, comp, rb in engine.sections:
         for row in range(loaded_tokens // GEO.compress_ratios[layer]):
             assert engine.page_row(req_id, layer, comp, row) == model_row(tokens, layer, comp, row, rb)
 
 
-def stored(target: str, tokens: list[int]) -> int:
-    """Leading tokens of `tokens` the store holds (a Lookup)."""
-    with kvstore.Client(target, geometry=GEO.name) as c:
+def stored(target: str, tokens: list[int], geo: ModelGeometry = GEO) -> int:
+    """Leading tokens of `tokens` the store holds under `geo`'s layout (a Lookup)."""
+    with kvstore.Client(target, geometry=geo.name) as c:
         return int(c.lookup(tokens).found_tokens)
 
 
-def expected_block(tokens: Sequence[int], index: int) -> bytes:
+def expected_block(tokens: Sequence[int], index: int, geo: ModelGeometry = GEO) -> bytes:
     """The store block `index` of a prompt as the stand-in model's rows make it (the block layout's order)."""
     out = bytearray()
     b = STORE_BLOCK_TOKENS
-    for layer, comp, rb in GLOBAL:
+    for layer, comp, rb in sections(geo):
         r = GEO.compress_ratios[layer]
         for j in range(index * b // r, (index + 1) * b // r):
             out += model_row(tokens, layer, comp, j, rb)
