@@ -135,6 +135,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        if request.run_lengths:  # a fleet client's runs on this node, each its own chain (F50)
+            return await self._lookup_runs(request, scope)
         # A prompt shorter than a block has no hashes; its SWA candidates are answered (none
         # serves: a resume needs the global rows below it, and no block is found).
         limit = self.settings.max_lookup_blocks
@@ -186,6 +188,54 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply.swa_index, reply.swa_position, reply.swa_resume_tokens = resume
         self.trace.lookup(scope, hashes, found, lease_ms=request.lease_ms, swa_asked=len(request.swa_keys), swa=resume)
         return reply
+
+    async def _lookup_runs(self, request: pb.LookupRequest, scope: BlockScope) -> pb.LookupResponse:
+        """Several runs of a fleet chain in one call (docs/FLEET.md F50): each is looked up, leased and
+        refreshed as a Lookup of its own would be (R6 and R15 within the run, on this node); the client
+        keeps R6 across the runs."""
+        other = [name for name, asked in (("anchor_hash", request.anchor_hash or request.anchor_blocks),
+                                          ("swa_keys", request.swa_keys or request.swa_positions),
+                                          ("keep_until_s", request.keep_until_s),
+                                          ("want_hosts", request.want_hosts)) if asked]
+        if other:
+            raise InvalidArgument(f"run_lengths cannot be combined with {', '.join(other)}",
+                                  hint="ask the runs without them, or the whole chain in a Lookup of its own")
+        if self.router is not None:
+            raise FailedPrecondition("run_lengths is a storage node's: a gateway places the runs itself",
+                                     hint="send the whole chain's fleet hashes without run_lengths")
+        hashes = validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
+                                        limit=self.settings.max_lookup_blocks)
+        lengths = list(request.run_lengths)
+        if min(lengths) < 1 or sum(lengths) != len(hashes):
+            raise InvalidArgument(f"run_lengths must be runs of at least 1 block summing to the {len(hashes)} "
+                                  f"hashes sent, got {len(lengths)} runs summing to {sum(lengths)} "
+                                  f"(least {min(lengths)})")
+        lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
+        lease_s = lease_ms / 1000.0
+        due: list[bytes] = []
+
+        def look() -> list[tuple[int, str]]:
+            answers, start = [], 0
+            for n in lengths:
+                found, lease = self.tier.lookup(scope, hashes[start:start + n], lease_s, touch_due=due)
+                answers.append((found, lease.lease_id if lease else ""))
+                start += n
+            return answers
+
+        answers = await self.tier.call(look)
+        found = sum(f for f, _ in answers)
+        self.hits.record(scope.namespace, "lookup", len(hashes), found)
+        leases = [lease for _, lease in answers if lease]
+        if due:  # a hit is a use (R5): each run's deepest found block, durable before the answer
+            try:
+                await asyncio.wrap_future(self.tier.touch_soon(due))
+            except BaseException:
+                for lease in leases:
+                    self.tier.release(lease)
+                raise
+        return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
+                                 lease_ms=lease_ms if leases else 0,
+                                 run_found_blocks=[f for f, _ in answers], run_lease_ids=[lz for _, lz in answers])
 
     async def _lookup_pin(self, reply: pb.LookupResponse, scope: BlockScope, deepest: bytes, until_s: float) -> None:
         """Pin a Lookup's found prefix until `until_s`; the grant goes into `reply` (R22-R24)."""

@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -207,13 +208,22 @@ class Single:
 
     put_s: float
     get_s: float
-    lookup_s: float
+    #: The Lookup figures' seconds by kind (LOOKUP_KINDS).
+    lookup_s: dict[str, float]
 
 
 def _node_env(capacity: int, fleet: dict[str, object] | None = None) -> dict[str, str]:
     env = {"KVSTORE_STORE_CAPACITY_BYTES": str(capacity), "KVSTORE_STORE_BLOCK_TOKENS": str(BLOCK_TOKENS)}
     env.update({f"KVSTORE_FLEET_{k.upper()}": str(v) for k, v in (fleet or {}).items()})
+    if fleet is not None and not _mooncake_missing():  # F18: the nodes copy over the bulk transport
+        env["KVSTORE_TRANSFER_BULK"] = "mooncake"
     return env
+
+
+def _mooncake_missing() -> str:
+    from kvstore.bench.transfer_baselines import mooncake_missing
+
+    return mooncake_missing()
 
 
 def _capacity(data: Data) -> int:
@@ -253,23 +263,43 @@ def _single(folder: Path, data: Data, progress: Progress) -> Single:
             put_s, hashes = _put(client, data.tokens, data.blocks, "single serve: put", progress)
             get_s = min(_stream_s(client, hashes, data.payload_bytes) for _ in range(REPEAT))
         with Client(node.target, geometry=TINY.name) as small:
-            _, lookup_hashes = _put(small, data.lookup_tokens, data.lookup_blocks, "single serve: lookup's prompt",
-                                    progress)
-            lookup_s = _lookup_s(small, lookup_hashes)
+            _put(small, data.lookup_tokens, data.lookup_blocks, "single serve: lookup's prompt", progress)
+            lookup_s = _lookups_s(small, data)
     finally:
         node.stop()
     return Single(put_s=put_s, get_s=get_s, lookup_s=lookup_s)
 
 
-def _lookup_s(client: Client, hashes: list[bytes], between: Callable[[], object] = lambda: None) -> float:
-    """Best seconds of LOOKUP_REPEAT Lookups of the whole chain, after one (a fresh chain is walked once)."""
-    if client.lookup_hashes(hashes).found_blocks != len(hashes):
-        raise RuntimeError("the Lookup did not find the whole prompt")
-    best = float("inf")
-    for _ in range(LOOKUP_REPEAT):
-        between()
-        best = min(best, timed(lambda: client.lookup_hashes(hashes)))
-    return best
+def _one_lookup_s(client: Client, kind: str, hashes: list[bytes], lease_ms: int, expect: int) -> float:
+    """Seconds of one Lookup (its Release untimed); checks what it found."""
+    start = time.perf_counter()
+    found = client.lookup_hashes(hashes, lease_ms=lease_ms)
+    elapsed = time.perf_counter() - start
+    if found.lease_id:
+        client.release(found.lease_id)
+    if found.found_blocks != expect:
+        raise RuntimeError(f"the {kind}Lookup found {found.found_blocks} blocks, not {expect}")
+    return elapsed
+
+
+def _lookups_s(client: Client, data: Data, between: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Best seconds of LOOKUP_REPEAT Lookups of each kind (LOOKUP_KINDS), after one (a fresh chain is walked
+    once): the stored prompt sent again; the same with a lease, released after each (untimed); a prompt whose
+    first half is stored (the rest new tokens)."""
+    whole = client.hashes(data.lookup_tokens)
+    half = len(data.lookup_tokens) // 2 // BLOCK_TOKENS * BLOCK_TOKENS
+    other = client.hashes(data.lookup_tokens[:half] + [t + 1 for t in data.lookup_tokens[half:]])
+    seconds = {}
+    for kind, hashes, lease_ms, expect in (("", whole, 0, len(whole)), ("leased ", whole, 60_000, len(whole)),
+                                           ("half stored ", other, 0, half // BLOCK_TOKENS)):
+        once = partial(_one_lookup_s, client, kind, hashes, lease_ms, expect)
+        once()
+        best = float("inf")
+        for _ in range(LOOKUP_REPEAT):
+            between()
+            best = min(best, once())
+        seconds[kind] = best
+    return seconds
 
 
 class Status:
@@ -478,8 +508,11 @@ class FleetBench:
         self.report.add(Figure.against(f"re-replication vs durable writes {n + 1}->{n} r={r}", sent / seconds / 1e9,
                                        "GB/s", f"{senders} writer{'s' * (senders > 1)}, write + fsync of 16 MiB "
                                        "batches, same disk, same bytes", disk))
+        bulk = sum(int(repairs[s].get("bulk_bytes", 0)) - int(before_repairs.get(s, {}).get("bulk_bytes", 0))  # type: ignore[call-overload]
+                   for s in survivors)
         self.report.notes[f"re-replication {n + 1}->{n}"] = (f"{sent:,} bytes in {seconds:.2f} s, from the lease's "
-                                                             "end to the last survivor's pass done")
+                                                             "end to the last survivor's pass done; "
+                                                             f"{bulk:,} of them over the bulk transport")
         return survivors
 
     def _join_set(self, address: str, r: int, live: set[str], label: str) -> list[bytes]:
@@ -501,12 +534,14 @@ class FleetBench:
         data = self.data
         fleet = self._client(address, r, live, TINY.name)
         with fleet:
-            _, chain = _put(fleet, data.lookup_tokens, data.lookup_blocks, f"{label}: lookup's prompt", self.progress)
+            _put(fleet, data.lookup_tokens, data.lookup_blocks, f"{label}: lookup's prompt", self.progress)
             # The copies a Lookup did not ask are refreshed in the background: sent between Lookups, untimed.
-            seconds = _lookup_s(fleet, chain, between=lambda: fleet.refresher.flush(30.0))
+            seconds = _lookups_s(fleet, data, between=lambda: fleet.refresher.flush(30.0))
         tokens = len(data.lookup_tokens)
-        self.report.add(Figure.against(f"lookup {tokens:,} tokens {label}", seconds * 1e3, "ms",
-                                       "single kvstore serve, same prompt", self.single.lookup_s * 1e3))
+        for kind, s in seconds.items():
+            self.report.add(Figure.against(f"lookup {tokens:,} tokens {kind}{label}", s * 1e3, "ms",
+                                           f"single kvstore serve, same {kind}Lookup",
+                                           self.single.lookup_s[kind] * 1e3))
 
 
 def _runs(blocks: int, run_blocks: int) -> int:

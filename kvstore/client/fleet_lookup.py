@@ -2,29 +2,33 @@
 
 Within a run R6 is the node's own rule (its Lookup counts the run's leading
 blocks). Across runs the client keeps it: the prefix ends at the first run no
-replica holds in full. A run is asked of the first replica of its read order
-(`NodePool.read_order`), and of the next ones while the answer falls short or
-the node fails (docs/FLEET.md F31, F33).
+replica holds in full. Without a lease the last run is asked first, of one
+replica: a prompt sent again is found in one call, since a run stored means
+every run before it was stored on all its replicas (F30: runs are put in order)
+and every use of a run is a use of every run before it on every copy (F34), so
+while a run is inside its retention the runs before it are too (F31). Otherwise
+(and always with a lease) every run is asked of the first replica of its read
+order (`NodePool.read_order`), one Lookup per node naming all of that node's runs
+(`run_lengths`: each run its own chain, looked up and leased on its own), all
+nodes at once: one round trip, whatever the prompt's length (docs/FLEET.md F50).
+The runs of a node that failed go to their next replica, again one call per
+node; then the runs are walked in order, and the first that falls short is asked
+of its other replicas (F31, F33): R6 across runs is checked on every run.
 
-Without a lease the runs are binary-searched: the last run first (a prompt sent
-again is found in one call), then halving, so a 1M-token prompt (62 runs) costs
-about log2(62) = 6 calls, one after another, each to one node (two where a run
-falls short: its other replica is asked too). That is sound because a run stored
-means every run before it was stored on all its replicas (F30: runs are put in
-order, and a Put starting at a run needs the run before it), and every use of a
-run is a use of every run before it on every copy (F34), so while a run is inside
-its retention the runs before it are too. With `lease_ms`, every run must be
-leased on the node that holds it: all runs are asked at once (gRPC futures, one
-round trip), then walked in order; the leases past the prefix's end are released
-at once, the others make one composite lease id (`fleet:` + JSON of (node, lease)
-pairs) that `FleetClient.release` releases on every node. Either way the copies
-of the found prefix that were not asked are queued for a refresh (`fleet_refresh`).
+With `lease_ms` each run's found blocks are leased on the node that found them;
+the leases past the prefix's end are released at once, the others make one
+composite lease id (`fleet:` + JSON of (node, lease) pairs) that
+`FleetClient.release` releases on every node (F32). The copies of the found
+prefix that were not asked are queued for a refresh (`fleet_refresh`).
+A node that predates `run_lengths` answers no `run_found_blocks`: its runs are
+asked again one call each.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +41,8 @@ from kvstore.errors import DataLoss, DeadlineExceeded, KVStoreError, NotFound, U
 from kvstore.fleet.placement import RunPlacement
 from kvstore.v1 import kvstore_pb2 as pb
 
+#: Bytes of one chain hash in block_hashes_packed.
+HASH_BYTES = 32
 #: Marks a composite lease id.
 LEASE_PREFIX = "fleet:"
 #: Errors after which the run is asked of its next replica.
@@ -97,10 +103,14 @@ def _request(pool: NodePool, node: str, hashes: Sequence[bytes], lease_ms: int) 
 
 
 def _note(answer: RunAnswer, node: str, reply: pb.LookupResponse) -> None:
-    if reply.lease_id:
-        answer.leases.append((node, reply.lease_id))
-    if reply.found_blocks > answer.found or answer.node is None:
-        answer.found, answer.node = reply.found_blocks, node
+    _note_found(answer, node, reply.found_blocks, reply.lease_id)
+
+
+def _note_found(answer: RunAnswer, node: str, found: int, lease_id: str) -> None:
+    if lease_id:
+        answer.leases.append((node, lease_id))
+    if found > answer.found or answer.node is None:
+        answer.found, answer.node = found, node
 
 
 def _ask_next(pool: NodePool, answer: RunAnswer, order: list[str], hashes: Sequence[bytes], lease_ms: int,
@@ -163,10 +173,12 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
             request for a reason another replica would share (a bad argument, say).
     """
     orders = [pool.read_order(chain[r.first_block], r.replicas) for r in runs]
-    if lease_ms:
-        answers, end = _ask_every_run(pool, runs, orders, chain, lease_ms, retry)
-    else:
-        answers, end = _search(pool, runs, orders, chain, retry)
+    answers: dict[int, RunAnswer] = {}
+    try:
+        end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry)
+    except BaseException:
+        _release(pool, [p for a in answers.values() for p in a.leases])
+        raise
     kept = [p for i in sorted(answers) if i < end for p in answers[i].leases]
     _release(pool, [p for i in sorted(answers) if i >= end for p in answers[i].leases])
     found = runs[end - 1].first_block + answers[end - 1].found if end else 0
@@ -185,65 +197,111 @@ def _check_first(answer: RunAnswer, i: int) -> None:
         raise answer.error
 
 
-def _search(pool: NodePool, runs: Sequence[RunPlacement], orders: list[list[str]], chain: Sequence[bytes],
-            retry: Retry) -> tuple[dict[int, RunAnswer], int]:
-    """Binary search for the first run not complete on any replica: the last run first (a prompt sent
-    again), then halving. Sound while runs are within retention (docs/FLEET.md F31).
+def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: list[list[str]], chain: Sequence[bytes],
+                 answers: dict[int, RunAnswer], lease_ms: int, retry: Retry) -> int:
+    """Without a lease, the last run first, on one replica (a prompt sent again: done, F31). Then every run on
+    the first replica of its read order, one call per node, all nodes at once (F50); the runs of a node that
+    failed on their next replica, again one call per node; then in order, the run that falls short asked of
+    its other replicas (F31): the prefix ends at the first run no replica holds in full.
 
     Returns:
-        The runs asked (index -> answer) and the number of runs the prefix reaches into (the boundary run,
-        complete or partly found, is the last of them).
+        The number of runs the prefix reaches into (the boundary run, complete or partly found, is the last).
     """
-    answers: dict[int, RunAnswer] = {}
-
-    def complete(i: int) -> bool:
-        run = runs[i]
-        answer = answers[i] = RunAnswer()
-        _settle(pool, answer, orders[i], chain[run.first_block:run.end_block], 0, retry)
-        _check_first(answer, i)
-        return answer.found == run.end_block - run.first_block
-
-    lo, hi = 0, len(runs) - 1  # runs before lo are complete; run hi is the first not, or the last run
-    if not complete(hi):
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if complete(mid):
-                lo = mid + 1
-            else:
-                hi = mid
-    if hi not in answers:
-        complete(hi)
-    return answers, hi + 1
-
-
-def _ask_every_run(pool: NodePool, runs: Sequence[RunPlacement], orders: list[list[str]], chain: Sequence[bytes],
-                   lease_ms: int, retry: Retry) -> tuple[dict[int, RunAnswer], int]:
-    """Every run at once (each must lease what it found), then in order: the prefix ends at the first run
-    no replica holds in full."""
-    answers = {i: RunAnswer() for i in range(len(runs))}
-    calls = []
+    rest = range(len(runs))
+    if not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, in one call
+        last = len(runs) - 1
+        _round(pool, runs, chain, answers, {last: orders[last][0]}, 0)
+        if answers[last].found == runs[last].end_block - runs[last].first_block:
+            return len(runs)  # every run before a stored run is stored, inside retention (F31)
+        rest = range(last)
+    _round(pool, runs, chain, answers, {i: orders[i][0] for i in rest}, lease_ms)
+    while True:  # a node away: its runs go to their next replica, together
+        again = {}
+        for i, answer in answers.items():
+            left = [n for n in orders[i] if n not in answer.asked]
+            if answer.node is None and answer.error is not None and left:
+                again[i] = left[0]
+        if not again:
+            break
+        _round(pool, runs, chain, answers, again, lease_ms)
     for i, run in enumerate(runs):
-        node = orders[i][0]
-        answers[i].asked.append(node)
-        try:
-            calls.append((answers[i], node, _request(pool, node, chain[run.first_block:run.end_block], lease_ms)[1]))
-        except KVStoreError as exc:
-            _failed(pool, answers[i], node, exc)
-    for answer, node, call in calls:
-        try:
-            _note(answer, node, call.result())  # type: ignore[attr-defined]
-        except grpc.RpcError as exc:
-            _failed(pool, answer, node, status_error(exc))
-    for i, run in enumerate(runs):
-        _settle(pool, answers[i], orders[i], chain[run.first_block:run.end_block], lease_ms, retry)
-        try:
-            _check_first(answers[i], i)
-        except KVStoreError:
-            _release(pool, [p for a in answers.values() for p in a.leases])
-            raise
         if answers[i].found < run.end_block - run.first_block:
-            return answers, i + 1
-    return answers, len(runs)
+            _settle(pool, answers[i], orders[i], chain[run.first_block:run.end_block], lease_ms, retry)
+            _check_first(answers[i], i)
+            if answers[i].found < run.end_block - run.first_block:
+                return i + 1
+    return len(runs)
+
+
+def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
+           ask: dict[int, str], lease_ms: int) -> None:
+    """Ask run i of node ask[i] for every i: one Lookup per node naming all its runs (run_lengths), the nodes at
+    once (one round trip). A node's failure is noted on each of its runs; an error another replica would share
+    is raised once every call was answered (the caller releases what they leased)."""
+    by_node: dict[str, list[int]] = {}
+    for i, node in ask.items():
+        by_node.setdefault(node, []).append(i)
+        answers.setdefault(i, RunAnswer()).asked.append(node)
+    packed = b"".join(chain)  # one join; each node's runs are slices of it
+    jobs = [(node, indices, _runs_request(pool, node, runs, indices, packed, lease_ms))
+            for node, indices in by_node.items()]
+    # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
+    # its own per call, which costs more than the call on a small prompt.
+    futures = [_EXECUTOR.submit(call) for _, _, call in jobs[:-1]]
+    last = [jobs[-1][2]()] if jobs else []
+    outcomes = [f.result() for f in futures] + last
+    refused: KVStoreError | None = None
+    for (node, indices, _), outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, KVStoreError):
+            refused = refused or _node_failed(pool, answers, indices, node, outcome)
+        elif len(outcome.run_found_blocks) != len(indices):  # a node that predates run_lengths: a run per call
+            if outcome.lease_id:
+                _release(pool, [(node, outcome.lease_id)])
+            for i in indices:
+                answers[i].asked.pop()
+                _ask_next(pool, answers[i], [node], chain[runs[i].first_block:runs[i].end_block], lease_ms, set())
+        else:
+            for i, found, lease in zip(indices, outcome.run_found_blocks, outcome.run_lease_ids, strict=True):
+                _note_found(answers[i], node, found, lease)
+    if refused is not None:
+        raise refused
+
+
+#: Threads the Lookups of one round wait on (shared by every fleet client of the process; made as needed).
+_EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup")
+
+
+def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int], packed: bytes,
+                  lease_ms: int) -> Callable[[], pb.LookupResponse | KVStoreError]:
+    """A Lookup of several runs on one node (each its own chain: run_lengths), to be called: its reply, or the
+    error it failed with."""
+    view = memoryview(packed)
+    hashes = b"".join(view[runs[i].first_block * HASH_BYTES:runs[i].end_block * HASH_BYTES] for i in indices)
+
+    def call() -> pb.LookupResponse | KVStoreError:
+        try:
+            c = pool.connection(node)
+            request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
+                                       block_hashes_packed=hashes,
+                                       run_lengths=[runs[i].end_block - runs[i].first_block for i in indices])
+            return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            return status_error(exc)
+        except KVStoreError as exc:
+            return exc
+
+    return call
+
+
+def _node_failed(pool: NodePool, answers: dict[int, RunAnswer], indices: Sequence[int], node: str,
+                 exc: KVStoreError) -> KVStoreError | None:
+    """Note a node's failure on each of its runs; the error itself when another replica would refuse it too."""
+    if not isinstance(exc, FAIL_OVER):
+        return exc
+    pool.failed(node)
+    for i in indices:
+        answers[i].error = exc
+    return None
 
 
 def _release(pool: NodePool, leases: Sequence[tuple[str, str]]) -> int:

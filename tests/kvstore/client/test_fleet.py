@@ -8,7 +8,6 @@ Runs are 4 blocks of 16 tokens, so a prompt of a few hundred tokens spans many r
 
 from __future__ import annotations
 
-import math
 import random
 import threading
 import uuid
@@ -16,13 +15,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import kvstore
 from kvstore.bench.redis_server import free_port
 from kvstore.client.admin import AdminClient
-from kvstore.client.fleet import FleetClient
+from kvstore.client.fleet import FleetClient, FleetLookupResult
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
 from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.client.store import LookupResult
@@ -153,38 +153,127 @@ def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> N
             assert sorted(held) == [0, 0, 4] and run.replicas == (fleet.nodes[held.index(4)].node_id,)
 
 
+def purge_from(node: Node, block_hash: bytes) -> None:
+    """Drop a block and the rest of its run on one node (a purge takes the block's descendants with it)."""
+    with AdminClient(node.child.target) as admin:
+        assert admin.purge("default", block_hashes=[block_hash]) >= 1
+
+
 def lookups_by_node(client: FleetClient) -> dict[str, int]:
-    return {k: s.lookups for k, s in client.node_stats().items()}
+    """Lookup calls each node answered (its hit counters count calls; its store's `lookups`, runs)."""
+    return {k: next(w.counts.lookups for w in s.windows if w.window == "start")
+            for k, s in client.node_stats().items()}
 
 
-def calls_of(client: FleetClient, lookup: Callable[[], LookupResult]) -> tuple[LookupResult, int]:
+def calls_of(client: FleetClient, lookup: Callable[[], LookupResult]) -> tuple[Any, int]:
     """A lookup's result and the Lookup calls it made (every node's counter, less the refreshes it queued)."""
+    found, by_node = calls_by_node(client, lookup)
+    return found, sum(by_node.values())
+
+
+def calls_by_node(client: FleetClient, lookup: Callable[[], LookupResult]) -> tuple[Any, dict[str, int]]:
+    """A lookup's result and the Lookup calls it made of each node (the refreshes it queued left out)."""
     assert client.refresher.flush(30.0)
-    before, sent = lookups_by_node(client), client.refresher.sent
-    found = lookup()
-    assert client.refresher.flush(30.0)
+    before = lookups_by_node(client)
+    refresher, client.refresher.add = client.refresher.add, lambda *a, **k: None  # type: ignore[method-assign]
+    try:
+        found = lookup()
+    finally:
+        client.refresher.add = refresher  # type: ignore[method-assign]
     after = lookups_by_node(client)
-    return found, sum(after.values()) - sum(before.values()) - (client.refresher.sent - sent)
+    return found, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
 
 def test_f31_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Fleet) -> None:
-    """F31: a binary search over runs (the last first), each probe on one replica (two when it falls short)."""
+    """F31, F50: the last run first (a prompt sent again: one call); else one call per node for all its runs,
+    then the boundary run's other replica."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 20)
         client.put(tokens, blocks_for(client, tokens))
         found, calls = calls_of(client, lambda: client.lookup(tokens))
         assert found.found_blocks == 80 and found.found_tokens == len(tokens)
         assert calls == 1 and len(found.nodes_asked) == 1  # a prompt sent again: its last run, on one node
+        client.lookup(tokens)
+        assert client.refresher.flush(30.0)
         assert client.refresher.sent == 39  # every other copy of the 20 runs, off the read path (F34)
 
         longer = tokens + prompt(RUN_TOKENS * 2)  # two more runs, never stored
-        found, calls = calls_of(client, lambda: client.lookup(longer))
+        found, by_node = calls_by_node(client, lambda: client.lookup(longer))
         assert found.found_blocks == 80
-        assert calls <= 2 * math.ceil(math.log2(22)) + 2 and len(found.nodes_asked) <= 3
+        # The last run's probe, one call per node for the other 21 runs, then the boundary run's other replica
+        # and the node ranked next after its replicas (F42).
+        assert sum(by_node.values()) <= 1 + 3 + 2 and max(by_node.values()) <= 3
         for cut in (7 * RUN_TOKENS + 3 * BLOCK_TOKENS, 3 * BLOCK_TOKENS, RUN_TOKENS, 19 * RUN_TOKENS + 1):
-            found, calls = calls_of(client, lambda cut=cut: client.lookup(tokens[:cut] + prompt(2 * RUN_TOKENS)))
+            cut_prompt = tokens[:cut] + prompt(2 * RUN_TOKENS)
+            found, calls = calls_of(client, lambda p=cut_prompt: client.lookup(p))  # type: ignore[misc]
             assert found.found_blocks == cut // BLOCK_TOKENS, cut  # ends inside a run, or at a run's end
-            assert calls <= 2 * math.ceil(math.log2(22)) + 2
+            assert calls <= 1 + 3 + 2
+
+
+def test_f50_a_leased_lookup_asks_each_node_once_for_all_its_runs(fleet: Fleet) -> None:
+    """F50: 30 runs leased in one call per node (at most the 3 nodes), each run's lease on the node that found it;
+    a run falling short on its first replica is asked of the other."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 30)
+        client.put(tokens, blocks_for(client, tokens))
+        found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
+        assert found.found_blocks == 120 and found.lease_id is not None
+        assert len(by_node) <= 3 and set(by_node.values()) == {1}  # one call per node, not one per run
+        assert sum(s.active_leases for s in client.node_stats().values()) == 30
+        assert client.release(found.lease_id)
+        # Run 12's tail purged on the replica the client reads it from: that node answers it short, the other
+        # replica is asked, and the prefix goes on past it (R6 within the run on each node; across, the client).
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[12]
+        first = client.pool.read_order(chain[run.first_block], run.replicas)[0]
+        with kvstore.Client(fleet.node(first).child.target) as direct:
+            assert direct.lookup_hashes(chain[48:52]).found_blocks == 4
+        purge_from(fleet.node(first), chain[50])
+        found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
+        assert found.found_blocks == 120
+        assert sum(by_node.values()) <= 3 + 2
+        assert client.release(found.lease_id)
+
+
+def test_f50_a_run_missing_on_every_replica_ends_the_prefix_there(fleet: Fleet) -> None:
+    """F50, F31: with later runs complete, a run no replica holds in full ends the prefix at its found blocks,
+    without a lease too, once the last run is not complete (the round checks every run)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 8)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        placement = client.placement(chain)
+        for node in placement[3].replicas:  # run 3 loses its last 2 blocks everywhere (past retention, say)
+            purge_from(fleet.node(node), chain[14])
+        longer = tokens + prompt(RUN_TOKENS)  # its last run never stored: every run is asked
+        assert client.lookup(longer).found_blocks == 14
+        leased = client.lookup(longer, lease_ms=60_000)
+        assert leased.found_blocks == 14 and leased.lease_id is not None
+        assert client.release(leased.lease_id)
+
+
+def test_f50_a_node_answers_each_run_of_a_multi_run_lookup_and_names_bad_lengths(fleet: Fleet) -> None:
+    """F50: a node looks up each run of run_lengths as its own chain (R6, R15 within it), and refuses lengths that
+    do not cut the hashes, or run_lengths beside what it cannot be combined with, INVALID_ARGUMENT naming them."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 3)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[1]
+        node = client.pool.connection(run.replicas[0])
+        hashes = chain[4:8] + chain[4:6] + chain[6:8] + [bytes(32)]  # run 1; its head; its tail alone; junk
+        reply = node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(hashes),
+                                                                run_lengths=[4, 2, 2, 1], lease_ms=60_000))
+        assert list(reply.run_found_blocks) == [4, 2, 0, 0] and reply.found_blocks == 6 and not reply.lease_id
+        assert [bool(lease) for lease in reply.run_lease_ids] == [True, True, False, False]
+        for lease in reply.run_lease_ids[:2]:
+            assert node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=lease)).released
+        with pytest.raises(InvalidArgument, match="run_lengths must be runs of at least 1 block summing to the 4"):
+            node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(chain[4:8]),
+                                                            run_lengths=[2, 3]))
+        with pytest.raises(InvalidArgument, match="run_lengths cannot be combined with keep_until_s"):
+            node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(chain[4:8]),
+                                                            run_lengths=[4], keep_until_s=1e10))
 
 
 def test_f30_f31_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fleet: Fleet) -> None:
@@ -223,6 +312,7 @@ def test_f32_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_th
         tokens = prompt(RUN_TOKENS * 6)
         client.put(tokens, blocks_for(client, tokens))
         found = client.lookup(tokens, lease_ms=60_000)
+        assert isinstance(found, FleetLookupResult)
         assert found.found_blocks == 24 and found.lease_id is not None
         leases = {k: s.active_leases for k, s in client.node_stats().items()}
         assert sum(leases.values()) == 6 and {k for k, v in leases.items() if v} == found.nodes_asked
