@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Policy(_message.Message):
-    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes")
+    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication")
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class Policy(_message.Message):
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
     PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     retention_hours: float
     swa_ttl_s: float
     nvme_quota_bytes: int
@@ -22,7 +23,8 @@ class Policy(_message.Message):
     requests_per_s: float
     pin_max_hours: float
     pin_budget_bytes: int
-    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ...) -> None: ...
+    replication: int
+    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
 
 class TenantPolicy(_message.Message):
     __slots__ = ("tenant", "policy", "is_default")
@@ -61,7 +63,7 @@ class TenantUsage(_message.Message):
     def __init__(self, nvme_bytes: _Optional[int] = ..., nvme_blocks: _Optional[int] = ..., token_hours: _Optional[float] = ..., swa_bytes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
-    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes")
+    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class SetPolicyRequest(_message.Message):
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
     PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     retention_hours: float
     swa_ttl_s: float
@@ -78,15 +81,18 @@ class SetPolicyRequest(_message.Message):
     requests_per_s: float
     pin_max_hours: float
     pin_budget_bytes: int
-    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ...) -> None: ...
+    replication: int
+    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
 
 class SetPolicyResponse(_message.Message):
-    __slots__ = ("before", "after")
+    __slots__ = ("before", "after", "note")
     BEFORE_FIELD_NUMBER: _ClassVar[int]
     AFTER_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     before: TenantPolicy
     after: TenantPolicy
-    def __init__(self, before: _Optional[_Union[TenantPolicy, _Mapping]] = ..., after: _Optional[_Union[TenantPolicy, _Mapping]] = ...) -> None: ...
+    note: str
+    def __init__(self, before: _Optional[_Union[TenantPolicy, _Mapping]] = ..., after: _Optional[_Union[TenantPolicy, _Mapping]] = ..., note: _Optional[str] = ...) -> None: ...
 
 class ListPoliciesRequest(_message.Message):
     __slots__ = ()
