@@ -22,11 +22,14 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import pytest
 
 import kvstore
 from kvstore.client.fleet import FleetClient
 from kvstore.prefix_hosts import host_id
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import datadir
@@ -140,6 +143,14 @@ def test_r28_a_pin_through_the_gateway_holds_on_every_copy(fleet: Fleet) -> None
         got = plain.pin(more, asked)  # a Lookup's pin through the gateway: both copies of the one run
         assert (got.found_blocks, got.kept_until_s, got.keep_note) == (RUN_BLOCKS, asked, "")
         assert sum(node_pins(fleet).values()) - sum(before.values()) == sum(added.values()) + 2
+        # A raw Put through the gateway asking keep_until_s: each replica pins its part in its own Put (R22).
+        raw = prompt(RUN_BLOCKS + 1)  # two runs from block 0: each part's last block pinned on both copies
+        with grpc.insecure_channel(fleet.gateway.target) as channel:
+            reply = pb_grpc.KVStoreStub(channel).Put(pb.PutRequest(
+                token_ids=raw, blocks=[random.randbytes(plain.block_bytes) for _ in range(RUN_BLOCKS + 1)],
+                keep_until_s=asked))
+        assert (reply.written_blocks, reply.kept_until_s, reply.keep_note) == (RUN_BLOCKS + 1, asked, "")
+        assert sum(node_pins(fleet).values()) - sum(before.values()) == sum(added.values()) + 2 + 4
 
 
 def test_a_lookup_names_every_replica_of_every_found_run(fleet: Fleet) -> None:
