@@ -386,7 +386,7 @@ class TraceSettings:
     max_bytes: int = GiB
     #: Records waiting for the writer; past it (or past `queue_bytes`) a record is dropped and counted.
     queue_records: int = 10_000
-    #: Bytes of hashes waiting for the writer (a record's estimate: its hashes); past it records are dropped.
+    #: Bytes waiting for the writer (a record: its hashes, `hash_bytes` each, and 200); past it records are dropped.
     queue_bytes: int = 64 * 1024 * 1024
     #: Leading bytes of each block hash recorded (8: a collision among a trace's blocks is ~never).
     hash_bytes: int = 8

@@ -19,4 +19,5 @@ BENCHES: dict[str, str] = {
     "fleet": "kvstore.bench.fleet",
     "fleet-swa": "kvstore.bench.fleet_swa",
     "trace": "kvstore.bench.trace",
+    "trace-record": "kvstore.bench.trace_record",
 }
