@@ -100,6 +100,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None) -> None:
         s = sglang_config.settings(storage_config.extra_config)
+        self.settings = s
         sglang_config.check_tree_core()
         sglang_config.check_topology(storage_config)
         self.storage_config = storage_config

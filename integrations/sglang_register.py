@@ -19,12 +19,13 @@ from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 
-from integrations import sglang_swa, sglang_v4_pools
+from integrations import sglang_keys, sglang_swa, sglang_v4_pools
+from integrations.common import StoreSettings, connect_layout
 from integrations.sglang_keys import KeyLedger
 from integrations.sglang_v4_io import V4Pages
 from kvstore.client import Client
 from kvstore.errors import ConfigError
-from kvstore.geometry import ModelGeometry
+from kvstore.geometry import ModelGeometry, resolve
 
 
 class PoolRegistry:
@@ -38,6 +39,8 @@ class PoolRegistry:
     blocks_per_page: int
     v4: V4Pages | None
     stats: dict[str, int]
+    settings: dict[str, Any]
+    _pages_gb: float
     _v4_pools: dict[str, Any]
 
     def _write_pages(self, keys: Any, pages: Any) -> list[bool]:
@@ -65,10 +68,28 @@ class PoolRegistry:
         if not (self.storage_config.extra_config or {}).get("interface_v1"):
             raise ConfigError("SGLang's DeepSeek-V4 HiCache needs the kvstore backend's page interface: add "
                               "\"interface_v1\": 1 to --hicache-storage-backend-extra-config")
+        self._use_records(sglang_v4_pools.records())
         page_tokens = int(anchor.page_size)
         layout = sglang_v4_pools.layout(self.geometry, page_tokens, self.client.block_tokens)
         self.page_size, self.blocks_per_page = page_tokens, layout.blocks_per_page
         self.v4 = V4Pages(self.client, self.ledger, layout, self._v4_pools, self._write_pages, self.stats)
+
+    def _use_records(self, records: Any) -> None:
+        """Work under the geometry of SGLang's record layout (kvstore.layout), said in the log: on SGLang's
+        default `v4` rows a client, a chain root and a ledger of that layout's own (registration comes
+        before any request, so no key was handed out under the other root)."""
+        s = self.settings
+        settings = StoreSettings(target=s["target"], token=s["token"], namespace=s["namespace"],
+                                 geometry=self.client.geometry, timeout_s=float(s["timeout_s"]))
+        client = connect_layout(settings, records, "SGLang's DeepSeek-V4 HiCache")
+        if client.geometry == self.client.geometry:
+            client.close()
+            return
+        self.client.close()
+        self.client, self.geometry = client, resolve(client.geometry)
+        self.ledger = KeyLedger(client.root, client.block_tokens, capacity=s["ledger_pages"])
+        sglang_keys.install(self.ledger)
+        self._pages_gb = client.block_bytes / 1e9
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """The anchor host pool: a KV pool whose pages are kvstore blocks, or SGLang's DeepSeek-V4 anchor
@@ -114,7 +135,8 @@ class PoolRegistry:
             raise ConfigError(f"SGLang's DeepSeek-V4 host pool {name!r} is not served by the kvstore backend: "
                               f"{why or 'no kvstore counterpart'} (docs/ENGINES.md, SGLang: not supported yet)")
         if name == PoolName.SWA.value:
-            sglang_v4_pools.check_swa_pool(self.geometry, self.page_size, host_pool)
+            sglang_v4_pools.check_swa_pool(self.geometry, self.page_size, host_pool,
+                                           interleaved=self.v4.layout.interleaved)
         else:
             sglang_v4_pools.check_side_pool(self.v4.layout, host_pool, name)
             self._v4_pools[name] = host_pool

@@ -112,16 +112,25 @@ def move(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[byt
 # -- SGLang's DeepSeek-V4 SWA pool: one page per prefix end, V41 rows ------------------------------
 #
 # SGLang's V4 SWA host page (DeepSeekV4PagedHostPool "swa", swa_page_size = the 256-token KV page)
-# is, per layer, `page_tokens` V41 window rows: block-split ([page x 512 B E4M3][page x 16 B UE8M0],
-# SGLANG_DSV4_KV_LAYOUT=v41) or interleaved (rows of [data][scales], v41_new). Slot i is position
-# page_start + i. The window of a prefix ending at T (a page boundary) is the last `window` rows of
-# the page ending at T, which is what kvstore's snapshot at T holds, row for row.
+# is, per layer, `page_tokens` window rows: V41 rows block-split ([page x 512 B E4M3][page x 16 B
+# UE8M0], SGLANG_DSV4_KV_LAYOUT=v41) or interleaved (rows of [data][scales], v41_new), or SGLang's
+# default V4 rows (the sglang-v4 layout) block-split ([page x 576 B][page x 8 B], padded to 576 B).
+# Slot i is position page_start + i. The window of a prefix ending at T (a page boundary) is the
+# last `window` rows of the page ending at T, which is what kvstore's snapshot at T holds, row for row.
+
+
+def v4_swa_item_bytes(geometry: ModelGeometry, page_tokens: int, interleaved: bool) -> int:
+    """A V4 SWA host page per layer: `page_tokens` window rows, padded as SGLang's `KVLayout.page_bytes`
+    does (to the data row when block-split: 149,760 B for V4's 584-B rows; none for V41's 528 B)."""
+    data, scales = geometry.row_split("window")
+    align = data + scales if interleaved else data
+    return -(-page_tokens * (data + scales) // align) * align
 
 
 def _v4_rows(geometry: ModelGeometry, page: torch.Tensor, page_tokens: int, interleaved: bool) -> torch.Tensor:
     """A V4 SWA page's rows, uint8 [layers, page_tokens, window_row_bytes] (a copy when block-split)."""
     row = geometry.window_row_bytes
-    data = geometry.head_dim  # one E4M3 byte per channel
+    data = geometry.row_split("window")[0]  # 512 E4M3 bytes (V41), or 448 E4M3 + 64 BF16 (V4)
     flat = page.contiguous().view(torch.uint8).view(geometry.num_layers, -1)
     if interleaved:
         return flat[:, :page_tokens * row].view(-1, page_tokens, row)
@@ -138,14 +147,17 @@ def v4_window_of_page(geometry: ModelGeometry, page: torch.Tensor, page_tokens: 
 def v4_page_of_window(geometry: ModelGeometry, snapshot: bytes | bytearray | memoryview, page_tokens: int, *,
                       interleaved: bool) -> torch.Tensor:
     """The V4 SWA page ending at a snapshot's T, flat uint8: its last `window` rows from the snapshot,
-    the rows before them (older than any read of the window) zero."""
-    row, data = geometry.window_row_bytes, geometry.head_dim
+    the rows before them (older than any read of the window) and the page padding zero."""
+    row, data = geometry.window_row_bytes, geometry.row_split("window")[0]
     rows = torch.zeros(geometry.num_layers, page_tokens, row, dtype=torch.uint8)
     rows[:, page_tokens - geometry.window:] = read_only(snapshot).view(geometry.num_layers, geometry.window, row)
+    page = torch.zeros(geometry.num_layers, v4_swa_item_bytes(geometry, page_tokens, interleaved), dtype=torch.uint8)
     if interleaved:
-        return rows.reshape(-1)
-    return torch.cat([rows[..., :data].reshape(geometry.num_layers, -1),
-                      rows[..., data:].reshape(geometry.num_layers, -1)], dim=1).reshape(-1)
+        page[:, :page_tokens * row] = rows.reshape(geometry.num_layers, -1)
+    else:
+        page[:, :page_tokens * row] = torch.cat([rows[..., :data].reshape(geometry.num_layers, -1),
+                                                 rows[..., data:].reshape(geometry.num_layers, -1)], dim=1)
+    return page.reshape(-1)
 
 
 def move_v4(client: Client, geometry: ModelGeometry, pool: Any, chain: Sequence[bytes], host_indices: torch.Tensor,

@@ -18,6 +18,13 @@ tokens and per source layer of each compression ratio (`DeepSeekV4PagedHostPool`
 
 A kvstore block (kvstore.codec.block_codec) holds, per source layer, the block's
 compressed-KV rows then its indexer rows, each row `[data][scales]`.
+
+With SGLang's default `SGLANG_DSV4_KV_LAYOUT=v4` (every GPU but SM100/SM103) the compressed-KV
+pages are `KVLayout.V4` instead: block-split `[slots x 576 B][slots x 8 B]` (448 E4M3 NoPE + 64
+BF16 RoPE, 7 UE8M0 scales and a pad byte), padded to 576 B, and the indexer pages are the same
+FP4 index pages. The geometry then is the model's in the `sglang-v4` record layout
+(kvstore.layout): its 584-B rows are stored as they are, under keys of their own; the mapping is
+the same, with the row's data and scale widths taken from the layout (`ModelGeometry.row_split`).
 """
 
 from __future__ import annotations
@@ -72,10 +79,11 @@ class V4PageLayout:
         return self.page_tokens // ratio
 
     def kv_item_bytes(self, ratio: int) -> int:
-        """A compressed-KV pool's page per layer (SGLang's `KVLayout.page_bytes`, padded)."""
-        row = self.geometry.compressed_kv_row_bytes
-        align = row if self.interleaved else self.geometry.head_dim // 2
-        return -(-self.slots(ratio) * row // align) * align
+        """A compressed-KV pool's page per layer (SGLang's `KVLayout.page_bytes`: padded to the data
+        row, 256 B for V41_FP4 and 576 B for V4, or to the whole row when interleaved)."""
+        data, scales = self.geometry.row_split("compressed_kv")
+        align = data + scales if self.interleaved else data
+        return -(-self.slots(ratio) * (data + scales) // align) * align
 
     def index_item_bytes(self, ratio: int) -> int:
         """An indexer pool's page per layer: whole indexer pages."""
@@ -90,7 +98,7 @@ class V4PageLayout:
 def _kv_rows(layout: V4PageLayout, page: torch.Tensor, slots: int) -> torch.Tensor:
     """`[layers, slots, row]` rows (a copy when block-split) from compressed-KV pages `[layers, item]`."""
     row = layout.geometry.compressed_kv_row_bytes
-    data = layout.geometry.head_dim // 2
+    data = layout.geometry.row_split("compressed_kv")[0]
     if layout.interleaved:
         return page[:, :slots * row].reshape(-1, slots, row)
     return torch.cat([page[:, :slots * data].reshape(-1, slots, data),
@@ -100,7 +108,7 @@ def _kv_rows(layout: V4PageLayout, page: torch.Tensor, slots: int) -> torch.Tens
 def _index_rows(layout: V4PageLayout, page: torch.Tensor, slots: int) -> torch.Tensor:
     """`[layers, slots, row]` indexer rows from indexer pages `[layers, item]` (index pages of data then scales)."""
     row = layout.geometry.indexer_row_bytes
-    data = layout.geometry.index_head_dim // 2
+    data = layout.geometry.row_split("indexer")[0]
     per = layout.index_page_slots
     pages = page[:, :slots * row].reshape(-1, slots // per, per * row)
     rows = torch.cat([pages[..., :per * data].reshape(-1, slots // per, per, data),
@@ -166,16 +174,16 @@ def blocks_to_pages(layout: V4PageLayout, blocks: torch.Tensor) -> dict[str, tor
         if not sources:
             continue
         slots = layout.slots(ratio)
-        kv = torch.stack([split[s][0].reshape(slots, -1) for s in sources])        # [layers, slots, 288]
+        kv = torch.stack([split[s][0].reshape(slots, -1) for s in sources])        # [layers, slots, 288 or 584]
         index = torch.stack([split[s][1].reshape(slots, -1) for s in sources])     # [layers, slots, 68]
         kv_page = torch.zeros(len(sources), layout.kv_item_bytes(ratio), dtype=torch.uint8)
-        data = g.head_dim // 2
+        data = g.row_split("compressed_kv")[0]
         if layout.interleaved:
             kv_page[:, :slots * g.compressed_kv_row_bytes] = kv.reshape(len(sources), -1)
         else:
             kv_page[:, :slots * data] = kv[..., :data].reshape(len(sources), -1)
             kv_page[:, slots * data:slots * g.compressed_kv_row_bytes] = kv[..., data:].reshape(len(sources), -1)
-        per, idata = layout.index_page_slots, g.index_head_dim // 2
+        per, idata = layout.index_page_slots, g.row_split("indexer")[0]
         grouped = index.reshape(len(sources), slots // per, per, -1)
         index_page = torch.cat([grouped[..., :idata].reshape(len(sources), slots // per, -1),
                                 grouped[..., idata:].reshape(len(sources), slots // per, -1)], dim=-1)

@@ -15,6 +15,10 @@ The in-page arrangement is not in the host pools (a block-split and an interleav
 have the same size), so it comes from SGLang's own settings, as its pools were built:
 `SGLANG_DSV4_KV_LAYOUT=v41_new` interleaves, `v41` (or `auto` on SM100) splits, and the
 indexer's slots per page are `DSV41_INDEX_PAGE_SIZE` (64; 128 with DeepGEMM's paged logits).
+
+The record layout comes from the same settings (`records`, as SGLang's `select_dsv4_kv_layout`
+picks it): `v41` / `v41_new` keep the model's rows; SGLang's default `v4` (and `auto` off SM100)
+keeps 584-B V4 rows, stored as they are under the `sglang-v4` layout (kvstore.layout).
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from integrations.sglang_swa import v4_swa_item_bytes
 from integrations.sglang_v4 import POOLS, V4PageLayout
+from kvstore import layout as layouts
 from kvstore.errors import ConfigError
 from kvstore.geometry import ModelGeometry
+from kvstore.layout import RecordLayout
 
 #: The V4 side pools whose pages are kvstore blocks.
 SERVED = frozenset(name for pair in POOLS.values() for name in pair)
@@ -43,9 +50,43 @@ V4_REFUSED = {
     "draft": "MTP/DSpark draft pools: engines start the draft's state empty after a restore (docs/ENGINES.md)",
 }
 
-#: What to run when SGLang keeps DeepSeek-V4 (fp8 nope + bf16 rope) rows instead of V4.1's.
-V41_HINT = ("kvstore's blocks hold DeepSeek-V4.1 rows: run SGLang with SGLANG_DSV4_KV_LAYOUT=v41 (or v41_new) "
-            "on SM100/SM103, whose compressed caches are V41_FP4 (SGLANG_DSV4_COMPRESSED_KV_LAYOUT auto or fp4)")
+#: What SGLang's V4 stack is served with: its layout's rows, each pool at its size.
+V41_HINT = ("kvstore serves SGLang's DeepSeek-V4 pools with SGLANG_DSV4_KV_LAYOUT=v4 (SGLang's default: 584-B rows) "
+            "or v41 / v41_new on SM100/SM103 (the model's rows), with the compressed caches of that layout "
+            "(SGLANG_DSV4_COMPRESSED_KV_LAYOUT auto; fp4 with v41)")
+
+
+def _sm100() -> bool:
+    """SGLang's test for the V4.1 layouts (`select_dsv4_kv_layout`): a CUDA GPU of capability major 10."""
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.version.cuda is not None
+                and torch.cuda.get_device_capability()[0] == 10)
+
+
+def records() -> RecordLayout:
+    """The record layout of SGLang's DeepSeek-V4 pools, read from its settings as `select_dsv4_kv_layout` does.
+
+    Raises:
+        ConfigError: a layout kvstore does not serve (TRT-LLM's uniform FP8 pools, an fp8 compressed cache
+            beside V4.1 rows is refused later by the pool sizes), naming the setting.
+    """
+    from sglang.srt.environ import envs
+
+    mode = envs.SGLANG_DSV4_KV_LAYOUT.get().lower()
+    try:
+        from sglang.srt.runtime_context import get_exec
+        backend = str(get_exec().kernel.dsv4_attn_backend)
+    except Exception:  # no server context (SGLang not started, as in a test): no backend forces a layout
+        backend = ""
+    if backend == "trtllm":
+        raise ConfigError("SGLang's dsv4_attn_backend trtllm keeps uniform FP8 pools (512 E4M3, an external scale), "
+                          f"which kvstore does not serve: {V41_HINT}")
+    if backend == "flashmla_mega" and mode != "v41_new":
+        mode = "v41"
+    if mode == "v4" or (mode == "auto" and not _sm100()):
+        return layouts.SGLANG_V4
+    return layouts.MODEL_NATIVE
 
 
 def is_v4_anchor(pool: Any) -> bool:
@@ -95,7 +136,7 @@ def check_side_pool(page: V4PageLayout, pool: Any, name: str) -> None:
                           f"layers x {item} B. {V41_HINT}")
 
 
-def check_swa_pool(geometry: ModelGeometry, page_tokens: int, pool: Any) -> None:
+def check_swa_pool(geometry: ModelGeometry, page_tokens: int, pool: Any, *, interleaved: bool = False) -> None:
     """Refuse a V4 SWA pool that is not the model's window rows: every target layer, V41 rows, no draft layers.
 
     Raises:
@@ -103,7 +144,7 @@ def check_swa_pool(geometry: ModelGeometry, page_tokens: int, pool: Any) -> None
     """
     layers = int(getattr(pool, "layer_num", -1))
     item = int(getattr(pool, "item_bytes", -1))
-    want = page_tokens * geometry.window_row_bytes
+    want = v4_swa_item_bytes(geometry, page_tokens, interleaved)
     if int(getattr(pool, "page_size", 0)) != page_tokens:
         raise ConfigError(f"SGLang's V4 SWA host pool has {pool.page_size}-token pages; the kvstore backend "
                           f"needs the KV page size, {page_tokens}")
@@ -114,7 +155,7 @@ def check_swa_pool(geometry: ModelGeometry, page_tokens: int, pool: Any) -> None
     if layers != geometry.num_layers or item != want:
         raise ConfigError(f"SGLang's V4 SWA host pool has {layers} layers x {item} B per page; kvstore's "
                           f"{geometry.name} window rows need {geometry.num_layers} layers x {page_tokens} x "
-                          f"{geometry.window_row_bytes} B = {want} B. {V41_HINT}")
+                          f"{geometry.window_row_bytes} B, {want} B with page padding. {V41_HINT}")
     if geometry.window > page_tokens:
         raise ConfigError(f"the SWA window ({geometry.window} tokens) is longer than SGLang's {page_tokens}-token "
                           "page: the page ending a prefix does not hold its whole window")

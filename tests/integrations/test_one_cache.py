@@ -40,6 +40,7 @@ V4_PAGE = 8 * B
 def store(start_store: Callable[[], Child], monkeypatch: pytest.MonkeyPatch) -> Child:
     # SGLang's Python radix-tree core hashes pages through kvstore's keys (its backend refuses the Rust one).
     monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")   # the V4 pools here hold the model's rows
     return start_store()
 
 

@@ -35,6 +35,13 @@ from tests.integrations.test_sglang_support import ConfigError, PoolName, Storag
 python_tree_core = support.python_tree_core
 server = support.server
 
+
+@pytest.fixture(autouse=True)
+def v41_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang keeps V4.1 rows (SGLANG_DSV4_KV_LAYOUT=v41, SM100): these pools are V4.1's. Its default, v4, keeps
+    584-B rows, served under their own layout (test_sglang_v4_layout.py)."""
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+
 #: SGLang modules that import packages the lean install lacks; none is used by a host pool.
 _UNUSED_HEAVY = (
     "sglang.srt.multimodal.internvl_utils", "sglang.srt.configs.deepseek_ocr", "sglang.srt.configs.internvl",
@@ -175,9 +182,9 @@ def test_v4_pools_kvstore_does_not_keep_are_refused_saying_why(server: Child, na
 
 
 def test_v4_rows_of_another_layout_are_refused_naming_the_setting(server: Child) -> None:
-    # SGLang's default V4 layout (fp8 nope + bf16 rope, 584 B rows) is not V4.1's 288 B rows.
+    # SGLang's V4 layout (fp8 nope + bf16 rope, 584 B rows) with SGLANG_DSV4_KV_LAYOUT=v41 set: not V4.1's rows.
     v4_rows = side_pool(PoolName.DEEPSEEK_V4_C2, 3, KVLayout.V4.page_bytes(128))
-    with pytest.raises(ConfigError, match="SGLANG_DSV4_KV_LAYOUT=v41") as exc:
+    with pytest.raises(ConfigError, match="SGLANG_DSV4_KV_LAYOUT=v4 ") as exc:
         attach(server.target, v41_group(extra={PoolName.DEEPSEEK_V4_C2: v4_rows}))
     assert "'deepseek_v4_c2'" in str(exc.value)
     v4_swa = side_pool(PoolName.SWA, 40, KVLayout.V4.page_bytes(V4_PAGE))

@@ -28,6 +28,13 @@ python_tree_core = support.python_tree_core
 server = support.server
 client = support.client
 
+
+@pytest.fixture(autouse=True)
+def v41_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang keeps V4.1 rows (SGLANG_DSV4_KV_LAYOUT=v41, SM100): these pools are V4.1's. Its default, v4, keeps
+    584-B rows, served under their own layout (test_sglang_v4_layout.py)."""
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+
 SIDE = [PoolName.DEEPSEEK_V4_C2, PoolName.DEEPSEEK_V4_C2_INDEXER, PoolName.DEEPSEEK_V4_C1,
         PoolName.DEEPSEEK_V4_C1_INDEXER]
 N = V4_PAGE // 64   # kvstore blocks per page
