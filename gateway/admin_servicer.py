@@ -180,10 +180,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         changes = {name: getattr(request, name) for name in FIELDS if request.HasField(name)}
         if not changes:
             raise InvalidArgument(f"no policy field is set: set at least one of {', '.join(FIELDS)}")
-        before, _ = await self.policies.change(tenant, changes, actor=caller.tenant)
+        before, after = await self.policies.change(tenant, changes, actor=caller.tenant)
+        note = await self.policies.replication_note(tenant, after) if "replication" in changes else ""
         return pb.SetPolicyResponse(
             before=pb.TenantPolicy(tenant=tenant, policy=_policy(before), is_default=before is self.policies.defaults),
-            after=self._tenant_policy(tenant))
+            after=self._tenant_policy(tenant), note=note)
 
     @unary
     @_refused("")

@@ -331,6 +331,14 @@ class FleetRepairer:
         each target lacks. Asks the peers; copies nothing."""
         return (await self.plan_round(runs, live, addresses)).plans
 
+    #: Copies of the run of a storage key: its tenant's replication (docs/FLEET.md F51; the server sets it to
+    #: the policies' `replication_of_key`); None: `replication` for every run.
+    copies: Callable[[bytes], int] | None = None
+
+    def copies_of(self, entry: RunEntry) -> int:
+        """The replication `entry`'s run is kept at (its tenant's, F51)."""
+        return self.copies(entry.key) if self.copies is not None else self.replication
+
     async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> Round:
         """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
         (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once."""
@@ -348,7 +356,7 @@ class FleetRepairer:
         for i, order in enumerate(orders):
             if held[i]:
                 me = order.index(self.node_id)
-                for peer in {*order[:me], *order[:self.replication]} - {self.node_id}:
+                for peer in {*order[:me], *order[:self.copies_of(runs[i])]} - {self.node_id}:
                     asked.setdefault(peer, []).append(i)
         theirs = await self._digests(asked, runs, addresses)
         # Which runs each peer is asked block by block (its digest differs from ours and is not empty).
@@ -360,7 +368,7 @@ class FleetRepairer:
             me = order.index(self.node_id)
             if any(theirs.get((n, runs[i].key)) == mine[i] for n in order[:me]):
                 continue  # a holder ranked above holds the same blocks: it acts, not us
-            for n in {*order[:me], *order[:self.replication]} - {self.node_id}:
+            for n in {*order[:me], *order[:self.copies_of(runs[i])]} - {self.node_id}:
                 d = theirs.get((n, runs[i].key))
                 if d is not None and d.blocks and d != mine[i]:
                     checks.setdefault(n, []).append(i)
@@ -394,7 +402,7 @@ class FleetRepairer:
                 if theirs_held is None:
                     return None
                 unique = [b for b in unique if b.key not in theirs_held]
-        for target in order[:self.replication]:
+        for target in order[:self.copies_of(entry)]:
             if target == self.node_id or not unique:
                 continue
             d = theirs.get((target, entry.key))

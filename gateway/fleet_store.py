@@ -85,6 +85,11 @@ class FleetStore:
                               f"{self.view.layout.block_tokens}-token blocks: give the gateway the nodes' setting")
         self.run_blocks: int = self.view.layout.run_blocks
         self.replication = fleet.replication
+        try:  # each tenant's own replication, when its policy sets one, is its Puts' (F51)
+            self.view.follow_policy(None)
+        except BaseException:
+            self.view.close()
+            raise
         self.retry = Retry()
         self._tls, self._timeout_s = tls, timeout_s
         self._routes: OrderedDict[Route, tuple[NodePool, Refresher]] = OrderedDict()
@@ -125,31 +130,36 @@ class FleetStore:
             old[0].close()
         return found
 
-    def _replicas(self, run_key: bytes) -> tuple[str, ...]:
+    def copies(self, tenant: str) -> int:
+        """Copies of each of `tenant`'s runs: its policy's own replication (F51), else [fleet] replication."""
+        return self.view.replication_of(tenant) or self.replication
+
+    def _replicas(self, run_key: bytes, tenant: str) -> tuple[str, ...]:
         nodes = placeable(self.view.nodes)  # as the fleet client places (one id per address)
-        return replicas(run_key, nodes, max(1, min(self.replication, len(nodes))))
+        return replicas(run_key, nodes, max(1, min(self.copies(tenant), len(nodes))))
 
     def route_lookup(self, route: Route, hashes: Sequence[bytes], lease_ms: int) -> tuple[int, str | None]:
         """(found blocks, composite lease id or None) of fleet hashes from block 0 (F31, F32)."""
         pool, refresher = self._route(route)
         nodes = placeable(self.view.nodes)
         runs = place_chain(hashes, nodes, run_blocks=self.run_blocks,
-                           replication=max(1, min(self.replication, len(nodes))))
+                           replication=max(1, min(self.copies(route.namespace), len(nodes))))
         found = lookup_runs(pool, runs, hashes, lease_ms=lease_ms, retry=self.retry, refresher=refresher)
         return found.found_blocks, found.lease_id
 
-    def _placed(self, hashes: Sequence[bytes]) -> tuple[RunPlacement, ...]:
+    def _placed(self, hashes: Sequence[bytes], tenant: str) -> tuple[RunPlacement, ...]:
         nodes = placeable(self.view.nodes)
         return place_chain(hashes, nodes, run_blocks=self.run_blocks,
-                           replication=max(1, min(self.replication, len(nodes))))
+                           replication=max(1, min(self.copies(tenant), len(nodes))))
 
     def route_pin(self, route: Route, hashes: Sequence[bytes], found_blocks: int, until_s: float) -> FleetPin:
         """Pin the found prefix of fleet hashes `hashes` on every live copy of each run (R28)."""
-        return pin_runs(self._route(route)[0], self._placed(hashes), hashes, found_blocks, until_s)
+        return pin_runs(self._route(route)[0], self._placed(hashes, route.namespace), hashes, found_blocks, until_s)
 
-    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int) -> tuple[PrefixHost, ...]:
-        """The nodes holding the found prefix: each live replica of each run (`kvstore.prefix_hosts`)."""
-        return fleet_hosts(self._placed(hashes), found_blocks, self.view.nodes)
+    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int, tenant: str = "") -> tuple[PrefixHost, ...]:
+        """The nodes holding the found prefix: each live replica of each run (`kvstore.prefix_hosts`), at
+        `tenant`'s replication (F51; "": [fleet] replication)."""
+        return fleet_hosts(self._placed(hashes, tenant), found_blocks, self.view.nodes)
 
     def route_release(self, route: Route, lease_id: str) -> bool:
         """Release a composite lease on every node it names (NOT_FOUND: not one)."""
@@ -175,7 +185,7 @@ class FleetStore:
             def copy(node: str, request: pb.PutRequest = request) -> pb.PutResponse:
                 return self.retry.call(lambda: _put_on(pool, node, request))
 
-            nodes = self._replicas(part.run_key)
+            nodes = self._replicas(part.run_key, route.namespace)
             futures = {node: self._copies.submit(copy, node) for node in nodes}
             failures: list[tuple[int, str, KVStoreError]] = []
             most = 0
@@ -218,7 +228,8 @@ class FleetStore:
             else:
                 raise InvalidArgument(f"a Get from block {first_block}, inside a run of {self.run_blocks} blocks, "
                                       "needs run_key: the run's first fleet hash (kvstore.Client sends it)")
-            run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n, replicas=self._replicas(key))
+            run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n,
+                               replicas=self._replicas(key, route.namespace))
             # F34: the copies not read are refreshed where the part starts at the run's first block (a
             # part from inside a run lacks the hashes from there; its run's earlier reads refreshed them).
             at_start = pos % self.run_blocks == 0

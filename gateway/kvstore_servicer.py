@@ -616,8 +616,10 @@ def _token(context: grpc.aio.ServicerContext) -> str | None:
 
 
 def _route(request: pb.PutRequest | pb.GetRequest | pb.LookupRequest, context: grpc.aio.ServicerContext) -> Route:
-    """Whose request a gateway routes: the caller's token with the request's own namespace and geometry."""
-    return Route(token=_token(context), namespace=request.namespace, geometry=request.geometry)
+    """Whose request a gateway routes: the caller's token with the request's own namespace (the caller's tenant
+    when empty, so the router knows whose policy places it: F51) and geometry."""
+    return Route(token=_token(context), namespace=request.namespace or current_caller().tenant,
+                 geometry=request.geometry)
 
 
 def _stats_tenant(name: str, caller: Caller) -> str | None:

@@ -44,6 +44,7 @@ from gateway.audit import AuditLog, fsync_dir
 from kvstore.api_tokens import TENANT_NAME, check_tenant
 from kvstore.config import MAX_BYTES, RETENTION_FLOOR_HOURS
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
+from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
 from kvstore.side_files import read_json
 
 log = logging.getLogger("kvstore.policies")
@@ -76,6 +77,9 @@ class Policy:
     pin_max_hours: float = 0.0
     #: Bytes of pinned prefixes the tenant may hold at once (R24); 0: no pins.
     pin_budget_bytes: int = 0
+    #: Copies of each of the tenant's runs in a fleet (docs/FLEET.md F51); the defaults' is [fleet]
+    #: replication, 1 on a single node. Fewer while fewer nodes are live (F13).
+    replication: int = 1
 
     @property
     def retention_s(self) -> float:
@@ -90,12 +94,17 @@ class Policy:
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 #: The byte quotas: whole numbers.
 _BYTE_FIELDS = ("nvme_quota_bytes", "swa_quota_bytes", "pin_budget_bytes")
+#: Every whole-number field.
+_WHOLE_FIELDS = (*_BYTE_FIELDS, "replication")
+#: Most copies of a run a policy may name ([fleet] replication's bound).
+MAX_REPLICATION = 5
 #: The range of each field as stored (swa_ttl_s must also be above 0). `set` checks the same, and more:
 #: the TTL against the pool's, retention against the tenant's current one.
 _STORED_RANGES: dict[str, tuple[float, float]] = {
     "retention_hours": (RETENTION_FLOOR_HOURS, MAX_RETENTION_HOURS), "swa_ttl_s": (0.0, MAX_RETENTION_HOURS * 3600),
     "requests_per_s": (0.0, MAX_REQUESTS_PER_S), "nvme_quota_bytes": (0, MAX_BYTES), "swa_quota_bytes": (0, MAX_BYTES),
     "pin_max_hours": (0.0, MAX_RETENTION_HOURS), "pin_budget_bytes": (0, MAX_BYTES),
+    "replication": (1, MAX_REPLICATION),
 }
 
 
@@ -129,9 +138,9 @@ def _stored_fields(tenant: str, fields: object) -> dict[str, Any]:
         number = _number(value)
         low, high = _STORED_RANGES[name]
         if number is None or not low <= number <= high or (name == "swa_ttl_s" and number <= 0) \
-                or (name in _BYTE_FIELDS and not float(number).is_integer()):
+                or (name in _WHOLE_FIELDS and not float(number).is_integer()):
             raise ValueError(f"tenant {tenant!r}: {name} is {_short(value)}, out of its range")
-        out[name] = int(number) if name in _BYTE_FIELDS else float(number)
+        out[name] = int(number) if name in _WHOLE_FIELDS else float(number)
     return out
 
 
@@ -206,12 +215,17 @@ class PolicyTable(ABC):
         max_swa_ttl_s: the pool's TTL (swa.ttl_s): no snapshot lives longer.
     """
 
+    #: Whether the policies are a fleet's (a replication above 1 means something only there).
+    fleet = False
+
     def __init__(self, *, defaults: Policy, max_swa_ttl_s: float) -> None:
         self.max_swa_ttl_s = max_swa_ttl_s
         self.defaults = defaults
         #: Each tenant's own fields (those an admin set); the others follow the defaults.
         self._set: dict[str, dict[str, Any]] = {}
         self._own: dict[str, Policy] = {}
+        #: namespace id -> replication of the tenants with a policy of their own, and the `_own` it was made of.
+        self._copies: tuple[dict[str, Policy] | None, dict[bytes, int]] = (None, {})
 
     @abstractmethod
     async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
@@ -257,6 +271,25 @@ class PolicyTable(ABC):
         """Seconds `tenant`'s blocks are kept after their last use: the tier's retention provider."""
         return self.policy(tenant).retention_s
 
+    def replication_of_key(self, key: bytes) -> int:
+        """Copies the run of storage key `key` is kept in: its tenant's replication (F51). The key names the
+        tenant by its namespace id (kvstore.prefix), so re-replication can ask without the tenant's name.
+
+        The map is rebuilt when the tenants' policies were replaced (a fleet's table replaces them on every
+        change it follows).
+        """
+        own, by_id = self._copies
+        if own is not self._own:
+            own = self._own
+            by_id = {namespace_id(t): p.replication for t, p in own.items()}
+            self._copies = (own, by_id)
+        return by_id.get(key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES], self.defaults.replication)
+
+    async def replication_note(self, tenant: str, policy: Policy) -> str:
+        """What a replication of `policy` does now when it cannot yet be that (a fleet's: fewer nodes live
+        than it names); empty when it is as set."""
+        return ""
+
     def _apply(self, fields: Mapping[str, Any]) -> Policy:
         """The defaults with a tenant's own fields."""
         return dataclasses.replace(self.defaults, **{k: v for k, v in fields.items() if k in FIELDS})
@@ -289,6 +322,16 @@ class PolicyTable(ABC):
                 raise InvalidArgument(f"pin_max_hours = {value:g} for tenant {tenant!r} is above "
                                       f"{MAX_RETENTION_HOURS:g} (100 years); 0 means no pins")
             return float(value)
+        if name == "replication":
+            if not float(value).is_integer() or not 1 <= value <= MAX_REPLICATION:
+                raise InvalidArgument(f"replication = {value!r} for tenant {tenant!r}: copies of each run, a whole "
+                                      f"number from 1 to {MAX_REPLICATION}")
+            if value > 1 and not self.fleet:
+                raise FailedPrecondition(
+                    f"replication = {int(value)} for tenant {tenant!r}: this server is a single node (no [fleet] "
+                    "etcd), which keeps one copy of every block", hint="set it on a node of a fleet, whose runs "
+                    "are kept on that many nodes; 1 is a single node's")
+            return int(value)
         if name == "requests_per_s":
             if value > MAX_REQUESTS_PER_S:
                 raise InvalidArgument(f"requests_per_s = {value:g} for tenant {tenant!r} is above "

@@ -60,7 +60,7 @@ from kvstore.config import Settings, TlsSettings
 from kvstore.counted import counted
 from kvstore.errors import ConfigError
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
-from tiers import blockcopy
+from tiers import allocator, blockcopy
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
 from tiers.swa_pool import open_pool
@@ -174,8 +174,9 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         metrics.registry.register(EventsCollector(tier))
         trace = await _start_trace(settings, tier, closers, clock or SystemClock())
         metrics.registry.register(TraceCollector(trace))
+        opened: dict[str, Any] = {}
         server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics,
-                                         shared, trace=trace)
+                                         shared, trace=trace, opened=opened)
         token = None
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
             token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled)
@@ -194,6 +195,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
             if fleet is not None:
                 from gateway.fleet_repair import start_repair  # a single node never loads aetcd
                 repair = await start_repair(settings, tier, fleet, token)
+                repair.copies = opened["admin"].policies.replication_of_key  # each tenant's replication (F51)
                 from gateway.metrics_fleet import FleetNodeCollector
 
                 metrics.registry.register(FleetNodeCollector(fleet, repair))  # kvstore_fleet_* (docs/METRICS.md)
@@ -306,15 +308,18 @@ def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
 
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
                     clock: Clock, interceptors: list[grpc.aio.ServerInterceptor], metrics: ServerMetrics,
-                    shared: dict[str, Any] | None = None, *,
-                    trace: CallTrace = NO_TRACE) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
-    """The gRPC server with every service on it; each service's clean-up goes to `closers`."""
+                    shared: dict[str, Any] | None = None, *, trace: CallTrace = NO_TRACE,
+                    opened: dict[str, Any] | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+    """The gRPC server with every service on it; each service's clean-up goes to `closers`, the admin parts
+    to `opened["admin"]`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
     # Tenants' policies and the audit log; the quota interceptor goes innermost (it reads the
     # caller auth set and decoded requests).
     admin = await _open_admin(settings, clock)
     closers.append(admin.close)
+    if opened is not None:
+        opened["admin"] = admin
     table = getattr(admin.policies, "table", None)  # etcd's, in a fleet
     if shared is not None and table is not None:
         shared["policies"] = table
@@ -364,6 +369,7 @@ async def _close(closers: list[Callable[[], Any]]) -> None:
 
 async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then shut down cleanly."""
+    allocator.keep_freed_memory()  # a Put's buffers are reused, not faulted in again each batch (tiers/allocator.py)
     running = await start(settings)
     print(f"kvstore listening on {settings.server.host}:{running.port}", flush=True)
     print(f"kvstore data in {settings.store.data_dir.resolve()} "

@@ -59,7 +59,7 @@ from kvstore.fleet.endpoints import (
     token_key,
 )
 from kvstore.fleet.etcd import EtcdSession
-from kvstore.fleet.membership import session_for
+from kvstore.fleet.membership import read_nodes, session_for
 from kvstore.fleet.tables import CAS_RETRIES, WatchedPrefix, put_if, read_tokens, token_parser
 
 log = logging.getLogger("kvstore.fleet")
@@ -319,6 +319,8 @@ class EtcdPolicies(PolicyTable):
         audit: the fleet's audit log (each change's entry is written in the change's transaction).
     """
 
+    fleet = True
+
     def __init__(self, table: WatchedPrefix[dict[str, Any]], *, cluster: str, configured: Policy,
                  max_swa_ttl_s: float, audit: EtcdAudit) -> None:
         super().__init__(defaults=configured, max_swa_ttl_s=max_swa_ttl_s)
@@ -351,6 +353,18 @@ class EtcdPolicies(PolicyTable):
             log.error("fleet: the policy of tenant %r in etcd is damaged (%s): the change is checked against the "
                       "last good one and replaces it", tenant, exc)
             return None if row is None else dict(row.value)
+
+    async def replication_note(self, tenant: str, policy: Policy) -> str:
+        """A replication above the nodes live now (etcd's count): what is done meanwhile (F51)."""
+        if policy.replication <= 1:
+            return ""
+        nodes, _ = await read_nodes(self.table.session, self.cluster)
+        live = len(nodes)
+        if live >= policy.replication:
+            return ""
+        return (f"tenant {tenant!r}: {policy.replication} copies of each run asked, {live} node"
+                f"{'s' if live != 1 else ''} live now: each run is kept on {max(live, 1)} until more nodes join, "
+                "then copied to them (re-replication)")
 
     async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
         """Change, audit in the same transaction, compared on the policy's mod revision (F25, F26).
@@ -424,7 +438,8 @@ async def open_fleet_admin(settings: Settings, *, clock: Clock | None = None,
     table = policies_watch(session, fleet.cluster)
     audit = EtcdAudit(session, fleet.cluster, clock=clock, max_entries=audit_max_entries)
     configured = Policy(retention_hours=settings.store.retention_hours, swa_ttl_s=settings.swa.ttl_s,
-                        pin_max_hours=settings.store.pin_max_hours, pin_budget_bytes=settings.store.pin_budget_bytes)
+                        pin_max_hours=settings.store.pin_max_hours, pin_budget_bytes=settings.store.pin_budget_bytes,
+                        replication=fleet.replication)
     try:
         await table.load()
         path = settings.store.data_dir / ADMIN_DIR / POLICIES_NAME

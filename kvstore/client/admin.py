@@ -20,8 +20,9 @@ from kvstore.errors import InvalidArgument
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
 
-#: The fields of a policy, as SetPolicy takes them.
-POLICY_FIELDS = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s")
+#: The fields of a policy, as SetPolicy takes them (every field of its request but the tenant: a new field needs
+#: no change here).
+POLICY_FIELDS = tuple(f.name for f in pb.SetPolicyRequest.DESCRIPTOR.fields if f.name != "tenant")
 
 
 class AdminClient:

@@ -88,8 +88,8 @@ class FleetClient(Client):
     Args:
         target: `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (cluster `default` when omitted).
         namespace, geometry, timeout_s, token, tls: as `kvstore.Client`'s, for every node.
-        replication: copies of every run a Put makes ([fleet] replication, 2 by default); fewer when fewer
-            nodes are live (one copy on each).
+        replication: copies of every run a Put makes ([fleet] replication, 2 by default) for a tenant whose
+            policy sets none (`copies`); fewer when fewer nodes are live (one copy on each).
         retry: the policy of failover rounds and of each copy's Put (default: 3 retries, 50 ms to 1 s).
 
     Raises:
@@ -132,6 +132,17 @@ class FleetClient(Client):
         self.max_batch_blocks, self.max_message_bytes = first.max_batch_blocks, first.max_message_bytes
         self.max_lease_ms, self.root = first.max_lease_ms, first.root
         self._batch_limit = first.batch_blocks
+        try:  # the tenant's own replication, when its policy sets one, is the Puts' (F51)
+            self.view.follow_policy(self.namespace)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def copies(self) -> int:
+        """Copies of every run a Put makes and reads rank: the tenant's own replication (its policy in etcd,
+        F51), else `replication`; fewer while fewer nodes are live (F13)."""
+        return self.view.replication_of(self.namespace) or self.replication
 
     def _any_node(self) -> Connection:
         """A connection to some live node (what every node serves: block size, geometry, limits)."""
@@ -172,7 +183,7 @@ class FleetClient(Client):
         """
         nodes = placeable(self.view.nodes)
         return place_chain(chain, nodes, run_blocks=self.run_blocks,
-                           replication=max(1, min(self.replication, len(nodes))))
+                           replication=max(1, min(self.copies, len(nodes))))
 
     # -- addressing --------------------------------------------------------
 

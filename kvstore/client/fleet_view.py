@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 from collections.abc import Callable, Coroutine, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 from kvstore.client.fleet_address import FleetAddress
 from kvstore.errors import Unavailable
-from kvstore.fleet.endpoints import layout_key
+from kvstore.fleet.endpoints import layout_key, policies_prefix, policy_key
 from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, NodeRecord
 from kvstore.fleet.placement import Layout
+from kvstore.fleet.tables import WatchedPrefix
 
 T = TypeVar("T")
 
@@ -40,6 +43,10 @@ class FleetView:
 
     def __init__(self, address: FleetAddress, *, timeout_s: float = 5.0) -> None:
         self.address = address
+        self._timeout_s = timeout_s
+        #: Tenants' own replication in etcd, once `follow_policy` started (F51), and whose (None: every tenant's).
+        self._policy: WatchedPrefix[int | None] | None = None
+        self._policy_tenant: str | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"fleet-view-{address.cluster}",
                                         daemon=True)
@@ -75,6 +82,31 @@ class FleetView:
         """node id -> record of every live node, as last seen (an immutable snapshot)."""
         return self._membership.nodes
 
+    def follow_policy(self, tenant: str | None) -> None:
+        """Follow `tenant`'s policy in etcd (`/kvstore/<cluster>/policies/<tenant>`), or every tenant's (None: a
+        gateway's), for `replication_of` (F51). An etcd away keeps the last values seen (F24).
+
+        Raises:
+            Unavailable: etcd does not answer (nothing was started).
+        """
+        cluster = self.address.cluster
+        prefix = policies_prefix(cluster) if tenant is None else policy_key(cluster, tenant)
+        table = WatchedPrefix(EtcdSession(self.address.endpoints, timeout_s=self._timeout_s), prefix,
+                              partial(_own_replication, "" if tenant is not None else None), table="policy")
+        try:
+            self._run(table.start(), self._timeout_s * 2)
+        except BaseException:
+            self._run(table.close(), 10.0)
+            raise
+        self._policy, self._policy_tenant = table, tenant
+
+    def replication_of(self, tenant: str) -> int | None:
+        """`tenant`'s own replication (None: it has none set, or its policy is not followed)."""
+        if self._policy is None or (self._policy_tenant is not None and tenant != self._policy_tenant):
+            return None
+        row = self._policy.rows.get("" if self._policy_tenant is not None else tenant)
+        return row.value if row is not None else None
+
     @property
     def stale(self) -> bool:
         """Whether etcd is away, so `nodes` is the last set seen (F7)."""
@@ -93,12 +125,35 @@ class FleetView:
         if not self._thread.is_alive():
             return
         with contextlib.suppress(Exception):  # closing a view whose etcd is gone must not raise
+            if self._policy is not None:
+                self._run(self._policy.close(), 10.0)
             self._run(self._membership.close(), 10.0)
             self._run(_cancel_the_rest(), 10.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10.0)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _own_replication(only: str | None, name: str, value: bytes) -> int | None:
+    """The replication of a tenant's own policy record (None: not set, or not a record to read: `only` names
+    the one wanted, "" for the exact key; a longer tenant name sharing its prefix, or the defaults' record).
+
+    Raises:
+        ValueError: the record is not a policy's JSON object, or its replication is not a whole 1-5.
+    """
+    if (only is not None and name != only) or name.startswith("."):
+        return None
+    fields = json.loads(value)
+    if not isinstance(fields, dict):
+        raise ValueError("a policy record is a JSON object")
+    copies = fields.get("replication")
+    if copies is None:
+        return None
+    if isinstance(copies, bool) or not isinstance(copies, int | float) or copies != int(copies) \
+            or not 1 <= copies <= 5:
+        raise ValueError(f"replication {copies!r} is not a whole number from 1 to 5")
+    return int(copies)
 
 
 async def _cancel_the_rest() -> None:

@@ -36,6 +36,8 @@ SETTABLE = (
     ("--requests-per-s", "requests_per_s", float, "data requests per second (0: unlimited)"),
     ("--pin-max-hours", "pin_max_hours", float, "longest a pin (keep_until_s) may run past now, hours (0: no pins)"),
     ("--pin-budget-bytes", "pin_budget_bytes", "bytes", "bytes of pinned prefixes the tenant may hold (0: no pins)"),
+    ("--replication", "replication", int, "copies of each run in a fleet, 1 to 5 (default [fleet] replication; "
+     "1 on a single node)"),
 )
 
 
@@ -139,7 +141,10 @@ def _set(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
     changed = {k: {"old": before[k], "new": after[k]} for k in after if before[k] != after[k]}
     lines = [f"tenant {args.tenant}: " + ("nothing changed" if not changed else "policy changed (audited)")]
     lines += [f"  {k:<18} {_show(k, v['old'])} -> {_show(k, v['new'])}" for k, v in changed.items()]
-    return {"json": {"tenant": args.tenant, "before": before, "after": after, "changed": changed}, "lines": lines}
+    if reply.note:
+        lines.append(f"note: {reply.note}")
+    return {"json": {"tenant": args.tenant, "before": before, "after": after, "changed": changed,
+                     "note": reply.note}, "lines": lines}
 
 
 def _list(admin: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -166,3 +166,31 @@ def test_a_block_keeps_its_promise_after_the_policy_changes(tmp_path: Path, cloc
         assert stored(tier, "acme", kept) == 0
     finally:
         tier.close()
+
+
+def test_f51_replication_is_one_to_five_copies_and_one_on_a_single_node(tmp_path: Path, clock: ManualClock) -> None:
+    """docs/FLEET.md F51: a whole number of copies from 1 to 5; a single node keeps one (FAILED_PRECONDITION
+    for more, naming why); the tenant's runs are found by their storage keys' namespace id."""
+    policies = open_policies(tmp_path, clock)
+    for bad in (0, 6, 2.5):
+        with pytest.raises(InvalidArgument, match=rf"replication = {bad!r} .* a whole number from 1 to 5"):
+            policies.set("acme", {"replication": bad}, actor="ops")
+    with pytest.raises(FailedPrecondition, match=r"this server is a single node .* one copy of every block"):
+        policies.set("acme", {"replication": 2}, actor="ops")
+    policies.set("acme", {"replication": 1}, actor="ops")
+    assert policies.policy("acme").replication == 1 and policies.defaults.replication == 1
+
+
+def test_f51_the_replication_of_a_runs_key_is_its_tenants(tmp_path: Path, clock: ManualClock) -> None:
+    """F51: re-replication asks by storage key; a tenant's own replication, else the defaults'."""
+    class FleetPolicies(Policies):  # the fleet's table's rule (EtcdPolicies), on the file's storage
+        fleet = True
+
+    policies = FleetPolicies(tmp_path, defaults=Policy(retention_hours=72.0, swa_ttl_s=300.0,
+                                                                     replication=2),
+                                          max_swa_ttl_s=300.0, audit=AuditLog(tmp_path, clock=clock))
+    acme, other = (BlockScope(V4_1_FLASH.fingerprint, t) for t in ("acme", "other"))
+    policies.set("acme", {"replication": 3}, actor="ops")
+    policies._own = dict(policies._own)  # as the fleet's table replaces them on each change it follows
+    assert policies.replication_of_key(acme.key(bytes(32))) == 3
+    assert policies.replication_of_key(other.key(bytes(32))) == 2

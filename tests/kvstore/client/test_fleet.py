@@ -21,6 +21,7 @@ import pytest
 
 import kvstore
 from kvstore.bench.redis_server import free_port
+from kvstore.cli import main
 from kvstore.client.admin import AdminClient
 from kvstore.client.fleet import FleetClient, FleetLookupResult
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
@@ -405,6 +406,44 @@ def test_a_stream_in_a_fleet_gives_each_block_in_order(fleet: Fleet) -> None:
 class PutLog:
     acked: list[tuple[list[int], list[bytes]]]
     failed: list[tuple[list[int], list[bytes], PutNotReplicated]]
+
+
+def held_by(fleet: Fleet, namespace: str, run_hashes: list[bytes]) -> list[int]:
+    """Leading blocks of a run each node holds for `namespace`, asked of every node directly."""
+    held = []
+    for n in fleet.nodes:
+        with kvstore.Client(n.child.target, namespace=namespace) as direct:
+            held.append(direct.lookup_hashes(run_hashes).found_blocks)
+    return held
+
+
+def test_f51_a_tenants_replication_is_the_copies_its_puts_make(fleet: Fleet,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """F51: a tenant's own replication in its policy (set through any node's Admin, stored in etcd) is what the
+    fleet client's Puts make, followed while the client runs; other tenants keep [fleet] replication; a
+    replication above the live nodes is set, and the answer says what is done meanwhile."""
+    tenant, other = f"r3-{uuid.uuid4().hex[:8]}", f"r4-{uuid.uuid4().hex[:8]}"
+    with fleet_client(fleet, namespace=tenant) as client, fleet_client(fleet, namespace=other) as plain:
+        assert client.copies == 2 and plain.copies == 2
+        with AdminClient(fleet.nodes[0].child.target) as admin:
+            reply = admin.set_policy(tenant, replication=3)
+            assert reply.after.policy.replication == 3 and reply.before.policy.replication == 2 and not reply.note
+            with pytest.raises(InvalidArgument, match=r"replication = 6 .* a whole number from 1 to 5"):
+                admin.set_policy(tenant, replication=6)
+        more = f"r5-{uuid.uuid4().hex[:8]}"  # through the CLI: `kvstore policy set --replication`
+        assert main(["policy", "set", more, "--replication", "4", "--target", fleet.nodes[1].child.target]) == 0
+        out = capsys.readouterr().out
+        assert "replication        2 -> 4" in out
+        assert f"note: tenant {more!r}: 4 copies of each run asked, 3 nodes live now: each run is kept on 3 " \
+               "until more nodes join, then copied to them (re-replication)" in out
+        wait_until(lambda: client.copies == 3, "the client following its tenant's new replication")
+        tokens = prompt(RUN_TOKENS * 2)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        assert all(run.replicas and len(run.replicas) == 3 for run in client.placement(chain))
+        assert held_by(fleet, tenant, chain[4:8]) == [4, 4, 4]  # run 1 on every node
+        plain.put(tokens, blocks_for(plain, tokens))  # the same tokens, another tenant: two copies
+        assert sorted(held_by(fleet, other, plain.hashes(tokens)[4:8])) == [0, 4, 4]
 
 
 def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
