@@ -145,8 +145,14 @@ def test_a_put_that_evicts_records_what_it_evicted(start_server: Callable[..., A
         clock.advance(73 * 3600.0)  # past the retention floor: the first chain may go
         client.put(second, [os.urandom(block) for _ in range(chain)])
         evicted = client.stats().evictions
-    wait_until(lambda: srv.trace.stats.written_records == 2, "both Puts' records written")
-    puts = [r for _, _, r in recorded.records(store.data_dir / "trace")]
+        assert client.lookup(second).found_blocks == chain
+        hashes = client.hashes(second)
+    wait_until(lambda: srv.trace.stats.written_records == 3, "both Puts' records and the Lookup's written")
+    *puts, look = [r for _, _, r in recorded.records(store.data_dir / "trace")]
     assert evicted == chain
     assert [(r["written"], r["evicted_blocks"], r["evicted_bytes"]) for r in puts] == [
         (chain, 0, 0), (chain, chain, chain * block)]
+    # The hashes recorded are the chain's own, each cut to its first hash_bytes (8).
+    assert puts[1]["hashes"] == look["hashes"] == "".join(h[:8].hex() for h in hashes)
+    assert (look["op"], look["tenant"], look["geometry"], look["found"]) == ("lookup", "default", V4_1_FLASH.name,
+                                                                             chain)
