@@ -5,8 +5,12 @@ A pin keeps a prefix past its tenant's retention until a time a Put or a Lookup 
 to retention alone. Nothing is dropped without --yes. Needs a token with the "admin" right
 (--token or $KVSTORE_TOKEN); a server without tenants on a loopback bind needs none.
 
+An etcd:// --target drops them on every node of the fleet (a fleet pin is one per run per copy,
+docs/RETENTION.md R28): each node is asked, the counts summed, an unreachable node named.
+
 Example:
   kvstore pins --tenant acme --drop --yes
+  kvstore pins --tenant acme --drop --yes --target etcd://10.0.0.5:2379/prod
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     """Ask the server to drop the tenant's pins; print how many were live."""
     if not args.yes:
         raise InvalidArgument(f"this drops every pin of tenant {args.tenant!r}: add --yes to go ahead")
+    if args.target.startswith("etcd://"):
+        return _run_fleet(args)
     with admin_client(args) as admin:
         dropped = admin.drop_pins(args.tenant)
     if args.json:
@@ -38,3 +44,33 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"tenant {args.tenant}: {counted(dropped, 'pin')} dropped")
     return 0
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    """Drop the tenant's pins on every node of the fleet; exit 1 when some node could not be asked.
+
+    Raises:
+        KVStoreError: etcd does not answer, or a node refused (a bad token: every node shares the fleet's).
+    """
+    from kvstore.client.admin import AdminClient
+    from kvstore.client.fleet import FleetClient
+    from kvstore.commands import client_options
+    from kvstore.errors import DeadlineExceeded, Unavailable
+
+    per_node: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    with FleetClient(args.target, timeout_s=args.timeout, **client_options(args)) as fleet:
+        for node_id, record in sorted(fleet.view.nodes.items()):
+            try:
+                with AdminClient(record.address, timeout_s=args.timeout, **client_options(args)) as admin:
+                    per_node[node_id] = admin.drop_pins(args.tenant)
+            except (Unavailable, DeadlineExceeded) as exc:  # its pins stay: said, and the exit status says so
+                failed[node_id] = f"{type(exc).__name__}: {exc.message}"
+    total = sum(per_node.values())
+    if args.json:
+        print(json.dumps({"tenant": args.tenant, "dropped_pins": total, "nodes": per_node, "unreachable": failed}))
+    else:
+        print(f"tenant {args.tenant}: {counted(total, 'pin')} dropped on {counted(len(per_node), 'node')}")
+        for node_id, why in failed.items():
+            print(f"  node {node_id} not asked, its pins stay: {why}")
+    return 1 if failed else 0

@@ -251,10 +251,12 @@ def fleet_report(client: Any, *, tenant: str, windows: list[str]) -> dict[str, A
             continue
         row.update(reachable=True, store_wide=bool(reply.store_wide),
                    **{f: int(getattr(reply, f)) for f in NODE_FIELDS},
+                   # the tenants' pins held on this node's copies (docs/RETENTION.md R28)
+                   pins=sum(t.pins for t in reply.tenants), pinned_bytes=sum(t.pinned_bytes for t in reply.tenants),
                    windows={w.window: {"seconds": w.seconds, **_counts(w.counts)} for w in reply.windows})
         nodes.append(row)
     answered = [n for n in nodes if n["reachable"]]
-    total: dict[str, Any] = {f: sum(n[f] for n in answered) for f in NODE_FIELDS}
+    total: dict[str, Any] = {f: sum(n[f] for n in answered) for f in (*NODE_FIELDS, "pins", "pinned_bytes")}
     total.update(nodes=len(nodes), reachable=len(answered), windows=_summed_windows(answered))
     for n in answered:  # the rates beside the counters, each node's from its own
         n["windows"] = {w: {"seconds": c["seconds"], **with_rates(_ints(c))} for w, c in n["windows"].items()}
@@ -299,6 +301,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
                  *(_rate(total["windows"][w]["lookup_token_hit_rate"]) for w in names)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines.append(f"pins (kept past retention, one per run per copy): {total['pins']:,} holding "
+                 f"{total['pinned_bytes']:,} B over the nodes that answered")
     print_buffer: list[str] = []
     if total["windows"]:
         import contextlib

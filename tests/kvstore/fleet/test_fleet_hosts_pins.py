@@ -193,3 +193,24 @@ def test_kvstore_plan_hosts_over_a_fleet(fleet: Fleet, tmp_path: Path) -> None:
     assert [(h["host_id"], h["path"], h["local_blocks"], h["remote_blocks"]) for h in hosts] == [
         (host_id(), "network", 8, 0), ("", "network", 0, 8)]
     assert set(hosts[0]["nodes"]) <= set(fleet.nodes) and len(hosts[0]["nodes"]) >= 2  # two runs, two copies each
+
+
+def test_r28_an_operator_sees_and_drops_a_tenants_pins_on_every_node(fleet: Fleet) -> None:
+    tokens = prompt(RUN_BLOCKS + 1)
+    with closing(fleet_client(fleet)) as client:
+        client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(RUN_BLOCKS + 1)],
+                   keep_until_s=time.time() + HOUR)
+    held = node_pins(fleet)
+    assert sum(held.values()) >= 4  # this prompt's two runs on two copies each, and the earlier tests'
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvstore.cli", *args, "--target", fleet.address, "--json"],
+                              capture_output=True, text=True, timeout=120)
+
+    stats = json.loads(cli("stats", "--tenant", "default").stdout)
+    assert {n["node_id"]: n["pins"] for n in stats["nodes"]} == held and stats["total"]["pins"] == sum(held.values())
+    dropped = cli("pins", "--tenant", "default", "--drop", "--yes")
+    assert dropped.returncode == 0, dropped.stderr
+    assert json.loads(dropped.stdout) == {"tenant": "default", "dropped_pins": sum(held.values()), "nodes": held,
+                                          "unreachable": {}}
+    assert set(node_pins(fleet).values()) == {0}
