@@ -3,7 +3,9 @@
 A block's hash covers its parent's hash, its token ids and the request's extra
 keys (multimodal input hashes, an adapter id, a salt), as canonical bytes fed to
 SHA-256. The chain starts from a root that covers the geometry fingerprint and
-the block size, so two layouts never share a hash. Tenants are kept apart one
+the block size, so two layouts never share a hash: the fingerprint is the geometry's in its
+record layout (kvstore.layout: the model's own rows keep theirs, an engine's records get
+their own), so this root is the one seed through which a layout enters every chain. Tenants are kept apart one
 level down, in the storage key (`storage_key`). Never Python's `hash()`: it is
 salted per process.
 
