@@ -22,7 +22,8 @@ The NVMe tier (rules R1-R21 in docs/RETENTION.md):
   token-hours, retention and quota, R17-R19), `export` (a namespace's records out
   and back in, R21).
 - `blockcopy`: the transfer path's verify-and-copy loop, native in `_blockcopy.c`;
-  `ring`: the request ring's native server (`_ring.c`).
+  `ring`: the request ring's native server (`_ring.c`); `allocator` (glibc told to keep
+  the memory a Put frees for the next one; `kvstore serve` does at start).
 
 The data dir (docs/OPERATIONS.md): `datadir` (its OS lock, identity and the checks
 before LMDB maps it), `lmdb_pages` (LMDB's file read page by page, never mapped),
