@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from sortedcontainers import SortedList
 
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
@@ -32,18 +33,28 @@ from tiers.usage import Usage
 
 
 class SimBlock:
-    """One stored block's meta record (the fields the tier's rules read), and its children."""
+    """One stored block's meta record (the fields the tier's rules read), and its children.
 
-    __slots__ = ("children", "depth", "indexed", "last_access_s", "parent", "size_bytes")
+    Its last use lives in its index's array (`SimIndex.last`, at the block's number), so a
+    Get's refresh of thousands of blocks is one vector step.
+    """
 
-    def __init__(self, *, depth: int, size_bytes: int, last_access_s: float, parent: bytes | None) -> None:
+    __slots__ = ("children", "depth", "idx", "indexed", "owner", "parent", "size_bytes")
+
+    def __init__(self, owner: SimIndex, idx: int, depth: int, size_bytes: int, parent: bytes | None) -> None:
+        self.owner = owner
+        self.idx = idx
         self.depth = depth
         self.size_bytes = size_bytes
-        self.last_access_s = last_access_s
         self.parent = parent
-        self.children: list[bytes] = []
+        self.children: list[bytes] | None = None
         #: Its entry in the sorted LRU index, None until a walk first needs it.
         self.indexed: bytes | None = None
+
+    @property
+    def last_access_s(self) -> float:
+        """Its recorded last use."""
+        return float(self.owner.last[self.idx])
 
 
 class _Cursor:
@@ -87,14 +98,28 @@ class _Dbs:
     pins: str = "pins"
 
 
+_NS_END = KEY_BYTES - HASH_BYTES  # a storage key's fingerprint and namespace id: its parent's key starts so
+#: Refreshed numbers noted as lists until this many, then as flags in an array (bounded memory).
+_STALE_LIST_MAX = 1 << 20
+
+
 class SimIndex:
     """The blocks one simulated store holds, as the tier's records would say.
 
     `write()` yields it as the write transaction (`BlockTxn`'s interface); `blocks` maps
-    each stored key to its `SimBlock`.
+    each stored key to its `SimBlock`. Each key has a number (its place in `key_of`, shared
+    with `kvstore.trace.chains.ChainKeys`): `last[number]` is the block's recorded last use
+    (NaN: not stored here), `size[number]` its bytes. A Put names the numbers of the keys it
+    may insert in `numbers` (a key without one is numbered at the end of `key_of`).
+
+    Args:
+        use_bucket_s: width of the last-use buckets `bytes_used_since` counts by.
+        key_of: every key by its number (shared by the nodes of a simulation).
+        per_namespace: keep each namespace's bytes (a quota's make-room reads them, R19).
     """
 
-    def __init__(self, *, use_bucket_s: float = 3600.0) -> None:
+    def __init__(self, *, use_bucket_s: float = 3600.0, key_of: list[bytes] | None = None,
+                 per_namespace: bool = False) -> None:
         self.blocks: dict[bytes, SimBlock] = {}
         #: Bytes by the bucket of their block's last recorded use (`bytes_used_since`).
         self.use_bucket_s = use_bucket_s
@@ -102,11 +127,32 @@ class SimIndex:
         self.lru = SortedList()
         self.usage = Usage()
         self.txn = _Txn(self)
-        self._stale: set[bytes] = set()
         self.dbs = _Dbs()
         self.namespace_names: dict[bytes, str] = {}
         self.unreadable: frozenset[bytes] = frozenset()
+        self.key_of: list[bytes] = [] if key_of is None else key_of
+        self.numbers: dict[bytes, int] = {}
+        self.last = np.full(0, np.nan)
+        self.size = np.zeros(0, dtype=np.int64)
+        #: Bytes each namespace stores, and has had evicted (None: one namespace, not kept).
+        self.ns_bytes: dict[bytes, int] | None = {} if per_namespace else None
+        self.ns_evicted: dict[bytes, list[int]] = {}
         self._journal: list[tuple[Any, ...]] | None = None
+        # entries to move in the LRU index at the next walk: keys, and refreshed numbers
+        self._stale: set[bytes] = set()
+        self._stale_ids: list[np.ndarray] = []
+        self._stale_count = 0
+        self._dirty: np.ndarray | None = None
+
+    def _grow(self, at_least: int) -> None:
+        n = max(at_least, 2 * len(self.last), 1024)
+        last, size = np.full(n, np.nan), np.zeros(n, dtype=np.int64)
+        last[: len(self.last)], size[: len(self.size)] = self.last, self.size
+        self.last, self.size = last, size
+        if self._dirty is not None:
+            dirty = np.zeros(n, dtype=bool)
+            dirty[: len(self._dirty)] = self._dirty
+            self._dirty = dirty
 
     # -- transactions -------------------------------------------------------------
 
@@ -128,8 +174,10 @@ class SimIndex:
         if kind == "insert":
             self._remove(key)
         elif kind == "delete":
-            block: SimBlock = entry[2]
-            self._add(key, block)
+            self._add(key, entry[2], entry[3])
+            if self.ns_bytes is not None:
+                self.ns_evicted[key[8:16]][0] -= 1
+                self.ns_evicted[key[8:16]][1] -= entry[2].size_bytes
         else:  # touch
             self._retime(key, entry[2])
 
@@ -144,65 +192,123 @@ class SimIndex:
         return self.namespace_names.get(ns_id)
 
     def namespace_bytes(self, ns_id: bytes) -> int:
-        """Bytes the namespace stores (the simulation runs one namespace: the store's)."""
-        return self.usage.stored_bytes
+        """Bytes the namespace stores (all of them when one namespace runs)."""
+        return self.usage.stored_bytes if self.ns_bytes is None else self.ns_bytes.get(ns_id, 0)
 
     def children(self, key: bytes) -> Iterator[bytes]:
         """Keys of the stored children of `key`."""
         block = self.blocks.get(key)
-        return iter(block.children if block is not None else ())
+        return iter(block.children or () if block is not None else ())
 
     def insert(self, key: bytes, parent_hash: bytes, depth: int, data: Any, now_s: float,
                is_first: bool, *, last_use_s: float | None = None) -> None:
         """Store a new block (its data is not kept: only its size)."""
-        parent = None if is_first else key[: KEY_BYTES - HASH_BYTES] + parent_hash
-        block = SimBlock(depth=depth, size_bytes=len(data), last_access_s=now_s if last_use_s is None else last_use_s,
-                         parent=parent)
-        self._add(key, block)
+        idx = self.numbers.get(key)
+        if idx is None:
+            idx = len(self.key_of)
+            self.key_of.append(key)
+        if idx >= len(self.last):
+            self._grow(idx + 1)
+        # `_add`, inlined: the Put of every new block runs it (a third of a Mooncake run's time)
+        size = len(data)
+        parent = None if is_first else key[:_NS_END] + parent_hash
+        block = SimBlock(self, idx, depth, size, parent)
+        blocks = self.blocks
+        blocks[key] = block  # its LRU entry is made at the next walk: the Put notes its numbers (`note_put`)
+        when = now_s if last_use_s is None else last_use_s
+        self.last[idx] = when
+        self.size[idx] = size
+        if parent is not None:
+            up = blocks.get(parent)
+            if up is not None:
+                if up.children is None:
+                    up.children = [key]
+                else:
+                    up.children.append(key)
+        usage = self.usage
+        usage.blocks += 1
+        usage.stored_bytes += size
+        if self.ns_bytes is not None:
+            self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + size
+        slot = int(when // self.use_bucket_s)
+        hist = self.bytes_by_use
+        hist[slot] = hist.get(slot, 0) + size
         if self._journal is not None:
             self._journal.append(("insert", key))
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use at `now_s` (nothing if absent or used since)."""
         block = self.blocks.get(key)
-        if block is None or block.last_access_s >= now_s:
+        if block is None:
+            return
+        old = self.last[block.idx]
+        if old >= now_s:
             return
         if self._journal is not None:
-            self._journal.append(("touch", key, block.last_access_s))
+            self._journal.append(("touch", key, float(old)))
         self._retime(key, now_s)
 
-    def refresh(self, keys: list[bytes], now_s: float, due_before_s: float) -> None:
-        """A Get's refresh (R5), outside any Put: each stored block of `keys` whose recorded use is
-        before `due_before_s` (`Retention.touch_due_before`) is recorded used at `now_s`.
+    def refresh(self, numbers: np.ndarray, now_s: float, due_before_s: float) -> None:
+        """A Get's refresh (R5), outside any Put: each stored block of `numbers` (keys by their number)
+        whose recorded use is before `due_before_s` (`Retention.touch_due_before`) is recorded used at
+        `now_s`.
 
-        `touch` for many blocks at once, in one loop: a Get of a long prompt refreshes thousands
-        (most of a simulation's time), and this write cannot fail, so it needs no journal.
+        `touch` for many blocks at once, as one vector step: a Get of a long prompt refreshes
+        thousands (most of a simulation's time), and this write cannot fail, so it needs no journal.
         """
-        blocks, hist, stale, width = self.blocks, self.bytes_by_use, self._stale, self.use_bucket_s
-        moved = 0
-        for key in keys:
-            block = blocks.get(key)
-            if block is None or block.last_access_s >= due_before_s or block.last_access_s >= now_s:
-                continue
-            slot = int(block.last_access_s // width)
-            hist[slot] -= block.size_bytes
-            moved += block.size_bytes
-            block.last_access_s = now_s
-            stale.add(key)
-        if moved:
-            slot = int(now_s // width)
-            hist[slot] = hist.get(slot, 0) + moved
+        if not len(numbers):
+            return
+        if len(self.last) < len(self.key_of):
+            self._grow(len(self.key_of))
+        old = self.last[numbers]
+        due = old < min(due_before_s, now_s)  # NaN (not stored here) is never due
+        if not due.any():
+            return
+        chosen, old = numbers[due], old[due]
+        sizes = self.size[chosen]
+        slots, where = np.unique(np.floor_divide(old, self.use_bucket_s).astype(np.int64), return_inverse=True)
+        hist = self.bytes_by_use
+        for slot, n in zip(slots.tolist(), np.bincount(where, weights=sizes).tolist(), strict=True):
+            hist[slot] -= int(n)
+        slot = int(now_s // self.use_bucket_s)
+        hist[slot] = hist.get(slot, 0) + int(sizes.sum())
+        self.last[chosen] = now_s
+        self._note_stale(chosen)
+
+    def note_put(self, numbers: np.ndarray) -> None:
+        """The keys numbered `numbers` were just put (inserted or touched): their LRU entries are made or
+        moved at the next walk. (Noting more than changed is harmless: an entry is rebuilt from the record.)"""
+        self._note_stale(numbers)
+
+    def _note_stale(self, chosen: np.ndarray) -> None:
+        if len(self.last) < len(self.key_of):
+            self._grow(len(self.key_of))
+        if self._dirty is not None:
+            self._dirty[chosen] = True
+            return
+        self._stale_ids.append(chosen)
+        self._stale_count += len(chosen)
+        if self._stale_count > _STALE_LIST_MAX:  # many refreshes and no walk: flags, not a growing list
+            self._dirty = np.zeros(len(self.last), dtype=bool)
+            for part in self._stale_ids:
+                self._dirty[part] = True
+            self._stale_ids, self._stale_count = [], 0
 
     def delete(self, key: bytes, *, carry_up: bool) -> int:
         """Remove a block with no stored child; with `carry_up`, its parent takes its last use if later."""
         block = self.blocks.get(key)
         if block is None:
             raise KeyError(f"no meta for block {key.hex()}")
+        last = float(self.last[block.idx])
         self._remove(key)
         if self._journal is not None:
-            self._journal.append(("delete", key, block))
+            self._journal.append(("delete", key, block, last))
+        if self.ns_bytes is not None:
+            counts = self.ns_evicted.setdefault(key[8:16], [0, 0])
+            counts[0] += 1
+            counts[1] += block.size_bytes
         if carry_up and block.parent is not None:
-            self.touch(block.parent, block.last_access_s)
+            self.touch(block.parent, last)
         return block.size_bytes
 
     # -- the records --------------------------------------------------------------
@@ -210,29 +316,43 @@ class SimIndex:
     def synced_lru(self) -> SortedList:
         """The LRU index with every entry where the blocks' last uses put it now."""
         stale, self._stale = self._stale, set()
-        blocks, fresh = self.blocks, []
+        parts, self._stale_ids, self._stale_count = self._stale_ids, [], 0
+        if self._dirty is not None:
+            parts.append(np.flatnonzero(self._dirty))
+            self._dirty = None
+        if parts:
+            key_of = self.key_of
+            stale.update(key_of[i] for i in np.unique(np.concatenate(parts)).tolist())
+        blocks, last, fresh = self.blocks, self.last, []
         for key in stale:
             block = blocks.get(key)
             if block is None:
                 continue
             if block.indexed is not None:
                 self.lru.remove(block.indexed)
-            block.indexed = lru_key(block.last_access_s, block.depth, key)
+            block.indexed = lru_key(float(last[block.idx]), block.depth, key)
             fresh.append(block.indexed)
         self.lru.update(fresh)
         return self.lru
 
-    def _add(self, key: bytes, block: SimBlock) -> None:
+    def _add(self, key: bytes, block: SimBlock, last_use_s: float) -> None:
         self.blocks[key] = block
-        block.indexed = None
         self._stale.add(key)
+        self.last[block.idx] = last_use_s
+        self.size[block.idx] = block.size_bytes
         if block.parent is not None:
             parent = self.blocks.get(block.parent)
             if parent is not None:  # a fleet run's first block: its parent may live on another node
-                parent.children.append(key)
+                if parent.children is None:
+                    parent.children = [key]
+                else:
+                    parent.children.append(key)
         self.usage.blocks += 1
         self.usage.stored_bytes += block.size_bytes
-        self._count_use(block.last_access_s, block.size_bytes)
+        if self.ns_bytes is not None:
+            self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + block.size_bytes
+        slot = int(last_use_s // self.use_bucket_s)
+        self.bytes_by_use[slot] = self.bytes_by_use.get(slot, 0) + block.size_bytes
 
     def _count_use(self, when_s: float, nbytes: int) -> None:
         slot = int(when_s // self.use_bucket_s)
@@ -256,15 +376,18 @@ class SimIndex:
         self._stale.discard(key)
         if block.parent is not None:
             parent = self.blocks.get(block.parent)
-            if parent is not None and key in parent.children:
+            if parent is not None and parent.children and key in parent.children:
                 parent.children.remove(key)
         self.usage.blocks -= 1
         self.usage.stored_bytes -= block.size_bytes
-        self._count_use(block.last_access_s, -block.size_bytes)
+        if self.ns_bytes is not None:
+            self.ns_bytes[key[8:16]] -= block.size_bytes
+        self._count_use(float(self.last[block.idx]), -block.size_bytes)
+        self.last[block.idx] = np.nan
 
     def _retime(self, key: bytes, when_s: float) -> None:
         block = self.blocks[key]
-        self._count_use(block.last_access_s, -block.size_bytes)
-        block.last_access_s = when_s
+        self._count_use(float(self.last[block.idx]), -block.size_bytes)
+        self.last[block.idx] = when_s
         self._count_use(when_s, block.size_bytes)
         self._stale.add(key)

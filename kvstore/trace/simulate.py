@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from gateway.policies import Policy, PolicyTable
 from kvstore import geometry as geometries
 from kvstore.client import LookupResult
 from kvstore.errors import InvalidArgument, ResourceExhausted
@@ -34,6 +37,7 @@ from kvstore.swa_snapshot import resume_length, snapshot_bytes, snapshot_key
 from kvstore.trace.chains import ChainKeys
 from kvstore.trace.requests import Trace, TraceRequest
 from kvstore.trace.sim_index import SimIndex
+from kvstore.trace.sim_policies import SimPolicies, SwaQuota
 from replay.cost import CostModel
 from replay.plan import Action
 from replay.planner import Planner
@@ -64,7 +68,15 @@ class SimSettings:
         cost: the planner's cost model (fetch and recompute rates, replay span).
         snapshot_probes: block boundaries a Lookup asks about for a snapshot (the planner's).
         bucket_s: width of the report's time buckets.
-        namespace: the tenant the trace runs as.
+        namespace: the tenant the trace runs as (when `tenants` is 0 and the trace names none).
+        tenants: 0: the trace's own tenants (kvstore's recorded trace names each request's), else
+            `namespace`; N: the trace's sessions (by id scope, so a subagent stays with its parent) dealt
+            in turn to N tenants, "tenant-0" .. "tenant-{N-1}".
+        policies: each tenant's own policy fields (`gateway.policies.FIELDS`: retention_hours,
+            swa_ttl_s, nvme_quota_bytes, swa_quota_bytes, ...), checked and applied by the gateway's
+            policy table (`sim_policies.SimPolicies`); a tenant not named runs on the defaults.
+        policies_file: a server's policies.json (`<data_dir>/admin/`), read by the server's reader;
+            `policies` are applied over it.
     """
 
     capacity_bytes: int = UNLIMITED
@@ -82,8 +94,13 @@ class SimSettings:
     #: Retentions (hours) whose kept bytes are also reported, from the same run: with room to
     #: spare, retention changes only what a store must keep, not what it finds.
     also_retention_hours: tuple[float, ...] = (168.0,)
+    tenants: int = 0
+    policies: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    policies_file: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.tenants < 0:
+            raise InvalidArgument(f"tenants must be >= 0, got {self.tenants}")
         for name in ("nodes", "replication", "run_blocks", "block_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -115,6 +132,8 @@ class Tally:
     evicted_blocks: int = 0
     evicted_bytes: int = 0
 
+    swa_refused: int = 0
+
     def add(self, other: Tally) -> None:
         """Add `other`'s counts into this one."""
         for name in self.__dataclass_fields__:
@@ -141,6 +160,21 @@ class Bucket:
     retained_bytes: int = 0
     swa_bytes: int = 0
     retained_by_hours: dict[float, int] = field(default_factory=dict)
+    #: Bytes each tenant stores at the bucket's end (a run with policies).
+    tenant_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TenantResult:
+    """One tenant's part of a run: its policy, its requests' counts, its bytes at the end."""
+
+    policy: Policy
+    tally: Tally = field(default_factory=Tally)
+    stored_bytes: int = 0
+    peak_stored_bytes: int = 0
+    #: Its blocks evicted (by any tenant's Put), and their bytes.
+    evicted_blocks: int = 0
+    evicted_bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -159,6 +193,7 @@ class SimResult:
     node_bytes: dict[str, int]
     node_reads: dict[str, int]
     sessions_past_retention: int
+    tenants: dict[str, TenantResult]
     gpu_s: float
     gpu_s_without_store: float
     wall_s: float = 0.0
@@ -175,14 +210,17 @@ class _OfflineClient:
 
 
 class _Node:
-    """One simulated store: the index, and the tier's Put rules over it."""
+    """One simulated store: the index, and the tier's Put rules over it, each tenant's retention (R18) and
+    NVMe quota (R19) from the policy table, as `gateway.admin_servicer.add_admin_service` wires a tier."""
 
-    def __init__(self, name: str, settings: SimSettings) -> None:
+    def __init__(self, name: str, settings: SimSettings, key_of: list[bytes], policies: PolicyTable | None) -> None:
         self.name = name
-        self.index = SimIndex(use_bucket_s=settings.bucket_s)
+        self.index = SimIndex(use_bucket_s=settings.bucket_s, key_of=key_of, per_namespace=policies is not None)
         rule = Retention(retention_s=settings.retention_hours * 3600)
         self.rule = rule
-        self.room = RoomRules(rule=rule, retention=NamespaceRetention(rule.retention_s), quota_of=lambda ns: 0,
+        retention = NamespaceRetention(rule.retention_s, None if policies is None else policies.retention_s)
+        quota_of = (lambda ns: 0) if policies is None else (lambda ns: policies.policy(ns).nvme_quota_bytes)
+        self.room = RoomRules(rule=rule, retention=retention, quota_of=quota_of,
                               capacity_bytes=settings.capacity_bytes, skipped=SkippedRuns())
         self.damage = DamagedBlocks(Path("(simulated)"), on_new=lambda: None)
         self.reads = 0
@@ -202,9 +240,10 @@ class _Node:
                 b = mid
         return a + 1 - lo
 
-    def touch_due(self, keys: list[bytes], now_s: float) -> None:
-        """Refresh the stored ones among `keys` whose recorded use is due one (R5), as a Get does."""
-        self.index.refresh(keys, now_s, Retention.touch_due_before(now_s))
+    def touch_due(self, numbers: np.ndarray, now_s: float) -> None:
+        """Refresh the stored ones among the keys numbered `numbers` whose recorded use is due one (R5),
+        as a Get does."""
+        self.index.refresh(numbers, now_s, Retention.touch_due_before(now_s))
 
     def put(self, batch: PutBatch, now_s: float, tally: Tally) -> None:
         """The tier's Put transaction; a refusal (every other block within retention) is counted."""
@@ -229,7 +268,15 @@ class Simulation:
         self.scope = BlockScope(settings.geometry.fingerprint, settings.namespace)
         self.planner = Planner(_OfflineClient(settings), cost=settings.cost,  # type: ignore[arg-type]
                                snapshot_probes=settings.snapshot_probes, report=False)
-        self.nodes = {f"node-{i}": _Node(f"node-{i}", settings) for i in range(settings.nodes)}
+        self._chains = ChainKeys(self.scope, settings.block_tokens)
+        self._tenant_chains: dict[str, ChainKeys] = {settings.namespace: self._chains}
+        self._tenant_of_scope: dict[str, str] = {}
+        self._kind = ""
+        self.policies: SimPolicies | None = None
+        self.swa_quota: SwaQuota | None = None
+        self.tenants: dict[str, TenantResult] = {}
+        self.nodes = {f"node-{i}": _Node(f"node-{i}", settings, self._chains.key_of, None)
+                      for i in range(settings.nodes)}
         self._order = list(self.nodes)
         self._placed: dict[bytes, tuple[str, ...]] = {}
         self._block = memoryview(bytes(settings.block_bytes))
@@ -237,6 +284,19 @@ class Simulation:
         self._swa_heap: list[tuple[float, bytes, int]] = []
         self.swa_bytes = 0
         self.swa_peak = 0
+        if settings.policies or settings.policies_file or settings.tenants:
+            self._use_policies()
+
+    def _use_policies(self) -> None:
+        """Serve each tenant under its policy (a run of one tenant on the defaults skips this work)."""
+        s = self.settings
+        defaults = Policy(retention_hours=s.retention_hours, swa_ttl_s=s.swa_ttl_s)
+        self.policies = (SimPolicies(defaults=defaults, max_swa_ttl_s=s.swa_ttl_s) if s.policies_file is None
+                         else SimPolicies.from_file(s.policies_file, defaults=defaults, max_swa_ttl_s=s.swa_ttl_s))
+        for tenant, fields in s.policies.items():
+            self.policies.set(tenant, fields)
+        self.swa_quota = SwaQuota(self.policies, s.swa_ttl_s)
+        self.nodes = {name: _Node(name, s, self._chains.key_of, self.policies) for name in self.nodes}
 
     # -- placement -----------------------------------------------------------------
 
@@ -256,7 +316,8 @@ class Simulation:
 
     # -- one request ---------------------------------------------------------------
 
-    def _lookup(self, keys: list[bytes], runs: list[tuple[int, int, tuple[str, ...]]], now_s: float) -> int:
+    def _lookup(self, keys: list[bytes], numbers: np.ndarray, runs: list[tuple[int, int, tuple[str, ...]]],
+                now_s: float) -> int:
         """Found blocks (each run read from its first replica), the deepest found block refreshed (R5)."""
         found = 0
         for first, end, nodes in runs:
@@ -268,8 +329,39 @@ class Simulation:
             for first, end, nodes in runs:
                 if first < found <= end:
                     for n in nodes:
-                        self.nodes[n].touch_due([keys[found - 1]], now_s)
+                        self.nodes[n].touch_due(numbers[found - 1:found], now_s)
         return found
+
+    # -- tenants -------------------------------------------------------------------
+
+    def tenant_of(self, request: TraceRequest) -> str:
+        """The tenant a request runs as (`SimSettings.tenants`)."""
+        s = self.settings
+        scope = request.scope or request.session
+        tenant = self._tenant_of_scope.get(scope)
+        if tenant is None:
+            if s.tenants:
+                tenant = f"tenant-{len(self._tenant_of_scope) % s.tenants}"
+            elif self._kind == "kvstore":  # kvstore's own trace: the scope is "tenant/geometry"
+                tenant = request.scope.partition("/")[0] or s.namespace
+            else:
+                tenant = s.namespace
+            self._tenant_of_scope[scope] = tenant
+        return tenant
+
+    def _chains_of(self, tenant: str) -> ChainKeys:
+        chains = self._tenant_chains.get(tenant)
+        if chains is None:  # every tenant's keys numbered in one list: the nodes' arrays are shared
+            chains = self._tenant_chains[tenant] = ChainKeys(
+                BlockScope(self.settings.geometry.fingerprint, tenant), self.settings.block_tokens,
+                key_of=self._chains.key_of)
+        if self.policies is not None and tenant not in self.tenants:
+            self.tenants[tenant] = TenantResult(policy=self.policies.policy(tenant))
+        return chains
+
+    def keys_of(self, request: TraceRequest) -> tuple[list[bytes], np.ndarray]:
+        """The request's storage keys (in its tenant's namespace) and their numbers."""
+        return self._chains_of(self.tenant_of(request)).keys_and_ids(request)
 
     def _snapshot(self, keys: list[bytes], n: int, found_blocks: int, now_s: float) -> tuple[int | None, int | None]:
         """(T, R) of the live snapshot serving the longest resume, asked as the planner asks."""
@@ -287,7 +379,8 @@ class Simulation:
                 if r is not None:
                     usable.append((-r, p))
             for neg_r, p in sorted(usable):
-                if self._swa.get(snapshot_key(keys[p // bt - 1][-32:], (), p), -math.inf) > now_s:
+                block = keys[p // bt - 1]
+                if self._swa.get(block[:16] + snapshot_key(block[-32:], (), p), -math.inf) > now_s:
                     return p, -neg_r
             return None, None
 
@@ -297,21 +390,29 @@ class Simulation:
             t, r = best(found_blocks)
         return t, r
 
-    def _keep_snapshot(self, keys: list[bytes], now_s: float) -> None:
+    def _keep_snapshot(self, keys: list[bytes], now_s: float, tenant: str, tally: Tally) -> None:
+        """The snapshot at the prompt's end, live for the TTL (the tenant's, capped by the pool's), unless
+        the tenant's swa_quota_bytes refuses it (the quota interceptor's ledger)."""
         s = self.settings
         if not s.swa_ttl_s or not keys:
             return
         p = len(keys) * s.block_tokens
-        key = snapshot_key(keys[-1][-32:], (), p)
+        key = keys[-1][:16] + snapshot_key(keys[-1][-32:], (), p)  # the namespace's snapshot
         size = snapshot_bytes(s.geometry, p)
+        ttl = s.swa_ttl_s
+        if self.swa_quota is not None:
+            ttl = self.swa_quota.ttl_s(tenant)
+            if not self.swa_quota.admit(tenant, key, size, now_s):
+                tally.swa_refused += 1
+                return
         if self._swa.get(key, -math.inf) <= now_s:
             self.swa_bytes += size
             self.swa_peak = max(self.swa_peak, self.swa_bytes)
         else:
             self._swa_heap = [e for e in self._swa_heap if e[1] != key]  # rare: the same prompt again in TTL
             heapq.heapify(self._swa_heap)
-        self._swa[key] = now_s + s.swa_ttl_s
-        heapq.heappush(self._swa_heap, (now_s + s.swa_ttl_s, key, size))
+        self._swa[key] = now_s + ttl
+        heapq.heappush(self._swa_heap, (now_s + ttl, key, size))
 
     def _expire_snapshots(self, now_s: float) -> None:
         heap = self._swa_heap
@@ -321,15 +422,19 @@ class Simulation:
                 del self._swa[key]
                 self.swa_bytes -= size
 
-    def step(self, request: TraceRequest, keys: list[bytes], tally: Tally) -> None:
-        """One request at its arrival time: Lookup, plan, Get, Put, snapshot."""
+    def step(self, request: TraceRequest, keys: list[bytes], tally: Tally, numbers: np.ndarray) -> None:
+        """One request at its arrival time: Lookup, plan, Get, Put, snapshot (`keys` and their `numbers`
+        from `ChainKeys.keys_and_ids`)."""
         s, now = self.settings, request.arrival_s
         self._expire_snapshots(now)
         n = request.input_tokens
         if n == 0:
             return
+        tenant = self.tenant_of(request)
+        chains = self._chains_of(tenant)
+        bucket, tally = tally, tally if self.policies is None else Tally()
         runs = self._runs(keys)
-        found = self._lookup(keys, runs, now)
+        found = self._lookup(keys, numbers, runs, now)
         t, r = self._snapshot(keys, n, found, now)
         plan = self.planner.decide(n, LookupResult(found_blocks=found, found_tokens=found * s.block_tokens,
                                                    lease_id=None, block_hashes=[], swa_position=t,
@@ -338,12 +443,12 @@ class Simulation:
         for first, end, nodes in runs:
             if first >= fetch:
                 break
-            part = keys[first:min(end, fetch)]
+            part = numbers[first:min(end, fetch)]
             self.nodes[nodes[0]].reads += len(part)
             for name in nodes:  # the read copy, and the others refreshed (F34)
                 self.nodes[name].touch_due(part, now)
-        self._put(keys, found, runs, now, tally)
-        self._keep_snapshot(keys, now)
+        self._put(keys, numbers, found, runs, now, tally, chains.scope)
+        self._keep_snapshot(keys, now, tenant, tally)
         tally.requests += 1
         tally.prompt_tokens += n
         tally.found_tokens += found * s.block_tokens
@@ -355,26 +460,32 @@ class Simulation:
             tally.resumes += 1
             tally.snapshot_resumes += plan.action is Action.FETCH_SNAPSHOT
             tally.replay_resumes += plan.action in _REPLAYS
+        if tally is not bucket:
+            bucket.add(tally)
+            self.tenants[tenant].tally.add(tally)
 
-    def _put(self, keys: list[bytes], found: int, runs: list[tuple[int, int, tuple[str, ...]]], now_s: float,
-             tally: Tally) -> None:
+    def _put(self, keys: list[bytes], numbers: np.ndarray, found: int, runs: list[tuple[int, int, tuple[str, ...]]],
+             now_s: float, tally: Tally, scope: BlockScope) -> None:
         """Put blocks [found, len) to every replica of their runs (a fleet copy names its first depth)."""
         for first, end, nodes in runs:
             lo = max(first, found)
             if lo >= end:
                 continue
             hashes = [k[-32:] for k in keys[lo:end]]
+            named = dict(zip(keys[lo:end], numbers[lo:end].tolist(), strict=True))
             parent = keys[lo - 1][-32:] if lo else self.scope_root
             for name in nodes:
                 node = self.nodes[name]
                 local_parent = lo > first or self.settings.nodes == 1
-                batch = PutBatch(scope=self.scope, parent_hash=parent, hashes=hashes,
+                batch = PutBatch(scope=scope, parent_hash=parent, hashes=hashes,
                                  blocks=[self._block] * len(hashes), is_root=lo == 0,
                                  first_depth=None if local_parent or lo == 0 else lo + 1)
                 if local_parent and lo and keys[lo - 1] not in node.index.blocks:
                     tally.refused_puts += 1  # its parent went in between (another replica's order)
                     continue
+                node.index.numbers = named
                 node.put(batch, now_s, tally)
+                node.index.note_put(numbers[lo:end])
             if self.settings.nodes == 1:
                 break
 
@@ -391,7 +502,9 @@ class Simulation:
 
         start = time.perf_counter()
         s = self.settings
-        self._chains = ChainKeys(self.scope, s.block_tokens)
+        self._kind = trace.kind
+        if trace.kind == "kvstore" and self.policies is None and not any(n.index.blocks for n in self.nodes.values()):
+            self._use_policies()  # kvstore's own trace names its tenants: report each
         last_of_session: dict[str, int] = {}
         last_of_scope: dict[str, int] = {}
         first_of_session: dict[str, float] = {}
@@ -412,9 +525,11 @@ class Simulation:
                 self._close(bucket, peaks, bucket.start_s + s.bucket_s)
                 buckets.append(bucket)
                 bucket = Bucket(start_s=bucket.start_s + s.bucket_s)
-            self.step(r, self._chains.keys(r), bucket.tally)
+            keys, numbers = self.keys_of(r)
+            self.step(r, keys, bucket.tally, numbers)
             if last_of_session[r.session] == i:
-                self._chains.forget(r.session, r.scope if r.scope and last_of_scope[r.scope] == i else None)
+                self._chains_of(self.tenant_of(r)).forget(
+                    r.session, r.scope if r.scope and last_of_scope[r.scope] == i else None)
             if progress is not None and i % 1000 == 0:
                 progress(i)
         self._close(bucket, peaks, bucket.start_s + s.bucket_s)
@@ -428,9 +543,26 @@ class Simulation:
                                                  for h in buckets[-1].retained_by_hours},
                          node_bytes={n: node.index.usage.stored_bytes for n, node in self.nodes.items()},
                          node_reads={n: node.reads for n, node in self.nodes.items()},
-                         sessions_past_retention=outlive,
+                         sessions_past_retention=outlive, tenants=self._tenant_results(),
                          gpu_s=s.cost.compute_s(total.prefill_tokens + total.replay_tokens),
                          gpu_s_without_store=compute_all, wall_s=time.perf_counter() - start)
+
+    def _tenant_bytes(self) -> dict[str, int]:
+        """Bytes each tenant stores now, over the nodes."""
+        return {tenant: sum((node.index.ns_bytes or {}).get(self._chains_of(tenant).scope.prefix[8:16], 0)
+                            for node in self.nodes.values()) for tenant in self.tenants}
+
+    def _tenant_results(self) -> dict[str, TenantResult]:
+        for tenant, stored in self._tenant_bytes().items():
+            result = self.tenants[tenant]
+            result.stored_bytes = stored
+            result.policy = self.policies.policy(tenant) if self.policies else result.policy
+            ns_id = self._chains_of(tenant).scope.prefix[8:16]
+            for node in self.nodes.values():
+                blocks, nbytes = node.index.ns_evicted.get(ns_id, (0, 0))
+                result.evicted_blocks += blocks
+                result.evicted_bytes += nbytes
+        return dict(sorted(self.tenants.items()))
 
     def _close(self, bucket: Bucket, peaks: list[int], end_s: float) -> None:
         """The state at a bucket's end: bytes stored (a store evicts only when a Put needs room), and
@@ -443,6 +575,10 @@ class Simulation:
             since = end_s - hours * 3600 - TOUCH_GRANULARITY_S
             bucket.retained_by_hours[hours] = sum(n.index.bytes_used_since(since) for n in self.nodes.values())
         bucket.swa_bytes = max(self.swa_bytes, 0)
+        if self.tenants:
+            bucket.tenant_bytes = self._tenant_bytes()
+            for tenant, stored in bucket.tenant_bytes.items():
+                self.tenants[tenant].peak_stored_bytes = max(self.tenants[tenant].peak_stored_bytes, stored)
         peaks[0] = max(peaks[0], bucket.stored_bytes)
         peaks[1] = max(peaks[1], bucket.retained_bytes)
         peaks[2] = max(peaks[2], self.swa_peak)

@@ -51,7 +51,10 @@ ALLOWED_OUTER_IMPORTS = {
     # index, and the planner's decision, so that a rule changed there changes it too (docs/CAPACITY.md).
     "kvstore/trace/sim_index.py": {"tiers.records", "tiers.usage"},
     "kvstore/trace/simulate.py": {"tiers.block_txn", "tiers.damage", "tiers.eviction", "tiers.puts",
-                                  "tiers.retention", "replay.cost", "replay.plan", "replay.planner"},
+                                  "tiers.retention", "replay.cost", "replay.plan", "replay.planner",
+                                  "gateway.policies"},
+    # ... and each tenant's policy through the gateway's own policy table and SWA quota ledger.
+    "kvstore/trace/sim_policies.py": {"gateway.policies", "gateway.quotas"},
     "kvstore/trace/replayer.py": {"replay.planner"},  # a replay plans each request as a worker's planner does
 }
 

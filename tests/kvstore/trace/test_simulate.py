@@ -90,12 +90,13 @@ def test_a_refused_put_leaves_the_index_as_it_was(mooncake: Trace) -> None:
     tally = sim.run(Trace(name="ab", kind="mooncake", requests=[a, b])).total
     assert tally.evicted_blocks > 0 and tally.refused_puts == 0
     index = sim.nodes["node-0"].index
-    before = ({k: (v.last_access_s, sorted(v.children)) for k, v in index.blocks.items()}, list(index.synced_lru()),
-              index.usage.stored_bytes)
-    sim.step(c, sim._chains.keys(c), tally)
+    before = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.blocks.items()},
+              list(index.synced_lru()), index.usage.stored_bytes)
+    keys, numbers = sim._chains.keys_and_ids(c)
+    sim.step(c, keys, tally, numbers)
     assert tally.refused_puts == 1
-    after = ({k: (v.last_access_s, sorted(v.children)) for k, v in index.blocks.items()}, list(index.synced_lru()),
-             index.usage.stored_bytes)
+    after = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.blocks.items()},
+             list(index.synced_lru()), index.usage.stored_bytes)
     assert after == before
 
 
