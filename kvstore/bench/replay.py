@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -151,14 +152,36 @@ def overhead(report: Report, args: argparse.Namespace, progress: Progress) -> No
         with Planner(client) as planner:
             lookup_s, plan_s, diff_s, decide_s, plan = _time_pair(client, planner, tokens, 4 * args.repeat,
                                                                    progress)
+        plain_s, hosts_s = _time_hosts(client, tokens, 4 * args.repeat)
     label = f"{len(tokens):,} tokens"
     report.add(Figure.against(f"plan {label}", plan_s * 1e3, "ms", "client lookup, hash + RPC", lookup_s * 1e3))
     # A difference has no meaningful ratio: the baseline is shown for scale only.
     report.add(Figure(name=f"planner overhead beyond the lookup (median of paired runs), {label}", value=diff_s * 1e3,
                       unit="ms", baseline="client lookup, hash + RPC", baseline_value=lookup_s * 1e3))
     report.add(Figure(name=f"planner decision alone (plan_from_lookup), {label}", value=decide_s * 1e3, unit="ms"))
+    # Where a prefix lives (docs/PLANNER.md): the hosts answer and one more decision per host, against the same plan.
+    report.add(Figure.against(f"plan with hosts {label}", hosts_s * 1e3, "ms", "the same plan without hosts",
+                              plain_s * 1e3))
     report.notes.update(overhead_blocks=n_blocks, overhead_bytes=total,
                         overhead_plan={k: v for k, v in plan.to_dict().items() if k != "block_hashes"})
+
+
+def _time_hosts(client: Any, tokens: list[int], rounds: int) -> tuple[float, float]:
+    """Median seconds of Planner.plan without and with hosts (`Planner(hosts=PathRates())`), alternated
+    `rounds` times after one warm-up round each (no lease, no report: only the plan's own work)."""
+    from replay.hosts import PathRates
+    from replay.planner import Planner
+
+    plain, with_hosts = Planner(client, lease_ms=0, report=False), Planner(client, lease_ms=0, report=False,
+                                                                          hosts=PathRates())
+    times: tuple[list[float], list[float]] = ([], [])
+    for i in range(rounds + 1):
+        for which, planner in ((0, plain), (1, with_hosts)) if i % 2 else ((1, with_hosts), (0, plain)):
+            start = time.perf_counter()
+            planner.plan(tokens)
+            if i:
+                times[which].append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _put_random(client: Any, tokens: list[int], n_blocks: int, block_bytes: int, rng: np.random.Generator,

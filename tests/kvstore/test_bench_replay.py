@@ -31,6 +31,8 @@ def test_bench_replay_quick_json() -> None:
     assert plan["unit"] == "ms" and plan["value"] > 0 and plan["baseline_value"] > 0
     assert plan["ratio"] == plan["baseline_value"] / plan["value"]  # a time: above 1 is faster than the lookup
     assert "planner overhead beyond the lookup (median of paired runs), 4,096 tokens" in figures
+    hosts = figures["plan with hosts 4,096 tokens"]  # the hosts answer's cost, beside the same plan without
+    assert hosts["baseline"] == "the same plan without hosts" and hosts["value"] > 0 and hosts["baseline_value"] > 0
     notes = report["notes"]
     assert notes["overhead_plan"]["action"] == "bounded-replay"
     assert notes["fidelity_weights"].startswith("seeded random")
