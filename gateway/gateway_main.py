@@ -4,9 +4,11 @@ A gateway holds no blocks and no state that outlives it (docs/FLEET.md, "Gateway
 it follows the fleet's membership in etcd, checks callers' tokens against the
 fleet's tenants in etcd (as a node does), and routes every Lookup, Put and Get
 with the fleet client's own code (`gateway.fleet_store`), calling the nodes with
-the caller's own token. Start two behind one address; kill one: nothing is lost.
-What it does not serve (transfer sessions, the SWA pool, Admin, store-wide Stats)
-answers FAILED_PRECONDITION naming where to go.
+the caller's own token. Admin and the SWA pool are forwarded to the nodes, each
+call as it came (`gateway.gateway_forward`, docs/FLEET.md F52). Start two behind
+one address; kill one: nothing is lost. What it does not serve (transfer
+sessions, store-wide Stats, a tenant's export and import) answers
+FAILED_PRECONDITION naming where to go.
 
 Examples:
   kvstore gateway --config /etc/kvstore/kvstore.toml              # [fleet] etcd = "10.0.0.5:2379,..."
@@ -30,6 +32,8 @@ from grpc_health.v1.health import aio as health_aio
 
 from gateway.auth import DEFAULT_TENANT, METHOD_RIGHTS, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
 from gateway.fleet_store import FleetStore
+from gateway.gateway_forward import Forwarder
+from gateway.gateway_forward import close as close_forwarder
 from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
@@ -43,14 +47,12 @@ from kvstore.client.connection import TlsOptions
 from kvstore.clock import SystemClock
 from kvstore.config import Settings
 from kvstore.errors import ConfigError
-from kvstore.v1 import admin_pb2, kvstore_pb2, kvstore_pb2_grpc, swa_pb2, transfer_pb2
+from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, transfer_pb2
 
-#: Services a gateway cannot serve, and where their calls go instead (F40).
+#: Services a gateway cannot serve, and where their calls go instead (F40); Admin and SwaPool are forwarded (F52).
 ELSEWHERE: dict[str, str] = {
-    swa_pb2.DESCRIPTOR.services_by_name["SwaPool"].full_name: "the SWA pool lives on a node ([swa]) or in Redis",
     transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name:
         "transfer sessions read a node's LMDB map (MappedReads)",
-    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name: "Admin runs on a node, on etcd's shared tables",
 }
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name
 
@@ -108,6 +110,10 @@ class RunningGateway:
         await self.server.stop(grace_s)
         await asyncio.to_thread(self.store.close)
         await self.tenants.stop()
+        for close in reversed(self.closers):
+            result = close()
+            if asyncio.iscoroutine(result):
+                await result
 
 
 async def start_gateway(settings: Settings) -> RunningGateway:
@@ -142,7 +148,8 @@ async def start_gateway(settings: Settings) -> RunningGateway:
         servicer = KVStoreServicer(store, layouts, limit, None,
                                    hits=HitStats(None, SystemClock(), block_tokens=settings.store.block_tokens))
         add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, servicer, server, presized={"Get"})
-        server.add_generic_rpc_handlers((_Elsewhere(str(store.address)),))
+        forwarder = Forwarder(store.view, tls)  # Admin and the SWA pool, on the nodes (F52)
+        server.add_generic_rpc_handlers((forwarder, _Elsewhere(str(store.address))))
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -161,7 +168,8 @@ async def start_gateway(settings: Settings) -> RunningGateway:
         await asyncio.to_thread(store.close)
         await tenants.stop()
         raise
-    return RunningGateway(port=port, server=server, store=store, health=health, tenants=tenants)
+    return RunningGateway(port=port, server=server, store=store, health=health, tenants=tenants,
+                          closers=[lambda: close_forwarder(forwarder)])
 
 
 def _node_tls(settings: Settings) -> TlsOptions | None:
@@ -181,7 +189,7 @@ class _Elsewhere(grpc.GenericRpcHandler):
     def __init__(self, fleet: str) -> None:
         self.fleet = fleet
         self.methods: dict[str, tuple[str, Any]] = {}
-        for module in (swa_pb2, transfer_pb2, admin_pb2):
+        for module in (transfer_pb2,):
             for service in module.DESCRIPTOR.services_by_name.values():
                 for method in service.methods:
                     self.methods[f"/{service.full_name}/{method.name}"] = (service.full_name, method)

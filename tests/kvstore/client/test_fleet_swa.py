@@ -29,6 +29,7 @@ from kvstore.client.fleet import FleetClient, FleetLookupResult, placeable
 from kvstore.client.fleet_swa import FleetSwaClient, pool_nodes, swa_records
 from kvstore.client.restore import restore
 from kvstore.client.retry import ExponentialBackoff, Retry
+from kvstore.client.swa import SwaClient
 from kvstore.clock import ManualClock
 from kvstore.config_sections import SwaSettings
 from kvstore.errors import FailedPrecondition, Unavailable
@@ -396,6 +397,35 @@ def test_f48_direct_gpu_restore_over_a_fleet(fleet: Fleet) -> None:
             result = restore(client, tokens, dest, reader=reader)
             assert (result.path, result.blocks, result.corrupt) == ("direct-gpu", 24, []), result.reason
             assert [bytes(r.cpu().numpy()) for r in dest] == payload
+
+
+def test_f52_the_swa_pool_through_a_gateway_is_the_nodes_shared_one(fleet: Fleet, tmp_path: Path) -> None:
+    """F52: a plain client of a gateway puts, gets and deletes snapshots through it (forwarded to a node of the
+    shared pool), and takes the direct path it is offered; the nodes see the same snapshots."""
+    etcd, cluster = fleet.address.removeprefix("etcd://").split("/")
+    cfg = write_config(tmp_path / "gateway.toml", {
+        "store": {"data_dir": str(tmp_path / "none"), "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "run_blocks": RUN_BLOCKS},
+    })
+    gateway = Child("gateway", ["gateway", "--config", str(cfg), "--port", "0"], tmp_path / "logs")
+    try:
+        with fleet_client(fleet) as a, kvstore.Client(gateway.target) as plain, \
+                kvstore.Client(fleet.nodes[2].child.target) as node:
+            tokens = prompt(200)
+            key, data = a.swa.key(tokens), snapshot(a, 200)
+            through = SwaClient(plain.connection, path="gateway")
+            assert through.put_many([(key, 200, data)]).stored == 1 and through.last_path == "gateway"
+            got = node.swa.get_many([key])[0]
+            assert got is not None and bytes(got) == data
+            assert through.stats().cap_bytes == node.swa.stats().cap_bytes  # the pool's own settings
+            offered = SwaClient(plain.connection)  # "auto": the direct path, its grant forwarded from a node
+            got = offered.get_many([key])[0]
+            assert got is not None and bytes(got) == data and offered.last_path == "direct"
+            assert through.delete_many([key]) == 1 and node.swa.get_many([key]) == [None]
+            through.close()
+            offered.close()
+    finally:
+        gateway.kill_if_alive()
 
 
 def test_f45_the_swa_pool_fails_over_when_its_node_dies(fleet: Fleet) -> None:

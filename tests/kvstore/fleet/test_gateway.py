@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import kvstore
+from kvstore.client.admin import AdminClient
 from kvstore.client.fleet import FleetClient
 from kvstore.client.fleet_chain import run_extra_keys
 from kvstore.errors import FailedPrecondition, InvalidArgument
@@ -174,7 +175,8 @@ def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
 
 
 def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_to_go(fleet: Fleet) -> None:
-    """F40: transfer sessions, the SWA pool, Admin and store-wide Stats go to a node."""
+    """F40: transfer sessions, SWA candidates in a Lookup and store-wide Stats go to a node (Admin and the SWA
+    pool are forwarded: F52)."""
     with kvstore.Client(fleet.gateways[0].target) as plain:
         with pytest.raises(FailedPrecondition, match=r"not served by a gateway.*fleet status"):
             plain.stats()
@@ -182,6 +184,35 @@ def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_t
             plain.transfer_stats()
         with pytest.raises(FailedPrecondition, match="SWA"):
             plain.lookup(prompt(RUN_TOKENS), swa_positions=[RUN_TOKENS - 1])
+
+
+def test_f52_admin_through_a_gateway_is_forwarded_to_the_nodes(fleet: Fleet) -> None:
+    """F52: policies and the audit log through a gateway are the fleet's (set there, read on a node); a purge and
+    GetPolicy's usage span every node (two copies of each block counted); export and import are refused naming
+    where to go."""
+    tenant = f"fw-{uuid.uuid4().hex[:8]}"
+    tokens = prompt(2 * RUN_TOKENS + BLOCK_TOKENS)  # 9 blocks, 3 runs
+    node = next(iter(fleet.nodes.values()))
+    with AdminClient(fleet.gateways[1].target) as admin, AdminClient(node.target) as direct, \
+            kvstore.Client(fleet.gateways[1].target, namespace=tenant) as plain:
+        reply = admin.set_policy(tenant, retention_hours=96)
+        assert reply.after.policy.retention_hours == 96 and not reply.after.is_default
+        assert direct.get_policy(tenant).policy.policy.retention_hours == 96  # one table: etcd's
+        assert tenant in {p.tenant for p in admin.list_policies().policies}
+        assert [e.action for e in admin.policy_log(tenant=tenant)] == ["set_policy"]
+        plain.put(tokens, blocks(9, plain.block_bytes))
+        usage = admin.get_policy(tenant).usage
+        assert usage.nvme_blocks == 18 and usage.nvme_bytes == 18 * plain.block_bytes  # both copies, 3 nodes
+        assert direct.get_policy(tenant).usage.nvme_blocks < 18  # one node holds only its share
+        assert admin.purge(tenant, all_blocks=True) == 18
+        assert plain.lookup(tokens).found_blocks == 0
+        with pytest.raises(FailedPrecondition, match=r"ExportTenant names a file on the server's disk.*fleet "
+                                                     r"status lists them"):
+            admin.export_tenant(tenant, "/tmp/never-written.kvexport")
+    # Each node keeps its own pool here: named.
+    with kvstore.Client(fleet.gateways[1].target) as plain, \
+            pytest.raises(FailedPrecondition, match="each of the fleet's 3 nodes keeps its own SWA pool"):
+        plain.swa.get_many([bytes(32)])
 
 
 def test_f39_kill_9_a_gateway_and_the_other_serves_everything(fleet: Fleet) -> None:
