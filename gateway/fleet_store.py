@@ -16,6 +16,7 @@ where to go: a node serves them, and the transfer paths need a node's LMDB map.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
+from gateway.fleet_stats import merge_stats
 from gateway.routed_store import Route
 from gateway.validate import RunPart
 from kvstore.client.connection import TlsOptions
@@ -38,7 +40,15 @@ from kvstore.client.retry import Retry
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
 from kvstore.config_sections import FleetSettings
-from kvstore.errors import ConfigError, FailedPrecondition, Internal, InvalidArgument, KVStoreError
+from kvstore.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    KVStoreError,
+    Unavailable,
+)
 from kvstore.fleet.endpoints import parse_endpoints
 from kvstore.fleet.placement import RunPlacement, place_chain, replicas
 from kvstore.prefix import HASH_BYTES, BlockScope
@@ -50,6 +60,7 @@ from tiers.leases import Lease
 from tiers.namespaces import NamespaceUsage
 from tiers.reads import ReadStatus
 
+log = logging.getLogger("kvstore.gateway")
 T = TypeVar("T")
 
 #: Callers whose node connections are kept (least recently used dropped first: soft state).
@@ -160,6 +171,33 @@ class FleetStore:
         """The nodes holding the found prefix: each live replica of each run (`kvstore.prefix_hosts`), at
         `tenant`'s replication (F51; "": [fleet] replication)."""
         return fleet_hosts(self._placed(hashes, tenant), found_blocks, self.view.nodes)
+
+    def route_stats(self, route: Route, request: pb.StatsRequest) -> pb.StatsResponse:
+        """The fleet's Stats (F53): the caller's request to every live node at once, with its token (each node
+        answers what the token may see), the answers merged (`gateway.fleet_stats`). A node that does not
+        answer is left out, as `kvstore stats` over a fleet leaves it out of the total, and logged.
+
+        Raises:
+            KVStoreError: no node answered (the last error), or a node refused the request itself.
+        """
+        pool, _ = self._route(route)
+        nodes = sorted(self.view.nodes)
+
+        def ask(node: str) -> pb.StatsResponse:
+            c = pool.connection(node)
+            return c.call(c.kvstore.Stats, request)  # type: ignore[no-any-return]
+
+        futures = [(node, self._copies.submit(ask, node)) for node in nodes]
+        replies, last = [], None
+        for node, future in futures:
+            try:
+                replies.append(future.result())
+            except (Unavailable, DeadlineExceeded) as exc:
+                log.warning("gateway: node %s left out of the fleet's Stats: %s", node, exc.message)
+                last = exc
+        if not replies:
+            raise last or Unavailable(f"no node of fleet {self.address.cluster!r} is live")
+        return merge_stats(replies)
 
     def route_release(self, route: Route, lease_id: str) -> bool:
         """Release a composite lease on every node it names (NOT_FOUND: not one)."""

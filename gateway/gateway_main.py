@@ -5,10 +5,10 @@ it follows the fleet's membership in etcd, checks callers' tokens against the
 fleet's tenants in etcd (as a node does), and routes every Lookup, Put and Get
 with the fleet client's own code (`gateway.fleet_store`), calling the nodes with
 the caller's own token. Admin and the SWA pool are forwarded to the nodes, each
-call as it came (`gateway.gateway_forward`, docs/FLEET.md F52). Start two behind
-one address; kill one: nothing is lost. What it does not serve (transfer
-sessions, store-wide Stats, a tenant's export and import) answers
-FAILED_PRECONDITION naming where to go.
+call as it came (`gateway.gateway_forward`, docs/FLEET.md F52), and Stats are
+every node's merged (F53). Start two behind one address; kill one: nothing is
+lost. What it does not serve (transfer sessions, a tenant's export and import)
+answers FAILED_PRECONDITION naming where to go.
 
 Examples:
   kvstore gateway --config /etc/kvstore/kvstore.toml              # [fleet] etcd = "10.0.0.5:2379,..."

@@ -508,6 +508,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @unary
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        if self.router is not None:  # a gateway's: the nodes' answers to this caller, merged (F53)
+            return await self.router_call(self.router.route_stats, Route(token=_token(context), namespace="",
+                                                                         geometry=""), request)
         caller = current_caller()
         # Each tenant's usage is an LMDB read: on the tier's pool, never on the event loop.
         hit_fields = await self.tier.call(self._hit_fields, request, _stats_tenant(request.tenant, caller))

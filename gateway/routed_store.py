@@ -18,6 +18,7 @@ from gateway.validate import RunPart
 if TYPE_CHECKING:  # the client package loads every client (redis too): not on a node's import path
     from kvstore.client.fleet_pins import FleetPin
     from kvstore.prefix_hosts import PrefixHost
+    from kvstore.v1 import kvstore_pb2 as pb
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,10 @@ class RoutedStore(Protocol):
 
     def route_release(self, route: Route, lease_id: str) -> bool:
         """Release a composite lease on every node it names."""
+        ...
+
+    def route_stats(self, route: Route, request: pb.StatsRequest) -> pb.StatsResponse:
+        """The fleet's Stats: every live node's answer to the caller's request, merged (F53)."""
         ...
 
     def route_put(self, route: Route, parts: Sequence[RunPart],

@@ -175,11 +175,9 @@ def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
 
 
 def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_to_go(fleet: Fleet) -> None:
-    """F40: transfer sessions, SWA candidates in a Lookup and store-wide Stats go to a node (Admin and the SWA
-    pool are forwarded: F52)."""
+    """F40: transfer sessions and SWA candidates in a Lookup go to a node (Admin and the SWA pool are forwarded:
+    F52; Stats are the fleet's: F53)."""
     with kvstore.Client(fleet.gateways[0].target) as plain:
-        with pytest.raises(FailedPrecondition, match=r"not served by a gateway.*fleet status"):
-            plain.stats()
         with pytest.raises(FailedPrecondition, match=r"Transfer is not served by a gateway.*node"):
             plain.transfer_stats()
         with pytest.raises(FailedPrecondition, match="SWA"):
@@ -213,6 +211,29 @@ def test_f52_admin_through_a_gateway_is_forwarded_to_the_nodes(fleet: Fleet) -> 
     with kvstore.Client(fleet.gateways[1].target) as plain, \
             pytest.raises(FailedPrecondition, match="each of the fleet's 3 nodes keeps its own SWA pool"):
         plain.swa.get_many([bytes(32)])
+
+
+def test_f53_stats_through_a_gateway_are_the_fleets(fleet: Fleet) -> None:
+    """F53: an admin's Stats through a gateway are every node's summed (blocks, bytes, capacity, hit windows by
+    name, tenants by name); a tenant's own through it are its counters over the nodes."""
+    tenant = f"st-{uuid.uuid4().hex[:8]}"
+    tokens = prompt(2 * RUN_TOKENS)
+    with kvstore.Client(fleet.gateways[1].target) as plain, fleet_client(fleet) as routed, \
+            kvstore.Client(fleet.gateways[1].target, namespace=tenant) as mine:
+        mine.put(tokens, blocks(8, mine.block_bytes))
+        assert mine.get(tokens).found_prefix_blocks == 8  # Gets: a count no background refresh moves
+        total, nodes = plain.stats(), routed.node_stats()
+        assert total.store_wide and len(nodes) == 3
+        for field in ("blocks_stored", "bytes_stored", "capacity_bytes", "puts", "blocks_written"):
+            assert getattr(total, field) == sum(getattr(n, field) for n in nodes.values()), field
+        assert total.retention_hours == max(n.retention_hours for n in nodes.values())
+        [hits] = [t for t in total.tenants if t.tenant == tenant]
+        per_node = [t for n in nodes.values() for t in n.tenants if t.tenant == tenant]
+        assert hits.blocks_stored == 16 == sum(t.blocks_stored for t in per_node)  # two copies of 8
+        window = {w.window: w.counts for w in hits.windows}["all"]
+        assert window.gets >= 2 and window.gets == sum({w.window: w.counts for w in t.windows}["all"].gets
+                                                       for t in per_node)
+        assert [w.window for w in total.windows] == [w.window for w in next(iter(nodes.values())).windows]
 
 
 def test_f39_kill_9_a_gateway_and_the_other_serves_everything(fleet: Fleet) -> None:
