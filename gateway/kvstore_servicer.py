@@ -275,7 +275,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             else:
                 reply.keep_note = "nothing was found to keep"
         if request.want_hosts and found:
-            reply.hosts.extend(h.to_pb() for h in self.router.route_hosts(hashes, found))
+            # at the tenant's own replication, as route_lookup placed them (F51)
+            reply.hosts.extend(h.to_pb() for h in self.router.route_hosts(hashes, found, route.namespace))
         return reply
 
     async def router_call(self, fn: Any, *args: Any) -> Any:

@@ -63,8 +63,9 @@ class RoutedStore(Protocol):
         """Pin a found prefix of fleet hashes on every live copy of each of its runs (R28)."""
         ...
 
-    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int) -> tuple[PrefixHost, ...]:
-        """The nodes holding a found prefix of fleet hashes, with the block ranges each holds."""
+    def route_hosts(self, hashes: Sequence[bytes], found_blocks: int, tenant: str = "") -> tuple[PrefixHost, ...]:
+        """The nodes holding a found prefix of fleet hashes, with the block ranges each holds, placed at
+        `tenant`'s replication."""
         ...
 
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,

@@ -214,3 +214,21 @@ def test_r28_an_operator_sees_and_drops_a_tenants_pins_on_every_node(fleet: Flee
     assert json.loads(dropped.stdout) == {"tenant": "default", "dropped_pins": sum(held.values()), "nodes": held,
                                           "unreachable": {}}
     assert set(node_pins(fleet).values()) == {0}
+
+
+def test_the_gateways_hosts_follow_the_tenants_own_replication(fleet: Fleet) -> None:
+    """A tenant whose policy keeps 3 copies (F51): the gateway names 3 replicas of each run, as the fleet
+    client places them."""
+    from kvstore.client.admin import AdminClient
+    from tests.waiting import wait_until
+
+    tenant, tokens = f"r3-{uuid.uuid4().hex[:8]}", prompt(RUN_BLOCKS)
+    with AdminClient(next(iter(fleet.nodes.values())).target) as admin:
+        admin.set_policy(tenant, replication=3)
+    client = kvstore.Client(fleet.address, namespace=tenant)
+    assert isinstance(client, FleetClient)
+    with closing(client), kvstore.Client(fleet.gateway.target, namespace=tenant) as plain:
+        wait_until(lambda: client.copies == 3, "the fleet client following the tenant's replication")
+        client.put(tokens, [random.randbytes(client.block_bytes) for _ in range(RUN_BLOCKS)])
+        wait_until(lambda: len(plain.lookup(tokens, hosts=True).hosts) == 3, "the gateway naming three copies")
+        assert plain.lookup(tokens, hosts=True).hosts == client.lookup(tokens, hosts=True).hosts
