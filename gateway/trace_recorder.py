@@ -45,6 +45,8 @@ log = logging.getLogger("kvstore.trace")
 
 #: What a queued record is guessed to cost besides its hashes (the dict, the names).
 RECORD_OVERHEAD_BYTES = 200
+#: File names tried in turn when the next one is taken.
+OPEN_TRIES = 100
 #: Seconds `close` waits for the writer to drain before it drops what is left.
 CLOSE_WAIT_S = 10.0
 
@@ -300,14 +302,21 @@ class TraceRecorder(CallTrace):
             raise _NoRoom(f"a batch of {size:,} bytes does not fit under trace.max_bytes = {s.max_bytes:,}")
 
     async def _open_file(self) -> None:
-        self._sequence += 1
         started = datetime.datetime.fromtimestamp(self.clock.now(), datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-        path = self.folder / recorded.file_name(started, self._sequence)
         head = recorded.header(block_tokens=self.block_tokens, hash_bytes=self.settings.hash_bytes, node=self.node,
                                started_s=self.clock.now())
         assert self._compress is not None
         data = self._compress(json.dumps(head).encode() + b"\n")
-        self._file = await aiofiles.open(path, "xb")
+        for _ in range(OPEN_TRIES):
+            self._sequence += 1
+            path = self.folder / recorded.file_name(started, self._sequence)
+            try:  # "x": never append to, nor truncate, a file someone else wrote
+                self._file = await aiofiles.open(path, "xb")
+                break
+            except FileExistsError:
+                continue  # a name taken since start (another writer in the folder): the next number
+        else:
+            raise OSError(f"no free trace file name in {self.folder} after {OPEN_TRIES} tries")
         self._path = path
         self._files += 1
         await self._file.write(data)

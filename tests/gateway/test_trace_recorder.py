@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from kvstore.config import StoreSettings, TraceSettings
 from kvstore.errors import ConfigError
 from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
 from kvstore.trace import recorded
-from tests.waiting import wait_until
+from tests.waiting import DEADLINE_S, wait_until
 
 SCOPE = BlockScope(b"\x01" * FINGERPRINT_BYTES, "acme")
 
@@ -31,6 +33,18 @@ def _metric(srv: Any, name: str) -> float:
     raise AssertionError(f"no series {name}")
 
 
+async def until(holds: Callable[[], bool], what: str) -> None:
+    """Return once `holds()` is true, giving the writer its turns on the loop; fail after DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not holds():
+        assert time.monotonic() < deadline, f"{what}: not within {DEADLINE_S:g} s"
+        await asyncio.sleep(0.001)
+
+
+def _handled(rec: TraceRecorder, n: int) -> bool:
+    return rec.stats.written_records + rec.stats.dropped_records == n
+
+
 async def _record_puts(folder: Path, settings: TraceSettings, puts: int, *, blocks: int = 32) -> TraceRecorder:
     """A recorder on `folder` told of `puts` Puts of random hashes, each written before the next is told."""
     rec = TraceRecorder(settings, folder=folder, block_tokens=64, node="n1", clock=ManualClock())
@@ -38,8 +52,7 @@ async def _record_puts(folder: Path, settings: TraceSettings, puts: int, *, bloc
     for i in range(puts):
         rec.put(SCOPE, [os.urandom(32) for _ in range(blocks)], written=blocks, existing=0, evicted_blocks=0,
                 evicted_bytes=0)
-        while rec.stats.written_records + rec.stats.dropped_records < i + 1:
-            await asyncio.sleep(0.001)  # the writer's turn on the loop (no time is measured)
+        await until(partial(_handled, rec, i + 1), "the record written")
     await rec.close()
     return rec
 
@@ -156,3 +169,49 @@ def test_a_put_that_evicts_records_what_it_evicted(start_server: Callable[..., A
     assert puts[1]["hashes"] == look["hashes"] == "".join(h[:8].hex() for h in hashes)
     assert (look["op"], look["tenant"], look["geometry"], look["found"]) == ("lookup", "default", V4_1_FLASH.name,
                                                                              chain)
+
+
+def test_a_failing_disk_drops_and_counts_the_batch_and_the_next_one_is_written(tmp_path: Path) -> None:
+    folder = tmp_path / "trace"
+
+    async def scenario() -> TraceRecorder:
+        rec = TraceRecorder(SMALL, folder=folder, block_tokens=64, node="n1", clock=ManualClock())
+        await rec.start()
+        folder.rmdir()
+        folder.write_bytes(b"")  # where the files go is no folder now: opening one fails (ENOTDIR)
+
+        async def told(n: int) -> None:
+            rec.get(SCOPE, [os.urandom(32)], 1)
+            await until(lambda: rec.stats.written_records + rec.stats.dropped_records == n, "the record handled")
+
+        await told(1)
+        assert (rec.stats.written_records, rec.stats.dropped_records) == (0, 1)
+        folder.unlink()
+        folder.mkdir()  # the disk is back
+        await told(2)
+        await rec.close()
+        return rec
+
+    rec = asyncio.run(scenario())
+    assert (rec.stats.written_records, rec.stats.dropped_records) == (1, 1)
+    assert [r["op"] for _, _, r in recorded.records(folder)] == ["get"]
+
+
+def test_a_name_taken_since_start_is_skipped_never_overwritten(tmp_path: Path) -> None:
+    import datetime
+
+    clock = ManualClock()
+    started = datetime.datetime.fromtimestamp(clock.now(), datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    theirs = tmp_path / recorded.file_name(started, 1)
+
+    async def scenario() -> TraceRecorder:
+        rec = TraceRecorder(SMALL, folder=tmp_path, block_tokens=64, node="n1", clock=clock)
+        await rec.start()
+        theirs.write_bytes(b"another writer's")  # after start: the recorder's next name is taken
+        rec.get(SCOPE, [os.urandom(32)], 1)
+        await rec.close()
+        return rec
+
+    rec = asyncio.run(scenario())
+    assert rec.stats.written_records == 1 and theirs.read_bytes() == b"another writer's"
+    assert [p.name for p in recorded.trace_files(tmp_path)] == [theirs.name, recorded.file_name(started, 2)]
