@@ -21,7 +21,7 @@ plan for that host is decided again at that rate: far from the data a recompute 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -197,3 +197,14 @@ def _plan_at(planner: Planner, prompt_tokens: int, found: LookupResult, cost: Co
     return HostPlan(host=host, host_id=host_id, nodes=nodes, data_dir=data_dir, path=path, local_blocks=local,
                     remote_blocks=remote, fetch_gbps=round(gbps, 6), action=decided.action.value,
                     fetch_tokens=decided.fetch_tokens, estimated_s=decided.estimated_s)
+
+
+def choose(hosts: Sequence[HostPlan], worker_hosts: Iterable[str]) -> HostPlan | None:
+    """The cheapest host plan a router can serve: the first of `hosts` (cheapest first, as `Plan.hosts`
+    lists them) whose boot id or name is among `worker_hosts` (the hosts with a free worker), else the
+    entry for any other host; None when `hosts` is empty (the plan was made without hosts)."""
+    free = set(worker_hosts)
+    for plan in hosts:
+        if plan.host != OTHER_HOSTS and (plan.host_id in free or plan.host in free):
+            return plan
+    return next((p for p in hosts if p.host == OTHER_HOSTS), None)

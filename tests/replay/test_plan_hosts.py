@@ -17,7 +17,7 @@ import pytest
 
 from kvstore.prefix_hosts import PrefixHost, host_id
 from replay.cost import CostModel
-from replay.hosts import DIRECT_GPU, NETWORK, OTHER_HOSTS, SHM, PathRates
+from replay.hosts import DIRECT_GPU, NETWORK, OTHER_HOSTS, SHM, PathRates, choose
 from replay.planner import Planner
 from tests.kvstore.client.test_colocated_support import Store, make_store, payload
 from tiers import datadir
@@ -77,6 +77,8 @@ def test_the_plan_says_the_path_and_time_of_a_worker_on_each_host(served: tuple[
     # A router prefers the worker beside the data: there a fetch wins; elsewhere the network loses to a prefill.
     assert beside.action != "full-prefill" and other.action == "full-prefill"
     assert beside.estimated_s < other.estimated_s
+    assert choose(plan.hosts, ["elsewhere", host_id()]) is beside  # a free worker beside the data is chosen
+    assert choose(plan.hosts, ["elsewhere"]) is other and choose([], [host_id()]) is None
     with Planner(client, report=False, lease_ms=0, hosts=PathRates(direct=False)) as planner:
         no_reader = planner.plan(tokens)
     assert no_reader.hosts[0].path == SHM and no_reader.hosts[0].fetch_gbps == CostModel().fetch_gbps
