@@ -13,6 +13,7 @@ Examples:
   kvstore trace simulate ../shared/traces/weka/sessions.tar.zst
   kvstore trace simulate ../shared/traces/mooncake/conversation_trace.jsonl.zst --capacity 50GB,100GB,1TB
   kvstore trace simulate TRACE --swa-ttl 60,300,1800 --retention-hours 72,168 --json
+  kvstore trace simulate TRACE --tenants 2 --policy tenant-1:retention_hours=168,nvme_quota_bytes=50GB
   kvstore trace replay TRACE --sessions 2 --target 127.0.0.1:50051 --speed 100
 """
 
@@ -79,6 +80,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim = sub.add_parser("simulate", help="simulate the store's rules on a trace (virtual time)")
     _slice_arguments(sim)
     _sim_arguments(sim, sweep=True)
+    sim.add_argument("--tenants", type=int, default=0,
+                     help="deal the trace's sessions to N tenants tenant-0..; 0 (default): the trace's own "
+                          "(kvstore's recorded trace names them), else one")
+    sim.add_argument("--policy", action="append", default=[], metavar="TENANT:FIELD=VALUE,...",
+                     help="a tenant's policy, as `kvstore policy set` names its fields (retention_hours, "
+                          "swa_ttl_s, nvme_quota_bytes, swa_quota_bytes); repeatable")
+    sim.add_argument("--policies", type=Path, metavar="FILE",
+                     help="a server's tenant policies (<data_dir>/admin/policies.json); --policy applies over it")
     sim.add_argument("--json", action="store_true", help="print one JSON object (every run, with its buckets)")
     sim.add_argument("--png", type=Path, help="draw the sweep's curves to this PNG (needs matplotlib)")
     rep = sub.add_parser("replay", help="replay a trace slice against a running server, beside its simulation")
@@ -117,13 +126,19 @@ def run(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace, trace: Any) -> int:
     from kvstore.trace import sim_report
+    from kvstore.trace.sim_policies import parse_policy
     from kvstore.trace.simulate import UNLIMITED, SimSettings, Simulation
 
     combos = list(itertools.product(args.capacity, args.swa_ttl, args.retention_hours, args.nodes))
+    policies: dict[str, dict[str, float]] = {}
+    for text in args.policy:
+        tenant, fields = parse_policy(text, _size)
+        policies.setdefault(tenant, {}).update(fields)
     results = []
     for capacity, ttl, hours, nodes in combos:
         settings = SimSettings(capacity_bytes=capacity, swa_ttl_s=ttl, retention_hours=hours, nodes=nodes,
-                               replication=args.replication, run_blocks=args.run_blocks, bucket_s=args.bucket_s)
+                               replication=args.replication, run_blocks=args.run_blocks, bucket_s=args.bucket_s,
+                               tenants=args.tenants, policies=policies, policies_file=args.policies)
         label = (f"cap {'unlimited' if capacity >= UNLIMITED else f'{capacity / 1e12:g}TB'} ttl {ttl:g}s "
                  f"ret {hours:g}h nodes {nodes}")
         if not args.json:

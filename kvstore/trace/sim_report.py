@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.trace.simulate import UNLIMITED, SimResult, Tally
+from kvstore.trace.simulate import UNLIMITED, SimResult, Tally, TenantResult
 
 _BAR = 40
 
@@ -23,6 +23,13 @@ def tally_dict(t: Tally) -> dict[str, Any]:
     out: dict[str, Any] = {name: getattr(t, name) for name in t.__dataclass_fields__}
     out.update(lookup_hit_rate=round(t.lookup_hit_rate, 6), usable_hit_rate=round(t.usable_hit_rate, 6))
     return out
+
+
+def tenant_dict(t: TenantResult) -> dict[str, Any]:
+    """One tenant's policy, counts and bytes."""
+    return {"policy": t.policy.to_dict(), **tally_dict(t.tally), "stored_bytes": t.stored_bytes,
+            "peak_stored_bytes": t.peak_stored_bytes, "own_evicted_blocks": t.evicted_blocks,
+            "own_evicted_bytes": t.evicted_bytes}
 
 
 def result_dict(r: SimResult, *, buckets: bool = True) -> dict[str, Any]:
@@ -45,10 +52,12 @@ def result_dict(r: SimResult, *, buckets: bool = True) -> dict[str, Any]:
         "sessions_past_retention": r.sessions_past_retention,
         "gpu_s": round(r.gpu_s, 3), "gpu_s_without_store": round(r.gpu_s_without_store, 3),
         "wall_s": round(r.wall_s, 3),
+        "tenants": {name: tenant_dict(t) for name, t in r.tenants.items()},
     }
     if buckets:
         out["buckets"] = [{"start_s": b.start_s, **tally_dict(b.tally), "stored_bytes": b.stored_bytes,
-                           "retained_bytes": b.retained_bytes, "swa_bytes": b.swa_bytes} for b in r.buckets]
+                           "retained_bytes": b.retained_bytes, "swa_bytes": b.swa_bytes,
+                           **({"tenant_bytes": b.tenant_bytes} if b.tenant_bytes else {})} for b in r.buckets]
     return out
 
 
@@ -80,6 +89,15 @@ def summary(r: SimResult) -> list[str]:
         f"DRAM for SWA at the TTL: peak {_tb(r.peak_swa_bytes)}",
         f"sessions outliving {s.retention_hours:g} h: {r.sessions_past_retention:,} of {r.sessions:,}",
     ]
+    if r.tenants:
+        lines.append(f"{'tenant':<16} {'retention':>9} {'SWA TTL':>8} {'NVMe quota':>11} {'requests':>9} "
+                     f"{'lookup':>7} {'usable':>7} {'stored':>11} {'evicted':>9} {'refused':>8} {'SWA refused':>11}")
+        for name, tr in r.tenants.items():
+            p, tt = tr.policy, tr.tally
+            quota = _tb(p.nvme_quota_bytes) if p.nvme_quota_bytes else "none"
+            lines.append(f"{name:<16} {p.retention_hours:>8g}h {p.swa_ttl_s:>7g}s {quota:>11} {tt.requests:>9,} "
+                         f"{tt.lookup_hit_rate:7.1%} {tt.usable_hit_rate:7.1%} {_tb(tr.stored_bytes):>11} "
+                         f"{tr.evicted_blocks:>9,} {tt.refused_puts:>8,} {tt.swa_refused:>11,}")
     if s.nodes > 1:
         lines.append(f"per node: bytes max/mean {d['node_bytes_balance']}, reads max/mean {d['node_reads_balance']}")
         for name in r.node_bytes:

@@ -1,0 +1,158 @@
+"""Tenants in the simulation: each served under its policy by the gateway's own policy table (retention R18,
+NVMe quota R19) and SWA ledger (TTL cap, swa_quota_bytes), and reported per tenant; and the index's
+vector refresh keeping the LRU index a walk sees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gateway.audit import AuditLog
+from gateway.policies import Policies, Policy
+from kvstore.cli import main
+from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.geometry import V4_1_FLASH
+from kvstore.trace import sim_index
+from kvstore.trace.load import load_trace
+from kvstore.trace.requests import Trace
+from kvstore.trace.sim_policies import parse_policy
+from kvstore.trace.simulate import SimSettings, Simulation
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
+BLOCK = V4_1_FLASH.block_bytes(64)
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Trace:
+    return load_trace(FIXTURES / "mooncake.jsonl")
+
+
+@pytest.fixture(scope="module")
+def apart(mooncake: Trace) -> Trace:
+    """The Mooncake lines two minutes apart: past R4's extra minute, so a 0 h store may evict."""
+    return Trace(name="apart", kind="mooncake",
+                 requests=[replace(r, arrival_s=120.0 * i) for i, r in enumerate(mooncake.requests)])
+
+
+@pytest.fixture(scope="module")
+def two_weka() -> Trace:
+    """The weka session twice over, as two sessions of their own (two id scopes)."""
+    weka = load_trace(FIXTURES / "weka_session.json")
+    both = [replace(r, session=f"{tag}/{r.session}", scope=f"{tag}/{r.scope}") for tag in ("a", "b")
+            for r in weka.requests]
+    return Trace(name="two", kind="weka", requests=sorted(both, key=lambda r: r.arrival_s))
+
+
+def test_a_tenants_longer_retention_keeps_its_blocks_when_the_store_evicts(apart: Trace) -> None:
+    # the store keeps 0 h; tenant-1's policy promises 72 h (R18): only tenant-0's blocks may go
+    settings = SimSettings(capacity_bytes=300 * BLOCK, retention_hours=0, swa_ttl_s=0, tenants=2,
+                           policies={"tenant-1": {"retention_hours": 72}})
+    result = Simulation(settings).run(apart)
+    t0, t1 = result.tenants["tenant-0"], result.tenants["tenant-1"]
+    assert t1.policy.retention_hours == 72 and t0.policy.retention_hours == 0
+    assert t0.evicted_blocks > 0 and t1.evicted_blocks == 0
+    assert t0.tally.requests + t1.tally.requests == result.total.requests == len(apart.requests)
+    assert t0.stored_bytes + t1.stored_bytes == result.node_bytes["node-0"] <= 300 * BLOCK
+
+
+def test_a_tenants_nvme_quota_refuses_its_puts_only(mooncake: Trace) -> None:
+    quota = 40 * BLOCK
+    result = Simulation(SimSettings(tenants=2, policies={"tenant-1": {"nvme_quota_bytes": quota}})).run(mooncake)
+    t0, t1 = result.tenants["tenant-0"], result.tenants["tenant-1"]
+    assert 0 < t1.peak_stored_bytes <= quota and t1.tally.refused_puts > 0  # R19, within retention: refused
+    assert t0.tally.refused_puts == 0 and t0.stored_bytes > quota
+    # tenants never share blocks: each one's keys live in its own namespace
+    alone = Simulation(SimSettings(tenants=2)).run(mooncake)
+    assert alone.tenants["tenant-0"].tally.found_tokens == t0.tally.found_tokens
+    assert sum(t.stored_bytes for t in alone.tenants.values()) == alone.node_bytes["node-0"]
+
+
+def test_a_tenants_swa_ttl_and_quota_apply_to_its_snapshots(two_weka: Trace) -> None:
+    base = Simulation(SimSettings(tenants=2, swa_ttl_s=3600)).run(two_weka)
+    assert all(t.tally.snapshot_resumes > 0 for t in base.tenants.values())
+    short = Simulation(SimSettings(tenants=2, swa_ttl_s=3600, policies={"tenant-1": {"swa_ttl_s": 1}})).run(two_weka)
+    assert short.tenants["tenant-1"].tally.snapshot_resumes == 0  # the TTL capped at the tenant's (1 s)
+    assert short.tenants["tenant-0"].tally.snapshot_resumes == base.tenants["tenant-0"].tally.snapshot_resumes
+    capped = Simulation(SimSettings(tenants=2, swa_ttl_s=3600,
+                                    policies={"tenant-0": {"swa_quota_bytes": 1}})).run(two_weka)
+    t0 = capped.tenants["tenant-0"].tally
+    assert t0.snapshot_resumes == 0 and t0.swa_refused == t0.requests  # every snapshot past 1 byte: refused
+    assert capped.tenants["tenant-1"].tally.swa_refused == 0
+
+
+def test_policies_are_checked_by_the_gateways_rules(mooncake: Trace) -> None:
+    with pytest.raises(InvalidArgument, match="below the 72-hour floor"):
+        Simulation(SimSettings(tenants=2, policies={"tenant-1": {"retention_hours": 24}}))
+    with pytest.raises(FailedPrecondition, match="may only be raised"):
+        Simulation(SimSettings(tenants=2, retention_hours=168, policies={"tenant-1": {"retention_hours": 100}}))
+    with pytest.raises(InvalidArgument, match="unknown policy field"):
+        Simulation(SimSettings(tenants=2, policies={"tenant-1": {"retention": 100}}))
+    assert parse_policy("acme:retention_hours=168,nvme_quota_bytes=0", int) == (
+        "acme", {"retention_hours": 168.0, "nvme_quota_bytes": 0.0})
+    with pytest.raises(InvalidArgument, match="TENANT:field=value"):
+        parse_policy("retention_hours=168", int)
+
+
+def test_a_servers_policies_file_is_read_by_its_own_reader(mooncake: Trace, tmp_path: Path) -> None:
+    admin = tmp_path / "admin"
+    table = Policies(admin, defaults=Policy(retention_hours=72, swa_ttl_s=300), max_swa_ttl_s=300,
+                     audit=AuditLog(admin))
+    table.set("tenant-1", {"nvme_quota_bytes": 40 * BLOCK, "retention_hours": 96}, actor="test")
+    table.audit.close()
+    result = Simulation(SimSettings(tenants=2, policies_file=admin / "policies.json")).run(mooncake)
+    t1 = result.tenants["tenant-1"]
+    assert t1.policy.retention_hours == 96 and t1.policy.nvme_quota_bytes == 40 * BLOCK
+    assert 0 < t1.peak_stored_bytes <= 40 * BLOCK and t1.tally.refused_puts > 0
+
+
+def test_kvstore_traces_name_their_tenants(mooncake: Trace) -> None:
+    own = Trace(name="own", kind="kvstore", requests=[
+        replace(r, scope=f"{'acme' if i % 3 else 'beta'}/{V4_1_FLASH.name}") for i, r in enumerate(mooncake.requests)])
+    result = Simulation(SimSettings()).run(own)
+    assert sorted(result.tenants) == ["acme", "beta"]
+    assert result.tenants["beta"].tally.requests == 20 and result.tenants["acme"].tally.requests == 40
+
+
+def test_refreshes_noted_as_flags_give_the_same_walks(apart: Trace, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = SimSettings(capacity_bytes=300 * BLOCK, retention_hours=0)
+    listed = Simulation(settings).run(apart)
+    monkeypatch.setattr(sim_index, "_STALE_LIST_MAX", 4)  # every few refreshed blocks: the array of flags
+    sim = Simulation(settings)
+    flagged = sim.run(apart)
+    assert sim.nodes["node-0"].index._dirty is not None or flagged.total.evicted_blocks > 0
+    assert flagged.total == listed.total and flagged.total.evicted_blocks > 0
+    index = sim.nodes["node-0"].index
+    assert list(index.synced_lru()) == sorted(  # every entry where its block's last use puts it
+        sim_index.lru_key(b.last_access_s, b.depth, k) for k, b in index.blocks.items())
+
+
+def test_the_command_reports_each_tenant(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(FIXTURES / "mooncake.jsonl")
+    assert main(["trace", "simulate", trace, "--tenants", "2", "--policy", "tenant-1:nvme_quota_bytes=2MB",
+                 "--json"]) == 0
+    tenants = json.loads(capsys.readouterr().out)["runs"][0]["tenants"]
+    assert tenants["tenant-1"]["policy"]["nvme_quota_bytes"] == 2 * 10**6 and tenants["tenant-1"]["refused_puts"] > 0
+    assert tenants["tenant-0"]["policy"]["nvme_quota_bytes"] == 0 and tenants["tenant-0"]["refused_puts"] == 0
+    assert main(["trace", "simulate", trace, "--tenants", "2", "--policy", "tenant-1:retention_hours=168"]) == 0
+    assert any(line.startswith("tenant-1") and "168h" in line for line in capsys.readouterr().out.splitlines())
+
+
+def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_use(mooncake: Trace) -> None:
+    # two prompts sharing a prefix, an hour apart: the second's Get records a use of the shared blocks (R5)
+    sim = Simulation(SimSettings(swa_ttl_s=0))
+    keys = [sim.keys_of(r)[0] for r in mooncake.requests]
+    i, j = next((i, j) for i in range(len(keys)) for j in range(i + 1, len(keys))
+                if len(keys[i]) > 8 and keys[j][:8] == keys[i][:8])
+    first, second = replace(mooncake.requests[i], arrival_s=0.0), replace(mooncake.requests[j], arrival_s=3600.0)
+    sim = Simulation(SimSettings(swa_ttl_s=0))
+    sim.run(Trace(name="pair", kind="mooncake", requests=[first, second]))
+    index = sim.nodes["node-0"].index
+    shared = next(n for n, (a, b) in enumerate(zip(keys[i], keys[j], strict=False)) if a != b) if any(
+        a != b for a, b in zip(keys[i], keys[j], strict=False)) else min(len(keys[i]), len(keys[j]))
+    uses = [index.meta(k).last_access_s for k in keys[i]]  # type: ignore[union-attr]
+    assert uses[:shared] == [3600.0] * shared and set(uses[shared:]) <= {0.0}
+    assert index.bytes_used_since(3600.0) == BLOCK * sum(1 for b in index.blocks.values() if b.last_access_s >= 3600)
+    assert index.bytes_used_since(0.0) == index.usage.stored_bytes
