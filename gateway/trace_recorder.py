@@ -24,6 +24,7 @@ import datetime
 import functools
 import json
 import logging
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -252,10 +253,11 @@ class TraceRecorder(CallTrace):
                 self._wake.clear()
             try:
                 await self._write(batch)
-            except (OSError, _NoRoom) as exc:
+            except Exception as exc:  # a full or failing disk: the batch goes, the writer goes on
                 self._dropped += len(batch)
-                log.warning("trace: %d records dropped: %s", len(batch), exc)
-                await self._close_file()
+                log.warning("trace: %d records dropped: %s", len(batch), exc,
+                            exc_info=not isinstance(exc, OSError | _NoRoom))
+                await self._close_file(cut=True)
 
     def _encode(self, batch: list[tuple[dict[str, Any], bytes | None]]) -> bytes:
         """One zstd frame of the batch's JSON lines (on a thread: O(hashes))."""
@@ -323,16 +325,23 @@ class TraceRecorder(CallTrace):
         self._file_bytes = len(data)
         self._written_here = False
 
-    async def _close_file(self) -> None:
+    async def _close_file(self, *, cut: bool = False) -> None:
+        """Close the open file; `cut`: after a failed write, first cut it back to its last whole frame, so
+        that a write cut short leaves no damaged frame for readers to refuse."""
         if self._file is None:
             return
         f, self._file = self._file, None
         self._closed_files.append((self._path, self._file_bytes))
-        self._file_bytes = 0
+        good, self._file_bytes = self._file_bytes, 0
         try:
-            await f.close()
+            await f.close()  # the file is closed even when flushing what a failed write left fails
         except OSError as exc:
             log.warning("trace: closing %s: %s", self._path, exc)
+        if cut:
+            try:
+                await asyncio.to_thread(os.truncate, self._path, good)
+            except OSError as exc:
+                log.warning("trace: cutting %s back to its last whole frame: %s", self._path, exc)
 
     async def close(self) -> None:
         """Write what is queued (waiting at most CLOSE_WAIT_S for a stalled disk: then it is dropped), close."""

@@ -215,3 +215,48 @@ def test_a_name_taken_since_start_is_skipped_never_overwritten(tmp_path: Path) -
     rec = asyncio.run(scenario())
     assert rec.stats.written_records == 1 and theirs.read_bytes() == b"another writer's"
     assert [p.name for p in recorded.trace_files(tmp_path)] == [theirs.name, recorded.file_name(started, 2)]
+
+
+# A child process, so the file size limit holds for it alone: writes past it fail (EFBIG), the first
+# one after writing what fits, as a full disk does.
+_FULL_DISK = r"""
+import asyncio, os, resource, signal, sys
+from pathlib import Path
+from gateway.trace_recorder import TraceRecorder
+from kvstore.clock import ManualClock
+from kvstore.config import TraceSettings
+from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
+
+async def main() -> None:
+    folder = Path(sys.argv[1])
+    rec = TraceRecorder(TraceSettings(enabled=True, hash_bytes=32, flush_s=0, level=1), folder=folder,
+                        block_tokens=64, node="n1", clock=ManualClock())
+    await rec.start()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (5000, 5000))
+    scope = BlockScope(b"\x01" * FINGERPRINT_BYTES, "acme")
+    for i in range(20):
+        rec.put(scope, [os.urandom(32) for _ in range(16)], written=16, existing=0, evicted_blocks=0, evicted_bytes=0)
+        while rec.stats.written_records + rec.stats.dropped_records < i + 1:
+            await asyncio.sleep(0.001)
+    await rec.close()
+    print(rec.stats.written_records, rec.stats.dropped_records)
+
+asyncio.run(main())
+"""
+
+
+def test_a_write_the_disk_cuts_short_leaves_only_whole_frames(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         timeout=DEADLINE_S, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    written, dropped = map(int, out.stdout.split())
+    assert written > 0 and dropped > 0 and written + dropped == 20
+    # Each file a failed write cut short was cut back to its last whole frame (the next batch went to a
+    # new file): every file reads, and together they hold exactly what was written.
+    files = recorded.trace_files(tmp_path)
+    assert len(files) > 1 and all(p.stat().st_size <= 5000 for p in files)
+    assert len([r for _, _, r in recorded.records(tmp_path)]) == written
