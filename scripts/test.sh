@@ -99,7 +99,7 @@ echo "== lint ($((SECONDS - start)) s)"
 ruff check .
 
 echo "== tests ($((SECONDS - start)) s)"
-# -rs: every skip says why in the CI output. Two workers (pytest-xdist), each test file on one of
+# -rs: every skip says why in the CI output; --durations: the slowest tests, to keep the run short. Two workers (pytest-xdist), each test file on one of
 # them in file order (--dist loadfile: a module's fixtures and its story stay in one process): most
 # tests wait on child processes (servers, etcd, Redis), so two cores run two files at once.
 # ENGINE_TESTS run apart, after the rest, once the engines are in: one of vLLM's preemption tests
@@ -108,7 +108,7 @@ echo "== tests ($((SECONDS - start)) s)"
 workers=(-n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile)
 types() { echo "== types ($((SECONDS - start)) s)"; mypy kvstore tiers gateway replay scripts integrations; }
 if [ $# -eq 0 ]; then
-    python -m pytest -q -rs "${workers[@]}" "${ENGINE_TESTS[@]/#/--ignore=}"
+    python -m pytest -q -rs --durations=15 "${workers[@]}" "${ENGINE_TESTS[@]/#/--ignore=}"
     engines_ready
     types
     echo "== engine tests ($((SECONDS - start)) s)"
