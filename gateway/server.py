@@ -395,6 +395,10 @@ async def serve(settings: Settings) -> None:
     await stop.wait()
     print("kvstore shutting down", file=sys.stderr, flush=True)
     await running.stop(settings.server.grace_s)
+    if running.trace.enabled:
+        t = running.trace.stats
+        print(f"kvstore trace: {t.written_records:,} records written ({t.written_bytes:,} bytes), "
+              f"{t.dropped_records:,} dropped", file=sys.stderr, flush=True)
     print("kvstore stopped", file=sys.stderr, flush=True)
 
 

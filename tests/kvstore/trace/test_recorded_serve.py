@@ -71,6 +71,8 @@ def test_each_call_of_the_replay_is_one_record_with_what_it_did(
     assert sum(r["written"] for r in puts) == tally.put_blocks
     assert all(r["evicted_blocks"] == 0 for r in puts)  # a 4 GiB store evicts nothing here
     # Never a token: the records hold exactly the format's fields.
+    # What it wrote and dropped, said at shutdown (and served as kvstore_trace_* series while it ran).
+    assert f"kvstore trace: {len(got):,} records written" in child.err_path.read_text() and ", 0 dropped" in child.log()
     assert set().union(*(r.keys() for r in lookups)) == {"t", "op", "tenant", "geometry", "hashes", "found",
                                                                 "lease_ms", "swa"}
 
