@@ -403,7 +403,7 @@ class LmdbBlockTier:
         """
         txn, metas, datas = reads.stage(self.env, self._dbs, keys, self._damage)
         return StagedReads(txn, list(keys), metas, datas, now=self.retention_clock.now,
-                           drop_corrupt=self.drop_corrupt)
+                           drop_corrupt=self.drop_corrupt, damage=self._damage)
 
     def drop_corrupt(self, keys: Sequence[bytes]) -> None:
         """Remove corrupt blocks and their descendants; count them (R10, `tiers/purge.py`)."""

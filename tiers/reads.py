@@ -20,7 +20,7 @@ import xxhash
 from tiers import blockcopy
 from tiers.block_txn import BlockDbs, DamagedBlock, read_meta
 from tiers.damage import DamagedBlocks, SilentDamage
-from tiers.records import DATA_TAG, META_STRUCT, META_TAG, data_key, meta_key
+from tiers.records import DATA_TAG, META_STRUCT, META_TAG, BlockMeta, data_key, meta_key
 from tiers.retention import Retention
 
 
@@ -183,16 +183,20 @@ class StagedReads:
         keys, metas, datas: per block: its key (None: skipped), meta and data views.
         now: retention time now (which FOUND blocks are due a refresh).
         drop_corrupt: removes blocks found corrupt.
+        damage: where a block whose data and meta record disagree in size is noted (R16), so that
+            `drop_corrupt` leaves it: its removal would take the garbled size off the usage totals.
     """
 
     def __init__(self, txn: lmdb.Transaction, keys: list[bytes | None], metas: list[Any], datas: list[Any], *,
-                 now: Callable[[], float], drop_corrupt: Callable[[Sequence[bytes]], None]) -> None:
+                 now: Callable[[], float], drop_corrupt: Callable[[Sequence[bytes]], None],
+                 damage: DamagedBlocks) -> None:
         self._txn: lmdb.Transaction | None = txn
         self._keys = keys
         self._metas = metas
         self._datas = datas
         self._now = now
         self._drop_corrupt = drop_corrupt
+        self._damage = damage
 
     def copy(self, dests: Sequence[memoryview | None], stop_at_missing: bool = False, *,
              touch_due: list[bytes] | None = None) -> bytes:
@@ -212,6 +216,8 @@ class StagedReads:
                 raise ValueError(f"{len(dests)} dests for {len(keys)} keys")
             wanted = [None if k is None else d for k, d in zip(keys, dests, strict=True)]
             codes, due = blockcopy.verify_copy(self._metas, self._datas, wanted, due_before, stop_at_missing)
+            if blockcopy.CORRUPT in codes:  # rare: look at the records while their views are valid
+                self._note_wrong_sizes(codes)
         finally:
             self.close()
         if blockcopy.WRONG_SIZE in codes:
@@ -221,6 +227,15 @@ class StagedReads:
         if blockcopy.CORRUPT in codes:
             self._drop_corrupt([k for k, c in zip(keys, codes, strict=True) if c == blockcopy.CORRUPT and k])
         return codes
+
+    def _note_wrong_sizes(self, codes: bytes) -> None:
+        """Note as damage each CORRUPT block whose data is not the size its meta record says (as `verified`)."""
+        for key, code, meta, data in zip(self._keys, codes, self._metas, self._datas, strict=True):
+            if code != blockcopy.CORRUPT or key is None or not meta or data is None or len(meta) != META_STRUCT.size:
+                continue
+            size = BlockMeta.unpack(meta).size_bytes
+            if len(data) != size:
+                self._damage.note(key, SilentDamage(f"its data is {len(data)} bytes, its meta record says {size}"))
 
     def close(self) -> None:
         """Drop the views and end the txn (a no-op once done)."""
