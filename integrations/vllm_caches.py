@@ -30,8 +30,10 @@ def page_map(geometry: ModelGeometry, component: str, page_tokens: int, ratio: i
     records = geometry.records
     fmt = {"compressed_kv": records.kv, "indexer": records.indexer, "window": records.window}[component]
     data, scales = geometry.row_split(component)
-    return PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=data + scales,
-                   data_bytes=data if fmt.block_split else 0)
+    # vLLM's indexer pages are block-split whatever the layout (indexer_k_store: a page's values, then its
+    # scales, for the FP8 and the MXFP4 key alike), the model's rows included.
+    split = fmt.block_split or component == "indexer"
+    return PageMap(page_tokens=page_tokens, ratio=ratio, row_bytes=data + scales, data_bytes=data if split else 0)
 
 
 @dataclass(frozen=True)

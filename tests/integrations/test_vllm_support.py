@@ -75,9 +75,10 @@ def sections(geo: ModelGeometry) -> list[tuple[int, str, int]]:
 
 def split_at(geo: ModelGeometry, component: str) -> int:
     """Where vLLM splits a row of `component` in its pages: its data bytes when its pages are block-split (every
-    slot's data, then every slot's scales: vLLM's fp8_ds_mla V4 record and FP8 indexer kernels), else 0."""
+    slot's data, then every slot's scales: vLLM's fp8_ds_mla V4 record and its indexer kernels), else 0."""
     fmt = {"compressed_kv": geo.records.kv, "indexer": geo.records.indexer, "window": geo.records.window}[component]
-    return geo.row_split(component)[0] if fmt.block_split else 0
+    # vLLM's indexer_k_store writes a page's values, then its scales, for every indexer dtype.
+    return geo.row_split(component)[0] if fmt.block_split or component == "indexer" else 0
 
 
 def put_row(page: torch.Tensor, slot: int, rows_per_page: int, row: bytes, data: int) -> None:

@@ -21,7 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvstore  # noqa: E402
-from integrations.common import PageMap, parse_settings  # noqa: E402
+from integrations.common import parse_settings  # noqa: E402
+from integrations.vllm_caches import page_map  # noqa: E402
 from integrations.vllm_scheduler import LoadSpec, SaveSpec  # noqa: E402
 from integrations.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.geometry import TINY as GEO  # noqa: E402
@@ -76,7 +77,7 @@ def _close(worker: WorkerSide) -> None:
 
 def _rows(cache: torch.Tensor, s: Any, pages: list[int]) -> torch.Tensor:
     """A section's rows of `pages` in position order, from a cache (host copy)."""
-    pm = PageMap(page_tokens=PAGE, ratio=GEO.compress_ratios[s.layer], row_bytes=s.row_bytes)
+    pm = page_map(GEO, s.component, PAGE, GEO.compress_ratios[s.layer])   # as the worker maps it (indexer split)
     page, slot = pm.slots(pages, 0, len(pages) * pm.rows_per_page)
     view = pm.view(cache)
     return view[page.to(view.device), slot.to(view.device)].cpu()
