@@ -125,6 +125,11 @@ class FleetStore:
 
     # -- routing -------------------------------------------------------------
 
+    def routes_held(self) -> int:
+        """Callers whose node connections are held (a metric: `gateway.metrics_gateway`)."""
+        with self._lock:
+            return len(self._routes)
+
     def _route(self, route: Route) -> tuple[NodePool, Refresher]:
         """The node connections of one caller (its token, namespace, geometry): made on first use."""
         with self._lock:

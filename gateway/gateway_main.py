@@ -30,14 +30,26 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from gateway.auth import DEFAULT_TENANT, METHOD_RIGHTS, OPEN_CALLER, AuthInterceptor, Caller, check_bind, is_loopback
+from gateway.auth import (
+    DEFAULT_TENANT,
+    METHOD_RIGHTS,
+    OPEN_CALLER,
+    AuthInterceptor,
+    Caller,
+    check_bind,
+    check_metrics_bind,
+    is_loopback,
+)
 from gateway.fleet_store import FleetStore
 from gateway.gateway_forward import Forwarder
 from gateway.gateway_forward import close as close_forwarder
 from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
+from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
+from gateway.metrics_gateway import GatewayCollector
 from gateway.replies import add_service
+from gateway.request_log import RequestLog
 from gateway.tenants import TokenTable
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
@@ -103,6 +115,8 @@ class RunningGateway:
     health: health_aio.HealthServicer
     tenants: TokenTable
     closers: list[Callable[[], Any]] = field(default_factory=list)
+    #: The Prometheus endpoint ([metrics] port; None: off).
+    metrics_endpoint: MetricsEndpoint | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Stop taking calls, let in-flight ones finish for `grace_s`, then close (nothing here is stored)."""
@@ -128,6 +142,8 @@ async def start_gateway(settings: Settings) -> RunningGateway:
     tenants: TokenTable = await open_fleet_tenants(settings)
     try:
         check_bind(host, auth=tenants.enabled, tls=settings.tls.enabled, insecure=settings.auth.insecure)
+        check_metrics_bind(settings.metrics.host, settings.metrics.port,
+                           insecure=settings.metrics.insecure or settings.auth.insecure)
         from gateway.server import _server_credentials
 
         credentials = _server_credentials(settings.tls) if settings.tls.enabled else None
@@ -136,11 +152,15 @@ async def start_gateway(settings: Settings) -> RunningGateway:
     except BaseException:
         await tenants.stop()
         raise
+    endpoint: MetricsEndpoint | None = None
     try:
         quiet_cancelled_replies()
         open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
         limit = settings.server.max_message_bytes
-        server = grpc.aio.server(interceptors=[AuthInterceptor(tenants, open_caller, METHOD_RIGHTS),
+        # The router's per-call series, as a node's (outermost: calls auth refuses are counted too).
+        metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
+        server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics, RequestLog()),
+                                               AuthInterceptor(tenants, open_caller, METHOD_RIGHTS),
                                                UndecodableRequests()],
                                  options=[("grpc.max_receive_message_length", limit),
                                           ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
@@ -162,14 +182,21 @@ async def start_gateway(settings: Settings) -> RunningGateway:
             raise OSError(f"cannot listen on {address}: {exc}") from None
         if port == 0:
             raise OSError(f"cannot listen on {address}")
+        metrics.registry.register(GatewayCollector(store, forwarder))
+        endpoint = start_endpoint(settings.metrics, metrics.registry)  # before the start: a port in use stops it
         await server.start()
         tenants.start(settings.auth.reload_s)
     except BaseException:
+        if endpoint is not None:
+            await endpoint.close()
         await asyncio.to_thread(store.close)
         await tenants.stop()
         raise
-    return RunningGateway(port=port, server=server, store=store, health=health, tenants=tenants,
-                          closers=[lambda: close_forwarder(forwarder)])
+    closers: list[Callable[[], Any]] = [lambda: close_forwarder(forwarder)]
+    if endpoint is not None:
+        closers.append(endpoint.close)
+    return RunningGateway(port=port, server=server, store=store, health=health, tenants=tenants, closers=closers,
+                          metrics_endpoint=endpoint)
 
 
 def _node_tls(settings: Settings) -> TlsOptions | None:
@@ -223,7 +250,8 @@ async def serve_gateway(settings: Settings) -> None:
     auth = "tokens (the fleet's tenants in etcd)" if running.tenants.enabled else "off"
     print(f"kvstore gateway listening on {settings.server.host}:{running.port} for fleet etcd://{store.address} "
           f"({len(store.view.nodes)} nodes live, runs of {store.run_blocks} blocks, replication "
-          f"{store.replication}); auth {auth}; TLS {'on' if settings.tls.enabled else 'off'}", flush=True)
+          f"{store.replication}); auth {auth}; TLS {'on' if settings.tls.enabled else 'off'}; metrics "
+          f"{running.metrics_endpoint.url if running.metrics_endpoint else 'off'}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

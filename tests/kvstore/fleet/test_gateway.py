@@ -9,6 +9,9 @@ gateway A killed with SIGKILL, gateway B serves everything. Runs are 4 blocks of
 from __future__ import annotations
 
 import random
+import re
+import socket
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import kvstore
 from kvstore.client.admin import AdminClient
@@ -234,6 +238,85 @@ def test_f53_stats_through_a_gateway_are_the_fleets(fleet: Fleet) -> None:
         assert window.gets >= 2 and window.gets == sum({w.window: w.counts for w in t.windows}["all"].gets
                                                        for t in per_node)
         assert [w.window for w in total.windows] == [w.window for w in next(iter(nodes.values())).windows]
+
+
+def _metrics_gateway(tmp: Path, fleet: Fleet) -> tuple[Child, int]:
+    """A gateway of the module's fleet serving /metrics on a free loopback port (another if that one was taken
+    meanwhile by another pytest worker)."""
+    etcd, cluster = fleet.address.removeprefix("etcd://").split("/")
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        cfg = write_config(tmp / f"metrics{attempt}.toml", {
+            "store": {"data_dir": str(tmp / "none"), "block_tokens": BLOCK_TOKENS},
+            "fleet": {"etcd": etcd, "cluster": cluster, "run_blocks": RUN_BLOCKS},
+            "metrics": {"port": port},
+        })
+        try:
+            return Child(f"gateway-metrics{attempt}", ["gateway", "--config", str(cfg), "--port", "0"],
+                         tmp / "logs"), port
+        except AssertionError as exc:
+            if "in use" not in str(exc):
+                raise
+    raise AssertionError("no free metrics port in 3 tries")
+
+
+def test_a_gateway_serves_the_routers_metrics(fleet: Fleet, tmp_path: Path) -> None:
+    """docs/METRICS.md "Fleet": a gateway's /metrics has the per-call series of what it routed, its view of the
+    membership, the routes it holds, the calls it forwarded (F52) and the routing code's fleet-client counters."""
+    gateway, port = _metrics_gateway(tmp_path, fleet)
+    try:
+        tokens = prompt(RUN_TOKENS)
+        with kvstore.Client(gateway.target) as plain, AdminClient(gateway.target) as admin:
+            plain.put(tokens, blocks(RUN_BLOCKS, plain.block_bytes))
+            assert plain.get(tokens).found_prefix_blocks == RUN_BLOCKS
+            admin.list_policies()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+        assert samples[("kvstore_gateway_nodes", ())] == 3
+        assert samples[("kvstore_gateway_membership_stale", ())] == 0
+        assert samples[("kvstore_gateway_routes", ())] >= 1
+        forwarded = [v for (name, labels), v in samples.items() if name == "kvstore_gateway_forwarded_calls_total"
+                     and ("method", "ListPolicies") in labels and ("service", "Admin") in labels]
+        assert forwarded == [1]
+        puts = [v for (name, labels), v in samples.items() if name == "kvstore_rpc_requests_total"
+                and ("method", "kvstore.v1.KVStore/PutStream") in labels and ("code", "OK") in labels]
+        assert sum(puts) >= 1
+        assert any(name.startswith("kvstore_fleet_client_") for name, _ in samples)
+        _dashboard_gateway_queries_are_served(text)
+    finally:
+        gateway.kill_if_alive()
+
+
+def _dashboard_gateway_queries_are_served(text: str) -> None:
+    """Every kvstore_gateway_* metric and label the Grafana dashboard queries is on a gateway's /metrics."""
+    import json
+
+    from tests.gateway.metrics.test_dashboard import _BY, _LEGEND, _NAME, _SELECTOR_LABEL, TARGET_LABELS, _queries
+
+    served: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            served.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads((Path(__file__).resolve().parents[3] / "deploy" / "grafana" /
+                            "kvstore-dashboard.json").read_text())
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "METRICS.md").read_text()
+    section = doc.split("### The gateway", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(kvstore_gateway_\w+)` \|", section, re.MULTILINE))
+    assert documented == {re.sub(r"_total$", "", n) for n in served if n.startswith("kvstore_gateway_")}
+    queries = [(w, e, leg) for w, e, leg in _queries(dashboard) if "kvstore_gateway_" in e]
+    assert {w for w, _, _ in queries} >= {"Gateways: view and routes", "Gateways: calls forwarded to nodes"}
+    for where, expr, legend in queries:
+        names = set(_NAME.findall(expr))
+        assert not names - served.keys(), f"{where}: {sorted(names - served.keys())} not served (query {expr})"
+        used = set(_SELECTOR_LABEL.findall(expr)) | set(_LEGEND.findall(legend))
+        for group in _BY.findall(expr):
+            used |= {label.strip() for label in group.split(",") if label.strip()}
+        have = set().union(*(served[n] for n in names)) | TARGET_LABELS
+        assert used <= have, f"{where}: labels {sorted(used - have)} not on {sorted(names)}"
 
 
 def test_f39_kill_9_a_gateway_and_the_other_serves_everything(fleet: Fleet) -> None:
