@@ -17,6 +17,10 @@ A node that stops being a replica of a run (a node joined and ranks above it) ke
 its copy: retention evicts it in time, so copies never drop below the factor while
 the new replica fills (the choice, and its cost in disk, in docs/FLEET.md F21).
 
+Where this node and the target both run the bulk transport (`[transfer] bulk = "mooncake"`), a batch's
+bytes are not in the call: the target's engine reads them from this node's map, verified in place
+(`gateway.fleet_bulk`); gRPC carries them otherwise, and for the rest of a pass to a target that refused.
+
 Progress (`kvstore.fleet.repair_progress.RepairProgress`) is published in etcd under
 the node's lease, so `kvstore fleet status` shows under-replicated bytes fleet-wide.
 """
@@ -29,13 +33,14 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from gateway.fleet_bulk import BATCH_BYTES, BulkSource
 from gateway.fleet_servicer import MAX_KEYS, SERVICE, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
@@ -52,14 +57,13 @@ from tiers.reads import ReadStatus
 from tiers.run_index import RunBlock, RunDigest, RunEntry
 
 log = logging.getLogger("kvstore.fleet.repair")
-#: Bytes of block data per CopyBlocks call (and per take from the bucket): a full run of 256 V4.1-Flash
-#: blocks (14.6 MB) goes in one call, one fsync'd transaction on the receiver.
-BATCH_BYTES = 16 << 20
 #: CopyBlocks calls one pass keeps in flight (over every target): reads, the network and the receivers'
 #: fsyncs overlap, while the token bucket still bounds the bytes (F18).
 WINDOW = 4
-#: Runs planned at a time (their blocks' metas are held while planned).
+#: Runs planned at a time (their blocks' metas are held while planned); the first rounds are smaller
+#: (FIRST_ROUND_RUNS, doubling), so the first copies start while the rest is planned.
 RUNS_PER_ROUND = 512
+FIRST_ROUND_RUNS = 32
 #: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
 #: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
@@ -187,11 +191,12 @@ class FleetRepairer:
         peers: channels to the other nodes.
         interval_s: seconds between passes while membership does not change.
         publish: writes the progress record (None: not published).
+        bulk: this node's engine for copies over the bulk transport; None: every copy goes over gRPC.
     """
 
     def __init__(self, tier: LmdbBlockTier, *, node_id: str, membership: Membership, replication: int,
                  run_blocks: int, window_s: float, bucket: TokenBucket, peers: Peers, interval_s: float,
-                 publish: Callable[[RepairProgress], Awaitable[None]] | None) -> None:
+                 publish: Callable[[RepairProgress], Awaitable[None]] | None, bulk: BulkSource | None = None) -> None:
         self.tier = tier
         self.node_id = node_id
         self.membership = membership
@@ -202,6 +207,7 @@ class FleetRepairer:
         self.peers = peers
         self.interval_s = interval_s
         self.publish = publish
+        self.bulk = bulk
         #: Bytes per CopyBlocks: BATCH_BYTES, within half the message size the nodes take.
         self.batch_bytes = max(1, min(BATCH_BYTES, peers.max_message_bytes // 2))
         self._names: dict[bytes, str] = {}
@@ -220,6 +226,8 @@ class FleetRepairer:
         self._planned: frozenset[tuple[str, str]] | None = None
         #: Peers that did not answer in the pass under way: not asked again in it.
         self._down: set[str] = set()
+        #: Peers that refused a copy over the bulk transport in the pass under way: sent over gRPC in it.
+        self._grpc_only: set[str] = set()
 
     def start(self) -> None:
         """Run passes in the background until `stop`."""
@@ -234,6 +242,8 @@ class FleetRepairer:
             self._task = None
         await self.peers.close()
         await self.membership.close()
+        if self.bulk is not None:
+            self.bulk.close()
         for close in self.closing:
             await close()
 
@@ -295,7 +305,7 @@ class FleetRepairer:
         addresses = self._pass_nodes(self.membership)
         if self.membership.stale or not addresses or (self.node_id not in addresses and not p.draining):
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
-        self._planned, self._down = frozenset(addresses.items()), set()
+        self._planned, self._down, self._grpc_only = frozenset(addresses.items()), set(), set()
         await self.peers.close_retired()  # the last pass's calls have all ended
         p.planned_nodes, p.running = sorted(addresses), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
@@ -304,18 +314,31 @@ class FleetRepairer:
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
-        for start in range(0, len(runs), RUNS_PER_ROUND):
-            at = time.monotonic()
-            found = await self.plan_round(runs[start:start + RUNS_PER_ROUND], sorted(addresses), addresses)
-            planning_s += time.monotonic() - at
-            planned += len(found.plans) + found.undecided_runs
-            # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
-            p.under_replicated_runs += len(found.plans) + found.undecided_runs
-            p.under_replicated_bytes += found.undecided_bytes + sum(
-                b.meta.size_bytes for plan in found.plans for s in plan.sends.values() for b in s)
-            p.failed_runs += found.undecided_runs
-            await self._publish()
-            await self._copy_round(found.plans, addresses)
+        # Each round is planned while the one before is copied (their runs are apart: what one round asks of
+        # a peer does not depend on the other's copies); the first is small, so copies start soon.
+        copying: asyncio.Future[None] | None = None
+        try:
+            for chunk in _rounds(runs):
+                at = time.monotonic()
+                found = await self.plan_round(chunk, sorted(addresses), addresses)
+                planning_s += time.monotonic() - at
+                planned += len(found.plans) + found.undecided_runs
+                # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
+                p.under_replicated_runs += len(found.plans) + found.undecided_runs
+                p.under_replicated_bytes += found.undecided_bytes + sum(
+                    b.meta.size_bytes for plan in found.plans for s in plan.sends.values() for b in s)
+                p.failed_runs += found.undecided_runs
+                await self._publish()
+                if copying is not None:
+                    await copying
+                copying = asyncio.ensure_future(self._copy_round(found.plans, addresses))
+            if copying is not None:
+                await copying
+        finally:
+            if copying is not None and not copying.done():  # the pass was given up: so are its copies
+                copying.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await copying
         p.running, p.passes = False, p.passes + 1
         p.drained = p.draining and not planned and not p.failed_runs
         if planned:
@@ -488,13 +511,15 @@ class FleetRepairer:
 
     def _lanes(self, plans: list[RunPlan], addresses: dict[str, str]) -> list[_Lane]:
         """Every send of the round, as up to WINDOW lanes per target, each run whole in one lane, the
-        lanes of a target about even in bytes."""
+        lanes of a target about even in bytes. A target gets another lane only once each of its lanes holds
+        a batch: a round of a few small runs goes in one full call, not in several small ones (each its
+        own fsync there)."""
         by_target: dict[str, list[_Lane]] = {}
         for plan in plans:
             for target, blocks in plan.sends.items():
                 plan.pending.add(target)
                 lanes = by_target.setdefault(target, [])
-                if len(lanes) < WINDOW:
+                if len(lanes) < WINDOW and all(x.size >= self.batch_bytes for x in lanes):
                     lanes.append(_Lane(target=target, address=addresses[target]))
                 lane = min(lanes, key=lambda x: x.size)
                 lane.runs.append((plan, blocks))
@@ -547,6 +572,10 @@ class FleetRepairer:
         """One CopyBlocks of `chunk` (what of it reads) to the lane's target; whether it went."""
         if lane.target in self._down:
             return False
+        if self.bulk is not None and lane.target not in self._grpc_only:
+            went = await self._send_bulk(self.bulk, lane, chunk, skipped, window)
+            if went is not None:
+                return went
         p = self.progress
         request, count, size, damaged = await self.tier.call(self._read, chunk, skipped)
         p.damaged_blocks += damaged
@@ -565,6 +594,54 @@ class FleetRepairer:
                             exc.code().name, exc.details())
                 self._peer_failed(lane.target, lane.address, exc)
                 return False
+        p.copied_bytes += reply.written_bytes
+        p.copied_blocks += reply.written_blocks
+        await self._publish()
+        return True
+
+    async def _send_bulk(self, bulk: BulkSource, lane: _Lane, chunk: list[RunBlock], skipped: set[bytes],
+                         window: asyncio.Semaphore) -> bool | None:
+        """`_send_batch` over the bulk transport: the target reads the blocks from this node's map, verified
+        in place first, held under a read txn until answered. None: send it over gRPC instead (the map cannot
+        answer the batch exactly, one of its blocks cannot go, or the target refused: then so for its pass)."""
+        size = chunk[0].meta.size_bytes
+        names = [self._names.get(namespaces.id_of_key(b.key)) for b in chunk]
+        if any(b.meta.size_bytes != size or b.key[:-32] + b.meta.parent_hash in skipped for b in chunk) \
+                or None in names:
+            return None  # gRPC's path reads each block and skips what cannot go, with its descendants
+        resolved = await self.tier.call(bulk.resolve, [b.key for b in chunk], size)
+        if resolved is None:
+            return None
+        p = self.progress
+        total = size * len(chunk)
+        try:
+            segment = bulk.segment.encode()
+            request = b"".join([piece for b, ns, at in zip(chunk, names, resolved.addresses, strict=True)
+                                for piece in encode_copy(b, ns or "", b"", source_address=at)]
+                               + [b"\x12", _varint(len(segment)), segment])
+            await self.bucket.take(total)  # F18: the bounded rate, as over gRPC
+            async with window:
+                if lane.target in self._down:
+                    return False
+                try:
+                    reply = await self.peers.copier(lane.address)(request, metadata=self.peers.metadata,
+                                                                  timeout=CALL_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    log.warning("fleet: copying %d blocks to node %s over the bulk transport failed: %s: %s",
+                                len(chunk), lane.target, exc.code().name, exc.details())
+                    self._peer_failed(lane.target, lane.address, exc)
+                    return False
+        finally:
+            # Answered (or given up): the target reads no more of these pages. Were its engine still reading
+            # after a deadline, a page LMDB reused would fail the block's checksum there: never stored.
+            resolved.txn.abort()
+        if reply.bulk_refused:
+            log.warning("fleet: node %s takes no copies over the bulk transport (%s): gRPC for the rest of this "
+                        "pass", lane.target, reply.bulk_refused)
+            self._grpc_only.add(lane.target)
+            return None
+        p.sent_bytes += total
+        p.bulk_bytes += reply.written_bytes
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
         await self._publish()
@@ -621,16 +698,19 @@ _F64 = struct.Struct("<Q")
 _DOUBLE = struct.Struct("<d")
 
 
-def encode_copy(block: RunBlock, namespace: str, data: bytes) -> list[bytes]:
+def encode_copy(block: RunBlock, namespace: str, data: bytes, *, source_address: int = 0) -> list[bytes]:
     """One `CopiedBlock` as the pieces of its entry in a `CopyBlocksRequest`'s wire bytes (field 1, length
     delimited), `data` among them uncopied: joined, they are what `CopyBlocksRequest(blocks=[...])`
-    serializes to, without building a message per block or copying each block's bytes twice more."""
+    serializes to, without building a message per block or copying each block's bytes twice more. With
+    `source_address` (a bulk copy's: `data` empty), the block's address in the source's map instead."""
     ns = namespace.encode()
     m = block.meta
     head = b"".join((b"\x0a", _varint(len(block.key)), block.key, b"\x12", _varint(len(ns)), ns,
                      b"\x1a", _varint(len(m.parent_hash)), m.parent_hash, b"\x20", _varint(m.depth),
-                     b"\x2a", _varint(len(data))))
+                     b"\x2a" + _varint(len(data)) if data else b""))
     tail = b"\x31" + _F64.pack(m.checksum) + b"\x39" + _DOUBLE.pack(m.last_access_s)
+    if source_address:
+        tail += b"\x41" + _F64.pack(source_address)
     return [b"\x0a" + _varint(len(head) + len(data) + len(tail)), head, data, tail]
 
 
@@ -658,6 +738,14 @@ def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=roots)
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=read("tls.key_file", tls.key_file),
                                         certificate_chain=read("tls.cert_file", tls.cert_file))
+
+
+def _rounds(runs: Sequence[RunEntry]) -> Iterator[Sequence[RunEntry]]:
+    """`runs` in rounds of FIRST_ROUND_RUNS, twice that, ... up to RUNS_PER_ROUND."""
+    at, size = 0, FIRST_ROUND_RUNS
+    while at < len(runs):
+        yield runs[at:at + size]
+        at, size = at + size, min(2 * size, RUNS_PER_ROUND)
 
 
 def _changed_since(revision: int) -> Callable[[Membership], bool]:
@@ -699,10 +787,12 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
             return False
 
     bucket = TokenBucket(fleet.repair_bytes_per_s, max(2 * BATCH_BYTES, fleet.repair_bytes_per_s / 10))
+    # F18: where `[transfer] bulk` is on, a target that runs it too reads the copies from this node's map.
+    bulk = BulkSource(tier, settings.transfer.bulk_host) if settings.transfer.bulk == "mooncake" else None
     repairer = FleetRepairer(tier, node_id=registration.record.node_id, membership=membership,
                              replication=fleet.replication, run_blocks=fleet.run_blocks,
                              window_s=settings.store.retention_s, bucket=bucket,
-                             peers=peers, interval_s=fleet.repair_interval_s, publish=publish)
+                             peers=peers, interval_s=fleet.repair_interval_s, publish=publish, bulk=bulk)
     repairer.leave, repairer.drain_requested = registration.stop, drain_requested
     repairer.etcd = own
     repairer.closing.append(own.close)

@@ -8,11 +8,17 @@ match the checksum the source stored with them (F17: a damaged source copy is
 refused here, on the receiving end, too); it is stored in one durable transaction
 with the room rules of a Put, and keeps the later of the two copies' last uses (F19).
 
+A copy's bytes come in the request, or, where both nodes run the bulk transport, are read by
+this node's engine from the source's map (`gateway.fleet_bulk`, the request naming the source's
+engine) before the same checks and the same transaction.
+
 The servicer translates messages; the work is `tiers.run_index` and `LmdbBlockTier.put_many`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 import logging
 import struct
@@ -23,12 +29,20 @@ from pathlib import Path
 import grpc
 import xxhash
 
+from gateway.fleet_bulk import BATCH_BYTES, RECEIVER_SLOTS, BulkReceiver
 from gateway.status import unary
 from gateway.validate import Layout
 from kvstore import geometry
 from kvstore.config import Settings
 from kvstore.config_sections import FleetSettings
-from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
+from kvstore.errors import (
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from tiers import run_index
@@ -57,16 +71,19 @@ class FleetServicer:
             `open_without_token()` holds.
         open_without_token: whether calls need no token now (tenant auth is off on this node).
         window_s: the retention floor: digests count blocks last used within it.
+        bulk: reads copies over the bulk transport; None: this node takes their bytes over gRPC only.
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], *, run_blocks: int, token: bytes | None,
-                 open_without_token: Callable[[], bool], window_s: float) -> None:
+                 open_without_token: Callable[[], bool], window_s: float, bulk: BulkReceiver | None = None) -> None:
         self.tier = tier
         self.sizes = {layout.geometry.fingerprint: layout.block_bytes for layout in layouts.values()}
         self.run_blocks = run_blocks
         self.token = token
         self.open_without_token = open_without_token
         self.window_s = window_s
+        self.bulk = bulk
+        self.commits = GroupCommit(tier)
 
     def _check_token(self, context: grpc.aio.ServicerContext) -> None:
         """F20: the caller is a node of this fleet (it shows the fleet's token)."""
@@ -109,14 +126,146 @@ class FleetServicer:
         as views of them, so a block's bytes are not copied between the network and LMDB."""
         self._check_token(context)
 
-        def store() -> list[PutResult]:  # parsed, checked and stored on the store's executor, off the event loop
-            blocks = parse_copies(request) if isinstance(request, bytes) else request.blocks
-            return self.tier.put_many(copy_batches(blocks, self.sizes, self.run_blocks))
+        def check() -> tuple[list[PutBatch], Sequence[pb.CopiedBlock | WireCopy], str]:
+            # Parsed and checked on the store's executor, off the event loop; a bulk request's blocks are
+            # read first (`_read_and_store`).
+            blocks, segment = parse_request(request) if isinstance(request, bytes) else (request.blocks,
+                                                                                         request.bulk_segment)
+            if segment:
+                return [], blocks, segment
+            return copy_batches(blocks, self.sizes, self.run_blocks), (), ""
 
-        results = await self.tier.call(store)
+        batches, blocks, segment = await self.tier.call(check)
+        if segment:
+            refused, results = await self._read_and_store(blocks, segment, context.peer())
+            if refused:
+                return pb.CopyBlocksResponse(bulk_refused=refused)
+        else:
+            results = await self.commits.put(batches)
         return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
                                      existing_blocks=sum(r.existing_blocks for r in results),
                                      written_bytes=sum(r.written_bytes for r in results))
+
+    async def _read_and_store(self, blocks: Sequence[pb.CopiedBlock | WireCopy], segment: str,
+                              peer: str) -> tuple[str, list[PutResult]]:
+        """A bulk CopyBlocks: its blocks read from the source's engine into a staging slot, then checked and
+        stored as bytes in the request are; ("", results), or (why not, []) with nothing stored (the source
+        then sends the bytes over gRPC).
+
+        Raises:
+            InvalidArgument: a geometry not served here, or more blocks than a call may carry.
+        """
+        bulk = self.bulk
+        refused = ("this node reads no copies over the bulk transport ([transfer] bulk is off)" if bulk is None
+                   else await bulk.refused(segment, peer))
+        if refused or bulk is None:
+            return refused, []
+        if len(blocks) > MAX_KEYS:
+            raise InvalidArgument(f"{len(blocks)} blocks in one CopyBlocks; at most {MAX_KEYS}")
+        sizes = []
+        for i, b in enumerate(blocks):
+            size = self.sizes.get(b.key[:FINGERPRINT_BYTES])
+            if size is None:
+                raise InvalidArgument(f"blocks[{i}]: geometry fingerprint {b.key[:FINGERPRINT_BYTES].hex()} "
+                                      "is not served here")
+            sizes.append(size)
+        if sum(sizes) > bulk.slot_bytes:
+            return f"{sum(sizes)} bytes in one bulk CopyBlocks; a staging slot here holds {bulk.slot_bytes}", []
+        try:
+            view, slot = await bulk.read(segment, [b.source_address for b in blocks], sizes)
+        except Unavailable as exc:
+            log.warning("fleet: %s; the source sends the bytes over gRPC", exc.message)
+            return exc.message, []
+
+        def check() -> list[PutBatch]:
+            at, copies = 0, []
+            for b, size in zip(blocks, sizes, strict=True):
+                copies.append(_with_data(b, view[at:at + size]))
+                at += size
+            return copy_batches(copies, self.sizes, self.run_blocks)
+
+        async def store() -> list[PutResult]:
+            return await self.commits.put(await self.tier.call(check))
+
+        stored = asyncio.ensure_future(store())
+        try:
+            return "", await asyncio.shield(stored)
+        except asyncio.CancelledError:
+            await asyncio.wait([stored])  # the store may still read the slot: freed once it returns
+            raise
+        finally:
+            bulk.release(slot)
+
+
+class GroupCommit:
+    """The copies' durable writes, group-committed: the batches of every CopyBlocks that arrives while a
+    transaction is being written go in the next one together (`put_many`: one fsync for them all), so copies
+    in flight at once (a repairer keeps 4, several repairers may send) cost one fsync per group, not per call.
+
+    All or none per group: when a group's transaction is refused (room, quota), each call's batches are
+    written again alone, so a call is refused only for its own blocks. Batches of one call stay in order, and
+    a call's group follows the groups of calls answered before it was made (a lane's next batch, R6).
+    """
+
+    def __init__(self, tier: LmdbBlockTier) -> None:
+        self.tier = tier
+        self._queue: list[tuple[list[PutBatch], asyncio.Future[list[PutResult]]]] = []
+        self._writing = False
+        #: Transactions written, and the calls they served (their ratio: calls per fsync).
+        self.commits = 0
+        self.calls = 0
+
+    async def put(self, batches: list[PutBatch]) -> list[PutResult]:
+        """Store `batches` durably in the next group's transaction; their results once it is committed.
+
+        Raises:
+            KVStoreError: what `put_many` raises for these batches written alone.
+        """
+        done: asyncio.Future[list[PutResult]] = asyncio.get_running_loop().create_future()
+        self._queue.append((batches, done))
+        if not self._writing:
+            self._writing = True
+            asyncio.get_running_loop().create_task(self._write())
+        # Shielded: a cancelled call's batches may be in a transaction being written; it ends regardless.
+        return await asyncio.shield(done)
+
+    async def _write(self) -> None:
+        try:
+            while self._queue:
+                group, self._queue = self._queue, []
+                self.commits += 1
+                self.calls += len(group)
+                try:
+                    results = await self.tier.call(self.tier.put_many, [b for batches, _ in group for b in batches])
+                except Exception as exc:  # refused as a whole: each call alone, so a refusal is only its own
+                    if len(group) > 1:
+                        log.warning("fleet: %d copies written together were refused (%s): each is written alone",
+                                    len(group), exc)
+                    for batches, done in group:
+                        try:
+                            alone = await self.tier.call(self.tier.put_many, batches)
+                        except Exception as exc:
+                            _settle(done, exc=exc)
+                        else:
+                            _settle(done, alone)
+                    continue
+                at = 0
+                for batches, done in group:
+                    _settle(done, results[at:at + len(batches)])
+                    at += len(batches)
+        finally:
+            self._writing = False
+
+
+def _settle(done: asyncio.Future[list[PutResult]], results: list[PutResult] | None = None, *,
+            exc: BaseException | None = None) -> None:
+    if done.cancelled():
+        return
+    if exc is not None:
+        done.set_exception(exc)
+    else:
+        assert results is not None
+        done.set_result(results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +279,16 @@ class WireCopy:
     data: memoryview
     checksum: int
     last_use_s: float
+    #: Bulk: where the block lies in the source's registered region (0: its bytes are `data`).
+    source_address: int = 0
+
+
+def _with_data(b: pb.CopiedBlock | WireCopy, data: memoryview) -> WireCopy:
+    """The block with the bytes read for it over the bulk transport."""
+    if isinstance(b, WireCopy):
+        return dataclasses.replace(b, data=data)
+    return WireCopy(key=b.key, namespace=b.namespace, parent_hash=b.parent_hash, depth=b.depth, data=data,
+                    checksum=b.checksum, last_use_s=b.last_use_s)
 
 
 def _varint(raw: memoryview, at: int) -> tuple[int, int]:
@@ -171,7 +330,7 @@ def _fields(raw: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
 
 
 #: CopiedBlock's fields -> their wire types (proto/kvstore/v1/fleet.proto).
-_WIRE_TYPES = {1: 2, 2: 2, 3: 2, 4: 0, 5: 2, 6: 1, 7: 1}
+_WIRE_TYPES = {1: 2, 2: 2, 3: 2, 4: 0, 5: 2, 6: 1, 7: 1, 8: 1}
 _DOUBLE = struct.Struct("<d")
 _EMPTY = memoryview(b"")
 
@@ -183,9 +342,24 @@ def parse_copies(raw: bytes) -> list[WireCopy]:
     Raises:
         InvalidArgument: the bytes are not a CopyBlocksRequest.
     """
+    return parse_request(raw)[0]
+
+
+def parse_request(raw: bytes) -> tuple[list[WireCopy], str]:
+    """`parse_copies`, and the request's `bulk_segment` ("" when its bytes are in it).
+
+    Raises:
+        InvalidArgument: the bytes are not a CopyBlocksRequest.
+    """
     out = []
+    segment = ""
     try:
-        for number, _kind, value in _fields(memoryview(raw)):
+        for number, kind, value in _fields(memoryview(raw)):
+            if number == 2:
+                if not isinstance(value, memoryview):
+                    raise ValueError(f"field 2 (bulk_segment) has wire type {kind}")
+                segment = bytes(value).decode()
+                continue
             if number != 1:
                 continue
             if not isinstance(value, memoryview):
@@ -197,16 +371,16 @@ def parse_copies(raw: bytes) -> list[WireCopy]:
                         raise ValueError(f"CopiedBlock field {n} has wire type {k}")
                     got[n] = v
             key, ns, parent, data = (got.get(n, _EMPTY) for n in (1, 2, 3, 5))
-            depth, checksum, last_use = (got.get(n, 0) for n in (4, 6, 7))
+            depth, checksum, last_use, address = (got.get(n, 0) for n in (4, 6, 7, 8))
             assert isinstance(key, memoryview) and isinstance(ns, memoryview) and isinstance(parent, memoryview)
             assert isinstance(data, memoryview) and isinstance(depth, int) and isinstance(checksum, int)
-            assert isinstance(last_use, int)
+            assert isinstance(last_use, int) and isinstance(address, int)
             out.append(WireCopy(key=bytes(key), namespace=bytes(ns).decode(), parent_hash=bytes(parent),
                                 depth=depth, data=data, checksum=checksum,
-                                last_use_s=_DOUBLE.unpack(last_use.to_bytes(8, "little"))[0]))
+                                last_use_s=_DOUBLE.unpack(last_use.to_bytes(8, "little"))[0], source_address=address))
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"a CopyBlocks request that does not parse: {exc}") from None
-    return out
+    return out, segment
 
 
 def _keys(values: Sequence[bytes], field: str) -> list[bytes]:
@@ -334,8 +508,12 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
     if built:
         log.info("fleet: indexed %d runs of %d blocks already stored", built, settings.fleet.run_blocks)
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
+    # F18: where `[transfer] bulk` is on, copies' bytes are read from their source's map by this node's engine.
+    bulk = (BulkReceiver(settings.transfer.bulk_host, BATCH_BYTES, RECEIVER_SLOTS)
+            if settings.transfer.bulk == "mooncake" else None)
     servicer = FleetServicer(tier, layouts, run_blocks=settings.fleet.run_blocks, token=token,
-                             open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s)
+                             open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s,
+                             bulk=bulk)
     _add_servicer(servicer, server)
     return token
 

@@ -114,7 +114,7 @@ def _repair(progress: Any) -> dict[str, Any] | None:
         return None
     return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
                                               "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
-                                              "damaged_blocks", "failed_runs", "draining", "drained",
+                                              "bulk_bytes", "damaged_blocks", "failed_runs", "draining", "drained",
                                               "updated_at")}
 
 

@@ -53,6 +53,8 @@ class RepairProgress:
     #: Bytes of block data sent in copies since the node started (above copied_bytes: a block the target
     #: stored meanwhile, through a Put or another holder's copy).
     sent_bytes: int = 0
+    #: Of copied_bytes, those read by the targets over the bulk transport (the rest went over gRPC).
+    bulk_bytes: int = 0
     #: Blocks found damaged (checksum) on this node while copying: dropped here, never sent (F17).
     damaged_blocks: int = 0
     #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.

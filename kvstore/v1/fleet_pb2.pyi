@@ -41,7 +41,7 @@ class HeldBlocksResponse(_message.Message):
     def __init__(self, held: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class CopiedBlock(_message.Message):
-    __slots__ = ("key", "namespace", "parent_hash", "depth", "data", "checksum", "last_use_s")
+    __slots__ = ("key", "namespace", "parent_hash", "depth", "data", "checksum", "last_use_s", "source_address")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class CopiedBlock(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAST_USE_S_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace: str
     parent_hash: bytes
@@ -56,20 +57,25 @@ class CopiedBlock(_message.Message):
     data: bytes
     checksum: int
     last_use_s: float
-    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last_use_s: _Optional[float] = ...) -> None: ...
+    source_address: int
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last_use_s: _Optional[float] = ..., source_address: _Optional[int] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
-    __slots__ = ("blocks",)
+    __slots__ = ("blocks", "bulk_segment")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BULK_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[CopiedBlock]
-    def __init__(self, blocks: _Optional[_Iterable[_Union[CopiedBlock, _Mapping]]] = ...) -> None: ...
+    bulk_segment: str
+    def __init__(self, blocks: _Optional[_Iterable[_Union[CopiedBlock, _Mapping]]] = ..., bulk_segment: _Optional[str] = ...) -> None: ...
 
 class CopyBlocksResponse(_message.Message):
-    __slots__ = ("written_blocks", "existing_blocks", "written_bytes")
+    __slots__ = ("written_blocks", "existing_blocks", "written_bytes", "bulk_refused")
     WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXISTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BULK_REFUSED_FIELD_NUMBER: _ClassVar[int]
     written_blocks: int
     existing_blocks: int
     written_bytes: int
-    def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ...) -> None: ...
+    bulk_refused: str
+    def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., bulk_refused: _Optional[str] = ...) -> None: ...

@@ -18,12 +18,13 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway.fleet_bulk import BulkSource
 from gateway.fleet_repair import FleetRepairer, Peers
 from gateway.fleet_servicer import add_fleet_service
 from kvstore.bench import fleet_processes
 from kvstore.clock import ManualClock
 from kvstore.config import Settings
-from kvstore.config_sections import FleetSettings, StoreSettings
+from kvstore.config_sections import FleetSettings, StoreSettings, TransferSettings
 from kvstore.fleet.membership import Membership, Registration, register_node, session_for
 from kvstore.fleet.repair_progress import RepairProgress
 from tests.conftest import LoopThread
@@ -89,14 +90,15 @@ class Fleet:
         self.nodes: dict[str, Node] = {}
         self.views: list[Membership] = []
 
-    def node(self, name: str, tls: Any = None) -> Node:
-        """Start a node `name` on a free port and register it."""
+    def node(self, name: str, tls: Any = None, *, bulk: bool = False) -> Node:
+        """Start a node `name` on a free port and register it (`bulk`: it reads copies over the bulk transport)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         store = StoreSettings(data_dir=self.root / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
         node = Node(tier=LmdbBlockTier(store, clock=self.clock), port=port,
-                    settings=Settings(store=store, fleet=self.settings), tls=tls)
+                    settings=Settings(store=store, fleet=self.settings,
+                                      transfer=TransferSettings(bulk="mooncake" if bulk else "off")), tls=tls)
 
         async def up() -> None:
             await node.serve()
@@ -126,12 +128,15 @@ class Fleet:
         return ({n: x.tier for n, x in made.items()}, {n: x.address for n, x in made.items()},
                 self.view(len(self.nodes)))
 
-    def repairer(self, name: str, view: Membership, bucket: Any = None, credentials: Any = None) -> FleetRepairer:
-        """Node `name`'s repairer over `view` (no rate to speak of unless `bucket`; nothing published)."""
+    def repairer(self, name: str, view: Membership, bucket: Any = None, credentials: Any = None, *,
+                 bulk: bool = False) -> FleetRepairer:
+        """Node `name`'s repairer over `view` (no rate to speak of unless `bucket`; nothing published; `bulk`:
+        it offers its copies over the bulk transport)."""
         tier = self.nodes[name].tier
         return FleetRepairer(tier, node_id=name, membership=view, replication=2, run_blocks=RUN_BLOCKS,
                              window_s=tier.settings.retention_s, bucket=bucket or Recorded(rate=1e12, burst=1e12),
-                             peers=Peers(None, 1 << 26, credentials), interval_s=60, publish=None)
+                             peers=Peers(None, 1 << 26, credentials), interval_s=60, publish=None,
+                             bulk=BulkSource(tier, "127.0.0.1") if bulk else None)
 
     def one_pass(self, repairer: FleetRepairer) -> RepairProgress:
         """One `run_pass` of `repairer`, its channels closed after."""
@@ -140,6 +145,8 @@ class Fleet:
                 return await repairer.run_pass()
             finally:
                 await repairer.peers.close()
+                if repairer.bulk is not None:
+                    repairer.bulk.close()
 
         return self.loop.run(run())
 

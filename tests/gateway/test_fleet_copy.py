@@ -255,7 +255,7 @@ def test_f17_a_copy_request_parsed_as_views_is_what_protobuf_parses() -> None:
     """The node reads a CopyBlocks request from its wire bytes (`parse_copies`: each block's data a view, not a
     copy): field for field what protobuf parses, absent fields their defaults, unknown fields skipped; bytes
     that are not the message are INVALID_ARGUMENT."""
-    from gateway.fleet_servicer import parse_copies
+    from gateway.fleet_servicer import parse_copies, parse_request
     from kvstore.errors import InvalidArgument
 
     blocks = [pb.CopiedBlock(key=os.urandom(48), namespace="tenant-é", parent_hash=os.urandom(32), depth=9,
@@ -263,10 +263,16 @@ def test_f17_a_copy_request_parsed_as_views_is_what_protobuf_parses() -> None:
               pb.CopiedBlock(key=os.urandom(48), data=b"\x00" * 70_000),  # defaults elsewhere
               pb.CopiedBlock()]
     raw = pb.CopyBlocksRequest(blocks=blocks).SerializeToString()
-    raw += b"\x10\x07" + b"\x1a\x03abc"  # unknown fields 2 (varint) and 3 (bytes) of the request: skipped
+    raw += b"\x48\x07" + b"\x52\x03abc"  # unknown fields 9 (varint) and 10 (bytes) of the request: skipped
     got = parse_copies(raw)
     assert [(c.key, c.namespace, c.parent_hash, c.depth, bytes(c.data), c.checksum, c.last_use_s) for c in got] == [
         (b.key, b.namespace, b.parent_hash, b.depth, b.data, b.checksum, b.last_use_s) for b in blocks]
+    # A bulk copy's: no data, the block's address in the source's map, the source's engine named.
+    bulk = pb.CopyBlocksRequest(blocks=[pb.CopiedBlock(key=os.urandom(48), depth=3, source_address=(1 << 64) - 9)],
+                                bulk_segment="127.0.0.1:15001")
+    copies, segment = parse_request(bulk.SerializeToString())
+    assert segment == "127.0.0.1:15001"
+    assert [(c.source_address, bytes(c.data)) for c in copies] == [((1 << 64) - 9, b"")]
     assert got[0].data.obj is raw  # a view of the request, not a copy
     for bad in (raw[:-40], b"\x0a\x05\x0a\x09abc", b"\x0b", b"\x0a\x02\x08"):
         with pytest.raises(InvalidArgument, match="does not parse"):

@@ -115,3 +115,93 @@ def test_f17_a_copy_encoded_by_hand_is_the_message_protobuf_builds() -> None:
                        checksum=b.meta.checksum, last_use_s=b.meta.last_access_s) for b, ns, data in blocks])
     assert pb.CopyBlocksRequest.FromString(wire) == want
     assert wire == want.SerializeToString()
+    # A bulk copy's entry: no data, the block's address in the source's map (what the target reads).
+    bulk = b"".join(piece for i, (b, ns, _) in enumerate(blocks)
+                    for piece in encode_copy(b, ns, b"", source_address=(1 << 40) * (i + 1) + 7))
+    want = pb.CopyBlocksRequest(blocks=[
+        pb.CopiedBlock(key=b.key, namespace=ns, parent_hash=b.meta.parent_hash, depth=b.meta.depth,
+                       checksum=b.meta.checksum, last_use_s=b.meta.last_access_s,
+                       source_address=(1 << 40) * (i + 1) + 7) for i, (b, ns, _) in enumerate(blocks)])
+    assert bulk == want.SerializeToString()
+
+
+def _need_mooncake() -> None:
+    from gateway.transfer_bulk import engine_missing
+
+    reason = engine_missing()
+    if reason:
+        pytest.skip(reason)
+
+
+def test_f18_copies_go_over_the_bulk_transport_where_both_ends_have_it(fleet: Fleet) -> None:
+    """Both nodes run the bulk transport: the target reads every block from the source's map (none of their
+    bytes in the calls), checks and stores it; a second pass finds nothing to send."""
+    _need_mooncake()
+    a, b = fleet.node("a", bulk=True), fleet.node("b", bulk=True)
+    view = fleet.view(2)
+    chains = [chain(n, seed=i) for i, n in enumerate([4, 3, 2, 4, 1, 4, 2, 3])]
+    for hashes, blocks in chains:
+        put(a.tier, hashes, blocks)
+    total = sum(len(x) for _, blocks in chains for x in blocks)
+    r = fleet.repairer("a", view, bulk=True)
+    progress = fleet.one_pass(r)
+    assert (progress.copied_bytes, progress.bulk_bytes, progress.under_replicated_bytes) == (total, total, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in b.tier.read([SCOPE.key(h) for h in hashes])] == blocks
+    assert len(run_index.list_runs(b.tier.env)) == len(chains)
+    assert fleet.one_pass(r).bulk_bytes == total  # nothing more to copy
+
+
+def test_f18_a_target_without_the_bulk_transport_is_sent_the_bytes_over_grpc(fleet: Fleet) -> None:
+    """The source offers bulk; the target does not run it: it refuses the first batch (storing nothing), and
+    that batch and the rest of the pass go over gRPC."""
+    _need_mooncake()
+    fleet.node("a", bulk=True)
+    b = fleet.node("b")
+    view = fleet.view(2)
+    chains = [chain(n, seed=10 + i) for i, n in enumerate([4, 3, 2, 4])]
+    for hashes, blocks in chains:
+        put(fleet.nodes["a"].tier, hashes, blocks)
+    total = sum(len(x) for _, blocks in chains for x in blocks)
+    progress = fleet.one_pass(fleet.repairer("a", view, bulk=True))
+    assert (progress.copied_bytes, progress.bulk_bytes, progress.failed_runs) == (total, 0, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in b.tier.read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f17_copies_arriving_together_are_one_durable_transaction_and_a_refusal_is_only_its_own(
+        fleet: Fleet, loop_thread: LoopThread) -> None:
+    """The receiver's GroupCommit: batches of calls that arrive while a transaction is written share the next
+    one (one fsync); when that transaction is refused, each call is written alone, so only the call whose
+    blocks are refused fails (here: a batch that extends a parent this node does not hold)."""
+    import asyncio
+
+    from gateway.fleet_servicer import GroupCommit
+    from kvstore.errors import KVStoreError
+    from kvstore.geometry import TINY
+    from kvstore.prefix import root_hash
+    from tests.gateway.test_fleet_copy import TOKENS
+    from tiers.block_txn import PutBatch
+
+    tier = fleet.node("a").tier
+    chains = [chain(3, seed=200 + i) for i in range(8)]
+    good = [PutBatch(scope=SCOPE, parent_hash=root_hash(TINY.fingerprint, TOKENS), hashes=hashes, blocks=blocks,
+                     is_root=True) for hashes, blocks in chains]
+    orphan_hashes, orphan_blocks = chain(2, seed=300)
+    orphan = PutBatch(scope=SCOPE, parent_hash=orphan_hashes[0], hashes=orphan_hashes[1:], blocks=orphan_blocks[1:],
+                      is_root=False)
+
+    async def together(batches: list[list[PutBatch]]) -> tuple[GroupCommit, list[Any]]:
+        commits = GroupCommit(tier)
+        found = await asyncio.gather(*(commits.put(b) for b in batches), return_exceptions=True)
+        return commits, found
+
+    commits, found = loop_thread.run(together([[b] for b in good[:4]]))
+    assert (commits.commits, commits.calls) == (1, 4)  # four calls, one transaction
+    assert [r[0].written_blocks for r in found] == [3, 3, 3, 3]
+    commits, found = loop_thread.run(together([[b] for b in good[4:6]] + [[orphan]] + [[good[6]]]))
+    assert isinstance(found[2], KVStoreError)
+    assert [r[0].written_blocks for r in (found[0], found[1], found[3])] == [3, 3, 3]
+    for hashes, blocks in chains[:7]:
+        assert [data for _, data in tier.read([SCOPE.key(h) for h in hashes])] == blocks
+    assert not any(run_index.held(tier.env, [SCOPE.key(h) for h in orphan_hashes[1:]]))
