@@ -92,6 +92,27 @@ def test_sglangs_default_is_the_v4_layout_off_sm100(monkeypatch: pytest.MonkeyPa
         assert sglang_v4_pools.records() is layout.MODEL_NATIVE
 
 
+def test_an_attention_backend_that_fixes_the_layout_is_followed_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    from kvstore.errors import ConfigError
+
+    def published(backend: str) -> None:   # what a started SGLang server publishes as its "exec" config
+        monkeypatch.setattr(runtime_context, "get_exec", lambda: SimpleNamespace(
+            kernel=SimpleNamespace(dsv4_attn_backend=backend)))
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    published("flashmla_mega")
+    assert sglang_v4_pools.records() is layout.MODEL_NATIVE       # SGLang forces v41 for flashmla_mega
+    published("trtllm")
+    with pytest.raises(ConfigError, match="dsv4_attn_backend trtllm keeps uniform FP8 pools"):
+        sglang_v4_pools.records()
+    published("flashmla")
+    assert sglang_v4_pools.records() is layout.SGLANG_V4
+
+
 def test_v4_pages_are_stored_under_their_layout_and_read_back_byte_for_byte(
         server: Child, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delenv("SGLANG_DSV4_KV_LAYOUT", raising=False)     # SGLang's default
