@@ -5,9 +5,10 @@ For each trace (the weka sessions and the Mooncake conversation trace in
 planner, SWA, on virtual time; `kvstore trace simulate` with its defaults) and the
 baseline the seconds reading and ordering the same trace takes (`load_trace`). The
 ratio (read / simulate) says how much the simulation costs beyond parsing. CPU
-seconds of the process are in the notes too (a loaded machine stretches wall time,
-not those). Targets (issue 24): 600 weka sessions under 120 s, the Mooncake
-conversation trace under 10 s, on one core.
+seconds of the process are a figure too (a loaded machine stretches wall time
+more than those; run it under `taskset -c 1` to hold it to one core). Targets
+(issue 24): 600 weka sessions under 120 s, the Mooncake conversation trace under
+10 s, on one core, read and simulated (`target_met_by_cpu` in the notes).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         report.add(Figure.against(f"{kind}: simulate {n:,} requests", sim_s, "s", "read the trace alone", read_s))
         report.add(Figure.against(f"{kind}: requests simulated per s", n / sim_s, "req/s",
                                   "requests read per s", n / read_s))
+        # CPU seconds: what a loaded machine stretches least (other people's work adds wall time)
+        report.add(Figure.against(f"{kind}: simulate, CPU", sim_cpu, "s", "read the trace alone, CPU", read_cpu))
         report.notes[f"{kind}_cpu_s"] = {"read": round(read_cpu, 2), "simulate": round(sim_cpu, 2),
-                                         "target_simulate_s": TARGETS_S[kind]}
+                                         "target_simulate_s": TARGETS_S[kind],
+                                         "target_met_by_cpu": read_cpu + sim_cpu < TARGETS_S[kind]}
         report.notes[f"{kind}_usable_hit_rate"] = round(result.total.usable_hit_rate, 4)  # type: ignore[attr-defined]
     return report
