@@ -172,7 +172,7 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
         KVStoreError: no replica of the first run answered (the error of the last), or a node refused the
             request for a reason another replica would share (a bad argument, say).
     """
-    orders = [pool.read_order(chain[r.first_block], r.replicas) for r in runs]
+    orders = _Orders(pool, runs, chain)
     answers: dict[int, RunAnswer] = {}
     try:
         end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry)
@@ -191,13 +191,28 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
                        nodes_asked=frozenset(n for a in answers.values() for n in a.asked))
 
 
+class _Orders:
+    """Each run's read order (`NodePool.read_order`), made when first asked: a prompt sent again asks one."""
+
+    def __init__(self, pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes]) -> None:
+        self.pool, self.runs, self.chain = pool, runs, chain
+        self._made: dict[int, list[str]] = {}
+
+    def __getitem__(self, i: int) -> list[str]:
+        found = self._made.get(i)
+        if found is None:
+            run = self.runs[i]
+            found = self._made[i] = self.pool.read_order(self.chain[run.first_block], run.replicas)
+        return found
+
+
 def _check_first(answer: RunAnswer, i: int) -> None:
     """No replica of the first run could answer: the Lookup learned nothing, so it says why."""
     if i == 0 and answer.node is None and answer.error is not None:
         raise answer.error
 
 
-def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: list[list[str]], chain: Sequence[bytes],
+def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
                  answers: dict[int, RunAnswer], lease_ms: int, retry: Retry) -> int:
     """Without a lease, the last run first, on one replica (a prompt sent again: done, F31). Then every run on
     the first replica of its read order, one call per node, all nodes at once (F50); the runs of a node that

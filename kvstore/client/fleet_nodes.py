@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 from kvstore.client import fleet_metrics
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.errors import KVStoreError, Unavailable
-from kvstore.fleet.placement import replicas as placement_replicas
-from kvstore.fleet.placement import score
+from kvstore.fleet.placement import ranked, score
 
 if TYPE_CHECKING:
     from kvstore.client.fleet_view import FleetView
@@ -124,7 +123,7 @@ class NodePool:
 
         order = sorted(replicas, key=rank)
         if replicas and len(nodes) > len(replicas):
-            order += [n for n in placement_replicas(run_key, nodes, len(replicas) + 1) if n not in replicas][:1]
+            order += [n for n in ranked(run_key, frozenset(nodes), len(replicas) + 1) if n not in replicas][:1]
         return order
 
     def close(self) -> None:
