@@ -21,7 +21,11 @@ speed, not the configured cap.
 The Lookup's prompt is stored in the small test geometry (10 KB blocks of 64
 tokens): a Lookup reads hashes and records, never block bytes, so its cost is
 the same, and storing 1M tokens of full-size blocks in every fleet would take
-most of the run. Put and Get move full-size V4.1-Flash blocks.
+most of the run. Put and Get move full-size V4.1-Flash blocks. Three Lookups,
+each against the single node's same Lookup: the stored prompt sent again, the
+same with a lease (each node leases what it found; the Release is untimed), and
+a prompt whose first half is stored (every run is asked: one call per node,
+docs/FLEET.md F50).
 
 Targets (printed with met / not met): Get through the router >= 0.9x of the
 same nodes read directly; the 1M-token Lookup <= 1.5x the single node's (ratio
