@@ -99,6 +99,8 @@ class _Dbs:
 
 
 _NS_END = KEY_BYTES - HASH_BYTES  # a storage key's fingerprint and namespace id: its parent's key starts so
+#: Refreshes of at most this many blocks run block by block (a vector step's fixed cost is higher).
+_SMALL_REFRESH = 16
 #: Refreshed numbers noted as lists until this many, then as flags in an array (bounded memory).
 _STALE_LIST_MAX = 1 << 20
 
@@ -256,20 +258,29 @@ class SimIndex:
         `touch` for many blocks at once, as one vector step: a Get of a long prompt refreshes
         thousands (most of a simulation's time), and this write cannot fail, so it needs no journal.
         """
-        if not len(numbers):
-            return
         if len(self.last) < len(self.key_of):
             self._grow(len(self.key_of))
+        if len(numbers) <= _SMALL_REFRESH:  # a Lookup's deepest block, a short fetch: vector steps cost more
+            for i in numbers.tolist():
+                block = self.blocks.get(self.key_of[i])
+                if block is not None and self.last[i] < min(due_before_s, now_s):
+                    self._retime(self.key_of[i], now_s)
+            return
         old = self.last[numbers]
         due = old < min(due_before_s, now_s)  # NaN (not stored here) is never due
         if not due.any():
             return
         chosen, old = numbers[due], old[due]
         sizes = self.size[chosen]
-        slots, where = np.unique(np.floor_divide(old, self.use_bucket_s).astype(np.int64), return_inverse=True)
+        slots = np.floor_divide(old, self.use_bucket_s)
         hist = self.bytes_by_use
-        for slot, n in zip(slots.tolist(), np.bincount(where, weights=sizes).tolist(), strict=True):
-            hist[slot] -= int(n)
+        low, high = slots.min(), slots.max()
+        if low == high:  # the usual case: the prefix was last used in one bucket
+            hist[int(low)] -= int(sizes.sum())
+        else:
+            values, where = np.unique(slots.astype(np.int64), return_inverse=True)
+            for slot, n in zip(values.tolist(), np.bincount(where, weights=sizes).tolist(), strict=True):
+                hist[slot] -= int(n)
         slot = int(now_s // self.use_bucket_s)
         hist[slot] = hist.get(slot, 0) + int(sizes.sum())
         self.last[chosen] = now_s

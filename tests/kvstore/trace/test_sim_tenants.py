@@ -140,8 +140,11 @@ def test_the_command_reports_each_tenant(capsys: pytest.CaptureFixture[str]) -> 
     assert any(line.startswith("tenant-1") and "168h" in line for line in capsys.readouterr().out.splitlines())
 
 
-def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_use(mooncake: Trace) -> None:
+@pytest.mark.parametrize("small", [0, 1000], ids=["vector", "block-by-block"])
+def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_use(
+        mooncake: Trace, small: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # two prompts sharing a prefix, an hour apart: the second's Get records a use of the shared blocks (R5)
+    monkeypatch.setattr(sim_index, "_SMALL_REFRESH", small)
     sim = Simulation(SimSettings(swa_ttl_s=0))
     keys = [sim.keys_of(r)[0] for r in mooncake.requests]
     i, j = next((i, j) for i in range(len(keys)) for j in range(i + 1, len(keys))
