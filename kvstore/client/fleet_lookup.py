@@ -241,11 +241,50 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         _round(pool, runs, chain, answers, again, lease_ms)
     for i, run in enumerate(runs):
         if answers[i].found < run.end_block - run.first_block:
-            _settle(pool, answers[i], orders[i], chain[run.first_block:run.end_block], lease_ms, retry)
+            hashes = chain[run.first_block:run.end_block]
+            _ask_the_rest(pool, answers[i], orders[i], hashes, lease_ms)
+            _settle(pool, answers[i], orders[i], hashes, lease_ms, retry)
             _check_first(answers[i], i)
             if answers[i].found < run.end_block - run.first_block:
                 return i + 1
     return len(runs)
+
+
+def _ask_the_rest(pool: NodePool, answer: RunAnswer, order: list[str], hashes: Sequence[bytes],
+                  lease_ms: int) -> None:
+    """A run that fell short: every replica of its order not yet asked, at once (one round trip, not one per
+    replica); `_settle` then retries the run while none answered."""
+    left = [n for n in order if n not in answer.asked]
+    if len(left) < 2:
+        return  # `_settle` asks the one left
+    answer.asked.extend(left)
+
+    def ask(node: str) -> pb.LookupResponse | KVStoreError:
+        try:
+            c = pool.connection(node)
+            request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
+                                       block_hashes_packed=b"".join(hashes))
+            return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            return status_error(exc)
+        except KVStoreError as exc:
+            return exc
+
+    futures = [_EXECUTOR.submit(ask, node) for node in left[:-1]]
+    outcomes = [ask(left[-1])]
+    outcomes = [f.result() for f in futures] + outcomes
+    refused: KVStoreError | None = None
+    for node, outcome in zip(left, outcomes, strict=True):
+        if isinstance(outcome, KVStoreError):
+            if isinstance(outcome, FAIL_OVER):
+                pool.failed(node)
+                answer.error = outcome
+            else:
+                refused = refused or outcome
+        else:
+            _note(answer, node, outcome)
+    if refused is not None:
+        raise refused
 
 
 def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
