@@ -139,6 +139,8 @@ class SimIndex:
         #: Bytes each namespace stores, and has had evicted (None: one namespace, not kept).
         self.ns_bytes: dict[bytes, int] | None = {} if per_namespace else None
         self.ns_evicted: dict[bytes, list[int]] = {}
+        #: The last uses of the blocks deleted in this write (the simulation reads and clears it).
+        self.evicted_uses: list[float] = []
         self._journal: list[tuple[Any, ...]] | None = None
         # entries to move in the LRU index at the next walk: keys, and refreshed numbers
         self._stale: set[bytes] = set()
@@ -314,6 +316,7 @@ class SimIndex:
         self._remove(key)
         if self._journal is not None:
             self._journal.append(("delete", key, block, last))
+        self.evicted_uses.append(last)
         if self.ns_bytes is not None:
             counts = self.ns_evicted.setdefault(key[8:16], [0, 0])
             counts[0] += 1

@@ -84,8 +84,9 @@ def summary(r: SimResult) -> list[str]:
         f"GPU: {r.gpu_s:,.0f} s of prefill and replay, against {r.gpu_s_without_store:,.0f} s without the store",
         f"NVMe: peak stored {_tb(r.peak_stored_bytes)}, peak within retention {_tb(r.peak_retained_bytes)} ("
         + ", ".join(f"{h:g} h: {_tb(n)}" for h, n in r.peak_retained_by_hours.items()) + ")",
-        f"evicted {t.evicted_blocks:,} blocks ({_tb(t.evicted_bytes)}); Puts refused {t.refused_puts:,} "
-        f"({t.refused_blocks:,} blocks not stored)",
+        f"evicted {t.evicted_blocks:,} blocks ({_tb(t.evicted_bytes)}), {t.evicted_inside_retention:,} inside the "
+        f"retention, {t.evicted_inside_longer:,} inside {max((*s.also_retention_hours, s.retention_hours)):g} h; "
+        f"Puts refused {t.refused_puts:,} ({t.refused_blocks:,} blocks not stored)",
         f"DRAM for SWA at the TTL: peak {_tb(r.peak_swa_bytes)}",
         f"sessions outliving {s.retention_hours:g} h: {r.sessions_past_retention:,} of {r.sessions:,}",
     ]

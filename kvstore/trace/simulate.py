@@ -131,7 +131,10 @@ class Tally:
     refused_blocks: int = 0
     evicted_blocks: int = 0
     evicted_bytes: int = 0
-
+    #: Evicted blocks whose last use was within the store's retention (R4: none; a tenant's longer one, R18,
+    #: keeps its own), and within the longest of `also_retention_hours`: what that retention would keep.
+    evicted_inside_retention: int = 0
+    evicted_inside_longer: int = 0
     swa_refused: int = 0
 
     def add(self, other: Tally) -> None:
@@ -218,6 +221,8 @@ class _Node:
         self.index = SimIndex(use_bucket_s=settings.bucket_s, key_of=key_of, per_namespace=policies is not None)
         rule = Retention(retention_s=settings.retention_hours * 3600)
         self.rule = rule
+        #: The longest retention reported beside the store's (`also_retention_hours`).
+        self.longer_s = 3600 * max((*settings.also_retention_hours, settings.retention_hours))
         retention = NamespaceRetention(rule.retention_s, None if policies is None else policies.retention_s)
         quota_of = (lambda ns: 0) if policies is None else (lambda ns: policies.policy(ns).nvme_quota_bytes)
         self.room = RoomRules(rule=rule, retention=retention, quota_of=quota_of,
@@ -252,12 +257,19 @@ class _Node:
             _, evicted = commit_puts(self.index.write, self.damage, [batch], now_s=now_s, pinned=tuple,  # type: ignore[arg-type]
                                      room=self.room, data_dir=Path("(simulated)"), on_refused=lambda: None)
         except ResourceExhausted:
+            self.index.evicted_uses.clear()
             tally.refused_puts += 1
             tally.refused_blocks += len(batch.hashes)
             return
         tally.put_blocks += len(batch.hashes)
         tally.evicted_blocks += evicted.blocks
         tally.evicted_bytes += evicted.freed_bytes
+        if self.index.evicted_uses:  # how long past its last use each went: inside retention never (R4)
+            for last in self.index.evicted_uses:
+                age = now_s - last
+                tally.evicted_inside_retention += age <= self.rule.retention_s + TOUCH_GRANULARITY_S
+                tally.evicted_inside_longer += age <= self.longer_s + TOUCH_GRANULARITY_S
+            self.index.evicted_uses.clear()
 
 
 class Simulation:

@@ -54,6 +54,9 @@ def test_a_tenants_longer_retention_keeps_its_blocks_when_the_store_evicts(apart
     t0, t1 = result.tenants["tenant-0"], result.tenants["tenant-1"]
     assert t1.policy.retention_hours == 72 and t0.policy.retention_hours == 0
     assert t0.evicted_blocks > 0 and t1.evicted_blocks == 0
+    # every eviction past the store's 0 h (R4), each within minutes of its last use: a 168 h retention keeps it
+    assert result.total.evicted_inside_retention == 0
+    assert result.total.evicted_inside_longer == result.total.evicted_blocks == t0.evicted_blocks
     assert t0.tally.requests + t1.tally.requests == result.total.requests == len(apart.requests)
     assert t0.stored_bytes + t1.stored_bytes == result.node_bytes["node-0"] <= 300 * BLOCK
 
