@@ -16,7 +16,9 @@ records in etcd), against the bulk transport between two processes (Mooncake's
 TCP batch read; the raw gRPC stream of the same block size where Mooncake is
 not importable, as the figure's baseline says). The nodes copy without their
 rate limit (`repair_bytes_per_s` at its maximum): the figure is the mechanism's
-speed, not the configured cap.
+speed, not the configured cap. Where Mooncake is importable the nodes run it
+(`[transfer] bulk = "mooncake"`), so their copies go over it (docs/FLEET.md F18);
+the note says how many of the bytes did.
 
 The Lookup's prompt is stored in the small test geometry (10 KB blocks of 64
 tokens): a Lookup reads hashes and records, never block bytes, so its cost is
