@@ -121,10 +121,10 @@ class Fleet:
         self.views.append(view)
         return view
 
-    def start(self, names: list[str], tls: Any = None
+    def start(self, names: list[str], tls: Any = None, *, bulk: bool = False
               ) -> tuple[dict[str, LmdbBlockTier], dict[str, str], Membership]:
         """Nodes `names` and a view of them all: (name -> tier, name -> address, the view)."""
-        made = {n: self.node(n, tls) for n in names}
+        made = {n: self.node(n, tls, bulk=bulk) for n in names}
         return ({n: x.tier for n, x in made.items()}, {n: x.address for n, x in made.items()},
                 self.view(len(self.nodes)))
 

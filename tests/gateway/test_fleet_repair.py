@@ -20,17 +20,21 @@ from tests.gateway.test_token_bucket import Recorded
 from tiers import run_index
 
 
-def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rate(fleet: Fleet) -> None:
-    tiers, _, view = fleet.start(["a", "b"])
+@pytest.mark.parametrize("bulk", [False, True], ids=["grpc", "bulk"])
+def test_f18_a_pass_copies_every_run_to_the_replica_lacking_it_at_the_bucket_rate(fleet: Fleet, bulk: bool) -> None:
+    if bulk:
+        _need_mooncake()
+    tiers, _, view = fleet.start(["a", "b"], bulk=bulk)
     a, b = tiers["a"], tiers["b"]
     chains = [chain(n, seed=i) for i, n in enumerate([4, 3, 2, 4, 1, 4, 2, 3])]
     for hashes, blocks in chains:
         put(a, hashes, blocks)
     total = sum(len(x) for _, blocks in chains for x in blocks)
     bucket = Recorded(rate=total / 10, burst=total / 40)  # ten seconds of the clock for the whole copy
-    r = fleet.repairer("a", view, bucket)
+    r = fleet.repairer("a", view, bucket, bulk=bulk)
     progress = fleet.one_pass(r)
     assert (progress.copied_bytes, progress.sent_bytes, progress.under_replicated_bytes) == (total, total, 0)
+    assert progress.bulk_bytes == (total if bulk else 0)  # the bound holds on either path
     assert progress.planned_nodes == ["a", "b"] and progress.under_replicated_runs == 0
     for hashes, blocks in chains:
         assert [data for _, data in b.read([SCOPE.key(h) for h in hashes])] == blocks
