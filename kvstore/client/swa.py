@@ -136,9 +136,15 @@ class SwaClient:
 
     def keys(self, tokens: Sequence[int], positions: Sequence[int], *,
              extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
-        """Snapshot keys of `tokens` at each position (tokens before the snapshot point)."""
+        """Snapshot keys of `tokens` at each position (tokens before the snapshot point); through a gateway
+        (GetInfo's run_blocks), anchored on the fleet's hashes as a fleet client's are (docs/FLEET.md F45, F52)."""
         c = self.connection
         positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
+        if c.run_blocks:
+            from kvstore.client.fleet_swa import fleet_snapshot_keys  # fleet_swa builds on this module
+
+            return fleet_snapshot_keys(tokens, positions, root=c.root, block_tokens=c.block_tokens,
+                                       run_blocks=c.run_blocks, extra_keys=extra_keys)
         return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root,
                              extra_keys=arguments.extra_keys(extra_keys))
 

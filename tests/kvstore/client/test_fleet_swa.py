@@ -414,6 +414,7 @@ def test_f52_the_swa_pool_through_a_gateway_is_the_nodes_shared_one(fleet: Fleet
             tokens = prompt(200)
             key, data = a.swa.key(tokens), snapshot(a, 200)
             through = SwaClient(plain.connection, path="gateway")
+            assert through.key(tokens) == key  # a gateway's client anchors keys on the fleet's hashes
             assert through.put_many([(key, 200, data)]).stored == 1 and through.last_path == "gateway"
             got = node.swa.get_many([key])[0]
             assert got is not None and bytes(got) == data
