@@ -204,6 +204,31 @@ class FleetStore:
             raise last or Unavailable(f"no node of fleet {self.address.cluster!r} is live")
         return merge_stats(replies)
 
+    def route_swa(self, route: Route, request: pb.LookupRequest, found_tokens: int) -> pb.LookupResponse:
+        """A Lookup's SWA candidates (F45 through a gateway, F52): asked of a node of the fleet's shared pool
+        alone, against the `found_tokens` the blocks' runs gave (`swa_found_tokens`), the next pool node on
+        UNAVAILABLE or DEADLINE_EXCEEDED; its answer's swa fields are the gateway's.
+
+        Raises:
+            FailedPrecondition: the nodes share no pool (`pool_nodes` names why).
+            KVStoreError: no node of the pool answered (the last error), or one refused the request.
+        """
+        from kvstore.client.fleet_swa import pool_nodes
+
+        pool, _ = self._route(route)
+        ask = pb.LookupRequest(geometry=route.geometry, namespace=route.namespace, swa_keys=request.swa_keys,
+                               swa_positions=request.swa_positions, swa_resume_limit=request.swa_resume_limit,
+                               swa_found_tokens=found_tokens)
+        last: KVStoreError = Unavailable(f"no node of fleet {self.address.cluster!r} serves its SWA pool")
+        for node in pool_nodes(list(self.view.nodes.values())):
+            try:
+                c = pool.connection(node)
+                return c.call(c.kvstore.Lookup, ask)  # type: ignore[no-any-return]
+            except (Unavailable, DeadlineExceeded) as exc:
+                pool.failed(node)
+                last = exc
+        raise last
+
     def route_release(self, route: Route, lease_id: str) -> bool:
         """Release a composite lease on every node it names (NOT_FOUND: not one)."""
         return release_lease(self._route(route)[0], lease_id)

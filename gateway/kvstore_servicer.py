@@ -26,10 +26,12 @@ from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
 from kvstore.errors import (
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
     PutNotReplicated,
+    Unavailable,
     from_status,
     to_status,
 )
@@ -258,15 +260,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                              lease_ms: int, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """A gateway's Lookup: fleet hashes from block 0, across the runs' replicas (F31, F32)."""
         assert self.router is not None
-        if request.swa_keys or request.swa_positions:
-            raise FailedPrecondition("SWA snapshots are not served by a gateway",
-                                     hint="ask a node for the SWA pool (kvstore fleet status lists them)")
         route = _route(request, context)
         found, lease_id = (await self.router_call(self.router.route_lookup, route, hashes,
                                                   lease_ms)) if hashes else (0, None)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
         reply = pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                   lease_id=lease_id or "", lease_ms=lease_ms if lease_id else 0)
+        if request.swa_keys or request.swa_positions:  # the fleet's shared pool, within the blocks found (F52)
+            if len(request.swa_keys) != len(request.swa_positions):
+                raise InvalidArgument(f"swa_keys has {len(request.swa_keys)} entries but swa_positions has "
+                                      f"{len(request.swa_positions)}: send one position per key")
+            within = reply.found_tokens if hashes else request.swa_found_tokens
+            try:
+                swa = await self.router_call(self.router.route_swa, route, request, within)
+            except (Unavailable, DeadlineExceeded) as exc:  # a pool out of reach is a miss, as on one server
+                logging.getLogger("kvstore.gateway").warning("gateway: SWA pool not asked: %s", exc.message)
+                swa = pb.LookupResponse()
+            if swa.swa_found:
+                reply.swa_found, reply.swa_index = True, swa.swa_index
+                reply.swa_position, reply.swa_resume_tokens = swa.swa_position, swa.swa_resume_tokens
         if request.keep_until_s:  # R28: every copy of every found run, each node auditing its grant
             _check_keep_until(request.keep_until_s)
             if found:

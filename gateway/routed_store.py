@@ -49,6 +49,10 @@ class RoutedStore(Protocol):
         """Release a composite lease on every node it names."""
         ...
 
+    def route_swa(self, route: Route, request: pb.LookupRequest, found_tokens: int) -> pb.LookupResponse:
+        """A Lookup's SWA candidates, answered by the fleet's shared pool within `found_tokens` (F52)."""
+        ...
+
     def route_stats(self, route: Route, request: pb.StatsRequest) -> pb.StatsResponse:
         """The fleet's Stats: every live node's answer to the caller's request, merged (F53)."""
         ...

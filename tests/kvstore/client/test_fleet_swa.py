@@ -422,6 +422,17 @@ def test_f52_the_swa_pool_through_a_gateway_is_the_nodes_shared_one(fleet: Fleet
             offered = SwaClient(plain.connection)  # "auto": the direct path, its grant forwarded from a node
             got = offered.get_many([key])[0]
             assert got is not None and bytes(got) == data and offered.last_path == "direct"
+            # A Lookup with SWA candidates through the gateway: blocks on the runs' nodes, the snapshot from
+            # the pool within them (F45's rule), as the fleet client answers it.
+            plain.put(tokens[:192], [random.randbytes(plain.block_bytes) for _ in range(12)])
+            at_blocks = a.swa.key(tokens, 192)
+            assert through.put_many([(at_blocks, 192, snapshot(a, 192))]).stored == 1
+            found = plain.lookup(tokens, swa_positions=[200, 192])  # 200 resumes past the 192 tokens found
+            fleet = a.lookup(tokens, swa_positions=[200, 192])
+            assert (found.found_blocks, found.swa_position, found.swa_resume_tokens) == (12, 192, 192) == (
+                fleet.found_blocks, fleet.swa_position, fleet.swa_resume_tokens)
+            assert plain.lookup(tokens[:64] + prompt(136), swa_positions=[192]).swa_position is None
+            assert through.delete_many([at_blocks]) == 1
             assert through.delete_many([key]) == 1 and node.swa.get_many([key]) == [None]
             through.close()
             offered.close()

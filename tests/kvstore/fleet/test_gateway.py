@@ -179,12 +179,12 @@ def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
 
 
 def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_to_go(fleet: Fleet) -> None:
-    """F40: transfer sessions and SWA candidates in a Lookup go to a node (Admin and the SWA pool are forwarded:
-    F52; Stats are the fleet's: F53)."""
+    """F40: transfer sessions go to a node (Admin, the SWA pool and a Lookup's SWA candidates are the nodes' shared
+    pool's: F52, here refused naming the nodes' own pools; Stats are the fleet's: F53)."""
     with kvstore.Client(fleet.gateways[0].target) as plain:
         with pytest.raises(FailedPrecondition, match=r"Transfer is not served by a gateway.*node"):
             plain.transfer_stats()
-        with pytest.raises(FailedPrecondition, match="SWA"):
+        with pytest.raises(FailedPrecondition, match="each of the fleet's 3 nodes keeps its own SWA pool"):
             plain.lookup(prompt(RUN_TOKENS), swa_positions=[RUN_TOKENS - 1])
 
 
