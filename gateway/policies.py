@@ -46,6 +46,7 @@ from kvstore.config import MAX_BYTES, RETENTION_FLOOR_HOURS
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, namespace_id
 from kvstore.side_files import read_json
+from replay.fidelity_budget import DEFAULT_BUDGET, parse_budget
 
 log = logging.getLogger("kvstore.policies")
 
@@ -80,6 +81,9 @@ class Policy:
     #: Copies of each of the tenant's runs in a fleet (docs/FLEET.md F51); the defaults' is [fleet]
     #: replication, 1 on a single node. Fewer while fewer nodes are live (F13).
     replication: int = 1
+    #: The tenant's replay fidelity: "exact", "windows:N", or an error budget "kl:X" / "fastllm:P" the planner
+    #: meets with the smallest measured span (replay/fidelity_budget.py, docs/PLANNER.md "Fidelity budgets").
+    replay_fidelity: str = DEFAULT_BUDGET
 
     @property
     def retention_s(self) -> float:
@@ -94,6 +98,8 @@ class Policy:
 FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 #: The byte quotas: whole numbers.
 _BYTE_FIELDS = ("nvme_quota_bytes", "swa_quota_bytes", "pin_budget_bytes")
+#: The fields held as text (checked by their own parser, not a range).
+_TEXT_FIELDS = ("replay_fidelity",)
 #: Every whole-number field.
 _WHOLE_FIELDS = (*_BYTE_FIELDS, "replication")
 #: Most copies of a run a policy may name ([fleet] replication's bound).
@@ -134,6 +140,12 @@ def _stored_fields(tenant: str, fields: object) -> dict[str, Any]:
     for name, value in fields.items():
         if name not in FIELDS:
             out[name] = value
+            continue
+        if name in _TEXT_FIELDS:
+            try:
+                out[name] = parse_budget(value).text
+            except InvalidArgument as exc:
+                raise ValueError(f"tenant {tenant!r}: {name} is {_short(value)}: {exc}") from None
             continue
         number = _number(value)
         low, high = _STORED_RANGES[name]
@@ -296,6 +308,13 @@ class PolicyTable(ABC):
 
     def _checked(self, tenant: str, name: str, value: float, before: Policy) -> float:
         """`value` for field `name`, refused with the rule it breaks."""
+        if name in _TEXT_FIELDS:  # a fidelity setting: its parser says what is wrong; stored canonical
+            if not isinstance(value, str):
+                raise InvalidArgument(f"{name} for tenant {tenant!r} must be text, got {_short(value)}")
+            try:
+                return parse_budget(value).text  # type: ignore[return-value]
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{name} for tenant {tenant!r}: {exc}") from None
         if not math.isfinite(value) or value < 0:
             raise InvalidArgument(f"{name} = {value!r} for tenant {tenant!r}: a finite value >= 0 is required")
         if name == "retention_hours":

@@ -32,6 +32,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
+from replay.fidelity_budget import FidelityBudget, FidelityTable, choose_span, parse_budget
 from replay.hosts import PathRates, host_plans, is_fleet
 from replay.plan import Action, Plan
 
@@ -72,6 +73,11 @@ class Planner:
             served, ask once more at the boundaries at or below it (a second Lookup, unleased).
         hosts: ask the Lookup where the found prefix lives, and give each plan the path and time of a
             worker on each host (`Plan.hosts`, replay/hosts.py) at these rates; None: not asked.
+        fidelity: the tenant's fidelity as a setting or error budget (replay/fidelity_budget.py: "exact",
+            "windows:N", "kl:X", "fastllm:P"), unless `tenant_fidelity` names the client's namespace; it
+            sets the cost model's replay span from `fidelity_table`. None: the cost model's span as it is.
+        tenant_fidelity: fidelity settings by tenant.
+        fidelity_table: the worker's measured table for its model (FidelityTable.shipped()).
 
     Raises:
         InvalidArgument: a bad setting.
@@ -80,7 +86,9 @@ class Planner:
     def __init__(self, client: Client, *, cost: CostModel = DEFAULT_COST,
                  tenant_costs: Mapping[str, CostModel] | None = None, lease_ms: int = 30_000,
                  snapshot_probes: int = 4, report: bool = True, reprobe: bool = True,
-                 hosts: PathRates | None = None) -> None:
+                 hosts: PathRates | None = None, fidelity: FidelityBudget | str | None = None,
+                 tenant_fidelity: Mapping[str, FidelityBudget | str] | None = None,
+                 fidelity_table: FidelityTable | None = None) -> None:
         if isinstance(snapshot_probes, bool) or not isinstance(snapshot_probes, int) or snapshot_probes < 0:
             raise InvalidArgument(f"snapshot_probes must be an integer >= 0, got {snapshot_probes!r}")
         if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or lease_ms < 0:
@@ -93,6 +101,12 @@ class Planner:
         self.report_plans = report
         self.reprobe = reprobe
         self.hosts = hosts
+        chosen = (tenant_fidelity or {}).get(client.namespace, fidelity)
+        budget = parse_budget(chosen) if isinstance(chosen, str) else chosen
+        #: The span the tenant's fidelity resolves to (None: no fidelity setting, the cost model's span).
+        self.span_choice = None if budget is None else choose_span(budget, fidelity_table)
+        if self.span_choice is not None:
+            self.cost = replace(self.cost, replay_windows=self.span_choice.replay_windows)
         #: Reports and releases that failed (logged, never raised).
         self.background_errors = 0
         self._lock = threading.Lock()
@@ -178,6 +192,8 @@ class Planner:
         """
         start = time.perf_counter()
         plan = self.decide(len(tokens), found, cost or self.cost)
+        if self.span_choice is not None and cost is None:  # which span the tenant's fidelity chose, and why
+            plan.reasons.insert(1, self.span_choice.reason)
         if self.hosts is not None and found.hosts:  # where the prefix lives: each host's path and plan
             plan = replace(plan, hosts=host_plans(self, len(tokens), found, cost or self.cost, self.hosts,
                                                   fleet=is_fleet(self.client)))

@@ -60,8 +60,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bit for bit, so every error measured is the approximation's; off: fast CUDA matmuls")
     parser.add_argument("--max-windows", type=int, default=48,
                         help="longest stored prefix of the fidelity cases, in windows (default 48)")
-    parser.add_argument("--weights", type=Path, default=None,
-                        help="tiny-model weights from scripts/train_tiny.py (default: seeded random weights)")
+    parser.add_argument("--weights", default="",
+                        help="tiny-model weights from scripts/train_tiny.py, comma-separated: one model per "
+                             "training seed (default: seeded random weights)")
+    parser.add_argument("--train-seed", default="",
+                        help="train the tiny model with scripts/train_tiny.py at these seeds (comma-separated, "
+                             "in parallel) and measure each; weights already trained with the same arguments "
+                             "are reused")
+    parser.add_argument("--train-steps", type=int, default=3000, help="steps of --train-seed's training (3000)")
+    parser.add_argument("--train-minutes", type=float, default=3.5,
+                        help="longest each --train-seed training runs, minutes (default 3.5)")
+    parser.add_argument("--train-dir", type=Path, default=Path(".replay-weights"),
+                        help="where --train-seed writes its weights (default .replay-weights)")
+    parser.add_argument("--seeds", default="",
+                        help="prompt seeds, comma-separated (default: --seed); every model sees the same prompts")
+    parser.add_argument("--fidelity-minutes", type=float, default=0.0,
+                        help="stop adding resumes after this long (0: none); resumes go round-robin over "
+                             "models, seeds and cases, so a cut keeps every one of them")
+    parser.add_argument("--write-table", type=Path, default=None,
+                        help="write the span table the planner reads (e.g. replay/fidelity/tiny.json)")
     parser.add_argument("--block-tokens", type=int, default=0,
                         help="block size of the fidelity study (default: half the window, V4.1's 64/128)")
     parser.add_argument("--device", default="auto", help="torch device of the fidelity part (auto: cuda if any)")

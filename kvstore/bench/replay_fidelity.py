@@ -25,13 +25,19 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvstore.bench.report import Figure, Progress, Report
+from replay.fidelity_budget import TABLE_FORMAT
+from replay.fidelity_stats import intervals
 
 #: (tokens, H, P) of one resume point, from the random source, the text, the window, the block size and
 #: the longest prefix in windows (--max-windows).
@@ -133,7 +139,14 @@ def chosen_cases(names: str) -> list[Case]:
 
 
 def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> None:
-    """Measure every case at every span, and the tail prefill; figures, notes and tables into `report`."""
+    """Measure every case at every span, and the tail prefill; figures, notes and tables into `report`.
+
+    Every model (one per --weights file or --train-seed) sees the same resume points: one stream per
+    prompt seed (--seeds), drawn alike for each model. Resumes go round-robin over models, seeds and
+    cases, so --fidelity-minutes cuts them evenly. Each case and span gets its figures with intervals
+    (replay/fidelity_stats.py) in `notes["fidelity_intervals"]`, and --write-table writes the table
+    the planner reads (replay/fidelity_budget.py).
+    """
     import torch
 
     from replay.corpus import corpus
@@ -142,42 +155,72 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     config = TINY_MODEL if args.model == "tiny" else reduced_v41(dim=args.speed_dim)
-    model = ReferenceModel(config, device=device, batch_invariant=args.batch_invariant == "on")
-    if args.weights:
-        model.load_weights(args.weights)
-    model.eval()
+    sources = weight_sources(args)
+    models: list[tuple[str, Any]] = []
+    for label, path in sources:
+        model = ReferenceModel(config, device=device, batch_invariant=args.batch_invariant == "on")
+        if path is not None:
+            model.load_weights(path)
+        model.eval()
+        models.append((label, model))
     g = config.geometry
     w, layers = g.window, g.num_layers
     b = args.block_tokens or max(w // 2, 2)
     spans = [int(s) for s in args.spans.split(",")]
+    seeds = prompt_seeds(args)
     text = np.frombuffer(corpus("eval"), dtype=np.uint8)
-    rng = np.random.default_rng(args.seed)
     labels = [f"{k}x window ({k * w} tokens)" for k in spans] + [f"exact replay vs full prefill ({layers * w})"]
     cases = chosen_cases(args.cases)
     results = {case.name: {label: Summary(name=f"{case.name}: {label}") for label in labels} for case in cases}
+    groups: dict[str, list[tuple[str, int]]] = {case.name: [] for case in cases}
     tail = Summary(name="tail prefill vs full prefill")
     tail_prompts = args.prompts if args.tail_prompts < 0 else args.tail_prompts
-    total = len(cases) * args.prompts + tail_prompts
+    # One generator per (model, prompt seed), each seeded by the prompt seed: every model gets the same prompts.
+    rngs = {(label, seed): np.random.default_rng(seed) for label, _ in models for seed in seeds}
+    deadline = time.monotonic() + args.fidelity_minutes * 60 if args.fidelity_minutes > 0 else math.inf
+    total = len(cases) * args.prompts * len(seeds) * len(models) + tail_prompts
+    cut = False
     with torch.no_grad(), progress.bar("fidelity", total, unit="prompt") as bar:
-        for case in cases:
-            for _ in range(args.prompts):
-                tokens, h, p = case.make(rng, text, w, b, args.max_windows)
-                _sample(model, tokens, h, p, b, spans, args.steps, results[case.name], labels)
-                bar.update(1)
+        for _ in range(args.prompts):
+            for label, model in models:
+                for seed in seeds:
+                    for case in cases:
+                        if time.monotonic() > deadline:
+                            cut = True
+                            break
+                        tokens, h, p = case.make(rngs[(label, seed)], text, w, b, args.max_windows)
+                        _sample(model, tokens, h, p, b, spans, args.steps, results[case.name], labels)
+                        groups[case.name].append((label, seed))
+                        bar.update(1)
+        tail_rng = np.random.default_rng(seeds[0])
         for _ in range(tail_prompts):
-            _tail_sample(model, rng, text, w, b, args.max_windows, args.steps, tail)
+            if time.monotonic() > deadline:
+                cut = True
+                break
+            _tail_sample(models[0][1], tail_rng, text, w, b, args.max_windows, args.steps, tail)
             bar.update(1)
-    weights = str(args.weights) if args.weights else "seeded random (no --weights given)"
+    weights = ", ".join(label for label, _ in models)
     model_name = "tiny" if args.model == "tiny" else f"reduced_v41(dim={args.speed_dim})"
     tables = _tables(results, labels, tail, f"{model_name}, {weights}", b, w, layers, args.steps)
+    found = {c: {label: intervals(s.samples, groups[c]) for label, s in by.items()} for c, by in results.items()}
+    tables["intervals"] = interval_table(found, labels, seeds, weights)
     report.notes.update(fidelity_model=model_name, fidelity_weights=weights, fidelity_device=device,
                         fidelity_invariant=args.batch_invariant,
                         fidelity_block_tokens=b,
                         fidelity_prompts_per_case=args.prompts, fidelity_steps=args.steps,
+                        fidelity_seeds=seeds, fidelity_cut_by_deadline=cut,
                         fidelity={c: {k: s.to_dict() for k, s in v.items()} for c, v in results.items()},
+                        fidelity_intervals=found,
                         fidelity_max_windows=args.max_windows, tail_prefill=tail.to_dict(),
                         cases={c.name: c.description for c in cases})
     report.notes.setdefault("tables", {}).update(tables)  # type: ignore[attr-defined]
+    if args.write_table is not None:
+        table = span_table(found, spans, labels, model=model_name, window=w, num_layers=layers, block_tokens=b,
+                           steps=args.steps, seeds=seeds, weights=[label for label, _ in models], device=device,
+                           command=_command_line(args))
+        args.write_table.parent.mkdir(parents=True, exist_ok=True)
+        args.write_table.write_text(json.dumps(table, indent=1) + "\n")
+        report.notes["fidelity_table_written"] = str(args.write_table)
     if results:
         main = next(iter(results))
         sanity = _headline(results[main][labels[-1]].to_dict())
@@ -188,6 +231,127 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
     if tail.samples:
         for key, (value, unit) in _headline(tail.to_dict()).items():
             report.add(Figure(name=f"tail prefill vs full prefill: {key}", value=value, unit=unit))
+
+
+def prompt_seeds(args: argparse.Namespace) -> list[int]:
+    """The prompt seeds: --seeds (comma-separated), else --seed.
+
+    Raises:
+        SystemExit: a seed that is not an integer, or the same seed twice.
+    """
+    if not args.seeds:
+        return [int(args.seed)]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds must name distinct integers, got {args.seeds!r}")
+    return seeds
+
+
+def weight_sources(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
+    """(label, weights file) of each model measured: every --weights file, every --train-seed's training
+    (trained here, in parallel, unless already trained with the same arguments), or the seeded random weights.
+
+    Raises:
+        SystemExit: a --weights file that does not exist, a bad --train-seed, a training that failed.
+    """
+    out: list[tuple[str, Path | None]] = []
+    for name in (n.strip() for n in str(args.weights or "").split(",")):
+        if name:
+            path = Path(name)
+            if not path.is_file():
+                raise SystemExit(f"--weights {name}: no such file")
+            out.append((str(path), path))
+    if args.train_seed:
+        try:
+            train_seeds = [int(s) for s in args.train_seed.split(",") if s.strip()]
+        except ValueError:
+            raise SystemExit(f"--train-seed must be comma-separated integers, got {args.train_seed!r}") from None
+        out += [(f"train_tiny seed {s} ({args.train_steps} steps)", p)
+                for s, p in zip(train_seeds, train(args, train_seeds), strict=True)]
+    return out or [("seeded random (no --weights given)", None)]
+
+
+def train(args: argparse.Namespace, seeds: list[int]) -> list[Path]:
+    """Weights of scripts/train_tiny.py at each seed, trained in parallel processes (one GPU holds them all:
+    the tiny model is small); a file whose log records the same seed, steps and time limit is reused."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
+    paths = [args.train_dir / f"tiny-seed{s}-steps{args.train_steps}.pt" for s in seeds]
+    running = []
+    for seed, path in zip(seeds, paths, strict=True):
+        log = path.with_suffix(".json")
+        if path.is_file() and log.is_file():
+            done = json.loads(log.read_text()).get("args", {})
+            if done.get("seed") == seed and done.get("steps") == args.train_steps \
+                    and done.get("max_minutes") == args.train_minutes:
+                continue
+        cmd = [sys.executable, str(script), "--out", str(path), "--seed", str(seed), "--steps",
+               str(args.train_steps), "--max-minutes", str(args.train_minutes)]
+        if args.device not in ("auto", ""):
+            cmd += ["--device", args.device]
+        running.append((seed, subprocess.Popen(cmd, stdout=subprocess.DEVNULL)))
+    for seed, proc in running:
+        if proc.wait() != 0:
+            raise SystemExit(f"training the tiny model at seed {seed} failed (exit {proc.returncode})")
+    return paths
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The flags that shaped a table, as a command that regenerates it."""
+    parts = ["kvstore bench replay --parts fidelity", f"--model {args.model}", f"--cases {args.cases!r}",
+             f"--spans {args.spans}", f"--prompts {args.prompts}", f"--steps {args.steps}",
+             f"--max-windows {args.max_windows}", f"--seeds {','.join(map(str, prompt_seeds(args)))}",
+             f"--batch-invariant {args.batch_invariant}"]
+    if args.train_seed:
+        parts.append(f"--train-seed {args.train_seed} --train-steps {args.train_steps} "
+                     f"--train-minutes {args.train_minutes:g}")
+    if args.weights:
+        parts.append(f"--weights {args.weights}")
+    if args.fidelity_minutes:
+        parts.append(f"--fidelity-minutes {args.fidelity_minutes:g}")
+    return " ".join(parts)
+
+
+#: Figures of the interval table: (key, heading, scale, format).
+_SHOWN = (("one_minus_cosine", "1 - cosine (ppm)", 1e6, "{:.3g}"), ("kl_per_token", "KL per continued token (nats)",
+          1.0, "{:.2e}"), ("top1_agreement", "continued top-1", 100.0, "{:.1f}%"),
+          ("fastllm_pass", "fastllm pass", 100.0, "{:.1f}%"))
+
+
+def interval_table(found: dict[str, dict[str, dict[str, Any]]], labels: list[str], seeds: list[int],
+                   weights: str) -> str:
+    """Markdown: each case and span's figures as mean [95% interval] and worst."""
+    head = "| case | span | resumes | " + " | ".join(f"{h}: mean [95% CI], worst" for _, h, _, _ in _SHOWN) + " |"
+    lines = [f"Fidelity with 95% bootstrap intervals over resumes (prompt seeds {seeds}; weights: {weights}); "
+             "worst: the worst resume (pass rate: the worst seed group)", head, "|---|---|---|" + "---|" * len(_SHOWN)]
+    for case, by_label in found.items():
+        for label in labels:
+            figs = by_label[label]
+            cells = []
+            for key, _, scale, fmt in _SHOWN:
+                f = figs[key]
+                cells.append(f"{fmt.format(f['mean'] * scale)} [{fmt.format(f['ci_low'] * scale)}, "
+                             f"{fmt.format(f['ci_high'] * scale)}], {fmt.format(f['worst'] * scale)}")
+            lines.append(f"| {case} | {label} | {figs['kl_per_token']['resumes']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def span_table(found: dict[str, dict[str, dict[str, Any]]], spans: list[int], labels: list[str], *, model: str,
+               window: int, num_layers: int, block_tokens: int, steps: int, seeds: list[int], weights: list[str],
+               device: str, command: str) -> dict[str, Any]:
+    """The planner's table (replay/fidelity_budget.py's format): per span in windows, per case, the figures."""
+    return {
+        "format": TABLE_FORMAT, "model": model, "window": window, "num_layers": num_layers,
+        "block_tokens": block_tokens, "continued_tokens": steps, "prompt_seeds": seeds, "training": weights,
+        "device": device, "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": command,
+        "spans": {str(k): {case: by_label[label] for case, by_label in found.items()}
+                  for k, label in zip(spans, labels, strict=False)},
+    }
 
 
 def _headline(d: dict[str, Any]) -> dict[str, tuple[float, str]]:

@@ -8,6 +8,7 @@ of 0 is unlimited. Byte quotas take a plain number or a unit (10GiB, 512MiB, 2TB
 Examples:
   kvstore policy get acme
   kvstore policy set acme --retention-hours 96 --nvme-quota-bytes 200GiB --requests-per-s 500
+  kvstore policy set acme --replay-fidelity kl:1e-3
   kvstore policy list --json
   kvstore policy log --tenant acme --limit 20
 """
@@ -38,6 +39,9 @@ SETTABLE = (
     ("--pin-budget-bytes", "pin_budget_bytes", "bytes", "bytes of pinned prefixes the tenant may hold (0: no pins)"),
     ("--replication", "replication", int, "copies of each run in a fleet, 1 to 5 (default [fleet] replication; "
      "1 on a single node)"),
+    ("--replay-fidelity", "replay_fidelity", str, "replay fidelity: exact, windows:N, or an error budget kl:X "
+     "(nats per continued token) or fastllm:P (percent of resumes); the planner picks the smallest measured "
+     "span meeting it (docs/PLANNER.md)"),
 )
 
 
@@ -160,6 +164,8 @@ def _list(admin: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cell(field: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value
     return f"{value:g}" if isinstance(value, float) else f"{value:,}"
 
 

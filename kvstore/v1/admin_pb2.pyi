@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Policy(_message.Message):
-    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication")
+    __slots__ = ("retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication", "replay_fidelity")
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
     NVME_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Policy(_message.Message):
     PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
     PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIDELITY_FIELD_NUMBER: _ClassVar[int]
     retention_hours: float
     swa_ttl_s: float
     nvme_quota_bytes: int
@@ -24,7 +25,8 @@ class Policy(_message.Message):
     pin_max_hours: float
     pin_budget_bytes: int
     replication: int
-    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
+    replay_fidelity: str
+    def __init__(self, retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ..., replay_fidelity: _Optional[str] = ...) -> None: ...
 
 class TenantPolicy(_message.Message):
     __slots__ = ("tenant", "policy", "is_default")
@@ -63,7 +65,7 @@ class TenantUsage(_message.Message):
     def __init__(self, nvme_bytes: _Optional[int] = ..., nvme_blocks: _Optional[int] = ..., token_hours: _Optional[float] = ..., swa_bytes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
-    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication")
+    __slots__ = ("tenant", "retention_hours", "swa_ttl_s", "nvme_quota_bytes", "swa_quota_bytes", "requests_per_s", "pin_max_hours", "pin_budget_bytes", "replication", "replay_fidelity")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     RETENTION_HOURS_FIELD_NUMBER: _ClassVar[int]
     SWA_TTL_S_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +75,7 @@ class SetPolicyRequest(_message.Message):
     PIN_MAX_HOURS_FIELD_NUMBER: _ClassVar[int]
     PIN_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIDELITY_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     retention_hours: float
     swa_ttl_s: float
@@ -82,7 +85,8 @@ class SetPolicyRequest(_message.Message):
     pin_max_hours: float
     pin_budget_bytes: int
     replication: int
-    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
+    replay_fidelity: str
+    def __init__(self, tenant: _Optional[str] = ..., retention_hours: _Optional[float] = ..., swa_ttl_s: _Optional[float] = ..., nvme_quota_bytes: _Optional[int] = ..., swa_quota_bytes: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., pin_max_hours: _Optional[float] = ..., pin_budget_bytes: _Optional[int] = ..., replication: _Optional[int] = ..., replay_fidelity: _Optional[str] = ...) -> None: ...
 
 class SetPolicyResponse(_message.Message):
     __slots__ = ("before", "after", "note")
