@@ -162,3 +162,18 @@ def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_us
     assert uses[:shared] == [3600.0] * shared and set(uses[shared:]) <= {0.0}
     assert index.bytes_used_since(3600.0) == BLOCK * sum(1 for b in index.blocks.values() if b.last_access_s >= 3600)
     assert index.bytes_used_since(0.0) == index.usage.stored_bytes
+
+
+def test_the_sweep_draws_a_png_or_names_what_it_needs(mooncake: Trace, tmp_path: Path) -> None:
+    from kvstore.errors import FailedPrecondition
+    from kvstore.trace.sim_plot import plot
+
+    results = [(f"cap {c}", Simulation(SimSettings(capacity_bytes=c * BLOCK)).run(mooncake)) for c in (100, 1 << 20)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(FailedPrecondition, match="--png needs matplotlib"):
+            plot(results, tmp_path / "sweep.png")
+        return
+    plot(results, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
