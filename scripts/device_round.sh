@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device run for a round's CUDA paths and host figures (docs/BENCHMARKS.md): the GPU tests, then
-# `kvstore bench fleet` and `kvstore bench lookup` on the 16-core host. Carry [".whl", ".etcd"]:
+# `kvstore bench fleet`, `kvstore bench lookup` and `kvstore bench store` on the 16-core host. Carry [".whl", ".etcd"]:
 #   mkdir -p .etcd && cp /usr/bin/etcd .etcd/     # here, once (the device has no etcd package)
 #   run: bash scripts/device_round.sh
 # Writes logs and JSON into $OUT (default ./out).
@@ -23,8 +23,10 @@ echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
 timeout "${FLEET_S:-200}" python3 -m kvstore.cli bench fleet --json >"$OUT/fleet.json" 2>"$OUT/fleet.err"
 echo "bench fleet rc=$? $((SECONDS - t)) s"; t=$SECONDS
 timeout "${LOOKUP_S:-90}" python3 -m kvstore.cli bench lookup --json >"$OUT/lookup.json" 2>"$OUT/lookup.err"
-echo "bench lookup rc=$? $((SECONDS - t)) s"
-for f in "$OUT"/fleet.json "$OUT"/lookup.json; do
+echo "bench lookup rc=$? $((SECONDS - t)) s"; t=$SECONDS
+timeout "${STORE_S:-150}" python3 -m kvstore.cli bench store --json --no-progress >"$OUT/store.json" 2>"$OUT/store.err"
+echo "bench store rc=$? $((SECONDS - t)) s"
+for f in "$OUT"/fleet.json "$OUT"/lookup.json "$OUT"/store.json; do
 python3 - "$f" <<'PY'
 import json, sys
 try:
