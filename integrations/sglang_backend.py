@@ -77,6 +77,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from integrations import sglang_config, sglang_keys, sglang_swa
 from integrations.sglang_pools import Chain, PoolsV2
 from integrations.sglang_register import PoolRegistry
+from integrations.sglang_share import V4Sharing
 from integrations.sglang_v4_io import V4Pages
 from kvstore.client import Client
 from kvstore.errors import ConfigError, KVStoreError
@@ -121,6 +122,8 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         #: The DeepSeek-V4 side pools' page I/O, once SGLang's V4 anchor is registered (sglang_v4_io).
         self.v4: V4Pages | None = None
         self._v4_pools: dict[str, Any] = {}
+        #: SGLang v4 pages kept as the model's rows where exact (`share_model_rows`; integrations.sglang_share).
+        self.sharing: V4Sharing | None = None
         self.metrics = storage_config.enable_storage_metrics
         self._pages_gb = self.client.block_bytes / 1e9
         self._window: dict[str, list[float]] = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -181,7 +184,8 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             self.stats["unknown_keys"] += 1
             return 0
         try:
-            found = self.client.lookup_hashes(chain.blocks).found_blocks
+            found = self.client.lookup_hashes(chain.blocks).found_blocks if self.sharing is None \
+                else self.sharing.lookup(chain.pages, chain.blocks)[0]
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
             return 0

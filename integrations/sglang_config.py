@@ -14,7 +14,7 @@ from kvstore.errors import ConfigError
 
 #: Every setting the backend reads; the first three are the dynamic factory's, `interface_v1` SGLang's.
 KNOWN = {"backend_name", "module_path", "class_name", "interface_v1", "target", "token", "namespace", "geometry",
-         "timeout_s", "ledger_pages", "swa_ttl_s", "keep_s"}
+         "timeout_s", "ledger_pages", "swa_ttl_s", "keep_s", "share_model_rows", "transcode_device"}
 
 
 def settings(extra: dict[str, Any] | None) -> dict[str, Any]:
@@ -43,6 +43,15 @@ def settings(extra: dict[str, Any] | None) -> dict[str, Any]:
         out[name] = value
     if not isinstance(out["ledger_pages"], int):
         raise ConfigError(f"extra config 'ledger_pages' must be an integer, got {out['ledger_pages']!r}")
+    # SGLang v4 rows stored as the model's rows where the transcoding is exact (integrations.sglang_share).
+    share = extra.get("share_model_rows", True)
+    if not isinstance(share, bool):
+        raise ConfigError(f"extra config 'share_model_rows' must be true or false, got {share!r}")
+    out["share_model_rows"] = share
+    device = extra.get("transcode_device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"extra config 'transcode_device' must be 'cpu' or 'cuda', got {device!r}")
+    out["transcode_device"] = device
     return out
 
 

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from integrations import sglang_swa
 from integrations.sglang_keys import KeyLedger
+from integrations.sglang_share import V4Sharing
 from integrations.sglang_v4_io import V4Pages
 from integrations.sglang_v4_pools import SERVED as V4_SIDE_POOLS
 from kvstore.client import Client
@@ -55,6 +56,7 @@ class PoolsV2:
     v4: V4Pages | None
     swa_ttl_s: float | None
     stats: dict[str, int]
+    sharing: V4Sharing | None
 
     def _chain(self, keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> Chain | None:
         raise NotImplementedError
@@ -86,21 +88,26 @@ class PoolsV2:
             for p in range(1, len(keys) + 1):
                 t = (offset + p) * self.page_size
                 anchor = chain.pages[offset + p - 1]
-                swa_keys.append(sglang_swa.key_at(anchor, t, self._extra_keys(anchor.hex())))
+                swa_keys.append(sglang_swa.key_at(self._swa_anchor(anchor), t, self._extra_keys(anchor.hex())))
                 positions.append(t)
         try:
-            reply = self.client.lookup_hashes(chain.blocks, swa_keys=swa_keys, swa_positions=positions)
+            if self.sharing is None:
+                reply = self.client.lookup_hashes(chain.blocks, swa_keys=swa_keys, swa_positions=positions)
+                found, swa_at = reply.found_blocks, reply.swa_position
+            else:   # the model's rows or SGLang's v4 records; the window is always the latter's
+                found, swa_at = self.sharing.lookup(chain.pages, chain.blocks, swa_keys=swa_keys,
+                                                    swa_positions=positions)
         except KVStoreError as exc:
             logger.warning("kvstore lookup failed (counted as a miss): %s", exc)
             return PoolTransferResult.empty()
         # A page stored in part (fewer than its blocks) is not found: whole pages only.
-        kv_pages = max(0, min(len(keys), reply.found_blocks // self.blocks_per_page - offset))
+        kv_pages = max(0, min(len(keys), found // self.blocks_per_page - offset))
         hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
         restorable = set(range(1, kv_pages + 1))
         for transfer in pool_transfers or []:
             name = str(transfer.name)
             if name == PoolName.SWA.value and transfer.hit_policy == PoolHitPolicy.TRAILING_PAGES:
-                at = reply.swa_position
+                at = swa_at
                 page = at // self.page_size - offset if at is not None and at % self.page_size == 0 else 0
                 pool_ok = {page} if 1 <= page <= kv_pages else set()
             elif self.v4 is not None and name in V4_SIDE_POOLS:
@@ -112,6 +119,14 @@ class PoolsV2:
             restorable &= pool_ok
         ordered = sorted(restorable)
         return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def _swa_anchor(self, page: bytes) -> bytes:
+        """The chain hash a snapshot ending at page `page` is keyed by: the page's own, or with v4 sharing
+        the engine layout's chain hash of its last block (so any client of that layout finds the window)."""
+        if self.sharing is None:
+            return page
+        blocks = self.sharing.engine_blocks(page.hex())
+        return blocks[-1] if blocks else page
 
     def batch_get_v2(self, transfers: list[PoolTransfer],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
@@ -177,7 +192,9 @@ class PoolsV2:
             return [False] * len(keys)
         pool = self._pool(PoolName.SWA.value)
         if self.v4 is not None:
-            done = sglang_swa.move_v4(self.client, self.geometry, pool, chain.pages, transfer.host_indices, len(keys),
+            swa_client = self.client if self.sharing is None else self.sharing.engine
+            pages = [*chain.pages[:-1], self._swa_anchor(chain.pages[-1])]
+            done = sglang_swa.move_v4(swa_client, self.geometry, pool, pages, transfer.host_indices, len(keys),
                                       self.page_size, interleaved=self.v4.layout.interleaved, write=write,
                                       ttl_s=self.swa_ttl_s, extra_keys=self._extra_keys(keys[-1]))
         else:

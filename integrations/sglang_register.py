@@ -15,6 +15,7 @@ Any other pool stops the attach with a ConfigError naming it, rather than be ser
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
@@ -22,10 +23,14 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from integrations import sglang_keys, sglang_swa, sglang_v4_pools
 from integrations.common import StoreSettings, connect_layout
 from integrations.sglang_keys import KeyLedger
+from integrations.sglang_share import V4Sharing
 from integrations.sglang_v4_io import V4Pages
 from kvstore.client import Client
 from kvstore.errors import ConfigError
 from kvstore.geometry import ModelGeometry, resolve
+from kvstore.layout import SGLANG_V4
+
+log = logging.getLogger(__name__)
 
 
 class PoolRegistry:
@@ -42,6 +47,7 @@ class PoolRegistry:
     settings: dict[str, Any]
     _pages_gb: float
     _v4_pools: dict[str, Any]
+    sharing: V4Sharing | None
 
     def _write_pages(self, keys: Any, pages: Any) -> list[bool]:
         raise NotImplementedError
@@ -72,7 +78,8 @@ class PoolRegistry:
         page_tokens = int(anchor.page_size)
         layout = sglang_v4_pools.layout(self.geometry, page_tokens, self.client.block_tokens)
         self.page_size, self.blocks_per_page = page_tokens, layout.blocks_per_page
-        self.v4 = V4Pages(self.client, self.ledger, layout, self._v4_pools, self._write_pages, self.stats)
+        self.v4 = V4Pages(self.client, self.ledger, layout, self._v4_pools, self._write_pages, self.stats,
+                          sharing=self.sharing)
 
     def _use_records(self, records: Any) -> None:
         """Work under the geometry of SGLang's record layout (kvstore.layout), said in the log: on SGLang's
@@ -84,6 +91,17 @@ class PoolRegistry:
         client = connect_layout(settings, records, "SGLang's DeepSeek-V4 HiCache")
         if client.geometry == self.client.geometry:
             client.close()
+            return
+        if records == SGLANG_V4 and s["share_model_rows"]:
+            # Keys, ledger and blocks stay the model's (shared where exact); SGLang's records, the pools'
+            # row sizes and the SWA window are the engine layout's (integrations.sglang_share).
+            model = resolve(self.client.geometry)
+            self.geometry = resolve(client.geometry)
+            self.sharing = V4Sharing(self.client, client, model, self.ledger, self.stats,
+                                     device=s["transcode_device"])
+            log.info("kvstore: SGLang v4 pages are shared as the model's rows (%s) where every row re-encodes "
+                     "exactly, else kept as %s records (share_model_rows; transcoding on %s)", model.name,
+                     client.geometry, s["transcode_device"])
             return
         self.client.close()
         self.client, self.geometry = client, resolve(client.geometry)

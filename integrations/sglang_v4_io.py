@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from integrations.sglang_keys import KeyLedger
+from integrations.sglang_share import V4Sharing
 from integrations.sglang_swa import read_only
 from integrations.sglang_v4 import V4PageLayout, blocks_to_pages, pages_to_blocks
 from kvstore.client import Client
@@ -47,11 +48,14 @@ class V4Pages:
         pools: side pool name -> SGLang host pool (registered so far; read at call time).
         write_pages: the backend's Put of pages as runs of one chain (keys, [n, block_bytes] pages).
         stats: the backend's counters (pages read here are added to "pages_read").
+        sharing: with SGLang's v4 rows shared as the model's where exact (integrations.sglang_share): the
+            blocks are read and written through it (`client` is then the model geometry's).
     """
 
     def __init__(self, client: Client, ledger: KeyLedger, layout: V4PageLayout, pools: Mapping[str, Any],
                  write_pages: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]],
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], *, sharing: V4Sharing | None = None) -> None:
+        self.sharing = sharing
         self.stats = stats
         self.client = client
         self.ledger = ledger
@@ -104,6 +108,17 @@ class V4Pages:
 
     # -- the pages ---------------------------------------------------------------------
 
+    def _stream(self, client: Client, wanted: Sequence[tuple[int, bytes]]) -> dict[int, list[bytes | memoryview]]:
+        """Page -> its blocks found, in order, of (page, block hash) pairs, from `client`."""
+        got: dict[int, list[bytes | memoryview]] = {}
+        try:
+            for index, status, data in client.stream([h for _, h in wanted]):
+                if status == pb.BLOCK_STATUS_FOUND and len(data) == client.block_bytes:
+                    got.setdefault(wanted[index][0], []).append(data)
+        except KVStoreError as exc:
+            logger.warning("kvstore get of V4 pages failed: %s", exc)
+        return got
+
     def _read(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         n = self.layout.blocks_per_page
         results = [False] * len(keys)
@@ -112,17 +127,23 @@ class V4Pages:
             hashes = self.ledger.blocks_of([key])
             if hashes is not None and len(hashes) == n:
                 wanted.extend((i, h) for h in hashes)
-        got: dict[int, list[bytes | memoryview]] = {}
-        try:
-            for index, status, data in self.client.stream([h for _, h in wanted]):
-                if status == pb.BLOCK_STATUS_FOUND and len(data) == self.client.block_bytes:
-                    got.setdefault(wanted[index][0], []).append(data)
-        except KVStoreError as exc:
-            logger.warning("kvstore get of V4 pages failed: %s", exc)
-        for i, found in got.items():
-            if len(found) != n:        # a page stored in part is a miss: SGLang recomputes it
-                continue
-            joined = torch.stack([read_only(b) for b in found])
+        got = {i: b for i, b in self._stream(self.client, wanted).items() if len(b) == n}
+        pages: dict[int, torch.Tensor] = {}
+        if self.sharing is not None:
+            if got:     # the model's rows, re-encoded into SGLang's (exact: stored only where they are)
+                order = sorted(got)
+                native = torch.stack([read_only(b) for i in order for b in got[i]])
+                engine = self.sharing.to_engine(native).reshape(len(order), n, -1)
+                pages = {i: engine[j] for j, i in enumerate(order)}
+                self.stats["pages_reencoded"] += len(order)
+            rest: list[tuple[int, bytes]] = []
+            for i, key in enumerate(keys):
+                blocks = self.sharing.engine_blocks(key) if i not in got else None
+                if blocks is not None and len(blocks) == n:
+                    rest.extend((i, h) for h in blocks)
+            got = {i: b for i, b in self._stream(self.sharing.engine, rest).items() if len(b) == n}
+        pages.update({i: torch.stack([read_only(b) for b in found]) for i, found in got.items()})
+        for i, joined in pages.items():     # a page stored in part is a miss: SGLang recomputes it
             for name, page in blocks_to_pages(self.layout, joined).items():
                 self.pools[name].set_from_flat_data_page(self._slot(host_indices, i), page.reshape(-1))
             results[i] = True
@@ -135,4 +156,6 @@ class V4Pages:
             slot = self._slot(host_indices, i)
             side = {name: pool.get_data_page(slot, flat=True) for name, pool in self.pools.items()}
             pages.append(pages_to_blocks(self.layout, side))
+        if self.sharing is not None:
+            return self.sharing.save(keys, pages, self.write_pages)
         return self.write_pages(keys, pages)

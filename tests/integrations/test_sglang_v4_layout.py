@@ -113,25 +113,31 @@ def test_an_attention_backend_that_fixes_the_layout_is_followed_or_refused(monke
     assert sglang_v4_pools.records() is layout.SGLANG_V4
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["share-off", "share-on"])
 def test_v4_pages_are_stored_under_their_layout_and_read_back_byte_for_byte(
-        server: Child, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        server: Child, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, share: bool) -> None:
+    # Random rows are no image of an FP4 row: with sharing on (the default) they stay SGLang's records too
+    # (integrations.sglang_share), the backend's keys being the model chain's.
     monkeypatch.delenv("SGLANG_DSV4_KV_LAYOUT", raising=False)     # SGLang's default
     group = v4_group(pages=4)
     with caplog.at_level(logging.INFO, logger="integrations.common"):
-        backend = attach(server.target, group)
+        backend = attach(server.target, group, {"share_model_rows": share})
     try:
-        assert backend.client.geometry == ENGINE.name and backend.client.block_bytes == 4 * 26_080
+        engine_client = backend.sharing.engine if share else backend.client
+        assert engine_client.geometry == ENGINE.name and engine_client.block_bytes == 4 * 26_080
+        assert backend.client.geometry == (GEO.name if share else ENGINE.name)
         assert "sglang-v4 rows (SGLANG_DSV4_KV_LAYOUT=v4" in caplog.text     # the layout, said at attach
         tokens = tokens_of(41, 2)
         blocks = fill(group, 0, 2, seed=41)
         saved = [page_bytes(group, p) for p in range(2)]
         keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:2]
         with kvstore.Client(server.target, geometry=ENGINE.name) as engine, kvstore.Client(server.target) as native:
-            assert keys == [h.hex() for h in engine.hashes(tokens)][N - 1::N]   # the layout's own chain
+            assert keys == [h.hex() for h in (native if share else engine).hashes(tokens)][N - 1::N]
             assert backend.batch_set_v2(side_transfers(keys, slots(0, 2))) == {str(n): [True] * 2 for n in SIDE}
             assert backend.batch_set_v1(keys, slots(0, 2)) == [True, True]
             assert engine.get(tokens[:2 * V4_PAGE]).blocks == blocks            # the engine's rows, byte for byte
             assert native.lookup(tokens).found_blocks == 0                      # never the model's rows
+            assert backend.counters().get("blocks_engine", 2 * N) == 2 * N
             # Read back into host pages 2 and 3, as SGLang's prefetch does.
             assert backend.batch_exists_v2(keys, side_transfers(keys, slots(2, 2))).kv_hit_pages == 2
             assert backend.batch_get_v1(keys, slots(2, 2)) == [True, True]
