@@ -1,5 +1,9 @@
 """`kvstore check`: walk a store's records, verify them, and repair what the walk finds.
 
+The pins, the fleet's run index and the event log name blocks too: a repair drops a dropped
+block's pin and run-index entry and logs its removal in the same transaction
+(`tiers/integrity_dbs.py`), and a rebuild carries all three.
+
 A block is kept when its meta record parses, its data is there with the recorded
 size and xxh3 checksum, and its parent is kept (or it is a chain's first block),
 so what a repair keeps is prefix-closed, as rule R6 wants. Everything else goes:
@@ -22,7 +26,8 @@ beside it). docs/OPERATIONS.md says what each finding means.
 
 This module runs a check; its steps live beside it: the walk (`tiers/integrity_walk.py`),
 the decision of what a repair keeps (`tiers/integrity_plan.py`), the repair
-(`tiers/integrity_repair.py`), and the report (`tiers/integrity_report.py`).
+(`tiers/integrity_repair.py`), the pins, run index and event log (`tiers/integrity_dbs.py`),
+and the report (`tiers/integrity_report.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import lmdb
 from kvstore.config import GiB
 from kvstore.errors import ConfigError
 from tiers.datadir import DATA_NAME, DataDirBusy, DataDirLock
+from tiers.integrity_dbs import plan_databases
 from tiers.integrity_plan import plan_repair
 from tiers.integrity_repair import rebuild, repair_in_place
 from tiers.integrity_report import CheckReport, Problem
@@ -102,14 +108,15 @@ def _check(data_dir: Path, report: CheckReport, progress: Progress | None) -> No
         if pin:
             pin.close()
     plan = plan_repair(walk, report)
+    dbs = plan_databases(walk, plan.kept, report)
     if not report.repair or report.ok:
         return
     if walk.damaged_pages:
-        rebuild(data_dir, header, walk, plan, report)
+        rebuild(data_dir, header, walk, plan, dbs, report)
     else:
         env = lmdb.open(str(data_dir), map_size=size + GiB, max_dbs=8, readahead=False)
         try:
-            repair_in_place(env, walk, plan)
+            repair_in_place(env, walk, plan, dbs, report)
         finally:
             env.close()
     report.repaired = True

@@ -1,5 +1,6 @@
 """A repair of `kvstore check`, written in one transaction: in place when every page read, else
 a fresh copy of the kept records that replaces `data.mdb` (the damaged file is kept beside it).
+The pins, run index and event log are changed (or carried) with the records (tiers/integrity_dbs.py).
 
 Both need the data dir's lock (no server running); `tiers.integrity` takes it.
 """
@@ -19,8 +20,10 @@ import xxhash
 from kvstore.config import GiB
 from kvstore.errors import ConfigError
 from kvstore.prefix import KEY_BYTES
+from tiers import integrity_dbs
 from tiers.accounting import Counters
 from tiers.datadir import DATA_NAME
+from tiers.integrity_dbs import DbPlan
 from tiers.integrity_plan import PREFIX_BYTES, USAGE, RepairPlan
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import Walk, record_entries
@@ -36,10 +39,14 @@ def _usage_changed(walk: Walk, plan: RepairPlan) -> bool:
     return raw is None or len(raw) != USAGE.size or USAGE.unpack(raw) != plan.usage
 
 
-def repair_in_place(env: lmdb.Environment, walk: Walk, plan: RepairPlan) -> None:
-    """Apply the plan in one write transaction (every page read, so every key can be reached)."""
+def repair_in_place(env: lmdb.Environment, walk: Walk, plan: RepairPlan, db_plan: DbPlan,
+                    report: CheckReport) -> None:
+    """Apply the plan in one write transaction (every page read, so every key can be reached): the
+    records, and with them the pins, the run index and the event log's removals."""
+    log = integrity_dbs.open_log(env, db_plan)
     with env.begin(write=True) as txn:
         dbs = {name: env.open_db(name.encode(), txn=txn) for name in ("records", "lru", "state")}
+        dbs.update({name.decode(): env.open_db(name, txn=txn) for name in (b"pins", b"runs") if name in walk.trees})
         for key in plan.drop_blocks:
             b = walk.blocks[key]
             for suffix in (DATA_TAG, META_TAG, *(CHILD_TAG + c for c in b.children)):
@@ -49,6 +56,11 @@ def repair_in_place(env: lmdb.Environment, walk: Walk, plan: RepairPlan) -> None
         for name, key in plan.add_entries:
             txn.put(key, b"", db=dbs[name])
         _write_state(txn, dbs["state"], walk, plan)
+        integrity_dbs.apply_in_place(txn, dbs, db_plan)
+        report.removal_batches = integrity_dbs.log_removals(log, txn, dbs["state"], db_plan.removed)
+    if b"events" in walk.trees and log is None and db_plan.removed:
+        report.not_carried.append(f"events: the log names no node, so its {len(db_plan.removed)} removals "
+                                  "are not logged")
 
 
 def _write_state(txn: lmdb.Transaction, state: Any, walk: Walk, plan: RepairPlan) -> None:
@@ -58,7 +70,8 @@ def _write_state(txn: lmdb.Transaction, state: Any, walk: Walk, plan: RepairPlan
         txn.put(b"counters", json.dumps(asdict(Counters())).encode(), db=state)
 
 
-def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, report: CheckReport) -> None:
+def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, db_plan: DbPlan,
+            report: CheckReport) -> None:
     """Copy the kept records into a fresh environment in one transaction, then swap it in.
 
     LMDB aborts the process when its cursor meets a damaged page, so a store with
@@ -67,7 +80,9 @@ def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, re
     tmp = data_dir / "repair.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    fresh = lmdb.open(str(tmp), map_size=int(plan.usage[1] * 1.25) + GiB, max_dbs=8, sync=True, metasync=True)
+    log_bytes = sum(len(v) for _, v in walk.events)  # the event log is carried too
+    fresh = lmdb.open(str(tmp), map_size=int((plan.usage[1] + log_bytes) * 1.25) + GiB, max_dbs=8, sync=True,
+                      metasync=True)
     try:
         with PageReader(path=data_dir / DATA_NAME, header=header) as reader, fresh.begin(write=True) as txn:
             records = fresh.open_db(b"records", txn=txn)
@@ -97,6 +112,13 @@ def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, re
             txn.put(b"usage", USAGE.pack(*plan.usage), db=state)
             if plan.fix_counters or b"counters" not in walk.state:
                 txn.put(b"counters", json.dumps(asdict(Counters())).encode(), db=state)
+            carried_log = integrity_dbs.write_rebuilt(txn, fresh, walk, db_plan, report)
+            integrity_dbs.unknown_trees(walk, report)
+        if carried_log:  # a second transaction of the fresh file, before it is swapped in: still all or nothing
+            log = integrity_dbs.open_log(fresh, db_plan)
+            with fresh.begin(write=True) as txn:
+                report.removal_batches = integrity_dbs.log_removals(log, txn, fresh.open_db(b"state", txn=txn),
+                                                                    db_plan.removed)
     except BaseException:
         fresh.close()
         shutil.rmtree(tmp, ignore_errors=True)

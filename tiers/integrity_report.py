@@ -40,6 +40,11 @@ class CheckReport:
         unreadable: key ranges on pages LMDB could not read.
         leaves_recovered: records leaves no tree reached (a branch page or root above them
             lost), read by scanning the file.
+        pins_dropped: pins a repair removes (their block is not kept or not stored; tenants' totals
+            recounted).
+        run_entries_dropped: run-index entries a repair removes (their block is not kept, or is no run root).
+        removal_batches: BlockRemoved batches a repair appended to the event log (one per tenant).
+        not_carried: what a rebuild could not carry into the fresh file, one line each.
         counts: problems per kind; `problems` lists up to LISTED_PER_KIND of each.
         fatal: why the walk could not run at all (None when it ran).
         notes: what the repair did beyond the counts.
@@ -60,6 +65,10 @@ class CheckReport:
     usage_recorded: tuple[int, int] | None = None
     unreadable: list[str] = field(default_factory=list)
     leaves_recovered: int = 0
+    pins_dropped: int = 0
+    run_entries_dropped: int = 0
+    removal_batches: int = 0
+    not_carried: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
     fatal: str | None = None
@@ -103,7 +112,14 @@ class CheckReport:
             out.append(f"{verb}: {counted(self.blocks_dropped, 'block')} ({self.bytes_dropped} bytes), "
                        f"{counted(self.entries_dropped, 'index entry', 'index entries')}; adds "
                        f"{self.entries_added}; keeps {counted(self.blocks_kept, 'block')} ({self.bytes_kept} bytes)")
+            if self.pins_dropped or self.run_entries_dropped:
+                out.append(f"{verb} with them: {counted(self.pins_dropped, 'pin')} (the tenants' pin totals "
+                           f"recounted), {counted(self.run_entries_dropped, 'run-index entry', 'run-index entries')}")
+            if self.removal_batches:
+                out.append(f"logged {counted(self.removal_batches, 'BlockRemoved batch', 'BlockRemoved batches')} "
+                           "of the blocks dropped in the event log")
             if not self.repaired:
                 out.append(f"to repair: kvstore check --data-dir {self.data_dir} --repair (with no server running)")
         out.extend(self.notes)
+        out.extend(f"not carried: {line}" for line in self.not_carried)
         return out

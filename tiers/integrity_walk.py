@@ -1,4 +1,4 @@
-"""The walk of `kvstore check`: every record, LRU entry and state entry of a store, read page by page.
+"""The walk of `kvstore check`: every record, LRU, state, pin, run-index and event-log entry, read page by page.
 
 LMDB's cursor aborts the process on a damaged page, so the walk reads the file through
 `tiers.lmdb_pages.PageReader`: a damaged page is stepped over and reported with the key range
@@ -52,6 +52,15 @@ class Walk:
     lru_entries: set[bytes] = field(default_factory=set)
     state: dict[bytes, bytes] = field(default_factory=dict)
     damaged_pages: bool = False
+    #: The raw entries of the pins and run-index databases, and the event log's (key, value)s in key
+    #: order (tiers/integrity_dbs.py checks them against the kept blocks).
+    pins: dict[bytes, bytes] = field(default_factory=dict)
+    runs: dict[bytes, bytes] = field(default_factory=dict)
+    events: list[tuple[bytes, bytes]] = field(default_factory=list)
+    #: Named databases the main tree lists, and the trees with a damaged page (pins, runs, events: their
+    #: entries there are lost).
+    trees: set[bytes] = field(default_factory=set)
+    damaged_trees: set[str] = field(default_factory=set)
     #: Records leaves no tree reached, found by reading the file page by page.
     stray_leaves: list[int] = field(default_factory=list)
 
@@ -84,7 +93,7 @@ def record_entries(reader: PageReader, records: Tree | None, *, scan: bool,
 
 
 def walk_records(reader: PageReader, report: CheckReport, progress: Progress | None) -> Walk:
-    """Read every record, LRU entry and state entry the file's trees reach."""
+    """Read every record, LRU, state, pin, run-index and event-log entry the file's trees reach."""
     walk = Walk()
     trees = reader.named_trees()
     reader.check_free_tree()
@@ -103,6 +112,13 @@ def walk_records(reader: PageReader, report: CheckReport, progress: Progress | N
         walk.lru_entries.update(key for key, _ in reader.entries(lru, "lru", values=False))
     if (state := trees.get(b"state")) is not None:
         walk.state.update((key, value) for key, value in reader.entries(state, "state") if value is not None)
+    walk.trees = set(trees)
+    for name, into in ((b"pins", walk.pins), (b"runs", walk.runs)):
+        if (tree := trees.get(name)) is not None:
+            into.update((key, value) for key, value in reader.entries(tree, name.decode()) if value is not None)
+    if (events := trees.get(b"events")) is not None:
+        walk.events = [(key, value) for key, value in reader.entries(events, "events") if value is not None]
+    walk.damaged_trees = {page.tree for page in reader.damaged}
     for page in reader.damaged:
         report.unreadable.append(page.describe())
         report.add("damaged-page", page.describe())

@@ -281,3 +281,49 @@ class Protected(set[bytes]):
 
     def __contains__(self, key: object) -> bool:
         return set.__contains__(self, key) or (isinstance(key, bytes) and self._pinned(key))
+
+
+# -- for `kvstore check --repair` (tiers/integrity_dbs.py): the records as raw entries --------------
+
+def decode_pin(raw_key: bytes, raw: bytes) -> Pin | None:
+    """A `k` record of the pins database as its Pin; None when the entry is no well-formed pin record."""
+    if len(raw_key) != 1 + KEY_BYTES or not raw_key.startswith(b"k") or len(raw) != _PIN.size:
+        return None
+    until, charged = _PIN.unpack(raw)
+    return Pin(key=_storage_key(raw_key), until_s=until, charged_bytes=charged)
+
+
+def pin_records(pin: Pin) -> list[tuple[bytes, bytes]]:
+    """The (key, value) records a live pin is made of: its `k` record and its expiry-order entry."""
+    return [(_pin_key(pin.key), _PIN.pack(pin.until_s, pin.charged_bytes)), (_time_key(pin.until_s, pin.key), b"")]
+
+
+def totals_of(entries: dict[bytes, bytes]) -> dict[bytes, PinTotals]:
+    """The `n` records (namespace id -> totals) among a pins database's raw entries (unparseable ones left out)."""
+    return {k[1:]: PinTotals(pins=c, charged_bytes=b) for k, v in entries.items()
+            if k.startswith(b"n") and len(k) == 1 + NAMESPACE_ID_BYTES and len(v) == _TOTALS.size
+            for c, b in [_TOTALS.unpack(v)]}
+
+
+def recount(txn: lmdb.Transaction, db: Any) -> dict[bytes, PinTotals]:
+    """Rewrite every tenant's totals (`n` records) from its `k` records (a repair dropped pins or found the
+    totals wrong); the totals written."""
+    counted: dict[bytes, PinTotals] = {}
+    recorded: dict[bytes, bytes] = {}
+    for raw_key, raw in txn.cursor(db=db):
+        raw_key, raw = bytes(raw_key), bytes(raw)
+        if raw_key.startswith(b"n"):
+            recorded[raw_key] = raw
+            continue
+        pin = decode_pin(raw_key, raw)
+        if pin is not None:
+            ns = pin.key[ID_START:ID_END]
+            t = counted.get(ns, PinTotals())
+            counted[ns] = PinTotals(pins=t.pins + 1, charged_bytes=t.charged_bytes + pin.charged_bytes)
+    for raw_key in recorded.keys() - {b"n" + ns for ns in counted}:
+        txn.delete(raw_key, db=db)
+    for ns, t in counted.items():
+        value = _TOTALS.pack(t.pins, t.charged_bytes)
+        if recorded.get(b"n" + ns) != value:
+            txn.put(b"n" + ns, value, db=db)
+    return counted
