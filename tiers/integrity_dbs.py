@@ -28,17 +28,19 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 
 from kvstore.prefix import KEY_BYTES, namespace_id
 from tiers import namespaces, pins, run_index
 from tiers.block_txn import Change
-from tiers.events import EventLog
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import Walk
 from tiers.records import BlockMeta
+
+if TYPE_CHECKING:  # tiers.events imports msgspec: only a store with an event log needs it
+    from tiers.events import EventLog
 
 _U32 = struct.Struct("<I")
 _TOPIC_LEN = struct.Struct("<H")
@@ -77,7 +79,11 @@ def plan_databases(walk: Walk, kept: dict[bytes, BlockMeta], report: CheckReport
     depth = {k: (b.meta.depth if b.meta is not None else 1 << 30) for k, b in walk.blocks.items()}
     announced: list[bytes] = []
     if b"events" in walk.trees:
-        plan.node_id, plan.topic, announced = _read_log(walk.events)
+        try:
+            plan.node_id, plan.topic, announced = _read_log(walk.events)
+        except ImportError as exc:  # the events' extra is not installed where the check runs
+            report.notes.append(f"the store has an event log but {exc.name} is not installed (pip install "
+                                "'kvstore[events]'): a repair's removals are not logged")
     # Children before their parents: what the log announced, latest stored first (a child is stored after its
     # parent), then the dropped blocks it never announced (stored before events were on, E5), deepest first.
     gone = [k for k in reversed(announced) if k not in kept]
@@ -196,6 +202,8 @@ def open_log(env: lmdb.Environment, plan: DbPlan) -> EventLog | None:
     before the repair's write transaction (opening reads in transactions of its own)."""
     if plan.node_id is None or plan.topic is None or not plan.removed:
         return None
+    from tiers.events import EventLog
+
     return EventLog(env, node_id=plan.node_id, block_tokens=0, topic=plan.topic, keep_batches=_NO_TRIM,
                     now=time.time)
 
