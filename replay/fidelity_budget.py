@@ -158,7 +158,11 @@ class FidelityTable:
             data = json.loads(p.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"fidelity table {p}: cannot be read: {exc}") from None
-        return cls.from_dict(data, source=str(p))
+        try:  # a shipped table is named from the repository's root, in reason lines as in the docs
+            shown = str(p.resolve().relative_to(TABLE_FOLDER.parents[1]))
+        except ValueError:
+            shown = str(p)
+        return cls.from_dict(data, source=shown)
 
     @classmethod
     def shipped(cls, model: str = "tiny") -> FidelityTable:

@@ -54,4 +54,4 @@ def test_bench_replay_quick_json() -> None:
     kl = figures["bounded replay 1x window, random: KL per continued token, mean"]
     assert kl["value"] == bounded["kl_mean"] * 1e6 > 0.0 and kl["unit"] == "unat" and kl["baseline_value"] == 0.0
     assert notes["tail_prefill"]["samples"] == 1
-    assert set(notes["tables"]) == {"fidelity", "boundaries", "per_layer"}
+    assert set(notes["tables"]) == {"fidelity", "boundaries", "per_layer", "intervals"}
