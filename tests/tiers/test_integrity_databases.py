@@ -273,6 +273,11 @@ def test_r30_a_rebuild_carries_the_pins_the_run_index_and_the_log(store: Store,
                                                                    zero_leaves: Callable[[Path, bytes], list[int]]
                                                                    ) -> None:
     data_dir, chains, _, clock = store
+    tier = _open(data_dir, clock)  # an expiry swept but not yet audited (R29): its journal record is carried too
+    assert tier.pin(SCOPE, chains[1][-1], clock.now() + HOUR).until_s > 0
+    clock.advance(2 * HOUR)
+    [(_, expired)] = tier.expired_pins()
+    tier.close()
     before, _ = _replay(data_dir, clock)
     assert zero_leaves(data_dir / "data.mdb", meta_key(SCOPE.key(chains[7][3])))
     report = check_store(data_dir, repair=True)
@@ -286,6 +291,11 @@ def test_r30_a_rebuild_carries_the_pins_the_run_index_and_the_log(store: Store,
     assert live == keys and keys  # the kept blocks' pins carried, the dropped ones' gone
     assert recorded == pins.PinTotals(pins=len(keys), charged_bytes=charged)
     assert runs == _expected_runs(chains, found)
+    tier = _open(data_dir, clock)
+    try:
+        assert [p for _, p in tier.expired_pins()] == [expired]  # still to audit after the rebuild
+    finally:
+        tier.close()
     batches, view = _replay(data_dir, clock)
     assert [(s, t) for s, t, _ in batches[:len(before)]] == [(s, t) for s, t, _ in before]  # the log carried
     assert report.removal_batches == len(batches) - len(before) == 1
