@@ -316,3 +316,16 @@ def test_a_rebuild_whose_event_log_is_damaged_says_so_and_the_log_starts_afresh(
     assert view == set()
     _, live, runs = pinned_view(data_dir, clock)  # the rest is carried whole
     assert len(live) == len(PINNED) and runs == _expected_runs(chains, [LENGTH] * CHAINS)
+
+
+def test_a_rebuild_names_a_database_it_does_not_know(store: Store,
+                                                     zero_leaves: Callable[[Path, bytes], list[int]]) -> None:
+    data_dir, chains, _, _ = store
+    env = lmdb.open(str(data_dir), max_dbs=8)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"someday", txn=txn))
+    env.close()
+    assert zero_leaves(data_dir / "data.mdb", meta_key(SCOPE.key(chains[2][3])))
+    report = check_store(data_dir, repair=True)
+    assert report.repaired and report.not_carried == ["someday: a database check does not know; not carried"]
+    assert "not carried: someday:" in "\n".join(report.lines())
