@@ -177,3 +177,17 @@ def test_the_sweep_draws_a_png_or_names_what_it_needs(mooncake: Trace, tmp_path:
         return
     plot(results, tmp_path / "sweep.png")
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_pauses_the_cyclic_collector_and_leaves_it_as_it_was(mooncake: Trace) -> None:
+    import gc
+
+    seen: list[bool] = []
+    Simulation(SimSettings()).run(mooncake, progress=lambda done: seen.append(gc.isenabled()))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        Simulation(SimSettings()).run(mooncake)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
