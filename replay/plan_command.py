@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-overhead", type=float, default=DEFAULT_REPLAY_OVERHEAD_S, metavar="SECONDS",
                         help="fixed cost of one replay call beyond its tokens "
                              f"(default {DEFAULT_REPLAY_OVERHEAD_S:g} s; 0.03 for the eager reference worker)")
+    parser.add_argument("--fidelity", default="",
+                        help="the tenant's fidelity as a setting or error budget (exact, windows:N, kl:X, "
+                             "fastllm:P): the span is the smallest measured one meeting it (docs/PLANNER.md); "
+                             "overrides --replay-windows")
+    parser.add_argument("--fidelity-table", default="",
+                        help="with --fidelity: the worker's measured table (default replay/fidelity/tiny.json)")
     parser.add_argument("--snapshot-probes", type=int, default=4,
                         help="block boundaries asked about for a snapshot (default 4)")
     parser.add_argument("--hosts", action="store_true",
@@ -124,8 +130,16 @@ def run(args: argparse.Namespace) -> int:
         KVStoreError: bad input, or the server could not be asked.
     """
     from kvstore.client import Client
+    from replay.fidelity_budget import FidelityTable, parse_budget
     from replay.planner import Planner
 
+    budget = parse_budget(args.fidelity) if args.fidelity else None
+    table = None
+    if budget is not None and budget.kind in ("kl", "fastllm"):
+        try:
+            table = FidelityTable.load(args.fidelity_table) if args.fidelity_table else FidelityTable.shipped()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
     cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,
                      replay_windows=parse_replay_windows(args.replay_windows), replay_overhead_s=args.replay_overhead)
     rates = PathRates(direct_gpu_gbps=args.direct_gpu_gbps, shm_gbps=args.fetch_gbps, network_gbps=args.network_gbps,
@@ -134,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     with Client(args.target, namespace=args.namespace, geometry=args.geometry, timeout_s=args.timeout,
                 **client_options(args)) as client:
         with Planner(client, cost=cost, lease_ms=0, snapshot_probes=args.snapshot_probes, report=False,
-                     hosts=rates) as planner:
+                     hosts=rates, fidelity=budget, fidelity_table=table) as planner:
             plan = planner.plan(tokens, extra_keys=args.extra_key)
         geometry, block_tokens = client.geometry, client.block_tokens
     if args.json:

@@ -235,3 +235,24 @@ def test_interval_worst_is_the_worst_resume_or_the_worst_seed_group() -> None:
     assert passed["worst"] == 0.5 and passed["mean"] == 0.75  # group b passes 2 of 4
     with pytest.raises(ValueError, match="unknown fidelity figure"):
         interval("cosine", [1.0], [("a", 1)])
+
+
+def test_kvstore_plan_with_a_fidelity_budget(server: Any, client: Client, tmp_path: Any,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main
+
+    tokens = stored_prompt(client, 40, 20)
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps(tokens))
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"format": 1, "model": "test", "prompt_seeds": [1, 2, 3], "training": ["a", "b"],
+                                 "spans": {str(k): v for k, v in TABLE.spans.items()}}))
+    args = ["plan", "--tokens", str(prompt), "--target", server.target, "--json", "--fidelity-table", str(table)]
+    assert main([*args, "--fidelity", "kl:5e-4"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["replay_start"] == 640 - 2 * W and "2 x window, the smallest span" in plan["reasons"][1]
+    assert main([*args, "--fidelity", "kl:5"]) == 0  # every span meets it: the smallest, 1 window
+    assert json.loads(capsys.readouterr().out)["replay_start"] == 640 - W
+    assert main([*args, "--fidelity", "kl:-5"]) == 2  # --json: the error as JSON on stdout
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and "a KL budget is nats per continued token" in error["message"]
