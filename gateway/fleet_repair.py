@@ -21,6 +21,11 @@ Where this node and the target both run the bulk transport (`[transfer] bulk = "
 bytes are not in the call: the target's engine reads them from this node's map, verified in place
 (`gateway.fleet_bulk`); gRPC carries them otherwise, and for the rest of a pass to a target that refused.
 
+A copied block this node holds a live pin on carries the pin's time (docs/RETENTION.md R31): the target pins
+its copy until then in the transaction that stores it, within its own limits for the tenant (`pins_granted`,
+`pins_short` in its answer; a short one is logged here and counted, and this node's pin stays as it is). A pin
+past its time is not sent. So a copy re-replication makes holds the pins the run's other copies hold.
+
 Progress (`kvstore.fleet.repair_progress.RepairProgress`) is published in etcd under
 the node's lease, so `kvstore fleet status` shows under-replicated bytes fleet-wide.
 """
@@ -51,7 +56,7 @@ from kvstore.fleet.placement import replicas
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
-from tiers import namespaces, run_index
+from tiers import namespaces, pins, run_index
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.reads import ReadStatus
 from tiers.run_index import RunBlock, RunDigest, RunEntry
@@ -365,11 +370,12 @@ class FleetRepairer:
     async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> Round:
         """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
         (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once."""
-        since = self.tier.retention_clock.now() - self.window_s
+        now = self.tier.retention_clock.now()
         env, rb = self.tier.env, self.run_blocks
 
         def read_all() -> list[list[RunBlock]]:
-            return [[b for b in run_index.members(env, r.key, rb) if b.meta.last_access_s >= since] for r in runs]
+            # F19: blocks used within the window; R31: and a pinned prefix, whatever its last use.
+            return run_index.in_window(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now)
 
         held = await self.tier.call(read_all)
         # A draining node ranks last for every run: it sends only what no other node holds (F21).
@@ -596,6 +602,7 @@ class FleetRepairer:
                 return False
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
+        self._count_pins(lane.target, reply)
         await self._publish()
         return True
 
@@ -612,12 +619,18 @@ class FleetRepairer:
         resolved = await self.tier.call(bulk.resolve, [b.key for b in chunk], size)
         if resolved is None:
             return None
+        try:
+            held = await self.tier.call(pins_on, self.tier, [b.key for b in chunk])
+        except BaseException:
+            resolved.txn.abort()
+            raise
         p = self.progress
         total = size * len(chunk)
         try:
             segment = bulk.segment.encode()
             request = b"".join([piece for b, ns, at in zip(chunk, names, resolved.addresses, strict=True)
-                                for piece in encode_copy(b, ns or "", b"", source_address=at)]
+                                for piece in encode_copy(b, ns or "", b"", source_address=at,
+                                                         pin_until_s=held.get(b.key, 0.0))]
                                + [b"\x12", _varint(len(segment)), segment])
             await self.bucket.take(total)  # F18: the bounded rate, as over gRPC
             async with window:
@@ -644,14 +657,26 @@ class FleetRepairer:
         p.bulk_bytes += reply.written_bytes
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
+        self._count_pins(lane.target, reply)
         await self._publish()
         return True
+
+    def _count_pins(self, target: str, reply: pb.CopyBlocksResponse) -> None:
+        """R31: what the target granted of the pins sent with a batch; one granted short (its limits for the
+        tenant) is logged and counted (this node's own pin is left as it is)."""
+        p = self.progress
+        p.pins_copied += reply.pins_granted
+        p.pins_short += reply.pins_short
+        if reply.pins_short:
+            log.warning("fleet: node %s granted %d copied pins shorter than held here, or not at all: %s",
+                        target, reply.pins_short, reply.pin_note)
 
     def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[bytes, int, int, int]:
         """The chunk's blocks as one encoded CopyBlocksRequest, each block verified against its checksum by
         the read (F17): (request, blocks in it, their bytes, blocks found damaged). Runs on the tier's
         executor, off the event loop; the block bytes are copied once, into the request (`encode_copy`)."""
         statuses = self.tier.read([b.key for b in chunk])
+        held = pins_on(self.tier, [b.key for b in chunk])
         pieces: list[bytes] = []
         count = size = damaged = 0
         for b, (status, data) in zip(chunk, statuses, strict=True):
@@ -667,7 +692,7 @@ class FleetRepairer:
             if namespace is None:
                 skipped.add(b.key)
                 continue
-            pieces += encode_copy(b, namespace, data)
+            pieces += encode_copy(b, namespace, data, pin_until_s=held.get(b.key, 0.0))
             count += 1
             size += len(data)
         return b"".join(pieces), count, size, damaged
@@ -698,11 +723,27 @@ _F64 = struct.Struct("<Q")
 _DOUBLE = struct.Struct("<d")
 
 
-def encode_copy(block: RunBlock, namespace: str, data: bytes, *, source_address: int = 0) -> list[bytes]:
+def pins_on(tier: LmdbBlockTier, keys: Sequence[bytes]) -> dict[bytes, float]:
+    """The live pins this node holds on `keys` (R31): key -> the pin's time. A pin past its time (not yet
+    swept, R25) is left out: it is not copied. Blocking: on the store's executor."""
+    now = tier.retention_clock.now()
+    out: dict[bytes, float] = {}
+    with tier.env.begin() as txn:
+        db = tier.env.open_db(pins.PINS_DB, txn=txn)
+        for key in keys:
+            pin = pins.read_pin(txn, db, key)
+            if pin is not None and pin.until_s > now:
+                out[key] = pin.until_s
+    return out
+
+
+def encode_copy(block: RunBlock, namespace: str, data: bytes, *, source_address: int = 0,
+                pin_until_s: float = 0.0) -> list[bytes]:
     """One `CopiedBlock` as the pieces of its entry in a `CopyBlocksRequest`'s wire bytes (field 1, length
     delimited), `data` among them uncopied: joined, they are what `CopyBlocksRequest(blocks=[...])`
     serializes to, without building a message per block or copying each block's bytes twice more. With
-    `source_address` (a bulk copy's: `data` empty), the block's address in the source's map instead."""
+    `source_address` (a bulk copy's: `data` empty), the block's address in the source's map instead; with
+    `pin_until_s`, the source's live pin on the block (R31)."""
     ns = namespace.encode()
     m = block.meta
     head = b"".join((b"\x0a", _varint(len(block.key)), block.key, b"\x12", _varint(len(ns)), ns,
@@ -711,6 +752,8 @@ def encode_copy(block: RunBlock, namespace: str, data: bytes, *, source_address:
     tail = b"\x31" + _F64.pack(m.checksum) + b"\x39" + _DOUBLE.pack(m.last_access_s)
     if source_address:
         tail += b"\x41" + _F64.pack(source_address)
+    if pin_until_s:
+        tail += b"\x49" + _DOUBLE.pack(pin_until_s)
     return [b"\x0a" + _varint(len(head) + len(data) + len(tail)), head, data, tail]
 
 

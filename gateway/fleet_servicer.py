@@ -8,6 +8,10 @@ match the checksum the source stored with them (F17: a damaged source copy is
 refused here, on the receiving end, too); it is stored in one durable transaction
 with the room rules of a Put, and keeps the later of the two copies' last uses (F19).
 
+A copied block the source holds a live pin on carries the pin's time (`pin_until_s`): its copy here is
+pinned until then in the transaction that stores it, within this node's limits for the block's tenant
+(docs/RETENTION.md R31, R24); a pin granted shorter or not at all is logged, counted and answered.
+
 A copy's bytes come in the request, or, where both nodes run the bulk transport, are read by
 this node's engine from the source's map (`gateway.fleet_bulk`, the request naming the source's
 engine) before the same checks and the same transaction.
@@ -21,6 +25,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +34,7 @@ from pathlib import Path
 import grpc
 import xxhash
 
+from gateway.audit import AuditTrail
 from gateway.fleet_bulk import BATCH_BYTES, RECEIVER_SLOTS, BulkReceiver
 from gateway.status import unary
 from gateway.validate import Layout
@@ -39,6 +45,7 @@ from kvstore.errors import (
     ConfigError,
     FailedPrecondition,
     InvalidArgument,
+    KVStoreError,
     PermissionDenied,
     Unauthenticated,
     Unavailable,
@@ -50,6 +57,8 @@ from tiers.block_txn import PutBatch, PutResult
 from tiers.lmdb_tier import LmdbBlockTier
 
 log = logging.getLogger("kvstore.fleet")
+#: Who a copied pin's grant is audited as (R31): the fleet's re-replication, not a tenant.
+PIN_COPY_ACTOR = "kvstore-fleet"
 #: The metadata key a node's fleet token travels under.
 TOKEN_METADATA = "x-kvstore-fleet-token"
 #: Keys (or blocks) one call may name.
@@ -72,10 +81,12 @@ class FleetServicer:
         open_without_token: whether calls need no token now (tenant auth is off on this node).
         window_s: the retention floor: digests count blocks last used within it.
         bulk: reads copies over the bulk transport; None: this node takes their bytes over gRPC only.
+        audit: where a copied pin's grant is recorded (R31, as a Lookup's pin is, R27); None: not recorded.
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], *, run_blocks: int, token: bytes | None,
-                 open_without_token: Callable[[], bool], window_s: float, bulk: BulkReceiver | None = None) -> None:
+                 open_without_token: Callable[[], bool], window_s: float, bulk: BulkReceiver | None = None,
+                 audit: AuditTrail | None = None) -> None:
         self.tier = tier
         self.sizes = {layout.geometry.fingerprint: layout.block_bytes for layout in layouts.values()}
         self.run_blocks = run_blocks
@@ -84,6 +95,10 @@ class FleetServicer:
         self.window_s = window_s
         self.bulk = bulk
         self.commits = GroupCommit(tier)
+        self.audit = audit
+        #: Copied pins (R31) granted until the time the source holds them, and granted shorter or not at all.
+        self.pins_granted = 0
+        self.pins_short = 0
 
     def _check_token(self, context: grpc.aio.ServicerContext) -> None:
         """F20: the caller is a node of this fleet (it shows the fleet's token)."""
@@ -105,8 +120,10 @@ class FleetServicer:
         """What this node holds of each run."""
         self._check_token(context)
         roots = _keys(request.run_roots, "run_roots")
-        since = self.tier.retention_clock.now() - self.window_s
-        found = await self.tier.call(lambda: run_index.digests(self.tier.env, roots, self.run_blocks, since_s=since))
+        now = self.tier.retention_clock.now()
+        # R31: a pinned prefix counts whatever its last use, as the repairer sending it counts it.
+        found = await self.tier.call(lambda: run_index.digests(self.tier.env, roots, self.run_blocks,
+                                                               since_s=now - self.window_s, now_s=now))
         return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest)
                                            for d in found])
 
@@ -137,20 +154,54 @@ class FleetServicer:
 
         batches, blocks, segment = await self.tier.call(check)
         if segment:
-            refused, results = await self._read_and_store(blocks, segment, context.peer())
+            refused, batches, results = await self._read_and_store(blocks, segment, context.peer())
             if refused:
                 return pb.CopyBlocksResponse(bulk_refused=refused)
         else:
             results = await self.commits.put(batches)
+        granted, short, note = await self._pins_copied(batches, results, context.peer())
         return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
                                      existing_blocks=sum(r.existing_blocks for r in results),
-                                     written_bytes=sum(r.written_bytes for r in results))
+                                     written_bytes=sum(r.written_bytes for r in results),
+                                     pins_granted=granted, pins_short=short, pin_note=note)
+
+    async def _pins_copied(self, batches: Sequence[PutBatch], results: Sequence[PutResult],
+                           peer: str) -> tuple[int, int, str]:
+        """What the copied pins got (R31: each a batch's `keep_until_s`, granted in its transaction): (granted
+        until the time asked, granted shorter or not at all, why for the first of those). A short one is logged
+        and counted; each grant is audited where an audit log is given (best effort: the blocks and the pin are
+        durable already)."""
+        granted = short = 0
+        note = ""
+        for batch, r in zip(batches, results, strict=True):
+            grant = r.pin
+            if grant is None or not batch.hashes:
+                continue
+            if grant.until_s >= grant.asked_until_s:
+                granted += 1
+            else:
+                short += 1
+                note = note or grant.why
+                log.warning("fleet: a copied pin asked until %.0f was granted %s here: %s (from %s)",
+                            grant.asked_until_s, f"until {grant.until_s:.0f}" if grant.until_s else "nothing",
+                            grant.why, peer)
+            if grant.until_s and self.audit is not None:
+                try:
+                    await self.audit.record(actor=PIN_COPY_ACTOR, action="pin", tenant=batch.scope.namespace,
+                                            old=None, new={"block": batch.hashes[-1].hex(), "until_s": grant.until_s,
+                                                           "asked_until_s": grant.asked_until_s, "note": grant.why,
+                                                           "copied_from": peer})
+                except KVStoreError as exc:
+                    log.warning("fleet: a copied pin's grant is not audited: %s", exc)
+        self.pins_granted += granted
+        self.pins_short += short
+        return granted, short, note
 
     async def _read_and_store(self, blocks: Sequence[pb.CopiedBlock | WireCopy], segment: str,
-                              peer: str) -> tuple[str, list[PutResult]]:
+                              peer: str) -> tuple[str, list[PutBatch], list[PutResult]]:
         """A bulk CopyBlocks: its blocks read from the source's engine into a staging slot, then checked and
-        stored as bytes in the request are; ("", results), or (why not, []) with nothing stored (the source
-        then sends the bytes over gRPC).
+        stored as bytes in the request are; ("", batches, results), or (why not, [], []) with nothing stored
+        (the source then sends the bytes over gRPC).
 
         Raises:
             InvalidArgument: a geometry not served here, or more blocks than a call may carry.
@@ -159,7 +210,7 @@ class FleetServicer:
         refused = ("this node reads no copies over the bulk transport ([transfer] bulk is off)" if bulk is None
                    else await bulk.refused(segment, peer))
         if refused or bulk is None:
-            return refused, []
+            return refused, [], []
         if len(blocks) > MAX_KEYS:
             raise InvalidArgument(f"{len(blocks)} blocks in one CopyBlocks; at most {MAX_KEYS}")
         sizes = []
@@ -170,12 +221,12 @@ class FleetServicer:
                                       "is not served here")
             sizes.append(size)
         if sum(sizes) > bulk.slot_bytes:
-            return f"{sum(sizes)} bytes in one bulk CopyBlocks; a staging slot here holds {bulk.slot_bytes}", []
+            return f"{sum(sizes)} bytes in one bulk CopyBlocks; a staging slot here holds {bulk.slot_bytes}", [], []
         try:
             view, slot = await bulk.read(segment, [b.source_address for b in blocks], sizes)
         except Unavailable as exc:
             log.warning("fleet: %s; the source sends the bytes over gRPC", exc.message)
-            return exc.message, []
+            return exc.message, [], []
 
         def check() -> list[PutBatch]:
             at, copies = 0, []
@@ -184,12 +235,14 @@ class FleetServicer:
                 at += size
             return copy_batches(copies, self.sizes, self.run_blocks)
 
-        async def store() -> list[PutResult]:
-            return await self.commits.put(await self.tier.call(check))
+        async def store() -> tuple[list[PutBatch], list[PutResult]]:
+            batches = await self.tier.call(check)
+            return batches, await self.commits.put(batches)
 
         stored = asyncio.ensure_future(store())
         try:
-            return "", await asyncio.shield(stored)
+            batches, results = await asyncio.shield(stored)
+            return "", batches, results
         except asyncio.CancelledError:
             await asyncio.wait([stored])  # the store may still read the slot: freed once it returns
             raise
@@ -281,6 +334,8 @@ class WireCopy:
     last_use_s: float
     #: Bulk: where the block lies in the source's registered region (0: its bytes are `data`).
     source_address: int = 0
+    #: The source's live pin on the block (R31): pin the copy until then; 0: none.
+    pin_until_s: float = 0.0
 
 
 def _with_data(b: pb.CopiedBlock | WireCopy, data: memoryview) -> WireCopy:
@@ -288,7 +343,7 @@ def _with_data(b: pb.CopiedBlock | WireCopy, data: memoryview) -> WireCopy:
     if isinstance(b, WireCopy):
         return dataclasses.replace(b, data=data)
     return WireCopy(key=b.key, namespace=b.namespace, parent_hash=b.parent_hash, depth=b.depth, data=data,
-                    checksum=b.checksum, last_use_s=b.last_use_s)
+                    checksum=b.checksum, last_use_s=b.last_use_s, pin_until_s=b.pin_until_s)
 
 
 def _varint(raw: memoryview, at: int) -> tuple[int, int]:
@@ -330,7 +385,7 @@ def _fields(raw: memoryview) -> Iterator[tuple[int, int, int | memoryview]]:
 
 
 #: CopiedBlock's fields -> their wire types (proto/kvstore/v1/fleet.proto).
-_WIRE_TYPES = {1: 2, 2: 2, 3: 2, 4: 0, 5: 2, 6: 1, 7: 1, 8: 1}
+_WIRE_TYPES = {1: 2, 2: 2, 3: 2, 4: 0, 5: 2, 6: 1, 7: 1, 8: 1, 9: 1}
 _DOUBLE = struct.Struct("<d")
 _EMPTY = memoryview(b"")
 
@@ -371,13 +426,14 @@ def parse_request(raw: bytes) -> tuple[list[WireCopy], str]:
                         raise ValueError(f"CopiedBlock field {n} has wire type {k}")
                     got[n] = v
             key, ns, parent, data = (got.get(n, _EMPTY) for n in (1, 2, 3, 5))
-            depth, checksum, last_use, address = (got.get(n, 0) for n in (4, 6, 7, 8))
+            depth, checksum, last_use, address, pin = (got.get(n, 0) for n in (4, 6, 7, 8, 9))
             assert isinstance(key, memoryview) and isinstance(ns, memoryview) and isinstance(parent, memoryview)
             assert isinstance(data, memoryview) and isinstance(depth, int) and isinstance(checksum, int)
-            assert isinstance(last_use, int) and isinstance(address, int)
+            assert isinstance(last_use, int) and isinstance(address, int) and isinstance(pin, int)
             out.append(WireCopy(key=bytes(key), namespace=bytes(ns).decode(), parent_hash=bytes(parent),
                                 depth=depth, data=data, checksum=checksum,
-                                last_use_s=_DOUBLE.unpack(last_use.to_bytes(8, "little"))[0], source_address=address))
+                                last_use_s=_DOUBLE.unpack(last_use.to_bytes(8, "little"))[0], source_address=address,
+                                pin_until_s=_DOUBLE.unpack(pin.to_bytes(8, "little"))[0]))
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"a CopyBlocks request that does not parse: {exc}") from None
     return out, segment
@@ -402,6 +458,8 @@ class _Stretch:
     hashes: list[bytes] = field(default_factory=list)
     blocks: list[bytes | memoryview] = field(default_factory=list)
     last_use_s: list[float] = field(default_factory=list)
+    #: The source's pin on the stretch's last block (R31: a stretch ends at a pinned block); None: none.
+    keep_until_s: float | None = None
 
     def batch(self, run_blocks: int) -> PutBatch:
         # F17: a run's first block may have its parent on another node: it is stored at the depth
@@ -410,7 +468,7 @@ class _Stretch:
         floating = not root and run_index.is_run_root(self.first_depth, run_blocks)
         return PutBatch(scope=self.scope, parent_hash=self.parent_hash, hashes=tuple(self.hashes),
                         blocks=tuple(self.blocks), is_root=root, first_depth=self.first_depth if floating else None,
-                        last_use_s=tuple(self.last_use_s))
+                        last_use_s=tuple(self.last_use_s), keep_until_s=self.keep_until_s)
 
 
 def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes, int],
@@ -422,6 +480,8 @@ def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes,
             a depth of 0, or more blocks than a call may carry.
         FailedPrecondition: bytes that do not match their checksum (a damaged copy is never stored).
     """
+    # R31: a pinned block ends its stretch, the batch's pin (`keep_until_s`, on its last block) granted in the
+    # transaction that stores it; the next block extends it there.
     if len(blocks) > MAX_KEYS:
         raise InvalidArgument(f"{len(blocks)} blocks in one CopyBlocks; at most {MAX_KEYS}")
     stretches: list[_Stretch] = []
@@ -429,13 +489,19 @@ def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes,
     for i, b in enumerate(blocks):
         scope, data = _check_block(i, b, sizes, scopes)
         last = stretches[-1] if stretches else None
-        if (last is None or last.scope.prefix != scope.prefix or last.hashes[-1] != b.parent_hash
-                or last.first_depth + len(last.hashes) != b.depth or run_index.is_run_root(b.depth, run_blocks)):
+        if (last is None or last.keep_until_s is not None or last.scope.prefix != scope.prefix
+                or last.hashes[-1] != b.parent_hash or last.first_depth + len(last.hashes) != b.depth
+                or run_index.is_run_root(b.depth, run_blocks)):
             last = _Stretch(scope=scope, parent_hash=b.parent_hash, first_depth=b.depth)
             stretches.append(last)
         last.hashes.append(b.key[KEY_BYTES - HASH_BYTES:])
         last.blocks.append(data)
         last.last_use_s.append(b.last_use_s)
+        pin = b.pin_until_s
+        if pin:
+            if not math.isfinite(pin) or pin < 0:
+                raise InvalidArgument(f"blocks[{i}]: pin_until_s {pin!r} is not a Unix time (0: no pin)")
+            last.keep_until_s = pin
     return [s.batch(run_blocks) for s in stretches]
 
 
@@ -491,7 +557,7 @@ def load_token(fleet: FleetSettings, *, auth_enabled: bool) -> bytes | None:
 
 
 def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlockTier, *,
-                      auth_on: Callable[[], bool]) -> bytes | None:
+                      auth_on: Callable[[], bool], audit: AuditTrail | None = None) -> bytes | None:
     """Keep the run index and serve the Fleet service (when `[fleet]` is on); returns the fleet's token.
 
     Args:
@@ -499,6 +565,7 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
         settings: the node's settings.
         tier: the node's store.
         auth_on: whether tenant auth is on now (it turns on when a tenants file appears).
+        audit: where copied pins' grants are recorded (R31); None: not recorded.
 
     Raises:
         ConfigError: see `load_token`.
@@ -513,7 +580,7 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
             if settings.transfer.bulk == "mooncake" else None)
     servicer = FleetServicer(tier, layouts, run_blocks=settings.fleet.run_blocks, token=token,
                              open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s,
-                             bulk=bulk)
+                             bulk=bulk, audit=audit)
     _add_servicer(servicer, server)
     return token
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import lmdb
 
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
-from tiers import namespaces
+from tiers import namespaces, pins
 from tiers.records import META_TAG, BlockMeta, children_prefix, meta_key
 
 #: The run index's LMDB database: run root's storage key -> its index in its chain (u32).
@@ -175,14 +175,46 @@ def _members(txn: lmdb.Transaction, records: lmdb._Database, root: bytes, run_bl
     return out
 
 
-def digests(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float = 0.0
-            ) -> list[RunDigest]:
+def digests(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float = 0.0,
+            now_s: float | None = None) -> list[RunDigest]:
     """The digest of what the store holds of each run (by its root's key), counting only blocks last
-    used at or after `since_s` (the retention window's start)."""
+    used at or after `since_s` (the retention window's start), and with `now_s`, those a live pin keeps
+    too (`in_window`)."""
+    if now_s is not None:
+        return [RunDigest.of(blocks) for blocks in in_window(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
     with env.begin() as txn:
         records = env.open_db(b"records", txn=txn)
         return [RunDigest.of([b for b in _members(txn, records, root, run_blocks) if b.meta.last_access_s >= since_s])
                 for root in roots]
+
+
+def in_window(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float,
+              now_s: float) -> list[list[RunBlock]]:
+    """Each run's blocks that re-replication copies and counts (docs/FLEET.md F19, docs/RETENTION.md R31): those
+    last used at or after `since_s`, and, whatever their last use, each block a live pin holds at `now_s` with its
+    ancestors in the run (R6: a pin keeps its prefix), so a pinned prefix is copied until its pin's time."""
+    with env.begin() as txn:
+        records, pins_db = env.open_db(b"records", txn=txn), env.open_db(pins.PINS_DB, txn=txn)
+        return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), since_s, now_s) for root in roots]
+
+
+def _in_window(txn: lmdb.Transaction, pins_db: lmdb._Database, blocks: list[RunBlock], since_s: float,
+               now_s: float) -> list[RunBlock]:
+    # One read per run when its tenant holds no pins on this node (the usual case); else one per block.
+    if not blocks or not pins.totals(txn, pins_db, namespaces.id_of_key(blocks[0].key)).pins:
+        return [b for b in blocks if b.meta.last_access_s >= since_s]
+    by_key = {b.key: b for b in blocks}
+    kept: set[bytes] = set()
+    for b in blocks:
+        if b.key in kept or not pins.holds(txn, pins_db, b.key, now_s):
+            continue
+        key: bytes | None = b.key
+        while key is not None and key not in kept:  # the pinned block and its ancestors inside the run
+            kept.add(key)
+            up = by_key[key]
+            parent = key[:KEY_BYTES - HASH_BYTES] + up.meta.parent_hash
+            key = parent if parent in by_key else None
+    return [b for b in blocks if b.meta.last_access_s >= since_s or b.key in kept]
 
 
 def held(env: lmdb.Environment, keys: Iterable[bytes]) -> list[bool]:

@@ -57,6 +57,10 @@ class RepairProgress:
     bulk_bytes: int = 0
     #: Blocks found damaged (checksum) on this node while copying: dropped here, never sent (F17).
     damaged_blocks: int = 0
+    #: Pins sent with copied blocks (docs/RETENTION.md R31) that the targets granted until the time held here,
+    #: and those they granted shorter or not at all (their limits for the tenant), since the node started.
+    pins_copied: int = 0
+    pins_short: int = 0
     #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.
     failed_runs: int = 0
     #: Whether the node is draining (`kvstore fleet drain`): out of the membership, copying what only it holds.

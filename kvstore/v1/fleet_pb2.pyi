@@ -41,7 +41,7 @@ class HeldBlocksResponse(_message.Message):
     def __init__(self, held: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class CopiedBlock(_message.Message):
-    __slots__ = ("key", "namespace", "parent_hash", "depth", "data", "checksum", "last_use_s", "source_address")
+    __slots__ = ("key", "namespace", "parent_hash", "depth", "data", "checksum", "last_use_s", "source_address", "pin_until_s")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class CopiedBlock(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LAST_USE_S_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PIN_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     namespace: str
     parent_hash: bytes
@@ -58,7 +59,8 @@ class CopiedBlock(_message.Message):
     checksum: int
     last_use_s: float
     source_address: int
-    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last_use_s: _Optional[float] = ..., source_address: _Optional[int] = ...) -> None: ...
+    pin_until_s: float
+    def __init__(self, key: _Optional[bytes] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., depth: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ..., last_use_s: _Optional[float] = ..., source_address: _Optional[int] = ..., pin_until_s: _Optional[float] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("blocks", "bulk_segment")
@@ -69,13 +71,19 @@ class CopyBlocksRequest(_message.Message):
     def __init__(self, blocks: _Optional[_Iterable[_Union[CopiedBlock, _Mapping]]] = ..., bulk_segment: _Optional[str] = ...) -> None: ...
 
 class CopyBlocksResponse(_message.Message):
-    __slots__ = ("written_blocks", "existing_blocks", "written_bytes", "bulk_refused")
+    __slots__ = ("written_blocks", "existing_blocks", "written_bytes", "bulk_refused", "pins_granted", "pins_short", "pin_note")
     WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXISTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     BULK_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PINS_GRANTED_FIELD_NUMBER: _ClassVar[int]
+    PINS_SHORT_FIELD_NUMBER: _ClassVar[int]
+    PIN_NOTE_FIELD_NUMBER: _ClassVar[int]
     written_blocks: int
     existing_blocks: int
     written_bytes: int
     bulk_refused: str
-    def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., bulk_refused: _Optional[str] = ...) -> None: ...
+    pins_granted: int
+    pins_short: int
+    pin_note: str
+    def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., bulk_refused: _Optional[str] = ..., pins_granted: _Optional[int] = ..., pins_short: _Optional[int] = ..., pin_note: _Optional[str] = ...) -> None: ...

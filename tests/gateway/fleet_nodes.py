@@ -54,6 +54,8 @@ class Node:
     port: int
     settings: Settings
     tls: Any = None
+    #: Where its Fleet service audits copied pins' grants (an AuditLog), or None.
+    audit: Any = None
     server: Any = None
     registration: Registration | None = None
 
@@ -65,7 +67,7 @@ class Node:
     async def serve(self) -> None:
         """Start (or start again) the node's server on its port."""
         self.server = grpc.aio.server()
-        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False)
+        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False, audit=self.audit)
         if self.tls is None:
             bound = self.server.add_insecure_port(self.address)
         else:
@@ -90,15 +92,19 @@ class Fleet:
         self.nodes: dict[str, Node] = {}
         self.views: list[Membership] = []
 
-    def node(self, name: str, tls: Any = None, *, bulk: bool = False) -> Node:
-        """Start a node `name` on a free port and register it (`bulk`: it reads copies over the bulk transport)."""
+    def node(self, name: str, tls: Any = None, *, bulk: bool = False, audit: Any = None, **store: Any) -> Node:
+        """Start a node `name` on a free port and register it (`bulk`: it reads copies over the bulk transport;
+        `audit`: its Fleet service's audit log; `store`: StoreSettings fields other than the defaults here, e.g.
+        its capacity or pin limits)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        store = StoreSettings(data_dir=self.root / name, capacity_bytes=1 << 28, block_tokens=TOKENS)
+        store = StoreSettings(**{"data_dir": self.root / name, "capacity_bytes": 1 << 28, "block_tokens": TOKENS,
+                                 **store})
         node = Node(tier=LmdbBlockTier(store, clock=self.clock), port=port,
                     settings=Settings(store=store, fleet=self.settings,
-                                      transfer=TransferSettings(bulk="mooncake" if bulk else "off")), tls=tls)
+                                      transfer=TransferSettings(bulk="mooncake" if bulk else "off")), tls=tls,
+                    audit=audit)
 
         async def up() -> None:
             await node.serve()
