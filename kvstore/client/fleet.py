@@ -38,14 +38,13 @@ from typing import TYPE_CHECKING, NoReturn
 from kvstore.client import arguments
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
-from kvstore.client.fleet_chain import fleet_hashes
+from kvstore.client.fleet_chain import fleet_hashes, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_runs
 from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
 from kvstore.client.fleet_refresh import Refresher
-from kvstore.client.fleet_swa import fleet_snapshot_keys
 from kvstore.client.resume_report import report_resume
 from kvstore.client.retry import Retry
 from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, LookupResult, PutResult

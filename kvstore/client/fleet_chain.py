@@ -20,13 +20,20 @@ block: a node can find the run of any block it holds by walking to depth 1.
 The bridge takes one extra key of 53 bytes from the caller's budget
 (kvstore.prefix: 128 keys, 8 KiB in all), so a fleet client takes 127 keys and
 8,139 bytes.
+
+A snapshot's key is anchored on this chain too (`fleet_snapshot_keys`, F45): here, so that the SWA
+client through a gateway (kvstore.client.swa) and the fleet's (kvstore.client.fleet_swa, built on
+it) share one derivation without importing each other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvstore.client import arguments
+from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey, chain_hashes
+from kvstore.swa_snapshot import snapshot_key
 
 #: Marks the bridge key; a new bridging rule gets a new tag.
 BRIDGE_TAG = b"kvstore.fleet.run.v1\0"
@@ -59,3 +66,24 @@ def fleet_hashes(tokens: Sequence[int], *, root: bytes, block_tokens: int, run_b
         hashes += chain_hashes(tokens[start:start + run_tokens], block_tokens=block_tokens, parent=root,
                                extra_keys=keys)
     return hashes
+
+
+def fleet_snapshot_keys(tokens: Sequence[int], positions: Sequence[int], *, root: bytes, block_tokens: int,
+                        run_blocks: int, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
+    """Snapshot keys of `tokens` at each position, each anchored on the fleet hash of the last full block before
+    it (F29's chain; the root inside the first block), with the caller's extra keys (F45).
+
+    Raises:
+        InvalidArgument: a position outside [0, len(tokens)], a bad token id or extra key.
+    """
+    tokens = arguments.token_ids(tokens)
+    positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
+    extra_keys = arguments.extra_keys(extra_keys)
+    for p in positions:
+        if p > len(tokens):
+            raise InvalidArgument(f"snapshot position {p} is outside the {len(tokens)} tokens given")
+    b = block_tokens
+    chain = fleet_hashes(tokens[:max(positions, default=0)], root=root, block_tokens=b, run_blocks=run_blocks,
+                         extra_keys=extra_keys)
+    return [snapshot_key(chain[p // b - 1] if p >= b else root, tokens[p // b * b:p], p, extra_keys)
+            for p in positions]

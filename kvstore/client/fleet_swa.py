@@ -30,9 +30,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvstore.client import arguments
 from kvstore.client.connection import Connection
-from kvstore.client.fleet_chain import fleet_hashes
+from kvstore.client.fleet_chain import fleet_snapshot_keys
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.retry import Retry
 from kvstore.client.swa import SwaClient, SwaPutResult
@@ -42,7 +41,6 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.swa_pool import is_shared
 from kvstore.prefix import ExtraKey
-from kvstore.swa_snapshot import snapshot_key
 from kvstore.v1 import kvstore_pb2 as kv_pb
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
@@ -83,27 +81,6 @@ def pool_nodes(records: Sequence[NodeRecord]) -> list[str]:
     raise FailedPrecondition(f"each of the fleet's {len(records)} nodes keeps its own SWA pool "
                              f"({', '.join(sorted({r.swa_pool or 'unrecorded' for r in records}))}): a snapshot put "
                              "through one would not be found through another", hint=_HINT)
-
-
-def fleet_snapshot_keys(tokens: Sequence[int], positions: Sequence[int], *, root: bytes, block_tokens: int,
-                        run_blocks: int, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
-    """Snapshot keys of `tokens` at each position, each anchored on the fleet hash of the last full block before
-    it (F29's chain; the root inside the first block), with the caller's extra keys (F45).
-
-    Raises:
-        InvalidArgument: a position outside [0, len(tokens)], a bad token id or extra key.
-    """
-    tokens = arguments.token_ids(tokens)
-    positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
-    extra_keys = arguments.extra_keys(extra_keys)
-    for p in positions:
-        if p > len(tokens):
-            raise InvalidArgument(f"snapshot position {p} is outside the {len(tokens)} tokens given")
-    b = block_tokens
-    chain = fleet_hashes(tokens[:max(positions, default=0)], root=root, block_tokens=b, run_blocks=run_blocks,
-                         extra_keys=extra_keys)
-    return [snapshot_key(chain[p // b - 1] if p >= b else root, tokens[p // b * b:p], p, extra_keys)
-            for p in positions]
 
 
 class FleetSwaClient(SwaClient):

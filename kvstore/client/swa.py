@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import geometry as geometries
 from kvstore.client import arguments
 from kvstore.client.connection import ENVELOPE_BYTES, Connection
+from kvstore.client.fleet_chain import fleet_snapshot_keys
 from kvstore.client.swa_direct import DirectPath
 from kvstore.client.swa_report import DirectReport
 from kvstore.client.swa_shm import ShmPath
@@ -141,8 +142,6 @@ class SwaClient:
         c = self.connection
         positions = [arguments.integer(p, f"positions[{i}]") for i, p in enumerate(positions)]
         if c.run_blocks:
-            from kvstore.client.fleet_swa import fleet_snapshot_keys  # fleet_swa builds on this module
-
             return fleet_snapshot_keys(tokens, positions, root=c.root, block_tokens=c.block_tokens,
                                        run_blocks=c.run_blocks, extra_keys=extra_keys)
         return snapshot_keys(tokens, positions, block_tokens=c.block_tokens, root=c.root,
