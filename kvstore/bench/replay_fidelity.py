@@ -218,6 +218,7 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
         table = span_table(found, spans, labels, model=model_name, window=w, num_layers=layers, block_tokens=b,
                            steps=args.steps, seeds=seeds, weights=[label for label, _ in models], device=device,
                            command=_command_line(args))
+        table["training_logs"] = {label: _training_log(path) for label, path in sources}
         args.write_table.parent.mkdir(parents=True, exist_ok=True)
         args.write_table.write_text(json.dumps(table, indent=1) + "\n")
         report.notes["fidelity_table_written"] = str(args.write_table)
@@ -299,6 +300,16 @@ def train(args: argparse.Namespace, seeds: list[int]) -> list[Path]:
         if proc.wait() != 0:
             raise SystemExit(f"training the tiny model at seed {seed} failed (exit {proc.returncode})")
     return paths
+
+
+def _training_log(path: Path | None) -> dict[str, Any]:
+    """What scripts/train_tiny.py logged beside a weights file (seed, steps done, held-out loss); {} if none."""
+    log = path.with_suffix(".json") if path is not None else None
+    if log is None or not log.is_file():
+        return {}
+    data = json.loads(log.read_text())
+    return {"seed": data.get("args", {}).get("seed"), "steps_done": data.get("steps_done"),
+            "held_out_loss": data.get("held_out_loss"), "device": data.get("device")}
 
 
 def _command_line(args: argparse.Namespace) -> str:

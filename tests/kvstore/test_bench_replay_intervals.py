@@ -55,4 +55,23 @@ def test_bench_replay_prints_intervals_in_json(tmp_path: Path) -> None:
     table = FidelityTable.load(table_path)
     assert sorted(table.spans) == [1, 2] and table.meta["prompt_seeds"] == [1, 2]
     assert table.meta["training"] == weights and "--seeds 1,2" in table.meta["command"]
+    assert table.meta["training_logs"] == {w: {} for w in weights}  # no train_tiny log beside these files
     assert table.spans[1]["block boundary"] == by_label["1x window (8 tokens)"]
+
+
+def test_train_seed_reuses_weights_trained_with_the_same_arguments(tmp_path: Path) -> None:
+    import argparse
+
+    from kvstore.bench.replay_fidelity import weight_sources
+    from replay.model import TINY_MODEL, ReferenceModel
+
+    path = tmp_path / "tiny-seed3-steps5.pt"
+    ReferenceModel(TINY_MODEL).save_weights(path)
+    path.with_suffix(".json").write_text(json.dumps({"args": {"seed": 3, "steps": 5, "max_minutes": 1.0}}))
+    args = argparse.Namespace(weights="", train_seed="3", train_steps=5, train_minutes=1.0, train_dir=tmp_path,
+                              device="cpu")
+    assert weight_sources(args) == [("train_tiny seed 3 (5 steps)", path)]  # no training ran: it would take minutes
+    with pytest.raises(SystemExit, match="--train-seed must be comma-separated integers"):
+        weight_sources(argparse.Namespace(**{**vars(args), "train_seed": "x"}))
+    with pytest.raises(SystemExit, match="no such file"):
+        weight_sources(argparse.Namespace(**{**vars(args), "train_seed": "", "weights": str(tmp_path / "none.pt")}))
