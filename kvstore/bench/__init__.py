@@ -20,4 +20,5 @@ BENCHES: dict[str, str] = {
     "fleet-swa": "kvstore.bench.fleet_swa",
     "trace": "kvstore.bench.trace",
     "trace-record": "kvstore.bench.trace_record",
+    "transcode": "kvstore.bench.transcode",
 }

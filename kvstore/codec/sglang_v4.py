@@ -23,9 +23,11 @@ a row that is not the image of an FP4 row, such as vLLM's FP8 of the raw latent,
 stored as the model's rows (`v4_blocks_to_native`); any other row stays in SGLang's layout.
 
 Choice of the preimage (where several exist): per group, the E4M3 scale nearest amax/6 of the
-engine's decoded values and its two neighbours are tried; among those whose codes re-encode to the
-group's bytes, one whose largest code is 6 (what the model's fake-quant gives for every normal E4M3
-scale) is preferred, then the one whose values are nearest the engine's (L1), then the first.
+engine's decoded values, with the E2M1 codes nearest the values under it; where that does not
+re-encode to the group's bytes, its lower then its upper neighbour (the 584-B row moves a group's amax
+by at most 1/16 of itself, so the scale SGLang used is one of the three). Where two of them re-encode
+(a collision: the 584 bytes do not say which FP4 row they came from), the first in that order is kept
+and the row is counted `ambiguous` when asked (`alternatives`).
 
 Torch only, client side (the SGLang backend); the server never imports it.
 """
@@ -199,45 +201,39 @@ class Recovered:
 
 
 def _try(values: torch.Tensor, scale_bytes: torch.Tensor, target: torch.Tensor, inverse: torch.Tensor | None,
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tried scale per group: groups `values` [g, 16] (the engine's decoded values), scale bytes [g],
     `target` the groups' E4M3 bytes under the tile scales 1/`inverse` (NoPE) or, with `inverse` None, their
-    bf16 bits (RoPE). Returns the codes [g, 16], whether they re-encode to `target`, whether the scale is
-    one the model's fake-quant gives with those codes (largest code 6 for a normal scale), their values."""
+    bf16 bits (RoPE). Returns the nearest codes [g, 16], whether they re-encode to `target`, their values."""
     scale = scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn).float().unsqueeze(-1)
     codes = e2m1_codes(values, scale)
     decoded = e2m1_values(pack_nibbles(codes)) * scale
     again = decoded.to(torch.bfloat16).view(torch.int16) if inverse is None else _e4m3(decoded * inverse)
-    ok = (again == target).all(dim=-1)
-    plausible = ((codes & 7).amax(dim=-1) == 7) | (scale_bytes < 0x08)
-    return codes, ok, plausible, decoded
+    return codes, (again == target).all(dim=-1), decoded
 
 
 def _search(values: torch.Tensor, target: torch.Tensor, inverse: torch.Tensor | None,
             alternatives: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [g, 16], scale bytes [g] and how many distinct good preimages were seen [g], for groups of one
-    kind (NoPE or RoPE: `_try`): the scale nearest amax/6 first, its neighbours where it is not good (or,
-    with `alternatives`, everywhere, to count collisions)."""
+    """Codes [g, 16], scale bytes [g] and how many preimages of distinct values were seen [g], for groups of
+    one kind (NoPE or RoPE: `_try`): the scale nearest amax/6 first, its neighbours where it does not
+    re-encode (or, with `alternatives`, everywhere, to count collisions)."""
     amax = values.abs().amax(dim=-1)
     nearest = (amax / 6.0).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
-    codes, ok, plausible, decoded = _try(values, nearest, target, inverse)
+    codes, ok, decoded = _try(values, nearest, target, inverse)
     scale = nearest.clone()
-    good = ok & plausible
-    count = good.to(torch.int32)
-    others = torch.arange(values.shape[0], device=values.device) if alternatives else (~good).nonzero().squeeze(-1)
+    count = ok.to(torch.int32)
+    others = torch.arange(values.shape[0], device=values.device) if alternatives else (~ok).nonzero().squeeze(-1)
     for offset in _NEIGHBOURS[1:]:
         if others.numel() == 0:
             break
         tried = (nearest[others] + offset).clamp(_SCALE_MIN, _SCALE_MAX)
-        c, k, p, d = _try(values[others], tried, target[others], None if inverse is None else inverse[others])
-        distinct = (d != decoded[others]).any(dim=-1) | ~good[others]
-        count.index_add_(0, others, (k & p & distinct & (tried != scale[others])).to(torch.int32))
-        # Take it where nothing good was found yet: ok and plausible first, then ok alone (never over a good one).
-        better = (k & p & ~good[others]) | (k & ~ok[others])
+        c, k, d = _try(values[others], tried, target[others], None if inverse is None else inverse[others])
+        distinct = (d != decoded[others]).any(dim=-1) | ~ok[others]
+        count.index_add_(0, others, (k & distinct & (tried != scale[others])).to(torch.int32))
+        better = k & ~ok[others]                   # taken only where nothing re-encoded yet
         idx = others[better]
         codes[idx], scale[idx], decoded[idx] = c[better], tried[better], d[better]
-        ok[idx] |= k[better]
-        good[idx] = (k & p)[better]
+        ok[idx] = True
     return codes, scale, count
 
 

@@ -140,6 +140,19 @@ def test_rows_that_are_no_fp4_image_are_inexact() -> None:
     assert exact.sum() == 61 and not exact[5] and not exact[9] and not exact[11]
 
 
+def test_a_collision_is_exact_and_counted_ambiguous_and_zero_groups_are_not() -> None:
+    # HOPPER_LAYOUTS.md section 3: scales 1.625 and 1.75 with one code 6 both store E4M3 320 x 2^-5 = 10.0.
+    values = torch.zeros(3, 512, dtype=torch.bfloat16)
+    values[0, 0], values[1, 0] = 9.75, 10.5             # 6 x 1.625, 6 x 1.75: FP4 rows of themselves
+    values[2, 100] = 3.0                                # the rest of row 2 zero: no collision, zero groups
+    rows = codec.store_rows(rope_fq4(values, freqs(3, 0) ** 0))   # freqs 1: no rotation
+    assert torch.equal(rows[0], rows[1])
+    found = codec.recover_rows(rows, alternatives=True)
+    assert found.exact.all() and found.ambiguous.tolist() == [True, True, False]
+    assert found.native[0, 256] == torch.tensor(1.625).to(torch.float8_e4m3fn).view(torch.uint8)   # the nearest
+    assert not codec.recover_rows(rows).ambiguous.any()                                 # counted only when asked
+
+
 def test_blocks_transcode_and_report_the_exact_share() -> None:
     n = 3
     rows = {s: (sglang_rows(n * GEO.block_rows(s, 64), 10 + s),

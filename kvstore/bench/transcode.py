@@ -1,0 +1,112 @@
+"""Transcode benchmark: SGLang `v4` blocks <-> the model's rows (kvstore.codec.sglang_v4) against the load it sits in.
+
+An SGLang v4 backend sharing the model's rows (integrations.sglang_share) re-encodes every block it loads
+from the model's rows into SGLang's (`native_blocks_to_v4`) and, on save, recovers the model's rows from
+SGLang's and checks them (`v4_blocks_to_native`). Both are timed here on `--tokens` tokens of
+DeepSeek-V4.1-Flash blocks (2.5 compressed-KV rows per token), built from realistic latents (the codec
+bench's) through the model's fake-quant and SGLang's store, and set beside, in the same run on the same
+device:
+
+- a same-size copy: a device copy of the v4 blocks' bytes (what the load writes: 1,630 B/token);
+- a restore: on CUDA, the host-to-device copy of the model-rows blocks from pinned memory, the least a
+  direct GPU restore of them moves (890 B/token); on the CPU, a copy of the model-rows bytes out of a
+  bytes object into a tensor (what the backend does with each block a Get returns).
+
+Figures: each step's time (its ratio: the baseline's time over the step's, so 0.05 means the step takes
+20x the baseline), and `transcode share of a restore` (load transcode / (restore + load transcode), in %;
+issue 27's target on the GPU: under 5% of a 1M-token restore). Notes: the exact share of blocks and
+rows on these rows, and on raw-latent rows (vLLM-like: never exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvstore.bench.codec import realistic, seconds
+from kvstore.bench.report import Figure, Progress, Report
+from kvstore.codec import sglang_v4
+from kvstore.codec.block_codec import encode_blocks, split_blocks
+from kvstore.geometry import resolve
+
+#: The target of issue 27 item 4 on the GPU: the load transcode under 5% of a 1M-token restore.
+TARGET_SHARE = 0.05
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `kvstore bench transcode`."""
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to run (default: cuda when available)")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="tokens of blocks (default: 8,192 on cpu, 1,048,576 on cuda); a multiple of 64")
+    parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 3 cpu, 10 cuda)")
+
+
+def blocks(tokens: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model-rows blocks, SGLang v4 blocks) of `tokens` tokens, from realistic latents."""
+    model = resolve("deepseek-v4.1-flash")
+    n = tokens // 64
+    gen = torch.Generator().manual_seed(0)
+    layers = {s: (realistic(n * model.block_rows(s, 64), model.head_dim, gen).to(device),
+                  realistic(n * model.block_rows(s, 64), model.index_head_dim, gen).to(device))
+              for s in model.kv_source_layers}
+    native = encode_blocks(model, layers, 64)
+    return native, sglang_v4.native_blocks_to_v4(model, native, 64)
+
+
+def run(args: argparse.Namespace, progress: Progress) -> Report:
+    """Time the two transcodes beside a same-size copy and a restore, and note the exact shares."""
+    device = args.device
+    tokens = args.tokens or (1 << 20 if device == "cuda" else 8192)
+    repeat = args.repeat or (10 if device == "cuda" else 3)
+    model = resolve("deepseek-v4.1-flash")
+    report = Report(bench="transcode")
+    report.notes["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    report.notes["tokens"] = tokens
+    with progress.bar("transcode", total=5, unit="step") as bar:
+        native, v4 = blocks(tokens, device)
+        bar.update(1)
+        load_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64), device, repeat, 1)
+        copy_s = seconds(lambda: v4.clone(), device, repeat, 1)
+        if device == "cuda":
+            pinned = native.cpu().pin_memory()
+            restore_s = seconds(lambda: pinned.to(device, non_blocking=True), device, repeat, 1)
+            restore = "host-to-device copy of the model-rows blocks (pinned)"
+        else:
+            raw = bytes(native.numpy())
+            restore_s = seconds(lambda: torch.frombuffer(bytearray(raw), dtype=torch.uint8), device, repeat, 1)
+            restore = "model-rows blocks from bytes into a tensor"
+        bar.update(1)
+        save = {}
+
+        def recover() -> None:
+            save["t"] = sglang_v4.v4_blocks_to_native(model, v4, 64)
+
+        save_s = seconds(recover, device, repeat, 1)
+        bar.update(1)
+        got = save["t"]
+        raw_v4 = sglang_v4.native_blocks_to_v4(model, native[:4], 64)
+        # vLLM-like rows: the store of the raw latent (no FP4 step) in place of every compressed-KV row.
+        gen = torch.Generator().manual_seed(1)
+        for kv, _index in split_blocks(sglang_v4.engine_geometry(model), raw_v4, 64).values():   # views: in place
+            kv.copy_(sglang_v4.store_rows(realistic(kv.shape[0] * kv.shape[1], 512, gen).to(device)
+                                          .to(torch.bfloat16)).reshape(kv.shape))
+        raw_found = sglang_v4.v4_blocks_to_native(model, raw_v4, 64)
+        bar.update(2)
+    mb = v4.numel() / 1e6
+    report.add(Figure.against("load transcode (model rows -> v4 blocks)", load_s * 1e3, "ms",
+                              "same-size copy (v4 bytes)", copy_s * 1e3))
+    report.add(Figure.against("load transcode against the restore", load_s * 1e3, "ms", restore, restore_s * 1e3))
+    report.add(Figure.against("save transcode (v4 blocks -> model rows, checked)", save_s * 1e3, "ms",
+                              "same-size copy (v4 bytes)", copy_s * 1e3))
+    share = load_s / (restore_s + load_s)
+    report.add(Figure(name="transcode share of a restore", value=round(100 * share, 2), unit="%"))
+    report.notes["v4_megabytes"] = round(mb, 1)
+    report.notes["exact_blocks"] = f"{int(got.exact.sum())} of {got.exact.numel()}"
+    report.notes["exact_rows"] = f"{got.exact_rows} of {got.rows}"
+    report.notes["raw_latent_exact_blocks"] = f"{int(raw_found.exact.sum())} of {raw_found.exact.numel()}"
+    report.notes["target"] = (f"load transcode < {TARGET_SHARE:.0%} of a 1M-token restore on the GPU: "
+                              f"{'met' if share < TARGET_SHARE else 'not met'} here ({device}, {tokens} tokens)")
+    return report
