@@ -1,0 +1,63 @@
+"""kvstore.codec.sglang_v4 on CUDA: the same bytes as on the CPU (issue 27 items 3-4; skipped without a GPU).
+
+The CPU path is checked against SGLang's own fake-quant and a transcription of its store kernel in
+tests/integrations/test_sglang_v4_share.py; here every step is run on CUDA tensors and compared bit
+for bit with the CPU: the store, model rows -> v4 rows (the load), v4 rows -> model rows with the
+exactness mask (the save), whole blocks of a 1M-token restore's size included. The transcode's speed
+against the restore it sits in is `kvstore bench transcode --device cuda` (timing is no test's).
+
+    .venv/bin/pytest -q -m gpu tests/kvstore/codec/test_sglang_v4_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.bench.codec import realistic
+from kvstore.bench.transcode import blocks
+from kvstore.codec import sglang_v4
+from kvstore.codec.rows import compressed_kv_rows
+from kvstore.geometry import resolve
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+MODEL = resolve("deepseek-v4.1-flash")
+
+
+def rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(model rows [n, 288], v4 rows [n, 584]) of realistic latents, on the CPU; plus raw-latent rows mixed in."""
+    x = realistic(n, 512, torch.Generator().manual_seed(seed))
+    native = compressed_kv_rows(x)
+    v4 = sglang_v4.encode_rows(native)
+    v4[::7] = sglang_v4.store_rows(x[::7].to(torch.bfloat16))    # every 7th row: no FP4 image (vLLM-like)
+    return native, v4
+
+
+def test_the_store_and_the_load_transcode_are_the_cpus_bytes_on_cuda() -> None:
+    x = realistic(4096, 512, torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[0] = 0
+    x[1, :64] = 1e-6
+    assert torch.equal(sglang_v4.store_rows(x.cuda()).cpu(), sglang_v4.store_rows(x))
+    native, _ = rows(4096, 2)
+    assert torch.equal(sglang_v4.encode_rows(native.cuda()).cpu(), sglang_v4.encode_rows(native))
+
+
+def test_the_save_transcode_finds_the_same_rows_and_exactness_on_cuda() -> None:
+    native, v4 = rows(4096, 3)
+    cpu = sglang_v4.recover_rows(v4, alternatives=True)
+    gpu = sglang_v4.recover_rows(v4.cuda(), alternatives=True)
+    assert torch.equal(gpu.exact.cpu(), cpu.exact) and torch.equal(gpu.ambiguous.cpu(), cpu.ambiguous)
+    assert torch.equal(gpu.native.cpu()[cpu.exact], cpu.native[cpu.exact])
+    assert cpu.exact.sum() == 4096 - len(range(0, 4096, 7))      # exactly the FP4 images
+    assert torch.equal(cpu.native[cpu.exact], native[cpu.exact])
+
+
+def test_blocks_of_a_1m_token_restore_transcode_on_cuda_as_on_the_cpu() -> None:
+    native, v4 = blocks(1 << 20, "cuda")                        # 16,384 blocks: 0.93 GB model rows, 1.7 GB v4
+    assert native.is_cuda and torch.equal(sglang_v4.native_blocks_to_v4(MODEL, native, 64), v4)
+    back = sglang_v4.v4_blocks_to_native(MODEL, v4, 64)
+    assert bool(back.exact.all()) and torch.equal(back.native, native)
+    some = slice(0, 64)                                          # the CPU on a part of it
+    assert torch.equal(sglang_v4.native_blocks_to_v4(MODEL, native[some].cpu(), 64), v4[some].cpu())
