@@ -268,6 +268,11 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             return
         try:
             got = self.client.pin_hashes(chain.blocks, until_s)
+            if self.sharing is not None and got.found_blocks < len(chain.blocks):
+                # Not (all) the model's rows: the chain went to SGLang's own layout (integrations.sglang_share).
+                engine = self.sharing.engine_chain(chain.pages)
+                if engine is not None:
+                    got = self.sharing.engine.pin_hashes(engine, until_s)
         except KVStoreError as exc:
             logger.warning("kvstore pin failed: %s", exc)
             return

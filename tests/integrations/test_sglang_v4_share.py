@@ -12,7 +12,7 @@ to SGLang's layout whole.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -24,7 +24,7 @@ from integrations.sglang_v4 import V4PageLayout, blocks_to_pages
 from kvstore.codec import sglang_v4 as codec
 from kvstore.codec.block_codec import encode_blocks
 from kvstore.codec.rows import compressed_kv_rows
-from tests.children import Child
+from tests.children import Child, write_config
 from tests.integrations import test_sglang_support as support
 from tests.integrations.test_sglang_support import GEO, PoolName, kvstore, sg_utils
 from tests.integrations.test_sglang_v4 import V4_PAGE, attach, v41_group
@@ -339,4 +339,31 @@ def test_the_share_of_exact_blocks_on_real_ish_rows() -> None:
         shares[kind] = float(got.exact.float().mean())
     print(f"exact share of SGLang v4 blocks: {shares}")
     assert shares == {"normed": 1.0, "t": 1.0, "sparse": 1.0}
-    assert math.isclose(sum(shares.values()), 3.0)
+
+
+@pytest.fixture(scope="module")
+def pinning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
+    """A server that grants pins (docs/RETENTION.md R22-R24), as test_sglang_retention.py's."""
+    root = tmp_path_factory.mktemp("v4-pins")
+    conf = write_config(root / "kvstore.toml", {"store": {"pin_max_hours": 1000.0, "pin_budget_bytes": 1 << 30}})
+    child = Child("serve", ["serve", "--port", "0", "--data-dir", str(root / "data"), "--config", str(conf)],
+                  root / "logs")
+    yield child
+    child.kill_if_alive()
+
+
+def test_a_retention_hint_pins_the_chain_in_whichever_layout_it_went_to(
+        pinning_server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    group = v4_group(pages=2)
+    backend = attach(pinning_server.target, group, {"keep_s": 3600})
+    try:
+        fill_v4(group, 0, 1, seed=12)                                   # exact: the model's rows
+        fill_v4(group, 1, 1, seed=13, raw=True)                         # inexact: SGLang's records
+        for p, tokens in enumerate((tokens_of(91, 1), tokens_of(92, 1))):
+            keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:1]
+            assert store(backend, keys, p) == [True]
+            assert backend.counters()["pins"] == p + 1
+        assert (backend.counters()["blocks_shared"], backend.counters()["blocks_engine"]) == (N, N)
+    finally:
+        backend.close()
