@@ -27,6 +27,10 @@ Extra config (`HiCacheStorageConfig.extra_config`), each checked at start (Confi
 - `keep_s`: a retention hint: keep every prefix stored through batch_set_v1 this many seconds past
   now, beyond the tenant's retention (a pin, docs/RETENTION.md R22-R27; default: none). A call's
   `extra_info.extra_info["kvstore_keep_until_s"]` (a Unix time) or `["kvstore_keep_s"]` overrides it.
+- `share_model_rows`: with SGLang's default `v4` rows, store a page as the model's rows where every row
+  re-encodes to SGLang's bytes bit for bit (shared with V4.1 engines; integrations.sglang_share), else
+  as SGLang's records (default true).
+- `transcode_device`: where that transcoding runs, "cpu" (default) or "cuda".
 
 Keys: while attached, SGLang's page key is kvstore's chain hash of the page's last block in
 hex (sglang_keys), so a prompt stored by any kvstore client (the vLLM connector,

@@ -277,6 +277,27 @@ def test_a_hopper_and_a_blackwell_sglang_share_one_cache_of_model_rows(
         hopper.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_transcoding_on_the_gpu_stores_and_loads_the_same_bytes(server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    tokens = tokens_of(63, 2)
+    group = v4_group(pages=4)
+    backend = attach(server.target, group, {"transcode_device": "cuda"})
+    try:
+        engine_blocks = fill_v4(group, 0, 2, seed=6)
+        saved = [page_bytes(group, p) for p in range(2)]
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:2]
+        assert store(backend, keys, 0) == [True, True] and backend.counters()["blocks_shared"] == 2 * N
+        with kvstore.Client(server.target) as model:
+            want = codec.v4_blocks_to_native(GEO, engine_blocks, 64).native        # the CPU's answer
+            assert model.get(tokens[:2 * V4_PAGE]).blocks == [bytes(b.numpy()) for b in want]
+        assert load(backend, keys, 2) == 2
+        assert [page_bytes(group, 2 + p) for p in range(2)] == saved
+    finally:
+        backend.close()
+
+
 def test_a_chain_that_turns_inexact_moves_to_sglangs_layout_whole(
         server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
