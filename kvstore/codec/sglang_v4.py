@@ -39,8 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec.block_codec import join_blocks, split_blocks
-from kvstore.codec.fp4 import e2m1_codes, e2m1_values, pack_nibbles
-from kvstore.codec.rows import decode_compressed_kv_rows
+from kvstore.codec.fp4 import E2M1_VALUES, e2m1_codes, pack_nibbles
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import ModelGeometry
 from kvstore.layout import SGLANG_V4
@@ -101,6 +100,27 @@ class RowShape:
     def of(cls, geometry: ModelGeometry) -> RowShape:
         """The compressed-KV row of `geometry`'s model."""
         return cls(width=geometry.head_dim, rope=geometry.rope_head_dim)
+
+
+#: float32 value of each 4-bit E2M1 code, and of each byte's two codes (low nibble first) as one int64 of
+#: two float32s: `torch.take` on these is a plain gather, about 2x faster on the CPU than an embedding.
+_CODE_VALUES = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+_PAIR_VALUES = torch.tensor([(E2M1_VALUES[b & 15], E2M1_VALUES[b >> 4]) for b in range(256)],
+                            dtype=torch.float32).view(torch.int64).reshape(256)
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device not in _TABLES:
+        _TABLES[device] = (_CODE_VALUES.to(device), _PAIR_VALUES.to(device))
+    return _TABLES[device]
+
+
+def _native_values(native: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    """float32 `[..., width]` values of model rows: code x E4M3 scale (docs/CODEC.md rule 5), exact."""
+    pairs = torch.take(_tables(native.device)[1], native[..., :shape.width // 2].long()).view(torch.float32)
+    scales = native[..., shape.width // 2:].contiguous().view(torch.float8_e4m3fn).float()
+    return (pairs.unflatten(-1, (-1, GROUP)) * scales.unsqueeze(-1)).flatten(-2)
 
 
 def _rows(x: torch.Tensor, width: int, what: str) -> torch.Tensor:
@@ -169,7 +189,7 @@ def encode_rows(native: torch.Tensor, shape: RowShape = RowShape()) -> torch.Ten
         uint8 `[..., v4_bytes]` (584 B), on native's device.
     """
     _rows(native, shape.native_bytes, "encode_rows")
-    return store_rows(decode_compressed_kv_rows(native, torch.float32), shape)
+    return store_rows(_native_values(native, shape), shape)
 
 
 def _v4_values(v4: torch.Tensor, shape: RowShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -207,7 +227,7 @@ def _try(values: torch.Tensor, scale_bytes: torch.Tensor, target: torch.Tensor, 
     bf16 bits (RoPE). Returns the nearest codes [g, 16], whether they re-encode to `target`, their values."""
     scale = scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn).float().unsqueeze(-1)
     codes = e2m1_codes(values, scale)
-    decoded = e2m1_values(pack_nibbles(codes)) * scale
+    decoded = torch.take(_tables(values.device)[0], codes.long()) * scale
     again = decoded.to(torch.bfloat16).view(torch.int16) if inverse is None else _e4m3(decoded * inverse)
     return codes, (again == target).all(dim=-1), decoded
 
