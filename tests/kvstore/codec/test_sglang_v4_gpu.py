@@ -58,6 +58,11 @@ def test_blocks_of_a_1m_token_restore_transcode_on_cuda_as_on_the_cpu() -> None:
     native, v4 = blocks(1 << 20, "cuda")                        # 16,384 blocks: 0.93 GB model rows, 1.7 GB v4
     assert native.is_cuda and torch.equal(sglang_v4.native_blocks_to_v4(MODEL, native, 64), v4)
     back = sglang_v4.v4_blocks_to_native(MODEL, v4, 64)
-    assert bool(back.exact.all()) and torch.equal(back.native, native)
-    some = slice(0, 64)                                          # the CPU on a part of it
+    # The rule is that the recovered rows store the engine's bytes again; a rare collision (distinct FP4 rows
+    # that store the same bytes) recovers another row than the one written: one block of 16,384 on the H200.
+    assert bool(back.exact.all()) and torch.equal(sglang_v4.native_blocks_to_v4(MODEL, back.native, 64), v4)
+    other = (back.native != native).flatten(1).any(1).nonzero().flatten().cpu()
+    assert len(other) * 1000 <= len(native), len(other)
+    some = torch.cat([torch.arange(64), other[:8]])               # the CPU on a part of it, the collisions too
     assert torch.equal(sglang_v4.native_blocks_to_v4(MODEL, native[some].cpu(), 64), v4[some].cpu())
+    assert torch.equal(sglang_v4.v4_blocks_to_native(MODEL, v4[some].cpu(), 64).native, back.native[some].cpu())
