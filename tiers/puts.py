@@ -95,13 +95,14 @@ def _put_all(write: Callable[[], AbstractContextManager[BlockTxn]], damage: Dama
 def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
             room: RoomRules) -> tuple[PutResult, Evicted]:
     parent_depth = _parent_depth(w, batch.scope, batch.parent_hash, batch.is_root, batch.first_depth)
-    keys = [batch.scope.key(h) for h in batch.hashes]
+    scope_key, meta = batch.scope.key, w.meta  # bound once: these run for every block of the Put
+    keys = [scope_key(h) for h in batch.hashes]
     # R12: nothing this Put names, nor the parent it extends (and so, by R6, no
     # block above it), may go to make room for it.
     protected.update(keys)
     if not batch.is_root:
         protected.add(batch.scope.key(batch.parent_hash))
-    fresh = [w.meta(k) is None for k in keys]
+    fresh = [meta(k) is None for k in keys]
     need = sum(len(b) for b, f in zip(batch.blocks, fresh, strict=True) if f)
     ns_id = namespaces.id_of_key(batch.scope.prefix)
     w.namespace_names.setdefault(ns_id, batch.scope.namespace)
@@ -115,14 +116,15 @@ def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
                          protected=protected, retention_of=can.retention_of, skipped=room.skipped)
     parent = batch.parent_hash
     uses = batch.last_use_s
-    for i, (key, data) in enumerate(zip(keys, batch.blocks, strict=True)):
+    insert, touch, hashes, is_root = w.insert, w.touch, batch.hashes, batch.is_root
+    for i, (key, data, new) in enumerate(zip(keys, batch.blocks, fresh, strict=True)):
         # F19: a fleet copy carries its source's last use; the later of the two copies' counts.
         use = now if uses is None else min(uses[i], now)
-        if fresh[i]:
-            w.insert(key, parent, parent_depth + i + 1, data, now, batch.is_root and i == 0, last_use_s=use)
+        if new:
+            insert(key, parent, parent_depth + i + 1, data, now, is_root and i == 0, last_use_s=use)
         else:
-            w.touch(key, use)  # R5: putting a stored block again is a use of it
-        parent = batch.hashes[i]
+            touch(key, use)  # R5: putting a stored block again is a use of it
+        parent = hashes[i]
     written = sum(fresh)
     grant = None
     if batch.keep_until_s is not None and keys:  # R22: the pin commits with the blocks it protects
