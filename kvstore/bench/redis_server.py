@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def free_port(*, with_bus: bool = False) -> int:
@@ -52,6 +54,9 @@ class RedisServer:
         self.port = port or free_port(with_bus="--cluster-enabled" in extra_args)
         self.extra_args = extra_args
         self.process: subprocess.Popen[bytes] | None = None
+        # A port picked here may be taken by another process (a parallel test run) before the server binds
+        # it: until the server first starts, it may move to another free one.
+        self._may_move = not port
 
     @property
     def url(self) -> str:
@@ -64,27 +69,56 @@ class RedisServer:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        """Start it (again, on the same port after `stop`) and wait until it answers PING."""
+        """Start it (again, on the same port after `stop`) and wait until it answers PING.
+
+        A port this object picked that another process takes first is given up for another free one
+        (at most 5 tries), and only this process's answer counts (`INFO server`'s process_id).
+        """
+        for _ in range(5 if self._may_move else 1):
+            if self._start_once(timeout_s):
+                self._may_move = False
+                return self
+            self.port = free_port(with_bus="--cluster-enabled" in self.extra_args)
+        raise RuntimeError(f"redis-server found its port taken 5 times; see {self.workdir / 'redis.log'}")
+
+    def _start_once(self, timeout_s: float) -> bool:
+        """Start and wait for this process's PING; False when another process holds the port."""
         binary = redis_server_path()
         if binary is None:
             raise FileNotFoundError("redis-server is not on PATH (apt-get install redis-server)")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
+        self.process = process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log"), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        with redis.Redis(port=self.port, socket_connect_timeout=0.2) as probe:
+        # A read timeout and no retries: whatever else listens on the port may never answer a PING.
+        with redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=1.0,
+                         retry=Retry(NoBackoff(), 0)) as probe:
             while True:
                 try:
-                    probe.ping()
-                    return self
+                    if process.poll() is not None:
+                        raise redis.exceptions.ConnectionError("exited")  # said below: taken port or failure
+                    if int(probe.info("server")["process_id"]) == process.pid:
+                        return True
+                    self.stop()  # another server answers on this port: ours cannot bind it
+                    return False
                 except redis.exceptions.RedisError:
-                    if self.process.poll() is not None or time.monotonic() > deadline:
+                    if process.poll() is not None and self._port_taken():
+                        self.stop()
+                        return False
+                    if process.poll() is not None or time.monotonic() > deadline:
                         self.stop()
                         raise RuntimeError(f"redis-server on port {self.port} did not start; see "
                                            f"{self.workdir / 'redis.log'}") from None
                     time.sleep(0.02)
+
+    def _port_taken(self) -> bool:
+        """Whether the server's log says its port was in use."""
+        try:
+            return "Address already in use" in (self.workdir / "redis.log").read_text(errors="replace")
+        except OSError:
+            return False
 
     def stop(self) -> None:
         """Kill the process (no shutdown save: persistence is off) and wait for it."""

@@ -17,8 +17,9 @@ def test_bench_swa_json_figures_for_both_backends() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "bench", "swa", "--json", "--snapshots", "8", "--batch", "4",
          "--rounds", "1", "--fetches", "5"],
-        capture_output=True, text=True, check=True, timeout=280).stdout
-    report = json.loads(out)
+        capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
     figures = {f["name"]: f for f in report["figures"]}
     # --rounds 1 reports 1 round on both backends; the passes within a round are said apart.
     assert report["notes"]["rounds"] == report["notes"]["embedded_rounds"] == 1
