@@ -40,6 +40,7 @@ import numpy as np
 from kvstore.client import arguments
 from kvstore.client.colocated_memory import mapping_base
 from kvstore.client.colocated_read import BlockSpan, FoundRecords, MappedRead, _start_lookup
+from kvstore.client.connection import DEFAULT_TENANT
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
 DATA_NAME = "data.mdb"
 #: The store's identity file (tiers.datadir.IDENTITY_NAME: part of the on-disk format this reader knows).
 IDENTITY_NAME = "kvstore-identity.json"
-#: The tenant of every call on a server without auth (gateway.auth.DEFAULT_TENANT).
-_DEFAULT_TENANT = "default"
 #: Default lease of a read's Lookup: none, the read txn begins before the Lookup runs.
 DEFAULT_LEASE_MS = 0
 #: Reader slots in a lock file this process creates (the server's own number, tiers/datadir.py).
@@ -181,7 +180,7 @@ class ColocatedReader:
                 if conn.metadata is not None:
                     raise FailedPrecondition("the server does not say which tenant this token is",
                                              hint="name the tenant (Client(namespace=...)), or upgrade the server")
-                tenant = _DEFAULT_TENANT
+                tenant = DEFAULT_TENANT
             self._tenants[conn] = tenant
         return tenant
 

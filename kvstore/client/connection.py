@@ -26,6 +26,9 @@ from kvstore.prefix import ExtraKey, chain_hashes, root_hash
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
+#: The tenant of every call on a server without auth (gateway.auth.DEFAULT_TENANT, which the client does not
+#: import): what an empty namespace means there.
+DEFAULT_TENANT = "default"
 #: Room left in a message for everything that is not block or snapshot bytes.
 ENVELOPE_BYTES = 1 << 20
 
@@ -152,6 +155,9 @@ class Connection:
         self.max_message_bytes: int = info.max_message_bytes
         self.max_lease_ms: int = info.max_lease_ms
         self.root: bytes = root_hash(self.fingerprint, self.block_tokens)
+        #: The tenant an empty namespace means for this caller (its token's; "default" without one); "" from
+        #: a server that does not say.
+        self.tenant: str = info.tenant
         #: Blocks per run when the server is a fleet's gateway (its clients hash as the fleet
         #: does: docs/FLEET.md F36); 0 for one node.
         self.run_blocks: int = info.run_blocks

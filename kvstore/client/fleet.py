@@ -36,7 +36,7 @@ from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstore.client import arguments
-from kvstore.client.connection import Connection, TlsOptions
+from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_chain import fleet_hashes, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_runs
@@ -131,8 +131,11 @@ class FleetClient(Client):
         self.max_batch_blocks, self.max_message_bytes = first.max_batch_blocks, first.max_message_bytes
         self.max_lease_ms, self.root = first.max_lease_ms, first.root
         self._batch_limit = first.batch_blocks
+        # The tenant whose policy counts: the namespace named, else the one an empty namespace means for this
+        # caller (its token's, or "default"), as the nodes resolve it.
+        self.tenant = self.namespace or first.tenant or DEFAULT_TENANT
         try:  # the tenant's own replication, when its policy sets one, is the Puts' (F51)
-            self.view.follow_policy(self.namespace)
+            self.view.follow_policy(self.tenant)
         except BaseException:
             self.close()
             raise
@@ -141,7 +144,7 @@ class FleetClient(Client):
     def copies(self) -> int:
         """Copies of every run a Put makes and reads rank: the tenant's own replication (its policy in etcd,
         F51), else `replication`; fewer while fewer nodes are live (F13)."""
-        return self.view.replication_of(self.namespace) or self.replication
+        return self.view.replication_of(self.tenant) or self.replication
 
     def _any_node(self) -> Connection:
         """A connection to some live node (what every node serves: block size, geometry, limits)."""

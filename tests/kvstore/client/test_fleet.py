@@ -446,6 +446,14 @@ def test_f51_a_tenants_replication_is_the_copies_its_puts_make(fleet: Fleet,
         assert sorted(held_by(fleet, other, plain.hashes(tokens)[4:8])) == [0, 4, 4]
 
 
+def test_f51_a_client_naming_no_namespace_follows_the_default_tenants_policy(fleet: Fleet) -> None:
+    """An empty namespace is the tenant the nodes resolve it to ("default" without a token), so that is the
+    policy whose replication counts, not a tenant named ""."""
+    with fleet_client(fleet) as plain, fleet_client(fleet, namespace="named-one") as named:
+        assert plain.tenant == "default" and named.tenant == "named-one"
+        assert plain.view._policy_tenant == "default"  # the policy key it follows in etcd
+
+
 def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
     """F30, F33: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
     replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
