@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvstore.trace import fields
 from kvstore.trace.requests import TraceRequest
@@ -56,6 +57,33 @@ def _lines(path: Path) -> Iterator[bytes]:
         yield rest
 
 
+def json_records(path: Path) -> Iterator[tuple[int, str, Any]]:
+    """(line number, where, record) for every non-blank line of a JSON-lines file, plain or `.zst`; `where` names the
+    file and line, for the caller's own errors.
+
+    Raises:
+        InvalidArgument: a line that is not JSON or not UTF-8, or a damaged or truncated zstd stream,
+            naming the file and line.
+    """
+    import zstandard
+
+    name, line_no = str(path), 0
+    try:
+        for line_no, line in enumerate(_lines(path), start=1):
+            if not line.strip():
+                continue
+            where = f"{name}: line {line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise fields.bad(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except UnicodeDecodeError as exc:
+                raise fields.bad(where, f"not UTF-8 text ({exc.reason})") from None
+            yield line_no, where, record
+    except (zstandard.ZstdError, _Truncated) as exc:
+        raise fields.bad(f"{name}: line {line_no + 1}", f"the zstd stream is damaged or truncated: {exc}") from None
+
+
 def read_mooncake(path: Path, *, limit: int | None = None,
                   block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
     """The requests of a Mooncake trace file, in file order (at most `limit`).
@@ -65,32 +93,13 @@ def read_mooncake(path: Path, *, limit: int | None = None,
             or a damaged or truncated zstd stream, each naming the file and line.
     """
     out: list[TraceRequest] = []
-    name = str(path)
-    line_no = 0
-    try:
-        for line_no, line in enumerate(_lines(path), start=1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{name}: line {line_no}"
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise fields.bad(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-            except UnicodeDecodeError as exc:
-                raise fields.bad(where, f"not UTF-8 text ({exc.reason})") from None
-            out.append(TraceRequest(session=f"line {line_no}", scope="",
-                                    arrival_s=fields.seconds(r, "timestamp", where, scale=1e-3),
-                                    input_tokens=fields.count(r, "input_length", where),
-                                    output_tokens=fields.count(r, "output_length", where),
-                                    block_ids=fields.block_ids(r, "hash_ids", where),
-                                    source_block_tokens=block_tokens, where=where))
-    except Exception as exc:
-        import zstandard
-
-        if isinstance(exc, zstandard.ZstdError | _Truncated):
-            raise fields.bad(f"{name}: line {line_no + 1}",
-                             f"the zstd stream is damaged or truncated: {exc}") from None
-        raise
+    for line_no, where, r in json_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(TraceRequest(session=f"line {line_no}", scope="",
+                                arrival_s=fields.seconds(r, "timestamp", where, scale=1e-3),
+                                input_tokens=fields.count(r, "input_length", where),
+                                output_tokens=fields.count(r, "output_length", where),
+                                block_ids=fields.block_ids(r, "hash_ids", where),
+                                source_block_tokens=block_tokens, where=where))
     return out

@@ -34,14 +34,13 @@ that prefix (`replay.planner`'s re-probe), part of the earlier request, not a re
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kvstore.trace import fields
-from kvstore.trace.mooncake import _lines
+from kvstore.trace.mooncake import json_records
 from kvstore.trace.requests import TraceRequest
 
 #: The header's key, and the format's version (a reader refuses a version it does not know).
@@ -89,31 +88,11 @@ def records(path: Path) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
     for file in trace_files(path):
         name = str(file)
         head: dict[str, Any] | None = None
-        line_no = 0
-        try:
-            for line_no, line in enumerate(_lines(file), start=1):
-                if not line.strip():
-                    continue
-                where = f"{name}: line {line_no}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise fields.bad(where, f"not valid JSON ({exc.msg} at column {exc.colno})") from None
-                except UnicodeDecodeError as exc:
-                    raise fields.bad(where, f"not UTF-8 text ({exc.reason})") from None
-                if head is None:
-                    head = _header(record, where)
-                    continue
-                yield where, head, record
-        except Exception as exc:
-            import zstandard
-
-            from kvstore.trace.mooncake import _Truncated
-
-            if isinstance(exc, zstandard.ZstdError | _Truncated):
-                raise fields.bad(f"{name}: line {line_no + 1}",
-                                 f"the zstd stream is damaged or truncated: {exc}") from None
-            raise
+        for _, where, record in json_records(file):
+            if head is None:
+                head = _header(record, where)
+                continue
+            yield where, head, record
         if head is None:
             raise fields.bad(f"{name}: line 1", f"empty: no {MAGIC} header (not one of kvstore's trace files?)")
 
