@@ -99,6 +99,12 @@ def require(right: str) -> Caller:
     return caller
 
 
+def open_caller(host: str) -> Caller:
+    """Who a call without a token is on a server bound to `host`: the default tenant, with every right on
+    loopback (the two-command start), without "admin" beyond it."""
+    return OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
+
+
 def is_loopback(host: str) -> bool:
     """Whether binding `host` serves this machine only."""
     host = host.strip("[]")

@@ -31,14 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from gateway.auth import (
-    DEFAULT_TENANT,
     METHOD_RIGHTS,
-    OPEN_CALLER,
     AuthInterceptor,
-    Caller,
     check_bind,
     check_metrics_bind,
-    is_loopback,
+    open_caller,
 )
 from gateway.fleet_store import FleetStore
 from gateway.gateway_forward import Forwarder
@@ -54,7 +51,6 @@ from gateway.tenants import TokenTable
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
 from kvstore import geometry
-from kvstore.api_tokens import READ, WRITE
 from kvstore.client.connection import TlsOptions
 from kvstore.clock import SystemClock
 from kvstore.config import Settings
@@ -155,12 +151,11 @@ async def start_gateway(settings: Settings) -> RunningGateway:
     endpoint: MetricsEndpoint | None = None
     try:
         quiet_cancelled_replies()
-        open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
         limit = settings.server.max_message_bytes
         # The router's per-call series, as a node's (outermost: calls auth refuses are counted too).
         metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
         server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics, RequestLog()),
-                                               AuthInterceptor(tenants, open_caller, METHOD_RIGHTS),
+                                               AuthInterceptor(tenants, open_caller(host), METHOD_RIGHTS),
                                                UndecodableRequests()],
                                  options=[("grpc.max_receive_message_length", limit),
                                           ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])

@@ -30,12 +30,11 @@ from gateway.auth import (
     DEFAULT_TENANT,
     METHOD_RIGHTS,
     OPEN,
-    OPEN_CALLER,
     AuthInterceptor,
-    Caller,
     check_bind,
     check_metrics_bind,
     is_loopback,
+    open_caller,
 )
 from gateway.events import EventsCollector, check_events_bind, start_events
 from gateway.fleet_servicer import METHODS as FLEET_METHODS
@@ -54,7 +53,6 @@ from gateway.transfer_servicer import TransferServicer
 from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
 from kvstore import geometry
-from kvstore.api_tokens import READ, WRITE
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings, TlsSettings
 from kvstore.counted import counted
@@ -151,9 +149,6 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         await tenants.stop()
         raise
     quiet_cancelled_replies()  # a client's cancel is normal: one debug line, not grpc's ERROR and traceback
-    # Without tokens, every call is the default tenant: with every right on loopback (the
-    # two-command start), without "admin" beyond it.
-    open_caller = OPEN_CALLER if is_loopback(host) else Caller(DEFAULT_TENANT, frozenset({READ, WRITE}))
     metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
     metrics.known_tenants = lambda: tenants.tenants  # per-tenant series for every tenant with a token
     #: The fleet's tables in etcd by name, for their metrics (the policies' joins in _assemble).
@@ -165,7 +160,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
     # Outermost first: metrics see every call, those auth refuses too (counted and logged).
     # The Fleet service checks the fleet's token itself (gateway.fleet_servicer, docs/FLEET.md F20).
     rights = {**METHOD_RIGHTS, **dict.fromkeys(FLEET_METHODS, OPEN)}
-    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller, rights),
+    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller(host), rights),
                     UndecodableRequests()]
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = [tenants.stop]
