@@ -26,6 +26,12 @@ its copy until then in the transaction that stores it, within its own limits for
 `pins_short` in its answer; a short one is logged here and counted, and this node's pin stays as it is). A pin
 past its time is not sent. So a copy re-replication makes holds the pins the run's other copies hold.
 
+A replica that holds every block of a run but not a pin this node holds on one (it was down or away when the pin
+was asked) is found by the digests, which carry each copy's live pins (R32): no holder ranked above this node
+holding that pin as long, this node sends the pinned block again with its pin, and the replica grants it in the
+transaction that stores (touches) the block. A pin sent to a replica is not sent to it again until its time
+changes here (`_pins_sent`), so one the replica granted shorter or refused (its own limits) is not asked each pass.
+
 Progress (`kvstore.fleet.repair_progress.RepairProgress`) is published in etcd under
 the node's lease, so `kvstore fleet status` shows under-replicated bytes fleet-wide.
 """
@@ -54,6 +60,7 @@ from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
+from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tiers import namespaces, pins, run_index
@@ -233,6 +240,9 @@ class FleetRepairer:
         self._down: set[str] = set()
         #: Peers that refused a copy over the bulk transport in the pass under way: sent over gRPC in it.
         self._grpc_only: set[str] = set()
+        #: R32: (target, block hash) -> the pin's time last sent there, in a CopyBlocks it answered: not sent again
+        #: for that time (a shorter grant or a refusal is the target's limits, asked once). Past their time: pruned.
+        self._pins_sent: dict[tuple[str, bytes], float] = {}
 
     def start(self) -> None:
         """Run passes in the background until `stop`."""
@@ -311,6 +321,8 @@ class FleetRepairer:
         if self.membership.stale or not addresses or (self.node_id not in addresses and not p.draining):
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
         self._planned, self._down, self._grpc_only = frozenset(addresses.items()), set(), set()
+        now = self.tier.retention_clock.now()
+        self._pins_sent = {k: u for k, u in self._pins_sent.items() if u > now}
         await self.peers.close_retired()  # the last pass's calls have all ended
         p.planned_nodes, p.running = sorted(addresses), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
@@ -334,16 +346,16 @@ class FleetRepairer:
                     b.meta.size_bytes for plan in found.plans for s in plan.sends.values() for b in s)
                 p.failed_runs += found.undecided_runs
                 await self._publish()
-                if copying is not None:
-                    await copying
-                copying = asyncio.ensure_future(self._copy_round(found.plans, addresses))
-            if copying is not None:
-                await copying
+                copying.append(asyncio.ensure_future(self._copy_round(found.plans, addresses, window)))
+            while copying:
+                await copying[0]
+                copying.pop(0)
         finally:
-            if copying is not None and not copying.done():  # the pass was given up: so are its copies
-                copying.cancel()
+            for left in copying:  # the pass was given up (or a round failed): so are the copies under way
+                left.cancel()
+            for left in copying:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await copying
+                    await left
         p.running, p.passes = False, p.passes + 1
         p.drained = p.draining and not planned and not p.failed_runs
         if planned:
@@ -373,11 +385,13 @@ class FleetRepairer:
         now = self.tier.retention_clock.now()
         env, rb = self.tier.env, self.run_blocks
 
-        def read_all() -> list[list[RunBlock]]:
-            # F19: blocks used within the window; R31: and a pinned prefix, whatever its last use.
-            return run_index.in_window(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now)
+        def read_all() -> list[tuple[list[RunBlock], dict[bytes, float]]]:
+            # F19: blocks used within the window; R31: and a pinned prefix, whatever its last use; R32: with
+            # the live pins on them.
+            return run_index.in_window_pins(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now)
 
-        held = await self.tier.call(read_all)
+        read = await self.tier.call(read_all)
+        held = [blocks for blocks, _ in read]
         # A draining node ranks last for every run: it sends only what no other node holds (F21).
         last = (self.node_id,) if self.node_id not in live else ()
         orders = [replicas(r.run_key, live, len(live)) + last for r in runs]
@@ -389,7 +403,7 @@ class FleetRepairer:
                     asked.setdefault(peer, []).append(i)
         theirs = await self._digests(asked, runs, addresses)
         # Which runs each peer is asked block by block (its digest differs from ours and is not empty).
-        mine = [RunDigest.of(blocks) for blocks in held]
+        mine = [RunDigest.of(blocks, live) for blocks, live in read]
         checks: dict[str, list[int]] = {}
         for i, order in enumerate(orders):
             if not held[i]:
@@ -399,7 +413,7 @@ class FleetRepairer:
                 continue  # a holder ranked above holds the same blocks: it acts, not us
             for n in {*order[:me], *order[:self.copies_of(runs[i])]} - {self.node_id}:
                 d = theirs.get((n, runs[i].key))
-                if d is not None and d.blocks and d != mine[i]:
+                if d is not None and d.blocks and not d.same_blocks(mine[i]):  # R32: pins aside
                     checks.setdefault(n, []).append(i)
         has = await self._held(checks, held, addresses)
         found = Round()
@@ -426,26 +440,42 @@ class FleetRepairer:
         for n, d in zip(order[:me], above, strict=True):
             if d is None:
                 return None  # it did not answer: it may hold the blocks and act; whether is not known
-            if d.blocks:  # holds some: keep only what it lacks
+            if d.same_blocks(mine):
+                unique = []  # it holds the same blocks (their pins aside, R32)
+            elif d.blocks:  # holds some: keep only what it lacks
                 theirs_held = has.get((n, entry.key))
                 if theirs_held is None:
                     return None
                 unique = [b for b in unique if b.key not in theirs_held]
+        # R32: the pins this node acts for: those no holder ranked above holds as long.
+        acting = {h: until for h, until in mine.pins
+                  if not any(d is not None and d.pin_of(h) >= until for d in above)}
         for target in order[:self.copies_of(entry)]:
-            if target == self.node_id or not unique:
+            if target == self.node_id or not (unique or acting):
                 continue
             d = theirs.get((target, entry.key))
             if d == mine:
                 continue
             if d is None:
                 return None  # the replica did not answer: what it lacks is not known, and it cannot take a copy
-            if d.blocks:
-                target_held = has.get((target, entry.key))
-                if target_held is None:
+            if d.same_blocks(mine):
+                target_held: set[bytes] = {b.key for b in blocks}
+            elif d.blocks:
+                found = has.get((target, entry.key))
+                if found is None:
                     return None
-                send = [b for b in unique if b.key not in target_held]
+                target_held = found
             else:
-                send = unique
+                target_held = set()
+            send = [b for b in unique if b.key not in target_held]
+            # R32: a block the target holds without the pin this node acts for is sent again with the pin (its
+            # grant commits with the block's touch there); not twice for the same time (`_pins_sent`).
+            repin = {b.key for b in blocks if b.key in target_held
+                     and (h := b.key[KEY_BYTES - HASH_BYTES:]) in acting and d.pin_of(h) < acting[h]
+                     and self._pins_sent.get((target, h)) != acting[h]}
+            if repin:
+                sending = {b.key for b in send} | repin
+                send = [b for b in blocks if b.key in sending]  # the run's order: parents first (R6)
             if send:
                 plan.sends[target] = send
         return plan
@@ -478,7 +508,8 @@ class FleetRepairer:
             reply = await self._ask(peer, addresses[peer], "RunDigests", pb.RunDigestsRequest(run_roots=roots))
             if reply is None:
                 return [((peer, k), None) for k in roots]
-            return [((peer, k), RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest))
+            return [((peer, k), RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest,
+                                          pins=tuple(sorted((p.hash, p.until_s) for p in d.pins))))
                     for k, d in zip(roots, reply.runs, strict=True)]
 
         found = await asyncio.gather(*(ask(peer, idx) for peer, idx in asked.items()))
@@ -583,7 +614,7 @@ class FleetRepairer:
             if went is not None:
                 return went
         p = self.progress
-        request, count, size, damaged = await self.tier.call(self._read, chunk, skipped)
+        request, count, size, damaged, sent_pins = await self.tier.call(self._read, chunk, skipped)
         p.damaged_blocks += damaged
         if not count:
             return True
@@ -602,7 +633,7 @@ class FleetRepairer:
                 return False
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
-        self._count_pins(lane.target, reply)
+        self._count_pins(lane.target, reply, sent_pins)
         await self._publish()
         return True
 
@@ -657,13 +688,16 @@ class FleetRepairer:
         p.bulk_bytes += reply.written_bytes
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
-        self._count_pins(lane.target, reply)
+        self._count_pins(lane.target, reply, held)
         await self._publish()
         return True
 
-    def _count_pins(self, target: str, reply: pb.CopyBlocksResponse) -> None:
-        """R31: what the target granted of the pins sent with a batch; one granted short (its limits for the
-        tenant) is logged and counted (this node's own pin is left as it is)."""
+    def _count_pins(self, target: str, reply: pb.CopyBlocksResponse, sent: dict[bytes, float]) -> None:
+        """R31: what the target granted of the pins sent with a batch (`sent`: storage key -> time); one granted
+        short (its limits for the tenant) is logged and counted (this node's own pin is left as it is). R32: each
+        is remembered as sent to the target for its time, so it is not sent again for it."""
+        for key, until in sent.items():
+            self._pins_sent[(target, key[KEY_BYTES - HASH_BYTES:])] = until
         p = self.progress
         p.pins_copied += reply.pins_granted
         p.pins_short += reply.pins_short
@@ -671,13 +705,15 @@ class FleetRepairer:
             log.warning("fleet: node %s granted %d copied pins shorter than held here, or not at all: %s",
                         target, reply.pins_short, reply.pin_note)
 
-    def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[bytes, int, int, int]:
+    def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[bytes, int, int, int, dict[bytes, float]]:
         """The chunk's blocks as one encoded CopyBlocksRequest, each block verified against its checksum by
-        the read (F17): (request, blocks in it, their bytes, blocks found damaged). Runs on the tier's
-        executor, off the event loop; the block bytes are copied once, into the request (`encode_copy`)."""
+        the read (F17): (request, blocks in it, their bytes, blocks found damaged, the pins it carries: key ->
+        time). Runs on the tier's executor, off the event loop; the block bytes are copied once, into the request
+        (`encode_copy`)."""
         statuses = self.tier.read([b.key for b in chunk])
         held = pins_on(self.tier, [b.key for b in chunk])
         pieces: list[bytes] = []
+        sent: dict[bytes, float] = {}
         count = size = damaged = 0
         for b, (status, data) in zip(chunk, statuses, strict=True):
             parent = b.key[:-32] + b.meta.parent_hash
@@ -693,9 +729,11 @@ class FleetRepairer:
                 skipped.add(b.key)
                 continue
             pieces += encode_copy(b, namespace, data, pin_until_s=held.get(b.key, 0.0))
+            if b.key in held:
+                sent[b.key] = held[b.key]
             count += 1
             size += len(data)
-        return b"".join(pieces), count, size, damaged
+        return b"".join(pieces), count, size, damaged, sent
 
     async def _publish(self, *, force: bool = False) -> None:
         """Write the progress record (at most once a second unless `force`)."""

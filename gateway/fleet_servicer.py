@@ -124,7 +124,9 @@ class FleetServicer:
         # R31: a pinned prefix counts whatever its last use, as the repairer sending it counts it.
         found = await self.tier.call(lambda: run_index.digests(self.tier.env, roots, self.run_blocks,
                                                                since_s=now - self.window_s, now_s=now))
-        return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest)
+        # R32: with the live pins on them, so a replica lacking a pin its run's other copy holds is found.
+        return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest,
+                                                        pins=[pb.RunPin(hash=h, until_s=u) for h, u in d.pins])
                                            for d in found])
 
     @unary

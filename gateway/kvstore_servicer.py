@@ -41,7 +41,7 @@ from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.pins import PinGrant
-from tiers.store import BlockStore, PinningStore, PutBatch, PutResult, ReadStatus
+from tiers.store import AnchoredLookup, BlockStore, PinningStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
@@ -98,6 +98,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.tier = tier
         #: The store's pins (R22-R27); None: a store that does not pin (a gateway's, for now).
         self.pins = tier if isinstance(tier, PinningStore) else None
+        #: A next turn's Lookup from its anchor's stored record (A5); None: from remembered anchors (A1).
+        self.anchored = tier if isinstance(tier, AnchoredLookup) else None
         #: Where each pin granted is recorded (R27); None: not recorded (a servicer built without the log).
         self.audit = audit
         #: A gateway's store routes whole requests (docs/FLEET.md F36-F40); None on a node.
@@ -144,6 +146,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         limit = self.settings.max_lookup_blocks
         if request.anchor_hash or request.anchor_blocks:  # a next turn: the remembered chain, then these
             validate.anchor(request.anchor_hash, request.anchor_blocks, request.block_hashes)
+            if self._from_anchor_record():  # A5: the anchor's record vouches for its prefix; the new hashes read
+                return await self._lookup_after(request, layout, scope, limit)
             head = self.anchors.expand(scope.prefix, request.anchor_hash, request.anchor_blocks)
             if head is None:
                 return pb.LookupResponse(anchor_unknown=True)  # A4: nothing looked up; the client sends all
@@ -161,8 +165,41 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         due: list[bytes] = []
         found, lease = await self.tier.call(
             lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
-        self.hits.record(scope.namespace, "lookup", len(hashes), found)
         self._remember(scope, hashes, found, request)
+        return await self._found(request, layout, scope, hashes, found, hashes[found - 1] if found else b"", lease,
+                                 due, only_swa=only_swa)
+
+    def _from_anchor_record(self) -> bool:
+        """Whether a next turn is answered from its anchor's stored record (A5): on a node's own store,
+        unless the trace records every Lookup's whole chain (it then takes the remembered one, A1)."""
+        return self.anchored is not None and self.router is None and not self.trace.enabled
+
+    async def _lookup_after(self, request: pb.LookupRequest, layout: Layout, scope: BlockScope,
+                            limit: int) -> pb.LookupResponse:
+        """A next turn from its anchor (A5): the anchor stored at its depth stands for its prefix (R6, and a
+        hash fixes its ancestors), so only the hashes after it are read; unknown (A4) when it is not."""
+        assert self.anchored is not None
+        anchored, blocks, anchor = self.anchored, request.anchor_blocks, request.anchor_hash
+        after = validate.anchored_after(request.block_hashes_packed, blocks, limit=limit)
+        lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
+        due: list[bytes] = []
+        answer = await self.tier.call(
+            lambda: anchored.lookup_after(scope, anchor, blocks, after, lease_ms / 1000.0, touch_due=due))
+        if answer is None:
+            return pb.LookupResponse(anchor_unknown=True)  # nothing looked up or leased: the client sends all
+        found, lease = answer
+        deepest = after[found - blocks - 1] if found > blocks else anchor
+        # The trace is off here (`_from_anchor_record`): it would want the whole chain, which this path never has.
+        return await self._found(request, layout, scope, after, found, deepest, lease, due, asked=blocks + len(after))
+
+    async def _found(self, request: pb.LookupRequest, layout: Layout, scope: BlockScope, hashes: Sequence[bytes],
+                     found: int, deepest: bytes, lease: Any, due: list[bytes], *, only_swa: bool = False,
+                     asked: int | None = None) -> pb.LookupResponse:
+        """A node's Lookup answer once the tier found `found` blocks (`deepest` the last; `asked` blocks in all,
+        default len(hashes)): the found prefix refreshed (R5), pinned or placed if asked, the SWA pool's
+        resume, the trace (of `hashes`)."""
+        lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
+        self.hits.record(scope.namespace, "lookup", len(hashes) if asked is None else asked, found)
         if due:
             # A hit is a use (R5): the deepest found block's refresh keeps its whole
             # prefix (R6 and the carry-up of R7), durable before the answer, batched
@@ -178,7 +215,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                   lease_id=lease.lease_id if lease else "", lease_ms=lease_ms if lease else 0)
         if request.keep_until_s:  # R22-R24: the found prefix, pinned on its deepest block
             _check_keep_until(request.keep_until_s)
-            await self._lookup_pin(reply, scope, hashes[found - 1] if found else b"", request.keep_until_s)
+            await self._lookup_pin(reply, scope, deepest, request.keep_until_s)
         if request.want_hosts and found:  # where the found prefix lives: here, all of it (PLANNER.md)
             reply.hosts.append(self.own_host.held(found).to_pb())
         # A fleet client found the blocks on the runs' nodes and asks this node's shared pool for the
@@ -253,7 +290,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def _remember(self, scope: BlockScope, hashes: Sequence[bytes], found: int, request: pb.LookupRequest) -> None:
         """Remember the found prefix of a Lookup as an anchor for its next turn (A1); not again when
         it is the anchor's own chain (found no further)."""
-        if found and found != request.anchor_blocks:
+        if found and found != request.anchor_blocks and not self._from_anchor_record():  # A5 needs none
             self.anchors.remember(scope.prefix, hashes[:found], replaces=request.anchor_hash)
 
     async def _routed_lookup(self, request: pb.LookupRequest, scope: BlockScope, hashes: Sequence[bytes],

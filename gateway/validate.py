@@ -138,6 +138,15 @@ def anchored_hashes(head: PackedHashes, after: bytes, *, limit: int) -> Sequence
     return PackedHashes(head.packed + after) if after else head
 
 
+def anchored_after(after: bytes, anchor_blocks: int, *, limit: int) -> PackedHashes:
+    """A next turn's hashes after its anchor (A5), packed as they came.
+
+    Raises:
+        InvalidArgument: `after` not a multiple of 32 bytes, or more than `limit` hashes with the anchor's.
+    """
+    return PackedHashes(_packed(after, limit=limit, already=anchor_blocks))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PutPlan:
     """A validated Put: where the chain starts, its hashes, and its blocks."""

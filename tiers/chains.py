@@ -260,6 +260,49 @@ class ChainIndex:
             self.memo.remember_packed(scope.key(hashes[found - 1]), packed[:found * HASH_BYTES])
         return found, last_use_s
 
+    def find_after(self, scope: BlockScope, anchor: bytes, depth: int, after: Sequence[bytes]
+                   ) -> tuple[int, float] | None:
+        """A next turn's `find` from its anchor: (blocks found from the first block, the deepest one's
+        last use), or None when `anchor` is not stored at `depth` in `scope`.
+
+        The anchor stored at its depth stands for its whole prefix: R6 keeps the chain above a
+        stored block stored, and its hash fixes which blocks those are. So only the hashes after
+        it are read, each as `_walk` reads them (R15: stored, one level down, naming the one
+        before as its parent): the work is the new blocks', not the prompt's.
+        """
+        prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
+        chain = _Anchored(anchor, depth, after)
+        i = depth - 1
+        damaged = ""
+        try:
+            with self._env.begin(buffers=True) as txn:
+                get, db = txn.get, self._records
+                last_meta = get(prefix + anchor + tag, None, db)
+                if last_meta is None or len(last_meta) != size or unpack(last_meta)[1] != depth:
+                    return None
+                previous, raw = anchor, None
+                for i, h in enumerate(after, depth):
+                    raw = get(prefix + h + tag, None, db)
+                    if raw is None or len(raw) != size:
+                        break
+                    parent, at = unpack(raw)
+                    if at != i + 1 or parent != previous:
+                        break
+                    previous, last_meta = h, raw
+                else:
+                    i = len(chain)
+                last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0]
+                if i < len(chain) and not self._damage.known(prefix + chain[i]):
+                    damaged = _contradiction(get, db, prefix, chain, i, raw)
+        except lmdb.Error as exc:  # a damaged page: the chain ends before it (or the anchor is not read)
+            if i < depth:
+                return None
+            self._damage.note(prefix + chain[i], exc)
+            return i, 0.0
+        if damaged:
+            self._damage.note(prefix + chain[i], SilentDamage(damaged))
+        return i, last_use_s
+
     def extend(self, parent_key: bytes | None, key: bytes, hashes: Sequence[bytes]) -> None:
         """A Put stored `hashes` after `parent_key` (None: from the root): see `ChainCache.extend`."""
         self.memo.extend(parent_key, key, hashes)
@@ -328,7 +371,28 @@ class ChainIndex:
         return i, last_use_s
 
 
-def _contradiction(get: Callable[..., Any], db: Any, prefix: bytes, hashes: Sequence[bytes], i: int,
+class _Anchored:
+    """A next turn's chain as `_contradiction` reads it, by block index from the first block: the
+    anchor at `depth - 1`, the hashes after it from `depth` (the blocks above the anchor are
+    never read: the walk starts below it)."""
+
+    __slots__ = ("_after", "_anchor", "_depth")
+
+    def __init__(self, anchor: bytes, depth: int, after: Sequence[bytes]) -> None:
+        self._anchor, self._depth, self._after = anchor, depth, after
+
+    def __len__(self) -> int:
+        return self._depth + len(self._after)
+
+    def __getitem__(self, index: int) -> bytes:
+        if index == self._depth - 1:
+            return self._anchor
+        if index < self._depth:
+            raise IndexError(f"block {index} is above the anchor (block {self._depth - 1})")
+        return self._after[index - self._depth]
+
+
+def _contradiction(get: Callable[..., Any], db: Any, prefix: bytes, hashes: Sequence[bytes] | _Anchored, i: int,
                    raw: Any) -> str:
     """Why block i, where a chain walk stopped, must be damaged ("" when the stop may be true).
 

@@ -205,12 +205,29 @@ class LmdbBlockTier:
                 clock is due a restart (what `touch` would write): the caller refreshes it (R5).
         """
         found, last_use_s = self.chains.find(scope, hashes)
+        return found, self._found(scope, hashes[found - 1] if found else b"", found, len(hashes), last_use_s,
+                                  lease_s, touch_due)
+
+    def lookup_after(self, scope: BlockScope, anchor_hash: bytes, anchor_blocks: int, hashes: Sequence[bytes],
+                     lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
+        """`lookup` of a next turn: the chain of `anchor_blocks` blocks ending at `anchor_hash`, then `hashes`
+        (`tiers.store.AnchoredLookup`); None when the anchor is not stored at that depth (nothing leased)."""
+        known = self.chains.find_after(scope, anchor_hash, anchor_blocks, hashes)
+        if known is None:
+            return None
+        found, last_use_s = known
+        deepest = hashes[found - anchor_blocks - 1] if found > anchor_blocks else anchor_hash
+        return found, self._found(scope, deepest, found, anchor_blocks + len(hashes), last_use_s, lease_s, touch_due)
+
+    def _found(self, scope: BlockScope, deepest: bytes, found: int, asked: int, last_use_s: float, lease_s: float,
+               touch_due: list[bytes] | None) -> Lease | None:
+        """A Lookup's found prefix used (R5: the deepest block due a refresh), leased if asked, counted."""
         if touch_due is not None and found and self.rule.touch_due(last_use_s, self.retention_clock.now()):
-            touch_due.append(scope.key(hashes[found - 1]))
-        lease = self.leases.grant(scope.key(hashes[found - 1]), lease_s) if found and lease_s > 0 else None
+            touch_due.append(scope.key(deepest))
+        lease = self.leases.grant(scope.key(deepest), lease_s) if found and lease_s > 0 else None
         tokens = self.settings.block_tokens
-        self._tally.lookup(asked_tokens=len(hashes) * tokens, found_tokens=found * tokens)
-        return found, lease
+        self._tally.lookup(asked_tokens=asked * tokens, found_tokens=found * tokens)
+        return lease
 
     def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
         """Drop a lease (`LeaseTable.release`): False when unknown, expired, or pinning a key `owns` refuses."""

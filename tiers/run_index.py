@@ -66,20 +66,35 @@ class RunBlock:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunDigest:
-    """What a node holds of a run, in a few bytes: equal digests mean (all but surely) the same blocks."""
+    """What a node holds of a run, in a few bytes: equal digests mean (all but surely) the same blocks
+    and the same live pins on them (`pins`: (chain hash, pin's time), by hash; docs/RETENTION.md R32)."""
 
     blocks: int
     size_bytes: int
     digest: bytes
+    pins: tuple[tuple[bytes, float], ...] = ()
 
     @classmethod
-    def of(cls, blocks: Sequence[RunBlock]) -> RunDigest:
-        """The digest of a set of blocks (order does not matter)."""
+    def of(cls, blocks: Sequence[RunBlock], pins: dict[bytes, float] | None = None) -> RunDigest:
+        """The digest of a set of blocks (order does not matter), and of the live pins on them (storage key ->
+        the pin's time)."""
         acc = 0
         for b in blocks:
             acc ^= int.from_bytes(b.key[KEY_BYTES - HASH_BYTES:KEY_BYTES - HASH_BYTES + DIGEST_BYTES], "little")
         return cls(blocks=len(blocks), size_bytes=sum(b.meta.size_bytes for b in blocks),
-                   digest=acc.to_bytes(DIGEST_BYTES, "little"))
+                   digest=acc.to_bytes(DIGEST_BYTES, "little"),
+                   pins=tuple(sorted((k[KEY_BYTES - HASH_BYTES:], u) for k, u in (pins or {}).items())))
+
+    def same_blocks(self, other: RunDigest) -> bool:
+        """Whether `other` counts the same blocks (its pins aside)."""
+        return (self.blocks, self.size_bytes, self.digest) == (other.blocks, other.size_bytes, other.digest)
+
+    def pin_of(self, hash_: bytes) -> float:
+        """The time of the live pin on the block `hash_` (0: none)."""
+        for h, until in self.pins:
+            if h == hash_:
+                return until
+        return 0.0
 
 
 def run_blocks_of(txn: lmdb.Transaction, state: lmdb._Database) -> int:
@@ -181,7 +196,8 @@ def digests(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, s
     used at or after `since_s` (the retention window's start), and with `now_s`, those a live pin keeps
     too (`in_window`)."""
     if now_s is not None:
-        return [RunDigest.of(blocks) for blocks in in_window(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
+        return [RunDigest.of(blocks, held) for blocks, held in
+                in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
     with env.begin() as txn:
         records = env.open_db(b"records", txn=txn)
         return [RunDigest.of([b for b in _members(txn, records, root, run_blocks) if b.meta.last_access_s >= since_s])
@@ -193,28 +209,38 @@ def in_window(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *,
     """Each run's blocks that re-replication copies and counts (docs/FLEET.md F19, docs/RETENTION.md R31): those
     last used at or after `since_s`, and, whatever their last use, each block a live pin holds at `now_s` with its
     ancestors in the run (R6: a pin keeps its prefix), so a pinned prefix is copied until its pin's time."""
+    return [blocks for blocks, _ in in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
+
+
+def in_window_pins(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float,
+                   now_s: float) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
+    """`in_window`, each run with the live pins on its blocks (storage key -> the pin's time): what a replica's
+    digest counts of its pins (docs/RETENTION.md R32), so one that lacks a pin its run's other copy holds is found."""
     with env.begin() as txn:
         records, pins_db = env.open_db(b"records", txn=txn), env.open_db(pins.PINS_DB, txn=txn)
         return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), since_s, now_s) for root in roots]
 
 
 def _in_window(txn: lmdb.Transaction, pins_db: lmdb._Database, blocks: list[RunBlock], since_s: float,
-               now_s: float) -> list[RunBlock]:
+               now_s: float) -> tuple[list[RunBlock], dict[bytes, float]]:
     # One read per run when its tenant holds no pins on this node (the usual case); else one per block.
     if not blocks or not pins.totals(txn, pins_db, namespaces.id_of_key(blocks[0].key)).pins:
-        return [b for b in blocks if b.meta.last_access_s >= since_s]
+        return [b for b in blocks if b.meta.last_access_s >= since_s], {}
     by_key = {b.key: b for b in blocks}
     kept: set[bytes] = set()
+    live: dict[bytes, float] = {}
     for b in blocks:
-        if b.key in kept or not pins.holds(txn, pins_db, b.key, now_s):
+        pin = pins.read_pin(txn, pins_db, b.key)
+        if pin is None or pin.until_s <= now_s:
             continue
+        live[b.key] = pin.until_s
         key: bytes | None = b.key
         while key is not None and key not in kept:  # the pinned block and its ancestors inside the run
             kept.add(key)
             up = by_key[key]
             parent = key[:KEY_BYTES - HASH_BYTES] + up.meta.parent_hash
             key = parent if parent in by_key else None
-    return [b for b in blocks if b.meta.last_access_s >= since_s or b.key in kept]
+    return [b for b in blocks if b.meta.last_access_s >= since_s or b.key in kept], live
 
 
 def held(env: lmdb.Environment, keys: Iterable[bytes]) -> list[bool]:

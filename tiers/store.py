@@ -40,8 +40,8 @@ from tiers.pins import Pin, PinGrant, PinLimits, PinTotals
 from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
-__all__ = ["BlockStore", "ManagedStore", "MappedReads", "MappedStore", "NamespaceUsage", "PinningStore", "PutBatch",
-           "PutResult", "ReadStatus", "StagedReads"]
+__all__ = ["AnchoredLookup", "BlockStore", "ManagedStore", "MappedReads", "MappedStore", "NamespaceUsage",
+           "PinningStore", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
 
 T = TypeVar("T")
 
@@ -108,6 +108,18 @@ class BlockStore(Protocol):
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
         """The blocks, bytes and token-hours `namespace` stores (R17)."""
+        ...
+
+
+@runtime_checkable
+class AnchoredLookup(Protocol):
+    """The capability of a next turn's Lookup from its anchor, with work in the new hashes only
+    (docs/PREFIX_HASHING.md A5): a store on this host's LMDB has it; the fleet's router does not."""
+
+    def lookup_after(self, scope: BlockScope, anchor_hash: bytes, anchor_blocks: int, hashes: Sequence[bytes],
+                     lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
+        """`lookup` of the chain of `anchor_blocks` blocks ending at `anchor_hash`, then `hashes`; found counts
+        from the first block. None when the anchor is not stored at that depth in `scope` (nothing leased)."""
         ...
 
 

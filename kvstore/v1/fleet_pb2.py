@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/fleet.proto\x12\nkvstore.v1\"&\n\x11RunDigestsRequest\x12\x11\n\trun_roots\x18\x01 \x03(\x0c\"?\n\tRunDigest\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\"9\n\x12RunDigestsResponse\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.RunDigest\"!\n\x11HeldBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\"\n\x12HeldBlocksResponse\x12\x0c\n\x04held\x18\x01 \x03(\x08\"\xb2\x01\n\x0b\x43opiedBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\x12\x12\n\nlast_use_s\x18\x07 \x01(\x01\x12\x16\n\x0esource_address\x18\x08 \x01(\x06\x12\x13\n\x0bpin_until_s\x18\t \x01(\x01\"R\n\x11\x43opyBlocksRequest\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.CopiedBlock\x12\x14\n\x0c\x62ulk_segment\x18\x02 \x01(\t\"\xae\x01\n\x12\x43opyBlocksResponse\x12\x16\n\x0ewritten_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x65xisting_blocks\x18\x02 \x01(\r\x12\x15\n\rwritten_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ulk_refused\x18\x04 \x01(\t\x12\x14\n\x0cpins_granted\x18\x05 \x01(\r\x12\x12\n\npins_short\x18\x06 \x01(\r\x12\x10\n\x08pin_note\x18\x07 \x01(\t2\xee\x01\n\x05\x46leet\x12K\n\nRunDigests\x12\x1d.kvstore.v1.RunDigestsRequest\x1a\x1e.kvstore.v1.RunDigestsResponse\x12K\n\nHeldBlocks\x12\x1d.kvstore.v1.HeldBlocksRequest\x1a\x1e.kvstore.v1.HeldBlocksResponse\x12K\n\nCopyBlocks\x12\x1d.kvstore.v1.CopyBlocksRequest\x1a\x1e.kvstore.v1.CopyBlocksResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/fleet.proto\x12\nkvstore.v1\"&\n\x11RunDigestsRequest\x12\x11\n\trun_roots\x18\x01 \x03(\x0c\"a\n\tRunDigest\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x03 \x01(\x0c\x12 \n\x04pins\x18\x04 \x03(\x0b\x32\x12.kvstore.v1.RunPin\"\'\n\x06RunPin\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\x0f\n\x07until_s\x18\x02 \x01(\x01\"9\n\x12RunDigestsResponse\x12#\n\x04runs\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.RunDigest\"!\n\x11HeldBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"\"\n\x12HeldBlocksResponse\x12\x0c\n\x04held\x18\x01 \x03(\x08\"\xb2\x01\n\x0b\x43opiedBlock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\r\n\x05\x64\x65pth\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\x12\x12\n\nlast_use_s\x18\x07 \x01(\x01\x12\x16\n\x0esource_address\x18\x08 \x01(\x06\x12\x13\n\x0bpin_until_s\x18\t \x01(\x01\"R\n\x11\x43opyBlocksRequest\x12\'\n\x06\x62locks\x18\x01 \x03(\x0b\x32\x17.kvstore.v1.CopiedBlock\x12\x14\n\x0c\x62ulk_segment\x18\x02 \x01(\t\"\xae\x01\n\x12\x43opyBlocksResponse\x12\x16\n\x0ewritten_blocks\x18\x01 \x01(\r\x12\x17\n\x0f\x65xisting_blocks\x18\x02 \x01(\r\x12\x15\n\rwritten_bytes\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ulk_refused\x18\x04 \x01(\t\x12\x14\n\x0cpins_granted\x18\x05 \x01(\r\x12\x12\n\npins_short\x18\x06 \x01(\r\x12\x10\n\x08pin_note\x18\x07 \x01(\t2\xee\x01\n\x05\x46leet\x12K\n\nRunDigests\x12\x1d.kvstore.v1.RunDigestsRequest\x1a\x1e.kvstore.v1.RunDigestsResponse\x12K\n\nHeldBlocks\x12\x1d.kvstore.v1.HeldBlocksRequest\x1a\x1e.kvstore.v1.HeldBlocksResponse\x12K\n\nCopyBlocks\x12\x1d.kvstore.v1.CopyBlocksRequest\x1a\x1e.kvstore.v1.CopyBlocksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNDIGESTSREQUEST']._serialized_start=38
   _globals['_RUNDIGESTSREQUEST']._serialized_end=76
   _globals['_RUNDIGEST']._serialized_start=78
-  _globals['_RUNDIGEST']._serialized_end=141
-  _globals['_RUNDIGESTSRESPONSE']._serialized_start=143
-  _globals['_RUNDIGESTSRESPONSE']._serialized_end=200
-  _globals['_HELDBLOCKSREQUEST']._serialized_start=202
-  _globals['_HELDBLOCKSREQUEST']._serialized_end=235
-  _globals['_HELDBLOCKSRESPONSE']._serialized_start=237
-  _globals['_HELDBLOCKSRESPONSE']._serialized_end=271
-  _globals['_COPIEDBLOCK']._serialized_start=274
-  _globals['_COPIEDBLOCK']._serialized_end=452
-  _globals['_COPYBLOCKSREQUEST']._serialized_start=454
-  _globals['_COPYBLOCKSREQUEST']._serialized_end=536
-  _globals['_COPYBLOCKSRESPONSE']._serialized_start=539
-  _globals['_COPYBLOCKSRESPONSE']._serialized_end=713
-  _globals['_FLEET']._serialized_start=716
-  _globals['_FLEET']._serialized_end=954
+  _globals['_RUNDIGEST']._serialized_end=175
+  _globals['_RUNPIN']._serialized_start=177
+  _globals['_RUNPIN']._serialized_end=216
+  _globals['_RUNDIGESTSRESPONSE']._serialized_start=218
+  _globals['_RUNDIGESTSRESPONSE']._serialized_end=275
+  _globals['_HELDBLOCKSREQUEST']._serialized_start=277
+  _globals['_HELDBLOCKSREQUEST']._serialized_end=310
+  _globals['_HELDBLOCKSRESPONSE']._serialized_start=312
+  _globals['_HELDBLOCKSRESPONSE']._serialized_end=346
+  _globals['_COPIEDBLOCK']._serialized_start=349
+  _globals['_COPIEDBLOCK']._serialized_end=527
+  _globals['_COPYBLOCKSREQUEST']._serialized_start=529
+  _globals['_COPYBLOCKSREQUEST']._serialized_end=611
+  _globals['_COPYBLOCKSRESPONSE']._serialized_start=614
+  _globals['_COPYBLOCKSRESPONSE']._serialized_end=788
+  _globals['_FLEET']._serialized_start=791
+  _globals['_FLEET']._serialized_end=1029
 # @@protoc_insertion_point(module_scope)

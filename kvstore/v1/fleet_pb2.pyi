@@ -13,14 +13,24 @@ class RunDigestsRequest(_message.Message):
     def __init__(self, run_roots: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RunDigest(_message.Message):
-    __slots__ = ("blocks", "size_bytes", "digest")
+    __slots__ = ("blocks", "size_bytes", "digest", "pins")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     size_bytes: int
     digest: bytes
-    def __init__(self, blocks: _Optional[int] = ..., size_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    pins: _containers.RepeatedCompositeFieldContainer[RunPin]
+    def __init__(self, blocks: _Optional[int] = ..., size_bytes: _Optional[int] = ..., digest: _Optional[bytes] = ..., pins: _Optional[_Iterable[_Union[RunPin, _Mapping]]] = ...) -> None: ...
+
+class RunPin(_message.Message):
+    __slots__ = ("hash", "until_s")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_S_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    until_s: float
+    def __init__(self, hash: _Optional[bytes] = ..., until_s: _Optional[float] = ...) -> None: ...
 
 class RunDigestsResponse(_message.Message):
     __slots__ = ("runs",)

@@ -133,3 +133,63 @@ def test_r31_a_copied_blocks_pin_is_on_the_wire_as_protobuf_encodes_it() -> None
                            checksum=7, last_use_s=1.8e9, pin_until_s=pin) for pin in (1.8e9 + 0.5, 0.0)]
     assert wire == pb.CopyBlocksRequest(blocks=want).SerializeToString()
     assert [c.pin_until_s for c in parse_copies(wire)] == [1.8e9 + 0.5, 0.0]
+
+
+@pytest.mark.parametrize("bulk", [False, True], ids=["grpc", "bulk"])
+def test_r32_a_replica_that_holds_the_run_but_missed_its_pin_is_given_it(fleet: Fleet, loop_thread: LoopThread,
+                                                                          bulk: bool) -> None:
+    """Two runs on a and b, b away (its server stopped, still in the view) while a's copy of one is pinned and
+    the other's pin, held on both, is extended there. b comes back holding every block: a's pass finds the
+    missing pins in the digests and sends the pinned blocks again with them, so b holds both pins until a's times,
+    charged once each to the tenant's budget; nothing is copied, and a second pass (and b's own) sends nothing."""
+    if bulk:
+        _need_mooncake()
+    a, b = fleet.node("a", bulk=bulk, **PINS), fleet.node("b", bulk=bulk, **PINS)
+    missed, extended = chain(RUN_BLOCKS, seed=20), chain(RUN_BLOCKS, seed=21)
+    start = fleet.clock.now()
+    for node in (a, b):
+        put(node.tier, *missed)
+        put(node.tier, *extended)
+        assert node.tier.pin(SCOPE, extended[0][-1], start + 10 * HOUR).until_s
+    loop_thread.run(b.halt())  # away: a's pins below cannot reach it
+    assert a.tier.pin(SCOPE, missed[0][1], start + 150 * HOUR).until_s == start + 150 * HOUR
+    assert a.tier.pin(SCOPE, extended[0][-1], start + 120 * HOUR).until_s == start + 120 * HOUR
+    loop_thread.run(b.serve())
+    view = _view_of(fleet, loop_thread, {"a", "b"})
+    progress = fleet.one_pass(fleet.repairer("a", view, bulk=bulk))
+    assert (progress.copied_blocks, progress.pins_copied, progress.pins_short) == (0, 2, 0)
+    totals, held = b.tier.pins_of("default")
+    assert {p.key: p.until_s for p in held} == {SCOPE.key(missed[0][1]): start + 150 * HOUR,
+                                                SCOPE.key(extended[0][-1]): start + 120 * HOUR}
+    # R24: each pin charges its prefix in the run once (the extended one is not charged again).
+    assert (totals.pins, totals.charged_bytes) == (2, 2 * BLOCK + RUN_BLOCKS * BLOCK)
+    assert b.tier.pins_of("default")[0] == a.tier.pins_of("default")[0]
+    again = fleet.repairer("a", view, bulk=bulk)
+    assert fleet.one_pass(again).sent_bytes == 0  # the digests agree now, pins included
+    assert fleet.one_pass(fleet.repairer("b", view, bulk=bulk)).sent_bytes == 0
+
+
+def test_r32_a_pin_the_replica_grants_shorter_is_not_asked_again(fleet: Fleet, loop_thread: LoopThread) -> None:
+    """c holds a's pinned run without the pin and allows shorter pins: a's pass sends the pin once, c grants it
+    within its own limits (counted short), and the next passes of the same repairer do not ask again; a pin
+    moved later on a is sent again."""
+    a = fleet.node("a", **PINS)
+    c = fleet.node("c", pin_max_hours=100.0, pin_budget_bytes=1 << 24)
+    hashes, blocks = chain(RUN_BLOCKS, seed=30)
+    start = fleet.clock.now()
+    put(a.tier, hashes, blocks)
+    put(c.tier, hashes, blocks)
+    assert a.tier.pin(SCOPE, hashes[-1], start + 150 * HOUR).until_s
+    now = c.tier.retention_clock.now()
+    repairer = fleet.repairer("a", _view_of(fleet, loop_thread, {"a", "c"}))
+    progress = fleet.one_pass(repairer)
+    assert (progress.copied_blocks, progress.pins_copied, progress.pins_short) == (0, 0, 1)
+    assert {p.key: p.until_s for p in c.tier.pins_of("default")[1]} == {SCOPE.key(hashes[-1]): now + 100 * HOUR}
+    sent = progress.sent_bytes
+    assert sent == BLOCK  # only the pinned block went again
+    fleet.clock.advance(HOUR)
+    assert fleet.one_pass(repairer).sent_bytes == sent  # not asked again for the same time
+    assert a.tier.pin(SCOPE, hashes[-1], start + 160 * HOUR).until_s == start + 160 * HOUR
+    progress = fleet.one_pass(repairer)
+    assert (progress.sent_bytes, progress.pins_short) == (2 * sent, 2)
+    assert {p.until_s for p in c.tier.pins_of("default")[1]} == {now + 101 * HOUR}

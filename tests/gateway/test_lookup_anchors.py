@@ -89,8 +89,8 @@ def test_a4_an_unknown_anchor_or_length_is_answered_so_and_the_client_sends_the_
                                     block_hashes_packed=b"".join(hashes[STORED:]))
     reply = stub.Lookup(wrong_length)
     assert reply.anchor_unknown and reply.found_blocks == 0
-    with Client(server.target) as fresh:  # an anchor this server never found: forgotten, then the whole chain
-        fresh.connection.anchors.note(hashes[69], 70)
+    with Client(server.target) as fresh:  # an anchor not stored at its depth: forgotten, then the whole chain
+        fresh.connection.anchors.note(hashes[109], 110)
         assert fresh.lookup(tokens).found_blocks == STORED
         assert fresh.connection.anchors.best(hashes) == STORED  # the found chain replaced it
 
@@ -141,3 +141,72 @@ def test_a_next_turn_past_the_lookup_limit_is_invalid(start_server: Any, store_s
             stub.Lookup(pb.LookupRequest(anchor_hash=hashes[STORED - 1], anchor_blocks=STORED,
                                          block_hashes_packed=b"x" * 33))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "33 bytes" in info.value.details()
+
+
+def _scope(client: Client) -> Any:
+    from kvstore.prefix import BlockScope
+
+    return BlockScope(client.connection.fingerprint, "default")
+
+
+def test_a5_a_next_turn_reads_its_anchor_from_the_store_and_its_new_hashes_as_a_chain(
+        server: Any, client: Client, conversation: Any) -> None:
+    """The anchor's record vouches for its prefix: no remembered chain is needed (a restarted server, or one
+    that never saw the Lookup, answers from it), and blocks after it count only as its chain (R15)."""
+    tokens, hashes = conversation
+    bt = client.block_tokens
+    stub = stub_of(server)
+    assert stub.Lookup(anchored(hashes, STORED)).found_blocks == STORED  # no Lookup before it
+    client.put(tokens, [os.urandom(client.block_bytes) for _ in range(20)], first_block=STORED)
+    assert stub.Lookup(anchored(hashes, STORED)).found_blocks == STORED + 20  # the new blocks, stored since
+    other = [os.urandom(32) for _ in range(3)]
+    assert stub.Lookup(anchored(hashes[:STORED + 5] + other, STORED)).found_blocks == STORED + 5
+    # Stored blocks that are not this chain's continuation (another prompt's, or this one's out of order)
+    # are not counted after the anchor: each must name the one before it as its parent, one level down.
+    shuffled = [*hashes[:STORED], hashes[STORED + 1], hashes[STORED]]
+    assert stub.Lookup(anchored(shuffled, STORED)).found_blocks == STORED
+    skipped = hashes[:STORED] + hashes[STORED + 1:]
+    assert stub.Lookup(anchored(skipped, STORED)).found_blocks == STORED
+    another = [t + 7 for t in tokens[:bt * (STORED + 1)]]  # another prompt's block at the depth that follows
+    client.put(another, [os.urandom(client.block_bytes) for _ in range(STORED + 1)])
+    assert stub.Lookup(anchored(hashes[:STORED] + client.hashes(another)[STORED:], STORED)).found_blocks == STORED
+    assert stub.Lookup(anchored(hashes, STORED - 20)).found_blocks == STORED + 20  # any stored prefix anchors
+    wrong_depth = pb.LookupRequest(anchor_hash=hashes[STORED - 1], anchor_blocks=STORED + 1,
+                                   block_hashes_packed=b"".join(hashes[STORED:]))
+    assert stub.Lookup(wrong_depth).anchor_unknown  # the depth is the record's, exactly
+    assert client.lookup(tokens[:bt * (STORED + 20)] + [1] * bt).found_blocks == STORED + 20
+
+
+@pytest.mark.parametrize("cut", [0, 40, STORED - 1])
+def test_a5_blocks_evicted_between_turns_give_the_true_found_length(server: Any, client: Client,
+                                                                     conversation: Any, cut: int) -> None:
+    """The turn before found 100 blocks; the store lost block `cut` and every block below it (what eviction
+    and purge remove, R6) before the next turn: its anchor is gone, and the answer is the `cut` left."""
+    tokens, hashes = conversation
+    bt = client.block_tokens
+    assert client.lookup(tokens[:bt * STORED]).found_blocks == STORED
+    assert client.connection.anchors.best(hashes) == STORED
+    server.tier.purge(_scope(client), [hashes[cut]])
+    assert client.lookup(tokens).found_blocks == cut
+    assert client.lookup(tokens).found_blocks == cut  # the anchor noted from that answer (or none) holds
+
+
+def test_a5_an_anchor_evicted_below_the_new_hashes_gives_the_true_found_length(server: Any, client: Client,
+                                                                                conversation: Any) -> None:
+    tokens, hashes = conversation
+    client.put(tokens, [os.urandom(client.block_bytes) for _ in range(20)], first_block=STORED)
+    assert client.lookup(tokens[:client.block_tokens * STORED]).found_blocks == STORED
+    server.tier.purge(_scope(client), [hashes[STORED + 7]])  # the new part: the anchor stays
+    assert client.lookup(tokens).found_blocks == STORED + 7
+
+
+def test_a5_a_whole_tenant_purged_between_turns_finds_nothing_and_another_tenant_never_anchors(
+        server: Any, client: Client, conversation: Any) -> None:
+    tokens, hashes = conversation
+    bt = client.block_tokens
+    assert client.lookup(tokens[:bt * STORED]).found_blocks == STORED
+    with Client(server.target, namespace="tenant-b") as other:
+        other.connection.anchors.note(hashes[STORED - 1], STORED)  # the same hashes, named by another tenant
+        assert other.lookup(tokens).found_blocks == 0
+    server.tier.purge(_scope(client), None)
+    assert client.lookup(tokens).found_blocks == 0

@@ -178,3 +178,36 @@ def test_the_memo_keeps_at_most_its_bytes() -> None:
     assert not memo.knows(first, pieces[first]) and all(memo.knows(k, pieces[k]) for k in rest)
     memo.remember(b"big", [b"x" * 32] * 20)  # larger than the whole memo: not kept, nothing dropped
     assert len(memo) == 3 and not memo.knows(b"big", [b"x" * 32] * 20)
+
+
+def test_a5_a_next_turn_from_its_anchor_finds_what_the_walk_finds(make_kit: Any) -> None:
+    """Fuzz: `find_after` (the anchor's record, then the hashes after it) against the record-by-record walk
+    of the whole prompt, for every anchor the walk would vouch for; an anchor not stored at its depth
+    (another depth, a stray hash, a block the prompt does not reach) is None, never a count."""
+    kit = make_kit(blocks=64)
+    rng = random.Random(25)
+    a, b = kit.chain(0, 12), kit.chain(50_000, 6)
+    kit.put(a, 0, 9)
+    kit.put(b)
+    stray = kit.chain(90_000, 3)
+    for _ in range(300):
+        base = rng.choice((a, b))
+        cut = base[:rng.randint(1, len(base))]
+        tail = rng.choice(([], stray[:rng.randint(1, 3)], [cut[-1]], b[:rng.randint(1, 6)], a[rng.randint(0, 11):]))
+        hashes = [*cut, *tail]
+        if len(hashes) > 2 and rng.random() < 0.3:
+            i = rng.randrange(1, len(hashes) - 1)
+            hashes[i], hashes[i + 1] = hashes[i + 1], hashes[i]
+        want = kit.tier.chains._walk(kit.scope, hashes)[0]
+        depth = rng.randint(1, len(hashes))
+        got = kit.tier.chains.find_after(kit.scope, hashes[depth - 1], depth, PackedHashes(b"".join(hashes[depth:])))
+        if depth <= want:
+            assert got is not None and got[0] == want, (hashes, depth)
+        # Whatever the hashes above it: the anchor stands for the stored chain ending at it, when one does.
+        truth = next((c[:depth] for c in (a[:9], b) if len(c) >= depth and c[depth - 1] == hashes[depth - 1]), None)
+        if truth is None:
+            assert got is None, (hashes, depth)
+        else:
+            assert got is not None and got[0] == kit.tier.chains._walk(kit.scope, [*truth, *hashes[depth:]])[0]
+        lease = kit.tier.lookup_after(kit.scope, hashes[depth - 1], depth, hashes[depth:], 1.0)
+        assert (lease is None) == (got is None)
