@@ -42,7 +42,7 @@ from kvstore.client.fleet_chain import fleet_hashes, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_runs
 from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
-from kvstore.client.fleet_pins import pin_runs
+from kvstore.client.fleet_pins import combine, pin_grants, pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
 from kvstore.client.fleet_refresh import Refresher
 from kvstore.client.resume_report import report_resume
@@ -280,7 +280,9 @@ class FleetClient(Client):
         Acknowledged only when every copy is durable; `on_batch` is called with each run's block count once
         that run is on all its replicas. `parent` is accepted and checked, not needed: the client hashes the
         prefix itself (it places runs by their first hash). `keep_until_s` pins the stored prompt, from block 0,
-        on every copy of every run once the Put is acknowledged (docs/RETENTION.md R28).
+        on every copy of every run (docs/RETENTION.md R28): each copy's Put pins its run part's last block in its
+        own transaction (R22); only runs wholly before `first_block` (not in this Put) are pinned by a Lookup.
+        The answer is the earliest time any copy granted, with the copies that kept less and why.
 
         Raises:
             PutNotReplicated: a copy failed (which runs, which nodes, how many leading blocks are on all
@@ -310,8 +312,14 @@ class FleetClient(Client):
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self._batch_limit)
         done = put_runs(self.pool, runs, chain=chain, tokens=tokens, payload=payload, first_block=first_block,
                         extra_keys=arguments.extra_keys(extra_keys), step=step, executor=self._executor,
-                        retry=self.retry, on_batch=on_batch, replace=lambda run: self.placement(chain)[run])
-        kept = pin_runs(self.pool, self.placement(chain), chain, end, until) if until and end > first_block else None
+                        retry=self.retry, on_batch=on_batch, replace=lambda run: self.placement(chain)[run],
+                        keep_until_s=until)
+        kept = None
+        if until and end > first_block:
+            # Runs wholly before this Put are not in it: each is pinned on its copies by a Lookup (R28).
+            before = [r for r in self.placement(chain) if r.end_block <= first_block]
+            earlier = pin_grants(self.pool, before, chain, first_block, until) if before else []
+            kept = combine(until, [*earlier, *done.grants])
         return PutResult(block_hashes=chain[first_block:end], written_blocks=done.written_blocks,
                          existing_blocks=done.existing_blocks, kept_until_s=kept.kept_until_s if kept else 0.0,
                          keep_note=kept.note if kept else ("nothing was stored to keep" if until else ""))

@@ -68,6 +68,12 @@ def pin_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes
 
     A replica that cannot be reached keeps no pin (said in the note); the others' pins stand.
     """
+    return combine(until_s, pin_grants(pool, runs, chain, found_blocks, until_s))
+
+
+def pin_grants(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], found_blocks: int,
+               until_s: float) -> list[CopyGrant]:
+    """`pin_runs`, each copy's grant on its own (to `combine` with others, e.g. a Put's own pins)."""
     calls: list[tuple[str, int, int, object]] = []
     grants: list[CopyGrant] = []
     for run in runs:
@@ -94,7 +100,7 @@ def pin_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes
                                     note=f"not pinned: {type(err).__name__}: {err.message}"))
             continue
         grants.append(copy_grant(node, run_index, wanted, reply))
-    return combine(until_s, grants)
+    return grants
 
 
 def copy_grant(node: str, run: int, wanted: int, reply: pb.LookupResponse | pb.PutResponse) -> CopyGrant:

@@ -11,6 +11,10 @@ rounds), the Put stops at that run and raises `PutNotReplicated`, naming the
 failed runs and nodes and how many leading blocks are on all their replicas;
 nothing after those is reported stored. Putting the same blocks again is safe:
 stored blocks are refreshed, not rewritten (R5), and the missing copies made.
+
+With `keep_until_s` each copy's Put pins its run part's last block in that Put's own
+transaction (docs/RETENTION.md R22, R28): one call per copy, and each copy's grant is
+collected (`ReplicatedPut.grants`) for one answer (`fleet_pins.combine`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from kvstore.client import fleet_metrics
 from kvstore.client.fleet_chain import run_extra_keys
 from kvstore.client.fleet_nodes import NodePool
+from kvstore.client.fleet_pins import CopyGrant, copy_grant
 from kvstore.client.puts import put_blocks
 from kvstore.client.retry import Retry
 from kvstore.counted import counted
@@ -49,12 +54,14 @@ class ReplicatedPut:
 
     written_blocks: int
     existing_blocks: int
+    #: With `keep_until_s`: what each copy of each run granted its part's last block in its own Put.
+    grants: tuple[CopyGrant, ...] = ()
 
 
 def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], tokens: Sequence[int],
              payload: Sequence[bytes], first_block: int, extra_keys: Sequence[ExtraKey], step: int,
              executor: Executor, retry: Retry, on_batch: Callable[[int], None] | None,
-             replace: Callable[[int], RunPlacement] | None = None) -> ReplicatedPut:
+             replace: Callable[[int], RunPlacement] | None = None, keep_until_s: float = 0.0) -> ReplicatedPut:
     """Put each run on all its replicas, in chain order (see the module's docstring).
 
     Args:
@@ -70,11 +77,14 @@ def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], 
         retry: the policy each copy's Put is retried under.
         on_batch: called with a run's block count once it is on all its replicas.
         replace: run index -> its placement over the nodes live now (for a copy whose node left).
+        keep_until_s: pin each run part's last block until this Unix time on every copy, in the copy's own
+            Put (R22, R28); 0: none.
 
     Raises:
         PutNotReplicated: a copy failed; `stored_blocks` leading blocks are on all their replicas.
     """
     written = existing = 0
+    grants: list[CopyGrant] = []
     for part in runs:
         run = part.placement
         parent = chain[part.first_block - 1] if part.first_block > run.first_block else b""
@@ -84,21 +94,23 @@ def put_runs(pool: NodePool, runs: Sequence[RunPut], *, chain: Sequence[bytes], 
         def copy(node_id: str, parent: bytes = parent, keys: list[ExtraKey] = keys, blocks: list[bytes] = blocks,
                  start: int = part.first_block) -> list[pb.PutResponse]:
             return retry.call(lambda: put_blocks(pool.connection(node_id), tokens, blocks, first_block=start,
-                                                 parent=parent, extra_keys=keys, step=step, on_batch=None))
+                                                 parent=parent, extra_keys=keys, step=step, on_batch=None,
+                                                 keep_until_s=keep_until_s))
 
         most_written = _copy_run(pool, part, copy, chain, executor, replace, first_block=first_block,
-                                 total=len(payload))
+                                 total=len(payload), grants=grants if keep_until_s else None)
         written += most_written
         existing += len(blocks) - most_written
         if on_batch is not None:
             on_batch(len(blocks))
-    return ReplicatedPut(written_blocks=written, existing_blocks=existing)
+    return ReplicatedPut(written_blocks=written, existing_blocks=existing, grants=tuple(grants))
 
 
 def _copy_run(pool: NodePool, part: RunPut, copy: Callable[[str], list[pb.PutResponse]], chain: Sequence[bytes],
               executor: Executor, replace: Callable[[int], RunPlacement] | None, *, first_block: int,
-              total: int) -> int:
-    """Put one run on all its replicas; the most blocks any replica newly wrote.
+              total: int, grants: list[CopyGrant] | None = None) -> int:
+    """Put one run on all its replicas; the most blocks any replica newly wrote. With `grants`, each copy's
+    pin grant (its last reply's) is added to it.
 
     A copy that failed because its node left the view (a SIGTERMed node deregisters at once, F4) is
     not the end: the run is placed again over the nodes live now and the copies the new placement
@@ -123,6 +135,8 @@ def _copy_run(pool: NodePool, part: RunPut, copy: Callable[[str], list[pb.PutRes
                 continue
             _check_hashes(replies, chain[part.first_block:part.end_block], node)
             done.add(node)
+            if grants is not None and replies:
+                grants.append(copy_grant(node, placement.run, part.end_block - part.first_block, replies[-1]))
             most_written = max(most_written, sum(r.written_blocks for r in replies))
         if not failures:
             return most_written

@@ -74,8 +74,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
             first failed batch (the batches before it stay stored).
         on_batch: called with the number of blocks of each acknowledged batch of a stream.
         keep_until_s: pin the chain's last block (and so its prefix) until this Unix time, in the last
-            request's own transaction (docs/RETENTION.md R22); 0: none. Not sent through a gateway
-            (`Client.put` pins the whole chain there with a Lookup after the Put, R28).
+            request's own transaction (docs/RETENTION.md R22); 0: none. Through a gateway the requests
+            that end at a run's end (or the payload's) carry it: the gateway passes it to each copy's Put of
+            each run part, which pins the part's last block in its own transaction (R28), once per run.
 
     Returns:
         The server's replies, in order.
@@ -86,7 +87,7 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
     extra = encode_extra_keys(extra_keys)
     if connection.run_blocks:  # a gateway: the fleet's chain, each request saying where its run starts
         return _put_through_gateway(connection, tokens, payload, first_block=first_block, extra_keys=extra_keys,
-                                    extra=extra, step=step, on_batch=on_batch)
+                                    extra=extra, step=step, on_batch=on_batch, keep_until_s=keep_until_s)
     if len(payload) <= step:
         request = _request(connection, tokens, payload, first_block, parent, extra)
         request.keep_until_s = keep_until_s
@@ -123,18 +124,34 @@ def _request(connection: Connection, tokens: Sequence[int], blocks: list[bytes],
 
 def _put_through_gateway(connection: Connection, tokens: Sequence[int], payload: list[bytes], *, first_block: int,
                          extra_keys: Sequence[ExtraKey], extra: list[bytes], step: int,
-                         on_batch: Callable[[int], None] | None) -> list[pb.PutResponse]:
+                         on_batch: Callable[[int], None] | None, keep_until_s: float = 0.0) -> list[pb.PutResponse]:
     """`put_blocks` through a fleet's gateway: parents are fleet hashes, and each request names its
-    index, run key and bridge (GetInfoResponse.run_blocks; docs/FLEET.md F36)."""
+    index, run key and bridge (GetInfoResponse.run_blocks; docs/FLEET.md F36). With `keep_until_s`, requests
+    end at runs' ends where they can, and each that ends at one (or at the payload's end) carries the pin: the
+    gateway passes it to each copy's Put of each run part, pinning the part's last block in that Put (R28).
+    So each run's last stored block is pinned once, never a block inside it that a later request extends
+    (each pin charges its prefix to the tenant's budget, R24)."""
     chain = connection.hashes(tokens[:(first_block + len(payload)) * connection.block_tokens],
                               extra_keys=extra_keys)
+    end, rb = first_block + len(payload), connection.run_blocks
+
+    def spans() -> Iterator[tuple[int, int]]:
+        start = first_block
+        while start < end:
+            stop = min(start + step, end)
+            if keep_until_s and stop < end and stop % rb and stop - stop % rb > start:
+                stop -= stop % rb  # end at a run's end, so the request's last part is a whole run's tail
+            yield start, stop
+            start = stop
 
     def requests() -> Iterator[bytes]:
-        for start in range(first_block, first_block + len(payload), step):
-            blocks = payload[start - first_block:start - first_block + step]
+        for start, stop in spans():
+            blocks = payload[start - first_block:stop - first_block]
             request = _request(connection, tokens, blocks, start, chain[start - 1] if start else b"", extra)
             for name, value in connection.run_fields(chain, start).items():
                 setattr(request, name, value)
+            if stop == end or stop % rb == 0:  # a request ending inside a run (step < run_blocks) pins nothing
+                request.keep_until_s = keep_until_s
             yield encode(request, blocks)
 
     replies: list[pb.PutResponse] = []

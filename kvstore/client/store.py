@@ -299,8 +299,10 @@ class Client:
             on_batch: called with the number of blocks of each acknowledged batch.
             keep_until_s: keep the stored prompt (its last block, and so its whole prefix) until this Unix
                 time beyond the tenant's retention (a pin, docs/RETENTION.md R22-R28; 0: none). On a node it
-                is pinned in the last batch's own transaction; through a gateway, by a Lookup after the Put
-                on every copy of every run. The result's `kept_until_s` and `keep_note` say what was granted.
+                is pinned in the last batch's own transaction; through a gateway, on every copy of every run
+                of the Put in that copy's own Put (R28), and the runs wholly before `first_block` by a Lookup.
+                The result's `kept_until_s` and `keep_note` say what was granted (through a gateway: the
+                earliest time any copy granted, and why less).
 
         Raises:
             InvalidArgument: wrong block count, size or type, or a bad argument (nothing stored).
@@ -328,18 +330,32 @@ class Client:
         gateway = bool(self.connection.run_blocks)
         replies = put_blocks(self.connection, tokens, payload, first_block=first_block, parent=parent,
                              extra_keys=extra_keys, step=step, on_batch=on_batch,
-                             keep_until_s=0.0 if gateway else until)
+                             keep_until_s=until)
         hashes = [h for r in replies for h in r.block_hashes]
         written = sum(r.written_blocks for r in replies)
         existing = sum(r.existing_blocks for r in replies)
         kept, note = (replies[-1].kept_until_s, replies[-1].keep_note) if replies else (0.0, "")
         if until and gateway and replies:  # every copy of every run of the prompt, from block 0 (R28)
-            got = self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys), until)
-            kept, note = got.kept_until_s, got.keep_note
+            kept, note = self._gateway_grant(tokens, extra_keys, first_block, until, replies)
         elif until and not replies:
             note = "nothing was stored to keep"
         return PutResult(block_hashes=hashes, written_blocks=written, existing_blocks=existing,
                          kept_until_s=kept, keep_note=note)
+
+    def _gateway_grant(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey], first_block: int, until: float,
+                       replies: Sequence[pb.PutResponse]) -> tuple[float, str]:
+        """A Put's pin through a gateway (R28): the replies that carried it (each the earliest time its parts'
+        copies granted), and for runs wholly before `first_block` (not in the Put) a Lookup's pin; the earliest
+        time of them all, and the notes of those that kept less."""
+        rb = self.connection.run_blocks
+        answers = [(r.kept_until_s, r.keep_note) for r in replies if r.kept_until_s or r.keep_note]
+        before = first_block - first_block % rb
+        if before:
+            got = self.pin_hashes(self.hashes(tokens, extra_keys=extra_keys)[:before], until)
+            answers.append((got.kept_until_s, got.keep_note))
+        if not answers:
+            return 0.0, "nothing was stored to keep"
+        return min(k for k, _ in answers), "; ".join(n for _, n in answers if n)
 
     def get(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = (),
             first_block: int = 0, num_blocks: int | None = None) -> GetResult:

@@ -153,6 +153,43 @@ def test_r28_a_pin_through_the_gateway_holds_on_every_copy(fleet: Fleet) -> None
         assert sum(node_pins(fleet).values()) - sum(before.values()) == sum(added.values()) + 2 + 4
 
 
+def node_lookups(fleet: Fleet) -> int:
+    """Lookups every node has answered (its Stats counter)."""
+    total = 0
+    for child in fleet.nodes.values():
+        with kvstore.Client(child.target) as direct:
+            total += direct.stats().lookups
+    return total
+
+
+@pytest.mark.parametrize("through", ["fleet-client", "gateway"])
+def test_r28_a_put_asking_keep_until_pins_each_copy_in_its_own_put(fleet: Fleet, through: str) -> None:
+    """A Put with keep_until_s, by the fleet client or through the gateway (in batches not aligned to runs): each
+    copy's Put pins its run's last block itself, so no node is asked a Lookup, and each copy holds one pin per run
+    it holds. A Put from a later run pins the runs before it (not in the Put) with one Lookup per copy of them,
+    and the answer is the earliest grant over every copy, the copies that kept less named."""
+    tokens = prompt(3 * RUN_BLOCKS + 1)  # four runs, the last of one block
+    with closing(fleet_client(fleet)) as routed, kvstore.Client(fleet.gateway.target) as plain:
+        client = routed if through == "fleet-client" else plain
+        payload = [random.randbytes(client.block_bytes) for _ in range(3 * RUN_BLOCKS + 1)]
+        pins0, lookups0 = node_pins(fleet), node_lookups(fleet)
+        asked = time.time() + 7 * HOUR
+        put = client.put(tokens[:2 * RUN_BLOCKS * BLOCK_TOKENS], payload[:2 * RUN_BLOCKS], batch_blocks=3,
+                         keep_until_s=asked)
+        assert (put.kept_until_s, put.keep_note) == (asked, "")
+        assert node_lookups(fleet) == lookups0  # pinned in the Puts themselves: not one Lookup
+        first = copies(routed, routed.hashes(tokens[:2 * RUN_BLOCKS * BLOCK_TOKENS]))
+        assert {n: node_pins(fleet)[n] - pins0[n] for n in fleet.nodes} == {n: first.get(n, 0) for n in fleet.nodes}
+        # From block 8 on (the third run): its runs pin in their Puts, the two before by a Lookup of each copy,
+        # asked past the nodes' longest pin, so every copy kept less and says so.
+        far = time.time() + 500 * HOUR
+        more = client.put(tokens, payload[2 * RUN_BLOCKS:], first_block=2 * RUN_BLOCKS, keep_until_s=far)
+        assert 0 < more.kept_until_s < time.time() + (PIN_MAX_HOURS + 1) * HOUR
+        assert "100 h" in more.keep_note
+        assert node_lookups(fleet) > lookups0  # the runs before block 8 were pinned by Lookups
+        assert sum(node_pins(fleet).values()) == sum(pins0.values()) + 8  # 4 runs, 2 copies each, 1 pin a run
+
+
 def test_a_lookup_names_every_replica_of_every_found_run(fleet: Fleet) -> None:
     tokens = prompt(2 * RUN_BLOCKS + 3)  # three runs; the Lookup finds the first two and a half
     with closing(fleet_client(fleet)) as client, kvstore.Client(fleet.gateway.target) as plain:
