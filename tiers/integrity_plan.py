@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
+from tiers import integrity_usage
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import BlockRecords, Walk
 from tiers.records import CHILD_TAG, BlockMeta, lru_key, parent_key_of
@@ -32,6 +33,9 @@ class RepairPlan:
     add_entries: list[tuple[str, bytes]]
     usage: tuple[int, int]
     fix_counters: bool
+    #: R32: state records to delete and to write so each geometry's and tenant's usage is what `kept` holds.
+    usage_deletes: list[bytes] = field(default_factory=list)
+    usage_puts: dict[bytes, bytes] = field(default_factory=dict)
 
 
 def plan_repair(walk: Walk, report: CheckReport) -> RepairPlan:
@@ -84,8 +88,10 @@ def plan_repair(walk: Walk, report: CheckReport) -> RepairPlan:
         report.add("missing-index-entry", "kept block has no LRU entry", expected_lru[entry])
     report.entries_dropped, report.entries_added = len(drop), len(add)
     fix_counters = _check_state(walk, blocks, report)
+    deletes, puts = integrity_usage.rewrites(walk.state, kept)
     return RepairPlan(kept=kept, drop_blocks=drop_blocks, drop_entries=drop, add_entries=add,
-                 usage=(report.blocks_kept, report.bytes_kept), fix_counters=fix_counters)
+                      usage=(report.blocks_kept, report.bytes_kept), fix_counters=fix_counters,
+                      usage_deletes=deletes, usage_puts=puts)
 
 
 def _fault(b: BlockRecords) -> str:
@@ -112,6 +118,7 @@ def _check_state(walk: Walk, blocks: dict[bytes, BlockRecords], report: CheckRep
     if report.usage_recorded != in_records and (raw is not None or present):
         report.add("usage-mismatch", f"state records say {report.usage_recorded or 'nothing'} (blocks, bytes); "
                                      f"the records hold {in_records}")
+    integrity_usage.check(walk.state, {k: b.meta for k, b in blocks.items() if b.meta is not None}, report)
     counters = walk.state.get(b"counters")
     if counters is None:
         return False

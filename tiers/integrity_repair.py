@@ -66,8 +66,17 @@ def repair_in_place(env: lmdb.Environment, walk: Walk, plan: RepairPlan, db_plan
 def _write_state(txn: lmdb.Transaction, state: Any, walk: Walk, plan: RepairPlan) -> None:
     if _usage_changed(walk, plan):
         txn.put(b"usage", USAGE.pack(*plan.usage), db=state)
+    _write_usage_records(txn, state, plan)
     if plan.fix_counters:
         txn.put(b"counters", json.dumps(asdict(Counters())).encode(), db=state)
+
+
+def _write_usage_records(txn: lmdb.Transaction, state: Any, plan: RepairPlan) -> None:
+    """R32: each geometry's and tenant's usage record as the kept blocks hold (`tiers.integrity_usage`)."""
+    for key in plan.usage_deletes:
+        txn.delete(key, db=state)
+    for key, value in plan.usage_puts.items():
+        txn.put(key, value, db=state)
 
 
 def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, db_plan: DbPlan,
@@ -110,6 +119,7 @@ def rebuild(data_dir: Path, header: LmdbHeader, walk: Walk, plan: RepairPlan, db
                 if name not in (b"usage", b"counters") or (name == b"counters" and not plan.fix_counters):
                     txn.put(name, value, db=state)
             txn.put(b"usage", USAGE.pack(*plan.usage), db=state)
+            _write_usage_records(txn, state, plan)
             if plan.fix_counters or b"counters" not in walk.state:
                 txn.put(b"counters", json.dumps(asdict(Counters())).encode(), db=state)
             carried_log = integrity_dbs.write_rebuilt(txn, fresh, walk, db_plan, report)
