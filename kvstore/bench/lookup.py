@@ -18,14 +18,20 @@ and is asked, over loopback gRPC, by the worker's client:
 
 Tokens are a uint32 numpy array (an engine's token ids); --list-tokens also times
 the next turn with a Python list, whose conversion alone costs ~10 ms per 1M
-tokens. Best of --repeat calls each. The blocks are the tiny geometry's (the
-lookup does not read a block's bytes; its work is per block, not per byte).
+tokens. Best of --repeat calls each (medians in the notes). The blocks are the tiny
+geometry's (the lookup does not read a block's bytes; its work is per block, not per byte).
+
+A figure and its raw echo are timed in turns, each call after the same preparation
+(for a next turn: the memo cleared and the turn before looked up, ~12 ms of hashing,
+during which both servers sit idle), so both pay the same wake-up: on a shared or
+virtual machine a call after an idle gap costs up to twice a call back to back.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -79,7 +85,6 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes.update(tokens=len(turn), new_tokens=args.new_tokens, blocks=n_blocks, block_tokens=bt,
                         geometry=TINY.name, repeat=args.repeat, cpus=os.cpu_count())
     block_bytes = TINY.block_bytes(bt)
-    figures: dict[str, float] = {}
     with scratch(args.dir) as folder:
         with serve_process(folder / "store", n_blocks * block_bytes, bt) as target, echo_server() as echo, \
                 Client(target, geometry=TINY.name) as client, \
@@ -90,10 +95,12 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             with progress.bar("put the conversation", n_blocks, "block") as bar:
                 client.put(turn, _blocks(n_blocks, block_bytes), on_batch=bar.update)
             hashes = client.hashes(turn)
-            figures.update(_next_turn(client, today, turn, args, rng))
-            figures.update(_cold(cold, today, turn, hashes, args))
-            figures.update(_echoes(client, echo, turn, hashes, args))
-        figures["server"] = _server_answer(folder / "store", bt, n_blocks * block_bytes, hashes, args.repeat)
+            samples = _next_turn(client, today, echo, turn, hashes, args, rng)
+            samples.update(_cold(cold, today, echo, turn, hashes, args))
+        samples["server"] = [_server_answer(folder / "store", bt, n_blocks * block_bytes, hashes, args.repeat)]
+    figures = {name: min(times) for name, times in samples.items()}
+    report.notes["medians_ms"] = ", ".join(f"{name} {statistics.median(times) * 1e3:.3f}"
+                                           for name, times in samples.items() if len(times) > 1)
     _report(report, figures, len(turn), args)
     return report
 
@@ -103,55 +110,72 @@ def _blocks(n: int, size: int) -> list[bytes]:
     return [pool[i % 16] for i in range(n)]
 
 
-def _next_turn(client: Any, today: Any, turn: np.ndarray, args: argparse.Namespace,
-               rng: np.random.Generator) -> dict[str, float]:
-    """Seconds of the next turn's lookup: through the memo (holding the turn before), and today's."""
-    def next_prompt() -> np.ndarray:
-        return np.concatenate([turn, rng.integers(0, 100_000, size=args.new_tokens, dtype=np.uint32)])
-
-    def memo_turn(form: Callable[[np.ndarray], Any], *, anchors: bool = True) -> float:
-        client.connection.lookup_anchors = anchors
-        samples = []
-        for _ in range(max(args.repeat, 1)):
-            client.connection.chain_memo.clear()
-            client.lookup(turn)  # the turn before: hashed and kept, its chain found (not timed)
-            prompt = form(next_prompt())
+def _in_turns(calls: dict[str, Callable[[], object]], repeat: int,
+              prepare: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Seconds of each call, `repeat` rounds, the calls taking turns within a round, each after `prepare`
+    (untimed): a figure and its baseline see the same machine and the same idle gap before them."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(max(repeat, 1)):
+        for name, call in calls.items():
+            if prepare is not None:
+                prepare()
             start = time.perf_counter()
-            found = client.lookup(prompt)
-            samples.append(time.perf_counter() - start)
-            if found.found_blocks != len(turn) // args.block_tokens:
-                raise RuntimeError(f"the next turn found {found.found_blocks} blocks, expected all")
-        return min(samples)
+            call()
+            samples[name].append(time.perf_counter() - start)
+    return samples
 
-    out = {"turn_memo": memo_turn(lambda p: p), "turn_memo_only": memo_turn(lambda p: p, anchors=False)}
-    prompt = next_prompt()
-    out["turn_today"] = best_of(lambda: today.lookup(prompt), args.repeat)
+
+def _next_turn(client: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
+               args: argparse.Namespace, rng: np.random.Generator) -> dict[str, list[float]]:
+    """Seconds of the next turn's lookup through the memo (holding the turn before) and the anchor, through the
+    memo alone, and of a raw echo of the anchored request's bytes, each after the turn before was looked up;
+    then today's client."""
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    blocks = len(turn) // args.block_tokens
+    prompts = [np.concatenate([turn, rng.integers(0, 100_000, size=args.new_tokens, dtype=np.uint32)])
+               for _ in range(4)]
+    at = iter(range(1 << 62))
+
+    def prepare() -> None:  # the turn before: hashed and kept, its chain found (not timed)
+        client.connection.chain_memo.clear()
+        client.connection.lookup_anchors = True
+        client.lookup(turn)
+
+    def memo_turn(form: Callable[[np.ndarray], Any], *, anchors: bool = True) -> Callable[[], None]:
+        def call() -> None:
+            client.connection.lookup_anchors = anchors
+            found = client.lookup(prompt)
+            if found.found_blocks != blocks:
+                raise RuntimeError(f"the next turn found {found.found_blocks} blocks, expected {blocks}")
+        prompt = form(prompts[next(at) % len(prompts)])
+        return call
+
+    extra = (len(turn) + args.new_tokens) // args.block_tokens - len(hashes)
+    turn_raw = pb.LookupRequest(geometry=client.geometry, anchor_hash=hashes[-1], anchor_blocks=len(hashes),
+                                block_hashes_packed=bytes(32 * extra)).SerializeToString()
+    calls: dict[str, Callable[[], object]] = {"turn_memo": memo_turn(lambda p: p),
+                                              "echo_turn": lambda: echo(turn_raw),
+                                              "turn_memo_only": memo_turn(lambda p: p, anchors=False)}
     if args.list_tokens:
-        out["turn_memo_list"] = memo_turn(lambda p: p.tolist())
+        calls["turn_memo_list"] = memo_turn(lambda p: p.tolist())
+    out = _in_turns(calls, args.repeat, prepare)
+    client.connection.lookup_anchors = True
+    out["turn_today"] = [best_of(lambda: today.lookup(prompts[0]), args.repeat)]
     return out
 
 
-def _cold(cold: Any, today: Any, turn: np.ndarray, hashes: list[bytes], args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of a cold Lookup (no memo, no anchor): hashes in hand (packed, today's repeated field),
-    and from tokens."""
-    return {"cold_packed": best_of(lambda: cold.lookup_hashes(hashes), args.repeat),
-            "cold_repeated": best_of(lambda: today.lookup_hashes(hashes), args.repeat),
-            "cold_tokens": best_of(lambda: cold.lookup(turn), args.repeat)}
-
-
-def _echoes(client: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
-            args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of a raw gRPC call carrying the same request bytes as each Lookup (the next turn's anchored
-    request, the cold one's whole chain)."""
+def _cold(cold: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
+          args: argparse.Namespace) -> dict[str, list[float]]:
+    """Seconds of a cold Lookup (no memo, no anchor) with the hashes in hand, packed, in turns with a raw echo
+    of the same request bytes and today's repeated field; then from tokens."""
     from kvstore.v1 import kvstore_pb2 as pb
 
-    extra = (len(turn) + args.new_tokens) // args.block_tokens - len(hashes)
-    turn_bytes = pb.LookupRequest(geometry=client.geometry, anchor_hash=hashes[-1], anchor_blocks=len(hashes),
-                                  block_hashes_packed=bytes(32 * extra))
-    cold_bytes = pb.LookupRequest(geometry=client.geometry, block_hashes_packed=b"".join(hashes))
-    turn_raw, cold_raw = turn_bytes.SerializeToString(), cold_bytes.SerializeToString()
-    return {"echo_turn": best_of(lambda: echo(turn_raw), args.repeat),
-            "echo_cold": best_of(lambda: echo(cold_raw), args.repeat)}
+    cold_raw = pb.LookupRequest(geometry=cold.geometry, block_hashes_packed=b"".join(hashes)).SerializeToString()
+    out = _in_turns({"cold_packed": lambda: cold.lookup_hashes(hashes), "echo_cold": lambda: echo(cold_raw),
+                     "cold_repeated": lambda: today.lookup_hashes(hashes)}, args.repeat)
+    out["cold_tokens"] = [best_of(lambda: cold.lookup(turn), args.repeat)]
+    return out
 
 
 def _server_answer(data_dir: Path, block_tokens: int, data_bytes: int, hashes: list[bytes], repeat: int) -> float:
