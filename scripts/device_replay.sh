@@ -42,7 +42,7 @@ fi
 if [ "$MODE" = replay ]; then
   timeout "${REPLAY_S:-150}" python3 -m kvstore.bench.replay_speed "${REPLAY_AT:-8192}" | tee "$OUT/replay-paths.json"
   echo "replay rc=${PIPESTATUS[0]}"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/replay/model/test_gpu.py tests/replay/model/test_fast.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/replay/model/test_gpu.py tests/replay/model/test_graphs_gpu.py tests/replay/model/test_fast.py \
     2>&1 | tail -5
   exit 0
 fi

@@ -17,7 +17,7 @@ echo "cpus $(nproc)"
 t=$SECONDS
 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -x -rs tests/kvstore/codec/test_codec_gpu.py \
   tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py \
-  tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_transfer.py tests/replay/model/test_gpu.py \
+  tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_transfer.py tests/replay/model/test_gpu.py tests/replay/model/test_graphs_gpu.py \
   tests/kvstore/client/test_chain_memo.py 2>&1 | tee "$OUT/tests.log" | tail -8
 echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
 timeout "${FLEET_S:-200}" python3 -m kvstore.cli bench fleet --json >"$OUT/fleet.json" 2>"$OUT/fleet.err"

@@ -5,7 +5,11 @@ On V4.1's layer pattern and cache geometry at a reduced hidden width
 2/8/14/20), on the model's own rows:
 
 - bounded replay (128 tokens) against exact replay (40 x 128 = 5,120 tokens)
-  at the same H, from the same rows restored out of stored blocks;
+  at the same H, from the same rows restored out of stored blocks: the step
+  captured in CUDA graphs (replay.model.graphs, the CUDA default) and the eager
+  fused step (`model.graphs = False`) in the same run, with their GPU kernel
+  times, kernel and graph launches, host syncs, and whether the two paths'
+  logits are torch.equal;
 - full prefill at a few lengths that fit (tokens/s), fitted as
   a + b n + c n^2 (the indexer scores every query against every earlier row,
   so prefill is quadratic in the end) and extrapolated to the resumed length;
@@ -62,7 +66,10 @@ def _kernel_ms(fn: Callable[[Any], object], setup: Callable[[], Any]) -> float:
 
 
 def _profile(fn: Callable[[Any], object], setup: Callable[[], Any]) -> tuple[float, int, int]:
-    """(GPU busy ms, kernels launched, host syncs) of one call, from the profiler; setup untimed."""
+    """(GPU busy ms, kernels and graphs launched, host syncs) of one call, from the profiler; setup untimed.
+
+    A CUDA graph's launch counts once (the host's cost), however many kernels it holds.
+    """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,7 +82,7 @@ def _profile(fn: Callable[[Any], object], setup: Callable[[], Any]) -> tuple[flo
     # Device events only: a CPU op's own entry repeats the device time of the kernels it launched.
     busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                          "cudaLaunchKernelExC"))
+                                                          "cudaLaunchKernelExC", "cudaGraphLaunch", "cuGraphLaunch"))
     syncs = sum(e.count for e in events if e.key == "aten::_local_scalar_dense")
     return busy, launches, syncs
 
@@ -85,10 +92,11 @@ def _replay(model: Any, tokens: list[int], span: int, rows: Any) -> Any:
 
 
 def compare_paths(h: int = 8192, dim: int = 512, repeat: int = 5, seed: int = 0) -> dict[str, Any]:
-    """Bounded (W tokens) against exact (layers x W) replay at H = `h` on reduced_v41, for the fused,
-    sync-free step (replay.model.fast) and the per-layer reference step (`model.fused = False`), in one
-    process: wall ms (best of `repeat`), GPU kernel ms, launches and host syncs, and how far the two paths'
-    replayed windows are apart. What `scripts/device_replay.sh replay` prints."""
+    """Bounded (W tokens) against exact (layers x W) replay at H = `h` on reduced_v41, for the step captured
+    in CUDA graphs (replay.model.graphs), the fused, sync-free step (replay.model.fast) and the per-layer
+    reference step (`model.fused = False`), in one process: wall ms (best of `repeat`), GPU kernel ms,
+    launches and host syncs, whether the graphs' logits equal the fused step's, and how far the fused and
+    the reference paths' replayed windows are apart. What `scripts/device_replay.sh replay` prints."""
     import torch
 
     from replay.model import ReferenceModel, reduced_v41
@@ -110,19 +118,26 @@ def compare_paths(h: int = 8192, dim: int = 512, repeat: int = 5, seed: int = 0)
         def rows(_: object = None) -> Any:
             return restore_state(g, blocks, None, position=h, resume=h, device="cuda")
 
-        for path in ("reference", "fused"):
-            model.fused = path == "fused"
-            for span, name in ((w, "bounded"), (layers * w, "exact")):
+        logits = {}
+        for path in ("reference", "fused", "graphs"):
+            model.fused, model.graphs = path != "reference", path == "graphs"
+            # exact replay (5,120 tokens) is never captured: the graphs path shares the fused one's
+            spans = ((w, "bounded"),) if path == "graphs" else ((w, "bounded"), (layers * w, "exact"))
+            for span, name in spans:
                 run = functools.partial(_replay, model, tokens, span)
-                run(rows())  # warm-up (kernels built, packs made)
+                run(rows())  # warm-up (kernels built, packs made, graphs captured)
                 wall = _gpu_s(run, rows, repeat if name == "bounded" else max(2, repeat // 2)) * 1e3
                 busy, launches, syncs = _profile(run, rows)
                 out[f"{path} {name}"] = {"tokens": span, "wall_ms": round(wall, 2), "kernel_ms": round(busy, 2),
                                          "launches": launches, "syncs": syncs}
-            states[path] = model.replay(tokens, rows(), span=w)
-            exact, bounded = out[f"{path} exact"], out[f"{path} bounded"]
+            states[path], logits[path] = model.replay_logits(tokens, rows(), span=w)
+            exact, bounded = out[f"{'fused' if path == 'graphs' else path} exact"], out[f"{path} bounded"]
             out[f"{path} ratio"] = {"wall": round(exact["wall_ms"] / bounded["wall_ms"], 2),
                                     "kernel": round(exact["kernel_ms"] / bounded["kernel_ms"], 2)}
+        out["graphs vs fused: logits and window rows torch.equal"] = bool(
+            torch.equal(logits["graphs"], logits["fused"])
+            and all(torch.equal(x, y) for x, y in zip(states["graphs"].window_rows, states["fused"].window_rows,
+                                                      strict=True)))
     from replay.model import ops
 
     a = torch.stack([ops.decode(r, "window") for r in states["fused"].window_rows])
@@ -165,25 +180,59 @@ def speed(report: Report, args: argparse.Namespace, progress: Progress) -> None:
         def rows(_: object = None) -> Any:
             return restore_state(g, blocks, None, position=h, resume=h, device=device)
 
-        with progress.bar("replay: bounded and exact", 2, unit="run") as bar:
-            bounded = _gpu_s(lambda st: model.replay(tokens, st, span=w), rows, args.repeat)
-            bar.update(1)
-            exact = _gpu_s(lambda st: model.replay(tokens, st, span=layers * w), rows, args.repeat)
-            bar.update(1)
-        report.add(Figure.against(f"bounded replay, {w} tokens at H={h:,}", bounded * 1e3, "ms",
-                                  f"exact replay, {layers * w:,} tokens", exact * 1e3))
-        if device == "cuda":
-            bounded_k, launches, syncs = _profile(lambda st: model.replay(tokens, st, span=w), rows)
-            report.notes.update(bounded_replay_kernel_launches=launches, bounded_replay_host_syncs=syncs)
-            exact_k = _kernel_ms(lambda st: model.replay(tokens, st, span=layers * w), rows)
-            report.add(Figure.against(f"bounded replay GPU kernel time (profiler), {w} tokens at H={h:,}", bounded_k,
-                                      "ms", f"exact replay GPU kernel time, {layers * w:,} tokens", exact_k))
+        _replay_figures(report, model, tokens, rows, h, args.repeat, progress)
         sizes, fit = _prefill(report, model, args, rng, progress)
         target = args.resume_tokens - args.resume_tokens % block_tokens
         full_s = float(np.polyval(fit, target))
         report.notes.update(prefill_fit_s=f"t(n) = {fit[0]:.3e} n^2 + {fit[1]:.3e} n + {fit[2]:.3e}",
                             prefill_measured_tokens=sizes, prefill_extrapolated_tokens=target)
         _resume(report, model, blocks, target, block_tokens, full_s, sizes, args, rng, progress)
+
+
+def _replay_figures(report: Report, model: Any, tokens: list[int], rows: Callable[[], Any], h: int, repeat: int,
+                    progress: Progress) -> None:
+    """Bounded replay through CUDA graphs and through the eager fused step, each against exact replay, in one
+    run; kernel times, launches and syncs of each; whether the two bounded paths' logits are torch.equal."""
+    import torch
+
+    g = model.config.geometry
+    w, layers = g.window, g.num_layers
+    cuda = model.device.type == "cuda"
+    paths = ("graphs", "eager") if cuda else ("eager",)
+    walls: dict[str, float] = {}
+    logits: dict[str, Any] = {}
+    with progress.bar("replay: bounded (graphs, eager) and exact", len(paths) + 1, unit="path") as bar:
+        for path in paths:
+            model.graphs = path == "graphs"
+            model.replay(tokens, rows(), span=w)  # warm-up: the graphs are captured here
+            walls[path] = _gpu_s(lambda st: model.replay(tokens, st, span=w), rows, repeat)
+            logits[path] = model.replay_logits(tokens, rows(), span=w)[1]
+            bar.update(1)
+        exact = _gpu_s(lambda st: model.replay(tokens, st, span=layers * w), rows, repeat)  # never captured
+        bar.update(1)
+    label = f"{w} tokens at H={h:,}"
+    exact_label = f"exact replay, {layers * w:,} tokens"
+    if cuda:
+        report.add(Figure.against(f"bounded replay, CUDA graphs, {label}", walls["graphs"] * 1e3, "ms", exact_label,
+                                  exact * 1e3))
+    report.add(Figure.against(f"bounded replay, eager fused step, {label}", walls["eager"] * 1e3, "ms", exact_label,
+                              exact * 1e3))
+    if not cuda:
+        return
+    report.add(Figure.against(f"bounded replay, CUDA graphs, {label}", walls["graphs"] * 1e3, "ms",
+                              "the same, eager fused step", walls["eager"] * 1e3))
+    exact_k = _kernel_ms(lambda st: model.replay(tokens, st, span=layers * w), rows)
+    for path in paths:
+        model.graphs = path == "graphs"
+        busy, launches, syncs = _profile(lambda st: model.replay(tokens, st, span=w), rows)
+        name = "CUDA graphs" if path == "graphs" else "eager fused step"
+        report.add(Figure.against(f"bounded replay GPU kernel time (profiler), {name}, {label}", busy, "ms",
+                                  f"exact replay GPU kernel time, {layers * w:,} tokens", exact_k))
+        report.notes[f"bounded_replay_{path}_launches"] = launches  # kernels, and each graph once
+        report.notes[f"bounded_replay_{path}_host_syncs"] = syncs
+    model.graphs = True
+    report.notes.update(bounded_replay_graphs_equal_eager=bool(torch.equal(logits["graphs"], logits["eager"])),
+                        bounded_replay_graph_buckets=len(model.step_graphs().buckets))
 
 
 def _prefill(report: Report, model: Any, args: argparse.Namespace, rng: np.random.Generator,

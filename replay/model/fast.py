@@ -31,7 +31,9 @@ from torch.nn import functional
 
 from kvstore.codec import rows as codec
 from kvstore.errors import InvalidArgument
+from kvstore.geometry import ModelGeometry
 from replay.model import ops
+from replay.model.config import ModelConfig
 from replay.model.layers import FAST_BUDGET, LayerWeights, new_compressor_inputs
 from replay.model.state import CacheState
 from replay.model.weights import ModelWeights
@@ -119,15 +121,19 @@ def rope(x: Tensor, rot: Tensor) -> Tensor:
 
 
 class _Step:
-    """The per-step context: tables shared by every layer, the deferred row flags, the selections."""
+    """The per-step context: tables shared by every layer, the deferred row flags, the selections.
 
-    def __init__(self, model: ModelWeights, state: CacheState, toks: Tensor) -> None:
+    `pos` may be given (a fixed buffer holding [start, start + m), as replay.model.graphs passes):
+    the tables are then computed from it, so a captured graph recomputes them from its input.
+    """
+
+    def __init__(self, model: ModelWeights, state: CacheState, m: int, pos: Tensor | None = None) -> None:
         cfg, g = model.config, model.config.geometry
         self.model, self.cfg, self.g, self.state = model, cfg, g, state
-        self.start, self.m = state.length, toks.numel()
+        self.start, self.m = state.length, m
         self.end = self.start + self.m
         dev = model.device
-        self.pos = torch.arange(self.start, self.end, device=dev)
+        self.pos = torch.arange(self.start, self.end, device=dev) if pos is None else pos
         self.freq_c = model.freq_compress.to(dev)
         hd, rd = g.head_dim, g.rope_head_dim
         scale = 1.0 / math.sqrt(hd)
@@ -145,9 +151,15 @@ class _Step:
         self.flags.append(flag.reshape(-1))
         return rows, ops.decode(rows, kind)
 
+    def finite(self) -> Tensor:
+        """A 0-dim bool on the device: every row the step wrote is finite (no host sync)."""
+        if not self.flags:
+            return torch.ones((), dtype=torch.bool, device=self.pos.device)
+        return torch.isfinite(torch.cat(self.flags)).all()
+
     def check_flags(self) -> None:
         """The step's one host sync: refuse NaN or Inf in any row it wrote."""
-        if self.flags and not bool(torch.isfinite(torch.cat(self.flags)).all()):
+        if self.flags and not bool(self.finite()):
             raise InvalidArgument("the model produced NaN or Inf; the cache cannot store it")
 
     def band(self, a: int, b: int, before: int, lo: int, hi: int) -> Tensor:
@@ -166,50 +178,124 @@ class _Step:
         return mask
 
 
-def step(model: ModelWeights, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
-    """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
-    s = _Step(model, state, toks)
+@dataclass
+class LayerIn:
+    """What a layer computes from its input before the index and the attention (`layer_in`)."""
+
+    q: Tensor  # queries [m, heads, head_dim], not rotated
+    both: Tensor  # window rows [before + m, row bytes]: the ones held, then the step's
+    window_keys: Tensor  # their values
+    before: int  # window rows held before the step
+    kv: Tensor | None = None  # source layers: compressor kv and gate projections [m, head_dim]
+    score: Tensor | None = None
+    qi: Tensor | None = None  # index layers: indexer query projection and head weights
+    weights: Tensor | None = None
+
+
+@dataclass
+class Chosen:
+    """The compressed rows a layer attends to: the additive mask `[m, 1, used]` and either the
+    selection's indices into the rows' values (gathered per query chunk) or the rows already gathered
+    `[m, used, head_dim]` (replay.model.graphs gathers once per index layer: the same values)."""
+
+    mask: Tensor
+    idx: Tensor | None = None
+    values: Tensor | None = None
+    gathered: Tensor | None = None
+
+    @property
+    def used(self) -> int:
+        """Slots per query."""
+        return self.mask.shape[-1]
+
+    def rows(self, a: int, b: int) -> Tensor:
+        """`[b - a, used, head_dim]`: the selected rows of queries [a, b)."""
+        if self.gathered is not None:
+            return self.gathered[a:b]
+        assert self.values is not None and self.idx is not None
+        return self.values[self.idx[a:b]]
+
+
+def layer_in(s: _Step, pack: _Pack, layer: int, h: Tensor, prev: Tensor) -> LayerIn:
+    """The layer's projections of RMSNorm(h) (one matmul), its window rows (encoded, kept as flags)
+    joined to the `prev` rows held, and their values."""
     cfg, g = s.cfg, s.g
     hd, nh, eps = g.head_dim, cfg.n_heads, cfg.norm_eps
+    proj = functional.linear(_rms(h, pack.attn_norm, eps), pack.w_in)
+    rows, _ = s.encode(rope(_rms(proj[:, :hd], pack.kv_norm, eps), s.rot_w), "window")
+    q = proj[:, hd:hd + nh * hd].view(s.m, nh, hd)
+    off = hd + nh * hd
+    before = prev.shape[0]
+    both = torch.cat((prev, rows)) if before else rows
+    out = LayerIn(q=q, both=both, window_keys=ops.decode(both, "window"), before=before)  # [start - before, end)
+    if layer in g.kv_source_layers:
+        out.kv, out.score = proj[:, off:off + hd], proj[:, off + hd:off + 2 * hd]
+        off += 2 * hd
+    if layer in cfg.index_layers:
+        width = cfg.index_heads * g.index_head_dim
+        out.qi, out.weights = proj[:, off:off + width], proj[:, off + width:off + width + cfg.index_heads]
+    return out
+
+
+def layer_out(s: _Step, pack: _Pack, h: Tensor, attn: Tensor) -> Tensor:
+    """h + W_o attn, then + SwiGLU(RMSNorm(h))."""
+    h = torch.addmm(h, attn, pack.wo_t)
+    gate, up = functional.linear(_rms(h, pack.ffn_norm, s.cfg.norm_eps), pack.w13).chunk(2, dim=-1)
+    return torch.addmm(h, functional.silu(gate) * up, pack.w2_t)
+
+
+def head(model: ModelWeights, h: Tensor) -> Tensor:
+    """The logits of the last layer's output h."""
+    return functional.linear(_rms(h, model.final_norm, model.config.norm_eps), model.head)
+
+
+def step(model: ModelWeights, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
+    """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
+    s = _Step(model, state, toks.numel())
+    cfg, g = s.cfg, s.g
     h = model.embed[toks]
     new_tail: dict[int, Tensor] = {}
     for layer in range(top + 1):
         pack = _pack(model.blocks[layer])  # type: ignore[arg-type]
-        proj = functional.linear(_rms(h, pack.attn_norm, eps), pack.w_in)
-        rows, _ = s.encode(rope(_rms(proj[:, :hd], pack.kv_norm, eps), s.rot_w), "window")
-        q = proj[:, hd:hd + nh * hd].view(s.m, nh, hd)
-        off = hd + nh * hd
-        prev = state.window_rows[layer]
-        before = prev.shape[0]
-        both = torch.cat((prev, rows)) if before else rows
-        window_keys = ops.decode(both, "window")  # positions [start - before, end)
+        inp = layer_in(s, pack, layer, h, state.window_rows[layer])
         source = g.source_of(layer)
-        if layer in g.kv_source_layers:
-            tail = _compress(s, pack, layer, proj[:, off:off + hd], proj[:, off + hd:off + 2 * hd])
-            off += 2 * hd
+        if inp.kv is not None and inp.score is not None:
+            tail = _compress(s, pack, layer, inp.kv, inp.score)
             if tail is not None:
                 new_tail[layer] = tail
-        if layer in cfg.index_layers:
+        if inp.qi is not None and inp.weights is not None:
             assert source is not None
-            width = cfg.index_heads * g.index_head_dim
-            s.selected[source] = _index(s, source, proj[:, off:off + width],
-                                        proj[:, off + width:off + width + cfg.index_heads])
-        attn = _attention(s, pack, layer, q, window_keys, before)
-        state.window_rows[layer] = both[-g.window:]
-        h = torch.addmm(h, attn, pack.wo_t)
-        gate, up = functional.linear(_rms(h, pack.ffn_norm, eps), pack.w13).chunk(2, dim=-1)
-        h = torch.addmm(h, functional.silu(gate) * up, pack.w2_t)
+            s.selected[source] = index_select(s.cfg, state, source, s.end, s.pos, index_query(s, inp.qi),
+                                              inp.weights)
+        chosen = None
+        if source is not None:
+            idx, mask = s.selected[source]
+            chosen = Chosen(mask=mask, idx=idx, values=source_values(state, source, g.head_dim))
+        attn = _attention(s, pack, layer, inp.q, inp.window_keys, inp.before, chosen)
+        state.window_rows[layer] = inp.both[-g.window:]
+        h = layer_out(s, pack, h, attn)
     s.check_flags()
     state.length = s.end
-    if state.length % 2 and g.ratio2_source_layers:
-        state.tail = torch.stack([new_tail[src] for src in g.ratio2_source_layers])
-    elif state.length % 2:
-        state.tail = torch.zeros((0, 2, hd), device=model.device)
-    else:
-        state.tail = None
+    state.tail = end_tail(g, state.length, new_tail, model.device)
     if top < cfg.num_layers - 1:
         return None
-    return functional.linear(_rms(h, model.final_norm, eps), model.head)
+    return head(model, h)
+
+
+def end_tail(g: ModelGeometry, length: int, new_tail: dict[int, Tensor], device: torch.device) -> Tensor | None:
+    """The state's raw tail at `length`: the ratio-2 sources' open pairs at an odd length."""
+    if length % 2 and g.ratio2_source_layers:
+        return torch.stack([new_tail[src] for src in g.ratio2_source_layers])
+    if length % 2:
+        return torch.zeros((0, 2, g.head_dim), device=device)
+    return None
+
+
+def source_values(state: CacheState, source: int, head_dim: int) -> Tensor:
+    """The float values of the source's rows; one zero row when it has none (every slot is masked
+    then, but a gather needs a row)."""
+    kv_values = state.kv_values(source)
+    return kv_values if kv_values.shape[0] else kv_values.new_zeros((1, head_dim))
 
 
 def _compress(s: _Step, pack: _Pack, layer: int, kv: Tensor, score: Tensor) -> Tensor | None:
@@ -232,53 +318,71 @@ def _compress(s: _Step, pack: _Pack, layer: int, kv: Tensor, score: Tensor) -> T
         rot_i = rotation(group_pos, s.freq_c, g.index_head_dim, g.rope_head_dim)
         index_rows, index_values = s.encode(rope(key, rot_i), "index")
         state.append_rows(layer, kv_rows, kv_values, index_rows, index_values)
-    if ratio == 2 and end % 2:
+    return open_pair(g, layer, end, kv, score)
+
+
+def open_pair(g: ModelGeometry, layer: int, end: int, kv: Tensor, score: Tensor) -> Tensor | None:
+    """The raw tail `[2, head_dim]` of a ratio-2 source whose last pair stays open at `end`."""
+    if g.compress_ratios[layer] == 2 and end % 2:
         return torch.stack((kv[-1], score[-1]))
     return None
 
 
-def _index(s: _Step, source: int, qi: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-    """The index layer's top-k (ops.select_topk, the rule both paths share), trimmed to the slots any query uses."""
-    cfg, g, state = s.cfg, s.g, s.state
+def index_query(s: _Step, qi: Tensor) -> Tensor:
+    """The indexer query `[m, heads, index_head_dim]`, rotated (compress theta)."""
+    return rope(qi.reshape(s.m, s.cfg.index_heads, s.g.index_head_dim), s.rot_qi)
+
+
+def index_select(cfg: ModelConfig, state: CacheState, source: int, end: int, pos: Tensor, q: Tensor,
+                 weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The index layer's top-k (ops.select_topk, the rule both paths share), trimmed to the slots any query uses.
+
+    Scores the queries at `pos` (ending at `end`) against the visible indexer keys of `source`:
+    (idx `[m, used]`, additive mask `[m, 1, used]`), used = max(1, min(top-k, horizon)).
+    """
+    g = cfg.geometry
+    m = pos.shape[0]
     ratio = g.compress_ratios[source]
     rows = state.kv_rows[source].shape[0]
-    horizon = min(s.end // ratio, rows)  # the largest number of rows any query of the step sees
-    visible = torch.clamp((s.pos + 1) // ratio, max=rows)
+    horizon = min(end // ratio, rows)  # the largest number of rows any query of the step sees
+    visible = torch.clamp((pos + 1) // ratio, max=rows)
     keys = state.index_values(source)[:horizon]
-    q = rope(qi.reshape(s.m, cfg.index_heads, g.index_head_dim), s.rot_qi)
     step = max(1, FAST_BUDGET // max(1, horizon * cfg.index_heads))
     idx, ok = [], []
-    for a in range(0, s.m, step):
-        b = min(a + step, s.m)
+    for a in range(0, m, step):
+        b = min(a + step, m)
         dots = torch.relu(torch.matmul(q[a:b], keys.t()))  # [c, heads, rows]
         scores = torch.matmul(weights[a:b].unsqueeze(1), dots).squeeze(1)
         i, v = ops.select_topk(scores, visible[a:b], cfg.index_topk)
         idx.append(i)
         ok.append(v)
     # A query sees min(k, visible) valid slots, first: no query of the step uses a slot past min(k, horizon).
-    used = max(1, min(cfg.index_topk, horizon))
+    used = used_slots(cfg, horizon)
     i_all = torch.cat(idx)[:, :used] if len(idx) > 1 else idx[0][:, :used]
     v_all = torch.cat(ok)[:, :used] if len(ok) > 1 else ok[0][:, :used]
-    mask = torch.where(v_all, torch.zeros((), device=qi.device), -math.inf).unsqueeze(1)
+    mask = torch.where(v_all, torch.zeros((), device=q.device), -math.inf).unsqueeze(1)
     return i_all.contiguous(), mask
 
 
-def _attention(s: _Step, pack: _Pack, layer: int, q: Tensor, window_keys: Tensor, before: int) -> Tensor:
+def used_slots(cfg: ModelConfig, horizon: int) -> int:
+    """Selection slots a step keeps when no query sees more than `horizon` rows."""
+    return max(1, min(cfg.index_topk, horizon))
+
+
+def _attention(s: _Step, pack: _Pack, layer: int, q: Tensor, window_keys: Tensor, before: int,
+               chosen: Chosen | None) -> Tensor:
     """Sink + window keys of (p - W, p] + the selected compressed rows, one softmax: `[m, heads * head_dim]`."""
     cfg, g, m = s.cfg, s.g, s.m
     nh, hd, win = cfg.n_heads, g.head_dim, g.window
     source = g.source_of(layer)
-    qc = kv_values = idx = mask_c = None
+    qc = None
     used = 0
     if source is None:
         qw = rope(q, s.rot_q[0])  # scaled by 1/sqrt(head_dim)
     else:
         qw, qc = rope(q.unsqueeze(0), s.rot_q)  # window and compress theta in one multiply
-        idx, mask_c = s.selected[source]
-        used = idx.shape[1]
-        kv_values = s.state.kv_values(source)
-        if kv_values.shape[0] == 0:  # nothing visible yet: every slot is masked, but gathers need a row
-            kv_values = kv_values.new_zeros((1, hd))
+        assert chosen is not None
+        used = chosen.used
     step = max(1, FAST_BUDGET // ((win + used) * hd))
     sink = pack.sink
     outs = []
@@ -291,9 +395,9 @@ def _attention(s: _Step, pack: _Pack, layer: int, q: Tensor, window_keys: Tensor
         sw = torch.addmm(band, qw[a:b].reshape(c * nh, hd), keys.t()).view(c, nh, hi - lo)
         parts = [sink.expand(c, nh, 1), sw]
         sel = None
-        if qc is not None and kv_values is not None and idx is not None and mask_c is not None:
-            sel = kv_values[idx[a:b]]  # [c, used, hd]
-            parts.append(torch.baddbmm(mask_c[a:b], qc[a:b], sel.transpose(1, 2)))
+        if qc is not None and chosen is not None:
+            sel = chosen.rows(a, b)  # [c, used, hd]
+            parts.append(torch.baddbmm(chosen.mask[a:b], qc[a:b], sel.transpose(1, 2)))
         p = torch.softmax(torch.cat(parts, dim=-1), dim=-1)
         out = torch.matmul(p[:, :, 1:1 + hi - lo], keys)
         if sel is not None:
@@ -303,4 +407,5 @@ def _attention(s: _Step, pack: _Pack, layer: int, q: Tensor, window_keys: Tensor
     return out.reshape(m, nh * hd)
 
 
-__all__ = ["rope", "rotation", "step"]
+__all__ = ["Chosen", "LayerIn", "end_tail", "head", "index_query", "index_select", "layer_in", "layer_out",
+           "open_pair", "rope", "rotation", "source_values", "step", "used_slots"]

@@ -124,6 +124,28 @@ def new_compressor_inputs(g: ModelGeometry, state: CacheState, layer: int, kv: T
                                         first=first, skip=skip), layer, have, start)
 
 
+def groups_to_compute(g: ModelGeometry, state: CacheState, layer: int, start: int, end: int) -> int | None:
+    """How many rows `new_compressor_inputs` would compute for positions [start, end), from host ints only.
+
+    None where it would raise (an odd start with neither tail nor the open pair's row): the caller
+    then runs the step that raises. replay.model.graphs takes a step only when this is 0 for every
+    source (a bounded replay over loaded rows), so a captured step never appends rows.
+    """
+    have = state.kv_rows[layer].shape[0]
+    if g.compress_ratios[layer] == 1:
+        return max(0, (end - start) - max(0, have - start))
+    seq_start = start
+    if start % 2:
+        if have > (start - 1) // 2:
+            seq_start = start + 1
+        elif state.tail is not None:
+            seq_start = start - 1
+        else:
+            return None
+    pairs = max(0, (end - seq_start) // 2)
+    return pairs - min(pairs, max(0, have - seq_start // 2))
+
+
 def _held_below(new: CompressorInputs, layer: int, have: int, start: int) -> CompressorInputs:
     """`new`, once checked that the state holds every row below the first one it computes."""
     if new.first + new.skip > have and new.kv.shape[0]:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from kvstore.errors import InvalidArgument
 from replay.model import fast, ops
 from replay.model.config import ModelConfig
+from replay.model.graphs import StepGraphs
 from replay.model.layers import LayerWeights, attention, compress, index_topk, mlp
 from replay.model.state import CacheState
 
@@ -44,6 +45,12 @@ class ReferenceModel(nn.Module):
         fused: without batch invariance, run the fused, sync-free step
             (replay.model.fast; True by default); False runs the per-layer functions of
             replay.model.layers, as before it existed (the speed bench's baseline).
+        graphs: with the fused step, take the steps that fit (a bounded replay over loaded
+            rows, at most replay.model.graphs.MAX_TOKENS tokens) through fixed buffers,
+            captured in CUDA graphs on CUDA (replay.model.graphs; logits and rows equal to
+            the fused step's). True by default on CUDA; on the CPU the same buffers run
+            eagerly when set (what the CPU tests check). The worker's `--cuda-graphs off`
+            clears it.
     """
 
     def __init__(self, config: ModelConfig, *, device: str | torch.device = "cpu",
@@ -53,6 +60,8 @@ class ReferenceModel(nn.Module):
         dev = torch.device(device)
         self.batch_invariant = dev.type == "cpu" if batch_invariant is None else batch_invariant
         self.fused = True
+        self.graphs = dev.type == "cuda"
+        self._step_graphs: StepGraphs | None = None
         if dev.type == "cuda":
             # float32 throughout: TF32 would change the rows the model writes.
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -166,6 +175,10 @@ class ReferenceModel(nn.Module):
     def _step(self, state: CacheState, toks: Tensor, *, top: int) -> Tensor | None:
         """Layers 0..top for positions [state.length, state.length + m); logits when top is the last layer."""
         if not self.batch_invariant and self.fused:
+            if self.graphs:
+                taken, logits = self.step_graphs().step(state, toks, top=top)
+                if taken:
+                    return logits
             return fast.step(self, state, toks, top=top)
         cfg, g = self.config, self.config.geometry
         inv = self.batch_invariant
@@ -207,6 +220,13 @@ class ReferenceModel(nn.Module):
             return None
         return ops.linear(ops.rms_norm(h, self.final_norm, cfg.norm_eps), self.head, invariant=inv)
 
+    def step_graphs(self) -> StepGraphs:
+        """The model's captured steps (replay.model.graphs), made on first use and again after a move."""
+        steps = self._step_graphs
+        if steps is None or steps.device != self.device:
+            steps = self._step_graphs = StepGraphs(self)
+        return steps
+
     # -- replay and decode ------------------------------------------------------------------
 
     @torch.no_grad()
@@ -228,6 +248,13 @@ class ReferenceModel(nn.Module):
         Raises:
             InvalidArgument: span < 1 or fewer than H tokens.
         """
+        return self.replay_logits(tokens, rows, span=span)[0]
+
+    @torch.no_grad()
+    def replay_logits(self, tokens: Sequence[int] | Tensor, rows: CacheState, *,
+                      span: int) -> tuple[CacheState, Tensor]:
+        """`replay`, with the logits of the recomputed positions `[min(span, H), vocab]` (what the
+        graph tests compare)."""
         h_len = rows.length
         if span < 1 or len(tokens) < h_len:
             raise InvalidArgument(f"replay needs span >= 1 and the {h_len} tokens the rows cover; "
@@ -237,8 +264,8 @@ class ReferenceModel(nn.Module):
         empty = self.new_state()
         state = CacheState(length=start, window_rows=empty.window_rows, kv_rows=dict(rows.kv_rows),
                            index_rows=dict(rows.index_rows), tail=None, rows_floor=rows.rows_floor)
-        self.extend(state, toks, tail_prefill=False)
-        return state
+        logits = self.extend(state, toks, tail_prefill=False)
+        return state, logits
 
     @torch.no_grad()
     def greedy(self, state: CacheState, first_logits: Tensor, n: int) -> tuple[list[int], Tensor]:

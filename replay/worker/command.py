@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most greedy tokens a Run decodes")
     parser.add_argument("--store-timeout", type=float, default=WorkerSettings.store_timeout_s,
                         help="seconds each store call may take")
+    parser.add_argument("--cuda-graphs", choices=("on", "off"), default="on",
+                        help="on CUDA, bounded replays run through CUDA graphs, with the eager step's logits "
+                             "(default on; off: every step eager)")
     add_connection_arguments(parser)  # --token (KVSTORE_TOKEN) and TLS: how the worker reaches the store
 
 
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the worker and serve until SIGTERM or SIGINT."""
     settings = WorkerSettings(store_target=args.target, host=args.host, port=args.port, device=args.device,
                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                              store_timeout_s=args.store_timeout)
+                              store_timeout_s=args.store_timeout, cuda_graphs=args.cuda_graphs == "on")
     asyncio.run(serve(settings, load_model(args.model, args.weights, args.device), namespace=args.namespace,
                       credentials=client_options(args)))
     return 0

@@ -68,6 +68,8 @@ class Runner:
 
     def __init__(self, model: ReferenceModel, stores: StoreClients, settings: WorkerSettings) -> None:
         self.model = model
+        # Steps that fit (bounded replays) go through CUDA graphs only on CUDA and when the settings allow.
+        model.graphs = settings.cuda_graphs and model.device.type == "cuda"
         self.stores = stores
         self.settings = settings
         self.geometry = model.config.geometry

@@ -39,6 +39,9 @@ class WorkerSettings:
     chunk_tokens: int = 4096
     #: Seconds in-flight Runs get to finish on SIGTERM.
     grace_s: float = 5.0
+    #: On CUDA, run bounded replays through CUDA graphs (replay.model.graphs: the same logits as the
+    #: eager step, fewer host launches); False keeps every step eager. No effect on the CPU.
+    cuda_graphs: bool = True
 
     RANGES: ClassVar[dict[str, Range]] = {
         "port": Range(0, 65535),

@@ -106,3 +106,20 @@ def test_worker_limits_come_from_its_settings(start_worker: Any) -> None:
             w.run(list(range(11)), None)
         with pytest.raises(InvalidArgument, match="limit of 2"):
             w.run(list(range(5)), None, max_new_tokens=3)
+
+
+def test_cuda_graphs_follow_the_settings(server: Any) -> None:
+    """The runner sets the model's graph path from `cuda_graphs`: off turns it off, and on the CPU it is never on."""
+    from replay.model import TINY_MODEL, ReferenceModel
+    from replay.worker.runner import Runner
+    from replay.worker.settings import WorkerSettings
+    from replay.worker.stores import StoreClients
+
+    model = ReferenceModel(TINY_MODEL, device="cpu")
+    stores = StoreClients(server.target, geometry=TINY.name)
+    for on in (True, False):
+        model.graphs = True
+        Runner(model, stores, WorkerSettings(store_target=server.target, cuda_graphs=on))
+        assert model.graphs is False
+    stores.close()
+    assert WorkerSettings().cuda_graphs
