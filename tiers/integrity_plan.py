@@ -33,7 +33,7 @@ class RepairPlan:
     add_entries: list[tuple[str, bytes]]
     usage: tuple[int, int]
     fix_counters: bool
-    #: R32: state records to delete and to write so each geometry's and tenant's usage is what `kept` holds.
+    #: R33: state records to delete and to write so each geometry's and tenant's usage is what `kept` holds.
     usage_deletes: list[bytes] = field(default_factory=list)
     usage_puts: dict[bytes, bytes] = field(default_factory=dict)
 

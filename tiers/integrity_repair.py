@@ -72,7 +72,7 @@ def _write_state(txn: lmdb.Transaction, state: Any, walk: Walk, plan: RepairPlan
 
 
 def _write_usage_records(txn: lmdb.Transaction, state: Any, plan: RepairPlan) -> None:
-    """R32: each geometry's and tenant's usage record as the kept blocks hold (`tiers.integrity_usage`)."""
+    """R33: each geometry's and tenant's usage record as the kept blocks hold (`tiers.integrity_usage`)."""
     for key in plan.usage_deletes:
         txn.delete(key, db=state)
     for key, value in plan.usage_puts.items():

@@ -1,4 +1,4 @@
-"""The usage records per geometry and per tenant, as `kvstore check` finds and a repair rewrites them (R14, R17, R32).
+"""The usage records per geometry and per tenant, as `kvstore check` finds and a repair rewrites them (R14, R17, R33).
 
 Beside the store's totals (`usage`), the `state` database keeps the totals of each geometry (`usage/` +
 fingerprint: blocks, bytes) and each tenant (`ns/` + namespace id: blocks, bytes, block-seconds, as-of time,

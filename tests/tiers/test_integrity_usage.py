@@ -1,5 +1,5 @@
 """`kvstore check --repair` rewrites the usage of each tenant and geometry from what is stored
-(docs/RETENTION.md R32; tiers/integrity_usage.py): real LMDB, the records damaged behind the store's back."""
+(docs/RETENTION.md R33; tiers/integrity_usage.py): real LMDB, the records damaged behind the store's back."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def _tenant(state: dict[bytes, bytes], name: str) -> NamespaceTotals:
     return totals
 
 
-def test_r32_a_repair_rewrites_each_tenants_usage_from_what_is_stored(
+def test_r33_a_repair_rewrites_each_tenants_usage_from_what_is_stored(
         store: tuple[StoreSettings, dict[str, list[list[bytes]]]]) -> None:
     """Alpha's usage record says too much, beta's last block is deleted behind its back (records, index entry and
     its parent's child entry: nothing else is wrong with the store), the geometry's record is gone and alpha's pin
@@ -114,7 +114,7 @@ def test_r32_a_repair_rewrites_each_tenants_usage_from_what_is_stored(
         tier.close()
 
 
-def test_r32_a_tenant_record_lost_or_left_over_is_rewritten(
+def test_r33_a_tenant_record_lost_or_left_over_is_rewritten(
         store: tuple[StoreSettings, dict[str, list[list[bytes]]]]) -> None:
     """Beta's record is deleted and a record of a tenant that stores nothing says it holds blocks: the repair
     gives beta a record counting its blocks, with the time they have been stored for, and the other zero blocks."""
