@@ -17,6 +17,7 @@ from gateway.auth import Caller, current_caller
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.host_info import NodeHost
 from gateway.lookup_anchors import LookupAnchors
+from gateway.put_request import PutRequestView
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.routed_store import Route, RoutedStore
@@ -40,6 +41,7 @@ from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, na
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from tiers import blockcopy
 from tiers.pins import PinGrant
 from tiers.store import AnchoredLookup, BlockStore, PinningStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
@@ -377,9 +379,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.ReleaseResponse(released=self.tier.release(request.lease_id, owns=owns))
 
     @unary
-    async def Put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+    async def Put(self, request: pb.PutRequest | PutRequestView, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         if self.router is not None:
-            return await self._routed_put(request, context)
+            return await self._routed_put(_message(request), context)
         return await self._put(request)
 
     async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
@@ -405,7 +407,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                               keep_note=kept.note if kept else "")
 
     @streaming
-    async def PutStream(self, requests: AsyncIterator[pb.PutRequest],
+    async def PutStream(self, requests: AsyncIterator[pb.PutRequest | PutRequestView],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
         # A reader checks and hashes each batch as it arrives (on a thread: it is
         # O(batch bytes)) and keeps up to PUT_STREAM_DEPTH of them ahead while the
@@ -418,7 +420,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # what came before it, then raises it, so the stream always ends with a status.
         if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
             async for request in requests:
-                yield await self._routed_put(request, context)
+                yield await self._routed_put(_message(request), context)
             return
         queue: asyncio.Queue[PutBatch | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
 
@@ -453,10 +455,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             reader.cancel()
 
-    def _plan(self, request: pb.PutRequest) -> PutBatch:
-        """A validated Put batch, its tokens hashed into the chain it extends."""
+    def _plan(self, request: pb.PutRequest | PutRequestView) -> PutBatch:
+        """A validated Put batch, its tokens hashed into the chain it extends, its blocks' checksums taken
+        (here, on the reader's thread, so the write transaction does not: tiers/puts.py)."""
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
-        blocks = list(request.blocks)
+        # A decoded request's blocks are views of the received message (gateway/put_request.py): not copied.
+        blocks: list[bytes | memoryview] = list(request.blocks)
         plan = validate.put_plan(layout, parent_hash=request.parent_hash, token_ids=request.token_ids,
                                  extra_keys=list(request.extra_keys), blocks=blocks,
                                  limit=self.settings.max_batch_blocks)
@@ -464,9 +468,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if request.keep_until_s and self.pins is None:
             raise FailedPrecondition("this store does not pin prefixes (keep_until_s)")
         return PutBatch(scope=scope, parent_hash=plan.parent, hashes=plan.hashes, blocks=blocks,
-                        is_root=plan.is_root, keep_until_s=request.keep_until_s or None)
+                        is_root=plan.is_root, keep_until_s=request.keep_until_s or None,
+                        checksums=blockcopy.digests(blocks))
 
-    async def _put(self, request: pb.PutRequest) -> pb.PutResponse:
+    async def _put(self, request: pb.PutRequest | PutRequestView) -> pb.PutResponse:
         # Checking and hashing are O(request size): a thread keeps other calls served meanwhile.
         batch = await asyncio.to_thread(self._plan, request)
         result = await self.tier.call(self.tier.put_many, [batch])
@@ -653,6 +658,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+def _message(request: pb.PutRequest | PutRequestView) -> pb.PutRequest:
+    """The request as a protobuf message (a gateway's Put hands it on whole)."""
+    return request.to_message() if isinstance(request, PutRequestView) else request
 
 
 def _trace_put(trace: CallTrace, batch: PutBatch, result: PutResult) -> None:

@@ -11,7 +11,7 @@ message protobuf would write, byte for byte (tests compare the two).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import grpc
@@ -30,20 +30,24 @@ def passthrough(reply: bytes | Message) -> bytes:
 
 
 def add_service(add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server,
-                presized: Collection[str]) -> None:
+                presized: Collection[str], decoders: Mapping[str, Callable[[bytes], Any]] | None = None) -> None:
     """The service the generated `add` (`add_*Servicer_to_server`) registers, on `server`, with the
-    methods named in `presized` answering through `passthrough`.
+    methods named in `presized` answering through `passthrough`, and those named in `decoders`
+    reading their requests with the decoder given (a Put's blocks left in place: gateway/put_request.py).
 
     Raises:
-        ValueError: a name in `presized` is not one of the service's methods.
+        ValueError: a name in `presized` or `decoders` is not one of the service's methods.
     """
     registered = _Registered()
     add(servicer, registered)
-    unknown = set(presized) - set(registered.handlers)
+    decoders = decoders or {}
+    unknown = (set(presized) | set(decoders)) - set(registered.handlers)
     if unknown:
         raise ValueError(f"{registered.service} has no method {sorted(unknown)}")
     handlers = {name: handler._replace(response_serializer=passthrough) if name in presized else handler
                 for name, handler in registered.handlers.items()}
+    for name, decode in decoders.items():
+        handlers[name] = handlers[name]._replace(request_deserializer=decode)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(registered.service, handlers),))
     server.add_registered_method_handlers(registered.service, handlers)
 

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from gateway import put_request
 from gateway.admin_servicer import AdminParts, add_admin_service, open_admin
 from gateway.auth import (
     DEFAULT_TENANT,
@@ -332,7 +333,8 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     pin_audit = asyncio.create_task(kvstore.run_pin_audit())  # R29: expired pins audited
     closers.append(pin_audit.cancel)
     kvstore.trace = trace
-    add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"})
+    add_service(kvstore_pb2_grpc.add_KVStoreServicer_to_server, kvstore, server, presized={"Get"},
+                decoders={"Put": put_request.decode, "PutStream": put_request.decode})  # blocks not copied
     swa_service = SwaPoolServicer(swa, layouts, settings.swa.max_batch_snapshots, hits=hits, policies=admin.policies)
     swa_service.trace = trace
     swa_pb2_grpc.add_SwaPoolServicer_to_server(swa_service, server)

@@ -157,7 +157,7 @@ class PutPlan:
 
 
 def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence[bytes],
-             blocks: Sequence[bytes], limit: int) -> PutPlan:
+             blocks: Sequence[bytes | memoryview], limit: int) -> PutPlan:
     """Check a Put's shape and hash its tokens into the chain it extends."""
     _check_put(layout, parent_hash=parent_hash, token_ids=token_ids, blocks=blocks, limit=limit)
     parent = parent_hash or layout.root
@@ -165,8 +165,8 @@ def put_plan(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], ex
     return PutPlan(parent=parent, is_root=parent == layout.root, hashes=chain)
 
 
-def _check_put(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int], blocks: Sequence[bytes],
-               limit: int) -> None:
+def _check_put(layout: Layout, *, parent_hash: bytes, token_ids: Sequence[int],
+               blocks: Sequence[bytes | memoryview], limit: int) -> None:
     if not blocks:
         raise InvalidArgument("blocks is empty: a Put stores at least one block")
     if len(blocks) > limit:

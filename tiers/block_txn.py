@@ -20,9 +20,20 @@ import lmdb
 import xxhash
 
 from kvstore.errors import DataLoss
-from kvstore.prefix import FINGERPRINT_BYTES, BlockScope
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, BlockScope
 from tiers import namespaces, pins, run_index
-from tiers.records import BlockMeta, child_key, children_prefix, data_key, lru_key, meta_key, parent_key_of
+from tiers.records import (
+    DATA_TAG,
+    META_STRUCT,
+    META_TAG,
+    BlockMeta,
+    child_key,
+    children_prefix,
+    data_key,
+    lru_key,
+    meta_key,
+    parent_key_of,
+)
 from tiers.usage import Usage, read_usage
 
 Buffer = bytes | bytearray | memoryview
@@ -62,6 +73,9 @@ class PutBatch:
     last_use_s: Sequence[float] | None = None
     #: Keep the batch's last block, and so its prefix, until this time (a pin, R22); None: no pin.
     keep_until_s: float | None = None
+    #: The xxh3-64 of each block, taken by the caller off the write transaction (`tiers.blockcopy.digests`,
+    #: on the stream reader's thread); None: the transaction takes them. Each must be the block's own.
+    checksums: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +228,44 @@ class BlockTxn:
         self._count(key, 1, len(data))
         if self.changes is not None:  # E1: every stored block, from the one place that stores it
             self.changes.append(Change(key=key, parent_hash=None if is_first else parent_hash, stored=True))
+
+    def insert_run(self, keys: Sequence[bytes], parent_hash: bytes, first_depth: int, datas: Sequence[Buffer],
+                   checksums: Sequence[int], now_s: float, is_root: bool, *,
+                   last_use_s: Sequence[float]) -> None:
+        """Store new consecutive blocks of one chain, each as `insert` stores it (the same records, in the
+        same order), in one loop: `keys[0]`'s parent is `parent_hash` (none stored when `is_root`), each
+        later block's the one before it; depths from `first_depth`; `checksums` the blocks' xxh3-64 and
+        `last_use_s` their last uses. The blocks share a layout and namespace, so the totals change once.
+
+        A Put's blocks come here rather than one `insert` call each: a batch's per-block Python runs inside
+        the write transaction, which LMDB's one writer cannot overlap with the previous commit.
+        """
+        txn, records, lru, pack = self.txn, self.dbs.records, self.dbs.lru, META_STRUCT.pack
+        put, run_blocks, runs = txn.put, self.run_blocks, self.dbs.runs
+        changes = self.changes
+        parent, key, nbytes = parent_hash, b"", 0
+        try:
+            for i, key in enumerate(keys):
+                data, depth, use = datas[i], first_depth + i, last_use_s[i]
+                size = len(data)
+                put(key + DATA_TAG, data, db=records)
+                put(key + META_TAG, pack(parent, depth, size, checksums[i], now_s, use), db=records)
+                put(lru_key(use, depth, key), b"", db=lru)
+                first = is_root and i == 0
+                if not first:
+                    put(child_key(parent_key_of(key, parent), key[-32:]), b"", db=records)
+                if run_blocks:  # F16: a run's first block names its run in the index, in this same write
+                    run_index.note_insert(txn, runs, key, depth, run_blocks)
+                nbytes += size
+                if changes is not None:  # E1: every stored block, from the one place that stores it
+                    changes.append(Change(key=key, parent_hash=None if first else parent, stored=True))
+                parent = key[-HASH_BYTES:]
+        except (lmdb.MapFullError, lmdb.TxnFullError):
+            raise
+        except lmdb.Error as exc:  # damage on the way to this block's records: say whose
+            raise DamagedBlock(key, exc) from exc
+        if keys:
+            self._count(keys[0], len(keys), nbytes)
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use of the block at `now_s` (nothing if it is absent or used since)."""

@@ -143,6 +143,30 @@ def fill_bytes(size: int, fill: Callable[[memoryview], T]) -> tuple[bytes, T]:
     return out, result
 
 
+def digests_python(datas: list) -> list[int]:
+    """The xxh3-64 of each buffer in `datas` (the checksum a block's meta record keeps)."""
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(d) for d in datas]
+
+
+def _load_native_digests() -> Callable[[list], list[int]] | None:
+    try:
+        from tiers._blockcopy import digests as native
+    except ImportError:  # not built, or built before `digests` existed
+        return None
+    return native  # type: ignore[no-any-return]
+
+
+#: The native form of `digests` (one call for a batch, without the GIL), or None where it was not built.
+digests_native: Callable[[list], list[int]] | None = _load_native_digests()
+
+
+def digests(datas: Sequence[Any]) -> list[int]:
+    """The xxh3-64 of each of `datas` (bytes-like), as `digests_python` gives them: natively where built."""
+    native = digests_native
+    return native(list(datas)) if native is not None else digests_python(list(datas))
+
+
 #: The native checksum loop (run without the GIL), or None where it was not built.
 verify_native: Verify | None = _load_native_verify()
 #: The form in use: native when built, else Python.

@@ -19,7 +19,7 @@ import lmdb
 
 from kvstore.errors import FailedPrecondition, ResourceExhausted
 from kvstore.prefix import BlockScope
-from tiers import namespaces, pins
+from tiers import blockcopy, namespaces, pins
 from tiers.block_txn import BlockTxn, PutBatch, PutResult
 from tiers.damage import DamagedBlocks, refused_write
 from tiers.eviction import Candidates, Evicted, SkippedRuns, make_quota_room, make_room
@@ -114,17 +114,23 @@ def _put_in(w: BlockTxn, batch: PutBatch, now: float, protected: set[bytes],
         evicted = make_quota_room(w, ns_id, need, quota_bytes=quota, namespace=batch.scope.namespace, can=can)
     evicted += make_room(w, need, capacity_bytes=room.capacity_bytes, rule=room.rule, now_s=now,
                          protected=protected, retention_of=can.retention_of, skipped=room.skipped)
-    parent = batch.parent_hash
-    uses = batch.last_use_s
-    insert, touch, hashes, is_root = w.insert, w.touch, batch.hashes, batch.is_root
-    for i, (key, data, new) in enumerate(zip(keys, batch.blocks, fresh, strict=True)):
-        # F19: a fleet copy carries its source's last use; the later of the two copies' counts.
-        use = now if uses is None else min(uses[i], now)
-        if new:
-            insert(key, parent, parent_depth + i + 1, data, now, is_root and i == 0, last_use_s=use)
-        else:
-            touch(key, use)  # R5: putting a stored block again is a use of it
-        parent = hashes[i]
+    # F19: a fleet copy carries its source's last use; the later of the two copies' counts.
+    uses = [now] * len(keys) if batch.last_use_s is None else [min(u, now) for u in batch.last_use_s]
+    blocks, hashes, sums = batch.blocks, batch.hashes, batch.checksums
+    i = 0
+    while i < len(keys):  # index order: runs of new blocks stored in one loop each, stored ones touched
+        if not fresh[i]:
+            w.touch(keys[i], uses[i])  # R5: putting a stored block again is a use of it
+            i += 1
+            continue
+        j = i
+        while j < len(keys) and fresh[j]:
+            j += 1
+        # Checksums taken off the transaction where the caller did (the stream's reader), else here.
+        run_sums = sums[i:j] if sums is not None else blockcopy.digests(blocks[i:j])
+        w.insert_run(keys[i:j], batch.parent_hash if i == 0 else hashes[i - 1], parent_depth + i + 1, blocks[i:j],
+                     run_sums, now, batch.is_root and i == 0, last_use_s=uses[i:j])
+        i = j
     written = sum(fresh)
     grant = None
     if batch.keep_until_s is not None and keys:  # R22: the pin commits with the blocks it protects
