@@ -36,7 +36,7 @@ from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, ha
 from kvstore.prefix import BlockScope, chain_hashes
 from kvstore.v1 import admin_pb2 as pb
 from kvstore.v1 import admin_pb2_grpc as pb_grpc
-from tiers.pins import PinLimits
+from tiers.pins import PinLimits, PinTotals
 from tiers.store import ManagedStore, PinningStore
 
 #: The admin folder inside store.data_dir: policies.json and audit.jsonl.
@@ -213,15 +213,21 @@ class AdminServicer(pb_grpc.AdminServicer):
         targets = self._purge_targets(request, tenant)
         await self.audit.check_writable()  # a purge cannot be undone: refused up front when it could not be audited
         before = await self.tier.call(self.tier.namespace_usage, tenant)
+        pinning = self.tier if isinstance(self.tier, PinningStore) else None
+        pins_before = (await self.tier.call(pinning.pins_of, tenant))[0] if pinning else PinTotals()
         purged = 0
         for scope, hashes in targets:
             purged += await self.tier.call(self.tier.purge, scope, hashes)
         after = await self.tier.call(self.tier.namespace_usage, tenant)
+        pins_after = (await self.tier.call(pinning.pins_of, tenant))[0] if pinning else PinTotals()
         what: dict[str, Any] = {"all": True} if request.all else {"chain_blocks": len(targets[0][1] or ())}
+        # R26: a purged block takes its pin; the entry says how many pins (and pinned bytes) went with them.
         await self.audit.record(
             actor=caller.tenant, action="purge", tenant=tenant,
-            old={"blocks": before.blocks, "bytes": before.stored_bytes},
-            new={"blocks": after.blocks, "bytes": after.stored_bytes, "purged_blocks": purged, **what})
+            old={"blocks": before.blocks, "bytes": before.stored_bytes, "pins": pins_before.pins,
+                 "pinned_bytes": pins_before.charged_bytes},
+            new={"blocks": after.blocks, "bytes": after.stored_bytes, "purged_blocks": purged, "pins": pins_after.pins,
+                 "pinned_bytes": pins_after.charged_bytes, **what})
         return pb.PurgeResponse(purged_blocks=purged)
 
     @unary

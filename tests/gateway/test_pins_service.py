@@ -178,3 +178,20 @@ def test_r22_the_clients_put_and_lookup_ask_for_retention_and_say_what_was_grant
                 client.put(tokens, [os.urandom(BLOCK_BYTES)] * CHAIN, keep_until_s=bad)  # type: ignore[arg-type]
             with pytest.raises(InvalidArgument, match="keep_until_s"):
                 client.lookup(tokens, keep_until_s=bad)  # type: ignore[arg-type]
+
+
+def test_r26_a_purge_that_takes_pins_says_so_in_its_audit_entry(stub: tuple[Any, Path, str],
+                                                                clock: ManualClock) -> None:
+    """A purge of the tenant's cache takes its pins with its blocks (R26): the audit entry names the pins and pinned
+    bytes before and after, so the pins' removal is audited with it."""
+    from kvstore.v1 import admin_pb2, admin_pb2_grpc
+
+    s, data_dir, target = stub
+    _put(s, 0, keep_until_s=clock.now() + HOUR)
+    _put(s, 10_000)
+    with grpc.insecure_channel(target) as channel:
+        purged = admin_pb2_grpc.AdminStub(channel).Purge(admin_pb2.PurgeRequest(tenant="default", all=True))
+    assert purged.purged_blocks == 2 * CHAIN
+    entry = next(e for e in AuditLog(data_dir / ADMIN_DIR).entries(tenant="default") if e.action == "purge")
+    assert (entry.old["pins"], entry.old["pinned_bytes"]) == (1, CHAIN * BLOCK_BYTES)
+    assert (entry.new["pins"], entry.new["pinned_bytes"], entry.new["purged_blocks"]) == (0, 0, 2 * CHAIN)
