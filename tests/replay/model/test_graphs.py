@@ -209,3 +209,25 @@ def test_groups_to_compute_is_what_the_compressor_computes() -> None:
                             want = None
                         got = groups_to_compute(G, state, layer, start, start + m)
                         assert got == want or (want is None and got), (layer, ratio, start, m, have, tail)
+
+
+def test_a_step_after_a_held_window(model: ReferenceModel, conversations: Any) -> None:
+    """A step from a state that holds window rows (and the rows of its groups): the held rows go through the
+    bucket's window buffer, for two conversations in turn through the one bucket."""
+    for c in (0, 1, 0):
+        tokens, blocks = conversations[c]
+        rows = _rows(blocks, 384)
+        state = model.new_state()
+        model.extend(state, tokens[:376])
+        state = CacheState(length=376, window_rows=state.window_rows, kv_rows=dict(rows.kv_rows),
+                           index_rows=dict(rows.index_rows))
+        fused, static = state.clone(), state.clone()
+        logits = model.extend(fused, tokens[376:384], tail_prefill=False)
+        model.graphs = True
+        try:
+            steps = model.step_graphs().steps
+            got = model.extend(static, tokens[376:384], tail_prefill=False)
+            assert model.step_graphs().steps == steps + 1
+        finally:
+            model.graphs = False
+        _assert_same((fused, logits), (static, got))
