@@ -8,6 +8,7 @@ why, one line per decision with its numbers.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,7 @@ class Plan:
     usable_tokens: int
     found_tokens: int
     lease_id: str | None
-    block_hashes: list[bytes] = field(repr=False)
+    block_hashes: Sequence[bytes] = field(repr=False)
     estimated_s: float
     reasons: list[str]
     lookup_s: float = 0.0

@@ -203,12 +203,18 @@ class Connection:
         root for one node, the fleet's (each run a chain of its own, bridged: `fleet_chain`) through
         a gateway. A prompt that begins with the tokens of a chain hashed before on this connection
         hashes only its blocks after it (`chain_memo`: same hashes, checked byte for byte)."""
+        chain = self.chain(tokens, extra_keys=extra_keys)
+        return chain if isinstance(chain, list) else list(chain)
+
+    def chain(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> Sequence[bytes]:
+        """`hashes`, as the memo keeps them where it holds the chain (`chain_memo.HashChain`: a next turn
+        shares the kept hashes instead of copying them, C6), else a list."""
         extra_keys = arguments.extra_keys(extra_keys)
         if self.run_blocks:
             return fleet_hashes(tokens, root=self.root, block_tokens=self.block_tokens,
                                 run_blocks=self.run_blocks, extra_keys=extra_keys)
         if self.chain_memo.max_bytes:
-            return self.chain_memo.hashes(tokens, root=self.root, extra_keys=extra_keys)
+            return self.chain_memo.chain(tokens, root=self.root, extra_keys=extra_keys)
         return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)
 
     def run_fields(self, chain: Sequence[bytes], first_block: int) -> dict[str, Any]:

@@ -53,7 +53,9 @@ class LookupResult:
     found_blocks: int
     found_tokens: int
     lease_id: str | None
-    block_hashes: list[bytes] = field(repr=False)
+    #: The prompt's chain hashes from its first block (a list, or the client's memo's `HashChain`, which
+    #: shares the kept hashes: index and slice it, or `list()` it).
+    block_hashes: Sequence[bytes] = field(repr=False)
     #: T of the asked snapshot that serves the longest resume (`lookup(swa_positions=...)`), else None.
     swa_position: int | None = None
     #: R, the length that snapshot resumes at (T, T - 1, or shorter below the window; at most
@@ -194,7 +196,7 @@ class Client:
         """
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
-        return self._lookup(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
+        return self._lookup(self.connection.chain(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
                             swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
                             keep_until_s=arguments.keep_time(keep_until_s), hosts=arguments.flag(hosts, "hosts"))
 
@@ -225,7 +227,7 @@ class Client:
         return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=0, swa_keys=[], swa_positions=[],
                             swa_resume_limit=0, keep_until_s=arguments.keep_time(keep_until_s, required=True))
 
-    def _lookup(self, hashes: list[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
+    def _lookup(self, hashes: Sequence[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
                 swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0,
                 hosts: bool = False) -> LookupResult:
         """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""

@@ -1,4 +1,4 @@
-"""The client's memo of hashed chains (kvstore.client.chain_memo, rules C1-C5): a prompt that begins with
+"""The client's memo of hashed chains (kvstore.client.chain_memo, rules C1-C6): a prompt that begins with
 a kept chain's tokens hashes only its new blocks, and every answer equals `chain_hashes`'."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.client.chain_memo import ChainMemo
+from kvstore.client.chain_memo import MAX_PIECES, ChainMemo, HashChain
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import TINY, V4_1_FLASH
 from kvstore.prefix import chain_hashes, root_hash, token_bytes
@@ -110,7 +110,17 @@ def test_c3_every_answer_equals_plain_hashing(data: st.DataObject) -> None:
         keys = data.draw(st.sampled_from([(), ("a",), ("b", b"\x00")]))
         root = data.draw(st.sampled_from([ROOT, OTHER_ROOT]))
         form = data.draw(st.sampled_from([list, lambda p: array("I", p), lambda p: np.array(p, dtype=np.int64)]))
-        assert m.hashes(form(prompt), root=root, extra_keys=keys) == plain(prompt, root=root, extra_keys=keys)
+        want = plain(prompt, root=root, extra_keys=keys)
+        if data.draw(st.booleans()):
+            assert m.hashes(form(prompt), root=root, extra_keys=keys) == want
+        else:  # C6: the shared form reads as the same hashes, item by item and slice by slice
+            got = m.chain(form(prompt), root=root, extra_keys=keys)
+            assert got == want and list(got) == want and len(got) == len(want)
+            if want:
+                i = data.draw(st.integers(-len(want), len(want) - 1))
+                a, b = data.draw(st.integers(-len(want) - 2, len(want) + 2)), data.draw(st.integers(-2, len(want) + 2))
+                step = data.draw(st.sampled_from([None, 1, 2, -1]))
+                assert got[i] == want[i] and got[a:b:step] == want[a:b:step]
         prompts.append(prompt)
         assert m.stats().size_bytes <= m.max_bytes
 
@@ -232,3 +242,46 @@ def test_a_strided_or_big_endian_array_is_read_as_its_values() -> None:
     assert bytes(token_buffer(values[::2])) == token_bytes(values[::2].tolist())
     assert bytes(token_buffer(values.astype(">u4"))) == token_bytes(values.tolist())
     assert memo().hashes(values[::2], root=ROOT) == plain(values[::2].tolist())
+
+
+def test_c6_a_next_turn_shares_the_kept_hashes_and_an_answer_never_changes_after() -> None:
+    """The next turn's answer holds the turn before's hashes as they are kept (no copy of them); the
+    memo going on (more turns, a branch, cleared) never changes an answer already given."""
+    m = memo()
+    turn = list(range(400))
+    first = m.chain(turn, root=ROOT)
+    nxt = turn + list(range(1000, 1040))
+    second = m.chain(nxt, root=ROOT)
+    assert isinstance(second, HashChain) and second == plain(nxt)
+    assert second._pieces[0] is first._pieces[0]  # type: ignore[attr-defined]  # shared, not copied
+    kept = list(second)
+    m.chain(nxt + list(range(7, 47)), root=ROOT)  # the conversation goes on
+    m.chain(turn[:200] + [5] * 40, root=ROOT)  # a branch
+    m.clear()
+    assert list(second) == kept and list(first) == plain(turn)
+    with pytest.raises(IndexError):
+        second[len(kept)]
+    with pytest.raises(TypeError):
+        hash(second)  # equal to a list, so not hashable either
+
+
+def test_c6_a_long_conversation_joins_its_pieces() -> None:
+    m = memo()
+    prompt = list(range(80))
+    for turn in range(MAX_PIECES + 3):
+        prompt += list(range(turn * 8, turn * 8 + 8))
+        got = m.chain(prompt, root=ROOT)
+        assert got == plain(prompt)
+        assert len(got._pieces) <= MAX_PIECES  # type: ignore[attr-defined]
+
+
+def test_c6_a_hash_chain_reads_as_the_list_of_its_pieces() -> None:
+    hashes = [bytes([i]) * 32 for i in range(9)]
+    chain = HashChain((tuple(hashes[:2]), tuple(hashes[2:3]), tuple(hashes[3:7]), tuple(hashes[7:])))
+    assert chain == hashes and chain == tuple(hashes) and chain != hashes[:-1] and len(chain) == 9
+    for a in [None, *range(-11, 12)]:
+        for b in [None, *range(-11, 12)]:
+            for step in (None, 1, 2, -1, -3):
+                assert chain[a:b:step] == hashes[a:b:step], (a, b, step)
+    assert [chain[i] for i in range(-9, 9)] == hashes[-9:] + hashes
+    assert HashChain(()) == [] and list(HashChain(())) == []
