@@ -94,6 +94,9 @@ def _check(args: argparse.Namespace) -> int:
             bar.refresh()  # the walk calls now and then: draw each call, or the last frame shows an earlier count
 
         report = check_store(data_dir, repair=args.repair, progress=progress)
+    if report.repaired and report.dropped_pins:  # R30: the pins a repair dropped are audited, as every change
+        from gateway.repair_audit import audit_dropped_pins
+        audit_dropped_pins(data_dir, report)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

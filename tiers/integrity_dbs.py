@@ -93,6 +93,8 @@ def plan_databases(walk: Walk, kept: dict[bytes, BlockMeta], report: CheckReport
 
 def _plan_pins(walk: Walk, kept: dict[bytes, BlockMeta], report: CheckReport, plan: DbPlan) -> None:
     all_pins = [p for k, v in walk.pins.items() if (p := pins.decode_pin(k, v)) is not None]
+    names = {k[len(namespaces.NAMESPACE_PREFIX):]: rec.name for k, v in walk.state.items()
+             if k.startswith(namespaces.NAMESPACE_PREFIX) and (rec := namespaces.NamespaceTotals.unpack(v)) is not None}
     order = {k for k in walk.pins if k.startswith(b"t")}
     expected_order: set[bytes] = set()
     counted: dict[bytes, pins.PinTotals] = {}
@@ -110,6 +112,7 @@ def _plan_pins(walk: Walk, kept: dict[bytes, BlockMeta], report: CheckReport, pl
                 report.add("missing-pin-entry", "its pin has no entry in the expiry order", pin.key)
             continue
         plan.drop_pins.append(pin.key)
+        report.dropped_pins.append((names.get(ns) or ns.hex(), pin))
         if b is None or b.meta is None:
             report.add("orphan-pin", f"pins a block that is not stored (until {pin.until_s:.0f}, "
                                      f"{pin.charged_bytes} bytes charged)", pin.key)

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvstore.counted import counted
 from tiers.lmdb_pages import short_key
+from tiers.pins import Pin
 
 #: Problems of one kind listed in a report; the rest are counted only.
 LISTED_PER_KIND = 20
@@ -42,6 +43,8 @@ class CheckReport:
             lost), read by scanning the file.
         pins_dropped: pins a repair removes (their block is not kept or not stored; tenants' totals
             recounted).
+        dropped_pins: those pins, each (tenant name, or the namespace id in hex when its name is not known;
+            the pin), for the audit log (`kvstore check --repair` records each, docs/RETENTION.md R30).
         run_entries_dropped: run-index entries a repair removes (their block is not kept, or is no run root).
         removal_batches: BlockRemoved batches a repair appended to the event log (one per tenant).
         not_carried: what a rebuild could not carry into the fresh file, one line each.
@@ -66,6 +69,7 @@ class CheckReport:
     unreadable: list[str] = field(default_factory=list)
     leaves_recovered: int = 0
     pins_dropped: int = 0
+    dropped_pins: list[tuple[str, Pin]] = field(default_factory=list, repr=False)
     run_entries_dropped: int = 0
     removal_batches: int = 0
     not_carried: list[str] = field(default_factory=list)
@@ -88,6 +92,8 @@ class CheckReport:
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-able values."""
         out = asdict(self)
+        out["dropped_pins"] = [{"tenant": tenant, "block": pin.key[-32:].hex(), "until_s": pin.until_s,
+                                "charged_bytes": pin.charged_bytes} for tenant, pin in self.dropped_pins]
         out["ok"] = self.ok
         out["usage_recorded"] = list(self.usage_recorded) if self.usage_recorded else None
         return out

@@ -237,6 +237,30 @@ def test_check_reports_a_pin_whose_block_is_missing_and_repair_drops_it(store: S
     assert recorded == pins.PinTotals(pins=len(keys), charged_bytes=charged)
 
 
+def test_r30_the_pins_a_repair_drops_are_audited(store: Store) -> None:
+    """`kvstore check --repair` writes one `pin-dropped` entry per pin it dropped to the store's audit log (the one
+    `kvstore policy log` reads), under the tenant's name, with the block, its time and the bytes it charged."""
+    from gateway.admin_servicer import ADMIN_DIR
+    from gateway.audit import AuditLog
+    from gateway.repair_audit import REPAIR_ACTOR
+
+    data_dir, chains, _, clock = store
+    key = SCOPE.key(chains[0][-1])
+    tier = _open(data_dir, clock)
+    try:
+        pin = next(p for p in tier.pins_of("default")[1] if p.key == key)
+    finally:
+        tier.close()
+    _remove_leaf_records(data_dir, key)
+    run = _kvstore("check", "--data-dir", str(data_dir), "--repair", "--no-progress", "--json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(run.stdout)["dropped_pins"] == [{"tenant": "default", "block": chains[0][-1].hex(),
+                                                       "until_s": pin.until_s, "charged_bytes": pin.charged_bytes}]
+    entries = [e for e in AuditLog(data_dir / ADMIN_DIR).entries(tenant="default") if e.action == "pin-dropped"]
+    assert [(e.actor, e.old) for e in entries] == [
+        (REPAIR_ACTOR, {"block": chains[0][-1].hex(), "until_s": pin.until_s, "charged_bytes": pin.charged_bytes})]
+
+
 def test_check_reports_pin_totals_that_differ_from_the_pins(store: Store) -> None:
     data_dir, chains, _, clock = store
     env = lmdb.open(str(data_dir), max_dbs=8)
