@@ -240,8 +240,8 @@ class FleetRepairer:
         self._down: set[str] = set()
         #: Peers that refused a copy over the bulk transport in the pass under way: sent over gRPC in it.
         self._grpc_only: set[str] = set()
-        #: R32: (target, block hash) -> the pin's time last sent there, in a CopyBlocks it answered: not sent again
-        #: for that time (a shorter grant or a refusal is the target's limits, asked once). Past their time: pruned.
+        #: R32: (target, block's storage key) -> the pin's time last sent there, in a CopyBlocks it answered: not sent
+        #: again for that time (a shorter grant or refusal: the target's limits, asked once); pruned past their time.
         self._pins_sent: dict[tuple[str, bytes], float] = {}
 
     def start(self) -> None:
@@ -472,7 +472,7 @@ class FleetRepairer:
             # grant commits with the block's touch there); not twice for the same time (`_pins_sent`).
             repin = {b.key for b in blocks if b.key in target_held
                      and (h := b.key[KEY_BYTES - HASH_BYTES:]) in acting and d.pin_of(h) < acting[h]
-                     and self._pins_sent.get((target, h)) != acting[h]}
+                     and self._pins_sent.get((target, b.key)) != acting[h]}
             if repin:
                 sending = {b.key for b in send} | repin
                 send = [b for b in blocks if b.key in sending]  # the run's order: parents first (R6)
@@ -697,7 +697,7 @@ class FleetRepairer:
         short (its limits for the tenant) is logged and counted (this node's own pin is left as it is). R32: each
         is remembered as sent to the target for its time, so it is not sent again for it."""
         for key, until in sent.items():
-            self._pins_sent[(target, key[KEY_BYTES - HASH_BYTES:])] = until
+            self._pins_sent[(target, key)] = until
         p = self.progress
         p.pins_copied += reply.pins_granted
         p.pins_short += reply.pins_short
