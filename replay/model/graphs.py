@@ -49,8 +49,9 @@ from replay.model.layers import groups_to_compute
 from replay.model.state import CacheState
 from replay.model.weights import ModelWeights
 
-#: Longest step captured (a bounded replay of 2 x 128 tokens fits); longer steps are launch-light anyway.
-MAX_TOKENS = 256
+#: Longest step captured: a bounded replay of 4 windows of V4.1 (512 tokens, the default fidelity budget's
+#: span) fits; its gathered rows take m x top-k x head_dim floats per index layer (512 MB each at 512).
+MAX_TOKENS = 512
 #: Buckets (buffers and graphs) kept per model.
 MAX_BUCKETS = 4
 
@@ -139,15 +140,16 @@ class _Bucket:
             lo = 0
         else:
             lo = self.index_layers[j - 1]
-            self._attend(lo)
+            self._attend(lo, c.pending[lo])
             lo += 1
         last = j == len(self.index_layers)
         hi = key.top + 1 if last else self.index_layers[j]
         for layer in range(lo, hi):
-            self._project(layer)
-            self._attend(layer)
+            self._attend(layer, self._project(layer))
         if not last:
-            self._project(hi)
+            # Kept in the carry, not dropped after the next segment's attention: a captured segment runs its
+            # Python once, and select() reads the index layer's projections at every replay.
+            c.pending[hi] = self._project(hi)
             return
         s = c.s
         assert s is not None and c.h is not None
@@ -156,7 +158,7 @@ class _Bucket:
         c.tail = fast.end_tail(g, int(key.odd_end), c.tails, model.device)  # only the end's parity matters
         c.logits = fast.head(model, c.h) if key.top == g.num_layers - 1 else None
 
-    def _project(self, layer: int) -> None:
+    def _project(self, layer: int) -> LayerIn:
         """A layer up to its index: projections, window rows, the raw tail, the indexer query."""
         c = self.carry
         s, g = c.s, self.model.config.geometry
@@ -168,15 +170,14 @@ class _Bucket:
                 c.tails[layer] = tail
         if inp.qi is not None:
             c.queries[layer] = fast.index_query(s, inp.qi)
-        c.pending[layer] = inp
+        return inp
 
-    def _attend(self, layer: int) -> None:
+    def _attend(self, layer: int, inp: LayerIn) -> None:
         """A layer from its attention on (its selection read from the fixed buffers)."""
         c, model = self.carry, self.model
         cfg, g = model.config, model.config.geometry
         s = c.s
         assert s is not None and c.h is not None
-        inp = c.pending.pop(layer)
         pack = _pack(model.blocks[layer])  # type: ignore[arg-type]
         chosen = None
         index_layer = cfg.index_layer_of(layer)

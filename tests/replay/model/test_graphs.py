@@ -231,3 +231,85 @@ def test_a_step_after_a_held_window(model: ReferenceModel, conversations: Any) -
         finally:
             model.graphs = False
         _assert_same((fused, logits), (static, got))
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the aten ops a segment runs, as a CUDA graph records its kernels (what _FakeGraph replays)."""
+
+    def __init__(self, ops: list[Any]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if str(func.overloadpacket) in HOST_READS:
+            raise RuntimeError(f"{func} reads the device back to the host: a CUDA graph capture would fail")
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class _FakeGraph:
+    """A CPU stand-in for torch.cuda.CUDAGraph: replay re-runs the recorded ops on the recorded tensors and
+    writes each result into the tensor the capture made (fixed addresses), without the segment's Python."""
+
+    def __init__(self) -> None:
+        self.ops: list[Any] = []
+
+    def replay(self) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        for func, args, kwargs, out in self.ops:
+            schema = func._schema
+            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+                func(*args, **kwargs)  # in place or out=: the same tensors again
+            elif any(r.alias_info is not None for r in schema.returns):
+                continue  # a view: it still aliases what it viewed
+            else:
+                for old, new in zip(tree_leaves(out), tree_leaves(func(*args, **kwargs)), strict=True):
+                    if isinstance(old, torch.Tensor):
+                        old.copy_(new)
+
+
+class _FakeCapture:
+    def __init__(self, graph: _FakeGraph, **_: Any) -> None:
+        self.mode = _Recorder(graph.ops)
+
+    def __enter__(self) -> None:
+        self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+class _FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+def test_captured_replays_on_the_cpu(monkeypatch: pytest.MonkeyPatch, conversations: Any) -> None:
+    """The capture path (warm-up, one graph per segment, replays with the eager selection between them) with
+    torch.cuda's graphs replaced by replays of the recorded aten ops: two conversations at two H through one
+    captured bucket, each equal to the fused step. Fails on a host read inside a segment, on Python state a
+    replay needs that only the capture run set, and on a buffer a replay does not refresh."""
+    import contextlib
+
+    from replay.model.graphs import StepGraphs
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _FakeCapture)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model = ReferenceModel(TINY_MODEL, batch_invariant=False)
+    model._step_graphs = StepGraphs(model, capture=True)
+    for c, h in ((0, 384), (1, 384), (1, 320), (0, 320)):
+        tokens, blocks = conversations[c]
+        fused = _replay(model, False, tokens, _rows(blocks, h), 8)
+        _assert_same(fused, _replay(model, True, tokens, _rows(blocks, h), 8))
+    (bucket,) = model.step_graphs().buckets.values()
+    assert len(bucket.graphs) == len(TINY_MODEL.index_layers) + 1 and model.step_graphs().steps == 4
