@@ -16,6 +16,12 @@ ancestors, so an anchor stands for exactly one chain, whoever names it (A1). The
 the scope (fingerprint and tenant), so one tenant's anchors are never another's (A2).
 Memory is bounded by bytes, least recently used forgotten first (A3); an unknown anchor is
 answered `anchor_unknown` and the client sends the whole chain (A4).
+
+A node on its own store needs none of this (A5, `KVStoreServicer._lookup_after`): it reads
+the anchor's record, and the anchor stored at its depth stands for its whole prefix (R6),
+so a next turn's work is its new hashes'. This table serves what must see the whole chain:
+a fleet's gateway (it routes the fleet hashes across the runs' nodes) and a node whose trace
+records every Lookup's hashes.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ class _Chain:
 
 
 class ChainMemo:
-    """Chains hashed before, reused for prompts that begin with their tokens (module docstring: C1-C5).
+    """Chains hashed before, reused for prompts that begin with their tokens (module docstring: C1-C6).
 
     Args:
         block_tokens: tokens per block of every chain hashed here.

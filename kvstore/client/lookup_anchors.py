@@ -1,5 +1,5 @@
 """The chains this client's server found stored, by their last hash: a next turn's Lookup names one
-(LookupRequest.anchor_hash) and sends only the hashes after it (gateway/lookup_anchors.py, A1-A4).
+(LookupRequest.anchor_hash) and sends only the hashes after it (gateway/lookup_anchors.py, A1-A5).
 
 The server remembers the found prefix of each Lookup of at least `MIN_BLOCKS` blocks; so does
 this table, bounded to `max_entries` anchors, least recently used forgotten first. An anchor

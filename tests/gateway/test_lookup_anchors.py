@@ -1,5 +1,5 @@
 """A next turn's Lookup names the chain found before and sends only its new hashes (gateway.lookup_anchors,
-rules A1-A4; kvstore.client.lookup_anchors): the same answers as the whole chain, never another chain."""
+rules A1-A5; kvstore.client.lookup_anchors): the same answers as the whole chain, never another chain."""
 
 from __future__ import annotations
 
