@@ -75,7 +75,10 @@ WINDOW = 4
 #: Runs planned at a time (their blocks' metas are held while planned); the first rounds are smaller
 #: (FIRST_ROUND_RUNS, doubling), so the first copies start while the rest is planned.
 RUNS_PER_ROUND = 512
-FIRST_ROUND_RUNS = 32
+FIRST_ROUND_RUNS = 8
+#: Rounds whose copies may be under way at once (a round's copies start as soon as it is planned, beside the
+#: last round's; the one before that is awaited before the next is planned).
+COPYING_ROUNDS = 2
 #: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
 #: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
@@ -332,10 +335,18 @@ class FleetRepairer:
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
         # Each round is planned while the one before is copied (their runs are apart: what one round asks of
-        # a peer does not depend on the other's copies); the first is small, so copies start soon.
-        copying: asyncio.Future[None] | None = None
+        # a peer does not depend on the other's copies); the first is small, so copies start soon. F18: one
+        # window of calls in flight for the whole pass; a round's copies start as soon as it is planned, beside
+        # the last round's (each run whole in one lane, a run's first block stored without its parent, F17), so
+        # no round waits on the slowest lane of the one before; the round before that is awaited before the
+        # next is planned (at most COPYING_ROUNDS rounds copying, their metas held).
+        window = asyncio.Semaphore(WINDOW)
+        copying: list[asyncio.Future[None]] = []
         try:
             for chunk in _rounds(runs):
+                while len(copying) >= COPYING_ROUNDS:
+                    await copying[0]
+                    copying.pop(0)
                 at = time.monotonic()
                 found = await self.plan_round(chunk, sorted(addresses), addresses)
                 planning_s += time.monotonic() - at
@@ -563,12 +574,13 @@ class FleetRepairer:
                 lane.size += sum(b.meta.size_bytes for b in blocks)
         return [lane for lanes in by_target.values() for lane in lanes]
 
-    async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str]) -> None:
+    async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str],
+                          window: asyncio.Semaphore | None = None) -> None:
         """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in
         flight, each batch taken from the bucket first (F18's bounded rate)."""
         if not plans:
             return
-        window = asyncio.Semaphore(WINDOW)
+        window = asyncio.Semaphore(WINDOW) if window is None else window
         await asyncio.gather(*(self._send_lane(lane, window) for lane in self._lanes(plans, addresses)))
         p = self.progress
         for plan in plans:
