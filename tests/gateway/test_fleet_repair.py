@@ -209,3 +209,52 @@ def test_f17_copies_arriving_together_are_one_durable_transaction_and_a_refusal_
     for hashes, blocks in chains[:7]:
         assert [data for _, data in tier.read([SCOPE.key(h) for h in hashes])] == blocks
     assert not any(run_index.held(tier.env, [SCOPE.key(h) for h in orphan_hashes[1:]]))
+
+
+def test_f18_a_rounds_copies_start_beside_the_last_rounds_within_one_window(fleet: Fleet,
+                                                                              loop_thread: LoopThread) -> None:
+    """A pass's rounds overlap: the next round's copies start while a call of the round before is still in flight
+    (no round waits on the slowest lane of the last), and the whole pass keeps at most WINDOW calls in flight."""
+    import asyncio
+
+    from gateway import fleet_repair
+
+    tiers, _, view = fleet.start(["a", "b"])
+    chains = [chain(2, seed=i) for i in range(3 * fleet_repair.FIRST_ROUND_RUNS)]  # rounds of 8 runs, 16
+    for hashes, blocks in chains:
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    copier = r.peers.copier
+    later = asyncio.Event()
+    seen = {"calls": 0, "in_flight": 0, "most": 0, "overlapped": False}
+
+    def counted(address: str) -> Any:
+        call = copier(address)
+
+        async def copy(request: bytes, **kwargs: Any) -> Any:
+            seen["calls"] += 1
+            seen["in_flight"] += 1
+            seen["most"] = max(seen["most"], seen["in_flight"])
+            try:
+                if seen["calls"] == 1:  # the first round's one call is held until a later round's call comes
+                    try:
+                        await asyncio.wait_for(later.wait(), 10.0)
+                        seen["overlapped"] = True
+                    except TimeoutError:
+                        pass
+                else:
+                    later.set()
+                return await call(request, **kwargs)
+            finally:
+                seen["in_flight"] -= 1
+
+        return copy
+
+    r.peers.copier = counted  # type: ignore[method-assign]
+    progress = fleet.one_pass(r)
+    assert seen["overlapped"] and seen["calls"] >= 2
+    assert 2 <= seen["most"] <= fleet_repair.WINDOW
+    total = sum(len(x) for _, blocks in chains for x in blocks)
+    assert (progress.copied_bytes, progress.under_replicated_bytes, progress.failed_runs) == (total, 0, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
