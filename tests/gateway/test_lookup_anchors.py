@@ -210,3 +210,26 @@ def test_a5_a_whole_tenant_purged_between_turns_finds_nothing_and_another_tenant
         assert other.lookup(tokens).found_blocks == 0
     server.tier.purge(_scope(client), None)
     assert client.lookup(tokens).found_blocks == 0
+
+
+def test_a5_a_traced_node_records_an_anchored_turns_whole_chain(start_server: Any, store_settings: Any) -> None:
+    """The trace records every Lookup's hashes: a node recording them answers a next turn from the
+    remembered chain (A1) rather than the anchor's record, so the record holds the whole chain."""
+    from kvstore.config import TraceSettings
+    from kvstore.trace import recorded
+    from tests.waiting import wait_until
+
+    store = store_settings
+    srv = start_server(store, trace=TraceSettings(enabled=True, flush_s=0, hash_bytes=32))
+    with Client(srv.target) as c:
+        bt = c.block_tokens
+        tokens = list(range(bt * (STORED + 20)))
+        c.put(tokens[:bt * STORED], [os.urandom(c.block_bytes) for _ in range(STORED)])
+        assert c.lookup(tokens[:bt * STORED]).found_blocks == STORED
+        assert c.connection.anchors.best(c.hashes(tokens)) == STORED  # the next turn names its anchor
+        assert c.lookup(tokens).found_blocks == STORED
+        hashes = c.hashes(tokens)
+    wait_until(lambda: srv.trace.stats.written_records == 3, "the Put's and both Lookups' records written")
+    *_, look = [r for _, _, r in recorded.records(store.data_dir / "trace")]
+    assert (look["op"], look["found"]) == ("lookup", STORED)
+    assert look["hashes"] == b"".join(hashes).hex()
