@@ -9,7 +9,8 @@ A fidelity setting (`parse_budget`) is one of:
   (cosine >= 0.9975 and max |diff| <= 4% of the logit range).
 
 A budget is met by a span from the worker's table for its model (`FidelityTable`,
-`replay/fidelity/<model>.json`, written by `kvstore bench replay --write-table`):
+`replay/fidelity/<model>.json`, written by `kvstore bench replay --write-table`; a planner picks the
+table measured on its geometry, `table_for_geometry`):
 the planner picks the **smallest span whose measured upper bound meets the budget
 in every case of the table** (`choose_span`). The bound of a KL budget is the
 95% bootstrap interval's upper end (`ci_high`) of the mean KL per continued
@@ -236,3 +237,30 @@ def table_for(model: str) -> FidelityTable | None:
     """The shipped table of `model`, or None when there is none."""
     path = TABLE_FOLDER / f"{model}.json"
     return FidelityTable.load(path) if path.is_file() else None
+
+
+def table_for_geometry(geometry: Any, folder: Path | None = None) -> FidelityTable | None:
+    """The table measured on `geometry`'s model shape, from the tables in `folder` (default: the shipped ones).
+
+    A table names the cache geometry it was measured on (`geometry_config`: the config.json fields of
+    kvstore.geometry.ModelGeometry.to_config, written by `kvstore bench replay --write-table`); the
+    record layout an engine keeps its rows in is no part of the match (it changes the stored bytes,
+    not the model whose replay error the table measures). So adding replay/fidelity/<model>.json for
+    a geometry is all a planner of that geometry needs. Several tables of one geometry: the newest
+    (`generated`), then the file name. None when no table matches (a budget then replays exactly).
+    A damaged file is skipped with a warning, not raised: one bad table must not stop every planner.
+    """
+    import logging
+
+    want = geometry.to_config()
+    found: list[tuple[str, str, FidelityTable]] = []
+    for path in sorted((folder or TABLE_FOLDER).glob("*.json")):
+        try:
+            table = FidelityTable.load(path)
+        except ValueError as exc:
+            logging.getLogger(__name__).warning("fidelity table skipped: %s", exc)
+            continue
+        if table.meta.get("geometry_config") == want:
+            found.append((str(table.meta.get("generated", "")), path.name, table))
+    # max keeps the first of equal keys, and `found` is in file-name order
+    return max(found, key=lambda item: item[0])[2] if found else None

@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fastllm:P): the span is the smallest measured one meeting it (docs/PLANNER.md); "
                              "overrides --replay-windows")
     parser.add_argument("--fidelity-table", default="",
-                        help="with --fidelity: the worker's measured table (default replay/fidelity/tiny.json)")
+                        help="with --fidelity: the worker's measured table (default: the shipped table of the "
+                             "client's geometry, replay/fidelity/*.json)")
     parser.add_argument("--snapshot-probes", type=int, default=4,
                         help="block boundaries asked about for a snapshot (default 4)")
     parser.add_argument("--hosts", action="store_true",
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     table = None
     if budget is not None and budget.kind in ("kl", "fastllm"):
         try:
-            table = FidelityTable.load(args.fidelity_table) if args.fidelity_table else FidelityTable.shipped()
+            table = FidelityTable.load(args.fidelity_table) if args.fidelity_table else None  # None: the
+            # planner takes the shipped table measured on the client's geometry (table_for_geometry)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
     cost = CostModel(fetch_gbps=args.fetch_gbps, recompute_tokens_per_s=args.recompute_tps,

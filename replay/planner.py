@@ -32,7 +32,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
-from replay.fidelity_budget import FidelityBudget, FidelityTable, choose_span, parse_budget
+from replay.fidelity_budget import FidelityBudget, FidelityTable, choose_span, parse_budget, table_for_geometry
 from replay.hosts import PathRates, host_plans, is_fleet
 from replay.plan import Action, Plan
 
@@ -77,7 +77,8 @@ class Planner:
             "windows:N", "kl:X", "fastllm:P"), unless `tenant_fidelity` names the client's namespace; it
             sets the cost model's replay span from `fidelity_table`. None: the cost model's span as it is.
         tenant_fidelity: fidelity settings by tenant.
-        fidelity_table: the worker's measured table for its model (FidelityTable.shipped()).
+        fidelity_table: the worker's measured table for its model; None: the shipped table measured on the
+            client's geometry (replay.fidelity_budget.table_for_geometry), if any.
 
     Raises:
         InvalidArgument: a bad setting.
@@ -104,6 +105,8 @@ class Planner:
         chosen = (tenant_fidelity or {}).get(client.namespace, fidelity)
         budget = parse_budget(chosen) if isinstance(chosen, str) else chosen
         #: The span the tenant's fidelity resolves to (None: no fidelity setting, the cost model's span).
+        if budget is not None and fidelity_table is None and budget.kind in ("kl", "fastllm"):
+            fidelity_table = table_for_geometry(self.geometry)  # the shipped table measured on this geometry
         self.span_choice = None if budget is None else choose_span(budget, fidelity_table)
         if self.span_choice is not None:
             self.cost = replace(self.cost, replay_windows=self.span_choice.replay_windows)

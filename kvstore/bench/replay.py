@@ -53,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/REPLAY.md lists them)")
     parser.add_argument("--tail-prompts", type=int, default=-1,
                         help="prompts of the tail-prefill study (default: --prompts; 0 skips it)")
-    parser.add_argument("--model", choices=("tiny", "reduced"), default="tiny",
-                        help="fidelity model: the tiny fixture, or reduced_v41(--speed-dim) (W = 128, 40 layers)")
+    parser.add_argument("--model", choices=("tiny", "reduced", "reduced_v41-d256"), default="tiny",
+                        help="fidelity model: the tiny fixture, reduced_v41(--speed-dim) (W = 128, 40 layers), or "
+                             "a named config (replay.model.config.NAMED_CONFIGS: reduced_v41-d256, the trained "
+                             "V4.1-shaped model)")
     parser.add_argument("--batch-invariant", choices=("on", "off"), default="on",
                         help="fidelity model arithmetic: on (default) makes exact replay equal the full prefill "
                              "bit for bit, so every error measured is the approximation's; off: fast CUDA matmuls")
@@ -79,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "models, seeds and cases, so a cut keeps every one of them")
     parser.add_argument("--write-table", type=Path, default=None,
                         help="write the span table the planner reads (e.g. replay/fidelity/tiny.json)")
+    parser.add_argument("--write-resumes", type=Path, default=None,
+                        help="write every resume's figures (for merging shards: scripts/merge_fidelity.py)")
     parser.add_argument("--block-tokens", type=int, default=0,
                         help="block size of the fidelity study (default: half the window, V4.1's 64/128)")
     parser.add_argument("--device", default="auto", help="torch device of the fidelity part (auto: cuda if any)")

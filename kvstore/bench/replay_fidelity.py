@@ -37,7 +37,10 @@ import numpy as np
 
 from kvstore.bench.report import Figure, Progress, Report
 from replay.fidelity_budget import TABLE_FORMAT
-from replay.fidelity_stats import intervals
+from replay.fidelity_stats import FIGURES, interval, intervals, resume_values
+
+#: The format of --write-resumes files (one shard's resumes, merged by `merge_resumes`).
+RESUMES_FORMAT = 1
 
 #: (tokens, H, P) of one resume point, from the random source, the text, the window, the block size and
 #: the longest prefix in windows (--max-windows).
@@ -151,10 +154,10 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
 
     from replay.corpus import corpus
     from replay.fidelity import Summary
-    from replay.model import TINY_MODEL, ReferenceModel, reduced_v41
+    from replay.model import ReferenceModel
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    config = TINY_MODEL if args.model == "tiny" else reduced_v41(dim=args.speed_dim)
+    config, model_name = model_config(args)
     sources = weight_sources(args)
     models: list[tuple[str, Any]] = []
     for label, path in sources:
@@ -200,7 +203,6 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
             _tail_sample(models[0][1], tail_rng, text, w, b, args.max_windows, args.steps, tail)
             bar.update(1)
     weights = ", ".join(label for label, _ in models)
-    model_name = "tiny" if args.model == "tiny" else f"reduced_v41(dim={args.speed_dim})"
     tables = _tables(results, labels, tail, f"{model_name}, {weights}", b, w, layers, args.steps)
     found = {c: {label: intervals(s.samples, groups[c]) for label, s in by.items()} for c, by in results.items()}
     tables["intervals"] = interval_table(found, labels, seeds, weights)
@@ -217,11 +219,23 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
     if args.write_table is not None:
         table = span_table(found, spans, labels, model=model_name, window=w, num_layers=layers, block_tokens=b,
                            steps=args.steps, seeds=seeds, weights=[label for label, _ in models], device=device,
-                           command=_command_line(args))
+                           command=_command_line(args), geometry=g)
         table["training_logs"] = {label: _training_log(path) for label, path in sources}
         args.write_table.parent.mkdir(parents=True, exist_ok=True)
         args.write_table.write_text(json.dumps(table, indent=1) + "\n")
         report.notes["fidelity_table_written"] = str(args.write_table)
+    if args.write_resumes is not None:
+        resumes = {
+            "format": RESUMES_FORMAT, "model": model_name, "geometry": g.name, "geometry_config": g.to_config(),
+            "window": w, "num_layers": layers, "block_tokens": b, "continued_tokens": args.steps, "spans": spans,
+            "labels": labels, "prompt_seeds": seeds, "device": device, "command": _command_line(args),
+            "cut_by_deadline": cut, "training_logs": {label: _training_log(path) for label, path in sources},
+            "cases": {c: {"groups": [list(gr) for gr in groups[c]],
+                          "values": {label: [resume_values(x) for x in s.samples] for label, s in by.items()}}
+                      for c, by in results.items()}}
+        args.write_resumes.parent.mkdir(parents=True, exist_ok=True)
+        args.write_resumes.write_text(json.dumps(resumes) + "\n")
+        report.notes["fidelity_resumes_written"] = str(args.write_resumes)
     if results:
         main = next(iter(results))
         sanity = _headline(results[main][labels[-1]].to_dict())
@@ -232,6 +246,78 @@ def fidelity(report: Report, args: argparse.Namespace, progress: Progress) -> No
     if tail.samples:
         for key, (value, unit) in _headline(tail.to_dict()).items():
             report.add(Figure(name=f"tail prefill vs full prefill: {key}", value=value, unit=unit))
+
+
+def model_config(args: argparse.Namespace) -> tuple[Any, str]:
+    """(ModelConfig, name) of --model: "tiny", "reduced" (reduced_v41 at --speed-dim, seeded random weights)
+    or a name of replay.model.config.NAMED_CONFIGS (the configurations scripts/train_tiny.py trains)."""
+    from replay.model.config import NAMED_CONFIGS, reduced_v41
+
+    if args.model == "reduced":
+        return reduced_v41(dim=args.speed_dim), f"reduced_v41(dim={args.speed_dim})"
+    return NAMED_CONFIGS[args.model], args.model
+
+
+def merge_resumes(paths: list[Path], *, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """The span table of several --write-resumes shards of one model (the same spans, cases and
+    continuation): every resume of every shard pooled per case and span, each figure's interval
+    recomputed over the pool (replay/fidelity_stats.py), the shards' seeds and training logs kept.
+
+    Args:
+        paths: the shard files.
+        labels: a new name for a weights label (e.g. a device path -> "seed 0"); others are kept.
+
+    Raises:
+        ValueError: no shard, a file that is not a shard, or shards of different models or settings.
+    """
+    if not paths:
+        raise ValueError("no shard files to merge")
+    rename = dict(labels or {})
+    shards = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or data.get("format") != RESUMES_FORMAT or "cases" not in data:
+            raise ValueError(f"{path}: not a --write-resumes file of format {RESUMES_FORMAT}")
+        shards.append(data)
+    first = shards[0]
+    same = ("model", "geometry_config", "window", "num_layers", "block_tokens", "continued_tokens", "spans", "labels")
+    for path, data in zip(paths, shards, strict=True):
+        differs = [k for k in same if data.get(k) != first.get(k)]
+        if differs:
+            raise ValueError(f"{path}: differs from {paths[0]} in {differs}: shards of one table share them")
+    values: dict[str, dict[str, list[dict[str, float]]]] = {}
+    groups: dict[str, list[tuple[str, int]]] = {}
+    logs: dict[str, Any] = {}
+    seeds: list[int] = []
+    weights: list[str] = []
+    for data in shards:  # a weights file with a training log is named by it, not by its path on the device
+        for old, log in data.get("training_logs", {}).items():
+            if old not in rename and log.get("seed") is not None:
+                rename[old] = (f"train_tiny --config {log.get('config')} seed {log['seed']} "
+                               f"({log.get('steps_done')} steps)")
+    for data in shards:
+        for old, log in data.get("training_logs", {}).items():
+            logs[rename.get(old, old)] = log
+        seeds += [s for s in data["prompt_seeds"] if s not in seeds]
+        for case, got in data["cases"].items():
+            named = [(rename.get(str(lab), str(lab)), int(seed)) for lab, seed in got["groups"]]
+            weights += [lab for lab in dict.fromkeys(lab for lab, _ in named) if lab not in weights]
+            groups.setdefault(case, []).extend(named)
+            for label, rows in got["values"].items():
+                values.setdefault(case, {}).setdefault(label, []).extend(rows)
+    found = {case: {label: {name: interval(name, [r[name] for r in rows], groups[case]) for name in FIGURES}
+                    for label, rows in by.items()} for case, by in values.items()}
+    from kvstore.geometry import from_config as geometry_from_config
+    geometry = geometry_from_config(first["geometry_config"], name=first["geometry"]) \
+        if first.get("geometry_config") else None
+    table = span_table(found, list(first["spans"]), list(first["labels"]), model=first["model"],
+                       window=first["window"], num_layers=first["num_layers"], block_tokens=first["block_tokens"],
+                       steps=first["continued_tokens"], seeds=seeds, weights=weights, device=first["device"],
+                       command=f"{len(shards)} shards of: {first['command']}", geometry=geometry)
+    table["training_logs"] = logs
+    table["shards"] = len(shards)
+    table["cut_by_deadline"] = any(d.get("cut_by_deadline") for d in shards)
+    return table
 
 
 def prompt_seeds(args: argparse.Namespace) -> list[int]:
@@ -270,7 +356,9 @@ def weight_sources(args: argparse.Namespace) -> list[tuple[str, Path | None]]:
             train_seeds = [int(s) for s in args.train_seed.split(",") if s.strip()]
         except ValueError:
             raise SystemExit(f"--train-seed must be comma-separated integers, got {args.train_seed!r}") from None
-        out += [(f"train_tiny seed {s} ({args.train_steps} steps)", p)
+        model = getattr(args, "model", "tiny")
+        what = "train_tiny" if model == "tiny" else f"train_tiny --config {model}"
+        out += [(f"{what} seed {s} ({args.train_steps} steps)", p)
                 for s, p in zip(train_seeds, train(args, train_seeds), strict=True)]
     return out or [("seeded random (no --weights given)", None)]
 
@@ -282,7 +370,11 @@ def train(args: argparse.Namespace, seeds: list[int]) -> list[Path]:
     import sys
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny.py"
-    paths = [args.train_dir / f"tiny-seed{s}-steps{args.train_steps}.pt" for s in seeds]
+    model = getattr(args, "model", "tiny")
+    if model == "reduced":
+        raise SystemExit("--train-seed trains a named config (--model tiny or reduced_v41-d256), not --model reduced")
+    prefix = "tiny" if model == "tiny" else model
+    paths = [args.train_dir / f"{prefix}-seed{s}-steps{args.train_steps}.pt" for s in seeds]
     running = []
     for seed, path in zip(seeds, paths, strict=True):
         log = path.with_suffix(".json")
@@ -292,7 +384,7 @@ def train(args: argparse.Namespace, seeds: list[int]) -> list[Path]:
                     and done.get("max_minutes") == args.train_minutes:
                 continue
         cmd = [sys.executable, str(script), "--out", str(path), "--seed", str(seed), "--steps",
-               str(args.train_steps), "--max-minutes", str(args.train_minutes)]
+               str(args.train_steps), "--max-minutes", str(args.train_minutes), "--config", model]
         if args.device not in ("auto", ""):
             cmd += ["--device", args.device]
         running.append((seed, subprocess.Popen(cmd, stdout=subprocess.DEVNULL)))
@@ -308,7 +400,8 @@ def _training_log(path: Path | None) -> dict[str, Any]:
     if log is None or not log.is_file():
         return {}
     data = json.loads(log.read_text())
-    return {"seed": data.get("args", {}).get("seed"), "steps_done": data.get("steps_done"),
+    return {"config": data.get("args", {}).get("config", "tiny"), "seed": data.get("args", {}).get("seed"),
+            "steps_done": data.get("steps_done"),
             "held_out_loss": data.get("held_out_loss"), "device": data.get("device")}
 
 
@@ -354,10 +447,14 @@ def interval_table(found: dict[str, dict[str, dict[str, Any]]], labels: list[str
 
 def span_table(found: dict[str, dict[str, dict[str, Any]]], spans: list[int], labels: list[str], *, model: str,
                window: int, num_layers: int, block_tokens: int, steps: int, seeds: list[int], weights: list[str],
-               device: str, command: str) -> dict[str, Any]:
-    """The planner's table (replay/fidelity_budget.py's format): per span in windows, per case, the figures."""
+               device: str, command: str, geometry: Any = None) -> dict[str, Any]:
+    """The planner's table (replay/fidelity_budget.py's format): per span in windows, per case, the figures.
+
+    `geometry` (a ModelGeometry) names the cache geometry measured: a planner of that geometry picks the
+    table (replay.fidelity_budget.table_for_geometry)."""
+    where = {} if geometry is None else {"geometry": geometry.name, "geometry_config": geometry.to_config()}
     return {
-        "format": TABLE_FORMAT, "model": model, "window": window, "num_layers": num_layers,
+        "format": TABLE_FORMAT, "model": model, **where, "window": window, "num_layers": num_layers,
         "block_tokens": block_tokens, "continued_tokens": steps, "prompt_seeds": seeds, "training": weights,
         "device": device, "generated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": command,
         "spans": {str(k): {case: by_label[label] for case, by_label in found.items()}

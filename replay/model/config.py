@@ -216,4 +216,29 @@ def reduced_v41(dim: int = 512, n_heads: int = 4, **kw: Any) -> ModelConfig:
     return ModelConfig(geometry=V4_1_FLASH, dim=dim, n_heads=n_heads, **kw)
 
 
-__all__ = ["CONFIG_FIELDS", "TINY_MODEL", "ModelConfig", "from_config", "reduced_v41"]
+#: The V4.1-shaped model trained for a fidelity table (issue 30 item 3, docs/REPLAY.md): V4.1-Flash's 40
+#: layers, layer pattern, kv sources and 128-token window (its cache geometry exactly), at hidden width 256
+#: with 2 query heads, a 512-wide MLP and the byte vocabulary of the training corpus (replay/corpus.py:
+#: ASCII, 128 ids). The width is what fits two trainings of a few minutes on one H200; the window and
+#: depth, which decide how far a bounded replay's error reaches, are V4.1's.
+REDUCED_V41_D256: ModelConfig = reduced_v41(dim=256, n_heads=2, mlp_hidden=512, vocab_size=128)
+
+#: Reference-model configurations by name: what `scripts/train_tiny.py --config` trains and
+#: `kvstore bench replay --model` measures; a fidelity table is written as replay/fidelity/<name>.json.
+NAMED_CONFIGS: dict[str, ModelConfig] = {"tiny": TINY_MODEL, "reduced_v41-d256": REDUCED_V41_D256}
+
+
+def named_config(name: str) -> ModelConfig:
+    """The configuration `NAMED_CONFIGS` calls `name`.
+
+    Raises:
+        InvalidArgument: no configuration has that name (the message lists them).
+    """
+    try:
+        return NAMED_CONFIGS[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown model config {name!r}; known: {', '.join(NAMED_CONFIGS)}") from None
+
+
+__all__ = ["CONFIG_FIELDS", "NAMED_CONFIGS", "REDUCED_V41_D256", "TINY_MODEL", "ModelConfig", "from_config",
+           "named_config", "reduced_v41"]

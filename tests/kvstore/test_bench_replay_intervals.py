@@ -32,7 +32,8 @@ def test_bench_replay_prints_intervals_in_json(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "bench", "replay", "--quick", "--json", "--parts", "fidelity",
          "--device", "cpu", "--prompts", "1", "--seeds", "1,2", "--cases", "block boundary", "--spans", "1,2",
-         "--tail-prompts", "0", "--weights", ",".join(weights), "--write-table", str(table_path)],
+         "--tail-prompts", "0", "--weights", ",".join(weights), "--write-table", str(table_path),
+         "--write-resumes", str(tmp_path / "resumes.json")],
         capture_output=True, text=True, check=True, timeout=300).stdout
     notes = json.loads(out)["notes"]
     assert notes["fidelity_seeds"] == [1, 2]
@@ -57,6 +58,12 @@ def test_bench_replay_prints_intervals_in_json(tmp_path: Path) -> None:
     assert table.meta["training"] == weights and "--seeds 1,2" in table.meta["command"]
     assert table.meta["training_logs"] == {w: {} for w in weights}  # no train_tiny log beside these files
     assert table.spans[1]["block boundary"] == by_label["1x window (8 tokens)"]
+    # One shard's resumes, merged (scripts/merge_fidelity.py), give the same intervals as the table.
+    from kvstore.bench.replay_fidelity import merge_resumes
+
+    merged = merge_resumes([tmp_path / "resumes.json"])
+    assert merged["spans"] == json.loads(table_path.read_text())["spans"]
+    assert merged["geometry"] == "v41-tiny-fixture" and merged["prompt_seeds"] == [1, 2]
 
 
 def test_train_seed_reuses_weights_trained_with_the_same_arguments(tmp_path: Path) -> None:
