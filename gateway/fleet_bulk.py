@@ -220,7 +220,8 @@ class BulkReceiver:
 def read_blocks(engine: Any, segment: str, local: list[int], remote: list[int], sizes: list[int]) -> int:
     """The engine's batch read of each remote span into its local address (0: done): on a host short of
     cores submitted, slept through most of the time the engine's last reads took, then waited for
-    (Mooncake's own wait polls, a core per read in flight: `transfer_bulk.SLEEP_SHARE`)."""
+    (Mooncake's own wait polls, a core per read in flight: `transfer_bulk.SLEEP_SHARE`) by one read at a
+    time (`_WAITING`); the reads themselves stay in flight together on the engine."""
     if not local:
         return 0
     if not SLEEP_SHARE:
@@ -231,12 +232,19 @@ def read_blocks(engine: Any, segment: str, local: list[int], remote: list[int], 
     if not batch:
         return -1
     time.sleep(SLEEP_SHARE * _PACE.get(id(engine), 0.0) * nbytes)
-    rc = int(engine.get_batch_transfer_status([batch]))
+    with _WAITING:
+        rc = int(engine.get_batch_transfer_status([batch]))
     pace = (time.perf_counter() - start) / max(nbytes, 1)
     _PACE[id(engine)] = min(pace, _PACE.get(id(engine), pace))
     return rc
 
 
+#: Held by the one read whose end is waited for (Mooncake's wait polls a core). On a host short of cores, the
+#: reads of several copies waited for at once (a receiver takes up to RECEIVER_SLOTS: two repairers' windows)
+#: polled the cores the engine's io thread moves the bytes on: on the 2-core dev box, reads of 14.6 MB that take
+#: 40-100 ms took 12-14 s with 8 waiting (a node joining, two senders). A read that ends while another is waited
+#: for returns at once when its turn comes: the reads stay in flight together, only the polling is one at a time.
+_WAITING = threading.Lock()
 #: The fewest seconds a byte of a receiving engine's reads took, submit to done (by `id(engine)`): the least,
 #: not the last, so neither a first read (its connection's handshake) nor reads queued behind each other on
 #: the engine's one io thread make the next ones sleep past their end.
