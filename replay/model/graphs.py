@@ -279,6 +279,11 @@ class StepGraphs:
         #: Steps taken by a bucket, and buckets built (captures), since the start: for tests and the bench.
         self.steps = 0
         self.built = 0
+        #: A key is captured the `capture_after`-th time a step fits it; before, its steps are the eager fused
+        #: step's (the caller runs it): a capture (a warm-up and one capture per segment) pays only when reused,
+        #: and a run of one-off shapes (a fidelity sweep over small H) never captures.
+        self.capture_after = 2 if self.capture else 1
+        self.seen: OrderedDict[BucketKey, int] = OrderedDict()
 
     def step(self, state: CacheState, toks: Tensor, *, top: int) -> tuple[bool, Tensor | None]:
         """(taken, logits): the step as `fast.step` computes it, or (False, None) when it fits no bucket.
@@ -294,6 +299,12 @@ class StepGraphs:
             self.buckets.clear()  # a weight changed: the packs the graphs read are gone
             bucket = None
         if bucket is None:
+            times = self.seen.pop(key, 0) + 1
+            if times < self.capture_after:
+                self.seen[key] = times
+                while len(self.seen) > 64:
+                    self.seen.popitem(last=False)
+                return False, None
             bucket = _Bucket(self.model, key, self.capture)
             self.buckets[key] = bucket
             self.built += 1
