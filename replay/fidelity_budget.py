@@ -143,6 +143,8 @@ class FidelityTable:
                     if not isinstance(got, dict) or not isinstance(got.get(end), int | float) \
                             or not isinstance(got.get("resumes"), int):
                         raise ValueError(f"fidelity table {source}: span {key}, case {case!r} lacks {figure}.{end}")
+                    if got["resumes"] < 1:  # its zeros would meet every KL budget
+                        raise ValueError(f"fidelity table {source}: span {key}, case {case!r} has no resumes")
             out[int(key)] = cases
         meta = {k: v for k, v in data.items() if k != "spans"}
         return cls(model=str(data.get("model", "")), spans=dict(sorted(out.items())), source=source, meta=meta)

@@ -29,9 +29,9 @@ DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 TRAIN_SEEDS=${TRAIN_SEEDS:-0 1}
 PROMPT_SEEDS=${PROMPT_SEEDS:-1 2 3 4 5 6}  # 6 prompt seeds x 2 trainings = 12 shards at once on 16 cores
-PROMPTS=${PROMPTS:-9}                      # per case and shard: 12 x 9 = 108 resumes a case and span
+PROMPTS=${PROMPTS:-12}                     # per case and shard, at most: 12 x 12 = 144 a case and span, unless cut
 STEPS=${STEPS:-100000}                     # more than fit: the time cap ends the training
-TRAIN_MINUTES=${TRAIN_MINUTES:-3.75}
+TRAIN_MINUTES=${TRAIN_MINUTES:-3.5}
 BATCH=${BATCH:-2}                          # 2 x 2048 tokens a step: ~25 GB of activations a training, two at once
 SEQ=${SEQ:-2048}                           # 16 windows: the resumes' prefixes (<= MAX_WINDOWS / 2 windows) lie inside
 LR=${LR:-1e-3}
@@ -39,7 +39,7 @@ WARMUP=${WARMUP:-50}
 SPANS=${SPANS:-1,2,4,8}
 MAX_WINDOWS=${MAX_WINDOWS:-32}             # stored prefixes H in (2, 16] windows = (256, 2048] tokens
 CONTINUE=${CONTINUE:-32}                   # greedy tokens continued for the KL
-FIDELITY_MINUTES=${FIDELITY_MINUTES:-2.25}
+FIDELITY_MINUTES=${FIDELITY_MINUTES:-2.75}      # each shard stops adding resumes then (>= 100 a case and span wanted)
 INVARIANT=${INVARIANT:-off}                # off: the fused CUDA step (what a worker runs); on: bit-exact, slower
 MIN_RESUMES=${MIN_RESUMES:-100}
 TABLE=$OUT/$CONFIG.json
@@ -59,7 +59,7 @@ $PY -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__versio
 say "cpus $(nproc); config $CONFIG on $DEVICE; training seeds $TRAIN_SEEDS, ${TRAIN_MINUTES} min each, in parallel"
 
 # 1. training, both seeds at once (one GPU holds both)
-train_cap=${TRAIN_CAP_S:-$(awk "BEGIN {print int($TRAIN_MINUTES * 60 + 90)}")}  # hard stops, seconds
+train_cap=${TRAIN_CAP_S:-$(awk "BEGIN {print int($TRAIN_MINUTES * 60 + 60)}")}  # hard stops, seconds
 for s in $TRAIN_SEEDS; do
   timeout "$train_cap" $PY scripts/train_tiny.py --config "$CONFIG" --out "$WORK/$CONFIG-seed$s.pt" --seed "$s" \
     --steps "$STEPS" --max-minutes "$TRAIN_MINUTES" --time-schedule --matmul-precision high --batch "$BATCH" \
@@ -80,7 +80,7 @@ done
 
 # 2. fidelity, one shard per (weights, prompt seed), all at once
 say "fidelity: ${#weights[@]} trainings x prompt seeds ($PROMPT_SEEDS) x $PROMPTS prompts per case, spans $SPANS"
-fid_cap=${FIDELITY_CAP_S:-$(awk "BEGIN {print int($FIDELITY_MINUTES * 60 + 100)}")}
+fid_cap=${FIDELITY_CAP_S:-$(awk "BEGIN {print int($FIDELITY_MINUTES * 60 + 75)}")}
 rm -f "$WORK"/resumes-*.json
 for w in "${weights[@]}"; do
   name=$(basename "$w" .pt)

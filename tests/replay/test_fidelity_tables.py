@@ -80,3 +80,13 @@ def test_a_planner_reads_the_table_of_its_geometry(server: Any, client: Client, 
     table = FidelityTable.load(tmp_path / "tiny-shaped.json")
     with Planner(client, report=False, fidelity="kl:1e-3", fidelity_table=table) as planner:  # given: used as is
         assert planner.span_choice is not None and planner.span_choice.replay_windows == 1
+
+
+def test_a_case_without_resumes_is_refused(tmp_path: Path) -> None:
+    path = write_table(tmp_path, "cut", V4_1_FLASH, {1: 0.0})
+    data = json.loads(path.read_text())
+    data["spans"]["1"]["block boundary"]["kl_per_token"]["resumes"] = 0  # a shard cut before this case
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="case 'block boundary' has no resumes"):
+        FidelityTable.load(path)
+    assert table_for_geometry(V4_1_FLASH, tmp_path) is None  # skipped, not a KL of 0 meeting every budget
