@@ -7,20 +7,27 @@ DeepSeek-V4.1-Flash blocks (2.5 compressed-KV rows per token), built from realis
 bench's) through the model's fake-quant and SGLang's store, and set beside, in the same run on the same
 device:
 
-- a same-size copy: a device copy of the v4 blocks' bytes (what the load writes: 1,630 B/token);
+- a same-size copy: a device copy of the v4 blocks' bytes (what the load writes: 1,630 B/token), and one
+  of the model-rows bytes (what it reads: 890 B/token);
 - a restore: on CUDA, the host-to-device copy of the model-rows blocks from pinned memory, the least a
   direct GPU restore of them moves (890 B/token); on the CPU, a copy of the model-rows bytes out of a
   bytes object into a tensor (what the backend does with each block a Get returns).
 
+On CUDA the transcodes take their compiled path (torch.compile of the whole-block integer kernels,
+kvstore.codec.sglang_v4 module notes; the first call's compile time is a note) and the eager gathers are
+timed beside them.
+
 Figures: each step's time (its ratio: the baseline's time over the step's, so 0.05 means the step takes
 20x the baseline), and `transcode share of a restore` (load transcode / (restore + load transcode), in %;
-issue 27's target on the GPU: under 5% of a 1M-token restore). Notes: the exact share of blocks and
-rows on these rows, and on raw-latent rows (vLLM-like: never exact).
+issue 27's target on the GPU: under 5% of a 1M-token restore), the same for the save transcode, and the
+exact share of blocks and rows on these rows and of blocks on raw-latent rows (vLLM-like: never exact).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -56,6 +63,17 @@ def blocks(tokens: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return native, sglang_v4.native_blocks_to_v4(model, native, 64)
 
 
+def _timed_once(fn: Callable[[], object], device: str) -> float:
+    """Seconds of one call (the first: on CUDA, torch.compile's compile of the fused kernels)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def run(args: argparse.Namespace, progress: Progress) -> Report:
     """Time the two transcodes beside a same-size copy and a restore, and note the exact shares."""
     device = args.device
@@ -65,11 +83,20 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report = Report(bench="transcode")
     report.notes["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report.notes["tokens"] = tokens
-    with progress.bar("transcode", total=5, unit="step") as bar:
+    fused = device == "cuda"            # the compiled whole-block kernels, the path a CUDA transcode takes
+    with progress.bar("transcode", total=6, unit="step") as bar:
         native, v4 = blocks(tokens, device)
         bar.update(1)
+        compile_s = {}
+        if fused:
+            compile_s["load"] = _timed_once(lambda: sglang_v4.native_blocks_to_v4(model, native[:8], 64), device)
+            compile_s["save"] = _timed_once(lambda: sglang_v4.v4_blocks_to_native(model, v4[:8], 64), device)
+            fused = sglang_v4._compiled(model, 64, "load") is not None
         load_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64), device, repeat, 1)
+        eager_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64, fused=False), device, repeat, 1) \
+            if fused else load_s
         copy_s = seconds(lambda: v4.clone(), device, repeat, 1)
+        native_copy_s = seconds(lambda: native.clone(), device, repeat, 1)
         if device == "cuda":
             pinned = native.cpu().pin_memory()
             restore_s = seconds(lambda: pinned.to(device, non_blocking=True), device, repeat, 1)
@@ -78,13 +105,15 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             raw = bytes(native.numpy())
             restore_s = seconds(lambda: torch.frombuffer(bytearray(raw), dtype=torch.uint8), device, repeat, 1)
             restore = "model-rows blocks from bytes into a tensor"
-        bar.update(1)
+        bar.update(2)
         save = {}
 
         def recover() -> None:
             save["t"] = sglang_v4.v4_blocks_to_native(model, v4, 64)
 
         save_s = seconds(recover, device, repeat, 1)
+        eager_save_s = seconds(lambda: sglang_v4.v4_blocks_to_native(model, v4, 64, fused=False), device,
+                               max(1, repeat // 3), 1) if fused else save_s
         bar.update(1)
         got = save["t"]
         raw_v4 = sglang_v4.native_blocks_to_v4(model, native[:4], 64)
@@ -96,17 +125,39 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         raw_found = sglang_v4.v4_blocks_to_native(model, raw_v4, 64)
         bar.update(2)
     mb = v4.numel() / 1e6
-    report.add(Figure.against("load transcode (model rows -> v4 blocks)", load_s * 1e3, "ms",
-                              "same-size copy (v4 bytes)", copy_s * 1e3))
+    path = "compiled" if fused else "eager"
+    report.add(Figure.against(f"load transcode (model rows -> v4 blocks, {path})", load_s * 1e3, "ms",
+                              "same-size copy (v4 bytes, on the device)", copy_s * 1e3))
+    report.add(Figure.against(f"load transcode (model rows -> v4 blocks, {path})", load_s * 1e3, "ms",
+                              "copy of the model-rows bytes (on the device)", native_copy_s * 1e3))
     report.add(Figure.against("load transcode against the restore", load_s * 1e3, "ms", restore, restore_s * 1e3))
-    report.add(Figure.against("save transcode (v4 blocks -> model rows, checked)", save_s * 1e3, "ms",
-                              "same-size copy (v4 bytes)", copy_s * 1e3))
+    if fused:
+        report.add(Figure.against("load transcode, eager gathers", eager_s * 1e3, "ms",
+                                  f"load transcode, {path}", load_s * 1e3))
+    report.add(Figure.against(f"save transcode (v4 blocks -> model rows, checked, {path})", save_s * 1e3, "ms",
+                              "same-size copy (v4 bytes, on the device)", copy_s * 1e3))
+    report.add(Figure.against("save transcode against the restore", save_s * 1e3, "ms", restore, restore_s * 1e3))
+    if fused:
+        report.add(Figure.against("save transcode, eager gathers", eager_save_s * 1e3, "ms",
+                                  f"save transcode, {path}", save_s * 1e3))
     share = load_s / (restore_s + load_s)
     report.add(Figure(name="transcode share of a restore", value=round(100 * share, 2), unit="%"))
+    report.add(Figure(name="save transcode share of a restore", value=round(100 * save_s / (restore_s + save_s), 2),
+                      unit="%"))
+    report.add(Figure(name="exact blocks (SGLang rows of realistic latents)",
+                      value=round(100 * int(got.exact.sum()) / max(1, got.exact.numel()), 3), unit="%"))
+    report.add(Figure(name="exact rows (SGLang rows of realistic latents)",
+                      value=round(100 * got.exact_rows / max(1, got.rows), 4), unit="%"))
+    report.add(Figure(name="exact blocks (raw-latent rows, vLLM-like)",
+                      value=round(100 * int(raw_found.exact.sum()) / max(1, raw_found.exact.numel()), 3), unit="%"))
+    report.notes["path"] = path
+    for kind, seconds_taken in compile_s.items():
+        report.notes[f"first_{kind}_call_s"] = round(seconds_taken, 2)       # torch.compile's compile, once
     report.notes["v4_megabytes"] = round(mb, 1)
     report.notes["exact_blocks"] = f"{int(got.exact.sum())} of {got.exact.numel()}"
-    report.notes["exact_rows"] = f"{got.exact_rows} of {got.rows}"
+    report.notes["exact_rows"] = f"{got.exact_rows} of {got.rows} ({got.ambiguous_rows} with a collision)"
     report.notes["raw_latent_exact_blocks"] = f"{int(raw_found.exact.sum())} of {raw_found.exact.numel()}"
+    report.notes["rows"] = "SGLang's store of the model's fake-quant of realistic latents (no real model run here)"
     report.notes["target"] = (f"load transcode < {TARGET_SHARE:.0%} of a 1M-token restore on the GPU: "
                               f"{'met' if share < TARGET_SHARE else 'not met'} here ({device}, {tokens} tokens)")
     return report

@@ -34,6 +34,8 @@ Torch only, client side (the SGLang backend); the server never imports it.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +45,8 @@ from kvstore.codec.fp4 import E2M1_VALUES, e2m1_codes, pack_nibbles
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import ModelGeometry
 from kvstore.layout import SGLANG_V4
+
+logger = logging.getLogger(__name__)
 
 #: NoPE channels per UE8M0 scale of a V4 row (one warp of the store kernel: 32 threads x 2).
 TILE = 64
@@ -175,33 +179,330 @@ def store_rows(values: torch.Tensor, shape: RowShape = RowShape()) -> torch.Tens
     return torch.cat((nope, rope, scales, zeros), dim=-1)
 
 
-def encode_rows(native: torch.Tensor, shape: RowShape = RowShape()) -> torch.Tensor:
+# -- the load transcode: model rows -> V4 rows, by tables -------------------------------------------------
+#
+# A model row's values are code x E4M3 scale, so everything `store_rows` computes from them is a function of
+# bytes: a NoPE group's largest value of its largest code magnitude (the low three bits of a nibble; E2M1
+# magnitudes are ordered as their codes) and its scale byte; a tile's exponent, being a monotone function of
+# its amax (IEEE max, division by 448, the ceiling to a power of two), the largest of its groups' exponents;
+# an output byte pair, of the group's scale byte, the tile's exponent and the input byte. `store_rows`'s math
+# is run once on every such combination (`_EncodeTables`), and encoding is then integer gathers only: the
+# same ops, so the same bytes, on every device, with no float rounding left to a device or a compiler. The
+# tile exponents a model row can have are few (105..130, and 256 for a NaN scale): they are indexed densely.
+
+
+@dataclass(frozen=True)
+class _EncodeTables:
+    """`store_rows`'s results on every input combination, on one device.
+
+    Attributes:
+        group_key: uint8 [8 * 256]: (largest code magnitude m, scale byte s) -> the dense index of the group's
+            tile exponent (`ue8m0(max(1e-4, value(m) x |s|) / 448)`), ordered as the exponents.
+        key_exponent: uint8 [keys]: dense index -> the scale byte written (the exponent's low byte).
+        nope_pairs: int16 [keys * 256 * 256]: (key, s, input byte) -> the two E4M3 bytes of its two codes.
+        rope_pairs: int32 [256 * 256]: (s, input byte) -> the two BF16 values of its two codes.
+    """
+
+    group_key: torch.Tensor
+    key_exponent: torch.Tensor
+    nope_pairs: torch.Tensor
+    rope_pairs: torch.Tensor
+
+
+_ENCODE: dict[torch.device, _EncodeTables] = {}
+
+
+def _scale_floats() -> torch.Tensor:
+    """float32 value of each of the 256 E4M3 scale bytes (NaN for 0x7F and 0xFF)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _build_encode_tables() -> _EncodeTables:
+    s = _scale_floats()
+    floor = torch.tensor(AMAX_FLOOR, dtype=torch.float32)
+    # Group exponents, exactly as `store_rows` takes a tile's: |code value x scale| (exact), the floor, / 448.
+    amax = (_CODE_VALUES[:8, None] * s[None, :]).abs()                              # [m, s]
+    exponent = _ue8m0_ceil(torch.maximum(amax, floor) / E4M3_MAX).flatten()
+    exponents = torch.unique(exponent)                                              # sorted: keys keep the order
+    if exponents.numel() > 255:
+        raise AssertionError("more tile exponents than a uint8 key holds")
+    group_key = torch.searchsorted(exponents, exponent).to(torch.uint8)
+    # Output byte pairs: `store_rows`'s `_e4m3(values * inverse)` with inverse = 2^-(exponent - 127).
+    inverse = _pow2(254 - exponents)                                                # [keys]
+    byte = torch.arange(256)
+    lo, hi = _CODE_VALUES[byte & 15], _CODE_VALUES[byte >> 4]                       # [256] each
+    values = torch.stack((lo, hi), dim=-1)[None, :, :] * s[:, None, None]           # [s, byte, 2]
+    pairs = _e4m3(values[None] * inverse[:, None, None, None])                      # [keys, s, byte, 2]
+    rope = values.to(torch.bfloat16).contiguous().view(torch.int32)                 # [s, byte, 1]
+    return _EncodeTables(group_key=group_key, key_exponent=exponents.to(torch.uint8),
+                         nope_pairs=pairs.contiguous().view(torch.int16).flatten(),
+                         rope_pairs=rope.flatten())
+
+
+def _encode_tables(device: torch.device) -> _EncodeTables:
+    if device not in _ENCODE:
+        cpu = _ENCODE.get(torch.device("cpu")) or _build_encode_tables()
+        _ENCODE[torch.device("cpu")] = cpu
+        _ENCODE[device] = _EncodeTables(*(t.to(device) for t in (cpu.group_key, cpu.key_exponent, cpu.nope_pairs,
+                                                                cpu.rope_pairs)))
+    return _ENCODE[device]
+
+
+def _as_int16(x: torch.Tensor) -> torch.Tensor | None:
+    """An int16 view of uint8 rows `x` (a view of an output), or None where its offsets or widths are odd."""
+    if x.shape[-1] % 2 or x.storage_offset() % 2 or any(st % 2 for st in x.stride()[:-1]) or x.stride(-1) != 1:
+        return None
+    return x.view(torch.int16)
+
+
+def _encode_into(native: torch.Tensor, out: torch.Tensor, shape: RowShape) -> None:
+    """Write the V4 rows of model rows `native` [..., native_bytes] into `out` [..., v4_bytes] (views allowed):
+    a handful of integer ops and three gathers over the whole batch (module notes above)."""
+    t = _encode_tables(native.device)
+    lead = native.shape[:-1]
+    half_nope, half = shape.nope // 2, shape.width // 2
+    groups = shape.nope // GROUP
+    codes = native[..., :half_nope].unflatten(-1, (groups, GROUP // 2))                 # [..., g, 8] bytes
+    scales = native[..., half:half + shape.width // GROUP]
+    nope_scales = scales[..., :groups]
+    # The tile exponent key: the largest of its groups', each from its largest code magnitude and scale.
+    magnitude = torch.maximum(codes & 7, (codes >> 4) & 7).amax(dim=-1)                 # [..., g]
+    group = t.group_key.index_select(0, ((magnitude.to(torch.int32) << 8) | nope_scales).flatten())
+    key = group.view(*lead, shape.tiles, TILE // GROUP).amax(dim=-1)                    # [..., tiles]
+    base = ((key.repeat_interleave(TILE // GROUP, dim=-1).to(torch.int32) << 8) | nope_scales) << 8
+    nope = t.nope_pairs.index_select(0, (base.unsqueeze(-1) + codes).flatten())         # int16: 2 E4M3 bytes
+    rope_codes = native[..., half_nope:half].unflatten(-1, (shape.rope // GROUP, GROUP // 2))
+    rope_index = (scales[..., groups:].to(torch.int32) << 8).unsqueeze(-1) + rope_codes
+    rope = t.rope_pairs.index_select(0, rope_index.flatten())                           # int32: 2 BF16 values
+    start = shape.nope + 2 * shape.rope
+    wide = _as_int16(out[..., :start])
+    if wide is not None:
+        wide[..., :half_nope].copy_(nope.view(*lead, half_nope))
+        wide[..., half_nope:].copy_(rope.view(torch.int16).view(*lead, shape.rope))
+    else:
+        out[..., :shape.nope].copy_(nope.view(torch.uint8).view(*lead, shape.nope))
+        out[..., shape.nope:start].copy_(rope.view(torch.uint8).view(*lead, 2 * shape.rope))
+    out[..., start:start + shape.tiles].copy_(t.key_exponent.index_select(0, key.flatten().to(torch.int32))
+                                              .view(*lead, shape.tiles))
+    out[..., start + shape.tiles:].zero_()
+
+
+# -- the same, fused: one compiled kernel over whole blocks (CUDA) ----------------------------------------
+#
+# Eager, the gathers above each go through memory (int32 indices, int16 results, then a copy into the
+# block): about 12x the bytes a block moves. Over whole blocks the same integer math, one output byte per
+# element (`_ByteTables`), compiles (torch.compile, inductor) into kernels that read the model-rows blocks
+# once and write the v4 blocks once. Integer ops and table loads only: the compiler has no rounding to
+# choose, so its bytes are the eager path's (checked by tests/kvstore/codec/test_sglang_v4_tables.py on
+# the CPU and tests/kvstore/codec/test_sglang_v4_gpu.py on CUDA).
+
+
+@dataclass(frozen=True)
+class _ByteTables:
+    """Per-output-byte tables: `nope` uint8 [keys * 256 * 16] ((key, s, code) -> E4M3 byte), `rope` uint8
+    [256 * 16 * 2] ((s, code, half) -> a BF16 byte), with `_EncodeTables`' group_key and key_exponent."""
+
+    group_key: torch.Tensor
+    key_exponent: torch.Tensor
+    nope: torch.Tensor
+    rope: torch.Tensor
+
+
+_BYTES: dict[torch.device, _ByteTables] = {}
+
+
+def _byte_tables(device: torch.device) -> _ByteTables:
+    if device not in _BYTES:
+        t = _encode_tables(torch.device("cpu"))
+        keys = t.key_exponent.numel()
+        pairs = t.nope_pairs.view(torch.uint8).view(keys, 256, 256, 2)          # [key, s, byte, lo/hi]
+        nope = pairs[:, :, :16, 0]                                               # byte b < 16: low nibble b
+        rope = t.rope_pairs.view(torch.uint8).view(256, 256, 4)[:, :16, :2]      # its low code's two bytes
+        cpu = _ByteTables(t.group_key, t.key_exponent, nope.contiguous().flatten(), rope.contiguous().flatten())
+        _BYTES[device] = _ByteTables(*(x.to(device) for x in (cpu.group_key, cpu.key_exponent, cpu.nope,
+                                                                cpu.rope)))
+    return _BYTES[device]
+
+
+def _fused_rows(kv: torch.Tensor, t: _ByteTables, shape: RowShape) -> torch.Tensor:
+    """V4 rows uint8 [m, v4_bytes] of model rows [m, native_bytes]: `_encode_into`'s math, one byte per element."""
+    m = kv.shape[0]
+    half, groups, per = shape.width // 2, shape.nope // GROUP, GROUP
+    rope_groups = shape.rope // GROUP
+    packed = kv[:, :half]
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).reshape(m, shape.width)     # one code per channel
+    nope_codes = codes[:, :shape.nope].reshape(m, groups, per)
+    scales = kv[:, half:half + groups].to(torch.int32)
+    magnitude = (nope_codes & 7).amax(dim=-1).to(torch.int32)
+    key = t.group_key[(magnitude << 8) | scales].reshape(m, shape.tiles, TILE // per).amax(dim=-1)
+    base = ((key.to(torch.int32).repeat_interleave(TILE // per, dim=-1) << 8) | scales) << 4
+    nope = t.nope[(base.unsqueeze(-1) + nope_codes.to(torch.int32)).reshape(m, shape.nope)]
+    rope_scales = kv[:, half + groups:half + groups + rope_groups].to(torch.int32)
+    rope_codes = codes[:, shape.nope:].reshape(m, rope_groups, per).to(torch.int32)
+    rope_index = ((rope_scales << 5).unsqueeze(-1) + (rope_codes << 1)).unsqueeze(-1) \
+        + torch.arange(2, dtype=torch.int32, device=kv.device)
+    rope = t.rope[rope_index.reshape(m, 2 * shape.rope)]
+    exponents = t.key_exponent[key.to(torch.int32)]
+    pad = torch.zeros(m, shape.v4_bytes - shape.nope - 2 * shape.rope - shape.tiles, dtype=torch.uint8,
+                      device=kv.device)
+    return torch.cat((nope, rope, exponents, pad), dim=-1)
+
+
+def _fused_blocks(blocks: torch.Tensor, t: _ByteTables, model: ModelGeometry, block_tokens: int) -> torch.Tensor:
+    """`native_blocks_to_v4` as one function of whole blocks (what torch.compile fuses)."""
+    n, shape = blocks.shape[0], RowShape.of(model)
+    parts = []
+    for s in model.block_layout(block_tokens):
+        section = blocks[:, s.offset:s.offset + s.size_bytes]
+        if s.component == "compressed_kv":
+            parts.append(_fused_rows(section.reshape(n * s.rows, s.row_bytes), t, shape).reshape(n, -1))
+        else:
+            parts.append(section)
+    return torch.cat(parts, dim=-1)
+
+
+_COMPILED: dict[tuple[str, int, str], object] = {}
+
+
+def _compiled(model: ModelGeometry, block_tokens: int, kind: str = "load"):  # type: ignore[no-untyped-def]
+    """The compiled `_fused_blocks` ("load") or `_fused_recover_blocks` ("save") of a geometry, or None where
+    torch.compile is not there or failed once (`KVSTORE_V4_COMPILE=0` turns it off)."""
+    key = (model.fingerprint.hex(), block_tokens, kind)
+    if key not in _COMPILED:
+        from functools import partial
+        fn = _fused_blocks if kind == "load" else _fused_recover_blocks
+        try:
+            if os.environ.get("KVSTORE_V4_COMPILE", "1") == "0":
+                raise RuntimeError("KVSTORE_V4_COMPILE=0")
+            _COMPILED[key] = torch.compile(partial(fn, model=model, block_tokens=block_tokens), dynamic=True)
+        except Exception:  # no inductor here: the eager path
+            _COMPILED[key] = None
+    return _COMPILED[key]
+
+
+def encode_rows(native: torch.Tensor, shape: RowShape = RowShape(), *, out: torch.Tensor | None = None,
+                ) -> torch.Tensor:
     """SGLang's V4 rows of the model's compressed-KV rows: the store of the FP4 row's values.
 
     Those values (code x E4M3 scale, at most 6 significant bits) are what SGLang's FP4 fake-quant
     hands its store, exactly, in bf16; so for a latent whose model row is `native`, this is the row
-    SGLang writes. Loads use it to give a V4 engine the model's rows in its own bytes.
+    SGLang writes (`store_rows` of the row's values, bit for bit, for every input byte: by tables of
+    `store_rows`'s own results, module notes). Loads use it to give a V4 engine the model's rows in its
+    own bytes.
 
     Args:
-        native: uint8 `[..., native_bytes]` model rows (288 B for 512 channels).
+        native: uint8 `[..., native_bytes]` model rows (288 B for 512 channels), any device, views allowed.
+        out: where to write, uint8 `[..., v4_bytes]` of native's leading shape on its device (a view of
+            a larger tensor, such as a block's section, is fine); new memory if None.
 
     Returns:
-        uint8 `[..., v4_bytes]` (584 B), on native's device.
+        uint8 `[..., v4_bytes]` (584 B), on native's device: `out` when given.
     """
     _rows(native, shape.native_bytes, "encode_rows")
-    return store_rows(_native_values(native, shape), shape)
+    if out is None:
+        out = torch.empty(*native.shape[:-1], shape.v4_bytes, dtype=torch.uint8, device=native.device)
+    elif out.dtype != torch.uint8 or out.shape != (*native.shape[:-1], shape.v4_bytes) \
+            or out.device != native.device:
+        raise InvalidArgument(f"encode_rows out: expected uint8 {(*native.shape[:-1], shape.v4_bytes)} on "
+                              f"{native.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if native.numel():
+        _encode_into(native, out, shape)
+    return out
 
 
-def _v4_values(v4: torch.Tensor, shape: RowShape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A V4 row's parts: NoPE bytes [..., nope], NoPE values, RoPE bf16 bits as int16, and the tile scales
-    (float32, one per NoPE channel); the values decoded exactly (E4M3 x 2^e, bf16)."""
-    nope_bytes = v4[..., :shape.nope]
-    rope_bits = v4[..., shape.nope:shape.nope + 2 * shape.rope].contiguous().view(torch.int16)
-    start = shape.nope + 2 * shape.rope
-    exps = v4[..., start:start + shape.tiles].to(torch.int32).clamp(1, 254)   # 0 / 255: never SGLang's; caught below
-    tile_scale = _pow2(exps).repeat_interleave(TILE, dim=-1)
-    nope = nope_bytes.contiguous().view(torch.float8_e4m3fn).float() * tile_scale
-    return nope_bytes, nope, rope_bits, tile_scale
+# -- the save transcode: V4 rows -> model rows, by tables ---------------------------------------------------
+#
+# The search (`recover_rows`' doc) looks at one 16-channel group at a time, and everything it computes is a
+# function of bytes: a NoPE group's values are its E4M3 bytes under its tile's exponent byte (clamped to
+# 1..254), a RoPE group's its BF16 bits; its amax is the value of its largest magnitude byte (E4M3 and BF16
+# magnitudes are ordered as their bits, NaN above all, as torch's amax propagates it); the scale tried
+# first is a function of that (`near`); and under a tried scale byte (one of 1..127 or 0xFF: `_slot`) each
+# element's nearest code and whether it re-encodes to its byte are a function of (exponent, scale, byte) or
+# (scale, bits) (`nope` / `rope`). The float search is run once over every such combination and the
+# recovery is gathers and integer logic over whole batches: no per-group Python, no data-dependent
+# indexing (all three scales are tried everywhere and the preference rule applied with masks), so no host
+# round trip, and the same bytes on every device (tests/kvstore/codec/test_sglang_v4_tables.py).
+
+#: Scale-byte slots of the tried scales: bytes 0..127 as themselves, 0xFF (a NaN amax's nearest) as 128.
+_SLOTS = 129
+
+
+@dataclass(frozen=True)
+class _RecoverTables:
+    """The float search's results on every input combination, on one device.
+
+    Attributes:
+        nope_near: uint8 [255 * 128]: (tile exponent byte, largest magnitude byte) -> the nearest scale byte.
+        rope_near: uint8 [32768]: largest BF16 magnitude bits -> the nearest scale byte.
+        nope: uint8 [255 * _SLOTS * 256]: (exponent, scale slot, E4M3 byte) -> nearest code | 16 if it does not
+            re-encode to that byte.
+        rope: uint8 [_SLOTS * 65536]: (scale slot, BF16 bits) -> the same.
+        decoded: float32 [_SLOTS * 16]: (scale slot, code) -> code value x scale (the search's `decoded`).
+    """
+
+    nope_near: torch.Tensor
+    rope_near: torch.Tensor
+    nope: torch.Tensor
+    rope: torch.Tensor
+    decoded: torch.Tensor
+
+
+_RECOVER: dict[torch.device, _RecoverTables] = {}
+
+
+def _nearest(amax: torch.Tensor) -> torch.Tensor:
+    """The search's first scale byte for groups of largest magnitude `amax`: E4M3 of amax/6 in [2^-9, 448]."""
+    return (amax / 6.0).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _slot_scales() -> torch.Tensor:
+    """float32 scale of each slot (`_SLOTS`)."""
+    return torch.cat((torch.arange(128), torch.tensor([255]))).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _outcome(values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor, inverse: torch.Tensor | None,
+             ) -> torch.Tensor:
+    """Per element, the search's `_try`: nearest code of `values` under `scale`, | 16 where its re-encoding
+    (E4M3 under `inverse`, or BF16 with None) is not `target`."""
+    codes = e2m1_codes(values, scale)
+    decoded = torch.take(_CODE_VALUES.to(values.device), codes.long()) * scale
+    again = decoded.to(torch.bfloat16).view(torch.int16) if inverse is None else _e4m3(decoded * inverse)
+    return codes | ((again != target).to(torch.uint8) << 4)
+
+
+def _build_recover_tables(device: torch.device) -> _RecoverTables:
+    """The tables, computed on `device` by the search's own float ops (exact: the same bytes on any device,
+    as the float search gave; built where they are used, as that is milliseconds on a GPU)."""
+    exps = torch.arange(1, 255, dtype=torch.int32, device=device)                       # clamped exponent bytes
+    tile = _pow2(exps)                                                                  # [254]
+    e4m3 = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    nope_near = torch.zeros(255, 128, dtype=torch.uint8, device=device)
+    nope_near[1:] = _nearest((e4m3[None, :128] * tile[:, None]).abs())
+    bits = torch.arange(32768, dtype=torch.int32, device=device).to(torch.int16)
+    rope_near = _nearest(bits.view(torch.bfloat16).float().abs())
+    scales = _slot_scales().to(device)
+    target = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    values = (e4m3[None, None, :] * tile[:, None, None]).expand(-1, _SLOTS, -1).contiguous()   # [exp, slot, b]
+    nope = torch.zeros(255, _SLOTS, 256, dtype=torch.uint8, device=device)
+    nope[1:] = _outcome(values, scales[None, :, None], target, (1.0 / tile)[:, None, None])
+    del values
+    all_bits = torch.arange(65536, dtype=torch.int32, device=device).to(torch.int16)
+    rope = _outcome(all_bits.view(torch.bfloat16).float().expand(_SLOTS, 65536).contiguous(), scales[:, None],
+                    all_bits, None)
+    decoded = _CODE_VALUES.to(device)[None, :] * scales[:, None]
+    return _RecoverTables(nope_near=nope_near.flatten(), rope_near=rope_near, nope=nope.flatten(),
+                          rope=rope.flatten(), decoded=decoded.flatten())
+
+
+def _recover_tables(device: torch.device) -> _RecoverTables:
+    if device not in _RECOVER:
+        _RECOVER[device] = _build_recover_tables(device)
+    return _RECOVER[device]
+
+
+def _slot(scale: torch.Tensor) -> torch.Tensor:
+    """int32 slot of scale bytes (int32 in 0..127 or 255)."""
+    return torch.where(scale > 127, 128, scale)
 
 
 @dataclass(frozen=True)
@@ -220,40 +521,34 @@ class Recovered:
     ambiguous: torch.Tensor
 
 
-def _try(values: torch.Tensor, scale_bytes: torch.Tensor, target: torch.Tensor, inverse: torch.Tensor | None,
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One tried scale per group: groups `values` [g, 16] (the engine's decoded values), scale bytes [g],
-    `target` the groups' E4M3 bytes under the tile scales 1/`inverse` (NoPE) or, with `inverse` None, their
-    bf16 bits (RoPE). Returns the nearest codes [g, 16], whether they re-encode to `target`, their values."""
-    scale = scale_bytes.to(torch.uint8).view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    codes = e2m1_codes(values, scale)
-    decoded = torch.take(_tables(values.device)[0], codes.long()) * scale
-    again = decoded.to(torch.bfloat16).view(torch.int16) if inverse is None else _e4m3(decoded * inverse)
-    return codes, (again == target).all(dim=-1), decoded
-
-
-def _search(values: torch.Tensor, target: torch.Tensor, inverse: torch.Tensor | None,
-            alternatives: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _search(base: torch.Tensor, target: torch.Tensor, near: torch.Tensor, table: torch.Tensor, stride: int,
+            decoded: torch.Tensor, alternatives: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [g, 16], scale bytes [g] and how many preimages of distinct values were seen [g], for groups of
-    one kind (NoPE or RoPE: `_try`): the scale nearest amax/6 first, its neighbours where it does not
-    re-encode (or, with `alternatives`, everywhere, to count collisions)."""
-    amax = values.abs().amax(dim=-1)
-    nearest = (amax / 6.0).clamp(2.0**-9, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
-    codes, ok, decoded = _try(values, nearest, target, inverse)
-    scale = nearest.clone()
+    one kind: `near` the scale tried first (int32 [g]), then its neighbours (clamped to 1..126), where it
+    does not re-encode (or, with `alternatives`, everywhere, to count collisions). `table[base + slot *
+    stride + target]` is an element's outcome (`_outcome`) under a scale slot; `decoded` the values table."""
+    def attempt(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        index = (base + _slot(scale) * stride).unsqueeze(-1) + target
+        got = table.index_select(0, index.flatten()).view(target.shape)
+        codes = got & 15
+        values = decoded.index_select(0, ((_slot(scale) << 4).unsqueeze(-1) + codes).flatten()).view(target.shape)
+        return codes, (got < 16).all(dim=-1), values
+
+    codes, ok, values = attempt(near)
+    scale = near
     count = ok.to(torch.int32)
-    others = torch.arange(values.shape[0], device=values.device) if alternatives else (~ok).nonzero().squeeze(-1)
+    tried_here = torch.ones_like(ok) if alternatives else ~ok          # the groups the neighbours are tried on
     for offset in _NEIGHBOURS[1:]:
-        if others.numel() == 0:
-            break
-        tried = (nearest[others] + offset).clamp(_SCALE_MIN, _SCALE_MAX)
-        c, k, d = _try(values[others], tried, target[others], None if inverse is None else inverse[others])
-        distinct = (d != decoded[others]).any(dim=-1) | ~ok[others]
-        count.index_add_(0, others, (k & distinct & (tried != scale[others])).to(torch.int32))
-        better = k & ~ok[others]                   # taken only where nothing re-encoded yet
-        idx = others[better]
-        codes[idx], scale[idx], decoded[idx] = c[better], tried[better], d[better]
-        ok[idx] = True
+        tried = (near + offset).clamp(_SCALE_MIN, _SCALE_MAX)
+        c, k, v = attempt(tried)
+        k = k & tried_here
+        distinct = (v != values).any(dim=-1) | ~ok
+        count = count + (k & distinct & (tried != scale)).to(torch.int32)
+        better = k & ~ok                           # taken only where nothing re-encoded yet
+        codes = torch.where(better.unsqueeze(-1), c, codes)
+        values = torch.where(better.unsqueeze(-1), v, values)
+        scale = torch.where(better, tried, scale)
+        ok = ok | better
     return codes, scale, count
 
 
@@ -276,22 +571,59 @@ def recover_rows(v4: torch.Tensor, shape: RowShape = RowShape(), *, alternatives
     """
     _rows(v4, shape.v4_bytes, "recover_rows")
     lead = v4.shape[:-1]
-    flat = v4.reshape(-1, shape.v4_bytes)
-    nope_bytes, nope, rope_bits, tile_scale = _v4_values(flat, shape)
-    n = flat.shape[0]
-    inverse = (1.0 / tile_scale).reshape(-1, GROUP)                 # exact: powers of two
-    nope_codes, nope_scale, nope_count = _search(nope.reshape(-1, GROUP), nope_bytes.reshape(-1, GROUP), inverse,
-                                                 alternatives)
-    rope_codes, rope_scale, rope_count = _search(rope_bits.view(torch.bfloat16).float().reshape(-1, GROUP),
-                                                 rope_bits.reshape(-1, GROUP), None, alternatives)
-    codes = torch.cat((nope_codes.reshape(n, -1), rope_codes.reshape(n, -1)), dim=-1)
-    scale = torch.cat((nope_scale.reshape(n, -1), rope_scale.reshape(n, -1)), dim=-1)
-    count = torch.cat((nope_count.reshape(n, -1), rope_count.reshape(n, -1)), dim=-1)
-    native = torch.cat((pack_nibbles(codes), scale.to(torch.uint8)), dim=-1)
-    exact = (encode_rows(native, shape) == flat).all(dim=-1)
-    ambiguous = exact & (count > 1).any(dim=-1)
+    native, exact, ambiguous = _recover(v4.reshape(-1, shape.v4_bytes), _recover_tables(v4.device), None, shape,
+                                        alternatives)
     return Recovered(native=native.reshape(*lead, shape.native_bytes), exact=exact.reshape(lead),
                      ambiguous=ambiguous.reshape(lead))
+
+
+def _recover(flat: torch.Tensor, t: _RecoverTables, encode: _ByteTables | None, shape: RowShape,
+             alternatives: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`recover_rows` of rows [n, v4_bytes]: (native [n, native_bytes], exact [n], ambiguous [n]); the final
+    re-encoding by `encode_rows`, or with `encode` by `_fused_rows` (the same bytes; the compiled path's)."""
+    n, groups, rope_groups = flat.shape[0], shape.nope // GROUP, shape.rope // GROUP
+    start = shape.nope + 2 * shape.rope
+    nope_bytes = flat[:, :shape.nope].reshape(n, groups, GROUP)                            # [n, g, 16]
+    exps = flat[:, start:start + shape.tiles].to(torch.int32).clamp(1, 254)                # [n, tiles]
+    exps = exps.repeat_interleave(TILE // GROUP, dim=-1)                                   # per group
+    largest = (nope_bytes & 0x7F).amax(dim=-1).to(torch.int32)
+    near = t.nope_near[(exps << 7) | largest].to(torch.int32)
+    nope_codes, nope_scale, nope_count = _search(exps * (_SLOTS * 256), nope_bytes, near, t.nope, 256, t.decoded,
+                                                 alternatives)
+    rope = flat[:, shape.nope:start].reshape(n, rope_groups, GROUP, 2).to(torch.int32)
+    rope_target = rope[..., 0] | (rope[..., 1] << 8)                                       # BF16 bits, unsigned
+    largest = (rope_target & 0x7FFF).amax(dim=-1)
+    near = t.rope_near[largest].to(torch.int32)
+    rope_codes, rope_scale, rope_count = _search(torch.zeros_like(near), rope_target, near, t.rope, 65536,
+                                                 t.decoded, alternatives)
+    codes = torch.cat((nope_codes.reshape(n, -1), rope_codes.reshape(n, -1)), dim=-1)
+    scale = torch.cat((nope_scale, rope_scale), dim=-1)
+    count = torch.cat((nope_count, rope_count), dim=-1)
+    native = torch.cat((pack_nibbles(codes), scale.to(torch.uint8)), dim=-1)
+    again = encode_rows(native, shape) if encode is None else _fused_rows(native, encode, shape)
+    exact = (again == flat).all(dim=-1)
+    ambiguous = exact & (count > 1).any(dim=-1)
+    return native, exact, ambiguous
+
+
+def _fused_recover_blocks(blocks: torch.Tensor, t: _RecoverTables, encode: _ByteTables, model: ModelGeometry,
+                          block_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`v4_blocks_to_native` as one function of whole blocks (what torch.compile fuses): the model-rows
+    blocks, exact [n], and int64 [3] (rows, exact rows, ambiguous rows)."""
+    n, shape = blocks.shape[0], RowShape.of(model)
+    engine = engine_geometry(model)
+    parts, exact = [], torch.ones(n, dtype=torch.bool, device=blocks.device)
+    counts = torch.zeros(3, dtype=torch.int64, device=blocks.device)
+    for s in engine.block_layout(block_tokens):
+        section = blocks[:, s.offset:s.offset + s.size_bytes]
+        if s.component == "compressed_kv":
+            native, ok, ambiguous = _recover(section.reshape(n * s.rows, s.row_bytes), t, encode, shape, False)
+            parts.append(native.reshape(n, -1))
+            exact = exact & ok.reshape(n, s.rows).all(dim=-1)
+            counts = counts + torch.stack((torch.ones_like(ok).sum(), ok.sum(), ambiguous.sum()))
+        else:
+            parts.append(section)
+    return torch.cat(parts, dim=-1), exact, counts
 
 
 @dataclass(frozen=True)
@@ -330,7 +662,8 @@ def _model(geometry: ModelGeometry) -> ModelGeometry:
     return replace(geometry, name=name, records=MODEL_NATIVE)
 
 
-def v4_blocks_to_native(geometry: ModelGeometry, blocks: torch.Tensor, block_tokens: int) -> BlockTranscode:
+def v4_blocks_to_native(geometry: ModelGeometry, blocks: torch.Tensor, block_tokens: int, *,
+                        fused: bool | None = None) -> BlockTranscode:
     """Blocks of SGLang's `v4` layout as blocks of the model's rows, with which of them are exact.
 
     The indexer rows are the model's in both layouts (SGLang keeps its FP4 indexer) and are copied;
@@ -345,35 +678,67 @@ def v4_blocks_to_native(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
     engine, shape = engine_geometry(model), RowShape.of(model)
     split = split_blocks(engine, blocks, block_tokens)
     n = blocks.shape[0]
+    if fused is None:
+        fused = blocks.is_cuda and _compiled(model, block_tokens, "save") is not None
+    if fused and n:
+        fn = _compiled(model, block_tokens, "save")
+        if fn is not None:
+            try:
+                native, exact, counts = fn(blocks, _recover_tables(blocks.device), _byte_tables(blocks.device))
+                rows, exact_rows, ambiguous_rows = counts.tolist()              # the call's one host sync
+                return BlockTranscode(native=native, exact=exact, rows=rows, exact_rows=exact_rows,
+                                      ambiguous_rows=ambiguous_rows)
+            except Exception as exc:  # inductor missing or failing: the eager path, same bytes
+                logger.warning("kvstore: compiled v4 save transcode unavailable (%s); using the eager gathers", exc)
+                _COMPILED[(model.fingerprint.hex(), block_tokens, "save")] = None
     exact = torch.ones(n, dtype=torch.bool, device=blocks.device)
-    layers, rows, exact_rows, ambiguous_rows = {}, 0, 0, 0
+    layers, counts = {}, []
     for layer, (kv, index) in split.items():
         found = recover_rows(kv, shape)
         exact &= found.exact.all(dim=-1)
-        rows += found.exact.numel()
-        exact_rows += int(found.exact.sum())
-        ambiguous_rows += int(found.ambiguous.sum())
+        counts.append(torch.stack((found.exact.sum(), found.ambiguous.sum())))
         layers[layer] = (found.native, index)
+    rows = sum(kv.shape[0] * kv.shape[1] for kv, _ in split.values())
     native = join_blocks(model, layers, block_tokens)
-    return BlockTranscode(native=native, exact=exact, rows=rows, exact_rows=exact_rows, ambiguous_rows=ambiguous_rows)
+    exact_rows, ambiguous_rows = torch.stack(counts).sum(dim=0).tolist() if counts else (0, 0)   # one host sync
+    return BlockTranscode(native=native, exact=exact, rows=rows, exact_rows=exact_rows,
+                          ambiguous_rows=ambiguous_rows)
 
 
-def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tokens: int) -> torch.Tensor:
+def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tokens: int, *,
+                        fused: bool | None = None) -> torch.Tensor:
     """Blocks of the model's rows as SGLang's `v4` blocks (`encode_rows` per compressed-KV row).
 
     Args:
         geometry: the model's geometry (or its `+sglang-v4` one).
         blocks: uint8 `[n, block_bytes]` of the model's rows, any device.
         block_tokens: tokens per block.
+        fused: run the compiled whole-block kernels (`_fused_blocks`, module notes); None: on CUDA, where
+            torch.compile works (a failure is logged once and the eager gathers are used from then on).
 
     Returns:
-        uint8 `[n, v4 block_bytes]`: for a block `v4_blocks_to_native` called exact, the engine's own bytes.
+        uint8 `[n, v4 block_bytes]`: for a block `v4_blocks_to_native` called exact, the engine's own bytes
+        (the same on either path, every device).
     """
     model = _model(geometry)
-    shape = RowShape.of(model)
-    split = split_blocks(model, blocks, block_tokens)
-    layers = {layer: (encode_rows(kv, shape), index) for layer, (kv, index) in split.items()}
-    return join_blocks(engine_geometry(model), layers, block_tokens)
+    shape, engine = RowShape.of(model), engine_geometry(model)
+    split = split_blocks(model, blocks, block_tokens)         # the checks, on either path
+    if fused is None:
+        fused = blocks.is_cuda and _compiled(model, block_tokens) is not None
+    if fused and blocks.shape[0]:
+        fn = _compiled(model, block_tokens)
+        if fn is not None:
+            try:
+                return fn(blocks, _byte_tables(blocks.device))  # type: ignore[no-any-return,operator]
+            except Exception as exc:  # inductor missing or failing: the eager path, same bytes
+                logger.warning("kvstore: compiled v4 transcode unavailable (%s); using the eager gathers", exc)
+                _COMPILED[(model.fingerprint.hex(), block_tokens, "load")] = None
+    out = torch.empty(blocks.shape[0], engine.block_bytes(block_tokens), dtype=torch.uint8, device=blocks.device)
+    for layer, (kv_out, index_out) in split_blocks(engine, out, block_tokens).items():   # views of out
+        kv, index = split[layer]
+        encode_rows(kv, shape, out=kv_out)
+        index_out.copy_(index)
+    return out
 
 
 __all__ = ["AMAX_FLOOR", "GROUP", "TILE", "BlockTranscode", "Recovered", "RowShape", "encode_rows",
