@@ -226,7 +226,11 @@ def _replay_figures(report: Report, model: Any, tokens: list[int], rows: Callabl
     exact_k = _kernel_ms(lambda st: model.replay(tokens, st, span=layers * w), rows)
     for path in paths:
         model.graphs = path == "graphs"
-        busy, launches, syncs = _profile(lambda st: model.replay(tokens, st, span=w), rows)
+        try:
+            busy, launches, syncs = _profile(lambda st: model.replay(tokens, st, span=w), rows)
+        except Exception as exc:  # the profiler under graph replays: a failure costs its figures, not the run
+            report.notes[f"bounded_replay_{path}_profile_error"] = f"{type(exc).__name__}: {exc}"
+            continue
         name = "CUDA graphs" if path == "graphs" else "eager fused step"
         report.add(Figure.against(f"bounded replay GPU kernel time (profiler), {name}, {label}", busy, "ms",
                                   f"exact replay GPU kernel time, {layers * w:,} tokens", exact_k))
