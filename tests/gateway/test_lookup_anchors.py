@@ -233,3 +233,23 @@ def test_a5_a_traced_node_records_an_anchored_turns_whole_chain(start_server: An
     *_, look = [r for _, _, r in recorded.records(store.data_dir / "trace")]
     assert (look["op"], look["found"]) == ("lookup", STORED)
     assert look["hashes"] == b"".join(hashes).hex()
+
+
+def test_a5_an_anchored_turn_leases_and_asks_a_pin_on_its_deepest_found_block(server: Any, client: Client,
+                                                                             conversation: Any, clock: Any) -> None:
+    """A lease and a pin asked by a next turn go to its deepest found block, as a whole chain's would (this
+    tenant may not pin: the answer says so, for the block found, not "nothing was found")."""
+    tokens, hashes = conversation
+    bt = client.block_tokens
+    assert client.lookup(tokens[:bt * STORED]).found_blocks == STORED
+    leased = client.lookup(tokens, lease_ms=60_000)
+    assert leased.found_blocks == STORED and leased.lease_id and client.release(leased.lease_id)
+    client.put(tokens, [os.urandom(client.block_bytes) for _ in range(20)], first_block=STORED)
+    assert client.connection.anchors.best(hashes) == STORED  # the next call names the 100-block anchor
+    kept = client.pin(tokens, clock.now() + 200 * 3600.0)
+    assert kept.found_blocks == STORED + 20 and "may not pin" in kept.keep_note
+    bogus = pb.LookupRequest(anchor_hash=hashes[STORED - 1], anchor_blocks=STORED, lease_ms=60_000,
+                             block_hashes_packed=os.urandom(32))
+    reply = stub_of(server).Lookup(bogus)
+    assert reply.found_blocks == STORED and reply.lease_id  # the anchor itself is the deepest found
+    assert client.release(reply.lease_id)
