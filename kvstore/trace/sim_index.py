@@ -19,7 +19,7 @@ it sees exactly the entries an LMDB index would hold.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,44 +32,46 @@ from tiers.records import lru_key
 from tiers.usage import Usage
 
 
-class _Uses:
-    """Holds an index's last-use array for its blocks' records.
-
-    A block's record points here, not at its index, so the index and its records hold no
-    reference cycle: a finished simulation is freed by reference counting as it is dropped,
-    not left for the cyclic collector to find (a pass over millions of records: 1.5 s of a
-    Mooncake run).
-    """
-
-    __slots__ = ("last",)
-
-    def __init__(self, last: np.ndarray) -> None:
-        self.last = last
-
-
 class SimBlock:
-    """One stored block's meta record (the fields the tier's rules read), and its children.
+    """One stored block's meta record (the fields the tier's rules read), and its children: a view of its
+    index's per-block arrays at the block's number, made when asked (`SimIndex.meta`).
 
-    Its last use lives in its index's array (`SimIndex.last`, at the block's number), so a
-    Get's refresh of thousands of blocks is one vector step.
+    The index keeps no object per block (a Put of a new block writes array items, no record is made), so
+    the Put of Mooncake's 1.41 M new blocks costs no object each, and a dropped index frees in a few
+    array frees.
     """
 
-    __slots__ = ("children", "depth", "idx", "indexed", "owner", "parent", "size_bytes")
+    __slots__ = ("_index", "idx", "key")
 
-    def __init__(self, owner: _Uses, idx: int, depth: int, size_bytes: int, parent: bytes | None) -> None:
-        self.owner = owner
+    def __init__(self, index: SimIndex, key: bytes, idx: int) -> None:
+        self._index = index
+        self.key = key
         self.idx = idx
-        self.depth = depth
-        self.size_bytes = size_bytes
-        self.parent = parent
-        self.children: list[bytes] | None = None
-        #: Its entry in the sorted LRU index, None until a walk first needs it.
-        self.indexed: bytes | None = None
+
+    @property
+    def depth(self) -> int:
+        """Its depth in its chain (1: a chain's first block)."""
+        return int(self._index.depth[self.idx])
+
+    @property
+    def size_bytes(self) -> int:
+        """Its data's length."""
+        return int(self._index.size[self.idx])
 
     @property
     def last_access_s(self) -> float:
         """Its recorded last use."""
-        return float(self.owner.last[self.idx])
+        return float(self._index.last[self.idx])
+
+    @property
+    def parent(self) -> bytes | None:
+        """Its parent's storage key (None: a chain's first block)."""
+        return self._index.parent_key(self.idx)
+
+    @property
+    def children(self) -> list[bytes] | None:
+        """Its stored children's keys (None: none)."""
+        return list(self._index.children(self.key)) or None
 
 
 class _Cursor:
@@ -124,10 +126,18 @@ class SimIndex:
     """The blocks one simulated store holds, as the tier's records would say.
 
     `write()` yields it as the write transaction (`BlockTxn`'s interface); `blocks` maps
-    each stored key to its `SimBlock`. Each key has a number (its place in `key_of`, shared
-    with `kvstore.trace.chains.ChainKeys`): `last[number]` is the block's recorded last use
-    (NaN: not stored here), `size[number]` its bytes. A Put names the numbers of the keys it
-    may insert in `numbers` (a key without one is numbered at the end of `key_of`).
+    each stored key to its number (its place in `key_of`, shared with
+    `kvstore.trace.chains.ChainKeys`). A block's fields live in arrays at its number:
+    `last` its recorded last use (NaN: not stored here), `size` its bytes, `depth`, its parent
+    (`parent`: the parent's number; -1 none, a chain's first block; -2 a parent kept by key, not
+    stored here when the block was: a fleet copy's first block) and its children (a list linked
+    through `first_child` and `next_sibling`). `meta` answers a `SimBlock` view. A Put names the
+    numbers of the keys it may insert in `numbers` (a key without one is numbered at the end of
+    `key_of`).
+
+    A Put's inserts are queued and stored together, in a few array steps, when its write ends or
+    anything reads the index first (`_flush`): what every read sees is what inserting them one by
+    one would give.
 
     Args:
         use_bucket_s: width of the last-use buckets `bytes_used_since` counts by.
@@ -137,23 +147,31 @@ class SimIndex:
 
     def __init__(self, *, use_bucket_s: float = 3600.0, key_of: list[bytes] | None = None,
                  per_namespace: bool = False) -> None:
-        self.blocks: dict[bytes, SimBlock] = {}
+        self.blocks: dict[bytes, int] = {}
         #: Bytes by the bucket of their block's last recorded use (`bytes_used_since`).
         self.use_bucket_s = use_bucket_s
         self.bytes_by_use: dict[int, int] = {}
         self.lru = SortedList()
-        self.usage = Usage()
+        self._usage = Usage()
         self.dbs = _Dbs()
         self.namespace_names: dict[bytes, str] = {}
         self.unreadable: frozenset[bytes] = frozenset()
         self.key_of: list[bytes] = [] if key_of is None else key_of
         self.numbers: dict[bytes, int] = {}
+        #: The keys a Put may insert, their numbers and the depth of the first (`put_run`).
+        self._run: tuple[list[bytes], np.ndarray, int] | None = None
         self.last = np.full(0, np.nan)
         self.size = np.zeros(0, dtype=np.int64)
-        # the same arrays as memoryviews: an insert's one-item writes through them cost a third of numpy's
-        self._last_items: Any = self.last.data
-        self._size_items: Any = self.size.data
-        self._uses = _Uses(self.last)
+        self.depth = np.zeros(0, dtype=np.int32)
+        self.parent = np.full(0, -1, dtype=np.int32)
+        self.first_child = np.full(0, -1, dtype=np.int32)
+        self.next_sibling = np.full(0, -1, dtype=np.int32)
+        #: The parent key of a block whose parent was not stored here when it was (`parent` -2).
+        self._far_parent: dict[int, bytes] = {}
+        #: Each block's entry in the sorted LRU index, by number, once a walk needed it.
+        self._indexed: dict[int, bytes] = {}
+        #: Inserts not stored yet: (key, parent hash, depth, bytes, is_first, last use).
+        self._pending: list[tuple[bytes, bytes, int, int, bool, float]] = []
         #: Bytes each namespace stores, and has had evicted (None: one namespace, not kept).
         self.ns_bytes: dict[bytes, int] | None = {} if per_namespace else None
         self.ns_evicted: dict[bytes, list[int]] = {}
@@ -165,16 +183,37 @@ class SimIndex:
         self._stale_ids: list[np.ndarray] = []
         self._stale_count = 0
         self._dirty: np.ndarray | None = None
-        #: The last use an insert bucketed, and its bucket (`bytes_by_use`'s slot).
-        self._slot_of: tuple[float, int] = (np.nan, 0)
+
+    def put_run(self, keys: list[bytes], numbers: np.ndarray, first_depth: int) -> None:
+        """Name the numbers of the keys the next Put may insert: `keys` (consecutive blocks of a chain, the
+        first at `first_depth`) and their `numbers`. An insert finds its run's numbers by slicing them,
+        checked against its keys (else by `numbers`, a dict of them)."""
+        self._run = (keys, numbers, first_depth)
+        self.numbers = {}
+
+    def _numbers_of(self, keys: Sequence[bytes], first_depth: int) -> list[Any]:
+        """The numbers of `keys` (consecutive from `first_depth`); None for a key without one."""
+        run = self._run
+        if run is not None:
+            named, numbers, depth = run
+            at = first_depth - depth
+            if at >= 0 and named[at:at + len(keys)] == list(keys):
+                return numbers[at:at + len(keys)].tolist()  # type: ignore[no-any-return]
+            if not self.numbers:
+                self.numbers = dict(zip(named, numbers.tolist(), strict=True))
+        return list(map(self.numbers.get, keys))
 
     def _grow(self, at_least: int) -> None:
         n = max(at_least, 2 * len(self.last), 1024)
-        last, size = np.full(n, np.nan), np.zeros(n, dtype=np.int64)
-        last[: len(self.last)], size[: len(self.size)] = self.last, self.size
-        self.last, self.size = last, size
-        self._uses.last = last
-        self._last_items, self._size_items = last.data, size.data
+
+        def grown(a: np.ndarray, fill: float) -> np.ndarray:
+            b = np.full(n, fill, dtype=a.dtype)
+            b[: len(a)] = a
+            return b
+
+        self.last, self.size, self.depth = grown(self.last, np.nan), grown(self.size, 0), grown(self.depth, 0)
+        self.parent, self.first_child = grown(self.parent, -1), grown(self.first_child, -1)
+        self.next_sibling = grown(self.next_sibling, -1)
         if self._dirty is not None:
             dirty = np.zeros(n, dtype=bool)
             dirty[: len(self._dirty)] = self._dirty
@@ -185,6 +224,13 @@ class SimIndex:
         """The raw `txn` the tier's rules read (made when asked: kept, it would make a reference cycle)."""
         return _Txn(self)
 
+    @property
+    def usage(self) -> Usage:
+        """Blocks and bytes stored (what `tiers.usage` counts for the tier)."""
+        if self._pending:
+            self._flush()
+        return self._usage
+
     # -- transactions -------------------------------------------------------------
 
     @contextmanager
@@ -193,7 +239,10 @@ class SimIndex:
         self._journal = []
         try:
             yield self
+            if self._pending:
+                self._flush()
         except BaseException:
+            self._pending = []  # queued inserts were never stored
             journal, self._journal = self._journal, None
             for entry in reversed(journal):
                 self._undo(entry)
@@ -202,13 +251,15 @@ class SimIndex:
 
     def _undo(self, entry: tuple[Any, ...]) -> None:
         kind, key = entry[0], entry[1]
-        if kind == "insert":
-            self._remove(key)
+        if kind == "inserts":
+            for one in reversed(key):
+                self._remove(one)
         elif kind == "delete":
-            self._add(key, entry[2], entry[3])
+            _, _, idx, last, size, depth, parent = entry
+            self._add(key, idx, last, size, depth, parent)
             if self.ns_bytes is not None:
                 self.ns_evicted[key[8:16]][0] -= 1
-                self.ns_evicted[key[8:16]][1] -= entry[2].size_bytes
+                self.ns_evicted[key[8:16]][1] -= size
         else:  # touch
             self._retime(key, entry[2])
 
@@ -216,7 +267,24 @@ class SimIndex:
 
     def meta(self, key: bytes) -> SimBlock | None:
         """The block's record, None when not stored."""
-        return self.blocks.get(key)
+        if self._pending:
+            self._flush()
+        idx = self.blocks.get(key)
+        return None if idx is None else SimBlock(self, key, idx)
+
+    def records(self) -> Iterator[tuple[bytes, SimBlock]]:
+        """Every stored block's key and record."""
+        if self._pending:
+            self._flush()
+        for key, idx in self.blocks.items():
+            yield key, SimBlock(self, key, idx)
+
+    def parent_key(self, idx: int) -> bytes | None:
+        """The parent key of the block numbered `idx` (None: a chain's first block)."""
+        p = int(self.parent[idx])
+        if p == -1:
+            return None
+        return self._far_parent[idx] if p == -2 else self.key_of[p]
 
     def namespace_name(self, ns_id: bytes) -> str | None:
         """The namespace's name, once a Put named it."""
@@ -224,61 +292,154 @@ class SimIndex:
 
     def namespace_bytes(self, ns_id: bytes) -> int:
         """Bytes the namespace stores (all of them when one namespace runs)."""
-        return self.usage.stored_bytes if self.ns_bytes is None else self.ns_bytes.get(ns_id, 0)
+        if self._pending:
+            self._flush()
+        return self._usage.stored_bytes if self.ns_bytes is None else self.ns_bytes.get(ns_id, 0)
 
     def children(self, key: bytes) -> Iterator[bytes]:
         """Keys of the stored children of `key`."""
-        block = self.blocks.get(key)
-        return iter(block.children or () if block is not None else ())
+        if self._pending:
+            self._flush()
+        idx = self.blocks.get(key)
+        if idx is None:
+            return iter(())
+        out, c, key_of, nxt = [], int(self.first_child[idx]), self.key_of, self.next_sibling
+        while c >= 0:
+            out.append(key_of[c])
+            c = int(nxt[c])
+        return iter(out)
 
     def insert(self, key: bytes, parent_hash: bytes, depth: int, data: Any, now_s: float,
                is_first: bool, *, last_use_s: float | None = None) -> None:
-        """Store a new block (its data is not kept: only its size)."""
-        idx = self.numbers.get(key)
-        if idx is None:
+        """Store a new block (its data is not kept: only its size).
+
+        Queued, and stored with the write's other inserts in one pass (`_flush`) when the write
+        ends or the index is read: the Put of every new block runs this, so it does no more.
+        """
+        self._pending.append((key, parent_hash, depth, len(data), is_first,
+                              now_s if last_use_s is None else last_use_s))
+
+    def _flush(self) -> None:
+        """Store the queued inserts, as inserting them one by one in order would."""
+        pending, self._pending = self._pending, []
+        keys, hashes, depths, sizes, firsts, whens = zip(*pending, strict=True)
+        chain = list(depths) == list(range(depths[0], depths[0] + len(depths)))
+        idxs: list[Any] = self._numbers_of(keys, depths[0]) if chain else list(map(self.numbers.get, keys))
+        if None in idxs:
             key_of = self.key_of
-            idx = len(key_of)
-            key_of.append(key)
-        if idx >= len(self.last):
-            self._grow(idx + 1)
-        # `_add`, inlined: the Put of every new block runs it (a third of a Mooncake run's time)
-        size = len(data)
-        blocks = self.blocks
-        if is_first:
-            parent = None
+            for j, i in enumerate(idxs):
+                if i is None:
+                    idxs[j] = len(key_of)
+                    key_of.append(keys[j])
+        if max(idxs) >= len(self.last):
+            self._grow(max(idxs) + 1)
+        blocks: dict[Any, int] = self.blocks
+        # a block's parent: a queued one before it (the chain going on), else a stored one, else (a
+        # fleet copy's first block, its parent on another node) kept by key
+        parent_keys: list[Any] = [None if first else key[:_NS_END] + h
+                                  for key, h, first in zip(keys, hashes, firsts, strict=True)]
+        stored_before = list(map(blocks.get, parent_keys))
+        blocks.update(zip(keys, idxs, strict=True))
+        parents = list(map(blocks.get, parent_keys))
+        if stored_before != parents:  # a parent queued here: only one queued before its child counts
+            seen: set[bytes] = set()
+            for j, key in enumerate(keys):
+                pk = parent_keys[j]
+                if pk is not None and stored_before[j] is None and pk not in seen:
+                    parents[j] = None
+                seen.add(key)
+        pa = [-1 if p is None else p for p in parents]
+        far: dict[int, bytes] = {}
+        if parents.count(None) != firsts.count(True):  # parents not stored here: kept by key
+            for j, p in enumerate(parents):
+                if p is None and parent_keys[j] is not None:
+                    pa[j] = -2
+                    far[idxs[j]] = parent_keys[j]
+        self._store(keys, idxs, pa, far, depths, sizes, whens, chain=False)
+
+    def insert_run(self, keys: Sequence[bytes], parent_hash: bytes, first_depth: int, datas: Sequence[Any],
+                   checksums: Sequence[int], now_s: float, is_root: bool, *,
+                   last_use_s: Sequence[float]) -> None:
+        """Store new consecutive blocks of one chain (`BlockTxn.insert_run`): `keys[0]`'s parent is
+        `parent_hash` (none when `is_root`), each later block's the one before it; depths from
+        `first_depth`. Only sizes are kept (not the data nor its checksums)."""
+        if not keys:
+            return
+        if self._pending:
+            self._flush()
+        idxs = self._numbers_of(keys, first_depth)
+        if None in idxs:
+            key_of = self.key_of
+            for j, i in enumerate(idxs):
+                if i is None:
+                    idxs[j] = len(key_of)
+                    key_of.append(keys[j])
+        if max(idxs) >= len(self.last):
+            self._grow(max(idxs) + 1)
+        far: dict[int, bytes] = {}
+        if is_root:
+            head = -1
         else:
-            parent = key[:_NS_END] + parent_hash
-            up = blocks.get(parent)
-            if up is not None:
-                if up.children is None:
-                    up.children = [key]
-                else:
-                    up.children.append(key)
-        # its LRU entry is made at the next walk (`note_put`)
-        blocks[key] = SimBlock(self._uses, idx, depth, size, parent)
-        when = now_s if last_use_s is None else last_use_s
-        self._last_items[idx] = when
-        self._size_items[idx] = size
-        usage = self.usage
-        usage.blocks += 1
-        usage.stored_bytes += size
+            parent = keys[0][:_NS_END] + parent_hash
+            up = self.blocks.get(parent)
+            if up is None:  # a fleet copy's first block: its parent may live on another node
+                head, far[idxs[0]] = -2, parent
+            else:
+                head = up
+        self._store(keys, idxs, [head, *idxs[:-1]], far, range(first_depth, first_depth + len(keys)),
+                    list(map(len, datas)), last_use_s, chain=True)
+
+    def _store(self, keys: Sequence[bytes], idxs: list[int], parents: list[int], far: dict[int, bytes],
+               depths: Sequence[int], sizes: Sequence[int], whens: Sequence[float], *, chain: bool) -> None:
+        """Store new blocks numbered `idxs` with their parents' numbers (-1: none, -2: kept by key in `far`);
+        `chain`: each block's parent is the one before it (the first's aside), so no two share one."""
+        self.blocks.update(zip(keys, idxs, strict=True))
+        self._far_parent.update(far)
+        at = np.array(idxs, dtype=np.int64)
+        self.last[at] = whens
+        self.size[at] = sizes
+        self.depth[at] = depths
+        self.first_child[at] = -1
+        self.next_sibling[at] = -1
+        pa = np.array(parents, dtype=np.int64)
+        self.parent[at] = pa
+        linked = pa >= 0
+        child, up = at[linked], pa[linked]
+        if chain or len(np.unique(up)) == len(up):  # each parent gains one child (a chain): one step
+            self.next_sibling[child] = self.first_child[up]
+            self.first_child[up] = child
+        else:
+            fc, nxt = self.first_child, self.next_sibling
+            for c, p in zip(child.tolist(), up.tolist(), strict=True):
+                nxt[c] = fc[p]
+                fc[p] = c
+        total = sum(sizes)
+        usage = self._usage
+        usage.blocks += len(keys)
+        usage.stored_bytes += total
         if self.ns_bytes is not None:
-            self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + size
-        # a Put's blocks share one use time: its bucket is worked out once
-        if when != self._slot_of[0]:
-            self._slot_of = (when, int(when // self.use_bucket_s))
-        slot = self._slot_of[1]
-        hist = self.bytes_by_use
-        hist[slot] = hist.get(slot, 0) + size
+            ns = self.ns_bytes
+            for key, n in zip(keys, sizes, strict=True):
+                ns[key[8:16]] = ns.get(key[8:16], 0) + n
+        hist, width = self.bytes_by_use, self.use_bucket_s
+        if min(whens) == max(whens):  # a Put's blocks share one use time
+            slot = int(whens[0] // width)
+            hist[slot] = hist.get(slot, 0) + total
+        else:
+            for when, n in zip(whens, sizes, strict=True):
+                slot = int(when // width)
+                hist[slot] = hist.get(slot, 0) + n
         if self._journal is not None:
-            self._journal.append(("insert", key))
+            self._journal.append(("inserts", keys))
 
     def touch(self, key: bytes, now_s: float) -> None:
         """Record a use at `now_s` (nothing if absent or used since)."""
-        block = self.blocks.get(key)
-        if block is None:
+        if self._pending:
+            self._flush()
+        idx = self.blocks.get(key)
+        if idx is None:
             return
-        old = self.last[block.idx]
+        old = self.last[idx]
         if old >= now_s:
             return
         if self._journal is not None:
@@ -293,12 +454,14 @@ class SimIndex:
         `touch` for many blocks at once, as one vector step: a Get of a long prompt refreshes
         thousands (most of a simulation's time), and this write cannot fail, so it needs no journal.
         """
+        if self._pending:
+            self._flush()
         if len(self.last) < len(self.key_of):
             self._grow(len(self.key_of))
         if len(numbers) <= _SMALL_REFRESH:  # a Lookup's deepest block, a short fetch: vector steps cost more
             for i in numbers.tolist():
-                block = self.blocks.get(self.key_of[i])
-                if block is not None and self.last[i] < min(due_before_s, now_s):
+                idx = self.blocks.get(self.key_of[i])
+                if idx is not None and self.last[i] < min(due_before_s, now_s):
                     self._retime(self.key_of[i], now_s)
             return
         old = self.last[numbers]
@@ -342,26 +505,31 @@ class SimIndex:
 
     def delete(self, key: bytes, *, carry_up: bool) -> int:
         """Remove a block with no stored child; with `carry_up`, its parent takes its last use if later."""
-        block = self.blocks.get(key)
-        if block is None:
+        if self._pending:
+            self._flush()
+        idx = self.blocks.get(key)
+        if idx is None:
             raise KeyError(f"no meta for block {key.hex()}")
-        last = float(self.last[block.idx])
+        last, size, depth = float(self.last[idx]), int(self.size[idx]), int(self.depth[idx])
+        parent = self.parent_key(idx)
         self._remove(key)
         if self._journal is not None:
-            self._journal.append(("delete", key, block, last))
+            self._journal.append(("delete", key, idx, last, size, depth, parent))
         self.evicted_uses.append(last)
         if self.ns_bytes is not None:
             counts = self.ns_evicted.setdefault(key[8:16], [0, 0])
             counts[0] += 1
-            counts[1] += block.size_bytes
-        if carry_up and block.parent is not None:
-            self.touch(block.parent, last)
-        return block.size_bytes
+            counts[1] += size
+        if carry_up and parent is not None:
+            self.touch(parent, last)
+        return size
 
     # -- the records --------------------------------------------------------------
 
     def synced_lru(self) -> SortedList:
         """The LRU index with every entry where the blocks' last uses put it now."""
+        if self._pending:
+            self._flush()
         stale, self._stale = self._stale, set()
         parts, self._stale_ids, self._stale_count = self._stale_ids, [], 0
         if self._dirty is not None:
@@ -370,36 +538,41 @@ class SimIndex:
         if parts:
             key_of = self.key_of
             stale.update(key_of[i] for i in np.unique(np.concatenate(parts)).tolist())
-        blocks, last, fresh = self.blocks, self.last, []
+        blocks, last, depth, indexed, fresh = self.blocks, self.last, self.depth, self._indexed, []
         for key in stale:
-            block = blocks.get(key)
-            if block is None:
+            idx = blocks.get(key)
+            if idx is None:
                 continue
-            if block.indexed is not None:
-                self.lru.remove(block.indexed)
-            block.indexed = lru_key(float(last[block.idx]), block.depth, key)
-            fresh.append(block.indexed)
+            old = indexed.get(idx)
+            if old is not None:
+                self.lru.remove(old)
+            entry = indexed[idx] = lru_key(float(last[idx]), int(depth[idx]), key)
+            fresh.append(entry)
         self.lru.update(fresh)
         return self.lru
 
-    def _add(self, key: bytes, block: SimBlock, last_use_s: float) -> None:
-        self.blocks[key] = block
+    def _add(self, key: bytes, idx: int, last_use_s: float, size: int, depth: int, parent: bytes | None) -> None:
+        """Store again a block `delete` removed (an aborted write's undo)."""
+        self.blocks[key] = idx
         self._stale.add(key)
-        self.last[block.idx] = last_use_s
-        self.size[block.idx] = block.size_bytes
-        if block.parent is not None:
-            parent = self.blocks.get(block.parent)
-            if parent is not None:  # a fleet run's first block: its parent may live on another node
-                if parent.children is None:
-                    parent.children = [key]
-                else:
-                    parent.children.append(key)
-        self.usage.blocks += 1
-        self.usage.stored_bytes += block.size_bytes
+        self.last[idx] = last_use_s
+        self.size[idx] = size
+        self.depth[idx] = depth
+        up = None if parent is None else self.blocks.get(parent)
+        if up is not None:
+            self.parent[idx] = up
+            self.next_sibling[idx] = self.first_child[up]
+            self.first_child[up] = idx
+        elif parent is None:
+            self.parent[idx] = -1
+        else:  # a fleet run's first block: its parent may live on another node
+            self.parent[idx] = -2
+            self._far_parent[idx] = parent
+        self._usage.blocks += 1
+        self._usage.stored_bytes += size
         if self.ns_bytes is not None:
-            self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + block.size_bytes
-        slot = int(last_use_s // self.use_bucket_s)
-        self.bytes_by_use[slot] = self.bytes_by_use.get(slot, 0) + block.size_bytes
+            self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + size
+        self._count_use(last_use_s, size)
 
     def _count_use(self, when_s: float, nbytes: int) -> None:
         slot = int(when_s // self.use_bucket_s)
@@ -412,29 +585,40 @@ class SimIndex:
         a later-used one (R6) whose own use is older: a Get refreshes a whole fetched prefix, so
         those are few (a Lookup alone refreshes only its deepest block).
         """
+        if self._pending:
+            self._flush()
         first = int(since_s // self.use_bucket_s)
         return sum(n for slot, n in self.bytes_by_use.items() if slot >= first)
 
     def _remove(self, key: bytes) -> None:
-        block = self.blocks.pop(key)
-        if block.indexed is not None:
-            self.lru.remove(block.indexed)
-            block.indexed = None
+        idx = self.blocks.pop(key)
+        entry = self._indexed.pop(idx, None)
+        if entry is not None:
+            self.lru.remove(entry)
         self._stale.discard(key)
-        if block.parent is not None:
-            parent = self.blocks.get(block.parent)
-            if parent is not None and parent.children and key in parent.children:
-                parent.children.remove(key)
-        self.usage.blocks -= 1
-        self.usage.stored_bytes -= block.size_bytes
+        up = int(self.parent[idx])
+        if up >= 0 and self.key_of[up] in self.blocks:  # unlinked from its parent's children
+            fc, nxt = self.first_child, self.next_sibling
+            c, before = int(fc[up]), -1
+            while c >= 0 and c != idx:
+                c, before = int(nxt[c]), c
+            if c == idx:
+                if before < 0:
+                    fc[up] = nxt[idx]
+                else:
+                    nxt[before] = nxt[idx]
+        size = int(self.size[idx])
+        self._usage.blocks -= 1
+        self._usage.stored_bytes -= size
         if self.ns_bytes is not None:
-            self.ns_bytes[key[8:16]] -= block.size_bytes
-        self._count_use(float(self.last[block.idx]), -block.size_bytes)
-        self.last[block.idx] = np.nan
+            self.ns_bytes[key[8:16]] -= size
+        self._count_use(float(self.last[idx]), -size)
+        self.last[idx] = np.nan
 
     def _retime(self, key: bytes, when_s: float) -> None:
-        block = self.blocks[key]
-        self._count_use(float(self.last[block.idx]), -block.size_bytes)
-        self.last[block.idx] = when_s
-        self._count_use(when_s, block.size_bytes)
+        idx = self.blocks[key]
+        size = int(self.size[idx])
+        self._count_use(float(self.last[idx]), -size)
+        self.last[idx] = when_s
+        self._count_use(when_s, size)
         self._stale.add(key)

@@ -19,14 +19,18 @@ from a clock, so a run is a pure function of the trace and the settings.
 
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import math
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import xxhash
 
 from gateway.policies import Policy, PolicyTable
 from kvstore import geometry as geometries
@@ -213,6 +217,15 @@ class _OfflineClient:
         self.block_bytes = settings.block_bytes
 
 
+class _KeyedScope(BlockScope):
+    """A `BlockScope` whose `key` is one C call: the same bytes (`prefix + hash`), without the length check
+    of hashes the simulation made itself (the tier's Put calls it for every block)."""
+
+    def __init__(self, fingerprint: bytes, namespace: str) -> None:
+        super().__init__(fingerprint, namespace)
+        self.key = functools.partial(operator.add, self.prefix)  # type: ignore[method-assign]
+
+
 class _Node:
     """One simulated store: the index, and the tier's Put rules over it, each tenant's retention (R18) and
     NVMe quota (R19) from the policy table, as `gateway.admin_servicer.add_admin_service` wires a tier."""
@@ -293,7 +306,13 @@ class Simulation:
         self._order = list(self.nodes)
         self._placed: dict[bytes, tuple[str, ...]] = {}
         self._block = memoryview(bytes(settings.block_bytes))
+        #: Its xxh3-64, for a PutBatch that carries checksums (None: the batch has no such field).
+        self._checksum: int | None = (xxhash.xxh3_64_intdigest(self._block)
+                                      if "checksums" in PutBatch.__dataclass_fields__ else None)
         self._swa: dict[bytes, float] = {}
+        #: The snapshot key of each block a snapshot was kept at (a probe elsewhere finds none).
+        self._snapped: dict[bytes, bytes] = {}
+        self._keyed: dict[bytes, _KeyedScope] = {}
         self._swa_heap: list[tuple[float, bytes, int]] = []
         self.swa_bytes = 0
         self.swa_peak = 0
@@ -382,6 +401,7 @@ class Simulation:
             return None, None
         bt, probes = self.settings.block_tokens, self.settings.snapshot_probes
         found = found_blocks * bt
+        snapped = self._snapped
 
         def best(blocks: int) -> tuple[int | None, int | None]:
             positions = [i * bt for i in range(max(1, blocks - probes + 1), blocks + 1)]
@@ -392,8 +412,8 @@ class Simulation:
                 if r is not None:
                     usable.append((-r, p))
             for neg_r, p in sorted(usable):
-                block = keys[p // bt - 1]
-                if self._swa.get(block[:16] + snapshot_key(block[-32:], (), p), -math.inf) > now_s:
+                kept = snapped.get(keys[p // bt - 1])  # a block's depth names its p: one key each
+                if kept is not None and self._swa.get(kept, -math.inf) > now_s:
                     return p, -neg_r
             return None, None
 
@@ -410,7 +430,9 @@ class Simulation:
         if not s.swa_ttl_s or not keys:
             return
         p = len(keys) * s.block_tokens
-        key = keys[-1][:16] + snapshot_key(keys[-1][-32:], (), p)  # the namespace's snapshot
+        key = self._snapped.get(keys[-1])
+        if key is None:  # the namespace's snapshot
+            key = self._snapped[keys[-1]] = keys[-1][:16] + snapshot_key(keys[-1][-32:], (), p)
         size = snapshot_bytes(s.geometry, p)
         ttl = s.swa_ttl_s
         if self.swa_quota is not None:
@@ -485,22 +507,35 @@ class Simulation:
             if lo >= end:
                 continue
             hashes = [k[-32:] for k in keys[lo:end]]
-            named = dict(zip(keys[lo:end], numbers[lo:end].tolist(), strict=True))
+            run_keys, run_numbers = keys[lo:end], numbers[lo:end]
             parent = keys[lo - 1][-32:] if lo else self.scope_root
             for name in nodes:
                 node = self.nodes[name]
                 local_parent = lo > first or self.settings.nodes == 1
-                batch = PutBatch(scope=scope, parent_hash=parent, hashes=hashes,
+                batch = PutBatch(scope=self._keyed_scope(scope), parent_hash=parent, hashes=hashes,
                                  blocks=[self._block] * len(hashes), is_root=lo == 0,
-                                 first_depth=None if local_parent or lo == 0 else lo + 1)
+                                 first_depth=None if local_parent or lo == 0 else lo + 1, **self._sums(len(hashes)))
                 if local_parent and lo and keys[lo - 1] not in node.index.blocks:
                     tally.refused_puts += 1  # its parent went in between (another replica's order)
                     continue
-                node.index.numbers = named
+                node.index.put_run(run_keys, run_numbers, lo + 1)
                 node.put(batch, now_s, tally)
                 node.index.note_put(numbers[lo:end])
             if self.settings.nodes == 1:
                 break
+
+    def _keyed_scope(self, scope: BlockScope) -> BlockScope:
+        keyed = self._keyed.get(scope.prefix)
+        if keyed is None:
+            keyed = self._keyed[scope.prefix] = _KeyedScope(scope.fingerprint, scope.namespace)
+        return keyed
+
+    def _sums(self, n: int) -> dict[str, Any]:
+        """The blocks' checksums for a Put that takes them (every simulated block is the same zero
+        block): the tier need not hash 57 KB per block of bytes the simulation does not keep."""
+        if self._checksum is None:
+            return {}
+        return {"checksums": [self._checksum] * n}
 
     @property
     def scope_root(self) -> bytes:

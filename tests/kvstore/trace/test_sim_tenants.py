@@ -129,7 +129,7 @@ def test_refreshes_noted_as_flags_give_the_same_walks(apart: Trace, monkeypatch:
     assert flagged.total == listed.total and flagged.total.evicted_blocks > 0
     index = sim.nodes["node-0"].index
     assert list(index.synced_lru()) == sorted(  # every entry where its block's last use puts it
-        sim_index.lru_key(b.last_access_s, b.depth, k) for k, b in index.blocks.items())
+        sim_index.lru_key(b.last_access_s, b.depth, k) for k, b in index.records())
 
 
 def test_the_command_reports_each_tenant(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,7 +160,7 @@ def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_us
         a != b for a, b in zip(keys[i], keys[j], strict=False)) else min(len(keys[i]), len(keys[j]))
     uses = [index.meta(k).last_access_s for k in keys[i]]  # type: ignore[union-attr]
     assert uses[:shared] == [3600.0] * shared and set(uses[shared:]) <= {0.0}
-    assert index.bytes_used_since(3600.0) == BLOCK * sum(1 for b in index.blocks.values() if b.last_access_s >= 3600)
+    assert index.bytes_used_since(3600.0) == BLOCK * sum(1 for _, b in index.records() if b.last_access_s >= 3600)
     assert index.bytes_used_since(0.0) == index.usage.stored_bytes
 
 

@@ -76,7 +76,7 @@ def test_a_full_store_refuses_puts_within_retention_and_evicts_past_it(mooncake:
     assert evicting.total.evicted_blocks > 0 and evicting.node_bytes["node-0"] <= capacity
     index = sim.nodes["node-0"].index
     assert index.usage.blocks == len(index.blocks) and index.usage.stored_bytes == len(index.blocks) * BLOCK
-    for key, block in index.blocks.items():  # R6: no stored block lost its parent
+    for key, block in index.records():  # R6: no stored block lost its parent
         assert block.parent is None or block.parent in index.blocks, key.hex()
     # R7, least recently used first: the one block every prompt shares is used by each, so it stays
     assert evicting.total.found_tokens == _found_without_eviction(mooncake)
@@ -90,12 +90,12 @@ def test_a_refused_put_leaves_the_index_as_it_was(mooncake: Trace) -> None:
     tally = sim.run(Trace(name="ab", kind="mooncake", requests=[a, b])).total
     assert tally.evicted_blocks > 0 and tally.refused_puts == 0
     index = sim.nodes["node-0"].index
-    before = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.blocks.items()},
+    before = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.records()},
               list(index.synced_lru()), index.usage.stored_bytes)
     keys, numbers = sim._chains.keys_and_ids(c)
     sim.step(c, keys, tally, numbers)
     assert tally.refused_puts == 1
-    after = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.blocks.items()},
+    after = ({k: (v.last_access_s, sorted(v.children or ())) for k, v in index.records()},
              list(index.synced_lru()), index.usage.stored_bytes)
     assert after == before
 
