@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import threading
 from array import array
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -99,17 +99,19 @@ def test_c3_every_answer_equals_plain_hashing(data: st.DataObject) -> None:
     m = memo(max_bytes=data.draw(st.sampled_from([2_000, 20_000, 1 << 20])), max_entries=4)
     prompts: list[list[int]] = []
     for _ in range(data.draw(st.integers(1, 8))):
-        if prompts and data.draw(st.booleans()):
+        extend: bool = data.draw(st.booleans())
+        if prompts and extend:
             base = data.draw(st.sampled_from(prompts))
             cut = data.draw(st.integers(0, len(base)))
             prompt = base[:cut] + data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=40))
-            if prompt and data.draw(st.booleans()):
+            edit: bool = data.draw(st.booleans())
+            if prompt and edit:
                 prompt[data.draw(st.integers(0, len(prompt) - 1))] ^= 1  # one token edited
         else:
             prompt = data.draw(st.lists(st.integers(0, 5), max_size=120))
         keys = data.draw(st.sampled_from([(), ("a",), ("b", b"\x00")]))
         root = data.draw(st.sampled_from([ROOT, OTHER_ROOT]))
-        form = data.draw(st.sampled_from([list, lambda p: array("I", p), lambda p: np.array(p, dtype=np.int64)]))
+        form: Any = data.draw(st.sampled_from([list, lambda p: array("I", p), lambda p: np.array(p, dtype=np.int64)]))
         want = plain(prompt, root=root, extra_keys=keys)
         if data.draw(st.booleans()):
             assert m.hashes(form(prompt), root=root, extra_keys=keys) == want
@@ -202,7 +204,7 @@ def test_array_tokens_out_of_range_are_refused(bad: list[int]) -> None:
     with pytest.raises(InvalidArgument, match="token ids must be integers"):
         token_bytes(np.array(bad, dtype=np.int64))
     with pytest.raises(InvalidArgument, match="token ids"):
-        memo().hashes(np.array(bad, dtype=np.int64), root=ROOT)
+        memo().hashes(cast(Any, np.array(bad, dtype=np.int64)), root=ROOT)
 
 
 def test_the_client_reuses_a_conversation_chain_over_a_real_server(server: Any) -> None:
@@ -228,7 +230,7 @@ def test_the_client_reuses_a_conversation_chain_over_a_real_server(server: Any) 
 def test_c1_an_array_changed_in_place_after_a_call_is_not_mistaken_for_the_kept_chain() -> None:
     """The memo compares and hashes a uint32 array in place but keeps a copy: the caller may change it."""
     m = memo()
-    prompt = np.arange(400, dtype=np.uint32)
+    prompt: Any = np.arange(400, dtype=np.uint32)
     m.hashes(prompt, root=ROOT)
     prompt[10] += 1
     assert m.hashes(prompt, root=ROOT) == plain(prompt.tolist())
@@ -238,7 +240,7 @@ def test_c1_an_array_changed_in_place_after_a_call_is_not_mistaken_for_the_kept_
 def test_a_strided_or_big_endian_array_is_read_as_its_values() -> None:
     from kvstore.prefix import token_buffer
 
-    values = np.arange(40, dtype=np.uint32)
+    values: Any = np.arange(40, dtype=np.uint32)
     assert bytes(token_buffer(values[::2])) == token_bytes(values[::2].tolist())
     assert bytes(token_buffer(values.astype(">u4"))) == token_bytes(values.tolist())
     assert memo().hashes(values[::2], root=ROOT) == plain(values[::2].tolist())
