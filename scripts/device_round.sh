@@ -18,15 +18,17 @@ t=$SECONDS
 timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -x -rs tests/kvstore/codec/test_codec_gpu.py \
   tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py \
   tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_transfer.py tests/replay/model/test_gpu.py tests/replay/model/test_graphs_gpu.py \
-  tests/kvstore/client/test_chain_memo.py 2>&1 | tee "$OUT/tests.log" | tail -8
+  tests/kvstore/client/test_chain_memo.py tests/kvstore/codec/test_sglang_v4_gpu.py \
+  tests/integrations/test_engine_writes_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
 echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
 timeout "${FLEET_S:-200}" python3 -m kvstore.cli bench fleet --json >"$OUT/fleet.json" 2>"$OUT/fleet.err"
 echo "bench fleet rc=$? $((SECONDS - t)) s"; t=$SECONDS
 timeout "${LOOKUP_S:-90}" python3 -m kvstore.cli bench lookup --json >"$OUT/lookup.json" 2>"$OUT/lookup.err"
 echo "bench lookup rc=$? $((SECONDS - t)) s"; t=$SECONDS
 timeout "${STORE_S:-150}" python3 -m kvstore.cli bench store --json --no-progress >"$OUT/store.json" 2>"$OUT/store.err"
-echo "bench store rc=$? $((SECONDS - t)) s"
-for f in "$OUT"/fleet.json "$OUT"/lookup.json "$OUT"/store.json; do
+echo "bench store rc=$? $((SECONDS - t)) s"; t=$SECONDS
+timeout "${TRANSCODE_S:-300}" python3 -m kvstore.cli bench transcode --json --no-progress >"$OUT/transcode.json" 2>"$OUT/transcode.err"; echo "bench transcode rc=$? $((SECONDS - t)) s"
+for f in "$OUT"/fleet.json "$OUT"/lookup.json "$OUT"/store.json "$OUT"/transcode.json; do
 python3 - "$f" <<'PY'
 import json, sys
 try:
