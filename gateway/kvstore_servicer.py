@@ -96,8 +96,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     trace: CallTrace = NO_TRACE
 
     def __init__(self, tier: BlockStore, layouts: dict[str, Layout], max_message_bytes: int,
-                 swa: SwaCache | None = None, hits: HitStats | None = None, audit: AuditTrail | None = None) -> None:
+                 swa: SwaCache | None = None, hits: HitStats | None = None, audit: AuditTrail | None = None,
+                 policies: Any = None) -> None:
         self.tier = tier
+        #: The tenants' policies (gateway.policies), for GetInfo's replay_fidelity; None: none kept here.
+        self.policies = policies
         #: The store's pins (R22-R27); None: a store that does not pin (a gateway's, for now).
         self.pins = tier if isinstance(tier, PinningStore) else None
         #: A next turn's Lookup from its anchor's stored record (A5); None: from remembered anchors (A1).
@@ -136,7 +139,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             lookup_anchors=True,
             tenant=current_caller().tenant,
             run_blocks=self.router.run_blocks if self.router is not None else 0,
+            replay_fidelity=self._replay_fidelity(request.namespace),
         )
+
+    def _replay_fidelity(self, name: str) -> str:
+        """The replay_fidelity of the tenant `name` resolves to (validate.namespace: another tenant's needs
+        "admin"), '' when no policies are kept here: a planner of that tenant reads it at attach."""
+        tenant = validate.namespace(name)
+        return "" if self.policies is None else str(self.policies.policy(tenant).replay_fidelity)
 
     @unary
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

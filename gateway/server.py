@@ -329,7 +329,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     closers.append(swa.close)
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
     closers.append(hits.close)
-    kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits, audit=admin.audit)
+    kvstore = KVStoreServicer(tier, layouts, limit, swa, hits=hits, audit=admin.audit, policies=admin.policies)
     pin_audit = asyncio.create_task(kvstore.run_pin_audit())  # R29: expired pins audited
     closers.append(pin_audit.cancel)
     kvstore.trace = trace

@@ -3,7 +3,8 @@
 Public, stable for the other adapters (the SGLang backend may import these, read-only):
 
 - `StoreSettings` / `parse_settings(extra, known=...)`: the adapter's extra config
-  (target, token, namespace, geometry, timeout_s, path, data_dir, lease_ms, replay_windows)
+  (target, token, namespace, geometry, timeout_s, path, data_dir, lease_ms, replay_windows, replay_fidelity,
+  fidelity_refresh_s)
   checked, every mistake a `kvstore.errors.ConfigError` naming the setting.
 - `connect(settings) -> kvstore.Client`.
 - `usable_tokens(plan) -> int`: tokens an engine that recomputes a replay itself may take from the
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 PATHS = ("auto", "direct-cpu", "direct-gpu", "shm", "grpc")
 #: The settings every adapter reads.
 COMMON_KEYS = frozenset({"target", "token", "namespace", "geometry", "timeout_s", "path", "data_dir", "lease_ms",
-                         "replay_windows"})
+                         "replay_windows", "replay_fidelity", "fidelity_refresh_s"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +60,13 @@ class StoreSettings:
         data_dir: the store's data dir on this host: enables the direct paths (trust model,
             docs/SECURITY.md); None: off.
         lease_ms: how long the planner's Lookup holds the found blocks for the load.
-        replay_windows: the tenant's fidelity (replay.cost.CostModel.replay_windows): windows
-            replayed after a hit without a snapshot, or None for exact replays only.
+        replay_windows: windows replayed after a hit without a snapshot (replay.cost.CostModel.replay_windows),
+            None for exact replays only: the engine's own setting when `fidelity` is set from it, else 1, the
+            cost model's span before the tenant's setting is resolved.
+        fidelity: this engine's fidelity setting ("windows:N", "exact" or an error budget, replay/fidelity_budget.py),
+            from `replay_windows` or `replay_fidelity`; None (neither given): the tenant's stored policy
+            (replay_fidelity, read from the server at attach and every `fidelity_refresh_s`).
+        fidelity_refresh_s: the longest the tenant's stored setting is used before it is read again.
     """
 
     target: str
@@ -72,6 +78,8 @@ class StoreSettings:
     data_dir: str | None = None
     lease_ms: int = 30_000
     replay_windows: int | None = 1
+    fidelity: str | None = None
+    fidelity_refresh_s: float = 60.0
 
 
 def _number(extra: Mapping[str, Any], name: str, default: Any, *, least: float, integer: bool = False) -> Any:
@@ -119,11 +127,33 @@ def parse_settings(extra: Mapping[str, Any] | None, *, known: frozenset[str] = C
         windows = None
     elif windows is not None:
         windows = _number(extra, "replay_windows", 1, least=1, integer=True)
+    fidelity = _fidelity(extra, windows)
     return StoreSettings(target=target, token=text["token"] or os.environ.get("KVSTORE_TOKEN") or None,
                          namespace=text["namespace"], geometry=text["geometry"],
                          timeout_s=float(_number(extra, "timeout_s", 30.0, least=0.001)), path=path,
                          data_dir=data_dir, lease_ms=_number(extra, "lease_ms", 30_000, least=0, integer=True),
-                         replay_windows=windows)
+                         replay_windows=windows, fidelity=fidelity,
+                         fidelity_refresh_s=float(_number(extra, "fidelity_refresh_s", 60.0, least=0)))
+
+
+def _fidelity(extra: Mapping[str, Any], windows: int | None) -> str | None:
+    """The engine's own fidelity setting: `replay_windows` (as "windows:N" or "exact") or `replay_fidelity`
+    (any setting, checked), never both; None when neither is given (the tenant's stored policy applies)."""
+    has_windows, has_budget = "replay_windows" in extra, "replay_fidelity" in extra
+    if has_windows and has_budget:
+        raise ConfigError("kv_connector_extra_config sets both 'replay_windows' and 'replay_fidelity': give one "
+                          "(or neither: the tenant's stored replay_fidelity policy applies)")
+    if has_windows:
+        return "exact" if windows is None else f"windows:{windows}"
+    if not has_budget:
+        return None
+    from replay.fidelity_budget import parse_budget
+
+    text = extra["replay_fidelity"]
+    try:
+        return parse_budget(text).text
+    except KVStoreError as exc:
+        raise ConfigError(f"kv_connector_extra_config 'replay_fidelity': {exc}") from None
 
 
 def connect(settings: StoreSettings) -> Client:

@@ -9,7 +9,9 @@ Extra config (`integrations.common.parse_settings`; a mistake is a `kvstore.erro
 naming it): `target` (required), `token` (default `$KVSTORE_TOKEN`), `namespace`, `geometry`,
 `timeout_s`, `path` ("auto", "shm", "grpc", "direct-cpu", "direct-gpu"), `data_dir` (the store's
 data dir on this host: enables the direct paths), `lease_ms`, `replay_windows` (1, 2, ... or
-"exact"), `load_async` (default: true with several KV cache groups), `layerwise` (default false:
+"exact") or `replay_fidelity` (any fidelity setting, e.g. "kl:1e-3"): this engine's own; neither: the
+tenant's stored policy `replay_fidelity`, read at attach and every `fidelity_refresh_s` (default 60),
+`load_async` (default: true with several KV cache groups), `layerwise` (default false:
 fill loads layer by layer while the forward runs and copy saves out per layer; needs a model whose
 attention calls vLLM's per-layer hooks, and makes vLLM use piecewise CUDA graphs).
 
@@ -24,6 +26,8 @@ writes them. docs/ENGINES.md has the rest.
 
 from __future__ import annotations
 
+import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +48,8 @@ from integrations.vllm_worker import WorkerSide
 from kvstore import geometry as geometries
 from kvstore.errors import ConfigError
 from replay.cost import CostModel
-from replay.planner import Planner
+from replay.fidelity_budget import DEFAULT_BUDGET
+from replay.planner import Planner, stored_fidelity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger(__name__)
 #: Settings this connector reads beyond the common ones.
 KNOWN = COMMON_KEYS | {"load_async", "layerwise"}
 
@@ -112,8 +118,15 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             snapshots = has_windows(self.geometry.num_layers, names)
             # Without a window cache for every layer a snapshot cannot be loaded: no probes, so a
             # plan is a replay or a full prefill, never a resume that needs the window.
+            # The fidelity: the engine's own setting, else the tenant's stored policy (read now and again
+            # every fidelity_refresh_s; the default budget from a server that keeps no policies).
+            own = self.settings.fidelity
             planner = Planner(self.client, cost=cost, lease_ms=self.settings.lease_ms,
-                              snapshot_probes=4 if snapshots else 0, reprobe=snapshots)
+                              snapshot_probes=4 if snapshots else 0, reprobe=snapshots,
+                              fidelity=own or DEFAULT_BUDGET,
+                              fidelity_source=None if own else partial(stored_fidelity, self.client),
+                              fidelity_refresh_s=self.settings.fidelity_refresh_s)
+            log.info("kvstore: replay fidelity %s", planner.span_choice.reason if planner.span_choice else "-")
             config = self._kv_transfer_config
             self.scheduler = SchedulerSide(planner, block_tokens=self.client.block_tokens,
                                            engine_block=self.engine_block, load=config.is_kv_consumer,

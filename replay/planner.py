@@ -28,11 +28,18 @@ from dataclasses import dataclass, replace
 from kvstore import geometry as geometries
 from kvstore.client import Client, LookupResult
 from kvstore.counted import counted
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
-from replay.fidelity_budget import FidelityBudget, FidelityTable, choose_span, parse_budget, table_for_geometry
+from replay.fidelity_budget import (
+    FidelityBudget,
+    FidelityTable,
+    SpanChoice,
+    choose_span,
+    parse_budget,
+    table_for_geometry,
+)
 from replay.hosts import PathRates, host_plans, is_fleet
 from replay.plan import Action, Plan
 
@@ -77,6 +84,12 @@ class Planner:
             "windows:N", "kl:X", "fastllm:P"), unless `tenant_fidelity` names the client's namespace; it
             sets the cost model's replay span from `fidelity_table`. None: the cost model's span as it is.
         tenant_fidelity: fidelity settings by tenant.
+        fidelity_source: reads the tenant's stored setting (`stored_fidelity`: its policy's replay_fidelity,
+            by GetInfo) at construction and again at most every `fidelity_refresh_s` when a plan is made;
+            it wins over `fidelity` (then the fallback for a server that keeps no policies), not over a
+            `tenant_fidelity` entry. A read that fails at construction raises; later, the setting in use
+            stays and the failure is logged.
+        fidelity_refresh_s: the longest a stored setting is used before it is read again.
         fidelity_table: the worker's measured table for its model; None: the shipped table measured on the
             client's geometry (replay.fidelity_budget.table_for_geometry), if any.
 
@@ -89,7 +102,8 @@ class Planner:
                  snapshot_probes: int = 4, report: bool = True, reprobe: bool = True,
                  hosts: PathRates | None = None, fidelity: FidelityBudget | str | None = None,
                  tenant_fidelity: Mapping[str, FidelityBudget | str] | None = None,
-                 fidelity_table: FidelityTable | None = None) -> None:
+                 fidelity_table: FidelityTable | None = None,
+                 fidelity_source: Callable[[], str] | None = None, fidelity_refresh_s: float = 60.0) -> None:
         if isinstance(snapshot_probes, bool) or not isinstance(snapshot_probes, int) or snapshot_probes < 0:
             raise InvalidArgument(f"snapshot_probes must be an integer >= 0, got {snapshot_probes!r}")
         if isinstance(lease_ms, bool) or not isinstance(lease_ms, int) or lease_ms < 0:
@@ -102,18 +116,29 @@ class Planner:
         self.report_plans = report
         self.reprobe = reprobe
         self.hosts = hosts
-        chosen = (tenant_fidelity or {}).get(client.namespace, fidelity)
-        budget = parse_budget(chosen) if isinstance(chosen, str) else chosen
-        #: The span the tenant's fidelity resolves to (None: no fidelity setting, the cost model's span).
-        if budget is not None and fidelity_table is None and budget.kind in ("kl", "fastllm"):
-            fidelity_table = table_for_geometry(self.geometry)  # the shipped table measured on this geometry
-        self.span_choice = None if budget is None else choose_span(budget, fidelity_table)
-        if self.span_choice is not None:
-            self.cost = replace(self.cost, replay_windows=self.span_choice.replay_windows)
         #: Reports and releases that failed (logged, never raised).
         self.background_errors = 0
         self._lock = threading.Lock()
         self._background: ThreadPoolExecutor | None = None
+        if isinstance(fidelity_refresh_s, bool) or not isinstance(fidelity_refresh_s, int | float) \
+                or not fidelity_refresh_s >= 0:
+            raise InvalidArgument(f"fidelity_refresh_s must be a number of seconds >= 0, got {fidelity_refresh_s!r}")
+        mapped = (tenant_fidelity or {}).get(client.namespace)
+        chosen = fidelity if mapped is None else mapped
+        self._base_cost = self.cost
+        self._fidelity_table = fidelity_table
+        self._fallback = parse_budget(chosen) if isinstance(chosen, str) else chosen
+        # A tenant_fidelity entry is this planner's own setting for the tenant: the stored one does not replace it.
+        self._source = fidelity_source if mapped is None else None
+        self._refresh_s = float(fidelity_refresh_s)
+        self._read_at = time.monotonic()
+        #: The tenant's stored setting as last read ('': the server keeps none; None: not read).
+        self.stored_fidelity: str | None = None
+        #: The span the tenant's fidelity resolves to (None: no fidelity setting, the cost model's span).
+        self.span_choice: SpanChoice | None = None
+        if self._source is not None:
+            self.stored_fidelity = self._source()
+        self._resolve()
 
     def close(self) -> None:
         """Wait for the reports and lease releases in flight (the client stays open: it is the caller's)."""
@@ -194,9 +219,12 @@ class Planner:
         copied), so timing this call alone measures the planner's overhead beyond the lookup.
         """
         start = time.perf_counter()
-        plan = self.decide(len(tokens), found, cost or self.cost)
-        if self.span_choice is not None and cost is None:  # which span the tenant's fidelity chose, and why
-            plan.reasons.insert(1, self.span_choice.reason)
+        if self._source is not None and cost is None:
+            self._refresh()
+        choice, own_cost = self.span_choice, self.cost
+        plan = self.decide(len(tokens), found, cost or own_cost)
+        if choice is not None and cost is None:  # which span the tenant's fidelity chose, and why
+            plan.reasons.insert(1, choice.reason)
         if self.hosts is not None and found.hosts:  # where the prefix lives: each host's path and plan
             plan = replace(plan, hosts=host_plans(self, len(tokens), found, cost or self.cost, self.hosts,
                                                   fleet=is_fleet(self.client)))
@@ -206,6 +234,44 @@ class Planner:
         if self.report_plans if report is None else report:
             self.report(plan)
         return replace(plan, lookup_s=lookup_s, plan_s=time.perf_counter() - start)
+
+    def _resolve(self) -> None:
+        """Resolve the fidelity in force (the stored setting, else the fallback) to a span and cost model."""
+        stored = self.stored_fidelity
+        budget = parse_budget(stored) if stored else self._fallback
+        table = self._fidelity_table
+        if budget is not None and table is None and budget.kind in ("kl", "fastllm"):
+            table = table_for_geometry(self.geometry)  # the shipped table measured on this geometry
+        choice = None if budget is None else choose_span(budget, table)
+        if choice is not None and stored:
+            choice = replace(choice, reason=f"{choice.reason}; the setting is the tenant's stored policy "
+                                            f"(replay_fidelity {stored!r}, read again every {self._refresh_s:g} s)")
+        elif choice is not None and self._source is not None:
+            choice = replace(choice, reason=f"{choice.reason}; the server keeps no policy: the planner's default")
+        cost = self._base_cost if choice is None else replace(self._base_cost, replay_windows=choice.replay_windows)
+        self.span_choice, self.cost = choice, cost
+
+    def _refresh(self) -> None:
+        """Read the tenant's stored setting again once `fidelity_refresh_s` has passed; re-resolve if it
+        changed. A failed read keeps the setting in use (logged): a plan never fails for it."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._read_at < self._refresh_s:
+                return
+            self._read_at = now
+        assert self._source is not None
+        try:
+            stored = self._source()
+            if stored != self.stored_fidelity:
+                if stored:
+                    parse_budget(stored)  # a setting that does not parse keeps the one in use (InvalidArgument)
+                self.stored_fidelity = stored
+                self._resolve()
+                log.info("replay fidelity of tenant %r is now %r: %s", self.client.namespace, stored,
+                         self.span_choice.reason if self.span_choice else "no setting")
+        except KVStoreError as exc:
+            log.warning("replay fidelity of tenant %r not read again (%s): %r stays in use", self.client.namespace,
+                        exc, self.stored_fidelity)
 
     def decide(self, n: int, found: LookupResult, cost: CostModel) -> Plan:
         """The cheapest feasible plan for a prompt of `n` tokens given `found` (no calls; pure)."""
@@ -312,3 +378,19 @@ class Planner:
                 self._failed(f"release of lease {lease_id}", exc)
 
         self._in_background(send)
+
+
+def stored_fidelity(client: Client) -> str:
+    """The replay_fidelity of the policy of `client`'s tenant (its namespace; '' = its token's), by GetInfo:
+    '' from a server that keeps no policies (a stateless gateway) or predates the field.
+
+    Raises:
+        KVStoreError: the server could not be asked (PermissionDenied: another tenant's name without "admin").
+    """
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    conn = getattr(client, "connection", None)
+    if conn is None:  # a fleet client: any node answers from the fleet's policies
+        conn = client._any_node()  # type: ignore[attr-defined]
+    reply = conn.call(conn.kvstore.GetInfo, pb.GetInfoRequest(namespace=client.namespace))
+    return str(reply.replay_fidelity)

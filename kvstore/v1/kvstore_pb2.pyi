@@ -44,11 +44,13 @@ class GeometryInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., bytes_per_token: _Optional[float] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks", "lookup_packed_hashes", "lookup_anchors")
+    __slots__ = ("block_tokens", "geometries", "max_batch_blocks", "max_message_bytes", "retention_hours", "max_lease_ms", "version", "tenant", "run_blocks", "lookup_packed_hashes", "lookup_anchors", "replay_fidelity")
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GEOMETRIES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class GetInfoResponse(_message.Message):
     RUN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ANCHORS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIDELITY_FIELD_NUMBER: _ClassVar[int]
     block_tokens: int
     geometries: _containers.RepeatedCompositeFieldContainer[GeometryInfo]
     max_batch_blocks: int
@@ -71,7 +74,8 @@ class GetInfoResponse(_message.Message):
     run_blocks: int
     lookup_packed_hashes: bool
     lookup_anchors: bool
-    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ...) -> None: ...
+    replay_fidelity: str
+    def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ..., replay_fidelity: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s", "want_hosts", "run_lengths")

@@ -337,9 +337,12 @@ class Engine:
         self.connector.shutdown()
 
 
-def extra(store: Any, **more: object) -> dict[str, object]:
-    """kv_connector_extra_config for the store child `store` (the tiny geometry), plus `more`."""
-    return {"target": store.target, "geometry": GEO.name, "timeout_s": 10.0, **more}
+def extra(store: Any, *, tenant_fidelity: bool = False, **more: object) -> dict[str, object]:
+    """kv_connector_extra_config for the store child `store` (the tiny geometry), plus `more`. The engine's
+    own fidelity is 1 window unless `more` names one, or `tenant_fidelity` leaves it to the tenant's
+    stored policy (replay_fidelity; docs/ENGINES.md)."""
+    own = {} if tenant_fidelity or "replay_fidelity" in more else {"replay_windows": 1}
+    return {"target": store.target, "geometry": GEO.name, "timeout_s": 10.0, **own, **more}
 
 
 def store_prompt(store: Any, model_dir: Path, tokens: list[int], **add: Any) -> None:
