@@ -22,7 +22,7 @@ from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
 from gateway.routed_store import Route, RoutedStore
 from gateway.status import streaming, unary
-from gateway.trace_recorder import NO_TRACE, CallTrace
+from gateway.trace_recorder import NO_TRACE, CallTrace, trace_counters
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
@@ -598,7 +598,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             write_rate_bytes_per_s=s.write_rate_bytes_per_s, headroom_hours=s.headroom_hours,
             retention_hours=s.retention_hours, active_leases=s.active_leases,
             uptime_s=s.uptime_s, stored_by_geometry=self._by_geometry(s.by_layout),
-            **extra,
+            trace=trace_counters(self.trace), **extra,
         )
 
     def _hit_fields(self, request: pb.StatsRequest, tenant: str | None) -> dict[str, Any]:

@@ -392,6 +392,17 @@ def open_recorder(settings: TraceSettings, *, data_dir: Path, block_tokens: int,
                          geometries=geometries)
 
 
+def trace_counters(trace: CallTrace) -> Any:
+    """The recorder's counters as the Stats answer carries them (`kvstore.v1.TraceCounters`)."""
+    from kvstore.v1 import kvstore_pb2 as pb
+
+    s = trace.stats
+    return pb.TraceCounters(enabled=trace.enabled, written_records=s.written_records,
+                            dropped_records=s.dropped_records, written_bytes=s.written_bytes,
+                            files_written=s.files_written, files_removed=s.files_removed,
+                            queued_records=s.queued_records, bytes_on_disk=s.bytes_on_disk)
+
+
 def trace_line(settings: TraceSettings, recorder: CallTrace) -> str:
     """What `kvstore serve` says of its trace at start."""
     if not isinstance(recorder, TraceRecorder):

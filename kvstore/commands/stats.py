@@ -253,11 +253,13 @@ def fleet_report(client: Any, *, tenant: str, windows: list[str]) -> dict[str, A
                    **{f: int(getattr(reply, f)) for f in NODE_FIELDS},
                    # the tenants' pins held on this node's copies (docs/RETENTION.md R28)
                    pins=sum(t.pins for t in reply.tenants), pinned_bytes=sum(t.pinned_bytes for t in reply.tenants),
-                   windows={w.window: {"seconds": w.seconds, **_counts(w.counts)} for w in reply.windows})
+                   windows={w.window: {"seconds": w.seconds, **_counts(w.counts)} for w in reply.windows},
+                   trace=_counts(reply.trace))  # the node's own access trace ([trace]); enabled as 0/1
         nodes.append(row)
     answered = [n for n in nodes if n["reachable"]]
     total: dict[str, Any] = {f: sum(n[f] for n in answered) for f in (*NODE_FIELDS, "pins", "pinned_bytes")}
-    total.update(nodes=len(nodes), reachable=len(answered), windows=_summed_windows(answered))
+    total.update(nodes=len(nodes), reachable=len(answered), windows=_summed_windows(answered),
+                 trace={k: sum(n["trace"][k] for n in answered) for k in answered[0]["trace"]} if answered else {})
     for n in answered:  # the rates beside the counters, each node's from its own
         n["windows"] = {w: {"seconds": c["seconds"], **with_rates(_ints(c))} for w, c in n["windows"].items()}
     return {"target": client.target, "nodes": nodes, "total": total}

@@ -39,6 +39,10 @@ def stats_dict(reply: object) -> dict[str, object]:
          "bytes_stored": g.bytes_stored}
         for g in reply.stored_by_geometry  # type: ignore[attr-defined]
     ]
+    # The server's own access trace ([trace]): its recorder's counters, all 0 while it is off.
+    t = reply.trace  # type: ignore[attr-defined]
+    out["trace"] = {f.name: (bool(getattr(t, f.name)) if f.name == "enabled" else int(getattr(t, f.name)))
+                    for f in t.DESCRIPTOR.fields}
     return out
 
 
@@ -81,6 +85,19 @@ def print_table(data: dict[str, object], target: str) -> None:
     _print_section("Resume plans (planner reports)", data, RESUME_ROWS)
     _print_section("SWA pool", data["swa"], SWA_ROWS)  # type: ignore[arg-type]
     _print_section("Transfer", data["transfer"], TRANSFER_ROWS)  # type: ignore[arg-type]
+    trace = data.get("trace")
+    if isinstance(trace, dict) and trace.get("enabled"):
+        _print_section("Trace ([trace]: the server's own access trace)", trace, TRACE_ROWS)
+    else:
+        print("Trace ([trace]): off")
+
+
+TRACE_ROWS = (
+    ("Records written", "written_records"), ("Records dropped (writer behind, disk failed)", "dropped_records"),
+    ("Bytes written (compressed)", "written_bytes"), ("Files written", "files_written"),
+    ("Files removed (max_bytes)", "files_removed"), ("Records queued now", "queued_records"),
+    ("Bytes on disk now", "bytes_on_disk"),
+)
 
 
 RESUME_ROWS = (

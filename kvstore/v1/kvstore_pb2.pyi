@@ -244,7 +244,7 @@ class StatsRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., windows: _Optional[_Iterable[str]] = ..., chart_points: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans", "windows", "tenants", "chart", "run_started_at_s", "counted_since_s", "capacity_hours", "write_rate_window_s", "headroom_warning", "store_wide")
+    __slots__ = ("lookups", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_tokens_asked", "get_tokens_returned", "puts", "blocks_written", "bytes_written", "rejected_puts", "evictions", "evicted_bytes", "corrupt_blocks", "blocks_stored", "bytes_stored", "capacity_bytes", "bytes_free", "write_rate_bytes_per_s", "headroom_hours", "retention_hours", "active_leases", "uptime_s", "stored_by_geometry", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans", "windows", "tenants", "chart", "run_started_at_s", "counted_since_s", "capacity_hours", "write_rate_window_s", "headroom_warning", "store_wide", "trace")
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_ASKED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class StatsResponse(_message.Message):
     WRITE_RATE_WINDOW_S_FIELD_NUMBER: _ClassVar[int]
     HEADROOM_WARNING_FIELD_NUMBER: _ClassVar[int]
     STORE_WIDE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     lookups: int
     lookup_tokens_asked: int
     lookup_tokens_found: int
@@ -325,7 +326,28 @@ class StatsResponse(_message.Message):
     write_rate_window_s: float
     headroom_warning: bool
     store_wide: bool
-    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantHits, _Mapping]]] = ..., chart: _Optional[_Iterable[_Union[HitPoint, _Mapping]]] = ..., run_started_at_s: _Optional[float] = ..., counted_since_s: _Optional[float] = ..., capacity_hours: _Optional[float] = ..., write_rate_window_s: _Optional[float] = ..., headroom_warning: _Optional[bool] = ..., store_wide: _Optional[bool] = ...) -> None: ...
+    trace: TraceCounters
+    def __init__(self, lookups: _Optional[int] = ..., lookup_tokens_asked: _Optional[int] = ..., lookup_tokens_found: _Optional[int] = ..., gets: _Optional[int] = ..., get_tokens_asked: _Optional[int] = ..., get_tokens_returned: _Optional[int] = ..., puts: _Optional[int] = ..., blocks_written: _Optional[int] = ..., bytes_written: _Optional[int] = ..., rejected_puts: _Optional[int] = ..., evictions: _Optional[int] = ..., evicted_bytes: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., bytes_stored: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., bytes_free: _Optional[int] = ..., write_rate_bytes_per_s: _Optional[float] = ..., headroom_hours: _Optional[float] = ..., retention_hours: _Optional[float] = ..., active_leases: _Optional[int] = ..., uptime_s: _Optional[float] = ..., stored_by_geometry: _Optional[_Iterable[_Union[GeometryUsage, _Mapping]]] = ..., resume_plans: _Optional[int] = ..., resume_prompt_tokens: _Optional[int] = ..., resume_found_tokens: _Optional[int] = ..., resume_usable_tokens: _Optional[int] = ..., resume_fetch_snapshot_plans: _Optional[int] = ..., resume_bounded_replay_plans: _Optional[int] = ..., resume_exact_replay_plans: _Optional[int] = ..., resume_full_prefill_plans: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[HitWindow, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantHits, _Mapping]]] = ..., chart: _Optional[_Iterable[_Union[HitPoint, _Mapping]]] = ..., run_started_at_s: _Optional[float] = ..., counted_since_s: _Optional[float] = ..., capacity_hours: _Optional[float] = ..., write_rate_window_s: _Optional[float] = ..., headroom_warning: _Optional[bool] = ..., store_wide: _Optional[bool] = ..., trace: _Optional[_Union[TraceCounters, _Mapping]] = ...) -> None: ...
+
+class TraceCounters(_message.Message):
+    __slots__ = ("enabled", "written_records", "dropped_records", "written_bytes", "files_written", "files_removed", "queued_records", "bytes_on_disk")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FILES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    FILES_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_ON_DISK_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    written_records: int
+    dropped_records: int
+    written_bytes: int
+    files_written: int
+    files_removed: int
+    queued_records: int
+    bytes_on_disk: int
+    def __init__(self, enabled: _Optional[bool] = ..., written_records: _Optional[int] = ..., dropped_records: _Optional[int] = ..., written_bytes: _Optional[int] = ..., files_written: _Optional[int] = ..., files_removed: _Optional[int] = ..., queued_records: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ...) -> None: ...
 
 class HitCounts(_message.Message):
     __slots__ = ("lookups", "lookup_blocks_asked", "lookup_blocks_found", "lookup_tokens_asked", "lookup_tokens_found", "gets", "get_blocks_asked", "get_blocks_returned", "get_tokens_asked", "get_tokens_returned", "swa_gets", "swa_snapshots_asked", "swa_snapshots_found", "resume_plans", "resume_prompt_tokens", "resume_found_tokens", "resume_usable_tokens", "resume_fetch_snapshot_plans", "resume_bounded_replay_plans", "resume_exact_replay_plans", "resume_full_prefill_plans")

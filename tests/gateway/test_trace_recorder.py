@@ -107,6 +107,41 @@ def test_off_by_default_no_folder_and_zero_series(start_server: Callable[..., An
     assert _metric(srv, "kvstore_trace_written_records_total") == 0
 
 
+def test_stats_shows_the_trace_counters_moving(start_server: Callable[..., Any], store_settings: StoreSettings,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from kvstore.cli import main
+    from kvstore.client import Client
+
+    srv = start_server(store_settings, trace=TraceSettings(enabled=True, flush_s=0))
+
+    def shown() -> dict[str, Any]:
+        assert main(["stats", "--target", srv.target, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["trace"]  # type: ignore[no-any-return]
+
+    before = shown()
+    assert before["enabled"] and before["written_records"] == 0 and before["dropped_records"] == 0
+    with Client(srv.target) as client:
+        tokens = list(range(client.block_tokens * 2))
+        client.put(tokens, [os.urandom(client.block_bytes) for _ in range(2)])
+        assert client.lookup(tokens).found_blocks == 2
+    wait_until(lambda: srv.trace.stats.written_records == 2, "the Put's and the Lookup's records written")
+    after = shown()
+    assert after["written_records"] == 2 and after["dropped_records"] == 0 and after["files_written"] == 1
+    assert after["written_bytes"] == srv.trace.stats.written_bytes > 0 and after["bytes_on_disk"] > 0
+    assert main(["stats", "--target", srv.target]) == 0
+    text = capsys.readouterr().out
+    assert "Records written" in text and "Records dropped" in text
+
+
+def test_stats_says_the_trace_is_off(server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore.cli import main
+
+    assert main(["stats", "--target", server.target]) == 0
+    assert "Trace ([trace]): off" in capsys.readouterr().out
+
+
 def test_a_stalled_disk_drops_records_and_every_call_is_answered(start_server: Callable[..., Any],
                                                                  store_settings: StoreSettings) -> None:
     from kvstore.client import Client
@@ -135,6 +170,10 @@ def test_a_stalled_disk_drops_records_and_every_call_is_answered(start_server: C
         # The Put's record is in the writer's hands, 4 wait in the queue, the rest were dropped.
         assert s.queued_records == 4 and s.dropped_records == calls - 4
         assert _metric(srv, "kvstore_trace_dropped_records_total") == calls - 4
+        with Client(srv.target) as client:  # `kvstore stats` shows the drops (its Stats answer's trace)
+            shown = client.stats().trace
+        assert shown.enabled and shown.dropped_records == calls - 4 and shown.queued_records == 4
+        assert shown.written_records == 0
     finally:
         released.set()
     wait_until(lambda: srv.trace.stats.written_records == 5, "the queued records written once the disk answers")
