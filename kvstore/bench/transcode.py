@@ -11,7 +11,10 @@ device:
   of the model-rows bytes (what it reads: 890 B/token);
 - a restore: on CUDA, the host-to-device copy of the model-rows blocks from pinned memory, the least a
   direct GPU restore of them moves (890 B/token); on the CPU, a copy of the model-rows bytes out of a
-  bytes object into a tensor (what the backend does with each block a Get returns).
+  bytes object into a tensor (what the backend does with each block a Get returns);
+- the restore it sits in: the same blocks stored in a `kvstore serve` child and restored by
+  `kvstore.client.restore` with the store's reader (direct-gpu on CUDA: the path a GPU restore takes),
+  checked against what was stored (`--no-store` skips it).
 
 On CUDA the transcodes take their compiled path (torch.compile of the whole-block integer kernels,
 kvstore.codec.sglang_v4 module notes; the first call's compile time is a note) and the eager gathers are
@@ -49,6 +52,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=0,
                         help="tokens of blocks (default: 8,192 on cpu, 1,048,576 on cuda); a multiple of 64")
     parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 3 cpu, 10 cuda)")
+    parser.add_argument("--no-store", action="store_true",
+                        help="skip the real restore (a `kvstore serve` child holding the model-rows blocks, restored "
+                             "by kvstore.client.restore: direct-gpu on CUDA, direct-cpu on the CPU)")
+
+
+def kvstore_restore(native: torch.Tensor, device: str, repeat: int) -> tuple[float, str]:
+    """Seconds of a real restore of `native`'s blocks (the model's rows, 64-token blocks) from a `kvstore serve`
+    child on this host into `device` memory, by the fastest path (`kvstore.client.restore` with the store's
+    reader), median of `repeat`; and the path it took. The blocks are checked against what was stored."""
+    from kvstore.bench.harness import scratch, serve_process
+    from kvstore.client import Client
+    from kvstore.client.colocated import ColocatedReader
+    from kvstore.client.restore import restore
+
+    n, size = native.shape
+    host = native.cpu()
+    tokens = list(range(n * 64))
+    with scratch() as folder, serve_process(folder / "store", n * size, 64) as target, Client(target) as client:
+        for lo in range(0, n, 1024):
+            hi = min(lo + 1024, n)
+            client.put(tokens[:hi * 64], host[lo:hi], first_block=lo)
+        dest = torch.empty((n, size), dtype=torch.uint8, device=device)
+        with ColocatedReader(folder / "store") as reader:
+            times, path = [], ""
+            for i in range(repeat + 1):                          # the first: warm-up (maps, kernel build)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                result = restore(client, tokens, dest, reader=reader)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if i:
+                    times.append(time.perf_counter() - start)
+                path = result.path
+                if result.blocks != n:
+                    raise RuntimeError(f"the restore found {result.blocks} of {n} blocks")
+            if not torch.equal(dest.cpu(), host):
+                raise RuntimeError("the restore landed bytes that differ from what was stored")
+    return sorted(times)[len(times) // 2], path
 
 
 def blocks(tokens: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +126,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report.notes["tokens"] = tokens
     fused = device == "cuda"            # the compiled whole-block kernels, the path a CUDA transcode takes
-    with progress.bar("transcode", total=6, unit="step") as bar:
+    with progress.bar("transcode", total=8, unit="step") as bar:
         native, v4 = blocks(tokens, device)
         bar.update(1)
         compile_s = {}
@@ -105,6 +147,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             raw = bytes(native.numpy())
             restore_s = seconds(lambda: torch.frombuffer(bytearray(raw), dtype=torch.uint8), device, repeat, 1)
             restore = "model-rows blocks from bytes into a tensor"
+        store_s, store_path = (None, "") if args.no_store else kvstore_restore(native, device, max(3, repeat // 3))
         bar.update(2)
         save = {}
 
@@ -131,6 +174,10 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.add(Figure.against(f"load transcode (model rows -> v4 blocks, {path})", load_s * 1e3, "ms",
                               "copy of the model-rows bytes (on the device)", native_copy_s * 1e3))
     report.add(Figure.against("load transcode against the restore", load_s * 1e3, "ms", restore, restore_s * 1e3))
+    if store_s is not None:
+        report.add(Figure.against("load transcode against the kvstore restore", load_s * 1e3, "ms",
+                                  f"kvstore restore of the model-rows blocks ({store_path}, from a serve child)",
+                                  store_s * 1e3))
     if fused:
         report.add(Figure.against("load transcode, eager gathers", eager_s * 1e3, "ms",
                                   f"load transcode, {path}", load_s * 1e3))
@@ -142,6 +189,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                   f"save transcode, {path}", save_s * 1e3))
     share = load_s / (restore_s + load_s)
     report.add(Figure(name="transcode share of a restore", value=round(100 * share, 2), unit="%"))
+    if store_s is not None:
+        report.add(Figure(name="transcode share of the kvstore restore", unit="%",
+                          value=round(100 * load_s / (store_s + load_s), 2)))
     report.add(Figure(name="save transcode share of a restore", value=round(100 * save_s / (restore_s + save_s), 2),
                       unit="%"))
     report.add(Figure(name="exact blocks (SGLang rows of realistic latents)",
