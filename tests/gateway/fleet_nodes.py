@@ -99,17 +99,17 @@ class Fleet:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        store = StoreSettings(**{"data_dir": self.root / name, "capacity_bytes": 1 << 28, "block_tokens": TOKENS,
-                                 **store})
-        node = Node(tier=LmdbBlockTier(store, clock=self.clock), port=port,
-                    settings=Settings(store=store, fleet=self.settings,
+        settings = StoreSettings(**{"data_dir": self.root / name, "capacity_bytes": 1 << 28, "block_tokens": TOKENS,
+                                    **store})
+        node = Node(tier=LmdbBlockTier(settings, clock=self.clock), port=port,
+                    settings=Settings(store=settings, fleet=self.settings,
                                       transfer=TransferSettings(bulk="mooncake" if bulk else "off")), tls=tls,
                     audit=audit)
 
         async def up() -> None:
             await node.serve()
             node.registration = await register_node(self.settings, node_id=name, address=node.address,
-                                                    capacity_bytes=store.capacity_bytes, block_tokens=TOKENS)
+                                                    capacity_bytes=settings.capacity_bytes, block_tokens=TOKENS)
 
         self.loop.run(up())
         self.nodes[name] = node
