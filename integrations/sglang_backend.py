@@ -242,15 +242,17 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Store the KV host pool's pages at `host_indices` under `keys` (a chain, in order)."""
         start = time.perf_counter()
+        until, granted = self._keep_until(extra_info), list[Any]()
         if self.v4 is not None:   # the side pools' pages (or what batch_set_v2 already stored of them)
             results = self.v4.write(keys, host_indices)
         else:
             pool = self._pool(PoolName.KV.value)
             pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
-            results = self._write_pages(keys, pages)
+            results = self._write_pages(keys, pages, keep_until_s=until, granted=granted)
         self._measure("backup", sum(results), start)
-        until = self._keep_until(extra_info)
-        if until and any(results):
+        if until and granted:   # pinned in the last page's own Put (R22): no Lookup
+            self._count_pin(granted[-1])
+        elif until and any(results):   # a V4 stack's pages, or the last page not put: pinned by a Lookup
             self._keep(keys, extra_info, until)
         return results
 
@@ -280,14 +282,20 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         except KVStoreError as exc:
             logger.warning("kvstore pin failed: %s", exc)
             return
+        self._count_pin(got)
+
+    def _count_pin(self, got: Any) -> None:
+        """Count a pin's grant (a Put's or a Lookup's `kept_until_s`), or log why none was granted."""
         if got.kept_until_s:
             self.stats["pins"] += 1
         elif got.keep_note:
             logger.info("kvstore pin not granted: %s", got.keep_note)
 
-    def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, keep_until_s: float = 0.0,
+                     granted: list[Any] | None = None) -> list[bool]:
         """Put pages as runs of one chain: each run is one Put of its tokens (from the ledger) and blocks
-        (a page is `blocks_per_page` blocks, flat or [n, block_bytes])."""
+        (a page is `blocks_per_page` blocks, flat or [n, block_bytes]). With `keep_until_s`, the run that
+        ends at the last key pins it in its own Put (R22), its `PutResult` appended to `granted`."""
         n, size = self.blocks_per_page, self.client.block_bytes
         results = [False] * len(keys)
         i = 0
@@ -310,7 +318,11 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             flat = [p.contiguous().view(torch.uint8).reshape(n, size) for p in pages[i:j]]
             blocks = [page[k].numpy().data for page in flat for k in range(n)]  # views, no copy
             try:
-                put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys)
+                keep = keep_until_s if j == len(keys) else 0.0
+                put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys,
+                                      keep_until_s=keep)
+                if keep and granted is not None:
+                    granted.append(put)
                 for k, h in enumerate(put.block_hashes[n - 1::n]):
                     results[i + k] = h.hex() == keys[i + k]
             except KVStoreError as exc:

@@ -27,6 +27,7 @@ writes them. docs/ENGINES.md has the rest.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -68,6 +70,22 @@ KNOWN = COMMON_KEYS | {"load_async", "layerwise"}
 
 class KVStoreMetadata(KVConnectorMetadata, ConnectorMeta):
     """One step's loads and saves, scheduler -> worker."""
+
+
+@dataclass
+class KVStoreWorkerMeta(KVConnectorWorkerMetadata):
+    """One step's pins granted to the worker's Puts (req id -> (time granted, 0: none; why less)),
+    worker -> scheduler (`SchedulerSide.granted`); the workers' are merged, the earliest time kept."""
+
+    kept: dict[str, tuple[float, str]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge another worker's grants: a request pinned by two workers holds until the earlier time."""
+        assert isinstance(other, KVStoreWorkerMeta)
+        kept = dict(self.kept)
+        for req_id, got in other.kept.items():
+            kept[req_id] = min(kept.get(req_id, got), got)
+        return KVStoreWorkerMeta(kept=kept)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -191,6 +209,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         """Ended requests whose puts are done (their pages may go), and finished asynchronous loads."""
         return self._worker().finished(finished_req_ids)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The pins this worker's Puts were granted since the last step (a hinted request's, R22)."""
+        kept = self._worker().saves.take_granted()
+        return KVStoreWorkerMeta(kept=kept) if kept else None
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """`get_finished` plus the asynchronous loads that failed (vLLM recomputes those requests)."""
         sending, recving = self.get_finished(finished_req_ids)
@@ -229,6 +252,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         whose puts are done get the pin their retention hint asked (`kv_transfer_params`)."""
         self._scheduler().load_failed(connector_output.failed_recving)
         self._scheduler().sent(connector_output.finished_sending)
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVStoreWorkerMeta):
+            self._scheduler().granted(worker_meta.kept)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """This step's loads and the saves of the blocks it completes."""

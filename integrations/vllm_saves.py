@@ -59,6 +59,9 @@ class Saver:
         self._ended: set[str] = set()
         #: Per running request, the snapshot at its output's latest block boundary (put when it ends).
         self._kept: dict[str, tuple[list[int], int, bytes, tuple[str, ...]]] = {}
+        #: The pins Puts asked by a request's retention hint were granted, not yet reported: req id ->
+        #: (time granted, 0: none; why less) (`take_granted`, to the scheduler side).
+        self._granted: dict[str, tuple[float, str]] = {}
         self._stream = SideStream()
         self._captured: dict[tuple[int, str, int, str], Capture] = {}
         self._capture_for: Sequence[SaveSpec] | None = None
@@ -176,14 +179,22 @@ class Saver:
         def put() -> None:
             try:
                 if len(blocks):
-                    self.client.put(spec.tokens, blocks, first_block=spec.first_block, extra_keys=spec.extra_keys)
+                    # A hinted request's prompt is pinned in this Put's own transaction (R22), no Lookup after.
+                    got = self.client.put(spec.tokens, blocks, first_block=spec.first_block,
+                                          extra_keys=spec.extra_keys, keep_until_s=spec.keep_until_s)
                     self.blocks_saved += len(blocks)
+                    if spec.keep_until_s:
+                        with self._lock:
+                            self._granted[spec.req_id] = (got.kept_until_s, got.keep_note)
                 if snapshot is not None and spec.snapshot_at is not None:
                     self.client.swa.put(spec.tokens[: spec.snapshot_at], snapshot, position=spec.snapshot_at,
                                         extra_keys=spec.extra_keys)
                     self.snapshots_saved += 1
             except Exception as exc:  # a failed save is a future miss, never an engine failure
                 self.save_errors += 1
+                if spec.keep_until_s:
+                    with self._lock:
+                        self._granted[spec.req_id] = (0.0, f"the put failed: {exc}")
                 log.warning("kvstore: saving blocks %d.. of request %s failed: %s", spec.first_block,
                             spec.req_id, exc)
 
@@ -204,6 +215,12 @@ class Saver:
                 self._ended.discard(r)
                 del self._saving[r]
         return done
+
+    def take_granted(self) -> dict[str, tuple[float, str]]:
+        """The pins granted to hinted Puts since the last call (req id -> (time, 0: none; why less))."""
+        with self._lock:
+            granted, self._granted = self._granted, {}
+        return granted
 
     def _put_snapshot(self, tokens: list[int], position: int, snapshot: bytes, keys: tuple[str, ...]) -> None:
         try:

@@ -61,6 +61,9 @@ class SaveSpec:
     snapshot_at_end: bool = False
     #: The request's kvstore extra keys (LoRA adapter, cache salt), mixed into every block's hash.
     extra_keys: tuple[str, ...] = ()
+    #: The request's retention hint, on the save that stores the prompt's last full block: that Put pins
+    #: it in its own transaction (docs/RETENTION.md R22; 0: none), the grant reported back (`granted`).
+    keep_until_s: float = 0.0
 
 
 @dataclass
@@ -82,6 +85,8 @@ class _Tracked:
     lease_used: bool = False
     snapshot_at: int = 0
     extra_keys: tuple[str, ...] = ()
+    #: A save of this request carried its retention hint (the Put pins; no Lookup at its end).
+    pin_in_put: bool = False
 
 
 #: How many hinted requests' pins `SchedulerSide.kept` remembers.
@@ -258,25 +263,32 @@ class SchedulerSide:
                 at = t.snapshot_at = boundary
         if full <= t.stored_blocks and at is None:
             return
+        # The save that stores the prompt's last full block pins it in its Put (R22): one pin per prompt.
+        until, prompt_blocks = keep_until(t.request), t.request.num_prompt_tokens // b
+        keep = until if until and not t.pin_in_put and t.stored_blocks < prompt_blocks <= full else 0.0
+        t.pin_in_put = t.pin_in_put or keep > 0
         meta.saves.append(SaveSpec(req_id=t.request.request_id, tokens=tokens[:max(full * b, at or 0)],
                                    first_block=min(t.stored_blocks, full),
                                    block_ids=tuple(list(g) for g in t.block_ids), snapshot_at=at,
-                                   snapshot_at_end=at is not None and at_end, extra_keys=t.extra_keys))
+                                   snapshot_at_end=at is not None and at_end, extra_keys=t.extra_keys,
+                                   keep_until_s=keep))
         t.stored_blocks = max(full, t.stored_blocks)
         t.held = True
 
     def finished(self, request: Any) -> bool:
         """`request_finished`: True holds the request's pages until the worker's puts (and the kept
         snapshot's) are done. An unused lease (the request ended before its load) is released here.
-        A retention hint (`keep_until`) pins the stored prefix once those puts are done (`sent`)."""
+        A retention hint (`keep_until`) whose prompt no Put of the request stored (found stored, or a
+        consumer-only role) pins the stored prefix by a Lookup once those puts are done (`sent`)."""
         t = self._reqs.pop(request.request_id, None)
         if t is None:
             return False
         if t.plan is not None and t.plan.lease_id and not t.lease_used:
             self.planner.release(t.plan.lease_id)
         until = keep_until(request)
-        stored = t.stored_blocks * self.block_tokens
-        if until and stored:
+        # The prompt's stored blocks (as a Put's pin would have been): the same block pinned by every turn.
+        stored = min(t.stored_blocks, request.num_prompt_tokens // self.block_tokens) * self.block_tokens
+        if until and stored and not t.pin_in_put:
             self._to_pin[request.request_id] = (list(request.all_token_ids)[:stored], t.extra_keys, until)
             if not t.held:
                 self.sent([request.request_id])
@@ -294,12 +306,21 @@ class SchedulerSide:
             except Exception as exc:  # a store outage costs the pin, never the request
                 log.warning("kvstore: pin of request %s failed: %s", req_id, exc)
                 continue
-            if got.keep_note:
-                log.info("kvstore: request %s kept until %.0f, not %.0f: %s", req_id, got.kept_until_s, until,
-                         got.keep_note)
-            self.kept[req_id] = got.kept_until_s
-            if len(self.kept) > KEPT_RESULTS:
-                del self.kept[next(iter(self.kept))]
+            self._record(req_id, got.kept_until_s, got.keep_note, until)
+
+    def granted(self, kept: Any) -> None:
+        """`update_connector_output`'s worker metadata: the pins the worker's Puts were granted
+        (req id -> (time granted, note); `SaveSpec.keep_until_s`)."""
+        for req_id, (until, note) in dict(kept or {}).items():
+            self._record(req_id, until, note, None)
+
+    def _record(self, req_id: str, until: float, note: str, asked: float | None) -> None:
+        if note:
+            log.info("kvstore: request %s kept until %.0f, not %s: %s", req_id, until,
+                     "as asked" if asked is None else f"{asked:.0f}", note)
+        self.kept[req_id] = until
+        if len(self.kept) > KEPT_RESULTS:
+            del self.kept[next(iter(self.kept))]
 
     def plan_of(self, req_id: str) -> Plan | None:
         """The plan made for a request still tracked (for logs and tests)."""

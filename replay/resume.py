@@ -115,9 +115,11 @@ class Resumer:
             tail_prefill: decoder-side tail prefill on the worker.
             cost: this request's cost model (default: the tenant's).
             raise_on_fallback: override the Resumer's setting for this call.
-            keep_until_s: the request's retention hint: once the run is done (and its blocks stored), keep
-                the prompt's stored prefix until this Unix time, beyond the tenant's retention (a pin);
-                the result says what was granted. 0: none. A refused pin never fails the resume.
+            keep_until_s: the request's retention hint: keep the prompt's stored prefix until this Unix time,
+                beyond the tenant's retention (a pin): the worker's Put of the Run's new blocks pins its last
+                block in its own transaction (the prompt, and the output it stored); when the Run stores
+                nothing (all fetched, or `store` off), a Lookup pins the prompt's stored prefix after it.
+                The result says what was granted. 0: none. A refused pin never fails the resume.
 
         Raises:
             InvalidArgument: a bad prompt or argument (nothing ran).
@@ -134,7 +136,8 @@ class Resumer:
             try:
                 run = self.worker.run(tokens, plan, extra_keys=extra_keys, max_new_tokens=max_new_tokens,
                                       store=store, snapshot_every=snapshot_every, tail_prefill=tail_prefill,
-                                      namespace=self.planner.client.namespace, timeout_s=self.timeout_s)
+                                      namespace=self.planner.client.namespace, timeout_s=self.timeout_s,
+                                      keep_until_s=keep_until_s)
             except FailedPrecondition as exc:
                 self._release(plan)
                 if replanned or plan.action is Action.FULL_PREFILL:
@@ -153,7 +156,10 @@ class Resumer:
                 self._release(plan)
                 raise
             self._report(plan)
-            kept, note = self._keep(tokens, extra_keys, keep_until_s) if keep_until_s else (0.0, "")
+            if run.kept_in_put:  # the worker's Put pinned its blocks in its own transaction (R22): no Lookup
+                kept, note = run.kept_until_s, run.keep_note
+            else:  # nothing new to Put (or not stored): the prompt's stored prefix is pinned by a Lookup
+                kept, note = self._keep(tokens, extra_keys, keep_until_s) if keep_until_s else (0.0, "")
             return ResumeResult(plan=plan, run=run, replanned=replanned, kept_until_s=kept, keep_note=note)
 
     def _keep(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey], until_s: float) -> tuple[float, str]:

@@ -94,11 +94,16 @@ class RunResult:
     timings: dict[str, float]
     #: Why storing failed (the results stand); "" when stored or not asked.
     store_error: str
+    #: `run(keep_until_s=)` was asked in the Run's Put (docs/RETENTION.md R22): the pin it granted (0: none),
+    #: why less. False: no Put was made (nothing new to store) or the worker predates the field.
+    kept_in_put: bool = False
+    kept_until_s: float = 0.0
+    keep_note: str = ""
 
 
 def request_of(tokens: Sequence[int], plan: PlanFields | None, *, extra_keys: Sequence[ExtraKey] = (),
                namespace: str = "", max_new_tokens: int = 0, store: bool = True, snapshot_every: int = 0,
-               tail_prefill: bool = False) -> pb.RunRequest:
+               tail_prefill: bool = False, keep_until_s: float = 0.0) -> pb.RunRequest:
     """The RunRequest of a prompt and a plan (None: a full prefill).
 
     Raises:
@@ -109,7 +114,7 @@ def request_of(tokens: Sequence[int], plan: PlanFields | None, *, extra_keys: Se
         namespace=arguments.text(namespace, "namespace"),
         max_new_tokens=arguments.integer(max_new_tokens, "max_new_tokens", most=2**32 - 1), store=bool(store),
         snapshot_every=arguments.integer(snapshot_every, "snapshot_every"), tail_prefill=bool(tail_prefill),
-        action=pb.RUN_ACTION_FULL_PREFILL)
+        keep_until_s=arguments.keep_time(keep_until_s), action=pb.RUN_ACTION_FULL_PREFILL)
     if plan is None:
         return request
     name = getattr(plan.action, "value", plan.action)
@@ -136,7 +141,8 @@ def result_of(reply: pb.RunResponse) -> RunResult:
         tokens_computed=reply.tokens_computed, tokens_replayed=reply.tokens_replayed,
         blocks_fetched=reply.blocks_fetched, blocks_stored=reply.blocks_stored,
         snapshot_positions=list(reply.snapshot_positions), snapshot_loaded=reply.snapshot_loaded,
-        resume_tokens=reply.resume_tokens, store_error=reply.store_error,
+        resume_tokens=reply.resume_tokens, store_error=reply.store_error, kept_in_put=reply.kept_in_put,
+        kept_until_s=reply.kept_until_s, keep_note=reply.keep_note,
         timings={f.name: getattr(reply.timings, f.name) for f in reply.timings.DESCRIPTOR.fields})
 
 
@@ -189,7 +195,7 @@ class WorkerClient:
 
     def run(self, tokens: Sequence[int], plan: PlanFields | None = None, *, extra_keys: Sequence[ExtraKey] = (),
             max_new_tokens: int = 0, store: bool = True, snapshot_every: int = 0, tail_prefill: bool = False,
-            namespace: str | None = None, timeout_s: float | None = None) -> RunResult:
+            namespace: str | None = None, timeout_s: float | None = None, keep_until_s: float = 0.0) -> RunResult:
         """Run `plan` for the prompt `tokens` (None: a full prefill) on the worker.
 
         Args:
@@ -202,6 +208,8 @@ class WorkerClient:
             tail_prefill: decoder-side tail prefill.
             namespace: the tenant of this Run (default: the client's).
             timeout_s: this call's deadline (default: the client's).
+            keep_until_s: the request's retention hint (a Unix time; 0: none): the Run's Put pins the blocks it
+                stores (its last block, and so its prefix) in its own transaction; the result says what was granted.
 
         Raises:
             InvalidArgument: a bad argument or plan (nothing ran).
@@ -213,7 +221,7 @@ class WorkerClient:
         request = request_of(tokens, plan, extra_keys=extra_keys,
                              namespace=self.namespace if namespace is None else namespace,
                              max_new_tokens=max_new_tokens, store=store, snapshot_every=snapshot_every,
-                             tail_prefill=tail_prefill)
+                             tail_prefill=tail_prefill, keep_until_s=keep_until_s)
         return result_of(self._call(self._stub.Run, request, timeout_s))
 
 

@@ -53,7 +53,7 @@ class WorkerInfoResponse(_message.Message):
     def __init__(self, model_config_json: _Optional[str] = ..., geometry: _Optional[str] = ..., geometry_fingerprint: _Optional[bytes] = ..., device: _Optional[str] = ..., block_tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., store_target: _Optional[str] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., window: _Optional[int] = ..., batch_invariant: _Optional[bool] = ...) -> None: ...
 
 class RunRequest(_message.Message):
-    __slots__ = ("tokens", "extra_keys", "namespace", "action", "fetch_tokens", "snapshot_position", "resume_tokens", "replay_start", "max_new_tokens", "store", "snapshot_every", "tail_prefill", "lease_id")
+    __slots__ = ("tokens", "extra_keys", "namespace", "action", "fetch_tokens", "snapshot_position", "resume_tokens", "replay_start", "max_new_tokens", "store", "snapshot_every", "tail_prefill", "lease_id", "keep_until_s")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class RunRequest(_message.Message):
     SNAPSHOT_EVERY_FIELD_NUMBER: _ClassVar[int]
     TAIL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     extra_keys: _containers.RepeatedScalarFieldContainer[bytes]
     namespace: str
@@ -80,7 +81,8 @@ class RunRequest(_message.Message):
     snapshot_every: int
     tail_prefill: bool
     lease_id: str
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., action: _Optional[_Union[RunAction, str]] = ..., fetch_tokens: _Optional[int] = ..., snapshot_position: _Optional[int] = ..., resume_tokens: _Optional[int] = ..., replay_start: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., store: _Optional[bool] = ..., snapshot_every: _Optional[int] = ..., tail_prefill: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    keep_until_s: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., namespace: _Optional[str] = ..., action: _Optional[_Union[RunAction, str]] = ..., fetch_tokens: _Optional[int] = ..., snapshot_position: _Optional[int] = ..., resume_tokens: _Optional[int] = ..., replay_start: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., store: _Optional[bool] = ..., snapshot_every: _Optional[int] = ..., tail_prefill: _Optional[bool] = ..., lease_id: _Optional[str] = ..., keep_until_s: _Optional[float] = ...) -> None: ...
 
 class RunTimings(_message.Message):
     __slots__ = ("fetch_s", "replay_s", "prefill_s", "decode_s", "store_s", "total_s", "queued_s")
@@ -101,7 +103,7 @@ class RunTimings(_message.Message):
     def __init__(self, fetch_s: _Optional[float] = ..., replay_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., store_s: _Optional[float] = ..., total_s: _Optional[float] = ..., queued_s: _Optional[float] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("logits", "output_tokens", "tokens_computed", "tokens_replayed", "blocks_fetched", "blocks_stored", "snapshot_positions", "snapshot_loaded", "resume_tokens", "timings", "vocab_size", "store_error")
+    __slots__ = ("logits", "output_tokens", "tokens_computed", "tokens_replayed", "blocks_fetched", "blocks_stored", "snapshot_positions", "snapshot_loaded", "resume_tokens", "timings", "vocab_size", "store_error", "kept_in_put", "kept_until_s", "keep_note")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,9 @@ class RunResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STORE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    KEPT_IN_PUT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
+    KEEP_NOTE_FIELD_NUMBER: _ClassVar[int]
     logits: bytes
     output_tokens: _containers.RepeatedScalarFieldContainer[int]
     tokens_computed: int
@@ -126,4 +131,7 @@ class RunResponse(_message.Message):
     timings: RunTimings
     vocab_size: int
     store_error: str
-    def __init__(self, logits: _Optional[bytes] = ..., output_tokens: _Optional[_Iterable[int]] = ..., tokens_computed: _Optional[int] = ..., tokens_replayed: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., snapshot_positions: _Optional[_Iterable[int]] = ..., snapshot_loaded: _Optional[bool] = ..., resume_tokens: _Optional[int] = ..., timings: _Optional[_Union[RunTimings, _Mapping]] = ..., vocab_size: _Optional[int] = ..., store_error: _Optional[str] = ...) -> None: ...
+    kept_in_put: bool
+    kept_until_s: float
+    keep_note: str
+    def __init__(self, logits: _Optional[bytes] = ..., output_tokens: _Optional[_Iterable[int]] = ..., tokens_computed: _Optional[int] = ..., tokens_replayed: _Optional[int] = ..., blocks_fetched: _Optional[int] = ..., blocks_stored: _Optional[int] = ..., snapshot_positions: _Optional[_Iterable[int]] = ..., snapshot_loaded: _Optional[bool] = ..., resume_tokens: _Optional[int] = ..., timings: _Optional[_Union[RunTimings, _Mapping]] = ..., vocab_size: _Optional[int] = ..., store_error: _Optional[str] = ..., kept_in_put: _Optional[bool] = ..., kept_until_s: _Optional[float] = ..., keep_note: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,10 @@ class RunOutcome:
     snapshot_positions: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     store_error: str = ""
+    #: The spec's keep_until_s was asked in the Run's Put (R22), granted until kept_until_s (0: none), why less.
+    kept_in_put: bool = False
+    kept_until_s: float = 0.0
+    keep_note: str = ""
 
 
 class Runner:
@@ -250,8 +254,10 @@ class _Run:
                 blocks = state_blocks(self.geometry, state, self.b, start_block=first)
                 parent = self.hashes[first - 1] if first else None
                 put = self.client.put(self.seq[:end * self.b], blocks, extra_keys=self.spec.extra_keys,
-                                      first_block=first, parent=parent)
+                                      first_block=first, parent=parent, keep_until_s=self.spec.keep_until_s)
                 out.blocks_stored = put.written_blocks
+                if self.spec.keep_until_s:  # pinned in this Put's own transaction: the caller asks no Lookup
+                    out.kept_in_put, out.kept_until_s, out.keep_note = True, put.kept_until_s, put.keep_note
             self._put_snapshots(self.snapshots, out)
         except KVStoreError as exc:
             # What was computed stands (the logits are right); the caller learns what did not land.

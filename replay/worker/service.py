@@ -52,7 +52,7 @@ def spec_of(request: pb.RunRequest) -> RunSpec:
         resume_tokens=request.resume_tokens,
         replay_start=request.replay_start if request.HasField("replay_start") else None,
         max_new_tokens=request.max_new_tokens, store=request.store, snapshot_every=request.snapshot_every,
-        tail_prefill=request.tail_prefill, lease_id=request.lease_id)
+        tail_prefill=request.tail_prefill, lease_id=request.lease_id, keep_until_s=request.keep_until_s)
 
 
 def response_of(out: RunOutcome) -> pb.RunResponse:
@@ -64,6 +64,7 @@ def response_of(out: RunOutcome) -> pb.RunResponse:
         blocks_fetched=out.blocks_fetched, blocks_stored=out.blocks_stored,
         snapshot_positions=out.snapshot_positions, snapshot_loaded=out.snapshot_loaded,
         resume_tokens=out.resume_tokens, vocab_size=int(out.logits.numel()), store_error=out.store_error,
+        kept_in_put=out.kept_in_put, kept_until_s=out.kept_until_s, keep_note=out.keep_note,
         timings=pb.RunTimings(**{k: t.get(k, 0.0) for k in pb.RunTimings.DESCRIPTOR.fields_by_name}))
 
 

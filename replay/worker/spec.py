@@ -42,6 +42,8 @@ class RunSpec:
     snapshot_every: int = 0
     tail_prefill: bool = False
     lease_id: str = ""
+    #: The request's retention hint (a Unix time; 0: none): the Run's Put pins its last block (R22).
+    keep_until_s: float = 0.0
 
     @property
     def replay_span(self) -> int:

@@ -274,7 +274,8 @@ class Engine:
                                    kv_connector_output=KVConnectorOutput(
                                        finished_sending=results.finished_sending or None,
                                        finished_recving=results.finished_recving or None,
-                                       failed_recving=results.failed_recving, invalid_block_ids=errors))
+                                       failed_recving=results.failed_recving, invalid_block_ids=errors,
+                                       kv_connector_worker_meta=self.worker.build_connector_worker_meta()))
         outputs = self.scheduler.update_from_output(so, output)
         for req_id in req_ids:  # the tokens vLLM kept (it drops a step's sample when it recomputes)
             if req_id in self.scheduler.requests:

@@ -135,10 +135,20 @@ def test_the_requests_retention_hint_pins_its_prefix(server: Any, planner: Plann
 
     server.tier.set_pin_limits_provider(lambda ns: PinLimits(max_s=1e6, budget_bytes=1 << 30))
     until = server.tier.retention_clock.now() + 100 * 3600.0
+    lookups = store.stats().lookups
     result = Resumer(planner, workers).resume(tokens_of(5, 41), keep_until_s=until)
     assert result.ok and (result.kept_until_s, result.keep_note) == (until, "")
+    assert result.run is not None and result.run.kept_in_put and result.run.blocks_stored > 0
+    assert store.stats().lookups == lookups + 1  # the plan's: the worker's Put pinned, no Lookup after it
     totals, live = server.tier.pins_of("default")
     assert totals.pins == 1 and live[0].key[-32:] == store.hashes(tokens_of(5, 41))[-1]  # the stored prefix's end
+    # The same prompt again: all fetched, nothing to Put, so the pin (later) is a Lookup's, on the same block.
+    later = until + 3600.0
+    again = Resumer(planner, workers).resume(tokens_of(5, 41), keep_until_s=later)
+    assert again.ok and again.run is not None and not again.run.kept_in_put and again.kept_until_s == later
+    assert store.stats().lookups == lookups + 3  # two plans and the pin
+    totals, live = server.tier.pins_of("default")
+    assert totals.pins == 1 and live[0].until_s == later
     server.tier.set_pin_limits_provider(None)  # [store]'s limits: none, so a pin is refused, and said why
     refused = Resumer(planner, workers).resume(tokens_of(6, 41), keep_until_s=until)
     assert refused.ok and refused.kept_until_s == 0 and "may not pin" in refused.keep_note
