@@ -58,9 +58,12 @@ $PY -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__versio
         torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA")'
 say "cpus $(nproc); config $CONFIG on $DEVICE; training seeds $TRAIN_SEEDS, ${TRAIN_MINUTES} min each, in parallel"
 
-# 1. training, both seeds at once (one GPU holds both)
+# 1. training, both seeds at once (one GPU holds both); SKIP_TRAIN=1 reuses $WORK's weights (a second call on a
+#    still-warm machine that only measures more, e.g. SKIP_TRAIN=1 FIDELITY_MINUTES=6)
 train_cap=${TRAIN_CAP_S:-$(awk "BEGIN {print int($TRAIN_MINUTES * 60 + 60)}")}  # hard stops, seconds
+[ "${SKIP_TRAIN:-0}" = 1 ] && say "SKIP_TRAIN=1: the weights already in $WORK"
 for s in $TRAIN_SEEDS; do
+  [ "${SKIP_TRAIN:-0}" = 1 ] && break
   timeout "$train_cap" $PY scripts/train_tiny.py --config "$CONFIG" --out "$WORK/$CONFIG-seed$s.pt" --seed "$s" \
     --steps "$STEPS" --max-minutes "$TRAIN_MINUTES" --time-schedule --matmul-precision high --batch "$BATCH" \
     --seq "$SEQ" --lr "$LR" --warmup "$WARMUP" --log-every 25 --device "$DEVICE" >"$WORK/train-seed$s.log" 2>&1 &
