@@ -24,6 +24,12 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
         assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
     assert figures["put"]["ratio"] == figures["put"]["value"] / figures["put"]["baseline_value"]
+    # Group commit: the service's commits are counted beside its batches, and put is also set against raw
+    # LMDB making as many commits (the per-batch baseline alone credits the service with fewer fsyncs).
+    notes = report["notes"]
+    assert 1 <= notes["put_commits"] <= notes["put_batches"] == notes["raw_commits"]
+    same = figures["put, raw LMDB at the service's commit count"]
+    assert same["value"] == figures["put"]["value"] and same["baseline_value"] > 0
     assert list(tmp_path.iterdir()) == []  # scratch space removed
     assert "lookup_tokens" not in report["notes"]  # the 4,096 asked are the 4,096 measured
 
