@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.prefix import BlockScope, chain_hashes, chain_hashes_of_bytes, extra_keys_tail, root_hash
 from kvstore.trace.requests import TraceRequest
-from kvstore.trace.tokens import block_token_bytes, block_tokens_of, prompt_tokens
+from kvstore.trace.tokens import block_tokens_of, blocks_token_bytes, prompt_tokens
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -51,8 +51,9 @@ class ChainKeys:
         self.scope = scope
         self.block_tokens = block_tokens
         self.root = root_hash(scope.fingerprint, block_tokens)
-        #: (parent hash, trace id) -> (its keys, the number of the first; the others follow it).
-        self._memo: dict[str, dict[tuple[bytes, int], tuple[tuple[bytes, ...], int]]] = {}
+        #: (parent hash, trace id) -> its keys, as (a list, where they start in it, how many, the number of the
+        #: first; the others follow it): a run of new ids shares one list.
+        self._memo: dict[str, dict[tuple[bytes, int], tuple[list[bytes], int, int, int]]] = {}
         self._last: dict[str, tuple[Sequence[int], list[bytes], int, np.ndarray]] = {}
         #: Every key numbered so far, by its number.
         self.key_of: list[bytes] = [] if key_of is None else key_of
@@ -68,20 +69,19 @@ class ChainKeys:
         return first
 
     def _hash_new(self, scope: str, ids: Sequence[int], src: int, parent: bytes,
-                  memo: dict[tuple[bytes, int], tuple[tuple[bytes, ...], int]], keys: list[bytes],
+                  memo: dict[tuple[bytes, int], tuple[list[bytes], int, int, int]], keys: list[bytes],
                   numbers: list[int]) -> None:
         """Hash the run of `ids` after `parent` in one pass (`chain_hashes_of_bytes` of their token bytes:
         what `chain_hashes` computes of their tokens), memoize each id's keys, and append them."""
         per, bt = src // self.block_tokens, self.block_tokens
-        raw = b"".join([block_token_bytes(scope, i, src) for i in ids])
-        made = [self.scope.prefix + h for h in chain_hashes_of_bytes(raw, block_tokens=bt, parent=parent,
-                                                                       tail=self._tail)]
+        hashes = chain_hashes_of_bytes(blocks_token_bytes(scope, list(ids), src), block_tokens=bt, parent=parent,
+                                       tail=self._tail)
+        prefix = self.scope.prefix
+        made = [prefix + h for h in hashes]
         first = self._number(made)
-        for j, block_id in enumerate(ids):
-            got = tuple(made[j * per:(j + 1) * per])
-            memo[(parent, block_id)] = (got, first + j * per)
-            if got:
-                parent = got[-1][-32:]
+        for j, block_id in enumerate(ids):  # src % bt == 0 here, so each id has per >= 1 keys
+            memo[(parent, block_id)] = (made, j * per, per, first + j * per)
+            parent = hashes[(j + 1) * per - 1]
         keys.extend(made)
         numbers.extend(range(first, first + len(made)))
 
@@ -112,16 +112,18 @@ class ChainKeys:
                 break
             if got is None:
                 hashes = chain_hashes(block_tokens_of(request.scope, block_id, src), block_tokens=bt, parent=parent)
-                made = tuple(prefix + h for h in hashes)
-                got = memo[(parent, block_id)] = (made, self._number(made))
-            keys.extend(got[0])
-            numbers.extend(range(got[1], got[1] + len(got[0])))
-            parent = got[0][-1][-32:] if got[0] else parent
+                made = [prefix + h for h in hashes]
+                got = memo[(parent, block_id)] = (made, 0, len(made), self._number(made))
+            held, at, count, number = got
+            if count:
+                keys.extend(held[at:at + count])
+                numbers.extend(range(number, number + count))
+                parent = held[at + count - 1][-32:]
         parent = keys[-1][-32:] if keys else self.root
         full = request.input_tokens // bt
         if full > len(keys) and len(ids) * src < request.input_tokens:  # tokens past the ids: the request's own
             tail = prompt_tokens(request)[len(ids) * src:]
-            made = tuple(prefix + h for h in chain_hashes(tail, block_tokens=bt, parent=parent))
+            made = [prefix + h for h in chain_hashes(tail, block_tokens=bt, parent=parent)]
             keys.extend(made)
             first = self._number(made)
             numbers.extend(range(first, first + len(made)))

@@ -334,6 +334,10 @@ class SimIndex:
         if max(idxs) >= len(self.last):
             self._grow(max(idxs) + 1)
         blocks: dict[Any, int] = self.blocks
+        if chain and not any(firsts[1:]) and list(hashes[1:]) == [k[_NS_END:] for k in keys[:-1]]:
+            # one run of a chain, each block's parent the one queued before it: `insert_run`'s case
+            self._chain_run(keys, idxs, hashes[0], firsts[0], depths[0], list(sizes), list(whens))
+            return
         # a block's parent: a queued one before it (the chain going on), else a stored one, else (a
         # fleet copy's first block, its parent on another node) kept by key
         parent_keys: list[Any] = [None if first else key[:_NS_END] + h
@@ -367,7 +371,12 @@ class SimIndex:
             return
         if self._pending:
             self._flush()
-        idxs = self._numbers_of(keys, first_depth)
+        self._chain_run(keys, self._numbers_of(keys, first_depth), parent_hash, is_root, first_depth,
+                        list(map(len, datas)), last_use_s)
+
+    def _chain_run(self, keys: Sequence[bytes], idxs: list[Any], parent_hash: bytes, is_root: bool,
+                   first_depth: int, sizes: list[int], whens: Sequence[float]) -> None:
+        """Store consecutive new blocks of one chain (`insert_run`'s arguments, the numbers found)."""
         if None in idxs:
             key_of = self.key_of
             for j, i in enumerate(idxs):
@@ -387,7 +396,7 @@ class SimIndex:
             else:
                 head = up
         self._store(keys, idxs, [head, *idxs[:-1]], far, range(first_depth, first_depth + len(keys)),
-                    list(map(len, datas)), last_use_s, chain=True)
+                    sizes, whens, chain=True)
 
     def _store(self, keys: Sequence[bytes], idxs: list[int], parents: list[int], far: dict[int, bytes],
                depths: Sequence[int], sizes: Sequence[int], whens: Sequence[float], *, chain: bool) -> None:

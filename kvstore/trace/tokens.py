@@ -26,6 +26,12 @@ def block_token_bytes(scope: str, block_id: int, tokens: int) -> bytes:
     return hashlib.shake_128(_TAG + scope.encode() + b"\0" + block_id.to_bytes(8, "little")).digest(4 * tokens)
 
 
+def blocks_token_bytes(scope: str, block_ids: list[int], tokens: int) -> bytes:
+    """`block_token_bytes` of each of `block_ids`, joined (one call for a run of new ids)."""
+    head, n, shake = _TAG + scope.encode() + b"\0", 4 * tokens, hashlib.shake_128
+    return b"".join([shake(head + i.to_bytes(8, "little")).digest(n) for i in block_ids])
+
+
 def _as_ids(raw: bytes) -> array:
     ids = array("I", raw)
     if sys.byteorder == "big":  # pragma: no cover - no such platform in use
