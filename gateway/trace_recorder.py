@@ -430,6 +430,8 @@ class TraceCollector(Collector):
                                   value=s.dropped_records)
         yield CounterMetricFamily("kvstore_trace_written_bytes", "Compressed bytes written to the trace files.",
                                   value=s.written_bytes)
+        yield CounterMetricFamily("kvstore_trace_written_files", "Trace files opened (a rotation at "
+                                  "trace.file_bytes opens the next).", value=s.files_written)
         yield CounterMetricFamily("kvstore_trace_removed_files", "Trace files removed to stay under "
                                   "trace.max_bytes.", value=s.files_removed)
         yield GaugeMetricFamily("kvstore_trace_queued_records", "Trace records waiting for the writer.",

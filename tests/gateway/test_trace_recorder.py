@@ -130,6 +130,10 @@ def test_stats_shows_the_trace_counters_moving(start_server: Callable[..., Any],
     after = shown()
     assert after["written_records"] == 2 and after["dropped_records"] == 0 and after["files_written"] == 1
     assert after["written_bytes"] == srv.trace.stats.written_bytes > 0 and after["bytes_on_disk"] > 0
+    # the same counters as the Prometheus series
+    assert _metric(srv, "kvstore_trace_written_records_total") == 2
+    assert _metric(srv, "kvstore_trace_written_files_total") == 1
+    assert _metric(srv, "kvstore_trace_written_bytes_total") == after["written_bytes"]
     assert main(["stats", "--target", srv.target]) == 0
     text = capsys.readouterr().out
     assert "Records written" in text and "Records dropped" in text
