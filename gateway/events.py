@@ -7,8 +7,8 @@ addresses configured, turns them on, and reads the publisher's counters at each 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -33,6 +33,14 @@ class EventedStore(Protocol):
     def publish_events(self, settings: EventsSettings, node_id: str) -> EventPublisher:
         """Log and publish every stored and removed block from now on."""
         ...
+
+
+def note_put_tokens(tier: Any, keys: Sequence[bytes], token_ids: Sequence[int], block_tokens: int) -> None:
+    """A Put's blocks' token ids, for their live BlockStored events when `[events] token_ids` is on (E10)."""
+    events = getattr(tier, "events", None)
+    tokens = getattr(events, "tokens", None)
+    if tokens is not None:
+        tokens.note(keys, token_ids, block_tokens)
 
 
 def endpoint_host(endpoint: str) -> str | None:

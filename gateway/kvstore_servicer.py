@@ -14,6 +14,7 @@ import grpc
 from gateway import validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
+from gateway.events import note_put_tokens
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.host_info import NodeHost
 from gateway.lookup_anchors import LookupAnchors
@@ -477,6 +478,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         _check_keep_until(request.keep_until_s)
         if request.keep_until_s and self.pins is None:
             raise FailedPrecondition("this store does not pin prefixes (keep_until_s)")
+        note_put_tokens(self.tier, [scope.key(h) for h in plan.hashes], request.token_ids, layout.block_tokens)
         return PutBatch(scope=scope, parent_hash=plan.parent, hashes=plan.hashes, blocks=blocks,
                         is_root=plan.is_root, keep_until_s=request.keep_until_s or None,
                         checksums=blockcopy.digests(blocks))

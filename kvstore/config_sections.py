@@ -349,6 +349,10 @@ class EventsSettings:
     hwm: int = 100_000
     #: Bind the sockets beyond loopback (routers on other hosts): a trusted network only.
     insecure: bool = False
+    #: Put each stored block's token ids (the Put's own) on its live BlockStored event, for routers that key
+    #: blocks by hashes of the tokens (Dynamo's KV router, llm-d's indexer; docs/EVENTS.md E10). Memory only:
+    #: the replay log's copies carry none. The tokens are the tenant's prompt: subscribers see them.
+    token_ids: bool = False
 
     RANGES: ClassVar[dict[str, Range]] = {
         "queue_batches": Range(1, 10_000_000),

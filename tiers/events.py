@@ -16,12 +16,16 @@ a fresh log starts with an AllBlocksCleared batch (E5).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator, Sequence
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import lmdb
+import msgspec
 
 from kvstore.events import wire
 from kvstore.prefix import FINGERPRINT_BYTES
@@ -51,6 +55,47 @@ def tenant_topic(topic: str, tenant: str | None) -> bytes:
     return f"{topic}/{'*' if tenant is None else quote(tenant, safe='')}/".encode()
 
 
+#: Blocks whose Put tokens `EventTokens` holds at most, waiting for their commit (~256 B each at 64 tokens).
+TOKEN_BLOCKS = 65_536
+
+
+class EventTokens:
+    """The token ids of blocks a Put is about to store, for their live BlockStored events (E10).
+
+    Memory only, bounded (`max_blocks`, the oldest forgotten first): the Put's handler notes each block's
+    tokens by storage key before the tier's write (`note`); the commit that stores the block takes them
+    (`take`) onto the event it publishes. Never written to LMDB: the log's copy of the batch, and so a
+    replay, carries no tokens. A block a Put did not store (already there, or the Put refused) is not
+    taken and ages out.
+    """
+
+    def __init__(self, max_blocks: int = TOKEN_BLOCKS) -> None:
+        self.max_blocks = max_blocks
+        self._tokens: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._lock = threading.Lock()  # noted on the Put's reader thread, taken in the tier's write
+
+    def note(self, keys: Sequence[bytes], token_ids: Sequence[int], block_tokens: int) -> None:
+        """Hold block i's tokens (`token_ids[i * block_tokens:(i + 1) * block_tokens]`) under `keys[i]`."""
+        tokens = array("I", token_ids)
+        with self._lock:
+            for i, key in enumerate(keys):
+                self._tokens[key] = tokens[i * block_tokens:(i + 1) * block_tokens]
+                self._tokens.move_to_end(key)
+            while len(self._tokens) > self.max_blocks:
+                self._tokens.popitem(last=False)
+
+    def take(self, keys: Iterable[bytes]) -> list[int] | None:
+        """The tokens of `keys`' blocks, in order, forgotten here; None (and none forgotten) unless all are held."""
+        keys = list(keys)
+        with self._lock:
+            if not all(k in self._tokens for k in keys):
+                return None
+            out: list[int] = []
+            for k in keys:
+                out.extend(self._tokens.pop(k))
+        return out
+
+
 class EventLog:
     """The `events` database: batches numbered in commit order, the newest `keep_batches` kept.
 
@@ -61,11 +106,15 @@ class EventLog:
         topic: the first part of every topic (`[events] topic`).
         keep_batches: batches kept for replay.
         now: wall-clock seconds, for each batch's `ts`.
+        token_ids: put the stored blocks' token ids on the live BlockStored events (`[events] token_ids`,
+            E10): `tokens` holds what Puts note; the log's copies carry none.
     """
 
     def __init__(self, env: lmdb.Environment, *, node_id: str, block_tokens: int, topic: str,
-                 keep_batches: int, now: Callable[[], float]) -> None:
+                 keep_batches: int, now: Callable[[], float], token_ids: bool = False) -> None:
         self.env = env
+        #: The Puts' token ids waiting for their blocks' events (None: events carry none).
+        self.tokens: EventTokens | None = EventTokens() if token_ids else None
         self.node_id = node_id
         self.block_tokens = block_tokens
         self.topic = topic
@@ -94,12 +143,24 @@ class EventLog:
         ts = self.now()
         for ns_id, mine in by_tenant.items():
             tenant = w.namespace_name(ns_id) or ns_id.hex()  # a store from before names were kept: its id
-            events = list(self._events(mine, tenant))
-            out.append(self._append(w.txn, tenant_topic(self.topic, tenant),
-                                    wire.encode(wire.KVEventBatch(ts=ts, events=events))))
+            runs = list(self._events(mine, tenant))
+            payload = wire.encode(wire.KVEventBatch(ts=ts, events=[event for event, _ in runs]))
+            live = None
+            if self.tokens is not None:  # E10: the live copy carries the tokens the Puts noted, the log's none
+                events = [self._with_tokens(event, run) for event, run in runs]
+                live = wire.encode(wire.KVEventBatch(ts=ts, events=events))
+            out.append(self._append(w.txn, tenant_topic(self.topic, tenant), payload, live=live))
         return out
 
-    def _append(self, txn: lmdb.Transaction, topic: bytes, payload: bytes) -> LoggedBatch:
+    def _with_tokens(self, event: Any, run: list[Change]) -> Any:
+        """A BlockStored with its blocks' token ids when every one was noted; any other event as it is."""
+        if not isinstance(event, wire.BlockStored) or self.tokens is None:
+            return event
+        tokens = self.tokens.take(c.key for c in run)
+        return event if tokens is None else msgspec.structs.replace(event, token_ids=tokens)
+
+    def _append(self, txn: lmdb.Transaction, topic: bytes, payload: bytes, *,
+                live: bytes | None = None) -> LoggedBatch:
         """Put one batch under the next free number and trim the oldest past `keep_batches`.
 
         The number is read inside the write transaction (LMDB's one writer at a time), so numbers
@@ -111,18 +172,19 @@ class EventLog:
         oldest = seq - self.keep_batches  # E4: the newest keep_batches stay; older ones go as new ones come
         while oldest >= 0 and cursor.first() and _SEQ.unpack(cursor.key())[0] <= oldest:
             cursor.delete()
-        return LoggedBatch(seq=seq, topic=topic, payload=payload)
+        return LoggedBatch(seq=seq, topic=topic, payload=payload if live is None else live)
 
-    def _events(self, changes: Sequence[Change], tenant: str) -> Iterator[Any]:
-        """Consecutive changes of one kind and geometry as one event; a stored run only while it is a chain."""
+    def _events(self, changes: Sequence[Change], tenant: str) -> Iterator[tuple[Any, list[Change]]]:
+        """Consecutive changes of one kind and geometry as one event (with its changes); a stored run only
+        while it is a chain."""
         run: list[Change] = []
         for change in changes:
             if run and not _continues(run[-1], change):
-                yield self._event(run, tenant)
+                yield self._event(run, tenant), run
                 run = []
             run.append(change)
         if run:
-            yield self._event(run, tenant)
+            yield self._event(run, tenant), run
 
     def _event(self, run: list[Change], tenant: str) -> Any:
         geometry = run[0].key[:FINGERPRINT_BYTES].hex()

@@ -134,7 +134,7 @@ class LmdbBlockTier:
         from tiers.events import EventLog
 
         log_ = EventLog(self.env, node_id=node_id, block_tokens=self.settings.block_tokens, topic=settings.topic,
-                        keep_batches=settings.replay_batches, now=self.clock.now)
+                        keep_batches=settings.replay_batches, now=self.clock.now, token_ids=settings.token_ids)
         self.publisher = start_publisher(settings, log_.read_from, log_.opening)
         self.events = log_
         # E6: commit and queue in one order (LMDB serializes the commits, this the queueing after them),
