@@ -277,7 +277,7 @@ class BlockTxn:
             self.txn.put(lru_key(now_s, meta.depth, key), b"", db=self.dbs.lru)
             self.txn.put(meta_key(key), dataclasses.replace(meta, last_access_s=now_s).pack(), db=self.dbs.records)
 
-    def delete(self, key: bytes, *, carry_up: bool) -> int:
+    def delete(self, key: bytes, *, carry_up: bool, now_s: float | None = None) -> int:
         """Remove one block and its index entries; return its size.
 
         Args:
@@ -285,6 +285,7 @@ class BlockTxn:
             carry_up: give the parent this block's last use when it is later:
                 the parent was in use whenever its child was, so its LRU place
                 must not be older than its subtree's.
+            now_s: the retention time now: a pin of the block past its time is journalled as an expiry (R29).
         """
         meta = self.meta(key)
         if meta is None:
@@ -299,7 +300,7 @@ class BlockTxn:
             if self.run_blocks:  # F16: the run goes from the index with its first block
                 run_index.note_delete(txn, self.dbs.runs, key, meta.depth, self.run_blocks)
             if self.dbs.pins is not None:  # R26: a removed block's pin goes with it (its budget freed)
-                pins.drop(self, key)
+                pins.drop(self, key, expired_by=now_s)
         if carry_up and parent not in self.unreadable:
             self.touch(parent, meta.last_access_s)
         self._count(key, -1, -meta.size_bytes)

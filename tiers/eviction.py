@@ -187,7 +187,7 @@ def _evict(w: BlockTxn, excess: int, can: Candidates, why_full: Callable[[], str
                 why += f" ({_CUT_SHORT} after {MAX_EVICTION_SCAN} index entries; the next Put looks further)"
             raise StoreFull(why, soonest_evictable_s=_soonest_evictable_s(w, can))
         for key in victims:
-            freed += w.delete(key, carry_up=True)
+            freed += w.delete(key, carry_up=True, now_s=can.now_s)  # R29: an unswept expiry is journalled
             count += 1
     return Evicted(blocks=count, freed_bytes=freed)
 

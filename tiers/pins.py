@@ -185,8 +185,12 @@ def grant(w: BlockTxn, key: bytes, until_s: float, *, now_s: float, limits: PinL
     return PinGrant(asked_until_s=until_s, until_s=granted, why=why)
 
 
-def drop(w: BlockTxn, key: bytes) -> Pin | None:
-    """Remove the pin on `key` (its block was removed, or an operator dropped it); what it was."""
+def drop(w: BlockTxn, key: bytes, *, expired_by: float | None = None) -> Pin | None:
+    """Remove the pin on `key` (its block was removed, or an operator dropped it); what it was.
+
+    With `expired_by` (the time now), a pin already past its time that no sweep took yet is journalled as an
+    expiry (an `x` record, as `sweep` writes), so it is audited like any other (R29) though its block goes first.
+    """
     db = w.dbs.pins
     pin = read_pin(w.txn, db, key)
     if pin is None:
@@ -194,6 +198,8 @@ def drop(w: BlockTxn, key: bytes) -> Pin | None:
     w.txn.delete(_pin_key(key), db=db)
     w.txn.delete(_time_key(pin.until_s, key), db=db)
     _add_totals(w.txn, db, key[ID_START:ID_END], -1, -pin.charged_bytes)
+    if expired_by is not None and pin.until_s <= expired_by:
+        w.txn.put(b"x" + _time_key(pin.until_s, key)[1:], _CHARGED.pack(pin.charged_bytes), db=db)
     return pin
 
 

@@ -143,3 +143,26 @@ def test_r29_an_expiry_is_journalled_until_audited_and_survives_a_restart(make_k
     clock.advance(HOUR)
     _put(kit, kit.chain(7000, 1))  # a Put's sweep journals the second expiry too
     assert [(p.key[-32:], p.charged_bytes) for _, p in kit.tier.expired_pins()] == [(b[-1], 3 * KIT_BLOCK)]
+
+
+def test_r29_every_expiry_is_audited_when_more_than_a_sweep_expire_at_once(make_kit: Callable[..., Kit],
+                                                                           clock: ManualClock) -> None:
+    from tiers.pins import SWEEP_MAX
+
+    n = SWEEP_MAX + 44
+    kit = _pinning(make_kit(n), PinLimits(max_s=200 * HOUR, budget_bytes=2 * n * KIT_BLOCK))
+    chains = [kit.chain(10_000 + i, 1) for i in range(n)]  # n one-block prompts, each pinned for an hour
+    for chain in chains:
+        _put(kit, chain, keep_until_s=clock.now() + HOUR)
+    clock.advance(73 * HOUR)  # every pin expired at once, every block past retention
+    # A Put that needs every block's room: its sweep takes SWEEP_MAX expiries, its eviction the rest's blocks.
+    kit.tier.put(kit.scope, kit.root, kit.chain(1, n), [kit.data(i) for i in range(n)], True)
+    assert not any(s for chain in chains for s in kit.stored(chain))
+    audited: list[bytes] = []
+    for _ in range(3):  # as the server's pass: at most SWEEP_MAX a pass, the rest the next
+        gone = kit.tier.expired_pins()
+        assert len(gone) <= SWEEP_MAX
+        audited += [p.key for _, p in gone]
+        kit.tier.forget_expired_pins([p for _, p in gone])
+    assert sorted(audited) == sorted(kit.scope.key(chain[-1]) for chain in chains)  # each expiry, once
+    assert kit.tier.pins_of("default")[0].pins == 0
