@@ -4,11 +4,14 @@ In one run: a `kvstore serve` process on a scratch data dir, and N client
 processes (default: one per CPU, at least 2) each repeating a worker's cycle for
 a bounded time: Lookup of a prompt whose first half is stored, Get of that half,
 Put of the second half (a new chain each cycle, so every Put writes). Reported:
-cycles per second, Get and Put GB/s, and p50/p99 latency of each RPC. The
+cycles per second, Get and Put GB/s, p50/p99 latency of each RPC and p99 over
+p50, the errors, and the CPU a cycle costs the server and the clients. The
 baseline is a bare gRPC echo server (generic handlers, no protobuf, no storage,
 grpc.aio in its own process, as the kvstore server) called by the same number
 of client processes with messages of the same sizes: what gRPC alone costs on
-this machine. Also the kvstore server's RSS before and after the load.
+this machine. Also the kvstore server's RSS before and after the load (and,
+with `--soak-minutes`, sampled through a long run: issue 25 item 4 asks it flat).
+`--clients 16,64` runs each count in turn, each against its own echo run.
 """
 
 from __future__ import annotations
@@ -40,6 +43,19 @@ RPCS = ("lookup", "get", "put")
 PREFIXES = 8
 #: Bytes of a hash and its protobuf tag in a repeated bytes field.
 _HASH_WIRE = 34
+#: Seconds between samples of the server's RSS in a soak.
+RSS_EVERY_S = 10.0
+
+
+def _counts(text: str) -> list[int]:
+    """`--clients`: one count or several, comma-separated."""
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--clients takes counts like 16 or 16,64, not {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--clients takes counts of at least 1, not {text!r}")
+    return counts
 
 # A generic echo server with no protobuf and no logic. Unary: the request's first
 # 8 bytes give the reply size. Stream: they give the message count, the next 8 the size.
@@ -74,9 +90,13 @@ asyncio.run(main())
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `kvstore bench load`."""
-    parser.add_argument("--clients", type=int, default=max(2, os.cpu_count() or 1),
-                        help="client processes (default: one per CPU, at least 2)")
+    parser.add_argument("--clients", type=_counts, default=[max(2, os.cpu_count() or 1)],
+                        help="client processes, or several counts run in turn (16,64) (default: one per CPU, "
+                             "at least 2)")
     parser.add_argument("--seconds", type=float, default=5.0, help="seconds of load on each side (default 5)")
+    parser.add_argument("--soak-minutes", type=float, default=0.0,
+                        help=f"run the kvstore side this many minutes instead of --seconds, sampling the server's "
+                             f"RSS every {RSS_EVERY_S:g} s (issue 25 item 4: 10; the echo side keeps --seconds)")
     parser.add_argument("--prompt-blocks", type=int, default=8,
                         help="blocks per prompt: the first half is looked up and fetched, the second put (default 8)")
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
@@ -104,67 +124,118 @@ class _Side:
     latencies_s: dict[str, list[float]]
     errors: int
     misses: int
+    #: CPU seconds the clients spent in the timed loop, together.
+    client_cpu_s: float
+    #: CPU seconds the server spent while the clients ran (None: not readable here).
+    server_cpu_s: float | None
+    #: The server's memory sampled while the load ran: (seconds from the start, VmRSS/RssAnon/RssFile MiB).
+    memory: list[tuple[float, dict[str, float]]]
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
     """Run the benchmark; see the module docstring."""
-    if args.clients < 1 or args.seconds <= 0 or args.prompt_blocks < 2:
-        raise SystemExit("--clients >= 1, --seconds > 0 and --prompt-blocks >= 2, please")
+    if args.seconds <= 0 or args.prompt_blocks < 2 or args.soak_minutes < 0:
+        raise SystemExit("--seconds > 0, --soak-minutes >= 0 and --prompt-blocks >= 2, please")
     half = args.prompt_blocks // 2
     block_bytes = V4_1_FLASH.block_bytes(args.block_tokens)
     report = Report(bench="load")
+    several = len(args.clients) > 1
+    for clients in args.clients:
+        _measure(report, args, clients, half, block_bytes, progress, suffix=f" at {clients} clients" if several else "")
+    report.notes.update(clients=args.clients if several else args.clients[0], seconds=args.seconds,
+                        soak_minutes=args.soak_minutes, prompt_blocks=2 * half, block_bytes=block_bytes,
+                        cpus=os.cpu_count())
+    return report
+
+
+def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, block_bytes: int,
+             progress: Progress, *, suffix: str) -> None:
+    """One client count: the kvstore side, then the echo side, their figures added with `suffix`."""
+    kv_seconds = args.soak_minutes * 60.0 if args.soak_minutes else args.seconds
     with scratch() as folder:
         capacity = max(min(shutil.disk_usage(folder).free // 2, 64 * GiB), 1 << 26)
         with _kvstore_server(folder / "store", capacity, args.block_tokens) as (target, pid):
             before = _memory_mib(pid)
-            kv = _load("kvstore", target, args, half, block_bytes, progress)
+            kv = _load("kvstore", target, clients, kv_seconds, args.block_tokens, half, block_bytes, progress, pid)
             after = _memory_mib(pid)
-    with _echo_server() as target:
-        raw = _load("raw", target, args, half, block_bytes, progress)
+    with _echo_server() as (target, pid):
+        raw = _load("raw", target, clients, args.seconds, args.block_tokens, half, block_bytes, progress, pid)
     if kv.cycles == 0 or raw.cycles == 0:
         raise RuntimeError(f"no cycle finished (kvstore {kv.cycles}, raw {raw.cycles}): raise --seconds")
     moved_gb = 2 * half * block_bytes / 1e9  # fetched and stored per cycle
-    report.add(Figure.against("lookup -> get -> put cycles per second", kv.cycles / kv.seconds, "cycle/s",
+    report.add(Figure.against(f"lookup -> get -> put cycles per second{suffix}", kv.cycles / kv.seconds, "cycle/s",
                               BASELINE, raw.cycles / raw.seconds))
-    report.add(Figure.against("block bytes moved (get + put)", kv.cycles * moved_gb / kv.seconds, "GB/s", BASELINE,
-                              raw.cycles * moved_gb / raw.seconds))
+    report.add(Figure.against(f"block bytes moved (get + put){suffix}", kv.cycles * moved_gb / kv.seconds, "GB/s",
+                              BASELINE, raw.cycles * moved_gb / raw.seconds))
     for rpc in RPCS:
+        pcts = {}
         for pct in (50, 99):
-            ours = float(np.percentile(kv.latencies_s[rpc], pct)) * 1e3
+            ours = pcts[pct] = float(np.percentile(kv.latencies_s[rpc], pct)) * 1e3
             base = float(np.percentile(raw.latencies_s[rpc], pct)) * 1e3
-            report.add(Figure.against(f"{rpc} p{pct}", ours, "ms", BASELINE, base))
+            report.add(Figure.against(f"{rpc} p{pct}{suffix}", ours, "ms", BASELINE, base))
+        # Issue 25 item 4 asks p99 <= 3x p50 for every call: the spread, beside the echo's own.
+        report.add(Figure(name=f"{rpc} p99 / p50{suffix}", value=pcts[99] / pcts[50], unit="x", baseline=BASELINE,
+                          baseline_value=_spread(raw.latencies_s[rpc])))
+    # What a cycle costs in CPU (ms), each side: on a box with fewer cores than clients, the cycles per second
+    # are the cores' time divided by these.
+    report.add(Figure.against(f"server CPU per cycle{suffix}", _per_cycle_ms(kv.server_cpu_s, kv.cycles), "ms",
+                              BASELINE, _per_cycle_ms(raw.server_cpu_s, raw.cycles)))
+    report.add(Figure.against(f"client CPU per cycle{suffix}", _per_cycle_ms(kv.client_cpu_s, kv.cycles), "ms",
+                              BASELINE, _per_cycle_ms(raw.client_cpu_s, raw.cycles)))
+    report.add(Figure(name=f"errors{suffix}", value=float(kv.errors), unit="calls", baseline=BASELINE,
+                      baseline_value=float(raw.errors)))
     if before.get("VmRSS") is not None and after.get("VmRSS") is not None:
-        report.add(Figure(name="server RSS before", value=before["VmRSS"], unit="MiB"))
-        report.add(Figure(name="server RSS after", value=after["VmRSS"], unit="MiB"))
-    # RssAnon is what the server holds; RssFile is mostly LMDB's map, pages the kernel may drop.
-    report.notes["server_memory_mib"] = {"before": before, "after": after}
-    report.notes.update(clients=args.clients, seconds=args.seconds, prompt_blocks=2 * half, block_bytes=block_bytes,
-                        cycles=kv.cycles, raw_cycles=raw.cycles, errors=kv.errors, raw_errors=raw.errors,
-                        lookup_misses=kv.misses, cpus=os.cpu_count())
-    return report
+        report.add(Figure(name=f"server RSS before{suffix}", value=before["VmRSS"], unit="MiB"))
+        report.add(Figure(name=f"server RSS after{suffix}", value=after["VmRSS"], unit="MiB"))
+        # RssAnon is what the server holds; RssFile is mostly LMDB's map, pages the kernel may drop.
+        report.add(Figure(name=f"server anonymous RSS before{suffix}", value=before.get("RssAnon", 0.0), unit="MiB"))
+        report.add(Figure(name=f"server anonymous RSS after{suffix}", value=after.get("RssAnon", 0.0), unit="MiB"))
+    # The samples of a soak: growth after the first tenth of the run is what "flat" is judged on (the first
+    # minutes fill the allocator's arenas and LMDB's pages).
+    report.notes[f"server_memory_mib{suffix}"] = {"before": before, "after": after,
+                                                  "samples": [(round(t, 1), m) for t, m in kv.memory]}
+    report.notes[f"cycles{suffix}"] = {"kvstore": kv.cycles, "raw": raw.cycles, "kvstore_seconds": round(kv.seconds, 1)}
+    report.notes[f"errors{suffix}"] = kv.errors
+    report.notes[f"raw_errors{suffix}"] = raw.errors
+    report.notes[f"lookup_misses{suffix}"] = kv.misses
 
 
-def _load(kind: str, target: str, args: argparse.Namespace, half: int, block_bytes: int,
-          progress: Progress) -> _Side:
-    """Start the clients, let them warm up, run them together for `args.seconds`, and gather what they measured."""
+def _spread(latencies: list[float]) -> float:
+    """p99 over p50 of `latencies`."""
+    return float(np.percentile(latencies, 99) / np.percentile(latencies, 50))
+
+
+def _per_cycle_ms(cpu_s: float | None, cycles: int) -> float:
+    return (cpu_s or 0.0) * 1e3 / max(cycles, 1)
+
+
+def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: int, half: int, block_bytes: int,
+          progress: Progress, server_pid: int | None = None) -> _Side:
+    """Start the clients, let them warm up, run them together for `seconds`, and gather what they measured
+    (with the CPU and, every RSS_EVERY_S, the memory of the server `server_pid`)."""
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive fork
     ready, results = ctx.Queue(), ctx.Queue()
     start = ctx.Event()
     procs = [ctx.Process(target=_client_process, daemon=True, args=(_Spec(
-        kind=kind, target=target, index=i, seconds=args.seconds, half=half, block_tokens=args.block_tokens,
-        block_bytes=block_bytes), ready, start, results)) for i in range(args.clients)]
+        kind=kind, target=target, index=i, seconds=seconds, half=half, block_tokens=block_tokens,
+        block_bytes=block_bytes), ready, start, results)) for i in range(clients)]
     for p in procs:
         p.start()
     try:
         for _ in procs:
             _gather(ready, procs, 300)
+        cpu0 = _cpu_s(server_pid)
         start.set()
         began = time.perf_counter()
-        with progress.bar(f"load: {kind}", args.seconds, unit="s") as bar:
-            while time.perf_counter() - began < args.seconds:
+        memory = [(0.0, _memory_mib(server_pid))] if server_pid is not None else []
+        with progress.bar(f"load: {kind}", seconds, unit="s") as bar:
+            while (now := time.perf_counter() - began) < seconds:
                 time.sleep(0.1)
-                bar.update(min(time.perf_counter() - began, args.seconds) - bar.n)
-        done = [_gather(results, procs, args.seconds + 300) for _ in procs]
+                if server_pid is not None and now - memory[-1][0] >= RSS_EVERY_S:
+                    memory.append((now, _memory_mib(server_pid)))
+                bar.update(min(now, seconds) - bar.n)
+        done = [_gather(results, procs, seconds + 300) for _ in procs]
+        cpu1 = _cpu_s(server_pid)
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -172,7 +243,20 @@ def _load(kind: str, target: str, args: argparse.Namespace, half: int, block_byt
                 p.kill()
     return _Side(seconds=max(d["seconds"] for d in done), cycles=sum(d["cycles"] for d in done),
                  latencies_s={rpc: [x for d in done for x in d["latencies_s"][rpc]] for rpc in RPCS},
-                 errors=sum(d["errors"] for d in done), misses=sum(d["misses"] for d in done))
+                 errors=sum(d["errors"] for d in done), misses=sum(d["misses"] for d in done),
+                 client_cpu_s=sum(d["cpu_s"] for d in done),
+                 server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None, memory=memory)
+
+
+def _cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) process `pid` has used (Linux /proc; None elsewhere or for None)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:
@@ -199,7 +283,7 @@ def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
         start.wait()
         latencies: dict[str, list[float]] = {rpc: [] for rpc in RPCS}
         errors = misses = cycles = 0
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         while time.perf_counter() - began < spec.seconds:
             try:
                 times, missed = cycle(cycles + 1)
@@ -211,7 +295,7 @@ def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
             misses += missed
             cycles += 1
         results.put({"seconds": time.perf_counter() - began, "cycles": cycles, "latencies_s": latencies,
-                     "errors": errors, "misses": misses})
+                     "errors": errors, "misses": misses, "cpu_s": time.process_time() - cpu})
     except BaseException as exc:  # reported to the parent, which raises it
         results.put({"failed": f"{type(exc).__name__}: {exc}"})
         ready.put({"failed": f"{type(exc).__name__}: {exc}"})
@@ -297,19 +381,21 @@ def _kvstore_server(data_dir: Path, capacity_bytes: int, block_tokens: int) -> I
 
 
 @contextmanager
-def _echo_server() -> Iterator[str]:
-    """The bare gRPC echo server in its own process; yields its target."""
+def _echo_server() -> Iterator[tuple[str, int]]:
+    """The bare gRPC echo server in its own process; yields its target and pid."""
     proc = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
-        yield f"127.0.0.1:{int(proc.stdout.readline())}"
+        yield f"127.0.0.1:{int(proc.stdout.readline())}", proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-def _memory_mib(pid: int) -> dict[str, float]:
+def _memory_mib(pid: int | None) -> dict[str, float]:
     """Resident memory of process `pid` in MiB: VmRSS, RssAnon, RssFile (Linux /proc; empty elsewhere)."""
+    if pid is None:
+        return {}
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:

@@ -26,6 +26,21 @@ def test_bench_load_json_figures() -> None:
     assert p50["ratio"] == p50["baseline_value"] / p50["value"]  # a time: above 1 is faster than the baseline
     assert figures["server RSS before"]["unit"] == "MiB" and figures["server RSS after"]["value"] > 0
     notes = report["notes"]
-    assert notes["clients"] == 2 and notes["cycles"] > 0 and notes["raw_cycles"] > 0
+    assert notes["clients"] == 2 and notes["cycles"]["kvstore"] > 0 and notes["cycles"]["raw"] > 0
     assert notes["errors"] == 0 and notes["lookup_misses"] == 0  # every cycle found its stored half
     assert set(notes["server_memory_mib"]["after"]) == {"VmRSS", "RssAnon", "RssFile"}
+    assert notes["server_memory_mib"]["samples"][0][0] == 0.0  # sampled from the start of the load
+    for rpc in ("lookup", "get", "put"):  # issue 25 item 4: the spread of every call, beside the echo's
+        spread = figures[f"{rpc} p99 / p50"]
+        assert spread["unit"] == "x" and spread["value"] >= 1.0 and spread["baseline_value"] >= 1.0
+    assert figures["errors"]["value"] == 0 and figures["errors"]["baseline_value"] == 0
+    for side in ("server", "client"):  # what a cycle costs in CPU on each side, against the echo's
+        cpu = figures[f"{side} CPU per cycle"]
+        assert cpu["unit"] == "ms" and cpu["value"] > 0 and cpu["baseline_value"] > 0
+    assert figures["server anonymous RSS after"]["value"] > 0
+
+
+def test_bench_load_client_counts_are_checked() -> None:
+    run = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "load", "--clients", "16,x"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--clients takes counts like 16 or 16,64" in run.stderr
