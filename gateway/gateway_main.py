@@ -221,8 +221,11 @@ class _Elsewhere(grpc.GenericRpcHandler):
         if found is None:
             return None
         name, method = found
-        message = (f"{name} is not served by a gateway: {ELSEWHERE[name]}; call a node of fleet {self.fleet} "
-                   "directly (kvstore fleet status lists them)")
+        # A session's data goes straight between the worker and the nodes (item 5): a fleet client opens one per
+        # node it reads from (F49), so the gateway sends it there rather than adding a hop to every block (F40).
+        message = (f"{name} is not served by a gateway: {ELSEWHERE[name]}; open the session with the fleet "
+                   f"address kvstore.Client('etcd://{self.fleet.removeprefix('etcd://')}') (it fetches each run "
+                   "straight from its nodes), or call a node of the fleet directly (kvstore fleet status lists them)")
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)

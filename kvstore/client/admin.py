@@ -29,15 +29,26 @@ class AdminClient:
     """A channel to a kvstore server's Admin service.
 
     Args:
-        target: "host:port" of the server.
+        target: "host:port" of the server or of a fleet's gateway (an etcd:// address is refused: F54).
         token: an API token with the "admin" right (None: send none, for a server without auth).
         tls: speak TLS (None: plaintext).
         timeout_s: deadline of each call.
+
+    Raises:
+        InvalidArgument: an etcd:// target (docs/FLEET.md F54): a fleet's Admin calls go through a gateway, which
+            sends each to the node or nodes it needs (F52); without the check gRPC takes the address for a host
+            name and answers a retryable UNAVAILABLE.
     """
 
     def __init__(self, target: str, *, token: str | None = None, tls: TlsOptions | None = None,
                  timeout_s: float = 30.0) -> None:
         self.target = arguments.text(target, "target")
+        if self.target.startswith("etcd://"):
+            raise InvalidArgument(
+                f"the Admin service takes a server's host:port, not the fleet address {self.target!r}",
+                hint="give a gateway's (or a node's) host:port: policies, the audit log and tokens live in etcd, so "
+                     "the gateway answers for the whole fleet (docs/FLEET.md F52, F54); tokens: kvstore tenant "
+                     "--target etcd://...")
         self.timeout_s = arguments.seconds(timeout_s, "timeout_s")
         self._metadata = token_metadata(token) or ()
         self.channel = open_channel(self.target, tls)

@@ -7,7 +7,10 @@ configuration whose `[fleet] etcd` is set (--config, KVSTORE_CONFIG or
 KVSTORE_FLEET_ETCD), it works on the fleet's table in etcd instead, which every
 node follows: a token created or revoked holds on every node within a second
 (docs/FLEET.md, "Shared tables"); while etcd is away it fails with one line
-naming etcd's endpoints, and nothing changes. The first
+naming etcd's endpoints, and nothing changes. `--target etcd://HOST:PORT[,...]/CLUSTER`
+(the address `kvstore.Client` takes) names the fleet's table without a config file;
+a `--target host:port` (a gateway or a node) is refused, naming the etcd:// form:
+tokens are written in etcd, never through the serving API (docs/FLEET.md F54). The first
 `create` turns auth on (docs/SECURITY.md); that is also how the first admin
 token is made: `kvstore tenant create ops --admin --data-dir DIR`.
 
@@ -37,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--tenants-file", type=Path, help="the tenants file itself (auth.tenants_file)")
     where.add_argument("--config", type=Path, help="the server's TOML config, to find the file as it does")
     where.add_argument("--json", action="store_true", help="print one JSON object")
+    where.add_argument("--target", help="etcd://HOST:PORT[,HOST:PORT]/CLUSTER: the fleet's table in etcd "
+                       "(docs/FLEET.md F54; a gateway's or node's host:port is refused: tokens live in etcd)")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     new = sub.add_parser("create", parents=[where], help="issue a token for a tenant (created if new)")
     new.add_argument("tenant", help="tenant name: 1-128 of [A-Za-z0-9._-], alphanumeric first")
@@ -67,7 +72,15 @@ def parse_rights(text: str, *, admin: bool) -> frozenset[str]:
 
 
 def _where(args: argparse.Namespace) -> Path | FleetSettings:
-    """The tenants file, or the fleet whose table in etcd holds the tenants ([fleet] etcd set)."""
+    """The tenants file, or the fleet whose table in etcd holds the tenants ([fleet] etcd set, or an etcd://
+    --target).
+
+    Raises:
+        FailedPrecondition: a --target that is not an etcd:// address (F54).
+        InvalidArgument: a bad etcd:// address.
+    """
+    if getattr(args, "target", None):
+        return _fleet_of(args.target)
     if args.tenants_file is not None:
         return Path(args.tenants_file)
     from kvstore.config import load_settings
@@ -76,6 +89,22 @@ def _where(args: argparse.Namespace) -> Path | FleetSettings:
     if settings.fleet.enabled:
         return settings.fleet
     return settings.auth.tenants_path(settings.store.data_dir)
+
+
+def _fleet_of(target: str) -> FleetSettings:
+    """The fleet an etcd:// `target` names; any other target is refused naming the etcd:// form (F54): a gateway
+    or a node serves no call that writes a token, and tokens act fleet-wide from etcd whoever wrote them."""
+    from kvstore.client.fleet_address import is_fleet_address, parse_fleet_address
+    from kvstore.errors import FailedPrecondition
+
+    if not is_fleet_address(target):
+        raise FailedPrecondition(
+            f"--target {target!r} is a server's address, but tokens are not made or revoked through a gateway or "
+            "a node: they live in the fleet's etcd (or a single node's tenants file)",
+            hint="give --target etcd://HOST:PORT[,HOST:PORT]/CLUSTER (the fleet's etcd, as kvstore.Client takes "
+                 "it), or --config/--data-dir for a single node's tenants file")
+    address = parse_fleet_address(target)
+    return FleetSettings(etcd=",".join(str(e) for e in address.endpoints), cluster=address.cluster)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,7 +36,7 @@ def _need_a_tool() -> str:
     pytest.skip("neither the cryptography package nor openssl is installed")
 
 
-def _with_cryptography(folder: Path, name: str, ca: Pair | None, *, server: bool) -> Pair:
+def _with_cryptography(folder: Path, name: str, ca: Pair | None, *, server: bool, client: bool = False) -> Pair:
     import ipaddress
 
     from cryptography import x509
@@ -58,8 +58,9 @@ def _with_cryptography(folder: Path, name: str, ca: Pair | None, *, server: bool
                .not_valid_after(now + datetime.timedelta(days=1))
                .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), critical=True))
     if ca is not None:
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
+        usages += [ExtendedKeyUsageOID.CLIENT_AUTH] if client or not server else []
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         if server:
             builder = builder.add_extension(x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
@@ -71,7 +72,7 @@ def _with_cryptography(folder: Path, name: str, ca: Pair | None, *, server: bool
     return pair
 
 
-def _with_openssl(folder: Path, name: str, ca: Pair | None, *, server: bool) -> Pair:
+def _with_openssl(folder: Path, name: str, ca: Pair | None, *, server: bool, client: bool = False) -> Pair:
     pair = Pair(folder / f"{name}.pem", folder / f"{name}.key")
     key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(pair.key)]
     if ca is None:
@@ -81,7 +82,8 @@ def _with_openssl(folder: Path, name: str, ca: Pair | None, *, server: bool) -> 
     csr = folder / f"{name}.csr"
     subprocess.run(["openssl", "req", *key, "-out", str(csr), "-subj", f"/CN={name}"], check=True, capture_output=True)
     ext = folder / f"{name}.ext"
-    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n" if server
+    both = ",clientAuth" if client else ""
+    ext.write_text(f"subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth{both}\n" if server
                    else "extendedKeyUsage=clientAuth\n")
     subprocess.run(["openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca.cert), "-CAkey", str(ca.key),
                     "-CAcreateserial", "-out", str(pair.cert), "-days", "1", "-extfile", str(ext)],
@@ -89,11 +91,13 @@ def _with_openssl(folder: Path, name: str, ca: Pair | None, *, server: bool) -> 
     return pair
 
 
-def make(folder: Path, name: str, ca: Pair | None = None, *, server: bool = False) -> Pair:
-    """A CA (`ca` None) or a certificate it signs: for 127.0.0.1 and localhost when `server`."""
+def make(folder: Path, name: str, ca: Pair | None = None, *, server: bool = False, client: bool = False) -> Pair:
+    """A CA (`ca` None) or a certificate it signs: for 127.0.0.1 and localhost when `server`, and for client auth
+    too with `server` and `client` (a fleet node under mutual TLS shows its own certificate to the others)."""
     folder.mkdir(parents=True, exist_ok=True)
     tool = _need_a_tool()
-    return (_with_cryptography if tool == "cryptography" else _with_openssl)(folder, name, ca, server=server)
+    return (_with_cryptography if tool == "cryptography" else _with_openssl)(folder, name, ca, server=server,
+                                                                              client=client)
 
 
 @dataclass(frozen=True)

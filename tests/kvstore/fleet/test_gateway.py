@@ -184,6 +184,10 @@ def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_t
     with kvstore.Client(fleet.gateways[0].target) as plain:
         with pytest.raises(FailedPrecondition, match=r"Transfer is not served by a gateway.*node"):
             plain.transfer_stats()
+        # A session opened on a gateway is refused at its opening, naming the fleet address to open it with.
+        with pytest.raises(FailedPrecondition, match=re.escape(f"kvstore.Client('{fleet.address}')")), \
+                plain.transfer() as session:
+            session.register(plain.block_bytes)
         with pytest.raises(FailedPrecondition, match="each of the fleet's 3 nodes keeps its own SWA pool"):
             plain.lookup(prompt(RUN_TOKENS), swa_positions=[RUN_TOKENS - 1])
 
