@@ -9,7 +9,8 @@ by the reader from the sums (`kvstore stats`), never averaged. The fields that
 are not amounts take the fleet's bound: the longest retention, uptime and write
 window, the earliest start and count start, the least headroom and capacity
 hours (the node that fills first), a headroom warning when any node warns, and
-`store_wide` only when every node answered store-wide.
+`store_wide` only when every node answered store-wide. The access trace's counters ([trace]) are
+each node's recorder summed, on when any node records (docs/CAPACITY.md "Recording").
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def merge_stats(replies: Sequence[pb.StatsResponse]) -> pb.StatsResponse:
     out = pb.StatsResponse()
     _add_scalars(out, replies, _BOUNDS)
     out.windows.extend(_windows([r.windows for r in replies]))
+    traced = [r.trace for r in replies if r.HasField("trace")]
+    if traced:  # a tenant's own answer has none: it spans every tenant
+        _add_scalars(out.trace, traced, {"enabled": any})
     tenants: dict[str, list[pb.TenantHits]] = {}
     for r in replies:
         for t in r.tenants:

@@ -122,12 +122,13 @@ def _print_by_geometry(rows: list[dict[str, object]]) -> None:
 
 
 def swa_stats_dict(client: object) -> dict[str, object] | None:
-    """The SWA pool's SwaStatsResponse as a flat dict with its hit rate; None if the server has no pool."""
-    from kvstore.errors import Internal
+    """The SWA pool's SwaStatsResponse as a flat dict with its hit rate; None if the server has no pool, or is a
+    gateway over nodes that each keep their own (F52: no one pool to count)."""
+    from kvstore.errors import FailedPrecondition, Internal
 
     try:
         reply = client.swa.stats()  # type: ignore[attr-defined]
-    except Internal:  # UNIMPLEMENTED: a server without the SwaPool service
+    except (Internal, FailedPrecondition):  # UNIMPLEMENTED: no SwaPool service; a gateway over separate pools
         return None
     out = message_dict(reply)
     out["hit_rate"] = _rate(int(out["hits"]), int(out["snapshots_asked"]))  # type: ignore[call-overload]
@@ -145,12 +146,13 @@ SWA_ROWS = (
 
 
 def transfer_stats_dict(client: object) -> dict[str, object] | None:
-    """The transfer service's TransferStatsResponse as a flat dict; None if the server predates it."""
-    from kvstore.errors import Internal
+    """The transfer service's TransferStatsResponse as a flat dict; None if the server predates it, or is a
+    gateway (F40: transfer sessions are the nodes')."""
+    from kvstore.errors import FailedPrecondition, Internal
 
     try:
         return message_dict(client.transfer_stats())  # type: ignore[attr-defined]
-    except Internal:  # UNIMPLEMENTED: a server without Transfer.Stats
+    except (Internal, FailedPrecondition):  # UNIMPLEMENTED: no Transfer.Stats; a gateway serves no Transfer
         return None
 
 
