@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report = Report(bench="transcode")
     report.notes["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     report.notes["tokens"] = tokens
-    fused = device == "cuda"            # the compiled whole-block kernels, the path a CUDA transcode takes
+    fused = device == "cuda" and sglang_v4.compile_enabled()    # compiled kernels: KVSTORE_V4_COMPILE=1
     with progress.bar("transcode", total=8, unit="step") as bar:
         native, v4 = blocks(tokens, device)
         bar.update(1)

@@ -140,6 +140,24 @@ def _ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:
     return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
 
+def _tile_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The store kernel's scale exponent of tiles of float32 `amax` (>= 0 or NaN): `cast_to_ue8m0(fmaxf(1e-4f,
+    amax) / 448)` with IEEE division, on the bits (int32, as `_ue8m0_ceil` of the quotient).
+
+    Integer-exact on every device: CUDA divides a tensor by a scalar as a multiply by its reciprocal (not
+    the correctly rounded quotient), which moves the ceiling where amax is near 448 x 2^k. For m = max(1e-4,
+    amax) the quotient rounds to at most 2^k exactly when m <= 448 x 2^k x (1 + 2^-24), and the only float32
+    in that range's last step is 448 x 2^k = 1.75 x 2^(k+8) itself; so the exponent is m's biased exponent
+    less 8, plus one where m's mantissa is above 1.75's (0x600000). Inf and NaN keep the quotient's
+    (255, 256), as `_ue8m0_ceil(inf or NaN / 448)` gives.
+    """
+    m = torch.maximum(amax, torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=amax.device))
+    bits = m.contiguous().view(torch.int32)
+    biased, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+    finite = biased - 8 + (mantissa > 0x600000).to(torch.int32)
+    return torch.where(biased == 0xFF, 0xFF + (mantissa != 0).to(torch.int32), finite)
+
+
 def _pow2(biased: torch.Tensor) -> torch.Tensor:
     """2^(biased - 127) as float32 (`__uint_as_float(exp << 23)`), for biased exponents 1..254."""
     return (biased.to(torch.int32) << 23).view(torch.float32)
@@ -148,6 +166,11 @@ def _pow2(biased: torch.Tensor) -> torch.Tensor:
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     """`pack_fp8`: clip to +-448, then E4M3 round to nearest even; the bytes."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+#: The CPU's bf16 of every float32 NaN (0xFFFF: torch's vectorized cast, what the float reference gives), as
+#: int16 bits; CUDA's `__float2bfloat16` gives 0x7FFF.
+_BF16_NAN = torch.tensor(-1, dtype=torch.int16)
 
 
 def store_rows(values: torch.Tensor, shape: RowShape = RowShape()) -> torch.Tensor:
@@ -168,11 +191,14 @@ def store_rows(values: torch.Tensor, shape: RowShape = RowShape()) -> torch.Tens
     x = values.float()
     tiles = x[..., :shape.nope].unflatten(-1, (shape.tiles, TILE))
     amax = tiles.abs().amax(dim=-1, keepdim=True)
-    floor = torch.tensor(AMAX_FLOOR, dtype=torch.float32, device=x.device)
-    exponent = _ue8m0_ceil(torch.maximum(amax, floor) / E4M3_MAX)         # fmaxf(1e-4f, amax) / 448, IEEE
+    exponent = _tile_exponent(amax)                                       # fmaxf(1e-4f, amax) / 448, IEEE
     inverse = _pow2(254 - exponent)                                       # inv_scale_ue8m0: exact 2^-e
-    nope = _e4m3(tiles * inverse).flatten(-2)
-    rope = x[..., shape.nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    # NaNs as the CPU gives them on every device: CUDA's multiply returns a canonical (positive) NaN where
+    # the CPU's keeps the operand's sign (E4M3 0xFF vs 0x7F), and its bf16 cast 0x7FFF where the CPU's 0xFFFF.
+    nope = _e4m3(torch.where(tiles.isnan(), tiles, tiles * inverse)).flatten(-2)
+    rope_x = x[..., shape.nope:]
+    rope = torch.where(rope_x.isnan(), _BF16_NAN.to(x.device), rope_x.to(torch.bfloat16).view(torch.int16))
+    rope = rope.contiguous().view(torch.uint8)
     pad = shape.v4_bytes - shape.nope - 2 * shape.rope - shape.tiles
     scales = exponent.flatten(-2).to(torch.uint8)
     zeros = torch.zeros(*x.shape[:-1], pad, dtype=torch.uint8, device=x.device)
@@ -219,10 +245,9 @@ def _scale_floats() -> torch.Tensor:
 
 def _build_encode_tables() -> _EncodeTables:
     s = _scale_floats()
-    floor = torch.tensor(AMAX_FLOOR, dtype=torch.float32)
     # Group exponents, exactly as `store_rows` takes a tile's: |code value x scale| (exact), the floor, / 448.
     amax = (_CODE_VALUES[:8, None] * s[None, :]).abs()                              # [m, s]
-    exponent = _ue8m0_ceil(torch.maximum(amax, floor) / E4M3_MAX).flatten()
+    exponent = _tile_exponent(amax).flatten()
     exponents = torch.unique(exponent)                                              # sorted: keys keep the order
     if exponents.numel() > 255:
         raise AssertionError("more tile exponents than a uint8 key holds")
@@ -364,16 +389,27 @@ def _fused_blocks(blocks: torch.Tensor, t: _ByteTables, model: ModelGeometry, bl
 _COMPILED: dict[tuple[str, int, str], object] = {}
 
 
+def compile_enabled() -> bool:
+    """Whether CUDA transcodes compile their whole-block kernels: only with `KVSTORE_V4_COMPILE=1`.
+
+    Off by default: on an H200 the first compiled calls took minutes (inductor, per geometry and kind),
+    a stall a serving engine's first save or load must not take, against an eager path of the same bytes
+    (docs/ENGINES.md). Read on every call that has no compiled function yet, so the variable is honoured
+    whenever it is set before the first transcode of a geometry.
+    """
+    return os.environ.get("KVSTORE_V4_COMPILE", "0") == "1"
+
+
 def _compiled(model: ModelGeometry, block_tokens: int, kind: str = "load"):  # type: ignore[no-untyped-def]
     """The compiled `_fused_blocks` ("load") or `_fused_recover_blocks` ("save") of a geometry, or None where
-    torch.compile is not there or failed once (`KVSTORE_V4_COMPILE=0` turns it off)."""
+    compiling is off (`compile_enabled`), torch.compile is not there, or it failed once."""
     key = (model.fingerprint.hex(), block_tokens, kind)
     if key not in _COMPILED:
         from functools import partial
         fn = _fused_blocks if kind == "load" else _fused_recover_blocks
+        if not compile_enabled():
+            return None                   # not cached: setting the variable later still turns it on
         try:
-            if os.environ.get("KVSTORE_V4_COMPILE", "1") == "0":
-                raise RuntimeError("KVSTORE_V4_COMPILE=0")
             _COMPILED[key] = torch.compile(partial(fn, model=model, block_tokens=block_tokens), dynamic=True)
         except Exception:  # no inductor here: the eager path
             _COMPILED[key] = None
@@ -470,9 +506,14 @@ def _outcome(values: torch.Tensor, scale: torch.Tensor, target: torch.Tensor, in
     return codes | ((again != target).to(torch.uint8) << 4)
 
 
-def _build_recover_tables(device: torch.device) -> _RecoverTables:
-    """The tables, computed on `device` by the search's own float ops (exact: the same bytes on any device,
-    as the float search gave; built where they are used, as that is milliseconds on a GPU)."""
+def _build_recover_tables() -> _RecoverTables:
+    """The tables, computed on the CPU by the float search's own ops (those of the reference it replaced).
+
+    Only ever on the CPU (`_recover_tables` copies them to other devices): the same float ops on CUDA give
+    other bits (a tensor divided by a scalar is a multiply by its reciprocal there, so amax / 6 moves the
+    nearest scale; NaNs come out without their sign), which made the save recover other rows on an H200.
+    """
+    device = torch.device("cpu")
     exps = torch.arange(1, 255, dtype=torch.int32, device=device)                       # clamped exponent bytes
     tile = _pow2(exps)                                                                  # [254]
     e4m3 = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn).float()
@@ -495,8 +536,12 @@ def _build_recover_tables(device: torch.device) -> _RecoverTables:
 
 
 def _recover_tables(device: torch.device) -> _RecoverTables:
+    """The save's tables on `device`: built once on the CPU, then copied (the device only gathers)."""
     if device not in _RECOVER:
-        _RECOVER[device] = _build_recover_tables(device)
+        cpu = _RECOVER.get(torch.device("cpu")) or _build_recover_tables()
+        _RECOVER[torch.device("cpu")] = cpu
+        _RECOVER[device] = _RecoverTables(*(x.to(device) for x in (cpu.nope_near, cpu.rope_near, cpu.nope,
+                                                                    cpu.rope, cpu.decoded)))
     return _RECOVER[device]
 
 
@@ -714,7 +759,8 @@ def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
         blocks: uint8 `[n, block_bytes]` of the model's rows, any device.
         block_tokens: tokens per block.
         fused: run the compiled whole-block kernels (`_fused_blocks`, module notes); None: on CUDA, where
-            torch.compile works (a failure is logged once and the eager gathers are used from then on).
+            `compile_enabled()` and torch.compile works (a failure is logged once and the eager gathers are
+            used from then on).
 
     Returns:
         uint8 `[n, v4 block_bytes]`: for a block `v4_blocks_to_native` called exact, the engine's own bytes
@@ -741,5 +787,5 @@ def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
     return out
 
 
-__all__ = ["AMAX_FLOOR", "GROUP", "TILE", "BlockTranscode", "Recovered", "RowShape", "encode_rows",
-           "engine_geometry", "native_blocks_to_v4", "recover_rows", "store_rows", "v4_blocks_to_native"]
+__all__ = ["AMAX_FLOOR", "GROUP", "TILE", "BlockTranscode", "Recovered", "RowShape", "compile_enabled",
+           "encode_rows", "engine_geometry", "native_blocks_to_v4", "recover_rows", "store_rows", "v4_blocks_to_native"]

@@ -6,7 +6,8 @@ tests/integrations/test_sglang_v4_share.py, and against the float implementation
 tensors, on both paths (the compiled whole-block kernels a CUDA transcode takes, and the eager gathers),
 and compared bit for bit with that reference on the CPU: the store, model rows -> v4 rows (the load), v4
 rows -> model rows with the exactness mask and collision counts (the save), whole blocks of a 1M-token
-restore's size included. The transcode's speed
+restore's size included. The compiled kernels run only with KVSTORE_V4_COMPILE=1 (off by default: minutes of
+compiling on the first call). The transcode's speed
 against the restore it sits in is `kvstore bench transcode --device cuda` (timing is no test's).
 
     .venv/bin/pytest -q -m gpu tests/kvstore/codec/test_sglang_v4_gpu.py
@@ -60,6 +61,8 @@ def test_every_path_on_cuda_gives_the_float_references_bytes() -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["compiled", "eager"])
 def test_blocks_on_cuda_are_the_float_references_blocks(fused: bool) -> None:
+    if fused and not sglang_v4.compile_enabled():
+        pytest.skip("compiling is off (the default): KVSTORE_V4_COMPILE=1 runs the compiled kernels")
     blocks_in = junk(24, MODEL.block_bytes(64), 14)
     want = reference.native_blocks_to_v4(MODEL, blocks_in, 64)
     assert torch.equal(sglang_v4.native_blocks_to_v4(MODEL, blocks_in.cuda(), 64, fused=fused).cpu(), want)

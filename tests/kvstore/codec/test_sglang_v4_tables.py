@@ -11,8 +11,11 @@ ones included). The CUDA side, compiled, is tests/kvstore/codec/test_sglang_v4_g
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kvstore.bench.codec import realistic
 from kvstore.bench.transcode import blocks as transcode_blocks
@@ -115,3 +118,122 @@ def test_blocks_recover_as_before_with_their_counts_on_both_paths() -> None:
                                                         MODEL, 64)
     assert torch.equal(native, ref.native) and torch.equal(exact, ref.exact)
     assert counts.tolist() == [ref.rows, ref.exact_rows, ref.ambiguous_rows]
+
+
+#: The float ops whose NaN results CUDA canonicalizes (arithmetic; not copies, views, max or clamp).
+_ARITHMETIC = {torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.mul, torch.mul, torch.Tensor.__truediv__,
+               torch.Tensor.div, torch.div, torch.true_divide, torch.Tensor.__rtruediv__, torch.Tensor.__add__,
+               torch.Tensor.__radd__, torch.Tensor.add, torch.add, torch.Tensor.__sub__, torch.Tensor.sub, torch.sub}
+_DIVISION = {torch.Tensor.__truediv__, torch.Tensor.div, torch.div, torch.true_divide}
+
+
+class CudaFloat(TorchFunctionMode):
+    """Torch's float ops on the CPU with CUDA's bits where they differ: float32 arithmetic gives the canonical
+    NaN 0x7FFFFFFF (the CPU keeps an operand's, sign included), a float32 -> bf16 cast of a NaN gives 0x7FFF
+    (the CPU 0xFFFF), and a tensor divided by a Python scalar is a multiply by the float32 reciprocal. The
+    save's tables built on an H200 recovered other rows than on the CPU; built under this mode, on the CPU,
+    they do the same (the first test below), so any float op left on a transcode's path shows here."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func in _DIVISION and not kwargs and len(args) == 2 and isinstance(args[1], (int, float)) \
+                and args[0].is_floating_point():
+            out = args[0] * float(torch.tensor(1.0) / torch.tensor(float(args[1])))
+        else:
+            out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and func in _ARITHMETIC:
+            out = torch.where(out.isnan(), torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32), out)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float32:
+            out = torch.where(out.isnan(), torch.tensor(0x7FFF, dtype=torch.int16).view(torch.bfloat16), out)
+        return out
+
+
+def test_tables_built_with_cudas_float_bits_recover_other_rows() -> None:
+    """The H200 failure, on the CPU: the save's tables built by CUDA's float ops recover other rows (the
+    exactness the same, the rows found not), so they must be built on the CPU only (next tests)."""
+    rows = torch.cat((engine_rows(400, 11), junk(512, 584, 13)))
+    want = reference.recover_rows(rows)
+    with CudaFloat():
+        cuda_built = codec._build_recover_tables()
+    got = codec._recover(rows, cuda_built, None, codec.RowShape(), False)
+    assert torch.equal(got[1], want.exact) and not torch.equal(got[0], want.native)
+
+
+def near_thresholds() -> torch.Tensor:
+    """float32 amax values within 40 ulps of 448 x 2^k for every k a tile can have, and of the 1e-4 floor."""
+    centres = torch.tensor([448.0 * 2.0**k for k in range(-22, 100)] + [codec.AMAX_FLOOR], dtype=torch.float32)
+    bits = centres.view(torch.int32)[:, None] + torch.arange(-40, 41, dtype=torch.int32)
+    return bits.flatten().view(torch.float32)
+
+
+def test_the_tile_exponent_is_the_ieee_quotients_on_the_bits_not_the_devices_division() -> None:
+    amax = torch.cat((near_thresholds(), torch.tensor([0.0, float("inf"), float("nan")]),
+                      torch.rand(100_000, generator=torch.Generator().manual_seed(9)) * 1000))
+    ieee = codec._ue8m0_ceil(torch.maximum(amax, torch.tensor(codec.AMAX_FLOOR)) / codec.E4M3_MAX)
+    assert torch.equal(codec._tile_exponent(amax), ieee)
+    with CudaFloat():
+        assert torch.equal(codec._tile_exponent(amax), ieee)
+
+
+def test_the_transcode_gives_the_cpus_bytes_under_cudas_float_ops() -> None:
+    """With the tables built (once, on the CPU) the store, the load and the save under CUDA's float bits give
+    the CPU's bytes, NaN latents and amax near the exponent thresholds included: no float op on their path
+    decides a bit."""
+    g = torch.Generator().manual_seed(10)
+    x = realistic(512, 512, g)
+    tiles = x[:, :448].view(512, 7, 64)
+    tiles[:, :, 0] = near_thresholds()[: 512 * 7].view(512, 7) * torch.where(torch.rand(512, 7, generator=g) < 0.5,
+                                                                             -1, 1)
+    x[::5, ::37] = float("nan")
+    x[1::5, ::41] = -float("nan")
+    store = reference.store_rows(x)
+    rows = torch.cat((engine_rows(400, 11), junk(512, 584, 13)))
+    want = reference.recover_rows(rows, alternatives=True)
+    blocks = junk(4, MODEL.block_bytes(64), 14)
+    v4 = reference.native_blocks_to_v4(MODEL, blocks, 64)
+    codec._recover_tables(CPU), codec._encode_tables(CPU), codec._byte_tables(CPU)
+    with CudaFloat():
+        assert not torch.equal(reference.store_rows(x), store)      # the mode bites the float store's NaNs
+        assert torch.equal(codec.store_rows(x), store)
+        got = codec.recover_rows(rows, alternatives=True)
+        assert torch.equal(got.native, want.native) and torch.equal(got.exact, want.exact)
+        assert torch.equal(got.ambiguous, want.ambiguous)
+        assert torch.equal(codec.native_blocks_to_v4(MODEL, blocks, 64, fused=False), v4)
+        assert torch.equal(codec._fused_blocks(blocks, codec._byte_tables(CPU), MODEL, 64), v4)
+        back = codec.v4_blocks_to_native(MODEL, v4, 64, fused=False)
+        fused = codec._fused_recover_blocks(v4, codec._recover_tables(CPU), codec._byte_tables(CPU), MODEL, 64)
+        assert torch.equal(fused[0], back.native) and torch.equal(fused[1], back.exact)
+    assert torch.equal(back.native, reference.v4_blocks_to_native(MODEL, v4, 64).native)
+
+
+def test_every_devices_tables_are_the_cpu_build_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tables are built once, on the CPU, and copied to each device (the device only gathers): a device
+    gets the CPU's bytes whatever its float ops do (building them on an H200 gave other save results)."""
+    builds: list[str] = []
+    def counted(name: str) -> Any:
+        real = getattr(codec, name)
+
+        def build(*args: Any) -> Any:
+            builds.append(name)
+            return real(*args)
+        return build
+
+    for name in ("_build_recover_tables", "_build_encode_tables"):
+        monkeypatch.setattr(codec, name, counted(name))
+    caches: tuple[dict[torch.device, Any], ...] = (codec._RECOVER, codec._ENCODE, codec._BYTES)
+    saved = [dict(cache) for cache in caches]
+    for cache in caches:
+        cache.clear()
+    meta = torch.device("meta")
+    try:
+        recover, encode, byte = codec._recover_tables(meta), codec._encode_tables(meta), codec._byte_tables(meta)
+        cpu = codec._recover_tables(CPU), codec._encode_tables(CPU), codec._byte_tables(CPU)
+        assert sorted(builds) == ["_build_encode_tables", "_build_recover_tables"]     # once each, for both
+        for dev, host in zip((recover, encode, byte), cpu, strict=True):
+            for a, b in zip(vars(dev).values(), vars(host).values(), strict=True):
+                assert a.device == meta and b.device == CPU and (a.dtype, a.shape) == (b.dtype, b.shape)
+    finally:
+        for cache, old in zip(caches, saved, strict=True):
+            cache.clear()
+            cache.update(old)
