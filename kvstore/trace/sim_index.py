@@ -512,8 +512,11 @@ class SimIndex:
                 self._dirty[part] = True
             self._stale_ids, self._stale_count = [], 0
 
-    def delete(self, key: bytes, *, carry_up: bool) -> int:
-        """Remove a block with no stored child; with `carry_up`, its parent takes its last use if later."""
+    def delete(self, key: bytes, *, carry_up: bool, now_s: float | None = None) -> int:
+        """Remove a block with no stored child; with `carry_up`, its parent takes its last use if later.
+
+        `now_s` is the tier's (an expired pin journalled for the audit, R29): the simulation keeps no
+        audit log, so it is taken and not used."""
         if self._pending:
             self._flush()
         idx = self.blocks.get(key)

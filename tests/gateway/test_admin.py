@@ -133,7 +133,7 @@ def test_purge_a_prompt_then_a_whole_tenant_audited(running: Any, admin: AdminCl
     assert found(running.target, tokens["acme"], b) == 0
     log = admin.policy_log(tenant="acme")
     assert [(e.actor, e.action) for e in log] == [("ops", "purge"), ("ops", "purge")]
-    assert json.loads(log[0].old_json) == {"blocks": 2, "bytes": 2 * BLOCK_BYTES}
+    assert json.loads(log[0].old_json) == {"blocks": 2, "bytes": 2 * BLOCK_BYTES, "pins": 0, "pinned_bytes": 0}
     assert json.loads(log[1].new_json)["purged_blocks"] == 1
 
 
