@@ -47,7 +47,7 @@ def store(start_store: Callable[[], Child], monkeypatch: pytest.MonkeyPatch) -> 
 def stored_through_vllm(store: Child, tmp_path: Path, prompt_tokens: list[int]) -> tuple[list[int], list[bytes]]:
     """Run one request through vLLM with the connector, until its blocks are saved: its tokens (prompt and
     output) and its whole blocks as vLLM's own pages hold them (read while vLLM still holds them)."""
-    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name, "replay_windows": 1})
     engine.add("r1", prompt_tokens, max_tokens=3)
     engine.run()
     tokens = engine.tokens["r1"]
@@ -102,7 +102,7 @@ def test_a_prompt_stored_through_sglang_is_loaded_by_the_vllm_connector(store: C
         assert backend.batch_set_v1(keys, torch.arange(0, n * B)) == [True] * n
     finally:
         backend.close()
-    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name})
+    engine = Engine(tmp_path / "vllm", {"target": store.target, "geometry": GEO.name, "replay_windows": 1})
     engine.add("r2", [*tokens, 1, 2, 3], max_tokens=2)
     so = engine.step()
     # 96 stored by SGLang: a bounded replay loads [0, 88) rounded down to vLLM's 16-token page.
