@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvstore import geometry as geometries
-from kvstore.client import Client, LookupResult
 from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.lookup_result import LookupResult
 from kvstore.prefix import ExtraKey
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_key
 from replay.cost import CostModel
@@ -42,6 +43,9 @@ from replay.fidelity_budget import (
 )
 from replay.hosts import PathRates, host_plans, is_fleet
 from replay.plan import Action, Plan
+
+if TYPE_CHECKING:  # the planner calls the client it is handed: `kvstore trace simulate` imports no client
+    from kvstore.client import Client
 
 log = logging.getLogger(__name__)
 #: The cost model a planner uses unless told otherwise (the documented defaults).

@@ -27,8 +27,9 @@ from kvstore.client.swa import SwaClient
 from kvstore.client.transfer import TransferSession
 from kvstore.counted import counted
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.lookup_result import LookupResult  # re-exported: kvstore.client.LookupResult
 from kvstore.prefix import ExtraKey
-from kvstore.prefix_hosts import PrefixHost, hosts_of
+from kvstore.prefix_hosts import hosts_of
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 
@@ -44,29 +45,6 @@ _PUT_BATCH_BYTES = 4 << 20
 #: Client classes by the scheme of their target ("etcd" -> kvstore.client.fleet.FleetClient, which
 #: registers itself); a target without a registered scheme is one server.
 ADDRESS_SCHEMES: dict[str, type[Client]] = {}
-
-
-@dataclass(frozen=True, kw_only=True)
-class LookupResult:
-    """How much of a prompt is loadable now."""
-
-    found_blocks: int
-    found_tokens: int
-    lease_id: str | None
-    #: The prompt's chain hashes from its first block (a list, or the client's memo's `HashChain`, which
-    #: shares the kept hashes: index and slice it, or `list()` it).
-    block_hashes: Sequence[bytes] = field(repr=False)
-    #: T of the asked snapshot that serves the longest resume (`lookup(swa_positions=...)`), else None.
-    swa_position: int | None = None
-    #: R, the length that snapshot resumes at (T, T - 1, or shorter below the window; at most
-    #: found_tokens), else None (docs/SWA_POOL.md "Resume rules").
-    swa_resume_tokens: int | None = None
-    #: The pin granted when one was asked (`pin`, `lookup(keep_until_s=)`; 0: none) and why less
-    #: (docs/RETENTION.md R22-R24).
-    kept_until_s: float = 0.0
-    keep_note: str = ""
-    #: With `lookup(hosts=True)`: the nodes holding the found prefix on their hosts (`kvstore.prefix_hosts`).
-    hosts: tuple[PrefixHost, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,9 +34,9 @@ import xxhash
 
 from gateway.policies import Policy, PolicyTable
 from kvstore import geometry as geometries
-from kvstore.client import LookupResult
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.fleet.placement import replicas
+from kvstore.lookup_result import LookupResult
 from kvstore.prefix import BlockScope
 from kvstore.swa_snapshot import resume_length, snapshot_bytes, snapshot_key
 from kvstore.trace.chains import ChainKeys
