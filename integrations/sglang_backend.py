@@ -244,7 +244,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         start = time.perf_counter()
         until, granted = self._keep_until(extra_info), list[Any]()
         if self.v4 is not None:   # the side pools' pages (or what batch_set_v2 already stored of them)
-            results = self.v4.write(keys, host_indices)
+            results = self.v4.write(keys, host_indices, keep_until_s=until, granted=granted)
         else:
             pool = self._pool(PoolName.KV.value)
             pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True) for i in range(len(keys))]
@@ -252,7 +252,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         self._measure("backup", sum(results), start)
         if until and granted:   # pinned in the last page's own Put (R22): no Lookup
             self._count_pin(granted[-1])
-        elif until and any(results):   # a V4 stack's pages, or the last page not put: pinned by a Lookup
+        elif until and any(results):   # the last page not put (or its twin call asked no pin): by a Lookup
             self._keep(keys, extra_info, until)
         return results
 

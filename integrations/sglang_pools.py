@@ -70,7 +70,11 @@ class PoolsV2:
     def _read_pages(self, pool: Any, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         raise NotImplementedError
 
-    def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+    def _write_pages(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, keep_until_s: float = 0.0,
+                     granted: list[Any] | None = None) -> list[bool]:
+        raise NotImplementedError
+
+    def _keep_until(self, extra_info: HiCacheStorageExtraInfo | None) -> float:
         raise NotImplementedError
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
@@ -150,7 +154,8 @@ class PoolsV2:
                 out[name] = self._swa_io(t, keys, extra_info, write=write)
             elif self.v4 is not None and (name in V4_SIDE_POOLS or name == PoolName.KV.value):
                 # Every side pool at once: the first pool's move serves the others (_v4_io).
-                out[name] = self._v4_io(t, keys, moved, write=write)
+                out[name] = self._v4_io(t, keys, moved, write=write,
+                                        keep_until_s=self._keep_until(extra_info) if write else 0.0)
             elif name == PoolName.KV.value and t.host_indices is not None:
                 out[name] = self._kv_io(keys, t.host_indices, write=write)
             else:
@@ -166,7 +171,7 @@ class PoolsV2:
         return self._write_pages(keys, pages)
 
     def _v4_io(self, transfer: PoolTransfer, keys: list[str], moved: dict[tuple[Any, ...], list[bool]], *,
-               write: bool) -> list[bool]:
+               write: bool, keep_until_s: float = 0.0) -> list[bool]:
         """A V4 side pool's pages: one move serves every side pool of the call at the same keys and slots
         (`moved`), as a V4 page is all of them (sglang_v4_io)."""
         assert self.v4 is not None
@@ -174,8 +179,10 @@ class PoolsV2:
             return [False] * len(keys)
         at = (tuple(keys), tuple(int(transfer.host_indices[i * self.page_size]) for i in range(len(keys))))
         if at not in moved:
-            io = self.v4.write if write else self.v4.read
-            moved[at] = io(keys, transfer.host_indices)
+            # A write with a retention hint pins in the Put of its last page (R22); batch_set_v1, the twin
+            # call after it, takes that grant from the note (sglang_v4_io) and asks no Lookup.
+            moved[at] = self.v4.write(keys, transfer.host_indices, keep_until_s=keep_until_s) if write \
+                else self.v4.read(keys, transfer.host_indices)
         return list(moved[at])
 
     def _swa_io(self, transfer: PoolTransfer, keys: list[str], extra_info: HiCacheStorageExtraInfo | None, *,

@@ -30,6 +30,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -157,20 +158,28 @@ class V4Sharing:
         native = found.native.cpu().reshape(len(pages), n, -1)
         return native, found.exact.cpu().reshape(len(pages), n).all(dim=-1).tolist()
 
-    def save(self, keys: Sequence[str], pages: Sequence[torch.Tensor],
-             write_native: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]]) -> list[bool]:
-        """Store pages of one call (rule 2): the exact leading run as the model's rows, the rest as SGLang's."""
+    def save(self, keys: Sequence[str], pages: Sequence[torch.Tensor], write_native: Callable[..., list[bool]],
+             *, keep_until_s: float = 0.0, granted: list[Any] | None = None) -> list[bool]:
+        """Store pages of one call (rule 2): the exact leading run as the model's rows, the rest as SGLang's.
+
+        With `keep_until_s`, whichever Put stores the call's last page pins the chain through it in its own
+        transaction, in the layout it went to (docs/RETENTION.md R22, R28); its `PutResult` appended to
+        `granted`.
+        """
         if not keys:
             return []
         native, exact = self.transcode(pages)
         lead = next((i for i, ok in enumerate(exact) if not ok), len(keys))
         n = native.shape[1]
-        results = write_native(keys[:lead], [native[i] for i in range(lead)]) if lead else []
+        keep = keep_until_s if lead == len(keys) else 0.0   # the model chain holds the last page: it pins
+        results = write_native(keys[:lead], [native[i] for i in range(lead)], keep_until_s=keep,
+                               granted=granted) if lead else []
         # A page the model chain could not take (its parent went to the engine layout, or the Put failed)
         # goes to the engine layout with everything after it.
         cut = next((i for i, ok in enumerate(results) if not ok), lead)
         shared = sum(results[:cut])
-        results = results[:cut] + self.keep_engine(keys[cut:], pages[cut:])
+        results = results[:cut] + self.keep_engine(keys[cut:], pages[cut:], keep_until_s=keep_until_s,
+                                                   granted=granted)
         self.stats["blocks_shared"] += shared * n
         self.stats["blocks_engine"] += sum(results[cut:]) * n
         logger.info("kvstore: SGLang v4 save of %d pages: %d stored as the model's rows (every row re-encodes "
@@ -178,8 +187,10 @@ class V4Sharing:
                     len(keys) - lead)
         return results
 
-    def keep_engine(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """Store pages as SGLang's records under the engine layout, their chain from its root (rule 2)."""
+    def keep_engine(self, keys: Sequence[str], pages: Sequence[torch.Tensor], *, keep_until_s: float = 0.0,
+                    granted: list[Any] | None = None) -> list[bool]:
+        """Store pages as SGLang's records under the engine layout, their chain from its root (rule 2); with
+        `keep_until_s` the Put pins its last page (R22), its `PutResult` appended to `granted`."""
         results = [False] * len(keys)
         if not keys:
             return results
@@ -204,7 +215,10 @@ class V4Sharing:
                     return results
                 blocks, start = moved + blocks, 0
                 self.stats["engine_prefix_moves"] += 1
-            put = self.engine.put(tokens, blocks, extra_keys=first.extra_keys, first_block=start)
+            put = self.engine.put(tokens, blocks, extra_keys=first.extra_keys, first_block=start,
+                                  keep_until_s=keep_until_s)
+            if keep_until_s and granted is not None:
+                granted.append(put)
         except KVStoreError as exc:
             self.stats["write_failures"] += 1
             logger.warning("kvstore put of %d SGLang v4 pages failed: %s", len(keys), exc)

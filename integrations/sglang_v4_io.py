@@ -46,14 +46,15 @@ class V4Pages:
         ledger: the page keys' tokens and block hashes.
         layout: the page arrangement (sglang_v4_pools.layout).
         pools: side pool name -> SGLang host pool (registered so far; read at call time).
-        write_pages: the backend's Put of pages as runs of one chain (keys, [n, block_bytes] pages).
+        write_pages: the backend's Put of pages as runs of one chain (keys, [n, block_bytes] pages; with
+            `keep_until_s` and `granted`, the run ending at the last key pinning it in its own Put, R22).
         stats: the backend's counters (pages read here are added to "pages_read").
         sharing: with SGLang's v4 rows shared as the model's where exact (integrations.sglang_share): the
             blocks are read and written through it (`client` is then the model geometry's).
     """
 
     def __init__(self, client: Client, ledger: KeyLedger, layout: V4PageLayout, pools: Mapping[str, Any],
-                 write_pages: Callable[[Sequence[str], Sequence[torch.Tensor]], list[bool]],
+                 write_pages: Callable[..., list[bool]],
                  stats: dict[str, int], *, sharing: V4Sharing | None = None) -> None:
         self.sharing = sharing
         self.stats = stats
@@ -92,12 +93,27 @@ class V4Pages:
             self._note("get", keys, host_indices, done)
         return done
 
-    def write(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
-        """Store the side pools' pages at `host_indices` under `keys` (or answer a twin call's outcome)."""
+    def write(self, keys: Sequence[str], host_indices: torch.Tensor, *, keep_until_s: float = 0.0,
+              granted: list[Any] | None = None) -> list[bool]:
+        """Store the side pools' pages at `host_indices` under `keys` (or answer a twin call's outcome).
+
+        With `keep_until_s`, the Put that stores the last page pins the chain through it in its own
+        transaction (docs/RETENTION.md R22: no Lookup after the write); its `PutResult` is appended to
+        `granted`, and noted, so the twin call (batch_set_v1 after batch_set_v2) gets it too.
+        """
         done = self._take("set", keys, host_indices)
+        grants: dict[tuple[str, int], Any] = self._noted.__dict__.setdefault("grants", {})
+        last = (keys[-1], self._slot(host_indices, len(keys) - 1)) if keys else None
         if done is None:
-            done = self._write(keys, host_indices)
+            mine: list[Any] = []
+            done = self._write(keys, host_indices, keep_until_s, mine)
             self._note("set", keys, host_indices, done)
+            if mine and last is not None:
+                if len(grants) > MAX_NOTED:
+                    grants.clear()
+                grants[last] = mine[-1]
+        if granted is not None and last is not None and last in grants:
+            granted.append(grants.pop(last))
         return done
 
     def forget_reads(self) -> None:
@@ -150,12 +166,13 @@ class V4Pages:
         self.stats["pages_read"] += sum(results)
         return results
 
-    def _write(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+    def _write(self, keys: Sequence[str], host_indices: torch.Tensor, keep_until_s: float,
+               granted: list[Any]) -> list[bool]:
         pages = []
         for i in range(len(keys)):
             slot = self._slot(host_indices, i)
             side = {name: pool.get_data_page(slot, flat=True) for name, pool in self.pools.items()}
             pages.append(pages_to_blocks(self.layout, side))
         if self.sharing is not None:
-            return self.sharing.save(keys, pages, self.write_pages)
-        return self.write_pages(keys, pages)
+            return self.sharing.save(keys, pages, self.write_pages, keep_until_s=keep_until_s, granted=granted)
+        return self.write_pages(keys, pages, keep_until_s=keep_until_s, granted=granted)

@@ -373,9 +373,19 @@ def pinning_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
     child.kill_if_alive()
 
 
+def _pins_view(server: Child) -> tuple[int, int]:
+    """The server's Lookups answered, and the default tenant's pins."""
+    with kvstore.Client(server.target) as c:
+        stats = c.stats(tenant="default")
+        return stats.lookups, next((t.pins for t in stats.tenants if t.tenant == "default"), 0)
+
+
 def test_a_retention_hint_pins_the_chain_in_whichever_layout_it_went_to(
         pinning_server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R22/R28: a V4 stack's write pins in the Put of its last page, in the layout that page went to (the
+    model's rows, SGLang's records, or SGLang's records with sharing off): the server answers no Lookup."""
     monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    lookups0, pins0 = _pins_view(pinning_server)
     group = v4_group(pages=2)
     backend = attach(pinning_server.target, group, {"keep_s": 3600})
     try:
@@ -385,6 +395,15 @@ def test_a_retention_hint_pins_the_chain_in_whichever_layout_it_went_to(
             keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:1]
             assert store(backend, keys, p) == [True]
             assert backend.counters()["pins"] == p + 1
+            assert _pins_view(pinning_server) == (lookups0, pins0 + p + 1)     # granted in the Put itself
         assert (backend.counters()["blocks_shared"], backend.counters()["blocks_engine"]) == (N, N)
     finally:
         backend.close()
+    group = v4_group(pages=1)
+    plain = attach(pinning_server.target, group, {"keep_s": 3600, "share_model_rows": False})
+    try:
+        fill_v4(group, 0, 1, seed=14)
+        assert store(plain, sg_utils.get_hash_str(tokens_of(93, 1), None, page_size=V4_PAGE)[:1], 0) == [True]
+        assert plain.counters()["pins"] == 1 and _pins_view(pinning_server) == (lookups0, pins0 + 3)
+    finally:
+        plain.close()
