@@ -170,6 +170,8 @@ def with_target(line: str, target: str) -> str:
     (the README's commands use the default, 127.0.0.1:50051)."""
     command = line.split(" #")[0].rstrip()
     for argv in kvstore_commands(command):
+        if "--data-dir" in argv:  # works on a data dir, not a server (`kvstore tenant` takes etcd:// there)
+            continue
         if "--target" not in argv and hasattr(build_parser(argv).parse_args(argv), "target"):
             return f"{command} --target {target}"
     return command
