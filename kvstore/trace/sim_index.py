@@ -319,12 +319,8 @@ class SimIndex:
         self._pending.append((key, parent_hash, depth, len(data), is_first,
                               now_s if last_use_s is None else last_use_s))
 
-    def _flush(self) -> None:
-        """Store the queued inserts, as inserting them one by one in order would."""
-        pending, self._pending = self._pending, []
-        keys, hashes, depths, sizes, firsts, whens = zip(*pending, strict=True)
-        chain = list(depths) == list(range(depths[0], depths[0] + len(depths)))
-        idxs: list[Any] = self._numbers_of(keys, depths[0]) if chain else list(map(self.numbers.get, keys))
+    def _number_new(self, keys: Sequence[bytes], idxs: list[Any]) -> None:
+        """Give each key numbered None in `idxs` the next free number, and grow the arrays to hold them."""
         if None in idxs:
             key_of = self.key_of
             for j, i in enumerate(idxs):
@@ -333,6 +329,14 @@ class SimIndex:
                     key_of.append(keys[j])
         if max(idxs) >= len(self.last):
             self._grow(max(idxs) + 1)
+
+    def _flush(self) -> None:
+        """Store the queued inserts, as inserting them one by one in order would."""
+        pending, self._pending = self._pending, []
+        keys, hashes, depths, sizes, firsts, whens = zip(*pending, strict=True)
+        chain = list(depths) == list(range(depths[0], depths[0] + len(depths)))
+        idxs: list[Any] = self._numbers_of(keys, depths[0]) if chain else list(map(self.numbers.get, keys))
+        self._number_new(keys, idxs)
         blocks: dict[Any, int] = self.blocks
         if chain and not any(firsts[1:]) and list(hashes[1:]) == [k[_NS_END:] for k in keys[:-1]]:
             # one run of a chain, each block's parent the one queued before it: `insert_run`'s case
@@ -377,14 +381,7 @@ class SimIndex:
     def _chain_run(self, keys: Sequence[bytes], idxs: list[Any], parent_hash: bytes, is_root: bool,
                    first_depth: int, sizes: list[int], whens: Sequence[float]) -> None:
         """Store consecutive new blocks of one chain (`insert_run`'s arguments, the numbers found)."""
-        if None in idxs:
-            key_of = self.key_of
-            for j, i in enumerate(idxs):
-                if i is None:
-                    idxs[j] = len(key_of)
-                    key_of.append(keys[j])
-        if max(idxs) >= len(self.last):
-            self._grow(max(idxs) + 1)
+        self._number_new(keys, idxs)
         far: dict[int, bytes] = {}
         if is_root:
             head = -1
