@@ -20,6 +20,7 @@ arguments.
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -234,6 +235,53 @@ def _loaded_cudart() -> ctypes.CDLL | None:
     return None
 
 
+class SharedRegistrations:
+    """The host ranges this process registered with CUDA, each counted per holder.
+
+    CUDA refuses a second registration of registered memory in one process
+    (cudaErrorHostMemoryAlreadyRegistered), yet two gatherers over one mapping (the
+    restore's gatherer for a reader and a caller's own `GpuGather`, say) ask for the
+    same chunks. A range already held at least as long is shared rather than
+    registered again, and CUDA's unregister runs only when its last holder lets go,
+    so one holder's eviction never unpins pages another's kernel is reading.
+
+    Args:
+        register: the raw `register(address, length)`, raising on failure.
+        unregister: the raw `unregister(address)`.
+    """
+
+    def __init__(self, register: Callable[[int, int], None], unregister: Callable[[int], None]) -> None:
+        self._register, self._unregister = register, unregister
+        self._lock = threading.Lock()
+        self._held: dict[int, list[int]] = {}   # address -> [length, holders]
+
+    def holders(self, address: int) -> int:
+        """How many holders share the range registered at `address` (0: none)."""
+        with self._lock:
+            held = self._held.get(address)
+            return 0 if held is None else held[1]
+
+    def register(self, address: int, length: int) -> None:
+        """Hold `[address, address + length)` registered: shared when held already, else registered."""
+        with self._lock:
+            held = self._held.get(address)
+            if held is not None and held[0] >= length:
+                held[1] += 1
+                return
+            self._register(address, length)  # a shorter hold: CUDA refuses, and says so
+            self._held[address] = [length, 1]
+
+    def unregister(self, address: int) -> None:
+        """Let go of the range at `address`; CUDA unregisters it when nobody holds it any more."""
+        with self._lock:
+            held = self._held.get(address)
+            if held is not None and held[1] > 1:
+                held[1] -= 1
+                return
+            self._held.pop(address, None)
+            self._unregister(address)
+
+
 class CudaHost:
     """`cudaHostRegister` (read-only, mapped) and `cudaHostUnregister` on host ranges.
 
@@ -247,6 +295,10 @@ class CudaHost:
     """
 
     FLAGS = HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY
+
+    #: One table for the whole process: CUDA's registrations are per process, not per CudaHost.
+    _shared: SharedRegistrations | None = None
+    _shared_lock = threading.Lock()
 
     def __init__(self) -> None:
         try:
@@ -272,8 +324,22 @@ class CudaHost:
         name = self._lib.cudaGetErrorName(code)
         return f"{name.decode() if name else 'error'} ({code})"
 
+    def _table(self) -> SharedRegistrations:
+        with CudaHost._shared_lock:
+            if CudaHost._shared is None:
+                CudaHost._shared = SharedRegistrations(self._register_raw, self._unregister_raw)
+            return CudaHost._shared
+
     def register(self, address: int, length: int) -> None:
-        """Register `[address, address + length)` read-only and mapped; DirectGpuUnavailable on failure."""
+        """Register `[address, address + length)` read-only and mapped, shared with this process's other
+        holders of the same range (`SharedRegistrations`); DirectGpuUnavailable on failure."""
+        self._table().register(address, length)
+
+    def unregister(self, address: int) -> None:
+        """Let go of the range registered at `address`; unregistered once no holder is left."""
+        self._table().unregister(address)
+
+    def _register_raw(self, address: int, length: int) -> None:
         if self._lib is None:
             code = int(self._torch_rt.cudaHostRegister(address, length, self.FLAGS))  # type: ignore[union-attr]
         else:
@@ -287,13 +353,13 @@ class CudaHost:
             device = ctypes.c_void_p()
             code = int(self._lib.cudaHostGetDevicePointer(ctypes.byref(device), address, 0))
             if code or device.value != address:
-                self.unregister(address)
+                self._unregister_raw(address)
                 why = self._error(code) if code else "no unified addressing"
                 raise DirectGpuUnavailable(f"registered host memory at {address:#x} has device address "
                                            f"{device.value!r} ({why})")
 
-    def unregister(self, address: int) -> None:
-        """Unregister the range registered at `address` (errors are cleared, not raised: it is cleanup)."""
+    def _unregister_raw(self, address: int) -> None:
+        # Errors are cleared, not raised: it is cleanup.
         if self._lib is None:
             self._torch_rt.cudaHostUnregister(address)  # type: ignore[union-attr]
             return

@@ -163,11 +163,29 @@ def test_a_refused_registration_is_the_typed_error_and_cuda_still_works() -> Non
     m = mmap.mmap(-1, 8192)
     address = int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
     host = CudaHost()
-    host.register(address, 8192)
+    host.register(address, 4096)
     with pytest.raises(DirectGpuUnavailable, match="cudaHostRegister"):
-        host.register(address, 8192)  # already registered: CUDA refuses
+        host.register(address, 8192)  # overlaps what is registered, and is longer: CUDA refuses
     host.unregister(address)
     assert torch.ones(3, device="cuda").sum().item() == 3  # the error was cleared, not left sticky
+
+
+def test_two_gathers_over_one_mapping_share_its_registration(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The restore's gatherer for a reader and a caller's own GpuGather in one process: CUDA refuses a
+    # second registration of the same pages, so they share it, and one closing leaves the other's intact.
+    from kvstore.client.gpu_gather import GpuGather
+
+    with MappedFile(9, BLOCK, seed=11, folder=str(tmp_path)) as f:
+        first, second = GpuGather(), GpuGather()
+        out, result = first.gather(f)
+        assert result.blocks == 9
+        out2, result2 = second.gather(f)
+        assert result2.blocks == 9 and torch.equal(out2, out)
+        first.close()
+        out3, result3 = second.gather(f)
+        assert result3.blocks == 9 and torch.equal(out3.cpu(), torch.from_numpy(f.expected()))
+        second.close()
+        assert first.registry.used_bytes == second.registry.used_bytes == 0
 
 
 def test_warm_up_compiles_and_leaves_nothing_registered(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -19,6 +19,7 @@ from kvstore.client.gpu_pinned import (
     Chunk,
     DirectGpuUnavailable,
     PinnedRegistry,
+    SharedRegistrations,
     chunk_bytes_checked,
     chunks_of,
     plan_rounds,
@@ -168,6 +169,40 @@ def test_a_failed_registration_leaves_the_books_straight() -> None:
     with pytest.raises(DirectGpuUnavailable):
         reg.ensure(base, [Chunk(0, 0, MIB), Chunk(1, MIB, MIB)])
     assert reg.registered() == {0: MIB} and rec.live == {base: MIB}
+
+
+class OnePerProcess(Recorder):
+    """CUDA's rule: memory registered once in a process is refused a second time (the typed error)."""
+
+    def register(self, address: int, length: int) -> None:
+        if any(address < start + size and start < address + length for start, size in self.live.items()):
+            raise DirectGpuUnavailable("cudaErrorHostMemoryAlreadyRegistered (712)")
+        super().register(address, length)
+
+
+def test_two_registries_over_one_mapping_share_its_registrations() -> None:
+    # The restore's gatherer for a reader and a caller's own GpuGather, over the same data file.
+    base, cuda = 1 << 30, OnePerProcess()
+    table = SharedRegistrations(cuda.register, cuda.unregister)
+    first = PinnedRegistry(table.register, table.unregister, budget_bytes=8 * MIB)
+    second = PinnedRegistry(table.register, table.unregister, budget_bytes=8 * MIB)
+    first.ensure(base, [Chunk(0, 0, MIB), Chunk(1, MIB, MIB)])
+    second.ensure(base, [Chunk(1, MIB, MIB), Chunk(2, 2 * MIB, MIB)])     # chunk 1 is shared, not refused
+    assert cuda.live == {base: MIB, base + MIB: MIB, base + 2 * MIB: MIB} and table.holders(base + MIB) == 2
+    first.clear()                                                          # the other still reads chunk 1
+    assert cuda.live == {base + MIB: MIB, base + 2 * MIB: MIB} and table.holders(base + MIB) == 1
+    second.clear()
+    assert cuda.live == {} and [c[0] for c in cuda.calls].count("register") == 3
+
+
+def test_a_longer_range_over_a_held_one_is_refused_and_the_holder_keeps_it() -> None:
+    base, cuda = 1 << 30, OnePerProcess()
+    table = SharedRegistrations(cuda.register, cuda.unregister)
+    table.register(base, MIB)
+    table.register(base, MIB // 2)                     # inside what is held: shared
+    with pytest.raises(DirectGpuUnavailable, match="712"):
+        table.register(base, 2 * MIB)                  # the file grew under another holder: CUDA refuses
+    assert table.holders(base) == 2 and cuda.live == {base: MIB}
 
 
 @pytest.mark.parametrize("budget", [0, 100, "4g"])
