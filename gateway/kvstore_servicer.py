@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -44,12 +44,20 @@ from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers import blockcopy
 from tiers.pins import PinGrant
-from tiers.store import AnchoredLookup, BlockStore, PinningStore, PutBatch, PutResult, ReadStatus
+from tiers.store import AnchoredLookup, BlockStore, FoundReads, PinningStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
 #: LMDB thread, small enough that the first block goes out quickly.
 GET_CHUNK_BLOCKS = 16
+#: A Lookup of at most this many hashes reads the index on the event loop: about a microsecond of
+#: LMDB per block, where the hop to the tier's executor and back costs the loop ~0.1 ms and, under
+#: load, the wait behind Put commits holding every LMDB thread (docs/BENCHMARKS.md, `bench load`).
+INLINE_LOOKUP_BLOCKS = 128
+#: A Get of at most this many bytes of blocks reads them on the event loop (verified and copied into
+#: their replies: ~0.1 ms per 512 KiB), through a read that never writes (`FoundReads`); a larger
+#: Get reads on the executor, so a big read never holds the other calls.
+INLINE_GET_BYTES = 512 << 10
 
 #: Put batches a stream may have received ahead of the one being committed.
 PUT_STREAM_DEPTH = 4
@@ -58,6 +66,7 @@ PIN_AUDIT_INTERVAL_S = 1.0
 #: Who an expiry's audit entry names: the server itself, not a caller.
 PIN_AUDIT_ACTOR = "kvstore"
 log = logging.getLogger("kvstore.pins")
+T = TypeVar("T")
 
 def _check_keep_until(until_s: float) -> None:
     """A pin's time is a finite Unix time (0: none)."""
@@ -106,6 +115,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.pins = tier if isinstance(tier, PinningStore) else None
         #: A next turn's Lookup from its anchor's stored record (A5); None: from remembered anchors (A1).
         self.anchored = tier if isinstance(tier, AnchoredLookup) else None
+        #: Reads with no side effect, a small Get's on the event loop; None: every Get reads on the executor.
+        self.found_reads = tier if isinstance(tier, FoundReads) else None
         #: Where each pin granted is recorded (R27); None: not recorded (a servicer built without the log).
         self.audit = audit
         #: A gateway's store routes whole requests (docs/FLEET.md F36-F40); None on a node.
@@ -174,13 +185,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             reply = await self._routed_lookup(request, scope, hashes, lease_ms, context)
             self._remember(scope, hashes, reply.found_blocks, request)
             return reply
-        # One index read per found block (the chain is checked, R15): off the event loop.
+        # One index read per found block (the chain is checked, R15): on the loop when few.
         due: list[bytes] = []
-        found, lease = await self.tier.call(
-            lambda: self.tier.lookup(scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
+        found, lease = await self._index_read(len(hashes), lambda: self.tier.lookup(
+            scope, hashes, lease_ms / 1000.0, touch_due=due)) if hashes else (0, None)
         self._remember(scope, hashes, found, request)
         return await self._found(request, layout, scope, hashes, found, hashes[found - 1] if found else b"", lease,
                                  due, only_swa=only_swa)
+
+    async def _index_read(self, blocks: int, read: Callable[[], T]) -> T:
+        """A Lookup's `read` of `blocks` index records (a store's lookup never writes): here on the event loop
+        when they are few (INLINE_LOOKUP_BLOCKS), else on the tier's executor."""
+        return read() if blocks <= INLINE_LOOKUP_BLOCKS else await self.tier.call(read)
 
     def _from_anchor_record(self) -> bool:
         """Whether a next turn is answered from its anchor's stored record (A5): on a node's own store,
@@ -196,8 +212,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         after = validate.anchored_after(request.block_hashes_packed, blocks, limit=limit)
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         due: list[bytes] = []
-        answer = await self.tier.call(
-            lambda: anchored.lookup_after(scope, anchor, blocks, after, lease_ms / 1000.0, touch_due=due))
+        answer = await self._index_read(len(after) + 1, lambda: anchored.lookup_after(
+            scope, anchor, blocks, after, lease_ms / 1000.0, touch_due=due))
         if answer is None:
             return pb.LookupResponse(anchor_unknown=True)  # nothing looked up or leased: the client sends all
         found, lease = answer
@@ -274,7 +290,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 start += n
             return answers
 
-        answers = await self.tier.call(look)
+        answers = await self._index_read(len(hashes), look)
         found = sum(f for f, _ in answers)
         self.hits.record(scope.namespace, "lookup", len(hashes), found)
         leases = [lease for _, lease in answers if lease]
@@ -528,7 +544,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @streaming
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext
                   ) -> AsyncIterator[pb.GetResponse | bytes]:
-        _, scope = validate.scope(self.layouts, request.geometry, request.namespace)
+        layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
         hashes = validate.hashes(request.block_hashes, limit=self.settings.max_batch_blocks)
         if self.router is not None:
             async for reply in self._routed_get(request, scope, hashes, context):
@@ -536,11 +552,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return
         keys = [scope.key(h) for h in hashes]
         found: list[bytes] = []
+        due: list[bytes] = []  # found blocks whose retention clock is due a restart (R5)
+        on_loop = self.found_reads is not None and len(keys) * layout.block_bytes <= INLINE_GET_BYTES
         try:
             for start in range(0, len(keys), GET_CHUNK_BLOCKS):
                 chunk = keys[start:start + GET_CHUNK_BLOCKS]
                 # FOUND blocks come back serialized, copied once out of the map (gateway/replies.py).
-                results = await self.tier.call(self.tier.read, chunk, partial(_found_reply, start))
+                results = self._found_chunk(chunk, start, due) if on_loop else None
+                if results is None:  # a large Get, or a block missing or damaged: the executor's careful read
+                    results = await self.tier.call(self._read_chunk, chunk, start, due, not on_loop)
                 for offset, (status, reply) in enumerate(results):
                     if status is ReadStatus.FOUND:
                         found.append(chunk[offset])
@@ -551,10 +571,30 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             self.tier.count_get(len(keys), len(found))
             self.hits.record(scope.namespace, "get", len(keys), len(found))
             self.trace.get(scope, hashes, len(found))
-        if found:
+        if due:
             # Durable before the stream ends OK: a read the client saw complete
-            # restarts the blocks' retention clocks even across a crash.
-            await asyncio.wrap_future(self.tier.touch_soon(found))
+            # restarts the blocks' retention clocks even across a crash. Blocks
+            # recorded within the touch granularity need no write (R5): no hop.
+            await asyncio.wrap_future(self.tier.touch_soon(due))
+
+    def _found_chunk(self, chunk: list[bytes], start: int, due: list[bytes]) -> list[tuple[ReadStatus, Any]] | None:
+        """A Get chunk's replies when every block is stored and intact, those due a refresh added to `due`;
+        None when not, or the store has no `FoundReads`. No side effect: the event loop may run it."""
+        if self.found_reads is None:
+            return None
+        replies = self.found_reads.read_found(chunk, partial(_found_reply, start), touch_due=due)
+        return None if replies is None else [(ReadStatus.FOUND, reply) for reply in replies]
+
+    def _read_chunk(self, chunk: list[bytes], start: int, due: list[bytes],
+                    try_found: bool) -> list[tuple[ReadStatus, Any]]:
+        """A Get chunk's statuses and replies, on the executor: `_found_chunk` first when `try_found`, else
+        (or when it says no) the store's `read`, which reports, counts and drops a corrupt block; its
+        found blocks all go to `due` (the refresh skips those recorded within the granularity)."""
+        results = self._found_chunk(chunk, start, due) if try_found else None
+        if results is None:
+            results = self.tier.read(chunk, partial(_found_reply, start))
+            due.extend(key for key, (status, _) in zip(chunk, results, strict=True) if status is ReadStatus.FOUND)
+        return results
 
     async def _routed_get(self, request: pb.GetRequest, scope: BlockScope, hashes: list[bytes],
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse | bytes]:

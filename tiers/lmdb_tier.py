@@ -385,6 +385,17 @@ class LmdbBlockTier:
             self.drop_corrupt(corrupt)
         return out
 
+    def read_found(self, keys: Sequence[bytes], copy: Callable[[int, memoryview], Any] | None = None, *,
+                   touch_due: list[bytes] | None = None) -> list[Any] | None:
+        """`read` when every block is stored and intact, with no side effect; None at the first that is not
+        (`reads.read_found`): the caller then reads through `read`, which reports, counts and drops.
+
+        It never writes, so a small one may run on the event loop (`tiers.store.FoundReads`). The FOUND
+        blocks whose retention clock is due a restart (those `touch` would write, R5) go to `touch_due`.
+        """
+        return reads.read_found(self.env, self._dbs, keys, self._damage, copy,
+                                self.rule.touch_due_before(self.retention_clock.now()), touch_due)
+
     def read_into(self, keys: Sequence[bytes], dests: Sequence[memoryview | None],
                   stop_at_missing: bool = False, *, touch_due: list[bytes] | None = None
                   ) -> list[ReadStatus | None]:

@@ -86,6 +86,38 @@ def read_copies(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes], dam
     return out
 
 
+def read_found(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes], damage: DamagedBlocks,
+               copy: Callable[[int, memoryview], Any] | None, due_before_s: float,
+               touch_due: list[bytes] | None) -> list[Any] | None:
+    """Each block's copy (as `read_copies` makes it) when every one of `keys` is stored and intact; None
+    at the first that is not (missing, failing its checksum, on a damaged page, known damaged).
+
+    One read txn and no side effect: nothing is noted, dropped or written, so a caller may run it where
+    a write must not (the event loop), and reads a None again through `read_copies`, which notes and
+    drops what it must. The keys whose last use was recorded before `due_before_s` go to `touch_due` (R5)
+    only when the whole read succeeds.
+    """
+    out: list[Any] = []
+    due: list[bytes] = []
+    try:
+        with env.begin(buffers=True) as txn:
+            for key in keys:
+                meta = read_meta(txn, dbs, key)
+                if meta is None or damage.known(key):
+                    return None
+                data = txn.get(data_key(key), db=dbs.records)
+                if data is None or len(data) != meta.size_bytes or xxhash.xxh3_64_intdigest(data) != meta.checksum:
+                    return None
+                out.append(copy(len(out), memoryview(data)) if copy else bytes(data))
+                if meta.last_access_s < due_before_s:
+                    due.append(key)
+    except (DamagedBlock, lmdb.Error):
+        return None
+    if touch_due is not None:
+        touch_due.extend(due)
+    return out
+
+
 def _parents(env: lmdb.Environment, dbs: BlockDbs, keys: Sequence[bytes]) -> set[bytes]:
     """The parent hashes the meta records of `keys` name (those that read)."""
     try:

@@ -1,9 +1,11 @@
 """The block store seam: what the gateway's servicers and transfer paths see of a store.
 
 `BlockStore` is the one interface (issue 23, "How"): Lookup with leases, batched
-Puts, verified reads, durable refreshes, counters and usage. Two capabilities sit
+Puts, verified reads, durable refreshes, counters and usage. Capabilities sit
 beside it, each a Protocol a store may also meet:
 
+- `FoundReads` and `AnchoredLookup`: a read with no side effect (the service answers a small Get on its
+  event loop with it), a next turn's Lookup from its anchor.
 - `MappedReads`: reading straight out of LMDB's map (staged reads whose copy runs
   on another thread, the request ring's and the bulk transport's raw read txns).
   Only a store on this host's LMDB has it; the transfer service needs it, so a store
@@ -11,7 +13,7 @@ beside it, each a Protocol a store may also meet:
 - `ManagedStore`: purge, export and import, the namespaces' retention and quotas:
   what the Admin service needs of the store it runs on.
 
-Implementations: `tiers.lmdb_tier.LmdbBlockTier` (all three) and, next, the
+Implementations: `tiers.lmdb_tier.LmdbBlockTier` (all of them) and, next, the
 fleet's router (`BlockStore` only, over the fleet's nodes), each checked by one
 contract suite (tests/tiers/test_store_contract.py). The
 import rule (docs/ARCHITECTURE.md): gateway modules name these Protocols, never
@@ -40,8 +42,8 @@ from tiers.pins import Pin, PinGrant, PinLimits, PinTotals
 from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
-__all__ = ["AnchoredLookup", "BlockStore", "ManagedStore", "MappedReads", "MappedStore", "NamespaceUsage",
-           "PinningStore", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
+__all__ = ["AnchoredLookup", "BlockStore", "FoundReads", "ManagedStore", "MappedReads", "MappedStore",
+           "NamespaceUsage", "PinningStore", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
 
 T = TypeVar("T")
 
@@ -66,7 +68,8 @@ class BlockStore(Protocol):
                touch_due: list[bytes] | None = None) -> tuple[int, Lease | None]:
         """How many leading blocks of `hashes` are stored as one chain (R15), and a lease on them if asked.
 
-        `touch_due`, when given, receives the keys whose retention clock is due a restart (R5).
+        `touch_due`, when given, receives the keys whose retention clock is due a restart (R5). It never
+        writes (the refresh is the caller's, through `touch_soon`): the service runs a short one on its event loop.
         """
         ...
 
@@ -120,6 +123,19 @@ class AnchoredLookup(Protocol):
                      lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
         """`lookup` of the chain of `anchor_blocks` blocks ending at `anchor_hash`, then `hashes`; found counts
         from the first block. None when the anchor is not stored at that depth in `scope` (nothing leased)."""
+        ...
+
+
+@runtime_checkable
+class FoundReads(Protocol):
+    """The capability of a read with no side effect, all found or nothing: a store on this host's LMDB
+    has it. It never writes (a `read` that meets a corrupt block drops it, a write txn), so the KVStore
+    service runs a small one on its event loop instead of hopping to the executor and back."""
+
+    def read_found(self, keys: Sequence[bytes], copy: Callable[[int, memoryview], Any] | None = None, *,
+                   touch_due: list[bytes] | None = None) -> list[Any] | None:
+        """Each block's data (as `read` returns it) when all are stored and intact; None at the first that is
+        not (nothing noted nor dropped: read them through `read`). The keys due a refresh (R5) go to `touch_due`."""
         ...
 
 
