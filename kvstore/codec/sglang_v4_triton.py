@@ -333,3 +333,190 @@ def native_blocks_to_v4(blocks: torch.Tensor, model: ModelGeometry, block_tokens
                         out.stride(0), plan.offsets, plan.index_bytes):
         return None
     return out
+
+
+# -- the save: V4 rows -> model rows, exactness ------------------------------------------------------------
+
+
+@triton.jit
+def _attempt(base, scale, target, table, decoded, mask, STRIDE: tl.constexpr):
+    """`sglang_v4._search`'s `attempt`: under scale bytes [R, G] (int32), each element's code [R, G, 16], whether
+    all of a group's re-encode to `target` [R, G], and the codes' values (the `decoded` table)."""
+    slot = tl.where(scale > 127, 128, scale)
+    got = tl.load(table + ((base + slot * STRIDE)[:, :, None] + target), mask=mask, other=16).to(tl.int32)
+    codes = got & 15
+    values = tl.load(decoded + ((slot << 4)[:, :, None] + codes), mask=mask, other=0.0)
+    return codes, tl.max(got, axis=2) < 16, values
+
+
+@triton.jit
+def _search(base, target, near, table, decoded, live, STRIDE: tl.constexpr, ALTERNATIVES: tl.constexpr):
+    """`sglang_v4._search` on groups [R, G] of elements `target` [R, G, 16]: (codes, scale bytes, count)."""
+    codes, ok, values = _attempt(base, near, target, table, decoded, live[:, :, None], STRIDE)
+    scale = near
+    count = ok.to(tl.int32)
+    if ALTERNATIVES:
+        tried_here = live
+    else:
+        tried_here = live & ~ok
+    for step in tl.static_range(2):                                  # the neighbours: lower, then upper
+        tried = tl.minimum(tl.maximum(near + (2 * step - 1), 1), 126)
+        c, k, v = _attempt(base, tried, target, table, decoded, tried_here[:, :, None], STRIDE)
+        k = k & tried_here
+        distinct = (tl.max((v != values).to(tl.int32), axis=2) > 0) | ~ok
+        count += (k & distinct & (tried != scale)).to(tl.int32)
+        better = k & ~ok                                             # taken only where nothing re-encoded yet
+        codes = tl.where(better[:, :, None], c, codes)
+        values = tl.where(better[:, :, None], v, values)
+        scale = tl.where(better, tried, scale)
+        ok = ok | better
+    return codes, scale, count
+
+
+@triton.jit
+def _store_packed(dst_ptr, row, place, codes, mask, G: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Codes [R, G, 16] as bytes (element 2i low nibble, 2i+1 high) at `row` + `place` [1, G, 8]."""
+    even, odd = tl.split(tl.reshape(codes, (BLOCK_ROWS, G, 8, 2)))
+    tl.store(dst_ptr + (row[:, None, None] + place), (even | (odd << 4)).to(tl.uint8), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_table, copy_src_table,
+                 copy_dst_table, nope_near, rope_near, nope_outcome, rope_outcome, decoded, nope_bytes_table,
+                 rope_table, n_rows, rows_per_block, src_stride, dst_stride,
+                 NOPE: tl.constexpr, ROPE: tl.constexpr, V4_BYTES: tl.constexpr, TILES_P: tl.constexpr,
+                 ROPE_P: tl.constexpr, SCALES_P: tl.constexpr, NAN_KEY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                 COPY_BYTES: tl.constexpr, COPY_P: tl.constexpr, COPY_UNIT: tl.constexpr,
+                 SRC_ALIGN: tl.constexpr, DST_ALIGN: tl.constexpr, HW_FP8: tl.constexpr,
+                 ALTERNATIVES: tl.constexpr):
+    TILES: tl.constexpr = NOPE // 64
+    GROUPS_P: tl.constexpr = TILES_P * 4
+    HALF: tl.constexpr = (NOPE + ROPE) // 2
+    ROPE_GROUPS: tl.constexpr = ROPE // 16
+    SLOTS: tl.constexpr = 129
+    FIELD: tl.constexpr = NOPE + 2 * ROPE                             # where the scale field starts
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    live = rows < n_rows
+    src_row = _row_offsets(src_table, rows, rows_per_block, src_stride, SRC_ALIGN)
+    dst_row = _row_offsets(dst_table, rows, rows_per_block, dst_stride, DST_ALIGN)
+    lane = tl.arange(0, 16)
+    byte = tl.arange(0, 8)
+    # NoPE groups [R, G] of 16 E4M3 bytes under their tile's exponent byte (clamped to 1..254).
+    g = tl.arange(0, GROUPS_P)
+    groups = live[:, None] & (g < NOPE // 16)[None, :]
+    target = tl.load(src_ptr + (src_row[:, None, None] + g[None, :, None] * 16 + lane[None, None, :]),
+                     mask=groups[:, :, None], other=0).to(tl.int32)
+    stored_exponent = tl.load(src_ptr + (src_row[:, None] + FIELD + (g // 4)[None, :]), mask=groups,
+                              other=0).to(tl.int32)
+    exponent = tl.minimum(tl.maximum(stored_exponent, 1), 254)
+    near = tl.load(nope_near + ((exponent << 7) | tl.max(target & 0x7F, axis=2)), mask=groups, other=1)
+    codes, scale, count = _search(exponent * (SLOTS * 256), target, near.to(tl.int32), nope_outcome, decoded,
+                                  groups, 256, ALTERNATIVES)
+    # RoPE groups [R, G] of 16 bf16 values.
+    r = tl.arange(0, ROPE_P)
+    rgroups = live[:, None] & (r < ROPE_GROUPS)[None, :]
+    src16 = src_ptr.to(tl.pointer_type(tl.int16))
+    rtarget = tl.load(src16 + (((src_row + NOPE) // 2)[:, None, None] + r[None, :, None] * 16 + lane[None, None, :]),
+                      mask=rgroups[:, :, None], other=0).to(tl.int32) & 0xFFFF
+    rnear = tl.load(rope_near + tl.max(rtarget & 0x7FFF, axis=2), mask=rgroups, other=1)
+    rcodes, rscale, rcount = _search(tl.zeros_like(rnear).to(tl.int32), rtarget, rnear.to(tl.int32), rope_outcome,
+                                     decoded, rgroups, 65536, ALTERNATIVES)
+    # The model row found: packed codes, then the scale bytes (NoPE groups', then RoPE's).
+    _store_packed(dst_ptr, dst_row, g[None, :, None] * 8 + byte[None, None, :], codes, groups[:, :, None],
+                  GROUPS_P, BLOCK_ROWS)
+    _store_packed(dst_ptr, dst_row, NOPE // 2 + r[None, :, None] * 8 + byte[None, None, :], rcodes,
+                  rgroups[:, :, None], ROPE_P, BLOCK_ROWS)
+    tl.store(dst_ptr + (dst_row[:, None] + HALF + g[None, :]), scale.to(tl.uint8), mask=groups)
+    tl.store(dst_ptr + (dst_row[:, None] + HALF + NOPE // 16 + r[None, :]), rscale.to(tl.uint8), mask=rgroups)
+    # Its re-encoding (the load's math) against the engine's bytes: NoPE, the exponent bytes, RoPE, the pad.
+    group_exponent = _group_exponent(tl.max(codes & 7, axis=2), scale)
+    tile = tl.max(tl.reshape(group_exponent, (BLOCK_ROWS, TILES_P, 4)), axis=2)
+    tile_exponent = tl.reshape(tl.broadcast_to(tile[:, :, None], (BLOCK_ROWS, TILES_P, 4)), (BLOCK_ROWS, GROUPS_P))
+    factor = e4m3_value(scale & 0x7F) * ((254 - tile_exponent) << 23).to(tl.float32, bitcast=True)
+    again = _nope_bytes(codes, scale[:, :, None], factor[:, :, None], (tile_exponent == 256)[:, :, None],
+                        nope_bytes_table, NAN_KEY, HW_FP8)
+    wrong = tl.max(((again != target) & groups[:, :, None]).to(tl.int32), axis=2)
+    wrong |= ((tile_exponent & 0xFF) != stored_exponent) & groups
+    rwrong = tl.max(((_rope_bits(rcodes, rscale[:, :, None], rope_table) != rtarget)
+                     & rgroups[:, :, None]).to(tl.int32), axis=2)
+    q = tl.arange(0, SCALES_P)
+    pad = live[:, None] & ((q >= TILES) & (q < V4_BYTES - FIELD))[None, :]
+    pad_bytes = tl.load(src_ptr + (src_row[:, None] + FIELD + q[None, :]), mask=pad, other=0).to(tl.int32)
+    exact = (tl.max(wrong, axis=1) == 0) & (tl.max(rwrong, axis=1) == 0) & (tl.max(pad_bytes, axis=1) == 0)
+    collision = (tl.max(((count > 1) & groups).to(tl.int32), axis=1) > 0) \
+        | (tl.max(((rcount > 1) & rgroups).to(tl.int32), axis=1) > 0)
+    tl.store(exact_ptr + rows, exact.to(tl.int8), mask=live)
+    tl.store(ambiguous_ptr + rows, (exact & collision).to(tl.int8), mask=live)
+    if COPY_BYTES > 0:
+        _copy_rows(src_ptr, dst_ptr, _row_offsets(copy_src_table, rows, rows_per_block, src_stride, COPY_UNIT),
+                   _row_offsets(copy_dst_table, rows, rows_per_block, dst_stride, COPY_UNIT), live,
+                   COPY_BYTES, COPY_P, COPY_UNIT)
+
+
+def _launch_save(src: torch.Tensor, dst: torch.Tensor, shape: v4.RowShape, n_rows: int, rows_per_block: int,
+                 src_stride: int, dst_stride: int, offsets: _Offsets, copy_bytes: int, alternatives: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Run the save kernel: (exact, ambiguous) bool [n_rows], or None where the source's alignment does not
+    allow its 16-bit loads."""
+    src_table, dst_table, copy_src, copy_dst = offsets.device
+    src_align = _alignment(src.data_ptr(), src_stride, offsets.align[0])
+    if src_align < 2:
+        return None
+    dst_align = _alignment(dst.data_ptr(), dst_stride, offsets.align[1])
+    unit = 4 if copy_bytes and _alignment(src.data_ptr(), dst.data_ptr(), src_stride, dst_stride, copy_bytes,
+                                          offsets.align[2], offsets.align[3]) >= 4 else 1
+    t = v4._recover_tables(src.device)
+    nope_bytes, rope_table, nan_key = _load_tables(src.device)
+    exact = torch.empty(n_rows, dtype=torch.int8, device=src.device)
+    ambiguous = torch.empty(n_rows, dtype=torch.int8, device=src.device)
+    with _on_device(src):
+        _save_kernel[(triton.cdiv(n_rows, SAVE_ROWS),)](
+            src, dst, exact, ambiguous, src_table, dst_table, copy_src, copy_dst, t.nope_near, t.rope_near,
+            t.nope, t.rope, t.decoded, nope_bytes, rope_table, n_rows, rows_per_block, src_stride, dst_stride,
+            NOPE=shape.nope, ROPE=shape.rope, V4_BYTES=shape.v4_bytes,
+            TILES_P=triton.next_power_of_2(shape.tiles), ROPE_P=triton.next_power_of_2(shape.rope // v4.GROUP),
+            SCALES_P=triton.next_power_of_2(shape.v4_bytes - shape.nope - 2 * shape.rope), NAN_KEY=nan_key,
+            BLOCK_ROWS=SAVE_ROWS, COPY_BYTES=copy_bytes, COPY_P=triton.next_power_of_2(max(1, copy_bytes // unit)),
+            COPY_UNIT=unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align, HW_FP8=_hw_fp8(src.device),
+            ALTERNATIVES=alternatives, num_warps=NUM_WARPS)
+    return exact.view(torch.bool), ambiguous.view(torch.bool)
+
+
+def recover_rows(rows: torch.Tensor, shape: v4.RowShape, alternatives: bool,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`sglang_v4.recover_rows` of uint8 V4 rows [..., v4_bytes] (checked by the caller): (native, exact,
+    ambiguous) of its leading shape, or None where the rows are not viewable as [n, v4_bytes] with a unit last
+    stride at even offsets."""
+    flat = rows.reshape(-1, shape.v4_bytes)
+    if flat.stride(-1) != 1 or flat.shape[0] == 0:
+        return None
+    native = torch.empty(flat.shape[0], shape.native_bytes, dtype=torch.uint8, device=rows.device)
+    found = _launch_save(flat, native, shape, flat.shape[0], 1, flat.stride(0), native.stride(0),
+                         _single(rows.device), 0, alternatives)
+    if found is None:
+        return None
+    lead = rows.shape[:-1]
+    return native.view(*lead, shape.native_bytes), found[0].view(lead), found[1].view(lead)
+
+
+def v4_blocks_to_native(blocks: torch.Tensor, model: ModelGeometry, block_tokens: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`sglang_v4.v4_blocks_to_native` of uint8 V4 blocks [n, v4 block_bytes] (checked by the caller) in one
+    launch: (model-rows blocks, exact [n], int64 [3]: rows, exact rows, ambiguous rows), or None for a layout
+    the plan does not take."""
+    plan = _plan(model, block_tokens, blocks.device)
+    if plan is None or blocks.dim() != 2 or blocks.stride(-1) != 1 or blocks.shape[0] == 0:
+        return None
+    n, shape = blocks.shape[0], v4.RowShape.of(model)
+    swapped = _Offsets(device=(plan.offsets.device[1], plan.offsets.device[0], plan.offsets.device[3],
+                               plan.offsets.device[2]),
+                       align=(plan.offsets.align[1], plan.offsets.align[0], plan.offsets.align[3],
+                              plan.offsets.align[2]))
+    native = torch.empty(n, model.block_bytes(block_tokens), dtype=torch.uint8, device=blocks.device)
+    found = _launch_save(blocks, native, shape, n * plan.rows, plan.rows, blocks.stride(0), native.stride(0),
+                         swapped, plan.index_bytes, False)
+    if found is None:
+        return None
+    exact, ambiguous = found
+    counts = torch.stack((torch.tensor(n * plan.rows, device=blocks.device), exact.sum(), ambiguous.sum()))
+    return native, exact.view(n, plan.rows).all(dim=1), counts
