@@ -25,6 +25,14 @@ A figure and its raw echo are timed in turns, each call after the same preparati
 (for a next turn: the memo cleared and the turn before looked up, ~12 ms of hashing,
 during which both servers sit idle), so both pay the same wake-up: on a shared or
 virtual machine a call after an idle gap costs up to twice a call back to back.
+
+The next turn's budget is measured in the same run (the `budget_ms` note, medians): what
+crosses the wire (the anchored request's and its reply's bytes), the client's memo alone
+(C1's byte compare and the new blocks' hashing), the anchored request's bytes sent by a bare
+stub (wire + server, no client work), a one-block Lookup (the handler's fixed cost), the
+stub and the echo back to back (no idle gap: the server's own cost over the echo), and, the
+server stopped, the server's work in-process: parse, cut the new hashes, the tier's anchored
+walk (A5).
 """
 
 from __future__ import annotations
@@ -95,12 +103,15 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
             with progress.bar("put the conversation", n_blocks, "block") as bar:
                 client.put(turn, _blocks(n_blocks, block_bytes), on_batch=bar.update)
             hashes = client.hashes(turn)
-            samples = _next_turn(client, today, echo, turn, hashes, args, rng)
+            samples, wire, turn_raw = _next_turn(client, today, echo, turn, hashes, args, rng)
             samples.update(_cold(cold, today, echo, turn, hashes, args))
-        samples["server"] = [_server_answer(folder / "store", bt, n_blocks * block_bytes, hashes, args.repeat)]
+        server = _server_answer(folder / "store", bt, n_blocks * block_bytes, hashes, turn_raw, args.repeat)
+        samples["server"] = server.pop("cold")
     figures = {name: min(times) for name, times in samples.items()}
     report.notes["medians_ms"] = ", ".join(f"{name} {statistics.median(times) * 1e3:.3f}"
                                            for name, times in samples.items() if len(times) > 1)
+    report.notes["budget_ms"] = _budget(samples, server)
+    report.notes["wire_bytes"] = wire
     _report(report, figures, len(turn), args)
     return report
 
@@ -111,14 +122,17 @@ def _blocks(n: int, size: int) -> list[bytes]:
 
 
 def _in_turns(calls: dict[str, Callable[[], object]], repeat: int,
-              prepare: Callable[[], object] | None = None) -> dict[str, list[float]]:
+              prepare: Callable[[], object] | None = None, *, warm: bool = False) -> dict[str, list[float]]:
     """Seconds of each call, `repeat` rounds, the calls taking turns within a round, each after `prepare`
-    (untimed): a figure and its baseline see the same machine and the same idle gap before them."""
+    (untimed): a figure and its baseline see the same machine and the same idle gap before them. `warm`:
+    each call right after an untimed one of its own (back to back, no idle gap)."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(max(repeat, 1)):
         for name, call in calls.items():
             if prepare is not None:
                 prepare()
+            if warm:
+                call()
             start = time.perf_counter()
             call()
             samples[name].append(time.perf_counter() - start)
@@ -126,10 +140,11 @@ def _in_turns(calls: dict[str, Callable[[], object]], repeat: int,
 
 
 def _next_turn(client: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
-               args: argparse.Namespace, rng: np.random.Generator) -> dict[str, list[float]]:
+               args: argparse.Namespace,
+               rng: np.random.Generator) -> tuple[dict[str, list[float]], dict[str, int], bytes]:
     """Seconds of the next turn's lookup through the memo (holding the turn before) and the anchor, through the
     memo alone, and of a raw echo of the anchored request's bytes, each after the turn before was looked up;
-    then today's client."""
+    the budget's parts; then today's client. Also what crosses the wire (bytes) and the anchored request."""
     from kvstore.v1 import kvstore_pb2 as pb
 
     blocks = len(turn) // args.block_tokens
@@ -151,18 +166,38 @@ def _next_turn(client: Any, today: Any, echo: Callable[[bytes], bytes], turn: np
         prompt = form(prompts[next(at) % len(prompts)])
         return call
 
-    extra = (len(turn) + args.new_tokens) // args.block_tokens - len(hashes)
-    turn_raw = pb.LookupRequest(geometry=client.geometry, anchor_hash=hashes[-1], anchor_blocks=len(hashes),
-                                block_hashes_packed=bytes(32 * extra)).SerializeToString()
+    conn = client.connection
+    # The request a next turn sends (Client._lookup's fields): the anchor, then the new blocks' hashes.
+    new_hashes = client.hashes(prompts[0])[len(hashes):]
+    turn_request = pb.LookupRequest(geometry=client.geometry, namespace=client.namespace, anchor_hash=hashes[-1],
+                                    anchor_blocks=len(hashes), block_hashes_packed=b"".join(new_hashes))
+    turn_raw = turn_request.SerializeToString()
+    one_block = pb.LookupRequest(geometry=client.geometry, namespace=client.namespace,
+                                 block_hashes_packed=hashes[0])
+    prepare()
+    reply = conn.call(conn.kvstore.Lookup, turn_request)
+    if reply.anchor_unknown or reply.found_blocks != blocks:
+        raise RuntimeError(f"the bare anchored request found {reply.found_blocks} blocks, expected {blocks}")
+    wire = {"turn_request": len(turn_raw), "turn_reply": reply.ByteSize(),
+            "cold_request": pb.LookupRequest(geometry=client.geometry, namespace=client.namespace,
+                                             block_hashes_packed=b"".join(hashes)).ByteSize()}
     calls: dict[str, Callable[[], object]] = {"turn_memo": memo_turn(lambda p: p),
                                               "echo_turn": lambda: echo(turn_raw),
-                                              "turn_memo_only": memo_turn(lambda p: p, anchors=False)}
+                                              "turn_memo_only": memo_turn(lambda p: p, anchors=False),
+                                              # the budget: the memo alone, the request without the client's
+                                              # work, a one-block Lookup (the handler's fixed cost)
+                                              "turn_chain": lambda: conn.chain(prompts[next(at) % len(prompts)]),
+                                              "turn_stub": lambda: conn.call(conn.kvstore.Lookup, turn_request),
+                                              "one_block": lambda: conn.call(conn.kvstore.Lookup, one_block)}
     if args.list_tokens:
         calls["turn_memo_list"] = memo_turn(lambda p: p.tolist())
     out = _in_turns(calls, args.repeat, prepare)
+    # Back to back: each call right after one of its own, so neither server wakes from an idle gap.
+    out.update(_in_turns({"stub_b2b": lambda: conn.call(conn.kvstore.Lookup, turn_request),
+                          "echo_b2b": lambda: echo(turn_raw)}, args.repeat * 2, warm=True))
     client.connection.lookup_anchors = True
     out["turn_today"] = [best_of(lambda: today.lookup(prompts[0]), args.repeat)]
-    return out
+    return out, wire, turn_raw
 
 
 def _cold(cold: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarray, hashes: list[bytes],
@@ -178,10 +213,15 @@ def _cold(cold: Any, today: Any, echo: Callable[[bytes], bytes], turn: np.ndarra
     return out
 
 
-def _server_answer(data_dir: Path, block_tokens: int, data_bytes: int, hashes: list[bytes], repeat: int) -> float:
-    """Seconds of the tier's own lookup of `hashes` (a chain it has seen), in-process, the server stopped."""
+def _server_answer(data_dir: Path, block_tokens: int, data_bytes: int, hashes: list[bytes], turn_raw: bytes,
+                   repeat: int) -> dict[str, list[float]]:
+    """Seconds of the server's own work, in-process, the server stopped: the tier's lookup of `hashes` (a
+    chain it has seen; "cold", best of `repeat`), and a next turn's stages (each `repeat` * 10 calls): parse
+    its request `turn_raw`, cut the hashes after the anchor, the tier's anchored walk (A5)."""
+    from gateway import validate
     from kvstore.config import StoreSettings
     from kvstore.prefix import BlockScope
+    from kvstore.v1 import kvstore_pb2 as pb
     from tiers.lmdb_tier import LmdbBlockTier
 
     tier = LmdbBlockTier(StoreSettings(data_dir=data_dir, capacity_bytes=int(data_bytes * 1.2) + GiB,
@@ -190,9 +230,34 @@ def _server_answer(data_dir: Path, block_tokens: int, data_bytes: int, hashes: l
         scope = BlockScope(TINY.fingerprint, "default")
         if tier.lookup(scope, hashes)[0] != len(hashes):
             raise RuntimeError("the stopped server's store does not hold the conversation")
-        return best_of(lambda: tier.lookup(scope, hashes), repeat)
+        request = pb.LookupRequest.FromString(turn_raw)
+        after = validate.anchored_after(request.block_hashes_packed, request.anchor_blocks, limit=1 << 24)
+        answer = tier.lookup_after(scope, request.anchor_hash, request.anchor_blocks, after)
+        if answer is None or answer[0] != len(hashes):
+            raise RuntimeError(f"the anchored walk found {answer}, expected {len(hashes)} blocks")
+        stages = {"server_parse": lambda: pb.LookupRequest.FromString(turn_raw),
+                  "server_cut": lambda: validate.anchored_after(request.block_hashes_packed, request.anchor_blocks,
+                                                                limit=1 << 24),
+                  "server_walk": lambda: tier.lookup_after(scope, request.anchor_hash, request.anchor_blocks, after)}
+        out = _in_turns(stages, repeat * 10)
+        out["cold"] = [best_of(lambda: tier.lookup(scope, hashes), repeat)]
+        return out
     finally:
         tier.close()
+
+
+def _budget(samples: dict[str, list[float]], server: dict[str, list[float]]) -> str:
+    """Where a next turn's time goes, medians in ms (see the module docstring)."""
+    def ms(times: list[float]) -> float:
+        return statistics.median(times) * 1e3
+
+    turn, chain, stub, echo = (ms(samples[k]) for k in ("turn_memo", "turn_chain", "turn_stub", "echo_turn"))
+    return (f"next turn {turn:.3f} = client memo {chain:.3f} + the anchored request by a bare stub {stub:.3f} "
+            f"(+ {turn - chain - stub:.3f} the client's other work / noise); the stub against the echo of its "
+            f"bytes {echo:.3f} after the same idle gap, {ms(samples['stub_b2b']):.3f} against "
+            f"{ms(samples['echo_b2b']):.3f} back to back; a one-block Lookup {ms(samples['one_block']):.3f}; "
+            f"server in-process: parse {ms(server['server_parse']) * 1e3:.1f} us, cut the new hashes "
+            f"{ms(server['server_cut']) * 1e3:.1f} us, the anchored walk {ms(server['server_walk']) * 1e3:.1f} us")
 
 
 @contextmanager
@@ -222,6 +287,13 @@ def _report(report: Report, s: dict[str, float], tokens: int, args: argparse.Nam
                               "same turn, today's client (every token hashed, repeated hashes)", ms["turn_today"]))
     report.add(Figure.against(f"lookup {turn} over gRPC, chain memo + anchor (vs raw echo)", ms["turn_memo"], "ms",
                               "raw gRPC echo of the same request bytes", ms["echo_turn"]))
+    report.add(Figure.against(f"lookup {turn}, its request by a bare stub (vs raw echo)", ms["turn_stub"], "ms",
+                              "raw gRPC echo of the same request bytes", ms["echo_turn"]))
+    report.add(Figure.against(f"lookup {turn}, its request by a bare stub, back to back (vs raw echo)",
+                              ms["stub_b2b"], "ms", "raw gRPC echo of the same request bytes, back to back",
+                              ms["echo_b2b"]))
+    report.add(Figure.against(f"lookup {turn}, the client's chain memo alone", ms["turn_chain"], "ms",
+                              "the whole next turn over gRPC", ms["turn_memo"]))
     report.add(Figure.against(f"lookup {turn} over gRPC, chain memo only (whole chain sent)", ms["turn_memo_only"],
                               "ms", "same turn, today's client", ms["turn_today"]))
     if "turn_memo_list" in ms:

@@ -18,6 +18,9 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     turn = "lookup next turn of 8,192 tokens (+256) over gRPC, chain memo"
     assert {f"{turn} + anchor", f"{turn} + anchor (vs raw echo)", f"{turn} + anchor, tokens as a list",
             f"{turn} only (whole chain sent)",
+            "lookup next turn of 8,192 tokens (+256), its request by a bare stub (vs raw echo)",
+            "lookup next turn of 8,192 tokens (+256), its request by a bare stub, back to back (vs raw echo)",
+            "lookup next turn of 8,192 tokens (+256), the client's chain memo alone",
             "lookup 8,192 tokens cold over gRPC, hashes packed",
             "lookup 8,192 tokens cold over gRPC, hashes packed (vs server)",
             "lookup 8,192 tokens cold from tokens (every token hashed)"} <= figures.keys()
@@ -26,4 +29,8 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
         assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
         assert f["ratio"] == f["baseline_value"] / f["value"]  # times: above 1 is faster than the baseline
     assert report["notes"]["tokens"] == 8192 and "targets" in report["notes"]
+    # What crosses the wire on a next turn: the anchor and the 4 new blocks' hashes, not the 128 before them.
+    wire = report["notes"]["wire_bytes"]
+    assert 4 * 32 < wire["turn_request"] < 128 * 32 < wire["cold_request"] and 0 < wire["turn_reply"] < 32
+    assert "client memo" in report["notes"]["budget_ms"] and "anchored walk" in report["notes"]["budget_ms"]
     assert list(tmp_path.iterdir()) == []  # scratch space removed
