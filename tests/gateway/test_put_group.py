@@ -1,0 +1,94 @@
+"""`PutGroups`: Puts that arrive while a commit runs share the next one; a failing group is committed
+again batch by batch, so each caller gets its own outcome. A real LMDB tier underneath; the first
+commit is held (ordering, not timing) so that the others arrive while it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.put_group import PutGroups
+from kvstore.clock import ManualClock
+from kvstore.config import StoreSettings
+from kvstore.errors import FailedPrecondition
+from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import BlockScope, chain_hashes, root_hash
+from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
+from tiers.store import PutBatch, PutResult
+
+BLOCK = 1024
+SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
+ROOT = root_hash(V4_1_FLASH.fingerprint, 16)
+
+
+class CountedTier(LmdbBlockTier):
+    """The real tier, counting its commits and holding the first until `let_go` is set."""
+
+    def __init__(self, settings: StoreSettings, clock: ManualClock) -> None:
+        super().__init__(settings, clock=clock)
+        self.commits: list[int] = []  # batches in each put_many
+        self.entered, self.let_go = threading.Event(), threading.Event()
+
+    def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
+        self.commits.append(len(batches))
+        if len(self.commits) == 1:
+            self.entered.set()
+            assert self.let_go.wait(30), "the test never released the first commit"
+        return super().put_many(batches)
+
+
+@pytest.fixture
+def tier(tmp_path: Path, clock: ManualClock) -> Iterator[CountedTier]:
+    t = CountedTier(StoreSettings(data_dir=tmp_path / "store", capacity_bytes=1 << 24, block_tokens=16), clock)
+    yield t
+    t.let_go.set()
+    t.close()
+
+
+def batch(seed: int, *, parent: bytes = ROOT) -> PutBatch:
+    hashes = chain_hashes(list(range(seed, seed + 32)), block_tokens=16, parent=parent)
+    return PutBatch(scope=SCOPE, parent_hash=parent, hashes=hashes, blocks=[os.urandom(BLOCK)] * 2,
+                    is_root=parent == ROOT)
+
+
+async def first_held_then(tier: CountedTier, groups: PutGroups, later: list[PutBatch]) -> list[Any]:
+    """Put one batch, and while its commit is held put `later`; every outcome (a result or an error)."""
+    first = asyncio.ensure_future(groups.put(batch(10_000)))
+    assert await asyncio.to_thread(tier.entered.wait, 30)
+    rest = [asyncio.ensure_future(groups.put(b)) for b in later]
+    await asyncio.sleep(0)  # let them queue (no timing: they are queued once they ran to their await)
+    tier.let_go.set()
+    # The timeout only ends a wait that would never end (a caller left unanswered).
+    return await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 30)
+
+
+def test_puts_waiting_behind_a_commit_share_the_next(tier: CountedTier) -> None:
+    later = [batch(i * 100) for i in range(5)]
+    outcomes = asyncio.run(first_held_then(tier, PutGroups(tier), later))
+    assert tier.commits == [1, 5]  # the five that waited went in one transaction
+    assert [r.written_blocks for r in outcomes] == [2] * 6
+    keys = [SCOPE.key(h) for b in later for h in b.hashes]
+    assert [s for s, _ in tier.read(keys)] == [ReadStatus.FOUND] * len(keys)
+
+
+def test_a_group_is_bounded(tier: CountedTier) -> None:
+    asyncio.run(first_held_then(tier, PutGroups(tier, max_batches=2), [batch(i * 100) for i in range(5)]))
+    assert tier.commits == [1, 2, 2, 1]
+
+
+def test_a_refused_batch_fails_alone_and_the_rest_of_its_group_is_stored(tier: CountedTier) -> None:
+    orphan = batch(500, parent=b"\x07" * 32)  # its parent is not stored: FailedPrecondition
+    later = [batch(0), orphan, batch(100)]
+    outcomes = asyncio.run(first_held_then(tier, PutGroups(tier), later))
+    assert isinstance(outcomes[2], FailedPrecondition)
+    assert [outcomes[i].written_blocks for i in (0, 1, 3)] == [2, 2, 2]
+    assert tier.commits == [1, 3, 1, 1, 1]  # the group failed whole, then each batch alone
+    keys = [SCOPE.key(h) for b in (later[0], later[2]) for h in b.hashes]
+    assert [s for s, _ in tier.read(keys)] == [ReadStatus.FOUND] * 4
+    assert tier.read([SCOPE.key(orphan.hashes[0])])[0][0] is ReadStatus.MISSING
