@@ -29,7 +29,13 @@ by at most 1/16 of itself, so the scale SGLang used is one of the three). Where 
 (a collision: the 584 bytes do not say which FP4 row they came from), the first in that order is kept
 and the row is counted `ambiguous` when asked (`alternatives`).
 
-Torch only, client side (the SGLang backend); the server never imports it.
+On CUDA tensors the public functions first run the Triton kernels of kvstore/codec/sglang_v4_triton.py
+(through `fp4.CudaKernel`: imported on the first CUDA call, the same bytes, one pass per direction); the
+torch code below runs on other devices, for an input a kernel declines, when triton cannot be imported,
+after a kernel has raised once (logged), and where the caller asks for it (`fused=False`: the eager
+gathers; `fused=True`: the compiled kernels). `kernel_modes()` says which path the last CUDA calls took.
+
+Client side (the SGLang backend); the server never imports it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore.codec.block_codec import join_blocks, split_blocks
-from kvstore.codec.fp4 import E2M1_VALUES, e2m1_codes, pack_nibbles
+from kvstore.codec.fp4 import E2M1_VALUES, CudaKernel, e2m1_codes, pack_nibbles
 from kvstore.errors import InvalidArgument
 from kvstore.geometry import ModelGeometry
 from kvstore.layout import SGLANG_V4
@@ -312,6 +318,14 @@ def _encode_into(native: torch.Tensor, out: torch.Tensor, shape: RowShape) -> No
     out[..., start + shape.tiles:].zero_()
 
 
+def _encode_torch(native: torch.Tensor, shape: RowShape) -> torch.Tensor:
+    """`encode_rows` by the torch gathers (any device), into new memory."""
+    out = torch.empty(*native.shape[:-1], shape.v4_bytes, dtype=torch.uint8, device=native.device)
+    if native.numel():
+        _encode_into(native, out, shape)
+    return out
+
+
 # -- the same, fused: one compiled kernel over whole blocks (CUDA) ----------------------------------------
 #
 # Eager, the gathers above each go through memory (int32 indices, int16 results, then a copy into the
@@ -441,9 +455,27 @@ def encode_rows(native: torch.Tensor, shape: RowShape = RowShape(), *, out: torc
             or out.device != native.device:
         raise InvalidArgument(f"encode_rows out: expected uint8 {(*native.shape[:-1], shape.v4_bytes)} on "
                               f"{native.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-    if native.numel():
+    if native.numel() and not (native.is_cuda and _TRITON_ROWS(native, shape, out) is not None):
         _encode_into(native, out, shape)
     return out
+
+
+def _declined(*args: object) -> None:
+    """The Triton kernels' fallback: nothing, so the caller goes on to the torch path."""
+    return None
+
+
+#: The Triton kernels (kvstore/codec/sglang_v4_triton.py) on CUDA tensors; each returns None where it declines.
+_TRITON_ROWS = CudaKernel("sglang_v4_triton", "encode_rows", _declined)
+_TRITON_BLOCKS = CudaKernel("sglang_v4_triton", "native_blocks_to_v4", _declined)
+_TRITON_RECOVER = CudaKernel("sglang_v4_triton", "recover_rows", _declined)
+_TRITON_SAVE = CudaKernel("sglang_v4_triton", "v4_blocks_to_native", _declined)
+
+
+def kernel_modes() -> dict[str, str]:
+    """The path each Triton-backed step took on its last CUDA call ("triton", "eager", with why triton
+    failed where it did, or "not run")."""
+    return {k.name.rsplit(".", 1)[1]: k.mode for k in (_TRITON_ROWS, _TRITON_BLOCKS, _TRITON_RECOVER, _TRITON_SAVE)}
 
 
 # -- the save transcode: V4 rows -> model rows, by tables ---------------------------------------------------
@@ -615,6 +647,14 @@ def recover_rows(v4: torch.Tensor, shape: RowShape = RowShape(), *, alternatives
         image of any row the search found (a raw-latent FP8 row, a damaged row) and must stay SGLang's.
     """
     _rows(v4, shape.v4_bytes, "recover_rows")
+    found = _TRITON_RECOVER(v4, shape, alternatives) if v4.is_cuda and v4.numel() else None
+    if found is not None:
+        return Recovered(native=found[0], exact=found[1], ambiguous=found[2])
+    return _recover_torch(v4, shape, alternatives)
+
+
+def _recover_torch(v4: torch.Tensor, shape: RowShape, alternatives: bool) -> Recovered:
+    """`recover_rows` by the torch gathers (any device)."""
     lead = v4.shape[:-1]
     native, exact, ambiguous = _recover(v4.reshape(-1, shape.v4_bytes), _recover_tables(v4.device), None, shape,
                                         alternatives)
@@ -645,7 +685,7 @@ def _recover(flat: torch.Tensor, t: _RecoverTables, encode: _ByteTables | None, 
     scale = torch.cat((nope_scale, rope_scale), dim=-1)
     count = torch.cat((nope_count, rope_count), dim=-1)
     native = torch.cat((pack_nibbles(codes), scale.to(torch.uint8)), dim=-1)
-    again = encode_rows(native, shape) if encode is None else _fused_rows(native, encode, shape)
+    again = _encode_torch(native, shape) if encode is None else _fused_rows(native, encode, shape)
     exact = (again == flat).all(dim=-1)
     ambiguous = exact & (count > 1).any(dim=-1)
     return native, exact, ambiguous
@@ -718,11 +758,20 @@ def v4_blocks_to_native(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
         geometry: the model's geometry (or its `+sglang-v4` one).
         blocks: uint8 `[n, v4 block_bytes]`, any device.
         block_tokens: tokens per block.
+        fused: None: on CUDA the Triton kernel (one launch), else the compiled kernels where
+            `compile_enabled()`, else the eager gathers; True: the compiled kernels; False: the eager gathers.
     """
     model = _model(geometry)
     engine, shape = engine_geometry(model), RowShape.of(model)
     split = split_blocks(engine, blocks, block_tokens)
     n = blocks.shape[0]
+    if fused is None and blocks.is_cuda and n:
+        found = _TRITON_SAVE(blocks, model, block_tokens)
+        if found is not None:
+            native, exact, counts = found
+            rows, exact_rows, ambiguous_rows = counts.tolist()                  # the call's one host sync
+            return BlockTranscode(native=native, exact=exact, rows=rows, exact_rows=exact_rows,
+                                  ambiguous_rows=ambiguous_rows)
     if fused is None:
         fused = blocks.is_cuda and _compiled(model, block_tokens, "save") is not None
     if fused and n:
@@ -739,7 +788,7 @@ def v4_blocks_to_native(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
     exact = torch.ones(n, dtype=torch.bool, device=blocks.device)
     layers, counts = {}, []
     for layer, (kv, index) in split.items():
-        found = recover_rows(kv, shape)
+        found = _recover_torch(kv, shape, False)
         exact &= found.exact.all(dim=-1)
         counts.append(torch.stack((found.exact.sum(), found.ambiguous.sum())))
         layers[layer] = (found.native, index)
@@ -758,9 +807,10 @@ def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
         geometry: the model's geometry (or its `+sglang-v4` one).
         blocks: uint8 `[n, block_bytes]` of the model's rows, any device.
         block_tokens: tokens per block.
-        fused: run the compiled whole-block kernels (`_fused_blocks`, module notes); None: on CUDA, where
+        fused: True: the compiled whole-block kernels (`_fused_blocks`, module notes); False: the eager
+            gathers; None: on CUDA the Triton kernel (one launch), else the compiled kernels where
             `compile_enabled()` and torch.compile works (a failure is logged once and the eager gathers are
-            used from then on).
+            used from then on), else the eager gathers.
 
     Returns:
         uint8 `[n, v4 block_bytes]`: for a block `v4_blocks_to_native` called exact, the engine's own bytes
@@ -768,7 +818,11 @@ def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
     """
     model = _model(geometry)
     shape, engine = RowShape.of(model), engine_geometry(model)
-    split = split_blocks(model, blocks, block_tokens)         # the checks, on either path
+    split = split_blocks(model, blocks, block_tokens)         # the checks, on every path
+    if fused is None and blocks.is_cuda and blocks.shape[0]:
+        out = _TRITON_BLOCKS(blocks, model, block_tokens)
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     if fused is None:
         fused = blocks.is_cuda and _compiled(model, block_tokens) is not None
     if fused and blocks.shape[0]:
@@ -782,10 +836,12 @@ def native_blocks_to_v4(geometry: ModelGeometry, blocks: torch.Tensor, block_tok
     out = torch.empty(blocks.shape[0], engine.block_bytes(block_tokens), dtype=torch.uint8, device=blocks.device)
     for layer, (kv_out, index_out) in split_blocks(engine, out, block_tokens).items():   # views of out
         kv, index = split[layer]
-        encode_rows(kv, shape, out=kv_out)
+        if kv.numel():
+            _encode_into(kv, kv_out, shape)
         index_out.copy_(index)
     return out
 
 
 __all__ = ["AMAX_FLOOR", "GROUP", "TILE", "BlockTranscode", "Recovered", "RowShape", "compile_enabled",
-           "encode_rows", "engine_geometry", "native_blocks_to_v4", "recover_rows", "store_rows", "v4_blocks_to_native"]
+           "encode_rows", "engine_geometry", "kernel_modes", "native_blocks_to_v4", "recover_rows", "store_rows",
+           "v4_blocks_to_native"]
