@@ -97,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soak-minutes", type=float, default=0.0,
                         help=f"run the kvstore side this many minutes instead of --seconds, sampling the server's "
                              f"RSS every {RSS_EVERY_S:g} s (issue 25 item 4: 10; the echo side keeps --seconds)")
+    parser.add_argument("--rss-every-s", type=float, default=RSS_EVERY_S,
+                        help=f"seconds between samples of the server's memory (default {RSS_EVERY_S:g})")
     parser.add_argument("--prompt-blocks", type=int, default=8,
                         help="blocks per prompt: the first half is looked up and fetched, the second put (default 8)")
     parser.add_argument("--block-tokens", type=int, default=64, help="tokens per block (default 64)")
@@ -134,8 +136,8 @@ class _Side:
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
     """Run the benchmark; see the module docstring."""
-    if args.seconds <= 0 or args.prompt_blocks < 2 or args.soak_minutes < 0:
-        raise SystemExit("--seconds > 0, --soak-minutes >= 0 and --prompt-blocks >= 2, please")
+    if args.seconds <= 0 or args.prompt_blocks < 2 or args.soak_minutes < 0 or args.rss_every_s <= 0:
+        raise SystemExit("--seconds > 0, --soak-minutes >= 0, --rss-every-s > 0 and --prompt-blocks >= 2, please")
     half = args.prompt_blocks // 2
     block_bytes = V4_1_FLASH.block_bytes(args.block_tokens)
     report = Report(bench="load")
@@ -152,14 +154,20 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
              progress: Progress, *, suffix: str) -> None:
     """One client count: the kvstore side, then the echo side, their figures added with `suffix`."""
     kv_seconds = args.soak_minutes * 60.0 if args.soak_minutes else args.seconds
+    load_before = os.getloadavg()
     with scratch() as folder:
         capacity = max(min(shutil.disk_usage(folder).free // 2, 64 * GiB), 1 << 26)
         with _kvstore_server(folder / "store", capacity, args.block_tokens) as (target, pid):
             before = _memory_mib(pid)
-            kv = _load("kvstore", target, clients, kv_seconds, args.block_tokens, half, block_bytes, progress, pid)
+            kv = _load("kvstore", target, clients, kv_seconds, args.block_tokens, half, block_bytes, progress, pid,
+                       rss_every_s=args.rss_every_s)
             after = _memory_mib(pid)
     with _echo_server() as (target, pid):
-        raw = _load("raw", target, clients, args.seconds, args.block_tokens, half, block_bytes, progress, pid)
+        raw = _load("raw", target, clients, args.seconds, args.block_tokens, half, block_bytes, progress, pid,
+                    rss_every_s=args.rss_every_s)
+    # A shared box's load average beside the ratios: on fewer cores than clients, they follow it.
+    report.notes[f"load_average{suffix}"] = {"before": [round(x, 2) for x in load_before],
+                                             "after": [round(x, 2) for x in os.getloadavg()]}
     if kv.cycles == 0 or raw.cycles == 0:
         raise RuntimeError(f"no cycle finished (kvstore {kv.cycles}, raw {raw.cycles}): raise --seconds")
     moved_gb = 2 * half * block_bytes / 1e9  # fetched and stored per cycle
@@ -192,12 +200,23 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
         report.add(Figure(name=f"server anonymous RSS after{suffix}", value=after.get("RssAnon", 0.0), unit="MiB"))
     # The samples of a soak: growth after the first tenth of the run is what "flat" is judged on (the first
     # minutes fill the allocator's arenas and LMDB's pages).
+    growth = _settled_growth(kv.memory, kv.seconds)
+    if growth is not None:
+        report.add(Figure(name=f"server anonymous RSS growth after the first tenth{suffix}", value=growth,
+                          unit="MiB"))
     report.notes[f"server_memory_mib{suffix}"] = {"before": before, "after": after,
                                                   "samples": [(round(t, 1), m) for t, m in kv.memory]}
     report.notes[f"cycles{suffix}"] = {"kvstore": kv.cycles, "raw": raw.cycles, "kvstore_seconds": round(kv.seconds, 1)}
     report.notes[f"errors{suffix}"] = kv.errors
     report.notes[f"raw_errors{suffix}"] = raw.errors
     report.notes[f"lookup_misses{suffix}"] = kv.misses
+
+
+def _settled_growth(memory: list[tuple[float, dict[str, float]]], seconds: float) -> float | None:
+    """RssAnon's growth (MiB) from the first sample at or past a tenth of the load to the last one; None
+    with fewer than two such samples (a short run: nothing to judge "flat" on)."""
+    settled = [m["RssAnon"] for t, m in memory if t >= seconds / 10 and "RssAnon" in m]
+    return round(settled[-1] - settled[0], 1) if len(settled) >= 2 else None
 
 
 def _spread(latencies: list[float]) -> float:
@@ -210,9 +229,9 @@ def _per_cycle_ms(cpu_s: float | None, cycles: int) -> float:
 
 
 def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: int, half: int, block_bytes: int,
-          progress: Progress, server_pid: int | None = None) -> _Side:
+          progress: Progress, server_pid: int | None = None, *, rss_every_s: float = RSS_EVERY_S) -> _Side:
     """Start the clients, let them warm up, run them together for `seconds`, and gather what they measured
-    (with the CPU and, every RSS_EVERY_S, the memory of the server `server_pid`)."""
+    (with the CPU and, every `rss_every_s`, the memory of the server `server_pid`)."""
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive fork
     ready, results = ctx.Queue(), ctx.Queue()
     start = ctx.Event()
@@ -231,11 +250,13 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
         with progress.bar(f"load: {kind}", seconds, unit="s") as bar:
             while (now := time.perf_counter() - began) < seconds:
                 time.sleep(0.1)
-                if server_pid is not None and now - memory[-1][0] >= RSS_EVERY_S:
+                if server_pid is not None and now - memory[-1][0] >= rss_every_s:
                     memory.append((now, _memory_mib(server_pid)))
                 bar.update(min(now, seconds) - bar.n)
         done = [_gather(results, procs, seconds + 300) for _ in procs]
         cpu1 = _cpu_s(server_pid)
+        if server_pid is not None:  # the last sample at the end of the load, where "flat" is judged
+            memory.append((time.perf_counter() - began, _memory_mib(server_pid)))
     finally:
         for p in procs:
             p.join(timeout=30)
