@@ -16,9 +16,10 @@ device:
   `kvstore.client.restore` with the store's reader (direct-gpu on CUDA: the path a GPU restore takes),
   checked against what was stored (`--no-store` skips it).
 
-On CUDA the transcodes take their compiled path (torch.compile of the whole-block integer kernels,
-kvstore.codec.sglang_v4 module notes; the first call's compile time is a note) and the eager gathers are
-timed beside them.
+On CUDA the transcodes take their default path, the Triton kernels (kvstore/codec/sglang_v4_triton.py, one
+launch per direction; `path` says which ran), and the eager gathers are timed beside them, with a check
+that both give the same bytes; with KVSTORE_V4_COMPILE=1 the compiled whole-block kernels (torch.compile,
+kvstore.codec.sglang_v4 module notes; the first call's compile time is a note) are timed too.
 
 Figures: each step's time (its ratio: the baseline's time over the step's, so 0.05 means the step takes
 20x the baseline), and `transcode share of a restore` (load transcode / (restore + load transcode), in %;
@@ -131,12 +132,22 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         bar.update(1)
         compile_s = {}
         if fused:
-            compile_s["load"] = _timed_once(lambda: sglang_v4.native_blocks_to_v4(model, native[:8], 64), device)
-            compile_s["save"] = _timed_once(lambda: sglang_v4.v4_blocks_to_native(model, v4[:8], 64), device)
+            compile_s["load"] = _timed_once(lambda: sglang_v4.native_blocks_to_v4(model, native[:8], 64, fused=True),
+                                            device)
+            compile_s["save"] = _timed_once(lambda: sglang_v4.v4_blocks_to_native(model, v4[:8], 64, fused=True),
+                                            device)
             fused = sglang_v4._compiled(model, 64, "load") is not None
+        loaded = sglang_v4.native_blocks_to_v4(model, native, 64)           # the default path; also its build
+        path = "triton" if device == "cuda" and sglang_v4.kernel_modes()["native_blocks_to_v4"] == "triton" \
+            else "eager"
+        if path != "eager":
+            report.notes["triton_load_equals_eager"] = bool(torch.equal(loaded, v4))   # v4: the eager gathers'
+        del loaded
         load_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64), device, repeat, 1)
-        eager_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64, fused=False), device, repeat, 1) \
-            if fused else load_s
+        eager_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64, fused=False), device,
+                          max(1, repeat // 3), 1) if path != "eager" else load_s
+        compiled_s = seconds(lambda: sglang_v4.native_blocks_to_v4(model, native, 64, fused=True), device, repeat,
+                             1) if fused else None
         copy_s = seconds(lambda: v4.clone(), device, repeat, 1)
         native_copy_s = seconds(lambda: native.clone(), device, repeat, 1)
         if device == "cuda":
@@ -156,9 +167,18 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
 
         save_s = seconds(recover, device, repeat, 1)
         eager_save_s = seconds(lambda: sglang_v4.v4_blocks_to_native(model, v4, 64, fused=False), device,
-                               max(1, repeat // 3), 1) if fused else save_s
+                               max(1, repeat // 3), 1) if path != "eager" else save_s
+        compiled_save_s = seconds(lambda: sglang_v4.v4_blocks_to_native(model, v4, 64, fused=True), device,
+                                  repeat, 1) if fused else None
         bar.update(1)
         got = save["t"]
+        if path != "eager":
+            slow = sglang_v4.v4_blocks_to_native(model, v4, 64, fused=False)
+            report.notes["triton_save_equals_eager"] = bool(
+                torch.equal(got.native, slow.native) and torch.equal(got.exact, slow.exact)
+                and (got.rows, got.exact_rows, got.ambiguous_rows) == (slow.rows, slow.exact_rows, slow.ambiguous_rows))
+            report.notes["save_path"] = sglang_v4.kernel_modes()["v4_blocks_to_native"]
+            del slow
         raw_v4 = sglang_v4.native_blocks_to_v4(model, native[:4], 64)
         # vLLM-like rows: the store of the raw latent (no FP4 step) in place of every compressed-KV row.
         gen = torch.Generator().manual_seed(1)
@@ -168,7 +188,6 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         raw_found = sglang_v4.v4_blocks_to_native(model, raw_v4, 64)
         bar.update(2)
     mb = v4.numel() / 1e6
-    path = "compiled" if fused else "eager"
     report.add(Figure.against(f"load transcode (model rows -> v4 blocks, {path})", load_s * 1e3, "ms",
                               "same-size copy (v4 bytes, on the device)", copy_s * 1e3))
     report.add(Figure.against(f"load transcode (model rows -> v4 blocks, {path})", load_s * 1e3, "ms",
@@ -178,15 +197,21 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         report.add(Figure.against("load transcode against the kvstore restore", load_s * 1e3, "ms",
                                   f"kvstore restore of the model-rows blocks ({store_path}, from a serve child)",
                                   store_s * 1e3))
-    if fused:
-        report.add(Figure.against("load transcode, eager gathers", eager_s * 1e3, "ms",
-                                  f"load transcode, {path}", load_s * 1e3))
+    if path != "eager":
+        report.add(Figure.against(f"load transcode, {path}", load_s * 1e3, "ms", "load transcode, eager gathers",
+                                  eager_s * 1e3))
+    if compiled_s is not None:
+        report.add(Figure.against(f"load transcode, {path}", load_s * 1e3, "ms", "load transcode, compiled",
+                                  compiled_s * 1e3))
     report.add(Figure.against(f"save transcode (v4 blocks -> model rows, checked, {path})", save_s * 1e3, "ms",
                               "same-size copy (v4 bytes, on the device)", copy_s * 1e3))
     report.add(Figure.against("save transcode against the restore", save_s * 1e3, "ms", restore, restore_s * 1e3))
-    if fused:
-        report.add(Figure.against("save transcode, eager gathers", eager_save_s * 1e3, "ms",
-                                  f"save transcode, {path}", save_s * 1e3))
+    if path != "eager":
+        report.add(Figure.against(f"save transcode, {path}", save_s * 1e3, "ms", "save transcode, eager gathers",
+                                  eager_save_s * 1e3))
+    if compiled_save_s is not None:
+        report.add(Figure.against(f"save transcode, {path}", save_s * 1e3, "ms", "save transcode, compiled",
+                                  compiled_save_s * 1e3))
     share = load_s / (restore_s + load_s)
     report.add(Figure(name="transcode share of a restore", value=round(100 * share, 2), unit="%"))
     if store_s is not None:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kvstore.codec import sglang_v4 as v4
 from kvstore.codec.rows_triton import e2m1_value, e4m3_code, e4m3_value
-from kvstore.geometry import ModelGeometry
+from kvstore.geometry import ModelGeometry, Section
 
 #: Rows per program of the load and of the save (a row is 512 channels: 4,096 and 2,048 elements).
 LOAD_ROWS = 8
@@ -73,24 +73,34 @@ def _e4m3_magnitude(y, HW_FP8: tl.constexpr):
 
 
 @triton.jit
-def _nope_bytes(codes, scale, factor, nan, nope_table, NAN_KEY: tl.constexpr, HW_FP8: tl.constexpr):
+def _nope_bytes(codes, scale, factor, nan, any_nan, nope_table, NAN_KEY: tl.constexpr, HW_FP8: tl.constexpr):
     """V4 E4M3 bytes (int32) of 4-bit codes under scale bytes `scale` and `factor` = |scale| x 2^(127 - tile
     exponent); where `nan` (a NaN tile), the torch path's byte table at its NaN key."""
     magnitude = _e4m3_magnitude(e2m1_value(codes & 7) * factor, HW_FP8)
     byte = magnitude | ((((codes >> 3) ^ (scale >> 7)) & 1) << 7)
-    table = tl.load(nope_table + (((NAN_KEY * 256 + scale) * 16) + codes), mask=nan, other=0).to(tl.int32)
-    return tl.where(nan, table, byte)
+    if any_nan:                                                       # rare: only programs holding a NaN scale
+        table = tl.load(nope_table + (((NAN_KEY * 256 + scale) * 16) + codes), mask=nan, other=0).to(tl.int32)
+        byte = tl.where(nan, table, byte)
+    return byte
 
 
 @triton.jit
-def _rope_bits(codes, scale, rope_table):
+def _rope_bits(codes, scale, any_nan, rope_table):
     """bf16 bits (int32, 0..0xFFFF) of 4-bit codes under E4M3 scale bytes: code value x scale is exact in
     bf16 (the float32 bits' high half); a NaN scale's from the torch path's table."""
     y = e2m1_value(codes & 7) * e4m3_value(scale & 0x7F)
     bits = (y.to(tl.int32, bitcast=True) >> 16) | ((((codes >> 3) ^ (scale >> 7)) & 1) << 15)
     nan = (scale & 0x7F) == 0x7F
-    table = tl.load(rope_table + ((scale * 16) + codes), mask=nan, other=0).to(tl.int32) & 0xFFFF
-    return tl.where(nan, table, bits)
+    if any_nan:                                                       # rare: only programs holding a NaN scale
+        table = tl.load(rope_table + ((scale * 16) + codes), mask=nan, other=0).to(tl.int32) & 0xFFFF
+        bits = tl.where(nan, table, bits)
+    return bits
+
+
+@triton.jit
+def _any(flags):
+    """Whether any element of a 2-D boolean tensor is set (one reduction per program)."""
+    return tl.max(tl.max(flags.to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -102,21 +112,23 @@ def _tile_factors(magnitude, scale):
 
 
 @triton.jit
-def _row_offsets(table, rows, rows_per_block, stride, ALIGN: tl.constexpr):
-    """Byte offset of each row: its block's start plus the row's place in a block (`table`)."""
-    place = tl.load(table + (rows % rows_per_block).to(tl.int32))
-    return tl.multiple_of((rows // rows_per_block) * stride + place, ALIGN)
+def _row_offsets(table, rows, ROWS_PER_BLOCK: tl.constexpr, stride, ALIGN: tl.constexpr):
+    """Byte offset of each row (int32 index): its block's start plus the row's place in a block (`table`);
+    the block size a constant, so the division is a multiply."""
+    place = tl.load(table + rows % ROWS_PER_BLOCK)
+    return tl.multiple_of((rows // ROWS_PER_BLOCK).to(tl.int64) * stride + place, ALIGN)
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, live, BYTES: tl.constexpr, PADDED: tl.constexpr,
-               UNIT: tl.constexpr):
-    """Copy BYTES bytes of each row (the indexer rows that ride along), in UNIT-byte words."""
+def _copy_rows(src_ptr, src32_ptr, dst_ptr, dst32_ptr, src_row, dst_row, live, BYTES: tl.constexpr,
+               PADDED: tl.constexpr, UNIT: tl.constexpr):
+    """Copy BYTES bytes of each row (the indexer rows that ride along), in UNIT-byte words (`*32_ptr`: int32
+    views of the same memory, used where UNIT is 4)."""
     word = tl.arange(0, PADDED)
     mask = live[:, None] & (word < BYTES // UNIT)[None, :]
     if UNIT == 4:
-        src = src_ptr.to(tl.pointer_type(tl.int32)) + (src_row // 4)[:, None] + word[None, :]
-        dst = dst_ptr.to(tl.pointer_type(tl.int32)) + (dst_row // 4)[:, None] + word[None, :]
+        src = src32_ptr + (src_row // 4)[:, None] + word[None, :]
+        dst = dst32_ptr + (dst_row // 4)[:, None] + word[None, :]
     else:
         src = src_ptr + src_row[:, None] + word[None, :]
         dst = dst_ptr + dst_row[:, None] + word[None, :]
@@ -124,8 +136,9 @@ def _copy_rows(src_ptr, dst_ptr, src_row, dst_row, live, BYTES: tl.constexpr, PA
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _load_kernel(src_ptr, dst_ptr, src_table, dst_table, copy_src_table, copy_dst_table, nope_table, rope_table,
-                 n_rows, rows_per_block, src_stride, dst_stride,
+def _load_kernel(src_ptr, src32_ptr, dst_ptr, dst16_ptr, dst32_ptr, src_table, dst_table, copy_src_table,
+                 copy_dst_table, nope_table, rope_table,
+                 n_rows, src_stride, dst_stride, ROWS_PER_BLOCK: tl.constexpr,
                  NOPE: tl.constexpr, ROPE: tl.constexpr, V4_BYTES: tl.constexpr, TILES_P: tl.constexpr,
                  ROPE_P: tl.constexpr, SCALES_P: tl.constexpr, NAN_KEY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  COPY_BYTES: tl.constexpr, COPY_P: tl.constexpr, COPY_UNIT: tl.constexpr,
@@ -133,10 +146,10 @@ def _load_kernel(src_ptr, dst_ptr, src_table, dst_table, copy_src_table, copy_ds
     TILES: tl.constexpr = NOPE // 64
     HALF: tl.constexpr = (NOPE + ROPE) // 2
     ROPE_GROUPS: tl.constexpr = ROPE // 16
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)              # int32: < 2^31 rows
     live = rows < n_rows
-    src_row = _row_offsets(src_table, rows, rows_per_block, src_stride, SRC_ALIGN)
-    dst_row = _row_offsets(dst_table, rows, rows_per_block, dst_stride, DST_ALIGN)
+    src_row = _row_offsets(src_table, rows, ROWS_PER_BLOCK, src_stride, SRC_ALIGN)
+    dst_row = _row_offsets(dst_table, rows, ROWS_PER_BLOCK, dst_stride, DST_ALIGN)
     # NoPE: bytes [R, tile, group, 8], two codes each; scale bytes [R, tile, group].
     t = tl.arange(0, TILES_P)
     g = tl.arange(0, 4)
@@ -151,10 +164,14 @@ def _load_kernel(src_ptr, dst_ptr, src_table, dst_table, copy_src_table, copy_ds
     magnitude = tl.maximum(tl.max(low & 7, axis=3), tl.max(high & 7, axis=3))
     exponent, factor = _tile_factors(magnitude, scale)
     nan = (exponent == 256)[:, :, None, None]
-    low_byte = _nope_bytes(low, scale[:, :, :, None], factor[:, :, :, None], nan, nope_table, NAN_KEY, HW_FP8)
-    high_byte = _nope_bytes(high, scale[:, :, :, None], factor[:, :, :, None], nan, nope_table, NAN_KEY, HW_FP8)
-    dst16 = dst_ptr.to(tl.pointer_type(tl.int16))
-    tl.store(dst16 + ((dst_row // 2)[:, None, None, None] + place), (low_byte | (high_byte << 8)).to(tl.int16),
+    any_nan = _any(exponent == 256)
+    low_byte = _nope_bytes(low, scale[:, :, :, None], factor[:, :, :, None], nan, any_nan, nope_table, NAN_KEY,
+                           HW_FP8)
+    high_byte = _nope_bytes(high, scale[:, :, :, None], factor[:, :, :, None], nan, any_nan, nope_table, NAN_KEY,
+                            HW_FP8)
+    dst16 = dst16_ptr
+    dst_half = tl.multiple_of(dst_row // 2, DST_ALIGN // 2)            # the hints survive no division
+    tl.store(dst16 + (dst_half[:, None, None, None] + place), (low_byte | (high_byte << 8)).to(tl.int16),
              mask=tiles[:, :, None, None])
     # The scale field: the tile exponents' low bytes, then zeros to its end.
     tl.store(dst_ptr + (dst_row[:, None] + NOPE + 2 * ROPE + t[None, :]), (exponent & 0xFF).to(tl.uint8),
@@ -170,13 +187,18 @@ def _load_kernel(src_ptr, dst_ptr, src_table, dst_table, copy_src_table, copy_ds
     rpacked = tl.load(src_ptr + (src_row[:, None, None] + NOPE // 2 + rplace), mask=groups[:, :, None],
                       other=0).to(tl.int32)
     rscale = tl.load(src_ptr + (src_row[:, None] + HALF + NOPE // 16 + r[None, :]), mask=groups,
-                     other=0).to(tl.int32)[:, :, None]
-    pair = _rope_bits(rpacked & 15, rscale, rope_table) | (_rope_bits(rpacked >> 4, rscale, rope_table) << 16)
-    dst32 = dst_ptr.to(tl.pointer_type(tl.int32))
-    tl.store(dst32 + (((dst_row + NOPE) // 4)[:, None, None] + rplace), pair, mask=groups[:, :, None])
+                     other=0).to(tl.int32)
+    rope_nan = _any((rscale & 0x7F) == 0x7F)
+    rscale = rscale[:, :, None]
+    pair = _rope_bits(rpacked & 15, rscale, rope_nan, rope_table) \
+        | (_rope_bits(rpacked >> 4, rscale, rope_nan, rope_table) << 16)
+    dst32 = dst32_ptr
+    dst_word = tl.multiple_of((dst_row + NOPE) // 4, DST_ALIGN // 4)
+    tl.store(dst32 + (dst_word[:, None, None] + rplace), pair, mask=groups[:, :, None])
     if COPY_BYTES > 0:
-        _copy_rows(src_ptr, dst_ptr, _row_offsets(copy_src_table, rows, rows_per_block, src_stride, COPY_UNIT),
-                   _row_offsets(copy_dst_table, rows, rows_per_block, dst_stride, COPY_UNIT), live,
+        _copy_rows(src_ptr, src32_ptr, dst_ptr, dst32_ptr,
+                   _row_offsets(copy_src_table, rows, ROWS_PER_BLOCK, src_stride, COPY_UNIT),
+                   _row_offsets(copy_dst_table, rows, ROWS_PER_BLOCK, dst_stride, COPY_UNIT), live,
                    COPY_BYTES, COPY_P, COPY_UNIT)
 
 
@@ -219,7 +241,7 @@ def _plan(model: ModelGeometry, block_tokens: int, device: torch.device) -> _Pla
     offsets: list[list[int]] = [[], [], [], []]
     index_bytes = 0
     native_layout, v4_layout = model.block_layout(block_tokens), engine.block_layout(block_tokens)
-    by_layer: dict[int, dict[str, tuple[object, object]]] = {}
+    by_layer: dict[int, dict[str, tuple[Section, Section]]] = {}
     for a, b in zip(native_layout, v4_layout, strict=True):
         if (a.layer, a.component, a.rows) != (b.layer, b.component, b.rows):
             return None
@@ -273,22 +295,36 @@ def _load_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]
     return t.nope, t.rope.view(torch.int16), _nan_key(device)
 
 
+def _view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A `dtype` view of uint8 `t` [n, w] (the same memory, for the kernels' wide loads and stores), or None."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
 def _launch_load(src: torch.Tensor, dst: torch.Tensor, shape: v4.RowShape, n_rows: int, rows_per_block: int,
                  src_stride: int, dst_stride: int, tables: _Offsets, copy_bytes: int) -> bool:
     """Run the load kernel, or False where the destination's alignment does not allow its wide stores."""
     src_table, dst_table, copy_src, copy_dst = tables.device
+    if n_rows >= 2**31 - 1024:                        # the kernels index rows in int32
+        return False
     dst_align = _alignment(dst.data_ptr(), dst_stride, tables.align[1])
-    if dst_align < 4:
+    dst16, dst32, src32 = _view(dst, torch.int16), _view(dst, torch.int32), _view(src, torch.int32)
+    if dst_align < 4 or dst16 is None or dst32 is None:
         return False
     src_align = _alignment(src.data_ptr(), src_stride, tables.align[0])
     unit = 4 if copy_bytes and _alignment(src.data_ptr(), dst.data_ptr(), src_stride, dst_stride, copy_bytes,
                                           tables.align[2], tables.align[3]) >= 4 else 1
+    if src32 is None:
+        unit = 1
     nope_table, rope_table, nan_key = _load_tables(src.device)
     words = copy_bytes // unit
     with _on_device(src):
         _load_kernel[(triton.cdiv(n_rows, LOAD_ROWS),)](
-            src, dst, src_table, dst_table, copy_src, copy_dst, nope_table, rope_table,
-            n_rows, rows_per_block, src_stride, dst_stride,
+            src, src if src32 is None else src32, dst, dst16, dst32, src_table, dst_table, copy_src, copy_dst,
+            nope_table, rope_table,
+            n_rows, src_stride, dst_stride, ROWS_PER_BLOCK=rows_per_block,
             NOPE=shape.nope, ROPE=shape.rope, V4_BYTES=shape.v4_bytes,
             TILES_P=triton.next_power_of_2(shape.tiles), ROPE_P=triton.next_power_of_2(shape.rope // v4.GROUP),
             SCALES_P=triton.next_power_of_2(shape.v4_bytes - shape.nope - 2 * shape.rope), NAN_KEY=nan_key,
@@ -359,17 +395,18 @@ def _search(base, target, near, table, decoded, live, STRIDE: tl.constexpr, ALTE
         tried_here = live
     else:
         tried_here = live & ~ok
-    for step in tl.static_range(2):                                  # the neighbours: lower, then upper
-        tried = tl.minimum(tl.maximum(near + (2 * step - 1), 1), 126)
-        c, k, v = _attempt(base, tried, target, table, decoded, tried_here[:, :, None], STRIDE)
-        k = k & tried_here
-        distinct = (tl.max((v != values).to(tl.int32), axis=2) > 0) | ~ok
-        count += (k & distinct & (tried != scale)).to(tl.int32)
-        better = k & ~ok                                             # taken only where nothing re-encoded yet
-        codes = tl.where(better[:, :, None], c, codes)
-        values = tl.where(better[:, :, None], v, values)
-        scale = tl.where(better, tried, scale)
-        ok = ok | better
+    if _any(tried_here):                                             # on the save, rare: a group that failed
+        for step in tl.static_range(2):                              # the neighbours: lower, then upper
+            tried = tl.minimum(tl.maximum(near + (2 * step - 1), 1), 126)
+            c, k, v = _attempt(base, tried, target, table, decoded, tried_here[:, :, None], STRIDE)
+            k = k & tried_here
+            distinct = (tl.max((v != values).to(tl.int32), axis=2) > 0) | ~ok
+            count += (k & distinct & (tried != scale)).to(tl.int32)
+            better = k & ~ok                                         # taken only where nothing re-encoded yet
+            codes = tl.where(better[:, :, None], c, codes)
+            values = tl.where(better[:, :, None], v, values)
+            scale = tl.where(better, tried, scale)
+            ok = ok | better
     return codes, scale, count
 
 
@@ -381,9 +418,10 @@ def _store_packed(dst_ptr, row, place, codes, mask, G: tl.constexpr, BLOCK_ROWS:
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_table, copy_src_table,
+def _save_kernel(src_ptr, src16_ptr, src32_ptr, dst_ptr, dst32_ptr, exact_ptr, ambiguous_ptr, src_table, dst_table,
+                 copy_src_table,
                  copy_dst_table, nope_near, rope_near, nope_outcome, rope_outcome, decoded, nope_bytes_table,
-                 rope_table, n_rows, rows_per_block, src_stride, dst_stride,
+                 rope_table, n_rows, src_stride, dst_stride, ROWS_PER_BLOCK: tl.constexpr,
                  NOPE: tl.constexpr, ROPE: tl.constexpr, V4_BYTES: tl.constexpr, TILES_P: tl.constexpr,
                  ROPE_P: tl.constexpr, SCALES_P: tl.constexpr, NAN_KEY: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                  COPY_BYTES: tl.constexpr, COPY_P: tl.constexpr, COPY_UNIT: tl.constexpr,
@@ -395,10 +433,10 @@ def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_tabl
     ROPE_GROUPS: tl.constexpr = ROPE // 16
     SLOTS: tl.constexpr = 129
     FIELD: tl.constexpr = NOPE + 2 * ROPE                             # where the scale field starts
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)              # int32: < 2^31 rows
     live = rows < n_rows
-    src_row = _row_offsets(src_table, rows, rows_per_block, src_stride, SRC_ALIGN)
-    dst_row = _row_offsets(dst_table, rows, rows_per_block, dst_stride, DST_ALIGN)
+    src_row = _row_offsets(src_table, rows, ROWS_PER_BLOCK, src_stride, SRC_ALIGN)
+    dst_row = _row_offsets(dst_table, rows, ROWS_PER_BLOCK, dst_stride, DST_ALIGN)
     lane = tl.arange(0, 16)
     byte = tl.arange(0, 8)
     # NoPE groups [R, G] of 16 E4M3 bytes under their tile's exponent byte (clamped to 1..254).
@@ -415,8 +453,9 @@ def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_tabl
     # RoPE groups [R, G] of 16 bf16 values.
     r = tl.arange(0, ROPE_P)
     rgroups = live[:, None] & (r < ROPE_GROUPS)[None, :]
-    src16 = src_ptr.to(tl.pointer_type(tl.int16))
-    rtarget = tl.load(src16 + (((src_row + NOPE) // 2)[:, None, None] + r[None, :, None] * 16 + lane[None, None, :]),
+    src16 = src16_ptr
+    src_half = tl.multiple_of((src_row + NOPE) // 2, SRC_ALIGN // 2)
+    rtarget = tl.load(src16 + (src_half[:, None, None] + r[None, :, None] * 16 + lane[None, None, :]),
                       mask=rgroups[:, :, None], other=0).to(tl.int32) & 0xFFFF
     rnear = tl.load(rope_near + tl.max(rtarget & 0x7FFF, axis=2), mask=rgroups, other=1)
     rcodes, rscale, rcount = _search(tl.zeros_like(rnear).to(tl.int32), rtarget, rnear.to(tl.int32), rope_outcome,
@@ -434,10 +473,11 @@ def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_tabl
     tile_exponent = tl.reshape(tl.broadcast_to(tile[:, :, None], (BLOCK_ROWS, TILES_P, 4)), (BLOCK_ROWS, GROUPS_P))
     factor = e4m3_value(scale & 0x7F) * ((254 - tile_exponent) << 23).to(tl.float32, bitcast=True)
     again = _nope_bytes(codes, scale[:, :, None], factor[:, :, None], (tile_exponent == 256)[:, :, None],
+                        _any(tile_exponent == 256),
                         nope_bytes_table, NAN_KEY, HW_FP8)
     wrong = tl.max(((again != target) & groups[:, :, None]).to(tl.int32), axis=2)
     wrong |= ((tile_exponent & 0xFF) != stored_exponent) & groups
-    rwrong = tl.max(((_rope_bits(rcodes, rscale[:, :, None], rope_table) != rtarget)
+    rwrong = tl.max(((_rope_bits(rcodes, rscale[:, :, None], _any((rscale & 0x7F) == 0x7F), rope_table) != rtarget)
                      & rgroups[:, :, None]).to(tl.int32), axis=2)
     q = tl.arange(0, SCALES_P)
     pad = live[:, None] & ((q >= TILES) & (q < V4_BYTES - FIELD))[None, :]
@@ -448,8 +488,9 @@ def _save_kernel(src_ptr, dst_ptr, exact_ptr, ambiguous_ptr, src_table, dst_tabl
     tl.store(exact_ptr + rows, exact.to(tl.int8), mask=live)
     tl.store(ambiguous_ptr + rows, (exact & collision).to(tl.int8), mask=live)
     if COPY_BYTES > 0:
-        _copy_rows(src_ptr, dst_ptr, _row_offsets(copy_src_table, rows, rows_per_block, src_stride, COPY_UNIT),
-                   _row_offsets(copy_dst_table, rows, rows_per_block, dst_stride, COPY_UNIT), live,
+        _copy_rows(src_ptr, src32_ptr, dst_ptr, dst32_ptr,
+                   _row_offsets(copy_src_table, rows, ROWS_PER_BLOCK, src_stride, COPY_UNIT),
+                   _row_offsets(copy_dst_table, rows, ROWS_PER_BLOCK, dst_stride, COPY_UNIT), live,
                    COPY_BYTES, COPY_P, COPY_UNIT)
 
 
@@ -459,20 +500,27 @@ def _launch_save(src: torch.Tensor, dst: torch.Tensor, shape: v4.RowShape, n_row
     """Run the save kernel: (exact, ambiguous) bool [n_rows], or None where the source's alignment does not
     allow its 16-bit loads."""
     src_table, dst_table, copy_src, copy_dst = offsets.device
+    if n_rows >= 2**31 - 1024:                        # the kernels index rows in int32
+        return None
     src_align = _alignment(src.data_ptr(), src_stride, offsets.align[0])
-    if src_align < 2:
+    src16, src32, dst32 = _view(src, torch.int16), _view(src, torch.int32), _view(dst, torch.int32)
+    if src_align < 2 or src16 is None:
         return None
     dst_align = _alignment(dst.data_ptr(), dst_stride, offsets.align[1])
     unit = 4 if copy_bytes and _alignment(src.data_ptr(), dst.data_ptr(), src_stride, dst_stride, copy_bytes,
                                           offsets.align[2], offsets.align[3]) >= 4 else 1
+    if src32 is None or dst32 is None:
+        unit = 1
     t = v4._recover_tables(src.device)
     nope_bytes, rope_table, nan_key = _load_tables(src.device)
     exact = torch.empty(n_rows, dtype=torch.int8, device=src.device)
     ambiguous = torch.empty(n_rows, dtype=torch.int8, device=src.device)
     with _on_device(src):
         _save_kernel[(triton.cdiv(n_rows, SAVE_ROWS),)](
-            src, dst, exact, ambiguous, src_table, dst_table, copy_src, copy_dst, t.nope_near, t.rope_near,
-            t.nope, t.rope, t.decoded, nope_bytes, rope_table, n_rows, rows_per_block, src_stride, dst_stride,
+            src, src16, src if src32 is None else src32, dst, dst if dst32 is None else dst32, exact, ambiguous,
+            src_table, dst_table, copy_src, copy_dst, t.nope_near, t.rope_near,
+            t.nope, t.rope, t.decoded, nope_bytes, rope_table, n_rows, src_stride, dst_stride,
+            ROWS_PER_BLOCK=rows_per_block,
             NOPE=shape.nope, ROPE=shape.rope, V4_BYTES=shape.v4_bytes,
             TILES_P=triton.next_power_of_2(shape.tiles), ROPE_P=triton.next_power_of_2(shape.rope // v4.GROUP),
             SCALES_P=triton.next_power_of_2(shape.v4_bytes - shape.nope - 2 * shape.rope), NAN_KEY=nan_key,
