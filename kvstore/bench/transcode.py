@@ -39,7 +39,7 @@ from kvstore.bench.codec import realistic, seconds
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.codec import sglang_v4
 from kvstore.codec.block_codec import encode_blocks, split_blocks
-from kvstore.geometry import resolve
+from kvstore.geometry import ModelGeometry, resolve
 
 #: The target of issue 27 item 4 on the GPU: the load transcode under 5% of a 1M-token restore.
 TARGET_SHARE = 0.05
@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=0,
                         help="tokens of blocks (default: 8,192 on cpu, 1,048,576 on cuda); a multiple of 64")
     parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 3 cpu, 10 cuda)")
+    parser.add_argument("--tune", action="store_true",
+                        help="on CUDA, also time the Triton kernels at other program sizes (rows per program x "
+                             "warps; notes), to pick sglang_v4_triton's LOAD_ROWS, SAVE_ROWS and NUM_WARPS")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the real restore (a `kvstore serve` child holding the model-rows blocks, restored "
                              "by kvstore.client.restore: direct-gpu on CUDA, direct-cpu on the CPU)")
@@ -117,6 +120,26 @@ def _timed_once(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
+def tune(model: ModelGeometry, native: torch.Tensor, v4: torch.Tensor, repeat: int) -> dict[str, str]:
+    """Milliseconds of the Triton load and save at each (rows per program, warps), as notes; the module's
+    settings are restored afterwards."""
+    from kvstore.codec import sglang_v4_triton as kernels
+
+    saved = kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS
+    notes = {}
+    try:
+        for warps in (4, 8):
+            for rows in (2, 4, 8, 16, 32):
+                kernels.LOAD_ROWS = kernels.SAVE_ROWS = rows
+                kernels.NUM_WARPS = warps
+                load = seconds(lambda: kernels.native_blocks_to_v4(native, model, 64), "cuda", repeat, 1)
+                save = seconds(lambda: kernels.v4_blocks_to_native(v4, model, 64), "cuda", repeat, 1)
+                notes[f"tune_rows{rows}_warps{warps}"] = f"load {load * 1e3:.3f} ms, save {save * 1e3:.3f} ms"
+    finally:
+        kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS = saved
+    return notes
+
+
 def run(args: argparse.Namespace, progress: Progress) -> Report:
     """Time the two transcodes beside a same-size copy and a restore, and note the exact shares."""
     device = args.device
@@ -179,6 +202,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                 and (got.rows, got.exact_rows, got.ambiguous_rows) == (slow.rows, slow.exact_rows, slow.ambiguous_rows))
             report.notes["save_path"] = sglang_v4.kernel_modes()["v4_blocks_to_native"]
             del slow
+        if getattr(args, "tune", False) and path == "triton":
+            report.notes.update(tune(model, native, v4, repeat))
         raw_v4 = sglang_v4.native_blocks_to_v4(model, native[:4], 64)
         # vLLM-like rows: the store of the raw latent (no FP4 step) in place of every compressed-KV row.
         gen = torch.Generator().manual_seed(1)

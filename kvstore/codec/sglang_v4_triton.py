@@ -566,5 +566,6 @@ def v4_blocks_to_native(blocks: torch.Tensor, model: ModelGeometry, block_tokens
     if found is None:
         return None
     exact, ambiguous = found
-    counts = torch.stack((torch.tensor(n * plan.rows, device=blocks.device), exact.sum(), ambiguous.sum()))
+    rows = torch.full((), n * plan.rows, dtype=torch.int64, device=blocks.device)      # a fill: no host copy
+    counts = torch.stack((rows, exact.sum(), ambiguous.sum()))
     return native, exact.view(n, plan.rows).all(dim=1), counts
