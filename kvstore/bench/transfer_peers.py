@@ -70,9 +70,19 @@ def _json_tail(text: str) -> dict[str, Any]:
     raise RuntimeError(f"no JSON at the end of the output: {text[-500:]!r}")
 
 
-def _run(cmd: list[str], timeout_s: float) -> dict[str, Any]:
+def _free_ports(*names: str) -> dict[str, str]:
+    """The environment naming a free loopback port for each of the peers' port variables: their
+    defaults may be taken by another run on a shared box (round 2's redis-server once found
+    16581 in use and the LMCache step failed)."""
+    from kvstore.bench.redis_server import free_port
+
+    return {name: str(free_port()) for name in names}
+
+
+def _run(cmd: list[str], timeout_s: float, ports: tuple[str, ...] = ()) -> dict[str, Any]:
     began = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, **_free_ports(*ports)})
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd[:3])} exited {done.returncode}: {done.stderr[-800:]}")
     out = _json_tail(done.stdout)
@@ -83,7 +93,7 @@ def _run(cmd: list[str], timeout_s: float) -> dict[str, Any]:
 def lmcache_resp(peers: Path, reps: int) -> dict[str, float]:
     """LMCache `resp://` get: best and median GB/s."""
     out = _run(["bash", str(peers / "run_lmcache_bench.sh"), "--connectors", "resp", "--skip-redis-raw",
-                "--reps", str(reps)], 900)
+                "--reps", str(reps)], 900, ("LMC_PORT", "REDIS_PORT"))
     get = out["lmcache"]["resp"]["get"]
     return {"resp get best": max(get["gbps_runs"]), "resp get median": get["gbps_median"],
             "tcp one stream": out["baseline"]["tcp_loopback_one_stream"]["gbps_median"]}
@@ -91,7 +101,8 @@ def lmcache_resp(peers: Path, reps: int) -> dict[str, float]:
 
 def mooncake_store(peers: Path, reps: int) -> dict[str, float]:
     """Mooncake Store's cross-process reads: best and median GB/s of each."""
-    out = _run(["bash", str(peers / "run_mooncake_bench.sh"), "--skip-redis", "--reps", str(reps)], 900)
+    out = _run(["bash", str(peers / "run_mooncake_bench.sh"), "--skip-redis", "--reps", str(reps)], 900,
+               ("MC_MASTER_PORT", "MC_METADATA_PORT", "MC_METRICS_PORT", "REDIS_PORT"))
     figures: dict[str, float] = {}
     _collect(out.get("mooncake", {}), "", figures)
     return figures

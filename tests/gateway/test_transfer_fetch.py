@@ -228,6 +228,11 @@ def test_a_fetch_is_cut_into_enough_calls_of_16_to_64_blocks() -> None:
     assert stripe(200, 4, 1000) == 50, "enough calls to keep every stream busy"
     assert stripe(64, 8, 1000) == 16 and stripe(5, 8, 1000) == 16, "never smaller than 16 blocks a call"
     assert stripe(4096, 8, 40) == 40 and stripe(4096, 8, 0) == 1, "within the server's limits"
+    # Bounded in bytes: 256-token blocks (4x the 64-token ones) go 4 to 16 a call; smaller blocks as before.
+    big = 4 * transfer_stream.STRIPE_REFERENCE_BYTES
+    assert stripe(4096, 8, 1000, big) == 16 and stripe(5, 8, 1000, big) == 4 and stripe(40, 4, 1000, big) == 10
+    assert stripe(4096, 8, 1000, 1024) == 64 and stripe(5, 8, 1000, 1024) == 16
+    assert stripe(4096, 8, 1000, 100 * transfer_stream.STRIPE_REFERENCE_BYTES) == 1, "at least one block"
 
 
 def test_a_large_fetch_goes_out_in_large_calls(start_server: Callable[..., Any], tmp_path: Path) -> None:
