@@ -69,6 +69,11 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: False the same conversions on the bits (any GPU), None picks True on compute capability
 #: 8.9 and later. Both give the same bytes (tests/kvstore/codec/test_codec_gpu.py).
 HW_FP8: bool | None = None
+#: bf16 compressed-KV rows through `_encode_bf16_pairs_kernel` (two channels per int32 word; issue 25 item 5):
+#: the same bytes, without the codes' reshape and split, which the sm_90 build of `_encode_kernel` does
+#: through shared memory (8 barriers a program there, 2 here; 800 instructions against 896). False: the
+#: general kernel.
+BF16_PAIRS = True
 
 # Row formats (the FORMAT constexpr).
 COMPRESSED_KV = tl.constexpr(0)
@@ -230,6 +235,35 @@ def _encode_kernel(x_ptr, rows_ptr, flag_ptr, n_rows,
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # one compilation whatever the row count
+def _encode_bf16_pairs_kernel(x32_ptr, rows_ptr, flag_ptr, n_rows,
+                              FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
+                              BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr, HW_FP8: tl.constexpr):
+    """`_encode_kernel`'s FP4 rows of bf16 input read as int32 words, two channels each: a word's low half
+    is channel 2i (its float32 bits: the half shifted up), the high half channel 2i+1, so the codes of a
+    word make its output byte directly (no reshape and split of the codes, which went through shared memory)."""
+    GROUPS: tl.constexpr = D // GROUP
+    HALF: tl.constexpr = GROUP // 2
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.arange(0, BLOCK_GROUPS)
+    live = (rows < n_rows)[:, None] & (group < GROUPS)[None, :]
+    out_row = rows[:, None] * ROW_BYTES
+    pair = tl.arange(0, HALF)
+    words = tl.load(x32_ptr + (rows[:, None, None] * (D // 2) + group[None, :, None] * HALF + pair[None, None, :]),
+                    mask=live[:, :, None], other=0)
+    even = words << 16                     # float32 bits of channel 2i (bf16 -> float32 is exact)
+    odd = words & -65536                   # of channel 2i+1 (0xFFFF0000)
+    even_ax, odd_ax = even & 0x7FFFFFFF, odd & 0x7FFFFFFF
+    amax_bits = tl.max(tl.maximum(even_ax, odd_ax), axis=2)
+    _flag_non_finite(flag_ptr, amax_bits)
+    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8)
+    even_codes = e2m1_code(even, even_ax.to(tl.float32, bitcast=True), scale[:, :, None])
+    odd_codes = e2m1_code(odd, odd_ax.to(tl.float32, bitcast=True), scale[:, :, None])
+    tl.store(rows_ptr + (out_row[:, :, None] + group[None, :, None] * HALF + pair[None, None, :]),
+             (even_codes | (odd_codes << 4)).to(tl.uint8), mask=live[:, :, None])
+    tl.store(rows_ptr + (out_row + D // 2 + group[None, :]), scale_code.to(tl.uint8), mask=live)
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # one compilation whatever the row count
 def _decode_kernel(rows_ptr, out_ptr, n_rows,
                    FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
                    BLOCK_ROWS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
@@ -310,6 +344,12 @@ def _encode(x: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor] | No
     rows = torch.empty((*x.shape[:-1], row_bytes(d)), dtype=torch.uint8, device=x.device)
     flag = torch.zeros(1, dtype=torch.float32, device=x.device)
     block_rows, block_groups = _tiling(d, group)
+    if BF16_PAIRS and fmt == 0 and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0:
+        with _on_device(x):
+            _encode_bf16_pairs_kernel[(triton.cdiv(n_rows, block_rows),)](
+                x.view(torch.int32), rows, flag, n_rows, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=row_bytes(d),
+                BLOCK_ROWS=block_rows, BLOCK_GROUPS=block_groups, HW_FP8=_hw_fp8(x.device), num_warps=NUM_WARPS)
+        return rows, flag
     with _on_device(x):
         _encode_kernel[(triton.cdiv(n_rows, block_rows),)](
             x, rows, flag, n_rows, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=row_bytes(d),

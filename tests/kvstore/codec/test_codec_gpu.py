@@ -35,12 +35,15 @@ FORMATS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, Callable[.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=[None, False], ids=["fp8-auto", "fp8-on-bits"])
+@pytest.fixture(params=[(None, True), (False, True), (None, False)],
+                ids=["fp8-auto", "fp8-on-bits", "fp8-auto-no-bf16-pairs"])
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """rows_triton, with its E4M3 conversions as chosen for the GPU (the H200's own instructions)
-    and done on the bits (what GPUs before compute capability 8.9 run)."""
+    and done on the bits (what GPUs before compute capability 8.9 run); bf16 compressed-KV rows by the
+    pairs kernel (the default) and by the general one."""
     module = pytest.importorskip("kvstore.codec.rows_triton")
-    monkeypatch.setattr(module, "HW_FP8", request.param)
+    monkeypatch.setattr(module, "HW_FP8", request.param[0])
+    monkeypatch.setattr(module, "BF16_PAIRS", request.param[1])
     return module
 
 
