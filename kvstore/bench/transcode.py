@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of blocks (default: 8,192 on cpu, 1,048,576 on cuda); a multiple of 64")
     parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 3 cpu, 10 cuda)")
     parser.add_argument("--tune", action="store_true",
-                        help="on CUDA, also time the Triton kernels at other program sizes (rows per program x "
+                        help="on CUDA, also time the Triton kernels at other program sizes (4-16 rows per program x "
                              "warps; notes), to pick sglang_v4_triton's LOAD_ROWS, SAVE_ROWS and NUM_WARPS")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the real restore (a `kvstore serve` child holding the model-rows blocks, restored "
@@ -129,7 +129,7 @@ def tune(model: ModelGeometry, native: torch.Tensor, v4: torch.Tensor, repeat: i
     notes = {}
     try:
         for warps in (4, 8):
-            for rows in (2, 4, 8, 16, 32):
+            for rows in (4, 8, 16):
                 kernels.LOAD_ROWS = kernels.SAVE_ROWS = rows
                 kernels.NUM_WARPS = warps
                 load = seconds(lambda: kernels.native_blocks_to_v4(native, model, 64), "cuda", repeat, 1)
