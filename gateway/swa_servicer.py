@@ -108,7 +108,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         ttl_s = request.ttl_ms / 1000.0 if request.ttl_ms else None
         stored = await self.cache.put_many(scope.fingerprint, items, ttl_s)
         applied_s = min(ttl_s, self.cache.ttl_s) if ttl_s else self.cache.ttl_s
-        self.trace.swa_put(scope, snapshots=len(items), stored=len(items) if stored else 0)
+        self.trace.swa_put(scope, [s.key for s in request.snapshots], stored=len(items) if stored else 0)
         return pb.SwaPutResponse(stored=len(items) if stored else 0, failed=0 if stored else len(items),
                                  ttl_ms=int(applied_s * 1000))
 
@@ -133,7 +133,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         found = await self.cache.get_many(layout.geometry, [scope.key(k) for k in keys])
         if self.hits is not None:
             self.hits.record(scope.namespace, "swa", len(keys), sum(f is not None for f in found))
-        self.trace.swa_get(scope, asked=len(keys), found=sum(f is not None for f in found))
+        self.trace.swa_get(scope, keys, found=sum(f is not None for f in found))
         # Copying the snapshots into the reply is O(reply size): off the event loop.
         return await asyncio.to_thread(_get_reply, found)
 
@@ -206,22 +206,26 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             max_record_bytes=HEADER_BYTES + largest, expires_in_ms=int(lifetime_s * 1000),
             renew_after_ms=int(lifetime_s * 500))
 
-    # -- tiers.swa_shm_server.ShmHooks: the shared-memory path's quotas and counters (its threads call them) --
+    # -- tiers.swa_shm_server.ShmHooks: the shared-memory path's quotas, counters and trace (its threads call them) --
 
     def admit(self, tenant: str) -> None:
         """Spend one request of `tenant`'s rate (ResourceExhausted when over it)."""
         if self._rate is not None:
             self._rate.take(tenant)
 
-    def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None:
-        """Count one shared-memory get as a gateway Get is counted."""
+    def got(self, grant: ShmGrant, keys: Sequence[bytes], found: int, corrupt: int) -> None:
+        """Count and trace one shared-memory get as a gateway Get is counted and traced."""
         if self.hits is not None:
-            self.hits.record(tenant, "swa", asked, found)
-        self.cache.count_direct(gets=1, snapshots_asked=asked, hits=found, corrupt=corrupt)
+            self.hits.record(grant.tenant, "swa", len(keys), found)
+        self.cache.count_direct(gets=1, snapshots_asked=len(keys), hits=found, corrupt=corrupt)
+        if self.trace.enabled:
+            self.trace.swa_get(BlockScope(grant.fingerprint, grant.tenant), keys, found=found, via="shm")
 
-    def put(self, snapshots: int, nbytes: int) -> None:
-        """Count one shared-memory put as a gateway Put is counted."""
-        self.cache.count_direct(puts=1, snapshots_put=snapshots, bytes_put=nbytes)
+    def put(self, grant: ShmGrant, keys: Sequence[bytes], stored: int, nbytes: int) -> None:
+        """Count and trace one shared-memory put as a gateway Put is counted and traced."""
+        self.cache.count_direct(puts=1, snapshots_put=stored, bytes_put=nbytes)
+        if self.trace.enabled:
+            self.trace.swa_put(BlockScope(grant.fingerprint, grant.tenant), keys, stored=stored, via="shm")
 
     @unary
     async def ReportDirect(self, request: pb.SwaReportDirectRequest,

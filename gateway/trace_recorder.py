@@ -5,8 +5,12 @@ Put, ReportResume, the SWA pool's Put and Get). With tracing off (`CallTrace`, t
 default) each is an empty method. A `TraceRecorder` instead appends the call's facts to a
 bounded queue and returns: building the line, hex-encoding the hashes and compressing
 are done by its writer task on a thread, and the file is written through aiofiles, so no
-call waits on the disk. When the queue is full (`queue_records`, `queue_bytes`: the
-writer fell behind, the disk is stalled) or a write fails, records are dropped and
+call waits on the disk. A record may come from any thread (the SWA pool's shared-memory
+sessions are served by their own threads, tiers.swa_shm_server): the queue and its
+counters are kept under a lock, and a record from another thread wakes the writer through
+`loop.call_soon_threadsafe` (an asyncio.Event may only be set on its loop). When the queue
+is full (`queue_records`, `queue_bytes`: the writer fell behind, the disk is stalled) or a
+write fails, records are dropped and
 counted (`TraceStats.dropped_records`, the kvstore_trace_dropped_records series), never
 a call.
 
@@ -25,6 +29,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -86,11 +91,12 @@ class CallTrace:
                action: str) -> None:
         """A planner's report of its plan (ReportResume)."""
 
-    def swa_put(self, scope: BlockScope, *, snapshots: int, stored: int) -> None:
-        """An SWA pool Put."""
+    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc") -> None:
+        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put)
+        or "shm" (a shared-memory session's COMMIT: called on that session's thread)."""
 
-    def swa_get(self, scope: BlockScope, *, asked: int, found: int) -> None:
-        """An SWA pool Get."""
+    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc") -> None:
+        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via` as for `swa_put`."""
 
     @property
     def stats(self) -> TraceStats:
@@ -128,6 +134,11 @@ class TraceRecorder(CallTrace):
         self.before_write: Callable[[], Awaitable[None]] | None = None
         self._queue: deque[tuple[dict[str, Any], bytes | None]] = deque()
         self._queued_bytes = 0
+        # The queue, its bytes and the drop counter change on the loop (the services, the writer) and on
+        # the shared-memory sessions' threads: check-then-append and take-then-clear must not interleave.
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
         self._wake = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -150,6 +161,7 @@ class TraceRecorder(CallTrace):
 
         # A checksum per frame: a damaged file is an error when read, not wrong records.
         self._compress = zstandard.ZstdCompressor(level=self.settings.level, write_checksum=True).compress
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         self._closed_files.extend(await asyncio.to_thread(self._existing))
         self._task = asyncio.create_task(self._run(), name="kvstore-trace-writer")
 
@@ -164,16 +176,44 @@ class TraceRecorder(CallTrace):
 
     # -- the services' side: append and return ----------------------------------------------------
 
+    def _full(self, cost: int) -> bool:
+        s = self.settings
+        return (len(self._queue) >= s.queue_records or self._queued_bytes + cost > s.queue_bytes
+                or self._closing.is_set())
+
     def _add(self, record: dict[str, Any], hashes: Sequence[bytes] | None = None) -> None:
+        """Queue `record` (any thread), or drop and count it when the queue is full or closing."""
         s = self.settings
         cost = RECORD_OVERHEAD_BYTES + s.hash_bytes * (len(hashes) if hashes is not None else 0)
-        if (len(self._queue) >= s.queue_records or self._queued_bytes + cost > s.queue_bytes
-                or self._closing.is_set()):
-            self._dropped += 1  # the writer is behind: the record goes, the call does not wait
+        # Cut outside the lock (a long prompt's copy must not hold up another thread's record); a first look
+        # without it spares the copy when the writer is plainly behind.
+        packed = None if hashes is None or self._full(cost) else cut(hashes, s.hash_bytes)
+        with self._lock:
+            if (hashes is not None and packed is None) or self._full(cost):
+                self._dropped += 1  # the writer is behind: the record goes, the call does not wait
+                return
+            wake = not self._queue  # the writer is woken once per batch, not per record
+            self._queue.append((record, packed))
+            self._queued_bytes += cost
+        if not wake:
             return
-        self._queue.append((record, None if hashes is None else cut(hashes, s.hash_bytes)))
-        self._queued_bytes += cost
-        self._wake.set()
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            self._wake.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the server is gone, and the record too
+                self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _take(self) -> list[tuple[dict[str, Any], bytes | None]]:
+        """What is queued, leaving the queue empty (a record another thread adds meanwhile waits for the next)."""
+        with self._lock:
+            batch = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+        return batch
+
+    def _drop(self, n: int) -> None:
+        with self._lock:
+            self._dropped += n
 
     def _head(self, op: str, scope: BlockScope) -> dict[str, Any]:
         fp = scope.fingerprint
@@ -214,17 +254,18 @@ class TraceRecorder(CallTrace):
                       action=action)
         self._add(record)
 
-    def swa_put(self, scope: BlockScope, *, snapshots: int, stored: int) -> None:
-        """An SWA pool Put."""
+    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc") -> None:
+        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put)
+        or "shm" (a shared-memory session's COMMIT: called on that session's thread)."""
         record = self._head("swa_put", scope)
-        record.update(snapshots=snapshots, stored=stored)
-        self._add(record)
+        record.update(via=via, snapshots=len(keys), stored=stored)
+        self._add(record, keys)
 
-    def swa_get(self, scope: BlockScope, *, asked: int, found: int) -> None:
-        """An SWA pool Get."""
+    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc") -> None:
+        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via` as for `swa_put`."""
         record = self._head("swa_get", scope)
-        record.update(asked=asked, found=found)
-        self._add(record)
+        record.update(via=via, asked=len(keys), found=found)
+        self._add(record, keys)
 
     @property
     def stats(self) -> TraceStats:
@@ -246,15 +287,13 @@ class TraceRecorder(CallTrace):
             if self.settings.flush_s and not self._closing.is_set():
                 with contextlib.suppress(TimeoutError):  # gather a frame's worth (one per record compresses poorly)
                     await asyncio.wait_for(self._closing.wait(), self.settings.flush_s)
-            batch = list(self._queue)
-            self._queue.clear()
-            self._queued_bytes = 0
             if not self._closing.is_set():
-                self._wake.clear()
+                self._wake.clear()  # before the take: a record queued after it wakes the writer again
+            batch = self._take()
             try:
                 await self._write(batch)
             except Exception as exc:  # a full or failing disk: the batch goes, the writer goes on
-                self._dropped += len(batch)
+                self._drop(len(batch))
                 log.warning("trace: %d records dropped: %s", len(batch), exc,
                             exc_info=not isinstance(exc, OSError | _NoRoom))
                 await self._close_file(cut=True)
@@ -352,8 +391,7 @@ class TraceRecorder(CallTrace):
                 await asyncio.wait_for(asyncio.shield(self._task), CLOSE_WAIT_S)
             except TimeoutError:
                 self._task.cancel()
-                self._dropped += len(self._queue)
-                self._queue.clear()
+                self._drop(len(self._take()))
                 log.warning("trace: the writer did not finish within %g s: queued records dropped", CLOSE_WAIT_S)
         await self._close_file()
 

@@ -72,16 +72,19 @@ class ShmGrant:
 
 
 class ShmHooks(Protocol):
-    """The gateway's side of each request: its quotas and counters."""
+    """The gateway's side of each request: its quotas, counters and access trace (called on the session's
+    thread)."""
 
     def admit(self, tenant: str) -> None:
         """Raise a KVStoreError (ResourceExhausted) when `tenant` is over its request rate."""
 
-    def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None:
-        """Count one get: snapshots asked, found (hits) and found corrupt."""
+    def got(self, grant: ShmGrant, keys: Sequence[bytes], found: int, corrupt: int) -> None:
+        """One get under `grant` of the snapshots `keys` (the client's 32-byte keys): `found` served (hits),
+        `corrupt` found corrupt (here, or by the client since its last request)."""
 
-    def put(self, snapshots: int, nbytes: int) -> None:
-        """Count one put of `snapshots` snapshots of `nbytes` bytes."""
+    def put(self, grant: ShmGrant, keys: Sequence[bytes], stored: int, nbytes: int) -> None:
+        """One put (a COMMIT) under `grant` of the snapshots `keys`: `stored` of them, of `nbytes` bytes, made
+        live (the others had no room under the cap)."""
 
 
 class ShmPool(Protocol):
@@ -191,7 +194,8 @@ class ShmSession:
 
     def get(self, grant: ShmGrant, request: pb.SwaShmRequest) -> pb.SwaShmReply:
         """Where each key's snapshot lies (offset -1: missing or corrupt), its T and checksum; pinned."""
-        keys = self._keys(grant, list(request.keys))
+        asked = list(request.keys)
+        keys = self._keys(grant, asked)
         if request.corrupt > grant.max_batch * 64:
             raise InvalidArgument(f"corrupt = {request.corrupt} is more than this session could have read")
         reply = pb.SwaShmReply()
@@ -210,7 +214,7 @@ class ShmSession:
             reply.offsets.append(located.offset + HEADER_BYTES)
             reply.positions.append(fields[0])
             reply.checksums.append(fields[1])
-        self.hooks.got(grant.tenant, len(keys), found, corrupt + request.corrupt)
+        self.hooks.got(grant, asked, found, corrupt + request.corrupt)
         return reply
 
     def begin(self, grant: ShmGrant, request: pb.SwaShmRequest) -> pb.SwaShmReply:
@@ -274,6 +278,7 @@ class ShmSession:
         # client noted as it copied is checksummed now (the notes did most of it); one without notes is
         # live at once and checksummed by the pool's sealing thread, off the writer's path.
         items: list[tuple[bytes, Reserved, Header]] = []
+        keys = [p.key[-HASH_BYTES:] for p in self._pending]  # the client's keys, the storage prefix cut off
         noted = any(p.hashed for p in self._pending)
         for p in self._pending:
             if p.span is None:
@@ -286,7 +291,7 @@ class ShmSession:
                 items.append((p.key, p.span, partial(seal, grant.fingerprint, p.position, b"")))
         self._pending = []
         self.pool.commit(grant.tenant_id, items, ttl_s)
-        self.hooks.put(len(items), sum(span.length - HEADER_BYTES for _, span, _ in items))
+        self.hooks.put(grant, keys, len(items), sum(span.length - HEADER_BYTES for _, span, _ in items))
         return pb.SwaShmReply(ttl_ms=max(int(ttl_s * 1000), 1))
 
     def release(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import selectors
 import threading
 import time
 from collections.abc import Callable
@@ -303,3 +304,83 @@ def test_a_write_the_disk_cuts_short_leaves_only_whole_frames(tmp_path: Path) ->
     files = recorded.trace_files(tmp_path)
     assert len(files) > 1 and all(p.stat().st_size <= 5000 for p in files)
     assert len([r for _, _, r in recorded.records(tmp_path)]) == written
+
+
+class _Watched(selectors.DefaultSelector):
+    """The loop's selector, telling a thread once the loop blocks in it (nothing to run, waiting for I/O)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+        self.blocked = threading.Event()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if self.armed and (timeout is None or timeout > 0):
+            self.blocked.set()
+        return super().select(timeout)
+
+
+def test_a_record_from_another_thread_wakes_the_idle_writer(tmp_path: Path) -> None:
+    """The shared-memory sessions record on their own threads: a record told while the loop sleeps in its
+    selector must wake the writer (an asyncio.Event set from another thread does not wake the loop)."""
+    selector = _Watched()
+
+    async def scenario() -> TraceRecorder:
+        rec = TraceRecorder(SMALL, folder=tmp_path, block_tokens=64, node="n1", clock=ManualClock())
+        await rec.start()
+        written = asyncio.get_running_loop().create_future()
+
+        async def before_write() -> None:
+            if not written.done():
+                written.set_result(None)
+
+        rec.before_write = before_write
+
+        def session_thread() -> None:
+            assert selector.blocked.wait(DEADLINE_S)
+            rec.swa_get(SCOPE, [b"k" * 32], found=1, via="shm")
+
+        thread = threading.Thread(target=session_thread)
+        thread.start()
+        selector.armed = True
+        await asyncio.wait_for(written, DEADLINE_S)  # the loop sleeps here until the record wakes it
+        thread.join()
+        await rec.close()
+        return rec
+
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+        rec = runner.run(scenario())
+    assert (rec.stats.written_records, rec.stats.dropped_records) == (1, 0)
+    [(_, _, record)] = list(recorded.records(tmp_path))
+    assert record["op"] == "swa_get" and record["via"] == "shm" and record["hashes"] == (b"k" * 32).hex()
+
+
+@pytest.mark.parametrize("queue_records", [100_000, 16])
+def test_records_from_many_threads_are_each_written_or_counted_dropped(tmp_path: Path, queue_records: int) -> None:
+    """Threads recording at once while the writer takes batches: every record is written or counted as dropped
+    (none lost between a take and the next append), and a full queue drops instead of growing."""
+    settings = TraceSettings(enabled=True, hash_bytes=8, flush_s=0, level=1, queue_records=queue_records)
+    threads, each = 8, 500
+
+    async def scenario() -> TraceRecorder:
+        rec = TraceRecorder(settings, folder=tmp_path, block_tokens=64, node="n1", clock=ManualClock())
+        await rec.start()
+
+        def session_thread(i: int) -> None:
+            scope = BlockScope(b"\x01" * FINGERPRINT_BYTES, f"tenant-{i}")
+            for n in range(each):
+                rec.swa_put(scope, [n.to_bytes(32, "big")], stored=1, via="shm")
+
+        await asyncio.gather(*(asyncio.to_thread(session_thread, i) for i in range(threads)))
+        await until(partial(_handled, rec, threads * each), "every record written or dropped")
+        await rec.close()
+        return rec
+
+    rec = asyncio.run(scenario())
+    got = [r for _, _, r in recorded.records(tmp_path)]
+    assert len(got) == rec.stats.written_records and rec.stats.queued_records == 0
+    assert rec.stats.written_records + rec.stats.dropped_records == threads * each
+    if queue_records > threads * each:
+        assert rec.stats.dropped_records == 0
+        assert {r["tenant"] for r in got} == {f"tenant-{i}" for i in range(threads)}
+        assert all(sum(r["tenant"] == f"tenant-{i}" for r in got) == each for i in range(threads))

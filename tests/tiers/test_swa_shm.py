@@ -9,7 +9,7 @@ import mmap
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from kvstore.swa_snapshot import HEADER_BYTES, seal, unseal
 from tests.shm_attacks import routes_as_nobody, routes_that_write
 from tiers.swa_memory import MemoryPool, arena_id
 from tiers.swa_shm import GRANULE, READ_ONLY_SEALS, SEALS, Arena, Reserved
+from tiers.swa_shm_session import ShmGrant
 
 ATTACKS = Path(__file__).parents[1] / "shm_attacks.py"
 
@@ -100,7 +101,8 @@ def test_a_staging_arena_is_writable(staging: Arena) -> None:
 
 
 def test_allocations_are_pages_and_freed_ranges_coalesce(arena: Arena) -> None:
-    offsets = [arena.alloc(GRANULE + 1) for _ in range(8)]  # two granules each: the whole arena
+    taken = [arena.alloc(GRANULE + 1) for _ in range(8)]  # two granules each: the whole arena
+    offsets = [o for o in taken if o is not None]
     assert offsets == [i * 2 * GRANULE for i in range(8)]
     assert arena.alloc(1) is None  # full
     for offset in offsets[2:6]:
@@ -226,8 +228,8 @@ def test_the_sealing_thread_seals_committed_records(pool: MemoryPool) -> None:
 
     class Hooks:
         def admit(self, tenant: str) -> None: ...
-        def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None: ...
-        def put(self, snapshots: int, nbytes: int) -> None: ...
+        def got(self, grant: ShmGrant, keys: Sequence[bytes], found: int, corrupt: int) -> None: ...
+        def put(self, grant: ShmGrant, keys: Sequence[bytes], stored: int, nbytes: int) -> None: ...
 
     pool.shm_server(Hooks())  # starts the sealing thread
     data = os.urandom(2_703_360)
@@ -277,13 +279,18 @@ class Hooks:
 
     def __init__(self) -> None:
         self.corrupt = 0
+        #: (tenant, keys, found or stored) of each get and put, as the gateway's trace records them.
+        self.gets: list[tuple[str, list[bytes], int]] = []
+        self.puts: list[tuple[str, list[bytes], int, int]] = []
 
     def admit(self, tenant: str) -> None: ...
 
-    def got(self, tenant: str, asked: int, found: int, corrupt: int) -> None:
+    def got(self, grant: ShmGrant, keys: Sequence[bytes], found: int, corrupt: int) -> None:
         self.corrupt += corrupt
+        self.gets.append((grant.tenant, list(keys), found))
 
-    def put(self, snapshots: int, nbytes: int) -> None: ...
+    def put(self, grant: ShmGrant, keys: Sequence[bytes], stored: int, nbytes: int) -> None:
+        self.puts.append((grant.tenant, list(keys), stored, nbytes))
 
 
 def shm_path(pool: MemoryPool, hooks: Hooks, clock: ManualClock, *, writable: bool = True,
@@ -300,6 +307,26 @@ def shm_path(pool: MemoryPool, hooks: Hooks, clock: ManualClock, *, writable: bo
     grant = pb.SwaOpenDirectResponse(offered=True, tenant="a", shm_socket=server.name, shm_ticket=ticket,
                                      shm_host=host_id(), writable=writable)
     return ShmPath(grant, geometry=V4_1_FLASH, timeout_s=10, verify=verify)
+
+
+def test_each_get_and_commit_tells_the_gateway_its_tenant_and_the_clients_keys(clock: ManualClock,
+                                                                              loop_thread: Any) -> None:
+    """What the gateway counts and traces per shared-memory call (gateway/trace_recorder.py records it): the
+    grant's tenant, the client's own 32-byte keys (not the pool's storage keys) and how many were served or
+    stored."""
+    pool = MemoryPool(cap_bytes=64 * MiB, clock=clock)
+    hooks = Hooks()
+    writer = shm_path(pool, hooks, clock)
+    try:
+        one, two, missing = b"1" * 32, b"2" * 32, b"m" * 32
+        data = [os.urandom(2_703_360), os.urandom(2_703_360)]  # T = 200
+        assert writer.put_many([(one, 200, data[0]), (two, 200, data[1])], ttl_ms=60_000) == 2 * len(data[0])
+        assert writer.get_many([two, missing, one]).data == [data[1], None, data[0]]
+        assert hooks.puts == [("a", [one, two], 2, 2 * len(data[0]))]
+        assert hooks.gets == [("a", [two, missing, one], 2)]
+    finally:
+        writer.close()
+        loop_thread.run(pool.close())
 
 
 @pytest.mark.parametrize("verify", [False, True])

@@ -56,10 +56,13 @@ def test_each_call_of_the_replay_is_one_record_with_what_it_did(
     got = [r for _, _, r in recorded.records(folder)]
     ops = [r["op"] for r in got]
     # Each plan's leased Lookup (and its re-probes of the pool, unleased), the Gets of what it
-    # fetched, the Puts of new blocks (snapshots go over shared memory: no SwaPool.Put).
+    # fetched, the Puts of new blocks, and each SWA snapshot put (over shared memory: recorded one by one).
     lookups = [r for r in got if r["op"] == "lookup" and r["lease_ms"]]
     assert len(lookups) == REQUESTS
     assert ops.count("put") >= 1 and ops.count("get") == len(tally.latencies_s.get("get", []))
+    swa_puts = [r for r in got if r["op"] == "swa_put"]
+    assert len(swa_puts) == len(tally.latencies_s["swa_put"]) == REQUESTS
+    assert all(r["via"] == "shm" and r["stored"] == r["snapshots"] == 1 for r in swa_puts)
     assert {r["tenant"] for r in got} == {"default"}
     # What was found is what the client was told: the tally's found tokens, in blocks.
     head = next(h for _, h, _ in recorded.records(folder))
