@@ -74,7 +74,9 @@ python -c "from mooncake.engine import TransferEngine" 2>/dev/null \
 # it only adds packages that nothing outside ENGINE_TESTS imports (the dev install shares no
 # package with scripts/engines/*.txt, the extras take their pins), and everything that
 # reads the engines (mypy, which follows vLLM's py.typed; ENGINE_TESTS) waits for it.
-ENGINE_TESTS=(tests/integrations tests/tiers/test_events.py tests/gateway/test_events_tokens.py tests/faults/test_events_kill.py)
+# The Triton interpreter tests need the triton that SGLang's install brings (the dev install has none).
+ENGINE_TESTS=(tests/integrations tests/tiers/test_events.py tests/gateway/test_events_tokens.py tests/faults/test_events_kill.py
+    tests/kvstore/codec/test_sglang_v4_triton_interpret.py tests/kvstore/codec/test_rows_triton_interpret.py)
 # A pinned package the venv holds at another version would change under the running tests: then
 # the install runs first, as before.
 clash=$(python scripts/engines/clash.py scripts/engines/*.txt)
