@@ -19,7 +19,7 @@ import grpc
 
 from kvstore.client import arguments
 from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, ChainMemo
-from kvstore.client.fleet_chain import fleet_hashes
+from kvstore.client.fleet_chain import FleetChainMemo
 from kvstore.client.lookup_anchors import AnchorTable
 from kvstore.errors import InvalidArgument, KVStoreError, from_status
 from kvstore.prefix import ExtraKey, chain_hashes, root_hash
@@ -168,6 +168,9 @@ class Connection:
         self.anchors = AnchorTable()
         #: The chains hashed on this connection, reused by prompts that begin with their tokens.
         self.chain_memo = ChainMemo(block_tokens=self.block_tokens, max_bytes=chain_memo_bytes)
+        #: Through a fleet's gateway, the fleet chains hashed here, run by run through the same memo (F56).
+        self.fleet_chains = FleetChainMemo(block_tokens=self.block_tokens, run_blocks=self.run_blocks,
+                                           max_bytes=chain_memo_bytes) if self.run_blocks else None
 
     # -- calls -------------------------------------------------------------
 
@@ -210,9 +213,8 @@ class Connection:
         """`hashes`, as the memo keeps them where it holds the chain (`chain_memo.HashChain`: a next turn
         shares the kept hashes instead of copying them, C6), else a list."""
         extra_keys = arguments.extra_keys(extra_keys)
-        if self.run_blocks:
-            return fleet_hashes(tokens, root=self.root, block_tokens=self.block_tokens,
-                                run_blocks=self.run_blocks, extra_keys=extra_keys)
+        if self.fleet_chains is not None:
+            return self.fleet_chains.hashes(tokens, root=self.root, extra_keys=extra_keys)
         if self.chain_memo.max_bytes:
             return self.chain_memo.chain(tokens, root=self.root, extra_keys=extra_keys)
         return chain_hashes(tokens, block_tokens=self.block_tokens, parent=self.root, extra_keys=extra_keys)

@@ -36,9 +36,10 @@ from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 from kvstore.client import arguments
+from kvstore.client.chain_memo import DEFAULT_MAX_BYTES
 from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
-from kvstore.client.fleet_chain import fleet_hashes, fleet_snapshot_keys
+from kvstore.client.fleet_chain import FleetChainMemo, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_runs
 from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
@@ -90,6 +91,9 @@ class FleetClient(Client):
         replication: copies of every run a Put makes ([fleet] replication, 2 by default) for a tenant whose
             policy sets none (`copies`); fewer when fewer nodes are live (one copy on each).
         retry: the policy of failover rounds and of each copy's Put (default: 3 retries, 50 ms to 1 s).
+        chain_memo_bytes: most bytes kept of the fleet chains this client hashed (`fleet_chain.FleetChainMemo`,
+            the single server's memo run by run, F56): a conversation's next turn hashes only its new blocks.
+            0: hash every prompt in full.
 
     Raises:
         InvalidArgument: a malformed address.
@@ -99,8 +103,9 @@ class FleetClient(Client):
 
     def __init__(self, target: str, *, namespace: str = "", geometry: str = "", timeout_s: float = 120.0,
                  token: str | None = None, tls: TlsOptions | None = None, replication: int | None = None,
-                 retry: Retry | None = None) -> None:
+                 retry: Retry | None = None, chain_memo_bytes: int = DEFAULT_MAX_BYTES) -> None:
         address = parse_fleet_address(arguments.text(target, "target"))
+        chain_memo_bytes = arguments.integer(chain_memo_bytes, "chain_memo_bytes")
         self.replication = arguments.integer(FleetSettings.replication if replication is None else replication,
                                              "replication", least=1)
         self.retry = retry or Retry()
@@ -131,6 +136,9 @@ class FleetClient(Client):
         self.max_batch_blocks, self.max_message_bytes = first.max_batch_blocks, first.max_message_bytes
         self.max_lease_ms, self.root = first.max_lease_ms, first.root
         self._batch_limit = first.batch_blocks
+        #: The fleet chains hashed by this client, run by run through the chain memo (F56).
+        self.chains = FleetChainMemo(block_tokens=self.block_tokens, run_blocks=self.run_blocks,
+                                     max_bytes=chain_memo_bytes)
         # The tenant whose policy counts: the namespace named, else the one an empty namespace means for this
         # caller (its token's, or "default"), as the nodes resolve it.
         self.tenant = self.namespace or first.tenant or DEFAULT_TENANT
@@ -190,9 +198,10 @@ class FleetClient(Client):
     # -- addressing --------------------------------------------------------
 
     def hashes(self, tokens: Sequence[int], *, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
-        """The fleet hashes of every full block of `tokens`, from the prompt start (`fleet_chain`)."""
-        return fleet_hashes(arguments.token_ids(tokens), root=self.root, block_tokens=self.block_tokens,
-                            run_blocks=self.run_blocks, extra_keys=arguments.extra_keys(extra_keys))
+        """The fleet hashes of every full block of `tokens`, from the prompt start (`fleet_chain`); the runs
+        that begin with the tokens of runs hashed before are the memo's (F56: the same hashes)."""
+        return self.chains.hashes(arguments.token_ids(tokens), root=self.root,
+                                  extra_keys=arguments.extra_keys(extra_keys))
 
     # -- calls -------------------------------------------------------------
 
@@ -202,9 +211,13 @@ class FleetClient(Client):
         """How many leading tokens of `tokens` are stored on the fleet, and from where SWA state is
         (`Client.lookup`; the snapshot from the fleet's shared pool, F45)."""
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
+        tokens = arguments.token_ids(tokens)
+        chain = self.hashes(tokens, extra_keys=extra_keys)
+        # The snapshot keys are anchored on this chain: made from it, not by hashing the prompt again.
         swa_keys = fleet_snapshot_keys(tokens, swa_positions, root=self.root, block_tokens=self.block_tokens,
-                                       run_blocks=self.run_blocks, extra_keys=extra_keys) if swa_positions else []
-        return self.lookup_hashes(self.hashes(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
+                                       run_blocks=self.run_blocks, extra_keys=extra_keys,
+                                       chain=chain) if swa_positions else []
+        return self.lookup_hashes(chain, lease_ms=lease_ms, swa_keys=swa_keys,
                                   swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
                                   keep_until_s=keep_until_s, hosts=hosts)
 

@@ -417,6 +417,27 @@ def held_by(fleet: Fleet, namespace: str, run_hashes: list[bytes]) -> list[int]:
     return held
 
 
+def test_f56_a_next_turn_over_the_fleet_hashes_its_new_blocks_only_and_finds_the_last_turn(fleet: Fleet) -> None:
+    """F56 on real nodes: turn 2 (turn 1 and more) is looked up with turn 1's runs from the chain memo, finds
+    turn 1's blocks, and its hashes equal the cold path's and a memo-less client's."""
+    with fleet_client(fleet) as client, fleet_client(fleet, chain_memo_bytes=0) as bare:
+        turn1 = prompt(RUN_TOKENS * 5 + 3 * BLOCK_TOKENS)
+        client.put(turn1, blocks_for(client, turn1))
+        turn2 = turn1 + prompt(RUN_TOKENS * 2 + 5)
+        reused = sum(m.stats().reused_blocks for m in client.chains.memos())
+        got = client.lookup(turn2)
+        assert got.found_blocks == len(turn1) // BLOCK_TOKENS
+        assert list(got.block_hashes) == bare.lookup(turn2).block_hashes == cold_fleet_hashes(client, turn2)
+        # Runs 0-4 came from the memo (runs are 4 blocks: shorter than the memo's 16-block floor, each whole
+        # run is kept); the partial sixth run was hashed again.
+        assert sum(m.stats().reused_blocks for m in client.chains.memos()) - reused == 5 * RUN_BLOCKS
+        assert bare.chains.memos() == []
+
+
+def cold_fleet_hashes(client: FleetClient, tokens: list[int]) -> list[bytes]:
+    return fleet_hashes(tokens, root=client.root, block_tokens=BLOCK_TOKENS, run_blocks=RUN_BLOCKS)
+
+
 def test_f51_a_tenants_replication_is_the_copies_its_puts_make(fleet: Fleet,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """F51: a tenant's own replication in its policy (set through any node's Admin, stored in etcd) is what the
