@@ -19,6 +19,7 @@ it sees exactly the entries an LMDB index would hold.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,6 +175,8 @@ class SimIndex:
         self._pending: list[tuple[bytes, bytes, int, int, bool, float]] = []
         #: Bytes each namespace stores, and has had evicted (None: one namespace, not kept).
         self.ns_bytes: dict[bytes, int] | None = {} if per_namespace else None
+        #: `bytes_by_use` of each namespace (kept with `ns_bytes`): what a tenant's own retention keeps.
+        self.ns_bytes_by_use: dict[bytes, dict[int, int]] = {}
         self.ns_evicted: dict[bytes, list[int]] = {}
         #: The last uses of the blocks deleted in this write (the simulation reads and clears it).
         self.evicted_uses: list[float] = []
@@ -423,11 +426,14 @@ class SimIndex:
         usage = self._usage
         usage.blocks += len(keys)
         usage.stored_bytes += total
-        if self.ns_bytes is not None:
-            ns = self.ns_bytes
-            for key, n in zip(keys, sizes, strict=True):
-                ns[key[8:16]] = ns.get(key[8:16], 0) + n
         hist, width = self.bytes_by_use, self.use_bucket_s
+        if self.ns_bytes is not None:
+            ns, by_use = self.ns_bytes, self.ns_bytes_by_use
+            for key, n, when in zip(keys, sizes, whens, strict=True):
+                ns[key[8:16]] = ns.get(key[8:16], 0) + n
+                own = by_use.setdefault(key[8:16], {})
+                slot = int(when // width)
+                own[slot] = own.get(slot, 0) + n
         if min(whens) == max(whens):  # a Put's blocks share one use time
             slot = int(whens[0] // width)
             hist[slot] = hist.get(slot, 0) + total
@@ -453,9 +459,9 @@ class SimIndex:
         self._retime(key, now_s)
 
     def refresh(self, numbers: np.ndarray, now_s: float, due_before_s: float) -> None:
-        """A Get's refresh (R5), outside any Put: each stored block of `numbers` (keys by their number)
-        whose recorded use is before `due_before_s` (`Retention.touch_due_before`) is recorded used at
-        `now_s`.
+        """A Get's refresh (R5), outside any Put: each stored block of `numbers` (keys by their number, of
+        one namespace: one prompt's chain) whose recorded use is before `due_before_s`
+        (`Retention.touch_due_before`) is recorded used at `now_s`.
 
         `touch` for many blocks at once, as one vector step: a Get of a long prompt refreshes
         thousands (most of a simulation's time), and this write cannot fail, so it needs no journal.
@@ -477,16 +483,22 @@ class SimIndex:
         chosen, old = numbers[due], old[due]
         sizes = self.size[chosen]
         slots = np.floor_divide(old, self.use_bucket_s)
-        hist = self.bytes_by_use
+        moves: list[tuple[int, int]] = []  # (slot, bytes) leaving it
         low, high = slots.min(), slots.max()
         if low == high:  # the usual case: the prefix was last used in one bucket
-            hist[int(low)] -= int(sizes.sum())
+            moves.append((int(low), int(sizes.sum())))
         else:
             values, where = np.unique(slots.astype(np.int64), return_inverse=True)
-            for slot, n in zip(values.tolist(), np.bincount(where, weights=sizes).tolist(), strict=True):
-                hist[slot] -= int(n)
-        slot = int(now_s // self.use_bucket_s)
-        hist[slot] = hist.get(slot, 0) + int(sizes.sum())
+            moves.extend((slot, int(n)) for slot, n in zip(values.tolist(), np.bincount(where, weights=sizes).tolist(),
+                                                           strict=True))
+        slot, total = int(now_s // self.use_bucket_s), int(sizes.sum())
+        hists = [self.bytes_by_use]
+        if self.ns_bytes is not None:  # one namespace's blocks: its own histogram moves the same way
+            hists.append(self.ns_bytes_by_use.setdefault(self.key_of[int(chosen[0])][8:16], {}))
+        for hist in hists:
+            for old_slot, n in moves:
+                hist[old_slot] -= n
+            hist[slot] = hist.get(slot, 0) + total
         self.last[chosen] = now_s
         self._note_stale(chosen)
 
@@ -581,23 +593,35 @@ class SimIndex:
         self._usage.stored_bytes += size
         if self.ns_bytes is not None:
             self.ns_bytes[key[8:16]] = self.ns_bytes.get(key[8:16], 0) + size
-        self._count_use(last_use_s, size)
+        self._count_use(key, last_use_s, size)
 
-    def _count_use(self, when_s: float, nbytes: int) -> None:
+    def _count_use(self, key: bytes, when_s: float, nbytes: int) -> None:
         slot = int(when_s // self.use_bucket_s)
         self.bytes_by_use[slot] = self.bytes_by_use.get(slot, 0) + nbytes
+        if self.ns_bytes is not None:
+            own = self.ns_bytes_by_use.setdefault(key[8:16], {})
+            own[slot] = own.get(slot, 0) + nbytes
 
-    def bytes_used_since(self, since_s: float) -> int:
-        """Bytes of the blocks whose recorded use is in or after the bucket holding `since_s`.
+    def bytes_used_since(self, since_s: float, ns_id: bytes | None = None) -> int:
+        """Bytes of the blocks (of namespace `ns_id` only, when given: a run with per-namespace counts)
+        whose recorded use is in or after the bucket holding `since_s`.
 
         What retention keeps, to a bucket's width, leaving out blocks kept only as the prefix of
         a later-used one (R6) whose own use is older: a Get refreshes a whole fetched prefix, so
         those are few (a Lookup alone refreshes only its deepest block).
+
+        Raises:
+            ValueError: `ns_id` given to an index that does not count per namespace.
         """
         if self._pending:
             self._flush()
+        if ns_id is not None and self.ns_bytes is None:
+            raise ValueError("bytes per namespace are kept only by an index made with per_namespace=True")
+        hist = self.bytes_by_use if ns_id is None else self.ns_bytes_by_use.get(ns_id, {})
+        if since_s == -math.inf:  # an infinite retention (a failing provider keeps everything, R18)
+            return sum(hist.values())
         first = int(since_s // self.use_bucket_s)
-        return sum(n for slot, n in self.bytes_by_use.items() if slot >= first)
+        return sum(n for slot, n in hist.items() if slot >= first)
 
     def _remove(self, key: bytes) -> None:
         idx = self.blocks.pop(key)
@@ -621,13 +645,13 @@ class SimIndex:
         self._usage.stored_bytes -= size
         if self.ns_bytes is not None:
             self.ns_bytes[key[8:16]] -= size
-        self._count_use(float(self.last[idx]), -size)
+        self._count_use(key, float(self.last[idx]), -size)
         self.last[idx] = np.nan
 
     def _retime(self, key: bytes, when_s: float) -> None:
         idx = self.blocks[key]
         size = int(self.size[idx])
-        self._count_use(float(self.last[idx]), -size)
+        self._count_use(key, float(self.last[idx]), -size)
         self.last[idx] = when_s
-        self._count_use(when_s, size)
+        self._count_use(key, when_s, size)
         self._stale.add(key)

@@ -28,7 +28,8 @@ def tally_dict(t: Tally) -> dict[str, Any]:
 def tenant_dict(t: TenantResult) -> dict[str, Any]:
     """One tenant's policy, counts and bytes."""
     return {"policy": t.policy.to_dict(), **tally_dict(t.tally), "stored_bytes": t.stored_bytes,
-            "peak_stored_bytes": t.peak_stored_bytes, "own_evicted_blocks": t.evicted_blocks,
+            "peak_stored_bytes": t.peak_stored_bytes, "retained_bytes": t.retained_bytes,
+            "peak_retained_bytes": t.peak_retained_bytes, "own_evicted_blocks": t.evicted_blocks,
             "own_evicted_bytes": t.evicted_bytes}
 
 
@@ -47,6 +48,7 @@ def result_dict(r: SimResult, *, buckets: bool = True) -> dict[str, Any]:
         "peak_stored_bytes": r.peak_stored_bytes, "peak_retained_bytes": r.peak_retained_bytes,
         "peak_swa_bytes": r.peak_swa_bytes, "node_bytes": r.node_bytes, "node_reads": r.node_reads,
         "peak_retained_by_hours": {f"{h:g}": n for h, n in r.peak_retained_by_hours.items()},
+        "peak_retained_by_policy_bytes": r.peak_retained_by_policy_bytes,
         "node_bytes_balance": round(max(nbytes) / (sum(nbytes) / len(nbytes)), 4) if sum(nbytes) else None,
         "node_reads_balance": round(max(reads) / (sum(reads) / len(reads)), 4) if sum(reads) else None,
         "sessions_past_retention": r.sessions_past_retention,
@@ -57,7 +59,9 @@ def result_dict(r: SimResult, *, buckets: bool = True) -> dict[str, Any]:
     if buckets:
         out["buckets"] = [{"start_s": b.start_s, **tally_dict(b.tally), "stored_bytes": b.stored_bytes,
                            "retained_bytes": b.retained_bytes, "swa_bytes": b.swa_bytes,
-                           **({"tenant_bytes": b.tenant_bytes} if b.tenant_bytes else {})} for b in r.buckets]
+                           **({"tenant_bytes": b.tenant_bytes,
+                               "tenant_retained_bytes": b.tenant_retained_bytes} if b.tenant_bytes else {})}
+                          for b in r.buckets]
     return out
 
 
@@ -83,7 +87,8 @@ def summary(r: SimResult) -> list[str]:
         f"prefill tokens saved {t.usable_tokens:,}; replayed {t.replay_tokens:,}; computed {t.prefill_tokens:,}",
         f"GPU: {r.gpu_s:,.0f} s of prefill and replay, against {r.gpu_s_without_store:,.0f} s without the store",
         f"NVMe: peak stored {_tb(r.peak_stored_bytes)}, peak within retention {_tb(r.peak_retained_bytes)} ("
-        + ", ".join(f"{h:g} h: {_tb(n)}" for h, n in r.peak_retained_by_hours.items()) + ")",
+        + ", ".join(f"{h:g} h: {_tb(n)}" for h, n in r.peak_retained_by_hours.items()) + ")"
+        + (f"; each tenant within its own retention: {_tb(r.peak_retained_by_policy_bytes)}" if r.tenants else ""),
         f"evicted {t.evicted_blocks:,} blocks ({_tb(t.evicted_bytes)}), {t.evicted_inside_retention:,} inside the "
         f"retention, {t.evicted_inside_longer:,} inside {max((*s.also_retention_hours, s.retention_hours)):g} h; "
         f"Puts refused {t.refused_puts:,} ({t.refused_blocks:,} blocks not stored)",
@@ -92,13 +97,15 @@ def summary(r: SimResult) -> list[str]:
     ]
     if r.tenants:
         lines.append(f"{'tenant':<16} {'retention':>9} {'SWA TTL':>8} {'NVMe quota':>11} {'requests':>9} "
-                     f"{'lookup':>7} {'usable':>7} {'stored':>11} {'evicted':>9} {'refused':>8} {'SWA refused':>11}")
+                     f"{'lookup':>7} {'usable':>7} {'stored':>11} {'retained':>11} {'evicted':>9} {'refused':>8} "
+                     f"{'SWA refused':>11}")
         for name, tr in r.tenants.items():
             p, tt = tr.policy, tr.tally
             quota = _tb(p.nvme_quota_bytes) if p.nvme_quota_bytes else "none"
             lines.append(f"{name:<16} {p.retention_hours:>8g}h {p.swa_ttl_s:>7g}s {quota:>11} {tt.requests:>9,} "
                          f"{tt.lookup_hit_rate:7.1%} {tt.usable_hit_rate:7.1%} {_tb(tr.stored_bytes):>11} "
-                         f"{tr.evicted_blocks:>9,} {tt.refused_puts:>8,} {tt.swa_refused:>11,}")
+                         f"{_tb(tr.peak_retained_bytes):>11} {tr.evicted_blocks:>9,} {tt.refused_puts:>8,} "
+                         f"{tt.swa_refused:>11,}")
     if s.nodes > 1:
         lines.append(f"per node: bytes max/mean {d['node_bytes_balance']}, reads max/mean {d['node_reads_balance']}")
         for name in r.node_bytes:

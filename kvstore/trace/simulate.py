@@ -170,6 +170,8 @@ class Bucket:
     retained_by_hours: dict[float, int] = field(default_factory=dict)
     #: Bytes each tenant stores at the bucket's end (a run with policies).
     tenant_bytes: dict[str, int] = field(default_factory=dict)
+    #: Bytes each tenant used within its own retention (R18) at the bucket's end (a run with policies).
+    tenant_retained_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -180,6 +182,10 @@ class TenantResult:
     tally: Tally = field(default_factory=Tally)
     stored_bytes: int = 0
     peak_stored_bytes: int = 0
+    #: Its bytes used within its own retention (R18: the policy's, never below the store's), at the end and
+    #: at the peak: what the store must keep for it (`SimIndex.bytes_used_since` of its namespace).
+    retained_bytes: int = 0
+    peak_retained_bytes: int = 0
     #: Its blocks evicted (by any tenant's Put), and their bytes.
     evicted_blocks: int = 0
     evicted_bytes: int = 0
@@ -198,6 +204,9 @@ class SimResult:
     peak_retained_bytes: int
     peak_swa_bytes: int
     peak_retained_by_hours: dict[float, int]
+    #: The peak over buckets of the tenants' bytes each within its own retention (R18), summed: what the
+    #: store must keep when tenants' policies raise their retention (`peak_retained_bytes` with none).
+    peak_retained_by_policy_bytes: int
     node_bytes: dict[str, int]
     node_reads: dict[str, int]
     sessions_past_retention: int
@@ -316,6 +325,8 @@ class Simulation:
         self._swa_heap: list[tuple[float, bytes, int]] = []
         self.swa_bytes = 0
         self.swa_peak = 0
+        #: The end of the last bucket closed (the time a run's per-tenant bytes are reported at).
+        self._last_close_s = 0.0
         if settings.policies or settings.policies_file or settings.tenants:
             self._use_policies()
 
@@ -583,7 +594,7 @@ class Simulation:
         buckets: list[Bucket] = []
         t0 = trace.requests[0].arrival_s if trace.requests else 0.0
         bucket = Bucket(start_s=t0)
-        peaks = [0, 0, 0]
+        peaks = [0, 0, 0, 0]
         for i, r in enumerate(trace.requests):
             while r.arrival_s >= bucket.start_s + s.bucket_s:
                 self._close(bucket, peaks, bucket.start_s + s.bucket_s)
@@ -605,6 +616,7 @@ class Simulation:
                          peak_stored_bytes=peaks[0], peak_retained_bytes=peaks[1], peak_swa_bytes=peaks[2],
                          peak_retained_by_hours={h: max(b.retained_by_hours.get(h, 0) for b in buckets)
                                                  for h in buckets[-1].retained_by_hours},
+                         peak_retained_by_policy_bytes=peaks[3] if self.tenants else peaks[1],
                          node_bytes={n: node.index.usage.stored_bytes for n, node in self.nodes.items()},
                          node_reads={n: node.reads for n, node in self.nodes.items()},
                          sessions_past_retention=outlive, tenants=self._tenant_results(),
@@ -621,6 +633,7 @@ class Simulation:
             result = self.tenants[tenant]
             result.stored_bytes = stored
             result.policy = self.policies.policy(tenant) if self.policies else result.policy
+            result.retained_bytes = self._tenant_retained(tenant, self._last_close_s)
             ns_id = self._chains_of(tenant).scope.prefix[8:16]
             for node in self.nodes.values():
                 blocks, nbytes = node.index.ns_evicted.get(ns_id, (0, 0))
@@ -639,10 +652,25 @@ class Simulation:
             since = end_s - hours * 3600 - TOUCH_GRANULARITY_S
             bucket.retained_by_hours[hours] = sum(n.index.bytes_used_since(since) for n in self.nodes.values())
         bucket.swa_bytes = max(self.swa_bytes, 0)
+        self._last_close_s = end_s
         if self.tenants:
             bucket.tenant_bytes = self._tenant_bytes()
             for tenant, stored in bucket.tenant_bytes.items():
-                self.tenants[tenant].peak_stored_bytes = max(self.tenants[tenant].peak_stored_bytes, stored)
+                result = self.tenants[tenant]
+                result.peak_stored_bytes = max(result.peak_stored_bytes, stored)
+                kept = bucket.tenant_retained_bytes[tenant] = self._tenant_retained(tenant, end_s)
+                result.peak_retained_bytes = max(result.peak_retained_bytes, kept)
+            peaks[3] = max(peaks[3], sum(bucket.tenant_retained_bytes.values()))
         peaks[0] = max(peaks[0], bucket.stored_bytes)
         peaks[1] = max(peaks[1], bucket.retained_bytes)
         peaks[2] = max(peaks[2], self.swa_peak)
+
+    def _tenant_retained(self, tenant: str, end_s: float) -> int:
+        """Bytes of `tenant` used within its own retention at `end_s`, over the nodes: the retention the
+        tier's eviction gives its namespace (`NamespaceRetention.seconds`, R18), so the two cannot differ."""
+        scope = self._chains_of(tenant).scope
+        total = 0
+        for node in self.nodes.values():
+            since = end_s - node.room.retention.seconds(scope.namespace) - TOUCH_GRANULARITY_S
+            total += node.index.bytes_used_since(since, scope.prefix[8:16])
+        return total

@@ -15,11 +15,14 @@ from gateway.policies import Policies, Policy
 from kvstore.cli import main
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.geometry import V4_1_FLASH
+from kvstore.prefix import namespace_id
 from kvstore.trace import sim_index
 from kvstore.trace.load import load_trace
 from kvstore.trace.requests import Trace
 from kvstore.trace.sim_policies import parse_policy
+from kvstore.trace.sim_report import result_dict, summary
 from kvstore.trace.simulate import SimSettings, Simulation
+from tiers.retention import TOUCH_GRANULARITY_S
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 BLOCK = V4_1_FLASH.block_bytes(64)
@@ -162,6 +165,41 @@ def test_a_get_refreshes_the_fetched_prefix_and_its_bytes_move_to_the_hour_of_us
     assert uses[:shared] == [3600.0] * shared and set(uses[shared:]) <= {0.0}
     assert index.bytes_used_since(3600.0) == BLOCK * sum(1 for _, b in index.records() if b.last_access_s >= 3600)
     assert index.bytes_used_since(0.0) == index.usage.stored_bytes
+
+
+def _kept_by_the_records(sim: Simulation, tenant: str, retention_s: float, end_s: float) -> int:
+    """The tenant's bytes whose last use is within `retention_s` of `end_s` (to a bucket), from every record."""
+    index, width = sim.nodes["node-0"].index, sim.settings.bucket_s
+    first = int((end_s - retention_s - TOUCH_GRANULARITY_S) // width)
+    return sum(b.size_bytes for k, b in index.records()
+               if k[8:16] == namespace_id(tenant) and int(b.last_access_s // width) >= first)
+
+
+@pytest.mark.parametrize("small", [0, 1000], ids=["vector", "block-by-block"])
+def test_each_tenants_bytes_within_its_own_retention_are_reported(apart: Trace, small: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # the store keeps 0 h (R4 at its floor here) and evicts under a small capacity; tenant-1's policy keeps 72 h
+    monkeypatch.setattr(sim_index, "_SMALL_REFRESH", small)
+    settings = SimSettings(capacity_bytes=3000 * BLOCK, retention_hours=0, swa_ttl_s=0, tenants=2, bucket_s=600)
+    even = Simulation(settings).run(apart)
+    # everyone at the store's retention: the tenants' bytes add up to the store's, bucket by bucket
+    assert all(sum(b.tenant_retained_bytes.values()) == b.retained_bytes for b in even.buckets)
+    assert even.peak_retained_by_policy_bytes == even.peak_retained_bytes > 0
+    sim = Simulation(replace(settings, policies={"tenant-1": {"retention_hours": 72}}))
+    result = sim.run(apart)
+    t0, t1 = result.tenants["tenant-0"], result.tenants["tenant-1"]
+    assert t0.evicted_blocks > 0 and t1.evicted_blocks == 0
+    end_s = result.buckets[-1].start_s + settings.bucket_s
+    assert t0.retained_bytes == _kept_by_the_records(sim, "tenant-0", 0, end_s) < t0.stored_bytes
+    assert t1.retained_bytes == _kept_by_the_records(sim, "tenant-1", 72 * 3600, end_s) == t1.stored_bytes
+    assert t1.peak_retained_bytes == max(b.tenant_retained_bytes["tenant-1"] for b in result.buckets)
+    # what the store must keep with tenant-1's 72 h: more than the store's own retention says
+    assert result.peak_retained_by_policy_bytes == max(sum(b.tenant_retained_bytes.values()) for b in result.buckets)
+    assert result.peak_retained_by_policy_bytes > result.peak_retained_bytes
+    shown = result_dict(result)
+    assert shown["tenants"]["tenant-1"]["peak_retained_bytes"] == t1.peak_retained_bytes
+    assert shown["peak_retained_by_policy_bytes"] == result.peak_retained_by_policy_bytes
+    assert any("each tenant within its own retention" in line for line in summary(result))
 
 
 def test_the_sweep_draws_a_png_or_names_what_it_needs(mooncake: Trace, tmp_path: Path) -> None:
