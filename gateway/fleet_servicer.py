@@ -460,6 +460,10 @@ class _Stretch:
     hashes: list[bytes] = field(default_factory=list)
     blocks: list[bytes | memoryview] = field(default_factory=list)
     last_use_s: list[float] = field(default_factory=list)
+    #: Each block's xxh3-64, verified against its bytes by `_check_block`: the store takes them as they are,
+    #: so the writer does not hash the bytes a second time inside its transaction (LMDB's one writer is the
+    #: copy's bottleneck; docs/FLEET.md, "Figures").
+    checksums: list[int] = field(default_factory=list)
     #: The source's pin on the stretch's last block (R31: a stretch ends at a pinned block); None: none.
     keep_until_s: float | None = None
 
@@ -470,7 +474,8 @@ class _Stretch:
         floating = not root and run_index.is_run_root(self.first_depth, run_blocks)
         return PutBatch(scope=self.scope, parent_hash=self.parent_hash, hashes=tuple(self.hashes),
                         blocks=tuple(self.blocks), is_root=root, first_depth=self.first_depth if floating else None,
-                        last_use_s=tuple(self.last_use_s), keep_until_s=self.keep_until_s)
+                        last_use_s=tuple(self.last_use_s), keep_until_s=self.keep_until_s,
+                        checksums=tuple(self.checksums))
 
 
 def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes, int],
@@ -499,6 +504,7 @@ def copy_batches(blocks: Sequence[pb.CopiedBlock | WireCopy], sizes: dict[bytes,
         last.hashes.append(b.key[KEY_BYTES - HASH_BYTES:])
         last.blocks.append(data)
         last.last_use_s.append(b.last_use_s)
+        last.checksums.append(b.checksum)  # equal to the bytes' own: `_check_block` refused it otherwise
         pin = b.pin_until_s
         if pin:
             if not math.isfinite(pin) or pin < 0:

@@ -213,6 +213,28 @@ def test_f17_a_copy_is_checked_like_a_put(nodes: Any, loop_thread: LoopThread) -
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
 
 
+def test_f17_a_copy_is_stored_with_the_checksums_its_check_verified(nodes: Any, loop_thread: LoopThread,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver hashes each copied block once (its check, F17) and stores that checksum: the store's writer,
+    LMDB's one writer and the copy's bottleneck, does not hash the bytes again inside its transaction."""
+    from tiers import blockcopy
+
+    a, b = nodes("a"), nodes("b")
+    hashes, blocks = chain(6)
+    put(a.tier, hashes, blocks)
+    keys = [SCOPE.key(h) for h in hashes]
+    sent = copies(a.tier, keys)
+
+    def hashed_again(datas: Any) -> Any:
+        raise AssertionError("a copied block was hashed again by the store")
+
+    monkeypatch.setattr(blockcopy, "digests", hashed_again)
+    reply = call(loop_thread, b.stub.CopyBlocks, pb.CopyBlocksRequest(blocks=sent))
+    assert reply.written_blocks == 6
+    assert [m.checksum for m in metas(b.tier, keys)] == [xxhash.xxh3_64_intdigest(d) for d in blocks]
+    assert [data for _, data in b.tier.read(keys)] == blocks  # the verified read (R3) takes the stored sums
+
+
 def test_f19_a_copy_keeps_the_later_last_use(nodes: Any, loop_thread: LoopThread) -> None:
     a, b = nodes("a"), nodes("b")
     hashes, blocks = chain(2)
