@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from functools import partial
 from typing import Any, TypeVar
 
 import grpc
 
-from gateway import validate
+from gateway import put_stream, validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
 from gateway.events import note_put_tokens
@@ -436,51 +437,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest | PutRequestView],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PutResponse]:
-        # A reader checks and hashes each batch as it arrives (on a thread: it is
-        # O(batch bytes)) and keeps up to PUT_STREAM_DEPTH of them ahead while the
-        # committer syncs, in order: transfer and hashing overlap fsync, and a
-        # batch's parent is always committed before (or with) the batch itself.
-        # Batches already waiting when a commit ends share the next one (group
-        # commit): one fsync for several, each acknowledged only after it.
-        # The reader ends the queue with None, or with the error that ends the
-        # stream (a bad batch, an undecodable message): the committer commits
-        # what came before it, then raises it, so the stream always ends with a status.
+        # Each batch is checked and hashed as it arrives (on a thread: it is O(batch bytes)), up to
+        # PUT_STREAM_DEPTH ahead of the commit; batches planned when a commit ends share the next one
+        # (group commit: one fsync for several), each acknowledged only after it, in order; the
+        # stream ends with the first error, after the batches before it (gateway/put_stream.py).
         if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
             async for request in requests:
                 yield await self._routed_put(_message(request), context)
             return
-        queue: asyncio.Queue[PutBatch | Exception | None] = asyncio.Queue(maxsize=PUT_STREAM_DEPTH)
+        # Closed with the call (a cancelled call stops its stages now, not when collected).
+        async with aclosing(put_stream.committed(requests, self._plan, self._commit, PUT_STREAM_DEPTH)) as done:
+            async for batch, result in done:
+                _trace_put(self.trace, batch, result)
+                await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
+                yield _put_response(batch, result)
 
-        async def read_ahead() -> None:
-            try:
-                async for request in requests:
-                    await queue.put(await asyncio.to_thread(self._plan, request))
-            except Exception as exc:  # handed to the committer, which raises it
-                await queue.put(exc)
-                return
-            await queue.put(None)
-
-        reader = asyncio.ensure_future(read_ahead())
-        try:
-            item = await queue.get()
-            while isinstance(item, PutBatch):
-                batches = [item]
-                while isinstance(item, PutBatch) and not queue.empty():
-                    item = queue.get_nowait()
-                    if isinstance(item, PutBatch):
-                        batches.append(item)
-                results = await self.tier.call(self.tier.put_many, batches)
-                for batch, result in zip(batches, results, strict=True):
-                    _trace_put(self.trace, batch, result)
-                    await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
-                    yield _put_response(batch, result)
-                if isinstance(item, PutBatch):  # the queue ran dry: wait for the next
-                    item = await queue.get()
-            if item is not None:
-                raise item
-            await reader
-        finally:
-            reader.cancel()
+    def _commit(self, batches: list[PutBatch]) -> Awaitable[list[PutResult]]:
+        """Batches of a stream, in order, in one durable transaction on the tier's executor."""
+        return self.tier.call(self.tier.put_many, batches)
 
     def _plan(self, request: pb.PutRequest | PutRequestView) -> PutBatch:
         """A validated Put batch, its tokens hashed into the chain it extends, its blocks' checksums taken
