@@ -15,11 +15,13 @@ line of each file is its header, then one record per call (docs/CAPACITY.md, "Re
      "evicted_bytes": 0}
     {"t": ..., "op": "resume", ..., "prompt_tokens": 1000, "found_tokens": 768, "usable_tokens": 768,
      "action": "fetch_snapshot"}
-    {"t": ..., "op": "swa_put", ..., "snapshots": 1, "stored": 1}
-    {"t": ..., "op": "swa_get", ..., "asked": 1, "found": 1}
+    {"t": ..., "op": "swa_put", ..., "via": "shm", "snapshots": 2, "stored": 2, "hashes": "<hex>"}
+    {"t": ..., "op": "swa_get", ..., "via": "grpc", "asked": 1, "found": 1, "hashes": "<hex>"}
 
-`hashes` is the prompt's (or the Put's) block hashes, each cut to its first `hash_bytes`
-bytes, as one hex string. Never a token, never a block's bytes.
+`hashes` is the prompt's (or the Put's) block hashes, or an SWA call's snapshot keys, each
+cut to its first `hash_bytes` bytes, as one hex string. `via` says how the snapshots went:
+"grpc" (SwaPool.Put, Get) or "shm" (a same-host client's shared-memory session). Never a
+token, never a block's bytes.
 
 As a `Trace`, each Lookup is one request: its blocks' ids are its hashes numbered in order
 of first appearance per tenant and geometry (a chain hash names its whole prefix, so two
