@@ -19,7 +19,8 @@ ticket's tenant and geometry (so another tenant's records cannot be named, and
 their bytes are in an arena this client was never given); sizes come from T;
 the TTL is the ticket's, a put may ask for less; reserved records count
 against the pool's cap and evict by LRU; hits, puts and request rates go
-through `ShmHooks` to the gateway's counters and quotas. Each connection is
+through `ShmHooks` to the gateway's counters, quotas and access trace (each get
+and put with its tenant and keys, recorded on the connection's thread). Each connection is
 served by its own thread: a request is a dictionary lookup under the pool's
 lock, never a copy out to a client (a WRITTEN note is the server's copy of
 what the client wrote into the arena, hashed as it is written: one native pass
