@@ -66,7 +66,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,7 +85,7 @@ from integrations.sglang_register import PoolRegistry
 from integrations.sglang_share import V4Sharing
 from integrations.sglang_v4_io import V4Pages
 from kvstore.client import Client
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ConfigError, FailedPrecondition, KVStoreError
 from kvstore.geometry import resolve
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -118,7 +119,8 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             raise
         self.swa_ttl_s: float | None = s["swa_ttl_s"]
         self.keep_s: float | None = s["keep_s"]
-        self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"])
+        self.ledger = sglang_keys.KeyLedger(self.client.root, self.client.block_tokens, capacity=s["ledger_pages"],
+                                            run_blocks=sglang_keys.run_blocks_of(self.client))
         sglang_keys.install(self.ledger)
         self.page_size = self.client.block_tokens
         #: kvstore blocks per SGLang page: 1, or page_tokens / block_tokens on a DeepSeek-V4 stack.
@@ -209,7 +211,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             self.v4.forget_reads()
             results = self.v4.read(keys, host_indices)
         else:
-            results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices)
+            results = self._read_pages(self._pool(PoolName.KV.value), keys, host_indices, extra_info)
         self._measure("prefetch", sum(results), start)
         return results
 
@@ -219,7 +221,8 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             self._window[f"{kind}_pgs"].append(pages)
             self._window[f"{kind}_bandwidth"].append(pages * self._pages_gb / max(time.perf_counter() - start, 1e-9))
 
-    def _read_pages(self, pool: Any, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
+    def _read_pages(self, pool: Any, keys: Sequence[str], host_indices: torch.Tensor,
+                    extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         results = [False] * len(keys)
         try:
             hashes = [bytes.fromhex(k) for k in keys]
@@ -227,7 +230,7 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             return results
         dummy = pool.get_dummy_flat_data_page()
         try:
-            for index, status, data in self.client.stream(hashes):
+            for index, status, data in self._stream(keys, hashes, extra_info):
                 if status != pb.BLOCK_STATUS_FOUND or len(data) != self.client.block_bytes:
                     continue
                 page = sglang_swa.read_only(data).view(dummy.dtype)  # copied into the pool by SGLang
@@ -237,6 +240,18 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             logger.warning("kvstore get failed after %d pages: %s", sum(results), exc)
         self.stats["pages_read"] += sum(results)
         return results
+
+    def _stream(self, keys: Sequence[str], hashes: list[bytes],
+                extra_info: HiCacheStorageExtraInfo | None) -> Iterator[tuple[int, int, bytes]]:
+        """(index in `keys`, status, data) of each page's block: by its hash on one server; in a fleet, as the part
+        of the chain from the sequence start that `keys` are (a run is found by its first hash, F29), none when
+        that chain cannot be traced (a miss: SGLang recomputes)."""
+        if not self.ledger.run_blocks:
+            return self.client.stream(hashes)
+        chain = self._chain(keys, extra_info)
+        if chain is None:
+            return iter(())
+        return self.client.stream_part(chain.blocks, chain.offset, len(chain.blocks))  # type: ignore[attr-defined,no-any-return]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -319,8 +334,11 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
             blocks = [page[k].numpy().data for page in flat for k in range(n)]  # views, no copy
             try:
                 keep = keep_until_s if j == len(keys) else 0.0
-                put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys,
-                                      keep_until_s=keep)
+                if self.ledger.run_blocks:   # a fleet places runs by their index: the prompt from its start
+                    put = self._put_in_fleet(keys[i], first, run_tokens, blocks, keep)
+                else:
+                    put = self.client.put(run_tokens, blocks, parent=first.parent, extra_keys=first.extra_keys,
+                                          keep_until_s=keep)
                 if keep and granted is not None:
                     granted.append(put)
                 for k, h in enumerate(put.block_hashes[n - 1::n]):
@@ -332,11 +350,32 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
         self.stats["pages_written"] += sum(results)
         return results
 
+    def _put_in_fleet(self, key: str, first: sglang_keys.LedgerPage, run_tokens: list[int], blocks: list[Any],
+                      keep_until_s: float) -> Any:
+        """A fleet's Put of pages from `key` on: the tokens from the sequence start, the blocks from the page's
+        index (the fleet client hashes the prefix and places each run itself: kvstore.client.fleet).
+
+        Raises:
+            FailedPrecondition: the chain before `key` is not in the ledger (nothing stored).
+        """
+        above = array("I") if first.parent == self.client.root else \
+            self.ledger.tokens_to(first.parent.hex())
+        if above is None or first.first_block < 0:
+            raise FailedPrecondition(f"page {key[:16]}'s chain is not in the ledger back to its start: a fleet "
+                                     "places runs by their index in the prompt")
+        return self.client.put([*above, *run_tokens], blocks, first_block=first.first_block,
+                               extra_keys=first.extra_keys, keep_until_s=keep_until_s)
+
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
         """One page's bytes into `target_location` (a tensor of the page's size), or None when missing
         (always on a DeepSeek-V4 stack, whose pages SGLang moves through batch_get_v1/v2 only)."""
         ok = _is_hash(key) and self.v4 is None
-        got = self.client.get_hashes([bytes.fromhex(key)]).blocks[0] if ok else None
+        got = None
+        if ok and self.ledger.run_blocks:
+            got = next((bytes(d) for _, st, d in self._stream([key], [bytes.fromhex(key)], None)
+                        if st == pb.BLOCK_STATUS_FOUND), None)
+        elif ok:
+            got = self.client.get_hashes([bytes.fromhex(key)]).blocks[0]
         if got is None:
             return None
         data = torch.frombuffer(bytearray(got), dtype=torch.uint8)

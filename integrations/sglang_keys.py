@@ -27,7 +27,10 @@ computes the keys of a prompt from token ids with kvstore's own client:
     keys = [h.hex() for h in hashes[n - 1::n]]                     # one per full page of n blocks
 
 and those are the keys SGLang itself uses for that prompt (same root: same server
-geometry and block size, no extra keys). Not covered (their pages get a key that the
+geometry and block size, no extra keys). Over a fleet (`etcd://` or a gateway) `Client.hashes`
+gives the fleet's hashes, each run of `run_blocks` blocks a chain of its own bridged to the
+prefix (kvstore.client.fleet_chain, docs/FLEET.md F29), and so does the ledger (`run_blocks`):
+it keeps each page's block index and its run's bridge to hash the next page on. Not covered (their pages get a key that the
 ledger does not know, so they are neither stored nor found, never wrong): a trailing
 partial page (SGLang stores only full pages), bigram (EAGLE) keys, and requests with
 `extra_key` / `cache_salt` seeded by the PD decode side's offload manager (it imports
@@ -50,6 +53,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from kvstore.client.fleet_chain import run_extra_keys
 from kvstore.errors import ConfigError
 from kvstore.prefix import HASH_BYTES, chain_hashes
 
@@ -68,6 +72,8 @@ class LedgerPage(NamedTuple):
     tokens: array              # the page's token ids (u32), a whole number of kvstore blocks
     extra_keys: tuple[str, ...]  # kvstore extra keys of the chain (a salted chain's seed key), else ()
     blocks: tuple[bytes, ...] = ()  # the chain hashes of the page's blocks, in order; the last is the key
+    first_block: int = -1      # index of the page's first block in its sequence (-1: its start is unknown)
+    bridge: bytes | None = None  # in a fleet, the hash before the run of the page's last block (None: run 0)
 
 
 class KeyLedger:
@@ -78,16 +84,20 @@ class KeyLedger:
         block_tokens: tokens per kvstore block; SGLang's page size must be the same.
         capacity: most pages remembered (least recently hashed forgotten first).
         fallback: SGLang's own hash, for keys kvstore cannot name (bigram keys).
+        run_blocks: a fleet's run length (`FleetClient.run_blocks`, a gateway's GetInfo), 0 for one server: in a
+            fleet each run of that many blocks is a chain of its own from the root, bridged to the prefix
+            (kvstore.client.fleet_chain, docs/FLEET.md F29), so the keys are the fleet hashes the client names.
     """
 
     def __init__(self, root: bytes, block_tokens: int, *, capacity: int = DEFAULT_LEDGER_PAGES,
-                 fallback: Callable[..., Any] | None = None) -> None:
+                 fallback: Callable[..., Any] | None = None, run_blocks: int = 0) -> None:
         if len(root) != HASH_BYTES:
             raise ConfigError(f"chain root must be {HASH_BYTES} bytes, got {len(root)}")
         if capacity < 1:
             raise ConfigError(f"ledger_pages must be at least 1, got {capacity}")
         self.root = root
         self.block_tokens = block_tokens
+        self.run_blocks = run_blocks
         self.capacity = capacity
         self.fallback = fallback
         self._pages: OrderedDict[str, LedgerPage] = OrderedDict()
@@ -108,7 +118,7 @@ class KeyLedger:
             if self.fallback is None:
                 raise ConfigError("SGLang passed bigram page keys and no fallback hash was given")
             return self.fallback(token_ids, prior_hash, page_size)  # type: ignore[no-any-return]
-        parent, extra = self._start(prior_hash)
+        parent, extra, first_block, bridge = self._start(prior_hash)
         if not tokens:
             return [] if page_size is not None else hashlib.sha256(parent).hexdigest()
         step = page_size or len(tokens)
@@ -118,30 +128,55 @@ class KeyLedger:
             if len(page) == step and step % self.block_tokens == 0:
                 # A full page of whole blocks (one block; four on SGLang's 256-token DeepSeek-V4
                 # pages): its key is the chain hash of its last block, as kvstore.Client names it.
-                blocks = chain_hashes(page, block_tokens=self.block_tokens, parent=parent, extra_keys=extra)
+                blocks, end_bridge = self._page_blocks(page, parent, extra, first_block, bridge)
                 digest = blocks[-1]
-                self._remember(digest.hex(), LedgerPage(parent, page, extra, tuple(blocks)))
+                self._remember(digest.hex(), LedgerPage(parent, page, extra, tuple(blocks), first_block, end_bridge))
+                bridge = end_bridge
+                first_block = first_block + len(blocks) if first_block >= 0 else -1
             else:
                 # A partial page still gets a distinct key (hashed with its own length), but no
                 # ledger entry: it is never stored (SGLang stores only full pages).
                 digest = chain_hashes(page, block_tokens=len(page), parent=parent, extra_keys=extra)[0]
+                first_block = -1
             keys.append(digest.hex())
             parent = digest
         return keys if page_size is not None else keys[0]
 
-    def _start(self, prior_hash: str | None) -> tuple[bytes, tuple[str, ...]]:
-        """Where a chain continues: the root, a known page (its extra keys carry on), a namespace
-        seed (the root, with the seed as extra key), or an unknown hash (taken as the parent)."""
+    def _page_blocks(self, page: array, parent: bytes, extra: tuple[str, ...], first_block: int,
+                     bridge: bytes | None) -> tuple[list[bytes], bytes | None]:
+        """The chain hashes of a full page's blocks from `parent` (the hash of block `first_block` - 1), and the
+        bridge in force at its last block. One server: one chain. A fleet: a block at a run's start restarts
+        from the root, its run bridged to the hash before it (F29); a page of unknown start stays one chain
+        (its key is distinct, and it is never stored: its chain cannot be traced to the start)."""
+        b, rb = self.block_tokens, self.run_blocks
+        if not rb or first_block < 0:
+            return chain_hashes(page, block_tokens=b, parent=parent, extra_keys=extra), bridge
+        out: list[bytes] = []
+        done, total, block = 0, len(page) // b, first_block
+        while done < total:
+            if block % rb == 0:   # a run starts here: from the root, bridged to the block before (none at 0)
+                bridge, parent = (parent if block else None), self.root
+            take = min(rb - block % rb, total - done)
+            out += chain_hashes(page[done * b:(done + take) * b], block_tokens=b, parent=parent,
+                                extra_keys=run_extra_keys(extra, bridge))
+            parent, done, block = out[-1], done + take, block + take
+        return out, bridge
+
+    def _start(self, prior_hash: str | None) -> tuple[bytes, tuple[str, ...], int, bytes | None]:
+        """Where a chain continues (parent, extra keys, the next block's index, the run's bridge): the root,
+        a known page (its extra keys and run carry on), a namespace seed (the root, with the seed as extra
+        key), or an unknown hash (taken as the parent, at an unknown index)."""
         if not prior_hash:
-            return self.root, ()
+            return self.root, (), 0, None
         with self._lock:
             known = self._pages.get(prior_hash)
             seeded = prior_hash in self._seeds
         if known is not None:
-            return bytes.fromhex(prior_hash), known.extra_keys
+            index = known.first_block + len(known.blocks) if known.first_block >= 0 else -1
+            return bytes.fromhex(prior_hash), known.extra_keys, index, known.bridge
         if seeded:
-            return self.root, (SEED_KEY_PREFIX + prior_hash,)
-        return bytes.fromhex(prior_hash), ()
+            return self.root, (SEED_KEY_PREFIX + prior_hash,), 0, None
+        return bytes.fromhex(prior_hash), (), -1, None
 
     def note_seed(self, seed: str | None) -> str | None:
         """Remember a namespace seed SGLang made (`storage_namespace_seed`'s result); returns it."""
@@ -179,6 +214,37 @@ class KeyLedger:
                 current = entry.parent
         chain.reverse()
         return chain
+
+    def tokens_to(self, key: str) -> array | None:
+        """The token ids of every page from the sequence start through `key` (its prompt so far, as a fleet's
+        Put takes it: kvstore.client.fleet), or None when a page of that chain is not in the ledger."""
+        pages: list[array] = []
+        current = bytes.fromhex(key)
+        with self._lock:
+            while current != self.root:
+                entry = self._pages.get(current.hex())
+                if entry is None:
+                    return None
+                pages.append(entry.tokens)
+                current = entry.parent
+        out = array("I")
+        for page in reversed(pages):
+            out.extend(page)
+        return out
+
+    def chain_blocks(self, keys: Sequence[str]) -> tuple[list[bytes], int] | None:
+        """The block hashes from the sequence start through the pages `keys` (consecutive pages of one chain), and
+        the index of the first block of `keys[0]`: what a fleet's reads take (a run is found by its first hash).
+        None when a page of that chain is not in the ledger."""
+        first = self.page(keys[0]) if keys else None
+        if first is None:
+            return None
+        above = [] if first.parent == self.root else self.chain_to_root(first.parent.hex())
+        before = self.blocks_of([h.hex() for h in above]) if above is not None else None
+        mine = self.blocks_of(keys)
+        if before is None or mine is None:
+            return None
+        return before + mine, len(before)
 
     def blocks_of(self, keys: Sequence[str]) -> list[bytes] | None:
         """The block chain hashes of the pages `keys`, in order; None when a page is not in the ledger."""
@@ -249,6 +315,14 @@ def installed_ledger() -> KeyLedger | None:
     """The ledger SGLang hashes with now, if a kvstore backend installed one."""
     ledger = _installed.get("ledger")
     return ledger if isinstance(ledger, KeyLedger) else None
+
+
+def run_blocks_of(client: Any) -> int:
+    """The run length `client` hashes with (F29): a fleet client's, a gateway's (GetInfo, F36), 0 for one server."""
+    own = getattr(client, "run_blocks", None)
+    if isinstance(own, int):
+        return own
+    return int(getattr(getattr(client, "connection", None), "run_blocks", 0) or 0)
 
 
 def page_keys(root: bytes, block_tokens: int, token_ids: Sequence[int], page_tokens: int | None = None) -> list[str]:

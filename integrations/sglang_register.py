@@ -105,7 +105,8 @@ class PoolRegistry:
             return
         self.client.close()
         self.client, self.geometry = client, resolve(client.geometry)
-        self.ledger = KeyLedger(client.root, client.block_tokens, capacity=s["ledger_pages"])
+        self.ledger = KeyLedger(client.root, client.block_tokens, capacity=s["ledger_pages"],
+                                run_blocks=sglang_keys.run_blocks_of(client))
         sglang_keys.install(self.ledger)
         self._pages_gb = client.block_bytes / 1e9
 

@@ -1,0 +1,128 @@
+"""A real fleet for the engine adapters' tests (docs/FLEET.md F57): one etcd and three `kvstore serve` nodes on
+loopback at replication 2, started at once, and what the tests ask of it.
+
+The nodes are the same children as tests/kvstore/client/test_fleet.py's (tests/children.py), with a lease long
+enough that a node killed with SIGKILL stays in the membership for the rest of a module: a read must then fail
+over to the run's other replica (F33), which is the case an engine meets between a node's death and its lease's
+end. Runs are short (`RUN_BLOCKS` blocks), so a test's prompt spans several runs, placed on different nodes.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import REGISTRY
+
+import kvstore
+from kvstore.client.fleet import FleetClient
+from kvstore.client.fleet_metrics import FAILOVERS
+from tests.children import Child, write_config
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tiers import datadir
+
+#: Blocks per run: a prompt of a few hundred tokens spans several runs, on different nodes.
+RUN_BLOCKS = 2
+#: Copies of every run ([fleet] replication's default, said here so the tests name it).
+REPLICATION = 2
+#: A killed node stays in the view this long: its runs' reads must fail over, not wait for the lease to end.
+LEASE_TTL_S = 60
+
+
+@dataclass
+class Node:
+    """One `kvstore serve` of the fleet."""
+
+    node_id: str
+    child: Child
+
+
+@dataclass
+class Fleet:
+    """The module's fleet: its etcd:// address (what an engine is configured with) and its nodes."""
+
+    address: str
+    nodes: list[Node]
+
+    @property
+    def live(self) -> list[Node]:
+        """The nodes still running."""
+        return [n for n in self.nodes if n.child.alive]
+
+    def client(self, **kwargs: object) -> FleetClient:
+        """A fleet client that sees every live node (as the adapters' clients do once the nodes registered)."""
+        client = kvstore.Client(self.address, **kwargs)  # type: ignore[arg-type]
+        assert isinstance(client, FleetClient)
+        want = {n.node_id for n in self.live}
+        client.view.wait_until(lambda nodes: want <= set(nodes), 30.0)
+        return client
+
+    def held_by(self, chain: Sequence[bytes], geometry: str = "") -> dict[str, list[int]]:
+        """Each node's leading blocks of every run of `chain` (fleet hashes from block 0), asked of the node
+        directly: {node id: [found blocks of run 0, of run 1, ...]} (live nodes only)."""
+        runs = [list(chain[i:i + RUN_BLOCKS]) for i in range(0, len(chain), RUN_BLOCKS)]
+        held = {}
+        for node in self.live:
+            with kvstore.Client(node.child.target, geometry=geometry) as direct:
+                held[node.node_id] = [direct.lookup_hashes(run).found_blocks for run in runs]
+        return held
+
+
+def failovers() -> float:
+    """Reads of a run this process's fleet clients moved on to another replica (F33; every operation): 0 more
+    while every run is read from the first node of its read order, the one that holds it."""
+    return sum(s.value for m in FAILOVERS.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+def node_errors(node_id: str) -> float:
+    """Calls this process's fleet clients made to `node_id` that failed (unreachable, refused)."""
+    return REGISTRY.get_sample_value("kvstore_fleet_client_node_errors_total", {"node": node_id}) or 0.0
+
+
+def start_fleet(tmp: Path, *, block_tokens: int, nodes: int = 3) -> tuple[EtcdProcess, Fleet]:
+    """One etcd and `nodes` nodes of a fleet of its own (a fresh cluster name), every node registered."""
+    etcd = EtcdProcess(tmp / "etcd")
+    etcd.start()
+    cluster = f"engines-{uuid.uuid4().hex[:12]}"
+
+    def node(i: int) -> Node:
+        cfg = write_config(tmp / f"node{i}.toml", {
+            "store": {"data_dir": str(tmp / f"store{i}"), "capacity_bytes": 1 << 28, "block_tokens": block_tokens},
+            "fleet": {"etcd": etcd.endpoint, "cluster": cluster, "lease_ttl_s": LEASE_TTL_S,
+                      "run_blocks": RUN_BLOCKS, "replication": REPLICATION},
+        })
+        child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
+        return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
+
+    with ThreadPoolExecutor(nodes) as pool:
+        started = list(pool.map(node, range(nodes)))
+    fleet = Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=started)
+    fleet.client().close()  # every node is in etcd's view before a test configures an engine
+    return etcd, fleet
+
+
+def fleet_fixture(tmp: Path, *, block_tokens: int) -> Iterator[Fleet]:
+    """A module fixture's body: the fleet, then every process stopped."""
+    etcd, fleet = start_fleet(tmp, block_tokens=block_tokens)
+    try:
+        yield fleet
+    finally:
+        for n in fleet.nodes:
+            n.child.kill_if_alive()
+        etcd.stop()
+
+
+def spread_prompt(fleet: Fleet, make: Callable[[int], list[int]], hashes: Callable[[list[int]], list[bytes]]) -> \
+        tuple[int, list[int]]:
+    """A seed and its prompt whose runs' replicas, taken together, are every node of the fleet (placement is by
+    the nodes' random ids, so a few seeds are tried), so a test sees blocks land on more than one node pair."""
+    with fleet.client() as client:
+        every = {n.node_id for n in fleet.nodes}
+        for seed in range(200):
+            tokens = make(seed)
+            if {r for run in client.placement(hashes(tokens)) for r in run.replicas} == every:
+                return seed, tokens
+    raise AssertionError("no prompt of 200 seeds has runs on every node")
