@@ -1,4 +1,4 @@
-"""A real fleet for the engine adapters' tests (docs/FLEET.md F57): one etcd and three `kvstore serve` nodes on
+"""A real fleet for the engine adapters' tests (docs/FLEET.md F58): one etcd and three `kvstore serve` nodes on
 loopback at replication 2, started at once, and what the tests ask of it.
 
 The nodes are the same children as tests/kvstore/client/test_fleet.py's (tests/children.py), with a lease long

@@ -1,4 +1,4 @@
-"""The SGLang HiCache backend over a fleet (docs/FLEET.md F57): made by SGLang's real dynamic factory with the fleet's
+"""The SGLang HiCache backend over a fleet (docs/FLEET.md F58): made by SGLang's real dynamic factory with the fleet's
 `etcd://` address as the storage backend's `target`, keyed by SGLang's own page hash (`get_hash_str`, which the
 backend answers), against one real etcd and three real `kvstore serve` nodes at replication 2 (fleet_support.py).
 
@@ -80,8 +80,8 @@ def read_back(backend: KVStoreHiCacheStorage, pool: PagePool, keys: list[str], f
     return backend.batch_get_v1(keys[first:], indices, extra_info)
 
 
-def test_f57_the_ledgers_page_keys_are_the_fleets_hashes_wherever_pages_and_runs_are_cut() -> None:
-    """F57 (no server): pages of 4 blocks over runs of 3, so pages straddle runs; a chain hashed in one call and
+def test_f58_the_ledgers_page_keys_are_the_fleets_hashes_wherever_pages_and_runs_are_cut() -> None:
+    """F58 (no server): pages of 4 blocks over runs of 3, so pages straddle runs; a chain hashed in one call and
     continued from a page key (SGLang's prior_hash), and a salted chain (its seed an extra key): every key is the
     fleet hash of its page's last block, and the ledger gives back the prompt's tokens and blocks from block 0."""
     root, b, rb, n = bytes(range(HASH_BYTES)), 16, 3, 4
@@ -106,8 +106,8 @@ def test_f57_the_ledgers_page_keys_are_the_fleets_hashes_wherever_pages_and_runs
     assert not set(one_server) & set(keys)
 
 
-def test_f57_pages_set_through_sglang_on_a_fleet_are_found_and_read_back_by_another_backend(fleet: Fleet) -> None:
-    """F57: SGLang's page keys are the fleet's hashes (run r > 0 bridged, F29); the pages land on each run's 2
+def test_f58_pages_set_through_sglang_on_a_fleet_are_found_and_read_back_by_another_backend(fleet: Fleet) -> None:
+    """F58: SGLang's page keys are the fleet's hashes (run r > 0 bridged, F29); the pages land on each run's 2
     replicas, over every node; a second backend (its own ledger, SGLang hashing the prompt again) finds them all
     and reads any part of the chain back byte for byte, with SGLang's prefix_keys or from its ledger."""
     tokens = spread(fleet, 100)
@@ -142,8 +142,8 @@ def test_f57_pages_set_through_sglang_on_a_fleet_are_found_and_read_back_by_anot
         backend.close()
 
 
-def test_f57_a_node_killed_after_the_store_costs_sglang_nothing(fleet: Fleet) -> None:
-    """F57, F31, F33: the node the next backend's client reads run 0 from first is SIGKILLed after the store (still in
+def test_f58_a_node_killed_after_the_store_costs_sglang_nothing(fleet: Fleet) -> None:
+    """F58, F31, F33: the node the next backend's client reads run 0 from first is SIGKILLed after the store (still in
     the view: its lease has not ended); that backend still finds every page and reads them byte for byte from
     the other replicas."""
     tokens = spread(fleet, 300)

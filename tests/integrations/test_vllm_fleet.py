@@ -1,4 +1,4 @@
-"""The vLLM connector over a fleet (docs/FLEET.md F57): vLLM's REAL v1 Scheduler and the connector made by vLLM's
+"""The vLLM connector over a fleet (docs/FLEET.md F58): vLLM's REAL v1 Scheduler and the connector made by vLLM's
 factory, configured with the fleet's `etcd://` address as `kv_connector_extra_config`'s target, against one real
 etcd and three real `kvstore serve` nodes at replication 2 (fleet_support.py).
 
@@ -57,9 +57,9 @@ def store_through_vllm(fleet: Fleet, model_dir: Path, tokens: list[int]) -> None
     first.close()
 
 
-def test_f57_a_prompt_stored_through_vllm_on_a_fleet_is_loaded_back_by_another_engine(
+def test_f58_a_prompt_stored_through_vllm_on_a_fleet_is_loaded_back_by_another_engine(
         fleet: Fleet, tmp_path: Path) -> None:
-    """F57: saved block by block over the fleet (each run on its 2 replicas, the runs over every node), then a
+    """F58: saved block by block over the fleet (each run on its 2 replicas, the runs over every node), then a
     second engine's planner finds it all, plans the bounded replay, reports the plan to a node, and its worker
     loads the usable tokens byte for byte from the nodes."""
     seed, tokens = spread(fleet, 100)
@@ -101,8 +101,8 @@ def test_f57_a_prompt_stored_through_vllm_on_a_fleet_is_loaded_back_by_another_e
         assert client.lookup(engine.tokens["r2"]).found_tokens == len(engine.tokens["r2"]) // B * B
 
 
-def test_f57_a_node_killed_after_the_store_costs_vllm_nothing(fleet: Fleet, tmp_path: Path) -> None:
-    """F57, F33: a node SIGKILLed after the prompt is stored (still in the view: its lease has not ended) holds
+def test_f58_a_node_killed_after_the_store_costs_vllm_nothing(fleet: Fleet, tmp_path: Path) -> None:
+    """F58, F33: a node SIGKILLed after the prompt is stored (still in the view: its lease has not ended) holds
     the read-first copy of some runs; the next engine still finds the whole prompt and loads it byte for byte
     from the other replicas."""
     _, tokens = spread(fleet, 300)

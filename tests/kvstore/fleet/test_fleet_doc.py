@@ -16,7 +16,8 @@ def test_every_test_named_in_fleet_md_exists() -> None:
     gateway_tests = ROOT / "tests" / "gateway"  # re-replication's node side (F16-F20)
     paths = [*fleet_tests.glob("test_*.py"), *client_tests.glob("test_fleet*.py"), client_tests / "test_retry.py",
              *gateway_tests.glob("test_fleet*.py"), gateway_tests / "test_token_bucket.py",
-             gateway_tests / "test_policies.py"]  # F51's rules on the policies
+             gateway_tests / "test_policies.py",  # F51's rules on the policies
+             *(ROOT / "tests" / "integrations").glob("test_*_fleet.py")]  # F58: the engine adapters
     defined = {m for path in paths for m in re.findall(r"^def (test_[a-z0-9_]+)", path.read_text(), flags=re.M)}
     files = {path.stem for path in paths}
     assert len(named) > 20, "FLEET.md names its rules' tests"
