@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from kvstore.config_ranges import MAX_BYTES, UINT32_MAX, Range, check_ranges
 from kvstore.errors import ConfigError
-from kvstore.fleet.endpoints import check_cluster, parse_endpoints
+from kvstore.fleet.endpoints import EtcdTls, check_cluster, endpoints_use_tls, parse_endpoints
 from kvstore.host import usable_cpus
 
 GiB = 1 << 30
@@ -425,8 +425,16 @@ class TraceSettings:
 class FleetSettings:
     """Membership of a fleet of storage nodes in etcd (docs/FLEET.md); off, a single node, while `etcd` is ''."""
 
-    #: etcd client endpoints, comma-separated `host:port` or `http://host:port`; '' = no fleet (today's single node).
+    #: etcd client endpoints, comma-separated `host:port`, `http://host:port` or `https://host:port` (TLS, every
+    #: member alike); '' = no fleet (today's single node).
     etcd: str = ""
+    #: CA certificates (PEM) etcd's own certificate is checked against; setting it (or any etcd_* file, or
+    #: https:// endpoints) speaks TLS to etcd; '' with TLS on = the system's roots (docs/FLEET.md F57).
+    etcd_ca_file: str = ""
+    #: This process's certificate (PEM) shown to an etcd run with --client-cert-auth; '' = none. With etcd_key_file.
+    etcd_cert_file: str = ""
+    #: The key of etcd_cert_file; '' = none.
+    etcd_key_file: str = ""
     #: The fleet's name: its records live under `/kvstore/<cluster>/` (one etcd may hold several fleets).
     cluster: str = "default"
     #: Seconds a node's registration outlives its last keep-alive: a node that dies leaves the view within this.
@@ -464,6 +472,15 @@ class FleetSettings:
         check_ranges(self, "fleet")
         check_cluster(self.cluster)
         parse_endpoints(self.etcd)  # refuse a malformed endpoint at load, not at the first call
+        _ = self.etcd_tls  # refuse mixed schemes, or a certificate without its key, at load too
+
+    @property
+    def etcd_tls(self) -> EtcdTls | None:
+        """TLS to etcd: on with https:// endpoints or any etcd_* file set (F57); None: plaintext."""
+        files = EtcdTls(ca_file=self.etcd_ca_file, cert_file=self.etcd_cert_file, key_file=self.etcd_key_file)
+        if endpoints_use_tls(self.etcd) or files != EtcdTls():
+            return files
+        return None
 
     @property
     def enabled(self) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from kvstore.bench.redis_server import free_port
+from kvstore.fleet.endpoints import EtcdTls
 
 #: Longest wait for an etcd to answer, or a node to listen, after its start.
 START_DEADLINE_S = 90.0
@@ -47,11 +48,16 @@ class EtcdProcess:
         name: the member's name (a cluster's members differ).
         client_port, peer_port: its ports (0: free ones).
         initial_cluster: `name=http://127.0.0.1:peer,...` of every member, for a cluster of several.
+        tls: TLS on the client port (docs/FLEET.md F57), as the attribute says.
     """
 
     def __init__(self, workdir: Path, *, name: str = "etcd0", client_port: int = 0, peer_port: int = 0,
-                 initial_cluster: str | None = None) -> None:
+                 initial_cluster: str | None = None, tls: EtcdTls | None = None) -> None:
         self.workdir = workdir
+        #: Serve clients over TLS with tls.cert_file/key_file; with tls.ca_file, ask each client for a
+        #: certificate it signed (--client-cert-auth). The readiness probe shows the same certificate,
+        #: so under client auth it must carry client auth too (None: plaintext).
+        self.tls = tls
         self.name = name
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
@@ -74,10 +80,14 @@ class EtcdProcess:
 
     def launch(self) -> EtcdProcess:
         """Start the process without waiting for it (a cluster's members must all be up to answer)."""
-        client_url = f"http://{self.endpoint}"
+        client_url = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         args = [self.binary(), "--name", self.name, "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
                 "--listen-peer-urls", self.peer_url]
+        if self.tls is not None:
+            args += ["--cert-file", self.tls.cert_file, "--key-file", self.tls.key_file]
+            if self.tls.ca_file:
+                args += ["--trusted-ca-file", self.tls.ca_file, "--client-cert-auth"]
         if self.initial_cluster:
             args += ["--initial-advertise-peer-urls", self.peer_url, "--initial-cluster", self.initial_cluster,
                      "--initial-cluster-state", "new", "--initial-cluster-token", self.workdir.parent.name]
@@ -96,7 +106,8 @@ class EtcdProcess:
 
         options = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                    ("grpc.max_reconnect_backoff_ms", 200), ("grpc.use_local_subchannel_pool", 1)]
-        with grpc.insecure_channel(self.endpoint, options=options) as channel:
+        with (grpc.insecure_channel(self.endpoint, options=options) if self.tls is None
+              else grpc.secure_channel(self.endpoint, self.tls.credentials(), options=options)) as channel:
             try:
                 rpc.KVStub(channel).Range(rpc.RangeRequest(key=b"/"), timeout=timeout_s, wait_for_ready=True)
             except grpc.RpcError as exc:

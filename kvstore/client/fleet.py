@@ -28,6 +28,7 @@ raise FailedPrecondition.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,7 @@ from kvstore.client.store import ADDRESS_SCHEMES, Buffer, Client, GetResult, Loo
 from kvstore.config_sections import FleetSettings
 from kvstore.counted import counted
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
+from kvstore.fleet.endpoints import EtcdTls
 from kvstore.fleet.membership import NodeRecord
 from kvstore.fleet.placement import RunPlacement, place_chain
 from kvstore.prefix import ExtraKey
@@ -86,11 +88,14 @@ class FleetClient(Client):
     """A client of a fleet of storage nodes for one tenant and one geometry (see the module's docstring).
 
     Args:
-        target: `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (cluster `default` when omitted).
+        target: `etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]` (cluster `default` when omitted), or `etcds://` for
+            TLS to etcd (`fleet_address`: `?ca_file=PATH&cert_file=PATH&key_file=PATH`).
         namespace, geometry, timeout_s, token, tls: as `kvstore.Client`'s, for every node.
         replication: copies of every run a Put makes ([fleet] replication, 2 by default) for a tenant whose
             policy sets none (`copies`); fewer when fewer nodes are live (one copy on each).
         retry: the policy of failover rounds and of each copy's Put (default: 3 retries, 50 ms to 1 s).
+        etcd_tls: TLS to etcd (`kvstore.fleet.endpoints.EtcdTls`: CA, certificate and key files), in place of an
+            etcds:// address's query; given, etcd is spoken to over TLS whatever the scheme (F57).
         chain_memo_bytes: most bytes kept of the fleet chains this client hashed (`fleet_chain.FleetChainMemo`,
             the single server's memo run by run, F56): a conversation's next turn hashes only its new blocks.
             0: hash every prompt in full.
@@ -103,8 +108,14 @@ class FleetClient(Client):
 
     def __init__(self, target: str, *, namespace: str = "", geometry: str = "", timeout_s: float = 120.0,
                  token: str | None = None, tls: TlsOptions | None = None, replication: int | None = None,
-                 retry: Retry | None = None, chain_memo_bytes: int = DEFAULT_MAX_BYTES) -> None:
+                 retry: Retry | None = None, chain_memo_bytes: int = DEFAULT_MAX_BYTES,
+                 etcd_tls: EtcdTls | None = None) -> None:
         address = parse_fleet_address(arguments.text(target, "target"))
+        if etcd_tls is not None:
+            if not isinstance(etcd_tls, EtcdTls):
+                raise InvalidArgument("etcd_tls must be a kvstore.fleet.endpoints.EtcdTls, got "
+                                      f"{type(etcd_tls).__name__}")
+            address = dataclasses.replace(address, tls=etcd_tls)
         chain_memo_bytes = arguments.integer(chain_memo_bytes, "chain_memo_bytes")
         self.replication = arguments.integer(FleetSettings.replication if replication is None else replication,
                                              "replication", least=1)
@@ -496,5 +507,6 @@ def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
 
 
 ADDRESS_SCHEMES["etcd"] = FleetClient
+ADDRESS_SCHEMES["etcds"] = FleetClient  # TLS to etcd (F57)
 
 __all__ = ["FleetClient", "FleetLookupResult", "placeable"]

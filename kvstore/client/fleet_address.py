@@ -3,51 +3,92 @@
 `kvstore.Client("etcd://10.0.0.5:2379,10.0.0.6:2379/prod")` is a fleet client of
 cluster `prod` (`[fleet] cluster` of its nodes); without `/CLUSTER` the cluster is
 `default`. Any other target (`host:port`) is one server, as before.
+
+`etcds://` is the same over TLS to etcd (docs/FLEET.md F57): etcd's certificate is
+checked against the system's roots, or the CA named by `?ca_file=PATH`, and
+`&cert_file=PATH&key_file=PATH` is the certificate shown to an etcd run with
+--client-cert-auth (`FleetClient(etcd_tls=)` gives the same in code). The query
+names only files on this host, never a secret itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from urllib.parse import parse_qsl, urlencode
 
 from kvstore.errors import ConfigError, InvalidArgument
-from kvstore.fleet.endpoints import Endpoint, check_cluster, parse_endpoints
+from kvstore.fleet.endpoints import Endpoint, EtcdTls, check_cluster, parse_endpoints
 
 #: The scheme that makes a target a fleet address.
 SCHEME = "etcd://"
+#: The same, over TLS to etcd.
+TLS_SCHEME = "etcds://"
+_HINT = "write etcd://HOST:PORT[,HOST:PORT]/CLUSTER, or etcds://HOST:PORT/CLUSTER?ca_file=PATH for TLS to etcd"
+#: The query's names: EtcdTls's fields.
+_TLS_FIELDS = tuple(f.name for f in fields(EtcdTls))
 
 
 @dataclass(frozen=True, kw_only=True)
 class FleetAddress:
-    """Where a fleet's membership lives: its etcd endpoints and the cluster's name."""
+    """Where a fleet's membership lives: its etcd endpoints, the cluster's name, and TLS to etcd (None: plaintext)."""
 
     endpoints: tuple[Endpoint, ...]
     cluster: str
+    tls: EtcdTls | None = None
 
     def __str__(self) -> str:
-        return f"{SCHEME}{','.join(str(e) for e in self.endpoints)}/{self.cluster}"
+        hosts = f"{','.join(str(e) for e in self.endpoints)}/{self.cluster}"
+        if self.tls is None:
+            return SCHEME + hosts
+        query = urlencode({name: getattr(self.tls, name) for name in _TLS_FIELDS if getattr(self.tls, name)})
+        return TLS_SCHEME + hosts + (f"?{query}" if query else "")
 
 
 def is_fleet_address(target: object) -> bool:
-    """Whether `target` names a fleet (starts with `etcd://`) rather than one server."""
-    return isinstance(target, str) and target.startswith(SCHEME)
+    """Whether `target` names a fleet (starts with `etcd://` or `etcds://`) rather than one server."""
+    return isinstance(target, str) and target.startswith((SCHEME, TLS_SCHEME))
 
 
 def parse_fleet_address(target: str) -> FleetAddress:
-    """The endpoints and cluster of an `etcd://` target.
+    """The endpoints, cluster and TLS files of an `etcd://` or `etcds://` target.
 
     Raises:
-        InvalidArgument: no endpoint, an endpoint that is not host:port, or a bad cluster name.
+        InvalidArgument: no endpoint, an endpoint that is not host:port, a bad cluster name, or a query that is
+            not TLS files of an etcds:// address.
     """
     if not is_fleet_address(target):
-        raise InvalidArgument(f"{target!r} is not a fleet address", hint="write etcd://HOST:PORT[,HOST:PORT]/CLUSTER")
-    hosts, _, cluster = target[len(SCHEME):].partition("/")
+        raise InvalidArgument(f"{target!r} is not a fleet address", hint=_HINT)
+    tls_on = target.startswith(TLS_SCHEME)
+    rest, _, query = target[len(TLS_SCHEME if tls_on else SCHEME):].partition("?")
+    hosts, _, cluster = rest.partition("/")
     try:
         endpoints = parse_endpoints(hosts)
         cluster = check_cluster(cluster.rstrip("/") or "default")
+        tls = _tls_of(query) if tls_on else None
     except ConfigError as exc:
-        raise InvalidArgument(f"fleet address {target!r}: {exc.message}",
-                              hint="write etcd://HOST:PORT[,HOST:PORT]/CLUSTER") from None
+        raise InvalidArgument(f"fleet address {target!r}: {exc.message}", hint=_HINT) from None
+    if query and not tls_on:
+        raise InvalidArgument(f"fleet address {target!r} has a query, but only an etcds:// address takes one "
+                              "(its TLS files)", hint=_HINT)
     if not endpoints or any("://" in part for part in hosts.split(",")):
-        raise InvalidArgument(f"fleet address {target!r} names no etcd endpoint as host:port",
-                              hint="write etcd://HOST:PORT[,HOST:PORT]/CLUSTER")
-    return FleetAddress(endpoints=endpoints, cluster=cluster)
+        raise InvalidArgument(f"fleet address {target!r} names no etcd endpoint as host:port", hint=_HINT)
+    return FleetAddress(endpoints=endpoints, cluster=cluster, tls=tls)
+
+
+def _tls_of(query: str) -> EtcdTls:
+    """The TLS files an etcds:// query names (none: etcd's certificate against the system's roots).
+
+    Raises:
+        ConfigError: a name other than ca_file, cert_file and key_file, one named twice, or a certificate
+            without its key.
+    """
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise ConfigError(f"the query {query!r} is not name=value pairs joined by '&'") from None
+    names = [name for name, _ in pairs]
+    unknown = sorted(set(names) - set(_TLS_FIELDS))
+    if unknown or len(set(names)) != len(names):
+        raise ConfigError(f"the query names {', '.join(unknown) or 'a file twice'}: an etcds:// query takes "
+                          f"{', '.join(_TLS_FIELDS)}, each once")
+    return EtcdTls(**dict(pairs))

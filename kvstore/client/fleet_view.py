@@ -47,18 +47,21 @@ class FleetView:
         #: Tenants' own replication in etcd, once `follow_policy` started (F51), and whose (None: every tenant's).
         self._policy: WatchedPrefix[int | None] | None = None
         self._policy_tenant: str | None = None
+        # The session first: TLS files that cannot be read fail here (ConfigError), before any thread starts.
+        session = EtcdSession(address.endpoints, timeout_s=timeout_s, tls=address.tls)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"fleet-view-{address.cluster}",
                                         daemon=True)
         self._thread.start()
-        self._membership = Membership(EtcdSession(address.endpoints, timeout_s=timeout_s), address.cluster)
+        self._membership = Membership(session, address.cluster)
         try:
             #: How runs are cut (recorded in etcd by the first node: F8).
             self.layout: Layout = self._run(self._start(), timeout_s * 2)
         except Unavailable as exc:
             self.close()
             if "etcd does not answer" in exc.message:  # the node's hint names its setting; a client has an address
-                exc.hint = "start etcd there, or give the fleet's etcd client endpoints in the etcd:// address"
+                exc.hint = ("start etcd there, or give the fleet's etcd client endpoints in the etcd:// address "
+                            "(etcds://...?ca_file=PATH for an etcd serving TLS)")
             raise
         except BaseException:
             self.close()
@@ -91,7 +94,8 @@ class FleetView:
         """
         cluster = self.address.cluster
         prefix = policies_prefix(cluster) if tenant is None else policy_key(cluster, tenant)
-        table = WatchedPrefix(EtcdSession(self.address.endpoints, timeout_s=self._timeout_s), prefix,
+        session = EtcdSession(self.address.endpoints, timeout_s=self._timeout_s, tls=self.address.tls)
+        table = WatchedPrefix(session, prefix,
                               partial(_own_replication, "" if tenant is not None else None), table="policy")
         try:
             self._run(table.start(), self._timeout_s * 2)

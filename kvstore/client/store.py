@@ -81,7 +81,7 @@ class Client:
 
     Args:
         target: "host:port" of the server (or the gateway), or a fleet's
-            "etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]" (then the client is a
+            "etcd://HOST:PORT[,HOST:PORT...][/CLUSTER]" (etcds:// for TLS to etcd; then the client is a
             `kvstore.client.fleet.FleetClient`, which routes each call to the nodes
             holding the blocks: docs/FLEET.md).
         namespace: the tenant; blocks of two tenants never mix. '' (the default) is the

@@ -39,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drain.add_argument("node", metavar="NODE", help="the node's id (as `kvstore fleet status` lists it)")
     drain.add_argument("--cancel", action="store_true", help="cancel the drain: the node joins again at its restart")
     for p in (status, drain):
-        p.add_argument("--etcd", default=None, help="etcd endpoints, host:port,... (default: [fleet] etcd)")
+        p.add_argument("--etcd", default=None, help="etcd endpoints, host:port,... or https://host:port,... for TLS "
+                                                   "(default: [fleet] etcd)")
+        for name, what in (("ca", "CA certificates etcd's certificate is checked against"),
+                           ("cert", "this command's certificate, for an etcd asking for one"), ("key", "its key")):
+            p.add_argument(f"--etcd-{name}-file", default=None,
+                           help=f"TLS to etcd: {what} (default: [fleet] etcd_{name}_file; docs/FLEET.md F57)")
         p.add_argument("--cluster", default=None, help="the fleet's name (default: [fleet] cluster, 'default')")
         p.add_argument("--config", type=Path, default=None, help="TOML config whose [fleet] section to use")
         p.add_argument("--timeout", type=float, default=3.0, help="seconds each etcd call may take (default 3)")
@@ -51,7 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.config import load_settings
     from kvstore.errors import ConfigError
 
-    fleet = load_settings(args.config, overrides={"fleet": {"etcd": args.etcd, "cluster": args.cluster}}).fleet
+    fleet = load_settings(args.config, overrides={"fleet": {
+        "etcd": args.etcd, "cluster": args.cluster, "etcd_ca_file": args.etcd_ca_file,
+        "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file}}).fleet
     if not fleet.enabled:
         raise ConfigError("no etcd endpoints to ask: this is a single node's configuration",
                           hint="give --etcd host:port, or set [fleet] etcd in --config (or KVSTORE_FLEET_ETCD)")

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     """Ask the server to drop the tenant's pins; print how many were live."""
     if not args.yes:
         raise InvalidArgument(f"this drops every pin of tenant {args.tenant!r}: add --yes to go ahead")
-    if args.target.startswith("etcd://"):
+    if args.target.startswith(("etcd://", "etcds://")):  # etcds://: TLS to etcd (F57)
         return _run_fleet(args)
     with admin_client(args) as admin:
         dropped = admin.drop_pins(args.tenant)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """Ask the server (or, for an etcd:// target, every node of the fleet) and print."""
     from kvstore.client import Client
 
-    if args.target.startswith("etcd://"):
+    if args.target.startswith(("etcd://", "etcds://")):  # etcds://: TLS to etcd (F57)
         return run_fleet(args)
     from kvstore.commands.stats_totals import print_table, stats_dict, swa_stats_dict, transfer_stats_dict
 

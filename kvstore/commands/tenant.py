@@ -104,7 +104,10 @@ def _fleet_of(target: str) -> FleetSettings:
             hint="give --target etcd://HOST:PORT[,HOST:PORT]/CLUSTER (the fleet's etcd, as kvstore.Client takes "
                  "it), or --config/--data-dir for a single node's tenants file")
     address = parse_fleet_address(target)
-    return FleetSettings(etcd=",".join(str(e) for e in address.endpoints), cluster=address.cluster)
+    tls = address.tls  # etcds://: https:// endpoints and the query's files (F57)
+    return FleetSettings(etcd=",".join(f"https://{e}" if tls else str(e) for e in address.endpoints),
+                         cluster=address.cluster, etcd_ca_file=tls.ca_file if tls else "",
+                         etcd_cert_file=tls.cert_file if tls else "", etcd_key_file=tls.key_file if tls else "")
 
 
 def run(args: argparse.Namespace) -> int:

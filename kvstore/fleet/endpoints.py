@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    import grpc
 
 #: A cluster's name: one path segment of its keys.
 _CLUSTER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
@@ -29,12 +34,67 @@ class Endpoint:
         return f"{self.host}:{self.port}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class EtcdTls:
+    """TLS to etcd (docs/FLEET.md F57): the CA that signed etcd's certificate ('' = the system's roots) and
+    this process's own certificate and key, for an etcd run with --client-cert-auth ('' = none)."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("TLS to etcd takes a client certificate and its key together "
+                              f"(cert_file={self.cert_file!r}, key_file={self.key_file!r})",
+                              hint="set both [fleet] etcd_cert_file and etcd_key_file, or neither")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC's channel credentials of these files, read now (a restart reads renewed ones).
+
+        Raises:
+            ConfigError: a file that cannot be read (naming it).
+        """
+        import grpc
+
+        def read(path: str, what: str) -> bytes | None:
+            if not path:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"the etcd TLS {what} {path!r} cannot be read: {exc.strerror}",
+                                  hint="check [fleet] etcd_ca_file, etcd_cert_file and etcd_key_file") from None
+
+        return grpc.ssl_channel_credentials(root_certificates=read(self.ca_file, "CA file"),
+                                            private_key=read(self.key_file, "key file"),
+                                            certificate_chain=read(self.cert_file, "certificate file"))
+
+
+#: The schemes an endpoint may carry: http:// is plaintext gRPC, https:// is TLS (`endpoints_use_tls`).
+_SCHEMES = ("http", "https")
+
+
+def endpoints_use_tls(text: str) -> bool:
+    """Whether a `[fleet] etcd` list names its members with https:// (TLS); all of them or none.
+
+    Raises:
+        ConfigError: some entries https:// and others not.
+    """
+    schemes = {part.strip().split("://", 1)[0] if "://" in part else "" for part in text.split(",") if part.strip()}
+    if "https" in schemes and schemes != {"https"}:
+        raise ConfigError(f"fleet.etcd = {text!r} mixes https:// with plaintext endpoints",
+                          hint="one etcd cluster speaks TLS on every member or on none: write them all https://")
+    return schemes == {"https"}
+
+
 def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
-    """The endpoints of a comma-separated list of `host:port` or `http://host:port`.
+    """The endpoints of a comma-separated list of `host:port`, `http://host:port` or `https://host:port` (TLS:
+    `endpoints_use_tls`).
 
     Raises:
         ConfigError: an entry without a port, with a port out of range, a scheme other
-            than http (TLS to etcd is not supported yet), or a path.
+            than http or https, or a path.
     """
     found: list[Endpoint] = []
     for raw in (part.strip() for part in text.split(",")):
@@ -43,9 +103,9 @@ def parse_endpoints(text: str) -> tuple[Endpoint, ...]:
         rest = raw
         if "://" in rest:
             scheme, rest = rest.split("://", 1)
-            if scheme != "http":
-                raise ConfigError(f"fleet.etcd endpoint {raw!r}: only http:// (plaintext gRPC) is supported",
-                                  hint="give etcd's client URLs as host:port or http://host:port")
+            if scheme not in _SCHEMES:
+                raise ConfigError(f"fleet.etcd endpoint {raw!r}: the scheme is http:// (plaintext gRPC) or https:// "
+                                  "(TLS)", hint="give etcd's client URLs as host:port, http:// or https://host:port")
         host, sep, port = rest.rstrip("/").rpartition(":")
         if not sep or not _HOST.fullmatch(host) or not port.isdigit() or not 0 < int(port) <= 65535:
             raise ConfigError(f"fleet.etcd endpoint {raw!r} is not host:port",

@@ -7,6 +7,10 @@ channel with its own subchannel pool and a short reconnect backoff, so a member
 that comes back is used again within seconds (gRPC's shared default would wait
 up to two minutes). etcd's errors leave here as `kvstore.errors` classes, an
 unreachable etcd as `Unavailable` naming every endpoint tried (docs/FLEET.md).
+
+TLS to etcd (F57): aetcd 1.x opens only plaintext channels (`Client.connect` calls
+`insecure_channel`), so `_TlsClient` is aetcd's client with that one call made a
+`secure_channel` with the session's credentials; everything else is aetcd's.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import aetcd
+import aetcd.client
+import grpc
+from aetcd import rpc
 
 from kvstore.errors import Internal, KVStoreError, Unauthenticated, Unavailable
-from kvstore.fleet.endpoints import Endpoint
+from kvstore.fleet.endpoints import Endpoint, EtcdTls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,11 +58,50 @@ def translate(exc: BaseException, endpoints: Sequence[Endpoint]) -> KVStoreError
     where = ", ".join(str(e) for e in endpoints)
     if isinstance(exc, UNREACHABLE):
         return Unavailable(f"etcd does not answer at {where} ({exc})",
-                           hint="start etcd there, or point [fleet] etcd (KVSTORE_FLEET_ETCD) at its client URLs")
+                           hint="start etcd there, or point [fleet] etcd (KVSTORE_FLEET_ETCD) at its client URLs; "
+                                "an etcd serving TLS is written https:// (etcds:// for a client), its CA in "
+                                "[fleet] etcd_ca_file")
     if isinstance(exc, aetcd.exceptions.UnauthenticatedError):
         return Unauthenticated(f"etcd at {where} refused the call: {exc}",
                                hint="etcd authentication is not supported yet: serve the fleet's etcd without it")
     return Internal(f"etcd at {where} failed the call: {type(exc).__name__}: {exc}")
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel (aetcd 1.x has no TLS option): `connect` as aetcd's, the channel secure.
+
+    Args:
+        credentials: the channel's credentials (`EtcdTls.credentials`).
+        kwargs: aetcd.Client's (host, port, timeout, options).
+    """
+
+    _is_connecting: bool  # aetcd's, set in its __init__
+
+    def __init__(self, *, credentials: grpc.ChannelCredentials, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._credentials = credentials
+
+    @aetcd.client._handle_errors  # type: ignore[misc]  # aetcd's own error mapping, as its connect has
+    async def connect(self) -> None:
+        """Open the channel (TLS) and the stubs; no etcd authentication (this fleet uses none: `translate`)."""
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # another task is connecting: wait for it, as aetcd's connect does
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._credentials,
+                                              options=self._options.items())
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.client.watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout,
+                                                         metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 class EtcdSession:
@@ -64,13 +110,17 @@ class EtcdSession:
     Args:
         endpoints: the members' client addresses, tried in order (the first that answers is kept).
         timeout_s: deadline of each call to one member.
+        tls: speak TLS to etcd with these files (None: plaintext).
     """
 
-    def __init__(self, endpoints: Sequence[Endpoint], *, timeout_s: float) -> None:
+    def __init__(self, endpoints: Sequence[Endpoint], *, timeout_s: float, tls: EtcdTls | None = None) -> None:
         if not endpoints:
             raise ValueError("an etcd session needs at least one endpoint")
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
+        self.tls = tls
+        # Read once: a bad file fails the session's making, with its name, not each call.
+        self._credentials = tls.credentials() if tls is not None else None
         self._current = 0
         self._client: aetcd.Client | None = None
 
@@ -83,9 +133,10 @@ class EtcdSession:
         if self._client is None:
             endpoint = self.endpoint
             # aetcd passes `timeout` to gRPC as the deadline of each unary call (seconds, float is fine).
-            self._client = aetcd.Client(host=endpoint.host, port=endpoint.port,
-                                        timeout=self.timeout_s,  # type: ignore[arg-type]
-                                        options=_channel_options(self.timeout_s))
+            kwargs = {"host": endpoint.host, "port": endpoint.port, "timeout": self.timeout_s,
+                      "options": _channel_options(self.timeout_s)}
+            self._client = (aetcd.Client(**kwargs) if self._credentials is None  # type: ignore[arg-type]
+                            else _TlsClient(credentials=self._credentials, **kwargs))
         return self._client
 
     async def reset(self, *, next_endpoint: bool = True) -> None:

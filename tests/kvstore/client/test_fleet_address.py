@@ -7,6 +7,7 @@ import pytest
 from kvstore.client.fleet_address import is_fleet_address, parse_fleet_address
 from kvstore.client.fleet_chain import BRIDGE_TAG, fleet_hashes, run_extra_keys
 from kvstore.errors import InvalidArgument
+from kvstore.fleet.endpoints import EtcdTls
 from kvstore.prefix import chain_hashes, root_hash
 
 ROOT = root_hash(bytes(8), 4)
@@ -27,6 +28,30 @@ def test_a_bad_fleet_address_is_refused_naming_the_syntax(bad: str) -> None:
     with pytest.raises(InvalidArgument) as refused:
         parse_fleet_address(bad)
     assert "etcd://HOST:PORT" in refused.value.hint
+
+
+def test_f57_an_etcds_address_is_tls_to_etcd_with_the_files_its_query_names() -> None:
+    plain = parse_fleet_address("etcds://10.0.0.5:2379/prod")
+    assert plain.tls == EtcdTls() and str(plain) == "etcds://10.0.0.5:2379/prod" and is_fleet_address(str(plain))
+    full = parse_fleet_address("etcds://a:1,b:2/prod?ca_file=/etc/ca.pem&cert_file=/c.pem&key_file=/k%20.pem")
+    assert full.tls == EtcdTls(ca_file="/etc/ca.pem", cert_file="/c.pem", key_file="/k .pem")
+    assert [str(e) for e in full.endpoints] == ["a:1", "b:2"] and full.cluster == "prod"
+    assert parse_fleet_address(str(full)) == full
+    assert parse_fleet_address("etcds://a:1?ca_file=/ca.pem").cluster == "default"
+    assert parse_fleet_address("etcd://a:1/prod").tls is None
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ("etcd://a:1/prod?ca_file=/ca.pem", "only an etcds:// address takes one"),
+    ("etcds://a:1/prod?password=x", "query names password"),
+    ("etcds://a:1/prod?ca_file=/a&ca_file=/b", "a file twice"),
+    ("etcds://a:1/prod?cert_file=/c.pem", "a client certificate and its key together"),
+    ("etcds://a:1/prod?junk", "fleet address"),
+])
+def test_f57_a_bad_etcds_query_is_refused_naming_what_it_takes(bad: str, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match) as refused:
+        parse_fleet_address(bad)
+    assert "etcds://" in refused.value.hint
 
 
 def test_f29_run_0_hashes_as_one_server_and_later_runs_bridge_to_the_prefix() -> None:
