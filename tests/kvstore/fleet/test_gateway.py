@@ -113,6 +113,22 @@ def test_f36_a_gateway_tells_its_clients_to_hash_as_the_fleet_does(fleet: Fleet)
         assert node.hashes(tokens) == chain_hashes(tokens, block_tokens=BLOCK_TOKENS, parent=node.connection.root)
 
 
+def test_f56_a_client_of_a_gateway_hashes_a_next_turn_through_the_chain_memo(fleet: Fleet) -> None:
+    """F56 through a gateway: the next turn's runs come from the connection's fleet chain memo, and its hashes and
+    answer are a memo-less client's."""
+    turn1 = prompt(4 * RUN_TOKENS + 2 * BLOCK_TOKENS)
+    turn2 = turn1 + prompt(2 * RUN_TOKENS + 3)
+    with kvstore.Client(fleet.gateways[0].target) as plain, \
+            kvstore.Client(fleet.gateways[0].target, chain_memo_bytes=0) as bare:
+        plain.put(turn1, blocks(18, plain.block_bytes))
+        memos = plain.connection.fleet_chains
+        assert memos is not None and bare.connection.fleet_chains is not None
+        got = plain.lookup(turn2)
+        assert got.found_blocks == 18 and list(got.block_hashes) == bare.lookup(turn2).block_hashes
+        assert sum(m.stats().reused_blocks for m in memos.memos()) == 4 * RUN_BLOCKS  # runs 0-3 of turn 1
+        assert bare.connection.fleet_chains.memos() == []
+
+
 def test_f37_a_plain_client_of_a_gateway_puts_and_gets_prompts_of_many_runs(fleet: Fleet) -> None:
     """F37: Puts from block 0 and from inside a run, Gets from inside a run, byte-identical, on the replicas
     the placement names and no others."""
