@@ -2,6 +2,12 @@
 # One device run for a round's CUDA paths and host figures (docs/BENCHMARKS.md): the GPU tests, then
 # `kvstore bench fleet`, `kvstore bench lookup` and `kvstore bench store` on the 16-core host. Carry [".whl", ".etcd"]:
 #   mkdir -p .etcd && cp /usr/bin/etcd .etcd/     # here, once (the device has no etcd package)
+#   The fleet's GPU test (F48) also needs redis-server: carry Debian's beside etcd, with the two libraries
+#   the device image lacks (liblzf, libjemalloc) and a wrapper that sets LD_LIBRARY_PATH for it only:
+#     mkdir -p .etcd/lib && cp /usr/bin/redis-check-rdb .etcd/redis-server.bin && cp /usr/bin/redis-cli .etcd/redis-cli.bin
+#     cp -L /lib/x86_64-linux-gnu/{liblzf.so.1,libjemalloc.so.2,libatomic.so.1} .etcd/lib/
+#     printf '#!/bin/bash\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec -a %s "$d/%s.bin" "$@"\n' \
+#       redis-server redis-server >.etcd/redis-server; (same for redis-cli); chmod +x .etcd/redis-*
 #   run: bash scripts/device_round.sh
 # PART=gpu runs only the GPU tests, `bench replay` (speed) and `bench transcode`; PART=host only the fleet, lookup
 # and store benches (each half fits one 10-minute device call); default both.
@@ -23,7 +29,8 @@ timeout "${TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/kvs
   tests/kvstore/client/test_gpu_gather.py tests/kvstore/client/test_gpu_gather_store.py \
   tests/kvstore/client/test_gpu_gather_units.py tests/kvstore/client/test_transfer.py tests/replay/model/test_gpu.py tests/replay/model/test_graphs_gpu.py \
   tests/kvstore/client/test_chain_memo.py tests/kvstore/codec/test_sglang_v4_gpu.py \
-  tests/integrations/test_engine_writes_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
+  tests/kvstore/codec/test_sglang_v4_triton_gpu.py tests/integrations/test_engine_writes_gpu.py \
+  $(command -v redis-server >/dev/null && echo tests/kvstore/client/test_fleet_swa.py::test_f48_direct_gpu_restore_over_a_fleet) 2>&1 | tee "$OUT/tests.log" | tail -8
 echo "gpu tests rc=${PIPESTATUS[0]} $((SECONDS - t)) s"; t=$SECONDS
 timeout "${REPLAY_S:-150}" python3 -m kvstore.cli bench replay --json --no-progress --parts speed --prefill-sizes 8192,16384 --resume-tokens 65536 \
   >"$OUT/replay.json" 2>"$OUT/replay.err"
