@@ -30,8 +30,8 @@ and those are the keys SGLang itself uses for that prompt (same root: same serve
 geometry and block size, no extra keys). Over a fleet (`etcd://` or a gateway) `Client.hashes`
 gives the fleet's hashes, each run of `run_blocks` blocks a chain of its own bridged to the
 prefix (kvstore.client.fleet_chain, docs/FLEET.md F29), and so does the ledger (`run_blocks`):
-it keeps each page's block index and its run's bridge to hash the next page on. Not covered (their pages get a key that the
-ledger does not know, so they are neither stored nor found, never wrong): a trailing
+it keeps each page's block index and its run's bridge to hash the next page on. Not covered
+(their pages get a key that the ledger does not know, so they are neither stored nor found, never wrong): a trailing
 partial page (SGLang stores only full pages), bigram (EAGLE) keys, and requests with
 `extra_key` / `cache_salt` seeded by the PD decode side's offload manager (it imports
 SGLang's seed function by name, so its seeds are not noted).

@@ -124,11 +124,22 @@ class V4Pages:
 
     # -- the pages ---------------------------------------------------------------------
 
-    def _stream(self, client: Client, wanted: Sequence[tuple[int, bytes]]) -> dict[int, list[bytes | memoryview]]:
-        """Page -> its blocks found, in order, of (page, block hash) pairs, from `client`."""
+    def _stream(self, client: Client, wanted: Sequence[tuple[int, bytes]],
+                keys: Sequence[str] = ()) -> dict[int, list[bytes | memoryview]]:
+        """Page -> its blocks found, in order, of (page, block hash) pairs, from `client`. In a fleet (the
+        ledger's `run_blocks`), when `wanted` are the blocks of the pages `keys`, in order, they are asked as
+        the part of the chain from the sequence start they are (a run is found by its first hash, F29, F58)."""
         got: dict[int, list[bytes | memoryview]] = {}
+        hashes = [h for _, h in wanted]
+        blocks: Any = client.stream(hashes)
+        if self.ledger.run_blocks and keys:
+            chain = self.ledger.chain_blocks(keys)
+            if chain is not None and chain[0][chain[1]:] == hashes:
+                blocks = client.stream_part(chain[0], chain[1], len(chain[0]))  # type: ignore[attr-defined]
+            else:  # pages the ledger cannot trace to the start: a miss (SGLang recomputes)
+                blocks = iter(())
         try:
-            for index, status, data in client.stream([h for _, h in wanted]):
+            for index, status, data in blocks:
                 if status == pb.BLOCK_STATUS_FOUND and len(data) == client.block_bytes:
                     got.setdefault(wanted[index][0], []).append(data)
         except KVStoreError as exc:
@@ -143,7 +154,7 @@ class V4Pages:
             hashes = self.ledger.blocks_of([key])
             if hashes is not None and len(hashes) == n:
                 wanted.extend((i, h) for h in hashes)
-        got = {i: b for i, b in self._stream(self.client, wanted).items() if len(b) == n}
+        got = {i: b for i, b in self._stream(self.client, wanted, keys).items() if len(b) == n}
         pages: dict[int, torch.Tensor] = {}
         if self.sharing is not None:
             if got:     # the model's rows, re-encoded into SGLang's (exact: stored only where they are)

@@ -24,7 +24,7 @@ from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import datadir
 
-#: Blocks per run: a prompt of a few hundred tokens spans several runs, on different nodes.
+#: Blocks per run (by default): a prompt of a few hundred tokens spans several runs, on different nodes.
 RUN_BLOCKS = 2
 #: Copies of every run ([fleet] replication's default, said here so the tests name it).
 REPLICATION = 2
@@ -46,6 +46,7 @@ class Fleet:
 
     address: str
     nodes: list[Node]
+    run_blocks: int = RUN_BLOCKS
 
     @property
     def live(self) -> list[Node]:
@@ -63,7 +64,8 @@ class Fleet:
     def held_by(self, chain: Sequence[bytes], geometry: str = "") -> dict[str, list[int]]:
         """Each node's leading blocks of every run of `chain` (fleet hashes from block 0), asked of the node
         directly: {node id: [found blocks of run 0, of run 1, ...]} (live nodes only)."""
-        runs = [list(chain[i:i + RUN_BLOCKS]) for i in range(0, len(chain), RUN_BLOCKS)]
+        rb = self.run_blocks
+        runs = [list(chain[i:i + rb]) for i in range(0, len(chain), rb)]
         held = {}
         for node in self.live:
             with kvstore.Client(node.child.target, geometry=geometry) as direct:
@@ -82,7 +84,8 @@ def node_errors(node_id: str) -> float:
     return REGISTRY.get_sample_value("kvstore_fleet_client_node_errors_total", {"node": node_id}) or 0.0
 
 
-def start_fleet(tmp: Path, *, block_tokens: int, nodes: int = 3) -> tuple[EtcdProcess, Fleet]:
+def start_fleet(tmp: Path, *, block_tokens: int, run_blocks: int = RUN_BLOCKS,
+                nodes: int = 3) -> tuple[EtcdProcess, Fleet]:
     """One etcd and `nodes` nodes of a fleet of its own (a fresh cluster name), every node registered."""
     etcd = EtcdProcess(tmp / "etcd")
     etcd.start()
@@ -92,21 +95,21 @@ def start_fleet(tmp: Path, *, block_tokens: int, nodes: int = 3) -> tuple[EtcdPr
         cfg = write_config(tmp / f"node{i}.toml", {
             "store": {"data_dir": str(tmp / f"store{i}"), "capacity_bytes": 1 << 28, "block_tokens": block_tokens},
             "fleet": {"etcd": etcd.endpoint, "cluster": cluster, "lease_ttl_s": LEASE_TTL_S,
-                      "run_blocks": RUN_BLOCKS, "replication": REPLICATION},
+                      "run_blocks": run_blocks, "replication": REPLICATION},
         })
         child = Child(f"node{i}", ["serve", "--config", str(cfg), "--port", "0"], tmp / "logs")
         return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
 
     with ThreadPoolExecutor(nodes) as pool:
         started = list(pool.map(node, range(nodes)))
-    fleet = Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=started)
+    fleet = Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=started, run_blocks=run_blocks)
     fleet.client().close()  # every node is in etcd's view before a test configures an engine
     return etcd, fleet
 
 
-def fleet_fixture(tmp: Path, *, block_tokens: int) -> Iterator[Fleet]:
+def fleet_fixture(tmp: Path, *, block_tokens: int, run_blocks: int = RUN_BLOCKS) -> Iterator[Fleet]:
     """A module fixture's body: the fleet, then every process stopped."""
-    etcd, fleet = start_fleet(tmp, block_tokens=block_tokens)
+    etcd, fleet = start_fleet(tmp, block_tokens=block_tokens, run_blocks=run_blocks)
     try:
         yield fleet
     finally:

@@ -33,13 +33,15 @@ from tests.integrations.test_sglang_support import (
 )
 
 python_tree_core = support.python_tree_core
-#: Full pages (one kvstore block each) of the stored prompt: 4 runs of 2.
+#: Full pages (one kvstore block each) of the stored prompt: runs of 3, 3 and 2.
 PAGES = 8
+#: Blocks per run: not a divisor of a DeepSeek-V4 page's 4 blocks, so pages and calls start inside runs.
+RUN_BLOCKS = 3
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from fleet_fixture(tmp_path_factory.mktemp("sglang-fleet"), block_tokens=PAGE)
+    yield from fleet_fixture(tmp_path_factory.mktemp("sglang-fleet"), block_tokens=PAGE, run_blocks=RUN_BLOCKS)
 
 
 def attach(fleet: Fleet, pages: int = 16) -> tuple[KVStoreHiCacheStorage, PagePool]:
@@ -65,8 +67,8 @@ def store_through_sglang(fleet: Fleet, tokens: list[int], seed: int) -> list[byt
     try:
         keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:PAGES]
         assert backend.batch_exists(keys) == 0
-        assert backend.batch_set_v1(keys[:3], fill(pool, 0, 3, seed=seed)) == [True] * 3
-        assert backend.batch_set_v1(keys[3:], fill(pool, 3, PAGES - 3, seed=seed + 1)) == [True] * (PAGES - 3)
+        assert backend.batch_set_v1(keys[:4], fill(pool, 0, 4, seed=seed)) == [True] * 4
+        assert backend.batch_set_v1(keys[4:], fill(pool, 4, PAGES - 4, seed=seed + 1)) == [True] * (PAGES - 4)
         assert backend.counters()["write_failures"] == 0
         return [pool.page_bytes(i) for i in range(PAGES)]
     finally:
@@ -107,9 +109,10 @@ def test_f58_the_ledgers_page_keys_are_the_fleets_hashes_wherever_pages_and_runs
 
 
 def test_f58_pages_set_through_sglang_on_a_fleet_are_found_and_read_back_by_another_backend(fleet: Fleet) -> None:
-    """F58: SGLang's page keys are the fleet's hashes (run r > 0 bridged, F29); the pages land on each run's 2
-    replicas, over every node; a second backend (its own ledger, SGLang hashing the prompt again) finds them all
-    and reads any part of the chain back byte for byte, with SGLang's prefix_keys or from its ledger."""
+    """F58: SGLang's page keys are the fleet's hashes (run r > 0 bridged, F29); the pages, written in two calls (the
+    second from inside a run), land on each run's 2 replicas, over every node; a second backend (its own ledger,
+    SGLang hashing the prompt again) finds them all and reads any part of the chain back byte for byte, with
+    SGLang's prefix_keys or from its ledger."""
     tokens = spread(fleet, 100)
     with fleet.client() as client:
         chain = client.hashes(tokens)
@@ -128,15 +131,56 @@ def test_f58_pages_set_through_sglang_on_a_fleet_are_found_and_read_back_by_anot
         moved = failovers()
         assert backend.batch_exists(keys) == PAGES
         assert backend.batch_exists(keys[5:], HiCacheStorageExtraInfo(prefix_keys=keys[:5])) == PAGES - 5
-        # From inside run 1, with SGLang's prefix_keys, then from inside run 2 by the ledger's parents.
-        assert read_back(backend, pool, keys, 3, HiCacheStorageExtraInfo(prefix_keys=keys[:3])) == [True] * 5
-        assert [pool.page_bytes(i) for i in range(5)] == pages[3:]
-        assert read_back(backend, pool, keys, 5) == [True] * 3
-        assert [pool.page_bytes(i) for i in range(3)] == pages[5:]
+        # From inside run 0, with SGLang's prefix_keys, then from inside run 1 by the ledger's parents.
+        assert read_back(backend, pool, keys, 2, HiCacheStorageExtraInfo(prefix_keys=keys[:2])) == [True] * 6
+        assert [pool.page_bytes(i) for i in range(6)] == pages[2:]
+        assert read_back(backend, pool, keys, 4) == [True] * 4
+        assert [pool.page_bytes(i) for i in range(4)] == pages[4:]
         page = backend.get(keys[6])  # SGLang's older one-page interface
         assert page is not None and bytes(page.numpy()) == pages[6]
         # Each run was read from a node its placement names: a read placed from the middle of the chain asks
         # nodes that do not hold the run, and finds it only by moving on.
+        assert failovers() == moved
+    finally:
+        backend.close()
+
+
+def test_f58_deepseek_v4_pages_over_a_fleet_round_trip_byte_identical(fleet: Fleet,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """F58: SGLang's real DeepSeek-V4 pools (256-token pages of 4 blocks over runs of 3: pages start inside runs)
+    written through batch_set_v2/v1 over the fleet are the fleet client's blocks, and a second backend finds and
+    reads them back into its side pools byte for byte, each run from a node its placement names."""
+    from tests.integrations.test_sglang_v4 import V4_PAGE, v41_group
+    from tests.integrations.test_sglang_v4 import attach as attach_v4
+    from tests.integrations.test_sglang_v4_pages import SIDE, model_blocks, page_bytes, put_pages, side_transfers
+    from tests.integrations.test_sglang_v4_pages import slots as v4_slots
+    from tests.integrations.test_sglang_v4_pages import tokens_of as v4_tokens
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+    n = V4_PAGE // PAGE
+    tokens, blocks = v4_tokens(41, 3), model_blocks(41, 3)
+    group = v41_group(pages=6)
+    backend = attach_v4(fleet.address, group)
+    try:
+        put_pages(group, blocks, 0)
+        saved = [page_bytes(group, p) for p in range(3)]
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert backend.batch_set_v2(side_transfers(keys, v4_slots(0, 3))) == {str(p): [True] * 3 for p in SIDE}
+        assert backend.batch_set_v1(keys, v4_slots(0, 3)) == [True] * 3
+    finally:
+        backend.close()
+    with fleet.client() as client:
+        assert keys == [h.hex() for h in client.hashes(tokens)][n - 1::n]
+        assert client.get(tokens).blocks == [bytes(b.numpy()) for b in blocks]
+    group = v41_group(pages=6)
+    backend = attach_v4(fleet.address, group)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        moved = failovers()
+        assert backend.batch_exists_v2(keys, side_transfers(keys, v4_slots(3, 3))).kv_hit_pages == 3
+        assert backend.batch_get_v1(keys[1:], v4_slots(4, 2)) == [True] * 2  # from page 1: block 4, inside run 1
+        assert backend.batch_get_v2(side_transfers(keys[1:], v4_slots(4, 2))) == {str(p): [True] * 2 for p in SIDE}
+        assert [page_bytes(group, 4 + p) for p in range(2)] == saved[1:]
         assert failovers() == moved
     finally:
         backend.close()
