@@ -19,6 +19,7 @@ from gateway.events import note_put_tokens
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.host_info import NodeHost
 from gateway.lookup_anchors import LookupAnchors
+from gateway.put_group import PutGroups
 from gateway.put_request import PutRequestView
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
@@ -133,6 +134,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.anchors = LookupAnchors()
         #: This node as a Lookup's hosts answer names it (`want_hosts`; gateway/host_info.py).
         self.own_host = NodeHost.of(tier)
+        #: Unary Puts in flight share commits (group commit: one fsync for those waiting behind a commit).
+        self.put_groups = PutGroups(tier)
 
     @unary
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:
@@ -476,10 +479,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _put(self, request: pb.PutRequest | PutRequestView) -> pb.PutResponse:
         # Checking and hashing are O(request size): a thread keeps other calls served meanwhile.
         batch = await asyncio.to_thread(self._plan, request)
-        result = await self.tier.call(self.tier.put_many, [batch])
-        _trace_put(self.trace, batch, result[0])
-        await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result[0].pin)
-        return _put_response(batch, result[0])
+        result = await self.put_groups.put(batch)
+        _trace_put(self.trace, batch, result)
+        await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
+        return _put_response(batch, result)
 
     async def audit_expired_pins(self) -> int:
         """Audit each pin past its time (R29: `pin-expired`, with the block, its time and the bytes it charged),

@@ -38,6 +38,11 @@ class PutGroups:
         self._waiting: list[tuple[PutBatch, asyncio.Future[PutResult]]] = []
         self._committer: asyncio.Task[None] | None = None
 
+    @property
+    def waiting(self) -> int:
+        """Batches queued for the next commit (not counting the one running)."""
+        return len(self._waiting)
+
     async def put(self, batch: PutBatch) -> PutResult:
         """Commit `batch` with whatever else is waiting; its result once durable.
 

@@ -5,8 +5,10 @@ commit is held (ordering, not timing) so that the others arrive while it runs.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,3 +94,41 @@ def test_a_refused_batch_fails_alone_and_the_rest_of_its_group_is_stored(tier: C
     keys = [SCOPE.key(h) for b in (later[0], later[2]) for h in b.hashes]
     assert [s for s, _ in tier.read(keys)] == [ReadStatus.FOUND] * 4
     assert tier.read([SCOPE.key(orphan.hashes[0])])[0][0] is ReadStatus.MISSING
+
+
+def test_the_servers_unary_puts_share_a_commit_while_one_runs(server: Any) -> None:
+    """Wired into the Put handler: clients' unary Puts that arrive during a commit go in the next one together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.client import Client
+
+    tier, commits = server.tier, []
+    entered, let_go = threading.Event(), threading.Event()
+    real = tier.put_many
+
+    def held_first(batches: Sequence[PutBatch]) -> list[PutResult]:
+        commits.append(len(batches))
+        if len(commits) == 1:
+            entered.set()
+            assert let_go.wait(30), "the test never released the first commit"
+        return real(batches)
+
+    tier.put_many = held_first  # the instance's own: what the handler's group calls
+    with Client(server.target) as client, ThreadPoolExecutor(3) as pool:
+        def put(seed: int) -> Any:
+            tokens = list(range(seed, seed + client.block_tokens * 2))
+            return client.put(tokens, [os.urandom(client.block_bytes) for _ in range(2)])
+
+        first = pool.submit(put, 0)
+        assert entered.wait(30), first.exception(timeout=1)
+        rest = [pool.submit(put, s) for s in (1_000, 2_000)]
+        # Released once both are queued behind the held commit (the handler's group, found by its store).
+        groups = next(g for g in gc.get_objects() if isinstance(g, PutGroups) and g.store is tier)
+        deadline = time.monotonic() + 30
+        while groups.waiting < 2:
+            assert time.monotonic() < deadline, f"{groups.waiting} Puts queued behind the held commit"
+            entered.wait(0.005)  # a condition polled with a deadline, not a timed wait for the outcome
+        let_go.set()
+        for f in [first, *rest]:
+            f.result(timeout=30)
+    assert commits == [1, 2], commits
