@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Sequence
 
 import grpc
@@ -19,7 +20,7 @@ from gateway.validate import Layout
 from kvstore.api_tokens import ADMIN, WRITE
 from kvstore.clock import SystemClock
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
-from kvstore.prefix import BlockScope, namespace_id
+from kvstore.prefix import HASH_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import HEADER_BYTES, checksum, snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
@@ -29,6 +30,11 @@ from tiers.swa_shm_server import ShmGrant, host_id
 
 #: Most direct get calls one ReportDirect may carry (the client reports sooner).
 MAX_REPORTED_GETS = 4096
+#: Bounds on the direct calls one ReportDirect carries for the trace (kvstore.client.swa_report cuts to them):
+#: calls, keys in all, and keys of one call (its count says how many more it had).
+MAX_REPORTED_CALLS = 1024
+MAX_REPORTED_KEYS = 4096
+MAX_CALL_KEYS = 64
 
 
 def check_keys(keys: list[bytes], *, limit: int, field: str = "keys") -> list[bytes]:
@@ -56,6 +62,26 @@ def check_snapshot(index: int, snap: pb.SwaSnapshot, data: bytes, layout: Layout
     if checksum(data) != snap.checksum:
         raise InvalidArgument(f"snapshots[{index}] checksum {snap.checksum:#x} does not match its data "
                               "(xxh3-64): corrupted in transit or computed over other bytes")
+
+
+def check_calls(calls: Sequence[pb.SwaDirectCall]) -> None:
+    """Raise InvalidArgument unless the reported direct calls are within the bounds and each is whole: a time,
+    32-byte keys, no more keys than snapshots and no more found than snapshots."""
+    if len(calls) > MAX_REPORTED_CALLS:
+        raise InvalidArgument(f"calls has {len(calls)} entries; report at most {MAX_REPORTED_CALLS} per call")
+    keys = 0
+    for i, c in enumerate(calls):
+        n = len(c.keys)
+        keys += n
+        if not math.isfinite(c.time_s) or c.time_s <= 0:
+            raise InvalidArgument(f"calls[{i}].time_s is {c.time_s}: send the call's time (Unix seconds)")
+        if n > MAX_CALL_KEYS or n > c.snapshots or c.found > c.snapshots:
+            raise InvalidArgument(f"calls[{i}] has {n} keys, {c.snapshots} snapshots, {c.found} found: "
+                                  f"keys <= {MAX_CALL_KEYS}, keys <= snapshots and found <= snapshots")
+        if any(len(k) != HASH_BYTES for k in c.keys):
+            raise InvalidArgument(f"calls[{i}].keys: each snapshot key is {HASH_BYTES} bytes")
+    if keys > MAX_REPORTED_KEYS:
+        raise InvalidArgument(f"calls carry {keys} keys; report at most {MAX_REPORTED_KEYS} per call")
 
 
 def _get_reply(found: Sequence[Found | None]) -> pb.SwaGetResponse:
@@ -187,7 +213,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             offered=True, redis_url=grant.redis_url, username=user.username, password=user.password,
             tenant=scope.namespace, cluster_nodes=grant.cluster_nodes, key_prefix=grant.key_prefix,
             ttl_ms=max(int(ttl_s * 1000), 1), writable=user.writable, max_record_bytes=HEADER_BYTES + largest,
-            expires_in_ms=int(grant.expires_in_s * 1000), renew_after_ms=int(grant.renew_in_s * 1000))
+            expires_in_ms=int(grant.expires_in_s * 1000), renew_after_ms=int(grant.renew_in_s * 1000),
+            trace_calls=self.trace.enabled)  # the shared-memory path's calls the server traces itself
 
     def _open_shm(self, pool: MemoryPool, layout: Layout, scope: BlockScope, *, writable: bool,
                   ttl_s: float) -> pb.SwaOpenDirectResponse:
@@ -230,7 +257,8 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
     @unary
     async def ReportDirect(self, request: pb.SwaReportDirectRequest,
                            context: grpc.aio.ServicerContext) -> pb.SwaReportDirectResponse:
-        _, scope = self._scope("", "")
+        # The tenant is the caller's (never a request field); the geometry names the calls' records.
+        _, scope = self._scope(request.geometry, "")
         gets = list(request.gets)
         if len(gets) > MAX_REPORTED_GETS:
             raise InvalidArgument(f"gets has {len(gets)} entries; report at most {MAX_REPORTED_GETS} per call")
@@ -238,6 +266,7 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
             if g.asked > self.max_batch or g.found + g.corrupt > g.asked:
                 raise InvalidArgument(f"gets[{i}] asked {g.asked}, found {g.found}, corrupt {g.corrupt}: "
                                       f"found + corrupt <= asked <= {self.max_batch} (max_batch_snapshots)")
+        check_calls(request.calls)
         if request.report_id and len(request.report_id) != REPORT_ID_BYTES:
             raise InvalidArgument(f"report_id is {len(request.report_id)} bytes; it must be {REPORT_ID_BYTES} "
                                   "random bytes, or empty")
@@ -249,4 +278,17 @@ class SwaPoolServicer(pb_grpc.SwaPoolServicer):
         self.cache.count_direct(gets=len(gets), snapshots_asked=sum(g.asked for g in gets),
                                 hits=sum(g.found for g in gets), corrupt=sum(g.corrupt for g in gets),
                                 puts=request.puts, snapshots_put=request.snapshots_put, bytes_put=request.bytes_put)
+        if self.trace.enabled:
+            self._trace_direct(scope, request)
         return pb.SwaReportDirectResponse()
+
+    def _trace_direct(self, scope: BlockScope, request: pb.SwaReportDirectRequest) -> None:
+        """One trace record per reported direct call (via "redis-direct", at the client's time)."""
+        for c in request.calls:
+            keys = list(c.keys)
+            if c.put:
+                self.trace.swa_put(scope, keys, stored=c.found, via="redis-direct", t=c.time_s, snapshots=c.snapshots)
+            else:
+                self.trace.swa_get(scope, keys, found=c.found, via="redis-direct", t=c.time_s, snapshots=c.snapshots)
+        if request.calls_dropped:
+            self.trace.count_dropped(request.calls_dropped)

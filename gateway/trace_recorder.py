@@ -91,12 +91,20 @@ class CallTrace:
                action: str) -> None:
         """A planner's report of its plan (ReportResume)."""
 
-    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc") -> None:
-        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put)
-        or "shm" (a shared-memory session's COMMIT: called on that session's thread)."""
+    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc",
+                t: float | None = None, snapshots: int | None = None) -> None:
+        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put),
+        "shm" (a shared-memory session's COMMIT: called on that session's thread) or "redis-direct" (a client's
+        put in Redis, reported by SwaPool.ReportDirect: at the client's time `t`, of `snapshots` snapshots, more
+        than `keys` where the client cut them)."""
 
-    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc") -> None:
-        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via` as for `swa_put`."""
+    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc",
+                t: float | None = None, snapshots: int | None = None) -> None:
+        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via`, `t` and `snapshots` as
+        for `swa_put`."""
+
+    def count_dropped(self, records: int) -> None:
+        """Count `records` lost before they reached the recorder (a client's direct calls it could not keep)."""
 
     @property
     def stats(self) -> TraceStats:
@@ -254,18 +262,37 @@ class TraceRecorder(CallTrace):
                       action=action)
         self._add(record)
 
-    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc") -> None:
-        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put)
-        or "shm" (a shared-memory session's COMMIT: called on that session's thread)."""
-        record = self._head("swa_put", scope)
-        record.update(via=via, snapshots=len(keys), stored=stored)
+    def swa_put(self, scope: BlockScope, keys: Sequence[bytes], *, stored: int, via: str = "grpc",
+                t: float | None = None, snapshots: int | None = None) -> None:
+        """An SWA pool Put of the snapshots `keys` (32 bytes each), `stored` of them taken; `via` "grpc" (SwaPool.Put),
+        "shm" (a shared-memory session's COMMIT: called on that session's thread) or "redis-direct" (a client's
+        put in Redis, reported by SwaPool.ReportDirect: at the client's time `t`, of `snapshots` snapshots, more
+        than `keys` where the client cut them)."""
+        record = self._swa_head("swa_put", scope, keys, via, t, snapshots)
+        record.update(snapshots=len(keys) if snapshots is None else snapshots, stored=stored)
         self._add(record, keys)
 
-    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc") -> None:
-        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via` as for `swa_put`."""
-        record = self._head("swa_get", scope)
-        record.update(via=via, asked=len(keys), found=found)
+    def swa_get(self, scope: BlockScope, keys: Sequence[bytes], *, found: int, via: str = "grpc",
+                t: float | None = None, snapshots: int | None = None) -> None:
+        """An SWA pool Get of the snapshots `keys`, `found` of them served whole; `via`, `t` and `snapshots` as
+        for `swa_put`."""
+        record = self._swa_head("swa_get", scope, keys, via, t, snapshots)
+        record.update(asked=len(keys) if snapshots is None else snapshots, found=found)
         self._add(record, keys)
+
+    def _swa_head(self, op: str, scope: BlockScope, keys: Sequence[bytes], via: str, t: float | None,
+                  snapshots: int | None) -> dict[str, Any]:
+        record = self._head(op, scope)
+        if t is not None:
+            record["t"] = t  # the client's clock: a direct call is reported after it was made
+        record["via"] = via
+        if snapshots is not None and snapshots > len(keys):
+            record["keys_cut"] = snapshots - len(keys)  # the client sent the first keys only (`hashes` has those)
+        return record
+
+    def count_dropped(self, records: int) -> None:
+        """Count `records` lost before they reached the recorder (a client's direct calls it could not keep)."""
+        self._drop(records)
 
     @property
     def stats(self) -> TraceStats:

@@ -18,7 +18,8 @@ direct. `last_path` says which path the last call took ("shm", "direct" for
 Redis, "gateway"). Direct gets and puts in Redis are reported to the gateway
 (SwaPool.ReportDirect, kvstore.client.swa_report: at most a second late, never
 holding up a call; `flush_report()` sends at once) so its hit counters see
-them; the shared-memory server counts its own.
+them, and, when the gateway records its access trace, each call with its keys;
+the shared-memory server counts and traces its own.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvstore.client import arguments
 from kvstore.client.connection import ENVELOPE_BYTES, Connection
 from kvstore.client.fleet_chain import fleet_snapshot_keys
 from kvstore.client.swa_direct import DirectPath
-from kvstore.client.swa_report import DirectReport
+from kvstore.client.swa_report import MAX_CALL_KEYS, DirectReport
 from kvstore.client.swa_shm import ShmPath
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, Unavailable
 from kvstore.prefix import ExtraKey
@@ -85,13 +86,14 @@ class SwaClient:
             is copied, so it is sealed when the put returns (kvstore.client.swa_shm.ShmPath; its gets
             check every copy against the server's checksum either way).
         clock: monotonic seconds (injected in tests).
+        wall_clock: Unix seconds, the time of each direct call reported for the gateway's trace (injected in tests).
 
     Raises:
         InvalidArgument: an unknown path.
     """
 
     def __init__(self, connection: Connection, *, path: str = "auto", verify: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self.connection = connection
         self._stub = pb_grpc.SwaPoolStub(connection.channel)
         self._geometry = geometries.resolve(connection.geometry)
@@ -107,7 +109,7 @@ class SwaClient:
         self.direct_reason = ""
         self._direct: DirectPath | ShmPath | None = None
         self._retry_direct_at = 0.0
-        self._report = DirectReport(connection, self._stub, clock)
+        self._report = DirectReport(connection, self._stub, clock, wall_clock)
 
     def snapshot_bytes(self, position: int) -> int:
         """Bytes of a snapshot at prompt length T = `position` in the client's geometry
@@ -204,8 +206,9 @@ class SwaClient:
                             for lo in range(0, len(triples), direct.max_batch))
         else:
             put_bytes = direct.put_many(triples, ttl)
-        if not isinstance(direct, ShmPath):  # the server counts shared-memory puts itself
-            self._report.put(len(triples), put_bytes)
+        if not isinstance(direct, ShmPath):  # the server counts and traces shared-memory puts itself
+            keys = [key for key, _, _ in triples[:MAX_CALL_KEYS]] if direct.trace_calls else None
+            self._report.put(len(triples), put_bytes, keys)
         return SwaPutResult(stored=len(triples), failed=0, ttl_ms=min(ttl, direct.ttl_ms) if ttl else direct.ttl_ms)
 
     def put(self, tokens: Sequence[int], data: Buffer | torch.Tensor, *, position: int | None = None,
@@ -230,8 +233,10 @@ class SwaClient:
                 out.extend(direct.get_many(keys[lo:lo + direct.max_batch]).data)
             return out
         for lo in range(0, len(keys), self._batch):
-            got = direct.get_many(keys[lo:lo + self._batch])
-            self._report.got(len(got.data), sum(d is not None for d in got.data), got.corrupt)
+            batch = keys[lo:lo + self._batch]
+            got = direct.get_many(batch)
+            self._report.got(len(got.data), sum(d is not None for d in got.data), got.corrupt,
+                             batch if direct.trace_calls else None)
             out.extend(got.data)
         return out
 

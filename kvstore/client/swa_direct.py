@@ -122,6 +122,9 @@ class DirectPath:
         self.writable = grant.writable
         self.ttl_ms = grant.ttl_ms
         self.max_record_bytes = grant.max_record_bytes
+        #: Whether the gateway records its access trace: each call is reported with its keys
+        #: (kvstore.client.swa_report).
+        self.trace_calls = grant.trace_calls
         self.fingerprint = fingerprint
         self.geometry = geometry
         self.prefix = grant.key_prefix + fingerprint

@@ -11,13 +11,21 @@ under the same id (`report_id`), before any newer counts: the gateway may have
 counted it and only its answer was lost, and it counts an id once
 (gateway/swa_reports.py). A failure is never raised: counting is not worth
 failing a get for.
+
+When the gateway records its access trace (the grant's `trace_calls`), each direct call is
+reported too, for the trace: its time by this client's clock, put or get, its snapshot keys
+(the first `MAX_CALL_KEYS`; `snapshots` says how many it had) and what it found or stored.
+A report carries at most `MAX_REPORTED_CALLS` calls and `MAX_REPORTED_KEYS` keys (the rest wait
+for the next); at most `MAX_PENDING_CALLS` wait (the oldest are dropped, and the next report
+says how many: `calls_dropped`). Without `trace_calls` no call is kept: the report is counts only.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.client.connection import Connection
@@ -31,6 +39,12 @@ REPORT_EVERY_S = 1.0
 MAX_PENDING_GETS = 4096
 #: Most gets one report carries (the server's limit, gateway.swa_servicer.MAX_REPORTED_GETS).
 MAX_REPORTED_GETS = 4096
+#: The direct calls kept for the gateway's trace: most pending (the oldest dropped and counted beyond), and
+#: the bounds of one report (the server's, gateway.swa_servicer: calls, keys in all, keys of one call).
+MAX_PENDING_CALLS = 4096
+MAX_REPORTED_CALLS = 1024
+MAX_REPORTED_KEYS = 4096
+MAX_CALL_KEYS = 64
 #: A report id's length, as the wire contract says (proto/kvstore/v1/swa.proto, `report_id`).
 REPORT_ID_BYTES = 16
 
@@ -46,14 +60,20 @@ class DirectReport:
         connection: the client's connection (deadline, metadata).
         stub: a SwaPool stub on its channel.
         clock: monotonic seconds (injected in tests).
+        wall_clock: Unix seconds, the traced calls' time (injected in tests).
     """
 
-    def __init__(self, connection: Connection, stub: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, connection: Connection, stub: Any, clock: Callable[[], float],
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.connection = connection
         self._stub = stub
         self.clock = clock
+        self.wall_clock = wall_clock
         self._gets: list[Get] = []
         self._puts = (0, 0, 0)  # calls, snapshots, bytes
+        #: Calls for the gateway's trace (only while it asks for them), and how many were dropped unsent.
+        self._calls: list[pb.SwaDirectCall] = []
+        self._calls_dropped = 0
         self._sent_at = clock()
         self._lock = threading.Lock()
         #: The report sent without waiting, and its future (kept in `_unsent` if it fails).
@@ -62,19 +82,33 @@ class DirectReport:
         #: new report is made while it waits; the counts meanwhile wait in `_gets` and `_puts`).
         self._unsent: pb.SwaReportDirectRequest | None = None
 
-    def got(self, asked: int, found: int, corrupt: int) -> None:
-        """Count one direct get call."""
+    def got(self, asked: int, found: int, corrupt: int, keys: Sequence[bytes] | None = None) -> None:
+        """Count one direct get call; with its `keys`, report it for the gateway's trace too."""
         with self._lock:
             self._gets.append((asked, found, corrupt))
             del self._gets[:-MAX_PENDING_GETS]
+            if keys is not None:
+                self._keep_call(put=False, keys=keys, snapshots=asked, found=found)
             self._maybe_send()
 
-    def put(self, snapshots: int, nbytes: int) -> None:
-        """Count one direct put call of `snapshots` snapshots of `nbytes` bytes."""
+    def put(self, snapshots: int, nbytes: int, keys: Sequence[bytes] | None = None) -> None:
+        """Count one direct put call of `snapshots` snapshots of `nbytes` bytes; with its `keys`, report it for
+        the gateway's trace too."""
         with self._lock:
             calls, count, total = self._puts
             self._puts = (calls + 1, count + snapshots, total + nbytes)
+            if keys is not None:
+                self._keep_call(put=True, keys=keys, snapshots=snapshots, found=snapshots)
             self._maybe_send()
+
+    def _keep_call(self, *, put: bool, keys: Sequence[bytes], snapshots: int, found: int) -> None:
+        """Keep one call for the trace (under the lock), its time now (it has just ended)."""
+        self._calls.append(pb.SwaDirectCall(time_s=self.wall_clock(), put=put, keys=keys[:MAX_CALL_KEYS],
+                                            snapshots=snapshots, found=found))
+        excess = len(self._calls) - MAX_PENDING_CALLS
+        if excess > 0:  # the gateway is out of reach: the oldest go, counted, as the trace's writer drops
+            del self._calls[:excess]
+            self._calls_dropped += excess
 
     def flush(self) -> None:
         """Send what is pending now and wait for the gateway's answer (after the report in flight)."""
@@ -90,7 +124,8 @@ class DirectReport:
 
     def _maybe_send(self) -> None:
         """Send a report without waiting when one is due and none is in flight (under the lock)."""
-        if len(self._gets) < REPORT_GETS and self.clock() - self._sent_at < REPORT_EVERY_S:
+        if (len(self._gets) < REPORT_GETS and len(self._calls) < REPORT_GETS
+                and self.clock() - self._sent_at < REPORT_EVERY_S):
             return
         if not self._settle(wait=False):
             return  # the last report is still on its way: the next call sends this one
@@ -123,11 +158,27 @@ class DirectReport:
 
     def _take(self) -> pb.SwaReportDirectRequest | None:
         """A new report of the pending counts, taken out of them (None: nothing pending)."""
-        if not self._gets and not self._puts[0]:
+        if not self._gets and not self._puts[0] and not self._calls and not self._calls_dropped:
             return None
         gets, puts = self._gets[:MAX_REPORTED_GETS], self._puts
         del self._gets[:len(gets)]
         self._puts = (0, 0, 0)
+        calls = self._take_calls()
+        dropped, self._calls_dropped = self._calls_dropped, 0
         return pb.SwaReportDirectRequest(
             gets=[pb.SwaDirectGet(asked=a, found=f, corrupt=c) for a, f, c in gets],
-            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2], report_id=os.urandom(REPORT_ID_BYTES))
+            puts=puts[0], snapshots_put=puts[1], bytes_put=puts[2], report_id=os.urandom(REPORT_ID_BYTES),
+            calls=calls, calls_dropped=dropped, geometry=self.connection.geometry if calls else "")
+
+    def _take_calls(self) -> list[pb.SwaDirectCall]:
+        """The oldest pending calls that fit one report (MAX_REPORTED_CALLS, MAX_REPORTED_KEYS), taken out: the
+        oldest at least (a call's keys are cut to MAX_CALL_KEYS, fewer than a report's), so `flush` ends."""
+        keys = n = 0
+        for call in self._calls[:MAX_REPORTED_CALLS]:
+            if n and keys + len(call.keys) > MAX_REPORTED_KEYS:
+                break
+            keys += len(call.keys)
+            n += 1
+        calls = self._calls[:n]
+        del self._calls[:n]
+        return calls

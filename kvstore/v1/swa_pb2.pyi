@@ -162,7 +162,7 @@ class SwaOpenDirectRequest(_message.Message):
     def __init__(self, geometry: _Optional[str] = ...) -> None: ...
 
 class SwaOpenDirectResponse(_message.Message):
-    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant", "cluster_nodes", "shm_socket", "shm_ticket", "shm_host")
+    __slots__ = ("offered", "reason", "redis_url", "username", "password", "key_prefix", "ttl_ms", "writable", "max_record_bytes", "expires_in_ms", "renew_after_ms", "tenant", "cluster_nodes", "shm_socket", "shm_ticket", "shm_host", "trace_calls")
     OFFERED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDIS_URL_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class SwaOpenDirectResponse(_message.Message):
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
     SHM_HOST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CALLS_FIELD_NUMBER: _ClassVar[int]
     offered: bool
     reason: str
     redis_url: str
@@ -195,7 +196,8 @@ class SwaOpenDirectResponse(_message.Message):
     shm_socket: str
     shm_ticket: bytes
     shm_host: str
-    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., cluster_nodes: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_ticket: _Optional[bytes] = ..., shm_host: _Optional[str] = ...) -> None: ...
+    trace_calls: bool
+    def __init__(self, offered: _Optional[bool] = ..., reason: _Optional[str] = ..., redis_url: _Optional[str] = ..., username: _Optional[str] = ..., password: _Optional[str] = ..., key_prefix: _Optional[bytes] = ..., ttl_ms: _Optional[int] = ..., writable: _Optional[bool] = ..., max_record_bytes: _Optional[int] = ..., expires_in_ms: _Optional[int] = ..., renew_after_ms: _Optional[int] = ..., tenant: _Optional[str] = ..., cluster_nodes: _Optional[str] = ..., shm_socket: _Optional[str] = ..., shm_ticket: _Optional[bytes] = ..., shm_host: _Optional[str] = ..., trace_calls: _Optional[bool] = ...) -> None: ...
 
 class SwaDirectGet(_message.Message):
     __slots__ = ("asked", "found", "corrupt")
@@ -208,18 +210,38 @@ class SwaDirectGet(_message.Message):
     def __init__(self, asked: _Optional[int] = ..., found: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class SwaReportDirectRequest(_message.Message):
-    __slots__ = ("gets", "puts", "snapshots_put", "bytes_put", "report_id")
+    __slots__ = ("gets", "puts", "snapshots_put", "bytes_put", "report_id", "calls", "calls_dropped", "geometry")
     GETS_FIELD_NUMBER: _ClassVar[int]
     PUTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_PUT_FIELD_NUMBER: _ClassVar[int]
     BYTES_PUT_FIELD_NUMBER: _ClassVar[int]
     REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     gets: _containers.RepeatedCompositeFieldContainer[SwaDirectGet]
     puts: int
     snapshots_put: int
     bytes_put: int
     report_id: bytes
-    def __init__(self, gets: _Optional[_Iterable[_Union[SwaDirectGet, _Mapping]]] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ..., report_id: _Optional[bytes] = ...) -> None: ...
+    calls: _containers.RepeatedCompositeFieldContainer[SwaDirectCall]
+    calls_dropped: int
+    geometry: str
+    def __init__(self, gets: _Optional[_Iterable[_Union[SwaDirectGet, _Mapping]]] = ..., puts: _Optional[int] = ..., snapshots_put: _Optional[int] = ..., bytes_put: _Optional[int] = ..., report_id: _Optional[bytes] = ..., calls: _Optional[_Iterable[_Union[SwaDirectCall, _Mapping]]] = ..., calls_dropped: _Optional[int] = ..., geometry: _Optional[str] = ...) -> None: ...
+
+class SwaDirectCall(_message.Message):
+    __slots__ = ("time_s", "put", "keys", "snapshots", "found")
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    PUT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    time_s: float
+    put: bool
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    snapshots: int
+    found: int
+    def __init__(self, time_s: _Optional[float] = ..., put: _Optional[bool] = ..., keys: _Optional[_Iterable[bytes]] = ..., snapshots: _Optional[int] = ..., found: _Optional[int] = ...) -> None: ...
 
 class SwaReportDirectResponse(_message.Message):
     __slots__ = ()
