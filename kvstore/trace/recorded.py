@@ -20,7 +20,9 @@ line of each file is its header, then one record per call (docs/CAPACITY.md, "Re
 
 `hashes` is the prompt's (or the Put's) block hashes, or an SWA call's snapshot keys, each
 cut to its first `hash_bytes` bytes, as one hex string. `via` says how the snapshots went:
-"grpc" (SwaPool.Put, Get) or "shm" (a same-host client's shared-memory session). Never a
+"grpc" (SwaPool.Put, Get), "shm" (a same-host client's shared-memory session) or
+"redis-direct" (a client's own call in Redis, reported to the server: its `t` is the client's
+clock, and `keys_cut`, when there, says how many keys past the first it left out). Never a
 token, never a block's bytes.
 
 As a `Trace`, each Lookup is one request: its blocks' ids are its hashes numbered in order
