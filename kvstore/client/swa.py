@@ -360,10 +360,16 @@ class SwaClient:
     def flush_report(self) -> None:
         """Send the direct path's pending gets and puts to the gateway's counters now, and wait.
 
-        A report the gateway cannot take is kept for the next one (never raised: counting
-        is not worth failing a get for).
+        A report the gateway cannot take now is kept for the next one; one it refuses for good is dropped
+        and counted (`reports_dropped`). Neither is raised: counting is not worth failing a get for.
         """
         self._report.flush()
+
+    @property
+    def reports_dropped(self) -> int:
+        """Direct-path reports the gateway refused for good (a non-retryable error, logged): dropped, not
+        sent again, so the reports after them still arrive (kvstore.client.swa_report)."""
+        return self._report.dropped
 
     def close(self) -> None:
         """Report what is pending and close the direct path's Redis connections."""

@@ -6,11 +6,16 @@ are pending or `REPORT_EVERY_S` passed since the last report. A report that
 falls due during a get or put is sent without waiting for its answer (a gRPC
 future, looked at again at the next call): counting never holds up a
 snapshot. `flush` sends what is pending and waits (`SwaClient.stats()` and
-`close()` use it). A report that fails is kept and sent again, as it was and
+`close()` use it). A report that fails for now (a retryable error: the gateway
+unreachable, a deadline, a rate limit) is kept and sent again, as it was and
 under the same id (`report_id`), before any newer counts: the gateway may have
 counted it and only its answer was lost, and it counts an id once
-(gateway/swa_reports.py). A failure is never raised: counting is not worth
-failing a get for.
+(gateway/swa_reports.py). A report the gateway refuses for good (a non-retryable
+error: InvalidArgument for a geometry or batch size it no longer takes after a
+config change, PermissionDenied) is dropped, counted (`dropped`, the client's
+`reports_dropped`) and logged with the gateway's message (once per message): sent
+again it would be refused again, and every newer report would wait behind it for
+ever. A failure is never raised: counting is not worth failing a get for.
 
 When the gateway records its access trace (the grant's `trace_calls`), each direct call is
 reported too, for the trace: its time by this client's clock, put or get, its snapshot keys
@@ -22,15 +27,19 @@ says how many: `calls_dropped`). Without `trace_calls` no call is kept: the repo
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvstore.client.connection import Connection
-from kvstore.errors import KVStoreError
+import grpc
+
+from kvstore.client.connection import Connection, status_error
 from kvstore.v1 import swa_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 #: Direct gets are reported when this many are pending or this many seconds passed since the last report.
 REPORT_GETS = 256
@@ -81,6 +90,10 @@ class DirectReport:
         #: The report that failed: sent again as it was, before any newer counts (one at most: no
         #: new report is made while it waits; the counts meanwhile wait in `_gets` and `_puts`).
         self._unsent: pb.SwaReportDirectRequest | None = None
+        #: Reports the gateway refused for good (a non-retryable error), dropped unsent again.
+        self.dropped = 0
+        #: The gateway's message for the last report it refused, logged once (the same refusal again is only counted).
+        self._refusal = ""
 
     def got(self, asked: int, found: int, corrupt: int, keys: Sequence[bytes] | None = None) -> None:
         """Count one direct get call; with its `keys`, report it for the gateway's trace too."""
@@ -115,11 +128,14 @@ class DirectReport:
         with self._lock:
             self._settle(wait=True)
             self._sent_at = self.clock()
+            c = self.connection
             while (request := self._next()) is not None:
                 try:
-                    self.connection.call(self._stub.ReportDirect, request)
-                except KVStoreError:
-                    self._unsent = request  # first again next time; no retry loop here
+                    self._stub.ReportDirect(request, timeout=c.timeout_s, metadata=c.metadata)
+                except grpc.RpcError as exc:
+                    # Kept: first again next time, no retry loop here. Dropped: the next report (its calls
+                    # counted as dropped) goes next time too, or a gateway refusing every report would loop here.
+                    self._failed(request, exc)
                     return
 
     def _maybe_send(self) -> None:
@@ -147,9 +163,29 @@ class DirectReport:
         self._in_flight = None
         try:
             future.result()
-        except Exception:  # an RpcError or a cancelled call: sent again, first, under its id
+        except grpc.RpcError as exc:
+            self._failed(request, exc)
+        except Exception:  # a call cancelled here (FutureCancelledError): not refused, so sent again, first
             self._unsent = request
         return True
+
+    def _failed(self, request: pb.SwaReportDirectRequest, exc: grpc.RpcError) -> None:
+        """Keep a report that failed for now, to send again first under its id, or drop one the gateway refused
+        for good (under the lock)."""
+        error = status_error(exc)
+        if error.retryable:  # UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED: it may be taken later as it is
+            self._unsent = request
+            return
+        # Refused for good: sent again it would be refused again, with every newer report waiting behind it.
+        self.dropped += 1
+        # Its calls never reach the trace: the next report says so, as it does for calls dropped unsent.
+        self._calls_dropped += len(request.calls) + request.calls_dropped
+        if error.message != self._refusal:
+            self._refusal = error.message
+            log.warning("the gateway refused a direct-path report (%s: %s); dropped, with its %d get calls, "
+                        "%d put calls and %d traced calls (the same refusal again is only counted: "
+                        "SwaClient.reports_dropped, %d so far)", exc.code().name, error.message, len(request.gets),
+                        request.puts, len(request.calls), self.dropped)
 
     def _next(self) -> pb.SwaReportDirectRequest | None:
         """The next report to send: the one that failed, else one of the pending counts (None: nothing)."""

@@ -52,8 +52,8 @@ def test_a_report_sent_twice_under_one_id_is_counted_once_and_a_bad_id_is_refuse
 
 
 class LoseFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """Lets the first ReportDirect reach the server (which counts it), then fails it here, as a
-    connection dropped before the answer came would."""
+    """Lets the first ReportDirect reach the server (which counts it), then fails it here with a retryable
+    error, as a connection dropped before the answer came would."""
 
     def __init__(self) -> None:
         self.lost: list[bytes] = []
@@ -66,8 +66,9 @@ class LoseFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
             if not self.lost:
                 call.result()  # answered: counted
                 self.lost.append(request.report_id)
-                # Refused by the server (a 3-byte id), counting nothing: the caller sees a failure.
-                return continuation(details, pb.SwaReportDirectRequest(report_id=b"bad"))
+                # The same report under a deadline already past: DEADLINE_EXCEEDED (retryable), and were it
+                # to reach the server, its id is counted already.
+                return continuation(details._replace(timeout=-1.0), request)
         return call
 
 
@@ -92,5 +93,6 @@ def test_a_report_whose_answer_was_lost_is_sent_again_under_its_id_and_counted_o
         report.got(1, 1, 0)  # newer counts wait behind the report sent again
         report.flush()
         assert lose.sent == [lose.lost[0], lose.lost[0], lose.sent[2]] and lose.sent[2] != lose.lost[0]
+        assert report.dropped == 0, "a retryable failure is sent again, never dropped"
         stats = client.swa.stats()
         assert (stats.gets, stats.snapshots_asked, stats.hits, stats.puts, stats.bytes_put) == (2, 3, 2, 1, 100)
