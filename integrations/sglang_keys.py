@@ -144,23 +144,10 @@ class KeyLedger:
 
     def _page_blocks(self, page: array, parent: bytes, extra: tuple[str, ...], first_block: int,
                      bridge: bytes | None) -> tuple[list[bytes], bytes | None]:
-        """The chain hashes of a full page's blocks from `parent` (the hash of block `first_block` - 1), and the
-        bridge in force at its last block. One server: one chain. A fleet: a block at a run's start restarts
-        from the root, its run bridged to the hash before it (F29); a page of unknown start stays one chain
-        (its key is distinct, and it is never stored: its chain cannot be traced to the start)."""
-        b, rb = self.block_tokens, self.run_blocks
-        if not rb or first_block < 0:
-            return chain_hashes(page, block_tokens=b, parent=parent, extra_keys=extra), bridge
-        out: list[bytes] = []
-        done, total, block = 0, len(page) // b, first_block
-        while done < total:
-            if block % rb == 0:   # a run starts here: from the root, bridged to the block before (none at 0)
-                bridge, parent = (parent if block else None), self.root
-            take = min(rb - block % rb, total - done)
-            out += chain_hashes(page[done * b:(done + take) * b], block_tokens=b, parent=parent,
-                                extra_keys=run_extra_keys(extra, bridge))
-            parent, done, block = out[-1], done + take, block + take
-        return out, bridge
+        """The chain hashes of a full page's blocks from `parent`, and the bridge at its last block
+        (`page_blocks` from this ledger's root and runs)."""
+        return page_blocks(page, root=self.root, block_tokens=self.block_tokens, run_blocks=self.run_blocks,
+                           parent=parent, extra_keys=extra, first_block=first_block, bridge=bridge)
 
     def _start(self, prior_hash: str | None) -> tuple[bytes, tuple[str, ...], int, bytes | None]:
         """Where a chain continues (parent, extra keys, the next block's index, the run's bridge): the root,
@@ -315,6 +302,29 @@ def installed_ledger() -> KeyLedger | None:
     """The ledger SGLang hashes with now, if a kvstore backend installed one."""
     ledger = _installed.get("ledger")
     return ledger if isinstance(ledger, KeyLedger) else None
+
+
+def page_blocks(page: Sequence[int], *, root: bytes, block_tokens: int, run_blocks: int, parent: bytes,
+                extra_keys: Sequence[str], first_block: int, bridge: bytes | None) -> tuple[list[bytes], bytes | None]:
+    """The chain hashes of a full page's blocks from `parent` (the hash of block `first_block` - 1), and the
+    bridge in force at its last block. One server (`run_blocks` 0): one chain. A fleet: a block at a run's
+    start restarts from `root`, its run bridged to the hash before it (F29); a page of unknown start
+    (`first_block` -1) stays one chain (its key is distinct, and it is never stored: its chain cannot be
+    traced to the start). Shared by the ledger and by `sglang_share`'s chain of SGLang's own layout.
+    """
+    b, rb = block_tokens, run_blocks
+    if not rb or first_block < 0:
+        return chain_hashes(page, block_tokens=b, parent=parent, extra_keys=extra_keys), bridge
+    out: list[bytes] = []
+    done, total, block = 0, len(page) // b, first_block
+    while done < total:
+        if block % rb == 0:   # a run starts here: from the root, bridged to the block before (none at 0)
+            bridge, parent = (parent if block else None), root
+        take = min(rb - block % rb, total - done)
+        out += chain_hashes(page[done * b:(done + take) * b], block_tokens=b, parent=parent,
+                            extra_keys=run_extra_keys(extra_keys, bridge))
+        parent, done, block = out[-1], done + take, block + take
+    return out, bridge
 
 
 def run_blocks_of(client: Any) -> int:

@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from integrations.sglang_keys import KeyLedger
+from integrations.sglang_keys import KeyLedger, page_blocks
 from kvstore.client import Client
 from kvstore.codec.sglang_v4 import native_blocks_to_v4, v4_blocks_to_native
 from kvstore.errors import KVStoreError
 from kvstore.geometry import ModelGeometry
-from kvstore.prefix import chain_hashes
 from kvstore.v1 import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -71,20 +70,23 @@ class V4Sharing:
         for name in COUNTERS:
             stats.setdefault(name, 0)
         self.device = torch.device(device)
-        self._memo: OrderedDict[str, tuple[bytes, ...]] = OrderedDict()
+        #: model page key -> (its engine-layout block hashes, the engine chain's run bridge at its last block).
+        self._memo: OrderedDict[str, tuple[tuple[bytes, ...], bytes | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- the engine layout's chain for the model chain's pages -------------------------
 
     def engine_blocks(self, key: str) -> tuple[bytes, ...] | None:
         """The engine-layout chain hashes of the blocks of page `key` (a model-chain page key), from the
-        ledger's tokens; None when a page of its chain is not in the ledger."""
+        ledger's tokens, hashed as the model chain is (`sglang_keys.page_blocks`: over a fleet each run a
+        chain of its own from the engine root, bridged to the engine chain before it, F29); None when a
+        page of its chain is not in the ledger."""
         with self._lock:
             hit = self._memo.get(key)
         if hit is not None:
-            return hit
+            return hit[0]
         path: list[str] = []
-        current, parent = key, self.engine.root
+        current, parent, bridge = key, self.engine.root, None
         while True:                      # walk up to a memoized page or the root, then hash down
             entry = self.ledger.page(current)
             if entry is None:
@@ -95,21 +97,24 @@ class V4Sharing:
             with self._lock:
                 above = self._memo.get(entry.parent.hex())
             if above is not None:
-                parent = above[-1]
+                parent, bridge = above[0][-1], above[1]
                 break
             current = entry.parent.hex()
+        blocks: tuple[bytes, ...] = ()
         for k in reversed(path):
             entry = self.ledger.page(k)
             if entry is None:
                 return None
-            blocks = tuple(chain_hashes(entry.tokens, block_tokens=self.block_tokens, parent=parent,
-                                        extra_keys=entry.extra_keys))
+            hashed, bridge = page_blocks(entry.tokens, root=self.engine.root, block_tokens=self.block_tokens,
+                                         run_blocks=self.ledger.run_blocks, parent=parent,
+                                         extra_keys=entry.extra_keys, first_block=entry.first_block, bridge=bridge)
+            blocks = tuple(hashed)
             with self._lock:
-                self._memo[k] = blocks
+                self._memo[k] = (blocks, bridge)
                 while len(self._memo) > MEMO_PAGES:
                     self._memo.popitem(last=False)
             parent = blocks[-1]
-        return self._memo.get(key) or blocks
+        return blocks
 
     def engine_chain(self, pages: Sequence[bytes]) -> list[bytes] | None:
         """The engine-layout block hashes of a model chain's pages (from the root), or None."""
@@ -120,6 +125,17 @@ class V4Sharing:
                 return None
             out.extend(blocks)
         return out
+
+    def engine_chain_blocks(self, keys: Sequence[str]) -> tuple[list[bytes], int] | None:
+        """The engine-layout block hashes from the sequence start through the pages `keys` (consecutive
+        model-chain pages), and the index of the first block of `keys[0]`: what a fleet's reads take (as
+        `KeyLedger.chain_blocks` for the model chain). None when a page of that chain is not in the ledger."""
+        pages = self.ledger.chain_to_root(keys[0]) if keys else None
+        before = self.engine_chain(pages[:-1]) if pages is not None else None
+        mine = self.engine_chain([bytes.fromhex(k) for k in keys])
+        if before is None or mine is None:
+            return None
+        return before + mine, len(before)
 
     # -- lookups -----------------------------------------------------------------------
 

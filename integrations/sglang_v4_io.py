@@ -125,16 +125,16 @@ class V4Pages:
     # -- the pages ---------------------------------------------------------------------
 
     def _stream(self, client: Client, wanted: Sequence[tuple[int, bytes]],
-                keys: Sequence[str] = ()) -> dict[int, list[bytes | memoryview]]:
+                chain: tuple[list[bytes], int] | None = None) -> dict[int, list[bytes | memoryview]]:
         """Page -> its blocks found, in order, of (page, block hash) pairs, from `client`. In a fleet (the
-        ledger's `run_blocks`), when `wanted` are the blocks of the pages `keys`, in order, they are asked as
-        the part of the chain from the sequence start they are (a run is found by its first hash, F29, F58)."""
+        ledger's `run_blocks`) `chain` is the chain from the sequence start through the wanted pages and the
+        index of their first block (`KeyLedger.chain_blocks`, `V4Sharing.engine_chain_blocks`): the blocks
+        are asked as that part of it (a run is found by its first hash, F29, F58)."""
         got: dict[int, list[bytes | memoryview]] = {}
         hashes = [h for _, h in wanted]
         blocks: Any = client.stream(hashes)
-        if self.ledger.run_blocks and keys:
-            chain = self.ledger.chain_blocks(keys)
-            if chain is not None and chain[0][chain[1]:] == hashes:
+        if self.ledger.run_blocks:
+            if chain is not None and hashes and chain[0][chain[1]:] == hashes:
                 blocks = client.stream_part(chain[0], chain[1], len(chain[0]))  # type: ignore[attr-defined]
             else:  # pages the ledger cannot trace to the start: a miss (SGLang recomputes)
                 blocks = iter(())
@@ -146,6 +146,10 @@ class V4Pages:
             logger.warning("kvstore get of V4 pages failed: %s", exc)
         return got
 
+    def _chain(self, keys: Sequence[str]) -> tuple[list[bytes], int] | None:
+        """The model chain from the sequence start through `keys` in a fleet (None on one server: unused)."""
+        return self.ledger.chain_blocks(keys) if self.ledger.run_blocks and keys else None
+
     def _read(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[bool]:
         n = self.layout.blocks_per_page
         results = [False] * len(keys)
@@ -154,7 +158,7 @@ class V4Pages:
             hashes = self.ledger.blocks_of([key])
             if hashes is not None and len(hashes) == n:
                 wanted.extend((i, h) for h in hashes)
-        got = {i: b for i, b in self._stream(self.client, wanted, keys).items() if len(b) == n}
+        got = {i: b for i, b in self._stream(self.client, wanted, self._chain(keys)).items() if len(b) == n}
         pages: dict[int, torch.Tensor] = {}
         if self.sharing is not None:
             if got:     # the model's rows, re-encoded into SGLang's (exact: stored only where they are)
@@ -168,7 +172,11 @@ class V4Pages:
                 blocks = self.sharing.engine_blocks(key) if i not in got else None
                 if blocks is not None and len(blocks) == n:
                     rest.extend((i, h) for h in blocks)
-            got = {i: b for i, b in self._stream(self.sharing.engine, rest).items() if len(b) == n}
+            # In a fleet the engine chain is asked from its sequence start; the pages it holds follow the
+            # ones found in the model's rows (rule 2), so they are the keys from the first of them on.
+            tail = keys[rest[0][0]:] if rest and self.ledger.run_blocks else ()
+            engine_chain = self.sharing.engine_chain_blocks(tail) if tail else None
+            got = {i: b for i, b in self._stream(self.sharing.engine, rest, engine_chain).items() if len(b) == n}
         pages.update({i: torch.stack([read_only(b) for b in found]) for i, found in got.items()})
         for i, joined in pages.items():     # a page stored in part is a miss: SGLang recomputes it
             for name, page in blocks_to_pages(self.layout, joined).items():

@@ -186,6 +186,114 @@ def test_f58_deepseek_v4_pages_over_a_fleet_round_trip_byte_identical(fleet: Fle
         backend.close()
 
 
+def test_f58_sglang_v4_rows_shared_as_the_models_over_a_fleet_are_read_by_hopper_and_blackwell(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F58, share_model_rows: a Hopper backend (SGLang's `v4` rows) stores a prompt of 3 pages (12 blocks over runs of
+    3) in two calls, the second from inside run 1, as the model's rows: they are the fleet client's blocks of the
+    model geometry and nothing is kept in SGLang's layout; a second Hopper backend finds them and reads them back
+    as its own rows byte for byte, from the start and from inside a run, and a Blackwell one (`v41`) reads the
+    model's rows, each run from a node its placement names."""
+    from tests.integrations.test_sglang_v4 import V4_PAGE, v41_group
+    from tests.integrations.test_sglang_v4 import attach as attach_v4
+    from tests.integrations.test_sglang_v4_layout import ENGINE, v4_group
+    from tests.integrations.test_sglang_v4_pages import N, page_bytes, slots
+    from tests.integrations.test_sglang_v4_pages import tokens_of as v4_tokens
+    from tests.integrations.test_sglang_v4_share import GEO, codec, fill_v4, load, store, v41_page_bytes
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    tokens = v4_tokens(161, 3)
+    group = v4_group(pages=6)
+    hopper = attach_v4(fleet.address, group)
+    try:
+        engine_blocks = fill_v4(group, 0, 3, seed=15)
+        saved = [page_bytes(group, p) for p in range(3)]
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert store(hopper, keys[:1], 0) == [True]
+        assert store(hopper, keys[1:], 1) == [True, True]      # from block 4: inside run 1
+        c = hopper.counters()
+        assert (c["blocks_shared"], c["blocks_engine"], c["write_failures"]) == (3 * N, 0, 0)
+    finally:
+        hopper.close()
+    native = codec.v4_blocks_to_native(GEO, engine_blocks, 64).native
+    with fleet.client() as model, fleet.client(geometry=ENGINE.name) as engine:
+        assert keys == [h.hex() for h in model.hashes(tokens)][N - 1::N]
+        assert model.get(tokens[:3 * V4_PAGE]).blocks == [bytes(b.numpy()) for b in native]
+        assert engine.lookup(tokens).found_blocks == 0          # nothing kept twice
+    moved = failovers()
+    group = v4_group(pages=6)
+    hopper = attach_v4(fleet.address, group)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert load(hopper, keys, 0) == 3
+        assert [page_bytes(group, p) for p in range(3)] == saved
+        assert hopper.batch_get_v1(keys[1:], slots(3, 2)) == [True] * 2   # from page 1: block 4, inside run 1
+        assert [page_bytes(group, 3 + p) for p in range(2)] == saved[1:]
+        assert hopper.counters()["pages_reencoded"] == 5
+    finally:
+        hopper.close()
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+    bw_group = v41_group(pages=3)
+    blackwell = attach_v4(fleet.address, bw_group)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert load(blackwell, keys, 0) == 3
+        assert [page_bytes(bw_group, p) for p in range(3)] == v41_page_bytes(native)
+    finally:
+        blackwell.close()
+    assert failovers() == moved
+
+
+def test_f58_a_sglang_v4_chain_that_turns_inexact_over_a_fleet_moves_to_sglangs_layout_and_is_read_back(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F58, share_model_rows: two exact pages stored as the model's rows, then an inexact third: the chain moves to
+    SGLang's layout whole, hashed there run by run as the fleet does (the fleet client's blocks of the `+sglang-v4`
+    geometry); a second Hopper backend finds all 3 pages and reads them back byte for byte (from the start and
+    from inside a run), and Blackwell finds only the exact pages."""
+    from tests.integrations.test_sglang_v4 import V4_PAGE, v41_group
+    from tests.integrations.test_sglang_v4 import attach as attach_v4
+    from tests.integrations.test_sglang_v4_layout import ENGINE, v4_group
+    from tests.integrations.test_sglang_v4_pages import N, page_bytes, slots
+    from tests.integrations.test_sglang_v4_pages import tokens_of as v4_tokens
+    from tests.integrations.test_sglang_v4_share import fill_v4, load, store
+
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v4")
+    tokens = v4_tokens(171, 3)
+    group = v4_group(pages=6)
+    hopper = attach_v4(fleet.address, group)
+    try:
+        exact = fill_v4(group, 0, 2, seed=16)
+        raw = fill_v4(group, 2, 1, seed=17, raw=True)            # the third page: no FP4 image
+        saved = [page_bytes(group, p) for p in range(3)]
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert store(hopper, keys[:2], 0) == [True, True]
+        assert store(hopper, keys[2:], 2) == [True]              # from block 8: inside run 2
+        c = hopper.counters()
+        assert (c["blocks_shared"], c["blocks_engine"], c["engine_prefix_moves"]) == (2 * N, N, 1)
+    finally:
+        hopper.close()
+    with fleet.client(geometry=ENGINE.name) as engine:
+        assert engine.get(tokens[:3 * V4_PAGE]).blocks == [bytes(b.numpy()) for b in torch.cat((exact, raw))]
+    group = v4_group(pages=6)
+    hopper = attach_v4(fleet.address, group)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert load(hopper, keys, 0) == 3                        # the longer chain: SGLang's
+        assert [page_bytes(group, p) for p in range(3)] == saved
+        assert hopper.batch_get_v1(keys[1:], slots(3, 2)) == [True] * 2   # from page 1: block 4, inside run 1
+        assert [page_bytes(group, 3 + p) for p in range(2)] == saved[1:]
+    finally:
+        hopper.close()
+    monkeypatch.setenv("SGLANG_DSV4_KV_LAYOUT", "v41")
+    blackwell = attach_v4(fleet.address, v41_group(pages=3))
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=V4_PAGE)[:3]
+        assert blackwell.batch_exists(keys) == 2                 # the exact pages only, never the inexact one
+    finally:
+        blackwell.close()
+    # No failovers are asserted here: a read asks the model's rows first (rule 3), and page 2, which is only in
+    # SGLang's layout, is a miss there that each replica is asked for.
+
+
 def test_f58_a_node_killed_after_the_store_costs_sglang_nothing(fleet: Fleet) -> None:
     """F58, F31, F33: the node the next backend's client reads run 0 from first is SIGKILLed after the store (still in
     the view: its lease has not ended); that backend still finds every page and reads them byte for byte from
