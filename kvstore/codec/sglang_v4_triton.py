@@ -270,10 +270,6 @@ def _alignment(*values: int) -> int:
     return 1
 
 
-def _hw_fp8(device: torch.device) -> bool:
-    return bool(HW_FP8)
-
-
 def _on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     """Launch on t's GPU (Triton launches on the current one); a no-op for the CPU interpreter."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -329,7 +325,7 @@ def _launch_load(src: torch.Tensor, dst: torch.Tensor, shape: v4.RowShape, n_row
             TILES_P=triton.next_power_of_2(shape.tiles), ROPE_P=triton.next_power_of_2(shape.rope // v4.GROUP),
             SCALES_P=triton.next_power_of_2(shape.v4_bytes - shape.nope - 2 * shape.rope), NAN_KEY=nan_key,
             BLOCK_ROWS=LOAD_ROWS, COPY_BYTES=copy_bytes, COPY_P=triton.next_power_of_2(max(1, words)),
-            COPY_UNIT=unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align, HW_FP8=_hw_fp8(src.device),
+            COPY_UNIT=unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align, HW_FP8=bool(HW_FP8),
             num_warps=NUM_WARPS)
     return True
 
@@ -525,7 +521,7 @@ def _launch_save(src: torch.Tensor, dst: torch.Tensor, shape: v4.RowShape, n_row
             TILES_P=triton.next_power_of_2(shape.tiles), ROPE_P=triton.next_power_of_2(shape.rope // v4.GROUP),
             SCALES_P=triton.next_power_of_2(shape.v4_bytes - shape.nope - 2 * shape.rope), NAN_KEY=nan_key,
             BLOCK_ROWS=SAVE_ROWS, COPY_BYTES=copy_bytes, COPY_P=triton.next_power_of_2(max(1, copy_bytes // unit)),
-            COPY_UNIT=unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align, HW_FP8=_hw_fp8(src.device),
+            COPY_UNIT=unit, SRC_ALIGN=src_align, DST_ALIGN=dst_align, HW_FP8=bool(HW_FP8),
             ALTERNATIVES=alternatives, num_warps=NUM_WARPS)
     return exact.view(torch.bool), ambiguous.view(torch.bool)
 

@@ -14,15 +14,7 @@ interpreter's cost is per operation, not per element), then the GPU's sizes on a
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.kvstore.codec.triton_interpret import run_in_interpreter
 
 
 def run_checks() -> None:
@@ -48,11 +40,4 @@ def run_checks() -> None:
 
 
 def test_the_kernels_under_the_interpreter_give_the_torch_paths_bytes() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed (PYTHONPATH=/tmp/triton_site, or any triton >= 3.6)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = "from tests.kvstore.codec.test_sglang_v4_triton_interpret import run_checks; run_checks()"
-    child = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-2000:] + child.stderr[-6000:]
-    assert "interpreter checks passed" in child.stdout
+    run_in_interpreter("tests.kvstore.codec.test_sglang_v4_triton_interpret")
