@@ -41,7 +41,7 @@ from kvstore.client.chain_memo import DEFAULT_MAX_BYTES
 from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_chain import FleetChainMemo, fleet_snapshot_keys
-from kvstore.client.fleet_get import stream_runs
+from kvstore.client.fleet_get import stream_run_part, stream_runs
 from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import combine, pin_grants, pin_runs
@@ -55,7 +55,7 @@ from kvstore.counted import counted
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.fleet.endpoints import EtcdTls
 from kvstore.fleet.membership import NodeRecord
-from kvstore.fleet.placement import RunPlacement, place_chain
+from kvstore.fleet.placement import RunPlacement, place_chain, ranked
 from kvstore.prefix import ExtraKey
 from kvstore.prefix_hosts import fleet_hosts
 from kvstore.v1 import kvstore_pb2 as pb
@@ -404,11 +404,45 @@ class FleetClient(Client):
             old.close()
         return fresh
 
-    def stream(self, hashes: Sequence[bytes]) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block of `hashes`, which in a fleet must be a chain from block 0
-        (`hashes()` of a prompt, or a prefix of it: each run is found by its first hash)."""
+    def stream(self, hashes: Sequence[bytes], *, first_block: int = 0,
+               run_key: bytes | None = None) -> Iterator[tuple[int, int, bytes]]:
+        """(index in `hashes`, status, data) per block of `hashes`: the fleet hashes of a chain from its block
+        `first_block` on (`hashes()` of a prompt from block 0, or a slice of it that says where it starts).
+
+        A run is placed by its first hash (F10), so the index of `hashes[0]` in the chain is what places each
+        run (F68): at a run boundary (`first_block` a multiple of `run_blocks`, 0 included) every run's first
+        hash is in `hashes`; from inside a run, `run_key` is that run's first hash (block
+        `first_block - first_block % run_blocks` of the chain). Hashes alone do not say their index: a slice
+        passed without its `first_block` is placed as a chain from block 0.
+
+        Raises:
+            InvalidArgument: `first_block` inside a run without `run_key` (pass it, or the chain from block 0
+                to `stream_part`), or `run_key` not a 32-byte hash.
+        """
         chain = arguments.hashes(hashes, "hashes")
-        return self._stream(chain, 0, len(chain))
+        first_block = arguments.integer(first_block, "first_block")
+        inside = first_block % self.run_blocks
+        if not inside:  # every run's first hash is in the slice: placed by its own hashes (F68)
+            return self._stream(chain, 0, len(chain))
+        if run_key is None:
+            start = first_block - inside
+            raise InvalidArgument(
+                f"stream from block {first_block} starts inside a run of {self.run_blocks} blocks: pass "
+                f"run_key= (the fleet hash of block {start}, the run's first, which places it), or the chain "
+                f"from block 0 to stream_part(chain, {first_block}, end)")
+        return self._stream_inside(chain, inside, arguments.one_hash(run_key, "run_key"))
+
+    def _stream_inside(self, chain: list[bytes], inside: int, run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """`stream` of a slice from block `inside` of the run keyed `run_key`: that run's part placed by its key,
+        the rest (from the next run boundary) by its own first hashes. The part's other copies are not refreshed
+        (F34 refreshes by the hashes from the run's first block, which the slice lacks), as at a gateway (F37)."""
+        head = min(len(chain), self.run_blocks - inside)
+        nodes = placeable(self.view.nodes)
+        run = RunPlacement(run=0, first_block=0, end_block=head,
+                           replicas=ranked(run_key, frozenset(nodes), max(1, min(self.copies, len(nodes)))))
+        yield from stream_run_part(self.pool, run, run_key, chain[:head], retry=self.retry, refresher=None)
+        for index, status, data in self._stream(chain[head:], 0, len(chain) - head):
+            yield head + index, status, data
 
     def _stream(self, chain: Sequence[bytes], first_block: int, end_block: int) -> Iterator[tuple[int, int, bytes]]:
         if first_block >= end_block:

@@ -402,6 +402,43 @@ def test_a_stream_in_a_fleet_gives_each_block_in_order(fleet: Fleet) -> None:
         assert part.blocks == payload[5:9] and part.statuses == ["found"] * 4
 
 
+def _failovers() -> float:
+    from kvstore.client.fleet_metrics import FAILOVERS
+
+    return FAILOVERS.labels("get")._value.get()  # type: ignore[no-any-return]
+
+
+def test_f68_a_stream_of_a_slice_is_placed_by_its_first_block_or_refused(fleet: Fleet) -> None:
+    """F68: `stream` of a slice of a chain from block `first_block`: from a run boundary each run is placed by its
+    own first hash, from inside a run by `run_key`; each run is asked of the node its placement names (one Get
+    per run there, no failover). From inside a run without `run_key` it is refused, naming what to pass."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 8)
+        payload = blocks_for(client, tokens)
+        client.put(tokens, payload)
+        chain = client.hashes(tokens)
+        placement = client.placement(chain)
+        for first in (4, 6, 13):
+            start = first - first % RUN_BLOCKS
+            run_key = chain[start] if first % RUN_BLOCKS else None
+            # The node each run's part is read from: the first of its read order, placed by its first hash.
+            wanted = [client.pool.read_order(chain[r.first_block], r.replicas)[0]
+                      for r in placement if r.end_block > first]
+            before, failovers = client.node_stats(), _failovers()
+            got = list(client.stream(chain[first:], first_block=first, run_key=run_key))
+            after = client.node_stats()
+            assert [i for i, _, _ in got] == list(range(len(chain) - first))
+            assert [d for _, _, d in got] == payload[first:], first
+            assert _failovers() == failovers, first
+            assert {k: after[k].gets - before[k].gets for k in after if after[k].gets > before[k].gets} == {
+                n: wanted.count(n) for n in set(wanted)}, first
+        with pytest.raises(InvalidArgument, match=r"inside a run of 4 blocks: pass run_key= \(the fleet hash of "
+                                                  r"block 4.*stream_part\(chain, 6, end\)"):
+            client.stream(chain[6:], first_block=6)
+        with pytest.raises(InvalidArgument, match="run_key is 5 bytes"):
+            client.stream(chain[6:], first_block=6, run_key=b"short")
+
+
 @dataclass
 class PutLog:
     acked: list[tuple[list[int], list[bytes]]]
