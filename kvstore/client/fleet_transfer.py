@@ -1,50 +1,62 @@
-"""A transfer session through a fleet client: `fetch` of a prompt's chain into this process's regions (F49).
+"""A transfer session through a fleet client: `fetch` of a prompt's chain into this process's regions (F49, F62).
 
     with client.transfer() as session:                  # client = kvstore.Client("etcd://...")
         region = session.register(n * client.block_bytes)
         state = session.fetch(client.hashes(tokens), region)   # a chain from block 0
         usable = region.view[: state.done_prefix * client.block_bytes]
 
-A prompt's runs lie on several nodes, so the session holds a stream-path
-session (`TransferSession(path="stream")`: no server session, blocks over
-`Transfer.Fetch`) per node it reads from, and its regions are this process's
-memory, written by each of them at the run's offset. Each run is fetched from
-the first node of its read order (F33) and, from the block a node lacks (or
-when it does not answer), from the next; the copies a fetch did not ask are
-refreshed in the background (F34). `fetch` takes a chain from block 0 (each
-run is placed by its first hash), as `FleetClient.stream` does.
+A prompt's runs lie on several nodes. The session's regions are this process's
+memfds (`kvstore.region`); each is mapped into this host's nodes (F62:
+`kvstore.client.fleet_local`, one shared-memory session per such node, the
+region registered with it as a single node's session registers it), and the
+runs such a node holds are read by it over shared memory (the node copies
+from its map into the region: only descriptors cross the channel). Every other
+run is streamed by a stream-path session (`TransferSession(path="stream")`:
+no server session, blocks over `Transfer.Fetch`) per node and thread, written
+here at the run's offset. Each run is read from this host's replica first,
+then in its read order (F33), and from the block a node lacks (or when it does
+not answer) from the next; the copies a fetch did not ask are refreshed in the
+background (F34). `fetch` takes a chain from block 0 (each run is placed by its
+first hash), as `FleetClient.stream` does.
 
-Not through a fleet session: the shared-memory and bulk paths (a region would
-be mapped by one node, while the runs lie on several), and `read`/`write` of
-descriptor batches (a descriptor names a block but not its run):
-FAILED_PRECONDITION naming `fetch` and `FleetClient.put`.
+Not through a fleet session: the bulk transport (each node's session would
+register the region with this process's one engine, and a session closing
+would unregister it under the others), and `read`/`write` of descriptor
+batches (a descriptor names a block but not its run): FAILED_PRECONDITION
+naming `fetch` and `FleetClient.put`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
 from kvstore.client import arguments
+from kvstore.client.fleet_local import local_nodes, map_region
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_batches import fetch_arguments
-from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
 from kvstore.region import Region
 from kvstore.transfer import DONE, MISSING, SKIPPED, TransferState
+from kvstore.v1 import transfer_pb2 as pb
 
-#: Ids of a fleet session's regions (this process's memory; no node hands them out).
+#: Ids of a fleet session's regions (this process's memory; the nodes that map one know it by ids of their own).
 _IDS = itertools.count(1 << 61)
 #: Runs fetched at once (each on a thread of its own, with node sessions of its own).
 RUNS_AT_ONCE = 8
+#: The paths a fleet session takes ("bulk" is refused: the module's docstring).
+PATHS = ("auto", "stream", "shm")
 
 
-def _state(codes: bytes, block_bytes: int) -> TransferState:
+def _state(codes: bytes, block_bytes: int, failures: dict[int, tuple[str, str]] | None = None) -> TransferState:
     return TransferState(transfer_id=0, done=True, statuses=codes, bytes_moved=codes.count(DONE) * block_bytes,
-                         block_bytes=block_bytes)
+                         block_bytes=block_bytes, failures=failures or {})
 
 
 class FleetTransferSession:
@@ -53,49 +65,128 @@ class FleetTransferSession:
     Args:
         client: the `kvstore.client.fleet.FleetClient` (its nodes, placement, read order and refreshes; not
             imported here: the fleet client imports this module).
-        path: "auto" or "stream" (the only path a fleet session takes); "shm" and "bulk" are refused.
+        path: "auto" (this host's nodes map the regions where they can, every other run streams), "stream"
+            (every run streams) or "shm" (as auto, but a region no node on this host maps is refused).
         streams: Fetch calls each node's stream path keeps in flight (as `TransferSession`'s).
+        local: the ids of this host's nodes (default: the live nodes whose records name this host,
+            `fleet_local.local_nodes`); `restore` passes a `ColocatedReader`'s node (F48).
 
     Raises:
-        FailedPrecondition: path "shm" or "bulk".
-        InvalidArgument: an unknown path.
+        FailedPrecondition: path "bulk".
+        InvalidArgument: an unknown path, or `local` not a collection of node ids.
     """
 
-    def __init__(self, client: Any, *, path: str = "auto", streams: int | None = None) -> None:
-        if path in ("shm", "bulk"):
-            raise FailedPrecondition(f"path {path} is not available through a fleet session: it would map a region "
-                                     "into one node, and a prompt's runs lie on several",
-                                     hint='use path="auto" or "stream" (docs/FLEET.md F49)')
-        if path not in ("auto", "stream"):
-            raise InvalidArgument(f"path must be one of auto, stream, shm, bulk; got {path!r}")
+    def __init__(self, client: Any, *, path: str = "auto", streams: int | None = None,
+                 local: Collection[str] | None = None) -> None:
+        if path == "bulk":
+            raise FailedPrecondition("path bulk is not available through a fleet session: this process's one "
+                                     "transfer engine would hold each region for several nodes' sessions",
+                                     hint='use path="auto" (shared memory to this host\'s nodes, the rest '
+                                          'streamed) or "stream" (docs/FLEET.md F49, F62)')
+        if not isinstance(path, str) or path not in PATHS:
+            raise InvalidArgument(f"path must be one of {', '.join(PATHS)}; got {path!r}")
+        if local is not None and (isinstance(local, str) or not all(isinstance(n, str) for n in local)):
+            raise InvalidArgument(f"local must be a collection of node ids, got {type(local).__name__}")
         self.client = client
-        self.path = "stream"
+        self.path = path
         self.streams = streams
+        self._only = None if local is None else frozenset(local)
         self.regions: dict[int, Region] = {}
         #: Node sessions per thread (a stream session is not shared between threads), and all of them.
         self._local = threading.local()
         self._all: list[TransferSession] = []
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
+        #: This host's nodes' shared-memory sessions (shared by the threads), and each region's alias there.
+        self._shm: dict[str, TransferSession] = {}
+        self._mapped: dict[str, dict[int, Region]] = {}
+        #: Why a node on this host maps no region of this session (node id -> reason).
+        self.shm_reasons: dict[str, str] = {}
         #: The nodes this session has read from.
         self.nodes_read: set[str] = set()
+        #: Blocks delivered per (node, path), path "shm" or "stream", since the session opened.
+        self.blocks_read: Counter[tuple[str, str]] = Counter()
+        #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "stream", "shm+stream", "").
+        self.last_paths: list[str] = []
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
-        self.bulk_reason = "off: a fleet session streams each run from its node"
-        self.ring_reason = "off: a fleet session streams each run from its node"
+        self.bulk_reason = "off: a fleet session maps its regions into this host's nodes or streams"
+        self.ring_reason = "the ring is each shared-memory node session's own"
 
     # -- regions -----------------------------------------------------------
 
     def register(self, size_bytes: int) -> Region:
-        """A region of `size_bytes` in this process (a sealed memfd, `kvstore.region`), for `fetch`.
+        """A region of `size_bytes` in this process (a sealed memfd, `kvstore.region`), for `fetch`, mapped
+        into this host's nodes (not on path "stream").
 
         Raises:
             InvalidArgument: `size_bytes` is not a positive int.
+            FailedPrecondition: path "shm", and no node of this host can map the region (none is in the
+                fleet, or one refuses; a node that does not answer is failed over: its runs stream).
+            ResourceExhausted: a node of this host maps its most regions or bytes.
         """
         region = Region(arguments.integer(size_bytes, "size_bytes", least=1))
         region.region_id = next(_IDS)
-        region.release_fd()  # no node maps it: the descriptor has no one to go to
+        try:
+            if self.path != "stream":
+                self._map(region)
+        except BaseException:
+            self._unmap(region)
+            region.close()
+            raise
+        region.release_fd()  # mapped by the nodes that could: the descriptor has done its job
         self.regions[region.region_id] = region
         return region
+
+    def _map(self, region: Region) -> None:
+        """Register a fresh region with each of this host's live nodes (once each, while its bytes are unused)."""
+        nodes = local_nodes(self.client.view.nodes, self._only)
+        for node_id in nodes:
+            try:
+                alias, why = map_region(self._shm_session(node_id), region)
+            except Unavailable as exc:  # its runs stream from the other replicas, as when it dies later
+                self.client.pool.failed(node_id)
+                self.shm_reasons[node_id] = f"unavailable: {exc.message}"
+                continue
+            if alias is None:
+                if self.path == "shm":
+                    raise FailedPrecondition(f"node {node_id} of this host cannot map this process's regions: {why}",
+                                             hint='use path="auto" or "stream"')
+                self.shm_reasons[node_id] = why
+                continue
+            self._mapped.setdefault(node_id, {})[region.region_id] = alias
+        # Refused only when no node of this host can map it: one that is down is failed over (its runs stream).
+        down = any(self.shm_reasons.get(n, "").startswith("unavailable") for n in nodes)
+        if self.path == "shm" and not down and not any(region.region_id in m for m in self._mapped.values()):
+            where = ", ".join(f"{n}: {self.shm_reasons[n]}" for n in nodes if n in self.shm_reasons)
+            raise FailedPrecondition(f"no node of fleet {self.client.view.address.cluster!r} on this host maps "
+                                     f"this process's regions ({where or 'none is on this host'})",
+                                     hint='use path="auto" or "stream" (docs/FLEET.md F62)')
+
+    def _shm_session(self, node_id: str) -> TransferSession:
+        """The shared-memory session with `node_id`, opened at its first region."""
+        with self._lock:
+            session = self._shm.get(node_id)
+        if session is None or session.ended():
+            session = TransferSession(self.client.pool.connection(node_id), path="shm", streams=self.streams)
+            with self._lock:
+                old, self._shm[node_id] = self._shm.get(node_id), session
+                self._mapped.pop(node_id, None)  # a new session maps none of the old one's regions
+            if old is not None:
+                _close_node_session(old)
+        return session
+
+    def _unmap(self, region: Region) -> None:
+        """Drop `region` from every node session (the nodes that mapped it are told, best effort)."""
+        for node_id, aliases in list(self._mapped.items()):
+            alias = aliases.pop(region.region_id, None)
+            session = self._shm.get(node_id)
+            if alias is None or session is None:
+                continue
+            session.regions.pop(alias.region_id, None)
+            if not session.ended():
+                with contextlib.suppress(KVStoreError):  # a node gone unmaps with its session
+                    session.call(session.stub.DeregisterRegion, pb.DeregisterRegionRequest(
+                        session_id=session.session_id, region_id=alias.region_id))
 
     def _own(self, region: Any) -> Region:
         if not isinstance(region, Region):
@@ -106,12 +197,13 @@ class FleetTransferSession:
         return region
 
     def deregister(self, region: Region) -> None:
-        """Close a region of this session.
+        """Close a region of this session (the nodes that map it unmap it first).
 
         Raises:
             NotFound: `region` is not registered in this session.
         """
         self._own(region)
+        self._unmap(region)
         with self._lock:
             sessions = list(self._all)
         for session in sessions:
@@ -119,15 +211,20 @@ class FleetTransferSession:
         self.regions.pop(region.region_id, None)
         region.close()
 
+    def shared_with(self, region: Region) -> list[str]:
+        """The nodes of this host that map `region` (its runs on them are read over shared memory)."""
+        return sorted(n for n, aliases in self._mapped.items() if region.region_id in aliases)
+
     # -- fetch -------------------------------------------------------------
 
     def fetch(self, hashes: Sequence[bytes], region: Region, *, offset_bytes: int = 0,
               batch_descriptors: int = 512, prefix_only: bool = True) -> TransferState:
         """Fetch the blocks of a chain (fleet hashes from block 0) into consecutive slots of `region` and wait.
 
-        Each run from its nearest replica, falling over from the block a node lacks; a block no replica holds is
-        MISSING, and the rest of its run too (a node holds no block past a gap: R6). With `prefix_only`, every
-        block after the first not loaded is SKIPPED and not asked.
+        Each run from this host's replica over shared memory where one maps `region`, else from its nearest
+        replica over the stream, falling over from the block a node lacks; a block no replica holds is MISSING,
+        and the rest of its run too (a node holds no block past a gap: R6). With `prefix_only`, every block after
+        the first not loaded is SKIPPED and not asked.
 
         Raises:
             InvalidArgument: bad hashes, offset or batch size, or more blocks than fit in `region`.
@@ -140,6 +237,7 @@ class FleetTransferSession:
         offset_bytes, batch_descriptors = fetch_arguments(len(chain), size, region, offset_bytes, batch_descriptors,
                                                           prefix_only)
         if not chain:
+            self.last_paths = []
             return TransferState.concat([])
         runs = self.client.placement(chain)
         if len(runs) == 1:
@@ -150,37 +248,67 @@ class FleetTransferSession:
             futures = [self._threads.submit(self._fetch_run, run, chain, region, offset_bytes, batch_descriptors)
                        for run in runs]
             landed = [f.result() for f in futures]
+        self.last_paths = ["+".join(paths) for _, _, paths in landed]
         states, stopped = [], False
-        for run, done in zip(runs, landed, strict=True):
+        for run, (done, failures, _) in zip(runs, landed, strict=True):
             n = run.end_block - run.first_block
             if stopped:  # as on one node, later blocks may have landed: only `done_prefix` counts
                 states.append(_state(bytes([SKIPPED]) * n, size))
                 continue
             after = bytes([SKIPPED if prefix_only else MISSING]) * (n - done - 1)
             tail = bytes([MISSING]) + after if done < n else b""
-            states.append(_state(bytes([DONE]) * done + tail, size))
+            states.append(_state(bytes([DONE]) * done + tail, size, failures))
             stopped = prefix_only and done < n
         return TransferState.concat(states)
 
+    def _order(self, run: RunPlacement, chain: list[bytes], region: Region) -> list[str]:
+        """The run's read order (F33) with the replicas that map `region` first (F62), suspects still last."""
+        pool = self.client.pool
+        order = pool.read_order(chain[run.first_block], run.replicas)
+        k = len(run.replicas)
+        mapped = {n for n, aliases in self._mapped.items() if region.region_id in aliases}
+        return sorted(order[:k], key=lambda n: (pool.suspect(n), n not in mapped)) + order[k:]
+
     def _fetch_run(self, run: RunPlacement, chain: list[bytes], region: Region, offset_bytes: int,
-                   batch_descriptors: int) -> int:
-        """Leading blocks of `run` landed in `region`, from its replicas in read order (from the block each lacks)."""
+                   batch_descriptors: int) -> tuple[int, dict[int, tuple[str, str]], list[str]]:
+        """(leading blocks of `run` landed in `region`, failures by index in the chain, the paths that delivered),
+        from its replicas in order (from the block each lacks)."""
         pool, size = self.client.pool, self.client.block_bytes
         at, end, asked, last = run.first_block, run.end_block, set(), None
-        for node_id in pool.read_order(chain[run.first_block], run.replicas):
+        failures: dict[int, tuple[str, str]] = {}
+        paths: list[str] = []
+        for node_id in self._order(run, chain, region):
+            alias = self._mapped.get(node_id, {}).get(region.region_id)
             try:
-                session = self._session(node_id)
-                session.regions[region.region_id] = region  # its stream path writes into this process's region
-                state = session.fetch(chain[at:end], region, offset_bytes=offset_bytes + at * size,
-                                      batch_descriptors=batch_descriptors, prefix_only=True)
-            except Unavailable as exc:
+                if alias is not None:
+                    path, state = "shm", self._shm[node_id].fetch(
+                        chain[at:end], alias, offset_bytes=offset_bytes + at * size,
+                        batch_descriptors=batch_descriptors, prefix_only=True)
+                else:
+                    session = self._session(node_id)
+                    session.regions[region.region_id] = region  # its stream path writes into this process's region
+                    path, state = "stream", session.fetch(chain[at:end], region, offset_bytes=offset_bytes + at * size,
+                                                          batch_descriptors=batch_descriptors, prefix_only=True)
+            except (Unavailable, NotFound) as exc:
+                if alias is None and isinstance(exc, NotFound):
+                    raise
+                gone = self._shm.get(node_id)
+                if alias is not None and (isinstance(exc, NotFound) or gone is None or gone.ended()):
+                    with self._lock:  # its session is gone (the node died or restarted): the region is not mapped
+                        self._mapped.pop(node_id, None)
                 pool.failed(node_id)
                 last = exc
                 continue
             asked.add(node_id)
+            got = state.done_prefix
             with self._lock:
                 self.nodes_read.add(node_id)
-            at += state.done_prefix
+                self.blocks_read[node_id, path] += got
+            if got and path not in paths:
+                paths.append(path)
+            for index, failure in state.failures.items():
+                failures.setdefault(at + index, failure)
+            at += got
             if at == end:
                 break
         if at == run.first_block and last is not None and not asked:
@@ -189,7 +317,8 @@ class FleetTransferSession:
             for other in run.replicas:
                 if other not in asked:
                     self.client.refresher.add(other, chain[run.first_block:at])
-        return at - run.first_block
+        kept = {i - run.first_block: f for i, f in failures.items() if i >= at}  # of blocks no replica delivered
+        return at - run.first_block, kept, paths
 
     def _session(self, node_id: str) -> TransferSession:
         """This thread's stream session with `node_id` (made again when the node's connection was)."""
@@ -220,15 +349,15 @@ class FleetTransferSession:
     # -- lifetime ----------------------------------------------------------
 
     def close(self) -> None:
-        """Close every node's stream session, then this session's regions."""
+        """Close every node's session (the nodes unmap this session's regions), then the regions."""
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
         with self._lock:
             sessions, self._all = self._all, []
-        for session in sessions:
-            session.regions.clear()  # the regions are this session's: a node session must not close them
-            session.close()
+            shm, self._shm, self._mapped = list(self._shm.values()), {}, {}
+        for session in [*sessions, *shm]:
+            _close_node_session(session)
         for region in self.regions.values():
             region.close()
         self.regions.clear()
@@ -240,4 +369,11 @@ class FleetTransferSession:
         self.close()
 
 
-__all__ = ["FleetTransferSession"]
+def _close_node_session(session: TransferSession) -> None:
+    """Close a node's session; the regions (and aliases) it holds are this fleet session's, not closed by it."""
+    session.regions.clear()
+    with contextlib.suppress(KVStoreError):
+        session.close()
+
+
+__all__ = ["PATHS", "RUNS_AT_ONCE", "FleetTransferSession"]

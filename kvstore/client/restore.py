@@ -23,8 +23,9 @@ docs/SECURITY.md); "auto" never opens one itself.
 A fleet client (`kvstore.client.fleet.FleetClient`) restores each run from its
 nearest replica over "grpc" with failover (docs/FLEET.md F33, F47); given the
 reader of this host's node, the runs that node holds go by the direct paths
-(`_restore_runs`, F48). "shm" maps one node's store while a
-prompt's runs lie on several nodes: forcing it is FAILED_PRECONDITION.
+(`_restore_runs`, F48); on "shm" (and "auto" without a reader) the runs this
+host's nodes hold are copied by them into a shared region, the rest streamed
+(`_fleet_shm`, F63).
 """
 
 from __future__ import annotations
@@ -124,19 +125,15 @@ def restore(client: Any, tokens_or_hashes: Sequence[Any], dest: Any, *, path: st
 def _fleet(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, path: str, reader: ColocatedReader | None,
            gpu: Any, lease_ms: int) -> RestoreResult:
     """A fleet client's restore: with this host's node's reader, its runs directly and the rest streamed
-    (`_restore_runs`, F48); else every run streamed from its nearest replica (F47)."""
-    if path == "shm":
-        raise FailedPrecondition("path shm is not available through a fleet client: it maps one node's store, "
-                                 "and a prompt's runs lie on several nodes",
-                                 hint='use path="auto", "grpc", or a direct path with this host\'s node\'s reader '
-                                      "(docs/FLEET.md F47, F48)")
+    (`_restore_runs`, F48); else the runs this host's nodes hold over shared memory and the rest streamed
+    (`_fleet_shm`, F63); else every run streamed from its nearest replica (F47)."""
     if path in ("direct-gpu", "direct-cpu") and reader is None:
         raise FailedPrecondition(f"path {path} needs a ColocatedReader of this host's node's store",
                                  hint="pass reader=ColocatedReader(data_dir) (docs/FLEET.md F48)")
     if path == "direct-gpu" and not cuda:
         raise InvalidArgument("path direct-gpu needs a CUDA dest tensor")
     notes = []
-    if reader is not None and path != "grpc" and hashes:
+    if reader is not None and path in ("auto", "direct-gpu", "direct-cpu") and hashes:
         result = _restore_runs(client, reader, hashes, dest, path=path, gpu=gpu, lease_ms=lease_ms, cuda=cuda)
         if result is not None:
             return result
@@ -146,8 +143,39 @@ def _fleet(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, path: str
         notes.append(f"the reader's store ({reader.data_dir}) is no live node of this fleet")
     elif path == "auto":
         notes.append("no ColocatedReader configured: direct paths off")
+    if path in ("auto", "shm") and hashes:
+        # This host's node: the reader's, as F48 decides it, else the live nodes whose records name this host.
+        local = None if reader is None or reader.node_id is None else [reader.node_id]
+        result = _fleet_shm(client, hashes, dest, cuda, forced=path == "shm", local=local, notes=notes)
+        if result is not None:
+            return result
     notes.insert(0, "a fleet client: each run streamed from its nearest replica")
     return _grpc(client, hashes, dest, cuda, notes)
+
+
+def _fleet_shm(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, forced: bool, local: list[str] | None,
+               notes: list[str]) -> RestoreResult | None:
+    """F63: a fleet session's region mapped into this host's nodes, the runs they hold copied by them, the rest
+    streamed (`FleetTransferSession`), then into `dest`; None when no node of this host maps it (auto)."""
+    from kvstore.client.fleet_transfer import FleetTransferSession  # here: it imports the fleet client's modules
+
+    size = client.block_bytes
+    with FleetTransferSession(client, path="shm" if forced else "auto", local=local) as session:
+        region = session.register(len(hashes) * size)  # forced: FailedPrecondition when no node here maps it
+        nodes = session.shared_with(region)
+        if not nodes:
+            why = "; ".join(f"{n}: {r}" for n, r in sorted(session.shm_reasons.items()))
+            notes.append(f"no node of this host maps this process's regions{f' ({why})' if why else ''}")
+            return None
+        state = session.fetch(hashes, region)
+        k = state.done_prefix
+        _land(region, dest, k, size, cuda)
+        paths = session.last_paths
+    over_shm = sum("shm" in p.split("+") for p in paths)
+    corrupt = sorted(i for i, (code, _) in state.failures.items() if code == _DATA_LOSS)
+    reason = (f"a fleet client: {over_shm} of {len(paths)} runs over shared memory from this host's node(s) "
+              f"{', '.join(nodes)}, the rest streamed from their replicas")
+    return _result(client, "shm" if over_shm else "grpc", k, corrupt, [reason, *notes])
 
 
 # -- arguments --------------------------------------------------------------
@@ -305,13 +333,18 @@ def _shm(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, forced: boo
             return None
         state = session.fetch(hashes, region)
         k = state.done_prefix
-        if cuda:
-            region.pin()
-            dest[:k].copy_(region.blocks(size, k))
-        else:
-            _rows(dest, size, k)[:] = region.view[: k * size]
+        _land(region, dest, k, size, cuda)
     corrupt = sorted(i for i, (code, _) in state.failures.items() if code == _DATA_LOSS)
     return _result(client, "shm", k, corrupt, ["the server maps this process's shared regions", *notes])
+
+
+def _land(region: Any, dest: Any, k: int, size: int, cuda: bool) -> None:
+    """A shared region's first `k` blocks into `dest`'s rows (through a pinned copy to a CUDA `dest`)."""
+    if cuda:
+        region.pin()
+        dest[:k].copy_(region.blocks(size, k))
+    else:
+        _rows(dest, size, k)[:] = region.view[: k * size]
 
 
 def _grpc(client: Any, hashes: list[bytes], dest: Any, cuda: bool, notes: list[str]) -> RestoreResult:

@@ -269,11 +269,9 @@ def test_f47_the_planner_and_restore_run_over_a_fleet_client(fleet: Fleet) -> No
         assert planner.background_errors == 0  # the report went to a node (close waited for it)
         assert sum(s.resume_plans for s in client.node_stats().values()) == before + 1
         dest = bytearray(20 * client.block_bytes)
-        result = restore(client, tokens, dest)
+        result = restore(client, tokens, dest, path="grpc")  # "auto" takes shm from this host's nodes: F63
         assert (result.path, result.blocks, result.tokens) == ("grpc", 20, 320) and "a fleet client" in result.reason
         assert bytes(dest) == b"".join(payload)
-        with pytest.raises(FailedPrecondition, match="path shm is not available through a fleet client"):
-            restore(client, tokens, dest, path="shm")
 
 
 def test_f48_restore_reads_this_hosts_nodes_runs_directly_and_streams_the_rest(fleet: Fleet) -> None:
@@ -344,7 +342,7 @@ def test_f47_a_resumer_plans_over_a_fleet_and_its_worker_stores_to_it(fleet: Fle
 
 def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: Fleet) -> None:
     """F49: `transfer().fetch` of a chain over 5 runs lands every block in its slot of one region, each run from its
-    own node; blocks past the stored chain are MISSING then SKIPPED; the paths that map one node are refused."""
+    own node; blocks past the stored chain are MISSING then SKIPPED; the bulk transport is refused."""
     from kvstore.transfer import Status
 
     with fleet_client(fleet) as client:
@@ -353,7 +351,7 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
         client.put(tokens, payload)
         chain = client.hashes(tokens)
         longer = client.hashes(tokens + prompt(RUN_TOKENS))  # one more run, never stored
-        with client.transfer() as session:
+        with client.transfer(path="stream") as session:  # every node is this host's: F62 would map
             size = client.block_bytes
             region = session.register(25 * size)
             state = session.fetch(chain, region, offset_bytes=size)
@@ -376,8 +374,8 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
             with pytest.raises(FailedPrecondition, match=r"read\(\) of descriptors is not available") as refused:
                 session.read([])
             assert "fetch()" in refused.value.hint
-        with pytest.raises(FailedPrecondition, match="path shm is not available through a fleet session"):
-            client.transfer(path="shm")
+        with pytest.raises(FailedPrecondition, match="path bulk is not available through a fleet session"):
+            client.transfer(path="bulk")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct-gpu needs CUDA (run on the GPU machine)")
