@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
@@ -95,7 +96,7 @@ class FleetStore:
             raise ConfigError(f"store.block_tokens is {settings.block_tokens}, but fleet {fleet.cluster!r} places "
                               f"{self.view.layout.block_tokens}-token blocks: give the gateway the nodes' setting")
         self.run_blocks: int = self.view.layout.run_blocks
-        self.replication = fleet.replication
+        self.replication, self.read_ahead = fleet.replication, fleet.read_ahead
         try:  # each tenant's own replication, when its policy sets one, is its Puts' (F51)
             self.view.follow_policy(None)
         except BaseException:
@@ -107,6 +108,8 @@ class FleetStore:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-route")
         self._copies = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-copy")
+        #: Gets' next runs, read while the run before is answered (F69); never behind a Put's copies.
+        self._reads = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-read")
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run blocking routed work on the gateway's threads."""
@@ -121,6 +124,7 @@ class FleetStore:
             pool.close()
         self._executor.shutdown(wait=True)
         self._copies.shutdown(wait=True)
+        self._reads.shutdown(wait=True)
         self.view.close()
 
     # -- routing -------------------------------------------------------------
@@ -277,14 +281,62 @@ class FleetStore:
             written, existing, done = written + most, existing + len(part.blocks) - most, done + len(part.blocks)
         return written, existing, combine(keep_until_s, grants) if keep_until_s else None
 
+    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes) -> None:
+        """R6 across runs at a gateway (F69): a Put from the first block of run r > 0 is stored only when run r - 1
+        is complete on some live replica. `parent_hash` (block `first_block - 1`, run r - 1's last) is asked of
+        the replicas `parent_run_key` places, in read order with failover (F33): a node holds a block only with
+        every block before it in its run (R6 on the node), so one that holds it holds the whole run.
+
+        Raises:
+            InvalidArgument: `parent_run_key` is not a 32-byte hash.
+            FailedPrecondition: no live replica holds the run before (nothing was stored).
+            Unavailable: no replica answered after the retry policy's rounds.
+        """
+        if not first_block or first_block % self.run_blocks:
+            return  # block 0 has no parent; inside a run the node checks the parent itself (R6)
+        before = first_block // self.run_blocks - 1
+        if len(parent_run_key) != HASH_BYTES:
+            raise InvalidArgument(
+                f"a Put from block {first_block}, the first of run {before + 1}, needs parent_run_key: the fleet "
+                f"hash of block {first_block - self.run_blocks}, the first of run {before}, {HASH_BYTES} bytes "
+                f"(got {len(parent_run_key)}; kvstore.Client sends it)")
+        pool, _ = self._route(route)
+        run = RunPlacement(run=before, first_block=0, end_block=1,
+                           replicas=self._replicas(parent_run_key, route.namespace))
+        [(_, status, _)] = stream_run_part(pool, run, parent_run_key, [parent_hash], retry=self.retry,
+                                           refresher=None)
+        if status != pb.BLOCK_STATUS_FOUND:
+            raise FailedPrecondition(
+                f"parent block {parent_hash.hex()[:16]}... (block {first_block - 1}, the last of run {before}) is not "
+                f"stored on any live replica of its run; put the prefix first (nothing was stored)")
+
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
                   run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33).
+        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33), the next run's
+        read started while this one's blocks are answered (F69: one run ahead, so at most two runs' blocks held).
 
         Raises:
             InvalidArgument: the Get starts inside a run and `run_key` is not that run's 32-byte key.
         """
         pool, refresher = self._route(route)
+        parts = list(self._get_parts(route, hashes, first_block, run_key))
+        if len(parts) == 1 or not self.read_ahead:  # one run, or [fleet] read_ahead off: one run after another
+            for part in parts:
+                yield from self._read_part(pool, refresher, part)
+            return
+        ahead = self._reads.submit(self._read_list, pool, refresher, parts[0])
+        try:
+            for i in range(len(parts)):
+                current = ahead
+                if i + 1 < len(parts):  # the next run's read goes out before this one's blocks are answered
+                    ahead = self._reads.submit(self._read_list, pool, refresher, parts[i + 1])
+                yield from current.result()
+        finally:
+            ahead.cancel()  # a Get that ended early (an error, a cancelled call) reads no further run
+
+    def _get_parts(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                   run_key: bytes) -> Iterator[GetPart]:
+        """The Get's blocks cut at run boundaries, each part placed by its run's first hash."""
         i = 0
         while i < len(hashes):
             pos = first_block + i
@@ -298,13 +350,18 @@ class FleetStore:
                                       "needs run_key: the run's first fleet hash (kvstore.Client sends it)")
             run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n,
                                replicas=self._replicas(key, route.namespace))
-            # F34: the copies not read are refreshed where the part starts at the run's first block (a
-            # part from inside a run lacks the hashes from there; its run's earlier reads refreshed them).
-            at_start = pos % self.run_blocks == 0
-            for index, status, data in stream_run_part(pool, run, key, hashes[i:i + n], retry=self.retry,
-                                                       refresher=refresher if at_start else None):
-                yield i + index, status, data
+            yield GetPart(offset=i, run=run, key=key, hashes=hashes[i:i + n], at_start=pos % self.run_blocks == 0)
             i += n
+
+    def _read_part(self, pool: NodePool, refresher: Refresher, part: GetPart) -> Iterator[tuple[int, int, bytes]]:
+        # F34: the copies not read are refreshed where the part starts at the run's first block (a
+        # part from inside a run lacks the hashes from there; its run's earlier reads refreshed them).
+        for index, status, data in stream_run_part(pool, part.run, part.key, part.hashes, retry=self.retry,
+                                                   refresher=refresher if part.at_start else None):
+            yield part.offset + index, status, data
+
+    def _read_list(self, pool: NodePool, refresher: Refresher, part: GetPart) -> list[tuple[int, int, bytes]]:
+        return list(self._read_part(pool, refresher, part))
 
     # -- what a gateway does not serve (tiers.store.BlockStore by storage key) --------------------
 
@@ -347,6 +404,20 @@ class FleetStore:
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
         """Not here: each node's Stats."""
         self._elsewhere("Stats (a tenant's usage)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetPart:
+    """The part of a gateway's Get that lies in one run."""
+
+    #: Index in the Get of its first block.
+    offset: int
+    run: RunPlacement
+    #: The run's first fleet hash: where it is placed and its read order's key.
+    key: bytes
+    hashes: Sequence[bytes]
+    #: It starts at the run's first block (its other copies are then refreshed, F34).
+    at_start: bool
 
 
 def _put_on(pool: NodePool, node: str, request: pb.PutRequest) -> pb.PutResponse:

@@ -425,6 +425,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             token_ids=request.token_ids, extra_keys=list(request.extra_keys), blocks=list(request.blocks),
             limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
             run_bridge=request.run_bridge)
+        # R6 across runs (F69): a Put from a run's first block needs the run before complete on a replica.
+        await self.router_call(self.router.route_parent_run, _route(request, context), request.first_block,
+                               request.parent_hash, request.parent_run_key)
         try:
             written, existing, kept = await self.router_call(self.router.route_put, _route(request, context), parts,
                                                              request.keep_until_s)

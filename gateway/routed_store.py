@@ -72,6 +72,11 @@ class RoutedStore(Protocol):
         `tenant`'s replication."""
         ...
 
+    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes) -> None:
+        """Refuse a Put from the first block of a run r > 0 unless run r - 1, placed by `parent_run_key`, is
+        complete on some live replica (R6 across runs, F69); nothing for other Puts."""
+        ...
+
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
                   run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
         """(index, status, data) per block of `hashes`, blocks from `first_block` of a prompt."""

@@ -459,6 +459,9 @@ class FleetSettings:
     #: Seconds between re-replication passes while membership does not change (a change starts one at once); a
     #: pass reads every held block's meta record, minutes of a core on a full 8 TB node.
     repair_interval_s: float = 300.0
+    #: A gateway's Get of several runs reads the next run while it answers this one (F69); false: one run
+    #: after another.
+    read_ahead: bool = True
 
     RANGES: ClassVar[dict[str, Range]] = {
         "lease_ttl_s": Range(2, 3600, why="etcd grants no lease shorter than 2 s"),

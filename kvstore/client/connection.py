@@ -221,7 +221,8 @@ class Connection:
 
     def run_fields(self, chain: Sequence[bytes], first_block: int) -> dict[str, Any]:
         """What a request from block `first_block` tells a gateway of its run (empty for one node):
-        the index, and the run's key and bridge when the request does not start the run.
+        the index, and the run's key and bridge when the request does not start the run, or the key of the
+        run before when it starts one past the first (a Put's, for the gateway's check of that run: F69).
 
         Args:
             chain: the fleet hashes from block 0, at least to `first_block`.
@@ -230,5 +231,5 @@ class Connection:
             return {}
         start = first_block - first_block % self.run_blocks
         if start == first_block:
-            return {"first_block": first_block}
+            return {"first_block": first_block, **({"parent_run_key": chain[start - self.run_blocks]} if start else {})}
         return {"first_block": first_block, "run_key": chain[start], "run_bridge": chain[start - 1] if start else b""}

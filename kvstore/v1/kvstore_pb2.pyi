@@ -172,7 +172,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks", "first_block", "run_key", "run_bridge", "keep_until_s")
+    __slots__ = ("geometry", "namespace", "parent_hash", "token_ids", "extra_keys", "blocks", "first_block", "run_key", "run_bridge", "keep_until_s", "parent_run_key")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class PutRequest(_message.Message):
     RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     RUN_BRIDGE_FIELD_NUMBER: _ClassVar[int]
     KEEP_UNTIL_S_FIELD_NUMBER: _ClassVar[int]
+    PARENT_RUN_KEY_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     parent_hash: bytes
@@ -193,7 +194,8 @@ class PutRequest(_message.Message):
     run_key: bytes
     run_bridge: bytes
     keep_until_s: float
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ..., run_bridge: _Optional[bytes] = ..., keep_until_s: _Optional[float] = ...) -> None: ...
+    parent_run_key: bytes
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., extra_keys: _Optional[_Iterable[bytes]] = ..., blocks: _Optional[_Iterable[bytes]] = ..., first_block: _Optional[int] = ..., run_key: _Optional[bytes] = ..., run_bridge: _Optional[bytes] = ..., keep_until_s: _Optional[float] = ..., parent_run_key: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("block_hashes", "written_blocks", "existing_blocks", "kept_until_s", "keep_note")

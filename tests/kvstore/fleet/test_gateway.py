@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 import socket
 import urllib.request
 import uuid
@@ -337,6 +338,86 @@ def _dashboard_gateway_queries_are_served(text: str) -> None:
             used |= {label.strip() for label in group.split(",") if label.strip()}
         have = set().union(*(served[n] for n in names)) | TARGET_LABELS
         assert used <= have, f"{where}: labels {sorted(used - have)} not on {sorted(names)}"
+
+
+def _held_everywhere(fleet: Fleet, hashes: list[bytes]) -> list[int]:
+    """Leading blocks of `hashes` (one run) each node holds, asked of every node directly."""
+    held = []
+    for child in fleet.nodes.values():
+        with kvstore.Client(child.target) as direct:
+            held.append(direct.lookup_hashes(hashes).found_blocks)
+    return held
+
+
+def test_f69_a_put_from_a_runs_first_block_needs_the_run_before_complete_on_a_live_replica(fleet: Fleet) -> None:
+    """F69: through a gateway, a Put from the first block of run r > 0 is stored only when run r - 1 is complete on
+    some live replica (the parent's run, placed by parent_run_key): else FAILED_PRECONDITION and nothing stored, as
+    a single node's R6; without parent_run_key INVALID_ARGUMENT naming it."""
+    tokens = prompt(3 * RUN_TOKENS)
+    with kvstore.Client(fleet.gateways[0].target) as plain, fleet_client(fleet) as routed:
+        data = blocks(12, plain.block_bytes)
+        chain = plain.hashes(tokens)
+        plain.put(tokens[:2 * BLOCK_TOKENS], data[:2])  # half of run 0
+        with pytest.raises(FailedPrecondition, match=r"block 3, the last of run 0\) is not stored on any live "
+                                                     r"replica of its run; put the prefix first"):
+            plain.put(tokens[:2 * RUN_TOKENS], data[4:8], first_block=4)
+        assert _held_everywhere(fleet, chain[4:8]) == [0, 0, 0]  # nothing of run 1 stored anywhere
+        plain.put(tokens[:RUN_TOKENS], data[2:4], first_block=2)  # run 0 complete
+        first, second = routed.placement(chain)[0].replicas
+        with AdminClient(fleet.nodes[first].target) as admin:  # run 0's last block gone on one replica
+            assert admin.purge("default", block_hashes=[chain[3]]) == 1
+        plain.put(tokens[:2 * RUN_TOKENS], data[4:8], first_block=4)  # the other replica holds run 0 whole
+        assert plain.lookup(tokens).found_blocks == 8 and plain.get(tokens[:2 * RUN_TOKENS]).blocks == data[:8]
+        with AdminClient(fleet.nodes[second].target) as admin:
+            assert admin.purge("default", block_hashes=[chain[3]]) == 1
+        with pytest.raises(FailedPrecondition, match="not stored on any live replica"):
+            plain.put(tokens[:2 * RUN_TOKENS], data[4:8], first_block=4)
+        c = plain.connection
+        request = pb.PutRequest(parent_hash=chain[7], token_ids=tokens[2 * RUN_TOKENS:], blocks=data[8:],
+                                first_block=8)
+        with pytest.raises(InvalidArgument, match=r"a Put from block 8, the first of run 2, needs parent_run_key: "
+                                                  r"the fleet hash of block 4"):
+            c.call(c.kvstore.Put, request)
+        request.parent_run_key = chain[4]
+        assert len(c.call(c.kvstore.Put, request).block_hashes) == 4  # run 1 is complete on its replicas
+        assert _held_everywhere(fleet, chain[8:12]).count(4) == 2
+
+
+def test_f69_a_gateways_get_reads_the_next_run_while_this_one_is_answered(fleet: Fleet, tmp_path: Path) -> None:
+    """F69: a Get of two runs through a gateway (at one copy, so each run has one node) with run 0's node stopped
+    (SIGSTOP): run 1's read goes to its node while run 0's is still unanswered; once continued, every block."""
+    etcd, cluster = fleet.address.removeprefix("etcd://").rsplit("/", 1)
+    cfg = write_config(tmp_path / "one.toml", {
+        "store": {"data_dir": str(tmp_path / "none"), "block_tokens": BLOCK_TOKENS},
+        "fleet": {"etcd": etcd, "cluster": cluster, "run_blocks": RUN_BLOCKS, "replication": 1},
+    })
+    gateway = Child("gatewayOne", ["gateway", "--config", str(cfg), "--port", "0"], tmp_path / "logs")
+    try:
+        with fleet_client(fleet) as routed:
+            routed.replication = 1
+            while True:  # a prompt whose two runs lie on two nodes
+                tokens = prompt(2 * RUN_TOKENS)
+                run0, run1 = (r.replicas[0] for r in routed.placement(routed.hashes(tokens)))
+                if run0 != run1:
+                    break
+        with kvstore.Client(gateway.target) as plain:
+            data = blocks(8, plain.block_bytes)
+            plain.put(tokens, data)
+            with kvstore.Client(fleet.nodes[run1].target) as node1:
+                before = node1.stats().gets
+                stopped = fleet.nodes[run0].proc
+                stopped.send_signal(signal.SIGSTOP)
+                try:
+                    with ThreadPoolExecutor(1) as pool:
+                        got = pool.submit(plain.get, tokens)
+                        wait_until(lambda: node1.stats().gets > before, "run 1 read while run 0's node is stopped")
+                        assert not got.done()  # run 0 is still unanswered
+                        stopped.send_signal(signal.SIGCONT)
+                        assert got.result(timeout=60).blocks == data
+                finally:
+                    stopped.send_signal(signal.SIGCONT)
+    finally:
+        gateway.kill_if_alive()
 
 
 def test_f39_kill_9_a_gateway_and_the_other_serves_everything(fleet: Fleet) -> None:
