@@ -6,7 +6,8 @@ Public, stable for the other adapters (the SGLang backend may import these, read
   (target, token, namespace, geometry, timeout_s, path, data_dir, lease_ms, replay_windows, replay_fidelity,
   fidelity_refresh_s)
   checked, every mistake a `kvstore.errors.ConfigError` naming the setting.
-- `connect(settings) -> kvstore.Client`.
+- `connect(settings) -> kvstore.Client` (a fleet client for an etcd:// target; a gateway's target refuses the
+  paths that read or map a node's store, F60); `through_gateway(client)`.
 - `usable_tokens(plan) -> int`: tokens an engine that recomputes a replay itself may take from the
   store (a snapshot resume: R; a bounded/exact replay: the hit minus the replay span; else 0).
 - `PageMap`: where the rows of token positions lie in an engine's paged cache
@@ -156,10 +157,32 @@ def _fidelity(extra: Mapping[str, Any], windows: int | None) -> str | None:
         raise ConfigError(f"kv_connector_extra_config 'replay_fidelity': {exc}") from None
 
 
+#: Load paths that read or map one node's own store: a gateway holds none (docs/FLEET.md F40, F60).
+NODE_PATHS = ("shm", "direct-cpu", "direct-gpu")
+
+
+def through_gateway(client: Any) -> bool:
+    """Whether `client` is a plain client of a fleet's gateway: GetInfo's `run_blocks` is the fleet's there and 0
+    on a node (F36); a fleet client has no one connection (it routes itself)."""
+    connection = getattr(client, "connection", None)
+    return connection is not None and bool(getattr(connection, "run_blocks", 0))
+
+
 def connect(settings: StoreSettings) -> Client:
-    """A client of the configured store (raises the store's typed errors: Unavailable, ...)."""
-    return Client(settings.target, namespace=settings.namespace, geometry=settings.geometry,
-                  timeout_s=settings.timeout_s, token=settings.token)
+    """A client of the configured store (raises the store's typed errors: Unavailable, ...).
+
+    Raises:
+        ConfigError: `settings.path` maps or reads a node's store and the target is a fleet's gateway (F60).
+    """
+    client = Client(settings.target, namespace=settings.namespace, geometry=settings.geometry,
+                    timeout_s=settings.timeout_s, token=settings.token)
+    if settings.path in NODE_PATHS and through_gateway(client):
+        client.close()
+        raise ConfigError(f"path {settings.path!r} maps or reads a storage node's own store, and {settings.target} "
+                          "is a fleet's gateway, which holds none: target the fleet itself, "
+                          "'etcd://HOST:PORT[,HOST:PORT...]/CLUSTER' (with this host's node's data_dir for the "
+                          "direct paths), or keep the gateway with path 'auto' or 'grpc' (docs/FLEET.md F60)")
+    return client
 
 
 def connect_layout(settings: StoreSettings, records: RecordLayout, engine: str) -> Client:
@@ -332,5 +355,7 @@ def fetch_blocks(client: Client, hashes: Sequence[bytes], settings: StoreSetting
             assert block is not None
             dest[i] = torch.frombuffer(bytearray(block), dtype=torch.uint8)
         return dest, n, "grpc"
-    result = restore(client, list(hashes), dest, path=settings.path, reader=reader)
+    # F60: through a gateway "auto" streams: it holds no store to map, and refuses the transfer session shm opens (F40).
+    path = "grpc" if settings.path == "auto" and through_gateway(client) else settings.path
+    result = restore(client, list(hashes), dest, path=path, reader=reader)
     return dest, result.blocks, result.path
