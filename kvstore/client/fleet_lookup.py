@@ -182,13 +182,25 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
     kept = [p for i in sorted(answers) if i < end for p in answers[i].leases]
     _release(pool, [p for i in sorted(answers) if i >= end for p in answers[i].leases])
     found = runs[end - 1].first_block + answers[end - 1].found if end else 0
-    for i, run in enumerate(runs[:end]):  # every copy of the found prefix is used, asked or not (F34)
-        used = answers[i].found if i in answers else run.end_block - run.first_block
-        for other in run.replicas:
-            if used and (i not in answers or other != answers[i].node):
-                refresher.add(other, chain[run.first_block:run.first_block + used])
+    refresher.add_many(_unasked_copies(runs[:end], answers, chain))  # one lock, off the read path (F34)
     return FleetLookup(found_blocks=found, lease_id=composite_lease(kept),
                        nodes_asked=frozenset(n for a in answers.values() for n in a.asked))
+
+
+def _unasked_copies(runs: Sequence[RunPlacement], answers: dict[int, RunAnswer],
+                    chain: Sequence[bytes]) -> list[tuple[str, Sequence[bytes], int, int]]:
+    """Every copy of the found prefix a Lookup did not ask, as (node, chain, first, end) for the refresher:
+    each is used, asked or not (F34)."""
+    unasked = []
+    for i, run in enumerate(runs):
+        answer = answers.get(i)
+        used = answer.found if answer is not None else run.end_block - run.first_block
+        if not used:
+            continue
+        asked = answer.node if answer is not None else None
+        unasked += [(other, chain, run.first_block, run.first_block + used) for other in run.replicas
+                    if other != asked]
+    return unasked
 
 
 class _Orders:
@@ -296,8 +308,7 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     for i, node in ask.items():
         by_node.setdefault(node, []).append(i)
         answers.setdefault(i, RunAnswer()).asked.append(node)
-    packed = b"".join(chain)  # one join; each node's runs are slices of it
-    jobs = [(node, indices, _runs_request(pool, node, runs, indices, packed, lease_ms))
+    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms))
             for node, indices in by_node.items()]
     # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
     # its own per call, which costs more than the call on a small prompt.
@@ -325,12 +336,11 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
 _EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup")
 
 
-def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int], packed: bytes,
-                  lease_ms: int) -> Callable[[], pb.LookupResponse | KVStoreError]:
+def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int],
+                  chain: Sequence[bytes], lease_ms: int) -> Callable[[], pb.LookupResponse | KVStoreError]:
     """A Lookup of several runs on one node (each its own chain: run_lengths), to be called: its reply, or the
-    error it failed with."""
-    view = memoryview(packed)
-    hashes = b"".join(view[runs[i].first_block * HASH_BYTES:runs[i].end_block * HASH_BYTES] for i in indices)
+    error it failed with. Only the asked runs' hashes are joined (a prompt sent again asks one run of 62)."""
+    hashes = b"".join(_runs_hashes(chain, runs, indices))
 
     def call() -> pb.LookupResponse | KVStoreError:
         try:
@@ -345,6 +355,16 @@ def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indic
             return exc
 
     return call
+
+
+def _runs_hashes(chain: Sequence[bytes], runs: Sequence[RunPlacement], indices: Sequence[int]) -> Sequence[bytes]:
+    """The hashes of runs[i] for each i, in order (a slice of `chain` for one run)."""
+    if len(indices) == 1:
+        return chain[runs[indices[0]].first_block:runs[indices[0]].end_block]
+    hashes: list[bytes] = []
+    for i in indices:
+        hashes += chain[runs[i].first_block:runs[i].end_block]
+    return hashes
 
 
 def _node_failed(pool: NodePool, answers: dict[int, RunAnswer], indices: Sequence[int], node: str,

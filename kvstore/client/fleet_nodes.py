@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.client import fleet_metrics
@@ -29,9 +29,12 @@ from kvstore.fleet.placement import ranked, score
 
 if TYPE_CHECKING:
     from kvstore.client.fleet_view import FleetView
+    from kvstore.fleet.membership import NodeRecord
 
 #: Seconds a node that failed a call is asked last.
 SUSPECT_S = 5.0
+#: Runs whose replicas' read order a pool remembers (then forgets them all and draws again).
+MAX_DRAWS = 1 << 16
 
 
 class NodePool:
@@ -61,6 +64,8 @@ class NodePool:
         #: This client's salt for spreading reads over replicas.
         self.salt = os.urandom(16)
         self.hostname = socket.gethostname()
+        self._draws: dict[tuple[bytes, tuple[str, ...]], tuple[str, ...]] = {}
+        self._nodes_seen: tuple[Mapping[str, NodeRecord], frozenset[str]] | None = None
 
     def connection(self, node_id: str) -> Connection:
         """The connection to `node_id` (opened now if needed).
@@ -113,18 +118,49 @@ class NodePool:
         The next-ranked node is a run's copy that the placement stopped naming: when a node joins while a lost
         one is still in the view (its lease runs), the two can take both places of a run whose one surviving
         copy is the old holder ranked next. It is asked only when every replica falls short.
+
+        The draw is this client's for good (its salt is), so it is remembered per (run, replicas) and a prompt
+        sent again is ordered without hashing: a Lookup of a 1M-token prompt orders its 62 runs.
         """
         nodes = self.view.nodes
-
-        def rank(node_id: str) -> tuple[bool, bool, int]:
-            record = nodes.get(node_id)
-            here = record is not None and record.host == self.hostname
-            return self.suspect(node_id), not here, -score(self.salt + run_key, node_id)
-
-        order = sorted(replicas, key=rank)
+        drawn = self._drawn(run_key, tuple(replicas))
+        suspects = self._suspects()
+        if suspects or any(self._here(nodes, n) for n in drawn):
+            order = sorted(drawn, key=lambda n: (n in suspects, not self._here(nodes, n)))  # stable: the draw
+        else:
+            order = list(drawn)
         if replicas and len(nodes) > len(replicas):
-            order += [n for n in ranked(run_key, frozenset(nodes), len(replicas) + 1) if n not in replicas][:1]
+            order += [n for n in ranked(run_key, self._node_set(nodes), len(replicas) + 1) if n not in replicas][:1]
         return order
+
+    def _drawn(self, run_key: bytes, replicas: tuple[str, ...]) -> tuple[str, ...]:
+        """`replicas` in this client's draw (highest salted score first; ties in the given order)."""
+        key = (run_key, replicas)
+        found = self._draws.get(key)
+        if found is None:
+            if len(self._draws) >= MAX_DRAWS:
+                self._draws.clear()  # a bound, not a policy: the draw is recomputed exactly
+            found = self._draws[key] = tuple(sorted(replicas, key=lambda n: -score(self.salt + run_key, n)))
+        return found
+
+    def _suspects(self) -> frozenset[str]:
+        """The nodes that failed a call within the last `suspect_s`."""
+        with self._lock:
+            if not self._failed_at:
+                return frozenset()
+            now = self._clock()
+            return frozenset(n for n, at in self._failed_at.items() if now - at < self.suspect_s)
+
+    def _here(self, nodes: Mapping[str, NodeRecord], node_id: str) -> bool:
+        record = nodes.get(node_id)
+        return record is not None and record.host == self.hostname
+
+    def _node_set(self, nodes: Mapping[str, NodeRecord]) -> frozenset[str]:
+        """The live node ids as one frozenset per view snapshot (placement's memo is keyed by it)."""
+        held = self._nodes_seen
+        if held is None or held[0] is not nodes:
+            held = self._nodes_seen = (nodes, frozenset(nodes))
+        return held[1]
 
     def close(self) -> None:
         """Close every connection."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
@@ -49,7 +49,8 @@ class Refresher:
         self.min_gap_s = min_gap_s
         self._clock = clock
         self._cond = threading.Condition()
-        self._pending: dict[tuple[str, bytes], list[bytes]] = {}
+        #: (node, run key) -> (chain, first, end): the run's hashes to the deepest block used, cut when sent.
+        self._pending: dict[tuple[str, bytes], tuple[Sequence[bytes], int, int]] = {}
         self._sent_at: dict[tuple[str, bytes, int], float] = {}
         self._busy = False
         self._closed = False
@@ -59,14 +60,28 @@ class Refresher:
 
     def add(self, node_id: str, run_hashes: Sequence[bytes]) -> None:
         """Queue a refresh of `run_hashes` (a run's hashes from its first, to the deepest block used) on `node_id`."""
-        if not run_hashes:
-            return
-        key = (node_id, bytes(run_hashes[0]))
+        self.add_many([(node_id, run_hashes, 0, len(run_hashes))])
+
+    def add_many(self, refreshes: Iterable[tuple[str, Sequence[bytes], int, int]]) -> None:
+        """Queue many refreshes at once, each (node, chain, first, end): `chain[first:end]` on that node.
+
+        One lock and one wake of the thread for them all, and the hashes are cut from `chain` by the
+        thread, not here: a Lookup of a 1M-token prompt queues ~120 of them on its read path. `chain`
+        must not change after the call (the callers' chains are their own lists).
+        """
         with self._cond:
             if self._closed:
                 return
-            if len(run_hashes) > len(self._pending.get(key, ())):
-                self._pending[key] = list(run_hashes)
+            pending = self._pending
+            for node_id, chain, first, end in refreshes:
+                if end <= first:
+                    continue
+                key = (node_id, bytes(chain[first]))
+                held = pending.get(key)
+                if held is None or end - first > held[2] - held[1]:
+                    pending[key] = (chain, first, end)
+            if not pending:
+                return
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="fleet-refresh", daemon=True)
                 self._thread.start()
@@ -89,17 +104,18 @@ class Refresher:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _send(self, batch: dict[tuple[str, bytes], list[bytes]]) -> None:
+    def _send(self, batch: dict[tuple[str, bytes], tuple[Sequence[bytes], int, int]]) -> None:
         now = self._clock()
         calls = []
-        for (node_id, run_key), hashes in batch.items():
-            memo = (node_id, run_key, len(hashes))
+        for (node_id, run_key), (chain, first, end) in batch.items():
+            memo = (node_id, run_key, end - first)
             if now - self._sent_at.get(memo, -self.min_gap_s) < self.min_gap_s:
                 self.skipped += 1
                 continue
             try:
                 c = self.pool.connection(node_id)
-                request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, block_hashes=hashes)
+                request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace,
+                                           block_hashes_packed=b"".join(chain[first:end]))
                 calls.append((memo, c.kvstore.Lookup.future(request, timeout=c.timeout_s, metadata=c.metadata)))
             except KVStoreError as exc:
                 self._dropped(node_id, exc)

@@ -176,11 +176,13 @@ def calls_by_node(client: FleetClient, lookup: Callable[[], LookupResult]) -> tu
     """A lookup's result and the Lookup calls it made of each node (the refreshes it queued left out)."""
     assert client.refresher.flush(30.0)
     before = lookups_by_node(client)
-    refresher, client.refresher.add = client.refresher.add, lambda *a, **k: None  # type: ignore[method-assign]
+    refresher = client.refresher
+    one, many = refresher.add, refresher.add_many
+    refresher.add = refresher.add_many = lambda *a, **k: None  # type: ignore[method-assign, assignment]
     try:
         found = lookup()
     finally:
-        client.refresher.add = refresher  # type: ignore[method-assign]
+        refresher.add, refresher.add_many = one, many  # type: ignore[method-assign]
     after = lookups_by_node(client)
     return found, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
 
@@ -583,3 +585,22 @@ def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_o
         assert fresh.get(tokens).blocks == payload
         assert fresh.pool.failures[victim.node_id] > failed  # it was asked first, failed, and the replica served
         assert fresh.lookup(tokens).found_blocks == 12
+
+
+def test_f65_refreshes_queued_together_keep_the_deepest_per_copy_and_are_cut_when_sent(fleet: Fleet) -> None:
+    """F65: a Lookup queues its unasked copies in one call; per (node, run) the deepest use is the one sent, cut
+    from the chain by the refresher's thread; an empty range is no refresh."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        [run] = client.placement(chain)
+        node, other = run.replicas[:2]
+        before = client.node_stats()
+        client.refresher.add_many([(node, chain, 0, 2), (node, chain, 0, 4), (node, chain, 0, 3), (other, chain, 1, 1)])
+        assert client.refresher.flush(30.0)
+        after = client.node_stats()
+        assert after[node].lookups == before[node].lookups + 1
+        assert after[node].lookup_tokens_asked == before[node].lookup_tokens_asked + RUN_TOKENS
+        assert after[node].lookup_tokens_found == before[node].lookup_tokens_found + RUN_TOKENS
+        assert all(after[n].lookups == before[n].lookups for n in after if n != node)

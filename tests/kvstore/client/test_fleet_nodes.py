@@ -9,6 +9,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.fleet.membership import NodeRecord
@@ -59,3 +61,31 @@ def test_f33_a_node_that_failed_is_read_last_for_a_while() -> None:
     assert p.read_order(key, ["a", "b"]) == ["b", "a"] and p.failures["a"] == 1
     clock[0] += p.suspect_s
     assert p.read_order(key, ["a", "b"]) == ["a", "b"]
+
+
+def test_f65_a_runs_draw_is_remembered_so_a_prompt_sent_again_is_ordered_without_hashing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """F65: the client's draw of a run's replicas is fixed by its salt, so it is hashed once per (run, replicas);
+    suspects and this host still reorder a remembered draw."""
+    import kvstore.client.fleet_nodes as fleet_nodes
+
+    scored: list[str] = []
+    real = fleet_nodes.score
+
+    def counted(key: bytes, node: str) -> int:
+        scored.append(node)
+        return real(key, node)
+
+    monkeypatch.setattr(fleet_nodes, "score", counted)
+    nodes = {n: record(n, "elsewhere") for n in "abc"}
+    p = pool(nodes)
+    keys = [bytes([i]) * 32 for i in range(64)]
+    first = [p.read_order(k, ["a", "b"]) for k in keys]
+    assert len(scored) == 2 * len(keys)
+    scored.clear()
+    assert [p.read_order(k, ["a", "b"]) for k in keys] == first and scored == []
+    fresh = pool(nodes)
+    fresh.salt = p.salt
+    assert [fresh.read_order(k, ["a", "b"]) for k in keys] == first  # what it remembers is the draw itself
+    p.failed("a")
+    assert all(order[:2] == ["b", "a"] for order in (p.read_order(k, ["a", "b"]) for k in keys))
