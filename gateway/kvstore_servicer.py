@@ -40,11 +40,11 @@ from kvstore.errors import (
     to_status,
 )
 from kvstore.geometry import ModelGeometry
+from kvstore.native import blockcopy
 from kvstore.prefix import FINGERPRINT_BYTES, NAMESPACE_ID_BYTES, BlockScope, namespace_id
 from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from tiers import blockcopy
 from tiers.pins import PinGrant
 from tiers.store import AnchoredLookup, BlockStore, FoundReads, PinningStore, PutBatch, PutResult, ReadStatus
 from tiers.swa_cache import SwaCache

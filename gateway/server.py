@@ -58,8 +58,9 @@ from kvstore.clock import Clock, SystemClock
 from kvstore.config import Settings, TlsSettings
 from kvstore.counted import counted
 from kvstore.errors import ConfigError
+from kvstore.native import blockcopy
 from kvstore.v1 import kvstore_pb2, kvstore_pb2_grpc, swa_pb2, swa_pb2_grpc, transfer_pb2, transfer_pb2_grpc
-from tiers import allocator, blockcopy
+from tiers import allocator
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.swa_cache import SwaCache
 from tiers.swa_pool import open_pool
@@ -384,7 +385,7 @@ async def serve(settings: Settings) -> None:
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:
-        print("kvstore transfer copies: Python loop, 1 thread (tiers._blockcopy was not built: reinstall with "
+        print("kvstore transfer copies: Python loop, 1 thread (kvstore.native._blockcopy was not built: reinstall with "
               "a C compiler for parallel copies)", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -43,8 +43,8 @@ from gateway.transfer_fetch import batch_results, copy_blocks
 from kvstore.config import TransferSettings
 from kvstore.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvstore.host import usable_cpus
+from kvstore.native import blockcopy
 from kvstore.transfer import BatchResults
-from tiers import blockcopy
 from tiers.store import MappedStore
 
 log = logging.getLogger("kvstore.transfer")

@@ -4,7 +4,7 @@ A BulkFetch served from the map (docs/TRANSFER.md "Bulk transport", "From the ma
 
 1. a read txn of the tier is begun, and held until the engine's write has returned: while
    it is open LMDB reuses none of its snapshot's pages, whatever is evicted or written;
-2. each block's data record is found in the snapshot natively (`tiers.blockcopy.resolve_many`,
+2. each block's data record is found in the snapshot natively (`kvstore.native.blockcopy.resolve_many`,
    B-tree searches in the map without the GIL), as its offset, size and stored checksum. A
    record is one contiguous span of the map: a 56,960-byte value lives on an overflow run,
    which LMDB allocates as consecutive pages;
@@ -35,8 +35,8 @@ import lmdb
 import numpy as np
 
 from kvstore.errors import Unavailable
-from tiers import blockcopy
-from tiers.records import META_STRUCT, META_TAG
+from kvstore.native import blockcopy
+from kvstore.native.records import META_STRUCT, META_TAG
 from tiers.retention import Retention
 from tiers.ring import Mapping
 from tiers.store import MappedStore
@@ -50,7 +50,7 @@ _LAST_ACCESS_AT = META_STRUCT.size - 8
 def missing() -> str:
     """Why blocks cannot be served from the map in this build ("" when they can)."""
     if blockcopy.resolve is None:
-        return "tiers._blockcopy is not built (its record lookups)"
+        return "kvstore.native._blockcopy is not built (its record lookups)"
     return ""
 
 

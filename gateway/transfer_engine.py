@@ -29,9 +29,9 @@ from gateway.hit_stats import HitStats
 from gateway.transfer_session_table import SessionTable
 from gateway.transfer_sessions import Session, Transfer
 from kvstore.errors import KVStoreError, to_status
+from kvstore.native import blockcopy
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults, DescriptorGroup, Op, Spans, check_spans
-from tiers import blockcopy
 from tiers.store import MappedStore, PutBatch, StagedReads
 
 log = logging.getLogger("kvstore.transfer")

@@ -2,7 +2,7 @@
 
 The server's work per call is per batch, not per block in Python: one read
 transaction looks the blocks up, the native verify-and-copy loop
-(`tiers.blockcopy`, without the GIL) checks each against its checksum and copies
+(`kvstore.native.blockcopy`, without the GIL) checks each against its checksum and copies
 it into one buffer, and that buffer is the reply's `data`. A client stripes a
 large fetch over several calls at once (`kvstore.client.transfer_stream`), so
 several copy threads and several HTTP/2 streams work together.
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+from kvstore.native import blockcopy
 from kvstore.prefix import HASH_BYTES, BlockScope
 from kvstore.protowire import length_delimited
 from kvstore.transfer import DONE, FAILED, MISSING, SKIPPED, BatchResults
 from kvstore.v1 import transfer_pb2 as pb
-from tiers import blockcopy
 from tiers.store import MappedStore
 
 #: `blockcopy` result code -> transfer status code (0: not reached, SKIPPED once a prefix stopped).

@@ -8,7 +8,7 @@ loop without the GIL), restarts their retention clocks durably (a read is use,
 as a Get is) and writes the batch's `TransferState` back. No gRPC call is made
 per read; the ring lives and dies with its session.
 
-Where `tiers._ring` is built, the thread waits natively (a short spin, then the futex,
+Where `kvstore.native._ring` is built, the thread waits natively (a short spin, then the futex,
 without the GIL) and hands each request to `gateway.transfer_ring_native.NativeRing`,
 which answers the plain case (one group, every block found, intact and not due a
 refresh) in native code and hands any other back, as the bytes it read, to `read` here.
@@ -44,6 +44,7 @@ from gateway.transfer_engine import _CODES, _finish, _record, fail_unrefreshed, 
 from gateway.transfer_ring_context import RingContext
 from gateway.transfer_ring_native import NativeRing, tier_mapping
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, to_status
+from kvstore.native import ring as shared_ring
 from kvstore.prefix import HASH_BYTES
 from kvstore.transfer import DONE, BatchResults, DescriptorGroup
 from kvstore.transfer_ring import (
@@ -213,7 +214,7 @@ class RingServer:
         session: the session it serves (its tenant, geometry and regions).
         answer: runs one request's bytes; returns the answer's state (`read`).
         ctx: what the server's rings share; given, requests are served natively where
-            `tiers._ring` is built (`gateway.transfer_ring_native`), else by `answer` only.
+            `kvstore.native._ring` is built (`gateway.transfer_ring_native`), else by `answer` only.
     """
 
     def __init__(self, mapped: MappedRegion, session: Session,
@@ -316,7 +317,7 @@ class RingServer:
             time.sleep(0.001)
         start = time.monotonic()
         if self.native is not None and spin and spurious < _SPURIOUS:  # spins briefly first, without the GIL
-            native_ring.wait(self._state_at, state, native_ring.SERVER_HOT_SPIN_S, native_ring.SERVER_SPIN_S, 1.0,
+            shared_ring.wait(self._state_at, state, native_ring.SERVER_HOT_SPIN_S, native_ring.SERVER_SPIN_S, 1.0,
                              self._state_at + Header.client_cpu.offset)
         else:
             futex.wait(state, 1.0)

@@ -39,7 +39,7 @@ class RingContext:
     #: The tier's mapping of data.mdb for the native server (`transfer_ring_native.tier_mapping`).
     mapping: Mapping | None = None
     mapping_tried: bool = False
-    #: Whether rings are served natively where `tiers._ring` is built (False: the Python server only).
+    #: Whether rings are served natively where `kvstore.native._ring` is built (False: the Python server only).
     native: bool = True
 
     def take_slot(self) -> None:

@@ -1,6 +1,6 @@
 """One ring's requests served by the native module (`tiers.ring`), the Python read as fallback.
 
-`gateway.transfer_ring.RingServer` uses a `NativeRing` when `tiers._ring` is built and
+`gateway.transfer_ring.RingServer` uses a `NativeRing` when `kvstore.native._ring` is built and
 the tier's data.mdb is found mapped. Per request it charges the tenant's rate, opens a
 read txn and calls `tiers.ring.serve`, which takes the plain case (one group, every
 descriptor good, every block found, intact and not due a retention refresh) as far as
@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from kvstore.native import blockcopy
+from kvstore.native.ring import publish
 from kvstore.transfer_ring import ANSWERED, HEADER_AT
-from tiers import blockcopy, ring
+from tiers import ring
 from tiers.retention import Retention
 
 if TYPE_CHECKING:
@@ -141,7 +143,7 @@ class NativeRing:
                 elif kind == ring.READY:  # a larger request, copied and answered in serve: counted, then published
                     self._count(value)
                     self.answered += 1
-                    ring.publish(self.address + HEADER_AT, ANSWERED)
+                    publish(self.address + HEADER_AT, ANSWERED)
             finally:
                 txn.abort()
         finally:

@@ -29,12 +29,12 @@ from gateway.validate import Layout
 from kvstore.api_tokens import WRITE
 from kvstore.config import TransferSettings
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.native import blockcopy
 from kvstore.transfer import DescriptorGroup, Op
 from kvstore.transfer_ring import LEASE_S, RING_DESCRIPTORS
 from kvstore.transfer_ring import supported as ring_supported
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
-from tiers import blockcopy
 from tiers.store import MappedStore
 
 T = TypeVar("T")

@@ -177,7 +177,7 @@ class TransferSettings:
     chunk_descriptors: int = 128
     #: Threads copying read chunks into regions at once (default: one per CPU but
     #: one, left to the lookups and the event loop; at least 1, at most 8). The
-    #: native copy loop (tiers/_blockcopy.c) releases the GIL, so they copy in
+    #: native copy loop (kvstore/native/_blockcopy.c) releases the GIL, so they copy in
     #: parallel; where it is not built, copies hold the GIL and one thread is
     #: used whatever this says.
     copy_threads: int = field(default_factory=lambda: min(8, max(1, usable_cpus() - 1)))

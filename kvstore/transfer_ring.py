@@ -39,7 +39,7 @@ microseconds on a VM) while the peer's awake word is set, since a spinning peer 
 the store anyway. A side sets its awake word before it looks at `state` and, before
 it sleeps, clears it, fences and looks at `state` once more; the waker stores
 `state`, fences and then reads the awake word (both fences full: of two such
-sides, one sees the other's store). Only the native code (`tiers._ring`) sets
+sides, one sees the other's store). Only the native code (`kvstore.native._ring`) sets
 them; a side that never does (the Python server and client, an older peer) is
 always woken. A client that sets the server's word or its own lies only to
 itself: its own request or answer then waits for the futex's timeout.

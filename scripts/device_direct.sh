@@ -16,7 +16,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 python3 -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton",
-  triton.__version__, torch.cuda.get_device_name()); from tiers import blockcopy; print("native verify",
+  triton.__version__, torch.cuda.get_device_name()); from kvstore.native import blockcopy; print("native verify",
   blockcopy.NATIVE_VERIFY)'
 echo "cpus $(nproc)"; free -g | head -2; df -h /tmp | tail -1
 t=$SECONDS

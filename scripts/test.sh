@@ -23,7 +23,7 @@ if ! command -v etcd >/dev/null || ! command -v etcdctl >/dev/null; then
 fi
 
 if ! command -v cc >/dev/null; then
-    echo "== installing a C compiler (the native copy loop, tiers/_blockcopy.c)"
+    echo "== installing a C compiler (the native copy loop, kvstore/native/_blockcopy.c)"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null
 fi
 
@@ -35,12 +35,12 @@ pip install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING:
 
 # The build of the native module is optional for users (a Python loop stands
 # in); here it must have been built, so its tests run rather than skip.
-native() { python -c "import tiers.blockcopy as b, tiers.ring as r, sys; sys.exit(0 if b.NATIVE and r.NATIVE else 1)"; }
+native() { python -c "import kvstore.native.blockcopy as b, kvstore.native.ring as r, sys; sys.exit(0 if b.NATIVE and r.NATIVE else 1)"; }
 if ! native; then
-    echo "== tiers._blockcopy was not built: installing Python's headers and building again"
+    echo "== kvstore.native._blockcopy was not built: installing Python's headers and building again"
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-dev >/dev/null
     pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
-    native || { echo "tiers._blockcopy did not build (see: pip install -v -e .)" >&2; exit 1; }
+    native || { echo "kvstore.native._blockcopy did not build (see: pip install -v -e .)" >&2; exit 1; }
 fi
 
 # The engines' pins constrain the extras below, so that the engines' install (in the background,

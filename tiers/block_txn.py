@@ -1,6 +1,6 @@
 """A write transaction over the NVMe tier's databases: insert, refresh and delete blocks.
 
-Each block has records side by side in `records` (tiers/records.py), an entry
+Each block has records side by side in `records` (kvstore/native/records.py), an entry
 in the `lru` index, and a share of the usage totals in `state`; this module is
 the one place that changes them together. `BlockTxn.usage` is the totals as
 read inside the transaction (after the writer lock is held) plus what this
@@ -20,9 +20,7 @@ import lmdb
 import xxhash
 
 from kvstore.errors import DataLoss
-from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, BlockScope
-from tiers import namespaces, pins, run_index
-from tiers.records import (
+from kvstore.native.records import (
     DATA_TAG,
     META_STRUCT,
     META_TAG,
@@ -34,6 +32,8 @@ from tiers.records import (
     meta_key,
     parent_key_of,
 )
+from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, BlockScope
+from tiers import namespaces, pins, run_index
 from tiers.usage import Usage, read_usage
 
 Buffer = bytes | bytearray | memoryview
@@ -73,7 +73,7 @@ class PutBatch:
     last_use_s: Sequence[float] | None = None
     #: Keep the batch's last block, and so its prefix, until this time (a pin, R22); None: no pin.
     keep_until_s: float | None = None
-    #: The xxh3-64 of each block, taken by the caller off the write transaction (`tiers.blockcopy.digests`,
+    #: The xxh3-64 of each block, taken by the caller off the write transaction (`kvstore.native.blockcopy.digests`,
     #: on the stream reader's thread); None: the transaction takes them. Each must be the block's own.
     checksums: Sequence[int] | None = None
 

@@ -44,9 +44,9 @@ from typing import Any, overload
 
 import lmdb
 
+from kvstore.native.records import META_STRUCT, META_TAG
 from kvstore.prefix import HASH_BYTES, BlockScope
 from tiers.damage import DamagedBlocks, SilentDamage
-from tiers.records import META_STRUCT, META_TAG
 
 #: Chains remembered (least recently used forgotten first).
 DEFAULT_CAPACITY = 16_384
@@ -235,7 +235,7 @@ class ChainIndex:
 
     Args:
         env: the tier's LMDB environment.
-        records_db: its records database (tiers/records.py).
+        records_db: its records database (kvstore/native/records.py).
         damage: where a block whose record sits on a damaged page is noted (the
             chain ends before it).
     """

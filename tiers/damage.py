@@ -28,11 +28,11 @@ from typing import TypeVar
 import lmdb
 
 from kvstore.errors import DataLoss, ResourceExhausted
+from kvstore.native.records import META_TAG
 from kvstore.prefix import HASH_BYTES
 from tiers.block_txn import DamagedBlock
 from tiers.datadir import DATA_NAME
 from tiers.lmdb_pages import P_INVALID, HeaderError, PageReader, read_headers
-from tiers.records import META_TAG
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ResourceExhausted, StoreFull
+from kvstore.native.records import lru_entry
 from tiers.block_txn import BlockTxn, DamagedBlock
 from tiers.namespaces import id_of_key
-from tiers.records import lru_entry
 from tiers.retention import Retention
 
 #: Most LRU index entries one make-room call examines (R18): about 25 ms of walking.

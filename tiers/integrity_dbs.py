@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
+from kvstore.native.records import BlockMeta
 from kvstore.prefix import KEY_BYTES, namespace_id
 from tiers import namespaces, pins, run_index
 from tiers.block_txn import Change
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import Walk
-from tiers.records import BlockMeta
 
 if TYPE_CHECKING:  # tiers.events imports msgspec: only a store with an event log needs it
     from tiers.events import EventLog

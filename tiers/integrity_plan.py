@@ -11,11 +11,11 @@ import json
 import struct
 from dataclasses import dataclass, field
 
+from kvstore.native.records import CHILD_TAG, BlockMeta, lru_key, parent_key_of
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from tiers import integrity_usage
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import BlockRecords, Walk
-from tiers.records import CHILD_TAG, BlockMeta, lru_key, parent_key_of
 
 #: The usage totals' state record: (blocks, bytes).
 USAGE = struct.Struct("<QQ")

@@ -19,6 +19,7 @@ import xxhash
 
 from kvstore.config import GiB
 from kvstore.errors import ConfigError
+from kvstore.native.records import CHILD_TAG, DATA_TAG, META_TAG, lru_key, parent_key_of
 from kvstore.prefix import KEY_BYTES
 from tiers import integrity_dbs
 from tiers.accounting import Counters
@@ -28,7 +29,6 @@ from tiers.integrity_plan import PREFIX_BYTES, USAGE, RepairPlan
 from tiers.integrity_report import CheckReport
 from tiers.integrity_walk import Walk, record_entries
 from tiers.lmdb_pages import LmdbHeader, PageReader
-from tiers.records import CHILD_TAG, DATA_TAG, META_TAG, lru_key, parent_key_of
 
 #: The damaged file's name beside the rebuilt one: `data.mdb.damaged`.
 DAMAGED_SUFFIX = ".damaged"

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvstore.native.records import BlockMeta
 from tiers.integrity_report import CheckReport
 from tiers.namespaces import NAMESPACE_PREFIX, NamespaceTotals
-from tiers.records import BlockMeta
 from tiers.retention import HIGH_WATER, HIGH_WATER_KEY
 from tiers.usage import _USAGE, LAYOUT_USAGE_PREFIX, NamespaceCount, Usage
 

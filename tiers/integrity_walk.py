@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvstore.native.records import CHILD_TAG, DATA_TAG, META_STRUCT, META_TAG, BlockMeta
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from tiers.integrity_report import CheckReport
 from tiers.lmdb_pages import PageReader, Tree
-from tiers.records import CHILD_TAG, DATA_TAG, META_STRUCT, META_TAG, BlockMeta
 
 #: Called as (records walked, records in all) now and then.
 Progress = Callable[[int, int], None]

@@ -27,7 +27,7 @@ class LmdbMap:
 
     def __init__(self, env: lmdb.Environment, records: Any) -> None:
         self._env = env
-        #: The `records` database (data, meta and child entries of each block: `tiers.records`).
+        #: The `records` database (data, meta and child entries of each block: `kvstore.native.records`).
         self.records = records
         #: data.mdb, the file the map is of.
         self.data_path = Path(env.path()) / "data.mdb"

@@ -10,7 +10,7 @@ live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/usage.py`: the usage totals, kept inside write transactions; `tiers/refresh.py`: refreshes' group commit.
 - `tiers/reads.py`: verified and staged zero-copy reads; `tiers/damage.py`: damaged pages met at run time.
 - `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
-- `tiers/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk records, leases,
+- `kvstore/native/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk records, leases,
   counters; `tiers/tally.py`: each call's outcome counted; `tiers/datadir.py`: the data dir.
 
 It implements `tiers.store`'s BlockStore, MappedReads (`map`: `tiers/lmdb_map.py`) and ManagedStore,
@@ -91,7 +91,7 @@ class LmdbBlockTier:
             raise
 
     def _open_state(self, settings: StoreSettings) -> None:
-        # Data, meta and child entries of each block, side by side (tiers/records.py).
+        # Data, meta and child entries of each block, side by side (kvstore/native/records.py).
         self._dbs = BlockDbs.open(self.env)
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)

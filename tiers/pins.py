@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import lmdb
 
+from kvstore.native.records import BlockMeta
 from kvstore.prefix import FINGERPRINT_BYTES, KEY_BYTES, NAMESPACE_ID_BYTES
-from tiers.records import BlockMeta
 
 
 class _Dbs(Protocol):

@@ -20,9 +20,9 @@ from typing import Any
 
 import lmdb
 
+from kvstore.native.records import META_TAG, meta_key
 from tiers.block_txn import BlockDbs, BlockTxn, DamagedBlock
 from tiers.damage import MAX_DAMAGED_PER_CALL, DamagedBlocks
-from tiers.records import META_TAG, meta_key
 
 log = logging.getLogger(__name__)
 

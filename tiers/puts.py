@@ -18,8 +18,9 @@ from pathlib import Path
 import lmdb
 
 from kvstore.errors import FailedPrecondition, ResourceExhausted
+from kvstore.native import blockcopy
 from kvstore.prefix import BlockScope
-from tiers import blockcopy, namespaces, pins
+from tiers import namespaces, pins
 from tiers.block_txn import BlockTxn, PutBatch, PutResult
 from tiers.damage import DamagedBlocks, refused_write
 from tiers.eviction import Candidates, Evicted, SkippedRuns, make_quota_room, make_room

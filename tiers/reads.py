@@ -17,10 +17,10 @@ from typing import Any
 import lmdb
 import xxhash
 
-from tiers import blockcopy
+from kvstore.native import blockcopy
+from kvstore.native.records import DATA_TAG, META_STRUCT, META_TAG, BlockMeta, data_key, meta_key
 from tiers.block_txn import BlockDbs, DamagedBlock, read_meta
 from tiers.damage import DamagedBlocks, SilentDamage
-from tiers.records import DATA_TAG, META_STRUCT, META_TAG, BlockMeta, data_key, meta_key
 from tiers.retention import Retention
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import lmdb
 
 from kvstore.clock import Clock
-from tiers.records import lru_entry
+from kvstore.native.records import lru_entry
 
 log = logging.getLogger(__name__)
 

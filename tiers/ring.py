@@ -1,10 +1,10 @@
-"""The request ring's native server work (`tiers._ring`), and what it needs of the LMDB tier.
+"""The request ring's native server work (`kvstore.native._ring`), and what it needs of the LMDB tier.
 
 `gateway/transfer_ring.py` runs each ring on a Python thread. Where the native module
-is built, that thread only waits (`wait`: a short spin, then the futex, without the
+is built, that thread only waits (`kvstore.native.ring.wait`: a short spin, then the futex, without the
 GIL) and, per request, opens a read txn and calls `serve`, which parses and checks the
 request, finds the blocks in the tier's mapping of data.mdb, verifies and copies them
-and writes the answer, all without the GIL; the thread counts the read and `publish`es
+and writes the answer, all without the GIL; the thread counts the read and `publish`es (`kvstore.native.ring`)
 the answer. `serve` answers the plain case only and hands any
 other request back with its bytes (read once from the ring): the Python server then
 answers it as before. `NATIVE` says whether this runs; without it the Python server
@@ -21,7 +21,8 @@ from typing import Any
 
 import lmdb
 
-from tiers import blockcopy
+from kvstore.native import blockcopy
+from kvstore.native.ring import native
 
 #: `serve`'s first answer: the answer is written, to `publish` (with the descriptors' count), the
 #: request is handed back (with its bytes), or (given a plan) every block is verified, to `finish`.
@@ -30,7 +31,7 @@ READY, HANDED_BACK, PLANNED = 0, 1, 2
 #: judges; one the readied txn is too old for (a write committed since); one of more than `PLAN_MOST`
 #: descriptors (nothing read).
 IDLE, CHECK, STALE, LARGE = 3, 4, 5, 6
-#: The most descriptors `serve` plans (tiers/_ring.c's PLAN_MOST).
+#: The most descriptors `serve` plans (kvstore/native/_ring.c's PLAN_MOST).
 PLAN_MOST = 16
 #: Bytes of a plan (`serve`'s `plan`) per descriptor.
 PLAN_BYTES_PER_DESCRIPTOR = 16
@@ -44,41 +45,12 @@ SERVER_SPIN_S = 100e-6
 SERVER_HOT_SPIN_S = 50e-6
 
 
-#: `ask`'s answers: no answer within the spin (sleep on the futex), an answer (read it), or an
-#: answer that is exactly the expected bytes with code 0.
-ASKED_NONE, ASKED, ASKED_EXPECTED = 0, 1, 2
-
-
-def _load() -> tuple[Callable[..., int], Callable[..., tuple[int, Any]], Callable[[int, int], None],
-                     Callable[..., int], Callable[..., None], Callable[..., tuple[int, int, int, Any]],
-                     Callable[..., int]] | None:
-    try:
-        from tiers._ring import ask, ask_slots, finish, publish, serve, take, wait
-    except ImportError:  # not built (no C compiler at install): the Python server stands in
-        return None
-    return wait, serve, publish, ask, finish, take, ask_slots
-
-
-_native = _load()
-#: True when the ring's native server work is built.
-NATIVE = _native is not None
-#: `ask_slots` itself (None where not built): `ask` of `head + b"".join(hashes) + tail`, the list checked
-#: (every item `bytes` of 32) and written into the ring natively; -1, nothing sent, when it is not so.
-#: Bound here without a wrapper: it is the client's hot path (`kvstore.client.transfer_ring`).
-ask_slots: Callable[..., int] = (lambda *_: -1) if _native is None else _native[6]
 #: `take` itself (None where not built): the ring thread's loop calls it without the wrapper's frame.
-take_native: Callable[..., tuple[int, int, int, Any]] | None = None if _native is None else _native[5]
+take_native: Callable[..., tuple[int, int, int, Any]] | None = None if native is None else native.take
 #: `finish` itself (None where not built): the ring thread's answer path calls it without the wrapper's frame.
-finish_native: Callable[..., None] | None = None if _native is None else _native[4]
-
-
-def wait(address: int, expected: int, hot_s: float, spin_s: float, timeout_s: float, peer_cpu: int = 0) -> int:
-    """The 32-bit word at `address` once it no longer holds `expected` (or after `timeout_s`),
-    without the GIL: spinning on it for `hot_s` (none when the u32 at `peer_cpu`, 1 + the CPU
-    the peer last ran on, names this thread's CPU), then yielding the core between looks until
-    `spin_s`, then sleeping on its futex. The caller keeps the words' mapping alive across the call."""
-    assert _native is not None
-    return _native[0](address, expected, hot_s, spin_s, timeout_s, peer_cpu)
+finish_native: Callable[..., None] | None = None if native is None else native.finish
+#: True when the ring's native server work is built (`kvstore.native.ring.NATIVE`).
+NATIVE = native is not None
 
 
 def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, limit: int, prefix: bytes,
@@ -104,11 +76,11 @@ def serve(ring: int, seq: int, length: int, regions: bytes, block_bytes: int, li
         header words written, but not `state`: `publish` it once the read is counted; or
         (HANDED_BACK, the request's bytes as read from the ring).
     """
-    assert _native is not None
+    assert native is not None
     if plan is None:
-        return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
+        return native.serve(ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
                           mapping.psize, txn.id(), due_before)
-    return _native[1](ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
+    return native.serve(ring, seq, length, regions, block_bytes, limit, prefix, mapping.base, mapping.length,
                       mapping.psize, txn.id(), due_before, plan)
 
 
@@ -135,8 +107,8 @@ def take(ring: int, expected: int, hot_s: float, spin_s: float, expires: float, 
         the caller serves these as without `take`; (PLANNED, seq, length, n): every block found and
         verified, for `finish`; (HANDED_BACK, seq, length, the request's bytes as read).
     """
-    assert _native is not None
-    return _native[5](ring, expected, hot_s, spin_s, expires, regions, block_bytes, limit, prefix, mapping.base,
+    assert native is not None
+    return native.take(ring, expected, hot_s, spin_s, expires, regions, block_bytes, limit, prefix, mapping.base,
                       mapping.length, mapping.psize, txn.id(), due_before, plan)
 
 
@@ -145,28 +117,8 @@ def finish(ring: int, seq: int, plan: bytearray, n: int, block_bytes: int) -> No
     write the all-DONE answer and its header words, store ANSWERED and wake the client. The
     caller keeps `serve`'s read txn open and the regions mapped until it returns, and passes the
     plan untouched."""
-    assert _native is not None
-    _native[4](ring, seq, plan, n, block_bytes)
-
-
-def publish(address: int, value: int) -> None:
-    """Store `value` in the 32-bit word at `address`, after every store before it, and wake its waiters."""
-    assert _native is not None
-    _native[2](address, value)
-
-
-def ask(ring: int, request: bytes, seq: int, hot_s: float, spin_s: float, expected: bytes) -> int:
-    """The client's side of one ring request, without the GIL: copy `request` into the ring at
-    `ring` (its mapping kept alive, its one slot held by the caller), write the header words,
-    set REQUEST, wake the server, then spin for answer `seq` (`hot_s` without yielding, unless
-    the server last ran on this CPU, then yielding until `spin_s`).
-
-    Returns:
-        ASKED_NONE (no answer yet: wait on the futex), ASKED (answered: read it) or
-        ASKED_EXPECTED (answered with code 0 and exactly `expected`).
-    """
-    assert _native is not None
-    return _native[3](ring, request, seq, hot_s, spin_s, expected)
+    assert native is not None
+    native.finish(ring, seq, plan, n, block_bytes)
 
 
 _TRIPLE = struct.Struct("<QQQ")

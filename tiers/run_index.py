@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import lmdb
 
+from kvstore.native.records import META_TAG, BlockMeta, children_prefix, meta_key
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from tiers import namespaces, pins
-from tiers.records import META_TAG, BlockMeta, children_prefix, meta_key
 
 #: The run index's LMDB database: run root's storage key -> its index in its chain (u32).
 RUNS_DB = b"runs"

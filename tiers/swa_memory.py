@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from kvstore.clock import Clock
 from kvstore.config import SwaSettings
 from kvstore.errors import PermissionDenied, Unavailable
+from kvstore.native.swa_digest import copy_hashed, digest, hasher
 from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, NAMESPACE_ID_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES
-from tiers.swa_digest import copy_hashed, digest, hasher
 from tiers.swa_pool import PoolUsage, SwaPool, dram_cap_bytes
 from tiers.swa_shm import DEFAULT_IDLE_LIMIT, Arena, Located, Reserved
 from tiers.swa_shm_server import ShmServer
@@ -231,7 +231,7 @@ class MemoryPool(SwaPool):
     def _settle(entry: _Entry) -> int:
         """Copy a staged snapshot into the entry's arena, checksummed as written there (a writer may still
         scribble on its staging range: the checksum is of what readers will map); the checksum. One native
-        pass without the GIL (tiers.swa_digest.copy_hashed), so the event loop runs meanwhile."""
+        pass without the GIL (kvstore.native.swa_digest.copy_hashed), so the event loop runs meanwhile."""
         start, end = entry.offset + HEADER_BYTES, entry.offset + entry.length
         if entry.staged is None:
             return digest(entry.arena.view[start:end])

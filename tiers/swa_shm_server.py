@@ -24,7 +24,7 @@ and put with its tenant and keys, recorded on the connection's thread). Each con
 served by its own thread: a request is a dictionary lookup under the pool's
 lock, never a copy out to a client (a WRITTEN note is the server's copy of
 what the client wrote into the arena, hashed as it is written: one native pass
-without the GIL, tiers.swa_digest.copy_hashed).
+without the GIL, kvstore.native.swa_digest.copy_hashed).
 """
 
 from __future__ import annotations

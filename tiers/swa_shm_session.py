@@ -31,10 +31,10 @@ from typing import Protocol
 
 from kvstore.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kvstore.geometry import ModelGeometry
+from kvstore.native.swa_digest import Hasher, copy_hashed, hasher
 from kvstore.prefix import HASH_BYTES
 from kvstore.swa_snapshot import HEADER_BYTES, check_position, seal, snapshot_bytes
 from kvstore.v1 import swa_pb2 as pb
-from tiers.swa_digest import Hasher, copy_hashed, hasher
 from tiers.swa_shm import Arena, Located, Reserved
 
 #: A record header's fields as kvstore.swa_snapshot.seal lays them out: magic, version, geometry
@@ -242,7 +242,7 @@ class ShmSession:
 
     def _hash_to(self, item: _Reserved, end: int) -> None:
         """Copy `item`'s snapshot on into the arena up to `end`, and move its checksum on over those bytes
-        as written there (one native pass without the GIL: tiers.swa_digest.copy_hashed)."""
+        as written there (one native pass without the GIL: kvstore.native.swa_digest.copy_hashed)."""
         assert self.arena is not None and self.staging is not None and item.span is not None
         dst, src = item.span.offset + HEADER_BYTES, item.span.staged + HEADER_BYTES
         copy_hashed(self.arena.view[dst + item.hashed:dst + end], self.staging.view[src + item.hashed:src + end],

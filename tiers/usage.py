@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import lmdb
 
 from kvstore.errors import DataLoss
+from kvstore.native.records import META_TAG
 from kvstore.prefix import KEY_BYTES
-from tiers.records import META_TAG
 
 log = logging.getLogger(__name__)
 

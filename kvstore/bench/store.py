@@ -275,9 +275,9 @@ def _server_lookup(data_dir: Path, block_tokens: int, capacity: int,
     never seen is walked record by record, as a fresh server does.
     """
     from kvstore.config import StoreSettings
+    from kvstore.native.records import meta_key
     from kvstore.prefix import BlockScope
     from tiers.lmdb_tier import LmdbBlockTier
-    from tiers.records import meta_key
 
     tier = LmdbBlockTier(StoreSettings(data_dir=data_dir, capacity_bytes=int(capacity * 1.2) + GiB,
                                        block_tokens=block_tokens))

@@ -341,7 +341,7 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
     for side in ("shm", "gateway"):
         report.add(Figure.against(f"embedded {side} single-snapshot fetch p50", p50[side], "ms", EMBEDDED_RAW_GET,
                                   p50["raw"]))
-    from tiers.swa_digest import NATIVE
+    from kvstore.native.swa_digest import NATIVE
 
     report.notes.update(embedded_snapshots=n, embedded_batch=batch, embedded_rounds=args.rounds,
                         embedded_passes=f"{FAST_PASSES} a round, every phase (best kept)",

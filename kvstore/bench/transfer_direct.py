@@ -285,10 +285,10 @@ def _pinned_h2d(total: int, repeat: int) -> float:
 
 def _read_parts(reader: Any, client: Any, hashes: list[bytes], repeat: int) -> dict[str, float]:
     """Best milliseconds of what `reader.read` does, each alone: the record searches on one thread
-    and over the reader's threads (`tiers.blockcopy.resolve_many`), and sending the Lookup (the
+    and over the reader's threads (`kvstore.native.blockcopy.resolve_many`), and sending the Lookup (the
     call made, not answered) and its answer."""
     from kvstore.client.colocated_read import _start_lookup
-    from tiers import blockcopy
+    from kvstore.native import blockcopy
 
     parts: dict[str, float] = {}
     with reader.read(client, hashes, lease_ms=10_000) as read:

@@ -48,7 +48,7 @@ A fleet of nodes (docs/FLEET.md, "Data path"): `Client("etcd://...")` is a `Flee
 Direct restore on the store's host (docs/DIRECT_RESTORE.md):
 
 - `colocated`, `colocated_read`, `colocated_memory`: the same-host reader of the
-  store's LMDB file (the one client code allowed `tiers.records` and `tiers.blockcopy`:
+  store's LMDB file (the one client code allowed `kvstore.native.records` and `kvstore.native.blockcopy`:
   the on-disk format);
 - `gpu_gather`, `gpu_rounds`, `gpu_pinned`, `gpu_layout`, `gpu_kernels`: its GPU
   gather (registered chunks under a pinned budget, a read's columns, Triton kernels);

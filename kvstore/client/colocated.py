@@ -16,9 +16,9 @@ is for a worker trusted with the host's store, and off unless configured.
 Design and paths: docs/DIRECT_RESTORE.md.
 
 The reader knows the file: it begins read transactions and finds a read's block records
-in their snapshot (B-tree searches in the mapping where `tiers._blockcopy` is built, py-lmdb's
+in their snapshot (B-tree searches in the mapping where `kvstore.native._blockcopy` is built, py-lmdb's
 gets otherwise). A read itself (`MappedRead`, `BlockSpan`) lives in colocated_read.py. The
-on-disk format comes from `tiers.records` and the B-tree searches from `tiers.blockcopy` (the
+on-disk format comes from `kvstore.native.records` and the B-tree searches from `kvstore.native.blockcopy` (the
 one exception to the core's layering, tests/kvstore/test_wire.py).
 """
 
@@ -42,10 +42,10 @@ from kvstore.client.colocated_memory import mapping_base
 from kvstore.client.colocated_read import BlockSpan, FoundRecords, MappedRead, _start_lookup
 from kvstore.client.connection import DEFAULT_TENANT
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from kvstore.native import blockcopy
+from kvstore.native.records import DATA_TAG, META_STRUCT, META_TAG
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
-from tiers import blockcopy
-from tiers.records import DATA_TAG, META_STRUCT, META_TAG
 
 if TYPE_CHECKING:
     from kvstore.client.store import Client
@@ -57,7 +57,7 @@ IDENTITY_NAME = "kvstore-identity.json"
 DEFAULT_LEASE_MS = 0
 #: Reader slots in a lock file this process creates (the server's own number, tiers/datadir.py).
 _MAX_READERS = 512
-#: tiers.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
+#: kvstore.native.records.META_STRUCT ("<32sIIQdd") as a numpy record, to read a batch of meta records at once.
 _META_DTYPE = np.dtype([("parent", "V32"), ("depth", "<u4"), ("size", "<u4"), ("checksum", "<u8"),
                         ("created", "<f8"), ("last_access", "<f8")])
 assert _META_DTYPE.itemsize == META_STRUCT.size
@@ -68,8 +68,8 @@ class ColocatedReader:
 
     Args:
         data_dir: the server's `store.data_dir`.
-        threads: threads that verify and copy blocks (default `tiers.blockcopy.DEFAULT_THREADS`).
-        native: look the records up with `tiers._blockcopy.resolve` (B-tree searches in the
+        threads: threads that verify and copy blocks (default `kvstore.native.blockcopy.DEFAULT_THREADS`).
+        native: look the records up with `kvstore.native._blockcopy.resolve` (B-tree searches in the
             mapping, without the GIL) where it is built; False: through py-lmdb.
 
     One reader per data dir per process (LMDB's rule). The process needs read

@@ -5,7 +5,7 @@ its Lookup (sent before the records are found, settled when first needed), its c
 the checks and copies of its bytes. Finding the records in the snapshot is the reader's
 (`ColocatedReader.find`, which knows the file); what a read needs of its reader is `ReadOwner`,
 so this module does not import the reader's. Like colocated.py it uses the on-disk format
-(`tiers.records`) and the checksum loops (`tiers.blockcopy`): the layering test allows
+(`kvstore.native.records`) and the checksum loops (`kvstore.native.blockcopy`): the layering test allows
 exactly those (tests/kvstore/test_wire.py). Design: docs/DIRECT_RESTORE.md.
 """
 
@@ -26,10 +26,10 @@ from kvstore.client import arguments
 from kvstore.client.colocated_memory import writable_bytes
 from kvstore.client.connection import status_error
 from kvstore.errors import FailedPrecondition, InvalidArgument
+from kvstore.native import blockcopy
+from kvstore.native.records import META_STRUCT
 from kvstore.prefix import BlockScope
 from kvstore.v1 import kvstore_pb2 as pb
-from tiers import blockcopy
-from tiers.records import META_STRUCT
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ class FoundRecords:
 class ReadOwner(Protocol):
     """What a `MappedRead` needs of the reader that opened it (`kvstore.client.colocated.ColocatedReader`)."""
 
-    #: Threads that verify and copy blocks (None: `tiers.blockcopy.DEFAULT_THREADS`).
+    #: Threads that verify and copy blocks (None: `kvstore.native.blockcopy.DEFAULT_THREADS`).
     threads: int | None
 
     def bounds(self) -> tuple[int, int, int]:
@@ -151,7 +151,7 @@ class MappedRead:
         self.reported: dict[int, str] = {}
         bounds = reader.bounds()
         self.base_address, self.map_length = bounds[0], bounds[1]
-        #: How the records were found: "native" (tiers._blockcopy.resolve) or "lmdb" (py-lmdb gets).
+        #: How the records were found: "native" (kvstore.native._blockcopy.resolve) or "lmdb" (py-lmdb gets).
         self.resolved_by = "lmdb"
         self._metas: list[Any] | None = []
         self._datas: list[Any] | None = []
@@ -280,7 +280,7 @@ class MappedRead:
     def verify(self, indices: Sequence[int] | None = None) -> list[bool]:
         """Whether each block (`indices` of the spans, default all) matches its stored checksum.
 
-        Hashed without the GIL over the reader's threads where `tiers._blockcopy` is built.
+        Hashed without the GIL over the reader's threads where `kvstore.native._blockcopy` is built.
         """
         self._check_open()
         positions = self._positions(indices)

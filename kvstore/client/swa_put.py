@@ -12,7 +12,7 @@ The checksum is the one pass over the snapshot a raw SET does not make. Two ways
 to pay it (`put_records(overlap=...)`):
 
 - **overlapped** (hosts with `OVERLAP_MIN_CPUS` or more CPUs): a worker thread
-  checksums the batch's snapshots (tiers.swa_digest: without the GIL) while this
+  checksums the batch's snapshots (kvstore.native.swa_digest: without the GIL) while this
   thread sends them; a record's SETRANGE and RENAME go out as soon as its
   checksum is there (after a later record's SET when it is not yet), so on a
   host with a spare core the checksum costs the put nothing;
@@ -34,8 +34,8 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from kvstore.native import swa_digest
 from kvstore.swa_snapshot import HEADER_BYTES, PLACEHOLDER_HEADER, seal
-from tiers import swa_digest
 
 #: A streamed put's piece: sent, then checksummed while it is still in cache (a core's L2 holds
 #: 1-2 MiB on today's servers).

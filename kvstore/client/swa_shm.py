@@ -21,7 +21,7 @@ on:
 - a get is GET (keys: the server answers where each live record's snapshot
   lies, its T and checksum, counts the hits, and keeps those ranges from reuse
   until this connection's next request), then one pass out of the arena that
-  copies each snapshot and checksums the copy (tiers.swa_digest.copy_digest).
+  copies each snapshot and checksums the copy (kvstore.native.swa_digest.copy_digest).
   A copy whose checksum is not the server's is a miss, counted as corrupt at
   the next GET: whatever changed the bytes after COMMIT, a get never returns
   bytes the server did not checksum (docs/SECURITY.md). Always, `verify` or
@@ -57,9 +57,9 @@ from google.protobuf.message import DecodeError
 
 from kvstore.errors import FailedPrecondition, Internal, InvalidArgument, KVStoreError, Unavailable, from_status
 from kvstore.geometry import ModelGeometry
+from kvstore.native.swa_digest import copy_digest, stream_into
 from kvstore.swa_snapshot import snapshot_bytes, snapshot_shape
 from kvstore.v1 import swa_pb2 as pb
-from tiers.swa_digest import copy_digest, stream_into
 
 Buffer = bytes | bytearray | memoryview
 
@@ -264,7 +264,7 @@ class ShmPath:
                 size = snapshot_bytes(self.geometry, position)
                 self._populate(self._map, self._touched, offset, size, MADV_POPULATE_READ)
                 # One pass: each 32 KiB is checksummed just after it is copied, while in L1
-                # (tiers.swa_digest.copy_digest; where it is not built, a copy and then a checksum).
+                # (kvstore.native.swa_digest.copy_digest; where it is not built, a copy and then a checksum).
                 copy, digest = copy_digest(self._view[offset:offset + size])
                 if digest == expected:
                     out.append(copy)

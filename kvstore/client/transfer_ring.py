@@ -16,7 +16,7 @@ A fetch into consecutive slots (`fetch_slots`, what `TransferSession.fetch` send
 protobuf on its hot path: its request is the `SubmitRequest` protobuf would write, built
 from a per-shape template (`transfer_ring_request.Template`: every byte but the hashes prebuilt), and an
 answer that is byte for byte the all-DONE `TransferState` (what the native server
-writes for a plain read) is read without parsing. Where `tiers._ring` is built, writing
+writes for a plain read) is read without parsing. Where `kvstore.native._ring` is built, writing
 the request, waking the server and the first spin run natively without the GIL (`ask`);
 any other answer is parsed as before.
 """
@@ -33,6 +33,7 @@ import grpc
 
 from kvstore.client.transfer_ring_request import TEMPLATES_KEPT, Template, all_done
 from kvstore.errors import DeadlineExceeded, Internal, KVStoreError, Unavailable, from_status
+from kvstore.native import ring as native_ring
 from kvstore.region import NONCE_BYTES, Region
 from kvstore.transfer import TransferState
 from kvstore.transfer_ring import (
@@ -51,7 +52,6 @@ from kvstore.transfer_ring import (
     header_in,
 )
 from kvstore.v1 import transfer_pb2 as pb
-from tiers import ring as native_ring
 
 if TYPE_CHECKING:
     from kvstore.client.transfer_path import SessionView
@@ -70,7 +70,7 @@ POLL_S = 0.05
 #: Not a gRPC code: the server's answer when the ring's lease ended (`gateway.transfer_ring.RENEW`).
 RENEW = 1000
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-#: Whether requests are written, and answers waited for, natively (`tiers._ring` built): `fetch_list` works.
+#: Whether requests are written, and answers waited for, natively (`kvstore.native._ring` built): `fetch_list` works.
 NATIVE_ASK = native_ring.NATIVE
 
 
@@ -180,8 +180,8 @@ class RingClient:
 
     def fetch_list(self, hashes: list[bytes], region_id: int, offset_bytes: int, block_bytes: int,
                    prefix_only: bool) -> TransferState | None:
-        """`fetch_slots` of a list of hashes where `tiers._ring` is built: the list is checked and
-        written into the ring natively (`tiers.ring.ask_slots`), with no join and no pass over it in
+        """`fetch_slots` of a list of hashes where `kvstore.native._ring` is built: the list is checked and
+        written into the ring natively (`kvstore.native.ring.ask_slots`), with no join and no pass over it in
         Python. None, with nothing sent, when it is not a list of `bytes` of `HASH_BYTES` each (the
         caller then checks it the long way) or the ring is not native.
 

@@ -5,7 +5,7 @@ The simulation stores no bytes: it runs the tier's own Put transaction
 (`tiers.retention.Retention`) against this index, which answers what they ask of a
 `tiers.block_txn.BlockTxn`: each block's meta record (depth, size, last use), its
 children, the usage totals, and the LRU index in the tier's own key order
-(`tiers.records.lru_key`), walked by a cursor with LMDB's `first`/`set_range`/`iternext`.
+(`kvstore.native.records.lru_key`), walked by a cursor with LMDB's `first`/`set_range`/`iternext`.
 A change to those rules changes the simulation with them.
 
 A write is a transaction as in LMDB: a Put that the store refuses (StoreFull after some
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from sortedcontainers import SortedList
 
+from kvstore.native.records import lru_key
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
-from tiers.records import lru_key
 from tiers.usage import Usage
 
 

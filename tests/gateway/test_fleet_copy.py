@@ -217,7 +217,7 @@ def test_f17_a_copy_is_stored_with_the_checksums_its_check_verified(nodes: Any, 
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The receiver hashes each copied block once (its check, F17) and stores that checksum: the store's writer,
     LMDB's one writer and the copy's bottleneck, does not hash the bytes again inside its transaction."""
-    from tiers import blockcopy
+    from kvstore.native import blockcopy
 
     a, b = nodes("a"), nodes("b")
     hashes, blocks = chain(6)

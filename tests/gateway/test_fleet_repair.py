@@ -102,8 +102,8 @@ def test_f17_a_copy_encoded_by_hand_is_the_message_protobuf_builds() -> None:
     """The repairer encodes CopyBlocks requests itself (one copy of each block's bytes, no message per
     block): they parse to the message protobuf would build, field for field, and serialize to the same bytes."""
     from gateway.fleet_repair import encode_copy
+    from kvstore.native.records import BlockMeta
     from kvstore.v1 import fleet_pb2 as pb
-    from tiers.records import BlockMeta
     from tiers.run_index import RunBlock
 
     blocks = []

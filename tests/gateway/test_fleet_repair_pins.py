@@ -11,13 +11,13 @@ from gateway.audit import AuditLog
 from gateway.fleet_repair import encode_copy
 from gateway.fleet_servicer import PIN_COPY_ACTOR, parse_copies
 from kvstore.fleet.membership import Membership
+from kvstore.native.records import BlockMeta
 from kvstore.v1 import fleet_pb2 as pb
 from tests.conftest import LoopThread
 from tests.gateway.fleet_nodes import Fleet, etcd_fixture, fleet_fixture  # noqa: F401 (the fixtures)
 from tests.gateway.test_fleet_copy import BLOCK, RUN_BLOCKS, SCOPE, chain, put
 from tests.gateway.test_fleet_repair import _need_mooncake
 from tiers import run_index
-from tiers.records import BlockMeta
 from tiers.run_index import RunBlock
 
 HOUR = 3600.0

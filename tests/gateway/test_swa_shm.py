@@ -25,12 +25,12 @@ from kvstore.client import Client, SwaClient
 from kvstore.client import swa_shm as client_shm
 from kvstore.client.admin import AdminClient
 from kvstore.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unavailable
+from kvstore.native import swa_digest
 from kvstore.prefix import namespace_id
 from kvstore.v1 import swa_pb2 as pb
 from kvstore.v1 import swa_pb2_grpc as pb_grpc
 from tests.children import SKEWED_CLOCK, Child, ServerClock
 from tests.shm_attacks import routes_as_nobody, routes_that_write
-from tiers import swa_digest
 
 ATTACKS = Path(__file__).parents[1] / "shm_attacks.py"
 
@@ -440,7 +440,7 @@ def test_a_snapshot_changed_in_the_arena_is_a_counted_miss(server: Server, monke
     """Whatever changes a committed snapshot in the arena (no client can: this test writes the server's
     own mapping through /proc/<pid>/mem, as root), no get returns the changed bytes: a shm get checks
     every copy against the server's checksum, by default (`verify` or not), and misses, counted as
-    corrupt; the gateway's unseal agrees. Where tiers._blockcopy is built the copy and the checksum are
+    corrupt; the gateway's unseal agrees. Where kvstore.native._blockcopy is built the copy and the checksum are
     one pass; the Python forms (a copy, then a checksum) stand in elsewhere, with the same results."""
     if os.geteuid() != 0:
         pytest.skip("needs root to write the server's memory")

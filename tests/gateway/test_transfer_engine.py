@@ -22,11 +22,11 @@ from kvstore.client import Client
 from kvstore.config import StoreSettings, TransferSettings
 from kvstore.errors import ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native import blockcopy
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from kvstore.transfer import BatchResults, Descriptor, DescriptorGroup, Op, Status, check_spans
 from kvstore.v1 import transfer_pb2 as pb
 from tests.waiting import wait_until
-from tiers import blockcopy
 from tiers.lmdb_tier import LmdbBlockTier, StagedReads
 
 

@@ -1,6 +1,6 @@
 """The ring's lean fetch (docs/TRANSFER.md, "The request ring"): `TransferSession.fetch` of
 consecutive slots builds its request from a template, reads an all-DONE answer without
-protobuf and, where `tiers._ring` is built, asks natively. Each test checks that what the
+protobuf and, where `kvstore.native._ring` is built, asks natively. Each test checks that what the
 lean path gives is what the protobuf path (or Submit) gives, against a real `kvstore serve`.
 """
 

@@ -3,7 +3,7 @@
 In-process servers (`start_server`, `server`): the test reaches the session's ring server to
 switch its native half off, so each request can be answered by both and the answers compared.
 The Child-based suite in test_transfer_ring.py runs `kvstore serve`, which serves natively
-where `tiers._ring` is built; here the Python server alone is exercised too.
+where `kvstore.native._ring` is built; here the Python server alone is exercised too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvstore.transfer_ring import ANSWER_AT, ANSWERED, REQUEST, REQUEST_AT
 from kvstore.v1 import transfer_pb2 as pb
 from tiers import ring as native_ring
 
-needs_native = pytest.mark.skipif(not native_ring.NATIVE, reason="tiers._ring is not built")
+needs_native = pytest.mark.skipif(not native_ring.NATIVE, reason="kvstore.native._ring is not built")
 
 
 def ring_server(server: Any, session: TransferSession) -> transfer_ring.RingServer:
@@ -101,7 +101,7 @@ def test_plain_reads_are_answered_natively_and_counted_as_the_python_server_coun
 def test_a_corrupt_block_fails_and_never_lands(start_server: Callable[..., Any], tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
     if native and not native_ring.NATIVE:
-        pytest.skip("tiers._ring is not built")
+        pytest.skip("kvstore.native._ring is not built")
     if not native:
         monkeypatch.setattr(transfer_ring, "_native_ring", lambda *a: None)
     store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=1 << 30, block_tokens=16)
@@ -166,7 +166,7 @@ def test_the_native_and_python_servers_answer_every_request_alike(server: Any) -
 
 
 def test_the_python_server_alone_serves_and_refuses(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_ring, "NATIVE", False)  # as where tiers._ring was not built
+    monkeypatch.setattr(native_ring, "NATIVE", False)  # as where kvstore.native._ring was not built
     with Client(server.target) as client, client.transfer() as session:
         hashes, blocks = stored(client, 2)
         region = session.register(2 * client.block_bytes)

@@ -36,7 +36,7 @@ def test_stats_table_and_json(server: Any, client: Any, capsys: pytest.CaptureFi
 
 
 def test_stats_show_the_transfer_service(server: Any, client: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from tiers import blockcopy
+    from kvstore.native import blockcopy
 
     tokens = list(range(client.block_tokens * 2))
     blocks = [os.urandom(client.block_bytes) for _ in range(2)]
@@ -254,7 +254,7 @@ def _drop_first_meta(data_dir: Path) -> None:
     """Delete the meta record of the chain's first block: the blocks below it become orphans."""
     import lmdb
 
-    from tiers.records import META_TAG
+    from kvstore.native.records import META_TAG
 
     env = lmdb.open(str(data_dir), max_dbs=8)
     try:

@@ -24,7 +24,7 @@ from kvstore.client import transfer_bulk as client_bulk
 from kvstore.client.transfer_stream import default_streams
 from kvstore.config import TransferSettings
 from kvstore.host import usable_cpus
-from tiers import blockcopy
+from kvstore.native import blockcopy
 print(json.dumps({"cpus": usable_cpus(), "streams": default_streams(), "threads": blockcopy.DEFAULT_THREADS,
                   "copy_threads": TransferSettings().copy_threads, "engines": transfer_bulk.ENGINES,
                   "lanes": client_bulk.LANES, "sleep_share": transfer_bulk.SLEEP_SHARE}))

@@ -37,19 +37,9 @@ def _imports(path: Path) -> set[str]:
 
 #: Core modules allowed one outer module each, and why.
 ALLOWED_OUTER_IMPORTS = {
-    # The same-host reader reads the store's file itself: it needs the on-disk record
-    # layout and the checksum loop, nothing that serves (docs/DIRECT_RESTORE.md).
-    "kvstore/client/colocated.py": {"tiers.records", "tiers.blockcopy"},
-    "kvstore/client/colocated_read.py": {"tiers.records", "tiers.blockcopy"},  # its MappedRead, split off
-    # The ring's native half (tiers._ring) asks without the GIL: write, wake, spin (docs/TRANSFER.md).
-    "kvstore/client/transfer_ring.py": {"tiers.ring"},
-    # The SWA paths' checksums and arena copy, native and without the GIL
-    # (tiers._blockcopy; docs/SWA_POOL.md).
-    "kvstore/client/swa_put.py": {"tiers.swa_digest"},
-    "kvstore/client/swa_shm.py": {"tiers.swa_digest"},
     # The trace simulation runs the NVMe tier's own Put, eviction and retention rules on an in-memory
     # index, and the planner's decision, so that a rule changed there changes it too (docs/CAPACITY.md).
-    "kvstore/trace/sim_index.py": {"tiers.records", "tiers.usage"},
+    "kvstore/trace/sim_index.py": {"tiers.usage"},
     "kvstore/trace/simulate.py": {"tiers.block_txn", "tiers.damage", "tiers.eviction", "tiers.puts",
                                   "tiers.retention", "replay.cost", "replay.plan", "replay.planner",
                                   "gateway.policies"},

@@ -10,10 +10,10 @@ import pytest
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import BlockMeta
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.block_txn import read_meta
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
-from tiers.records import BlockMeta
 
 HOUR = 3600.0
 KIT_BLOCK = 1024  # the tier stores opaque bytes; sizes are checked at the gateway

@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 
+from kvstore.native.ring import publish
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, HEADER_AT, REQUEST_AT, RING_BYTES, Header
 from kvstore.v1 import transfer_pb2 as pb
 from tests.tiers.conftest import Kit
 from tiers import ring
 
-pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="tiers._ring is not built (no C compiler at install)")
+pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="kvstore.native._ring is not built (no C compiler at install)")
 
 BLOCK = 56_960  # the bench's block size: its records sit on LMDB overflow pages
 REGION_ID = 7
@@ -99,7 +100,7 @@ def test_a_plain_read_is_copied_and_answered_as_protobuf_would_write_it(rig: Rig
         assert rig.region[o:o + BLOCK] == rig.blocks[block_hash]
     h = rig.header
     assert (h.state, h.answer_seq, h.code) == (2, 5, 0), "written, not published"
-    ring.publish(_address(rig.ring_map) + HEADER_AT, ANSWERED)
+    publish(_address(rig.ring_map) + HEADER_AT, ANSWERED)
     assert h.state == ANSWERED
     expected = pb.TransferState(done=True, bytes_moved=4 * BLOCK, statuses=bytes([1]) * 4).SerializeToString()
     assert rig.ring_map[ANSWER_AT:ANSWER_AT + h.answer_length] == expected

@@ -19,7 +19,7 @@ from tests.tiers.test_blockcopy_ring import BLOCK, Rig, _address, read
 from tests.tiers.test_blockcopy_ring import rig as _rig  # noqa: F401  # the fixture
 from tiers import ring
 
-pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="tiers._ring is not built (no C compiler at install)")
+pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="kvstore.native._ring is not built (no C compiler at install)")
 
 
 @pytest.fixture

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from kvstore.errors import DataLoss, ResourceExhausted
+from kvstore.native.records import data_key, meta_key
 from kvstore.prefix import BlockScope
 from tiers.lmdb_tier import ReadStatus
-from tiers.records import data_key, meta_key
 
 Kit = Any  # tests/tiers/conftest.py
 BIG = 4096  # block size: the data goes to overflow pages, a leaf holds the records of ~14 blocks

@@ -13,10 +13,10 @@ import xxhash
 from kvstore.config import StoreSettings
 from kvstore.errors import DataLoss, InvalidArgument
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import data_key
 from kvstore.prefix import BlockScope
 from tiers import export
 from tiers.lmdb_tier import LmdbBlockTier
-from tiers.records import data_key
 
 Kit = Any  # tests/tiers/conftest.py
 OLD = bytes.fromhex("2d76cb51b8017512")  # a geometry of an earlier codec

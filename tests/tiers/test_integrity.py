@@ -18,11 +18,11 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import BlockMeta, child_key, data_key, lru_key, meta_key
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.integrity import CheckReport, check_store
 from tiers.lmdb_pages import PageReader, read_header
 from tiers.lmdb_tier import LmdbBlockTier
-from tiers.records import BlockMeta, child_key, data_key, lru_key, meta_key
 
 SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
 ROOT = root_hash(V4_1_FLASH.fingerprint, 16)

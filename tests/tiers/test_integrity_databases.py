@@ -26,12 +26,12 @@ from kvstore.clock import ManualClock
 from kvstore.config import EventsSettings, StoreSettings
 from kvstore.events import wire
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import BlockMeta, child_key, data_key, lru_key, meta_key
 from kvstore.prefix import BlockScope, chain_hashes, namespace_id, root_hash
 from tiers import pins, run_index
 from tiers.events import tenant_topic
 from tiers.integrity import check_store
 from tiers.lmdb_tier import LmdbBlockTier
-from tiers.records import BlockMeta, child_key, data_key, lru_key, meta_key
 
 SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
 ROOT = root_hash(V4_1_FLASH.fingerprint, 16)

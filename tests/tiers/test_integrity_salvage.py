@@ -18,12 +18,12 @@ import pytest
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import META_STRUCT, data_key, meta_key
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.block_txn import PutBatch
 from tiers.integrity import check_store
 from tiers.lmdb_pages import read_header
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
-from tiers.records import META_STRUCT, data_key, meta_key
 
 SCOPE = BlockScope(V4_1_FLASH.fingerprint, "default")
 ROOT = root_hash(V4_1_FLASH.fingerprint, 16)

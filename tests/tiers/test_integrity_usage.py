@@ -13,12 +13,12 @@ import pytest
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import BlockMeta, child_key, data_key, lru_key, meta_key
 from kvstore.prefix import BlockScope, chain_hashes, namespace_id, root_hash
 from tiers import pins
 from tiers.integrity import check_store
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.namespaces import NAMESPACE_PREFIX, NamespaceTotals
-from tiers.records import BlockMeta, child_key, data_key, lru_key, meta_key
 from tiers.usage import LAYOUT_USAGE_PREFIX
 
 ROOT = root_hash(V4_1_FLASH.fingerprint, 16)

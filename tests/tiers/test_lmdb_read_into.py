@@ -8,9 +8,9 @@ import pytest
 
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
+from kvstore.native.records import data_key
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
-from tiers.records import data_key
 
 FP = b"\x01" * 8
 

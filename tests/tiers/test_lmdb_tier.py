@@ -17,10 +17,10 @@ from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.errors import ConfigError, FailedPrecondition, ResourceExhausted
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import BlockMeta, data_key
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.block_txn import read_meta
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
-from tiers.records import BlockMeta, data_key
 
 HOUR = 3600.0
 BLOCK = 1024  # the tier stores opaque bytes; sizes are checked at the gateway
@@ -321,7 +321,7 @@ def test_r1_group_commit_is_all_or_nothing(tier: LmdbBlockTier) -> None:
 
 def test_a_blocks_records_sit_together(tier: LmdbBlockTier) -> None:
     # Data, meta and child entries of a block sort side by side (one leaf page per
-    # stored block rather than one in each of three trees): tiers/records.py.
+    # stored block rather than one in each of three trees): kvstore/native/records.py.
     hashes = chain(0, 3)
     put_chain(tier, hashes)
     with tier.env.begin() as txn:

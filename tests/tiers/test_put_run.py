@@ -1,5 +1,5 @@
 """A Put's blocks stored in one loop (`BlockTxn.insert_run`) and checksummed off the write transaction
-(`tiers.blockcopy.digests`): the same records, byte for byte, as one `BlockTxn.insert` per block with
+(`kvstore.native.blockcopy.digests`): the same records, byte for byte, as one `BlockTxn.insert` per block with
 the checksum taken inside it, over random chains with stored blocks among the new (docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import xxhash
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native import blockcopy
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
-from tiers import blockcopy, namespaces
+from tiers import namespaces
 from tiers.block_txn import PutBatch
 from tiers.lmdb_tier import LmdbBlockTier
 
@@ -30,7 +31,7 @@ SIZES = [0, 1, 15, 16, 128, 129, 240, 241, 1023, 1024, 4095, 65_537, 56_960]
 @pytest.mark.parametrize("form", ["native", "python"])
 def test_digests_are_each_buffers_xxh3_64_whatever_its_size_and_alignment(form: str) -> None:
     if form == "native" and blockcopy.digests_native is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     digests = blockcopy.digests_native if form == "native" else blockcopy.digests_python
     assert digests is not None
     rng = random.Random(25)

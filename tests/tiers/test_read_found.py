@@ -11,9 +11,9 @@ import pytest
 from kvstore.clock import ManualClock
 from kvstore.config import StoreSettings
 from kvstore.geometry import V4_1_FLASH
+from kvstore.native.records import data_key
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tiers.lmdb_tier import TOUCH_GRANULARITY_S, LmdbBlockTier, ReadStatus
-from tiers.records import data_key
 from tiers.store import FoundReads
 
 BLOCK = 1024

@@ -1,5 +1,5 @@
 """`tiers.ring.take` (the ring thread's spin and a request's first half in one native call, with a
-txn readied before the request came), `tiers.ring.ask_slots` (the client's request written from a
+txn readied before the request came), `kvstore.native.ring.ask_slots` (the client's request written from a
 list of hashes) and the awake words that let either side skip a futex wake, against a real LMDB
 tier as in test_blockcopy_ring.py."""
 
@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 
+from kvstore.native import ring as shared
 from kvstore.transfer_ring import ANSWERED, BUSY, CLOSED, HEADER_AT, IDLE, REQUEST, REQUEST_AT, REQUEST_BYTES
 from tests.tiers.conftest import Kit
 from tests.tiers.test_blockcopy_ring import BLOCK, REGION_ID, Rig, _address, read
 from tests.tiers.test_blockcopy_ring import rig as _rig  # noqa: F401  # the fixture
 from tiers import ring
 
-pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="tiers._ring is not built (no C compiler at install)")
+pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="kvstore.native._ring is not built (no C compiler at install)")
 
 FAR = time.monotonic() + 3600.0  # a lease that has not ended
 
@@ -105,7 +106,7 @@ def test_take_refuses_bad_arguments(rig: Rig) -> None:
 def test_ask_slots_writes_what_ask_writes_and_refuses_anything_but_whole_bytes(rig: Rig) -> None:
     address = _address(rig.ring_map)
     hashes = [bytes([i]) * 32 for i in range(3)]
-    assert ring.ask_slots(address, b"head", hashes, b"tail", 4, 0.0, 0.0, b"") == ring.ASKED_NONE
+    assert shared.ask_slots(address, b"head", hashes, b"tail", 4, 0.0, 0.0, b"") == shared.ASKED_NONE
     want = b"head" + b"".join(hashes) + b"tail"
     h = rig.header
     assert rig.ring_map[REQUEST_AT:REQUEST_AT + len(want)] == want
@@ -113,7 +114,7 @@ def test_ask_slots_writes_what_ask_writes_and_refuses_anything_but_whole_bytes(r
     h.state = ANSWERED
     for bad in ([*hashes[:2], bytearray(32)], [*hashes[:2], b"x" * 31], [hashes[0], "x" * 32], tuple(hashes),
                 [b"x" * 32] * (REQUEST_BYTES // 32)):
-        assert ring.ask_slots(address, b"head", bad, b"tail", 5, 0.0, 0.0, b"") == -1
+        assert shared.ask_slots(address, b"head", bad, b"tail", 5, 0.0, 0.0, b"") == -1
         assert (h.state, h.seq) == (ANSWERED, 4), "nothing was asked"
 
 
@@ -171,5 +172,5 @@ def test_a_sleeping_server_is_woken_by_ask_and_a_spinning_one_is_not(rig: Rig, a
     h = rig.header
     h.state, h.server_awake = ANSWERED, awake
     got = _asleep_then(address + HEADER_AT, ANSWERED,
-                       lambda: ring.ask(address, b"req", 1, 0.0, 0.0, b""))
+                       lambda: shared.ask(address, b"req", 1, 0.0, 0.0, b""))
     assert got == want and h.state == REQUEST

@@ -13,9 +13,9 @@ import xxhash
 
 from kvstore.client.colocated import BlockSpan, ColocatedReader
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, Unavailable
+from kvstore.native import blockcopy
 from tests.children import START_DEADLINE_S
 from tests.kvstore.client.test_colocated_support import Store, damage, payload, prompt
-from tiers import blockcopy
 
 #: The `store` and `new_store` fixtures (a test module cannot import a conftest under importlib mode).
 pytest_plugins = ["tests.kvstore.client.test_colocated_support"]
@@ -240,7 +240,7 @@ def test_closing_the_reader_closes_its_reads_and_runs_its_hooks(store: Store) ->
 @pytest.mark.parametrize("native", [True, False])
 def test_verify_many_flags_exactly_the_bad_blocks(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if native and not blockcopy.NATIVE_VERIFY:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     if not native:
         monkeypatch.setattr(blockcopy, "verify", blockcopy.verify_python)
         monkeypatch.setattr(blockcopy, "NATIVE_VERIFY", False)
@@ -258,7 +258,7 @@ def test_verify_many_flags_exactly_the_bad_blocks(native: bool, monkeypatch: pyt
 
 def test_the_native_verify_and_addresses_match_their_python_forms() -> None:
     if not blockcopy.NATIVE_VERIFY:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     datas = [b"abc", None, bytes(60_000)]
     sums = [xxhash.xxh3_64_intdigest(b"abc"), 0, 7]
     assert blockcopy.verify(datas, sums) == blockcopy.verify_python(datas, sums) == b"\x01\x00\x00"
@@ -283,10 +283,10 @@ def test_a_reader_refuses_to_read_once_the_store_file_was_replaced(store: Store)
 
 @pytest.mark.parametrize("native", [True, False])
 def test_copy_many_checks_and_copies_every_block(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tiers.records import META_STRUCT
+    from kvstore.native.records import META_STRUCT
 
     if native and not blockcopy.NATIVE_VERIFY:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     if not native:
         monkeypatch.setattr(blockcopy, "verify_copy", blockcopy.verify_copy_python)
         monkeypatch.setattr(blockcopy, "NATIVE_VERIFY", False)
@@ -305,7 +305,7 @@ def test_copy_many_checks_and_copies_every_block(native: bool, monkeypatch: pyte
 def test_the_native_record_search_finds_what_lmdbs_gets_find(new_store) -> None:
     """1,200 blocks: a records tree three levels deep; random prefixes and strays, both ways equal."""
     if blockcopy.resolve is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     rng = random.Random(11)
     s = new_store("deep")
     s.start()
@@ -337,7 +337,7 @@ def test_the_native_record_search_finds_what_lmdbs_gets_find(new_store) -> None:
 
 def test_the_native_search_refuses_what_it_cannot_trust(store: Store) -> None:
     if blockcopy.resolve is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     import ctypes
 
     junk = ctypes.create_string_buffer(64 * 4096)
@@ -361,7 +361,7 @@ def test_the_native_search_refuses_what_it_cannot_trust(store: Store) -> None:
 
 def test_verify_spans_checks_blocks_in_place() -> None:
     if blockcopy.resolve is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     import ctypes
 
     rng = random.Random(13)

@@ -1,5 +1,5 @@
 """The same-host reader's read that does not wait for its Lookup (`read(..., wait=False)`), and the
-record lookups spread over threads (`tiers.blockcopy.resolve_many`), against a real `kvstore serve`."""
+record lookups spread over threads (`kvstore.native.blockcopy.resolve_many`), against a real `kvstore serve`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.native import blockcopy
 from tests.kvstore.client.test_colocated_support import Store, payload, prompt
-from tiers import blockcopy
 
 #: The `store` and `new_store` fixtures (a test module cannot import a conftest under importlib mode).
 pytest_plugins = ["tests.kvstore.client.test_colocated_support"]
@@ -117,7 +117,7 @@ def test_a_lookup_that_fails_after_read_returned_is_a_typed_error_and_no_block(s
 def test_resolve_over_threads_answers_as_one_call(new_store, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slices of 16 keys on up to 5 threads: the prefix stops at the first miss, whichever slice holds it."""
     if blockcopy.resolve is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     monkeypatch.setattr(blockcopy, "_MIN_RESOLVE_PER_THREAD", 16)
     rng = random.Random(24)
     s = new_store("wide")

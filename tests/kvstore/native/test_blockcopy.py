@@ -1,4 +1,4 @@
-"""tiers.blockcopy: the verify-and-copy loop, in both forms (native C and Python), on the same cases."""
+"""kvstore.native.blockcopy: the verify-and-copy loop, in both forms (native C and Python), on the same cases."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import xxhash
 
-from tiers import blockcopy
-from tiers.records import META_STRUCT
+from kvstore.native import blockcopy
+from kvstore.native.records import META_STRUCT
 
 FORMS: dict[str, Callable[..., tuple[bytes, list[int]]] | None] = {
     "python": blockcopy.verify_copy_python,
@@ -24,7 +24,7 @@ def verify_copy(request: Any) -> Callable[..., tuple[bytes, list[int]]]:
     form = FORMS[request.param]
     if form is None:
         # scripts/test.sh refuses to run without it, so this skips only in a bare `pytest`.
-        pytest.skip("tiers._blockcopy is not built (pip install -e . needs a C compiler)")
+        pytest.skip("kvstore.native._blockcopy is not built (pip install -e . needs a C compiler)")
     return form
 
 
@@ -90,7 +90,7 @@ def test_read_only_dest_is_refused(verify_copy: Callable[..., Any]) -> None:
 
 def test_native_and_python_agree_on_a_mixed_batch() -> None:
     if blockcopy.verify_copy_native is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     rng = random.Random(7)
     metas: list[Any] = []
     datas: list[Any] = []
@@ -114,7 +114,7 @@ def test_native_and_python_agree_on_a_mixed_batch() -> None:
 def test_native_checks_its_arguments() -> None:
     native = blockcopy.verify_copy_native
     if native is None:
-        pytest.skip("tiers._blockcopy is not built")
+        pytest.skip("kvstore.native._blockcopy is not built")
     with pytest.raises(ValueError, match="same length"):
         native([None], [], [], 0.0, False)
     with pytest.raises(TypeError):
@@ -125,7 +125,7 @@ def test_native_checks_its_arguments() -> None:
 def test_fill_bytes_hands_back_what_fill_wrote_and_what_it_returned(native: bool,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     if native and blockcopy._blank_bytes is None:
-        pytest.skip("tiers._blockcopy is not built (pip install -e . needs a C compiler)")
+        pytest.skip("kvstore.native._blockcopy is not built (pip install -e . needs a C compiler)")
     if not native:
         monkeypatch.setattr(blockcopy, "_blank_bytes", None)
     payload = os.urandom(1 << 20)
@@ -150,7 +150,7 @@ def test_fill_bytes_hands_back_what_fill_wrote_and_what_it_returned(native: bool
 
 def test_blank_bytes_refuses_sizes_cpython_shares() -> None:
     if blockcopy._blank_bytes is None:
-        pytest.skip("tiers._blockcopy is not built (pip install -e . needs a C compiler)")
+        pytest.skip("kvstore.native._blockcopy is not built (pip install -e . needs a C compiler)")
     for n in (-1, 0, 1):
         with pytest.raises(ValueError, match="at least 2"):
             blockcopy._blank_bytes(n)

@@ -1,6 +1,6 @@
 /*
  * xxh3-64 with the widest vector unit this CPU has, picked once at import (`xxh3_pick`),
- * shared by tiers/_blockcopy.c and tiers/_ring.c. xxh3 is defined bit for bit whatever the
+ * shared by kvstore/native/_blockcopy.c and kvstore/native/_ring.c. xxh3 is defined bit for bit whatever the
  * unit, so every kernel gives the same hash as the `xxhash` package.
  *
  * The AVX2 and AVX-512 kernels are compiled behind target attributes (the module still runs

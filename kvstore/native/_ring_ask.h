@@ -1,5 +1,5 @@
 /*
- * The client's side of a ring request in native code (tiers/_ring.c includes it once): `ask` writes
+ * The client's side of a ring request in native code (kvstore/native/_ring.c includes it once): `ask` writes
  * a request's bytes, `ask_slots` a consecutive-slots read from a template's head and tail and the
  * caller's list of hashes; both then store REQUEST, wake the server unless it spins, and spin for the
  * answer without the GIL (tiers/ring.py, kvstore/client/transfer_ring.py).

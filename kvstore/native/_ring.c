@@ -1,5 +1,5 @@
 /*
- * tiers._ring: the request ring's server work in native code (gateway/transfer_ring.py drives it).
+ * kvstore.native._ring: the request ring's server work in native code (gateway/transfer_ring.py drives it).
  *
  * A ring request of a few blocks spent ~120 us in the Python server thread (the request's
  * parse and checks, py-lmdb gets, the copy, the answer), against ~16 us of checksum and copy.
@@ -9,7 +9,7 @@
  *          the next request and runs `serve`'s first half on it (the thread's usual step);
  *   serve  copies the request out of the ring once, parses it strictly, checks it as Submit
  *          does (the session's region, the block length, whole hashes, every span inside its
- *          region), finds the records in the read txn's snapshot (tiers/_lmdb_search.h),
+ *          region), finds the records in the read txn's snapshot (kvstore/native/_lmdb_search.h),
  *          verifies each block against its checksum and then copies it, and writes the
  *          answer (the caller counts the read, then `publish`es it: the client wakes); or,
  *          given a plan, stops once every block is verified, and the caller counts the read
@@ -45,7 +45,7 @@
 #include "_ring_words.h"
 #include "_xxh3.h"
 
-/* tiers.records.META_STRUCT, "<32sIIQdd". */
+/* kvstore.native.records.META_STRUCT, "<32sIIQdd". */
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
 /* What serve answers: the answer is written (publish it), or the request is handed back (with its bytes). */
 enum { READY = 0, HANDED_BACK = 1, PLANNED = 2 };
@@ -399,7 +399,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tiers._ring", "The request ring's server work, without the GIL (see tiers.ring).",
+    PyModuleDef_HEAD_INIT, "kvstore.native._ring", "The request ring's server work, without the GIL (see tiers.ring).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import DataLoss
-from tiers.records import META_STRUCT, BlockMeta, lru_entry, lru_key
+from kvstore.native.records import META_STRUCT, BlockMeta, lru_entry, lru_key
 
 
 def test_a_meta_record_of_the_wrong_size_is_data_loss() -> None:

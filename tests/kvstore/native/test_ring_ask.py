@@ -1,4 +1,4 @@
-"""`tiers.ring.ask`, the client's side of one ring request in native code, against a thread
+"""`kvstore.native.ring.ask`, the client's side of one ring request in native code, against a thread
 standing in for the server (the ring is an ordinary shared mapping here)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
+from kvstore.native import ring
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, BUSY, HEADER_AT, REQUEST, REQUEST_AT, RING_BYTES, header_in
-from tiers import ring
 
-pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="tiers._ring is not built")
+pytestmark = pytest.mark.skipif(not ring.NATIVE, reason="kvstore.native._ring is not built")
 
 
 def mapped() -> tuple[mmap.mmap, memoryview, int]:

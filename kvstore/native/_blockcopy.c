@@ -1,6 +1,6 @@
 /*
- * tiers._blockcopy: the verify-and-copy loop of `tiers.blockcopy`, without the GIL (and the SWA
- * paths' checksums: tiers/_swa_digest.h).
+ * kvstore.native._blockcopy: the verify-and-copy loop of `kvstore.native.blockcopy`, without the GIL (and the SWA
+ * paths' checksums: kvstore/native/_swa_digest.h).
  *
  * The transfer path copies hundreds of megabytes per request from LMDB's map
  * into client regions, checking each block's xxh3 checksum first. In Python
@@ -28,11 +28,11 @@
 /* Result codes: the values of tiers.lmdb_tier.ReadStatus, plus two of our own. */
 enum { NOT_REACHED = 0, FOUND = 1, MISSING = 2, CORRUPT = 3, WRONG_SIZE = 4 };
 
-/* tiers.records.META_STRUCT, "<32sIIQdd": the offsets of the fields read here.
+/* kvstore.native.records.META_STRUCT, "<32sIIQdd": the offsets of the fields read here.
  * The fields are little-endian and read in place, so a big-endian build stops
  * here (the install goes on, and the Python loop stands in). */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "tiers._blockcopy reads little-endian records in place"
+#error "kvstore.native._blockcopy reads little-endian records in place"
 #endif
 enum { META_BYTES = 64, META_SIZE = 36, META_CHECKSUM = 40, META_LAST_ACCESS = 56 };
 
@@ -314,7 +314,7 @@ static PyObject *addresses(PyObject *self, PyObject *args) {
  * whose records are not both there, or (`damaged` 1) whose meta record is not a meta
  * record's size or names another size than its data's. The offsets (from `base`) and sizes
  * come back as int64 arrays (bytes), the stored checksums as a uint64 array. py-lmdb takes ~1.3 us a get from Python; here a lookup is a few hundred
- * nanoseconds, without the GIL (tiers.blockcopy.resolve_many runs slices of a long list on
+ * nanoseconds, without the GIL (kvstore.native.blockcopy.resolve_many runs slices of a long list on
  * several threads at once). The caller holds a read txn of the snapshot `root` belongs to,
  * so LMDB reuses none of these pages meanwhile. Every page and node is bounds-checked; a page
  * that does not parse raises ValueError (the caller then falls back to py-lmdb's gets).
@@ -484,30 +484,30 @@ static PyMethodDef methods[] = {
     SWA_DIGEST_METHODS
     {"blank_bytes", blank_bytes, METH_VARARGS,
      "blank_bytes(n) -> (bytes, memoryview)\n\n"
-     "See tiers.blockcopy.blank_bytes: a new bytes object to fill through the view, then hand on."},
+     "See kvstore.native.blockcopy.blank_bytes: a new bytes object to fill through the view, then hand on."},
     {"verify_spans", verify_spans, METH_VARARGS,
      "verify_spans(base, length, offsets, sizes, checksums) -> bytes\n\n"
-     "See tiers.blockcopy.verify_spans: checksums of blocks in a mapping, without the GIL."},
+     "See kvstore.native.blockcopy.verify_spans: checksums of blocks in a mapping, without the GIL."},
     {"resolve", resolve, METH_VARARGS,
      "resolve(base, length, psize, root, prefix, hashes) -> (found, damaged, offsets, sizes, metas, sums)\n\n"
-     "See tiers.blockcopy.resolve: B-tree lookups of a read's records in a mapping of data.mdb."},
+     "See kvstore.native.blockcopy.resolve: B-tree lookups of a read's records in a mapping of data.mdb."},
     {"addresses", addresses, METH_VARARGS,
      "addresses(buffers) -> list[int]\n\n"
-     "See tiers.blockcopy.addresses; this is its native form."},
+     "See kvstore.native.blockcopy.addresses; this is its native form."},
     {"digests", digests, METH_VARARGS,
      "digests(datas) -> list[int]\n\n"
-     "See tiers.blockcopy.digests: xxh3-64 of each buffer, without the GIL."},
+     "See kvstore.native.blockcopy.digests: xxh3-64 of each buffer, without the GIL."},
     {"verify", verify, METH_VARARGS,
      "verify(datas, checksums) -> bytes\n\n"
-     "See tiers.blockcopy.verify; this is its native form, run without the GIL."},
+     "See kvstore.native.blockcopy.verify; this is its native form, run without the GIL."},
     {"verify_copy", verify_copy, METH_VARARGS,
      "verify_copy(metas, datas, dests, due_before, stop_at_missing) -> (codes, due)\n\n"
-     "See tiers.blockcopy.verify_copy; this is its native form, run without the GIL."},
+     "See kvstore.native.blockcopy.verify_copy; this is its native form, run without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "tiers._blockcopy", "Native verify-and-copy loop of tiers.blockcopy.", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvstore.native._blockcopy", "Native verify-and-copy loop of kvstore.native.blockcopy.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

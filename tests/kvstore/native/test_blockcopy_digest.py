@@ -1,6 +1,6 @@
-"""The SWA paths' checksums and arena copy (tiers.swa_digest, native in tiers/_swa_digest.h): every form
-gives python-xxhash's xxh3-64 bit for bit, whatever the size and however a stream is cut, and the module
-falls back to its Python forms where the native module is absent."""
+"""The SWA paths' checksums and arena copy (kvstore.native.swa_digest, native in
+kvstore/native/_swa_digest.h): every form gives python-xxhash's xxh3-64 bit for bit, whatever the size and
+however a stream is cut, and the module falls back to its Python forms where the native module is absent."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import threading
 import pytest
 import xxhash
 
-from tiers import swa_digest
+from kvstore.native import swa_digest
 
 SIZES = [0, 1, 15, 16, 128, 129, 239, 240, 241, 1023, 1024, 1025, (32 << 10) - 1, 32 << 10, (32 << 10) + 1,
          65_535, 65_536, 65_537, 1 << 20, 2_703_360, 2_715_648]
-native = pytest.mark.skipif(not swa_digest.NATIVE, reason="tiers._blockcopy is not built")
+native = pytest.mark.skipif(not swa_digest.NATIVE, reason="kvstore.native._blockcopy is not built")
 
 
 @pytest.fixture(params=["native", "python"])
@@ -26,7 +26,7 @@ def forms(request: pytest.FixtureRequest) -> dict[str, object]:
     """The module's forms: the native ones (skipped where not built) or the Python ones."""
     if request.param == "native":
         if not swa_digest.NATIVE:
-            pytest.skip("tiers._blockcopy is not built")
+            pytest.skip("kvstore.native._blockcopy is not built")
         return {"digest": swa_digest.digest, "copy_digest": swa_digest.copy_digest, "hasher": swa_digest.hasher,
                 "stream_into": swa_digest.stream_into, "copy_hashed": swa_digest.copy_hashed}
     return {"digest": swa_digest.digest_python, "copy_digest": swa_digest.copy_digest_python,
@@ -230,7 +230,7 @@ def test_the_native_digest_runs_on_several_threads_at_once() -> None:
 
 
 def test_without_the_native_module_the_python_forms_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "tiers._blockcopy", None)  # an install without a C compiler
+    monkeypatch.setitem(sys.modules, "kvstore.native._blockcopy", None)  # an install without a C compiler
     try:
         fallback = importlib.reload(swa_digest)
         assert not fallback.NATIVE
@@ -244,4 +244,4 @@ def test_without_the_native_module_the_python_forms_stand_in(monkeypatch: pytest
     finally:
         monkeypatch.undo()
         importlib.reload(swa_digest)
-    assert (importlib.util.find_spec("tiers._blockcopy") is not None) == swa_digest.NATIVE
+    assert (importlib.util.find_spec("kvstore.native._blockcopy") is not None) == swa_digest.NATIVE

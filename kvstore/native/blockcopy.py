@@ -2,7 +2,7 @@
 
 Given each block's meta record and bytes (views into LMDB's map) and a
 destination view, check the block against its checksum and copy it. The
-native form (`tiers._blockcopy`, built from `tiers/_blockcopy.c` when the
+native form (`kvstore.native._blockcopy`, built from `kvstore/native/_blockcopy.c` when the
 package is installed) does the whole batch with the GIL released, so executor
 threads copy in parallel; this module's Python form gives the same results
 one thread at a time, for installs without a C compiler. `NATIVE` says which
@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvstore.host import usable_cpus
-from tiers.records import META_STRUCT
+from kvstore.native.records import META_STRUCT
 
 #: Result codes (the first three are `ReadStatus` values).
 NOT_REACHED, FOUND, MISSING, CORRUPT, WRONG_SIZE = 0, 1, 2, 3, 4
@@ -77,7 +77,7 @@ def verify_copy_python(metas: list, datas: list, dests: list, due_before: float,
 
 def _load_native() -> VerifyCopy | None:
     try:
-        from tiers._blockcopy import verify_copy as native
+        from kvstore.native._blockcopy import verify_copy as native
     except ImportError:
         return None
     return native  # type: ignore[no-any-return]
@@ -105,7 +105,7 @@ def verify_python(datas: list, checksums: list) -> bytes:
 
 def _load_native_verify() -> Verify | None:
     try:
-        from tiers._blockcopy import verify as native
+        from kvstore.native._blockcopy import verify as native
     except ImportError:  # not built, or built before `verify` existed
         return None
     return native  # type: ignore[no-any-return]
@@ -113,7 +113,7 @@ def _load_native_verify() -> Verify | None:
 
 def _load_blank_bytes() -> Callable[[int], tuple[bytes, memoryview]] | None:
     try:
-        from tiers._blockcopy import blank_bytes as native
+        from kvstore.native._blockcopy import blank_bytes as native
     except ImportError:  # not built, or built before `blank_bytes` existed
         return None
     return native  # type: ignore[no-any-return]
@@ -151,7 +151,7 @@ def digests_python(datas: list) -> list[int]:
 
 def _load_native_digests() -> Callable[[list], list[int]] | None:
     try:
-        from tiers._blockcopy import digests as native
+        from kvstore.native._blockcopy import digests as native
     except ImportError:  # not built, or built before `digests` existed
         return None
     return native  # type: ignore[no-any-return]
@@ -259,7 +259,7 @@ def addresses_python(buffers: list) -> list[int]:
 
 def _load_native_addresses() -> Callable[[list], list[int]] | None:
     try:
-        from tiers._blockcopy import addresses as native
+        from kvstore.native._blockcopy import addresses as native
     except ImportError:
         return None
     return native  # type: ignore[no-any-return]
@@ -337,13 +337,13 @@ def named_root(base: int, length: int, psize: int, txn_id: int, name: bytes) -> 
 
 def _load_native_resolve() -> Callable[..., tuple[int, int, bytes, bytes, bytes, bytes]] | None:
     try:
-        from tiers._blockcopy import resolve as native
+        from kvstore.native._blockcopy import resolve as native
     except ImportError:
         return None
     return native  # type: ignore[no-any-return]
 
 
-#: The native record lookups (`tiers._blockcopy.resolve`), or None where not built: the reader
+#: The native record lookups (`kvstore.native._blockcopy.resolve`), or None where not built: the reader
 #: then looks its records up through py-lmdb.
 resolve = _load_native_resolve()
 
@@ -398,7 +398,7 @@ def resolve_many(base: int, length: int, psize: int, root: int, prefix: bytes, h
 
 def _load_native_verify_spans() -> Callable[[int, int, bytes, bytes, bytes], bytes] | None:
     try:
-        from tiers._blockcopy import verify_spans as native
+        from kvstore.native._blockcopy import verify_spans as native
     except ImportError:
         return None
     return native  # type: ignore[no-any-return]

@@ -1,5 +1,5 @@
 /*
- * The request ring's words in native code (tiers/_ring.c includes it once): the layout, the header,
+ * The request ring's words in native code (kvstore/native/_ring.c includes it once): the layout, the header,
  * the futex, the awake words that let a side skip a wake-up (kvstore/transfer_ring.py, "Wake-ups"),
  * and the two calls built on them alone: `wait` (the server's spin, then the futex) and `publish`.
  */

@@ -1,5 +1,5 @@
 /*
- * The ring's two messages in native code (tiers/_ring.c): a strict parse of a read's
+ * The ring's two messages in native code (kvstore/native/_ring.c): a strict parse of a read's
  * `SubmitRequest` and the write of a plain `TransferState` (proto/kvstore/v1/transfer.proto).
  *
  * The parser takes only the shape the client writes: each field at most once, the

@@ -1,6 +1,6 @@
 /*
- * LMDB B-tree searches in a read-only view of data.mdb, shared by tiers/_blockcopy.c (the
- * same-host reader's `resolve`) and tiers/_ring.c (the request ring's native server).
+ * LMDB B-tree searches in a read-only view of data.mdb, shared by kvstore/native/_blockcopy.c (the
+ * same-host reader's `resolve`) and kvstore/native/_ring.c (the request ring's native server).
  *
  * The page layout is mdb.c's (tiers/lmdb_pages.py describes it). Every page and node is
  * bounds-checked against the mapping's valid length; a page that does not parse answers -1,
@@ -114,7 +114,7 @@ static int search(const Map *m, uint64_t root, const unsigned char *key, size_t 
     return -1;
 }
 
-/* MDB_meta after a meta page's 16-byte header ("<IIQQ48s48sQQ", tiers/blockcopy.py's _MDB_META):
+/* MDB_meta after a meta page's 16-byte header ("<IIQQ48s48sQQ", kvstore/native/blockcopy.py's _MDB_META):
  * the magic, the main database's record (its flags at +4, its root at +40) and the last page
  * and transaction id of the snapshot it describes. */
 enum { MDB_META_MAGIC = 0, MDB_META_MAIN_DB = 72, MDB_META_LAST_PG = 120, MDB_META_TXNID = 128, MDB_META_END = 136,
@@ -125,7 +125,7 @@ enum { MDB_META_MAGIC = 0, MDB_META_MAIN_DB = 72, MDB_META_LAST_PG = 120, MDB_ME
 /*
  * The root page of the plain named database `name` in snapshot `txn_id`, and that snapshot's
  * valid length of the mapping ((last page + 1) * psize, at most m->length), read from the meta
- * page of that snapshot (tiers.blockcopy.named_root's rule): 1 found, 0 when it cannot be told
+ * page of that snapshot (kvstore.native.blockcopy.named_root's rule): 1 found, 0 when it cannot be told
  * for sure (neither meta page is that snapshot's any more, the meta page changed while it was
  * read, or the database is not plain). `m->length` must cover the two meta pages.
  */

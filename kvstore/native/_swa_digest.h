@@ -1,11 +1,11 @@
 /*
- * The SWA paths' checksums and arena copy, without the GIL (included by tiers/_blockcopy.c after
+ * The SWA paths' checksums and arena copy, without the GIL (included by kvstore/native/_blockcopy.c after
  * its stream_copy; Python side:
- * tiers/swa_digest.py).
+ * kvstore/native/swa_digest.py).
  *
  * An SWA record's header holds the xxh3-64 of its snapshot (kvstore.swa_snapshot.checksum).
  * python-xxhash computes it with its SSE2 kernel; these use the widest kernel this CPU has
- * (tiers/_xxh3.h) and release the GIL for the whole pass, so a writer can checksum one
+ * (kvstore/native/_xxh3.h) and release the GIL for the whole pass, so a writer can checksum one
  * snapshot on a worker thread while its sending thread streams the next, and a reader can
  * copy and checksum in one pass:
  *
@@ -15,7 +15,7 @@
  *                                          L1, so the pass costs about what a memcpy costs
  *   Hasher()                               streaming: update(buffer), intdigest()
  *   stream_into(dst, src)                  copy src into dst (one length) with non-temporal
- *                                          stores (stream_copy, tiers/_blockcopy.c)
+ *                                          stores (stream_copy, kvstore/native/_blockcopy.c)
  *   copy_hashed(dst, src, hasher)          copy src into dst (one length), feeding hasher the
  *                                          bytes written: each 32 KiB is read once out of src
  *                                          and stored both into a private buffer in L1, hashed
@@ -176,11 +176,11 @@ static PyType_Slot hasher_slots[] = {
     {Py_tp_new, hasher_new},
     {Py_tp_dealloc, hasher_dealloc},
     {Py_tp_methods, hasher_methods},
-    {Py_tp_doc, "Hasher(): a streaming xxh3-64 with this CPU's widest kernel (tiers.swa_digest.Hasher)."},
+    {Py_tp_doc, "Hasher(): a streaming xxh3-64 with this CPU's widest kernel (kvstore.native.swa_digest.Hasher)."},
     {0, NULL},
 };
 
-static PyType_Spec hasher_spec = {"tiers._blockcopy.Hasher", sizeof(Hasher), 0, Py_TPFLAGS_DEFAULT, hasher_slots};
+static PyType_Spec hasher_spec = {"kvstore.native._blockcopy.Hasher", sizeof(Hasher), 0, Py_TPFLAGS_DEFAULT, hasher_slots};
 
 /* Add Hasher to the module; -1 on failure. */
 static int add_hasher(PyObject *module) {
@@ -201,7 +201,7 @@ static int add_hasher(PyObject *module) {
  * stream_into(dst, src): copy src into dst (of one length) with non-temporal stores, without the
  * GIL. An SWA shared-memory put copies each snapshot into its tenant's arena this way: the client
  * never reads it again, and the server that checksums it then reads it from memory, not out of
- * the other core's cache (tiers.swa_digest.stream_into).
+ * the other core's cache (kvstore.native.swa_digest.stream_into).
  */
 static PyObject *stream_into(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
@@ -260,7 +260,7 @@ static void stream_copy_twice(char *dst, char *out, const char *src, size_t n) {
 /*
  * copy_hashed(dst, src, hasher): copy src into dst (of one length) and feed `hasher` (a Hasher) the
  * bytes copied, in one pass without the GIL. The SWA pool copies each snapshot out of a writer's
- * staging arena into the tenant's sealed arena this way (tiers.swa_digest.copy_hashed), so the
+ * staging arena into the tenant's sealed arena this way (kvstore.native.swa_digest.copy_hashed), so the
  * server's event loop and its other connections run meanwhile.
  *
  * Each 32 KiB of src is read once, into registers that are stored both into a buffer of this call's
@@ -280,7 +280,7 @@ static PyObject *copy_hashed(PyObject *self, PyObject *args) {
     Hasher *h = (Hasher *)obj;
     char *block = NULL;
     if (hasher_type == NULL || !PyObject_TypeCheck(obj, (PyTypeObject *)hasher_type))
-        PyErr_SetString(PyExc_TypeError, "copy_hashed: hasher must be a tiers._blockcopy.Hasher");
+        PyErr_SetString(PyExc_TypeError, "copy_hashed: hasher must be a kvstore.native._blockcopy.Hasher");
     else if (dst.len != src.len)
         PyErr_SetString(PyExc_ValueError, "copy_hashed: dst and src must be of one length");
     else if (hasher_idle(h) == 0 && (block = PyMem_Malloc(DIGEST_COPY_BLOCK)) == NULL)
@@ -312,12 +312,12 @@ static PyObject *copy_hashed(PyObject *self, PyObject *args) {
 }
 
 #define SWA_DIGEST_METHODS                                                                                     \
-    {"digest", digest, METH_O, "digest(buffer) -> int\n\nSee tiers.swa_digest.digest: xxh3-64 without the GIL."}, \
+    {"digest", digest, METH_O, "digest(buffer) -> int\n\nSee kvstore.native.swa_digest.digest: xxh3-64 without the GIL."}, \
     {"copy_digest", copy_digest, METH_O,                                                                        \
-     "copy_digest(src) -> (bytes, int)\n\nSee tiers.swa_digest.copy_digest: copy and xxh3-64 in one pass."},  \
+     "copy_digest(src) -> (bytes, int)\n\nSee kvstore.native.swa_digest.copy_digest: copy and xxh3-64 in one pass."},  \
     {"stream_into", stream_into, METH_VARARGS,                                                                  \
-     "stream_into(dst, src)\n\nSee tiers.swa_digest.stream_into: a copy with non-temporal stores."},          \
+     "stream_into(dst, src)\n\nSee kvstore.native.swa_digest.stream_into: a copy with non-temporal stores."},          \
     {"copy_hashed", copy_hashed, METH_VARARGS,                                                                  \
-     "copy_hashed(dst, src, hasher)\n\nSee tiers.swa_digest.copy_hashed: a copy that hashes what it writes."},
+     "copy_hashed(dst, src, hasher)\n\nSee kvstore.native.swa_digest.copy_hashed: a copy that hashes what it writes."},
 
 #endif

@@ -1,6 +1,6 @@
-"""The SWA paths' snapshot checksums (xxh3-64) and arena copies, native where `tiers._blockcopy` is built.
+"""The SWA paths' snapshot checksums (xxh3-64) and arena copies, native where `kvstore.native._blockcopy` is built.
 
-The native forms (tiers/_swa_digest.h) use the widest xxh3 kernel the CPU has and
+The native forms (kvstore/native/_swa_digest.h) use the widest xxh3 kernel the CPU has and
 let go of the GIL for the whole pass over a snapshot, so a direct put can checksum
 one snapshot on a worker thread while its sending thread streams the next
 (kvstore.client.swa_direct), and a verified shared-memory get copies and checksums
@@ -79,11 +79,11 @@ def copy_hashed_python(dst: memoryview, src: Buffer, hasher: Hasher) -> None:
 def _load() -> tuple[Callable[[Buffer], int], Callable[[Buffer], tuple[bytes, int]], Callable[[], Hasher],
                      Callable[[memoryview, Buffer], None], Callable[[memoryview, Buffer, Hasher], None]] | None:
     try:
-        from tiers._blockcopy import Hasher as NativeHasher
-        from tiers._blockcopy import copy_digest as native_copy
-        from tiers._blockcopy import copy_hashed as native_copy_hashed
-        from tiers._blockcopy import digest as native_digest
-        from tiers._blockcopy import stream_into as native_stream_into
+        from kvstore.native._blockcopy import Hasher as NativeHasher
+        from kvstore.native._blockcopy import copy_digest as native_copy
+        from kvstore.native._blockcopy import copy_hashed as native_copy_hashed
+        from kvstore.native._blockcopy import digest as native_digest
+        from kvstore.native._blockcopy import stream_into as native_stream_into
     except ImportError:  # not built, or built before these existed
         return None
     return native_digest, native_copy, NativeHasher, native_stream_into, native_copy_hashed
