@@ -89,7 +89,8 @@ class FleetStore:
         from kvstore.client.fleet_view import FleetView  # loads aetcd
 
         self.settings, self.clock = settings, clock or SystemClock()
-        self.address = FleetAddress(endpoints=parse_endpoints(fleet.etcd), cluster=fleet.cluster, tls=fleet.etcd_tls)
+        self.address = FleetAddress(endpoints=parse_endpoints(fleet.etcd), cluster=fleet.cluster, tls=fleet.etcd_tls,
+                                    auth=fleet.etcd_auth)
         self.view = FleetView(self.address)
         if self.view.layout.block_tokens != settings.block_tokens:
             self.view.close()

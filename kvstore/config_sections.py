@@ -14,7 +14,7 @@ from typing import ClassVar
 
 from kvstore.config_ranges import MAX_BYTES, UINT32_MAX, Range, check_ranges
 from kvstore.errors import ConfigError
-from kvstore.fleet.endpoints import EtcdTls, check_cluster, endpoints_use_tls, parse_endpoints
+from kvstore.fleet.endpoints import EtcdAuth, EtcdTls, check_cluster, endpoints_use_tls, parse_endpoints
 from kvstore.host import usable_cpus
 
 GiB = 1 << 30
@@ -435,6 +435,12 @@ class FleetSettings:
     etcd_cert_file: str = ""
     #: The key of etcd_cert_file; '' = none.
     etcd_key_file: str = ""
+    #: The etcd user this process authenticates as, where etcd's auth is enabled (F70); '' = none. With
+    #: etcd_password_file.
+    etcd_user: str = ""
+    #: A file holding etcd_user's password (its first line; never the password itself in the config);
+    #: '' = none.
+    etcd_password_file: str = ""
     #: The fleet's name: its records live under `/kvstore/<cluster>/` (one etcd may hold several fleets).
     cluster: str = "default"
     #: Seconds a node's registration outlives its last keep-alive: a node that dies leaves the view within this.
@@ -476,6 +482,7 @@ class FleetSettings:
         check_cluster(self.cluster)
         parse_endpoints(self.etcd)  # refuse a malformed endpoint at load, not at the first call
         _ = self.etcd_tls  # refuse mixed schemes, or a certificate without its key, at load too
+        _ = self.etcd_auth  # refuse a user without its password file, or the other way round (F70)
 
     @property
     def etcd_tls(self) -> EtcdTls | None:
@@ -484,6 +491,13 @@ class FleetSettings:
         if endpoints_use_tls(self.etcd) or files != EtcdTls():
             return files
         return None
+
+    @property
+    def etcd_auth(self) -> EtcdAuth | None:
+        """etcd's user authentication (F70): etcd_user with etcd_password_file; None: none."""
+        if not self.etcd_user and not self.etcd_password_file:
+            return None
+        return EtcdAuth(user=self.etcd_user, password_file=self.etcd_password_file)
 
     @property
     def enabled(self) -> bool:

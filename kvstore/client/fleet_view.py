@@ -48,7 +48,7 @@ class FleetView:
         self._policy: WatchedPrefix[int | None] | None = None
         self._policy_tenant: str | None = None
         # The session first: TLS files that cannot be read fail here (ConfigError), before any thread starts.
-        session = EtcdSession(address.endpoints, timeout_s=timeout_s, tls=address.tls)
+        session = EtcdSession(address.endpoints, timeout_s=timeout_s, tls=address.tls, auth=address.auth)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"fleet-view-{address.cluster}",
                                         daemon=True)
@@ -94,7 +94,8 @@ class FleetView:
         """
         cluster = self.address.cluster
         prefix = policies_prefix(cluster) if tenant is None else policy_key(cluster, tenant)
-        session = EtcdSession(self.address.endpoints, timeout_s=self._timeout_s, tls=self.address.tls)
+        session = EtcdSession(self.address.endpoints, timeout_s=self._timeout_s, tls=self.address.tls,
+                              auth=self.address.auth)
         table = WatchedPrefix(session, prefix,
                               partial(_own_replication, "" if tenant is not None else None), table="policy")
         try:

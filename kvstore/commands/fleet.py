@@ -45,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            ("cert", "this command's certificate, for an etcd asking for one"), ("key", "its key")):
             p.add_argument(f"--etcd-{name}-file", default=None,
                            help=f"TLS to etcd: {what} (default: [fleet] etcd_{name}_file; docs/FLEET.md F57)")
+        p.add_argument("--etcd-user", default=None,
+                       help="etcd's authentication: the user to authenticate as (default: [fleet] etcd_user; F70)")
+        p.add_argument("--etcd-password-file", default=None,
+                       help="a file whose first line is that user's password, never the password itself "
+                            "(default: [fleet] etcd_password_file)")
         p.add_argument("--cluster", default=None, help="the fleet's name (default: [fleet] cluster, 'default')")
         p.add_argument("--config", type=Path, default=None, help="TOML config whose [fleet] section to use")
         p.add_argument("--timeout", type=float, default=3.0, help="seconds each etcd call may take (default 3)")
@@ -58,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     fleet = load_settings(args.config, overrides={"fleet": {
         "etcd": args.etcd, "cluster": args.cluster, "etcd_ca_file": args.etcd_ca_file,
-        "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file}}).fleet
+        "etcd_cert_file": args.etcd_cert_file, "etcd_key_file": args.etcd_key_file, "etcd_user": args.etcd_user,
+        "etcd_password_file": args.etcd_password_file}}).fleet
     if not fleet.enabled:
         raise ConfigError("no etcd endpoints to ask: this is a single node's configuration",
                           hint="give --etcd host:port, or set [fleet] etcd in --config (or KVSTORE_FLEET_ETCD)")

@@ -104,10 +104,11 @@ def _fleet_of(target: str) -> FleetSettings:
             hint="give --target etcd://HOST:PORT[,HOST:PORT]/CLUSTER (the fleet's etcd, as kvstore.Client takes "
                  "it), or --config/--data-dir for a single node's tenants file")
     address = parse_fleet_address(target)
-    tls = address.tls  # etcds://: https:// endpoints and the query's files (F57)
+    tls, auth = address.tls, address.auth  # etcds://: https:// endpoints and the query's files (F57); user (F70)
     return FleetSettings(etcd=",".join(f"https://{e}" if tls else str(e) for e in address.endpoints),
                          cluster=address.cluster, etcd_ca_file=tls.ca_file if tls else "",
-                         etcd_cert_file=tls.cert_file if tls else "", etcd_key_file=tls.key_file if tls else "")
+                         etcd_cert_file=tls.cert_file if tls else "", etcd_key_file=tls.key_file if tls else "",
+                         etcd_user=auth.user if auth else "", etcd_password_file=auth.password_file if auth else "")
 
 
 def run(args: argparse.Namespace) -> int:

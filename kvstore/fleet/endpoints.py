@@ -71,6 +71,43 @@ class EtcdTls:
                                             certificate_chain=read(self.cert_file, "certificate file"))
 
 
+@dataclass(frozen=True, kw_only=True)
+class EtcdAuth:
+    """etcd's user authentication (docs/FLEET.md F70): the user this process authenticates as and the file its
+    password is read from (its first line), never the password itself, so it is in no config, command line or log.
+    """
+
+    user: str
+    password_file: str
+
+    def __post_init__(self) -> None:
+        if not self.user or not self.password_file:
+            raise ConfigError("etcd authentication takes a user and a password file together "
+                              f"(user={self.user!r}, password_file={self.password_file!r})",
+                              hint="set both [fleet] etcd_user and etcd_password_file (an address: "
+                                   "?user=NAME&password_file=PATH), or neither")
+        if any(c in self.user for c in "\r\n\0"):
+            raise ConfigError(f"etcd user {self.user!r} has a line break or NUL in it")
+
+    def password(self) -> str:
+        """The password: the file's first line, its line ending dropped; read now (a restart reads a new one).
+
+        Raises:
+            ConfigError: the file cannot be read or its first line is empty (naming the file, never its text).
+        """
+        try:
+            text = Path(self.password_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+            raise ConfigError(f"etcd user {self.user!r}'s password file {self.password_file!r} cannot be read: {why}",
+                              hint="check [fleet] etcd_password_file (or the address's password_file=)") from None
+        password = text.split("\n", 1)[0].rstrip("\r")
+        if not password:
+            raise ConfigError(f"etcd user {self.user!r}'s password file {self.password_file!r} has an empty first "
+                              "line", hint="write the password on the file's first line")
+        return password
+
+
 #: The schemes an endpoint may carry: http:// is plaintext gRPC, https:// is TLS (`endpoints_use_tls`).
 _SCHEMES = ("http", "https")
 

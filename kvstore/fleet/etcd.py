@@ -11,6 +11,13 @@ unreachable etcd as `Unavailable` naming every endpoint tried (docs/FLEET.md).
 TLS to etcd (F57): aetcd 1.x opens only plaintext channels (`Client.connect` calls
 `insecure_channel`), so `_TlsClient` is aetcd's client with that one call made a
 `secure_channel` with the session's credentials; everything else is aetcd's.
+
+etcd's user authentication (F70): aetcd's client takes a user and password and
+authenticates when it connects (etcd's Authenticate, its token sent with every call);
+`_TlsClient` does the same over TLS. The password is read from its file when a session
+is made, and lives only in the session and its client. A token etcd no longer knows (it
+expired while the client was idle, or etcd restarted) is answered by connecting again,
+once, which authenticates again.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ import aetcd.client
 import grpc
 from aetcd import rpc
 
-from kvstore.errors import Internal, KVStoreError, Unauthenticated, Unavailable
-from kvstore.fleet.endpoints import Endpoint, EtcdTls
+from kvstore.errors import Internal, KVStoreError, PermissionDenied, Unauthenticated, Unavailable
+from kvstore.fleet.endpoints import Endpoint, EtcdAuth, EtcdTls
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,20 +58,53 @@ def _channel_options(timeout_s: float) -> dict[str, int]:
     }
 
 
-def translate(exc: BaseException, endpoints: Sequence[Endpoint]) -> KVStoreError:
-    """The kvstore error for an aetcd (or gRPC) error met talking to `endpoints`."""
+#: What etcd says of credentials it refuses (INVALID_ARGUMENT) and of a call without them while its auth is on.
+_BAD_CREDENTIALS = "authentication failed"
+_NO_USER = "user name is empty"
+#: What etcd says of a token it does not know (expired, or etcd restarted): authenticate again.
+_STALE_TOKEN = "invalid auth token"
+
+
+def _status_code(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status under an aetcd error (aetcd raises its own classes from the RPC error)."""
+    cause = exc.__cause__
+    return cause.code() if isinstance(cause, grpc.aio.AioRpcError) else None
+
+
+def translate(exc: BaseException, endpoints: Sequence[Endpoint], auth: EtcdAuth | None = None) -> KVStoreError:
+    """The kvstore error for an aetcd (or gRPC) error met talking to `endpoints` as `auth`'s user (None: none)."""
     if isinstance(exc, KVStoreError):
         return exc
     where = ", ".join(str(e) for e in endpoints)
+    text = str(exc)
+    settings = "[fleet] etcd_user and etcd_password_file (a client's address: ?user=NAME&password_file=PATH)"
+    if _BAD_CREDENTIALS in text:
+        return Unauthenticated(f"etcd at {where} refused user {auth.user if auth else ''!r}: {text}",
+                               hint=f"check the user and the password in its file ({settings})")
+    if _NO_USER in text or (auth is None and isinstance(exc, aetcd.exceptions.UnauthenticatedError)):
+        return Unauthenticated(f"etcd at {where} has authentication on and this process gave no user: {text}",
+                               hint=f"set {settings} (docs/FLEET.md F70)")
+    if _status_code(exc) == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(f"etcd at {where} denied user {auth.user if auth else ''!r} the call: {text}",
+                                hint="grant the user's role readwrite on the fleet's keys: etcdctl role "
+                                     "grant-permission ROLE --prefix=true readwrite /kvstore/CLUSTER/ "
+                                     "(docs/FLEET.md F70)")
     if isinstance(exc, UNREACHABLE):
         return Unavailable(f"etcd does not answer at {where} ({exc})",
                            hint="start etcd there, or point [fleet] etcd (KVSTORE_FLEET_ETCD) at its client URLs; "
                                 "an etcd serving TLS is written https:// (etcds:// for a client), its CA in "
                                 "[fleet] etcd_ca_file")
     if isinstance(exc, aetcd.exceptions.UnauthenticatedError):
-        return Unauthenticated(f"etcd at {where} refused the call: {exc}",
-                               hint="etcd authentication is not supported yet: serve the fleet's etcd without it")
+        return Unauthenticated(f"etcd at {where} refused the call: {exc}", hint=f"check {settings}")
     return Internal(f"etcd at {where} failed the call: {type(exc).__name__}: {exc}")
+
+
+class _StaleToken(Exception):
+    """A call refused for a token etcd no longer knows (`EtcdSession.call` authenticates again, once)."""
+
+    def __init__(self, error: aetcd.ClientError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _TlsClient(aetcd.Client):
@@ -76,6 +116,8 @@ class _TlsClient(aetcd.Client):
     """
 
     _is_connecting: bool  # aetcd's, set in its __init__
+    _username: str | None
+    _password: str | None
 
     def __init__(self, *, credentials: grpc.ChannelCredentials, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
@@ -83,7 +125,7 @@ class _TlsClient(aetcd.Client):
 
     @aetcd.client._handle_errors  # type: ignore[misc]  # aetcd's own error mapping, as its connect has
     async def connect(self) -> None:
-        """Open the channel (TLS) and the stubs; no etcd authentication (this fleet uses none: `translate`)."""
+        """Open the channel (TLS) and the stubs, and authenticate as aetcd's connect does when given a user (F70)."""
         if self._connected.is_set():
             return
         if self._is_connecting:  # another task is connecting: wait for it, as aetcd's connect does
@@ -93,6 +135,11 @@ class _TlsClient(aetcd.Client):
             self._is_connecting = True
             self.channel = rpc.secure_channel(f"{self._host}:{self._port}", self._credentials,
                                               options=self._options.items())
+            if self._username is not None and self._password is not None:
+                self.auth_stub = rpc.AuthStub(self.channel)
+                reply = await self.auth_stub.Authenticate(
+                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                self.metadata = (("token", reply.token),)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
@@ -111,16 +158,22 @@ class EtcdSession:
         endpoints: the members' client addresses, tried in order (the first that answers is kept).
         timeout_s: deadline of each call to one member.
         tls: speak TLS to etcd with these files (None: plaintext).
+        auth: authenticate as this etcd user (F70; None: no user, for an etcd without auth).
+
+    Raises:
+        ConfigError: a TLS or password file that cannot be read (naming it).
     """
 
-    def __init__(self, endpoints: Sequence[Endpoint], *, timeout_s: float, tls: EtcdTls | None = None) -> None:
+    def __init__(self, endpoints: Sequence[Endpoint], *, timeout_s: float, tls: EtcdTls | None = None,
+                 auth: EtcdAuth | None = None) -> None:
         if not endpoints:
             raise ValueError("an etcd session needs at least one endpoint")
         self.endpoints = tuple(endpoints)
         self.timeout_s = timeout_s
-        self.tls = tls
+        self.tls, self.auth = tls, auth
         # Read once: a bad file fails the session's making, with its name, not each call.
         self._credentials = tls.credentials() if tls is not None else None
+        self._password = auth.password() if auth is not None else None
         self._current = 0
         self._client: aetcd.Client | None = None
 
@@ -134,7 +187,8 @@ class EtcdSession:
             endpoint = self.endpoint
             # aetcd passes `timeout` to gRPC as the deadline of each unary call (seconds, float is fine).
             kwargs = {"host": endpoint.host, "port": endpoint.port, "timeout": self.timeout_s,
-                      "options": _channel_options(self.timeout_s)}
+                      "options": _channel_options(self.timeout_s),
+                      "username": self.auth.user if self.auth else None, "password": self._password}
             self._client = (aetcd.Client(**kwargs) if self._credentials is None  # type: ignore[arg-type]
                             else _TlsClient(credentials=self._credentials, **kwargs))
         return self._client
@@ -156,7 +210,7 @@ class EtcdSession:
         try:
             await client.connect()
         except Exception as exc:
-            raise translate(exc, self.endpoints) from None
+            raise translate(exc, self.endpoints, self.auth) from None
         return client
 
     async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
@@ -166,6 +220,16 @@ class EtcdSession:
             Unavailable: no endpoint answered (the message names them all).
             KVStoreError: etcd answered with an error (`translate`).
         """
+        try:
+            return await self._call(op)
+        except _StaleToken:  # etcd forgot the token (expired while idle, or etcd restarted): authenticate again
+            await self.reset(next_endpoint=False)
+            try:
+                return await self._call(op)
+            except _StaleToken as exc:
+                raise translate(exc.error, self.endpoints, self.auth) from None
+
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         last: BaseException | None = None
         for _ in self.endpoints:
             client = self._open()
@@ -176,9 +240,11 @@ class EtcdSession:
                 log.debug("etcd member %s unreachable (%s); trying the next", self.endpoint, exc)
                 await self.reset()
             except aetcd.ClientError as exc:
-                raise translate(exc, self.endpoints) from None
+                if self.auth is not None and _STALE_TOKEN in str(exc):
+                    raise _StaleToken(exc) from None
+                raise translate(exc, self.endpoints, self.auth) from None
         assert last is not None
-        raise translate(last, self.endpoints) from None
+        raise translate(last, self.endpoints, self.auth) from None
 
     async def close(self) -> None:
         """Close the client; the session may be used again (it opens a new one)."""

@@ -424,9 +424,15 @@ class Membership:
 
 
 def session_for(fleet: FleetSettings, *, timeout_s: float | None = None) -> EtcdSession:
-    """An etcd session to the fleet's endpoints (TLS as [fleet] says: F57); each call's deadline is a third of the
-    lease TTL by default (so a renewal that fails over to another member still lands before the lease ends)."""
-    return EtcdSession(parse_endpoints(fleet.etcd), timeout_s=timeout_s or fleet.lease_ttl_s / 3, tls=fleet.etcd_tls)
+    """An etcd session to the fleet's endpoints (TLS and the etcd user as [fleet] says: F57, F70); each call's
+    deadline is a third of the lease TTL by default (so a renewal that fails over to another member still lands
+    before the lease ends).
+
+    Raises:
+        ConfigError: a TLS or password file that cannot be read (naming it).
+    """
+    return EtcdSession(parse_endpoints(fleet.etcd), timeout_s=timeout_s or fleet.lease_ttl_s / 3, tls=fleet.etcd_tls,
+                       auth=fleet.etcd_auth)
 
 
 def advertised_address(fleet: FleetSettings, bind_host: str, port: int) -> str:

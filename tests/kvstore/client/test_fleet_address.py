@@ -7,7 +7,7 @@ import pytest
 from kvstore.client.fleet_address import is_fleet_address, parse_fleet_address
 from kvstore.client.fleet_chain import BRIDGE_TAG, fleet_hashes, run_extra_keys
 from kvstore.errors import InvalidArgument
-from kvstore.fleet.endpoints import EtcdTls
+from kvstore.fleet.endpoints import EtcdAuth, EtcdTls
 from kvstore.prefix import chain_hashes, root_hash
 
 ROOT = root_hash(bytes(8), 4)
@@ -42,9 +42,9 @@ def test_f57_an_etcds_address_is_tls_to_etcd_with_the_files_its_query_names() ->
 
 
 @pytest.mark.parametrize(("bad", "match"), [
-    ("etcd://a:1/prod?ca_file=/ca.pem", "only an etcds:// address takes one"),
+    ("etcd://a:1/prod?ca_file=/ca.pem", "TLS files only an etcds:// address takes"),
     ("etcds://a:1/prod?password=x", "query names password"),
-    ("etcds://a:1/prod?ca_file=/a&ca_file=/b", "a file twice"),
+    ("etcds://a:1/prod?ca_file=/a&ca_file=/b", "one name twice"),
     ("etcds://a:1/prod?cert_file=/c.pem", "a client certificate and its key together"),
     ("etcds://a:1/prod?junk", "fleet address"),
 ])
@@ -52,6 +52,29 @@ def test_f57_a_bad_etcds_query_is_refused_naming_what_it_takes(bad: str, match: 
     with pytest.raises(InvalidArgument, match=match) as refused:
         parse_fleet_address(bad)
     assert "etcds://" in refused.value.hint
+
+
+def test_f70_either_scheme_takes_an_etcd_user_and_its_password_file() -> None:
+    """F70: ?user=NAME&password_file=PATH on etcd:// and etcds:// (beside the TLS files); never a password."""
+    plain = parse_fleet_address("etcd://a:1/prod?user=kvnode&password_file=/etc/kv/etcd%20pw")
+    assert plain.auth == EtcdAuth(user="kvnode", password_file="/etc/kv/etcd pw") and plain.tls is None
+    assert parse_fleet_address(str(plain)) == plain and str(plain).startswith("etcd://a:1/prod?user=kvnode&")
+    both = parse_fleet_address("etcds://a:1/prod?ca_file=/ca.pem&user=kvnode&password_file=/pw")
+    assert both.tls == EtcdTls(ca_file="/ca.pem") and both.auth == EtcdAuth(user="kvnode", password_file="/pw")
+    assert parse_fleet_address(str(both)) == both
+    assert parse_fleet_address("etcd://a:1/prod").auth is None
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    ("etcd://a:1/prod?user=kvnode", "a user and a password file together"),
+    ("etcd://a:1/prod?password_file=/pw", "a user and a password file together"),
+    ("etcd://a:1/prod?user=kvnode&password=secret", "query names password: an etcd:// query"),
+    ("etcds://a:1/prod?user=a&user=b&password_file=/pw", "one name twice"),
+])
+def test_f70_a_bad_user_query_is_refused_naming_what_it_takes(bad: str, match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match) as refused:
+        parse_fleet_address(bad)
+    assert "user=NAME&password_file=PATH" in refused.value.hint
 
 
 def test_f29_run_0_hashes_as_one_server_and_later_runs_bridge_to_the_prefix() -> None:
