@@ -131,13 +131,18 @@ def place_chain(chain: Sequence[bytes], node_ids: Iterable[str], *, run_blocks: 
         InvalidArgument: run_blocks or replication below 1.
         Unavailable: no node is live.
     """
-    ids = frozenset(node_ids)
-    placed = []
-    for run in range(run_count(len(chain), run_blocks)):
-        first = run * run_blocks
-        placed.append(RunPlacement(run=run, first_block=first, end_block=min(first + run_blocks, len(chain)),
-                                   replicas=ranked(run_key(chain, run, run_blocks), ids, replication)))
-    return tuple(placed)
+    run_count(len(chain), run_blocks)  # checks run_blocks before the slice below
+    # The runs' keys are their first hashes (`run_key`): a chain placed before is placed from the memo.
+    return _placed(tuple(chain[::run_blocks]), len(chain), frozenset(node_ids), run_blocks, replication)
+
+
+@functools.lru_cache(maxsize=256)
+def _placed(keys: tuple[bytes, ...], n_blocks: int, ids: frozenset[str], run_blocks: int,
+            replication: int) -> tuple[RunPlacement, ...]:
+    """`place_chain` by the runs' keys, remembered for the last 256 (chains, node set): a prompt sent again
+    (its Lookup, then its Get) is placed without building its runs again (docs/FLEET.md F65)."""
+    return tuple(RunPlacement(run=run, first_block=run * run_blocks, end_block=min((run + 1) * run_blocks, n_blocks),
+                              replicas=ranked(key, ids, replication)) for run, key in enumerate(keys))
 
 
 @functools.lru_cache(maxsize=1 << 16)

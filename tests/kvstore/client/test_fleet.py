@@ -514,6 +514,25 @@ def test_f51_a_client_naming_no_namespace_follows_the_default_tenants_policy(fle
         assert plain.view._policy_tenant == "default"  # the policy key it follows in etcd
 
 
+def test_f65_refreshes_queued_together_keep_the_deepest_per_copy_and_are_cut_when_sent(fleet: Fleet) -> None:
+    """F65: a Lookup queues its unasked copies in one call; per (node, run) the deepest use is the one sent, cut
+    from the chain by the refresher's thread; an empty range is no refresh."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        [run] = client.placement(chain)
+        node, other = run.replicas[:2]
+        before = client.node_stats()
+        client.refresher.add_many([(node, chain, 0, 2), (node, chain, 0, 4), (node, chain, 0, 3), (other, chain, 1, 1)])
+        assert client.refresher.flush(30.0)
+        after = client.node_stats()
+        assert after[node].lookups == before[node].lookups + 1
+        assert after[node].lookup_tokens_asked == before[node].lookup_tokens_asked + RUN_TOKENS
+        assert after[node].lookup_tokens_found == before[node].lookup_tokens_found + RUN_TOKENS
+        assert all(after[n].lookups == before[n].lookups for n in after if n != node)
+
+
 def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
     """F30, F33: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
     replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
@@ -586,21 +605,3 @@ def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_o
         assert fresh.pool.failures[victim.node_id] > failed  # it was asked first, failed, and the replica served
         assert fresh.lookup(tokens).found_blocks == 12
 
-
-def test_f65_refreshes_queued_together_keep_the_deepest_per_copy_and_are_cut_when_sent(fleet: Fleet) -> None:
-    """F65: a Lookup queues its unasked copies in one call; per (node, run) the deepest use is the one sent, cut
-    from the chain by the refresher's thread; an empty range is no refresh."""
-    with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS)
-        client.put(tokens, blocks_for(client, tokens))
-        chain = client.hashes(tokens)
-        [run] = client.placement(chain)
-        node, other = run.replicas[:2]
-        before = client.node_stats()
-        client.refresher.add_many([(node, chain, 0, 2), (node, chain, 0, 4), (node, chain, 0, 3), (other, chain, 1, 1)])
-        assert client.refresher.flush(30.0)
-        after = client.node_stats()
-        assert after[node].lookups == before[node].lookups + 1
-        assert after[node].lookup_tokens_asked == before[node].lookup_tokens_asked + RUN_TOKENS
-        assert after[node].lookup_tokens_found == before[node].lookup_tokens_found + RUN_TOKENS
-        assert all(after[n].lookups == before[n].lookups for n in after if n != node)

@@ -153,3 +153,19 @@ def test_layouts_round_trip_and_name_their_run_tokens() -> None:
     layout = Layout(run_blocks=256, block_tokens=64)
     assert layout.run_tokens == 16_384 and Layout.from_json(layout.to_json()) == layout
     assert Layout.from_json(b"{") is None and Layout.from_json(b'{"run_blocks": 0, "block_tokens": 64}') is None
+
+
+def test_f65_a_chain_placed_again_is_placed_from_the_memo_exactly_as_cold() -> None:
+    """F65: a prompt sent again is placed by its runs' keys from a memo; what it gives is the cold placement."""
+    import kvstore.fleet.placement as placement
+
+    chain = [bytes([i % 251, i // 251]) * 16 for i in range(1000)]
+    nodes = ["n1", "n2", "n3"]
+    first = placement.place_chain(chain, nodes, run_blocks=64, replication=2)
+    assert placement.place_chain(list(chain), nodes, run_blocks=64, replication=2) is first
+    placement._placed.cache_clear()
+    placement.ranked.cache_clear()
+    assert placement.place_chain(chain, nodes, run_blocks=64, replication=2) == first
+    assert [r.end_block for r in first][-2:] == [960, 1000] and first[-1].first_block == 960
+    assert placement.place_chain(chain, nodes[:2], run_blocks=64, replication=2) != first  # another node set
+    assert placement.place_chain(chain[:999], nodes, run_blocks=64, replication=2)[-1].end_block == 999
