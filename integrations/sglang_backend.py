@@ -243,15 +243,15 @@ class KVStoreHiCacheStorage(PoolRegistry, PoolsV2, HiCacheStorage):
 
     def _stream(self, keys: Sequence[str], hashes: list[bytes],
                 extra_info: HiCacheStorageExtraInfo | None) -> Iterator[tuple[int, int, bytes]]:
-        """(index in `keys`, status, data) of each page's block: by its hash on one server; in a fleet, as the part
-        of the chain from the sequence start that `keys` are (a run is found by its first hash, F29), none when
-        that chain cannot be traced (a miss: SGLang recomputes)."""
+        """(index in `keys`, status, data) of each page's block: by its hash on one server; in a fleet or through its
+        gateway, as the part of the chain from the sequence start that `keys` are (a run is found by its first hash,
+        F29, F60), none when that chain cannot be traced (a miss: SGLang recomputes)."""
         if not self.ledger.run_blocks:
             return self.client.stream(hashes)
         chain = self._chain(keys, extra_info)
         if chain is None:
             return iter(())
-        return self.client.stream_part(chain.blocks, chain.offset, len(chain.blocks))  # type: ignore[attr-defined,no-any-return]
+        return sglang_keys.stream_part(self.client, chain.blocks, chain.offset, len(chain.blocks))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:

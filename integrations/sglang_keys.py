@@ -50,9 +50,10 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+from kvstore.client.blocks import stream_blocks
 from kvstore.client.fleet_chain import run_extra_keys
 from kvstore.errors import ConfigError
 from kvstore.prefix import HASH_BYTES, chain_hashes
@@ -325,6 +326,17 @@ def page_blocks(page: Sequence[int], *, root: bytes, block_tokens: int, run_bloc
                             extra_keys=run_extra_keys(extra_keys, bridge))
         parent, done, block = out[-1], done + take, block + take
     return out, bridge
+
+
+def stream_part(client: Any, chain: Sequence[bytes], first_block: int,
+                end_block: int) -> Iterator[tuple[int, int, bytes]]:
+    """(index from `first_block`, status, data) of blocks [first_block, end_block) of `chain` (fleet hashes from
+    block 0), asked so that each run is found by its placement (F29): a fleet client's `stream_part`; a gateway's
+    plain client says in each Get where it starts (F37, F60), which the hashes alone do not."""
+    part = getattr(client, "stream_part", None)
+    if part is not None:
+        return part(chain, first_block, end_block)  # type: ignore[no-any-return]
+    return stream_blocks(client.connection, chain[first_block:end_block], chain=chain, first_block=first_block)
 
 
 def run_blocks_of(client: Any) -> int:

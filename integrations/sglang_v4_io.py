@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from integrations.sglang_keys import KeyLedger
+from integrations.sglang_keys import KeyLedger, stream_part
 from integrations.sglang_share import V4Sharing
 from integrations.sglang_swa import read_only
 from integrations.sglang_v4 import V4PageLayout, blocks_to_pages, pages_to_blocks
@@ -135,7 +135,7 @@ class V4Pages:
         blocks: Any = client.stream(hashes)
         if self.ledger.run_blocks:
             if chain is not None and hashes and chain[0][chain[1]:] == hashes:
-                blocks = client.stream_part(chain[0], chain[1], len(chain[0]))  # type: ignore[attr-defined]
+                blocks = stream_part(client, chain[0], chain[1], len(chain[0]))
             else:  # pages the ledger cannot trace to the start: a miss (SGLang recomputes)
                 blocks = iter(())
         try:

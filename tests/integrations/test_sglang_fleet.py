@@ -1,6 +1,8 @@
-"""The SGLang HiCache backend over a fleet (docs/FLEET.md F58): made by SGLang's real dynamic factory with the fleet's
-`etcd://` address as the storage backend's `target`, keyed by SGLang's own page hash (`get_hash_str`, which the
-backend answers), against one real etcd and three real `kvstore serve` nodes at replication 2 (fleet_support.py).
+"""The SGLang HiCache backend over a fleet (docs/FLEET.md F58-F60): made by SGLang's real dynamic factory with the
+fleet's `etcd://` address (or its gateway's host:port) as the storage backend's `target`, keyed by SGLang's own
+page hash (`get_hash_str`, which the backend answers), against one real etcd, three real `kvstore serve` nodes at
+replication 2 whose SWA pool is one real Redis Cluster, and a real `kvstore gateway` in front of them
+(fleet_support.py).
 
 Skips only when SGLang cannot be imported (test_sglang_support.py says why). The test that kills a node runs last
 in the module and leaves two.
@@ -14,20 +16,34 @@ from typing import Any
 import pytest
 import torch
 
+from integrations import sglang_swa
 from integrations.sglang_backend import KVStoreHiCacheStorage
 from integrations.sglang_keys import SEED_KEY_PREFIX, KeyLedger
 from kvstore.client.fleet_chain import fleet_hashes
 from kvstore.prefix import HASH_BYTES
 from tests.integrations import test_sglang_support as support
-from tests.integrations.fleet_support import REPLICATION, Fleet, failovers, fleet_fixture, node_errors, spread_prompt
+from tests.integrations.fleet_support import (
+    REPLICATION,
+    Fleet,
+    failovers,
+    first_reads,
+    fleet_fixture,
+    node_errors,
+    spread_prompt,
+)
+from tests.integrations.test_sglang_pools import swa_transfer
 from tests.integrations.test_sglang_support import (
     BLOCK,
+    GEO,
     PAGE,
+    SWA_PAGE,
     HiCacheStorageExtraInfo,
     PagePool,
+    PoolName,
     StorageBackendFactory,
     config,
     fill,
+    kvstore,
     prompt,
     sg_utils,
 )
@@ -39,25 +55,81 @@ PAGES = 8
 RUN_BLOCKS = 3
 
 
+#: SWA host pages of a snapshot (the window's trailing pages at a prefix end): 128 tokens of 64-token pages.
+WINDOW_PAGES = GEO.window // PAGE
+#: The prefix end the stored prompts' window is written at: their last full page.
+AT = PAGES * PAGE
+
+
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    yield from fleet_fixture(tmp_path_factory.mktemp("sglang-fleet"), block_tokens=PAGE, run_blocks=RUN_BLOCKS)
+def fleet(tmp_path_factory: pytest.TempPathFactory, redis_cluster_session: Any) -> Iterator[Fleet]:
+    yield from fleet_fixture(tmp_path_factory.mktemp("sglang-fleet"), block_tokens=PAGE, run_blocks=RUN_BLOCKS,
+                             swa_nodes=redis_cluster_session.startup_nodes, gateway=True)
 
 
-def attach(fleet: Fleet, pages: int = 16) -> tuple[KVStoreHiCacheStorage, PagePool]:
-    """A backend as SGLang makes it from `--hicache-storage-backend-extra-config` naming the fleet, its host pool
-    registered (what SGLang's cache controller does next)."""
+def attach(fleet: Fleet, pages: int = 16, target: str = "") -> tuple[KVStoreHiCacheStorage, PagePool]:
+    """A backend as SGLang makes it from `--hicache-storage-backend-extra-config` naming the fleet (or `target`), its
+    host pool registered (what SGLang's cache controller does next)."""
     pool = PagePool(pages, BLOCK)
-    made = StorageBackendFactory.create_backend("dynamic", config(fleet.address), pool)
+    made = StorageBackendFactory.create_backend("dynamic", config(target or fleet.address), pool)
     made.register_mem_pool_host(pool)
     assert isinstance(made, KVStoreHiCacheStorage)
     return made, pool
 
 
-def spread(fleet: Fleet, base: int) -> list[int]:
+def attach_hybrid(fleet: Fleet, target: str = "") -> tuple[KVStoreHiCacheStorage, PagePool, PagePool]:
+    """A backend of a hybrid model: its KV host pool and its SWA host pool registered through SGLang's per-pool
+    interface (v2), as its cache controller does for a sliding-window model."""
+    backend, kv = attach(fleet, target=target)
+    swa = PagePool(4, SWA_PAGE)
+    backend.register_mem_host_pool_v2(kv, PoolName.KV)
+    backend.register_mem_host_pool_v2(swa, PoolName.SWA)
+    return backend, kv, swa
+
+
+def spread(fleet: Fleet, base: int, also: Any = None) -> list[int]:
     """A prompt of PAGES pages and a partial one whose runs lie on every node (a test's own: seeds from `base`)."""
     with fleet.client() as client:
-        return spread_prompt(fleet, lambda seed: prompt(base + seed, PAGES), client.hashes)[1]
+        return spread_prompt(fleet, lambda seed: prompt(base + seed, PAGES), client.hashes, also=also)[1]
+
+
+def store_hybrid(fleet: Fleet, tokens: list[int], seed: int, target: str = "") -> tuple[list[bytes], bytes]:
+    """One hybrid backend writes the prompt's KV pages in two calls (the second from inside a run) and the window's
+    trailing SWA pages at its end; returns the KV pages' bytes and the snapshot those SWA pages are."""
+    backend, kv, swa = attach_hybrid(fleet, target)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:PAGES]
+        assert backend.batch_set_v1(keys[:4], fill(kv, 0, 4, seed=seed)) == [True] * 4
+        assert backend.batch_set_v1(keys[4:], fill(kv, 4, PAGES - 4, seed=seed + 1)) == [True] * (PAGES - 4)
+        fill(swa, 0, WINDOW_PAGES, seed=seed + 2)
+        done = backend.batch_set_v2([swa_transfer(keys[-WINDOW_PAGES:], 0)])
+        assert done == {PoolName.SWA.value: [True] * WINDOW_PAGES}
+        assert backend.counters()["write_failures"] == 0
+        window = sglang_swa.join_pages(GEO, [swa.get_data_page(i * PAGE) for i in range(WINDOW_PAGES)], PAGE)
+        return [kv.page_bytes(i) for i in range(PAGES)], bytes(window.numpy())
+    finally:
+        backend.close()
+
+
+def assert_resumes(fleet: Fleet, tokens: list[int], pages: list[bytes], window: bytes, target: str = "") -> None:
+    """A second hybrid backend finds the prompt restorable at its end (the KV pages and the window there) and reads
+    both back byte for byte: the KV pages from the start and from inside run 1, the SWA pages from the snapshot."""
+    backend, kv, swa = attach_hybrid(fleet, target)
+    try:
+        keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:PAGES]
+        probe = [swa_transfer(keys[-WINDOW_PAGES:], 0)]
+        hit = backend.batch_exists_v2(keys, probe)
+        assert hit.kv_hit_pages == PAGES and hit.restorable_prefix_pages == [PAGES]
+        assert read_back(backend, kv, keys, 0) == [True] * PAGES
+        assert [kv.page_bytes(i) for i in range(PAGES)] == pages
+        assert read_back(backend, kv, keys, 4) == [True] * (PAGES - 4)  # from block 4: inside run 1
+        assert [kv.page_bytes(i) for i in range(PAGES - 4)] == pages[4:]
+        assert backend.batch_get_v2(probe) == {PoolName.SWA.value: [True] * WINDOW_PAGES}
+        got = sglang_swa.join_pages(GEO, [swa.get_data_page(i * PAGE) for i in range(WINDOW_PAGES)], PAGE)
+        assert bytes(got.numpy()) == window
+        assert backend.counters()["snapshots_read"] == 1
+    finally:
+        backend.close()
 
 
 def store_through_sglang(fleet: Fleet, tokens: list[int], seed: int) -> list[bytes]:
@@ -294,24 +366,65 @@ def test_f58_a_sglang_v4_chain_that_turns_inexact_over_a_fleet_moves_to_sglangs_
     # SGLang's layout, is a miss there that each replica is asked for.
 
 
+def test_f59_sglang_swa_pages_over_a_fleet_are_one_snapshot_in_the_nodes_shared_pool(fleet: Fleet) -> None:
+    """F59: a hybrid backend's trailing SWA pages at the prompt's end are one snapshot in the nodes' shared pool,
+    keyed on the fleet hash of the last page (its key), the snapshot a fleet client names there and a hit through
+    every node; a second backend finds the prefix restorable there and reads the KV and SWA pages back byte for
+    byte."""
+    tokens = spread(fleet, 500)
+    pages, window = store_hybrid(fleet, tokens, seed=21)
+    with fleet.client() as client:
+        key = client.swa.key(tokens[:AT], AT)
+        assert key == sglang_swa.key_at(client.hashes(tokens)[PAGES - 1], AT)
+        for node in fleet.nodes:  # the pool is the nodes' one (F44)
+            with kvstore.Client(node.child.target) as direct:
+                got = direct.swa.get_many([key])[0]
+                assert got is not None and bytes(got) == window, node.node_id
+    moved = failovers()
+    assert_resumes(fleet, tokens, pages, window)
+    assert failovers() == moved
+
+
+def test_f60_sglang_through_a_gateway_stores_and_reads_back_kv_and_swa_pages(fleet: Fleet) -> None:
+    """F60: backends with the gateway's host:port as their target: the KV pages (the second call from inside a run)
+    and the window stored through the gateway are the fleet's (a fleet client finds the blocks and the snapshot
+    where it names them), and a second backend through the gateway reads both back byte for byte, from inside a
+    run too (each Get says where its run starts, F37)."""
+    assert fleet.gateway is not None
+    gateway = fleet.gateway.target
+    tokens = spread(fleet, 600)
+    pages, window = store_hybrid(fleet, tokens, seed=31, target=gateway)
+    with fleet.client() as client:
+        assert [bytes(b or b"") for b in client.get(tokens).blocks] == pages
+        got = client.swa.get(tokens[:AT], AT)
+        assert got is not None and bytes(got) == window
+    assert_resumes(fleet, tokens, pages, window, target=gateway)
+
+
 def test_f58_a_node_killed_after_the_store_costs_sglang_nothing(fleet: Fleet) -> None:
-    """F58, F31, F33: the node the next backend's client reads run 0 from first is SIGKILLed after the store (still in
-    the view: its lease has not ended); that backend still finds every page and reads them byte for byte from
-    the other replicas."""
-    tokens = spread(fleet, 300)
-    pages = store_through_sglang(fleet, tokens, seed=9)
-    backend, pool = attach(fleet)
+    """F58, F59, F31, F33, F45: the node the next hybrid backend's client reads run 0 from first, and reaches the SWA
+    pool through, is SIGKILLed after the store (still in the view: its lease has not ended); that backend still
+    finds every page restorable with its window and reads the KV pages from the other replicas and the window
+    through another node of the pool, byte for byte."""
+    backend, kv, swa = attach_hybrid(fleet)
     try:
         client = backend.client
-        chain = client.hashes(tokens)
-        run0 = client.placement(chain)[0]
-        victim = client.pool.read_order(chain[0], list(run0.replicas))[0]  # type: ignore[attr-defined]
-        next(n for n in fleet.nodes if n.node_id == victim).child.kill9()
+        victim = client.swa.node_id  # type: ignore[attr-defined]  # the pool's node it asks first (F45)
+        tokens = spread(fleet, 300, also=lambda chain: first_reads(client, chain)[0] == victim)  # type: ignore[arg-type]
+        pages, window = store_hybrid(fleet, tokens, seed=9)
+        fleet.node(victim).child.kill9()
         failed = node_errors(victim)
-        keys = sg_utils.get_hash_str(tokens, None, page_size=PAGE)[:PAGES]
-        assert backend.batch_exists(keys) == PAGES
-        assert read_back(backend, pool, keys, 0) == [True] * PAGES
-        assert [pool.page_bytes(i) for i in range(PAGES)] == pages
+        # SGLang's get_hash_str as this backend answers it (the storing backend's close gave SGLang back its own).
+        keys = backend.ledger.hash(tokens, None, page_size=PAGE)[:PAGES]
+        probe = [swa_transfer(keys[-WINDOW_PAGES:], 0)]
+        hit = backend.batch_exists_v2(keys, probe)
+        assert hit.kv_hit_pages == PAGES and hit.restorable_prefix_pages == [PAGES]
+        assert read_back(backend, kv, keys, 0) == [True] * PAGES
+        assert [kv.page_bytes(i) for i in range(PAGES)] == pages
+        assert backend.batch_get_v2(probe) == {PoolName.SWA.value: [True] * WINDOW_PAGES}
+        got = sglang_swa.join_pages(GEO, [swa.get_data_page(i * PAGE) for i in range(WINDOW_PAGES)], PAGE)
+        assert bytes(got.numpy()) == window
         assert node_errors(victim) > failed  # the dead node was asked first, and the reads moved on
+        assert client.swa.node_id != victim  # type: ignore[attr-defined]
     finally:
         backend.close()
