@@ -13,9 +13,12 @@ in one. Both clients put and get the same keys (the same Redis slots). Every
 figure is the best of `--repeat` rounds, the two clients taking turns (the
 least disturbed by the rest of the box).
 
-Also the fleet's transfer session (F49): a fetch of the Lookup's prompt, every
+Also the fleet's transfer session (F49, F62): a fetch of the Lookup's prompt, every
 run streamed from its node, against the single node's session on the same
-(stream) path.
+(stream) path; then on the shared-memory path (every node runs on this host, so
+each maps the region and copies its runs into it) against the single node's shm
+session; and with one node named this host's (its runs over shm, the rest
+streamed: a worker beside one node of many), against the same single shm session.
 
 Targets (printed with met / not met): put and get through the fleet >= 0.9x the
 single node's client; the Lookup with SWA candidates <= 2x the single node's
@@ -131,7 +134,8 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
     data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
     prompts = [rng.integers(0, 50_000, 256).tolist() for _ in range(snapshots)]
     clients = {"single": one, "fleet": many}
-    calls: dict[str, dict[str, Callable[[], None]]] = {"put": {}, "get": {}, "lookup": {}, "fetch": {}}
+    calls: dict[str, dict[str, Callable[[], None]]] = {"put": {}, "get": {}, "lookup": {}, "fetch": {},
+                                                      "fetch_shm": {}, "fetch_mixed": {}}
     blocks = len(tokens) // BLOCK_TOKENS
     positions = [b * BLOCK_TOKENS for b in range(blocks - CANDIDATES + 1, blocks + 1)]
     # One set of keys for both: the same Redis slots, so the masters' shares are the same for each client.
@@ -142,12 +146,22 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
         client.put(tokens, [data[:client.block_bytes]] * blocks)
         client.swa.put(tokens, data[:client.swa.snapshot_bytes(positions[-2])], position=positions[-2])
         calls["lookup"][name] = partial(_lookup, client, tokens, positions)
-        # A transfer session's fetch of the prompt's chain: both over the stream path (the single node's shm
-        # path maps this host's memory, which a fleet session does not: F49).
+        # A transfer session's fetch of the prompt's chain: both over the stream path.
         session = stack.enter_context(client.transfer(path="stream"))
         region = session.register(blocks * client.block_bytes)
         calls["fetch"][name] = partial(_fetch, session, client.hashes(tokens), region, blocks)
-    seconds = {what: dict.fromkeys(clients, float("inf")) for what in calls}
+        # The same fetch on the shm path: the single node's session, and the fleet's mapping its region into
+        # this host's nodes (F62: all of them here), then into one node only (the rest of the runs streamed).
+        shm = stack.enter_context(client.transfer(path="shm"))
+        calls["fetch_shm"][name] = partial(_fetch, shm, client.hashes(tokens), shm.register(region.size_bytes),
+                                           blocks)
+    from kvstore.client.fleet_transfer import FleetTransferSession
+
+    here = sorted(many.view.nodes)[0]  # type: ignore[attr-defined]
+    mixed = stack.enter_context(FleetTransferSession(many, local=[here]))
+    calls["fetch_mixed"]["fleet"] = partial(_fetch, mixed, many.hashes(tokens),
+                                            mixed.register(blocks * many.block_bytes), blocks)
+    seconds = {what: dict.fromkeys(per_client, float("inf")) for what, per_client in calls.items()}
     for _ in range(repeat):
         for what, per_client in calls.items():
             for name, call in per_client.items():
@@ -163,6 +177,13 @@ def _figures(report: Report, one: Client, many: Client, tokens: list[int], snaps
     report.add(Figure.against(f"transfer fetch via fleet ({blocks} blocks, stream path)",
                               fetched / seconds["fetch"]["fleet"], "MB/s",
                               "a single node's transfer session, stream path", fetched / seconds["fetch"]["single"]))
+    report.add(Figure.against(f"transfer fetch via fleet ({blocks} blocks, shm path, every node on this host)",
+                              fetched / seconds["fetch_shm"]["fleet"], "MB/s",
+                              "a single node's transfer session, shm path", fetched / seconds["fetch_shm"]["single"]))
+    report.notes["one node this host's: runs over shm"] = f"{mixed.last_paths.count('shm')} of {len(mixed.last_paths)}"
+    report.add(Figure.against(f"fleet fetch, one node this host's ({blocks} blocks, its runs shm, the rest streamed)",
+                              fetched / seconds["fetch_mixed"]["fleet"], "MB/s",
+                              "a single node's transfer session, shm path", fetched / seconds["fetch_shm"]["single"]))
     report.add(Figure.against(f"lookup with swa candidates via fleet ({len(tokens):,} tokens)",
                               seconds["lookup"]["fleet"] * 1000, "ms", "a single node's Lookup, same candidates",
                               seconds["lookup"]["single"] * 1000))

@@ -34,6 +34,7 @@ import threading
 from collections import Counter
 from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from kvstore.client import arguments
@@ -43,7 +44,7 @@ from kvstore.client.transfer_batches import fetch_arguments
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
 from kvstore.region import Region
-from kvstore.transfer import DONE, MISSING, SKIPPED, TransferState
+from kvstore.transfer import DONE, MISSING, SKIPPED, DescriptorGroup, TransferState
 from kvstore.v1 import transfer_pb2 as pb
 
 #: Ids of a fleet session's regions (this process's memory; the nodes that map one know it by ids of their own).
@@ -57,6 +58,35 @@ PATHS = ("auto", "stream", "shm")
 def _state(codes: bytes, block_bytes: int, failures: dict[int, tuple[str, str]] | None = None) -> TransferState:
     return TransferState(transfer_id=0, done=True, statuses=codes, bytes_moved=codes.count(DONE) * block_bytes,
                          block_bytes=block_bytes, failures=failures or {})
+
+
+@dataclass(eq=False)
+class _RunRead:
+    """One run of a fetch: its replicas in read order, the blocks landed so far and by whom."""
+
+    run: RunPlacement
+    order: list[str]
+    #: Index in the chain of the run's first block not landed yet.
+    at: int = -1
+    asked: set[str] = field(default_factory=set)
+    paths: list[str] = field(default_factory=list)
+    failures: dict[int, tuple[str, str]] = field(default_factory=dict)
+    last: KVStoreError | None = None
+
+    def __post_init__(self) -> None:
+        if self.at < 0:
+            self.at = self.run.first_block
+
+    @property
+    def complete(self) -> bool:
+        """Whether every block of the run has landed."""
+        return self.at >= self.run.end_block
+
+    def delivered(self, node_id: str, path: str, blocks: int) -> None:
+        """`blocks` more leading blocks landed, from `node_id` over `path`."""
+        self.at += blocks
+        if blocks and path not in self.paths:
+            self.paths.append(path)
 
 
 class FleetTransferSession:
@@ -221,10 +251,10 @@ class FleetTransferSession:
               batch_descriptors: int = 512, prefix_only: bool = True) -> TransferState:
         """Fetch the blocks of a chain (fleet hashes from block 0) into consecutive slots of `region` and wait.
 
-        Each run from this host's replica over shared memory where one maps `region`, else from its nearest
-        replica over the stream, falling over from the block a node lacks; a block no replica holds is MISSING,
-        and the rest of its run too (a node holds no block past a gap: R6). With `prefix_only`, every block after
-        the first not loaded is SKIPPED and not asked.
+        Each run from this host's replica over shared memory where one maps `region` (all of one node's runs in
+        one batch), else from its nearest replica over the stream, falling over from the block a node lacks; a
+        block no replica holds is MISSING, and the rest of its run too (a node holds no block past a gap: R6).
+        With `prefix_only`, every block after the first not loaded is SKIPPED and not asked.
 
         Raises:
             InvalidArgument: bad hashes, offset or batch size, or more blocks than fit in `region`.
@@ -240,23 +270,45 @@ class FleetTransferSession:
             self.last_paths = []
             return TransferState.concat([])
         runs = self.client.placement(chain)
-        if len(runs) == 1:
-            landed = [self._fetch_run(runs[0], chain, region, offset_bytes, batch_descriptors)]
-        else:  # runs lie on different nodes and land in different slots: all at once
+        reads = [_RunRead(run, self._order(run, chain, region)) for run in runs]
+        by_node: dict[str, list[_RunRead]] = {}
+        for read in reads:  # the runs whose first replica maps the region: one shm batch per node (F62)
+            if read.order and region.region_id in self._mapped.get(read.order[0], {}):
+                by_node.setdefault(read.order[0], []).append(read)
+        streamed = [r for r in reads if not r.order or r.order[0] not in by_node]
+        if len(by_node) + len(streamed) == 1:  # one node's batch or one run: on this thread
+            for node_id, members in by_node.items():
+                self._shm_runs(node_id, members, chain, region, offset_bytes)
+            for read in reads:
+                self._fetch_run(read, chain, region, offset_bytes, batch_descriptors)
+        else:  # different nodes, different slots: all at once
             if self._threads is None:
                 self._threads = ThreadPoolExecutor(RUNS_AT_ONCE, thread_name_prefix="fleet-transfer")
-            futures = [self._threads.submit(self._fetch_run, run, chain, region, offset_bytes, batch_descriptors)
-                       for run in runs]
-            landed = [f.result() for f in futures]
-        self.last_paths = ["+".join(paths) for _, _, paths in landed]
+            pool = self._threads
+            first = [pool.submit(self._fetch_run, r, chain, region, offset_bytes, batch_descriptors) for r in streamed]
+            batches = [pool.submit(self._shm_runs, n, m, chain, region, offset_bytes) for n, m in by_node.items()]
+            for f in batches:
+                f.result()
+            rest = [pool.submit(self._fetch_run, r, chain, region, offset_bytes, batch_descriptors)
+                    for members in by_node.values() for r in members if not r.complete]
+            for f in [*first, *rest]:
+                f.result()
+        self.last_paths = ["+".join(r.paths) for r in reads]
+        for read in reads:  # a use of every copy (F34): those not asked are refreshed off the read path
+            if read.at > read.run.first_block:
+                for other in read.run.replicas:
+                    if other not in read.asked:
+                        self.client.refresher.add(other, chain[read.run.first_block:read.at])
         states, stopped = [], False
-        for run, (done, failures, _) in zip(runs, landed, strict=True):
-            n = run.end_block - run.first_block
+        for read in reads:
+            run = read.run
+            n, done = run.end_block - run.first_block, read.at - run.first_block
             if stopped:  # as on one node, later blocks may have landed: only `done_prefix` counts
                 states.append(_state(bytes([SKIPPED]) * n, size))
                 continue
             after = bytes([SKIPPED if prefix_only else MISSING]) * (n - done - 1)
             tail = bytes([MISSING]) + after if done < n else b""
+            failures = {i - run.first_block: f for i, f in read.failures.items() if i >= read.at}
             states.append(_state(bytes([DONE]) * done + tail, size, failures))
             stopped = prefix_only and done < n
         return TransferState.concat(states)
@@ -269,56 +321,100 @@ class FleetTransferSession:
         mapped = {n for n, aliases in self._mapped.items() if region.region_id in aliases}
         return sorted(order[:k], key=lambda n: (pool.suspect(n), n not in mapped)) + order[k:]
 
-    def _fetch_run(self, run: RunPlacement, chain: list[bytes], region: Region, offset_bytes: int,
-                   batch_descriptors: int) -> tuple[int, dict[int, tuple[str, str]], list[str]]:
-        """(leading blocks of `run` landed in `region`, failures by index in the chain, the paths that delivered),
-        from its replicas in order (from the block each lacks)."""
-        pool, size = self.client.pool, self.client.block_bytes
-        at, end, asked, last = run.first_block, run.end_block, set(), None
-        failures: dict[int, tuple[str, str]] = {}
-        paths: list[str] = []
-        for node_id in self._order(run, chain, region):
+    def _shm_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
+                  offset_bytes: int) -> None:
+        """Every run of `members` read by `node_id` into the region over shared memory, in as few batches as its
+        session takes (one group per run, so one call or ring request for a prompt's runs on a node); a node that
+        fails is noted, and the runs go on to their next replicas (`_fetch_run`)."""
+        session, alias = self._shm.get(node_id), self._mapped.get(node_id, {}).get(region.region_id)
+        if session is None or alias is None:
+            return
+        size, most = self.client.block_bytes, max(1, session.max_descriptors)
+        pieces: list[tuple[_RunRead, int, int]] = []  # (run, first, end) of at most `most` blocks each
+        for read in members:
+            for lo in range(read.at, read.run.end_block, most):
+                pieces.append((read, lo, min(lo + most, read.run.end_block)))
+        batches: list[list[tuple[_RunRead, int, int]]] = []
+        for piece in pieces:  # whole pieces, at most `most` descriptors a batch
+            if not batches or sum(e - f for _, f, e in batches[-1]) + piece[2] - piece[1] > most:
+                batches.append([])
+            batches[-1].append(piece)
+        groups = [[DescriptorGroup.slots(chain[f:e], region_id=alias.region_id, length_bytes=size,
+                                         offset_bytes=offset_bytes + f * size) for _, f, e in batch]
+                  for batch in batches]
+        try:  # prefix_only off: one run's gap must not stop the others; a node holds nothing past it anyway (R6)
+            states = session.wait_all(session._paths["shm"].read_many(groups, False))
+        except (Unavailable, NotFound) as exc:
+            self._shm_failed(node_id, exc)
+            for read in members:
+                read.last = exc
+            return
+        for batch, state in zip(batches, states, strict=True):
+            at = 0
+            for read, f, e in batch:
+                codes = state.statuses[at:at + e - f]
+                got = next((i for i, c in enumerate(codes) if c != DONE), len(codes))
+                for i, failure in state.failures.items():
+                    if at <= i < at + e - f:
+                        read.failures.setdefault(f + i - at, failure)
+                if read.at == f:  # this piece follows what the run has so far
+                    read.delivered(node_id, "shm", got)
+                    with self._lock:
+                        self.nodes_read.add(node_id)
+                        self.blocks_read[node_id, "shm"] += got
+                at += e - f
+        for read in members:
+            read.asked.add(node_id)
+
+    def _shm_failed(self, node_id: str, exc: KVStoreError) -> None:
+        """A shm read of `node_id` failed: its session gone (it died or restarted), the region is no longer
+        mapped there; the node is read last for a while (F33)."""
+        gone = self._shm.get(node_id)
+        if isinstance(exc, NotFound) or gone is None or gone.ended():
+            with self._lock:
+                self._mapped.pop(node_id, None)
+        self.client.pool.failed(node_id)
+
+    def _fetch_run(self, read: _RunRead, chain: list[bytes], region: Region, offset_bytes: int,
+                   batch_descriptors: int) -> None:
+        """The rest of one run into `region`, from its replicas in order (from the block each lacks), skipping the
+        nodes already asked (Unavailable when none answered)."""
+        run, size = read.run, self.client.block_bytes
+        for node_id in read.order:
+            if read.complete:
+                break
+            if node_id in read.asked:
+                continue
             alias = self._mapped.get(node_id, {}).get(region.region_id)
             try:
                 if alias is not None:
                     path, state = "shm", self._shm[node_id].fetch(
-                        chain[at:end], alias, offset_bytes=offset_bytes + at * size,
+                        chain[read.at:run.end_block], alias, offset_bytes=offset_bytes + read.at * size,
                         batch_descriptors=batch_descriptors, prefix_only=True)
                 else:
                     session = self._session(node_id)
                     session.regions[region.region_id] = region  # its stream path writes into this process's region
-                    path, state = "stream", session.fetch(chain[at:end], region, offset_bytes=offset_bytes + at * size,
-                                                          batch_descriptors=batch_descriptors, prefix_only=True)
+                    path, state = "stream", session.fetch(
+                        chain[read.at:run.end_block], region, offset_bytes=offset_bytes + read.at * size,
+                        batch_descriptors=batch_descriptors, prefix_only=True)
             except (Unavailable, NotFound) as exc:
                 if alias is None and isinstance(exc, NotFound):
                     raise
-                gone = self._shm.get(node_id)
-                if alias is not None and (isinstance(exc, NotFound) or gone is None or gone.ended()):
-                    with self._lock:  # its session is gone (the node died or restarted): the region is not mapped
-                        self._mapped.pop(node_id, None)
-                pool.failed(node_id)
-                last = exc
+                if alias is not None:
+                    self._shm_failed(node_id, exc)
+                else:
+                    self.client.pool.failed(node_id)
+                read.last = exc
                 continue
-            asked.add(node_id)
-            got = state.done_prefix
+            read.asked.add(node_id)
+            for index, failure in state.failures.items():
+                read.failures.setdefault(read.at + index, failure)
             with self._lock:
                 self.nodes_read.add(node_id)
-                self.blocks_read[node_id, path] += got
-            if got and path not in paths:
-                paths.append(path)
-            for index, failure in state.failures.items():
-                failures.setdefault(at + index, failure)
-            at += got
-            if at == end:
-                break
-        if at == run.first_block and last is not None and not asked:
-            raise last
-        if at > run.first_block:  # a use of every copy (F34): those not asked are refreshed off the read path
-            for other in run.replicas:
-                if other not in asked:
-                    self.client.refresher.add(other, chain[run.first_block:at])
-        kept = {i - run.first_block: f for i, f in failures.items() if i >= at}  # of blocks no replica delivered
-        return at - run.first_block, kept, paths
+                self.blocks_read[node_id, path] += state.done_prefix
+            read.delivered(node_id, path, state.done_prefix)
+        if read.at == run.first_block and read.last is not None and not read.asked:
+            raise read.last
 
     def _session(self, node_id: str) -> TransferSession:
         """This thread's stream session with `node_id` (made again when the node's connection was)."""

@@ -26,10 +26,13 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
     figures = {f["name"]: f for f in report["figures"]}
     assert set(figures) == {"swa put via fleet (2 snapshots)", "swa get via fleet (2 snapshots)",
                             "transfer fetch via fleet (32 blocks, stream path)",
+                            "transfer fetch via fleet (32 blocks, shm path, every node on this host)",
+                            "fleet fetch, one node this host's (32 blocks, its runs shm, the rest streamed)",
                             f"lookup with swa candidates via fleet ({report['notes']['lookup_tokens']:,} tokens)"}
     for f in figures.values():
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
         assert f["baseline"] and f["baseline_value"] > 0 and f["value"] > 0 and f["ratio"] > 0, f
-        assert report["notes"][f"target {f['name']}"].endswith((": met", ": NOT MET"))
+        if not f["name"].startswith("fleet fetch, one node"):  # no target: most of its runs stream
+            assert report["notes"][f"target {f['name']}"].endswith((": met", ": NOT MET"))
     assert "fleet path" not in report["notes"] and "single path" not in report["notes"]  # both went direct
     assert list(tmp_path.iterdir()) == []  # every process's folder removed

@@ -58,22 +58,28 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShmFleet]:
 
 
 def mixed_prompt(client: FleetClient, local: str) -> tuple[list[int], list[bytes], list[bool]]:
-    """A stored prompt of RUNS runs, some held by `local` and some not; its blocks and which runs `local` holds."""
+    """A stored prompt of RUNS runs, some held by `local` and some not, and one of those whose read order (F33)
+    names another replica first (so only F62's order reads it from `local`); its blocks and which runs `local`
+    holds."""
     while True:
         tokens = prompt(RUN_TOKENS * RUNS)
-        mine = [local in r.replicas for r in client.placement(client.hashes(tokens))]
-        if 0 < sum(mine) < RUNS:
+        chain = client.hashes(tokens)
+        runs = client.placement(chain)
+        mine = [local in r.replicas for r in runs]
+        second = [m and client.pool.read_order(chain[r.first_block], r.replicas)[0] != local
+                  for m, r in zip(mine, runs, strict=True)]
+        if 2 <= sum(mine) < RUNS and any(second):
             break
     payload = [random.randbytes(client.block_bytes) for _ in range(len(tokens) // RUN_TOKENS * 4)]
     client.put(tokens, payload)
     return tokens, payload, mine
 
 
-def node_transfer(fleet: Fleet, node_id: str) -> tuple[int, int]:
-    """(regions mapped now, descriptors done since start) of one node's transfer service."""
+def node_transfer(fleet: Fleet, node_id: str) -> tuple[int, int, int]:
+    """(regions mapped now, descriptors done, read batches since start) of one node's transfer service."""
     with Client(fleet.node(node_id).child.target) as c:
         stats = c.transfer_stats()
-        return stats.regions, stats.descriptors_done
+        return stats.regions, stats.descriptors_done, stats.read_batches
 
 
 def record(host: str, boot: str) -> NodeRecord:
@@ -112,7 +118,9 @@ def test_f62_a_fleet_session_reads_this_hosts_nodes_runs_over_shm_and_streams_th
             blocks_here = 4 * sum(mine)
             assert session.blocks_read[local, "shm"] == blocks_here
             assert sum(v for (_, p), v in session.blocks_read.items() if p == "stream") == len(payload) - blocks_here
-            assert node_transfer(fleet, local)[1] - before[local][1] == blocks_here  # the node copied them
+            after = node_transfer(fleet, local)
+            assert after[1] - before[local][1] == blocks_here  # the node copied them
+            assert after[2] - before[local][2] == 1  # all its runs in one batch (one group each)
         assert node_transfer(fleet, local)[0] == before[local][0]  # unmapped with the session
         # Left to the records, every node is this host's (all run here): every run over shared memory.
         with FleetTransferSession(client, path="shm") as session:
