@@ -28,6 +28,7 @@ def test_bench_load_json_figures() -> None:
     notes = report["notes"]
     assert notes["clients"] == 2 and notes["cycles"]["kvstore"] > 0 and notes["cycles"]["raw"] > 0
     assert notes["errors"] == 0 and notes["lookup_misses"] == 0  # every cycle found its stored half
+    assert notes["refreshes_exercised"] is False  # 2 s: no block reached R5's refresh (60 s after its Put)
     assert set(notes["server_memory_mib"]["after"]) == {"VmRSS", "RssAnon", "RssFile"}
     assert notes["server_memory_mib"]["samples"][0][0] == 0.0  # sampled from the start of the load
     for rpc in ("lookup", "get", "put"):  # issue 25 item 4: the spread of every call, beside the echo's
