@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=0, help="timed samples per figure (default: 3 cpu, 10 cuda)")
     parser.add_argument("--tune", action="store_true",
                         help="on CUDA, also time the Triton kernels at other program sizes (4-16 rows per program x "
-                             "warps; notes), to pick sglang_v4_triton's LOAD_ROWS, SAVE_ROWS and NUM_WARPS")
+                             "warps; notes), to pick sglang_v4_triton's LOAD_ROWS, SAVE_ROWS, LOAD_WARPS and NUM_WARPS")
     parser.add_argument("--no-store", action="store_true",
                         help="skip the real restore (a `kvstore serve` child holding the model-rows blocks, restored "
                              "by kvstore.client.restore: direct-gpu on CUDA, direct-cpu on the CPU)")
@@ -125,18 +125,18 @@ def tune(model: ModelGeometry, native: torch.Tensor, v4: torch.Tensor, repeat: i
     settings are restored afterwards."""
     from kvstore.codec import sglang_v4_triton as kernels
 
-    saved = kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS
+    saved = kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS, kernels.LOAD_WARPS
     notes = {}
     try:
-        for warps in (4, 8):
+        for warps in (2, 4, 8):
             for rows in (4, 8, 16):
                 kernels.LOAD_ROWS = kernels.SAVE_ROWS = rows
-                kernels.NUM_WARPS = warps
+                kernels.NUM_WARPS = kernels.LOAD_WARPS = warps
                 load = seconds(lambda: kernels.native_blocks_to_v4(native, model, 64), "cuda", repeat, 1)
                 save = seconds(lambda: kernels.v4_blocks_to_native(v4, model, 64), "cuda", repeat, 1)
                 notes[f"tune_rows{rows}_warps{warps}"] = f"load {load * 1e3:.3f} ms, save {save * 1e3:.3f} ms"
     finally:
-        kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS = saved
+        kernels.LOAD_ROWS, kernels.SAVE_ROWS, kernels.NUM_WARPS, kernels.LOAD_WARPS = saved
     return notes
 
 
