@@ -485,11 +485,13 @@ class FleetClient(Client):
             return self._swa
 
     def transfer(self, *, path: str = "auto", ring: bool = True) -> FleetTransferSession:  # type: ignore[override]
-        """A transfer session over the fleet (`fleet_transfer.FleetTransferSession`: `fetch` of a chain, each run
-        streamed from its node; F49). `ring` is accepted and unused: no node maps a fleet session's regions.
+        """A transfer session over the fleet (`fleet_transfer.FleetTransferSession`: `fetch` of a chain, the runs
+        this host's nodes hold over shared memory, the others streamed from their nodes; F49, F62). `ring` is
+        accepted and unused: a fleet session asks no ring.
 
         Raises:
-            FailedPrecondition: path "shm" or "bulk" (a region would be mapped by one node only).
+            FailedPrecondition: path "bulk" (not over a fleet yet), or "shm" where no node of this host can map
+                the session's regions (F62).
         """
         from kvstore.client.fleet_transfer import FleetTransferSession
 
