@@ -271,6 +271,25 @@ def split_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer | NDArra
     Raises:
         InvalidArgument: wrong type, dtype, shape or length.
     """
+    grid = block_grid(geometry, blocks, block_tokens)
+    n = grid.shape[0]
+    parts: dict[tuple[int, str], torch.Tensor] = {}
+    for s in geometry.block_layout(block_tokens):
+        parts[s.layer, s.component] = grid[:, s.offset:s.offset + s.size_bytes].view(n, s.rows, s.row_bytes)
+    pairs = {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
+    return pairs_to_numpy(pairs, read_only=is_read_only(blocks)) if is_numpy(blocks) else pairs
+
+
+def block_grid(geometry: ModelGeometry, blocks: torch.Tensor | Buffer | NDArray,
+               block_tokens: int = BLOCK_TOKENS) -> torch.Tensor:
+    """`blocks` checked as `split_blocks` checks them, as one uint8 tensor `[n, block_bytes]` (a view, no copy).
+
+    For a caller that needs the checks but not the per-layer views (a whole-block kernel): building those
+    views is a few microseconds a section, a fraction of a millisecond for a V4.1 block.
+
+    Raises:
+        InvalidArgument: wrong type, dtype, shape or length.
+    """
     size = geometry.block_bytes(block_tokens)
     given = _tensor_blocks(blocks)
     if isinstance(given, torch.Tensor) and given.dim() == 2:
@@ -284,12 +303,7 @@ def split_blocks(geometry: ModelGeometry, blocks: torch.Tensor | Buffer | NDArra
             got = f"{length} bytes" if length is not None else type(blocks).__name__ + f"; accepted: {BYTE_KINDS}"
             raise InvalidArgument(f"blocks: expected a whole number of {size}-byte blocks, got {got}")
         grid = as_uint8(given, expected_bytes=length, what="blocks").view(-1, size)
-    n = grid.shape[0]
-    parts: dict[tuple[int, str], torch.Tensor] = {}
-    for s in geometry.block_layout(block_tokens):
-        parts[s.layer, s.component] = grid[:, s.offset:s.offset + s.size_bytes].view(n, s.rows, s.row_bytes)
-    pairs = {layer: (parts[layer, "compressed_kv"], parts[layer, "indexer"]) for layer in geometry.kv_source_layers}
-    return pairs_to_numpy(pairs, read_only=is_read_only(blocks)) if is_numpy(blocks) else pairs
+    return grid
 
 
 def _length(data: object) -> int | None:
