@@ -324,16 +324,23 @@ def _report(read: MappedRead, indices: list[int], notes: list[str]) -> None:
 
 def _shm(client: Any, hashes: list[bytes], dest: Any, cuda: bool, *, forced: bool,
          notes: list[str]) -> RestoreResult | None:
-    """The shared-memory path's result; None when the server cannot map this host's regions (auto)."""
+    """The shared-memory path's result; None when the server cannot map this host's regions or serves no
+    transfer session, a gateway (auto)."""
     size = client.block_bytes
-    with client.transfer(path="shm" if forced else "auto") as session:
-        region = session.register(len(hashes) * size)
-        if not region.shared:
-            notes.append("the server cannot map this host's regions (another host?)")
-            return None
-        state = session.fetch(hashes, region)
-        k = state.done_prefix
-        _land(region, dest, k, size, cuda)
+    try:
+        with client.transfer(path="shm" if forced else "auto") as session:
+            region = session.register(len(hashes) * size)
+            if not region.shared:
+                notes.append("the server cannot map this host's regions (another host?)")
+                return None
+            state = session.fetch(hashes, region)
+            k = state.done_prefix
+            _land(region, dest, k, size, cuda)
+    except FailedPrecondition as exc:  # a gateway serves no transfer session (F40): auto goes on to Get
+        if forced:
+            raise
+        notes.append(f"no transfer session here ({exc.message})")
+        return None
     corrupt = sorted(i for i, (code, _) in state.failures.items() if code == _DATA_LOSS)
     return _result(client, "shm", k, corrupt, ["the server maps this process's shared regions", *notes])
 

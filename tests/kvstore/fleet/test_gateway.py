@@ -209,6 +209,23 @@ def test_f40_what_a_gateway_does_not_serve_is_failed_precondition_naming_where_t
             plain.lookup(prompt(RUN_TOKENS), swa_positions=[RUN_TOKENS - 1])
 
 
+def test_f60_restore_on_auto_through_a_gateway_streams_and_a_forced_shm_is_refused(fleet: Fleet) -> None:
+    """F60: `restore` of a plain client of a gateway on "auto" goes on to Get when the gateway refuses its
+    transfer session (F40), byte for byte, saying why; "shm" forced is still refused."""
+    from kvstore.client.restore import restore
+
+    tokens = prompt(2 * RUN_TOKENS + BLOCK_TOKENS)
+    with kvstore.Client(fleet.gateways[0].target) as plain:
+        data = blocks(len(tokens) // BLOCK_TOKENS, plain.block_bytes)
+        plain.put(tokens, data)
+        dest = bytearray(len(data) * plain.block_bytes)
+        result = restore(plain, tokens, dest)
+        assert (result.path, result.blocks) == ("grpc", len(data)) and bytes(dest) == b"".join(data)
+        assert "no transfer session here" in result.reason, result.reason
+        with pytest.raises(FailedPrecondition, match="Transfer is not served by a gateway"):
+            restore(plain, tokens, bytearray(len(dest)), path="shm")
+
+
 def test_f52_admin_through_a_gateway_is_forwarded_to_the_nodes(fleet: Fleet) -> None:
     """F52: policies and the audit log through a gateway are the fleet's (set there, read on a node); a purge and
     GetPolicy's usage span every node (two copies of each block counted); export and import are refused naming
