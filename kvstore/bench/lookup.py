@@ -28,8 +28,8 @@ virtual machine a call after an idle gap costs up to twice a call back to back.
 
 The next turn's budget is measured in the same run (the `budget_ms` note, medians): what
 crosses the wire (the anchored request's and its reply's bytes), the client's memo alone
-(C1's byte compare and the new blocks' hashing), the anchored request's bytes sent by a bare
-stub (wire + server, no client work), a one-block Lookup (the handler's fixed cost), the
+(C1's byte compare and the new blocks' hashing; the compare alone beside it), the anchored
+request's bytes sent by a bare stub (wire + server, no client work), a one-block Lookup (the handler's fixed cost), the
 stub and the echo back to back (no idle gap: the server's own cost over the echo), and, the
 server stopped, the server's work in-process: parse, cut the new hashes, the tier's anchored
 walk (A5).
@@ -187,6 +187,9 @@ def _next_turn(client: Any, today: Any, echo: Callable[[bytes], bytes], turn: np
                                               # the budget: the memo alone, the request without the client's
                                               # work, a one-block Lookup (the handler's fixed cost)
                                               "turn_chain": lambda: conn.chain(prompts[next(at) % len(prompts)]),
+                                              # of it, C1's byte compare alone (nothing hashed or kept)
+                                              "turn_compare": lambda: conn.chain_memo.kept_tokens(
+                                                  prompts[next(at) % len(prompts)], root=conn.root),
                                               "turn_stub": lambda: conn.call(conn.kvstore.Lookup, turn_request),
                                               "one_block": lambda: conn.call(conn.kvstore.Lookup, one_block)}
     if args.list_tokens:
@@ -252,7 +255,8 @@ def _budget(samples: dict[str, list[float]], server: dict[str, list[float]]) -> 
         return statistics.median(times) * 1e3
 
     turn, chain, stub, echo = (ms(samples[k]) for k in ("turn_memo", "turn_chain", "turn_stub", "echo_turn"))
-    return (f"next turn {turn:.3f} = client memo {chain:.3f} + the anchored request by a bare stub {stub:.3f} "
+    return (f"next turn {turn:.3f} = client memo {chain:.3f} (of it C1's compare {ms(samples['turn_compare']):.3f}) "
+            f"+ the anchored request by a bare stub {stub:.3f} "
             f"(+ {turn - chain - stub:.3f} the client's other work / noise); the stub against the echo of its "
             f"bytes {echo:.3f} after the same idle gap, {ms(samples['stub_b2b']):.3f} against "
             f"{ms(samples['echo_b2b']):.3f} back to back; a one-block Lookup {ms(samples['one_block']):.3f}; "

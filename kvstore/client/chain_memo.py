@@ -226,6 +226,18 @@ class ChainMemo:
         self._keep(root, tail, view[:full], pieces, base)
         return HashChain(pieces)
 
+    def kept_tokens(self, tokens: Sequence[int], *, root: bytes, extra_keys: Sequence[ExtraKey] = ()) -> int:
+        """How many of `tokens` a kept chain of this root and keys covers: C1's byte compare alone, as `chain`
+        makes it, nothing hashed, kept or counted (what a next turn would reuse; `kvstore bench lookup` times
+        it as the compare's share of a turn).
+
+        Raises:
+            InvalidArgument: a bad token id or extra key (as `chain_hashes`).
+        """
+        best = self._longest_prefix(root, extra_keys_tail(extra_keys), memoryview(token_buffer(tokens)),
+                                    count=False)
+        return 0 if best is None else best.length // 4
+
     def stats(self) -> MemoStats:
         """The counters and what is kept now."""
         with self._lock:
@@ -238,8 +250,9 @@ class ChainMemo:
             self._chains.clear()
             self._size_bytes = 0
 
-    def _longest_prefix(self, root: bytes, tail: bytes, raw: memoryview) -> _Chain | None:
-        """The kept chain of this root and keys with the longest tokens that `raw` begins with (C1, C2)."""
+    def _longest_prefix(self, root: bytes, tail: bytes, raw: memoryview, *, count: bool = True) -> _Chain | None:
+        """The kept chain of this root and keys with the longest tokens that `raw` begins with (C1, C2);
+        `count`: a lookup's (the counters and the recency order move), not a probe's."""
         with self._lock:  # the candidates under the lock; the byte compares (a memcmp each) outside it
             candidates = [(key, chain) for key, chain in self._chains.items()
                           # C2: the root and the keys' tail are compared in full, before any token.
@@ -248,6 +261,8 @@ class ChainMemo:
         for key, chain in candidates:
             if (best is None or chain.length > best.length) and chain.is_prefix_of(raw):  # C1
                 best_key, best = key, chain
+        if not count:
+            return best
         with self._lock:
             if best_key is None or best is None:
                 self._misses += 1

@@ -33,4 +33,5 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     wire = report["notes"]["wire_bytes"]
     assert 4 * 32 < wire["turn_request"] < 128 * 32 < wire["cold_request"] and 0 < wire["turn_reply"] < 32
     assert "client memo" in report["notes"]["budget_ms"] and "anchored walk" in report["notes"]["budget_ms"]
+    assert "C1's compare" in report["notes"]["budget_ms"]
     assert list(tmp_path.iterdir()) == []  # scratch space removed

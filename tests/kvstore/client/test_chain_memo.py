@@ -287,3 +287,25 @@ def test_c6_a_hash_chain_reads_as_the_list_of_its_pieces() -> None:
                 assert chain[a:b:step] == hashes[a:b:step], (a, b, step)
     assert [chain[i] for i in range(-9, 9)] == hashes[-9:] + hashes
     assert HashChain(()) == [] and list(HashChain(())) == []
+
+
+def test_kept_tokens_is_c1_compare_alone_and_changes_nothing() -> None:
+    """`kept_tokens` answers what a next turn would reuse (C1, C2), and counts, keeps and reorders nothing."""
+    m = memo()
+    kept = list(range(402))  # 100 full blocks and 2 tokens
+    m.hashes(kept, root=ROOT)
+    m.hashes(list(range(500, 600)), root=ROOT)  # a second chain, kept after the first
+    before = m.stats()
+    nxt = kept + list(range(1000, 1042))
+    assert m.kept_tokens(nxt, root=ROOT) == 400
+    assert m.kept_tokens(np.array(nxt, dtype=np.uint32), root=ROOT) == 400
+    changed = list(nxt)
+    changed[399] += 1
+    assert m.kept_tokens(changed, root=ROOT) == 0  # C1: the last kept token differs
+    assert m.kept_tokens(nxt, root=OTHER_ROOT) == 0  # C2: another root
+    assert m.kept_tokens(nxt, root=ROOT, extra_keys=[b"x"]) == 0  # C2: other extra keys
+    assert m.stats() == before
+    # Nothing moved: the first chain is still the least recently used, so one more chain forgets it.
+    m.max_entries = 2
+    m.hashes(list(range(700, 800)), root=ROOT)
+    assert m.kept_tokens(nxt, root=ROOT) == 0
