@@ -20,6 +20,7 @@ from kvstore.trace.replayer import ReplayTally, replay
 from kvstore.trace.requests import Trace
 from kvstore.trace.simulate import SimSettings, Simulation
 from tests.children import Child, write_config
+from tests.waiting import wait_until
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "traces"
 SWA_TTL_S = 300.0
@@ -38,7 +39,9 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
         "trace": {"flush_s": 0.05}})
     child = Child("serve", ["serve", "--config", str(cfg), "--port", "0", "--trace-dir", str(folder)], tmp / "logs")
     try:
-        assert f"kvstore trace: recording to {folder}" in child.out_path.read_text()
+        # The child is ready at its "listening" line; the trace line is printed after it, so wait for it.
+        wait_until(lambda: f"kvstore trace: recording to {folder}" in child.out_path.read_text(),
+                   "the server's trace line")
         trace = load_trace(FIXTURES / "weka_session.json", requests=REQUESTS)
         tally = replay(trace, target=child.target, swa_ttl_s=SWA_TTL_S, concurrency=1, max_requests=REQUESTS)
         assert not tally.errors and tally.requests == REQUESTS, child.log()
