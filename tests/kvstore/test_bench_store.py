@@ -12,7 +12,7 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
     out = subprocess.run(
         # One auth round (4 by default, each two fresh servers): the figures, not their spread, are checked.
         [sys.executable, "-m", "kvstore.cli", "bench", "store", "--json", "--gib", "0.01", "--lookup-tokens", "4096",
-         "--auth-rounds", "1", "--events-rounds", "2", "--events-batches", "300", "--dir", str(tmp_path)],
+         "--auth-rounds", "1", "--events-rounds", "1", "--events-batches", "200", "--dir", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=240).stdout
     report = json.loads(out)
     figures = {f["name"]: f for f in report["figures"]}
