@@ -249,7 +249,7 @@ def _put(client: Client, tokens: list[int], blocks: list[bytes], desc: str,
     return seconds, list(result.block_hashes)
 
 
-def _stream_s(client: Client, hashes: Sequence[bytes], expect: int) -> float:
+def stream_s(client: Client, hashes: Sequence[bytes], expect: int) -> float:
     """Seconds to stream every block of `hashes`; checks the bytes that came back."""
     start = time.perf_counter()
     got = sum(len(data) for _, _, data in client.stream(list(hashes)))
@@ -267,7 +267,7 @@ def _single(folder: Path, data: Data, progress: Progress) -> Single:
     try:
         with Client(node.target) as client:
             put_s, hashes = _put(client, data.tokens, data.blocks, "single serve: put", progress)
-            get_s = min(_stream_s(client, hashes, data.payload_bytes) for _ in range(REPEAT))
+            get_s = min(stream_s(client, hashes, data.payload_bytes) for _ in range(REPEAT))
         with Client(node.target, geometry=TINY.name) as small:
             _put(small, data.lookup_tokens, data.lookup_blocks, "single serve: lookup's prompt", progress)
             lookup_s = _lookups_s(small, data)
@@ -443,10 +443,10 @@ class FleetBench:
                 router_s = direct_s = float("inf")
                 with self.progress.bar(f"{label}: get, router and direct in turns", 2 * REPEAT, "round") as bar:
                     for _ in range(REPEAT):
-                        router_s = min(router_s, _stream_s(fleet, chain, data.payload_bytes))
+                        router_s = min(router_s, stream_s(fleet, chain, data.payload_bytes))
                         bar.update(1)
                         direct_s = min(direct_s, sum(
-                            _stream_s(direct_clients[k], hashes, len(hashes) * len(data.blocks[0]))
+                            stream_s(direct_clients[k], hashes, len(hashes) * len(data.blocks[0]))
                             for k, hashes in by_node.items()))
                         bar.update(1)
             finally:

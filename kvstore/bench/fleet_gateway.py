@@ -23,6 +23,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import kvstore
+from kvstore.bench.fleet import stream_s
 from kvstore.bench.fleet_processes import START_DEADLINE_S, EtcdProcess, NodeProcess
 from kvstore.client.fleet import FleetClient
 
@@ -54,15 +55,6 @@ def _gateway(folder: Path, etcd: str, cluster: str, *, run_blocks: int, block_to
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def _stream_s(client: kvstore.Client, hashes: Sequence[bytes], expect: int) -> float:
-    start = time.perf_counter()
-    got = sum(len(data) for _, _, data in client.stream(list(hashes)))
-    seconds = time.perf_counter() - start
-    if got != expect:
-        raise RuntimeError(f"get returned {got:,} bytes, expected {expect:,}")
-    return seconds
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         best = dict.fromkeys(clients, float("inf"))
         for _ in range(REPEAT):  # in turns, so the box's load falls on every path alike
             for name, client in clients.items():
-                best[name] = min(best[name], _stream_s(client, hashes, expect))
+                best[name] = min(best[name], stream_s(client, hashes, expect))
         gb = expect / 1e9
         print(f"{args.blocks} blocks of {router.block_bytes:,} B in runs of {args.run_blocks} "
               f"({-(-args.blocks // args.run_blocks)} runs), 3 nodes at replication 2, best of {REPEAT}:")

@@ -25,7 +25,6 @@ from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_ring import open_ring
 from kvstore.prefix_hosts import host_id, host_name
 from kvstore.region import Region
-from kvstore.v1 import transfer_pb2 as pb
 
 
 class _Record(Protocol):
@@ -64,12 +63,7 @@ def map_region(session: TransferSession, region: Region) -> tuple[Region | None,
     Raises:
         KVStoreError: the node refused the call (Unavailable when it does not answer).
     """
-    nonce = region.write_nonce()
-    pid, fd = region.handle
-    reply = session.call(session.stub.RegisterRegion, pb.RegisterRegionRequest(
-        session_id=session.session_id, shm_name=region.name, size_bytes=region.size_bytes, nonce=nonce,
-        pid=pid, fd=fd))
-    region.view[: len(nonce)] = bytes(len(nonce))
+    reply = session.ask_to_map(region)
     if not reply.shared:
         return None, reply.reason or "the node did not map the region"
     alias = copy.copy(region)

@@ -168,12 +168,7 @@ class TransferSession(SessionBatches):
         region = Region(arguments.integer(size_bytes, "size_bytes", least=1))
         try:
             if self.path not in ("stream", "bulk"):
-                nonce = region.write_nonce()
-                pid, fd = region.handle
-                reply = self.call(self.stub.RegisterRegion, pb.RegisterRegionRequest(
-                    session_id=self.session_id, shm_name=region.name, size_bytes=region.size_bytes, nonce=nonce,
-                    pid=pid, fd=fd))
-                region.view[: len(nonce)] = bytes(len(nonce))
+                reply = self.ask_to_map(region)
                 if reply.shared:
                     region.region_id, region.shared = reply.region_id, True
                     if self._want_ring:  # the server maps this host's memory: the ring will map too
@@ -195,6 +190,20 @@ class TransferSession(SessionBatches):
         region.release_fd()
         self.regions[region.region_id] = region
         return region
+
+    def ask_to_map(self, region: Region) -> pb.RegisterRegionResponse:
+        """Ask the server to map `region` (fresh: its first bytes carry the nonce, cleared after), its answer.
+
+        Raises:
+            KVStoreError: the server refused the call (Unavailable when it does not answer).
+        """
+        nonce = region.write_nonce()
+        pid, fd = region.handle
+        reply: pb.RegisterRegionResponse = self.call(self.stub.RegisterRegion, pb.RegisterRegionRequest(
+            session_id=self.session_id, shm_name=region.name, size_bytes=region.size_bytes, nonce=nonce,
+            pid=pid, fd=fd))
+        region.view[: len(nonce)] = bytes(len(nonce))
+        return reply
 
     def region(self, region_id: int) -> Region:
         """A region of this session by id."""
