@@ -19,11 +19,13 @@ not answer) from the next; the copies a fetch did not ask are refreshed in the
 background (F34). `fetch` takes a chain from block 0 (each run is placed by its
 first hash), as `FleetClient.stream` does.
 
-Not through a fleet session: the bulk transport (each node's session would
-register the region with this process's one engine, and a session closing
-would unregister it under the others), and `read`/`write` of descriptor
-batches (a descriptor names a block but not its run): FAILED_PRECONDITION
-naming `fetch` and `FleetClient.put`.
+`read` and `write` take descriptor batches (F71, `kvstore.client.fleet_descriptors`): a read
+descriptor carries its run (`RunDescriptor.run_key`, made by `descriptors(chain, region)`), so each
+run's blocks go to its replicas in the same order, with failover; a write's runs are its tokens',
+stored as `FleetClient.put` stores them (F30).
+
+Not through a fleet session: the bulk transport (each node's session would register the region with
+this process's one engine, and a session closing would unregister it under the others).
 """
 
 from __future__ import annotations
@@ -31,24 +33,36 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from kvstore.client import arguments
+from kvstore.client.fleet_descriptors import (
+    RunDescriptor,
+    checked_reads,
+    checked_writes,
+    run_descriptors,
+    start_reads,
+    write_blocks,
+)
 from kvstore.client.fleet_local import local_nodes, map_region
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_batches import fetch_arguments
+from kvstore.client.transfer_path import LocalTransfer, Transfer, timeout
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
 from kvstore.region import Region
-from kvstore.transfer import DONE, MISSING, SKIPPED, DescriptorGroup, TransferState
+from kvstore.transfer import DONE, MISSING, SKIPPED, BatchResults, Descriptor, DescriptorGroup, TransferState
 from kvstore.v1 import transfer_pb2 as pb
 
 #: Ids of a fleet session's regions (this process's memory; the nodes that map one know it by ids of their own).
 _IDS = itertools.count(1 << 61)
+#: Ids of a fleet session's `read` and `write` batches.
+_TRANSFERS = itertools.count(1)
 #: Runs fetched at once (each on a thread of its own, with node sessions of its own).
 RUNS_AT_ONCE = 8
 #: The paths a fleet session takes ("bulk" is refused: the module's docstring).
@@ -282,9 +296,7 @@ class FleetTransferSession:
             for read in reads:
                 self._fetch_run(read, chain, region, offset_bytes, batch_descriptors)
         else:  # different nodes, different slots: all at once
-            if self._threads is None:
-                self._threads = ThreadPoolExecutor(RUNS_AT_ONCE, thread_name_prefix="fleet-transfer")
-            pool = self._threads
+            pool = self._pool()
             first = [pool.submit(self._fetch_run, r, chain, region, offset_bytes, batch_descriptors) for r in streamed]
             batches = [pool.submit(self._shm_runs, n, m, chain, region, offset_bytes) for n, m in by_node.items()]
             for f in batches:
@@ -315,10 +327,18 @@ class FleetTransferSession:
 
     def _order(self, run: RunPlacement, chain: list[bytes], region: Region) -> list[str]:
         """The run's read order (F33) with the replicas that map `region` first (F62), suspects still last."""
+        return self.order_of(chain[run.first_block], {region.region_id}, run.replicas)
+
+    def order_of(self, run_key: bytes, region_ids: Collection[int],
+                 replicas: Sequence[str] | None = None) -> list[str]:
+        """The read order (F33) of the run keyed `run_key` (its replicas placed now unless given), the replicas that
+        map every region of `region_ids` first (F62), suspects still last."""
         pool = self.client.pool
-        order = pool.read_order(chain[run.first_block], run.replicas)
-        k = len(run.replicas)
-        mapped = {n for n, aliases in self._mapped.items() if region.region_id in aliases}
+        if replicas is None:
+            replicas = self.client.placement([run_key])[0].replicas  # a run is placed by its first hash alone
+        order = pool.read_order(run_key, replicas)
+        k = len(replicas)
+        mapped = {n for n, aliases in self._mapped.items() if all(r in aliases for r in region_ids)}
         return sorted(order[:k], key=lambda n: (pool.suspect(n), n not in mapped)) + order[k:]
 
     def _shm_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
@@ -428,19 +448,109 @@ class FleetTransferSession:
                 self._all.append(session)
         return session
 
-    # -- what a fleet session does not do --------------------------------
+    # -- read and write by descriptors (F71) --------------------------------
 
-    def read(self, descriptors: Sequence[Any], *, prefix_only: bool = False) -> NoReturn:
-        """Not through a fleet session: a descriptor names a block, not its run (use `fetch` of the chain)."""
-        raise FailedPrecondition("read() of descriptors is not available through a fleet session: a descriptor "
-                                 "names a block, not the run that places it",
-                                 hint="fetch() the prompt's chain from block 0 (docs/FLEET.md F49)")
+    def descriptors(self, hashes: Sequence[bytes], region: Region, *, first_block: int = 0,
+                    end_block: int | None = None, offset_bytes: int = 0) -> list[RunDescriptor]:
+        """Read descriptors of blocks [first_block, end_block) of a chain (fleet hashes from block 0) into consecutive
+        slots of `region` from `offset_bytes`, each carrying its run (`fleet_descriptors.RunDescriptor`).
 
-    def write(self, tokens: Sequence[int], descriptors: Sequence[Any], *, first_block: int = 0,
-              extra_keys: Sequence[Any] = ()) -> NoReturn:
-        """Not through a fleet session: `FleetClient.put` stores a prompt's blocks on every replica."""
-        raise FailedPrecondition("write() is not available through a fleet session",
-                                 hint="put the blocks with the fleet client's put() (docs/FLEET.md F49)")
+        Raises:
+            InvalidArgument: bad hashes or bounds, or slots that do not fit in `region`.
+            NotFound: `region` is not registered in this session.
+        """
+        return run_descriptors(hashes, self._own(region), run_blocks=self.client.run_blocks,
+                               block_bytes=self.client.block_bytes, first_block=first_block, end_block=end_block,
+                               offset_bytes=offset_bytes)
+
+    def read(self, descriptors: Sequence[RunDescriptor], *, prefix_only: bool = False) -> Transfer:
+        """Start fetching blocks into this session's regions, each from its run's replicas; returns at once (F71).
+
+        Each run's descriptors go to its first replica in read order (this host's mapping first), and those a node
+        lacks, or all when it does not answer, to the next (`fleet_descriptors.read_run`). With `prefix_only`,
+        every descriptor after the first not loaded is SKIPPED (one may have landed: load `done_prefix`).
+
+        Raises:
+            InvalidArgument: a descriptor that is not a `RunDescriptor` (make them with `descriptors`), an empty or
+                too long batch, or `prefix_only` not a bool.
+        """
+        batch = checked_reads(descriptors)
+        if not isinstance(prefix_only, bool):
+            raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
+        results = BatchResults(len(batch))
+        done = start_reads(self, batch, results, prefix_only, self._pool())
+        return LocalTransfer(next(_TRANSFERS), results, self.client.block_bytes, done)
+
+    def write(self, tokens: Sequence[int], descriptors: Sequence[Descriptor], *, first_block: int = 0,
+              extra_keys: Sequence[Any] = ()) -> Transfer:
+        """Start storing blocks from this session's regions on every replica of their runs; returns at once (F71).
+
+        One descriptor per full block of `tokens` from `first_block`, in order (their runs are the tokens'; a
+        plain `Descriptor` will do). Stored as `FleetClient.put` stores (F30), its bytes the regions' views: DONE
+        for the blocks on all their replicas, with their fleet hashes; the rest FAILED with the Put's error.
+
+        Raises:
+            InvalidArgument: bad tokens, extra keys, `first_block` or descriptors, or fewer full blocks of tokens
+                than descriptors.
+        """
+        tokens = arguments.token_ids(tokens)
+        first_block = arguments.integer(first_block, "first_block")
+        extra_keys = arguments.extra_keys(extra_keys)
+        descriptors = checked_writes(descriptors)
+        end = (first_block + len(descriptors)) * self.client.block_tokens
+        if end > len(tokens):
+            raise InvalidArgument(f"{len(descriptors)} descriptors from block {first_block} need {end} tokens; "
+                                  f"got {len(tokens)}")
+        results = BatchResults(len(descriptors), writes=True)
+        future = self._pool().submit(write_blocks, self.client, self.regions, tokens[:end], descriptors,
+                                     first_block, extra_keys, results)
+        return LocalTransfer(next(_TRANSFERS), results, self.client.block_bytes, future)
+
+    def wait_all(self, transfers: Sequence[Transfer], timeout_s: float | None = None) -> list[TransferState]:
+        """Wait for several of this session's batches; their states, in order."""
+        timeout_s = timeout(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return [t.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)) for t in transfers]
+
+    # -- the nodes a batch is read from (`fleet_descriptors.read_run`) -----
+
+    def node_for(self, node_id: str, region_ids: Collection[int]) -> tuple[TransferSession,
+                                                                           Callable[[Descriptor], Descriptor]]:
+        """The session to read `node_id` by, and how a descriptor is named there: its shm session with the regions'
+        aliases where it maps every region of `region_ids`, else this thread's stream session with it.
+
+        Raises:
+            Unavailable: the node is not in the view, or does not answer.
+        """
+        aliases = self._mapped.get(node_id, {})
+        shm = self._shm.get(node_id)
+        if shm is not None and all(r in aliases for r in region_ids):
+            ids = {r: aliases[r].region_id for r in region_ids}
+            return shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
+                                             offset_bytes=d.offset_bytes, length_bytes=d.length_bytes)
+        session = self._session(node_id)
+        for r in region_ids:
+            session.regions[r] = self.regions[r]  # its stream path writes into this process's region
+        return session, lambda d: d
+
+    def node_failed(self, node_id: str, exc: KVStoreError, session: TransferSession | None) -> None:
+        """A read of `node_id` failed: read it last for a while (F33), and forget its mappings if they are gone."""
+        if session is not None and session.path == "shm":
+            self._shm_failed(node_id, exc)
+        else:
+            self.client.pool.failed(node_id)
+
+    def count(self, node_id: str, path: str, blocks: int) -> None:
+        """`blocks` delivered by `node_id` over `path`."""
+        with self._lock:
+            self.nodes_read.add(node_id)
+            self.blocks_read[node_id, path] += blocks
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._threads is None:
+                self._threads = ThreadPoolExecutor(RUNS_AT_ONCE, thread_name_prefix="fleet-transfer")
+            return self._threads
 
     # -- lifetime ----------------------------------------------------------
 
