@@ -19,6 +19,9 @@ not answer) from the next; the copies a fetch did not ask are refreshed in the
 background (F34). `fetch` takes a chain from block 0 (each run is placed by its
 first hash), as `FleetClient.stream` does.
 
+A node of this host that restarts (its record names a new incarnation) has the regions mapped into it
+again at the next `fetch` or `read` (F72).
+
 `read` and `write` take descriptor batches (F71, `kvstore.client.fleet_descriptors`): a read
 descriptor carries its run (`RunDescriptor.run_key`, made by `descriptors(chain, region)`), so each
 run's blocks go to its replicas in the same order, with failover; a write's runs are its tokens',
@@ -55,7 +58,7 @@ from kvstore.client.transfer_batches import fetch_arguments
 from kvstore.client.transfer_path import LocalTransfer, Transfer, timeout
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
-from kvstore.region import Region
+from kvstore.region import NONCE_BYTES, Region
 from kvstore.transfer import DONE, MISSING, SKIPPED, BatchResults, Descriptor, DescriptorGroup, TransferState
 from kvstore.v1 import transfer_pb2 as pb
 
@@ -144,6 +147,11 @@ class FleetTransferSession:
         #: This host's nodes' shared-memory sessions (shared by the threads), and each region's alias there.
         self._shm: dict[str, TransferSession] = {}
         self._mapped: dict[str, dict[int, Region]] = {}
+        #: The incarnation (address, start time) each node's shm session was opened with, and each (node, region)
+        #: was last mapped (or tried) under: a node whose record changes has restarted (F72).
+        self._shm_incarnation: dict[str, tuple[str, float] | None] = {}
+        self._tried: dict[tuple[str, int], tuple[str, float] | None] = {}
+        self._remapping = threading.Lock()
         #: Why a node on this host maps no region of this session (node id -> reason).
         self.shm_reasons: dict[str, str] = {}
         #: The nodes this session has read from.
@@ -177,7 +185,8 @@ class FleetTransferSession:
             self._unmap(region)
             region.close()
             raise
-        region.release_fd()  # mapped by the nodes that could: the descriptor has done its job
+        if self.path == "stream":  # kept otherwise: a node of this host that restarts maps it again (F72)
+            region.release_fd()
         self.regions[region.region_id] = region
         return region
 
@@ -185,19 +194,10 @@ class FleetTransferSession:
         """Register a fresh region with each of this host's live nodes (once each, while its bytes are unused)."""
         nodes = local_nodes(self.client.view.nodes, self._only)
         for node_id in nodes:
-            try:
-                alias, why = map_region(self._shm_session(node_id), region)
-            except Unavailable as exc:  # its runs stream from the other replicas, as when it dies later
-                self.client.pool.failed(node_id)
-                self.shm_reasons[node_id] = f"unavailable: {exc.message}"
-                continue
-            if alias is None:
-                if self.path == "shm":
-                    raise FailedPrecondition(f"node {node_id} of this host cannot map this process's regions: {why}",
-                                             hint='use path="auto" or "stream"')
-                self.shm_reasons[node_id] = why
-                continue
-            self._mapped.setdefault(node_id, {})[region.region_id] = alias
+            why = self._map_into(node_id, region)
+            if why and not why.startswith("unavailable") and self.path == "shm":
+                raise FailedPrecondition(f"node {node_id} of this host cannot map this process's regions: {why}",
+                                         hint='use path="auto" or "stream"')
         # Refused only when no node of this host can map it: one that is down is failed over (its runs stream).
         down = any(self.shm_reasons.get(n, "").startswith("unavailable") for n in nodes)
         if self.path == "shm" and not down and not any(region.region_id in m for m in self._mapped.values()):
@@ -206,15 +206,59 @@ class FleetTransferSession:
                                      f"this process's regions ({where or 'none is on this host'})",
                                      hint='use path="auto" or "stream" (docs/FLEET.md F62)')
 
-    def _shm_session(self, node_id: str) -> TransferSession:
-        """The shared-memory session with `node_id`, opened at its first region."""
+    def _map_into(self, node_id: str, region: Region) -> str:
+        """Map `region` into `node_id` as the node is now (its record's incarnation); '' when mapped, else why not.
+
+        The region's first bytes carry the nonce meanwhile and are put back after (a region mapped again holds
+        blocks); a node that does not answer is noted (its runs stream) and not asked again until it restarts.
+        """
+        record = self.client.view.nodes.get(node_id)
+        incarnation = _incarnation(record) if record is not None else None
+        self._mapped.get(node_id, {}).pop(region.region_id, None)
+        head = bytes(region.view[:NONCE_BYTES])
+        try:
+            alias, why = map_region(self._shm_session(node_id, incarnation), region)
+        except Unavailable as exc:  # its runs stream from the other replicas, as when it dies later
+            self.client.pool.failed(node_id)
+            why = self.shm_reasons[node_id] = f"unavailable: {exc.message}"
+            return why
+        finally:
+            region.view[:len(head)] = head
+            self._tried[node_id, region.region_id] = incarnation  # after: a new session forgets what was tried
+        if alias is None:
+            self.shm_reasons[node_id] = why
+            return why
+        self.shm_reasons.pop(node_id, None)
+        with self._lock:
+            self._mapped.setdefault(node_id, {})[region.region_id] = alias
+        return ""
+
+    def _remap(self, region: Region) -> None:
+        """Map `region` into each of this host's nodes that is new, or has restarted, since it was last tried there
+        (F72): its record names another incarnation (address, start time); the old mapping died with the old
+        process. A node tried under its present incarnation is left as it is (mapped, refused or down)."""
+        if self.path == "stream":
+            return
+        nodes = self.client.view.nodes
+        with self._remapping:
+            for node_id in local_nodes(nodes, self._only):
+                if self._tried.get((node_id, region.region_id)) != _incarnation(nodes[node_id]):
+                    self._map_into(node_id, region)
+
+    def _shm_session(self, node_id: str, incarnation: tuple[str, float] | None = None) -> TransferSession:
+        """The shared-memory session with `node_id` as it is now, opened at its first region (again when the node's
+        session ended or its record names another incarnation: a restarted node knows none of the old one's)."""
         with self._lock:
             session = self._shm.get(node_id)
-        if session is None or session.ended():
+            current = self._shm_incarnation.get(node_id)
+        if session is None or session.ended() or (incarnation is not None and current != incarnation):
             session = TransferSession(self.client.pool.connection(node_id), path="shm", streams=self.streams)
             with self._lock:
                 old, self._shm[node_id] = self._shm.get(node_id), session
+                self._shm_incarnation[node_id] = incarnation
                 self._mapped.pop(node_id, None)  # a new session maps none of the old one's regions
+                for key in [k for k in self._tried if k[0] == node_id]:
+                    del self._tried[key]  # so each region is mapped into the new session when next read
             if old is not None:
                 _close_node_session(old)
         return session
@@ -277,6 +321,7 @@ class FleetTransferSession:
         """
         chain = arguments.hashes(hashes, "hashes")
         region = self._own(region)
+        self._remap(region)
         size = self.client.block_bytes
         offset_bytes, batch_descriptors = fetch_arguments(len(chain), size, region, offset_bytes, batch_descriptors,
                                                           prefix_only)
@@ -332,14 +377,16 @@ class FleetTransferSession:
     def order_of(self, run_key: bytes, region_ids: Collection[int],
                  replicas: Sequence[str] | None = None) -> list[str]:
         """The read order (F33) of the run keyed `run_key` (its replicas placed now unless given), the replicas that
-        map every region of `region_ids` first (F62), suspects still last."""
+        map every region of `region_ids` first (F62), then the others, suspects last."""
         pool = self.client.pool
         if replicas is None:
             replicas = self.client.placement([run_key])[0].replicas  # a run is placed by its first hash alone
         order = pool.read_order(run_key, replicas)
         k = len(replicas)
         mapped = {n for n, aliases in self._mapped.items() if all(r in aliases for r in region_ids)}
-        return sorted(order[:k], key=lambda n: (pool.suspect(n), n not in mapped)) + order[k:]
+        # A node that maps the regions answered since it last failed (a failed shm read drops its mappings: F64), so
+        # a restarted node mapped again (F72) is read first at once, not after the suspects' seconds.
+        return sorted(order[:k], key=lambda n: (n not in mapped and pool.suspect(n), n not in mapped)) + order[k:]
 
     def _shm_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
                   offset_bytes: int) -> None:
@@ -477,6 +524,9 @@ class FleetTransferSession:
         batch = checked_reads(descriptors)
         if not isinstance(prefix_only, bool):
             raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
+        for region_id in {d.region_id for d in batch}:
+            if region_id in self.regions:
+                self._remap(self.regions[region_id])
         results = BatchResults(len(batch))
         done = start_reads(self, batch, results, prefix_only, self._pool())
         return LocalTransfer(next(_TRANSFERS), results, self.client.block_bytes, done)
@@ -562,6 +612,8 @@ class FleetTransferSession:
         with self._lock:
             sessions, self._all = self._all, []
             shm, self._shm, self._mapped = list(self._shm.values()), {}, {}
+            self._tried.clear()
+            self._shm_incarnation.clear()
         for session in [*sessions, *shm]:
             _close_node_session(session)
         for region in self.regions.values():
@@ -573,6 +625,11 @@ class FleetTransferSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _incarnation(record: Any) -> tuple[str, float]:
+    """Which process of a node a record names: a restarted node has a new start time (and, on port 0, address)."""
+    return str(record.address), float(record.started_at)
 
 
 def _close_node_session(session: TransferSession) -> None:

@@ -1,4 +1,5 @@
-"""A fleet transfer session's `read` and `write` of descriptor batches (docs/FLEET.md F71).
+"""A fleet transfer session's `read` and `write` of descriptor batches (docs/FLEET.md F71), and a region mapped
+again into this host's node once it restarts (F72).
 
 One real etcd and three real `kvstore serve` nodes on loopback, module-scoped (runs of 4 blocks of 16 tokens, 60 s
 leases: a killed node stays in the view). All three run on this host; a test names "this host's node" by the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from tests.kvstore.client.test_fleet import (
     prompt,
     purge_from,
 )
+from tests.kvstore.client.test_fleet_transfer_shm import node_transfer
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 
 RUNS = 5
@@ -54,12 +56,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         etcd.stop()
 
 
-def stored(client: FleetClient, runs: int = RUNS) -> tuple[list[int], list[bytes], list[bytes]]:
-    """A prompt of `runs` runs put on the fleet: its tokens, chain and blocks."""
-    tokens = prompt(RUN_TOKENS * runs)
+def stored(
+    client: FleetClient, runs: int = RUNS, until: Callable[[list[bytes]], bool] = lambda chain: True
+) -> tuple[list[int], list[bytes], list[bytes]]:
+    """A prompt of `runs` runs put on the fleet, drawn until its chain satisfies `until`: its tokens, chain, blocks."""
+    while not until(chain := client.hashes(tokens := prompt(RUN_TOKENS * runs))):
+        pass
     payload = [random.randbytes(client.block_bytes) for _ in range(runs * RUN_BLOCKS)]
     client.put(tokens, payload)
-    return tokens, client.hashes(tokens), payload
+    return tokens, chain, payload
 
 
 def first_reader(
@@ -169,18 +174,18 @@ def test_f71_a_killed_node_during_a_sessions_reads_falls_over_to_the_replica(fle
     of runs whose order names it first is every byte, from their other replicas."""
     victim = fleet.nodes[0]
     with fleet_client(fleet) as client:
-        _, chain, payload = stored(client, runs=8)
+
+        def read_first(chain: list[bytes]) -> bool:  # some run is read from the victim first
+            order = client.pool.read_order
+            return any(order(chain[r.first_block], r.replicas)[0] == victim.node_id for r in client.placement(chain))
+
+        _, chain, payload = stored(client, runs=8, until=read_first)
         size = client.block_bytes
         with client.transfer(path="stream") as session:
             region = session.register(len(payload) * size)
             descriptors = session.descriptors(chain, region)
             assert session.read(descriptors).wait().done_prefix == len(payload)
-            theirs = [
-                r
-                for r in client.placement(chain)
-                if first_reader(client, session, chain, r.first_block, region.region_id) == victim.node_id
-            ]
-            assert theirs, "some run is read from the victim first"
+            assert session.blocks_read[victim.node_id, "stream"] > 0
             victim.child.kill9()
             region.view[:] = bytes(len(region.view))
             state = session.read(descriptors).wait()
@@ -198,3 +203,37 @@ def restart(fleet: Fleet, i: int, client: FleetClient) -> None:
     node.child.kill_if_alive()
     node.child = Child(f"node{i}", ["serve", "--config", str(tmp / f"node{i}.toml"), "--port", "0"], tmp / "logs")
     client.view.wait_until(lambda nodes: node.node_id in nodes and nodes[node.node_id].started_at != old, 30.0)
+
+
+def test_f72_a_region_is_mapped_again_into_this_hosts_node_once_it_restarts(fleet: Fleet) -> None:
+    """F72 (kills a node): the region mapped into this host's node, its runs over shm; the node SIGKILLed (its runs
+    stream, F64); started again on its data dir, the next fetch maps the region into it again (once) and reads its
+    runs over shm, every byte, the bytes the nonce passed over kept; a read of descriptors too."""
+    local = fleet.nodes[1]
+    with fleet_client(fleet) as client:
+        _, chain, payload = stored(
+            client,
+            runs=6,
+            until=lambda chain: 0 < sum(local.node_id in r.replicas for r in client.placement(chain)) < 6,
+        )
+        mine = [local.node_id in r.replicas for r in client.placement(chain)]
+        size = client.block_bytes
+        marker = random.randbytes(size)  # slot 0: what the application keeps at the region's start
+        with FleetTransferSession(client, local=[local.node_id]) as session:
+            region = session.register((len(payload) + 1) * size)
+            region.view[:size] = marker
+            assert session.fetch(chain, region, offset_bytes=size).done_prefix == len(payload)
+            assert session.last_paths == ["shm" if m else "stream" for m in mine]
+            local.child.kill9()
+            assert session.fetch(chain, region, offset_bytes=size).done_prefix == len(payload)
+            assert session.last_paths == ["stream"] * len(mine) and session.shared_with(region) == []
+            restart(fleet, 1, client)
+            state = session.fetch(chain, region, offset_bytes=size)
+            assert state.done_prefix == len(payload) and bytes(region.view[size:]) == b"".join(payload)
+            assert session.shared_with(region) == [local.node_id] and bytes(region.view[:size]) == marker
+            assert session.last_paths == ["shm" if m else "stream" for m in mine]
+            region.view[size:] = bytes(len(payload) * size)
+            descriptors = session.descriptors(chain, region, offset_bytes=size)
+            assert session.read(descriptors).wait().done_prefix == len(payload)
+            assert bytes(region.view[size:]) == b"".join(payload)
+            assert node_transfer(fleet, local.node_id)[0] == 1  # mapped once into the new process, not per fetch
