@@ -486,12 +486,12 @@ class FleetClient(Client):
 
     def transfer(self, *, path: str = "auto", ring: bool = True) -> FleetTransferSession:  # type: ignore[override]
         """A transfer session over the fleet (`fleet_transfer.FleetTransferSession`: `fetch` of a chain, the runs
-        this host's nodes hold over shared memory, the others streamed from their nodes; F49, F62). `ring` is
-        accepted and unused: a fleet session asks no ring.
+        this host's nodes hold over shared memory, the others by the bulk transport from nodes that run it or
+        streamed; `read`/`write` of descriptor batches; F49, F62, F71, F73). `ring` is accepted and unused: a
+        fleet session asks no ring.
 
         Raises:
-            FailedPrecondition: path "bulk" (not over a fleet yet), or "shm" where no node of this host can map
-                the session's regions (F62).
+            FailedPrecondition: "shm" where no node of this host can map the session's regions (F62).
         """
         from kvstore.client.fleet_transfer import FleetTransferSession
 

@@ -138,7 +138,7 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
             last = exc
             continue
         answered = True
-        session.count(node_id, "shm" if node.path == "shm" else "stream", got.statuses.count(DONE))
+        session.count(node_id, session.path_of(node), got.statuses.count(DONE))
         again = []
         for j, ((i, d), code) in enumerate(zip(short, got.statuses, strict=True)):
             failure = got.failures.get(j)

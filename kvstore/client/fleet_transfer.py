@@ -27,8 +27,11 @@ descriptor carries its run (`RunDescriptor.run_key`, made by `descriptors(chain,
 run's blocks go to its replicas in the same order, with failover; a write's runs are its tokens',
 stored as `FleetClient.put` stores them (F30).
 
-Not through a fleet session: the bulk transport (each node's session would register the region with
-this process's one engine, and a session closing would unregister it under the others).
+On paths "auto" and "bulk" a run that is not read over shared memory goes by the bulk transport from a
+node that runs it (F73): a bulk-path session per node and thread (`TransferSession(path="bulk")`), the
+region registered with this process's Mooncake engines once however many of those sessions hold it
+(`transfer_bulk.register_counted`), the node's engine writing the blocks straight into it; a node that
+runs none streams (`bulk_reasons` says why).
 """
 
 from __future__ import annotations
@@ -68,8 +71,8 @@ _IDS = itertools.count(1 << 61)
 _TRANSFERS = itertools.count(1)
 #: Runs fetched at once (each on a thread of its own, with node sessions of its own).
 RUNS_AT_ONCE = 8
-#: The paths a fleet session takes ("bulk" is refused: the module's docstring).
-PATHS = ("auto", "stream", "shm")
+#: The paths a fleet session takes.
+PATHS = ("auto", "stream", "shm", "bulk")
 
 
 def _state(codes: bytes, block_bytes: int, failures: dict[int, tuple[str, str]] | None = None) -> TransferState:
@@ -112,24 +115,20 @@ class FleetTransferSession:
     Args:
         client: the `kvstore.client.fleet.FleetClient` (its nodes, placement, read order and refreshes; not
             imported here: the fleet client imports this module).
-        path: "auto" (this host's nodes map the regions where they can, every other run streams), "stream"
-            (every run streams) or "shm" (as auto, but a region no node on this host maps is refused).
+        path: "auto" (this host's nodes map the regions where they can, every other run by the bulk transport
+            from a node that runs it, else streamed), "stream" (every run streams), "shm" (this host's nodes map,
+            the rest streamed; a region no node on this host maps is refused) or "bulk" (nothing mapped: every
+            run by the bulk transport where its node runs it, else streamed; F73).
         streams: Fetch calls each node's stream path keeps in flight (as `TransferSession`'s).
         local: the ids of this host's nodes (default: the live nodes whose records name this host,
             `fleet_local.local_nodes`); `restore` passes a `ColocatedReader`'s node (F48).
 
     Raises:
-        FailedPrecondition: path "bulk".
         InvalidArgument: an unknown path, or `local` not a collection of node ids.
     """
 
     def __init__(self, client: Any, *, path: str = "auto", streams: int | None = None,
                  local: Collection[str] | None = None) -> None:
-        if path == "bulk":
-            raise FailedPrecondition("path bulk is not available through a fleet session: this process's one "
-                                     "transfer engine would hold each region for several nodes' sessions",
-                                     hint='use path="auto" (shared memory to this host\'s nodes, the rest '
-                                          'streamed) or "stream" (docs/FLEET.md F49, F62)')
         if not isinstance(path, str) or path not in PATHS:
             raise InvalidArgument(f"path must be one of {', '.join(PATHS)}; got {path!r}")
         if local is not None and (isinstance(local, str) or not all(isinstance(n, str) for n in local)):
@@ -160,8 +159,13 @@ class FleetTransferSession:
         self.blocks_read: Counter[tuple[str, str]] = Counter()
         #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "stream", "shm+stream", "").
         self.last_paths: list[str] = []
+        #: Why a node's runs are not read by the bulk transport (node id -> its session's `bulk_reason`, F73).
+        self.bulk_reasons: dict[str, str] = {}
+        #: The incarnation of each node found to serve no bulk transport (asked again once it restarts).
+        self._no_bulk: dict[str, tuple[str, float] | None] = {}
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
-        self.bulk_reason = "off: a fleet session maps its regions into this host's nodes or streams"
+        self.bulk_reason = (f"off: path={path!r} reads no node by it" if path in ("stream", "shm")
+                            else "per node: each node's session negotiates it (bulk_reasons)")
         self.ring_reason = "the ring is each shared-memory node session's own"
 
     # -- regions -----------------------------------------------------------
@@ -179,13 +183,13 @@ class FleetTransferSession:
         region = Region(arguments.integer(size_bytes, "size_bytes", least=1))
         region.region_id = next(_IDS)
         try:
-            if self.path != "stream":
+            if self.path not in ("stream", "bulk"):
                 self._map(region)
         except BaseException:
             self._unmap(region)
             region.close()
             raise
-        if self.path == "stream":  # kept otherwise: a node of this host that restarts maps it again (F72)
+        if self.path in ("stream", "bulk"):  # kept otherwise: a node of this host that restarts maps it again (F72)
             region.release_fd()
         self.regions[region.region_id] = region
         return region
@@ -237,7 +241,7 @@ class FleetTransferSession:
         """Map `region` into each of this host's nodes that is new, or has restarted, since it was last tried there
         (F72): its record names another incarnation (address, start time); the old mapping died with the old
         process. A node tried under its present incarnation is left as it is (mapped, refused or down)."""
-        if self.path == "stream":
+        if self.path in ("stream", "bulk"):
             return
         nodes = self.client.view.nodes
         with self._remapping:
@@ -296,6 +300,9 @@ class FleetTransferSession:
             sessions = list(self._all)
         for session in sessions:
             session.regions.pop(region.region_id, None)
+            for bulk in (session.bulk, *session._closing):
+                if bulk is not None:  # before it is closed: no engine may write into it after
+                    bulk.unregister(region)
         self.regions.pop(region.region_id, None)
         region.close()
 
@@ -459,14 +466,16 @@ class FleetTransferSession:
                         chain[read.at:run.end_block], alias, offset_bytes=offset_bytes + read.at * size,
                         batch_descriptors=batch_descriptors, prefix_only=True)
                 else:
-                    session = self._session(node_id)
-                    session.regions[region.region_id] = region  # its stream path writes into this process's region
-                    path, state = "stream", session.fetch(
-                        chain[read.at:run.end_block], region, offset_bytes=offset_bytes + read.at * size,
-                        batch_descriptors=batch_descriptors, prefix_only=True)
+                    path = "stream"
+                    session = self._remote(node_id, [region])
+                    path = self.path_of(session)
+                    state = session.fetch(chain[read.at:run.end_block], region,
+                                          offset_bytes=offset_bytes + read.at * size,
+                                          batch_descriptors=batch_descriptors, prefix_only=True)
+                    path = self.path_of(session)  # "stream" when its bulk transport failed and it fell back
             except (Unavailable, NotFound) as exc:
-                if alias is None and isinstance(exc, NotFound):
-                    raise
+                if alias is None and path == "stream" and isinstance(exc, NotFound):
+                    raise  # a stream has no server session to lose: the region is not this session's
                 if alias is not None:
                     self._shm_failed(node_id, exc)
                 else:
@@ -494,6 +503,61 @@ class FleetTransferSession:
             with self._lock:
                 self._all.append(session)
         return session
+
+    def _remote(self, node_id: str, regions: Sequence[Region]) -> TransferSession:
+        """This thread's session to read `node_id` into `regions` over the network: its bulk session where the node
+        runs the bulk transport (paths "auto" and "bulk", F73), the regions registered with this process's engines
+        (counted: several nodes' sessions hold them, `transfer_bulk.register_counted`), else its stream session.
+
+        Raises:
+            Unavailable: the node is not in the view, or does not answer.
+        """
+        session = self._bulk_session(node_id) if self.path in ("auto", "bulk") else None
+        if session is None:
+            session = self._session(node_id)
+        for region in regions:
+            session.regions[region.region_id] = region  # its paths write into this process's region
+            if session.bulk is not None and not session.bulk.register(region):
+                session.bulk_failed(f"the client's engine could not register region {region.name}")
+        return session
+
+    def _bulk_session(self, node_id: str) -> TransferSession | None:
+        """This thread's bulk-path session with `node_id` (made again when the node's connection was, or its session
+        ended); None where the node's process serves no bulk transport (`bulk_reasons` says why).
+
+        Raises:
+            Unavailable: the node is not in the view, or does not answer.
+        """
+        mine: dict[str, TransferSession] = self._local.__dict__.setdefault("bulk", {})
+        session = mine.get(node_id)
+        connection = self.client.pool.connection(node_id)
+        if session is not None and session.connection is connection and not session.ended():
+            return session
+        record = self.client.view.nodes.get(node_id)
+        incarnation = _incarnation(record) if record is not None else None
+        if node_id in self._no_bulk and self._no_bulk[node_id] == incarnation:
+            return None
+        fresh = TransferSession(connection, path="bulk", streams=self.streams, ring=False)
+        if fresh.bulk is None:  # this process of the node offers none, or refused it: its runs stream
+            self._no_bulk[node_id], self.bulk_reasons[node_id] = incarnation, fresh.bulk_reason
+            _close_node_session(fresh)
+            return None
+        self.bulk_reasons.pop(node_id, None)
+        mine[node_id] = fresh
+        with self._lock:
+            self._all.append(fresh)
+            if session is not None and session in self._all:
+                self._all.remove(session)
+        if session is not None:  # its regions' registrations are let go (counted: the others keep theirs)
+            _close_node_session(session)
+        return fresh
+
+    @staticmethod
+    def path_of(session: TransferSession) -> str:
+        """What a node session reads by: "shm", "bulk" (while its bulk transport is on) or "stream"."""
+        if session.path == "bulk" and session.bulk is None:
+            return "stream"
+        return "stream" if session.path == "auto" else session.path
 
     # -- read and write by descriptors (F71) --------------------------------
 
@@ -578,10 +642,7 @@ class FleetTransferSession:
             ids = {r: aliases[r].region_id for r in region_ids}
             return shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
                                              offset_bytes=d.offset_bytes, length_bytes=d.length_bytes)
-        session = self._session(node_id)
-        for r in region_ids:
-            session.regions[r] = self.regions[r]  # its stream path writes into this process's region
-        return session, lambda d: d
+        return self._remote(node_id, [self.regions[r] for r in region_ids]), lambda d: d
 
     def node_failed(self, node_id: str, exc: KVStoreError, session: TransferSession | None) -> None:
         """A read of `node_id` failed: read it last for a while (F33), and forget its mappings if they are gone."""

@@ -12,6 +12,9 @@ On a host with many cores the session runs several engines (`LANES`: Mooncake 0.
 TCP transport moves all of one engine's bytes on one io thread) and names each with its
 own `OpenBulk`; the server ties each to one of its engines and spreads the calls over them.
 
+A region is registered with an engine once however many sessions hold it (`register_counted`: a fleet
+session's region is read by one session per node), and unregistered when the last lets it go.
+
 Any failure of the bulk transport (the engine cannot start here, the server
 refuses, a BulkFetch fails) turns it off for the session, says why in
 `session.bulk_reason`, and the batch is fetched over gRPC (`StreamPath`) instead.
@@ -93,6 +96,39 @@ def local_engines(host: str, count: int) -> list[tuple[Any, str]]:
                 raise Unavailable(f"Mooncake's transfer engine did not start on {host}")
             started.append((engine, f"{host}:{engine.get_rpc_port()}"))
         return started[:count]
+
+
+#: (engine, address) -> how many of this process's bulk paths hold that region registered with the engine (F73).
+_REGISTERED: dict[tuple[int, int], int] = {}
+_REGISTERED_LOCK = threading.Lock()
+
+
+def register_counted(engine: Any, address: int, size_bytes: int) -> bool:
+    """Register [address, address + size_bytes) with `engine` for one more holder (False: the engine refused).
+
+    The engines are the process's (`local_engines`), and one region may be registered by several sessions (a
+    fleet session's, one per node, docs/FLEET.md F73): Mooncake refuses a second registration of the same memory
+    ("overlapped memory region") and one unregistration drops it for all, so the engine is asked at the first
+    holder only and told at the last one's `unregister_counted`.
+    """
+    key = (id(engine), address)  # the engines live as long as the process: their ids are never reused
+    with _REGISTERED_LOCK:
+        held = _REGISTERED.get(key, 0)
+        if not held and engine.register_memory(address, size_bytes):
+            return False
+        _REGISTERED[key] = held + 1
+        return True
+
+
+def unregister_counted(engine: Any, address: int) -> None:
+    """One holder of `address` lets it go; the last unregisters it from `engine` (no write may land after)."""
+    key = (id(engine), address)
+    with _REGISTERED_LOCK:
+        held = _REGISTERED.pop(key, 0)
+        if held > 1:
+            _REGISTERED[key] = held - 1
+        elif held == 1:
+            engine.unregister_memory(address)
 
 
 def local_engine(host: str) -> tuple[Any, str]:
@@ -181,11 +217,13 @@ class BulkPath(TransferPath):
 
     def register(self, region: Region) -> bool:
         """Register a region with every lane's engine (False: it could not be, the region streams)."""
+        if region.region_id in self.addresses:
+            return True
         address = region_address(region)
         for i, (engine, _) in enumerate(self.engines):
-            if engine.register_memory(address, region.size_bytes):
+            if not register_counted(engine, address, region.size_bytes):
                 for done, _ in self.engines[:i]:
-                    done.unregister_memory(address)
+                    unregister_counted(done, address)
                 return False
         self.addresses[region.region_id] = address
         return True
@@ -195,7 +233,7 @@ class BulkPath(TransferPath):
         address = self.addresses.pop(region.region_id, None)
         if address is not None:
             for engine, _ in self.engines:
-                engine.unregister_memory(address)
+                unregister_counted(engine, address)
 
     def covers(self, groups: Sequence[DescriptorGroup]) -> bool:
         """Whether every region of `groups` is registered with the engine."""
@@ -206,7 +244,7 @@ class BulkPath(TransferPath):
         self._pool.shutdown(wait=True)
         for address in self.addresses.values():
             for engine, _ in self.engines:
-                engine.unregister_memory(address)
+                unregister_counted(engine, address)
         self.addresses.clear()
 
     # -- reads ---------------------------------------------------------------

@@ -342,7 +342,7 @@ def test_f47_a_resumer_plans_over_a_fleet_and_its_worker_stores_to_it(fleet: Fle
 
 def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: Fleet) -> None:
     """F49: `transfer().fetch` of a chain over 5 runs lands every block in its slot of one region, each run from its
-    own node; blocks past the stored chain are MISSING then SKIPPED; the bulk transport is refused."""
+    own node; blocks past the stored chain are MISSING then SKIPPED; path "bulk" streams from nodes that run none."""
     from kvstore.transfer import Status
 
     with fleet_client(fleet) as client:
@@ -373,8 +373,9 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
             assert {first, other} <= session.nodes_read
             with pytest.raises(InvalidArgument, match="a batch holds 1 to"):  # read() of descriptors: F71
                 session.read([])
-        with pytest.raises(FailedPrecondition, match="path bulk is not available through a fleet session"):
-            client.transfer(path="bulk")
+        with client.transfer(path="bulk") as session:  # F73: no node here runs the bulk transport: all streamed
+            assert session.fetch(chain, session.register(20 * size)).done_prefix == 20
+            assert set(session.last_paths) == {"stream"} and set(session.bulk_reasons) == session.nodes_read
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct-gpu needs CUDA (run on the GPU machine)")

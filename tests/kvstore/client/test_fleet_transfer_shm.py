@@ -134,7 +134,7 @@ def test_f62_a_fleet_session_reads_this_hosts_nodes_runs_over_shm_and_streams_th
             assert session.fetch(chain, region).done_prefix == len(payload) and set(session.last_paths) == {"stream"}
 
 
-def test_f62_shm_with_no_node_of_this_host_is_refused_and_bulk_still_is(fleet: ShmFleet) -> None:
+def test_f62_shm_with_no_node_of_this_host_is_refused(fleet: ShmFleet) -> None:
     """F62: path "shm" and no node here to map the region: FAILED_PRECONDITION naming what works; "auto" streams."""
     with fleet_client(fleet) as client:
         with FleetTransferSession(client, path="shm", local=[]) as session, \
@@ -143,8 +143,8 @@ def test_f62_shm_with_no_node_of_this_host_is_refused_and_bulk_still_is(fleet: S
         assert 'path="auto"' in refused.value.hint
         with FleetTransferSession(client, local=[]) as session:
             assert session.shared_with(session.register(client.block_bytes)) == []
-        with pytest.raises(FailedPrecondition, match="path bulk is not available through a fleet session"):
-            client.transfer(path="bulk")
+        with client.transfer(path="bulk") as session:  # F73: maps nothing; these nodes run no bulk transport
+            assert session.shared_with(session.register(client.block_bytes)) == []
         with pytest.raises(InvalidArgument, match="local must be a collection of node ids"):
             FleetTransferSession(client, local="node")
 
