@@ -79,6 +79,12 @@ FIRST_ROUND_RUNS = 8
 #: Rounds whose copies may be under way at once (a round's copies start as soon as it is planned, beside the
 #: last round's; the one before that is awaited before the next is planned).
 COPYING_ROUNDS = 2
+#: Calls one lane keeps in flight: a batch that starts a run goes beside the one before it (runs are apart); one
+#: that continues a run waits for the answer to the one before (its parent stored first, R6).
+LANE_DEPTH = 2
+#: Batches read (their bytes, or their read txn over the bulk transport) and not answered yet, per pass: each
+#: lane reads its next batch while its call is in flight, so no call waits on its own read (F18).
+HELD_BATCHES = 2 * WINDOW
 #: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
 #: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
@@ -179,6 +185,36 @@ class Round:
     plans: list[RunPlan] = field(default_factory=list)
     undecided_runs: int = 0
     undecided_bytes: int = 0
+
+
+class _Window:
+    """A pass's bounds on its copies (F18): calls in flight over every target (`calls`, WINDOW), and batches
+    read and not answered (`held`, HELD_BATCHES: what a pass holds in memory, or under open read txns)."""
+
+    def __init__(self) -> None:
+        self.calls = asyncio.Semaphore(WINDOW)
+        self.held = asyncio.Semaphore(HELD_BATCHES)
+
+
+@dataclass
+class _Ready:
+    """One batch read and ready to send: the encoded request, and over the bulk transport the read txn that keeps
+    its blocks' pages in place until the call is answered."""
+
+    chunk: list[RunBlock]
+    request: bytes
+    count: int
+    size: int
+    #: The pins the request carries (R31): storage key -> time.
+    pins: dict[bytes, float]
+    #: The bulk transport's open read txn (None: the bytes are in the request).
+    txn: Any = None
+
+    def end(self) -> None:
+        """Answered or given up: the target reads no more of the map's pages."""
+        if self.txn is not None:
+            self.txn.abort()
+            self.txn = None
 
 
 @dataclass
@@ -340,7 +376,7 @@ class FleetRepairer:
         # the last round's (each run whole in one lane, a run's first block stored without its parent, F17), so
         # no round waits on the slowest lane of the one before; the round before that is awaited before the
         # next is planned (at most COPYING_ROUNDS rounds copying, their metas held).
-        window = asyncio.Semaphore(WINDOW)
+        window = _Window()
         copying: list[asyncio.Future[None]] = []
         try:
             for chunk in _rounds(runs):
@@ -575,12 +611,12 @@ class FleetRepairer:
         return [lane for lanes in by_target.values() for lane in lanes]
 
     async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str],
-                          window: asyncio.Semaphore | None = None) -> None:
+                          window: _Window | None = None) -> None:
         """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in
         flight, each batch taken from the bucket first (F18's bounded rate)."""
         if not plans:
             return
-        window = asyncio.Semaphore(WINDOW) if window is None else window
+        window = _Window() if window is None else window
         await asyncio.gather(*(self._send_lane(lane, window) for lane in self._lanes(plans, addresses)))
         p = self.progress
         for plan in plans:
@@ -588,27 +624,71 @@ class FleetRepairer:
             p.failed_runs += bool(plan.pending)
         await self._publish()
 
-    async def _send_lane(self, lane: _Lane, window: asyncio.Semaphore) -> None:
-        """One lane's runs to its target, packed into batches of about `batch_bytes` (several small runs in
-        one call, a large one over several), one after another; stops at the first failed call (what is
-        left stays pending: counted under-replicated and failed, and re-planned by the next pass)."""
+    def _batches(self, lane: _Lane) -> Iterator[tuple[list[RunBlock], list[tuple[RunPlan, int]], bool]]:
+        """The lane's runs as batches of about `batch_bytes`: (blocks, the runs whose last block is in it and their
+        bytes, whether it starts a run). Several small runs go in one; a run that does not fit what is left of a
+        batch starts the next one whole (so that call needs none before it, R6); a larger run goes over several,
+        each after the one before."""
         batch: list[RunBlock] = []
-        done: list[tuple[RunPlan, int]] = []  # the runs whose last block is in `batch`, and their bytes
-        size = 0
-        skipped: set[bytes] = set()  # blocks not sent (damaged, gone): their descendants cannot go either
+        done: list[tuple[RunPlan, int]] = []
+        size, starts = 0, True
         for plan, blocks in lane.runs:
-            for b in blocks:
+            run_bytes = sum(b.meta.size_bytes for b in blocks)
+            if batch and size + run_bytes > self.batch_bytes >= run_bytes:
+                yield batch, done, starts
+                batch, done, size, starts = [], [], 0, True
+            for i, b in enumerate(blocks):
                 if batch and size + b.meta.size_bytes > self.batch_bytes:
-                    if not await self._send_batch(lane, batch, skipped, window):
-                        return
-                    self._finish(done, lane.target)
-                    batch, size, done = [], 0, []
+                    yield batch, done, starts
+                    batch, done, size, starts = [], [], 0, i == 0
                 batch.append(b)
                 size += b.meta.size_bytes
-            done.append((plan, sum(b.meta.size_bytes for b in blocks)))
-        if batch and not await self._send_batch(lane, batch, skipped, window):
-            return
-        self._finish(done, lane.target)
+            done.append((plan, run_bytes))
+        if batch:
+            yield batch, done, starts
+
+    async def _send_lane(self, lane: _Lane, window: _Window) -> None:
+        """One lane's runs to its target (`_batches`), each batch read while the calls before it are in flight; a
+        batch that starts a run is sent beside them (up to LANE_DEPTH), one that continues a run once the call
+        before is answered (R6). Stops at the first failed call (what is left stays pending: counted
+        under-replicated and failed, and re-planned by the next pass); the calls already made end first."""
+        skipped: set[bytes] = set()  # blocks not sent (damaged, gone): their descendants cannot go either
+        flying: list[tuple[asyncio.Task[bool], list[tuple[RunPlan, int]]]] = []
+
+        async def settle_first() -> bool:
+            task, done = flying.pop(0)
+            went = await task
+            if went:
+                self._finish(done, lane.target)
+            return went
+
+        try:
+            for chunk, done, starts in self._batches(lane):
+                if lane.target in self._down:
+                    return
+                await window.held.acquire()
+                try:
+                    ready = await self._prepare(lane, chunk, skipped)
+                except BaseException:
+                    window.held.release()
+                    raise
+                while flying and (not starts or len(flying) >= LANE_DEPTH):
+                    if not await settle_first():
+                        ready.end()
+                        window.held.release()
+                        return
+                flying.append((asyncio.ensure_future(self._deliver_held(lane, ready, skipped, window)), done))
+            while flying:
+                if not await settle_first():
+                    return
+        except asyncio.CancelledError:  # the pass was given up: so are the calls under way
+            for task, _ in flying:
+                task.cancel()
+            raise
+        finally:
+            for task, _ in flying:  # a call failed: the calls already made end before the lane does
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await task
 
     def _finish(self, done: list[tuple[RunPlan, int]], target: str) -> None:
         """The runs in `done` are copied to `target`."""
@@ -616,44 +696,21 @@ class FleetRepairer:
             plan.pending.discard(target)
             self.progress.under_replicated_bytes -= size
 
-    async def _send_batch(self, lane: _Lane, chunk: list[RunBlock], skipped: set[bytes],
-                          window: asyncio.Semaphore) -> bool:
-        """One CopyBlocks of `chunk` (what of it reads) to the lane's target; whether it went."""
-        if lane.target in self._down:
-            return False
+    async def _prepare(self, lane: _Lane, chunk: list[RunBlock], skipped: set[bytes]) -> _Ready:
+        """The batch read and encoded: over the bulk transport where this node and the target run it (found and
+        verified in the map, held under a read txn until answered), else its bytes read by the verified read."""
         if self.bulk is not None and lane.target not in self._grpc_only:
-            went = await self._send_bulk(self.bulk, lane, chunk, skipped, window)
-            if went is not None:
-                return went
-        p = self.progress
+            ready = await self._prepare_bulk(self.bulk, chunk, skipped)
+            if ready is not None:
+                return ready
         request, count, size, damaged, sent_pins = await self.tier.call(self._read, chunk, skipped)
-        p.damaged_blocks += damaged
-        if not count:
-            return True
-        await self.bucket.take(size)  # F18: the bounded rate
-        async with window:
-            if lane.target in self._down:
-                return False
-            p.sent_bytes += size
-            try:
-                reply = await self.peers.copier(lane.address)(request, metadata=self.peers.metadata,
-                                                              timeout=CALL_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("fleet: copying %d blocks to node %s failed: %s: %s", count, lane.target,
-                            exc.code().name, exc.details())
-                self._peer_failed(lane.target, lane.address, exc)
-                return False
-        p.copied_bytes += reply.written_bytes
-        p.copied_blocks += reply.written_blocks
-        self._count_pins(lane.target, reply, sent_pins)
-        await self._publish()
-        return True
+        self.progress.damaged_blocks += damaged
+        return _Ready(chunk=chunk, request=request, count=count, size=size, pins=sent_pins)
 
-    async def _send_bulk(self, bulk: BulkSource, lane: _Lane, chunk: list[RunBlock], skipped: set[bytes],
-                         window: asyncio.Semaphore) -> bool | None:
-        """`_send_batch` over the bulk transport: the target reads the blocks from this node's map, verified
-        in place first, held under a read txn until answered. None: send it over gRPC instead (the map cannot
-        answer the batch exactly, one of its blocks cannot go, or the target refused: then so for its pass)."""
+    async def _prepare_bulk(self, bulk: BulkSource, chunk: list[RunBlock], skipped: set[bytes]) -> _Ready | None:
+        """`_prepare` over the bulk transport: the request carries each block's address in this node's map, its
+        pages held under a read txn left open (`_Ready.end`). None: send it over gRPC instead (the map cannot
+        answer the batch exactly, or one of its blocks cannot go)."""
         size = chunk[0].meta.size_bytes
         names = [self._names.get(namespaces.id_of_key(b.key)) for b in chunk]
         if any(b.meta.size_bytes != size or b.key[:-32] + b.meta.parent_hash in skipped for b in chunk) \
@@ -664,43 +721,64 @@ class FleetRepairer:
             return None
         try:
             held = await self.tier.call(pins_on, self.tier, [b.key for b in chunk])
-        except BaseException:
-            resolved.txn.abort()
-            raise
-        p = self.progress
-        total = size * len(chunk)
-        try:
             segment = bulk.segment.encode()
             request = b"".join([piece for b, ns, at in zip(chunk, names, resolved.addresses, strict=True)
                                 for piece in encode_copy(b, ns or "", b"", source_address=at,
                                                          pin_until_s=held.get(b.key, 0.0))]
                                + [b"\x12", _varint(len(segment)), segment])
-            await self.bucket.take(total)  # F18: the bounded rate, as over gRPC
-            async with window:
+        except BaseException:
+            resolved.txn.abort()
+            raise
+        return _Ready(chunk=chunk, request=request, count=len(chunk), size=size * len(chunk), pins=held,
+                      txn=resolved.txn)
+
+    async def _deliver_held(self, lane: _Lane, ready: _Ready, skipped: set[bytes], window: _Window) -> bool:
+        """`_deliver`, then the batch's place among those held (`_Window.held`) is free."""
+        try:
+            return await self._deliver(lane, ready, skipped, window)
+        finally:
+            window.held.release()
+
+    async def _deliver(self, lane: _Lane, ready: _Ready, skipped: set[bytes], window: _Window) -> bool:
+        """One CopyBlocks of the batch read (`ready`) to the lane's target, taken from the bucket first (F18's
+        bounded rate); whether it went. A target that refuses the bulk transport is sent this batch and the rest
+        of its pass over gRPC."""
+        bulk = ready.txn is not None
+        try:
+            if not ready.count:
+                return True
+            if lane.target in self._down:
+                return False
+            await self.bucket.take(ready.size)  # F18: the bounded rate, on either path
+            async with window.calls:
                 if lane.target in self._down:
                     return False
+                if not bulk:
+                    self.progress.sent_bytes += ready.size
                 try:
-                    reply = await self.peers.copier(lane.address)(request, metadata=self.peers.metadata,
+                    reply = await self.peers.copier(lane.address)(ready.request, metadata=self.peers.metadata,
                                                                   timeout=CALL_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
-                    log.warning("fleet: copying %d blocks to node %s over the bulk transport failed: %s: %s",
-                                len(chunk), lane.target, exc.code().name, exc.details())
+                    log.warning("fleet: copying %d blocks to node %s%s failed: %s: %s", ready.count, lane.target,
+                                " over the bulk transport" if bulk else "", exc.code().name, exc.details())
                     self._peer_failed(lane.target, lane.address, exc)
                     return False
         finally:
             # Answered (or given up): the target reads no more of these pages. Were its engine still reading
             # after a deadline, a page LMDB reused would fail the block's checksum there: never stored.
-            resolved.txn.abort()
-        if reply.bulk_refused:
+            ready.end()
+        if bulk and reply.bulk_refused:
             log.warning("fleet: node %s takes no copies over the bulk transport (%s): gRPC for the rest of this "
                         "pass", lane.target, reply.bulk_refused)
             self._grpc_only.add(lane.target)
-            return None
-        p.sent_bytes += total
-        p.bulk_bytes += reply.written_bytes
+            return await self._deliver(lane, await self._prepare(lane, ready.chunk, skipped), skipped, window)
+        p = self.progress
+        if bulk:
+            p.sent_bytes += ready.size
+            p.bulk_bytes += reply.written_bytes
         p.copied_bytes += reply.written_bytes
         p.copied_blocks += reply.written_blocks
-        self._count_pins(lane.target, reply, held)
+        self._count_pins(lane.target, reply, ready.pins)
         await self._publish()
         return True
 

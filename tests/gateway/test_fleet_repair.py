@@ -258,3 +258,177 @@ def test_f18_a_rounds_copies_start_beside_the_last_rounds_within_one_window(flee
     assert (progress.copied_bytes, progress.under_replicated_bytes, progress.failed_runs) == (total, 0, 0)
     for hashes, blocks in chains:
         assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f18_a_lanes_batches_end_where_a_run_ends_when_the_next_run_fits_a_batch_whole(fleet: Fleet) -> None:
+    """A run that does not fit what is left of a batch starts the next one whole (that call needs none before
+    it, R6); a run larger than a batch goes over several, each after the first marked as continuing it."""
+    from gateway.fleet_repair import RunPlan, _Lane
+    from kvstore.native.records import BlockMeta
+    from tiers.run_index import RunBlock, RunEntry
+
+    def run(name: str, n: int) -> tuple[RunPlan, list[RunBlock]]:
+        blocks = [RunBlock(key=f"{name}{i}".encode(), meta=BlockMeta(parent_hash=b"", depth=i + 1, size_bytes=10,
+                                                                       checksum=0, created_s=0.0, last_access_s=0.0))
+                  for i in range(n)]
+        return RunPlan(entry=RunEntry(key=blocks[0].key, first_block=0), blocks=blocks), blocks
+
+    fleet.start(["a"])
+    r = fleet.repairer("a", fleet.views[0])
+    r.batch_bytes = 30  # three blocks
+    lane = _Lane(target="b", address="")
+    lane.runs = [run("a", 2), run("b", 2), run("c", 5), run("d", 1)]
+    got = [([b.key.decode() for b in batch], [plan.entry.key.decode() for plan, _ in done], starts)
+           for batch, done, starts in r._batches(lane)]
+    assert got == [(["a0", "a1"], ["a0"], True),  # b does not fit beside a: its own call
+                   (["b0", "b1", "c0"], ["b0"], True),  # c is larger than a batch: it starts where room is
+                   (["c1", "c2", "c3"], [], False),
+                   (["c4", "d0"], ["c0", "d0"], False)]
+
+
+def _copies_watched(r: Any, hold: Any) -> dict[str, Any]:
+    """Wrap `r`'s CopyBlocks calls and reads: counts (calls, in flight, most in flight, reads, held = read and
+    not answered, most held); `hold(seen)` is awaited inside each call before it goes (to hold the first)."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    seen: dict[str, Any] = {"calls": 0, "in_flight": 0, "most": 0, "reads": 0, "held": 0, "most_held": 0,
+                            "read": asyncio.Event()}
+    copier, read = r.peers.copier, r._read
+
+    def counted_read(*args: Any) -> Any:
+        def note() -> None:
+            seen["reads"] += 1
+            seen["held"] += 1
+            seen["most_held"] = max(seen["most_held"], seen["held"])
+            seen["read"].set()
+
+        loop.call_soon_threadsafe(note)
+        return read(*args)
+
+    def counted(address: str) -> Any:
+        call = copier(address)
+
+        async def copy(request: bytes, **kwargs: Any) -> Any:
+            seen["calls"] += 1
+            seen["in_flight"] += 1
+            seen["most"] = max(seen["most"], seen["in_flight"])
+            try:
+                await hold(seen)
+                return await call(request, **kwargs)
+            finally:
+                seen["in_flight"] -= 1
+                seen["held"] -= 1
+
+        return copy
+
+    r.peers.copier = counted
+    r._read = counted_read
+    return seen
+
+
+def test_f18_a_lane_sends_a_batch_that_starts_a_run_beside_the_one_before(fleet: Fleet,
+                                                                            loop_thread: LoopThread) -> None:
+    """Two runs in one lane, each its own batch: the second call goes while the first is in flight (runs are
+    apart: a run's first block is stored without its parent, F17), and both are stored."""
+    import asyncio
+    import contextlib
+
+    from tests.gateway.test_fleet_copy import BLOCK
+
+    tiers, _, view = fleet.start(["a", "b"])
+    chains = [chain(4, seed=40 + i) for i in range(2)]
+    for hashes, blocks in chains:
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    r.batch_bytes = 5 * BLOCK  # one run's 4 blocks fill a lane's batch but not two: both runs in one lane
+
+    async def go() -> tuple[Any, dict[str, Any]]:
+        second = asyncio.Event()
+
+        async def hold(seen: dict[str, Any]) -> None:
+            if seen["calls"] == 1:  # the first call waits for the second to come (or gives up at the deadline)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(second.wait(), 10.0)
+                seen["overlapped"] = second.is_set()
+            else:
+                second.set()
+
+        seen = _copies_watched(r, hold)
+        try:
+            return await r.run_pass(), seen
+        finally:
+            await r.peers.close()
+
+    progress, seen = loop_thread.run(go())
+    assert seen["calls"] == 2 and seen["overlapped"] and seen["most"] == 2
+    total = sum(len(x) for _, blocks in chains for x in blocks)
+    assert (progress.copied_bytes, progress.under_replicated_bytes, progress.failed_runs) == (total, 0, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f18_a_batch_that_continues_a_run_is_read_during_the_call_before_and_sent_after_its_answer(
+        fleet: Fleet, loop_thread: LoopThread) -> None:
+    """One run over two batches: the second is read while the first call is in flight (no call waits on its own
+    read), and sent only once the first is answered (its parent stored first, R6)."""
+    import asyncio
+
+    from tests.gateway.test_fleet_copy import BLOCK
+
+    tiers, _, view = fleet.start(["a", "b"])
+    hashes, blocks = chain(4, seed=60)
+    put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    r.batch_bytes = 2 * BLOCK
+
+    async def go() -> tuple[Any, dict[str, Any]]:
+        async def hold(seen: dict[str, Any]) -> None:
+            if seen["calls"] == 1:  # the first call waits for the second batch's read
+                while seen["reads"] < 2:
+                    seen["read"].clear()
+                    await asyncio.wait_for(seen["read"].wait(), 10.0)
+                seen["read_ahead"] = seen["calls"] == 1
+
+        seen = _copies_watched(r, hold)
+        try:
+            return await r.run_pass(), seen
+        finally:
+            await r.peers.close()
+
+    progress, seen = loop_thread.run(go())
+    assert seen["read_ahead"] and (seen["calls"], seen["most"]) == (2, 1)
+    assert (progress.copied_bytes, progress.failed_runs) == (sum(map(len, blocks)), 0)
+    assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f18_a_pass_holds_at_most_held_batches_read_and_not_answered(fleet: Fleet, loop_thread: LoopThread,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading ahead is bounded for the whole pass: never more than HELD_BATCHES batches read and not answered
+    (their bytes in memory, or their read txns open), however many lanes."""
+    from gateway import fleet_repair
+    from tests.gateway.test_fleet_copy import BLOCK
+
+    monkeypatch.setattr(fleet_repair, "HELD_BATCHES", 2)
+    tiers, _, view = fleet.start(["a", "b"])
+    chains = [chain(4, seed=80 + i) for i in range(6)]
+    for hashes, blocks in chains:
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    r.batch_bytes = 4 * BLOCK  # a run a batch: a lane each, up to WINDOW
+
+    async def go() -> tuple[Any, dict[str, Any]]:
+        async def hold(seen: dict[str, Any]) -> None:
+            return None
+
+        seen = _copies_watched(r, hold)
+        try:
+            return await r.run_pass(), seen
+        finally:
+            await r.peers.close()
+
+    progress, seen = loop_thread.run(go())
+    assert seen["calls"] == len(chains) and seen["most_held"] == 2
+    assert (progress.under_replicated_bytes, progress.failed_runs) == (0, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
