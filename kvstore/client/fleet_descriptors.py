@@ -131,8 +131,8 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
             break
         node = None
         try:
-            node, local = session.node_for(node_id, region_ids)
-            got = _ask(node, [local(d) for _, d in short])
+            with session.node_for(node_id, region_ids) as (node, local):
+                got = _ask(node, [local(d) for _, d in short])
         except (Unavailable, NotFound) as exc:
             session.node_failed(node_id, exc, node)
             last = exc

@@ -41,7 +41,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -163,6 +163,9 @@ class FleetTransferSession:
         self.bulk_reasons: dict[str, str] = {}
         #: The incarnation of each node found to serve no bulk transport (asked again once it restarts).
         self._no_bulk: dict[str, tuple[str, float] | None] = {}
+        #: Each node's bulk-path session (shared by the threads, one read at a time under its lock).
+        self._bulk: dict[str, TransferSession] = {}
+        self._bulk_locks: dict[str, threading.RLock] = {}
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
         self.bulk_reason = (f"off: path={path!r} reads no node by it" if path in ("stream", "shm")
                             else "per node: each node's session negotiates it (bulk_reasons)")
@@ -341,20 +344,25 @@ class FleetTransferSession:
         for read in reads:  # the runs whose first replica maps the region: one shm batch per node (F62)
             if read.order and region.region_id in self._mapped.get(read.order[0], {}):
                 by_node.setdefault(read.order[0], []).append(read)
-        streamed = [r for r in reads if not r.order or r.order[0] not in by_node]
-        if len(by_node) + len(streamed) == 1:  # one node's batch or one run: on this thread
-            for node_id, members in by_node.items():
-                self._shm_runs(node_id, members, chain, region, offset_bytes)
+        by_bulk: dict[str, list[_RunRead]] = {}
+        for read in reads:  # the others whose first replica may run the bulk transport: one batch per node (F73)
+            if read.order and read.order[0] not in by_node and self._may_bulk(read.order[0]):
+                by_bulk.setdefault(read.order[0], []).append(read)
+        streamed = [r for r in reads if not r.order or (r.order[0] not in by_node and r.order[0] not in by_bulk)]
+        batched = [*((n, m, "shm") for n, m in by_node.items()), *((n, m, "bulk") for n, m in by_bulk.items())]
+        if len(batched) + len(streamed) == 1:  # one node's batch or one run: on this thread
+            for node_id, members, kind in batched:
+                self._node_runs(node_id, members, chain, region, offset_bytes, kind)
             for read in reads:
                 self._fetch_run(read, chain, region, offset_bytes, batch_descriptors)
         else:  # different nodes, different slots: all at once
             pool = self._pool()
             first = [pool.submit(self._fetch_run, r, chain, region, offset_bytes, batch_descriptors) for r in streamed]
-            batches = [pool.submit(self._shm_runs, n, m, chain, region, offset_bytes) for n, m in by_node.items()]
+            batches = [pool.submit(self._node_runs, n, m, chain, region, offset_bytes, k) for n, m, k in batched]
             for f in batches:
                 f.result()
             rest = [pool.submit(self._fetch_run, r, chain, region, offset_bytes, batch_descriptors)
-                    for members in by_node.values() for r in members if not r.complete]
+                    for _, members, _ in batched for r in members if not r.complete]
             for f in [*first, *rest]:
                 f.result()
         self.last_paths = ["+".join(r.paths) for r in reads]
@@ -395,14 +403,42 @@ class FleetTransferSession:
         # a restarted node mapped again (F72) is read first at once, not after the suspects' seconds.
         return sorted(order[:k], key=lambda n: (n not in mapped and pool.suspect(n), n not in mapped)) + order[k:]
 
-    def _shm_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
-                  offset_bytes: int) -> None:
-        """Every run of `members` read by `node_id` into the region over shared memory, in as few batches as its
-        session takes (one group per run, so one call or ring request for a prompt's runs on a node); a node that
-        fails is noted, and the runs go on to their next replicas (`_fetch_run`)."""
-        session, alias = self._shm.get(node_id), self._mapped.get(node_id, {}).get(region.region_id)
-        if session is None or alias is None:
-            return
+    def _may_bulk(self, node_id: str) -> bool:
+        """Whether runs may be read from `node_id` by the bulk transport: the path takes it and the node, as it is
+        now, was not found to run none."""
+        if self.path not in ("auto", "bulk"):
+            return False
+        record = self.client.view.nodes.get(node_id)
+        return record is not None and self._no_bulk.get(node_id, ()) != _incarnation(record)
+
+    def _node_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
+                   offset_bytes: int, kind: str) -> None:
+        """Every run of `members` read by `node_id` into the region over shared memory (`kind` "shm", F62) or by
+        the bulk transport ("bulk", F73), in as few batches as its session takes (one group per run, so one call,
+        ring request or BulkFetch for a prompt's runs on a node); a node that fails, or runs no bulk transport, is
+        noted, and the runs go on to their next replicas or the stream (`_fetch_run`)."""
+        with contextlib.ExitStack() as held:
+            if kind == "shm":
+                session, alias = self._shm.get(node_id), self._mapped.get(node_id, {}).get(region.region_id)
+                if session is None or alias is None:
+                    return
+                region_id, reader = alias.region_id, session._paths["shm"]
+            else:
+                try:
+                    session = held.enter_context(self._remote(node_id, [region]))
+                except Unavailable as exc:
+                    self.client.pool.failed(node_id)
+                    for read in members:
+                        read.last = exc
+                    return
+                if session.bulk is None:  # runs none (or it failed here): `_fetch_run` streams the runs
+                    return
+                region_id, reader = region.region_id, session.bulk
+            self._read_node_runs(node_id, members, chain, offset_bytes, kind, session, region_id, reader)
+
+    def _read_node_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], offset_bytes: int,
+                        kind: str, session: TransferSession, region_id: int, reader: Any) -> None:
+        """`_node_runs`' batches through `reader` (the session's shm or bulk path) into region `region_id`."""
         size, most = self.client.block_bytes, max(1, session.max_descriptors)
         pieces: list[tuple[_RunRead, int, int]] = []  # (run, first, end) of at most `most` blocks each
         for read in members:
@@ -413,16 +449,20 @@ class FleetTransferSession:
             if not batches or sum(e - f for _, f, e in batches[-1]) + piece[2] - piece[1] > most:
                 batches.append([])
             batches[-1].append(piece)
-        groups = [[DescriptorGroup.slots(chain[f:e], region_id=alias.region_id, length_bytes=size,
+        groups = [[DescriptorGroup.slots(chain[f:e], region_id=region_id, length_bytes=size,
                                          offset_bytes=offset_bytes + f * size) for _, f, e in batch]
                   for batch in batches]
         try:  # prefix_only off: one run's gap must not stop the others; a node holds nothing past it anyway (R6)
-            states = session.wait_all(session._paths["shm"].read_many(groups, False))
+            states = session.wait_all(reader.read_many(groups, False))
         except (Unavailable, NotFound) as exc:
-            self._shm_failed(node_id, exc)
+            if kind == "shm":
+                self._shm_failed(node_id, exc)
+            else:
+                self.client.pool.failed(node_id)
             for read in members:
                 read.last = exc
             return
+        path = kind if kind == "shm" else self.path_of(session)  # "stream" when the bulk transport fell back
         for batch, state in zip(batches, states, strict=True):
             at = 0
             for read, f, e in batch:
@@ -432,10 +472,8 @@ class FleetTransferSession:
                     if at <= i < at + e - f:
                         read.failures.setdefault(f + i - at, failure)
                 if read.at == f:  # this piece follows what the run has so far
-                    read.delivered(node_id, "shm", got)
-                    with self._lock:
-                        self.nodes_read.add(node_id)
-                        self.blocks_read[node_id, "shm"] += got
+                    read.delivered(node_id, path, got)
+                    self.count(node_id, path, got)
                 at += e - f
         for read in members:
             read.asked.add(node_id)
@@ -467,12 +505,12 @@ class FleetTransferSession:
                         batch_descriptors=batch_descriptors, prefix_only=True)
                 else:
                     path = "stream"
-                    session = self._remote(node_id, [region])
-                    path = self.path_of(session)
-                    state = session.fetch(chain[read.at:run.end_block], region,
-                                          offset_bytes=offset_bytes + read.at * size,
-                                          batch_descriptors=batch_descriptors, prefix_only=True)
-                    path = self.path_of(session)  # "stream" when its bulk transport failed and it fell back
+                    with self._remote(node_id, [region]) as session:
+                        path = self.path_of(session)
+                        state = session.fetch(chain[read.at:run.end_block], region,
+                                              offset_bytes=offset_bytes + read.at * size,
+                                              batch_descriptors=batch_descriptors, prefix_only=True)
+                        path = self.path_of(session)  # "stream" when its bulk transport failed and it fell back
             except (Unavailable, NotFound) as exc:
                 if alias is None and path == "stream" and isinstance(exc, NotFound):
                     raise  # a stream has no server session to lose: the region is not this session's
@@ -504,53 +542,72 @@ class FleetTransferSession:
                 self._all.append(session)
         return session
 
-    def _remote(self, node_id: str, regions: Sequence[Region]) -> TransferSession:
-        """This thread's session to read `node_id` into `regions` over the network: its bulk session where the node
-        runs the bulk transport (paths "auto" and "bulk", F73), the regions registered with this process's engines
-        (counted: several nodes' sessions hold them, `transfer_bulk.register_counted`), else its stream session.
+    @contextlib.contextmanager
+    def _remote(self, node_id: str, regions: Sequence[Region]) -> Iterator[TransferSession]:
+        """The session to read `node_id` into `regions` by over the network, held while the caller reads: the node's
+        bulk session where it runs the bulk transport (paths "auto" and "bulk", F73; one per node, shared by the
+        threads one read at a time), the regions registered with this process's engines (counted: several nodes'
+        sessions hold them, `transfer_bulk.register_counted`), else this thread's stream session.
 
         Raises:
             Unavailable: the node is not in the view, or does not answer.
         """
-        session = self._bulk_session(node_id) if self.path in ("auto", "bulk") else None
-        if session is None:
-            session = self._session(node_id)
+        if self._may_bulk(node_id):
+            with self._bulk_lock(node_id):
+                session = self._bulk_session(node_id)
+                if session is not None:
+                    self._hold(session, regions)
+                    yield session
+                    return
+        session = self._session(node_id)
+        self._hold(session, regions)
+        yield session
+
+    @staticmethod
+    def _hold(session: TransferSession, regions: Sequence[Region]) -> None:
+        """Give a node session this process's regions (its paths write into them), registered with its bulk path."""
         for region in regions:
-            session.regions[region.region_id] = region  # its paths write into this process's region
+            session.regions[region.region_id] = region
             if session.bulk is not None and not session.bulk.register(region):
                 session.bulk_failed(f"the client's engine could not register region {region.name}")
-        return session
+
+    def _bulk_lock(self, node_id: str) -> threading.RLock:
+        with self._lock:
+            return self._bulk_locks.setdefault(node_id, threading.RLock())
 
     def _bulk_session(self, node_id: str) -> TransferSession | None:
-        """This thread's bulk-path session with `node_id` (made again when the node's connection was, or its session
-        ended); None where the node's process serves no bulk transport (`bulk_reasons` says why).
+        """The bulk-path session with `node_id` (made again when the node's connection was, or its session ended);
+        None where the node's process serves no bulk transport (`bulk_reasons` says why). Called under the node's
+        `_bulk_lock`.
 
         Raises:
             Unavailable: the node is not in the view, or does not answer.
         """
-        mine: dict[str, TransferSession] = self._local.__dict__.setdefault("bulk", {})
-        session = mine.get(node_id)
+        session = self._bulk.get(node_id)
         connection = self.client.pool.connection(node_id)
         if session is not None and session.connection is connection and not session.ended():
             return session
         record = self.client.view.nodes.get(node_id)
         incarnation = _incarnation(record) if record is not None else None
-        if node_id in self._no_bulk and self._no_bulk[node_id] == incarnation:
-            return None
         fresh = TransferSession(connection, path="bulk", streams=self.streams, ring=False)
         if fresh.bulk is None:  # this process of the node offers none, or refused it: its runs stream
             self._no_bulk[node_id], self.bulk_reasons[node_id] = incarnation, fresh.bulk_reason
             _close_node_session(fresh)
             return None
         self.bulk_reasons.pop(node_id, None)
-        mine[node_id] = fresh
         with self._lock:
+            self._bulk[node_id] = fresh
             self._all.append(fresh)
             if session is not None and session in self._all:
                 self._all.remove(session)
         if session is not None:  # its regions' registrations are let go (counted: the others keep theirs)
             _close_node_session(session)
         return fresh
+
+    def bulk_sessions(self) -> dict[str, str]:
+        """Node id -> the server's session id of this session's bulk-path session with it (F73)."""
+        with self._lock:
+            return {n: session.session_id for n, session in self._bulk.items()}
 
     @staticmethod
     def path_of(session: TransferSession) -> str:
@@ -628,10 +685,12 @@ class FleetTransferSession:
 
     # -- the nodes a batch is read from (`fleet_descriptors.read_run`) -----
 
-    def node_for(self, node_id: str, region_ids: Collection[int]) -> tuple[TransferSession,
-                                                                           Callable[[Descriptor], Descriptor]]:
-        """The session to read `node_id` by, and how a descriptor is named there: its shm session with the regions'
-        aliases where it maps every region of `region_ids`, else this thread's stream session with it.
+    @contextlib.contextmanager
+    def node_for(self, node_id: str, region_ids: Collection[int]
+                 ) -> Iterator[tuple[TransferSession, Callable[[Descriptor], Descriptor]]]:
+        """The session to read `node_id` by, held while the caller reads, and how a descriptor is named there: its
+        shm session with the regions' aliases where it maps every region of `region_ids`, else its bulk session or
+        this thread's stream session (`_remote`).
 
         Raises:
             Unavailable: the node is not in the view, or does not answer.
@@ -640,9 +699,11 @@ class FleetTransferSession:
         shm = self._shm.get(node_id)
         if shm is not None and all(r in aliases for r in region_ids):
             ids = {r: aliases[r].region_id for r in region_ids}
-            return shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
-                                             offset_bytes=d.offset_bytes, length_bytes=d.length_bytes)
-        return self._remote(node_id, [self.regions[r] for r in region_ids]), lambda d: d
+            yield shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
+                                            offset_bytes=d.offset_bytes, length_bytes=d.length_bytes)
+            return
+        with self._remote(node_id, [self.regions[r] for r in region_ids]) as session:
+            yield session, lambda d: d
 
     def node_failed(self, node_id: str, exc: KVStoreError, session: TransferSession | None) -> None:
         """A read of `node_id` failed: read it last for a while (F33), and forget its mappings if they are gone."""
@@ -673,6 +734,7 @@ class FleetTransferSession:
         with self._lock:
             sessions, self._all = self._all, []
             shm, self._shm, self._mapped = list(self._shm.values()), {}, {}
+            self._bulk.clear()
             self._tried.clear()
             self._shm_incarnation.clear()
         for session in [*sessions, *shm]:

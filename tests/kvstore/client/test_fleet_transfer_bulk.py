@@ -20,6 +20,7 @@ import pytest
 from kvstore.client import transfer_bulk
 from kvstore.client.fleet import FleetClient
 from kvstore.client.fleet_transfer import FleetTransferSession
+from kvstore.client.store import Client
 from kvstore.region import Region
 from tests.children import Child, write_config
 from tests.kvstore.client.test_fleet import (
@@ -106,6 +107,12 @@ def test_f73_a_region_is_registered_once_and_let_go_by_its_last_holder() -> None
         assert not registered(region)
 
 
+def bulk_sessions(fleet: Fleet, node_id: str) -> int:
+    """Sessions on the bulk transport at a node now."""
+    with Client(fleet.node(node_id).child.target) as c:
+        return c.transfer_stats().bulk_sessions
+
+
 def stored(client: FleetClient, until: Callable[[list[bytes]], bool]) -> tuple[list[bytes], list[bytes]]:
     """A prompt of 8 runs, drawn until `until` holds of its chain, put on the fleet: its chain and blocks."""
     while not until(chain := client.hashes(tokens := prompt(RUN_TOKENS * 8))):
@@ -146,6 +153,13 @@ def test_f73_bulk_from_every_node_that_runs_it_and_the_stream_from_the_rest(flee
                 assert got.done_prefix == len(payload) and bytes(region.view[size:]) == b"".join(payload)
                 bulk_blocks = sum(v - before[k] for k, v in session.blocks_read.items() if k[1] == "bulk")
                 assert bulk_blocks == RUN_BLOCKS * expected.count("bulk")
+                opened = session.bulk_sessions()
+                assert set(opened) == bulk
+                assert session.fetch(chain, region, offset_bytes=size).done_prefix == len(payload)
+                # One bulk session per node, kept across fetches whichever threads read it (each costs an
+                # OpenSession and an OpenBulk).
+                assert session.bulk_sessions() == opened
+                assert {n: bulk_sessions(fleet, n) for n in bulk} == dict.fromkeys(bulk, 1)
                 assert registered(region)
                 address = transfer_bulk.region_address(region)
             assert not registered_at(address, region.size_bytes)  # let go with the session: no write lands after
