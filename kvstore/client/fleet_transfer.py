@@ -56,6 +56,7 @@ from kvstore.client.fleet_descriptors import (
     write_blocks,
 )
 from kvstore.client.fleet_local import local_nodes, map_region
+from kvstore.client.fleet_remote import RemoteSessions, close_node_session, incarnation, path_of
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_batches import fetch_arguments
 from kvstore.client.transfer_path import LocalTransfer, Transfer, timeout
@@ -138,9 +139,8 @@ class FleetTransferSession:
         self.streams = streams
         self._only = None if local is None else frozenset(local)
         self.regions: dict[int, Region] = {}
-        #: Node sessions per thread (a stream session is not shared between threads), and all of them.
-        self._local = threading.local()
-        self._all: list[TransferSession] = []
+        #: The node sessions that read over the network: the stream, and the bulk transport (F73).
+        self._remote = RemoteSessions(client, streams=streams, bulk=path in ("auto", "bulk"))
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
         #: This host's nodes' shared-memory sessions (shared by the threads), and each region's alias there.
@@ -160,12 +160,7 @@ class FleetTransferSession:
         #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "stream", "shm+stream", "").
         self.last_paths: list[str] = []
         #: Why a node's runs are not read by the bulk transport (node id -> its session's `bulk_reason`, F73).
-        self.bulk_reasons: dict[str, str] = {}
-        #: The incarnation of each node found to serve no bulk transport (asked again once it restarts).
-        self._no_bulk: dict[str, tuple[str, float] | None] = {}
-        #: Each node's bulk-path session (shared by the threads, one read at a time under its lock).
-        self._bulk: dict[str, TransferSession] = {}
-        self._bulk_locks: dict[str, threading.RLock] = {}
+        self.bulk_reasons = self._remote.bulk_reasons
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
         self.bulk_reason = (f"off: path={path!r} reads no node by it" if path in ("stream", "shm")
                             else "per node: each node's session negotiates it (bulk_reasons)")
@@ -220,18 +215,18 @@ class FleetTransferSession:
         blocks); a node that does not answer is noted (its runs stream) and not asked again until it restarts.
         """
         record = self.client.view.nodes.get(node_id)
-        incarnation = _incarnation(record) if record is not None else None
+        now = incarnation(record) if record is not None else None
         self._mapped.get(node_id, {}).pop(region.region_id, None)
         head = bytes(region.view[:NONCE_BYTES])
         try:
-            alias, why = map_region(self._shm_session(node_id, incarnation), region)
+            alias, why = map_region(self._shm_session(node_id, now), region)
         except Unavailable as exc:  # its runs stream from the other replicas, as when it dies later
             self.client.pool.failed(node_id)
             why = self.shm_reasons[node_id] = f"unavailable: {exc.message}"
             return why
         finally:
             region.view[:len(head)] = head
-            self._tried[node_id, region.region_id] = incarnation  # after: a new session forgets what was tried
+            self._tried[node_id, region.region_id] = now  # after: a new session forgets what was tried
         if alias is None:
             self.shm_reasons[node_id] = why
             return why
@@ -249,25 +244,25 @@ class FleetTransferSession:
         nodes = self.client.view.nodes
         with self._remapping:
             for node_id in local_nodes(nodes, self._only):
-                if self._tried.get((node_id, region.region_id)) != _incarnation(nodes[node_id]):
+                if self._tried.get((node_id, region.region_id)) != incarnation(nodes[node_id]):
                     self._map_into(node_id, region)
 
-    def _shm_session(self, node_id: str, incarnation: tuple[str, float] | None = None) -> TransferSession:
+    def _shm_session(self, node_id: str, now: tuple[str, float] | None = None) -> TransferSession:
         """The shared-memory session with `node_id` as it is now, opened at its first region (again when the node's
         session ended or its record names another incarnation: a restarted node knows none of the old one's)."""
         with self._lock:
             session = self._shm.get(node_id)
             current = self._shm_incarnation.get(node_id)
-        if session is None or session.ended() or (incarnation is not None and current != incarnation):
+        if session is None or session.ended() or (now is not None and current != now):
             session = TransferSession(self.client.pool.connection(node_id), path="shm", streams=self.streams)
             with self._lock:
                 old, self._shm[node_id] = self._shm.get(node_id), session
-                self._shm_incarnation[node_id] = incarnation
+                self._shm_incarnation[node_id] = now
                 self._mapped.pop(node_id, None)  # a new session maps none of the old one's regions
                 for key in [k for k in self._tried if k[0] == node_id]:
                     del self._tried[key]  # so each region is mapped into the new session when next read
             if old is not None:
-                _close_node_session(old)
+                close_node_session(old)
         return session
 
     def _unmap(self, region: Region) -> None:
@@ -299,13 +294,7 @@ class FleetTransferSession:
         """
         self._own(region)
         self._unmap(region)
-        with self._lock:
-            sessions = list(self._all)
-        for session in sessions:
-            session.regions.pop(region.region_id, None)
-            for bulk in (session.bulk, *session._closing):
-                if bulk is not None:  # before it is closed: no engine may write into it after
-                    bulk.unregister(region)
+        self._remote.forget(region)
         self.regions.pop(region.region_id, None)
         region.close()
 
@@ -346,7 +335,7 @@ class FleetTransferSession:
                 by_node.setdefault(read.order[0], []).append(read)
         by_bulk: dict[str, list[_RunRead]] = {}
         for read in reads:  # the others whose first replica may run the bulk transport: one batch per node (F73)
-            if read.order and read.order[0] not in by_node and self._may_bulk(read.order[0]):
+            if read.order and read.order[0] not in by_node and self._remote.may_bulk(read.order[0]):
                 by_bulk.setdefault(read.order[0], []).append(read)
         streamed = [r for r in reads if not r.order or (r.order[0] not in by_node and r.order[0] not in by_bulk)]
         batched = [*((n, m, "shm") for n, m in by_node.items()), *((n, m, "bulk") for n, m in by_bulk.items())]
@@ -403,14 +392,6 @@ class FleetTransferSession:
         # a restarted node mapped again (F72) is read first at once, not after the suspects' seconds.
         return sorted(order[:k], key=lambda n: (n not in mapped and pool.suspect(n), n not in mapped)) + order[k:]
 
-    def _may_bulk(self, node_id: str) -> bool:
-        """Whether runs may be read from `node_id` by the bulk transport: the path takes it and the node, as it is
-        now, was not found to run none."""
-        if self.path not in ("auto", "bulk"):
-            return False
-        record = self.client.view.nodes.get(node_id)
-        return record is not None and self._no_bulk.get(node_id, ()) != _incarnation(record)
-
     def _node_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
                    offset_bytes: int, kind: str) -> None:
         """Every run of `members` read by `node_id` into the region over shared memory (`kind` "shm", F62) or by
@@ -425,7 +406,7 @@ class FleetTransferSession:
                 region_id, reader = alias.region_id, session._paths["shm"]
             else:
                 try:
-                    session = held.enter_context(self._remote(node_id, [region]))
+                    session = held.enter_context(self._remote.remote(node_id, [region]))
                 except Unavailable as exc:
                     self.client.pool.failed(node_id)
                     for read in members:
@@ -505,7 +486,7 @@ class FleetTransferSession:
                         batch_descriptors=batch_descriptors, prefix_only=True)
                 else:
                     path = "stream"
-                    with self._remote(node_id, [region]) as session:
+                    with self._remote.remote(node_id, [region]) as session:
                         path = self.path_of(session)
                         state = session.fetch(chain[read.at:run.end_block], region,
                                               offset_bytes=offset_bytes + read.at * size,
@@ -530,91 +511,14 @@ class FleetTransferSession:
         if read.at == run.first_block and read.last is not None and not read.asked:
             raise read.last
 
-    def _session(self, node_id: str) -> TransferSession:
-        """This thread's stream session with `node_id` (made again when the node's connection was)."""
-        mine: dict[str, TransferSession] = self._local.__dict__.setdefault("sessions", {})
-        session = mine.get(node_id)
-        connection = self.client.pool.connection(node_id)
-        if session is None or session.connection is not connection:
-            session = TransferSession(connection, path="stream", streams=self.streams, ring=False)
-            mine[node_id] = session
-            with self._lock:
-                self._all.append(session)
-        return session
-
-    @contextlib.contextmanager
-    def _remote(self, node_id: str, regions: Sequence[Region]) -> Iterator[TransferSession]:
-        """The session to read `node_id` into `regions` by over the network, held while the caller reads: the node's
-        bulk session where it runs the bulk transport (paths "auto" and "bulk", F73; one per node, shared by the
-        threads one read at a time), the regions registered with this process's engines (counted: several nodes'
-        sessions hold them, `transfer_bulk.register_counted`), else this thread's stream session.
-
-        Raises:
-            Unavailable: the node is not in the view, or does not answer.
-        """
-        if self._may_bulk(node_id):
-            with self._bulk_lock(node_id):
-                session = self._bulk_session(node_id)
-                if session is not None:
-                    self._hold(session, regions)
-                    yield session
-                    return
-        session = self._session(node_id)
-        self._hold(session, regions)
-        yield session
-
-    @staticmethod
-    def _hold(session: TransferSession, regions: Sequence[Region]) -> None:
-        """Give a node session this process's regions (its paths write into them), registered with its bulk path."""
-        for region in regions:
-            session.regions[region.region_id] = region
-            if session.bulk is not None and not session.bulk.register(region):
-                session.bulk_failed(f"the client's engine could not register region {region.name}")
-
-    def _bulk_lock(self, node_id: str) -> threading.RLock:
-        with self._lock:
-            return self._bulk_locks.setdefault(node_id, threading.RLock())
-
-    def _bulk_session(self, node_id: str) -> TransferSession | None:
-        """The bulk-path session with `node_id` (made again when the node's connection was, or its session ended);
-        None where the node's process serves no bulk transport (`bulk_reasons` says why). Called under the node's
-        `_bulk_lock`.
-
-        Raises:
-            Unavailable: the node is not in the view, or does not answer.
-        """
-        session = self._bulk.get(node_id)
-        connection = self.client.pool.connection(node_id)
-        if session is not None and session.connection is connection and not session.ended():
-            return session
-        record = self.client.view.nodes.get(node_id)
-        incarnation = _incarnation(record) if record is not None else None
-        fresh = TransferSession(connection, path="bulk", streams=self.streams, ring=False)
-        if fresh.bulk is None:  # this process of the node offers none, or refused it: its runs stream
-            self._no_bulk[node_id], self.bulk_reasons[node_id] = incarnation, fresh.bulk_reason
-            _close_node_session(fresh)
-            return None
-        self.bulk_reasons.pop(node_id, None)
-        with self._lock:
-            self._bulk[node_id] = fresh
-            self._all.append(fresh)
-            if session is not None and session in self._all:
-                self._all.remove(session)
-        if session is not None:  # its regions' registrations are let go (counted: the others keep theirs)
-            _close_node_session(session)
-        return fresh
-
     def bulk_sessions(self) -> dict[str, str]:
         """Node id -> the server's session id of this session's bulk-path session with it (F73)."""
-        with self._lock:
-            return {n: session.session_id for n, session in self._bulk.items()}
+        return self._remote.bulk_sessions()
 
     @staticmethod
     def path_of(session: TransferSession) -> str:
         """What a node session reads by: "shm", "bulk" (while its bulk transport is on) or "stream"."""
-        if session.path == "bulk" and session.bulk is None:
-            return "stream"
-        return "stream" if session.path == "auto" else session.path
+        return path_of(session)
 
     # -- read and write by descriptors (F71) --------------------------------
 
@@ -702,7 +606,7 @@ class FleetTransferSession:
             yield shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
                                             offset_bytes=d.offset_bytes, length_bytes=d.length_bytes)
             return
-        with self._remote(node_id, [self.regions[r] for r in region_ids]) as session:
+        with self._remote.remote(node_id, [self.regions[r] for r in region_ids]) as session:
             yield session, lambda d: d
 
     def node_failed(self, node_id: str, exc: KVStoreError, session: TransferSession | None) -> None:
@@ -731,14 +635,13 @@ class FleetTransferSession:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
+        sessions = self._remote.close()
         with self._lock:
-            sessions, self._all = self._all, []
             shm, self._shm, self._mapped = list(self._shm.values()), {}, {}
-            self._bulk.clear()
             self._tried.clear()
             self._shm_incarnation.clear()
         for session in [*sessions, *shm]:
-            _close_node_session(session)
+            close_node_session(session)
         for region in self.regions.values():
             region.close()
         self.regions.clear()
@@ -748,18 +651,6 @@ class FleetTransferSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _incarnation(record: Any) -> tuple[str, float]:
-    """Which process of a node a record names: a restarted node has a new start time (and, on port 0, address)."""
-    return str(record.address), float(record.started_at)
-
-
-def _close_node_session(session: TransferSession) -> None:
-    """Close a node's session; the regions (and aliases) it holds are this fleet session's, not closed by it."""
-    session.regions.clear()
-    with contextlib.suppress(KVStoreError):
-        session.close()
 
 
 __all__ = ["PATHS", "RUNS_AT_ONCE", "FleetTransferSession"]
