@@ -7,8 +7,8 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from functools import partial
-from typing import Any, TypeVar
+from functools import cache, partial
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -46,7 +46,16 @@ from kvstore.swa_snapshot import resume_length
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tiers.pins import PinGrant
-from tiers.store import AnchoredLookup, BlockStore, FoundReads, PinningStore, PutBatch, PutResult, ReadStatus
+from tiers.store import (
+    AnchoredLookup,
+    BlockStore,
+    FoundReads,
+    PinningStore,
+    PutBatch,
+    PutResult,
+    ReadStatus,
+    RunLookup,
+)
 from tiers.swa_cache import SwaCache
 
 #: Blocks read per executor call in a Get: enough to amortise the hop to the
@@ -287,6 +296,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         due: list[bytes] = []
 
         def look() -> list[tuple[int, str]]:
+            if _runs_at_once(type(self.tier)):  # F79: one read txn for every run, the leases granted together
+                tier = cast(RunLookup, self.tier)
+                return [(found, lease.lease_id if lease else "")
+                        for found, lease in tier.lookup_runs(scope, hashes, lengths, lease_s, touch_due=due)]
             answers, start = [], 0
             for n in lengths:
                 found, lease = self.tier.lookup(scope, hashes[start:start + n], lease_s, touch_due=due)
@@ -690,6 +703,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         order = sorted(by_layout, key=lambda fp: (fp not in names, names.get(fp, ""), fp))
         return [pb.GeometryUsage(fingerprint=fp, name=names.get(fp, ""), blocks_stored=by_layout[fp][0],
                                  bytes_stored=by_layout[fp][1]) for fp in order]
+
+
+@cache
+def _runs_at_once(kind: type) -> bool:
+    """Whether a store of this type has `RunLookup` (asked once per type: a Protocol's isinstance is slow)."""
+    return issubclass(kind, RunLookup)
 
 
 def _message(request: pb.PutRequest | PutRequestView) -> pb.PutRequest:

@@ -157,9 +157,9 @@ class ChainCache:
         """Whether `hashes` (from the first block) are the chain ending at `key`, as remembered."""
         return self.knows_packed(key, packed_of(hashes), len(hashes))
 
-    def knows_packed(self, key: bytes, packed: bytes, depth: int) -> bool:
-        """Whether the first `depth` hashes of `packed` are the chain ending at `key`, as remembered:
-        each piece compared byte for byte where it sits (a memcmp each; no copy, no digest)."""
+    def knows_packed(self, key: bytes, packed: bytes, depth: int, offset: int = 0) -> bool:
+        """Whether the first `depth` hashes of `packed` from byte `offset` (a run's, F79) are the chain ending at
+        `key`, as remembered: each piece compared byte for byte where it sits (a memcmp each; no copy, no digest)."""
         pieces: list[tuple[int, bytes]] = []
         with self._lock:
             tail = self._tails.get(key)
@@ -178,13 +178,13 @@ class ChainCache:
                 if tail is None or tail.depth != start:
                     return False  # a link forgotten: the walk verifies it again
                 end = start
-        if len(packed) < depth * HASH_BYTES:
+        if len(packed) < offset + depth * HASH_BYTES:
             return False
         for start, piece in pieces:
-            if not packed.startswith(piece, start * HASH_BYTES):
+            if not packed.startswith(piece, offset + start * HASH_BYTES):
                 return False
         if len(pieces) > MAX_LINKS:  # verified: keep it as one piece, so the next Lookup follows no link
-            self._put(key, _Tail(depth, None, packed[:depth * HASH_BYTES]))
+            self._put(key, _Tail(depth, None, packed[offset:offset + depth * HASH_BYTES]))
         return True
 
     def remember(self, key: bytes, hashes: Sequence[bytes]) -> None:
@@ -260,6 +260,44 @@ class ChainIndex:
             self.memo.remember_packed(scope.key(hashes[found - 1]), packed[:found * HASH_BYTES])
         return found, last_use_s
 
+    def find_runs(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int]) -> list[tuple[int, float]]:
+        """`find` of each run of `hashes` cut by `lengths` (each run a chain of its own from the root: a fleet
+        node's runs, docs/FLEET.md F50), every run read in one read txn (F79).
+
+        Each answer is the run's own `find`'s: the memo's check first (a stored run costs one read, its last
+        block's), else the walk, in the same txn. A walk that meets damage (an LMDB error, or a stop the store
+        contradicts, R16) is done again alone by `find`, from that run on, which notes it as it always does.
+        """
+        packed, prefix = packed_of(hashes), scope.prefix
+        answers: list[tuple[int, float]] = []
+        walked: list[tuple[int, int]] = []  # (start, found) of the runs walked: remembered after the txn
+        try:
+            with self._env.begin(buffers=True) as txn:
+                get, start = txn.get, 0
+                for n in lengths:
+                    known = self._known_in(get, prefix, packed, start, n)
+                    if known is None:
+                        run = PackedHashes(packed[start * HASH_BYTES:(start + n) * HASH_BYTES])
+                        found, last_use_s, damaged = _walk_in(get, self._records, prefix, run, [0],
+                                                              self._damage.known)
+                        if damaged:
+                            break  # `find` walks it again and notes the damage
+                        known = found, last_use_s
+                        walked.append((start, found))
+                    answers.append(known)
+                    start += n
+        except lmdb.Error:
+            pass  # the txn is gone with the error: this run and the rest are found one by one
+        for start, found in walked:
+            if found:
+                end = (start + found) * HASH_BYTES
+                self.memo.remember_packed(prefix + packed[end - HASH_BYTES:end], packed[start * HASH_BYTES:end])
+        start = sum(lengths[:len(answers)])
+        for n in lengths[len(answers):]:
+            answers.append(self.find(scope, PackedHashes(packed[start * HASH_BYTES:(start + n) * HASH_BYTES])))
+            start += n
+        return answers
+
     def find_after(self, scope: BlockScope, anchor: bytes, depth: int, after: Sequence[bytes]
                    ) -> tuple[int, float] | None:
         """A next turn's `find` from its anchor: (blocks found from the first block, the deepest one's
@@ -312,63 +350,93 @@ class ChainIndex:
         self.memo = ChainCache()
 
     def _known_prefix(self, scope: BlockScope, packed: bytes) -> tuple[int, float] | None:
-        """The stored prefix by binary search, if the memo vouches that it is a chain; else None.
-
-        The search assumes the hashes are a chain (stored blocks of one are a
-        prefix, R6); the memo then checks that the hashes up to the last found
-        block are exactly that block's ancestors.
-        """
-        prefix, tag, size, hb = scope.prefix, META_TAG, META_STRUCT.size, HASH_BYTES
+        """The stored prefix by binary search, if the memo vouches that it is a chain; else None."""
         try:
             with self._env.begin(buffers=True) as txn:
-                get, db = txn.get, self._records
-                lo, hi = 0, len(packed) // hb
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if get(prefix + packed[(mid - 1) * hb:mid * hb] + tag, None, db) is not None:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                last = prefix + packed[(lo - 1) * hb:lo * hb]
-                if not lo or not self.memo.knows_packed(last, packed, lo):
-                    return None
-                raw = get(last + tag, None, db)
-                if raw is None or len(raw) != size or _PARENT_DEPTH.unpack_from(raw)[1] != lo:
-                    return None
-                return lo, _LAST_USE.unpack_from(raw, _LAST_USE_OFFSET)[0]
+                return self._known_in(txn.get, scope.prefix, packed, 0, len(packed) // HASH_BYTES)
         except lmdb.Error:
             return None  # the walk meets the damage again and notes it
 
+    def _known_in(self, get: Callable[..., Any], prefix: bytes, packed: bytes, start: int, n: int
+                  ) -> tuple[int, float] | None:
+        """The stored prefix of the `n` hashes of `packed` from hash `start`, by binary search in the caller's
+        txn, if the memo vouches that it is a chain; else None.
+
+        The search assumes the hashes are a chain (stored blocks of one are a prefix, R6); the memo then checks
+        that the hashes up to the last found block are exactly that block's ancestors. The last block is read
+        first, so a stored chain (a prompt sent again, a fleet node's complete run) costs one read, and then the
+        first, so an absent one costs one more (F79); not while damage is known in the store.
+        """
+        tag, size, hb, db, base = META_TAG, META_STRUCT.size, HASH_BYTES, self._records, start * HASH_BYTES
+        if not n:
+            return None
+        # A store with damage known searches as before its probes: the search's reads are what meet a damaged
+        # page (and send the Lookup to the walk, which notes it, R16), not a probe that skips past it.
+        probes = not self._damage.snapshot()
+        raw = get(prefix + packed[base + (n - 1) * hb:base + n * hb] + tag, None, db) if probes else None
+        if raw is not None:
+            lo = n
+        else:
+            lo, hi = 0, n - 1 if probes else n
+            if probes and hi and get(prefix + packed[base:base + hb] + tag, None, db) is None:
+                hi = 0  # the first block is not stored: none is (the walk checks the stop, R16)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if get(prefix + packed[base + (mid - 1) * hb:base + mid * hb] + tag, None, db) is not None:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        if not lo:
+            return None
+        last = prefix + packed[base + (lo - 1) * hb:base + lo * hb]
+        if not self.memo.knows_packed(last, packed, lo, base):
+            return None
+        if raw is None:  # (the probe's record is the last found block's when the whole chain is stored)
+            raw = get(last + tag, None, db)
+        if raw is None or len(raw) != size or _PARENT_DEPTH.unpack_from(raw)[1] != lo:
+            return None
+        return lo, _LAST_USE.unpack_from(raw, _LAST_USE_OFFSET)[0]
+
     def _walk(self, scope: BlockScope, hashes: Sequence[bytes]) -> tuple[int, float]:
         """(blocks found as a chain, the deepest one's last use), reading every block's record."""
-        prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
-        i = 0
-        last_meta: Any = None
-        damaged = ""
+        at = [0]
         try:
             with self._env.begin(buffers=True) as txn:
-                get, db = txn.get, self._records
-                previous = b""
-                raw = None
-                for i, h in enumerate(hashes):
-                    raw = get(prefix + h + tag, None, db)
-                    if raw is None or len(raw) != size:
-                        break
-                    parent, depth = unpack(raw)
-                    if depth != i + 1 or (i and parent != previous):
-                        break
-                    previous, last_meta = h, raw
-                else:
-                    i = len(hashes)
-                last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
-                if i < len(hashes) and not self._damage.known(prefix + hashes[i]):
-                    damaged = _contradiction(get, db, prefix, hashes, i, raw)
+                found, last_use_s, damaged = _walk_in(txn.get, self._records, scope.prefix, hashes, at,
+                                                      self._damage.known)
         except lmdb.Error as exc:  # a damaged page: the chain ends before it
-            self._damage.note(prefix + hashes[i], exc)
-            return i, 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
+            self._damage.note(scope.prefix + hashes[at[0]], exc)
+            return at[0], 0.0  # the deepest one's record died with the txn: call it due (a touch checks)
         if damaged:
-            self._damage.note(prefix + hashes[i], SilentDamage(damaged))
-        return i, last_use_s
+            self._damage.note(scope.prefix + hashes[found], SilentDamage(damaged))
+        return found, last_use_s
+
+
+def _walk_in(get: Callable[..., Any], db: Any, prefix: bytes, hashes: Sequence[bytes], at: list[int],
+             known_damaged: Callable[[bytes], bool]) -> tuple[int, float, str]:
+    """(blocks found as a chain, the deepest one's last use, why the stop must be damage or ""), reading every
+    block's record in the caller's txn; `at[0]` is the block being read (where an LMDB error stopped it)."""
+    size, unpack = META_STRUCT.size, _PARENT_DEPTH.unpack_from
+    i = 0
+    last_meta: Any = None
+    previous = b""
+    raw = None
+    for i, h in enumerate(hashes):
+        at[0] = i
+        raw = get(prefix + h + META_TAG, None, db)
+        if raw is None or len(raw) != size:
+            break
+        parent, depth = unpack(raw)
+        if depth != i + 1 or (i and parent != previous):
+            break
+        previous, last_meta = h, raw
+    else:
+        i = len(hashes)
+    last_use_s = _LAST_USE.unpack_from(last_meta, _LAST_USE_OFFSET)[0] if i else 0.0
+    damaged = ""
+    if i < len(hashes) and not known_damaged(prefix + hashes[i]):
+        damaged = _contradiction(get, db, prefix, hashes, i, raw)
+    return i, last_use_s, damaged
 
 
 class _Anchored:

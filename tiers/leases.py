@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.clock import Clock
@@ -44,6 +44,17 @@ class LeaseTable:
             self._leases[lease.lease_id] = lease
             self._pins[key] += 1
         return lease
+
+    def grant_many(self, keys: Sequence[bytes], duration_s: float) -> list[Lease]:
+        """Pin each of `keys` for `duration_s` seconds, a lease each, under one lock (a fleet node's runs)."""
+        expires_s = self._clock.monotonic() + duration_s
+        leases = [Lease(lease_id=uuid.uuid4().hex, key=key, expires_s=expires_s) for key in keys]
+        with self._lock:
+            self._expire_locked()
+            for lease in leases:
+                self._leases[lease.lease_id] = lease
+                self._pins[lease.key] += 1
+        return leases
 
     def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
         """Drop a lease; False when it was unknown, had already expired, or pins a key

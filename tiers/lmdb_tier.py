@@ -208,6 +208,25 @@ class LmdbBlockTier:
         return found, self._found(scope, hashes[found - 1] if found else b"", found, len(hashes), last_use_s,
                                   lease_s, touch_due)
 
+    def lookup_runs(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int], lease_s: float = 0.0,
+                    *, touch_due: list[bytes] | None = None) -> list[tuple[int, Lease | None]]:
+        """`lookup` of each run of `hashes` cut by `lengths`, each its own chain from the root (`tiers.store.RunLookup`,
+        docs/FLEET.md F50): one read txn for them all (`ChainIndex.find_runs`), their leases granted together."""
+        found = self.chains.find_runs(scope, hashes, lengths)
+        now, tokens = self.retention_clock.now(), self.settings.block_tokens
+        deepest: list[bytes | None] = []
+        start = 0
+        for n, (blocks, last_use_s) in zip(lengths, found, strict=True):
+            key = scope.key(hashes[start + blocks - 1]) if blocks else None
+            if key is not None and touch_due is not None and self.rule.touch_due(last_use_s, now):
+                touch_due.append(key)
+            deepest.append(key)
+            self._tally.lookup(asked_tokens=n * tokens, found_tokens=blocks * tokens)
+            start += n
+        granted = iter(self.leases.grant_many([k for k in deepest if k is not None], lease_s) if lease_s > 0 else ())
+        return [(blocks, next(granted) if key is not None and lease_s > 0 else None)
+                for (blocks, _), key in zip(found, deepest, strict=True)]
+
     def lookup_after(self, scope: BlockScope, anchor_hash: bytes, anchor_blocks: int, hashes: Sequence[bytes],
                      lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
         """`lookup` of a next turn: the chain of `anchor_blocks` blocks ending at `anchor_hash`, then `hashes`

@@ -43,7 +43,7 @@ from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
 __all__ = ["AnchoredLookup", "BlockStore", "FoundReads", "ManagedStore", "MappedReads", "MappedStore",
-           "NamespaceUsage", "PinningStore", "PutBatch", "PutResult", "ReadStatus", "StagedReads"]
+           "NamespaceUsage", "PinningStore", "PutBatch", "PutResult", "ReadStatus", "RunLookup", "StagedReads"]
 
 T = TypeVar("T")
 
@@ -123,6 +123,17 @@ class AnchoredLookup(Protocol):
                      lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
         """`lookup` of the chain of `anchor_blocks` blocks ending at `anchor_hash`, then `hashes`; found counts
         from the first block. None when the anchor is not stored at that depth in `scope` (nothing leased)."""
+        ...
+
+
+@runtime_checkable
+class RunLookup(Protocol):
+    """The capability of a fleet node's Lookup of several runs in one read txn (docs/FLEET.md F50, F79): a store
+    on this host's LMDB has it; a store without it is asked run by run through `lookup`."""
+
+    def lookup_runs(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int], lease_s: float = 0.0,
+                    *, touch_due: list[bytes] | None = None) -> list[tuple[int, Lease | None]]:
+        """`lookup` of each run of `hashes` cut by `lengths` (each its own chain from the root), as (found, lease)."""
         ...
 
 

@@ -211,3 +211,87 @@ def test_a5_a_next_turn_from_its_anchor_finds_what_the_walk_finds(make_kit: Any)
             assert got is not None and got[0] == kit.tier.chains._walk(kit.scope, [*truth, *hashes[depth:]])[0]
         lease = kit.tier.lookup_after(kit.scope, hashes[depth - 1], depth, hashes[depth:], 1.0)
         assert (lease is None) == (got is None)
+
+
+class _CountingEnv:
+    """The tier's real LMDB environment, counting the read txns begun on it and the records they read."""
+
+    def __init__(self, env: Any) -> None:
+        self.env, self.txns, self.gets = env, 0, 0
+
+    def begin(self, **kwargs: Any) -> Any:
+        self.txns += 1
+        counter, txn = self, self.env.begin(**kwargs)
+
+        class Txn:
+            def __enter__(self) -> Txn:
+                txn.__enter__()
+                return self
+
+            def __exit__(self, *exc: Any) -> Any:
+                return txn.__exit__(*exc)
+
+            def get(self, *args: Any) -> Any:
+                counter.gets += 1
+                return txn.get(*args)
+
+        return Txn()
+
+
+def test_f79_runs_found_in_one_txn_are_each_runs_own_find(make_kit: Any) -> None:
+    """F79 (docs/FLEET.md): `find_runs` answers each run as its own `find` does (R15 within the run), over runs
+    stored, cut, absent, not a chain and mixed, as the memo learns and forgets."""
+    kit = make_kit(blocks=200)
+    rng = random.Random(79)
+    runs = [kit.chain(i * 10_000, 8) for i in range(6)]
+    for i, run in enumerate(runs):
+        kit.put(run, 0, 8 - i % 3)  # some runs stored whole, some cut
+    stray = kit.chain(90_000, 4)
+
+    def one_run() -> list[bytes]:
+        run = rng.choice(runs)
+        return rng.choice([run, run[:rng.randint(1, 8)], stray, [*run[:3], stray[0], *run[4:]], run[1:], [run[0]]])
+
+    index = kit.tier.chains
+    for round_ in range(40):
+        if round_ % 10 == 5:
+            index.forget()
+        asked = [one_run() for _ in range(rng.randint(1, 6))]
+        want = [index._walk(kit.scope, run)[0] for run in asked]
+        got = index.find_runs(kit.scope, PackedHashes(b"".join(b"".join(r) for r in asked)), [len(r) for r in asked])
+        assert [found for found, _ in got] == want, asked
+        assert got == [index.find(kit.scope, run) for run in asked]
+
+
+def test_f79_a_call_of_known_runs_reads_one_record_each_in_one_txn(make_kit: Any) -> None:
+    """F79: runs the memo knows are read in one read txn, a stored run by its last block alone, an absent one by
+    its last and first; the walk then reads the absent one's first block and the next (R16)."""
+    kit = make_kit(blocks=200)
+    runs = [kit.chain(i * 10_000, 16) for i in range(8)]
+    for run in runs:
+        kit.put(run)
+    index = kit.tier.chains
+    counting = _CountingEnv(index._env)
+    index._env = counting
+    stored = index.find_runs(kit.scope, PackedHashes(b"".join(b"".join(r) for r in runs)), [16] * 8)
+    assert [found for found, _ in stored] == [16] * 8
+    assert (counting.txns, counting.gets) == (1, 8)
+    counting.txns = counting.gets = 0
+    absent = kit.chain(99_000, 16)
+    index.find_runs(kit.scope, PackedHashes(b"".join([*runs[0], *absent])), [16, 16])
+    assert (counting.txns, counting.gets) == (1, 1 + 2 + 2)
+
+
+def test_f79_lookup_runs_leases_each_found_run_once_together(kit: Kit) -> None:
+    """F79: `lookup_runs` leases each run's deepest found block (none for a run not found), as a Lookup per run."""
+    runs = [kit.chain(i * 10_000, 3) for i in range(3)]
+    kit.put(runs[0])
+    kit.put(runs[2], 0, 2)
+    hashes = PackedHashes(b"".join(b"".join(r) for r in runs))
+    answers = kit.tier.lookup_runs(kit.scope, hashes, [3, 3, 3], 60.0)
+    assert [found for found, _ in answers] == [3, 0, 2]
+    assert [lease.key if lease else None for _, lease in answers] == [kit.scope.key(runs[0][2]), None,
+                                                                      kit.scope.key(runs[2][1])]
+    assert kit.tier.leases.pinned() == {kit.scope.key(runs[0][2]), kit.scope.key(runs[2][1])}
+    assert all(kit.tier.release(lease.lease_id) for _, lease in answers if lease)
+    assert kit.tier.leases.active() == 0
