@@ -55,16 +55,15 @@ from kvstore.client.fleet_descriptors import (
     start_reads,
     write_blocks,
 )
-from kvstore.client.fleet_local import local_nodes, map_region
-from kvstore.client.fleet_remote import RemoteSessions, close_node_session, incarnation, path_of
+from kvstore.client.fleet_local import LocalMaps
+from kvstore.client.fleet_remote import RemoteSessions, close_node_session, path_of
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_batches import fetch_arguments
 from kvstore.client.transfer_path import LocalTransfer, Transfer, timeout
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, NotFound, Unavailable
 from kvstore.fleet.placement import RunPlacement
-from kvstore.region import NONCE_BYTES, Region
+from kvstore.region import Region
 from kvstore.transfer import DONE, MISSING, SKIPPED, BatchResults, Descriptor, DescriptorGroup, TransferState
-from kvstore.v1 import transfer_pb2 as pb
 
 #: Ids of a fleet session's regions (this process's memory; the nodes that map one know it by ids of their own).
 _IDS = itertools.count(1 << 61)
@@ -137,22 +136,15 @@ class FleetTransferSession:
         self.client = client
         self.path = path
         self.streams = streams
-        self._only = None if local is None else frozenset(local)
         self.regions: dict[int, Region] = {}
         #: The node sessions that read over the network: the stream, and the bulk transport (F73).
         self._remote = RemoteSessions(client, streams=streams, bulk=path in ("auto", "bulk"))
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
-        #: This host's nodes' shared-memory sessions (shared by the threads), and each region's alias there.
-        self._shm: dict[str, TransferSession] = {}
-        self._mapped: dict[str, dict[int, Region]] = {}
-        #: The incarnation (address, start time) each node's shm session was opened with, and each (node, region)
-        #: was last mapped (or tried) under: a node whose record changes has restarted (F72).
-        self._shm_incarnation: dict[str, tuple[str, float] | None] = {}
-        self._tried: dict[tuple[str, int], tuple[str, float] | None] = {}
-        self._remapping = threading.Lock()
+        #: This host's nodes' shared-memory sessions and the regions mapped into them (F62, F72).
+        self._maps = LocalMaps(client, path=path, streams=streams, only=None if local is None else frozenset(local))
         #: Why a node on this host maps no region of this session (node id -> reason).
-        self.shm_reasons: dict[str, str] = {}
+        self.shm_reasons = self._maps.reasons
         #: The nodes this session has read from.
         self.nodes_read: set[str] = set()
         #: Blocks delivered per (node, path), path "shm" or "stream", since the session opened.
@@ -182,101 +174,15 @@ class FleetTransferSession:
         region.region_id = next(_IDS)
         try:
             if self.path not in ("stream", "bulk"):
-                self._map(region)
+                self._maps.map(region)
         except BaseException:
-            self._unmap(region)
+            self._maps.unmap(region)
             region.close()
             raise
         if self.path in ("stream", "bulk"):  # kept otherwise: a node of this host that restarts maps it again (F72)
             region.release_fd()
         self.regions[region.region_id] = region
         return region
-
-    def _map(self, region: Region) -> None:
-        """Register a fresh region with each of this host's live nodes (once each, while its bytes are unused)."""
-        nodes = local_nodes(self.client.view.nodes, self._only)
-        for node_id in nodes:
-            why = self._map_into(node_id, region)
-            if why and not why.startswith("unavailable") and self.path == "shm":
-                raise FailedPrecondition(f"node {node_id} of this host cannot map this process's regions: {why}",
-                                         hint='use path="auto" or "stream"')
-        # Refused only when no node of this host can map it: one that is down is failed over (its runs stream).
-        down = any(self.shm_reasons.get(n, "").startswith("unavailable") for n in nodes)
-        if self.path == "shm" and not down and not any(region.region_id in m for m in self._mapped.values()):
-            where = ", ".join(f"{n}: {self.shm_reasons[n]}" for n in nodes if n in self.shm_reasons)
-            raise FailedPrecondition(f"no node of fleet {self.client.view.address.cluster!r} on this host maps "
-                                     f"this process's regions ({where or 'none is on this host'})",
-                                     hint='use path="auto" or "stream" (docs/FLEET.md F62)')
-
-    def _map_into(self, node_id: str, region: Region) -> str:
-        """Map `region` into `node_id` as the node is now (its record's incarnation); '' when mapped, else why not.
-
-        The region's first bytes carry the nonce meanwhile and are put back after (a region mapped again holds
-        blocks); a node that does not answer is noted (its runs stream) and not asked again until it restarts.
-        """
-        record = self.client.view.nodes.get(node_id)
-        now = incarnation(record) if record is not None else None
-        self._mapped.get(node_id, {}).pop(region.region_id, None)
-        head = bytes(region.view[:NONCE_BYTES])
-        try:
-            alias, why = map_region(self._shm_session(node_id, now), region)
-        except Unavailable as exc:  # its runs stream from the other replicas, as when it dies later
-            self.client.pool.failed(node_id)
-            why = self.shm_reasons[node_id] = f"unavailable: {exc.message}"
-            return why
-        finally:
-            region.view[:len(head)] = head
-            self._tried[node_id, region.region_id] = now  # after: a new session forgets what was tried
-        if alias is None:
-            self.shm_reasons[node_id] = why
-            return why
-        self.shm_reasons.pop(node_id, None)
-        with self._lock:
-            self._mapped.setdefault(node_id, {})[region.region_id] = alias
-        return ""
-
-    def _remap(self, region: Region) -> None:
-        """Map `region` into each of this host's nodes that is new, or has restarted, since it was last tried there
-        (F72): its record names another incarnation (address, start time); the old mapping died with the old
-        process. A node tried under its present incarnation is left as it is (mapped, refused or down)."""
-        if self.path in ("stream", "bulk"):
-            return
-        nodes = self.client.view.nodes
-        with self._remapping:
-            for node_id in local_nodes(nodes, self._only):
-                if self._tried.get((node_id, region.region_id)) != incarnation(nodes[node_id]):
-                    self._map_into(node_id, region)
-
-    def _shm_session(self, node_id: str, now: tuple[str, float] | None = None) -> TransferSession:
-        """The shared-memory session with `node_id` as it is now, opened at its first region (again when the node's
-        session ended or its record names another incarnation: a restarted node knows none of the old one's)."""
-        with self._lock:
-            session = self._shm.get(node_id)
-            current = self._shm_incarnation.get(node_id)
-        if session is None or session.ended() or (now is not None and current != now):
-            session = TransferSession(self.client.pool.connection(node_id), path="shm", streams=self.streams)
-            with self._lock:
-                old, self._shm[node_id] = self._shm.get(node_id), session
-                self._shm_incarnation[node_id] = now
-                self._mapped.pop(node_id, None)  # a new session maps none of the old one's regions
-                for key in [k for k in self._tried if k[0] == node_id]:
-                    del self._tried[key]  # so each region is mapped into the new session when next read
-            if old is not None:
-                close_node_session(old)
-        return session
-
-    def _unmap(self, region: Region) -> None:
-        """Drop `region` from every node session (the nodes that mapped it are told, best effort)."""
-        for node_id, aliases in list(self._mapped.items()):
-            alias = aliases.pop(region.region_id, None)
-            session = self._shm.get(node_id)
-            if alias is None or session is None:
-                continue
-            session.regions.pop(alias.region_id, None)
-            if not session.ended():
-                with contextlib.suppress(KVStoreError):  # a node gone unmaps with its session
-                    session.call(session.stub.DeregisterRegion, pb.DeregisterRegionRequest(
-                        session_id=session.session_id, region_id=alias.region_id))
 
     def _own(self, region: Any) -> Region:
         if not isinstance(region, Region):
@@ -293,14 +199,14 @@ class FleetTransferSession:
             NotFound: `region` is not registered in this session.
         """
         self._own(region)
-        self._unmap(region)
+        self._maps.unmap(region)
         self._remote.forget(region)
         self.regions.pop(region.region_id, None)
         region.close()
 
     def shared_with(self, region: Region) -> list[str]:
         """The nodes of this host that map `region` (its runs on them are read over shared memory)."""
-        return sorted(n for n, aliases in self._mapped.items() if region.region_id in aliases)
+        return self._maps.shared_with(region)
 
     # -- fetch -------------------------------------------------------------
 
@@ -320,7 +226,7 @@ class FleetTransferSession:
         """
         chain = arguments.hashes(hashes, "hashes")
         region = self._own(region)
-        self._remap(region)
+        self._maps.remap(region)
         size = self.client.block_bytes
         offset_bytes, batch_descriptors = fetch_arguments(len(chain), size, region, offset_bytes, batch_descriptors,
                                                           prefix_only)
@@ -331,7 +237,7 @@ class FleetTransferSession:
         reads = [_RunRead(run, self._order(run, chain, region)) for run in runs]
         by_node: dict[str, list[_RunRead]] = {}
         for read in reads:  # the runs whose first replica maps the region: one shm batch per node (F62)
-            if read.order and region.region_id in self._mapped.get(read.order[0], {}):
+            if read.order and region.region_id in self._maps.mapped.get(read.order[0], {}):
                 by_node.setdefault(read.order[0], []).append(read)
         by_bulk: dict[str, list[_RunRead]] = {}
         for read in reads:  # the others whose first replica may run the bulk transport: one batch per node (F73)
@@ -387,7 +293,7 @@ class FleetTransferSession:
             replicas = self.client.placement([run_key])[0].replicas  # a run is placed by its first hash alone
         order = pool.read_order(run_key, replicas)
         k = len(replicas)
-        mapped = {n for n, aliases in self._mapped.items() if all(r in aliases for r in region_ids)}
+        mapped = {n for n, aliases in self._maps.mapped.items() if all(r in aliases for r in region_ids)}
         # A node that maps the regions answered since it last failed (a failed shm read drops its mappings: F64), so
         # a restarted node mapped again (F72) is read first at once, not after the suspects' seconds.
         return sorted(order[:k], key=lambda n: (n not in mapped and pool.suspect(n), n not in mapped)) + order[k:]
@@ -400,7 +306,7 @@ class FleetTransferSession:
         noted, and the runs go on to their next replicas or the stream (`_fetch_run`)."""
         with contextlib.ExitStack() as held:
             if kind == "shm":
-                session, alias = self._shm.get(node_id), self._mapped.get(node_id, {}).get(region.region_id)
+                session, alias = self._maps.sessions.get(node_id), self._maps.alias(node_id, region.region_id)
                 if session is None or alias is None:
                     return
                 region_id, reader = alias.region_id, session._paths["shm"]
@@ -437,7 +343,7 @@ class FleetTransferSession:
             states = session.wait_all(reader.read_many(groups, False))
         except (Unavailable, NotFound) as exc:
             if kind == "shm":
-                self._shm_failed(node_id, exc)
+                self._maps.failed(node_id, exc)
             else:
                 self.client.pool.failed(node_id)
             for read in members:
@@ -459,15 +365,6 @@ class FleetTransferSession:
         for read in members:
             read.asked.add(node_id)
 
-    def _shm_failed(self, node_id: str, exc: KVStoreError) -> None:
-        """A shm read of `node_id` failed: its session gone (it died or restarted), the region is no longer
-        mapped there; the node is read last for a while (F33)."""
-        gone = self._shm.get(node_id)
-        if isinstance(exc, NotFound) or gone is None or gone.ended():
-            with self._lock:
-                self._mapped.pop(node_id, None)
-        self.client.pool.failed(node_id)
-
     def _fetch_run(self, read: _RunRead, chain: list[bytes], region: Region, offset_bytes: int,
                    batch_descriptors: int) -> None:
         """The rest of one run into `region`, from its replicas in order (from the block each lacks), skipping the
@@ -478,10 +375,10 @@ class FleetTransferSession:
                 break
             if node_id in read.asked:
                 continue
-            alias = self._mapped.get(node_id, {}).get(region.region_id)
+            alias = self._maps.alias(node_id, region.region_id)
             try:
                 if alias is not None:
-                    path, state = "shm", self._shm[node_id].fetch(
+                    path, state = "shm", self._maps.sessions[node_id].fetch(
                         chain[read.at:run.end_block], alias, offset_bytes=offset_bytes + read.at * size,
                         batch_descriptors=batch_descriptors, prefix_only=True)
                 else:
@@ -496,7 +393,7 @@ class FleetTransferSession:
                 if alias is None and path == "stream" and isinstance(exc, NotFound):
                     raise  # a stream has no server session to lose: the region is not this session's
                 if alias is not None:
-                    self._shm_failed(node_id, exc)
+                    self._maps.failed(node_id, exc)
                 else:
                     self.client.pool.failed(node_id)
                 read.last = exc
@@ -551,7 +448,7 @@ class FleetTransferSession:
             raise InvalidArgument(f"prefix_only must be a bool, got {type(prefix_only).__name__}")
         for region_id in {d.region_id for d in batch}:
             if region_id in self.regions:
-                self._remap(self.regions[region_id])
+                self._maps.remap(self.regions[region_id])
         results = BatchResults(len(batch))
         done = start_reads(self, batch, results, prefix_only, self._pool())
         return LocalTransfer(next(_TRANSFERS), results, self.client.block_bytes, done)
@@ -599,8 +496,8 @@ class FleetTransferSession:
         Raises:
             Unavailable: the node is not in the view, or does not answer.
         """
-        aliases = self._mapped.get(node_id, {})
-        shm = self._shm.get(node_id)
+        aliases = self._maps.mapped.get(node_id, {})
+        shm = self._maps.sessions.get(node_id)
         if shm is not None and all(r in aliases for r in region_ids):
             ids = {r: aliases[r].region_id for r in region_ids}
             yield shm, lambda d: Descriptor(block_hash=d.block_hash, region_id=ids[d.region_id],
@@ -612,7 +509,7 @@ class FleetTransferSession:
     def node_failed(self, node_id: str, exc: KVStoreError, session: TransferSession | None) -> None:
         """A read of `node_id` failed: read it last for a while (F33), and forget its mappings if they are gone."""
         if session is not None and session.path == "shm":
-            self._shm_failed(node_id, exc)
+            self._maps.failed(node_id, exc)
         else:
             self.client.pool.failed(node_id)
 
@@ -635,12 +532,7 @@ class FleetTransferSession:
         if self._threads is not None:
             self._threads.shutdown(wait=True)
             self._threads = None
-        sessions = self._remote.close()
-        with self._lock:
-            shm, self._shm, self._mapped = list(self._shm.values()), {}, {}
-            self._tried.clear()
-            self._shm_incarnation.clear()
-        for session in [*sessions, *shm]:
+        for session in [*self._remote.close(), *self._maps.close()]:
             close_node_session(session)
         for region in self.regions.values():
             region.close()
