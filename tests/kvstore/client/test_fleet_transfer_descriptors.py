@@ -8,7 +8,9 @@ session's `local`. The tests that kill a node run last.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -170,8 +172,9 @@ def test_f71_a_fleet_write_stores_every_block_on_its_runs_replicas(fleet: Fleet)
 
 
 def test_f71_a_killed_node_during_a_sessions_reads_falls_over_to_the_replica(fleet: Fleet) -> None:
-    """F71 (kills a node): a session that has read from a node; the node SIGKILLed, still in the view; the next read
-    of runs whose order names it first is every byte, from their other replicas."""
+    """F71 (kills a node): a session that has read from a node; the node stopped (SIGSTOP), a read sent, the node
+    SIGKILLed while that read waits on it (still in the view): the read is every byte, the victim's runs from their
+    other replicas; the next read too."""
     victim = fleet.nodes[0]
     with fleet_client(fleet) as client:
 
@@ -186,11 +189,16 @@ def test_f71_a_killed_node_during_a_sessions_reads_falls_over_to_the_replica(fle
             descriptors = session.descriptors(chain, region)
             assert session.read(descriptors).wait().done_prefix == len(payload)
             assert session.blocks_read[victim.node_id, "stream"] > 0
-            victim.child.kill9()
             region.view[:] = bytes(len(region.view))
-            state = session.read(descriptors).wait()
+            os.kill(victim.child.proc.pid, signal.SIGSTOP)  # its reads hang until it is killed
+            pending = session.read(descriptors)
+            victim.child.kill9()
+            state = pending.wait()
             assert state.done_prefix == len(payload) and bytes(region.view) == b"".join(payload)
             assert client.pool.failures[victim.node_id] >= 1
+            region.view[:] = bytes(len(region.view))
+            assert session.read(descriptors).wait().done_prefix == len(payload)
+            assert bytes(region.view) == b"".join(payload)
         restart(fleet, 0, client)  # for the next test, which kills another
 
 
