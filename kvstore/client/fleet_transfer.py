@@ -147,9 +147,10 @@ class FleetTransferSession:
         self.shm_reasons = self._maps.reasons
         #: The nodes this session has read from.
         self.nodes_read: set[str] = set()
-        #: Blocks delivered per (node, path), path "shm" or "stream", since the session opened.
+        #: Blocks delivered per (node, path), path "shm", "bulk" or "stream", since the session opened.
         self.blocks_read: Counter[tuple[str, str]] = Counter()
-        #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "stream", "shm+stream", "").
+        #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "bulk", "stream", "shm+stream",
+        #: ...; "" when none).
         self.last_paths: list[str] = []
         #: Why a node's runs are not read by the bulk transport (node id -> its session's `bulk_reason`, F73).
         self.bulk_reasons = self._remote.bulk_reasons
