@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
+from gateway.block_feed import Feed, drained, produce
 from gateway.fleet_stats import merge_stats
-from gateway.routed_store import Route
+from gateway.routed_store import Route, StoredTail
 from gateway.validate import RunPart
 from kvstore.client.connection import TlsOptions
 from kvstore.client.fleet import placeable
@@ -282,11 +283,14 @@ class FleetStore:
             written, existing, done = written + most, existing + len(part.blocks) - most, done + len(part.blocks)
         return written, existing, combine(keep_until_s, grants) if keep_until_s else None
 
-    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes) -> None:
+    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes,
+                         after: StoredTail | None = None) -> None:
         """R6 across runs at a gateway (F69): a Put from the first block of run r > 0 is stored only when run r - 1
         is complete on some live replica. `parent_hash` (block `first_block - 1`, run r - 1's last) is asked of
         the replicas `parent_run_key` places, in read order with failover (F33): a node holds a block only with
-        every block before it in its run (R6 on the node), so one that holds it holds the whole run.
+        every block before it in its run (R6 on the node), so one that holds it holds the whole run. Not asked when
+        the request extends `after` (F84): the request before it in the same stream, acknowledged on every replica
+        of run r - 1 (F30), ended with that block in that run.
 
         Raises:
             InvalidArgument: `parent_run_key` is not a 32-byte hash.
@@ -301,6 +305,8 @@ class FleetStore:
                 f"a Put from block {first_block}, the first of run {before + 1}, needs parent_run_key: the fleet "
                 f"hash of block {first_block - self.run_blocks}, the first of run {before}, {HASH_BYTES} bytes "
                 f"(got {len(parent_run_key)}; kvstore.Client sends it)")
+        if after is not None and after.stored_before(route, first_block, parent_hash, parent_run_key):
+            return  # F84: this stream's request before stored run r - 1 to its end, on every replica
         pool, _ = self._route(route)
         run = RunPlacement(run=before, first_block=0, end_block=1,
                            replicas=self._replicas(parent_run_key, route.namespace))
@@ -313,11 +319,14 @@ class FleetStore:
 
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
                   run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33), the next run's
-        read started while this one's blocks are answered (F69: one run ahead, so at most two runs' blocks held).
+        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33), each block
+        handed on as its node's answer arrives (F83), the next run's read started while this one's blocks are
+        answered (F69: one run ahead). Each run's blocks go through a `Feed` of one run's bound, so at most two
+        runs' blocks are held here, whatever the client's pace.
 
         Raises:
             InvalidArgument: the Get starts inside a run and `run_key` is not that run's 32-byte key.
+            KVStoreError: no replica of a run answered (after the blocks before it were handed on).
         """
         pool, refresher = self._route(route)
         parts = list(self._get_parts(route, hashes, first_block, run_key))
@@ -325,15 +334,31 @@ class FleetStore:
             for part in parts:
                 yield from self._read_part(pool, refresher, part)
             return
-        ahead = self._reads.submit(self._read_list, pool, refresher, parts[0])
+        feeds: list[Feed[tuple[int, int, bytes]]] = []
         try:
-            for i in range(len(parts)):
-                current = ahead
+            for i, part in enumerate(parts):
+                if i == 0:
+                    feeds.append(self._feed(pool, refresher, part))
                 if i + 1 < len(parts):  # the next run's read goes out before this one's blocks are answered
-                    ahead = self._reads.submit(self._read_list, pool, refresher, parts[i + 1])
-                yield from current.result()
+                    feeds.append(self._feed(pool, refresher, parts[i + 1]))
+                yield from drained(feeds[i])
         finally:
-            ahead.cancel()  # a Get that ended early (an error, a cancelled call) reads no further run
+            for feed in feeds:
+                feed.close()  # a Get that ended early (an error, a cancelled call) reads no further run
+
+    def route_get_feed(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                       run_key: bytes) -> Feed[tuple[int, int, bytes]]:
+        """`route_get`'s blocks walked on the gateway's threads into a feed of one run's bound, for the servicer
+        to answer as they arrive (F83); its error (after the blocks before it) is raised by the feed."""
+        feed: Feed[tuple[int, int, bytes]] = Feed(self.run_blocks)
+        produce(self._executor, feed, lambda: self.route_get(route, hashes, first_block, run_key))
+        return feed
+
+    def _feed(self, pool: NodePool, refresher: Refresher, part: GetPart) -> Feed[tuple[int, int, bytes]]:
+        """`part`'s blocks read on the read threads into a feed holding at most the run's blocks."""
+        feed: Feed[tuple[int, int, bytes]] = Feed(len(part.hashes))
+        produce(self._reads, feed, lambda: self._read_part(pool, refresher, part))
+        return feed
 
     def _get_parts(self, route: Route, hashes: Sequence[bytes], first_block: int,
                    run_key: bytes) -> Iterator[GetPart]:
@@ -360,9 +385,6 @@ class FleetStore:
         for index, status, data in stream_run_part(pool, part.run, part.key, part.hashes, retry=self.retry,
                                                    refresher=refresher if part.at_start else None):
             yield part.offset + index, status, data
-
-    def _read_list(self, pool: NodePool, refresher: Refresher, part: GetPart) -> list[tuple[int, int, bytes]]:
-        return list(self._read_part(pool, refresher, part))
 
     # -- what a gateway does not serve (tiers.store.BlockStore by storage key) --------------------
 

@@ -15,6 +15,7 @@ import grpc
 from gateway import put_stream, validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
+from gateway.block_feed import drained_async
 from gateway.events import note_put_tokens
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.host_info import NodeHost
@@ -23,7 +24,7 @@ from gateway.put_group import PutGroups
 from gateway.put_request import PutRequestView
 from gateway.replies import found_reply
 from gateway.resume_counters import ACTION_FIELDS, ResumeCounters, check_report
-from gateway.routed_store import Route, RoutedStore
+from gateway.routed_store import Route, RoutedStore, StoredTail
 from gateway.status import streaming, unary
 from gateway.trace_recorder import NO_TRACE, CallTrace, trace_counters
 from gateway.validate import Layout
@@ -425,11 +426,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @unary
     async def Put(self, request: pb.PutRequest | PutRequestView, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         if self.router is not None:
-            return await self._routed_put(_message(request), context)
+            return (await self._routed_put(_message(request), context))[0]
         return await self._put(request)
 
-    async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica."""
+    async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext,
+                          after: StoredTail | None = None) -> tuple[pb.PutResponse, StoredTail | None]:
+        """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica; its
+        reply, and what it stored last (for the next request of its stream: F84). `after`: what the request
+        before it in the same stream stored."""
         assert self.router is not None
         _check_keep_until(request.keep_until_s)
         layout, _ = validate.scope(self.layouts, request.geometry, request.namespace)
@@ -439,19 +443,23 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
             run_bridge=request.run_bridge)
         # R6 across runs (F69): a Put from a run's first block needs the run before complete on a replica.
-        await self.router_call(self.router.route_parent_run, _route(request, context), request.first_block,
-                               request.parent_hash, request.parent_run_key)
+        route = _route(request, context)
+        await self.router_call(self.router.route_parent_run, route, request.first_block, request.parent_hash,
+                               request.parent_run_key, after)
         try:
-            written, existing, kept = await self.router_call(self.router.route_put, _route(request, context), parts,
+            written, existing, kept = await self.router_call(self.router.route_put, route, parts,
                                                              request.keep_until_s)
         except PutNotReplicated as exc:
             # Said with the status of its cause: UNAVAILABLE when every failed copy may succeed later (a node
             # away; putting again is safe), else the first lasting failure's (a quota, a refused parent).
             lasting = [e for _, _, e in exc.failures if not e.retryable]
             raise from_status(to_status(lasting[0]) if lasting else grpc.StatusCode.UNAVAILABLE, exc.message) from None
-        return pb.PutResponse(block_hashes=[h for p in parts for h in p.hashes], written_blocks=written,
-                              existing_blocks=existing, kept_until_s=kept.kept_until_s if kept else 0.0,
-                              keep_note=kept.note if kept else "")
+        reply = pb.PutResponse(block_hashes=[h for p in parts for h in p.hashes], written_blocks=written,
+                               existing_blocks=existing, kept_until_s=kept.kept_until_s if kept else 0.0,
+                               keep_note=kept.note if kept else "")
+        tail = StoredTail(route=route, end_block=request.first_block + len(request.blocks),
+                          last_hash=parts[-1].hashes[-1], run_key=parts[-1].run_key) if parts else None
+        return reply, tail
 
     @streaming
     async def PutStream(self, requests: AsyncIterator[pb.PutRequest | PutRequestView],
@@ -461,8 +469,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # (group commit: one fsync for several), each acknowledged only after it, in order; the
         # stream ends with the first error, after the batches before it (gateway/put_stream.py).
         if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
+            tail = None  # what the request before stored: the next from its end skips F69's check (F84)
             async for request in requests:
-                yield await self._routed_put(_message(request), context)
+                reply, tail = await self._routed_put(_message(request), context, tail)
+                yield reply
             return
         # Closed with the call (a cancelled call stops its stages now, not when collected).
         async with aclosing(put_stream.committed(requests, self._plan, self._commit, PUT_STREAM_DEPTH)) as done:
@@ -595,15 +605,18 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         from `first_block` and `run_key` (F37)."""
         assert self.router is not None
         router, route = self.router, _route(request, context)
-        replies = await self.router_call(lambda: list(router.route_get(route, hashes, request.first_block,
-                                                                       request.run_key)))
+        # Answered as the nodes' blocks arrive (F83), not once the Get is read whole: a thread walks the runs
+        # (the fleet client's blocking code) into a feed of one run's bound, drained here batch by batch.
         found = 0
-        for index, status, data in replies:
-            if status == pb.BLOCK_STATUS_FOUND:
-                found += 1
-                yield found_reply(index, memoryview(data))
-            else:
-                yield pb.GetResponse(index=index, status=status)
+        feed = router.route_get_feed(route, hashes, request.first_block, request.run_key)
+        async with aclosing(drained_async(feed)) as batches:  # a cancelled call closes the feed now
+            async for batch in batches:
+                for index, status, data in batch:
+                    if status == pb.BLOCK_STATUS_FOUND:
+                        found += 1
+                        yield found_reply(index, memoryview(data))
+                    else:
+                        yield pb.GetResponse(index=index, status=cast(Any, status))
         self.hits.record(scope.namespace, "get", len(hashes), found)
 
     @unary

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gateway.block_feed import Feed
 from gateway.validate import RunPart
 
 if TYPE_CHECKING:  # the client package loads every client (redis too): not on a node's import path
@@ -32,6 +33,24 @@ class Route:
     token: str | None
     namespace: str
     geometry: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredTail:
+    """What a Put stream's last request stored on every replica of its last run (F84): that request's caller
+    (`route`), where it ended (`end_block`, the index after its last block), that block's fleet hash and the key
+    of the run it lies in. The next request of the same stream from `end_block` needs no check of that run."""
+
+    route: Route
+    end_block: int
+    last_hash: bytes
+    run_key: bytes
+
+    def stored_before(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes) -> bool:
+        """Whether a request from `first_block` extends exactly this tail: same caller, from its end, its parent
+        the tail's last block and the run before it placed by the tail's run key."""
+        return (self.route == route and self.end_block == first_block and self.last_hash == parent_hash
+                and self.run_key == parent_run_key)
 
 
 @runtime_checkable
@@ -72,12 +91,19 @@ class RoutedStore(Protocol):
         `tenant`'s replication."""
         ...
 
-    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes) -> None:
+    def route_parent_run(self, route: Route, first_block: int, parent_hash: bytes, parent_run_key: bytes,
+                         after: StoredTail | None = None) -> None:
         """Refuse a Put from the first block of a run r > 0 unless run r - 1, placed by `parent_run_key`, is
-        complete on some live replica (R6 across runs, F69); nothing for other Puts."""
+        complete on some live replica (R6 across runs, F69); nothing for other Puts, nor for one that extends
+        `after`, what the request before it in the same stream stored (F84)."""
         ...
 
     def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
                   run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
         """(index, status, data) per block of `hashes`, blocks from `first_block` of a prompt."""
+        ...
+
+    def route_get_feed(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                       run_key: bytes) -> Feed[tuple[int, int, bytes]]:
+        """`route_get`'s blocks as they arrive, read on the store's threads into a bounded feed (F83)."""
         ...
