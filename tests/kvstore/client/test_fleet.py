@@ -533,6 +533,32 @@ def test_f65_refreshes_queued_together_keep_the_deepest_per_copy_and_are_cut_whe
         assert all(after[n].lookups == before[n].lookups for n in after if n != node)
 
 
+def test_f80_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refreshes_none_again(
+        fleet: Fleet) -> None:
+    """F80: a prompt whose last run is short is asked of every node of each run's read order in one call per node
+    after the probe (no third round trip for the boundary run's other copies); R6 across runs holds (a run short
+    on one replica and whole on the other counts); the copies that answered are not refreshed again (F34)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 12)
+        client.put(tokens, blocks_for(client, tokens))
+        half = tokens[:RUN_TOKENS * 6] + prompt(RUN_TOKENS * 6)
+        found, by_node = calls_by_node(client, lambda: client.lookup(half))
+        assert found.found_blocks == 6 * RUN_BLOCKS
+        assert sum(by_node.values()) <= 1 + len(fleet.nodes) and max(by_node.values()) <= 2
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[2]
+        first = client.pool.read_order(chain[run.first_block], run.replicas)[0]
+        purge_from(fleet.node(first), chain[run.first_block + 1])  # run 2 short on the replica read first
+        found, by_node = calls_by_node(client, lambda: client.lookup(half))
+        assert found.found_blocks == 6 * RUN_BLOCKS  # whole on its other replica: the prefix goes on
+        assert sum(by_node.values()) <= 1 + len(fleet.nodes)
+        assert client.refresher.flush(30.0)
+        sent = client.refresher.sent
+        assert client.lookup(half).found_blocks == 6 * RUN_BLOCKS
+        assert client.refresher.flush(30.0)
+        assert client.refresher.sent == sent + 1  # run 2's short copy only: every other copy answered
+
+
 def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
     """F30, F33: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
     replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
