@@ -4,9 +4,9 @@ A run that is not read over shared memory (F62) comes from its node either by th
 (`TransferSession(path="stream")`: no server session, blocks over `Transfer.Fetch`; one per node and thread,
 as a stream session is not shared between threads) or, where the node runs it, by the bulk transport
 (`TransferSession(path="bulk")`: the node's Mooncake engine writes the blocks into this process's region; one
-per node, kept across fetches and shared by the threads one read at a time, docs/FLEET.md F73). A region is
+per node, kept across fetches and shared by the threads one read at a time, docs/FLEET.md F74). A region is
 registered with this process's engines once however many node sessions hold it
-(`transfer_bulk.register_counted`), so one session closing leaves it registered for the others.
+(`transfer_bulk.register_counted`, F73), so one session closing leaves it registered for the others.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ run's blocks go to its replicas in the same order, with failover; a write's runs
 stored as `FleetClient.put` stores them (F30).
 
 On paths "auto" and "bulk" a run that is not read over shared memory goes by the bulk transport from a
-node that runs it (F73): a bulk-path session per node and thread (`TransferSession(path="bulk")`), the
-region registered with this process's Mooncake engines once however many of those sessions hold it
-(`transfer_bulk.register_counted`), the node's engine writing the blocks straight into it; a node that
+node that runs it (F74): one batch per node, by the node's bulk-path session (`fleet_remote`), the region
+registered with this process's Mooncake engines once however many sessions hold it (F73,
+`transfer_bulk.register_counted`), the node's engine writing the blocks straight into it; a node that
 runs none streams (`bulk_reasons` says why).
 """
 
@@ -118,7 +118,7 @@ class FleetTransferSession:
         path: "auto" (this host's nodes map the regions where they can, every other run by the bulk transport
             from a node that runs it, else streamed), "stream" (every run streams), "shm" (this host's nodes map,
             the rest streamed; a region no node on this host maps is refused) or "bulk" (nothing mapped: every
-            run by the bulk transport where its node runs it, else streamed; F73).
+            run by the bulk transport where its node runs it, else streamed; F74).
         streams: Fetch calls each node's stream path keeps in flight (as `TransferSession`'s).
         local: the ids of this host's nodes (default: the live nodes whose records name this host,
             `fleet_local.local_nodes`); `restore` passes a `ColocatedReader`'s node (F48).
@@ -137,7 +137,7 @@ class FleetTransferSession:
         self.path = path
         self.streams = streams
         self.regions: dict[int, Region] = {}
-        #: The node sessions that read over the network: the stream, and the bulk transport (F73).
+        #: The node sessions that read over the network: the stream, and the bulk transport (F74).
         self._remote = RemoteSessions(client, streams=streams, bulk=path in ("auto", "bulk"))
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
@@ -152,7 +152,7 @@ class FleetTransferSession:
         #: Each run of the last `fetch`: the paths that delivered its blocks ("shm", "bulk", "stream", "shm+stream",
         #: ...; "" when none).
         self.last_paths: list[str] = []
-        #: Why a node's runs are not read by the bulk transport (node id -> its session's `bulk_reason`, F73).
+        #: Why a node's runs are not read by the bulk transport (node id -> its session's `bulk_reason`, F74).
         self.bulk_reasons = self._remote.bulk_reasons
         #: Why the bulk transport and the ring are not used (as `TransferSession`'s fields say).
         self.bulk_reason = (f"off: path={path!r} reads no node by it" if path in ("stream", "shm")
@@ -241,7 +241,7 @@ class FleetTransferSession:
             if read.order and region.region_id in self._maps.mapped.get(read.order[0], {}):
                 by_node.setdefault(read.order[0], []).append(read)
         by_bulk: dict[str, list[_RunRead]] = {}
-        for read in reads:  # the others whose first replica may run the bulk transport: one batch per node (F73)
+        for read in reads:  # the others whose first replica may run the bulk transport: one batch per node (F74)
             if read.order and read.order[0] not in by_node and self._remote.may_bulk(read.order[0]):
                 by_bulk.setdefault(read.order[0], []).append(read)
         streamed = [r for r in reads if not r.order or (r.order[0] not in by_node and r.order[0] not in by_bulk)]
@@ -302,7 +302,7 @@ class FleetTransferSession:
     def _node_runs(self, node_id: str, members: list[_RunRead], chain: list[bytes], region: Region,
                    offset_bytes: int, kind: str) -> None:
         """Every run of `members` read by `node_id` into the region over shared memory (`kind` "shm", F62) or by
-        the bulk transport ("bulk", F73), in as few batches as its session takes (one group per run, so one call,
+        the bulk transport ("bulk", F74), in as few batches as its session takes (one group per run, so one call,
         ring request or BulkFetch for a prompt's runs on a node); a node that fails, or runs no bulk transport, is
         noted, and the runs go on to their next replicas or the stream (`_fetch_run`)."""
         with contextlib.ExitStack() as held:
@@ -410,7 +410,7 @@ class FleetTransferSession:
             raise read.last
 
     def bulk_sessions(self) -> dict[str, str]:
-        """Node id -> the server's session id of this session's bulk-path session with it (F73)."""
+        """Node id -> the server's session id of this session's bulk-path session with it (F74)."""
         return self._remote.bulk_sessions()
 
     @staticmethod

@@ -373,7 +373,7 @@ def test_f49_a_fleet_transfer_session_fetches_every_run_into_one_region(fleet: F
             assert {first, other} <= session.nodes_read
             with pytest.raises(InvalidArgument, match="a batch holds 1 to"):  # read() of descriptors: F71
                 session.read([])
-        with client.transfer(path="bulk") as session:  # F73: no node here runs the bulk transport: all streamed
+        with client.transfer(path="bulk") as session:  # F74: no node here runs the bulk transport: all streamed
             assert session.fetch(chain, session.register(20 * size)).done_prefix == 20
             assert set(session.last_paths) == {"stream"} and set(session.bulk_reasons) == session.nodes_read
 

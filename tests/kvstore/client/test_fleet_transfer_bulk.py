@@ -1,4 +1,4 @@
-"""A fleet transfer session's bulk transport (docs/FLEET.md F73): each node that runs it writes its runs into this
+"""A fleet transfer session's bulk transport (docs/FLEET.md F73, F74): each node that runs it writes its runs into this
 process's region through Mooncake's engines (one per process, the region registered once however many node
 sessions hold it); the nodes that do not stream.
 
@@ -126,8 +126,8 @@ def first_readers(client: FleetClient, chain: list[bytes]) -> list[str]:
     return [client.pool.read_order(chain[r.first_block], r.replicas)[0] for r in client.placement(chain)]
 
 
-def test_f73_bulk_from_every_node_that_runs_it_and_the_stream_from_the_rest(fleet: Fleet) -> None:
-    """F73: path "bulk": each run read first from a bulk node comes by the bulk transport, from both such nodes in
+def test_f74_bulk_from_every_node_that_runs_it_and_the_stream_from_the_rest(fleet: Fleet) -> None:
+    """F74: path "bulk": each run read first from a bulk node comes by the bulk transport, from both such nodes in
     one region (each thread's node sessions hold it), the others' runs streamed, every byte at an offset; a read of
     descriptors takes the same paths; path "auto" with no node of this host mapping does the same."""
     bulk = {n.node_id for n, b in zip(fleet.nodes, BULK, strict=True) if b}

@@ -143,7 +143,7 @@ def test_f62_shm_with_no_node_of_this_host_is_refused(fleet: ShmFleet) -> None:
         assert 'path="auto"' in refused.value.hint
         with FleetTransferSession(client, local=[]) as session:
             assert session.shared_with(session.register(client.block_bytes)) == []
-        with client.transfer(path="bulk") as session:  # F73: maps nothing; these nodes run no bulk transport
+        with client.transfer(path="bulk") as session:  # F74: maps nothing; these nodes run no bulk transport
             assert session.shared_with(session.register(client.block_bytes)) == []
         with pytest.raises(InvalidArgument, match="local must be a collection of node ids"):
             FleetTransferSession(client, local="node")
