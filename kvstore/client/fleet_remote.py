@@ -20,6 +20,26 @@ from kvstore.client.transfer import TransferSession
 from kvstore.errors import KVStoreError
 from kvstore.region import Region
 
+#: (node id, incarnation) -> why that process of the node runs no bulk transport: a property of the process (its
+#: `transfer.bulk`), so learned once per process here, not once per fleet session (a `restore` opens one per call).
+_NO_BULK: dict[tuple[str, tuple[str, float] | None], str] = {}
+_NO_BULK_LOCK = threading.Lock()
+#: Entries kept at most (then all forgotten: each is learned again by one OpenSession).
+MAX_NO_BULK = 4096
+
+
+def no_bulk_reason(node_id: str, record: Any) -> str | None:
+    """Why the process a node record names runs no bulk transport, if this process found so (None: not known)."""
+    with _NO_BULK_LOCK:
+        return _NO_BULK.get((node_id, incarnation(record) if record is not None else None))
+
+
+def _note_no_bulk(node_id: str, record: Any, reason: str) -> None:
+    with _NO_BULK_LOCK:
+        if len(_NO_BULK) >= MAX_NO_BULK:
+            _NO_BULK.clear()
+        _NO_BULK[node_id, incarnation(record) if record is not None else None] = reason
+
 
 def incarnation(record: Any) -> tuple[str, float]:
     """Which process of a node a record names: a restarted node has a new start time (and, on port 0, address)."""
@@ -62,8 +82,6 @@ class RemoteSessions:
         self._local = threading.local()
         self._bulk: dict[str, TransferSession] = {}
         self._bulk_locks: dict[str, threading.RLock] = {}
-        #: The incarnation of each node found to serve no bulk transport (asked again once it restarts).
-        self._no_bulk: dict[str, tuple[str, float] | None] = {}
 
     def may_bulk(self, node_id: str) -> bool:
         """Whether runs may be read from `node_id` by the bulk transport: it is wanted and the node, as it is now,
@@ -71,7 +89,13 @@ class RemoteSessions:
         if not self.bulk:
             return False
         record = self.client.view.nodes.get(node_id)
-        return record is not None and self._no_bulk.get(node_id, ()) != incarnation(record)
+        if record is None:
+            return False
+        reason = no_bulk_reason(node_id, record)  # this process of the node was found to run none (asked again
+        if reason is not None:  # once it restarts: another incarnation)
+            self.bulk_reasons[node_id] = reason
+            return False
+        return True
 
     @contextlib.contextmanager
     def remote(self, node_id: str, regions: Sequence[Region]) -> Iterator[TransferSession]:
@@ -124,7 +148,7 @@ class RemoteSessions:
         record = self.client.view.nodes.get(node_id)
         fresh = TransferSession(connection, path="bulk", streams=self.streams, ring=False)
         if fresh.bulk is None:  # this process of the node offers none, or refused it: its runs stream
-            self._no_bulk[node_id] = incarnation(record) if record is not None else None
+            _note_no_bulk(node_id, record, fresh.bulk_reason)
             self.bulk_reasons[node_id] = fresh.bulk_reason
             close_node_session(fresh)
             return None
@@ -169,4 +193,4 @@ def _hold(session: TransferSession, regions: Sequence[Region]) -> None:
             session.bulk_failed(f"the client's engine could not register region {region.name}")
 
 
-__all__ = ["RemoteSessions", "close_node_session", "incarnation", "path_of"]
+__all__ = ["MAX_NO_BULK", "RemoteSessions", "close_node_session", "incarnation", "no_bulk_reason", "path_of"]
