@@ -17,6 +17,13 @@ A node that stops being a replica of a run (a node joined and ranks above it) ke
 its copy: retention evicts it in time, so copies never drop below the factor while
 the new replica fills (the choice, and its cost in disk, in docs/FLEET.md F21).
 
+A draining node (`kvstore fleet drain`, F21) stays a member and serves; its record says `draining`, and every
+node's pass ranks the draining members after the others, so the run's replicas are the first `replication`
+others: they get its copies (from the holder ranked first, the draining node sending only what none above it
+holds). The draining node counts, from the replicas' answers (RunDigests, HeldBlocks), the in-window bytes of
+its runs they do not hold yet (`drain_left_bytes`); a pass that finds none left and nothing failed revokes its
+lease (it leaves the membership) and says `drained`.
+
 Where this node and the target both run the bulk transport (`[transfer] bulk = "mooncake"`), a batch's
 bytes are not in the call: the target's engine reads them from this node's map, verified in place
 (`gateway.fleet_bulk`); gRPC carries them otherwise, and for the rest of a pass to a target that refused.
@@ -185,6 +192,10 @@ class Round:
     plans: list[RunPlan] = field(default_factory=list)
     undecided_runs: int = 0
     undecided_bytes: int = 0
+    #: A draining node's runs whose replicas among the others lack some of its blocks (or did not say), and the
+    #: bytes they lack, as they answered before this round's copies (F21: the drain ends when a pass finds none).
+    short_runs: int = 0
+    short_bytes: int = 0
 
 
 class _Window:
@@ -263,18 +274,24 @@ class FleetRepairer:
         self.batch_bytes = max(1, min(BATCH_BYTES, peers.max_message_bytes // 2))
         self._names: dict[bytes, str] = {}
         self.progress = RepairProgress(node_id=node_id)
-        #: Called once when a drain is found requested (leave the membership); None: drains are not followed.
+        #: Called once when a drain has left nothing to copy (leave the membership: revoke the lease); None: a
+        #: drained node stays a member.
         self.leave: Callable[[], Awaitable[None]] | None = None
-        #: Whether a drain of this node was requested (None: drains are not looked for).
-        self.drain_requested: Callable[[], Awaitable[bool]] | None = None
+        #: Whether a drain of this node is requested (it answers None when etcd does not: unknown, nothing
+        #: changes); None: drains are not looked for.
+        self.drain_requested: Callable[[], Awaitable[bool | None]] | None = None
+        #: Writes whether this node drains into its membership record (F21: no one places on it); None: not written.
+        self.mark_draining: Callable[[bool], Awaitable[None]] | None = None
+        #: The nodes the pass under way ranks after the others (draining: F21), this one among them while it drains.
+        self._draining: frozenset[str] = frozenset()
         #: The session the repairer's own etcd calls go through (progress, drain check); None: it makes none.
         self.etcd: EtcdSession | None = None
         #: Closed by `stop` after the membership view (the repairer's own etcd session).
         self.closing: list[Callable[[], Awaitable[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._published_at = 0.0
-        #: The nodes (id -> address) the pass under way planned over; None between passes.
-        self._planned: frozenset[tuple[str, str]] | None = None
+        #: The nodes (id -> address) the pass under way planned over, and those of them draining; None between passes.
+        self._planned: tuple[frozenset[tuple[str, str]], frozenset[str]] | None = None
         #: Peers that did not answer in the pass under way: not asked again in it.
         self._down: set[str] = set()
         #: Peers that refused a copy over the bulk transport in the pass under way: sent over gRPC in it.
@@ -342,29 +359,69 @@ class FleetRepairer:
         return work.result()
 
     def _pass_nodes(self, m: Membership) -> dict[str, str]:
-        """node id -> address of the nodes a pass plans over (a draining node leaves itself out)."""
-        return {n: r.address for n, r in m.nodes.items() if not (self.progress.draining and n == self.node_id)}
+        """node id -> address of the nodes a pass plans over: every member, draining ones too (they hold copies and
+        serve; they rank after the others, `_draining_in`)."""
+        return {n: r.address for n, r in m.nodes.items()}
+
+    def _draining_in(self, m: Membership) -> frozenset[str]:
+        """The members whose records say they drain, and this node while it drains (a member or, drained, not):
+        no pass counts them as replicas (F21)."""
+        mine = {self.node_id} if self.progress.draining else set()
+        return frozenset({n for n, r in m.nodes.items() if r.draining} | mine)
 
     def _view_moved(self, m: Membership) -> bool:
-        return self._planned is not None and frozenset(self._pass_nodes(m).items()) != self._planned
+        return self._planned is not None and (frozenset(self._pass_nodes(m).items()),
+                                              self._draining_in(m)) != self._planned
+
+    async def _follow_drain(self) -> None:
+        """F21: a drain requested is marked in this node's record (no one places on it from then); one cancelled
+        before it ended is unmarked (placed on again). After it ended (the lease revoked), a cancel stops the
+        progress record coming back (`--cancel` deleted it): the node joins again at its restart."""
+        p = self.progress
+        if self.drain_requested is None:
+            return
+        requested = await self.drain_requested()
+        if requested is None or requested == p.draining:
+            return  # etcd did not answer (the next pass asks again), or nothing changed
+        if p.drained:
+            self.publish = None
+            return
+        if self.mark_draining is not None:
+            try:
+                await self.mark_draining(requested)
+            except KVStoreError as exc:  # the record is unchanged: the next pass tries again
+                log.warning("fleet: cannot mark node %s %s: %s", self.node_id,
+                            "draining" if requested else "no longer draining", exc)
+                return
+        p.draining, p.drain_left_bytes, p.drain_left_runs = requested, 0, 0
+        log.info("fleet: node %s %s", self.node_id, "drains: it leaves once the other nodes hold its runs"
+                 if requested else "no longer drains (cancelled)")
+
+    async def _leave_drained(self) -> None:
+        """F21: every run this node holds is at its replication on the other nodes, as they answered: leave the
+        membership (the lease revoked: its record goes with it) and say `drained`. The pass is not given up when
+        its own record leaves the view (`_planned` cleared): it ends, and publishes that."""
+        self._planned, self.progress.drained = None, True
+        if self.leave is not None:
+            await self.leave()
+        log.info("fleet: node %s is drained: the other nodes hold every run it held; it left the membership and "
+                 "may be stopped", self.node_id)
 
     async def run_pass(self) -> RepairProgress:
         """One pass over every run held, against the membership as it is now; returns the progress."""
         p = self.progress
-        if not p.draining and self.drain_requested is not None and await self.drain_requested():
-            p.draining = True  # F21: leave the membership first, so clients and placement go elsewhere
-            if self.leave is not None:
-                await self.leave()
-            await self.membership.wait_until(lambda m: self.node_id not in m.nodes, 30)
+        await self._follow_drain()
         addresses = self._pass_nodes(self.membership)
-        if self.membership.stale or not addresses or (self.node_id not in addresses and not p.draining):
+        if self.membership.stale or not addresses or (self.node_id not in addresses and not p.drained):
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
-        self._planned, self._down, self._grpc_only = frozenset(addresses.items()), set(), set()
+        self._draining = self._draining_in(self.membership)
+        self._planned, self._down, self._grpc_only = (frozenset(addresses.items()), self._draining), set(), set()
         now = self.tier.retention_clock.now()
         self._pins_sent = {k: u for k, u in self._pins_sent.items() if u > now}
         await self.peers.close_retired()  # the last pass's calls have all ended
         p.planned_nodes, p.running = sorted(addresses), True
         p.under_replicated_bytes = p.under_replicated_runs = p.failed_runs = 0
+        left_bytes = left_runs = 0
         await self._publish(force=True)
         started, planning_s, copied_before = time.monotonic(), 0.0, p.copied_bytes
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
@@ -392,6 +449,7 @@ class FleetRepairer:
                 p.under_replicated_bytes += found.undecided_bytes + sum(
                     b.meta.size_bytes for plan in found.plans for s in plan.sends.values() for b in s)
                 p.failed_runs += found.undecided_runs
+                left_bytes, left_runs = left_bytes + found.short_bytes, left_runs + found.short_runs
                 await self._publish()
                 copying.append(asyncio.ensure_future(self._copy_round(found.plans, addresses, window)))
             while copying:
@@ -404,7 +462,10 @@ class FleetRepairer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await left
         p.running, p.passes = False, p.passes + 1
-        p.drained = p.draining and not planned and not p.failed_runs
+        if p.draining:
+            p.drain_left_bytes, p.drain_left_runs = left_bytes, left_runs
+            if not p.drained and not left_runs and not p.failed_runs:
+                await self._leave_drained()
         if planned:
             log.info("fleet: a re-replication pass over %d nodes: %d of %d runs to copy (%d failed), planned in "
                      "%.2f s; %d bytes copied, in %.2f s", len(addresses), planned, len(runs), p.failed_runs,
@@ -439,14 +500,12 @@ class FleetRepairer:
 
         read = await self.tier.call(read_all)
         held = [blocks for blocks, _ in read]
-        # A draining node ranks last for every run: it sends only what no other node holds (F21).
-        last = (self.node_id,) if self.node_id not in live else ()
-        orders = [replicas(r.run_key, live, len(live)) + last for r in runs]
+        orders = [self._order(r.run_key, live) for r in runs]
         asked: dict[str, list[int]] = {}  # peer -> indexes of the runs it is asked about
         for i, order in enumerate(orders):
             if held[i]:
                 me = order.index(self.node_id)
-                for peer in {*order[:me], *order[:self.copies_of(runs[i])]} - {self.node_id}:
+                for peer in {*order[:me], *order[:self._targets(runs[i], order)]} - {self.node_id}:
                     asked.setdefault(peer, []).append(i)
         theirs = await self._digests(asked, runs, addresses)
         # Which runs each peer is asked block by block (its digest differs from ours and is not empty).
@@ -458,7 +517,7 @@ class FleetRepairer:
             me = order.index(self.node_id)
             if any(theirs.get((n, runs[i].key)) == mine[i] for n in order[:me]):
                 continue  # a holder ranked above holds the same blocks: it acts, not us
-            for n in {*order[:me], *order[:self.copies_of(runs[i])]} - {self.node_id}:
+            for n in {*order[:me], *order[:self._targets(runs[i], order)]} - {self.node_id}:
                 d = theirs.get((n, runs[i].key))
                 if d is not None and d.blocks and not d.same_blocks(mine[i]):  # R32: pins aside
                     checks.setdefault(n, []).append(i)
@@ -472,7 +531,40 @@ class FleetRepairer:
                     found.undecided_bytes += mine[i].size_bytes
                 elif plan.sends:
                     found.plans.append(plan)
+                if self.node_id in self._draining:
+                    short = self._short_bytes(runs[i], held[i], mine[i], order, theirs, has)
+                    found.short_runs += short > 0
+                    found.short_bytes += short
         return found
+
+    def _order(self, run_key: bytes, live: list[str]) -> tuple[str, ...]:
+        """Every node of `live` (and this one) in the run's rank order, the draining ones after the rest (F21):
+        the others rank among themselves as placement does, and so do the draining ones."""
+        last = [n for n in {*live, self.node_id} if n in self._draining]
+        first = [n for n in live if n not in self._draining]
+        return (replicas(run_key, first, len(first)) if first else ()) + \
+            (replicas(run_key, last, len(last)) if last else ())
+
+    def _targets(self, entry: RunEntry, order: tuple[str, ...]) -> int:
+        """How many of `order` are the run's replicas: its replication, of the nodes not draining (F21)."""
+        return min(self.copies_of(entry), sum(n not in self._draining for n in order))
+
+    def _short_bytes(self, entry: RunEntry, blocks: list[RunBlock], mine: RunDigest, order: tuple[str, ...],
+                     theirs: dict[tuple[str, bytes], RunDigest | None],
+                     has: dict[tuple[str, bytes], set[bytes] | None]) -> int:
+        """F21: the bytes of this (draining) node's blocks of a run that its replicas among the others do not hold,
+        as they answered (all of them where a replica did not say which it holds; every copy short when the
+        fleet has fewer other nodes than the replication)."""
+        total = sum(b.meta.size_bytes for b in blocks)
+        n = self._targets(entry, order)
+        short = total * (self.copies_of(entry) - n)
+        for target in order[:n]:
+            d = theirs.get((target, entry.key))
+            if d is not None and d.same_blocks(mine):
+                continue
+            found = has.get((target, entry.key)) if d is not None and d.blocks else set()
+            short += total if found is None else sum(b.meta.size_bytes for b in blocks if b.key not in found)
+        return short
 
     def _plan_run(self, entry: RunEntry, blocks: list[RunBlock], mine: RunDigest, order: tuple[str, ...],
                   theirs: dict[tuple[str, bytes], RunDigest | None],
@@ -497,7 +589,7 @@ class FleetRepairer:
         # R32: the pins this node acts for: those no holder ranked above holds as long.
         acting = {h: until for h, until in mine.pins
                   if not any(d is not None and d.pin_of(h) >= until for d in above)}
-        for target in order[:self.copies_of(entry)]:
+        for target in order[:self._targets(entry, order)]:
             if target == self.node_id or not (unique or acting):
                 continue
             d = theirs.get((target, entry.key))
@@ -944,18 +1036,21 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
     own = session_for(fleet)
 
     async def publish(progress: RepairProgress) -> None:
-        if progress.draining:  # its lease is revoked: the record stays until the drain is cancelled
+        if progress.drained:  # its lease is revoked (F21): the record stays until the drain is cancelled
             await own.call(lambda c: c.put(key, progress.to_json()))
             return
         lease = registration.lease_id
         if lease is not None:  # between a lost lease and its renewal: the next update writes it
             await own.call(lambda c: c.put(key, progress.to_json(), lease=lease))
 
-    async def drain_requested() -> bool:
+    async def drain_requested() -> bool | None:
         try:
             return await own.call(lambda c: c.get(drain)) is not None
-        except KVStoreError:  # etcd away: the next pass asks again
-            return False
+        except KVStoreError:  # etcd away: unknown (nothing changes); the next pass asks again
+            return None
+
+    async def mark_draining(draining: bool) -> None:
+        await registration.set_draining(draining, own)  # F21: still under the lease, a member
 
     bucket = TokenBucket(fleet.repair_bytes_per_s, max(2 * BATCH_BYTES, fleet.repair_bytes_per_s / 10))
     # F18: where `[transfer] bulk` is on, a target that runs it too reads the copies from this node's map.
@@ -964,7 +1059,8 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
                              replication=fleet.replication, run_blocks=fleet.run_blocks,
                              window_s=settings.store.retention_s, bucket=bucket,
                              peers=peers, interval_s=fleet.repair_interval_s, publish=publish, bulk=bulk)
-    repairer.leave, repairer.drain_requested = registration.stop, drain_requested
+    repairer.leave, repairer.drain_requested, repairer.mark_draining = registration.stop, drain_requested, \
+        mark_draining
     repairer.etcd = own
     repairer.closing.append(own.close)
     repairer.start()

@@ -528,7 +528,8 @@ class FleetClient(Client):
 
 
 def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
-    """The ids to place runs over: of the records that share an address, the latest started only (F42).
+    """The ids to place runs over: of the records that share an address, the latest started only (F42); a
+    draining node's never (F21: a read asks it after the replicas, `NodePool.read_order`'s next ranked).
 
     A node killed and started again on a wiped data dir at the same address is a new id while the old id's
     record waits out its lease; both records name the one process that answers there, so placing over both
@@ -536,6 +537,8 @@ def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
     """
     latest: dict[str, NodeRecord] = {}
     for record in nodes.values():
+        if record.draining:  # F21: it leaves once the others hold its runs; reads may still fall over to it
+            continue
         seen = latest.get(record.address)
         if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
             latest[record.address] = record

@@ -6,8 +6,10 @@ every third of the TTL; a node that stops renewing leaves when it reaches 0),
 its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
 copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
-drain NODE` has a node leave the membership and copy what only it holds; status
-says when it is drained, and may be stopped (F21); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
+drain NODE` has a node drain: it stays a member and serves, no one places on it,
+the other nodes take its runs at their replication, and it leaves once they hold
+them; status shows the bytes left and says when it is drained, and may be stopped
+(F21); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
 the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints).
 
@@ -35,9 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="fleet_command", required=True, metavar="SUBCOMMAND")
     status = sub.add_parser("status", help="list the nodes registered in etcd: id, address, lease left, started, "
                                            "re-replication")
-    drain = sub.add_parser("drain", help="have a node leave the fleet once the others hold every run it holds")
+    drain = sub.add_parser("drain", help="have a node leave the fleet once the others hold every run it holds at "
+                                         "its replication (it serves until then)")
     drain.add_argument("node", metavar="NODE", help="the node's id (as `kvstore fleet status` lists it)")
-    drain.add_argument("--cancel", action="store_true", help="cancel the drain: the node joins again at its restart")
+    drain.add_argument("--cancel", action="store_true", help="cancel the drain: a draining node is placed on again; "
+                                                             "a drained one joins again at its restart")
     for p in (status, drain):
         p.add_argument("--etcd", default=None, help="etcd endpoints, host:port,... or https://host:port,... for TLS "
                                                    "(default: [fleet] etcd)")
@@ -87,12 +91,13 @@ async def _drain(fleet: FleetSettings, node_id: str, *, cancel: bool, timeout_s:
         if cancel:
             await session.call(lambda c: c.delete(key))
             await session.call(lambda c: c.delete(repair_key(fleet.cluster, node_id)))
-            return f"node {node_id}: drain cancelled; it joins the fleet again when restarted"
+            return (f"node {node_id}: drain cancelled; placed on again at its next pass (drained already: it joins "
+                    "the fleet again when restarted)")
         await session.call(lambda c: c.put(key, json.dumps({"requested_at": time.time()}).encode()))
     finally:
         await session.close()
-    return (f"node {node_id}: drain requested; it leaves the membership at its next pass and copies what only it "
-            "holds; stop it once `kvstore fleet status` says it is drained")
+    return (f"node {node_id}: drain requested; from its next pass it stays a member and serves while the other nodes "
+            "take its runs, and leaves once they hold them; stop it once `kvstore fleet status` says it is drained")
 
 
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
@@ -110,14 +115,19 @@ async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     repairs = {p.node_id: p for p in (RepairProgress.from_json(kv.value) for kv in found) if p is not None}
     rows = [{"node_id": n.record.node_id, "address": n.record.address, "host": n.record.host,
              "lease_ttl_left_s": ttl, "started_at": n.record.started_at, "capacity_bytes": n.record.capacity_bytes,
-             "version": n.record.version, "repair": _repair(repairs.get(n.record.node_id))}
+             "version": n.record.version, "draining": n.record.draining,
+             "repair": _repair(repairs.get(n.record.node_id))}
             for n, ttl in zip(nodes, ttls, strict=True)]
     report: dict[str, Any] = {"cluster": fleet.cluster, "etcd": [str(e) for e in session.endpoints],
                               "revision": revision, "nodes": rows}
     report["replication"] = _replication(report["nodes"])
     live = {n["node_id"] for n in rows}
-    report["draining"] = [{"node_id": p.node_id, "drained": p.drained, "repair": _repair(p)}
-                          for p in repairs.values() if p.draining and p.node_id not in live]
+    # F21: a draining node is a member until the others hold its runs (`left_bytes` of its blocks they lack, as they
+    # answered its last pass); drained, it left the membership and may be stopped.
+    report["draining"] = [{"node_id": p.node_id, "member": p.node_id in live, "drained": p.drained,
+                           "left_bytes": p.drain_left_bytes, "left_runs": p.drain_left_runs,
+                           "may_stop": p.drained and p.node_id not in live, "repair": _repair(p)}
+                          for p in sorted(repairs.values(), key=lambda p: p.node_id) if p.draining]
     return report
 
 
@@ -127,8 +137,8 @@ def _repair(progress: Any) -> dict[str, Any] | None:
         return None
     return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
                                               "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
-                                              "bulk_bytes", "damaged_blocks", "failed_runs", "draining", "drained",
-                                              "updated_at")}
+                                              "bulk_bytes", "damaged_blocks", "failed_runs", "draining",
+                                              "drain_left_bytes", "drain_left_runs", "drained", "updated_at")}
 
 
 def _replication(nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -162,9 +172,12 @@ def _lines(report: dict[str, Any]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for d in report["draining"]:
-        state = "drained: it may be stopped" if d["drained"] else "draining"
-        lines.append(f"node {d['node_id']} is out of the membership, {state} "
-                     f"({d['repair']['under_replicated_bytes']} bytes left to copy)")
+        if d["may_stop"]:
+            lines.append(f"node {d['node_id']} is out of the membership, drained: it may be stopped")
+        else:
+            lines.append(f"node {d['node_id']} is draining: {d['left_bytes']} bytes of {d['left_runs']} runs not yet "
+                         "on their replicas among the other nodes at its last pass; a member and serving until they "
+                         "are: do not stop it")
     rep = report["replication"]
     lines.append(f"under-replicated: {rep['under_replicated_bytes']} bytes in {rep['under_replicated_runs']} runs"
                  f"{'' if rep['settled'] else ' (a pass over the current membership is under way)'}")

@@ -24,7 +24,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -61,6 +61,9 @@ class NodeRecord:
     host_id: str = ""
     #: Its store's data dir, for a same-host reader (ColocatedReader); '' from a node older than the hosts answer.
     data_dir: str = ""
+    #: Whether it drains (`kvstore fleet drain`, docs/FLEET.md F21): still a member and serving, but placed on by
+    #: no one (no new Puts, no replica's place in any repair pass); reads ask it after the others.
+    draining: bool = False
 
     def to_json(self) -> bytes:
         """The record as etcd stores it."""
@@ -80,7 +83,8 @@ class NodeRecord:
             record = cls(node_id=str(raw["node_id"]), address=str(raw["address"]), host=str(raw["host"]),
                          capacity_bytes=int(raw["capacity_bytes"]), started_at=float(raw["started_at"]),
                          version=str(raw["version"]), swa_pool=str(raw.get("swa_pool", "")),
-                         host_id=str(raw.get("host_id", "")), data_dir=str(raw.get("data_dir", "")))
+                         host_id=str(raw.get("host_id", "")), data_dir=str(raw.get("data_dir", "")),
+                         draining=bool(raw.get("draining", False)))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"missing or mistyped field {exc}") from None
         return record
@@ -251,6 +255,18 @@ class Registration:
         if not replaced:
             raise FailedPrecondition(f"fleet: the record of node {self.record.node_id} changed while registering",
                                      hint="retry")
+
+    async def set_draining(self, draining: bool, session: EtcdSession | None = None) -> None:
+        """Say in the record whether this node drains (F21), rewritten under the lease it holds (through
+        `session`, default the registration's own); a registration after a lost lease writes it too.
+
+        Raises:
+            Unavailable: etcd does not answer (the record in etcd is unchanged; the next call tries again).
+        """
+        self.record = replace(self.record, draining=draining)
+        lease_id, key, value = self.lease_id, self.key, self.record.to_json()
+        if lease_id is not None:
+            await (session or self.session).call(lambda c: c.put(key, value, lease=lease_id))
 
     async def _keep_alive(self) -> None:
         """Renew the lease every third of its TTL; register again when it was lost (F5)."""

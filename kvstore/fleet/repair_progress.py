@@ -1,7 +1,7 @@
 """What each node's re-replication has left to do, as it publishes it in etcd (docs/FLEET.md F18).
 
 Each node writes one record, `/kvstore/<cluster>/repair/<node_id>`, under its
-registration's lease (so it leaves with the node; a draining node's, whose lease is
+registration's lease (so it leaves with the node; a drained node's, whose lease is
 revoked, stays until the drain is cancelled): the membership it last planned
 over, the bytes and runs it still has to copy to bring its runs back to their
 replication factor, and what it has copied. `kvstore fleet status` sums them:
@@ -63,9 +63,15 @@ class RepairProgress:
     pins_short: int = 0
     #: Runs a copy failed for in the last pass (a target unreachable, a refusal): retried on the next pass.
     failed_runs: int = 0
-    #: Whether the node is draining (`kvstore fleet drain`): out of the membership, copying what only it holds.
+    #: Whether the node is draining (`kvstore fleet drain`, F21): a member, serving, placed on by no one, until the
+    #: other nodes hold every run it holds at its replication.
     draining: bool = False
-    #: Whether a draining node's last pass found nothing to copy: it may be stopped.
+    #: A draining node's last pass: the bytes (and runs) of its in-window blocks that the run's replicas among the
+    #: other nodes did not hold yet, as they answered (RunDigests, HeldBlocks): what the drain has left.
+    drain_left_bytes: int = 0
+    drain_left_runs: int = 0
+    #: Whether a draining node's pass found every run it holds at its replication on the other nodes, so it left the
+    #: membership (revoked its lease): it may be stopped.
     drained: bool = False
     #: Unix time of the last update.
     updated_at: float = 0.0
