@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup-tokens", type=int, default=1_000_000, help="prompt length for the lookup figure")
     parser.add_argument("--auth-rounds", type=int, default=4,
                         help="rounds of the with/without auth comparison, each with two fresh servers (0: skip)")
+    parser.add_argument("--auth-one-calls", type=int, default=1000,
+                        help="one-block Lookups to each server per auth round, their median the figure (default 1000)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="scratch folder on the disk under test (default: a temp folder, removed after)")
     store_events.add_arguments(parser)
@@ -133,7 +135,7 @@ def _auth_cost(data_dir: Path, data_bytes: int, args: argparse.Namespace, hashes
     calls = {
         "get": (1, lambda c: sum(len(d) for _, _, d in c.stream(hashes))),
         "lookup": (5, lambda c: c.lookup_hashes(hashes[:lookup_blocks])),
-        "one": (1000, lambda c: c.lookup_hashes(hashes[:1])),
+        "one": (max(args.auth_one_calls, 1), lambda c: c.lookup_hashes(hashes[:1])),
     }
     samples: dict[tuple[str, bool], list[float]] = {}
     with progress.bar("auth: get and lookup, with and without", args.auth_rounds, "round") as bar:

@@ -34,7 +34,9 @@ _SUBSCRIBER = r"""
 import sys, time, zmq
 endpoint, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 decode = None
-if mode != "raw":
+if mode == "kvstore":
+    from kvstore.events.wire import decode
+elif mode != "raw":
     try:
         import msgspec
         from vllm.distributed.kv_events import KVEventBatch
@@ -72,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds of Put with events on and off, each a chain to both servers (0: skip)")
     parser.add_argument("--events-batches", type=int, default=20_000,
                         help="batches the subscriber-rate figure sends (default 20,000)")
+    parser.add_argument("--events-decoder", choices=("auto", "kvstore"), default="auto",
+                        help="the subscriber's decoder: vLLM's where it is installed (auto, the default), or "
+                             "kvstore's (vLLM's import, no part of the figure, takes a minute on a busy machine)")
 
 
 def run(report: Report, args: argparse.Namespace, folder: Path, blocks: list[bytes],
@@ -90,7 +95,7 @@ def run(report: Report, args: argparse.Namespace, folder: Path, blocks: list[byt
                                       "put with events off", total / off_s / 1e9))
         report.notes["events_put_bytes_per_side"] = total
     if args.events_batches > 0:
-        rate, raw = _subscriber_rate(args.events_batches, args.batch_blocks)
+        rate, raw = _subscriber_rate(args.events_batches, args.batch_blocks, args.events_decoder)
         figures.append(Figure.against(f"events one subscriber decodes ({args.batch_blocks}-block batches)", rate,
                                       "blocks/s", "same frames received, not decoded", raw))
         report.notes["events_subscriber_batches_per_s"] = round(rate / args.batch_blocks)
@@ -190,8 +195,9 @@ def _batches(n: int, blocks_per_batch: int) -> list[_Batch]:
     return out
 
 
-def _subscriber_rate(n: int, blocks_per_batch: int) -> tuple[float, float]:
-    """(blocks/s one subscriber process decodes, blocks/s it receives without decoding) of `n` batches."""
+def _subscriber_rate(n: int, blocks_per_batch: int, decoder: str = "auto") -> tuple[float, float]:
+    """(blocks/s one subscriber process decodes, blocks/s it receives without decoding) of `n` batches;
+    `decoder` "kvstore": kvstore's decoder even where vLLM's is installed."""
     from kvstore.events.publisher import EventPublisher
 
     batches = _batches(n, blocks_per_batch)
@@ -200,7 +206,7 @@ def _subscriber_rate(n: int, blocks_per_batch: int) -> tuple[float, float]:
         return iter(())
 
     rates = []
-    for mode in ("decode", "raw"):
+    for mode in ("decode" if decoder == "auto" else "kvstore", "raw"):
         pub = EventPublisher(endpoint="tcp://127.0.0.1:0", replay_endpoint="", replay=no_replay,
                              queue_batches=n + 1, hwm=0, replay_max=1)
         try:
