@@ -25,6 +25,7 @@ from gateway.transfer_ring import read as ring_read
 from gateway.transfer_ring_context import RingContext
 from gateway.transfer_session_table import SessionTable
 from gateway.transfer_sessions import Session, Transfer
+from gateway.transfer_tcp import TcpBulkServer
 from gateway.validate import Layout
 from kvstore.api_tokens import WRITE
 from kvstore.config import TransferSettings
@@ -104,12 +105,14 @@ class TransferServicer(pb_grpc.TransferServicer):
         threads = settings.copy_threads if blockcopy.NATIVE else 1
         self.copier = Copier(tier, threads)
         self.bulk = BulkServer(settings, max(layout.block_bytes for layout in layouts.values()))
+        self.tcp = TcpBulkServer(settings, tier, self._count_fetch)
 
     async def close(self) -> None:
         """End every session (their batches finish their current chunk), then stop the copy threads."""
         await self.table.close_all()
         self.copier.close()
         self.bulk.close()
+        self.tcp.close()
 
     @streaming
     async def OpenSession(self, request: pb.OpenSessionRequest,
@@ -123,12 +126,13 @@ class TransferServicer(pb_grpc.TransferServicer):
                                   keep_finished=self.settings.keep_finished,
                                   max_session_descriptors=self.settings.max_session_descriptors,
                                   max_session_mapped_bytes=self.settings.max_session_mapped_bytes,
-                                  bulk_transports=self.bulk.offered)
+                                  bulk_transports=self.tcp.offered + self.bulk.offered)
             # The session lives as long as this stream: the client cancelling it,
             # its connection dropping or its process dying all end the wait.
             await asyncio.Event().wait()
         finally:
             self.bulk.forget(session.session_id)
+            self.tcp.forget(session.session_id)
             await self.table.close(session)
 
     @unary
@@ -260,10 +264,24 @@ class TransferServicer(pb_grpc.TransferServicer):
     @unary
     async def OpenBulk(self, request: pb.OpenBulkRequest, context: grpc.aio.ServicerContext) -> pb.OpenBulkReply:
         session = self.table.get(request.session_id, context.peer(), current_caller().tenant)
+        if request.transport == "tcp":  # the one-copy TCP transport (gateway/transfer_tcp.py)
+            block_bytes = self.layouts[session.geometry].block_bytes
+            refused, token = self.tcp.open(session, block_bytes)
+            if refused:
+                return pb.OpenBulkReply(accepted=False, reason=refused)
+            return pb.OpenBulkReply(accepted=True, max_blocks=self.tcp.max_blocks(block_bytes), tcp_port=self.tcp.port,
+                                    tcp_token=token)
         refused = await self.bulk.open(session.session_id, request.transport, request.segment, context.peer())
         if refused:
             return pb.OpenBulkReply(accepted=False, reason=refused)
         return pb.OpenBulkReply(accepted=True, max_blocks=self.bulk.max_blocks, slots=self.bulk.slots)
+
+    def _count_fetch(self, session: Session, asked: int, found: int, results: Any) -> None:
+        """Count a TCP transport request as Fetch counts one: a Get of its blocks (on the event loop)."""
+        self.tier.count_get(asked, found)
+        if self.hits is not None:
+            self.hits.record(session.scope.namespace, "get", asked, found)
+        self.table.counters.count(results)
 
     @unary
     async def BulkFetch(self, request: pb.BulkFetchRequest, context: grpc.aio.ServicerContext) -> pb.FetchReply:

@@ -221,6 +221,24 @@ class TransferSettings:
     #: Serve BulkFetch from LMDB's map (a TCP engine registers it as bookkeeping: no copy, nothing
     #: pinned); false: every call through a staging slot (as an RDMA engine would need: it pins).
     bulk_from_map: bool = True
+    #: The one-copy TCP transport (docs/TRANSFER.md "The one-copy TCP transport"): a listener
+    #: beside gRPC that sends verified blocks from LMDB's map with sendmsg, offered to sessions
+    #: as "tcp" (preferred over "mooncake" by clients). Its connections authenticate by a
+    #: session's token (OpenBulk over the authenticated gRPC channel hands it out) but are not
+    #: encrypted: off by default, on a trusted network or loopback only.
+    tcp_bulk: bool = False
+    #: Where the listener binds; clients dial the host they dial for gRPC at `tcp_port`.
+    tcp_host: str = "127.0.0.1"
+    #: The listener's port (0: a free port, told to clients in OpenBulk's reply).
+    tcp_port: int = 0
+    #: Most connections served at once; one past it gets a RESOURCE_EXHAUSTED frame and is closed.
+    tcp_max_connections: int = 64
+    #: Most block bytes one request may ask for (its blocks times the block size).
+    tcp_max_request_bytes: int = 64 << 20
+    #: Seconds a frame's rest (and a reply's send) may take once begun; an idle connection is
+    #: closed after `tcp_idle_s`.
+    tcp_timeout_s: float = 30.0
+    tcp_idle_s: float = 300.0
 
     RANGES: ClassVar[dict[str, Range]] = {
         "max_session_mapped_bytes": Range(1, MAX_BYTES),
@@ -240,6 +258,11 @@ class TransferSettings:
         "bulk_staging_bytes": Range(1 << 20, 1 << 40),
         # Mooncake's TCP transport refused a batch of 4,096 writes (its lane queue was full).
         "bulk_max_blocks": Range(1, 512),
+        "tcp_port": Range(0, 65535),
+        "tcp_max_connections": Range(1, 4096),
+        "tcp_max_request_bytes": Range(1 << 16, 1 << 31),
+        "tcp_timeout_s": Range(0, 3600, lo_open=True),
+        "tcp_idle_s": Range(0, 86400, lo_open=True),
     }
 
     def __post_init__(self) -> None:

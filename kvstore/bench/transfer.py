@@ -15,6 +15,9 @@ baseline measured in the same run on the same bytes:
   same bytes (TCP on loopback, another process), taken in turns with it; the
   gRPC path is set against that read too. Without Mooncake these figures are
   skipped and the report's notes say why;
+- the one-copy TCP transport (`transfer.tcp_bulk`: the server sends verified blocks from its
+  map over a socket, the client reads them into the region), taken in turns with the bulk
+  fetch and Mooncake's raw read: against that read, the bulk fetch and the gRPC fetch;
 - small fetches of 1, 8 and 64 descriptors (`--small`), p50 of `--small-calls`:
   through the session's request ring, by Submit, and over gRPC, against memcpy of
   the same bytes and one raw unary gRPC call answering them.
@@ -37,6 +40,7 @@ import numpy as np
 from kvstore.bench.harness import best_of, raw_stream_server, scratch, serve_process
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.bench.transfer_baselines import mooncake_missing, mooncake_read_s, mooncake_reader, p50_s, raw_server
+from kvstore.bench.transfer_tcp import mooncake_session, tcp_alone, tcp_checked, tcp_figures, tcp_session, tcp_turn
 from kvstore.client.transfer import TransferSession
 from kvstore.client.transfer_stream import checked_streams
 from kvstore.counted import counted
@@ -83,9 +87,12 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     memcpy_s = _memcpy(source, args.repeat)
     gb = total / 1e9
     # The bulk transport on (it is off by default): refused, with the reason noted, where Mooncake cannot run.
-    bulk_env = {"KVSTORE_TRANSFER_BULK": "mooncake"}
+    # And the one-copy TCP transport beside it (a session asks for it first; the Mooncake one is asked for
+    # by KVSTORE_CLIENT_BULK=mooncake, kvstore.bench.transfer_tcp).
+    bulk_env = {"KVSTORE_TRANSFER_BULK": "mooncake", "KVSTORE_TRANSFER_TCP_BULK": "true"}
     bulk_gbs: float | None = None
     beside_gbs: float | None = None
+    tcp_gbs: float | None = None
     with scratch() as folder, serve_process(folder / "store", total, args.block_tokens, bulk_env) as target:
         with Client(target) as client:
             tokens = list(range(n * args.block_tokens))
@@ -103,7 +110,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
                                source, progress)
             for path in ("shm", "stream"):
                 _fetch_path(report, client, path, hashes, batches, args, source, memcpy_s, progress)
-            bulk_gbs, beside_gbs = _bulk(report, client, hashes, max(batches), args, source, progress)
+            bulk_gbs, beside_gbs, tcp_gbs = _bulk(report, client, hashes, max(batches), args, source, progress)
         if args.gpu != "off":  # direct GPU restore vs pinned H2D and shm + H2D; a note without CUDA
             from kvstore.bench import transfer_direct
 
@@ -128,6 +135,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         if mooncake_gbs is not None:
             report.add(Figure.against("bulk fetch vs mooncake", bulk_gbs, "GB/s",
                                       "Mooncake transfer engine TCP batch read, same bytes", mooncake_gbs))
+    tcp_figures(report, tcp_gbs, stream_full.value, bulk_gbs, mooncake_gbs)
     if args.gpu == "on" or (args.gpu == "auto" and _cuda()):
         _gpu(report, total, args.repeat)
     return report
@@ -241,22 +249,27 @@ def _mooncake(report: Report, source: np.ndarray, block_bytes: int, batch: int, 
 
 
 def _bulk(report: Report, client: Client, hashes: list[bytes], batch: int, args: argparse.Namespace,
-          source: np.ndarray, progress: Progress) -> tuple[float | None, float | None]:
+          source: np.ndarray, progress: Progress) -> tuple[float | None, float | None, float | None]:
     """The whole fetch over the bulk transport (the server's Mooncake engine writes into the region),
-    in turns with Mooncake's raw read of the same bytes (so load that comes and goes on the box
-    weighs on both); their GB/s, or None and a note saying why one could not run."""
+    in turns with Mooncake's raw read of the same bytes and the one-copy TCP transport's fetch (so
+    load that comes and goes on the box weighs on all three); their GB/s (bulk, raw read, tcp), or
+    None and a note saying why one could not run."""
     block_bytes = client.block_bytes
     nbytes = len(hashes) * block_bytes
-    with TransferSession(client.connection, path="bulk", streams=args.streams) as session, ExitStack() as stack:
+    with mooncake_session(client.connection, args.streams) as session, ExitStack() as stack:
+        tcp = tcp_session(stack, report, client.connection, args.streams, nbytes)
         if session.bulk is None:
             report.notes["bulk"] = f"skipped: {session.bulk_reason}; no figure"
-            return None, None
+            return None, None, (None if tcp is None else tcp_alone(tcp, hashes, batch, args.repeat, source))
         region = session.register(nbytes)
         region.tensor().fill_(1)  # pre-fault the pages, as the other figures' regions are
         raw = None if mooncake_missing() else stack.enter_context(mooncake_reader(source.data, block_bytes, batch))
         bulk_s = raw_s = float("inf")
+        tcp_s = [float("inf")]
         with progress.bar(f"bulk fetch batch={batch}, mooncake read in turns", nbytes * args.repeat) as bar:
             for _ in range(max(args.repeat, 1)):
+                if tcp is not None:
+                    tcp_turn(tcp, hashes, batch, tcp_s)
                 t0 = time.perf_counter()
                 state = session.fetch(hashes, region, batch_descriptors=batch)
                 bulk_s = min(bulk_s, time.perf_counter() - t0)
@@ -276,9 +289,10 @@ def _bulk(report: Report, client: Client, hashes: list[bytes], batch: int, args:
                                 f"{session.bulk.in_flight()} in flight over {lanes} lane{'s' * (lanes > 1)} "
                                 "(client engines, each written by one server engine); each round a bulk "
                                 "fetch, then Mooncake's raw read (one engine each side, one batch at a time)")
+        tcp_gbs = None if tcp is None else tcp_checked(tcp, source, tcp_s[0])
     gbs = nbytes / bulk_s / 1e9
     report.add(Figure(name=f"bulk fetch batch={batch}", value=gbs, unit="GB/s"))
-    return gbs, (None if raw is None else source.nbytes / raw_s / 1e9)
+    return gbs, (None if raw is None else source.nbytes / raw_s / 1e9), tcp_gbs
 
 
 def _raw_grpc(n: int, size: int, repeat: int, progress: Progress) -> float:

@@ -29,7 +29,7 @@ TypeError: `InvalidArgument` for a bad argument (nothing sent).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -41,6 +41,8 @@ from kvstore.client.transfer_path import TransferPath
 from kvstore.client.transfer_ring import RingClient, open_ring
 from kvstore.client.transfer_shm import ShmPath
 from kvstore.client.transfer_stream import StreamPath, checked_streams
+from kvstore.client.transfer_tcp import open_tcp
+from kvstore.client.transfer_tcp import wanted as tcp_wanted
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 from kvstore.region import Region
 from kvstore.v1 import transfer_pb2 as pb
@@ -121,6 +123,11 @@ class TransferSession(SessionBatches):
     def _negotiate_bulk(self) -> None:
         """Ask the server for the bulk transport, once; on any refusal or failure say why and stream."""
         self._want_bulk = False
+        if tcp_wanted(self.bulk_offered):  # the one-copy TCP transport where offered (kvstore/client/transfer_tcp.py)
+            tcp, self.bulk_reason = open_tcp(self, cast(StreamPath, self._paths["stream"]))
+            if tcp is not None or "mooncake" not in self.bulk_offered:
+                self.bulk = tcp
+                return
         if "mooncake" not in self.bulk_offered:  # no engine is started here unless the server offers one
             self.bulk_reason = "off: the server offers no bulk transport (its transfer.bulk is off)"
             return

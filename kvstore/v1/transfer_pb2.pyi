@@ -242,16 +242,20 @@ class OpenBulkRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., transport: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
 
 class OpenBulkReply(_message.Message):
-    __slots__ = ("accepted", "reason", "max_blocks", "slots")
+    __slots__ = ("accepted", "reason", "max_blocks", "slots", "tcp_port", "tcp_token")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     max_blocks: int
     slots: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., max_blocks: _Optional[int] = ..., slots: _Optional[int] = ...) -> None: ...
+    tcp_port: int
+    tcp_token: bytes
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., max_blocks: _Optional[int] = ..., slots: _Optional[int] = ..., tcp_port: _Optional[int] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
 
 class BulkFetchRequest(_message.Message):
     __slots__ = ("session_id", "block_hashes", "address", "size_bytes", "offsets_bytes", "prefix_only")
