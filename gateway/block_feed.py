@@ -1,10 +1,10 @@
 """Items handed from a producer thread to one consumer as they arrive, in order, a bounded number held.
 
 A gateway's Get reads each run from a node on a thread (the fleet client's blocking code) and answers the
-client on the event loop (docs/FLEET.md F83). Between the two a `Feed` holds what was read and not yet taken:
+client on the event loop (docs/FLEET.md F69a). Between the two a `Feed` holds what was read and not yet taken:
 at most `bound` items, the producer waiting for room beyond that, so a Get of any length holds a bounded
 number of blocks whatever the speed of the client. The consumer takes everything there is at once (one wake
-per batch, not per block), blocking (`take`, on a thread) or awaiting (`take_async`, on the event loop).
+per batch, not per block) on the event loop (`take`).
 Closing a feed (the consumer is gone: an error, a cancelled call) stops its producer at its next item.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Executor
 from functools import partial
 from typing import Generic, TypeVar
@@ -22,7 +22,11 @@ T = TypeVar("T")
 
 
 class Feed(Generic[T]):
-    """A bounded, ordered buffer from one producer thread to one consumer (see the module's docstring)."""
+    """A bounded, ordered buffer from one producer thread to one awaiting consumer (see the module's docstring).
+
+    Args:
+        bound: items held at most (the producer waits for room beyond it).
+    """
 
     def __init__(self, bound: int) -> None:
         self._bound = max(1, bound)
@@ -56,15 +60,9 @@ class Feed(Generic[T]):
             self._items.clear()
             self._cond.notify_all()
 
-    def take(self) -> list[T]:
-        """Every item held, waiting for one; [] once finished (the producer's error raised instead)."""
-        with self._cond:
-            while not self._items and not self._done:
-                self._cond.wait()
-            return self._drain()
-
-    async def take_async(self) -> list[T]:
-        """As `take`, awaited on the event loop (the producer wakes it once per batch)."""
+    async def take(self) -> list[T]:
+        """Every item held, awaited on the event loop until there is one; [] once finished (the producer's error
+        raised instead)."""
         loop = asyncio.get_running_loop()
         while True:
             ready = asyncio.Event()
@@ -86,7 +84,6 @@ class Feed(Generic[T]):
         return []
 
     def _wake_consumer(self) -> None:
-        self._cond.notify_all()
         if self._wake is not None:
             wake, self._wake = self._wake, None
             wake()
@@ -115,19 +112,10 @@ def produce(executor: Executor, feed: Feed[T], make: Callable[[], Iterable[T]]) 
     executor.submit(run)
 
 
-def drained(feed: Feed[T]) -> Iterator[T]:
-    """Every item of `feed` in order, blocking for each batch; the feed closed when the caller stops early."""
-    try:
-        while batch := feed.take():
-            yield from batch
-    finally:
-        feed.close()
-
-
 async def drained_async(feed: Feed[T]) -> AsyncGenerator[list[T], None]:
     """Each batch of `feed` in order, awaited; the feed closed when the caller stops early."""
     try:
-        while batch := await feed.take_async():
+        while batch := await feed.take():
             yield batch
     finally:
         feed.close()

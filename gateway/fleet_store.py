@@ -19,13 +19,13 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
-from gateway.block_feed import Feed, drained, produce
+from gateway.block_feed import Feed, produce
 from gateway.fleet_stats import merge_stats
 from gateway.routed_store import Route, StoredTail
 from gateway.validate import RunPart
@@ -289,7 +289,7 @@ class FleetStore:
         is complete on some live replica. `parent_hash` (block `first_block - 1`, run r - 1's last) is asked of
         the replicas `parent_run_key` places, in read order with failover (F33): a node holds a block only with
         every block before it in its run (R6 on the node), so one that holds it holds the whole run. Not asked when
-        the request extends `after` (F84): the request before it in the same stream, acknowledged on every replica
+        the request extends `after` (F69b): the request before it in the same stream, acknowledged on every replica
         of run r - 1 (F30), ended with that block in that run.
 
         Raises:
@@ -306,7 +306,7 @@ class FleetStore:
                 f"hash of block {first_block - self.run_blocks}, the first of run {before}, {HASH_BYTES} bytes "
                 f"(got {len(parent_run_key)}; kvstore.Client sends it)")
         if after is not None and after.stored_before(route, first_block, parent_hash, parent_run_key):
-            return  # F84: this stream's request before stored run r - 1 to its end, on every replica
+            return  # F69b: this stream's request before stored run r - 1 to its end, on every replica
         pool, _ = self._route(route)
         run = RunPlacement(run=before, first_block=0, end_block=1,
                            replicas=self._replicas(parent_run_key, route.namespace))
@@ -317,42 +317,38 @@ class FleetStore:
                 f"parent block {parent_hash.hex()[:16]}... (block {first_block - 1}, the last of run {before}) is not "
                 f"stored on any live replica of its run; put the prefix first (nothing was stored)")
 
-    def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
-                  run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block of `hashes` (blocks from `first_block`), run by run (F33), each block
-        handed on as its node's answer arrives (F83), the next run's read started while this one's blocks are
-        answered (F69: one run ahead). Each run's blocks go through a `Feed` of one run's bound, so at most two
-        runs' blocks are held here, whatever the client's pace.
+    def route_get_feeds(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                        run_key: bytes) -> Generator[Feed[tuple[int, int, bytes]], None, None]:
+        """(index, status, data) per block of `hashes` (blocks from `first_block`), one feed per run in order, each
+        filled on the read threads as its node answers (F69a): run by run with failover (F33), the next run's read
+        started as this run's feed is handed out (F69: one run ahead; with `[fleet] read_ahead` off, or one run, a
+        single feed reads them one after another). A feed holds at most one run's blocks, so a Get holds at most
+        two runs' blocks here, whatever the client's pace; closing the generator closes the feeds it made.
 
         Raises:
             InvalidArgument: the Get starts inside a run and `run_key` is not that run's 32-byte key.
-            KVStoreError: no replica of a run answered (after the blocks before it were handed on).
         """
         pool, refresher = self._route(route)
         parts = list(self._get_parts(route, hashes, first_block, run_key))
         if len(parts) == 1 or not self.read_ahead:  # one run, or [fleet] read_ahead off: one run after another
-            for part in parts:
-                yield from self._read_part(pool, refresher, part)
+            feed: Feed[tuple[int, int, bytes]] = Feed(self.run_blocks)
+            produce(self._reads, feed, lambda: (b for part in parts for b in self._read_part(pool, refresher, part)))
+            try:
+                yield feed
+            finally:
+                feed.close()
             return
-        feeds: list[Feed[tuple[int, int, bytes]]] = []
+        ahead = self._feed(pool, refresher, parts[0])
+        current = ahead
         try:
-            for i, part in enumerate(parts):
-                if i == 0:
-                    feeds.append(self._feed(pool, refresher, part))
+            for i in range(len(parts)):
+                current = ahead
                 if i + 1 < len(parts):  # the next run's read goes out before this one's blocks are answered
-                    feeds.append(self._feed(pool, refresher, parts[i + 1]))
-                yield from drained(feeds[i])
+                    ahead = self._feed(pool, refresher, parts[i + 1])
+                yield current
         finally:
-            for feed in feeds:
-                feed.close()  # a Get that ended early (an error, a cancelled call) reads no further run
-
-    def route_get_feed(self, route: Route, hashes: Sequence[bytes], first_block: int,
-                       run_key: bytes) -> Feed[tuple[int, int, bytes]]:
-        """`route_get`'s blocks walked on the gateway's threads into a feed of one run's bound, for the servicer
-        to answer as they arrive (F83); its error (after the blocks before it) is raised by the feed."""
-        feed: Feed[tuple[int, int, bytes]] = Feed(self.run_blocks)
-        produce(self._executor, feed, lambda: self.route_get(route, hashes, first_block, run_key))
-        return feed
+            current.close()  # a Get that ended early (an error, a cancelled call) reads no further run
+            ahead.close()
 
     def _feed(self, pool: NodePool, refresher: Refresher, part: GetPart) -> Feed[tuple[int, int, bytes]]:
         """`part`'s blocks read on the read threads into a feed holding at most the run's blocks."""

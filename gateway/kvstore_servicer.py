@@ -432,7 +432,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _routed_put(self, request: pb.PutRequest, context: grpc.aio.ServicerContext,
                           after: StoredTail | None = None) -> tuple[pb.PutResponse, StoredTail | None]:
         """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica; its
-        reply, and what it stored last (for the next request of its stream: F84). `after`: what the request
+        reply, and what it stored last (for the next request of its stream: F69b). `after`: what the request
         before it in the same stream stored."""
         assert self.router is not None
         _check_keep_until(request.keep_until_s)
@@ -469,7 +469,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # (group commit: one fsync for several), each acknowledged only after it, in order; the
         # stream ends with the first error, after the batches before it (gateway/put_stream.py).
         if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
-            tail = None  # what the request before stored: the next from its end skips F69's check (F84)
+            tail = None  # what the request before stored: the next from its end skips F69's check (F69b)
             async for request in requests:
                 reply, tail = await self._routed_put(_message(request), context, tail)
                 yield reply
@@ -605,18 +605,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         from `first_block` and `run_key` (F37)."""
         assert self.router is not None
         router, route = self.router, _route(request, context)
-        # Answered as the nodes' blocks arrive (F83), not once the Get is read whole: a thread walks the runs
-        # (the fleet client's blocking code) into a feed of one run's bound, drained here batch by batch.
+        # Answered as the nodes' blocks arrive (F69a), not once the Get is read whole: each run is read on the
+        # store's threads into a feed of one run's bound, drained here batch by batch, run after run.
         found = 0
-        feed = router.route_get_feed(route, hashes, request.first_block, request.run_key)
-        async with aclosing(drained_async(feed)) as batches:  # a cancelled call closes the feed now
-            async for batch in batches:
-                for index, status, data in batch:
-                    if status == pb.BLOCK_STATUS_FOUND:
-                        found += 1
-                        yield found_reply(index, memoryview(data))
-                    else:
-                        yield pb.GetResponse(index=index, status=cast(Any, status))
+        feeds = router.route_get_feeds(route, hashes, request.first_block, request.run_key)
+        try:
+            for feed in feeds:
+                async with aclosing(drained_async(feed)) as batches:  # a cancelled call closes the feed now
+                    async for batch in batches:
+                        for index, status, data in batch:
+                            if status == pb.BLOCK_STATUS_FOUND:
+                                found += 1
+                                yield found_reply(index, memoryview(data))
+                            else:
+                                yield pb.GetResponse(index=index, status=cast(Any, status))
+        finally:
+            feeds.close()  # the feeds made and not drained (the run read ahead) closed with the call
         self.hits.record(scope.namespace, "get", len(hashes), found)
 
     @unary

@@ -9,7 +9,7 @@ namespace and geometry (`Route`), the hashes, and where the request starts in it
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -37,7 +37,7 @@ class Route:
 
 @dataclass(frozen=True, kw_only=True)
 class StoredTail:
-    """What a Put stream's last request stored on every replica of its last run (F84): that request's caller
+    """What a Put stream's last request stored on every replica of its last run (F69b): that request's caller
     (`route`), where it ended (`end_block`, the index after its last block), that block's fleet hash and the key
     of the run it lies in. The next request of the same stream from `end_block` needs no check of that run."""
 
@@ -95,15 +95,11 @@ class RoutedStore(Protocol):
                          after: StoredTail | None = None) -> None:
         """Refuse a Put from the first block of a run r > 0 unless run r - 1, placed by `parent_run_key`, is
         complete on some live replica (R6 across runs, F69); nothing for other Puts, nor for one that extends
-        `after`, what the request before it in the same stream stored (F84)."""
+        `after`, what the request before it in the same stream stored (F69b)."""
         ...
 
-    def route_get(self, route: Route, hashes: Sequence[bytes], first_block: int,
-                  run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
-        """(index, status, data) per block of `hashes`, blocks from `first_block` of a prompt."""
-        ...
-
-    def route_get_feed(self, route: Route, hashes: Sequence[bytes], first_block: int,
-                       run_key: bytes) -> Feed[tuple[int, int, bytes]]:
-        """`route_get`'s blocks as they arrive, read on the store's threads into a bounded feed (F83)."""
+    def route_get_feeds(self, route: Route, hashes: Sequence[bytes], first_block: int,
+                        run_key: bytes) -> Generator[Feed[tuple[int, int, bytes]], None, None]:
+        """(index, status, data) per block of `hashes`, blocks from `first_block` of a prompt: one bounded feed per
+        run, in order, each filled on the store's threads as its node answers (F69a)."""
         ...

@@ -1,4 +1,4 @@
-"""A gateway's Get answered as the nodes' runs arrive, and a Put stream's boundary checks (docs/FLEET.md F83, F84).
+"""A gateway's Get answered as the nodes' runs arrive, and a Put stream's boundary checks (docs/FLEET.md F69a, F69b).
 
 Real processes on loopback: one etcd, three `kvstore serve` nodes (runs of 4 blocks of 16 tokens), a gateway at
 one copy and one at two. Nodes are stopped (SIGSTOP) to hold a run's answer back, and killed (SIGKILL) to fail
@@ -105,8 +105,8 @@ def _streamed(plain: Client, chain: list[bytes], got: list[tuple[int, int, bytes
     return future
 
 
-def test_f83_a_gateways_get_answers_each_run_as_it_arrives(fleet: Fleet) -> None:
-    """F83: a Get of two runs through a gateway (one copy: each run on one node) with run 1's node stopped: the
+def test_f69a_a_gateways_get_answers_each_run_as_it_arrives(fleet: Fleet) -> None:
+    """F69a: a Get of two runs through a gateway (one copy: each run on one node) with run 1's node stopped: the
     client receives run 0's blocks while run 1 is unanswered; once the node goes on, run 1's, each block once."""
     with kvstore.Client(fleet.gateways[1].target) as plain:
         while True:  # a prompt whose two runs lie on two nodes
@@ -150,8 +150,8 @@ def _put_request(
     return request
 
 
-def test_f84_a_put_streams_boundary_after_its_own_run_is_not_checked_again(fleet: Fleet) -> None:
-    """F84: in one Put stream through a gateway, a request from a run's first block whose request before stored
+def test_f69b_a_put_streams_boundary_after_its_own_run_is_not_checked_again(fleet: Fleet) -> None:
+    """F69b: in one Put stream through a gateway, a request from a run's first block whose request before stored
     that run to its end asks no node for the parent (F69's check skipped); a stream's first boundary request, and
     one naming another run key than the run before was stored under, are still checked (a Get of the parent)."""
     with kvstore.Client(fleet.gateways[2].target) as plain:
@@ -184,8 +184,8 @@ def test_f84_a_put_streams_boundary_after_its_own_run_is_not_checked_again(fleet
         assert sum(_gets(fleet).values()) == before + 1
 
 
-def test_f84_a_put_stream_after_half_a_run_is_still_refused(fleet: Fleet) -> None:
-    """F84 keeps F69 otherwise: a stream whose request before ended inside the run before (half of run 0) does not
+def test_f69b_a_put_stream_after_half_a_run_is_still_refused(fleet: Fleet) -> None:
+    """F69b keeps F69 otherwise: a stream whose request before ended inside the run before (half of run 0) does not
     skip the check of the request from run 1's first block: FAILED_PRECONDITION, nothing of run 1 stored."""
     with kvstore.Client(fleet.gateways[2].target) as plain:
         tokens = prompt(2 * RUN_TOKENS)
@@ -198,8 +198,8 @@ def test_f84_a_put_stream_after_half_a_run_is_still_refused(fleet: Fleet) -> Non
         assert plain.lookup(tokens).found_blocks == RUN_BLOCKS // 2
 
 
-def test_f83_a_node_killed_mid_get_the_rest_comes_from_the_other_replica(fleet: Fleet) -> None:
-    """F83 with F33: a Get of two runs through the gateway at two copies; the node it reads run 1 from is stopped,
+def test_f69a_a_node_killed_mid_get_the_rest_comes_from_the_other_replica(fleet: Fleet) -> None:
+    """F69a with F33: a Get of two runs through the gateway at two copies; the node it reads run 1 from is stopped,
     run 0 answered, then that node SIGKILLed: run 1 comes from its other replica, every block once, in order, and
     the client is told nothing of it."""
     with kvstore.Client(fleet.gateways[2].target) as plain:
@@ -226,8 +226,8 @@ def test_f83_a_node_killed_mid_get_the_rest_comes_from_the_other_replica(fleet: 
     assert got == [(i, pb.BLOCK_STATUS_FOUND, d) for i, d in enumerate(data)]
 
 
-def test_f83_a_run_no_node_serves_is_told_after_the_blocks_before(fleet: Fleet) -> None:
-    """F83: a run that no node it may be read from answers (its replica and F42's next-ranked node, at one copy)
+def test_f69a_a_run_no_node_serves_is_told_after_the_blocks_before(fleet: Fleet) -> None:
+    """F69a: a run that no node it may be read from answers (its replica and F42's next-ranked node, at one copy)
     is the client's error, UNAVAILABLE after the retry policy, once the run before it was answered whole. Kills
     nodes: the module's last test (the node killed above is still in the view: its lease runs)."""
     dead = next(n for n, child in fleet.nodes.items() if not child.alive)
