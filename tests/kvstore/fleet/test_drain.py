@@ -254,3 +254,24 @@ def test_f21_a_node_killed_while_it_drains_is_a_loss(fleet: Fleet) -> None:
     others = [fleet.node_id("b"), fleet.node_id("c")]
     for run in fleet.runs:
         assert len(fleet.holders(run, others)) == K
+
+
+def test_f21_a_drain_cancelled_before_it_ends_places_on_the_node_again(fleet: Fleet) -> None:
+    for name in ("a", "b"):
+        fleet.start(name)
+    fleet.wait_settled(2)
+    fleet.put_chains(4, seed=3)
+    a, b = fleet.node_id("a"), fleet.node_id("b")
+    fleet.cli("drain", a)  # one other node for two copies: it cannot end
+    wait_for(lambda: any(n["draining"] for n in fleet.status()["nodes"] if n["node_id"] == a), "a marked draining")
+    assert "drain cancelled" in fleet.cli("drain", a, "--cancel")
+    wait_for(lambda: not any(n["draining"] for n in fleet.status()["nodes"]), "a unmarked")
+    assert fleet.draining(a) is None
+    with Client(f"etcd://{fleet.etcd}/{fleet.cluster}") as client:
+        assert isinstance(client, FleetClient)
+        client.view.wait_until(lambda nodes: not nodes[a].draining, DEADLINE_S)
+        blocks = [os.urandom(BLOCK) for _ in range(RUN_BLOCKS)]
+        tokens = list(range(88_000_000, 88_000_000 + RUN_BLOCKS * TOKENS))
+        client.put(tokens, blocks)
+        run = Run(hashes=client.hashes(tokens), blocks=blocks)
+    assert fleet.holders(run, [a, b]) == [a, b]  # placed on both again
