@@ -248,8 +248,12 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
             return len(runs)  # every run before a stored run is stored, inside retention (F31)
         # Short: some run's other copies will be asked (the walk's ask, F31), so every run is asked of every
         # node of its read order now, in the same one call per node (F80): no round waits on the one before.
-        _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for n in orders[i]
-                                            if n not in answers.get(i, _NONE).asked], 0)
+        # A node that just failed is asked only where it comes first (every copy is suspect): a stopped one
+        # would hold the round for its timeout; the walk asks it later if it must.
+        suspect = {n: pool.suspect(n) for n in {n for i in range(len(runs)) for n in orders[i]}}
+        _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
+                                            if n not in answers.get(i, _NONE).asked and (not k or not suspect[n])],
+               0)
     else:
         _round(pool, runs, chain, answers, [(i, orders[i][0]) for i in range(len(runs))], lease_ms)
     while True:  # a node away: its runs go to their next replica, together

@@ -559,6 +559,23 @@ def test_f80_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refres
         assert client.refresher.sent == sent + 1  # run 2's short copy only: every other copy answered
 
 
+def test_f80_a_node_that_just_failed_is_not_asked_in_the_round_where_another_copy_comes_first(
+        fleet: Fleet) -> None:
+    """F80: the round of every copy leaves out a node that failed a call within `suspect_s` (read last, F33) where
+    a copy not suspect comes before it: a stopped node would hold the round for its timeout. The walk still asks
+    it of the boundary run if it holds a copy (R6 across runs counts every live replica)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 12)
+        client.put(tokens, blocks_for(client, tokens))
+        half = tokens[:RUN_TOKENS * 6] + prompt(RUN_TOKENS * 6)
+        suspect = fleet.nodes[0].node_id
+        client.pool.failed(suspect)
+        runs_before = client.node_stats()[suspect].lookups  # the store counts each run asked as a Lookup
+        found, by_node = calls_by_node(client, lambda: client.lookup(half))
+        assert found.found_blocks == 6 * RUN_BLOCKS
+        assert by_node.get(suspect, 0) <= 1 and client.node_stats()[suspect].lookups - runs_before <= 1
+
+
 def test_f30_f33_kill_9_during_puts_loses_no_acknowledged_block_and_reads_fail_over(fleet: Fleet) -> None:
     """F30, F33: a node SIGKILLed while Puts stream in: every acknowledged block is read back (from the
     replica), a Put it was part of raises PutNotReplicated, reporting stored only what is on every replica."""
