@@ -15,9 +15,12 @@ TLS to etcd (F57): aetcd 1.x opens only plaintext channels (`Client.connect` cal
 etcd's user authentication (F70): aetcd's client takes a user and password and
 authenticates when it connects (etcd's Authenticate, its token sent with every call);
 `_TlsClient` does the same over TLS. The password is read from its file when a session
-is made, and lives only in the session and its client. A token etcd no longer knows (it
-expired while the client was idle, or etcd restarted) is answered by connecting again,
-once, which authenticates again.
+is made, and again each time the session makes a client (a reconnect: another endpoint, a
+token etcd forgot, credentials refused), so a password changed in etcd and in the file is
+used from the next connect without a restart (F70a); it lives only in the session and its
+client. A token etcd no longer knows (it expired while the client was idle, etcd restarted,
+or the user's password changed) is answered by connecting again, once, which authenticates
+again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import aetcd.client
 import grpc
 from aetcd import rpc
 
-from kvstore.errors import Internal, KVStoreError, PermissionDenied, Unauthenticated, Unavailable
+from kvstore.errors import ConfigError, Internal, KVStoreError, PermissionDenied, Unauthenticated, Unavailable
 from kvstore.fleet.endpoints import Endpoint, EtcdAuth, EtcdTls
 
 log = logging.getLogger(__name__)
@@ -185,6 +188,7 @@ class EtcdSession:
     def _open(self) -> aetcd.Client:
         if self._client is None:
             endpoint = self.endpoint
+            self._password = self._fresh_password()  # a reconnect reads the file again (F70a)
             # aetcd passes `timeout` to gRPC as the deadline of each unary call (seconds, float is fine).
             kwargs = {"host": endpoint.host, "port": endpoint.port, "timeout": self.timeout_s,
                       "options": _channel_options(self.timeout_s),
@@ -192,6 +196,17 @@ class EtcdSession:
             self._client = (aetcd.Client(**kwargs) if self._credentials is None  # type: ignore[arg-type]
                             else _TlsClient(credentials=self._credentials, **kwargs))
         return self._client
+
+    def _fresh_password(self) -> str | None:
+        """The password file's first line, read now; one that cannot be read now (a rotation half done) keeps
+        the password read before, logged: the session was made with a good one, and etcd judges either."""
+        if self.auth is None:
+            return None
+        try:
+            return self.auth.password()
+        except ConfigError as exc:
+            log.warning("etcd: %s; authenticating with the password read before", exc.message)
+            return self._password
 
     async def reset(self, *, next_endpoint: bool = True) -> None:
         """Drop the client (its channel and watches); the next call opens a new one, on the next endpoint."""
@@ -210,7 +225,10 @@ class EtcdSession:
         try:
             await client.connect()
         except Exception as exc:
-            raise translate(exc, self.endpoints, self.auth) from None
+            error = translate(exc, self.endpoints, self.auth)
+            if isinstance(error, Unauthenticated):  # refused credentials: the next call connects (and reads) again
+                await self.reset(next_endpoint=False)
+            raise error from None
         return client
 
     async def call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
@@ -242,7 +260,10 @@ class EtcdSession:
             except aetcd.ClientError as exc:
                 if self.auth is not None and _STALE_TOKEN in str(exc):
                     raise _StaleToken(exc) from None
-                raise translate(exc, self.endpoints, self.auth) from None
+                error = translate(exc, self.endpoints, self.auth)
+                if isinstance(error, Unauthenticated):  # refused credentials: the next call connects (and reads) again
+                    await self.reset(next_endpoint=False)
+                raise error from None
         assert last is not None
         raise translate(last, self.endpoints, self.auth) from None
 

@@ -180,3 +180,111 @@ def test_f70_a_token_etcd_forgot_is_answered_by_authenticating_again(etcd: AuthE
             await session.close()
 
     asyncio.run(run())
+
+
+def _add_user(etcd: AuthEtcd, user: str, password: str, permission: str, cluster: str | None = None) -> None:
+    """An etcd user with a role of its own name holding `permission` (read, readwrite) on a cluster's keys (the
+    fixture's by default)."""
+    root = f"root:{etcd.root_password}"
+    _etcdctl(etcd.endpoint, "user", "add", user, "--interactive=false", stdin=password + "\n", user=root)
+    _etcdctl(etcd.endpoint, "role", "add", user, user=root)
+    _etcdctl(etcd.endpoint, "role", "grant-permission", user, "--prefix=true", permission,
+             f"/kvstore/{cluster or etcd.cluster}/", user=root)
+    _etcdctl(etcd.endpoint, "user", "grant-role", user, user, user=root)
+
+
+def test_f70a_a_password_changed_in_etcd_and_its_file_is_used_from_the_next_connect(
+        etcd: AuthEtcd, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """F70a: the password file is read again at each connect of a session (a reconnect), so a password changed in
+    etcd (`etcdctl user passwd`) and in the file is used without a restart; a file unreadable at a reconnect keeps
+    the password read before (logged, never shown); refused credentials make the next call connect, and read, again."""
+    import asyncio
+
+    from kvstore.fleet.endpoints import EtcdAuth, parse_endpoints
+    from kvstore.fleet.etcd import EtcdSession
+
+    first, second = f"pw-{uuid.uuid4().hex}", f"pw-{uuid.uuid4().hex}"
+    _add_user(etcd, "rotor", first, "readwrite")
+    password_file = tmp_path / "rotor.txt"
+    password_file.write_text(first + "\n")
+
+    async def run() -> None:
+        session = EtcdSession(parse_endpoints(etcd.endpoint), timeout_s=5.0,
+                              auth=EtcdAuth(user="rotor", password_file=str(password_file)))
+        key = f"/kvstore/{etcd.cluster}/rotated".encode()
+        try:
+            await session.call(lambda c: c.put(key, b"1"))
+            password_file.write_text(second + "\n")  # the operator's rotation: the file, then etcd
+            await asyncio.to_thread(_etcdctl, etcd.endpoint, "user", "passwd", "rotor", "--interactive=false",
+                                    stdin=second + "\n", user=f"root:{etcd.root_password}")
+            got = await session.call(lambda c: c.get(key))  # etcd dropped the user's token, or it still holds
+            assert got is not None and got.value == b"1"
+            await session.reset()  # a reconnect (the next endpoint: here the one again) authenticates anew
+            assert (await session.call(lambda c: c.get(key))).value == b"1"
+            password_file.unlink()  # mid-rotation: the file gone at a reconnect
+            await session.reset()
+            assert (await session.call(lambda c: c.get(key))).value == b"1"
+            password_file.write_text("not-" + second + "\n")  # a wrong password at a reconnect: refused, named
+            await session.reset()
+            with pytest.raises(Unauthenticated, match="refused user 'rotor'"):
+                await session.call(lambda c: c.get(key))
+            password_file.write_text(second + "\n")  # put right: the next call connects and reads it again
+            assert (await session.call(lambda c: c.get(key))).value == b"1"
+        finally:
+            await session.close()
+
+    asyncio.run(run())
+    assert "authenticating with the password read before" in caplog.text
+    assert first not in caplog.text and second not in caplog.text
+
+
+def test_f70b_a_read_only_role_serves_gateways_and_clients(etcd: AuthEtcd, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """F70b: gateways and clients only read the fleet's keys: a user whose role has `read` on them (no write) is
+    enough for a client that puts and reads through the nodes, a gateway serving a plain client, and `kvstore fleet
+    status`; `kvstore tenant create` as that user (a write) is PERMISSION_DENIED."""
+    cluster = f"t-{uuid.uuid4().hex[:12]}"  # a fleet of its own: no tenants yet (so tenant auth is off)
+    reader, writer = f"pw-{uuid.uuid4().hex}", f"pw-{uuid.uuid4().hex}"
+    _add_user(etcd, "reader", reader, "read", cluster)
+    _add_user(etcd, "writer", writer, "readwrite", cluster)
+    reader_file, writer_file = tmp_path / "reader.txt", tmp_path / "writer.txt"
+    reader_file.write_text(reader + "\n")
+    writer_file.write_text(writer + "\n")
+    node_fleet = {"etcd": etcd.endpoint, "cluster": cluster, "run_blocks": 4, "lease_ttl_s": 10,
+                  "etcd_user": "writer", "etcd_password_file": str(writer_file)}
+    children: list[Child] = []
+    try:
+        cfg = write_config(tmp_path / "node.toml", {"store": {"data_dir": str(tmp_path / "store"),
+                                                              "capacity_bytes": 1 << 27, "block_tokens": BLOCK_TOKENS},
+                                                    "fleet": node_fleet})
+        children.append(Child("node", ["serve", "--config", str(cfg), "--port", "0"], tmp_path / "logs"))
+        query = urlencode({"user": "reader", "password_file": str(reader_file)})
+        address = f"etcd://{etcd.endpoint}/{cluster}?{query}"
+        wait_until(lambda: _joined(address), "a node registered, seen by the read-only user")
+        tokens = [random.randrange(50_000) for _ in range(12 * BLOCK_TOKENS)]  # 3 runs
+        with kvstore.Client(address) as client:
+            assert isinstance(client, FleetClient)
+            data = [random.randbytes(client.block_bytes) for _ in range(12)]
+            client.put(tokens, data)
+            assert client.lookup(tokens).found_blocks == 12 and client.get(tokens).blocks == data
+        gw_fleet = {**node_fleet, "etcd_user": "reader", "etcd_password_file": str(reader_file)}
+        gw_cfg = write_config(tmp_path / "gw.toml", {"store": {"data_dir": str(tmp_path / "none"),
+                                                               "block_tokens": BLOCK_TOKENS}, "fleet": gw_fleet})
+        children.append(Child("gateway", ["gateway", "--config", str(gw_cfg), "--port", "0"], tmp_path / "logs"))
+        more = [random.randrange(50_000) for _ in range(8 * BLOCK_TOKENS)]
+        with kvstore.Client(children[-1].target) as through_gateway:
+            assert through_gateway.get(tokens).blocks == data
+            stored = [random.randbytes(through_gateway.block_bytes) for _ in range(8)]
+            through_gateway.put(more, stored)
+            assert through_gateway.get(more).blocks == stored
+        assert main(["fleet", "status", "--etcd", etcd.endpoint, "--cluster", cluster, "--json",
+                     "--etcd-user", "reader", "--etcd-password-file", str(reader_file)]) == 0
+        assert len(json.loads(capsys.readouterr().out)["nodes"]) == 1
+        assert main(["tenant", "create", "readers-tenant", "--target", address]) == 2
+        err = capsys.readouterr().err
+        assert "PermissionDenied" in err and "denied user 'reader'" in err and reader not in err
+        for child in children:
+            assert reader not in child.log()
+    finally:
+        for child in children:
+            child.kill_if_alive()
