@@ -10,8 +10,8 @@ shared box, so each round runs, back to back on the same payload shape (the peer
 2. `../shared/peers/run_mooncake_bench.sh --skip-redis` (Mooncake Store `get_batch`,
    `batch_get_into`, master and a second client process, TCP);
 3. `kvstore bench transfer --block-tokens 256 --batches 512 --small '' --gpu off` (gRPC
-   fetch, bulk fetch, and Mooncake's transfer engine read of the same bytes in turns with
-   the bulk fetch, inside the bench);
+   fetch, bulk fetch, the one-copy TCP transport's fetch, and Mooncake's transfer engine read
+   of the same bytes, the last three in turns inside the bench);
 4. `python -m kvstore.bench.transfer_socket`: a one-copy socket prototype's ceiling (no kvstore
    code), with and without a checksum pass, set against `resp://` apart from kvstore's paths.
 
@@ -134,6 +134,8 @@ def kvstore_transfer(reps: int) -> dict[str, float]:
             figures["grpc fetch"] = f["value"]
         elif name == "bulk fetch batch=512":
             figures["bulk fetch"] = f["value"]
+        elif name == "tcp fetch":  # the one-copy TCP transport, in turns with the bulk fetch and the raw read
+            figures["tcp fetch"] = f["value"]
         elif name == "grpc fetch vs mooncake":  # its baseline: the raw read taken in turns with the bulk fetch
             figures["mooncake engine raw read (in turns with bulk)"] = f["baseline_value"]
         elif name.startswith("grpc fetch batch=512 vs") and "streams" in name:
@@ -167,7 +169,7 @@ def round_once(peers: Path, reps: int, skip: set[str]) -> dict[str, Any]:
 def ratios(r: dict[str, Any]) -> dict[str, float]:
     """The best kvstore cross-host path against each peer in the round (best against best)."""
     kv = r.get("kvstore", {})
-    paths = {k: kv[k] for k in ("grpc fetch", "bulk fetch") if k in kv}
+    paths = {k: kv[k] for k in ("grpc fetch", "bulk fetch", "tcp fetch") if k in kv}
     if not paths:
         return {}
     best_name = max(paths, key=paths.__getitem__)
@@ -182,6 +184,11 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     if raw:
         out["best / Mooncake engine raw batch read"] = best / raw
     lmc, verified = r.get("lmcache", {}).get("resp get best"), r.get("socket", {}).get("verified best")
+    tcp = kv.get("tcp fetch")
+    if tcp and lmc:  # the TCP transport on its own, whichever path was best
+        out["tcp fetch / LMCache resp:// get"] = tcp / lmc
+    if tcp and raw:
+        out["tcp fetch / Mooncake engine raw batch read"] = tcp / raw
     if lmc and verified:  # a prototype, not a kvstore path: what a one-copy transport could reach
         out["one-copy socket prototype (verified) / LMCache resp:// get"] = verified / lmc
     return out
