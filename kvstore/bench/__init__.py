@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "replay": "kvstore.bench.replay",
     "fleet": "kvstore.bench.fleet",
     "fleet-swa": "kvstore.bench.fleet_swa",
+    "fleet-gateway": "kvstore.bench.fleet_gateway",
     "trace": "kvstore.bench.trace",
     "trace-record": "kvstore.bench.trace_record",
     "transcode": "kvstore.bench.transcode",
