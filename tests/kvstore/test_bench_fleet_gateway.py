@@ -15,14 +15,34 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_a_small_run_with_a_before_tree_prints_every_figure_beside_its_baseline() -> None:
     need_etcd()
-    done = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "fleet-gateway", "--blocks", "16",
-                           "--run-blocks", "4", "--before-src", str(ROOT), "--json"],
-                          capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "bench",
+            "fleet-gateway",
+            "--blocks",
+            "16",
+            "--run-blocks",
+            "4",
+            "--before-src",
+            str(ROOT),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     figures = {f["name"]: f for f in report["figures"]}
-    assert set(figures) == {"get via the read-ahead gateway", "get via the read-ahead gateway vs the router",
-                            "get via the gateway, this tree", "put stream via the gateway, this tree"}
+    assert set(figures) == {
+        "get via the read-ahead gateway",
+        "get via the read-ahead gateway vs the router",
+        "get via the gateway, this tree",
+        "put stream via the gateway, this tree",
+    }
     for f in figures.values():
         assert f["baseline"] and f["baseline_value"] > 0 and f["value"] > 0 and f["ratio"] > 0, f
     assert report["notes"]["runs"] == 4 and report["notes"]["put_batch_blocks"] == 4
