@@ -107,7 +107,9 @@ echo "== tests ($((SECONDS - start)) s)"
 # ENGINE_TESTS run apart, after the rest, once the engines are in: one of vLLM's preemption tests
 # failed in every shared two-worker run and never in a process of their own (cause not found; see
 # docs/ENGINES.md). Arguments given: one run of exactly them, after the engines and types.
-workers=(-n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile)
+# --no-loadscope-reorder: the files in collection order, where tests/conftest.py puts the slowest first
+# (SLOW_FILES_FIRST), so that the run does not end on one worker's long file.
+workers=(-n "${KVSTORE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 types() { echo "== types ($((SECONDS - start)) s)"; mypy kvstore tiers gateway replay scripts integrations; }
 if [ $# -eq 0 ]; then
     python -m pytest -q -rs --durations=15 "${workers[@]}" "${ENGINE_TESTS[@]/#/--ignore=}"

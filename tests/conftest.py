@@ -24,6 +24,44 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.write_line(f"test order: pytest-randomly --randomly-seed={seed} (fixed order: -p no:randomly)")
 
 
+#: The main run's slowest test files (CI's --durations, summed per file), longest first. scripts/test.sh runs
+#: them first: its two workers take whole files (--dist loadfile) in collection order (--no-loadscope-reorder;
+#: xdist's default order, most tests first, put these one-test benches last, where one of them could keep a
+#: worker busy while the other had nothing left). A file not named keeps its place after them.
+SLOW_FILES_FIRST = (
+    "tests/kvstore/fleet/test_failures.py",
+    "tests/test_readme.py",
+    "tests/kvstore/fleet/test_fleet_operators.py",
+    "tests/kvstore/test_bench_fleet.py",
+    "tests/kvstore/test_bench_store.py",
+    "tests/kvstore/test_bench_replay_intervals.py",
+    "tests/kvstore/test_bench_load.py",
+    "tests/replay/worker/test_service.py",
+    "tests/e2e/test_conversation.py",
+    "tests/kvstore/fleet/test_gateway.py",
+    "tests/faults/test_redis_outage.py",
+    "tests/faults/test_kill_during_put.py",
+    "tests/kvstore/test_bench_fleet_swa.py",
+    "tests/faults/test_disk_full.py",
+    "tests/kvstore/fleet/test_repair.py",
+    "tests/gateway/test_transfer_bulk_bench.py",
+    "tests/kvstore/client/test_fleet.py",
+    "tests/kvstore/test_bench_swa.py",
+    "tests/kvstore/test_bench_transfer.py",
+    "tests/kvstore/trace/test_replay_fleet.py",
+    "tests/kvstore/fleet/test_repair_bulk.py",
+    "tests/kvstore/fleet/test_repair_pins.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of SLOW_FILES_FIRST first, in its order; every other file after them, as collected (a stable
+    sort: each file's tests keep their order)."""
+    rank = {path: i for i, path in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 class LoopThread:
     """An asyncio loop on a background thread, to host a grpc.aio server for sync tests."""
 
