@@ -9,7 +9,7 @@ through the fleet client, then streams it, in turns, through each gateway and th
 gateway in requests of B blocks (default: one run each, so every request but the first starts at a run's first
 block: F69's check, F69b). The best of REPEAT turns each, as GB/s, with the ratios: read-ahead against none (the
 same gateway code, same run) and the read-ahead gateway against the router (a gateway's client against one that
-routes itself).
+routes itself); with `--before-src`, also the first block's latency of a Get (F69a).
 
 `--before-src DIR` adds a third gateway run from another source tree (the code before a change: `git archive
 COMMIT | tar -x -C DIR`, then `cp kvstore/native/*.so DIR/kvstore/native/`), read-ahead on, started with DIR as
@@ -91,6 +91,17 @@ def _put_s(client: Client, blocks: int, block_tokens: int, batch: int) -> float:
     return seconds
 
 
+def _first_block_s(client: Client, hashes: Sequence[bytes]) -> float:
+    """Seconds until a Get of `hashes` answers its first block (the rest read and dropped)."""
+    start = time.perf_counter()
+    blocks = client.stream(list(hashes))
+    next(iter(blocks))
+    seconds = time.perf_counter() - start
+    for _ in blocks:
+        pass
+    return seconds
+
+
 def run(args: argparse.Namespace, progress: Progress) -> Report:
     """Run the bench (see the module's docstring)."""
     report = Report(bench="fleet-gateway")
@@ -127,12 +138,14 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         putters = [name for name in clients if name in ("read-ahead", "before")]
         best = dict.fromkeys(clients, float("inf"))
         puts = dict.fromkeys(putters, float("inf"))
+        firsts = dict.fromkeys(putters, float("inf"))
         with progress.bar("turns", REPEAT, unit="turn", scale=False) as bar:
             for _ in range(REPEAT):  # in turns, so the box's load falls on every path alike
                 for name, client in clients.items():
                     best[name] = min(best[name], stream_s(client, hashes, expect))
                 for name in putters:
                     puts[name] = min(puts[name], _put_s(clients[name], args.blocks, args.block_tokens, batch))
+                    firsts[name] = min(firsts[name], _first_block_s(clients[name], hashes))
                 bar.update(1)
     gb = expect / 1e9
     report.notes.update(blocks=args.blocks, block_bytes=router.block_bytes, run_blocks=args.run_blocks,
@@ -146,6 +159,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     if "before" in rate:
         report.add(Figure.against("get via the gateway, this tree", rate["read-ahead"], "GB/s",
                                   "before (--before-src)", rate["before"]))
+        report.add(Figure.against("first block of a get via the gateway, this tree", firsts["read-ahead"] * 1e3,
+                                  "ms", "before (--before-src)", firsts["before"] * 1e3))
         report.add(Figure.against("put stream via the gateway, this tree", gb / puts["read-ahead"], "GB/s",
                                   "before (--before-src)", gb / puts["before"]))
     else:

@@ -41,6 +41,7 @@ def test_a_small_run_with_a_before_tree_prints_every_figure_beside_its_baseline(
         "get via the read-ahead gateway",
         "get via the read-ahead gateway vs the router",
         "get via the gateway, this tree",
+        "first block of a get via the gateway, this tree",
         "put stream via the gateway, this tree",
     }
     for f in figures.values():
