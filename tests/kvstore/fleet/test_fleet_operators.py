@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from kvstore.bench.fleet_processes import NodeProcess
 from kvstore.cli import main
 from kvstore.client import Client
 from kvstore.config_sections import FleetSettings
+from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -44,8 +46,8 @@ def _scrape(port: int) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
 
 
-@pytest.fixture
-def nodes(fleet: FleetSettings, tmp_path: Path) -> Iterator[list[tuple[NodeProcess, int]]]:
+@contextlib.contextmanager
+def _three_nodes(fleet: FleetSettings, folder: Path) -> Iterator[list[tuple[NodeProcess, int]]]:
     """Three nodes of `fleet` at replication 2, each with its /metrics on a free loopback port."""
     started = []
     try:
@@ -56,16 +58,33 @@ def nodes(fleet: FleetSettings, tmp_path: Path) -> Iterator[list[tuple[NodeProce
                    "KVSTORE_FLEET_LEASE_TTL_S": "2", "KVSTORE_FLEET_RUN_BLOCKS": "8",
                    "KVSTORE_FLEET_REPAIR_BYTES_PER_S": str(REPAIR_BYTES_PER_S), "KVSTORE_METRICS_PORT": str(port)}
             try:
-                started.append((NodeProcess(tmp_path / f"node{i}", env), port))
+                started.append((NodeProcess(folder / f"node{i}", env), port))
             except RuntimeError:  # the free port was taken meanwhile (another pytest worker): once more
-                if "already in use" not in (tmp_path / f"node{i}" / "serve.log").read_text(errors="replace"):
+                if "already in use" not in (folder / f"node{i}" / "serve.log").read_text(errors="replace"):
                     raise
                 env["KVSTORE_METRICS_PORT"] = str(port := _free_port())
-                started.append((NodeProcess(tmp_path / f"node{i}b", env), port))
+                started.append((NodeProcess(folder / f"node{i}b", env), port))
         yield started
     finally:
         for node, _ in started:
             node.stop()
+
+
+@pytest.fixture
+def nodes(fleet: FleetSettings, tmp_path: Path) -> Iterator[list[tuple[NodeProcess, int]]]:
+    """A fresh fleet of three (`_three_nodes`), for a test that changes it (a node killed)."""
+    with _three_nodes(fleet, tmp_path) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def quiet_fleet(etcd_server: EtcdProcess, tmp_path_factory: pytest.TempPathFactory,
+                ) -> Iterator[tuple[FleetSettings, list[tuple[NodeProcess, int]]]]:
+    """One fleet of three for the module's tests that only read it (a node's /metrics, `kvstore stats`; a
+    ghost member registered and gone again), started once: 3-4 s to start and 4 s to stop each time."""
+    fleet = FleetSettings(etcd=etcd_server.endpoint, cluster=f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=2)
+    with _three_nodes(fleet, tmp_path_factory.mktemp("quiet-fleet")) as started:
+        yield fleet, started
 
 
 def _stats_json(target: str) -> dict:  # type: ignore[type-arg]
@@ -146,8 +165,10 @@ def test_fleet_stats_metrics_and_router_counters(fleet: FleetSettings, nodes: li
         wait_until(settled_over_two, "re-replication copies the dead node's runs and settles", timeout_s=60)
 
 
-def test_docs_fleet_table_lists_every_fleet_series_a_node_serves(nodes: list[tuple[NodeProcess, int]]) -> None:
+def test_docs_fleet_table_lists_every_fleet_series_a_node_serves(
+        quiet_fleet: tuple[FleetSettings, list[tuple[NodeProcess, int]]]) -> None:
     """docs/METRICS.md's fleet table against a fleet node's endpoint (kvstore_fleet_*), and the client's."""
+    nodes = quiet_fleet[1]
     text = (ROOT / "docs" / "METRICS.md").read_text()
     section = text.split("## Fleet", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"^\| `(kvstore_fleet_\w+)` \|", section, re.MULTILINE))
@@ -162,9 +183,10 @@ def test_docs_fleet_table_lists_every_fleet_series_a_node_serves(nodes: list[tup
 
 
 def test_dashboard_fleet_panels_query_what_fleet_nodes_and_workers_serve(
-        nodes: list[tuple[NodeProcess, int]]) -> None:
+        quiet_fleet: tuple[FleetSettings, list[tuple[NodeProcess, int]]]) -> None:
     """Every kvstore_fleet_* metric and label the Grafana dashboard queries is served by a fleet node's endpoint
     or the router's registry (the single-node panels: tests/gateway/metrics/test_dashboard.py)."""
+    nodes = quiet_fleet[1]
     import kvstore.client.fleet_metrics as fm
     from tests.gateway.metrics.test_dashboard import _BY, _LEGEND, _NAME, _SELECTOR_LABEL, TARGET_LABELS, _queries
 
@@ -192,10 +214,11 @@ def test_dashboard_fleet_panels_query_what_fleet_nodes_and_workers_serve(
         assert used <= have, f"{where}: labels {sorted(used - have)} not on {sorted(names)}"
 
 
-def test_a_member_that_does_not_answer_is_listed_unreachable(fleet: FleetSettings,
-                                                             nodes: list[tuple[NodeProcess, int]]) -> None:
+def test_a_member_that_does_not_answer_is_listed_unreachable(
+        quiet_fleet: tuple[FleetSettings, list[tuple[NodeProcess, int]]]) -> None:
     """A node in etcd's membership whose port answers nothing (as a killed node until its lease ends) is one
     `unreachable` line, left out of the totals; the command still exits 0."""
+    fleet = quiet_fleet[0]
     import asyncio
     import dataclasses
 
