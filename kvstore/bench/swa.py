@@ -78,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the Redis gateway one pass a round")
     parser.add_argument("--fetches", type=int, default=200, help="single-snapshot fetches timed for the p50 "
                         "(default 200)")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S,
+                        help=f"pause before each timed phase (default {SETTLE_S}; 0 in the tests, which time nothing)")
 
 
 @contextmanager
@@ -177,7 +179,7 @@ def _run_redis(args: argparse.Namespace, progress: Progress, report: Report) -> 
                 for mine, peer, gateway in groups:
                     sides = [peer, mine] if pass_ % 2 else [mine, peer]
                     for name, fn in sides + [gateway] * (pass_ % FAST_PASSES == 0):
-                        time.sleep(SETTLE_S)  # in turn, so a loaded machine slows every side alike
+                        time.sleep(args.settle_s)  # in turn, so a loaded machine slows every side alike
                         seconds[name] = min(seconds.get(name, float("inf")), best_of(fn, 1))
                         bar.update(1)
         assert direct.last_path == "direct", f"the direct path was not taken: {direct.direct_reason}"
@@ -304,7 +306,7 @@ def _run_embedded(args: argparse.Namespace, progress: Progress, report: Report) 
         with progress.bar("embedded passes", passes * len(phases), unit="phase") as bar:
             for _ in range(passes):
                 for name, fn in phases:  # in turn, so a loaded machine slows every side alike
-                    time.sleep(SETTLE_S)
+                    time.sleep(args.settle_s)
                     seconds[name] = min(seconds.get(name, float("inf")), best_of(fn, 1))
                     bar.update(1)
         assert shm.last_path == "shm", f"the shared-memory path was not taken: {shm.direct_reason}"

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="ne
 def test_bench_swa_json_figures_for_both_backends() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvstore.cli", "bench", "swa", "--json", "--snapshots", "8", "--batch", "4",
-         "--rounds", "1", "--fetches", "5"],
+         "--rounds", "1", "--fetches", "5", "--settle-s", "0"],
         capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
