@@ -28,8 +28,10 @@ import logging
 import math
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import xxhash
@@ -56,6 +58,8 @@ from tiers import run_index
 from tiers.block_txn import PutBatch, PutResult
 from tiers.lmdb_tier import LmdbBlockTier
 
+T = TypeVar("T")
+
 log = logging.getLogger("kvstore.fleet")
 #: Who a copied pin's grant is audited as (R31): the fleet's re-replication, not a tenant.
 PIN_COPY_ACTOR = "kvstore-fleet"
@@ -67,6 +71,8 @@ SERVICE = "/kvstore.v1.Fleet/"
 #: The Fleet service's methods: open at the auth interceptor (no tenant token is asked), because the
 #: servicer checks the fleet's token itself (F20).
 METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks"))
+#: Threads answering the read-only planning calls (RunDigests, HeldBlocks) beside the store's executor (F18).
+PLANNING_THREADS = 2
 
 
 class FleetServicer:
@@ -96,9 +102,21 @@ class FleetServicer:
         self.bulk = bulk
         self.commits = GroupCommit(tier)
         self.audit = audit
+        #: F18: RunDigests and HeldBlocks are answered here, not on the store's executor, whose threads a pass's
+        #: copies keep busy with their checks and commits: a repairer's next planning round waits on none of
+        #: them (each answer is one LMDB read txn, and LMDB's readers do not wait on its writer).
+        self.planning = ThreadPoolExecutor(PLANNING_THREADS, thread_name_prefix="fleet-plan")
         #: Copied pins (R31) granted until the time the source holds them, and granted shorter or not at all.
         self.pins_granted = 0
         self.pins_short = 0
+
+    async def _plan(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a planning call's read on the planning threads (F18)."""
+        return await asyncio.get_running_loop().run_in_executor(self.planning, fn, *args)
+
+    def close(self) -> None:
+        """Finish the planning calls' reads: called before the store closes its environment."""
+        self.planning.shutdown(wait=True)
 
     def _check_token(self, context: grpc.aio.ServicerContext) -> None:
         """F20: the caller is a node of this fleet (it shows the fleet's token)."""
@@ -122,7 +140,7 @@ class FleetServicer:
         roots = _keys(request.run_roots, "run_roots")
         now = self.tier.retention_clock.now()
         # R31: a pinned prefix counts whatever its last use, as the repairer sending it counts it.
-        found = await self.tier.call(lambda: run_index.digests(self.tier.env, roots, self.run_blocks,
+        found = await self._plan(lambda: run_index.digests(self.tier.env, roots, self.run_blocks,
                                                                since_s=now - self.window_s, now_s=now))
         # R32: with the live pins on them, so a replica lacking a pin its run's other copy holds is found.
         return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest,
@@ -135,7 +153,7 @@ class FleetServicer:
         """Which of the blocks this node holds."""
         self._check_token(context)
         keys = _keys(request.keys, "keys")
-        return pb.HeldBlocksResponse(held=await self.tier.call(run_index.held, self.tier.env, keys))
+        return pb.HeldBlocksResponse(held=await self._plan(run_index.held, self.tier.env, keys))
 
     @unary
     async def CopyBlocks(self, request: bytes | pb.CopyBlocksRequest,
@@ -565,7 +583,8 @@ def load_token(fleet: FleetSettings, *, auth_enabled: bool) -> bytes | None:
 
 
 def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlockTier, *,
-                      auth_on: Callable[[], bool], audit: AuditTrail | None = None) -> bytes | None:
+                      auth_on: Callable[[], bool], audit: AuditTrail | None = None,
+                      closers: list[Callable[[], Any]] | None = None) -> bytes | None:
     """Keep the run index and serve the Fleet service (when `[fleet]` is on); returns the fleet's token.
 
     Args:
@@ -574,6 +593,7 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
         tier: the node's store.
         auth_on: whether tenant auth is on now (it turns on when a tenants file appears).
         audit: where copied pins' grants are recorded (R31); None: not recorded.
+        closers: the server's clean-ups, run before the store closes: the servicer's planning threads join them.
 
     Raises:
         ConfigError: see `load_token`.
@@ -590,6 +610,8 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
                              open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s,
                              bulk=bulk, audit=audit)
     _add_servicer(servicer, server)
+    if closers is not None:
+        closers.append(servicer.close)
     return token
 
 

@@ -177,7 +177,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         token = None
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
             token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled,
-                                      audit=opened["admin"].audit)  # copied pins' grants audited (R31)
+                                      audit=opened["admin"].audit,  # copied pins' grants audited (R31)
+                                      closers=closers)  # its planning threads joined before the store closes
         address = f"{host}:{settings.server.port}"
         try:
             port = (server.add_secure_port(address, credentials) if credentials is not None

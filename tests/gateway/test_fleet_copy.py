@@ -7,6 +7,7 @@ service over one of them; blocks are stored through the tier's own Put path.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,3 +300,39 @@ def test_f17_a_copy_request_parsed_as_views_is_what_protobuf_parses() -> None:
     for bad in (raw[:-40], b"\x0a\x05\x0a\x09abc", b"\x0b", b"\x0a\x02\x08"):
         with pytest.raises(InvalidArgument, match="does not parse"):
             parse_copies(bad)
+
+
+def test_f18_planning_calls_are_answered_while_the_stores_threads_are_busy(nodes: Any,
+                                                                          loop_thread: LoopThread) -> None:
+    """F18: RunDigests and HeldBlocks are read on the servicer's planning threads, so a repairer's planning
+    round is not queued behind the copies' checks and commits that hold the store's executor."""
+    a = nodes("a")
+    hashes, blocks = chain(6)
+    put(a.tier, hashes, blocks)
+    keys = [SCOPE.key(h) for h in hashes]
+    threads = a.tier.settings.io_threads
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def hold() -> None:
+        started.release()
+        release.wait(30)  # released below; the bound only keeps a failing test from hanging
+
+    held = [a.tier.executor.submit(hold) for _ in range(threads)]
+    try:
+        for _ in range(threads):  # every thread of the store's executor is held now
+            assert started.acquire(timeout=10)
+        metadata = ((TOKEN_METADATA, TOKEN.decode()),)
+
+        async def plan() -> tuple[Any, Any]:
+            digests = await a.stub.RunDigests(pb.RunDigestsRequest(run_roots=[keys[0], keys[4]]),
+                                              metadata=metadata, timeout=10)
+            held_blocks = await a.stub.HeldBlocks(pb.HeldBlocksRequest(keys=keys), metadata=metadata, timeout=10)
+            return digests, held_blocks
+
+        digests, held_blocks = loop_thread.run(plan())
+        assert [d.blocks for d in digests.runs] == [4, 2]
+        assert list(held_blocks.held) == [True] * 6
+    finally:
+        release.set()
+        for f in held:
+            f.result(timeout=10)
