@@ -71,9 +71,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HW_FP8: bool | None = None
 #: bf16 compressed-KV rows through `_encode_bf16_pairs_kernel` (two channels per int32 word; issue 25 item 5):
 #: the same bytes, without the codes' reshape and split, which the sm_90 build of `_encode_kernel` does
-#: through shared memory (8 barriers a program there, 2 here; 800 instructions against 896). False: the
-#: general kernel.
-BF16_PAIRS = True
+#: through shared memory (8 barriers a program there, 2 here; 800 instructions against 896). Off by default:
+#: measured on the H200 (docs/BENCHMARKS.md, the codec encode budget) it is not faster, 0.78x of a same-size
+#: copy against the general kernel's 0.80x (0.71x against 0.77x through rows.py); both stay tested.
+BF16_PAIRS = False
 
 # Row formats (the FORMAT constexpr).
 COMPRESSED_KV = tl.constexpr(0)
