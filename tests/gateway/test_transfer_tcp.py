@@ -273,3 +273,20 @@ def _service(srv: Any) -> Any:
     from gateway.transfer_servicer import TransferServicer
 
     return next(c.__self__ for c in srv.closers if isinstance(getattr(c, "__self__", None), TransferServicer))
+
+
+def test_t10_a_frame_left_half_sent_is_refused_past_the_timeout(
+    start_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    store = StoreSettings(data_dir=tmp_path / "s", capacity_bytes=64 * BLOCK_BYTES, block_tokens=TOKENS)
+    server = start_server(store, transfer=_settings(tcp_timeout_s=0.3))
+    with Client(server.target) as client:
+        g = _Granted(client)
+        try:
+            with g.dial() as sock:
+                sock.sendall(wire.REQUEST_HEAD.pack(wire.REQUEST, 2, 0) + b"\1" * 40)  # 64 hash bytes due, 40 sent
+                assert _error(sock) == (
+                    "DEADLINE_EXCEEDED: a frame's 64 bytes did not arrive within transfer.tcp_timeout_s"
+                )
+        finally:
+            g.close()
