@@ -297,7 +297,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         due: list[bytes] = []
 
         def look() -> list[tuple[int, str]]:
-            if _runs_at_once(type(self.tier)):  # F79: one read txn for every run, the leases granted together
+            if _runs_at_once(type(self.tier)):  # F75: one read txn for every run, the leases granted together
                 tier = cast(RunLookup, self.tier)
                 return [(found, lease.lease_id if lease else "")
                         for found, lease in tier.lookup_runs(scope, hashes, lengths, lease_s, touch_due=due)]

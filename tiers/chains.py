@@ -158,7 +158,7 @@ class ChainCache:
         return self.knows_packed(key, packed_of(hashes), len(hashes))
 
     def knows_packed(self, key: bytes, packed: bytes, depth: int, offset: int = 0) -> bool:
-        """Whether the first `depth` hashes of `packed` from byte `offset` (a run's, F79) are the chain ending at
+        """Whether the first `depth` hashes of `packed` from byte `offset` (a run's, F75) are the chain ending at
         `key`, as remembered: each piece compared byte for byte where it sits (a memcmp each; no copy, no digest)."""
         pieces: list[tuple[int, bytes]] = []
         with self._lock:
@@ -262,7 +262,7 @@ class ChainIndex:
 
     def find_runs(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int]) -> list[tuple[int, float]]:
         """`find` of each run of `hashes` cut by `lengths` (each run a chain of its own from the root: a fleet
-        node's runs, docs/FLEET.md F50), every run read in one read txn (F79).
+        node's runs, docs/FLEET.md F50), every run read in one read txn (F75).
 
         Each answer is the run's own `find`'s: the memo's check first (a stored run costs one read, its last
         block's), else the walk, in the same txn. A walk that meets damage (an LMDB error, or a stop the store
@@ -365,7 +365,7 @@ class ChainIndex:
         The search assumes the hashes are a chain (stored blocks of one are a prefix, R6); the memo then checks
         that the hashes up to the last found block are exactly that block's ancestors. The last block is read
         first, so a stored chain (a prompt sent again, a fleet node's complete run) costs one read, and then the
-        first, so an absent one costs one more (F79); not while damage is known in the store.
+        first, so an absent one costs one more (F75); not while damage is known in the store.
         """
         tag, size, hb, db, base = META_TAG, META_STRUCT.size, HASH_BYTES, self._records, start * HASH_BYTES
         if not n:

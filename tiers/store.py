@@ -128,7 +128,7 @@ class AnchoredLookup(Protocol):
 
 @runtime_checkable
 class RunLookup(Protocol):
-    """The capability of a fleet node's Lookup of several runs in one read txn (docs/FLEET.md F50, F79): a store
+    """The capability of a fleet node's Lookup of several runs in one read txn (docs/FLEET.md F50, F75): a store
     on this host's LMDB has it; a store without it is asked run by run through `lookup`."""
 
     def lookup_runs(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int], lease_s: float = 0.0,

@@ -13,7 +13,7 @@ order (`NodePool.read_order`), one Lookup per node naming all of that node's run
 nodes at once: one round trip, whatever the prompt's length (docs/FLEET.md F50).
 Without a lease, after a probe that fell short, that round asks every node of
 each run's read order instead, so the walk's asks of a short run's other copies
-are already answered (F80). The runs of a node that failed go to their next
+are already answered (F76). The runs of a node that failed go to their next
 replica, again one call per node; then the runs are walked in order, and the
 first that falls short is asked of its other replicas not yet asked (F31, F33):
 R6 across runs is checked on every run.
@@ -233,7 +233,7 @@ def _check_first(answer: RunAnswer, i: int) -> None:
 def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
                  answers: dict[int, RunAnswer], lease_ms: int, retry: Retry) -> int:
     """Without a lease, the last run first, on one replica (a prompt sent again: done, F31), then every run on
-    every node of its read order (F80). With a lease, every run on the first replica of its read order. One call
+    every node of its read order (F76). With a lease, every run on the first replica of its read order. One call
     per node, all nodes at once (F50); the runs of a node that failed on their next replica, again one call per
     node; then in order, the run that falls short asked of its other replicas (F31): the prefix ends at the first
     run no replica holds in full.
@@ -247,7 +247,7 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         if answers[last].found == runs[last].end_block - runs[last].first_block:
             return len(runs)  # every run before a stored run is stored, inside retention (F31)
         # Short: some run's other copies will be asked (the walk's ask, F31), so every run is asked of every
-        # node of its read order now, in the same one call per node (F80): no round waits on the one before.
+        # node of its read order now, in the same one call per node (F76): no round waits on the one before.
         # A node that just failed is asked only where it comes first (every copy is suspect): a stopped one
         # would hold the round for its timeout; the walk asks it later if it must.
         suspect = {n: pool.suspect(n) for n in {n for i in range(len(runs)) for n in orders[i]}}
@@ -327,7 +327,7 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
         by_node.setdefault(node, []).append(i)
         answers.setdefault(i, RunAnswer()).asked.append(node)
     # A round that sends at least the chain's worth of hashes joins the chain once and its requests cut runs from
-    # it (a slice each), rather than each joining its runs' hashes one by one (F80: 0.43 ms for 64 runs here).
+    # it (a slice each), rather than each joining its runs' hashes one by one (F76: 0.43 ms for 64 runs here).
     packed = b"".join(chain) if sum(runs[i].end_block - runs[i].first_block for i, _ in ask) >= len(chain) else None
     jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed))
             for node, indices in by_node.items()]

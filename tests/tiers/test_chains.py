@@ -238,8 +238,8 @@ class _CountingEnv:
         return Txn()
 
 
-def test_f79_runs_found_in_one_txn_are_each_runs_own_find(make_kit: Any) -> None:
-    """F79 (docs/FLEET.md): `find_runs` answers each run as its own `find` does (R15 within the run), over runs
+def test_f75_runs_found_in_one_txn_are_each_runs_own_find(make_kit: Any) -> None:
+    """F75 (docs/FLEET.md): `find_runs` answers each run as its own `find` does (R15 within the run), over runs
     stored, cut, absent, not a chain and mixed, as the memo learns and forgets."""
     kit = make_kit(blocks=200)
     rng = random.Random(79)
@@ -263,8 +263,8 @@ def test_f79_runs_found_in_one_txn_are_each_runs_own_find(make_kit: Any) -> None
         assert got == [index.find(kit.scope, run) for run in asked]
 
 
-def test_f79_a_call_of_known_runs_reads_one_record_each_in_one_txn(make_kit: Any) -> None:
-    """F79: runs the memo knows are read in one read txn, a stored run by its last block alone, an absent one by
+def test_f75_a_call_of_known_runs_reads_one_record_each_in_one_txn(make_kit: Any) -> None:
+    """F75: runs the memo knows are read in one read txn, a stored run by its last block alone, an absent one by
     its last and first; the walk then reads the absent one's first block and the next (R16)."""
     kit = make_kit(blocks=200)
     runs = [kit.chain(i * 10_000, 16) for i in range(8)]
@@ -282,8 +282,8 @@ def test_f79_a_call_of_known_runs_reads_one_record_each_in_one_txn(make_kit: Any
     assert (counting.txns, counting.gets) == (1, 1 + 2 + 2)
 
 
-def test_f79_lookup_runs_leases_each_found_run_once_together(kit: Kit) -> None:
-    """F79: `lookup_runs` leases each run's deepest found block (none for a run not found), as a Lookup per run."""
+def test_f75_lookup_runs_leases_each_found_run_once_together(kit: Kit) -> None:
+    """F75: `lookup_runs` leases each run's deepest found block (none for a run not found), as a Lookup per run."""
     runs = [kit.chain(i * 10_000, 3) for i in range(3)]
     kit.put(runs[0])
     kit.put(runs[2], 0, 2)

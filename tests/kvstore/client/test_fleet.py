@@ -533,9 +533,9 @@ def test_f65_refreshes_queued_together_keep_the_deepest_per_copy_and_are_cut_whe
         assert all(after[n].lookups == before[n].lookups for n in after if n != node)
 
 
-def test_f80_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refreshes_none_again(
+def test_f76_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refreshes_none_again(
         fleet: Fleet) -> None:
-    """F80: a prompt whose last run is short is asked of every node of each run's read order in one call per node
+    """F76: a prompt whose last run is short is asked of every node of each run's read order in one call per node
     after the probe (no third round trip for the boundary run's other copies); R6 across runs holds (a run short
     on one replica and whole on the other counts); the copies that answered are not refreshed again (F34)."""
     with fleet_client(fleet) as client:
@@ -559,9 +559,9 @@ def test_f80_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refres
         assert client.refresher.sent == sent + 1  # run 2's short copy only: every other copy answered
 
 
-def test_f80_a_node_that_just_failed_is_not_asked_in_the_round_where_another_copy_comes_first(
+def test_f76_a_node_that_just_failed_is_not_asked_in_the_round_where_another_copy_comes_first(
         fleet: Fleet) -> None:
-    """F80: the round of every copy leaves out a node that failed a call within `suspect_s` (read last, F33) where
+    """F76: the round of every copy leaves out a node that failed a call within `suspect_s` (read last, F33) where
     a copy not suspect comes before it: a stopped node would hold the round for its timeout. The walk still asks
     it of the boundary run if it holds a copy (R6 across runs counts every live replica)."""
     with fleet_client(fleet) as client:
