@@ -52,7 +52,7 @@ class SmallDisk:
     file_size_limit_bytes: int | None
     #: Fill the disk to ROOM_BYTES free (tmpfs mode); a no-op for rlimit.
     fill_from_outside: Callable[[], None]
-    #: Give the space back (tmpfs mode: drop the ballast); a no-op for rlimit.
+    #: Give the space back (tmpfs mode: drop the ballast; rlimit: a higher limit for the next server).
     free_space: Callable[[], None]
 
 
@@ -71,8 +71,17 @@ def _mount_tmpfs(where: Path) -> str | None:
 def small_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SmallDisk]:
     """A data dir that runs out of space at about ROOM_BYTES."""
     if request.param == "rlimit":
-        yield SmallDisk(mode="rlimit", data_dir=tmp_path / "data", file_size_limit_bytes=ROOM_BYTES,
-                        fill_from_outside=lambda: None, free_space=lambda: None)
+        disk = SmallDisk(mode="rlimit", data_dir=tmp_path / "data", file_size_limit_bytes=ROOM_BYTES,
+                         fill_from_outside=lambda: None, free_space=lambda: None)
+
+        def raise_limit() -> None:
+            # Room again: the next server starts with the store's capacity as its file size limit. Kept at
+            # ROOM_BYTES, "room" would be whatever free pages the full file happened to hold (none, at times:
+            # the chain's next Put then failed with EIO in a clean-clone CI run).
+            disk.file_size_limit_bytes = FS_BYTES
+
+        disk.free_space = raise_limit
+        yield disk
         return
     mnt = tmp_path / "small-fs"
     why = _mount_tmpfs(mnt)
