@@ -43,9 +43,12 @@ class RunDescriptor(Descriptor):
 
     Attributes:
         run_key: the fleet hash of the first block of the block's run (what places the run, F10).
+        run_depth: the block's depth in its run's chain on a node, 1 + its index in the run (1 for the block
+            `run_key` names): what refreshes the run's other copies from inside the run (F71a).
     """
 
     run_key: bytes = b""
+    run_depth: int = 0
 
     def __post_init__(self) -> None:
         Descriptor.__post_init__(self)  # explicit: zero-argument super() fails in a slots dataclass (3.11)
@@ -53,6 +56,17 @@ class RunDescriptor(Descriptor):
             raise InvalidArgument(
                 f"RunDescriptor.run_key must be the {HASH_BYTES}-byte fleet hash of the run's first "
                 f"block, got {self.run_key!r:.60}"
+            )
+        depth = self.run_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise InvalidArgument(
+                f"RunDescriptor.run_depth must be an int of at least 1 (1 + the block's index in "
+                f"its run), got {depth!r}"
+            )
+        if (depth == 1) != (bytes(self.block_hash) == self.run_key):  # the run's first block is its key
+            raise InvalidArgument(
+                f"RunDescriptor.run_depth is {depth} but block_hash {'is' if depth > 1 else 'is not'} run_key: "
+                "the run's first block alone is at depth 1"
             )
 
 
@@ -87,6 +101,7 @@ def run_descriptors(
         RunDescriptor(
             block_hash=chain[i],
             run_key=chain[i - i % run_blocks],
+            run_depth=i % run_blocks + 1,
             region_id=region.region_id,
             offset_bytes=offset_bytes + (i - first_block) * block_bytes,
             length_bytes=block_bytes,
@@ -120,13 +135,15 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
 
     `session` is the `FleetTransferSession` (its read order, node sessions and regions' aliases). A descriptor
     still short when every replica was asked is MISSING (FAILED with the last replica's reason where it gave one),
-    or FAILED with UNAVAILABLE when no replica answered.
+    or FAILED with UNAVAILABLE when no replica answered. The replicas that did not answer are refreshed to the
+    deepest block read (F71a: a use of every copy, as F34's).
     """
     region_ids = {d.region_id for _, d in members}
     short = [(i, d) for i, d in members if results.statuses[i] == 0]
     last: KVStoreError | None = None
-    answered = False
-    for node_id in session.order_of(run_key, region_ids):
+    answered: set[str] = set()
+    replicas = session.client.placement([run_key])[0].replicas  # a run is placed by its first hash alone
+    for node_id in session.order_of(run_key, region_ids, replicas):
         if not short:
             break
         node = None
@@ -137,7 +154,7 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
             session.node_failed(node_id, exc, node)
             last = exc
             continue
-        answered = True
+        answered.add(node_id)
         session.count(node_id, session.path_of(node), got.statuses.count(DONE))
         again = []
         for j, ((i, d), code) in enumerate(zip(short, got.statuses, strict=True)):
@@ -152,6 +169,7 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
                     results.failures[i] = failure  # kept while the next replica is asked
                 again.append((i, d))
         short = again
+    refresh_copies(session.client.refresher, run_key, [n for n in replicas if n not in answered], members, results)
     for i, _ in short:
         if i in results.failures:
             results.statuses[i] = FAILED
@@ -160,6 +178,29 @@ def read_run(session: Any, run_key: bytes, members: list[tuple[int, RunDescripto
         else:
             reason = last.message if last is not None else "the run has no live replica"
             results.fail(i, "UNAVAILABLE", f"no replica of its run answered: {reason}")
+
+
+def refresh_copies(
+    refresher: Any,
+    run_key: bytes,
+    nodes: Sequence[str],
+    members: list[tuple[int, RunDescriptor]],
+    results: BatchResults,
+) -> None:
+    """Queue on `refresher` (the fleet client's, F34) a refresh of the run's deepest block read on each of `nodes`
+    (its replicas that did not answer this read): the run's hashes from its first block where the read holds them
+    all, else that block alone at its depth (F71a)."""
+    read = {d.run_depth: d.block_hash for i, d in members if results.statuses[i] == DONE}
+    if not read or not nodes:
+        return
+    deepest = max(read)
+    above = [read.get(depth) for depth in range(1, deepest + 1)]
+    if all(h is not None for h in above):  # a plain Lookup, as `fetch` sends (answered by any node)
+        chain = [bytes(h) for h in above if h is not None]
+        refresher.add_many([(node_id, chain, 0, deepest) for node_id in nodes])
+    else:
+        for node_id in nodes:
+            refresher.add_at(node_id, run_key, read[deepest], deepest)
 
 
 def _ask(node: Any, descriptors: list[Descriptor]) -> TransferState:
@@ -199,13 +240,21 @@ def start_reads(
 ) -> Future[None]:
     """Read a checked batch into `results`, its runs at once on `pool` (`read_run` each); done when all are.
 
-    A descriptor naming a region the session does not hold is FAILED (INVALID_ARGUMENT) and asked of no node.
+    A descriptor naming a region the session does not hold, or deeper in its run than the fleet's runs go, is FAILED
+    (INVALID_ARGUMENT) and asked of no node.
     """
     runs: dict[bytes, list[tuple[int, RunDescriptor]]] = {}
+    run_blocks = session.client.run_blocks
     for i, d in enumerate(batch):
         if d.region_id not in session.regions:
             results.fail(
                 i, "INVALID_ARGUMENT", f"descriptor {i} names region {d.region_id}, not registered in this session"
+            )
+        elif d.run_depth > run_blocks:
+            results.fail(
+                i,
+                "INVALID_ARGUMENT",
+                f"descriptor {i} is at depth {d.run_depth} of its run; the fleet's runs are {run_blocks} blocks",
             )
         else:
             runs.setdefault(d.run_key, []).append((i, d))
@@ -292,6 +341,7 @@ __all__ = [
     "checked_writes",
     "prefix",
     "read_run",
+    "refresh_copies",
     "run_descriptors",
     "start_reads",
     "write_blocks",

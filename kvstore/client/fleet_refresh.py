@@ -12,6 +12,11 @@ The same (node, run, depth) is not sent again within `min_gap_s` (the node would
 not record a use less than a minute after the last anyway: R5's touch minute).
 A refresh that fails is dropped and counted: its node is away, and a node that
 comes back holding the run is refreshed by the next use.
+
+A read from inside a run (a fleet session's descriptors, F71a) may not hold the
+run's hashes from its first block: `add_at` queues the deepest block read by its
+hash and depth in the run, sent as an anchored Lookup of it alone (the node finds
+the block stored at that depth, A5, and refreshes it as a Lookup's deepest found).
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+#: A queued refresh: (chain, first, end, depth), `chain[first:end]` from the run's first block (depth end - first),
+#: or `chain[end - 1]` alone at `depth` in its run.
+_Refresh = tuple[Sequence[bytes], int, int, int]
+
 #: Seconds before the same (node, run, depth) is refreshed again.
 MIN_GAP_S = 60.0
 
@@ -43,14 +52,16 @@ class Refresher:
         clock: monotonic seconds (injected in tests).
     """
 
-    def __init__(self, pool: NodePool, *, min_gap_s: float = MIN_GAP_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, pool: NodePool, *, min_gap_s: float = MIN_GAP_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.pool = pool
         self.min_gap_s = min_gap_s
         self._clock = clock
         self._cond = threading.Condition()
-        #: (node, run key) -> (chain, first, end): the run's hashes to the deepest block used, cut when sent.
-        self._pending: dict[tuple[str, bytes], tuple[Sequence[bytes], int, int]] = {}
+        #: (node, run key) -> (chain, first, end, depth): the run's hashes to the deepest block used (depth
+        #: end - first), cut when sent; or that block alone, chain[end - 1] at `depth` (`add_at`).
+        self._pending: dict[tuple[str, bytes], _Refresh] = {}
         self._sent_at: dict[tuple[str, bytes, int], float] = {}
         self._busy = False
         self._closed = False
@@ -72,20 +83,35 @@ class Refresher:
         with self._cond:
             if self._closed:
                 return
-            pending = self._pending
             for node_id, chain, first, end in refreshes:
                 if end <= first:
                     continue
-                key = (node_id, bytes(chain[first]))
-                held = pending.get(key)
-                if held is None or end - first > held[2] - held[1]:
-                    pending[key] = (chain, first, end)
-            if not pending:
+                self._queue((node_id, bytes(chain[first])), (chain, first, end, end - first))
+            self._wake()
+
+    def add_at(self, node_id: str, run_key: bytes, block_hash: bytes, depth: int) -> None:
+        """Queue a refresh on `node_id` of the block `block_hash`, `depth` deep in the run keyed `run_key` (1 + its
+        index in the run): a read from inside the run, which need not hold the hashes above it (F71a)."""
+        with self._cond:
+            if self._closed or depth < 1:
                 return
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="fleet-refresh", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._queue((node_id, run_key), ((bytes(block_hash),), 0, 1, depth))
+            self._wake()
+
+    def _queue(self, key: tuple[str, bytes], refresh: _Refresh) -> None:
+        """One refresh queued (under the lock): the deepest of those queued for the same (node, run) is kept."""
+        held = self._pending.get(key)
+        if held is None or refresh[3] > held[3]:
+            self._pending[key] = refresh
+
+    def _wake(self) -> None:
+        """The thread started if need be and woken (under the lock) when anything is queued."""
+        if not self._pending:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="fleet-refresh", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -104,18 +130,24 @@ class Refresher:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _send(self, batch: dict[tuple[str, bytes], tuple[Sequence[bytes], int, int]]) -> None:
+    def _send(self, batch: dict[tuple[str, bytes], _Refresh]) -> None:
         now = self._clock()
         calls = []
-        for (node_id, run_key), (chain, first, end) in batch.items():
-            memo = (node_id, run_key, end - first)
+        for (node_id, run_key), (chain, first, end, depth) in batch.items():
+            memo = (node_id, run_key, depth)
             if now - self._sent_at.get(memo, -self.min_gap_s) < self.min_gap_s:
                 self.skipped += 1
                 continue
             try:
                 c = self.pool.connection(node_id)
-                request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace,
-                                           block_hashes_packed=b"".join(chain[first:end]))
+                if depth == end - first:  # the run's hashes from its first block
+                    request = pb.LookupRequest(
+                        geometry=c.geometry, namespace=c.namespace, block_hashes_packed=b"".join(chain[first:end])
+                    )
+                else:  # the block alone, anchored at its depth (A5): it stands for the run above it
+                    request = pb.LookupRequest(
+                        geometry=c.geometry, namespace=c.namespace, anchor_hash=chain[end - 1], anchor_blocks=depth
+                    )
                 calls.append((memo, c.kvstore.Lookup.future(request, timeout=c.timeout_s, metadata=c.metadata)))
             except KVStoreError as exc:
                 self._dropped(node_id, exc)

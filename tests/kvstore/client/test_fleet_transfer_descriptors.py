@@ -1,5 +1,5 @@
-"""A fleet transfer session's `read` and `write` of descriptor batches (docs/FLEET.md F71), and a region mapped
-again into this host's node once it restarts (F72).
+"""A fleet transfer session's `read` and `write` of descriptor batches (docs/FLEET.md F71), the copies a read did
+not ask refreshed (F71a), and a region mapped again into this host's node once it restarts (F72).
 
 One real etcd and three real `kvstore serve` nodes on loopback, module-scoped (runs of 4 blocks of 16 tokens, 60 s
 leases: a killed node stays in the view). All three run on this host; a test names "this host's node" by the
@@ -25,6 +25,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.transfer import Descriptor, Status
 from tests.children import Child
 from tests.kvstore.client.test_fleet import (
+    BLOCK_TOKENS,
     RUN_BLOCKS,
     RUN_TOKENS,
     Fleet,
@@ -111,7 +112,7 @@ def test_f71_a_fleet_read_sends_each_runs_descriptors_to_its_replicas(fleet: Fle
                     block_hash=chain[0], run_key=b"short", region_id=region.region_id, offset_bytes=0, length_bytes=size
                 )
             stray = RunDescriptor(
-                block_hash=chain[0], run_key=chain[0], region_id=12345, offset_bytes=0, length_bytes=size
+                block_hash=chain[0], run_key=chain[0], run_depth=1, region_id=12345, offset_bytes=0, length_bytes=size
             )
             bad = session.read([stray]).wait().results[0]
             assert (bad.status, bad.code) == (Status.FAILED, "INVALID_ARGUMENT") and "12345" in bad.reason
@@ -169,6 +170,53 @@ def test_f71_a_fleet_write_stores_every_block_on_its_runs_replicas(fleet: Fleet)
             assert client.lookup(gap).found_blocks == 0
             with pytest.raises(InvalidArgument, match="need 80 tokens"):
                 session.write(tokens[:70], descriptors[:1], first_block=4)
+
+
+def test_f71a_a_descriptor_read_refreshes_the_copies_it_did_not_ask(fleet: Fleet) -> None:
+    """F71a: a read of descriptors is a use of every copy (F34): each run's replica it did not read is refreshed in
+    the background to the deepest block read, from inside a run (run 0 from its block 2: an anchored Lookup of that
+    block at its depth) as from a run's first block (a Lookup of the run's hashes); the nodes read are not asked;
+    within the minute the same refreshes are not sent again."""
+    with fleet_client(fleet) as client:
+        _, chain, payload = stored(client)
+        size = client.block_bytes
+        with client.transfer(path="stream") as session:
+            region = session.register(8 * size)
+            descriptors = session.descriptors(chain, region, first_block=2, end_block=10)  # runs 0 (from 2), 1, 2 (2)
+            assert [d.run_depth for d in descriptors] == [3, 4, 1, 2, 3, 4, 1, 2]
+            assert client.refresher.flush(30.0)
+            before, sent = client.node_stats(), client.refresher.sent
+            state = session.read(descriptors).wait()
+            assert state.done_prefix == 8 and bytes(region.view) == b"".join(payload[2:10])
+            assert client.refresher.flush(30.0)
+            after = client.node_stats()
+            lookups = {n: 0 for n in before}
+            found = {n: 0 for n in before}
+            for r, depth in ((0, 4), (1, 4), (2, 2)):
+                run = client.placement(chain)[r]
+                first = first_reader(client, session, chain, run.first_block, region.region_id)
+                [other] = [n for n in run.replicas if n != first]
+                lookups[other] += 1
+                found[other] += depth * BLOCK_TOKENS  # found at its depth: the deepest block read, refreshed (R5)
+            assert client.refresher.sent == sent + 3
+            assert {n: after[n].lookups - before[n].lookups for n in before} == lookups
+            assert {n: after[n].lookup_tokens_found - before[n].lookup_tokens_found for n in before} == found
+            skipped = client.refresher.skipped
+            assert session.read(descriptors).wait().done_prefix == 8
+            assert client.refresher.flush(30.0)
+            assert client.refresher.skipped == skipped + 3 and client.refresher.sent == sent + 3
+            inside = dict(
+                block_hash=chain[2], run_key=chain[0], region_id=region.region_id, offset_bytes=0, length_bytes=size
+            )
+            with pytest.raises(InvalidArgument, match="run_depth must be an int of at least 1"):
+                RunDescriptor(**inside)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument, match="run_depth is 1 but block_hash is not run_key"):
+                RunDescriptor(**inside, run_depth=1)  # type: ignore[arg-type]
+            deep = session.read([RunDescriptor(**inside, run_depth=RUN_BLOCKS + 1)]).wait().results[0]  # type: ignore[arg-type]
+            assert (deep.status, deep.code) == (
+                Status.FAILED,
+                "INVALID_ARGUMENT",
+            ) and "runs are 4 blocks" in deep.reason
 
 
 def test_f71_a_killed_node_during_a_sessions_reads_falls_over_to_the_replica(fleet: Fleet) -> None:
