@@ -16,7 +16,6 @@ import io
 import json
 import os
 import random
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.waiting import wait_until
 from tiers import datadir
 
 TOKENS = 16
@@ -148,12 +148,15 @@ class Fleet:
 
 
 def wait_for(probe: Callable[[], Any], what: str) -> Any:
-    """What `probe` returns once it is truthy, polled under a deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not (found := probe()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)  # polling the nodes' records under a deadline
-    return found
+    """What `probe` returns once it is truthy (tests.waiting's wait_until, keeping the value)."""
+    found: list[Any] = [None]
+
+    def holds() -> bool:
+        found[0] = probe()
+        return bool(found[0])
+
+    wait_until(holds, what, DEADLINE_S)
+    return found[0]
 
 
 @pytest.fixture
