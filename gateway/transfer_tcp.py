@@ -54,8 +54,6 @@ log = logging.getLogger("kvstore.transfer")
 
 #: Requests of one connection verified and waiting for the sender (each holds a read txn).
 _READY = 1
-#: Most buffers one sendmsg takes (Linux's IOV_MAX is 1,024).
-_IOV = 64
 
 #: Called on the event loop after each request: (session, blocks asked, blocks found, results).
 Counted = Callable[[Session, int, int, BatchResults], None]
@@ -270,7 +268,7 @@ class TcpBulkServer:
     def _send(self, conn: socket.socket, item: _Prepared) -> None:
         conn.settimeout(self.settings.tcp_timeout_s)
         conn.sendall(item.header)
-        send_views(conn, item.views)
+        wire.send_views(conn, item.views)
         item.views = []
         if item.txn is not None:
             item.txn.abort()
@@ -397,21 +395,6 @@ class TcpBulkServer:
                     self._map_reason = str(exc)
             source = self._map
         return source if source is not None and source.usable() else None
-
-
-def send_views(conn: socket.socket, views: list[memoryview]) -> None:
-    """Send `views` in order with scatter sends (`_IOV` buffers a call), resuming after a partial one."""
-    at = 0
-    while at < len(views):
-        part = views[at : at + _IOV]
-        sent = conn.sendmsg(part)
-        for v in part:  # drop what went whole, cut the first that went in part
-            if sent >= len(v):
-                sent -= len(v)
-                at += 1
-            else:
-                views[at] = v[sent:]
-                break
 
 
 def _mapped(address: int, size: int) -> memoryview:

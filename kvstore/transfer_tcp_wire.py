@@ -16,6 +16,7 @@ Server to client, per request in order:
 
 from __future__ import annotations
 
+import socket
 import struct
 
 HELLO = b"KVTH"
@@ -57,3 +58,22 @@ def error_frame(code: str, message: str) -> bytes:
     """An error frame: `code` is a gRPC status name (INVALID_ARGUMENT, UNAUTHENTICATED, ...)."""
     text = f"{code}: {message}".encode()[:MAX_HEAD_BYTES]
     return FRAME_HEAD.pack(ERROR, len(text)) + text
+
+
+#: Most buffers one sendmsg takes (Linux's IOV_MAX is 1,024).
+IOV = 64
+
+
+def send_views(conn: socket.socket, views: list[memoryview]) -> None:
+    """Send `views` in order with scatter sends (`IOV` buffers a call), resuming after a partial one."""
+    at = 0
+    while at < len(views):
+        part = views[at : at + IOV]
+        sent = conn.sendmsg(part)
+        for v in part:  # drop what went whole, cut the first that went in part
+            if sent >= len(v):
+                sent -= len(v)
+                at += 1
+            else:
+                views[at] = v[sent:]
+                break

@@ -25,23 +25,9 @@ from typing import Any
 
 import numpy as np
 
-#: Most buffers one sendmsg takes here (Linux's IOV_MAX is 1,024).
-_IOV = 64
+from kvstore.transfer_tcp_wire import send_views
 
-
-def _send_all(conn: socket.socket, views: list[memoryview]) -> None:
-    """Send `views` in order with scatter sends, resuming after a partial one."""
-    at = 0
-    while at < len(views):
-        part = views[at:at + _IOV]
-        sent = conn.sendmsg(part)
-        for v in part:  # drop what went whole, cut the first that went in part
-            if sent >= len(v):
-                sent -= len(v)
-                at += 1
-            else:
-                views[at] = v[sent:]
-                break
+_send_all = send_views  # the transport's own scatter send (kvstore/transfer_tcp_wire.py)
 
 
 def serve(conn: socket.socket, source: memoryview, value_bytes: int, verify: bool) -> None:
