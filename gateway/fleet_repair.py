@@ -248,7 +248,8 @@ class FleetRepairer:
         membership: the live view of the fleet.
         replication: copies per run.
         run_blocks: blocks per run.
-        window_s: the retention floor: only blocks used within it are copied (older ones may go anyway).
+        window_s: the retention floor: only blocks used within it are copied (older ones may go anyway), unless
+            `retention_of` names each tenant's own.
         bucket: the copy rate.
         peers: channels to the other nodes.
         interval_s: seconds between passes while membership does not change.
@@ -483,6 +484,11 @@ class FleetRepairer:
     #: the policies' `replication_of_key`); None: `replication` for every run.
     copies: Callable[[bytes], int] | None = None
 
+    #: Seconds the blocks of a storage key's tenant are kept (F19: a pass copies a tenant's blocks used within its
+    #: own retention; the server sets it to the policies' `retention_of_key`, as the receivers' digests count);
+    #: None: `window_s` for every run.
+    retention_of: Callable[[bytes], float] | None = None
+
     def copies_of(self, entry: RunEntry) -> int:
         """The replication `entry`'s run is kept at (its tenant's, F51)."""
         return self.copies(entry.key) if self.copies is not None else self.replication
@@ -494,9 +500,10 @@ class FleetRepairer:
         env, rb = self.tier.env, self.run_blocks
 
         def read_all() -> list[tuple[list[RunBlock], dict[bytes, float]]]:
-            # F19: blocks used within the window; R31: and a pinned prefix, whatever its last use; R32: with
+            # F19: blocks used within their tenant's window; R31: and a pinned prefix, whatever its last use; R32: with
             # the live pins on them.
-            return run_index.in_window_pins(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now)
+            return run_index.in_window_pins(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now,
+                                            retention_of=self.retention_of)
 
         read = await self.tier.call(read_all)
         held = [blocks for blocks, _ in read]

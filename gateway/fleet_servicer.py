@@ -86,14 +86,17 @@ class FleetServicer:
             `open_without_token()` holds.
         open_without_token: whether calls need no token now (tenant auth is off on this node).
         window_s: the retention floor: digests count blocks last used within it.
+        retention_of: storage key -> its tenant's retention seconds (the policies' `retention_of_key`): digests count
+            each tenant's blocks used within it, as the repairer copies them (F19); None: `window_s` for every run.
         bulk: reads copies over the bulk transport; None: this node takes their bytes over gRPC only.
         audit: where a copied pin's grant is recorded (R31, as a Lookup's pin is, R27); None: not recorded.
     """
 
     def __init__(self, tier: LmdbBlockTier, layouts: dict[str, Layout], *, run_blocks: int, token: bytes | None,
                  open_without_token: Callable[[], bool], window_s: float, bulk: BulkReceiver | None = None,
-                 audit: AuditTrail | None = None) -> None:
+                 audit: AuditTrail | None = None, retention_of: Callable[[bytes], float] | None = None) -> None:
         self.tier = tier
+        self.retention_of = retention_of
         self.sizes = {layout.geometry.fingerprint: layout.block_bytes for layout in layouts.values()}
         self.run_blocks = run_blocks
         self.token = token
@@ -139,9 +142,11 @@ class FleetServicer:
         self._check_token(context)
         roots = _keys(request.run_roots, "run_roots")
         now = self.tier.retention_clock.now()
-        # R31: a pinned prefix counts whatever its last use, as the repairer sending it counts it.
+        # F19: each tenant's blocks used within its own retention; R31: a pinned prefix whatever its last use: as the
+        # repairer sending them counts them.
         found = await self._plan(lambda: run_index.digests(self.tier.env, roots, self.run_blocks,
-                                                               since_s=now - self.window_s, now_s=now))
+                                                               since_s=now - self.window_s, now_s=now,
+                                                               retention_of=self.retention_of))
         # R32: with the live pins on them, so a replica lacking a pin its run's other copy holds is found.
         return pb.RunDigestsResponse(runs=[pb.RunDigest(blocks=d.blocks, size_bytes=d.size_bytes, digest=d.digest,
                                                         pins=[pb.RunPin(hash=h, until_s=u) for h, u in d.pins])
@@ -584,7 +589,8 @@ def load_token(fleet: FleetSettings, *, auth_enabled: bool) -> bytes | None:
 
 def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlockTier, *,
                       auth_on: Callable[[], bool], audit: AuditTrail | None = None,
-                      closers: list[Callable[[], Any]] | None = None) -> bytes | None:
+                      closers: list[Callable[[], Any]] | None = None,
+                      retention_of: Callable[[bytes], float] | None = None) -> bytes | None:
     """Keep the run index and serve the Fleet service (when `[fleet]` is on); returns the fleet's token.
 
     Args:
@@ -594,6 +600,8 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
         auth_on: whether tenant auth is on now (it turns on when a tenants file appears).
         audit: where copied pins' grants are recorded (R31); None: not recorded.
         closers: the server's clean-ups, run before the store closes: the servicer's planning threads join them.
+        retention_of: storage key -> its tenant's retention seconds (F19, the policies' `retention_of_key`); None:
+            the store's retention for every tenant.
 
     Raises:
         ConfigError: see `load_token`.
@@ -608,7 +616,7 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
             if settings.transfer.bulk == "mooncake" else None)
     servicer = FleetServicer(tier, layouts, run_blocks=settings.fleet.run_blocks, token=token,
                              open_without_token=lambda: not auth_on(), window_s=settings.store.retention_s,
-                             bulk=bulk, audit=audit)
+                             bulk=bulk, audit=audit, retention_of=retention_of)
     _add_servicer(servicer, server)
     if closers is not None:
         closers.append(servicer.close)

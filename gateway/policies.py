@@ -238,6 +238,8 @@ class PolicyTable(ABC):
         self._own: dict[str, Policy] = {}
         #: namespace id -> replication of the tenants with a policy of their own, and the `_own` it was made of.
         self._copies: tuple[dict[str, Policy] | None, dict[bytes, int]] = (None, {})
+        #: namespace id -> retention seconds of the tenants with a policy of their own, and the `_own` it was made of.
+        self._retentions: tuple[dict[str, Policy], dict[bytes, float]] = ({}, {})
 
     @abstractmethod
     async def change(self, tenant: str, changes: Mapping[str, float], *, actor: str) -> tuple[Policy, Policy]:
@@ -296,6 +298,20 @@ class PolicyTable(ABC):
             by_id = {namespace_id(t): p.replication for t, p in own.items()}
             self._copies = (own, by_id)
         return by_id.get(key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES], self.defaults.replication)
+
+    def retention_of_key(self, key: bytes) -> float:
+        """Seconds the blocks of storage key `key`'s tenant are kept after their last use: its retention, named by
+        the key's namespace id as `replication_of_key` (re-replication copies and counts what it keeps, F19).
+
+        The map is rebuilt when the tenants' policies changed since it was made (compared with a copy: the file's
+        table changes them in place, a fleet's replaces them).
+        """
+        own, by_id = self._retentions
+        if own != self._own:
+            own = dict(self._own)
+            by_id = {namespace_id(t): p.retention_s for t, p in own.items()}
+            self._retentions = (own, by_id)
+        return by_id.get(key[FINGERPRINT_BYTES:FINGERPRINT_BYTES + NAMESPACE_ID_BYTES], self.defaults.retention_s)
 
     async def replication_note(self, tenant: str, policy: Policy) -> str:
         """What a replication of `policy` does now when it cannot yet be that (a fleet's: fewer nodes live

@@ -178,7 +178,8 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
             token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled,
                                       audit=opened["admin"].audit,  # copied pins' grants audited (R31)
-                                      closers=closers)  # its planning threads joined before the store closes
+                                      closers=closers,  # its planning threads joined before the store closes
+                                      retention_of=opened["admin"].policies.retention_of_key)  # F19: the tenant's
         address = f"{host}:{settings.server.port}"
         try:
             port = (server.add_secure_port(address, credentials) if credentials is not None
@@ -195,6 +196,7 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
                 from gateway.fleet_repair import start_repair  # a single node never loads aetcd
                 repair = await start_repair(settings, tier, fleet, token)
                 repair.copies = opened["admin"].policies.replication_of_key  # each tenant's replication (F51)
+                repair.retention_of = opened["admin"].policies.retention_of_key  # each tenant's retention (F19)
                 from gateway.metrics_fleet import FleetNodeCollector
 
                 metrics.registry.register(FleetNodeCollector(fleet, repair))  # kvstore_fleet_* (docs/METRICS.md)

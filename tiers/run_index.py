@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -191,13 +191,13 @@ def _members(txn: lmdb.Transaction, records: lmdb._Database, root: bytes, run_bl
 
 
 def digests(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float = 0.0,
-            now_s: float | None = None) -> list[RunDigest]:
+            now_s: float | None = None, retention_of: Callable[[bytes], float] | None = None) -> list[RunDigest]:
     """The digest of what the store holds of each run (by its root's key), counting only blocks last
     used at or after `since_s` (the retention window's start), and with `now_s`, those a live pin keeps
-    too (`in_window`)."""
+    too, each run's window its tenant's with `retention_of` (`in_window`)."""
     if now_s is not None:
         return [RunDigest.of(blocks, held) for blocks, held in
-                in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
+                in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s, retention_of=retention_of)]
     with env.begin() as txn:
         records = env.open_db(b"records", txn=txn)
         return [RunDigest.of([b for b in _members(txn, records, root, run_blocks) if b.meta.last_access_s >= since_s])
@@ -205,20 +205,44 @@ def digests(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, s
 
 
 def in_window(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float,
-              now_s: float) -> list[list[RunBlock]]:
+              now_s: float, retention_of: Callable[[bytes], float] | None = None) -> list[list[RunBlock]]:
     """Each run's blocks that re-replication copies and counts (docs/FLEET.md F19, docs/RETENTION.md R31): those
     last used at or after `since_s`, and, whatever their last use, each block a live pin holds at `now_s` with its
-    ancestors in the run (R6: a pin keeps its prefix), so a pinned prefix is copied until its pin's time."""
-    return [blocks for blocks, _ in in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s)]
+    ancestors in the run (R6: a pin keeps its prefix), so a pinned prefix is copied until its pin's time.
+
+    With `retention_of` (storage key -> its tenant's retention seconds), a run's window is its tenant's instead:
+    blocks last used at or after `now_s` less that (F19: what the store keeps of the tenant, it copies)."""
+    return [blocks for blocks, _ in in_window_pins(env, roots, run_blocks, since_s=since_s, now_s=now_s,
+                                                   retention_of=retention_of)]
 
 
 def in_window_pins(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: int, *, since_s: float,
-                   now_s: float) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
+                   now_s: float, retention_of: Callable[[bytes], float] | None = None
+                   ) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
     """`in_window`, each run with the live pins on its blocks (storage key -> the pin's time): what a replica's
     digest counts of its pins (docs/RETENTION.md R32), so one that lacks a pin its run's other copy holds is found."""
+    start_of = _window_starts(since_s, now_s, retention_of)
     with env.begin() as txn:
         records, pins_db = env.open_db(b"records", txn=txn), env.open_db(pins.PINS_DB, txn=txn)
-        return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), since_s, now_s) for root in roots]
+        return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), start_of(root), now_s)
+                for root in roots]
+
+
+def _window_starts(since_s: float, now_s: float,
+                   retention_of: Callable[[bytes], float] | None) -> Callable[[bytes], float]:
+    """run root's key -> the start of its window: `since_s` for every run, or with `retention_of` `now_s` less its
+    tenant's retention (asked once per namespace: a run's blocks are all its tenant's)."""
+    if retention_of is None:
+        return lambda root: since_s
+    starts: dict[bytes, float] = {}
+
+    def start_of(root: bytes) -> float:
+        ns = namespaces.id_of_key(root)
+        if ns not in starts:
+            starts[ns] = now_s - retention_of(root)
+        return starts[ns]
+
+    return start_of
 
 
 def _in_window(txn: lmdb.Transaction, pins_db: lmdb._Database, blocks: list[RunBlock], since_s: float,

@@ -56,6 +56,8 @@ class Node:
     tls: Any = None
     #: Where its Fleet service audits copied pins' grants (an AuditLog), or None.
     audit: Any = None
+    #: What its Fleet service's digests take as each tenant's retention (`add_fleet_service`'s), or None.
+    retention_of: Any = None
     server: Any = None
     registration: Registration | None = None
 
@@ -67,7 +69,8 @@ class Node:
     async def serve(self) -> None:
         """Start (or start again) the node's server on its port."""
         self.server = grpc.aio.server()
-        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False, audit=self.audit)
+        add_fleet_service(self.server, self.settings, self.tier, auth_on=lambda: False, audit=self.audit,
+                          retention_of=self.retention_of)
         if self.tls is None:
             bound = self.server.add_insecure_port(self.address)
         else:
@@ -91,6 +94,9 @@ class Fleet:
         self.clock = ManualClock()
         self.nodes: dict[str, Node] = {}
         self.views: list[Membership] = []
+        #: Each tenant's retention, as the nodes started from now take it (the policies' `retention_of_key`): None,
+        #: the store's for every tenant.
+        self.retention_of: Any = None
 
     def node(self, name: str, tls: Any = None, *, bulk: bool = False, audit: Any = None, **store: Any) -> Node:
         """Start a node `name` on a free port and register it (`bulk`: it reads copies over the bulk transport;
@@ -104,7 +110,7 @@ class Fleet:
         node = Node(tier=LmdbBlockTier(settings, clock=self.clock), port=port,
                     settings=Settings(store=settings, fleet=self.settings,
                                       transfer=TransferSettings(bulk="mooncake" if bulk else "off")), tls=tls,
-                    audit=audit)
+                    audit=audit, retention_of=self.retention_of)
 
         async def up() -> None:
             await node.serve()
