@@ -47,6 +47,7 @@ from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, 
 from gateway.metrics_tenants import TenantsFileCollector
 from gateway.replies import add_service
 from gateway.request_log import RequestLog
+from gateway.startup_heap import freeze_startup_heap
 from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry, TokenTable
 from gateway.trace_recorder import NO_TRACE, CallTrace, TraceCollector, open_recorder, trace_line
@@ -373,6 +374,7 @@ async def serve(settings: Settings) -> None:
     """Run until SIGTERM or SIGINT, then shut down cleanly."""
     allocator.keep_freed_memory()  # a Put's buffers are reused, not faulted in again each batch (tiers/allocator.py)
     running = await start(settings)
+    frozen = freeze_startup_heap()  # full collections under load walk only what start-up did not make
     print(f"kvstore listening on {settings.server.host}:{running.port}", flush=True)
     print(f"kvstore data in {settings.store.data_dir.resolve()} "
           f"(capacity {settings.store.capacity_bytes / 2**30:.1f} GiB, "
@@ -385,6 +387,7 @@ async def serve(settings: Settings) -> None:
     print(f"kvstore fleet: {_fleet_line(settings, running.fleet)}", flush=True)
     print(f"kvstore events: {running.events_line}", flush=True)
     print(f"kvstore trace: {trace_line(settings.trace, running.trace)}", flush=True)
+    print(f"kvstore heap: {frozen:,} start-up objects frozen (gateway/startup_heap.py)", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:
