@@ -83,6 +83,8 @@ WINDOW = 4
 #: (FIRST_ROUND_RUNS, doubling), so the first copies start while the rest is planned.
 RUNS_PER_ROUND = 512
 FIRST_ROUND_RUNS = 8
+#: Rounds planned at once (the next round's own metas read while the peers answer the questions of the one before).
+PLANNING_ROUNDS = 2
 #: Rounds whose copies may be under way at once (a round's copies start as soon as it is planned, beside the
 #: last round's; the one before that is awaited before the next is planned).
 COPYING_ROUNDS = 2
@@ -433,16 +435,28 @@ class FleetRepairer:
         # window of calls in flight for the whole pass; a round's copies start as soon as it is planned, beside
         # the last round's (each run whole in one lane, a run's first block stored without its parent, F17), so
         # no round waits on the slowest lane of the one before; the round before that is awaited before the
-        # next is planned (at most COPYING_ROUNDS rounds copying, their metas held).
+        # next starts copying (at most COPYING_ROUNDS rounds copying and PLANNING_ROUNDS planned, their metas held).
         window = _Window()
         copying: list[asyncio.Future[None]] = []
+        # F18: PLANNING_ROUNDS rounds are planned at once, so this node reads one round's metas while the peers
+        # answer (read theirs for) the round before, each in its own process; their copies still start in order.
+        chunks = _rounds(runs)
+        planning: list[asyncio.Future[Round]] = []
+
+        def plan_ahead() -> None:
+            while len(planning) < PLANNING_ROUNDS and (chunk := next(chunks, None)) is not None:
+                planning.append(asyncio.ensure_future(self.plan_round(chunk, sorted(addresses), addresses)))
+
         try:
-            for chunk in _rounds(runs):
+            plan_ahead()
+            while planning:
                 while len(copying) >= COPYING_ROUNDS:
                     await copying[0]
                     copying.pop(0)
                 at = time.monotonic()
-                found = await self.plan_round(chunk, sorted(addresses), addresses)
+                found = await planning[0]
+                planning.pop(0)
+                plan_ahead()
                 planning_s += time.monotonic() - at
                 planned += len(found.plans) + found.undecided_runs
                 # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
@@ -457,9 +471,10 @@ class FleetRepairer:
                 await copying[0]
                 copying.pop(0)
         finally:
-            for left in copying:  # the pass was given up (or a round failed): so are the copies under way
+            under_way: list[asyncio.Future[Any]] = [*planning, *copying]
+            for left in under_way:  # the pass was given up (or a round failed): so are the rounds under way
                 left.cancel()
-            for left in copying:
+            for left in under_way:
                 with contextlib.suppress(asyncio.CancelledError):
                     await left
         p.running, p.passes = False, p.passes + 1

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from kvstore.native.records import META_TAG, BlockMeta, children_prefix, meta_key
+from kvstore.native.records import CHILD_TAG, META_TAG, BlockMeta, meta_key
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from tiers import namespaces, pins
 
@@ -164,11 +164,15 @@ def members(env: lmdb.Environment, root: bytes, run_blocks: int) -> list[RunBloc
 
 
 def _members(txn: lmdb.Transaction, records: lmdb._Database, root: bytes, run_blocks: int) -> list[RunBlock]:
-    raw = txn.get(meta_key(root), db=records)
+    # A pass walks every block it holds (F18), beside its copies and under their GIL: one cursor stepped with next()
+    # (a chain's block most often has one child), no iterator or key conversions per block; each record read once.
+    get = txn.get
+    raw = get(root + META_TAG, db=records)
     if raw is None:
         return []
     top = BlockMeta.unpack(raw)
     last_depth = top.depth + run_blocks - 1 - (top.depth - 1) % run_blocks
+    scope = root[:KEY_BYTES - HASH_BYTES]
     out: list[RunBlock] = []
     todo = deque([(root, top)])
     cursor = txn.cursor(db=records)
@@ -177,16 +181,18 @@ def _members(txn: lmdb.Transaction, records: lmdb._Database, root: bytes, run_bl
         out.append(RunBlock(key=key, meta=meta))
         if meta.depth >= last_depth:
             continue  # its children start the next run
-        prefix = children_prefix(key)
-        if not cursor.set_range(prefix):
-            continue
-        for entry in cursor.iternext(keys=True, values=False):
-            if not bytes(entry).startswith(prefix):
+        prefix = key + CHILD_TAG
+        cut = len(prefix)
+        found = cursor.set_range(prefix)
+        while found:
+            entry = cursor.key()
+            if entry[:cut] != prefix:
                 break
-            child = key[:KEY_BYTES - HASH_BYTES] + bytes(entry)[len(prefix):]
-            child_raw = txn.get(meta_key(child), db=records)
+            child = scope + entry[cut:]
+            child_raw = get(child + META_TAG, db=records)
             if child_raw is not None:
                 todo.append((child, BlockMeta.unpack(child_raw)))
+            found = cursor.next()
     return out
 
 
@@ -224,7 +230,14 @@ def in_window_pins(env: lmdb.Environment, roots: Sequence[bytes], run_blocks: in
     start_of = _window_starts(since_s, now_s, retention_of)
     with env.begin() as txn:
         records, pins_db = env.open_db(b"records", txn=txn), env.open_db(pins.PINS_DB, txn=txn)
-        return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), start_of(root), now_s)
+        pinning: dict[bytes, bool] = {}  # namespace id -> whether it holds pins here (one read per tenant)
+
+        def holds_pins(ns: bytes) -> bool:
+            if ns not in pinning:
+                pinning[ns] = bool(pins.totals(txn, pins_db, ns).pins)
+            return pinning[ns]
+
+        return [_in_window(txn, pins_db, _members(txn, records, root, run_blocks), start_of(root), now_s, holds_pins)
                 for root in roots]
 
 
@@ -246,9 +259,9 @@ def _window_starts(since_s: float, now_s: float,
 
 
 def _in_window(txn: lmdb.Transaction, pins_db: lmdb._Database, blocks: list[RunBlock], since_s: float,
-               now_s: float) -> tuple[list[RunBlock], dict[bytes, float]]:
-    # One read per run when its tenant holds no pins on this node (the usual case); else one per block.
-    if not blocks or not pins.totals(txn, pins_db, namespaces.id_of_key(blocks[0].key)).pins:
+               now_s: float, holds_pins: Callable[[bytes], bool]) -> tuple[list[RunBlock], dict[bytes, float]]:
+    # No read per block when the run's tenant holds no pins on this node (the usual case); else one per block.
+    if not blocks or not holds_pins(namespaces.id_of_key(blocks[0].key)):
         return [b for b in blocks if b.meta.last_access_s >= since_s], {}
     by_key = {b.key: b for b in blocks}
     kept: set[bytes] = set()

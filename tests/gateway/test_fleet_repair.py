@@ -432,3 +432,75 @@ def test_f18_a_pass_holds_at_most_held_batches_read_and_not_answered(fleet: Flee
     assert (progress.under_replicated_bytes, progress.failed_runs) == (0, 0)
     for hashes, blocks in chains:
         assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f16_a_run_that_branches_inside_is_walked_and_copied_whole(fleet: Fleet) -> None:
+    """Two chains share a run's first two blocks and branch inside it, and a third block branches off the first:
+    the run's walk (`run_index.members`, one cursor stepped over each block's children) finds every branch, parents
+    before children, and a pass copies all of them."""
+    import os
+
+    from kvstore.geometry import TINY
+    from kvstore.prefix import chain_hashes, root_hash
+    from tests.gateway.test_fleet_copy import BLOCK, RUN_BLOCKS, TOKENS
+
+    tiers, _, view = fleet.start(["a", "b"])
+    a, b = tiers["a"], tiers["b"]
+    tokens = list(range(RUN_BLOCKS * TOKENS))
+    root = root_hash(TINY.fingerprint, TOKENS)
+    branches = [tokens, tokens[:2 * TOKENS] + [t + 10**6 for t in tokens[2 * TOKENS:]],
+                tokens[:TOKENS] + [t + 2 * 10**6 for t in tokens[TOKENS:3 * TOKENS]]]
+    stored: dict[bytes, bytes] = {}
+    for i, toks in enumerate(branches):
+        hashes = chain_hashes(toks, block_tokens=TOKENS, parent=root)
+        blocks = [stored.get(SCOPE.key(h)) or os.urandom(BLOCK) for h in hashes]
+        put(a, hashes, blocks, 0 if i == 0 else (2 if i == 1 else 1))
+        stored.update(zip((SCOPE.key(h) for h in hashes), blocks, strict=True))
+    first = SCOPE.key(chain_hashes(tokens[:TOKENS], block_tokens=TOKENS, parent=root)[0])
+    walked = run_index.members(a.env, first, RUN_BLOCKS)
+    assert sorted(x.key for x in walked) == sorted(stored) and len(stored) == 4 + 2 + 2
+    seen = set()
+    for x in walked:  # parents before children (R6)
+        assert x.key == first or x.key[:-32] + x.meta.parent_hash in seen
+        seen.add(x.key)
+    progress = fleet.one_pass(fleet.repairer("a", view))
+    assert progress.copied_blocks == len(stored)
+    assert [data for _, data in b.read(list(stored))] == list(stored.values())
+
+
+def test_f18_the_next_round_is_planned_while_the_peers_answer_the_one_before(fleet: Fleet) -> None:
+    """PLANNING_ROUNDS rounds plan at once: the second round's RunDigests is asked while the first round's is
+    still unanswered (held here until it comes), and the pass still copies every run once."""
+    import asyncio
+
+    from gateway import fleet_repair
+
+    tiers, _, view = fleet.start(["a", "b"])
+    chains = [chain(2, seed=i) for i in range(3 * fleet_repair.FIRST_ROUND_RUNS)]  # rounds of 8 runs, 16
+    for hashes, blocks in chains:
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    ask = r._ask
+    second = asyncio.Event()
+    seen = {"digests": 0, "overlapped": False}
+
+    async def held(peer: str, address: str, method: str, request: Any) -> Any:
+        if method == "RunDigests":
+            seen["digests"] += 1
+            if seen["digests"] == 1:  # the first round's question is held until the next round's comes
+                try:
+                    await asyncio.wait_for(second.wait(), 10.0)
+                    seen["overlapped"] = True
+                except TimeoutError:
+                    pass
+            else:
+                second.set()
+        return await ask(peer, address, method, request)
+
+    r._ask = held  # type: ignore[method-assign]
+    progress = fleet.one_pass(r)
+    assert seen["overlapped"] and seen["digests"] == 2
+    total = sum(len(x) for _, blocks in chains for x in blocks)
+    assert (progress.copied_bytes, progress.under_replicated_bytes, progress.failed_runs) == (total, 0, 0)
+    for hashes, blocks in chains:
+        assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
