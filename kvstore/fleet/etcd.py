@@ -18,9 +18,11 @@ authenticates when it connects (etcd's Authenticate, its token sent with every c
 is made, and again each time the session makes a client (a reconnect: another endpoint, a
 token etcd forgot, credentials refused), so a password changed in etcd and in the file is
 used from the next connect without a restart (F70a); it lives only in the session and its
-client. A token etcd no longer knows (it expired while the client was idle, etcd restarted,
-or the user's password changed) is answered by connecting again, once, which authenticates
-again.
+client. A token etcd no longer takes (it expired while the client was idle, etcd restarted,
+the user's password changed, or, as a JWT or a simple token carries the auth store's revision,
+any user, role or password changed since it was issued: F70c) is answered by connecting again,
+once, which authenticates again. etcd's JWT tokens (`--auth-token jwt,...`) are sent as its
+simple ones are (F70c).
 """
 
 from __future__ import annotations
@@ -64,8 +66,11 @@ def _channel_options(timeout_s: float) -> dict[str, int]:
 #: What etcd says of credentials it refuses (INVALID_ARGUMENT) and of a call without them while its auth is on.
 _BAD_CREDENTIALS = "authentication failed"
 _NO_USER = "user name is empty"
-#: What etcd says of a token it does not know (expired, or etcd restarted): authenticate again.
-_STALE_TOKEN = "invalid auth token"
+#: What etcd says of a token it does not take: one it does not know (a simple token expired, dropped by a password
+#: change, or etcd restarted; a JWT past its `exp`), and one issued before the auth store's last change (any user,
+#: role or password changed since: a JWT is never dropped, and a simple token of another user is kept, but both carry
+#: the revision they were issued at, F70c). Either way: authenticate again.
+_STALE_TOKENS = ("invalid auth token", "revision of auth store is old")
 
 
 def _status_code(exc: BaseException) -> grpc.StatusCode | None:
@@ -258,7 +263,7 @@ class EtcdSession:
                 log.debug("etcd member %s unreachable (%s); trying the next", self.endpoint, exc)
                 await self.reset()
             except aetcd.ClientError as exc:
-                if self.auth is not None and _STALE_TOKEN in str(exc):
+                if self.auth is not None and any(stale in str(exc) for stale in _STALE_TOKENS):
                     raise _StaleToken(exc) from None
                 error = translate(exc, self.endpoints, self.auth)
                 if isinstance(error, Unauthenticated):  # refused credentials: the next call connects (and reads) again

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,35 @@ def need_etcd() -> str:
 
 
 class EtcdProcess(fleet_processes.EtcdProcess):
-    """The bench's etcd process, skipping the test where etcd is missing."""
+    """The bench's etcd process, skipping the test where etcd is missing.
+
+    Args:
+        auth_token: etcd's `--auth-token` (e.g. `jwt,pub-key=...,priv-key=...,sign-method=RS256,ttl=3s`,
+            docs/FLEET.md F70c; None: etcd's default, simple tokens).
+        args, kwargs: the bench's EtcdProcess's.
+    """
+
+    def __init__(self, workdir: Path, *args: object, auth_token: str | None = None, **kwargs: object) -> None:
+        super().__init__(workdir, *args, **kwargs)  # type: ignore[arg-type]
+        self.auth_token = auth_token
 
     def binary(self) -> str:
         """etcd on PATH, or skip."""
         return need_etcd()
+
+    def launch(self) -> EtcdProcess:
+        """The bench's launch, with `auth_token` given as etcd's ETCD_AUTH_TOKEN (its flag's variable) to
+        this child only: the environment is set around the Popen and put back at once."""
+        if self.auth_token is None:
+            super().launch()
+            return self
+        before = os.environ.get("ETCD_AUTH_TOKEN")
+        os.environ["ETCD_AUTH_TOKEN"] = self.auth_token
+        try:
+            super().launch()
+        finally:
+            if before is None:
+                del os.environ["ETCD_AUTH_TOKEN"]
+            else:
+                os.environ["ETCD_AUTH_TOKEN"] = before
+        return self
