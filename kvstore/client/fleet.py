@@ -434,13 +434,14 @@ class FleetClient(Client):
 
     def _stream_inside(self, chain: list[bytes], inside: int, run_key: bytes) -> Iterator[tuple[int, int, bytes]]:
         """`stream` of a slice from block `inside` of the run keyed `run_key`: that run's part placed by its key,
-        the rest (from the next run boundary) by its own first hashes. The part's other copies are not refreshed
-        (F34 refreshes by the hashes from the run's first block, which the slice lacks), as at a gateway (F37)."""
+        the rest (from the next run boundary) by its own first hashes. The part's other copies are refreshed at
+        its deepest block read, anchored at its depth in the run (F68a: the slice lacks the hashes above it)."""
         head = min(len(chain), self.run_blocks - inside)
         nodes = placeable(self.view.nodes)
         run = RunPlacement(run=0, first_block=0, end_block=head,
                            replicas=ranked(run_key, frozenset(nodes), max(1, min(self.copies, len(nodes)))))
-        yield from stream_run_part(self.pool, run, run_key, chain[:head], retry=self.retry, refresher=None)
+        yield from stream_run_part(self.pool, run, run_key, chain[:head], retry=self.retry, refresher=self.refresher,
+                                   run_offset=inside)
         for index, status, data in self._stream(chain[head:], 0, len(chain) - head):
             yield head + index, status, data
 

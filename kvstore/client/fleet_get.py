@@ -60,15 +60,19 @@ def stream_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
 
 
 def stream_run_part(pool: NodePool, run: RunPlacement, run_key: bytes, hashes: Sequence[bytes], *,
-                    retry: Retry, refresher: Refresher | None) -> Iterator[Block]:
+                    retry: Retry, refresher: Refresher | None, run_offset: int = 0) -> Iterator[Block]:
     """(index, status, data) for `hashes`, blocks of one run from somewhere inside it (a gateway's Get:
-    `run_key` is the run's first hash), read with failover as `stream_runs`. Pass `refresher` only when
-    `hashes` start at the run's first block: the copies not read are refreshed by hashes from there."""
-    yield from _stream_run(pool, run, hashes, 0, len(hashes), 0, retry, refresher, run_key=run_key)
+    `run_key` is the run's first hash), read with failover as `stream_runs`. With a `refresher` the copies not
+    read are refreshed: by the hashes from the run's first block when `hashes` start there (`run_offset` 0),
+    else, `hashes[0]` being block `run_offset` of the run, at the deepest block read, anchored at its depth
+    (F68a: `Refresher.add_at`, as a descriptor read from inside a run, F71a)."""
+    yield from _stream_run(pool, run, hashes, 0, len(hashes), 0, retry, refresher, run_key=run_key,
+                           run_offset=run_offset)
 
 
 def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: int, hi: int, base: int,
-                retry: Retry, refresher: Refresher | None, *, run_key: bytes | None = None) -> Iterator[Block]:
+                retry: Retry, refresher: Refresher | None, *, run_key: bytes | None = None,
+                run_offset: int = 0) -> Iterator[Block]:
     order = pool.read_order(run_key or chain[run.first_block], run.replicas)
     read = RunRead(next_block=lo)
     retries = 0
@@ -94,10 +98,15 @@ def _stream_run(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], lo: i
         assert read.error is not None
         raise read.error
     if read.served_by is not None and refresher is not None:
+        others = [other for other in run.replicas if other != read.served_by]
+        if run_offset:  # from inside the run (F68a): its deepest block read, at its depth in the run
+            assert run_key is not None
+            for other in others:
+                refresher.add_at(other, run_key, chain[read.next_block - 1], run_offset + read.next_block)
+            return
         used = chain[run.first_block:read.next_block]
-        for other in run.replicas:
-            if other != read.served_by:
-                refresher.add(other, used)
+        for other in others:
+            refresher.add(other, used)
 
 
 def _from_replica(pool: NodePool, node: str, chain: Sequence[bytes], read: RunRead, hi: int,

@@ -441,6 +441,30 @@ def test_f68_a_stream_of_a_slice_is_placed_by_its_first_block_or_refused(fleet: 
             client.stream(chain[6:], first_block=6, run_key=b"short")
 
 
+def test_f68a_a_stream_from_inside_a_run_refreshes_that_parts_other_copies(fleet: Fleet) -> None:
+    """F68a: a stream of a slice from inside a run (blocks 5-6: run 1 from its block 1) is a use of every copy of
+    what it read: the run's replica not read sees one Lookup, anchored at the deepest block read, that finds it at
+    its depth (3 blocks' tokens: a Lookup's deepest found block, refreshed, R5); the node read sees none."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 3)
+        payload = blocks_for(client, tokens)
+        client.put(tokens, payload)
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[1]
+        read_from = client.pool.read_order(chain[run.first_block], run.replicas)[0]
+        [other] = [n for n in run.replicas if n != read_from]
+        assert client.refresher.flush(30.0)
+        before, sent = client.node_stats(), client.refresher.sent
+        got = list(client.stream(chain[5:7], first_block=5, run_key=chain[4]))
+        assert [d for _, _, d in got] == payload[5:7]
+        assert client.refresher.flush(30.0)
+        after = client.node_stats()
+        assert client.refresher.sent == sent + 1
+        assert {n: after[n].lookups - before[n].lookups for n in before} == {
+            n: int(n == other) for n in before}
+        assert after[other].lookup_tokens_found - before[other].lookup_tokens_found == 3 * BLOCK_TOKENS
+
+
 @dataclass
 class PutLog:
     acked: list[tuple[list[int], list[bytes]]]
