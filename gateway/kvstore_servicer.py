@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from functools import cache, partial
 from typing import Any, TypeVar, cast
 
 import grpc
 
-from gateway import put_stream, validate
+from gateway import put_stream, routed_put_stream, validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
 from gateway.block_feed import drained_async
@@ -73,6 +73,8 @@ INLINE_GET_BYTES = 512 << 10
 
 #: Put batches a stream may have received ahead of the one being committed.
 PUT_STREAM_DEPTH = 4
+#: A gateway's PutStream requests received and cut ahead of the one being stored on the replicas (F69c).
+ROUTED_PUT_DEPTH = 3
 #: Seconds between looks for expired pins to audit (R29): one read transaction when none is due.
 PIN_AUDIT_INTERVAL_S = 1.0
 #: Who an expiry's audit entry names: the server itself, not a caller.
@@ -434,14 +436,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """A gateway's Put: cut at run boundaries and hashed as the fleet does, each part on every replica; its
         reply, and what it stored last (for the next request of its stream: F69b). `after`: what the request
         before it in the same stream stored."""
+        return await self._routed_store(request, await self._routed_cut(request), context, after)
+
+    async def _routed_cut(self, request: pb.PutRequest) -> list[Any]:
+        """A gateway's Put request checked, hashed as the fleet does and cut at run boundaries (on a thread: it is
+        O(request bytes)); it needs nothing of the requests before it in its stream (F69c)."""
         assert self.router is not None
         _check_keep_until(request.keep_until_s)
         layout, _ = validate.scope(self.layouts, request.geometry, request.namespace)
-        parts = await asyncio.to_thread(
+        return await asyncio.to_thread(
             validate.fleet_put_plan, layout, run_blocks=self.router.run_blocks, parent_hash=request.parent_hash,
             token_ids=request.token_ids, extra_keys=list(request.extra_keys), blocks=list(request.blocks),
             limit=self.settings.max_batch_blocks, first_block=request.first_block, run_key=request.run_key,
             run_bridge=request.run_bridge)
+
+    async def _routed_store(self, request: pb.PutRequest, parts: list[Any], context: grpc.aio.ServicerContext,
+                            after: StoredTail | None) -> tuple[pb.PutResponse, StoredTail | None]:
+        """A cut request's parts on every replica (F30), after F69's check; its reply and what it stored last."""
+        assert self.router is not None
         # R6 across runs (F69): a Put from a run's first block needs the run before complete on a replica.
         route = _route(request, context)
         await self.router_call(self.router.route_parent_run, route, request.first_block, request.parent_hash,
@@ -469,10 +481,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         # (group commit: one fsync for several), each acknowledged only after it, in order; the
         # stream ends with the first error, after the batches before it (gateway/put_stream.py).
         if self.router is not None:  # each batch acknowledged once on every replica, in order (F30)
-            tail = None  # what the request before stored: the next from its end skips F69's check (F69b)
-            async for request in requests:
-                reply, tail = await self._routed_put(_message(request), context, tail)
-                yield reply
+            async with aclosing(self._routed_stream(requests, context)) as replies:
+                async for reply in replies:
+                    yield reply
             return
         # Closed with the call (a cancelled call stops its stages now, not when collected).
         async with aclosing(put_stream.committed(requests, self._plan, self._commit, PUT_STREAM_DEPTH)) as done:
@@ -480,6 +491,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 _trace_put(self.trace, batch, result)
                 await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
                 yield _put_response(batch, result)
+
+    async def _routed_stream(self, requests: AsyncIterator[pb.PutRequest | PutRequestView],
+                             context: grpc.aio.ServicerContext) -> AsyncGenerator[pb.PutResponse, None]:
+        """A gateway's PutStream: up to ROUTED_PUT_DEPTH requests received and cut while one is stored, stored
+        and acknowledged one at a time in order (F69c, gateway/routed_put_stream.py)."""
+        tail: StoredTail | None = None  # what the request before stored: the next from its end skips F69 (F69b)
+
+        async def cut(request: pb.PutRequest | PutRequestView) -> tuple[pb.PutRequest, list[Any]]:
+            message = _message(request)
+            return message, await self._routed_cut(message)
+
+        async def store(_: object, cut_request: tuple[pb.PutRequest, list[Any]]) -> pb.PutResponse:
+            nonlocal tail
+            reply, tail = await self._routed_store(*cut_request, context, tail)
+            return reply
+
+        async with aclosing(routed_put_stream.stored(requests, cut, store, ROUTED_PUT_DEPTH)) as replies:
+            async for reply in replies:
+                yield reply
 
     def _commit(self, batches: list[PutBatch]) -> Awaitable[list[PutResult]]:
         """Batches of a stream, in order, in one durable transaction on the tier's executor."""
