@@ -10,20 +10,47 @@ from pathlib import Path
 
 def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvstore.cli", "bench", "lookup", "--json", "--tokens", "8192", "--new-tokens", "256",
-         "--repeat", "2", "--list-tokens", "--dir", str(tmp_path)],
-        capture_output=True, text=True, check=True, timeout=240).stdout
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli",
+            "bench",
+            "lookup",
+            "--json",
+            "--tokens",
+            "8192",
+            "--new-tokens",
+            "256",
+            "--repeat",
+            "2",
+            "--list-tokens",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=240,
+    ).stdout
     report = json.loads(out)
     figures = {f["name"]: f for f in report["figures"]}
-    turn = "lookup next turn of 8,192 tokens (+256) over gRPC, chain memo"
-    assert {f"{turn} + anchor", f"{turn} + anchor (vs raw echo)", f"{turn} + anchor, tokens as a list",
-            f"{turn} only (whole chain sent)",
-            "lookup next turn of 8,192 tokens (+256), its request by a bare stub (vs raw echo)",
-            "lookup next turn of 8,192 tokens (+256), its request by a bare stub, back to back (vs raw echo)",
-            "lookup next turn of 8,192 tokens (+256), the client's chain memo alone",
-            "lookup 8,192 tokens cold over gRPC, hashes packed",
-            "lookup 8,192 tokens cold over gRPC, hashes packed (vs server)",
-            "lookup 8,192 tokens cold from tokens (every token hashed)"} <= figures.keys()
+    nt = "lookup next turn of 8,192 tokens (+256)"
+    turn = f"{nt} over gRPC, chain memo"
+    assert {
+        f"{turn} + anchor",
+        f"{turn} + anchor (vs raw echo)",
+        f"{turn} + anchor, tokens as a list",
+        f"{turn} only (whole chain sent)",
+        "lookup next turn of 8,192 tokens (+256), its request by a bare stub (vs raw echo)",
+        "lookup next turn of 8,192 tokens (+256), its request by a bare stub, back to back (vs raw echo)",
+        "lookup next turn of 8,192 tokens (+256), the client's chain memo alone",
+        f"{nt}, the memo overlapped: the echo's stream opened before it (vs serial)",
+        f"{nt}, the memo overlapped: the echo pinged before it (vs serial)",
+        f"{nt}, C1's compare on a worker while the request flies (vs compared first)",
+        "lookup 8,192 tokens cold over gRPC, hashes packed",
+        "lookup 8,192 tokens cold over gRPC, hashes packed (vs server)",
+        "lookup 8,192 tokens cold from tokens (every token hashed)",
+    } <= figures.keys()
     for f in figures.values():
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
         assert f["value"] > 0 and f["baseline_value"] > 0 and f["baseline"]
