@@ -11,9 +11,10 @@ shared box, so each round runs, back to back on the same payload shape (the peer
    `batch_get_into`, master and a second client process, TCP);
 3. `kvstore bench transfer --block-tokens 256 --batches 512 --small '' --gpu off` (gRPC
    fetch, bulk fetch, the one-copy TCP transport's fetch, and Mooncake's transfer engine read
-   of the same bytes, the last three in turns inside the bench);
-4. `python -m kvstore.bench.transfer_socket`: a one-copy socket prototype's ceiling (no kvstore
-   code), with and without a checksum pass, set against `resp://` apart from kvstore's paths.
+   of the same bytes, the last three in turns inside the bench).
+
+(A fourth step, a one-copy socket prototype's ceiling, went with the prototype once the one-copy
+TCP transport, step 3's "tcp fetch", replaced it.)
 
 Each step's load average is taken before it starts. Peers report a median of their runs
 and every run; kvstore's bench keeps the best of `--repeat`: the table sets best against
@@ -143,18 +144,11 @@ def kvstore_transfer(reps: int) -> dict[str, float]:
     return figures
 
 
-def socket_ceiling(reps: int) -> dict[str, float]:
-    """The one-copy socket prototype (`kvstore.bench.transfer_socket`) on the same payload: best GB/s."""
-    out = _run([sys.executable, "-m", "kvstore.bench.transfer_socket", "--json", "--repeat", str(reps),
-                "--total-mib", str(TOTAL_BYTES >> 20), "--value-bytes", str(VALUE_BYTES)], 900)
-    return {f"{name} best": out[name]["gbps_best"] for name in ("unverified", "verified")}
-
-
 def round_once(peers: Path, reps: int, skip: set[str]) -> dict[str, Any]:
     """One round: LMCache resp://, Mooncake Store, kvstore, each with the load average before it."""
     out: dict[str, Any] = {}
     for name, fn in (("lmcache", lambda: lmcache_resp(peers, reps)), ("mooncake", lambda: mooncake_store(peers, reps)),
-                     ("kvstore", lambda: kvstore_transfer(reps)), ("socket", lambda: socket_ceiling(reps))):
+                     ("kvstore", lambda: kvstore_transfer(reps))):
         if name in skip:
             continue
         before = load()
@@ -183,14 +177,12 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     raw = kv.get("mooncake engine raw read (in turns with bulk)")
     if raw:
         out["best / Mooncake engine raw batch read"] = best / raw
-    lmc, verified = r.get("lmcache", {}).get("resp get best"), r.get("socket", {}).get("verified best")
+    lmc = r.get("lmcache", {}).get("resp get best")
     tcp = kv.get("tcp fetch")
     if tcp and lmc:  # the TCP transport on its own, whichever path was best
         out["tcp fetch / LMCache resp:// get"] = tcp / lmc
     if tcp and raw:
         out["tcp fetch / Mooncake engine raw batch read"] = tcp / raw
-    if lmc and verified:  # a prototype, not a kvstore path: what a one-copy transport could reach
-        out["one-copy socket prototype (verified) / LMCache resp:// get"] = verified / lmc
     return out
 
 
@@ -200,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3, help="runs per figure in each bench (default 3)")
     parser.add_argument("--peers", default=None, help="the peers' folder (default ../shared/peers)")
-    parser.add_argument("--skip", default="", help="comma list of lmcache, mooncake, kvstore, socket to leave out")
+    parser.add_argument("--skip", default="", help="comma list of lmcache, mooncake, kvstore to leave out")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     peers = peers_dir(args.peers)
