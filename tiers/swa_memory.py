@@ -68,6 +68,7 @@ class _Entry:
     #: Shared-memory readers copying it now (`locate(pin=True)` until `unpin`): its range is not reused
     #: before they are done, even if it expires or is evicted meanwhile (`dropped`).
     pins: int = 0
+    #: Out of the index (replaced, deleted, expired or evicted): never sealed after, freed once unpinned.
     dropped: bool = False
     #: A shared-memory put committed without its checksum yet: makes its header from the checksum
     #: (`_seal`, by the sealing thread or the first reader, whichever comes first).
@@ -181,10 +182,11 @@ class MemoryPool(SwaPool):
     def _drop(self, key: bytes) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.length
-        if entry.pins:
-            entry.dropped = True  # gone from the index; its range is freed by the last unpin
-        else:
-            self._free(entry)
+        # Gone from the index, pinned or not: the sealing thread may still hold it in its queue, and must
+        # skip it there (sealing a freed entry would write its header over whatever took its range).
+        entry.dropped = True
+        if not entry.pins:
+            self._free(entry)  # else the last unpin frees it
 
     def _sweep(self, now: float) -> None:
         # Before any arena is asked for: never one a caller is about to allocate in.

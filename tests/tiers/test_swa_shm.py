@@ -243,6 +243,27 @@ def test_the_sealing_thread_seals_committed_records(pool: MemoryPool) -> None:
     assert opened is not None and opened.data == data
 
 
+def test_a_record_replaced_before_the_sealing_thread_came_to_it_is_never_sealed(pool: MemoryPool,
+                                                                               loop_thread: Any) -> None:
+    """A shared-memory put replaced while still queued for the sealing thread frees its range at once; the
+    thread must skip it, or it writes the old record's header over whatever took that range (bench swa's
+    'snapshot missing during the benchmark': a gateway put replacing a shared-memory one, then corrupt)."""
+    from tests.waiting import wait_until
+
+    data = os.urandom(1 << 20)  # two fit the pool's cap; the pool never opens a record
+    k = key("a", 1)
+    span = _unsealed_put(pool, k, data)  # no sealing thread runs yet: queued, unsealed
+    replacement = b"p" * (HEADER_BYTES + len(data))
+    loop_thread.run(pool.put_many([(k, replacement)], 60))  # the gateway's put of the same key
+    assert pool.locate([k])[0].offset == span.offset  # type: ignore[union-attr]  # it took the freed range
+    pool.shm_server(Hooks())  # starts the sealing thread
+    later = _unsealed_put(pool, key("a", 2), data).offset
+    arena = pool.arena(namespace_id("a"))
+    # The thread takes its queue in order: once the later put is sealed, it has been past the replaced one.
+    wait_until(lambda: arena.read(later, 4) == b"SWA2", "the sealing thread sealed the later put")
+    assert loop_thread.run(pool.get_many([k])) == [replacement]
+
+
 def test_an_arena_that_cannot_be_made_is_a_counted_miss(pool: MemoryPool, loop_thread: Any,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.errors import Unavailable
