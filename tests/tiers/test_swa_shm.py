@@ -224,20 +224,13 @@ def test_a_record_committed_unsealed_is_sealed_before_anyone_reads_it(pool: Memo
 
 
 def test_the_sealing_thread_seals_committed_records(pool: MemoryPool) -> None:
-    import time
-
-    class Hooks:
-        def admit(self, tenant: str) -> None: ...
-        def got(self, grant: ShmGrant, keys: Sequence[bytes], found: int, corrupt: int) -> None: ...
-        def put(self, grant: ShmGrant, keys: Sequence[bytes], stored: int, nbytes: int) -> None: ...
+    from tests.waiting import wait_until
 
     pool.shm_server(Hooks())  # starts the sealing thread
     data = os.urandom(2_703_360)
     offset = _unsealed_put(pool, key("a", 2), data).offset
     arena = pool.arena(namespace_id("a"))
-    deadline = time.monotonic() + 10
-    while arena.read(offset, 4) != b"SWA2" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: arena.read(offset, 4) == b"SWA2", "the sealing thread sealed the put")
     record = arena.read(offset, HEADER_BYTES + len(data))  # read straight from the arena, not through the pool
     opened = unseal(record, V4_1_FLASH)
     assert opened is not None and opened.data == data
