@@ -372,14 +372,14 @@ class FleetStore:
                                       "needs run_key: the run's first fleet hash (kvstore.Client sends it)")
             run = RunPlacement(run=pos // self.run_blocks, first_block=0, end_block=n,
                                replicas=self._replicas(key, route.namespace))
-            yield GetPart(offset=i, run=run, key=key, hashes=hashes[i:i + n], at_start=pos % self.run_blocks == 0)
+            yield GetPart(offset=i, run=run, key=key, hashes=hashes[i:i + n], run_offset=pos % self.run_blocks)
             i += n
 
     def _read_part(self, pool: NodePool, refresher: Refresher, part: GetPart) -> Iterator[tuple[int, int, bytes]]:
-        # F34: the copies not read are refreshed where the part starts at the run's first block (a
-        # part from inside a run lacks the hashes from there; its run's earlier reads refreshed them).
+        # The copies not read are refreshed: by the hashes from the run's first block where the part starts
+        # there (F34), else at the deepest block read, anchored at its depth in the run (F68a).
         for index, status, data in stream_run_part(pool, part.run, part.key, part.hashes, retry=self.retry,
-                                                   refresher=refresher if part.at_start else None):
+                                                   refresher=refresher, run_offset=part.run_offset):
             yield part.offset + index, status, data
 
     # -- what a gateway does not serve (tiers.store.BlockStore by storage key) --------------------
@@ -435,8 +435,8 @@ class GetPart:
     #: The run's first fleet hash: where it is placed and its read order's key.
     key: bytes
     hashes: Sequence[bytes]
-    #: It starts at the run's first block (its other copies are then refreshed, F34).
-    at_start: bool
+    #: Index in its run of the part's first block (0: it starts at the run's first block, F34; else F68a).
+    run_offset: int
 
 
 def _put_on(pool: NodePool, node: str, request: pb.PutRequest) -> pb.PutResponse:

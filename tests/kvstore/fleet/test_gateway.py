@@ -181,6 +181,27 @@ def test_f37_a_get_through_a_gateway_refreshes_the_copy_it_did_not_read(fleet: F
         wait_until(refreshed, "the unread replica's refresh Lookup")
 
 
+def test_f68a_a_get_through_a_gateway_from_inside_a_run_refreshes_the_copy_it_did_not_read(fleet: Fleet) -> None:
+    """F68a through a gateway: a Get of blocks 5-6 (run 1 from its block 1) queues, on run 1's replica that
+    served none of it, a refresh anchored at the deepest block read: that node's Lookup finds 3 blocks' tokens."""
+    tokens = prompt(RUN_TOKENS * 3)
+    with kvstore.Client(fleet.gateways[0].target) as plain, fleet_client(fleet) as routed:
+        plain.put(tokens, blocks(3 * RUN_BLOCKS, plain.block_bytes))
+        run = routed.placement(plain.hashes(tokens))[1]
+        before = routed.node_stats()
+        assert plain.get(tokens, first_block=5, num_blocks=2).found_prefix_blocks == 2
+
+        def unread_replica_refreshed() -> bool:
+            now = routed.node_stats()
+            unread = [n for n in run.replicas if now[n].gets == before[n].gets]
+            return len(unread) == 1 and now[unread[0]].lookups > before[unread[0]].lookups
+
+        wait_until(unread_replica_refreshed, "run 1's unread replica's anchored refresh Lookup")
+        after = routed.node_stats()
+        [unread] = [n for n in run.replicas if after[n].gets == before[n].gets]
+        assert after[unread].lookup_tokens_found - before[unread].lookup_tokens_found == 3 * BLOCK_TOKENS
+
+
 def test_f38_bad_requests_through_a_gateway_are_named(fleet: Fleet) -> None:
     """F38: a Put inside a run without its run key is INVALID_ARGUMENT naming it; a Get likewise."""
     tokens = prompt(2 * RUN_TOKENS)
