@@ -31,17 +31,26 @@ A next turn's answer shares the kept hashes rather than copying them (C6, `chain
 the byte compare is its new blocks', not one reference per block of the whole prompt
 (15,625 for a million tokens, each a cache miss: ~0.1-0.3 ms). `hashes` returns a list,
 as ever.
+
+A next turn's Lookup need not wait for C1's compare (C7, `guess`): the kept chain whose last
+block's bytes the prompt repeats at the same place is a guess, its new blocks are hashed from
+its last hash and the request sent while a worker runs the compare (`holds`: libc's memcmp,
+the GIL released); the chain is reused (`take`) only when the compare holds, else the guess is
+dropped (`refuse`) and the prompt goes through `chain` as any other.
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
+
+import numpy as np
 
 from kvstore.prefix import HASH_BYTES, ExtraKey, chain_hashes_of_bytes, extra_keys_tail, token_buffer
 
@@ -55,6 +64,21 @@ DEFAULT_MIN_BLOCKS = 16
 _ENTRY_OVERHEAD_BYTES = 256
 #: Pieces a kept chain's hashes are held in before they are joined into one (one per turn that extended it).
 MAX_PIECES = 32
+
+
+def _libc_memcmp() -> Any:
+    """libc's memcmp through ctypes, which releases the GIL for the call (`bytes.startswith` holds it), or
+    None where there is no libc to load (then `holds` compares with `startswith`)."""
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):
+        return None
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    memcmp.restype = ctypes.c_int
+    return memcmp
+
+
+_MEMCMP = _libc_memcmp()
 
 
 class HashChain(Sequence[bytes]):
@@ -103,6 +127,11 @@ class HashChain(Sequence[bytes]):
     def __iter__(self) -> Iterator[bytes]:
         return itertools.chain.from_iterable(self._pieces)
 
+    @property
+    def pieces(self) -> tuple[tuple[bytes, ...], ...]:
+        """The tuples the hashes are held in, in order."""
+        return self._pieces
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, HashChain | list | tuple):
             return len(other) == self._len and all(a == b for a, b in zip(self, other, strict=True))
@@ -123,6 +152,10 @@ class MemoStats:
     reused_blocks: int
     entries: int
     size_bytes: int
+    #: Guesses whose compare held (their reply used, C7); counted in `hits` too.
+    guesses_held: int = 0
+    #: Guesses whose compare failed (their reply dropped, the prompt looked up the safe way, C7).
+    guesses_refused: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,6 +185,26 @@ class _Chain:
             at += len(segment)
         return True
 
+    def is_prefix_of_released(self, raw: memoryview) -> bool:
+        """`is_prefix_of`, each segment compared by libc's memcmp with the GIL released (C7: run by a worker
+        while the caller's thread sends the request)."""
+        if _MEMCMP is None:
+            return self.is_prefix_of(raw)
+        if self.length > len(raw):
+            return False
+        # The array holds the caller's buffer (a view of it, no copy) until the compare is done.
+        address = np.frombuffer(raw, dtype=np.uint8).ctypes.data
+        at = 0
+        for segment in self.segments:
+            if _MEMCMP(segment, address + at, len(segment)) != 0:
+                return False
+            at += len(segment)
+        return True
+
+    def ends_like(self, raw: memoryview, step: int) -> bool:
+        """Whether `raw` holds this chain's last block's bytes at the same place (C7's guess, not C1)."""
+        return self.length <= len(raw) and self.segments[-1].endswith(raw[self.length - step:self.length])
+
     @property
     def size_bytes(self) -> int:
         return self.length + HASH_BYTES * self.blocks + _ENTRY_OVERHEAD_BYTES
@@ -162,8 +215,22 @@ class _Chain:
         return self.pieces[-1][-1]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Guess:
+    """A next turn's candidate chain before C1's compare (`ChainMemo.guess`, C7): nothing is reused on it until
+    `ChainMemo.holds` says the prompt begins with its tokens."""
+
+    base: _Chain
+    #: The prompt's token bytes: a view of the caller's array where it holds them (valid while it is unchanged).
+    raw: memoryview
+    #: Bytes of the prompt's full blocks.
+    full: int
+    root: bytes
+    tail: bytes
+
+
 class ChainMemo:
-    """Chains hashed before, reused for prompts that begin with their tokens (module docstring: C1-C6).
+    """Chains hashed before, reused for prompts that begin with their tokens (module docstring: C1-C7).
 
     Args:
         block_tokens: tokens per block of every chain hashed here.
@@ -184,6 +251,7 @@ class ChainMemo:
         self._chains: OrderedDict[tuple[bytes, bytes, bytes], _Chain] = OrderedDict()
         self._size_bytes = 0
         self._hits = self._misses = self._reused_blocks = 0
+        self._guesses_held = self._guesses_refused = 0
 
     def hashes(self, tokens: Sequence[int], *, root: bytes, extra_keys: Sequence[ExtraKey] = ()) -> list[bytes]:
         """`kvstore.prefix.chain_hashes(tokens, block_tokens, parent=root, extra_keys)`, from a kept chain
@@ -215,16 +283,21 @@ class ChainMemo:
         if base is None:
             pieces: tuple[tuple[bytes, ...], ...] = (
                 tuple(chain_hashes_of_bytes(view[:full], block_tokens=self.block_tokens, parent=root, tail=tail)),)
-        elif base.length < full:
-            new = chain_hashes_of_bytes(view[base.length:full], block_tokens=self.block_tokens, parent=base.last,
-                                        tail=tail)
-            pieces = (*base.pieces, tuple(new))
-            if len(pieces) > MAX_PIECES:  # a long conversation's turns: joined once, then shared again
-                pieces = (tuple(itertools.chain.from_iterable(pieces)),)
         else:
-            pieces = base.pieces
+            pieces = self._pieces_after(base, view, full, tail)
         self._keep(root, tail, view[:full], pieces, base)
         return HashChain(pieces)
+
+    def _pieces_after(self, base: _Chain, raw: memoryview, full: int, tail: bytes) -> tuple[tuple[bytes, ...], ...]:
+        """The hashes of `raw`'s `full` bytes of blocks, which begin with `base`'s: its pieces, then the blocks
+        after them hashed from its last hash."""
+        if base.length == full:
+            return base.pieces
+        new = chain_hashes_of_bytes(raw[base.length:full], block_tokens=self.block_tokens, parent=base.last, tail=tail)
+        pieces = (*base.pieces, tuple(new))
+        if len(pieces) > MAX_PIECES:  # a long conversation's turns: joined once, then shared again
+            pieces = (tuple(itertools.chain.from_iterable(pieces)),)
+        return pieces
 
     def kept_tokens(self, tokens: Sequence[int], *, root: bytes, extra_keys: Sequence[ExtraKey] = ()) -> int:
         """How many of `tokens` a kept chain of this root and keys covers: C1's byte compare alone, as `chain`
@@ -238,11 +311,64 @@ class ChainMemo:
                                     count=False)
         return 0 if best is None else best.length // 4
 
+    def guess(self, tokens: Sequence[int], *, root: bytes, extra_keys: Sequence[ExtraKey] = ()) -> Guess | None:
+        """The kept chain of this root and keys a next turn most likely extends (C7): the longest whose last
+        block's bytes `tokens` repeats at the same place. Nothing is compared in full, reused or counted: see
+        `holds`, `extend`, `take`, `refuse`. None when no kept chain ends like the prompt.
+
+        Raises:
+            InvalidArgument: a bad token id or extra key (as `chain_hashes`).
+        """
+        tail = extra_keys_tail(extra_keys)
+        raw = token_buffer(tokens)
+        step = 4 * self.block_tokens
+        full = len(raw) - len(raw) % step
+        if full < step * max(self.min_blocks, 1):
+            return None
+        view = memoryview(raw)
+        with self._lock:
+            candidates = [chain for key, chain in self._chains.items() if key[0] == root and key[1] == tail]
+        best = None
+        for chain in candidates:
+            if (best is None or chain.length > best.length) and chain.length <= full and chain.ends_like(view, step):
+                best = chain
+        return None if best is None else Guess(base=best, raw=view, full=full, root=root, tail=tail)
+
+    @staticmethod
+    def holds(guess: Guess) -> bool:
+        """C1 for the guess: whether the prompt begins with exactly its chain's token bytes (a memcmp per
+        segment, the GIL released: a worker runs it while the request flies)."""
+        return guess.base.is_prefix_of_released(guess.raw)
+
+    def extend(self, guess: Guess) -> HashChain:
+        """The prompt's chain if the guess holds: its kept hashes, then the blocks after them hashed from its
+        last hash (what `chain` would answer; nothing kept or counted)."""
+        return HashChain(self._pieces_after(guess.base, guess.raw, guess.full, guess.tail))
+
+    def take(self, guess: Guess, chain: HashChain) -> None:
+        """The guess held (`holds` answered True): count it as `chain`'s hit would be and keep `chain`, the
+        prompt's chain from `extend` (C4: it replaces the one it extends)."""
+        with self._lock:
+            key = (guess.root, guess.tail, guess.base.last)
+            if key in self._chains:
+                self._chains.move_to_end(key)
+            self._hits += 1
+            self._guesses_held += 1
+            self._reused_blocks += guess.base.blocks
+        self._keep(guess.root, guess.tail, guess.raw[:guess.full], chain.pieces, guess.base)
+
+    def refuse(self, guess: Guess) -> None:
+        """The guess's compare failed: nothing of it is kept; only the count moves (the prompt is then looked
+        up through `chain`, which counts its own hit or miss)."""
+        with self._lock:
+            self._guesses_refused += 1
+
     def stats(self) -> MemoStats:
         """The counters and what is kept now."""
         with self._lock:
             return MemoStats(hits=self._hits, misses=self._misses, reused_blocks=self._reused_blocks,
-                             entries=len(self._chains), size_bytes=self._size_bytes)
+                             entries=len(self._chains), size_bytes=self._size_bytes,
+                             guesses_held=self._guesses_held, guesses_refused=self._guesses_refused)
 
     def clear(self) -> None:
         """Forget every chain (the counters stay)."""

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Self
 
 from kvstore.client import arguments
 from kvstore.client.blocks import stream_blocks
-from kvstore.client.chain_memo import DEFAULT_MAX_BYTES
+from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, HashChain
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
@@ -104,6 +104,10 @@ class Client:
     of the server's status otherwise.
     """
 
+    #: A next turn's Lookup is sent on the chain memo's guess while C1's compare runs on a worker (C7); False:
+    #: the compare first, then the request (the serial path, `kvstore bench lookup`'s baseline for it).
+    overlap_compare: bool = True
+
     def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Client:
         """The class of `target`'s scheme (`ADDRESS_SCHEMES`: a fleet client for etcd://), else this one."""
         if cls is Client and isinstance(target, str) and "://" in target:
@@ -134,6 +138,9 @@ class Client:
         swa = self.__dict__.get("swa")  # the cached property, only if something used it
         if swa is not None:
             swa.close()
+        worker = self.__dict__.get("_compare_worker")  # likewise (C7's compares)
+        if worker is not None:
+            worker.shutdown(wait=False)
         self.connection.close()
 
     def __enter__(self) -> Self:
@@ -173,10 +180,17 @@ class Client:
                 same-host reader can open their stores (docs/PLANNER.md "Where a prefix lives").
         """
         swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
+        lease_ms = arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX)
+        keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
+        if not (swa_positions or lease_ms or keep_until_s) and self._may_guess():
+            # C7: a plain next turn is sent on the memo's guess while C1's compare runs on a worker.
+            found = self._lookup_guessed(tokens, arguments.extra_keys(extra_keys), swa_resume_limit, hosts)
+            if found is not None:
+                return found
         swa_keys = self.swa.keys(tokens, swa_positions, extra_keys=extra_keys) if swa_positions else []
         return self._lookup(self.connection.chain(tokens, extra_keys=extra_keys), lease_ms=lease_ms, swa_keys=swa_keys,
                             swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
-                            keep_until_s=arguments.keep_time(keep_until_s), hosts=arguments.flag(hosts, "hosts"))
+                            keep_until_s=keep_until_s, hosts=hosts)
 
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
                       swa_positions: Sequence[int] = (), swa_resume_limit: int = 0, keep_until_s: float = 0.0,
@@ -209,33 +223,50 @@ class Client:
                 swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0,
                 hosts: bool = False) -> LookupResult:
         """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""
-        swa_keys = arguments.hashes(swa_keys, "swa_keys")
-        swa_positions = [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)]
-        lease_ms = arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX)
-        swa_resume_limit = arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)
-        if not hashes and not swa_keys:
+        fields = self._lookup_fields(lease_ms=lease_ms, swa_keys=swa_keys, swa_positions=swa_positions,
+                                     swa_resume_limit=swa_resume_limit, keep_until_s=keep_until_s, hosts=hosts)
+        if not hashes and not fields["swa_keys"]:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
-        fields: dict[str, Any] = {"geometry": self.geometry, "namespace": self.namespace, "lease_ms": lease_ms,
-                                  "swa_keys": swa_keys, "swa_positions": swa_positions,
-                                  "swa_resume_limit": swa_resume_limit, "keep_until_s": keep_until_s,
-                                  "want_hosts": hosts}
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
-        retry = self.retry if not lease_ms else Retry(retries=0)
+        retry = self.retry if not fields["lease_ms"] else Retry(retries=0)
         conn = self.connection
         anchored = conn.anchors.best(hashes) if conn.lookup_anchors else 0
-        reply = None
-        if anchored:  # a next turn: name the chain the server found before, send only what follows it
-            request = pb.LookupRequest(anchor_hash=hashes[anchored - 1], anchor_blocks=anchored,
-                                       block_hashes_packed=b"".join(hashes[anchored:]), **fields)
-            reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
-            if reply.anchor_unknown:  # forgotten (or a restarted server): send the whole chain
-                conn.anchors.forget(hashes[anchored - 1])
-                reply = None
+        reply = self._anchored_call(hashes, anchored, fields, retry) if anchored else None
         if reply is None:
             # One packed field where the server reads it: one parse on each side, not one per hash.
             chain = {"block_hashes_packed": b"".join(hashes)} if conn.lookup_packed_hashes else {"block_hashes": hashes}
             request = pb.LookupRequest(**chain, **fields)
             reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+            anchored = 0
+        return self._found(reply, hashes, anchored, hosts)
+
+    def _lookup_fields(self, *, lease_ms: int, swa_keys: Sequence[bytes], swa_positions: Sequence[int],
+                       swa_resume_limit: int, keep_until_s: float, hosts: bool) -> dict[str, Any]:
+        """A LookupRequest's fields other than the chain, checked."""
+        return {"geometry": self.geometry, "namespace": self.namespace,
+                "lease_ms": arguments.integer(lease_ms, "lease_ms", most=_UINT32_MAX),
+                "swa_keys": arguments.hashes(swa_keys, "swa_keys"),
+                "swa_positions": [arguments.integer(p, f"swa_positions[{i}]") for i, p in enumerate(swa_positions)],
+                "swa_resume_limit": arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1),
+                "keep_until_s": keep_until_s, "want_hosts": hosts}
+
+    def _anchored_call(self, hashes: Sequence[bytes], anchored: int, fields: dict[str, Any],
+                       retry: Retry) -> pb.LookupResponse | None:
+        """A next turn's request: the anchor (the chain the server found before, `anchored` blocks) and the
+        hashes after it; None when the server has forgotten the anchor (A4: then forgotten here too)."""
+        conn = self.connection
+        request = pb.LookupRequest(anchor_hash=hashes[anchored - 1], anchor_blocks=anchored,
+                                   block_hashes_packed=b"".join(hashes[anchored:]), **fields)
+        reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+        if reply.anchor_unknown:  # forgotten (or a restarted server): the caller sends the whole chain
+            conn.anchors.forget(hashes[anchored - 1])
+            return None
+        return reply  # type: ignore[no-any-return]
+
+    def _found(self, reply: pb.LookupResponse, hashes: Sequence[bytes], anchored: int, hosts: bool) -> LookupResult:
+        """The result of `reply` to the Lookup of `hashes` (anchored at `anchored` blocks, 0: none); its found
+        chain noted as an anchor for the next turn."""
+        conn = self.connection
         if conn.lookup_anchors and reply.found_blocks:
             conn.anchors.note(hashes[reply.found_blocks - 1], reply.found_blocks,
                               replaces=hashes[anchored - 1] if anchored else b"")
@@ -244,6 +275,52 @@ class Client:
                             swa_position=reply.swa_position if reply.swa_found else None,
                             swa_resume_tokens=reply.swa_resume_tokens if reply.swa_found else None,
                             kept_until_s=reply.kept_until_s, keep_note=reply.keep_note, hosts=hosts_of(reply))
+
+    # -- a next turn overlapped with C1's compare (docs/PREFIX_HASHING.md C7) ----
+
+    def _may_guess(self) -> bool:
+        """Whether a Lookup of tokens may go on the memo's guess: one server that reads anchors, a memo, an
+        anchor noted (a next turn's request is the anchor and the new hashes)."""
+        conn = self.connection
+        return (self.overlap_compare and conn.lookup_anchors and conn.fleet_chains is None
+                and conn.chain_memo.max_bytes > 0 and len(conn.anchors) > 0)
+
+    def _lookup_guessed(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey], swa_resume_limit: int,
+                        hosts: bool) -> LookupResult | None:
+        """A next turn without lease, pin or SWA: the memo's guess's new blocks hashed and its anchored request
+        sent while a worker runs C1's compare; the reply used only if the compare holds. None when there is no
+        guess or anchor, or the compare failed: the caller then looks up the safe way (the memo's `chain`)."""
+        conn, memo = self.connection, self.connection.chain_memo
+        guess = memo.guess(tokens, root=conn.root, extra_keys=extra_keys)
+        anchored = conn.anchors.best(HashChain(guess.base.pieces)) if guess is not None else 0
+        if guess is None or not anchored:
+            return None
+        fields = self._lookup_fields(lease_ms=0, swa_keys=[], swa_positions=[], swa_resume_limit=swa_resume_limit,
+                                     keep_until_s=0.0, hosts=hosts)
+        compare = self._compare_worker.submit(memo.holds, guess)
+        error: KVStoreError | None = None
+        try:
+            chain = memo.extend(guess)
+            reply = self._anchored_call(chain, anchored, fields, self.retry)
+        except KVStoreError as exc:  # raised below only if the guess holds: a wrong guess's error is not the answer
+            error, reply = exc, None
+        finally:
+            held = compare.result()  # always awaited: the worker reads the caller's tokens
+        if not held:
+            memo.refuse(guess)
+            return None
+        if error is not None:
+            raise error
+        memo.take(guess, chain)
+        if reply is None:  # A4: the anchor forgotten; the chain is right, so it is looked up the usual way
+            return self._lookup(chain, lease_ms=0, swa_keys=[], swa_positions=[], swa_resume_limit=swa_resume_limit,
+                                hosts=hosts)
+        return self._found(reply, chain, anchored, hosts)
+
+    @cached_property
+    def _compare_worker(self) -> ThreadPoolExecutor:
+        """The thread that runs a guessed next turn's C1 compare while the caller's thread sends the request."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-c1-compare")
 
     @cached_property
     def swa(self) -> SwaClient:
