@@ -5,6 +5,7 @@ commit is held (ordering, not timing) so that the others arrive while it runs.""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import os
 import threading
@@ -21,6 +22,7 @@ from kvstore.config import StoreSettings
 from kvstore.errors import FailedPrecondition
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
+from tests.waiting import wait_until
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
 from tiers.store import PutBatch, PutResult
 
@@ -132,3 +134,75 @@ def test_the_servers_unary_puts_share_a_commit_while_one_runs(server: Any) -> No
         for f in [first, *rest]:
             f.result(timeout=30)
     assert commits == [1, 2], commits
+
+
+def test_a_put_is_planned_and_committed_in_one_call_on_the_tiers_executor(tier: CountedTier) -> None:
+    """One hop: with no commit running, the plan and the commit run in the same call, on the tier's thread."""
+    tier.let_go.set()  # no commit held here
+    threads: dict[str, int] = {}
+    real = tier.put_many
+
+    def put_many(batches: Sequence[PutBatch]) -> list[PutResult]:
+        threads["commit"] = threading.get_ident()
+        return real(batches)
+
+    tier.put_many = put_many  # type: ignore[method-assign]
+
+    def plan() -> PutBatch:
+        threads["plan"] = threading.get_ident()
+        assert threading.current_thread().name.startswith("lmdb"), threading.current_thread().name
+        return batch(0)
+
+    async def main() -> tuple[PutBatch, PutResult]:
+        return await PutGroups(tier).plan_and_put(plan)
+
+    planned, result = asyncio.run(main())
+    assert threads["plan"] == threads["commit"]
+    assert result.written_blocks == 2 and planned.hashes == batch(0).hashes
+    assert [s for s, _ in tier.read([SCOPE.key(h) for h in planned.hashes])] == [ReadStatus.FOUND] * 2
+
+
+def test_puts_planned_while_a_commit_runs_share_the_next_and_a_bad_plan_fails_alone(tier: CountedTier) -> None:
+    later = [batch(i * 100) for i in range(4)]
+
+    def refused() -> PutBatch:
+        raise FailedPrecondition("a plan's own error")
+
+    async def main() -> list[Any]:
+        groups = PutGroups(tier)
+        first = asyncio.ensure_future(groups.plan_and_put(lambda: batch(10_000)))
+        assert await asyncio.to_thread(tier.entered.wait, 30)
+        plans: list[Any] = [(lambda b=b: b) for b in later]
+        plans.insert(2, refused)
+        rest = [asyncio.ensure_future(groups.plan_and_put(p)) for p in plans]
+        # Planned on the executor's other threads: released once all four are queued behind the held commit.
+        await asyncio.to_thread(wait_until, lambda: groups.waiting == 4, "four planned Puts queued")
+        tier.let_go.set()
+        return await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 30)
+
+    outcomes = asyncio.run(main())
+    assert isinstance(outcomes[3], FailedPrecondition) and "own error" in str(outcomes[3])
+    stored = [o for i, o in enumerate(outcomes) if i != 3]
+    assert [r.written_blocks for _, r in stored] == [2] * 5
+    assert tier.commits == [1, 4]  # the four planned meanwhile went in one transaction
+    assert sorted(b.hashes[0] for b, _ in stored[1:]) == sorted(b.hashes[0] for b in later)
+    keys = [SCOPE.key(h) for b in later for h in b.hashes]
+    assert [s for s, _ in tier.read(keys)] == [ReadStatus.FOUND] * len(keys)
+
+
+def test_a_put_is_planned_in_its_callers_context(tier: CountedTier) -> None:
+    """The plan reads the call's context (its caller, hence its tenant's namespace), as on `asyncio.to_thread`."""
+    tier.let_go.set()
+    caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="nobody")
+    seen: list[str] = []
+
+    def plan() -> PutBatch:
+        seen.append(caller.get())
+        return batch(0)
+
+    async def main() -> None:
+        caller.set("acme")
+        await PutGroups(tier).plan_and_put(plan)
+
+    asyncio.run(main())
+    assert seen == ["acme"]
