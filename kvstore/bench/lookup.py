@@ -42,7 +42,9 @@ A third way moves C1's compare off the critical path instead: the new blocks has
 kept chain's last hash, the request sent, and the compare of the prompt with a kept copy of
 the turn before's tokens made by a worker thread meanwhile (libc's memcmp through ctypes, the
 GIL released), against the same pieces in series. The echo stands for the server so that no
-proto method or client path is added before the probe says it pays.
+proto method or client path is added before the probe says it pays. It did: `Client.lookup` now takes
+that path (docs/PREFIX_HASHING.md C7), timed as the next turn against the same client with the overlap
+off (`overlap_compare`: the compare first, then the request).
 """
 
 from __future__ import annotations
@@ -144,6 +146,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     )
     report.notes["budget_ms"] = _budget(samples, server)
     report.notes["wire_bytes"] = wire
+    report.notes["overlap_compare"] = Client.overlap_compare  # C7 on by default here (the usable CPUs)
     _report(report, figures, len(turn), args)
     return report
 
@@ -202,10 +205,16 @@ def _next_turn(
         client.connection.lookup_anchors = True
         client.lookup(turn)
 
-    def memo_turn(form: Callable[[np.ndarray], Any], *, anchors: bool = True) -> Callable[[], None]:
+    default_overlap = client.overlap_compare  # C7's default on this machine (Client.OVERLAP_MIN_CPUS)
+
+    def memo_turn(
+        form: Callable[[np.ndarray], Any], *, anchors: bool = True, overlap: bool | None = None
+    ) -> Callable[[], None]:
         def call() -> None:
             client.connection.lookup_anchors = anchors
+            client.overlap_compare = default_overlap if overlap is None else overlap
             found = client.lookup(prompt)
+            client.overlap_compare = default_overlap
             if found.found_blocks != blocks:
                 raise RuntimeError(f"the next turn found {found.found_blocks} blocks, expected {blocks}")
 
@@ -267,6 +276,10 @@ def _next_turn(
     calls: dict[str, Callable[[], object]] = {
         "turn_memo": memo_turn(lambda p: p),
         "echo_turn": lambda: echo(turn_raw),
+        # the same client with C7's overlap on and off (C1's compare on a worker while the request flies, or
+        # first, then the request): whichever the machine's default, both are timed
+        "turn_overlap": memo_turn(lambda p: p, overlap=True),
+        "turn_serial": memo_turn(lambda p: p, overlap=False),
         "turn_memo_only": memo_turn(lambda p: p, anchors=False),
         # the budget: the memo alone, the request without the client's
         # work, a one-block Lookup (the handler's fixed cost)
@@ -370,10 +383,12 @@ def _budget(samples: dict[str, list[float]], server: dict[str, list[float]]) -> 
         return statistics.median(times) * 1e3
 
     turn, chain, stub, echo = (ms(samples[k]) for k in ("turn_memo", "turn_chain", "turn_stub", "echo_turn"))
+    serial, overlap = ms(samples["turn_serial"]), ms(samples["turn_overlap"])
     return (
-        f"next turn {turn:.3f} = client memo {chain:.3f} (of it C1's compare {ms(samples['turn_compare']):.3f}) "
-        f"+ the anchored request by a bare stub {stub:.3f} "
-        f"(+ {turn - chain - stub:.3f} the client's other work / noise); the stub against the echo of its "
+        f"next turn {turn:.3f} (the client's default), {overlap:.3f} with C1's compare on a worker, {serial:.3f} "
+        f"serial = client memo {chain:.3f} "
+        f"(of it C1's compare {ms(samples['turn_compare']):.3f}) + the anchored request by a bare stub {stub:.3f} "
+        f"(+ {serial - chain - stub:.3f} the client's other work / noise); the stub against the echo of its "
         f"bytes {echo:.3f} after the same idle gap, {ms(samples['stub_b2b']):.3f} against "
         f"{ms(samples['echo_b2b']):.3f} back to back; a one-block Lookup {ms(samples['one_block']):.3f}; "
         f"server in-process: parse {ms(server['server_parse']) * 1e3:.1f} us, cut the new hashes "
@@ -454,6 +469,15 @@ def _report(report: Report, s: dict[str, float], tokens: int, args: argparse.Nam
             "ms",
             "same turn, today's client (every token hashed, repeated hashes)",
             ms["turn_today"],
+        )
+    )
+    report.add(
+        Figure.against(
+            f"lookup {turn} through Client.lookup, C1's compare on a worker (vs serial)",
+            ms["turn_overlap"],
+            "ms",
+            "the same client, the compare first, then the request (overlap_compare off)",
+            ms["turn_serial"],
         )
     )
     report.add(

@@ -9,6 +9,7 @@ subclass (`kvstore.errors`), never as a raw `grpc.RpcError` (the plumbing is
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,21 @@ _UINT32_MAX = 2**32 - 1
 #: Bytes of blocks per Put batch by default: big enough to amortise a call,
 #: small enough that the next batch's transfer overlaps this one's fsync.
 _PUT_BATCH_BYTES = 4 << 20
+#: CPUs this process may run on, at least, for C7's overlap (a next turn's request sent while a worker runs C1's
+#: compare) to be on by default (`Client.overlap_compare`): the compare needs a core besides the caller's, gRPC's
+#: I/O and, on loopback, the server's. On the 2-CPU dev box under other sessions' load it measured a wash in the
+#: median (docs/BENCHMARKS.md, `kvstore bench lookup`), the compare's core taken from the round trip.
+OVERLAP_MIN_CPUS = 4
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform says, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 #: Client classes by the scheme of their target ("etcd" -> kvstore.client.fleet.FleetClient, which
 #: registers itself); a target without a registered scheme is one server.
 ADDRESS_SCHEMES: dict[str, type[Client]] = {}
@@ -105,8 +121,9 @@ class Client:
     """
 
     #: A next turn's Lookup is sent on the chain memo's guess while C1's compare runs on a worker (C7); False:
-    #: the compare first, then the request (the serial path, `kvstore bench lookup`'s baseline for it).
-    overlap_compare: bool = True
+    #: the compare first, then the request (the serial path, `kvstore bench lookup`'s baseline for it). On by
+    #: default where the process may use `OVERLAP_MIN_CPUS` CPUs; set it on a client (or the class) to choose.
+    overlap_compare: bool = _usable_cpus() >= OVERLAP_MIN_CPUS
 
     def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Client:
         """The class of `target`'s scheme (`ADDRESS_SCHEMES`: a fleet client for etcd://), else this one."""
@@ -295,11 +312,11 @@ class Client:
         anchored = conn.anchors.best(HashChain(guess.base.pieces)) if guess is not None else 0
         if guess is None or not anchored:
             return None
-        fields = self._lookup_fields(lease_ms=0, swa_keys=[], swa_positions=[], swa_resume_limit=swa_resume_limit,
-                                     keep_until_s=0.0, hosts=hosts)
-        compare = self._compare_worker.submit(memo.holds, guess)
+        compare = self._compare_worker.submit(memo.holds, guess)  # first: the worker wakes while this thread works
         error: KVStoreError | None = None
         try:
+            fields = self._lookup_fields(lease_ms=0, swa_keys=[], swa_positions=[],
+                                         swa_resume_limit=swa_resume_limit, keep_until_s=0.0, hosts=hosts)
             chain = memo.extend(guess)
             reply = self._anchored_call(chain, anchored, fields, self.retry)
         except KVStoreError as exc:  # raised below only if the guess holds: a wrong guess's error is not the answer

@@ -38,6 +38,7 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     turn = f"{nt} over gRPC, chain memo"
     assert {
         f"{turn} + anchor",
+        f"{nt} through Client.lookup, C1's compare on a worker (vs serial)",
         f"{turn} + anchor (vs raw echo)",
         f"{turn} + anchor, tokens as a list",
         f"{turn} only (whole chain sent)",
@@ -61,4 +62,6 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     assert 4 * 32 < wire["turn_request"] < 128 * 32 < wire["cold_request"] and 0 < wire["turn_reply"] < 32
     assert "client memo" in report["notes"]["budget_ms"] and "anchored walk" in report["notes"]["budget_ms"]
     assert "C1's compare" in report["notes"]["budget_ms"]
+    assert "with C1's compare on a worker" in report["notes"]["budget_ms"]
+    assert isinstance(report["notes"]["overlap_compare"], bool)
     assert list(tmp_path.iterdir()) == []  # scratch space removed

@@ -3,6 +3,7 @@ on a worker, and its reply is used only when the compare holds. Against a real s
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvstore.client import Client
 from kvstore.client.chain_memo import ChainMemo
+from kvstore.client.store import OVERLAP_MIN_CPUS
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import chain_hashes, root_hash
 
@@ -41,6 +43,7 @@ def test_c7_a_next_turn_goes_on_the_guess_and_answers_as_the_safe_path(server: A
     """Turn 2 (turn 1 plus new tokens) is looked up on the guess (counted held) and answers what a client
     without a memo answers; the chain it kept is the guess of turn 3, whose blocks turn 2 stored."""
     with Client(server.target) as client, Client(server.target, chain_memo_bytes=0) as bare:
+        client.overlap_compare = True  # whatever this machine's CPUs make the default
         bt, block = client.block_tokens, bytes(client.block_bytes)
         turn1 = tokens(0, TURN_BLOCKS * bt)
         client.put(turn1, [block] * TURN_BLOCKS)
@@ -65,6 +68,7 @@ def test_c7_another_prompt_with_the_same_last_blocks_never_reuses_the_guessed_re
     flies, anchored on turn 1's chain), the compare fails, and the answer is the safe path's: the 10 blocks
     stored of this prompt, not turn 1's 80."""
     with Client(server.target) as client, Client(server.target, chain_memo_bytes=0) as bare:
+        client.overlap_compare = True  # whatever this machine's CPUs make the default
         bt, block = client.block_tokens, bytes(client.block_bytes)
         turn1 = tokens(0, TURN_BLOCKS * bt)
         client.put(turn1, [block] * TURN_BLOCKS)
@@ -84,6 +88,7 @@ def test_c7_another_prompt_with_the_same_last_blocks_never_reuses_the_guessed_re
 def test_c7_a_prompt_that_ends_otherwise_is_not_guessed(server: Any) -> None:
     """No kept chain's last block at its place in the prompt: no guess, the memo's own path."""
     with Client(server.target) as client:
+        client.overlap_compare = True
         bt, block = client.block_tokens, bytes(client.block_bytes)
         turn1 = tokens(0, TURN_BLOCKS * bt)
         client.put(turn1, [block] * TURN_BLOCKS)
@@ -92,6 +97,10 @@ def test_c7_a_prompt_that_ends_otherwise_is_not_guessed(server: Any) -> None:
         prompt[-1] += 1
         assert client.lookup(prompt).found_blocks == TURN_BLOCKS - 1
         assert guesses(client) == (0, 0)
+
+
+def test_c7_the_overlap_is_on_by_default_where_there_are_cpus_for_it() -> None:
+    assert Client.overlap_compare == (len(os.sched_getaffinity(0)) >= OVERLAP_MIN_CPUS)
 
 
 def test_c7_the_serial_path_when_the_overlap_is_off(server: Any) -> None:
