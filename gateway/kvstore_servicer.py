@@ -290,8 +290,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
                                         limit=self.settings.max_lookup_blocks)
         lengths = list(request.run_lengths)
-        if min(lengths) < 1 or sum(lengths) != len(hashes):
-            raise InvalidArgument(f"run_lengths must be runs of at least 1 block summing to the {len(hashes)} "
+        if min(lengths) < 1 or (len(hashes) != len(lengths) if request.run_anchors else sum(lengths) != len(hashes)):
+            sent = "with one last hash each (run_anchors)" if request.run_anchors else "summing to the"
+            raise InvalidArgument(f"run_lengths must be runs of at least 1 block {sent} {len(hashes)} "
                                   f"hashes sent, got {len(lengths)} runs summing to {sum(lengths)} "
                                   f"(least {min(lengths)})")
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
@@ -299,6 +300,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         due: list[bytes] = []
 
         def look() -> list[tuple[int, str]]:
+            if request.run_anchors:  # F77: each run whole or not, by its last block stored at its depth
+                return self._runs_by_anchor(scope, hashes, lengths, lease_s, due)
             if _runs_at_once(type(self.tier)):  # F75: one read txn for every run, the leases granted together
                 tier = cast(RunLookup, self.tier)
                 return [(found, lease.lease_id if lease else "")
@@ -310,9 +313,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 start += n
             return answers
 
-        answers = await self._index_read(len(hashes), look)
+        answers = await self._index_read(len(lengths) if request.run_anchors else len(hashes), look)
         found = sum(f for f, _ in answers)
-        self.hits.record(scope.namespace, "lookup", len(hashes), found)
+        self.hits.record(scope.namespace, "lookup", sum(lengths), found)
         leases = [lease for _, lease in answers if lease]
         if due:  # a hit is a use (R5): each run's deepest found block, durable before the answer
             try:
@@ -324,6 +327,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                  lease_ms=lease_ms if leases else 0,
                                  run_found_blocks=[f for f, _ in answers], run_lease_ids=[lz for _, lz in answers])
+
+    def _runs_by_anchor(self, scope: BlockScope, anchors: Sequence[bytes], lengths: Sequence[int], lease_s: float,
+                        due: list[bytes]) -> list[tuple[int, str]]:
+        """Runs named by their last hashes (run_anchors, docs/FLEET.md F77): a run is whole here when its last block
+        is stored at the run's length (R6 keeps the blocks above a stored one, and its hash fixes which: A5's
+        reasoning), answered as its length and leased on that block; else 0 (the client asks it with its hashes)."""
+        if self.anchored is None:
+            raise FailedPrecondition("this store cannot find a run by its last block (run_anchors)",
+                                     hint="send each run's hashes with run_lengths")
+        answers = []
+        for anchor, n in zip(anchors, lengths, strict=True):
+            known = self.anchored.lookup_after(scope, anchor, n, (), lease_s, touch_due=due)
+            answers.append((n, known[1].lease_id if known[1] else "") if known is not None else (0, ""))
+        return answers
 
     async def _lookup_pin(self, reply: pb.LookupResponse, scope: BlockScope, deepest: bytes, until_s: float) -> None:
         """Pin a Lookup's found prefix until `until_s`; the grant goes into `reply` (R22-R24)."""

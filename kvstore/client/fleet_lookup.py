@@ -18,6 +18,10 @@ replica, again one call per node; then the runs are walked in order, and the
 first that falls short is asked of its other replicas not yet asked (F31, F33):
 R6 across runs is checked on every run.
 
+The leased round names each run by its last hash (`run_anchors`, F77): a node answers a run whole or not, and a
+run not whole is asked by its hashes in the walk. Where one node comes first in every run's read order, the probe
+is that round, leased or not (F78): one call whether the prompt is all stored or not.
+
 With `lease_ms` each run's found blocks are leased on the node that found them;
 the leases past the prefix's end are released at once, the others make one
 composite lease id (`fleet:` + JSON of (node, lease) pairs) that
@@ -40,7 +44,15 @@ from kvstore.client.connection import status_error
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_refresh import Refresher
 from kvstore.client.retry import Retry
-from kvstore.errors import DataLoss, DeadlineExceeded, KVStoreError, NotFound, Unavailable
+from kvstore.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    Unavailable,
+)
 from kvstore.fleet.placement import RunPlacement
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -224,6 +236,16 @@ class _Orders:
         return found
 
 
+def _one_first_reader(runs: Sequence[RunPlacement], orders: _Orders) -> str | None:
+    """The node that comes first in every run's read order, if one does (F78); None otherwise. Only runs that
+    all name the same replicas can share it, so the read orders are made only then (a check of the placement)."""
+    replicas = runs[0].replicas
+    if any(run.replicas != replicas for run in runs):
+        return None
+    first = {orders[i][0] for i in range(len(runs))}
+    return first.pop() if len(first) == 1 else None
+
+
 def _check_first(answer: RunAnswer, i: int) -> None:
     """No replica of the first run could answer: the Lookup learned nothing, so it says why."""
     if i == 0 and answer.node is None and answer.error is not None:
@@ -241,7 +263,13 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
     Returns:
         The number of runs the prefix reaches into (the boundary run, complete or partly found, is the last).
     """
-    if not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, in one call
+    one = _one_first_reader(runs, orders)
+    if one is not None and len(runs) > 1:
+        # F78: one node reads first every run, so the probe asks it every run by its last block, in the one call
+        # the last run's probe would take (F77): a prompt sent again is found whole; else its runs held whole
+        # there are done and the walk asks the first that is not of every copy, by its hashes.
+        _round(pool, runs, chain, answers, [(i, one) for i in range(len(runs))], lease_ms, anchors=True)
+    elif not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, in one call
         last = len(runs) - 1
         _round(pool, runs, chain, answers, [(last, orders[last][0])], 0)
         if answers[last].found == runs[last].end_block - runs[last].first_block:
@@ -254,8 +282,8 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
                                             if n not in answers.get(i, _NONE).asked and (not k or not suspect[n])],
                0)
-    else:
-        _round(pool, runs, chain, answers, [(i, orders[i][0]) for i in range(len(runs))], lease_ms)
+    else:  # leased: every run by its last block on its first replica (F77), leased there when whole
+        _round(pool, runs, chain, answers, [(i, orders[i][0]) for i in range(len(runs))], lease_ms, anchors=True)
     while True:  # a node away: its runs go to their next replica, together
         again = []
         for i, answer in answers.items():
@@ -318,18 +346,23 @@ _NONE = RunAnswer()
 
 
 def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
-           ask: Sequence[tuple[int, str]], lease_ms: int) -> None:
+           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False) -> None:
     """Ask run i of node n for every (i, n) in `ask`: one Lookup per node naming all its runs (run_lengths), the
     nodes at once (one round trip). A node's failure is noted on each of its runs; an error another replica would
-    share is raised once every call was answered (the caller releases what they leased)."""
+    share is raised once every call was answered (the caller releases what they leased).
+
+    With `anchors` each run is named by its last hash (F77): a run whole on its node is noted; one that is not
+    is left unasked there (its count is unknown), so the walk asks it of that node too, by its hashes. A node that
+    cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes."""
     by_node: dict[str, list[int]] = {}
     for i, node in ask:
         by_node.setdefault(node, []).append(i)
         answers.setdefault(i, RunAnswer()).asked.append(node)
     # A round that sends at least the chain's worth of hashes joins the chain once and its requests cut runs from
     # it (a slice each), rather than each joining its runs' hashes one by one (F76: 0.43 ms for 64 runs here).
-    packed = b"".join(chain) if sum(runs[i].end_block - runs[i].first_block for i, _ in ask) >= len(chain) else None
-    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed))
+    whole = not anchors and sum(runs[i].end_block - runs[i].first_block for i, _ in ask) >= len(chain)
+    packed = b"".join(chain) if whole else None
+    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors))
             for node, indices in by_node.items()]
     # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
     # its own per call, which costs more than the call on a small prompt.
@@ -338,6 +371,9 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     outcomes = [f.result() for f in futures] + last
     refused: KVStoreError | None = None
     for (node, indices, _), outcome in zip(jobs, outcomes, strict=True):
+        by_anchor = anchors
+        if anchors and isinstance(outcome, InvalidArgument | FailedPrecondition):  # predates run_anchors
+            outcome, by_anchor = _runs_request(pool, node, runs, indices, chain, lease_ms)(), False
         if isinstance(outcome, KVStoreError):
             refused = refused or _node_failed(pool, answers, indices, node, outcome)
         elif len(outcome.run_found_blocks) != len(indices):  # a node that predates run_lengths: a run per call
@@ -346,6 +382,12 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
             for i in indices:
                 answers[i].asked.remove(node)
                 _ask_next(pool, answers[i], [node], chain[runs[i].first_block:runs[i].end_block], lease_ms, set())
+        elif by_anchor:  # F77's answer: each run whole or not
+            for i, found, lease in zip(indices, outcome.run_found_blocks, outcome.run_lease_ids, strict=True):
+                if found == runs[i].end_block - runs[i].first_block:
+                    _note_found(answers[i], node, found, lease)
+                else:  # not whole here: how much is unknown, so the walk asks it again by its hashes
+                    answers[i].asked.remove(node)
         else:
             for i, found, lease in zip(indices, outcome.run_found_blocks, outcome.run_lease_ids, strict=True):
                 _note_found(answers[i], node, found, lease)
@@ -358,12 +400,14 @@ _EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup"
 
 
 def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int],
-                  chain: Sequence[bytes], lease_ms: int,
-                  packed: bytes | None = None) -> Callable[[], pb.LookupResponse | KVStoreError]:
+                  chain: Sequence[bytes], lease_ms: int, packed: bytes | None = None, *,
+                  anchors: bool = False) -> Callable[[], pb.LookupResponse | KVStoreError]:
     """A Lookup of several runs on one node (each its own chain: run_lengths), to be called: its reply, or the
     error it failed with. Only the asked runs' hashes are joined (a prompt sent again asks one run of 62), cut
-    from `packed` (the chain's hashes joined) when given."""
-    if packed is not None:
+    from `packed` (the chain's hashes joined) when given; with `anchors`, only each run's last hash (F77)."""
+    if anchors:
+        hashes = b"".join([chain[runs[i].end_block - 1] for i in indices])
+    elif packed is not None:
         hashes = b"".join(packed[runs[i].first_block * HASH_BYTES:runs[i].end_block * HASH_BYTES] for i in indices)
     else:
         hashes = b"".join(_runs_hashes(chain, runs, indices))
@@ -372,7 +416,7 @@ def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indic
         try:
             c = pool.connection(node)
             request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
-                                       block_hashes_packed=hashes,
+                                       block_hashes_packed=hashes, run_anchors=anchors,
                                        run_lengths=[runs[i].end_block - runs[i].first_block for i in indices])
             return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
         except grpc.RpcError as exc:

@@ -234,7 +234,8 @@ def test_f50_a_leased_lookup_asks_each_node_once_for_all_its_runs(fleet: Fleet) 
         purge_from(fleet.node(first), chain[50])
         found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
         assert found.found_blocks == 120
-        assert sum(by_node.values()) <= 3 + 2
+        # the round, then run 12 of every node of its order (F77: the one read first again, by its hashes)
+        assert sum(by_node.values()) <= 3 + 3
         assert client.release(found.lease_id)
 
 

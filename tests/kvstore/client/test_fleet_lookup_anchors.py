@@ -1,0 +1,179 @@
+"""A fleet Lookup's runs named by their last blocks (docs/FLEET.md F77, F78): real etcd, real `kvstore serve` nodes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvstore.client.fleet import FleetClient
+from kvstore.errors import InvalidArgument
+from kvstore.v1 import kvstore_pb2 as pb
+from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module's fixture, three nodes)
+    RUN_BLOCKS,
+    RUN_TOKENS,
+    Fleet,
+    _start_node,
+    blocks_for,
+    calls_by_node,
+    fleet,
+    fleet_client,
+    prompt,
+    purge_from,
+)
+from tests.kvstore.fleet.etcd_process import EtcdProcess
+
+HASH_BYTES = 32
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """A fleet of one node: every run's read order is that node."""
+    tmp = tmp_path_factory.mktemp("one-node")
+    etcd = EtcdProcess(tmp / "etcd").start()
+    cluster = f"t-{uuid.uuid4().hex[:12]}"
+    node = _start_node(tmp, etcd.endpoint, cluster, 0)
+    try:
+        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=[node])
+    finally:
+        node.child.kill_if_alive()
+        etcd.stop()
+
+
+class Recorded:
+    """A node stub's Lookup that records each request's run_anchors and hash bytes, then sends it on."""
+
+    def __init__(self, call: Any, log: list[tuple[bool, int]]) -> None:
+        self.call, self.log = call, log
+
+    def __call__(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
+        self.log.append((request.run_anchors, len(request.block_hashes_packed)))
+        return self.call(request, **kwargs)
+
+    def future(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
+        sent = len(request.block_hashes_packed) or HASH_BYTES * len(request.block_hashes)
+        self.log.append((request.run_anchors, sent))
+        return self.call.future(request, **kwargs)
+
+
+def recording(client: FleetClient) -> list[tuple[bool, int]]:
+    """(run_anchors, bytes of hashes) of every Lookup the client sends a node from now on."""
+    log: list[tuple[bool, int]] = []
+    for node in client.view.nodes:
+        c = client.pool.connection(node)
+        c.kvstore.Lookup = Recorded(c.kvstore.Lookup, log)  # type: ignore[method-assign]
+    return log
+
+
+def test_f77_a_node_answers_each_run_named_by_its_last_block_whole_or_not(fleet: Fleet) -> None:  # noqa: F811
+    """F77: a run is its length when its last hash is stored at that depth, else 0; a whole run is leased on
+    that block; a count that is not one hash per run is INVALID_ARGUMENT naming it; run_anchors without
+    run_lengths is a plain Lookup."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 3)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[1]
+        node = client.pool.connection(run.replicas[0])
+        # run 1 whole; its head (block 5 at depth 2); its last block at a wrong depth; a hash stored nowhere
+        anchors = [chain[7], chain[5], chain[7], bytes(32)]
+        reply = node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(anchors),
+                                                                run_lengths=[4, 2, 3, 1], run_anchors=True,
+                                                                lease_ms=60_000))
+        assert list(reply.run_found_blocks) == [4, 2, 0, 0] and reply.found_blocks == 6
+        assert [bool(lease) for lease in reply.run_lease_ids] == [True, True, False, False]
+        assert client.node_stats()[run.replicas[0]].active_leases >= 2
+        for lease in reply.run_lease_ids[:2]:
+            assert node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=lease)).released
+        with pytest.raises(InvalidArgument, match=r"one last hash each \(run_anchors\) 2 hashes sent, got 3 runs"):
+            node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(chain[6:8]),
+                                                            run_lengths=[2, 1, 1], run_anchors=True))
+        purge_from(fleet.node(run.replicas[0]), chain[6])  # run 1 loses its last 2 blocks there
+        reply = node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=chain[7] + chain[5],
+                                                                run_lengths=[4, 2], run_anchors=True))
+        assert list(reply.run_found_blocks) == [0, 2]
+
+
+def test_f77_a_leased_lookup_names_each_run_by_its_last_hash(fleet: Fleet) -> None:  # noqa: F811
+    """F77: the leased round sends one hash per run (not the run's hashes), still one call per node and a lease
+    per run; a run short on the replica read first is asked of its copies by its hashes, the prefix goes on."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 30)
+        client.put(tokens, blocks_for(client, tokens))
+        log = recording(client)
+        found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
+        assert found.found_blocks == 30 * RUN_BLOCKS and found.lease_id is not None
+        assert set(by_node.values()) == {1} and sum(s.active_leases for s in client.node_stats().values()) == 30
+        assert all(anchored for anchored, _ in log) and sum(n for _, n in log) == 30 * HASH_BYTES
+        assert client.release(found.lease_id)
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[12]
+        first = client.pool.read_order(chain[run.first_block], run.replicas)[0]
+        purge_from(fleet.node(first), chain[run.first_block + 2])
+        del log[:]
+        found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
+        # run 12 by its hashes of every node of its order at once: its replicas (the one read first too: its
+        # count is unknown) and the node ranked next (F42)
+        assert found.found_blocks == 30 * RUN_BLOCKS and sum(by_node.values()) <= 3 + 3
+        assert [n for anchored, n in log if not anchored] == [RUN_BLOCKS * HASH_BYTES] * 3
+        assert client.release(found.lease_id)
+
+
+def lookups_sent(client: FleetClient, log: list[tuple[bool, int]], lookup: Callable[[], Any]) -> tuple[Any, list]:
+    del log[:]
+    found, _ = calls_by_node(client, lookup)
+    return found, list(log)
+
+
+def test_f78_where_one_node_reads_every_run_first_the_probe_asks_it_every_run_by_its_last_block(
+        one_node: Fleet) -> None:
+    """F78: with one node first in every run's order, a prompt sent again is one call of one hash per run; a half
+    stored one is two calls (that one, then the boundary run by its hashes), not the probe and a round of every run's
+    hashes; leased, the same one call; what is found is as before."""
+    with fleet_client(one_node) as client:
+        tokens = prompt(RUN_TOKENS * 12)
+        client.put(tokens, blocks_for(client, tokens))
+        log = recording(client)
+        found, sent = lookups_sent(client, log, lambda: client.lookup(tokens))
+        assert found.found_blocks == 12 * RUN_BLOCKS and sent == [(True, 12 * HASH_BYTES)]
+        found, sent = lookups_sent(client, log, lambda: client.lookup(tokens, lease_ms=60_000))
+        assert found.found_blocks == 12 * RUN_BLOCKS and sent == [(True, 12 * HASH_BYTES)]
+        assert client.release(found.lease_id)
+        half = tokens[:RUN_TOKENS * 6 + 32] + prompt(RUN_TOKENS * 6 - 32)  # run 6 found 2 blocks
+        found, sent = lookups_sent(client, log, lambda: client.lookup(half))
+        assert found.found_blocks == 6 * RUN_BLOCKS + 2
+        assert sent == [(True, 12 * HASH_BYTES), (False, RUN_BLOCKS * HASH_BYTES)]
+        leased, sent = lookups_sent(client, log, lambda: client.lookup(half, lease_ms=60_000))
+        assert leased.found_blocks == 6 * RUN_BLOCKS + 2 and len(sent) == 2
+        assert sum(s.active_leases for s in client.node_stats().values()) == 7  # runs 0-5 whole, run 6's 2 blocks
+        assert client.release(leased.lease_id)
+
+
+
+class Predates(Recorded):
+    """A node that predates run_anchors: the field is unknown to it, so the request reaches it without."""
+
+    def __call__(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
+        old = pb.LookupRequest()
+        old.CopyFrom(request)
+        old.run_anchors = False
+        return super().__call__(old, **kwargs)
+
+
+def test_f77_a_node_that_predates_run_anchors_is_asked_again_by_the_runs_hashes(fleet: Fleet) -> None:  # noqa: F811
+    """F77: such a node answers INVALID_ARGUMENT (one hash a run does not sum to the lengths); its runs are asked
+    again at once by their hashes, and the Lookup finds and leases as before."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 9)
+        client.put(tokens, blocks_for(client, tokens))
+        log: list[tuple[bool, int]] = []
+        for node in client.view.nodes:
+            c = client.pool.connection(node)
+            c.kvstore.Lookup = Predates(c.kvstore.Lookup, log)  # type: ignore[method-assign]
+        leased, _ = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))  # refreshes left out
+        assert leased.found_blocks == 9 * RUN_BLOCKS and leased.lease_id is not None
+        assert sum(s.active_leases for s in client.node_stats().values()) == 9
+        assert client.release(leased.lease_id)
+        assert sum(n for _, n in log) == 9 * HASH_BYTES + 9 * RUN_BLOCKS * HASH_BYTES  # by last hash, then again
