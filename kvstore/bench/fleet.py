@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.bench.fleet_processes import EtcdProcess, NodeProcess
+from kvstore.bench.fleet_processes import EtcdProcess, NodeProcess, stop_all
 from kvstore.bench.harness import GiB, raw_stream_server, scratch, timed
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.errors import InvalidArgument
@@ -393,6 +393,8 @@ class FleetBench:
         label = f"n={n} r={r}"
         with contextlib.ExitStack() as stack:
             count = iter(range(1 << 20))
+            every: list[NodeProcess] = []
+            stack.callback(stop_all, every)  # all at once: each fleet node drains a second as it leaves
 
             def start(k: int) -> list[NodeProcess]:
                 from concurrent.futures import ThreadPoolExecutor
@@ -400,8 +402,7 @@ class FleetBench:
                 with ThreadPoolExecutor(k) as pool:
                     started = list(pool.map(lambda i: NodeProcess(self.folder / cluster / f"node{i}", env),
                                             [next(count) for _ in range(k)]))
-                for node in started:
-                    stack.callback(node.stop)
+                every.extend(started)
                 return started
 
             nodes = start(n)

@@ -27,12 +27,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import kvstore
 from kvstore.bench.fleet import stream_s
-from kvstore.bench.fleet_processes import START_DEADLINE_S, EtcdProcess, NodeProcess
+from kvstore.bench.fleet_processes import START_DEADLINE_S, EtcdProcess, NodeProcess, stop_all
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.client.fleet import FleetClient
 from kvstore.client.store import Client
@@ -114,9 +115,9 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         env = {"KVSTORE_STORE_CAPACITY_BYTES": str(8 << 30), "KVSTORE_STORE_BLOCK_TOKENS": str(args.block_tokens),
                "KVSTORE_FLEET_ETCD": etcd.endpoint, "KVSTORE_FLEET_CLUSTER": cluster,
                "KVSTORE_FLEET_RUN_BLOCKS": str(args.run_blocks)}
-        nodes = [NodeProcess(folder / f"node{i}", env) for i in range(3)]
-        for node in nodes:
-            stack.callback(node.stop)
+        with ThreadPoolExecutor(3) as pool:  # started together, stopped together (each drains a second)
+            nodes = list(pool.map(lambda i: NodeProcess(folder / f"node{i}", env), range(3)))
+        stack.callback(stop_all, nodes)
         gateways: list[tuple[str, bool, Path | None]] = [("read-ahead", True, None), ("one run at a time", False, None)]
         if args.before_src is not None:
             gateways.append(("before", True, args.before_src.resolve()))
