@@ -48,7 +48,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -79,6 +79,20 @@ def _libc_memcmp() -> Any:
 
 
 _MEMCMP = _libc_memcmp()
+
+
+def token_array(tokens: Sequence[int]) -> Sequence[int]:
+    """`tokens` itself where the memo reads it in place (a uint32 array: `token_buffer`'s view), else a
+    uint32 numpy view of its bytes, converted once: a guess (C7) that fails is looked up again without a
+    second conversion of a Python list (~10 ms per million tokens).
+
+    Raises:
+        InvalidArgument: a bad token id (as `chain_hashes`).
+    """
+    raw = token_buffer(tokens)
+    if isinstance(raw, memoryview):
+        return tokens
+    return cast(Sequence[int], np.frombuffer(raw, dtype="<u4"))  # read-only, a view of the converted bytes
 
 
 class HashChain(Sequence[bytes]):

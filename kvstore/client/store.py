@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from kvstore.client import arguments
 from kvstore.client.blocks import stream_blocks
-from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, HashChain
+from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, HashChain, token_array
 from kvstore.client.connection import Connection, TlsOptions
 from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
@@ -201,6 +201,7 @@ class Client:
         keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
         if not (swa_positions or lease_ms or keep_until_s) and self._may_guess():
             # C7: a plain next turn is sent on the memo's guess while C1's compare runs on a worker.
+            tokens = token_array(tokens)  # converted once, for the guess and the safe path after it
             found = self._lookup_guessed(tokens, arguments.extra_keys(extra_keys), swa_resume_limit, hosts)
             if found is not None:
                 return found

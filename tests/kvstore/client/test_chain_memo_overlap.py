@@ -58,9 +58,13 @@ def test_c7_a_next_turn_goes_on_the_guess_and_answers_as_the_safe_path(server: A
         got = client.lookup(turn3)
         assert guesses(client) == (2, 0)
         assert (got.found_blocks, list(got.block_hashes)) == (TURN_BLOCKS + 3, bare.lookup(turn3).block_hashes)
+        as_list = [int(t) for t in turn3] + [7] * bt  # a Python list: converted once, guessed as well
+        got = client.lookup(as_list)
+        assert guesses(client) == (3, 0)
+        assert (got.found_blocks, list(got.block_hashes)) == (TURN_BLOCKS + 3, bare.lookup(as_list).block_hashes)
         # A leased Lookup is never sent on a guess (a wrong one would lease another chain): the safe path.
         assert client.lookup(turn3, lease_ms=1000).found_blocks == TURN_BLOCKS + 3
-        assert guesses(client) == (2, 0)
+        assert guesses(client) == (3, 0)
 
 
 def test_c7_another_prompt_with_the_same_last_blocks_never_reuses_the_guessed_reply(server: Any) -> None:
