@@ -5,9 +5,10 @@ One etcd of this module's own and three `kvstore serve` nodes at replication 2 o
 address), the data written and read through the fleet client
 (`kvstore.Client("etcd://...")`). The tests go through the story in order, each
 leaving three settled nodes for the next: a node SIGSTOPped past its lease and
-continued; a node killed, wiped and started on the same address; a rolling restart
-under load; random sequences of puts, reads and node losses (hypothesis); and last
-etcd killed and restarted. Waits are on the view, `kvstore fleet status --json` or
+continued; a node killed, wiped and started on the same address; random sequences of
+puts, reads and node losses (hypothesis); a rolling restart under load (after the random
+sequences: its load acknowledges some 200 prompts, and each sequence reads every prompt
+acknowledged so far); and last etcd killed and restarted. Waits are on the view, `kvstore fleet status --json` or
 the nodes' answers, under deadlines; nothing sleeps to wait.
 """
 
@@ -305,56 +306,6 @@ def test_f43_a_put_placed_before_its_node_left_is_placed_again(fleet: Fleet) -> 
     fleet.wait_settled(NAMES)
 
 
-def test_f43_a_rolling_restart_under_load_fails_no_request(fleet: Fleet) -> None:
-    """Each node in turn SIGTERMed and restarted on its data dir and address while a client runs
-    lookup -> put -> get cycles: not one request fails (F4, F30, F33, F43)."""
-    fleet.wait_settled(NAMES)
-    stop = threading.Event()
-    failures: list[str] = []
-    cycles = [0]
-    mine: list[Prompt] = []
-
-    def load() -> None:
-        with fleet.client() as client:
-            rng = random.Random(os.urandom(8))
-            while not stop.is_set() and cycles[0] < 2000:
-                try:
-                    p = Prompt(tokens=[rng.randrange(50_000) for _ in range(2 * RUN_BLOCKS * TOKENS)],
-                               blocks=[os.urandom(BLOCK) for _ in range(2 * RUN_BLOCKS)])
-                    if client.lookup(p.tokens).found_blocks != 0:
-                        failures.append("a new prompt was found")
-                    client.put(p.tokens, p.blocks)
-                    mine.append(p)
-                    old = rng.choice(mine)
-                    if client.lookup(old.tokens).found_blocks != len(old.blocks):
-                        failures.append(f"lookup of an acknowledged prompt fell short (cycle {cycles[0]})")
-                    if client.get(old.tokens).blocks != old.blocks:
-                        failures.append(f"get of an acknowledged prompt differs (cycle {cycles[0]})")
-                except KVStoreError as exc:
-                    failures.append(f"cycle {cycles[0]}: {type(exc).__name__}: {exc.message}")
-                cycles[0] += 1
-
-    thread = threading.Thread(target=load, name="rolling-load")
-    thread.start()
-    try:
-        wait_until(lambda: cycles[0] >= 5 or not thread.is_alive(), "the load ran")
-        for name in NAMES:
-            at = cycles[0]
-            assert fleet.children[name].stop() == 0
-            fleet.start(name)
-            fleet.wait_settled(NAMES)
-            wait_until(lambda a=at: cycles[0] >= a + 5 or not thread.is_alive(), "cycles ran across the restart")
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive()
-    assert failures == []
-    assert cycles[0] >= 15
-    fleet.acked += mine
-    with fleet.client() as client:
-        assert_readable(client, mine)
-
-
 @dataclass
 class Down:
     """At most one node down at once: which, and how (SIGSTOP or SIGKILL)."""
@@ -417,6 +368,56 @@ def bring_back(fleet: Fleet, down: Down) -> None:
     else:
         fleet.start(down.name)
     down.name = None
+
+
+def test_f43_a_rolling_restart_under_load_fails_no_request(fleet: Fleet) -> None:
+    """Each node in turn SIGTERMed and restarted on its data dir and address while a client runs
+    lookup -> put -> get cycles: not one request fails (F4, F30, F33, F43)."""
+    fleet.wait_settled(NAMES)
+    stop = threading.Event()
+    failures: list[str] = []
+    cycles = [0]
+    mine: list[Prompt] = []
+
+    def load() -> None:
+        with fleet.client() as client:
+            rng = random.Random(os.urandom(8))
+            while not stop.is_set() and cycles[0] < 2000:
+                try:
+                    p = Prompt(tokens=[rng.randrange(50_000) for _ in range(2 * RUN_BLOCKS * TOKENS)],
+                               blocks=[os.urandom(BLOCK) for _ in range(2 * RUN_BLOCKS)])
+                    if client.lookup(p.tokens).found_blocks != 0:
+                        failures.append("a new prompt was found")
+                    client.put(p.tokens, p.blocks)
+                    mine.append(p)
+                    old = rng.choice(mine)
+                    if client.lookup(old.tokens).found_blocks != len(old.blocks):
+                        failures.append(f"lookup of an acknowledged prompt fell short (cycle {cycles[0]})")
+                    if client.get(old.tokens).blocks != old.blocks:
+                        failures.append(f"get of an acknowledged prompt differs (cycle {cycles[0]})")
+                except KVStoreError as exc:
+                    failures.append(f"cycle {cycles[0]}: {type(exc).__name__}: {exc.message}")
+                cycles[0] += 1
+
+    thread = threading.Thread(target=load, name="rolling-load")
+    thread.start()
+    try:
+        wait_until(lambda: cycles[0] >= 5 or not thread.is_alive(), "the load ran")
+        for name in NAMES:
+            at = cycles[0]
+            assert fleet.children[name].stop() == 0
+            fleet.start(name)
+            fleet.wait_settled(NAMES)
+            wait_until(lambda a=at: cycles[0] >= a + 5 or not thread.is_alive(), "cycles ran across the restart")
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive()
+    assert failures == []
+    assert cycles[0] >= 15
+    fleet.acked += mine
+    with fleet.client() as client:
+        assert_readable(client, mine)
 
 
 def test_f7_f24_etcd_killed_the_data_plane_serves_and_admin_writes_are_refused_naming_it(fleet: Fleet) -> None:
