@@ -89,6 +89,26 @@ def test_c7_another_prompt_with_the_same_last_blocks_never_reuses_the_guessed_re
         assert guesses(client) == (1, 1)
 
 
+def test_c7_a_guess_whose_anchor_the_server_does_not_hold_is_looked_up_again(server: Any) -> None:
+    """A4 on the guessed path: the anchor named is a hash of the chain whose block is not stored (as an anchor
+    evicted since); the server answers anchor_unknown, the client forgets it and looks the held chain up with
+    the anchor below it: the stored 80 blocks."""
+    with Client(server.target) as client, Client(server.target, chain_memo_bytes=0) as bare:
+        client.overlap_compare = True
+        bt, block = client.block_tokens, bytes(client.block_bytes)
+        turn1 = tokens(0, TURN_BLOCKS * bt)
+        client.put(turn1, [block] * TURN_BLOCKS)
+        client.lookup(turn1)
+        turn2 = cat(turn1, tokens(50_000, 4 * bt))
+        kept = client.lookup(turn2).block_hashes  # 80 found; the memo keeps all 84 blocks
+        client.connection.anchors.note(kept[-1], len(kept))  # an anchor at block 84, which is not stored
+        prompt = cat(turn2, tokens(60_000, bt))
+        got = client.lookup(prompt)
+        assert guesses(client) == (2, 0)
+        assert (got.found_blocks, list(got.block_hashes)) == (TURN_BLOCKS, bare.lookup(prompt).block_hashes)
+        assert client.connection.anchors.best(kept) == TURN_BLOCKS  # the unknown anchor forgotten
+
+
 def test_c7_a_prompt_that_ends_otherwise_is_not_guessed(server: Any) -> None:
     """No kept chain's last block at its place in the prompt: no guess, the memo's own path."""
     with Client(server.target) as client:
