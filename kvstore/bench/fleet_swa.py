@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvstore.bench.fleet_processes import EtcdProcess, NodeProcess
+from kvstore.bench.fleet_processes import EtcdProcess, NodeProcess, stop_all
 from kvstore.bench.harness import GiB, scratch, timed
 from kvstore.bench.redis_server import RedisClusterProcesses
 from kvstore.bench.report import Figure, Progress, Report
@@ -105,8 +105,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         fleet = {"KVSTORE_FLEET_ETCD": etcd.endpoint, "KVSTORE_FLEET_CLUSTER": cluster,
                  "KVSTORE_FLEET_RUN_BLOCKS": str(RUN_BLOCKS), "KVSTORE_FLEET_LEASE_TTL_S": "10"}
         nodes = [NodeProcess(folder / f"node{i}", {**pool, **fleet}) for i in range(args.nodes)]
-        for node in nodes:
-            stack.callback(node.stop)
+        stack.callback(stop_all, nodes)  # together: each fleet node drains a second as it leaves
         import kvstore
 
         with kvstore.Client(single.target) as one, kvstore.Client(f"etcd://{etcd.endpoint}/{cluster}") as many:
