@@ -13,9 +13,12 @@ and is sent the rest in batches of about `BATCH_BYTES`, each taken from a token
 bucket (`gateway.token_bucket`) at `repair_bytes_per_s`, so foreground traffic keeps
 the rest of the disk and the network.
 
-A node that stops being a replica of a run (a node joined and ranks above it) keeps
-its copy: retention evicts it in time, so copies never drop below the factor while
-the new replica fills (the choice, and its cost in disk, in docs/FLEET.md F21).
+A node that stops being a replica of a run (a node joined and ranks above it) keeps its copy while the new
+replica fills, so copies never drop below the factor (docs/FLEET.md F21); it drops it at a later pass once every
+replica confirms theirs (F79): each of the run's `replication` replicas answers RunDigests with this copy's digest,
+then, asked to carry this copy's last uses (`RaiseUses`, F19), says it holds every block with a last use at least
+this copy's; no block of it is leased or pinned here (checked in the transaction that removes it), this node does
+not drain, and the membership view is not stale (etcd answered this pass). Anything in doubt keeps the copy.
 
 A draining node (`kvstore fleet drain`, F21) stays a member and serves; its record says `draining`, and every
 node's pass ranks the draining members after the others, so the run's replicas are the first `replication`
@@ -73,6 +76,7 @@ from kvstore.v1 import fleet_pb2_grpc
 from tiers import namespaces, pins, run_index
 from tiers.lmdb_tier import LmdbBlockTier
 from tiers.reads import ReadStatus
+from tiers.retention import TOUCH_GRANULARITY_S
 from tiers.run_index import RunBlock, RunDigest, RunEntry
 
 log = logging.getLogger("kvstore.fleet.repair")
@@ -198,6 +202,9 @@ class Round:
     #: bytes they lack, as they answered before this round's copies (F21: the drain ends when a pass finds none).
     short_runs: int = 0
     short_bytes: int = 0
+    #: F79: runs this node holds but is no longer a replica of, whose every replica answered this copy's digest:
+    #: (the run, its blocks counted, its replicas), dropped once the replicas confirm its last uses.
+    stale: list[tuple[RunEntry, list[RunBlock], tuple[str, ...]]] = field(default_factory=list)
 
 
 class _Window:
@@ -302,6 +309,9 @@ class FleetRepairer:
         #: R32: (target, block's storage key) -> the pin's time last sent there, in a CopyBlocks it answered: not sent
         #: again for that time (a shorter grant or refusal: the target's limits, asked once); pruned past their time.
         self._pins_sent: dict[tuple[str, bytes], float] = {}
+        #: F79: whether etcd answered this pass's drain check (a stale copy is dropped only then); True where the
+        #: repairer asks etcd nothing (`drain_requested` None: the view's staleness alone decides).
+        self._etcd_answered = True
 
     def start(self) -> None:
         """Run passes in the background until `stop`."""
@@ -381,9 +391,11 @@ class FleetRepairer:
         before it ended is unmarked (placed on again). After it ended (the lease revoked), a cancel stops the
         progress record coming back (`--cancel` deleted it): the node joins again at its restart."""
         p = self.progress
+        self._etcd_answered = True
         if self.drain_requested is None:
             return
         requested = await self.drain_requested()
+        self._etcd_answered = requested is not None
         if requested is None or requested == p.draining:
             return  # etcd did not answer (the next pass asks again), or nothing changed
         if p.drained:
@@ -466,7 +478,7 @@ class FleetRepairer:
                 p.failed_runs += found.undecided_runs
                 left_bytes, left_runs = left_bytes + found.short_bytes, left_runs + found.short_runs
                 await self._publish()
-                copying.append(asyncio.ensure_future(self._copy_round(found.plans, addresses, window)))
+                copying.append(asyncio.ensure_future(self._copy_round(found.plans, addresses, window, found.stale)))
             while copying:
                 await copying[0]
                 copying.pop(0)
@@ -557,7 +569,19 @@ class FleetRepairer:
                     short = self._short_bytes(runs[i], held[i], mine[i], order, theirs, has)
                     found.short_runs += short > 0
                     found.short_bytes += short
+                elif self._confirmed_elsewhere(runs[i], mine[i], order, theirs):
+                    found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
+
+    def _confirmed_elsewhere(self, entry: RunEntry, mine: RunDigest, order: tuple[str, ...],
+                             theirs: dict[tuple[str, bytes], RunDigest | None]) -> bool:
+        """F79: whether this node (not draining) is not among the run's replicas while each of its `replication`
+        replicas answered this copy's digest (its blocks whole there) and this copy holds no live pin: a copy to
+        drop once the replicas carry its last uses (`_drop_stale`)."""
+        n = self._targets(entry, order)
+        if n < self.copies_of(entry) or self.node_id in order[:n] or not mine.blocks or mine.pins:
+            return False
+        return all((d := theirs.get((t, entry.key))) is not None and d.same_blocks(mine) for t in order[:n])
 
     def _order(self, run_key: bytes, live: list[str]) -> tuple[str, ...]:
         """Every node of `live` (and this one) in the run's rank order, the draining ones after the rest (F21):
@@ -725,9 +749,13 @@ class FleetRepairer:
         return [lane for lanes in by_target.values() for lane in lanes]
 
     async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str],
-                          window: _Window | None = None) -> None:
-        """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in
-        flight, each batch taken from the bucket first (F18's bounded rate)."""
+                          window: _Window | None = None,
+                          stale: Sequence[tuple[RunEntry, list[RunBlock], tuple[str, ...]]] = ()) -> None:
+        """Drop the round's stale copies their replicas confirm (F79), then send each target what it lacks of the
+        round's runs: lanes at once, at most WINDOW calls in flight, each batch taken from the bucket first (F18's
+        bounded rate)."""
+        if stale:
+            await self._drop_stale(stale, addresses)
         if not plans:
             return
         window = _Window() if window is None else window
@@ -737,6 +765,65 @@ class FleetRepairer:
             p.under_replicated_runs -= not plan.pending
             p.failed_runs += bool(plan.pending)
         await self._publish()
+
+    def _may_drop(self) -> bool:
+        """F79: the membership view may be trusted to drop a copy: not stale, and etcd answered this pass."""
+        return not self.membership.stale and self._etcd_answered and not self.progress.draining
+
+    async def _drop_stale(self, stale: Sequence[tuple[RunEntry, list[RunBlock], tuple[str, ...]]],
+                          addresses: dict[str, str]) -> None:
+        """F79: ask each replica of the stale runs to carry this copy's last uses (`RaiseUses`, F19), and drop each
+        run every one of its replicas confirmed for every block, in a write transaction that keeps it if a block of
+        it is leased or pinned here, or used here since (`LmdbBlockTier.drop_confirmed_run`)."""
+        if not self._may_drop():
+            return
+        leased = self.tier.leases.pinned()
+        runs = [(e, b, r) for e, b, r in stale if not any(x.key in leased for x in b)]
+        asked: dict[str, list[int]] = {}
+        for i, (_, _, reps) in enumerate(runs):
+            for peer in reps:
+                asked.setdefault(peer, []).append(i)
+        answers = await asyncio.gather(*(self._raise_uses(peer, addresses[peer], [runs[i][1] for i in idx])
+                                         for peer, idx in asked.items()))
+        short = {idx[j] for (peer, idx), said in zip(asked.items(), answers, strict=True)
+                 for j, whole in enumerate(said) if not whole}
+        now = self.tier.retention_clock.now()
+        p = self.progress
+        for i, (entry, blocks, _) in enumerate(runs):
+            if i in short or not self._may_drop():
+                continue
+            # R4: a block not confirmed may go with the copy only once eviction could take it.
+            start = now - TOUCH_GRANULARITY_S - (
+                self.retention_of(entry.key) if self.retention_of is not None else self.window_s)
+            try:
+                dropped = await self.tier.call(self.tier.drop_confirmed_run, entry.key,
+                                               {b.key: b.meta.last_access_s for b in blocks}, start)
+            except KVStoreError as exc:  # a damaged page on the way (DataLoss): the copy stays, as in any doubt
+                log.warning("fleet: cannot drop the stale copy of run %s...: %s", entry.key.hex()[:24], exc)
+                continue
+            if dropped:
+                p.stale_dropped_runs, p.stale_dropped_bytes = p.stale_dropped_runs + 1, p.stale_dropped_bytes + dropped
+        await self._publish()
+
+    async def _raise_uses(self, peer: str, address: str, runs: list[list[RunBlock]]) -> list[bool]:
+        """F79: one RaiseUses per MAX_KEYS blocks to a replica, carrying this copy's last uses; for each run,
+        whether the replica said it holds every block with a last use at least this copy's (False where it did not
+        answer)."""
+        out: list[bool] = []
+        at = 0
+        while at < len(runs):
+            chunk: list[list[RunBlock]] = []
+            n_keys = 0
+            while at < len(runs) and (not chunk or n_keys + len(runs[at]) <= MAX_KEYS):
+                chunk.append(runs[at])
+                n_keys += len(runs[at])
+                at += 1
+            request = pb.RaiseUsesRequest(uses=[pb.BlockUse(key=b.key, last_use_s=b.meta.last_access_s)
+                                                for blocks in chunk for b in blocks])
+            reply = await self._ask(peer, address, "RaiseUses", request)
+            said = iter(reply.at_least) if reply is not None else None
+            out += [said is not None and all([next(said) for _ in blocks]) for blocks in chunk]
+        return out
 
     def _batches(self, lane: _Lane) -> Iterator[tuple[list[RunBlock], list[tuple[RunPlan, int]], bool]]:
         """The lane's runs as batches of about `batch_bytes`: (blocks, the runs whose last block is in it and their

@@ -1,8 +1,9 @@
 """The Fleet service: what one storage node asks of another to re-replicate runs (docs/FLEET.md F16-F21).
 
-Three calls, all behind the fleet's token (F20): `RunDigests` (what the node holds
-of each run, in a few bytes), `HeldBlocks` (which blocks it holds) and `CopyBlocks`
-(store blocks copied from another replica). A copy is checked as a Put is: the
+Four calls, all behind the fleet's token (F20): `RunDigests` (what the node holds
+of each run, in a few bytes), `HeldBlocks` (which blocks it holds), `CopyBlocks`
+(store blocks copied from another replica) and `RaiseUses` (a run's old holder, no longer a replica, asks this
+replica to carry its copy's last uses before it drops that copy: F79). A copy is checked as a Put is: the
 key's namespace id is its namespace's, the size is its geometry's, and the bytes
 match the checksum the source stored with them (F17: a damaged source copy is
 refused here, on the receiving end, too); it is stored in one durable transaction
@@ -70,7 +71,7 @@ MAX_KEYS = 65_536
 SERVICE = "/kvstore.v1.Fleet/"
 #: The Fleet service's methods: open at the auth interceptor (no tenant token is asked), because the
 #: servicer checks the fleet's token itself (F20).
-METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks"))
+METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks", "RaiseUses"))
 #: Threads answering the read-only planning calls (RunDigests, HeldBlocks) beside the store's executor (F18).
 PLANNING_THREADS = 2
 
@@ -159,6 +160,15 @@ class FleetServicer:
         self._check_token(context)
         keys = _keys(request.keys, "keys")
         return pb.HeldBlocksResponse(held=await self._plan(run_index.held, self.tier.env, keys))
+
+    @unary
+    async def RaiseUses(self, request: pb.RaiseUsesRequest,
+                        context: grpc.aio.ServicerContext) -> pb.RaiseUsesResponse:
+        """F79: raise the held blocks' last uses to the asking copy's (F19), durably; say which now carry it."""
+        self._check_token(context)
+        keys = _keys([u.key for u in request.uses], "uses")
+        uses = [(k, u.last_use_s) for k, u in zip(keys, request.uses, strict=True)]
+        return pb.RaiseUsesResponse(at_least=await self.tier.call(self.tier.raise_uses, uses))
 
     @unary
     async def CopyBlocks(self, request: bytes | pb.CopyBlocksRequest,
@@ -636,6 +646,9 @@ def _add_servicer(servicer: FleetServicer, server: grpc.aio.Server) -> None:
         "CopyBlocks": grpc.unary_unary_rpc_method_handler(
             servicer.CopyBlocks, request_deserializer=None,
             response_serializer=pb.CopyBlocksResponse.SerializeToString),
+        "RaiseUses": grpc.unary_unary_rpc_method_handler(
+            servicer.RaiseUses, request_deserializer=pb.RaiseUsesRequest.FromString,
+            response_serializer=pb.RaiseUsesResponse.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvstore.v1.Fleet", handlers),))
     server.add_registered_method_handlers("kvstore.v1.Fleet", handlers)

@@ -32,7 +32,7 @@ import lmdb
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope, namespace_id
-from tiers import export, namespaces, pins, purge, reads, usage
+from tiers import export, namespaces, pins, purge, reads, stale_copies, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, read_meta
 from tiers.chains import ChainIndex
@@ -226,6 +226,25 @@ class LmdbBlockTier:
         granted = iter(self.leases.grant_many([k for k in deepest if k is not None], lease_s) if lease_s > 0 else ())
         return [(blocks, next(granted) if key is not None and lease_s > 0 else None)
                 for (blocks, _), key in zip(found, deepest, strict=True)]
+
+    def lookup_run_anchors(self, scope: BlockScope, anchors: Sequence[bytes], lengths: Sequence[int],
+                           lease_s: float = 0.0, *,
+                           touch_due: list[bytes] | None = None) -> list[tuple[int, Lease | None]]:
+        """Each run named by its last hash (docs/FLEET.md F77): (its length, the lease if asked) when the hash is
+        stored at the run's length, else (0, None); one read txn (`ChainIndex.find_anchors`), one lease pinning
+        every whole run's last block (`LeaseTable.grant_together`), each run counted as a Lookup of it."""
+        found = self.chains.find_anchors(scope, anchors, lengths)
+        now, tokens = self.retention_clock.now(), self.settings.block_tokens
+        whole: list[bytes] = []
+        for anchor, n, last_use_s in zip(anchors, lengths, found, strict=True):
+            if last_use_s is not None:
+                whole.append(key := scope.key(anchor))
+                if touch_due is not None and self.rule.touch_due(last_use_s, now):
+                    touch_due.append(key)
+            self._tally.lookup(asked_tokens=n * tokens, found_tokens=n * tokens if last_use_s is not None else 0)
+        lease = self.leases.grant_together(whole, lease_s) if whole and lease_s > 0 else None
+        return [(n, lease) if last_use_s is not None else (0, None)
+                for n, last_use_s in zip(lengths, found, strict=True)]
 
     def lookup_after(self, scope: BlockScope, anchor_hash: bytes, anchor_blocks: int, hashes: Sequence[bytes],
                      lease_s: float = 0.0, *, touch_due: list[bytes] | None = None) -> tuple[int, Lease | None] | None:
@@ -470,6 +489,18 @@ class LmdbBlockTier:
         removed = purge.remove_deepest_first(self._write, self._damage, blocks)
         self._tally.purged(removed)
         return removed
+
+    def raise_uses(self, uses: Sequence[tuple[bytes, float]]) -> list[bool]:
+        """F79: raise held blocks' last uses to those given, durably (`stale_copies.raise_uses`)."""
+        now = self.retention_clock.now()
+        return self._damage.retry(lambda: stale_copies.raise_uses(self.env, self._write, uses, now), "a raise of uses")
+
+    def drop_confirmed_run(self, root: bytes, confirmed: dict[bytes, float], window_start_s: float) -> int:
+        """F79: remove a run its replicas confirmed, unless leased or pinned here (`stale_copies.drop_confirmed`)."""
+        now = self.retention_clock.now()
+        return self._damage.retry(lambda: stale_copies.drop_confirmed(
+            self._write, root, confirmed=confirmed, window_start_s=window_start_s, leased=self.leases.pinned,
+            now_s=now), "a stale run's drop")
 
     def export_records(self, namespace: str) -> Iterator[export.ExportRecord]:
         """Every block of `namespace` (every geometry) as `ExportRecord`s, parents first (R21).

@@ -138,7 +138,8 @@ def _repair(progress: Any) -> dict[str, Any] | None:
     return {k: getattr(progress, k) for k in ("planned_nodes", "running", "passes", "under_replicated_bytes",
                                               "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
                                               "bulk_bytes", "damaged_blocks", "failed_runs", "draining",
-                                              "drain_left_bytes", "drain_left_runs", "drained", "updated_at")}
+                                              "drain_left_bytes", "drain_left_runs", "drained",
+                                              "stale_dropped_runs", "stale_dropped_bytes", "updated_at")}
 
 
 def _replication(nodes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -73,6 +73,10 @@ class RepairProgress:
     #: Whether a draining node's pass found every run it holds at its replication on the other nodes, so it left the
     #: membership (revoked its lease): it may be stopped.
     drained: bool = False
+    #: Runs (and their bytes) this node held while no longer among their replicas, dropped once every replica
+    #: confirmed holding them with this copy's last uses (docs/FLEET.md F79), since the node started.
+    stale_dropped_runs: int = 0
+    stale_dropped_bytes: int = 0
     #: Unix time of the last update.
     updated_at: float = 0.0
 

@@ -97,3 +97,23 @@ class CopyBlocksResponse(_message.Message):
     pins_short: int
     pin_note: str
     def __init__(self, written_blocks: _Optional[int] = ..., existing_blocks: _Optional[int] = ..., written_bytes: _Optional[int] = ..., bulk_refused: _Optional[str] = ..., pins_granted: _Optional[int] = ..., pins_short: _Optional[int] = ..., pin_note: _Optional[str] = ...) -> None: ...
+
+class BlockUse(_message.Message):
+    __slots__ = ("key", "last_use_s")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    LAST_USE_S_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    last_use_s: float
+    def __init__(self, key: _Optional[bytes] = ..., last_use_s: _Optional[float] = ...) -> None: ...
+
+class RaiseUsesRequest(_message.Message):
+    __slots__ = ("uses",)
+    USES_FIELD_NUMBER: _ClassVar[int]
+    uses: _containers.RepeatedCompositeFieldContainer[BlockUse]
+    def __init__(self, uses: _Optional[_Iterable[_Union[BlockUse, _Mapping]]] = ...) -> None: ...
+
+class RaiseUsesResponse(_message.Message):
+    __slots__ = ("at_least",)
+    AT_LEAST_FIELD_NUMBER: _ClassVar[int]
+    at_least: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, at_least: _Optional[_Iterable[bool]] = ...) -> None: ...

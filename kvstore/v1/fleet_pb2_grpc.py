@@ -49,6 +49,11 @@ class FleetStub:
                 request_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
                 _registered_method=True)
+        self.RaiseUses = channel.unary_unary(
+                '/kvstore.v1.Fleet/RaiseUses',
+                request_serializer=kvstore_dot_v1_dot_fleet__pb2.RaiseUsesRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_fleet__pb2.RaiseUsesResponse.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -77,6 +82,15 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RaiseUses(self, request, context):
+        """Raise each held block's last use to at least the one given (never lowered; capped at the node's now),
+        durably, and say which blocks are held with a last use at least that one (docs/FLEET.md F79: a holder
+        that is no longer a replica of a run drops its copy only once every replica says so of every block).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +108,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.CopyBlocks,
                     request_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.SerializeToString,
+            ),
+            'RaiseUses': grpc.unary_unary_rpc_method_handler(
+                    servicer.RaiseUses,
+                    request_deserializer=kvstore_dot_v1_dot_fleet__pb2.RaiseUsesRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_fleet__pb2.RaiseUsesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +196,33 @@ class Fleet:
             '/kvstore.v1.Fleet/CopyBlocks',
             kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
             kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RaiseUses(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Fleet/RaiseUses',
+            kvstore_dot_v1_dot_fleet__pb2.RaiseUsesRequest.SerializeToString,
+            kvstore_dot_v1_dot_fleet__pb2.RaiseUsesResponse.FromString,
             options,
             channel_credentials,
             insecure,
