@@ -333,6 +333,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Runs named by their last hashes (run_anchors, docs/FLEET.md F77): a run is whole here when its last block
         is stored at the run's length (R6 keeps the blocks above a stored one, and its hash fixes which: A5's
         reasoning), answered as its length and leased on that block; else 0 (the client asks it with its hashes)."""
+        if _runs_at_once(type(self.tier)):  # one read txn for every run, the leases granted together
+            return [(found, lease.lease_id if lease else "") for found, lease in cast(RunLookup, self.tier)
+                    .lookup_run_anchors(scope, anchors, lengths, lease_s, touch_due=due)]
         if self.anchored is None:
             raise FailedPrecondition("this store cannot find a run by its last block (run_anchors)",
                                      hint="send each run's hashes with run_lengths")

@@ -298,6 +298,26 @@ class ChainIndex:
             start += n
         return answers
 
+    def find_anchors(self, scope: BlockScope, anchors: Sequence[bytes], depths: Sequence[int]
+                     ) -> list[float | None]:
+        """For each run named by its last hash (docs/FLEET.md F77): the last use of `anchors[i]` when it is stored
+        at `depths[i]` in `scope` (its run whole: `find_after`'s reasoning), else None; every run in one read txn.
+        An LMDB error (a damaged page) sends each run to `find_after` alone, which reads it as it always does."""
+        prefix, tag, size, unpack = scope.prefix, META_TAG, META_STRUCT.size, _PARENT_DEPTH.unpack_from
+        answers: list[float | None] = []
+        try:
+            with self._env.begin(buffers=True) as txn:
+                get, db = txn.get, self._records
+                for anchor, depth in zip(anchors, depths, strict=True):
+                    meta = get(prefix + anchor + tag, None, db)
+                    whole = meta is not None and len(meta) == size and unpack(meta)[1] == depth
+                    answers.append(_LAST_USE.unpack_from(meta, _LAST_USE_OFFSET)[0] if meta is not None and whole
+                                   else None)
+        except lmdb.Error:
+            found = [self.find_after(scope, anchor, depth, ()) for anchor, depth in zip(anchors, depths, strict=True)]
+            return [known[1] if known is not None else None for known in found]
+        return answers
+
     def find_after(self, scope: BlockScope, anchor: bytes, depth: int, after: Sequence[bytes]
                    ) -> tuple[int, float] | None:
         """A next turn's `find` from its anchor: (blocks found from the first block, the deepest one's

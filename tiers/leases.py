@@ -1,6 +1,7 @@
 """Short leases that pin blocks between a Lookup and the Get that follows it.
 
-A lease pins one key: the deepest block the Lookup found. Eviction only takes
+A lease pins one key: the deepest block the Lookup found (a fleet node's runs found by their last blocks share
+one lease over each run's, F77). Eviction only takes
 blocks with no stored descendants, so pinning the tail protects the whole
 prefix. Leases live in memory: they last seconds and need not survive a restart,
 so they run on the monotonic clock: setting the wall clock forward cannot end a
@@ -25,6 +26,13 @@ class Lease:
     lease_id: str
     key: bytes
     expires_s: float
+    #: Further keys the same lease pins (a fleet node's runs leased together: docs/FLEET.md F77).
+    more: tuple[bytes, ...] = ()
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """Every key this lease pins."""
+        return (self.key, *self.more)
 
 
 class LeaseTable:
@@ -56,6 +64,18 @@ class LeaseTable:
                 self._pins[lease.key] += 1
         return leases
 
+    def grant_together(self, keys: Sequence[bytes], duration_s: float) -> Lease:
+        """Pin every key of `keys` (at least one) for `duration_s` seconds under one lease (a fleet node's runs
+        found by their last blocks, F77: one id to answer and release, not one per run)."""
+        lease = Lease(lease_id=uuid.uuid4().hex, key=keys[0], more=tuple(keys[1:]),
+                      expires_s=self._clock.monotonic() + duration_s)
+        with self._lock:
+            self._expire_locked()
+            self._leases[lease.lease_id] = lease
+            for key in keys:
+                self._pins[key] += 1
+        return lease
+
     def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
         """Drop a lease; False when it was unknown, had already expired, or pins a key
         `owns` refuses (another tenant's: answered as an unknown lease)."""
@@ -65,7 +85,8 @@ class LeaseTable:
             if lease is None or (owns is not None and not owns(lease.key)):
                 return False
             del self._leases[lease_id]
-            self._unpin_locked(lease.key)
+            for key in lease.keys:
+                self._unpin_locked(key)
             return True
 
     def pinned(self) -> frozenset[bytes]:
@@ -83,7 +104,8 @@ class LeaseTable:
     def _expire_locked(self) -> None:
         now = self._clock.monotonic()
         for lease_id in [i for i, le in self._leases.items() if le.expires_s <= now]:
-            self._unpin_locked(self._leases.pop(lease_id).key)
+            for key in self._leases.pop(lease_id).keys:
+                self._unpin_locked(key)
 
     def _unpin_locked(self, key: bytes) -> None:
         self._pins[key] -= 1

@@ -136,6 +136,12 @@ class RunLookup(Protocol):
         """`lookup` of each run of `hashes` cut by `lengths` (each its own chain from the root), as (found, lease)."""
         ...
 
+    def lookup_run_anchors(self, scope: BlockScope, anchors: Sequence[bytes], lengths: Sequence[int],
+                           lease_s: float = 0.0, *,
+                           touch_due: list[bytes] | None = None) -> list[tuple[int, Lease | None]]:
+        """Each run named by its last hash: (its length, lease) when stored at that depth, else (0, None) (F77)."""
+        ...
+
 
 @runtime_checkable
 class FoundReads(Protocol):

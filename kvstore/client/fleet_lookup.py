@@ -197,8 +197,10 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
     except BaseException:
         _release(pool, [p for a in answers.values() for p in a.leases])
         raise
-    kept = [p for i in sorted(answers) if i < end for p in answers[i].leases]
-    _release(pool, [p for i in sorted(answers) if i >= end for p in answers[i].leases])
+    # A node's runs found by their last blocks share one lease (F77): kept while any run inside the prefix has it.
+    kept = list(dict.fromkeys(p for i in sorted(answers) if i < end for p in answers[i].leases))
+    held = set(kept)
+    _release(pool, [p for i in sorted(answers) if i >= end for p in answers[i].leases if p not in held])
     found = runs[end - 1].first_block + answers[end - 1].found if end else 0
     refresher.add_many(_unasked_copies(runs[:end], answers, chain))  # one lock, off the read path (F34)
     return FleetLookup(found_blocks=found, lease_id=composite_lease(kept),
@@ -452,7 +454,7 @@ def _release(pool: NodePool, leases: Sequence[tuple[str, str]]) -> int:
     """Release (node, lease) pairs, each on its node; how many were still held (a node away lets its lapse)."""
     held = 0
     calls = []
-    for node, lease in leases:
+    for node, lease in dict.fromkeys(leases):  # a lease shared by a node's runs (F77) is released once
         try:
             c = pool.connection(node)
             calls.append(c.kvstore.Release.future(pb.ReleaseRequest(lease_id=lease), timeout=c.timeout_s,
@@ -470,4 +472,4 @@ def _release(pool: NodePool, leases: Sequence[tuple[str, str]]) -> int:
 def release_lease(pool: NodePool, lease_id: str) -> bool:
     """Release a composite lease on every node; True when every part was still held."""
     pairs = parse_lease(lease_id)
-    return _release(pool, pairs) == len(pairs)
+    return _release(pool, pairs) == len(set(pairs))

@@ -222,7 +222,7 @@ def test_f50_a_leased_lookup_asks_each_node_once_for_all_its_runs(fleet: Fleet) 
         found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
         assert found.found_blocks == 120 and found.lease_id is not None
         assert len(by_node) <= 3 and set(by_node.values()) == {1}  # one call per node, not one per run
-        assert sum(s.active_leases for s in client.node_stats().values()) == 30
+        assert sum(s.active_leases for s in client.node_stats().values()) == len(by_node)  # F77: one a node
         assert client.release(found.lease_id)
         # Run 12's tail purged on the replica the client reads it from: that node answers it short, the other
         # replica is asked, and the prefix goes on past it (R6 within the run on each node; across, the client).
@@ -301,8 +301,10 @@ def test_f30_f31_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fl
                                payload[run.first_block:run.end_block], extra_keys=keys)
         leased = client.lookup(tokens, lease_ms=60_000)  # every run asked: the prefix ends at run 2
         assert leased.found_blocks == 9 and leased.lease_id is not None
-        # Runs 0 and 1 on one node each, run 2 (short of full) on both its replicas; runs 3-5's let go at once.
-        assert sum(s.active_leases for s in client.node_stats().values()) == 4
+        # Runs 0 and 1 on the node read first (one lease a node, F77), run 2 (short of full) on both its replicas;
+        # runs 3-5's let go at once (or kept in the lease of a node that holds run 0 or 1 too).
+        first = {client.pool.read_order(chain[run.first_block], run.replicas)[0] for run in placement[:2]}
+        assert sum(s.active_leases for s in client.node_stats().values()) == len(first) + 2
         assert client.release(leased.lease_id)
         assert client.get(tokens).found_prefix_blocks == 9
         # The search without a lease trusts a stored run's predecessors (true inside retention: F31), so it
@@ -319,7 +321,8 @@ def test_f32_a_leased_lookup_leases_on_every_node_asked_and_one_release_drops_th
         assert isinstance(found, FleetLookupResult)
         assert found.found_blocks == 24 and found.lease_id is not None
         leases = {k: s.active_leases for k, s in client.node_stats().items()}
-        assert sum(leases.values()) == 6 and {k for k, v in leases.items() if v} == found.nodes_asked
+        # one lease on each node asked (its runs found by their last blocks share it, F77)
+        assert set(leases.values()) <= {0, 1} and {k for k, v in leases.items() if v} == found.nodes_asked
         assert client.release(found.lease_id) is True
         assert sum(s.active_leases for s in client.node_stats().values()) == 0
         assert client.release(found.lease_id) is False  # already released

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvstore.client.fleet import FleetClient
+from kvstore.clock import ManualClock
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module's fixture, three nodes)
@@ -24,6 +25,7 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     purge_from,
 )
 from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tiers.leases import LeaseTable
 
 HASH_BYTES = 32
 
@@ -79,14 +81,17 @@ def test_f77_a_node_answers_each_run_named_by_its_last_block_whole_or_not(fleet:
         node = client.pool.connection(run.replicas[0])
         # run 1 whole; its head (block 5 at depth 2); its last block at a wrong depth; a hash stored nowhere
         anchors = [chain[7], chain[5], chain[7], bytes(32)]
+        before = client.node_stats()[run.replicas[0]].active_leases
         reply = node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(anchors),
                                                                 run_lengths=[4, 2, 3, 1], run_anchors=True,
                                                                 lease_ms=60_000))
         assert list(reply.run_found_blocks) == [4, 2, 0, 0] and reply.found_blocks == 6
         assert [bool(lease) for lease in reply.run_lease_ids] == [True, True, False, False]
-        assert client.node_stats()[run.replicas[0]].active_leases >= 2
-        for lease in reply.run_lease_ids[:2]:
-            assert node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=lease)).released
+        one = reply.run_lease_ids[0]
+        assert reply.run_lease_ids[1] == one  # one lease for the call's whole runs
+        assert client.node_stats()[run.replicas[0]].active_leases == before + 1
+        assert node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=one)).released
+        assert not node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=one)).released
         with pytest.raises(InvalidArgument, match=r"one last hash each \(run_anchors\) 2 hashes sent, got 3 runs"):
             node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(chain[6:8]),
                                                             run_lengths=[2, 1, 1], run_anchors=True))
@@ -105,7 +110,8 @@ def test_f77_a_leased_lookup_names_each_run_by_its_last_hash(fleet: Fleet) -> No
         log = recording(client)
         found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
         assert found.found_blocks == 30 * RUN_BLOCKS and found.lease_id is not None
-        assert set(by_node.values()) == {1} and sum(s.active_leases for s in client.node_stats().values()) == 30
+        assert set(by_node.values()) == {1}
+        assert sum(s.active_leases for s in client.node_stats().values()) == len(by_node)  # one lease per node
         assert all(anchored for anchored, _ in log) and sum(n for _, n in log) == 30 * HASH_BYTES
         assert client.release(found.lease_id)
         chain = client.hashes(tokens)
@@ -147,7 +153,7 @@ def test_f78_where_one_node_reads_every_run_first_the_probe_asks_it_every_run_by
         assert sent == [(True, 12 * HASH_BYTES), (False, RUN_BLOCKS * HASH_BYTES)]
         leased, sent = lookups_sent(client, log, lambda: client.lookup(half, lease_ms=60_000))
         assert leased.found_blocks == 6 * RUN_BLOCKS + 2 and len(sent) == 2
-        assert sum(s.active_leases for s in client.node_stats().values()) == 7  # runs 0-5 whole, run 6's 2 blocks
+        assert sum(s.active_leases for s in client.node_stats().values()) == 2  # runs 0-5 whole, run 6's 2 blocks
         assert client.release(leased.lease_id)
 
 
@@ -174,6 +180,28 @@ def test_f77_a_node_that_predates_run_anchors_is_asked_again_by_the_runs_hashes(
             c.kvstore.Lookup = Predates(c.kvstore.Lookup, log)  # type: ignore[method-assign]
         leased, _ = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))  # refreshes left out
         assert leased.found_blocks == 9 * RUN_BLOCKS and leased.lease_id is not None
-        assert sum(s.active_leases for s in client.node_stats().values()) == 9
+        assert sum(s.active_leases for s in client.node_stats().values()) == 9  # as before: a lease per run
         assert client.release(leased.lease_id)
         assert sum(n for _, n in log) == 9 * HASH_BYTES + 9 * RUN_BLOCKS * HASH_BYTES  # by last hash, then again
+
+
+def test_f77_one_lease_pins_every_key_until_released_or_expired() -> None:
+    clock = ManualClock()
+    table = LeaseTable(clock)
+    alone = table.grant(b"b", 10.0)
+    together = table.grant_together([b"a", b"b", b"c"], 5.0)
+    assert together.keys == (b"a", b"b", b"c") and table.active() == 2
+    assert table.pinned() == {b"a", b"b", b"c"}
+    assert table.release(together.lease_id) and not table.release(together.lease_id)
+    assert table.pinned() == {b"b"}  # the other lease's pin stays
+    again = table.grant_together([b"a", b"c"], 5.0)
+    clock.advance(6.0)
+    assert table.pinned() == {b"b"} and table.active() == 1 and not table.release(again.lease_id)
+    assert table.release(alone.lease_id) and table.pinned() == frozenset()
+
+
+def test_f77_a_shared_lease_is_refused_as_another_tenants_by_its_first_key() -> None:
+    table = LeaseTable(ManualClock())
+    lease = table.grant_together([b"t1-a", b"t1-b"], 5.0)
+    assert not table.release(lease.lease_id, owns=lambda key: key.startswith(b"t2"))
+    assert table.release(lease.lease_id, owns=lambda key: key.startswith(b"t1")) and not table.pinned()
