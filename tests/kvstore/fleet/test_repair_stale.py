@@ -4,11 +4,12 @@ nodes at replication 2, 2 s leases, a pass a second (docs/FLEET.md F21, F79).
 One module-scoped story: three nodes store chains of several runs through the fleet client (each run on its two
 replicas). The nodes' clock (tests/children.py's SKEWED_CLOCK) moves two minutes on, past R5's touch minute, so a
 use is recorded again. Then, on the nodes a fourth one is about to push out of some run's replicas: one run is
-looked up (a use of its last block there, later than its replicas' last use of it) and another one leased (an hour).
+looked up (a use of its last block there, later than its replicas' last use of it), another one leased (an hour),
+a third pinned (an hour, R22).
 The fourth node joins and is filled; the old holders' later passes drop their stale copies. The tests read what
 the story left: every run on exactly its replicas (the leased one on its old holder too), the fleet's bytes back
 to replication x data, every block readable, the dropped runs counted; the copy used later was dropped only once
-its replicas carried that use.
+its replicas carried that use; the leased and the pinned copies are kept.
 """
 
 from __future__ import annotations
@@ -89,9 +90,15 @@ class Story:
     late_use_s: float = 0.0
     #: The replicas' last use of that run's last block once the old holder's copy was dropped (node id -> it).
     late_replica_uses: dict[str, float | None] = field(default_factory=dict)
-    #: The run leased on its old holder, and that holder.
+    #: The run leased on its old holder, and that holder; the run pinned on its old holder, and that holder.
     leased: Run | None = None
     leased_holder: str = ""
+    pinned: Run | None = None
+    pinned_holder: str = ""
+
+    def kept(self) -> dict[int, str]:
+        """id of each run kept on its old holder (leased, pinned) -> that holder."""
+        return {id(self.leased): self.leased_holder, id(self.pinned): self.pinned_holder}
 
 
 class Nodes:
@@ -108,7 +115,7 @@ class Nodes:
     def start(self, name: str) -> Child:
         cfg = write_config(self.root / name / "kvstore.toml", {
             "store": {"data_dir": str(self.data_dir(name)), "capacity_bytes": 1 << 28, "block_tokens": TOKENS,
-                      "max_lease_ms": LEASE_MS},
+                      "max_lease_ms": LEASE_MS, "pin_max_hours": 100.0, "pin_budget_bytes": 1 << 26},
             "fleet": {"etcd": self.etcd, "cluster": self.cluster, "lease_ttl_s": 2, "run_blocks": RUN_BLOCKS,
                       "replication": K, "repair_interval_s": 1.0, "repair_bytes_per_s": 1 << 30},
         })
@@ -199,11 +206,12 @@ def story(etcd_server: EtcdProcess, tmp_path_factory: pytest.TempPathFactory) ->
                       clock=ManualClock(start=time.time() + nodes.clock.skew_s)).close()
         s.after = [*s.before, nodes.node_id("d")]
         moved = [r for r in s.runs if stale_holder(r, s.before, s.after) is not None]
-        assert len(moved) >= 2
-        late = s.late = moved[0]
-        s.leased = moved[1]
+        assert len(moved) >= 3
+        late, s.leased, pinned = moved[0], moved[1], moved[2]
+        s.late, s.pinned = late, pinned
         s.late_holder = stale_holder(late, s.before, s.after) or ""
         s.leased_holder = stale_holder(s.leased, s.before, s.after) or ""
+        s.pinned_holder = stale_holder(pinned, s.before, s.after) or ""
         s.late_use_s = time.time() + nodes.clock.skew_s - 1.0  # a second's slack for the node's own reading
         with Client(nodes.target(s.late_holder)) as client:  # a use of the run's last block there, not elsewhere
             assert client.lookup_hashes(s.late.hashes).found_blocks == len(s.late.hashes)
@@ -215,10 +223,13 @@ def story(etcd_server: EtcdProcess, tmp_path_factory: pytest.TempPathFactory) ->
         leasing = Client(nodes.target(s.leased_holder))
         leases.append(leasing)
         assert leasing.lookup_hashes(s.leased.hashes, lease_ms=LEASE_MS).lease_id
+        with Client(nodes.target(s.pinned_holder)) as client:  # a pin on that copy alone (R22)
+            until = time.time() + nodes.clock.skew_s + 3600.0
+            assert client.lookup_hashes(pinned.hashes, keep_until_s=until).kept_until_s == until
 
         nodes.start("d")
         wait_until(lambda: nodes.settled(4), "four nodes settled", DEADLINE_S)
-        dropped = len(moved) - 1  # every stale copy but the leased one
+        dropped = len(moved) - 2  # every stale copy but the leased and the pinned ones
         wait_until(lambda: sum(r["stale_dropped_runs"] for r in nodes.repairs().values()) >= dropped,
                    "the old holders' stale copies dropped", DEADLINE_S)
         wait_until(lambda: s.late_holder not in nodes.holders(late, s.after), "the late copy dropped", DEADLINE_S)
@@ -234,16 +245,17 @@ def story(etcd_server: EtcdProcess, tmp_path_factory: pytest.TempPathFactory) ->
 def test_f79_after_a_join_the_old_holders_drop_their_stale_copies_once_the_new_replicas_hold_them(
         story: Story) -> None:
     nodes, after = story.nodes, story.after
-    assert story.leased is not None
-    for run in story.runs:  # each run on exactly its replicas, the leased one on its old holder too
-        want = set(replicas(run.hashes[0], after, K)) | ({story.leased_holder} if run is story.leased else set())
+    assert story.leased is not None and story.pinned is not None
+    kept = story.kept()
+    for run in story.runs:  # each run on exactly its replicas, the leased and pinned ones on their old holders too
+        want = set(replicas(run.hashes[0], after, K)) | ({kept[id(run)]} if id(run) in kept else set())
         assert nodes.holders(run, after) == want
     held = sum(len(b) for run in story.runs for n in after for b, h in zip(run.blocks, nodes.held(n, run),
                                                                            strict=True) if h)
     data = sum(run.size_bytes for run in story.runs)
-    assert held == K * data + story.leased.size_bytes  # back to replication x data
+    assert held == K * data + story.leased.size_bytes + story.pinned.size_bytes  # back to replication x data
     repairs = nodes.repairs()
-    moved = [r for r in story.runs if stale_holder(r, story.before, after) is not None and r is not story.leased]
+    moved = [r for r in story.runs if stale_holder(r, story.before, after) is not None and id(r) not in kept]
     assert sum(r["stale_dropped_runs"] for r in repairs.values()) == len(moved)
     assert sum(r["stale_dropped_bytes"] for r in repairs.values()) == sum(r.size_bytes for r in moved)
     assert repairs[nodes.node_id("d")]["stale_dropped_runs"] == 0  # the new node held no stale copy
@@ -270,3 +282,11 @@ def test_f79_a_leased_run_is_kept_on_its_old_holder(story: Story) -> None:
     wait_until(lambda: all(r["passes"] >= passes[n] + 2 for n, r in story.nodes.repairs().items()),
                "two more passes of every node", DEADLINE_S)
     assert story.leased_holder in story.nodes.holders(story.leased, story.after)  # still kept
+
+
+def test_f79_a_pinned_run_is_kept_on_its_old_holder(story: Story) -> None:
+    assert story.pinned is not None
+    passes = {n: r["passes"] for n, r in story.nodes.repairs().items()}
+    wait_until(lambda: all(r["passes"] >= passes[n] + 2 for n, r in story.nodes.repairs().items()),
+               "two more passes of every node", DEADLINE_S)
+    assert story.pinned_holder in story.nodes.holders(story.pinned, story.after)  # a live pin here keeps it
