@@ -6,10 +6,12 @@ address), the data written and read through the fleet client
 (`kvstore.Client("etcd://...")`). The tests go through the story in order, each
 leaving three settled nodes for the next: a node SIGSTOPped past its lease and
 continued; a node killed, wiped and started on the same address; random sequences of
-puts, reads and node losses (hypothesis); a rolling restart under load (after the random
-sequences: its load acknowledges some 200 prompts, and each sequence reads every prompt
-acknowledged so far); and last etcd killed and restarted. Waits are on the view, `kvstore fleet status --json` or
-the nodes' answers, under deadlines; nothing sleeps to wait.
+puts, reads and node losses (hypothesis); etcd killed and restarted (the node killed
+meanwhile started again after it); and last a rolling restart under load (last: its load
+acknowledges some 200 prompts, and the tests before it read every prompt acknowledged so
+far, the random sequences once an example, the outage three times). Waits are on the
+view, `kvstore fleet status --json` or the nodes' answers, under deadlines; nothing
+sleeps to wait.
 """
 
 from __future__ import annotations
@@ -370,6 +372,42 @@ def bring_back(fleet: Fleet, down: Down) -> None:
     down.name = None
 
 
+def test_f7_f24_etcd_killed_the_data_plane_serves_and_admin_writes_are_refused_naming_it(fleet: Fleet) -> None:
+    """etcd SIGKILLed: Puts and Gets through the fleet client go on with the last membership; a policy change
+    is refused with Unavailable naming etcd; a node killed meanwhile is routed around (F33) and, once etcd is
+    back, leaves the membership by its lease; the others' registrations recover (F3, F5, F7, F24)."""
+    with fleet.client() as client:  # every node running is in its view
+        fleet.etcd.stop()  # SIGKILL
+        wait_until(lambda: client.view.stale, "the client's view marked stale")
+        assert set(client.view.nodes) == {fleet.node_id(n) for n in NAMES}  # the last set seen
+        outage = [fleet.put(client) for _ in range(4)]
+        assert_readable(client, fleet.acked)
+        with AdminClient(fleet.target("a"), timeout_s=10) as admin, pytest.raises(
+                Unavailable, match=f"etcd does not answer at {fleet.etcd.endpoint}"):
+            admin.set_policy("default", retention_hours=100)
+        cid = fleet.node_id("c")
+        fleet.children["c"].kill9()  # not noticed while etcd is away: it stays in the stale view
+        assert cid in client.view.nodes
+        assert_readable(client, fleet.acked)  # its copies read from their other replica
+        fleet.etcd = EtcdProcess(fleet.etcd.workdir, client_port=fleet.etcd.client_port,
+                                 peer_port=fleet.etcd.peer_port).start()  # on its data
+        wait_until(lambda: not client.view.stale, "the view followed etcd again")
+        wait_until(lambda: cid not in client.view.nodes, "the node killed meanwhile left by its lease")
+        running = {fleet.node_id("a"), fleet.node_id("b")}
+        wait_until(lambda: {n["node_id"] for n in fleet.status()["nodes"]} == running,
+                   "etcd lists the two running nodes, and not the killed one")
+        assert_readable(client, fleet.acked)
+        assert outage
+
+
+def test_f18_re_replication_resumes_once_etcd_is_back(fleet: Fleet) -> None:
+    """After the outage above (etcd back, node c gone by its lease), a and b settle over themselves (F18);
+    c, started again on its data dir and address, registers and the three settle (F5)."""
+    fleet.wait_settled(("a", "b"))
+    fleet.start("c")
+    fleet.wait_settled(NAMES)
+
+
 def test_f43_a_rolling_restart_under_load_fails_no_request(fleet: Fleet) -> None:
     """Each node in turn SIGTERMed and restarted on its data dir and address while a client runs
     lookup -> put -> get cycles: not one request fails (F4, F30, F33, F43)."""
@@ -418,36 +456,3 @@ def test_f43_a_rolling_restart_under_load_fails_no_request(fleet: Fleet) -> None
     fleet.acked += mine
     with fleet.client() as client:
         assert_readable(client, mine)
-
-
-def test_f7_f24_etcd_killed_the_data_plane_serves_and_admin_writes_are_refused_naming_it(fleet: Fleet) -> None:
-    """etcd SIGKILLed: Puts and Gets through the fleet client go on with the last membership; a policy change
-    is refused with Unavailable naming etcd; a node killed meanwhile is routed around (F33) and, once etcd is
-    back, leaves the membership by its lease; the others' registrations recover (F3, F5, F7, F24)."""
-    with fleet.client() as client:  # every node running is in its view
-        fleet.etcd.stop()  # SIGKILL
-        wait_until(lambda: client.view.stale, "the client's view marked stale")
-        assert set(client.view.nodes) == {fleet.node_id(n) for n in NAMES}  # the last set seen
-        outage = [fleet.put(client) for _ in range(4)]
-        assert_readable(client, fleet.acked)
-        with AdminClient(fleet.target("a"), timeout_s=10) as admin, pytest.raises(
-                Unavailable, match=f"etcd does not answer at {fleet.etcd.endpoint}"):
-            admin.set_policy("default", retention_hours=100)
-        cid = fleet.node_id("c")
-        fleet.children["c"].kill9()  # not noticed while etcd is away: it stays in the stale view
-        assert cid in client.view.nodes
-        assert_readable(client, fleet.acked)  # its copies read from their other replica
-        fleet.etcd = EtcdProcess(fleet.etcd.workdir, client_port=fleet.etcd.client_port,
-                                 peer_port=fleet.etcd.peer_port).start()  # on its data
-        wait_until(lambda: not client.view.stale, "the view followed etcd again")
-        wait_until(lambda: cid not in client.view.nodes, "the node killed meanwhile left by its lease")
-        running = {fleet.node_id("a"), fleet.node_id("b")}
-        wait_until(lambda: {n["node_id"] for n in fleet.status()["nodes"]} == running,
-                   "etcd lists the two running nodes, and not the killed one")
-        assert_readable(client, fleet.acked)
-        assert outage
-
-
-def test_f18_re_replication_resumes_once_etcd_is_back(fleet: Fleet) -> None:
-    """After the outage above (etcd back, node c gone by its lease), a and b settle over themselves (F18)."""
-    fleet.wait_settled(("a", "b"))
