@@ -821,7 +821,8 @@ class FleetRepairer:
             request = pb.RaiseUsesRequest(uses=[pb.BlockUse(key=b.key, last_use_s=b.meta.last_access_s)
                                                 for blocks in chunk for b in blocks])
             reply = await self._ask(peer, address, "RaiseUses", request)
-            said = iter(reply.at_least) if reply is not None else None
+            answered = reply is not None and len(reply.at_least) == len(request.uses)
+            said = iter(reply.at_least) if answered else None
             out += [said is not None and all([next(said) for _ in blocks]) for blocks in chunk]
         return out
 
