@@ -205,3 +205,20 @@ def test_f77_a_shared_lease_is_refused_as_another_tenants_by_its_first_key() -> 
     lease = table.grant_together([b"t1-a", b"t1-b"], 5.0)
     assert not table.release(lease.lease_id, owns=lambda key: key.startswith(b"t2"))
     assert table.release(lease.lease_id, owns=lambda key: key.startswith(b"t1")) and not table.pinned()
+
+
+def test_f77_the_probe_and_f76s_round_name_runs_by_their_last_blocks(fleet: Fleet) -> None:  # noqa: F811
+    """F77 without a lease: the probe sends the last run's last hash alone; after a short one, F76's round asks
+    every copy by last hashes, and only the boundary run goes by its hashes (to every node of its order)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 12)
+        client.put(tokens, blocks_for(client, tokens))
+        log = recording(client)
+        found, sent = lookups_sent(client, log, lambda: client.lookup(tokens))
+        assert found.found_blocks == 12 * RUN_BLOCKS and sent == [(True, HASH_BYTES)]
+        half = tokens[:RUN_TOKENS * 6 + 16] + prompt(RUN_TOKENS * 6 - 16)  # run 6 found 1 block
+        found, sent = lookups_sent(client, log, lambda: client.lookup(half))
+        assert found.found_blocks == 6 * RUN_BLOCKS + 1
+        assert sent[0] == (True, HASH_BYTES) and all(anchored for anchored, _ in sent[1:1 + len(fleet.nodes)])
+        by_hashes = [n for anchored, n in sent if not anchored]
+        assert by_hashes == [RUN_BLOCKS * HASH_BYTES] * len(by_hashes) and 1 <= len(by_hashes) <= 3  # run 6 only
