@@ -4,22 +4,57 @@ runs it is not a replica of at replication 2, whose two replicas hold them whole
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
 from kvstore.fleet.placement import replicas
+from kvstore.fleet.repair_progress import RepairProgress
+from tests.conftest import LoopThread
 from tests.gateway.fleet_nodes import Fleet, etcd_fixture, fleet_fixture  # noqa: F401 (the fixtures)
 from tests.gateway.test_fleet_copy import RUN_BLOCKS, SCOPE, chain, put
+from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import run_index
+from tiers.lmdb_tier import LmdbBlockTier
+
+LIVE = ["a", "b", "c"]
+#: Seconds a view takes at most to see etcd gone, or back.
+EVENT_S = 15.0
 
 
-def test_f79_a_stale_copy_is_kept_in_a_pass_whose_etcd_did_not_answer(fleet: Fleet) -> None:
-    tiers, _, view = fleet.start(["a", "b", "c"])
+def _store_everywhere(tiers: dict[str, LmdbBlockTier]) -> tuple[list[tuple[list[bytes], list[bytes]]],
+                                                                 list[tuple[list[bytes], list[bytes]]]]:
+    """Chains of one run each on every node: (all of them, those node a is not a replica of)."""
     chains = [chain(n, seed=i) for i, n in enumerate([4, 3, 2, 4, 1, 4, 2, 3, 4, 4, 2, 1])]
     assert all(len(hashes) <= RUN_BLOCKS for hashes, _ in chains)  # one run each, placed by its first hash
     for hashes, blocks in chains:
         for tier in tiers.values():
             put(tier, hashes, blocks)
-    live = ["a", "b", "c"]
-    stale = [(h, b) for h, b in chains if "a" not in replicas(h[0], live, 2)]
+    stale = [(h, b) for h, b in chains if "a" not in replicas(h[0], LIVE, 2)]
     assert stale and len(stale) < len(chains)
+    return chains, stale
+
+
+@pytest.fixture
+def own(tmp_path: Path, loop_thread: LoopThread) -> Iterator[tuple[Fleet, EtcdProcess]]:
+    """A fleet on an etcd of this test's own (to kill and start again), and that etcd."""
+    etcd = EtcdProcess(tmp_path / "etcd")
+    etcd.start()
+    fleet = Fleet(tmp_path / "nodes", etcd, loop_thread)
+    try:
+        yield fleet, etcd
+    finally:
+        if etcd.process is None or etcd.process.poll() is not None:
+            etcd.start()  # back, so the nodes deregister and the views close
+        fleet.close()
+        etcd.stop()
+
+
+def test_f79_a_stale_copy_is_kept_in_a_pass_whose_etcd_did_not_answer(fleet: Fleet) -> None:
+    tiers, _, view = fleet.start(LIVE)
+    chains, stale = _store_everywhere(tiers)
     r = fleet.repairer("a", view)
 
     async def etcd_away() -> bool | None:
@@ -39,3 +74,27 @@ def test_f79_a_stale_copy_is_kept_in_a_pass_whose_etcd_did_not_answer(fleet: Fle
         keys = [SCOPE.key(h) for h in hashes]
         assert run_index.held(tiers["a"].env, keys) == [(hashes, blocks) not in stale] * len(keys)
         assert all(run_index.held(tiers["b"].env, keys)) and all(run_index.held(tiers["c"].env, keys))
+
+
+def test_f79_a_stale_copy_is_kept_when_the_view_goes_stale_during_the_pass(own: tuple[Fleet, EtcdProcess]) -> None:
+    fleet, etcd = own
+    tiers, _, view = fleet.start(LIVE)
+    chains, stale = _store_everywhere(tiers)
+    r = fleet.repairer("a", view)
+
+    async def etcd_goes(progress: RepairProgress) -> None:
+        # The pass's first publish comes after its own check of the view (F7): etcd is killed there, so the pass
+        # plans over a view that went stale under it (its peers answer over gRPC, without etcd).
+        if not view.stale:
+            await asyncio.to_thread(etcd.stop)
+            await view.wait_until(lambda m: m.stale, EVENT_S)
+
+    r.publish = etcd_goes
+    progress = fleet.one_pass(r)
+    assert view.stale and progress.passes == 1 and progress.stale_dropped_runs == 0  # in doubt: kept
+    assert len(run_index.list_runs(tiers["a"].env)) == len(chains)
+    r.publish = None
+    etcd.start()  # same ports, same data
+    fleet.loop.run(view.wait_until(lambda m: not m.stale, EVENT_S))
+    assert fleet.one_pass(r).stale_dropped_runs == len(stale)
+    assert len(run_index.list_runs(tiers["a"].env)) == len(chains) - len(stale)
