@@ -569,7 +569,7 @@ class FleetRepairer:
                     short = self._short_bytes(runs[i], held[i], mine[i], order, theirs, has)
                     found.short_runs += short > 0
                     found.short_bytes += short
-                elif self._confirmed_elsewhere(runs[i], mine[i], order, theirs):
+                if self._confirmed_elsewhere(runs[i], mine[i], order, theirs):
                     found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
 
@@ -578,6 +578,8 @@ class FleetRepairer:
         """F79: whether this node (not draining) is not among the run's replicas while each of its `replication`
         replicas answered this copy's digest (its blocks whole there) and this copy holds no live pin: a copy to
         drop once the replicas carry its last uses (`_drop_stale`)."""
+        if self.node_id in self._draining:
+            return False  # a drain keeps its copies until it leaves (F21's own path)
         n = self._targets(entry, order)
         if n < self.copies_of(entry) or self.node_id in order[:n] or not mine.blocks or mine.pins:
             return False
@@ -768,7 +770,7 @@ class FleetRepairer:
 
     def _may_drop(self) -> bool:
         """F79: the membership view may be trusted to drop a copy: not stale, and etcd answered this pass."""
-        return not self.membership.stale and self._etcd_answered and not self.progress.draining
+        return not self.membership.stale and self._etcd_answered
 
     async def _drop_stale(self, stale: Sequence[tuple[RunEntry, list[RunBlock], tuple[str, ...]]],
                           addresses: dict[str, str]) -> None:

@@ -98,3 +98,18 @@ def test_f79_a_stale_copy_is_kept_when_the_view_goes_stale_during_the_pass(own: 
     fleet.loop.run(view.wait_until(lambda m: not m.stale, EVENT_S))
     assert fleet.one_pass(r).stale_dropped_runs == len(stale)
     assert len(run_index.list_runs(tiers["a"].env)) == len(chains) - len(stale)
+
+
+def test_f79_a_draining_node_keeps_its_copies(fleet: Fleet) -> None:
+    tiers, _, view = fleet.start(LIVE)
+    chains, _ = _store_everywhere(tiers)
+    r = fleet.repairer("a", view)
+
+    async def drain() -> bool | None:
+        return True  # `kvstore fleet drain a` (F21): its record is not marked here, no one needs it to be
+
+    r.drain_requested = drain
+    progress = fleet.one_pass(r)
+    assert progress.draining and progress.drained  # b and c hold every run whole: the drain is done
+    assert progress.stale_dropped_runs == 0  # its copies stay until it is stopped (F21's own path)
+    assert len(run_index.list_runs(tiers["a"].env)) == len(chains)
