@@ -65,6 +65,9 @@ class NodePool:
         self.salt = os.urandom(16)
         self.hostname = socket.gethostname()
         self._draws: dict[tuple[bytes, tuple[str, ...]], tuple[str, ...]] = {}
+        #: Read orders made, with the view snapshot, the suspects and the host name they were made under.
+        self._orders: dict[tuple[bytes, tuple[str, ...]],
+                           tuple[Mapping[str, NodeRecord], frozenset[str], tuple[str, ...], str]] = {}
         self._nodes_seen: tuple[Mapping[str, NodeRecord], frozenset[str]] | None = None
 
     def connection(self, node_id: str) -> Connection:
@@ -123,14 +126,21 @@ class NodePool:
         sent again is ordered without hashing: a Lookup of a 1M-token prompt orders its 62 runs.
         """
         nodes = self.view.nodes
-        drawn = self._drawn(run_key, tuple(replicas))
         suspects = self._suspects()
+        key = (run_key, tuple(replicas))
+        made = self._orders.get(key)
+        if made is not None and made[0] is nodes and made[1] == suspects and made[3] == self.hostname:
+            return list(made[2])  # the same view and suspects: the same order (a prompt sent again, F77's rounds)
+        drawn = self._drawn(*key)
         if suspects or any(self._here(nodes, n) for n in drawn):
             order = sorted(drawn, key=lambda n: (n in suspects, not self._here(nodes, n)))  # stable: the draw
         else:
             order = list(drawn)
         if replicas and len(nodes) > len(replicas):
             order += [n for n in ranked(run_key, self._node_set(nodes), len(replicas) + 1) if n not in replicas][:1]
+        if len(self._orders) >= MAX_DRAWS:
+            self._orders.clear()  # a bound, not a policy: an order is made again exactly
+        self._orders[key] = (nodes, suspects, tuple(order), self.hostname)
         return order
 
     def _drawn(self, run_key: bytes, replicas: tuple[str, ...]) -> tuple[str, ...]:
