@@ -16,11 +16,7 @@ digests miss acme's old blocks it was sent, and its sender sends them again on e
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +32,9 @@ from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
-from tests.children import SKEWED_CLOCK, Child, ServerClock, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.kvstore.fleet.skewed_nodes import SkewedNodes
 from tests.waiting import wait_until
-from tiers import datadir
 
 TOKENS = 16
 RUN_BLOCKS = 4
@@ -70,38 +65,11 @@ class Run:
         return sum(len(b) for b in self.blocks)
 
 
-class Nodes:
+class Nodes(SkewedNodes):
     """The test's nodes, by name, on one skewed clock."""
 
     def __init__(self, root: Path, etcd: str) -> None:
-        self.root, self.etcd, self.cluster = root, etcd, f"t-{uuid.uuid4().hex[:12]}"
-        self.clock = ServerClock(root / "clock-skew")
-        self.children: dict[str, Child] = {}
-
-    def start(self, name: str) -> Child:
-        cfg = write_config(self.root / name / "kvstore.toml", {
-            "store": {"data_dir": str(self.root / name / "store"), "capacity_bytes": 1 << 28, "block_tokens": TOKENS},
-            "fleet": {"etcd": self.etcd, "cluster": self.cluster, "lease_ttl_s": 2, "run_blocks": RUN_BLOCKS,
-                      "replication": K, "repair_interval_s": 1.0, "repair_bytes_per_s": 1 << 30},
-        })
-        child = self.children[name] = Child(name, ["serve", "--config", str(cfg), "--port", "0"], self.root / "logs",
-                                            prelude=SKEWED_CLOCK, env=self.clock.env)
-        return child
-
-    def node_id(self, name: str) -> str:
-        node = datadir.node_id(self.root / name / "store")
-        assert node is not None
-        return node
-
-    def status(self) -> dict[str, Any]:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json"]) == 0
-        return json.loads(out.getvalue())
-
-    def repairs(self) -> dict[str, dict[str, Any]]:
-        """node id -> its re-replication record, of the members."""
-        return {n["node_id"]: n["repair"] for n in self.status()["nodes"] if n["repair"] is not None}
+        super().__init__(root, etcd, tokens=TOKENS, run_blocks=RUN_BLOCKS, replication=K)
 
     def holds(self, name: str, run: Run) -> bool:
         """Whether node `name` holds every block of `run` (HeldBlocks: it does not touch their last use)."""

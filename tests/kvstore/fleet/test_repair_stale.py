@@ -14,23 +14,17 @@ its replicas carried that use; the leased and the pinned copies are kept.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import random
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import lmdb
 import pytest
 
-from kvstore.cli import main
 from kvstore.client import Client
 from kvstore.clock import ManualClock
 from kvstore.config_sections import StoreSettings
@@ -40,10 +34,9 @@ from kvstore.native.records import BlockMeta, meta_key
 from kvstore.prefix import BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
-from tests.children import SKEWED_CLOCK, Child, ServerClock, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
+from tests.kvstore.fleet.skewed_nodes import SkewedNodes
 from tests.waiting import wait_until
-from tiers import datadir
 from tiers.lmdb_tier import LmdbBlockTier
 
 TOKENS = 16
@@ -101,48 +94,12 @@ class Story:
         return {id(self.leased): self.leased_holder, id(self.pinned): self.pinned_holder}
 
 
-class Nodes:
+class Nodes(SkewedNodes):
     """The story's nodes, by name, on one skewed clock."""
 
     def __init__(self, root: Path, etcd: str) -> None:
-        self.root, self.etcd, self.cluster = root, etcd, f"t-{uuid.uuid4().hex[:12]}"
-        self.clock = ServerClock(root / "clock-skew")
-        self.children: dict[str, Child] = {}
-
-    def data_dir(self, name: str) -> Path:
-        return self.root / name / "store"
-
-    def start(self, name: str) -> Child:
-        cfg = write_config(self.root / name / "kvstore.toml", {
-            "store": {"data_dir": str(self.data_dir(name)), "capacity_bytes": 1 << 28, "block_tokens": TOKENS,
-                      "max_lease_ms": LEASE_MS, "pin_max_hours": 100.0, "pin_budget_bytes": 1 << 26},
-            "fleet": {"etcd": self.etcd, "cluster": self.cluster, "lease_ttl_s": 2, "run_blocks": RUN_BLOCKS,
-                      "replication": K, "repair_interval_s": 1.0, "repair_bytes_per_s": 1 << 30},
-        })
-        child = self.children[name] = Child(name, ["serve", "--config", str(cfg), "--port", "0"], self.root / "logs",
-                                            prelude=SKEWED_CLOCK, env=self.clock.env)
-        return child
-
-    def node_id(self, name: str) -> str:
-        node = datadir.node_id(self.data_dir(name))
-        assert node is not None
-        return node
-
-    def name_of(self, node_id: str) -> str:
-        return next(n for n in self.children if self.node_id(n) == node_id)
-
-    def target(self, node_id: str) -> str:
-        return self.children[self.name_of(node_id)].target
-
-    def status(self) -> dict[str, Any]:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json"]) == 0
-        return json.loads(out.getvalue())
-
-    def repairs(self) -> dict[str, dict[str, Any]]:
-        """node id -> its re-replication record, of the members."""
-        return {n["node_id"]: n["repair"] for n in self.status()["nodes"] if n["repair"] is not None}
+        super().__init__(root, etcd, tokens=TOKENS, run_blocks=RUN_BLOCKS, replication=K,
+                         store={"max_lease_ms": LEASE_MS, "pin_max_hours": 100.0, "pin_budget_bytes": 1 << 26})
 
     def settled(self, n_nodes: int) -> bool:
         report = self.status()
