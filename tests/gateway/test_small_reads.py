@@ -105,3 +105,38 @@ def test_a_corrupt_block_in_a_small_get_is_reported_and_dropped(server: Any, cli
     assert got.statuses == ["found", "corrupt"] and got.blocks[0] == data[0]
     assert client.stats().corrupt_blocks == 1
     assert client.lookup(tokens).found_blocks == 1  # dropped: the careful read ran, not only the loop's
+
+
+def test_a_lookup_and_a_small_get_are_answered_while_a_group_commit_holds_the_writer(
+        server: Any, client: Client) -> None:
+    """A unary Put's group commit runs on an LMDB thread and keeps it while more batches queue
+    (gateway/put_group.py); the Lookups and small Gets of stored blocks never wait for it: held here with
+    LMDB's writer lock taken and every other LMDB thread busy, both are answered before it is let go."""
+    tier = server.tier
+    tokens, data = stored(client, 4)
+    client.get(tokens)  # recorded now: no refresh is due (R5), so neither read needs a thread
+    entered, let_go = threading.Event(), threading.Event()
+    real = tier.put_many
+
+    def held_commit(batches: Any) -> Any:
+        with tier.env.begin(write=True):  # LMDB's one writer, as a long commit holds it
+            entered.set()
+            assert let_go.wait(60), "the test never let the commit go"
+        return real(batches)
+
+    tier.put_many = held_commit  # the instance's own: what the Put handler's group calls
+    others: HeldThreads | None = None
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            put = pool.submit(client.put, [t + 10_000 for t in tokens],
+                              [os.urandom(client.block_bytes) for _ in range(4)])
+            assert entered.wait(NEVER_S), put.exception(timeout=1)
+            others = HeldThreads(tier.executor, tier.settings.io_threads - 1)  # the committer holds the last
+            assert pool.submit(client.lookup, tokens).result(timeout=NEVER_S).found_blocks == 4
+            assert pool.submit(client.get, tokens).result(timeout=NEVER_S).blocks == data
+            assert not put.done()  # the commit was held all along
+        finally:
+            let_go.set()
+            if others is not None:
+                others.release()
+        assert put.result(timeout=NEVER_S).written_blocks == 4
