@@ -753,20 +753,20 @@ class FleetRepairer:
     async def _copy_round(self, plans: list[RunPlan], addresses: dict[str, str],
                           window: _Window | None = None,
                           stale: Sequence[tuple[RunEntry, list[RunBlock], tuple[str, ...]]] = ()) -> None:
-        """Drop the round's stale copies their replicas confirm (F79), then send each target what it lacks of the
-        round's runs: lanes at once, at most WINDOW calls in flight, each batch taken from the bucket first (F18's
-        bounded rate)."""
+        """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in flight, each
+        batch taken from the bucket first (F18's bounded rate); then drop the round's stale copies their replicas
+        confirm (F79). The stale step comes after the copies (F80): its RaiseUses round trips and write
+        transactions must not delay a copy, and a stale run is never one this node sends (every replica holds it)."""
+        if plans:
+            window = _Window() if window is None else window
+            await asyncio.gather(*(self._send_lane(lane, window) for lane in self._lanes(plans, addresses)))
+            p = self.progress
+            for plan in plans:
+                p.under_replicated_runs -= not plan.pending
+                p.failed_runs += bool(plan.pending)
+            await self._publish()
         if stale:
             await self._drop_stale(stale, addresses)
-        if not plans:
-            return
-        window = _Window() if window is None else window
-        await asyncio.gather(*(self._send_lane(lane, window) for lane in self._lanes(plans, addresses)))
-        p = self.progress
-        for plan in plans:
-            p.under_replicated_runs -= not plan.pending
-            p.failed_runs += bool(plan.pending)
-        await self._publish()
 
     def _may_drop(self) -> bool:
         """F79: the membership view may be trusted to drop a copy: not stale, and etcd answered this pass."""

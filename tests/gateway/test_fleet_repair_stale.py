@@ -113,3 +113,38 @@ def test_f79_a_draining_node_keeps_its_copies(fleet: Fleet) -> None:
     assert progress.draining and progress.drained  # b and c hold every run whole: the drain is done
     assert progress.stale_dropped_runs == 0  # its copies stay until it is stopped (F21's own path)
     assert len(run_index.list_runs(tiers["a"].env)) == len(chains)
+
+
+def test_f80_a_rounds_stale_copies_are_asked_about_after_its_copies_are_answered(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F80: in a round with runs to copy and stale copies to drop, every CopyBlocks is answered before the first
+    RaiseUses is asked (the stale step's round trips and write transactions do not delay a copy); both are done."""
+    from gateway import fleet_repair
+
+    monkeypatch.setattr(fleet_repair, "FIRST_ROUND_RUNS", fleet_repair.RUNS_PER_ROUND)  # the pass is one round
+    tiers, _, view = fleet.start(LIVE)
+    _, stale = _store_everywhere(tiers)
+    alone = [(h, b) for h, b in (chain(n, seed=50 + i) for i, n in enumerate([3, 2, 4, 1, 2, 3]))
+             if "a" in replicas(h[0], LIVE, 2)]
+    assert alone
+    for hashes, blocks in alone:  # only on a, one of their replicas: a sends them to the other
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    events: list[str] = []
+    deliver, raise_uses = r._deliver, r._raise_uses
+
+    async def delivered(*args: object, **kwargs: object) -> bool:
+        went = await deliver(*args, **kwargs)  # type: ignore[arg-type]
+        events.append("copied")
+        return went
+
+    async def raised(*args: object, **kwargs: object) -> list[bool]:
+        events.append("raise")
+        return await raise_uses(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(r, "_deliver", delivered)
+    monkeypatch.setattr(r, "_raise_uses", raised)
+    progress = fleet.one_pass(r)
+    assert progress.stale_dropped_runs == len(stale) and progress.copied_blocks == sum(len(h) for h, _ in alone)
+    assert "copied" in events and "raise" in events
+    assert events.index("raise") > max(i for i, e in enumerate(events) if e == "copied")
