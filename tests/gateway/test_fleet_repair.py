@@ -504,3 +504,36 @@ def test_f18_the_next_round_is_planned_while_the_peers_answer_the_one_before(fle
     assert (progress.copied_bytes, progress.under_replicated_bytes, progress.failed_runs) == (total, 0, 0)
     for hashes, blocks in chains:
         assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f18_a_slow_progress_record_holds_no_copy_and_records_land_in_order(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass's first progress record is written beside its copies: etcd holding that put (here until a copy is
+    answered) delays no copy, every record lands in the order made, and the pass returns once its last is written."""
+    import asyncio
+
+    tiers, _, view = fleet.start(["a", "b"])
+    chains = [chain(n, seed=200 + i) for i, n in enumerate([3, 2, 4])]
+    for hashes, blocks in chains:
+        put(tiers["a"], hashes, blocks)
+    r = fleet.repairer("a", view)
+    copied = asyncio.Event()
+    written: list[tuple[bool, int]] = []
+    deliver = r._deliver
+
+    async def delivered(*args: Any, **kwargs: Any) -> bool:
+        went = await deliver(*args, **kwargs)
+        copied.set()
+        return went
+
+    async def publish(progress: Any) -> None:
+        if not written:
+            await asyncio.wait_for(copied.wait(), 10)  # etcd slow: this put ends only once a copy was answered
+        written.append((progress.running, progress.copied_blocks))
+
+    monkeypatch.setattr(r, "_deliver", delivered)
+    r.publish = publish
+    progress = fleet.one_pass(r)
+    total = sum(len(h) for h, _ in chains)
+    assert progress.copied_blocks == total and not progress.running
+    assert written[-1] == (False, total) and [c for _, c in written] == sorted(c for _, c in written)
