@@ -40,7 +40,6 @@ from gateway.auth import (
 from gateway.events import EventsCollector, check_events_bind, start_events
 from gateway.fleet_servicer import METHODS as FLEET_METHODS
 from gateway.fleet_servicer import add_fleet_service
-from gateway.gil_handoff import shorten_gil_switch_interval
 from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
@@ -376,7 +375,6 @@ async def serve(settings: Settings) -> None:
     allocator.keep_freed_memory()  # a Put's buffers are reused, not faulted in again each batch (tiers/allocator.py)
     running = await start(settings)
     frozen = freeze_startup_heap()  # full collections under load walk only what start-up did not make
-    shorten_gil_switch_interval()  # the loop gets the GIL back sooner from the LMDB threads (gateway/gil_handoff.py)
     print(f"kvstore listening on {settings.server.host}:{running.port}", flush=True)
     print(f"kvstore data in {settings.store.data_dir.resolve()} "
           f"(capacity {settings.store.capacity_bytes / 2**30:.1f} GiB, "
@@ -390,7 +388,6 @@ async def serve(settings: Settings) -> None:
     print(f"kvstore events: {running.events_line}", flush=True)
     print(f"kvstore trace: {trace_line(settings.trace, running.trace)}", flush=True)
     print(f"kvstore heap: {frozen:,} start-up objects frozen (gateway/startup_heap.py)", flush=True)
-    print(f"kvstore GIL switch interval: {sys.getswitchinterval() * 1000:g} ms (gateway/gil_handoff.py)", flush=True)
     if blockcopy.NATIVE:
         print(f"kvstore transfer copies: native, {counted(settings.transfer.copy_threads, 'thread')}", flush=True)
     else:
