@@ -257,9 +257,11 @@ def _one_first_reader(runs: Sequence[RunPlacement], orders: _Orders) -> str | No
 #: Runs the probe asks of its node by their last blocks (F80): the last run and at most this many less one of
 #: the node's others, spread over the prompt (a 64-run prompt at n=4: a node's ~16, so about 4 runs a gap).
 PROBE_RUNS = 16
+#: The nodes the guessed runs' orders name beyond the last one's (the walk's ask, F31), at most (F80).
+EXTRA_NODES = 1
 #: At most this many runs are asked by their hashes in F76's round (F80): a gap wider than that is left to the
 #: walk (a third round trip) rather than sending 8 KB a run to every node of its order.
-GUESSED_RUNS = 12
+GUESSED_RUNS = 16
 
 
 def _probe_runs(runs: Sequence[RunPlacement], probed: str) -> list[int]:
@@ -329,6 +331,10 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         # hold the round for its timeout; the walk asks it later if it must.
         short = {i for i in probe if answers[i].error is None and probed not in answers[i].asked}
         guessed = _boundary_guess(probe, short)
+        if guessed and len({n for i in guessed for n in orders[i]}) > len(orders[max(guessed)]) + EXTRA_NODES:
+            # On a box with fewer cores than calls, each call more in the round costs about the round trip it
+            # saves: the guess goes only where its runs' orders name at most one node more than the walk would ask.
+            guessed = frozenset()
         suspect = {n: pool.suspect(n) for n in {n for i in range(len(runs)) for n in orders[i]}}
         _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
                                             if n not in answers.get(i, _NONE).asked

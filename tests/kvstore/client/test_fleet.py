@@ -585,7 +585,8 @@ def test_f76_a_half_stored_prompt_is_asked_of_every_copy_in_one_round_and_refres
         purge_from(fleet.node(first), chain[run.first_block + 1])  # run 2 short on the replica read first
         found, by_node = calls_by_node(client, lambda: client.lookup(half))
         assert found.found_blocks == 6 * RUN_BLOCKS  # whole on its other replica: the prefix goes on
-        assert sum(by_node.values()) <= 1 + 2 * len(fleet.nodes)
+        # + 3: where the probe's node is the short one, F80's guess ends at run 2 and misses; run 6's copies after
+        assert sum(by_node.values()) <= 1 + 2 * len(fleet.nodes) + 3
         assert client.refresher.flush(30.0)
         sent = client.refresher.sent
         assert client.lookup(half).found_blocks == 6 * RUN_BLOCKS
