@@ -1,0 +1,115 @@
+"""A probe of the Lookup's tail inside `kvstore serve` under `kvstore bench load` (docs/BENCHMARKS.md, `bench load`,
+"Lookup's tail under load"): where a Lookup's time goes on the server, to split the clients' p99 into the handler's
+own time and the wait in the event loop's queue before it runs.
+
+Loaded by Python at start from PYTHONPATH (as `sitecustomize`), so it reaches the `kvstore serve` child that the bench
+starts; it does nothing in any other process, nor without LOOKUP_PROBE_OUT:
+
+    PYTHONPATH=scripts/lookup_tail_probe LOOKUP_PROBE_OUT=/tmp/probe.json kvstore bench load --clients 16 --seconds 5
+    python scripts/lookup_tail_probe/summarize.py /tmp/probe.json
+
+Per Lookup: the handler's wall time; its index read's wall, CPU and run-queue wait (/proc schedstat: preempted),
+the rest of that wall being asleep (the GIL taken back, page faults); whether a group commit was running when it
+began; whether it called the tier's executor or awaited a refresh. Also the event loop's lag (a 1 ms sleep's
+overshoot) and each group commit's time and size. Written every second to LOOKUP_PROBE_OUT (the server is
+terminated, not stopped, by the bench). A diagnostic: it wraps private methods and may need updating as they move.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
+    import asyncio
+    import contextvars
+    import json
+    import threading
+    import time
+
+    from gateway import kvstore_servicer, put_group
+    from tiers import lmdb_tier
+
+    _OUT = os.environ["LOOKUP_PROBE_OUT"]
+    _current: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("probe_lookup", default=None)
+    _lookups: list[dict[str, Any]] = []
+    _lags: list[float] = []
+    _commits: list[tuple[float, int]] = []
+    _started = threading.Event()
+    _schedstat: dict[str, Any] = {}
+
+    _Servicer, _Groups, _Tier = kvstore_servicer.KVStoreServicer, put_group.PutGroups, lmdb_tier.LmdbBlockTier
+    _lookup, _index_read, _commit = _Servicer.Lookup, _Servicer._index_read, _Groups._commit
+    _call, _touch_soon = _Tier.call, _Tier.touch_soon
+
+    def _runqueue_s() -> float:
+        """This thread's time spent runnable but not running (the second field of its schedstat)."""
+        f = _schedstat.get("f")
+        if f is None:  # the loop thread's own, kept open: a read per Lookup, not an open
+            path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+            f = _schedstat["f"] = open(path, "rb", buffering=0)  # noqa: SIM115
+        f.seek(0)
+        return int(f.read().split()[1]) / 1e9
+
+    def _dump() -> None:
+        while True:
+            time.sleep(1.0)
+            with open(_OUT + ".tmp", "w") as out:
+                json.dump({"lookups": list(_lookups), "lags_s": list(_lags), "commits": list(_commits)}, out)
+            os.replace(_OUT + ".tmp", _OUT)
+
+    async def _lag_probe() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            _lags.append(time.perf_counter() - t - 0.001)
+
+    def commit(self: Any, group: list[Any]) -> None:
+        t0 = time.perf_counter()
+        _commit(self, group)
+        _commits.append((time.perf_counter() - t0, len(group)))
+
+    async def lookup(self: Any, request: Any, context: Any) -> Any:
+        if not _started.is_set():
+            _started.set()
+            asyncio.get_running_loop().create_task(_lag_probe())
+            threading.Thread(target=_dump, daemon=True).start()
+        record: dict[str, Any] = {"committing": self.put_groups._committing, "executor": 0, "refresh": 0}
+        token = _current.set(record)
+        t0 = time.perf_counter()
+        try:
+            return await _lookup(self, request, context)
+        finally:
+            record["wall_s"] = time.perf_counter() - t0
+            _current.reset(token)
+            _lookups.append(record)
+
+    async def index_read(self: Any, blocks: int, read: Any) -> Any:
+        record = _current.get()
+        q0, c0, t0 = _runqueue_s(), time.thread_time(), time.perf_counter()
+        try:
+            return await _index_read(self, blocks, read)
+        finally:
+            if record is not None:
+                record["read_s"] = time.perf_counter() - t0
+                record["read_cpu_s"] = time.thread_time() - c0
+                record["read_runqueue_s"] = _runqueue_s() - q0
+
+    async def call(self: Any, fn: Any, *args: Any) -> Any:
+        record = _current.get()
+        if record is not None:
+            record["executor"] += 1
+        return await _call(self, fn, *args)
+
+    def touch_soon(self: Any, keys: Any) -> Any:
+        record = _current.get()
+        if record is not None:
+            record["refresh"] += 1
+        return _touch_soon(self, keys)
+
+    _Servicer.Lookup = lookup  # type: ignore[method-assign]
+    _Servicer._index_read = index_read  # type: ignore[method-assign]
+    _Groups._commit = commit  # type: ignore[method-assign]
+    _Tier.call = call  # type: ignore[method-assign]
+    _Tier.touch_soon = touch_soon  # type: ignore[method-assign]
