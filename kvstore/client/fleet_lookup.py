@@ -24,7 +24,8 @@ Where one node comes first in every run's read order, the probe asks it every ru
 call for a prompt sent again, two for one half stored. Otherwise the probe also asks its node a few of the other
 runs it holds, spread over the prompt, and the round after a short probe asks the runs between the last of them
 found whole and the first found short by their hashes, so the boundary run is answered there (F80): two round trips
-for a half-stored prompt, where the walk made a third.
+for a half-stored prompt, where the walk made a third (where those runs' orders name at most one node more than
+the walk would ask: each call more costs CPU beside the others).
 
 With `lease_ms` each run's found blocks are leased on the node that found them;
 the leases past the prefix's end are released at once, the others make one
