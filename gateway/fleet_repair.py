@@ -760,7 +760,7 @@ class FleetRepairer:
                           stale: Sequence[tuple[RunEntry, list[RunBlock], tuple[str, ...]]] = ()) -> None:
         """Send each target what it lacks of the round's runs: lanes at once, at most WINDOW calls in flight, each
         batch taken from the bucket first (F18's bounded rate); then drop the round's stale copies their replicas
-        confirm (F79). The stale step comes after the copies (F81): its RaiseUses round trips and write
+        confirm (F79). The stale step comes after the copies (F80): its RaiseUses round trips and write
         transactions must not delay a copy, and a stale run is never one this node sends (every replica holds it)."""
         if plans:
             window = _Window() if window is None else window

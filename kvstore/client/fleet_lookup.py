@@ -21,11 +21,7 @@ R6 across runs is checked on every run.
 The probe, the leased round and F76's round name each run by its last hash (`run_anchors`, F77): a node answers
 a run whole or not (a node's whole runs under one lease), and a run not whole is asked by its hashes in the walk.
 Where one node comes first in every run's read order, the probe asks it every run so, leased or not (F78): one
-call for a prompt sent again, two for one half stored. Otherwise the probe also asks its node a few of the other
-runs it holds, spread over the prompt, and the round after a short probe asks the runs between the last of them
-found whole and the first found short by their hashes, so the boundary run is answered there (F80): two round trips
-for a half-stored prompt, where the walk made a third (where those runs' orders name at most one node more than
-the walk would ask: each call more costs CPU beside the others).
+call for a prompt sent again, two for one half stored.
 
 With `lease_ms` each run's found blocks are leased on the node that found them;
 the leases past the prefix's end are released at once, the others make one
@@ -255,43 +251,6 @@ def _one_first_reader(runs: Sequence[RunPlacement], orders: _Orders) -> str | No
     return first.pop() if len(first) == 1 else None
 
 
-#: Runs the probe asks of its node by their last blocks (F80): the last run and at most this many less one of
-#: the node's others, spread over the prompt (a 64-run prompt at n=4: a node's ~16, so about 4 runs a gap).
-PROBE_RUNS = 16
-#: The nodes the guessed runs' orders name beyond the last one's (the walk's ask, F31), at most (F80).
-EXTRA_NODES = 1
-#: At most this many runs are asked by their hashes in F76's round (F80): a gap wider than that is left to the
-#: walk (a third round trip) rather than sending 8 KB a run to every node of its order.
-GUESSED_RUNS = 16
-
-
-def _probe_runs(runs: Sequence[RunPlacement], probed: str) -> list[int]:
-    """The runs the probe asks `probed` (F80): the last, and of the others `probed` holds a copy of, at most
-    PROBE_RUNS - 1 spread evenly over them (the first and the one before the last included)."""
-    last = len(runs) - 1
-    held = [i for i in range(last) if probed in runs[i].replicas]
-    if len(held) >= PROBE_RUNS:
-        step = (len(held) - 1) / (PROBE_RUNS - 2)
-        held = sorted({held[round(k * step)] for k in range(PROBE_RUNS - 1)})
-    return [*held, last]
-
-
-def _boundary_guess(probe: Sequence[int], short: set[int]) -> frozenset[int]:
-    """The runs the boundary likely lies among, after a probe whose `short` runs were not whole on its node (F80):
-    those after the last run found whole before the first short one, up to it. A run stored means every run
-    before it is (F31's reasoning, inside retention), so the boundary is past every whole run; the first short
-    one is the first that may hold it on no copy. Empty when the probe's node failed or the gap is wider than
-    GUESSED_RUNS (the walk asks as before F80)."""
-    if not short:
-        return frozenset()
-    first_short = min(short)
-    whole = [i for i in probe if i < first_short]
-    start = whole[-1] + 1 if whole else 0
-    if first_short + 1 - start > GUESSED_RUNS:
-        return frozenset()
-    return frozenset(range(start, first_short + 1))
-
-
 def _check_first(answer: RunAnswer, i: int) -> None:
     """No replica of the first run could answer: the Lookup learned nothing, so it says why."""
     if i == 0 and answer.node is None and answer.error is not None:
@@ -300,9 +259,8 @@ def _check_first(answer: RunAnswer, i: int) -> None:
 
 def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
                  answers: dict[int, RunAnswer], lease_ms: int, retry: Retry) -> int:
-    """Without a lease, the last run first, on one replica (a prompt sent again: done, F31) with a few of that
-    replica's other runs (F80), then every run on every node of its read order (F76), the runs the probe puts the
-    boundary among by their hashes (F80). With a lease, every run on the first replica of its read order. One call
+    """Without a lease, the last run first, on one replica (a prompt sent again: done, F31), then every run on
+    every node of its read order (F76). With a lease, every run on the first replica of its read order. One call
     per node, all nodes at once (F50); the runs of a node that failed on their next replica, again one call per
     node; then in order, the run that falls short asked of its other replicas (F31): the prefix ends at the first
     run no replica holds in full.
@@ -318,29 +276,18 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         _round(pool, runs, chain, answers, [(i, one) for i in range(len(runs))], lease_ms, anchors=True)
     elif not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, by its last block
         last, probed = len(runs) - 1, orders[len(runs) - 1][0]
-        # F80: the probe also asks that node a few of its other runs, spread over the prompt (32 bytes each, in the
-        # same call), so a short probe says between which of them the boundary lies.
-        probe = _probe_runs(runs, probed)
-        _round(pool, runs, chain, answers, [(i, probed) for i in probe], 0, anchors=True)
+        _round(pool, runs, chain, answers, [(last, probed)], 0, anchors=True)
         if answers[last].found == runs[last].end_block - runs[last].first_block:
             return len(runs)  # every run before a stored run is stored, inside retention (F31)
         # Short: some run's other copies will be asked (the walk's ask, F31), so every run is asked of every
         # node of its read order now by its last block, in one call per node (F76, F77): the walk then asks by
-        # hashes only the first run no copy holds whole. The few runs the probe puts the boundary among are asked
-        # by their hashes in this round instead, so the walk finds their counts answered (F80: two round trips).
-        # A node that just failed is asked only where it comes first (every copy is suspect): a stopped one would
-        # hold the round for its timeout; the walk asks it later if it must.
-        short = {i for i in probe if answers[i].error is None and probed not in answers[i].asked}
-        guessed = _boundary_guess(probe, short)
-        if guessed and len({n for i in guessed for n in orders[i]}) > len(orders[max(guessed)]) + EXTRA_NODES:
-            # On a box with fewer cores than calls, each call more in the round costs about the round trip it
-            # saves: the guess goes only where its runs' orders name at most one node more than the walk would ask.
-            guessed = frozenset()
+        # hashes only the first run no copy holds whole. A node that just failed is asked only where it comes
+        # first (every copy is suspect): a stopped one would hold the round for its timeout; the walk asks it
+        # later if it must.
         suspect = {n: pool.suspect(n) for n in {n for i in range(len(runs)) for n in orders[i]}}
         _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
-                                            if n not in answers.get(i, _NONE).asked
-                                            and (i in guessed or i not in short or n != probed)
-                                            and (not k or not suspect[n])], 0, anchors=True, hashed=guessed)
+                                            if (i, n) != (last, probed) and n not in answers.get(i, _NONE).asked
+                                            and (not k or not suspect[n])], 0, anchors=True)
     else:  # leased: every run by its last block on its first replica (F77), leased there when whole
         _round(pool, runs, chain, answers, [(i, orders[i][0]) for i in range(len(runs))], lease_ms, anchors=True)
     while True:  # a node away: its runs go to their next replica, together
@@ -407,36 +354,33 @@ _NONE = RunAnswer()
 
 
 def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
-           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False,
-           hashed: frozenset[int] = frozenset()) -> None:
+           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False) -> None:
     """Ask run i of node n for every (i, n) in `ask`: one Lookup per node naming all its runs (run_lengths), the
     nodes at once (one round trip). A node's failure is noted on each of its runs; an error another replica would
     share is raised once every call was answered (the caller releases what they leased).
 
     With `anchors` each run is named by its last hash (F77): a run whole on its node is noted; one that is not
     is left unasked there (its count is unknown), so the walk asks it of that node too, by its hashes. A node that
-    cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes. With `anchors`, the
-    runs in `hashed` are asked by their hashes all the same, in a call of their own to each node, beside the
-    anchored one (F80: their counts are answered in this round trip)."""
-    by_node: dict[tuple[str, bool], list[int]] = {}
+    cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes."""
+    by_node: dict[str, list[int]] = {}
     for i, node in ask:
-        by_node.setdefault((node, anchors and i not in hashed), []).append(i)
+        by_node.setdefault(node, []).append(i)
         answers.setdefault(i, RunAnswer()).asked.append(node)
     # A round that sends at least the chain's worth of hashes joins the chain once and its requests cut runs from
     # it (a slice each), rather than each joining its runs' hashes one by one (F76: 0.43 ms for 64 runs here).
     whole = not anchors and sum(runs[i].end_block - runs[i].first_block for i, _ in ask) >= len(chain)
     packed = b"".join(chain) if whole else None
-    jobs = [(node, by_anchor, indices,
-             _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=by_anchor))
-            for (node, by_anchor), indices in by_node.items()]
+    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors))
+            for node, indices in by_node.items()]
     # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
     # its own per call, which costs more than the call on a small prompt.
-    futures = [_EXECUTOR.submit(call) for *_, call in jobs[:-1]]
-    last = [jobs[-1][3]()] if jobs else []
+    futures = [_EXECUTOR.submit(call) for _, _, call in jobs[:-1]]
+    last = [jobs[-1][2]()] if jobs else []
     outcomes = [f.result() for f in futures] + last
     refused: KVStoreError | None = None
-    for (node, by_anchor, indices, _), outcome in zip(jobs, outcomes, strict=True):
-        if by_anchor and isinstance(outcome, InvalidArgument | FailedPrecondition):  # predates run_anchors
+    for (node, indices, _), outcome in zip(jobs, outcomes, strict=True):
+        by_anchor = anchors
+        if anchors and isinstance(outcome, InvalidArgument | FailedPrecondition):  # predates run_anchors
             outcome, by_anchor = _runs_request(pool, node, runs, indices, chain, lease_ms)(), False
         if isinstance(outcome, KVStoreError):
             refused = refused or _node_failed(pool, answers, indices, node, outcome)

@@ -115,9 +115,9 @@ def test_f79_a_draining_node_keeps_its_copies(fleet: Fleet) -> None:
     assert len(run_index.list_runs(tiers["a"].env)) == len(chains)
 
 
-def test_f81_a_rounds_stale_copies_are_asked_about_after_its_copies_are_answered(
+def test_f80_a_rounds_stale_copies_are_asked_about_after_its_copies_are_answered(
         fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """F81: in a round with runs to copy and stale copies to drop, every CopyBlocks is answered before the first
+    """F80: in a round with runs to copy and stale copies to drop, every CopyBlocks is answered before the first
     RaiseUses is asked (the stale step's round trips and write transactions do not delay a copy); both are done."""
     from gateway import fleet_repair
 

@@ -8,13 +8,11 @@ from typing import Any
 
 import pytest
 
-from kvstore.client import fleet_lookup
 from kvstore.client.fleet import FleetClient
 from kvstore.clock import ManualClock
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module's fixture, three nodes)
-    BLOCK_TOKENS,
     RUN_BLOCKS,
     RUN_TOKENS,
     Fleet,
@@ -209,108 +207,18 @@ def test_f77_a_shared_lease_is_refused_as_another_tenants_by_its_first_key() -> 
     assert table.release(lease.lease_id, owns=lambda key: key.startswith(b"t1")) and not table.pinned()
 
 
-def probe_of(client: FleetClient, tokens: list[int]) -> list[int]:
-    """The runs the probe of a prompt of at most PROBE_RUNS runs asks (F80): every run the last run's first reader
-    holds a copy of."""
-    chain = client.hashes(tokens)
-    runs = client.placement(chain)
-    last = len(runs) - 1
-    probed = client.pool.read_order(chain[runs[last].first_block], runs[last].replicas)[0]
-    assert len(runs) <= fleet_lookup.PROBE_RUNS
-    return [i for i in range(last) if probed in runs[i].replicas] + [last]
-
-
 def test_f77_the_probe_and_f76s_round_name_runs_by_their_last_blocks(fleet: Fleet) -> None:  # noqa: F811
-    """F77 without a lease: the probe sends last hashes only (the last run's, and F80's few of its node's other
-    runs); after a short one, F76's round asks every copy by last hashes, and only the runs F80 puts the boundary
-    among go by their hashes (to every node of their order)."""
+    """F77 without a lease: the probe sends the last run's last hash alone; after a short one, F76's round asks
+    every copy by last hashes, and only the boundary run goes by its hashes (to every node of its order)."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 12)
         client.put(tokens, blocks_for(client, tokens))
         log = recording(client)
         found, sent = lookups_sent(client, log, lambda: client.lookup(tokens))
-        assert found.found_blocks == 12 * RUN_BLOCKS and sent == [(True, len(probe_of(client, tokens)) * HASH_BYTES)]
+        assert found.found_blocks == 12 * RUN_BLOCKS and sent == [(True, HASH_BYTES)]
         half = tokens[:RUN_TOKENS * 6 + 16] + prompt(RUN_TOKENS * 6 - 16)  # run 6 found 1 block
-        probe = probe_of(client, half)
         found, sent = lookups_sent(client, log, lambda: client.lookup(half))
         assert found.found_blocks == 6 * RUN_BLOCKS + 1
-        assert sent[0] == (True, len(probe) * HASH_BYTES)
-        anchored = [n for by_anchor, n in sent[1:] if by_anchor]
-        assert anchored and all(n % HASH_BYTES == 0 and n < RUN_BLOCKS * HASH_BYTES * 12 for n in anchored)
-        # F80's guess: after the last run the probe found whole, up to the first it found short
-        guessed = range(max([i for i in probe if i < 6], default=-1) + 1, min(i for i in probe if i >= 6) + 1)
-        by_hashes = [n for by_anchor, n in sent if not by_anchor]
-        # the guessed runs of every node of their order, run 6 among them: none of the runs after the gap
-        assert sum(by_hashes) <= len(guessed) * 3 * RUN_BLOCKS * HASH_BYTES and 1 <= len(by_hashes) <= 3
-        assert all(n % (RUN_BLOCKS * HASH_BYTES) == 0 for n in by_hashes)
-
-
-class Trips:
-    """Tags every Lookup a node is sent with the round trip it went in: each call of `_round`, `_ask_the_rest`
-    and `_ask_next` (the outermost one running) is one; a Lookup sent outside them would be tagged None."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.current: int | None = None
-        self.count = 0
-        self.tags: list[int | None] = []
-        for name in ("_round", "_ask_the_rest", "_ask_next"):
-            monkeypatch.setattr(fleet_lookup, name, self._tagged(getattr(fleet_lookup, name)))
-
-    def _tagged(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        def tagged(*args: Any, **kwargs: Any) -> Any:
-            if self.current is not None:
-                return step(*args, **kwargs)  # inside a round already (a node that predates a field)
-            self.count += 1
-            self.current = self.count
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self.current = None
-        return tagged
-
-    def record(self, client: FleetClient) -> None:
-        """Tag each Lookup the client sends a node from now on."""
-        for node in client.view.nodes:
-            c = client.pool.connection(node)
-            c.kvstore.Lookup = Tagged(c.kvstore.Lookup, self)  # type: ignore[method-assign]
-
-    def of(self, client: FleetClient, lookup: Callable[[], Any]) -> tuple[Any, int]:
-        """A lookup's result and the round trips its Lookups went in."""
-        del self.tags[:]
-        found, _ = calls_by_node(client, lookup)
-        assert None not in self.tags
-        return found, len(set(self.tags))
-
-
-class Tagged:
-    """A node stub's Lookup that notes the round trip it is sent in, then sends it on."""
-
-    def __init__(self, call: Any, trips: Trips) -> None:
-        self.call, self.trips = call, trips
-
-    def __call__(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
-        self.trips.tags.append(self.trips.current)
-        return self.call(request, **kwargs)
-
-    def future(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
-        self.trips.tags.append(self.trips.current)
-        return self.call.future(request, **kwargs)
-
-
-def test_f80_a_half_stored_prompt_is_found_in_two_round_trips(fleet: Fleet,  # noqa: F811
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """F80: a prompt stored in part, wherever it ends (inside a run, at a run's end, inside the first run), is
-    found in two round trips: the probe of its node's runs by their last blocks, then F76's round, with the runs
-    the probe puts the boundary among by their hashes; what is found is as before (the walk asks nothing more)."""
-    with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS * 24)
-        client.put(tokens, blocks_for(client, tokens))
-        trips = Trips(monkeypatch)
-        trips.record(client)
-        found, n = trips.of(client, lambda: client.lookup(tokens))
-        assert found.found_blocks == 24 * RUN_BLOCKS and n == 1  # sent again: the probe alone (F31)
-        for cut in (RUN_TOKENS * 12, RUN_TOKENS * 12 + 16, RUN_TOKENS * 5 + 48, RUN_TOKENS * 20, 32):
-            half = tokens[:cut] + prompt(len(tokens) - cut)
-            found, n = trips.of(client, lambda p=half: client.lookup(p))  # type: ignore[misc]
-            assert found.found_blocks == cut // BLOCK_TOKENS, cut
-            assert n == 2, cut
+        assert sent[0] == (True, HASH_BYTES) and all(anchored for anchored, _ in sent[1:1 + len(fleet.nodes)])
+        by_hashes = [n for anchored, n in sent if not anchored]
+        assert by_hashes == [RUN_BLOCKS * HASH_BYTES] * len(by_hashes) and 1 <= len(by_hashes) <= 3  # run 6 only
