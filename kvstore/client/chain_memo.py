@@ -284,13 +284,8 @@ class ChainMemo:
         Raises:
             InvalidArgument: a bad token id or extra key (as `chain_hashes`).
         """
-        tail = extra_keys_tail(extra_keys)
-        # A view of the caller's array where it holds the bytes already: compared and hashed in
-        # place, copied only into a kept chain (the caller may change its array afterwards).
-        raw = token_buffer(tokens)
-        step = 4 * self.block_tokens
-        full = len(raw) - len(raw) % step
-        if full < step * max(self.min_blocks, 1):  # too short to keep, or to begin with a kept chain
+        tail, raw, full = self._cut(tokens, extra_keys)
+        if not self._keepable(full):  # too short to keep, or to begin with a kept chain
             return chain_hashes_of_bytes(raw, block_tokens=self.block_tokens, parent=root, tail=tail)
         view = memoryview(raw)
         base = self._longest_prefix(root, tail, view)
@@ -301,6 +296,17 @@ class ChainMemo:
             pieces = self._pieces_after(base, view, full, tail)
         self._keep(root, tail, view[:full], pieces, base)
         return HashChain(pieces)
+
+    def _cut(self, tokens: Sequence[int], extra_keys: Sequence[ExtraKey]) -> tuple[bytes, bytes | memoryview, int]:
+        """(the extra keys' tail, the tokens' bytes, how many of those bytes are whole blocks). The bytes are a
+        view of the caller's array where it holds them already: compared and hashed in place, copied only into a
+        kept chain (the caller may change its array afterwards)."""
+        raw = token_buffer(tokens)
+        return extra_keys_tail(extra_keys), raw, len(raw) - len(raw) % (4 * self.block_tokens)
+
+    def _keepable(self, full: int) -> bool:
+        """Whether `full` bytes of whole blocks are enough to keep, or to begin with a kept chain."""
+        return full >= 4 * self.block_tokens * max(self.min_blocks, 1)
 
     def _pieces_after(self, base: _Chain, raw: memoryview, full: int, tail: bytes) -> tuple[tuple[bytes, ...], ...]:
         """The hashes of `raw`'s `full` bytes of blocks, which begin with `base`'s: its pieces, then the blocks
@@ -333,13 +339,10 @@ class ChainMemo:
         Raises:
             InvalidArgument: a bad token id or extra key (as `chain_hashes`).
         """
-        tail = extra_keys_tail(extra_keys)
-        raw = token_buffer(tokens)
-        step = 4 * self.block_tokens
-        full = len(raw) - len(raw) % step
-        if full < step * max(self.min_blocks, 1):
+        tail, raw, full = self._cut(tokens, extra_keys)
+        if not self._keepable(full):
             return None
-        view = memoryview(raw)
+        view, step = memoryview(raw), 4 * self.block_tokens
         with self._lock:
             candidates = [chain for key, chain in self._chains.items() if key[0] == root and key[1] == tail]
         best = None
