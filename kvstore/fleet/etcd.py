@@ -45,6 +45,10 @@ T = TypeVar("T")
 
 #: aetcd's errors that mean "this member cannot answer now": try the next one.
 UNREACHABLE = (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError)
+#: What a member that answers says while the cluster cannot serve a call right now (its members electing a
+#: leader after one was lost, a request outliving its own deadline there): worth the same call again.
+_TRANSIENT = ("context deadline exceeded", "etcdserver: request timed out", "etcdserver: leader changed",
+              "etcdserver: no leader")
 
 
 def _channel_options(timeout_s: float) -> dict[str, int]:
@@ -97,6 +101,9 @@ def translate(exc: BaseException, endpoints: Sequence[Endpoint], auth: EtcdAuth 
                                 hint="grant the user's role readwrite on the fleet's keys: etcdctl role "
                                      "grant-permission ROLE --prefix=true readwrite /kvstore/CLUSTER/ "
                                      "(docs/FLEET.md F70)")
+    if any(transient in text for transient in _TRANSIENT):
+        return Unavailable(f"etcd at {where} cannot serve the call now ({text})",
+                           hint="its members are electing a leader or it is overloaded: the call may be retried")
     if isinstance(exc, UNREACHABLE):
         return Unavailable(f"etcd does not answer at {where} ({exc})",
                            hint="start etcd there, or point [fleet] etcd (KVSTORE_FLEET_ETCD) at its client URLs; "

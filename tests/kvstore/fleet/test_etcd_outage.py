@@ -123,3 +123,21 @@ def test_f15_a_member_lost_from_three_is_ridden_through(etcd_cluster: list[EtcdP
             await probe_session.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("said", ["context deadline exceeded", "etcdserver: request timed out",
+                                  "etcdserver: leader changed", "etcdserver: no leader"])
+def test_f15_what_etcd_says_while_it_elects_a_leader_is_unavailable_and_retried(said: str) -> None:
+    """F15: a member that answers while the cluster elects a leader (or a request outlived its deadline there)
+    refuses a call that will succeed again soon: UNAVAILABLE, which callers retry (the member-loss test above
+    met 'context deadline exceeded' as INTERNAL, not retried, under load); any other failure stays INTERNAL."""
+    import aetcd
+
+    from kvstore.errors import Internal
+    from kvstore.fleet.endpoints import Endpoint
+    from kvstore.fleet.etcd import translate
+
+    where = [Endpoint(host="127.0.0.1", port=2379)]
+    error = translate(aetcd.ClientError(said), where)
+    assert isinstance(error, Unavailable) and error.retryable and said in error.message
+    assert isinstance(translate(aetcd.ClientError("mvcc: something else"), where), Internal)
