@@ -290,28 +290,42 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         hashes = validate.lookup_hashes(request.block_hashes, request.block_hashes_packed,
                                         limit=self.settings.max_lookup_blocks)
         lengths = list(request.run_lengths)
-        if min(lengths) < 1 or (len(hashes) != len(lengths) if request.run_anchors else sum(lengths) != len(hashes)):
-            sent = "with one last hash each (run_anchors)" if request.run_anchors else "summing to the"
-            raise InvalidArgument(f"run_lengths must be runs of at least 1 block {sent} {len(hashes)} "
+        hashed = list(request.run_hashed)
+        if hashed and (not request.run_anchors or len(hashed) != len(lengths)):
+            raise InvalidArgument(f"run_hashed flags runs named by their last hash (run_anchors), one a run: got "
+                                  f"{len(hashed)} flags for {len(lengths)} runs"
+                                  f"{'' if request.run_anchors else ' without run_anchors'}",
+                                  hint="flag every run or none, with run_anchors set")
+        # F81: a flagged run sends all its hashes, the others their last one.
+        sent = (sum(n if h else 1 for n, h in zip(lengths, hashed, strict=True)) if hashed
+                else len(lengths) if request.run_anchors else sum(lengths))
+        if min(lengths) < 1 or sent != len(hashes):
+            how = "with one last hash each (run_anchors)" if request.run_anchors else "summing to the"
+            raise InvalidArgument(f"run_lengths must be runs of at least 1 block {how} {len(hashes)} "
                                   f"hashes sent, got {len(lengths)} runs summing to {sum(lengths)} "
-                                  f"(least {min(lengths)})")
+                                  f"(least {min(lengths)}{', some flagged run_hashed' if hashed else ''})")
         lease_ms = min(request.lease_ms, self.settings.max_lease_ms)
         lease_s = lease_ms / 1000.0
         due: list[bytes] = []
 
-        def look() -> list[tuple[int, str]]:
-            if request.run_anchors:  # F77: each run whole or not, by its last block stored at its depth
-                return self._runs_by_anchor(scope, hashes, lengths, lease_s, due)
+        def by_hashes(chains: Sequence[bytes], runs: Sequence[int]) -> list[tuple[int, str]]:
             if _runs_at_once(type(self.tier)):  # F75: one read txn for every run, the leases granted together
                 tier = cast(RunLookup, self.tier)
                 return [(found, lease.lease_id if lease else "")
-                        for found, lease in tier.lookup_runs(scope, hashes, lengths, lease_s, touch_due=due)]
+                        for found, lease in tier.lookup_runs(scope, chains, runs, lease_s, touch_due=due)]
             answers, start = [], 0
-            for n in lengths:
-                found, lease = self.tier.lookup(scope, hashes[start:start + n], lease_s, touch_due=due)
+            for n in runs:
+                found, lease = self.tier.lookup(scope, chains[start:start + n], lease_s, touch_due=due)
                 answers.append((found, lease.lease_id if lease else ""))
                 start += n
             return answers
+
+        def look() -> list[tuple[int, str]]:
+            if hashed and any(hashed):  # F81: the flagged runs by their hashes, the rest by their last hash
+                return self._runs_mixed(scope, hashes, lengths, hashed, lease_s, due, by_hashes)
+            if request.run_anchors:  # F77: each run whole or not, by its last block stored at its depth
+                return self._runs_by_anchor(scope, hashes, lengths, lease_s, due)
+            return by_hashes(hashes, lengths)
 
         answers = await self._index_read(len(lengths) if request.run_anchors else len(hashes), look)
         found = sum(f for f, _ in answers)
@@ -327,6 +341,26 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LookupResponse(found_blocks=found, found_tokens=found * self.settings.block_tokens,
                                  lease_ms=lease_ms if leases else 0,
                                  run_found_blocks=[f for f, _ in answers], run_lease_ids=[lz for _, lz in answers])
+
+    def _runs_mixed(self, scope: BlockScope, hashes: Sequence[bytes], lengths: Sequence[int],
+                    hashed: Sequence[bool], lease_s: float, due: list[bytes],
+                    by_hashes: Callable[[Sequence[bytes], Sequence[int]], list[tuple[int, str]]]
+                    ) -> list[tuple[int, str]]:
+        """Runs named by their last hash, the flagged ones by all their hashes (run_hashed, docs/FLEET.md F81):
+        each part answered as a request of its own would be, back in run order."""
+        anchors: list[bytes] = []
+        chains: list[bytes] = []
+        start = 0
+        for n, flagged in zip(lengths, hashed, strict=True):
+            if flagged:
+                chains += hashes[start:start + n]
+            else:
+                anchors.append(hashes[start])
+            start += n if flagged else 1
+        anchored = [n for n, f in zip(lengths, hashed, strict=True) if not f]
+        by_anchor = iter(self._runs_by_anchor(scope, anchors, anchored, lease_s, due) if anchors else ())
+        counted = iter(by_hashes(chains, [n for n, f in zip(lengths, hashed, strict=True) if f]))
+        return [next(counted) if flagged else next(by_anchor) for flagged in hashed]
 
     def _runs_by_anchor(self, scope: BlockScope, anchors: Sequence[bytes], lengths: Sequence[int], lease_s: float,
                         due: list[bytes]) -> list[tuple[int, str]]:

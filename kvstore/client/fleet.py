@@ -42,7 +42,7 @@ from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_chain import FleetChainMemo, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_run_part, stream_runs
-from kvstore.client.fleet_lookup import lookup_runs, release_lease, run_found
+from kvstore.client.fleet_lookup import FoundChains, lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import combine, pin_grants, pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
@@ -128,6 +128,9 @@ class FleetClient(Client):
         self.pool = NodePool(self.view, namespace=namespace, geometry=geometry, timeout_s=timeout_s, token=token,
                              tls=tls)
         self.refresher = Refresher(self.pool)
+        #: Where this client's Lookups and Puts found or left each prompt's stored prefix: the next Lookup's
+        #: boundary run is guessed from it and asked by its hashes in the one round (F81).
+        self.found_chains = FoundChains()
         self._swa: FleetSwaClient | None = None
         self._node_options = {"namespace": namespace, "geometry": geometry, "timeout_s": timeout_s, "token": token,
                               "tls": tls}
@@ -266,8 +269,10 @@ class FleetClient(Client):
         ask = partial(self._swa_resume, swa_keys, swa_positions, limit=swa_resume_limit)
         early = self._swa_executor.submit(ask, len(hashes) * self.block_tokens) if swa_keys else None
         runs = self.placement(hashes)
+        guess = self.found_chains.guess(hashes)
         found = lookup_runs(self.pool, runs, hashes, lease_ms=lease_ms, retry=self.retry,
-                            refresher=self.refresher)
+                            refresher=self.refresher, guess=guess)
+        self.found_chains.found(hashes, found.found_blocks, guess)  # the next Lookup guesses from here (F81)
         found_tokens = found.found_blocks * self.block_tokens
         kept = pin_runs(self.pool, runs, hashes, found.found_blocks, keep_until_s) if keep_until_s else None
         where = fleet_hosts(runs, found.found_blocks, self.view.nodes) if hosts else ()
@@ -338,6 +343,8 @@ class FleetClient(Client):
                         extra_keys=arguments.extra_keys(extra_keys), step=step, executor=self._executor,
                         retry=self.retry, on_batch=on_batch, replace=lambda run: self.placement(chain)[run],
                         keep_until_s=until)
+        if end > first_block:  # stored on every copy: a Lookup of a longer prompt guesses its prefix so far (F81)
+            self.found_chains.stored(chain, end)
         kept = None
         if until and end > first_block:
             # Runs wholly before this Put are not in it: each is pinned on its copies by a Lookup (R28).

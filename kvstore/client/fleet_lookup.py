@@ -44,6 +44,7 @@ import grpc
 from kvstore.client.connection import status_error
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_refresh import Refresher
+from kvstore.client.lookup_anchors import DEFAULT_MAX_ENTRIES, AnchorTable
 from kvstore.client.retry import Retry
 from kvstore.errors import (
     DataLoss,
@@ -92,6 +93,43 @@ class FleetLookup:
     lease_id: str | None
     #: Every node asked (the bound docs/FLEET.md states).
     nodes_asked: frozenset[str]
+
+
+class FoundChains:
+    """Where this client last saw each prompt's stored prefix end, to guess the next Lookup's boundary run (F81).
+
+    Two tables, by hash: the last block of a chain stored whole (a Put's end, a Lookup that found all of its
+    prompt), whose blocks are the guess for any prompt that goes on from it; and the first block a Lookup did not
+    find, which guesses the same prefix only for a prompt that goes on the same way (one that parts from it
+    there says nothing of its own next block). A guess the nodes did not bear out is forgotten. Thread-safe.
+
+    Args:
+        max_entries: most chains kept in each table, least recently used forgotten first.
+    """
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
+        self._ends = AnchorTable(max_entries, min_blocks=1)
+        self._short = AnchorTable(max_entries, min_blocks=2)  # found + 1, keyed by the block after the found
+
+    def guess(self, chain: Sequence[bytes]) -> int:
+        """The blocks of `chain` guessed stored (0: no guess)."""
+        return max(self._ends.best(chain), self._short.best(chain) - 1, 0)
+
+    def stored(self, chain: Sequence[bytes], end: int) -> None:
+        """`chain[:end]` is stored on every copy (a Put acknowledged)."""
+        if end:
+            self._ends.note(chain[end - 1], end)
+
+    def found(self, chain: Sequence[bytes], found: int, guess: int) -> None:
+        """A Lookup of `chain` guessed `guess` blocks and found `found`."""
+        if guess and guess != found:
+            self._ends.forget(chain[guess - 1])
+            if guess < len(chain):
+                self._short.forget(chain[guess])
+        if found == len(chain):
+            self._ends.note(chain[found - 1], found)
+        elif found:
+            self._short.note(chain[found], found + 1)
 
 
 def composite_lease(leases: Sequence[tuple[str, str]]) -> str | None:
@@ -184,8 +222,13 @@ def run_found(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], retry: 
 
 
 def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], *, lease_ms: int,
-                retry: Retry, refresher: Refresher) -> FleetLookup:
+                retry: Retry, refresher: Refresher, guess: int = 0) -> FleetLookup:
     """Find the prefix of `chain` stored across its runs (see the module's docstring).
+
+    Args:
+        guess: the blocks of `chain` the caller believes stored (`FoundChains.guess`; 0: none): the run where
+            they end is asked by its hashes in the round (F81). Only a
+            guess: what is found is the nodes' answer, whatever it says.
 
     Raises:
         KVStoreError: no replica of the first run answered (the error of the last), or a node refused the
@@ -194,7 +237,7 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
     orders = _Orders(pool, runs, chain)
     answers: dict[int, RunAnswer] = {}
     try:
-        end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry)
+        end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry, guess)
     except BaseException:
         _release(pool, [p for a in answers.values() for p in a.leases])
         raise
@@ -257,8 +300,16 @@ def _check_first(answer: RunAnswer, i: int) -> None:
         raise answer.error
 
 
+def _boundary(runs: Sequence[RunPlacement], chain: Sequence[bytes], guess: int) -> int | None:
+    """The run holding block `guess`, the first past a guessed stored prefix (F81); None without a guess inside
+    the chain (none, or the whole chain: a prompt sent again is the probe's)."""
+    if not 0 < guess < len(chain):
+        return None
+    return next(i for i, run in enumerate(runs) if run.first_block <= guess < run.end_block)
+
+
 def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
-                 answers: dict[int, RunAnswer], lease_ms: int, retry: Retry) -> int:
+                 answers: dict[int, RunAnswer], lease_ms: int, retry: Retry, guess: int = 0) -> int:
     """Without a lease, the last run first, on one replica (a prompt sent again: done, F31), then every run on
     every node of its read order (F76). With a lease, every run on the first replica of its read order. One call
     per node, all nodes at once (F50); the runs of a node that failed on their next replica, again one call per
@@ -269,11 +320,29 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         The number of runs the prefix reaches into (the boundary run, complete or partly found, is the last).
     """
     one = _one_first_reader(runs, orders)
+    boundary = _boundary(runs, chain, guess)
+    hashed = (boundary,) if boundary is not None else ()
     if one is not None and len(runs) > 1:
         # F78: one node reads first every run, so the probe asks it every run by its last block, in the one call
         # the last run's probe would take (F77): a prompt sent again is found whole; else its runs held whole
-        # there are done and the walk asks the first that is not of every copy, by its hashes.
-        _round(pool, runs, chain, answers, [(i, one) for i in range(len(runs))], lease_ms, anchors=True)
+        # there are done and the walk asks the first that is not of every copy, by its hashes (F81: the guessed
+        # boundary run rides by its hashes in that call).
+        _round(pool, runs, chain, answers, [(i, one) for i in range(len(runs))], lease_ms, anchors=True,
+               hashed=hashed)
+    elif not lease_ms and len(runs) > 1 and boundary is not None:
+        # F81: a prompt guessed stored up to inside run `boundary` skips the probe (it would fall short): one round
+        # asks the runs before it of the node read first by their last blocks (stored, as guessed, on every
+        # copy: F30), the boundary run of every node of its order by its hashes (each copy's count in hand, as
+        # F76's round would give the walk) and the last run by its last block (stored since the guess: F31's
+        # answer). A guess that is wrong costs what F76/F77 do: the walk asks what the round did not answer.
+        last = len(runs) - 1
+        ask = [(i, orders[i][0]) for i in range(boundary)]
+        ask += [(boundary, n) for k, n in enumerate(orders[boundary]) if not k or not pool.suspect(n)]
+        if last > boundary:
+            ask.append((last, orders[last][0]))
+        _round(pool, runs, chain, answers, ask, 0, anchors=True, hashed=hashed)
+        if last > boundary and answers[last].found == runs[last].end_block - runs[last].first_block:
+            return len(runs)  # every run before a stored run is stored, inside retention (F31)
     elif not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, by its last block
         last, probed = len(runs) - 1, orders[len(runs) - 1][0]
         _round(pool, runs, chain, answers, [(last, probed)], 0, anchors=True)
@@ -302,6 +371,9 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
             break
         _round(pool, runs, chain, answers, again, lease_ms)
     for i, run in enumerate(runs):
+        if i not in answers:  # past a guessed boundary found whole (F81): the rest of every copy, in one round
+            _round(pool, runs, chain, answers, [(j, n) for j in range(i, len(runs)) if j not in answers
+                                                for n in orders[j]], lease_ms, anchors=True)
         if answers[i].found < run.end_block - run.first_block:
             hashes = chain[run.first_block:run.end_block]
             _ask_the_rest(pool, answers[i], orders[i], hashes, lease_ms)
@@ -354,14 +426,17 @@ _NONE = RunAnswer()
 
 
 def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
-           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False) -> None:
+           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False,
+           hashed: Sequence[int] = ()) -> None:
     """Ask run i of node n for every (i, n) in `ask`: one Lookup per node naming all its runs (run_lengths), the
     nodes at once (one round trip). A node's failure is noted on each of its runs; an error another replica would
     share is raised once every call was answered (the caller releases what they leased).
 
     With `anchors` each run is named by its last hash (F77): a run whole on its node is noted; one that is not
     is left unasked there (its count is unknown), so the walk asks it of that node too, by its hashes. A node that
-    cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes."""
+    cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes. With `anchors`, the
+    runs in `hashed` ride by their hashes in the same calls (run_hashed, F81): each answered with its count; a node
+    that predates run_hashed refuses the call as one that predates run_anchors, and is asked again so."""
     by_node: dict[str, list[int]] = {}
     for i, node in ask:
         by_node.setdefault(node, []).append(i)
@@ -370,7 +445,9 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     # it (a slice each), rather than each joining its runs' hashes one by one (F76: 0.43 ms for 64 runs here).
     whole = not anchors and sum(runs[i].end_block - runs[i].first_block for i, _ in ask) >= len(chain)
     packed = b"".join(chain) if whole else None
-    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors))
+    counted = frozenset(hashed) if anchors else frozenset()
+    jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors,
+                                          hashed=counted))
             for node, indices in by_node.items()]
     # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
     # its own per call, which costs more than the call on a small prompt.
@@ -392,7 +469,7 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
                 _ask_next(pool, answers[i], [node], chain[runs[i].first_block:runs[i].end_block], lease_ms, set())
         elif by_anchor:  # F77's answer: each run whole or not
             for i, found, lease in zip(indices, outcome.run_found_blocks, outcome.run_lease_ids, strict=True):
-                if found == runs[i].end_block - runs[i].first_block:
+                if found == runs[i].end_block - runs[i].first_block or i in counted:  # F81: its count, by hashes
                     _note_found(answers[i], node, found, lease)
                 else:  # not whole here: how much is unknown, so the walk asks it again by its hashes
                     answers[i].asked.remove(node)
@@ -409,11 +486,17 @@ _EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup"
 
 def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int],
                   chain: Sequence[bytes], lease_ms: int, packed: bytes | None = None, *,
-                  anchors: bool = False) -> Callable[[], pb.LookupResponse | KVStoreError]:
+                  anchors: bool = False, hashed: frozenset[int] = frozenset()) -> Callable[[], pb.LookupResponse
+                                                                                           | KVStoreError]:
     """A Lookup of several runs on one node (each its own chain: run_lengths), to be called: its reply, or the
     error it failed with. Only the asked runs' hashes are joined (a prompt sent again asks one run of 62), cut
-    from `packed` (the chain's hashes joined) when given; with `anchors`, only each run's last hash (F77)."""
-    if anchors:
+    from `packed` (the chain's hashes joined) when given; with `anchors`, only each run's last hash (F77), but
+    all the hashes of the runs in `hashed`, flagged in run_hashed (F81)."""
+    flags = [i in hashed for i in indices] if anchors and not hashed.isdisjoint(indices) else []
+    if flags:
+        hashes = b"".join([h for i in indices for h in (chain[runs[i].first_block:runs[i].end_block] if i in hashed
+                                                         else (chain[runs[i].end_block - 1],))])
+    elif anchors:
         hashes = b"".join([chain[runs[i].end_block - 1] for i in indices])
     elif packed is not None:
         hashes = b"".join(packed[runs[i].first_block * HASH_BYTES:runs[i].end_block * HASH_BYTES] for i in indices)
@@ -424,7 +507,7 @@ def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indic
         try:
             c = pool.connection(node)
             request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
-                                       block_hashes_packed=hashes, run_anchors=anchors,
+                                       block_hashes_packed=hashes, run_anchors=anchors, run_hashed=flags,
                                        run_lengths=[runs[i].end_block - runs[i].first_block for i in indices])
             return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
         except grpc.RpcError as exc:

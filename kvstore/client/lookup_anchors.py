@@ -24,10 +24,12 @@ class AnchorTable:
 
     Args:
         max_entries: most anchors kept.
+        min_blocks: the shortest chain kept (the server's, by default; a fleet client keeps its guesses of
+            where a prompt's stored prefix ends from one block: docs/FLEET.md F81).
     """
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES) -> None:
-        self.max_entries = max_entries
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, *, min_blocks: int = MIN_BLOCKS) -> None:
+        self.max_entries, self.min_blocks = max_entries, min_blocks
         self._lock = threading.Lock()
         self._anchors: OrderedDict[bytes, int] = OrderedDict()
 
@@ -49,7 +51,7 @@ class AnchorTable:
     def note(self, last_hash: bytes, blocks: int, *, replaces: bytes = b"") -> None:
         """The server found `blocks` blocks stored, the last `last_hash`; `replaces`, the anchor the
         request named, is dropped (the server replaced it too)."""
-        if blocks < MIN_BLOCKS:
+        if blocks < self.min_blocks:
             return
         with self._lock:
             if replaces and replaces != last_hash:

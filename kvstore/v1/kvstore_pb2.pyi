@@ -78,7 +78,7 @@ class GetInfoResponse(_message.Message):
     def __init__(self, block_tokens: _Optional[int] = ..., geometries: _Optional[_Iterable[_Union[GeometryInfo, _Mapping]]] = ..., max_batch_blocks: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., retention_hours: _Optional[float] = ..., max_lease_ms: _Optional[int] = ..., version: _Optional[str] = ..., tenant: _Optional[str] = ..., run_blocks: _Optional[int] = ..., lookup_packed_hashes: _Optional[bool] = ..., lookup_anchors: _Optional[bool] = ..., replay_fidelity: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s", "want_hosts", "run_lengths", "run_anchors")
+    __slots__ = ("geometry", "namespace", "block_hashes", "lease_ms", "swa_keys", "swa_positions", "swa_resume_limit", "swa_found_tokens", "block_hashes_packed", "anchor_hash", "anchor_blocks", "keep_until_s", "want_hosts", "run_lengths", "run_anchors", "run_hashed")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class LookupRequest(_message.Message):
     WANT_HOSTS_FIELD_NUMBER: _ClassVar[int]
     RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     RUN_ANCHORS_FIELD_NUMBER: _ClassVar[int]
+    RUN_HASHED_FIELD_NUMBER: _ClassVar[int]
     geometry: str
     namespace: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -109,7 +110,8 @@ class LookupRequest(_message.Message):
     want_hosts: bool
     run_lengths: _containers.RepeatedScalarFieldContainer[int]
     run_anchors: bool
-    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ..., keep_until_s: _Optional[float] = ..., want_hosts: _Optional[bool] = ..., run_lengths: _Optional[_Iterable[int]] = ..., run_anchors: _Optional[bool] = ...) -> None: ...
+    run_hashed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_ms: _Optional[int] = ..., swa_keys: _Optional[_Iterable[bytes]] = ..., swa_positions: _Optional[_Iterable[int]] = ..., swa_resume_limit: _Optional[int] = ..., swa_found_tokens: _Optional[int] = ..., block_hashes_packed: _Optional[bytes] = ..., anchor_hash: _Optional[bytes] = ..., anchor_blocks: _Optional[int] = ..., keep_until_s: _Optional[float] = ..., want_hosts: _Optional[bool] = ..., run_lengths: _Optional[_Iterable[int]] = ..., run_anchors: _Optional[bool] = ..., run_hashed: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class PrefixHost(_message.Message):
     __slots__ = ("node_id", "host", "host_id", "address", "block_ranges", "colocated", "data_dir")

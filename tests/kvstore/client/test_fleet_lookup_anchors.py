@@ -1,4 +1,4 @@
-"""A fleet Lookup's runs named by their last blocks (docs/FLEET.md F77, F78): real etcd, real `kvstore serve` nodes."""
+"""A fleet Lookup's runs named by their last blocks (docs/FLEET.md F77, F78, F81): real etcd, real nodes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvstore.client.fleet import FleetClient
+from kvstore.client.fleet_lookup import FoundChains
 from kvstore.clock import ManualClock
 from kvstore.errors import InvalidArgument
 from kvstore.v1 import kvstore_pb2 as pb
@@ -137,7 +138,8 @@ def test_f78_where_one_node_reads_every_run_first_the_probe_asks_it_every_run_by
         one_node: Fleet) -> None:
     """F78: with one node first in every run's order, a prompt sent again is one call of one hash per run; a half
     stored one is two calls (that one, then the boundary run by its hashes), not the probe and a round of every run's
-    hashes; leased, the same one call; what is found is as before."""
+    hashes; leased, the same one call (and a half-stored prompt asked again, one call too: F81); what is found is as
+    before."""
     with fleet_client(one_node) as client:
         tokens = prompt(RUN_TOKENS * 12)
         client.put(tokens, blocks_for(client, tokens))
@@ -152,7 +154,8 @@ def test_f78_where_one_node_reads_every_run_first_the_probe_asks_it_every_run_by
         assert found.found_blocks == 6 * RUN_BLOCKS + 2
         assert sent == [(True, 12 * HASH_BYTES), (False, RUN_BLOCKS * HASH_BYTES)]
         leased, sent = lookups_sent(client, log, lambda: client.lookup(half, lease_ms=60_000))
-        assert leased.found_blocks == 6 * RUN_BLOCKS + 2 and len(sent) == 2
+        # F81: the Lookup before found 26 blocks, so run 6 rides by its hashes in the one call
+        assert leased.found_blocks == 6 * RUN_BLOCKS + 2 and sent == [(True, (11 + RUN_BLOCKS) * HASH_BYTES)]
         assert sum(s.active_leases for s in client.node_stats().values()) == 2  # runs 0-5 whole, run 6's 2 blocks
         assert client.release(leased.lease_id)
 
@@ -222,3 +225,117 @@ def test_f77_the_probe_and_f76s_round_name_runs_by_their_last_blocks(fleet: Flee
         assert sent[0] == (True, HASH_BYTES) and all(anchored for anchored, _ in sent[1:1 + len(fleet.nodes)])
         by_hashes = [n for anchored, n in sent if not anchored]
         assert by_hashes == [RUN_BLOCKS * HASH_BYTES] * len(by_hashes) and 1 <= len(by_hashes) <= 3  # run 6 only
+
+
+class Requests:
+    """A node stub's Lookup that keeps a copy of each request (with the node it went to), then sends it on."""
+
+    def __init__(self, call: Any, node: str, log: list[tuple[str, pb.LookupRequest]], *, strip: bool = False) -> None:
+        self.call, self.node, self.log, self.strip = call, node, log, strip
+
+    def __call__(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
+        self.log.append((self.node, request))
+        if self.strip:  # a node that predates run_hashed: the field is unknown to it
+            old = pb.LookupRequest()
+            old.CopyFrom(request)
+            del old.run_hashed[:]
+            request = old
+        return self.call(request, **kwargs)
+
+    def future(self, request: pb.LookupRequest, **kwargs: Any) -> Any:
+        self.log.append((self.node, request))
+        return self.call.future(request, **kwargs)
+
+
+def requests_of(client: FleetClient, *, strip: bool = False) -> list[tuple[str, pb.LookupRequest]]:
+    """(node, request) of every Lookup the client sends a node from now on."""
+    log: list[tuple[str, pb.LookupRequest]] = []
+    for node in client.view.nodes:
+        c = client.pool.connection(node)
+        c.kvstore.Lookup = Requests(c.kvstore.Lookup, node, log, strip=strip)  # type: ignore[method-assign]
+    return log
+
+
+def test_f81_a_node_counts_the_runs_flagged_run_hashed_and_names_the_rest_by_their_last_block(
+        fleet: Fleet) -> None:  # noqa: F811
+    """F81: in one call, runs by their last hash (whole or 0) and flagged runs by their hashes (their count); a flag
+    count that is not one a run, or hashes that do not match the flags, is INVALID_ARGUMENT."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 3)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        run = client.placement(chain)[1]
+        node = client.pool.connection(run.replicas[0])
+        purge_from(fleet.node(run.replicas[0]), chain[6])  # run 1 keeps its first 2 blocks there
+        # run 1 by its hashes; run 1's head by its last hash (whole); run 1 by its last hash (gone); a stray hash
+        hashes = [*chain[4:8], chain[5], chain[7], bytes(32)]
+        reply = node.call(node.kvstore.Lookup, pb.LookupRequest(
+            block_hashes_packed=b"".join(hashes), run_lengths=[4, 2, 4, 1], run_anchors=True,
+            run_hashed=[True, False, False, False], lease_ms=60_000))
+        assert list(reply.run_found_blocks) == [2, 2, 0, 0] and reply.found_blocks == 4
+        assert all(reply.run_lease_ids[:2]) and not any(reply.run_lease_ids[2:])
+        for lease in set(reply.run_lease_ids[:2]):
+            assert node.call(node.kvstore.Release, pb.ReleaseRequest(lease_id=lease)).released
+        with pytest.raises(InvalidArgument, match="run_hashed flags runs"):
+            node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(hashes), run_lengths=[4, 3],
+                                                            run_anchors=True, run_hashed=[True]))
+        with pytest.raises(InvalidArgument, match="some flagged run_hashed"):
+            node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(hashes[:4]),
+                                                            run_lengths=[4, 2], run_anchors=True,
+                                                            run_hashed=[True, True]))
+
+
+def test_f81_a_prompt_found_half_stored_before_is_found_in_one_round_trip(fleet: Fleet) -> None:  # noqa: F811
+    """F81: once a Lookup found a prompt stored up to inside run 6, the next Lookup of it skips the probe and asks
+    the runs before run 6 of the node read first and run 6 of every node of its order by its hashes, in one call per
+    node: one round trip, the same found; a guess short of what is stored since finds it all (the walk asks the
+    rest); once the whole prompt is stored, one round trip again (the last run found whole: F31)."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 12)
+        client.put(tokens, blocks_for(client, tokens))
+        half = tokens[:RUN_TOKENS * 6 + 16] + prompt(RUN_TOKENS * 6 - 16)  # run 6 found 1 block
+        log = requests_of(client)
+        first, _ = calls_by_node(client, lambda: client.lookup(half))
+        assert first.found_blocks == 6 * RUN_BLOCKS + 1 and len(log) > len(fleet.nodes)  # the probe, the round, run 6
+        del log[:]
+        again, by_node = calls_by_node(client, lambda: client.lookup(half))
+        assert again.found_blocks == first.found_blocks
+        assert set(by_node.values()) == {1} and len(log) == len(by_node)  # one call a node: one round trip
+        chain = client.hashes(half)
+        run = client.placement(chain)[6]
+        order = client.pool.read_order(chain[run.first_block], run.replicas)
+        for node, request in log:
+            assert request.run_anchors and len(request.run_hashed) in (0, len(request.run_lengths))
+            flagged = [n for n, f in zip(request.run_lengths, request.run_hashed, strict=True) if f]
+            assert flagged == ([RUN_BLOCKS] if node in order else [])  # run 6, on every node of its order
+        assert {node for node, request in log if request.run_hashed} == set(order)
+        assert sum(len(r.run_lengths) for _, r in log) == 6 + len(order) + 1  # runs 0-5 once, run 6, run 11
+        more = half[:(8 * RUN_BLOCKS + 2) * 16]  # runs 6 and 7 whole, run 8's first 2 blocks
+        client.put(more, blocks_for(client, more)[6 * RUN_BLOCKS + 1:], first_block=6 * RUN_BLOCKS + 1)
+        client.found_chains = FoundChains()  # the Put's note forgotten: the Lookup's guess, 25 blocks, is short
+        client.found_chains.found(chain, 6 * RUN_BLOCKS + 1, 0)
+        stale, _ = calls_by_node(client, lambda: client.lookup(half))  # run 6 whole: the rest asked, as F76 does
+        assert stale.found_blocks == 8 * RUN_BLOCKS + 2
+        client.put(half, blocks_for(client, half)[8 * RUN_BLOCKS + 2:], first_block=8 * RUN_BLOCKS + 2)
+        client.found_chains = FoundChains()  # the Put's note forgotten: the Lookup's guess, 34 blocks, is short
+        client.found_chains.found(chain, 8 * RUN_BLOCKS + 2, 0)
+        del log[:]
+        whole, by_node = calls_by_node(client, lambda: client.lookup(half))
+        assert whole.found_blocks == 12 * RUN_BLOCKS and set(by_node.values()) == {1}  # stored since: one round
+        del log[:]
+        found, sent = calls_by_node(client, lambda: client.lookup(half))  # guessed whole: the probe, one call
+        assert found.found_blocks == 12 * RUN_BLOCKS and sum(sent.values()) == 1
+
+
+def test_f81_a_node_that_predates_run_hashed_is_asked_again_by_the_runs_hashes(fleet: Fleet) -> None:  # noqa: F811
+    """F81: a node that does not know run_hashed reads the hashes as too many for one a run and answers
+    INVALID_ARGUMENT (F77's fallback): its runs are asked again by their hashes, and what is found is the same."""
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * 9)
+        client.put(tokens, blocks_for(client, tokens))
+        half = tokens[:RUN_TOKENS * 4 + 32] + prompt(RUN_TOKENS * 5 - 32)  # run 4 found 2 blocks
+        assert client.lookup(half).found_blocks == 4 * RUN_BLOCKS + 2
+        log = requests_of(client, strip=True)
+        again, _ = calls_by_node(client, lambda: client.lookup(half))
+        assert again.found_blocks == 4 * RUN_BLOCKS + 2
+        assert any(r.run_hashed for _, r in log) and any(not r.run_anchors for _, r in log)  # refused, asked again
