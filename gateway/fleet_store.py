@@ -33,7 +33,7 @@ from kvstore.client.connection import TlsOptions
 from kvstore.client.fleet import placeable
 from kvstore.client.fleet_address import FleetAddress
 from kvstore.client.fleet_get import stream_run_part
-from kvstore.client.fleet_lookup import lookup_runs, release_lease
+from kvstore.client.fleet_lookup import FoundChains, lookup_runs, release_lease
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import CopyGrant, FleetPin, combine, copy_grant, pin_runs
 from kvstore.client.fleet_put import RunPut, _not_replicated
@@ -107,6 +107,8 @@ class FleetStore:
         self.retry = Retry()
         self._tls, self._timeout_s = tls, timeout_s
         self._routes: OrderedDict[Route, tuple[NodePool, Refresher]] = OrderedDict()
+        #: Each caller's guesses of where its prompts' stored prefixes end (F81), as long as its route is held.
+        self._found: dict[Route, FoundChains] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-route")
         self._copies = ThreadPoolExecutor(ROUTE_THREADS, thread_name_prefix="gateway-copy")
@@ -146,7 +148,10 @@ class FleetStore:
             pool = NodePool(self.view, namespace=route.namespace, geometry=route.geometry,
                             timeout_s=self._timeout_s, token=route.token, tls=self._tls)
             found = self._routes[route] = (pool, Refresher(pool))
-            old = self._routes.popitem(last=False)[1] if len(self._routes) > MAX_ROUTES else None
+            old = None
+            if len(self._routes) > MAX_ROUTES:
+                gone, old = self._routes.popitem(last=False)
+                self._found.pop(gone, None)
         if old is not None:
             old[1].close()
             old[0].close()
@@ -166,7 +171,11 @@ class FleetStore:
         nodes = placeable(self.view.nodes)
         runs = place_chain(hashes, nodes, run_blocks=self.run_blocks,
                            replication=max(1, min(self.copies(route.namespace), len(nodes))))
-        found = lookup_runs(pool, runs, hashes, lease_ms=lease_ms, retry=self.retry, refresher=refresher)
+        with self._lock:
+            chains = self._found.setdefault(route, FoundChains()) if route in self._routes else FoundChains()
+        guess = chains.guess(hashes)
+        found = lookup_runs(pool, runs, hashes, lease_ms=lease_ms, retry=self.retry, refresher=refresher, guess=guess)
+        chains.found(hashes, found.found_blocks, guess)  # the caller's next Lookup guesses from here (F81)
         return found.found_blocks, found.lease_id
 
     def _placed(self, hashes: Sequence[bytes], tenant: str) -> tuple[RunPlacement, ...]:

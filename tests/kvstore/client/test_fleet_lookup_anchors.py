@@ -339,3 +339,34 @@ def test_f81_a_node_that_predates_run_hashed_is_asked_again_by_the_runs_hashes(f
         again, _ = calls_by_node(client, lambda: client.lookup(half))
         assert again.found_blocks == 4 * RUN_BLOCKS + 2
         assert any(r.run_hashed for _, r in log) and any(not r.run_anchors for _, r in log)  # refused, asked again
+
+
+def test_f81_a_gateway_guesses_for_each_caller_as_the_fleet_client_does(fleet: Fleet) -> None:  # noqa: F811
+    """F81 in a gateway (`FleetStore.route_lookup`): a caller's half-stored prompt asked again is one call a node,
+    its boundary run by its hashes; what is found is the same."""
+    from gateway.fleet_store import FleetStore
+    from gateway.routed_store import Route
+    from kvstore.config_sections import FleetSettings, StoreSettings
+
+    endpoint, cluster = fleet.address.removeprefix("etcd://").split("/")
+    store = FleetStore(StoreSettings(block_tokens=16), FleetSettings(etcd=endpoint, cluster=cluster))
+    try:
+        with fleet_client(fleet) as client:
+            tokens = prompt(RUN_TOKENS * 12)
+            client.put(tokens, blocks_for(client, tokens))
+            chain = client.hashes(tokens[:RUN_TOKENS * 6 + 16] + prompt(RUN_TOKENS * 6 - 16))  # run 6 found 1 block
+        route = Route(token=None, namespace="", geometry="")
+        store.view.wait_until(lambda nodes: len(nodes) == len(fleet.nodes), 30.0)
+        pool = store._route(route)[0]
+        log: list[tuple[str, pb.LookupRequest]] = []
+        for node in store.view.nodes:
+            c = pool.connection(node)
+            c.kvstore.Lookup = Requests(c.kvstore.Lookup, node, log)  # type: ignore[method-assign]
+        assert store.route_lookup(route, chain, 0)[0] == 6 * RUN_BLOCKS + 1
+        first = len(log)
+        del log[:]
+        assert store.route_lookup(route, chain, 0)[0] == 6 * RUN_BLOCKS + 1
+        assert len(log) == len({node for node, _ in log}) < first  # one call a node
+        assert sum(f for _, r in log for f in r.run_hashed) == len({n for n, r in log if any(r.run_hashed)}) >= 1
+    finally:
+        store.close()
