@@ -21,7 +21,10 @@ R6 across runs is checked on every run.
 The probe, the leased round and F76's round name each run by its last hash (`run_anchors`, F77): a node answers
 a run whole or not (a node's whole runs under one lease), and a run not whole is asked by its hashes in the walk.
 Where one node comes first in every run's read order, the probe asks it every run so, leased or not (F78): one
-call for a prompt sent again, two for one half stored.
+call for a prompt sent again, two for one half stored. A prompt whose stored prefix this client saw end inside
+it (`FoundChains`: a Put's end, a Lookup's find) skips the probe: one round asks the runs before the boundary of
+the node read first by their last blocks and the boundary run of every copy by its hashes in the same calls
+(`run_hashed`, F81): one round trip where it took three.
 
 With `lease_ms` each run's found blocks are leased on the node that found them;
 the leases past the prefix's end are released at once, the others make one
