@@ -230,8 +230,7 @@ def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[by
 
     Args:
         guess: the blocks of `chain` the caller believes stored (`FoundChains.guess`; 0: none): the run where
-            they end is asked by its hashes in the round (F81). Only a
-            guess: what is found is the nodes' answer, whatever it says.
+            they end is asked by its hashes in the round (F81). Only a guess: what is found is the nodes' answer.
 
     Raises:
         KVStoreError: no replica of the first run answered (the error of the last), or a node refused the
