@@ -1,7 +1,7 @@
 """FP4 encode probe (issue 25 item 5): the rows_triton encode kernels against a same-size copy on CUDA.
 
 Each figure is the copy's time over the encode's, in the same run: "kernel" calls rows_triton directly,
-"api" the public rows.py call (allocation, kernel, the flag's check). Variants: `BF16_PAIRS` on and off,
+"api" the public rows.py call (allocation, kernel, the flag's check). Variants: `BF16_KERNEL` pairs and general,
 and program sizes (channels per program / warps). Usage: python3 scripts/codec_encode_probe.py [MIB]
 (default 1024). docs/BENCHMARKS.md's codec encode budget quotes it.
 """
@@ -46,14 +46,14 @@ def probe(
     copy = milliseconds(x.clone)
     line = [f"{name} {str(dtype)[6:]} copy {copy:.3f} ms"]
     for pairs in (False, True) if dtype == torch.bfloat16 and name == "compressed KV" else (False,):
-        kernels.BF16_PAIRS = pairs
+        kernels.BF16_KERNEL = "pairs" if pairs else "general"
         for block, warps in TILINGS:
             kernels.BLOCK_ELEMENTS, kernels.NUM_WARPS = block, warps
             ratio = copy / milliseconds(functools.partial(kernel, x))
             line.append(f"pairs={int(pairs)} {block}/{warps} kernel {ratio:.2f}x")
         kernels.BLOCK_ELEMENTS, kernels.NUM_WARPS = 4096, 4
         line.append(f"pairs={int(pairs)} api {copy / milliseconds(functools.partial(api, x)):.2f}x")
-    kernels.BF16_PAIRS = False
+    kernels.BF16_KERNEL = "general"
     return " | ".join(line)
 
 

@@ -69,12 +69,16 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: False the same conversions on the bits (any GPU), None picks True on compute capability
 #: 8.9 and later. Both give the same bytes (tests/kvstore/codec/test_codec_gpu.py).
 HW_FP8: bool | None = None
-#: bf16 compressed-KV rows through `_encode_bf16_pairs_kernel` (two channels per int32 word; issue 25 item 5):
-#: the same bytes, without the codes' reshape and split, which the sm_90 build of `_encode_kernel` does
-#: through shared memory (8 barriers a program there, 2 here; 800 instructions against 896). Off by default:
-#: measured on the H200 (docs/BENCHMARKS.md, the codec encode budget) it is not faster, 0.78x of a same-size
-#: copy against the general kernel's 0.80x (0.71x against 0.77x through rows.py); both stay tested.
-BF16_PAIRS = False
+#: Which kernel encodes bf16 FP4 rows (compressed KV, indexer key; issue 25 item 5), all giving the same bytes:
+#: "general" (`_encode_kernel`, the default), "lanes" (`_encode_bf16_lanes_kernel`: two channels per int32
+#: word, the E2M1 decision in 16-bit lanes; sm_90 build 576 instructions a thread for compressed KV against
+#: 920, not yet run on a GPU) or "pairs" (`_encode_bf16_pairs_kernel`, compressed KV only; slower than
+#: "general" on the H200). docs/BENCHMARKS.md's codec encode budget has their speeds.
+BF16_KERNEL = "general"
+#: The lanes kernel's byte moves (PTX `prmt`) and lane maxima (`max.u16x2`, sm_90) in inline PTX on CUDA;
+#: False: the same results by shifts and masks (any GPU, and the CPU interpreter, which cannot run PTX).
+#: None picks True on compute capability 9.0 and later.
+LANES_PTX: bool | None = None
 
 # Row formats (the FORMAT constexpr).
 COMPRESSED_KV = tl.constexpr(0)
@@ -264,6 +268,132 @@ def _encode_bf16_pairs_kernel(x32_ptr, rows_ptr, flag_ptr, n_rows,
     tl.store(rows_ptr + (out_row + D // 2 + group[None, :]), scale_code.to(tl.uint8), mask=live)
 
 
+@triton.jit
+def _msbs(a, b, PTX: tl.constexpr):
+    """Bytes 0xFF or 0x00 (uint32): bits 15 and 31 of a in bytes 0 and 1, of b in bytes 2 and 3."""
+    if PTX:
+        # One PTX prmt: selector nibbles 8|i copy the top bit of byte i of {b, a} over a whole byte.
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0xFDB9;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return (((a >> 15) & 1) * 0xFF) | (((a >> 31) & 1) * 0xFF00) | (((b >> 15) & 1) * 0xFF0000) | (
+        ((b >> 31) & 1) * 0xFF000000)
+
+
+@triton.jit
+def _top_bytes(a, b, PTX: tl.constexpr):
+    """Byte 3 of a in byte 0, byte 3 of b in byte 1 (uint32; bytes 2 and 3 are not meant)."""
+    if PTX:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x0073;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return (a >> 24) | ((b >> 16) & 0xFF00)
+
+
+@triton.jit
+def _low_halves(a, b, PTX: tl.constexpr):
+    """The low 16 bits of a, then those of b (uint32)."""
+    if PTX:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return (a & 0xFFFF) | (b << 16)
+
+
+@triton.jit
+def _lane_max_ptx(a, b):
+    """The larger of a's and b's 16-bit lanes, lane by lane (uint32), in one PTX `max.u16x2` (sm_90)."""
+    return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _lane_masks(s, PTX: tl.constexpr):
+    """0xFFFF in each 16-bit lane of s whose top bit (15, 31) is set, 0 in the others (uint32)."""
+    if PTX:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $1, 0xBB99;", "=r,r", [s], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    return ((s >> 15) & 0x10001) * 0xFFFF
+
+
+@triton.jit
+def _lane_threshold(scale, midpoint: tl.constexpr, TIE_UP: tl.constexpr):
+    """The constant C (uint32, both lanes) for which a + C has its lane's top bit set exactly when the bf16
+    magnitude a (15 bits) is at least (TIE_UP) or above midpoint * scale: C = 0x8000 - T, T the smallest bf16
+    bits that pass. midpoint * scale is exact in float32 (module docstring), so no rounding decides here."""
+    bits = (midpoint * scale).to(tl.uint32, bitcast=True)
+    if TIE_UP:
+        least = (bits + 0xFFFF) >> 16                 # the smallest bf16 >= t
+    else:
+        least = (bits >> 16) + 1                      # the smallest bf16 > t
+    return ((0x8000 - least) * 0x10001).to(tl.uint32)
+
+
+@triton.jit
+def _pick(mask, if_set, if_clear):
+    """Per bit: if_set where mask is set, if_clear elsewhere (one LOP3)."""
+    return (if_set & mask) | (if_clear & (mask ^ 0xFFFFFFFF))
+
+
+@triton.jit(do_not_specialize=["n_groups"])  # one compilation whatever the row count
+def _encode_bf16_lanes_kernel(x32_ptr, rows_ptr, flag_ptr, n_groups,
+                              FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
+                              BLOCK_GROUPS: tl.constexpr, HW_FP8: tl.constexpr, PTX: tl.constexpr):
+    """`_encode_kernel`'s FP4 rows of bf16 input, two channels at a time in the 16-bit lanes of an int32 word.
+
+    A thread holds whole groups (16-byte chunks of a group on the outer axis, so no shuffles for the amax),
+    and decides E2M1 codes on the bf16 bits: for a magnitude a of 15 bits and T the smallest bf16 bits past
+    a threshold m*scale, a + (0x8000 - T) sets the lane's top bit exactly when a passes, and no carry crosses
+    lanes (both terms are below 0x8000). The binary search of `e2m1_code` then takes 3 adds a word (two
+    channels); the next thresholds are picked by lane masks, and the output byte (codes of channels 2i and
+    2i+1) is gathered from the sums' and the input's top bits by one multiply. Groups are numbered over
+    the whole tensor (rows are contiguous), so any width fills a program."""
+    WORDS: tl.constexpr = GROUP // 2                  # int32 words (channel pairs) a group
+    CHUNKS: tl.constexpr = WORDS // 4                 # 16-byte loads a group
+    GROUPS: tl.constexpr = D // GROUP                 # groups a row
+    q = tl.program_id(0) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)  # group index over the tensor (< 2^31)
+    live = q < n_groups
+    row = (q // GROUPS).to(tl.int64)
+    in_row = q - (q // GROUPS) * GROUPS
+    chunk = tl.arange(0, CHUNKS)[:, None, None]
+    word = tl.arange(0, 4)[None, None, :]
+    at = chunk * 4 + word
+    w = tl.load(x32_ptr + (q.to(tl.int64)[None, :, None] * WORDS + at), mask=live[None, :, None],
+                other=0).to(tl.uint32, bitcast=True)
+    a = w & 0x7FFF7FFF                                # both magnitudes
+    if PTX:  # each lane's largest
+        lanes = tl.reduce(tl.reduce(a, 2, _lane_max_ptx), 0, _lane_max_ptx)
+    else:
+        lanes = tl.max(tl.max(a & 0xFFFF0000, axis=2), axis=0) | tl.max(tl.max(a & 0xFFFF, axis=2), axis=0)
+    amax_bits = tl.maximum(lanes << 16, lanes & 0xFFFF0000).to(tl.int32, bitcast=True)  # float32 bits, bf16 amax
+    _flag_non_finite(flag_ptr, amax_bits)
+    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8)
+    scale = scale[None, :, None]
+    # e2m1_code's search: magnitudes 4-7 at 1.75 (ties up), then 0.75 / 3.5 (ties up), then 0.25 / 1.25 /
+    # 2.5 / 5 (ties stay down).
+    s1 = a + _lane_threshold(scale, 1.75, True)
+    m1 = _lane_masks(s1, PTX)
+    s2 = a + _pick(m1, _lane_threshold(scale, 3.5, True), _lane_threshold(scale, 0.75, True))
+    m2 = _lane_masks(s2, PTX)
+    low = _pick(m2, _lane_threshold(scale, 1.25, False), _lane_threshold(scale, 0.25, False))
+    high = _pick(m2, _lane_threshold(scale, 5.0, False), _lane_threshold(scale, 2.5, False))
+    s3 = a + _pick(m1, high, low)
+    # Byte bits 2,6 (magnitude bit 2 of channels 2i, 2i+1) from s1, 1,5 from s2, 0,4 from s3, 3,7 the signs:
+    # each source byte is 0x00 or 0xFF, masked to its one bit; the multiply adds the four bytes into byte 3.
+    summed = ((_msbs(s1, s2, PTX) & 0x20024004) | (_msbs(s3, w, PTX) & 0x80081001)) * 0x01010101
+    out = row * ROW_BYTES
+    if ROW_BYTES % 4 == 0:
+        # A chunk's 4 bytes (byte 3 of each sum) into one word, stored as one.
+        even, odd = tl.split(tl.reshape(summed, (CHUNKS, BLOCK_GROUPS, 2, 2)))  # words 0, 2 and 1, 3
+        p0, p2 = tl.split(even)
+        p1, p3 = tl.split(odd)
+        packed = _low_halves(_top_bytes(p0, p1, PTX), _top_bytes(p2, p3, PTX), PTX)
+        words_ptr = rows_ptr.to(tl.pointer_type(tl.uint32))
+        tl.store(words_ptr + ((out // 4)[None, :] + in_row[None, :] * (WORDS // 4) + tl.arange(0, CHUNKS)[:, None]),
+                 packed, mask=live[None, :])
+    else:
+        tl.store(rows_ptr + (out[None, :, None] + in_row[None, :, None] * WORDS + at), (summed >> 24).to(tl.uint8),
+                 mask=live[None, :, None])
+    tl.store(rows_ptr + (out + D // 2 + in_row), scale_code.to(tl.uint8), mask=live)
+
+
 @triton.jit(do_not_specialize=["n_rows"])  # one compilation whatever the row count
 def _decode_kernel(rows_ptr, out_ptr, n_rows,
                    FORMAT: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, ROW_BYTES: tl.constexpr,
@@ -335,6 +465,12 @@ def _hw_fp8(device: torch.device) -> bool:
     return _has_fp8_conversions(device) if HW_FP8 is None else HW_FP8
 
 
+def _lanes_ptx(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0) if LANES_PTX is None else LANES_PTX
+
+
 def _encode(x: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     group, row_bytes = _FORMATS[fmt]
     d = x.shape[-1] if x.dim() else 0
@@ -345,7 +481,15 @@ def _encode(x: torch.Tensor, fmt: int) -> tuple[torch.Tensor, torch.Tensor] | No
     rows = torch.empty((*x.shape[:-1], row_bytes(d)), dtype=torch.uint8, device=x.device)
     flag = torch.zeros(1, dtype=torch.float32, device=x.device)
     block_rows, block_groups = _tiling(d, group)
-    if BF16_PAIRS and fmt == 0 and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0:
+    if fmt != 2 and x.dtype == torch.bfloat16 and BF16_KERNEL == "lanes" and x.data_ptr() % 4 == 0:
+        n_groups = x.numel() // group
+        with _on_device(x):
+            _encode_bf16_lanes_kernel[(triton.cdiv(n_groups, BLOCK_ELEMENTS // group),)](
+                x.view(torch.int32), rows, flag, n_groups, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=row_bytes(d),
+                BLOCK_GROUPS=BLOCK_ELEMENTS // group, HW_FP8=_hw_fp8(x.device), PTX=_lanes_ptx(x.device),
+                num_warps=NUM_WARPS)
+        return rows, flag
+    if BF16_KERNEL == "pairs" and fmt == 0 and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0:
         with _on_device(x):
             _encode_bf16_pairs_kernel[(triton.cdiv(n_rows, block_rows),)](
                 x.view(torch.int32), rows, flag, n_rows, FORMAT=fmt, D=d, GROUP=group, ROW_BYTES=row_bytes(d),

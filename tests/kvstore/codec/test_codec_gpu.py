@@ -43,7 +43,7 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     pairs kernel (the default) and by the general one."""
     module = pytest.importorskip("kvstore.codec.rows_triton")
     monkeypatch.setattr(module, "HW_FP8", request.param[0])
-    monkeypatch.setattr(module, "BF16_PAIRS", request.param[1])
+    monkeypatch.setattr(module, "BF16_KERNEL", "pairs" if request.param[1] else "general")
     return module
 
 

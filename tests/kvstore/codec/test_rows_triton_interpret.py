@@ -23,6 +23,7 @@ def run_checks() -> None:
     from tests.kvstore.codec.test_codec_gpu import hard_inputs
 
     kernels.HW_FP8 = False
+    kernels.LANES_PTX = False
     for d in (512, 128, 48, 16):
         x = hard_inputs(d, torch.float32, 61)
         x = x[torch.isfinite(x).all(dim=1)]
@@ -30,14 +31,15 @@ def run_checks() -> None:
         for values in sets:
             bf16 = values.to(torch.bfloat16)
             want = rows.compressed_kv_rows(bf16)
-            for pairs in (True, False):
-                kernels.BF16_PAIRS = pairs
+            for pairs in ("lanes", "pairs", "general"):
+                kernels.BF16_KERNEL = pairs
                 got, flag = kernels.compressed_kv_rows(bf16)
                 assert torch.equal(got, want), (d, pairs)
                 assert float(flag) == 0.0
         bad = x[:8].to(torch.bfloat16)
         bad[3, 5] = float("nan")
-        kernels.BF16_PAIRS = True
+        kernels.BF16_KERNEL = "lanes"
+        kernels.LANES_PTX = False
         assert not torch.isfinite(kernels.compressed_kv_rows(bad)[1]).all()
     print("interpreter checks passed")
 
