@@ -89,8 +89,9 @@ RUNS_PER_ROUND = 512
 FIRST_ROUND_RUNS = 8
 #: Rounds planned at once (the next round's own metas read while the peers answer the questions of the one before).
 PLANNING_ROUNDS = 2
-#: Rounds whose copies may be under way at once (a round's copies start as soon as it is planned, beside the
-#: last round's; the one before that is awaited before the next is planned).
+#: Rounds' worth of metas (full rounds: RUNS_PER_ROUND runs of `run_blocks`) whose copies may be under way at once:
+#: a round's copies start as soon as it is planned, beside those of the rounds before, while the blocks the copying
+#: rounds hold stay within it (F18b: a round of small runs copies beside a big one, not after it).
 COPYING_ROUNDS = 2
 #: Calls one lane keeps in flight: a batch that starts a run goes beside the one before it (runs are apart); one
 #: that continues a run waits for the answer to the one before (its parent stored first, R6).
@@ -205,6 +206,10 @@ class Round:
     #: F79: runs this node holds but is no longer a replica of, whose every replica answered this copy's digest:
     #: (the run, its blocks counted, its replicas), dropped once the replicas confirm its last uses.
     stale: list[tuple[RunEntry, list[RunBlock], tuple[str, ...]]] = field(default_factory=list)
+
+    def held_blocks(self) -> int:
+        """Blocks whose metas the round holds until its copies and stale step end."""
+        return sum(len(plan.blocks) for plan in self.plans) + sum(len(blocks) for _, blocks, _ in self.stale)
 
 
 class _Window:
@@ -454,27 +459,51 @@ class FleetRepairer:
         # no round waits on the slowest lane of the one before; the round before that is awaited before the
         # next starts copying (at most COPYING_ROUNDS rounds copying and PLANNING_ROUNDS planned, their metas held).
         window = _Window()
-        copying: list[asyncio.Future[None]] = []
+        copying: list[tuple[asyncio.Future[None], int]] = []  # each round copying, and the blocks it holds
+        copying_cap = COPYING_ROUNDS * RUNS_PER_ROUND * self.run_blocks
+        # F18b: the first round is planned at once while the metas of the runs after it are read ahead (as many
+        # blocks as a first round of full runs holds); those are planned biggest first, so a big run's copies start
+        # before the rounds of small runs, not after them.
+        first, rest = runs[:FIRST_ROUND_RUNS], runs[FIRST_ROUND_RUNS:]
+        ahead: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]] = {}
+        reading = asyncio.ensure_future(self._read_ahead(rest, now, ahead))
+        chunks: Iterator[Sequence[RunEntry]] | None = None
         # F18: PLANNING_ROUNDS rounds are planned at once, so this node reads one round's metas while the peers
         # answer (read theirs for) the round before, each in its own process; their copies still start in order.
-        chunks = _rounds(runs)
         planning: list[asyncio.Future[Round]] = []
 
-        def plan_ahead() -> None:
+        def plan(chunk: Sequence[RunEntry]) -> None:
+            planning.append(asyncio.ensure_future(self.plan_round(chunk, sorted(addresses), addresses, ahead)))
+
+        async def plan_ahead() -> None:
+            nonlocal chunks
+            if chunks is None:
+                await reading
+                size_of = {key: sum(b.meta.size_bytes for b in blocks) for key, (blocks, _) in ahead.items()}
+                chunks = _rounds(sorted(rest[:len(ahead)], key=lambda r: -size_of[r.key]) + list(rest[len(ahead):]),
+                                 2 * FIRST_ROUND_RUNS)
             while len(planning) < PLANNING_ROUNDS and (chunk := next(chunks, None)) is not None:
-                planning.append(asyncio.ensure_future(self.plan_round(chunk, sorted(addresses), addresses)))
+                plan(chunk)
 
         try:
-            plan_ahead()
+            if first:
+                plan(first)
+            await plan_ahead()
             while planning:
-                while len(copying) >= COPYING_ROUNDS:
-                    await copying[0]
-                    copying.pop(0)
                 at = time.monotonic()
                 found = await planning[0]
                 planning.pop(0)
-                plan_ahead()
                 planning_s += time.monotonic() - at
+                # F18b: rounds copy at once while the blocks they hold stay within COPYING_ROUNDS full rounds'
+                # (each waits only for enough of them to end, whichever they are).
+                holds = found.held_blocks()
+                while copying and sum(n for _, n in copying) + holds > copying_cap:
+                    await asyncio.wait([f for f, _ in copying], return_when=asyncio.FIRST_COMPLETED)
+                    for f, _ in copying:
+                        if f.done():
+                            f.result()  # a round that failed ends the pass (its error raised here)
+                    copying = [(f, n) for f, n in copying if not f.done()]
+                await plan_ahead()
                 planned += len(found.plans) + found.undecided_runs
                 # F18: an undecided run is counted under-replicated (and failed) until a pass can decide it.
                 p.under_replicated_runs += len(found.plans) + found.undecided_runs
@@ -483,12 +512,12 @@ class FleetRepairer:
                 p.failed_runs += found.undecided_runs
                 left_bytes, left_runs = left_bytes + found.short_bytes, left_runs + found.short_runs
                 await self._publish()
-                copying.append(asyncio.ensure_future(self._copy_round(found.plans, addresses, window, found.stale)))
-            while copying:
-                await copying[0]
-                copying.pop(0)
+                copying.append((asyncio.ensure_future(self._copy_round(found.plans, addresses, window, found.stale)),
+                                holds))
+            for f, _ in copying:
+                await f
         finally:
-            under_way: list[asyncio.Future[Any]] = [*planning, *copying]
+            under_way: list[asyncio.Future[Any]] = [reading, *planning, *(f for f, _ in copying)]
             for left in under_way:  # the pass was given up (or a round failed): so are the rounds under way
                 left.cancel()
             for left in under_way:
@@ -525,19 +554,16 @@ class FleetRepairer:
         """The replication `entry`'s run is kept at (its tenant's, F51)."""
         return self.copies(entry.key) if self.copies is not None else self.replication
 
-    async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str]) -> Round:
+    async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str],
+                         ahead: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]] | None = None) -> Round:
         """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
-        (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once."""
-        now = self.tier.retention_clock.now()
-        env, rb = self.tier.env, self.run_blocks
-
-        def read_all() -> list[tuple[list[RunBlock], dict[bytes, float]]]:
-            # F19: blocks used within their tenant's window; R31: and a pinned prefix, whatever its last use; R32: with
-            # the live pins on them.
-            return run_index.in_window_pins(env, [r.key for r in runs], rb, since_s=now - self.window_s, now_s=now,
-                                            retention_of=self.retention_of)
-
-        read = await self.tier.call(read_all)
+        (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once. `ahead`: runs' metas read
+        ahead (`_read_ahead`, run root -> read), taken out of it; the others are read here."""
+        ahead = {} if ahead is None else ahead
+        missing = [r for r in runs if r.key not in ahead]
+        fresh = iter(await self.tier.call(self._read_metas, missing, self.tier.retention_clock.now()) if missing
+                     else ())
+        read = [ahead.pop(r.key) if r.key in ahead else next(fresh) for r in runs]
         held = [blocks for blocks, _ in read]
         orders = [self._order(r.run_key, live) for r in runs]
         asked: dict[str, list[int]] = {}  # peer -> indexes of the runs it is asked about
@@ -577,6 +603,26 @@ class FleetRepairer:
                 if self._confirmed_elsewhere(runs[i], mine[i], order, theirs):
                     found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
+
+    def _read_metas(self, runs: Sequence[RunEntry], now: float) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
+        """Each run's blocks a pass copies and counts, with their live pins (on the tier's executor). F19: blocks
+        used within their tenant's window; R31: and a pinned prefix, whatever its last use; R32: with the pins."""
+        return run_index.in_window_pins(self.tier.env, [r.key for r in runs], self.run_blocks,
+                                        since_s=now - self.window_s, now_s=now, retention_of=self.retention_of)
+
+    async def _read_ahead(self, runs: Sequence[RunEntry], now: float,
+                          out: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]]) -> None:
+        """F18b: the metas of the first of `runs` into `out` (run root -> its read), in their order, read in rounds'
+        chunks until they hold as many blocks as a first round of full runs (FIRST_ROUND_RUNS x run_blocks). A pass
+        of full runs reads one round's worth ahead, as it would have anyway; one of small runs reads many of them,
+        and finds its big ones among them."""
+        blocks = 0
+        for chunk in _rounds(runs):
+            if blocks >= FIRST_ROUND_RUNS * self.run_blocks:
+                return
+            for entry, read in zip(chunk, await self.tier.call(self._read_metas, chunk, now), strict=True):
+                out[entry.key] = read
+                blocks += len(read[0])
 
     def _confirmed_elsewhere(self, entry: RunEntry, mine: RunDigest, order: tuple[str, ...],
                              theirs: dict[tuple[str, bytes], RunDigest | None]) -> bool:
@@ -1136,9 +1182,9 @@ def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
                                         certificate_chain=read("tls.cert_file", tls.cert_file))
 
 
-def _rounds(runs: Sequence[RunEntry]) -> Iterator[Sequence[RunEntry]]:
-    """`runs` in rounds of FIRST_ROUND_RUNS, twice that, ... up to RUNS_PER_ROUND."""
-    at, size = 0, FIRST_ROUND_RUNS
+def _rounds(runs: Sequence[RunEntry], first: int = FIRST_ROUND_RUNS) -> Iterator[Sequence[RunEntry]]:
+    """`runs` in rounds of `first` runs, twice that, ... up to RUNS_PER_ROUND."""
+    at, size = 0, first
     while at < len(runs):
         yield runs[at:at + size]
         at, size = at + size, min(2 * size, RUNS_PER_ROUND)
