@@ -456,8 +456,8 @@ class FleetRepairer:
         # a peer does not depend on the other's copies); the first is small, so copies start soon. F18: one
         # window of calls in flight for the whole pass; a round's copies start as soon as it is planned, beside
         # the last round's (each run whole in one lane, a run's first block stored without its parent, F17), so
-        # no round waits on the slowest lane of the one before; the round before that is awaited before the
-        # next starts copying (at most COPYING_ROUNDS rounds copying and PLANNING_ROUNDS planned, their metas held).
+        # no round waits on the slowest lane of the one before; rounds copy while their metas held stay within
+        # COPYING_ROUNDS full rounds' (F18b), and PLANNING_ROUNDS are planned.
         window = _Window()
         copying: list[tuple[asyncio.Future[None], int]] = []  # each round copying, and the blocks it holds
         copying_cap = COPYING_ROUNDS * RUNS_PER_ROUND * self.run_blocks
