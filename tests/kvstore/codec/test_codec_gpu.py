@@ -35,15 +35,18 @@ FORMATS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], str, Callable[.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=[(None, True), (False, True), (None, False)],
-                ids=["fp8-auto", "fp8-on-bits", "fp8-auto-no-bf16-pairs"])
+@pytest.fixture(params=[(None, "pairs", None), (False, "pairs", None), (None, "general", None),
+                        (None, "lanes", None), (None, "lanes", False)],
+                ids=["fp8-auto", "fp8-on-bits", "fp8-auto-bf16-general", "fp8-auto-bf16-lanes",
+                     "fp8-auto-bf16-lanes-no-ptx"])
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """rows_triton, with its E4M3 conversions as chosen for the GPU (the H200's own instructions)
-    and done on the bits (what GPUs before compute capability 8.9 run); bf16 compressed-KV rows by the
-    pairs kernel (the default) and by the general one."""
+    and done on the bits (what GPUs before compute capability 8.9 run); bf16 rows by each kernel (pairs,
+    general, lanes with its inline PTX and without)."""
     module = pytest.importorskip("kvstore.codec.rows_triton")
     monkeypatch.setattr(module, "HW_FP8", request.param[0])
-    monkeypatch.setattr(module, "BF16_KERNEL", "pairs" if request.param[1] else "general")
+    monkeypatch.setattr(module, "BF16_KERNEL", request.param[1])
+    monkeypatch.setattr(module, "LANES_PTX", request.param[2])
     return module
 
 
