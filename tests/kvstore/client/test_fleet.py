@@ -23,12 +23,14 @@ import kvstore
 from kvstore.bench.redis_server import free_port
 from kvstore.cli import main
 from kvstore.client.admin import AdminClient
+from kvstore.client.connection import Connection
 from kvstore.client.fleet import FleetClient, FleetLookupResult
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
 from kvstore.client.fleet_lookup import FoundChains
 from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.client.store import LookupResult
 from kvstore.errors import FailedPrecondition, InvalidArgument, NotFound, PutNotReplicated, Unavailable
+from kvstore.fleet.placement import RunPlacement
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.children import Child, write_config
 from tests.kvstore.fleet.etcd_process import EtcdProcess
@@ -102,6 +104,16 @@ def prompt(n_tokens: int) -> list[int]:
 def blocks_for(client: FleetClient, tokens: list[int], first_block: int = 0) -> list[bytes]:
     n = len(tokens) // BLOCK_TOKENS
     return [random.randbytes(client.block_bytes) for _ in range(n - first_block)]
+
+
+def second_run_stored(client: FleetClient) -> tuple[list[bytes], RunPlacement, Connection]:
+    """A prompt of three runs put through the fleet: its chain, its second run's placement, and a connection to that
+    run's first replica (what the node-level Lookup tests ask)."""
+    tokens = prompt(RUN_TOKENS * 3)
+    client.put(tokens, blocks_for(client, tokens))
+    chain = client.hashes(tokens)
+    run = client.placement(chain)[1]
+    return chain, run, client.pool.connection(run.replicas[0])
 
 
 def found_on(target: str, run_hashes: list[bytes]) -> int:
@@ -261,11 +273,7 @@ def test_f50_a_node_answers_each_run_of_a_multi_run_lookup_and_names_bad_lengths
     """F50: a node looks up each run of run_lengths as its own chain (R6, R15 within it), and refuses lengths that
     do not cut the hashes, or run_lengths beside what it cannot be combined with, INVALID_ARGUMENT naming them."""
     with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS * 3)
-        client.put(tokens, blocks_for(client, tokens))
-        chain = client.hashes(tokens)
-        run = client.placement(chain)[1]
-        node = client.pool.connection(run.replicas[0])
+        chain, _, node = second_run_stored(client)
         hashes = chain[4:8] + chain[4:6] + chain[6:8] + [bytes(32)]  # run 1; its head; its tail alone; junk
         reply = node.call(node.kvstore.Lookup, pb.LookupRequest(block_hashes_packed=b"".join(hashes),
                                                                 run_lengths=[4, 2, 2, 1], lease_ms=60_000))

@@ -24,6 +24,7 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     fleet_client,
     prompt,
     purge_from,
+    second_run_stored,
 )
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers.leases import LeaseTable
@@ -75,11 +76,7 @@ def test_f77_a_node_answers_each_run_named_by_its_last_block_whole_or_not(fleet:
     that block; a count that is not one hash per run is INVALID_ARGUMENT naming it; run_anchors without
     run_lengths is a plain Lookup."""
     with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS * 3)
-        client.put(tokens, blocks_for(client, tokens))
-        chain = client.hashes(tokens)
-        run = client.placement(chain)[1]
-        node = client.pool.connection(run.replicas[0])
+        chain, run, node = second_run_stored(client)
         # run 1 whole; its head (block 5 at depth 2); its last block at a wrong depth; a hash stored nowhere
         anchors = [chain[7], chain[5], chain[7], bytes(32)]
         before = client.node_stats()[run.replicas[0]].active_leases
@@ -261,11 +258,7 @@ def test_f81_a_node_counts_the_runs_flagged_run_hashed_and_names_the_rest_by_the
     """F81: in one call, runs by their last hash (whole or 0) and flagged runs by their hashes (their count); a flag
     count that is not one a run, or hashes that do not match the flags, is INVALID_ARGUMENT."""
     with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS * 3)
-        client.put(tokens, blocks_for(client, tokens))
-        chain = client.hashes(tokens)
-        run = client.placement(chain)[1]
-        node = client.pool.connection(run.replicas[0])
+        chain, run, node = second_run_stored(client)
         purge_from(fleet.node(run.replicas[0]), chain[6])  # run 1 keeps its first 2 blocks there
         # run 1 by its hashes; run 1's head by its last hash (whole); run 1 by its last hash (gone); a stray hash
         hashes = [*chain[4:8], chain[5], chain[7], bytes(32)]
