@@ -1,9 +1,9 @@
 """FP4 encode probe (issue 25 item 5): the rows_triton encode kernels against a same-size copy on CUDA.
 
 Each figure is the copy's time over the encode's, in the same run: "kernel" calls rows_triton directly,
-"api" the public rows.py call (allocation, kernel, the flag's check). Variants: `BF16_KERNEL` general, pairs and lanes,
-and program sizes (channels per program / warps). Usage: python3 scripts/codec_encode_probe.py [MIB]
-(default 1024). docs/BENCHMARKS.md's codec encode budget quotes it.
+"api" the public rows.py call (allocation, kernel, the flag's check). Variants: `BF16_KERNEL` general, pairs and
+lanes (the default), and program sizes (channels per program / warps).
+Usage: python3 scripts/codec_encode_probe.py [MIB] (default 1024). docs/BENCHMARKS.md's codec encode budget quotes it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def probe(
     x = (torch.randn(mib * (1 << 20) // (width * 2), width, device="cuda", generator=gen) * 3).to(dtype)
     copy = milliseconds(x.clone)
     line = [f"{name} {str(dtype)[6:]} copy {copy:.3f} ms"]
+    default = kernels.BF16_KERNEL
     for variant in ("general", "pairs", "lanes") if dtype == torch.bfloat16 else ("general",):
         kernels.BF16_KERNEL = variant
         for block, warps in TILINGS:
@@ -53,7 +54,7 @@ def probe(
             line.append(f"{variant} {block}/{warps} kernel {ratio:.2f}x")
         kernels.BLOCK_ELEMENTS, kernels.NUM_WARPS = 4096, 4
         line.append(f"{variant} api {copy / milliseconds(functools.partial(api, x)):.2f}x")
-    kernels.BF16_KERNEL = "general"
+    kernels.BF16_KERNEL = default
     return " | ".join(line)
 
 

@@ -16,7 +16,8 @@ How each rule is computed here, exactly, without a division per element:
   ties to the even code, by a binary search (three comparisons per element).
 - Compressed-KV scale: on GPUs with E4M3 instructions (HW_FP8), the torch code's
   own steps: amax/6 correctly rounded (`tl.div_rn`, one per 16 channels), held
-  at 448, the GPU's round-to-nearest-even cast. Otherwise amax/6 rounded once
+  at 448, the GPU's round-to-nearest-even cast (the lanes kernel calls that cvt
+  itself, its value taken on the bits: `e4m3_code_cvt`). Otherwise amax/6 rounded once
   to E4M3 (rows.py explains why that is the same): amax*(1/6), cast on the bits,
   is off by at most one code; one step up or down, decided by comparing amax
   with 6x the midpoint between neighbouring codes (a product of at most 7
@@ -70,11 +71,10 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: 8.9 and later. Both give the same bytes (tests/kvstore/codec/test_codec_gpu.py).
 HW_FP8: bool | None = None
 #: Which kernel encodes bf16 FP4 rows (compressed KV, indexer key; issue 25 item 5), all giving the same bytes:
-#: "general" (`_encode_kernel`, the default), "lanes" (`_encode_bf16_lanes_kernel`: two channels per int32
-#: word, the E2M1 decision in 16-bit lanes; sm_90 build 576 instructions a thread for compressed KV against
-#: 920, not yet run on a GPU) or "pairs" (`_encode_bf16_pairs_kernel`, compressed KV only; slower than
-#: "general" on the H200). docs/BENCHMARKS.md's codec encode budget has their speeds.
-BF16_KERNEL = "general"
+#: "lanes" (`_encode_bf16_lanes_kernel`, the default: two channels per int32 word, the E2M1 decision in 16-bit
+#: lanes), "general" (`_encode_kernel`, which every other dtype takes) or "pairs" (`_encode_bf16_pairs_kernel`,
+#: compressed KV only; slower than "general" on the H200). docs/BENCHMARKS.md's FP4 section has their speeds.
+BF16_KERNEL = "lanes"
 #: The lanes kernel's byte moves (PTX `prmt`) and lane maxima (`max.u16x2`, sm_90) in inline PTX on CUDA;
 #: False: the same results by shifts and masks (any GPU, and the CPU interpreter, which cannot run PTX).
 #: None picks True on compute capability 9.0 and later.
@@ -179,11 +179,31 @@ def _flag_non_finite(flag_ptr, amax_bits):
 
 
 @triton.jit
-def _fp4_scales(amax, FORMAT: tl.constexpr, HW_FP8: tl.constexpr):
-    """(scale byte as int32, scale as float32) of each group of an FP4 row."""
+def e4m3_code_cvt(y):
+    """E4M3 (fn) byte (int32) of float32 y, |y| <= 448: the GPU's `cvt.rn.satfinite.e4m3x2.f32` (sm_89 and later,
+    round to nearest even) in inline PTX, one value a call (the pair's other half converts 0.0 and is dropped).
+
+    Not Triton's float8e4nv converts, which the lanes kernel used first: on the H200 (Triton 3.6, 2026-12-03)
+    the scale bytes came out right but the float32 scales converted back from them (a packed e4m3x2 -> f16x2
+    cvt) were wrong in 46% of the groups of 512- and 128-channel rows given 16-byte aligned (as if the scale
+    were 0: all-zero groups got code 7), the convert bug kvstore/codec/sglang_v4_triton.py's HW_FP8 note met
+    too. The value is taken on the bits instead (`e4m3_value`); scripts/lanes_debug.py shows both."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 p; cvt.rn.satfinite.e4m3x2.f32 p, 0f00000000, $1; cvt.u32.u16 $0, p; }",
+        "=r,r", [y], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _fp4_scales(amax, FORMAT: tl.constexpr, HW_FP8: tl.constexpr, CVT: tl.constexpr):
+    """(scale byte as int32, scale as float32) of each group of an FP4 row; CVT: with HW_FP8, the E4M3 cast by
+    `e4m3_code_cvt` and its value on the bits, instead of Triton's float8e4nv converts."""
     if FORMAT == COMPRESSED_KV:
         floored = tl.maximum(amax, 0.01171875)  # floor 6 * 2^-9
-        if HW_FP8:
+        if HW_FP8 and CVT:
+            # The torch code's steps, as below, with the GPU's cvt called directly.
+            code = e4m3_code_cvt(tl.minimum(tl.div_rn(floored, 6.0), 448.0))
+            scale = e4m3_value(code)
+        elif HW_FP8:
             # The torch code's steps: amax/6 correctly rounded, held at 448, the GPU's E4M3 cast (RNE).
             scale8 = tl.minimum(tl.div_rn(floored, 6.0), 448.0).to(tl.float8e4nv)
             code = scale8.to(tl.uint8, bitcast=True).to(tl.int32)
@@ -229,7 +249,7 @@ def _encode_kernel(x_ptr, rows_ptr, flag_ptr, n_rows,
                  data, mask=live[:, :, None])
         tl.store(rows_ptr + (out_row + D + group[None, :]), (scale_bits >> 23).to(tl.uint8), mask=live)
     else:
-        scale_code, scale = _fp4_scales(amax, FORMAT, HW_FP8)
+        scale_code, scale = _fp4_scales(amax, FORMAT, HW_FP8, False)
         codes = e2m1_code(bits, ax_bits.to(tl.float32, bitcast=True), scale[:, :, None])
         # Element 2i in the low nibble of byte i, 2i+1 in the high nibble.
         even_codes, odd_codes = tl.split(tl.reshape(codes, (BLOCK_ROWS, BLOCK_GROUPS, HALF, 2)))
@@ -260,7 +280,7 @@ def _encode_bf16_pairs_kernel(x32_ptr, rows_ptr, flag_ptr, n_rows,
     even_ax, odd_ax = even & 0x7FFFFFFF, odd & 0x7FFFFFFF
     amax_bits = tl.max(tl.maximum(even_ax, odd_ax), axis=2)
     _flag_non_finite(flag_ptr, amax_bits)
-    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8)
+    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8, False)
     even_codes = e2m1_code(even, even_ax.to(tl.float32, bitcast=True), scale[:, :, None])
     odd_codes = e2m1_code(odd, odd_ax.to(tl.float32, bitcast=True), scale[:, :, None])
     tl.store(rows_ptr + (out_row[:, :, None] + group[None, :, None] * HALF + pair[None, None, :]),
@@ -364,7 +384,7 @@ def _encode_bf16_lanes_kernel(x32_ptr, rows_ptr, flag_ptr, n_groups,
         lanes = tl.max(tl.max(a & 0xFFFF0000, axis=2), axis=0) | tl.max(tl.max(a & 0xFFFF, axis=2), axis=0)
     amax_bits = tl.maximum(lanes << 16, lanes & 0xFFFF0000).to(tl.int32, bitcast=True)  # float32 bits, bf16 amax
     _flag_non_finite(flag_ptr, amax_bits)
-    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8)
+    scale_code, scale = _fp4_scales(amax_bits.to(tl.float32, bitcast=True), FORMAT, HW_FP8, True)
     scale = scale[None, :, None]
     # e2m1_code's search: magnitudes 4-7 at 1.75 (ties up), then 0.75 / 3.5 (ties up), then 0.25 / 1.25 /
     # 2.5 / 5 (ties stay down).
