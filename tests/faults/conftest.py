@@ -35,7 +35,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import FailedPrecondition
-from tests.children import SKEWED_CLOCK, Child, ServerClock, write_config
+from tests.children import SKEWED_CLOCK, Child, ServerClock, fork_safe, write_config
 
 #: Tokens per block for every fault-matrix server: 16 keeps a block at 14 KiB,
 #: so a test stores thousands of blocks in a few seconds.
@@ -43,12 +43,12 @@ BLOCK_TOKENS = 16
 
 #: RLIMIT_FSIZE of KVSTORE_FAULTS_FSIZE_BYTES, with SIGXFSZ ignored: a write past it fails (EFBIG)
 #: instead of killing the process. Set in the child itself, not in a preexec_fn (unsafe with threads).
-_FILE_SIZE_LIMIT = """
+_FILE_SIZE_LIMIT = fork_safe("""
 import resource, signal
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 _limit = int(os.environ["KVSTORE_FAULTS_FSIZE_BYTES"])
 resource.setrlimit(resource.RLIMIT_FSIZE, (_limit, _limit))
-"""
+""")
 
 
 def pytest_configure(config: pytest.Config) -> None:
