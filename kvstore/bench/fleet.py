@@ -102,6 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-prompts", type=int, default=512,
                         help="one-run prompts stored before a node joins, its share counted over them (default 512: "
                         "the Put's chain is a few runs, too few to measure a 1/N share by)")
+    parser.add_argument("--placement-seed", type=int, default=23,
+                        help="node ids derived from this seed, the same in every run, so the runs each node "
+                        "holds and the bytes a kill loses are too (default 23; -1: random ids, a fresh placement "
+                        "each run)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and 1 and 2 nodes, for tests (figures too small to mean much)")
     parser.add_argument("--dir", type=Path, default=None,
@@ -118,6 +122,7 @@ class Sizes:
     lookup_blocks: int
     run_blocks: int
     join_prompts: int
+    placement_seed: int = -1
 
 
 def sizes(args: argparse.Namespace) -> Sizes:
@@ -139,7 +144,7 @@ def sizes(args: argparse.Namespace) -> Sizes:
         raise InvalidArgument("--blocks/--gib, --tokens and --run-blocks must each store at least one block")
     join = 64 if args.quick and args.join_prompts == 512 else args.join_prompts
     return Sizes(nodes=nodes, replication=replication, blocks=blocks, lookup_blocks=tokens // BLOCK_TOKENS,
-                 run_blocks=run_blocks, join_prompts=max(join, 1))
+                 run_blocks=run_blocks, join_prompts=max(join, 1), placement_seed=args.placement_seed)
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -400,7 +405,8 @@ class FleetBench:
                 from concurrent.futures import ThreadPoolExecutor
 
                 with ThreadPoolExecutor(k) as pool:
-                    started = list(pool.map(lambda i: NodeProcess(self.folder / cluster / f"node{i}", env),
+                    started = list(pool.map(lambda i: NodeProcess(self.folder / cluster / f"node{i}", env,
+                                                                  _store_id(self.size.placement_seed, n, r, i)),
                                             [next(count) for _ in range(k)]))
                 every.extend(started)
                 return started
@@ -549,6 +555,19 @@ class FleetBench:
             self.report.add(Figure.against(f"lookup {tokens:,} tokens {kind}{label}", s * 1e3, "ms",
                                            f"single kvstore serve, same {kind}Lookup",
                                            self.single.lookup_s[kind] * 1e3))
+
+
+def _store_id(seed: int, n: int, r: int, i: int) -> str | None:
+    """The id of fleet n, r's node i under `seed` (None for seed -1: the store's own random id).
+
+    Placement is a function of the run and the live ids (docs/FLEET.md F10): fixed ids give every run
+    of the bench the same runs on each node, so the bytes a kill loses, and its rate, compare run to run.
+    """
+    if seed < 0:
+        return None
+    import hashlib
+
+    return hashlib.sha256(f"kvstore-bench-fleet {seed} n={n} r={r} node{i}".encode()).hexdigest()[:32]
 
 
 def _runs(blocks: int, run_blocks: int) -> int:

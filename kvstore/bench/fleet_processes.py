@@ -136,15 +136,19 @@ class NodeProcess:
         workdir: the node's folder (store and log).
         env: KVSTORE_* settings for it (the caller's own KVSTORE_* variables are dropped, so the
             bench's environment cannot change what it measures).
+        store_id: the node's id for a new store (None: the random one its first open writes). The
+            fleet places runs by node id (F10), so fixed ids give every run of a bench the same placement.
 
     Raises:
         RuntimeError: it exited, or did not print where it listens within START_DEADLINE_S.
     """
 
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(self, workdir: Path, env: dict[str, str], store_id: str | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.data_dir = workdir / "store"
+        if store_id is not None and not self.data_dir.exists():
+            seed_store(self.data_dir, store_id)
         self.log_path = workdir / "serve.log"
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
         child_env.update(env)
@@ -197,6 +201,25 @@ class NodeProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def seed_store(data_dir: Path, store_id: str) -> None:
+    """Create an empty store in `data_dir` whose identity names `store_id` (docs/FLEET.md F1).
+
+    The identity file is only taken beside its `data.mdb` (tiers.datadir.check_files), so LMDB's
+    empty file is created first; the node's own open finds both and keeps the id.
+    """
+    import json
+
+    import lmdb
+
+    from tiers import datadir
+
+    data_dir.mkdir(parents=True)
+    lmdb.open(str(data_dir), map_size=1 << 20, max_dbs=8).close()
+    identity = {"store_id": store_id, "format_version": datadir.FORMAT_VERSION,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    (data_dir / datadir.IDENTITY_NAME).write_text(json.dumps(identity) + "\n")
 
 
 def stop_all(nodes: Iterable[NodeProcess]) -> None:

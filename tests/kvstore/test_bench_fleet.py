@@ -51,3 +51,19 @@ def test_without_etcd_one_line_names_the_package(tmp_path: Path) -> None:
     done = bench("--quick", env=env)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == ["kvstore: etcd is not on PATH (apt-get install etcd-server)"]
+
+
+def test_a_seeded_node_starts_under_the_id_it_was_given(tmp_path: Path) -> None:
+    """The bench's fixed node ids (--placement-seed): the node serves under the given id, one per node and seed."""
+    from kvstore.bench.fleet import _node_env, _store_id
+    from kvstore.bench.fleet_processes import NodeProcess
+
+    ids = {_store_id(23, 2, 2, i) for i in range(3)} | {_store_id(24, 2, 2, 0)}
+    assert len(ids) == 4 and _store_id(23, 2, 2, 1) == _store_id(23, 2, 2, 1) and _store_id(-1, 2, 2, 0) is None
+    given = _store_id(23, 2, 2, 0)
+    assert given is not None
+    node = NodeProcess(tmp_path / "node", _node_env(1 << 30), given)
+    try:
+        assert node.alive and node.node_id == given
+    finally:
+        node.stop()
