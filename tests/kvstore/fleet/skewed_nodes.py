@@ -65,7 +65,9 @@ class SkewedNodes:
         """`kvstore fleet status --json` of the cluster, as an operator reads it."""
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json"]) == 0
+            rc = main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json",
+                       "--timeout", "30"])  # a loaded machine answers later, not otherwise
+        assert rc == 0, f"kvstore fleet status exited {rc}: {out.getvalue()}"
         return json.loads(out.getvalue())
 
     def repairs(self) -> dict[str, dict[str, Any]]:

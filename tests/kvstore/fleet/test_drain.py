@@ -101,9 +101,11 @@ class Fleet:
         return next(c.target for n, c in self.children.items() if self.node_id(n) == node_id)
 
     def cli(self, *args: str) -> str:
+        # Each etcd call may take up to 30 s, not the default 3: a loaded machine answers later, not otherwise.
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert main(["fleet", *args, "--etcd", self.etcd, "--cluster", self.cluster]) == 0
+            code = main(["fleet", *args, "--etcd", self.etcd, "--cluster", self.cluster, "--timeout", "30"])
+        assert code == 0, f"kvstore fleet {' '.join(args)}: exit {code}: {out.getvalue()}"
         return out.getvalue()
 
     def status(self) -> dict[str, Any]:

@@ -125,7 +125,8 @@ class Fleet:
     def status(self) -> dict[str, Any]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            rc = main(["fleet", "status", "--etcd", self.etcd.endpoint, "--cluster", self.cluster, "--json"])
+            rc = main(["fleet", "status", "--etcd", self.etcd.endpoint, "--cluster", self.cluster, "--json",
+                       "--timeout", "30"])  # a loaded machine answers later, not otherwise
         assert rc == 0, f"kvstore fleet status exited {rc}: {out.getvalue()}"
         return json.loads(out.getvalue())
 

@@ -98,7 +98,9 @@ class Fleet:
     def status(self) -> dict[str, Any]:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json"]) == 0
+            rc = main(["fleet", "status", "--etcd", self.etcd, "--cluster", self.cluster, "--json",
+                       "--timeout", "30"])  # a loaded machine answers later, not otherwise
+        assert rc == 0, f"kvstore fleet status exited {rc}: {out.getvalue()}"
         return json.loads(out.getvalue())
 
     def wait_settled(self, n_nodes: int) -> dict[str, Any]:
