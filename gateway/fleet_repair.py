@@ -70,6 +70,7 @@ from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
+from kvstore.native import blockcopy
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
@@ -1053,13 +1054,17 @@ class FleetRepairer:
     def _read(self, chunk: list[RunBlock], skipped: set[bytes]) -> tuple[bytes, int, int, int, dict[bytes, float]]:
         """The chunk's blocks as one encoded CopyBlocksRequest, each block verified against its checksum by
         the read (F17): (request, blocks in it, their bytes, blocks found damaged, the pins it carries: key ->
-        time). Runs on the tier's executor, off the event loop; the block bytes are copied once, into the request
-        (`encode_copy`)."""
-        statuses = self.tier.read([b.key for b in chunk])
+        time). Runs on the tier's executor, off the event loop. Where every block is stored and intact, its bytes
+        are verified and copied once, from LMDB's map straight into the request, without the GIL
+        (`_read_in_place`); otherwise each block is read and copied into the request (`encode_copy`)."""
         held = pins_on(self.tier, [b.key for b in chunk])
+        fast, damaged = self._read_in_place(chunk, skipped, held)
+        if fast is not None:
+            return fast
+        statuses = self.tier.read([b.key for b in chunk])
         pieces: list[bytes] = []
         sent: dict[bytes, float] = {}
-        count = size = damaged = 0
+        count = size = 0
         for b, (status, data) in zip(chunk, statuses, strict=True):
             parent = b.key[:-32] + b.meta.parent_hash
             if status is not ReadStatus.FOUND or parent in skipped:
@@ -1079,6 +1084,53 @@ class FleetRepairer:
             count += 1
             size += len(data)
         return b"".join(pieces), count, size, damaged, sent
+
+    def _read_in_place(self, chunk: list[RunBlock], skipped: set[bytes], held: dict[bytes, float]
+                       ) -> tuple[tuple[bytes, int, int, int, dict[bytes, float]] | None, int]:
+        """`_read` when every block of the chunk can go: the request laid out from the blocks' metas, each block
+        verified and copied from LMDB's map into its place in it (`LmdbBlockTier.stage_reads`: the lookups
+        under the GIL, the checks and copies without it, so the planning and calls of the rest of the pass go
+        on beside; one copy of the bytes, not two). (the `_read` answer, or None where a block is missing,
+        damaged or not the size planned, and the blocks it found damaged: `_read` then reads the chunk block
+        by block, which skips those and their descendants.)"""
+        names = [self._names.get(namespaces.id_of_key(b.key)) for b in chunk]
+        if None in names or any(b.key[:-32] + b.meta.parent_hash in skipped for b in chunk):
+            return None, 0
+        frames = [copy_frame(b, ns or "", b.meta.size_bytes, pin_until_s=held.get(b.key, 0.0))
+                  for b, ns in zip(chunk, names, strict=True)]
+        total = sum(len(before) + b.meta.size_bytes + len(after) for b, (before, after) in zip(chunk, frames,
+                                                                                              strict=True))
+        staged = self.tier.stage_reads([b.key for b in chunk])
+
+        def fill(view: memoryview) -> bytes:
+            dests, at = [], 0
+            for b, (before, after) in zip(chunk, frames, strict=True):
+                view[at:at + len(before)] = before
+                at += len(before)
+                dests.append(view[at:at + b.meta.size_bytes])
+                at += b.meta.size_bytes
+                view[at:at + len(after)] = after
+                at += len(after)
+            try:
+                return staged.copy(dests)
+            finally:
+                for d in dests:
+                    d.release()
+
+        try:
+            request, codes = blockcopy.fill_bytes(total, fill)
+        except ValueError:  # a block is not the size its meta said when planned: read block by block
+            return None, 0
+        finally:
+            staged.close()
+        if codes.count(blockcopy.FOUND) < len(chunk):
+            damaged = codes.count(blockcopy.CORRUPT)
+            if damaged:  # dropped already by the copy: the block-by-block read finds them gone
+                log.warning("fleet: %d blocks are damaged here (their checksums fail): dropped, not copied; a "
+                            "holder ranked below sends its copy", damaged)
+            return None, damaged
+        size = sum(b.meta.size_bytes for b in chunk)
+        return (request, len(chunk), size, 0, {b.key: held[b.key] for b in chunk if b.key in held}), 0
 
     async def _publish(self, *, force: bool = False, wait: bool = False) -> None:
         """Write the progress record (at most once a second unless `force`), beside the pass: an etcd put's round
@@ -1143,17 +1195,25 @@ def encode_copy(block: RunBlock, namespace: str, data: bytes, *, source_address:
     serializes to, without building a message per block or copying each block's bytes twice more. With
     `source_address` (a bulk copy's: `data` empty), the block's address in the source's map instead; with
     `pin_until_s`, the source's live pin on the block (R31)."""
+    before, after = copy_frame(block, namespace, len(data), source_address=source_address, pin_until_s=pin_until_s)
+    return [before, data, after]
+
+
+def copy_frame(block: RunBlock, namespace: str, size: int, *, source_address: int = 0,
+               pin_until_s: float = 0.0) -> tuple[bytes, bytes]:
+    """`encode_copy`'s entry around a block's `size` bytes of data: (what goes before them, what goes after), so
+    the bytes can be written between them in place (`FleetRepairer._read_in_place`)."""
     ns = namespace.encode()
     m = block.meta
     head = b"".join((b"\x0a", _varint(len(block.key)), block.key, b"\x12", _varint(len(ns)), ns,
                      b"\x1a", _varint(len(m.parent_hash)), m.parent_hash, b"\x20", _varint(m.depth),
-                     b"\x2a" + _varint(len(data)) if data else b""))
+                     b"\x2a" + _varint(size) if size else b""))
     tail = b"\x31" + _F64.pack(m.checksum) + b"\x39" + _DOUBLE.pack(m.last_access_s)
     if source_address:
         tail += b"\x41" + _F64.pack(source_address)
     if pin_until_s:
         tail += b"\x49" + _DOUBLE.pack(pin_until_s)
-    return [b"\x0a" + _varint(len(head) + len(data) + len(tail)), head, data, tail]
+    return b"\x0a" + _varint(len(head) + size + len(tail)) + head, tail
 
 
 def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
