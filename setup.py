@@ -20,6 +20,14 @@ setup(
             py_limited_api=True,
             optional=True,
         ),
+        Extension(  # the chain hashes in one call (kvstore.prefix): OpenSSL's SHA-256, as hashlib's
+            "kvstore.native._chainhash",
+            sources=["kvstore/native/_chainhash.c"],
+            libraries=["crypto"],
+            extra_compile_args=["-O3"],
+            py_limited_api=True,
+            optional=True,
+        ),
         Extension(
             "kvstore.native._ring",
             sources=["kvstore/native/_ring.c"],

@@ -48,6 +48,16 @@ class AnchorTable:
                     self._anchors.move_to_end(hashes[best - 1])
         return best
 
+    def ends(self, last_hash: bytes, blocks: int) -> bool:
+        """Whether the chain of `blocks` blocks ending at `last_hash` is itself a kept anchor: `best` of that
+        chain in one dict probe (no anchor can be longer than the chain), for a next turn whose kept chain is
+        the one the server found the turn before (C7)."""
+        with self._lock:
+            if self._anchors.get(last_hash) != blocks:
+                return False
+            self._anchors.move_to_end(last_hash)
+            return True
+
     def note(self, last_hash: bytes, blocks: int, *, replaces: bytes = b"") -> None:
         """The server found `blocks` blocks stored, the last `last_hash`; `replaces`, the anchor the
         request named, is dropped (the server replaced it too)."""

@@ -310,14 +310,19 @@ class Client:
         guess or anchor, or the compare failed: the caller then looks up the safe way (the memo's `chain`)."""
         conn, memo = self.connection, self.connection.chain_memo
         guess = memo.guess(tokens, root=conn.root, extra_keys=extra_keys)
-        anchored = conn.anchors.best(HashChain(guess.base.pieces)) if guess is not None else 0
-        if guess is None or not anchored:
+        if guess is None:
+            return None
+        base = guess.base  # usually the chain the turn before was found as: its end is an anchor, one probe
+        anchored = base.blocks if conn.anchors.ends(base.last, base.blocks) else conn.anchors.best(
+            HashChain(base.pieces))
+        if not anchored:
             return None
         compare = self._compare_worker.submit(memo.holds, guess)  # first: the worker wakes while this thread works
         error: KVStoreError | None = None
         try:
-            fields = self._lookup_fields(lease_ms=0, swa_keys=[], swa_positions=[],
-                                         swa_resume_limit=swa_resume_limit, keep_until_s=0.0, hosts=hosts)
+            # `_lookup_fields` of a Lookup without lease, pin or SWA: the other fields' defaults are sent as absent.
+            fields = {"geometry": self.geometry, "namespace": self.namespace, "want_hosts": hosts,
+                      "swa_resume_limit": arguments.integer(swa_resume_limit, "swa_resume_limit", most=2**64 - 1)}
             chain = memo.extend(guess)
             reply = self._anchored_call(chain, anchored, fields, self.retry)
         except KVStoreError as exc:  # raised below only if the guess holds: a wrong guess's error is not the answer

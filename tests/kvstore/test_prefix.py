@@ -67,6 +67,7 @@ def test_extra_keys_are_hashed_once_per_chain(monkeypatch: pytest.MonkeyPatch) -
         return real(data)
 
     monkeypatch.setattr(prefix.hashlib, "sha256", counting_sha256)
+    monkeypatch.setattr(prefix, "_native_chain", None)  # the Python loop's inputs (the native one's: below)
     hashes = chain_hashes(list(range(64 * 50)), block_tokens=64, parent=bytes(32), extra_keys=["k" * 1024] * 8)
     block_input = 32 + 4 + 4 * 64 + 4 + 32  # parent, block_tokens, token ids, key count, keys' digest
     assert len(hashes) == 50
@@ -117,3 +118,29 @@ def test_bad_tokens_and_hashes_are_rejected() -> None:
         chain_hashes([1] * 16, block_tokens=16, parent=b"short")
     with pytest.raises(InvalidArgument, match="32 bytes"):
         BlockScope(V4_1_FLASH.fingerprint, "t").key(b"short")
+
+
+def test_native_chain_hashes_are_the_python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvstore.native._chainhash hashes exactly the bytes the Python loop does: fuzzed block sizes, lengths (a
+    partial last block), parents, extra-key tails and buffer kinds, against the loop, and the vectors above."""
+    import os
+    import random
+
+    from kvstore import prefix
+
+    native = prefix._native_chain
+    if native is None:
+        pytest.skip("kvstore.native._chainhash was not built")
+    rng = random.Random(25)
+    cases = []
+    for trial in range(200):
+        block_tokens = rng.choice([1, 3, 16, 64, 256])
+        raw = os.urandom(rng.randrange(0, 40) * 4 * block_tokens + rng.randrange(0, 4 * block_tokens))
+        tail = prefix.extra_keys_tail(["k" * rng.randrange(0, 300)] if trial % 2 else [])
+        cases.append((memoryview(raw) if trial % 3 else raw, block_tokens, os.urandom(32), tail))
+    got = [prefix.chain_hashes_of_bytes(r, block_tokens=b, parent=p, tail=t) for r, b, p, t in cases]
+    vectors = chain_hashes(list(range(128)), block_tokens=64, parent=root_hash(V4_1_FLASH.fingerprint, 64))
+    monkeypatch.setattr(prefix, "_native_chain", None)
+    assert got == [prefix.chain_hashes_of_bytes(r, block_tokens=b, parent=p, tail=t) for r, b, p, t in cases]
+    assert [h.hex() for h in vectors] == CHAIN_0_127
+    assert any(got) and not all(got)  # chains of blocks and prompts shorter than a block, both
