@@ -64,4 +64,5 @@ def test_bench_lookup_json_figures(tmp_path: Path) -> None:
     assert "C1's compare" in report["notes"]["budget_ms"]
     assert "with C1's compare on a worker" in report["notes"]["budget_ms"]
     assert isinstance(report["notes"]["overlap_compare"], bool)
+    assert isinstance(report["notes"]["native_chain_hashes"], bool)
     assert list(tmp_path.iterdir()) == []  # scratch space removed
