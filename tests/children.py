@@ -17,6 +17,7 @@ import ctypes
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -91,12 +92,18 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for it to exit (subprocess.TimeoutExpired past `timeout`) and return its status."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
+        if self.poll() is None:
+            # Its pidfd turns readable when it exits: a wait on that condition, not a polling loop.
+            pidfd = os.pidfd_open(self.pid)
+            try:
+                ready, _, _ = select.select([pidfd], [], [], timeout)
+            finally:
+                os.close(pidfd)
+            if not ready:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.005)
-        return code
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        assert self.returncode is not None
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         """Send `sig` unless it has been reaped (as Popen does)."""
