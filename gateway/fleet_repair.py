@@ -54,7 +54,7 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,10 @@ LANE_DEPTH = 2
 #: Batches read (their bytes, or their read txn over the bulk transport) and not answered yet, per pass: each
 #: lane reads its next batch while its call is in flight, so no call waits on its own read (F18).
 HELD_BATCHES = 2 * WINDOW
+#: F18d: a gRPC batch larger than this goes as a CopyBlocksStream of pieces of at most this many block bytes, each
+#: read while the one before is sent and committed by the receiver while the next arrives (its read, the network
+#: and the receiver's commit overlap inside one batch; a piece continuing a run needs no answer before it).
+STREAM_PIECE_BYTES = 4 << 20
 #: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
 #: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
@@ -134,6 +138,7 @@ class Peers:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
         self._copiers: dict[str, Callable[..., Awaitable[pb.CopyBlocksResponse]]] = {}
+        self._streamers: dict[str, Callable[..., Awaitable[pb.CopyBlocksResponse]]] = {}
 
     def stub(self, address: str) -> fleet_pb2_grpc.FleetStub:
         """The Fleet stub of the node at `address`."""
@@ -155,12 +160,23 @@ class Peers:
                 response_deserializer=pb.CopyBlocksResponse.FromString)
         return call
 
+    def streamer(self, address: str) -> Callable[..., Awaitable[pb.CopyBlocksResponse]]:
+        """CopyBlocksStream of the node at `address` (F18d), taking an async iterator of encoded pieces."""
+        call = self._streamers.get(address)
+        if call is None:
+            self.stub(address)
+            call = self._streamers[address] = self._channels[address].stream_unary(
+                SERVICE + "CopyBlocksStream", request_serializer=None,
+                response_deserializer=pb.CopyBlocksResponse.FromString)
+        return call
+
     def forget(self, address: str) -> None:
         """Drop the channel to `address` (it did not answer): the next call dials it afresh, so a node
         restarted there is reached at once rather than after the old channel's reconnect backoff. The old
         channel is closed by `close_retired` (closing it now would cancel the calls still on it)."""
         self._stubs.pop(address, None)
         self._copiers.pop(address, None)
+        self._streamers.pop(address, None)
         channel = self._channels.pop(address, None)
         if channel is not None:
             self._retired.append(channel)
@@ -178,6 +194,7 @@ class Peers:
         self._channels.clear()
         self._stubs.clear()
         self._copiers.clear()
+        self._streamers.clear()
         await self.close_retired()
 
 
@@ -235,6 +252,9 @@ class _Ready:
     pins: dict[bytes, float]
     #: The bulk transport's open read txn (None: the bytes are in the request).
     txn: Any = None
+    #: F18d: the batch's blocks after the first piece (`request`), in pieces read as the stream sends them; empty:
+    #: the batch is one CopyBlocks.
+    rest: list[list[RunBlock]] = field(default_factory=list)
 
     def end(self) -> None:
         """Answered or given up: the target reads no more of the map's pages."""
@@ -314,6 +334,8 @@ class FleetRepairer:
         self._down: set[str] = set()
         #: Peers that refused a copy over the bulk transport in the pass under way: sent over gRPC in it.
         self._grpc_only: set[str] = set()
+        #: Targets that answered a CopyBlocksStream UNIMPLEMENTED (an older node): one CopyBlocks a batch this pass.
+        self._unary_only: set[str] = set()
         #: R32: (target, block's storage key) -> the pin's time last sent there, in a CopyBlocks it answered: not sent
         #: again for that time (a shorter grant or refusal: the target's limits, asked once); pruned past their time.
         self._pins_sent: dict[tuple[str, bytes], float] = {}
@@ -442,6 +464,7 @@ class FleetRepairer:
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
         self._draining = self._draining_in(self.membership)
         self._planned, self._down, self._grpc_only = (frozenset(addresses.items()), self._draining), set(), set()
+        self._unary_only = set()
         now = self.tier.retention_clock.now()
         self._pins_sent = {k: u for k, u in self._pins_sent.items() if u > now}
         await self.peers.close_retired()  # the last pass's calls have all ended
@@ -959,9 +982,40 @@ class FleetRepairer:
             ready = await self._prepare_bulk(self.bulk, chunk, skipped)
             if ready is not None:
                 return ready
-        request, count, size, damaged, sent_pins = await self.tier.call(self._read, chunk, skipped)
+        # F18d: a batch above STREAM_PIECE_BYTES goes as a stream of pieces, the first read now, the rest as it is sent.
+        pieces = [chunk] if lane.target in self._unary_only else _pieces(chunk, STREAM_PIECE_BYTES)
+        request, count, size, damaged, sent_pins = await self.tier.call(self._read, pieces[0], skipped)
         self.progress.damaged_blocks += damaged
-        return _Ready(chunk=chunk, request=request, count=count, size=size, pins=sent_pins)
+        return _Ready(chunk=chunk, request=request, count=count, size=size, pins=sent_pins, rest=pieces[1:])
+
+    async def _stream_pieces(self, ready: _Ready, skipped: set[bytes]) -> AsyncIterator[bytes]:
+        """F18d: a streamed batch's pieces, encoded: the first one read already, each next one read (on the
+        store's executor, the verified read of `_read`) while the one before is sent, and taken from the bucket
+        before it goes (F18's bounded rate). A piece whose blocks all cannot go (damaged, or their parent was
+        not sent) is left out; what follows it skips their descendants (`skipped`)."""
+        reads = iter(ready.rest)
+
+        def read_next() -> asyncio.Future[tuple[bytes, int, int, int, dict[bytes, float]]] | None:
+            piece = next(reads, None)
+            return None if piece is None else asyncio.ensure_future(self.tier.call(self._read, piece, skipped))
+
+        reading = read_next()
+        try:
+            if ready.count:
+                yield ready.request
+            while reading is not None:
+                request, count, size, damaged, sent_pins = await reading
+                reading = read_next()
+                self.progress.damaged_blocks += damaged
+                if not count:
+                    continue
+                await self.bucket.take(size)
+                self.progress.sent_bytes += size
+                ready.pins.update(sent_pins)
+                yield request
+        finally:
+            if reading is not None:  # the call ended early (failed, or given up): the read under way is dropped
+                reading.cancel()
 
     async def _prepare_bulk(self, bulk: BulkSource, chunk: list[RunBlock], skipped: set[bytes]) -> _Ready | None:
         """`_prepare` over the bulk transport: the request carries each block's address in this node's map, its
@@ -1001,7 +1055,7 @@ class FleetRepairer:
         of its pass over gRPC."""
         bulk = ready.txn is not None
         try:
-            if not ready.count:
+            if not ready.count and not ready.rest:
                 return True
             if lane.target in self._down:
                 return False
@@ -1012,17 +1066,28 @@ class FleetRepairer:
                 if not bulk:
                     self.progress.sent_bytes += ready.size
                 try:
-                    reply = await self.peers.copier(lane.address)(ready.request, metadata=self.peers.metadata,
-                                                                  timeout=CALL_TIMEOUT_S)
+                    if ready.rest:  # F18d: streamed, each piece read while the one before is sent and stored
+                        reply = await self.peers.streamer(lane.address)(
+                            self._stream_pieces(ready, skipped), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)
+                    else:
+                        reply = await self.peers.copier(lane.address)(ready.request, metadata=self.peers.metadata,
+                                                                      timeout=CALL_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
-                    log.warning("fleet: copying %d blocks to node %s%s failed: %s: %s", ready.count, lane.target,
-                                " over the bulk transport" if bulk else "", exc.code().name, exc.details())
-                    self._peer_failed(lane.target, lane.address, exc)
-                    return False
+                    if not (ready.rest and exc.code() is grpc.StatusCode.UNIMPLEMENTED):
+                        log.warning("fleet: copying %d blocks to node %s%s failed: %s: %s", ready.count, lane.target,
+                                    " over the bulk transport" if bulk else "", exc.code().name, exc.details())
+                        self._peer_failed(lane.target, lane.address, exc)
+                        return False
+                    reply = None
         finally:
             # Answered (or given up): the target reads no more of these pages. Were its engine still reading
             # after a deadline, a page LMDB reused would fail the block's checksum there: never stored.
             ready.end()
+        if reply is None:  # F18d: a node without CopyBlocksStream (older): one CopyBlocks a batch for this pass
+            log.info("fleet: node %s takes no CopyBlocksStream: one CopyBlocks a batch for the rest of this pass",
+                     lane.target)
+            self._unary_only.add(lane.target)
+            return await self._deliver(lane, await self._prepare(lane, ready.chunk, skipped), skipped, window)
         if bulk and reply.bulk_refused:
             log.warning("fleet: node %s takes no copies over the bulk transport (%s): gRPC for the rest of this "
                         "pass", lane.target, reply.bulk_refused)
@@ -1240,6 +1305,20 @@ def peer_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
         return grpc.ssl_channel_credentials(root_certificates=roots)
     return grpc.ssl_channel_credentials(root_certificates=roots, private_key=read("tls.key_file", tls.key_file),
                                         certificate_chain=read("tls.cert_file", tls.cert_file))
+
+
+def _pieces(chunk: list[RunBlock], piece_bytes: int) -> list[list[RunBlock]]:
+    """F18d: the batch's blocks in order, in pieces of at most `piece_bytes` of block bytes (a block larger goes
+    alone); one piece where the batch fits one."""
+    pieces: list[list[RunBlock]] = [[]]
+    size = 0
+    for b in chunk:
+        if pieces[-1] and size + b.meta.size_bytes > piece_bytes:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(b)
+        size += b.meta.size_bytes
+    return pieces
 
 
 def _rounds(runs: Sequence[RunEntry], first: int = FIRST_ROUND_RUNS) -> Iterator[Sequence[RunEntry]]:

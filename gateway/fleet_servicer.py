@@ -28,7 +28,7 @@ import hmac
 import logging
 import math
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +71,12 @@ MAX_KEYS = 65_536
 SERVICE = "/kvstore.v1.Fleet/"
 #: The Fleet service's methods: open at the auth interceptor (no tenant token is asked), because the
 #: servicer checks the fleet's token itself (F20).
-METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks", "RaiseUses"))
+METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks", "CopyBlocksStream", "RaiseUses"))
 #: Threads answering the read-only planning calls (RunDigests, HeldBlocks) beside the store's executor (F18).
 PLANNING_THREADS = 2
+#: F18d: pieces of one CopyBlocksStream checked and handed to the group commit, not yet committed: the next piece
+#: is read off the stream only once the oldest of them is durable (gRPC's flow control then holds the sender).
+STREAM_PIECES_PENDING = 2
 
 
 class FleetServicer:
@@ -200,6 +203,56 @@ class FleetServicer:
                                      written_bytes=sum(r.written_bytes for r in results),
                                      pins_granted=granted, pins_short=short, pin_note=note)
 
+    @unary
+    async def CopyBlocksStream(self, requests: AsyncIterator[bytes],
+                               context: grpc.aio.ServicerContext) -> pb.CopyBlocksResponse:
+        """F18d: store the blocks of a stream of CopyBlocksRequest pieces (their bytes in them, as wire bytes), each
+        piece checked as a CopyBlocks is and handed to the group commit in the stream's order as it arrives, so a
+        piece is committed while the next is received; answered once every piece is committed (durable). A piece
+        may continue a chain an earlier piece of the stream stores: it goes in the same transaction or a later one.
+
+        Raises:
+            InvalidArgument: a piece that does not parse or is refused by the checks, or one naming a bulk segment.
+            FailedPrecondition: a damaged block, or a piece whose parent is not stored (an earlier one refused).
+        """
+        self._check_token(context)
+        pending: list[tuple[list[PutBatch], asyncio.Future[list[PutResult]]]] = []
+        stored: list[PutBatch] = []
+        results: list[PutResult] = []
+
+        async def settle_oldest() -> None:
+            batches, done = pending.pop(0)
+            results.extend(await done)
+            stored.extend(batches)
+
+        try:
+            async for raw in requests:
+                batches = await self.tier.call(self._stream_piece, raw)
+                pending.append((batches, self.commits.enqueue(batches)))  # in the stream's order (R6)
+                while len(pending) > STREAM_PIECES_PENDING:
+                    await settle_oldest()
+            while pending:
+                await settle_oldest()
+        finally:
+            if pending:  # a piece failed: those handed on end (they may be in a transaction being written)
+                await asyncio.wait([done for _, done in pending])
+                for _, done in pending:
+                    if not done.cancelled():
+                        done.exception()  # retrieved: the first failure is the one raised
+        granted, short, note = await self._pins_copied(stored, results, context.peer())
+        return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
+                                     existing_blocks=sum(r.existing_blocks for r in results),
+                                     written_bytes=sum(r.written_bytes for r in results),
+                                     pins_granted=granted, pins_short=short, pin_note=note)
+
+    def _stream_piece(self, raw: bytes) -> list[PutBatch]:
+        """One CopyBlocksStream piece's Put batches (`copy_batches` over `parse_request`'s views of `raw`)."""
+        blocks, segment = parse_request(raw)
+        if segment:
+            raise InvalidArgument("a CopyBlocksStream piece names a bulk segment; a streamed copy carries its bytes",
+                                  hint="send bulk copies as CopyBlocks")
+        return copy_batches(blocks, self.sizes, self.run_blocks)
+
     async def _pins_copied(self, batches: Sequence[PutBatch], results: Sequence[PutResult],
                            peer: str) -> tuple[int, int, str]:
         """What the copied pins got (R31: each a batch's `keep_until_s`, granted in its transaction): (granted
@@ -309,13 +362,22 @@ class GroupCommit:
         Raises:
             KVStoreError: what `put_many` raises for these batches written alone.
         """
+        return await self.enqueue(batches)
+
+    def enqueue(self, batches: list[PutBatch]) -> asyncio.Future[list[PutResult]]:
+        """`put`, queued now: batches enqueued later go in the same transaction after these, or a later one (a
+        stream's pieces keep their order, F18d). The future holds their results once committed.
+
+        Raises:
+            KVStoreError: (from the future) what `put_many` raises for these batches written alone.
+        """
         done: asyncio.Future[list[PutResult]] = asyncio.get_running_loop().create_future()
         self._queue.append((batches, done))
         if not self._writing:
             self._writing = True
             asyncio.get_running_loop().create_task(self._write())
         # Shielded: a cancelled call's batches may be in a transaction being written; it ends regardless.
-        return await asyncio.shield(done)
+        return asyncio.shield(done)
 
     async def _write(self) -> None:
         try:
@@ -645,6 +707,9 @@ def _add_servicer(servicer: FleetServicer, server: grpc.aio.Server) -> None:
             response_serializer=pb.HeldBlocksResponse.SerializeToString),
         "CopyBlocks": grpc.unary_unary_rpc_method_handler(
             servicer.CopyBlocks, request_deserializer=None,
+            response_serializer=pb.CopyBlocksResponse.SerializeToString),
+        "CopyBlocksStream": grpc.stream_unary_rpc_method_handler(
+            servicer.CopyBlocksStream, request_deserializer=None,
             response_serializer=pb.CopyBlocksResponse.SerializeToString),
         "RaiseUses": grpc.unary_unary_rpc_method_handler(
             servicer.RaiseUses, request_deserializer=pb.RaiseUsesRequest.FromString,

@@ -49,6 +49,11 @@ class FleetStub:
                 request_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
                 _registered_method=True)
+        self.CopyBlocksStream = channel.stream_unary(
+                '/kvstore.v1.Fleet/CopyBlocksStream',
+                request_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
+                _registered_method=True)
         self.RaiseUses = channel.unary_unary(
                 '/kvstore.v1.Fleet/RaiseUses',
                 request_serializer=kvstore_dot_v1_dot_fleet__pb2.RaiseUsesRequest.SerializeToString,
@@ -82,6 +87,15 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CopyBlocksStream(self, request_iterator, context):
+        """CopyBlocks as a stream of pieces, their bytes in them, in order (a piece may continue a chain an earlier one
+        stores): each piece is checked and committed while the next is received; answered once all are durable
+        (docs/FLEET.md F18d).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RaiseUses(self, request, context):
         """Raise each held block's last use to at least the one given (never lowered; capped at the node's now),
         durably, and say which blocks are held with a last use at least that one (docs/FLEET.md F79: a holder
@@ -106,6 +120,11 @@ def add_FleetServicer_to_server(servicer, server):
             ),
             'CopyBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.CopyBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.SerializeToString,
+            ),
+            'CopyBlocksStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.CopyBlocksStream,
                     request_deserializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.SerializeToString,
             ),
@@ -194,6 +213,33 @@ class Fleet:
             request,
             target,
             '/kvstore.v1.Fleet/CopyBlocks',
+            kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CopyBlocksStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvstore.v1.Fleet/CopyBlocksStream',
             kvstore_dot_v1_dot_fleet__pb2.CopyBlocksRequest.SerializeToString,
             kvstore_dot_v1_dot_fleet__pb2.CopyBlocksResponse.FromString,
             options,
