@@ -5,11 +5,12 @@ processes (default: one per CPU, at least 2) each repeating a worker's cycle for
 a bounded time: Lookup of a prompt whose first half is stored, Get of that half,
 Put of the second half (a new chain each cycle, so every Put writes). Reported:
 cycles per second, Get and Put GB/s, p50/p99 latency of each RPC and p99 over
-p50, the errors, and the CPU a cycle costs the server and the clients. The
-baseline is a bare gRPC echo server (generic handlers, no protobuf, no storage,
-grpc.aio in its own process, as the kvstore server) called by the same number
-of client processes with messages of the same sizes: what gRPC alone costs on
-this machine. Also the kvstore server's RSS before and after the load (and,
+p50, the errors, and the CPU a cycle costs the server (in all, and its event
+loop's thread alone) and the clients. The baseline is a bare gRPC echo server
+(generic handlers, no protobuf, no storage, grpc.aio in its own process, as
+the kvstore server) called by the same number of client processes with
+messages of the same sizes: what gRPC alone costs on this machine. Also the
+kvstore server's RSS before and after the load (and,
 with `--soak-minutes`, sampled through a long run: issue 25 item 4 asks it flat).
 `--clients 16,64` runs each count in turn, each against its own echo run.
 """
@@ -131,6 +132,8 @@ class _Side:
     client_cpu_s: float
     #: CPU seconds the server spent while the clients ran (None: not readable here).
     server_cpu_s: float | None
+    #: Of those, its main thread's: the event loop's, which grpc.aio and the handlers share (None: not readable).
+    server_loop_cpu_s: float | None
     #: The server's memory sampled while the load ran: (seconds from the start, VmRSS/RssAnon/RssFile MiB).
     memory: list[tuple[float, dict[str, float]]]
 
@@ -189,6 +192,11 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
     # are the cores' time divided by these.
     report.add(Figure.against(f"server CPU per cycle{suffix}", _per_cycle_ms(kv.server_cpu_s, kv.cycles), "ms",
                               BASELINE, _per_cycle_ms(raw.server_cpu_s, raw.cycles)))
+    # The loop's thread alone: at as many cores as clients the server is loop-bound (its cycles follow this one),
+    # and the rest (the tier's executor, grpc's own threads) runs beside it.
+    report.add(Figure.against(f"server event-loop thread CPU per cycle{suffix}",
+                              _per_cycle_ms(kv.server_loop_cpu_s, kv.cycles), "ms", BASELINE,
+                              _per_cycle_ms(raw.server_loop_cpu_s, raw.cycles)))
     report.add(Figure.against(f"client CPU per cycle{suffix}", _per_cycle_ms(kv.client_cpu_s, kv.cycles), "ms",
                               BASELINE, _per_cycle_ms(raw.client_cpu_s, raw.cycles)))
     report.add(Figure(name=f"errors{suffix}", value=float(kv.errors), unit="calls", baseline=BASELINE,
@@ -248,7 +256,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
     try:
         for _ in procs:
             _gather(ready, procs, 300)
-        cpu0 = _cpu_s(server_pid)
+        cpu0, loop0 = _cpu_s(server_pid), _cpu_s(server_pid, thread=server_pid)
         start.set()
         began = time.perf_counter()
         memory = [(0.0, _memory_mib(server_pid))] if server_pid is not None else []
@@ -259,7 +267,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                     memory.append((now, _memory_mib(server_pid)))
                 bar.update(min(now, seconds) - bar.n)
         done = [_gather(results, procs, seconds + 300) for _ in procs]
-        cpu1 = _cpu_s(server_pid)
+        cpu1, loop1 = _cpu_s(server_pid), _cpu_s(server_pid, thread=server_pid)
         if server_pid is not None:  # the last sample at the end of the load, where "flat" is judged
             memory.append((time.perf_counter() - began, _memory_mib(server_pid)))
     finally:
@@ -271,15 +279,18 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                  latencies_s={rpc: [x for d in done for x in d["latencies_s"][rpc]] for rpc in RPCS},
                  errors=sum(d["errors"] for d in done), misses=sum(d["misses"] for d in done),
                  client_cpu_s=sum(d["cpu_s"] for d in done),
-                 server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None, memory=memory)
+                 server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+                 server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory)
 
 
-def _cpu_s(pid: int | None) -> float | None:
-    """CPU seconds (user + system) process `pid` has used (Linux /proc; None elsewhere or for None)."""
+def _cpu_s(pid: int | None, *, thread: int | None = None) -> float | None:
+    """CPU seconds (user + system) process `pid` has used, or only its thread `thread` (a native thread id: the
+    main thread's is the pid) (Linux /proc; None elsewhere or for None)."""
     if pid is None:
         return None
+    stat = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -38,6 +38,9 @@ def test_bench_load_json_figures() -> None:
     for side in ("server", "client"):  # what a cycle costs in CPU on each side, against the echo's
         cpu = figures[f"{side} CPU per cycle"]
         assert cpu["unit"] == "ms" and cpu["value"] > 0 and cpu["baseline_value"] > 0
+    loop = figures["server event-loop thread CPU per cycle"]  # the loop's thread alone: a part of the whole
+    assert loop["unit"] == "ms" and 0 < loop["value"] <= figures["server CPU per cycle"]["value"]
+    assert 0 < loop["baseline_value"] <= figures["server CPU per cycle"]["baseline_value"]
     assert figures["server anonymous RSS after"]["value"] > 0
 
 
