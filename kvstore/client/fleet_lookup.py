@@ -7,8 +7,9 @@ replica: a prompt sent again is found in one call, since a run stored means
 every run before it was stored on all its replicas (F30: runs are put in order)
 and every use of a run is a use of every run before it on every copy (F34), so
 while a run is inside its retention the runs before it are too (F31). Otherwise
-(and always with a lease) every run is asked of the first replica of its read
-order (`NodePool.read_order`), one Lookup per node naming all of that node's runs
+every run is asked of the first replica of its read order (`NodePool.read_order`);
+with a lease, of the fewest nodes whose copies hold every run (`fleet_cover`, F82),
+one Lookup per node naming all of that node's runs
 (`run_lengths`: each run its own chain, looked up and leased on its own), all
 nodes at once: one round trip, whatever the prompt's length (docs/FLEET.md F50).
 Without a lease, after a probe that fell short, that round asks every node of
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvstore.client.connection import status_error
+from kvstore.client.fleet_cover import cover_runs
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_refresh import Refresher
 from kvstore.client.lookup_anchors import DEFAULT_MAX_ENTRIES, AnchorTable
@@ -313,10 +315,10 @@ def _boundary(runs: Sequence[RunPlacement], chain: Sequence[bytes], guess: int) 
 def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
                  answers: dict[int, RunAnswer], lease_ms: int, retry: Retry, guess: int = 0) -> int:
     """Without a lease, the last run first, on one replica (a prompt sent again: done, F31), then every run on
-    every node of its read order (F76). With a lease, every run on the first replica of its read order. One call
-    per node, all nodes at once (F50); the runs of a node that failed on their next replica, again one call per
-    node; then in order, the run that falls short asked of its other replicas (F31): the prefix ends at the first
-    run no replica holds in full.
+    every node of its read order (F76). With a lease, every run on one of the fewest nodes that hold them all
+    (F82). One call per node, all nodes at once (F50); the runs of a node that failed on their next replica,
+    again one call per node; then in order, the run that falls short asked of its other replicas (F31): the
+    prefix ends at the first run no replica holds in full.
 
     Returns:
         The number of runs the prefix reaches into (the boundary run, complete or partly found, is the last).
@@ -359,8 +361,8 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
                                             if (i, n) != (last, probed) and n not in answers.get(i, _NONE).asked
                                             and (not k or not suspect[n])], 0, anchors=True)
-    else:  # leased: every run by its last block on its first replica (F77), leased there when whole
-        _round(pool, runs, chain, answers, [(i, orders[i][0]) for i in range(len(runs))], lease_ms, anchors=True)
+    else:  # leased: every run by its last block (F77) on the fewest nodes that hold them all (F82), leased there
+        _round(pool, runs, chain, answers, cover_runs(pool, runs, orders.__getitem__), lease_ms, anchors=True)
     while True:  # a node away: its runs go to their next replica, together
         again = []
         for i, answer in answers.items():

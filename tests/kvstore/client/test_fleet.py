@@ -26,6 +26,7 @@ from kvstore.client.admin import AdminClient
 from kvstore.client.connection import Connection
 from kvstore.client.fleet import FleetClient, FleetLookupResult
 from kvstore.client.fleet_chain import fleet_hashes, run_extra_keys
+from kvstore.client.fleet_cover import cover_runs
 from kvstore.client.fleet_lookup import FoundChains
 from kvstore.client.retry import ExponentialBackoff, Retry
 from kvstore.client.store import LookupResult
@@ -165,6 +166,13 @@ def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> N
         for run in single_copy.placement(chain):
             held = [found_on(n.child.target, chain[run.first_block:run.end_block]) for n in fleet.nodes]
             assert sorted(held) == [0, 0, 4] and run.replicas == (fleet.nodes[held.index(4)].node_id,)
+
+
+def leased_round(client: FleetClient, chain: list[bytes]) -> dict[int, str]:
+    """The node a leased Lookup of `chain` asks each run of in its first round (F82's cover of the read orders)."""
+    runs = client.placement(chain)
+    return dict(cover_runs(client.pool, runs, lambda i: client.pool.read_order(chain[runs[i].first_block],
+                                                                                 runs[i].replicas)))
 
 
 def purge_from(node: Node, block_hash: bytes) -> None:
@@ -310,10 +318,10 @@ def test_f30_f31_a_put_never_strands_a_run_and_a_stranded_one_ends_the_prefix(fl
                                payload[run.first_block:run.end_block], extra_keys=keys)
         leased = client.lookup(tokens, lease_ms=60_000)  # every run asked: the prefix ends at run 2
         assert leased.found_blocks == 9 and leased.lease_id is not None
-        # Runs 0 and 1 on the node read first (one lease a node, F77), run 2 (short of full) on both its replicas;
-        # runs 3-5's let go at once (or kept in the lease of a node that holds run 0 or 1 too).
-        first = {client.pool.read_order(chain[run.first_block], run.replicas)[0] for run in placement[:2]}
-        assert sum(s.active_leases for s in client.node_stats().values()) == len(first) + 2
+        # Runs 0 and 1 on the nodes the round asked (one lease a node, F77, F82), run 2 (short of full) on both its
+        # replicas; runs 3-5's let go at once (or kept in the lease of a node that holds run 0 or 1 too).
+        asked = leased_round(client, chain)
+        assert sum(s.active_leases for s in client.node_stats().values()) == len({asked[0], asked[1]}) + 2
         assert client.release(leased.lease_id)
         assert client.get(tokens).found_prefix_blocks == 9
         # The search without a lease trusts a stored run's predecessors (true inside retention: F31), so it

@@ -22,6 +22,7 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     calls_by_node,
     fleet,
     fleet_client,
+    leased_round,
     prompt,
     purge_from,
     second_run_stored,
@@ -101,7 +102,8 @@ def test_f77_a_node_answers_each_run_named_by_its_last_block_whole_or_not(fleet:
 
 def test_f77_a_leased_lookup_names_each_run_by_its_last_hash(fleet: Fleet) -> None:  # noqa: F811
     """F77: the leased round sends one hash per run (not the run's hashes), still one call per node and a lease
-    per run; a run short on the replica read first is asked of its copies by its hashes, the prefix goes on."""
+    per node; a run short on the replica the round asked is asked of its copies by its hashes, the prefix goes
+    on."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 30)
         client.put(tokens, blocks_for(client, tokens))
@@ -114,11 +116,10 @@ def test_f77_a_leased_lookup_names_each_run_by_its_last_hash(fleet: Fleet) -> No
         assert client.release(found.lease_id)
         chain = client.hashes(tokens)
         run = client.placement(chain)[12]
-        first = client.pool.read_order(chain[run.first_block], run.replicas)[0]
-        purge_from(fleet.node(first), chain[run.first_block + 2])
+        purge_from(fleet.node(leased_round(client, chain)[12]), chain[run.first_block + 2])
         del log[:]
         found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
-        # run 12 by its hashes of every node of its order at once: its replicas (the one read first too: its
+        # run 12 by its hashes of every node of its order at once: its replicas (the one the round asked too: its
         # count is unknown) and the node ranked next (F42)
         assert found.found_blocks == 30 * RUN_BLOCKS and sum(by_node.values()) <= 3 + 3
         assert [n for anchored, n in log if not anchored] == [RUN_BLOCKS * HASH_BYTES] * 3
