@@ -196,13 +196,18 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
                                 handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         handler = await continuation(handler_call_details)
-        if handler is None or method.split("/")[1] not in DATA_SERVICES:
+        if handler is None or not self.charges(method):
             return handler
         if method not in self._handlers:
-            self._handlers[method] = self._wrap(method, handler)
+            self._handlers[method] = self.wrap(method, handler)
         return self._handlers[method]
 
-    def _wrap(self, method: str, handler: Handler) -> Handler:
+    @staticmethod
+    def charges(method: str) -> bool:
+        """Whether `method` ("/package.Service/Method") is a data RPC, charged to the caller's request rate."""
+        return method.split("/")[1] in DATA_SERVICES
+
+    def wrap(self, method: str, handler: Handler) -> Handler:
         """`handler` with its behavior behind the checks; other handler kinds keep theirs."""
         kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler),
                  ("unary_stream", grpc.unary_stream_rpc_method_handler),
@@ -224,7 +229,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
             async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await self._admit(context)
                 if swa:
-                    return await self._swa_call(method, behavior, request, context)
+                    return await self.swa_call(method, behavior, request, context)
                 return await behavior(request, context)
             return checked
         if inspect.isasyncgenfunction(behavior):
@@ -239,7 +244,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         try:
             self.rate.take(current_caller().tenant)
         except KVStoreError as exc:
-            await _abort(context, exc)
+            await quota_abort(context, exc)
 
     def _swa_tenant(self, requested: str) -> str | None:
         """Whose SWA quota a call names: the caller's own, or, for an admin, the namespace named.
@@ -252,7 +257,9 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         except KVStoreError:
             return None  # the servicer names what is wrong
 
-    async def _swa_call(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def swa_call(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """SwaPool.Put or Delete (`method`) through the ledger: a Put's TTL capped and its bytes charged (refused
+        RESOURCE_EXHAUSTED past the tenant's quota), a Delete's keys taken off."""
         tenant = self._swa_tenant(request.namespace)
         if tenant is None:
             return await behavior(request, context)
@@ -272,7 +279,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         try:
             previous = self.ledger.reserve(tenant, sizes, ttl_s, policy.swa_quota_bytes)
         except KVStoreError as exc:
-            await _abort(context, exc)
+            await quota_abort(context, exc)
         try:
             reply = await behavior(request, context)
         except BaseException:
@@ -283,6 +290,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         return reply
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
+async def quota_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
+    """End the call with the status `exc` maps to (RESOURCE_EXHAUSTED for a quota), its class noted first."""
     note_error(exc)  # the refusal's class, for the metrics and the failed-request log (gateway.call_outcome)
     await context.abort(to_status(exc), f"{exc.message} ({exc.hint})" if exc.hint else exc.message)

@@ -89,6 +89,17 @@ def test_requests_per_s_quota(admin: AdminClient, running: Any, tokens: dict[str
         acme.lookup(list(range(TOKENS)))
 
 
+def test_requests_per_s_quota_charges_a_streamed_answer(admin: AdminClient, running: Any,
+                                                         tokens: dict[str, str], clock: ManualClock) -> None:
+    admin.set_policy("acme", requests_per_s=2)
+    with Client(running.target, token=tokens["acme"]) as acme:  # GetInfo: the first of two this second
+        acme.get_hashes([bytes(32)])  # Get answers a stream: the second request of the second
+        with pytest.raises(ResourceExhausted, match="tenant 'acme' is over its requests_per_s quota"):
+            acme.get_hashes([bytes(32)])
+        clock.advance(1.0)
+        assert acme.get_hashes([bytes(32)]).found_prefix_blocks == 0
+
+
 def test_nvme_quota(admin: AdminClient, acme: Client, other: Client) -> None:
     admin.set_policy("acme", nvme_quota_bytes=BLOCK_BYTES)
     acme.put(list(range(TOKENS)), [os.urandom(BLOCK_BYTES)])
