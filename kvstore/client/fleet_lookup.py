@@ -42,6 +42,8 @@ import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TypeVar
 
 import grpc
 
@@ -69,6 +71,8 @@ HASH_BYTES = 32
 LEASE_PREFIX = "fleet:"
 #: Errors after which the run is asked of its next replica.
 FAIL_OVER = (Unavailable, DeadlineExceeded, DataLoss)
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -157,10 +161,12 @@ def parse_lease(lease_id: str) -> list[tuple[str, str]]:
                        hint="give the lease_id a fleet client's lookup returned") from None
 
 
-def _request(pool: NodePool, node: str, hashes: Sequence[bytes], lease_ms: int) -> tuple[pb.LookupRequest, object]:
+def _lookup(pool: NodePool, node: str, hashes: Sequence[bytes], lease_ms: int) -> pb.LookupResponse:
+    """One blocking Lookup of a run's hashes on `node` (a future would start a thread to wait on it)."""
     c = pool.connection(node)
-    request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, block_hashes=hashes, lease_ms=lease_ms)
-    return request, c.kvstore.Lookup.future(request, timeout=c.timeout_s, metadata=c.metadata)
+    request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, block_hashes_packed=b"".join(hashes),
+                               lease_ms=lease_ms)
+    return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
 
 
 def _note(answer: RunAnswer, node: str, reply: pb.LookupResponse) -> None:
@@ -185,8 +191,7 @@ def _ask_next(pool: NodePool, answer: RunAnswer, order: list[str], hashes: Seque
     tried.add(node)
     answer.asked.append(node)
     try:
-        _, call = _request(pool, node, hashes, lease_ms)
-        _note(answer, node, call.result())  # type: ignore[attr-defined]
+        _note(answer, node, _lookup(pool, node, hashes, lease_ms))
     except grpc.RpcError as exc:
         _failed(pool, answer, node, status_error(exc))
     except KVStoreError as exc:
@@ -408,9 +413,7 @@ def _ask_the_rest(pool: NodePool, answer: RunAnswer, order: list[str], hashes: S
         except KVStoreError as exc:
             return exc
 
-    futures = [_EXECUTOR.submit(ask, node) for node in left[:-1]]
-    outcomes = [ask(left[-1])]
-    outcomes = [f.result() for f in futures] + outcomes
+    outcomes = _at_once([partial(ask, node) for node in left])
     refused: KVStoreError | None = None
     for node, outcome in zip(left, outcomes, strict=True):
         if isinstance(outcome, KVStoreError):
@@ -453,11 +456,7 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors,
                                           hashed=counted))
             for node, indices in by_node.items()]
-    # Blocking calls on a shared pool of threads, the last on this one: a gRPC future starts a thread of
-    # its own per call, which costs more than the call on a small prompt.
-    futures = [_EXECUTOR.submit(call) for _, _, call in jobs[:-1]]
-    last = [jobs[-1][2]()] if jobs else []
-    outcomes = [f.result() for f in futures] + last
+    outcomes = _at_once([call for _, _, call in jobs])
     refused: KVStoreError | None = None
     for (node, indices, _), outcome in zip(jobs, outcomes, strict=True):
         by_anchor = anchors
@@ -486,6 +485,16 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
 
 #: Threads the Lookups of one round wait on (shared by every fleet client of the process; made as needed).
 _EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup")
+
+
+def _at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Each call's outcome, in order: blocking calls on the shared pool of threads, the last on this one (the
+    calls return their errors, so none is left running unwaited). A gRPC future starts a thread of its own per
+    channel while its call is in flight, which costs more than the call on a small prompt (the Release of a
+    leased Lookup on four nodes: 1.9-2.3 ms by futures, 1.4-1.6 ms so, on a 2-core box)."""
+    futures = [_EXECUTOR.submit(call) for call in calls[:-1]]
+    last = [calls[-1]()] if calls else []
+    return [f.result() for f in futures] + last
 
 
 def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int],
@@ -545,21 +554,16 @@ def _node_failed(pool: NodePool, answers: dict[int, RunAnswer], indices: Sequenc
 
 def _release(pool: NodePool, leases: Sequence[tuple[str, str]]) -> int:
     """Release (node, lease) pairs, each on its node; how many were still held (a node away lets its lapse)."""
-    held = 0
-    calls = []
-    for node, lease in dict.fromkeys(leases):  # a lease shared by a node's runs (F77) is released once
+    def release(node: str, lease: str) -> bool:
         try:
             c = pool.connection(node)
-            calls.append(c.kvstore.Release.future(pb.ReleaseRequest(lease_id=lease), timeout=c.timeout_s,
-                                                  metadata=c.metadata))
-        except KVStoreError:
-            continue  # its lease expires on its own (R9)
-    for call in calls:
-        try:
-            held += bool(call.result().released)
-        except grpc.RpcError:
-            continue
-    return held
+            reply = c.kvstore.Release(pb.ReleaseRequest(lease_id=lease), timeout=c.timeout_s, metadata=c.metadata)
+            return bool(reply.released)
+        except (KVStoreError, grpc.RpcError):
+            return False  # its lease expires on its own (R9)
+
+    # a lease shared by a node's runs (F77) is released once
+    return sum(_at_once([partial(release, node, lease) for node, lease in dict.fromkeys(leases)]))
 
 
 def release_lease(pool: NodePool, lease_id: str) -> bool:
