@@ -169,3 +169,33 @@ def test_f18d_a_node_without_the_stream_is_sent_each_batch_as_one_copyblocks(
     assert seen == []
     for hashes, blocks in chains:
         assert [data for _, data in tiers["b"].read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f20_every_fleet_method_is_open_at_the_tenant_auth_and_checks_the_fleet_token() -> None:
+    """The auth interceptor lets every Fleet method by (they check the fleet's token themselves, F20): a method
+    left out of METHODS would be refused with tenant auth on, and copies to that node would fail."""
+    from gateway.fleet_servicer import METHODS
+
+    served = [f"/{s.full_name}/{m.name}" for s in pb.DESCRIPTOR.services_by_name.values() for m in s.methods]
+    assert SERVICE + "CopyBlocksStream" in served
+    assert sorted(served) == sorted(METHODS)
+
+
+def test_f20_a_stream_without_the_fleet_token_is_refused_and_stores_nothing(nodes: Any,  # noqa: F811
+                                                                            loop_thread: LoopThread) -> None:
+    a, b = nodes("a"), nodes("b")
+    hashes, blocks = chain(RUN_BLOCKS)
+    put(a.tier, hashes, blocks)
+    keys = [SCOPE.key(h) for h in hashes]
+    sent = copies(a.tier, keys)
+
+    async def go() -> Any:
+        async def pieces() -> Any:
+            yield pb.CopyBlocksRequest(blocks=sent)
+
+        return await b.stub.CopyBlocksStream(pieces())
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        loop_thread.run(go())
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert not any(run_index.held(b.tier.env, keys))
