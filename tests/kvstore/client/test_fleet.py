@@ -236,7 +236,7 @@ def test_f31_a_lookup_over_many_runs_finds_it_all_asking_a_few_nodes(fleet: Flee
 
 def test_f50_a_leased_lookup_asks_each_node_once_for_all_its_runs(fleet: Fleet) -> None:
     """F50: 30 runs leased in one call per node (at most the 3 nodes), each run's lease on the node that found it;
-    a run falling short on its first replica is asked of the other."""
+    a run falling short on the replica the round asked (F82) is asked of the other."""
     with fleet_client(fleet) as client:
         tokens = prompt(RUN_TOKENS * 30)
         client.put(tokens, blocks_for(client, tokens))
@@ -245,17 +245,16 @@ def test_f50_a_leased_lookup_asks_each_node_once_for_all_its_runs(fleet: Fleet) 
         assert len(by_node) <= 3 and set(by_node.values()) == {1}  # one call per node, not one per run
         assert sum(s.active_leases for s in client.node_stats().values()) == len(by_node)  # F77: one a node
         assert client.release(found.lease_id)
-        # Run 12's tail purged on the replica the client reads it from: that node answers it short, the other
+        # Run 12's tail purged on the replica the round asks it of: that node answers it short, the other
         # replica is asked, and the prefix goes on past it (R6 within the run on each node; across, the client).
         chain = client.hashes(tokens)
-        run = client.placement(chain)[12]
-        first = client.pool.read_order(chain[run.first_block], run.replicas)[0]
-        with kvstore.Client(fleet.node(first).child.target) as direct:
+        asked = leased_round(client, chain)[12]
+        with kvstore.Client(fleet.node(asked).child.target) as direct:
             assert direct.lookup_hashes(chain[48:52]).found_blocks == 4
-        purge_from(fleet.node(first), chain[50])
+        purge_from(fleet.node(asked), chain[50])
         found, by_node = calls_by_node(client, lambda: client.lookup(tokens, lease_ms=60_000))
         assert found.found_blocks == 120
-        # the round, then run 12 of every node of its order (F77: the one read first again, by its hashes)
+        # the round, then run 12 of every node of its order (F77: the one the round asked again, by its hashes)
         assert sum(by_node.values()) <= 3 + 3
         assert client.release(found.lease_id)
 
