@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -390,8 +391,12 @@ class Client:
             ResourceExhausted: the store is full of protected blocks.
         """
         until = arguments.keep_time(keep_until_s)
-        tokens = arguments.token_ids(tokens)
         first_block = arguments.integer(first_block, "first_block")
+        gateway = bool(self.connection.run_blocks)
+        # A node's Put given its parent hashes and sends only the tokens from `first_block` on, so only those
+        # are checked and converted: the prefix's were O(prompt) for nothing (a next turn's Put of a 1M-token
+        # prompt: ~5 ms on the dev box before anything was sent; docs/BENCHMARKS.md, `bench store`).
+        count, skip, tokens = _put_tokens(tokens, first_block * self.block_tokens if parent and not gateway else 0)
         extra_keys = arguments.extra_keys(extra_keys)
         if batch_blocks is not None:
             batch_blocks = arguments.integer(batch_blocks, "batch_blocks", least=1)
@@ -400,17 +405,16 @@ class Client:
         if on_batch is not None and not callable(on_batch):
             raise InvalidArgument(f"on_batch must be callable, got {type(on_batch).__name__}")
         payload = arguments.buffers(blocks, "blocks", self.block_bytes)
-        total = len(tokens) // self.block_tokens - first_block
+        total = count // self.block_tokens - first_block
         if total != len(payload):
             raise InvalidArgument(f"{counted(len(payload), 'block')} given for {counted(total, 'full block')} "
                                   f"of tokens from block {first_block}")
         if parent is None:
             parent = (self.hashes(tokens[: first_block * self.block_tokens], extra_keys=extra_keys)[-1:] or [b""])[0]
         step = min(batch_blocks or max(_PUT_BATCH_BYTES // self.block_bytes, 1), self.connection.batch_blocks)
-        gateway = bool(self.connection.run_blocks)
-        replies = put_blocks(self.connection, tokens, payload, first_block=first_block, parent=parent,
-                             extra_keys=extra_keys, step=step, on_batch=on_batch,
-                             keep_until_s=until)
+        # With the prefix skipped, `tokens` starts at block `first_block`: the requests are the same.
+        replies = put_blocks(self.connection, tokens, payload, first_block=first_block - skip // self.block_tokens,
+                             parent=parent, extra_keys=extra_keys, step=step, on_batch=on_batch, keep_until_s=until)
         hashes = [h for r in replies for h in r.block_hashes]
         written = sum(r.written_blocks for r in replies)
         existing = sum(r.existing_blocks for r in replies)
@@ -539,6 +543,18 @@ class Client:
         """The transfer service's counters: its copy loop, sessions, mapped regions, batches, bytes moved."""
         stub = transfer_pb2_grpc.TransferStub(self.connection.channel)
         return self.connection.call(stub.Stats, transfer_pb2.TransferStatsRequest())
+
+
+def _put_tokens(tokens: Any, skip: int) -> tuple[int, int, array[int]]:
+    """A Put's token ids: (how many `tokens` holds, how many leading ones were skipped, the rest converted).
+
+    The first `skip` are neither checked nor converted when `tokens` is a `Sequence` (a list, a tuple, an
+    `array`, a range); anything else (an iterator, a numpy array) is converted whole, nothing skipped.
+    """
+    if skip and isinstance(tokens, Sequence) and not isinstance(tokens, str | bytes | bytearray | memoryview):
+        return len(tokens), skip, arguments.token_ids(tokens[skip:])
+    converted = arguments.token_ids(tokens)
+    return len(converted), 0, converted
 
 
 def as_buffer(data: Any) -> bytes:
