@@ -367,7 +367,7 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
                                             if (i, n) != (last, probed) and n not in answers.get(i, _NONE).asked
                                             and (not k or not suspect[n])], 0, anchors=True)
     else:  # leased: every run by its last block (F77) on the fewest nodes that hold them all (F82), leased there
-        _round(pool, runs, chain, answers, cover_runs(pool, runs, orders.__getitem__), lease_ms, anchors=True)
+        _round(pool, runs, chain, answers, cover_runs(pool, runs, chain), lease_ms, anchors=True)
     while True:  # a node away: its runs go to their next replica, together
         again = []
         for i, answer in answers.items():

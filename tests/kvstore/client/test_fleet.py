@@ -170,9 +170,7 @@ def test_f30_puts_land_on_exactly_the_replicas_each_run_names(fleet: Fleet) -> N
 
 def leased_round(client: FleetClient, chain: list[bytes]) -> dict[int, str]:
     """The node a leased Lookup of `chain` asks each run of in its first round (F82's cover of the read orders)."""
-    runs = client.placement(chain)
-    return dict(cover_runs(client.pool, runs, lambda i: client.pool.read_order(chain[runs[i].first_block],
-                                                                                 runs[i].replicas)))
+    return dict(cover_runs(client.pool, client.placement(chain), chain))
 
 
 def purge_from(node: Node, block_hash: bytes) -> None:

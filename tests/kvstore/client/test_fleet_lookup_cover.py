@@ -6,6 +6,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,29 @@ def test_f82_a_leased_lookup_asks_the_fewest_nodes_and_a_suspect_only_where_ever
         assert found.found_blocks == len(chain) and busiest not in by_node and len(by_node) == 2
         assert set(leased_round(client, chain).values()) == set(by_node)
         assert client.release(found.lease_id)
+
+
+def test_f82_a_cover_is_made_again_once_the_view_changes(two_nodes: Fleet, tmp_path: Path) -> None:
+    """F82: a prompt asked again is covered as before only under the same view (the cover is remembered): once a
+    third node joins, each run is asked of one of its replicas now, and the Lookup finds it all. Last in the
+    module: the fleet keeps three nodes."""
+    with fleet_client(two_nodes, replication=2) as client:
+        tokens = prompt(RUN_TOKENS * RUNS)
+        client.put(tokens, blocks_for(client, tokens))
+        chain = client.hashes(tokens)
+        before = client.lookup_hashes(chain, lease_ms=60_000)
+        assert before.found_blocks == len(chain) and len(before.nodes_asked) == 1 and before.lease_id is not None
+        assert client.release(before.lease_id)
+        etcd, cluster = two_nodes.address.removeprefix("etcd://").rsplit("/", 1)
+        joined = _start_node(tmp_path, etcd, cluster, 2)
+        try:
+            client.view.wait_until(lambda nodes: joined.node_id in nodes, 30.0)
+            runs = client.placement(chain)
+            asked = leased_round(client, chain)
+            assert all(node in runs[i].replicas for i, node in asked.items())
+            assert any(node not in run.replicas for node in before.nodes_asked for run in runs)  # it moved
+            found = client.lookup_hashes(chain, lease_ms=60_000)
+            assert found.found_blocks == len(chain) and found.lease_id is not None
+            assert client.release(found.lease_id)
+        finally:
+            joined.child.kill_if_alive()
