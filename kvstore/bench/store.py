@@ -7,8 +7,10 @@ stream with no kvstore logic (a generic handler sending the same block-sized
 messages). The service's group commit lets one fsync serve the batches waiting for
 it, so it makes fewer commits than batches: the notes count both, and a second put
 figure sets it against raw LMDB making as many commits as the service made (the
-same blocks, after each service round). Then a Lookup of a 1M-token prompt: all its block hashes, timed at
-the server (the tier's lookup over the stored chain) and over the wire.
+same blocks, after each service round); the notes also say where the put phase's
+CPU went (the server, its event loop's thread, the client, raw LMDB) and how many
+pages each faulted in. Then a Lookup of a 1M-token prompt: all its block hashes,
+timed at the server (the tier's lookup over the stored chain) and over the wire.
 
 Last, what auth costs: the store and a copy of it served by two `kvstore serve`
 processes at once, one without tokens, one with a tenants file (the default
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         events = store_events.run(report, args, folder, blocks[:max(n_blocks // 4, 1)], progress)
     total = n_blocks * block_bytes / 1e9
     report.notes.update(put_batches=puts.batches, put_commits=puts.commits, raw_commits=puts.raw_commits)
+    # Where the put phase's CPU went (docs/BENCHMARKS.md, `bench store`): None where /proc is not there.
+    report.notes.update({f"put_{name}": value for name, value in puts.usage.as_notes().items()})
     report.add(Figure.against("put", total / puts.put_s, "GB/s", "raw LMDB put, fsync per batch",
                               total / puts.raw_s))
     # The service's group commit makes one fsync serve the batches that wait for it: fewer fsyncs than
@@ -177,6 +181,70 @@ class _Puts:
     batches: int
     commits: int
     raw_commits: int
+    usage: _PutUsage
+
+
+@dataclass(kw_only=True)
+class _PutUsage:
+    """CPU seconds (user + system) and minor page faults of the put phase, summed over its rounds: the server
+    process and its event loop's thread during the service's rounds, this process (the client, with gRPC's
+    threads) during them, and this process during the raw LMDB rounds. None where it cannot be read."""
+
+    server_cpu_s: float | None = 0.0
+    server_loop_cpu_s: float | None = 0.0
+    server_minor_faults: int | None = 0
+    client_cpu_s: float = 0.0
+    client_minor_faults: int = 0
+    raw_cpu_s: float = 0.0
+    raw_minor_faults: int = 0
+
+    def as_notes(self) -> dict[str, float | int | None]:
+        """The report's notes: each field by its name, seconds to the millisecond."""
+        return {name: round(value, 3) if isinstance(value, float) else value for name, value in vars(self).items()}
+
+    def add_server(self, before: tuple[float, float, int] | None, after: tuple[float, float, int] | None) -> None:
+        """Add the server's usage between two `_server_usage` readings (None: unknown from then on)."""
+        if before is None or after is None or self.server_cpu_s is None:
+            self.server_cpu_s = self.server_loop_cpu_s = self.server_minor_faults = None
+            return
+        assert self.server_loop_cpu_s is not None and self.server_minor_faults is not None
+        self.server_cpu_s += after[0] - before[0]
+        self.server_loop_cpu_s += after[1] - before[1]
+        self.server_minor_faults += after[2] - before[2]
+
+
+def _self_usage() -> tuple[float, int]:
+    """This process's CPU seconds (every thread's, user + system) and minor faults so far."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime, used.ru_minflt
+
+
+def _server_pid(store: Path) -> int | None:
+    """The pid of the `kvstore serve` holding the store at `store` (its lock file says it), None if unreadable."""
+    import json
+
+    from tiers.datadir import LOCK_NAME
+
+    try:
+        return int(json.loads((store / LOCK_NAME).read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _server_usage(pid: int | None) -> tuple[float, float, int] | None:
+    """(CPU seconds of process `pid`, of its main thread, which runs the event loop, its minor faults), from
+    Linux's /proc; None elsewhere."""
+    if pid is None:
+        return None
+    try:
+        whole = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        loop = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(whole[11]) + int(whole[12])) / tick, (int(loop[11]) + int(loop[12])) / tick, int(whole[7])
 
 
 def _last_txn(store: Path) -> int:
@@ -231,20 +299,30 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
     batches = commits = raw_commits = 0
     hashes: list[bytes] = []
     store = scratch / "store"
+    usage, server = _PutUsage(), _server_pid(store)
     with Client(target) as client:
         with progress.bar("put: raw LMDB and kvstore", 3 * len(blocks) * len(blocks[0])) as bar:
             for lo in range(0, len(blocks), step):
                 part = blocks[lo:lo + step]
+                cpu, faults = _self_usage()
                 start = time.perf_counter()
                 raw_commits += raw.put(part, batch)
                 raw_s += time.perf_counter() - start
+                cpu_after, faults_after = _self_usage()
+                usage.raw_cpu_s += cpu_after - cpu
+                usage.raw_minor_faults += faults_after - faults
                 bar.update(len(part) * len(part[0]))
                 before = _last_txn(store)
+                server_before, (cpu, faults) = _server_usage(server), _self_usage()
                 start = time.perf_counter()
                 result = client.put(tokens[: (lo + len(part)) * args.block_tokens], part, first_block=lo,
                                     parent=hashes[-1] if hashes else None, batch_blocks=batch,
                                     on_batch=lambda n: bar.update(n * client.block_bytes))
                 put_s += time.perf_counter() - start
+                cpu_after, faults_after = _self_usage()
+                usage.client_cpu_s += cpu_after - cpu
+                usage.client_minor_faults += faults_after - faults
+                usage.add_server(server_before, _server_usage(server))
                 made = _last_txn(store) - before  # the round's commits: nothing else writes meanwhile
                 hashes.extend(result.block_hashes)
                 batches += -(-len(part) // batch)
@@ -266,7 +344,7 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
             raise RuntimeError(f"get returned {got} bytes, expected {len(blocks) * client.block_bytes}")
         wire_lookup_s = min(timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
     return _Puts(put_s=put_s, raw_s=raw_s, grouped_s=grouped_s, batches=batches, commits=commits,
-                 raw_commits=raw_commits), get_s, hashes, wire_lookup_s
+                 raw_commits=raw_commits, usage=usage), get_s, hashes, wire_lookup_s
 
 
 def _server_lookup(data_dir: Path, block_tokens: int, capacity: int,

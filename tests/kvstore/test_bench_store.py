@@ -30,6 +30,12 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
     # LMDB making as many commits (the per-batch baseline alone credits the service with fewer fsyncs).
     notes = report["notes"]
     assert 1 <= notes["put_commits"] <= notes["put_batches"] == notes["raw_commits"]
+    # Where the put phase's CPU went: the server (and its event loop's thread, part of it), the client, raw LMDB.
+    assert notes["put_client_cpu_s"] > 0 and notes["put_raw_cpu_s"] > 0
+    assert notes["put_client_minor_faults"] >= 0 and notes["put_raw_minor_faults"] >= 0
+    if sys.platform.startswith("linux"):  # read from /proc
+        assert 0 <= notes["put_server_loop_cpu_s"] <= notes["put_server_cpu_s"]
+        assert notes["put_server_minor_faults"] > 0
     same = figures["put, raw LMDB at the service's commit count"]
     assert same["value"] == figures["put"]["value"] and same["baseline_value"] > 0
     assert list(tmp_path.iterdir()) == []  # scratch space removed
