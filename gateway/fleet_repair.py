@@ -639,14 +639,25 @@ class FleetRepairer:
         """F18b: the metas of the first of `runs` into `out` (run root -> its read), in their order, read in rounds'
         chunks until they hold as many blocks as a first round of full runs (FIRST_ROUND_RUNS x run_blocks). A pass
         of full runs reads one round's worth ahead, as it would have anyway; one of small runs reads many of them,
-        and finds its big ones among them."""
+        and finds its big ones among them. The chunks are read one after another in one call on the store's executor,
+        not a hop of the event loop each (a loaded node's loop, busy with the pass's calls, held each hop for ms)."""
+        found = await self.tier.call(self._read_ahead_metas, runs, now)
+        for entry, read in zip(runs[:len(found)], found, strict=True):
+            out[entry.key] = read
+
+    def _read_ahead_metas(self, runs: Sequence[RunEntry], now: float
+                          ) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
+        """`_read_ahead`'s reads, on the store's executor: the first of `runs`' metas, in order, a round's chunk at
+        a time until they hold FIRST_ROUND_RUNS x run_blocks blocks."""
+        found: list[tuple[list[RunBlock], dict[bytes, float]]] = []
         blocks = 0
         for chunk in _rounds(runs):
             if blocks >= FIRST_ROUND_RUNS * self.run_blocks:
-                return
-            for entry, read in zip(chunk, await self.tier.call(self._read_metas, chunk, now), strict=True):
-                out[entry.key] = read
+                break
+            for read in self._read_metas(chunk, now):
+                found.append(read)
                 blocks += len(read[0])
+        return found
 
     def _confirmed_elsewhere(self, entry: RunEntry, mine: RunDigest, order: tuple[str, ...],
                              theirs: dict[tuple[str, bytes], RunDigest | None]) -> bool:
