@@ -365,7 +365,8 @@ class Client:
 
         Args:
             tokens: the whole prompt's token ids (the prefix before `first_block`
-                is hashed locally to find the parent).
+                is hashed locally to find the parent; given `parent`, a node's Put
+                reads only those from `first_block` on).
             blocks: one block per full block of `tokens` from `first_block`: a
                 sequence of `block_bytes`-long buffers (bytes, bytearray,
                 memoryview, 1-D uint8 numpy arrays or tensors), or one uint8
