@@ -188,19 +188,15 @@ class OutcomeInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: not counted (a client could grow the label set without end)
             return None
-        return self.observed_handler(handler_call_details.method, handler)  # type: ignore[attr-defined]
-
-    def observed_handler(self, method: str, handler: Handler) -> Handler:
-        """`handler` of `method` ("/package.Service/Method") telling its outcome; the last one's wrapping reused."""
+        method = handler_call_details.method  # type: ignore[attr-defined]
         cached = self._handlers.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self.wrap(method.lstrip("/"), handler)
+        wrapped = self._wrap(method.lstrip("/"), handler)
         self._handlers[method] = (handler, wrapped)
         return wrapped
 
-    def wrap(self, method: str, handler: Handler) -> Handler:
-        """`handler` telling its outcome as `method` (without the leading slash); other kinds left alone."""
+    def _wrap(self, method: str, handler: Handler) -> Handler:
         for kind, make in _HANDLER_KINDS:
             behavior = getattr(handler, kind)
             if behavior is not None:

@@ -196,18 +196,13 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
                                 handler_call_details: grpc.HandlerCallDetails) -> Handler | None:
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         handler = await continuation(handler_call_details)
-        if handler is None or not self.charges(method):
+        if handler is None or method.split("/")[1] not in DATA_SERVICES:
             return handler
         if method not in self._handlers:
-            self._handlers[method] = self.wrap(method, handler)
+            self._handlers[method] = self._wrap(method, handler)
         return self._handlers[method]
 
-    @staticmethod
-    def charges(method: str) -> bool:
-        """Whether `method` ("/package.Service/Method") is a data RPC, charged to the caller's request rate."""
-        return method.split("/")[1] in DATA_SERVICES
-
-    def wrap(self, method: str, handler: Handler) -> Handler:
+    def _wrap(self, method: str, handler: Handler) -> Handler:
         """`handler` with its behavior behind the checks; other handler kinds keep theirs."""
         kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler),
                  ("unary_stream", grpc.unary_stream_rpc_method_handler),
@@ -229,7 +224,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
             async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await self._admit(context)
                 if swa:
-                    return await self.swa_call(method, behavior, request, context)
+                    return await self._swa_call(method, behavior, request, context)
                 return await behavior(request, context)
             return checked
         if inspect.isasyncgenfunction(behavior):
@@ -244,7 +239,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         try:
             self.rate.take(current_caller().tenant)
         except KVStoreError as exc:
-            await quota_abort(context, exc)
+            await _abort(context, exc)
 
     def _swa_tenant(self, requested: str) -> str | None:
         """Whose SWA quota a call names: the caller's own, or, for an admin, the namespace named.
@@ -257,9 +252,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         except KVStoreError:
             return None  # the servicer names what is wrong
 
-    async def swa_call(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """SwaPool.Put or Delete (`method`) through the ledger: a Put's TTL capped and its bytes charged (refused
-        RESOURCE_EXHAUSTED past the tenant's quota), a Delete's keys taken off."""
+    async def _swa_call(self, method: str, behavior: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         tenant = self._swa_tenant(request.namespace)
         if tenant is None:
             return await behavior(request, context)
@@ -279,7 +272,7 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         try:
             previous = self.ledger.reserve(tenant, sizes, ttl_s, policy.swa_quota_bytes)
         except KVStoreError as exc:
-            await quota_abort(context, exc)
+            await _abort(context, exc)
         try:
             reply = await behavior(request, context)
         except BaseException:
@@ -290,7 +283,6 @@ class QuotaInterceptor(grpc.aio.ServerInterceptor):
         return reply
 
 
-async def quota_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
-    """End the call with the status `exc` maps to (RESOURCE_EXHAUSTED for a quota), its class noted first."""
+async def _abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
     note_error(exc)  # the refusal's class, for the metrics and the failed-request log (gateway.call_outcome)
     await context.abort(to_status(exc), f"{exc.message} ({exc.hint})" if exc.hint else exc.message)

@@ -1,12 +1,9 @@
 """The kvstore server process: one grpc.aio server with the KVStore, SwaPool and
 Transfer services, the standard health service and server reflection on one port.
 
-Interceptors, outermost first: the call gate (gateway.call_gate: each call's
-outcome told to the metrics and the request log), then auth (gateway.auth: the
-caller from its token, the method's right). Every method the services register
-is gated once, at start: its outcome, its undecodable request (INVALID_ARGUMENT,
-never UNKNOWN: gateway.undecodable) and, on a data RPC, its tenant's quota
-(gateway.quotas), in one wrapper per method rather than three interceptors.
+Interceptors, outermost first: auth (gateway.auth: the caller from its token,
+the method's right), then undecodable requests (gateway.undecodable: every
+method answers bytes it cannot decode with INVALID_ARGUMENT, never UNKNOWN).
 The port speaks TLS (mutual with `tls.client_ca_file`) when `tls.cert_file` is
 set; a bind beyond loopback without tokens and TLS is refused unless
 `auth.insecure`, and so is the plain-HTTP metrics endpoint beyond loopback unless
@@ -40,14 +37,13 @@ from gateway.auth import (
     is_loopback,
     open_caller,
 )
-from gateway.call_gate import CallGate
 from gateway.events import EventsCollector, check_events_bind, start_events
 from gateway.fleet_servicer import METHODS as FLEET_METHODS
 from gateway.fleet_servicer import add_fleet_service
 from gateway.grpc_log import quiet_cancelled_replies
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
-from gateway.metrics import MetricsEndpoint, ServerMetrics, start_endpoint
+from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
 from gateway.metrics_tenants import TenantsFileCollector
 from gateway.replies import add_service
 from gateway.request_log import RequestLog
@@ -56,6 +52,7 @@ from gateway.swa_servicer import SwaPoolServicer
 from gateway.tenants import TenantRegistry, TokenTable
 from gateway.trace_recorder import NO_TRACE, CallTrace, TraceCollector, open_recorder, trace_line
 from gateway.transfer_servicer import TransferServicer
+from gateway.undecodable import UndecodableRequests
 from gateway.validate import Layout
 from kvstore import geometry
 from kvstore.clock import Clock, SystemClock
@@ -163,11 +160,11 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         metrics.registry.register(TenantsFileCollector(tenants.status))
     else:
         _watch_shared_tables(metrics, tenants, shared)
-    # Outermost first: the gate sees every call, those auth refuses too (counted and logged).
+    # Outermost first: metrics see every call, those auth refuses too (counted and logged).
     # The Fleet service checks the fleet's token itself (gateway.fleet_servicer, docs/FLEET.md F20).
     rights = {**METHOD_RIGHTS, **dict.fromkeys(FLEET_METHODS, OPEN)}
-    gate = CallGate([metrics.rpc, RequestLog()])
-    interceptors: list[grpc.aio.ServerInterceptor] = [gate, AuthInterceptor(tenants, open_caller(host), rights)]
+    interceptors = [MetricsInterceptor(metrics, RequestLog()), AuthInterceptor(tenants, open_caller(host), rights),
+                    UndecodableRequests()]
     tier = LmdbBlockTier(settings.store, clock=clock)
     closers: list[Callable[[], Any]] = [tenants.stop]
     try:
@@ -177,10 +174,10 @@ async def start(settings: Settings, *, clock: Clock | None = None) -> RunningSer
         metrics.registry.register(TraceCollector(trace))
         opened: dict[str, Any] = {}
         server, health = await _assemble(settings, tier, closers, clock or SystemClock(), interceptors, metrics,
-                                         shared, trace=trace, opened=opened, gate=gate)
+                                         shared, trace=trace, opened=opened)
         token = None
         if settings.fleet.enabled:  # the run index and the Fleet service, before the first Put (F16, F20)
-            token = add_fleet_service(gate.registrar(server), settings, tier, auth_on=lambda: tenants.enabled,
+            token = add_fleet_service(server, settings, tier, auth_on=lambda: tenants.enabled,
                                       audit=opened["admin"].audit,  # copied pins' grants audited (R31)
                                       closers=closers,  # its planning threads joined before the store closes
                                       retention_of=opened["admin"].policies.retention_of_key)  # F19: the tenant's
@@ -314,14 +311,13 @@ def _server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
 async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Callable[[], Any]],
                     clock: Clock, interceptors: list[grpc.aio.ServerInterceptor], metrics: ServerMetrics,
                     shared: dict[str, Any] | None = None, *, trace: CallTrace = NO_TRACE,
-                    opened: dict[str, Any] | None = None,
-                    gate: CallGate | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
+                    opened: dict[str, Any] | None = None) -> tuple[grpc.aio.Server, health_aio.HealthServicer]:
     """The gRPC server with every service on it; each service's clean-up goes to `closers`, the admin parts
-    to `opened["admin"]`. With `gate`, every service is registered through it and it charges the tenants'
-    quotas; without, the quota interceptor goes last in `interceptors`."""
+    to `opened["admin"]`."""
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
     limit = settings.server.max_message_bytes
-    # Tenants' policies and the audit log; the quotas read the caller auth set and decoded requests.
+    # Tenants' policies and the audit log; the quota interceptor goes innermost (it reads the
+    # caller auth set and decoded requests).
     admin = await _open_admin(settings, clock)
     closers.append(admin.close)
     if opened is not None:
@@ -329,16 +325,11 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     table = getattr(admin.policies, "table", None)  # etcd's, in a fleet
     if shared is not None and table is not None:
         shared["policies"] = table
-    if gate is not None:
-        gate.quotas = admin.quotas  # before any service is registered: their gated handlers charge it
-    chain = interceptors if gate is not None else [*interceptors, admin.quotas]
-    grpc_server = grpc.aio.server(interceptors=chain, options=[
+    server = grpc.aio.server(interceptors=[*interceptors, admin.quotas], options=[
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
         ("grpc.so_reuseport", 0),
     ])
-    # What the services register goes through the gate (`server`); the one returned is grpc's own.
-    server = gate.registrar(grpc_server) if gate is not None else grpc_server
     swa = SwaCache(open_pool(settings.swa, clock=clock), ttl_s=settings.swa.ttl_s)
     closers.append(swa.close)
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)
@@ -368,7 +359,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
         (*services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    return grpc_server, health
+    return server, health
 
 
 async def _close(closers: list[Callable[[], Any]]) -> None:

@@ -52,7 +52,7 @@ class UndecodableRequest(InvalidArgument):
     hint = "send messages serialized from the method's request type; the call ended at this one"
 
 
-def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     if deserializer is None:
         return None
 
@@ -76,8 +76,8 @@ def _refusal(method: str, bad: Undecodable, context: Any) -> UndecodableRequest:
     return UndecodableRequest(message)
 
 
-def refuse(method: str, bad: Undecodable, context: Any) -> Any:
-    """Abort the call refusing `bad`: awaitable on an async context, raising on a sync one."""
+def _refuse(method: str, bad: Undecodable, context: Any) -> Any:
+    """Abort the call: awaitable on an async context, raising on a sync one."""
     return context.abort(grpc.StatusCode.INVALID_ARGUMENT, _refusal(method, bad, context).message)
 
 
@@ -86,20 +86,20 @@ def _guard_request(method: str, behavior: Behavior) -> Behavior:
     if inspect.iscoroutinefunction(behavior):
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
             if isinstance(request, Undecodable):
-                await refuse(method, request, context)
+                await _refuse(method, request, context)
             return await behavior(request, context)
         return guarded
     if inspect.isasyncgenfunction(behavior):
         async def guarded_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             if isinstance(request, Undecodable):
-                await refuse(method, request, context)
+                await _refuse(method, request, context)
             async for response in behavior(request, context):
                 yield response
         return guarded_stream
 
     def guarded_sync(request: Any, context: Any) -> Any:  # run on a thread; abort raises there
         if isinstance(request, Undecodable):
-            refuse(method, request, context)
+            _refuse(method, request, context)
         return behavior(request, context)
     return guarded_sync
 
@@ -143,7 +143,7 @@ def guard(method: str, handler: Handler) -> Handler:
 
     A sync request-streaming behavior (none on this server) keeps grpc's own decoding.
     """
-    decode = lenient(handler.request_deserializer)
+    decode = _lenient(handler.request_deserializer)
     serialize = handler.response_serializer
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(_guard_request(method, handler.unary_unary),
