@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,20 +74,26 @@ def _start_node(tmp: Path, etcd: str, cluster: str, i: int) -> Node:
     return Node(node_id=datadir.node_id(tmp / f"store{i}"), child=child)
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """One etcd and three nodes, started at once."""
-    tmp = tmp_path_factory.mktemp("fleet")
+@contextmanager
+def started_fleet(tmp: Path, count: int) -> Iterator[Fleet]:
+    """One etcd and `count` nodes under `tmp`, started at once; every process stopped on exit."""
     etcd = EtcdProcess(tmp / "etcd").start()
     cluster = f"t-{uuid.uuid4().hex[:12]}"
-    with ThreadPoolExecutor(3) as pool:
-        nodes = list(pool.map(lambda i: _start_node(tmp, etcd.endpoint, cluster, i), range(3)))
+    with ThreadPoolExecutor(count) as pool:
+        nodes = list(pool.map(lambda i: _start_node(tmp, etcd.endpoint, cluster, i), range(count)))
     try:
         yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=nodes)
     finally:
         for n in nodes:
             n.child.kill_if_alive()
         etcd.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """One etcd and three nodes, started at once."""
+    with started_fleet(tmp_path_factory.mktemp("fleet"), 3) as three:
+        yield three
 
 
 def fleet_client(fleet: Fleet, **kwargs: object) -> FleetClient:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +16,6 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     RUN_BLOCKS,
     RUN_TOKENS,
     Fleet,
-    _start_node,
     blocks_for,
     calls_by_node,
     fleet,
@@ -26,8 +24,8 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     prompt,
     purge_from,
     second_run_stored,
+    started_fleet,
 )
-from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers.leases import LeaseTable
 
 HASH_BYTES = 32
@@ -36,15 +34,8 @@ HASH_BYTES = 32
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A fleet of one node: every run's read order is that node."""
-    tmp = tmp_path_factory.mktemp("one-node")
-    etcd = EtcdProcess(tmp / "etcd").start()
-    cluster = f"t-{uuid.uuid4().hex[:12]}"
-    node = _start_node(tmp, etcd.endpoint, cluster, 0)
-    try:
-        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=[node])
-    finally:
-        node.child.kill_if_alive()
-        etcd.stop()
+    with started_fleet(tmp_path_factory.mktemp("one-node"), 1) as one:
+        yield one
 
 
 class Recorded:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module'
     leased_round,
     prompt,
     purge_from,
+    started_fleet,
 )
-from tests.kvstore.fleet.etcd_process import EtcdProcess
 
 RUNS = 20
 
@@ -31,17 +29,8 @@ RUNS = 20
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """A fleet of two nodes: at replication 2 every run is on both."""
-    tmp = tmp_path_factory.mktemp("two-nodes")
-    etcd = EtcdProcess(tmp / "etcd").start()
-    cluster = f"t-{uuid.uuid4().hex[:12]}"
-    with ThreadPoolExecutor(2) as pool:
-        nodes = list(pool.map(lambda i: _start_node(tmp, etcd.endpoint, cluster, i), range(2)))
-    try:
-        yield Fleet(address=f"etcd://{etcd.endpoint}/{cluster}", nodes=nodes)
-    finally:
-        for n in nodes:
-            n.child.kill_if_alive()
-        etcd.stop()
+    with started_fleet(tmp_path_factory.mktemp("two-nodes"), 2) as two:
+        yield two
 
 
 def first_readers(client: FleetClient, chain: list[bytes]) -> Counter[str]:
