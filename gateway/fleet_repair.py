@@ -54,7 +54,7 @@ import itertools
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ from typing import Any
 import grpc
 
 from gateway.fleet_bulk import BATCH_BYTES, BulkSource
-from gateway.fleet_servicer import MAX_KEYS, SERVICE, TOKEN_METADATA
+from gateway.fleet_servicer import MAX_KEYS, SERVICE, STREAM_OPENED, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
@@ -138,7 +138,7 @@ class Peers:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
         self._copiers: dict[str, Callable[..., Awaitable[pb.CopyBlocksResponse]]] = {}
-        self._streamers: dict[str, Callable[..., Awaitable[pb.CopyBlocksResponse]]] = {}
+        self._streamers: dict[str, grpc.aio.StreamUnaryMultiCallable] = {}
 
     def stub(self, address: str) -> fleet_pb2_grpc.FleetStub:
         """The Fleet stub of the node at `address`."""
@@ -160,8 +160,8 @@ class Peers:
                 response_deserializer=pb.CopyBlocksResponse.FromString)
         return call
 
-    def streamer(self, address: str) -> Callable[..., Awaitable[pb.CopyBlocksResponse]]:
-        """CopyBlocksStream of the node at `address` (F18d), taking an async iterator of encoded pieces."""
+    def streamer(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
+        """CopyBlocksStream of the node at `address` (F18d): a call its encoded pieces are written to."""
         call = self._streamers.get(address)
         if call is None:
             self.stub(address)
@@ -336,6 +336,8 @@ class FleetRepairer:
         self._grpc_only: set[str] = set()
         #: Targets that answered a CopyBlocksStream UNIMPLEMENTED (an older node): one CopyBlocks a batch this pass.
         self._unary_only: set[str] = set()
+        #: Targets whose CopyBlocksStream answered its opening (initial metadata) this pass: they serve it.
+        self._streams_served: set[str] = set()
         #: R32: (target, block's storage key) -> the pin's time last sent there, in a CopyBlocks it answered: not sent
         #: again for that time (a shorter grant or refusal: the target's limits, asked once); pruned past their time.
         self._pins_sent: dict[tuple[str, bytes], float] = {}
@@ -464,7 +466,7 @@ class FleetRepairer:
             return p  # etcd away, or our own record not seen yet: the view cannot be planned over
         self._draining = self._draining_in(self.membership)
         self._planned, self._down, self._grpc_only = (frozenset(addresses.items()), self._draining), set(), set()
-        self._unary_only = set()
+        self._unary_only, self._streams_served = set(), set()
         now = self.tier.retention_clock.now()
         self._pins_sent = {k: u for k, u in self._pins_sent.items() if u > now}
         await self.peers.close_retired()  # the last pass's calls have all ended
@@ -999,7 +1001,38 @@ class FleetRepairer:
         self.progress.damaged_blocks += damaged
         return _Ready(chunk=chunk, request=request, count=count, size=size, pins=sent_pins, rest=pieces[1:])
 
-    async def _stream_pieces(self, ready: _Ready, skipped: set[bytes]) -> AsyncIterator[bytes]:
+    async def _stream(self, lane: _Lane, ready: _Ready, skipped: set[bytes]) -> pb.CopyBlocksResponse:
+        """F18d: one CopyBlocksStream of the batch's pieces (`_stream_pieces`), written one after another; its answer.
+        The first stream to a target in a pass waits for the target's opening (initial metadata naming
+        STREAM_OPENED) before any piece: an older node answers UNIMPLEMENTED at once, and a piece written while that
+        answer arrives turns the call's status into gRPC's INTERNAL, hiding it.
+
+        Raises:
+            grpc.aio.AioRpcError: the call failed (UNIMPLEMENTED: the target does not serve the stream).
+        """
+        call: grpc.aio.StreamUnaryCall = self.peers.streamer(lane.address)(metadata=self.peers.metadata,
+                                                                           timeout=CALL_TIMEOUT_S)
+        pieces = self._stream_pieces(ready, skipped)
+        try:
+            if lane.target not in self._streams_served:
+                opened = await call.initial_metadata()
+                if not any(key == STREAM_OPENED for key, _ in opened or ()):
+                    return await call  # not served there: raises its status (UNIMPLEMENTED)
+                self._streams_served.add(lane.target)
+            try:
+                async for piece in pieces:
+                    await call.write(piece)
+                await call.done_writing()
+            except asyncio.InvalidStateError:
+                pass  # the call ended while writing: its status, awaited next, says why
+            return await call
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            await pieces.aclose()
+
+    async def _stream_pieces(self, ready: _Ready, skipped: set[bytes]) -> AsyncGenerator[bytes, None]:
         """F18d: a streamed batch's pieces, encoded: the first one read already, each next one read (on the
         store's executor, the verified read of `_read`) while the one before is sent, and taken from the bucket
         before it goes (F18's bounded rate). A piece whose blocks all cannot go (damaged, or their parent was
@@ -1078,8 +1111,7 @@ class FleetRepairer:
                     self.progress.sent_bytes += ready.size
                 try:
                     if ready.rest:  # F18d: streamed, each piece read while the one before is sent and stored
-                        reply = await self.peers.streamer(lane.address)(
-                            self._stream_pieces(ready, skipped), metadata=self.peers.metadata, timeout=CALL_TIMEOUT_S)
+                        reply = await self._stream(lane, ready, skipped)
                     else:
                         reply = await self.peers.copier(lane.address)(ready.request, metadata=self.peers.metadata,
                                                                       timeout=CALL_TIMEOUT_S)

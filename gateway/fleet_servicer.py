@@ -74,6 +74,9 @@ SERVICE = "/kvstore.v1.Fleet/"
 METHODS = tuple(SERVICE + m for m in ("RunDigests", "HeldBlocks", "CopyBlocks", "CopyBlocksStream", "RaiseUses"))
 #: Threads answering the read-only planning calls (RunDigests, HeldBlocks) beside the store's executor (F18).
 PLANNING_THREADS = 2
+#: F18d: the initial metadata key a node opens a CopyBlocksStream with (before reading a piece): the sender's sign that
+#: the node serves it (an older node answers UNIMPLEMENTED with none).
+STREAM_OPENED = "x-kvstore-copy-stream"
 #: F18d: pieces of one CopyBlocksStream checked and handed to the group commit, not yet committed: the next piece
 #: is read off the stream only once the oldest of them is durable (gRPC's flow control then holds the sender).
 STREAM_PIECES_PENDING = 2
@@ -216,6 +219,8 @@ class FleetServicer:
             FailedPrecondition: a damaged block, or a piece whose parent is not stored (an earlier one refused).
         """
         self._check_token(context)
+        # F18d: opened at once, so a sender knows this node serves the stream before it writes a piece.
+        await context.send_initial_metadata(((STREAM_OPENED, "1"),))
         pending: list[tuple[list[PutBatch], asyncio.Future[list[PutResult]]]] = []
         stored: list[PutBatch] = []
         results: list[PutResult] = []
