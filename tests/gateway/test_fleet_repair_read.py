@@ -18,6 +18,7 @@ from kvstore.config_sections import StoreSettings
 from kvstore.geometry import TINY
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from kvstore.v1 import fleet_pb2 as pb
+from tests.damage import corrupt
 from tiers import run_index
 from tiers.lmdb_tier import LmdbBlockTier
 
@@ -70,14 +71,7 @@ def test_f18c_a_damaged_block_is_counted_and_neither_it_nor_what_follows_it_is_s
                                                                                    tmp_path: Path) -> None:
     repairer, chunk, blocks = stored
     data_file = tmp_path / "s" / "data.mdb"
-    raw = data_file.read_bytes()
-    at = raw.find(blocks[5][:64])
-    assert at >= 0
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
-    finally:
-        os.close(fd)
+    corrupt(data_file, blocks[5])
     request, count, size, damaged, _ = read(repairer, chunk)
     assert (count, size, damaged) == (5, 5 * BLOCK, 1)
     assert [b.data for b in pb.CopyBlocksRequest.FromString(request).blocks] == blocks[:5]

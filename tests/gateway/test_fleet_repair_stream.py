@@ -6,7 +6,6 @@ durable. Real LMDB stores, a real gRPC server on loopback, and (for the repairer
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from gateway import fleet_repair
 from gateway.fleet_servicer import SERVICE, TOKEN_METADATA, FleetServicer
 from kvstore.v1 import fleet_pb2 as pb
 from tests.conftest import LoopThread
+from tests.damage import corrupt
 from tests.gateway.fleet_nodes import Fleet, etcd_fixture, fleet_fixture  # noqa: F401 (the fixtures)
 from tests.gateway.test_fleet_copy import BLOCK, RUN_BLOCKS, SCOPE, TOKEN, chain, copies, nodes, put  # noqa: F401
 from tests.gateway.test_token_bucket import Recorded
@@ -134,14 +134,7 @@ def test_f18d_a_damaged_block_in_a_later_piece_is_counted_and_not_sent_nor_what_
     hashes, blocks = chain(RUN_BLOCKS)
     put(tiers["a"], hashes, blocks)
     data_file = tmp_path / "a" / "data.mdb"
-    raw = data_file.read_bytes()
-    at = raw.find(blocks[1][:64])
-    assert at >= 0
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
-    finally:
-        os.close(fd)
+    corrupt(data_file, blocks[1])
     progress = fleet.one_pass(fleet.repairer("a", view))
     assert (progress.damaged_blocks, progress.copied_bytes, progress.sent_bytes) == (1, BLOCK, BLOCK)
     assert run_index.held(tiers["b"].env, [SCOPE.key(h) for h in hashes]) == [True, False, False, False]

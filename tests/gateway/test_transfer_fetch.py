@@ -21,6 +21,7 @@ from kvstore.geometry import V4_1_FLASH
 from kvstore.transfer import DONE, FAILED, MISSING, Descriptor, Op, Status, group
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+from tests.damage import corrupt
 
 TOKENS = 16
 BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
@@ -42,18 +43,6 @@ def chain(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
     blocks = [os.urandom(BLOCK_BYTES) for _ in range(n)]
     client.put(tokens, blocks)
     return client.hashes(tokens), blocks
-
-
-def corrupt(data_file: Path, block: bytes) -> None:
-    """Flip a byte of `block`'s stored bytes in place (its checksum then fails)."""
-    raw = data_file.read_bytes()
-    at = raw.find(block[:64])
-    assert at >= 0, "block not found in the data file"
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
-    finally:
-        os.close(fd)
 
 
 def test_a_striped_fetch_lands_what_one_stream_does(small: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from kvstore.client.transfer_ring import _CODES, RingClient
 from kvstore.config import StoreSettings
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, REQUEST, REQUEST_AT
 from kvstore.v1 import transfer_pb2 as pb
+from tests.damage import corrupt
 from tiers import ring as native_ring
 
 needs_native = pytest.mark.skipif(not native_ring.NATIVE, reason="kvstore.native._ring is not built")
@@ -59,18 +60,6 @@ def stored(client: Client, n: int) -> tuple[list[bytes], list[bytes]]:
     blocks = [os.urandom(client.block_bytes) for _ in range(n)]
     client.put(tokens, blocks)
     return client.hashes(tokens), blocks
-
-
-def corrupt(data_file: Path, block: bytes) -> None:
-    """Flip a byte of `block`'s stored bytes in place (its checksum then fails)."""
-    raw = data_file.read_bytes()
-    at = raw.find(block[:64])
-    assert at >= 0
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
-    finally:
-        os.close(fd)
 
 
 @needs_native

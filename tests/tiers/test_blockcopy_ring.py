@@ -23,6 +23,7 @@ import pytest
 from kvstore.native.ring import publish
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, HEADER_AT, REQUEST_AT, RING_BYTES, Header
 from kvstore.v1 import transfer_pb2 as pb
+from tests.damage import corrupt
 from tests.tiers.conftest import Kit
 from tiers import ring
 
@@ -146,11 +147,7 @@ def _with_unpacked_offset(g: pb.DescriptorGroup) -> bytes:
 
 def test_a_corrupt_block_is_handed_back_and_never_copied(rig: Rig, tmp_path: Path) -> None:
     data_file = Path(rig.kit.tier.env.path()) / "data.mdb"
-    raw_file = data_file.read_bytes()
-    at = raw_file.find(rig.blocks[rig.hashes[1]][:64])
-    fd = os.open(data_file, os.O_WRONLY)
-    os.pwrite(fd, bytes([raw_file[at + 100] ^ 0xFF]), at + 100)
-    os.close(fd)
+    corrupt(data_file, rig.blocks[rig.hashes[1]])
     rig.region[:] = b"\xab" * len(rig.region)
     raw = read(rig.hashes[:3], [0, BLOCK, 2 * BLOCK])
     assert rig.serve(raw) == (ring.HANDED_BACK, raw)

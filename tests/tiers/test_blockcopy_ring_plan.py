@@ -14,6 +14,7 @@ import pytest
 
 from kvstore.transfer_ring import ANSWER_AT, ANSWERED, REQUEST_AT, RING_BYTES
 from kvstore.v1 import transfer_pb2 as pb
+from tests.damage import corrupt
 from tests.tiers.conftest import Kit
 from tests.tiers.test_blockcopy_ring import BLOCK, Rig, _address, read
 from tests.tiers.test_blockcopy_ring import rig as _rig  # noqa: F401  # the fixture
@@ -56,11 +57,7 @@ def test_a_planned_read_is_verified_then_copied_answered_and_published_by_finish
 
 def test_a_corrupt_block_is_handed_back_before_anything_is_copied(rig: Rig) -> None:
     data_file = Path(rig.kit.tier.env.path()) / "data.mdb"
-    raw_file = data_file.read_bytes()
-    at = raw_file.find(rig.blocks[rig.hashes[2]][:64])
-    fd = os.open(data_file, os.O_WRONLY)
-    os.pwrite(fd, bytes([raw_file[at + 100] ^ 0xFF]), at + 100)
-    os.close(fd)
+    corrupt(data_file, rig.blocks[rig.hashes[2]])
     rig.header.state = 2
     raw = read(rig.hashes[:3], [0, BLOCK, 2 * BLOCK])
     assert planned(rig, raw, bytearray(16 * 128)) == (ring.HANDED_BACK, raw)

@@ -37,6 +37,7 @@ from kvstore.prefix import BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from kvstore.v1 import fleet_pb2_grpc
 from tests.children import Child, write_config
+from tests.damage import corrupt
 from tests.kvstore.fleet.etcd_process import EtcdProcess
 from tiers import datadir
 from tiers.lmdb_tier import LmdbBlockTier
@@ -253,13 +254,3 @@ def test_f21_a_drained_node_leaves_once_every_run_it_held_has_its_copies_elsewhe
     assert f"node {a} is out of the membership, drained: it may be stopped" in text.getvalue()
 
 
-def corrupt(data_file: Path, block: bytes) -> None:
-    """Flip a byte of `block`'s stored bytes in place, under the running node (its checksum then fails)."""
-    raw = data_file.read_bytes()
-    at = raw.find(block[:64])
-    assert at >= 0, "block not found in the data file"
-    fd = os.open(data_file, os.O_WRONLY)
-    try:
-        os.pwrite(fd, bytes([raw[at + 100] ^ 0xFF]), at + 100)
-    finally:
-        os.close(fd)
