@@ -152,22 +152,21 @@ class Peers:
 
     def copier(self, address: str) -> Callable[..., Awaitable[pb.CopyBlocksResponse]]:
         """CopyBlocks of the node at `address`, taking the request already encoded (`encode_copy`)."""
-        call = self._copiers.get(address)
-        if call is None:
-            self.stub(address)
-            call = self._copiers[address] = self._channels[address].unary_unary(
-                SERVICE + "CopyBlocks", request_serializer=None,
-                response_deserializer=pb.CopyBlocksResponse.FromString)
-        return call
+        return self._raw_call(self._copiers, address, lambda channel: channel.unary_unary(
+            SERVICE + "CopyBlocks", request_serializer=None, response_deserializer=pb.CopyBlocksResponse.FromString))
 
     def streamer(self, address: str) -> grpc.aio.StreamUnaryMultiCallable:
         """CopyBlocksStream of the node at `address` (F18d): a call its encoded pieces are written to."""
-        call = self._streamers.get(address)
+        return self._raw_call(self._streamers, address, lambda channel: channel.stream_unary(
+            SERVICE + "CopyBlocksStream", request_serializer=None,
+            response_deserializer=pb.CopyBlocksResponse.FromString))
+
+    def _raw_call(self, calls: dict[str, Any], address: str, make: Callable[[grpc.aio.Channel], Any]) -> Any:
+        """`calls`' multicallable for `address`, made on its channel (dialled if need be) the first time."""
+        call = calls.get(address)
         if call is None:
             self.stub(address)
-            call = self._streamers[address] = self._channels[address].stream_unary(
-                SERVICE + "CopyBlocksStream", request_serializer=None,
-                response_deserializer=pb.CopyBlocksResponse.FromString)
+            call = calls[address] = make(self._channels[address])
         return call
 
     def forget(self, address: str) -> None:

@@ -200,11 +200,7 @@ class FleetServicer:
                 return pb.CopyBlocksResponse(bulk_refused=refused)
         else:
             results = await self.commits.put(batches)
-        granted, short, note = await self._pins_copied(batches, results, context.peer())
-        return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
-                                     existing_blocks=sum(r.existing_blocks for r in results),
-                                     written_bytes=sum(r.written_bytes for r in results),
-                                     pins_granted=granted, pins_short=short, pin_note=note)
+        return await self._copied(batches, results, context.peer())
 
     @unary
     async def CopyBlocksStream(self, requests: AsyncIterator[bytes],
@@ -244,11 +240,7 @@ class FleetServicer:
                 for _, done in pending:
                     if not done.cancelled():
                         done.exception()  # retrieved: the first failure is the one raised
-        granted, short, note = await self._pins_copied(stored, results, context.peer())
-        return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
-                                     existing_blocks=sum(r.existing_blocks for r in results),
-                                     written_bytes=sum(r.written_bytes for r in results),
-                                     pins_granted=granted, pins_short=short, pin_note=note)
+        return await self._copied(stored, results, context.peer())
 
     def _stream_piece(self, raw: bytes) -> list[PutBatch]:
         """One CopyBlocksStream piece's Put batches (`copy_batches` over `parse_request`'s views of `raw`)."""
@@ -257,6 +249,15 @@ class FleetServicer:
             raise InvalidArgument("a CopyBlocksStream piece names a bulk segment; a streamed copy carries its bytes",
                                   hint="send bulk copies as CopyBlocks")
         return copy_batches(blocks, self.sizes, self.run_blocks)
+
+    async def _copied(self, batches: Sequence[PutBatch], results: Sequence[PutResult],
+                      peer: str) -> pb.CopyBlocksResponse:
+        """A copy's answer: what its committed `batches` wrote (`results`) and what their pins got."""
+        granted, short, note = await self._pins_copied(batches, results, peer)
+        return pb.CopyBlocksResponse(written_blocks=sum(r.written_blocks for r in results),
+                                     existing_blocks=sum(r.existing_blocks for r in results),
+                                     written_bytes=sum(r.written_bytes for r in results),
+                                     pins_granted=granted, pins_short=short, pin_note=note)
 
     async def _pins_copied(self, batches: Sequence[PutBatch], results: Sequence[PutResult],
                            peer: str) -> tuple[int, int, str]:
