@@ -66,6 +66,28 @@ def best_of(fn: Callable[[], object], repeat: int) -> float:
     return min(timed(fn) for _ in range(max(repeat, 1)))
 
 
+def process_stat(pid: int, *, thread: int | None = None) -> list[str] | None:
+    """The fields after the command name of /proc/PID/stat (or of its thread `thread`, a native thread id: the
+    main thread's is the pid); None where it cannot be read (not Linux, or the process gone)."""
+    stat = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def stat_cpu_s(fields: list[str]) -> float:
+    """CPU seconds (user + system) in `process_stat`'s fields."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int | None, *, thread: int | None = None) -> float | None:
+    """CPU seconds (user + system) process `pid` has used, or only its thread `thread` (`process_stat`); None
+    where it cannot be read, or for no pid."""
+    fields = process_stat(pid, thread=thread) if pid is not None else None
+    return stat_cpu_s(fields) if fields is not None else None
+
+
 @contextmanager
 def scratch(folder: Path | None = None) -> Iterator[Path]:
     """A temporary folder (on the disk under test when `folder` is given), removed after."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.bench.harness import GiB, scratch
+from kvstore.bench.harness import GiB, process_cpu_s, scratch
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
 from tiers.retention import TOUCH_GRANULARITY_S
@@ -256,7 +256,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
     try:
         for _ in procs:
             _gather(ready, procs, 300)
-        cpu0, loop0 = _cpu_s(server_pid), _cpu_s(server_pid, thread=server_pid)
+        cpu0, loop0 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
         start.set()
         began = time.perf_counter()
         memory = [(0.0, _memory_mib(server_pid))] if server_pid is not None else []
@@ -267,7 +267,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                     memory.append((now, _memory_mib(server_pid)))
                 bar.update(min(now, seconds) - bar.n)
         done = [_gather(results, procs, seconds + 300) for _ in procs]
-        cpu1, loop1 = _cpu_s(server_pid), _cpu_s(server_pid, thread=server_pid)
+        cpu1, loop1 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
         if server_pid is not None:  # the last sample at the end of the load, where "flat" is judged
             memory.append((time.perf_counter() - began, _memory_mib(server_pid)))
     finally:
@@ -281,19 +281,6 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                  client_cpu_s=sum(d["cpu_s"] for d in done),
                  server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
                  server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory)
-
-
-def _cpu_s(pid: int | None, *, thread: int | None = None) -> float | None:
-    """CPU seconds (user + system) process `pid` has used, or only its thread `thread` (a native thread id: the
-    main thread's is the pid) (Linux /proc; None elsewhere or for None)."""
-    if pid is None:
-        return None
-    stat = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:

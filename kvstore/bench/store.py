@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.bench import store_events
-from kvstore.bench.harness import GiB, raw_stream_server, scratch, serve_process, timed
+from kvstore.bench.harness import GiB, process_stat, raw_stream_server, scratch, serve_process, stat_cpu_s, timed
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
 
@@ -236,15 +236,11 @@ def _server_pid(store: Path) -> int | None:
 def _server_usage(pid: int | None) -> tuple[float, float, int] | None:
     """(CPU seconds of process `pid`, of its main thread, which runs the event loop, its minor faults), from
     Linux's /proc; None elsewhere."""
-    if pid is None:
+    whole = process_stat(pid) if pid is not None else None
+    loop = process_stat(pid, thread=pid) if pid is not None else None
+    if whole is None or loop is None:
         return None
-    try:
-        whole = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        loop = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    tick = os.sysconf("SC_CLK_TCK")
-    return (int(whole[11]) + int(whole[12])) / tick, (int(loop[11]) + int(loop[12])) / tick, int(whole[7])
+    return stat_cpu_s(whole), stat_cpu_s(loop), int(whole[7])
 
 
 def _last_txn(store: Path) -> int:
