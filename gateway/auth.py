@@ -74,6 +74,8 @@ METHOD_RIGHTS: dict[str, str] = {
     _TR + "Fetch": READ,  # blocks of the caller's own tenant (validate.scope), as Get
     # The bulk transport: a session's reads, scoped as Submit's (gateway.transfer_bulk).
     _TR + "OpenBulk": READ, _TR + "BulkFetch": READ, _TR + "BulkDrain": READ,
+    # A Put over the TCP transport: its grant is PutStream's (gateway/transfer_tcp_put.py).
+    _TR + "OpenPut": WRITE,
     "/grpc.health.v1.Health/Check": OPEN, "/grpc.health.v1.Health/Watch": OPEN,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": ANY,
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": ANY,
@@ -83,6 +85,12 @@ METHOD_RIGHTS: dict[str, str] = {
 def current_caller() -> Caller:
     """The caller of the call being served (valid in servicers and in interceptors after auth's)."""
     return _CALLER.get()
+
+
+def set_caller(caller: Caller) -> None:
+    """Make `caller` the caller of what the running task (or thread) serves from now on: for work that
+    arrives outside gRPC on a caller's behalf (a Put over the TCP transport, granted by a gRPC call)."""
+    _CALLER.set(caller)
 
 
 def require(right: str) -> Caller:

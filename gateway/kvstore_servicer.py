@@ -540,6 +540,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     yield reply
             return
         # Closed with the call (a cancelled call stops its stages now, not when collected).
+        async with aclosing(self.put_replies(requests)) as replies:
+            async for reply in replies:
+                yield reply
+
+    async def put_replies(self, requests: AsyncIterator[pb.PutRequest | PutRequestView]
+                          ) -> AsyncGenerator[pb.PutResponse, None]:
+        """A node's PutStream stages (gateway/put_stream.py): each request's reply once its commit returned, in
+        order; the first error raised after the replies before it. Also the TCP transport's puts
+        (gateway/transfer_tcp_put.py), run as their grant's caller."""
         async with aclosing(put_stream.committed(requests, self._plan, self._commit, PUT_STREAM_DEPTH)) as done:
             async for batch, result in done:
                 _trace_put(self.trace, batch, result)

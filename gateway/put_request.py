@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from kvstore.protowire import read_varint
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -79,6 +81,20 @@ def decode(raw: bytes) -> PutRequestView:
         rest.append(view[kept:])
         message = pb.PutRequest.FromString(b"".join(rest))
     return PutRequestView(message, blocks)
+
+
+def from_frame(header: memoryview, data: memoryview, count: int, block_bytes: int) -> PutRequestView:
+    """A put frame of the TCP transport (`kvstore.transfer_tcp_wire`): `header` a PutRequest without
+    blocks, `data` its `count` blocks of `block_bytes` each, concatenated. The blocks are views of
+    `data`, valid while the buffer under it is not reused (until the batch's commit has returned).
+
+    Raises:
+        google.protobuf.message.DecodeError: `header` is not a PutRequest, or it holds blocks itself.
+    """
+    message = pb.PutRequest.FromString(bytes(header))  # kilobytes: the token ids and a few names
+    if message.blocks:
+        raise DecodeError(f"the header holds {len(message.blocks)} blocks of its own (they follow it)")
+    return PutRequestView(message, [data[i * block_bytes:(i + 1) * block_bytes] for i in range(count)])
 
 
 def _block_spans(raw: bytes) -> list[tuple[int, int, int]] | None:

@@ -347,6 +347,8 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     transfer = TransferServicer(tier, layouts, settings.transfer, max_message_bytes=limit, hits=hits,
                                 rate=admin.quotas.rate)
     closers.append(transfer.close)
+    if kvstore.router is None:  # a node: puts over the TCP transport go through its PutStream stages
+        transfer.tcp.puts.replies = kvstore.put_replies
     add_service(transfer_pb2_grpc.add_TransferServicer_to_server, transfer, server, presized={"Fetch"})
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]

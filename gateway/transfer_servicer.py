@@ -276,6 +276,17 @@ class TransferServicer(pb_grpc.TransferServicer):
             return pb.OpenBulkReply(accepted=False, reason=refused)
         return pb.OpenBulkReply(accepted=True, max_blocks=self.bulk.max_blocks, slots=self.bulk.slots)
 
+    @unary
+    async def OpenPut(self, request: pb.OpenPutRequest, context: grpc.aio.ServicerContext) -> pb.OpenPutReply:
+        # The interceptors checked the "write" right and took the request rate's token, as for PutStream;
+        # the scope is checked here too (each frame's again when it is planned, as the caller).
+        validate.scope(self.layouts, request.geometry, request.namespace)
+        refused, grant_id, token = self.tcp.open_put(require(WRITE))
+        if refused:
+            return pb.OpenPutReply(accepted=False, reason=refused)
+        return pb.OpenPutReply(accepted=True, tcp_port=self.tcp.port, grant_id=grant_id, tcp_token=token,
+                               max_frame_bytes=self.settings.tcp_max_request_bytes)
+
     def _count_fetch(self, session: Session, asked: int, found: int, results: Any) -> None:
         """Count a TCP transport request as Fetch counts one: a Get of its blocks (on the event loop)."""
         self.tier.count_get(asked, found)

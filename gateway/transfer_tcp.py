@@ -39,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from gateway.auth import Caller
 from gateway.transfer_bulk_map import MapSource, missing
 from gateway.transfer_fetch import batch_results, copy_blocks, fetch_keys
 from gateway.transfer_sessions import Session
+from gateway.transfer_tcp_put import PutGrant, TcpPuts
 from kvstore import transfer_tcp_wire as wire
 from kvstore.config import TransferSettings
 from kvstore.errors import KVStoreError, to_status
@@ -100,6 +102,8 @@ class TcpBulkServer:
         self.counted = counted
         #: What OpenSession offers: "tcp" when `transfer.tcp_bulk` is on.
         self.offered = ["tcp"] if settings.tcp_bulk else []
+        #: Puts over the listener (gateway/transfer_tcp_put.py); its `replies` wired by the server.
+        self.puts = TcpPuts(settings)
         self.grants: dict[str, _Grant] = {}
         #: Requests answered since start, and of them those verify-copied (the map could not serve).
         self.requests = 0
@@ -123,20 +127,35 @@ class TcpBulkServer:
         """
         if not self.settings.tcp_bulk:
             return "transfer.tcp_bulk is off on this server", b""
-        if self._listener is None:
-            try:
-                self._start()
-            except OSError as exc:
-                return (
-                    f"the TCP listener could not start on {self.settings.tcp_host}:{self.settings.tcp_port} ({exc})",
-                    b"",
-                )
+        refused = self._listening()
+        if refused:
+            return refused, b""
         grant = self.grants.get(session.session_id)
         if grant is None:
             grant = self.grants[session.session_id] = _Grant(
                 session=session, token=secrets.token_bytes(wire.TOKEN_BYTES), block_bytes=block_bytes
             )
         return "", grant.token
+
+    def open_put(self, caller: Caller) -> tuple[str, str, bytes]:
+        """A one-use put grant for `caller` (the listener started at the first), or say why not.
+
+        Returns:
+            ("", grant id, token) when accepted; (reason, "", b"") when not.
+        """
+        refused = self.puts.refused() or self._listening()
+        if refused:
+            return refused, "", b""
+        return "", *self.puts.grant(caller)
+
+    def _listening(self) -> str:
+        """Start the listener if it is not: "" once it listens, else why it could not."""
+        if self._listener is None:
+            try:
+                self._start()
+            except OSError as exc:
+                return f"the TCP listener could not start on {self.settings.tcp_host}:{self.settings.tcp_port} ({exc})"
+        return ""
 
     def max_blocks(self, block_bytes: int) -> int:
         """Most blocks one request may ask for at `block_bytes` a block."""
@@ -204,14 +223,21 @@ class TcpBulkServer:
             conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
-        """Read, verify and queue this connection's requests; a sender thread answers them in order."""
+        """Read, verify and queue this connection's requests; a sender thread answers them in order.
+        A put hello hands the connection to the puts (gateway/transfer_tcp_put.py)."""
         ready: queue.Queue[_Prepared | Refused | None] = queue.Queue(_READY)
-        sender = threading.Thread(target=self._send_loop, args=(conn, ready), name="kvstore-tcp-send", daemon=True)
-        sender.start()
+        sender: threading.Thread | None = None
         item: _Prepared | Refused | None = None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             grant = self._hello(conn)
+            if isinstance(grant, PutGrant):
+                assert self._loop is not None
+                self.puts.serve(conn, grant, self._loop, lambda: self._closed)
+                return
+            sender = threading.Thread(target=self._send_loop, args=(conn, ready), name="kvstore-tcp-send",
+                                      daemon=True)
+            sender.start()
             while not self._closed:
                 request = self._request(conn, grant)
                 if request is None:
@@ -227,8 +253,14 @@ class TcpBulkServer:
             log.exception("one-copy TCP transport: a request failed")
             item = Refused("INTERNAL", f"{type(exc).__name__}: {exc}")
         finally:
-            ready.put(item)  # a refusal to send, or the end
-            sender.join()
+            if sender is not None:
+                ready.put(item)  # a refusal to send, or the end
+                sender.join()
+            elif isinstance(item, Refused):  # refused at the hello
+                with contextlib.suppress(OSError):
+                    conn.settimeout(self.settings.tcp_timeout_s)
+                    conn.sendall(wire.error_frame(item.code, item.message))
+                _shut(conn)
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
@@ -287,16 +319,23 @@ class TcpBulkServer:
             raise OSError("refresh failed")  # the connection ends after the error frame
         conn.sendall(wire.END)
 
-    def _hello(self, conn: socket.socket) -> _Grant:
+    def _hello(self, conn: socket.socket) -> _Grant | PutGrant:
         conn.settimeout(self.settings.tcp_timeout_s)
         head = _recv_exact(conn, wire.HELLO_HEAD.size)
         magic, sid_len = wire.HELLO_HEAD.unpack(head)
-        if magic != wire.HELLO:
-            raise Refused("INVALID_ARGUMENT", f"the first frame must be a hello ({wire.HELLO!r}), got {magic!r}")
+        if magic not in (wire.HELLO, wire.PUT_HELLO):
+            raise Refused("INVALID_ARGUMENT",
+                          f"the first frame must be a hello ({wire.HELLO!r} or {wire.PUT_HELLO!r}), got {magic!r}")
         if not 0 < sid_len <= wire.MAX_SESSION_ID:
             raise Refused("INVALID_ARGUMENT", f"session id of {sid_len} bytes (1 to {wire.MAX_SESSION_ID})")
         body = _recv_exact(conn, sid_len + wire.TOKEN_BYTES)
         session_id, token = body[:sid_len].decode("utf-8", "replace"), body[sid_len:]
+        if magic == wire.PUT_HELLO:
+            put = self.puts.take(session_id, token) if not self.puts.refused() else None
+            if put is None:
+                raise Refused("UNAUTHENTICATED", "no live put grant has this id and token (OpenPut over gRPC gives "
+                                                 "one, for one put, valid transfer.tcp_timeout_s)")
+            return put
         grant = self.grants.get(session_id)
         # Compared whatever the session: the time says nothing of which ids exist.
         good = hmac.compare_digest(token, grant.token if grant is not None else bytes(wire.TOKEN_BYTES))

@@ -227,6 +227,12 @@ class TransferSettings:
     #: session's token (OpenBulk over the authenticated gRPC channel hands it out) but are not
     #: encrypted: off by default, on a trusted network or loopback only.
     tcp_bulk: bool = False
+    #: Put over the same listener (docs/TRANSFER.md "Put over the one-copy TCP transport"): a
+    #: client's large Put gets a one-use grant from OpenPut over gRPC (the "write" right and the
+    #: request rate checked as for PutStream) and sends its blocks as raw bytes. Not encrypted
+    #: either: on by default because the listener binds `tcp_host`, loopback unless an operator
+    #: names another address; off, every Put goes by gRPC.
+    tcp_put: bool = True
     #: Where the listener binds; clients dial the host they dial for gRPC at `tcp_port`.
     tcp_host: str = "127.0.0.1"
     #: The listener's port (0: a free port, told to clients in OpenBulk's reply).

@@ -12,6 +12,16 @@ Server to client, per request in order:
   DONE blocks' bytes in order, then `KVTD` once their retention refresh is durable;
 - or, at any frame boundary, an error: `KVTE`, u32 length, `CODE: message` (UTF-8), after which
   the server closes the connection.
+
+A put (docs/TRANSFER.md "Put over the one-copy TCP transport") has its own connection:
+
+- put hello, once, first: `KVTP`, u8 grant id length, the grant id, its 16-byte token (from
+  `OpenPut` over gRPC);
+- put frames: `KVTQ`, u32 header length, u32 block count, u32 bytes a block, then a `PutRequest`
+  without blocks (its other fields), then the blocks' bytes, concatenated;
+- the server answers each put frame, in order, once its commit is durable: `KVTO`, u32 length,
+  a `PutResponse`; or an error frame (`KVTE`) for the first that failed, after the replies of
+  the frames before it, and closes. The client closing its side ends the put.
 """
 
 from __future__ import annotations
@@ -28,11 +38,16 @@ ERROR = b"KVTE"
 TOKEN_BYTES = 16
 #: Longest session id a hello may name.
 MAX_SESSION_ID = 128
+PUT_HELLO = b"KVTP"
+PUT = b"KVTQ"
+PUT_REPLY = b"KVTO"
 HASH_BYTES = 32
 PREFIX_ONLY = 1
 HELLO_HEAD = struct.Struct("<4sB")
 REQUEST_HEAD = struct.Struct("<4sIB")
-#: Magic and length of a reply header or error frame.
+#: A put frame's head: magic, header length, block count, bytes a block.
+PUT_HEAD = struct.Struct("<4sIII")
+#: Magic and length of a reply header, put reply or error frame.
 FRAME_HEAD = struct.Struct("<4sI")
 #: Longest error message or reply header a client reads (a reply's failures: about 330 bytes a block).
 MAX_HEAD_BYTES = 8 << 20
@@ -47,6 +62,22 @@ def hello(session_id: str, token: bytes) -> bytes:
 def request(hashes: bytes, prefix_only: bool) -> bytes:
     """A request frame for the concatenated 32-byte `hashes`."""
     return REQUEST_HEAD.pack(REQUEST, len(hashes) // HASH_BYTES, PREFIX_ONLY if prefix_only else 0) + hashes
+
+
+def put_hello(grant_id: str, token: bytes) -> bytes:
+    """The put hello frame."""
+    gid = grant_id.encode()
+    return HELLO_HEAD.pack(PUT_HELLO, len(gid)) + gid + token
+
+
+def put_head(header: bytes, blocks: int, block_bytes: int) -> bytes:
+    """A put frame's head and header (`header`: a serialized PutRequest without blocks); the blocks follow."""
+    return PUT_HEAD.pack(PUT, len(header), blocks, block_bytes) + header
+
+
+def put_reply(reply: bytes) -> bytes:
+    """A put frame's answer: its serialized PutResponse."""
+    return FRAME_HEAD.pack(PUT_REPLY, len(reply)) + reply
 
 
 def reply_head(header: bytes) -> bytes:

@@ -1,4 +1,6 @@
-"""A Put on the wire: one call for a short chain, a PutStream of batches for a long one.
+"""A Put on the wire: one call for a short chain, a PutStream of batches for a long one, and a large
+put to a node over the one-copy TCP transport where the server offers it (kvstore/client/put_tcp.py:
+the same requests, the blocks sent from their buffers; gRPC when it is not offered).
 
 `kvstore.client.store.Client.put` checks what the caller hands it, then sends it here. A
 long chain's batches are chained by hashes computed locally, so each batch names its
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvstore.client import put_tcp
 from kvstore.client.blocks import encode_extra_keys
 from kvstore.client.connection import Connection
 from kvstore.prefix import ExtraKey, chain_hashes
@@ -71,7 +74,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
         parent: the hash of block `first_block - 1` (b"" for the chain's first block).
         extra_keys: keys mixed into every block's hash.
         step: blocks per request; a longer payload goes as a PutStream, which stops at the
-            first failed batch (the batches before it stay stored).
+            first failed batch (the batches before it stay stored). A node's payload of
+            `put_tcp.TCP_PUT_MIN_BYTES` or more goes over the TCP transport where the server
+            offers it (its frames as the stream's requests, at most its frame limit each).
         on_batch: called with the number of blocks of each acknowledged batch of a stream.
         keep_until_s: pin the chain's last block (and so its prefix) until this Unix time, in the last
             request's own transaction (docs/RETENTION.md R22); 0: none. Through a gateway the requests
@@ -88,19 +93,46 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
     if connection.run_blocks:  # a gateway: the fleet's chain, each request saying where its run starts
         return _put_through_gateway(connection, tokens, payload, first_block=first_block, extra_keys=extra_keys,
                                     extra=extra, step=step, on_batch=on_batch, keep_until_s=keep_until_s)
+    block_bytes = len(payload[0]) if payload else 0
+    if put_tcp.wanted(connection, len(payload) * block_bytes):
+        grant = put_tcp.open_put(connection)
+        if grant is not None:  # the blocks sent from their buffers (kvstore/client/put_tcp.py)
+            step = min(step, max(1, grant.max_frame_bytes // block_bytes))
+            frames = _node_requests(connection, tokens, payload, first_block=first_block, parent=parent,
+                                    extra_keys=extra_keys, extra=extra, step=step, keep_until_s=keep_until_s)
+            sent = put_tcp.send(connection, grant, frames, -(-len(payload) // step), on_batch)
+            if sent is not None:
+                return sent
     if len(payload) <= step:
         request = _request(connection, tokens, payload, first_block, parent, extra)
         request.keep_until_s = keep_until_s
         return [connection.call(_raw_method(connection, _PUT, False), encode(request, payload))]
+    frames = _node_requests(connection, tokens, payload, first_block=first_block, parent=parent,
+                            extra_keys=extra_keys, extra=extra, step=step, keep_until_s=keep_until_s)
+    replies: list[pb.PutResponse] = []
+    requests = (encode(request, blocks) for request, blocks in frames)
+    for reply in connection.stream(_raw_method(connection, _PUT_STREAM, True), requests):
+        replies.append(reply)
+        if on_batch is not None:
+            on_batch(len(reply.block_hashes))
+    return replies
+
+
+def _node_requests(connection: Connection, tokens: Sequence[int], payload: list[bytes], *, first_block: int,
+                   parent: bytes, extra_keys: Sequence[ExtraKey], extra: list[bytes], step: int,
+                   keep_until_s: float) -> Iterator[tuple[pb.PutRequest, list[bytes]]]:
+    """A node's put as requests of `step` blocks, each without its blocks and with them; the last carries the pin.
+
+    Each batch's parent is the last hash of the batch before: hashed as its request is built, so the first
+    request goes out without waiting for the whole chain (589 blocks: ~14 ms on the dev box, before anything
+    reached the server; docs/BENCHMARKS.md, `bench store`). The first batch is hashed here, before the call,
+    so a bad parent or extra key is refused before anything is sent, as when the whole chain was.
+    """
     bt, lo = connection.block_tokens, first_block * connection.block_tokens
-    # Each batch's parent is the last hash of the batch before: hashed as its request is built, so the first
-    # request goes out without waiting for the whole chain (589 blocks: ~14 ms on the dev box, before anything
-    # reached the server; docs/BENCHMARKS.md, `bench store`). The first batch is hashed here, before the call,
-    # so a bad parent or extra key is refused before anything is sent, as when the whole chain was.
     last = chain_hashes(tokens[lo: lo + min(step, len(payload)) * bt], block_tokens=bt,
                         parent=parent or connection.root, extra_keys=extra_keys)[-1]
 
-    def requests() -> Iterator[bytes]:
+    def requests() -> Iterator[tuple[pb.PutRequest, list[bytes]]]:
         before, end = parent, last  # the request's parent, the hash of its last block
         for start in range(0, len(payload), step):
             if start:
@@ -111,14 +143,9 @@ def put_blocks(connection: Connection, tokens: Sequence[int], payload: list[byte
             request = _request(connection, tokens, blocks, first_block + start, before, extra)
             if start + step >= len(payload):  # the last batch pins the chain's last block (R22)
                 request.keep_until_s = keep_until_s
-            yield encode(request, blocks)
+            yield request, blocks
 
-    replies: list[pb.PutResponse] = []
-    for reply in connection.stream(_raw_method(connection, _PUT_STREAM, True), requests()):
-        replies.append(reply)
-        if on_batch is not None:
-            on_batch(len(reply.block_hashes))
-    return replies
+    return requests()
 
 
 def _request(connection: Connection, tokens: Sequence[int], blocks: list[bytes], first_block: int, parent: bytes,

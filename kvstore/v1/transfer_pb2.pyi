@@ -257,6 +257,30 @@ class OpenBulkReply(_message.Message):
     tcp_token: bytes
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., max_blocks: _Optional[int] = ..., slots: _Optional[int] = ..., tcp_port: _Optional[int] = ..., tcp_token: _Optional[bytes] = ...) -> None: ...
 
+class OpenPutRequest(_message.Message):
+    __slots__ = ("geometry", "namespace")
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    geometry: str
+    namespace: str
+    def __init__(self, geometry: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class OpenPutReply(_message.Message):
+    __slots__ = ("accepted", "reason", "tcp_port", "grant_id", "tcp_token", "max_frame_bytes")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    GRANT_ID_FIELD_NUMBER: _ClassVar[int]
+    TCP_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    tcp_port: int
+    grant_id: str
+    tcp_token: bytes
+    max_frame_bytes: int
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., tcp_port: _Optional[int] = ..., grant_id: _Optional[str] = ..., tcp_token: _Optional[bytes] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
 class BulkFetchRequest(_message.Message):
     __slots__ = ("session_id", "block_hashes", "address", "size_bytes", "offsets_bytes", "prefix_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -89,6 +89,11 @@ class TransferStub:
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.FromString,
                 _registered_method=True)
+        self.OpenPut = channel.unary_unary(
+                '/kvstore.v1.Transfer/OpenPut',
+                request_serializer=kvstore_dot_v1_dot_transfer__pb2.OpenPutRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_transfer__pb2.OpenPutReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstore.v1.Transfer/Stats',
                 request_serializer=kvstore_dot_v1_dot_transfer__pb2.TransferStatsRequest.SerializeToString,
@@ -193,6 +198,17 @@ class TransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenPut(self, request, context):
+        """A Put over the one-copy TCP transport (docs/TRANSFER.md "Put over the one-copy TCP
+        transport"): checked as PutStream is (the "write" right, the request rate, the
+        scope), it answers a one-use grant for the listener: the client's put hello
+        carries it, then PutRequest frames whose blocks follow as raw bytes; each is
+        planned, group-committed and acknowledged (a PutResponse frame) as PutStream's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """The service's counters and what it holds now (`kvstore stats` shows them).
         """
@@ -257,6 +273,11 @@ def add_TransferServicer_to_server(servicer, server):
                     servicer.BulkDrain,
                     request_deserializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.SerializeToString,
+            ),
+            'OpenPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenPut,
+                    request_deserializer=kvstore_dot_v1_dot_transfer__pb2.OpenPutRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_transfer__pb2.OpenPutReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -561,6 +582,33 @@ class Transfer:
             '/kvstore.v1.Transfer/BulkDrain',
             kvstore_dot_v1_dot_transfer__pb2.BulkDrainRequest.SerializeToString,
             kvstore_dot_v1_dot_transfer__pb2.BulkDrainReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.Transfer/OpenPut',
+            kvstore_dot_v1_dot_transfer__pb2.OpenPutRequest.SerializeToString,
+            kvstore_dot_v1_dot_transfer__pb2.OpenPutReply.FromString,
             options,
             channel_credentials,
             insecure,
