@@ -42,7 +42,7 @@ from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_chain import FleetChainMemo, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_run_part, stream_runs
-from kvstore.client.fleet_lookup import FoundChains, lookup_runs, release_lease, run_found
+from kvstore.client.fleet_lookup import ChainCheck, FleetLookup, FoundChains, lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import combine, pin_grants, pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
@@ -255,7 +255,7 @@ class FleetClient(Client):
         `keep_until_s` pins the found prefix on every live copy of each of its runs (docs/RETENTION.md R28);
         `hosts` names each node holding part of it, with its run ranges (`kvstore.prefix_hosts.fleet_hosts`).
         """
-        hashes = arguments.hashes(hashes, "hashes")
+        chain = arguments.hash_list(hashes, "hashes")  # its items checked while the first calls fly (F83)
         keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
@@ -264,15 +264,16 @@ class FleetClient(Client):
         if len(swa_keys) != len(swa_positions):
             raise InvalidArgument(f"swa_keys has {len(swa_keys)} entries but swa_positions has "
                                   f"{len(swa_positions)}: send one position per key")
-        if not hashes:  # a prompt shorter than a block: no block, so no resume (SWA resume rule 5)
+        if not chain:  # a prompt shorter than a block: no block, so no resume (SWA resume rule 5)
             return FleetLookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         ask = partial(self._swa_resume, swa_keys, swa_positions, limit=swa_resume_limit)
-        early = self._swa_executor.submit(ask, len(hashes) * self.block_tokens) if swa_keys else None
-        runs = self.placement(hashes)
-        guess = self.found_chains.guess(hashes)
-        found = lookup_runs(self.pool, runs, hashes, lease_ms=lease_ms, retry=self.retry,
-                            refresher=self.refresher, guess=guess)
-        self.found_chains.found(hashes, found.found_blocks, guess)  # the next Lookup guesses from here (F81)
+        early = self._swa_executor.submit(ask, len(chain) * self.block_tokens) if swa_keys else None
+        try:
+            runs, found = self._find_runs(chain, lease_ms, partial(arguments.exact_hashes, chain, "hashes"))
+            hashes = chain
+        except arguments.NotExact:  # hashes, not all bytes (nothing is held: the round released): as bytes, again
+            hashes = arguments.hashes(chain, "hashes")
+            runs, found = self._find_runs(hashes, lease_ms)
         found_tokens = found.found_blocks * self.block_tokens
         kept = pin_runs(self.pool, runs, hashes, found.found_blocks, keep_until_s) if keep_until_s else None
         where = fleet_hosts(runs, found.found_blocks, self.view.nodes) if hosts else ()
@@ -287,6 +288,23 @@ class FleetClient(Client):
                                  swa_resume_tokens=resume[1] if resume else None, swa_error=swa_error,
                                  kept_until_s=kept.kept_until_s if kept else 0.0, keep_note=kept.note if kept else "",
                                  hosts=where)
+
+    def _find_runs(self, chain: list[bytes], lease_ms: int, check: Callable[[], object] | None = None
+                   ) -> tuple[tuple[RunPlacement, ...], FleetLookup]:
+        """The runs of `chain` and what `lookup_runs` found of it, the guess of its boundary taken and noted (F81).
+        `check` (the chain's hashes checked) runs while the first round's calls fly (F83), or before an error the
+        chain's items caused is raised, so that a bad hash is named rather than what it broke."""
+        pending = ChainCheck(check)
+        try:
+            runs = self.placement(chain)
+            guess = self.found_chains.guess(chain)
+        except Exception:
+            pending.settle()
+            raise
+        found = lookup_runs(self.pool, runs, chain, lease_ms=lease_ms, retry=self.retry, refresher=self.refresher,
+                            guess=guess, check=pending)
+        self.found_chains.found(chain, found.found_blocks, guess)  # the next Lookup guesses from here (F81)
+        return runs, found
 
     def _swa_resume(self, keys: list[bytes], positions: list[int], found_tokens: int, *,
                     limit: int) -> tuple[tuple[int, int] | None, str]:

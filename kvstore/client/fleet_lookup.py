@@ -40,14 +40,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TypeVar
 
 import grpc
 
-from kvstore.client.connection import status_error
+from kvstore.client import started_calls
+from kvstore.client.connection import Connection, status_error
 from kvstore.client.fleet_cover import cover_runs
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_refresh import Refresher
@@ -73,6 +73,8 @@ LEASE_PREFIX = "fleet:"
 FAIL_OVER = (Unavailable, DeadlineExceeded, DataLoss)
 
 T = TypeVar("T")
+#: A call's outcome: its reply, or the error it failed with.
+Outcome = Callable[[], T | KVStoreError]
 
 
 @dataclass(kw_only=True)
@@ -231,24 +233,48 @@ def run_found(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], retry: 
     return answer
 
 
+class ChainCheck:
+    """The caller's check of a chain's hashes (`kvstore.client.arguments.exact_hashes`), run once: by the first
+    round while its calls fly (F83), or before any error the chain's items caused is raised, so that a bad hash is
+    named rather than what it broke. None: nothing to check."""
+
+    def __init__(self, check: Callable[[], object] | None = None) -> None:
+        self._check = check
+
+    def take(self) -> Callable[[], object] | None:
+        """The check, if not run yet (whoever takes it runs it)."""
+        check, self._check = self._check, None
+        return check
+
+    def settle(self) -> None:
+        """Run the check if no one has (raising what it raises)."""
+        check = self.take()
+        if check is not None:
+            check()
+
+
 def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], *, lease_ms: int,
-                retry: Retry, refresher: Refresher, guess: int = 0) -> FleetLookup:
+                retry: Retry, refresher: Refresher, guess: int = 0, check: ChainCheck | None = None) -> FleetLookup:
     """Find the prefix of `chain` stored across its runs (see the module's docstring).
 
     Args:
         guess: the blocks of `chain` the caller believes stored (`FoundChains.guess`; 0: none): the run where
             they end is asked by its hashes in the round (F81). Only a guess: what is found is the nodes' answer.
+        check: the chain's check, run while the first round's calls fly (F83); when it raises, what those calls
+            leased is released and its error raised.
 
     Raises:
         KVStoreError: no replica of the first run answered (the error of the last), or a node refused the
-            request for a reason another replica would share (a bad argument, say).
+            request for a reason another replica would share (a bad argument, say); what `check` raises.
     """
-    orders = _Orders(pool, runs, chain)
+    check = check or ChainCheck()
     answers: dict[int, RunAnswer] = {}
     try:
-        end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry, guess)
+        orders = _Orders(pool, runs, chain)
+        end = _ask_by_node(pool, runs, orders, chain, answers, lease_ms, retry, guess, check)  # its first round checks
     except BaseException:
         _release(pool, [p for a in answers.values() for p in a.leases])
+        check.settle()  # a bad hash is named, not what it broke
         raise
     # A node's runs found by their last blocks share one lease (F77): kept while any run inside the prefix has it.
     kept = list(dict.fromkeys(p for i in sorted(answers) if i < end for p in answers[i].leases))
@@ -318,7 +344,8 @@ def _boundary(runs: Sequence[RunPlacement], chain: Sequence[bytes], guess: int) 
 
 
 def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, chain: Sequence[bytes],
-                 answers: dict[int, RunAnswer], lease_ms: int, retry: Retry, guess: int = 0) -> int:
+                 answers: dict[int, RunAnswer], lease_ms: int, retry: Retry, guess: int = 0,
+                 check: ChainCheck | None = None) -> int:
     """Without a lease, the last run first, on one replica (a prompt sent again: done, F31), then every run on
     every node of its read order (F76). With a lease, every run on one of the fewest nodes that hold them all
     (F82). One call per node, all nodes at once (F50); the runs of a node that failed on their next replica,
@@ -336,7 +363,7 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         # the last run's probe would take (F77): a prompt sent again is found whole; else its runs held whole
         # there are done and the walk asks the first that is not of every copy, by its hashes (F81: the guessed
         # boundary run rides by its hashes in that call).
-        _round(pool, runs, chain, answers, [(i, one) for i in range(len(runs))], lease_ms, anchors=True,
+        _round(pool, runs, chain, answers, check, [(i, one) for i in range(len(runs))], lease_ms, anchors=True,
                hashed=hashed)
     elif not lease_ms and len(runs) > 1 and boundary is not None:
         # F81: a prompt guessed stored up to inside run `boundary` skips the probe (it would fall short): one round
@@ -349,12 +376,12 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         ask += [(boundary, n) for k, n in enumerate(orders[boundary]) if not k or not pool.suspect(n)]
         if last > boundary:
             ask.append((last, orders[last][0]))
-        _round(pool, runs, chain, answers, ask, 0, anchors=True, hashed=hashed)
+        _round(pool, runs, chain, answers, check, ask, 0, anchors=True, hashed=hashed)
         if last > boundary and answers[last].found == runs[last].end_block - runs[last].first_block:
             return len(runs)  # every run before a stored run is stored, inside retention (F31)
     elif not lease_ms and len(runs) > 1:  # a prompt sent again: its last run, on one node, by its last block
         last, probed = len(runs) - 1, orders[len(runs) - 1][0]
-        _round(pool, runs, chain, answers, [(last, probed)], 0, anchors=True)
+        _round(pool, runs, chain, answers, check, [(last, probed)], 0, anchors=True)
         if answers[last].found == runs[last].end_block - runs[last].first_block:
             return len(runs)  # every run before a stored run is stored, inside retention (F31)
         # Short: some run's other copies will be asked (the walk's ask, F31), so every run is asked of every
@@ -363,11 +390,11 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
         # first (every copy is suspect): a stopped one would hold the round for its timeout; the walk asks it
         # later if it must.
         suspect = {n: pool.suspect(n) for n in {n for i in range(len(runs)) for n in orders[i]}}
-        _round(pool, runs, chain, answers, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
+        _round(pool, runs, chain, answers, check, [(i, n) for i in range(len(runs)) for k, n in enumerate(orders[i])
                                             if (i, n) != (last, probed) and n not in answers.get(i, _NONE).asked
                                             and (not k or not suspect[n])], 0, anchors=True)
     else:  # leased: every run by its last block (F77) on the fewest nodes that hold them all (F82), leased there
-        _round(pool, runs, chain, answers, cover_runs(pool, runs, chain), lease_ms, anchors=True)
+        _round(pool, runs, chain, answers, check, cover_runs(pool, runs, chain), lease_ms, anchors=True)
     while True:  # a node away: its runs go to their next replica, together
         again = []
         for i, answer in answers.items():
@@ -378,10 +405,10 @@ def _ask_by_node(pool: NodePool, runs: Sequence[RunPlacement], orders: _Orders, 
                 again.append((i, left[0]))
         if not again:
             break
-        _round(pool, runs, chain, answers, again, lease_ms)
+        _round(pool, runs, chain, answers, check, again, lease_ms)
     for i, run in enumerate(runs):
         if i not in answers:  # past a guessed boundary found whole (F81): the rest of every copy, in one round
-            _round(pool, runs, chain, answers, [(j, n) for j in range(i, len(runs)) if j not in answers
+            _round(pool, runs, chain, answers, check, [(j, n) for j in range(i, len(runs)) if j not in answers
                                                 for n in orders[j]], lease_ms, anchors=True)
         if answers[i].found < run.end_block - run.first_block:
             hashes = chain[run.first_block:run.end_block]
@@ -402,18 +429,13 @@ def _ask_the_rest(pool: NodePool, answer: RunAnswer, order: list[str], hashes: S
         return  # `_settle` asks the one left
     answer.asked.extend(left)
 
-    def ask(node: str) -> pb.LookupResponse | KVStoreError:
-        try:
-            c = pool.connection(node)
-            request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
-                                       block_hashes_packed=b"".join(hashes))
-            return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
-        except grpc.RpcError as exc:
-            return status_error(exc)
-        except KVStoreError as exc:
-            return exc
+    packed = b"".join(hashes)
 
-    outcomes = _at_once([partial(ask, node) for node in left])
+    def request(c: Connection) -> pb.LookupRequest:
+        return pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
+                                block_hashes_packed=packed)
+
+    outcomes, _ = _at_once([partial(_started, pool, node, "Lookup", request) for node in left])
     refused: KVStoreError | None = None
     for node, outcome in zip(left, outcomes, strict=True):
         if isinstance(outcome, KVStoreError):
@@ -433,7 +455,7 @@ _NONE = RunAnswer()
 
 
 def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], answers: dict[int, RunAnswer],
-           ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False,
+           check: ChainCheck | None, ask: Sequence[tuple[int, str]], lease_ms: int, *, anchors: bool = False,
            hashed: Sequence[int] = ()) -> None:
     """Ask run i of node n for every (i, n) in `ask`: one Lookup per node naming all its runs (run_lengths), the
     nodes at once (one round trip). A node's failure is noted on each of its runs; an error another replica would
@@ -443,7 +465,10 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     is left unasked there (its count is unknown), so the walk asks it of that node too, by its hashes. A node that
     cannot find runs so (it predates run_anchors) is asked again at once by the runs' hashes. With `anchors`, the
     runs in `hashed` ride by their hashes in the same calls (run_hashed, F81): each answered with its count; a node
-    that predates run_hashed refuses the call as one that predates run_anchors, and is asked again so."""
+    that predates run_hashed refuses the call as one that predates run_anchors, and is asked again so.
+
+    The chain's `check` (F83), not yet taken, is run once this round's calls are sent, while they fly: when it
+    raises, every call is still waited on, what they leased released, and its error raised."""
     by_node: dict[str, list[int]] = {}
     for i, node in ask:
         by_node.setdefault(node, []).append(i)
@@ -456,12 +481,18 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
     jobs = [(node, indices, _runs_request(pool, node, runs, indices, chain, lease_ms, packed, anchors=anchors,
                                           hashed=counted))
             for node, indices in by_node.items()]
-    outcomes = _at_once([call for _, _, call in jobs])
+    # F83: the calls go out first; the chain's check (the first round's) runs while they fly
+    outcomes, failed = _at_once([start for _, _, start in jobs], check.take() if check is not None else None)
+    if failed is not None:  # a bad hash: nothing this round found stands, so what it leased goes back
+        _release(pool, [(node, lease) for (node, _, _), outcome in zip(jobs, outcomes, strict=True)
+                        if not isinstance(outcome, KVStoreError)
+                        for lease in {outcome.lease_id, *outcome.run_lease_ids} if lease])
+        raise failed
     refused: KVStoreError | None = None
     for (node, indices, _), outcome in zip(jobs, outcomes, strict=True):
         by_anchor = anchors
         if anchors and isinstance(outcome, InvalidArgument | FailedPrecondition):  # predates run_anchors
-            outcome, by_anchor = _runs_request(pool, node, runs, indices, chain, lease_ms)(), False
+            outcome, by_anchor = _runs_request(pool, node, runs, indices, chain, lease_ms)()(), False
         if isinstance(outcome, KVStoreError):
             refused = refused or _node_failed(pool, answers, indices, node, outcome)
         elif len(outcome.run_found_blocks) != len(indices):  # a node that predates run_lengths: a run per call
@@ -483,28 +514,45 @@ def _round(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes],
         raise refused
 
 
-#: Threads the Lookups of one round wait on (shared by every fleet client of the process; made as needed).
-_EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="fleet-lookup")
+def _at_once(starts: Sequence[Callable[[], Outcome[T]]], meanwhile: Callable[[], object] | None = None
+             ) -> tuple[list[T | KVStoreError], BaseException | None]:
+    """Each call started from this thread (`started_calls`: its request sent), then `meanwhile`, then each waited
+    on: the outcomes in order, and what `meanwhile` raised. No pool's hand-off there and back per call (a round of
+    four leased Lookups 1.26 -> 1.06 ms, best of 200 on a 2-core box); a gRPC future starts a thread of its own per
+    channel while its call is in flight, which costs more than the call on a small prompt."""
+    return started_calls.at_once(starts, meanwhile)
 
 
-def _at_once(calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Each call's outcome, in order: blocking calls on the shared pool of threads, the last on this one (the
-    calls return their errors, so none is left running unwaited). A gRPC future starts a thread of its own per
-    channel while its call is in flight, which costs more than the call on a small prompt (the Release of a
-    leased Lookup on four nodes: 1.9-2.3 ms by futures, 1.4-1.6 ms so, on a 2-core box)."""
-    futures = [_EXECUTOR.submit(call) for call in calls[:-1]]
-    last = [calls[-1]()] if calls else []
-    return [f.result() for f in futures] + last
+def _started(pool: NodePool, node: str, method: str, request_of: Callable[[Connection], object]) -> Outcome[T]:
+    """`method` of `node` called now with `request_of(connection)`: the wait for its reply or the error it failed
+    with (`pool.connection` refusing, the call failing)."""
+    try:
+        c = pool.connection(node)
+        wait = started_calls.start(getattr(c.kvstore, method), request_of(c), timeout=c.timeout_s,
+                                   metadata=c.metadata)
+    except KVStoreError as exc:
+        refused = exc
+        return lambda: refused
+
+    def outcome() -> T | KVStoreError:
+        try:
+            return wait()  # type: ignore[no-any-return]
+        except grpc.RpcError as exc:
+            return status_error(exc)
+        except KVStoreError as exc:
+            return exc
+
+    return outcome
 
 
 def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indices: Sequence[int],
                   chain: Sequence[bytes], lease_ms: int, packed: bytes | None = None, *,
-                  anchors: bool = False, hashed: frozenset[int] = frozenset()) -> Callable[[], pb.LookupResponse
-                                                                                           | KVStoreError]:
-    """A Lookup of several runs on one node (each its own chain: run_lengths), to be called: its reply, or the
-    error it failed with. Only the asked runs' hashes are joined (a prompt sent again asks one run of 62), cut
-    from `packed` (the chain's hashes joined) when given; with `anchors`, only each run's last hash (F77), but
-    all the hashes of the runs in `hashed`, flagged in run_hashed (F81)."""
+                  anchors: bool = False, hashed: frozenset[int] = frozenset()
+                  ) -> Callable[[], Outcome[pb.LookupResponse]]:
+    """A Lookup of several runs on one node (each its own chain: run_lengths), to be started (`_started`): the
+    wait for its reply, or the error it failed with. Only the asked runs' hashes are joined (a prompt sent again
+    asks one run of 62), cut from `packed` (the chain's hashes joined) when given; with `anchors`, only each run's
+    last hash (F77), but all the hashes of the runs in `hashed`, flagged in run_hashed (F81)."""
     flags = [i in hashed for i in indices] if anchors and not hashed.isdisjoint(indices) else []
     if flags:
         hashes = b"".join([h for i in indices for h in (chain[runs[i].first_block:runs[i].end_block] if i in hashed
@@ -516,19 +564,12 @@ def _runs_request(pool: NodePool, node: str, runs: Sequence[RunPlacement], indic
     else:
         hashes = b"".join(_runs_hashes(chain, runs, indices))
 
-    def call() -> pb.LookupResponse | KVStoreError:
-        try:
-            c = pool.connection(node)
-            request = pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
-                                       block_hashes_packed=hashes, run_anchors=anchors, run_hashed=flags,
-                                       run_lengths=[runs[i].end_block - runs[i].first_block for i in indices])
-            return c.kvstore.Lookup(request, timeout=c.timeout_s, metadata=c.metadata)  # type: ignore[no-any-return]
-        except grpc.RpcError as exc:
-            return status_error(exc)
-        except KVStoreError as exc:
-            return exc
+    def request(c: Connection) -> pb.LookupRequest:
+        return pb.LookupRequest(geometry=c.geometry, namespace=c.namespace, lease_ms=lease_ms,
+                                block_hashes_packed=hashes, run_anchors=anchors, run_hashed=flags,
+                                run_lengths=[runs[i].end_block - runs[i].first_block for i in indices])
 
-    return call
+    return partial(_started, pool, node, "Lookup", request)
 
 
 def _runs_hashes(chain: Sequence[bytes], runs: Sequence[RunPlacement], indices: Sequence[int]) -> Sequence[bytes]:
@@ -554,16 +595,12 @@ def _node_failed(pool: NodePool, answers: dict[int, RunAnswer], indices: Sequenc
 
 def _release(pool: NodePool, leases: Sequence[tuple[str, str]]) -> int:
     """Release (node, lease) pairs, each on its node; how many were still held (a node away lets its lapse)."""
-    def release(node: str, lease: str) -> bool:
-        try:
-            c = pool.connection(node)
-            reply = c.kvstore.Release(pb.ReleaseRequest(lease_id=lease), timeout=c.timeout_s, metadata=c.metadata)
-            return bool(reply.released)
-        except (KVStoreError, grpc.RpcError):
-            return False  # its lease expires on its own (R9)
+    def release(node: str, lease: str) -> Outcome[pb.ReleaseResponse]:
+        return _started(pool, node, "Release", lambda _: pb.ReleaseRequest(lease_id=lease))
 
-    # a lease shared by a node's runs (F77) is released once
-    return sum(_at_once([partial(release, node, lease) for node, lease in dict.fromkeys(leases)]))
+    # a lease shared by a node's runs (F77) is released once; a node away lets its lapse (R9)
+    outcomes, _ = _at_once([partial(release, node, lease) for node, lease in dict.fromkeys(leases)])
+    return sum(not isinstance(o, KVStoreError) and bool(o.released) for o in outcomes)
 
 
 def release_lease(pool: NodePool, lease_id: str) -> bool:
