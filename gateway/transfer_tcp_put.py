@@ -56,8 +56,8 @@ log = logging.getLogger("kvstore.transfer")
 FRAMES_AHEAD = 8
 #: Grants given and not yet used, at most (the oldest is dropped past it).
 MAX_GRANTS = 4096
-#: Pooled receive buffers kept between frames, at most (each as large as the frames it took).
-MAX_POOLED = 4 * FRAMES_AHEAD
+#: Bytes of receive buffers kept between frames, at most (four connections' worth of 4 MiB frames).
+MAX_POOLED_BYTES = 4 * FRAMES_AHEAD * (4 << 20)
 
 #: The node's PutStream stages: requests in, their replies out, in order (`KVStoreServicer.put_replies`).
 PutReplies = Callable[[AsyncIterator[PutRequestView]], AsyncIterator[kv_pb.PutResponse]]
@@ -75,21 +75,27 @@ class PutGrant:
 class _Pool:
     """Receive buffers reused across frames and connections, so their pages are faulted in once."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int = MAX_POOLED_BYTES) -> None:
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._free: list[bytearray] = []
+        self._bytes = 0  # of the buffers in `_free`
 
     def take(self, size: int) -> bytearray:
+        """A buffer of at least `size` bytes (a pooled one when one is large enough)."""
         with self._lock:
             for i, buf in enumerate(self._free):
                 if len(buf) >= size:
+                    self._bytes -= len(buf)
                     return self._free.pop(i)
         return bytearray(size)
 
     def give(self, buf: bytearray) -> None:
+        """Keep `buf` for a later frame, unless the pool holds `max_bytes` already (it is then freed)."""
         with self._lock:
-            if len(self._free) < MAX_POOLED:
+            if self._bytes + len(buf) <= self.max_bytes:
                 self._free.append(buf)
+                self._bytes += len(buf)
 
 
 class TcpPuts:

@@ -1,7 +1,11 @@
 """Put, get and lookup of V4.1-Flash blocks through the service, against raw LMDB and raw gRPC.
 
 In one run: a `kvstore serve` process takes >= 1 GiB of blocks as one long chain
-(Put) and streams them back (Get); the same bytes go through raw LMDB with the
+(Put, by the path `Client.put` takes by default: the one-copy TCP transport where the
+server offers it, docs/TRANSFER.md) and streams them back (Get); each round the same
+blocks are put again as another chain by gRPC's PutStream (the second put figure, the
+path before the TCP transport and the one a server without it gets); the same bytes go
+through raw LMDB with the
 same durability (one fsync'd transaction per batch) and through a raw gRPC
 stream with no kvstore logic (a generic handler sending the same block-sized
 messages). The service's group commit lets one fsync serve the batches waiting for
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     blocks = [pool[i * block_bytes:(i + 1) * block_bytes] for i in range(n_blocks)]
     tokens = list(range(n_blocks * args.block_tokens))
     with scratch(args.dir) as folder:
-        with serve_process(folder / "store", n_blocks * block_bytes, args.block_tokens) as target:
+        # Room for the chain twice: each round's blocks are put again by gRPC, as another chain.
+        with serve_process(folder / "store", 2 * n_blocks * block_bytes, args.block_tokens) as target:
             puts, get_s, hashes, wire_lookup_s = _service(target, folder, tokens, blocks, args, lookup_blocks,
                                                           progress)
         server_lookup_s, cold_lookup_s, raw_scan_s = _server_lookup(
@@ -80,8 +85,11 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes.update(put_batches=puts.batches, put_commits=puts.commits, raw_commits=puts.raw_commits)
     # Where the put phase's CPU went (docs/BENCHMARKS.md, `bench store`): None where /proc is not there.
     report.notes.update({f"put_{name}": value for name, value in puts.usage.as_notes().items()})
+    report.notes["put_transport"] = puts.transport
     report.add(Figure.against("put", total / puts.put_s, "GB/s", "raw LMDB put, fsync per batch",
                               total / puts.raw_s))
+    report.add(Figure.against("put over gRPC (PutStream)", total / puts.grpc_s, "GB/s",
+                              "raw LMDB put, fsync per batch", total / puts.raw_s))
     # The service's group commit makes one fsync serve the batches that wait for it: fewer fsyncs than
     # batches (put_commits in the notes). Against raw LMDB making as many commits, same sizes, same run:
     report.add(Figure.against("put, raw LMDB at the service's commit count", total / puts.put_s, "GB/s",
@@ -172,16 +180,19 @@ def _auth_cost(data_dir: Path, data_bytes: int, args: argparse.Namespace, hashes
 
 @dataclass(frozen=True)
 class _Puts:
-    """The put phase: seconds of the service, of raw LMDB with a commit per batch, of raw LMDB with the
-    service's commit count; and the counts (batches sent, the service's commits, raw's)."""
+    """The put phase: seconds of the service (by `Client.put`'s default path, and by gRPC), of raw LMDB with a
+    commit per batch, of raw LMDB with the service's commit count; the counts (batches sent, the service's
+    commits, raw's); and the default path's transport ("tcp", or why gRPC)."""
 
     put_s: float
+    grpc_s: float
     raw_s: float
     grouped_s: float
     batches: int
     commits: int
     raw_commits: int
     usage: _PutUsage
+    transport: str
 
 
 @dataclass(kw_only=True)
@@ -282,7 +293,8 @@ class _RawLmdb:
 
 def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes], args: argparse.Namespace,
              lookup_blocks: int, progress: Progress) -> tuple[_Puts, float, list[bytes], float]:
-    from kvstore.client import Client
+    from kvstore.client import Client, put_tcp
+    from kvstore.prefix import ExtraKey
 
     batch = args.batch_blocks
     raw = _RawLmdb(scratch / "raw-lmdb", len(blocks) * len(blocks[0]))
@@ -296,7 +308,11 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
     hashes: list[bytes] = []
     store = scratch / "store"
     usage, server = _PutUsage(), _server_pid(store)
-    with Client(target) as client:
+    grpc_s, grpc_hashes, tcp_rounds = 0.0, list[bytes](), 0
+    with Client(target) as client, Client(target) as by_grpc:
+        put_tcp.refuse(by_grpc.connection, "bench store: the gRPC put figure")
+        # The same blocks as another chain (another extra key): all written, none found existing.
+        other: list[ExtraKey] = ["bench-store-grpc"]
         with progress.bar("put: raw LMDB and kvstore", 3 * len(blocks) * len(blocks[0])) as bar:
             for lo in range(0, len(blocks), step):
                 part = blocks[lo:lo + step]
@@ -310,11 +326,13 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
                 bar.update(len(part) * len(part[0]))
                 before = _last_txn(store)
                 server_before, (cpu, faults) = _server_usage(server), _self_usage()
+                tcp = put_tcp.wanted(client.connection, len(part) * len(part[0]))
                 start = time.perf_counter()
                 result = client.put(tokens[: (lo + len(part)) * args.block_tokens], part, first_block=lo,
                                     parent=hashes[-1] if hashes else None, batch_blocks=batch,
                                     on_batch=lambda n: bar.update(n * client.block_bytes))
                 put_s += time.perf_counter() - start
+                tcp_rounds += tcp and not put_tcp.refused(client.connection)
                 cpu_after, faults_after = _self_usage()
                 usage.client_cpu_s += cpu_after - cpu
                 usage.client_minor_faults += faults_after - faults
@@ -327,6 +345,11 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
                 grouped_s += timed(lambda part=part, made=made: grouped.put(  # type: ignore[misc]
                     part, -(-len(part) // max(made, 1))))
                 bar.update(len(part) * len(part[0]))
+                start = time.perf_counter()
+                grpc_hashes += by_grpc.put(tokens[: (lo + len(part)) * args.block_tokens], part, first_block=lo,
+                                           parent=grpc_hashes[-1] if grpc_hashes else None, batch_blocks=batch,
+                                           extra_keys=other).block_hashes
+                grpc_s += time.perf_counter() - start
         raw.close()
         grouped.close()
         with progress.bar("kvstore get", len(blocks) * client.block_bytes) as bar:
@@ -339,8 +362,11 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
         if got != len(blocks) * client.block_bytes:
             raise RuntimeError(f"get returned {got} bytes, expected {len(blocks) * client.block_bytes}")
         wire_lookup_s = min(timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
-    return _Puts(put_s=put_s, raw_s=raw_s, grouped_s=grouped_s, batches=batches, commits=commits,
-                 raw_commits=raw_commits, usage=usage), get_s, hashes, wire_lookup_s
+        # Which path `Client.put` took: the TCP transport in every round, or gRPC in some and why.
+        why = put_tcp.refused(client.connection) or f"a round's put is below {put_tcp.TCP_PUT_MIN_BYTES:,} bytes"
+        transport = "tcp" if tcp_rounds == rounds else f"grpc in {rounds - tcp_rounds} of {rounds} rounds ({why})"
+    return _Puts(put_s=put_s, grpc_s=grpc_s, raw_s=raw_s, grouped_s=grouped_s, batches=batches, commits=commits,
+                 raw_commits=raw_commits, usage=usage, transport=transport), get_s, hashes, wire_lookup_s
 
 
 def _server_lookup(data_dir: Path, block_tokens: int, capacity: int,

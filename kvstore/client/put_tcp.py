@@ -66,6 +66,11 @@ def wanted(connection: Connection, payload_bytes: int) -> bool:
             and not connection.run_blocks and connection not in _REFUSED)
 
 
+def refuse(connection: Connection, reason: str) -> None:
+    """Send this connection's puts by gRPC from now on (`reason` is what `refused` says)."""
+    _REFUSED[connection] = reason
+
+
 def refused(connection: Connection) -> str:
     """Why this connection's puts go by gRPC ("" while the TCP transport is not known to be refused)."""
     return _REFUSED.get(connection, "")

@@ -167,3 +167,12 @@ def test_puts_off_are_refused_with_the_reason(start_server: Callable[..., Any], 
     off = start_server(store, transfer=TransferSettings(tcp_put=False))
     reply = _grant(off.target)
     assert not reply.accepted and reply.reason == "transfer.tcp_put is off on this server"
+
+
+def test_a_grant_lapses_after_the_timeout(server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway import transfer_tcp_put
+
+    reply = _grant(server.target)
+    later = transfer_tcp_put.time.monotonic() + 5.0 + 1  # past the server's tcp_timeout_s
+    monkeypatch.setattr(transfer_tcp_put.time, "monotonic", lambda: later)
+    assert str(_answer(_dial(reply))).startswith("UNAUTHENTICATED: no live put grant")

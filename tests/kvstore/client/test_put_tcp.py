@@ -201,6 +201,14 @@ def test_a_put_through_tcp_of_many_frames_keeps_them_in_order(start: Callable[..
     assert frames == [100]
 
 
+def test_requests_are_cut_to_the_servers_frame_limit(start: Callable[..., Any], frames: list[int]) -> None:
+    limit = max(1 << 16, 4 * BLOCK_BYTES)  # 4 blocks a frame
+    tokens, blocks = _prompt(seed=5)
+    with Client(start(transfer=TransferSettings(tcp_max_request_bytes=limit)).target) as client:
+        assert client.put(tokens, blocks, batch_blocks=STEP).written_blocks == BLOCKS
+    assert frames == [BLOCKS // (limit // BLOCK_BYTES)]
+
+
 def test_blocks_given_as_arrays_go_from_their_buffers(start: Callable[..., Any], frames: list[int]) -> None:
     np = pytest.importorskip("numpy")
     tokens, blocks = _prompt(seed=4)
