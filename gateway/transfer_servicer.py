@@ -281,7 +281,7 @@ class TransferServicer(pb_grpc.TransferServicer):
         # The interceptors checked the "write" right (METHOD_RIGHTS) and took the request rate's token, as for
         # PutStream; the scope is checked here too (each frame's again when it is planned, as the caller).
         validate.scope(self.layouts, request.geometry, request.namespace)
-        refused, grant_id, token = self.tcp.open_put(current_caller())
+        refused, grant_id, token = self.tcp.open_put(current_caller(), context.peer())
         if refused:
             return pb.OpenPutReply(accepted=False, reason=refused)
         return pb.OpenPutReply(accepted=True, tcp_port=self.tcp.port, grant_id=grant_id, tcp_token=token,

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from gateway.auth import Caller
+from gateway.auth import Caller, is_loopback
 from gateway.transfer_bulk_map import MapSource, missing
 from gateway.transfer_fetch import batch_results, copy_blocks, fetch_keys
 from gateway.transfer_sessions import Session
@@ -137,12 +137,18 @@ class TcpBulkServer:
             )
         return "", grant.token
 
-    def open_put(self, caller: Caller) -> tuple[str, str, bytes]:
-        """A one-use put grant for `caller` (the listener started at the first), or say why not.
+    def open_put(self, caller: Caller, peer: str) -> tuple[str, str, bytes]:
+        """A one-use put grant for `caller` calling from `peer` (gRPC's "ipv4:host:port"; the listener started
+        at the first), or say why not: a listener on loopback is offered to callers on this host only (a client
+        elsewhere could not reach it, and would try before putting by gRPC).
 
         Returns:
             ("", grant id, token) when accepted; (reason, "", b"") when not.
         """
+        host = peer.partition(":")[2].rpartition(":")[0]
+        if is_loopback(self.settings.tcp_host) and not is_loopback(host):
+            return (f"the TCP listener binds {self.settings.tcp_host} (transfer.tcp_host): "
+                    "it takes puts from this host only"), "", b""
         refused = self.puts.refused() or self._listening()
         if refused:
             return refused, "", b""

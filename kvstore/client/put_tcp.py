@@ -43,6 +43,9 @@ from kvstore.v1 import transfer_pb2, transfer_pb2_grpc
 #: below it, a put is one or two gRPC requests, and OpenPut's round trip and the dial would cost more
 #: than the copies they save.
 TCP_PUT_MIN_BYTES = 8 << 20
+#: Seconds a dial of the listener may take before the put goes by gRPC (a listener the server names but a
+#: firewall drops packets to must not hold the put for the call's whole deadline).
+CONNECT_TIMEOUT_S = 5.0
 #: The environment variable that turns the transport off for this process (its value "grpc").
 TRANSPORT_ENV = "KVSTORE_CLIENT_PUT"
 
@@ -120,7 +123,8 @@ def send(connection: Connection, grant: PutGrant, frames: Iterable[tuple[pb.PutR
             Unavailable when the connection broke (putting again is safe).
     """
     try:
-        sock = socket.create_connection(grant.address, timeout=connection.timeout_s or 60.0)
+        sock = socket.create_connection(grant.address, timeout=CONNECT_TIMEOUT_S)
+        sock.settimeout(connection.timeout_s or None)
     except OSError as exc:
         host, port = grant.address
         _REFUSED[connection] = f"the tcp transport's listener at {host}:{port} did not answer ({exc})"

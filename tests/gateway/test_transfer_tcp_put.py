@@ -176,3 +176,14 @@ def test_a_grant_lapses_after_the_timeout(server: Any, monkeypatch: pytest.Monke
     later = transfer_tcp_put.time.monotonic() + 5.0 + 1  # past the server's tcp_timeout_s
     monkeypatch.setattr(transfer_tcp_put.time, "monotonic", lambda: later)
     assert str(_answer(_dial(reply))).startswith("UNAUTHENTICATED: no live put grant")
+
+
+def test_a_loopback_listener_grants_callers_on_this_host_only() -> None:
+    from gateway.auth import OPEN_CALLER
+    from gateway.transfer_tcp import TcpBulkServer
+
+    tcp = TcpBulkServer(TransferSettings(tcp_put=False), None, lambda *_: None)  # type: ignore[arg-type]
+    refused, _, _ = tcp.open_put(OPEN_CALLER, "ipv4:10.1.2.3:40000")
+    assert refused == "the TCP listener binds 127.0.0.1 (transfer.tcp_host): it takes puts from this host only"
+    for local in ("ipv4:127.0.0.1:40000", "ipv6:[::1]:40000"):  # on to the next check: puts off here
+        assert tcp.open_put(OPEN_CALLER, local)[0] == "transfer.tcp_put is off on this server"
