@@ -218,3 +218,16 @@ def test_blocks_given_as_arrays_go_from_their_buffers(start: Callable[..., Any],
         assert client.get(tokens).blocks == blocks
     assert frames == [5]
 
+
+
+def test_an_error_reaches_the_client_while_it_still_sends(start: Callable[..., Any], frames: list[int]) -> None:
+    # The first frame is refused while the client has ~14 MB more to send: the server must not reset the
+    # connection (dropping its error frame) for the bytes it will not read.
+    n = 1000
+    tokens = list(range(n * TOKENS))
+    blocks = [bytes([i % 256]) * BLOCK_BYTES for i in range(n)]
+    with Client(start().target) as client:
+        for _ in range(3):
+            with pytest.raises(FailedPrecondition):
+                client.put(tokens, blocks[1:], first_block=1, batch_blocks=4)
+        assert put_tcp.refused(client.connection) == ""
