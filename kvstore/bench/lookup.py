@@ -11,7 +11,8 @@ and is asked, over loopback gRPC, by the worker's client:
   sent, packed) and against a raw gRPC echo of the same request bytes (no kvstore
   logic at either end);
 - a cold Lookup with the hashes in hand (`lookup_hashes`): packed against the
-  repeated field, and against the raw echo;
+  repeated field, and against the raw echo; the same with the hashes' check while the
+  call flies against the check first (`Client.overlap_check`, docs/FLEET.md F83);
 - a cold Lookup from tokens (every token hashed, as a first turn is);
 - then, the server stopped, the server's own answer (the tier's lookup of the
   same hashes in-process), the floor any wire path adds to.
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
     report.notes["budget_ms"] = _budget(samples, server)
     report.notes["wire_bytes"] = wire
     report.notes["overlap_compare"] = Client.overlap_compare  # C7 on by default here (the usable CPUs)
+    report.notes["overlap_check"] = Client.overlap_check  # F83's check while the call flies, by default here
     # the chain hashes in C (kvstore.native._chainhash) where it was built, else hashlib per block (~3x slower)
     report.notes["native_chain_hashes"] = prefix._native_chain is not None
     _report(report, figures, len(turn), args)
@@ -329,11 +331,27 @@ def _cold(
     from kvstore.v1 import kvstore_pb2 as pb
 
     cold_raw = pb.LookupRequest(geometry=cold.geometry, block_hashes_packed=b"".join(hashes)).SerializeToString()
+    default_check = cold.overlap_check  # F83's default on this machine (Client.OVERLAP_MIN_CPUS)
+
+    def checked(overlap: bool) -> Callable[[], object]:
+        def call() -> object:
+            cold.overlap_check = overlap
+            try:
+                return cold.lookup_hashes(hashes)
+            finally:
+                cold.overlap_check = default_check
+
+        return call
+
     out = _in_turns(
         {
             "cold_packed": lambda: cold.lookup_hashes(hashes),
             "echo_cold": lambda: echo(cold_raw),
             "cold_repeated": lambda: today.lookup_hashes(hashes),
+            # the same client with the hashes' check while the call flies and before it: both timed, whichever
+            # the machine's default (docs/FLEET.md F83)
+            "cold_check_meanwhile": checked(True),
+            "cold_check_first": checked(False),
         },
         args.repeat,
     )
@@ -591,6 +609,15 @@ def _report(report: Report, s: dict[str, float], tokens: int, args: argparse.Nam
             "ms",
             "the server's own answer (tier lookup in-process)",
             ms["server"],
+        )
+    )
+    report.add(
+        Figure.against(
+            f"lookup {label} cold over gRPC, the hashes' check while the call flies (vs checked first)",
+            ms["cold_check_meanwhile"],
+            "ms",
+            "the same client, the hashes checked, then the request (overlap_check off)",
+            ms["cold_check_first"],
         )
     )
     report.add(

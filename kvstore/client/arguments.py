@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore.errors import InvalidArgument
@@ -106,6 +106,26 @@ def exact_hashes(values: list[Any], name: str) -> None:
     for i, value in enumerate(values):  # only to name what is wrong
         one_hash(value, f"{name}[{i}]")
     raise NotExact(name)
+
+
+class ChainCheck:
+    """A check of a chain's hashes (`exact_hashes`), run once: by the first call that takes it, while that call
+    flies (docs/FLEET.md F83), or before any error the chain's items caused is raised, so that a bad hash is named
+    rather than what it broke. None: nothing to check."""
+
+    def __init__(self, check: Callable[[], object] | None = None) -> None:
+        self._check = check
+
+    def take(self) -> Callable[[], object] | None:
+        """The check, if not run yet (whoever takes it runs it)."""
+        check, self._check = self._check, None
+        return check
+
+    def settle(self) -> None:
+        """Run the check if no one has (raising what it raises)."""
+        check = self.take()
+        if check is not None:
+            check()
 
 
 def hashes(values: Any, name: str) -> list[bytes]:

@@ -42,7 +42,7 @@ from kvstore.client.connection import DEFAULT_TENANT, Connection, TlsOptions
 from kvstore.client.fleet_address import parse_fleet_address
 from kvstore.client.fleet_chain import FleetChainMemo, fleet_snapshot_keys
 from kvstore.client.fleet_get import stream_run_part, stream_runs
-from kvstore.client.fleet_lookup import ChainCheck, FleetLookup, FoundChains, lookup_runs, release_lease, run_found
+from kvstore.client.fleet_lookup import FleetLookup, FoundChains, lookup_runs, release_lease, run_found
 from kvstore.client.fleet_nodes import NodePool
 from kvstore.client.fleet_pins import combine, pin_grants, pin_runs
 from kvstore.client.fleet_put import RunPut, put_runs
@@ -294,7 +294,7 @@ class FleetClient(Client):
         """The runs of `chain` and what `lookup_runs` found of it, the guess of its boundary taken and noted (F81).
         `check` (the chain's hashes checked) runs while the first round's calls fly (F83), or before an error the
         chain's items caused is raised, so that a bad hash is named rather than what it broke."""
-        pending = ChainCheck(check)
+        pending = arguments.ChainCheck(check)
         try:
             runs = self.placement(chain)
             guess = self.found_chains.guess(chain)

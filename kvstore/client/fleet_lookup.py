@@ -47,6 +47,7 @@ from typing import TypeVar
 import grpc
 
 from kvstore.client import started_calls
+from kvstore.client.arguments import ChainCheck
 from kvstore.client.connection import Connection, status_error
 from kvstore.client.fleet_cover import cover_runs
 from kvstore.client.fleet_nodes import NodePool
@@ -231,26 +232,6 @@ def run_found(pool: NodePool, run: RunPlacement, chain: Sequence[bytes], retry: 
     _settle(pool, answer, pool.read_order(chain[run.first_block], run.replicas),
             chain[run.first_block:run.end_block], 0, retry)
     return answer
-
-
-class ChainCheck:
-    """The caller's check of a chain's hashes (`kvstore.client.arguments.exact_hashes`), run once: by the first
-    round while its calls fly (F83), or before any error the chain's items caused is raised, so that a bad hash is
-    named rather than what it broke. None: nothing to check."""
-
-    def __init__(self, check: Callable[[], object] | None = None) -> None:
-        self._check = check
-
-    def take(self) -> Callable[[], object] | None:
-        """The check, if not run yet (whoever takes it runs it)."""
-        check, self._check = self._check, None
-        return check
-
-    def settle(self) -> None:
-        """Run the check if no one has (raising what it raises)."""
-        check = self.take()
-        if check is not None:
-            check()
 
 
 def lookup_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], *, lease_ms: int,

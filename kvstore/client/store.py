@@ -9,19 +9,22 @@ subclass (`kvstore.errors`), never as a raw `grpc.RpcError` (the plumbing is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Self
 
-from kvstore.client import arguments
+import grpc
+
+from kvstore.client import arguments, started_calls
 from kvstore.client.blocks import stream_blocks
 from kvstore.client.chain_memo import DEFAULT_MAX_BYTES, HashChain, token_array
-from kvstore.client.connection import Connection, TlsOptions
+from kvstore.client.connection import Connection, TlsOptions, status_error
 from kvstore.client.puts import put_blocks
 from kvstore.client.resume_report import report_resume
 from kvstore.client.retry import Retry
@@ -125,6 +128,10 @@ class Client:
     #: the compare first, then the request (the serial path, `kvstore bench lookup`'s baseline for it). On by
     #: default where the process may use `OVERLAP_MIN_CPUS` CPUs; set it on a client (or the class) to choose.
     overlap_compare: bool = _usable_cpus() >= OVERLAP_MIN_CPUS
+    #: `lookup_hashes` without a pin checks the caller's hashes while its call flies (docs/FLEET.md F83, as a fleet
+    #: client's first round does): ~0.45 ms of a 1M-token prompt's cold Lookup off its path where a core is free
+    #: for the server and gRPC's I/O; False: checked first, then sent. On by default as `overlap_compare` is.
+    overlap_check: bool = _usable_cpus() >= OVERLAP_MIN_CPUS
 
     def __new__(cls, target: str, *args: Any, **kwargs: Any) -> Client:
         """The class of `target`'s scheme (`ADDRESS_SCHEMES`: a fleet client for etcd://), else this one."""
@@ -214,10 +221,24 @@ class Client:
     def lookup_hashes(self, hashes: list[bytes], *, lease_ms: int = 0, swa_keys: Sequence[bytes] = (),
                       swa_positions: Sequence[int] = (), swa_resume_limit: int = 0, keep_until_s: float = 0.0,
                       hosts: bool = False) -> LookupResult:
-        """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has."""
-        return self._lookup(arguments.hashes(hashes, "hashes"), lease_ms=lease_ms, swa_keys=swa_keys,
-                            swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
-                            keep_until_s=arguments.keep_time(keep_until_s), hosts=arguments.flag(hosts, "hosts"))
+        """`lookup` for a prompt whose chain hashes (and SWA snapshot keys) the caller already has.
+
+        Without a pin, with `overlap_check`, the hashes are checked while the call flies (docs/FLEET.md F83, as a
+        fleet client's first round): a hash refused then is refused as before, what the call leased released first.
+        """
+        keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
+        if keep_until_s or not self.overlap_check:  # a pin outlives the call (R22): granted only for checked hashes
+            chain: list[Any] = arguments.hashes(hashes, "hashes")
+            check = arguments.ChainCheck()
+        else:
+            chain = arguments.hash_list(hashes, "hashes")
+            check = arguments.ChainCheck(partial(arguments.exact_hashes, chain, "hashes"))
+        ask = partial(self._lookup, lease_ms=lease_ms, swa_keys=swa_keys, swa_positions=swa_positions,
+                      swa_resume_limit=swa_resume_limit, keep_until_s=keep_until_s, hosts=hosts)
+        try:
+            return ask(chain, check=check)
+        except arguments.NotExact:  # hashes, not all bytes (what the call leased is released): as bytes, again
+            return ask(arguments.hashes(chain, "hashes"))
 
     def pin(self, tokens: Sequence[int], keep_until_s: float, *, extra_keys: Sequence[ExtraKey] = ()) -> LookupResult:
         """Keep the stored prefix of `tokens` until the Unix time `keep_until_s`, beyond the tenant's retention.
@@ -240,24 +261,63 @@ class Client:
 
     def _lookup(self, hashes: Sequence[bytes], *, lease_ms: int, swa_keys: Sequence[bytes],
                 swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float = 0.0,
-                hosts: bool = False) -> LookupResult:
-        """The Lookup of checked `hashes` (the caller's, checked, or this client's own chain)."""
+                hosts: bool = False, check: arguments.ChainCheck | None = None) -> LookupResult:
+        """The Lookup of `hashes` (the caller's, checked or to be checked by `check` while the call flies, or this
+        client's own chain)."""
         fields = self._lookup_fields(lease_ms=lease_ms, swa_keys=swa_keys, swa_positions=swa_positions,
                                      swa_resume_limit=swa_resume_limit, keep_until_s=keep_until_s, hosts=hosts)
         if not hashes and not fields["swa_keys"]:
             return LookupResult(found_blocks=0, found_tokens=0, lease_id=None, block_hashes=[])
         # Without a lease a Lookup may run twice (it only refreshes); with one, a lost reply's lease would leak.
         retry = self.retry if not fields["lease_ms"] else Retry(retries=0)
-        conn = self.connection
-        anchored = conn.anchors.best(hashes) if conn.lookup_anchors else 0
-        reply = self._anchored_call(hashes, anchored, fields, retry) if anchored else None
-        if reply is None:
-            # One packed field where the server reads it: one parse on each side, not one per hash.
-            chain = {"block_hashes_packed": b"".join(hashes)} if conn.lookup_packed_hashes else {"block_hashes": hashes}
-            request = pb.LookupRequest(**chain, **fields)
-            reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
-            anchored = 0
+        conn, check = self.connection, check or arguments.ChainCheck()
+        try:
+            anchored = conn.anchors.best(hashes) if conn.lookup_anchors else 0
+            reply = self._anchored_call(hashes, anchored, fields, retry, check) if anchored else None
+            if reply is None:
+                # One packed field where the server reads it: one parse on each side, not one per hash.
+                chain = ({"block_hashes_packed": b"".join(hashes)} if conn.lookup_packed_hashes
+                         else {"block_hashes": hashes})
+                reply = self._checked_call(pb.LookupRequest(**chain, **fields), retry, check)
+                anchored = 0
+        except Exception:
+            check.settle()  # a bad hash is named, not what it broke
+            raise
         return self._found(reply, hashes, anchored, hosts)
+
+    def _checked_call(self, request: pb.LookupRequest, retry: Retry, check: arguments.ChainCheck) -> Any:
+        """A Lookup call under `retry`; the hashes' `check`, if no call has taken it yet, runs while its first
+        attempt flies (docs/FLEET.md F83): when it raises, the reply's lease is released before its error."""
+        conn = self.connection
+        run = check.take()
+        if run is None:
+            return retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+        first = [started_calls.start(conn.kvstore.Lookup, request, timeout=conn.timeout_s, metadata=conn.metadata)]
+        try:
+            run()
+        except Exception:
+            try:
+                refused = first[0]()
+            except grpc.RpcError:
+                refused = None
+            if refused is not None and refused.lease_id:
+                self._release_quietly(refused.lease_id)
+            raise
+
+        def attempt() -> Any:
+            if not first:
+                return conn.call(conn.kvstore.Lookup, request)
+            try:
+                return first.pop()()
+            except grpc.RpcError as exc:
+                raise status_error(exc) from None
+
+        return retry.call(attempt)
+
+    def _release_quietly(self, lease_id: str) -> None:
+        """Release a lease no caller was given; one the server could not drop lapses on its own (R9)."""
+        with contextlib.suppress(KVStoreError):
+            self.release(lease_id)
 
     def _lookup_fields(self, *, lease_ms: int, swa_keys: Sequence[bytes], swa_positions: Sequence[int],
                        swa_resume_limit: int, keep_until_s: float, hosts: bool) -> dict[str, Any]:
@@ -270,13 +330,14 @@ class Client:
                 "keep_until_s": keep_until_s, "want_hosts": hosts}
 
     def _anchored_call(self, hashes: Sequence[bytes], anchored: int, fields: dict[str, Any],
-                       retry: Retry) -> pb.LookupResponse | None:
+                       retry: Retry, check: arguments.ChainCheck | None = None) -> pb.LookupResponse | None:
         """A next turn's request: the anchor (the chain the server found before, `anchored` blocks) and the
-        hashes after it; None when the server has forgotten the anchor (A4: then forgotten here too)."""
+        hashes after it; None when the server has forgotten the anchor (A4: then forgotten here too). `check`:
+        the hashes' check, run while the call flies (`_checked_call`)."""
         conn = self.connection
         request = pb.LookupRequest(anchor_hash=hashes[anchored - 1], anchor_blocks=anchored,
                                    block_hashes_packed=b"".join(hashes[anchored:]), **fields)
-        reply = retry.call(lambda: conn.call(conn.kvstore.Lookup, request))
+        reply = self._checked_call(request, retry, check or arguments.ChainCheck())
         if reply.anchor_unknown:  # forgotten (or a restarted server): the caller sends the whole chain
             conn.anchors.forget(hashes[anchored - 1])
             return None
