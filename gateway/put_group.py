@@ -11,13 +11,15 @@ A group is all or none (`BlockStore.put_many`): when it fails, each of its batch
 again alone, so every caller gets its own result or its own error (a parent not stored, a quota)
 and no batch is refused for another's fault.
 
-The group lives on the tier's executor's threads, not on the event loop: a unary Put's plan (its checks,
-its chain's hashes, its checksums) and its commit run in one executor call (`plan_and_put`). The call
-that finds no commit running commits the group, and every group after it while more batches wait; the
-others queue their batch and return. Each group's results go back to the event loop in one callback. So a
-Put costs the loop one hop to a thread and at most one wake-up, where a plan on `asyncio.to_thread`
-followed by a commit through `BlockStore.call` cost two of each (docs/BENCHMARKS.md, `bench load`'s budget:
-the two hops' wake-ups ~180 us of a serial Put's server time).
+The group lives on the tier's executor's threads, not on the event loop: one thread at a time is the
+committer, and it both plans and commits. A unary Put's plan (its checks, its chain's hashes, its
+checksums) is queued on the loop; the Put that finds no committer submits one call to the executor
+(`_commit_all`), which plans whatever is queued, commits it as a group, and goes on while more arrive.
+The Puts that arrive while it runs only queue their plan: no thread is woken for them. Each group's
+results go back to the event loop in one callback. So a Put costs the loop a queued plan, and a group
+one hop to a thread and one wake-up: planning each Put on a thread of its own (as 895adc3 did) woke a
+thread per Put, which then fought the committer and the loop for the GIL (docs/BENCHMARKS.md, `bench
+load`: a Put's commit under 16 clients).
 """
 
 from __future__ import annotations
@@ -41,14 +43,16 @@ MAX_GROUP_BATCHES = 32
 _Outcome = tuple[PutBatch, PutResult]
 #: A batch queued for a commit, with the loop and the future its caller awaits.
 _Queued = tuple[PutBatch, asyncio.AbstractEventLoop, asyncio.Future[_Outcome]]
+#: A plan queued for the committer (run in its caller's context), with its caller's loop and future.
+_Planned = tuple[Callable[[], PutBatch], asyncio.AbstractEventLoop, asyncio.Future[_Outcome]]
 #: A caller's future with its outcome or its error.
 _Settled = tuple[asyncio.Future[_Outcome], _Outcome | None, BaseException | None]
 
 
 class PutGroups:
     """Commits Put batches on `store` in groups: one commit in flight, the next one taking every batch
-    that arrived meanwhile (at most `max_batches`). The commits run on the store's executor (its
-    `executor` attribute when it has one, else through `call`).
+    that arrived meanwhile (at most `max_batches`). The committer runs on the store's executor (its
+    `executor` attribute when it has one, else through `call`) and plans the Puts queued for it.
 
     Args:
         store: where the batches are committed.
@@ -58,17 +62,18 @@ class PutGroups:
     def __init__(self, store: BlockStore, max_batches: int = MAX_GROUP_BATCHES) -> None:
         self.store = store
         self.max_batches = max_batches
-        self._lock = threading.Lock()  # the queue and the committer's flag, shared by the executor's threads
-        self._waiting: list[_Queued] = []
-        self._committing = False  # a thread is committing groups (it takes whatever is queued)
+        self._lock = threading.Lock()  # the queues and the committer's flag, shared by the loop and the committer
+        self._waiting: list[_Queued] = []  # planned batches, in order
+        self._plans: list[_Planned] = []  # plans the committer runs before its next commit, in order
+        self._committing = False  # a committer is running (it takes whatever is queued)
         executor = getattr(store, "executor", None)
         self._executor = executor if isinstance(executor, Executor) else None
         self._calls: set[asyncio.Future[None]] = set()  # `call`s in flight, for a store without an executor
 
     @property
     def waiting(self) -> int:
-        """Batches queued for the next commit (not counting the one running)."""
-        return len(self._waiting)
+        """Batches queued for the next commit, planned or not (not counting the commit running)."""
+        return len(self._waiting) + len(self._plans)
 
     async def put(self, batch: PutBatch) -> PutResult:
         """Commit `batch` with whatever else is waiting; its result once durable.
@@ -79,7 +84,10 @@ class PutGroups:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[_Outcome] = loop.create_future()
         # Queued now, on the loop: a batch put before another is in the same group or an earlier one.
-        if self._queue(batch, loop, done):
+        with self._lock:
+            self._waiting.append((batch, loop, done))
+            start = self._take_commit()
+        if start:
             self._submit(self._commit_all)
         # A caller gone (cancelled) leaves its batch in the group: it is stored or refused all the same,
         # as a Put whose commit had started always was; its result goes nowhere (`_settle`).
@@ -87,7 +95,7 @@ class PutGroups:
 
     async def plan_and_put(self, plan: Callable[[], PutBatch]) -> _Outcome:
         """`plan()`'s batch (a blocking call: its checks and hashes), committed with whatever else is waiting,
-        both in one call on the store's executor; the batch and its result once durable.
+        both on the store's executor, by the committer; the batch and its result once durable.
 
         Raises:
             whatever `plan()` raises, or committing its batch alone raises.
@@ -96,8 +104,19 @@ class PutGroups:
         done: asyncio.Future[_Outcome] = loop.create_future()
         # In the caller's context, as `asyncio.to_thread` runs it: the plan reads the call's caller (its tenant).
         in_context = functools.partial(contextvars.copy_context().run, plan)
-        self._submit(self._plan_then_queue, in_context, loop, done)
+        with self._lock:
+            self._plans.append((in_context, loop, done))
+            start = self._take_commit()
+        if start:  # else the running committer plans it before its next commit: no thread woken for it
+            self._submit(self._commit_all)
         return await done
+
+    def _take_commit(self) -> bool:
+        """Under the lock: True when the caller is to start a committer (none is running)."""
+        if self._committing:
+            return False
+        self._committing = True
+        return True
 
     def _submit(self, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` on the store's executor; nothing awaits it (it settles its callers' futures)."""
@@ -108,37 +127,44 @@ class PutGroups:
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
 
-    def _plan_then_queue(self, plan: Callable[[], PutBatch], loop: asyncio.AbstractEventLoop,
-                         done: asyncio.Future[_Outcome]) -> None:
-        """On the executor: plan the batch, queue it, and commit if no thread is committing."""
-        try:
-            batch = plan()
-        except Exception as exc:
-            _post(loop, [(done, None, exc)])
-            return
-        if done.cancelled():  # the caller left before its batch was planned: not stored, as before
-            return
-        if self._queue(batch, loop, done):
-            self._commit_all()
-
-    def _queue(self, batch: PutBatch, loop: asyncio.AbstractEventLoop, done: asyncio.Future[_Outcome]) -> bool:
-        """Queue a batch for the next commit; True when the caller is to commit (no thread is)."""
-        with self._lock:
-            self._waiting.append((batch, loop, done))
-            if self._committing:
-                return False
-            self._committing = True
-            return True
-
     def _commit_all(self) -> None:
-        """On the executor: commit groups until none is waiting."""
+        """On the executor: plan what is queued and commit groups until nothing is."""
+        try:
+            self._drain()
+        except BaseException:  # not a plan's or a commit's own error (those go to their callers): the next Put
+            with self._lock:   # starts a committer again, which takes what is still queued
+                self._committing = False
+            raise
+
+    def _drain(self) -> None:
         while True:
-            with self._lock:  # checked and given up together: a batch queued after this finds no committer
-                if not self._waiting:
+            with self._lock:  # checked and given up together: a Put queued after this finds no committer
+                plans, self._plans = self._plans, []
+                if not plans and not self._waiting:
                     self._committing = False
                     return
+            if plans:
+                self._plan_each(plans)
+            with self._lock:
                 group, self._waiting = self._waiting[:self.max_batches], self._waiting[self.max_batches:]
-            self._commit(group)
+            if group:
+                self._commit(group)
+
+    def _plan_each(self, plans: list[_Planned]) -> None:
+        """Run each plan; its batch queued for the next commit, or its own error sent to its caller."""
+        planned: list[_Queued] = []
+        refused: list[tuple[asyncio.AbstractEventLoop, _Settled]] = []
+        for plan, loop, done in plans:
+            if done.cancelled():  # the caller left before its batch was planned: not stored, as before
+                continue
+            try:
+                planned.append((plan(), loop, done))
+            except Exception as exc:
+                refused.append((loop, (done, None, exc)))
+        with self._lock:
+            self._waiting.extend(planned)
+        for loop, settled in refused:
+            _post(loop, [settled])
 
     def _commit(self, group: list[_Queued]) -> None:
         """One commit for `group`; if it fails and holds more than one batch, each batch alone."""

@@ -175,8 +175,8 @@ def test_puts_planned_while_a_commit_runs_share_the_next_and_a_bad_plan_fails_al
         plans: list[Any] = [(lambda b=b: b) for b in later]
         plans.insert(2, refused)
         rest = [asyncio.ensure_future(groups.plan_and_put(p)) for p in plans]
-        # Planned on the executor's other threads: released once all four are queued behind the held commit.
-        await asyncio.to_thread(wait_until, lambda: groups.waiting == 4, "four planned Puts queued")
+        # Queued for the committer, which plans them after the held commit: released once all five are queued.
+        await asyncio.to_thread(wait_until, lambda: groups.waiting == 5, "five Puts queued")
         tier.let_go.set()
         return await asyncio.wait_for(asyncio.gather(first, *rest, return_exceptions=True), 30)
 
@@ -188,6 +188,41 @@ def test_puts_planned_while_a_commit_runs_share_the_next_and_a_bad_plan_fails_al
     assert sorted(b.hashes[0] for b, _ in stored[1:]) == sorted(b.hashes[0] for b in later)
     keys = [SCOPE.key(h) for b in later for h in b.hashes]
     assert [s for s, _ in tier.read(keys)] == [ReadStatus.FOUND] * len(keys)
+
+
+def test_puts_queued_behind_a_commit_are_planned_by_its_thread_and_wake_no_other(tier: CountedTier) -> None:
+    """While a commit runs, a Put only queues its plan: the committing thread plans them all after its commit
+    (one executor call for the group), so no other LMDB thread is woken for them."""
+    threads: list[int] = []
+    submits: list[Any] = []
+    real_submit = tier.executor.submit
+
+    def counted_submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        submits.append(fn)
+        return real_submit(fn, *args, **kwargs)
+
+    tier.executor.submit = counted_submit  # type: ignore[method-assign,assignment]
+
+    def plan_of(b: PutBatch) -> Any:
+        def plan() -> PutBatch:
+            threads.append(threading.get_ident())
+            return b
+        return plan
+
+    async def main() -> list[Any]:
+        groups = PutGroups(tier)
+        first = asyncio.ensure_future(groups.plan_and_put(plan_of(batch(10_000))))
+        assert await asyncio.to_thread(tier.entered.wait, 30)
+        rest = [asyncio.ensure_future(groups.plan_and_put(plan_of(batch(i * 100)))) for i in range(3)]
+        await asyncio.to_thread(wait_until, lambda: groups.waiting == 3, "three Puts queued")
+        tier.let_go.set()
+        return await asyncio.wait_for(asyncio.gather(first, *rest), 30)
+
+    outcomes = asyncio.run(main())
+    assert [r.written_blocks for _, r in outcomes] == [2] * 4
+    assert tier.commits == [1, 3]
+    assert len(submits) == 1  # one executor call served the held commit and the group behind it
+    assert len(threads) == 4 and len(set(threads)) == 1, threads  # every plan on the committing thread
 
 
 def test_a_put_is_planned_in_its_callers_context(tier: CountedTier) -> None:
