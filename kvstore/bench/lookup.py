@@ -147,6 +147,7 @@ def run(args: argparse.Namespace, progress: Progress) -> Report:
         f"{name} {statistics.median(times) * 1e3:.3f}" for name, times in samples.items() if len(times) > 1
     )
     report.notes["budget_ms"] = _budget(samples, server)
+    report.notes["cold_budget_ms"] = _cold_budget(samples)
     report.notes["wire_bytes"] = wire
     report.notes["overlap_compare"] = Client.overlap_compare  # C7 on by default here (the usable CPUs)
     report.notes["overlap_check"] = Client.overlap_check  # F83's check while the call flies, by default here
@@ -327,9 +328,15 @@ def _cold(
     args: argparse.Namespace,
 ) -> dict[str, list[float]]:
     """Seconds of a cold Lookup (no memo, no anchor) with the hashes in hand, packed, in turns with a raw echo
-    of the same request bytes and today's repeated field; then from tokens."""
+    of the same request bytes and today's repeated field, and the pieces of its budget (the hashes' check, their
+    join, the request built, and the same request by the bare stub: wire and server, no client work); then from
+    tokens."""
+    from kvstore.client import arguments
     from kvstore.v1 import kvstore_pb2 as pb
 
+    conn = cold.connection
+    cold_request = pb.LookupRequest(geometry=cold.geometry, namespace=cold.namespace,
+                                    block_hashes_packed=b"".join(hashes))
     cold_raw = pb.LookupRequest(geometry=cold.geometry, block_hashes_packed=b"".join(hashes)).SerializeToString()
     default_check = cold.overlap_check  # F83's default on this machine (Client.OVERLAP_MIN_CPUS)
 
@@ -352,6 +359,12 @@ def _cold(
             # the machine's default (docs/FLEET.md F83)
             "cold_check_meanwhile": checked(True),
             "cold_check_first": checked(False),
+            # the budget's pieces: the client's work before the send, and the request without it
+            "cold_check": lambda: arguments.exact_hashes(hashes, "hashes"),
+            "cold_join": lambda: b"".join(hashes),
+            "cold_build": lambda: pb.LookupRequest(geometry=cold.geometry, namespace=cold.namespace,
+                                                   block_hashes_packed=cold_request.block_hashes_packed),
+            "cold_stub": lambda: conn.call(conn.kvstore.Lookup, cold_request),
         },
         args.repeat,
     )
@@ -395,6 +408,21 @@ def _server_answer(
         return out
     finally:
         tier.close()
+
+
+def _cold_budget(samples: dict[str, list[float]]) -> str:
+    """Where a cold Lookup's time goes beyond the echo and the server (task L4), medians in ms."""
+
+    def ms(name: str) -> float:
+        return statistics.median(samples[name]) * 1e3
+
+    return (
+        f"cold {ms('cold_packed'):.3f} (the client's default) = the client before the send: the hashes' check "
+        f"{ms('cold_check'):.3f} (while the call flies: {ms('cold_check_meanwhile'):.3f} in all, first: "
+        f"{ms('cold_check_first'):.3f}), their join {ms('cold_join'):.3f}, the request built {ms('cold_build'):.3f}; "
+        f"+ the request by a bare stub {ms('cold_stub'):.3f} (wire and server; the raw echo of its bytes "
+        f"{ms('echo_cold'):.3f}, timed after another server's call, the stub's after the client's own work)"
+    )
 
 
 def _budget(samples: dict[str, list[float]], server: dict[str, list[float]]) -> str:
