@@ -308,7 +308,7 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
     hashes: list[bytes] = []
     store = scratch / "store"
     usage, server = _PutUsage(), _server_pid(store)
-    grpc_s, grpc_hashes, tcp_rounds = 0.0, list[bytes](), 0
+    grpc_s, grpc_hashes, tcp_rounds, why = 0.0, list[bytes](), 0, ""
     with Client(target) as client, Client(target) as by_grpc:
         put_tcp.refuse(by_grpc.connection, "bench store: the gRPC put figure")
         # The same blocks as another chain (another extra key): all written, none found existing.
@@ -338,13 +338,15 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
                     by_grpc_put()
                 before = _last_txn(store)
                 server_before, (cpu, faults) = _server_usage(server), _self_usage()
-                tcp = put_tcp.wanted(client.connection, len(part) * len(part[0]))
+                by = put_tcp.why_not(client.connection, len(part) * len(part[0]))  # "": over TCP
                 start = time.perf_counter()
                 result = client.put(tokens[: (lo + len(part)) * args.block_tokens], part, first_block=lo,
                                     parent=hashes[-1] if hashes else None, batch_blocks=batch,
                                     on_batch=lambda n: bar.update(n * client.block_bytes))
                 put_s += time.perf_counter() - start
-                tcp_rounds += tcp and not put_tcp.refused(client.connection)
+                by = by or put_tcp.refused(client.connection)  # tried, and refused: by gRPC
+                tcp_rounds += not by
+                why = by or why
                 cpu_after, faults_after = _self_usage()
                 usage.client_cpu_s += cpu_after - cpu
                 usage.client_minor_faults += faults_after - faults
@@ -372,7 +374,6 @@ def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes],
             raise RuntimeError(f"get returned {got} bytes, expected {len(blocks) * client.block_bytes}")
         wire_lookup_s = min(timed(lambda: client.lookup_hashes(hashes[:lookup_blocks])) for _ in range(5))
         # Which path `Client.put` took: the TCP transport in every round, or gRPC in some and why.
-        why = put_tcp.refused(client.connection) or f"a round's put is below {put_tcp.TCP_PUT_MIN_BYTES:,} bytes"
         transport = "tcp" if tcp_rounds == rounds else f"grpc in {rounds - tcp_rounds} of {rounds} rounds ({why})"
     return _Puts(put_s=put_s, grpc_s=grpc_s, raw_s=raw_s, grouped_s=grouped_s, batches=batches, commits=commits,
                  raw_commits=raw_commits, usage=usage, transport=transport), get_s, hashes, wire_lookup_s

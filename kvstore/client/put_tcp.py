@@ -65,8 +65,20 @@ class PutGrant:
 
 def wanted(connection: Connection, payload_bytes: int) -> bool:
     """Whether a node's put of `payload_bytes` of blocks should try the TCP transport."""
-    return (payload_bytes >= TCP_PUT_MIN_BYTES and os.environ.get(TRANSPORT_ENV, "") != "grpc"
-            and not connection.run_blocks and connection not in _REFUSED)
+    return not why_not(connection, payload_bytes)
+
+
+def why_not(connection: Connection, payload_bytes: int) -> str:
+    """Why a put of `payload_bytes` of blocks on this connection goes by gRPC ("": it tries the TCP transport)."""
+    if os.environ.get(TRANSPORT_ENV, "") == "grpc":
+        return f"{TRANSPORT_ENV}=grpc"
+    if connection.run_blocks:
+        return "a fleet's gateway: puts by gRPC"
+    if connection in _REFUSED:
+        return _REFUSED[connection]
+    if payload_bytes < TCP_PUT_MIN_BYTES:
+        return f"below put_tcp.TCP_PUT_MIN_BYTES ({TCP_PUT_MIN_BYTES:,} bytes)"
+    return ""
 
 
 def refuse(connection: Connection, reason: str) -> None:

@@ -38,7 +38,7 @@ def test_bench_store_json_figures(tmp_path: Path) -> None:
         assert notes["put_server_minor_faults"] > 0
     # The put by `Client.put`'s default path (rounds of 1.3 MB here: below the TCP transport's threshold), and
     # by gRPC, both against the same raw LMDB.
-    assert notes["put_transport"].startswith("grpc in 8 of 8 rounds (a round's put is below")
+    assert notes["put_transport"].startswith("grpc in 8 of 8 rounds (below put_tcp.TCP_PUT_MIN_BYTES")
     by_grpc = figures["put over gRPC (PutStream)"]
     assert by_grpc["value"] > 0 and by_grpc["baseline_value"] == figures["put"]["baseline_value"]
     same = figures["put, raw LMDB at the service's commit count"]

@@ -231,3 +231,16 @@ def test_an_error_reaches_the_client_while_it_still_sends(start: Callable[..., A
             with pytest.raises(FailedPrecondition):
                 client.put(tokens, blocks[1:], first_block=1, batch_blocks=4)
         assert put_tcp.refused(client.connection) == ""
+
+
+def test_why_a_put_goes_by_grpc_is_said(start: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(put_tcp, "TCP_PUT_MIN_BYTES", 2 * BLOCK_BYTES)
+    monkeypatch.delenv(put_tcp.TRANSPORT_ENV, raising=False)
+    with Client(start().target) as client:
+        assert put_tcp.why_not(client.connection, 2 * BLOCK_BYTES) == ""
+        assert put_tcp.why_not(client.connection, BLOCK_BYTES).startswith("below put_tcp.TCP_PUT_MIN_BYTES")
+        monkeypatch.setenv(put_tcp.TRANSPORT_ENV, "grpc")
+        assert put_tcp.why_not(client.connection, 2 * BLOCK_BYTES) == "KVSTORE_CLIENT_PUT=grpc"
+        monkeypatch.delenv(put_tcp.TRANSPORT_ENV)
+        put_tcp.refuse(client.connection, "said so")
+        assert put_tcp.why_not(client.connection, 2 * BLOCK_BYTES) == "said so"
