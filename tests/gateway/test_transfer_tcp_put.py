@@ -5,6 +5,7 @@ what it stores, answers and refuses, and that the listener goes on serving after
 from __future__ import annotations
 
 import os
+import random
 import socket
 import struct
 from collections.abc import Callable
@@ -187,3 +188,29 @@ def test_a_loopback_listener_grants_callers_on_this_host_only() -> None:
     assert refused == "the TCP listener binds 127.0.0.1 (transfer.tcp_host): it takes puts from this host only"
     for local in ("ipv4:127.0.0.1:40000", "ipv6:[::1]:40000"):  # on to the next check: puts off here
         assert tcp.open_put(OPEN_CALLER, local)[0] == "transfer.tcp_put is off on this server"
+
+
+def test_noise_after_the_hello_never_crashes_the_listener(server: Any) -> None:
+    rng = random.Random(7)
+    tokens, blocks = _chain(2, seed=5)
+    for _ in range(30):
+        sock = _dial(_grant(server.target))
+        head = struct.pack("<4sIII", wire.PUT if rng.random() < 0.7 else rng.randbytes(4), rng.randrange(64),
+                           rng.randrange(6), rng.choice([BLOCK_BYTES, rng.randrange(1 << 16)]))
+        sock.sendall(head + rng.randbytes(rng.randrange(4096)))
+        sock.shutdown(socket.SHUT_WR)
+        try:  # an error frame, or a close (what it sent was a whole, empty put); never a hang
+            while True:
+                answer = _answer(sock)
+                assert isinstance(answer, kv_pb.PutResponse) or answer.split(":")[0] in (
+                    "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE"), answer
+                if isinstance(answer, str):
+                    break
+        except (EOFError, ConnectionResetError):
+            pass
+        sock.close()
+    with Client(server.target) as client:
+        sock = _dial(_grant(server.target))
+        sock.sendall(_frame(tokens, blocks))
+        assert isinstance(_answer(sock), kv_pb.PutResponse)
+        assert client.get(tokens).blocks == blocks
