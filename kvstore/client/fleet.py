@@ -231,7 +231,7 @@ class FleetClient(Client):
         swa_keys = fleet_snapshot_keys(tokens, swa_positions, root=self.root, block_tokens=self.block_tokens,
                                        run_blocks=self.run_blocks, extra_keys=extra_keys,
                                        chain=chain) if swa_positions else []
-        return self.lookup_hashes(chain, lease_ms=lease_ms, swa_keys=swa_keys,
+        return self._lookup_chain(chain, own=True, lease_ms=lease_ms, swa_keys=swa_keys,
                                   swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
                                   keep_until_s=keep_until_s, hosts=hosts)
 
@@ -255,7 +255,16 @@ class FleetClient(Client):
         `keep_until_s` pins the found prefix on every live copy of each of its runs (docs/RETENTION.md R28);
         `hosts` names each node holding part of it, with its run ranges (`kvstore.prefix_hosts.fleet_hosts`).
         """
-        chain = arguments.hash_list(hashes, "hashes")  # its items checked while the first calls fly (F83)
+        # its items checked while the first calls fly (F83)
+        return self._lookup_chain(arguments.hash_list(hashes, "hashes"), own=False, lease_ms=lease_ms,
+                                  swa_keys=swa_keys, swa_positions=swa_positions, swa_resume_limit=swa_resume_limit,
+                                  keep_until_s=keep_until_s, hosts=hosts)
+
+    def _lookup_chain(self, chain: list[bytes], *, own: bool, lease_ms: int, swa_keys: Sequence[bytes],
+                      swa_positions: Sequence[int], swa_resume_limit: int, keep_until_s: float,
+                      hosts: bool) -> FleetLookupResult:
+        """`lookup_hashes` of `chain`: the caller's hashes, checked while the first round's calls fly (F83), or
+        (`own`) this client's own chain of a prompt (`hashes`), every item a hash already: not checked."""
         keep_until_s, hosts = arguments.keep_time(keep_until_s), arguments.flag(hosts, "hosts")
         lease_ms = arguments.integer(lease_ms, "lease_ms", most=2**32 - 1)
         swa_keys = arguments.hashes(swa_keys, "swa_keys")
@@ -269,7 +278,8 @@ class FleetClient(Client):
         ask = partial(self._swa_resume, swa_keys, swa_positions, limit=swa_resume_limit)
         early = self._swa_executor.submit(ask, len(chain) * self.block_tokens) if swa_keys else None
         try:
-            runs, found = self._find_runs(chain, lease_ms, partial(arguments.exact_hashes, chain, "hashes"))
+            runs, found = self._find_runs(chain, lease_ms,
+                                          None if own else partial(arguments.exact_hashes, chain, "hashes"))
             hashes = chain
         except arguments.NotExact:  # hashes, not all bytes (nothing is held: the round released): as bytes, again
             hashes = arguments.hashes(chain, "hashes")

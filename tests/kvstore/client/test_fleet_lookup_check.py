@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.client import arguments
 from kvstore.client.fleet import FleetClient
 from kvstore.errors import InvalidArgument
 from tests.kvstore.client.test_fleet import (  # noqa: F401  (fleet: the module's fixture, three nodes)
@@ -88,3 +89,24 @@ def test_f83_hashes_given_as_bytearrays_and_memoryviews_are_found_with_one_lease
         held = {k: s.active_leases for k, s in client.node_stats().items() if s.active_leases}
         assert set(held) == found.nodes_asked and set(held.values()) == {1}
         assert found.lease_id is not None and client.release(found.lease_id) and leases_held(client) == 0
+
+
+def test_f83_a_lookup_of_tokens_does_not_check_the_chain_it_made(fleet: Fleet,  # noqa: F811
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain a fleet client hashes from a prompt's tokens is every item a hash: `lookup` asks with it unchecked
+    (as one node's client does), where `lookup_hashes` checks the caller's hashes."""
+    checked: list[int] = []  # the lengths of the chains checked (an empty list of SWA keys left out)
+    check = arguments.exact_hashes
+
+    def counted(values: list[object], name: str) -> None:
+        if values:
+            checked.append(len(values))
+        check(values, name)
+
+    monkeypatch.setattr(arguments, "exact_hashes", counted)
+    with fleet_client(fleet) as client:
+        tokens = prompt(RUN_TOKENS * RUNS)
+        client.put(tokens, blocks_for(client, tokens))
+        assert client.lookup(tokens).found_blocks == RUNS * RUN_BLOCKS and checked == []
+        assert client.lookup_hashes(client.hashes(tokens)).found_blocks == RUNS * RUN_BLOCKS
+        assert checked == [RUNS * RUN_BLOCKS]
