@@ -5,6 +5,7 @@ so after the restart every acknowledged block is there, bit-identical, and usage
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,4 +49,15 @@ def test_kill_9_during_tcp_puts_keeps_every_acknowledged_block(
             client.put(chain.tokens, chain.payload(found), first_block=found)
             chain.acked = chain.blocks
         assert put_tcp.refused(client.connection) == ""
+        kit.assert_usage_matches(client, kit.census(client, chains))
+
+
+def test_sigterm_during_tcp_puts_stops_cleanly_and_keeps_every_acknowledged_block(
+        serve: Callable[..., Any], config: Callable[..., Path], tmp_path: Path, kit: Any,
+        over_tcp: list[int]) -> None:
+    data_dir, cfg = tmp_path / "data", config()
+    chains = _kill_mid_streams(serve, cfg, data_dir, kit, sig=signal.SIGTERM)  # asserts exit 0, "kvstore stopped"
+    assert len(over_tcp) >= 4
+    again = serve(data_dir, config=cfg)
+    with again.client() as client:
         kit.assert_usage_matches(client, kit.census(client, chains))
