@@ -169,7 +169,7 @@ class TcpPuts:
         stored = asyncio.run_coroutine_threadsafe(
             self._acknowledge(grant.caller, inbox, out, room, held, ended), loop)
         try:
-            self._read(conn, grant, loop, inbox, room, held, ended, closed)
+            self._read(conn, loop, inbox, room, held, ended, closed)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits for more
                 loop.call_soon_threadsafe(inbox.put_nowait, None)  # read no more (after an error: never read)
@@ -178,7 +178,7 @@ class TcpPuts:
             out.put(None)
             sender.join()
 
-    def _read(self, conn: socket.socket, grant: PutGrant, loop: asyncio.AbstractEventLoop,
+    def _read(self, conn: socket.socket, loop: asyncio.AbstractEventLoop,
               inbox: asyncio.Queue[PutRequestView | KVStoreError | None], room: threading.Semaphore,
               held: collections.deque[bytearray], ended: threading.Event, closed: Callable[[], bool]) -> None:
         """Read frames and hand them to the loop until the client's end, the first bad frame or the stream's end."""
