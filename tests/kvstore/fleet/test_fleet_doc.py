@@ -15,6 +15,7 @@ def test_every_test_named_in_fleet_md_exists() -> None:
     client_tests = ROOT / "tests" / "kvstore" / "client"  # the data path's rules (the fleet client)
     gateway_tests = ROOT / "tests" / "gateway"  # re-replication's node side (F16-F20)
     paths = [*fleet_tests.glob("test_*.py"), *client_tests.glob("test_fleet*.py"), client_tests / "test_retry.py",
+             client_tests / "test_started_calls.py", client_tests / "test_lookup_check.py",  # F83's calls, one node's
              *gateway_tests.glob("test_fleet*.py"), gateway_tests / "test_token_bucket.py",
              gateway_tests / "test_policies.py",  # F51's rules on the policies
              *(ROOT / "tests" / "integrations").glob("test_*_fleet.py"),  # F58: the engine adapters
