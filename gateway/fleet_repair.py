@@ -911,7 +911,8 @@ class FleetRepairer:
                           addresses: dict[str, str]) -> None:
         """F79: ask each replica of the stale runs to carry this copy's last uses (`RaiseUses`, F19), and drop each
         run every one of its replicas confirmed for every block, in a write transaction that keeps it if a block of
-        it is leased or pinned here, or used here since (`LmdbBlockTier.drop_confirmed_run`)."""
+        it is leased or pinned here, or used here since; the round's runs in one transaction (F85:
+        `LmdbBlockTier.drop_confirmed_runs`), each alone where that one fails (a damaged page: only its run stays)."""
         if not self._may_drop():
             return
         leased = self.tier.leases.pinned()
@@ -925,22 +926,33 @@ class FleetRepairer:
         short = {idx[j] for (peer, idx), said in zip(asked.items(), answers, strict=True)
                  for j, whole in enumerate(said) if not whole}
         now = self.tier.retention_clock.now()
+        # R4: a block not confirmed may go with the copy only once eviction could take it.
+        confirmed = [(entry.key, {b.key: b.meta.last_access_s for b in blocks}, now - TOUCH_GRANULARITY_S - (
+            self.retention_of(entry.key) if self.retention_of is not None else self.window_s))
+            for i, (entry, blocks, _) in enumerate(runs) if i not in short]
+        if not confirmed or not self._may_drop():
+            return
+        try:
+            dropped = await self.tier.call(self.tier.drop_confirmed_runs, confirmed)
+        except KVStoreError as exc:  # a damaged page on the way (DataLoss): each run alone, so only its own stays
+            log.warning("fleet: cannot drop %d stale copies in one transaction (%s): each alone", len(confirmed), exc)
+            dropped = [await self._drop_alone(*run) for run in confirmed]
         p = self.progress
-        for i, (entry, blocks, _) in enumerate(runs):
-            if i in short or not self._may_drop():
-                continue
-            # R4: a block not confirmed may go with the copy only once eviction could take it.
-            start = now - TOUCH_GRANULARITY_S - (
-                self.retention_of(entry.key) if self.retention_of is not None else self.window_s)
-            try:
-                dropped = await self.tier.call(self.tier.drop_confirmed_run, entry.key,
-                                               {b.key: b.meta.last_access_s for b in blocks}, start)
-            except KVStoreError as exc:  # a damaged page on the way (DataLoss): the copy stays, as in any doubt
-                log.warning("fleet: cannot drop the stale copy of run %s...: %s", entry.key.hex()[:24], exc)
-                continue
-            if dropped:
-                p.stale_dropped_runs, p.stale_dropped_bytes = p.stale_dropped_runs + 1, p.stale_dropped_bytes + dropped
+        for removed in dropped:
+            if removed:
+                p.stale_dropped_runs, p.stale_dropped_bytes = p.stale_dropped_runs + 1, p.stale_dropped_bytes + removed
         await self._publish()
+
+    async def _drop_alone(self, root: bytes, confirmed: dict[bytes, float], start: float) -> int:
+        """One stale run dropped in its own transaction (`_drop_stale`'s fallback); 0 where it cannot be (it stays, as
+        in any doubt), or where the view cannot be trusted any more (F79)."""
+        if not self._may_drop():
+            return 0
+        try:
+            return await self.tier.call(self.tier.drop_confirmed_run, root, confirmed, start)
+        except KVStoreError as exc:
+            log.warning("fleet: cannot drop the stale copy of run %s...: %s", root.hex()[:24], exc)
+            return 0
 
     async def _raise_uses(self, peer: str, address: str, runs: list[list[RunBlock]]) -> list[bool]:
         """F79: one RaiseUses per MAX_KEYS blocks to a replica, carrying this copy's last uses; for each run,

@@ -497,10 +497,14 @@ class LmdbBlockTier:
 
     def drop_confirmed_run(self, root: bytes, confirmed: dict[bytes, float], window_start_s: float) -> int:
         """F79: remove a run its replicas confirmed, unless leased or pinned here (`stale_copies.drop_confirmed`)."""
+        return self.drop_confirmed_runs([(root, confirmed, window_start_s)])[0]
+
+    def drop_confirmed_runs(self, runs: Sequence[tuple[bytes, dict[bytes, float], float]]) -> list[int]:
+        """F85: `drop_confirmed_run` for each of `runs` (root, confirmed, window start), in one write transaction
+        (`stale_copies.drop_confirmed_runs`); the bytes removed, per run."""
         now = self.retention_clock.now()
-        return self._damage.retry(lambda: stale_copies.drop_confirmed(
-            self._write, root, confirmed=confirmed, window_start_s=window_start_s, leased=self.leases.pinned,
-            now_s=now), "a stale run's drop")
+        return self._damage.retry(lambda: stale_copies.drop_confirmed_runs(
+            self._write, runs, leased=self.leases.pinned, now_s=now), "a stale run's drop")
 
     def export_records(self, namespace: str) -> Iterator[export.ExportRecord]:
         """Every block of `namespace` (every geometry) as `ExportRecord`s, parents first (R21).

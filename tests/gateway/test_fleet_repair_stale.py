@@ -148,3 +148,21 @@ def test_f80_a_rounds_stale_copies_are_asked_about_after_its_copies_are_answered
     assert progress.stale_dropped_runs == len(stale) and progress.copied_blocks == sum(len(h) for h, _ in alone)
     assert "copied" in events and "raise" in events
     assert events.index("raise") > max(i for i, e in enumerate(events) if e == "copied")
+
+
+def test_f85_a_rounds_stale_copies_are_dropped_in_one_write_transaction(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """F85: a pass of one round drops its stale copies (several runs) in one durable write transaction on the node
+    dropping them, not one each; every stale run goes, the rest stays."""
+    from gateway import fleet_repair
+
+    monkeypatch.setattr(fleet_repair, "FIRST_ROUND_RUNS", fleet_repair.RUNS_PER_ROUND)  # the pass is one round
+    tiers, _, view = fleet.start(LIVE)
+    chains, stale = _store_everywhere(tiers)
+    assert len(stale) >= 2
+    a = tiers["a"]
+    before = a.env.info()["last_txnid"]
+    progress = fleet.one_pass(fleet.repairer("a", view))
+    assert (progress.stale_dropped_runs, progress.copied_blocks) == (len(stale), 0)
+    assert a.env.info()["last_txnid"] - before == 1  # a writes nothing else in this pass: its copies go nowhere
+    assert len(run_index.list_runs(a.env)) == len(chains) - len(stale)

@@ -72,3 +72,23 @@ def test_f79_a_leased_or_pinned_copy_is_not_dropped(open_tier: Callable[..., Lmd
     assert kit.tier.pin(kit.scope, hashes[1], clock.now() + 3600.0).until_s > 0  # R22: a pin on it
     assert kit.tier.drop_confirmed_run(keys[0], confirmed, start) == 0
     assert kit.stored(hashes) == [True] * 4
+
+
+def test_f85_runs_dropped_together_are_one_transaction_and_a_run_kept_keeps_only_itself(
+        kit: Kit, clock: ManualClock) -> None:
+    """Three runs in one `drop_confirmed_runs`: the one used here since its confirmation stays whole, the other two go,
+    in one committed write transaction; asked again with only the kept one, nothing is committed at all."""
+    runs = [kit.chain(seed, 2) for seed in (1, 2, 3)]
+    for hashes in runs:
+        kit.put(hashes)
+    confirmed = [dict(zip(kit.keys(h), _uses(kit, h), strict=True)) for h in runs]
+    clock.advance(120.0)
+    kit.tier.touch([kit.keys(runs[1])[1]])  # used after its replicas confirmed it: kept
+    start = clock.now() - 3600.0
+    asked = [(kit.keys(h)[0], c, start) for h, c in zip(runs, confirmed, strict=True)]
+    before = kit.tier.env.info()["last_txnid"]
+    assert kit.tier.drop_confirmed_runs(asked) == [2 * KIT_BLOCK, 0, 2 * KIT_BLOCK]
+    assert kit.tier.env.info()["last_txnid"] == before + 1
+    assert [kit.stored(h) for h in runs] == [[False] * 2, [True] * 2, [False] * 2]
+    assert kit.tier.drop_confirmed_runs([asked[1]]) == [0]
+    assert kit.tier.env.info()["last_txnid"] == before + 1  # nothing removed: no commit (no fsync)
