@@ -6,7 +6,8 @@ a bounded time: Lookup of a prompt whose first half is stored, Get of that half,
 Put of the second half (a new chain each cycle, so every Put writes). Reported:
 cycles per second, Get and Put GB/s, p50/p99 latency of each RPC and p99 over
 p50, the errors, and the CPU a cycle costs the server (in all, and its event
-loop's thread alone) and the clients. The baseline is a bare gRPC echo server
+loop's thread alone) and the clients, and the server's LMDB commits per Put (group
+commit: several Puts a commit under load). The baseline is a bare gRPC echo server
 (generic handlers, no protobuf, no storage, grpc.aio in its own process, as
 the kvstore server) called by the same number of client processes with
 messages of the same sizes: what gRPC alone costs on this machine. Also the
@@ -26,12 +27,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import numpy as np
 
 from kvstore.bench.harness import GiB, process_cpu_s, scratch
@@ -136,6 +138,8 @@ class _Side:
     server_loop_cpu_s: float | None
     #: The server's memory sampled while the load ran: (seconds from the start, VmRSS/RssAnon/RssFile MiB).
     memory: list[tuple[float, dict[str, float]]]
+    #: LMDB write transactions the server committed while the clients ran (None: no store read, the echo).
+    commits: int | None = None
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -164,7 +168,7 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
         with _kvstore_server(folder / "store", capacity, args.block_tokens) as (target, pid):
             before = _memory_mib(pid)
             kv = _load("kvstore", target, clients, kv_seconds, args.block_tokens, half, block_bytes, progress, pid,
-                       rss_every_s=args.rss_every_s)
+                       rss_every_s=args.rss_every_s, commits=_commit_counter(folder / "store"))
             after = _memory_mib(pid)
     with _echo_server() as (target, pid):
         raw = _load("raw", target, clients, args.seconds, args.block_tokens, half, block_bytes, progress, pid,
@@ -199,6 +203,11 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
                               _per_cycle_ms(raw.server_loop_cpu_s, raw.cycles)))
     report.add(Figure.against(f"client CPU per cycle{suffix}", _per_cycle_ms(kv.client_cpu_s, kv.cycles), "ms",
                               BASELINE, _per_cycle_ms(raw.client_cpu_s, raw.cycles)))
+    if kv.commits is not None:
+        # Group commit (gateway/put_group.py): the Puts waiting while one commit runs share the next, so under load
+        # a commit (one write txn, LMDB's two flushes) serves several Puts; each cycle's Put writes a new chain.
+        report.add(Figure(name=f"server commits per Put{suffix}", value=kv.commits / max(kv.cycles, 1), unit="x"))
+        report.notes[f"server_commits_per_s{suffix}"] = round(kv.commits / kv.seconds, 1)
     report.add(Figure(name=f"errors{suffix}", value=float(kv.errors), unit="calls", baseline=BASELINE,
                       baseline_value=float(raw.errors)))
     if before.get("VmRSS") is not None and after.get("VmRSS") is not None:
@@ -242,9 +251,11 @@ def _per_cycle_ms(cpu_s: float | None, cycles: int) -> float:
 
 
 def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: int, half: int, block_bytes: int,
-          progress: Progress, server_pid: int | None = None, *, rss_every_s: float = RSS_EVERY_S) -> _Side:
+          progress: Progress, server_pid: int | None = None, *, rss_every_s: float = RSS_EVERY_S,
+          commits: Callable[[], int | None] | None = None) -> _Side:
     """Start the clients, let them warm up, run them together for `seconds`, and gather what they measured
-    (with the CPU and, every `rss_every_s`, the memory of the server `server_pid`)."""
+    (with the CPU and, every `rss_every_s`, the memory of the server `server_pid`; `commits`: the server's
+    count of write transactions, read as the clock starts and once the clients are done)."""
     ctx = multiprocessing.get_context("spawn")  # grpc does not survive fork
     ready, results = ctx.Queue(), ctx.Queue()
     start = ctx.Event()
@@ -257,6 +268,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
         for _ in procs:
             _gather(ready, procs, 300)
         cpu0, loop0 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
+        txn0 = commits() if commits is not None else None
         start.set()
         began = time.perf_counter()
         memory = [(0.0, _memory_mib(server_pid))] if server_pid is not None else []
@@ -268,6 +280,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                 bar.update(min(now, seconds) - bar.n)
         done = [_gather(results, procs, seconds + 300) for _ in procs]
         cpu1, loop1 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
+        txn1 = commits() if commits is not None else None
         if server_pid is not None:  # the last sample at the end of the load, where "flat" is judged
             memory.append((time.perf_counter() - began, _memory_mib(server_pid)))
     finally:
@@ -280,7 +293,8 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                  errors=sum(d["errors"] for d in done), misses=sum(d["misses"] for d in done),
                  client_cpu_s=sum(d["cpu_s"] for d in done),
                  server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
-                 server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory)
+                 server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory,
+                 commits=txn1 - txn0 if txn0 is not None and txn1 is not None else None)
 
 
 def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:
@@ -414,6 +428,22 @@ def _echo_server() -> Iterator[tuple[str, int]]:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _commit_counter(data_dir: Path) -> Callable[[], int | None]:
+    """Reads the id of the last transaction committed to the LMDB environment in `data_dir` (a second,
+    read-only handle beside the server's: LMDB's meta pages, no lock taken), None when unreadable."""
+    def last_txnid() -> int | None:
+        try:
+            env = lmdb.open(str(data_dir), readonly=True, lock=False, max_dbs=0)
+        except lmdb.Error:
+            return None
+        try:
+            return int(env.info()["last_txnid"])
+        finally:
+            env.close()
+
+    return last_txnid
 
 
 def _memory_mib(pid: int | None) -> dict[str, float]:

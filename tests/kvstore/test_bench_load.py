@@ -42,6 +42,11 @@ def test_bench_load_json_figures() -> None:
     assert loop["unit"] == "ms" and 0 < loop["value"] <= figures["server CPU per cycle"]["value"]
     assert 0 < loop["baseline_value"] <= figures["server CPU per cycle"]["baseline_value"]
     assert figures["server anonymous RSS after"]["value"] > 0
+    # Every cycle's Put writes a new chain, and the Puts waiting behind a commit share the next: at most one commit
+    # a Put (LMDB's own count of write transactions over the load, read beside the server).
+    commits = figures["server commits per Put"]
+    assert commits["unit"] == "x" and 0 < commits["value"] <= 1.0
+    assert notes["server_commits_per_s"] > 0
 
 
 def test_bench_load_client_counts_are_checked() -> None:
