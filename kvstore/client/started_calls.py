@@ -10,8 +10,8 @@ It runs grpc's blocking unary call in its two halves (`grpc._channel._UnaryUnary
 request prepared and the call begun; then its one event waited on and the reply or error taken as `__call__`
 does), so a call started so behaves as the blocking call: its reply, or the `grpc.RpcError` it would raise, at
 its deadline at the latest. A multicallable that is not grpc's own (an intercepted channel, a test's stand-in), or
-a grpc whose parts are not those, is called blocking on a shared pool of threads instead (`pooled`), waited on
-the same way.
+a grpc whose parts are not those (missing, or taking other arguments: a newer grpc), is called blocking on a
+shared pool of threads instead (`pooled`), waited on the same way.
 """
 
 from __future__ import annotations
@@ -55,11 +55,31 @@ def start(multicallable: Any, request: Any, *, timeout: float | None, metadata: 
     call would raise (also one the request's serialisation raised here)."""
     if not startable(multicallable):
         return pooled(multicallable, request, timeout=timeout, metadata=metadata)
-    assert _grpc_channel is not None
+    try:  # grpc's private parts changed shape (a newer grpc): nothing was sent yet, so the pool sends it
+        begun = _begin(multicallable, request, timeout, metadata)
+    except (AttributeError, TypeError, ValueError):
+        return pooled(multicallable, request, timeout=timeout, metadata=metadata)
+    if isinstance(begun, grpc.RpcError):
+        return _raises(begun)
+    state, call = begun
     channel = _grpc_channel
+    assert channel is not None
+
+    def wait() -> Any:
+        channel._handle_event(call.next_event(), state, multicallable._response_deserializer)
+        return channel._end_unary_response_blocking(state, call, False, None)
+
+    return wait
+
+
+def _begin(multicallable: Any, request: Any, timeout: float | None, metadata: Any) -> Any:
+    """grpc's blocking unary call up to its wait: (its state, the begun call), or the error that refused the
+    request (its serialisation's, as `__call__` would raise it)."""
+    channel = _grpc_channel
+    assert channel is not None
     state, operations, deadline, refused = multicallable._prepare(request, timeout, metadata, None, None)
     if state is None:
-        return _raises(refused)
+        return refused if refused is not None else grpc.RpcError("the request could not be prepared")
     state.rpc_start_time = time.perf_counter()
     state.method = channel._common.decode(multicallable._method)
     state.target = channel._common.decode(multicallable._target)
@@ -67,12 +87,7 @@ def start(multicallable: Any, request: Any, *, timeout: float | None, metadata: 
         channel.cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, multicallable._method, None,
         channel._determine_deadline(deadline), metadata, None, ((operations, None),), multicallable._context,
         multicallable._registered_call_handle)
-
-    def wait() -> Any:
-        channel._handle_event(call.next_event(), state, multicallable._response_deserializer)
-        return channel._end_unary_response_blocking(state, call, False, None)
-
-    return wait
+    return state, call
 
 
 def pooled(multicallable: Any, request: Any, *, timeout: float | None, metadata: Any = None) -> Wait:

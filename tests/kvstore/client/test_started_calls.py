@@ -99,3 +99,18 @@ def test_at_once_waits_on_every_call_even_when_the_work_meanwhile_raises(served:
     outcomes, failed = started_calls.at_once(starts, meanwhile)
     assert outcomes == [b"echo:a", b"echo:b", b"echo:c"]
     assert isinstance(failed, ValueError)
+
+
+def test_a_grpc_whose_parts_take_other_arguments_sends_by_the_pool(
+        served: tuple[Echo, grpc.Channel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A newer grpc whose private call parts changed their arguments still gets its reply (the blocking call on
+    the pool), not a TypeError from inside grpc."""
+    echo, channel = served
+    call = unary(channel)
+
+    def changed(*args: Any) -> Any:
+        raise TypeError("_prepare() takes 2 positional arguments but 6 were given")
+
+    monkeypatch.setattr(started_calls, "_begin", changed)
+    echo.go.set()
+    assert started_calls.start(call, b"y", timeout=WAIT_S)() == b"echo:y"
