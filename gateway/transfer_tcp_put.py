@@ -22,7 +22,7 @@ dials the listener, sends the put hello naming the grant, and its put frames
    is such an error: it never reaches the store, and the listener goes on serving.
 
 At most `FRAMES_AHEAD` frames of a connection are received ahead of their replies (each holds its
-buffer until its commit has returned).
+buffer until its commit has returned), and at most `MAX_HELD_BYTES` of frames over every connection.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ FRAMES_AHEAD = 8
 MAX_GRANTS = 4096
 #: Bytes of receive buffers kept between frames, at most (four connections' worth of 4 MiB frames).
 MAX_POOLED_BYTES = 4 * FRAMES_AHEAD * (4 << 20)
+#: Bytes of put frames received and not yet answered, over every connection, at most: past it a connection's next
+#: frame waits for room (its client's sends wait on TCP's window), so `tcp_max_connections` connections of
+#: FRAMES_AHEAD frames of `tcp_max_request_bytes` (64 x 8 x 64 MiB by default) cannot hold 32 GiB. A frame larger
+#: than this alone is still taken when nothing else is held.
+MAX_HELD_BYTES = 1 << 30
 
 #: The node's PutStream stages: requests in, their replies out, in order (`KVStoreServicer.put_replies`).
 PutReplies = Callable[[AsyncIterator[PutRequestView]], AsyncIterator[kv_pb.PutResponse]]
@@ -106,9 +111,13 @@ class TcpPuts:
         replies: the node's PutStream stages (None: puts are not offered, e.g. on a fleet's gateway).
     """
 
-    def __init__(self, settings: TransferSettings, replies: PutReplies | None = None) -> None:
+    def __init__(self, settings: TransferSettings, replies: PutReplies | None = None,
+                 max_held_bytes: int = MAX_HELD_BYTES) -> None:
         self.settings = settings
         self.replies = replies
+        self.max_held_bytes = max_held_bytes
+        self._held_bytes = 0  # of the frames received and not yet answered, over every connection
+        self._room = threading.Condition()
         self._grants: collections.OrderedDict[str, PutGrant] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = _Pool()
@@ -164,7 +173,7 @@ class TcpPuts:
         sender.start()
         inbox: asyncio.Queue[PutRequestView | KVStoreError | None] = asyncio.Queue()
         room = threading.Semaphore(FRAMES_AHEAD)
-        held: collections.deque[bytearray] = collections.deque()  # each frame's buffer, in order
+        held: collections.deque[tuple[bytearray, int]] = collections.deque()  # each frame's buffer and size, in order
         ended = threading.Event()  # the stream ended on the loop: no more frames are taken
         stored = asyncio.run_coroutine_threadsafe(
             self._acknowledge(grant.caller, inbox, out, room, held, ended), loop)
@@ -180,7 +189,8 @@ class TcpPuts:
 
     def _read(self, conn: socket.socket, loop: asyncio.AbstractEventLoop,
               inbox: asyncio.Queue[PutRequestView | KVStoreError | None], room: threading.Semaphore,
-              held: collections.deque[bytearray], ended: threading.Event, closed: Callable[[], bool]) -> None:
+              held: collections.deque[tuple[bytearray, int]], ended: threading.Event,
+              closed: Callable[[], bool]) -> None:
         """Read frames and hand them to the loop until the client's end, the first bad frame or the stream's end."""
         def hand(item: PutRequestView | KVStoreError | None) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, item)
@@ -192,7 +202,7 @@ class TcpPuts:
             if ended.is_set() or closed():
                 return
             try:
-                request = self._frame(conn)
+                request = self._frame(conn, lambda: ended.is_set() or closed())
             except KVStoreError as exc:
                 hand(exc)
                 return
@@ -202,14 +212,15 @@ class TcpPuts:
             if request is None:
                 hand(None)  # the client's end of the put
                 return
-            buf, view = request
+            buf, size, view = request
             with self._lock:
-                held.append(buf)
+                held.append((buf, size))
             self.frames += 1
             hand(view)
 
-    def _frame(self, conn: socket.socket) -> tuple[bytearray, PutRequestView] | None:
-        """The next put frame, in a pooled buffer (None: the client ended the put between frames).
+    def _frame(self, conn: socket.socket, ended: Callable[[], bool]) -> tuple[bytearray, int, PutRequestView] | None:
+        """The next put frame, in a pooled buffer, and the bytes it holds of MAX_HELD_BYTES (None: the client
+        ended the put between frames). `ended` says the put or the server ended while the frame waited for room.
 
         Raises:
             KVStoreError: the frame is malformed or past a bound (nothing of it is stored).
@@ -235,22 +246,44 @@ class TcpPuts:
                                     f"transfer.tcp_max_request_bytes ({most})",
                                     hint="send fewer blocks a frame (OpenPut's max_frame_bytes)")
         data = count * block_bytes
-        buf = self._pool.take(header_len + data)
+        size = header_len + data
+        if not self.reserve(size, ended):
+            raise Unavailable("the put ended while its next frame waited for room (the server is closing)")
+        buf = self._pool.take(size)
         view = memoryview(buf)
         try:
-            _recv_into(conn, view[:header_len + data])
-            request = from_frame(view[:header_len], view[header_len:header_len + data], count, block_bytes)
+            _recv_into(conn, view[:size])
+            request = from_frame(view[:header_len], view[header_len:size], count, block_bytes)
         except DecodeError as exc:
             self._pool.give(buf)
+            self.unreserve(size)
             raise InvalidArgument(f"a put frame's header is not a PutRequest without blocks ({exc})") from None
         except BaseException:
             self._pool.give(buf)
+            self.unreserve(size)
             raise
-        return buf, request
+        return buf, size, request
+
+    def reserve(self, size: int, ended: Callable[[], bool]) -> bool:
+        """Hold `size` bytes of MAX_HELD_BYTES for a frame, waiting while the frames held over every connection
+        leave no room; False when `ended` says to stop waiting (nothing is held then)."""
+        with self._room:
+            while self._held_bytes and self._held_bytes + size > self.max_held_bytes:
+                if ended():
+                    return False
+                self._room.wait(0.5)
+            self._held_bytes += size
+        return True
+
+    def unreserve(self, size: int) -> None:
+        """Give back a frame's `size` bytes (it was answered, or never taken)."""
+        with self._room:
+            self._held_bytes -= size
+            self._room.notify_all()
 
     async def _acknowledge(self, caller: Caller, inbox: asyncio.Queue[PutRequestView | KVStoreError | None],
                            out: queue.Queue[bytes | None], room: threading.Semaphore,
-                           held: collections.deque[bytearray], ended: threading.Event) -> None:
+                           held: collections.deque[tuple[bytearray, int]], ended: threading.Event) -> None:
         """On the loop, as `caller`: the frames through the PutStream stages, each reply sent in order."""
         set_caller(caller)  # this task's own context: the plans (on threads) inherit it
 
@@ -285,11 +318,12 @@ class TcpPuts:
             while held:  # frames no commit will take: their buffers back
                 self._release(held, room)
 
-    def _release(self, held: collections.deque[bytearray], room: threading.Semaphore) -> None:
+    def _release(self, held: collections.deque[tuple[bytearray, int]], room: threading.Semaphore) -> None:
         with self._lock:
-            buf = held.popleft() if held else None
-        if buf is not None:
-            self._pool.give(buf)
+            frame = held.popleft() if held else None
+        if frame is not None:
+            self._pool.give(frame[0])
+            self.unreserve(frame[1])
         room.release()
 
 

@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from gateway.transfer_tcp_put import TcpPuts
 from kvstore import api_tokens
 from kvstore import transfer_tcp_wire as wire
 from kvstore.client import Client
@@ -214,3 +216,27 @@ def test_noise_after_the_hello_never_crashes_the_listener(server: Any) -> None:
         sock.sendall(_frame(tokens, blocks))
         assert isinstance(_answer(sock), kv_pb.PutResponse)
         assert client.get(tokens).blocks == blocks
+
+
+def test_frames_held_over_every_connection_are_bounded_in_bytes() -> None:
+    """A frame that would pass MAX_HELD_BYTES with the frames other connections hold waits until one is answered
+    (so many connections of large frames cannot exhaust the server's memory); one alone is always taken."""
+    puts = TcpPuts(TransferSettings(), max_held_bytes=100)
+    assert puts.reserve(150, lambda: False)  # alone: taken, though past the bound
+    puts.unreserve(150)
+    assert puts.reserve(60, lambda: False)
+    taken = threading.Event()
+
+    def take() -> None:
+        if puts.reserve(60, lambda: False):
+            taken.set()
+
+    waiter = threading.Thread(target=take, daemon=True)
+    waiter.start()
+    waiter.join(0.3)
+    assert not taken.is_set()  # 60 + 60 > 100: it waits for room
+    puts.unreserve(60)
+    assert taken.wait(30)
+    stop = threading.Event()
+    stop.set()
+    assert not puts.reserve(60, stop.is_set)  # still full (the waiter's 60): a put that ended stops waiting
