@@ -225,6 +225,37 @@ def test_puts_queued_behind_a_commit_are_planned_by_its_thread_and_wake_no_other
     assert len(threads) == 4 and len(set(threads)) == 1, threads  # every plan on the committing thread
 
 
+def test_a_put_cancelled_before_its_plan_runs_is_not_stored(tier: CountedTier) -> None:
+    """A caller gone while its plan waits behind a commit: its plan never runs and nothing of it is stored;
+    the Puts queued with it are committed as usual."""
+    planned: list[int] = []
+    gone, kept = batch(100), batch(200)
+
+    def plan_of(b: PutBatch, seed: int) -> Any:
+        def plan() -> PutBatch:
+            planned.append(seed)
+            return b
+        return plan
+
+    async def main() -> Any:
+        groups = PutGroups(tier)
+        first = asyncio.ensure_future(groups.plan_and_put(plan_of(batch(10_000), 0)))
+        assert await asyncio.to_thread(tier.entered.wait, 30)
+        leaving = asyncio.ensure_future(groups.plan_and_put(plan_of(gone, 100)))
+        staying = asyncio.ensure_future(groups.plan_and_put(plan_of(kept, 200)))
+        await asyncio.to_thread(wait_until, lambda: groups.waiting == 2, "two Puts queued")
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        tier.let_go.set()
+        return await asyncio.wait_for(asyncio.gather(first, staying), 30)
+
+    outcomes = asyncio.run(main())
+    assert [r.written_blocks for _, r in outcomes] == [2, 2]
+    assert planned == [0, 200] and tier.commits == [1, 1]
+    assert tier.read([SCOPE.key(gone.hashes[0])])[0][0] is ReadStatus.MISSING
+    assert tier.read([SCOPE.key(kept.hashes[0])])[0][0] is ReadStatus.FOUND
+
+
 def test_a_put_is_planned_in_its_callers_context(tier: CountedTier) -> None:
     """The plan reads the call's context (its caller, hence its tenant's namespace), as on `asyncio.to_thread`."""
     tier.let_go.set()
