@@ -550,11 +550,11 @@ class FleetRepairer:
             for left in under_way:
                 with contextlib.suppress(asyncio.CancelledError):
                     await left
-            # F84: the read-ahead asks nothing more once it ended; the answers no round took end with the pass.
-            untaken = list({id(f): f for f in asking.values()}.values())
-            for left in untaken:
+            # F84: the read-ahead asks nothing more once it ended; what it asked ends with the pass (answered: nothing).
+            asked = list({id(f): f for f in asking.values()}.values())
+            for left in asked:
                 left.cancel()
-            await asyncio.gather(*untaken, return_exceptions=True)
+            await asyncio.gather(*asked, return_exceptions=True)
         p.running, p.passes = False, p.passes + 1
         if p.draining:
             p.drain_left_bytes, p.drain_left_runs = left_bytes, left_runs
@@ -593,8 +593,8 @@ class FleetRepairer:
         """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
         (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once. `ahead`: runs' metas read
         ahead (`_read_ahead`, run root -> read), taken out of it; the others are read here. `asked_ahead`: the
-        peers' digests of runs asked while they were read ahead (F84, run root -> the answers), taken out of it;
-        the other runs are asked here."""
+        peers' digests of runs asked while they were read ahead (F84, run root -> the answers; left in it, so the
+        pass cancels every one it started); the other runs are asked here."""
         ahead = {} if ahead is None else ahead
         asked_ahead = {} if asked_ahead is None else asked_ahead
         missing = [r for r in runs if r.key not in ahead]
@@ -603,7 +603,7 @@ class FleetRepairer:
         read = [ahead.pop(r.key) if r.key in ahead else next(fresh) for r in runs]
         held = [blocks for blocks, _ in read]
         orders = [self._order(r.run_key, live) for r in runs]
-        taken = {r.key: f for r in runs if (f := asked_ahead.pop(r.key, None)) is not None}
+        taken = {r.key: f for r in runs if (f := asked_ahead.get(r.key)) is not None}
         asked = self._asked(runs, orders, [bool(h) and r.key not in taken for r, h in zip(runs, held, strict=True)])
         theirs: dict[tuple[str, bytes], RunDigest | None] = {}
         # Shielded: an answer asked ahead may serve several rounds (its chunk's runs planned in different ones).
