@@ -25,6 +25,7 @@ from kvstore.geometry import V4_1_FLASH
 from kvstore.v1 import kvstore_pb2 as kv_pb
 from kvstore.v1 import transfer_pb2 as pb
 from kvstore.v1 import transfer_pb2_grpc as pb_grpc
+from tests.gateway.test_transfer_tcp import _recv
 
 TOKENS = 16
 BLOCK_BYTES = V4_1_FLASH.block_bytes(TOKENS)
@@ -60,16 +61,6 @@ def _frame(tokens: list[int], blocks: list[bytes], first: int = 0, parent: bytes
     request = kv_pb.PutRequest(parent_hash=parent, token_ids=tokens[first * TOKENS:(first + len(blocks)) * TOKENS],
                                **fields)
     return wire.put_head(request.SerializeToString(), len(blocks), BLOCK_BYTES) + b"".join(blocks)
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = sock.recv(n - len(data))
-        if not more:
-            raise EOFError(f"closed after {len(data)} of {n} bytes")
-        data += more
-    return data
 
 
 def _answer(sock: socket.socket) -> kv_pb.PutResponse | str:
