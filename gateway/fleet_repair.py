@@ -491,16 +491,14 @@ class FleetRepairer:
         # before the rounds of small runs, not after them.
         first, rest = runs[:FIRST_ROUND_RUNS], runs[FIRST_ROUND_RUNS:]
         ahead: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]] = {}
-        # F84: each chunk the read-ahead reads is asked of the peers as its read starts (run root -> its answers).
-        asking: dict[bytes, asyncio.Future[dict[tuple[str, bytes], RunDigest | None]]] = {}
-        reading = asyncio.ensure_future(self._read_ahead(rest, now, ahead, sorted(addresses), addresses, asking))
+        reading = asyncio.ensure_future(self._read_ahead(rest, now, ahead))
         chunks: Iterator[Sequence[RunEntry]] | None = None
         # F18: PLANNING_ROUNDS rounds are planned at once, so this node reads one round's metas while the peers
         # answer (read theirs for) the round before, each in its own process; their copies still start in order.
         planning: list[asyncio.Future[Round]] = []
 
         def plan(chunk: Sequence[RunEntry]) -> None:
-            planning.append(asyncio.ensure_future(self.plan_round(chunk, sorted(addresses), addresses, ahead, asking)))
+            planning.append(asyncio.ensure_future(self.plan_round(chunk, sorted(addresses), addresses, ahead)))
 
         async def plan_ahead() -> None:
             nonlocal chunks
@@ -550,11 +548,6 @@ class FleetRepairer:
             for left in under_way:
                 with contextlib.suppress(asyncio.CancelledError):
                     await left
-            # F84: the read-ahead asks nothing more once it ended; what it asked ends with the pass (answered: nothing).
-            asked = list({id(f): f for f in asking.values()}.values())
-            for left in asked:
-                left.cancel()
-            await asyncio.gather(*asked, return_exceptions=True)
         p.running, p.passes = False, p.passes + 1
         if p.draining:
             p.drain_left_bytes, p.drain_left_runs = left_bytes, left_runs
@@ -587,29 +580,24 @@ class FleetRepairer:
         return self.copies(entry.key) if self.copies is not None else self.replication
 
     async def plan_round(self, runs: Sequence[RunEntry], live: list[str], addresses: dict[str, str],
-                         ahead: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]] | None = None,
-                         asked_ahead: dict[bytes, asyncio.Future[dict[tuple[str, bytes], RunDigest | None]]]
-                         | None = None) -> Round:
+                         ahead: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]] | None = None) -> Round:
         """`plan`, with the runs it could not decide: one RunDigests per peer, then one HeldBlocks per peer
         (per MAX_KEYS keys) for every run whose digests differ, all peers asked at once. `ahead`: runs' metas read
-        ahead (`_read_ahead`, run root -> read), taken out of it; the others are read here. `asked_ahead`: the
-        peers' digests of runs asked while they were read ahead (F84, run root -> the answers; left in it, so the
-        pass cancels every one it started); the other runs are asked here."""
+        ahead (`_read_ahead`, run root -> read), taken out of it; the others are read here."""
         ahead = {} if ahead is None else ahead
-        asked_ahead = {} if asked_ahead is None else asked_ahead
         missing = [r for r in runs if r.key not in ahead]
         fresh = iter(await self.tier.call(self._read_metas, missing, self.tier.retention_clock.now()) if missing
                      else ())
         read = [ahead.pop(r.key) if r.key in ahead else next(fresh) for r in runs]
         held = [blocks for blocks, _ in read]
         orders = [self._order(r.run_key, live) for r in runs]
-        taken = {r.key: f for r in runs if (f := asked_ahead.get(r.key)) is not None}
-        asked = self._asked(runs, orders, [bool(h) and r.key not in taken for r, h in zip(runs, held, strict=True)])
-        theirs: dict[tuple[str, bytes], RunDigest | None] = {}
-        # Shielded: an answer asked ahead may serve several rounds (its chunk's runs planned in different ones).
-        for answer in await asyncio.gather(self._digests(asked, runs, addresses),
-                                           *(asyncio.shield(f) for f in {id(f): f for f in taken.values()}.values())):
-            theirs.update(answer)
+        asked: dict[str, list[int]] = {}  # peer -> indexes of the runs it is asked about
+        for i, order in enumerate(orders):
+            if held[i]:
+                me = order.index(self.node_id)
+                for peer in {*order[:me], *order[:self._targets(runs[i], order)]} - {self.node_id}:
+                    asked.setdefault(peer, []).append(i)
+        theirs = await self._digests(asked, runs, addresses)
         # Which runs each peer is asked block by block (its digest differs from ours and is not empty).
         mine = [RunDigest.of(blocks, live) for blocks, live in read]
         checks: dict[str, list[int]] = {}
@@ -641,18 +629,6 @@ class FleetRepairer:
                     found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
 
-    def _asked(self, runs: Sequence[RunEntry], orders: Sequence[tuple[str, ...]], wanted: Sequence[bool]
-               ) -> dict[str, list[int]]:
-        """peer -> the indexes of the `wanted` runs it is asked the digest of: each node ranked above this one (it
-        may hold the run and act) and each of the run's replicas."""
-        asked: dict[str, list[int]] = {}
-        for i, (entry, order) in enumerate(zip(runs, orders, strict=True)):
-            if wanted[i]:
-                me = order.index(self.node_id)
-                for peer in {*order[:me], *order[:self._targets(entry, order)]} - {self.node_id}:
-                    asked.setdefault(peer, []).append(i)
-        return asked
-
     def _read_metas(self, runs: Sequence[RunEntry], now: float) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
         """Each run's blocks a pass copies and counts, with their live pins (on the tier's executor). F19: blocks
         used within their tenant's window; R31: and a pinned prefix, whatever its last use; R32: with the pins."""
@@ -660,49 +636,25 @@ class FleetRepairer:
                                         since_s=now - self.window_s, now_s=now, retention_of=self.retention_of)
 
     async def _read_ahead(self, runs: Sequence[RunEntry], now: float,
-                          out: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]], live: list[str],
-                          addresses: dict[str, str],
-                          asking: dict[bytes, asyncio.Future[dict[tuple[str, bytes], RunDigest | None]]]) -> None:
+                          out: dict[bytes, tuple[list[RunBlock], dict[bytes, float]]]) -> None:
         """F18b: the metas of the first of `runs` into `out` (run root -> its read), in their order, read in rounds'
         chunks until they hold as many blocks as a first round of full runs (FIRST_ROUND_RUNS x run_blocks). A pass
         of full runs reads one round's worth ahead, as it would have anyway; one of small runs reads many of them,
         and finds its big ones among them. The chunks are read one after another in one call on the store's executor,
-        not a hop of the event loop each (a loaded node's loop, busy with the pass's calls, held each hop for ms).
-        F84: as a chunk's read starts, its runs are asked of the peers (`asking`, run root -> the answers), so the
-        peers walk their copies while this node walks its own, and the round that plans a run read ahead (the big
-        ones first) need not wait for a RunDigests after the read-ahead."""
-        loop = asyncio.get_running_loop()
-        ended = False
-
-        def ask(chunk: Sequence[RunEntry]) -> None:  # on the loop
-            if ended:  # the pass was given up while the executor still read
-                return
-            orders = [self._order(r.run_key, live) for r in chunk]
-            answers = asyncio.ensure_future(self._digests(self._asked(chunk, orders, [True] * len(chunk)), chunk,
-                                                          addresses))
-            for entry in chunk:
-                asking[entry.key] = answers
-
-        try:
-            found = await self.tier.call(self._read_ahead_metas, runs, now,
-                                         lambda chunk: loop.call_soon_threadsafe(ask, chunk))
-        finally:
-            ended = True
+        not a hop of the event loop each (a loaded node's loop, busy with the pass's calls, held each hop for ms)."""
+        found = await self.tier.call(self._read_ahead_metas, runs, now)
         for entry, read in zip(runs[:len(found)], found, strict=True):
             out[entry.key] = read
 
-    def _read_ahead_metas(self, runs: Sequence[RunEntry], now: float,
-                          starting: Callable[[Sequence[RunEntry]], object] = lambda chunk: None
+    def _read_ahead_metas(self, runs: Sequence[RunEntry], now: float
                           ) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
         """`_read_ahead`'s reads, on the store's executor: the first of `runs`' metas, in order, a round's chunk at
-        a time until they hold FIRST_ROUND_RUNS x run_blocks blocks; `starting` is told each chunk as its read
-        starts (F84)."""
+        a time until they hold FIRST_ROUND_RUNS x run_blocks blocks."""
         found: list[tuple[list[RunBlock], dict[bytes, float]]] = []
         blocks = 0
         for chunk in _rounds(runs):
             if blocks >= FIRST_ROUND_RUNS * self.run_blocks:
                 break
-            starting(chunk)
             for read in self._read_metas(chunk, now):
                 found.append(read)
                 blocks += len(read[0])
@@ -911,7 +863,7 @@ class FleetRepairer:
                           addresses: dict[str, str]) -> None:
         """F79: ask each replica of the stale runs to carry this copy's last uses (`RaiseUses`, F19), and drop each
         run every one of its replicas confirmed for every block, in a write transaction that keeps it if a block of
-        it is leased or pinned here, or used here since; the round's runs in one transaction (F85:
+        it is leased or pinned here, or used here since; the round's runs in one transaction (F84:
         `LmdbBlockTier.drop_confirmed_runs`), each alone where that one fails (a damaged page: only its run stays)."""
         if not self._may_drop():
             return

@@ -500,7 +500,7 @@ class LmdbBlockTier:
         return self.drop_confirmed_runs([(root, confirmed, window_start_s)])[0]
 
     def drop_confirmed_runs(self, runs: Sequence[tuple[bytes, dict[bytes, float], float]]) -> list[int]:
-        """F85: `drop_confirmed_run` for each of `runs` (root, confirmed, window start), in one write transaction
+        """F84: `drop_confirmed_run` for each of `runs` (root, confirmed, window start), in one write transaction
         (`stale_copies.drop_confirmed_runs`); the bytes removed, per run."""
         now = self.retention_clock.now()
         return self._damage.retry(lambda: stale_copies.drop_confirmed_runs(

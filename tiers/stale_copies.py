@@ -4,7 +4,7 @@ A node a join pushed out of a run's replicas keeps its copy while the new replic
 answers its digest, the old holder asks each to carry its copy's last uses (`raise_uses`, on the replica: F19's
 latest use over the copies) and, every block confirmed, removes its copy (`drop_confirmed`) in a write transaction
 that first checks, inside it, that no block is leased or pinned here and none was used here since; a round's stale
-copies go in one transaction (`drop_confirmed_runs`, F85).
+copies go in one transaction (`drop_confirmed_runs`, F84).
 
 Both block (run them on the tier's executor).
 """
@@ -55,7 +55,7 @@ def drop_confirmed(write: WriteTxn, root: bytes, *, confirmed: dict[bytes, float
 
 def drop_confirmed_runs(write: WriteTxn, runs: Sequence[tuple[bytes, dict[bytes, float], float]], *,
                         leased: Callable[[], Collection[bytes]], now_s: float) -> list[int]:
-    """F85: `drop_confirmed` for each of `runs` (root, confirmed, window_start_s), one after another in one write
+    """F84: `drop_confirmed` for each of `runs` (root, confirmed, window_start_s), one after another in one write
     transaction (one fsync for a round's stale copies, not one each); each run is checked inside it before any of its
     blocks goes, so a run kept writes nothing and keeps none of the others. The bytes removed, per run."""
     try:

@@ -150,9 +150,9 @@ def test_f80_a_rounds_stale_copies_are_asked_about_after_its_copies_are_answered
     assert events.index("raise") > max(i for i, e in enumerate(events) if e == "copied")
 
 
-def test_f85_a_rounds_stale_copies_are_dropped_in_one_write_transaction(
+def test_f84_a_rounds_stale_copies_are_dropped_in_one_write_transaction(
         fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
-    """F85: a pass of one round drops its stale copies (several runs) in one durable write transaction on the node
+    """F84: a pass of one round drops its stale copies (several runs) in one durable write transaction on the node
     dropping them, not one each; every stale run goes, the rest stays."""
     from gateway import fleet_repair
 

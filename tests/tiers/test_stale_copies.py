@@ -74,7 +74,7 @@ def test_f79_a_leased_or_pinned_copy_is_not_dropped(open_tier: Callable[..., Lmd
     assert kit.stored(hashes) == [True] * 4
 
 
-def test_f85_runs_dropped_together_are_one_transaction_and_a_run_kept_keeps_only_itself(
+def test_f84_runs_dropped_together_are_one_transaction_and_a_run_kept_keeps_only_itself(
         kit: Kit, clock: ManualClock) -> None:
     """Three runs in one `drop_confirmed_runs`: the one used here since its confirmation stays whole, the other two go,
     in one committed write transaction; asked again with only the kept one, nothing is committed at all."""
