@@ -118,6 +118,8 @@ class TcpPuts:
         self.max_held_bytes = max_held_bytes
         self._held_bytes = 0  # of the frames received and not yet answered, over every connection
         self._room = threading.Condition()
+        #: Frames waiting for room under `max_held_bytes` now (each a connection's reader).
+        self.waiting_frames = 0
         self._grants: collections.OrderedDict[str, PutGrant] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = _Pool()
@@ -271,7 +273,11 @@ class TcpPuts:
             while self._held_bytes and self._held_bytes + size > self.max_held_bytes:
                 if ended():
                     return False
-                self._room.wait(0.5)
+                self.waiting_frames += 1
+                try:
+                    self._room.wait(0.5)
+                finally:
+                    self.waiting_frames -= 1
             self._held_bytes += size
         return True
 

@@ -9,6 +9,7 @@ import random
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,8 +225,10 @@ def test_frames_held_over_every_connection_are_bounded_in_bytes() -> None:
 
     waiter = threading.Thread(target=take, daemon=True)
     waiter.start()
-    waiter.join(0.3)
-    assert not taken.is_set()  # 60 + 60 > 100: it waits for room
+    deadline = time.monotonic() + 30
+    while not puts.waiting_frames and time.monotonic() < deadline:
+        waiter.join(0.01)
+    assert puts.waiting_frames == 1 and not taken.is_set()  # 60 + 60 > 100: it waits for room
     puts.unreserve(60)
     assert taken.wait(30)
     stop = threading.Event()
