@@ -14,25 +14,13 @@ import pytest
 
 from kvstore.client import put_tcp
 from tests.faults.test_kill_during_put import _kill_mid_streams
+from tests.tcp_puts import watch_tcp_puts
 
 
 @pytest.fixture
 def over_tcp(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every put tries the TCP transport; each that went over it appends its reply count."""
-    monkeypatch.setattr(put_tcp, "TCP_PUT_MIN_BYTES", 1)
-    monkeypatch.delenv(put_tcp.TRANSPORT_ENV, raising=False)
-    sent: list[int] = []
-    real = put_tcp.send
-
-    def send(*args: Any, **kwargs: Any) -> Any:
-        sent.append(-1)  # begun: a put the kill cuts never returns
-        replies = real(*args, **kwargs)
-        if replies is None:
-            sent.remove(-1)
-        return replies
-
-    monkeypatch.setattr(put_tcp, "send", send)
-    return sent
+    """Every put tries the TCP transport; each that went over it is listed (-1 while unanswered)."""
+    return watch_tcp_puts(monkeypatch)
 
 
 def test_kill_9_during_tcp_puts_keeps_every_acknowledged_block(
