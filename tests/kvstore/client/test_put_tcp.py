@@ -141,7 +141,7 @@ def test_a_put_on_a_parent_not_stored_is_refused_and_stores_nothing(start: Calla
         with pytest.raises(FailedPrecondition):
             client.put(tokens, blocks[5:], first_block=5, batch_blocks=STEP)
         assert client.put(tokens[:5 * TOKENS], blocks[:5], batch_blocks=STEP).written_blocks == 5  # none was stored
-    assert frames == [-1, 1], "the refused put went over TCP (and raised), the next one too
+    assert frames == [-1, 1], "the refused put went over TCP (and raised), the next one too"
 
 
 @pytest.fixture
