@@ -10,6 +10,7 @@ lease early.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import uuid
 from collections import Counter
@@ -43,14 +44,18 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._pins: Counter[bytes] = Counter()
+        #: (expires_s, lease_id) of every lease granted and not yet expired or released (a released one's entry stays
+        #: until its time and is then skipped): expiring costs the leases that end, not a walk of every lease.
+        self._ends: list[tuple[float, str]] = []
+        #: `pinned()`'s answer while no pin changed (each Put's commit asks for it).
+        self._pinned: frozenset[bytes] | None = frozenset()
 
     def grant(self, key: bytes, duration_s: float) -> Lease:
         """Pin `key` for `duration_s` seconds."""
         lease = Lease(lease_id=uuid.uuid4().hex, key=key, expires_s=self._clock.monotonic() + duration_s)
         with self._lock:
             self._expire_locked()
-            self._leases[lease.lease_id] = lease
-            self._pins[key] += 1
+            self._add_locked(lease)
         return lease
 
     def grant_many(self, keys: Sequence[bytes], duration_s: float) -> list[Lease]:
@@ -60,8 +65,7 @@ class LeaseTable:
         with self._lock:
             self._expire_locked()
             for lease in leases:
-                self._leases[lease.lease_id] = lease
-                self._pins[lease.key] += 1
+                self._add_locked(lease)
         return leases
 
     def grant_together(self, keys: Sequence[bytes], duration_s: float) -> Lease:
@@ -71,9 +75,7 @@ class LeaseTable:
                       expires_s=self._clock.monotonic() + duration_s)
         with self._lock:
             self._expire_locked()
-            self._leases[lease.lease_id] = lease
-            for key in keys:
-                self._pins[key] += 1
+            self._add_locked(lease)
         return lease
 
     def release(self, lease_id: str, *, owns: Callable[[bytes], bool] | None = None) -> bool:
@@ -93,7 +95,9 @@ class LeaseTable:
         """Keys pinned by a lease that has not expired."""
         with self._lock:
             self._expire_locked()
-            return frozenset(self._pins)
+            if self._pinned is None:
+                self._pinned = frozenset(self._pins)
+            return self._pinned
 
     def active(self) -> int:
         """Number of live leases."""
@@ -101,13 +105,24 @@ class LeaseTable:
             self._expire_locked()
             return len(self._leases)
 
+    def _add_locked(self, lease: Lease) -> None:
+        self._leases[lease.lease_id] = lease
+        heapq.heappush(self._ends, (lease.expires_s, lease.lease_id))
+        for key in lease.keys:
+            self._pins[key] += 1
+        self._pinned = None
+
     def _expire_locked(self) -> None:
-        now = self._clock.monotonic()
-        for lease_id in [i for i, le in self._leases.items() if le.expires_s <= now]:
-            for key in self._leases.pop(lease_id).keys:
+        now, ends = self._clock.monotonic(), self._ends
+        while ends and ends[0][0] <= now:
+            lease = self._leases.pop(heapq.heappop(ends)[1], None)
+            if lease is None:
+                continue  # released before its time
+            for key in lease.keys:
                 self._unpin_locked(key)
 
     def _unpin_locked(self, key: bytes) -> None:
+        self._pinned = None
         self._pins[key] -= 1
         if self._pins[key] <= 0:
             del self._pins[key]
