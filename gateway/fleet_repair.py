@@ -68,7 +68,7 @@ from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, Registration, session_for
-from kvstore.fleet.placement import replicas
+from kvstore.fleet.placement import replicas, score
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
 from kvstore.native import blockcopy
 from kvstore.prefix import HASH_BYTES, KEY_BYTES
@@ -340,6 +340,9 @@ class FleetRepairer:
         #: R32: (target, block's storage key) -> the pin's time last sent there, in a CopyBlocks it answered: not sent
         #: again for that time (a shorter grant or refusal: the target's limits, asked once); pruned past their time.
         self._pins_sent: dict[tuple[str, bytes], float] = {}
+        #: F18f: the nodes (sorted ids) of the last pass that planned every run, failed none and saw no drain, over a
+        #: view etcd answered; None: no such pass since the last one that did not (the next pass plans every run).
+        self._settled: tuple[str, ...] | None = None
         #: F79: whether etcd answered this pass's drain check (a stale copy is dropped only then); True where the
         #: repairer asks etcd nothing (`drain_requested` None: the view's staleness alone decides).
         self._etcd_answered = True
@@ -475,6 +478,10 @@ class FleetRepairer:
         await self._publish(force=True)
         started, planning_s, copied_before = time.monotonic(), 0.0, p.copied_bytes
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
+        settled, self._settled = self._settled, None
+        held_runs = len(runs)
+        if settled is not None and not self._draining and settled != tuple(sorted(addresses)):
+            runs = self._moved_since(runs, list(settled), sorted(addresses))
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
         # Each round is planned while the one before is copied (their runs are apart: what one round asks of
@@ -548,6 +555,8 @@ class FleetRepairer:
             for left in under_way:
                 with contextlib.suppress(asyncio.CancelledError):
                     await left
+        if not p.failed_runs and not self._draining and self._may_drop():  # F18f: the next pass may skip runs
+            self._settled = tuple(sorted(addresses))
         p.running, p.passes = False, p.passes + 1
         if p.draining:
             p.drain_left_bytes, p.drain_left_runs = left_bytes, left_runs
@@ -557,6 +566,9 @@ class FleetRepairer:
             log.info("fleet: a re-replication pass over %d nodes: %d of %d runs to copy (%d failed), planned in "
                      "%.2f s; %d bytes copied, in %.2f s", len(addresses), planned, len(runs), p.failed_runs,
                      planning_s, p.copied_bytes - copied_before, time.monotonic() - started)
+        if held_runs > len(runs):
+            log.info("fleet: %d of %d runs held skipped: the nodes a pass asks about them are those of the last "
+                     "settled pass (F18f)", held_runs - len(runs), held_runs)
         self._planned = None
         await self._publish(force=True, wait=True)
         return p
@@ -628,6 +640,27 @@ class FleetRepairer:
                 if self._confirmed_elsewhere(runs[i], mine[i], order, theirs):
                     found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
+
+    def _moved_since(self, runs: list[RunEntry], settled: list[str], live: list[str]) -> list[RunEntry]:
+        """F18f: the runs whose plan may differ from the last settled pass's over the `settled` nodes: those whose
+        nodes a pass asks about them (the replicas, and those ranked above this node) are not the same now. For
+        the others this pass would ask the same nodes as that pass, which found nothing left to do: what happened
+        to them since (a damaged copy dropped, a half-stored Put) is a periodic pass's to find, as it is between
+        membership changes."""
+        # Nothing drains (`run_pass` skips nothing otherwise): a run's order is the rendezvous ranking of the nodes
+        # (kvstore/fleet/placement.py's `replicas`), each node's score hashed once for both views.
+        nodes = sorted({*settled, *live})
+        moved = []
+        for entry in runs:
+            key = entry.run_key
+            scores = {n: score(key, n) for n in nodes}
+            copies = self.copies_of(entry)
+            old = sorted(settled, key=lambda n: (-scores[n], n))
+            new = sorted(live, key=lambda n: (-scores[n], n))
+            if old[:max(old.index(self.node_id) + 1, min(copies, len(old)))] != \
+                    new[:max(new.index(self.node_id) + 1, min(copies, len(new)))]:
+                moved.append(entry)
+        return moved
 
     def _read_metas(self, runs: Sequence[RunEntry], now: float) -> list[tuple[list[RunBlock], dict[bytes, float]]]:
         """Each run's blocks a pass copies and counts, with their live pins (on the tier's executor). F19: blocks
