@@ -51,7 +51,8 @@ async def committed(requests: AsyncIterator[R], plan: Callable[[R], PutBatch],
 
     Args:
         requests: the stream's requests.
-        plan: a request's validated batch (blocking: run on a thread; it may run for several at once).
+        plan: a request's validated batch (blocking: run on a thread; it may run for several at once). A request
+            that is a `PutBatch` was planned already (a TCP put's frame, on its connection's thread) and is not.
         commit: commits batches, in order, in one durable transaction.
         depth: requests received ahead of the commit, each planned or being planned (one committed
             group more may wait for its replies while the next commits).
@@ -64,8 +65,9 @@ async def committed(requests: AsyncIterator[R], plan: Callable[[R], PutBatch],
 
     async def receive() -> None:
         try:
-            async for request in requests:
-                await plans.put(asyncio.ensure_future(_planned(plan, request)))
+            async for request in requests:  # a batch planned already (on a TCP put's connection thread) goes as is
+                await plans.put(_settled(request) if isinstance(request, PutBatch)
+                                else asyncio.ensure_future(_planned(plan, request)))
         except Exception as exc:  # an undecodable message: after the batches before it
             await plans.put(_settled(exc))
             return

@@ -11,11 +11,14 @@ dials the listener, sends the put hello naming the grant, and its put frames
    most `tcp_max_request_bytes`, a header at most `wire.MAX_HEAD_BYTES`), and reads the frame with
    `recv_into` into a pooled buffer (the kernel's copy is the only one before LMDB's; a pooled
    buffer's pages are faulted in once, not per frame); its header is parsed by protobuf and its
-   blocks are views of the buffer (`gateway.put_request.from_frame`);
-2. the request goes to the event loop, into the node's PutStream stages
-   (`KVStoreServicer.put_replies`: plan on threads, group commit, acknowledged only after its commit
-   returned, parent before child), run as the grant's caller, so the scope, the NVMe quota and
-   pins are checked as for gRPC;
+   blocks are views of the buffer (`gateway.put_request.from_frame`); the same thread plans it
+   (`KVStoreServicer._plan`: checks, the chain's hashes, the checksums) as the grant's caller, while
+   the frames before it commit: a hop to a thread less a frame than a gRPC PutStream's plan takes
+   (docs/BENCHMARKS.md, `bench store`, helper P5); a refused plan ends the put like a bad frame;
+2. the planned batch goes to the event loop, into the node's PutStream stages
+   (`KVStoreServicer.put_replies`: group commit, acknowledged only after its commit returned, parent
+   before child), run as the grant's caller, so the scope, the NVMe quota and pins are checked as
+   for gRPC;
 3. each reply (a `PutResponse`) goes back in order through a sender thread; the first error ends
    the stream after the replies of the frames before it, as an error frame (`CODE: message`), and
    the connection is closed. A malformed frame (a bad magic, a bound passed, an undecodable header)
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import hmac
 import logging
 import queue
@@ -39,6 +43,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import cast
 
 from google.protobuf.message import DecodeError
 
@@ -48,6 +53,7 @@ from kvstore import transfer_tcp_wire as wire
 from kvstore.config import TransferSettings
 from kvstore.errors import DeadlineExceeded, InvalidArgument, KVStoreError, ResourceExhausted, Unavailable, to_status
 from kvstore.v1 import kvstore_pb2 as kv_pb
+from tiers.store import PutBatch
 
 log = logging.getLogger("kvstore.transfer")
 
@@ -64,8 +70,11 @@ MAX_POOLED_BYTES = 4 * FRAMES_AHEAD * (4 << 20)
 #: than this alone is still taken when nothing else is held.
 MAX_HELD_BYTES = 1 << 30
 
-#: The node's PutStream stages: requests in, their replies out, in order (`KVStoreServicer.put_replies`).
+#: The node's PutStream stages: requests in, their replies out, in order (`KVStoreServicer.put_replies`); a request
+#: planned already (a `PutBatch`) goes through as it is (gateway/put_stream.py).
 PutReplies = Callable[[AsyncIterator[PutRequestView]], AsyncIterator[kv_pb.PutResponse]]
+#: The node's plan of a put request (`KVStoreServicer._plan`: checks, the chain's hashes, the checksums).
+PutPlan = Callable[[PutRequestView], PutBatch]
 
 
 @dataclass(kw_only=True)
@@ -112,9 +121,12 @@ class TcpPuts:
     """
 
     def __init__(self, settings: TransferSettings, replies: PutReplies | None = None,
-                 max_held_bytes: int = MAX_HELD_BYTES) -> None:
+                 max_held_bytes: int = MAX_HELD_BYTES, plan: PutPlan | None = None) -> None:
         self.settings = settings
         self.replies = replies
+        #: Plans each frame on its connection's thread, as the grant's caller, before the loop sees it (None: the
+        #: stages plan it on a thread of their own, one hop more a frame).
+        self.plan = plan
         self.max_held_bytes = max_held_bytes
         self._held_bytes = 0  # of the frames received and not yet answered, over every connection
         self._room = threading.Condition()
@@ -173,14 +185,16 @@ class TcpPuts:
         sender = threading.Thread(target=_send_loop, args=(conn, out, self.settings.tcp_timeout_s),
                                   name="kvstore-tcp-put-send", daemon=True)
         sender.start()
-        inbox: asyncio.Queue[PutRequestView | KVStoreError | None] = asyncio.Queue()
+        inbox: asyncio.Queue[PutRequestView | PutBatch | Exception | None] = asyncio.Queue()
         room = threading.Semaphore(FRAMES_AHEAD)
         held: collections.deque[tuple[bytearray, int]] = collections.deque()  # each frame's buffer and size, in order
         ended = threading.Event()  # the stream ended on the loop: no more frames are taken
         stored = asyncio.run_coroutine_threadsafe(
             self._acknowledge(grant.caller, inbox, out, room, held, ended), loop)
+        as_caller = contextvars.copy_context()  # the plans run as the grant's caller (its tenant, its quota)
+        as_caller.run(set_caller, grant.caller)
         try:
-            self._read(conn, loop, inbox, room, held, ended, closed)
+            self._read(conn, loop, inbox, room, held, ended, closed, as_caller)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits for more
                 loop.call_soon_threadsafe(inbox.put_nowait, None)  # read no more (after an error: never read)
@@ -190,11 +204,12 @@ class TcpPuts:
             sender.join()
 
     def _read(self, conn: socket.socket, loop: asyncio.AbstractEventLoop,
-              inbox: asyncio.Queue[PutRequestView | KVStoreError | None], room: threading.Semaphore,
+              inbox: asyncio.Queue[PutRequestView | PutBatch | Exception | None], room: threading.Semaphore,
               held: collections.deque[tuple[bytearray, int]], ended: threading.Event,
-              closed: Callable[[], bool]) -> None:
-        """Read frames and hand them to the loop until the client's end, the first bad frame or the stream's end."""
-        def hand(item: PutRequestView | KVStoreError | None) -> None:
+              closed: Callable[[], bool], as_caller: contextvars.Context) -> None:
+        """Read frames (each planned here when `plan` is set) and hand them to the loop until the client's end, the
+        first bad frame or refused plan, or the stream's end."""
+        def hand(item: PutRequestView | PutBatch | Exception | None) -> None:
             loop.call_soon_threadsafe(inbox.put_nowait, item)
 
         while True:
@@ -218,7 +233,15 @@ class TcpPuts:
             with self._lock:
                 held.append((buf, size))
             self.frames += 1
-            hand(view)
+            if self.plan is None:
+                hand(view)
+                continue
+            try:  # the plan here, beside the commits, saves the frame a hop to a thread of the loop's
+                batch = as_caller.run(self.plan, view)
+            except Exception as exc:  # the stream ends with it, after the frames before it
+                hand(exc)
+                return
+            hand(batch)
 
     def _frame(self, conn: socket.socket, ended: Callable[[], bool]) -> tuple[bytearray, int, PutRequestView] | None:
         """The next put frame, in a pooled buffer, and the bytes it holds of MAX_HELD_BYTES (None: the client
@@ -287,24 +310,24 @@ class TcpPuts:
             self._held_bytes -= size
             self._room.notify_all()
 
-    async def _acknowledge(self, caller: Caller, inbox: asyncio.Queue[PutRequestView | KVStoreError | None],
+    async def _acknowledge(self, caller: Caller, inbox: asyncio.Queue[PutRequestView | PutBatch | Exception | None],
                            out: queue.Queue[bytes | None], room: threading.Semaphore,
                            held: collections.deque[tuple[bytearray, int]], ended: threading.Event) -> None:
         """On the loop, as `caller`: the frames through the PutStream stages, each reply sent in order."""
         set_caller(caller)  # this task's own context: the plans (on threads) inherit it
 
-        async def requests() -> AsyncIterator[PutRequestView]:
+        async def requests() -> AsyncIterator[PutRequestView | PutBatch]:
             while True:
                 item = await inbox.get()
                 if item is None:
                     return
-                if isinstance(item, KVStoreError):
+                if isinstance(item, Exception):
                     raise item
                 yield item
 
         assert self.replies is not None
         try:
-            stream = self.replies(requests())
+            stream = self.replies(cast(AsyncIterator[PutRequestView], requests()))  # batches pass as they are
             try:
                 async for reply in stream:
                     out.put(wire.put_reply(reply.SerializeToString()))

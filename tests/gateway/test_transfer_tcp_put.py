@@ -234,3 +234,47 @@ def test_frames_held_over_every_connection_are_bounded_in_bytes() -> None:
     stop = threading.Event()
     stop.set()
     assert not puts.reserve(60, stop.is_set)  # still full (the waiter's 60): a put that ended stops waiting
+
+
+def test_each_frame_is_planned_on_its_connections_thread_as_the_grants_caller(
+        start_server: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame's plan (checks, hashing, checksums) runs on the thread that read it, before the loop sees it: one
+    hop to a thread less a frame (docs/BENCHMARKS.md, helper P5), and still as the grant's caller."""
+    from gateway import auth
+    from gateway.kvstore_servicer import KVStoreServicer
+
+    planned: list[tuple[str, str]] = []
+    real = KVStoreServicer._plan
+
+    def plan(self: KVStoreServicer, request: Any) -> Any:
+        planned.append((threading.current_thread().name, auth.current_caller().tenant))
+        return real(self, request)
+
+    monkeypatch.setattr(KVStoreServicer, "_plan", plan)
+    store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=64 * BLOCK_BYTES, block_tokens=TOKENS)
+    server = start_server(store, transfer=TransferSettings(tcp_max_request_bytes=MAX_FRAME, tcp_timeout_s=5.0))
+    writer = api_tokens.create(server.tenants.path, "alice", frozenset({"read", "write"}))[1]
+    server.tenants.refresh()
+    tokens, blocks = _chain(3, seed=5)
+    with Client(server.target, token=writer) as client:
+        sock = _dial(_grant(server.target, writer))
+        sock.sendall(_frame(tokens, blocks[:2]) + _frame(tokens, blocks[2:], first=2, parent=client.hashes(tokens)[1]))
+        assert isinstance(_answer(sock), kv_pb.PutResponse) and isinstance(_answer(sock), kv_pb.PutResponse)
+        sock.shutdown(socket.SHUT_WR)
+        assert _closed(sock)
+        assert client.get(tokens).blocks == blocks
+    assert planned == [("kvstore-tcp-read", "alice")] * 2
+
+
+def test_a_refused_plan_ends_the_put_after_the_frames_before_it(server: Any) -> None:
+    tokens, blocks = _chain(3, seed=6)
+    with Client(server.target) as client:
+        sock = _dial(_grant(server.target))
+        short = kv_pb.PutRequest(parent_hash=client.hashes(tokens)[1], token_ids=tokens[2 * TOKENS:3 * TOKENS - 1])
+        refused = wire.put_head(short.SerializeToString(), 1, BLOCK_BYTES) + blocks[2]  # a token short: its plan fails
+        sock.sendall(_frame(tokens, blocks[:2]) + refused + _frame(tokens, blocks[2:], first=2,
+                                                                    parent=client.hashes(tokens)[1]))
+        assert isinstance(_answer(sock), kv_pb.PutResponse)  # the frame before it: stored and acknowledged
+        error = _answer(sock)
+        assert isinstance(error, str) and error.startswith("INVALID_ARGUMENT"), error
+        assert client.lookup(tokens).found_blocks == 2  # nothing after the refused frame was stored
