@@ -87,3 +87,24 @@ def test_f18f_a_pass_that_failed_a_run_is_not_settled_so_the_next_plans_every_ru
     progress = fleet.one_pass(r)
     assert asked == set(roots)
     assert (progress.under_replicated_bytes, progress.failed_runs) == (0, 0)
+
+
+def test_f18f_moved_since_agrees_with_the_placement_s_ranking_over_both_views() -> None:
+    """`_moved_since`'s scores hashed once for both views give the runs that `placement.replicas`' rankings of the
+    old and the new nodes do (nodes left, joined, or both; replication 1 to 3)."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from tiers.run_index import RunEntry
+
+    entries = [RunEntry(key=b"\0" * 8 + hashlib.sha256(bytes([i])).digest(), first_block=0) for i in range(200)]
+    for copies in (1, 2, 3):
+        me = SimpleNamespace(node_id="a", copies_of=lambda _e, c=copies: c)
+        for before, after in ((["a", "b", "c"], ["a", "b"]), (["a", "b"], ["a", "b", "c"]),
+                              (["a", "b", "c", "d"], ["a", "c", "e"]), (["a", "b"], ["a"])):
+            def asked(key: bytes, nodes: list[str], c: int = copies) -> tuple[str, ...]:
+                order = replicas(key, nodes, len(nodes))
+                return order[:max(order.index("a") + 1, min(c, len(order)))]
+
+            want = [e for e in entries if asked(e.run_key, before) != asked(e.run_key, after)]
+            assert FleetRepairer._moved_since(me, entries, before, after) == want  # type: ignore[arg-type]
