@@ -549,7 +549,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """A node's PutStream stages (gateway/put_stream.py): each request's reply once its commit returned, in
         order; the first error raised after the replies before it. Also the TCP transport's puts
         (gateway/transfer_tcp_put.py), run as their grant's caller."""
-        async with aclosing(put_stream.committed(requests, self._plan, self._commit, PUT_STREAM_DEPTH)) as done:
+        async with aclosing(put_stream.committed(requests, self.plan_put, self._commit, PUT_STREAM_DEPTH)) as done:
             async for batch, result in done:
                 _trace_put(self.trace, batch, result)
                 await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
@@ -578,7 +578,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """Batches of a stream, in order, in one durable transaction on the tier's executor."""
         return self.tier.call(self.tier.put_many, batches)
 
-    def _plan(self, request: pb.PutRequest | PutRequestView) -> PutBatch:
+    def plan_put(self, request: pb.PutRequest | PutRequestView) -> PutBatch:
         """A validated Put batch, its tokens hashed into the chain it extends, its blocks' checksums taken
         (here, on the reader's thread, so the write transaction does not: tiers/puts.py)."""
         layout, scope = validate.scope(self.layouts, request.geometry, request.namespace)
@@ -598,7 +598,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def _put(self, request: pb.PutRequest | PutRequestView) -> pb.PutResponse:
         # Checking and hashing are O(request size), so they run off the loop: on the tier's executor, in the
         # same call that commits the batch with the others waiting (one hop, not two: gateway/put_group.py).
-        batch, result = await self.put_groups.plan_and_put(partial(self._plan, request))
+        batch, result = await self.put_groups.plan_and_put(partial(self.plan_put, request))
         _trace_put(self.trace, batch, result)
         await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
         return _put_response(batch, result)

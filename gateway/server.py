@@ -349,7 +349,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     closers.append(transfer.close)
     if kvstore.router is None:  # a node: puts over the TCP transport go through its PutStream stages
         transfer.tcp.puts.replies = kvstore.put_replies
-        transfer.tcp.puts.plan = kvstore._plan  # each frame planned on its connection's thread
+        transfer.tcp.puts.plan = kvstore.plan_put  # each frame planned on its connection's thread
     add_service(transfer_pb2_grpc.add_TransferServicer_to_server, transfer, server, presized={"Fetch"})
     metrics.watch(tier, swa=swa, transfer=transfer, resume=kvstore.resume, hits=hits)
     services = [SERVICE_NAME, SWA_SERVICE_NAME, transfer_pb2.DESCRIPTOR.services_by_name["Transfer"].full_name]

@@ -12,7 +12,7 @@ dials the listener, sends the put hello naming the grant, and its put frames
    `recv_into` into a pooled buffer (the kernel's copy is the only one before LMDB's; a pooled
    buffer's pages are faulted in once, not per frame); its header is parsed by protobuf and its
    blocks are views of the buffer (`gateway.put_request.from_frame`); the same thread plans it
-   (`KVStoreServicer._plan`: checks, the chain's hashes, the checksums) as the grant's caller, while
+   (`KVStoreServicer.plan_put`: checks, the chain's hashes, the checksums) as the grant's caller, while
    the frames before it commit: a hop to a thread less a frame than a gRPC PutStream's plan takes
    (docs/BENCHMARKS.md, `bench store`, helper P5); a refused plan ends the put like a bad frame;
 2. the planned batch goes to the event loop, into the node's PutStream stages
@@ -73,7 +73,7 @@ MAX_HELD_BYTES = 1 << 30
 #: The node's PutStream stages: requests in, their replies out, in order (`KVStoreServicer.put_replies`); a request
 #: planned already (a `PutBatch`) goes through as it is (gateway/put_stream.py).
 PutReplies = Callable[[AsyncIterator[PutRequestView]], AsyncIterator[kv_pb.PutResponse]]
-#: The node's plan of a put request (`KVStoreServicer._plan`: checks, the chain's hashes, the checksums).
+#: The node's plan of a put request (`KVStoreServicer.plan_put`: checks, the chain's hashes, the checksums).
 PutPlan = Callable[[PutRequestView], PutBatch]
 
 

@@ -93,7 +93,7 @@ if _DIR and "serve" in sys.argv[1:3]:
         _mark(lmdb_tier.Tally, "committed", "committed")
         _wrap(puts, "_put_all", "put_all")
         _wrap(puts, "_put_in", "put_in")
-        _wrap(servicer.KVStoreServicer, "_plan", "plan")
+        _wrap(servicer.KVStoreServicer, "plan_put", "plan")
         _wrap(tcp_put.TcpPuts, "_frame", "frame")
         _mark(tcp_put.TcpPuts, "_release", "ack")
 

@@ -244,13 +244,13 @@ def test_each_frame_is_planned_on_its_connections_thread_as_the_grants_caller(
     from gateway.kvstore_servicer import KVStoreServicer
 
     planned: list[tuple[str, str]] = []
-    real = KVStoreServicer._plan
+    real = KVStoreServicer.plan_put
 
     def plan(self: KVStoreServicer, request: Any) -> Any:
         planned.append((threading.current_thread().name, auth.current_caller().tenant))
         return real(self, request)
 
-    monkeypatch.setattr(KVStoreServicer, "_plan", plan)
+    monkeypatch.setattr(KVStoreServicer, "plan_put", plan)
     store = StoreSettings(data_dir=tmp_path / "store", capacity_bytes=64 * BLOCK_BYTES, block_tokens=TOKENS)
     server = start_server(store, transfer=TransferSettings(tcp_max_request_bytes=MAX_FRAME, tcp_timeout_s=5.0))
     writer = api_tokens.create(server.tenants.path, "alice", frozenset({"read", "write"}))[1]
