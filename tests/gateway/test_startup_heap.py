@@ -47,7 +47,9 @@ def test_objects_alive_at_start_leave_the_collectors_sight_and_its_garbage_goes_
     del lost
     frozen = freeze_startup_heap()
     assert gone() is None, "start-up's garbage was frozen with the live heap instead of collected"
-    assert frozen == gc.get_freeze_count() and frozen >= 1
+    # The count only falls after the freeze (a frozen object another thread frees leaves it; under xdist an earlier
+    # test's threads may), and nothing joins it without another freeze: reading it again equal was a race.
+    assert 1 <= gc.get_freeze_count() <= frozen
     assert not _tracked(kept)
     later = _Node()
     later.me = later
