@@ -380,9 +380,17 @@ def test_f33_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> 
         placement = writer.placement(chain)
         mine = [writer.pool.read_order(chain[r.first_block], r.replicas)[0] for r in placement]
         assert len(set(mine)) > 1  # one client's runs are not all read from one node
-        with fleet_client(fleet) as other:
+        # Another client (another salt) reads some runs from the other replica. Two random salts give the same
+        # first replica for all 12 runs once in 4,096 draws (seen once in CI), so up to three clients are drawn:
+        # with one salt for all, every one of them would match.
+        for _ in range(3):
+            other = fleet_client(fleet)
             theirs = [other.pool.read_order(chain[r.first_block], r.replicas)[0] for r in placement]
-            assert theirs != mine  # another client (another salt) reads some runs from the other replica
+            if theirs != mine:
+                break
+            other.close()
+        assert theirs != mine
+        with other:
             before = {k: s.gets for k, s in other.node_stats().items()}
             assert other.get(tokens).found_prefix_blocks == 48
             after = {k: s.gets for k, s in other.node_stats().items()}
