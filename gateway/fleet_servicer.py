@@ -57,6 +57,7 @@ from kvstore.prefix import FINGERPRINT_BYTES, HASH_BYTES, KEY_BYTES, BlockScope
 from kvstore.v1 import fleet_pb2 as pb
 from tiers import run_index
 from tiers.block_txn import PutBatch, PutResult
+from tiers.durable import Committed
 from tiers.lmdb_tier import LmdbBlockTier
 
 T = TypeVar("T")
@@ -358,6 +359,7 @@ class GroupCommit:
         self.tier = tier
         self._queue: list[tuple[list[PutBatch], asyncio.Future[list[PutResult]]]] = []
         self._writing = False
+        self._answering: set[asyncio.Future[None]] = set()  # groups committed, waiting for their flush
         #: Transactions written, and the calls they served (their ratio: calls per fsync).
         self.commits = 0
         self.calls = 0
@@ -386,13 +388,15 @@ class GroupCommit:
         return asyncio.shield(done)
 
     async def _write(self) -> None:
+        answered: asyncio.Future[None] | None = None  # the group before's answers: groups answered in order
         try:
             while self._queue:
                 group, self._queue = self._queue, []
                 self.commits += 1
                 self.calls += len(group)
                 try:
-                    results = await self.tier.call(self.tier.put_many, [b for batches, _ in group for b in batches])
+                    committed = await self.tier.call(self.tier.commit_many,
+                                                     [b for batches, _ in group for b in batches])
                 except Exception as exc:  # refused as a whole: each call alone, so a refusal is only its own
                     if len(group) > 1:
                         log.warning("fleet: %d copies written together were refused (%s): each is written alone",
@@ -405,12 +409,29 @@ class GroupCommit:
                         else:
                             _settle(done, alone)
                     continue
-                at = 0
-                for batches, done in group:
-                    _settle(done, results[at:at + len(batches)])
-                    at += len(batches)
+                # R35: the next group's transaction is written while the disk flushes this one; this one's
+                # calls are answered once it is durable (R34).
+                answered = asyncio.ensure_future(self._answer(group, committed, answered))
+                self._answering.add(answered)
+                answered.add_done_callback(self._answering.discard)
         finally:
             self._writing = False
+
+    async def _answer(self, group: list[tuple[list[PutBatch], asyncio.Future[list[PutResult]]]],
+                      committed: Committed[list[PutResult]], before: asyncio.Future[None] | None) -> None:
+        """Answer `group`'s calls once its commit is durable, after the group before it."""
+        try:
+            results = await self.tier.durable(committed)
+        except Exception as exc:  # the flush failed: nothing of the group is acknowledged
+            for _, done in group:
+                _settle(done, exc=exc)
+            return
+        if before is not None:
+            await before
+        at = 0
+        for batches, done in group:
+            _settle(done, results[at:at + len(batches)])
+            at += len(batches)
 
 
 def _settle(done: asyncio.Future[list[PutResult]], results: list[PutResult] | None = None, *,
@@ -685,7 +706,7 @@ def add_fleet_service(server: grpc.aio.Server, settings: Settings, tier: LmdbBlo
         ConfigError: see `load_token`.
     """
     token = load_token(settings.fleet, auth_enabled=auth_on())
-    built = run_index.enable(tier.env, settings.fleet.run_blocks)
+    built = tier.enable_run_index(settings.fleet.run_blocks)
     if built:
         log.info("fleet: indexed %d runs of %d blocks already stored", built, settings.fleet.run_blocks)
     layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}

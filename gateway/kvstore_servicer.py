@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from functools import cache, partial
 from typing import Any, TypeVar, cast
@@ -549,7 +549,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         """A node's PutStream stages (gateway/put_stream.py): each request's reply once its commit returned, in
         order; the first error raised after the replies before it. Also the TCP transport's puts
         (gateway/transfer_tcp_put.py), run as their grant's caller."""
-        async with aclosing(put_stream.committed(requests, self.plan_put, self._commit, PUT_STREAM_DEPTH)) as done:
+        commit, durable = put_stream.store_commits(self.tier)
+        async with aclosing(put_stream.committed(requests, self.plan_put, commit, PUT_STREAM_DEPTH, durable)) as done:
             async for batch, result in done:
                 _trace_put(self.trace, batch, result)
                 await self._audit_pin(batch.scope, batch.hashes[-1] if batch.hashes else b"", result.pin)
@@ -573,10 +574,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         async with aclosing(routed_put_stream.stored(requests, cut, store, ROUTED_PUT_DEPTH)) as replies:
             async for reply in replies:
                 yield reply
-
-    def _commit(self, batches: list[PutBatch]) -> Awaitable[list[PutResult]]:
-        """Batches of a stream, in order, in one durable transaction on the tier's executor."""
-        return self.tier.call(self.tier.put_many, batches)
 
     def plan_put(self, request: pb.PutRequest | PutRequestView) -> PutBatch:
         """A validated Put batch, its tokens hashed into the chain it extends, its blocks' checksums taken

@@ -20,6 +20,10 @@ results go back to the event loop in one callback. So a Put costs the loop a que
 one hop to a thread and one wake-up: planning each Put on a thread of its own (as 895adc3 did) woke a
 thread per Put, which then fought the committer and the loop for the GIL (docs/BENCHMARKS.md, `bench
 load`: a Put's commit under 16 clients).
+
+On a store with `PipelinedPuts` (docs/RETENTION.md R34-R35) the committer hands each committed group to
+another executor thread, which waits for its flush and answers it, and goes on to the next group's
+transaction while the disk writes this one.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from tiers.store import BlockStore, PutBatch, PutResult
+from tiers.durable import Committed
+from tiers.store import BlockStore, PipelinedPuts, PutBatch, PutResult
 
 #: Batches committed in one transaction at most: a group's size bounds its commit's time (and so the
 #: wait of the Puts queued behind it); the rest wait for the next.
@@ -69,6 +74,7 @@ class PutGroups:
         executor = getattr(store, "executor", None)
         self._executor = executor if isinstance(executor, Executor) else None
         self._calls: set[asyncio.Future[None]] = set()  # `call`s in flight, for a store without an executor
+        self._pipelined = store if isinstance(store, PipelinedPuts) and self._executor is not None else None
 
     @property
     def waiting(self) -> int:
@@ -169,6 +175,9 @@ class PutGroups:
     def _commit(self, group: list[_Queued]) -> None:
         """One commit for `group`; if it fails and holds more than one batch, each batch alone."""
         try:
+            if self._pipelined is not None:  # answered once durable, by another thread (`_answer`)
+                self._submit(self._answer, group, self._pipelined.commit_many([batch for batch, _, _ in group]))
+                return
             results = self.store.put_many([batch for batch, _, _ in group])
         except Exception as exc:
             if len(group) == 1:
@@ -181,6 +190,17 @@ class PutGroups:
                 except Exception as alone:
                     settled.append((done, None, alone))
             _post(group[0][1], settled)
+            return
+        _post(group[0][1], [(done, (batch, result), None)
+                            for (batch, _, done), result in zip(group, results, strict=True)])
+
+    def _answer(self, group: list[_Queued], committed: Committed[list[PutResult]]) -> None:
+        """On the executor: `group`'s answers once its commit is durable (R34); the flush's error to each."""
+        assert self._pipelined is not None
+        try:
+            results = self._pipelined.wait_durable(committed)
+        except Exception as exc:
+            _post(group[0][1], [(done, None, exc) for _, _, done in group])
             return
         _post(group[0][1], [(done, (batch, result), None)
                             for (batch, _, done), result in zip(group, results, strict=True)])

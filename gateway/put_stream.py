@@ -13,6 +13,9 @@ waited on its neighbour: a message was received only once the one before it was 
 commit started only once every reply of the one before it had been sent, so the commit, the one
 stage that cannot run twice at once (LMDB has one writer), sat idle between them.
 
+A store with `PipelinedPuts` commits in two steps: the next group's transaction is written while the
+disk flushes the last one (docs/RETENTION.md R34-R35), and a group's replies wait for its flush.
+
 The stream ends with the first error, wherever it arose (a bad batch, an undecodable message, a
 refused commit): the batches before it are committed and acknowledged, then it is raised.
 """
@@ -23,7 +26,8 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from tiers.store import PutBatch, PutResult
+from tiers.durable import Committed
+from tiers.store import BlockStore, PipelinedPuts, PutBatch, PutResult
 
 R = TypeVar("R")
 #: A planned batch, the error that ends the stream, or None: the requests ended.
@@ -44,24 +48,47 @@ def _settled(item: _Planned) -> asyncio.Future[_Planned]:
     return done
 
 
-async def committed(requests: AsyncIterator[R], plan: Callable[[R], PutBatch],
-                    commit: Callable[[list[PutBatch]], Awaitable[Sequence[PutResult]]],
-                    depth: int) -> AsyncGenerator[tuple[PutBatch, PutResult], None]:
+#: A group's commit: its results, or (with a `Durable`) what that turns into its results once durable.
+Commit = Callable[[list[PutBatch]], Awaitable[Any]]
+Durable = Callable[[Any], Awaitable[Sequence[PutResult]]]
+
+
+def store_commits(store: BlockStore) -> tuple[Commit, Durable | None]:
+    """How a group commit writes to `store`: committed then durable where it has the two steps
+    (`PipelinedPuts`), else `put_many` (durable when it returns); both on the store's executor."""
+    if isinstance(store, PipelinedPuts):
+        pipelined = store
+
+        async def commit(batches: list[PutBatch]) -> Committed[list[PutResult]]:
+            return await store.call(pipelined.commit_many, batches)
+
+        return commit, pipelined.durable
+
+    async def put(batches: list[PutBatch]) -> list[PutResult]:
+        return await store.call(store.put_many, batches)
+
+    return put, None
+
+
+async def committed(requests: AsyncIterator[R], plan: Callable[[R], PutBatch], commit: Commit,
+                    depth: int, durable: Durable | None = None) -> AsyncGenerator[tuple[PutBatch, PutResult], None]:
     """Each batch of `requests` with its result, in order, once its commit has returned (module docstring).
 
     Args:
         requests: the stream's requests.
         plan: a request's validated batch (blocking: run on a thread; it may run for several at once). A request
             that is a `PutBatch` was planned already (a TCP put's frame, on its connection's thread) and is not.
-        commit: commits batches, in order, in one durable transaction.
+        commit: commits batches, in order, in one durable transaction (its results), or with `durable`, in one
+            transaction whose results `durable` gives once it is durable.
         depth: requests received ahead of the commit, each planned or being planned (one committed
-            group more may wait for its replies while the next commits).
+            group more may wait for its replies, or its flush, while the next commits).
+        durable: see `commit`; None: `commit`'s results are durable when it returns.
 
     Raises:
         Exception: the first error of the stream, after every batch before it was yielded.
     """
     plans: asyncio.Queue[asyncio.Future[_Planned]] = asyncio.Queue(maxsize=depth)
-    acks: asyncio.Queue[tuple[list[PutBatch], Sequence[PutResult]] | Exception | None] = asyncio.Queue(maxsize=1)
+    acks: asyncio.Queue[tuple[list[PutBatch], Any] | Exception | None] = asyncio.Queue(maxsize=1)
 
     async def receive() -> None:
         try:
@@ -102,7 +129,10 @@ async def committed(requests: AsyncIterator[R], plan: Callable[[R], PutBatch],
                 return
             if isinstance(done, Exception):
                 raise done
-            for pair in zip(*done, strict=True):
+            batches, results = done
+            if durable is not None:  # R34: flushed before any reply (the next group is written meanwhile)
+                results = await durable(results)
+            for pair in zip(batches, results, strict=True):
                 yield pair
     finally:
         for stage in stages:

@@ -118,9 +118,11 @@ class BlockDbs:
 
     @classmethod
     def open(cls, env: lmdb.Environment) -> BlockDbs:
-        """Open (or create) the databases."""
-        return cls(records=env.open_db(b"records"), lru=env.open_db(b"lru"), state=env.open_db(b"state"),
-                   runs=env.open_db(run_index.RUNS_DB), pins=env.open_db(pins.PINS_DB))
+        """Open (or create) the databases, in one write transaction (one commit, where any is made)."""
+        with env.begin(write=True) as txn:
+            return cls(**{field: env.open_db(name, txn=txn) for field, name in (
+                ("records", b"records"), ("lru", b"lru"), ("state", b"state"), ("runs", run_index.RUNS_DB),
+                ("pins", pins.PINS_DB))})
 
 
 def read_meta(txn: lmdb.Transaction, dbs: BlockDbs, key: bytes) -> BlockMeta | None:
@@ -160,6 +162,8 @@ class BlockTxn:
     def __init__(self, txn: lmdb.Transaction, dbs: BlockDbs, *, unreadable: frozenset[bytes] = frozenset()) -> None:
         self.txn = txn
         self.dbs = dbs
+        #: The transaction's id once committed (set by the tier's writer).
+        self.txn_id = 0
         self.unreadable = unreadable
         self.usage: Usage = read_usage(txn, dbs.state)
         #: Blocks per fleet run while the store keeps a run index (0: a single node's store, none kept).

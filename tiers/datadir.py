@@ -13,6 +13,8 @@ taken for a new store. So nothing here lets LMDB touch a file before these hold:
   created here;
 - once open: the layout is the current one and the state records parse.
 
+Before any of these, a commit a crash left not durable is rolled back (tiers/durable.py, R36).
+
 Every refusal is a ConfigError naming the file and what to do (docs/OPERATIONS.md).
 """
 
@@ -35,6 +37,7 @@ import lmdb
 from kvstore.config import GiB, StoreSettings
 from kvstore.errors import ConfigError
 from kvstore.side_files import read_json
+from tiers.durable import recover
 from tiers.lmdb_pages import HeaderError, LmdbHeader, damaged_pages, read_header
 
 log = logging.getLogger(__name__)
@@ -351,12 +354,14 @@ def open_environment(settings: StoreSettings) -> tuple[lmdb.Environment, DataDir
     prepare_dir(data_dir)
     lock = DataDirLock.acquire(data_dir)
     try:
+        recover(data_dir, DATA_NAME)  # R36: before anything reads the meta pages a crash may have left
         check_files(data_dir)
         check_capacity(settings)
         # Room for B-tree pages and overflow-page rounding beyond the data itself.
         map_size = int(settings.capacity_bytes * 1.25) + GiB
         try:
-            env = lmdb.open(str(data_dir), map_size=map_size, max_dbs=8, sync=True,
+            # R34: LMDB does not flush; the tier does, outside the write lock (tiers/durable.py).
+            env = lmdb.open(str(data_dir), map_size=map_size, max_dbs=8, sync=False,
                             metasync=True, readahead=False, max_readers=512)
         except lmdb.Error as exc:
             raise ConfigError(f"LMDB cannot open {data_dir / DATA_NAME}: {exc}", hint=_repair_hint(data_dir)) from None

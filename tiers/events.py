@@ -120,11 +120,12 @@ class EventLog:
         self.topic = topic
         self.keep_batches = keep_batches
         self.now = now
-        self.db = env.open_db(EVENTS_DB)
         #: The batches a fresh log starts with (E5), for the publisher's first send.
         self.opening: list[LoggedBatch] = []
-        if self.next_seq() == 0:
-            with env.begin(write=True) as txn:
+        # Created, opened and begun in one commit: the store flushes each commit before the next (R35).
+        with env.begin(write=True) as txn:
+            self.db = env.open_db(EVENTS_DB, txn=txn)
+            if not txn.cursor(db=self.db).last():
                 clear = wire.KVEventBatch(ts=now(), events=[wire.AllBlocksCleared(kvstore_node=node_id)])
                 self.opening = [self._append(txn, tenant_topic(topic, None), wire.encode(clear))]
 

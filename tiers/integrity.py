@@ -39,6 +39,7 @@ import lmdb
 from kvstore.config import GiB
 from kvstore.errors import ConfigError
 from tiers.datadir import DATA_NAME, DataDirBusy, DataDirLock
+from tiers.durable import recover
 from tiers.integrity_dbs import plan_databases
 from tiers.integrity_plan import plan_repair
 from tiers.integrity_repair import rebuild, repair_in_place
@@ -81,6 +82,8 @@ def check_store(data_dir: Path, *, repair: bool, progress: Progress | None = Non
         if repair:
             raise
     try:
+        if lock is not None:  # as a start would: a commit a crash left not durable is rolled back first (R36)
+            recover(data_dir, DATA_NAME)
         _check(data_dir, report, progress)
     finally:
         if lock is not None:

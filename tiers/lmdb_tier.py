@@ -20,6 +20,7 @@ which are all the gateway sees of it. Its methods block; the service runs them o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -32,12 +33,13 @@ import lmdb
 from kvstore.clock import Clock, SystemClock
 from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope, namespace_id
-from tiers import export, namespaces, pins, purge, reads, stale_copies, usage
+from tiers import export, namespaces, pins, purge, reads, run_index, stale_copies, usage
 from tiers.accounting import Counters, TierStats, WriteRate
 from tiers.block_txn import BlockDbs, BlockTxn, Buffer, PutBatch, PutResult, read_meta
 from tiers.chains import ChainIndex
 from tiers.damage import DamagedBlocks
 from tiers.datadir import MAX_CHECKED_TREE_PAGES, open_environment
+from tiers.durable import Committed, DurableCommits
 from tiers.eviction import Evicted, SkippedRuns
 from tiers.leases import Lease, LeaseTable
 from tiers.lmdb_map import LmdbMap
@@ -83,8 +85,17 @@ class LmdbBlockTier:
         # Checks, locks and opens the data dir (docs/OPERATIONS.md); close() releases the lock.
         self.env, self._dir_lock = open_environment(settings)
         try:
+            # R34-R36: each commit flushed outside LMDB's write lock, one at most not yet durable.
+            self._durable = DurableCommits(self.env, settings.data_dir)
+        except BaseException:
+            self.env.close()
+            self._dir_lock.release()
+            self.executor.shutdown(wait=False)
+            raise
+        try:
             self._open_state(settings)
         except BaseException:  # leave nothing open: a second try must not find the dir locked
+            self._durable.close()
             self.env.close()
             self._dir_lock.release()
             self.executor.shutdown(wait=False)
@@ -93,6 +104,7 @@ class LmdbBlockTier:
     def _open_state(self, settings: StoreSettings) -> None:
         # Data, meta and child entries of each block, side by side (kvstore/native/records.py).
         self._dbs = BlockDbs.open(self.env)
+        self._durable.sync()  # R35: the writes at open are not made through `_write`: each flushed before the next
         self._records, self._state = self._dbs.records, self._dbs.state
         self.rule = Retention(retention_s=settings.retention_s)
         self.retention = NamespaceRetention(settings.retention_s)
@@ -108,8 +120,10 @@ class LmdbBlockTier:
         self.retention_clock = RetentionClock(self.clock, high_water)
         totals, by_namespace = usage.check_and_repair(self.env, self._records, self._state,
                                                       max_tree_pages=MAX_CHECKED_TREE_PAGES)
+        self._durable.sync()
         if by_namespace is not None:
             namespaces.check_and_repair(self.env, self._state, by_namespace, self.retention_clock.now())
+            self._durable.sync()
         self._tally = Tally(counters, totals, WriteRate(settings.write_rate_window_s, self.retention_clock.now()))
         self._damage = DamagedBlocks(settings.data_dir, self._tally.damaged_on_page, self.env)
         self._refresh = RefreshBatcher(self.executor, self.touch)
@@ -135,6 +149,7 @@ class LmdbBlockTier:
 
         log_ = EventLog(self.env, node_id=node_id, block_tokens=self.settings.block_tokens, topic=settings.topic,
                         keep_batches=settings.replay_batches, now=self.clock.now, token_ids=settings.token_ids)
+        self._durable.sync()  # the log's opening batch (R35: flushed before the next commit)
         self.publisher = start_publisher(settings, log_.read_from, log_.opening)
         self.events = log_
         # E6: commit and queue in one order (LMDB serializes the commits, this the queueing after them),
@@ -153,18 +168,37 @@ class LmdbBlockTier:
         self.executor.shutdown(wait=True)
         with self._write():
             pass
+        self._durable.close()
         if self.publisher is not None:  # its thread reads the log: closed before the environment
             self.publisher.close()
         self.env.close()
         self._dir_lock.release()
 
+    def enable_run_index(self, run_blocks: int) -> int:
+        """Keep the fleet's run index for `run_blocks` (`tiers.run_index.enable`), durably; the runs it indexed."""
+        built = run_index.enable(self.env, run_blocks)
+        self._durable.sync()
+        return built
+
+    async def durable(self, committed: Committed[T]) -> T:
+        """`committed`'s value once its commit is durable (R34), flushed on the executor if no one has yet."""
+        if self._durable.durable_txn < committed.txn_id:
+            await self.call(self._durable.wait, committed.txn_id)
+        return committed.value
+
+    def wait_durable(self, committed: Committed[T]) -> T:
+        """`durable`, blocking."""
+        self._durable.wait(committed.txn_id)
+        return committed.value
+
     @contextmanager
-    def _write(self) -> Iterator[BlockTxn]:
-        """A write transaction that commits with the usage totals, counters and retention clock.
+    def _write(self, *, durable: bool = True) -> Iterator[BlockTxn]:
+        """A write transaction that commits with the usage totals, counters and retention clock; on return
+        durable (R34), or with `durable` False committed only (its id in `txn_id`: the caller waits).
 
         The totals are read inside the transaction (after LMDB's writer lock is held) and written
         back by it, so an abort changes nothing (R14); the in-memory copy is replaced after the commit,
-        by the newest commit only.
+        by the newest commit only. Its pages are written only once the commit before it is durable (R35).
         """
         with self._commit_order:
             with self.env.begin(write=True) as txn:
@@ -180,10 +214,16 @@ class LmdbBlockTier:
                 # E1: the events go into this same transaction: they exist exactly when their blocks' change does.
                 logged = self.events.log(w, w.changes) if self.events is not None and w.changes else []
                 txn_id = txn.id()
-            # Committed (and, with sync on, durable): only now may anyone hear of it (E1, E6).
-            if logged and self.publisher is not None:
-                self.publisher.submit(logged)
+                self._durable.before_commit(txn_id)
+            if self.env.info()["last_txnid"] < txn_id:  # nothing written: LMDB committed no transaction
+                txn_id -= 1
+            # Committed; only once durable may anyone hear of it (E1), in commit order (E6).
+            publish = functools.partial(self.publisher.submit, logged) if logged and self.publisher else None
+            self._durable.committed(txn_id, publish)
         self._tally.committed(txn_id, w.usage)
+        w.txn_id = txn_id
+        if durable:
+            self._durable.wait(txn_id)
 
     # -- lookup and leases -------------------------------------------------
 
@@ -305,21 +345,39 @@ class LmdbBlockTier:
         before it. One fsync serves them all; each counts as its own put. Every
         block they name and every parent they extend is protected while room is
         made (R12), so what a result reports as existing is stored when it returns.
+        Returns once the transaction is durable (R34).
+        """
+        return self.wait_durable(self.commit_many(batches))
+
+    def commit_many(self, batches: Sequence[PutBatch]) -> Committed[list[PutResult]]:
+        """`put_many`, returning once committed: the caller answers no one before `durable` gives the results.
+
+        The group commits of a stream and of the fleet's copies go on to their next transaction meanwhile:
+        its work runs while the disk flushes this one (R35).
         """
         now = self.retention_clock.now()
-        results, evicted = self._commit(batches, now)
+        txns: list[int] = []
+
+        @contextmanager
+        def write() -> Iterator[BlockTxn]:
+            with self._write(durable=False) as w:
+                yield w
+            txns.append(w.txn_id)
+
+        results, evicted = self._commit(batches, now, write)
         for batch in (b for b in batches if b.hashes):  # extending a known chain makes the longer one known
             parent = None if batch.is_root else batch.scope.key(batch.parent_hash)
             self.chains.extend(parent, batch.scope.key(batch.hashes[-1]), batch.hashes)
         self._tally.put(results, evicted, now)
-        return results
+        return Committed(results, txns[-1])
 
-    def _commit(self, batches: Sequence[PutBatch], now: float) -> tuple[list[PutResult], Evicted]:
-        """Apply `batches` in one durable transaction (`tiers/puts.py`); a refusal is counted and raised."""
+    def _commit(self, batches: Sequence[PutBatch], now: float,
+                write: Callable[[], AbstractContextManager[BlockTxn]]) -> tuple[list[PutResult], Evicted]:
+        """Apply `batches` in one transaction (`tiers/puts.py`); a refusal is counted and raised."""
         room = RoomRules(rule=self.rule, retention=self.retention, quota_of=self._quota_of,
                          capacity_bytes=self.settings.capacity_bytes, skipped=self._skipped,
                          pin_limits=self._pin_limits)
-        return commit_puts(self._write, self._damage, batches, now_s=now, pinned=self.leases.pinned, room=room,
+        return commit_puts(write, self._damage, batches, now_s=now, pinned=self.leases.pinned, room=room,
                            data_dir=self.settings.data_dir, on_refused=self._tally.rejected)
 
     # -- pins (R22-R27, tiers/pins.py) ---------------------------------------
@@ -525,7 +583,7 @@ class LmdbBlockTier:
         or out-of-order record), ResourceExhausted (as a Put).
         """
         def commit(batches: list[PutBatch]) -> list[PutResult]:
-            results, evicted = self._commit(batches, self.retention_clock.now())
+            results, evicted = self._commit(batches, self.retention_clock.now(), self._write)
             self._tally.imported(results, evicted)
             return results
 

@@ -10,6 +10,8 @@ beside it, each a Protocol a store may also meet:
   on another thread, the request ring's and the bulk transport's raw read txns).
   Only a store on this host's LMDB has it; the transfer service needs it, so a store
   without it (the fleet's router) serves the KVStore API through plain `read`.
+- `PipelinedPuts`: `put_many` in two steps, committed then durable, so a group commit goes on to its
+  next transaction while the disk flushes the last (docs/RETENTION.md R34-R35).
 - `ManagedStore`: purge, export and import, the namespaces' retention and quotas:
   what the Admin service needs of the store it runs on.
 
@@ -34,6 +36,7 @@ from kvstore.config import StoreSettings
 from kvstore.prefix import BlockScope
 from tiers.accounting import TierStats
 from tiers.block_txn import PutBatch, PutResult
+from tiers.durable import Committed
 from tiers.export import BlockRecord, ExportRecord
 from tiers.leases import Lease
 from tiers.lmdb_map import LmdbMap
@@ -43,7 +46,8 @@ from tiers.reads import ReadStatus, StagedReads
 from tiers.retention import RetentionClock
 
 __all__ = ["AnchoredLookup", "BlockStore", "FoundReads", "ManagedStore", "MappedReads", "MappedStore",
-           "NamespaceUsage", "PinningStore", "PutBatch", "PutResult", "ReadStatus", "RunLookup", "StagedReads"]
+           "NamespaceUsage", "PinningStore", "PipelinedPuts", "PutBatch", "PutResult", "ReadStatus", "RunLookup",
+           "StagedReads"]
 
 T = TypeVar("T")
 
@@ -111,6 +115,24 @@ class BlockStore(Protocol):
 
     def namespace_usage(self, namespace: str) -> NamespaceUsage:
         """The blocks, bytes and token-hours `namespace` stores (R17)."""
+        ...
+
+
+@runtime_checkable
+class PipelinedPuts(Protocol):
+    """`put_many` in two steps (R34-R35): `commit_many` returns once the batches are committed, `durable`
+    once that commit is durable. Nothing may be acknowledged between the two."""
+
+    def commit_many(self, batches: Sequence[PutBatch]) -> Committed[list[PutResult]]:
+        """`put_many`'s transaction, committed, not yet known durable."""
+        ...
+
+    async def durable(self, committed: Committed[T]) -> T:
+        """`committed`'s value once its commit is durable."""
+        ...
+
+    def wait_durable(self, committed: Committed[T]) -> T:
+        """`durable`, blocking (on the store's executor)."""
         ...
 
 

@@ -149,3 +149,33 @@ def test_the_first_error_ends_the_stream_after_the_batches_before_it(where: str)
         assert seen == [0] == tier.committed()
     else:
         assert seen == [0, 1, 2] == tier.committed()
+
+
+def test_a_group_is_answered_after_its_flush_and_the_next_written_meanwhile() -> None:
+    # R34-R35 (docs/RETENTION.md): with a two-step store, a group's replies wait for its flush, and the next
+    # group's transaction is written while the disk flushes the last.
+    async def main() -> None:
+        tier, flushed, first = _Tier(), set[int](), asyncio.Event()
+
+        async def commit(batches: list[PutBatch]) -> tuple[int, list[PutResult]]:
+            results = await tier.commit(batches)
+            first.set()
+            return len(tier.groups) - 1, results
+
+        async def durable(pending: tuple[int, list[PutResult]]) -> list[PutResult]:
+            group, results = pending
+            if group == 0:  # the first flush ends only once the second group was committed beside it
+                await asyncio.wait_for(tier.second.wait(), DEADLINE_S)
+            flushed.add(group)
+            return results
+
+        seen = []
+        async for batch, _ in committed(_requests(6, lambda i: first.wait() if i == 1 else None), _plan, commit,
+                                        4, durable):
+            i = int.from_bytes(batch.hashes[0], "big")
+            assert next(g for g, ids in enumerate(tier.groups) if i in ids) in flushed  # acknowledged = durable
+            seen.append(i)
+        assert seen == list(range(6))
+        assert len(tier.groups) >= 2
+
+    asyncio.run(main())
