@@ -36,16 +36,16 @@ def _stream(loop_thread: LoopThread, node: Any, pieces: Any) -> Any:
 
 
 def _signal_commits(tier: Any) -> threading.Event:
-    """An event set once `tier` has committed a Put transaction (its `put_many` returned)."""
+    """An event set once a Put transaction of `tier` is durable (its group commit's `durable` returned: R34)."""
     committed = threading.Event()
-    put_many = tier.put_many
+    durable = tier.durable
 
-    def wrapped(batches: Any) -> Any:
-        out = put_many(batches)
+    async def wrapped(pending: Any) -> Any:
+        out = await durable(pending)
         committed.set()
         return out
 
-    tier.put_many = wrapped
+    tier.durable = wrapped
     return committed
 
 

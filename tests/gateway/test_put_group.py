@@ -23,6 +23,7 @@ from kvstore.errors import FailedPrecondition
 from kvstore.geometry import V4_1_FLASH
 from kvstore.prefix import BlockScope, chain_hashes, root_hash
 from tests.waiting import wait_until
+from tiers.durable import Committed
 from tiers.lmdb_tier import LmdbBlockTier, ReadStatus
 from tiers.store import PutBatch, PutResult
 
@@ -39,12 +40,13 @@ class CountedTier(LmdbBlockTier):
         self.commits: list[int] = []  # batches in each put_many
         self.entered, self.let_go = threading.Event(), threading.Event()
 
-    def put_many(self, batches: Sequence[PutBatch]) -> list[PutResult]:
+    def commit_many(self, batches: Sequence[PutBatch]) -> Committed[list[PutResult]]:
+        # The commit step (`put_many` commits through it too; the groups flush and answer after it: R34).
         self.commits.append(len(batches))
         if len(self.commits) == 1:
             self.entered.set()
             assert self.let_go.wait(30), "the test never released the first commit"
-        return super().put_many(batches)
+        return super().commit_many(batches)
 
 
 @pytest.fixture
@@ -106,16 +108,16 @@ def test_the_servers_unary_puts_share_a_commit_while_one_runs(server: Any) -> No
 
     tier, commits = server.tier, []
     entered, let_go = threading.Event(), threading.Event()
-    real = tier.put_many
+    real = tier.commit_many
 
-    def held_first(batches: Sequence[PutBatch]) -> list[PutResult]:
+    def held_first(batches: Sequence[PutBatch]) -> Committed[list[PutResult]]:
         commits.append(len(batches))
         if len(commits) == 1:
             entered.set()
             assert let_go.wait(30), "the test never released the first commit"
         return real(batches)
 
-    tier.put_many = held_first  # the instance's own: what the handler's group calls
+    tier.commit_many = held_first  # the instance's own: what the handler's group calls
     with Client(server.target) as client, ThreadPoolExecutor(3) as pool:
         def put(seed: int) -> Any:
             tokens = list(range(seed, seed + client.block_tokens * 2))
@@ -140,13 +142,13 @@ def test_a_put_is_planned_and_committed_in_one_call_on_the_tiers_executor(tier: 
     """One hop: with no commit running, the plan and the commit run in the same call, on the tier's thread."""
     tier.let_go.set()  # no commit held here
     threads: dict[str, int] = {}
-    real = tier.put_many
+    real = tier.commit_many
 
-    def put_many(batches: Sequence[PutBatch]) -> list[PutResult]:
+    def commit_many(batches: Sequence[PutBatch]) -> Committed[list[PutResult]]:
         threads["commit"] = threading.get_ident()
         return real(batches)
 
-    tier.put_many = put_many  # type: ignore[method-assign]
+    tier.commit_many = commit_many  # type: ignore[method-assign]
 
     def plan() -> PutBatch:
         threads["plan"] = threading.get_ident()
@@ -221,7 +223,8 @@ def test_puts_queued_behind_a_commit_are_planned_by_its_thread_and_wake_no_other
     outcomes = asyncio.run(main())
     assert [r.written_blocks for _, r in outcomes] == [2] * 4
     assert tier.commits == [1, 3]
-    assert len(submits) == 1  # one executor call served the held commit and the group behind it
+    # One executor call served the held commit and the group behind it; each group's flush and answers, one more.
+    assert [fn.__name__ for fn in submits] == ["_commit_all", "_answer", "_answer"]
     assert len(threads) == 4 and len(set(threads)) == 1, threads  # every plan on the committing thread
 
 

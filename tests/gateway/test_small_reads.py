@@ -116,7 +116,7 @@ def test_a_lookup_and_a_small_get_are_answered_while_a_group_commit_holds_the_wr
     tokens, data = stored(client, 4)
     client.get(tokens)  # recorded now: no refresh is due (R5), so neither read needs a thread
     entered, let_go = threading.Event(), threading.Event()
-    real = tier.put_many
+    real = tier.commit_many
 
     def held_commit(batches: Any) -> Any:
         with tier.env.begin(write=True):  # LMDB's one writer, as a long commit holds it
@@ -124,7 +124,7 @@ def test_a_lookup_and_a_small_get_are_answered_while_a_group_commit_holds_the_wr
             assert let_go.wait(60), "the test never let the commit go"
         return real(batches)
 
-    tier.put_many = held_commit  # the instance's own: what the Put handler's group calls
+    tier.commit_many = held_commit  # the instance's own: what the Put handler's group commits with
     others: HeldThreads | None = None
     with ThreadPoolExecutor(2) as pool:
         try:
