@@ -21,8 +21,8 @@ one hop to a thread and one wake-up: planning each Put on a thread of its own (a
 thread per Put, which then fought the committer and the loop for the GIL (docs/BENCHMARKS.md, `bench
 load`: a Put's commit under 16 clients).
 
-On a store with `PipelinedPuts` (docs/RETENTION.md R34-R35) the committer hands each committed group to
-another executor thread, which waits for its flush and answers it, and goes on to the next group's
+On a store with `PipelinedPuts` (docs/RETENTION.md R34-R35) the committer leaves each committed group's
+answers to the store's flusher (they go once the group is durable) and goes on to the next group's
 transaction while the disk writes this one.
 """
 
@@ -175,8 +175,9 @@ class PutGroups:
     def _commit(self, group: list[_Queued]) -> None:
         """One commit for `group`; if it fails and holds more than one batch, each batch alone."""
         try:
-            if self._pipelined is not None:  # answered once durable, by another thread (`_answer`)
-                self._submit(self._answer, group, self._pipelined.commit_many([batch for batch, _, _ in group]))
+            if self._pipelined is not None:  # answered once durable (`_answer`, from the store's flusher)
+                committed = self._pipelined.commit_many([batch for batch, _, _ in group])
+                self._pipelined.on_durable(committed, functools.partial(self._answer, group, committed))
                 return
             results = self.store.put_many([batch for batch, _, _ in group])
         except Exception as exc:
@@ -194,16 +195,14 @@ class PutGroups:
         _post(group[0][1], [(done, (batch, result), None)
                             for (batch, _, done), result in zip(group, results, strict=True)])
 
-    def _answer(self, group: list[_Queued], committed: Committed[list[PutResult]]) -> None:
-        """On the executor: `group`'s answers once its commit is durable (R34); the flush's error to each."""
-        assert self._pipelined is not None
-        try:
-            results = self._pipelined.wait_durable(committed)
-        except Exception as exc:
-            _post(group[0][1], [(done, None, exc) for _, _, done in group])
+    @staticmethod
+    def _answer(group: list[_Queued], committed: Committed[list[PutResult]], error: BaseException | None) -> None:
+        """`group`'s answers once its commit is durable (R34); the flush's error to each when it failed."""
+        if error is not None:
+            _post(group[0][1], [(done, None, error) for _, _, done in group])
             return
         _post(group[0][1], [(done, (batch, result), None)
-                            for (batch, _, done), result in zip(group, results, strict=True)])
+                            for (batch, _, done), result in zip(group, committed.value, strict=True)])
 
 
 def _post(loop: asyncio.AbstractEventLoop, settled: list[_Settled]) -> None:

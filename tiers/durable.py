@@ -25,6 +25,7 @@ clean close) and an xxh3-64 of the 24 bytes before it, little endian. A damaged 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -140,13 +141,18 @@ def _write_file(path: Path, txn_id: int, state: int) -> None:
         os.close(fd)
 
 
+#: What runs once a commit is durable: given None, or the error that refused its flush.
+Then = Callable[[BaseException | None], None]
+
+
 class DurableCommits:
     """Flushes the store's commits outside LMDB's write lock, one commit at most not yet durable (R34-R36).
 
     The writer calls `before_commit` inside its transaction, just before committing (it waits for the
-    commit before to be durable: R35), then `committed`; a caller is answered after `wait` for that
-    commit returns. Whichever thread waits first flushes, for every commit made by then; the others wait for
-    it. Thread-safe.
+    commit before to be durable: R35), then `committed`. A caller is answered once that commit is durable:
+    after `wait` returns (a blocking caller: whichever thread waits first flushes, for every commit made by
+    then; the others wait for it), or when `when_durable`'s callback runs (a group commit's answers: the
+    flusher thread flushes for them, so no thread of the store's executor sits in a flush). Thread-safe.
 
     Args:
         env: the store's environment, opened with `sync=False`.
@@ -159,11 +165,18 @@ class DurableCommits:
         self._cond = threading.Condition()
         self._in_order = threading.Lock()  # what runs once durable runs in commit order
         self._syncing = False
+        self._closing = False
         self._failed: BaseException | None = None
-        self._due: list[tuple[int, Callable[[], None]]] = []
+        self._due: list[tuple[int, Then]] = []
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         self._committed = self._durable = -1
-        self.sync()
+        try:
+            self.sync()
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._flusher = threading.Thread(target=self._flush_when_due, name="lmdb-flush", daemon=True)
+        self._flusher.start()
 
     @property
     def durable_txn(self) -> int:
@@ -178,12 +191,24 @@ class DurableCommits:
         """
         self.wait(txn_id - 1)
 
-    def committed(self, txn_id: int, then: Callable[[], None] | None = None) -> None:
+    def committed(self, txn_id: int, then: Then | None = None) -> None:
         """Transaction `txn_id` committed; `then` runs once it is durable, after those of earlier commits."""
         with self._cond:
             self._committed = max(self._committed, txn_id)
-            if then is not None:
+        if then is not None:
+            self.when_durable(txn_id, then)
+
+    def when_durable(self, txn_id: int, then: Then) -> None:
+        """Run `then(None)` once committed transaction `txn_id` is durable (now, if it is), after what waits
+        for earlier ones; `then(error)` when its flush failed. It runs on the thread that flushed: keep it short."""
+        with self._cond:
+            error = self._failed_error()
+            if error is None and self._durable < txn_id:
                 self._due.append((txn_id, then))
+                self._cond.notify_all()  # the flusher's work
+                return
+        with self._in_order:
+            then(error)
 
     def wait(self, txn_id: int) -> None:
         """Return once transaction `txn_id` (committed) is durable, flushing if no one else is.
@@ -193,7 +218,9 @@ class DurableCommits:
         """
         with self._cond:
             while True:
-                self._raise_failed()
+                error = self._failed_error()
+                if error is not None:
+                    raise error
                 if self._durable >= txn_id:
                     return
                 if not self._syncing:
@@ -201,7 +228,7 @@ class DurableCommits:
                 self._cond.wait()
             self._syncing = True
             target = max(self._committed, txn_id)
-        self._flush(target, OPEN)
+        self._flush(target)
 
     def sync(self) -> None:
         """Make every commit made so far durable (after a write not made through `before_commit`)."""
@@ -214,37 +241,60 @@ class DurableCommits:
                 self.sync()
                 _write_marker(self._fd, self._durable, CLOSED)
         finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._flusher.join()
             os.close(self._fd)
 
-    def _flush(self, target: int, state: int) -> None:
+    def _flush_when_due(self) -> None:
+        """The flusher thread: flush whenever a callback waits for a commit no one is flushing."""
+        while True:
+            with self._cond:
+                while not self._closing and (self._syncing or self._failed is not None
+                                             or not any(txn > self._durable for txn, _ in self._due)):
+                    self._cond.wait()
+                if self._closing:
+                    return
+                self._syncing = True
+                target = self._committed
+            with contextlib.suppress(Unavailable):  # told to every waiter by `_flush`
+                self._flush(target)
+
+    def _flush(self, target: int) -> None:
         error: BaseException | None = None
         try:
             self._env.sync(True)
-            _write_marker(self._fd, target, state)
+            _write_marker(self._fd, target, OPEN)
         except (OSError, lmdb.Error) as exc:
             error = exc
         with self._cond:
             self._syncing = False
             if error is not None:
                 self._failed = error
-                self._cond.notify_all()
-                self._raise_failed()
-            self._durable = max(self._durable, target)
-            due = [then for txn, then in self._due if txn <= target]
-            self._due = [(txn, then) for txn, then in self._due if txn > target]
+                failed = self._failed_error()
+                due, self._due = [then for _, then in self._due], []
+            else:
+                failed = None
+                self._durable = max(self._durable, target)
+                due = [then for txn, then in self._due if txn <= target]
+                self._due = [(txn, then) for txn, then in self._due if txn > target]
             self._in_order.acquire()  # before letting go: a later flush's callbacks wait for these
             self._cond.notify_all()
         try:
             for then in due:
-                then()
+                then(failed)
         finally:
             self._in_order.release()
+        if failed is not None:
+            raise failed
 
-    def _raise_failed(self) -> None:
-        if self._failed is not None:
-            raise Unavailable(f"the disk under {self._path.parent} failed to flush a commit ({self._failed}): "
-                              "this node stores nothing more until it is restarted",
-                              hint="check the disk's health; the commits not flushed were not acknowledged")
+    def _failed_error(self) -> Unavailable | None:
+        if self._failed is None:
+            return None
+        return Unavailable(f"the disk under {self._path.parent} failed to flush a commit ({self._failed}): "
+                           "this node stores nothing more until it is restarted",
+                           hint="check the disk's health; the commits not flushed were not acknowledged")
 
 
 def _write_marker(fd: int, txn_id: int, state: int) -> None:

@@ -20,6 +20,7 @@ which are all the gateway sees of it. Its methods block; the service runs them o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -181,10 +182,23 @@ class LmdbBlockTier:
         return built
 
     async def durable(self, committed: Committed[T]) -> T:
-        """`committed`'s value once its commit is durable (R34), flushed on the executor if no one has yet."""
+        """`committed`'s value once its commit is durable (R34; the flusher thread flushes it, no executor
+        thread waits).
+
+        Raises:
+            Unavailable: its flush failed.
+        """
         if self._durable.durable_txn < committed.txn_id:
-            await self.call(self._durable.wait, committed.txn_id)
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[None] = loop.create_future()
+            self._durable.when_durable(committed.txn_id, functools.partial(_resolve_soon, loop, done))
+            await done
         return committed.value
+
+    def on_durable(self, committed: Committed[T], then: Callable[[BaseException | None], None]) -> None:
+        """Run `then(None)` once `committed` is durable, `then(error)` if its flush failed (on the flusher
+        thread: keep it short)."""
+        self._durable.when_durable(committed.txn_id, then)
 
     def wait_durable(self, committed: Committed[T]) -> T:
         """`durable`, blocking."""
@@ -218,7 +232,7 @@ class LmdbBlockTier:
             if self.env.info()["last_txnid"] < txn_id:  # nothing written: LMDB committed no transaction
                 txn_id -= 1
             # Committed; only once durable may anyone hear of it (E1), in commit order (E6).
-            publish = functools.partial(self.publisher.submit, logged) if logged and self.publisher else None
+            publish = functools.partial(_publish, self.publisher, logged) if logged and self.publisher else None
             self._durable.committed(txn_id, publish)
         self._tally.committed(txn_id, w.usage)
         w.txn_id = txn_id
@@ -642,3 +656,23 @@ class LmdbBlockTier:
 
 def _no_quota(namespace: str) -> int:
     return 0
+
+
+def _publish(publisher: EventPublisher, logged: list[Any], error: BaseException | None) -> None:
+    """E1: a commit's events go out once it is durable; never for a commit whose flush failed."""
+    if error is None:
+        publisher.submit(logged)
+
+
+def _resolve_soon(loop: asyncio.AbstractEventLoop, done: asyncio.Future[None], error: BaseException | None) -> None:
+    """From the flusher thread: settle `done` on its loop (nothing when the loop is gone)."""
+    def settle() -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: no one is left to answer
+        loop.call_soon_threadsafe(settle)

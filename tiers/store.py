@@ -131,8 +131,8 @@ class PipelinedPuts(Protocol):
         """`committed`'s value once its commit is durable."""
         ...
 
-    def wait_durable(self, committed: Committed[T]) -> T:
-        """`durable`, blocking (on the store's executor)."""
+    def on_durable(self, committed: Committed[T], then: Callable[[BaseException | None], None]) -> None:
+        """Run `then(None)` once `committed` is durable, `then(error)` if its flush failed (on another thread)."""
         ...
 
 

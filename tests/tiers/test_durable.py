@@ -3,6 +3,7 @@ yet durable, and the roll back at start of a commit a crash left not durable."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 import threading
@@ -21,6 +22,8 @@ from tiers.datadir import DATA_NAME
 from tiers.durable import CLOSED, MARKER_NAME, OPEN, DurableCommits, read_marker
 from tiers.lmdb_pages import read_headers
 from tiers.lmdb_tier import LmdbBlockTier
+
+DEADLINE_S = 30.0
 
 
 def _batch(kit: Kit, hashes: list[bytes], start: int = 0) -> PutBatch:
@@ -48,6 +51,17 @@ def test_r34_a_commit_is_durable_only_once_flushed_and_marked(make_kit: Callable
     marker = read_marker(kit.tier.settings.data_dir)
     assert marker is not None and marker[0] == committed.txn_id - 1  # committed, not yet durable
     assert kit.tier.wait_durable(committed)[0].written_blocks == 2
+    assert read_marker(kit.tier.settings.data_dir) == (committed.txn_id, OPEN)
+
+
+def test_r34_a_group_commits_answer_waits_on_the_flusher_not_an_executor_thread(
+        make_kit: Callable[..., Kit], monkeypatch: pytest.MonkeyPatch) -> None:
+    kit = make_kit(64)
+    committed = kit.tier.commit_many([_batch(kit, kit.chain(0, 2))])
+    taken: list[Any] = []
+    monkeypatch.setattr(kit.tier.executor, "submit", lambda *a, **k: taken.append(a))  # no thread to wait in
+    results = asyncio.run(asyncio.wait_for(kit.tier.durable(committed), DEADLINE_S))
+    assert results[0].written_blocks == 2 and taken == []
     assert read_marker(kit.tier.settings.data_dir) == (committed.txn_id, OPEN)
 
 
@@ -158,6 +172,7 @@ def test_r34_a_failed_flush_acknowledges_nothing_and_stops_writes(tmp_path: Path
         with pytest.raises(Unavailable):
             commits.before_commit(txn_id + 1)
         assert read_marker(tmp_path) == (txn_id - 1, OPEN)
+        commits.close()
     finally:
         env.close()
 
@@ -171,9 +186,10 @@ def test_r34_what_waits_for_a_commit_runs_once_it_is_durable_not_before(tmp_path
             txn.put(b"k", b"v")
             txn_id = txn.id()
             commits.before_commit(txn_id)
-        commits.committed(txn_id, lambda: ran.append(txn_id))
+        commits.committed(txn_id, lambda error: ran.append(txn_id))
         assert ran == []  # committed: not yet to be heard of (E1)
         commits.wait(txn_id)
         assert ran == [txn_id]
+        commits.close()
     finally:
         env.close()
