@@ -9,14 +9,16 @@ durable (R34). That alone would not be safe: without LMDB's own flush, the kerne
 meta page before its data pages, and a power cut in between leaves a newest meta page that points at
 pages never written. So:
 
-- one commit at most is not yet durable: a transaction writes its pages only once the commit before it
-  is flushed (R35). LMDB never reuses the pages of the two latest snapshots, so the one before the
-  newest is always whole on disk;
-- after each flush the store records the durable transaction's id in `kvstore-durable` (beside
-  `data.mdb`, itself flushed before anyone is answered); at a start after a crash, a newest commit one
-  past that id was never made durable, nor acknowledged, and is rolled back by pointing LMDB at the
-  meta page before it (`recover`, R36). A clean close records that it was clean: what writes the store
-  after that (a repair, a copy) is trusted as LMDB left it.
+- one commit at most is not yet flushed: a transaction writes its pages only once the commit before it
+  is (R35). LMDB never reuses the pages of the two latest snapshots, so the one before the newest is
+  always whole on disk;
+- after each flush the store records the flushed transaction's id in `kvstore-durable` (beside
+  `data.mdb`), itself flushed before anyone is answered: a commit is durable once marked. At a start
+  after a crash, a newest commit past that id may never have been flushed, nor was it acknowledged, and
+  is rolled back by pointing LMDB at the meta page before it (`recover`, R36). The mark follows the
+  flush on the flusher's thread while the next commit is written, so the newest commit may be one past
+  the marked one's successor, which R35 had flushed: that one is kept. A clean close records that it was
+  clean: what writes the store after that (a repair, a copy) is trusted as LMDB left it.
 
 The marker: 8 bytes of magic, the transaction id, the state (open while a store writes, closed after a
 clean close) and an xxh3-64 of the 24 bytes before it, little endian. A damaged one is set aside as
@@ -106,7 +108,7 @@ def recover(data_dir: Path, data_name: str = "data.mdb") -> int | None:
     except (HeaderError, OSError):
         return None  # the data dir's own checks say what is wrong with the file
     rolled = _roll_back(data, headers, marker[0])
-    _write_file(path, max(h.txn_id for h in headers) if rolled is None else marker[0], CLOSED)
+    _write_file(path, max(h.txn_id for h in headers) if rolled is None else rolled - 1, CLOSED)
     return rolled
 
 
@@ -115,7 +117,8 @@ def _roll_back(data: Path, headers: list[LmdbHeader], durable: int) -> int | Non
     other = 1 - newest
     if headers[newest].txn_id == durable:
         return None
-    if headers[newest].txn_id != durable + 1 or headers[other].txn_id != durable:
+    # The newest commit past the mark, and the one before it the mark's own or its flushed successor (R35).
+    if headers[newest].txn_id != headers[other].txn_id + 1 or headers[other].txn_id not in (durable, durable + 1):
         log.warning("%s: LMDB's newest commit is %d but %s records %d: written by something else since; trusted",
                     data, headers[newest].txn_id, MARKER_NAME, durable)
         return None
@@ -129,7 +132,7 @@ def _roll_back(data: Path, headers: list[LmdbHeader], durable: int) -> int | Non
         f.flush()
         os.fdatasync(f.fileno())
     log.warning("%s: rolled back commit %d, which a crash left not durable (nothing it held was acknowledged); "
-                "the store resumes at commit %d", data, headers[newest].txn_id, durable)
+                "the store resumes at commit %d", data, headers[newest].txn_id, headers[other].txn_id)
     return headers[newest].txn_id
 
 
@@ -169,7 +172,7 @@ class DurableCommits:
         self._failed: BaseException | None = None
         self._due: list[tuple[int, Then]] = []
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        self._committed = self._durable = -1
+        self._committed = self._synced = self._durable = -1  # the latest committed, flushed, marked
         try:
             self.sync()
         except BaseException:
@@ -184,12 +187,13 @@ class DurableCommits:
         return self._durable
 
     def before_commit(self, txn_id: int) -> None:
-        """Inside write transaction `txn_id`, before it commits: the commit before it is made durable first (R35).
+        """Inside write transaction `txn_id`, before it commits: the commit before it is flushed first (R35; its
+        mark may follow while this one is written).
 
         Raises:
             Unavailable: a flush failed (this store writes nothing more).
         """
-        self.wait(txn_id - 1)
+        self._wait(txn_id - 1, flushed=True)
 
     def committed(self, txn_id: int, then: Then | None = None) -> None:
         """Transaction `txn_id` committed; `then` runs once it is durable, after those of earlier commits."""
@@ -216,12 +220,15 @@ class DurableCommits:
         Raises:
             Unavailable: a flush failed (now or before: this store writes nothing more).
         """
+        self._wait(txn_id, flushed=False)
+
+    def _wait(self, txn_id: int, *, flushed: bool) -> None:
         with self._cond:
             while True:
                 error = self._failed_error()
                 if error is not None:
                     raise error
-                if self._durable >= txn_id:
+                if (self._synced if flushed else self._durable) >= txn_id:
                     return
                 if not self._syncing:
                     break
@@ -265,6 +272,9 @@ class DurableCommits:
         error: BaseException | None = None
         try:
             self._env.sync(True)
+            with self._cond:  # flushed: the next commit may write its pages while this one is marked (R35)
+                self._synced = max(self._synced, target)
+                self._cond.notify_all()
             _write_marker(self._fd, target, OPEN)
         except (OSError, lmdb.Error) as exc:
             error = exc

@@ -89,6 +89,23 @@ def test_r36_a_commit_a_crash_left_not_durable_is_rolled_back(make_kit: Callable
     assert after.found(pending) == 2
 
 
+def test_r36_a_commit_flushed_but_not_yet_marked_is_kept_and_the_one_after_it_rolled_back(
+        make_kit: Callable[..., Kit], tmp_path: Path, open_tier: Callable[..., LmdbBlockTier]) -> None:
+    # The mark follows the flush while the next commit is written (R35): a crash may leave the marker one behind.
+    kit = make_kit(64)
+    acked, flushed, pending = kit.chain(0, 3), kit.chain(500, 2), kit.chain(900, 2)
+    kit.put(acked)
+    data_dir = kit.tier.settings.data_dir
+    marker_then = (data_dir / MARKER_NAME).read_bytes()
+    kit.tier.commit_many([_batch(kit, flushed)])
+    kit.tier.commit_many([_batch(kit, pending)])  # flushes the one before it first
+    image = _crash_image(data_dir, tmp_path / "after-crash")
+    (image / MARKER_NAME).write_bytes(marker_then)  # its mark had not reached the disk
+    after = Kit(open_tier(_settings(image)))
+    assert after.stored(acked) == [True] * 3 and after.stored(flushed) == [True] * 2
+    assert after.stored(pending) == [False] * 2
+
+
 def test_r36_pages_a_power_cut_never_wrote_do_not_matter_once_rolled_back(
         make_kit: Callable[..., Kit], tmp_path: Path, open_tier: Callable[..., LmdbBlockTier]) -> None:
     kit = make_kit(64)
