@@ -1,6 +1,10 @@
 """How much of a durable Put's commit is LMDB's meta-page flush: the most that overlapping it with the next
 transaction could save (docs/BENCHMARKS.md, `bench store`, helper M6, issue 25 item 1).
 
+Kept for that entry's figures. Since R34-R36 (docs/RETENTION.md) the store opens LMDB with `sync=False` and
+flushes each commit itself inside `put_many`, so the flush timed here after it finds nothing left to write;
+`scripts/pipelined_commit_probe.py` measures what replaced it.
+
 With `metasync=True` (the store's setting, tiers/datadir.py) a commit writes its pages, fdatasyncs them, then writes
 the meta page through an O_DSYNC descriptor, all under LMDB's writer lock. Here the tier is opened with
 `metasync=False` and the meta page is flushed after each commit by `env.sync(True)`, timed apart: the same work, split
