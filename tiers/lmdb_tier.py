@@ -8,6 +8,8 @@ live beside it (docs/RETENTION.md numbers the rules):
 - `tiers/puts.py`: a Put's write transaction: what it protects, room made, blocks stored.
 - `tiers/block_txn.py`: a write transaction's block records, LRU index and usage.
 - `tiers/usage.py`: the usage totals, kept inside write transactions; `tiers/refresh.py`: refreshes' group commit.
+- `tiers/durable.py`: each commit flushed outside LMDB's write lock, and rolled back at start if a crash left it
+  not durable (R34-R36).
 - `tiers/reads.py`: verified and staged zero-copy reads; `tiers/damage.py`: damaged pages met at run time.
 - `tiers/namespaces.py`, `tiers/purge.py`, `tiers/export.py`: usage per namespace, purge, export/import.
 - `kvstore/native/records.py`, `tiers/leases.py`, `tiers/accounting.py`: the on-disk records, leases,
