@@ -76,7 +76,8 @@ def read_marker(data_dir: Path) -> tuple[int, int] | None:
         ValueError: the marker is damaged (its length, magic or checksum).
     """
     try:
-        raw = (data_dir / MARKER_NAME).read_bytes()
+        with (data_dir / MARKER_NAME).open("rb") as f:
+            raw = f.read(_MARKER_BYTES + 1)  # bounded: whatever a disk left there, only this much is read
     except FileNotFoundError:
         return None
     if len(raw) != _MARKER_BYTES:

@@ -140,18 +140,24 @@ def test_r36_a_store_closed_cleanly_trusts_what_wrote_it_since(make_kit: Callabl
         assert txn.get(b"written-by-a-tool", db=after.tier._state) == b"1"
 
 
+@pytest.mark.parametrize("damage", ["bytes", "huge", "folder"])
 def test_r36_a_damaged_marker_is_set_aside_and_the_store_opens(make_kit: Callable[..., Kit],
-                                                               caplog: pytest.LogCaptureFixture) -> None:
+                                                               caplog: pytest.LogCaptureFixture, damage: str) -> None:
     kit = make_kit(64)
     a = kit.chain(0, 2)
     kit.put(a)
     data_dir = kit.tier.settings.data_dir
     kit.tier.close()
-    (data_dir / MARKER_NAME).write_bytes(b"not a marker")
+    marker = data_dir / MARKER_NAME
+    if damage == "folder":
+        marker.unlink()
+        marker.mkdir()
+    else:
+        marker.write_bytes(b"not a marker" * (1 << 20 if damage == "huge" else 1))
     with caplog.at_level(logging.WARNING, logger="tiers.durable"):
         after = make_kit(64)
     assert after.stored(a) == [True, True]
-    assert (data_dir / (MARKER_NAME + ".damaged")).read_bytes() == b"not a marker"
+    assert (data_dir / (MARKER_NAME + ".damaged")).exists()
     assert any("set aside" in r.getMessage() for r in caplog.records)
     assert read_marker(data_dir) is not None
 
