@@ -87,18 +87,15 @@ class LmdbBlockTier:
         self.executor = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="lmdb")
         # Checks, locks and opens the data dir (docs/OPERATIONS.md); close() releases the lock.
         self.env, self._dir_lock = open_environment(settings)
-        try:
+        try:  # leave nothing open: a second try must not find the dir locked
             # R34-R36: each commit flushed outside LMDB's write lock, one at most not yet durable.
             self._durable = DurableCommits(self.env, settings.data_dir)
+            try:
+                self._open_state(settings)
+            except BaseException:
+                self._durable.close()
+                raise
         except BaseException:
-            self.env.close()
-            self._dir_lock.release()
-            self.executor.shutdown(wait=False)
-            raise
-        try:
-            self._open_state(settings)
-        except BaseException:  # leave nothing open: a second try must not find the dir locked
-            self._durable.close()
             self.env.close()
             self._dir_lock.release()
             self.executor.shutdown(wait=False)
