@@ -11,7 +11,8 @@ starts and the bench itself; it does nothing in any other process, nor without P
 
 In the server, one line per event (wall from `time.perf_counter`, one clock across processes on Linux, and the
 thread's CPU): each TCP put frame read (`TcpPuts._frame`), each plan, `put_many` (the writer), `_put_all`, `_put_in`,
-and the commit (from `_save_state`'s return to `Tally.committed`); in the bench, each `Client.put` and the path it
+the commit (from `_save_state`'s return to `Tally.committed`), inside it the wait for the commit before to be
+flushed (R35, `before_commit`), and on the flusher's thread each flush and its marker's write (R34); in the bench, each `Client.put` and the path it
 took (the TCP rounds are the ones summarized). Lines are written as they happen (the bench terminates the server). A
 diagnostic: it wraps private methods and may need updating as they move.
 """
@@ -85,10 +86,15 @@ if _DIR and "serve" in sys.argv[1:3]:
     def _patch_server() -> None:
         import gateway.kvstore_servicer as servicer
         import gateway.transfer_tcp_put as tcp_put
+        import tiers.durable as durable
         import tiers.lmdb_tier as lmdb_tier
         import tiers.puts as puts
 
-        _wrap(lmdb_tier.LmdbBlockTier, "put_many", "put_many")
+        # The writer's transactions (R34: committed, then flushed by the store's flusher, off the write lock).
+        _wrap(lmdb_tier.LmdbBlockTier, "commit_many", "put_many")
+        _wrap(durable.DurableCommits, "before_commit", "wait_flush")
+        _wrap(durable.DurableCommits, "_flush", "flush")
+        _wrap(durable, "_write_marker", "marker")
         _wrap(lmdb_tier.LmdbBlockTier, "_save_state", "save_state")
         _mark(lmdb_tier.Tally, "committed", "committed")
         _wrap(puts, "_put_all", "put_all")

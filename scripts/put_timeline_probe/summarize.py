@@ -46,7 +46,9 @@ def _round(events: list[Event], start: float, end: float) -> dict[str, float]:
     return {
         "round": end - start,
         "writer busy": busy, "writer CPU": cpu("put_many"),
-        "commits (write-out, fsync)": commit,
+        "commits (the wait for the flush before, the write-out)": commit,
+        "of it, waiting for the flush before (R35)": wall("wait_flush"),
+        "flusher busy (fdatasync and marker)": wall("flush"), "of it, the marker": wall("marker"),
         "body (put_all less commit)": wall("put_all") - commit,
         "_put_in": wall("put_in"), "_put_in CPU": cpu("put_in"),
         "writer idle before the first commit": (writes[0][2] if writes else end) - start,
@@ -54,7 +56,7 @@ def _round(events: list[Event], start: float, end: float) -> dict[str, float]:
         "after the last commit": end - writes[-1][3] if writes else 0.0,
         "frames read (wall)": wall("frame"), "frames read CPU": cpu("frame"),
         "plans (wall)": wall("plan"), "plans CPU": cpu("plan"),
-        "commits #": float(len(writes)), "batches #": float(len(of("plan"))),
+        "commits #": float(len(writes)), "flushes #": float(len(of("flush"))), "batches #": float(len(of("plan"))),
     }
 
 
