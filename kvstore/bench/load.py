@@ -140,6 +140,9 @@ class _Side:
     memory: list[tuple[float, dict[str, float]]]
     #: LMDB write transactions the server committed while the clients ran (None: no store read, the echo).
     commits: int | None = None
+    #: Per RPC, the seconds each call's client process spent runnable but not running (its threads' run-queue
+    #: wait, from /proc's schedstat; empty where it cannot be read): the part of a latency that is the client's host.
+    client_waits_s: dict[str, list[float]] | None = None
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -192,6 +195,7 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
         # Issue 25 item 4 asks p99 <= 3x p50 for every call: the spread, beside the echo's own.
         report.add(Figure(name=f"{rpc} p99 / p50{suffix}", value=pcts[99] / pcts[50], unit="x", baseline=BASELINE,
                           baseline_value=_spread(raw.latencies_s[rpc])))
+        _client_wait_figures(report, rpc, kv, raw, suffix)
     # What a cycle costs in CPU (ms), each side: on a box with fewer cores than clients, the cycles per second
     # are the cores' time divided by these.
     report.add(Figure.against(f"server CPU per cycle{suffix}", _per_cycle_ms(kv.server_cpu_s, kv.cycles), "ms",
@@ -232,6 +236,37 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
     # TOUCH_GRANULARITY_S after its recorded use: in a shorter run no Lookup or Get waits for a refresh, so
     # its tails are the loop's and the box's, not refreshes queued behind Put commits.
     report.notes[f"refreshes_exercised{suffix}"] = kv.seconds > TOUCH_GRANULARITY_S
+
+
+def _client_wait_figures(report: Report, rpc: str, kv: _Side, raw: _Side, suffix: str) -> None:
+    """How much of `rpc`'s latencies was the client processes waiting for a CPU, and its spread without that wait:
+    with as many clients as cores, the server's threads and the clients share them, and the shortest call's p99
+    can be a client's wake-up more than the server (docs/BENCHMARKS.md, `bench load`). Nothing where schedstat
+    could not be read on either side."""
+    ours, base = _net(kv, rpc), _net(raw, rpc)
+    if ours is None or base is None:
+        return
+    report.add(Figure.against(f"{rpc} client run-queue wait p99{suffix}", _p99_ms(_waits(kv, rpc)), "ms", BASELINE,
+                              _p99_ms(_waits(raw, rpc))))
+    report.add(Figure(name=f"{rpc} p99 / p50, the client's run-queue wait taken out{suffix}", value=_spread(ours),
+                      unit="x", baseline=BASELINE, baseline_value=_spread(base)))
+
+
+def _waits(side: _Side, rpc: str) -> list[float]:
+    return (side.client_waits_s or {}).get(rpc, [])
+
+
+def _p99_ms(values: list[float]) -> float:
+    return float(np.percentile(values, 99)) * 1e3
+
+
+def _net(side: _Side, rpc: str) -> list[float] | None:
+    """`rpc`'s latencies, each less its client's run-queue wait; None when the waits were not read for each call."""
+    waits = _waits(side, rpc)
+    latencies = side.latencies_s[rpc]
+    if not latencies or len(waits) != len(latencies):
+        return None
+    return [max(t - w, 1e-9) for t, w in zip(latencies, waits, strict=True)]
 
 
 def _settled_growth(memory: list[tuple[float, dict[str, float]]], seconds: float) -> float | None:
@@ -294,7 +329,8 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                  client_cpu_s=sum(d["cpu_s"] for d in done),
                  server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
                  server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory,
-                 commits=txn1 - txn0 if txn0 is not None and txn1 is not None else None)
+                 commits=txn1 - txn0 if txn0 is not None and txn1 is not None else None,
+                 client_waits_s={rpc: [x for d in done for x in d["waits_s"][rpc]] for rpc in RPCS})
 
 
 def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:
@@ -315,11 +351,14 @@ def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:
 def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
     """One client: warm up, say so, wait for the start, repeat the cycle until the time is up."""
     try:
-        cycle = _kvstore_cycle(spec) if spec.kind == "kvstore" else _raw_cycle(spec)
+        clock = _CallClock()
+        cycle = _kvstore_cycle(spec, clock) if spec.kind == "kvstore" else _raw_cycle(spec, clock)
         cycle(0)  # warm: connection, first calls
+        clock.find_threads()  # grpc's own threads exist now
         ready.put(spec.index)
         start.wait()
         latencies: dict[str, list[float]] = {rpc: [] for rpc in RPCS}
+        waits: dict[str, list[float]] = {rpc: [] for rpc in RPCS}
         errors = misses = cycles = 0
         began, cpu = time.perf_counter(), time.process_time()
         while time.perf_counter() - began < spec.seconds:
@@ -330,16 +369,69 @@ def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
                 continue
             for rpc, t in zip(RPCS, times, strict=True):
                 latencies[rpc].append(t)
+            for rpc, w in zip(RPCS, clock.waits, strict=False):
+                waits[rpc].append(w)
             misses += missed
             cycles += 1
+        clock.close()
         results.put({"seconds": time.perf_counter() - began, "cycles": cycles, "latencies_s": latencies,
-                     "errors": errors, "misses": misses, "cpu_s": time.process_time() - cpu})
+                     "waits_s": waits, "errors": errors, "misses": misses, "cpu_s": time.process_time() - cpu})
     except BaseException as exc:  # reported to the parent, which raises it
         results.put({"failed": f"{type(exc).__name__}: {exc}"})
         ready.put({"failed": f"{type(exc).__name__}: {exc}"})
 
 
-def _kvstore_cycle(spec: _Spec) -> Any:
+class _CallClock:
+    """Wall time and this process's run-queue wait (the sum over its threads of the time runnable but not running,
+    the second field of /proc/self/task/*/schedstat), read together around each call of a cycle: how much of a
+    latency was the client's host (its CPUs busy), not the server. `waits` holds the last cycle's, per call; empty
+    where schedstat cannot be read."""
+
+    def __init__(self) -> None:
+        self._fds: list[int] = []
+        self.waits: list[float] = []
+
+    def find_threads(self) -> None:
+        """Keep a handle on each of this process's threads (after warm-up, once grpc has started its own)."""
+        self.close()
+        try:
+            tasks = os.listdir("/proc/self/task")
+        except OSError:
+            return
+        for task in tasks:
+            try:
+                self._fds.append(os.open(f"/proc/self/task/{task}/schedstat", os.O_RDONLY))
+            except OSError:
+                continue
+
+    def _run_queue_s(self) -> float:
+        total = 0
+        for fd in self._fds:
+            try:
+                total += int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # a thread gone: its wait no longer counts
+                continue
+        return total / 1e9
+
+    def stamps(self) -> Callable[[], None]:
+        """Start a cycle; the returned function marks each call's end, appending its wait to `waits`."""
+        self.waits = []
+        last = [self._run_queue_s()] if self._fds else None
+
+        def mark() -> None:
+            if last is not None:
+                now = self._run_queue_s()
+                self.waits.append(now - last[0])
+                last[0] = now
+        return mark
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def _kvstore_cycle(spec: _Spec, clock: _CallClock) -> Any:
     """A function doing one lookup -> get -> put cycle against kvstore; returns (seconds per RPC, misses)."""
     from kvstore.client import Client
 
@@ -352,20 +444,26 @@ def _kvstore_cycle(spec: _Spec) -> Any:
 
     def cycle(i: int) -> tuple[list[float], int]:
         tokens = prefixes[i % PREFIXES] + [i] * span  # a new second half each cycle: every Put writes
+        mark = clock.stamps()
         t0 = time.perf_counter()
         hit = client.lookup(tokens)
         t1 = time.perf_counter()
+        mark()
+        t1b = time.perf_counter()
         got = client.get_hashes(hit.block_hashes[:hit.found_blocks])
         t2 = time.perf_counter()
+        mark()
+        t2b = time.perf_counter()
         client.put(tokens, blocks, first_block=spec.half, parent=hit.block_hashes[spec.half - 1])
         t3 = time.perf_counter()
+        mark()
         missed = spec.half - got.found_prefix_blocks
-        return [t1 - t0, t2 - t1, t3 - t2], missed
+        return [t1 - t0, t2 - t1b, t3 - t2b], missed
 
     return cycle
 
 
-def _raw_cycle(spec: _Spec) -> Any:
+def _raw_cycle(spec: _Spec, clock: _CallClock) -> Any:
     """The same cycle against the echo server, with messages of the sizes kvstore's carry."""
     import grpc
 
@@ -384,15 +482,21 @@ def _raw_cycle(spec: _Spec) -> Any:
     put = message(half * (spec.block_bytes + 4) + span * 5 + 100, half * _HASH_WIRE + 8)
 
     def cycle(_: int) -> tuple[list[float], int]:
+        mark = clock.stamps()
         t0 = time.perf_counter()
         unary(lookup)
         t1 = time.perf_counter()
+        mark()
+        t1b = time.perf_counter()
         for _msg in stream(get):
             pass
         t2 = time.perf_counter()
+        mark()
+        t2b = time.perf_counter()
         unary(put)
         t3 = time.perf_counter()
-        return [t1 - t0, t2 - t1, t3 - t2], 0
+        mark()
+        return [t1 - t0, t2 - t1b, t3 - t2b], 0
 
     return cycle
 

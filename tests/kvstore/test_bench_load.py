@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_load_json_figures() -> None:
     run = subprocess.run([sys.executable, "-m", "kvstore.cli", "bench", "load", "--json", "--seconds", "2",
@@ -34,6 +36,12 @@ def test_bench_load_json_figures() -> None:
     for rpc in ("lookup", "get", "put"):  # issue 25 item 4: the spread of every call, beside the echo's
         spread = figures[f"{rpc} p99 / p50"]
         assert spread["unit"] == "x" and spread["value"] >= 1.0 and spread["baseline_value"] >= 1.0
+        # How much of each call was its client waiting for a CPU (/proc's schedstat), and the spread without it.
+        wait = figures[f"{rpc} client run-queue wait p99"]
+        assert wait["unit"] == "ms" and wait["value"] >= 0 and wait["baseline_value"] >= 0
+        assert wait["value"] <= figures[f"{rpc} p99"]["value"] * 10  # a part of calls that long, not a clock's garbage
+        net = figures[f"{rpc} p99 / p50, the client's run-queue wait taken out"]
+        assert net["unit"] == "x" and net["value"] >= 1.0 and net["baseline_value"] >= 1.0
     assert figures["errors"]["value"] == 0 and figures["errors"]["baseline_value"] == 0
     for side in ("server", "client"):  # what a cycle costs in CPU on each side, against the echo's
         cpu = figures[f"{side} CPU per cycle"]
@@ -73,3 +81,49 @@ def test_bench_load_soak_samples_the_server_memory() -> None:
     assert report["notes"]["cycles"]["kvstore_seconds"] >= 3.0  # the kvstore side ran the soak's time
     load = report["notes"]["load_average"]
     assert len(load["before"]) == 3 and len(load["after"]) == 3
+
+
+def test_latencies_less_the_client_wait() -> None:
+    from kvstore.bench.load import _net, _Side
+
+    def side(latencies: list[float], waits: list[float]) -> _Side:
+        return _Side(seconds=1.0, cycles=len(latencies), latencies_s={"lookup": latencies}, errors=0, misses=0,
+                     client_cpu_s=0.0, server_cpu_s=None, server_loop_cpu_s=None, memory=[],
+                     client_waits_s={"lookup": waits})
+
+    assert _net(side([0.010, 0.030], [0.002, 0.025]), "lookup") == pytest.approx([0.008, 0.005])
+    assert _net(side([0.010, 0.030], [0.002]), "lookup") is None  # a wait not read for every call: no figure
+    assert _net(side([0.001], [0.004]), "lookup") == [1e-9]  # never below zero
+
+
+def test_call_clock_counts_the_wait_for_a_cpu() -> None:
+    # In a child pinned to one CPU beside two busy processes pinned to the same CPU, the child's own busy loop gets
+    # about a third of it: the clock's wait (time runnable, not running) outgrows the child's CPU time, which it
+    # would equal if the clock read the time on the CPU instead.
+    child = r"""
+import os, subprocess, sys, time
+from kvstore.bench.load import _CallClock
+cpu = sorted(os.sched_getaffinity(0))[0]
+os.sched_setaffinity(0, {cpu})
+hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+try:
+    clock = _CallClock()
+    clock.find_threads()
+    mark = clock.stamps()
+    used = time.thread_time()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sum(range(10000))
+        mark()
+        if sum(clock.waits) > 0.3:
+            break
+    print(all(w >= 0 for w in clock.waits), round(sum(clock.waits), 4), round(time.thread_time() - used, 4))
+finally:
+    for hog in hogs:
+        hog.kill()
+"""
+    run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    ok, waited, on_cpu = run.stdout.split()
+    assert ok == "True" and float(waited) > 0.3
+    assert float(waited) > 1.3 * float(on_cpu)
