@@ -88,6 +88,26 @@ def process_cpu_s(pid: int | None, *, thread: int | None = None) -> float | None
     return stat_cpu_s(fields) if fields is not None else None
 
 
+def process_run_queue_s(pid: int | None) -> float | None:
+    """Seconds the threads of process `pid` alive now have spent runnable but not running (the second field of
+    /proc/PID/task/*/schedstat, summed): the part of its time it waited for a CPU. None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total, read = 0, False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[1])
+            read = True
+        except (OSError, IndexError, ValueError):  # a thread gone meanwhile
+            continue
+    return total / 1e9 if read else None
+
+
 @contextmanager
 def scratch(folder: Path | None = None) -> Iterator[Path]:
     """A temporary folder (on the disk under test when `folder` is given), removed after."""

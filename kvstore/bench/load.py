@@ -36,7 +36,7 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from kvstore.bench.harness import GiB, process_cpu_s, scratch
+from kvstore.bench.harness import GiB, process_cpu_s, process_run_queue_s, scratch
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
 from tiers.retention import TOUCH_GRANULARITY_S
@@ -143,6 +143,8 @@ class _Side:
     #: Per RPC, the seconds each call's client process spent runnable but not running (its threads' run-queue
     #: wait, from /proc's schedstat; empty where it cannot be read): the part of a latency that is the client's host.
     client_waits_s: dict[str, list[float]] | None = None
+    #: Seconds the server's threads waited for a CPU while the clients ran, together (None: not readable).
+    server_run_queue_s: float | None = None
 
 
 def run(args: argparse.Namespace, progress: Progress) -> Report:
@@ -205,6 +207,11 @@ def _measure(report: Report, args: argparse.Namespace, clients: int, half: int, 
     report.add(Figure.against(f"server event-loop thread CPU per cycle{suffix}",
                               _per_cycle_ms(kv.server_loop_cpu_s, kv.cycles), "ms", BASELINE,
                               _per_cycle_ms(raw.server_loop_cpu_s, raw.cycles)))
+    if kv.server_run_queue_s is not None and raw.server_run_queue_s is not None:
+        # With as many clients as cores the server's threads wait for a CPU too: how long, a cycle, each side.
+        report.add(Figure.against(f"server run-queue wait per cycle{suffix}",
+                                  _per_cycle_ms(kv.server_run_queue_s, kv.cycles), "ms", BASELINE,
+                                  _per_cycle_ms(raw.server_run_queue_s, raw.cycles)))
     report.add(Figure.against(f"client CPU per cycle{suffix}", _per_cycle_ms(kv.client_cpu_s, kv.cycles), "ms",
                               BASELINE, _per_cycle_ms(raw.client_cpu_s, raw.cycles)))
     if kv.commits is not None:
@@ -303,6 +310,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
         for _ in procs:
             _gather(ready, procs, 300)
         cpu0, loop0 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
+        waited0 = process_run_queue_s(server_pid)
         txn0 = commits() if commits is not None else None
         start.set()
         began = time.perf_counter()
@@ -315,6 +323,7 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                 bar.update(min(now, seconds) - bar.n)
         done = [_gather(results, procs, seconds + 300) for _ in procs]
         cpu1, loop1 = process_cpu_s(server_pid), process_cpu_s(server_pid, thread=server_pid)
+        waited1 = process_run_queue_s(server_pid)
         txn1 = commits() if commits is not None else None
         if server_pid is not None:  # the last sample at the end of the load, where "flat" is judged
             memory.append((time.perf_counter() - began, _memory_mib(server_pid)))
@@ -330,7 +339,8 @@ def _load(kind: str, target: str, clients: int, seconds: float, block_tokens: in
                  server_cpu_s=cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
                  server_loop_cpu_s=loop1 - loop0 if loop0 is not None and loop1 is not None else None, memory=memory,
                  commits=txn1 - txn0 if txn0 is not None and txn1 is not None else None,
-                 client_waits_s={rpc: [x for d in done for x in d["waits_s"][rpc]] for rpc in RPCS})
+                 client_waits_s={rpc: [x for d in done for x in d["waits_s"][rpc]] for rpc in RPCS},
+                 server_run_queue_s=waited1 - waited0 if waited0 is not None and waited1 is not None else None)
 
 
 def _gather(q: Any, procs: list[Any], timeout_s: float) -> Any:

@@ -50,6 +50,8 @@ def test_bench_load_json_figures() -> None:
     assert loop["unit"] == "ms" and 0 < loop["value"] <= figures["server CPU per cycle"]["value"]
     assert 0 < loop["baseline_value"] <= figures["server CPU per cycle"]["baseline_value"]
     assert figures["server anonymous RSS after"]["value"] > 0
+    waited = figures["server run-queue wait per cycle"]  # the server's threads' wait for a CPU, each side
+    assert waited["unit"] == "ms" and waited["value"] >= 0 and waited["baseline_value"] >= 0
     # Every cycle's Put writes a new chain, and the Puts waiting behind a commit share the next: at most one commit
     # a Put (LMDB's own count of write transactions over the load, read beside the server).
     commits = figures["server commits per Put"]
@@ -102,6 +104,7 @@ def test_call_clock_counts_the_wait_for_a_cpu() -> None:
     # would equal if the clock read the time on the CPU instead.
     child = r"""
 import os, subprocess, sys, time
+from kvstore.bench.harness import process_run_queue_s
 from kvstore.bench.load import _CallClock
 cpu = sorted(os.sched_getaffinity(0))[0]
 os.sched_setaffinity(0, {cpu})
@@ -110,20 +113,22 @@ try:
     clock = _CallClock()
     clock.find_threads()
     mark = clock.stamps()
-    used = time.thread_time()
+    used, process_waited = time.thread_time(), process_run_queue_s(os.getpid())
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         sum(range(10000))
         mark()
         if sum(clock.waits) > 0.3:
             break
-    print(all(w >= 0 for w in clock.waits), round(sum(clock.waits), 4), round(time.thread_time() - used, 4))
+    print(all(w >= 0 for w in clock.waits), round(sum(clock.waits), 4), round(time.thread_time() - used, 4),
+          round(process_run_queue_s(os.getpid()) - process_waited, 4))
 finally:
     for hog in hogs:
         hog.kill()
 """
     run = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    ok, waited, on_cpu = run.stdout.split()
+    ok, waited, on_cpu, process_waited = run.stdout.split()
     assert ok == "True" and float(waited) > 0.3
     assert float(waited) > 1.3 * float(on_cpu)
+    assert float(process_waited) >= 0.9 * float(waited)  # the server's figure reads the same field of every thread
