@@ -28,7 +28,9 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
     import threading
     import time
 
-    from gateway import kvstore_servicer, put_group
+    import grpc
+
+    from gateway import call_outcome, kvstore_servicer, put_group
     from tiers import lmdb_tier
 
     _OUT = os.environ["LOOKUP_PROBE_OUT"]
@@ -40,6 +42,7 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
     _schedstat: dict[str, Any] = {}
 
     _Servicer, _Groups, _Tier = kvstore_servicer.KVStoreServicer, put_group.PutGroups, lmdb_tier.LmdbBlockTier
+    _calls: list[dict[str, Any]] = []  # each Lookup from the first interceptor's start to its handler's return
     _lookup, _index_read, _commit = _Servicer.Lookup, _Servicer._index_read, _Groups._commit
     _call, _touch_soon = _Tier.call, _Tier.touch_soon
 
@@ -56,7 +59,8 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
         while True:
             time.sleep(1.0)
             with open(_OUT + ".tmp", "w") as out:
-                json.dump({"lookups": list(_lookups), "lags_s": list(_lags), "commits": list(_commits)}, out)
+                json.dump({"lookups": list(_lookups), "lags_s": list(_lags), "commits": list(_commits),
+                           "calls": list(_calls)}, out)
             os.replace(_OUT + ".tmp", _OUT)
 
     async def _lag_probe() -> None:
@@ -75,13 +79,15 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
             _started.set()
             asyncio.get_running_loop().create_task(_lag_probe())
             threading.Thread(target=_dump, daemon=True).start()
-        record: dict[str, Any] = {"committing": self.put_groups._committing, "executor": 0, "refresh": 0}
+        record: dict[str, Any] = {"committing": self.put_groups._committing, "executor": 0, "refresh": 0,
+                                  "key": _key(request)}
         token = _current.set(record)
         t0 = time.perf_counter()
         try:
             return await _lookup(self, request, context)
         finally:
             record["wall_s"] = time.perf_counter() - t0
+            record["began"] = t0
             _current.reset(token)
             _lookups.append(record)
 
@@ -108,8 +114,66 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
             record["refresh"] += 1
         return _touch_soon(self, keys)
 
+    def _key(request: Any) -> str:
+        """The request's last block hash: the client's side records the same, so the two sides join."""
+        packed = request.block_hashes_packed
+        return (packed[-32:] if packed else (request.block_hashes[-1] if request.block_hashes else b"")).hex()
+
+    _intercept = call_outcome.OutcomeInterceptor.intercept_service
+
+    async def intercept_service(self: Any, continuation: Any, details: Any) -> Any:
+        arrived = time.perf_counter()  # the call's headers are in: its message is read after this
+        handler = await _intercept(self, continuation, details)
+        if handler is None or not details.method.endswith("/Lookup") or handler.unary_unary is None \
+                or getattr(self, "_probe_outer", None) is not True:
+            return handler
+        inner = handler.unary_unary
+
+        async def timed(request: Any, context: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return await inner(request, context)
+            finally:
+                _calls.append({"key": _key(request), "arrived": arrived, "began": began, "ended": time.perf_counter()})
+        return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+    call_outcome.OutcomeInterceptor.intercept_service = intercept_service  # type: ignore[method-assign]
+    from gateway import metrics as _metrics
+    _metrics.MetricsInterceptor._probe_outer = True  # the first interceptor of the chain: its span is the call's
     _Servicer.Lookup = lookup  # type: ignore[method-assign]
     _Servicer._index_read = index_read  # type: ignore[method-assign]
     _Groups._commit = commit  # type: ignore[method-assign]
     _Tier.call = call  # type: ignore[method-assign]
     _Tier.touch_soon = touch_soon  # type: ignore[method-assign]
+
+
+if os.environ.get("LOOKUP_PROBE_OUT") and any("multiprocessing" in a for a in sys.argv):
+    # A `bench load` client (a spawned process): each Lookup's send and answer on the same clock as the server's
+    # (perf_counter is CLOCK_MONOTONIC on Linux), keyed by the chain's last hash.
+    import atexit
+    import json
+    import time
+
+    from kvstore.client import store as _store
+
+    _mine: list[tuple[str, float, float]] = []
+    _client_lookup = _store.Client.lookup
+
+    def client_lookup(self: Any, tokens: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        hit = _client_lookup(self, tokens, **kwargs)
+        t1 = time.perf_counter()
+        _mine.append((bytes(hit.block_hashes[-1]).hex() if len(hit.block_hashes) else "", t0, t1))
+        if len(_mine) % 200 == 0:
+            _save()
+        return hit
+
+    def _save() -> None:
+        path = f"{os.environ['LOOKUP_PROBE_OUT']}.client-{os.getpid()}"
+        with open(path + ".tmp", "w") as out:
+            json.dump(_mine, out)
+        os.replace(path + ".tmp", path)
+
+    _store.Client.lookup = client_lookup  # type: ignore[method-assign]
+    atexit.register(_save)

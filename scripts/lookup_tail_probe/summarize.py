@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import sys
 
@@ -39,6 +40,36 @@ def main(path: str) -> None:
     commits = probe["commits"]
     if commits:
         print("group commits:", _ms([c[0] for c in commits]), f"mean size {np.mean([c[1] for c in commits]):.1f}")
+    _end_to_end(path, probe)
+
+
+def _end_to_end(path: str, probe: dict[str, object]) -> None:
+    """Each Lookup the clients timed, joined with the server's record of it (by its last hash, one clock): where the
+    slowest 1% spent their time against the median call."""
+    calls = {c["key"]: c for c in probe.get("calls", [])}  # type: ignore[attr-defined]
+    handlers = {r["key"]: r for r in probe["lookups"] if "began" in r}  # type: ignore[attr-defined]
+    joined = []
+    for name in glob.glob(path + ".client-*"):
+        with open(name) as f:
+            for key, sent, answered in json.load(f):
+                c, h = calls.get(key), handlers.get(key)
+                if c is None or h is None or not c["arrived"] >= sent:
+                    continue
+                handler_end = h["began"] + h["wall_s"]
+                joined.append((answered - sent, c["arrived"] - sent, c["began"] - c["arrived"],
+                               h["began"] - c["began"], h["wall_s"], c["ended"] - handler_end, answered - c["ended"]))
+    if not joined:
+        print("no client records joined (run the bench with the probe on PYTHONPATH)")
+        return
+    a = np.array(joined) * 1e3
+    order = np.argsort(a[:, 0])
+    slow, mid = a[order[-max(1, len(a) // 100):]], a[order[len(a) * 45 // 100:len(a) * 55 // 100]]
+    names = ("client's whole call", "sent -> the call's headers seen (wire, grpc's C-core, the loop's queue)",
+             "headers -> the message read and the handler called", "interceptors before the servicer",
+             "the servicer's Lookup", "after the servicer (interceptors)", "returned -> the client has the answer")
+    print(f"Lookups joined client to server: {len(a)}; ms, the slowest 1% against the middle 10% (means):")
+    for i, name in enumerate(names):
+        print(f"  {name}: {slow[:, i].mean():.2f} vs {mid[:, i].mean():.2f}")
 
 
 if __name__ == "__main__":
