@@ -742,5 +742,5 @@ def _add_servicer(servicer: FleetServicer, server: grpc.aio.Server) -> None:
             servicer.RaiseUses, request_deserializer=pb.RaiseUsesRequest.FromString,
             response_serializer=pb.RaiseUsesResponse.SerializeToString),
     }
+    # Generic handlers only (gateway/grpc_server.py: grpc.aio's accept loop pays per registered method).
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvstore.v1.Fleet", handlers),))
-    server.add_registered_method_handlers("kvstore.v1.Fleet", handlers)

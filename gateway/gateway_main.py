@@ -41,6 +41,7 @@ from gateway.fleet_store import FleetStore
 from gateway.gateway_forward import Forwarder
 from gateway.gateway_forward import close as close_forwarder
 from gateway.grpc_log import quiet_cancelled_replies
+from gateway.grpc_server import new_server
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
@@ -154,11 +155,8 @@ async def start_gateway(settings: Settings) -> RunningGateway:
         limit = settings.server.max_message_bytes
         # The router's per-call series, as a node's (outermost: calls auth refuses are counted too).
         metrics = ServerMetrics(tenant_labels_cap=settings.metrics.tenant_labels)
-        server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics, RequestLog()),
-                                               AuthInterceptor(tenants, open_caller(host), METHOD_RIGHTS),
-                                               UndecodableRequests()],
-                                 options=[("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
+        server = new_server([MetricsInterceptor(metrics, RequestLog()),
+                             AuthInterceptor(tenants, open_caller(host), METHOD_RIGHTS), UndecodableRequests()], limit)
         layouts = {g.name: Layout.of(g, settings.store.block_tokens) for g in geometry.REGISTRY.values()}
         servicer = KVStoreServicer(store, layouts, limit, None,
                                    hits=HitStats(None, SystemClock(), block_tokens=settings.store.block_tokens))

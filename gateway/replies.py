@@ -48,8 +48,8 @@ def add_service(add: Callable[[Any, Any], None], servicer: Any, server: grpc.aio
                 for name, handler in registered.handlers.items()}
     for name, decode in decoders.items():
         handlers[name] = handlers[name]._replace(request_deserializer=decode)
+    # Generic handlers only: grpc.aio's accept loop pays per registered method on every call (gateway/grpc_server.py).
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(registered.service, handlers),))
-    server.add_registered_method_handlers(registered.service, handlers)
 
 
 class _Registered:

@@ -41,6 +41,7 @@ from gateway.events import EventsCollector, check_events_bind, start_events
 from gateway.fleet_servicer import METHODS as FLEET_METHODS
 from gateway.fleet_servicer import add_fleet_service
 from gateway.grpc_log import quiet_cancelled_replies
+from gateway.grpc_server import new_server
 from gateway.hit_stats import HitStats
 from gateway.kvstore_servicer import KVStoreServicer
 from gateway.metrics import MetricsEndpoint, MetricsInterceptor, ServerMetrics, start_endpoint
@@ -325,11 +326,7 @@ async def _assemble(settings: Settings, tier: LmdbBlockTier, closers: list[Calla
     table = getattr(admin.policies, "table", None)  # etcd's, in a fleet
     if shared is not None and table is not None:
         shared["policies"] = table
-    server = grpc.aio.server(interceptors=[*interceptors, admin.quotas], options=[
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-        ("grpc.so_reuseport", 0),
-    ])
+    server = new_server([*interceptors, admin.quotas], limit)
     swa = SwaCache(open_pool(settings.swa, clock=clock), ttl_s=settings.swa.ttl_s)
     closers.append(swa.close)
     hits = HitStats(settings.store.data_dir / "stats", clock, block_tokens=settings.store.block_tokens)

@@ -2,17 +2,22 @@
 "Lookup's tail under load"): where a Lookup's time goes on the server, to split the clients' p99 into the handler's
 own time and the wait in the event loop's queue before it runs.
 
-Loaded by Python at start from PYTHONPATH (as `sitecustomize`), so it reaches the `kvstore serve` child that the bench
-starts; it does nothing in any other process, nor without LOOKUP_PROBE_OUT:
+Loaded by Python at start from PYTHONPATH (as `sitecustomize`), so it reaches the `kvstore serve` child that the
+bench starts, and the bench's client processes (each writes LOOKUP_PROBE_OUT.client-PID); it does nothing in any
+other process, nor without LOOKUP_PROBE_OUT. Use a fresh path each run (the clients' files of an earlier run would
+join with this one's, the prompts being the same):
 
+    rm -f /tmp/probe.json*
     PYTHONPATH=scripts/lookup_tail_probe LOOKUP_PROBE_OUT=/tmp/probe.json kvstore bench load --clients 16 --seconds 5
     python scripts/lookup_tail_probe/summarize.py /tmp/probe.json
 
-Per Lookup: the handler's wall time; its index read's wall, CPU and run-queue wait (/proc schedstat: preempted),
-the rest of that wall being asleep (the GIL taken back, page faults); whether a group commit was running when it
-began; whether it called the tier's executor or awaited a refresh. Also the event loop's lag (a 1 ms sleep's
-overshoot) and each group commit's time and size. Written every second to LOOKUP_PROBE_OUT (the server is
-terminated, not stopped, by the bench). A diagnostic: it wraps private methods and may need updating as they move.
+Per Lookup: the handler's wall time; its index read's wall, CPU and run-queue wait (/proc schedstat: preempted), the
+rest of that wall being asleep (the GIL taken back, page faults); whether a group commit was running when it began;
+whether it called the tier's executor or awaited a refresh. Also the event loop's lag (a 1 ms sleep's overshoot) and
+each group commit's time and size; and each Lookup from the first interceptor's start (its headers in) to its
+handler's return, which summarize.py joins with the clients' send and answer times. Written every second to
+LOOKUP_PROBE_OUT (the server is terminated, not stopped, by the bench). A diagnostic: it wraps private methods and
+may need updating as they move.
 """
 
 from __future__ import annotations

@@ -1,20 +1,20 @@
 """A probe of a durable Put's time inside `kvstore serve` under `kvstore bench store` (docs/BENCHMARKS.md, `bench
-store`, helper P5's budget): whether the LMDB writer is busy all the time, what it does beyond raw LMDB's
-`txn.put` + commit, and whether the receive and plan of batch n+1 run beside the commit of batch n.
+store`, helper P5's budget): whether the LMDB writer is busy all the time, what it does beyond raw LMDB's `txn.put`
++ commit, and whether the receive and plan of batch n+1 run beside the commit of batch n.
 
-Loaded by Python at start from PYTHONPATH (as `sitecustomize`), so it reaches the `kvstore serve` child that the bench
-starts and the bench itself; it does nothing in any other process, nor without PUT_PROBE_DIR:
+Loaded by Python at start from PYTHONPATH (as `sitecustomize`), so it reaches the `kvstore serve` child that the
+bench starts and the bench itself; it does nothing in any other process, nor without PUT_PROBE_DIR:
 
     mkdir -p /tmp/probe && PYTHONPATH=scripts/put_timeline_probe PUT_PROBE_DIR=/tmp/probe \\
         kvstore bench store --gib 0.25 --auth-rounds 0 --events-rounds 0
     python scripts/put_timeline_probe/summarize.py /tmp/probe
 
 In the server, one line per event (wall from `time.perf_counter`, one clock across processes on Linux, and the
-thread's CPU): each TCP put frame read (`TcpPuts._frame`), each plan, `put_many` (the writer), `_put_all`, `_put_in`,
-the commit (from `_save_state`'s return to `Tally.committed`), inside it the wait for the commit before to be
-flushed (R35, `before_commit`), and on the flusher's thread each flush and its marker's write (R34); in the bench, each `Client.put` and the path it
-took (the TCP rounds are the ones summarized). Lines are written as they happen (the bench terminates the server). A
-diagnostic: it wraps private methods and may need updating as they move.
+thread's CPU): each TCP put frame read (`TcpPuts._frame`), each plan, `put_many` (the writer), `_put_all`,
+`_put_in`, the commit (from `_save_state`'s return to `Tally.committed`), inside it the wait for the commit before
+to be flushed (R35, `before_commit`), and on the flusher's thread each flush and its marker's write (R34); in the
+bench, each `Client.put` and the path it took (the TCP rounds are the ones summarized). Lines are written as they
+happen (the bench terminates the server). A diagnostic: it wraps private methods and may need updating as they move.
 """
 
 from __future__ import annotations
