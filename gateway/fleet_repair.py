@@ -64,6 +64,7 @@ import grpc
 from gateway.fleet_bulk import BATCH_BYTES, BulkSource
 from gateway.fleet_servicer import MAX_KEYS, SERVICE, STREAM_OPENED, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
+from kvstore.client.fleet import superseded
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.fleet.etcd import EtcdSession
@@ -410,8 +411,11 @@ class FleetRepairer:
 
     def _pass_nodes(self, m: Membership) -> dict[str, str]:
         """node id -> address of the nodes a pass plans over: every member, draining ones too (they hold copies and
-        serve; they rank after the others, `_draining_in`)."""
-        return {n: r.address for n, r in m.nodes.items()}
+        serve; they rank after the others, `_draining_in`), but an id whose address a later-started record names
+        (F42: a wiped node's old id while its lease runs; counted, the one process there would confirm a run for
+        both ids, and a third copy would be dropped as stale, leaving one)."""
+        gone = superseded(m.nodes)
+        return {n: r.address for n, r in m.nodes.items() if n not in gone}
 
     def _draining_in(self, m: Membership) -> frozenset[str]:
         """The members whose records say they drain, and this node while it drains (a member or, drained, not):

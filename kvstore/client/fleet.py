@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -571,17 +571,27 @@ def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
     record waits out its lease; both records name the one process that answers there, so placing over both
     could put a run's two copies on one process and acknowledge one copy as two.
     """
+    latest = _latest_at_each_address(r for r in nodes.values() if not r.draining)  # F21: draining ones never
+    return [r.node_id for r in latest.values()]
+
+
+def superseded(nodes: Mapping[str, NodeRecord]) -> set[str]:
+    """The ids whose address a later-started record also names (F42): the same process answers for both, so a
+    re-replication pass counts only the latest as a holder or a replica (two ids there are one copy, not two)."""
+    latest = _latest_at_each_address(nodes.values())
+    return {n for n, r in nodes.items() if latest[r.address].node_id != n}
+
+
+def _latest_at_each_address(records: Iterable[NodeRecord]) -> dict[str, NodeRecord]:
     latest: dict[str, NodeRecord] = {}
-    for record in nodes.values():
-        if record.draining:  # F21: it leaves once the others hold its runs; reads may still fall over to it
-            continue
+    for record in records:
         seen = latest.get(record.address)
         if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
             latest[record.address] = record
-    return [r.node_id for r in latest.values()]
+    return latest
 
 
 ADDRESS_SCHEMES["etcd"] = FleetClient
 ADDRESS_SCHEMES["etcds"] = FleetClient  # TLS to etcd (F57)
 
-__all__ = ["FleetClient", "FleetLookupResult", "placeable"]
+__all__ = ["FleetClient", "FleetLookupResult", "placeable", "superseded"]
