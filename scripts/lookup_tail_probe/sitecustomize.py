@@ -143,7 +143,7 @@ if os.environ.get("LOOKUP_PROBE_OUT") and "serve" in sys.argv[1:3]:
         return grpc.unary_unary_rpc_method_handler(timed, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
 
-    call_outcome.OutcomeInterceptor.intercept_service = intercept_service  # type: ignore[method-assign]
+    call_outcome.OutcomeInterceptor.intercept_service = intercept_service  # type: ignore[method-assign, assignment]
     from gateway import metrics as _metrics
     _metrics.MetricsInterceptor._probe_outer = True  # the first interceptor of the chain: its span is the call's
     _Servicer.Lookup = lookup  # type: ignore[method-assign]
