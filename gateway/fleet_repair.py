@@ -64,12 +64,11 @@ import grpc
 from gateway.fleet_bulk import BATCH_BYTES, BulkSource
 from gateway.fleet_servicer import MAX_KEYS, SERVICE, STREAM_OPENED, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
-from kvstore.client.fleet import superseded
 from kvstore.config import Settings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
 from kvstore.fleet.etcd import EtcdSession
 from kvstore.fleet.membership import Membership, Registration, session_for
-from kvstore.fleet.placement import replicas, score
+from kvstore.fleet.placement import replicas, score, superseded
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
 from kvstore.native import blockcopy
 from kvstore.prefix import HASH_BYTES, KEY_BYTES

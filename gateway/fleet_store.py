@@ -30,7 +30,6 @@ from gateway.fleet_stats import merge_stats
 from gateway.routed_store import Route, StoredTail
 from gateway.validate import RunPart
 from kvstore.client.connection import TlsOptions
-from kvstore.client.fleet import placeable
 from kvstore.client.fleet_address import FleetAddress
 from kvstore.client.fleet_get import stream_run_part
 from kvstore.client.fleet_lookup import FoundChains, lookup_runs, release_lease
@@ -52,7 +51,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.fleet.endpoints import parse_endpoints
-from kvstore.fleet.placement import RunPlacement, place_chain, replicas
+from kvstore.fleet.placement import RunPlacement, place_chain, placeable, replicas
 from kvstore.prefix import HASH_BYTES, BlockScope
 from kvstore.prefix_hosts import PrefixHost, fleet_hosts
 from kvstore.v1 import kvstore_pb2 as pb

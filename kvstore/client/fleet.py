@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,8 +54,7 @@ from kvstore.config_sections import FleetSettings
 from kvstore.counted import counted
 from kvstore.errors import ConfigError, FailedPrecondition, InvalidArgument, KVStoreError, Unavailable
 from kvstore.fleet.endpoints import EtcdTls
-from kvstore.fleet.membership import NodeRecord
-from kvstore.fleet.placement import RunPlacement, place_chain, ranked
+from kvstore.fleet.placement import RunPlacement, place_chain, placeable, ranked
 from kvstore.prefix import ExtraKey
 from kvstore.prefix_hosts import fleet_hosts
 from kvstore.v1 import kvstore_pb2 as pb
@@ -563,35 +562,7 @@ class FleetClient(Client):
         self._not_in_a_fleet("transfer stats")
 
 
-def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
-    """The ids to place runs over: of the records that share an address, the latest started only (F42); a
-    draining node's never (F21: a read asks it after the replicas, `NodePool.read_order`'s next ranked).
-
-    A node killed and started again on a wiped data dir at the same address is a new id while the old id's
-    record waits out its lease; both records name the one process that answers there, so placing over both
-    could put a run's two copies on one process and acknowledge one copy as two.
-    """
-    latest = _latest_at_each_address(r for r in nodes.values() if not r.draining)  # F21: draining ones never
-    return [r.node_id for r in latest.values()]
-
-
-def superseded(nodes: Mapping[str, NodeRecord]) -> set[str]:
-    """The ids whose address a later-started record also names (F42): the same process answers for both, so a
-    re-replication pass counts only the latest as a holder or a replica (two ids there are one copy, not two)."""
-    latest = _latest_at_each_address(nodes.values())
-    return {n for n, r in nodes.items() if latest[r.address].node_id != n}
-
-
-def _latest_at_each_address(records: Iterable[NodeRecord]) -> dict[str, NodeRecord]:
-    latest: dict[str, NodeRecord] = {}
-    for record in records:
-        seen = latest.get(record.address)
-        if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
-            latest[record.address] = record
-    return latest
-
-
 ADDRESS_SCHEMES["etcd"] = FleetClient
 ADDRESS_SCHEMES["etcds"] = FleetClient  # TLS to etcd (F57)
 
-__all__ = ["FleetClient", "FleetLookupResult", "placeable", "superseded"]
+__all__ = ["FleetClient", "FleetLookupResult", "placeable"]

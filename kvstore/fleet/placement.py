@@ -26,10 +26,14 @@ import functools
 import hashlib
 import heapq
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvstore.errors import InvalidArgument, Unavailable
+
+if TYPE_CHECKING:  # membership imports this module (Layout)
+    from kvstore.fleet.membership import NodeRecord
 
 #: The placement hash's version, mixed into every score: a new scoring rule gets a new tag.
 SCORE_TAG = b"kvstore.fleet.placement.v1\0"
@@ -159,3 +163,31 @@ def ranked(run_key: bytes, node_ids: frozenset[str], k: int) -> tuple[str, ...]:
 def nodes_touched(placement: Iterable[RunPlacement]) -> frozenset[str]:
     """Every node holding a copy of some run of a placed chain."""
     return frozenset(n for p in placement for n in p.replicas)
+
+
+def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
+    """The ids to place runs over: of the records that share an address, the latest started only (F42); a
+    draining node's never (F21: a read asks it after the replicas, `NodePool.read_order`'s next ranked).
+
+    A node killed and started again on a wiped data dir at the same address is a new id while the old id's
+    record waits out its lease; both records name the one process that answers there, so placing over both
+    could put a run's two copies on one process and acknowledge one copy as two.
+    """
+    latest = _latest_at_each_address(r for r in nodes.values() if not r.draining)  # F21: draining ones never
+    return [r.node_id for r in latest.values()]
+
+
+def superseded(nodes: Mapping[str, NodeRecord]) -> set[str]:
+    """The ids whose address a later-started record also names (F42): the same process answers for both, so a
+    re-replication pass counts only the latest as a holder or a replica (two ids there are one copy, not two)."""
+    latest = _latest_at_each_address(nodes.values())
+    return {n for n, r in nodes.items() if latest[r.address].node_id != n}
+
+
+def _latest_at_each_address(records: Iterable[NodeRecord]) -> dict[str, NodeRecord]:
+    latest: dict[str, NodeRecord] = {}
+    for record in records:
+        seen = latest.get(record.address)
+        if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
+            latest[record.address] = record
+    return latest

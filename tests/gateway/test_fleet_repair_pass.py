@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from gateway.fleet_repair import FleetRepairer
-from kvstore.client.fleet import placeable, superseded
 from kvstore.fleet.membership import NodeRecord
+from kvstore.fleet.placement import placeable, superseded
 
 
 def _record(node_id: str, address: str, started_at: float, *, draining: bool = False) -> NodeRecord:
