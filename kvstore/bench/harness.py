@@ -101,11 +101,21 @@ def process_run_queue_s(pid: int | None) -> float | None:
     for task in tasks:
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
-                total += int(f.read().split()[1])
+                total += schedstat_wait_ns(f.read())
             read = True
         except (OSError, IndexError, ValueError):  # a thread gone meanwhile
             continue
     return total / 1e9 if read else None
+
+
+def schedstat_wait_ns(schedstat: bytes) -> int:
+    """A thread's time runnable but not running, in ns: the second of schedstat's three fields (on CPU, waiting,
+    timeslices).
+
+    Raises:
+        IndexError, ValueError: not a schedstat line.
+    """
+    return int(schedstat.split()[1])
 
 
 @contextmanager

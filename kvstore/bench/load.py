@@ -19,6 +19,7 @@ with `--soak-minutes`, sampled through a long run: issue 25 item 4 asks it flat)
 from __future__ import annotations
 
 import argparse
+import collections
 import multiprocessing
 import os
 import queue
@@ -31,15 +32,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lmdb
 import numpy as np
 
-from kvstore.bench.harness import GiB, process_cpu_s, process_run_queue_s, scratch
+from kvstore.bench.harness import GiB, process_cpu_s, process_run_queue_s, schedstat_wait_ns, scratch
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
 from tiers.retention import TOUCH_GRANULARITY_S
+
+T = TypeVar("T")
 
 BASELINE = "raw gRPC echo, same sizes, same clients"
 RPCS = ("lookup", "get", "put")
@@ -376,10 +379,11 @@ def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
                 times, missed = cycle(cycles + 1)
             except Exception:  # a failed call is counted, the load goes on
                 errors += 1
+                clock.take_waits()  # the failed cycle's calls are not counted
                 continue
             for rpc, t in zip(RPCS, times, strict=True):
                 latencies[rpc].append(t)
-            for rpc, w in zip(RPCS, clock.waits, strict=False):
+            for rpc, w in zip(RPCS, clock.take_waits(), strict=False):
                 waits[rpc].append(w)
             misses += missed
             cycles += 1
@@ -392,10 +396,10 @@ def _client_process(spec: _Spec, ready: Any, start: Any, results: Any) -> None:
 
 
 class _CallClock:
-    """Wall time and this process's run-queue wait (the sum over its threads of the time runnable but not running,
-    the second field of /proc/self/task/*/schedstat), read together around each call of a cycle: how much of a
-    latency was the client's host (its CPUs busy), not the server. `waits` holds the last cycle's, per call; empty
-    where schedstat cannot be read."""
+    """Times each call of a cycle with this process's run-queue wait over it (the sum over its threads of the time
+    runnable but not running, from /proc/self/task/*/schedstat): how much of a latency was the client's host (its
+    CPUs busy), not the server. `waits` holds the calls' since the last `take_waits`; none where schedstat cannot
+    be read."""
 
     def __init__(self) -> None:
         self._fds: list[int] = []
@@ -418,22 +422,26 @@ class _CallClock:
         total = 0
         for fd in self._fds:
             try:
-                total += int(os.pread(fd, 128, 0).split()[1])
+                total += schedstat_wait_ns(os.pread(fd, 128, 0))
             except (OSError, IndexError, ValueError):  # a thread gone: its wait no longer counts
                 continue
         return total / 1e9
 
-    def stamps(self) -> Callable[[], None]:
-        """Start a cycle; the returned function marks each call's end, appending its wait to `waits`."""
-        self.waits = []
-        last = [self._run_queue_s()] if self._fds else None
+    def timed(self, call: Callable[[], T]) -> tuple[T, float]:
+        """`call()`'s result and its wall seconds; its run-queue wait goes to `waits` (the schedstat reads are
+        outside the time)."""
+        waited = self._run_queue_s() if self._fds else None
+        began = time.perf_counter()
+        result = call()
+        seconds = time.perf_counter() - began
+        if waited is not None:
+            self.waits.append(self._run_queue_s() - waited)
+        return result, seconds
 
-        def mark() -> None:
-            if last is not None:
-                now = self._run_queue_s()
-                self.waits.append(now - last[0])
-                last[0] = now
-        return mark
+    def take_waits(self) -> list[float]:
+        """The waits since the last call, cleared."""
+        waits, self.waits = self.waits, []
+        return waits
 
     def close(self) -> None:
         for fd in self._fds:
@@ -454,21 +462,12 @@ def _kvstore_cycle(spec: _Spec, clock: _CallClock) -> Any:
 
     def cycle(i: int) -> tuple[list[float], int]:
         tokens = prefixes[i % PREFIXES] + [i] * span  # a new second half each cycle: every Put writes
-        mark = clock.stamps()
-        t0 = time.perf_counter()
-        hit = client.lookup(tokens)
-        t1 = time.perf_counter()
-        mark()
-        t1b = time.perf_counter()
-        got = client.get_hashes(hit.block_hashes[:hit.found_blocks])
-        t2 = time.perf_counter()
-        mark()
-        t2b = time.perf_counter()
-        client.put(tokens, blocks, first_block=spec.half, parent=hit.block_hashes[spec.half - 1])
-        t3 = time.perf_counter()
-        mark()
+        hit, looked = clock.timed(lambda: client.lookup(tokens))
+        got, fetched = clock.timed(lambda: client.get_hashes(hit.block_hashes[:hit.found_blocks]))
+        stored = clock.timed(lambda: client.put(tokens, blocks, first_block=spec.half,
+                                                parent=hit.block_hashes[spec.half - 1]))[1]
         missed = spec.half - got.found_prefix_blocks
-        return [t1 - t0, t2 - t1b, t3 - t2b], missed
+        return [looked, fetched, stored], missed
 
     return cycle
 
@@ -492,21 +491,10 @@ def _raw_cycle(spec: _Spec, clock: _CallClock) -> Any:
     put = message(half * (spec.block_bytes + 4) + span * 5 + 100, half * _HASH_WIRE + 8)
 
     def cycle(_: int) -> tuple[list[float], int]:
-        mark = clock.stamps()
-        t0 = time.perf_counter()
-        unary(lookup)
-        t1 = time.perf_counter()
-        mark()
-        t1b = time.perf_counter()
-        for _msg in stream(get):
-            pass
-        t2 = time.perf_counter()
-        mark()
-        t2b = time.perf_counter()
-        unary(put)
-        t3 = time.perf_counter()
-        mark()
-        return [t1 - t0, t2 - t1b, t3 - t2b], 0
+        looked = clock.timed(lambda: unary(lookup))[1]
+        fetched = clock.timed(lambda: collections.deque(stream(get), maxlen=0))[1]  # drained, not kept
+        stored = clock.timed(lambda: unary(put))[1]
+        return [looked, fetched, stored], 0
 
     return cycle
 
