@@ -28,12 +28,9 @@ import heapq
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.errors import InvalidArgument, Unavailable
-
-if TYPE_CHECKING:  # membership imports this module (Layout)
-    from kvstore.fleet.membership import NodeRecord
 
 #: The placement hash's version, mixed into every score: a new scoring rule gets a new tag.
 SCORE_TAG = b"kvstore.fleet.placement.v1\0"
@@ -165,7 +162,20 @@ def nodes_touched(placement: Iterable[RunPlacement]) -> frozenset[str]:
     return frozenset(n for p in placement for n in p.replicas)
 
 
-def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
+class PlacedRecord(Protocol):
+    """What placement reads of a node's record (`kvstore.fleet.membership.NodeRecord`, which imports this module)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def address(self) -> str: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def draining(self) -> bool: ...
+
+
+def placeable(nodes: Mapping[str, PlacedRecord]) -> list[str]:
     """The ids to place runs over: of the records that share an address, the latest started only (F42); a
     draining node's never (F21: a read asks it after the replicas, `NodePool.read_order`'s next ranked).
 
@@ -177,15 +187,15 @@ def placeable(nodes: Mapping[str, NodeRecord]) -> list[str]:
     return [r.node_id for r in latest.values()]
 
 
-def superseded(nodes: Mapping[str, NodeRecord]) -> set[str]:
+def superseded(nodes: Mapping[str, PlacedRecord]) -> set[str]:
     """The ids whose address a later-started record also names (F42): the same process answers for both, so a
     re-replication pass counts only the latest as a holder or a replica (two ids there are one copy, not two)."""
     latest = _latest_at_each_address(nodes.values())
     return {n for n, r in nodes.items() if latest[r.address].node_id != n}
 
 
-def _latest_at_each_address(records: Iterable[NodeRecord]) -> dict[str, NodeRecord]:
-    latest: dict[str, NodeRecord] = {}
+def _latest_at_each_address(records: Iterable[PlacedRecord]) -> dict[str, PlacedRecord]:
+    latest: dict[str, PlacedRecord] = {}
     for record in records:
         seen = latest.get(record.address)
         if seen is None or (record.started_at, record.node_id) > (seen.started_at, seen.node_id):
