@@ -43,6 +43,7 @@ def test_a_small_run_with_a_before_tree_prints_every_figure_beside_its_baseline(
         "get via the gateway, this tree",
         "first block of a get via the gateway, this tree",
         "put stream via the gateway, this tree",
+        "put stream via the read-ahead gateway vs the router",
     }
     for f in figures.values():
         assert f["baseline"] and f["baseline_value"] > 0 and f["value"] > 0 and f["ratio"] > 0, f
