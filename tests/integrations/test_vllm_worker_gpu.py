@@ -5,7 +5,8 @@ caches are laid out as vLLM lays a KV cache group out (one physical block per pa
 layer's cache a strided view, padding after each page's rows), as tests/integrations/
 test_vllm_support.py does on CPU. Checked: the direct-gpu load (`ColocatedReader` + the GPU
 gatherer) fills the same bytes as a gRPC load, all at once and layer by layer (each layer read on
-the current stream right after its wait); a layer-wise save from CUDA caches (per-layer gathers and
+the current stream right after its wait), also over a fleet (docs/FLEET.md F61: the worker's client of the
+`etcd://` address, the runs of this host's node gathered from its file by the GPU, the rest streamed); a layer-wise save from CUDA caches (per-layer gathers and
 asynchronous copies to pinned memory) stores the bytes of an all-at-once save from CPU caches.
 """
 
@@ -28,6 +29,7 @@ from integrations.vllm_worker import WorkerSide  # noqa: E402
 from kvstore.geometry import TINY as GEO  # noqa: E402
 from tests.children import Child  # noqa: E402
 from tests.integrations.conftest import STORE_BLOCK_TOKENS  # noqa: E402
+from tests.integrations.fleet_support import Fleet, fleet_fixture, spread_prompt  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -55,15 +57,22 @@ def _caches(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 def _worker(store: Child, caches: dict[str, torch.Tensor], *, path: str, layerwise: bool = False) -> WorkerSide:
-    extra: dict[str, Any] = {"target": store.target, "geometry": GEO.name, "path": path, "timeout_s": 30.0}
+    return _worker_of(store.target, store.data_dir, caches, path=path, layerwise=layerwise)  # type: ignore[attr-defined]
+
+
+def _worker_of(target: str, data_dir: Any, caches: dict[str, torch.Tensor], *, path: str,
+               layerwise: bool = False) -> WorkerSide:
+    """The connector's worker side as vLLM's factory makes it: its client of `target` (a node or a fleet's
+    etcd:// address) and, on a direct path, the reader of the node whose store is `data_dir`."""
+    extra: dict[str, Any] = {"target": target, "geometry": GEO.name, "path": path, "timeout_s": 30.0}
     reader = None
     if path.startswith("direct"):
         from kvstore.client.colocated import ColocatedReader
 
-        extra["data_dir"] = str(store.data_dir)  # type: ignore[attr-defined]
-        reader = ColocatedReader(store.data_dir)  # type: ignore[attr-defined]
+        extra["data_dir"] = str(data_dir)
+        reader = ColocatedReader(data_dir)
     settings = parse_settings(extra)
-    client = kvstore.Client(store.target, geometry=GEO.name, timeout_s=30.0)
+    client = kvstore.Client(target, geometry=GEO.name, timeout_s=30.0)
     worker = WorkerSide(client, settings, GEO, reader=reader, layerwise=layerwise)
     worker.register(caches, {name: (0, PAGE) for name in caches})
     return worker
@@ -126,6 +135,46 @@ def test_a_direct_gpu_load_fills_cuda_pages_with_the_bytes_of_a_grpc_load(
             assert torch.equal(_rows(caches[_name(s.layer, s.component)], s, pages), want), (path, s)
             if layerwise:
                 assert torch.equal(early[(s.layer, s.component)], want), ("at its layer's wait", s)
+        filled[(path, layerwise)] = physical.cpu()
+        _close(worker)
+    assert torch.equal(filled[("direct-gpu", False)], filled[("grpc", False)])
+    assert torch.equal(filled[("direct-gpu", True)], filled[("grpc", False)])
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    yield from fleet_fixture(tmp_path_factory.mktemp("gpu-fleet"), block_tokens=B)
+
+
+def test_f61_a_direct_gpu_load_over_a_fleet_gathers_the_local_nodes_runs_and_streams_the_rest(fleet: Fleet) -> None:
+    """F61 on a GPU: the worker's client is the fleet's (etcd://), its reader this host's node's; the pages it fills
+    on `direct-gpu` hold the bytes a gRPC load over the same fleet fills, all at once and layer by layer."""
+    local = fleet.nodes[0].node_id
+    rng = random.Random(62)
+    with fleet.client(geometry=GEO.name) as client:   # the node holds some of the prompt's runs, not all of them
+        _, tokens = spread_prompt(fleet, lambda seed: [rng.randrange(1, 1 << 30) for _ in range(BLOCKS * B)],
+                                  client.hashes,
+                                  also=lambda chain: 0 < sum(local in r.replicas for r in client.placement(chain))
+                                  < len(client.placement(chain)))
+        blocks = torch.randint(0, 256, (BLOCKS, GEO.block_bytes(B)), dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(62))
+        client.put(tokens, blocks)
+        spec = LoadSpec(req_id="r", hashes=list(client.hashes(tokens)), start=0, end=len(tokens),
+                        block_ids=(random.Random(6).sample(range(1, NUM_PAGES), BLOCKS),))
+    filled = {}
+    for path, layerwise in (("grpc", False), ("direct-gpu", False), ("direct-gpu", True)):
+        physical, caches = _caches("cuda")
+        worker = _worker_of(fleet.address, fleet.data_dirs[local], caches, path=path, layerwise=layerwise)
+        worker.loads.start([spec])
+        if layerwise:
+            for layer in range(GEO.num_layers):
+                worker.loads.wait_layer(f"model.layers.{layer}.self_attn.attn")
+            worker.loads.finish()
+        assert worker.loads.load_paths == {path: 1}, worker.loads.load_paths
+        assert worker.loads.take_errors() == set() and worker.loads.blocks_loaded == BLOCKS
+        for s in SECTIONS:
+            want = blocks[:, s.offset: s.offset + s.size_bytes].reshape(-1, s.row_bytes)
+            assert torch.equal(_rows(caches[_name(s.layer, s.component)], s, spec.block_ids[0]), want), (path, s)
         filled[(path, layerwise)] = physical.cpu()
         _close(worker)
     assert torch.equal(filled[("direct-gpu", False)], filled[("grpc", False)])
