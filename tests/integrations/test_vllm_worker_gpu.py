@@ -5,9 +5,10 @@ caches are laid out as vLLM lays a KV cache group out (one physical block per pa
 layer's cache a strided view, padding after each page's rows), as tests/integrations/
 test_vllm_support.py does on CPU. Checked: the direct-gpu load (`ColocatedReader` + the GPU
 gatherer) fills the same bytes as a gRPC load, all at once and layer by layer (each layer read on
-the current stream right after its wait), also over a fleet (docs/FLEET.md F61: the worker's client of the
-`etcd://` address, the runs of this host's node gathered from its file by the GPU, the rest streamed); a layer-wise save from CUDA caches (per-layer gathers and
-asynchronous copies to pinned memory) stores the bytes of an all-at-once save from CPU caches.
+the current stream right after its wait), also over a fleet (docs/FLEET.md F61: the worker's client
+of the `etcd://` address, the runs of this host's node gathered from its file by the GPU, the rest
+streamed); a layer-wise save from CUDA caches (per-layer gathers and asynchronous copies to pinned
+memory) stores the bytes of an all-at-once save from CPU caches.
 """
 
 from __future__ import annotations
