@@ -27,7 +27,6 @@ the one-block Lookups); a ratio >= 0.95 meets the target (auth costs at most 5%)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -37,7 +36,16 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.bench import store_events
-from kvstore.bench.harness import GiB, process_stat, raw_stream_server, scratch, serve_process, stat_cpu_s, timed
+from kvstore.bench.harness import (
+    GiB,
+    RawLmdb,
+    process_stat,
+    raw_stream_server,
+    scratch,
+    serve_process,
+    stat_cpu_s,
+    timed,
+)
 from kvstore.bench.report import Figure, Progress, Report
 from kvstore.geometry import V4_1_FLASH
 
@@ -265,40 +273,14 @@ def _last_txn(store: Path) -> int:
         env.close()
 
 
-class _RawLmdb:
-    """Plain LMDB on the same disk: same sync settings, one transaction per batch, no kvstore logic."""
-
-    def __init__(self, path: Path, total_bytes: int) -> None:
-        import lmdb
-
-        self.env = lmdb.open(str(path), map_size=total_bytes * 2 + GiB, sync=True, metasync=True,
-                             readahead=False, max_dbs=8)
-        self.db = self.env.open_db(b"blocks")
-        self.next_key = 0
-
-    def put(self, blocks: list[bytes], batch: int) -> int:
-        """Write `blocks`, `batch` to a transaction; how many transactions."""
-        # Keys shaped like kvstore's (48 bytes, uniformly spread), so the B-tree
-        # does the same page work; sequential keys would flatter the baseline less fairly.
-        for lo in range(0, len(blocks), batch):
-            with self.env.begin(write=True) as txn:
-                for block in blocks[lo:lo + batch]:
-                    txn.put(hashlib.sha256(self.next_key.to_bytes(8, "big")).digest()[:16] * 3, block, db=self.db)
-                    self.next_key += 1
-        return -(-len(blocks) // batch)
-
-    def close(self) -> None:
-        self.env.close()
-
-
 def _service(target: str, scratch: Path, tokens: list[int], blocks: list[bytes], args: argparse.Namespace,
              lookup_blocks: int, progress: Progress) -> tuple[_Puts, float, list[bytes], float]:
     from kvstore.client import Client, put_tcp
     from kvstore.prefix import ExtraKey
 
     batch = args.batch_blocks
-    raw = _RawLmdb(scratch / "raw-lmdb", len(blocks) * len(blocks[0]))
-    grouped = _RawLmdb(scratch / "raw-lmdb-grouped", len(blocks) * len(blocks[0]))
+    raw = RawLmdb(scratch / "raw-lmdb", len(blocks) * len(blocks[0]))
+    grouped = RawLmdb(scratch / "raw-lmdb-grouped", len(blocks) * len(blocks[0]))
     # Rounds alternate the baselines and the service on the same disk, so drift in
     # the disk's speed (write-back, other tenants) hits all alike.
     rounds = 8

@@ -29,7 +29,8 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
             "put n=2 r=1", "get via router n=2 r=1", f"lookup {tokens} tokens n=2 r=1",
             "put n=2 r=2", "put r=2 vs r=1 n=2", "get n=2 r=2", "get via router n=2 r=2",
             f"lookup {tokens} tokens n=2 r=2", "bytes sent to an added node 2->3 r=2",
-            "re-replication after a node kill 3->2 r=2", "re-replication vs durable writes 3->2 r=2"}
+            "re-replication after a node kill 3->2 r=2", "re-replication vs durable writes 3->2 r=2",
+            "re-replication vs raw LMDB durable puts 3->2 r=2"}
     assert want <= figures.keys(), sorted(figures)
     for f in figures.values():
         assert set(f) == {"name", "value", "unit", "baseline", "baseline_value", "ratio"}
@@ -42,6 +43,12 @@ def test_quick_run_every_figure_beside_its_baseline(tmp_path: Path) -> None:
                  "bytes sent to an added node 2->3 r=2", "re-replication after a node kill 3->2 r=2",
                  "re-replication vs durable writes 3->2 r=2"):
         assert report["notes"][f"target {name}"].endswith((": met", ": NOT MET")), name
+    # Where the copies end (the store's own durable rate) is said beside them, with no target of its own.
+    assert report["notes"]["target re-replication vs raw LMDB durable puts 3->2 r=2"].endswith(": no target")
+    lmdb = figures["re-replication vs raw LMDB durable puts 3->2 r=2"]
+    assert lmdb["value"] == figures["re-replication after a node kill 3->2 r=2"]["value"]
+    assert "raw LMDB writer" in lmdb["baseline"] and lmdb["baseline_value"] != figures[
+        "re-replication vs durable writes 3->2 r=2"]["baseline_value"]
     assert "skipped" in report["notes"]["re-replication n=1 r=1"]
     assert list(tmp_path.iterdir()) == []  # every node's and etcd's folder removed
 
