@@ -19,6 +19,7 @@ def test_every_test_named_in_fleet_md_exists() -> None:
              *gateway_tests.glob("test_fleet*.py"), gateway_tests / "test_token_bucket.py",
              gateway_tests / "test_policies.py",  # F51's rules on the policies
              *(ROOT / "tests" / "integrations").glob("test_*_fleet.py"),  # F58: the engine adapters
+             ROOT / "tests" / "integrations" / "test_vllm_worker_gpu.py",  # F61 on a GPU
              ROOT / "tests" / "kvstore" / "test_wire.py",  # F67: the layers' imports
              ROOT / "tests" / "tiers" / "test_chains.py",  # F75: a node's runs in one read txn
              ROOT / "tests" / "tiers" / "test_stale_copies.py"]  # F84: a round's stale drops in one txn
