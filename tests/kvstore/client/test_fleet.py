@@ -421,7 +421,7 @@ def test_f33b_a_get_reads_the_next_run_while_the_caller_takes_this_ones_blocks(f
             stream = client.stream(chain)
             assert next(stream)[2] == payload[0]
             if read_ahead:  # the next run's Get goes out on its own thread: waited for, not assumed
-                wait_until(lambda b=before, a=asked_first: served_since(b) == a, "the next run's Get served")
+                wait_until(lambda: served_since(before) == asked_first, "the next run's Get served")
             assert served_since(before) == asked_first  # run 2 waits until run 1 is handed out
             assert [d for _, _, d in stream] == payload[1:]
             assert served_since(before) == Counter(first)  # one Get per run, each where its order said
