@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn, TypeVar
 
+from gateway.block_feed import Feed, produce
 from gateway.fleet_stats import merge_stats
 from gateway.routed_store import Route, StoredTail
 from gateway.validate import RunPart
-from kvstore.block_feed import Feed, produce
 from kvstore.client.connection import TlsOptions
 from kvstore.client.fleet_address import FleetAddress
 from kvstore.client.fleet_get import stream_run_part

@@ -15,6 +15,7 @@ import grpc
 from gateway import put_stream, routed_put_stream, validate
 from gateway.audit import AuditTrail
 from gateway.auth import Caller, current_caller
+from gateway.block_feed import drained_async
 from gateway.events import note_put_tokens
 from gateway.hit_stats import MAX_SERIES_POINTS, WINDOWS, HitStats, Window
 from gateway.host_info import NodeHost
@@ -29,7 +30,6 @@ from gateway.trace_recorder import NO_TRACE, CallTrace, trace_counters
 from gateway.validate import Layout
 from kvstore import __version__
 from kvstore.api_tokens import ADMIN
-from kvstore.block_feed import drained_async
 from kvstore.errors import (
     DeadlineExceeded,
     FailedPrecondition,

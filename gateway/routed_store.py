@@ -13,8 +13,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from gateway.block_feed import Feed
 from gateway.validate import RunPart
-from kvstore.block_feed import Feed
 
 if TYPE_CHECKING:  # the client package loads every client (redis too): not on a node's import path
     from kvstore.client.fleet_pins import FleetPin

@@ -119,9 +119,6 @@ class FleetClient(Client):
         self.replication = arguments.integer(FleetSettings.replication if replication is None else replication,
                                              "replication", least=1)
         self.retry = retry or Retry()
-        #: F33b: a Get of several runs reads the next run while this one's blocks are taken (False: one after
-        #: another, as `[fleet] read_ahead = false` makes a gateway's).
-        self.read_ahead = True
         # Imported here: a single-server client never loads the etcd client (aetcd and its protobufs).
         from kvstore.client.fleet_view import FleetView
 
@@ -486,8 +483,7 @@ class FleetClient(Client):
         if first_block >= end_block:
             return iter(())
         return stream_runs(self.pool, self.placement(chain[:end_block]), chain, first_block=first_block,
-                           end_block=end_block, retry=self.retry, refresher=self.refresher,
-                           read_ahead=self.read_ahead)
+                           end_block=end_block, retry=self.retry, refresher=self.refresher)
 
     def node_stats(self) -> dict[str, pb.StatsResponse]:
         """Each live node's Stats (node id -> its counters); a node that does not answer is left out."""

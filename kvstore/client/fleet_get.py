@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvstore.block_feed import Feed, drained, produce
 from kvstore.client import fleet_metrics
 from kvstore.client.blocks import stream_blocks
 from kvstore.client.fleet_lookup import FAIL_OVER
@@ -47,37 +46,17 @@ class RunRead:
 
 
 def stream_runs(pool: NodePool, runs: Sequence[RunPlacement], chain: Sequence[bytes], *, first_block: int,
-                end_block: int, retry: Retry, refresher: Refresher, read_ahead: bool = False) -> Iterator[Block]:
-    """(index, status, data) for blocks [first_block, end_block) of `chain`, index counted from `first_block`;
-    with `read_ahead`, the next run read on a thread while this one's blocks are taken (F33b).
+                end_block: int, retry: Retry, refresher: Refresher) -> Iterator[Block]:
+    """(index, status, data) for blocks [first_block, end_block) of `chain`, index counted from `first_block`.
 
     Raises:
         KVStoreError: no replica of a run answered after the retry policy's rounds, or a node refused the
             request for a reason every replica would share.
     """
-    parts = [(run, max(run.first_block, first_block), min(run.end_block, end_block)) for run in runs]
-    parts = [(run, lo, hi) for run, lo, hi in parts if lo < hi]
-    if not read_ahead or len(parts) < 2:
-        for run, lo, hi in parts:
+    for run in runs:
+        lo, hi = max(run.first_block, first_block), min(run.end_block, end_block)
+        if lo < hi:
             yield from _stream_run(pool, run, chain, lo, hi, first_block, retry, refresher)
-        return
-
-    def feed(run: RunPlacement, lo: int, hi: int) -> Feed[Block]:
-        # At most the run's blocks held: with the one being taken, a Get holds two runs' at most.
-        out: Feed[Block] = Feed(hi - lo)
-        produce(None, out, lambda: _stream_run(pool, run, chain, lo, hi, first_block, retry, refresher))
-        return out
-
-    ahead = current = feed(*parts[0])
-    try:
-        for i in range(len(parts)):
-            current = ahead
-            if i + 1 < len(parts):  # F33b: the next run's read goes out before this one's blocks are taken
-                ahead = feed(*parts[i + 1])
-            yield from drained(current)
-    finally:
-        current.close()  # the caller stopped early (or an error): no further run is read
-        ahead.close()
 
 
 def stream_run_part(pool: NodePool, run: RunPlacement, run_key: bytes, hashes: Sequence[bytes], *,

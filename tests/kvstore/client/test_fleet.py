@@ -398,35 +398,6 @@ def test_f33_reads_of_a_shared_prefix_spread_over_its_replicas(fleet: Fleet) -> 
                 n: theirs.count(n) for n in set(theirs)}  # one Get per run, each on the node the order named
 
 
-def test_f33b_a_get_reads_the_next_run_while_the_caller_takes_this_ones_blocks(fleet: Fleet) -> None:
-    """F33b: a stream of three runs, its caller holding the first block: the next run is read meanwhile, from the
-    node its read order names (its Get seen served), the run after it not (at most two runs held); with
-    `read_ahead` off, only the first run's node was asked."""
-    from collections import Counter
-
-    with fleet_client(fleet) as client:
-        tokens = prompt(RUN_TOKENS * 3)
-        payload = blocks_for(client, tokens)
-        client.put(tokens, payload)
-        chain = client.hashes(tokens)
-        first = [client.pool.read_order(chain[r.first_block], r.replicas)[0] for r in client.placement(chain)]
-
-        def served_since(before: dict[str, int]) -> Counter[str]:
-            now = {k: s.gets for k, s in client.node_stats().items()}
-            return Counter({k: now[k] - before[k] for k in now if now[k] > before[k]})
-
-        for read_ahead, asked_first in ((True, Counter(first[:2])), (False, Counter(first[:1]))):
-            client.read_ahead = read_ahead
-            before = {k: s.gets for k, s in client.node_stats().items()}
-            stream = client.stream(chain)
-            assert next(stream)[2] == payload[0]
-            if read_ahead:  # the next run's Get goes out on its own thread: waited for, not assumed
-                wait_until(lambda: served_since(before) == asked_first, "the next run's Get served")
-            assert served_since(before) == asked_first  # run 2 waits until run 1 is handed out
-            assert [d for _, _, d in stream] == payload[1:]
-            assert served_since(before) == Counter(first)  # one Get per run, each where its order said
-
-
 def test_f33_a_copy_missing_blocks_is_read_around_from_the_block_it_lacks(fleet: Fleet) -> None:
     """F33: the preferred replica lost the tail of a run (purged there): the Get takes the rest of the run from
     the other replica, without asking again for what it delivered; the Lookup finds the run on the other copy."""

@@ -1,14 +1,11 @@
 """Items handed from a producer thread to one consumer as they arrive, in order, a bounded number held.
 
 A gateway's Get reads each run from a node on a thread (the fleet client's blocking code) and answers the
-client on the event loop (docs/FLEET.md F69a); the fleet client's own Get reads the next run on a thread while
-its caller takes this one's blocks (F33b). Between the two a `Feed` holds what was read and not yet taken:
+client on the event loop (docs/FLEET.md F69a). Between the two a `Feed` holds what was read and not yet taken:
 at most `bound` items, the producer waiting for room beyond that, so a Get of any length holds a bounded
-number of blocks whatever the speed of the consumer. The consumer takes everything there is at once (one wake
-per batch, not per block), on the event loop (`take`) or on a thread (`take_blocking`).
+number of blocks whatever the speed of the client. The consumer takes everything there is at once (one wake
+per batch, not per block) on the event loop (`take`).
 Closing a feed (the consumer is gone: an error, a cancelled call) stops its producer at its next item.
-
-Here in the core, not in the gateway or the client: both use it, and the gateway's servicer imports no client code.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Executor
 from functools import partial
 from typing import Generic, TypeVar
@@ -48,7 +45,6 @@ class Feed(Generic[T]):
                 return False
             self._items.append(item)
             self._wake_consumer()
-            self._cond.notify_all()  # a consumer waiting on a thread (`take_blocking`)
             return True
 
     def finish(self, error: BaseException | None = None) -> None:
@@ -56,7 +52,6 @@ class Feed(Generic[T]):
         with self._cond:
             self._done, self._error = True, error
             self._wake_consumer()
-            self._cond.notify_all()
 
     def close(self) -> None:
         """The consumer is gone: the held items dropped, the producer's next `put` answered False."""
@@ -77,14 +72,6 @@ class Feed(Generic[T]):
                 self._wake = partial(loop.call_soon_threadsafe, ready.set)
             await ready.wait()
 
-    def take_blocking(self) -> list[T]:
-        """`take` for a consumer on a thread: every item held, waited for until there is one; [] once finished
-        (the producer's error raised instead)."""
-        with self._cond:
-            while not (self._items or self._done):
-                self._cond.wait()
-            return self._drain()
-
     def _drain(self) -> list[T]:
         self._wake = None
         if self._items:
@@ -102,10 +89,9 @@ class Feed(Generic[T]):
             wake()
 
 
-def produce(executor: Executor | None, feed: Feed[T], make: Callable[[], Iterable[T]]) -> None:
-    """Run `make()`'s items into `feed` on `executor` (None: a thread of its own); its error finishes the feed; a
-    closed feed stops it (a generator is closed in its own thread, so a node's call it was streaming is
-    cancelled)."""
+def produce(executor: Executor, feed: Feed[T], make: Callable[[], Iterable[T]]) -> None:
+    """Run `make()`'s items into `feed` on `executor`; its error finishes the feed; a closed feed stops it
+    (a generator is closed in its own thread, so a node's call it was streaming is cancelled)."""
 
     def run() -> None:
         items: Iterable[T] | None = None
@@ -123,11 +109,7 @@ def produce(executor: Executor | None, feed: Feed[T], make: Callable[[], Iterabl
                 close()
         feed.finish()
 
-    if executor is None:
-        # Daemon: a producer waits only on its feed, which its consumer closes (or drops with it when collected).
-        threading.Thread(target=run, name="kvstore-feed", daemon=True).start()
-    else:
-        executor.submit(run)
+    executor.submit(run)
 
 
 async def drained_async(feed: Feed[T]) -> AsyncGenerator[list[T], None]:
@@ -135,14 +117,5 @@ async def drained_async(feed: Feed[T]) -> AsyncGenerator[list[T], None]:
     try:
         while batch := await feed.take():
             yield batch
-    finally:
-        feed.close()
-
-
-def drained(feed: Feed[T]) -> Iterator[T]:
-    """Each item of `feed` in order, taken on this thread; the feed closed when the caller stops early."""
-    try:
-        while batch := feed.take_blocking():
-            yield from batch
     finally:
         feed.close()
