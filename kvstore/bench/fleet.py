@@ -48,11 +48,11 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -79,6 +79,8 @@ REPEAT = 3
 LOOKUP_REPEAT = 5
 #: The durable-write baseline's batch: the repairer's CopyBlocks size (gateway/fleet_repair.py BATCH_BYTES).
 DURABLE_BATCH_BYTES = 16 << 20
+
+T = TypeVar("T")
 
 #: name prefix -> (least ratio, how the target reads); a figure whose name starts with the prefix has it.
 TARGETS: dict[str, tuple[float | None, str]] = {
@@ -525,21 +527,22 @@ class FleetBench:
         # The last survivor's record is written as its pass ends (its own clock: this host's).
         done_at = max(float(repairs[s]["updated_at"]) for s in survivors)  # type: ignore[arg-type]
         seconds = max(done_at - gone_at, 1e-6)
-        name, rate = _bulk_rate(max(sent, 16 << 20), len(self.data.blocks[0]), self.progress)
+        measured = max(sent, 16 << 20)  # the baselines move at least 16 MiB, however little a kill lost
+        name, rate = _bulk_rate(measured, len(self.data.blocks[0]), self.progress)
         self.report.add(Figure.against(f"re-replication after a node kill {n + 1}->{n} r={r}", sent / seconds / 1e9,
                                        "GB/s", name, rate))
         # A copy is durable when answered (F17): the receivers' disk bounds the rate. The same bytes written
         # and fsync'd in the same batches by as many writers as survivors copied (3->2: one sends, one takes
         # what it lacks), in the nodes' folder, same run.
         senders = max(1, sum(copied(repairs, {s}) > copied(before_repairs, {s}) for s in survivors))
-        disk = _durable_write_rate(self.folder, max(sent, 16 << 20), senders)
+        disk = _durable_write_rate(self.folder, measured, senders)
         self.report.add(Figure.against(f"re-replication vs durable writes {n + 1}->{n} r={r}", sent / seconds / 1e9,
                                        "GB/s", f"{senders} writer{'s' * (senders > 1)}, write + fsync of 16 MiB "
                                        "batches, same disk, same bytes", disk))
         # The same bytes into plain LMDB (one environment a writer, as each receiver has its own store), one
         # fsync'd transaction per batch: where a disk's LMDB takes less than the network baseline carries, the
         # copies cannot reach that baseline, and this figure says how near they come to the store's own limit.
-        lmdb_rate = _lmdb_durable_rate(self.folder, max(sent, 16 << 20), len(self.data.blocks[0]), senders)
+        lmdb_rate = _lmdb_durable_rate(self.folder, measured, len(self.data.blocks[0]), senders)
         self.report.add(Figure.against(f"re-replication vs raw LMDB durable puts {n + 1}->{n} r={r}",
                                        sent / seconds / 1e9, "GB/s",
                                        f"{senders} raw LMDB writer{'s' * (senders > 1)}, one fsync'd transaction "
@@ -635,8 +638,6 @@ def _bulk_rate(nbytes: int, block_bytes: int, progress: Progress) -> tuple[str, 
 def _durable_write_rate(folder: Path, nbytes: int, writers: int) -> float:
     """GB/s of `writers` threads writing `nbytes` between them to files in `folder`, each 16 MiB batch
     fsync'd before the next (as a CopyBlocks is committed before its answer); the best of REPEAT."""
-    from concurrent.futures import ThreadPoolExecutor
-
     batch = os.urandom(DURABLE_BATCH_BYTES)
     share = -(-nbytes // writers)
 
@@ -652,11 +653,7 @@ def _durable_write_rate(folder: Path, nbytes: int, writers: int) -> float:
             os.close(fd)
             path.unlink()
 
-    best = float("inf")
-    with ThreadPoolExecutor(writers) as pool:
-        for _ in range(REPEAT):
-            best = min(best, timed(lambda: list(pool.map(write, range(writers)))))
-    return share * writers / best / 1e9
+    return share * writers / _best_parallel_s(write, range(writers)) / 1e9
 
 
 def _lmdb_durable_rate(folder: Path, nbytes: int, block_bytes: int, writers: int) -> float:
@@ -664,7 +661,6 @@ def _lmdb_durable_rate(folder: Path, nbytes: int, block_bytes: int, writers: int
     them in blocks of `block_bytes`, one fsync'd transaction per DURABLE_BATCH_BYTES (a CopyBlocks batch); the
     best of REPEAT. The environments are removed after."""
     import shutil
-    from concurrent.futures import ThreadPoolExecutor
 
     block = os.urandom(block_bytes)
     per_writer = max(1, -(-nbytes // writers) // block_bytes)
@@ -672,17 +668,22 @@ def _lmdb_durable_rate(folder: Path, nbytes: int, block_bytes: int, writers: int
     paths = [folder / f"raw-lmdb-{i}.bench" for i in range(writers)]
     envs = [RawLmdb(path, per_writer * block_bytes * REPEAT) for path in paths]
     try:
-        best = float("inf")
-        with ThreadPoolExecutor(writers) as pool:
-            for _ in range(REPEAT):
-                best = min(best, timed(lambda: list(pool.map(lambda env: env.put([block] * per_writer, batch),
-                                                             envs))))
+        best = _best_parallel_s(lambda env: env.put([block] * per_writer, batch), envs)
         return per_writer * writers * block_bytes / best / 1e9
     finally:
         for env in envs:
             env.close()
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _best_parallel_s(write: Callable[[T], object], writers: Iterable[T]) -> float:
+    """The best of REPEAT seconds for `write` of every item of `writers` at once, a thread each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = list(writers)
+    with ThreadPoolExecutor(len(items)) as pool:
+        return min(timed(lambda: list(pool.map(write, items))) for _ in range(REPEAT))
 
 
 def _drain(streams: Iterator[Iterator[bytes]]) -> None:
