@@ -65,8 +65,9 @@ from gateway.fleet_bulk import BATCH_BYTES, BulkSource
 from gateway.fleet_servicer import MAX_KEYS, SERVICE, STREAM_OPENED, TOKEN_METADATA
 from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
+from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
-from kvstore.fleet.etcd import EtcdSession
+from kvstore.fleet.etcd import EtcdSession, follow_prefix
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas, score, superseded
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
@@ -315,6 +316,9 @@ class FleetRepairer:
         #: Whether a drain of this node is requested (it answers None when etcd does not: unknown, nothing
         #: changes); None: drains are not looked for.
         self.drain_requested: Callable[[], Awaitable[bool | None]] | None = None
+        #: Set when this node's drain request changes in etcd (F85: its key's watch, `watch_drain`): `_run` passes at
+        #: once, not at the next periodic pass; None: a drain is noticed at the next pass.
+        self.drain_changed: asyncio.Event | None = None
         #: Writes whether this node drains into its membership record (F21: no one places on it); None: not written.
         self.mark_draining: Callable[[bool], Awaitable[None]] | None = None
         #: The nodes the pass under way ranks after the others (draining: F21), this one among them while it drains.
@@ -374,8 +378,10 @@ class FleetRepairer:
             # A draining node passes again soon, until a pass finds nothing left to copy (F21).
             wait_s = 1.0 if self.progress.draining and not self.progress.drained else self.interval_s
             with contextlib.suppress(DeadlineExceeded):  # no change within the interval: a periodic pass
-                await self.membership.wait_until(_changed_since(seen), wait_s)
+                await self._wait_for_change(seen, wait_s)
             seen = self.membership.revision
+            if self.drain_changed is not None:
+                self.drain_changed.clear()  # the pass below reads the request as it is now
             try:
                 await self.pass_until_view_moves()
             except asyncio.CancelledError:
@@ -387,6 +393,27 @@ class FleetRepairer:
                 self.progress.running = False
                 self.progress.failed_runs += 1
                 await self._publish(force=True, wait=True)
+
+    async def _wait_for_change(self, seen: int, timeout_s: float) -> None:
+        """Return once the view moved past `seen` or a drain was asked or cancelled for this node (F85: the drain
+        key's watch sets `drain_changed`, so a drain starts within seconds, not at the next periodic pass).
+
+        Raises:
+            DeadlineExceeded: neither happened within `timeout_s`.
+        """
+        moved = asyncio.ensure_future(self.membership.wait_until(_changed_since(seen), timeout_s))
+        if self.drain_changed is None:
+            await moved
+            return
+        asked = asyncio.ensure_future(self.drain_changed.wait())
+        try:
+            await asyncio.wait({moved, asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for f in (moved, asked):
+                f.cancel()
+            await asyncio.gather(moved, asked, return_exceptions=True)
+        if not asked.done() or asked.cancelled():
+            moved.result()  # the view moved, or DeadlineExceeded
 
     async def pass_until_view_moves(self) -> RepairProgress:
         """`run_pass`, given up as soon as the membership differs from the one it planned over: the
@@ -1471,5 +1498,47 @@ async def start_repair(settings: Settings, tier: LmdbBlockTier, registration: Re
         mark_draining
     repairer.etcd = own
     repairer.closing.append(own.close)
+    repairer.drain_changed = asyncio.Event()
+    repairer.closing.append(await watch_drain(fleet, drain, repairer.drain_changed))
     repairer.start()
     return repairer
+
+
+async def watch_drain(fleet: FleetSettings, key: bytes, changed: asyncio.Event) -> Callable[[], Awaitable[None]]:
+    """Follow this node's drain key (`kvstore fleet drain`, F85) in etcd: `changed` is set at each put or delete of
+    it, and again each time the watch resumes after etcd was away (a request made meanwhile is read by the pass it
+    wakes). On a session of its own: a session resets its client when a call fails, which must not race another
+    watch's reconnect (`start_repair`). Returns what stops it.
+
+    Raises:
+        Unavailable: etcd does not answer.
+    """
+    session = session_for(fleet)
+    try:
+        revision = (await session.call(lambda c: c.get_prefix(key))).header.revision
+    except BaseException:
+        await session.close()
+        raise
+
+    async def apply(_event: Any) -> None:
+        changed.set()
+
+    async def lost(_exc: Exception) -> None:
+        return None
+
+    async def reload() -> int:
+        found = await session.call(lambda c: c.get_prefix(key))
+        changed.set()
+        return int(found.header.revision)
+
+    task = asyncio.get_running_loop().create_task(
+        follow_prefix(session, key, revision, apply=apply, lost=lost, reload=reload, retry_s=1.0),
+        name="fleet-drain-watch")
+
+    async def stop() -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await session.close()
+
+    return stop

@@ -6,12 +6,14 @@ every third of the TTL; a node that stops renewing leaves when it reaches 0),
 its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
 copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
-drain NODE` has a node drain: it stays a member and serves, no one places on it,
+drain NODE` (a member's id, or a prefix of exactly one) has a node drain within
+seconds (F85): it stays a member and serves, no one places on it,
 the other nodes take its runs at their replication, and it leaves once they hold
 them; status shows the bytes left and says when it is drained, and may be stopped
 (F21); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
-the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints).
+the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints)
+or NODE names no node of the fleet (nothing is written then).
 
 Examples:
   kvstore fleet status --etcd 127.0.0.1:2379
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "re-replication")
     drain = sub.add_parser("drain", help="have a node leave the fleet once the others hold every run it holds at "
                                          "its replication (it serves until then)")
-    drain.add_argument("node", metavar="NODE", help="the node's id (as `kvstore fleet status` lists it)")
+    drain.add_argument("node", metavar="NODE", help="the node's id as `kvstore fleet status` lists it, or a prefix "
+                                                    "of exactly one member's id")
     drain.add_argument("--cancel", action="store_true", help="cancel the drain: a draining node is placed on again; "
                                                              "a drained one joins again at its restart")
     for p in (status, drain):
@@ -80,24 +84,64 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _drain(fleet: FleetSettings, node_id: str, *, cancel: bool, timeout_s: float) -> str:
-    """Ask a node to drain (docs/FLEET.md F21), or cancel its drain; what was done, in one line."""
-    from kvstore.fleet.membership import session_for
-    from kvstore.fleet.repair_progress import drain_key, repair_key
+async def _drain(fleet: FleetSettings, node: str, *, cancel: bool, timeout_s: float) -> str:
+    """Ask a node to drain (docs/FLEET.md F21), or cancel its drain; what was done, in one line.
+
+    Raises:
+        NotFound: `node` names no member of the fleet (with --cancel: nor a node with a drain asked or done).
+        InvalidArgument: `node` is a prefix of more than one such id.
+    """
+    from kvstore.fleet.membership import read_nodes, session_for
+    from kvstore.fleet.repair_progress import RepairProgress, drain_key, drain_prefix, repair_key, repair_prefix
 
     session = session_for(fleet, timeout_s=timeout_s)
-    key = drain_key(fleet.cluster, node_id)
     try:
+        members = [n.record.node_id for n in (await read_nodes(session, fleet.cluster))[0]]
+        others: list[str] = []
+        if cancel:  # F85: a drained node has left the membership; its request and record are still there
+            asked = await session.call(lambda c: c.get_prefix(drain_prefix(fleet.cluster)))
+            records = await session.call(lambda c: c.get_prefix(repair_prefix(fleet.cluster)))
+            others = [kv.key.decode(errors="replace").rsplit("/", 1)[-1] for kv in asked]
+            others += [p.node_id for p in (RepairProgress.from_json(kv.value) for kv in records)
+                       if p is not None and p.draining]
+        node_id = resolve_node(node, members, others, cluster=fleet.cluster)
+        key = drain_key(fleet.cluster, node_id)
         if cancel:
             await session.call(lambda c: c.delete(key))
             await session.call(lambda c: c.delete(repair_key(fleet.cluster, node_id)))
-            return (f"node {node_id}: drain cancelled; placed on again at its next pass (drained already: it joins "
-                    "the fleet again when restarted)")
+            return (f"node {node_id}: drain cancelled; the node is placed on again within seconds (drained already: "
+                    "it joins the fleet again when restarted)")
         await session.call(lambda c: c.put(key, json.dumps({"requested_at": time.time()}).encode()))
     finally:
         await session.close()
-    return (f"node {node_id}: drain requested; from its next pass it stays a member and serves while the other nodes "
+    return (f"node {node_id}: drain requested; within seconds it stays a member and serves while the other nodes "
             "take its runs, and leaves once they hold them; stop it once `kvstore fleet status` says it is drained")
+
+
+def resolve_node(node: str, members: Sequence[str], others: Sequence[str] = (), *, cluster: str) -> str:
+    """The node id `node` names (docs/FLEET.md F85): a member's id, or a prefix of exactly one (as `kvstore fleet
+    status` lists them); `others` are ids a name may also match (a drained node's, for --cancel).
+
+    Raises:
+        NotFound: no id starts with `node`.
+        InvalidArgument: `node` is empty, or a prefix of more than one id.
+    """
+    from kvstore.errors import InvalidArgument, NotFound
+
+    known = list(dict.fromkeys([*members, *others]))
+    if not node:
+        raise InvalidArgument("NODE is empty", hint="give a node id as `kvstore fleet status` lists it")
+    if node in known:
+        return node
+    matches = [n for n in known if n.startswith(node)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise InvalidArgument(f"{node!r} is the start of {len(matches)} node ids in fleet {cluster!r}: "
+                              f"{', '.join(sorted(matches))}", hint="give more of the id")
+    listed = ", ".join(sorted(members)) if members else "none"
+    raise NotFound(f"no node {node!r} in fleet {cluster!r} (its members: {listed}); nothing was asked",
+                   hint="give an id `kvstore fleet status` lists, or a prefix of one; check --cluster and --etcd")
 
 
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:

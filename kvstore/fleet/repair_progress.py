@@ -27,9 +27,14 @@ def repair_key(cluster: str, node_id: str) -> bytes:
     return repair_prefix(cluster) + node_id.encode()
 
 
+def drain_prefix(cluster: str) -> bytes:
+    """The prefix of the drain requests: `/kvstore/<cluster>/drain/`."""
+    return f"{KEY_ROOT}/{cluster}/drain/".encode()
+
+
 def drain_key(cluster: str, node_id: str) -> bytes:
     """The key `kvstore fleet drain NODE` writes: `/kvstore/<cluster>/drain/<node_id>` (deleted by --cancel)."""
-    return f"{KEY_ROOT}/{cluster}/drain/{node_id}".encode()
+    return drain_prefix(cluster) + node_id.encode()
 
 
 @dataclass(kw_only=True)

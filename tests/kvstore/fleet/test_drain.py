@@ -69,7 +69,7 @@ class Fleet:
         self.children: dict[str, Child] = {}
         self.runs: list[Run] = []
 
-    def start(self, name: str) -> Child:
+    def start(self, name: str, *, interval_s: float = 1.0) -> Child:
         cfg = write_config(
             self.root / name / "kvstore.toml",
             {
@@ -84,7 +84,7 @@ class Fleet:
                     "lease_ttl_s": 2,
                     "run_blocks": RUN_BLOCKS,
                     "replication": K,
-                    "repair_interval_s": 1.0,
+                    "repair_interval_s": interval_s,
                     "repair_bytes_per_s": 1 << 30,
                 },
             },
@@ -100,13 +100,31 @@ class Fleet:
     def target(self, node_id: str) -> str:
         return next(c.target for n, c in self.children.items() if self.node_id(n) == node_id)
 
-    def cli(self, *args: str) -> str:
+    def cli(self, *args: str, code: int = 0) -> str:
+        """`kvstore fleet ARGS` against this cluster: its stdout and stderr (its exit code must be `code`)."""
         # Each etcd call may take up to 30 s, not the default 3: a loaded machine answers later, not otherwise.
         out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            code = main(["fleet", *args, "--etcd", self.etcd, "--cluster", self.cluster, "--timeout", "30"])
-        assert code == 0, f"kvstore fleet {' '.join(args)}: exit {code}: {out.getvalue()}"
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            got = main(["fleet", *args, "--etcd", self.etcd, "--cluster", self.cluster, "--timeout", "30"])
+        assert got == code, f"kvstore fleet {' '.join(args)}: exit {got}: {out.getvalue()}"
         return out.getvalue()
+
+    def drain_requests(self) -> list[bytes]:
+        """The drain requests' keys in etcd."""
+        import asyncio
+
+        from kvstore.config_sections import FleetSettings
+        from kvstore.fleet.membership import session_for
+        from kvstore.fleet.repair_progress import drain_prefix
+
+        async def read() -> list[bytes]:
+            session = session_for(FleetSettings(etcd=self.etcd, cluster=self.cluster), timeout_s=30)
+            try:
+                return [kv.key for kv in await session.call(lambda c: c.get_prefix(drain_prefix(self.cluster)))]
+            finally:
+                await session.close()
+
+        return asyncio.run(read())
 
     def status(self) -> dict[str, Any]:
         return json.loads(self.cli("status", "--json"))
@@ -244,6 +262,9 @@ def test_f21_a_drain_keeps_every_run_at_its_factor_until_the_others_hold_it(flee
     assert last is not None
     copied = sum(n["repair"]["copied_bytes"] for n in report["nodes"]) + last["repair"]["copied_bytes"]
     assert copied - copied_before == sum(len(x) for r in fleet.runs for x in r.blocks)
+    # F85: a drained node is out of the membership, but its drain may still be cancelled by a prefix of its id.
+    assert f"node {a}: drain cancelled" in fleet.cli("drain", a[:8], "--cancel")
+    assert fleet.drain_requests() == [] and fleet.draining(a) is None
 
 
 def test_f21_a_node_killed_while_it_drains_is_a_loss(fleet: Fleet) -> None:
@@ -291,3 +312,27 @@ def test_f21_a_drain_cancelled_before_it_ends_places_on_the_node_again(fleet: Fl
         client.put(tokens, blocks)
         run = Run(hashes=client.hashes(tokens), blocks=blocks)
     assert fleet.holders(run, [a, b]) == [a, b]  # placed on both again
+
+
+def test_f85_a_drain_starts_and_ends_within_seconds_of_the_request_not_at_the_next_periodic_pass(
+        fleet: Fleet) -> None:
+    # An hour between periodic passes: only the watch of the node's drain key can start the drain, or its cancel,
+    # within the test's deadline.
+    for name in ("a", "b"):
+        fleet.start(name, interval_s=3600)
+    fleet.wait_settled(2)
+    fleet.put_chains(4, seed=4)
+    a = fleet.node_id("a")
+    assert f"node {a}: drain requested" in fleet.cli("drain", a[:6])  # a prefix of one member's id names it
+    wait_for(lambda: any(n["draining"] for n in fleet.status()["nodes"] if n["node_id"] == a), "a marked draining")
+    assert "drain cancelled" in fleet.cli("drain", a, "--cancel")
+    wait_for(lambda: not any(n["draining"] for n in fleet.status()["nodes"]), "a unmarked")
+
+
+def test_f85_a_drain_of_a_node_the_fleet_does_not_have_is_refused_and_asks_nothing(fleet: Fleet) -> None:
+    fleet.start("a")
+    fleet.wait_settled(1)
+    a = fleet.node_id("a")
+    out = fleet.cli("drain", "zz" + a[2:], code=2)
+    assert "NotFound" in out and f"its members: {a}" in out
+    assert fleet.drain_requests() == []  # nothing was written: no node would ever read that request
