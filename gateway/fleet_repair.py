@@ -105,6 +105,8 @@ HELD_BATCHES = 2 * WINDOW
 #: read while the one before is sent and committed by the receiver while the next arrives (its read, the network
 #: and the receiver's commit overlap inside one batch; a piece continuing a run needs no answer before it).
 STREAM_PIECE_BYTES = 4 << 20
+#: F86: passes given up (the view moved) that the next pass may resume over, at most: past them it plans every run.
+RESUMED_VIEWS = 4
 #: Seconds a CopyBlocks call may take.
 CALL_TIMEOUT_S = 30.0
 #: Seconds a question (RunDigests, HeldBlocks) may take: a node that does not answer one within it is
@@ -347,6 +349,9 @@ class FleetRepairer:
         #: F18f: the nodes (sorted ids) of the last pass that planned every run, failed none and saw no drain, over a
         #: view etcd answered; None: no such pass since the last one that did not (the next pass plans every run).
         self._settled: tuple[str, ...] | None = None
+        #: F86: the nodes (sorted ids) each pass given up since the settled one planned over, oldest first: the next
+        #: pass resumes over them (a run is skipped only where none of these views, nor the settled one, moved it).
+        self._given_up: list[tuple[str, ...]] = []
         #: F79: whether etcd answered this pass's drain check (a stale copy is dropped only then); True where the
         #: repairer asks etcd nothing (`drain_requested` None: the view's staleness alone decides).
         self._etcd_answered = True
@@ -420,20 +425,38 @@ class FleetRepairer:
         next pass, over the view as it is now, starts at once (a pass planned over a node that left
         would copy to and wait on it, and finish having done nothing the new view needs)."""
         self._planned = None
+        kept = self._settled, list(self._given_up)
         work = asyncio.ensure_future(self.run_pass())
         moved = asyncio.ensure_future(self.membership.wait_until(self._view_moved, 1e9))
         try:
             await asyncio.wait({work, moved}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             moved.cancel()
-            given_up = not work.done()
+            given_up, planned = not work.done(), self._planned
             if given_up:
                 work.cancel()
             await asyncio.gather(work, moved, return_exceptions=True)
         if given_up:
+            self._resume_after(kept, planned)
             log.info("fleet: the membership changed during a re-replication pass; planning again over it")
             return self.progress
         return work.result()
+
+    def _resume_after(self, kept: tuple[tuple[str, ...] | None, list[tuple[str, ...]]],
+                      planned: tuple[frozenset[tuple[str, str]], frozenset[str]] | None) -> None:
+        """F86: a pass given up leaves the next one what it started from (`kept`: the settled nodes and the views given
+        up since), with its own view added, so that pass resumes rather than plans every run. Not when it planned
+        while a node drained (its ranking was not the placement's), nor past RESUMED_VIEWS given up in a row; a pass
+        given up before it planned over any view adds nothing."""
+        settled, given_up = kept
+        if planned is None:
+            self._settled, self._given_up = settled, given_up
+            return
+        nodes, draining = planned
+        if settled is None or draining or len(given_up) >= RESUMED_VIEWS:
+            self._settled, self._given_up = None, []
+            return
+        self._settled, self._given_up = settled, [*given_up, tuple(sorted(n for n, _ in nodes))]
 
     def _pass_nodes(self, m: Membership) -> dict[str, str]:
         """node id -> address of the nodes a pass plans over: every member, draining ones too (they hold copies and
@@ -508,10 +531,13 @@ class FleetRepairer:
         await self._publish(force=True)
         started, planning_s, copied_before = time.monotonic(), 0.0, p.copied_bytes
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
-        settled, self._settled = self._settled, None
+        (settled, self._settled), (given_up, self._given_up) = (self._settled, None), (self._given_up, [])
         held_runs = len(runs)
-        if settled is not None and not self._draining and settled != tuple(sorted(addresses)):
-            runs = self._moved_since(runs, list(settled), sorted(addresses))
+        if settled is not None and not self._draining and (given_up or settled != tuple(sorted(addresses))):
+            # On a thread: a node's every run ranked over every view (80 nodes, 550,000 runs: ~80 s of Python) must
+            # not hold the event loop that serves its calls.
+            runs = await asyncio.to_thread(self._moved_since, runs, [list(settled), *map(list, given_up)],
+                                           sorted(addresses))
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
         # Each round is planned while the one before is copied (their runs are apart: what one round asks of
@@ -671,24 +697,26 @@ class FleetRepairer:
                     found.stale.append((runs[i], held[i], order[:self._targets(runs[i], order)]))
         return found
 
-    def _moved_since(self, runs: list[RunEntry], settled: list[str], live: list[str]) -> list[RunEntry]:
-        """F18f: the runs whose plan may differ from the last settled pass's over the `settled` nodes: those whose
-        nodes a pass asks about them (the replicas, and those ranked above this node) are not the same now. For
-        the others this pass would ask the same nodes as that pass, which found nothing left to do: what happened
-        to them since (a damaged copy dropped, a half-stored Put) is a periodic pass's to find, as it is between
-        membership changes."""
+    def _moved_since(self, runs: list[RunEntry], before: list[list[str]], live: list[str]) -> list[RunEntry]:
+        """F18f: the runs whose plan may differ from the last settled pass's over `before[0]`: those whose nodes a
+        pass asks about them (the replicas, and those ranked above this node) are not the same now. For the others
+        this pass would ask the same nodes as that pass, which found nothing left to do: what happened to them since
+        (a damaged copy dropped, a half-stored Put) is a periodic pass's to find, as it is between membership changes.
+
+        F86: `before[1:]` are the views of the passes given up since (oldest first); a run is also moved where any of
+        them ranks it otherwise, since under that view a node may have dropped its copy as stale (F79) or been sent
+        one, which the settled pass never saw."""
         # Nothing drains (`run_pass` skips nothing otherwise): a run's order is the rendezvous ranking of the nodes
-        # (kvstore/fleet/placement.py's `replicas`), each node's score hashed once for both views.
-        nodes = sorted({*settled, *live})
+        # (kvstore/fleet/placement.py's `replicas`), each node's score hashed once for every view.
+        nodes = sorted({*live, *(n for view in before for n in view)})
+        me = self.node_id
         moved = []
         for entry in runs:
             key = entry.run_key
             scores = {n: score(key, n) for n in nodes}
             copies = self.copies_of(entry)
-            old = sorted(settled, key=lambda n: (-scores[n], n))
-            new = sorted(live, key=lambda n: (-scores[n], n))
-            if old[:max(old.index(self.node_id) + 1, min(copies, len(old)))] != \
-                    new[:max(new.index(self.node_id) + 1, min(copies, len(new)))]:
+            now = _asked(live, scores, copies, me)
+            if any(_asked(view, scores, copies, me) != now for view in before):
                 moved.append(entry)
         return moved
 
@@ -1444,6 +1472,12 @@ def _rounds(runs: Sequence[RunEntry], first: int = FIRST_ROUND_RUNS) -> Iterator
     while at < len(runs):
         yield runs[at:at + size]
         at, size = at + size, min(2 * size, RUNS_PER_ROUND)
+
+
+def _asked(view: list[str], scores: dict[str, int], copies: int, me: str) -> list[str]:
+    """The nodes a pass over `view` asks about a run (F18f): its replicas and those ranked above `me`, by `scores`."""
+    order = sorted(view, key=lambda n: (-scores[n], n))
+    return order[:max(order.index(me) + 1, min(copies, len(order)))]
 
 
 def _changed_since(revision: int) -> Callable[[Membership], bool]:

@@ -4,6 +4,7 @@ in-process nodes on loopback (real LMDB, real gRPC)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from gateway.fleet_repair import FleetRepairer
@@ -107,4 +108,115 @@ def test_f18f_moved_since_agrees_with_the_placement_s_ranking_over_both_views() 
                 return order[:max(order.index("a") + 1, min(c, len(order)))]
 
             want = [e for e in entries if asked(e.run_key, before) != asked(e.run_key, after)]
-            assert FleetRepairer._moved_since(me, entries, before, after) == want  # type: ignore[arg-type]
+            assert FleetRepairer._moved_since(me, entries, [before], after) == want  # type: ignore[arg-type]
+
+
+def test_f86_moved_since_over_given_up_views_is_the_union_of_each_view_s_moves() -> None:
+    """F86: with the views of passes given up since the settled one, a run is moved where any of them (or the settled
+    one) asks about it otherwise than the live view: the union of each pair's runs, and no other."""
+    import hashlib
+    from types import SimpleNamespace
+
+    from tiers.run_index import RunEntry
+
+    entries = [RunEntry(key=b"\0" * 8 + hashlib.sha256(bytes([i, 7])).digest(), first_block=0) for i in range(200)]
+    me = SimpleNamespace(node_id="a", copies_of=lambda _e: 2)
+    views = [["a", "b", "c"], ["a", "b", "c", "d"], ["a", "c", "d"]]
+    live = ["a", "b", "c"]  # d came and went, b went and came back: the settled view again
+    one_by_one = set()
+    for view in views:
+        one_by_one |= {e.key for e in FleetRepairer._moved_since(me, entries, [view], live)}  # type: ignore[arg-type]
+    got = {e.key for e in FleetRepairer._moved_since(me, entries, views, live)}  # type: ignore[arg-type]
+    assert got == one_by_one
+    assert FleetRepairer._moved_since(me, entries, views[:1], live) == []  # type: ignore[arg-type]
+    assert 0 < len(got) < len(entries)
+
+
+def _given_up_pass(fleet: Fleet, r: FleetRepairer, view: Any, join: str = "", leave: str = "") -> None:
+    """`r`'s pass over the view as it is, held at its first RunDigests until node `join` has joined (or `leave` has
+    left: its lease revoked): given up."""
+    import threading
+
+    held, ask = threading.Event(), r._ask
+
+    async def hold(peer: str, address: str, method: str, request: Any) -> Any:
+        if method == "RunDigests" and not held.is_set():
+            held.set()
+            await asyncio.Event().wait()  # until the view moves: the pass is cancelled here
+        return await ask(peer, address, method, request)
+
+    r._ask = hold  # type: ignore[method-assign]
+    running = asyncio.run_coroutine_threadsafe(r.pass_until_view_moves(), fleet.loop.loop)
+    assert held.wait(30), "the pass never asked its first RunDigests"
+    if join:
+        fleet.node(join)
+    else:
+        registration = fleet.nodes[leave].registration
+        assert registration is not None
+        fleet.loop.run(registration.stop())
+    running.result(timeout=60)
+    r._ask = ask  # type: ignore[method-assign]
+
+
+def test_f86_a_pass_given_up_is_resumed_asking_only_about_the_runs_some_view_since_the_settled_one_moved(
+        fleet: Fleet) -> None:
+    """A settled pass over {a, b}; c joins and a's pass over {a, b, c} is given up as d joins: a's next pass, over
+    {a, b, c, d}, asks about the runs that {a, b} or {a, b, c} ask about otherwise than {a, b, c, d}, no other (not
+    every run, as before F86); after the passes of every node each run is on its replicas."""
+    view, runs = _runs_on_a(fleet)
+    r = fleet.repairer("a", view)
+    assert fleet.one_pass(r).failed_runs == 0
+    _join_c(fleet, view)
+    _given_up_pass(fleet, r, view, "d")
+    assert r._given_up == [("a", "b", "c")] and r._settled == ("a", "b")
+    fleet.loop.run(view.wait_until(lambda m: set(m.nodes) == {"a", "b", "c", "d"}, 10))
+    roots = [e.key for e in run_index.list_runs(fleet.nodes["a"].tier.env)]
+    now = ["a", "b", "c", "d"]
+    want = _moved(roots, ["a", "b"], now) | _moved(roots, ["a", "b", "c"], now)
+    assert 0 < len(want) < len(roots)
+    asked = _asked_roots(r)
+    progress = fleet.one_pass(r)
+    assert asked == want
+    assert (progress.under_replicated_bytes, progress.failed_runs) == (0, 0)
+    assert r._given_up == [] and r._settled == tuple(now)  # settled again: the next change resumes from here
+    for name in ("b", "c", "d"):
+        fleet.one_pass(fleet.repairer(name, view))
+    for hashes, blocks in runs:
+        for node in replicas(hashes[0], now, 2):
+            assert [data for _, data in fleet.nodes[node].tier.read([SCOPE.key(h) for h in hashes])] == blocks
+
+
+def test_f86_a_pass_given_up_over_a_node_that_came_and_went_asks_about_the_runs_that_node_moved(
+        fleet: Fleet) -> None:
+    """A settled pass over {a, b}; c joins, and a's pass over {a, b, c} is given up as c leaves: the view is the
+    settled one again, but under {a, b, c} b may have dropped its copy of a run c took as stale (F79), so a's next
+    pass asks about the runs {a, b, c} moved, and only those."""
+    view, _ = _runs_on_a(fleet)
+    r = fleet.repairer("a", view)
+    assert fleet.one_pass(r).failed_runs == 0
+    _join_c(fleet, view)
+    _given_up_pass(fleet, r, view, leave="c")
+    fleet.loop.run(view.wait_until(lambda m: set(m.nodes) == {"a", "b"}, 10))
+    roots = [e.key for e in run_index.list_runs(fleet.nodes["a"].tier.env)]
+    want = _moved(roots, ["a", "b", "c"], ["a", "b"])
+    assert 0 < len(want) < len(roots)
+    asked = _asked_roots(r)
+    assert fleet.one_pass(r).failed_runs == 0
+    assert asked == want
+
+
+def test_f86_past_resumed_views_given_up_in_a_row_the_next_pass_plans_every_run(fleet: Fleet) -> None:
+    """RESUMED_VIEWS passes given up in a row keep their views; one more, and the next pass plans every run."""
+    from gateway import fleet_repair
+
+    view, _ = _runs_on_a(fleet)
+    r = fleet.repairer("a", view)
+    assert fleet.one_pass(r).failed_runs == 0
+    for i in range(fleet_repair.RESUMED_VIEWS + 1):
+        _given_up_pass(fleet, r, view, f"j{i}")
+        assert len(r._given_up) == (i + 1 if i < fleet_repair.RESUMED_VIEWS else 0)
+    fleet.loop.run(view.wait_until(lambda m: len(m.nodes) == 3 + fleet_repair.RESUMED_VIEWS, 10))
+    held = {e.key for e in run_index.list_runs(fleet.nodes["a"].tier.env)}  # before the pass drops stale copies
+    asked = _asked_roots(r)
+    fleet.one_pass(r)
+    assert asked == held
