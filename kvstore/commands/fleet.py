@@ -10,7 +10,8 @@ drain NODE` (a member's id, or a prefix of exactly one) has a node drain within
 seconds (F85): it stays a member and serves, no one places on it,
 the other nodes take its runs at their replication, and it leaves once they hold
 them; status shows the bytes left and says when it is drained, and may be stopped
-(F21); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
+(F21), and lists a request no node has taken up yet (a node down: it drains when
+it joins again); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
 the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints)
 or NODE names no node of the fleet (nothing is written then).
@@ -147,13 +148,14 @@ def resolve_node(node: str, members: Sequence[str], others: Sequence[str] = (), 
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     """Every node of the cluster with its lease's seconds left."""
     from kvstore.fleet.membership import lease_ttl_s, read_nodes, session_for
-    from kvstore.fleet.repair_progress import RepairProgress, repair_prefix
+    from kvstore.fleet.repair_progress import RepairProgress, drain_prefix, repair_prefix
 
     session = session_for(fleet, timeout_s=timeout_s)
     try:
         nodes, revision = await read_nodes(session, fleet.cluster)
         ttls = [await lease_ttl_s(session, n.lease_id) for n in nodes]
         found = await session.call(lambda c: c.get_prefix(repair_prefix(fleet.cluster)))
+        asked = await session.call(lambda c: c.get_prefix(drain_prefix(fleet.cluster)))
     finally:
         await session.close()
     repairs = {p.node_id: p for p in (RepairProgress.from_json(kv.value) for kv in found) if p is not None}
@@ -172,7 +174,23 @@ async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
                            "left_bytes": p.drain_left_bytes, "left_runs": p.drain_left_runs,
                            "may_stop": p.drained and p.node_id not in live, "repair": _repair(p)}
                           for p in sorted(repairs.values(), key=lambda p: p.node_id) if p.draining]
+    # F85: a request no pass has taken up yet: the node has not woken to it, or is not a member (it died while the
+    # request stood: it drains once it joins again).
+    draining = {d["node_id"] for d in report["draining"]}
+    report["drain_requested"] = [{"node_id": kv.key.decode(errors="replace").rsplit("/", 1)[-1],
+                                  "member": kv.key.decode(errors="replace").rsplit("/", 1)[-1] in live,
+                                  "requested_at": _requested_at(kv.value)}
+                                 for kv in asked if kv.key.decode(errors="replace").rsplit("/", 1)[-1] not in draining]
     return report
+
+
+def _requested_at(value: bytes) -> float | None:
+    """A drain request's time (None: not the JSON `kvstore fleet drain` writes)."""
+    try:
+        at = json.loads(value).get("requested_at")
+    except (ValueError, AttributeError):
+        return None
+    return float(at) if isinstance(at, int | float) else None
 
 
 def _repair(progress: Any) -> dict[str, Any] | None:
@@ -223,6 +241,11 @@ def _lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"node {d['node_id']} is draining: {d['left_bytes']} bytes of {d['left_runs']} runs not yet "
                          "on their replicas among the other nodes at its last pass; a member and serving until they "
                          "are: do not stop it")
+    for d in report["drain_requested"]:
+        lines.append(f"node {d['node_id']}: drain requested, not started: " + (
+            "it starts within seconds" if d["member"] else
+            "the node is not a member; it drains when it joins again (`kvstore fleet drain --cancel` drops the "
+            "request)"))
     rep = report["replication"]
     lines.append(f"under-replicated: {rep['under_replicated_bytes']} bytes in {rep['under_replicated_runs']} runs"
                  f"{'' if rep['settled'] else ' (a pass over the current membership is under way)'}")

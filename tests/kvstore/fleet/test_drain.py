@@ -289,6 +289,9 @@ def test_f21_a_node_killed_while_it_drains_is_a_loss(fleet: Fleet) -> None:
 
     wait_for(settled_without_a, "re-replication settled on b and c")
     assert fleet.draining(a) is None  # its progress went with its lease: a loss, not a drain left standing
+    # F85: the request itself stands (a restarted a drains again), and the status says so.
+    assert [(d["node_id"], d["member"]) for d in fleet.status()["drain_requested"]] == [(a, False)]
+    assert f"node {a}: drain requested, not started: the node is not a member" in fleet.cli("status")
     for run in fleet.runs:
         assert fleet.holders(run, [b, c]) == [b, c]
 
