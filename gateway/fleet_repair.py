@@ -408,7 +408,7 @@ class FleetRepairer:
 
     async def _wait_for_change(self, seen: int, timeout_s: float) -> None:
         """Return once the view moved past `seen` or a drain was asked or cancelled for this node (F85: the drain
-        key's watch sets `drain_changed`, so a drain starts within seconds, not at the next periodic pass).
+        key's watch sets `drain_changed`, so a drain starts at once, not at the next periodic pass).
 
         Raises:
             DeadlineExceeded: neither happened within `timeout_s`.

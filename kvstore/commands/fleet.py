@@ -6,8 +6,8 @@ every third of the TTL; a node that stops renewing leaves when it reaches 0),
 its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
 copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
-drain NODE` (a member's id, or a prefix of exactly one) has a node drain within
-seconds (F85): it stays a member and serves, no one places on it,
+drain NODE` (a member's id, or a prefix of exactly one) has a node drain from
+its next pass, which the request starts (F85): it stays a member and serves, no one places on it,
 the other nodes take its runs at their replication, and it leaves once they hold
 them; status shows the bytes left and says when it is drained, and may be stopped
 (F21), and lists a request no node has taken up yet (a node down: it drains when
@@ -110,13 +110,14 @@ async def _drain(fleet: FleetSettings, node: str, *, cancel: bool, timeout_s: fl
         if cancel:
             await session.call(lambda c: c.delete(key))
             await session.call(lambda c: c.delete(repair_key(fleet.cluster, node_id)))
-            return (f"node {node_id}: drain cancelled; the node is placed on again within seconds (drained already: "
-                    "it joins the fleet again when restarted)")
+            return (f"node {node_id}: drain cancelled; the node is placed on again at its next pass, which this "
+                    "starts (drained already: it joins the fleet again when restarted)")
         await session.call(lambda c: c.put(key, json.dumps({"requested_at": time.time()}).encode()))
     finally:
         await session.close()
-    return (f"node {node_id}: drain requested; within seconds it stays a member and serves while the other nodes "
-            "take its runs, and leaves once they hold them; stop it once `kvstore fleet status` says it is drained")
+    return (f"node {node_id}: drain requested; from its next pass, which this starts (after the one under way, if "
+            "any), it stays a member and serves while the other nodes take its runs, and leaves once they hold them; "
+            "stop it once `kvstore fleet status` says it is drained")
 
 
 def resolve_node(node: str, members: Sequence[str], others: Sequence[str] = (), *, cluster: str) -> str:
@@ -243,7 +244,7 @@ def _lines(report: dict[str, Any]) -> list[str]:
                          "are: do not stop it")
     for d in report["drain_requested"]:
         lines.append(f"node {d['node_id']}: drain requested, not started: " + (
-            "it starts within seconds" if d["member"] else
+            "it starts at the node's next pass (after the one under way, if any)" if d["member"] else
             "the node is not a member; it drains when it joins again (`kvstore fleet drain --cancel` drops the "
             "request)"))
     rep = report["replication"]
