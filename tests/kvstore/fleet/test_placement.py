@@ -20,6 +20,7 @@ from kvstore.fleet.placement import (
     run_count,
     run_key,
     score,
+    scores,
 )
 from kvstore.geometry import V4_1_FLASH
 
@@ -169,3 +170,10 @@ def test_f65_a_chain_placed_again_is_placed_from_the_memo_exactly_as_cold() -> N
     assert [r.end_block for r in first][-2:] == [960, 1000] and first[-1].first_block == 960
     assert placement.place_chain(chain, nodes[:2], run_blocks=64, replication=2) != first  # another node set
     assert placement.place_chain(chain[:999], nodes, run_blocks=64, replication=2)[-1].end_block == 999
+
+
+@settings(max_examples=50, deadline=None)
+@given(key=st.binary(min_size=0, max_size=64), ids=st.lists(st.text(min_size=1, max_size=40), max_size=12, unique=True))
+def test_scores_of_many_nodes_are_each_node_s_score(key: bytes, ids: list[str]) -> None:
+    """`scores` (the key hashed once, copied per node) gives exactly `score` of each node: placement is unchanged."""
+    assert scores(key, ids) == {n: score(key, n) for n in ids}
