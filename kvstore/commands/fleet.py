@@ -7,9 +7,9 @@ its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
 copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
 drain NODE` (a member's id, or a prefix of exactly one) has a node drain from
-its next pass, which the request starts (F85): it stays a member and serves, no one places on it,
-the other nodes take its runs at their replication, and it leaves once they hold
-them; status shows the bytes left and says when it is drained, and may be stopped
+its next pass, which the request starts (F85): it stays a member and serves,
+no one places on it, the other nodes take its runs at their replication, and
+it leaves once they hold them; status shows the bytes left and says when it is drained, and may be stopped
 (F21), and lists a request no node has taken up yet (a node down: it drains when
 it joins again); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
 [fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
