@@ -68,7 +68,7 @@ from gateway.token_bucket import TokenBucket
 from kvstore.config import Settings
 from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, DeadlineExceeded, KVStoreError
-from kvstore.fleet.etcd import EtcdSession, follow_prefix
+from kvstore.fleet.etcd import EtcdSession, follow_prefix, stop_task
 from kvstore.fleet.membership import Membership, Registration, session_for
 from kvstore.fleet.placement import replicas, scores, superseded
 from kvstore.fleet.repair_progress import RepairProgress, drain_key, repair_key
@@ -369,10 +369,8 @@ class FleetRepairer:
 
     async def stop(self) -> None:
         """Cancel the task, close the channels and the membership view."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._task is not None:  # a pass's clean-up after the cancel may take a while: cancelled again after 5 s
+            await stop_task(self._task, again_s=5.0)  # again while a cancel is lost (aetcd)
             self._task = None
         if self._publishing is not None:  # the last record's put: let it end (bounded by the session's deadline)
             with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -1590,9 +1588,7 @@ async def watch_drain(fleet: FleetSettings, key: bytes, changed: asyncio.Event) 
         name="fleet-drain-watch")
 
     async def stop() -> None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await stop_task(task)
         await session.close()
 
     return stop

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.client
@@ -282,6 +282,18 @@ class EtcdSession:
     async def close(self) -> None:
         """Close the client; the session may be used again (it opens a new one)."""
         await self.reset(next_endpoint=False)
+
+
+async def stop_task(task: asyncio.Task[Any], *, again_s: float = 1.0) -> None:
+    """Cancel `task` and wait for it to end, cancelling it again every `again_s` while it runs: a cancel can be
+    lost inside aetcd's watch creation (its `asyncio.wait_for` on Python 3.11 returns the watch when the reply
+    lands as the cancel does, gh-86296), and the task then follows its watch for good, so a single cancel and
+    an `await` could wait forever (a node whose start failed just after joining never exited)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=again_s)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("a stopped etcd task had failed: %s", task.exception())
 
 
 async def follow_prefix(session: EtcdSession, prefix: bytes, revision: int, *,

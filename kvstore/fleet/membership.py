@@ -33,7 +33,7 @@ import aetcd
 from kvstore.config_sections import FleetSettings
 from kvstore.errors import ConfigError, DeadlineExceeded, FailedPrecondition, KVStoreError
 from kvstore.fleet.endpoints import layout_key, node_key, nodes_prefix, parse_endpoints
-from kvstore.fleet.etcd import EtcdSession, follow_prefix
+from kvstore.fleet.etcd import EtcdSession, follow_prefix, stop_task
 from kvstore.fleet.placement import Layout
 
 log = logging.getLogger(__name__)
@@ -304,9 +304,7 @@ class Registration:
         When etcd cannot be reached the lease is left to expire on its own, within its TTL.
         """
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)  # again while a cancel is lost (aetcd)
             self._task = None
         lease_id, self.lease_id = self.lease_id, None
         if lease_id is not None:
@@ -432,9 +430,7 @@ class Membership:
     async def close(self) -> None:
         """Stop following and close the session."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)  # again while a cancel is lost (aetcd)
             self._task = None
         await self.session.close()
 

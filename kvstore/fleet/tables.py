@@ -20,7 +20,6 @@ token, never the token): `create_token`, `revoke_tokens`, `read_tokens`, used by
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,7 +41,7 @@ from kvstore.api_tokens import (
 )
 from kvstore.errors import DeadlineExceeded, FailedPrecondition, NotFound
 from kvstore.fleet.endpoints import tenants_prefix, token_key
-from kvstore.fleet.etcd import EtcdSession, follow_prefix
+from kvstore.fleet.etcd import EtcdSession, follow_prefix, stop_task
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -239,9 +238,7 @@ class WatchedPrefix(Generic[T]):
     async def close(self) -> None:
         """Stop following and close the session."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)  # again while a cancel is lost (aetcd)
             self._task = None
         await self.session.close()
 
