@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from kvstore.client.fleet_address import FleetAddress
 from kvstore.errors import Unavailable
 from kvstore.fleet.endpoints import layout_key, policies_prefix, policy_key
-from kvstore.fleet.etcd import EtcdSession
+from kvstore.fleet.etcd import EtcdSession, stop_task
 from kvstore.fleet.membership import Membership, NodeRecord
 from kvstore.fleet.placement import Layout
 from kvstore.fleet.tables import WatchedPrefix
@@ -162,8 +162,7 @@ def _own_replication(only: str | None, name: str, value: bytes) -> int | None:
 
 
 async def _cancel_the_rest() -> None:
-    """End what the etcd client left on the loop (a closed watch's call tasks), so none is destroyed pending."""
+    """End what the etcd client left on the loop (a closed watch's call tasks), so none is destroyed pending; each
+    cancelled again until it ends (F88: a cancel can be lost inside aetcd)."""
     tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(stop_task(t) for t in tasks), return_exceptions=True)
