@@ -545,6 +545,7 @@ class FleetRepairer:
                                            sorted(addresses))
         elif settled is not None and not self._draining:  # F87: a periodic pass over the settled view sweeps a part
             runs, self._swept_to = sweep(runs, self._swept_to, SWEEP_RUNS)
+        p.pass_runs, p.held_runs = len(runs), held_runs
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0
         # Each round is planned while the one before is copied (their runs are apart: what one round asks of

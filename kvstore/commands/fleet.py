@@ -5,7 +5,9 @@ dir), the address clients reach it at, the seconds left on its lease (renewed
 every third of the TTL; a node that stops renewing leaves when it reaches 0),
 its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
-copied; the last line sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
+copied, and how many of the runs it holds its last pass planned (fewer after a
+membership change, and in a big node's periodic sweep: F18f, F87); the last line
+sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
 drain NODE` (a member's id, or a prefix of exactly one) has a node drain from
 its next pass, which the request starts (F85): it stays a member and serves,
 no one places on it, the other nodes take its runs at their replication, and
@@ -202,7 +204,8 @@ def _repair(progress: Any) -> dict[str, Any] | None:
                                               "under_replicated_runs", "copied_bytes", "copied_blocks", "sent_bytes",
                                               "bulk_bytes", "damaged_blocks", "failed_runs", "draining",
                                               "drain_left_bytes", "drain_left_runs", "drained",
-                                              "stale_dropped_runs", "stale_dropped_bytes", "updated_at")}
+                                              "stale_dropped_runs", "stale_dropped_bytes", "pass_runs",
+                                              "held_runs", "updated_at")}
 
 
 def _replication(nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -225,14 +228,17 @@ def _lines(report: dict[str, Any]) -> list[str]:
              f"{'' if len(nodes) == 1 else 's'}"]
     if not nodes:
         return lines
-    rows = [("NODE", "ADDRESS", "LEASE LEFT", "STARTED", "CAPACITY", "VERSION", "UNDER-REPLICATED", "COPIED")]
+    rows = [("NODE", "ADDRESS", "LEASE LEFT", "STARTED", "CAPACITY", "VERSION", "UNDER-REPLICATED", "COPIED",
+             "PASS RUNS")]
     for n in nodes:
         started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(n["started_at"]))
         r = n.get("repair")
         under = "-" if r is None else f"{r['under_replicated_bytes'] / 1e9:.3f} GB" + (" (pass)" * r["running"])
         rows.append((n["node_id"], n["address"], f"{n['lease_ttl_left_s']} s", started,
                      f"{n['capacity_bytes'] / 1e12:.2f} TB", n["version"], under,
-                     "-" if r is None else f"{r['copied_bytes'] / 1e9:.3f} GB"))
+                     "-" if r is None else f"{r['copied_bytes'] / 1e9:.3f} GB",
+                     # F18f, F86, F87: what the last pass planned of the runs held (a sweep's part, the moved runs)
+                     "-" if r is None else f"{r['pass_runs']:,} of {r['held_runs']:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for d in report["draining"]:

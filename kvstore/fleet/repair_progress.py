@@ -82,6 +82,10 @@ class RepairProgress:
     #: confirmed holding them with this copy's last uses (docs/FLEET.md F79), since the node started.
     stale_dropped_runs: int = 0
     stale_dropped_bytes: int = 0
+    #: The runs the current (or last) pass plans, of those the node holds: fewer after a membership change (the runs
+    #: it moved, F18f, F86) and in a periodic pass over a big node (its sweep's part, F87).
+    pass_runs: int = 0
+    held_runs: int = 0
     #: Unix time of the last update.
     updated_at: float = 0.0
 

@@ -40,6 +40,7 @@ def test_f87_periodic_passes_sweep_the_runs_in_parts_and_each_part_finds_what_it
         assert progress.failed_runs == 0
         part = set(keys[k * PART:(k + 1) * PART])
         assert asked == part
+        assert (progress.pass_runs, progress.held_runs) == (PART, 4 * PART)  # what `kvstore fleet status` shows
         swept = set(keys[:(k + 1) * PART])
         assert {key for key in late_keys if run_index.held(b.env, [key])[0]} == late_keys & swept
     asked = _asked_roots(r)
