@@ -417,12 +417,12 @@ class FleetRepairer:
             return
         asked = asyncio.ensure_future(self.drain_changed.wait())
         try:
-            await asyncio.wait({moved, asked}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({moved, asked}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for f in (moved, asked):
                 f.cancel()
             await asyncio.gather(moved, asked, return_exceptions=True)
-        if not asked.done() or asked.cancelled():
+        if asked not in done:
             moved.result()  # the view moved, or DeadlineExceeded
 
     async def pass_until_view_moves(self) -> RepairProgress:
@@ -538,13 +538,14 @@ class FleetRepairer:
         runs = await self.tier.call(run_index.list_runs, self.tier.env)
         (settled, self._settled), (given_up, self._given_up) = (self._settled, None), (self._given_up, [])
         held_runs = len(runs)
-        if settled is not None and not self._draining and (given_up or settled != tuple(sorted(addresses))):
-            # On a thread: a node's every run ranked over every view (80 nodes, 550,000 runs: ~45 s of Python) must
-            # not hold the event loop that serves its calls.
-            runs = await asyncio.to_thread(self._moved_since, runs, [list(settled), *map(list, given_up)],
-                                           sorted(addresses))
-        elif settled is not None and not self._draining:  # F87: a periodic pass over the settled view sweeps a part
-            runs, self._swept_to = sweep(runs, self._swept_to, SWEEP_RUNS)
+        if settled is not None and not self._draining:
+            if given_up or settled != tuple(sorted(addresses)):
+                # On a thread: a node's every run ranked over every view (80 nodes, 550,000 runs: ~45 s of Python)
+                # must not hold the event loop that serves its calls.
+                runs = await asyncio.to_thread(self._moved_since, runs, [list(settled), *map(list, given_up)],
+                                               sorted(addresses))
+            else:  # F87: a periodic pass over the settled view sweeps a part
+                runs, self._swept_to = sweep(runs, self._swept_to, SWEEP_RUNS)
         p.pass_runs, p.held_runs = len(runs), held_runs
         self._names = await self.tier.call(run_index.namespace_names, self.tier.env)
         planned = 0

@@ -7,14 +7,15 @@ its capacity and when it started, and its re-replication: the bytes it still
 has to copy to bring its runs back to their replication factor, and what it has
 copied, and how many of the runs it holds its last pass planned (fewer after a
 membership change, and in a big node's periodic sweep: F18f, F87); the last line
-sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet
-drain NODE` (a member's id, or a prefix of exactly one) has a node drain from
-its next pass, which the request starts (F85): it stays a member and serves,
-no one places on it, the other nodes take its runs at their replication, and
-it leaves once they hold them; status shows the bytes left and says when it is drained, and may be stopped
-(F21), and lists a request no node has taken up yet (a node down: it drains when
-it joins again); `--cancel` undoes it. etcd's endpoints come from --etcd, else the
-[fleet] section of --config (or KVSTORE_CONFIG, KVSTORE_FLEET_ETCD). Exit 0 with
+sums them fleet-wide (docs/FLEET.md F18). `kvstore fleet drain NODE` (a member's
+id, or a prefix of exactly one) has a node drain from its next pass, which the
+request starts (F85): it stays a member and serves, no one places on it, the
+other nodes take its runs at their replication, and it leaves once they hold
+them; status shows the bytes left and says when it is drained, and may be
+stopped (F21), and lists a request no node has taken up yet (a node down: it
+drains when it joins again); `--cancel` undoes it. etcd's endpoints come from
+--etcd, else the [fleet] section of --config (or KVSTORE_CONFIG,
+KVSTORE_FLEET_ETCD). Exit 0 with
 the list (empty too), 2 when etcd cannot be reached (one line naming the endpoints)
 or NODE names no node of the fleet (nothing is written then).
 
@@ -95,7 +96,14 @@ async def _drain(fleet: FleetSettings, node: str, *, cancel: bool, timeout_s: fl
         InvalidArgument: `node` is a prefix of more than one such id.
     """
     from kvstore.fleet.membership import read_nodes, session_for
-    from kvstore.fleet.repair_progress import RepairProgress, drain_key, drain_prefix, repair_key, repair_prefix
+    from kvstore.fleet.repair_progress import (
+        RepairProgress,
+        drain_key,
+        drain_prefix,
+        drained_node,
+        repair_key,
+        repair_prefix,
+    )
 
     session = session_for(fleet, timeout_s=timeout_s)
     try:
@@ -104,7 +112,7 @@ async def _drain(fleet: FleetSettings, node: str, *, cancel: bool, timeout_s: fl
         if cancel:  # F85: a drained node has left the membership; its request and record are still there
             asked = await session.call(lambda c: c.get_prefix(drain_prefix(fleet.cluster)))
             records = await session.call(lambda c: c.get_prefix(repair_prefix(fleet.cluster)))
-            others = [kv.key.decode(errors="replace").rsplit("/", 1)[-1] for kv in asked]
+            others = [drained_node(kv.key) for kv in asked]
             others += [p.node_id for p in (RepairProgress.from_json(kv.value) for kv in records)
                        if p is not None and p.draining]
         node_id = resolve_node(node, members, others, cluster=fleet.cluster)
@@ -151,7 +159,7 @@ def resolve_node(node: str, members: Sequence[str], others: Sequence[str] = (), 
 async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     """Every node of the cluster with its lease's seconds left."""
     from kvstore.fleet.membership import lease_ttl_s, read_nodes, session_for
-    from kvstore.fleet.repair_progress import RepairProgress, drain_prefix, repair_prefix
+    from kvstore.fleet.repair_progress import RepairProgress, drain_prefix, drained_node, repair_prefix
 
     session = session_for(fleet, timeout_s=timeout_s)
     try:
@@ -180,10 +188,9 @@ async def _status(fleet: FleetSettings, timeout_s: float) -> dict[str, Any]:
     # F85: a request no pass has taken up yet: the node has not woken to it, or is not a member (it died while the
     # request stood: it drains once it joins again).
     draining = {d["node_id"] for d in report["draining"]}
-    report["drain_requested"] = [{"node_id": kv.key.decode(errors="replace").rsplit("/", 1)[-1],
-                                  "member": kv.key.decode(errors="replace").rsplit("/", 1)[-1] in live,
-                                  "requested_at": _requested_at(kv.value)}
-                                 for kv in asked if kv.key.decode(errors="replace").rsplit("/", 1)[-1] not in draining]
+    requested = [(drained_node(kv.key), kv.value) for kv in asked]
+    report["drain_requested"] = [{"node_id": node, "member": node in live, "requested_at": _requested_at(value)}
+                                 for node, value in requested if node not in draining]
     return report
 
 

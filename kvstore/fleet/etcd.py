@@ -292,8 +292,8 @@ async def stop_task(task: asyncio.Task[Any], *, again_s: float = 1.0) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=again_s)
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("a stopped etcd task had failed: %s", task.exception())
+    if not task.cancelled() and (failed := task.exception()) is not None:
+        log.debug("a stopped etcd task had failed: %s", failed)
 
 
 async def follow_prefix(session: EtcdSession, prefix: bytes, revision: int, *,

@@ -37,6 +37,11 @@ def drain_key(cluster: str, node_id: str) -> bytes:
     return drain_prefix(cluster) + node_id.encode()
 
 
+def drained_node(key: bytes) -> str:
+    """The node id a drain request's key names (`drain_key`'s last part)."""
+    return key.decode(errors="replace").rsplit("/", 1)[-1]
+
+
 @dataclass(kw_only=True)
 class RepairProgress:
     """One node's re-replication: what its last pass planned and what is left."""
